@@ -1,0 +1,42 @@
+"""fn: functional, communication-compressed optimizers for PyTorch.
+
+Optimizers are pure state transitions over pytrees of tensors, in the style of optax::
+
+    tx = fn.adam(lr=1e-3)
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)
+    params = fn.apply_updates(params, updates)
+"""
+
+from fn import tree
+from fn.base import (
+    CompressedOptimizer,
+    EmptyState,
+    GradientTransformation,
+    StagedState,
+    apply_updates,
+    chain,
+    get_hyperparam,
+    identity,
+    set_hyperparams,
+    staged,
+)
+from fn.transforms import *  # noqa: F403
+from fn.transforms import __all__ as _transforms_all
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "tree",
+    "CompressedOptimizer",
+    "EmptyState",
+    "GradientTransformation",
+    "StagedState",
+    "apply_updates",
+    "chain",
+    "get_hyperparam",
+    "identity",
+    "set_hyperparams",
+    "staged",
+    *_transforms_all,
+]

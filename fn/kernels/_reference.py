@@ -1,0 +1,106 @@
+"""Pure-torch reference kernels: readable, run on any device, and the bit-exact oracle for the
+fast implementations.
+
+Conventions (shared by every implementation):
+- Signs: bit 1 means +1; ``v >= 0`` and ``-0.0`` both give bit 1. Bits are packed
+  most-significant-bit first, so ``packbits(x)`` equals ``numpy.packbits(x >= 0)`` byte for byte,
+  with the unused tail bits zero.
+- Quantization: symmetric, blockwise per group of ``group_size`` elements (the input is
+  zero-padded to whole groups): ``scale = absmax / 2^(bits-1)``,
+  ``q = clamp(round(v / scale), -2^(bits-1), 2^(bits-1) - 1)`` (round half to even), stored as
+  two's-complement bytes; 4-bit values are packed two per byte, the first in the high nibble.
+  A group of zeros has scale 0 and dequantizes to zeros.
+
+All kernels take 1-D inputs; the public wrappers in ``fn.kernels`` add vmap and compile support.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    return torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=device)
+
+
+def packbits(x: torch.Tensor) -> torch.Tensor:
+    """Packs the signs of 1-D ``x`` (bit 1 for ``x >= 0``) into ``ceil(n / 8)`` uint8 bytes."""
+    n = x.numel()
+    bits = (x >= 0).to(torch.uint8)
+    bits = torch.nn.functional.pad(bits, (0, -n % 8)).view(-1, 8)
+    return (bits * _bit_weights(x.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpackbits(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Unpacks the first ``n`` signs of ``packed`` as ``+1`` / ``-1`` values of ``dtype``."""
+    bits = (packed.view(-1, 1) & _bit_weights(packed.device)) != 0
+    bits = bits.view(-1)[:n]
+    one = torch.ones((), dtype=dtype, device=packed.device)
+    return torch.where(bits, one, -one)
+
+
+def sign_compress(
+    m: torch.Tensor, error: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Error-compensated sign compression of 1-D fp32 ``m``.
+
+    .. math::
+        v = m + e, \\quad a = \\lVert v \\rVert_2 / \\sqrt{n}, \\quad e' = v - a\\,\\mathrm{sign}(v)
+
+    Args:
+        m: 1-D tensor of ``n`` elements.
+        error: the error to compensate with, same shape as ``m``, or ``None``.
+
+    Returns:
+        ``(packed signs of v, a as a 0-dim fp32 tensor, e')``; ``e'`` is ``None`` when ``error``
+        is. The caller checks that ``a`` is finite (see ``fn.kernels.sign_compress``).
+    """
+    v = m.float() if error is None else m.float() + error.float()
+    n = v.numel()
+    scale = torch.linalg.vector_norm(v) / (n**0.5) if n else v.new_zeros(())
+    packed = packbits(v)
+    new_error = None
+    if error is not None:
+        new_error = v - scale * unpackbits(packed, n)
+    return packed, scale, new_error
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric blockwise quantization of 1-D ``x``.
+
+    Returns:
+        ``(q, scales)``: ``q`` is uint8, ``ceil(n / group_size) * group_size * bits / 8`` bytes;
+        ``scales`` is fp32, one per group.
+    """
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if group_size < 2 or group_size % 2:
+        raise ValueError(f"group_size must be an even number >= 2, got {group_size}")
+    n = x.numel()
+    v = torch.nn.functional.pad(x.float(), (0, -n % group_size)).view(-1, group_size)
+    qmax = 2 ** (bits - 1)
+    scales = v.abs().amax(dim=1) / qmax
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.clamp(torch.round(v / safe[:, None]), -qmax, qmax - 1).to(torch.int8)
+    q = q.view(torch.uint8).view(-1)
+    if bits == 4:
+        q = ((q[0::2] & 0xF) << 4) | (q[1::2] & 0xF)
+    return q, scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`quantize`: the first ``n`` values ``q * scale`` as fp32."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if bits == 4:
+        high = (q >> 4).to(torch.int16)
+        low = (q & 0xF).to(torch.int16)
+        values = torch.stack([high, low], dim=1).view(-1)
+        values = torch.where(values >= 8, values - 16, values)
+    else:
+        values = q.view(torch.int8)
+    groups = scales.numel()
+    values = values.float().view(groups, -1) if groups else values.float().view(0, 1)
+    return (values * scales[:, None]).view(-1)[:n]
