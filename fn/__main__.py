@@ -27,7 +27,7 @@ def _demo(args: argparse.Namespace) -> int:
     tx = fn.adam(lr=args.lr)
     state = tx.init(params)
     for t in range(1, args.steps + 1):
-        loss, grads = torch.func.grad_and_value(loss_fn)(params)
+        grads, loss = torch.func.grad_and_value(loss_fn)(params)
         updates, state = tx.update(grads, state, params)
         params = fn.apply_updates(params, updates)
         if t == 1 or t % max(1, args.steps // 10) == 0 or t == args.steps:

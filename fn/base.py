@@ -93,7 +93,12 @@ class CompressedOptimizer(NamedTuple):
     is_compressed: Callable[[int], bool]
 
     def update(
-        self, grads: Updates, state: OptState, params: Params | None = None, *, step: int,
+        self,
+        grads: Updates,
+        state: OptState,
+        params: Params | None = None,
+        *,
+        step: int,
         **extra: Any,
     ) -> tuple[Updates, OptState]:
         """Runs the update that the schedule picks for the 1-based update count ``step``."""
@@ -146,7 +151,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 f"chain of {len(transforms)} transforms got a state of {len(state)} entries"
             )
         new_state = []
-        for tx, s in zip(transforms, state):
+        for tx, s in zip(transforms, state, strict=True):
             updates, s = tx.update(updates, s, params, **extra)
             new_state.append(s)
         return updates, tuple(new_state)
@@ -166,7 +171,7 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     p_leaves, spec = tree_flatten(params)
     u_leaves = spec.flatten_up_to(updates)
     return tree_unflatten(
-        [None if p is None else add(p, u) for p, u in zip(p_leaves, u_leaves)], spec
+        [None if p is None else add(p, u) for p, u in zip(p_leaves, u_leaves, strict=True)], spec
     )
 
 

@@ -72,9 +72,7 @@ def tree_map(f: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
     """
     leaves, spec = tree_flatten(tree)
     others = [spec.flatten_up_to(r) for r in rest]
-    out = [
-        None if x is None else f(x, *(o[i] for o in others)) for i, x in enumerate(leaves)
-    ]
+    out = [None if x is None else f(x, *(o[i] for o in others)) for i, x in enumerate(leaves)]
     return tree_unflatten(out, spec)
 
 

@@ -1,0 +1,58 @@
+"""LAMB: Adam's direction with weight decay, rescaled per layer by the trust ratio."""
+
+from __future__ import annotations
+
+from fn.base import GradientTransformation, chain
+from fn.transforms.adam import scale_by_adam
+from fn.transforms.learning_rate import Schedule, scale_by_learning_rate
+from fn.transforms.trust_ratio import scale_by_trust_ratio
+from fn.transforms.weight_decay import add_decayed_weights
+
+__all__ = ["lamb"]
+
+
+def lamb(
+    lr: float | Schedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    *,
+    bias_correction: bool = True,
+    min_coeff: float | None = None,
+    max_coeff: float | None = None,
+) -> GradientTransformation:
+    """The LAMB optimizer.
+
+    Per leaf (layer), with the bias-corrected moments of :func:`scale_by_adam`:
+
+    .. math::
+        r_t = \\frac{\\hat m_t}{\\sqrt{\\hat v_t} + \\epsilon} + \\lambda\\, p_{t-1}, \\qquad
+        \\phi = \\frac{\\lVert p_{t-1} \\rVert_2}{\\lVert r_t \\rVert_2}
+        \\ (1 \\text{ if either norm is } 0), \\qquad
+        p_t = p_{t-1} - \\eta\\, \\phi\\, r_t
+
+    ``chain(scale_by_adam(*betas, eps, bias_correction=...), add_decayed_weights(weight_decay),
+    scale_by_trust_ratio(min_coeff=..., max_coeff=...), scale_by_learning_rate(lr))``.
+
+    Reference: You et al., "Large Batch Optimization for Deep Learning: Training BERT in 76
+    minutes", ICLR 2020.
+
+    Args:
+        lr: learning rate ``eta`` (float or schedule; in the state as ``lr``).
+        betas: ``(beta1, beta2)``.
+        eps: denominator term ``epsilon``.
+        weight_decay: ``lambda``, added to the direction before the trust ratio.
+        bias_correction: bias-correct the moments (DeepSpeed's ``FusedLamb`` option).
+        min_coeff: optional lower clamp of the trust ratio (DeepSpeed's ``min_coeff``).
+        max_coeff: optional upper clamp of the trust ratio (DeepSpeed's ``max_coeff``).
+
+    Returns:
+        The chained GradientTransformation; its state is ``(ScaleByAdamState, EmptyState(),
+        EmptyState(), ScaleByLearningRateState)``.
+    """
+    return chain(
+        scale_by_adam(*betas, eps, bias_correction=bias_correction),
+        add_decayed_weights(weight_decay),
+        scale_by_trust_ratio(min_coeff=min_coeff, max_coeff=max_coeff),
+        scale_by_learning_rate(lr),
+    )

@@ -1,0 +1,74 @@
+"""Applying a transform to a subset of the leaves."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from fn.base import GradientTransformation, OptState
+from fn.tree import PyTree, tree_flatten, tree_unflatten
+
+__all__ = ["MaskedState", "masked"]
+
+
+class MaskedState(NamedTuple):
+    inner_state: OptState  # the inner transform's state, None at every masked-out leaf
+
+
+def _select(tree: PyTree, mask_leaves: list[bool]) -> PyTree:
+    """``tree`` with ``None`` at every leaf whose mask is False."""
+    leaves, spec = tree_flatten(tree)
+    return tree_unflatten(
+        [x if m else None for x, m in zip(leaves, mask_leaves, strict=True)], spec
+    )
+
+
+def masked(
+    inner: GradientTransformation, mask: PyTree | Callable[[PyTree], PyTree]
+) -> GradientTransformation:
+    """Applies ``inner`` only to the leaves where ``mask`` is True.
+
+    .. math::
+        u_i \\leftarrow \\mathrm{inner}(u)_i \\ \\text{if } \\mathrm{mask}_i
+        \\ \\text{else} \\ u_i
+
+    ``inner`` sees the params and updates with ``None`` in place of every masked-out leaf, so
+    its state covers only the selected leaves (``None`` elsewhere) and global reductions inside
+    it (norms) see only them. Masked-out updates come out unchanged. A typical use: weight decay
+    on matrices only, ``masked(add_decayed_weights(0.01), lambda p: tree_map(lambda x: x.ndim
+    > 1, p))``.
+
+    Args:
+        inner: the transform to apply.
+        mask: a pytree of Python bools with the params' structure, or a function
+            ``params -> mask`` (called with ``params`` in ``init`` and with ``params``, or the
+            updates if no params are given, in ``update``).
+
+    Returns:
+        A GradientTransformation with state :class:`MaskedState`.
+    """
+
+    def mask_leaves(tree: PyTree) -> list[bool]:
+        tree_mask = mask(tree) if callable(mask) else mask
+        leaves, spec = tree_flatten(tree)
+        flags = spec.flatten_up_to(tree_mask)
+        for flag in flags:
+            if not isinstance(flag, bool):
+                raise TypeError(f"masked: mask leaves must be Python bools, got {flag!r}")
+        return flags
+
+    def init_fn(params):
+        return MaskedState(inner.init(_select(params, mask_leaves(params))))
+
+    def update_fn(updates, state, params=None, **extra):
+        flags = mask_leaves(params if params is not None else updates)
+        inner_params = None if params is None else _select(params, flags)
+        new, inner_state = inner.update(
+            _select(updates, flags), state.inner_state, inner_params, **extra
+        )
+        new_leaves = tree_flatten(new)[0]
+        old_leaves, spec = tree_flatten(updates)
+        out = [n if m else o for n, o, m in zip(new_leaves, old_leaves, flags, strict=True)]
+        return tree_unflatten(out, spec), MaskedState(inner_state)
+
+    return GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,112 @@
+"""Momentum (``trace``) and stochastic gradient descent as ``torch.optim.SGD``."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from fn.base import GradientTransformation, chain
+from fn.transforms._leaves import check_nonnegative, device_of, update_state_leaves
+from fn.transforms.learning_rate import Schedule, scale_by_learning_rate
+from fn.transforms.weight_decay import add_decayed_weights
+from fn.tree import PyTree, tree_map, tree_zeros_like
+
+__all__ = ["TraceState", "trace", "sgd"]
+
+
+class TraceState(NamedTuple):
+    count: torch.Tensor  # [] int64: updates made so far
+    trace: PyTree  # like params: the momentum buffer b
+
+
+def trace(
+    decay: float, nesterov: bool = False, *, dampening: float = 0.0
+) -> GradientTransformation:
+    """Heavy-ball momentum, as in ``torch.optim.SGD``.
+
+    .. math::
+        b_1 = g_1, \\qquad b_t = \\mu\\, b_{t-1} + (1 - \\tau)\\, g_t \\ (t > 1), \\qquad
+        u_t = g_t + \\mu\\, b_t \\ \\text{(Nesterov)} \\ \\text{or} \\ u_t = b_t
+
+    with momentum ``mu = decay`` and dampening ``tau``. The buffer starts as the first
+    gradient, so dampening does not apply to the first update (``torch.optim.SGD``'s rule; with
+    ``tau = 0`` this equals starting from zeros). The first update is the first of the shared
+    counter: a leaf whose update is ``None`` keeps its buffer unchanged.
+
+    References: Polyak, "Some methods of speeding up the convergence of iteration methods",
+    1964; Sutskever et al., "On the importance of initialization and momentum in deep
+    learning", ICML 2013 (Nesterov form).
+
+    Args:
+        decay: momentum ``mu`` >= 0.
+        nesterov: use Nesterov momentum (needs ``decay > 0`` and ``dampening == 0``).
+        dampening: ``tau`` >= 0.
+
+    Returns:
+        A GradientTransformation with state :class:`TraceState`.
+    """
+    check_nonnegative("trace", decay=decay, dampening=dampening)
+    if nesterov and (decay <= 0.0 or dampening != 0.0):
+        raise ValueError("trace: Nesterov momentum requires a momentum and zero dampening")
+
+    def init_fn(params):
+        count = torch.zeros((), dtype=torch.int64, device=device_of(params))
+        return TraceState(count, tree_zeros_like(params))
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        if dampening == 0.0:
+
+            def step(b, g):
+                return torch.add(b * decay, g)
+
+        else:
+            first = state.count == 0
+
+            def step(b, g):
+                return torch.where(first, g, torch.add(b * decay, g, alpha=1.0 - dampening))
+
+        new_trace = update_state_leaves("trace", step, state.trace, updates)
+        if nesterov:
+            updates = tree_map(lambda g, b: torch.add(g, b, alpha=decay), updates, new_trace)
+        else:
+            updates = tree_map(lambda g, b: b, updates, new_trace)
+        return updates, TraceState(state.count + 1, new_trace)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def sgd(
+    lr: float | Schedule,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    dampening: float = 0.0,
+) -> GradientTransformation:
+    """Stochastic gradient descent, as ``torch.optim.SGD``.
+
+    .. math::
+        g_t \\leftarrow g_t + \\lambda p_{t-1}, \\qquad
+        p_t = p_{t-1} - \\eta\\, u_t
+
+    with ``u_t`` the :func:`trace` of ``g_t`` (or ``g_t`` itself without momentum).
+    ``chain(add_decayed_weights(weight_decay), trace(momentum, nesterov, dampening=dampening),
+    scale_by_learning_rate(lr))``; the ``trace`` is left out when ``momentum == 0``.
+
+    Reference: Robbins & Monro, "A Stochastic Approximation Method", 1951.
+
+    Args:
+        lr: learning rate ``eta`` (float or schedule; in the state as ``lr``).
+        momentum: ``mu`` >= 0.
+        nesterov: Nesterov momentum.
+        weight_decay: L2 coefficient ``lambda`` added to the gradient.
+        dampening: momentum dampening ``tau``.
+
+    Returns:
+        The chained GradientTransformation.
+    """
+    if nesterov and (momentum <= 0.0 or dampening != 0.0):
+        raise ValueError("sgd: Nesterov momentum requires a momentum and zero dampening")
+    momentum_tx = [trace(momentum, nesterov, dampening=dampening)] if momentum != 0.0 else []
+    return chain(add_decayed_weights(weight_decay), *momentum_tx, scale_by_learning_rate(lr))

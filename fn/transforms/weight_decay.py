@@ -1,0 +1,53 @@
+"""Weight decay added to the updates (L2 regularization, or decoupled when placed after the
+preconditioner)."""
+
+from __future__ import annotations
+
+import torch
+
+from fn.base import EmptyState, GradientTransformation
+from fn.transforms._leaves import check_nonnegative, check_shapes
+from fn.tree import tree_map
+
+__all__ = ["add_decayed_weights"]
+
+
+def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
+    """Adds ``weight_decay * params`` to the updates.
+
+    .. math:: u_t \\leftarrow u_t + \\lambda\\, p_{t-1}
+
+    Placed before a preconditioner (``scale_by_adam``) this is L2 regularization, as in
+    ``torch.optim.Adam``; placed after it, followed by ``scale_by_learning_rate``, it is the
+    decoupled weight decay of AdamW (Loshchilov & Hutter, "Decoupled Weight Decay
+    Regularization", ICLR 2019).
+
+    Args:
+        weight_decay: the non-negative coefficient ``lambda``.
+
+    Returns:
+        A stateless GradientTransformation (:class:`fn.EmptyState`). ``update`` needs ``params``
+        unless ``weight_decay`` is 0. ``None`` updates stay ``None``.
+    """
+    check_nonnegative("add_decayed_weights", weight_decay=weight_decay)
+
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, **extra):
+        del extra
+        if weight_decay == 0.0:
+            return updates, state
+        if params is None:
+            raise ValueError("add_decayed_weights: update() needs params")
+
+        def leaf(u, p):
+            if p is None:
+                raise ValueError("add_decayed_weights: a param is None where its update is not")
+            check_shapes("add_decayed_weights", p, u)
+            return torch.add(u, p, alpha=weight_decay)
+
+        return tree_map(leaf, updates, params), state
+
+    return GradientTransformation(init_fn, update_fn)
