@@ -8,7 +8,7 @@ from fn.transforms.learning_rate import (
     Schedule,
     scale_by_learning_rate,
 )
-from fn.transforms.masking import MaskedState, masked
+from fn.transforms.masking import MaskedState, masked, set_to_zero
 from fn.transforms.sgd import TraceState, sgd, trace
 from fn.transforms.trust_ratio import scale_by_trust_ratio
 from fn.transforms.weight_decay import add_decayed_weights
@@ -27,6 +27,7 @@ __all__ = [
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_trust_ratio",
+    "set_to_zero",
     "sgd",
     "trace",
 ]

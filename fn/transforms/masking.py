@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from fn.base import GradientTransformation, OptState
-from fn.tree import PyTree, tree_flatten, tree_unflatten
+import torch
 
-__all__ = ["MaskedState", "masked"]
+from fn.base import EmptyState, GradientTransformation, OptState
+from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
+
+__all__ = ["MaskedState", "masked", "set_to_zero"]
 
 
 class MaskedState(NamedTuple):
@@ -70,5 +72,26 @@ def masked(
         old_leaves, spec = tree_flatten(updates)
         out = [n if m else o for n, o, m in zip(new_leaves, old_leaves, flags, strict=True)]
         return tree_unflatten(out, spec), MaskedState(inner_state)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def set_to_zero() -> GradientTransformation:
+    """Replaces every update by zeros (``None`` stays ``None``): with :func:`masked`, freezes
+    the selected params, ``masked(set_to_zero(), frozen_mask)``.
+
+    .. math:: u \\leftarrow 0
+
+    Returns:
+        A stateless GradientTransformation (:class:`fn.EmptyState`).
+    """
+
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        return tree_map(torch.zeros_like, updates), state
 
     return GradientTransformation(init_fn, update_fn)
