@@ -1,0 +1,81 @@
+"""fn.tree: None leaves, multi-tree maps, reductions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fn import tree
+
+
+def make():
+    return {"a": torch.tensor([3.0, 4.0]), "b": None, "c": [torch.ones(2, 2), torch.zeros(0)]}
+
+
+def test_flatten_keeps_none_leaves():
+    leaves, spec = tree.tree_flatten(make())
+    assert len(leaves) == 4 and leaves[1] is None
+    assert tree.tree_unflatten(leaves, spec)["b"] is None
+    assert len(tree.tree_leaves(make())) == 3
+    assert len(tree.tree_leaves(make(), keep_none=True)) == 4
+
+
+def test_tree_map_takes_the_first_trees_structure():
+    calls = []
+
+    def f(x, y):
+        calls.append(1)
+        return x + y
+
+    out = tree.tree_map(f, make(), make())
+    assert out["b"] is None and len(calls) == 3
+    assert torch.equal(out["a"], torch.tensor([6.0, 8.0]))
+    # the other tree may hold anything (None included) where the first has None
+    other = {"a": torch.ones(2), "b": torch.ones(7), "c": [None, None]}
+    out = tree.tree_map(lambda x, y: x if y is None else x * y, make(), other)
+    assert torch.equal(out["c"][0], torch.ones(2, 2)) and out["b"] is None
+    with pytest.raises(ValueError):
+        tree.tree_map(torch.add, make(), {"a": torch.ones(2)})
+
+
+def test_like_and_cast():
+    z = tree.tree_zeros_like(make(), dtype=torch.float64)
+    assert z["a"].dtype == torch.float64 and z["b"] is None and z["c"][1].shape == (0,)
+    f = tree.tree_full_like(make(), 2.5)
+    assert torch.equal(f["c"][0], torch.full((2, 2), 2.5))
+    mixed = {"x": torch.ones(2), "i": torch.ones(2, dtype=torch.int64)}
+    cast = tree.tree_cast(mixed, torch.bfloat16)
+    assert cast["x"].dtype == torch.bfloat16 and cast["i"].dtype == torch.int64
+    assert tree.tree_cast(mixed, None) is mixed
+
+
+def test_arithmetic():
+    a, b = make(), tree.tree_full_like(make(), 1.0)
+    assert torch.equal(tree.tree_add(a, b)["a"], torch.tensor([4.0, 5.0]))
+    assert torch.equal(tree.tree_sub(a, b)["a"], torch.tensor([2.0, 3.0]))
+    assert torch.equal(tree.tree_scale(a, 0.5)["a"], torch.tensor([1.5, 2.0]))
+    assert tree.tree_add(a, b)["b"] is None
+
+
+def test_norms_and_counts():
+    t = make()
+    # 3^2 + 4^2 + 4 * 1^2 = 29
+    assert float(tree.tree_sum_of_squares(t)) == pytest.approx(29.0)
+    assert float(tree.tree_l2_norm(t)) == pytest.approx(math.sqrt(29.0))
+    assert float(tree.tree_vdot(t, tree.tree_full_like(t, 2.0))) == pytest.approx(2 * (7 + 4))
+    assert tree.tree_numel(t) == 6
+    half = {"h": torch.tensor([3.0, 4.0], dtype=torch.float16)}
+    norm = tree.tree_l2_norm(half)
+    assert norm.dtype == torch.float32 and float(norm) == 5.0
+    assert float(tree.tree_l2_norm({"x": None})) == 0.0
+
+
+def test_all_finite():
+    assert bool(tree.tree_all_finite(make()))
+    bad = make()
+    bad["c"][0] = torch.tensor([1.0, float("nan")])
+    assert not bool(tree.tree_all_finite(bad))
+    assert not bool(tree.tree_all_finite({"x": torch.tensor([float("inf")])}))
+    assert bool(tree.tree_all_finite({}))
