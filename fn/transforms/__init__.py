@@ -1,5 +1,17 @@
 """Pure optimizer transforms: Adam, LAMB, SGD, their building blocks, masking, and the
-communication-compressed 1-bit family."""
+communication-compressed 1-bit family.
+
+Policies shared by every transform here:
+
+- A ``None`` update (a param without a gradient) comes out ``None`` and its state leaves are
+  left unchanged; ``fn.apply_updates`` then leaves the param as it is. Step counters are shared
+  by all leaves (not per leaf as in ``torch.optim``).
+- An update whose shape differs from its state or param raises ``ValueError`` (no broadcasting).
+- Non-finite gradients propagate into the returned state, as in ``torch.optim``; the input state
+  is never modified, so a loop can drop such a step by checking ``fn.tree.tree_all_finite``.
+- Hyperparameters that schedulers change (``lr``) are 0-dim fp32 tensors in the state, set with
+  ``fn.set_hyperparams``; the rest are Python floats fixed when the transform is built.
+"""
 
 from fn.transforms.adam import ScaleByAdamState, adam, adamw, scale_by_adam
 from fn.transforms.lamb import lamb
