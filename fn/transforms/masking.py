@@ -52,8 +52,7 @@ def masked(
 
     def mask_leaves(tree: PyTree) -> list[bool]:
         tree_mask = mask(tree) if callable(mask) else mask
-        leaves, spec = tree_flatten(tree)
-        flags = spec.flatten_up_to(tree_mask)
+        flags = tree_flatten(tree)[1].flatten_up_to(tree_mask)
         for flag in flags:
             if not isinstance(flag, bool):
                 raise TypeError(f"masked: mask leaves must be Python bools, got {flag!r}")
