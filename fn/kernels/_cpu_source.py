@@ -1,0 +1,227 @@
+"""C source of the fused CPU kernels (compiled on first use by ``fn.kernels._cpu``).
+
+Kept as a string so it ships inside the wheel without package-data configuration. The code is
+plain C99 + OpenMP that compilers vectorize; it follows the canonical orders documented in
+``fn.kernels._reference`` (16 fp64 lanes per 1024-element block for sums of squares), so its
+results are bit-identical to the reference. Build flags must not include ``-ffast-math``.
+"""
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+
+#define BLOCK 1024
+#define LANES 16
+#define PAR_MIN 32768
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Reverses the 8 low bits: SIMD compare masks are LSB first, packed bytes MSB first. */
+static inline uint8_t rev8(uint32_t b)
+{
+    b = ((b & 0xF0u) >> 4) | ((b & 0x0Fu) << 4);
+    b = ((b & 0xCCu) >> 2) | ((b & 0x33u) << 2);
+    b = ((b & 0xAAu) >> 1) | ((b & 0x55u) << 1);
+    return (uint8_t)b;
+}
+
+/* One full block: signs and the 16 lane sums (lane j adds x[j]^2, x[j+16]^2, ... in order).
+   fma(d, d, acc) equals acc + d * d here: the square of an fp32 value is exact in fp64. */
+static void sign_block_full(const float *x, uint8_t *bits, double *acc)
+{
+#if defined(__AVX512F__)
+    __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+    for (int k = 0; k < BLOCK / LANES; k++) {
+        __m512 v = _mm512_loadu_ps(x + k * LANES);
+        uint32_t mask = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ);
+        bits[2 * k] = rev8(mask & 0xFFu);
+        bits[2 * k + 1] = rev8(mask >> 8);
+        __m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+        __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+        __m512d d1 = _mm512_cvtps_pd(hi);
+        a0 = _mm512_fmadd_pd(d0, d0, a0);
+        a1 = _mm512_fmadd_pd(d1, d1, a1);
+    }
+    _mm512_storeu_pd(acc, a0);
+    _mm512_storeu_pd(acc + 8, a1);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256d a[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
+                    _mm256_setzero_pd()};
+    for (int k = 0; k < BLOCK / LANES; k++) {
+        for (int h = 0; h < 2; h++) {
+            __m256 v = _mm256_loadu_ps(x + k * LANES + 8 * h);
+            bits[2 * k + h] = rev8((uint32_t)_mm256_movemask_ps(
+                _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ)));
+            __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+            __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+            a[2 * h] = _mm256_fmadd_pd(d0, d0, a[2 * h]);
+            a[2 * h + 1] = _mm256_fmadd_pd(d1, d1, a[2 * h + 1]);
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        _mm256_storeu_pd(acc + 4 * i, a[i]);
+#else
+    for (int j = 0; j < LANES; j++)
+        acc[j] = 0.0;
+    for (int k = 0; k < BLOCK / LANES; k++) {
+        const float *p = x + k * LANES;
+        for (int j = 0; j < LANES; j++) {
+            double d = p[j];
+            acc[j] += d * d;
+        }
+        for (int h = 0; h < LANES / 8; h++) {
+            uint32_t b = 0;
+            for (int j = 0; j < 8; j++)
+                b |= (uint32_t)(p[h * 8 + j] >= 0.0f) << (7 - j);
+            bits[k * (LANES / 8) + h] = (uint8_t)b;
+        }
+    }
+#endif
+}
+
+/* Signs (bit 1 for x >= 0, MSB first) and the canonical sum of squares of one block. */
+static void sign_block(const float *x, int64_t len, uint8_t *bits, double *block_sum)
+{
+    double acc[LANES] = {0};
+    if (len == BLOCK) {
+        sign_block_full(x, bits, acc);
+    } else {
+        for (int64_t i = 0; i < len; i++) {
+            double d = x[i];
+            acc[i % LANES] += d * d;
+        }
+        for (int64_t i = 0; i < (len + 7) / 8; i++) {
+            uint32_t b = 0;
+            for (int j = 0; j < 8; j++) {
+                int64_t idx = i * 8 + j;
+                if (idx < len)
+                    b |= (uint32_t)(x[idx] >= 0.0f) << (7 - j);
+            }
+            bits[i] = (uint8_t)b;
+        }
+    }
+    for (int h = LANES / 2; h > 0; h /= 2)
+        for (int j = 0; j < h; j++)
+            acc[j] += acc[j + h];
+    *block_sum = acc[0];
+}
+
+/* v = m (+ e): packed signs of v and per-block sums of squares; v is written to v_out when
+   e is given (the error pass then turns it into the new error in place). */
+void fn_sign_compress(const float *m, const float *e, float *v_out, int64_t n, uint8_t *bits,
+                      double *block_sums, int threads)
+{
+    int64_t blocks = (n + BLOCK - 1) / BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PAR_MIN)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t off = b * BLOCK, len = min64(BLOCK, n - off);
+        const float *x = m + off;
+        if (e) {
+            float *v = v_out + off;
+            for (int64_t i = 0; i < len; i++)
+                v[i] = m[off + i] + e[off + i];
+            x = v;
+        }
+        sign_block(x, len, bits + off / 8, block_sums + b);
+    }
+}
+
+/* v <- v - scale * sign(v), sign(v) = +1 for v >= 0. */
+void fn_apply_error(float *v, int64_t n, float scale, int threads)
+{
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PAR_MIN)
+    for (int64_t i = 0; i < n; i++)
+        v[i] = v[i] - (v[i] >= 0.0f ? scale : -scale);
+}
+
+void fn_packbits(const float *x, int64_t n, uint8_t *bits, int threads)
+{
+    int64_t full = n / 8;
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PAR_MIN)
+    for (int64_t i = 0; i < full; i++) {
+        const float *p = x + i * 8;
+        uint32_t b = 0;
+        for (int j = 0; j < 8; j++)
+            b |= (uint32_t)(p[j] >= 0.0f) << (7 - j);
+        bits[i] = (uint8_t)b;
+    }
+    if (n % 8) {
+        uint32_t b = 0;
+        for (int64_t idx = full * 8; idx < n; idx++)
+            b |= (uint32_t)(x[idx] >= 0.0f) << (7 - (idx - full * 8));
+        bits[full] = (uint8_t)b;
+    }
+}
+
+void fn_unpackbits(const uint8_t *bits, int64_t n, float *out, int threads)
+{
+    int64_t full = n / 8;
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PAR_MIN)
+    for (int64_t i = 0; i < full; i++) {
+        uint32_t b = bits[i];
+        for (int j = 0; j < 8; j++)
+            out[i * 8 + j] = ((b >> (7 - j)) & 1u) ? 1.0f : -1.0f;
+    }
+    for (int64_t idx = full * 8; idx < n; idx++)
+        out[idx] = ((bits[full] >> (7 - (idx - full * 8))) & 1u) ? 1.0f : -1.0f;
+}
+
+/* Symmetric blockwise quantization; a group containing NaN/Inf gets a NaN scale. */
+void fn_quantize(const float *x, int64_t n, int nbits, int64_t group_size, uint8_t *q,
+                 float *scales, int threads)
+{
+    int64_t groups = (n + group_size - 1) / group_size;
+    const float qmax = (float)(1 << (nbits - 1));
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PAR_MIN)
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t off = g * group_size, len = min64(group_size, n - off);
+        const float *p = x + off;
+        float absmax = 0.0f;
+        int finite = 1;
+        for (int64_t i = 0; i < len; i++) {
+            float a = fabsf(p[i]);
+            finite &= a <= 3.40282347e38f;
+            absmax = a > absmax ? a : absmax;
+        }
+        float scale = finite ? absmax / qmax : NAN;
+        scales[g] = scale;
+        float div = scale > 0.0f ? scale : 1.0f;
+        for (int64_t i = 0; i < group_size; i += 2) {
+            int32_t c[2];
+            for (int t = 0; t < 2; t++) {
+                float v = i + t < len ? p[i + t] : 0.0f;
+                float r = finite ? rintf(v / div) : 0.0f;
+                r = r < -qmax ? -qmax : r;
+                r = r > qmax - 1.0f ? qmax - 1.0f : r;
+                c[t] = (int32_t)r;
+            }
+            if (nbits == 4)
+                q[(off + i) / 2] = (uint8_t)(((c[0] & 0xF) << 4) | (c[1] & 0xF));
+            else {
+                q[off + i] = (uint8_t)(int8_t)c[0];
+                q[off + i + 1] = (uint8_t)(int8_t)c[1];
+            }
+        }
+    }
+}
+
+void fn_dequantize(const uint8_t *q, const float *scales, int64_t n, int nbits,
+                   int64_t group_size, float *out, int threads)
+{
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PAR_MIN)
+    for (int64_t i = 0; i < n; i++) {
+        int32_t c;
+        if (nbits == 4) {
+            int32_t nib = (q[i / 2] >> ((i & 1) ? 0 : 4)) & 0xF;
+            c = nib >= 8 ? nib - 16 : nib;
+        } else {
+            c = (int8_t)q[i];
+        }
+        out[i] = (float)c * scales[i / group_size];
+    }
+}
+"""
