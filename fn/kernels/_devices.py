@@ -55,7 +55,7 @@ def _cpu_runtime() -> types.SimpleNamespace:
         synchronize=lambda device=None: None,
         empty_cache=lambda: None,
         memory_allocated=lambda device=None: _rss(),
-        max_memory_allocated=lambda device=None: _peak_rss(),
+        max_memory_allocated=lambda device=None: max(_peak_rss(), _rss()),
         manual_seed=torch.manual_seed,
     )
 
