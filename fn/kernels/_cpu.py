@@ -1,9 +1,13 @@
 """Fused CPU kernels: C compiled on first use with the system compiler, called through ctypes.
 
 The shared library is built once per (source, flags, CPU) into ``$FN_CACHE_DIR`` (default
-``~/.cache/fn``) with ``$CC`` (default ``cc``), ``-O3 -march=native`` and OpenMP when the
-compiler supports it. Without a working compiler every kernel falls back to the reference and
-one warning says why. Results are bit-identical to ``fn.kernels._reference``.
+``~/.cache/fn``) with ``$CC`` (default ``cc``) and ``-O3 -march=native``. Without a working
+compiler every kernel falls back to the reference and one warning says why. Results are
+bit-identical to ``fn.kernels._reference``.
+
+Large calls are split into chunks run by ``torch.get_num_threads()`` threads (ctypes releases
+the GIL). The calling thread works too and never waits for a helper that has not started, so
+a busy machine (a descheduled helper) costs a chunk, not a scheduler tick per call.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -25,15 +30,31 @@ from fn.kernels import _reference
 from fn.kernels._cpu_source import SOURCE
 
 _FLAGS = ("-O3", "-march=native", "-std=c99", "-shared", "-fPIC")
-_I64, _INT, _FLOAT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-_SIGNATURES = {
-    "fn_sign_compress": (_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _INT),
-    "fn_apply_error": (_PTR, _I64, _FLOAT, _INT),
-    "fn_packbits": (_PTR, _I64, _PTR, _INT),
-    "fn_unpackbits": (_PTR, _I64, _PTR, _INT),
-    "fn_quantize": (_PTR, _I64, _INT, _I64, _PTR, _PTR, _INT),
-    "fn_dequantize": (_PTR, _PTR, _I64, _INT, _I64, _PTR, _INT),
+_CHUNK = 1 << 18  # elements per work item of a threaded call
+_KERNEL_IDS = {
+    "sign_compress": 0,
+    "apply_error": 1,
+    "packbits": 2,
+    "unpackbits": 3,
+    "quantize": 4,
+    "dequantize": 5,
 }
+
+
+class _JobStruct(ctypes.Structure):
+    """Mirror of the C ``fn_job``."""
+
+    _fields_ = [
+        ("kernel", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("chunk", ctypes.c_int64),
+        ("count", ctypes.c_int64),
+        ("next", ctypes.c_int64),
+        ("left", ctypes.c_int64),
+        ("p", ctypes.c_void_p * 5),
+        ("i", ctypes.c_int64 * 2),
+        ("scale", ctypes.c_float),
+    ]
 
 
 def cache_dir() -> Path:
@@ -54,14 +75,10 @@ def _cpu_fingerprint() -> str:
 def _compile(compiler: str, out: Path) -> None:
     src = out.with_suffix(".c")
     src.write_text(SOURCE)
-    errors = []
-    for extra in (("-fopenmp",), ()):
-        cmd = [compiler, *_FLAGS, *extra, str(src), "-o", str(out), "-lm"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if proc.returncode == 0:
-            return
-        errors.append(f"{' '.join(cmd)}: {proc.stderr.strip()[-500:]}")
-    raise RuntimeError("; ".join(errors))
+    cmd = [compiler, *_FLAGS, str(src), "-o", str(out), "-lm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip()[-500:]}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -97,10 +114,43 @@ def library() -> ctypes.CDLL | None:
             stacklevel=2,
         )
         return None
-    for name, argtypes in _SIGNATURES.items():
-        getattr(lib, name).argtypes = argtypes
+    for name in ("fn_work", "fn_wait"):
+        getattr(lib, name).argtypes = (ctypes.POINTER(_JobStruct),)
         getattr(lib, name).restype = None
     return lib
+
+
+@functools.lru_cache(maxsize=1)
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="fn")
+
+
+# A forked child inherits the pool object but not its threads.
+os.register_at_fork(after_in_child=_pool.cache_clear)
+
+
+def _run(
+    lib: ctypes.CDLL,
+    kernel: str,
+    n: int,
+    align: int,
+    pointers: tuple[int | None, ...],
+    ints: tuple[int, ...] = (),
+    scale: float = 0.0,
+) -> None:
+    """Runs ``kernel`` over ``[0, n)`` in chunks starting at multiples of ``align``, on up to
+    ``torch.get_num_threads()`` threads."""
+    chunk = max(align, _CHUNK // align * align)
+    count = -(-n // chunk)
+    job = _JobStruct(_KERNEL_IDS[kernel], n, chunk, count, 0, count)
+    job.p[: len(pointers)] = pointers
+    job.i[: len(ints)] = ints
+    job.scale = scale
+    ref = ctypes.byref(job)  # keeps the job alive for helpers that start late
+    for _ in range(min(torch.get_num_threads(), count) - 1):
+        _pool().submit(lib.fn_work, ref)
+    lib.fn_work(ref)
+    lib.fn_wait(ref)
 
 
 def _fp32(x: torch.Tensor) -> torch.Tensor:
@@ -113,7 +163,7 @@ def packbits(x: torch.Tensor) -> torch.Tensor:
         return _reference.packbits(x)
     x = _fp32(x)
     out = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8)
-    lib.fn_packbits(x.data_ptr(), x.numel(), out.data_ptr(), torch.get_num_threads())
+    _run(lib, "packbits", x.numel(), 8, (x.data_ptr(), out.data_ptr()))
     return out
 
 
@@ -123,7 +173,7 @@ def unpackbits(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32)
         return _reference.unpackbits(packed, n, dtype)
     packed = packed.detach().contiguous()
     out = torch.empty(n, dtype=torch.float32)
-    lib.fn_unpackbits(packed.data_ptr(), n, out.data_ptr(), torch.get_num_threads())
+    _run(lib, "unpackbits", n, 8, (packed.data_ptr(), out.data_ptr()))
     return out
 
 
@@ -139,19 +189,17 @@ def sign_compress(
     v = None if e is None else torch.empty(n, dtype=torch.float32)
     packed = torch.empty((n + 7) // 8, dtype=torch.uint8)
     sums = torch.empty(-(-n // _reference.SUMSQ_BLOCK), dtype=torch.float64)
-    threads = torch.get_num_threads()
-    lib.fn_sign_compress(
+    pointers = (
         m.data_ptr(),
         None if e is None else e.data_ptr(),
         None if v is None else v.data_ptr(),
-        n,
         packed.data_ptr(),
         sums.data_ptr(),
-        threads,
     )
+    _run(lib, "sign_compress", n, _reference.SUMSQ_BLOCK, pointers)
     scale = _reference.rms_from_block_sums(sums, n)
     if v is not None and torch.isfinite(scale):
-        lib.fn_apply_error(v.data_ptr(), n, scale.item(), threads)
+        _run(lib, "apply_error", n, 1, (v.data_ptr(),), scale=scale.item())
     return packed, scale, v
 
 
@@ -163,15 +211,8 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     groups = -(-x.numel() // group_size)
     q = torch.empty(groups * group_size * bits // 8, dtype=torch.uint8)
     scales = torch.empty(groups, dtype=torch.float32)
-    lib.fn_quantize(
-        x.data_ptr(),
-        x.numel(),
-        bits,
-        group_size,
-        q.data_ptr(),
-        scales.data_ptr(),
-        torch.get_num_threads(),
-    )
+    pointers = (x.data_ptr(), q.data_ptr(), scales.data_ptr())
+    _run(lib, "quantize", x.numel(), group_size, pointers, (bits, group_size))
     return q, scales
 
 
@@ -184,13 +225,6 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torc
     q = q.detach().contiguous()
     scales = _fp32(scales)
     out = torch.empty(n, dtype=torch.float32)
-    lib.fn_dequantize(
-        q.data_ptr(),
-        scales.data_ptr(),
-        n,
-        bits,
-        values // groups,
-        out.data_ptr(),
-        torch.get_num_threads(),
-    )
+    pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())
+    _run(lib, "dequantize", n, 2, pointers, (bits, values // groups))
     return out

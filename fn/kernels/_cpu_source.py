@@ -1,18 +1,22 @@
 """C source of the fused CPU kernels (compiled on first use by ``fn.kernels._cpu``).
 
 Kept as a string so it ships inside the wheel without package-data configuration. The code is
-plain C99 + OpenMP that compilers vectorize; it follows the canonical orders documented in
+plain C99 (AVX-512/AVX2 intrinsics where available, else loops compilers vectorize); every
+kernel works on an element range [begin, end). A call is a job of chunks: the calling thread
+and helper threads each run ``fn_work``, claiming chunks with an atomic counter; the caller
+then waits (``fn_wait``) only for chunks already claimed, never for a helper that has not
+started yet. It follows the canonical orders documented in
 ``fn.kernels._reference`` (16 fp64 lanes per 1024-element block for sums of squares), so its
 results are bit-identical to the reference. Build flags must not include ``-ffast-math``.
 """
 
 SOURCE = r"""
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
 
 #define BLOCK 1024
 #define LANES 16
-#define PAR_MIN 32768
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -112,13 +116,12 @@ static void sign_block(const float *x, int64_t len, uint8_t *bits, double *block
 
 /* v = m (+ e): packed signs of v and per-block sums of squares; v is written to v_out when
    e is given (the error pass then turns it into the new error in place). */
-void fn_sign_compress(const float *m, const float *e, float *v_out, int64_t n, uint8_t *bits,
-                      double *block_sums, int threads)
+static void fn_sign_compress(const float *m, const float *e, float *v_out, int64_t begin,
+                             int64_t end, uint8_t *bits, double *block_sums)
 {
-    int64_t blocks = (n + BLOCK - 1) / BLOCK;
-#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PAR_MIN)
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t off = b * BLOCK, len = min64(BLOCK, n - off);
+    /* begin is a multiple of BLOCK; end is one too, or the total length. */
+    for (int64_t b = begin / BLOCK; b < (end + BLOCK - 1) / BLOCK; b++) {
+        int64_t off = b * BLOCK, len = min64(BLOCK, end - off);
         const float *x = m + off;
         if (e) {
             float *v = v_out + off;
@@ -131,89 +134,97 @@ void fn_sign_compress(const float *m, const float *e, float *v_out, int64_t n, u
 }
 
 /* v <- v - scale * sign(v), sign(v) = +1 for v >= 0. */
-void fn_apply_error(float *v, int64_t n, float scale, int threads)
+static void fn_apply_error(float *v, float scale, int64_t begin, int64_t end)
 {
-#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PAR_MIN)
-    for (int64_t i = 0; i < n; i++)
+    for (int64_t i = begin; i < end; i++)
         v[i] = v[i] - (v[i] >= 0.0f ? scale : -scale);
 }
 
-void fn_packbits(const float *x, int64_t n, uint8_t *bits, int threads)
+/* begin is a multiple of 8; end is one too, or the total length. */
+static void fn_packbits(const float *x, uint8_t *bits, int64_t begin, int64_t end)
 {
-    int64_t full = n / 8;
-#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PAR_MIN)
-    for (int64_t i = 0; i < full; i++) {
+    int64_t full = end / 8;
+    for (int64_t i = begin / 8; i < full; i++) {
         const float *p = x + i * 8;
         uint32_t b = 0;
         for (int j = 0; j < 8; j++)
             b |= (uint32_t)(p[j] >= 0.0f) << (7 - j);
         bits[i] = (uint8_t)b;
     }
-    if (n % 8) {
+    if (end % 8) {
         uint32_t b = 0;
-        for (int64_t idx = full * 8; idx < n; idx++)
+        for (int64_t idx = full * 8; idx < end; idx++)
             b |= (uint32_t)(x[idx] >= 0.0f) << (7 - (idx - full * 8));
         bits[full] = (uint8_t)b;
     }
 }
 
-void fn_unpackbits(const uint8_t *bits, int64_t n, float *out, int threads)
+/* begin is a multiple of 8; end is one too, or the total length. */
+static void fn_unpackbits(const uint8_t *bits, float *out, int64_t begin, int64_t end)
 {
-    int64_t full = n / 8;
-#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PAR_MIN)
-    for (int64_t i = 0; i < full; i++) {
+    int64_t full = end / 8;
+    for (int64_t i = begin / 8; i < full; i++) {
         uint32_t b = bits[i];
         for (int j = 0; j < 8; j++)
             out[i * 8 + j] = ((b >> (7 - j)) & 1u) ? 1.0f : -1.0f;
     }
-    for (int64_t idx = full * 8; idx < n; idx++)
+    for (int64_t idx = full * 8; idx < end; idx++)
         out[idx] = ((bits[full] >> (7 - (idx - full * 8))) & 1u) ? 1.0f : -1.0f;
 }
 
-/* Symmetric blockwise quantization; a group containing NaN/Inf gets a NaN scale. */
-void fn_quantize(const float *x, int64_t n, int nbits, int64_t group_size, uint8_t *q,
-                 float *scales, int threads)
+/* Symmetric blockwise quantization of one group (len <= group_size valid values, the rest
+   zero padding); a group containing NaN/Inf gets a NaN scale and zero codes. */
+static void quantize_group(const float *p, int64_t len, int64_t group_size, int nbits,
+                           uint8_t *q, float *scale_out)
 {
-    int64_t groups = (n + group_size - 1) / group_size;
     const float qmax = (float)(1 << (nbits - 1));
-#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PAR_MIN)
-    for (int64_t g = 0; g < groups; g++) {
-        int64_t off = g * group_size, len = min64(group_size, n - off);
-        const float *p = x + off;
-        float absmax = 0.0f;
-        int finite = 1;
-        for (int64_t i = 0; i < len; i++) {
-            float a = fabsf(p[i]);
-            finite &= a <= 3.40282347e38f;
-            absmax = a > absmax ? a : absmax;
+    float absmax = 0.0f;
+    int finite = 1;
+    for (int64_t i = 0; i < len; i++) {
+        float a = fabsf(p[i]);
+        finite &= a <= 3.40282347e38f;
+        absmax = a > absmax ? a : absmax;
+    }
+    float scale = finite ? absmax / qmax : NAN;
+    *scale_out = scale;
+    float div = scale > 0.0f ? scale : 1.0f;
+    for (int64_t i0 = 0; i0 < group_size; i0 += 256) {
+        int8_t c[256];
+        int64_t m = min64(256, group_size - i0);
+        int64_t valid = finite ? (len - i0 < 0 ? 0 : min64(m, len - i0)) : 0;
+        for (int64_t i = 0; i < valid; i++) {
+            float r = rintf(p[i0 + i] / div);
+            r = r < -qmax ? -qmax : r;
+            r = r > qmax - 1.0f ? qmax - 1.0f : r;
+            c[i] = (int8_t)(int32_t)r;
         }
-        float scale = finite ? absmax / qmax : NAN;
-        scales[g] = scale;
-        float div = scale > 0.0f ? scale : 1.0f;
-        for (int64_t i = 0; i < group_size; i += 2) {
-            int32_t c[2];
-            for (int t = 0; t < 2; t++) {
-                float v = i + t < len ? p[i + t] : 0.0f;
-                float r = finite ? rintf(v / div) : 0.0f;
-                r = r < -qmax ? -qmax : r;
-                r = r > qmax - 1.0f ? qmax - 1.0f : r;
-                c[t] = (int32_t)r;
-            }
-            if (nbits == 4)
-                q[(off + i) / 2] = (uint8_t)(((c[0] & 0xF) << 4) | (c[1] & 0xF));
-            else {
-                q[off + i] = (uint8_t)(int8_t)c[0];
-                q[off + i + 1] = (uint8_t)(int8_t)c[1];
-            }
+        for (int64_t i = valid; i < m; i++)
+            c[i] = 0;
+        if (nbits == 8) {
+            for (int64_t i = 0; i < m; i++)
+                q[i0 + i] = (uint8_t)c[i];
+        } else {
+            for (int64_t i = 0; i < m / 2; i++)
+                q[i0 / 2 + i] = (uint8_t)(((c[2 * i] & 0xF) << 4) | (c[2 * i + 1] & 0xF));
         }
     }
 }
 
-void fn_dequantize(const uint8_t *q, const float *scales, int64_t n, int nbits,
-                   int64_t group_size, float *out, int threads)
+/* begin is a multiple of group_size; end is one too, or the total length. */
+static void fn_quantize(const float *x, int nbits, int64_t group_size, uint8_t *q,
+                        float *scales, int64_t begin, int64_t end)
 {
-#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PAR_MIN)
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t g = begin / group_size; g < (end + group_size - 1) / group_size; g++) {
+        int64_t off = g * group_size;
+        quantize_group(x + off, min64(group_size, end - off), group_size, nbits,
+                       q + off * nbits / 8, scales + g);
+    }
+}
+
+static void fn_dequantize(const uint8_t *q, const float *scales, int nbits, int64_t group_size,
+                   float *out, int64_t begin, int64_t end)
+{
+    for (int64_t i = begin; i < end; i++) {
         int32_t c;
         if (nbits == 4) {
             int32_t nib = (q[i / 2] >> ((i & 1) ? 0 : 4)) & 0xF;
@@ -223,5 +234,56 @@ void fn_dequantize(const uint8_t *q, const float *scales, int64_t n, int nbits,
         }
         out[i] = (float)c * scales[i / group_size];
     }
+}
+
+enum { SIGN_COMPRESS, APPLY_ERROR, PACKBITS, UNPACKBITS, QUANTIZE, DEQUANTIZE };
+
+typedef struct {
+    int64_t kernel, n, chunk, count, next, left;
+    void *p[5];
+    int64_t i[2];
+    float scale;
+} fn_job;
+
+static void run_chunk(const fn_job *j, int64_t b, int64_t e)
+{
+    switch (j->kernel) {
+    case SIGN_COMPRESS:
+        fn_sign_compress(j->p[0], j->p[1], j->p[2], b, e, j->p[3], j->p[4]);
+        break;
+    case APPLY_ERROR:
+        fn_apply_error(j->p[0], j->scale, b, e);
+        break;
+    case PACKBITS:
+        fn_packbits(j->p[0], j->p[1], b, e);
+        break;
+    case UNPACKBITS:
+        fn_unpackbits(j->p[0], j->p[1], b, e);
+        break;
+    case QUANTIZE:
+        fn_quantize(j->p[0], (int)j->i[0], j->i[1], j->p[1], j->p[2], b, e);
+        break;
+    case DEQUANTIZE:
+        fn_dequantize(j->p[0], j->p[1], (int)j->i[0], j->i[1], j->p[2], b, e);
+        break;
+    }
+}
+
+void fn_work(fn_job *j)
+{
+    for (;;) {
+        int64_t c = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (c >= j->count)
+            return;
+        int64_t b = c * j->chunk, e = b + j->chunk < j->n ? b + j->chunk : j->n;
+        run_chunk(j, b, e);
+        __atomic_fetch_sub(&j->left, 1, __ATOMIC_RELEASE);
+    }
+}
+
+void fn_wait(fn_job *j)
+{
+    while (__atomic_load_n(&j->left, __ATOMIC_ACQUIRE) > 0)
+        sched_yield();
 }
 """
