@@ -5,9 +5,11 @@ The shared library is built once per (source, flags, CPU) into ``$FN_CACHE_DIR``
 compiler every kernel falls back to the reference and one warning says why. Results are
 bit-identical to ``fn.kernels._reference``.
 
-Large calls are split into chunks run by ``torch.get_num_threads()`` threads (ctypes releases
-the GIL). The calling thread works too and never waits for a helper that has not started, so
-a busy machine (a descheduled helper) costs a chunk, not a scheduler tick per call.
+Large calls are split into chunks of ``_CHUNK`` elements claimed by up to
+``torch.get_num_threads()`` threads (ctypes releases the GIL; no OpenMP runtime is involved).
+The calling thread works too and waits only for chunks already claimed, never for a helper
+that has not started: on a busy machine a call degrades towards one thread instead of
+stalling on a descheduled helper.
 """
 
 from __future__ import annotations

@@ -21,6 +21,26 @@ def test_roundtrip_random_large(n, seed):
     assert K.unpackbits(bits, n, torch.bfloat16).dtype == torch.bfloat16
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.floats(-1e6, 1e6, width=32), max_size=600),
+    st.sampled_from([4, 8]),
+    st.sampled_from([2, 4, 10, 64]),
+)
+def test_quantize_error_bound(values, bits, group_size):
+    x = torch.tensor(values, dtype=torch.float32)
+    q, scales = K.quantize(x, bits, group_size)
+    back = K.dequantize(q, scales, bits, len(values))
+    s = scales.repeat_interleave(group_size)[: len(values)]
+    top = 2 ** (bits - 1)
+    clamped = x > (top - 0.5) * s  # rounds to +2^(b-1), one above the largest code
+    err = (x - back).abs()
+    slack = 1e-6 * x.abs()
+    assert bool((err[~clamped] <= s[~clamped] / 2 + slack[~clamped]).all())
+    assert bool((err[clamped] <= s[clamped] + slack[clamped]).all())
+    assert bool((back.abs() <= x.abs() + s / 2 + slack).all())
+
+
 @pytest.mark.parametrize("n", range(71))
 def test_public_roundtrip_every_short_length(n):
     x = torch.randn(n, generator=torch.Generator().manual_seed(100 + n))
