@@ -14,6 +14,7 @@ SOURCE = r"""
 #include <math.h>
 #include <sched.h>
 #include <stdint.h>
+#include <string.h>
 
 #define BLOCK 1024
 #define LANES 16
@@ -33,22 +34,35 @@ static inline uint8_t rev8(uint32_t b)
     return (uint8_t)b;
 }
 
+/* Reverses the bits inside each byte of a 64-bit word; stored little-endian (x86), byte b
+   then holds elements 8b..8b+7, MSB first. */
+static inline uint64_t reverse_bytes_bits(uint64_t w)
+{
+    w = ((w >> 1) & 0x5555555555555555ull) | ((w & 0x5555555555555555ull) << 1);
+    w = ((w >> 2) & 0x3333333333333333ull) | ((w & 0x3333333333333333ull) << 2);
+    return ((w >> 4) & 0x0F0F0F0F0F0F0F0Full) | ((w & 0x0F0F0F0F0F0F0F0Full) << 4);
+}
+
 /* One full block: signs and the 16 lane sums (lane j adds x[j]^2, x[j+16]^2, ... in order).
    fma(d, d, acc) equals acc + d * d here: the square of an fp32 value is exact in fp64. */
 static void sign_block_full(const float *x, uint8_t *bits, double *acc)
 {
 #if defined(__AVX512F__)
     __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
-    for (int k = 0; k < BLOCK / LANES; k++) {
-        __m512 v = _mm512_loadu_ps(x + k * LANES);
-        uint32_t mask = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ);
-        bits[2 * k] = rev8(mask & 0xFFu);
-        bits[2 * k + 1] = rev8(mask >> 8);
-        __m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
-        __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-        __m512d d1 = _mm512_cvtps_pd(hi);
-        a0 = _mm512_fmadd_pd(d0, d0, a0);
-        a1 = _mm512_fmadd_pd(d1, d1, a1);
+    for (int k = 0; k < BLOCK / LANES; k += 4) {
+        /* 64 signs as one little-endian word (bit j = element j), bytes reversed below. */
+        uint64_t word = 0;
+        for (int t = 0; t < 4; t++) {
+            __m512 v = _mm512_loadu_ps(x + (k + t) * LANES);
+            word |= (uint64_t)_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ) << (16 * t);
+            __m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+            __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+            __m512d d1 = _mm512_cvtps_pd(hi);
+            a0 = _mm512_fmadd_pd(d0, d0, a0);
+            a1 = _mm512_fmadd_pd(d1, d1, a1);
+        }
+        word = reverse_bytes_bits(word);
+        memcpy(bits + 2 * k, &word, 8);
     }
     _mm512_storeu_pd(acc, a0);
     _mm512_storeu_pd(acc + 8, a1);
@@ -143,8 +157,19 @@ static void fn_apply_error(float *v, float scale, int64_t begin, int64_t end)
 /* begin is a multiple of 8; end is one too, or the total length. */
 static void fn_packbits(const float *x, uint8_t *bits, int64_t begin, int64_t end)
 {
-    int64_t full = end / 8;
-    for (int64_t i = begin / 8; i < full; i++) {
+    int64_t full = end / 8, i = begin / 8;
+#if defined(__AVX512F__)
+    for (; i + 8 <= full; i += 8) {
+        uint64_t word = 0;
+        for (int t = 0; t < 4; t++) {
+            __m512 v = _mm512_loadu_ps(x + 8 * i + 16 * t);
+            word |= (uint64_t)_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ) << (16 * t);
+        }
+        word = reverse_bytes_bits(word);
+        memcpy(bits + i, &word, 8);
+    }
+#endif
+    for (; i < full; i++) {
         const float *p = x + i * 8;
         uint32_t b = 0;
         for (int j = 0; j < 8; j++)
