@@ -33,6 +33,7 @@ from fn.kernels._cpu_source import SOURCE
 
 _FLAGS = ("-O3", "-march=native", "-std=c99", "-shared", "-fPIC")
 _CHUNK = 1 << 18  # elements per work item of a threaded call
+_HUGE_MIN = 1 << 23  # outputs from 8 MiB on ask for transparent huge pages
 _KERNEL_IDS = {
     "sign_compress": 0,
     "apply_error": 1,
@@ -119,6 +120,8 @@ def library() -> ctypes.CDLL | None:
     for name in ("fn_work", "fn_wait"):
         getattr(lib, name).argtypes = (ctypes.POINTER(_JobStruct),)
         getattr(lib, name).restype = None
+    lib.fn_advise_huge.argtypes = (ctypes.c_void_p, ctypes.c_int64)
+    lib.fn_advise_huge.restype = None
     return lib
 
 
@@ -159,12 +162,19 @@ def _fp32(x: torch.Tensor) -> torch.Tensor:
     return x.detach().float().contiguous()
 
 
+def _empty(lib: ctypes.CDLL, size: int, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(size, dtype=dtype)
+    if out.nbytes >= _HUGE_MIN:
+        lib.fn_advise_huge(out.data_ptr(), out.nbytes)
+    return out
+
+
 def packbits(x: torch.Tensor) -> torch.Tensor:
     lib = library()
     if lib is None or x.dtype != torch.float32:
         return _reference.packbits(x)
     x = _fp32(x)
-    out = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8)
+    out = _empty(lib, (x.numel() + 7) // 8, torch.uint8)
     _run(lib, "packbits", x.numel(), 8, (x.data_ptr(), out.data_ptr()))
     return out
 
@@ -174,7 +184,7 @@ def unpackbits(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32)
     if lib is None or dtype != torch.float32 or packed.numel() * 8 < n:
         return _reference.unpackbits(packed, n, dtype)
     packed = packed.detach().contiguous()
-    out = torch.empty(n, dtype=torch.float32)
+    out = _empty(lib, n, torch.float32)
     _run(lib, "unpackbits", n, 8, (packed.data_ptr(), out.data_ptr()))
     return out
 
@@ -188,8 +198,8 @@ def sign_compress(
     m = _fp32(m)
     n = m.numel()
     e = None if error is None else _fp32(error)
-    v = None if e is None else torch.empty(n, dtype=torch.float32)
-    packed = torch.empty((n + 7) // 8, dtype=torch.uint8)
+    v = None if e is None else _empty(lib, n, torch.float32)
+    packed = _empty(lib, (n + 7) // 8, torch.uint8)
     sums = torch.empty(-(-n // _reference.SUMSQ_BLOCK), dtype=torch.float64)
     pointers = (
         m.data_ptr(),
@@ -211,7 +221,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
         return _reference.quantize(x, bits, group_size)
     x = _fp32(x)
     groups = -(-x.numel() // group_size)
-    q = torch.empty(groups * group_size * bits // 8, dtype=torch.uint8)
+    q = _empty(lib, groups * group_size * bits // 8, torch.uint8)
     scales = torch.empty(groups, dtype=torch.float32)
     pointers = (x.data_ptr(), q.data_ptr(), scales.data_ptr())
     _run(lib, "quantize", x.numel(), group_size, pointers, (bits, group_size))
@@ -226,7 +236,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torc
         return _reference.dequantize(q, scales, bits, n)
     q = q.detach().contiguous()
     scales = _fp32(scales)
-    out = torch.empty(n, dtype=torch.float32)
+    out = _empty(lib, n, torch.float32)
     pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())
     _run(lib, "dequantize", n, 2, pointers, (bits, values // groups))
     return out
