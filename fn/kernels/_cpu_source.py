@@ -207,13 +207,18 @@ static void quantize_group(const float *p, int64_t len, int64_t group_size, int 
                            uint8_t *q, float *scale_out)
 {
     const float qmax = (float)(1 << (nbits - 1));
-    float absmax = 0.0f;
-    int finite = 1;
+    /* |x| ordered as floats is ordered as its bit pattern (NaN > Inf > finite): an integer
+       max, which vectorizes without reassociating float operations. */
+    uint32_t top = 0;
     for (int64_t i = 0; i < len; i++) {
-        float a = fabsf(p[i]);
-        finite &= a <= 3.40282347e38f;
-        absmax = a > absmax ? a : absmax;
+        uint32_t u;
+        memcpy(&u, p + i, 4);
+        u &= 0x7FFFFFFFu;
+        top = u > top ? u : top;
     }
+    int finite = top < 0x7F800000u;
+    float absmax;
+    memcpy(&absmax, &top, 4);
     float scale = finite ? absmax / qmax : NAN;
     *scale_out = scale;
     float div = scale > 0.0f ? scale : 1.0f;
