@@ -170,3 +170,16 @@ def test_compile_aot_quantize_roundtrip():
     x = torch.randn(300)
     assert torch.equal(compiled(x), roundtrip(x))
     assert torch.equal(compiled(x + 1), roundtrip(x + 1))
+
+
+def test_compile_changing_lengths():
+    def step(m, e):
+        packed, scale, new_error = K.sign_compress(m, e)
+        q, scales = K.quantize(new_error, 4, 16)
+        n = m.shape[0]
+        return K.unpackbits(packed, n) * scale, K.dequantize(q, scales, 4, n)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for n in (1000, 2000, 4001):
+        m, e = torch.randn(n), torch.randn(n)
+        assert all(torch.equal(a, b) for a, b in zip(compiled(m, e), step(m, e), strict=True))
