@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -122,6 +123,8 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = None
     lib.fn_advise_huge.argtypes = (ctypes.c_void_p, ctypes.c_int64)
     lib.fn_advise_huge.restype = None
+    lib.fn_rms.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
+    lib.fn_rms.restype = ctypes.c_float
     return lib
 
 
@@ -200,7 +203,8 @@ def sign_compress(
     e = None if error is None else _fp32(error)
     v = None if e is None else _empty(lib, n, torch.float32)
     packed = _empty(lib, (n + 7) // 8, torch.uint8)
-    sums = torch.empty(-(-n // _reference.SUMSQ_BLOCK), dtype=torch.float64)
+    blocks = -(-n // _reference.SUMSQ_BLOCK)
+    sums = torch.empty(1 << max(0, blocks - 1).bit_length(), dtype=torch.float64)
     pointers = (
         m.data_ptr(),
         None if e is None else e.data_ptr(),
@@ -209,10 +213,12 @@ def sign_compress(
         sums.data_ptr(),
     )
     _run(lib, "sign_compress", n, _reference.SUMSQ_BLOCK, pointers)
-    scale = _reference.rms_from_block_sums(sums, n)
-    if v is not None and torch.isfinite(scale):
-        _run(lib, "apply_error", n, 1, (v.data_ptr(),), scale=scale.item())
-    return packed, scale, v
+    # Padded and folded in C, not by torch ops: on a busy machine, torch's intra-op thread pool
+    # (which even a 512 KiB fill enters) can stall a call for a scheduler tick.
+    scale = lib.fn_rms(sums.data_ptr(), blocks, sums.numel(), n)
+    if v is not None and math.isfinite(scale):
+        _run(lib, "apply_error", n, 1, (v.data_ptr(),), scale=scale)
+    return packed, torch.tensor(scale, dtype=torch.float32), v
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
