@@ -122,3 +122,27 @@ def test_quantize_kernels_bit_exact(device, impls):
                 assert _same_bits(q, want_q) and _same_bits(scales, want_scales), (n, bits)
                 back = dequantize(q, scales, bits, n)
                 assert _same_bits(back, _reference.dequantize(want_q, want_scales, bits, n))
+
+
+_LARGE = (1 << 21) + 13  # several work chunks (threads on the CPU), outputs >= 8 MiB
+
+
+@pytest.mark.parametrize("device, impls", PAIRS)
+def test_large_sign_kernels_bit_exact(device, impls):
+    m, e = _inputs(_LARGE, 7), _inputs(_LARGE, 8)
+    got = impls("sign_compress")(m.to(device), e.to(device))
+    want = _reference.sign_compress(m, e)
+    assert all(_same_bits(a, b) for a, b in zip(got, want, strict=True))
+    assert _same_bits(impls("packbits")(m.to(device)), _reference.packbits(m))
+    unpacked = impls("unpackbits")(want[0].to(device), _LARGE)
+    assert _same_bits(unpacked, _reference.unpackbits(want[0], _LARGE))
+
+
+@pytest.mark.parametrize("device, impls", PAIRS)
+def test_large_quantize_bit_exact(device, impls):
+    x = _inputs(_LARGE, 9)
+    q, scales = impls("quantize")(x.to(device), 4, 256)
+    want_q, want_scales = _reference.quantize(x, 4, 256)
+    assert _same_bits(q, want_q) and _same_bits(scales, want_scales)
+    back = impls("dequantize")(q, scales, 4, _LARGE)
+    assert _same_bits(back, _reference.dequantize(want_q, want_scales, 4, _LARGE))
