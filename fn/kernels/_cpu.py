@@ -76,13 +76,25 @@ def _cpu_fingerprint() -> str:
         return platform.processor() + platform.machine()
 
 
-def _compile(compiler: str, out: Path) -> None:
+def _compile(compiler: str, out: Path, flags: tuple[str, ...] = _FLAGS) -> None:
     src = out.with_suffix(".c")
     src.write_text(SOURCE)
-    cmd = [compiler, *_FLAGS, str(src), "-o", str(out), "-lm"]
+    cmd = [compiler, *flags, str(src), "-o", str(out), "-lm"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip()[-500:]}")
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name in ("fn_work", "fn_wait"):
+        getattr(lib, name).argtypes = (ctypes.POINTER(_JobStruct),)
+        getattr(lib, name).restype = None
+    lib.fn_advise_huge.argtypes = (ctypes.c_void_p, ctypes.c_int64)
+    lib.fn_advise_huge.restype = None
+    lib.fn_rms.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
+    lib.fn_rms.restype = ctypes.c_float
+    return lib
 
 
 @functools.lru_cache(maxsize=1)
@@ -109,7 +121,7 @@ def library() -> ctypes.CDLL | None:
                 _compile(compiler, Path(tmp) / path.name)
                 # Atomic: a concurrent process never loads a partly written library.
                 os.replace(Path(tmp) / path.name, path)
-        lib = ctypes.CDLL(str(path))
+        lib = _load(path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         warnings.warn(
             f"fn.kernels: building the CPU kernels failed ({exc}); falling back to the "
@@ -118,13 +130,6 @@ def library() -> ctypes.CDLL | None:
             stacklevel=2,
         )
         return None
-    for name in ("fn_work", "fn_wait"):
-        getattr(lib, name).argtypes = (ctypes.POINTER(_JobStruct),)
-        getattr(lib, name).restype = None
-    lib.fn_advise_huge.argtypes = (ctypes.c_void_p, ctypes.c_int64)
-    lib.fn_advise_huge.restype = None
-    lib.fn_rms.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
-    lib.fn_rms.restype = ctypes.c_float
     return lib
 
 
