@@ -83,7 +83,8 @@ def zero_one_adam(
     The updates returned are ``p_new - p`` in fp32 (``-lr * u``; on a sync step
     ``-lr * u - a + CAR(...) / (sqrt(v) + eps)``), so ``fn.apply_updates`` reproduces the rule
     above up to fp32 rounding. Between syncs the ranks' params differ (local steps); a sync makes
-    them equal again.
+    them equal again up to fp32 rounding (``p - a`` is the last synchronized point only up to
+    rounding; DeepSpeed behaves the same).
 
     Args:
         lr: learning rate, or a schedule of the 0-dim int64 update count (see ``onebit_adam``);
