@@ -182,3 +182,21 @@ def test_checkpoint_continues_bit_for_bit():
         p = fn.apply_updates(p, updates)
     for k in params:
         assert torch.equal(p[k][0], full[-1][0][k])
+
+
+def test_staged_and_low_precision_params():
+    """fn.staged reads the step from its counter (Local comm); bf16 params keep fp32 state."""
+    params = {k: p.to(torch.bfloat16) for k, p in make_params().items()}
+    grads = make_grads(params, 1, 6)
+    opt = fn.onebit_adam(LR, 3, comm=Local())
+    staged = fn.staged(opt)
+    s_state, state, p_s, p = staged.init(params), opt.init(params), params, params
+    for t, g in enumerate(grads, start=1):
+        g = {k: x.to(torch.bfloat16) for k, x in g[0].items()}
+        u_s, s_state = staged.update(g, s_state, p_s)
+        u, state = opt.update(g, state, p, step=t)
+        p_s, p = fn.apply_updates(p_s, u_s), fn.apply_updates(p, u)
+    for k in params:
+        assert p[k].dtype == torch.bfloat16 and torch.equal(p_s[k], p[k])
+        assert state.exp_avg[k].dtype == torch.float32
+    assert int(s_state.count) == int(state.count) == 6
