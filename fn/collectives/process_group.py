@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from fn.collectives import _traffic
-from fn.collectives.comm import ByteCounter, ReduceOp, check_chunked, check_op
+from fn.collectives.comm import ByteCounter, ReduceOp, check_chunked, check_op, check_split
 
 __all__ = ["ProcessGroup"]
 
@@ -22,10 +22,13 @@ class ProcessGroup(ByteCounter):
 
     Args:
         group: a ``torch.distributed`` process group, or ``None`` for the world.
+        counts_into: count the bytes sent into this comm's counter (used by :meth:`split`).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        super().__init__()
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, *, counts_into: ProcessGroup | None = None
+    ) -> None:
+        super().__init__(counts_into)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "ProcessGroup needs torch.distributed.init_process_group() to have been called "
@@ -34,6 +37,39 @@ class ProcessGroup(ByteCounter):
         self.group = group
         self._world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self._splits: dict[int, tuple[ProcessGroup, ProcessGroup]] = {}
+
+    def split(self, local_world_size: int) -> tuple[ProcessGroup, ProcessGroup]:
+        """The intra-node and inter-node groups of this rank (group ranks ``node * L + local``).
+
+        A collective call: every rank of the group must call it, in the same order (the groups
+        are created once per ``local_world_size`` and cached).
+
+        Args:
+            local_world_size: ranks per node ``L``; must divide ``world_size``.
+
+        Returns:
+            ``(intra, inter)`` ``ProcessGroup``s that count their bytes into this one.
+        """
+        check_split(self._world_size, local_world_size)
+        if local_world_size not in self._splits:
+            members = (
+                list(range(self._world_size))
+                if self.group is None
+                else dist.get_process_group_ranks(self.group)
+            )
+            nodes = self._world_size // local_world_size
+            node, local = divmod(self.rank, local_world_size)
+            intra = [
+                dist.new_group(members[n * local_world_size : (n + 1) * local_world_size])
+                for n in range(nodes)
+            ]
+            inter = [dist.new_group(members[i::local_world_size]) for i in range(local_world_size)]
+            self._splits[local_world_size] = (
+                ProcessGroup(intra[node], counts_into=self),
+                ProcessGroup(inter[local], counts_into=self),
+            )
+        return self._splits[local_world_size]
 
     @property
     def world_size(self) -> int:
