@@ -10,12 +10,21 @@ from fn.collectives.onebit import (
     padded_numel,
 )
 from fn.collectives.process_group import ProcessGroup
-from fn.collectives.simulated import Simulated, replicate, simulate
+from fn.collectives.quantized import (
+    LocoAllreduceState,
+    QuantizedError,
+    loco_allreduce,
+    quantized_allreduce,
+    quantized_padded_numel,
+    quantized_reduce_scatter,
+)
+from fn.collectives.simulated import Simulated, SimulatedGroup, replicate, simulate
 
 __all__ = [
     "Comm",
     "Local",
     "Simulated",
+    "SimulatedGroup",
     "ProcessGroup",
     "simulate",
     "replicate",
@@ -24,4 +33,10 @@ __all__ = [
     "compressed_allreduce",
     "OnebitAllreduceState",
     "onebit_allreduce",
+    "quantized_padded_numel",
+    "quantized_reduce_scatter",
+    "quantized_allreduce",
+    "QuantizedError",
+    "LocoAllreduceState",
+    "loco_allreduce",
 ]

@@ -31,6 +31,9 @@ class Comm(Protocol):
       their ``x[my_rank]``, shape ``chunk``.
     - ``bytes_sent``: cumulative bytes this rank has sent; ``reset_bytes_sent()`` zeroes it and
       returns the old count.
+    - ``split(L)``: ``(intra, inter)`` comms for a two-level topology of ``W / L`` nodes with
+      ``L`` ranks each (rank ``node * L + local``): ``intra`` spans this rank's node, ``inter``
+      the ranks with this rank's local index. Their traffic counts into this comm.
     """
 
     @property
@@ -49,24 +52,39 @@ class Comm(Protocol):
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor: ...
 
+    def split(self, local_world_size: int) -> tuple[Comm, Comm]: ...
+
 
 class ByteCounter:
-    """Byte bookkeeping shared by the backends (a mutable counter, the only state of a comm)."""
+    """Byte bookkeeping shared by the backends (a mutable counter, the only state of a comm).
 
-    def __init__(self) -> None:
+    A sub-group comm (from ``split``) counts into its parent's counter.
+    """
+
+    def __init__(self, counts_into: ByteCounter | None = None) -> None:
         self._bytes_sent = 0
+        self._counter = self if counts_into is None else counts_into._counter
 
     @property
     def bytes_sent(self) -> int:
-        return self._bytes_sent
+        return self._counter._bytes_sent
 
     def reset_bytes_sent(self) -> int:
         """Zeroes the counter and returns the count it had."""
-        old, self._bytes_sent = self._bytes_sent, 0
+        old, self._counter._bytes_sent = self._counter._bytes_sent, 0
         return old
 
     def _count(self, kind: str, nbytes: int, world_size: int) -> None:
-        self._bytes_sent += getattr(_traffic, f"{kind}_bytes")(nbytes, world_size)
+        self._counter._bytes_sent += getattr(_traffic, f"{kind}_bytes")(nbytes, world_size)
+
+
+def check_split(world_size: int, local_world_size: int) -> None:
+    if not isinstance(local_world_size, int) or local_world_size < 1:
+        raise ValueError(f"local_world_size must be a positive int, got {local_world_size!r}")
+    if world_size % local_world_size:
+        raise ValueError(
+            f"local_world_size={local_world_size} does not divide world_size={world_size}"
+        )
 
 
 def check_op(op: str) -> None:
@@ -90,6 +108,11 @@ class Local(ByteCounter):
 
     def __repr__(self) -> str:
         return "Local()"
+
+    def split(self, local_world_size: int) -> tuple[Local, Local]:
+        """``(intra, inter)`` groups of one rank: both are this comm."""
+        check_split(1, local_world_size)
+        return self, self
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         check_op(op)

@@ -25,13 +25,56 @@ from typing import Any
 import torch
 
 from fn.collectives import _sim_ops
-from fn.collectives.comm import ByteCounter, ReduceOp, check_chunked, check_op
+from fn.collectives.comm import ByteCounter, ReduceOp, check_chunked, check_op, check_split
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["Simulated", "simulate", "replicate"]
+__all__ = ["Simulated", "SimulatedGroup", "simulate", "replicate"]
 
 
-class Simulated(ByteCounter):
+class _SimulatedCollectives:
+    """The collectives of a group of simulated ranks (the world, or one hop of a split)."""
+
+    _root: Simulated
+    _local_size: int
+    _hop: int
+    _size: int
+
+    @property
+    def world_size(self) -> int:
+        return self._size
+
+    def _rank_or_raise(self, name: str) -> torch.Tensor:
+        if self._root._rank is None:
+            raise _sim_ops.outside_error(name)
+        return self._root._rank
+
+    def _layout(self) -> tuple[int, int, int]:
+        return id(self._root), self._local_size, self._hop
+
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+        check_op(op)
+        rank = self._rank_or_raise("all_reduce")
+        comm_id, local_size, hop = self._layout()
+        return _sim_ops.sim_all_reduce(x, rank, comm_id, op, local_size, hop)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        rank = self._rank_or_raise("all_gather")
+        return _sim_ops.sim_all_gather(x, rank, *self._layout())
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        rank = self._rank_or_raise("all_to_all")
+        check_chunked(x, self._size, "all_to_all")
+        return _sim_ops.sim_all_to_all(x, rank, *self._layout())
+
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+        check_op(op)
+        rank = self._rank_or_raise("reduce_scatter")
+        check_chunked(x, self._size, "reduce_scatter")
+        comm_id, local_size, hop = self._layout()
+        return _sim_ops.sim_reduce_scatter(x, rank, comm_id, op, local_size, hop)
+
+
+class Simulated(ByteCounter, _SimulatedCollectives):
     """``world_size`` ranks simulated in one process; use through :func:`simulate`.
 
     ``bytes_sent`` counts one rank's share (the same number a ``ProcessGroup`` rank counts).
@@ -44,15 +87,30 @@ class Simulated(ByteCounter):
         super().__init__()
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        self._world_size = world_size
+        self._root = self
+        self._size = world_size
+        self._local_size = world_size
+        self._hop = _sim_ops.WORLD
         self._rank: torch.Tensor | None = None  # batched arange(W) while simulate() runs
 
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
     def __repr__(self) -> str:
-        return f"Simulated({self._world_size})"
+        return f"Simulated({self._size})"
+
+    def split(self, local_world_size: int) -> tuple[SimulatedGroup, SimulatedGroup]:
+        """The intra-node and inter-node groups of this rank, ranks ``node * L + local``.
+
+        Args:
+            local_world_size: ranks per node ``L``; must divide ``world_size``.
+
+        Returns:
+            ``(intra, inter)``: ``intra`` spans the ``L`` ranks of this rank's node, ``inter``
+            the ``W / L`` ranks with this rank's local index. Their bytes count into this comm.
+        """
+        check_split(self._size, local_world_size)
+        return (
+            SimulatedGroup(self, local_world_size, _sim_ops.INTRA),
+            SimulatedGroup(self, local_world_size, _sim_ops.INTER),
+        )
 
     @contextlib.contextmanager
     def _activate(self, rank: torch.Tensor) -> Iterator[None]:
@@ -66,28 +124,27 @@ class Simulated(ByteCounter):
             self._rank = None
             del _sim_ops._ACTIVE[id(self)]
 
-    def _rank_or_raise(self, name: str) -> torch.Tensor:
-        if self._rank is None:
-            raise _sim_ops._outside(name)
-        return self._rank
 
-    def all_reduce(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
-        check_op(op)
-        return _sim_ops.sim_all_reduce(x, self._rank_or_raise("all_reduce"), id(self), op)
+class SimulatedGroup(_SimulatedCollectives):
+    """One hop of :meth:`Simulated.split`; runs inside its root's ``simulate``."""
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        return _sim_ops.sim_all_gather(x, self._rank_or_raise("all_gather"), id(self))
+    def __init__(self, root: Simulated, local_size: int, hop: int) -> None:
+        self._root = root
+        self._local_size = local_size
+        self._hop = hop
+        world_size = root.world_size
+        self._size = local_size if hop == _sim_ops.INTRA else world_size // local_size
 
-    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
-        rank = self._rank_or_raise("all_to_all")
-        check_chunked(x, self._world_size, "all_to_all")
-        return _sim_ops.sim_all_to_all(x, rank, id(self))
+    def __repr__(self) -> str:
+        kind = "intra" if self._hop == _sim_ops.INTRA else "inter"
+        return f"SimulatedGroup({self._root!r}, {kind}, size={self._size})"
 
-    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
-        check_op(op)
-        rank = self._rank_or_raise("reduce_scatter")
-        check_chunked(x, self._world_size, "reduce_scatter")
-        return _sim_ops.sim_reduce_scatter(x, rank, id(self), op)
+    @property
+    def bytes_sent(self) -> int:
+        return self._root.bytes_sent
+
+    def reset_bytes_sent(self) -> int:
+        return self._root.reset_bytes_sent()
 
 
 def simulate(f: Callable[..., Any], comm: Simulated) -> Callable[..., Any]:

@@ -3,8 +3,6 @@ three backends (Local, Simulated, ProcessGroup over real gloo processes)."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -12,7 +10,6 @@ import torch
 import fn
 from fn.collectives import (
     Local,
-    ProcessGroup,
     Simulated,
     compressed_allreduce,
     init_error_feedback,
@@ -20,59 +17,13 @@ from fn.collectives import (
     replicate,
     simulate,
 )
-from tests._distributed import run_distributed
+from tests.collectives import _reference as ref
 
 WORLD_SIZES = (2, 3, 4, 8)
 SIZES = (0, 1, 7, 8, 1000, 4099)
 STEPS = 3
 # numpy and torch accumulate fp32 norms in different orders: the scales differ in the last bits.
 REF_TOL = dict(atol=1e-5, rtol=1e-5)
-
-
-# ----------------------------------------------------------------------------- reference
-def ref_padded(n: int, w: int) -> int:
-    unit = w * (w * 8 // math.gcd(w, 8))
-    return -(-n // unit) * unit
-
-
-def ref_sign(v: np.ndarray) -> np.ndarray:
-    return np.where(v >= 0, np.float32(1), np.float32(-1))  # -0.0 >= 0 is True
-
-
-def ref_unpack(packed: np.ndarray, count: int) -> np.ndarray:
-    return np.where(np.unpackbits(packed)[:count] == 1, np.float32(1), np.float32(-1))
-
-
-def reference_step(xs, worker_errors, server_errors):
-    """One compressed allreduce, written as a loop over ranks (numpy, fp32)."""
-    w, n = len(xs), xs[0].size
-    big_n = ref_padded(n, w)
-    chunk = big_n // w
-    if n == 0:
-        zero = [np.zeros_like(e) for e in worker_errors], [np.zeros_like(e) for e in server_errors]
-        return [x.copy() for x in xs], *zero
-    packed, scales, new_worker = [], [], []
-    for i in range(w):
-        m = np.zeros(big_n, np.float32)
-        m[:n] = xs[i].reshape(-1)
-        m = m + worker_errors[i]
-        a = np.float32(np.linalg.norm(m) / np.sqrt(big_n))
-        packed.append(np.packbits(m >= 0))  # MSB first
-        scales.append(a)
-        new_worker.append(m - a * ref_sign(m))
-    server_signs, server_scales, new_server = [], [], []
-    for r in range(w):  # rank r is the server of chunk r
-        c = np.zeros(chunk, np.float32)
-        for i in range(w):
-            piece = packed[i][r * chunk // 8 : (r + 1) * chunk // 8]
-            c = c + ref_unpack(piece, chunk) * np.float32(scales[i] / w)
-        c = c + server_errors[r]
-        b = np.float32(np.linalg.norm(c) / np.sqrt(chunk))
-        server_signs.append(ref_sign(c))
-        server_scales.append(b)
-        new_server.append(c - b * ref_sign(c))
-    y = np.concatenate([b * s for b, s in zip(server_scales, server_signs, strict=True)])[:n]
-    return [y.reshape(xs[0].shape)] * w, new_worker, new_server
 
 
 def make_inputs(w: int, n: int, steps: int, seed: int = 0) -> torch.Tensor:
@@ -87,12 +38,12 @@ def make_inputs(w: int, n: int, steps: int, seed: int = 0) -> torch.Tensor:
 
 def reference_run(x: torch.Tensor):
     steps, w, n = x.shape
-    big_n = ref_padded(n, w)
+    big_n = ref.onebit_padded(n, w)
     we = [np.zeros(big_n, np.float32) for _ in range(w)]
     se = [np.zeros(big_n // w, np.float32) for _ in range(w)]
     ys = []
     for t in range(steps):
-        y, we, se = reference_step([x[t, i].numpy() for i in range(w)], we, se)
+        y, we, se = ref.onebit_step([x[t, i].numpy() for i in range(w)], we, se)
         ys.append(y[0])
     return np.stack(ys), np.stack(we), np.stack(se)
 
@@ -115,7 +66,9 @@ def test_padding_and_init():
         comm = Simulated(w)
         for n in SIZES:
             we, se = init_error_feedback(n, comm=comm)
-            assert we.shape == (ref_padded(n, w),) and se.shape == (ref_padded(n, w) // w,)
+            assert we.shape == (ref.onebit_padded(n, w),) and se.shape == (
+                ref.onebit_padded(n, w) // w,
+            )
             assert we.dtype == se.dtype == torch.float32
             assert not we.any() and not se.any()
 
@@ -201,8 +154,8 @@ def test_error_feedback_telescopes(w):
     steps, n = 20, 333
     comm = Simulated(w)
     g = torch.Generator().manual_seed(7)
-    we0 = torch.randn(w, ref_padded(n, w), generator=g) * 0.1
-    se0 = torch.randn(w, ref_padded(n, w) // w, generator=g) * 0.1
+    we0 = torch.randn(w, ref.onebit_padded(n, w), generator=g) * 0.1
+    se0 = torch.randn(w, ref.onebit_padded(n, w) // w, generator=g) * 0.1
     x = torch.randn(steps, w, n, generator=g, dtype=torch.float64).float()
     step = simulate(lambda x, a, b: compressed_allreduce(x, a, b, comm=comm), comm)
     we, se, total_y = we0, se0, torch.zeros(n, dtype=torch.float64)
@@ -273,47 +226,3 @@ def test_onebit_sgd_chain_reduces_loss():
         params, state = step(params, state, 0.1 * torch.randn(w, 50, generator=g))
     assert torch.equal(params["p"][0], params["p"][w - 1])
     assert (params["p"][0] - target).norm() < 0.1 * target.norm()
-
-
-# ----------------------------------------------------------------------------- real processes
-def _gloo_worker(rank, world_size, sizes, steps):
-    import torch.distributed as dist
-
-    groups = {world_size: None}
-    for w in range(2, world_size):
-        groups[w] = dist.new_group(list(range(w)))  # every rank takes part in new_group
-    out = {}
-    for w, group in groups.items():
-        if rank >= w:
-            continue
-        comm = ProcessGroup(group)
-        for n in sizes:
-            x = make_inputs(w, n, steps)
-            we, se = init_error_feedback(n, comm=comm)
-            ys = []
-            for t in range(steps):
-                y, we, se = compressed_allreduce(x[t, rank], we, se, comm=comm)
-                ys.append(y)
-            out[(w, n)] = (torch.stack(ys), we, se, comm.reset_bytes_sent())
-    return out
-
-
-@pytest.mark.distributed
-@pytest.mark.timeout(180)
-def test_process_group_matches_simulated_and_reference():
-    world = 4
-    results = run_distributed(_gloo_worker, world, SIZES, STEPS, timeout=150)
-    for w in range(2, world + 1):
-        for n in SIZES:
-            x = make_inputs(w, n, STEPS)
-            sim_y, sim_we, sim_se, sim_bytes = simulated_run(x)
-            ref_y, _, _ = reference_run(x)
-            ys = [results[r][(w, n)][0] for r in range(w)]
-            for r in range(w):
-                assert torch.equal(ys[r], ys[0]), (w, n, r)  # bit-identical on every rank
-                y, we, se, nbytes = results[r][(w, n)]
-                torch.testing.assert_close(y, sim_y[:, r], atol=1e-6, rtol=0)
-                torch.testing.assert_close(we, sim_we[r], atol=1e-6, rtol=0)
-                torch.testing.assert_close(se, sim_se[r], atol=1e-6, rtol=0)
-                assert nbytes == sim_bytes // STEPS * STEPS == sim_bytes
-            np.testing.assert_allclose(ys[0].numpy(), ref_y, **REF_TOL)
