@@ -121,13 +121,15 @@ def compressed_allreduce(
     chunk = n_padded // world_size
 
     flat = torch.nn.functional.pad(x.reshape(-1).float(), (0, n_padded - n))
-    # A rank with non-finite values compresses zeros and sends a NaN scale instead, so every
-    # rank sees the NaN after the scale all_gather and raises there: no rank is left waiting.
-    finite = torch.isfinite(flat).all() & torch.isfinite(worker_error).all()
-    packed, scale, new_worker_error = kernels.sign_compress(
-        torch.where(finite, flat, 0.0), torch.where(finite, worker_error, 0.0)
-    )
-    scale = torch.where(finite, scale, torch.nan)
+    # Non-finite values make the scale non-finite (or the kernel raise); the rank then sends a
+    # NaN scale, every rank sees it after the scale all_gather and raises there, before any
+    # sign is exchanged: no rank is left waiting and no error state is touched.
+    try:
+        packed, scale, new_worker_error = kernels.sign_compress(flat, worker_error)
+    except ValueError as err:
+        if "non-finite" not in str(err):
+            raise
+        packed, scale, new_worker_error = None, flat.new_full((), torch.nan), None
     scales = comm.all_gather(scale)  # [W]
     assert_all_finite(
         scales, "compressed_allreduce: non-finite values in x (or in the worker error)"

@@ -76,11 +76,11 @@ def _plan(comm: Comm, bits: int, group_size: int, local_world_size: int | None) 
 
 
 def _quantize(v: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
-    # A rank with non-finite values sends all-NaN scales, so every peer that receives from it
-    # (directly, or through a poisoned partial sum) raises at the check: nobody waits forever.
-    finite = torch.isfinite(v).all()
-    q, scales = kernels.quantize(torch.where(finite, v, 0.0), plan.bits, plan.group_size)
-    return q, torch.where(finite, scales, torch.nan)
+    # A group with a non-finite value has a non-finite scale. Then this rank sends all-NaN
+    # scales, so every peer that receives from it (directly, or through a poisoned partial sum)
+    # raises at the check after the last hop: nobody is left waiting for a rank that raised.
+    q, scales = kernels.quantize(v, plan.bits, plan.group_size)
+    return q, torch.where(torch.isfinite(scales).all(), scales, torch.nan)
 
 
 def _feedback(
