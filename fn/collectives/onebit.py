@@ -14,7 +14,7 @@ import torch
 
 from fn import kernels
 from fn.base import GradientTransformation
-from fn.collectives._checks import assert_all_finite
+from fn.collectives._checks import finite_or_raise
 from fn.collectives.comm import Comm
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
@@ -130,9 +130,9 @@ def compressed_allreduce(
         if "non-finite" not in str(err):
             raise
         packed, scale, new_worker_error = None, flat.new_full((), torch.nan), None
-    scales = comm.all_gather(scale)  # [W]
-    assert_all_finite(
-        scales, "compressed_allreduce: non-finite values in x (or in the worker error)"
+    scales = finite_or_raise(
+        comm.all_gather(scale),  # [W]
+        "compressed_allreduce: non-finite values in x (or in the worker error)",
     )
 
     received = comm.all_to_all(packed.view(world_size, -1))  # [W, chunk / 8]: chunk r of rank i

@@ -148,8 +148,8 @@ def test_inner_vmap_communicates_every_inner_element():
     for r in range(w):
         for j in range(inner):
             assert torch.equal(gathered[r, j], x[:, j])
-    # one all_reduce and one all_gather of the whole [inner, 5] fp32 payload
-    payload = inner * 5 * 4
+    # counted per inner element: one all_reduce and one all_gather of a [5] fp32 payload
+    payload = 5 * 4
     assert comm.bytes_sent == math.ceil(2 * (w - 1) * payload / w) + (w - 1) * payload
 
 
