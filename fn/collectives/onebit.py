@@ -160,6 +160,9 @@ def onebit_allreduce(*, comm: Comm) -> GradientTransformation:
     ``None`` leaves pass through. After a momentum transform, ``chain(trace(...),
     onebit_allreduce(comm=c), scale(-lr))`` is 1-bit SGD with error feedback.
 
+    ``init`` sizes the buffers from one rank's params: with ``Simulated``, call it on unbatched
+    params and ``replicate`` the state, or run it under ``simulate``.
+
     Args:
         comm: the communicator.
 

@@ -152,7 +152,8 @@ def simulate(f: Callable[..., Any], comm: Simulated) -> Callable[..., Any]:
 
     Every tensor leaf of the arguments must have a leading rank axis of size ``W``; ``f`` sees one
     rank's slice. Non-tensor leaves (ints, floats, ``None``, strings) are passed to every rank as
-    they are. Tensor outputs get the rank axis; non-tensor outputs are returned as ``f`` gave them.
+    they are. Tensor outputs get the rank axis (one row per rank, never shared memory between
+    rows); non-tensor outputs are returned as ``f`` gave them.
     Random ops draw different values on each rank.
 
     Args:
@@ -196,7 +197,9 @@ def simulate(f: Callable[..., Any], comm: Simulated) -> Callable[..., Any]:
             ranks, *(leaves[i] for i in positions)
         )
         out_leaves, out_spec, is_tensor = structure[0]
-        batched_iter = iter(batched)
+        # A value that is the same on every rank comes back broadcast (stride 0): copy it, so
+        # that every rank owns its row as a real backend's rank would.
+        batched_iter = (t.contiguous() if t.stride(0) == 0 else t for t in batched)
         final = [next(batched_iter) if t else o for o, t in zip(out_leaves, is_tensor, strict=True)]
         return tree_unflatten(final, out_spec)
 
