@@ -76,10 +76,17 @@ def _plan(comm: Comm, bits: int, group_size: int, local_world_size: int | None) 
 
 
 def _quantize(v: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
-    # A group with a non-finite value has a non-finite scale. Then this rank sends all-NaN
-    # scales, so every peer that receives from it (directly, or through a poisoned partial sum)
-    # raises at the check after the last hop: nobody is left waiting for a rank that raised.
-    q, scales = kernels.quantize(v, plan.bits, plan.group_size)
+    # A group with a non-finite value has a non-finite scale (or the kernel refuses it). Then
+    # this rank sends all-NaN scales, so every peer that receives from it (directly, or through
+    # a poisoned partial sum) raises at the check after the last hop: nobody is left waiting
+    # for a rank that raised.
+    try:
+        q, scales = kernels.quantize(v, plan.bits, plan.group_size)
+    except ValueError as err:
+        if "non-finite" not in str(err):
+            raise
+        q = v.new_zeros(v.numel() * plan.bits // 8, dtype=torch.uint8)
+        return q, v.new_full((v.numel() // plan.group_size,), torch.nan)
     return q, torch.where(torch.isfinite(scales).all(), scales, torch.nan)
 
 
