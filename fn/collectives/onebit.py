@@ -14,7 +14,8 @@ import torch
 
 from fn import kernels
 from fn.base import GradientTransformation
-from fn.collectives._checks import assert_all_finite
+from fn.collectives._checks import finite_or_raise
+from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
@@ -130,9 +131,9 @@ def compressed_allreduce(
         if "non-finite" not in str(err):
             raise
         packed, scale, new_worker_error = None, flat.new_full((), torch.nan), None
-    scales = comm.all_gather(scale)  # [W]
-    assert_all_finite(
-        scales, "compressed_allreduce: non-finite values in x (or in the worker error)"
+    scales = finite_or_raise(
+        comm.all_gather(scale),  # [W]
+        "compressed_allreduce: non-finite values in x (or in the worker error)",
     )
 
     received = comm.all_to_all(packed.view(world_size, -1))  # [W, chunk / 8]: chunk r of rank i
@@ -143,7 +144,7 @@ def compressed_allreduce(
     all_packed = comm.all_gather(server_packed)  # [W, chunk / 8]
     all_scales = comm.all_gather(server_scale)  # [W]
     y = kernels.unpackbits(all_packed.reshape(-1), n_padded).view(world_size, chunk)
-    y = (y * all_scales[:, None]).reshape(-1)[:n]
+    y = fusion_barrier((y * all_scales[:, None]).reshape(-1))[:n]
     return y.view(x.shape).to(x.dtype), new_worker_error, new_server_error
 
 
@@ -159,6 +160,9 @@ def onebit_allreduce(*, comm: Comm) -> GradientTransformation:
     (an estimate of ``mean_i u_i``), threading one pair of error buffers per leaf in the state.
     ``None`` leaves pass through. After a momentum transform, ``chain(trace(...),
     onebit_allreduce(comm=c), scale(-lr))`` is 1-bit SGD with error feedback.
+
+    ``init`` sizes the buffers from one rank's params: with ``Simulated``, call it on unbatched
+    params and ``replicate`` the state, or run it under ``simulate``.
 
     Args:
         comm: the communicator.

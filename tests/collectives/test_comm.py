@@ -130,6 +130,8 @@ def test_unbatched_values_inside_simulate_are_the_same_on_every_rank():
     )
     assert torch.equal(out[0], torch.full((3, 2), 3.0))
     assert torch.equal(out[1], torch.arange(3.0).expand(3, 3))
+    out[0][0, 0] = 7.0  # every rank owns its row
+    assert out[0][1, 0] == 3.0
 
 
 def test_inner_vmap_communicates_every_inner_element():
@@ -148,8 +150,8 @@ def test_inner_vmap_communicates_every_inner_element():
     for r in range(w):
         for j in range(inner):
             assert torch.equal(gathered[r, j], x[:, j])
-    # one all_reduce and one all_gather of the whole [inner, 5] fp32 payload
-    payload = inner * 5 * 4
+    # counted per inner element: one all_reduce and one all_gather of a [5] fp32 payload
+    payload = 5 * 4
     assert comm.bytes_sent == math.ceil(2 * (w - 1) * payload / w) + (w - 1) * payload
 
 
