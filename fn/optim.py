@@ -608,20 +608,25 @@ def check_same_shapes(comm: Any, index: int, params: list[torch.Tensor]) -> None
         return
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     rows = [[dtypes.index(p.dtype) if p.dtype in dtypes else -3, p.dim(), *p.shape] for p in params]
-    size = torch.tensor([len(rows), max((len(r) for r in rows), default=0)], dtype=torch.int64)
-    n_rows, width = (int(x) for x in comm.all_gather(size).amax(0))
+    # on the params' device, like all of the optimizer's traffic (NCCL takes only GPU tensors)
+    device = params[0].device if params else torch.device("cpu")
+    size = torch.tensor([len(rows), max((len(r) for r in rows), default=0)], device=device)
+    sizes = comm.all_gather(size).cpu()  # [W, 2]: params, longest row
+    counts = [int(n) for n in sizes[:, 0]]
+    for rank in range(1, comm.world_size):
+        if counts[rank] != counts[0]:
+            raise ValueError(
+                f"fn.optim: param group {index} has {counts[0]} trainable params on rank 0 "
+                f"but {counts[rank]} on rank {rank}; every rank must build the optimizer "
+                "over the same model"
+            )
+    n_rows, width = (int(x) for x in sizes.amax(0))
+    if n_rows == 0:
+        return
     table = torch.full((n_rows, width), -2, dtype=torch.int64)
     for i, row in enumerate(rows):
         table[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
-    tables = comm.all_gather(table)  # [W, n_rows, width]
-    counts = comm.all_gather(torch.tensor(len(rows), dtype=torch.int64))  # [W]
-    for rank in range(1, comm.world_size):
-        if int(counts[rank]) != int(counts[0]):
-            raise ValueError(
-                f"fn.optim: param group {index} has {int(counts[0])} trainable params on rank 0 "
-                f"but {int(counts[rank])} on rank {rank}; every rank must build the optimizer "
-                "over the same model"
-            )
+    tables = comm.all_gather(table.to(device)).cpu()  # [W, n_rows, width]
     for i in range(n_rows):
         for rank in range(1, comm.world_size):
             if not torch.equal(tables[rank, i], tables[0, i]):

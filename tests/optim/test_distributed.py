@@ -100,15 +100,22 @@ def _nonfinite_on_one_rank(rank, dtype, use_scaler):
     return {"unchanged": unchanged, "final": flat_params(model), "skipped": opt.skipped_steps}
 
 
-def _mismatched_model(rank):
+def _mismatched_models(rank):
+    """Rank 1 has a narrower layer, then an extra layer: both ranks must raise."""
     width = 7 if rank == 0 else 6
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(5, width), torch.nn.Linear(width, 3))
-    try:
-        fn.optim.OnebitAdam(model.parameters())
-    except ValueError as err:
-        return str(err)
-    return None
+    models = [
+        torch.nn.Sequential(torch.nn.Linear(5, width), torch.nn.Linear(width, 3)),
+        torch.nn.Sequential(*(torch.nn.Linear(5, 5) for _ in range(2 + rank))),
+    ]
+    messages = []
+    for model in models:
+        try:
+            fn.optim.OnebitAdam(model.parameters())
+            messages.append(None)
+        except ValueError as err:
+            messages.append(str(err))
+    return messages
 
 
 def _worker(rank, world_size):
@@ -124,7 +131,7 @@ def _worker(rank, world_size):
                 out["w2_checkpoint"] = run["checkpoint"]
     out["skip"] = _nonfinite_on_one_rank(rank, torch.float32, False)
     out["scaler_skip"] = _nonfinite_on_one_rank(rank, torch.bfloat16, True)
-    out["mismatch"] = _mismatched_model(rank)
+    out["mismatch"] = _mismatched_models(rank)
     return out
 
 
@@ -211,6 +218,7 @@ def test_nonfinite_gradients_on_one_rank_are_skipped_by_all(results, case):
 @pytest.mark.timeout(180)
 def test_mismatched_models_are_a_clear_error_on_every_rank(results):
     for r in results:
-        assert r["mismatch"] is not None
-        assert "param group 0, param 0 differs across ranks" in r["mismatch"]
-        assert "(7, 5)" in r["mismatch"] and "(6, 5)" in r["mismatch"]
+        shapes, counts = r["mismatch"]
+        assert "param group 0, param 0 differs across ranks" in shapes
+        assert "(7, 5)" in shapes and "(6, 5)" in shapes
+        assert "4 trainable params on rank 0 but 6 on rank 1" in counts
