@@ -181,12 +181,18 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         """Adds a group (a collective call under ``ProcessGroup``: every rank must add the same
         shapes). Params with ``requires_grad=False`` are left out."""
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
+        try:
+            self._build_group(len(self.param_groups) - 1)
+        except BaseException:
+            self.param_groups.pop()
+            raise
+
+    def _build_group(self, index: int) -> None:
+        group = self.param_groups[index]
         keep = [i for i, p in enumerate(group["params"]) if p.requires_grad]
         group["params"] = [group["params"][i] for i in keep]
         if "param_names" in group:
             group["param_names"] = [group["param_names"][i] for i in keep]
-        index = len(self.param_groups) - 1
         if isinstance(self._transform, (GradientTransformation, CompressedOptimizer)):
             extra = set(group) - _GROUP_META - {"lr"}
             if extra:

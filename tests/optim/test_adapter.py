@@ -262,3 +262,20 @@ def test_bad_arguments():
 def test_default_comm_is_local_without_torch_distributed():
     model = make_model()
     assert isinstance(fn.optim.OnebitAdam(model.parameters()).comm, Local)
+
+
+def test_add_param_group_builds_its_buffer_and_a_bad_group_is_not_added():
+    model = make_model()
+    w1, b1, w2, b2 = model.parameters()
+    opt = fn.optim.FunctionalOptimizer([w1, b1], fn.adam(1e-2))
+    with pytest.raises(ValueError, match="only takes a per-group lr"):
+        opt.add_param_group({"params": [w2], "eps": 1e-3})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [w2, b2], "lr": 1e-3})
+    assert [g["lr"] for g in opt.param_groups] == [1e-2, 1e-3]
+    before = flat_params(model)
+    opt.zero_grad()
+    backward(model, 0, 0)
+    opt.step()
+    moved = (flat_params(model) - before).abs()
+    assert moved[:42].max() > 5e-3 and 0 < moved[42:].max() < 2e-3  # lr 1e-2 vs 1e-3
