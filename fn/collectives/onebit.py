@@ -14,7 +14,7 @@ import torch
 
 from fn import kernels
 from fn.base import GradientTransformation
-from fn.collectives._checks import assert_all_finite
+from fn.collectives._checks import finite_or_raise
 from fn.collectives.comm import Comm
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
@@ -121,16 +121,18 @@ def compressed_allreduce(
     chunk = n_padded // world_size
 
     flat = torch.nn.functional.pad(x.reshape(-1).float(), (0, n_padded - n))
-    # A rank with non-finite values compresses zeros and sends a NaN scale instead, so every
-    # rank sees the NaN after the scale all_gather and raises there: no rank is left waiting.
-    finite = torch.isfinite(flat).all() & torch.isfinite(worker_error).all()
-    packed, scale, new_worker_error = kernels.sign_compress(
-        torch.where(finite, flat, 0.0), torch.where(finite, worker_error, 0.0)
-    )
-    scale = torch.where(finite, scale, torch.nan)
-    scales = comm.all_gather(scale)  # [W]
-    assert_all_finite(
-        scales, "compressed_allreduce: non-finite values in x (or in the worker error)"
+    # Non-finite values make the scale non-finite (or the kernel raise); the rank then sends a
+    # NaN scale, every rank sees it after the scale all_gather and raises there, before any
+    # sign is exchanged: no rank is left waiting and no error state is touched.
+    try:
+        packed, scale, new_worker_error = kernels.sign_compress(flat, worker_error)
+    except ValueError as err:
+        if "non-finite" not in str(err):
+            raise
+        packed, scale, new_worker_error = None, flat.new_full((), torch.nan), None
+    scales = finite_or_raise(
+        comm.all_gather(scale),  # [W]
+        "compressed_allreduce: non-finite values in x (or in the worker error)",
     )
 
     received = comm.all_to_all(packed.view(world_size, -1))  # [W, chunk / 8]: chunk r of rank i
@@ -157,6 +159,9 @@ def onebit_allreduce(*, comm: Comm) -> GradientTransformation:
     (an estimate of ``mean_i u_i``), threading one pair of error buffers per leaf in the state.
     ``None`` leaves pass through. After a momentum transform, ``chain(trace(...),
     onebit_allreduce(comm=c), scale(-lr))`` is 1-bit SGD with error feedback.
+
+    ``init`` sizes the buffers from one rank's params: with ``Simulated``, call it on unbatched
+    params and ``replicate`` the state, or run it under ``simulate``.
 
     Args:
         comm: the communicator.

@@ -36,7 +36,7 @@ import torch
 
 from fn import kernels
 from fn.base import EmptyState, GradientTransformation
-from fn.collectives._checks import assert_all_finite
+from fn.collectives._checks import finite_or_raise
 from fn.collectives.comm import Comm
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
@@ -76,11 +76,11 @@ def _plan(comm: Comm, bits: int, group_size: int, local_world_size: int | None) 
 
 
 def _quantize(v: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
-    # A rank with non-finite values sends all-NaN scales, so every peer that receives from it
-    # (directly, or through a poisoned partial sum) raises at the check: nobody waits forever.
-    finite = torch.isfinite(v).all()
-    q, scales = kernels.quantize(torch.where(finite, v, 0.0), plan.bits, plan.group_size)
-    return q, torch.where(finite, scales, torch.nan)
+    # A group with a non-finite value has a non-finite scale. Then this rank sends all-NaN
+    # scales, so every peer that receives from it (directly, or through a poisoned partial sum)
+    # raises at the check after the last hop: nobody is left waiting for a rank that raised.
+    q, scales = kernels.quantize(v, plan.bits, plan.group_size)
+    return q, torch.where(torch.isfinite(scales).all(), scales, torch.nan)
 
 
 def _feedback(
@@ -105,10 +105,11 @@ def _reduce_scatter(
         q, scales, new_error = _feedback(v, error, plan, err_beta)
         new_errors.append(new_error)
         scales = hop.all_to_all(scales.view(size, -1))  # [size, groups per chunk]
+        if hop is plan.hops[-1]:
+            scales = finite_or_raise(scales, _NON_FINITE)
         q = hop.all_to_all(q.view(size, -1))  # [size, bytes per chunk]
         pieces = kernels.dequantize(q.reshape(-1), scales.reshape(-1), plan.bits, v.numel())
         v = pieces.view(size, -1).sum(0)
-    assert_all_finite(scales, _NON_FINITE)
     return v / plan.world.world_size, new_errors
 
 

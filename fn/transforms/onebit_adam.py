@@ -107,7 +107,7 @@ def onebit_adam(
             return collectives.init_error_feedback(p.numel(), comm=comm, device=p.device)
 
         pairs = tree_map(errors, params)
-        leaves, spec = tree_flatten(params)
+        spec = tree_flatten(params)[1]
         pair_leaves = spec.flatten_up_to(pairs)
         return OnebitAdamState(
             count=torch.zeros((), dtype=torch.int64),

@@ -139,7 +139,7 @@ def zero_one_adam(
         def errors(p):
             return collectives.init_error_feedback(p.numel(), comm=comm, device=p.device)
 
-        leaves, spec = tree_flatten(params)
+        spec = tree_flatten(params)[1]
         pair_leaves = spec.flatten_up_to(tree_map(errors, params))
         counters = schedule.counters(1)
 
