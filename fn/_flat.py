@@ -1,0 +1,150 @@
+"""Contiguous flat storage for one param group of the ``torch.optim`` adapter (``fn.optim``).
+
+The group's params are copied, in order, into one 1-D buffer and each param's ``.data`` becomes a
+view into it (made by copying and assigning ``.data``; storages are never swapped with ``set_``),
+so the optimizer reads and writes all of a group's params as one tensor on any device.
+
+fp16/bf16 params keep an fp32 master copy: the optimizer updates the master and casts it back
+into the params' buffer after every step. Other dtypes (fp32, fp64) are their own master.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class FlatGroup:
+    """The flat buffers of one param group.
+
+    Attributes:
+        params: the group's params (their ``.data`` are views of ``model``).
+        shapes: the params' shapes.
+        numel: total elements ``n``.
+        model: ``[n]`` in the params' dtype: the params' storage.
+        master: ``[n]``, fp32 for fp16/bf16 params (a separate copy), else ``model`` itself.
+
+    Args:
+        params: the params (all of one dtype and device, floating point, dense).
+
+    Raises:
+        ValueError: mixed dtypes or devices, or a non floating-point or sparse param.
+    """
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        for p in params:
+            if not p.is_floating_point() or p.is_sparse:
+                raise ValueError(
+                    f"fn.optim needs dense floating-point params, got {p.dtype} ({p.layout})"
+                )
+        kinds = {(p.dtype, p.device) for p in params}
+        if len(kinds) > 1:
+            raise ValueError(
+                "all params of a group must share dtype and device (put them in separate param "
+                f"groups); got {sorted(str(k) for k in kinds)}"
+            )
+        dtype, device = next(iter(kinds)) if kinds else (torch.float32, torch.device("cpu"))
+        self.params = params
+        self.shapes = [tuple(p.shape) for p in params]
+        self._numels = [p.numel() for p in params]
+        self._offsets = [sum(self._numels[:i]) for i in range(len(params))]
+        self.numel = sum(self._numels)
+        self.model = torch.empty(self.numel, dtype=dtype, device=device)
+        with torch.no_grad():
+            for p, view in zip(params, self.views(self.model), strict=True):
+                view.copy_(p.detach())
+                p.data = view
+        self.master = self.model.float() if dtype in _LOW_PRECISION else self.model
+        self._ptrs = [p.data_ptr() for p in params]
+        self._versions = [p._version for p in params]
+
+    @property
+    def has_master_copy(self) -> bool:
+        """True if ``master`` is an fp32 copy of lower-precision params."""
+        return self.master is not self.model
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-param views (with the params' shapes) of a ``[n]`` tensor."""
+        return [
+            flat[o : o + n].view(s)
+            for o, n, s in zip(self._offsets, self._numels, self.shapes, strict=True)
+        ]
+
+    def tree(self, flat: torch.Tensor, flatten: bool) -> torch.Tensor | list[torch.Tensor]:
+        """What the functional transform sees: ``flat`` itself, or the per-param views of it."""
+        return flat if flatten else self.views(flat)
+
+    def gather_grads(self) -> torch.Tensor:
+        """The params' gradients as one new ``[n]`` tensor in the master's dtype.
+
+        A param whose ``.grad`` is ``None`` contributes zeros.
+        """
+        pieces = []
+        for p in self.params:
+            g = p.grad
+            if g is None:
+                pieces.append(torch.zeros(p.numel(), dtype=self.master.dtype, device=p.device))
+                continue
+            if g.is_sparse:
+                raise ValueError("fn.optim does not support sparse gradients")
+            pieces.append(g.detach().reshape(-1).to(self.master.dtype))
+        if not pieces:
+            return torch.zeros(0, dtype=self.master.dtype, device=self.master.device)
+        return torch.cat(pieces)
+
+    def check_params(self) -> None:
+        """Verifies that the params still live in the buffer and refreshes the master copy of
+        params that were written since the last step (``p.copy_(...)``, ``load_state_dict``).
+
+        A written param whose values equal the master cast to its dtype keeps the exact master;
+        otherwise its master slice is taken from the new values.
+
+        Raises:
+            RuntimeError: a param's storage was replaced (``p.data = ...``, ``model.to(...)``
+                after the optimizer was built).
+        """
+        for i, p in enumerate(self.params):
+            if p.data_ptr() != self._ptrs[i]:
+                raise RuntimeError(
+                    f"param {i} of shape {self.shapes[i]} no longer lives in the optimizer's flat "
+                    "buffer (its .data was replaced, e.g. by model.to(...)): build the optimizer "
+                    "after moving or casting the model"
+                )
+            if p._version != self._versions[i] and self.has_master_copy:
+                master = self.master[self._offsets[i] : self._offsets[i] + self._numels[i]]
+                current = p.detach().reshape(-1)
+                if not torch.equal(master.to(current.dtype), current):
+                    master.copy_(current)
+        self._versions = [p._version for p in self.params]
+
+    @torch.no_grad()
+    def write(self, new: torch.Tensor | list[torch.Tensor]) -> None:
+        """Stores the new master values (a ``[n]`` tensor or per-param tensors) and casts them
+        into the params."""
+        if isinstance(new, torch.Tensor):
+            self.master.copy_(new)
+        else:
+            for view, x in zip(self.views(self.master), new, strict=True):
+                view.copy_(x)
+        if self.has_master_copy:
+            self.model.copy_(self.master)
+
+    @torch.no_grad()
+    def load_master(self, master: torch.Tensor | None) -> None:
+        """Sets the master copy from a checkpoint (``None``: from the params' current values)
+        and the params from it. Without a separate master copy this does nothing: the params are
+        their own master and come from the model's checkpoint."""
+        if not self.has_master_copy:
+            return
+        if master is None:
+            self.master.copy_(self.model)
+        else:
+            if tuple(master.shape) != (self.numel,):
+                raise ValueError(
+                    f"checkpoint master copy has shape {tuple(master.shape)}, expected "
+                    f"({self.numel},)"
+                )
+            self.master.copy_(master)
+            self.model.copy_(self.master)
+        self._versions = [p._version for p in self.params]

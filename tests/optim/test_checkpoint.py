@@ -1,0 +1,88 @@
+"""Adapter checkpoints under Local: bit-exact resume in both phases, bf16 masters, bad input.
+(Error feedback with two ranks and world-size changes: test_distributed.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fn
+import fn.optim
+from tests.optim._problem import interrupted_run, make_model, save_and_load, train
+
+N = 12
+OPTIMIZERS = {
+    "onebit_adam": lambda ps: fn.optim.OnebitAdam(ps, lr=1e-2, freeze_step=4, weight_decay=0.01),
+    "zero_one_adam": lambda ps: fn.optim.ZeroOneAdam(
+        ps,
+        lr=1e-2,
+        var_freeze_step=5,
+        var_update_scaler=2,
+        local_step_scaler=2,
+        local_step_clipper=4,
+    ),
+    "onebit_lamb": lambda ps: fn.optim.OnebitLamb(ps, lr=1e-2, freeze_step=4, weight_decay=0.01),
+    "adam": lambda ps: fn.optim.FunctionalOptimizer(ps, fn.adam(1e-2)),
+}
+
+
+@pytest.mark.parametrize("k", [2, 8], ids=["warmup", "compressed"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_resume_is_bit_identical(name, k):
+    out = interrupted_run(OPTIMIZERS[name], 0, k, N)
+    assert out["same_params"] and out["same_state"]
+    assert out["checkpoint"]["state"][0]["step"] == k
+
+
+@pytest.mark.parametrize("optimizer_first", [False, True], ids=["model-first", "optim-first"])
+def test_bf16_resume_restores_the_fp32_master(optimizer_first):
+    out = interrupted_run(
+        OPTIMIZERS["onebit_adam"], 0, 6, N, torch.bfloat16, optimizer_first=optimizer_first
+    )
+    assert out["same_params"] and out["same_state"]
+    assert out["checkpoint"]["state"][0]["master"].dtype == torch.float32
+
+
+def test_a_checkpoint_is_not_aliased_to_the_live_optimizer():
+    model = make_model(dtype=torch.bfloat16)
+    opt = OPTIMIZERS["onebit_adam"](model.parameters())
+    train(model, opt, 0, range(3))
+    saved = opt.state_dict()
+    copy = {k: v.clone() for k, v in saved["state"][0]["functional"].items()}
+    master = saved["state"][0]["master"].clone()
+    train(model, opt, 0, range(3, 6))
+    for k, v in copy.items():
+        assert torch.equal(saved["state"][0]["functional"][k], v), k
+    assert torch.equal(saved["state"][0]["master"], master)
+
+
+def test_lr_and_hyperparameters_come_back_from_the_checkpoint():
+    model = make_model()
+    opt = OPTIMIZERS["onebit_adam"](model.parameters())
+    opt.param_groups[0]["lr"] = 0.25
+    ckpt = save_and_load(opt.state_dict())
+    fresh = OPTIMIZERS["onebit_adam"](make_model().parameters())
+    fresh.load_state_dict(ckpt)
+    assert fresh.param_groups[0]["lr"] == 0.25 and fresh.param_groups[0]["freeze_step"] == 4
+
+
+def test_a_checkpoint_of_another_model_or_optimizer_is_a_value_error():
+    model = make_model()
+    opt = OPTIMIZERS["onebit_adam"](model.parameters())
+    train(model, opt, 0, range(2))
+    ckpt = save_and_load(opt.state_dict())
+
+    wider = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    other = OPTIMIZERS["onebit_adam"](wider.parameters())
+    before = other.state_dict()
+    with pytest.raises(ValueError, match=r"param 0 has shape \(7, 5\) in the checkpoint"):
+        other.load_state_dict(ckpt)
+    assert other.state_dict()["state"][0]["step"] == before["state"][0]["step"] == 0
+
+    lamb = OPTIMIZERS["onebit_lamb"](make_model().parameters())
+    with pytest.raises(ValueError, match="another structure"):
+        lamb.load_state_dict(ckpt)
+
+    split = OPTIMIZERS["onebit_adam"]([{"params": [p]} for p in make_model().parameters()])
+    with pytest.raises(ValueError, match="param groups"):
+        split.load_state_dict(ckpt)
