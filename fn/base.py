@@ -11,7 +11,9 @@ Nothing is changed in place and no state is hidden: everything that persists bet
 
 A :class:`CompressedOptimizer` adds a second update (``compressed_update``) and a host-side
 schedule that picks the update for step ``t`` from ``t`` alone; both updates take each rank's
-LOCAL gradients and communicate through the ``Comm`` they were built with.
+LOCAL gradients and communicate through the ``Comm`` they were built with. Its ``plan(t)`` holds
+every host-side decision of update ``t`` as Python bools: pass ``plan=opt.plan(t)`` instead of
+``step=t`` into a ``torch.compile``'d step so that it compiles once per plan, not once per step.
 """
 
 from __future__ import annotations
@@ -82,15 +84,41 @@ class CompressedOptimizer(NamedTuple):
         compressed_update: the compressed update: 1-bit collectives inside.
         is_compressed: the host-side schedule, ``is_compressed(t) -> bool`` for the 1-based update
             count ``t``; a pure function of ``t``, never of tensor values.
+        plan: ``plan(t)``, every host-side decision of update ``t`` as a hashable NamedTuple of
+            Python bools with a ``compressed`` attribute equal to ``is_compressed(t)`` (e.g.
+            ``fn.transforms.ZeroOneAdamPlan``). ``None`` (the default) for an optimizer whose
+            updates only take ``step``.
 
-    Both updates have the signature ``(grads, state, params=None, *, step, **extra)`` where
-    ``step`` is the 1-based count of the update being made, a Python ``int``.
+    Both updates have the signature ``(grads, state, params=None, *, step=None, plan=None,
+    **extra)`` and take exactly one of ``step``, the 1-based count of the update being made (a
+    Python ``int``), and ``plan=opt.plan(step)``; both give the same result, bit for bit.
+
+    Compiling a training step: ``torch.compile`` guards Python ints by value (a recompile for
+    every new ``t``, then a silent fall-back to eager) or turns them into symbolic ints the
+    schedules cannot branch on. Pass the plan into the compiled function instead of ``t``: a
+    plan is a few bools, so the step compiles once per distinct plan (at most 2 for 1-bit Adam,
+    4 for 1-bit LAMB, 5 for 0/1 Adam), however many steps are run::
+
+        opt = fn.zero_one_adam(lr=1e-3, var_freeze_step=1000, comm=comm)
+
+        @torch.compile
+        def train_step(params, state, batch, plan):
+            grads = torch.func.grad(loss_fn)(params, batch)
+            updates, state = opt.update(grads, state, params, plan=plan)
+            return fn.apply_updates(params, updates), state
+
+        for t, batch in enumerate(batches, start=1):
+            params, state = train_step(params, state, batch, opt.plan(t))
+
+    With ``Simulated`` ranks, compile ``simulate(train_step, comm)`` (or call
+    ``simulate(opt.update, comm)`` inside the compiled function) the same way.
     """
 
     init: TransformInitFn
     warmup_update: TransformUpdateFn
     compressed_update: TransformUpdateFn
     is_compressed: Callable[[int], bool]
+    plan: Callable[[int], Any] | None = None
 
     def update(
         self,
@@ -98,13 +126,30 @@ class CompressedOptimizer(NamedTuple):
         state: OptState,
         params: Params | None = None,
         *,
-        step: int,
+        step: int | None = None,
+        plan: Any = None,
         **extra: Any,
     ) -> tuple[Updates, OptState]:
-        """Runs the update that the schedule picks for the 1-based update count ``step``."""
-        step = _check_step(step)
-        phase = self.compressed_update if self.is_compressed(step) else self.warmup_update
-        return phase(grads, state, params, step=step, **extra)
+        """Runs the update that the schedule picks for the 1-based update count ``step``, or the
+        one ``plan = self.plan(step)`` says (``plan.compressed``). Give exactly one of them.
+
+        Raises:
+            TypeError: if neither or both are given, ``step`` is a tensor, or a plan is given to
+                an optimizer without ``plan``.
+            ValueError: if ``step`` is not an int >= 1.
+        """
+        if (step is None) == (plan is None):
+            raise TypeError(
+                "pass exactly one of step=t (the 1-based update count) and plan=opt.plan(t)"
+            )
+        if plan is None:
+            step = _check_step(step)
+            phase = self.compressed_update if self.is_compressed(step) else self.warmup_update
+            return phase(grads, state, params, step=step, **extra)
+        if self.plan is None:
+            raise TypeError("this CompressedOptimizer has no plan function: pass step=t")
+        phase = self.compressed_update if plan.compressed else self.warmup_update
+        return phase(grads, state, params, plan=plan, **extra)
 
 
 def _check_step(step: Any) -> int:
@@ -183,17 +228,17 @@ class StagedState(NamedTuple):
 def staged(opt: CompressedOptimizer) -> GradientTransformation:
     """A :class:`CompressedOptimizer` as a plain :class:`GradientTransformation`.
 
-    The state adds an update counter. ``update`` uses the ``step`` keyword when one is given;
-    otherwise it reads the counter on the host (``count + 1``), which needs a concrete tensor
-    (eager mode, Local or ProcessGroup comms). Under ``Simulated`` (vmap) or ``torch.compile``,
-    pass ``step=t`` explicitly.
+    The state adds an update counter. ``update`` uses the ``step`` or ``plan`` keyword when one
+    is given (see :class:`CompressedOptimizer`); otherwise it reads the counter on the host
+    (``count + 1``), which needs a concrete tensor (eager mode, Local or ProcessGroup comms).
+    Under ``Simulated`` (vmap) pass ``step=t``; under ``torch.compile`` pass ``plan=opt.plan(t)``.
     """
 
     def init_fn(params):
         return StagedState(torch.zeros((), dtype=torch.int64), opt.init(params))
 
-    def update_fn(updates, state, params=None, *, step=None, **extra):
-        if step is None:
+    def update_fn(updates, state, params=None, *, step=None, plan=None, **extra):
+        if step is None and plan is None:
             try:
                 step = int(state.count) + 1
             except RuntimeError as err:  # a batched or traced counter has no host value
@@ -201,7 +246,7 @@ def staged(opt: CompressedOptimizer) -> GradientTransformation:
                     "staged(): the step count is not readable on the host here; "
                     "pass update(..., step=t)"
                 ) from err
-        updates, inner = opt.update(updates, state.inner, params, step=step, **extra)
+        updates, inner = opt.update(updates, state.inner, params, step=step, plan=plan, **extra)
         return updates, StagedState(state.count + 1, inner)
 
     return GradientTransformation(init_fn, update_fn)

@@ -13,6 +13,7 @@ Policies shared by every transform here:
   ``fn.set_hyperparams``; the rest are Python floats fixed when the transform is built.
 """
 
+from fn.transforms._onebit_schedules import OnebitAdamPlan, OnebitLambPlan, ZeroOneAdamPlan
 from fn.transforms.adam import ScaleByAdamState, adam, adamw, scale_by_adam
 from fn.transforms.lamb import lamb
 from fn.transforms.learning_rate import (
@@ -30,8 +31,11 @@ from fn.transforms.zero_one_adam import ZeroOneAdamState, zero_one_adam
 
 __all__ = [
     "MaskedState",
+    "OnebitAdamPlan",
     "OnebitAdamState",
+    "OnebitLambPlan",
     "OnebitLambState",
+    "ZeroOneAdamPlan",
     "ZeroOneAdamState",
     "Schedule",
     "ScaleByAdamState",

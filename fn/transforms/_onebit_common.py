@@ -91,6 +91,39 @@ def require_params(params: PyTree | None, why: str) -> None:
         raise ValueError(f"{why} needs the params: call update(grads, state, params, step=t)")
 
 
+def resolve_plan(
+    step: int | None,
+    plan: Any,
+    make_plan: Callable[[int], Any],
+    plan_type: type,
+    compressed: bool,
+    phase: str,
+) -> Any:
+    """The plan of the update being made, from exactly one of ``step`` and ``plan``.
+
+    ``step`` (a Python int) is turned into ``make_plan(step)`` on the host; a given ``plan`` must
+    be a ``plan_type`` (``opt.plan(t)``). Both ways give the same plan, hence the same update.
+
+    Raises:
+        TypeError: if neither or both are given, or ``plan`` has the wrong type.
+        ValueError: if ``step`` is not an int >= 1, or the plan is not one of ``phase``
+            (``plan.compressed != compressed``).
+    """
+    if (step is None) == (plan is None):
+        raise TypeError(
+            "pass exactly one of step=t (the 1-based update count) and plan=opt.plan(t)"
+        )
+    if plan is None:
+        plan, where = make_plan(check_nonnegative_int("step", step, 1)), f"update {step}"
+    elif not isinstance(plan, plan_type):
+        raise TypeError(f"plan must be a {plan_type.__name__} (opt.plan(t)), got {plan!r}")
+    else:
+        where = f"the update planned as {plan}"
+    if plan.compressed != compressed:
+        raise ValueError(f"{where} is not a {phase} update")
+    return plan
+
+
 def check_nonnegative_int(name: str, value: int, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")

@@ -6,11 +6,44 @@ counters of the optimizers only mirror these values (for checkpoints and inspect
 DeepSpeed 0.18.9 counted a gradient-dropping "init step" before the first real update, so its
 counter read ``c = t + 1`` at real update ``t``. The rules below are written so that real update
 ``t`` does what DeepSpeed did at its counter ``c = t + 1`` (see ALGORITHMS.md).
+
+Each schedule also gives the *plan* of update ``t``: a NamedTuple of Python bools holding every
+host-side decision the update makes. The updates read only the plan, so under ``torch.compile``
+(which guards Python values) a training step compiles once per distinct plan, a handful in all,
+however many steps are run. Every plan has a ``compressed`` attribute: which update runs.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+
+class OnebitAdamPlan(NamedTuple):
+    """The host-side decisions of a 1-bit Adam update."""
+
+    compressed: bool  # the compressed rule (1-bit allreduce of m, v frozen), else warmup
+
+
+class OnebitLambPlan(NamedTuple):
+    """The host-side decisions of a 1-bit LAMB update."""
+
+    compressed: bool  # the compressed rule, else warmup (LAMB on the averaged gradient)
+    copies_variance: bool  # the last warmup update: the fresh variance starts as a copy of v
+    sets_scaling: bool  # the first compressed update: the momentum scaling is computed
+
+
+class ZeroOneAdamPlan(NamedTuple):
+    """The host-side decisions of a 0/1 Adam update."""
+
+    variance: bool  # a variance refresh on the dense-allreduced gradient (``warmup_update``)
+    frozen: bool  # a local step (the variance is frozen)
+    sync: bool  # a frozen step that ends with the 1-bit synchronization of the accumulator
+    reset_errors: bool  # the last unfrozen update: the error buffers are zeroed after it
+
+    @property
+    def compressed(self) -> bool:
+        """Every update but a variance refresh is a ``compressed_update``."""
+        return not self.variance
 
 
 class FreezeSchedule(NamedTuple):
@@ -36,6 +69,16 @@ class FreezeSchedule(NamedTuple):
         """True at the last warmup update, ``c == freeze_step``, where 1-bit LAMB copies its
         variance into the fresh variance."""
         return t + 1 == self.freeze_step
+
+    def onebit_adam_plan(self, t: int) -> OnebitAdamPlan:
+        """The plan of 1-bit Adam's update ``t``."""
+        return OnebitAdamPlan(self.is_compressed(t))
+
+    def onebit_lamb_plan(self, t: int) -> OnebitLambPlan:
+        """The plan of 1-bit LAMB's update ``t``."""
+        return OnebitLambPlan(
+            self.is_compressed(t), self.is_last_warmup_step(t), t == self.first_compressed_step()
+        )
 
 
 class ZeroOneAdamCounters(NamedTuple):
@@ -113,3 +156,14 @@ class ZeroOneAdamSchedule(NamedTuple):
     def resets_errors(self, t: int) -> bool:
         """True at the update after which the variance freezes (the error buffers are zeroed)."""
         return t == self.last_unfrozen_step
+
+    def plan(self, t: int) -> ZeroOneAdamPlan:
+        """The plan of update ``t`` (one :meth:`counters` evaluation)."""
+        counters = self.counters(t)
+        c = t + 1
+        return ZeroOneAdamPlan(
+            variance=not counters.frozen and c % counters.var_interval == 0,
+            frozen=counters.frozen,
+            sync=counters.frozen and c % counters.local_interval == 0,
+            reset_errors=self.resets_errors(t),
+        )

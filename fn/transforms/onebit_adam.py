@@ -18,8 +18,9 @@ from fn.transforms._onebit_common import (
     init_lr,
     leaves_or_nones,
     require_params,
+    resolve_plan,
 )
-from fn.transforms._onebit_schedules import FreezeSchedule
+from fn.transforms._onebit_schedules import FreezeSchedule, OnebitAdamPlan
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
 
@@ -87,10 +88,11 @@ def onebit_adam(
             allreduce, ``m`` and ``v`` updated) in the compressed phase too.
 
     Returns:
-        A ``CompressedOptimizer(init, warmup_update, compressed_update, is_compressed)``; both
-        updates are ``(grads, state, params=None, *, step, **extra) -> (updates, state)`` with
-        ``step`` the 1-based update count (a Python int). ``params`` is needed when
-        ``weight_decay > 0``.
+        A ``CompressedOptimizer(init, warmup_update, compressed_update, is_compressed, plan)``;
+        both updates are ``(grads, state, params=None, *, step=None, plan=None, **extra) ->
+        (updates, state)`` with either ``step``, the 1-based update count (a Python int), or
+        ``plan=opt.plan(step)``, an ``OnebitAdamPlan`` (for ``torch.compile``: two plans, warmup
+        and compressed, so two graphs). ``params`` is needed when ``weight_decay > 0``.
 
     Policies: a ``None`` gradient leaf (a frozen param) gets a ``None`` update and its state is
     untouched. Non-finite gradients raise ``ValueError`` and nothing is updated: the warmup update
@@ -101,6 +103,7 @@ def onebit_adam(
     """
     b1, b2 = check_betas(betas)
     schedule = FreezeSchedule(check_nonnegative_int("freeze_step", freeze_step))
+    plan_for = schedule.onebit_adam_plan
     world = comm.world_size
 
     def init_fn(params: Params) -> OnebitAdamState:
@@ -125,13 +128,13 @@ def onebit_adam(
             state: OnebitAdamState,
             params: Params | None = None,
             *,
-            step: int,
+            step: int | None = None,
+            plan: OnebitAdamPlan | None = None,
             **extra: Any,
         ) -> tuple[Updates, OnebitAdamState]:
             del extra
-            if compressed != schedule.is_compressed(step):
-                phase = "compressed" if compressed else "warmup"
-                raise ValueError(f"update {step} is not a {phase} update ({freeze_step=})")
+            phase = "compressed" if compressed else "warmup"
+            resolve_plan(step, plan, plan_for, OnebitAdamPlan, compressed, phase)
             if weight_decay > 0:
                 require_params(params, "weight_decay > 0")
             spec = tree_flatten(state.exp_avg)[1]
@@ -184,5 +187,5 @@ def onebit_adam(
         return update_fn
 
     return CompressedOptimizer(
-        init_fn, make_update(False), make_update(True), schedule.is_compressed
+        init_fn, make_update(False), make_update(True), schedule.is_compressed, plan_for
     )

@@ -18,8 +18,9 @@ from fn.transforms._onebit_common import (
     init_lr,
     leaves_or_nones,
     require_params,
+    resolve_plan,
 )
-from fn.transforms._onebit_schedules import FreezeSchedule
+from fn.transforms._onebit_schedules import FreezeSchedule, OnebitLambPlan
 from fn.tree import PyTree, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 _LEAF_FIELDS = (
@@ -122,8 +123,11 @@ def onebit_lamb(
             every compressed allreduce; ``None`` leaves: no mask.
 
     Returns:
-        A ``CompressedOptimizer``; both updates are ``(grads, state, params, *, step,
-        **extra)``; ``params`` is required (trust ratios).
+        A ``CompressedOptimizer``; both updates are ``(grads, state, params, *, step=None,
+        plan=None, **extra)`` with either ``step=t`` (a Python int) or ``plan=opt.plan(t)``, a
+        ``OnebitLambPlan`` (for ``torch.compile``: four distinct plans, warmup, the last warmup
+        update that copies the variance, the first compressed update that fixes the scaling
+        coefficients, and compressed). ``params`` is required (trust ratios).
 
     Further deliberate deviations from DeepSpeed: a leaf whose momentum is zero at the first
     compressed update gets the scaling coefficient 1 (DeepSpeed divided by zero), and empty leaves
@@ -138,6 +142,7 @@ def onebit_lamb(
     """
     b1, b2 = check_betas(betas)
     schedule = FreezeSchedule(check_nonnegative_int("freeze_step", freeze_step))
+    plan_for = schedule.onebit_lamb_plan
     world = comm.world_size
 
     def init_fn(params: Params) -> OnebitLambState:
@@ -200,7 +205,7 @@ def onebit_lamb(
         mean = torch.stack(list(rms.values())).mean()
         return {i: torch.where(s > 0, mean / s, torch.ones_like(s)) for i, s in rms.items()}
 
-    def warmup_update(grads, state, params, step):
+    def warmup_update(grads, state, params, plan):
         spec = tree_flatten(state.exp_avg)[1]
         g_leaves = spec.flatten_up_to(grads)
         old = {k: spec.flatten_up_to(getattr(state, k)) for k in _LEAF_FIELDS}
@@ -216,7 +221,7 @@ def onebit_lamb(
             g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
             m = b1 * m + (1 - b1) * g
             v = b2 * v + (1 - b2) * g * g
-            if schedule.is_last_warmup_step(step):
+            if plan.copies_variance:
                 v_fresh = v
             u = m / (v.sqrt() + eps)
             if weight_decay > 0:
@@ -231,7 +236,7 @@ def onebit_lamb(
         new_state = state._replace(count=state.count + 1, lr=eta, **fields)
         return tree_unflatten(updates, spec), new_state
 
-    def compressed_update(grads, state, params, step):
+    def compressed_update(grads, state, params, plan):
         spec = tree_flatten(state.exp_avg)[1]
         g_leaves = spec.flatten_up_to(grads)
         old = {k: spec.flatten_up_to(getattr(state, k)) for k in _LEAF_FIELDS}
@@ -239,7 +244,7 @@ def onebit_lamb(
         mask_leaves = leaves_or_nones(exp_avg_mask, spec)
         eta = current_lr(lr, state.lr, state.count)
         new = {k: list(v) for k, v in old.items()}
-        if step == schedule.first_compressed_step():
+        if plan.sets_scaling:
             for i, s in scaling_coefficients(old["exp_avg"]).items():
                 new["scaling_coeff"][i] = s
         scaling = new["scaling_coeff"]
@@ -298,18 +303,18 @@ def onebit_lamb(
             state: OnebitLambState,
             params: Params | None = None,
             *,
-            step: int,
+            step: int | None = None,
+            plan: OnebitLambPlan | None = None,
             **extra: Any,
         ) -> tuple[Updates, OnebitLambState]:
             del extra
-            if compressed != schedule.is_compressed(step):
-                phase = "compressed" if compressed else "warmup"
-                raise ValueError(f"update {step} is not a {phase} update ({freeze_step=})")
+            phase = "compressed" if compressed else "warmup"
+            plan = resolve_plan(step, plan, plan_for, OnebitLambPlan, compressed, phase)
             require_params(params, "1-bit LAMB (trust ratios)")
-            return rule(grads, state, params, step)
+            return rule(grads, state, params, plan)
 
         return update_fn
 
     return CompressedOptimizer(
-        init_fn, make_update(False), make_update(True), schedule.is_compressed
+        init_fn, make_update(False), make_update(True), schedule.is_compressed, plan_for
     )

@@ -18,8 +18,9 @@ from fn.transforms._onebit_common import (
     init_lr,
     leaves_or_nones,
     require_params,
+    resolve_plan,
 )
-from fn.transforms._onebit_schedules import ZeroOneAdamSchedule
+from fn.transforms._onebit_schedules import ZeroOneAdamPlan, ZeroOneAdamSchedule
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
 _LEAF_FIELDS = ("exp_avg", "exp_avg_sq", "momentum_accumulator", "worker_error", "server_error")
@@ -33,7 +34,7 @@ class ZeroOneAdamState(NamedTuple):
     momentum_accumulator: PyTree  # like params, fp32: a, the sum of local updates since a sync
     worker_error: PyTree  # per leaf [N_leaf] fp32: e_w of the leaf's compressed allreduce
     server_error: PyTree  # per leaf [N_leaf / W] fp32: e_s
-    var_interval: torch.Tensor  # [] int64: mirrors ZeroOneAdamSchedule.counters(count + 1)
+    var_interval: torch.Tensor  # [] int64: equals ZeroOneAdamSchedule.counters(count + 1)
     var_counter: torch.Tensor  # [] int64
     local_interval: torch.Tensor  # [] int64
     local_counter: torch.Tensor  # [] int64
@@ -103,8 +104,12 @@ def zero_one_adam(
             allreduce (of the gradient and of the accumulator); ``None`` leaves: no mask.
 
     Returns:
-        A ``CompressedOptimizer``; both updates are ``(grads, state, params=None, *, step,
-        **extra)``. ``params`` is needed when ``weight_decay > 0``.
+        A ``CompressedOptimizer``; both updates are ``(grads, state, params=None, *, step=None,
+        plan=None, **extra)`` with either ``step=t`` (a Python int) or ``plan=opt.plan(t)``, a
+        ``ZeroOneAdamPlan`` (for ``torch.compile``; at most five distinct plans: variance,
+        1-bit, local and sync steps, and the last unfrozen update, which resets the errors).
+        ``params`` is needed when ``weight_decay > 0``. The schedule counters in the state
+        advance with the plan's decisions (they equal ``counters(t + 1)`` after update ``t``).
 
     Deviations from DeepSpeed, all deliberate: the schedule counters are global (DeepSpeed kept
     identical copies per param, and a param without a gradient skipped its own counter) and live
@@ -135,6 +140,14 @@ def zero_one_adam(
         if mask is not None:
             x = x * mask
         return x, ew, es
+
+    def advance(interval, counter, scaler, clipper=None):
+        """One more event of a doubling schedule, in tensor ops (no host value is read): after
+        ``scaler`` events the interval doubles (capped at ``clipper``) and the counter restarts."""
+        counter = counter + 1
+        wraps = counter == scaler
+        doubled = 2 * interval if clipper is None else (2 * interval).clamp(max=clipper)
+        return torch.where(wraps, doubled, interval), torch.where(wraps, 0, counter)
 
     def init_fn(params: Params) -> ZeroOneAdamState:
         def errors(p):
@@ -171,18 +184,16 @@ def zero_one_adam(
             state: ZeroOneAdamState,
             params: Params | None = None,
             *,
-            step: int,
+            step: int | None = None,
+            plan: ZeroOneAdamPlan | None = None,
             **extra: Any,
         ) -> tuple[Updates, ZeroOneAdamState]:
             del extra
-            if compressed != schedule.is_compressed(step):
-                kind = "compressed" if compressed else "variance (warmup)"
-                raise ValueError(f"update {step} is not a {kind} update of this 0/1 Adam schedule")
+            kind = "compressed" if compressed else "variance (warmup)"
+            plan = resolve_plan(step, plan, schedule.plan, ZeroOneAdamPlan, compressed, kind)
             if weight_decay > 0:
                 require_params(params, "weight_decay > 0")
-            frozen = schedule.frozen(step)
-            sync = schedule.is_sync_step(step)
-            reset = schedule.resets_errors(step)
+            frozen, sync, reset = plan.frozen, plan.sync, plan.reset_errors
             spec = tree_flatten(state.exp_avg)[1]
             g_leaves = spec.flatten_up_to(grads)
             old = {k: spec.flatten_up_to(getattr(state, k)) for k in _LEAF_FIELDS}
@@ -232,26 +243,27 @@ def zero_one_adam(
                 for k, x in zip(_LEAF_FIELDS, (m, v, a, ew, es), strict=True):
                     new[k].append(x)
 
-            after = schedule.counters(step + 1)
-
-            def mirror(old_value, value):
-                return torch.full_like(old_value, value)
-
+            var = (state.var_interval, state.var_counter)
+            if plan.variance:
+                var = advance(*var, var_update_scaler)
+            local = (state.local_interval, state.local_counter)
+            if frozen:
+                local = advance(*local, local_step_scaler, local_step_clipper)
             new_state = ZeroOneAdamState(
                 count=state.count + 1,
                 lr=eta,
                 **{k: tree_unflatten(new[k], spec) for k in _LEAF_FIELDS},
-                var_interval=mirror(state.var_interval, after.var_interval),
-                var_counter=mirror(state.var_counter, after.var_counter),
-                local_interval=mirror(state.local_interval, after.local_interval),
-                local_counter=mirror(state.local_counter, after.local_counter),
+                var_interval=var[0],
+                var_counter=var[1],
+                local_interval=local[0],
+                local_counter=local[1],
                 lrs=torch.zeros_like(lrs) if sync else lrs,
-                frozen=mirror(state.frozen, after.frozen),
+                frozen=torch.full_like(state.frozen, frozen or reset),
             )
             return tree_unflatten(updates, spec), new_state
 
         return update_fn
 
     return CompressedOptimizer(
-        init_fn, make_update(False), make_update(True), schedule.is_compressed
+        init_fn, make_update(False), make_update(True), schedule.is_compressed, schedule.plan
     )
