@@ -62,20 +62,24 @@ class ByteCounter:
     """
 
     def __init__(self, counts_into: ByteCounter | None = None) -> None:
-        self._bytes_sent = 0
+        # A 0-dim tensor updated in place, not a Python int: torch.compile guards an int it reads
+        # by value (a recompile for every new count, eager fall-back with dynamic=False), while
+        # an in-place add on a tensor is traced into the graph and runs at every call.
+        self._bytes_sent = torch.zeros((), dtype=torch.int64)
         self._counter = self if counts_into is None else counts_into._counter
 
     @property
     def bytes_sent(self) -> int:
-        return self._counter._bytes_sent
+        return int(self._counter._bytes_sent)
 
     def reset_bytes_sent(self) -> int:
         """Zeroes the counter and returns the count it had."""
-        old, self._counter._bytes_sent = self._counter._bytes_sent, 0
+        old = int(self._counter._bytes_sent)
+        self._counter._bytes_sent.zero_()
         return old
 
     def _count(self, kind: str, nbytes: int, world_size: int) -> None:
-        self._counter._bytes_sent += getattr(_traffic, f"{kind}_bytes")(nbytes, world_size)
+        self._counter._bytes_sent.add_(getattr(_traffic, f"{kind}_bytes")(nbytes, world_size))
 
 
 def check_split(world_size: int, local_world_size: int) -> None:
