@@ -20,6 +20,7 @@ from fn._progress import Progress
 from fn._spawn import WorkerError
 
 DEFAULT_STEPS = 400
+DEFAULT_WORKERS = 2
 MAX_WORLD_SIZE = 64
 
 
@@ -86,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--steps",
-        type=_int_at_least(2),
+        type=_int_at_least(10),
         default=DEFAULT_STEPS,
         help="updates per optimizer (default: %(default)s)",
     )
@@ -94,9 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument(
         "--workers",
         type=_world_size,
-        default=2,
         metavar="N",
-        help="real gloo worker processes on this machine (default: %(default)s)",
+        help=f"real gloo worker processes on this machine (default: {DEFAULT_WORKERS})",
     )
     mode.add_argument(
         "--simulate",
@@ -142,7 +142,7 @@ def _demo(args: argparse.Namespace) -> int:
     simulate = args.simulate is not None
     cfg = demo.DemoConfig(
         steps=args.steps,
-        world_size=args.simulate if simulate else args.workers,
+        world_size=args.simulate if simulate else (args.workers or DEFAULT_WORKERS),
         simulate=simulate,
         optimizers=args.optimizers,
         lr=args.lr,

@@ -1,7 +1,7 @@
 """A plain-text progress bar on a stream (no dependency).
 
-On a terminal it is one line, redrawn with ``\\r`` at most ten times a second; otherwise (a log
-file, a pipe) it prints a new line at most every ``interval`` seconds and when a task ends.
+On a terminal it is one line, redrawn with ``\\r`` at most every ``refresh`` seconds; otherwise (a
+log file, a pipe) it prints a new line at most every ``interval`` seconds and when a task ends.
 """
 
 from __future__ import annotations
@@ -20,18 +20,26 @@ class Progress:
         tasks: the number of tasks (the demo's optimizers).
         steps: steps per task.
         interval: seconds between lines when ``stream`` is not a terminal.
+        refresh: seconds between redraws on a terminal.
         width: characters of the bar.
     """
 
     def __init__(
-        self, stream: TextIO, tasks: int, steps: int, *, interval: float = 5.0, width: int = 30
+        self,
+        stream: TextIO,
+        tasks: int,
+        steps: int,
+        *,
+        interval: float = 5.0,
+        refresh: float = 0.1,
+        width: int = 30,
     ) -> None:
         self.stream = stream
         self.tasks = tasks
         self.steps = steps
         self.width = width
         self.tty = stream.isatty()
-        self.interval = 0.1 if self.tty else interval
+        self.interval = refresh if self.tty else interval
         self.start = time.monotonic()
         self.last_draw = -float("inf")
         self.line_len = 0
