@@ -179,7 +179,8 @@ def _demo(args: argparse.Namespace) -> int:
     print()
     for line in demo.notes(cfg, results):
         print(line)
-    meta = {"settings": {**cfg._asdict(), "out": str(args.out)}, "description": header}
+    settings = {**cfg._asdict(), "warmup_steps": demo.warmup_steps(cfg.steps), "out": str(args.out)}
+    meta = {"settings": settings, "description": header}
     written = _report.write_results(args.out, rows, results, meta)
     why_not = _report.plot_losses(
         args.out / "loss.png", results, demo.warmup_steps(cfg.steps), demo.title(cfg)

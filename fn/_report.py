@@ -99,8 +99,18 @@ def write_results(
     return [csv_path, json_path]
 
 
+def _running_mean(values: list[float], window: int = 10) -> tuple[list[int], list[float]]:
+    """The mean of each ``window`` consecutive values, against the 1-based index of the last."""
+    window = min(window, len(values))
+    sums = [sum(values[:window])]
+    for i in range(window, len(values)):
+        sums.append(sums[-1] + values[i] - values[i - window])
+    return list(range(window, len(values) + 1)), [x / window for x in sums]
+
+
 def plot_losses(path: Path, results: list[OptimizerResult], warmup: int, title: str) -> str | None:
-    """Plots the held-out loss curves (lines) over the training losses (faint) to ``path``.
+    """Plots the held-out loss curves (lines) over the training losses (faint, running mean over
+    10 updates) to ``path``.
 
     matplotlib is imported here, with its Agg canvas (no display needed, no global backend set).
 
@@ -117,7 +127,7 @@ def plot_losses(path: Path, results: list[OptimizerResult], warmup: int, title: 
     ax = fig.add_subplot()
     for i, r in enumerate(results):
         color = f"C{i}"
-        ax.plot(range(1, len(r.train_loss) + 1), r.train_loss, color=color, alpha=0.2, lw=0.8)
+        ax.plot(*_running_mean(r.train_loss), color=color, alpha=0.3, lw=0.8)
         steps, losses = zip(*r.heldout, strict=True)
         ax.plot(steps, losses, color=color, lw=1.8, label=f"{r.name} ({r.final_loss:.3f})")
     ax.axvline(warmup + 0.5, color="gray", ls="--", lw=1)

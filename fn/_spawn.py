@@ -26,6 +26,8 @@ import torch.multiprocessing as mp
 
 __all__ = ["WorkerError", "spawn_gloo"]
 
+ERROR_GRACE_S = 2.0
+
 
 class WorkerError(RuntimeError):
     """A worker process failed, died or timed out."""
@@ -109,15 +111,23 @@ def spawn_gloo(
     ]
     deadline = time.monotonic() + timeout
     results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    grace = None  # after a first failure, the others have ERROR_GRACE_S to report theirs
     try:
         for p in procs:
             p.start()
-        while len(results) < world_size:
+        while len(results) + len(errors) < world_size:
+            if grace is not None and time.monotonic() > grace:
+                break
             try:
                 kind, rank, payload = messages.get(timeout=0.2)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode]
-                if dead:
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if r not in results and r not in errors and p.exitcode
+                ]
+                if dead and not errors:
                     raise WorkerError(f"worker ranks {dead} died without a result") from None
                 if time.monotonic() > deadline:
                     raise WorkerError(
@@ -127,9 +137,16 @@ def spawn_gloo(
             if kind == "message":
                 on_message(rank, payload)
             elif kind == "error":
-                raise WorkerError(f"worker rank {rank} failed:\n{payload}")
+                errors[rank] = payload
+                grace = grace or time.monotonic() + ERROR_GRACE_S
             else:
                 results[rank] = pickle.loads(payload)
+        if errors:
+            # Every failure is shown: the first to arrive is often a consequence (a peer's
+            # connection closed) of the one that caused it.
+            raise WorkerError(
+                "\n".join(f"worker rank {r} failed:\n{tb}" for r, tb in sorted(errors.items()))
+            )
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
     finally:

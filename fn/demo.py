@@ -39,7 +39,7 @@ import torch
 import fn
 from fn import _data, _spawn, collectives
 from fn.base import GradientTransformation
-from fn.tree import PyTree, tree_map
+from fn.tree import PyTree, tree_leaves, tree_map
 
 __all__ = [
     "OPTIMIZERS",
@@ -326,7 +326,7 @@ def _batches(cfg: DemoConfig, data: _Data, ranks: range) -> Callable[[], tuple[t
 
 
 def _flat(params: PyTree, rank_axis: bool) -> torch.Tensor:
-    leaves = [p for p in torch.utils._pytree.tree_leaves(params) if p is not None]
+    leaves = tree_leaves(params)
     if rank_axis:
         return torch.cat([p.reshape(p.shape[0], -1) for p in leaves], dim=1)
     return torch.cat([p.reshape(-1) for p in leaves])

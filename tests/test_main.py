@@ -7,8 +7,10 @@ import io
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -275,3 +277,63 @@ def test_progress_redraws_one_line_on_a_tty_and_prints_lines_otherwise():
     lines = log.getvalue().splitlines()
     assert len(lines) == 8 and "\r" not in log.getvalue()
     assert lines[-1].startswith("[2/2] opt1") and "100.0%" in lines[-1]
+
+
+def _fail_on_rank_1(rank, world_size, send):
+    if rank == 1:
+        raise RuntimeError("rank 1 gives up")
+    time.sleep(600)  # only the parent's kill ends rank 0 in time
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_worker_raises_and_the_others_are_killed():
+    from fn._spawn import WorkerError, spawn_gloo
+
+    with pytest.raises(WorkerError, match="rank 1 gives up"):
+        spawn_gloo(_fail_on_rank_1, 2, (), timeout=40, on_message=lambda *a: None)
+    assert not [p for p in _children(os.getpid()) if _is_worker(p)]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"spawn_main" in cmdline and b"resource_tracker" not in cmdline
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through /proc")
+@pytest.mark.timeout(90)
+def test_ctrl_c_stops_the_workers(tmp_path):
+    proc = subprocess.Popen(
+        _cli("demo", "--steps", "100000", "--optimizers", "adam", "--out", str(tmp_path)),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert "[1/1] adam" in proc.stderr.readline()  # the workers are training
+        workers = [p for p in _children(proc.pid) if _is_worker(p)]
+        assert len(workers) == 2
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        assert "interrupted" in proc.stderr.read()
+        assert not [p for p in workers if Path(f"/proc/{p}").exists()]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
