@@ -14,7 +14,8 @@ import torch
 
 from fn import kernels
 from fn.base import GradientTransformation
-from fn.collectives._checks import assert_all_finite
+from fn.collectives._checks import finite_or_raise
+from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
@@ -121,16 +122,18 @@ def compressed_allreduce(
     chunk = n_padded // world_size
 
     flat = torch.nn.functional.pad(x.reshape(-1).float(), (0, n_padded - n))
-    # A rank with non-finite values compresses zeros and sends a NaN scale instead, so every
-    # rank sees the NaN after the scale all_gather and raises there: no rank is left waiting.
-    finite = torch.isfinite(flat).all() & torch.isfinite(worker_error).all()
-    packed, scale, new_worker_error = kernels.sign_compress(
-        torch.where(finite, flat, 0.0), torch.where(finite, worker_error, 0.0)
-    )
-    scale = torch.where(finite, scale, torch.nan)
-    scales = comm.all_gather(scale)  # [W]
-    assert_all_finite(
-        scales, "compressed_allreduce: non-finite values in x (or in the worker error)"
+    # Non-finite values make the scale non-finite (or the kernel raise); the rank then sends a
+    # NaN scale, every rank sees it after the scale all_gather and raises there, before any
+    # sign is exchanged: no rank is left waiting and no error state is touched.
+    try:
+        packed, scale, new_worker_error = kernels.sign_compress(flat, worker_error)
+    except ValueError as err:
+        if "non-finite" not in str(err):
+            raise
+        packed, scale, new_worker_error = None, flat.new_full((), torch.nan), None
+    scales = finite_or_raise(
+        comm.all_gather(scale),  # [W]
+        "compressed_allreduce: non-finite values in x (or in the worker error)",
     )
 
     received = comm.all_to_all(packed.view(world_size, -1))  # [W, chunk / 8]: chunk r of rank i
@@ -141,7 +144,7 @@ def compressed_allreduce(
     all_packed = comm.all_gather(server_packed)  # [W, chunk / 8]
     all_scales = comm.all_gather(server_scale)  # [W]
     y = kernels.unpackbits(all_packed.reshape(-1), n_padded).view(world_size, chunk)
-    y = (y * all_scales[:, None]).reshape(-1)[:n]
+    y = fusion_barrier((y * all_scales[:, None]).reshape(-1))[:n]
     return y.view(x.shape).to(x.dtype), new_worker_error, new_server_error
 
 
@@ -157,6 +160,9 @@ def onebit_allreduce(*, comm: Comm) -> GradientTransformation:
     (an estimate of ``mean_i u_i``), threading one pair of error buffers per leaf in the state.
     ``None`` leaves pass through. After a momentum transform, ``chain(trace(...),
     onebit_allreduce(comm=c), scale(-lr))`` is 1-bit SGD with error feedback.
+
+    ``init`` sizes the buffers from one rank's params: with ``Simulated``, call it on unbatched
+    params and ``replicate`` the state, or run it under ``simulate``.
 
     Args:
         comm: the communicator.

@@ -1,9 +1,9 @@
 """``ProcessGroup``: the collectives of a ``torch.distributed`` process group.
 
-Works with any backend that implements all_reduce, all_gather_into_tensor and
-all_to_all_single (gloo, nccl, xccl, hccl, mpi), for instance under ``torchrun``.
-``reduce_scatter`` uses ``reduce_scatter_tensor``. Results are new tensors: inputs are never
-changed. The collectives are not vmappable (use ``Simulated`` to batch ranks in one process).
+Works with any backend that implements all_reduce, the flat all_gather / reduce_scatter and
+all_to_all_single (gloo, nccl, xccl, hccl, mpi), for instance under ``torchrun``. Results are
+new tensors: inputs are never changed. The collectives are not vmappable (use ``Simulated``
+to batch ranks in one process).
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ from fn.collectives import _traffic
 from fn.collectives.comm import ByteCounter, ReduceOp, check_chunked, check_op, check_split
 
 __all__ = ["ProcessGroup"]
+
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class ProcessGroup(ByteCounter):
@@ -91,7 +95,7 @@ class ProcessGroup(ByteCounter):
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         self._counted("all_gather", x)
         out = x.new_empty(self._world_size * x.numel())
-        dist.all_gather_into_tensor(out, x.contiguous().view(-1), group=self.group)
+        _all_gather_flat(out, x.contiguous().view(-1), group=self.group)
         return out.view(self._world_size, *x.shape)
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,6 +110,7 @@ class ProcessGroup(ByteCounter):
         check_op(op)
         check_chunked(x, self._world_size, "reduce_scatter")
         self._counted("reduce_scatter", x)
-        out = x.new_empty(x.shape[1:])
-        dist.reduce_scatter_tensor(out, x.contiguous(), dist.ReduceOp.SUM, group=self.group)
+        out = x.new_empty(x[0].numel())
+        _reduce_scatter_flat(out, x.contiguous().view(-1), dist.ReduceOp.SUM, group=self.group)
+        out = out.view(x.shape[1:])
         return out / self._world_size if op == "mean" else out

@@ -7,10 +7,12 @@ JAX ``vmap(axis_name=...)`` style: ``simulate(f, comm)`` runs ``f`` once per ran
 Nested vmaps:
 
 - a ``vmap`` *inside* ``simulate`` (e.g. per-example work on each rank) is supported: a collective
-  called inside it communicates every element of the inner batch, exactly as one larger message
-  would on a real backend (bytes counted for the whole payload);
-- ``vmap(simulate(f, comm))`` (an outer batch of whole simulations) also runs, but bytes are
-  counted per element of the outer batch;
+  called inside it communicates every element of the inner batch, as one larger message would
+  on a real backend. Bytes are counted in Python from the shape the call sees, i.e. for ONE
+  element of the inner batch (``ProcessGroup`` cannot run under vmap, so there is nothing to
+  match; multiply by the inner batch size for the wire volume);
+- ``vmap(simulate(f, comm))`` (an outer batch of whole simulations) also runs; bytes are
+  counted per element of the outer batch likewise;
 - ``simulate`` of the same comm cannot be nested (``RuntimeError``); two different ``Simulated``
   comms can be (each treats the other's rank axis as an inner batch).
 """
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from fn.collectives import _sim_ops
+from fn.collectives import _sim_ops, _traffic
 from fn.collectives.comm import ByteCounter, ReduceOp, check_chunked, check_op, check_split
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
@@ -48,30 +50,30 @@ class _SimulatedCollectives:
             raise _sim_ops.outside_error(name)
         return self._root._rank
 
-    def _layout(self) -> tuple[int, int, int]:
-        return id(self._root), self._local_size, self._hop
+    def _layout(self, kind: str, x: torch.Tensor) -> tuple[int, int, int]:
+        """Counts one rank's bytes for the call; returns the ops' group layout arguments."""
+        self._root._count(kind, _traffic.payload_bytes(x), self._size)
+        return self._local_size, self._hop, self._size
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         check_op(op)
         rank = self._rank_or_raise("all_reduce")
-        comm_id, local_size, hop = self._layout()
-        return _sim_ops.sim_all_reduce(x, rank, comm_id, op, local_size, hop)
+        return _sim_ops.sim_all_reduce(x, rank, op, *self._layout("all_reduce", x))
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         rank = self._rank_or_raise("all_gather")
-        return _sim_ops.sim_all_gather(x, rank, *self._layout())
+        return _sim_ops.sim_all_gather(x, rank, *self._layout("all_gather", x))
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         rank = self._rank_or_raise("all_to_all")
         check_chunked(x, self._size, "all_to_all")
-        return _sim_ops.sim_all_to_all(x, rank, *self._layout())
+        return _sim_ops.sim_all_to_all(x, rank, *self._layout("all_to_all", x))
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         check_op(op)
         rank = self._rank_or_raise("reduce_scatter")
         check_chunked(x, self._size, "reduce_scatter")
-        comm_id, local_size, hop = self._layout()
-        return _sim_ops.sim_reduce_scatter(x, rank, comm_id, op, local_size, hop)
+        return _sim_ops.sim_reduce_scatter(x, rank, op, *self._layout("reduce_scatter", x))
 
 
 class Simulated(ByteCounter, _SimulatedCollectives):
@@ -117,12 +119,10 @@ class Simulated(ByteCounter, _SimulatedCollectives):
         if self._rank is not None:
             raise RuntimeError(f"simulate() of the same {self!r} cannot be nested")
         self._rank = rank
-        _sim_ops._ACTIVE[id(self)] = self
         try:
             yield
         finally:
             self._rank = None
-            del _sim_ops._ACTIVE[id(self)]
 
 
 class SimulatedGroup(_SimulatedCollectives):
@@ -152,7 +152,8 @@ def simulate(f: Callable[..., Any], comm: Simulated) -> Callable[..., Any]:
 
     Every tensor leaf of the arguments must have a leading rank axis of size ``W``; ``f`` sees one
     rank's slice. Non-tensor leaves (ints, floats, ``None``, strings) are passed to every rank as
-    they are. Tensor outputs get the rank axis; non-tensor outputs are returned as ``f`` gave them.
+    they are. Tensor outputs get the rank axis (one row per rank, never shared memory between
+    rows); non-tensor outputs are returned as ``f`` gave them.
     Random ops draw different values on each rank.
 
     Args:
@@ -196,7 +197,9 @@ def simulate(f: Callable[..., Any], comm: Simulated) -> Callable[..., Any]:
             ranks, *(leaves[i] for i in positions)
         )
         out_leaves, out_spec, is_tensor = structure[0]
-        batched_iter = iter(batched)
+        # A value that is the same on every rank comes back broadcast (stride 0): copy it, so
+        # that every rank owns its row as a real backend's rank would.
+        batched_iter = (t.contiguous() if t.stride(0) == 0 else t for t in batched)
         final = [next(batched_iter) if t else o for o, t in zip(out_leaves, is_tensor, strict=True)]
         return tree_unflatten(final, out_spec)
 

@@ -162,23 +162,19 @@ def test_lr_in_state_and_schedule():
         torch.testing.assert_close(p_s[k], p_c[k])
 
 
-def test_checkpoint_continues_bit_for_bit():
-    world = 2
-    params = make_params()
-    grads = make_grads(params, world, 10)
-    full, state = run_fn(lambda c: fn.onebit_adam(LR, 3, comm=c), params, grads, world)
-    comm = Simulated(world)
-    opt = fn.onebit_adam(LR, 3, comm=comm)
-    _, mid = run_fn(lambda c: fn.onebit_adam(LR, 3, comm=c), params, grads[:6], world)
-    saved = [x.clone() for x in fn.tree.tree_leaves(mid)]
-    spec = fn.tree.tree_flatten(mid)[1]
-    state = fn.tree.tree_unflatten(saved, spec)
-    p = {k: torch.stack([full[5][r][k] for r in range(world)]) for k in params}
-    update = simulate(opt.update, comm)
-    for t in range(7, 11):
-        g = grads[t - 1]
-        stacked = {k: torch.stack([g[r][k] for r in range(world)]) for k in params}
-        updates, state = update(stacked, state, p, step=t)
-        p = fn.apply_updates(p, updates)
+def test_staged_and_low_precision_params():
+    """fn.staged reads the step from its counter (Local comm); bf16 params keep fp32 state."""
+    params = {k: p.to(torch.bfloat16) for k, p in make_params().items()}
+    grads = make_grads(params, 1, 6)
+    opt = fn.onebit_adam(LR, 3, comm=Local())
+    staged = fn.staged(opt)
+    s_state, state, p_s, p = staged.init(params), opt.init(params), params, params
+    for t, g in enumerate(grads, start=1):
+        g = {k: x.to(torch.bfloat16) for k, x in g[0].items()}
+        u_s, s_state = staged.update(g, s_state, p_s)
+        u, state = opt.update(g, state, p, step=t)
+        p_s, p = fn.apply_updates(p_s, u_s), fn.apply_updates(p, u)
     for k in params:
-        assert torch.equal(p[k][0], full[-1][0][k])
+        assert p[k].dtype == torch.bfloat16 and torch.equal(p_s[k], p[k])
+        assert state.exp_avg[k].dtype == torch.float32
+    assert int(s_state.count) == int(state.count) == 6
