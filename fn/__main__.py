@@ -160,6 +160,8 @@ def _demo(args: argparse.Namespace) -> int:
     # spinning threads that make every step many times slower).
     torch.set_num_threads(1)
     progress = Progress(sys.stderr, len(cfg.optimizers), cfg.steps)
+    if not simulate:
+        print(f"starting {cfg.world_size} gloo worker processes ...", file=sys.stderr, flush=True)
     run = demo.run_simulated if simulate else demo.run_workers
     try:
         results = run(cfg, progress.update)
