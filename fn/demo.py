@@ -16,7 +16,7 @@ Optimizers compared (:data:`OPTIMIZERS`):
 
 - ``adam``: a dense fp32 mean allreduce of the gradients, then ``fn.adam``;
 - ``onebit_adam``, ``onebit_lamb``: dense warmup, then 1-bit momentum allreduce (Tang et al.
-  2021; Li et al. 2022);
+  2021; Li et al. 2021);
 - ``zero_one_adam``: variance refreshes on a doubling interval, 1-bit gradient allreduce in
   between, then local steps synchronized by 1-bit allreduce (Lu et al. 2022);
 - ``loco_adam``: ``fn.chain(fn.collectives.loco_allreduce(comm=...), fn.adam(...))``, a 4-bit
@@ -389,16 +389,16 @@ def run_simulated(
         collectives.replicate(params0, collectives.Simulated(cfg.world_size)),
         *_batches(cfg, data, ranks)(),
     )
+    evaluate = torch.func.vmap(functools.partial(_loss, model), in_dims=(0, None, None))
     results = []
     for i, name in enumerate(cfg.optimizers):
         comm = collectives.Simulated(cfg.world_size)
         opt = make_optimizer(name, comm, cfg.lr, cfg.steps)
         step = collectives.simulate(functools.partial(_train_step, model, opt), comm)
-        evaluate = torch.func.vmap(functools.partial(_loss, model), in_dims=(0, None, None))
         trace = _fit(
             cfg,
             step,
-            lambda p, evaluate=evaluate: evaluate(p, data.heldout_x, data.heldout_y),
+            lambda p: evaluate(p, data.heldout_x, data.heldout_y),
             _batches(cfg, data, ranks),
             collectives.replicate(params0, comm),
             collectives.replicate(opt.init(params0), comm),

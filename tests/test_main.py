@@ -326,6 +326,7 @@ def test_ctrl_c_stops_the_workers(tmp_path):
         text=True,
     )
     try:
+        assert "starting 2 gloo worker processes" in proc.stderr.readline()
         assert "[1/1] adam" in proc.stderr.readline()  # the workers are training
         workers = [p for p in _children(proc.pid) if _is_worker(p)]
         assert len(workers) == 2
