@@ -16,7 +16,8 @@ Policies (the same on every rank, so the ranks always issue the same collectives
 - Gradient communication: the optimizer owns it. Do NOT wrap the model in DDP: each rank's
   ``.grad`` must hold its LOCAL gradient. A ``CompressedOptimizer`` averages the gradients itself
   (dense in warmup, 1-bit once compressed); a plain ``GradientTransformation`` gets the gradients
-  averaged by the adapter first (one dense allreduce per group, ``sync_grads``).
+  averaged by the adapter first (one dense allreduce per group, ``sync_grads``). So anything
+  applied to ``.grad`` before ``step()`` (e.g. ``clip_grad_norm_``) sees the local gradient.
 - Flat buffers: per param group the params are copied into one contiguous buffer and each
   param's ``.data`` becomes a view of it (build the optimizer after ``model.to(...)``). With
   ``flatten=True`` the transform sees the whole group as ONE 1-D leaf (one collective per group
@@ -45,7 +46,9 @@ Policies (the same on every rank, so the ranks always issue the same collectives
 - Checkpoints: ``state_dict()`` holds, per group, the host-side step count, the whole functional
   state (error feedback included) as a flat dict of tensors, and the fp32 master copy; loading it
   into a fresh optimizer continues bit for bit. Only plain containers, tensors and numbers are
-  stored, so ``torch.load(weights_only=True)`` reads it.
+  stored, so ``torch.load(weights_only=True)`` reads it. ``state_dict()["state"]`` is keyed by
+  group index (the state is per group, not per param), and ``opt.state``, torch's per-param
+  dict, stays empty.
 """
 
 from __future__ import annotations
