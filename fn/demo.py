@@ -14,7 +14,8 @@ The training loop is written with the functional API only::
 
 Optimizers compared (:data:`OPTIMIZERS`):
 
-- ``adam``: a dense fp32 mean allreduce of the gradients, then ``fn.adam``;
+- ``adam``: ``fn.chain(fn.collectives.dense_allreduce(comm=...), fn.adam(...))``, a dense fp32
+  mean allreduce of the gradients, then Adam;
 - ``onebit_adam``, ``onebit_lamb``: dense warmup, then 1-bit momentum allreduce (Tang et al.
   2021; Li et al. 2021);
 - ``zero_one_adam``: variance refreshes on a doubling interval, 1-bit gradient allreduce in
@@ -38,8 +39,8 @@ import torch
 
 import fn
 from fn import _data, _spawn, collectives
-from fn.base import GradientTransformation
-from fn.tree import PyTree, tree_leaves, tree_map
+from fn.collectives import dense_allreduce
+from fn.tree import PyTree, tree_leaves
 
 __all__ = [
     "OPTIMIZERS",
@@ -126,20 +127,6 @@ def _zero_one_local_scaler(steps: int) -> int:
     return max(1, (steps - warmup_steps(steps)) // 8)
 
 
-def _mean_allreduce(comm: Any) -> GradientTransformation:
-    """Averages every update leaf over the ranks with a dense fp32 allreduce."""
-
-    def init_fn(params):
-        del params
-        return fn.EmptyState()
-
-    def update_fn(updates, state, params=None, **extra):
-        del params, extra
-        return tree_map(lambda g: comm.all_reduce(g, "mean"), updates), state
-
-    return GradientTransformation(init_fn, update_fn)
-
-
 def make_optimizer(name: str, comm: Any, lr: float, steps: int) -> Any:
     """The optimizer ``name`` of :data:`OPTIMIZERS` for a run of ``steps`` updates over ``comm``.
 
@@ -149,7 +136,7 @@ def make_optimizer(name: str, comm: Any, lr: float, steps: int) -> Any:
     """
     warm = warmup_steps(steps)
     if name == "adam":
-        return fn.chain(_mean_allreduce(comm), fn.adam(lr=lr, betas=BETAS, eps=EPS))
+        return fn.chain(dense_allreduce(comm=comm), fn.adam(lr=lr, betas=BETAS, eps=EPS))
     if name == "onebit_adam":
         return fn.onebit_adam(lr=lr, freeze_step=warm + 1, betas=BETAS, eps=EPS, comm=comm)
     if name == "zero_one_adam":
