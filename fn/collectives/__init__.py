@@ -13,12 +13,14 @@ Every comm counts the bytes each rank sends (``bytes_sent``, ``reset_bytes_sent(
 per-rank formulas of ``_traffic.py``: ring all_reduce ``2 (W-1)/W`` of the payload, all_gather
 ``(W-1)/W`` of the output, all_to_all and reduce_scatter ``(W-1)/W`` of the input.
 
-Collectives: ``compressed_allreduce`` / ``onebit_allreduce`` (error-compensated 1-bit, ~1/32 of
-the fp32 traffic), ``quantized_allreduce`` / ``loco_allreduce`` / ``quantized_reduce_scatter``
-(blockwise 4/8-bit, LoCo error feedback, optional two-hop mode).
+Collectives: ``dense_allreduce`` (the fp32 baseline, as a transform), ``compressed_allreduce`` /
+``onebit_allreduce`` (error-compensated 1-bit, ~1/32 of the fp32 traffic),
+``quantized_allreduce`` / ``loco_allreduce`` / ``quantized_reduce_scatter`` (blockwise 4/8-bit,
+LoCo error feedback, optional two-hop mode).
 """
 
 from fn.collectives.comm import Comm, Local
+from fn.collectives.dense import dense_allreduce
 from fn.collectives.onebit import (
     OnebitAllreduceState,
     compressed_allreduce,
@@ -45,6 +47,7 @@ __all__ = [
     "ProcessGroup",
     "simulate",
     "replicate",
+    "dense_allreduce",
     "padded_numel",
     "init_error_feedback",
     "compressed_allreduce",

@@ -1,0 +1,37 @@
+"""The uncompressed baseline: a dense allreduce of every update leaf, as a transform."""
+
+from __future__ import annotations
+
+from fn.base import EmptyState, GradientTransformation
+from fn.collectives.comm import Comm
+from fn.tree import tree_map
+
+__all__ = ["dense_allreduce"]
+
+
+def dense_allreduce(*, comm: Comm) -> GradientTransformation:
+    """Replaces every update leaf by its mean over the ranks (one full-precision allreduce each).
+
+    .. math::
+        u \\leftarrow \\frac{1}{W} \\sum_{i=1}^{W} u_i
+
+    This is plain data parallelism: ``fn.chain(dense_allreduce(comm=c), fn.adam())`` is Adam on
+    averaged gradients, the baseline that ``onebit_allreduce`` and ``loco_allreduce`` compress.
+    ``None`` leaves pass through.
+
+    Args:
+        comm: the communicator.
+
+    Returns:
+        A stateless GradientTransformation.
+    """
+
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        return tree_map(lambda u: comm.all_reduce(u, op="mean"), updates), state
+
+    return GradientTransformation(init_fn, update_fn)
