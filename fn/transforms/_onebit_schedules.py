@@ -1,7 +1,8 @@
 """Host-side schedules of the 1-bit family: pure functions of the 1-based update count ``t``.
 
 Which collective runs at update ``t`` is decided here, on the host, from ``t`` alone; the state
-counters of the optimizers only mirror these values (for checkpoints and inspection).
+counters of the optimizers only record these values (for checkpoints and inspection) and never
+decide anything.
 
 DeepSpeed 0.18.9 counted a gradient-dropping "init step" before the first real update, so its
 counter read ``c = t + 1`` at real update ``t``. The rules below are written so that real update
