@@ -5,7 +5,11 @@ view into it (made by copying and assigning ``.data``; storages are never swappe
 so the optimizer reads and writes all of a group's params as one tensor on any device.
 
 fp16/bf16 params keep an fp32 master copy: the optimizer updates the master and casts it back
-into the params' buffer after every step. Other dtypes (fp32, fp64) are their own master.
+into the params' buffer after every step. Other dtypes (fp32, fp64) are their own master. Writes
+to the params between steps (``p.copy_``, ``load_state_dict``, ``p.data.zero_()``,
+``p.data.clamp_()``, ...) reach the master through one elementwise comparison of the buffer with
+the master cast to its dtype before each step (``sync_master``); PyTorch's version counters are
+not used, since writes through ``.data`` do not bump them.
 """
 
 from __future__ import annotations
@@ -57,7 +61,6 @@ class FlatGroup:
                 p.data = view
         self.master = self.model.float() if dtype in _LOW_PRECISION else self.model
         self._ptrs = [p.data_ptr() for p in params]
-        self._versions = [p._version for p in params]
 
     @property
     def has_master_copy(self) -> bool:
@@ -94,11 +97,7 @@ class FlatGroup:
         return torch.cat(pieces)
 
     def check_params(self) -> None:
-        """Verifies that the params still live in the buffer and refreshes the master copy of
-        params that were written since the last step (``p.copy_(...)``, ``load_state_dict``).
-
-        A written param whose values equal the master cast to its dtype keeps the exact master;
-        otherwise its master slice is taken from the new values.
+        """Verifies that the params still live in the buffer, then :meth:`sync_master`.
 
         Raises:
             RuntimeError: a param's storage was replaced (``p.data = ...``, ``model.to(...)``
@@ -111,12 +110,25 @@ class FlatGroup:
                     "buffer (its .data was replaced, e.g. by model.to(...)): build the optimizer "
                     "after moving or casting the model"
                 )
-            if p._version != self._versions[i] and self.has_master_copy:
-                master = self.master[self._offsets[i] : self._offsets[i] + self._numels[i]]
-                current = p.detach().reshape(-1)
-                if not torch.equal(master.to(current.dtype), current):
-                    master.copy_(current)
-        self._versions = [p._version for p in self.params]
+        self.sync_master()
+
+    @torch.no_grad()
+    def sync_master(self) -> None:
+        """Takes into the fp32 master every param element written since the last step.
+
+        Elementwise: ``master[i] <- model[i]`` where the bits of ``model[i]`` differ from those
+        of ``dtype(master[i])``, so any write is seen (through ``.data`` too) and an element
+        that still equals its master cast to the params' dtype keeps its exact fp32 master. One
+        comparison pass over the group's buffer (and one more only if something was written);
+        nothing to do without a separate master copy.
+        """
+        if not self.has_master_copy:
+            return
+        # fp16/bf16 compared as their 16-bit patterns: bit-exact and much faster than float ne
+        cast = self.master.to(self.model.dtype).view(torch.int16)
+        written = torch.ne(cast, self.model.view(torch.int16))  # [n] bool
+        if written.any():
+            torch.where(written, self.model, self.master, out=self.master)
 
     @torch.no_grad()
     def write(self, new: torch.Tensor | list[torch.Tensor]) -> None:
@@ -147,4 +159,3 @@ class FlatGroup:
                 )
             self.master.copy_(master)
             self.model.copy_(self.master)
-        self._versions = [p._version for p in self.params]

@@ -27,7 +27,11 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   padded: the 1-bit allreduce pads it with zeros internally at every call, which its error
   feedback requires (padding carried in the leaf would accumulate state).
 - Mixed precision: fp16/bf16 params get an fp32 master copy; the transform state is fp32 and the
-  master is cast back into the params after each step.
+  master is cast back into the params after each step. Writes to the params between steps, by any
+  route (``p.copy_``, ``model.load_state_dict``, ``p.data.zero_()``, ``p.data.clamp_()``), are
+  taken into the master before the next step and ``state_dict()``: elementwise, wherever a param
+  differs from its master cast to the param's dtype (elements that still match keep their exact
+  fp32 master). This costs one comparison pass over the group's buffer per step.
 - Params with ``requires_grad=False`` are left out. A param whose ``.grad`` is ``None`` at a step
   counts as a zero gradient (as DDP's ``find_unused_parameters``): a rank cannot know whether
   another rank had a gradient without an extra collective, and every rank must run the same
@@ -318,7 +322,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             "functional": {path: tensor}, "master": fp32 tensor (fp16/bf16 params only)}``;
             ``functional`` is the functional state flattened by pytree key path
             (e.g. ``".worker_error"``). The tensors are the live (never mutated) state tensors,
-            the master is a copy.
+            the master is a copy, taken after writes to the params are synced into it as before a
+            step.
         """
         param_groups, start = [], 0
         for group in self.param_groups:
@@ -328,6 +333,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             param_groups.append(packed)
         state = {}
         for index, runtime in enumerate(self._groups):
+            runtime.flat.sync_master()
             record = {
                 "step": runtime.step,
                 "world_size": self.comm.world_size,

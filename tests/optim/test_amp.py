@@ -84,3 +84,49 @@ def test_writing_the_params_refreshes_the_master():
     loss_of(model, 0).backward()
     opt._groups[0].flat.check_params()
     assert torch.all(opt._groups[0].flat.master[:35] == 0.5)
+
+
+def step_after(write):
+    """A trained bf16 model, ``write(param)`` applied to every param, then one more step."""
+    model, opt, _ = run()
+    for p in model.parameters():
+        write(p)
+    opt.zero_grad()
+    loss_of(model, STEPS).backward()
+    opt.step()
+    return flat_params(model), opt.state_dict()
+
+
+def test_a_write_through_data_is_kept_like_a_tracked_write():
+    # p.data writes do not bump p._version; the next step must still start from the written values
+    def tracked(p):
+        with torch.no_grad():
+            p.zero_()
+
+    tracked_params, tracked_state = step_after(tracked)
+    data_params, data_state = step_after(lambda p: p.data.zero_())
+    assert torch.equal(data_params, tracked_params)
+    assert states_equal(data_state, tracked_state)
+    assert not torch.equal(data_params, step_after(lambda p: None)[0])
+
+
+def test_a_partial_write_refreshes_the_master_only_where_the_params_changed():
+    model, opt, _ = run()
+    flat = opt._groups[0].flat
+    before = flat.master.clone()
+    assert not torch.equal(before, before.to(torch.bfloat16).float())  # the master is finer
+    for p in model.parameters():
+        p.data.clamp_(-0.1, 0.1)
+    after = flat_params(model)
+    changed = after != before.to(torch.bfloat16)
+    assert changed.any() and not changed.all()
+    flat.check_params()
+    assert torch.equal(flat.master, torch.where(changed, after.float(), before))
+
+
+def test_state_dict_takes_in_writes_through_data():
+    model, opt, _ = run()
+    for p in model.parameters():
+        p.data.mul_(0.5)
+    master = opt.state_dict()["state"][0]["master"]
+    assert torch.equal(master.to(torch.bfloat16), flat_params(model))
