@@ -124,9 +124,12 @@ def resolve_plan(
     return plan
 
 
-def check_nonnegative_int(name: str, value: int, minimum: int = 0) -> int:
+def check_nonnegative_int(name: str, value: int, minimum: int = 0, why: str = "") -> int:
+    """``value``; raises ``ValueError`` (naming ``name``, then ``why``) unless it is an int (not a
+    bool) >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        reason = f": {why}" if why else ""
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}{reason}")
     return value
 
 

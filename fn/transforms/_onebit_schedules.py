@@ -51,9 +51,9 @@ class FreezeSchedule(NamedTuple):
     """The two phases of 1-bit Adam and 1-bit LAMB.
 
     Update ``t`` warms up (dense allreduce, full-precision Adam/LAMB) while ``t < freeze_step``
-    and is compressed from ``t == freeze_step`` on (from ``t == 1`` when ``freeze_step <= 1``;
-    DeepSpeed always warmed up its first real update, so ``freeze_step <= 1`` is the one case
-    where fn differs).
+    and is compressed from ``t == freeze_step`` on (from ``t == 1`` when ``freeze_step <= 1``).
+    The schedule itself takes any ``freeze_step``; ``onebit_adam`` and ``onebit_lamb`` require
+    ``freeze_step >= 2``, since their compressed updates need a variance estimated in warmup.
     """
 
     freeze_step: int

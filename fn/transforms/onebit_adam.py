@@ -73,8 +73,9 @@ def onebit_adam(
             ``fn.set_hyperparams(state, lr=...)`` changes a constant one (a schedule overwrites
             it at every update).
         freeze_step: the first compressed update is ``t == freeze_step`` (updates
-            ``1 .. freeze_step - 1`` warm up). DeepSpeed always warmed up its first real update;
-            fn compresses from ``t = 1`` when ``freeze_step <= 1``.
+            ``1 .. freeze_step - 1`` warm up); at least 2, since the compressed phase needs the
+            variance that the warmup estimates (``ValueError`` otherwise; DeepSpeed warmed up
+            its first real update whatever ``freeze_step`` was).
         betas: :math:`(\beta_1, \beta_2)`.
         eps: :math:`\epsilon`, added to :math:`\sqrt{v}`.
         weight_decay: :math:`\lambda`, added to the update (L2, as DeepSpeed; not decoupled).
@@ -102,7 +103,11 @@ def onebit_adam(
     must be reset when the world size changes.
     """
     b1, b2 = check_betas(betas)
-    schedule = FreezeSchedule(check_nonnegative_int("freeze_step", freeze_step))
+    why = (
+        "the compressed updates divide by sqrt(v) + eps with the variance v frozen, which at "
+        "least one warmup update (t < freeze_step) must estimate"
+    )
+    schedule = FreezeSchedule(check_nonnegative_int("freeze_step", freeze_step, 2, why))
     plan_for = schedule.onebit_adam_plan
     world = comm.world_size
 

@@ -110,7 +110,9 @@ def onebit_lamb(
     Args:
         lr: learning rate, or a schedule of the 0-dim int64 update count (see ``onebit_adam``);
             kept in the state as ``lr``.
-        freeze_step: the first compressed update is ``t == freeze_step``.
+        freeze_step: the first compressed update is ``t == freeze_step``; at least 2, since the
+            compressed phase needs the variance and trust ratio that the warmup estimates
+            (``ValueError`` otherwise).
         betas: :math:`(\beta_1, \beta_2)`.
         eps: :math:`\epsilon`.
         weight_decay: :math:`\lambda`, added to the update.
@@ -131,8 +133,8 @@ def onebit_lamb(
 
     Further deliberate deviations from DeepSpeed: a leaf whose momentum is zero at the first
     compressed update gets the scaling coefficient 1 (DeepSpeed divided by zero), and empty leaves
-    take no part in the scaling mean; ``freeze_step <= 1`` compresses from ``t = 1`` (DeepSpeed
-    always warmed up its first real update). DeepSpeed's 1-bit LAMB had no ``non_freeze`` groups
+    take no part in the scaling mean; ``freeze_step <= 1`` is rejected (DeepSpeed accepted it and
+    warmed up its first real update anyway). DeepSpeed's 1-bit LAMB had no ``non_freeze`` groups
     and neither does this one.
 
     Policies: a ``None`` gradient leaf gets a ``None`` update and keeps its state (its slice of
@@ -141,7 +143,11 @@ def onebit_lamb(
     compressed: the collective's check, or a local check with one worker).
     """
     b1, b2 = check_betas(betas)
-    schedule = FreezeSchedule(check_nonnegative_int("freeze_step", freeze_step))
+    why = (
+        "the compressed updates divide by sqrt(v) + eps and scale by the trust ratio R, both "
+        "frozen, which at least one warmup update (t < freeze_step) must estimate"
+    )
+    schedule = FreezeSchedule(check_nonnegative_int("freeze_step", freeze_step, 2, why))
     plan_for = schedule.onebit_lamb_plan
     world = comm.world_size
 
