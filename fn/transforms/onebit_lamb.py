@@ -75,8 +75,8 @@ def onebit_lamb(
         m \leftarrow \beta_1 m + (1-\beta_1) g,\quad v \leftarrow \beta_2 v + (1-\beta_2) g^2,
         \quad \tilde v \leftarrow v \text{ if } c = F \\
         u = m / (\sqrt v + \epsilon) + \lambda p,\quad
-        \rho = \mathrm{clip}(\lVert p\rVert / \lVert u\rVert, c_{min}, c_{max})
-        \text{ (1 if a norm is 0)} \\
+        \rho = \mathrm{clip}(\lVert p\rVert / \lVert u\rVert \text{ (1 if a norm is 0)},
+            c_{min}, c_{max}) \\
         R \leftarrow \beta_c R + (1-\beta_c) \rho \text{ if } \rho \ne 1,\quad
         p \leftarrow p - \eta \rho u
 
@@ -179,11 +179,12 @@ def onebit_lamb(
         )
 
     def trust_ratio_update(p, u, r):
-        """The clipped warmup trust ratio and the new R (DeepSpeed's ``lamb_coeff``)."""
+        """The clipped warmup trust ratio and the new R (DeepSpeed's ``lamb_coeff``); the
+        fallback 1 for a zero norm is clipped too."""
         p_norm = torch.linalg.vector_norm(p)
         u_norm = torch.linalg.vector_norm(u)
-        ratio = (p_norm / u_norm).clamp(max=max_coeff).clamp(min=min_coeff)
-        ratio = torch.where((p_norm != 0) & (u_norm != 0), ratio, torch.ones_like(ratio))
+        ratio = torch.where((p_norm != 0) & (u_norm != 0), p_norm / u_norm, torch.ones_like(p_norm))
+        ratio = ratio.clamp(min=min_coeff, max=max_coeff)
         r = torch.where(ratio != 1, coeff_beta * r + (1 - coeff_beta) * ratio, r)
         return ratio, r
 

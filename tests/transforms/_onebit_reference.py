@@ -217,7 +217,8 @@ class OnebitLambReference:
                     ratio = 1.0
                     p_norm, u_norm = float(params[r][k].norm()), float(u.norm())
                     if p_norm != 0 and u_norm != 0:
-                        ratio = min(max(p_norm / u_norm, self.min_coeff), self.max_coeff)
+                        ratio = p_norm / u_norm
+                    ratio = min(max(ratio, self.min_coeff), self.max_coeff)
                     if ratio != 1.0:
                         beta = self.coeff_beta
                         self.R[k][r] = beta * self.R[k][r] + (1 - beta) * ratio

@@ -80,6 +80,40 @@ def test_fused_single_error_buffer_sizes():
         assert state.server_error.shape == (padded // world,)
 
 
+@pytest.mark.parametrize("max_coeff, min_coeff", [(10.0, 2.0), (0.5, 0.01)])
+@pytest.mark.parametrize("world", [1, 2])
+def test_zero_norm_trust_ratio_is_the_clipped_one(world, max_coeff, min_coeff):
+    """ALGORITHMS.md: ratio = ||p|| / ||u|| if both are nonzero else 1, THEN clipped, so with
+    min_coeff > 1 or max_coeff < 1 a zero-norm leaf steps with and averages the clipped 1."""
+    gen = torch.Generator().manual_seed(4)
+    params = {"zero_p": torch.zeros(3, 2), "zero_g": torch.randn(4, generator=gen)}
+    params["w"] = torch.randn(5, generator=gen)
+    grads = make_grads(params, world, 5)
+    for ranks in grads:
+        for g in ranks:
+            g["zero_g"] = torch.zeros(4)  # u = 0 at every update (no weight decay)
+    coeffs = (max_coeff, min_coeff) + COEFFS[2:]
+    got, state = run_fn(
+        lambda c: fn.onebit_lamb(LR, 6, BETAS, EPS, 0.0, *coeffs, comm=c), params, grads, world
+    )
+    ref = OnebitLambReference(params, world, LR, 6, BETAS, EPS, 0.0, coeffs)
+    assert_trajectories_close(got, run_reference(ref, params, grads, world), atol=2e-6)
+    clipped_one = min(max(1.0, min_coeff), max_coeff)
+    assert clipped_one != 1.0
+    # zero_g has u = 0 at all 5 updates: R = sum_t (1 - beta) beta^(5 - t) clipped_one
+    beta = COEFFS[2]
+    r_zero_g = state.lamb_coeff_freeze["zero_g"].reshape(-1)
+    torch.testing.assert_close(r_zero_g, torch.full((world,), clipped_one * (1 - beta**5)))
+    # zero_p has p = 0 at t = 1: its first step is -lr * clipped_one * u, u = m / (sqrt(v) + eps)
+    g = sum(ranks["zero_p"] for ranks in grads[0]) / world
+    u = (1 - BETAS[0]) * g / (((1 - BETAS[1]) * g * g).sqrt() + EPS)
+    for p in got[0]:
+        torch.testing.assert_close(p["zero_p"], -LR * clipped_one * u)
+    for k in params:
+        r_fn = state.lamb_coeff_freeze[k].reshape(-1)
+        torch.testing.assert_close(r_fn, torch.tensor(ref.R[k], dtype=torch.float32))
+
+
 def test_exp_avg_mask_keeps_masked_momentum_zero():
     world = 4
     comm = Simulated(world)
