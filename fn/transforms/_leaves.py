@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import pairwise
 
 import torch
 
@@ -53,3 +54,18 @@ def check_nonnegative(name: str, **values: float) -> None:
     for key, v in values.items():
         if not v >= 0.0:  # also rejects NaN
             raise ValueError(f"{name}: {key} must be >= 0, got {v}")
+
+
+def check_fraction(name: str, **values: float) -> None:
+    """Raises ValueError unless every value lies in [0, 1) (an EMA coefficient)."""
+    for key, v in values.items():
+        if not 0.0 <= v < 1.0:  # also rejects NaN
+            raise ValueError(f"{name}: {key} must be in [0, 1), got {v}")
+
+
+def check_ordered(name: str, **bounds: float) -> None:
+    """Raises ValueError unless the values, in the order given, do not decrease (e.g.
+    ``min_coeff=a, max_coeff=b`` needs ``a <= b``)."""
+    for (low_key, low), (high_key, high) in pairwise(bounds.items()):
+        if not low <= high:  # also rejects NaN
+            raise ValueError(f"{name}: {low_key} ({low}) must be <= {high_key} ({high})")

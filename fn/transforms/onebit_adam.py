@@ -8,6 +8,7 @@ import torch
 
 from fn import collectives
 from fn.base import CompressedOptimizer, Params, Updates
+from fn.transforms._leaves import check_nonnegative
 from fn.transforms._onebit_common import (
     LearningRate,
     check_betas,
@@ -95,6 +96,10 @@ def onebit_adam(
         ``plan=opt.plan(step)``, an ``OnebitAdamPlan`` (for ``torch.compile``: two plans, warmup
         and compressed, so two graphs). ``params`` is needed when ``weight_decay > 0``.
 
+    Raises:
+        ValueError: naming the argument: negative ``lr`` (a number), ``eps`` or ``weight_decay``;
+            betas outside [0, 1); ``freeze_step < 2``.
+
     Policies: a ``None`` gradient leaf (a frozen param) gets a ``None`` update and its state is
     untouched. Non-finite gradients raise ``ValueError`` and nothing is updated: the warmup update
     checks the averaged gradient (so every rank raises together), the compressed update relies on
@@ -103,6 +108,9 @@ def onebit_adam(
     must be reset when the world size changes.
     """
     b1, b2 = check_betas(betas)
+    check_nonnegative("onebit_adam", eps=eps, weight_decay=weight_decay)
+    if not callable(lr):
+        check_nonnegative("onebit_adam", lr=lr)
     why = (
         "the compressed updates divide by sqrt(v) + eps with the variance v frozen, which at "
         "least one warmup update (t < freeze_step) must estimate"

@@ -8,6 +8,7 @@ import torch
 
 from fn import collectives
 from fn.base import CompressedOptimizer, Params, Updates
+from fn.transforms._leaves import check_fraction, check_nonnegative, check_ordered
 from fn.transforms._onebit_common import (
     LearningRate,
     check_betas,
@@ -131,6 +132,12 @@ def onebit_lamb(
         update that copies the variance, the first compressed update that fixes the scaling
         coefficients, and compressed). ``params`` is required (trust ratios).
 
+    Raises:
+        ValueError: naming the argument: negative ``lr`` (a number), ``eps``, ``weight_decay``,
+            ``min_coeff``, ``factor_min`` or ``factor_threshold``; ``min_coeff > max_coeff``,
+            ``factor_min > factor_max``; betas or ``coeff_beta`` outside [0, 1);
+            ``freeze_step < 2``.
+
     Further deliberate deviations from DeepSpeed: a leaf whose momentum is zero at the first
     compressed update gets the scaling coefficient 1 (DeepSpeed divided by zero), and empty leaves
     take no part in the scaling mean; ``freeze_step <= 1`` is rejected (DeepSpeed accepted it and
@@ -143,6 +150,19 @@ def onebit_lamb(
     compressed: the collective's check, or a local check with one worker).
     """
     b1, b2 = check_betas(betas)
+    check_nonnegative(
+        "onebit_lamb",
+        eps=eps,
+        weight_decay=weight_decay,
+        min_coeff=min_coeff,
+        factor_min=factor_min,
+        factor_threshold=factor_threshold,
+    )
+    if not callable(lr):
+        check_nonnegative("onebit_lamb", lr=lr)
+    check_ordered("onebit_lamb", min_coeff=min_coeff, max_coeff=max_coeff)
+    check_ordered("onebit_lamb", factor_min=factor_min, factor_max=factor_max)
+    check_fraction("onebit_lamb", coeff_beta=coeff_beta)
     why = (
         "the compressed updates divide by sqrt(v) + eps and scale by the trust ratio R, both "
         "frozen, which at least one warmup update (t < freeze_step) must estimate"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fn.base import EmptyState, GradientTransformation
-from fn.transforms._leaves import check_nonnegative, check_shapes
+from fn.transforms._leaves import check_nonnegative, check_ordered, check_shapes
 from fn.tree import tree_map
 
 __all__ = ["scale_by_trust_ratio"]
@@ -46,8 +46,8 @@ def scale_by_trust_ratio(
     check_nonnegative(
         "scale_by_trust_ratio", min_norm=min_norm, trust_coefficient=trust_coefficient, eps=eps
     )
-    if min_coeff is not None and max_coeff is not None and min_coeff > max_coeff:
-        raise ValueError(f"scale_by_trust_ratio: min_coeff {min_coeff} > max_coeff {max_coeff}")
+    if min_coeff is not None and max_coeff is not None:
+        check_ordered("scale_by_trust_ratio", min_coeff=min_coeff, max_coeff=max_coeff)
 
     def init_fn(params):
         del params

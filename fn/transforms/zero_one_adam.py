@@ -8,6 +8,7 @@ import torch
 
 from fn import collectives
 from fn.base import CompressedOptimizer, Params, Updates
+from fn.transforms._leaves import check_nonnegative
 from fn.transforms._onebit_common import (
     LearningRate,
     check_betas,
@@ -111,6 +112,10 @@ def zero_one_adam(
         ``params`` is needed when ``weight_decay > 0``. The schedule counters in the state
         advance with the plan's decisions (they equal ``counters(t + 1)`` after update ``t``).
 
+    Raises:
+        ValueError: naming the argument: negative ``lr`` (a number), ``eps`` or ``weight_decay``;
+            betas outside [0, 1); a negative ``var_freeze_step`` or a scaler/clipper < 1.
+
     Deviations from DeepSpeed, all deliberate: the schedule counters are global (DeepSpeed kept
     identical copies per param, and a param without a gradient skipped its own counter) and live
     in the state together with the errors and the accumulator, so a checkpoint continues bit for
@@ -126,6 +131,9 @@ def zero_one_adam(
     the local gradient, which on a real process group raises on the offending rank only.
     """
     b1, b2 = check_betas(betas)
+    check_nonnegative("zero_one_adam", eps=eps, weight_decay=weight_decay)
+    if not callable(lr):
+        check_nonnegative("zero_one_adam", lr=lr)
     schedule = ZeroOneAdamSchedule(
         check_nonnegative_int("var_freeze_step", var_freeze_step),
         check_nonnegative_int("var_update_scaler", var_update_scaler, 1),
