@@ -2,7 +2,9 @@
 
 One process (Local), an MLP of many small tensors (where per-tensor work dominates). Times are
 the median of ``--repeats`` runs of ``--steps`` optimizer steps each (gradients are fixed, so
-only the optimizer is timed). Ratios are against ``torch.optim.Adam(foreach=True)``.
+only the optimizer is timed). Ratios are against ``torch.optim.Adam(foreach=True)``. Last, for
+the same model in bf16 (fp32 master copy): the share of a compressed ``OnebitAdam`` step spent
+in the master sync that catches writes to the params between steps (``FlatGroup.sync_master``).
 
 Run: python3 benchmarks/optim.py [--layers 32] [--width 256] [--steps 50] [--repeats 5]
 """
@@ -87,6 +89,13 @@ def main() -> None:
         assert isinstance(opt.comm, Local)
         results[name] = time_steps(opt.step, args.steps, args.repeats)
 
+    model = make_model(args.layers, args.width).to(torch.bfloat16)
+    for p in model.parameters():
+        p.grad = p.grad.to(torch.bfloat16)
+    opt = fn.optim.OnebitAdam(model.parameters(), freeze_step=2)
+    bf16_step = time_steps(opt.step, args.steps, args.repeats)
+    sync = time_steps(opt._groups[0].flat.sync_master, args.steps, args.repeats)
+
     numel = sum(p.numel() for p in model.parameters())
     print(
         f"{args.layers} layers x Linear({args.width}, {args.width}): {2 * args.layers} tensors, "
@@ -95,6 +104,10 @@ def main() -> None:
     base = results["torch.optim.Adam(foreach)"]
     for name, seconds in results.items():
         print(f"{name:48s} {seconds * 1e3:8.3f} ms/step   {seconds / base:5.2f}x")
+    print(
+        f"bf16 OnebitAdam (compressed) {bf16_step * 1e3:.3f} ms/step, of which the master sync "
+        f"{sync * 1e3:.3f} ms ({sync / bf16_step:.1%})"
+    )
 
 
 if __name__ == "__main__":
