@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from fn.collectives._checks import finite_or_raise
 from fn.tree import PyTree
 
 LearningRate = float | Callable[[torch.Tensor], torch.Tensor]
@@ -35,38 +36,16 @@ def current_lr(lr: LearningRate, stored: torch.Tensor, count: torch.Tensor) -> t
     return stored
 
 
-@torch.library.custom_op("fn_onebit::check_finite", mutates_args=())
-def _check_finite(x: torch.Tensor, what: str) -> torch.Tensor:
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError(
-            f"{what} contains non-finite values (NaN or Inf); no update was made and the "
-            "optimizer state is unchanged"
-        )
-    return x.clone()
-
-
-@_check_finite.register_fake
-def _(x, what):
-    return torch.empty_like(x)
-
-
-def _check_finite_vmap(info, in_dims, x, what):
-    del info
-    return _check_finite(x, what), in_dims[0]
-
-
-_check_finite.register_vmap(_check_finite_vmap)
-
-
 def check_finite(x: torch.Tensor, what: str) -> torch.Tensor:
     """Returns a copy of ``x``; raises ``ValueError`` (message contains "non-finite") if ``x``
-    holds a NaN or an Inf.
-
-    A custom op, so that it raises on the host in eager mode, under ``torch.func.vmap`` (a
-    ``Simulated`` comm: it then checks all ranks at once) and at run time under ``torch.compile``,
-    without a data-dependent Python branch in the optimizer.
+    holds a NaN or an Inf, also under ``torch.func.vmap`` (``Simulated``: all ranks are checked
+    at once) and at run time under ``torch.compile`` (see ``fn.collectives._checks``).
     """
-    return _check_finite(x, what)
+    return finite_or_raise(
+        x,
+        f"{what} contains non-finite values (NaN or Inf); no update was made and the "
+        "optimizer state is unchanged",
+    )
 
 
 def leaves_or_nones(tree: PyTree | None, spec: Any) -> list[Any]:
