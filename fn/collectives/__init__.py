@@ -1,4 +1,59 @@
-"""Communication backends (Local, Simulated, ProcessGroup) and collective transforms that thread
-explicit error-feedback state (1-bit allreduce, quantized allreduce with LoCo)."""
+"""Communication backends and collective transforms that thread explicit error-feedback state.
 
-__all__: list[str] = []
+Backends (the ``Comm`` protocol, see ``comm.py``):
+
+- ``Local()``: one rank; collectives return their input, compressed allreduces are the identity.
+- ``Simulated(W)``: W ranks in one process. ``simulate(f, comm)(*args)`` runs ``f`` per rank
+  under ``torch.func.vmap`` over the leading rank axis of every tensor argument;
+  ``replicate(tree, comm)`` stacks W copies (params, states). Works under ``torch.compile``.
+- ``ProcessGroup(group=None)``: ``torch.distributed`` (gloo, nccl, ...), e.g. under torchrun.
+
+``comm.split(L)`` gives the intra-node and inter-node comms of a two-level topology.
+Every comm counts the bytes each rank sends (``bytes_sent``, ``reset_bytes_sent()``) with the
+per-rank formulas of ``_traffic.py``: ring all_reduce ``2 (W-1)/W`` of the payload, all_gather
+``(W-1)/W`` of the output, all_to_all and reduce_scatter ``(W-1)/W`` of the input.
+
+Collectives: ``compressed_allreduce`` / ``onebit_allreduce`` (error-compensated 1-bit, ~1/32 of
+the fp32 traffic), ``quantized_allreduce`` / ``loco_allreduce`` / ``quantized_reduce_scatter``
+(blockwise 4/8-bit, LoCo error feedback, optional two-hop mode).
+"""
+
+from fn.collectives.comm import Comm, Local
+from fn.collectives.onebit import (
+    OnebitAllreduceState,
+    compressed_allreduce,
+    init_error_feedback,
+    onebit_allreduce,
+    padded_numel,
+)
+from fn.collectives.process_group import ProcessGroup
+from fn.collectives.quantized import (
+    LocoAllreduceState,
+    QuantizedError,
+    loco_allreduce,
+    quantized_allreduce,
+    quantized_padded_numel,
+    quantized_reduce_scatter,
+)
+from fn.collectives.simulated import Simulated, SimulatedGroup, replicate, simulate
+
+__all__ = [
+    "Comm",
+    "Local",
+    "Simulated",
+    "SimulatedGroup",
+    "ProcessGroup",
+    "simulate",
+    "replicate",
+    "padded_numel",
+    "init_error_feedback",
+    "compressed_allreduce",
+    "OnebitAllreduceState",
+    "onebit_allreduce",
+    "quantized_padded_numel",
+    "quantized_reduce_scatter",
+    "quantized_allreduce",
+    "QuantizedError",
+    "LocoAllreduceState",
+    "loco_allreduce",
+]

@@ -21,25 +21,34 @@ from fn.transforms.learning_rate import (
     scale_by_learning_rate,
 )
 from fn.transforms.masking import MaskedState, masked, set_to_zero
+from fn.transforms.onebit_adam import OnebitAdamState, onebit_adam
+from fn.transforms.onebit_lamb import OnebitLambState, onebit_lamb
 from fn.transforms.sgd import TraceState, sgd, trace
 from fn.transforms.trust_ratio import scale_by_trust_ratio
 from fn.transforms.weight_decay import add_decayed_weights
+from fn.transforms.zero_one_adam import ZeroOneAdamState, zero_one_adam
 
 __all__ = [
     "MaskedState",
+    "OnebitAdamState",
+    "OnebitLambState",
     "Schedule",
     "ScaleByAdamState",
     "ScaleByLearningRateState",
     "TraceState",
+    "ZeroOneAdamState",
     "adam",
     "adamw",
     "add_decayed_weights",
     "lamb",
     "masked",
+    "onebit_adam",
+    "onebit_lamb",
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_trust_ratio",
     "set_to_zero",
     "sgd",
     "trace",
+    "zero_one_adam",
 ]

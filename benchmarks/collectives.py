@@ -1,0 +1,144 @@
+"""Wire traffic and wall time of the compressed allreduces against an fp32 allreduce.
+
+W = 4 ranks, n = 2^22 fp32 values. Bytes are counted by the comms (per rank, the formulas in
+fn/collectives/_traffic.py) on Simulated(4) and on 4 real gloo processes; the wall time compares
+the 1-bit (and 4-bit LoCo) allreduce with dist.all_reduce on the same data in the gloo processes.
+
+Run: python3 benchmarks/collectives.py [--log2n 22] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fn.collectives import (  # noqa: E402
+    ProcessGroup,
+    Simulated,
+    compressed_allreduce,
+    init_error_feedback,
+    loco_allreduce,
+    replicate,
+    simulate,
+)
+
+WORLD = 4
+GROUP = 128
+
+
+def counted_bytes(n: int) -> dict[str, int]:
+    """Per-rank bytes of one call of each allreduce on Simulated(W)."""
+    comm = Simulated(WORLD)
+    x = torch.randn(WORLD, n)
+    simulate(lambda v: comm.all_reduce(v), comm)(x)
+    out = {"fp32 ring all_reduce": comm.reset_bytes_sent()}
+    we, se = replicate(init_error_feedback(n, comm=comm), comm)
+    simulate(lambda v, a, b: compressed_allreduce(v, a, b, comm=comm), comm)(x, we, se)
+    out["1-bit compressed_allreduce"] = comm.reset_bytes_sent()
+    tx = loco_allreduce(4, GROUP, comm=comm)
+    state = replicate(tx.init({"x": torch.zeros(n)}), comm)
+    simulate(tx.update, comm)({"x": x}, state)
+    out["4-bit loco_allreduce"] = comm.reset_bytes_sent()
+    return out
+
+
+def _timed(fn, repeats):
+    import torch.distributed as dist
+
+    times = []
+    for i in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        if i:  # the first call warms up
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _worker(rank, port, n, repeats, results):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=300),
+    )
+    comm = ProcessGroup()
+    x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+    we, se = init_error_feedback(n, comm=comm)
+    tx = loco_allreduce(4, GROUP, comm=comm)
+    state = tx.init({"x": x})
+
+    def dense():
+        y = x.clone()
+        dist.all_reduce(y)
+
+    out = {"dist.all_reduce": _timed(dense, repeats)}
+    comm.reset_bytes_sent()
+    out["1-bit compressed_allreduce"] = _timed(
+        lambda: compressed_allreduce(x, we, se, comm=comm), repeats
+    )
+    out["1-bit bytes"] = comm.reset_bytes_sent() // (repeats + 1)
+    out["4-bit loco_allreduce"] = _timed(lambda: tx.update({"x": x}, state), repeats)
+    out["4-bit bytes"] = comm.reset_bytes_sent() // (repeats + 1)
+    results.put((rank, out))
+    dist.destroy_process_group()
+
+
+def wall_times(n: int, repeats: int) -> dict[str, float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, port, n, repeats, results)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        outs = dict(results.get(timeout=600) for _ in range(WORLD))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return outs[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--log2n", type=int, default=22)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    n = 2**args.log2n
+    mib = 4 * n / 2**20
+    print(f"W={WORLD}, n=2^{args.log2n} fp32 ({mib:.0f} MiB per rank), torch {torch.__version__}")
+    nbytes = counted_bytes(n)
+    dense = nbytes["fp32 ring all_reduce"]
+    for name, b in nbytes.items():
+        print(f"  {name:28s} {b:>12,d} bytes sent per rank   fp32/this = {dense / b:7.3f}x")
+    times = wall_times(n, args.repeats)
+    assert times["1-bit bytes"] == nbytes["1-bit compressed_allreduce"]
+    assert times["4-bit bytes"] == nbytes["4-bit loco_allreduce"]
+    print(f"gloo, {WORLD} processes, median of {args.repeats} calls (rank 0):")
+    base = times["dist.all_reduce"]
+    for name in ("dist.all_reduce", "1-bit compressed_allreduce", "4-bit loco_allreduce"):
+        t = times[name]
+        print(f"  {name:28s} {1e3 * t:9.1f} ms   time / dist.all_reduce = {t / base:5.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Per-rank wire traffic of each collective, the formulas every backend counts with.
+
+For a payload of ``b`` bytes on each of ``W`` ranks (bandwidth-optimal ring/pairwise algorithms):
+
+- ``all_reduce``: ``2 (W - 1) / W * b`` (ring: reduce-scatter then all-gather),
+- ``all_gather``: ``(W - 1) * b``, i.e. ``(W - 1) / W`` of the ``W * b`` byte output,
+- ``all_to_all``: ``(W - 1) / W * b`` of the ``b`` byte input (every chunk but one's own),
+- ``reduce_scatter``: ``(W - 1) / W * b`` of the ``b`` byte input.
+
+Fractions are rounded up to whole bytes. ``W == 1`` sends nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def payload_bytes(x: torch.Tensor) -> int:
+    """The bytes of one rank's ``x``."""
+    return x.numel() * x.element_size()
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def all_reduce_bytes(nbytes: int, world_size: int) -> int:
+    return _ceil_div(2 * (world_size - 1) * nbytes, world_size)
+
+
+def all_gather_bytes(nbytes: int, world_size: int) -> int:
+    return (world_size - 1) * nbytes
+
+
+def all_to_all_bytes(nbytes: int, world_size: int) -> int:
+    return _ceil_div((world_size - 1) * nbytes, world_size)
+
+
+def reduce_scatter_bytes(nbytes: int, world_size: int) -> int:
+    return _ceil_div((world_size - 1) * nbytes, world_size)

@@ -1,0 +1,131 @@
+"""The ``Comm`` protocol every communication backend implements, and the single-process backend.
+
+A ``Comm`` is handed to a transform when it is built (like optax's ``axis_name``); the transform
+calls its collectives on each rank's local tensors. Results are new tensors (out of place).
+Every backend counts the bytes each rank sends with the formulas in ``fn.collectives._traffic``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+from fn.collectives import _traffic
+
+__all__ = ["Comm", "Local", "ReduceOp"]
+
+ReduceOp = Literal["mean", "sum"]
+
+
+@runtime_checkable
+class Comm(Protocol):
+    """A group of ``world_size`` ranks and the collectives between them.
+
+    Shapes are per rank. ``W`` is ``world_size``.
+
+    - ``all_reduce(x, op)``: ``op`` ("mean" or "sum") of ``x`` over the ranks, same shape.
+    - ``all_gather(x)``: ``[W, *x.shape]``, row ``i`` is rank ``i``'s ``x``.
+    - ``all_to_all(x)``: ``x`` is ``[W, *chunk]``; ``out[i]`` is rank ``i``'s ``x[my_rank]``.
+    - ``reduce_scatter(x, op)``: ``x`` is ``[W, *chunk]``; returns ``op`` over the ranks of
+      their ``x[my_rank]``, shape ``chunk``.
+    - ``bytes_sent``: cumulative bytes this rank has sent; ``reset_bytes_sent()`` zeroes it and
+      returns the old count.
+    - ``split(L)``: ``(intra, inter)`` comms for a two-level topology of ``W / L`` nodes with
+      ``L`` ranks each (rank ``node * L + local``): ``intra`` spans this rank's node, ``inter``
+      the ranks with this rank's local index. Their traffic counts into this comm.
+    """
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def bytes_sent(self) -> int: ...
+
+    def reset_bytes_sent(self) -> int: ...
+
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor: ...
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor: ...
+
+    def split(self, local_world_size: int) -> tuple[Comm, Comm]: ...
+
+
+class ByteCounter:
+    """Byte bookkeeping shared by the backends (a mutable counter, the only state of a comm).
+
+    A sub-group comm (from ``split``) counts into its parent's counter.
+    """
+
+    def __init__(self, counts_into: ByteCounter | None = None) -> None:
+        self._bytes_sent = 0
+        self._counter = self if counts_into is None else counts_into._counter
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._counter._bytes_sent
+
+    def reset_bytes_sent(self) -> int:
+        """Zeroes the counter and returns the count it had."""
+        old, self._counter._bytes_sent = self._counter._bytes_sent, 0
+        return old
+
+    def _count(self, kind: str, nbytes: int, world_size: int) -> None:
+        self._counter._bytes_sent += getattr(_traffic, f"{kind}_bytes")(nbytes, world_size)
+
+
+def check_split(world_size: int, local_world_size: int) -> None:
+    if not isinstance(local_world_size, int) or local_world_size < 1:
+        raise ValueError(f"local_world_size must be a positive int, got {local_world_size!r}")
+    if world_size % local_world_size:
+        raise ValueError(
+            f"local_world_size={local_world_size} does not divide world_size={world_size}"
+        )
+
+
+def check_op(op: str) -> None:
+    if op not in ("mean", "sum"):
+        raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
+
+
+def check_chunked(x: torch.Tensor, world_size: int, name: str) -> None:
+    if x.dim() == 0 or x.shape[0] != world_size:
+        raise ValueError(
+            f"{name} takes a [world_size={world_size}, *chunk] tensor, got shape {tuple(x.shape)}"
+        )
+
+
+class Local(ByteCounter):
+    """World size 1: every collective returns its input's value; nothing is sent."""
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return "Local()"
+
+    def split(self, local_world_size: int) -> tuple[Local, Local]:
+        """``(intra, inter)`` groups of one rank: both are this comm."""
+        check_split(1, local_world_size)
+        return self, self
+
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+        check_op(op)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(0)
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        check_chunked(x, 1, "all_to_all")
+        return x
+
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+        check_op(op)
+        check_chunked(x, 1, "reduce_scatter")
+        return x[0]

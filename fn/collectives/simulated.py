@@ -1,0 +1,226 @@
+"""``Simulated(world_size)``: W workers in one process, every per-rank value on a leading axis.
+
+JAX ``vmap(axis_name=...)`` style: ``simulate(f, comm)`` runs ``f`` once per rank under
+``torch.func.vmap`` over the leading rank axis of every tensor argument, and the collectives of
+``comm`` act across that axis (custom ops with vmap rules, see ``_sim_ops``).
+
+Nested vmaps:
+
+- a ``vmap`` *inside* ``simulate`` (e.g. per-example work on each rank) is supported: a collective
+  called inside it communicates every element of the inner batch, as one larger message would
+  on a real backend. Bytes are counted in Python from the shape the call sees, i.e. for ONE
+  element of the inner batch (``ProcessGroup`` cannot run under vmap, so there is nothing to
+  match; multiply by the inner batch size for the wire volume);
+- ``vmap(simulate(f, comm))`` (an outer batch of whole simulations) also runs; bytes are
+  counted per element of the outer batch likewise;
+- ``simulate`` of the same comm cannot be nested (``RuntimeError``); two different ``Simulated``
+  comms can be (each treats the other's rank axis as an inner batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from fn.collectives import _sim_ops, _traffic
+from fn.collectives.comm import ByteCounter, ReduceOp, check_chunked, check_op, check_split
+from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
+
+__all__ = ["Simulated", "SimulatedGroup", "simulate", "replicate"]
+
+
+class _SimulatedCollectives:
+    """The collectives of a group of simulated ranks (the world, or one hop of a split)."""
+
+    _root: Simulated
+    _local_size: int
+    _hop: int
+    _size: int
+
+    @property
+    def world_size(self) -> int:
+        return self._size
+
+    def _rank_or_raise(self, name: str) -> torch.Tensor:
+        if self._root._rank is None:
+            raise _sim_ops.outside_error(name)
+        return self._root._rank
+
+    def _layout(self, kind: str, x: torch.Tensor) -> tuple[int, int, int]:
+        """Counts one rank's bytes for the call; returns the ops' group layout arguments."""
+        self._root._count(kind, _traffic.payload_bytes(x), self._size)
+        return self._local_size, self._hop, self._size
+
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+        check_op(op)
+        rank = self._rank_or_raise("all_reduce")
+        return _sim_ops.sim_all_reduce(x, rank, op, *self._layout("all_reduce", x))
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        rank = self._rank_or_raise("all_gather")
+        return _sim_ops.sim_all_gather(x, rank, *self._layout("all_gather", x))
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        rank = self._rank_or_raise("all_to_all")
+        check_chunked(x, self._size, "all_to_all")
+        return _sim_ops.sim_all_to_all(x, rank, *self._layout("all_to_all", x))
+
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+        check_op(op)
+        rank = self._rank_or_raise("reduce_scatter")
+        check_chunked(x, self._size, "reduce_scatter")
+        return _sim_ops.sim_reduce_scatter(x, rank, op, *self._layout("reduce_scatter", x))
+
+
+class Simulated(ByteCounter, _SimulatedCollectives):
+    """``world_size`` ranks simulated in one process; use through :func:`simulate`.
+
+    ``bytes_sent`` counts one rank's share (the same number a ``ProcessGroup`` rank counts).
+
+    Args:
+        world_size: the number of simulated ranks, ``>= 1``.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__()
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        self._root = self
+        self._size = world_size
+        self._local_size = world_size
+        self._hop = _sim_ops.WORLD
+        self._rank: torch.Tensor | None = None  # batched arange(W) while simulate() runs
+
+    def __repr__(self) -> str:
+        return f"Simulated({self._size})"
+
+    def split(self, local_world_size: int) -> tuple[SimulatedGroup, SimulatedGroup]:
+        """The intra-node and inter-node groups of this rank, ranks ``node * L + local``.
+
+        Args:
+            local_world_size: ranks per node ``L``; must divide ``world_size``.
+
+        Returns:
+            ``(intra, inter)``: ``intra`` spans the ``L`` ranks of this rank's node, ``inter``
+            the ``W / L`` ranks with this rank's local index. Their bytes count into this comm.
+        """
+        check_split(self._size, local_world_size)
+        return (
+            SimulatedGroup(self, local_world_size, _sim_ops.INTRA),
+            SimulatedGroup(self, local_world_size, _sim_ops.INTER),
+        )
+
+    @contextlib.contextmanager
+    def _activate(self, rank: torch.Tensor) -> Iterator[None]:
+        if self._rank is not None:
+            raise RuntimeError(f"simulate() of the same {self!r} cannot be nested")
+        self._rank = rank
+        try:
+            yield
+        finally:
+            self._rank = None
+
+
+class SimulatedGroup(_SimulatedCollectives):
+    """One hop of :meth:`Simulated.split`; runs inside its root's ``simulate``."""
+
+    def __init__(self, root: Simulated, local_size: int, hop: int) -> None:
+        self._root = root
+        self._local_size = local_size
+        self._hop = hop
+        world_size = root.world_size
+        self._size = local_size if hop == _sim_ops.INTRA else world_size // local_size
+
+    def __repr__(self) -> str:
+        kind = "intra" if self._hop == _sim_ops.INTRA else "inter"
+        return f"SimulatedGroup({self._root!r}, {kind}, size={self._size})"
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._root.bytes_sent
+
+    def reset_bytes_sent(self) -> int:
+        return self._root.reset_bytes_sent()
+
+
+def simulate(f: Callable[..., Any], comm: Simulated) -> Callable[..., Any]:
+    """Runs ``f`` on every rank of ``comm`` at once.
+
+    Every tensor leaf of the arguments must have a leading rank axis of size ``W``; ``f`` sees one
+    rank's slice. Non-tensor leaves (ints, floats, ``None``, strings) are passed to every rank as
+    they are. Tensor outputs get the rank axis (one row per rank, never shared memory between
+    rows); non-tensor outputs are returned as ``f`` gave them.
+    Random ops draw different values on each rank.
+
+    Args:
+        f: a function of pytrees, written for one rank, calling ``comm``'s collectives.
+        comm: the ``Simulated`` comm ``f`` communicates through.
+
+    Returns:
+        The function over rank-stacked arguments.
+    """
+    if not isinstance(comm, Simulated):
+        raise TypeError(f"simulate() needs a Simulated comm, got {comm!r}")
+    world_size = comm.world_size
+
+    @functools.wraps(f)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        leaves, spec = tree_flatten((args, kwargs))
+        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        for i in positions:
+            if leaves[i].dim() == 0 or leaves[i].shape[0] != world_size:
+                raise ValueError(
+                    f"simulate({comm!r}): every tensor argument needs a leading rank axis of "
+                    f"size {world_size}, got shape {tuple(leaves[i].shape)} "
+                    "(use fn.collectives.replicate for values shared by all ranks)"
+                )
+        structure: list[tuple[list[Any], Any, list[bool]]] = []
+
+        def per_rank(rank: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            full = list(leaves)
+            for i, t in zip(positions, tensors, strict=True):
+                full[i] = t
+            rank_args, rank_kwargs = tree_unflatten(full, spec)
+            with comm._activate(rank):
+                out = f(*rank_args, **rank_kwargs)
+            out_leaves, out_spec = tree_flatten(out)
+            is_tensor = [isinstance(o, torch.Tensor) for o in out_leaves]
+            structure.append((out_leaves, out_spec, is_tensor))
+            return tuple(o for o, t in zip(out_leaves, is_tensor, strict=True) if t)
+
+        ranks = torch.arange(world_size)
+        batched = torch.func.vmap(per_rank, randomness="different")(
+            ranks, *(leaves[i] for i in positions)
+        )
+        out_leaves, out_spec, is_tensor = structure[0]
+        # A value that is the same on every rank comes back broadcast (stride 0): copy it, so
+        # that every rank owns its row as a real backend's rank would.
+        batched_iter = (t.contiguous() if t.stride(0) == 0 else t for t in batched)
+        final = [next(batched_iter) if t else o for o, t in zip(out_leaves, is_tensor, strict=True)]
+        return tree_unflatten(final, out_spec)
+
+    return run
+
+
+def replicate(tree: PyTree, comm: Simulated) -> PyTree:
+    """Stacks ``comm.world_size`` copies of every tensor leaf on a new leading rank axis.
+
+    Args:
+        tree: a pytree (params, an optimizer state); non-tensor leaves are kept as they are.
+        comm: the ``Simulated`` comm that fixes the number of copies.
+
+    Returns:
+        The pytree with ``[W, *shape]`` tensor leaves.
+    """
+    world_size = comm.world_size
+
+    def stack(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        return x.unsqueeze(0).expand(world_size, *x.shape).clone()
+
+    return tree_map(stack, tree)

@@ -1,0 +1,157 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fn
+from fn.collectives import Local, Simulated, replicate, simulate
+from tests.transforms._onebit_harness import (
+    assert_trajectories_close,
+    make_grads,
+    make_params,
+    run_fn,
+    run_reference,
+)
+from tests.transforms._onebit_reference import OnebitLambReference
+
+LR, BETAS, EPS = 1e-2, (0.9, 0.999), 1e-8
+COEFFS = (10.0, 0.01, 0.9, 4.0, 0.5, 0.1)  # max/min_coeff, coeff_beta, factor_max/min/threshold
+
+
+def make(comm, freeze_step, wd=0.0, mask=None):
+    return fn.onebit_lamb(LR, freeze_step, BETAS, EPS, wd, *COEFFS, comm=comm, exp_avg_mask=mask)
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+def test_single_worker_matches_reference(wd):
+    params = make_params()
+    grads = make_grads(params, 1, 50)
+    got, _ = run_fn(lambda c: make(c, 20, wd), params, grads, world=1)
+    ref = OnebitLambReference(params, 1, LR, 20, BETAS, EPS, wd, COEFFS)
+    assert_trajectories_close(got, run_reference(ref, params, grads, 1), atol=2e-6)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_simulated_ranks_match_reference(world):
+    params = make_params()
+    grads = make_grads(params, world, 30)
+    mask = {"w": None, "b": None, "big": (torch.arange(40).view(4, 10) % 3 != 0).float()}
+    got, _ = run_fn(lambda c: make(c, 10, 0.01, mask), params, grads, world)
+    ref = OnebitLambReference(params, world, LR, 10, BETAS, EPS, 0.01, COEFFS, mask=mask)
+    want = run_reference(ref, params, grads, world)
+    assert_trajectories_close(got, want, atol=2e-6)
+    for ranks in got:
+        for p in ranks[1:]:
+            for k in p:
+                assert torch.equal(p[k], ranks[0][k])
+
+
+def test_state_after_warmup_and_first_compressed_step():
+    """R is the EMA of the warmup ratios, v_fresh is v at the last warmup step, the scaling
+    coefficients equalize the leaves' momentum RMS, the factors move by at most 10% a step."""
+    params = make_params()
+    grads = make_grads(params, 1, 8)
+    opt = make(Local(), 5)
+    state = opt.init(params)
+    p = params
+    for t, g in enumerate(grads, start=1):
+        updates, state = opt.update(g[0], state, p, step=t)
+        p = fn.apply_updates(p, updates)
+        if t == 4:
+            assert all(torch.equal(state.exp_avg_sq_fresh[k], state.exp_avg_sq[k]) for k in p)
+            warm = state
+        if t == 5:
+            rms = {k: warm.exp_avg[k].norm() / warm.exp_avg[k].numel() ** 0.5 for k in p}
+            mean = sum(rms.values()) / len(rms)
+            for k in p:
+                torch.testing.assert_close(state.scaling_coeff[k], mean / rms[k])
+    for k in p:
+        assert 0 < state.lamb_coeff_freeze[k] <= 10.0
+        assert torch.equal(state.lamb_coeff_freeze[k], warm.lamb_coeff_freeze[k])
+        assert 0.9**4 - 1e-6 <= state.last_factor[k] <= 1.1**4 + 1e-6
+        assert not torch.equal(state.exp_avg_sq_fresh[k], warm.exp_avg_sq_fresh[k])
+
+
+def test_fused_single_error_buffer_sizes():
+    params = make_params()  # 15 + 7 + 40 = 62 elements
+    for world, padded in ((1, 64), (2, 64), (4, 64), (3, 72)):
+        state = make(Simulated(world), 3).init(params)
+        assert state.worker_error.shape == (padded,)
+        assert state.server_error.shape == (padded // world,)
+
+
+def test_exp_avg_mask_keeps_masked_momentum_zero():
+    world = 4
+    comm = Simulated(world)
+    params = make_params()
+    mask = {
+        k: (torch.rand(p.shape, generator=torch.Generator().manual_seed(3)) > 0.5).float()
+        for k, p in params.items()
+    }
+    opt = make(comm, 3, mask=mask)
+    state, p = replicate(opt.init(params), comm), replicate(params, comm)
+    update = simulate(opt.update, comm)
+    for t, g in enumerate(make_grads(params, world, 8), start=1):
+        stacked = {k: torch.stack([g[r][k] for r in range(world)]) for k in params}
+        updates, state = update(stacked, state, p, step=t)
+        p = fn.apply_updates(p, updates)
+        if opt.is_compressed(t):
+            for k in params:
+                assert torch.all(state.exp_avg[k][:, mask[k] == 0] == 0)
+                assert torch.all(state.exp_avg[k][:, mask[k] == 1] != 0)
+
+
+def test_none_empty_and_zero_momentum_leaves():
+    world = 2
+    comm = Simulated(world)
+    params = {
+        "a": torch.randn(6),
+        "frozen": torch.randn(3),
+        "empty": torch.zeros(0, 2),
+        "zero": torch.zeros(4),  # zero param and zero gradient: ratio 1, scaling 1
+    }
+    opt = make(comm, 3, wd=0.1)
+    state0 = replicate(opt.init(params), comm)
+    state, p = state0, replicate(params, comm)
+    update = simulate(opt.update, comm)
+    for t in range(1, 8):
+        grads = {
+            "a": torch.randn(world, 6),
+            "frozen": None,
+            "empty": torch.zeros(world, 0, 2),
+            "zero": torch.zeros(world, 4),
+        }
+        updates, state = update(grads, state, p, step=t)
+        assert updates["frozen"] is None and updates["empty"].shape == (world, 0, 2)
+        p = fn.apply_updates(p, updates)
+    assert torch.equal(p["frozen"], replicate(params, comm)["frozen"])
+    for field in ("exp_avg", "exp_avg_sq", "lamb_coeff_freeze", "last_factor"):
+        assert torch.equal(getattr(state, field)["frozen"], getattr(state0, field)["frozen"])
+    assert torch.equal(state.scaling_coeff["zero"], torch.ones(world))
+    assert all(torch.isfinite(x).all() for x in fn.tree.tree_leaves(state))
+    assert all(torch.isfinite(x).all() for x in fn.tree.tree_leaves(p))
+
+
+@pytest.mark.parametrize("step", [1, 3])  # warmup, compressed
+@pytest.mark.parametrize("world", [1, 2])
+def test_non_finite_gradient_raises(step, world):
+    comm = Local() if world == 1 else Simulated(world)
+    params = {"a": torch.randn(5), "b": torch.randn(3)}
+    opt = make(comm, 2)
+    grads = {"a": torch.randn(world, 5), "b": torch.randn(world, 3)}
+    grads["a"][0, 0] = float("nan")
+    state = opt.init(params) if world == 1 else replicate(opt.init(params), comm)
+    before = [x.clone() for x in fn.tree.tree_leaves(state)]
+    with pytest.raises(ValueError, match="non-finite"):
+        if world == 1:
+            opt.update({k: g[0] for k, g in grads.items()}, state, params, step=step)
+        else:
+            simulate(opt.update, comm)(grads, state, replicate(params, comm), step=step)
+    assert all(torch.equal(a, b) for a, b in zip(before, fn.tree.tree_leaves(state), strict=True))
+
+
+def test_params_required():
+    opt = make(Local(), 2)
+    params = {"a": torch.randn(3)}
+    with pytest.raises(ValueError, match="needs the params"):
+        opt.update({"a": torch.randn(3)}, opt.init(params), step=1)
