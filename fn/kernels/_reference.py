@@ -2,21 +2,37 @@
 fast implementations.
 
 Conventions (shared by every implementation):
-- Signs: bit 1 means +1; ``v >= 0`` and ``-0.0`` both give bit 1. Bits are packed
-  most-significant-bit first, so ``packbits(x)`` equals ``numpy.packbits(x >= 0)`` byte for byte,
-  with the unused tail bits zero.
+- Signs: bit 1 means +1; ``v >= 0`` and ``-0.0`` both give bit 1 (NaN gives bit 0). Bits are
+  packed most-significant-bit first, so ``packbits(x)`` equals ``numpy.packbits(x >= 0)`` byte
+  for byte, with the unused tail bits zero.
+- Sign-compression scale: ``a = sqrt(S / n)`` rounded once to fp32, where ``S = sum(v_i^2)`` is
+  accumulated in fp64 in one fixed order, so that every implementation gets the same bits
+  (squares of fp32 values are exact in fp64; only the additions round):
+  ``v`` is zero-padded to whole blocks of ``SUMSQ_BLOCK`` = 1024 elements; inside a block, lane
+  ``j`` (of ``SUMSQ_LANES`` = 16) adds ``v[j]^2, v[j+16]^2, v[j+32]^2, ...`` in that order;
+  the lanes are then folded as ``lane[j] += lane[j + h]`` for ``h = 8, 4, 2, 1``; the block
+  sums are zero-padded to a power of two and folded the same way (first half plus second half)
+  down to one value. See :func:`block_sumsq` and :func:`rms_from_block_sums`.
 - Quantization: symmetric, blockwise per group of ``group_size`` elements (the input is
   zero-padded to whole groups): ``scale = absmax / 2^(bits-1)``,
   ``q = clamp(round(v / scale), -2^(bits-1), 2^(bits-1) - 1)`` (round half to even), stored as
   two's-complement bytes; 4-bit values are packed two per byte, the first in the high nibble.
-  A group of zeros has scale 0 and dequantizes to zeros.
+  A group of zeros has scale 0 and dequantizes to zeros. Error bound (up to fp32 rounding):
+  an element that is not clamped satisfies ``|x - DQ(Q(x))| <= scale / 2``. The largest code
+  is ``2^(bits-1) - 1`` while ``+absmax / scale = 2^(bits-1)``, so elements above
+  ``(2^(bits-1) - 1/2) * scale`` (just below ``+absmax``) are clamped and their error is up to
+  one ``scale`` (4-bit: ``+absmax`` comes back as ``7/8 absmax``).
 
-All kernels take 1-D inputs; the public wrappers in ``fn.kernels`` add vmap and compile support.
+All kernels take 1-D inputs; the public wrappers in ``fn.kernels`` add input checks, the
+non-finite check, vmap and compile support.
 """
 
 from __future__ import annotations
 
 import torch
+
+SUMSQ_BLOCK = 1024
+SUMSQ_LANES = 16
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
 
@@ -41,10 +57,48 @@ def unpackbits(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32)
     return torch.where(bits, one, -one)
 
 
+def _halve_until_one(x: torch.Tensor) -> torch.Tensor:
+    """Folds the last axis (a power of two long) as ``first half + second half`` to length 1."""
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
+
+
+def block_sumsq(v: torch.Tensor) -> torch.Tensor:
+    """Per-block fp64 sums of squares of 1-D fp32 ``v`` in the canonical order (module doc).
+
+    Returns:
+        fp64 tensor of ``ceil(n / SUMSQ_BLOCK)`` block sums (on the CPU for devices without
+        fp64, such as MPS).
+    """
+    if v.device.type == "mps":
+        v = v.cpu()
+    n = v.numel()
+    blocks = -(-n // SUMSQ_BLOCK)
+    w = torch.nn.functional.pad(v.double(), (0, blocks * SUMSQ_BLOCK - n))
+    w = w.view(blocks, SUMSQ_BLOCK // SUMSQ_LANES, SUMSQ_LANES)
+    w = w * w
+    lanes = w[:, 0]  # [blocks, LANES]
+    for k in range(1, SUMSQ_BLOCK // SUMSQ_LANES):
+        lanes = lanes + w[:, k]
+    return _halve_until_one(lanes)
+
+
+def rms_from_block_sums(block_sums: torch.Tensor, n: int) -> torch.Tensor:
+    """``sqrt(S / n)`` as a 0-dim fp32 tensor from fp64 block sums (shared by every
+    implementation, so the final rounding is the same everywhere); 0 when ``n == 0``."""
+    if n == 0:
+        return torch.zeros((), dtype=torch.float32, device=block_sums.device)
+    count = block_sums.numel()
+    padded = torch.nn.functional.pad(block_sums, (0, (1 << (count - 1).bit_length()) - count))
+    return torch.sqrt(_halve_until_one(padded) / n).float()
+
+
 def sign_compress(
     m: torch.Tensor, error: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Error-compensated sign compression of 1-D fp32 ``m``.
+    """Error-compensated sign compression of 1-D ``m`` (computed in fp32).
 
     .. math::
         v = m + e, \\quad a = \\lVert v \\rVert_2 / \\sqrt{n}, \\quad e' = v - a\\,\\mathrm{sign}(v)
@@ -59,7 +113,7 @@ def sign_compress(
     """
     v = m.float() if error is None else m.float() + error.float()
     n = v.numel()
-    scale = torch.linalg.vector_norm(v) / (n**0.5) if n else v.new_zeros(())
+    scale = rms_from_block_sums(block_sumsq(v), n).to(v.device)
     packed = packbits(v)
     new_error = None
     if error is not None:

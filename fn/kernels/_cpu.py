@@ -1,0 +1,242 @@
+"""Fused CPU kernels: C compiled on first use with the system compiler, called through ctypes.
+
+The shared library is built once per (source, flags, CPU) into ``$FN_CACHE_DIR`` (default
+``~/.cache/fn``) with ``$CC`` (default ``cc``) and ``-O3 -march=native``. Without a working
+compiler every kernel falls back to the reference and one warning says why. Results are
+bit-identical to ``fn.kernels._reference``.
+
+Large calls are split into chunks of ``_CHUNK`` elements claimed by up to
+``torch.get_num_threads()`` threads (ctypes releases the GIL; no OpenMP runtime is involved).
+The calling thread works too and waits only for chunks already claimed, never for a helper
+that has not started: on a busy machine a call degrades towards one thread instead of
+stalling on a descheduled helper.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from fn.kernels import _reference
+from fn.kernels._cpu_source import SOURCE
+
+_FLAGS = ("-O3", "-march=native", "-std=c99", "-shared", "-fPIC")
+_CHUNK = 1 << 18  # elements per work item of a threaded call
+_HUGE_MIN = 1 << 23  # outputs from 8 MiB on ask for transparent huge pages
+_KERNEL_IDS = {
+    "sign_compress": 0,
+    "apply_error": 1,
+    "packbits": 2,
+    "unpackbits": 3,
+    "quantize": 4,
+    "dequantize": 5,
+}
+
+
+class _JobStruct(ctypes.Structure):
+    """Mirror of the C ``fn_job``."""
+
+    _fields_ = [
+        ("kernel", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("chunk", ctypes.c_int64),
+        ("count", ctypes.c_int64),
+        ("next", ctypes.c_int64),
+        ("left", ctypes.c_int64),
+        ("p", ctypes.c_void_p * 5),
+        ("i", ctypes.c_int64 * 2),
+        ("scale", ctypes.c_float),
+    ]
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are cached: ``$FN_CACHE_DIR`` or ``~/.cache/fn``."""
+    return Path(os.environ.get("FN_CACHE_DIR") or Path.home() / ".cache" / "fn")
+
+
+def _cpu_fingerprint() -> str:
+    # -march=native code must not be reused on a different CPU sharing the cache directory.
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _compile(compiler: str, out: Path) -> None:
+    src = out.with_suffix(".c")
+    src.write_text(SOURCE)
+    cmd = [compiler, *_FLAGS, str(src), "-o", str(out), "-lm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip()[-500:]}")
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first call; ``None`` (after one warning) when no
+    compiler works."""
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        warnings.warn(
+            f"fn.kernels: C compiler {compiler!r} not found; the CPU kernels fall back to the "
+            "slower pure-torch reference (set CC to a working compiler to enable them).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    key = hashlib.sha256(
+        "\0".join((SOURCE, compiler, *_FLAGS, _cpu_fingerprint())).encode()
+    ).hexdigest()[:16]
+    path = cache_dir() / f"fn_cpu_kernels_{key}.so"
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                _compile(compiler, Path(tmp) / path.name)
+                # Atomic: a concurrent process never loads a partly written library.
+                os.replace(Path(tmp) / path.name, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        warnings.warn(
+            f"fn.kernels: building the CPU kernels failed ({exc}); falling back to the "
+            "pure-torch reference.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    for name in ("fn_work", "fn_wait"):
+        getattr(lib, name).argtypes = (ctypes.POINTER(_JobStruct),)
+        getattr(lib, name).restype = None
+    lib.fn_advise_huge.argtypes = (ctypes.c_void_p, ctypes.c_int64)
+    lib.fn_advise_huge.restype = None
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="fn")
+
+
+# A forked child inherits the pool object but not its threads.
+os.register_at_fork(after_in_child=_pool.cache_clear)
+
+
+def _run(
+    lib: ctypes.CDLL,
+    kernel: str,
+    n: int,
+    align: int,
+    pointers: tuple[int | None, ...],
+    ints: tuple[int, ...] = (),
+    scale: float = 0.0,
+) -> None:
+    """Runs ``kernel`` over ``[0, n)`` in chunks starting at multiples of ``align``, on up to
+    ``torch.get_num_threads()`` threads."""
+    chunk = max(align, _CHUNK // align * align)
+    count = -(-n // chunk)
+    job = _JobStruct(_KERNEL_IDS[kernel], n, chunk, count, 0, count)
+    job.p[: len(pointers)] = pointers
+    job.i[: len(ints)] = ints
+    job.scale = scale
+    ref = ctypes.byref(job)  # keeps the job alive for helpers that start late
+    for _ in range(min(torch.get_num_threads(), count) - 1):
+        _pool().submit(lib.fn_work, ref)
+    lib.fn_work(ref)
+    lib.fn_wait(ref)
+
+
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().float().contiguous()
+
+
+def _empty(lib: ctypes.CDLL, size: int, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(size, dtype=dtype)
+    if out.nbytes >= _HUGE_MIN:
+        lib.fn_advise_huge(out.data_ptr(), out.nbytes)
+    return out
+
+
+def packbits(x: torch.Tensor) -> torch.Tensor:
+    lib = library()
+    if lib is None or x.dtype != torch.float32:
+        return _reference.packbits(x)
+    x = _fp32(x)
+    out = _empty(lib, (x.numel() + 7) // 8, torch.uint8)
+    _run(lib, "packbits", x.numel(), 8, (x.data_ptr(), out.data_ptr()))
+    return out
+
+
+def unpackbits(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    lib = library()
+    if lib is None or dtype != torch.float32 or packed.numel() * 8 < n:
+        return _reference.unpackbits(packed, n, dtype)
+    packed = packed.detach().contiguous()
+    out = _empty(lib, n, torch.float32)
+    _run(lib, "unpackbits", n, 8, (packed.data_ptr(), out.data_ptr()))
+    return out
+
+
+def sign_compress(
+    m: torch.Tensor, error: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    lib = library()
+    if lib is None:
+        return _reference.sign_compress(m, error)
+    m = _fp32(m)
+    n = m.numel()
+    e = None if error is None else _fp32(error)
+    v = None if e is None else _empty(lib, n, torch.float32)
+    packed = _empty(lib, (n + 7) // 8, torch.uint8)
+    sums = torch.empty(-(-n // _reference.SUMSQ_BLOCK), dtype=torch.float64)
+    pointers = (
+        m.data_ptr(),
+        None if e is None else e.data_ptr(),
+        None if v is None else v.data_ptr(),
+        packed.data_ptr(),
+        sums.data_ptr(),
+    )
+    _run(lib, "sign_compress", n, _reference.SUMSQ_BLOCK, pointers)
+    scale = _reference.rms_from_block_sums(sums, n)
+    if v is not None and torch.isfinite(scale):
+        _run(lib, "apply_error", n, 1, (v.data_ptr(),), scale=scale.item())
+    return packed, scale, v
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    lib = library()
+    if lib is None or bits not in (4, 8) or group_size < 2 or group_size % 2:
+        return _reference.quantize(x, bits, group_size)
+    x = _fp32(x)
+    groups = -(-x.numel() // group_size)
+    q = _empty(lib, groups * group_size * bits // 8, torch.uint8)
+    scales = torch.empty(groups, dtype=torch.float32)
+    pointers = (x.data_ptr(), q.data_ptr(), scales.data_ptr())
+    _run(lib, "quantize", x.numel(), group_size, pointers, (bits, group_size))
+    return q, scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    lib = library()
+    groups = scales.numel()
+    values = q.numel() * 8 // bits if bits in (4, 8) else 0
+    if lib is None or not groups or values % groups or n > values:
+        return _reference.dequantize(q, scales, bits, n)
+    q = q.detach().contiguous()
+    scales = _fp32(scales)
+    out = _empty(lib, n, torch.float32)
+    pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())
+    _run(lib, "dequantize", n, 2, pointers, (bits, values // groups))
+    return out

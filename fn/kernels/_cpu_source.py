@@ -1,0 +1,339 @@
+"""C source of the fused CPU kernels (compiled on first use by ``fn.kernels._cpu``).
+
+Kept as a string so it ships inside the wheel without package-data configuration. The code is
+plain C99 (AVX-512/AVX2 intrinsics where available, else loops compilers vectorize); every
+kernel works on an element range [begin, end). A call is a job of chunks: the calling thread
+and helper threads each run ``fn_work``, claiming chunks with an atomic counter; the caller
+then waits (``fn_wait``) only for chunks already claimed, never for a helper that has not
+started yet. It follows the canonical orders documented in
+``fn.kernels._reference`` (16 fp64 lanes per 1024-element block for sums of squares), so its
+results are bit-identical to the reference. Build flags must not include ``-ffast-math``.
+"""
+
+SOURCE = r"""
+#define _DEFAULT_SOURCE /* madvise */
+#include <math.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 1024
+#define LANES 16
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Reverses the 8 low bits: SIMD compare masks are LSB first, packed bytes MSB first. */
+static inline uint8_t rev8(uint32_t b)
+{
+    b = ((b & 0xF0u) >> 4) | ((b & 0x0Fu) << 4);
+    b = ((b & 0xCCu) >> 2) | ((b & 0x33u) << 2);
+    b = ((b & 0xAAu) >> 1) | ((b & 0x55u) << 1);
+    return (uint8_t)b;
+}
+
+/* Reverses the bits inside each byte of a 64-bit word; stored little-endian (x86), byte b
+   then holds elements 8b..8b+7, MSB first. */
+static inline uint64_t reverse_bytes_bits(uint64_t w)
+{
+    w = ((w >> 1) & 0x5555555555555555ull) | ((w & 0x5555555555555555ull) << 1);
+    w = ((w >> 2) & 0x3333333333333333ull) | ((w & 0x3333333333333333ull) << 2);
+    return ((w >> 4) & 0x0F0F0F0F0F0F0F0Full) | ((w & 0x0F0F0F0F0F0F0F0Full) << 4);
+}
+
+/* One full block: signs and the 16 lane sums (lane j adds x[j]^2, x[j+16]^2, ... in order).
+   fma(d, d, acc) equals acc + d * d here: the square of an fp32 value is exact in fp64. */
+static void sign_block_full(const float *x, uint8_t *bits, double *acc)
+{
+#if defined(__AVX512F__)
+    __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+    for (int k = 0; k < BLOCK / LANES; k += 4) {
+        /* 64 signs as one little-endian word (bit j = element j), bytes reversed below. */
+        uint64_t word = 0;
+        for (int t = 0; t < 4; t++) {
+            __m512 v = _mm512_loadu_ps(x + (k + t) * LANES);
+            word |= (uint64_t)_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ) << (16 * t);
+            __m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+            __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+            __m512d d1 = _mm512_cvtps_pd(hi);
+            a0 = _mm512_fmadd_pd(d0, d0, a0);
+            a1 = _mm512_fmadd_pd(d1, d1, a1);
+        }
+        word = reverse_bytes_bits(word);
+        memcpy(bits + 2 * k, &word, 8);
+    }
+    _mm512_storeu_pd(acc, a0);
+    _mm512_storeu_pd(acc + 8, a1);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256d a[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
+                    _mm256_setzero_pd()};
+    for (int k = 0; k < BLOCK / LANES; k++) {
+        for (int h = 0; h < 2; h++) {
+            __m256 v = _mm256_loadu_ps(x + k * LANES + 8 * h);
+            bits[2 * k + h] = rev8((uint32_t)_mm256_movemask_ps(
+                _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ)));
+            __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+            __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+            a[2 * h] = _mm256_fmadd_pd(d0, d0, a[2 * h]);
+            a[2 * h + 1] = _mm256_fmadd_pd(d1, d1, a[2 * h + 1]);
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        _mm256_storeu_pd(acc + 4 * i, a[i]);
+#else
+    for (int j = 0; j < LANES; j++)
+        acc[j] = 0.0;
+    for (int k = 0; k < BLOCK / LANES; k++) {
+        const float *p = x + k * LANES;
+        for (int j = 0; j < LANES; j++) {
+            double d = p[j];
+            acc[j] += d * d;
+        }
+        for (int h = 0; h < LANES / 8; h++) {
+            uint32_t b = 0;
+            for (int j = 0; j < 8; j++)
+                b |= (uint32_t)(p[h * 8 + j] >= 0.0f) << (7 - j);
+            bits[k * (LANES / 8) + h] = (uint8_t)b;
+        }
+    }
+#endif
+}
+
+/* Signs (bit 1 for x >= 0, MSB first) and the canonical sum of squares of one block. */
+static void sign_block(const float *x, int64_t len, uint8_t *bits, double *block_sum)
+{
+    double acc[LANES] = {0};
+    if (len == BLOCK) {
+        sign_block_full(x, bits, acc);
+    } else {
+        for (int64_t i = 0; i < len; i++) {
+            double d = x[i];
+            acc[i % LANES] += d * d;
+        }
+        for (int64_t i = 0; i < (len + 7) / 8; i++) {
+            uint32_t b = 0;
+            for (int j = 0; j < 8; j++) {
+                int64_t idx = i * 8 + j;
+                if (idx < len)
+                    b |= (uint32_t)(x[idx] >= 0.0f) << (7 - j);
+            }
+            bits[i] = (uint8_t)b;
+        }
+    }
+    for (int h = LANES / 2; h > 0; h /= 2)
+        for (int j = 0; j < h; j++)
+            acc[j] += acc[j + h];
+    *block_sum = acc[0];
+}
+
+/* v = m (+ e): packed signs of v and per-block sums of squares; v is written to v_out when
+   e is given (the error pass then turns it into the new error in place). */
+static void fn_sign_compress(const float *m, const float *e, float *v_out, int64_t begin,
+                             int64_t end, uint8_t *bits, double *block_sums)
+{
+    /* begin is a multiple of BLOCK; end is one too, or the total length. */
+    for (int64_t b = begin / BLOCK; b < (end + BLOCK - 1) / BLOCK; b++) {
+        int64_t off = b * BLOCK, len = min64(BLOCK, end - off);
+        const float *x = m + off;
+        if (e) {
+            float *v = v_out + off;
+            for (int64_t i = 0; i < len; i++)
+                v[i] = m[off + i] + e[off + i];
+            x = v;
+        }
+        sign_block(x, len, bits + off / 8, block_sums + b);
+    }
+}
+
+/* v <- v - scale * sign(v), sign(v) = +1 for v >= 0. */
+static void fn_apply_error(float *v, float scale, int64_t begin, int64_t end)
+{
+    for (int64_t i = begin; i < end; i++)
+        v[i] = v[i] - (v[i] >= 0.0f ? scale : -scale);
+}
+
+/* begin is a multiple of 8; end is one too, or the total length. */
+static void fn_packbits(const float *x, uint8_t *bits, int64_t begin, int64_t end)
+{
+    int64_t full = end / 8, i = begin / 8;
+#if defined(__AVX512F__)
+    for (; i + 8 <= full; i += 8) {
+        uint64_t word = 0;
+        for (int t = 0; t < 4; t++) {
+            __m512 v = _mm512_loadu_ps(x + 8 * i + 16 * t);
+            word |= (uint64_t)_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ) << (16 * t);
+        }
+        word = reverse_bytes_bits(word);
+        memcpy(bits + i, &word, 8);
+    }
+#endif
+    for (; i < full; i++) {
+        const float *p = x + i * 8;
+        uint32_t b = 0;
+        for (int j = 0; j < 8; j++)
+            b |= (uint32_t)(p[j] >= 0.0f) << (7 - j);
+        bits[i] = (uint8_t)b;
+    }
+    if (end % 8) {
+        uint32_t b = 0;
+        for (int64_t idx = full * 8; idx < end; idx++)
+            b |= (uint32_t)(x[idx] >= 0.0f) << (7 - (idx - full * 8));
+        bits[full] = (uint8_t)b;
+    }
+}
+
+/* begin is a multiple of 8; end is one too, or the total length. */
+static void fn_unpackbits(const uint8_t *bits, float *out, int64_t begin, int64_t end)
+{
+    int64_t full = end / 8;
+    for (int64_t i = begin / 8; i < full; i++) {
+        uint32_t b = bits[i];
+        for (int j = 0; j < 8; j++)
+            out[i * 8 + j] = ((b >> (7 - j)) & 1u) ? 1.0f : -1.0f;
+    }
+    for (int64_t idx = full * 8; idx < end; idx++)
+        out[idx] = ((bits[full] >> (7 - (idx - full * 8))) & 1u) ? 1.0f : -1.0f;
+}
+
+/* Symmetric blockwise quantization of one group (len <= group_size valid values, the rest
+   zero padding); a group containing NaN/Inf gets a NaN scale and zero codes. */
+static void quantize_group(const float *p, int64_t len, int64_t group_size, int nbits,
+                           uint8_t *q, float *scale_out)
+{
+    const float qmax = (float)(1 << (nbits - 1));
+    /* |x| ordered as floats is ordered as its bit pattern (NaN > Inf > finite): an integer
+       max, which vectorizes without reassociating float operations. */
+    uint32_t top = 0;
+    for (int64_t i = 0; i < len; i++) {
+        uint32_t u;
+        memcpy(&u, p + i, 4);
+        u &= 0x7FFFFFFFu;
+        top = u > top ? u : top;
+    }
+    int finite = top < 0x7F800000u;
+    float absmax;
+    memcpy(&absmax, &top, 4);
+    float scale = finite ? absmax / qmax : NAN;
+    *scale_out = scale;
+    float div = scale > 0.0f ? scale : 1.0f;
+    for (int64_t i0 = 0; i0 < group_size; i0 += 256) {
+        int8_t c[256];
+        int64_t m = min64(256, group_size - i0);
+        int64_t valid = finite ? (len - i0 < 0 ? 0 : min64(m, len - i0)) : 0;
+        for (int64_t i = 0; i < valid; i++) {
+            float r = rintf(p[i0 + i] / div);
+            r = r < -qmax ? -qmax : r;
+            r = r > qmax - 1.0f ? qmax - 1.0f : r;
+            c[i] = (int8_t)(int32_t)r;
+        }
+        for (int64_t i = valid; i < m; i++)
+            c[i] = 0;
+        if (nbits == 8) {
+            for (int64_t i = 0; i < m; i++)
+                q[i0 + i] = (uint8_t)c[i];
+        } else {
+            for (int64_t i = 0; i < m / 2; i++)
+                q[i0 / 2 + i] = (uint8_t)(((c[2 * i] & 0xF) << 4) | (c[2 * i + 1] & 0xF));
+        }
+    }
+}
+
+/* begin is a multiple of group_size; end is one too, or the total length. */
+static void fn_quantize(const float *x, int nbits, int64_t group_size, uint8_t *q,
+                        float *scales, int64_t begin, int64_t end)
+{
+    for (int64_t g = begin / group_size; g < (end + group_size - 1) / group_size; g++) {
+        int64_t off = g * group_size;
+        quantize_group(x + off, min64(group_size, end - off), group_size, nbits,
+                       q + off * nbits / 8, scales + g);
+    }
+}
+
+static void fn_dequantize(const uint8_t *q, const float *scales, int nbits, int64_t group_size,
+                   float *out, int64_t begin, int64_t end)
+{
+    for (int64_t i = begin; i < end; i++) {
+        int32_t c;
+        if (nbits == 4) {
+            int32_t nib = (q[i / 2] >> ((i & 1) ? 0 : 4)) & 0xF;
+            c = nib >= 8 ? nib - 16 : nib;
+        } else {
+            c = (int8_t)q[i];
+        }
+        out[i] = (float)c * scales[i / group_size];
+    }
+}
+
+enum { SIGN_COMPRESS, APPLY_ERROR, PACKBITS, UNPACKBITS, QUANTIZE, DEQUANTIZE };
+
+typedef struct {
+    int64_t kernel, n, chunk, count, next, left;
+    void *p[5];
+    int64_t i[2];
+    float scale;
+} fn_job;
+
+static void run_chunk(const fn_job *j, int64_t b, int64_t e)
+{
+    switch (j->kernel) {
+    case SIGN_COMPRESS:
+        fn_sign_compress(j->p[0], j->p[1], j->p[2], b, e, j->p[3], j->p[4]);
+        break;
+    case APPLY_ERROR:
+        fn_apply_error(j->p[0], j->scale, b, e);
+        break;
+    case PACKBITS:
+        fn_packbits(j->p[0], j->p[1], b, e);
+        break;
+    case UNPACKBITS:
+        fn_unpackbits(j->p[0], j->p[1], b, e);
+        break;
+    case QUANTIZE:
+        fn_quantize(j->p[0], (int)j->i[0], j->i[1], j->p[1], j->p[2], b, e);
+        break;
+    case DEQUANTIZE:
+        fn_dequantize(j->p[0], j->p[1], (int)j->i[0], j->i[1], j->p[2], b, e);
+        break;
+    }
+}
+
+void fn_work(fn_job *j)
+{
+    for (;;) {
+        int64_t c = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (c >= j->count)
+            return;
+        int64_t b = c * j->chunk, e = b + j->chunk < j->n ? b + j->chunk : j->n;
+        run_chunk(j, b, e);
+        __atomic_fetch_sub(&j->left, 1, __ATOMIC_RELEASE);
+    }
+}
+
+void fn_wait(fn_job *j)
+{
+    while (__atomic_load_n(&j->left, __ATOMIC_ACQUIRE) > 0)
+        sched_yield();
+}
+
+/* Asks for transparent huge pages on the 2 MiB-aligned interior of a fresh output buffer:
+   filling a large output otherwise costs one page fault per 4 KiB. */
+void fn_advise_huge(void *p, int64_t bytes)
+{
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const uintptr_t huge = (uintptr_t)1 << 21;
+    uintptr_t begin = ((uintptr_t)p + huge - 1) & ~(huge - 1);
+    uintptr_t end = ((uintptr_t)p + (uintptr_t)bytes) & ~(huge - 1);
+    if (end > begin)
+        madvise((void *)begin, end - begin, MADV_HUGEPAGE);
+#else
+    (void)p;
+    (void)bytes;
+#endif
+}
+"""

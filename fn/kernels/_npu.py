@@ -1,0 +1,34 @@
+"""Ascend NPU hook: packed signs from ``torch_npu.npu_sign_bits_pack``.
+
+``npu_sign_bits_pack`` packs least-significant-bit first, so each byte is bit-reversed to
+fn's most-significant-bit-first order. The scale and new error use the reference formulas.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fn.kernels import _reference
+
+_REVERSED = tuple(int(f"{i:08b}"[::-1], 2) for i in range(256))
+
+
+def packbits(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype not in (torch.float32, torch.float16) or x.numel() == 0:
+        return _reference.packbits(x)
+    import torch_npu
+
+    # -0.0 + 0.0 is +0.0, so -0.0 gets bit 1 whatever the NPU's rule for negative zero.
+    lsb_first = torch_npu.npu_sign_bits_pack(x.contiguous() + 0.0, 1).view(-1)
+    table = torch.tensor(_REVERSED, dtype=torch.uint8, device=x.device)
+    return table[lsb_first.long()]
+
+
+def sign_compress(
+    m: torch.Tensor, error: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    v = m.float() if error is None else m.float() + error.float()
+    n = v.numel()
+    scale = _reference.rms_from_block_sums(_reference.block_sumsq(v), n).to(v.device)
+    new_error = None if error is None else v - torch.where(v >= 0, scale, -scale)
+    return packbits(v), scale, new_error

@@ -1,0 +1,124 @@
+"""Every (device, implementation) pair against the CPU reference, bit for bit.
+
+Pairs that cannot run here are skipped with the reason. The reference is device-independent
+(only IEEE elementwise operations decide its bits), so device results are compared with the
+CPU reference.
+"""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from fn.kernels import _cpu, _reference, _table
+
+_SIZES = [0, 1, 7, 8, 9, 63, 1023, 1024, 1025, 4097, 70001]
+
+
+def _table_impls(device: str):
+    return lambda name: _table.kernel(device, name)
+
+
+def _cpu_c(name):
+    if _cpu.library() is None:
+        pytest.skip("no working C compiler: the CPU kernels fall back to the reference")
+    return getattr(_cpu, name)
+
+
+def _triton_interpreted(name):
+    if os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton on CPU needs triton installed and TRITON_INTERPRET=1")
+    from fn.kernels import _triton
+
+    if not hasattr(_triton, name):
+        pytest.skip(f"no Triton {name}: CUDA/XPU use the reference for it")
+    return getattr(_triton, name)
+
+
+def _device_available(device: str) -> bool:
+    return _table._TABLE[device].is_available()
+
+
+PAIRS = [
+    pytest.param("cpu", lambda name: getattr(_reference, name), id="cpu-reference"),
+    pytest.param("cpu", _cpu_c, id="cpu-c"),
+    pytest.param("cpu", _triton_interpreted, id="cpu-triton-interpreter"),
+    *[
+        pytest.param(
+            device,
+            _table_impls(device),
+            id=f"{device}-table",
+            marks=pytest.mark.skipif(
+                not _device_available(device), reason=f"no {device} device on this machine"
+            ),
+        )
+        for device in ("cuda", "xpu", "npu", "hpu", "mps")
+    ],
+    *[
+        pytest.param(
+            device,
+            lambda name: getattr(_reference, name),
+            id=f"{device}-reference",
+            marks=pytest.mark.skipif(
+                not _device_available(device), reason=f"no {device} device on this machine"
+            ),
+        )
+        for device in ("cuda", "xpu", "npu", "hpu", "mps")
+    ],
+]
+
+
+def _inputs(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g)
+    if n > 10:
+        x[::7] *= 1e-30
+        x[::11] *= 1e25
+        x[3] = -0.0
+        x[5] = 0.0
+        x[9] = -1e-45
+    return x
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.cpu(), b.cpu()
+    if a.dtype.is_floating_point:
+        a, b = a.view(torch.int32), b.view(torch.int32)
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device, impls", PAIRS)
+def test_sign_kernels_bit_exact(device, impls):
+    packbits, unpackbits, sign_compress = (
+        impls(name) for name in ("packbits", "unpackbits", "sign_compress")
+    )
+    for n in _SIZES:
+        m, e = _inputs(n, n), _inputs(n, n + 1)
+        special = [torch.zeros(n), torch.full((n,), -0.0), -torch.rand(n) - 1]
+        for x in (m, *special):
+            bits = packbits(x.to(device))
+            assert _same_bits(bits, _reference.packbits(x)), n
+            assert _same_bits(unpackbits(bits, n), _reference.unpackbits(bits.cpu(), n)), n
+            got = sign_compress(x.to(device))
+            want = _reference.sign_compress(x)
+            assert got[2] is None
+            assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1]), n
+        for m_dtype in (torch.float32, torch.bfloat16):
+            got = sign_compress(m.to(device, m_dtype), e.to(device))
+            want = _reference.sign_compress(m.to(m_dtype), e)
+            assert all(_same_bits(a, b) for a, b in zip(got, want, strict=True)), (n, m_dtype)
+
+
+@pytest.mark.parametrize("device, impls", PAIRS)
+def test_quantize_kernels_bit_exact(device, impls):
+    quantize, dequantize = impls("quantize"), impls("dequantize")
+    for n in _SIZES:
+        x = _inputs(n, n + 2)
+        for bits in (4, 8):
+            for group_size in (2, 6, 128, 2048):
+                q, scales = quantize(x.to(device), bits, group_size)
+                want_q, want_scales = _reference.quantize(x, bits, group_size)
+                assert _same_bits(q, want_q) and _same_bits(scales, want_scales), (n, bits)
+                back = dequantize(q, scales, bits, n)
+                assert _same_bits(back, _reference.dequantize(want_q, want_scales, bits, n))
