@@ -647,6 +647,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except Interrupted as err:
         print(f"interrupted by {err}: cleaning up", file=sys.stderr)
         raise SystemExit(130) from None
+    except RuntimeError as err:
+        print(f"cluster.py failed: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
