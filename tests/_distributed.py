@@ -60,6 +60,21 @@ def _child(
         results.put((rank, False, traceback.format_exc()))
 
 
+def _failures(rank: int, payload: str, results: mp.Queue, grace: float = 3.0) -> str:
+    """The first failure plus any other rank's that arrives within ``grace`` seconds (the first
+    to report is often a peer that lost its connection, not the rank that broke)."""
+    messages = [f"rank {rank} failed:\n{payload}"]
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            other, ok, text = results.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if not ok:
+            messages.append(f"rank {other} failed:\n{text}")
+    return "\n".join(messages)
+
+
 def run_distributed(
     worker_fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120
 ) -> list[Any]:
@@ -107,7 +122,7 @@ def run_distributed(
                     ) from None
                 continue
             if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+                raise RuntimeError(_failures(rank, payload, results))
             outputs[rank] = pickle.loads(payload)
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))

@@ -15,6 +15,7 @@ import torch
 from fn import kernels
 from fn.base import GradientTransformation
 from fn.collectives._checks import finite_or_raise
+from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
@@ -143,7 +144,7 @@ def compressed_allreduce(
     all_packed = comm.all_gather(server_packed)  # [W, chunk / 8]
     all_scales = comm.all_gather(server_scale)  # [W]
     y = kernels.unpackbits(all_packed.reshape(-1), n_padded).view(world_size, chunk)
-    y = (y * all_scales[:, None]).reshape(-1)[:n]
+    y = fusion_barrier((y * all_scales[:, None]).reshape(-1))[:n]
     return y.view(x.shape).to(x.dtype), new_worker_error, new_server_error
 
 

@@ -37,6 +37,7 @@ import torch
 from fn import kernels
 from fn.base import EmptyState, GradientTransformation
 from fn.collectives._checks import finite_or_raise
+from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
@@ -76,10 +77,17 @@ def _plan(comm: Comm, bits: int, group_size: int, local_world_size: int | None) 
 
 
 def _quantize(v: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
-    # A group with a non-finite value has a non-finite scale. Then this rank sends all-NaN
-    # scales, so every peer that receives from it (directly, or through a poisoned partial sum)
-    # raises at the check after the last hop: nobody is left waiting for a rank that raised.
-    q, scales = kernels.quantize(v, plan.bits, plan.group_size)
+    # A group with a non-finite value has a non-finite scale (or the kernel refuses it). Then
+    # this rank sends all-NaN scales, so every peer that receives from it (directly, or through
+    # a poisoned partial sum) raises at the check after the last hop: nobody is left waiting
+    # for a rank that raised.
+    try:
+        q, scales = kernels.quantize(v, plan.bits, plan.group_size)
+    except ValueError as err:
+        if "non-finite" not in str(err):
+            raise
+        q = v.new_zeros(v.numel() * plan.bits // 8, dtype=torch.uint8)
+        return q, v.new_full((v.numel() // plan.group_size,), torch.nan)
     return q, torch.where(torch.isfinite(scales).all(), scales, torch.nan)
 
 
@@ -100,12 +108,13 @@ def _reduce_scatter(
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Mean over the world of this rank's chunk of the padded fp32 ``v``; new hop errors."""
     new_errors = []
-    for hop, error in zip(plan.hops, errors, strict=True):
+    last = len(plan.hops) - 1
+    for index, (hop, error) in enumerate(zip(plan.hops, errors, strict=True)):
         size = hop.world_size
         q, scales, new_error = _feedback(v, error, plan, err_beta)
         new_errors.append(new_error)
         scales = hop.all_to_all(scales.view(size, -1))  # [size, groups per chunk]
-        if hop is plan.hops[-1]:
+        if index == last:
             scales = finite_or_raise(scales, _NON_FINITE)
         q = hop.all_to_all(q.view(size, -1))  # [size, bytes per chunk]
         pieces = kernels.dequantize(q.reshape(-1), scales.reshape(-1), plan.bits, v.numel())
@@ -127,7 +136,7 @@ def _all_gather(
     if plan.local_world_size is not None:  # rank node * L + local holds chunk local * nodes + node
         nodes = world_size // plan.local_world_size
         out = out.view(nodes, plan.local_world_size, -1).transpose(0, 1).reshape(-1)
-    return out, new_error
+    return fusion_barrier(out), new_error
 
 
 def _flat_padded(x: torch.Tensor, plan: _Plan) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -75,13 +76,25 @@ def _cpu_fingerprint() -> str:
         return platform.processor() + platform.machine()
 
 
-def _compile(compiler: str, out: Path) -> None:
+def _compile(compiler: str, out: Path, flags: tuple[str, ...] = _FLAGS) -> None:
     src = out.with_suffix(".c")
     src.write_text(SOURCE)
-    cmd = [compiler, *_FLAGS, str(src), "-o", str(out), "-lm"]
+    cmd = [compiler, *flags, str(src), "-o", str(out), "-lm"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip()[-500:]}")
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name in ("fn_work", "fn_wait"):
+        getattr(lib, name).argtypes = (ctypes.POINTER(_JobStruct),)
+        getattr(lib, name).restype = None
+    lib.fn_advise_huge.argtypes = (ctypes.c_void_p, ctypes.c_int64)
+    lib.fn_advise_huge.restype = None
+    lib.fn_rms.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
+    lib.fn_rms.restype = ctypes.c_float
+    return lib
 
 
 @functools.lru_cache(maxsize=1)
@@ -108,7 +121,7 @@ def library() -> ctypes.CDLL | None:
                 _compile(compiler, Path(tmp) / path.name)
                 # Atomic: a concurrent process never loads a partly written library.
                 os.replace(Path(tmp) / path.name, path)
-        lib = ctypes.CDLL(str(path))
+        lib = _load(path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         warnings.warn(
             f"fn.kernels: building the CPU kernels failed ({exc}); falling back to the "
@@ -117,11 +130,6 @@ def library() -> ctypes.CDLL | None:
             stacklevel=2,
         )
         return None
-    for name in ("fn_work", "fn_wait"):
-        getattr(lib, name).argtypes = (ctypes.POINTER(_JobStruct),)
-        getattr(lib, name).restype = None
-    lib.fn_advise_huge.argtypes = (ctypes.c_void_p, ctypes.c_int64)
-    lib.fn_advise_huge.restype = None
     return lib
 
 
@@ -200,7 +208,8 @@ def sign_compress(
     e = None if error is None else _fp32(error)
     v = None if e is None else _empty(lib, n, torch.float32)
     packed = _empty(lib, (n + 7) // 8, torch.uint8)
-    sums = torch.empty(-(-n // _reference.SUMSQ_BLOCK), dtype=torch.float64)
+    blocks = -(-n // _reference.SUMSQ_BLOCK)
+    sums = torch.empty(1 << max(0, blocks - 1).bit_length(), dtype=torch.float64)
     pointers = (
         m.data_ptr(),
         None if e is None else e.data_ptr(),
@@ -209,10 +218,12 @@ def sign_compress(
         sums.data_ptr(),
     )
     _run(lib, "sign_compress", n, _reference.SUMSQ_BLOCK, pointers)
-    scale = _reference.rms_from_block_sums(sums, n)
-    if v is not None and torch.isfinite(scale):
-        _run(lib, "apply_error", n, 1, (v.data_ptr(),), scale=scale.item())
-    return packed, scale, v
+    # Padded and folded in C, not by torch ops: on a busy machine, torch's intra-op thread pool
+    # (which even a 512 KiB fill enters) can stall a call for a scheduler tick.
+    scale = lib.fn_rms(sums.data_ptr(), blocks, sums.numel(), n)
+    if v is not None and math.isfinite(scale):
+        _run(lib, "apply_error", n, 1, (v.data_ptr(),), scale=scale)
+    return packed, torch.tensor(scale, dtype=torch.float32), v
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -336,4 +336,19 @@ void fn_advise_huge(void *p, int64_t bytes)
     (void)bytes;
 #endif
 }
+
+/* The scale from the block sums, with exactly the IEEE operations of the reference's
+   rms_from_block_sums: the count sums are zero padded to length (a power of two) and folded
+   in place as first half + second half, then sqrt(total / n) is rounded once to float. */
+float fn_rms(double *sums, int64_t count, int64_t length, int64_t n)
+{
+    if (n == 0)
+        return 0.0f;
+    for (int64_t j = count; j < length; j++)
+        sums[j] = 0.0;
+    for (int64_t h = length / 2; h >= 1; h /= 2)
+        for (int64_t j = 0; j < h; j++)
+            sums[j] = sums[j] + sums[j + h];
+    return (float)sqrt(sums[0] / (double)n);
+}
 """

@@ -21,7 +21,9 @@ Conventions (shared by every implementation):
   an element that is not clamped satisfies ``|x - DQ(Q(x))| <= scale / 2``. The largest code
   is ``2^(bits-1) - 1`` while ``+absmax / scale = 2^(bits-1)``, so elements above
   ``(2^(bits-1) - 1/2) * scale`` (just below ``+absmax``) are clamped and their error is up to
-  one ``scale`` (4-bit: ``+absmax`` comes back as ``7/8 absmax``).
+  one ``scale`` (4-bit: ``+absmax`` comes back as ``7/8 absmax``). A group whose absmax is
+  below ``2^(bits-1)`` times the smallest fp32 subnormal (``2^-149``) gets scale 0 (the
+  division underflows) and dequantizes to zeros.
 
 All kernels take 1-D inputs; the public wrappers in ``fn.kernels`` add input checks, the
 non-finite check, vmap and compile support.

@@ -76,6 +76,16 @@ def leaves_or_nones(tree: PyTree | None, spec: Any) -> list[Any]:
     return spec.flatten_up_to(tree)
 
 
+def check_shape(grad: torch.Tensor, like: torch.Tensor, index: int) -> torch.Tensor:
+    """``grad`` as fp32; raises ``ValueError`` unless it has its state's shape (no broadcasting)."""
+    if grad.shape != like.shape:
+        raise ValueError(
+            f"gradient leaf {index} has shape {tuple(grad.shape)}, its state has "
+            f"{tuple(like.shape)}"
+        )
+    return grad.float()
+
+
 def require_params(params: PyTree | None, why: str) -> None:
     if params is None:
         raise ValueError(f"{why} needs the params: call update(grads, state, params, step=t)")

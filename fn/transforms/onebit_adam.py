@@ -13,6 +13,7 @@ from fn.transforms._onebit_common import (
     check_betas,
     check_finite,
     check_nonnegative_int,
+    check_shape,
     current_lr,
     init_lr,
     leaves_or_nones,
@@ -151,7 +152,7 @@ def onebit_adam(
                     for k, x in zip(("u", "m", "v", "ew", "es"), (None, m, v, ew, es), strict=True):
                         out[k].append(x)
                     continue
-                g = g.float()
+                g = check_shape(g, m, i)
                 if not compressed or bool(dense_leaves[i]):
                     g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
                     m = b1 * m + (1 - b1) * g

@@ -13,6 +13,7 @@ from fn.transforms._onebit_common import (
     check_betas,
     check_finite,
     check_nonnegative_int,
+    check_shape,
     current_lr,
     init_lr,
     leaves_or_nones,
@@ -211,7 +212,8 @@ def onebit_lamb(
                 updates.append(None)
                 continue
             m, v, v_fresh, r = (old[k][i] for k in _LEAF_FIELDS[:4])
-            g = check_finite(comm.all_reduce(g.float(), op="mean"), "the averaged gradient")
+            g = check_shape(g, m, i)
+            g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
             m = b1 * m + (1 - b1) * g
             v = b2 * v + (1 - b2) * g * g
             if schedule.is_last_warmup_step(step):
@@ -250,7 +252,8 @@ def onebit_lamb(
             if g is None:
                 pieces.append(torch.zeros(m.numel(), dtype=m.dtype, device=m.device))
             else:
-                pieces.append(((b1 * m + (1 - b1) * g.float()) * scaling[i]).reshape(-1))
+                g = check_shape(g, m, i)
+                pieces.append(((b1 * m + (1 - b1) * g) * scaling[i]).reshape(-1))
         flat = torch.cat(pieces) if pieces else torch.zeros(0)
         ew, es = state.worker_error, state.server_error
         if world > 1 and flat.numel() > 0:

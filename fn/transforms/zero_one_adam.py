@@ -13,6 +13,7 @@ from fn.transforms._onebit_common import (
     check_betas,
     check_finite,
     check_nonnegative_int,
+    check_shape,
     current_lr,
     init_lr,
     leaves_or_nones,
@@ -200,7 +201,7 @@ def zero_one_adam(
                     for k, x in zip(_LEAF_FIELDS, (m, v, a, ew, es), strict=True):
                         new[k].append(x)
                     continue
-                g = g.float()
+                g = check_shape(g, m, i)
                 if not compressed:
                     g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
                     v = b2 * v + (1 - b2) * g * g

@@ -36,6 +36,17 @@ def test_compiled_simulate_matches_eager():
     with pytest.raises(ValueError, match="non-finite"):
         compiled(bad, we, se)
 
+    # A consumer fused after the slice [:n] of the chunk-scaled output (n = 1000 is not a multiple
+    # of the 256-element chunk): the pattern inductor miscompiled without the fusion barrier.
+    def sgd(p, x, a, b):
+        y, a, b = compressed_allreduce(x, a, b, comm=comm)
+        return p - 0.1 * y, a, b
+
+    params = torch.randn(w, n)
+    want = simulate(sgd, comm)(params, x, we, se)
+    got = torch.compile(simulate(sgd, comm))(params, x, we, se)
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=0)
+
     tx = loco_allreduce(4, 32, comm=comm, local_world_size=2)
     state = replicate(tx.init({"x": torch.zeros(n)}), comm)
     update = simulate(tx.update, comm)

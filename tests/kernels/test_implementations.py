@@ -122,3 +122,64 @@ def test_quantize_kernels_bit_exact(device, impls):
                 assert _same_bits(q, want_q) and _same_bits(scales, want_scales), (n, bits)
                 back = dequantize(q, scales, bits, n)
                 assert _same_bits(back, _reference.dequantize(want_q, want_scales, bits, n))
+
+
+_LARGE = (1 << 21) + 13  # several work chunks (threads on the CPU), outputs >= 8 MiB
+
+
+@pytest.mark.parametrize("device, impls", PAIRS)
+def test_large_sign_kernels_bit_exact(device, impls):
+    m, e = _inputs(_LARGE, 7), _inputs(_LARGE, 8)
+    got = impls("sign_compress")(m.to(device), e.to(device))
+    want = _reference.sign_compress(m, e)
+    assert all(_same_bits(a, b) for a, b in zip(got, want, strict=True))
+    assert _same_bits(impls("packbits")(m.to(device)), _reference.packbits(m))
+    unpacked = impls("unpackbits")(want[0].to(device), _LARGE)
+    assert _same_bits(unpacked, _reference.unpackbits(want[0], _LARGE))
+
+
+@pytest.mark.parametrize("device, impls", PAIRS)
+def test_large_quantize_bit_exact(device, impls):
+    x = _inputs(_LARGE, 9)
+    q, scales = impls("quantize")(x.to(device), 4, 256)
+    want_q, want_scales = _reference.quantize(x, 4, 256)
+    assert _same_bits(q, want_q) and _same_bits(scales, want_scales)
+    back = impls("dequantize")(q, scales, 4, _LARGE)
+    assert _same_bits(back, _reference.dequantize(want_q, want_scales, 4, _LARGE))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next(ln for ln in f if ln.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
+@pytest.mark.parametrize(
+    "march, needs", [("haswell", {"avx2", "fma"}), ("x86-64", set())], ids=["avx2", "generic"]
+)
+def test_other_c_code_paths_bit_exact(march, needs, tmp_path, monkeypatch):
+    """The AVX2 and plain-C branches of the C source, built for an older CPU."""
+    if _cpu.library() is None:
+        pytest.skip("no working C compiler")
+    flags = _cpu_flags()
+    if "avx2" not in flags or not needs <= flags:
+        pytest.skip(f"-march={march} code does not run on this CPU (x86-64 with AVX2 needed)")
+    out = tmp_path / "kernels.so"
+    _cpu._compile(
+        os.environ.get("CC", "cc"),
+        out,
+        tuple(f"-march={march}" if f.startswith("-march") else f for f in _cpu._FLAGS),
+    )
+    lib = _cpu._load(out)
+    monkeypatch.setattr(_cpu, "library", lambda: lib)
+    for n in (*_SIZES, _LARGE):
+        m, e = _inputs(n, n + 3), _inputs(n, n + 4)
+        got, want = _cpu.sign_compress(m, e), _reference.sign_compress(m, e)
+        assert all(_same_bits(a, b) for a, b in zip(got, want, strict=True)), n
+        assert _same_bits(_cpu.sign_compress(m)[1], _reference.sign_compress(m)[1]), n
+        assert _same_bits(_cpu.packbits(m), _reference.packbits(m)), n
+        q, scales = _cpu.quantize(m, 8, 6)
+        want_q, want_scales = _reference.quantize(m, 8, 6)
+        assert _same_bits(q, want_q) and _same_bits(scales, want_scales), n

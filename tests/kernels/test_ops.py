@@ -35,7 +35,8 @@ def test_quantize_error_bound(values, bits, group_size):
     top = 2 ** (bits - 1)
     clamped = x > (top - 0.5) * s  # rounds to +2^(b-1), one above the largest code
     err = (x - back).abs()
-    slack = 1e-6 * x.abs()
+    # Relative fp32 rounding, plus the documented underflow of absmax / 2^(b-1) for subnormals.
+    slack = 1e-6 * x.abs() + top * 2.0**-149
     assert bool((err[~clamped] <= s[~clamped] / 2 + slack[~clamped]).all())
     assert bool((err[clamped] <= s[clamped] + slack[clamped]).all())
     assert bool((back.abs() <= x.abs() + s / 2 + slack).all())

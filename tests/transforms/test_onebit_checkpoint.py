@@ -49,3 +49,13 @@ def test_save_load_continues_bit_for_bit(name, split):
     for k in params:
         for r in range(WORLD):
             assert torch.equal(p[k][r], full[-1][r][k]), (k, r)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_gradient_shape_mismatch_raises(name):
+    opt = OPTIMIZERS[name](fn.collectives.Local())
+    params = make_params()
+    grads = {k: torch.zeros(p.shape) for k, p in params.items()}
+    grads["b"] = torch.zeros(7, 1)  # would broadcast against the [7] state
+    with pytest.raises(ValueError, match="shape"):
+        opt.update(grads, opt.init(params), params, step=1)

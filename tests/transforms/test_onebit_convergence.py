@@ -19,6 +19,16 @@ from fn.collectives import Simulated, replicate, simulate
 WORLD, STEPS, BATCH, CONTEXT, EMBED, HIDDEN = 8, 300, 32, 8, 16, 96
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls: a second intra-op thread only adds contention on shared cores (measured
+    4.6x slower for 50 steps with 2 threads than with 1 on the loaded 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def load_text():
     text = "".join(inspect.getsource(m) for m in (textwrap, string, json.decoder))
     chars = sorted(set(text))
