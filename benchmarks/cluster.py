@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import json
 import os
 import re
@@ -164,7 +165,8 @@ def existing_namespaces(prefix: str) -> list[str]:
 
 
 def cleanup(prefix: str) -> list[str]:
-    """Kills the processes inside the PREFIX-* namespaces, then deletes the namespaces.
+    """Kills the processes inside the PREFIX-* namespaces, then deletes the namespaces and the
+    rank logs a killed run left in ``$TMPDIR/PREFIX-logs-*``.
 
     Deleting a namespace deletes its interfaces (veth pairs, the bridge) and their qdiscs.
     """
@@ -183,6 +185,8 @@ def cleanup(prefix: str) -> list[str]:
                 time.sleep(0.1)
         run(["ip", "netns", "delete", ns], check=False)
         removed.append(ns)
+    for logdir in glob.glob(os.path.join(tempfile.gettempdir(), f"{prefix}-logs-*")):
+        shutil.rmtree(logdir, ignore_errors=True)
     return removed
 
 
@@ -628,7 +632,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_interrupted)
-    logdir = tempfile.mkdtemp(prefix="fnbench-")
+    logdir = tempfile.mkdtemp(prefix=f"{args.prefix}-logs-")
     print(
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, "
