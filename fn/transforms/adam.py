@@ -82,8 +82,10 @@ def scale_by_adam(
         if bias_correction:
             bc1 = _bias_correction(b1, count)
             bc2_sqrt = _bias_correction(b2, count).sqrt()
+            # Same ops and rounding as (m / bc1) / (sqrt(v) / bc2_sqrt + eps); the in-place
+            # steps only touch fresh temporaries (two fewer full-size allocations per leaf).
             updates = tree_map(
-                lambda g, m, v: (m / bc1) / (v.sqrt() / bc2_sqrt + eps), updates, mu, nu
+                lambda g, m, v: (m / bc1).div_((v.sqrt() / bc2_sqrt).add_(eps)), updates, mu, nu
             )
         else:
             updates = tree_map(lambda g, m, v: m / (v.sqrt() + eps), updates, mu, nu)

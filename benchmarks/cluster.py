@@ -1,0 +1,672 @@
+"""Compressed collectives and training steps over rate-limited links: a cluster in namespaces.
+
+Needs root, ``ip`` and ``tc`` (iproute2). It builds a private virtual cluster on this machine:
+
+- one network namespace per rank (``PREFIX-r0`` ...) and one for a bridge (``PREFIX-br``);
+- one veth pair per rank: ``eth0`` in the rank's namespace, port ``p<i>`` on bridge ``br0`` in
+  the bridge namespace (created there directly: nothing is added to the host's network);
+- addresses ``SUBNET.<i+1>/24`` (default 10.213.0.0/24), used only inside those namespaces;
+- a token bucket (``tc qdisc ... tbf``) on both ends of every link, so each rank sends and
+  receives at most RATE, like a full-duplex NIC port of that speed.
+
+Then it runs one gloo rank per namespace (``ip netns exec NS python3 cluster.py --worker ...``,
+MASTER_ADDR the rank-0 address, GLOO_SOCKET_IFNAME=eth0) and measures, for each rate, in the same
+processes: (1) ``dist.all_reduce`` vs fn's 1-bit ``compressed_allreduce`` vs the 4-bit
+``loco_allreduce`` on fp32 buffers of 2^k values, (2) full training steps of an MLP (~25M params,
+synthetic data): forward, backward, gradient communication and optimizer, for Adam with one
+dense allreduce of the flat gradient, Adam under DDP, and fn's 1-bit Adam in its compressed
+phase. Every method is timed between barriers, the methods interleaved in each repeat, and the
+median of rank 0's times is printed with the speedup over the dense baseline.
+
+All ranks share this machine's CPUs: compute that would run in parallel on a real cluster
+(compression, backward) competes here, so compute-bound rows are pessimistic.
+
+Everything it creates is removed at the end, also on errors, timeouts, Ctrl-C and SIGTERM
+(deleting the namespaces removes their veths, bridge and qdiscs); ``--cleanup`` removes what a
+killed run left behind (namespaces named PREFIX-*, after killing the processes inside them).
+Every child has a timeout and every loop is bounded.
+
+Run:  sudo python3 benchmarks/cluster.py [--ranks 4] [--rates 1gbit,10gbit] [--log2-sizes 20-25]
+      python3 benchmarks/cluster.py --dry-run     (print the plan; needs nothing)
+      sudo python3 benchmarks/cluster.py --cleanup
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$")
+RATE_UNIT = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+PORT = 29500
+IFNAME = "eth0"
+
+
+class Interrupted(Exception):
+    """Raised in the parent by SIGINT / SIGTERM / SIGHUP, so that cleanup runs."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Plan: the commands that build and shape the cluster (pure; printed by --dry-run).
+
+
+def parse_rate(rate: str) -> float | None:
+    """Bits per second of a tc rate (``100mbit``, ``1gbit``, ...); ``None`` for ``unlimited``."""
+    if rate == "unlimited":
+        return None
+    m = RATE_RE.match(rate)
+    if not m:
+        raise ValueError(f"rate {rate!r}: expected e.g. 100mbit, 1gbit, 10gbit or unlimited")
+    bits = float(m.group(1)) * RATE_UNIT[m.group(2)]
+    if bits <= 0:
+        raise ValueError(f"rate {rate!r} must be positive")
+    return bits
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"20-25"`` or ``"20,22,24"`` -> log2 buffer sizes."""
+    if re.fullmatch(r"\d+-\d+", text):
+        lo, hi = map(int, text.split("-"))
+        sizes = list(range(lo, hi + 1))
+    elif re.fullmatch(r"\d+(,\d+)*", text):
+        sizes = [int(s) for s in text.split(",")]
+    else:
+        raise ValueError(f"sizes {text!r}: expected LO-HI or a comma list of log2 sizes")
+    if not sizes or min(sizes) < 10 or max(sizes) > 28:
+        raise ValueError(f"log2 sizes must be within 10..28, got {text!r}")
+    return sizes
+
+
+def namespaces(prefix: str, ranks: int) -> tuple[str, list[str]]:
+    return f"{prefix}-br", [f"{prefix}-r{i}" for i in range(ranks)]
+
+
+def address(subnet: str, rank: int) -> str:
+    return f"{subnet}.{rank + 1}"
+
+
+def setup_commands(prefix: str, ranks: int, subnet: str) -> list[list[str]]:
+    """Namespaces, bridge, veth pairs, addresses; all inside the new namespaces."""
+    bridge, rank_ns = namespaces(prefix, ranks)
+    cmds = [["ip", "netns", "add", ns] for ns in (bridge, *rank_ns)]
+    cmds += [
+        ["ip", "-n", bridge, "link", "add", "br0", "type", "bridge"],
+        ["ip", "-n", bridge, "link", "set", "br0", "up"],
+    ]
+    for i, ns in enumerate(rank_ns):
+        port = f"p{i}"
+        cmds += [
+            ["ip", "-n", ns, "link", "add", IFNAME, "type", "veth", "peer", "name", port]
+            + ["netns", bridge],
+            ["ip", "-n", bridge, "link", "set", port, "master", "br0"],
+            ["ip", "-n", bridge, "link", "set", port, "up"],
+            ["ip", "-n", ns, "addr", "add", f"{address(subnet, i)}/24", "dev", IFNAME],
+            ["ip", "-n", ns, "link", "set", IFNAME, "up"],
+            ["ip", "-n", ns, "link", "set", "lo", "up"],
+        ]
+    return cmds
+
+
+def shaping_commands(prefix: str, ranks: int, rate: str) -> list[list[str]]:
+    """A tbf qdisc at RATE on both ends of every link (``unlimited``: remove them).
+
+    The bucket holds 2 ms of traffic (at least 128 KiB, so that 64 KiB GSO packets pass whole);
+    packets wait at most 50 ms in the queue.
+    """
+    bits = parse_rate(rate)
+    bridge, rank_ns = namespaces(prefix, ranks)
+    ends = [(ns, IFNAME) for ns in rank_ns] + [(bridge, f"p{i}") for i in range(ranks)]
+    if bits is None:
+        return [["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"] for ns, dev in ends]
+    burst = max(128 * 1024, int(bits / 8 * 0.002))
+    return [
+        ["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate]
+        + ["burst", str(burst), "latency", "50ms"]
+        for ns, dev in ends
+    ]
+
+
+def worker_command(prefix: str, rank: int, config: dict) -> list[str]:
+    ns = namespaces(prefix, config["world_size"])[1][rank]
+    return ["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__)] + [
+        "--worker",
+        json.dumps({**config, "rank": rank}),
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side: run commands, start and watch the ranks, clean up.
+
+
+def run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}")
+    return proc
+
+
+def existing_namespaces(prefix: str) -> list[str]:
+    out = run(["ip", "netns", "list"]).stdout
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    return [n for n in names if n.startswith(f"{prefix}-")]
+
+
+def cleanup(prefix: str) -> list[str]:
+    """Kills the processes inside the PREFIX-* namespaces, then deletes the namespaces and the
+    rank logs a killed run left in ``$TMPDIR/PREFIX-logs-*``.
+
+    Deleting a namespace deletes its interfaces (veth pairs, the bridge) and their qdiscs.
+    """
+    removed = []
+    for ns in existing_namespaces(prefix):
+        pids = [int(p) for p in run(["ip", "netns", "pids", ns], check=False).stdout.split()]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + 5
+            while pids and time.monotonic() < deadline:
+                pids = [p for p in pids if os.path.exists(f"/proc/{p}")]
+                time.sleep(0.1)
+        run(["ip", "netns", "delete", ns], check=False)
+        removed.append(ns)
+    for logdir in glob.glob(os.path.join(tempfile.gettempdir(), f"{prefix}-logs-*")):
+        shutil.rmtree(logdir, ignore_errors=True)
+    return removed
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM, then SIGKILL after 5 s, to each child's own process group."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 5
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def run_ranks(prefix: str, config: dict, logdir: str, timeout: float) -> dict:
+    """Starts one worker per namespace, waits (at most ``timeout`` s) and returns rank 0's
+    results. Any failing rank stops all of them and raises with its log."""
+    world = config["world_size"]
+    out_path = os.path.join(logdir, f"result-{config['rate']}.json")
+    config = {**config, "out": out_path}
+    env = {
+        **os.environ,
+        "MASTER_ADDR": config["master_addr"],
+        "MASTER_PORT": str(PORT),
+        "GLOO_SOCKET_IFNAME": IFNAME,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": REPO,
+    }
+    procs, logs = [], []
+    try:
+        for rank in range(world):
+            log = open(os.path.join(logdir, f"rank{rank}-{config['rate']}.log"), "w")  # noqa: SIM115
+            logs.append(log)
+            procs.append(
+                subprocess.Popen(
+                    worker_command(prefix, rank, config),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"rank {failed[0]} failed:\n{_tail(logs[failed[0]].name)}")
+            if all(c == 0 for c in codes):
+                with open(out_path) as f:
+                    return json.load(f)
+            time.sleep(0.2)
+        raise RuntimeError(f"ranks still running after {timeout:.0f} s:\n{_tail(logs[0].name)}")
+    finally:
+        stop(procs)
+        for log in logs:
+            log.close()
+
+
+def _tail(path: str, lines: int = 30) -> str:
+    with open(path) as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def check_host() -> None:
+    if os.geteuid() != 0:
+        sys.exit("cluster.py needs root (network namespaces, veth, tc); --dry-run shows the plan")
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        sys.exit(f"cluster.py needs iproute2: {', '.join(missing)} not found on PATH")
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rank side (inside a namespace).
+
+
+def _timed(fns: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dict[str, float]:
+    """Median seconds per call of each fn, timed between barriers, interleaved per repeat."""
+    import torch.distributed as dist
+
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(warmup + repeats):
+        for name, f in fns.items():
+            dist.barrier()
+            start = time.perf_counter()
+            f()
+            dist.barrier()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def bench_collectives(cfg: dict) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    from fn.collectives import (
+        ProcessGroup,
+        compressed_allreduce,
+        init_error_feedback,
+        loco_allreduce,
+    )
+
+    comm = ProcessGroup()
+    rows = []
+    for log2n in cfg["log2_sizes"]:
+        n = 2**log2n
+        x = torch.randn(n, generator=torch.Generator().manual_seed(cfg["rank"]))
+        buf = torch.empty_like(x)
+        errors = list(init_error_feedback(n, comm=comm))
+        loco = loco_allreduce(4, 128, comm=comm)
+        box = {"loco": loco.init({"x": x})}
+
+        def dense(x=x, buf=buf):
+            buf.copy_(x)
+            dist.all_reduce(buf)
+
+        def onebit(x=x, errors=errors):
+            _, errors[0], errors[1] = compressed_allreduce(x, *errors, comm=comm)
+
+        def loco4(x=x, box=box, loco=loco):
+            _, box["loco"] = loco.update({"x": x}, box["loco"])
+
+        comm.reset_bytes_sent()
+        onebit()
+        onebit_bytes = comm.reset_bytes_sent()
+        loco4()
+        loco_bytes = comm.reset_bytes_sent()
+        times = _timed(
+            {"dense": dense, "onebit": onebit, "loco4": loco4}, cfg["repeats"], cfg["warmup"]
+        )
+        w = cfg["world_size"]
+        rows.append(
+            {
+                "log2n": log2n,
+                **times,
+                "dense_bytes": 2 * (w - 1) * 4 * n // w,
+                "onebit_bytes": onebit_bytes,
+                "loco4_bytes": loco_bytes,
+            }
+        )
+        _log(cfg, f"collectives 2^{log2n}: " + ", ".join(f"{k} {v:.4f}s" for k, v in times.items()))
+        del x, buf, errors, box
+    return rows
+
+
+def build_mlp(width: int, hidden: int):
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(width, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, width),
+    )
+
+
+def flat_views(model):
+    """One flat param buffer and one flat grad buffer; params and ``.grad`` become views.
+
+    ``backward`` then accumulates straight into the flat gradient (zero it before each step).
+    """
+    import torch
+
+    params = list(model.parameters())
+    flat_p = torch.cat([p.detach().reshape(-1) for p in params])
+    flat_g = torch.zeros_like(flat_p)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.data = flat_p[offset : offset + n].view_as(p)
+        p.grad = flat_g[offset : offset + n].view_as(p)
+        offset += n
+    return flat_p, flat_g
+
+
+def bench_training(cfg: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import fn
+    from fn.collectives import ProcessGroup
+
+    world, rank = cfg["world_size"], cfg["rank"]
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(cfg["batch"], cfg["width"], generator=gen)
+    y = torch.randn(cfg["batch"], cfg["width"], generator=gen)
+
+    def loss_of(model):
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    # Adam, the flat gradient averaged with one dense allreduce, torch.optim.Adam(foreach=True).
+    dense_model = build_mlp(cfg["width"], cfg["hidden"])
+    _, dense_g = flat_views(dense_model)
+    dense_opt = torch.optim.Adam(dense_model.parameters(), lr=1e-4, foreach=True)
+
+    def adam_dense():
+        dense_g.zero_()
+        loss_of(dense_model).backward()
+        dist.all_reduce(dense_g)
+        dense_g.div_(world)
+        dense_opt.step()
+
+    # The compute floor: the same step without any communication (each rank alone).
+    local_model = build_mlp(cfg["width"], cfg["hidden"])
+    _, local_g = flat_views(local_model)
+    local_opt = torch.optim.Adam(local_model.parameters(), lr=1e-4, foreach=True)
+
+    def adam_local():
+        local_g.zero_()
+        loss_of(local_model).backward()
+        local_opt.step()
+
+    # Adam under DDP (bucketed allreduce overlapped with backward).
+    ddp_model = torch.nn.parallel.DistributedDataParallel(build_mlp(cfg["width"], cfg["hidden"]))
+    ddp_opt = torch.optim.Adam(ddp_model.parameters(), lr=1e-4, foreach=True)
+
+    def adam_ddp():
+        ddp_opt.zero_grad(set_to_none=False)
+        loss_of(ddp_model).backward()
+        ddp_opt.step()
+
+    # fn.onebit_adam on the flat buffer (one leaf: one compressed allreduce per step).
+    onebit_model = build_mlp(cfg["width"], cfg["hidden"])
+    flat_p, flat_g = flat_views(onebit_model)
+    opt = fn.onebit_adam(lr=1e-4, freeze_step=2, comm=ProcessGroup())
+    box = {"state": opt.init({"w": flat_p}), "t": 1}
+    flat_g.zero_()
+    loss_of(onebit_model).backward()
+    updates, state = opt.warmup_update({"w": flat_g}, box["state"], step=1)
+    with torch.no_grad():
+        flat_p.copy_(fn.apply_updates({"w": flat_p}, updates)["w"])
+    # The frozen variance stands in for a long warmup: after one update it is (1 - b2) g^2, and
+    # m / sqrt(v) would blow the params up within a few steps. The cost does not depend on it.
+    v = state.exp_avg_sq["w"]
+    box["state"] = state._replace(exp_avg_sq={"w": torch.full_like(v, v.mean().item() / 1e-3)})
+
+    def onebit_compressed():
+        box["t"] += 1
+        flat_g.zero_()
+        loss_of(onebit_model).backward()
+        updates, box["state"] = opt.compressed_update({"w": flat_g}, box["state"], step=box["t"])
+        with torch.no_grad():
+            flat_p.copy_(fn.apply_updates({"w": flat_p}, updates)["w"])
+
+    numel = flat_p.numel()
+    times = _timed(
+        {
+            "adam_dense": adam_dense,
+            "adam_ddp": adam_ddp,
+            "onebit": onebit_compressed,
+            "adam_local": adam_local,
+        },
+        cfg["train_repeats"],
+        cfg["warmup"],
+    )
+    _log(cfg, "training: " + ", ".join(f"{k} {v:.4f}s" for k, v in times.items()))
+    return {"params": numel, **times}
+
+
+def _log(cfg: dict, msg: str) -> None:
+    if cfg["rank"] == 0:
+        print(f"[{cfg['rate']}] {msg}", flush=True)
+
+
+def worker_main(cfg: dict) -> None:
+    import faulthandler
+
+    import torch
+    import torch.distributed as dist
+
+    faulthandler.dump_traceback_later(cfg["timeout"], exit=True)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        rank=cfg["rank"],
+        world_size=cfg["world_size"],
+        timeout=datetime.timedelta(seconds=cfg["timeout"]),
+    )
+    try:
+        result = {"rate": cfg["rate"]}
+        if not cfg["skip_collectives"]:
+            result["collectives"] = bench_collectives(cfg)
+        if not cfg["skip_training"]:
+            result["training"] = bench_training(cfg)
+        if cfg["rank"] == 0:
+            with open(cfg["out"], "w") as f:
+                json.dump(result, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------
+# Report.
+
+
+def print_results(results: list[dict], args: argparse.Namespace) -> None:
+    for res in results:
+        rate = res["rate"]
+        if "collectives" in res:
+            print(
+                f"\nallreduce of n fp32 values, {args.ranks} ranks at {rate}, median of "
+                f"{args.repeats} (ms; speedup = dense time / this time; MiB sent per rank)"
+            )
+            print(
+                f"  {'n':>5s} {'dense':>9s} {'1-bit':>9s} {'4-bit':>9s} "
+                f"{'x 1-bit':>8s} {'x 4-bit':>8s}   {'MiB dense/1-bit/4-bit':>24s}"
+            )
+            for r in res["collectives"]:
+                mib = [r[k] / 2**20 for k in ("dense_bytes", "onebit_bytes", "loco4_bytes")]
+                print(
+                    f"  2^{r['log2n']:<3d} {1e3 * r['dense']:9.1f} {1e3 * r['onebit']:9.1f} "
+                    f"{1e3 * r['loco4']:9.1f} {r['dense'] / r['onebit']:8.2f} "
+                    f"{r['dense'] / r['loco4']:8.2f}   "
+                    f"{mib[0]:8.2f}/{mib[1]:6.2f}/{mib[2]:6.2f}"
+                )
+        if "training" in res:
+            t = res["training"]
+            print(
+                f"\ntraining step, MLP {args.width}-{args.hidden}-{args.hidden}-{args.width} "
+                f"({t['params'] / 1e6:.1f}M params), batch {args.batch} per rank, {args.ranks} "
+                f"ranks at {rate}, median of {args.train_repeats} (ms; speedup vs Adam dense)"
+            )
+            names = {
+                "adam_dense": "Adam: flat dense allreduce + torch Adam",
+                "adam_ddp": "Adam: DDP + torch Adam",
+                "onebit": "fn.onebit_adam, compressed phase",
+                "adam_local": "no communication (local Adam, a floor)",
+            }
+            for key, label in names.items():
+                print(f"  {label:42s} {1e3 * t[key]:9.1f}   x{t['adam_dense'] / t[key]:5.2f}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--ranks", type=int, default=4, help="ranks = namespaces (2..16)")
+    parser.add_argument(
+        "--rates", default="1gbit,10gbit", help="comma list of tc rates (e.g. 100mbit, unlimited)"
+    )
+    parser.add_argument("--log2-sizes", default="20-25", help="allreduce sizes 2^k: LO-HI or list")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per collective")
+    parser.add_argument("--train-repeats", type=int, default=5, help="timed training steps")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls before timing")
+    parser.add_argument("--width", type=int, default=1024, help="MLP input/output width")
+    parser.add_argument("--hidden", type=int, default=4096, help="MLP hidden width")
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
+    parser.add_argument("--skip-collectives", action="store_true")
+    parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--prefix", default="fnbench", help="name prefix of the namespaces")
+    parser.add_argument("--subnet", default="10.213.0", help="first three octets of the /24")
+    parser.add_argument("--timeout", type=float, default=420, help="seconds per rate (all ranks)")
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    parser.add_argument("--cleanup", action="store_true", help="remove PREFIX-* leftovers")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        args.rate_list = args.rates.split(",")
+        for rate in args.rate_list:
+            parse_rate(rate)
+        args.log2_list = parse_sizes(args.log2_sizes)
+    except ValueError as err:
+        parser.error(str(err))
+    if not 2 <= args.ranks <= 16:
+        parser.error("--ranks must be within 2..16")
+    if min(args.repeats, args.train_repeats) < 1 or args.warmup < 0:
+        parser.error("--repeats and --train-repeats must be >= 1, --warmup >= 0")
+    if not re.fullmatch(r"[a-z][a-z0-9]{0,11}", args.prefix):
+        parser.error("--prefix: 1-12 lowercase letters/digits, starting with a letter")
+    octets = args.subnet.split(".")
+    if len(octets) != 3 or not all(o.isdigit() and int(o) < 256 for o in octets):
+        parser.error("--subnet: three octets, e.g. 10.213.0")
+    if not (octets[0] == "10" or octets[:2] == ["192", "168"]):
+        parser.error("--subnet must be private (10.x.y or 192.168.y)")
+    if args.timeout <= 0:
+        parser.error("--timeout must be positive")
+    return args
+
+
+def worker_config(args: argparse.Namespace, rate: str) -> dict:
+    return {
+        "world_size": args.ranks,
+        "rate": rate,
+        "master_addr": address(args.subnet, 0),
+        "log2_sizes": args.log2_list,
+        "repeats": args.repeats,
+        "train_repeats": args.train_repeats,
+        "warmup": args.warmup,
+        "width": args.width,
+        "hidden": args.hidden,
+        "batch": args.batch,
+        "skip_collectives": args.skip_collectives,
+        "skip_training": args.skip_training,
+        "timeout": args.timeout,
+    }
+
+
+def print_plan(args: argparse.Namespace) -> None:
+    print("# set up")
+    for cmd in setup_commands(args.prefix, args.ranks, args.subnet):
+        print(" ".join(cmd))
+    for rate in args.rate_list:
+        print(f"# rate {rate}: shape, then run one rank per namespace (timeout {args.timeout} s)")
+        for cmd in shaping_commands(args.prefix, args.ranks, rate):
+            print(" ".join(cmd))
+        for rank in range(args.ranks):
+            cmd = worker_command(args.prefix, rank, worker_config(args, rate))
+            print(" ".join(cmd[:-1]), f"'{cmd[-1]}'")
+    print("# clean up")
+    for ns in (*namespaces(args.prefix, args.ranks)[1], namespaces(args.prefix, args.ranks)[0]):
+        print(f"ip netns delete {ns}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker is not None:
+        sys.path.insert(0, REPO)
+        worker_main(json.loads(args.worker))
+        return
+    if args.dry_run:
+        print_plan(args)
+        return
+    check_host()
+    if args.cleanup:
+        removed = cleanup(args.prefix)
+        print(f"removed {len(removed)} namespaces: {' '.join(removed) or '-'}")
+        return
+    leftovers = existing_namespaces(args.prefix)
+    if leftovers:
+        sys.exit(f"namespaces {' '.join(leftovers)} exist: run with --cleanup first")
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupted)
+    logdir = tempfile.mkdtemp(prefix=f"{args.prefix}-logs-")
+    print(
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, "
+        f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}"
+    )
+    results = []
+    try:
+        print(f"building {args.ranks} namespaces ({args.prefix}-*), subnet {args.subnet}.0/24")
+        for cmd in setup_commands(args.prefix, args.ranks, args.subnet):
+            run(cmd)
+        for rate in args.rate_list:
+            for cmd in shaping_commands(args.prefix, args.ranks, rate):
+                run(cmd, check=parse_rate(rate) is not None)
+            print(f"rate {rate}: running {args.ranks} ranks", flush=True)
+            results.append(run_ranks(args.prefix, worker_config(args, rate), logdir, args.timeout))
+    except Interrupted as err:
+        print(f"interrupted by {err}: cleaning up", file=sys.stderr)
+        raise SystemExit(130) from None
+    except RuntimeError as err:
+        print(f"cluster.py failed: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        removed = cleanup(args.prefix)
+        print(f"removed namespaces {' '.join(removed)}", flush=True)
+        shutil.rmtree(logdir, ignore_errors=True)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+    print_results(results, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": sys.argv[1:], "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

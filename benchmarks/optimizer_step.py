@@ -1,0 +1,145 @@
+"""One Adam step: fn.adam (eager and torch.compile'd) vs torch.optim.Adam(foreach=True).
+
+The params are the layer shapes of a small transformer language model (token embedding, then per
+block: fused QKV, attention output, two MLP matrices, biases and two layer norms), about 10.5M
+fp32 values with the defaults. One step is, for fn::
+
+    updates, state = tx.update(grads, state, params)
+    params = fn.apply_updates(params, updates)
+
+and for torch ``opt.step()`` with the same gradients in ``.grad``. Both start from the same
+params and see the same fixed gradients. The methods are interleaved in every repeat (so load
+changes hit all of them alike); the time printed is the median over the repeats after the
+warmup steps, and the ratio is time / torch's time (lower is better; the target for fn eager is
+<= 1.2). After the run the params of fn eager and torch are compared (max abs difference).
+
+Run: python3 benchmarks/optimizer_step.py [--repeats 30] [--warmup 5] [--no-compile]
+     python3 benchmarks/optimizer_step.py --vocab 64 --d-model 16 --layers 1 --repeats 2  (tiny)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fn  # noqa: E402
+
+
+def layer_shapes(vocab: int, d_model: int, layers: int) -> dict[str, tuple[int, ...]]:
+    """Param shapes of a GPT-style model: embedding, ``layers`` blocks, final layer norm."""
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (vocab, d_model)}
+    for i in range(layers):
+        block = {
+            "ln1.weight": (d_model,),
+            "ln1.bias": (d_model,),
+            "attn.qkv.weight": (3 * d_model, d_model),
+            "attn.qkv.bias": (3 * d_model,),
+            "attn.out.weight": (d_model, d_model),
+            "attn.out.bias": (d_model,),
+            "ln2.weight": (d_model,),
+            "ln2.bias": (d_model,),
+            "mlp.up.weight": (4 * d_model, d_model),
+            "mlp.up.bias": (4 * d_model,),
+            "mlp.down.weight": (d_model, 4 * d_model),
+            "mlp.down.bias": (d_model,),
+        }
+        shapes.update({f"blocks.{i}.{k}": v for k, v in block.items()})
+    shapes["ln_f.weight"] = (d_model,)
+    shapes["ln_f.bias"] = (d_model,)
+    return shapes
+
+
+def make_steppers(
+    shapes: dict[str, tuple[int, ...]], lr: float, compile_fn: bool
+) -> dict[str, tuple[Callable[[], None], Callable[[], dict[str, torch.Tensor]]]]:
+    """``name -> (step, current params)`` for torch, fn eager and (optionally) fn compiled."""
+    gen = torch.Generator().manual_seed(0)
+    params0 = {k: torch.randn(s, generator=gen) * 0.02 for k, s in shapes.items()}
+    grads = {k: torch.randn(s, generator=gen) * 1e-3 for k, s in shapes.items()}
+
+    torch_params = [p.clone().requires_grad_(True) for p in params0.values()]
+    for p, g in zip(torch_params, grads.values(), strict=True):
+        p.grad = g.clone()
+    opt = torch.optim.Adam(torch_params, lr=lr, foreach=True)
+    steppers = {
+        "torch.optim.Adam(foreach=True)": (
+            opt.step,
+            lambda: dict(zip(shapes, (p.detach() for p in torch_params), strict=True)),
+        )
+    }
+
+    tx = fn.adam(lr=lr)
+
+    def fn_step(params, state):
+        updates, state = tx.update(grads, state, params)
+        return fn.apply_updates(params, updates), state
+
+    variants = [("fn.adam eager", fn_step)]
+    if compile_fn:
+        variants.append(("fn.adam torch.compile", torch.compile(fn_step)))
+    for name, step_fn in variants:
+        box = {"params": {k: p.clone() for k, p in params0.items()}}
+        box["state"] = tx.init(box["params"])
+
+        def step(box=box, step_fn=step_fn):
+            box["params"], box["state"] = step_fn(box["params"], box["state"])
+
+        steppers[name] = (step, lambda box=box: box["params"])
+    return steppers
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=8192, help="embedding rows")
+    parser.add_argument("--d-model", type=int, default=512, help="model width")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    parser.add_argument("--repeats", type=int, default=30, help="timed steps per method")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per method first")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd step")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error("--repeats must be >= 1 and --warmup >= 0")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    shapes = layer_shapes(args.vocab, args.d_model, args.layers)
+    numel = sum(torch.Size(s).numel() for s in shapes.values())
+    print(
+        f"Adam step on {numel / 1e6:.2f}M fp32 params in {len(shapes)} tensors, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    steppers = make_steppers(shapes, 1e-3, not args.no_compile)
+    for step, _ in steppers.values():
+        for _ in range(args.warmup):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    for _ in range(args.repeats):
+        for name, (step, _) in steppers.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+
+    base_name = "torch.optim.Adam(foreach=True)"
+    base = statistics.median(times[base_name])
+    print(f"median of {args.repeats} steps after {args.warmup} warmup steps:")
+    for name, ts in times.items():
+        t = statistics.median(ts)
+        print(f"  {name:32s} {1e3 * t:8.2f} ms   time / torch = {t / base:5.2f}")
+    ref = steppers[base_name][1]()
+    got = steppers["fn.adam eager"][1]()
+    diff = max((ref[k] - got[k]).abs().max().item() for k in shapes)
+    steps = args.warmup + args.repeats
+    print(f"max |params fn eager - params torch| after {steps} steps: {diff:.3g}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Smoke tests of the benchmark scripts: tiny runs and plans, never timings, never root."""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(ROOT, "benchmarks")
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", os.path.join(BENCH, name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+cluster = _load("cluster.py")
+
+
+def _cli(script, *args, timeout=120):
+    return subprocess.run(
+        [sys.executable, os.path.join(BENCH, script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
+
+
+@pytest.mark.timeout(180)
+def test_optimizer_step_tiny_cli_runs_and_agrees_with_torch():
+    tiny = ("--vocab", "32", "--d-model", "8", "--layers", "1")
+    proc = _cli("optimizer_step.py", *tiny, "--repeats", "2", "--warmup", "1", "--no-compile")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    names = ["torch.optim.Adam(foreach=True)", "fn.adam eager"]
+    for name in names:
+        assert re.search(re.escape(name) + r"\s+[\d.]+ ms\s+time / torch =\s+[\d.]+", out), out
+    assert "torch.compile" not in out
+    diff = float(re.search(r"after 3 steps: (\S+)", out).group(1))
+    assert diff < 1e-6  # params ~0.02, lr 1e-3: a wrong Adam would be off by ~1e-3
+
+
+def test_optimizer_step_shapes_are_a_transformer():
+    shapes = _load("optimizer_step.py").layer_shapes(vocab=100, d_model=8, layers=2)
+    assert shapes["embed.weight"] == (100, 8)
+    assert shapes["blocks.1.attn.qkv.weight"] == (24, 8)
+    assert shapes["blocks.0.mlp.down.weight"] == (8, 32)
+    # defaults give ~10M params
+    default = _load("optimizer_step.py").layer_shapes(8192, 512, 2)
+    numel = sum(torch.Size(s).numel() for s in default.values())
+    assert 10_000_000 <= numel <= 11_000_000
+
+
+def test_cluster_dry_run_plan_stays_inside_its_namespaces():
+    proc = _cli("cluster.py", "--dry-run", "--ranks", "3", "--rates", "100mbit,unlimited")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if not line.startswith("#")]
+    ours = {"fnbench-br", "fnbench-r0", "fnbench-r1", "fnbench-r2"}
+    for line in lines:
+        words = line.split()
+        if words[:2] == ["ip", "netns"]:
+            assert words[2] in ("add", "exec", "delete") and words[3] in ours, line
+        else:
+            assert words[0] in ("ip", "tc") and words[1] == "-n" and words[2] in ours, line
+    assert sum("tbf rate 100mbit" in line for line in lines) == 6  # both ends of 3 links
+    assert sum("qdisc del" in line for line in lines) == 6
+    assert sum(line.startswith("ip netns add") for line in lines) == 4
+    assert sum(line.startswith("ip netns delete") for line in lines) == 4
+    workers = [line for line in lines if line.startswith("ip netns exec")]
+    assert len(workers) == 6
+    config = json.loads(workers[0].split("--worker ", 1)[1].strip("'"))
+    assert config["rank"] == 0 and config["world_size"] == 3
+    assert config["master_addr"] == "10.213.0.1"
+    assert config["log2_sizes"] == [20, 21, 22, 23, 24, 25]
+    net = ipaddress.ip_network("10.213.0.0/24")
+    for addr in re.findall(r"addr add (\S+)/24", proc.stdout):
+        assert ipaddress.ip_address(addr) in net
+
+
+@pytest.mark.parametrize(
+    "rate, bits", [("100mbit", 1e8), ("1gbit", 1e9), ("2.5gbit", 2.5e9), ("unlimited", None)]
+)
+def test_cluster_parse_rate(rate, bits):
+    assert cluster.parse_rate(rate) == bits
+
+
+@pytest.mark.parametrize("rate", ["1 gbit", "fast", "1gbps", "0mbit", "-1mbit", ""])
+def test_cluster_rejects_bad_rates(rate):
+    with pytest.raises(ValueError, match="rate"):
+        cluster.parse_rate(rate)
+
+
+def test_cluster_parse_sizes():
+    assert cluster.parse_sizes("20-22") == [20, 21, 22]
+    assert cluster.parse_sizes("24") == [24]
+    assert cluster.parse_sizes("20,24") == [20, 24]
+    for bad in ("9-12", "20-29", "a", "22-20", ""):
+        with pytest.raises(ValueError):
+            cluster.parse_sizes(bad)
+
+
+def test_cluster_tbf_burst_holds_gso_packets_and_two_ms():
+    cmds = cluster.shaping_commands("fnx", 2, "10gbit")
+    bursts = {int(c[c.index("burst") + 1]) for c in cmds}
+    assert bursts == {int(10e9 / 8 * 0.002)}
+    cmds = cluster.shaping_commands("fnx", 2, "10mbit")
+    assert {int(c[c.index("burst") + 1]) for c in cmds} == {128 * 1024}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--ranks", "1"], "--ranks"),
+        (["--rates", "1gbit,oops"], "rate"),
+        (["--prefix", "Bad-Name"], "--prefix"),
+        (["--subnet", "8.8.8"], "private"),
+        (["--subnet", "10.300.0"], "--subnet"),
+        (["--repeats", "0"], "--repeats"),
+        (["--timeout", "0"], "--timeout"),
+    ],
+)
+def test_cluster_rejects_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        cluster.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_cluster_refuses_without_root(monkeypatch):
+    monkeypatch.setattr(cluster.os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit, match="needs root"):
+        cluster.check_host()
+
+
+def test_cluster_refuses_without_iproute2(monkeypatch):
+    monkeypatch.setattr(cluster.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(cluster.shutil, "which", lambda tool: None)
+    with pytest.raises(SystemExit, match="ip, tc not found"):
+        cluster.check_host()
+
+
+def test_cluster_flat_views_share_storage_with_the_model():
+    model = cluster.build_mlp(6, 10)
+    before = [p.detach().clone() for p in model.parameters()]
+    flat_p, flat_g = cluster.flat_views(model)
+    assert torch.equal(flat_p, torch.cat([b.reshape(-1) for b in before]))
+    x = torch.randn(4, 6)
+    model(x).square().sum().backward()
+    reference = cluster.build_mlp(6, 10)
+    reference(x).square().sum().backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    assert torch.equal(flat_g, expected)  # backward accumulated into the flat buffer
+    with torch.no_grad():
+        flat_p.add_(1.0)
+    assert torch.equal(next(model.parameters()), before[0] + 1.0)
