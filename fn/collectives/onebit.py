@@ -121,7 +121,9 @@ def compressed_allreduce(
         raise TypeError(f"compressed_allreduce needs a floating-point x, got {x.dtype}")
     chunk = n_padded // world_size
 
-    flat = torch.nn.functional.pad(x.reshape(-1).float(), (0, n_padded - n))
+    flat = x.reshape(-1).float()
+    if n_padded > n:
+        flat = torch.nn.functional.pad(flat, (0, n_padded - n))
     # Non-finite values make the scale non-finite (or the kernel raise); the rank then sends a
     # NaN scale, every rank sees it after the scale all_gather and raises there, before any
     # sign is exchanged: no rank is left waiting and no error state is touched.
@@ -137,14 +139,18 @@ def compressed_allreduce(
     )
 
     received = comm.all_to_all(packed.view(world_size, -1))  # [W, chunk / 8]: chunk r of rank i
+    # unpackbits returns fresh tensors: scaling them in place saves a full-size copy each.
     signs = kernels.unpackbits(received.reshape(-1), n_padded).view(world_size, chunk)
-    server_m = (signs * (scales / world_size)[:, None]).sum(0)  # [chunk]
+    server_m = signs.mul_((scales / world_size)[:, None]).sum(0)  # [chunk]
     server_packed, server_scale, new_server_error = kernels.sign_compress(server_m, server_error)
 
     all_packed = comm.all_gather(server_packed)  # [W, chunk / 8]
     all_scales = comm.all_gather(server_scale)  # [W]
     y = kernels.unpackbits(all_packed.reshape(-1), n_padded).view(world_size, chunk)
-    y = fusion_barrier((y * all_scales[:, None]).reshape(-1))[:n]
+    y = y.mul_(all_scales[:, None]).reshape(-1)
+    if torch.compiler.is_compiling():
+        y = fusion_barrier(y)
+    y = y[:n]
     return y.view(x.shape).to(x.dtype), new_worker_error, new_server_error
 
 
