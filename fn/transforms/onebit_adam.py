@@ -174,17 +174,21 @@ def onebit_adam(
                     m = b1 * m + (1 - b1) * g
                     v = b2 * v + (1 - b2) * g * g
                 else:
-                    m = b1 * m + (1 - b1) * g
+                    # In-place ops only on fresh temporaries: the same rounding, fewer full-size
+                    # allocations on the hot path of the compressed phase.
+                    m = (b1 * m).add_((1 - b1) * g)
                     if world > 1 and m.numel() > 0:
                         m, ew, es = collectives.compressed_allreduce(m, ew, es, comm=comm)
                     elif world == 1:
                         m = check_finite(m, "the momentum (local gradient)")
                     if mask_leaves[i] is not None:
                         m = m * mask_leaves[i]
-                u = m / (v.sqrt() + eps)
+                u = m / v.sqrt().add_(eps)
                 if weight_decay > 0:
-                    u = u + weight_decay * p_leaves[i].float()
-                for k, x in zip(("u", "m", "v", "ew", "es"), (-eta * u, m, v, ew, es), strict=True):
+                    u = u.add_(weight_decay * p_leaves[i].float())
+                for k, x in zip(
+                    ("u", "m", "v", "ew", "es"), (u.mul_(-eta), m, v, ew, es), strict=True
+                ):
                     out[k].append(x)
 
             new_state = OnebitAdamState(
