@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from fn._foreach import foreach_ok
 from fn.tree import PyTree, tree_flatten, tree_unflatten
 
 __all__ = [
@@ -210,14 +211,17 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     A ``None`` update leaves its param as it is. Inputs are not modified.
     """
 
-    def add(p, u):
-        return p if u is None else (p + u).to(p.dtype)
-
     p_leaves, spec = tree_flatten(params)
     u_leaves = spec.flatten_up_to(updates)
-    return tree_unflatten(
-        [None if p is None else add(p, u) for p, u in zip(p_leaves, u_leaves, strict=True)], spec
-    )
+    pairs = [(i, p, u) for i, (p, u) in enumerate(zip(p_leaves, u_leaves, strict=True))]
+    pairs = [(i, p, u) for i, p, u in pairs if p is not None and u is not None]
+    ps = [p for _, p, _ in pairs]
+    us = [u for _, _, u in pairs]
+    sums = torch._foreach_add(ps, us) if foreach_ok(*ps, *us) else map(torch.add, ps, us)
+    out = list(p_leaves)
+    for (i, p, _), s in zip(pairs, sums, strict=True):
+        out[i] = s.to(p.dtype)
+    return tree_unflatten(out, spec)
 
 
 class StagedState(NamedTuple):

@@ -7,16 +7,12 @@ from typing import NamedTuple
 
 import torch
 
+from fn._foreach import foreach_ok
 from fn.base import GradientTransformation, chain
-from fn.transforms._leaves import (
-    check_betas,
-    check_nonnegative,
-    device_of,
-    update_state_leaves,
-)
+from fn.transforms._leaves import check_betas, check_nonnegative, check_shapes, device_of
 from fn.transforms.learning_rate import Schedule, scale_by_learning_rate
 from fn.transforms.weight_decay import add_decayed_weights
-from fn.tree import PyTree, tree_map, tree_zeros_like
+from fn.tree import PyTree, tree_flatten, tree_unflatten, tree_zeros_like
 
 __all__ = ["ScaleByAdamState", "scale_by_adam", "adam", "adamw"]
 
@@ -43,7 +39,12 @@ def scale_by_adam(
         u = \\frac{m_t}{\\sqrt{v_t} + \\epsilon}.
 
     The moments are computed as ``torch.optim.Adam`` does (``m.lerp(g, 1 - b1)``,
-    ``v * b2 + (1 - b2) * g * g``). A leaf whose update is ``None`` keeps its moments unchanged;
+    ``v * b2 + (1 - b2) * g * g``); the update as ``m_t / (\\sqrt{v_t} \\cdot c_1 / c_2 + c_1
+    \\epsilon)`` with ``c_1 = 1 - \\beta_1^t``, ``c_2 = \\sqrt{1 - \\beta_2^t}`` (the value above,
+    rounded slightly differently). On eager plain tensors each op is one ``torch._foreach_*`` call
+    over all leaves, as ``torch.optim``'s foreach Adam; under vmap, autograd or
+    ``torch.compile`` it goes leaf by leaf with the same rounding. A leaf whose update is
+    ``None`` keeps its moments unchanged;
     the counter is shared by all leaves. Non-finite updates propagate into the moments, as in
     ``torch.optim`` (check with ``fn.tree.tree_all_finite`` to skip such steps).
 
@@ -69,29 +70,62 @@ def scale_by_adam(
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra
-        mu = update_state_leaves(
-            "scale_by_adam", lambda m, g: torch.lerp(m, g, 1.0 - b1), state.mu, updates
-        )
-        nu = update_state_leaves(
-            "scale_by_adam",
-            lambda v, g: torch.addcmul(v * b2, g, g, value=1.0 - b2),
-            state.nu,
-            updates,
-        )
+        m_leaves, spec = tree_flatten(state.mu)
+        v_leaves = spec.flatten_up_to(state.nu)
+        g_leaves = spec.flatten_up_to(updates)
+        live = [i for i, g in enumerate(g_leaves) if g is not None]
+        for i in live:
+            if m_leaves[i] is None:
+                raise ValueError("scale_by_adam: an update where the state has no moments")
+            check_shapes("scale_by_adam", m_leaves[i], g_leaves[i])
+        ms, vs, gs = ([leaves[i] for i in live] for leaves in (m_leaves, v_leaves, g_leaves))
         count = state.count + 1
         if bias_correction:
             bc1 = _bias_correction(b1, count)
             bc2_sqrt = _bias_correction(b2, count).sqrt()
-            # Same ops and rounding as (m / bc1) / (sqrt(v) / bc2_sqrt + eps); the in-place
-            # steps only touch fresh temporaries (two fewer full-size allocations per leaf).
-            updates = tree_map(
-                lambda g, m, v: (m / bc1).div_((v.sqrt() / bc2_sqrt).add_(eps)), updates, mu, nu
-            )
         else:
-            updates = tree_map(lambda g, m, v: m / (v.sqrt() + eps), updates, mu, nu)
-        return updates, ScaleByAdamState(count, mu, nu)
+            bc1 = bc2_sqrt = None
+        step = _adam_foreach if foreach_ok(*ms, *vs, *gs) else _adam_leafwise
+        new_ms, new_vs, us = step(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt)
+        mu, nu, out = list(m_leaves), list(v_leaves), [None] * len(g_leaves)
+        for i, m, v, u in zip(live, new_ms, new_vs, us, strict=True):
+            mu[i], nu[i], out[i] = m, v, u
+        mu, nu = tree_unflatten(mu, spec), tree_unflatten(nu, spec)
+        return tree_unflatten(out, spec), ScaleByAdamState(count, mu, nu)
 
     return GradientTransformation(init_fn, update_fn)
+
+
+def _adam_leafwise(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt):
+    """New moments and updates, leaf by leaf (vmap, autograd, torch.compile), with the ops and
+    rounding of :func:`_adam_foreach`: ``m / (sqrt(v) * (bc1 / bc2_sqrt) + bc1 * eps)``. The
+    in-place steps only touch fresh temporaries that autograd does not save."""
+    new_ms = [torch.lerp(m, g, 1.0 - b1) for m, g in zip(ms, gs, strict=True)]
+    new_vs = [torch.addcmul(v * b2, g, g, value=1.0 - b2) for v, g in zip(vs, gs, strict=True)]
+    if bc1 is None:
+        us = [m / (v.sqrt() + eps) for m, v in zip(new_ms, new_vs, strict=True)]
+    else:
+        scale, shift = bc1 / bc2_sqrt, bc1 * eps
+        us = [m / (v.sqrt() * scale).add_(shift) for m, v in zip(new_ms, new_vs, strict=True)]
+    return new_ms, new_vs, us
+
+
+def _adam_foreach(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt):
+    """:func:`_adam_leafwise` with one ``torch._foreach_*`` call per op over all leaves (eager,
+    plain tensors); same ops and rounding. The in-place ops only touch fresh outputs."""
+    new_ms = torch._foreach_lerp(ms, gs, 1.0 - b1)
+    new_vs = torch._foreach_mul(vs, b2)
+    torch._foreach_addcmul_(new_vs, gs, gs, value=1.0 - b2)
+    us = torch._foreach_sqrt(new_vs)
+    if bc1 is None:
+        torch._foreach_add_(us, eps)
+    else:
+        # sqrt(v) / bc2_sqrt + eps, scaled by bc1 so that m needs no division by bc1.
+        torch._foreach_mul_(us, bc1 / bc2_sqrt)
+        torch._foreach_add_(us, bc1 * eps)
+    for m, u in zip(new_ms, us, strict=True):
+        torch.div(m, u, out=u)
+    return new_ms, new_vs, us
 
 
 def _bias_correction(beta: float, count: torch.Tensor) -> torch.Tensor:

@@ -7,9 +7,10 @@ from typing import NamedTuple
 
 import torch
 
+from fn._foreach import foreach_ok
 from fn.base import GradientTransformation
 from fn.transforms._leaves import check_nonnegative, check_shapes, device_of
-from fn.tree import tree_map
+from fn.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["Schedule", "ScaleByLearningRateState", "scale_by_learning_rate"]
 
@@ -76,7 +77,12 @@ def scale_by_learning_rate(
                 current = torch.full_like(state.lr, value)
         neg = -current
         if decoupled_weight_decay == 0.0:
-            updates = tree_map(lambda u: u * neg, updates)
+            leaves, spec = tree_flatten(updates)
+            live = [u for u in leaves if u is not None]
+            scaled = iter(
+                torch._foreach_mul(live, neg) if foreach_ok(*live) else [u * neg for u in live]
+            )
+            updates = tree_unflatten([None if u is None else next(scaled) for u in leaves], spec)
         else:
             if params is None:
                 raise ValueError("scale_by_learning_rate: decoupled weight decay needs params")
