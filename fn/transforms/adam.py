@@ -85,7 +85,7 @@ def scale_by_adam(
             bc2_sqrt = _bias_correction(b2, count).sqrt()
         else:
             bc1 = bc2_sqrt = None
-        step = _adam_foreach if foreach_ok(*ms, *vs, *gs) else _adam_leafwise
+        step = _adam_foreach if foreach_ok(*ms, *vs, *gs, count) else _adam_leafwise
         new_ms, new_vs, us = step(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt)
         mu, nu, out = list(m_leaves), list(v_leaves), [None] * len(g_leaves)
         for i, m, v, u in zip(live, new_ms, new_vs, us, strict=True):

@@ -80,7 +80,7 @@ def scale_by_learning_rate(
             leaves, spec = tree_flatten(updates)
             live = [u for u in leaves if u is not None]
             scaled = iter(
-                torch._foreach_mul(live, neg) if foreach_ok(*live) else [u * neg for u in live]
+                torch._foreach_mul(live, neg) if foreach_ok(*live, neg) else [u * neg for u in live]
             )
             updates = tree_unflatten([None if u is None else next(scaled) for u in leaves], spec)
         else:
