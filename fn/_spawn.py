@@ -5,17 +5,20 @@ processes (the ``spawn`` start method), each joins a gloo group on a free local 
 ``worker_fn(rank, world_size, send, *args)``; ``send(payload)`` passes a picklable message to the
 parent's ``on_message`` while the workers run (the demo's progress). Any exception in a child, a
 child that dies, the timeout or Ctrl-C in the parent kills every child and raises in the parent.
-The children ignore SIGINT: the parent alone handles Ctrl-C and ends them.
+The children ignore SIGINT: the parent alone handles Ctrl-C and ends them. On Linux the kernel
+also kills them when the parent dies without cleaning up (``kill -9``), so none keeps training.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import pickle
 import queue
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -27,6 +30,7 @@ import torch.multiprocessing as mp
 __all__ = ["WorkerError", "spawn_gloo"]
 
 ERROR_GRACE_S = 2.0
+_PR_SET_PDEATHSIG = 1  # prctl(2) option, <linux/prctl.h>
 
 
 class WorkerError(RuntimeError):
@@ -39,6 +43,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: has the kernel SIGKILL this process when the thread that started it ends (the
+    parent's main thread in the demo), even when the parent is killed with SIGKILL."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent was gone before prctl took effect
+        os._exit(1)
+
+
 def _child(
     worker_fn: Callable[..., Any],
     rank: int,
@@ -47,9 +65,11 @@ def _child(
     timeout: float,
     threads: int,
     messages: Any,
+    parent_pid: int,
     args: tuple[Any, ...],
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(parent_pid)
     try:
         import torch.distributed as dist
 
@@ -104,7 +124,7 @@ def spawn_gloo(
     procs = [
         ctx.Process(
             target=_child,
-            args=(worker_fn, rank, world_size, port, timeout, threads, messages, args),
+            args=(worker_fn, rank, world_size, port, timeout, threads, messages, os.getpid(), args),
             daemon=True,
         )
         for rank in range(world_size)

@@ -315,26 +315,60 @@ def _is_worker(pid: int) -> bool:
     return b"spawn_main" in cmdline and b"resource_tracker" not in cmdline
 
 
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through /proc")
-@pytest.mark.timeout(90)
-def test_ctrl_c_stops_the_workers(tmp_path):
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+
+
+def _start_training_demo(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+    """A long demo run, returned once its two gloo workers are training."""
     proc = subprocess.Popen(
         _cli("demo", "--steps", "100000", "--optimizers", "adam", "--out", str(tmp_path)),
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        # As from a terminal: a shell that starts pytest in the background without job control
+        # makes it ignore SIGINT, and a child inherits that (Python then keeps it ignored).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+    assert "starting 2 gloo worker processes" in proc.stderr.readline()
+    assert "[1/1] adam" in proc.stderr.readline()  # the workers are training
+    workers = [p for p in _children(proc.pid) if _is_worker(p)]
+    assert len(workers) == 2
+    return proc, workers
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through /proc")
+@pytest.mark.timeout(90)
+def test_ctrl_c_stops_the_workers(tmp_path):
+    proc, workers = _start_training_demo(tmp_path)
     try:
-        assert "starting 2 gloo worker processes" in proc.stderr.readline()
-        assert "[1/1] adam" in proc.stderr.readline()  # the workers are training
-        workers = [p for p in _children(proc.pid) if _is_worker(p)]
-        assert len(workers) == 2
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 130
         assert "interrupted" in proc.stderr.read()
-        assert not [p for p in workers if Path(f"/proc/{p}").exists()]
+        assert not [p for p in workers if _alive(p)]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.timeout(90)
+def test_workers_die_with_a_killed_demo(tmp_path):
+    proc, workers = _start_training_demo(tmp_path)
+    try:
+        proc.kill()  # no cleanup runs in the parent: the kernel must end the workers
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while [p for p in workers if _alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in workers if _alive(p)]
+    finally:
+        for p in workers:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)

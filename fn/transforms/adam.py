@@ -9,8 +9,13 @@ import torch
 
 from fn._foreach import foreach_ok
 from fn.base import GradientTransformation, chain
+from fn.transforms._learning_rate import learning_rate_now
 from fn.transforms._leaves import check_betas, check_nonnegative, check_shapes, device_of
-from fn.transforms.learning_rate import Schedule, scale_by_learning_rate
+from fn.transforms.learning_rate import (
+    ScaleByLearningRateState,
+    Schedule,
+    scale_by_learning_rate,
+)
 from fn.transforms.weight_decay import add_decayed_weights
 from fn.tree import PyTree, tree_flatten, tree_unflatten, tree_zeros_like
 
@@ -70,30 +75,49 @@ def scale_by_adam(
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra
-        m_leaves, spec = tree_flatten(state.mu)
-        v_leaves = spec.flatten_up_to(state.nu)
-        g_leaves = spec.flatten_up_to(updates)
-        live = [i for i, g in enumerate(g_leaves) if g is not None]
-        for i in live:
-            if m_leaves[i] is None:
-                raise ValueError("scale_by_adam: an update where the state has no moments")
-            check_shapes("scale_by_adam", m_leaves[i], g_leaves[i])
-        ms, vs, gs = ([leaves[i] for i in live] for leaves in (m_leaves, v_leaves, g_leaves))
-        count = state.count + 1
-        if bias_correction:
-            bc1 = _bias_correction(b1, count)
-            bc2_sqrt = _bias_correction(b2, count).sqrt()
-        else:
-            bc1 = bc2_sqrt = None
-        step = _adam_foreach if foreach_ok(*ms, *vs, *gs, count) else _adam_leafwise
-        new_ms, new_vs, us = step(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt)
-        mu, nu, out = list(m_leaves), list(v_leaves), [None] * len(g_leaves)
-        for i, m, v, u in zip(live, new_ms, new_vs, us, strict=True):
-            mu[i], nu[i], out[i] = m, v, u
-        mu, nu = tree_unflatten(mu, spec), tree_unflatten(nu, spec)
-        return tree_unflatten(out, spec), ScaleByAdamState(count, mu, nu)
+
+        def moments_step(ms, vs, gs, ps, count):
+            del ps
+            if bias_correction:
+                bc1 = _bias_correction(b1, count)
+                bc2_sqrt = _bias_correction(b2, count).sqrt()
+            else:
+                bc1 = bc2_sqrt = None
+            step = _adam_foreach if foreach_ok(*ms, *vs, *gs, count) else _adam_leafwise
+            return step(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt)
+
+        return _step_live_leaves("scale_by_adam", updates, state, moments_step)
 
     return GradientTransformation(init_fn, update_fn)
+
+
+def _step_live_leaves(name, updates, state, moments_step, params=None):
+    """Runs ``moments_step(ms, vs, gs, ps, count) -> (new_ms, new_vs, us)`` (``count`` = the
+    ``t`` of this update; ``ps`` the params' leaves, ``None`` without ``params``) on the leaves
+    that have an update and rebuilds the trees; leaves with a ``None`` update keep their moments.
+    Returns ``None`` when ``moments_step`` does."""
+    m_leaves, spec = tree_flatten(state.mu)
+    v_leaves = spec.flatten_up_to(state.nu)
+    g_leaves = spec.flatten_up_to(updates)
+    live = [i for i, g in enumerate(g_leaves) if g is not None]
+    for i in live:
+        if m_leaves[i] is None:
+            raise ValueError(f"{name}: an update where the state has no moments")
+        check_shapes(name, m_leaves[i], g_leaves[i])
+    ms, vs, gs = ([leaves[i] for i in live] for leaves in (m_leaves, v_leaves, g_leaves))
+    ps = None
+    if params is not None:
+        p_leaves = spec.flatten_up_to(params)
+        ps = [p_leaves[i] for i in live]
+    count = state.count + 1
+    stepped = moments_step(ms, vs, gs, ps, count)
+    if stepped is None:
+        return None
+    mu, nu, out = list(m_leaves), list(v_leaves), [None] * len(g_leaves)
+    for i, m, v, u in zip(live, *stepped, strict=True):
+        mu[i], nu[i], out[i] = m, v, u
+    mu, nu = tree_unflatten(mu, spec), tree_unflatten(nu, spec)
+    return tree_unflatten(out, spec), ScaleByAdamState(count, mu, nu)
 
 
 def _adam_leafwise(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt):
@@ -136,6 +160,95 @@ def _bias_correction(beta: float, count: torch.Tensor) -> torch.Tensor:
     return -torch.expm1(count.to(torch.float32) * math.log(beta))
 
 
+def _scale_by_adam_then_lr(
+    name: str,
+    lr: float | Schedule,
+    betas: tuple[float, float],
+    eps: float,
+    decoupled_weight_decay: float,
+) -> GradientTransformation:
+    """``chain(scale_by_adam(*betas, eps), scale_by_learning_rate(lr, decoupled_weight_decay=
+    ...))`` with the same state, the moments and the ``-lr`` step fused into one kernel call on
+    eager tensors.
+
+    Where :func:`_fused_adam_step` applies (eager, plain, contiguous tensors on a device with
+    ``torch._fused_adam_``), the step is one pass over the moments instead of six, and
+    ``params + update`` equals ``torch.optim.Adam(fused=True)``'s new params bit for bit (for a
+    learning rate representable in fp32, as the state stores it); elsewhere it is the chain,
+    whose rounding is ``torch.optim.Adam(foreach=True)``'s. The two agree to fp32 rounding.
+    """
+    moments = scale_by_adam(*betas, eps)
+    step_size = scale_by_learning_rate(lr, decoupled_weight_decay=decoupled_weight_decay)
+    chained = chain(moments, step_size)
+    schedule = lr if callable(lr) else None
+    b1, b2 = (float(b) for b in betas)
+
+    def update_fn(updates, state, params=None, **extra):
+        moments_state, lr_state = state
+        fused = None
+        if foreach_ok(lr_state.count, lr_state.lr):
+            current = learning_rate_now(schedule, lr_state.count, lr_state.lr)
+            moments_step = _fused_adam_step(b1, b2, eps, current, decoupled_weight_decay)
+            decayed = params if decoupled_weight_decay != 0.0 else None
+            fused = _step_live_leaves(name, updates, moments_state, moments_step, decayed)
+        if fused is None:
+            return chained.update(updates, state, params, **extra)
+        updates, moments_state = fused
+        return updates, (moments_state, ScaleByLearningRateState(lr_state.count + 1, current))
+
+    return GradientTransformation(chained.init, update_fn)
+
+
+# Devices and dtypes where fn uses torch._fused_adam_ (torch.optim.Adam(fused=True)'s kernel);
+# elsewhere the foreach ops run. CUDA is listed as torch.optim ships it; CI only runs the CPU one.
+_FUSED_DEVICE_TYPES = frozenset({"cpu", "cuda"})
+_FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def _fused_adam_step(b1, b2, eps, lr, weight_decay):
+    """A ``moments_step`` for :func:`_step_live_leaves` computing the new moments and the update
+    ``-lr * m_hat / (sqrt(v_hat) + eps)`` (with ``weight_decay``: AdamW's
+    ``-lr * wd * p - lr * m_hat / (sqrt(v_hat) + eps)``) with one ``torch._fused_adam_`` or
+    ``torch._fused_adamw_`` call. Returns ``None`` (the caller falls back) unless every operand
+    is an eager, plain, contiguous tensor of one supported device and dtype: the kernel assumes
+    one memory layout for all its operands.
+
+    The kernel updates params and moments in place, so it runs on fresh copies of the moments
+    and of a "param": zeros for Adam, whose result ``0 - step`` is the update (``p + update`` is
+    then the kernel's ``p - step`` exactly), or a copy ``p'`` of the params for AdamW, whose
+    update is ``p' - p`` (exact, and so is ``p + update``, wherever ``p' / p`` lies in
+    [1/2, 2])."""
+
+    def moments_step(ms, vs, gs, ps, count):
+        operands = (*ms, *vs, *gs) if weight_decay == 0.0 else (*ms, *vs, *gs, *ps)
+        if not gs or None in operands or not foreach_ok(*operands, count, lr):
+            return None
+        device, dtype = gs[0].device, gs[0].dtype
+        if device.type not in _FUSED_DEVICE_TYPES or dtype not in _FUSED_DTYPES:
+            return None
+        if lr.device != device or count.device != device:
+            return None
+        for t in operands:
+            if t.device != device or t.dtype != dtype or not t.is_contiguous():
+                return None
+        new_ms = [m.clone() for m in ms]
+        new_vs = [v.clone() for v in vs]
+        if weight_decay == 0.0:
+            kernel, us = torch._fused_adam_, [torch.zeros_like(g) for g in gs]
+        else:
+            kernel, us = torch._fused_adamw_, [p.clone() for p in ps]
+        steps = [count.to(torch.float32)] * len(gs)  # the CUDA kernel reads steps as fp32
+        kernel(
+            us, gs, new_ms, new_vs, [], steps, lr=lr, beta1=b1, beta2=b2,
+            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+        )  # fmt: skip
+        if weight_decay != 0.0:
+            torch._foreach_sub_(us, ps)
+        return new_ms, new_vs, us
+
+    return moments_step
+
+
 def adam(
     lr: float | Schedule = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -150,7 +263,11 @@ def adam(
 
     with the bias-corrected moments of :func:`scale_by_adam` taken of the decayed ``g``.
     ``chain(add_decayed_weights(weight_decay), scale_by_adam(*betas, eps),
-    scale_by_learning_rate(lr))``.
+    scale_by_learning_rate(lr))``, except that on eager, plain, contiguous CPU or CUDA tensors
+    the last two run as one ``torch._fused_adam_`` call on fresh copies (the kernel of
+    ``torch.optim.Adam(fused=True)``, whose params it then matches bit for bit); under vmap,
+    autograd or ``torch.compile`` the chain runs, with ``torch.optim.Adam(foreach=True)``'s
+    rounding. Inputs are never modified.
 
     Reference: Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015.
 
@@ -161,14 +278,23 @@ def adam(
         weight_decay: L2 coefficient ``lambda`` added to the gradient.
 
     Returns:
-        The chained GradientTransformation; its state is
+        A GradientTransformation with the chain's state,
         ``(EmptyState(), ScaleByAdamState, ScaleByLearningRateState)``.
     """
-    return chain(
-        add_decayed_weights(weight_decay),
-        scale_by_adam(*betas, eps),
-        scale_by_learning_rate(lr),
-    )
+    decay = add_decayed_weights(weight_decay)
+    adam_then_lr = _scale_by_adam_then_lr("adam", lr, betas, eps, 0.0)
+
+    def init_fn(params):
+        return (decay.init(params), *adam_then_lr.init(params))
+
+    def update_fn(updates, state, params=None, **extra):
+        if len(state) != 3:
+            raise ValueError(f"adam: expected a state of 3 entries, got {len(state)}")
+        updates, decay_state = decay.update(updates, state[0], params)
+        updates, rest = adam_then_lr.update(updates, tuple(state[1:]), params, **extra)
+        return updates, (decay_state, *rest)
+
+    return GradientTransformation(init_fn, update_fn)
 
 
 def adamw(
@@ -186,7 +312,9 @@ def adamw(
     ``chain(scale_by_adam(*betas, eps), scale_by_learning_rate(lr,
     decoupled_weight_decay=weight_decay))``: the decay is scaled by the current ``lr``, so a new
     ``lr`` set with ``fn.set_hyperparams`` scales both, and it is applied in
-    ``torch.optim.AdamW``'s order (see :func:`scale_by_learning_rate`).
+    ``torch.optim.AdamW``'s order (see :func:`scale_by_learning_rate`). On eager, plain,
+    contiguous CPU or CUDA tensors the moments and the ``-lr`` step run as one
+    ``torch._fused_adam_`` call, as in :func:`adam`.
 
     Reference: Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
 
@@ -197,10 +325,7 @@ def adamw(
         weight_decay: decoupled decay coefficient ``lambda``.
 
     Returns:
-        The chained GradientTransformation; its state is
+        A GradientTransformation with the chain's state,
         ``(ScaleByAdamState, ScaleByLearningRateState)``.
     """
-    return chain(
-        scale_by_adam(*betas, eps),
-        scale_by_learning_rate(lr, decoupled_weight_decay=weight_decay),
-    )
+    return _scale_by_adam_then_lr("adamw", lr, betas, eps, weight_decay)

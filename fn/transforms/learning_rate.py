@@ -7,10 +7,9 @@ from typing import NamedTuple
 
 import torch
 
-from fn._foreach import foreach_ok
 from fn.base import GradientTransformation
-from fn.transforms._leaves import check_nonnegative, check_shapes, device_of
-from fn.tree import tree_flatten, tree_map, tree_unflatten
+from fn.transforms._learning_rate import decoupled_decay, learning_rate_now, scale_leaves
+from fn.transforms._leaves import check_nonnegative, device_of
 
 __all__ = ["Schedule", "ScaleByLearningRateState", "scale_by_learning_rate"]
 
@@ -68,35 +67,12 @@ def scale_by_learning_rate(
 
     def update_fn(updates, state, params=None, **extra):
         del extra
-        current = state.lr
-        if schedule is not None:
-            value = schedule(state.count)
-            if isinstance(value, torch.Tensor):
-                current = value.to(state.lr.dtype)
-            else:
-                current = torch.full_like(state.lr, value)
-        neg = -current
-        if decoupled_weight_decay == 0.0:
-            leaves, spec = tree_flatten(updates)
-            live = [u for u in leaves if u is not None]
-            scaled = iter(
-                torch._foreach_mul(live, neg) if foreach_ok(*live, neg) else [u * neg for u in live]
+        current = learning_rate_now(schedule, state.count, state.lr)
+        updates = scale_leaves(updates, -current)
+        if decoupled_weight_decay != 0.0:
+            updates = decoupled_decay(
+                "scale_by_learning_rate", updates, params, current, decoupled_weight_decay
             )
-            updates = tree_unflatten([None if u is None else next(scaled) for u in leaves], spec)
-        else:
-            if params is None:
-                raise ValueError("scale_by_learning_rate: decoupled weight decay needs params")
-            keep = 1.0 - current * decoupled_weight_decay
-
-            def leaf(u, p):
-                if p is None:
-                    raise ValueError(
-                        "scale_by_learning_rate: a param is None where its update is not"
-                    )
-                check_shapes("scale_by_learning_rate", p, u)
-                return (p * keep + u * neg) - p
-
-            updates = tree_map(leaf, updates, params)
         return updates, ScaleByLearningRateState(state.count + 1, current)
 
     return GradientTransformation(init_fn, update_fn)

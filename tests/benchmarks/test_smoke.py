@@ -39,17 +39,24 @@ def _cli(script, *args, timeout=120):
 
 
 @pytest.mark.timeout(180)
-def test_optimizer_step_tiny_cli_runs_and_agrees_with_torch():
-    tiny = ("--vocab", "32", "--d-model", "8", "--layers", "1")
-    proc = _cli("optimizer_step.py", *tiny, "--repeats", "2", "--warmup", "1", "--no-compile")
+@pytest.mark.parametrize("adamw", [False, True], ids=["adam", "adamw"])
+def test_optimizer_step_tiny_cli_runs_and_agrees_with_torch(adamw):
+    tiny = ("--vocab", "32", "--d-model", "8", "--layers", "1", "--repeats", "2", "--warmup", "1")
+    proc = _cli("optimizer_step.py", *tiny, "--no-compile", *(["--adamw"] if adamw else []))
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    names = ["torch.optim.Adam(foreach=True)", "fn.adam eager"]
-    for name in names:
-        assert re.search(re.escape(name) + r"\s+[\d.]+ ms\s+time / torch =\s+[\d.]+", out), out
+    name = "AdamW" if adamw else "Adam"
+    names = [f"torch.optim.{name}(foreach=True)", f"torch.optim.{name}(fused=True)"]
+    names.append(f"fn.{name.lower()} eager")
+    for n in names:
+        assert re.search(re.escape(n) + r"\s+[\d.]+ ms\s+ratio\s+[\d.]+", out), out
     assert "torch.compile" not in out
-    diff = float(re.search(r"after 3 steps: (\S+)", out).group(1))
-    assert diff < 1e-6  # params ~0.02, lr 1e-3: a wrong Adam would be off by ~1e-3
+    diffs = re.findall(r"max \|difference\| (\S+), bit-identical: (True|False)", out)
+    assert len(diffs) == 2, out
+    # params ~0.02, lr ~1e-3: a wrong Adam would be off by ~1e-3
+    assert all(float(d) < 1e-6 for d, _ in diffs)
+    if not adamw:  # fn.adam eager runs torch.optim.Adam(fused=True)'s kernel
+        assert diffs[1] == ("0", "True"), out
 
 
 def test_optimizer_step_shapes_are_a_transformer():

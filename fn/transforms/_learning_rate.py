@@ -1,0 +1,67 @@
+"""Learning-rate arithmetic shared by ``scale_by_learning_rate`` and the fused Adam step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fn._foreach import foreach_ok
+from fn.transforms._leaves import check_shapes
+from fn.tree import PyTree, tree_flatten, tree_unflatten
+
+
+def learning_rate_now(
+    schedule: Callable[[torch.Tensor], torch.Tensor | float] | None,
+    count: torch.Tensor,
+    stored: torch.Tensor,
+) -> torch.Tensor:
+    """The learning rate of the next update: ``schedule(count)`` in ``stored``'s dtype and
+    device, or ``stored`` itself without a schedule."""
+    if schedule is None:
+        return stored
+    value = schedule(count)
+    if isinstance(value, torch.Tensor):
+        return value.to(stored.dtype)
+    return torch.full_like(stored, value)
+
+
+def scale_leaves(updates: PyTree, factor: torch.Tensor) -> PyTree:
+    """``u * factor`` for every non-``None`` leaf (one ``torch._foreach_mul`` on eager)."""
+    leaves, spec = tree_flatten(updates)
+    live = [u for u in leaves if u is not None]
+    if foreach_ok(*live, factor):
+        scaled = iter(torch._foreach_mul(live, factor))
+    else:
+        scaled = iter([u * factor for u in live])
+    return tree_unflatten([None if u is None else next(scaled) for u in leaves], spec)
+
+
+def decoupled_decay(
+    name: str, steps: PyTree, params: PyTree, lr: torch.Tensor, weight_decay: float
+) -> PyTree:
+    """AdamW's decoupled decay folded into the updates: ``((1 - lr * wd) p + s) - p`` per leaf
+    with step ``s``, in ``torch.optim.AdamW``'s order (decay the param, then add the step). A
+    ``None`` step stays ``None``; a ``None`` param under a step is an error."""
+    if params is None:
+        raise ValueError(f"{name}: decoupled weight decay needs params")
+    s_leaves, spec = tree_flatten(steps)
+    p_leaves = spec.flatten_up_to(params)
+    live = [i for i, s in enumerate(s_leaves) if s is not None]
+    for i in live:
+        if p_leaves[i] is None:
+            raise ValueError(f"{name}: a param is None where its update is not")
+        check_shapes(name, p_leaves[i], s_leaves[i])
+    ps = [p_leaves[i] for i in live]
+    ss = [s_leaves[i] for i in live]
+    keep = 1.0 - lr * weight_decay
+    if foreach_ok(*ps, *ss, keep):
+        out = torch._foreach_mul(ps, keep)
+        torch._foreach_add_(out, ss)
+        torch._foreach_sub_(out, ps)
+    else:
+        out = [(p * keep + s) - p for p, s in zip(ps, ss, strict=True)]
+    result = [None] * len(s_leaves)
+    for i, u in zip(live, out, strict=True):
+        result[i] = u
+    return tree_unflatten(result, spec)
