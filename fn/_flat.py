@@ -131,14 +131,19 @@ class FlatGroup:
             torch.where(written, self.model, self.master, out=self.master)
 
     @torch.no_grad()
-    def write(self, new: torch.Tensor | list[torch.Tensor]) -> None:
-        """Stores the new master values (a ``[n]`` tensor or per-param tensors) and casts them
-        into the params."""
-        if isinstance(new, torch.Tensor):
-            self.master.copy_(new)
-        else:
-            for view, x in zip(self.views(self.master), new, strict=True):
-                view.copy_(x)
+    def add(self, updates: torch.Tensor | list[torch.Tensor | None] | None) -> None:
+        """``master += updates`` in place (a ``[n]`` tensor or per-param tensors; ``None`` leaves
+        nothing to add), the same sums as ``fn.apply_updates``, then casts into the params."""
+        if isinstance(updates, torch.Tensor):
+            self.master.add_(updates)
+        elif updates is not None:
+            pairs = [
+                (view, u)
+                for view, u in zip(self.views(self.master), updates, strict=True)
+                if u is not None
+            ]
+            if pairs:
+                torch._foreach_add_([view for view, _ in pairs], [u for _, u in pairs])
         if self.has_master_copy:
             self.model.copy_(self.master)
 

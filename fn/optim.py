@@ -67,7 +67,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from fn._flat import FlatGroup
-from fn.base import CompressedOptimizer, GradientTransformation, apply_updates, set_hyperparams
+from fn.base import CompressedOptimizer, GradientTransformation, set_hyperparams
 from fn.base import get_hyperparam as _get_hyperparam
 from fn.collectives import Local, ProcessGroup, Simulated, SimulatedGroup
 from fn.transforms import onebit_adam, onebit_lamb, zero_one_adam
@@ -286,7 +286,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             updates, state = runtime.transform.update(
                 runtime.flat.tree(g, self.flatten), state, params, step=t
             )
-            runtime.flat.write(apply_updates(params, updates))
+            runtime.flat.add(updates)
             runtime.state, runtime.step = state, t
         return loss
 
@@ -294,8 +294,13 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         """The number of non-finite gradient elements over all ranks (plus the scaler's flag)."""
         device = grads[0].device if grads else torch.device("cpu")
         count = torch.zeros((), dtype=torch.int64, device=device)
-        for g in grads:
-            count = count + (~torch.isfinite(g)).sum().to(device)
+        # A sum is finite only if every element is: one reduction per group instead of an
+        # elementwise isfinite (three passes); the exact count only when a sum is not finite
+        # (a NaN/Inf, or finite values whose sum overflows).
+        sums = torch.stack([g.sum(dtype=torch.float32).to(device) for g in grads] or [count])
+        if not bool(torch.isfinite(sums).all()):
+            for g in grads:
+                count = count + (~torch.isfinite(g)).sum().to(device)
         if found_inf is not None:
             count = count + (found_inf.to(device) > 0).to(torch.int64)
         if self.comm.world_size > 1:

@@ -198,6 +198,29 @@ def test_nonfinite_gradients_change_nothing(policy):
     assert torch.equal(flat_params(model), params)
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_one_nonfinite_element_among_many_is_caught(bad):
+    model = torch.nn.Linear(300, 300)
+    opt = fn.optim.FunctionalOptimizer(model.parameters(), fn.adam(1e-2))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    model.weight.grad[123, 45] = bad
+    with pytest.raises(ValueError, match="non-finite"):
+        opt.step()
+
+
+def test_finite_gradients_whose_sum_overflows_are_not_nonfinite():
+    # The check sums each group first; an overflowing sum of finite values must not count.
+    model = torch.nn.Linear(4, 2)
+    opt = fn.optim.FunctionalOptimizer(model.parameters(), fn.sgd(1e-40), nonfinite="raise")
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3e38)
+    before = flat_params(model)
+    opt.step()
+    assert not opt.last_step_skipped
+    assert torch.isfinite(flat_params(model)).all() and not torch.equal(flat_params(model), before)
+
+
 def test_none_grads_count_as_zero_and_empty_params_give_no_nan():
     model = make_model()
     empty = torch.nn.Parameter(torch.zeros(0, 3))
