@@ -43,7 +43,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Linux: has the kernel SIGKILL this process when the thread that started it ends (the
     parent's main thread in the demo), even when the parent is killed with SIGKILL."""
     if not sys.platform.startswith("linux"):
@@ -69,7 +69,7 @@ def _child(
     args: tuple[Any, ...],
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     try:
         import torch.distributed as dist
 

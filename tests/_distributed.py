@@ -3,7 +3,8 @@
 ``run_distributed(worker_fn, world_size, *args, timeout=120)`` spawns ``world_size`` processes,
 each joins a gloo group on a free local port and returns ``worker_fn(rank, world_size, *args)``.
 ``worker_fn`` must be importable at module level and return something picklable. Any exception in
-a child, a child that dies, or the timeout raises in the parent, and every child is killed.
+a child, a child that dies, or the timeout raises in the parent, and every child is killed; on
+Linux a child also dies with the parent (a killed pytest leaves no rank behind).
 Batch many cases into one call: a launch costs a few seconds.
 """
 
@@ -34,9 +35,13 @@ def _child(
     port: int,
     timeout: float,
     results: mp.Queue,
+    parent_pid: int,
     args: tuple[Any, ...],
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
+    from fn._spawn import die_with_parent
+
+    die_with_parent(parent_pid)
     try:
         import torch
         import torch.distributed as dist
@@ -98,7 +103,7 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_child,
-            args=(worker_fn, rank, world_size, port, timeout, results, args),
+            args=(worker_fn, rank, world_size, port, timeout, results, os.getpid(), args),
             daemon=True,
         )
         for rank in range(world_size)
