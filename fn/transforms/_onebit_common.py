@@ -37,9 +37,10 @@ def current_lr(lr: LearningRate, stored: torch.Tensor, count: torch.Tensor) -> t
 
 
 def check_finite(x: torch.Tensor, what: str) -> torch.Tensor:
-    """Returns a copy of ``x``; raises ``ValueError`` (message contains "non-finite") if ``x``
-    holds a NaN or an Inf, also under ``torch.func.vmap`` (``Simulated``: all ranks are checked
-    at once) and at run time under ``torch.compile`` (see ``fn.collectives._checks``).
+    """Returns ``x`` (a copy under vmap or compile); raises ``ValueError`` (message contains
+    "non-finite") if ``x`` holds a NaN or an Inf, also under ``torch.func.vmap`` (``Simulated``:
+    all ranks are checked at once) and at run time under ``torch.compile`` (see
+    ``fn.collectives._checks``).
     """
     return finite_or_raise(
         x,
