@@ -1,12 +1,14 @@
 """Step time of the torch.optim adapter against torch.optim and the functional loop it wraps.
 
 One process (Local), an MLP of many small tensors (where per-tensor work dominates). Times are
-the median of ``--repeats`` runs of ``--steps`` optimizer steps each (gradients are fixed, so
-only the optimizer is timed). Ratios are against ``torch.optim.Adam(foreach=True)``. Last, for
-the same model in bf16 (fp32 master copy): the share of a compressed ``OnebitAdam`` step spent
-in the master sync that catches writes to the params between steps (``FlatGroup.sync_master``).
+the median of ``--repeats`` runs of ``--steps`` optimizer steps each, the methods taking turns
+in every repeat (gradients are fixed, so only the optimizer is timed). Ratios are against
+``torch.optim.Adam(foreach=True)``. Last, for the same model in bf16 (fp32 master copy): the
+share of a compressed ``OnebitAdam`` step spent in the master sync that catches writes to the
+params between steps (``FlatGroup.sync_master``).
 
 Run: python3 benchmarks/optim.py [--layers 32] [--width 256] [--steps 50] [--repeats 5]
+     [--threads N]
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -34,16 +37,21 @@ def make_model(layers: int, width: int) -> torch.nn.Module:
     return model
 
 
-def time_steps(step, steps: int, repeats: int) -> float:
-    """Median seconds per step."""
-    step()  # warm up (allocations)
-    times = []
+def time_steps(
+    steppers: dict[str, Callable[[], object]], steps: int, repeats: int
+) -> dict[str, float]:
+    """Median seconds per step of each stepper; the steppers take turns in every repeat, so a
+    change of load hits all of them alike."""
+    for step in steppers.values():
+        step()  # warm up (allocations; the 1-bit optimizers' first, uncompressed update)
+    times: dict[str, list[float]] = {name: [] for name in steppers}
     for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        times.append((time.perf_counter() - start) / steps)
-    return statistics.median(times)
+        for name, step in steppers.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            times[name].append((time.perf_counter() - start) / steps)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main() -> None:
@@ -52,18 +60,20 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
-    results = {}
+    steppers = {}
     model = make_model(args.layers, args.width)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-    results["torch.optim.Adam(foreach)"] = time_steps(opt.step, args.steps, args.repeats)
+    steppers["torch.optim.Adam(foreach)"] = torch.optim.Adam(
+        model.parameters(), lr=1e-3, foreach=True
+    ).step
 
     model = make_model(args.layers, args.width)
     opt = fn.optim.FunctionalOptimizer(model.parameters(), fn.adam(1e-3))
-    results["fn.optim.FunctionalOptimizer(fn.adam)"] = time_steps(
-        opt.step, args.steps, args.repeats
-    )
+    steppers["fn.optim.FunctionalOptimizer(fn.adam)"] = opt.step
 
     model = make_model(args.layers, args.width)
     params = {k: p.detach().clone() for k, p in model.named_parameters()}
@@ -75,9 +85,7 @@ def main() -> None:
         updates, box["s"] = tx.update(grads, box["s"], box["p"])
         box["p"] = fn.apply_updates(box["p"], updates)
 
-    results["fn.adam functional loop (per-tensor leaves)"] = time_steps(
-        functional_step, args.steps, args.repeats
-    )
+    steppers["fn.adam functional loop (per-tensor leaves)"] = functional_step
 
     for name, make in (
         ("fn.optim.OnebitAdam (warmup)", lambda ps: fn.optim.OnebitAdam(ps, freeze_step=10**9)),
@@ -87,14 +95,16 @@ def main() -> None:
         model = make_model(args.layers, args.width)
         opt = make(model.parameters())
         assert isinstance(opt.comm, Local)
-        results[name] = time_steps(opt.step, args.steps, args.repeats)
+        steppers[name] = opt.step
 
     model = make_model(args.layers, args.width).to(torch.bfloat16)
     for p in model.parameters():
         p.grad = p.grad.to(torch.bfloat16)
     opt = fn.optim.OnebitAdam(model.parameters(), freeze_step=2)
-    bf16_step = time_steps(opt.step, args.steps, args.repeats)
-    sync = time_steps(opt._groups[0].flat.sync_master, args.steps, args.repeats)
+    steppers["bf16"] = opt.step
+    steppers["bf16 sync"] = opt._groups[0].flat.sync_master
+    results = time_steps(steppers, args.steps, args.repeats)
+    bf16_step, sync = results.pop("bf16"), results.pop("bf16 sync")
 
     numel = sum(p.numel() for p in model.parameters())
     print(
