@@ -124,6 +124,23 @@ def test_quantize_kernels_bit_exact(device, impls):
                 assert _same_bits(back, _reference.dequantize(want_q, want_scales, bits, n))
 
 
+@pytest.mark.parametrize("device, impls", PAIRS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantize_any_codes_and_group_sizes_bit_exact(device, impls, bits):
+    # Every code, and groups of odd size (a group may start on a low nibble), which quantize
+    # never makes but dequantize accepts.
+    gen = torch.Generator().manual_seed(11)
+    for group_size, groups in ((3, 10), (5, 2), (7, 4), (6, 5), (256, 1)):
+        values = group_size * groups
+        q = torch.randint(0, 256, (values * bits // 8,), dtype=torch.uint8, generator=gen)
+        q[:16] = (torch.arange(16, dtype=torch.uint8) * 17)[: q.numel()]  # every nibble
+        scales = torch.rand(groups, generator=gen) * 4 - 2
+        for n in (values, values - 1, values // 2):
+            got = impls("dequantize")(q.to(device), scales.to(device), bits, n)
+            want = _reference.dequantize(q, scales, bits, n)
+            assert _same_bits(got, want), (group_size, groups, n)
+
+
 _LARGE = (1 << 21) + 13  # several work chunks (threads on the CPU), outputs >= 8 MiB
 
 
