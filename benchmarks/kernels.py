@@ -6,8 +6,9 @@ Usage:
     python3 benchmarks/kernels.py --device cuda --sizes 26 28
 
 Throughput is GB/s of fp32 data: 4 bytes x n elements per call (8 bytes x n for
-sign_compress with error, whose input is m and e; for unpackbits the n fp32 outputs). Every
-number is the median of --repeat timed calls after one warm-up call, all measured in this run.
+sign_compress with error, whose input is m and e; for unpackbits and dequantize the n fp32
+outputs). Every number is the median of --repeat timed calls after one warm-up call, all
+measured in this run.
 Targets: CPU sign_compress >= 1.5x numpy.packbits(x >= 0) at 2^26; CUDA sign_compress >= 50%
 of the device read bandwidth (x.sum()) at 2^28.
 """
@@ -41,6 +42,7 @@ def _median_seconds(fn: Callable[[], object], repeat: int, sync: Callable[[], No
 def _cases(x: torch.Tensor, e: torch.Tensor, group_size: int, reference: bool):
     n = x.numel()
     packed = K.packbits(x)
+    codes, scales = K.quantize(x, 4, group_size)
     cases = [
         ("x.sum() (read bandwidth)", 4, lambda: x.sum()),
         ("packbits", 4, lambda: K.packbits(x)),
@@ -48,6 +50,7 @@ def _cases(x: torch.Tensor, e: torch.Tensor, group_size: int, reference: bool):
         ("sign_compress", 4, lambda: K.sign_compress(x)),
         ("sign_compress + error", 8, lambda: K.sign_compress(x, e)),
         (f"quantize 4-bit g={group_size}", 4, lambda: K.quantize(x, 4, group_size)),
+        (f"dequantize 4-bit g={group_size}", 4, lambda: K.dequantize(codes, scales, 4, n)),
     ]
     if x.device.type == "cpu":
         xn = x.numpy()
