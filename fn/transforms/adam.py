@@ -220,8 +220,13 @@ def _fused_adam_step(b1, b2, eps, lr, weight_decay):
     [1/2, 2])."""
 
     def moments_step(ms, vs, gs, ps, count):
-        operands = (*ms, *vs, *gs) if weight_decay == 0.0 else (*ms, *vs, *gs, *ps)
-        if not gs or None in operands or not foreach_ok(*operands, count, lr):
+        if weight_decay == 0.0:
+            operands = (*ms, *vs, *gs)
+        elif ps is None or any(p is None for p in ps):
+            return None  # the chain raises the error
+        else:
+            operands = (*ms, *vs, *gs, *ps)
+        if not gs or not foreach_ok(*operands, count, lr):
             return None
         device, dtype = gs[0].device, gs[0].dtype
         if device.type not in _FUSED_DEVICE_TYPES or dtype not in _FUSED_DTYPES:

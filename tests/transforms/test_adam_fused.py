@@ -195,6 +195,19 @@ def test_mixed_dtypes_fall_back_to_the_chain(fused_calls):
     assert updates["b"].dtype == torch.float64
 
 
+def test_bad_input_gives_the_chains_errors():
+    params = {"w": torch.zeros(3), "b": torch.zeros(2)}
+    g = {"w": torch.ones(3), "b": torch.ones(2)}
+    adamw = fn.adamw(LR)
+    with pytest.raises(ValueError, match="needs params"):
+        adamw.update(g, adamw.init(params))
+    with pytest.raises(ValueError, match="param is None"):
+        adamw.update(g, adamw.init(params), {**params, "b": None})
+    adam = fn.adam(LR)
+    with pytest.raises(ValueError, match="shape"):
+        adam.update({**g, "w": torch.ones(4)}, adam.init(params), params)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_eager_adam_is_torch_fused_adam_bit_for_bit(fused_calls):
     params, grads = _params("cuda"), _grads(7, 20, device="cuda")
