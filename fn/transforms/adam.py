@@ -172,10 +172,12 @@ def _scale_by_adam_then_lr(
     eager tensors.
 
     Where :func:`_fused_adam_step` applies (eager, plain, contiguous tensors on a device with
-    ``torch._fused_adam_``), the step is one pass over the moments instead of six, and
-    ``params + update`` equals ``torch.optim.Adam(fused=True)``'s new params bit for bit (for a
-    learning rate representable in fp32, as the state stores it); elsewhere it is the chain,
-    whose rounding is ``torch.optim.Adam(foreach=True)``'s. The two agree to fp32 rounding.
+    ``torch._fused_adam_``), the step is one pass over the moments instead of six. Without
+    decay, ``params + update`` then equals ``torch.optim.Adam(fused=True)``'s new params bit for
+    bit (for a learning rate representable in fp32, as the state stores it); with decoupled
+    decay it equals ``torch.optim.AdamW(fused=True)``'s wherever a step moves a param by less
+    than half of it. Elsewhere the chain runs, with ``torch.optim``'s foreach rounding; the two
+    paths agree to fp32 rounding.
     """
     moments = scale_by_adam(*betas, eps)
     step_size = scale_by_learning_rate(lr, decoupled_weight_decay=decoupled_weight_decay)
