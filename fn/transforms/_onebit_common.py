@@ -36,6 +36,18 @@ def current_lr(lr: LearningRate, stored: torch.Tensor, count: torch.Tensor) -> t
     return stored
 
 
+def moving_average(x: torch.Tensor, beta: float, y: torch.Tensor) -> torch.Tensor:
+    """``beta * x + (1 - beta) * y``, rounded as written, with one fresh full-size tensor fewer
+    (the sum goes into the fresh product)."""
+    return (beta * x).add_((1 - beta) * y)
+
+
+def moving_average_of_squares(x: torch.Tensor, beta: float, y: torch.Tensor) -> torch.Tensor:
+    """``beta * x + (1 - beta) * y * y``, rounded as written (``((1 - beta) * y) * y``), with
+    two fresh full-size tensors fewer."""
+    return (beta * x).add_(((1 - beta) * y).mul_(y))
+
+
 def check_finite(x: torch.Tensor, what: str) -> torch.Tensor:
     """Returns ``x`` (a copy under vmap or compile); raises ``ValueError`` (message contains
     "non-finite") if ``x`` holds a NaN or an Inf, also under ``torch.func.vmap`` (``Simulated``:

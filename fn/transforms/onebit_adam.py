@@ -18,6 +18,8 @@ from fn.transforms._onebit_common import (
     current_lr,
     init_lr,
     leaves_or_nones,
+    moving_average,
+    moving_average_of_squares,
     require_params,
     resolve_plan,
 )
@@ -171,8 +173,8 @@ def onebit_adam(
                 g = check_shape(g, m, i)
                 if not compressed or bool(dense_leaves[i]):
                     g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
-                    m = b1 * m + (1 - b1) * g
-                    v = b2 * v + (1 - b2) * g * g
+                    m = moving_average(m, b1, g)
+                    v = moving_average_of_squares(v, b2, g)
                 else:
                     # In-place ops only on fresh temporaries: the same rounding, fewer full-size
                     # allocations on the hot path of the compressed phase.

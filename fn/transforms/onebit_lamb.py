@@ -18,6 +18,8 @@ from fn.transforms._onebit_common import (
     current_lr,
     init_lr,
     leaves_or_nones,
+    moving_average,
+    moving_average_of_squares,
     require_params,
     resolve_plan,
 )
@@ -246,8 +248,8 @@ def onebit_lamb(
             m, v, v_fresh, r = (old[k][i] for k in _LEAF_FIELDS[:4])
             g = check_shape(g, m, i)
             g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
-            m = b1 * m + (1 - b1) * g
-            v = b2 * v + (1 - b2) * g * g
+            m = moving_average(m, b1, g)
+            v = moving_average_of_squares(v, b2, g)
             if plan.copies_variance:
                 v_fresh = v
             u = m / (v.sqrt() + eps)

@@ -18,6 +18,8 @@ from fn.transforms._onebit_common import (
     current_lr,
     init_lr,
     leaves_or_nones,
+    moving_average,
+    moving_average_of_squares,
     require_params,
     resolve_plan,
 )
@@ -223,8 +225,8 @@ def zero_one_adam(
                 g = check_shape(g, m, i)
                 if not compressed:
                     g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
-                    v = b2 * v + (1 - b2) * g * g
-                    m = b1 * m + (1 - b1) * g
+                    v = moving_average_of_squares(v, b2, g)
+                    m = moving_average(m, b1, g)
                 elif not frozen:
                     if world == 1:
                         g = check_finite(g, "the gradient")
