@@ -43,7 +43,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def die_with_parent(parent_pid: int) -> None:
+def _die_with_parent(parent_pid: int) -> None:
     """Linux: has the kernel SIGKILL this process when the thread that started it ends (the
     parent's main thread in the demo), even when the parent is killed with SIGKILL."""
     if not sys.platform.startswith("linux"):
@@ -69,7 +69,7 @@ def _child(
     args: tuple[Any, ...],
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent(parent_pid)
+    _die_with_parent(parent_pid)
     try:
         import torch.distributed as dist
 
@@ -100,6 +100,7 @@ def spawn_gloo(
     *,
     timeout: float,
     on_message: Callable[[int, Any], None],
+    threads: int | None = None,
 ) -> list[Any]:
     """Runs ``worker_fn(rank, world_size, send, *args)`` on ``world_size`` gloo processes.
 
@@ -109,6 +110,8 @@ def spawn_gloo(
         args: picklable arguments, the same for every rank.
         timeout: seconds for the whole run, process start included (also the gloo timeout).
         on_message: called in the parent as ``on_message(rank, payload)`` for every ``send``.
+        threads: torch intra-op threads per worker (default: this machine's cores shared
+            out, at least 1).
 
     Returns:
         The workers' return values, indexed by rank.
@@ -120,7 +123,8 @@ def spawn_gloo(
     ctx = mp.get_context("spawn")
     messages = ctx.Queue()
     port = _free_port()
-    threads = max(1, (os.cpu_count() or 1) // world_size)
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // world_size)
     procs = [
         ctx.Process(
             target=_child,
@@ -151,7 +155,7 @@ def spawn_gloo(
                     raise WorkerError(f"worker ranks {dead} died without a result") from None
                 if time.monotonic() > deadline:
                     raise WorkerError(
-                        f"the workers did not finish within --timeout {timeout:g} s"
+                        f"the workers timed out: not finished within {timeout:g} s"
                     ) from None
                 continue
             if kind == "message":
