@@ -70,6 +70,7 @@ from fn._flat import FlatGroup
 from fn.base import CompressedOptimizer, GradientTransformation, set_hyperparams
 from fn.base import get_hyperparam as _get_hyperparam
 from fn.collectives import Local, ProcessGroup, Simulated, SimulatedGroup
+from fn.collectives._checks import all_finite
 from fn.transforms import onebit_adam, onebit_lamb, zero_one_adam
 
 __all__ = ["FunctionalOptimizer", "OnebitAdam", "ZeroOneAdam", "OnebitLamb", "default_comm"]
@@ -294,12 +295,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         """The number of non-finite gradient elements over all ranks (plus the scaler's flag)."""
         device = grads[0].device if grads else torch.device("cpu")
         count = torch.zeros((), dtype=torch.int64, device=device)
-        # A sum is finite only if every element is: one reduction per group instead of an
-        # elementwise isfinite (three passes); the exact count only when a sum is not finite
-        # (a NaN/Inf, or finite values whose sum overflows).
-        sums = torch.stack([g.sum(dtype=torch.float32).to(device) for g in grads] or [count])
-        if not bool(torch.isfinite(sums).all()):
-            for g in grads:
+        for g in grads:
+            if not all_finite(g):  # one reduction in the common case; the exact count only here
                 count = count + (~torch.isfinite(g)).sum().to(device)
         if found_inf is not None:
             count = count + (found_inf.to(device) > 0).to(torch.int64)
