@@ -12,17 +12,18 @@ from fn.tree import PyTree, tree_flatten, tree_unflatten
 
 
 def learning_rate_now(
-    schedule: Callable[[torch.Tensor], torch.Tensor | float] | None,
+    lr: float | Callable[[torch.Tensor], torch.Tensor | float],
     count: torch.Tensor,
     stored: torch.Tensor,
 ) -> torch.Tensor:
-    """The learning rate of the next update: ``schedule(count)`` in ``stored``'s dtype and
-    device, or ``stored`` itself without a schedule."""
-    if schedule is None:
+    """The learning rate of the next update: for a schedule ``lr``, ``lr(count)`` (``count``:
+    the updates made before this one) with ``stored``'s dtype and device; for a constant, the
+    state's ``stored`` value (so ``fn.set_hyperparams(state, lr=...)`` changes it)."""
+    if not callable(lr):
         return stored
-    value = schedule(count)
+    value = lr(count)
     if isinstance(value, torch.Tensor):
-        return value.to(stored.dtype)
+        return value.to(device=stored.device, dtype=stored.dtype)
     return torch.full_like(stored, value)
 
 

@@ -24,18 +24,6 @@ def init_lr(lr: LearningRate) -> torch.Tensor:
     return torch.tensor(float(lr), dtype=torch.float32)
 
 
-def current_lr(lr: LearningRate, stored: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """The learning rate of the update being made.
-
-    A constant ``lr`` is read from the state (so ``fn.set_hyperparams(state, lr=...)`` changes
-    it); a schedule is evaluated at ``count``, the number of updates made before this one, and the
-    value used is written back to the state.
-    """
-    if callable(lr):
-        return torch.as_tensor(lr(count), dtype=torch.float32).to(stored.device)
-    return stored
-
-
 def moving_average(x: torch.Tensor, beta: float, y: torch.Tensor) -> torch.Tensor:
     """``beta * x + (1 - beta) * y``, rounded as written, with one fresh full-size tensor fewer
     (the sum goes into the fresh product)."""

@@ -182,14 +182,13 @@ def _scale_by_adam_then_lr(
     moments = scale_by_adam(*betas, eps)
     step_size = scale_by_learning_rate(lr, decoupled_weight_decay=decoupled_weight_decay)
     chained = chain(moments, step_size)
-    schedule = lr if callable(lr) else None
     b1, b2 = (float(b) for b in betas)
 
     def update_fn(updates, state, params=None, **extra):
         moments_state, lr_state = state
         fused = None
         if foreach_ok(lr_state.count, lr_state.lr):
-            current = learning_rate_now(schedule, lr_state.count, lr_state.lr)
+            current = learning_rate_now(lr, lr_state.count, lr_state.lr)
             moments_step = _fused_adam_step(b1, b2, eps, current, decoupled_weight_decay)
             decayed = params if decoupled_weight_decay != 0.0 else None
             fused = _step_live_leaves(name, updates, moments_state, moments_step, decayed)

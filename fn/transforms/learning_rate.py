@@ -67,7 +67,7 @@ def scale_by_learning_rate(
 
     def update_fn(updates, state, params=None, **extra):
         del extra
-        current = learning_rate_now(schedule, state.count, state.lr)
+        current = learning_rate_now(lr, state.count, state.lr)
         updates = scale_leaves(updates, -current)
         if decoupled_weight_decay != 0.0:
             updates = decoupled_decay(

@@ -8,6 +8,7 @@ import torch
 
 from fn import collectives
 from fn.base import CompressedOptimizer, Params, Updates
+from fn.transforms._learning_rate import learning_rate_now
 from fn.transforms._leaves import check_nonnegative
 from fn.transforms._onebit_common import (
     LearningRate,
@@ -15,7 +16,6 @@ from fn.transforms._onebit_common import (
     check_finite,
     check_nonnegative_int,
     check_shape,
-    current_lr,
     init_lr,
     leaves_or_nones,
     moving_average,
@@ -161,7 +161,7 @@ def onebit_adam(
             p_leaves = leaves_or_nones(params, spec)
             mask_leaves = leaves_or_nones(exp_avg_mask, spec)
             dense_leaves = leaves_or_nones(non_freeze, spec)
-            eta = current_lr(lr, state.lr, state.count)
+            eta = learning_rate_now(lr, state.count, state.lr)
 
             out = {k: [] for k in ("u", "m", "v", "ew", "es")}
             for i, g in enumerate(g_leaves):

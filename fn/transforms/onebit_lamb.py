@@ -8,6 +8,7 @@ import torch
 
 from fn import collectives
 from fn.base import CompressedOptimizer, Params, Updates
+from fn.transforms._learning_rate import learning_rate_now
 from fn.transforms._leaves import check_fraction, check_nonnegative, check_ordered
 from fn.transforms._onebit_common import (
     LearningRate,
@@ -15,7 +16,6 @@ from fn.transforms._onebit_common import (
     check_finite,
     check_nonnegative_int,
     check_shape,
-    current_lr,
     init_lr,
     leaves_or_nones,
     moving_average,
@@ -239,7 +239,7 @@ def onebit_lamb(
         g_leaves = spec.flatten_up_to(grads)
         old = {k: spec.flatten_up_to(getattr(state, k)) for k in _LEAF_FIELDS}
         p_leaves = spec.flatten_up_to(params)
-        eta = current_lr(lr, state.lr, state.count)
+        eta = learning_rate_now(lr, state.count, state.lr)
         updates, new = [], {k: list(v) for k, v in old.items()}
         for i, g in enumerate(g_leaves):
             if g is None:
@@ -271,7 +271,7 @@ def onebit_lamb(
         old = {k: spec.flatten_up_to(getattr(state, k)) for k in _LEAF_FIELDS}
         p_leaves = spec.flatten_up_to(params)
         mask_leaves = leaves_or_nones(exp_avg_mask, spec)
-        eta = current_lr(lr, state.lr, state.count)
+        eta = learning_rate_now(lr, state.count, state.lr)
         new = {k: list(v) for k, v in old.items()}
         if plan.sets_scaling:
             for i, s in scaling_coefficients(old["exp_avg"]).items():

@@ -8,6 +8,7 @@ import torch
 
 from fn import collectives
 from fn.base import CompressedOptimizer, Params, Updates
+from fn.transforms._learning_rate import learning_rate_now
 from fn.transforms._leaves import check_nonnegative
 from fn.transforms._onebit_common import (
     LearningRate,
@@ -15,7 +16,6 @@ from fn.transforms._onebit_common import (
     check_finite,
     check_nonnegative_int,
     check_shape,
-    current_lr,
     init_lr,
     leaves_or_nones,
     moving_average,
@@ -209,7 +209,7 @@ def zero_one_adam(
             old = {k: spec.flatten_up_to(getattr(state, k)) for k in _LEAF_FIELDS}
             p_leaves = leaves_or_nones(params, spec)
             mask_leaves = leaves_or_nones(exp_avg_mask, spec)
-            eta = current_lr(lr, state.lr, state.count)
+            eta = learning_rate_now(lr, state.count, state.lr)
             lrs = state.lrs + eta if frozen else state.lrs
 
             updates, new = [], {k: [] for k in _LEAF_FIELDS}
