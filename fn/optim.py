@@ -69,7 +69,13 @@ from torch.utils import _pytree as pytree
 from fn._flat import FlatGroup
 from fn.base import CompressedOptimizer, GradientTransformation, set_hyperparams
 from fn.base import get_hyperparam as _get_hyperparam
-from fn.collectives import Local, ProcessGroup, Simulated, SimulatedGroup
+from fn.collectives import (
+    Local,
+    ProcessGroup,
+    Simulated,
+    SimulatedGroup,
+    error_feedback_leaves,
+)
 from fn.collectives._checks import all_finite
 from fn.transforms import onebit_adam, onebit_lamb, zero_one_adam
 
@@ -77,8 +83,6 @@ __all__ = ["FunctionalOptimizer", "OnebitAdam", "ZeroOneAdam", "OnebitLamb", "de
 
 Transform = GradientTransformation | CompressedOptimizer
 NONFINITE_POLICIES = ("raise", "skip")
-# State fields whose shapes and meaning depend on the world size: reset when it changes.
-_ERROR_FIELDS = frozenset({"worker_error", "server_error", "errors"})
 # Group keys that are not hyperparameters of the transform.
 _GROUP_META = frozenset({"params", "param_names", "initial_lr"})
 
@@ -390,8 +394,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         if worlds:
             warnings.warn(
                 f"fn.optim: the checkpoint was saved with world_size {sorted(worlds)}, this run "
-                f"has world_size {self.comm.world_size}: the error-feedback buffers "
-                f"({', '.join(sorted(_ERROR_FIELDS))}) are reset to zero for the new world size",
+                f"has world_size {self.comm.world_size}: the error-feedback buffers are reset to "
+                "zero for the new world size",
                 stacklevel=2,
             )
         for group, saved, runtime, transform, hyper, state, record in plans:
@@ -680,10 +684,6 @@ def _shortest_float(x: torch.Tensor) -> float:
     return float(str(numpy.float32(x.item())))
 
 
-def _is_error_path(path: tuple) -> bool:
-    return any(getattr(k, "name", None) in _ERROR_FIELDS for k in path)
-
-
 def _state_to_dict(state: Any) -> dict[str, Any]:
     leaves, _ = pytree.tree_flatten_with_path(state)
     return {pytree.keystr(path): leaf for path, leaf in leaves}
@@ -694,6 +694,7 @@ def _state_from_dict(index: int, saved: Mapping[str, Any], template: Any, reset:
     template when ``reset``)."""
     leaves, spec = pytree.tree_flatten_with_path(template)
     keys = [pytree.keystr(path) for path, _ in leaves]
+    is_error = error_feedback_leaves(template)
     if set(keys) != set(saved):
         missing, extra = sorted(set(keys) - set(saved)), sorted(set(saved) - set(keys))
         raise ValueError(
@@ -701,9 +702,9 @@ def _state_from_dict(index: int, saved: Mapping[str, Any], template: Any, reset:
             f"(missing {missing[:4]}, unexpected {extra[:4]}); was it saved by another optimizer?"
         )
     out = []
-    for (path, leaf), key in zip(leaves, keys, strict=True):
+    for (_, leaf), key, error in zip(leaves, keys, is_error, strict=True):
         value = saved[key]
-        if reset and _is_error_path(path):
+        if reset and error:
             out.append(leaf)
             continue
         if isinstance(leaf, torch.Tensor):

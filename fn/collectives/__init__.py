@@ -16,11 +16,17 @@ per-rank formulas of ``_traffic.py``: ring all_reduce ``2 (W-1)/W`` of the paylo
 Collectives: ``dense_allreduce`` (the fp32 baseline, as a transform), ``compressed_allreduce`` /
 ``onebit_allreduce`` (error-compensated 1-bit, ~1/32 of the fp32 traffic),
 ``quantized_allreduce`` / ``loco_allreduce`` / ``quantized_reduce_scatter`` (blockwise 4/8-bit,
-LoCo error feedback, optional two-hop mode).
+LoCo error feedback, optional two-hop mode). Their error-feedback buffers are marked by type
+(``ErrorFeedback``, ``ErrorFeedbackField``; see ``error_feedback.py``).
 """
 
 from fn.collectives.comm import Comm, Local
 from fn.collectives.dense import dense_allreduce
+from fn.collectives.error_feedback import (
+    ErrorFeedback,
+    ErrorFeedbackField,
+    error_feedback_leaves,
+)
 from fn.collectives.onebit import (
     OnebitAllreduceState,
     compressed_allreduce,
@@ -48,6 +54,9 @@ __all__ = [
     "simulate",
     "replicate",
     "dense_allreduce",
+    "ErrorFeedback",
+    "ErrorFeedbackField",
+    "error_feedback_leaves",
     "padded_numel",
     "init_error_feedback",
     "compressed_allreduce",

@@ -17,7 +17,8 @@ from fn.base import GradientTransformation
 from fn.collectives._checks import finite_or_raise
 from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
-from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
+from fn.collectives.error_feedback import ErrorFeedback, ErrorFeedbackField
+from fn.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
     "padded_numel",
@@ -40,7 +41,7 @@ def padded_numel(numel: int, world_size: int) -> int:
 
 def init_error_feedback(
     numel: int, *, comm: Comm, device: torch.device | str | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> ErrorFeedback:
     """Zero error-feedback buffers for a ``numel``-element :func:`compressed_allreduce`.
 
     Args:
@@ -49,11 +50,12 @@ def init_error_feedback(
         device: where the buffers live.
 
     Returns:
-        ``(worker_error fp32[N], server_error fp32[N / W])`` with ``N = padded_numel(numel, W)``.
+        ``ErrorFeedback(worker fp32[N], server fp32[N / W])`` with ``N = padded_numel(numel, W)``
+        (a NamedTuple: ``worker_error, server_error = init_error_feedback(...)`` works).
     """
     world_size = comm.world_size
     n_padded = padded_numel(numel, world_size)
-    return (
+    return ErrorFeedback(
         torch.zeros(n_padded, dtype=torch.float32, device=device),
         torch.zeros(n_padded // world_size, dtype=torch.float32, device=device),
     )
@@ -155,8 +157,8 @@ def compressed_allreduce(
 
 
 class OnebitAllreduceState(NamedTuple):
-    worker_error: PyTree  # per leaf: fp32[padded_numel(leaf.numel(), W)]
-    server_error: PyTree  # per leaf: fp32[padded_numel(leaf.numel(), W) / W]
+    worker_error: ErrorFeedbackField  # per leaf: fp32[padded_numel(leaf.numel(), W)]
+    server_error: ErrorFeedbackField  # per leaf: fp32[padded_numel(leaf.numel(), W) / W]
 
 
 def onebit_allreduce(*, comm: Comm) -> GradientTransformation:

@@ -39,7 +39,8 @@ from fn.base import EmptyState, GradientTransformation
 from fn.collectives._checks import finite_or_raise
 from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
-from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
+from fn.collectives.error_feedback import ErrorFeedbackField
+from fn.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
     "quantized_padded_numel",
@@ -240,7 +241,7 @@ class LocoAllreduceState(NamedTuple):
     count: torch.Tensor  # [] int64: updates made so far
     # per leaf, a tuple of error buffers (fp32, or the error dtype, or QuantizedError):
     # one hop: (e_rs fp32[N], e_ag fp32[N / W]); two hops: (e_intra[N], e_inter[N / L], e_ag[N / W])
-    errors: PyTree
+    errors: ErrorFeedbackField
 
 
 def loco_allreduce(

@@ -8,6 +8,7 @@ import torch
 
 from fn import collectives
 from fn.base import CompressedOptimizer, Params, Updates
+from fn.collectives import ErrorFeedbackField
 from fn.transforms._learning_rate import learning_rate_now
 from fn.transforms._leaves import check_nonnegative
 from fn.transforms._onebit_common import (
@@ -32,8 +33,8 @@ class OnebitAdamState(NamedTuple):
     lr: torch.Tensor  # [] fp32: the learning rate of the last update (or the one to use next)
     exp_avg: PyTree  # like params, fp32: the momentum m
     exp_avg_sq: PyTree  # like params, fp32: the variance v (frozen once compressed)
-    worker_error: PyTree  # per leaf [N_leaf] fp32: e_w of the leaf's compressed allreduce
-    server_error: PyTree  # per leaf [N_leaf / W] fp32: e_s
+    worker_error: ErrorFeedbackField  # per leaf [N_leaf] fp32: e_w of the leaf's allreduce
+    server_error: ErrorFeedbackField  # per leaf [N_leaf / W] fp32: e_s
 
 
 def onebit_adam(

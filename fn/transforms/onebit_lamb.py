@@ -8,6 +8,7 @@ import torch
 
 from fn import collectives
 from fn.base import CompressedOptimizer, Params, Updates
+from fn.collectives import ErrorFeedbackField
 from fn.transforms._learning_rate import learning_rate_now
 from fn.transforms._leaves import check_fraction, check_nonnegative, check_ordered
 from fn.transforms._onebit_common import (
@@ -45,8 +46,8 @@ class OnebitLambState(NamedTuple):
     lamb_coeff_freeze: PyTree  # per leaf [] fp32: R, the EMA of the warmup trust ratios
     last_factor: PyTree  # per leaf [] fp32: the last scaling factor of R (starts at 1)
     scaling_coeff: PyTree  # per leaf [] fp32: momentum scaling, set at the first compressed update
-    worker_error: torch.Tensor  # [N] fp32: e_w of the one fused compressed allreduce
-    server_error: torch.Tensor  # [N / W] fp32: e_s
+    worker_error: ErrorFeedbackField  # [N] fp32: e_w of the one fused compressed allreduce
+    server_error: ErrorFeedbackField  # [N / W] fp32: e_s
 
 
 def onebit_lamb(

@@ -1,0 +1,96 @@
+"""Error feedback as a type: what a compressed collective carries from one call to the next.
+
+Compressed collectives (the 1-bit allreduce, LoCo's quantized allreduce) keep, per rank, the part
+of each message that compression lost and add it back into the next one. These buffers are
+sized by the world size and belong to one rank, so whoever stores or restores a state (the
+``torch.optim`` adapter, a checkpoint loader) must treat them differently from the rest: reset
+them when the world size changes, never hand one rank's buffers to another.
+
+Two ways mark a part of a state as error feedback, and both are read from types, not names:
+
+- a value of type :class:`ErrorFeedback` (``init_error_feedback`` returns one);
+- a state field annotated with :data:`ErrorFeedbackField` in its ``NamedTuple`` class, for
+  states that keep the worker and server buffers as separate fields or per leaf::
+
+      class MyState(NamedTuple):
+          count: torch.Tensor
+          residual: ErrorFeedbackField  # any pytree of buffers
+
+:func:`error_feedback_leaves` finds both.
+"""
+
+from __future__ import annotations
+
+import functools
+import typing
+from typing import Annotated, Any, NamedTuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+from fn.tree import PyTree
+
+__all__ = ["ErrorFeedback", "ErrorFeedbackField", "error_feedback_leaves"]
+
+
+class ErrorFeedback(NamedTuple):
+    """The error-feedback buffers of one error-compensated 1-bit allreduce.
+
+    Attributes:
+        worker: ``e_w``, fp32[N]: what compressing this rank's input lost.
+        server: ``e_s``, fp32[N / W]: what compressing this rank's chunk of the average lost.
+    """
+
+    worker: torch.Tensor
+    server: torch.Tensor
+
+
+ErrorFeedbackField = Annotated[PyTree, ErrorFeedback]
+"""The annotation of a state field whose pytree holds error-feedback buffers."""
+
+
+@functools.cache
+def _annotated_fields(cls: type) -> frozenset[str]:
+    """The fields of the NamedTuple class ``cls`` annotated as :data:`ErrorFeedbackField`."""
+    try:
+        hints = typing.get_type_hints(cls, include_extras=True)
+    except (NameError, TypeError):  # annotations that do not resolve mark nothing
+        return frozenset()
+    return frozenset(
+        name
+        for name, hint in hints.items()
+        if typing.get_origin(hint) is Annotated and ErrorFeedback in hint.__metadata__
+    )
+
+
+def _mark(node: Any, inside: bool) -> Any:
+    """``node`` with every leaf replaced by whether it lies in error feedback."""
+    if isinstance(node, ErrorFeedback):
+        inside = True
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        marked = _annotated_fields(type(node))
+        return type(node)(*(_mark(getattr(node, f), inside or f in marked) for f in node._fields))
+    if pytree.tree_is_leaf(node):
+        return inside
+    children, spec = pytree.tree_flatten(node, is_leaf=lambda x: x is not node)
+    return pytree.tree_unflatten([_mark(c, inside) for c in children], spec)
+
+
+def error_feedback_leaves(state: PyTree) -> list[bool]:
+    """Which leaves of ``state`` are error feedback, in ``torch.utils._pytree`` leaf order.
+
+    Args:
+        state: an optimizer or collective state (a pytree of NamedTuples, tuples, dicts).
+
+    Returns:
+        One bool per leaf of ``pytree.tree_leaves(state)``: ``True`` for a leaf inside an
+        :class:`ErrorFeedback` value or a field annotated :data:`ErrorFeedbackField`.
+
+    Example:
+        >>> import fn
+        >>> opt = fn.onebit_adam(lr=1e-3, freeze_step=10, comm=fn.collectives.Local())
+        >>> state = opt.init({"w": torch.zeros(3)})
+        >>> fn.collectives.error_feedback_leaves(state)
+        [False, False, False, False, True, True]
+    """
+    return pytree.tree_leaves(_mark(state, False))
