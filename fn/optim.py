@@ -67,6 +67,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from fn._flat import FlatGroup
+from fn._validation import all_finite
 from fn.base import CompressedOptimizer, GradientTransformation, set_hyperparams
 from fn.base import get_hyperparam as _get_hyperparam
 from fn.collectives import (
@@ -76,7 +77,6 @@ from fn.collectives import (
     SimulatedGroup,
     error_feedback_leaves,
 )
-from fn.collectives._checks import all_finite
 from fn.transforms import onebit_adam, onebit_lamb, zero_one_adam
 
 __all__ = ["FunctionalOptimizer", "OnebitAdam", "ZeroOneAdam", "OnebitLamb", "default_comm"]

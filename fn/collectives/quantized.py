@@ -35,8 +35,8 @@ from typing import NamedTuple
 import torch
 
 from fn import kernels
+from fn._validation import finite_or_raise
 from fn.base import EmptyState, GradientTransformation
-from fn.collectives._checks import finite_or_raise
 from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from fn.collectives._checks import finite_or_raise
+from fn._validation import finite_or_raise
 from fn.tree import PyTree
 
 LearningRate = float | Callable[[torch.Tensor], torch.Tensor]
@@ -40,7 +40,7 @@ def check_finite(x: torch.Tensor, what: str) -> torch.Tensor:
     """Returns ``x`` (a copy under vmap or compile); raises ``ValueError`` (message contains
     "non-finite") if ``x`` holds a NaN or an Inf, also under ``torch.func.vmap`` (``Simulated``:
     all ranks are checked at once) and at run time under ``torch.compile`` (see
-    ``fn.collectives._checks``).
+    ``fn._validation``).
     """
     return finite_or_raise(
         x,

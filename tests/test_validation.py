@@ -1,4 +1,4 @@
-"""fn.collectives._checks: the finiteness test and the check that raises under vmap/compile."""
+"""fn._validation: the finiteness test and the check that raises under vmap/compile."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fn.collectives._checks import all_finite, finite_or_raise
+from fn._validation import all_finite, finite_or_raise
 
 FLOATS = st.floats(width=32, allow_nan=True, allow_infinity=True)
 

@@ -1,6 +1,7 @@
-"""A finiteness check that can raise from inside ``torch.func.vmap`` and ``torch.compile``.
+"""Validation shared by every layer (kernels, collectives, transforms, the adapter).
 
-A Python ``if`` on a tensor value fails under vmap (``Simulated`` runs every rank under vmap), so
+Finiteness: a check that can raise from inside ``torch.func.vmap`` and ``torch.compile``. A
+Python ``if`` on a tensor value fails under vmap (``Simulated`` runs every rank under vmap), so
 there the check is a custom op: its vmap rule sees the whole batch as a plain tensor and checks
 it. The op returns a copy of its input that the caller goes on with, so a compiled graph cannot
 drop it. On eager plain tensors the check runs directly and returns the input itself (no copy).
