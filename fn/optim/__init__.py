@@ -1,0 +1,61 @@
+"""A thin stateful ``torch.optim`` adapter over fn's pure transforms.
+
+``FunctionalOptimizer(params, transform)`` runs any ``GradientTransformation`` or
+``CompressedOptimizer`` as a ``torch.optim.Optimizer``; ``OnebitAdam``, ``ZeroOneAdam`` and
+``OnebitLamb`` are drop-in optimizers with the arguments of ``fn.onebit_adam``,
+``fn.zero_one_adam`` and ``fn.onebit_lamb``::
+
+    opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=1000)  # under torchrun
+    for x, y in data:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+Policies (the same on every rank, so the ranks always issue the same collectives):
+
+- Gradient communication: the optimizer owns it. Do NOT wrap the model in DDP: each rank's
+  ``.grad`` must hold its LOCAL gradient. A ``CompressedOptimizer`` averages the gradients itself
+  (dense in warmup, 1-bit once compressed); a plain ``GradientTransformation`` gets the gradients
+  averaged by the adapter first (one dense allreduce per group, ``sync_grads``). So anything
+  applied to ``.grad`` before ``step()`` (e.g. ``clip_grad_norm_``) sees the local gradient.
+- Flat buffers: per param group the params are copied into one contiguous buffer and each
+  param's ``.data`` becomes a view of it (build the optimizer after ``model.to(...)``). With
+  ``flatten=True`` the transform sees the whole group as ONE 1-D leaf (one collective per group
+  and step; right for elementwise rules: Adam, SGD, 1-bit Adam, 0/1 Adam); with
+  ``flatten=False`` it sees per-param views of the buffer (needed for per-tensor rules: LAMB's
+  trust ratios; 1-bit LAMB fuses its momenta into one collective itself). The flat leaf is not
+  padded: the 1-bit allreduce pads it with zeros internally at every call, which its error
+  feedback requires (padding carried in the leaf would accumulate state).
+- Mixed precision: fp16/bf16 params get an fp32 master copy; the transform state is fp32 and the
+  master is cast back into the params after each step. Writes to the params between steps, by any
+  route (``p.copy_``, ``model.load_state_dict``, ``p.data.zero_()``, ``p.data.clamp_()``), are
+  taken into the master before the next step and ``state_dict()``: elementwise, wherever a param
+  differs from its master cast to the param's dtype (elements that still match keep their exact
+  fp32 master). This costs one comparison pass over the group's buffer per step.
+- Params with ``requires_grad=False`` are left out. A param whose ``.grad`` is ``None`` at a step
+  counts as a zero gradient (as DDP's ``find_unused_parameters``): a rank cannot know whether
+  another rank had a gradient without an extra collective, and every rank must run the same
+  collectives. Momentum and weight decay therefore still move such params.
+- Non-finite gradients: the ranks agree on one decision (a 1-element allreduce of the count of
+  non-finite gradient elements). ``nonfinite="raise"`` (default) raises ``ValueError`` on every
+  rank, ``"skip"`` skips the step; either way nothing changes (params, state, error feedback,
+  step count). A step driven by ``torch.amp.GradScaler`` always skips on overflow (that is the
+  scaler's protocol; it then lowers its scale).
+- ``GradScaler``: the optimizer declares ``_step_supports_amp_scaling``: ``scaler.step(opt)``
+  always calls ``opt.step()``, which unscales the gradients itself (its ``.grad`` stay scaled)
+  and makes the overflow decision global. (Without this, a rank that overflowed alone would skip
+  ``step()`` and leave the others waiting in a collective.) Each rank's scaler still updates its
+  scale from its local overflow flag; scales are powers of two, so the unscaled gradients do not
+  depend on it.
+- Checkpoints: ``state_dict()`` holds, per group, the host-side step count, the whole functional
+  state (error feedback included) as a flat dict of tensors, and the fp32 master copy; loading it
+  into a fresh optimizer continues bit for bit. Only plain containers, tensors and numbers are
+  stored, so ``torch.load(weights_only=True)`` reads it. ``state_dict()["state"]`` is keyed by
+  group index (the state is per group, not per param), and ``opt.state``, torch's per-param
+  dict, stays empty.
+"""
+
+from fn.optim._adapter import FunctionalOptimizer, default_comm
+from fn.optim._onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
+
+__all__ = ["FunctionalOptimizer", "OnebitAdam", "ZeroOneAdam", "OnebitLamb", "default_comm"]

@@ -1,0 +1,344 @@
+"""``FunctionalOptimizer``: any fn transform as a stateful ``torch.optim.Optimizer``.
+
+The policies (gradient communication, flat buffers, mixed precision, non-finite gradients,
+``GradScaler``, checkpoints) are described in the docstring of :mod:`fn.optim`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy
+import torch
+import torch.distributed as dist
+
+from fn.base import CompressedOptimizer, GradientTransformation, set_hyperparams
+from fn.base import get_hyperparam as _get_hyperparam
+from fn.collectives import Local, ProcessGroup, Simulated, SimulatedGroup
+from fn.optim._checkpoint import GroupRecord, state_from_dict, state_to_dict
+from fn.optim._consensus import check_same_params, count_nonfinite
+from fn.optim._flat import FlatGroup
+
+Transform = GradientTransformation | CompressedOptimizer
+NONFINITE_POLICIES = ("raise", "skip")
+# Group keys that are not hyperparameters of the transform.
+_GROUP_META = frozenset({"params", "param_names", "initial_lr"})
+
+
+def default_comm() -> Any:
+    """``ProcessGroup()`` when ``torch.distributed`` is initialized, else ``Local()``."""
+    if dist.is_available() and dist.is_initialized():
+        return ProcessGroup()
+    return Local()
+
+
+class _Group:
+    """The runtime of one param group: flat buffers, transform, functional state, step count."""
+
+    def __init__(self, flat: FlatGroup, transform: Transform, hyper: dict, sync: bool) -> None:
+        self.flat = flat
+        self.transform = transform
+        self.hyper = hyper
+        self.sync = sync
+        self.state: Any = None
+        self.step = 0
+
+
+class FunctionalOptimizer(torch.optim.Optimizer):
+    """Any fn transform as a ``torch.optim.Optimizer`` (the policies: :mod:`fn.optim`).
+
+    Args:
+        params: an iterable of tensors or of param-group dicts, as for ``torch.optim``.
+        transform: a ``GradientTransformation`` or ``CompressedOptimizer`` used for every group
+            (groups may then only set ``lr``), or a factory called as ``transform(**hyper)``
+            with each group's hyperparameters (``defaults`` filled in), which allows per-group
+            values of every hyperparameter, e.g. ``FunctionalOptimizer(ps, fn.adamw,
+            defaults=dict(lr=1e-3, weight_decay=0.01))``. A changed group hyperparameter other
+            than ``lr`` rebuilds the group's transform at the next step (the state is kept).
+        comm: the communicator; ``None`` gives :func:`default_comm`. A ``CompressedOptimizer``
+            must have been built with the same comm. ``Simulated`` is not supported here (the
+            adapter runs one rank per process; use the functional API to simulate ranks).
+        defaults: the default hyperparameters of a factory ``transform``.
+        flatten: the transform sees one flat leaf per group (``True``, for elementwise rules) or
+            per-param views (``False``, for per-tensor rules such as ``fn.lamb``).
+        sync_grads: average the gradients over the ranks before the transform (one dense
+            allreduce per group). ``None``: for a ``GradientTransformation`` yes, for a
+            ``CompressedOptimizer`` no (it communicates itself). Pass ``False`` for a
+            transform that communicates itself, e.g. ``fn.staged(...)`` or a chain with
+            ``fn.collectives.loco_allreduce``.
+        nonfinite: ``"raise"`` or ``"skip"``: what a step with a non-finite gradient on any rank
+            does (nothing changes either way).
+
+    The learning rate of each group (``group["lr"]``, so ``torch.optim.lr_scheduler`` works) is
+    written into the functional state with ``fn.set_hyperparams`` before every step; it defaults
+    to the transform's ``lr`` state field. A ``CompressedOptimizer`` gets ``step=t``, the
+    1-based count of the group's updates (skipped steps do not count).
+
+    Attributes:
+        skipped_steps: how many steps were skipped for non-finite gradients.
+        last_step_skipped: whether the last ``step()`` was skipped.
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        transform: Transform | Callable[..., Transform],
+        comm: Any = None,
+        *,
+        defaults: Mapping[str, Any] | None = None,
+        flatten: bool = True,
+        sync_grads: bool | None = None,
+        nonfinite: str = "raise",
+    ) -> None:
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        comm = default_comm() if comm is None else comm
+        if isinstance(comm, (Simulated, SimulatedGroup)):
+            raise TypeError(
+                "fn.optim runs one rank per process: use Local() or ProcessGroup(); simulate "
+                "ranks with the functional API (fn.collectives.simulate)"
+            )
+        is_transform = isinstance(transform, (GradientTransformation, CompressedOptimizer))
+        if not is_transform and not callable(transform):
+            raise TypeError(f"transform must be a transform or a factory, got {transform!r}")
+        if is_transform and defaults:
+            raise ValueError("defaults are for a factory transform; this one is fixed")
+        self.comm = comm
+        self.flatten = flatten
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+        self._transform = transform
+        self._sync_grads = sync_grads
+        self._groups: list[_Group] = []
+        super().__init__(params, dict(defaults or {}))
+
+    # ---------------------------------------------------------------- construction
+
+    def _make_transform(self, index: int, hyper: dict[str, Any]) -> Transform:
+        """The transform of group ``index`` built from its hyperparameters."""
+        del index
+        if isinstance(self._transform, (GradientTransformation, CompressedOptimizer)):
+            return self._transform
+        return self._transform(**hyper)
+
+    def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in group.items() if k in self.defaults}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a group (a collective call under ``ProcessGroup``: every rank must add the same
+        shapes). Params with ``requires_grad=False`` are left out."""
+        super().add_param_group(param_group)
+        try:
+            self._build_group(len(self.param_groups) - 1)
+        except BaseException:
+            self.param_groups.pop()
+            raise
+
+    def _build_group(self, index: int) -> None:
+        group = self.param_groups[index]
+        keep = [i for i, p in enumerate(group["params"]) if p.requires_grad]
+        group["params"] = [group["params"][i] for i in keep]
+        if "param_names" in group:
+            group["param_names"] = [group["param_names"][i] for i in keep]
+        if isinstance(self._transform, (GradientTransformation, CompressedOptimizer)):
+            extra = set(group) - _GROUP_META - {"lr"}
+            if extra:
+                raise ValueError(
+                    f"param group {index} sets {sorted(extra)}, but a fixed transform only takes "
+                    "a per-group lr; pass a factory and defaults for per-group hyperparameters"
+                )
+        lr = group.get("lr")
+        if lr is not None and (isinstance(lr, torch.Tensor) or not isinstance(lr, (int, float))):
+            raise TypeError(f"param group {index}: lr must be a Python number, got {lr!r}")
+        check_same_params(self.comm, index, group["params"])
+
+        flat = FlatGroup(group["params"])
+        hyper = self._hyper(group)
+        transform = self._make_transform(index, hyper)
+        sync = (
+            not isinstance(transform, CompressedOptimizer)
+            if self._sync_grads is None
+            else self._sync_grads
+        )
+        runtime = _Group(flat, transform, hyper, sync)
+        runtime.state = transform.init(flat.tree(flat.master, self.flatten))
+        try:
+            stored_lr = _shortest_float(_get_hyperparam(runtime.state, "lr"))
+        except KeyError:
+            stored_lr = None
+        if stored_lr is None and "lr" in group:
+            raise ValueError(
+                f"param group {index} sets lr, but the transform has no lr state field"
+            )
+        if stored_lr is not None:
+            group.setdefault("lr", stored_lr)
+        self._groups.append(runtime)
+
+    # ---------------------------------------------------------------- step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update of every group (or none, if a gradient is non-finite on some rank).
+
+        Args:
+            closure: re-evaluates the model and returns the loss (run with grad enabled).
+
+        Returns:
+            The closure's loss, or ``None``.
+
+        Raises:
+            ValueError: ``nonfinite="raise"`` and a gradient is non-finite on some rank (on every
+                rank; nothing was changed).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        for runtime in self._groups:
+            runtime.flat.check_params()
+        grads = [runtime.flat.gather_grads() for runtime in self._groups]
+        if grad_scale is not None:
+            grads = _unscaled(grads, grad_scale)
+        if count_nonfinite(self.comm, grads, found_inf) > 0:
+            self.last_step_skipped = True
+            if self.nonfinite == "raise" and found_inf is None:
+                raise ValueError(
+                    "fn.optim: non-finite gradients (NaN or Inf) on some rank; no update was "
+                    "made and the optimizer state is unchanged (nonfinite='skip' skips such steps)"
+                )
+            self.skipped_steps += 1
+            return loss
+        self.last_step_skipped = False
+        for index, (group, runtime, g) in enumerate(
+            zip(self.param_groups, self._groups, grads, strict=True)
+        ):
+            self._refresh_transform(index, group, runtime)
+            if runtime.sync and self.comm.world_size > 1 and g.numel() > 0:
+                g = self.comm.all_reduce(g, op="mean")
+            state = runtime.state
+            if "lr" in group:
+                state = set_hyperparams(state, lr=group["lr"])
+            params = runtime.flat.tree(runtime.flat.master, self.flatten)
+            t = runtime.step + 1
+            updates, state = runtime.transform.update(
+                runtime.flat.tree(g, self.flatten), state, params, step=t
+            )
+            runtime.flat.add(updates)
+            runtime.state, runtime.step = state, t
+        return loss
+
+    def _refresh_transform(self, index: int, group: dict[str, Any], runtime: _Group) -> None:
+        """Rebuilds the group's transform when a hyperparameter other than lr changed."""
+        hyper = self._hyper(group)
+        changed = {k for k in hyper if k != "lr" and hyper[k] != runtime.hyper.get(k)}
+        if changed:
+            runtime.transform = self._make_transform(index, hyper)
+            runtime.hyper = hyper
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state in ``torch.optim``'s layout.
+
+        Returns:
+            ``{"state": {group_index: record}, "param_groups": [...]}`` where ``param_groups``
+            holds each group's hyperparameters and param indices (as ``torch.optim``) and a
+            record is ``{"step": int, "world_size": int, "shapes": [[...], ...],
+            "functional": {path: tensor}, "master": fp32 tensor (fp16/bf16 params only)}``;
+            ``functional`` is the functional state flattened by pytree key path
+            (e.g. ``".worker_error"``). The tensors are the live (never mutated) state tensors,
+            the master is a copy, taken after writes to the params are synced into it as before a
+            step (see ``fn.optim._checkpoint.GroupRecord``).
+        """
+        param_groups, start = [], 0
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+            param_groups.append(packed)
+        state = {}
+        for index, runtime in enumerate(self._groups):
+            runtime.flat.sync_master()
+            master = runtime.flat.master.clone() if runtime.flat.has_master_copy else None
+            record = GroupRecord(
+                step=runtime.step,
+                world_size=self.comm.world_size,
+                shapes=tuple(runtime.flat.shapes),
+                functional=state_to_dict(runtime.state),
+                master=master,
+            )
+            state[index] = record.to_dict()
+        return {"state": state, "param_groups": param_groups}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restores a :meth:`state_dict`: the functional state (error feedback included), the step
+        counts, the fp32 master copies and the groups' hyperparameters.
+
+        ``exp_avg_mask`` and the comm come from the constructor, not the checkpoint. A checkpoint
+        saved with another world size gets its error-feedback buffers reset for this one (with a
+        warning). Nothing is changed unless the whole checkpoint fits.
+
+        Raises:
+            ValueError: a different number of groups or params, different param shapes, or a
+                functional state of another structure.
+        """
+        saved_groups = list(state_dict["param_groups"])
+        records = state_dict["state"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"the checkpoint has {len(saved_groups)} param groups, this optimizer "
+                f"{len(self.param_groups)}"
+            )
+        plans = []
+        worlds = set()
+        for index, (group, saved, runtime) in enumerate(
+            zip(self.param_groups, saved_groups, self._groups, strict=True)
+        ):
+            if index not in records:
+                raise ValueError(f"the checkpoint has no state for param group {index}")
+            record = GroupRecord.from_dict(records[index], index)
+            record.check_shapes(index, runtime.flat.shapes)
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"param group {index}: {len(saved['params'])} params in the checkpoint, "
+                    f"{len(group['params'])} here"
+                )
+            hyper = {k: saved.get(k, v) for k, v in self._hyper(group).items()}
+            transform = self._make_transform(index, hyper)
+            tree = runtime.flat.tree(runtime.flat.master, self.flatten)
+            reset = record.world_size != self.comm.world_size
+            if reset:
+                worlds.add(record.world_size)
+            fresh = transform.init(tree) if reset else runtime.state
+            state = state_from_dict(index, record.functional, fresh, reset)
+            plans.append((group, saved, runtime, transform, hyper, state, record))
+        if worlds:
+            warnings.warn(
+                f"fn.optim: the checkpoint was saved with world_size {sorted(worlds)}, this run "
+                f"has world_size {self.comm.world_size}: the error-feedback buffers are reset to "
+                "zero for the new world size",
+                stacklevel=2,
+            )
+        for group, saved, runtime, transform, hyper, state, record in plans:
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            runtime.transform, runtime.hyper = transform, hyper
+            runtime.state, runtime.step = state, record.step
+            runtime.flat.load_master(record.master)
+
+
+def _shortest_float(x: torch.Tensor) -> float:
+    """The shortest decimal that rounds to the fp32 ``x`` (``1e-2``, not ``0.009999999776``)."""
+    return float(str(numpy.float32(x.item())))
+
+
+def _unscaled(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> list[torch.Tensor]:
+    """The gradients divided by a ``GradScaler``'s scale (a power of two: exact)."""
+    inv_scale = grad_scale.double().reciprocal().float()
+    return [g * inv_scale.to(g.device) for g in grads]

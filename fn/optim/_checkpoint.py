@@ -1,0 +1,180 @@
+"""The checkpoint of one param group of the ``torch.optim`` adapter.
+
+``FunctionalOptimizer.state_dict()["state"][i]`` is a :class:`GroupRecord` as a plain dict (plain
+containers, tensors and numbers only, so ``torch.load(weights_only=True)`` reads it)::
+
+    {"step": int, "world_size": int, "shapes": [[int, ...], ...],
+     "functional": {key path: tensor or number}, "master": fp32 tensor}  # master: fp16/bf16 only
+
+The functional state is stored flat, keyed by pytree key path (``".exp_avg"``,
+``".worker_error"``), and rebuilt against the structure of a freshly initialized state. Its
+error feedback is found by type (``fn.collectives.error_feedback_leaves``): those buffers are
+sized by the world size, so a checkpoint of another world size gets them freshly initialized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from fn.collectives import error_feedback_leaves
+
+_REQUIRED = ("step", "world_size", "shapes", "functional")
+_OPTIONAL = ("master",)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupRecord:
+    """The checkpoint of one param group.
+
+    Attributes:
+        step: the group's update count ``t`` (skipped steps do not count).
+        world_size: the world size it was saved with (error feedback is sized by it).
+        shapes: the group's param shapes, in order.
+        functional: the functional state flattened by pytree key path (:func:`state_to_dict`).
+        master: fp32[n], the master copy of fp16/bf16 params; ``None`` for fp32/fp64 params
+            (their own master, saved with the model).
+    """
+
+    step: int
+    world_size: int
+    shapes: tuple[tuple[int, ...], ...]
+    functional: dict[str, Any]
+    master: torch.Tensor | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as stored in ``state_dict()["state"]`` (no ``"master"`` key without one)."""
+        record = {
+            "step": self.step,
+            "world_size": self.world_size,
+            "shapes": [list(s) for s in self.shapes],
+            "functional": dict(self.functional),
+        }
+        if self.master is not None:
+            record["master"] = self.master
+        return record
+
+    @classmethod
+    def from_dict(cls, record: Any, group: int) -> GroupRecord:
+        """Reads a stored record, checking its keys and types.
+
+        Args:
+            record: an entry of ``state_dict()["state"]``.
+            group: the param group's index (for the messages).
+
+        Returns:
+            The record.
+
+        Raises:
+            ValueError: the record lacks a key, has an unknown one, or holds a value of the wrong
+                type (a checkpoint of something else than ``fn.optim``).
+        """
+        where = f"param group {group}: the checkpoint's record"
+        if not isinstance(record, Mapping):
+            raise ValueError(f"{where} is a {type(record).__name__}, not a dict")
+        missing = [k for k in _REQUIRED if k not in record]
+        unknown = sorted(str(k) for k in record if k not in _REQUIRED + _OPTIONAL)
+        if missing or unknown:
+            raise ValueError(
+                f"{where} lacks {missing} and has unknown keys {unknown}; an fn.optim record "
+                f"has {list(_REQUIRED)} and, for fp16/bf16 params, 'master'"
+            )
+        functional = record["functional"]
+        if not isinstance(functional, Mapping) or not all(isinstance(k, str) for k in functional):
+            raise ValueError(f"{where}: 'functional' must be a dict keyed by key path strings")
+        master = record.get("master")
+        if master is not None and not isinstance(master, torch.Tensor):
+            raise ValueError(f"{where}: 'master' must be a tensor, got {type(master).__name__}")
+        return cls(
+            step=_integer(record["step"], f"{where}: 'step'", minimum=0),
+            world_size=_integer(record["world_size"], f"{where}: 'world_size'", minimum=1),
+            shapes=_shapes(record["shapes"], f"{where}: 'shapes'"),
+            functional=dict(functional),
+            master=master,
+        )
+
+    def check_shapes(self, group: int, shapes: Sequence[tuple[int, ...]]) -> None:
+        """Raises ``ValueError`` unless the record's param shapes are ``shapes``."""
+        if len(self.shapes) != len(shapes):
+            raise ValueError(
+                f"the checkpoint does not match this model: param group {group} has "
+                f"{len(self.shapes)} params in the checkpoint, {len(shapes)} here"
+            )
+        for i, (saved, current) in enumerate(zip(self.shapes, shapes, strict=True)):
+            if saved != tuple(current):
+                raise ValueError(
+                    f"the checkpoint does not match this model: param group {group}, param {i} "
+                    f"has shape {saved} in the checkpoint, {tuple(current)} here"
+                )
+
+
+def _integer(value: Any, what: str, minimum: int) -> int:
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or isinstance(value, bool) or number < minimum:
+        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
+    return number
+
+
+def _shapes(value: Any, what: str) -> tuple[tuple[int, ...], ...]:
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        try:
+            return tuple(tuple(_integer(d, what, 0) for d in s) for s in value)
+        except (TypeError, ValueError):
+            pass
+    raise ValueError(f"{what} must be a list of shapes (lists of ints >= 0), got {value!r}")
+
+
+def state_to_dict(state: Any) -> dict[str, Any]:
+    """The leaves of a functional state keyed by their pytree key path (``".exp_avg"``)."""
+    leaves, _ = pytree.tree_flatten_with_path(state)
+    return {pytree.keystr(path): leaf for path, leaf in leaves}
+
+
+def state_from_dict(group: int, saved: Mapping[str, Any], template: Any, reset: bool) -> Any:
+    """A state of ``template``'s structure with the leaves of ``saved``.
+
+    Args:
+        group: the param group's index (for the messages).
+        saved: a :func:`state_to_dict` of a state of the same structure.
+        template: a state of the structure wanted, on the device and in the dtypes wanted.
+        reset: take the error-feedback leaves from ``template`` (a checkpoint of another world
+            size), not from ``saved``.
+
+    Returns:
+        The state, with tensors copied from ``saved`` (never aliased to the checkpoint).
+
+    Raises:
+        ValueError: ``saved`` has other keys than ``template`` or a tensor of another shape.
+    """
+    leaves, spec = pytree.tree_flatten_with_path(template)
+    keys = [pytree.keystr(path) for path, _ in leaves]
+    if set(keys) != set(saved):
+        missing, extra = sorted(set(keys) - set(saved)), sorted(set(saved) - set(keys))
+        raise ValueError(
+            f"param group {group}: the checkpoint's optimizer state has another structure "
+            f"(missing {missing[:4]}, unexpected {extra[:4]}); was it saved by another optimizer?"
+        )
+    out = []
+    for (_, leaf), key, error in zip(leaves, keys, error_feedback_leaves(template), strict=True):
+        value = saved[key]
+        if reset and error:
+            out.append(leaf)
+            continue
+        if isinstance(leaf, torch.Tensor):
+            if not isinstance(value, torch.Tensor) or value.shape != leaf.shape:
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                raise ValueError(
+                    f"param group {group}: state entry {key!r} has shape {got} in the "
+                    f"checkpoint, {tuple(leaf.shape)} here"
+                )
+            value = value.to(device=leaf.device, dtype=leaf.dtype, copy=True)
+        out.append(value)
+    return pytree.tree_unflatten(out, spec)

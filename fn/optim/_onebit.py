@@ -1,0 +1,223 @@
+"""The 1-bit family as drop-in ``torch.optim`` optimizers: ``OnebitAdam``, ``ZeroOneAdam``,
+``OnebitLamb``, with DeepSpeed's argument names and the defaults of ``fn.onebit_adam``,
+``fn.zero_one_adam`` and ``fn.onebit_lamb`` (tests/optim/test_signatures.py checks they match).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from fn.base import CompressedOptimizer
+from fn.optim._adapter import FunctionalOptimizer, Transform
+from fn.transforms import onebit_adam, onebit_lamb, zero_one_adam
+
+
+class _OnebitFamily(FunctionalOptimizer):
+    """Shared construction of the 1-bit family adapters: per-group transforms with the group's
+    hyperparameters, the comm, and the group's part of ``exp_avg_mask``."""
+
+    _factory: Callable[..., CompressedOptimizer]
+
+    def __init__(
+        self,
+        params: Any,
+        defaults: dict[str, Any],
+        comm: Any,
+        exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None,
+        flatten: bool,
+        nonfinite: str,
+    ) -> None:
+        self._masks = dict(exp_avg_mask or {})
+        super().__init__(
+            params,
+            type(self)._factory,
+            comm,
+            defaults=defaults,
+            flatten=flatten,
+            sync_grads=False,
+            nonfinite=nonfinite,
+        )
+        unused = [tuple(m.shape) for p, m in self._masks.items() if not self._has_param(p)]
+        if unused:
+            raise ValueError(
+                f"exp_avg_mask has masks (shapes {unused}) for tensors that are not trainable "
+                "params of this optimizer"
+            )
+
+    def _has_param(self, p: torch.Tensor) -> bool:
+        return any(p is q for group in self.param_groups for q in group["params"])
+
+    def _make_transform(self, index: int, hyper: dict[str, Any]) -> Transform:
+        params = self.param_groups[index]["params"]
+        return type(self)._factory(**hyper, comm=self.comm, exp_avg_mask=self._group_mask(params))
+
+    def _group_mask(self, params: list[torch.Tensor]) -> Any:
+        """The group's masks as the transform's pytree: one flat mask, or per-param masks."""
+        masks = []
+        for p in params:
+            mask = self._masks.get(p)
+            if mask is not None:
+                try:
+                    mask = mask.to(device=p.device, dtype=torch.float32).expand(p.shape)
+                except RuntimeError as err:
+                    raise ValueError(
+                        f"exp_avg_mask of shape {tuple(mask.shape)} does not broadcast to its "
+                        f"param's shape {tuple(p.shape)}"
+                    ) from err
+            masks.append(mask)
+        if all(m is None for m in masks):
+            return None
+        if not self.flatten:
+            return masks
+        return torch.cat(
+            [
+                torch.ones(p.numel(), device=p.device) if m is None else m.reshape(-1)
+                for p, m in zip(params, masks, strict=True)
+            ]
+        )
+
+
+class OnebitAdam(_OnebitFamily):
+    """1-bit Adam (``fn.onebit_adam``) as a ``torch.optim.Optimizer``; one flat leaf per group.
+
+    Args:
+        params: tensors or param-group dicts; every argument below except ``comm``,
+            ``exp_avg_mask`` and ``nonfinite`` can be set per group.
+        lr, freeze_step, betas, eps, weight_decay: as ``fn.onebit_adam``.
+        non_freeze: the group is never compressed (DeepSpeed's ``non_freeze`` groups).
+        comm: ``None`` gives :func:`default_comm`.
+        exp_avg_mask: ``{param: mask}``, masks broadcastable to their param's shape, multiplied
+            into the momentum after every compressed allreduce.
+        nonfinite: ``"raise"`` or ``"skip"`` (see :class:`FunctionalOptimizer`).
+    """
+
+    @staticmethod
+    def _factory(*, non_freeze: bool, **kwargs: Any) -> CompressedOptimizer:
+        return onebit_adam(**kwargs, non_freeze=bool(non_freeze) or None)
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        non_freeze: bool = False,
+        *,
+        comm: Any = None,
+        exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None = None,
+        nonfinite: str = "raise",
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            freeze_step=freeze_step,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            non_freeze=non_freeze,
+        )
+        super().__init__(params, defaults, comm, exp_avg_mask, True, nonfinite)
+
+
+class ZeroOneAdam(_OnebitFamily):
+    """0/1 Adam (``fn.zero_one_adam``) as a ``torch.optim.Optimizer``; one flat leaf per group.
+
+    Args:
+        params: tensors or param-group dicts; every argument below except ``comm``,
+            ``exp_avg_mask`` and ``nonfinite`` can be set per group.
+        lr, betas, eps, weight_decay, var_freeze_step, var_update_scaler, local_step_scaler,
+            local_step_clipper: as ``fn.zero_one_adam``.
+        comm: ``None`` gives :func:`default_comm`.
+        exp_avg_mask: ``{param: mask}`` (see :class:`OnebitAdam`).
+        nonfinite: ``"raise"`` or ``"skip"``.
+
+    Between synchronizations the ranks' params differ by design (local steps).
+    """
+
+    _factory = staticmethod(zero_one_adam)
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        var_freeze_step: int = 100000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32678,
+        local_step_clipper: int = 16,
+        *,
+        comm: Any = None,
+        exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None = None,
+        nonfinite: str = "raise",
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            var_freeze_step=var_freeze_step,
+            var_update_scaler=var_update_scaler,
+            local_step_scaler=local_step_scaler,
+            local_step_clipper=local_step_clipper,
+        )
+        super().__init__(params, defaults, comm, exp_avg_mask, True, nonfinite)
+
+
+class OnebitLamb(_OnebitFamily):
+    """1-bit LAMB (``fn.onebit_lamb``) as a ``torch.optim.Optimizer``.
+
+    The transform sees per-param views of the group's flat buffer (trust ratios are per tensor);
+    it fuses all momenta into one compressed allreduce itself. Warmup steps make one dense
+    allreduce per param.
+
+    Args:
+        params: tensors or param-group dicts; every argument below except ``comm``,
+            ``exp_avg_mask`` and ``nonfinite`` can be set per group.
+        lr, freeze_step, betas, eps, weight_decay, max_coeff, min_coeff, coeff_beta,
+            factor_max, factor_min, factor_threshold: as ``fn.onebit_lamb``.
+        comm: ``None`` gives :func:`default_comm`.
+        exp_avg_mask: ``{param: mask}`` (see :class:`OnebitAdam`).
+        nonfinite: ``"raise"`` or ``"skip"``.
+    """
+
+    _factory = staticmethod(onebit_lamb)
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        coeff_beta: float = 0.9,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+        *,
+        comm: Any = None,
+        exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None = None,
+        nonfinite: str = "raise",
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            freeze_step=freeze_step,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
+            coeff_beta=coeff_beta,
+            factor_max=factor_max,
+            factor_min=factor_min,
+            factor_threshold=factor_threshold,
+        )
+        super().__init__(params, defaults, comm, exp_avg_mask, False, nonfinite)
