@@ -79,6 +79,26 @@ class FunctionalOptimizer(torch.optim.Optimizer):
     Attributes:
         skipped_steps: how many steps were skipped for non-finite gradients.
         last_step_skipped: whether the last ``step()`` was skipped.
+
+    Example:
+        SGD with momentum, ``u = 0.9 u + g`` and ``p = p - 0.1 u``, on a constant gradient:
+
+        >>> import torch
+        >>> import fn
+        >>> from fn.collectives import Local
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> _ = torch.nn.init.zeros_(model.weight)
+        >>> tx = fn.sgd(0.1, momentum=0.9)
+        >>> opt = fn.optim.FunctionalOptimizer(model.parameters(), tx, comm=Local())
+        >>> for _ in range(2):
+        ...     opt.zero_grad()
+        ...     model(torch.ones(1, 2)).sum().backward()  # gradient 1 for every weight
+        ...     opt.step()
+        ...     print(model.weight.detach())
+        tensor([[-0.1000, -0.1000]])
+        tensor([[-0.2900, -0.2900]])
+        >>> opt.state_dict()["state"][0]["step"]
+        2
     """
 
     _step_supports_amp_scaling = True

@@ -80,9 +80,14 @@ class GroupRecord:
         missing = [k for k in _REQUIRED if k not in record]
         unknown = sorted(str(k) for k in record if k not in _REQUIRED + _OPTIONAL)
         if missing or unknown:
+            problems = []
+            if missing:
+                problems.append(f"lacks {missing}")
+            if unknown:
+                problems.append(f"has unknown keys {unknown}")
             raise ValueError(
-                f"{where} lacks {missing} and has unknown keys {unknown}; an fn.optim record "
-                f"has {list(_REQUIRED)} and, for fp16/bf16 params, 'master'"
+                f"{where} {' and '.join(problems)}; an fn.optim record has {list(_REQUIRED)} "
+                "and, for fp16/bf16 params, 'master'"
             )
         functional = record["functional"]
         if not isinstance(functional, Mapping) or not all(isinstance(k, str) for k in functional):

@@ -1,6 +1,9 @@
 """The 1-bit family as drop-in ``torch.optim`` optimizers: ``OnebitAdam``, ``ZeroOneAdam``,
-``OnebitLamb``, with DeepSpeed's argument names and the defaults of ``fn.onebit_adam``,
-``fn.zero_one_adam`` and ``fn.onebit_lamb`` (tests/optim/test_signatures.py checks they match).
+``OnebitLamb``.
+
+Their signatures spell out the hyperparameters of ``fn.onebit_adam``, ``fn.zero_one_adam`` and
+``fn.onebit_lamb`` (DeepSpeed's names, in the factories' order, with the factories' defaults;
+tests/optim/test_signatures.py holds them equal), so IDEs and ``help()`` show them.
 """
 
 from __future__ import annotations
@@ -92,6 +95,24 @@ class OnebitAdam(_OnebitFamily):
         exp_avg_mask: ``{param: mask}``, masks broadcastable to their param's shape, multiplied
             into the momentum after every compressed allreduce.
         nonfinite: ``"raise"`` or ``"skip"`` (see :class:`FunctionalOptimizer`).
+
+    Example:
+        One warmup step (Adam, variance estimated), then one compressed step (the variance is
+        frozen; with one worker the 1-bit allreduce is the identity):
+
+        >>> import torch
+        >>> import fn
+        >>> from fn.collectives import Local
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> _ = torch.nn.init.zeros_(model.weight)
+        >>> opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2, comm=Local())
+        >>> for _ in range(2):
+        ...     opt.zero_grad()
+        ...     model(torch.ones(1, 2)).sum().backward()  # gradient 1 for every weight
+        ...     opt.step()
+        ...     print(model.weight.detach())
+        tensor([[-0.0316, -0.0316]])
+        tensor([[-0.0917, -0.0917]])
     """
 
     @staticmethod
@@ -136,6 +157,23 @@ class ZeroOneAdam(_OnebitFamily):
         nonfinite: ``"raise"`` or ``"skip"``.
 
     Between synchronizations the ranks' params differ by design (local steps).
+
+    Example:
+        A variance update, then a step with the variance frozen (one worker: no communication):
+
+        >>> import torch
+        >>> import fn
+        >>> from fn.collectives import Local
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> _ = torch.nn.init.zeros_(model.weight)
+        >>> opt = fn.optim.ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=2, comm=Local())
+        >>> for _ in range(2):
+        ...     opt.zero_grad()
+        ...     model(torch.ones(1, 2)).sum().backward()  # gradient 1 for every weight
+        ...     opt.step()
+        ...     print(model.weight.detach())
+        tensor([[-0.0316, -0.0316]])
+        tensor([[-0.0741, -0.0741]])
     """
 
     _factory = staticmethod(zero_one_adam)
@@ -184,6 +222,24 @@ class OnebitLamb(_OnebitFamily):
         comm: ``None`` gives :func:`default_comm`.
         exp_avg_mask: ``{param: mask}`` (see :class:`OnebitAdam`).
         nonfinite: ``"raise"`` or ``"skip"``.
+
+    Example:
+        A LAMB warmup step (trust ratio clamped to ``max_coeff``), then a compressed step with
+        the frozen trust ratio (one worker: no communication):
+
+        >>> import torch
+        >>> import fn
+        >>> from fn.collectives import Local
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> _ = torch.nn.init.ones_(model.weight)
+        >>> opt = fn.optim.OnebitLamb(model.parameters(), lr=1e-2, freeze_step=2, comm=Local())
+        >>> for _ in range(2):
+        ...     opt.zero_grad()
+        ...     model(torch.ones(1, 2)).sum().backward()  # gradient 1 for every weight
+        ...     opt.step()
+        ...     print(model.weight.detach())
+        tensor([[0.9900, 0.9900]])
+        tensor([[0.9883, 0.9883]])
     """
 
     _factory = staticmethod(onebit_lamb)
