@@ -2,20 +2,30 @@
 
 Kernels (``torch.library`` custom ops, usable under ``torch.func.vmap`` and ``torch.compile``):
 :func:`packbits`, :func:`unpackbits`, :func:`sign_compress`, :func:`quantize`,
-:func:`dequantize`. Each dispatches on its input's device type through the accelerator table
-(fused C kernels on CPU, Triton on CUDA/XPU, ``torch_npu`` on NPU); ``_reference`` holds the
-pure-torch oracle every implementation matches bit for bit.
+:func:`dequantize`. A kernel called on a tensor of device type ``D`` runs a kernel set of the
+accelerator table's record for ``D``: by default fused C kernels on the CPU, Triton on
+CUDA/XPU, ``torch_npu`` on NPU; every record also offers ``"reference"``, the pure-torch
+oracle every implementation matches bit for bit.
 
-Environment: ``FN_ACCELERATOR`` picks the accelerator; ``FN_KERNELS=reference`` forces the
-reference kernels; ``FN_CACHE_DIR`` is where the CPU kernels are compiled (``~/.cache/fn``).
+The table (:func:`get_accelerator`, :func:`set_accelerator`, :func:`register_accelerator`)
+holds one :class:`Accelerator` per device type: its availability, its ``torch.distributed``
+backend and its kernel sets (:func:`register_kernels`, :func:`select_kernels`,
+:func:`kernel_set`).
+
+Environment: ``FN_ACCELERATOR`` names the accelerator in use (over detection);
+``FN_KERNELS`` selects kernel sets, ``NAME`` for every device type offering it or
+``DEVICE_TYPE:NAME`` entries, comma-separated (``FN_KERNELS=reference`` forces the reference
+kernels); ``FN_CACHE_DIR`` is where the CPU kernels are compiled (``~/.cache/fn``).
 """
 
 from fn.kernels._accelerator import KERNEL_NAMES, Accelerator
 from fn.kernels._ops import dequantize, packbits, quantize, sign_compress, unpackbits
 from fn.kernels._table import (
     get_accelerator,
+    kernel_set,
     register_accelerator,
-    register_kernel,
+    register_kernels,
+    select_kernels,
     set_accelerator,
 )
 
@@ -30,5 +40,7 @@ __all__ = [
     "get_accelerator",
     "set_accelerator",
     "register_accelerator",
-    "register_kernel",
+    "register_kernels",
+    "select_kernels",
+    "kernel_set",
 ]

@@ -1,8 +1,8 @@
 """The :class:`Accelerator` record: what the accelerator table knows about one device type.
 
-A record names the device, its ``torch.distributed`` backend, wraps the device runtime
-(``torch.cuda``, ``torch.xpu``, ``torch_npu``, ...) and maps kernel names to implementations.
-Device modules are imported lazily, on the first runtime call, never when ``fn`` is imported.
+A record says whether the device can be used here, names its ``torch.distributed`` backend and
+holds its kernel sets. Device packages (``torch_npu``, ``habana_frameworks``, ...) are imported
+only by the record's own calls, never when ``fn`` is imported.
 """
 
 from __future__ import annotations
@@ -14,84 +14,95 @@ from typing import Any
 
 import torch
 
+from fn.kernels import _reference
+
 KERNEL_NAMES = ("packbits", "unpackbits", "sign_compress", "quantize", "dequantize")
+REFERENCE = "reference"
 
 
 @dataclasses.dataclass(frozen=True)
 class Accelerator:
-    """A device type: names, communication backend, runtime calls and kernels.
+    """One device type of the accelerator table.
 
     Args:
-        name: the torch device type, e.g. ``"cuda"``.
-        runtime: zero-argument callable returning the device runtime (an object with the
-            ``torch.cuda``-style functions ``is_available``, ``device_count``,
-            ``current_device``, ``synchronize``, ``empty_cache``, ``memory_allocated``,
-            ``max_memory_allocated``, ``manual_seed``); called lazily. Raising ``ImportError``
-            means the device's package is not installed.
-        backend: the ``torch.distributed`` backend name, ``None`` when there is none, or a
-            zero-argument callable returning it (decided at call time).
-        kernels: kernel name (one of ``KERNEL_NAMES``) to implementation, with the signature
-            and the bit-exact semantics of ``fn.kernels._reference``. Missing kernels use the
-            reference.
-        pins_memory: whether :meth:`pin_memory` pins host tensors for this device.
+        name: the torch device type (``tensor.device.type``), e.g. ``"cuda"``. The kernels of
+            every tensor on this device type come from this record's kernel sets.
+        available: zero-argument callable, whether the device can be used on this machine. It
+            may import the device's package; ``ImportError`` means the package is not
+            installed (the device is unavailable).
+        backend: the ``torch.distributed`` backend name for this device, ``None`` when there is
+            none, or a zero-argument callable returning it (decided at call time).
+        kernel_sets: kernel-set name -> {kernel name (one of ``KERNEL_NAMES``) ->
+            implementation}, most preferred first: the first set is this device type's default.
+            An implementation has the signature and the bit-exact results of the reference
+            kernel of that name; a kernel a set leaves out runs the reference. Every record
+            also has the set ``"reference"`` (implicit, so it cannot be given).
+
+    Example:
+        >>> import fn.kernels as K
+        >>> record = K.Accelerator("fakedev", lambda: True, "fakeccl", {"fast": {}})
+        >>> record.kernel_set_names()
+        ('fast', 'reference')
+        >>> record.communication_backend_name()
+        'fakeccl'
     """
 
     name: str
-    runtime: Callable[[], Any]
+    available: Callable[[], bool]
     backend: str | None | Callable[[], str | None] = None
-    kernels: Mapping[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
-    pins_memory: bool = True
+    kernel_sets: Mapping[str, Mapping[str, Callable[..., Any]]] = dataclasses.field(
+        default_factory=dict
+    )
 
     def __post_init__(self) -> None:
-        unknown = set(self.kernels) - set(KERNEL_NAMES)
-        if unknown:
-            raise ValueError(f"unknown kernel names {sorted(unknown)}; valid: {KERNEL_NAMES}")
-        object.__setattr__(self, "kernels", types.MappingProxyType(dict(self.kernels)))
+        if REFERENCE in self.kernel_sets:
+            raise ValueError(f"the kernel set {REFERENCE!r} is implicit; give the others only")
+        for set_name, kernels in self.kernel_sets.items():
+            unknown = set(kernels) - set(KERNEL_NAMES)
+            if unknown:
+                raise ValueError(
+                    f"kernel set {set_name!r}: unknown kernel names {sorted(unknown)}; "
+                    f"valid: {KERNEL_NAMES}"
+                )
+        frozen = {k: types.MappingProxyType(dict(v)) for k, v in self.kernel_sets.items()}
+        object.__setattr__(self, "kernel_sets", types.MappingProxyType(frozen))
 
-    def device_name(self, idx: int | None = None) -> str:
-        """``"cuda"`` for ``idx=None``, else ``"cuda:idx"``."""
-        return self.name if idx is None else f"{self.name}:{idx}"
-
-    def current_device_name(self) -> str:
-        """The current device, e.g. ``"cuda:0"`` (``"cpu"`` for the CPU)."""
-        return "cpu" if self.name == "cpu" else self.device_name(self.current_device())
+    def is_available(self) -> bool:
+        """Whether the device's package is installed and the device is usable here."""
+        try:
+            return bool(self.available())
+        except ImportError:
+            return False
 
     def communication_backend_name(self) -> str | None:
         """The ``torch.distributed`` backend for this device (``None`` when there is none)."""
         return self.backend() if callable(self.backend) else self.backend
 
-    def is_available(self) -> bool:
-        """Whether the device's package is installed and at least one device is usable."""
-        try:
-            return bool(self.runtime().is_available())
-        except ImportError:
-            return False
+    def synchronize(self) -> None:
+        """Waits for the work queued on the current device of this type (through the device
+        module torch registers, ``torch.get_device_module(name)``)."""
+        torch.get_device_module(self.name).synchronize()
 
-    def device_count(self) -> int:
-        return int(self.runtime().device_count())
+    def kernel_set_names(self) -> tuple[str, ...]:
+        """The kernel sets this record offers, the default first, ``"reference"`` last."""
+        return (*self.kernel_sets, REFERENCE)
 
-    def current_device(self) -> int:
-        return int(self.runtime().current_device())
+    def kernel(self, name: str, kernel_set: str | None = None) -> Callable[..., Any]:
+        """The implementation of kernel ``name`` in ``kernel_set`` (``None``: the default set).
 
-    def synchronize(self, device: Any = None) -> None:
-        self.runtime().synchronize(device)
-
-    def empty_cache(self) -> None:
-        self.runtime().empty_cache()
-
-    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A page-locked copy of a host tensor (the tensor itself where pinning does not apply)."""
-        return tensor.pin_memory() if self.pins_memory else tensor
-
-    def on_accelerator(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` lives on this device type."""
-        return tensor.device.type == self.name
-
-    def memory_allocated(self, device: Any = None) -> int:
-        return int(self.runtime().memory_allocated(device))
-
-    def max_memory_allocated(self, device: Any = None) -> int:
-        return int(self.runtime().max_memory_allocated(device))
-
-    def manual_seed(self, seed: int) -> None:
-        self.runtime().manual_seed(seed)
+        Raises:
+            ValueError: for an unknown kernel or kernel-set name.
+        """
+        if name not in KERNEL_NAMES:
+            raise ValueError(f"unknown kernel {name!r}; valid: {KERNEL_NAMES}")
+        if kernel_set is None:
+            kernel_set = self.kernel_set_names()[0]
+        if kernel_set == REFERENCE:
+            return getattr(_reference, name)
+        kernels = self.kernel_sets.get(kernel_set)
+        if kernels is None:
+            raise ValueError(
+                f"unknown kernel set {kernel_set!r} for device type {self.name!r}; "
+                f"valid: {self.kernel_set_names()}"
+            )
+        return kernels.get(name) or getattr(_reference, name)

@@ -1,9 +1,10 @@
 """Fused CPU kernels: C compiled on first use with the system compiler, called through ctypes.
 
-The shared library is built once per (source, flags, CPU) into ``$FN_CACHE_DIR`` (default
-``~/.cache/fn``) with ``$CC`` (default ``cc``) and ``-O3 -march=native``. Without a working
-compiler every kernel falls back to the reference and one warning says why. Results are
-bit-identical to ``fn.kernels._reference``.
+The C source is ``_cpu.c``, package data next to this module. The shared library is built once
+per (source text, compiler, flags, CPU) into ``$FN_CACHE_DIR`` (default ``~/.cache/fn``) with
+``$CC`` (default ``cc``) and ``-O3 -march=native``. Without a working compiler every kernel
+falls back to the reference and one warning says why. Results are bit-identical to
+``fn.kernels._reference``.
 
 Large calls are split into chunks of ``_CHUNK`` elements claimed by up to
 ``torch.get_num_threads()`` threads (ctypes releases the GIL; no OpenMP runtime is involved).
@@ -17,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.resources
 import math
 import os
 import platform
@@ -30,7 +32,6 @@ from pathlib import Path
 import torch
 
 from fn.kernels import _reference
-from fn.kernels._cpu_source import SOURCE
 
 _FLAGS = ("-O3", "-march=native", "-std=c99", "-shared", "-fPIC")
 _CHUNK = 1 << 18  # elements per work item of a threaded call
@@ -76,9 +77,15 @@ def _cpu_fingerprint() -> str:
         return platform.processor() + platform.machine()
 
 
+@functools.lru_cache(maxsize=1)
+def source() -> str:
+    """The C source of the kernels (``fn/kernels/_cpu.c``, shipped as package data)."""
+    return importlib.resources.files("fn.kernels").joinpath("_cpu.c").read_text(encoding="utf-8")
+
+
 def _compile(compiler: str, out: Path, flags: tuple[str, ...] = _FLAGS) -> None:
     src = out.with_suffix(".c")
-    src.write_text(SOURCE)
+    src.write_text(source(), encoding="utf-8")
     cmd = [compiler, *flags, str(src), "-o", str(out), "-lm"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
@@ -97,6 +104,15 @@ def _load(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def library_path(compiler: str) -> Path:
+    """Where the library built by ``compiler`` is cached: the name hashes the source text, the
+    compiler, the flags and the CPU, so a change to any of them builds a new library."""
+    key = hashlib.sha256(
+        "\0".join((source(), compiler, *_FLAGS, _cpu_fingerprint())).encode()
+    ).hexdigest()[:16]
+    return cache_dir() / f"fn_cpu_kernels_{key}.so"
+
+
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first call; ``None`` (after one warning) when no
@@ -110,11 +126,8 @@ def library() -> ctypes.CDLL | None:
             stacklevel=2,
         )
         return None
-    key = hashlib.sha256(
-        "\0".join((SOURCE, compiler, *_FLAGS, _cpu_fingerprint())).encode()
-    ).hexdigest()[:16]
-    path = cache_dir() / f"fn_cpu_kernels_{key}.so"
     try:
+        path = library_path(compiler)
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:

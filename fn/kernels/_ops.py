@@ -1,8 +1,9 @@
 """The public kernels: ``torch.library`` custom ops in namespace ``fn``.
 
-Each op dispatches on its input's device type through the accelerator table (the reference
-when the device has no implementation). ``register_fake`` gives shapes to ``torch.compile``
-(the op stays one opaque node, so a graph has no breaks and no data-dependent guards);
+Each op runs the implementation the accelerator table dispatches to for its input's device type
+(``fn.kernels._table.kernel``: a kernel of the device's selected kernel set, or the reference).
+``register_fake`` gives shapes to ``torch.compile`` (the op stays one opaque node, so a graph has
+no breaks and no data-dependent guards, and a change of kernel set needs no recompilation);
 ``register_vmap`` runs the op once per row, so under ``torch.func.vmap`` every row is an
 independent call (its own scale, its own error) and the non-finite check sees concrete data.
 """
@@ -160,6 +161,12 @@ def packbits(x: torch.Tensor) -> torch.Tensor:
 
     Returns:
         uint8 tensor of ``ceil(n / 8)`` bytes, equal to ``numpy.packbits(x >= 0)``.
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> K.packbits(torch.tensor([1.0, -2.0, 0.0, -0.0, 3.0, -1.0, 2.0, 5.0, -4.0])).tolist()
+        [187, 0]
     """
     _check_1d(x, "x")
     return torch.ops.fn.packbits(x)
@@ -175,6 +182,12 @@ def unpackbits(bits: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -
 
     Returns:
         1-D tensor of ``n`` values, ``+1`` where the bit is set and ``-1`` elsewhere.
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> K.unpackbits(torch.tensor([187], dtype=torch.uint8), 5).tolist()
+        [1.0, -1.0, 1.0, 1.0, 1.0]
     """
     _check_1d(bits, "bits")
     if bits.dtype != torch.uint8:
@@ -203,6 +216,14 @@ def sign_compress(
 
     Raises:
         ValueError: when the scale is non-finite (NaN/Inf in ``m`` or ``error``).
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> m = torch.tensor([1.0, 7.0, -7.0, -1.0])
+        >>> packed, scale, error = K.sign_compress(m, torch.zeros(4))
+        >>> packed.tolist(), scale.item(), error.tolist()
+        ([192], 5.0, [-4.0, 2.0, -2.0, 4.0])
     """
     _check_1d(m, "m")
     if error is None:
@@ -232,6 +253,13 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
 
     Raises:
         ValueError: for bad ``bits``/``group_size`` or a non-finite scale (NaN/Inf input).
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> q, scales = K.quantize(torch.tensor([1.0, -2.0, 4.0, 0.5]), bits=8, group_size=4)
+        >>> q.tolist(), scales.tolist()  # 4.0 / scale = 128 is clamped to 127
+        ([32, 192, 127, 16], [0.03125])
     """
     _check_1d(x, "x")
     _check_quant_args(bits, group_size)
@@ -246,6 +274,16 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torc
         scales: fp32 scales from :func:`quantize`.
         bits: 4 or 8, as quantized.
         n: number of values to return (at most ``len(q) * 8 / bits``).
+
+    Returns:
+        1-D fp32 tensor of ``n`` values.
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> q, scales = K.quantize(torch.tensor([1.0, -2.0, 4.0, 0.5]), bits=8, group_size=4)
+        >>> K.dequantize(q, scales, bits=8, n=4).tolist()
+        [1.0, -2.0, 3.96875, 0.5]
     """
     _check_1d(q, "q")
     _check_1d(scales, "scales")

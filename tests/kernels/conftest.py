@@ -7,9 +7,10 @@ from fn.kernels import _table
 
 @pytest.fixture
 def clean_table(monkeypatch):
-    """A private copy of the table, no explicit selection and no FN_* overrides."""
+    """A private copy of the table, no explicit selections and no FN_* overrides."""
     monkeypatch.setattr(_table, "_TABLE", dict(_table._TABLE))
     monkeypatch.setattr(_table, "_SELECTED", None)
+    monkeypatch.setattr(_table, "_KERNEL_SETS", {})
     monkeypatch.delenv("FN_ACCELERATOR", raising=False)
     monkeypatch.delenv("FN_KERNELS", raising=False)
     return _table._TABLE

@@ -1,16 +1,14 @@
-"""C source of the fused CPU kernels (compiled on first use by ``fn.kernels._cpu``).
+/* Fused CPU kernels of fn, compiled on first use by fn/kernels/_cpu.py.
+ *
+ * Plain C99 (AVX-512/AVX2 intrinsics where available, else loops compilers vectorize); every
+ * kernel works on an element range [begin, end). A call is a job of chunks: the calling thread
+ * and helper threads each run fn_work, claiming chunks with an atomic counter; the caller then
+ * waits (fn_wait) only for chunks already claimed, never for a helper that has not started yet.
+ * It follows the canonical orders documented in fn/kernels/_reference.py (16 fp64 lanes per
+ * 1024-element block for sums of squares), so its results are bit-identical to the reference.
+ * Build flags must not include -ffast-math.
+ */
 
-Kept as a string so it ships inside the wheel without package-data configuration. The code is
-plain C99 (AVX-512/AVX2 intrinsics where available, else loops compilers vectorize); every
-kernel works on an element range [begin, end). A call is a job of chunks: the calling thread
-and helper threads each run ``fn_work``, claiming chunks with an atomic counter; the caller
-then waits (``fn_wait``) only for chunks already claimed, never for a helper that has not
-started yet. It follows the canonical orders documented in
-``fn.kernels._reference`` (16 fp64 lanes per 1024-element block for sums of squares), so its
-results are bit-identical to the reference. Build flags must not include ``-ffast-math``.
-"""
-
-SOURCE = r"""
 #define _DEFAULT_SOURCE /* madvise */
 #include <math.h>
 #include <sched.h>
@@ -373,4 +371,3 @@ float fn_rms(double *sums, int64_t count, int64_t length, int64_t n)
             sums[j] = sums[j] + sums[j + h];
     return (float)sqrt(sums[0] / (double)n);
 }
-"""
