@@ -34,6 +34,11 @@ class Comm(Protocol):
     - ``split(L)``: ``(intra, inter)`` comms for a two-level topology of ``W / L`` nodes with
       ``L`` ranks each (rank ``node * L + local``): ``intra`` spans this rank's node, ``inter``
       the ranks with this rank's local index. Their traffic counts into this comm.
+
+    Example:
+        >>> from fn.collectives import Comm, Local, Simulated
+        >>> isinstance(Local(), Comm), isinstance(Simulated(4), Comm)
+        (True, True)
     """
 
     @property
@@ -104,7 +109,15 @@ def check_chunked(x: torch.Tensor, world_size: int, name: str) -> None:
 
 
 class Local(ByteCounter):
-    """World size 1: every collective returns its input's value; nothing is sent."""
+    """World size 1: every collective returns its input's value; nothing is sent.
+
+    Example:
+        >>> comm = fn.collectives.Local()
+        >>> comm.all_reduce(torch.tensor([1.0, 2.0])), comm.all_gather(torch.tensor([1.0]))
+        (tensor([1., 2.]), tensor([[1.]]))
+        >>> comm.bytes_sent
+        0
+    """
 
     @property
     def world_size(self) -> int:

@@ -34,6 +34,11 @@ def padded_numel(numel: int, world_size: int) -> int:
 
     Every rank's chunk of ``N / W`` signs is then a whole number of bytes, and split again into
     ``W`` byte-aligned pieces.
+
+    Example:
+        >>> from fn.collectives import padded_numel
+        >>> padded_numel(10, 2), padded_numel(10, 3), padded_numel(32, 4)
+        (16, 72, 32)
     """
     unit = world_size * math.lcm(world_size, 8)
     return -(-numel // unit) * unit
@@ -52,6 +57,12 @@ def init_error_feedback(
     Returns:
         ``ErrorFeedback(worker fp32[N], server fp32[N / W])`` with ``N = padded_numel(numel, W)``
         (a NamedTuple: ``worker_error, server_error = init_error_feedback(...)`` works).
+
+    Example:
+        >>> from fn.collectives import Simulated, init_error_feedback
+        >>> worker, server = init_error_feedback(10, comm=Simulated(2))
+        >>> worker.shape, server.shape
+        (torch.Size([16]), torch.Size([8]))
     """
     world_size = comm.world_size
     n_padded = padded_numel(numel, world_size)
@@ -102,6 +113,32 @@ def compressed_allreduce(
     Raises:
         ValueError: if the error shapes do not match, or (on every rank at once, before any
             sign is sent) if some rank's ``x + worker_error`` is not finite. Nothing is changed.
+
+    Example:
+        One call sends only signs and scales: every rank gets the same coarse estimate.
+
+        >>> from fn.collectives import (
+        ...     Simulated, compressed_allreduce, init_error_feedback, replicate, simulate)
+        >>> comm = Simulated(2)
+        >>> x = torch.tensor([[1.0, -2.0, 3.0, -4.0], [3.0, 2.0, 1.0, 0.0]])  # row r: rank r
+        >>> x.mean(0)
+        tensor([ 2.,  0.,  2., -2.])
+        >>> car = simulate(lambda x, ew, es: compressed_allreduce(x, ew, es, comm=comm), comm)
+        >>> worker, server = replicate(tuple(init_error_feedback(4, comm=comm)), comm)
+        >>> y, worker, server = car(x, worker, server)
+        >>> y
+        tensor([[ 1.0039, -1.0039,  1.0039, -1.0039],
+                [ 1.0039, -1.0039,  1.0039, -1.0039]])
+
+        The error feedback carries what was lost into the next calls, so the average of the
+        outputs over repeated calls approaches the true mean:
+
+        >>> total = y
+        >>> for _ in range(99):
+        ...     y, worker, server = car(x, worker, server)
+        ...     total = total + y
+        >>> total[0] / 100
+        tensor([ 1.9857,  0.0040,  1.9778, -1.9448])
     """
     world_size = comm.world_size
     n = x.numel()
@@ -177,6 +214,19 @@ def onebit_allreduce(*, comm: Comm) -> GradientTransformation:
 
     Returns:
         A GradientTransformation with state :class:`OnebitAllreduceState`.
+
+    Example:
+        >>> from fn.collectives import Simulated, onebit_allreduce, simulate
+        >>> comm = Simulated(2)
+        >>> tx = onebit_allreduce(comm=comm)
+        >>> grads = {"w": torch.tensor([[1.0, 2.0], [3.0, 6.0]])}  # row r: rank r's gradient
+        >>> state = simulate(tx.init, comm)(grads)
+        >>> state.worker_error["w"].shape  # [W, padded_numel(2, 2)]
+        torch.Size([2, 16])
+        >>> updates, state = simulate(tx.update, comm)(grads, state)
+        >>> updates["w"]  # 1 bit per element: the sign times one scale
+        tensor([[1.1180, 1.1180],
+                [1.1180, 1.1180]])
     """
 
     def init_fn(params):

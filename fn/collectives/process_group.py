@@ -27,6 +27,17 @@ class ProcessGroup(ByteCounter):
     Args:
         group: a ``torch.distributed`` process group, or ``None`` for the world.
         counts_into: count the bytes sent into this comm's counter (used by :meth:`split`).
+
+    Example:
+        Under ``torchrun`` the launcher sets up the group; here a one-rank gloo group in this
+        process stands in for it:
+
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> comm = fn.collectives.ProcessGroup()
+        >>> comm.world_size, comm.all_reduce(torch.tensor([1.0, 2.0]))
+        (1, tensor([1., 2.]))
+        >>> dist.destroy_process_group()
     """
 
     def __init__(

@@ -55,7 +55,12 @@ _NON_FINITE = "quantized allreduce: non-finite values in x (or in the error feed
 
 
 def quantized_padded_numel(numel: int, world_size: int, group_size: int) -> int:
-    """``numel`` rounded up to a multiple of ``W * group_size``: every chunk is whole groups."""
+    """``numel`` rounded up to a multiple of ``W * group_size``: every chunk is whole groups.
+
+    Example:
+        >>> fn.collectives.quantized_padded_numel(300, 2, 128)
+        512
+    """
     unit = world_size * group_size
     return -(-numel // unit) * unit
 
@@ -179,6 +184,18 @@ def quantized_reduce_scatter(
 
     Raises:
         ValueError: on every rank, if some rank's ``x`` is not finite.
+
+    Example:
+        >>> from fn.collectives import Simulated, quantized_reduce_scatter, simulate
+        >>> comm = Simulated(2)
+        >>> x = torch.linspace(-1, 1, 16).view(2, 8)  # row r: rank r's tensor
+        >>> x.mean(0)
+        tensor([-0.4667, -0.3333, -0.2000, -0.0667,  0.0667,  0.2000,  0.3333,  0.4667])
+        >>> def shard(x):  # written for one rank
+        ...     return quantized_reduce_scatter(x, comm=comm, bits=8, group_size=4)
+        >>> simulate(shard, comm)(x)  # row r: rank r's shard, chunk r of the mean
+        tensor([[-0.4672, -0.3333, -0.2013, -0.0693],
+                [ 0.0674,  0.2013,  0.3333,  0.4633]])
     """
     plan = _plan(comm, bits, group_size, local_world_size)
     shard, _ = _reduce_scatter(_flat_padded(x, plan), (None,) * len(plan.hops), plan, 0.0)
@@ -206,6 +223,15 @@ def quantized_allreduce(
 
     Returns:
         A GradientTransformation with an ``EmptyState``.
+
+    Example:
+        >>> from fn.collectives import Simulated, quantized_allreduce, simulate
+        >>> comm = Simulated(2)
+        >>> tx = quantized_allreduce(bits=8, group_size=8, comm=comm)
+        >>> grads = {"w": torch.linspace(-1, 1, 16).view(2, 8)}  # row r: rank r's gradient
+        >>> updates, _ = simulate(tx.update, comm)(grads, tx.init(grads))
+        >>> updates["w"][0]  # every rank: the mean, to 8-bit precision
+        tensor([-0.4648, -0.3305, -0.1997, -0.0654,  0.0654,  0.1997,  0.3305,  0.4612])
     """
     plan = _plan(comm, bits, group_size, local_world_size)
 
@@ -274,6 +300,20 @@ def loco_allreduce(
 
     Returns:
         A GradientTransformation with state :class:`LocoAllreduceState`.
+
+    Example:
+        >>> from fn.collectives import Simulated, loco_allreduce, simulate
+        >>> comm = Simulated(2)
+        >>> tx = loco_allreduce(bits=4, group_size=8, comm=comm)
+        >>> grads = {"w": torch.linspace(-1, 1, 16).view(2, 8)}  # row r: rank r's gradient
+        >>> state = simulate(tx.init, comm)(grads)
+        >>> [e.shape for e in state.errors["w"]]  # [W, N] reduce-scatter, [W, N / W] all-gather
+        [torch.Size([2, 16]), torch.Size([2, 8])]
+        >>> updates, state = simulate(tx.update, comm)(grads, state)
+        >>> updates["w"][0]  # every rank: the mean, to 4-bit precision
+        tensor([-0.4375, -0.3281, -0.1641, -0.0547,  0.0547,  0.1641,  0.3281,  0.3828])
+        >>> grads["w"].mean(0)
+        tensor([-0.4667, -0.3333, -0.2000, -0.0667,  0.0667,  0.2000,  0.3333,  0.4667])
     """
     plan = _plan(comm, bits, group_size, local_world_size)
     if not 0.0 <= err_beta <= 1.0:

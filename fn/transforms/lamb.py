@@ -49,6 +49,19 @@ def lamb(
     Returns:
         The chained GradientTransformation; its state is ``(ScaleByAdamState, EmptyState(),
         EmptyState(), ScaleByLearningRateState)``.
+
+    Example:
+        The trust ratio makes each layer's step ``lr`` times its param norm, whatever the
+        gradient's scale:
+
+        >>> params = {"w": torch.tensor([3.0, 4.0])}  # norm 5
+        >>> tx = fn.lamb(lr=0.1)
+        >>> state = tx.init(params)
+        >>> updates, state = tx.update({"w": torch.tensor([1e-3, -1e-3])}, state, params)
+        >>> updates
+        {'w': tensor([-0.3536,  0.3536])}
+        >>> fn.tree.tree_l2_norm(updates)
+        tensor(0.5000)
     """
     return chain(
         scale_by_adam(*betas, eps, bias_correction=bias_correction),

@@ -51,6 +51,24 @@ def scale_by_learning_rate(
     Returns:
         A GradientTransformation with state :class:`ScaleByLearningRateState`. ``None``
         updates stay ``None``.
+
+    Example:
+        >>> tx = fn.scale_by_learning_rate(0.1)
+        >>> state = tx.init({"w": torch.zeros(1)})
+        >>> tx.update({"w": torch.ones(1)}, state)[0]
+        {'w': tensor([-0.1000])}
+        >>> state = fn.set_hyperparams(state, lr=0.5)  # no rebuild, no recompile
+        >>> tx.update({"w": torch.ones(1)}, state)[0]
+        {'w': tensor([-0.5000])}
+
+        A schedule is a function of the update count (0 at the first update):
+
+        >>> tx = fn.scale_by_learning_rate(lambda count: 0.1 * 0.5**count)
+        >>> state = tx.init({"w": torch.zeros(1)})
+        >>> for _ in range(3):
+        ...     updates, state = tx.update({"w": torch.ones(1)}, state)
+        >>> updates, state.lr
+        ({'w': tensor([-0.0250])}, tensor(0.0250))
     """
     schedule = lr if callable(lr) else None
     if schedule is None:

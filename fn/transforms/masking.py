@@ -48,6 +48,18 @@ def masked(
 
     Returns:
         A GradientTransformation with state :class:`MaskedState`.
+
+    Example:
+        Weight decay on the matrices only:
+
+        >>> params = {"w": torch.ones(2, 2), "b": torch.ones(2)}
+        >>> matrices = lambda p: fn.tree.tree_map(lambda x: x.ndim > 1, p)
+        >>> tx = fn.masked(fn.add_decayed_weights(0.1), matrices)
+        >>> grads = {"w": torch.zeros(2, 2), "b": torch.zeros(2)}
+        >>> updates, _ = tx.update(grads, tx.init(params), params)
+        >>> updates
+        {'w': tensor([[0.1000, 0.1000],
+                [0.1000, 0.1000]]), 'b': tensor([0., 0.])}
     """
 
     def mask_leaves(tree: PyTree) -> list[bool]:
@@ -83,6 +95,15 @@ def set_to_zero() -> GradientTransformation:
 
     Returns:
         A stateless GradientTransformation (:class:`fn.EmptyState`).
+
+    Example:
+        SGD that leaves the bias where it is:
+
+        >>> params = {"w": torch.ones(2), "b": torch.ones(2)}
+        >>> tx = fn.chain(fn.sgd(lr=1.0), fn.masked(fn.set_to_zero(), {"w": False, "b": True}))
+        >>> updates, _ = tx.update({"w": torch.ones(2), "b": torch.ones(2)}, tx.init(params))
+        >>> fn.apply_updates(params, updates)
+        {'w': tensor([0., 0.]), 'b': tensor([1., 1.])}
     """
 
     def init_fn(params):

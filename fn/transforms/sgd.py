@@ -45,6 +45,15 @@ def trace(
 
     Returns:
         A GradientTransformation with state :class:`TraceState`.
+
+    Example:
+        >>> tx = fn.trace(0.9)
+        >>> grads = {"w": torch.tensor([0.5, 0.5])}
+        >>> state = tx.init(grads)
+        >>> updates, state = tx.update(grads, state)  # b_1 = g_1
+        >>> updates, state = tx.update(grads, state)  # b_2 = 0.9 b_1 + g_2
+        >>> updates, state.count
+        ({'w': tensor([0.9500, 0.9500])}, tensor(2))
     """
     check_nonnegative("trace", decay=decay, dampening=dampening)
     if nesterov and (decay <= 0.0 or dampening != 0.0):
@@ -105,6 +114,19 @@ def sgd(
 
     Returns:
         The chained GradientTransformation.
+
+    Example:
+        >>> import torch
+        >>> import fn
+        >>> params = {"w": torch.tensor([1.0, -2.0])}
+        >>> grads = {"w": torch.tensor([0.5, 0.5])}
+        >>> tx = fn.sgd(lr=0.1, momentum=0.9)
+        >>> state = tx.init(params)
+        >>> updates, state = tx.update(grads, state, params)
+        >>> params = fn.apply_updates(params, updates)
+        >>> updates, state = tx.update(grads, state, params)  # momentum 0.9 * 0.5 + 0.5
+        >>> updates
+        {'w': tensor([-0.0950, -0.0950])}
     """
     if nesterov and (momentum <= 0.0 or dampening != 0.0):
         raise ValueError("sgd: Nesterov momentum requires a momentum and zero dampening")

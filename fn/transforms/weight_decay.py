@@ -28,6 +28,12 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
     Returns:
         A stateless GradientTransformation (:class:`fn.EmptyState`). ``update`` needs ``params``
         unless ``weight_decay`` is 0. ``None`` updates stay ``None``.
+
+    Example:
+        >>> tx = fn.add_decayed_weights(0.5)
+        >>> params = {"w": torch.tensor([2.0, -4.0])}
+        >>> tx.update({"w": torch.tensor([1.0, 1.0])}, tx.init(params), params)[0]
+        {'w': tensor([ 2., -1.])}
     """
     check_nonnegative("add_decayed_weights", weight_decay=weight_decay)
 

@@ -1,5 +1,5 @@
 """Readable references for the 1-bit family: plain loops over ranks and leaves, the rules of
-ALGORITHMS.md written out one line each, mutable per-rank state. Independent of ``fn``'s code
+docs/algorithms.md written out one line each, mutable per-rank state. Independent of ``fn``'s code
 (its own compressed allreduce, padding and schedule counters)."""
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class OnebitAdamReference:
 
 
 class ZeroOneAdamReference:
-    """Per-leaf counters exactly as ALGORITHMS.md (and DeepSpeed) keep them, c = t + 1."""
+    """Per-leaf counters exactly as docs/algorithms.md (and DeepSpeed) keep them, c = t + 1."""
 
     def __init__(self, params, world, lr, betas, eps, wd, V, K, L, H, mask=None):
         self.world, self.lr, (self.b1, self.b2), self.eps, self.wd = world, lr, betas, eps, wd

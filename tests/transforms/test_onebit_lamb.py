@@ -83,7 +83,7 @@ def test_fused_single_error_buffer_sizes():
 @pytest.mark.parametrize("max_coeff, min_coeff", [(10.0, 2.0), (0.5, 0.01)])
 @pytest.mark.parametrize("world", [1, 2])
 def test_zero_norm_trust_ratio_is_the_clipped_one(world, max_coeff, min_coeff):
-    """ALGORITHMS.md: ratio = ||p|| / ||u|| if both are nonzero else 1, THEN clipped, so with
+    """docs/algorithms.md: ratio = ||p|| / ||u|| if both are nonzero else 1, THEN clipped, so with
     min_coeff > 1 or max_coeff < 1 a zero-norm leaf steps with and averages the clipped 1."""
     gen = torch.Generator().manual_seed(4)
     params = {"zero_p": torch.zeros(3, 2), "zero_g": torch.randn(4, generator=gen)}

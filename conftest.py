@@ -1,0 +1,70 @@
+"""Doctest collection for the package.
+
+``pyproject.toml`` runs pytest with ``--doctest-modules`` over ``tests`` and ``fn``, so the
+``Example:`` blocks of every module in ``fn`` run with the test suite. fn's only hard
+dependencies are torch and numpy; a module that imports anything else outside the standard
+library at module level (an optional package: Triton, CuPy, torch_npu, an extra) cannot be
+imported where that package is missing. Such a module is left out of the collection, and only
+then (the pytest header names it); modules that import optional packages inside functions are
+collected as usual.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fn
+
+_ROOT = Path(__file__).parent
+_REQUIRED = frozenset({"fn", "torch", "numpy", "__future__"}) | frozenset(sys.stdlib_module_names)
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The top-level package names that ``path`` imports at module level."""
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _missing_optional(path: Path) -> list[str]:
+    """The optional packages that ``path`` imports at module level and that are not installed."""
+    optional = _top_level_imports(path) - _REQUIRED
+    return sorted(name for name in optional if importlib.util.find_spec(name) is None)
+
+
+def _left_out() -> dict[Path, list[str]]:
+    """Every ``fn`` module that cannot be imported here, with the packages it lacks."""
+    modules = {path: _missing_optional(path) for path in sorted((_ROOT / "fn").rglob("*.py"))}
+    return {path: missing for path, missing in modules.items() if missing}
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Leaves out the ``fn`` modules whose module-level optional imports are not installed."""
+    if collection_path.suffix == ".py" and collection_path.is_relative_to(_ROOT / "fn"):
+        if _missing_optional(collection_path):
+            return True
+    return None
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [
+        f"doctests: {path.relative_to(_ROOT)} left out (needs {', '.join(missing)})"
+        for path, missing in _left_out().items()
+    ]
+
+
+@pytest.fixture(autouse=True)
+def _doctest_globals(doctest_namespace: dict) -> None:
+    """``fn`` and ``torch`` in every doctest's namespace (examples import them anyway)."""
+    doctest_namespace["fn"] = fn
+    doctest_namespace["torch"] = torch
