@@ -20,6 +20,8 @@ from fn.base import (
     identity,
     set_hyperparams,
     staged,
+    stateless,
+    stateless_with_tree_map,
 )
 from fn.transforms import *  # noqa: F403
 from fn.transforms import __all__ as _transforms_all
@@ -39,5 +41,7 @@ __all__ = [
     "identity",
     "set_hyperparams",
     "staged",
+    "stateless",
+    "stateless_with_tree_map",
     *_transforms_all,
 ]

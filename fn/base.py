@@ -18,13 +18,14 @@ every host-side decision of update ``t`` as Python bools: pass ``plan=opt.plan(t
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from fn._foreach import foreach_ok
-from fn.tree import PyTree, tree_flatten, tree_unflatten
+from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
     "Params",
@@ -37,6 +38,8 @@ __all__ = [
     "EmptyState",
     "StagedState",
     "identity",
+    "stateless",
+    "stateless_with_tree_map",
     "chain",
     "apply_updates",
     "staged",
@@ -63,8 +66,9 @@ class GradientTransformation(NamedTuple):
     """A pure optimizer building block: ``init(params) -> state`` and
     ``update(updates, state, params=None, **extra) -> (updates, state)``.
 
-    ``update`` must accept and ignore keyword arguments it does not know (``chain`` forwards every
-    extra keyword, such as ``step``, to every member).
+    ``update`` should accept and ignore keyword arguments it does not know, as optax's do;
+    ``chain`` forwards an extra keyword (such as ``step``) to every member that takes it, so a
+    member without ``**extra`` works there too.
     """
 
     init: TransformInitFn
@@ -163,30 +167,127 @@ def _check_step(step: Any) -> int:
     return step
 
 
-def identity() -> GradientTransformation:
-    """The transformation that returns its updates unchanged."""
+def stateless(f: Callable[[Updates, Params | None], Updates]) -> GradientTransformation:
+    """A transform without state from a function of the whole trees, ``f(updates, params)``.
+
+    Args:
+        f: ``f(updates, params) -> updates``; ``params`` is ``None`` when ``update`` gets none.
+
+    Returns:
+        A GradientTransformation whose state is :class:`EmptyState` and whose ``update`` returns
+        ``f(updates, params)`` and the state it was given; extra keywords are ignored.
+
+    Example:
+        >>> import torch, fn
+        >>> def clip_by_global_norm(updates, params):
+        ...     norm = fn.tree.tree_l2_norm(updates)
+        ...     return fn.tree.tree_scale(updates, 1 / norm.clamp(min=1.0))
+        >>> clip = fn.stateless(clip_by_global_norm)
+        >>> updates, state = clip.update({"w": torch.tensor([3.0, 4.0])}, clip.init(None))
+        >>> updates["w"], state
+        (tensor([0.6000, 0.8000]), EmptyState())
+    """
 
     def init_fn(params):
         del params
         return EmptyState()
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
-        return updates, state
+        del extra
+        return f(updates, params), state
 
     return GradientTransformation(init_fn, update_fn)
 
 
+def stateless_with_tree_map(
+    f: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+) -> GradientTransformation:
+    """A transform without state from a function of one leaf, ``f(update, param)``.
+
+    ``f`` is mapped over the update leaves with the matching param leaves (``None`` for every
+    leaf when ``update`` gets no params); a ``None`` update stays ``None`` and ``f`` is not
+    called for it.
+
+    Args:
+        f: ``f(update, param) -> update`` for one leaf.
+
+    Returns:
+        A GradientTransformation whose state is :class:`EmptyState` (see :func:`stateless`).
+
+    Example:
+        >>> import torch, fn
+        >>> halve = fn.stateless_with_tree_map(lambda u, p: u / 2)
+        >>> grads = {"w": torch.tensor([1.0, -3.0]), "frozen": None}
+        >>> updates, _ = halve.update(grads, halve.init(grads))
+        >>> updates
+        {'w': tensor([ 0.5000, -1.5000]), 'frozen': None}
+    """
+
+    def map_leaves(updates, params):
+        if params is None:
+            return tree_map(lambda u: f(u, None), updates)
+        return tree_map(f, updates, params)
+
+    return stateless(map_leaves)
+
+
+def identity() -> GradientTransformation:
+    """The transformation that returns its updates unchanged.
+
+    Example:
+        >>> import torch, fn
+        >>> tx = fn.identity()
+        >>> updates, state = tx.update({"w": torch.ones(2)}, tx.init(None))
+        >>> updates, state
+        ({'w': tensor([1., 1.])}, EmptyState())
+    """
+    return stateless(lambda updates, params: updates)
+
+
+def _taking_extras(update: TransformUpdateFn) -> TransformUpdateFn:
+    """``update`` itself when it takes ``**extra`` (or has no signature to read); otherwise a
+    wrapper that passes on only the extra keywords ``update`` names (optax's
+    ``with_extra_args_support``)."""
+    try:
+        parameters = inspect.signature(update).parameters.values()
+    except (TypeError, ValueError):
+        return update
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return update
+    named = frozenset(
+        p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    )
+
+    def update_fn(updates, state, params=None, **extra):
+        return update(updates, state, params, **{k: v for k, v in extra.items() if k in named})
+
+    return update_fn
+
+
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Applies ``transforms`` one after the other; the state is the tuple of their states.
+
+    .. math:: (u, s_1, \\dots, s_n) \\mapsto (T_n \\circ \\dots \\circ T_1)(u)
+
+    Every extra keyword given to ``update`` (such as ``step``) goes to every member whose
+    ``update`` takes ``**extra`` or names that keyword; the others do not see it. Each member's
+    signature is read once, here.
 
     Args:
         *transforms: gradient transformations, applied left to right.
 
     Returns:
         A GradientTransformation whose state is ``tuple(tx.init(params) for tx in transforms)``.
-        Every extra keyword given to ``update`` is forwarded to every member.
+
+    Example:
+        >>> import torch, fn
+        >>> tx = fn.chain(fn.add_decayed_weights(0.5), fn.scale_by_learning_rate(0.1))
+        >>> params = {"w": torch.tensor([2.0])}
+        >>> updates, state = tx.update({"w": torch.tensor([1.0])}, tx.init(params), params)
+        >>> updates["w"]  # -0.1 * (g + 0.5 * p)
+        tensor([-0.2000])
     """
+    updates_fns = [_taking_extras(tx.update) for tx in transforms]
 
     def init_fn(params):
         return tuple(tx.init(params) for tx in transforms)
@@ -197,8 +298,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 f"chain of {len(transforms)} transforms got a state of {len(state)} entries"
             )
         new_state = []
-        for tx, s in zip(transforms, state, strict=True):
-            updates, s = tx.update(updates, s, params, **extra)
+        for update, s in zip(updates_fns, state, strict=True):
+            updates, s = update(updates, s, params, **extra)
             new_state.append(s)
         return updates, tuple(new_state)
 
@@ -208,7 +309,22 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 def apply_updates(params: Params, updates: Updates) -> Params:
     """Returns ``params + updates`` leafwise, cast back to each param's dtype.
 
+    .. math:: p \\leftarrow p + u
+
     A ``None`` update leaves its param as it is. Inputs are not modified.
+
+    Args:
+        params: the params pytree.
+        updates: a pytree of the same structure (``None`` leaves allowed).
+
+    Returns:
+        The new params, with each param's dtype.
+
+    Example:
+        >>> import torch, fn
+        >>> params = {"w": torch.ones(2, dtype=torch.bfloat16), "frozen": torch.ones(1)}
+        >>> fn.apply_updates(params, {"w": torch.tensor([0.5, -0.25]), "frozen": None})
+        {'w': tensor([1.5000, 0.7500], dtype=torch.bfloat16), 'frozen': tensor([1.])}
     """
 
     p_leaves, spec = tree_flatten(params)
@@ -236,6 +352,24 @@ def staged(opt: CompressedOptimizer) -> GradientTransformation:
     is given (see :class:`CompressedOptimizer`); otherwise it reads the counter on the host
     (``count + 1``), which needs a concrete tensor (eager mode, Local or ProcessGroup comms).
     Under ``Simulated`` (vmap) pass ``step=t``; under ``torch.compile`` pass ``plan=opt.plan(t)``.
+
+    Args:
+        opt: the compressed optimizer.
+
+    Returns:
+        A GradientTransformation with state :class:`StagedState` (``count``, ``inner``: the
+        optimizer's state).
+
+    Example:
+        >>> import torch, fn
+        >>> from fn.collectives import Local
+        >>> params = {"w": torch.zeros(3)}
+        >>> tx = fn.staged(fn.onebit_adam(lr=1e-2, freeze_step=3, comm=Local()))
+        >>> state = tx.init(params)
+        >>> for _ in range(3):  # updates 1 and 2 warm up, update 3 is compressed
+        ...     updates, state = tx.update({"w": torch.ones(3)}, state, params)
+        >>> int(state.count)
+        3
     """
 
     def init_fn(params):
@@ -275,10 +409,22 @@ def set_hyperparams(state: OptState, **values: float | torch.Tensor) -> OptState
     value needs no rebuild and no recompilation. The new value is broadcast to the stored
     tensor's shape (a ``Simulated`` state carries a rank axis) and keeps its dtype and device.
 
-    Example: ``state = fn.set_hyperparams(state, lr=3e-4)``.
+    Args:
+        state: an optimizer state.
+        **values: new values by field name, e.g. ``lr=3e-4``.
+
+    Returns:
+        The new state; ``state`` itself is not modified.
 
     Raises:
         KeyError: if no state field has one of the names.
+
+    Example:
+        >>> import torch, fn
+        >>> tx = fn.adam(lr=1e-3)
+        >>> state = fn.set_hyperparams(tx.init({"w": torch.zeros(2)}), lr=0.25)
+        >>> fn.get_hyperparam(state, "lr")
+        tensor(0.2500)
     """
     found = set()
 
@@ -303,8 +449,21 @@ def set_hyperparams(state: OptState, **values: float | torch.Tensor) -> OptState
 def get_hyperparam(state: OptState, name: str) -> torch.Tensor:
     """The first state field named ``name`` (in pytree order).
 
+    Args:
+        state: an optimizer state.
+        name: a field name of one of its NamedTuples, e.g. ``"lr"`` or ``"count"``.
+
+    Returns:
+        That field's value.
+
     Raises:
         KeyError: if no state field has that name.
+
+    Example:
+        >>> import torch, fn
+        >>> state = fn.adamw(lr=0.01).init({"w": torch.zeros(2)})
+        >>> fn.get_hyperparam(state, "lr"), fn.get_hyperparam(state, "count")
+        (tensor(0.0100), tensor(0))
     """
     hits = []
 

@@ -36,6 +36,100 @@ def test_chain_rejects_a_wrong_state():
         tx.update({"w": torch.ones(1)}, (fn.EmptyState(),))
 
 
+def _recording(seen, name):
+    """A stateless member without ``**extra`` that records the extras it gets (``step``)."""
+
+    def update(updates, state, params=None, step=None):
+        seen.append((name, step))
+        return updates, state
+
+    return fn.GradientTransformation(lambda params: fn.EmptyState(), update)
+
+
+def test_chain_passes_extras_only_to_members_that_take_them():
+    seen = []
+
+    def bare_update(updates, state, params=None):
+        seen.append(("bare", None))
+        return fn.tree.tree_scale(updates, 2.0), state
+
+    def everything(updates, state, params=None, **extra):
+        seen.append(("kwargs", extra))
+        return updates, state
+
+    tx = fn.chain(
+        fn.GradientTransformation(lambda params: fn.EmptyState(), bare_update),
+        _recording(seen, "step"),
+        fn.GradientTransformation(lambda params: fn.EmptyState(), everything),
+        fn.scale_by_learning_rate(0.5),
+    )
+    params = {"w": torch.ones(2)}
+    updates, state = tx.update({"w": torch.ones(2)}, tx.init(params), params, step=3, tag="x")
+    assert seen == [("bare", None), ("step", 3), ("kwargs", {"step": 3, "tag": "x"})]
+    assert torch.equal(updates["w"], torch.full((2,), -1.0))
+    assert int(state[3].count) == 1
+
+
+def test_chain_reads_member_signatures_once(monkeypatch):
+    seen = []
+    tx = fn.chain(_recording(seen, "a"), _recording(seen, "b"))
+    state = tx.init(None)
+
+    def no_more_reads(*args, **kwargs):
+        raise AssertionError("the signature was read again")
+
+    monkeypatch.setattr("inspect.signature", no_more_reads)
+    for t in (1, 2):
+        tx.update({"w": torch.ones(1)}, state, step=t)
+    assert seen == [("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+
+
+def test_chain_forwards_everything_to_a_member_without_a_readable_signature():
+    class Update:
+        __signature__ = "unreadable"
+
+        def __call__(self, updates, state, params=None, **extra):
+            return {"extra": extra}, state
+
+    tx = fn.chain(fn.GradientTransformation(lambda params: fn.EmptyState(), Update()))
+    updates, _ = tx.update({"w": torch.ones(1)}, tx.init(None), step=2)
+    assert updates == {"extra": {"step": 2}}
+
+
+def test_stateless_gets_whole_trees_and_ignores_extras():
+    calls = []
+
+    def f(updates, params):
+        calls.append(params)
+        return fn.tree.tree_scale(updates, -1.0)
+
+    tx = fn.stateless(f)
+    state = tx.init({"w": torch.ones(2)})
+    assert state == fn.EmptyState()
+    params = {"w": torch.ones(2)}
+    updates, new_state = tx.update({"w": torch.tensor([1.0, 2.0])}, state, params, step=1)
+    assert torch.equal(updates["w"], torch.tensor([-1.0, -2.0])) and new_state is state
+    tx.update({"w": torch.ones(2)}, state)
+    assert calls == [params, None]
+
+
+def test_stateless_with_tree_map_maps_leaves_and_passes_none_through():
+    seen = []
+
+    def f(u, p):
+        seen.append(p)
+        return u if p is None else u + p
+
+    tx = fn.stateless_with_tree_map(f)
+    grads = {"w": torch.ones(2), "frozen": None}
+    params = {"w": torch.full((2,), 3.0), "frozen": torch.ones(1)}
+    updates, state = tx.update(grads, tx.init(params), params)
+    assert torch.equal(updates["w"], torch.full((2,), 4.0)) and updates["frozen"] is None
+    assert state == fn.EmptyState() and len(seen) == 1
+    updates, _ = tx.update(grads, state)
+    assert torch.equal(updates["w"], grads["w"]) and seen[-1] is None
+
+
 def test_apply_updates_casts_back_and_skips_none():
     params = {"w": torch.ones(3, dtype=torch.bfloat16), "b": torch.ones(2), "frozen": torch.ones(1)}
     updates = {"w": torch.full((3,), 0.5), "b": torch.full((2,), 0.25), "frozen": None}

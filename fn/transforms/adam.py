@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 
-from fn._foreach import foreach_ok
+from fn._foreach import foreach_blocker, foreach_ok, per_leaf
 from fn.base import GradientTransformation, chain
 from fn.transforms._learning_rate import learning_rate_now
 from fn.transforms._leaves import check_betas, check_nonnegative, check_shapes, device_of
@@ -17,7 +17,7 @@ from fn.transforms.learning_rate import (
     scale_by_learning_rate,
 )
 from fn.transforms.weight_decay import add_decayed_weights
-from fn.tree import PyTree, tree_flatten, tree_unflatten, tree_zeros_like
+from fn.tree import PyTree, tree_flatten, tree_leaves, tree_unflatten, tree_zeros_like
 
 __all__ = ["ScaleByAdamState", "scale_by_adam", "adam", "adamw"]
 
@@ -160,38 +160,70 @@ def _bias_correction(beta: float, count: torch.Tensor) -> torch.Tensor:
     return -torch.expm1(count.to(torch.float32) * math.log(beta))
 
 
+Implementation = Literal["auto", "fused", "foreach", "chain"]
+_IMPLEMENTATIONS = get_args(Implementation)
+
+
 def _scale_by_adam_then_lr(
     name: str,
     lr: float | Schedule,
     betas: tuple[float, float],
     eps: float,
     decoupled_weight_decay: float,
+    implementation: Implementation,
 ) -> GradientTransformation:
     """``chain(scale_by_adam(*betas, eps), scale_by_learning_rate(lr, decoupled_weight_decay=
-    ...))`` with the same state, the moments and the ``-lr`` step fused into one kernel call on
-    eager tensors.
+    ...))`` with the same state, run by ``implementation``:
 
-    Where :func:`_fused_adam_step` applies (eager, plain, contiguous tensors on a device with
-    ``torch._fused_adam_``), the step is one pass over the moments instead of six. Without
-    decay, ``params + update`` then equals ``torch.optim.Adam(fused=True)``'s new params bit for
-    bit (for a learning rate representable in fp32, as the state stores it); with decoupled
-    decay it equals ``torch.optim.AdamW(fused=True)``'s wherever a step moves a param by less
-    than half of it. Elsewhere the chain runs, with ``torch.optim``'s foreach rounding; the two
-    paths agree to fp32 rounding.
+    - ``"fused"``: the moments and the ``-lr`` step in one ``torch._fused_adam_`` call (see
+      :func:`_fused_adam_step`), one pass over the moments instead of six. Without decay,
+      ``params + update`` then equals ``torch.optim.Adam(fused=True)``'s new params bit for bit
+      (for a learning rate representable in fp32, as the state stores it); with decoupled decay
+      it equals ``torch.optim.AdamW(fused=True)``'s wherever a step moves a param by less than
+      half of it.
+    - ``"foreach"``: the chain with one ``torch._foreach_*`` call per op, ``torch.optim``'s
+      foreach rounding.
+    - ``"chain"``: the chain leaf by leaf: the ops, and so the bits, that vmap and autograd
+      run (and ``torch.compile`` before inductor fuses them). On CPU this rounds as
+      ``"foreach"`` does.
+    - ``"auto"``: ``"fused"`` where it can run, else the chain, with foreach ops where they can
+      run.
+
+    ``"fused"`` and ``"foreach"`` raise a RuntimeError naming the reason where they cannot run.
+    The fused and chained paths agree to fp32 rounding.
     """
+    if implementation not in _IMPLEMENTATIONS:
+        choices = ", ".join(repr(c) for c in _IMPLEMENTATIONS)
+        raise ValueError(f"{name}: implementation must be one of {choices}, got {implementation!r}")
     moments = scale_by_adam(*betas, eps)
     step_size = scale_by_learning_rate(lr, decoupled_weight_decay=decoupled_weight_decay)
     chained = chain(moments, step_size)
     b1, b2 = (float(b) for b in betas)
 
+    def cannot_run(reason):
+        return RuntimeError(f"{name}: implementation={implementation!r} cannot run: {reason}")
+
     def update_fn(updates, state, params=None, **extra):
+        if implementation == "chain":
+            return per_leaf(chained.update, updates, state, params, **extra)
         moments_state, lr_state = state
+        decayed = params if decoupled_weight_decay != 0.0 else None
+        if implementation == "foreach":
+            operands = tree_leaves((updates, moments_state, lr_state, decayed))
+            reason = foreach_blocker(*operands)
+            if reason is not None:
+                raise cannot_run(reason)
+            return chained.update(updates, state, params, **extra)
         fused = None
-        if foreach_ok(lr_state.count, lr_state.lr):
+        reason = foreach_blocker(lr_state.count, lr_state.lr)
+        if reason is None:
             current = learning_rate_now(lr, lr_state.count, lr_state.lr)
-            moments_step = _fused_adam_step(b1, b2, eps, current, decoupled_weight_decay)
-            decayed = params if decoupled_weight_decay != 0.0 else None
+            moments_step = _fused_adam_step(
+                b1, b2, eps, current, decoupled_weight_decay, cannot_run, implementation == "fused"
+            )
             fused = _step_live_leaves(name, updates, moments_state, moments_step, decayed)
+        elif implementation == "fused":
+            raise cannot_run(reason)
         if fused is None:
             return chained.update(updates, state, params, **extra)
         updates, moments_state = fused
@@ -206,13 +238,36 @@ _FUSED_DEVICE_TYPES = frozenset({"cpu", "cuda"})
 _FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
-def _fused_adam_step(b1, b2, eps, lr, weight_decay):
+def _fused_blocker(operands, count, lr):
+    """Why ``torch._fused_adam_`` cannot run on ``operands`` (non-empty) with this counter and
+    learning rate, or ``None``: it needs eager, plain, contiguous tensors of one supported device
+    and dtype, the kernel assuming one memory layout for all its operands."""
+    reason = foreach_blocker(*operands, count, lr)
+    if reason is not None:
+        return reason
+    device, dtype = operands[0].device, operands[0].dtype
+    if device.type not in _FUSED_DEVICE_TYPES:
+        return f"torch._fused_adam_ has no {device.type} kernel in fn (only cpu and cuda)"
+    if dtype not in _FUSED_DTYPES:
+        return f"torch._fused_adam_ does not take {dtype} tensors"
+    for t in operands:
+        if t.device != device or t.dtype != dtype:
+            return f"the tensors mix {device}/{dtype} with {t.device}/{t.dtype}"
+        if not t.is_contiguous():
+            return "a tensor is not contiguous"
+    if lr.device != device or count.device != device:
+        return f"the learning rate or counter is not on the tensors' device {device}"
+    return None
+
+
+def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required):
     """A ``moments_step`` for :func:`_step_live_leaves` computing the new moments and the update
     ``-lr * m_hat / (sqrt(v_hat) + eps)`` (with ``weight_decay``: AdamW's
     ``-lr * wd * p - lr * m_hat / (sqrt(v_hat) + eps)``) with one ``torch._fused_adam_`` or
-    ``torch._fused_adamw_`` call. Returns ``None`` (the caller falls back) unless every operand
-    is an eager, plain, contiguous tensor of one supported device and dtype: the kernel assumes
-    one memory layout for all its operands.
+    ``torch._fused_adamw_`` call. Where the kernel cannot run (:func:`_fused_blocker`) it returns
+    ``None`` (the caller falls back), or raises ``cannot_run(reason)`` when ``required``. It
+    also returns ``None`` when there is nothing to compute (no leaf has an update) and when
+    AdamW lacks params (the fall-back chain raises that error).
 
     The kernel updates params and moments in place, so it runs on fresh copies of the moments
     and of a "param": zeros for Adam, whose result ``0 - step`` is the update (``p + update`` is
@@ -224,19 +279,16 @@ def _fused_adam_step(b1, b2, eps, lr, weight_decay):
         if weight_decay == 0.0:
             operands = (*ms, *vs, *gs)
         elif ps is None or any(p is None for p in ps):
-            return None  # the chain raises the error
+            return None
         else:
             operands = (*ms, *vs, *gs, *ps)
-        if not gs or not foreach_ok(*operands, count, lr):
+        if not gs:
             return None
-        device, dtype = gs[0].device, gs[0].dtype
-        if device.type not in _FUSED_DEVICE_TYPES or dtype not in _FUSED_DTYPES:
+        reason = _fused_blocker(operands, count, lr)
+        if reason is not None:
+            if required:
+                raise cannot_run(reason)
             return None
-        if lr.device != device or count.device != device:
-            return None
-        for t in operands:
-            if t.device != device or t.dtype != dtype or not t.is_contiguous():
-                return None
         new_ms = [m.clone() for m in ms]
         new_vs = [v.clone() for v in vs]
         if weight_decay == 0.0:
@@ -260,20 +312,42 @@ def adam(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    *,
+    implementation: Implementation = "auto",
 ) -> GradientTransformation:
     """Adam with L2 weight decay, as ``torch.optim.Adam``.
 
+    For the ``t``-th update with gradient ``g``:
+
     .. math::
         g \\leftarrow g + \\lambda p_{t-1}, \\quad
-        p_t = p_{t-1} - \\eta\\, \\frac{\\hat m_t}{\\sqrt{\\hat v_t} + \\epsilon}
+        m_t = \\beta_1 m_{t-1} + (1 - \\beta_1) g, \\quad
+        v_t = \\beta_2 v_{t-1} + (1 - \\beta_2) g^2,
 
-    with the bias-corrected moments of :func:`scale_by_adam` taken of the decayed ``g``.
-    ``chain(add_decayed_weights(weight_decay), scale_by_adam(*betas, eps),
-    scale_by_learning_rate(lr))``, except that on eager, plain, contiguous CPU or CUDA tensors
-    the last two run as one ``torch._fused_adam_`` call on fresh copies (the kernel of
-    ``torch.optim.Adam(fused=True)``, whose params it then matches bit for bit); under vmap,
-    autograd or ``torch.compile`` the chain runs, with ``torch.optim.Adam(foreach=True)``'s
-    rounding. Inputs are never modified.
+        p_t = p_{t-1} - \\eta\\, \\frac{m_t / (1 - \\beta_1^t)}
+        {\\sqrt{v_t / (1 - \\beta_2^t)} + \\epsilon}
+
+    This is ``chain(add_decayed_weights(weight_decay), scale_by_adam(*betas, eps),
+    scale_by_learning_rate(lr))``; ``implementation`` says how the last two run, as
+    ``torch.optim.Adam``'s ``fused=`` and ``foreach=`` do:
+
+    - ``"fused"``: one ``torch._fused_adam_`` call on fresh copies of the state (the kernel of
+      ``torch.optim.Adam(fused=True)``, whose params ``apply_updates`` then matches bit for bit).
+      It needs eager, plain, contiguous tensors of one dtype (fp16, bf16, fp32 or fp64) on one
+      CPU or CUDA device, with the state's learning rate and counter there too, outside
+      ``torch.func`` transforms and autograd recording.
+    - ``"foreach"``: the chain with one ``torch._foreach_*`` call per op over all leaves
+      (``torch.optim.Adam(foreach=True)``'s rounding); it needs eager tensors outside
+      ``torch.func`` transforms and autograd recording.
+    - ``"chain"``: the chain leaf by leaf, the ops that run under vmap (``Simulated``),
+      autograd and ``torch.compile``: an eager run gives the bits of a vmapped one, and of a
+      compiled one whose backend keeps the ops (``aot_eager``; inductor fuses them and rounds
+      its own way, within fp32 rounding).
+    - ``"auto"``: ``"fused"`` where it can run, else the chain, with foreach ops where they can
+      run, else leaf by leaf. The fused kernel and the chain agree to fp32 rounding.
+
+    Forcing ``"fused"`` or ``"foreach"`` where it cannot run raises a RuntimeError that names
+    the reason. Inputs are never modified.
 
     Reference: Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015.
 
@@ -282,13 +356,31 @@ def adam(
         betas: ``(beta1, beta2)``.
         eps: denominator term ``epsilon``.
         weight_decay: L2 coefficient ``lambda`` added to the gradient.
+        implementation: ``"auto"``, ``"fused"``, ``"foreach"`` or ``"chain"``.
 
     Returns:
         A GradientTransformation with the chain's state,
         ``(EmptyState(), ScaleByAdamState, ScaleByLearningRateState)``.
+
+    Raises:
+        ValueError: for an unknown ``implementation``.
+
+    Example:
+        >>> import torch, fn
+        >>> params = {"w": torch.tensor([1.0, -2.0])}
+        >>> grads = {"w": torch.tensor([0.5, -0.25])}
+        >>> tx = fn.adam(lr=0.1)
+        >>> state = tx.init(params)
+        >>> updates, state = tx.update(grads, state, params)
+        >>> fn.apply_updates(params, updates)["w"]  # the first step is -lr * sign(g)
+        tensor([ 0.9000, -1.9000])
+        >>> per_leaf = fn.adam(lr=0.1, implementation="chain")  # the rounding of vmap
+        >>> chained, _ = per_leaf.update(grads, per_leaf.init(params), params)
+        >>> torch.allclose(chained["w"], updates["w"])
+        True
     """
     decay = add_decayed_weights(weight_decay)
-    adam_then_lr = _scale_by_adam_then_lr("adam", lr, betas, eps, 0.0)
+    adam_then_lr = _scale_by_adam_then_lr("adam", lr, betas, eps, 0.0, implementation)
 
     def init_fn(params):
         return (decay.init(params), *adam_then_lr.init(params))
@@ -308,19 +400,26 @@ def adamw(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
+    *,
+    implementation: Implementation = "auto",
 ) -> GradientTransformation:
     """Adam with decoupled weight decay, as ``torch.optim.AdamW``.
 
+    For the ``t``-th update with gradient ``g`` and the moments ``m_t``, ``v_t`` of :func:`adam`:
+
     .. math::
         p_t = (1 - \\eta\\lambda)\\, p_{t-1}
-        - \\eta\\, \\frac{\\hat m_t}{\\sqrt{\\hat v_t} + \\epsilon}
+        - \\eta\\, \\frac{m_t / (1 - \\beta_1^t)}{\\sqrt{v_t / (1 - \\beta_2^t)} + \\epsilon}
 
-    ``chain(scale_by_adam(*betas, eps), scale_by_learning_rate(lr,
+    This is ``chain(scale_by_adam(*betas, eps), scale_by_learning_rate(lr,
     decoupled_weight_decay=weight_decay))``: the decay is scaled by the current ``lr``, so a new
     ``lr`` set with ``fn.set_hyperparams`` scales both, and it is applied in
-    ``torch.optim.AdamW``'s order (see :func:`scale_by_learning_rate`). On eager, plain,
-    contiguous CPU or CUDA tensors the moments and the ``-lr`` step run as one
-    ``torch._fused_adam_`` call, as in :func:`adam`.
+    ``torch.optim.AdamW``'s order (see :func:`scale_by_learning_rate`). ``implementation``
+    picks how it runs, as in :func:`adam`: ``"fused"`` is one ``torch._fused_adamw_`` call
+    (``torch.optim.AdamW(fused=True)``'s kernel; its params and ``apply_updates``'s agree bit
+    for bit wherever a step moves a param by less than half of it), ``"foreach"`` and
+    ``"chain"`` run the chain with foreach or per-leaf ops, and ``"auto"`` (the default) picks
+    ``"fused"`` where it can run and the chain elsewhere.
 
     Reference: Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
 
@@ -329,9 +428,22 @@ def adamw(
         betas: ``(beta1, beta2)``.
         eps: denominator term ``epsilon``.
         weight_decay: decoupled decay coefficient ``lambda``.
+        implementation: ``"auto"``, ``"fused"``, ``"foreach"`` or ``"chain"`` (see
+            :func:`adam`).
 
     Returns:
         A GradientTransformation with the chain's state,
-        ``(ScaleByAdamState, ScaleByLearningRateState)``.
+        ``(ScaleByAdamState, ScaleByLearningRateState)``; ``update`` needs ``params``.
+
+    Raises:
+        ValueError: for an unknown ``implementation``.
+
+    Example:
+        >>> import torch, fn
+        >>> params = {"w": torch.tensor([1.0, -2.0])}
+        >>> tx = fn.adamw(lr=0.1, weight_decay=0.5)
+        >>> updates, state = tx.update({"w": torch.tensor([0.5, -0.25])}, tx.init(params), params)
+        >>> fn.apply_updates(params, updates)["w"]  # (1 - 0.1 * 0.5) * p - 0.1 * sign(g)
+        tensor([ 0.8500, -1.8000])
     """
-    return _scale_by_adam_then_lr("adamw", lr, betas, eps, weight_decay)
+    return _scale_by_adam_then_lr("adamw", lr, betas, eps, weight_decay, implementation)
