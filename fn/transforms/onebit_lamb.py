@@ -218,12 +218,7 @@ def onebit_lamb(
         )
 
     def warmup_rule(g, leaf, p, *, eta, copies_variance):
-        m, v, v_fresh, r = (
-            leaf.exp_avg,
-            leaf.exp_avg_sq,
-            leaf.exp_avg_sq_fresh,
-            leaf.lamb_coeff_freeze,
-        )
+        m, v, v_fresh, r, last, scaling = leaf
         g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
         m = moving_average(m, b1, g)
         v = moving_average(v, b2, g, square=True)
@@ -236,7 +231,7 @@ def onebit_lamb(
             ratio = trust_ratio(p.float(), u, min_coeff=min_coeff, max_coeff=max_coeff)
             r = torch.where(ratio != 1, moving_average(r, coeff_beta, ratio), r)
             u = -(eta * ratio) * u
-        return u, _Leaf(m, v, v_fresh, r, leaf.last_factor, leaf.scaling_coeff)
+        return u, _Leaf(m, v, v_fresh, r, last, scaling)
 
     def scaled_momentum(g, leaf):
         return (moving_average(leaf.exp_avg, b1, g) * leaf.scaling_coeff).reshape(-1), leaf
