@@ -122,7 +122,8 @@ def map_leaves(
 
     Returns:
         The updates (``None`` where the gradient is ``None``) and ``state`` with the fields of
-        ``leaf_type`` rebuilt from the new leaves (a leaf without a gradient keeps its state).
+        ``leaf_type`` rebuilt from the new leaves (a leaf without a gradient keeps its state; a
+        field whose leaves are all unchanged stays the same tree).
 
     Raises:
         ValueError: naming the leaf, if a gradient's shape differs from its state's.
@@ -131,24 +132,26 @@ def map_leaves(
     first = getattr(state, fields[0])
     spec = tree_flatten(first)[1]
     columns = [spec.flatten_up_to(getattr(state, field)) for field in fields]
-    input_leaves = [_leaves_or_nones(tree, spec) for tree in inputs]
+    old_leaves = [leaf_type._make(values) for values in zip(*columns, strict=True)]
+    input_columns = [_leaves_or_nones(tree, spec) for tree in inputs]
+    extras = list(zip(*input_columns, strict=True)) if inputs else [()] * spec.num_leaves
+    g_leaves = spec.flatten_up_to(grads)
     updates, leaves = [], []
-    for i, g in enumerate(spec.flatten_up_to(grads)):
-        leaf = leaf_type(*(column[i] for column in columns))
-        if g is None:
-            update = None
-        else:
+    for i, (g, leaf, extra) in enumerate(zip(g_leaves, old_leaves, extras, strict=True)):
+        if g is not None:
             like = leaf[0]
-            what = f"gradient leaf {_leaf_name(first, i)}"
-            if like is None:
-                raise ValueError(f"{name}: {what} has no state (its param was None at init)")
-            check_shapes(name, like, g, what)
-            update, leaf = rule(g.float(), leaf, *(column[i] for column in input_leaves))
-        updates.append(update)
+            if like is None or g.shape != like.shape:  # named only on error: naming costs a walk
+                what = f"gradient leaf {_leaf_name(first, i)}"
+                if like is None:
+                    raise ValueError(f"{name}: {what} has no state (its param was None at init)")
+                check_shapes(name, like, g, what)
+            g, leaf = rule(g.float(), leaf, *extra)
+        updates.append(g)
         leaves.append(leaf)
-    new_fields = {
-        field: tree_unflatten([leaf[k] for leaf in leaves], spec) for k, field in enumerate(fields)
-    }
+    new_fields = {}
+    for k, field in enumerate(fields):
+        if any(new[k] is not old[k] for new, old in zip(leaves, old_leaves, strict=True)):
+            new_fields[field] = tree_unflatten([leaf[k] for leaf in leaves], spec)
     return tree_unflatten(updates, spec), state._replace(**new_fields)
 
 

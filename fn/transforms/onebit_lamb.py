@@ -234,11 +234,10 @@ def onebit_lamb(
         return u, _Leaf(m, v, v_fresh, r, last, scaling)
 
     def scaled_momentum(g, leaf):
-        return (moving_average(leaf.exp_avg, b1, g) * leaf.scaling_coeff).reshape(-1), leaf
+        return moving_average(leaf.exp_avg, b1, g) * leaf.scaling_coeff, leaf
 
-    def compressed_rule(g, leaf, p, m, mask, *, eta):
+    def compressed_rule(m, leaf, p, mask, *, eta):
         """The compressed update of a leaf whose momentum came out of the allreduce as ``m``."""
-        del g
         m_last, v, v_fresh, r, last, scaling = leaf
         if m.numel() == 0:
             return torch.zeros_like(m_last), leaf
@@ -275,10 +274,10 @@ def onebit_lamb(
             comm,
             "the momentum (local gradient)",
         )
-        momenta = _split(flat, state.exp_avg)
+        momenta = _split(flat, pieces, state.exp_avg)  # None where the gradient is None
         rule = partial(compressed_rule, eta=eta)
-        inputs = (params, momenta, exp_avg_mask)
-        updates, state = map_leaves("onebit_lamb", rule, grads, state, _Leaf, *inputs)
+        inputs = (params, exp_avg_mask)
+        updates, state = map_leaves("onebit_lamb", rule, momenta, state, _Leaf, *inputs)
         return updates, state._replace(worker_error=worker_error, server_error=server_error)
 
     return compressed_optimizer(
@@ -316,9 +315,12 @@ def _scaling_coefficients(state: OnebitLambState) -> PyTree:
 
 
 def _fuse(pieces: PyTree, like: PyTree) -> torch.Tensor:
-    """The flat pieces of every leaf of ``like`` in leaf order (zeros where a piece is ``None``)."""
+    """The pieces, flattened and concatenated in leaf order; zeros of the size of the leaf of
+    ``like`` where a piece is ``None``."""
     flat = [
-        torch.zeros(m.numel(), dtype=m.dtype, device=m.device) if piece is None else piece
+        torch.zeros(m.numel(), dtype=m.dtype, device=m.device)
+        if piece is None
+        else piece.reshape(-1)
         for piece, m in zip(
             tree_leaves(pieces, keep_none=True), tree_leaves(like, keep_none=True), strict=True
         )
@@ -327,14 +329,13 @@ def _fuse(pieces: PyTree, like: PyTree) -> torch.Tensor:
     return torch.cat(flat) if flat else torch.zeros(0)
 
 
-def _split(flat: torch.Tensor, like: PyTree) -> PyTree:
-    """Inverse of :func:`_fuse`: views of ``flat`` shaped like the leaves of ``like``."""
-    leaves, spec = tree_flatten(like)
+def _split(flat: torch.Tensor, pieces: PyTree, like: PyTree) -> PyTree:
+    """Inverse of :func:`_fuse`: views of ``flat`` shaped like the pieces (``None`` where a piece
+    is ``None``)."""
+    piece_leaves, spec = tree_flatten(pieces)
     out, offset = [], 0
-    for m in leaves:
-        if m is not None:
-            out.append(flat[offset : offset + m.numel()].view_as(m))
-            offset += m.numel()
-        else:
-            out.append(None)
+    for piece, m in zip(piece_leaves, spec.flatten_up_to(like), strict=True):
+        n = 0 if m is None else m.numel()
+        out.append(None if piece is None else flat[offset : offset + n].view_as(m))
+        offset += n
     return tree_unflatten(out, spec)
