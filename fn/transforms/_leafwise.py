@@ -138,6 +138,7 @@ def map_leaves(
     g_leaves = spec.flatten_up_to(grads)
     updates, leaves = [], []
     for i, (g, leaf, extra) in enumerate(zip(g_leaves, old_leaves, extras, strict=True)):
+        update = None
         if g is not None:
             like = leaf[0]
             if like is None or g.shape != like.shape:  # named only on error: naming costs a walk
@@ -145,8 +146,8 @@ def map_leaves(
                 if like is None:
                     raise ValueError(f"{name}: {what} has no state (its param was None at init)")
                 check_shapes(name, like, g, what)
-            g, leaf = rule(g.float(), leaf, *extra)
-        updates.append(g)
+            update, leaf = rule(g.float(), leaf, *extra)
+        updates.append(update)
         leaves.append(leaf)
     new_fields = {}
     for k, field in enumerate(fields):
