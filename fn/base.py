@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from fn._foreach import foreach_ok
+from fn._validation import check_step
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
@@ -148,23 +149,13 @@ class CompressedOptimizer(NamedTuple):
                 "pass exactly one of step=t (the 1-based update count) and plan=opt.plan(t)"
             )
         if plan is None:
-            step = _check_step(step)
+            step = check_step(step)
             phase = self.compressed_update if self.is_compressed(step) else self.warmup_update
             return phase(grads, state, params, step=step, **extra)
         if self.plan is None:
             raise TypeError("this CompressedOptimizer has no plan function: pass step=t")
         phase = self.compressed_update if plan.compressed else self.warmup_update
         return phase(grads, state, params, plan=plan, **extra)
-
-
-def _check_step(step: Any) -> int:
-    if isinstance(step, torch.Tensor):
-        raise TypeError(
-            "step must be a Python int (the schedule is decided on the host), got a tensor"
-        )
-    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-        raise ValueError(f"step counts updates from 1, got {step!r}")
-    return step
 
 
 def stateless(f: Callable[[Updates, Params | None], Updates]) -> GradientTransformation:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from fn._foreach import foreach_ok
-from fn.transforms._leaves import check_shapes
+from fn._validation import check_shapes
 from fn.tree import PyTree, tree_flatten, tree_unflatten
 
 

@@ -6,7 +6,7 @@ decide anything.
 
 DeepSpeed 0.18.9 counted a gradient-dropping "init step" before the first real update, so its
 counter read ``c = t + 1`` at real update ``t``. The rules below are written so that real update
-``t`` does what DeepSpeed did at its counter ``c = t + 1`` (see docs/algorithms.md).
+``t`` does what DeepSpeed did at its counter ``c = t + 1`` (see ``docs/algorithms.md``).
 
 Each schedule also gives the *plan* of update ``t``: a NamedTuple of Python bools holding every
 host-side decision the update makes. The updates read only the plan, so under ``torch.compile``

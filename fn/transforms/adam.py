@@ -8,9 +8,10 @@ from typing import Literal, NamedTuple, get_args
 import torch
 
 from fn._foreach import foreach_blocker, foreach_ok, per_leaf
+from fn._validation import check_betas, check_nonnegative, check_shapes
 from fn.base import GradientTransformation, chain
 from fn.transforms._learning_rate import learning_rate_now
-from fn.transforms._leaves import check_betas, check_nonnegative, check_shapes, device_of
+from fn.transforms._leaves import device_of
 from fn.transforms.learning_rate import (
     ScaleByLearningRateState,
     Schedule,

@@ -7,9 +7,10 @@ from typing import NamedTuple
 
 import torch
 
+from fn._validation import check_nonnegative
 from fn.base import GradientTransformation
 from fn.transforms._learning_rate import decoupled_decay, learning_rate_now, scale_leaves
-from fn.transforms._leaves import check_nonnegative, device_of
+from fn.transforms._leaves import device_of
 
 __all__ = ["Schedule", "ScaleByLearningRateState", "scale_by_learning_rate"]
 

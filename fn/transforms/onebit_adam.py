@@ -2,30 +2,24 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 
-from fn import collectives
-from fn.base import CompressedOptimizer, Params, Updates
+from fn._validation import check_betas, check_finite, check_int, check_nonnegative
+from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
-from fn.transforms._learning_rate import learning_rate_now
-from fn.transforms._leaves import check_nonnegative
-from fn.transforms._onebit_common import (
+from fn.transforms._leafwise import (
     LearningRate,
-    check_betas,
-    check_finite,
-    check_nonnegative_int,
-    check_shape,
-    init_lr,
-    leaves_or_nones,
+    compressed_mean,
+    compressed_optimizer,
+    init_error_feedback_per_leaf,
+    map_leaves,
     moving_average,
-    moving_average_of_squares,
-    require_params,
-    resolve_plan,
 )
 from fn.transforms._onebit_schedules import FreezeSchedule, OnebitAdamPlan
-from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
+from fn.tree import PyTree, tree_zeros_like
 
 
 class OnebitAdamState(NamedTuple):
@@ -35,6 +29,15 @@ class OnebitAdamState(NamedTuple):
     exp_avg_sq: PyTree  # like params, fp32: the variance v (frozen once compressed)
     worker_error: ErrorFeedbackField  # per leaf [N_leaf] fp32: e_w of the leaf's allreduce
     server_error: ErrorFeedbackField  # per leaf [N_leaf / W] fp32: e_s
+
+
+class _Leaf(NamedTuple):
+    """One leaf of the per-leaf fields of :class:`OnebitAdamState`."""
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    worker_error: torch.Tensor
+    server_error: torch.Tensor
 
 
 def onebit_adam(
@@ -109,8 +112,32 @@ def onebit_adam(
     the collective's check (and checks the local gradient itself with one worker). Unlike
     DeepSpeed, the error buffers are part of the state: a checkpoint continues bit for bit; they
     must be reset when the world size changes.
+
+    The exact rules, step by step, are in ``docs/algorithms.md`` (section "1-bit Adam").
+
+    Example:
+        Two simulated ranks: one warmup update, then compressed ones.
+
+        >>> import torch
+        >>> import fn
+        >>> from fn.collectives import Simulated, replicate, simulate
+        >>> comm = Simulated(2)
+        >>> opt = fn.onebit_adam(lr=1e-2, freeze_step=2, comm=comm)
+        >>> params = replicate({"w": torch.ones(8)}, comm)  # one row per rank
+        >>> state = replicate(opt.init({"w": torch.ones(8)}), comm)
+        >>> update = simulate(opt.update, comm)
+        >>> for t in (1, 2, 3):
+        ...     grads = {"w": torch.linspace(-1.0, 1.0, 16).reshape(2, 8)}  # each rank's own
+        ...     updates, state = update(grads, state, params, step=t)
+        ...     params = fn.apply_updates(params, updates)
+        >>> [opt.is_compressed(t) for t in (1, 2, 3)]
+        [False, True, True]
+        >>> state.worker_error["w"].shape  # per rank, 8 elements padded to 16
+        torch.Size([2, 16])
+        >>> torch.equal(params["w"][0], params["w"][1])  # the ranks agree after each update
+        True
     """
-    b1, b2 = check_betas(betas)
+    b1, b2 = check_betas("onebit_adam", betas)
     check_nonnegative("onebit_adam", eps=eps, weight_decay=weight_decay)
     if not callable(lr):
         check_nonnegative("onebit_adam", lr=lr)
@@ -118,94 +145,45 @@ def onebit_adam(
         "the compressed updates divide by sqrt(v) + eps with the variance v frozen, which at "
         "least one warmup update (t < freeze_step) must estimate"
     )
-    schedule = FreezeSchedule(check_nonnegative_int("freeze_step", freeze_step, 2, why))
-    plan_for = schedule.onebit_adam_plan
-    world = comm.world_size
+    schedule = FreezeSchedule(check_int("freeze_step", freeze_step, 2, why))
 
-    def init_fn(params: Params) -> OnebitAdamState:
-        def errors(p):
-            return collectives.init_error_feedback(p.numel(), comm=comm, device=p.device)
-
-        pairs = tree_map(errors, params)
-        spec = tree_flatten(params)[1]
-        pair_leaves = spec.flatten_up_to(pairs)
-        return OnebitAdamState(
-            count=torch.zeros((), dtype=torch.int64),
-            lr=init_lr(lr),
-            exp_avg=tree_map(lambda p: torch.zeros_like(p, dtype=torch.float32), params),
-            exp_avg_sq=tree_map(lambda p: torch.zeros_like(p, dtype=torch.float32), params),
-            worker_error=tree_unflatten([None if e is None else e[0] for e in pair_leaves], spec),
-            server_error=tree_unflatten([None if e is None else e[1] for e in pair_leaves], spec),
+    def init_fields(params):
+        worker_error, server_error = init_error_feedback_per_leaf(params, comm)
+        return dict(
+            exp_avg=tree_zeros_like(params, torch.float32),
+            exp_avg_sq=tree_zeros_like(params, torch.float32),
+            worker_error=worker_error,
+            server_error=server_error,
         )
 
-    def make_update(compressed: bool):
-        def update_fn(
-            grads: Updates,
-            state: OnebitAdamState,
-            params: Params | None = None,
-            *,
-            step: int | None = None,
-            plan: OnebitAdamPlan | None = None,
-            **extra: Any,
-        ) -> tuple[Updates, OnebitAdamState]:
-            del extra
-            phase = "compressed" if compressed else "warmup"
-            resolve_plan(step, plan, plan_for, OnebitAdamPlan, compressed, phase)
-            if weight_decay > 0:
-                require_params(params, "weight_decay > 0")
-            spec = tree_flatten(state.exp_avg)[1]
-            g_leaves = spec.flatten_up_to(grads)
-            m_leaves = spec.flatten_up_to(state.exp_avg)
-            v_leaves = spec.flatten_up_to(state.exp_avg_sq)
-            ew_leaves = spec.flatten_up_to(state.worker_error)
-            es_leaves = spec.flatten_up_to(state.server_error)
-            p_leaves = leaves_or_nones(params, spec)
-            mask_leaves = leaves_or_nones(exp_avg_mask, spec)
-            dense_leaves = leaves_or_nones(non_freeze, spec)
-            eta = learning_rate_now(lr, state.count, state.lr)
+    def leaf_rule(g, leaf, p, mask, dense, *, compressed, eta):
+        m, v, ew, es = leaf
+        if not compressed or bool(dense):
+            g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
+            m = moving_average(m, b1, g)
+            v = moving_average(v, b2, g, square=True)
+        else:
+            m = moving_average(m, b1, g)
+            m, ew, es = compressed_mean(m, ew, es, comm, "the momentum (local gradient)")
+            if mask is not None:
+                m = m * mask
+        u = m / v.sqrt().add_(eps)
+        if weight_decay > 0:
+            u = u.add_(weight_decay * p.float())
+        return u.mul_(-eta), _Leaf(m, v, ew, es)
 
-            out = {k: [] for k in ("u", "m", "v", "ew", "es")}
-            for i, g in enumerate(g_leaves):
-                m, v, ew, es = m_leaves[i], v_leaves[i], ew_leaves[i], es_leaves[i]
-                if g is None:
-                    for k, x in zip(("u", "m", "v", "ew", "es"), (None, m, v, ew, es), strict=True):
-                        out[k].append(x)
-                    continue
-                g = check_shape(g, m, i)
-                if not compressed or bool(dense_leaves[i]):
-                    g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
-                    m = moving_average(m, b1, g)
-                    v = moving_average_of_squares(v, b2, g)
-                else:
-                    # In-place ops only on fresh temporaries: the same rounding, fewer full-size
-                    # allocations on the hot path of the compressed phase.
-                    m = (b1 * m).add_((1 - b1) * g)
-                    if world > 1 and m.numel() > 0:
-                        m, ew, es = collectives.compressed_allreduce(m, ew, es, comm=comm)
-                    elif world == 1:
-                        m = check_finite(m, "the momentum (local gradient)")
-                    if mask_leaves[i] is not None:
-                        m = m * mask_leaves[i]
-                u = m / v.sqrt().add_(eps)
-                if weight_decay > 0:
-                    u = u.add_(weight_decay * p_leaves[i].float())
-                for k, x in zip(
-                    ("u", "m", "v", "ew", "es"), (u.mul_(-eta), m, v, ew, es), strict=True
-                ):
-                    out[k].append(x)
+    def update(grads, state, params, plan, eta):
+        rule = partial(leaf_rule, compressed=plan.compressed, eta=eta)
+        inputs = (params, exp_avg_mask, non_freeze)
+        return map_leaves("onebit_adam", rule, grads, state, _Leaf, *inputs)
 
-            new_state = OnebitAdamState(
-                count=state.count + 1,
-                lr=eta,
-                exp_avg=tree_unflatten(out["m"], spec),
-                exp_avg_sq=tree_unflatten(out["v"], spec),
-                worker_error=tree_unflatten(out["ew"], spec),
-                server_error=tree_unflatten(out["es"], spec),
-            )
-            return tree_unflatten(out["u"], spec), new_state
-
-        return update_fn
-
-    return CompressedOptimizer(
-        init_fn, make_update(False), make_update(True), schedule.is_compressed, plan_for
+    return compressed_optimizer(
+        lr,
+        OnebitAdamState,
+        init_fields,
+        update,
+        schedule.is_compressed,
+        schedule.onebit_adam_plan,
+        OnebitAdamPlan,
+        params_needed_for="weight_decay > 0" if weight_decay > 0 else None,
     )

@@ -2,39 +2,32 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 
 from fn import collectives
-from fn.base import CompressedOptimizer, Params, Updates
-from fn.collectives import ErrorFeedbackField
-from fn.transforms._learning_rate import learning_rate_now
-from fn.transforms._leaves import check_fraction, check_nonnegative, check_ordered
-from fn.transforms._onebit_common import (
-    LearningRate,
+from fn._validation import (
     check_betas,
     check_finite,
-    check_nonnegative_int,
-    check_shape,
-    init_lr,
-    leaves_or_nones,
+    check_fraction,
+    check_int,
+    check_nonnegative,
+    check_ordered,
+)
+from fn.base import CompressedOptimizer
+from fn.collectives import ErrorFeedbackField
+from fn.transforms._leafwise import (
+    LearningRate,
+    compressed_mean,
+    compressed_optimizer,
+    map_leaves,
     moving_average,
-    moving_average_of_squares,
-    require_params,
-    resolve_plan,
 )
 from fn.transforms._onebit_schedules import FreezeSchedule, OnebitLambPlan
-from fn.tree import PyTree, tree_flatten, tree_leaves, tree_map, tree_unflatten
-
-_LEAF_FIELDS = (
-    "exp_avg",
-    "exp_avg_sq",
-    "exp_avg_sq_fresh",
-    "lamb_coeff_freeze",
-    "last_factor",
-    "scaling_coeff",
-)
+from fn.transforms.trust_ratio import trust_ratio
+from fn.tree import PyTree, tree_flatten, tree_leaves, tree_map, tree_unflatten, tree_zeros_like
 
 
 class OnebitLambState(NamedTuple):
@@ -48,6 +41,17 @@ class OnebitLambState(NamedTuple):
     scaling_coeff: PyTree  # per leaf [] fp32: momentum scaling, set at the first compressed update
     worker_error: ErrorFeedbackField  # [N] fp32: e_w of the one fused compressed allreduce
     server_error: ErrorFeedbackField  # [N / W] fp32: e_s
+
+
+class _Leaf(NamedTuple):
+    """One leaf of the per-leaf fields of :class:`OnebitLambState`."""
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    exp_avg_sq_fresh: torch.Tensor
+    lamb_coeff_freeze: torch.Tensor
+    last_factor: torch.Tensor
+    scaling_coeff: torch.Tensor
 
 
 def onebit_lamb(
@@ -151,8 +155,31 @@ def onebit_lamb(
     the fused buffer is zero); every rank must have ``None`` at the same leaves. Non-finite
     gradients raise ``ValueError`` with nothing updated (warmup: checked on the averaged gradient;
     compressed: the collective's check, or a local check with one worker).
+
+    The exact rules, step by step, are in ``docs/algorithms.md`` (section "1-bit LAMB").
+
+    Example:
+        Two simulated ranks: one warmup update, then compressed ones.
+
+        >>> import torch
+        >>> import fn
+        >>> from fn.collectives import Simulated, replicate, simulate
+        >>> comm = Simulated(2)
+        >>> opt = fn.onebit_lamb(lr=1e-2, freeze_step=2, comm=comm)
+        >>> init = {"w": torch.ones(4, 2), "b": torch.ones(3)}
+        >>> params, state = replicate(init, comm), replicate(opt.init(init), comm)
+        >>> update = simulate(opt.update, comm)
+        >>> for t in (1, 2, 3):
+        ...     grads = {k: torch.linspace(-1.0, 1.0, 2 * p.numel()).reshape(2, *p.shape)
+        ...              for k, p in init.items()}  # each rank's own gradient
+        ...     updates, state = update(grads, state, params, step=t)
+        ...     params = fn.apply_updates(params, updates)
+        >>> state.worker_error.shape  # per rank: all 11 elements fused, padded to 16
+        torch.Size([2, 16])
+        >>> torch.equal(params["w"][0], params["w"][1])  # the ranks agree after each update
+        True
     """
-    b1, b2 = check_betas(betas)
+    b1, b2 = check_betas("onebit_lamb", betas)
     check_nonnegative(
         "onebit_lamb",
         eps=eps,
@@ -170,49 +197,58 @@ def onebit_lamb(
         "the compressed updates divide by sqrt(v) + eps and scale by the trust ratio R, both "
         "frozen, which at least one warmup update (t < freeze_step) must estimate"
     )
-    schedule = FreezeSchedule(check_nonnegative_int("freeze_step", freeze_step, 2, why))
-    plan_for = schedule.onebit_lamb_plan
-    world = comm.world_size
+    schedule = FreezeSchedule(check_int("freeze_step", freeze_step, 2, why))
 
-    def init_fn(params: Params) -> OnebitLambState:
+    def init_fields(params):
         leaves = tree_leaves(params)
         numel = sum(p.numel() for p in leaves)
         device = leaves[0].device if leaves else None
         worker_error, server_error = collectives.init_error_feedback(
             numel, comm=comm, device=device
         )
-
-        def zeros(p):
-            return torch.zeros_like(p, dtype=torch.float32)
-
-        def scalar(value):
-            return lambda p: torch.tensor(value, dtype=torch.float32, device=p.device)
-
-        return OnebitLambState(
-            count=torch.zeros((), dtype=torch.int64),
-            lr=init_lr(lr),
-            exp_avg=tree_map(zeros, params),
-            exp_avg_sq=tree_map(zeros, params),
-            exp_avg_sq_fresh=tree_map(zeros, params),
-            lamb_coeff_freeze=tree_map(scalar(0.0), params),
-            last_factor=tree_map(scalar(1.0), params),
-            scaling_coeff=tree_map(scalar(1.0), params),
+        return dict(
+            exp_avg=tree_zeros_like(params, torch.float32),
+            exp_avg_sq=tree_zeros_like(params, torch.float32),
+            exp_avg_sq_fresh=tree_zeros_like(params, torch.float32),
+            lamb_coeff_freeze=_scalars(params, 0.0),
+            last_factor=_scalars(params, 1.0),
+            scaling_coeff=_scalars(params, 1.0),
             worker_error=worker_error,
             server_error=server_error,
         )
 
-    def trust_ratio_update(p, u, r):
-        """The clipped warmup trust ratio and the new R (DeepSpeed's ``lamb_coeff``); the
-        fallback 1 for a zero norm is clipped too."""
-        p_norm = torch.linalg.vector_norm(p)
-        u_norm = torch.linalg.vector_norm(u)
-        ratio = torch.where((p_norm != 0) & (u_norm != 0), p_norm / u_norm, torch.ones_like(p_norm))
-        ratio = ratio.clamp(min=min_coeff, max=max_coeff)
-        r = torch.where(ratio != 1, coeff_beta * r + (1 - coeff_beta) * ratio, r)
-        return ratio, r
+    def warmup_rule(g, leaf, p, *, eta, copies_variance):
+        m, v, v_fresh, r, last, scaling = leaf
+        g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
+        m = moving_average(m, b1, g)
+        v = moving_average(v, b2, g, square=True)
+        if copies_variance:
+            v_fresh = v
+        u = m / (v.sqrt() + eps)
+        if weight_decay > 0:
+            u = u + weight_decay * p.float()
+        if m.numel() > 0:
+            ratio = trust_ratio(p.float(), u, min_coeff=min_coeff, max_coeff=max_coeff)
+            r = torch.where(ratio != 1, moving_average(r, coeff_beta, ratio), r)
+            u = -(eta * ratio) * u
+        return u, _Leaf(m, v, v_fresh, r, last, scaling)
 
-    def factor(d, v_fresh, u0, u, last):
-        """The factor f that rescales the frozen trust ratio (clipped, then rate-limited)."""
+    def scaled_momentum(g, leaf):
+        return moving_average(leaf.exp_avg, b1, g) * leaf.scaling_coeff, leaf
+
+    def compressed_rule(m, leaf, p, mask, *, eta):
+        """The compressed update of a leaf whose momentum came out of the allreduce as ``m``."""
+        m_last, v, v_fresh, r, last, scaling = leaf
+        if m.numel() == 0:
+            return torch.zeros_like(m_last), leaf
+        m = m / scaling
+        if mask is not None:
+            m = m * mask
+        g_hat = (m - b1 * m_last) / (1 - b1)
+        v_fresh = moving_average(v_fresh, b2, g_hat, square=True)
+        d = v.sqrt() + eps
+        u0 = m / d
+        u = u0 + weight_decay * p.float() if weight_decay > 0 else u0
         f = (d / (v_fresh.sqrt() + eps)).amax()
         if weight_decay > 0:
             u_norm = torch.linalg.vector_norm(u)
@@ -221,130 +257,85 @@ def onebit_lamb(
             f = f * q + (1 - q)
         f = f.clamp(max=factor_max).clamp(min=factor_min)
         f = torch.minimum(f, last * (1 + factor_threshold))
-        return torch.maximum(f, last * (1 - factor_threshold))
+        f = torch.maximum(f, last * (1 - factor_threshold))
+        return -(eta * (r * f)) * u, _Leaf(m, v, v_fresh, r, f, scaling)
 
-    def scaling_coefficients(m_leaves):
-        """Per leaf ``mean_l(rms(m_l)) / rms(m_l)``, over the non-empty leaves."""
-        rms = {
-            i: torch.linalg.vector_norm(m) / m.numel() ** 0.5
-            for i, m in enumerate(m_leaves)
-            if m is not None and m.numel() > 0
-        }
-        if not rms:
-            return {}
-        mean = torch.stack(list(rms.values())).mean()
-        return {i: torch.where(s > 0, mean / s, torch.ones_like(s)) for i, s in rms.items()}
-
-    def warmup_update(grads, state, params, plan):
-        spec = tree_flatten(state.exp_avg)[1]
-        g_leaves = spec.flatten_up_to(grads)
-        old = {k: spec.flatten_up_to(getattr(state, k)) for k in _LEAF_FIELDS}
-        p_leaves = spec.flatten_up_to(params)
-        eta = learning_rate_now(lr, state.count, state.lr)
-        updates, new = [], {k: list(v) for k, v in old.items()}
-        for i, g in enumerate(g_leaves):
-            if g is None:
-                updates.append(None)
-                continue
-            m, v, v_fresh, r = (old[k][i] for k in _LEAF_FIELDS[:4])
-            g = check_shape(g, m, i)
-            g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
-            m = moving_average(m, b1, g)
-            v = moving_average_of_squares(v, b2, g)
-            if plan.copies_variance:
-                v_fresh = v
-            u = m / (v.sqrt() + eps)
-            if weight_decay > 0:
-                u = u + weight_decay * p_leaves[i].float()
-            if m.numel() > 0:
-                ratio, r = trust_ratio_update(p_leaves[i].float(), u, r)
-                u = -(eta * ratio) * u
-            updates.append(u)
-            for k, x in zip(_LEAF_FIELDS[:4], (m, v, v_fresh, r), strict=True):
-                new[k][i] = x
-        fields = {k: tree_unflatten(v, spec) for k, v in new.items()}
-        new_state = state._replace(count=state.count + 1, lr=eta, **fields)
-        return tree_unflatten(updates, spec), new_state
-
-    def compressed_update(grads, state, params, plan):
-        spec = tree_flatten(state.exp_avg)[1]
-        g_leaves = spec.flatten_up_to(grads)
-        old = {k: spec.flatten_up_to(getattr(state, k)) for k in _LEAF_FIELDS}
-        p_leaves = spec.flatten_up_to(params)
-        mask_leaves = leaves_or_nones(exp_avg_mask, spec)
-        eta = learning_rate_now(lr, state.count, state.lr)
-        new = {k: list(v) for k, v in old.items()}
+    def update(grads, state, params, plan, eta):
+        if not plan.compressed:
+            rule = partial(warmup_rule, eta=eta, copies_variance=plan.copies_variance)
+            return map_leaves("onebit_lamb", rule, grads, state, _Leaf, params)
         if plan.sets_scaling:
-            for i, s in scaling_coefficients(old["exp_avg"]).items():
-                new["scaling_coeff"][i] = s
-        scaling = new["scaling_coeff"]
-
-        pieces = []
-        for i, m in enumerate(old["exp_avg"]):
-            if m is None:
-                continue
-            g = g_leaves[i]
-            if g is None:
-                pieces.append(torch.zeros(m.numel(), dtype=m.dtype, device=m.device))
-            else:
-                g = check_shape(g, m, i)
-                pieces.append(((b1 * m + (1 - b1) * g) * scaling[i]).reshape(-1))
-        flat = torch.cat(pieces) if pieces else torch.zeros(0)
-        ew, es = state.worker_error, state.server_error
-        if world > 1 and flat.numel() > 0:
-            flat, ew, es = collectives.compressed_allreduce(flat, ew, es, comm=comm)
-        elif world == 1:
-            flat = check_finite(flat, "the momentum (local gradient)")
-
-        updates, offset = [], 0
-        for i, m_last in enumerate(old["exp_avg"]):
-            g = g_leaves[i]
-            n = 0 if m_last is None else m_last.numel()
-            piece, offset = flat[offset : offset + n], offset + n
-            if g is None:
-                updates.append(None)
-                continue
-            if n == 0:
-                updates.append(torch.zeros_like(m_last))
-                continue
-            m = piece.view_as(m_last) / scaling[i]
-            if mask_leaves[i] is not None:
-                m = m * mask_leaves[i]
-            g_hat = (m - b1 * m_last) / (1 - b1)
-            v_fresh = b2 * old["exp_avg_sq_fresh"][i] + (1 - b2) * g_hat * g_hat
-            d = old["exp_avg_sq"][i].sqrt() + eps
-            u0 = m / d
-            u = u0 + weight_decay * p_leaves[i].float() if weight_decay > 0 else u0
-            f = factor(d, v_fresh, u0, u, old["last_factor"][i])
-            updates.append(-(eta * (old["lamb_coeff_freeze"][i] * f)) * u)
-            new["exp_avg"][i], new["exp_avg_sq_fresh"][i], new["last_factor"][i] = m, v_fresh, f
-
-        fields = {k: tree_unflatten(v, spec) for k, v in new.items()}
-        new_state = state._replace(
-            count=state.count + 1, lr=eta, worker_error=ew, server_error=es, **fields
+            state = state._replace(scaling_coeff=_scaling_coefficients(state))
+        pieces, _ = map_leaves("onebit_lamb", scaled_momentum, grads, state, _Leaf)
+        flat, worker_error, server_error = compressed_mean(
+            _fuse(pieces, state.exp_avg),
+            state.worker_error,
+            state.server_error,
+            comm,
+            "the momentum (local gradient)",
         )
-        return tree_unflatten(updates, spec), new_state
+        momenta = _split(flat, pieces, state.exp_avg)  # None where the gradient is None
+        rule = partial(compressed_rule, eta=eta)
+        inputs = (params, exp_avg_mask)
+        updates, state = map_leaves("onebit_lamb", rule, momenta, state, _Leaf, *inputs)
+        return updates, state._replace(worker_error=worker_error, server_error=server_error)
 
-    def make_update(compressed: bool):
-        rule = compressed_update if compressed else warmup_update
-
-        def update_fn(
-            grads: Updates,
-            state: OnebitLambState,
-            params: Params | None = None,
-            *,
-            step: int | None = None,
-            plan: OnebitLambPlan | None = None,
-            **extra: Any,
-        ) -> tuple[Updates, OnebitLambState]:
-            del extra
-            phase = "compressed" if compressed else "warmup"
-            plan = resolve_plan(step, plan, plan_for, OnebitLambPlan, compressed, phase)
-            require_params(params, "1-bit LAMB (trust ratios)")
-            return rule(grads, state, params, plan)
-
-        return update_fn
-
-    return CompressedOptimizer(
-        init_fn, make_update(False), make_update(True), schedule.is_compressed, plan_for
+    return compressed_optimizer(
+        lr,
+        OnebitLambState,
+        init_fields,
+        update,
+        schedule.is_compressed,
+        schedule.onebit_lamb_plan,
+        OnebitLambPlan,
+        params_needed_for="1-bit LAMB (trust ratios)",
     )
+
+
+def _scalars(params: PyTree, value: float) -> PyTree:
+    """A 0-dim fp32 ``value`` per leaf, on the leaf's device."""
+    return tree_map(lambda p: torch.tensor(value, dtype=torch.float32, device=p.device), params)
+
+
+def _scaling_coefficients(state: OnebitLambState) -> PyTree:
+    """The momentum scaling of every non-empty leaf, ``mean_l(rms(m_l)) / rms(m_l)`` (1 where
+    ``m_l`` is zero), the mean over the non-empty leaves; empty leaves keep theirs."""
+    m_leaves, spec = tree_flatten(state.exp_avg)
+    scaling = spec.flatten_up_to(state.scaling_coeff)
+    rms = {
+        i: torch.linalg.vector_norm(m) / m.numel() ** 0.5
+        for i, m in enumerate(m_leaves)
+        if m is not None and m.numel() > 0
+    }
+    if rms:
+        mean = torch.stack(list(rms.values())).mean()
+        for i, s in rms.items():
+            scaling[i] = torch.where(s > 0, mean / s, torch.ones_like(s))
+    return tree_unflatten(scaling, spec)
+
+
+def _fuse(pieces: PyTree, like: PyTree) -> torch.Tensor:
+    """The pieces, flattened and concatenated in leaf order; zeros of the size of the leaf of
+    ``like`` where a piece is ``None``."""
+    flat = [
+        torch.zeros(m.numel(), dtype=m.dtype, device=m.device)
+        if piece is None
+        else piece.reshape(-1)
+        for piece, m in zip(
+            tree_leaves(pieces, keep_none=True), tree_leaves(like, keep_none=True), strict=True
+        )
+        if m is not None
+    ]
+    return torch.cat(flat) if flat else torch.zeros(0)
+
+
+def _split(flat: torch.Tensor, pieces: PyTree, like: PyTree) -> PyTree:
+    """Inverse of :func:`_fuse`: views of ``flat`` shaped like the pieces (``None`` where a piece
+    is ``None``)."""
+    piece_leaves, spec = tree_flatten(pieces)
+    out, offset = [], 0
+    for piece, m in zip(piece_leaves, spec.flatten_up_to(like), strict=True):
+        n = 0 if m is None else m.numel()
+        out.append(None if piece is None else flat[offset : offset + n].view_as(m))
+        offset += n
+    return tree_unflatten(out, spec)

@@ -6,8 +6,9 @@ from typing import NamedTuple
 
 import torch
 
+from fn._validation import check_nonnegative
 from fn.base import GradientTransformation, chain
-from fn.transforms._leaves import check_nonnegative, device_of, update_state_leaves
+from fn.transforms._leaves import device_of, update_state_leaves
 from fn.transforms.learning_rate import Schedule, scale_by_learning_rate
 from fn.transforms.weight_decay import add_decayed_weights
 from fn.tree import PyTree, tree_map, tree_zeros_like

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from fn._validation import check_nonnegative, check_ordered
 from fn.base import EmptyState, GradientTransformation
-from fn.transforms._leaves import check_nonnegative, check_ordered, check_shapes
-from fn.tree import tree_map
+from fn.transforms._leaves import map_with_params
 
 __all__ = ["scale_by_trust_ratio"]
 
@@ -42,6 +42,16 @@ def scale_by_trust_ratio(
     Returns:
         A stateless GradientTransformation (:class:`fn.EmptyState`); ``update`` needs
         ``params``. ``None`` updates stay ``None``.
+
+    Example:
+        >>> import torch
+        >>> import fn
+        >>> tx = fn.scale_by_trust_ratio()
+        >>> params = {"w": torch.tensor([3.0, 4.0])}  # norm 5
+        >>> updates = {"w": torch.tensor([0.0, 0.5])}  # norm 0.5: scaled by 5 / 0.5
+        >>> scaled, _ = tx.update(updates, tx.init(params), params)
+        >>> scaled["w"]
+        tensor([0., 5.])
     """
     check_nonnegative(
         "scale_by_trust_ratio", min_norm=min_norm, trust_coefficient=trust_coefficient, eps=eps
@@ -53,23 +63,32 @@ def scale_by_trust_ratio(
         del params
         return EmptyState()
 
+    def scale(u, p):
+        ratio = trust_ratio(p, u, min_norm, trust_coefficient, eps, min_coeff, max_coeff)
+        return u * ratio.to(u.dtype)
+
     def update_fn(updates, state, params=None, **extra):
         del extra
-        if params is None:
-            raise ValueError("scale_by_trust_ratio: update() needs params")
-
-        def leaf(u, p):
-            if p is None:
-                raise ValueError("scale_by_trust_ratio: a param is None where its update is not")
-            check_shapes("scale_by_trust_ratio", p, u)
-            p_norm = torch.linalg.vector_norm(p.float()).clamp(min=min_norm)
-            u_norm = torch.linalg.vector_norm(u.float()).clamp(min=min_norm)
-            ratio = trust_coefficient * p_norm / (u_norm + eps)
-            ratio = torch.where((p_norm == 0) | (u_norm == 0), torch.ones_like(ratio), ratio)
-            if min_coeff is not None or max_coeff is not None:
-                ratio = ratio.clamp(min=min_coeff, max=max_coeff)
-            return u * ratio.to(u.dtype)
-
-        return tree_map(leaf, updates, params), state
+        return map_with_params("scale_by_trust_ratio", scale, updates, params), state
 
     return GradientTransformation(init_fn, update_fn)
+
+
+def trust_ratio(
+    param: torch.Tensor,
+    update: torch.Tensor,
+    min_norm: float = 0.0,
+    trust_coefficient: float = 1.0,
+    eps: float = 0.0,
+    min_coeff: float | None = None,
+    max_coeff: float | None = None,
+) -> torch.Tensor:
+    """The 0-dim fp32 trust ratio of one leaf, as :func:`scale_by_trust_ratio` defines it: the
+    fallback 1 for a zero norm comes before the clamp, so it is clamped too."""
+    p_norm = torch.linalg.vector_norm(param.float()).clamp(min=min_norm)
+    u_norm = torch.linalg.vector_norm(update.float()).clamp(min=min_norm)
+    ratio = trust_coefficient * p_norm / (u_norm + eps)
+    ratio = torch.where((p_norm == 0) | (u_norm == 0), torch.ones_like(ratio), ratio)
+    if min_coeff is not None or max_coeff is not None:
+        ratio = ratio.clamp(min=min_coeff, max=max_coeff)
+    return ratio

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from fn._validation import check_nonnegative
 from fn.base import EmptyState, GradientTransformation
-from fn.transforms._leaves import check_nonnegative, check_shapes
-from fn.tree import tree_map
+from fn.transforms._leaves import map_with_params
 
 __all__ = ["add_decayed_weights"]
 
@@ -41,19 +41,13 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         del params
         return EmptyState()
 
+    def decay(u, p):
+        return torch.add(u, p, alpha=weight_decay)
+
     def update_fn(updates, state, params=None, **extra):
         del extra
         if weight_decay == 0.0:
             return updates, state
-        if params is None:
-            raise ValueError("add_decayed_weights: update() needs params")
-
-        def leaf(u, p):
-            if p is None:
-                raise ValueError("add_decayed_weights: a param is None where its update is not")
-            check_shapes("add_decayed_weights", p, u)
-            return torch.add(u, p, alpha=weight_decay)
-
-        return tree_map(leaf, updates, params), state
+        return map_with_params("add_decayed_weights", decay, updates, params), state
 
     return GradientTransformation(init_fn, update_fn)

@@ -2,32 +2,24 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 
-from fn import collectives
-from fn.base import CompressedOptimizer, Params, Updates
+from fn._validation import check_betas, check_finite, check_int, check_nonnegative
+from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
-from fn.transforms._learning_rate import learning_rate_now
-from fn.transforms._leaves import check_nonnegative
-from fn.transforms._onebit_common import (
+from fn.transforms._leafwise import (
     LearningRate,
-    check_betas,
-    check_finite,
-    check_nonnegative_int,
-    check_shape,
-    init_lr,
-    leaves_or_nones,
+    compressed_mean,
+    compressed_optimizer,
+    init_error_feedback_per_leaf,
+    map_leaves,
     moving_average,
-    moving_average_of_squares,
-    require_params,
-    resolve_plan,
 )
 from fn.transforms._onebit_schedules import ZeroOneAdamPlan, ZeroOneAdamSchedule
-from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
-
-_LEAF_FIELDS = ("exp_avg", "exp_avg_sq", "momentum_accumulator", "worker_error", "server_error")
+from fn.tree import PyTree, tree_map, tree_zeros_like
 
 
 class ZeroOneAdamState(NamedTuple):
@@ -44,6 +36,16 @@ class ZeroOneAdamState(NamedTuple):
     local_counter: torch.Tensor  # [] int64
     lrs: torch.Tensor  # [] fp32: sum of the learning rates of the local steps since a sync
     frozen: torch.Tensor  # [] bool: the variance is frozen (local steps and syncs)
+
+
+class _Leaf(NamedTuple):
+    """One leaf of the per-leaf fields of :class:`ZeroOneAdamState`."""
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    momentum_accumulator: torch.Tensor
+    worker_error: torch.Tensor
+    server_error: torch.Tensor
 
 
 def zero_one_adam(
@@ -132,149 +134,128 @@ def zero_one_adam(
     gradients raise ``ValueError`` with nothing updated: the variance step checks the averaged
     gradient, the 1-bit steps rely on the collective's check, local steps (no communication) check
     the local gradient, which on a real process group raises on the offending rank only.
+
+    The exact rules, step by step, are in ``docs/algorithms.md`` (section "0/1 Adam").
+
+    Example:
+        One worker: the variance is refreshed at updates 1 and 2, then frozen (local steps).
+
+        >>> import torch
+        >>> import fn
+        >>> from fn.collectives import Local
+        >>> opt = fn.zero_one_adam(lr=1e-2, var_freeze_step=2, comm=Local())
+        >>> params = {"w": torch.ones(3)}
+        >>> state = opt.init(params)
+        >>> for t in range(1, 6):
+        ...     grads = {"w": torch.tensor([0.5, -1.0, 2.0])}
+        ...     updates, state = opt.update(grads, state, params, step=t)
+        ...     params = fn.apply_updates(params, updates)
+        >>> [opt.plan(t).variance for t in range(1, 6)]
+        [True, True, False, False, False]
+        >>> bool(state.frozen), int(state.count)
+        (True, 5)
     """
-    b1, b2 = check_betas(betas)
+    b1, b2 = check_betas("zero_one_adam", betas)
     check_nonnegative("zero_one_adam", eps=eps, weight_decay=weight_decay)
     if not callable(lr):
         check_nonnegative("zero_one_adam", lr=lr)
     schedule = ZeroOneAdamSchedule(
-        check_nonnegative_int("var_freeze_step", var_freeze_step),
-        check_nonnegative_int("var_update_scaler", var_update_scaler, 1),
-        check_nonnegative_int("local_step_scaler", local_step_scaler, 1),
-        check_nonnegative_int("local_step_clipper", local_step_clipper, 1),
+        check_int("var_freeze_step", var_freeze_step),
+        check_int("var_update_scaler", var_update_scaler, 1),
+        check_int("local_step_scaler", local_step_scaler, 1),
+        check_int("local_step_clipper", local_step_clipper, 1),
     )
-    world = comm.world_size
 
-    def car(x, ew, es, mask):
-        if world > 1 and x.numel() > 0:
-            x, ew, es = collectives.compressed_allreduce(x, ew, es, comm=comm)
-        if mask is not None:
-            x = x * mask
-        return x, ew, es
-
-    def advance(interval, counter, scaler, clipper=None):
-        """One more event of a doubling schedule, in tensor ops (no host value is read): after
-        ``scaler`` events the interval doubles (capped at ``clipper``) and the counter restarts."""
-        counter = counter + 1
-        wraps = counter == scaler
-        doubled = 2 * interval if clipper is None else (2 * interval).clamp(max=clipper)
-        return torch.where(wraps, doubled, interval), torch.where(wraps, 0, counter)
-
-    def init_fn(params: Params) -> ZeroOneAdamState:
-        def errors(p):
-            return collectives.init_error_feedback(p.numel(), comm=comm, device=p.device)
-
-        spec = tree_flatten(params)[1]
-        pair_leaves = spec.flatten_up_to(tree_map(errors, params))
+    def init_fields(params):
+        worker_error, server_error = init_error_feedback_per_leaf(params, comm)
         counters = schedule.counters(1)
-
-        def scalar(value, dtype=torch.int64):
-            return torch.tensor(value, dtype=dtype)
-
-        return ZeroOneAdamState(
-            count=scalar(0),
-            lr=init_lr(lr),
-            exp_avg=tree_map(lambda p: torch.zeros_like(p, dtype=torch.float32), params),
-            exp_avg_sq=tree_map(lambda p: torch.zeros_like(p, dtype=torch.float32), params),
-            momentum_accumulator=tree_map(
-                lambda p: torch.zeros_like(p, dtype=torch.float32), params
-            ),
-            worker_error=tree_unflatten([None if e is None else e[0] for e in pair_leaves], spec),
-            server_error=tree_unflatten([None if e is None else e[1] for e in pair_leaves], spec),
-            var_interval=scalar(counters.var_interval),
-            var_counter=scalar(counters.var_counter),
-            local_interval=scalar(counters.local_interval),
-            local_counter=scalar(counters.local_counter),
-            lrs=scalar(0.0, torch.float32),
-            frozen=scalar(counters.frozen, torch.bool),
+        return dict(
+            exp_avg=tree_zeros_like(params, torch.float32),
+            exp_avg_sq=tree_zeros_like(params, torch.float32),
+            momentum_accumulator=tree_zeros_like(params, torch.float32),
+            worker_error=worker_error,
+            server_error=server_error,
+            var_interval=torch.tensor(counters.var_interval),
+            var_counter=torch.tensor(counters.var_counter),
+            local_interval=torch.tensor(counters.local_interval),
+            local_counter=torch.tensor(counters.local_counter),
+            lrs=torch.tensor(0.0, dtype=torch.float32),
+            frozen=torch.tensor(counters.frozen),
         )
 
-    def make_update(compressed: bool):
-        def update_fn(
-            grads: Updates,
-            state: ZeroOneAdamState,
-            params: Params | None = None,
-            *,
-            step: int | None = None,
-            plan: ZeroOneAdamPlan | None = None,
-            **extra: Any,
-        ) -> tuple[Updates, ZeroOneAdamState]:
-            del extra
-            kind = "compressed" if compressed else "variance (warmup)"
-            plan = resolve_plan(step, plan, schedule.plan, ZeroOneAdamPlan, compressed, kind)
-            if weight_decay > 0:
-                require_params(params, "weight_decay > 0")
-            frozen, sync, reset = plan.frozen, plan.sync, plan.reset_errors
-            spec = tree_flatten(state.exp_avg)[1]
-            g_leaves = spec.flatten_up_to(grads)
-            old = {k: spec.flatten_up_to(getattr(state, k)) for k in _LEAF_FIELDS}
-            p_leaves = leaves_or_nones(params, spec)
-            mask_leaves = leaves_or_nones(exp_avg_mask, spec)
-            eta = learning_rate_now(lr, state.count, state.lr)
-            lrs = state.lrs + eta if frozen else state.lrs
+    def one_bit_mean(x, ew, es, mask, local_check=None):
+        x, ew, es = compressed_mean(x, ew, es, comm, local_check)
+        return (x if mask is None else x * mask), ew, es
 
-            updates, new = [], {k: [] for k in _LEAF_FIELDS}
-            for i, g in enumerate(g_leaves):
-                m, v, a, ew, es = (old[k][i] for k in _LEAF_FIELDS)
-                if g is None:
-                    if reset:  # every leaf's errors, gradient or not
-                        ew, es = torch.zeros_like(ew), torch.zeros_like(es)
-                    updates.append(None)
-                    for k, x in zip(_LEAF_FIELDS, (m, v, a, ew, es), strict=True):
-                        new[k].append(x)
-                    continue
-                g = check_shape(g, m, i)
-                if not compressed:
-                    g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
-                    v = moving_average_of_squares(v, b2, g)
-                    m = moving_average(m, b1, g)
-                elif not frozen:
-                    if world == 1:
-                        g = check_finite(g, "the gradient")
-                    g, ew, es = car(g, ew, es, mask_leaves[i])
-                    m = b1 * m + (1 - b1) * g
-                else:
-                    m = b1 * m + (1 - b1) * check_finite(g, "the local gradient")
-                denom = v.sqrt() + eps
-                u = m / denom
-                if weight_decay > 0:
-                    u = u + weight_decay * p_leaves[i].float()
-                upd = -eta * u
-                if frozen:
-                    a = a + upd
-                if sync:
-                    upd = upd - a
-                    a, ew, es = car(a * denom, ew, es, mask_leaves[i])
-                    m = torch.where(lrs != 0, -a / lrs, torch.zeros_like(a))
-                    upd = upd + a / denom
-                    a = torch.zeros_like(a)
-                if reset:
-                    ew, es = torch.zeros_like(ew), torch.zeros_like(es)
-                updates.append(upd)
-                for k, x in zip(_LEAF_FIELDS, (m, v, a, ew, es), strict=True):
-                    new[k].append(x)
+    def leaf_rule(g, leaf, p, mask, *, plan, eta, lrs):
+        m, v, a, ew, es = leaf
+        if plan.variance:
+            g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
+            v = moving_average(v, b2, g, square=True)
+            m = moving_average(m, b1, g)
+        elif not plan.frozen:
+            g, ew, es = one_bit_mean(g, ew, es, mask, "the gradient")
+            m = moving_average(m, b1, g)
+        else:
+            m = moving_average(m, b1, check_finite(g, "the local gradient"))
+        denom = v.sqrt() + eps
+        u = m / denom
+        if weight_decay > 0:
+            u = u + weight_decay * p.float()
+        update = -eta * u
+        if plan.frozen:
+            a = a + update
+        if plan.sync:
+            update = update - a
+            a, ew, es = one_bit_mean(a * denom, ew, es, mask)
+            m = torch.where(lrs != 0, -a / lrs, torch.zeros_like(a))
+            update = update + a / denom
+            a = torch.zeros_like(a)
+        return update, _Leaf(m, v, a, ew, es)
 
-            var = (state.var_interval, state.var_counter)
-            if plan.variance:
-                var = advance(*var, var_update_scaler)
-            local = (state.local_interval, state.local_counter)
-            if frozen:
-                local = advance(*local, local_step_scaler, local_step_clipper)
-            new_state = ZeroOneAdamState(
-                count=state.count + 1,
-                lr=eta,
-                **{k: tree_unflatten(new[k], spec) for k in _LEAF_FIELDS},
-                var_interval=var[0],
-                var_counter=var[1],
-                local_interval=local[0],
-                local_counter=local[1],
-                lrs=torch.zeros_like(lrs) if sync else lrs,
-                frozen=torch.full_like(state.frozen, frozen or reset),
+    def update(grads, state, params, plan, eta):
+        lrs = state.lrs + eta if plan.frozen else state.lrs
+        rule = partial(leaf_rule, plan=plan, eta=eta, lrs=lrs)
+        updates, state = map_leaves(
+            "zero_one_adam", rule, grads, state, _Leaf, params, exp_avg_mask
+        )
+        if plan.reset_errors:  # every leaf's errors, gradient or not
+            state = state._replace(
+                worker_error=tree_map(torch.zeros_like, state.worker_error),
+                server_error=tree_map(torch.zeros_like, state.server_error),
             )
-            return tree_unflatten(updates, spec), new_state
+        var = (state.var_interval, state.var_counter)
+        if plan.variance:
+            var = _advance(*var, var_update_scaler)
+        local = (state.local_interval, state.local_counter)
+        if plan.frozen:
+            local = _advance(*local, local_step_scaler, local_step_clipper)
+        return updates, state._replace(
+            var_interval=var[0],
+            var_counter=var[1],
+            local_interval=local[0],
+            local_counter=local[1],
+            lrs=torch.zeros_like(lrs) if plan.sync else lrs,
+            frozen=torch.full_like(state.frozen, plan.frozen or plan.reset_errors),
+        )
 
-        return update_fn
-
-    return CompressedOptimizer(
-        init_fn, make_update(False), make_update(True), schedule.is_compressed, schedule.plan
+    return compressed_optimizer(
+        lr,
+        ZeroOneAdamState,
+        init_fields,
+        update,
+        schedule.is_compressed,
+        schedule.plan,
+        ZeroOneAdamPlan,
+        params_needed_for="weight_decay > 0" if weight_decay > 0 else None,
+        warmup_phase="variance (warmup)",
     )
+
+
+def _advance(interval, counter, scaler, clipper=None):
+    """One more event of a doubling schedule, in tensor ops (no host value is read): after
+    ``scaler`` events the interval doubles (capped at ``clipper``) and the counter restarts."""
+    counter = counter + 1
+    wraps = counter == scaler
+    doubled = 2 * interval if clipper is None else (2 * interval).clamp(max=clipper)
+    return torch.where(wraps, doubled, interval), torch.where(wraps, 0, counter)

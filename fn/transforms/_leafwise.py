@@ -1,0 +1,250 @@
+"""The shared driver of the compressed optimizers (1-bit Adam, 0/1 Adam, 1-bit LAMB).
+
+Each optimizer is its state, its per-leaf rule and, where the algorithm needs one, a step over
+all leaves at once (1-bit LAMB's fused allreduce, 0/1 Adam's schedule counters). This module does
+the rest the same way for all three:
+
+- :func:`compressed_optimizer` builds the ``CompressedOptimizer``: it resolves the plan of the
+  update (from exactly one of ``step`` and ``plan``), checks that ``params`` are given where the
+  rule needs them, reads the learning rate of the update and advances the counter.
+- :func:`map_leaves` runs the per-leaf rule: it flattens every per-leaf state field against one
+  spec, checks the gradient shapes, passes ``None`` gradient leaves through and rebuilds the
+  trees.
+
+Nothing here communicates except :func:`compressed_mean`, which calls ``fn.collectives``. The
+exact rules are in ``docs/algorithms.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+from fn import collectives
+from fn._validation import check_finite, check_shapes, check_step, require_params
+from fn.base import CompressedOptimizer, Params, Updates
+from fn.transforms._learning_rate import learning_rate_now
+from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
+
+LearningRate = float | Callable[[torch.Tensor], torch.Tensor]
+
+# (grads, state, params, plan, lr of this update) -> (updates, state without count and lr)
+UpdateRule = Callable[[Updates, Any, Params | None, Any, torch.Tensor], tuple[Updates, Any]]
+
+
+def compressed_optimizer(
+    lr: LearningRate,
+    state_type: type[NamedTuple],
+    init_fields: Callable[[Params], dict[str, Any]],
+    update: UpdateRule,
+    is_compressed: Callable[[int], bool],
+    plan_for: Callable[[int], Any],
+    plan_type: type,
+    *,
+    params_needed_for: str | None,
+    warmup_phase: str = "warmup",
+) -> CompressedOptimizer:
+    """A ``CompressedOptimizer`` whose two updates run ``update`` on the plan of the update.
+
+    Args:
+        lr: the learning rate or schedule; the state holds it as the 0-dim fp32 field ``lr``.
+        state_type: the state NamedTuple; its first fields are ``count`` and ``lr``.
+        init_fields: the other fields of the initial state, by name, for the params.
+        update: ``(grads, state, params, plan, lr) -> (updates, state)``; the plan is a
+            ``plan_type`` whose ``compressed`` matches the phase, ``lr`` the learning rate of this
+            update. The ``count`` and ``lr`` of the state it returns are set here.
+        is_compressed: the host schedule, ``CompressedOptimizer.is_compressed``.
+        plan_for: the plan of the 1-based update ``t``.
+        plan_type: the type of the plans.
+        params_needed_for: what needs the params (e.g. ``"weight_decay > 0"``), or ``None`` when
+            the updates work without them.
+        warmup_phase: the name of the phase of ``warmup_update`` in error messages.
+
+    Returns:
+        ``CompressedOptimizer(init, warmup_update, compressed_update, is_compressed, plan_for)``.
+    """
+
+    def init_fn(params: Params) -> Any:
+        count = torch.zeros((), dtype=torch.int64)
+        return state_type(count=count, lr=_initial_lr(lr), **init_fields(params))
+
+    def phase_update(compressed: bool):
+        phase = "compressed" if compressed else warmup_phase
+
+        def update_fn(
+            grads: Updates,
+            state: Any,
+            params: Params | None = None,
+            *,
+            step: int | None = None,
+            plan: Any = None,
+            **extra: Any,
+        ) -> tuple[Updates, Any]:
+            del extra
+            plan = _resolve_plan(step, plan, plan_for, plan_type, compressed, phase)
+            if params_needed_for is not None:
+                require_params(params, params_needed_for)
+            eta = learning_rate_now(lr, state.count, state.lr)
+            updates, new_state = update(grads, state, params, plan, eta)
+            return updates, new_state._replace(count=state.count + 1, lr=eta)
+
+        return update_fn
+
+    return CompressedOptimizer(
+        init_fn, phase_update(False), phase_update(True), is_compressed, plan_for
+    )
+
+
+def map_leaves(
+    name: str,
+    rule: Callable[..., tuple[torch.Tensor | None, Any]],
+    grads: Updates,
+    state: Any,
+    leaf_type: type[NamedTuple],
+    *inputs: PyTree | None,
+) -> tuple[Updates, Any]:
+    """Runs ``rule(g, leaf, *input_leaves) -> (update, new_leaf)`` on every leaf with a gradient.
+
+    Args:
+        name: the optimizer, for error messages.
+        rule: the per-leaf rule. ``g`` is the leaf's gradient as fp32, ``leaf`` a ``leaf_type``
+            of the leaf's state, ``input_leaves`` the leaf's entry of each of ``inputs``.
+        grads: the gradients, a tree like the params; ``None`` leaves have no gradient.
+        state: the optimizer state.
+        leaf_type: a NamedTuple whose fields name the per-leaf fields of ``state`` (trees like
+            the params). All of them, ``grads`` and ``inputs`` are flattened against the spec of
+            the first one.
+        *inputs: further trees like the params (params, masks), or ``None`` (``None`` at every
+            leaf).
+
+    Returns:
+        The updates (``None`` where the gradient is ``None``) and ``state`` with the fields of
+        ``leaf_type`` rebuilt from the new leaves (a leaf without a gradient keeps its state; a
+        field whose leaves are all unchanged stays the same tree).
+
+    Raises:
+        ValueError: naming the leaf, if a gradient's shape differs from its state's.
+    """
+    fields = leaf_type._fields
+    first = getattr(state, fields[0])
+    spec = tree_flatten(first)[1]
+    columns = [spec.flatten_up_to(getattr(state, field)) for field in fields]
+    old_leaves = [leaf_type._make(values) for values in zip(*columns, strict=True)]
+    input_columns = [_leaves_or_nones(tree, spec) for tree in inputs]
+    extras = list(zip(*input_columns, strict=True)) if inputs else [()] * spec.num_leaves
+    g_leaves = spec.flatten_up_to(grads)
+    updates, leaves = [], []
+    for i, (g, leaf, extra) in enumerate(zip(g_leaves, old_leaves, extras, strict=True)):
+        update = None
+        if g is not None:
+            like = leaf[0]
+            if like is None or g.shape != like.shape:  # named only on error: naming costs a walk
+                what = f"gradient leaf {_leaf_name(first, i)}"
+                if like is None:
+                    raise ValueError(f"{name}: {what} has no state (its param was None at init)")
+                check_shapes(name, like, g, what)
+            update, leaf = rule(g.float(), leaf, *extra)
+        updates.append(update)
+        leaves.append(leaf)
+    new_fields = {}
+    for k, field in enumerate(fields):
+        if any(new[k] is not old[k] for new, old in zip(leaves, old_leaves, strict=True)):
+            new_fields[field] = tree_unflatten([leaf[k] for leaf in leaves], spec)
+    return tree_unflatten(updates, spec), state._replace(**new_fields)
+
+
+def moving_average(
+    x: torch.Tensor, beta: float, y: torch.Tensor, *, square: bool = False
+) -> torch.Tensor:
+    """``beta * x + (1 - beta) * y``, or with ``square`` ``beta * x + (1 - beta) * y * y``,
+    rounded as written (``(beta * x) + (((1 - beta) * y) * y)``). The sum and the second product
+    go in place into fresh products: the same rounding, fewer full-size temporaries."""
+    new = (1 - beta) * y
+    if square:
+        new.mul_(y)
+    return (beta * x).add_(new)
+
+
+def init_error_feedback_per_leaf(params: Params, comm: Any) -> tuple[PyTree, PyTree]:
+    """The worker and server errors of one compressed allreduce per leaf (trees like the
+    params, ``None`` where a param is ``None``)."""
+
+    def errors(p):
+        return collectives.init_error_feedback(p.numel(), comm=comm, device=p.device)
+
+    spec = tree_flatten(params)[1]
+    pairs = spec.flatten_up_to(tree_map(errors, params))
+    worker = [None if pair is None else pair[0] for pair in pairs]
+    server = [None if pair is None else pair[1] for pair in pairs]
+    return tree_unflatten(worker, spec), tree_unflatten(server, spec)
+
+
+def compressed_mean(
+    x: torch.Tensor,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    comm: Any,
+    local_check: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fn.collectives.compressed_allreduce(x, worker_error, server_error)``: the 1-bit mean of
+    ``x`` over the ranks and the new errors. With one worker there is nothing to compress: ``x``
+    comes back as it is, checked to be finite (naming ``local_check``) unless that is ``None``;
+    an empty ``x`` comes back unchanged."""
+    if comm.world_size > 1 and x.numel() > 0:
+        return collectives.compressed_allreduce(x, worker_error, server_error, comm=comm)
+    if comm.world_size == 1 and local_check is not None:
+        x = check_finite(x, local_check)
+    return x, worker_error, server_error
+
+
+def _initial_lr(lr: LearningRate) -> torch.Tensor:
+    """The ``lr`` state field at init: a 0-dim fp32 tensor (a schedule is read at count 0)."""
+    if callable(lr):
+        return torch.as_tensor(lr(torch.zeros((), dtype=torch.int64)), dtype=torch.float32)
+    return torch.tensor(float(lr), dtype=torch.float32)
+
+
+def _resolve_plan(
+    step: int | None,
+    plan: Any,
+    plan_for: Callable[[int], Any],
+    plan_type: type,
+    compressed: bool,
+    phase: str,
+) -> Any:
+    """The plan of the update being made, from exactly one of ``step`` (turned into
+    ``plan_for(step)`` on the host) and ``plan`` (``opt.plan(t)``); both give the same update.
+
+    Raises:
+        TypeError: if neither or both are given, ``step`` is a tensor or ``plan`` is not a
+            ``plan_type``.
+        ValueError: if ``step`` is not an int >= 1, or the plan is not one of ``phase``.
+    """
+    if (step is None) == (plan is None):
+        raise TypeError(
+            "pass exactly one of step=t (the 1-based update count) and plan=opt.plan(t)"
+        )
+    if plan is None:
+        plan, where = plan_for(check_step(step)), f"update {step}"
+    elif not isinstance(plan, plan_type):
+        raise TypeError(f"plan must be a {plan_type.__name__} (opt.plan(t)), got {plan!r}")
+    else:
+        where = f"the update planned as {plan}"
+    if plan.compressed != compressed:
+        raise ValueError(f"{where} is not a {phase} update")
+    return plan
+
+
+def _leaves_or_nones(tree: PyTree | None, spec: pytree.TreeSpec) -> list[Any]:
+    if tree is None:
+        return [None] * spec.num_leaves
+    return spec.flatten_up_to(tree)
+
+
+def _leaf_name(tree: PyTree, index: int) -> str:
+    """The key path of leaf ``index`` of ``tree`` (e.g. ``['w']``), for error messages."""
+    paths = pytree.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
+    return pytree.keystr(paths[index][0])
