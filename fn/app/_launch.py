@@ -13,6 +13,7 @@ them when the parent dies without cleaning up (``kill -9``), so none keeps train
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import os
@@ -103,9 +104,8 @@ def _failures(
         try:
             with open(path, "rb") as f:
                 reports.append(f"worker rank {rank} failed:\n{pickle.load(f)}")
-        except OSError:
-            continue  # no traceback: the rank did not raise
-        os.unlink(path)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            continue  # no traceback: the rank did not raise, or was killed while writing it
     return "\n".join(reports) or f"worker rank {err.error_index} died: {err.msg}"
 
 
@@ -177,10 +177,14 @@ def spawn_gloo(
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
         raise WorkerError(_failures(context, err)) from None
     finally:
-        # A timeout or Ctrl-C leaves the children running: torch ends them only on a failure.
-        for p in context.processes if context is not None else ():
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=5)
+        if context is not None:
+            # A timeout or Ctrl-C leaves the children running: torch ends them only on a failure.
+            for p in context.processes:
+                if p.is_alive():
+                    p.kill()
+                p.join(timeout=5)
+            for path in context.error_files:  # torch leaves the tracebacks' files behind
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
         messages.close()
     return [results[r] for r in range(world_size)]
