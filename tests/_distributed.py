@@ -3,7 +3,7 @@
 ``run_distributed(worker_fn, world_size, *args, timeout=120)`` spawns ``world_size`` processes,
 each joins a gloo group on a free local port and returns ``worker_fn(rank, world_size, *args)``.
 ``worker_fn`` must be importable at module level and return something picklable. It is
-:func:`fn._spawn.spawn_gloo` (the demo's launcher) with one intra-op thread per rank: any
+:func:`fn.app._launch.spawn_gloo` (the demo's launcher) with one intra-op thread per rank: any
 exception in a child, a child that dies, or the timeout raises in the parent (a
 ``RuntimeError``), and every child is killed, also when the parent dies (Linux).
 Batch many cases into one call: a launch costs a few seconds.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fn._spawn import spawn_gloo
+from fn.app._launch import spawn_gloo
 
 
 def _call(rank: int, world_size: int, send: Any, worker_fn: Callable[..., Any], args: tuple) -> Any:

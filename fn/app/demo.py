@@ -2,7 +2,7 @@
 
 A small character-level model (an embedding of a context window followed by an MLP) learns to
 predict the next character of Python source text read from the standard library's own files
-(:mod:`fn._data`). Every worker trains on its own shard of the text and the optimizers do all
+(:mod:`fn.app._data`). Every worker trains on its own shard of the text and the optimizers do all
 gradient communication themselves, through a ``fn.collectives`` comm: real gloo processes
 (``ProcessGroup``) or ``Simulated`` ranks batched under ``torch.func.vmap`` in one process.
 
@@ -38,7 +38,8 @@ from typing import Any, NamedTuple
 import torch
 
 import fn
-from fn import _data, _spawn, collectives
+from fn import collectives
+from fn.app import _data, _launch
 from fn.collectives import dense_allreduce
 from fn.tree import PyTree, tree_leaves
 
@@ -444,9 +445,9 @@ def run_workers(cfg: DemoConfig, on_step: Callable[[int, str, int], None]) -> li
         One :class:`OptimizerResult` per optimizer.
 
     Raises:
-        fn._spawn.WorkerError: a worker failed, died or ran past ``cfg.timeout``.
+        fn.app._launch.WorkerError: a worker failed, died or ran past ``cfg.timeout``.
     """
-    per_rank = _spawn.spawn_gloo(
+    per_rank = _launch.spawn_gloo(
         _worker,
         cfg.world_size,
         (cfg,),

@@ -3,30 +3,23 @@
 from __future__ import annotations
 
 import csv
-import io
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from fn import _data, _report, demo
-from fn._progress import Progress
+from fn.app import _data, _report, demo
+from fn.app.cli import main
+from tests.app import ROOT, cli
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20
 WORLD = 2
 COMPRESSED = ("onebit_adam", "zero_one_adam", "onebit_lamb", "loco_adam")
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "fn", *args]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +28,7 @@ def runs(tmp_path_factory):
     procs = {}
     for mode in ("workers", "simulate"):
         out = tmp_path_factory.mktemp(mode)
-        cmd = _cli("demo", "--steps", str(STEPS), f"--{mode}", str(WORLD), "--out", str(out))
+        cmd = cli("demo", "--steps", str(STEPS), f"--{mode}", str(WORLD), "--out", str(out))
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         procs[mode] = (
             subprocess.Popen(
@@ -102,7 +95,8 @@ def test_demo_writes_table_and_plot(runs, mode):
         assert rows[name]["ranks_identical"] == "True", name
         assert float(rows[name]["max_param_diff"]) == 0.0
     assert "compressed phases run after it" in stdout
-    assert f"{STEPS}/{STEPS} steps" in stderr  # the progress bar (periodic lines: not a tty)
+    assert f"[{len(demo.OPTIMIZERS)}/{len(demo.OPTIMIZERS)}] loco_adam" in stderr  # progress
+    assert f"{STEPS}/{STEPS}" in stderr
 
 
 @pytest.mark.timeout(120)
@@ -170,8 +164,6 @@ def test_simulated_and_real_workers_agree(runs):
     ],
 )
 def test_bad_flags_exit_with_a_message(flags, message, capsys):
-    from fn.__main__ import main
-
     with pytest.raises(SystemExit) as exc:
         main(["demo", *flags])
     assert exc.value.code != 0
@@ -181,24 +173,21 @@ def test_bad_flags_exit_with_a_message(flags, message, capsys):
 @pytest.mark.timeout(60)
 def test_bad_flag_in_a_subprocess():
     result = subprocess.run(
-        _cli("demo", "--workers", "0"), cwd=ROOT, capture_output=True, text=True, timeout=50
+        cli("demo", "--workers", "0"), cwd=ROOT, capture_output=True, text=True, timeout=50
     )
     assert result.returncode == 2
     assert "--workers: must be at least 1, got 0" in result.stderr
 
 
 def test_main_needs_a_command():
-    from fn.__main__ import main
-
     with pytest.raises(SystemExit):
         main([])
 
 
 @pytest.mark.timeout(60)
-def test_in_process_without_matplotlib(tmp_path, capsys, monkeypatch):
-    from fn.__main__ import main
-
-    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+def test_in_process_without_matplotlib_and_tqdm(tmp_path, capsys, monkeypatch):
+    """The optional dependencies of the ``app`` extra: without them the demo still runs."""
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg", "tqdm"):
         monkeypatch.setitem(sys.modules, name, None)  # importing it now fails
     threads = torch.get_num_threads()
     try:
@@ -217,11 +206,25 @@ def test_in_process_without_matplotlib(tmp_path, capsys, monkeypatch):
         )
     finally:
         torch.set_num_threads(threads)
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert code == 0
     assert "no plot: matplotlib is not installed" in out
     assert not (tmp_path / "loss.png").exists()
     assert list(_rows(tmp_path)) == ["onebit_adam", "adam"]
+    assert 'pip install "fn-optim[app]"' in err
+    assert "[1/2] onebit_adam: 10/10 steps" in err and "[2/2] adam: 10/10 steps" in err
+
+
+@pytest.mark.parametrize("where", ["file", "file/sub", "/proc/self"])
+def test_an_unwritable_out_fails_before_training(where, tmp_path, capsys):
+    if where == "/proc/self" and not Path(where).is_dir():
+        pytest.skip("needs /proc (a directory that even root cannot write to)")
+    (tmp_path / "file").write_text("")
+    path = Path(where) if where.startswith("/") else tmp_path / where
+    assert main(["demo", "--simulate", "2", "--out", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert f"error: cannot write to --out {path}" in err
+    assert not out  # nothing was trained
 
 
 def test_table_ratios_and_text():
@@ -258,117 +261,3 @@ def test_data_shards_are_disjoint_and_deterministic():
     ids = _data.encode(text, corpus.vocab)
     assert "".join(corpus.vocab[i] for i in ids) == text
     assert _data.encode("\u00e9", corpus.vocab).item() == _data.VOCAB_CHARS  # "other"
-
-
-class _Tty(io.StringIO):
-    def isatty(self):
-        return True
-
-
-def test_progress_redraws_one_line_on_a_tty_and_prints_lines_otherwise():
-    tty, log = _Tty(), io.StringIO()
-    for stream in (tty, log):
-        bar = Progress(stream, tasks=2, steps=4, interval=0.0, refresh=0.0)
-        for task in range(2):
-            for step in range(1, 5):
-                bar.update(task, f"opt{task}", step)
-        bar.close()
-    assert tty.getvalue().count("\r") == 8 and tty.getvalue().count("\n") == 1
-    lines = log.getvalue().splitlines()
-    assert len(lines) == 8 and "\r" not in log.getvalue()
-    assert lines[-1].startswith("[2/2] opt1") and "100.0%" in lines[-1]
-
-
-def _fail_on_rank_1(rank, world_size, send):
-    if rank == 1:
-        raise RuntimeError("rank 1 gives up")
-    time.sleep(600)  # only the parent's kill ends rank 0 in time
-
-
-@pytest.mark.timeout(60)
-def test_a_failing_worker_raises_and_the_others_are_killed():
-    from fn._spawn import WorkerError, spawn_gloo
-
-    with pytest.raises(WorkerError, match="rank 1 gives up"):
-        spawn_gloo(_fail_on_rank_1, 2, (), timeout=40, on_message=lambda *a: None)
-    assert not [p for p in _children(os.getpid()) if _is_worker(p)]
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def _is_worker(pid: int) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return b"spawn_main" in cmdline and b"resource_tracker" not in cmdline
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-
-
-def _start_training_demo(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
-    """A long demo run, returned once its two gloo workers are training."""
-    proc = subprocess.Popen(
-        _cli("demo", "--steps", "100000", "--optimizers", "adam", "--out", str(tmp_path)),
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        # As from a terminal: a shell that starts pytest in the background without job control
-        # makes it ignore SIGINT, and a child inherits that (Python then keeps it ignored).
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    assert "starting 2 gloo worker processes" in proc.stderr.readline()
-    assert "[1/1] adam" in proc.stderr.readline()  # the workers are training
-    workers = [p for p in _children(proc.pid) if _is_worker(p)]
-    assert len(workers) == 2
-    return proc, workers
-
-
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through /proc")
-@pytest.mark.timeout(90)
-def test_ctrl_c_stops_the_workers(tmp_path):
-    proc, workers = _start_training_demo(tmp_path)
-    try:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 130
-        assert "interrupted" in proc.stderr.read()
-        assert not [p for p in workers if _alive(p)]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-@pytest.mark.timeout(90)
-def test_workers_die_with_a_killed_demo(tmp_path):
-    proc, workers = _start_training_demo(tmp_path)
-    try:
-        proc.kill()  # no cleanup runs in the parent: the kernel must end the workers
-        proc.wait(timeout=30)
-        deadline = time.monotonic() + 20
-        while [p for p in workers if _alive(p)] and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in workers if _alive(p)]
-    finally:
-        for p in workers:
-            if _alive(p):
-                os.kill(p, signal.SIGKILL)

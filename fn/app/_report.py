@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fn.demo import OptimizerResult
+from fn.app.demo import OptimizerResult
 
 __all__ = ["table_rows", "format_table", "write_results", "plot_losses"]
 

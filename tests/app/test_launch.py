@@ -1,0 +1,132 @@
+"""The demo's process launcher (fn.app._launch): failures, Ctrl-C and a killed parent end every
+worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+import pytest
+
+from fn.app._launch import WorkerError, spawn_gloo
+from tests.app import ROOT, cli
+
+
+def _fail_on_rank_1(rank, world_size, send):
+    if rank == 1:
+        raise RuntimeError("rank 1 gives up")
+    time.sleep(600)  # only the parent's kill ends rank 0 in time
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_worker_raises_and_the_others_are_killed():
+    with pytest.raises(WorkerError, match="rank 1 gives up"):
+        spawn_gloo(_fail_on_rank_1, 2, (), timeout=40, on_message=lambda *a: None)
+    assert not [p for p in _children(os.getpid()) if _is_worker(p)]
+
+
+def _killed_on_rank_1(rank, world_size, send):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_worker_raises_and_the_others_are_killed():
+    with pytest.raises(WorkerError, match="worker rank 1 died: .*signal SIGKILL"):
+        spawn_gloo(_killed_on_rank_1, 2, (), timeout=40, on_message=lambda *a: None)
+    assert not [p for p in _children(os.getpid()) if _is_worker(p)]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"spawn_main" in cmdline and b"resource_tracker" not in cmdline
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+
+
+def _read_until(stream: TextIO, marker: str) -> None:
+    """Reads ``stream`` until ``marker`` was read (a progress bar redraws without a newline)."""
+    seen = ""
+    while marker not in seen:
+        char = stream.read(1)
+        assert char, f"the output ended before {marker!r}: {seen!r}"
+        seen += char
+
+
+def _start_training_demo(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+    """A long demo run, returned once its two gloo workers are training."""
+    proc = subprocess.Popen(
+        cli("demo", "--steps", "100000", "--optimizers", "adam", "--out", str(tmp_path)),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        # As from a terminal: a shell that starts pytest in the background without job control
+        # makes it ignore SIGINT, and a child inherits that (Python then keeps it ignored).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    _read_until(proc.stderr, "starting 2 gloo worker processes")
+    _read_until(proc.stderr, "[1/1] adam")  # the workers are training
+    workers = [p for p in _children(proc.pid) if _is_worker(p)]
+    assert len(workers) == 2
+    return proc, workers
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through /proc")
+@pytest.mark.timeout(90)
+def test_ctrl_c_stops_the_workers(tmp_path):
+    proc, workers = _start_training_demo(tmp_path)
+    try:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        assert "interrupted" in proc.stderr.read()
+        assert not [p for p in workers if _alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.timeout(90)
+def test_workers_die_with_a_killed_demo(tmp_path):
+    proc, workers = _start_training_demo(tmp_path)
+    try:
+        proc.kill()  # no cleanup runs in the parent: the kernel must end the workers
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while [p for p in workers if _alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in workers if _alive(p)]
+    finally:
+        for p in workers:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
