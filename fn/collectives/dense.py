@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fn.base import EmptyState, GradientTransformation
+from fn.base import GradientTransformation, stateless
 from fn.collectives.comm import Comm
 from fn.tree import tree_map
 
@@ -38,12 +38,6 @@ def dense_allreduce(*, comm: Comm) -> GradientTransformation:
         8
     """
 
-    def init_fn(params):
-        del params
-        return EmptyState()
-
-    def update_fn(updates, state, params=None, **extra):
-        del params, extra
-        return tree_map(lambda u: comm.all_reduce(u, op="mean"), updates), state
-
-    return GradientTransformation(init_fn, update_fn)
+    return stateless(
+        lambda updates, params: tree_map(lambda u: comm.all_reduce(u, op="mean"), updates)
+    )

@@ -36,7 +36,7 @@ import torch
 
 from fn import kernels
 from fn._validation import finite_or_raise
-from fn.base import EmptyState, GradientTransformation
+from fn.base import GradientTransformation, stateless
 from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
@@ -235,25 +235,14 @@ def quantized_allreduce(
     """
     plan = _plan(comm, bits, group_size, local_world_size)
 
-    def init_fn(params):
-        del params
-        return EmptyState()
+    def reduce(u):
+        if comm.world_size == 1 or u.numel() == 0:
+            return u
+        shard, _ = _reduce_scatter(_flat_padded(u, plan), (None,) * len(plan.hops), plan, 0.0)
+        y, _ = _all_gather(shard, None, plan, 0.0)
+        return y[: u.numel()].view(u.shape).to(u.dtype)
 
-    def update_fn(updates, state, params=None, **extra):
-        del params, extra
-        if comm.world_size == 1:
-            return updates, state
-
-        def reduce(u):
-            if u.numel() == 0:
-                return u
-            shard, _ = _reduce_scatter(_flat_padded(u, plan), (None,) * len(plan.hops), plan, 0.0)
-            y, _ = _all_gather(shard, None, plan, 0.0)
-            return y[: u.numel()].view(u.shape).to(u.dtype)
-
-        return tree_map(reduce, updates), state
-
-    return GradientTransformation(init_fn, update_fn)
+    return stateless(lambda updates, params: tree_map(reduce, updates))
 
 
 class QuantizedError(NamedTuple):

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from fn.base import EmptyState, GradientTransformation, OptState
+from fn.base import GradientTransformation, OptState, stateless
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["MaskedState", "masked", "set_to_zero"]
@@ -106,12 +106,4 @@ def set_to_zero() -> GradientTransformation:
         {'w': tensor([0., 0.]), 'b': tensor([1., 1.])}
     """
 
-    def init_fn(params):
-        del params
-        return EmptyState()
-
-    def update_fn(updates, state, params=None, **extra):
-        del params, extra
-        return tree_map(torch.zeros_like, updates), state
-
-    return GradientTransformation(init_fn, update_fn)
+    return stateless(lambda updates, params: tree_map(torch.zeros_like, updates))

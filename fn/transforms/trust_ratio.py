@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fn._validation import check_nonnegative, check_ordered
-from fn.base import EmptyState, GradientTransformation
+from fn.base import GradientTransformation, stateless
 from fn.transforms._leaves import map_with_params
 
 __all__ = ["scale_by_trust_ratio"]
@@ -59,19 +59,13 @@ def scale_by_trust_ratio(
     if min_coeff is not None and max_coeff is not None:
         check_ordered("scale_by_trust_ratio", min_coeff=min_coeff, max_coeff=max_coeff)
 
-    def init_fn(params):
-        del params
-        return EmptyState()
-
     def scale(u, p):
         ratio = trust_ratio(p, u, min_norm, trust_coefficient, eps, min_coeff, max_coeff)
         return u * ratio.to(u.dtype)
 
-    def update_fn(updates, state, params=None, **extra):
-        del extra
-        return map_with_params("scale_by_trust_ratio", scale, updates, params), state
-
-    return GradientTransformation(init_fn, update_fn)
+    return stateless(
+        lambda updates, params: map_with_params("scale_by_trust_ratio", scale, updates, params)
+    )
 
 
 def trust_ratio(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from fn._validation import check_nonnegative
-from fn.base import EmptyState, GradientTransformation
+from fn.base import GradientTransformation, stateless
 from fn.transforms._leaves import map_with_params
 
 __all__ = ["add_decayed_weights"]
@@ -37,17 +37,12 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
     """
     check_nonnegative("add_decayed_weights", weight_decay=weight_decay)
 
-    def init_fn(params):
-        del params
-        return EmptyState()
-
     def decay(u, p):
         return torch.add(u, p, alpha=weight_decay)
 
-    def update_fn(updates, state, params=None, **extra):
-        del extra
+    def update(updates, params):
         if weight_decay == 0.0:
-            return updates, state
-        return map_with_params("add_decayed_weights", decay, updates, params), state
+            return updates
+        return map_with_params("add_decayed_weights", decay, updates, params)
 
-    return GradientTransformation(init_fn, update_fn)
+    return stateless(update)
