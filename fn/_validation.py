@@ -27,6 +27,7 @@ __all__ = [
     "check_ordered",
     "check_shapes",
     "check_step",
+    "check_step_or_plan",
     "finite_or_raise",
     "require_params",
 ]
@@ -86,6 +87,24 @@ def check_step(step: Any) -> int:
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
         raise ValueError(f"step counts updates from 1, got {step!r}")
     return step
+
+
+def check_step_or_plan(step: Any, plan: Any) -> int | None:
+    """Checks that exactly one of ``step`` (the 1-based update count) and ``plan``
+    (``opt.plan(t)``) is given, as a compressed optimizer's updates take them.
+
+    Returns:
+        ``step`` checked by :func:`check_step`, or ``None`` when ``plan`` is given.
+
+    Raises:
+        TypeError: if neither or both are given, or ``step`` is a tensor.
+        ValueError: unless ``step`` is an int (not a bool) >= 1.
+    """
+    if (step is None) == (plan is None):
+        raise TypeError(
+            "pass exactly one of step=t (the 1-based update count) and plan=opt.plan(t)"
+        )
+    return None if step is None else check_step(step)
 
 
 def check_shapes(name: str, like: torch.Tensor, update: torch.Tensor, what: str = "update") -> None:

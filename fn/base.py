@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from fn._foreach import foreach_ok
-from fn._validation import check_step
+from fn._validation import check_step_or_plan
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
@@ -144,12 +144,7 @@ class CompressedOptimizer(NamedTuple):
                 an optimizer without ``plan``.
             ValueError: if ``step`` is not an int >= 1.
         """
-        if (step is None) == (plan is None):
-            raise TypeError(
-                "pass exactly one of step=t (the 1-based update count) and plan=opt.plan(t)"
-            )
-        if plan is None:
-            step = check_step(step)
+        if check_step_or_plan(step, plan) is not None:
             phase = self.compressed_update if self.is_compressed(step) else self.warmup_update
             return phase(grads, state, params, step=step, **extra)
         if self.plan is None:

@@ -18,6 +18,7 @@ from fn._validation import (
     check_ordered,
     check_shapes,
     check_step,
+    check_step_or_plan,
     finite_or_raise,
     require_params,
 )
@@ -97,6 +98,16 @@ def test_check_step_counts_from_one_on_the_host():
             check_step(bad)
     with pytest.raises(TypeError, match="Python int"):
         check_step(torch.tensor(1))
+
+
+def test_check_step_or_plan_takes_exactly_one():
+    assert check_step_or_plan(2, None) == 2
+    assert check_step_or_plan(None, object()) is None
+    for step, plan in ((None, None), (2, object())):
+        with pytest.raises(TypeError, match="exactly one of step"):
+            check_step_or_plan(step, plan)
+    with pytest.raises(ValueError, match="step counts updates from 1"):
+        check_step_or_plan(0, None)
 
 
 def test_check_shapes_names_what_does_not_match():

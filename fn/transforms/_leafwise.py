@@ -24,7 +24,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fn import collectives
-from fn._validation import check_finite, check_shapes, check_step, require_params
+from fn._validation import check_finite, check_shapes, check_step_or_plan, require_params
 from fn.base import CompressedOptimizer, Params, Updates
 from fn.transforms._learning_rate import learning_rate_now
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
@@ -223,12 +223,8 @@ def _resolve_plan(
             ``plan_type``.
         ValueError: if ``step`` is not an int >= 1, or the plan is not one of ``phase``.
     """
-    if (step is None) == (plan is None):
-        raise TypeError(
-            "pass exactly one of step=t (the 1-based update count) and plan=opt.plan(t)"
-        )
-    if plan is None:
-        plan, where = plan_for(check_step(step)), f"update {step}"
+    if check_step_or_plan(step, plan) is not None:
+        plan, where = plan_for(step), f"update {step}"
     elif not isinstance(plan, plan_type):
         raise TypeError(f"plan must be a {plan_type.__name__} (opt.plan(t)), got {plan!r}")
     else:

@@ -174,24 +174,13 @@ def _scale_by_adam_then_lr(
     implementation: Implementation,
 ) -> GradientTransformation:
     """``chain(scale_by_adam(*betas, eps), scale_by_learning_rate(lr, decoupled_weight_decay=
-    ...))`` with the same state, run by ``implementation``:
-
-    - ``"fused"``: the moments and the ``-lr`` step in one ``torch._fused_adam_`` call (see
-      :func:`_fused_adam_step`), one pass over the moments instead of six. Without decay,
-      ``params + update`` then equals ``torch.optim.Adam(fused=True)``'s new params bit for bit
-      (for a learning rate representable in fp32, as the state stores it); with decoupled decay
-      it equals ``torch.optim.AdamW(fused=True)``'s wherever a step moves a param by less than
-      half of it.
-    - ``"foreach"``: the chain with one ``torch._foreach_*`` call per op, ``torch.optim``'s
-      foreach rounding.
-    - ``"chain"``: the chain leaf by leaf: the ops, and so the bits, that vmap and autograd
-      run (and ``torch.compile`` before inductor fuses them). On CPU this rounds as
-      ``"foreach"`` does.
-    - ``"auto"``: ``"fused"`` where it can run, else the chain, with foreach ops where they can
-      run.
-
-    ``"fused"`` and ``"foreach"`` raise a RuntimeError naming the reason where they cannot run.
-    The fused and chained paths agree to fp32 rounding.
+    ...))`` with the same state, run by ``implementation`` (the choices: :func:`adam`). The
+    fused path is one ``torch._fused_adam_`` / ``torch._fused_adamw_`` call (see
+    :func:`_fused_adam_step`): one pass over the moments instead of six. Without decay,
+    ``params + update`` then equals ``torch.optim.Adam(fused=True)``'s new params bit for bit
+    (for a learning rate representable in fp32, as the state stores it); with decoupled decay it
+    equals ``torch.optim.AdamW(fused=True)``'s wherever a step moves a param by less than half
+    of it.
     """
     if implementation not in _IMPLEMENTATIONS:
         choices = ", ".join(repr(c) for c in _IMPLEMENTATIONS)
