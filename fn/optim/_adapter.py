@@ -6,6 +6,7 @@ The policies (gradient communication, flat buffers, mixed precision, non-finite 
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -14,10 +15,18 @@ import numpy
 import torch
 import torch.distributed as dist
 
+from fn._validation import all_finite
 from fn.base import CompressedOptimizer, GradientTransformation, set_hyperparams
 from fn.base import get_hyperparam as _get_hyperparam
 from fn.collectives import Local, ProcessGroup, Simulated, SimulatedGroup
-from fn.optim._checkpoint import GroupRecord, state_from_dict, state_to_dict
+from fn.optim._checkpoint import (
+    GroupRecord,
+    check_master,
+    check_state_values,
+    checkpoint_parts,
+    state_from_dict,
+    state_to_dict,
+)
 from fn.optim._consensus import check_same_params, count_nonfinite
 from fn.optim._flat import FlatGroup
 
@@ -35,10 +44,13 @@ def default_comm() -> Any:
 
 
 class _Group:
-    """The runtime of one param group: flat buffers, transform, functional state, step count."""
+    """The runtime of one param group: flat buffers, transform, functional state, step count,
+    and the params left out because they were frozen (``requires_grad=False``) when it was
+    built."""
 
     def __init__(self, flat: FlatGroup, transform: Transform, hyper: dict, sync: bool) -> None:
         self.flat = flat
+        self.frozen: list[torch.Tensor] = []
         self.transform = transform
         self.hyper = hyper
         self.sync = sync
@@ -162,6 +174,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
     def _build_group(self, index: int) -> None:
         group = self.param_groups[index]
         keep = [i for i, p in enumerate(group["params"]) if p.requires_grad]
+        frozen = [p for p in group["params"] if not p.requires_grad]
         group["params"] = [group["params"][i] for i in keep]
         if "param_names" in group:
             group["param_names"] = [group["param_names"][i] for i in keep]
@@ -186,6 +199,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             else self._sync_grads
         )
         runtime = _Group(flat, transform, hyper, sync)
+        runtime.frozen = frozen
         runtime.state = transform.init(flat.tree(flat.master, self.flatten))
         try:
             stored_lr = _shortest_float(_get_hyperparam(runtime.state, "lr"))
@@ -203,7 +217,13 @@ class FunctionalOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One update of every group (or none, if a gradient is non-finite on some rank).
+        """One update of every group, or none: all or nothing.
+
+        Everything is checked first (the params' storage, frozen params made trainable, every
+        group's hyperparameters, the gradients on every rank); then every group's update and new
+        state are computed (the transforms are pure, so nothing is changed yet); the params, the
+        states, the transforms and the step counts of all groups are committed last. A step
+        that fails or is skipped at any point leaves every group exactly as it was.
 
         Args:
             closure: re-evaluates the model and returns the loss (run with grad enabled).
@@ -212,8 +232,11 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             The closure's loss, or ``None``.
 
         Raises:
-            ValueError: ``nonfinite="raise"`` and a gradient is non-finite on some rank (on every
-                rank; nothing was changed).
+            ValueError: ``nonfinite="raise"`` and a gradient is non-finite on some rank, or a
+                group's averaged gradient overflows (on every rank); an invalid hyperparameter
+                in ``param_groups``. Nothing was changed.
+            RuntimeError: a param no longer lives in the flat buffer, or a param frozen when its
+                group was built now requires a gradient. Nothing was changed.
         """
         loss = None
         if closure is not None:
@@ -221,46 +244,124 @@ class FunctionalOptimizer(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        self._check_unfrozen()
         for runtime in self._groups:
             runtime.flat.check_params()
+        plans = [
+            self._plan_hyperparams(index, group, runtime)
+            for index, (group, runtime) in enumerate(
+                zip(self.param_groups, self._groups, strict=True)
+            )
+        ]
         grads = [runtime.flat.gather_grads() for runtime in self._groups]
         if grad_scale is not None:
             grads = _unscaled(grads, grad_scale)
         if count_nonfinite(self.comm, grads, found_inf) > 0:
-            self.last_step_skipped = True
-            if self.nonfinite == "raise" and found_inf is None:
-                raise ValueError(
-                    "fn.optim: non-finite gradients (NaN or Inf) on some rank; no update was "
-                    "made and the optimizer state is unchanged (nonfinite='skip' skips such steps)"
-                )
-            self.skipped_steps += 1
-            return loss
-        self.last_step_skipped = False
-        for index, (group, runtime, g) in enumerate(
-            zip(self.param_groups, self._groups, grads, strict=True)
-        ):
-            self._refresh_transform(index, group, runtime)
-            if runtime.sync and self.comm.world_size > 1 and g.numel() > 0:
-                g = self.comm.all_reduce(g, op="mean")
-            state = runtime.state
-            if "lr" in group:
-                state = set_hyperparams(state, lr=group["lr"])
-            params = runtime.flat.tree(runtime.flat.master, self.flatten)
-            t = runtime.step + 1
-            updates, state = runtime.transform.update(
-                runtime.flat.tree(g, self.flatten), state, params, step=t
+            return self._skip(
+                loss,
+                found_inf,
+                "fn.optim: non-finite gradients (NaN or Inf) on some rank; no update was made and "
+                "the optimizer state is unchanged (nonfinite='skip' skips such steps)",
             )
+        try:
+            pending = [
+                self._compute_update(index, runtime, transform, lr, g)
+                for index, (runtime, (transform, _, lr), g) in enumerate(
+                    zip(self._groups, plans, grads, strict=True)
+                )
+            ]
+        except _AveragedOverflow as err:
+            return self._skip(loss, found_inf, str(err))
+        self.last_step_skipped = False
+        for runtime, (transform, hyper, _), (updates, state) in zip(
+            self._groups, plans, pending, strict=True
+        ):
             runtime.flat.add(updates)
-            runtime.state, runtime.step = state, t
+            runtime.transform, runtime.hyper = transform, hyper
+            runtime.state, runtime.step = state, runtime.step + 1
         return loss
 
-    def _refresh_transform(self, index: int, group: dict[str, Any], runtime: _Group) -> None:
-        """Rebuilds the group's transform when a hyperparameter other than lr changed."""
+    def _skip(self, loss: Any, found_inf: torch.Tensor | None, message: str) -> Any:
+        """Records a skipped step (``nonfinite="skip"`` or a ``GradScaler`` overflow), or raises
+        ``ValueError(message)`` under ``nonfinite="raise"``."""
+        self.last_step_skipped = True
+        if self.nonfinite == "raise" and found_inf is None:
+            raise ValueError(message)
+        self.skipped_steps += 1
+        return loss
+
+    def _check_unfrozen(self) -> None:
+        """Raises ``RuntimeError`` if a param left out as frozen now requires a gradient."""
+        for index, runtime in enumerate(self._groups):
+            for p in runtime.frozen:
+                if p.requires_grad and not any(
+                    p is q for g in self.param_groups for q in g["params"]
+                ):
+                    raise RuntimeError(
+                        f"fn.optim: a param of shape {tuple(p.shape)} in param group {index} had "
+                        "requires_grad=False when the group was built, so it has no place in the "
+                        "group's flat buffer and would never be trained; it now requires a "
+                        "gradient: unfreeze params before building the optimizer, or add them "
+                        "with add_param_group. No update was made"
+                    )
+
+    def _plan_hyperparams(
+        self, index: int, group: dict[str, Any], runtime: _Group
+    ) -> tuple[Transform, dict[str, Any], float | None]:
+        """The group's transform (rebuilt when a hyperparameter other than lr changed), its
+        hyperparameters and its checked lr; nothing is committed.
+
+        Raises:
+            ValueError: a hyperparameter set through ``param_groups`` is invalid (naming the
+                group).
+        """
+        lr = group.get("lr")
+        if "lr" in group:
+            _check_lr(index, lr)
         hyper = self._hyper(group)
         changed = {k for k in hyper if k != "lr" and hyper[k] != runtime.hyper.get(k)}
-        if changed:
-            runtime.transform = self._make_transform(index, hyper)
-            runtime.hyper = hyper
+        if not changed:
+            return runtime.transform, runtime.hyper, lr
+        try:
+            return self._make_transform(index, hyper), hyper, lr
+        except (TypeError, ValueError) as err:
+            values = ", ".join(f"{k}={hyper[k]!r}" for k in sorted(changed))
+            raise ValueError(
+                f"fn.optim: param group {index} sets {values}: {err}; no update was made"
+            ) from err
+
+    def _compute_update(
+        self, index: int, runtime: _Group, transform: Transform, lr: float | None, g: torch.Tensor
+    ) -> tuple[Any, Any]:
+        """The group's updates and new state (pure: nothing is changed).
+
+        Raises:
+            _AveragedOverflow: the gradient averaged over the ranks is non-finite (the same on
+                every rank: they all hold the same average).
+        """
+        if runtime.sync and self.comm.world_size > 1 and g.numel() > 0:
+            g = self.comm.all_reduce(g, op="mean")
+            if not all_finite(g):
+                raise _AveragedOverflow(
+                    f"fn.optim: param group {index}: the gradient averaged over the ranks is "
+                    "non-finite (NaN or Inf) although every rank's gradient is finite (the sum "
+                    "overflows); no update was made and the optimizer state is unchanged "
+                    "(nonfinite='skip' skips such steps)"
+                )
+        state = runtime.state
+        if lr is not None:
+            state = set_hyperparams(state, lr=lr)
+        params = runtime.flat.tree(runtime.flat.master, self.flatten)
+        try:
+            return transform.update(
+                runtime.flat.tree(g, self.flatten), state, params, step=runtime.step + 1
+            )
+        except ValueError as err:
+            if "non-finite" not in str(err):
+                raise
+            raise _AveragedOverflow(
+                f"fn.optim: param group {index}: {err} (nonfinite='skip' skips such steps)"
+            ) from err
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -303,19 +404,16 @@ class FunctionalOptimizer(torch.optim.Optimizer):
 
         ``exp_avg_mask`` and the comm come from the constructor, not the checkpoint. A checkpoint
         saved with another world size gets its error-feedback buffers reset for this one (with a
-        warning). Nothing is changed unless the whole checkpoint fits.
+        warning). All or nothing: every group's record is read and checked (structure, shapes,
+        hyperparameters, finite values, non-negative second moments) before any is loaded.
 
         Raises:
-            ValueError: a different number of groups or params, different param shapes, or a
-                functional state of another structure.
+            ValueError: a checkpoint that does not fit: a different number of groups or params,
+                different param shapes, a functional state of another structure (another
+                optimizer's), an invalid hyperparameter, a non-finite value or a negative second
+                moment; the message names the group and the field. Nothing was changed.
         """
-        saved_groups = list(state_dict["param_groups"])
-        records = state_dict["state"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"the checkpoint has {len(saved_groups)} param groups, this optimizer "
-                f"{len(self.param_groups)}"
-            )
+        saved_groups, records = checkpoint_parts(state_dict, len(self.param_groups))
         plans = []
         worlds = set()
         for index, (group, saved, runtime) in enumerate(
@@ -330,14 +428,24 @@ class FunctionalOptimizer(torch.optim.Optimizer):
                     f"param group {index}: {len(saved['params'])} params in the checkpoint, "
                     f"{len(group['params'])} here"
                 )
+            if "lr" in saved:
+                _check_lr(index, saved["lr"], "in the checkpoint")
             hyper = {k: saved.get(k, v) for k, v in self._hyper(group).items()}
-            transform = self._make_transform(index, hyper)
+            try:
+                transform = self._make_transform(index, hyper)
+            except (TypeError, ValueError) as err:
+                raise ValueError(
+                    f"param group {index}: the checkpoint's hyperparameters are invalid: {err}"
+                ) from err
             tree = runtime.flat.tree(runtime.flat.master, self.flatten)
             reset = record.world_size != self.comm.world_size
             if reset:
                 worlds.add(record.world_size)
             fresh = transform.init(tree) if reset else runtime.state
             state = state_from_dict(index, record.functional, fresh, reset)
+            check_state_values(index, state)
+            if runtime.flat.has_master_copy:
+                check_master(index, record.master, runtime.flat.numel)
             plans.append((group, saved, runtime, transform, hyper, state, record))
         if worlds:
             warnings.warn(
@@ -351,6 +459,22 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             runtime.transform, runtime.hyper = transform, hyper
             runtime.state, runtime.step = state, record.step
             runtime.flat.load_master(record.master)
+
+
+class _AveragedOverflow(ValueError):
+    """A group's gradient averaged over the ranks (or a quantity the transform derives from it)
+    is non-finite: a step to skip under ``nonfinite="skip"``, the same on every rank."""
+
+
+def _check_lr(index: int, lr: Any, where: str = "") -> None:
+    """Raises ``ValueError`` unless ``lr`` is a finite Python number >= 0."""
+    number = isinstance(lr, (int, float)) and not isinstance(lr, bool)
+    if not number or not math.isfinite(lr) or lr < 0:
+        place = f" {where}" if where else ""
+        raise ValueError(
+            f"param group {index}: lr{place} must be a finite Python number >= 0, got {lr!r}; "
+            "nothing was changed"
+        )
 
 
 def _shortest_float(x: torch.Tensor) -> float:

@@ -26,6 +26,8 @@ from fn.collectives import error_feedback_leaves
 
 _REQUIRED = ("step", "world_size", "shapes", "functional")
 _OPTIONAL = ("master",)
+# State fields holding a second moment (a mean of squares): never negative.
+_SECOND_MOMENTS = frozenset({"nu", "exp_avg_sq", "exp_avg_sq_fresh"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,3 +185,95 @@ def state_from_dict(group: int, saved: Mapping[str, Any], template: Any, reset: 
             value = value.to(device=leaf.device, dtype=leaf.dtype, copy=True)
         out.append(value)
     return pytree.tree_unflatten(out, spec)
+
+
+def checkpoint_parts(
+    state_dict: Any, num_groups: int
+) -> tuple[list[Mapping[str, Any]], Mapping[Any, Any]]:
+    """The saved param groups and the records of an optimizer ``state_dict``, checked for the
+    layout of ``torch.optim`` (``{"state": {...}, "param_groups": [{"params": [...]}, ...]}``).
+
+    Args:
+        state_dict: what ``load_state_dict`` was given.
+        num_groups: the number of param groups of the optimizer loading it.
+
+    Returns:
+        The saved groups (one per group here) and the ``"state"`` mapping.
+
+    Raises:
+        ValueError: a missing key or a value of the wrong kind (naming it), or another number of
+            param groups.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(f"an optimizer state_dict is a dict, got {type(state_dict).__name__}")
+    missing = [k for k in ("state", "param_groups") if k not in state_dict]
+    if missing:
+        raise ValueError(
+            f"the optimizer state_dict lacks {missing}; it has {sorted(map(str, state_dict))}"
+        )
+    records, groups = state_dict["state"], state_dict["param_groups"]
+    if not isinstance(records, Mapping):
+        raise ValueError(f"the checkpoint's 'state' is a {type(records).__name__}, not a dict")
+    if not isinstance(groups, Sequence) or isinstance(groups, str):
+        raise ValueError(
+            f"the checkpoint's 'param_groups' is a {type(groups).__name__}, not a list"
+        )
+    groups = list(groups)
+    if len(groups) != num_groups:
+        raise ValueError(
+            f"the checkpoint has {len(groups)} param groups, this optimizer {num_groups}"
+        )
+    for index, group in enumerate(groups):
+        if not isinstance(group, Mapping) or not isinstance(group.get("params"), Sequence):
+            raise ValueError(
+                f"the checkpoint's param group {index} must be a dict with a 'params' list, got "
+                f"{group!r:.100}"
+            )
+    return groups, records
+
+
+def check_state_values(group: int, state: Any) -> None:
+    """Raises ``ValueError`` unless every floating-point value of ``state`` is finite and every
+    second moment (``nu``, ``exp_avg_sq``, ``exp_avg_sq_fresh``) is >= 0.
+
+    A loaded NaN or negative variance would otherwise turn the params into NaN at the next
+    step, with no error.
+
+    Args:
+        group: the param group's index (for the messages).
+        state: a functional state read from a checkpoint.
+    """
+    for path, leaf in pytree.tree_flatten_with_path(state)[0]:
+        key = pytree.keystr(path)
+        if isinstance(leaf, float) or (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
+            values = torch.as_tensor(leaf)
+            bad = int((~torch.isfinite(values)).sum())
+            if bad:
+                raise ValueError(
+                    f"param group {group}: state entry {key!r} in the checkpoint has {bad} "
+                    "non-finite values (NaN or Inf); nothing was loaded"
+                )
+            names = {entry.name for entry in path if isinstance(entry, pytree.GetAttrKey)}
+            if names & _SECOND_MOMENTS and bool((values < 0).any()):
+                raise ValueError(
+                    f"param group {group}: state entry {key!r} in the checkpoint has negative "
+                    f"values (min {values.min().item():.3g}), but a second moment is >= 0; "
+                    "nothing was loaded"
+                )
+
+
+def check_master(group: int, master: torch.Tensor | None, numel: int) -> None:
+    """Raises ``ValueError`` unless a checkpoint's fp32 master copy (if any) has ``numel``
+    elements in one dimension and is finite."""
+    if master is None:
+        return
+    if tuple(master.shape) != (numel,):
+        raise ValueError(
+            f"param group {group}: the checkpoint's master copy has shape "
+            f"{tuple(master.shape)}, expected ({numel},); nothing was loaded"
+        )
+    if not master.is_floating_point() or not bool(torch.isfinite(master).all()):
+        raise ValueError(
+            f"param group {group}: the checkpoint's master copy is not a finite floating-point "
+            "tensor; nothing was loaded"
+        )
