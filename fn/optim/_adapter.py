@@ -14,6 +14,7 @@ from typing import Any
 import numpy
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
 from fn._validation import all_finite
 from fn.base import CompressedOptimizer, GradientTransformation, set_hyperparams
@@ -322,13 +323,21 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         changed = {k for k in hyper if k != "lr" and hyper[k] != runtime.hyper.get(k)}
         if not changed:
             return runtime.transform, runtime.hyper, lr
+        values = ", ".join(f"{k}={hyper[k]!r}" for k in sorted(changed))
         try:
-            return self._make_transform(index, hyper), hyper, lr
-        except (TypeError, ValueError) as err:
-            values = ", ".join(f"{k}={hyper[k]!r}" for k in sorted(changed))
+            transform = self._make_transform(index, hyper)
+            fresh = transform.init(runtime.flat.tree(runtime.flat.master, self.flatten))
+        except (KeyError, TypeError, ValueError) as err:
             raise ValueError(
                 f"fn.optim: param group {index} sets {values}: {err}; no update was made"
             ) from err
+        if pytree.tree_structure(fresh) != pytree.tree_structure(runtime.state):
+            raise ValueError(
+                f"fn.optim: param group {index} sets {values}, which gives the transform a state "
+                "of another structure than the group's (e.g. momentum from 0 to non-zero): "
+                "such a change needs a new optimizer; no update was made"
+            )
+        return transform, hyper, lr
 
     def _compute_update(
         self, index: int, runtime: _Group, transform: Transform, lr: float | None, g: torch.Tensor
@@ -420,7 +429,10 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             zip(self.param_groups, saved_groups, self._groups, strict=True)
         ):
             if index not in records:
-                raise ValueError(f"the checkpoint has no state for param group {index}")
+                raise ValueError(
+                    f"the checkpoint has no state for param group {index} (its 'state' is keyed "
+                    f"by {sorted(map(repr, records))[:4]}; fn.optim keys it by group index)"
+                )
             record = GroupRecord.from_dict(records[index], index)
             record.check_shapes(index, runtime.flat.shapes)
             if len(saved["params"]) != len(group["params"]):
