@@ -32,14 +32,25 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   taken into the master before the next step and ``state_dict()``: elementwise, wherever a param
   differs from its master cast to the param's dtype (elements that still match keep their exact
   fp32 master). This costs one comparison pass over the group's buffer per step.
-- Params with ``requires_grad=False`` are left out. A param whose ``.grad`` is ``None`` at a step
+- Params with ``requires_grad=False`` when their group is built are left out: they take no space
+  in the flat buffers and no part in the collectives (a frozen backbone costs nothing per step).
+  Unlike ``torch.optim``, they are not trained once they require a gradient: ``step()`` then
+  raises ``RuntimeError`` (nothing changed); unfreeze them before building the optimizer or add
+  them with ``add_param_group``. A param whose ``.grad`` is ``None`` at a step
   counts as a zero gradient (as DDP's ``find_unused_parameters``): a rank cannot know whether
   another rank had a gradient without an extra collective, and every rank must run the same
   collectives. Momentum and weight decay therefore still move such params.
 - Non-finite gradients: the ranks agree on one decision (a 1-element allreduce of the count of
-  non-finite gradient elements). ``nonfinite="raise"`` (default) raises ``ValueError`` on every
-  rank, ``"skip"`` skips the step; either way nothing changes (params, state, error feedback,
-  step count). A step driven by ``torch.amp.GradScaler`` always skips on overflow (that is the
+  non-finite gradient elements). Finite gradients whose average over the ranks overflows count
+  as non-finite too (every rank holds the same average, so all decide alike).
+  ``nonfinite="raise"`` (default) raises ``ValueError`` on every rank, ``"skip"`` skips the step;
+  either way nothing changes (params, state, error feedback, step counts).
+- All or nothing: ``step()`` first checks everything (params, frozen params, every group's
+  hyperparameters in ``param_groups``, the gradients), then computes every group's update and new
+  state (the transforms are pure: new tensors, nothing written), and commits all groups last. A
+  step that raises or is skipped in any group leaves every group's params, state, transform and
+  step count as they were, so the groups' step counts never drift apart. The price: the new states
+  of all groups exist at once before the commit (no extra copy in steady state). A step driven by ``torch.amp.GradScaler`` always skips on overflow (that is the
   scaler's protocol; it then lowers its scale).
 - ``GradScaler``: the optimizer declares ``_step_supports_amp_scaling``: ``scaler.step(opt)``
   always calls ``opt.step()``, which unscales the gradients itself (its ``.grad`` stay scaled)
@@ -50,7 +61,9 @@ Policies (the same on every rank, so the ranks always issue the same collectives
 - Checkpoints: ``state_dict()`` holds, per group, the host-side step count, the whole functional
   state (error feedback included) as a flat dict of tensors, and the fp32 master copy; loading it
   into a fresh optimizer continues bit for bit. Only plain containers, tensors and numbers are
-  stored, so ``torch.load(weights_only=True)`` reads it. ``state_dict()["state"]`` is keyed by
+  stored, so ``torch.load(weights_only=True)`` reads it. ``load_state_dict`` checks every group
+  first (layout, structure of the right optimizer, shapes, hyperparameters, finite values,
+  second moments >= 0) and loads nothing unless all of it fits; errors name the group and field. ``state_dict()["state"]`` is keyed by
   group index (the state is per group, not per param), and ``opt.state``, torch's per-param
   dict, stays empty.
 """

@@ -81,8 +81,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             ``CompressedOptimizer`` no (it communicates itself). Pass ``False`` for a
             transform that communicates itself, e.g. ``fn.staged(...)`` or a chain with
             ``fn.collectives.loco_allreduce``.
-        nonfinite: ``"raise"`` or ``"skip"``: what a step with a non-finite gradient on any rank
-            does (nothing changes either way).
+        nonfinite: ``"raise"`` or ``"skip"``: what a step with a non-finite gradient on any rank,
+            or with finite gradients whose average overflows, does (nothing changes either way).
 
     The learning rate of each group (``group["lr"]``, so ``torch.optim.lr_scheduler`` works) is
     written into the functional state with ``fn.set_hyperparams`` before every step; it defaults
