@@ -44,14 +44,15 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   non-finite gradient elements). Finite gradients whose average over the ranks overflows count
   as non-finite too (every rank holds the same average, so all decide alike).
   ``nonfinite="raise"`` (default) raises ``ValueError`` on every rank, ``"skip"`` skips the step;
-  either way nothing changes (params, state, error feedback, step counts).
+  either way nothing changes (params, state, error feedback, step counts). A step driven by
+  ``torch.amp.GradScaler`` always skips on overflow (that is the scaler's protocol; it then
+  lowers its scale).
 - All or nothing: ``step()`` first checks everything (params, frozen params, every group's
   hyperparameters in ``param_groups``, the gradients), then computes every group's update and new
   state (the transforms are pure: new tensors, nothing written), and commits all groups last. A
   step that raises or is skipped in any group leaves every group's params, state, transform and
   step count as they were, so the groups' step counts never drift apart. The price: the new states
-  of all groups exist at once before the commit (no extra copy in steady state). A step driven by ``torch.amp.GradScaler`` always skips on overflow (that is the
-  scaler's protocol; it then lowers its scale).
+  of all groups exist at once before the commit (no extra copy in steady state).
 - ``GradScaler``: the optimizer declares ``_step_supports_amp_scaling``: ``scaler.step(opt)``
   always calls ``opt.step()``, which unscales the gradients itself (its ``.grad`` stay scaled)
   and makes the overflow decision global. (Without this, a rank that overflowed alone would skip
@@ -63,9 +64,9 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   into a fresh optimizer continues bit for bit. Only plain containers, tensors and numbers are
   stored, so ``torch.load(weights_only=True)`` reads it. ``load_state_dict`` checks every group
   first (layout, structure of the right optimizer, shapes, hyperparameters, finite values,
-  second moments >= 0) and loads nothing unless all of it fits; errors name the group and field. ``state_dict()["state"]`` is keyed by
-  group index (the state is per group, not per param), and ``opt.state``, torch's per-param
-  dict, stays empty.
+  second moments >= 0) and loads nothing unless all of it fits; errors name the group and field.
+  ``state_dict()["state"]`` is keyed by group index (the state is per group, not per param), and
+  ``opt.state``, torch's per-param dict, stays empty.
 """
 
 from fn.optim._adapter import FunctionalOptimizer, default_comm
