@@ -9,6 +9,12 @@ children when one fails; this module adds the free port, the gloo group, the res
 deadline for the whole run and the handling of Ctrl-C and of the parent's death. The children
 ignore SIGINT: the parent alone handles Ctrl-C and kills them. On Linux the kernel also kills
 them when the parent dies without cleaning up (``kill -9``), so none keeps training.
+
+A failure names the rank that caused it: a rank that died without an error of its own (killed,
+out of memory) comes first, as the errors of its peers (a closed connection) are consequences.
+On a timeout each rank dumps its Python stack (``faulthandler`` on ``SIGUSR1``, where the
+platform has it): a rank that is not inside a ``torch.distributed`` call is named as the one
+the others wait for.
 """
 
 from __future__ import annotations
@@ -16,14 +22,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import faulthandler
 import os
 import pickle
 import queue
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,11 +42,36 @@ __all__ = ["WorkerError", "spawn_gloo"]
 
 ERROR_GRACE_S = 2.0  # after a first failure, the other ranks have this long to report theirs
 POLL_S = 0.2
+STACK_WAIT_S = 1.0  # how long the ranks have to dump their stacks on a timeout
 _PR_SET_PDEATHSIG = 1  # prctl(2) option, <linux/prctl.h>
+_STACK_SIGNAL = getattr(signal, "SIGUSR1", None)  # None on Windows
+_COLLECTIVE_FRAME = "torch/distributed/"
 
 
 class WorkerError(RuntimeError):
-    """A worker process failed, died or timed out."""
+    """A worker process failed, died or timed out.
+
+    Attributes:
+        ranks: the ranks named as the cause (a rank that died, raised, or stalled).
+        died: whether a rank died without an error of its own (a signal or an exit code).
+        timed_out: whether the run ran past its timeout.
+        tracebacks: ``{rank: traceback}`` of the ranks that raised.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        ranks: list[int],
+        *,
+        died: bool = False,
+        timed_out: bool = False,
+        tracebacks: dict[int, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.died = died
+        self.timed_out = timed_out
+        self.tracebacks = dict(tracebacks or {})
 
 
 def _free_port() -> int:
@@ -69,9 +103,14 @@ def _child(
     threads: int,
     messages: Any,
     parent_pid: int,
+    stacks: str,
     args: tuple[Any, ...],
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if _STACK_SIGNAL is not None:
+        # kept open for the process's life: faulthandler writes to its file descriptor
+        stack_file = open(Path(stacks) / f"rank{rank}.txt", "w")  # noqa: SIM115
+        faulthandler.register(_STACK_SIGNAL, file=stack_file, all_threads=False)
     # torch's parent-death signal is SIGINT, which is ignored here and which a rank blocked in a
     # gloo call would not act on: SIGKILL instead.
     _die_with_parent(parent_pid)
@@ -94,19 +133,69 @@ def _child(
     messages.put(("result", rank, pickle.dumps(out)))
 
 
-def _failures(
-    context: mp.ProcessContext, err: mp.ProcessRaisedException | mp.ProcessExitedException
-) -> str:
-    """Every rank's traceback (the first failure to arrive is often a consequence, a peer's
-    connection closed, of the one that caused it), or how the first failed rank died."""
-    reports = []
+def _describe_exit(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"killed by signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+def _failure(context: mp.ProcessContext, exits: dict[int, int]) -> WorkerError:
+    """The error for a failed run: every rank's traceback, led by the ranks that died without
+    one (their peers' errors, a closed connection, are then consequences).
+
+    Args:
+        context: the workers.
+        exits: ``{rank: exit code}`` of the ranks seen exiting before torch ended the others.
+    """
+    tracebacks = {}
     for rank, path in enumerate(context.error_files):
         try:
             with open(path, "rb") as f:
-                reports.append(f"worker rank {rank} failed:\n{pickle.load(f)}")
+                tracebacks[rank] = pickle.load(f)
         except (OSError, EOFError, pickle.UnpicklingError):
             continue  # no traceback: the rank did not raise, or was killed while writing it
-    return "\n".join(reports) or f"worker rank {err.error_index} died: {err.msg}"
+    died = {r: code for r, code in sorted(exits.items()) if code != 0 and r not in tracebacks}
+    lines = [
+        f"worker rank {r} died: {_describe_exit(code)}, without an error of its own"
+        for r, code in died.items()
+    ]
+    if died and tracebacks:
+        lines.append("the other ranks failed after it (probably as a consequence):")
+    lines += [f"worker rank {r} failed:\n{tb}" for r, tb in sorted(tracebacks.items())]
+    if not lines:
+        lines = ["the workers failed without a traceback"]
+    causes = list(died) or sorted(tracebacks)
+    return WorkerError("\n".join(lines), causes, died=bool(died), tracebacks=tracebacks)
+
+
+def _timed_out(context: mp.ProcessContext, done: set[int], stacks: Path, timeout: float):
+    """The error for a run past its deadline: names the ranks that had not finished and, from
+    their stacks, the one(s) not waiting inside a ``torch.distributed`` call."""
+    running = [r for r, p in enumerate(context.processes) if p.is_alive() and r not in done]
+    if _STACK_SIGNAL is not None:
+        for r in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(context.processes[r].pid, _STACK_SIGNAL)
+        time.sleep(STACK_WAIT_S)
+    frames = {}
+    for r in running:
+        with contextlib.suppress(OSError):
+            frames[r] = (stacks / f"rank{r}.txt").read_text()
+    waiting = [r for r in running if _COLLECTIVE_FRAME in frames.get(r, "")]
+    stalled = [r for r in running if r in frames and frames[r] and r not in waiting]
+    message = f"the workers timed out: not finished within {timeout:g} s; "
+    if waiting and stalled:
+        where = frames[stalled[0]].strip().splitlines()
+        message += (
+            f"worker rank(s) {stalled} stalled outside any collective while rank(s) {waiting} "
+            f"waited for them in one; rank {stalled[0]} was at: {' <- '.join(where[1:4])}"
+        )
+        return WorkerError(message, stalled, timed_out=True)
+    message += f"worker rank(s) {running} had not finished"
+    return WorkerError(message, running, timed_out=True)
 
 
 def spawn_gloo(
@@ -133,10 +222,12 @@ def spawn_gloo(
         The workers' return values, indexed by rank.
 
     Raises:
-        WorkerError: a child raised (its traceback is in the message), died, or timed out.
+        WorkerError: a child raised (its traceback is in the message), died, or timed out; the
+            message and ``ranks`` name the rank(s) that caused it.
         KeyboardInterrupt: Ctrl-C in the parent (the children are killed first).
     """
     messages = mp.get_context("spawn").Queue()
+    stacks = tempfile.TemporaryDirectory(prefix="fn-stacks-")
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
     child_args = (
@@ -147,35 +238,42 @@ def spawn_gloo(
         threads,
         messages,
         os.getpid(),
+        stacks.name,
         args,
     )
     deadline = time.monotonic() + timeout
     results: dict[int, Any] = {}
+    exits: dict[int, int] = {}  # exit codes as first seen, before torch ends the other ranks
     context = None
     try:
         context = mp.start_processes(
             _child, child_args, nprocs=world_size, join=False, daemon=True, start_method="spawn"
         )
         while True:
+            for rank, process in enumerate(context.processes):
+                if rank not in exits and process.exitcode is not None:
+                    exits[rank] = process.exitcode
             # Raises when a child failed, once the others had ERROR_GRACE_S to fail too.
             exited = context.join(timeout=0, grace_period=ERROR_GRACE_S)
             if exited and len(results) == world_size:
                 break
             if time.monotonic() > deadline:
-                raise WorkerError(f"the workers timed out: not finished within {timeout:g} s")
+                raise _timed_out(context, set(results), Path(stacks.name), timeout)
             try:
                 kind, rank, payload = messages.get(timeout=POLL_S)
             except queue.Empty:
                 if exited:  # every child has exited and flushed its messages
                     missing = sorted(set(range(world_size)) - set(results))
-                    raise WorkerError(f"worker ranks {missing} exited without a result") from None
+                    raise WorkerError(
+                        f"worker ranks {missing} exited without a result", missing
+                    ) from None
                 continue
             if kind == "message":
                 on_message(rank, payload)
             else:
                 results[rank] = pickle.loads(payload)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-        raise WorkerError(_failures(context, err)) from None
+    except (mp.ProcessRaisedException, mp.ProcessExitedException):
+        raise _failure(context, exits) from None
     finally:
         if context is not None:
             # A timeout or Ctrl-C leaves the children running: torch ends them only on a failure.
@@ -187,4 +285,5 @@ def spawn_gloo(
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
         messages.close()
+        stacks.cleanup()
     return [results[r] for r in range(world_size)]

@@ -5,12 +5,22 @@ from __future__ import annotations
 import csv
 import json
 import math
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from fn.app.demo import OptimizerResult
 
-__all__ = ["table_rows", "format_table", "write_results", "plot_losses"]
+__all__ = [
+    "OUTPUTS",
+    "check_writable",
+    "table_rows",
+    "format_table",
+    "write_results",
+    "plot_losses",
+]
+
+OUTPUTS = ("results.csv", "results.json", "loss.png")  # the files written to --out
 
 COLUMNS = (
     "optimizer",
@@ -21,6 +31,26 @@ COLUMNS = (
     "ranks_identical",
     "max_param_diff",
 )
+
+
+def check_writable(out: Path) -> None:
+    """Checks, before any training, that the results can be written to ``out``.
+
+    Creates ``out`` (and its parents), writes and removes a temporary file in it, and opens each
+    output file that already exists for appending (nothing is truncated), so a read-only
+    directory or file, a file where the directory should be, or a directory where an output
+    should be fails now, not after the training.
+
+    Raises:
+        OSError: ``out`` or one of :data:`OUTPUTS` in it cannot be written.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=out).close()
+    for name in OUTPUTS:
+        path = out / name
+        if path.exists() or path.is_symlink():
+            with path.open("ab"):
+                pass
 
 
 def table_rows(results: list[OptimizerResult]) -> list[dict[str, Any]]:
@@ -85,12 +115,12 @@ def write_results(
     Returns:
         The paths written.
     """
-    csv_path = out / "results.csv"
+    csv_path = out / OUTPUTS[0]
     with csv_path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    json_path = out / "results.json"
+    json_path = out / OUTPUTS[1]
     curves = {
         r.name: {"train_loss": r.train_loss, "heldout_loss": [list(p) for p in r.heldout]}
         for r in results

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -151,8 +150,7 @@ def _demo(args: argparse.Namespace) -> int:
         timeout=args.timeout,
     )
     try:
-        args.out.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=args.out).close()  # fail now, not after the training
+        _report.check_writable(args.out)  # fail now, not after the training
     except OSError as err:
         print(f"error: cannot write to --out {args.out}: {err.strerror or err}", file=sys.stderr)
         return 1
@@ -177,7 +175,7 @@ def _demo(args: argparse.Namespace) -> int:
         return 130
     except (ValueError, WorkerError) as err:
         progress.close()
-        print(f"error: training failed: {err}\n(a smaller --lr may help)", file=sys.stderr)
+        print(f"error: training failed: {err}{_lr_hint(err)}", file=sys.stderr)
         return 1
     progress.close()
 
@@ -189,10 +187,18 @@ def _demo(args: argparse.Namespace) -> int:
         print(line)
     settings = {**cfg._asdict(), "warmup_steps": demo.warmup_steps(cfg.steps), "out": str(args.out)}
     meta = {"settings": settings, "description": header}
-    written = _report.write_results(args.out, rows, results, meta)
-    why_not = _report.plot_losses(
-        args.out / "loss.png", results, demo.warmup_steps(cfg.steps), demo.title(cfg)
-    )
+    try:
+        written = _report.write_results(args.out, rows, results, meta)
+        why_not = _report.plot_losses(
+            args.out / _report.OUTPUTS[2], results, demo.warmup_steps(cfg.steps), demo.title(cfg)
+        )
+    except OSError as err:
+        print(
+            f"error: cannot write the results to --out {args.out}: {err}; the table above "
+            "holds them",
+            file=sys.stderr,
+        )
+        return 1
     if why_not is None:
         written.append(args.out / "loss.png")
     else:
@@ -202,6 +208,18 @@ def _demo(args: argparse.Namespace) -> int:
         print("error: a loss is not finite", file=sys.stderr)
         return 1
     return 0
+
+
+def _lr_hint(err: ValueError | WorkerError) -> str:
+    """The learning-rate hint, only where a non-finite loss or gradient stopped the training
+    (not where a worker died, stalled or timed out)."""
+    if isinstance(err, WorkerError):
+        nonfinite = not (err.died or err.timed_out) and any(
+            "non-finite" in err.tracebacks.get(rank, "") for rank in err.ranks
+        )
+    else:
+        nonfinite = "non-finite" in str(err)
+    return "\n(a smaller --lr may help)" if nonfinite else ""
 
 
 def main(argv: list[str] | None = None) -> int:
