@@ -152,7 +152,11 @@ def _demo(args: argparse.Namespace) -> int:
     try:
         _report.check_writable(args.out)  # fail now, not after the training
     except OSError as err:
-        print(f"error: cannot write to --out {args.out}: {err.strerror or err}", file=sys.stderr)
+        where = f" ({err.filename})" if err.filename and err.strerror else ""
+        print(
+            f"error: cannot write to --out {args.out}: {err.strerror or err}{where}",
+            file=sys.stderr,
+        )
         return 1
     try:
         header = demo.describe(cfg)

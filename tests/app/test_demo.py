@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from fn.app import _data, _report, demo
+from fn.app._launch import WorkerError
 from fn.app.cli import main
 from tests.app import ROOT, cli
 
@@ -225,6 +226,43 @@ def test_an_unwritable_out_fails_before_training(where, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert f"error: cannot write to --out {path}" in err
     assert not out  # nothing was trained
+
+
+def test_an_output_file_that_cannot_be_written_fails_before_training(tmp_path, capsys):
+    (tmp_path / "results.json").mkdir()  # where the results file goes
+    assert main(["demo", "--simulate", "2", "--out", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert f"error: cannot write to --out {tmp_path}" in err and "results.json" in err
+    assert not out
+
+
+@pytest.mark.parametrize(
+    "error, hint",
+    [
+        (WorkerError("worker rank 1 died: killed by signal SIGKILL", [1], died=True), False),
+        (WorkerError("the workers timed out; rank(s) [1] stalled", [1], timed_out=True), False),
+        (
+            WorkerError(
+                "worker rank 0 failed:\nValueError: non-finite values",
+                [0],
+                tracebacks={0: "ValueError: the averaged gradient contains non-finite values"},
+            ),
+            True,
+        ),
+        (ValueError("the averaged gradient contains non-finite values (NaN or Inf)"), True),
+        (ValueError("something else"), False),
+    ],
+)
+def test_the_lr_hint_only_for_nonfinite_failures(error, hint, tmp_path, capsys, monkeypatch):
+    def fail(cfg, on_step):
+        raise error
+
+    monkeypatch.setattr(demo, "run_workers", fail)
+    monkeypatch.setattr(demo, "run_simulated", fail)
+    assert main(["demo", "--workers", "2", "--steps", "10", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"error: training failed: {error}" in err
+    assert ("a smaller --lr may help" in err) == hint
 
 
 def test_table_ratios_and_text():

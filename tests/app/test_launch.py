@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TextIO
 
 import pytest
+import torch
+import torch.distributed
 
 from fn.app._launch import WorkerError, spawn_gloo
 from tests.app import ROOT, cli
@@ -40,6 +42,42 @@ def _killed_on_rank_1(rank, world_size, send):
 def test_a_killed_worker_raises_and_the_others_are_killed():
     with pytest.raises(WorkerError, match="worker rank 1 died: .*signal SIGKILL"):
         spawn_gloo(_killed_on_rank_1, 2, (), timeout=40, on_message=lambda *a: None)
+    assert not [p for p in _children(os.getpid()) if _is_worker(p)]
+
+
+def _killed_while_rank_0_waits(rank, world_size, send):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    torch.distributed.all_reduce(torch.zeros(1))  # fails when rank 1's connection closes
+    time.sleep(600)
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_worker_is_named_before_the_errors_it_caused():
+    with pytest.raises(WorkerError) as info:
+        spawn_gloo(_killed_while_rank_0_waits, 2, (), timeout=60, on_message=lambda *a: None)
+    err = info.value
+    assert err.ranks == [1] and err.died and not err.timed_out
+    assert str(err).startswith("worker rank 1 died: killed by signal SIGKILL")
+    if 0 in err.tracebacks:  # rank 0's own error, a lost connection, comes after, as such
+        assert "as a consequence" in str(err)
+
+
+def _stalls_on_rank_1(rank, world_size, send):
+    if rank == 1:
+        time.sleep(600)  # stalled outside any collective
+    torch.distributed.all_reduce(torch.zeros(1))
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="stacks are dumped on SIGUSR1")
+@pytest.mark.timeout(90)
+def test_a_timeout_names_the_stalled_worker():
+    with pytest.raises(WorkerError) as info:
+        spawn_gloo(_stalls_on_rank_1, 2, (), timeout=30, on_message=lambda *a: None)
+    err = info.value
+    assert err.timed_out and not err.died and err.ranks == [1]
+    assert "worker rank(s) [1] stalled outside any collective" in str(err)
+    assert "_stalls_on_rank_1" in str(err)  # where it stalled
     assert not [p for p in _children(os.getpid()) if _is_worker(p)]
 
 
