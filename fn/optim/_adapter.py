@@ -359,7 +359,13 @@ class FunctionalOptimizer(torch.optim.Optimizer):
                 )
         state = runtime.state
         if lr is not None:
-            state = set_hyperparams(state, lr=lr)
+            try:
+                state = set_hyperparams(state, lr=lr)
+            except KeyError as err:
+                raise ValueError(
+                    f"fn.optim: param group {index} sets lr, but its transform has no lr state "
+                    "field; no update was made"
+                ) from err
         params = runtime.flat.tree(runtime.flat.master, self.flatten)
         try:
             return transform.update(
