@@ -272,7 +272,11 @@ def spawn_gloo(
                 on_message(rank, payload)
             else:
                 results[rank] = pickle.loads(payload)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException):
+    except mp.ProcessExitedException as err:
+        # torch saw this rank's exit first, maybe between our look at the exit codes and its own
+        exits.setdefault(err.error_index, err.exit_code)
+        raise _failure(context, exits) from None
+    except mp.ProcessRaisedException:
         raise _failure(context, exits) from None
     finally:
         if context is not None:
