@@ -182,7 +182,7 @@ class DeepSpeedLR(torch.optim.lr_scheduler.LRScheduler):
                 ratio = low + _warmup_gamma(i, self.num_steps, v["warmup_type"]) * (1.0 - low)
             else:
                 done = i - self.num_steps + 1
-                cosine = (1 + math.cos(math.pi * done / (v["total_num_steps"] - self.num_steps)))
+                cosine = 1 + math.cos(math.pi * done / (v["total_num_steps"] - self.num_steps))
                 low = v["cos_min_ratio"]
                 ratio = max(0.0, low + (1.0 - low) * cosine / 2)
             return [base * ratio for base in self.base_lrs]

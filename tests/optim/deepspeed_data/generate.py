@@ -84,12 +84,22 @@ SCHEDULERS = [
     ("WarmupLR", {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 5}),
     (
         "WarmupLR",
-        {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02, "warmup_num_steps": 6, "warmup_type": "linear"},
+        {
+            "warmup_min_lr": 0.0,
+            "warmup_max_lr": 0.02,
+            "warmup_num_steps": 6,
+            "warmup_type": "linear",
+        },
     ),
     ("WarmupDecayLR", {"total_num_steps": 12, "warmup_max_lr": 0.01, "warmup_num_steps": 4}),
     (
         "WarmupCosineLR",
-        {"total_num_steps": 12, "warmup_min_ratio": 0.1, "warmup_num_steps": 4, "cos_min_ratio": 0.05},
+        {
+            "total_num_steps": 12,
+            "warmup_min_ratio": 0.1,
+            "warmup_num_steps": 4,
+            "cos_min_ratio": 0.05,
+        },
     ),
     (
         "OneCycle",
@@ -309,10 +319,14 @@ def main() -> None:
                 ],
             }
         )
-    torch.save({"deepspeed": deepspeed.__version__, "world_size": WORLD, "runs": runs},
-               HERE / "optimizers.pt")
-    torch.save({"deepspeed": deepspeed.__version__, "schedulers": scheduler_reference()},
-               HERE / "schedulers.pt")
+    torch.save(
+        {"deepspeed": deepspeed.__version__, "world_size": WORLD, "runs": runs},
+        HERE / "optimizers.pt",
+    )
+    torch.save(
+        {"deepspeed": deepspeed.__version__, "schedulers": scheduler_reference()},
+        HERE / "schedulers.pt",
+    )
     print("wrote", HERE / "optimizers.pt", HERE / "schedulers.pt")
 
 
