@@ -88,9 +88,10 @@ class DeepSpeedLR(torch.optim.lr_scheduler.LRScheduler):
       ``r = max(0, c + (1 - c) (1 + cos(pi (i - N + 1) / (T - N))) / 2)``.
     - ``OneCycle``: a triangle from ``cycle_min_lr`` up to ``cycle_max_lr`` (over
       ``cycle_first_step_size`` iterations) and back, then
-      ``min / (1 + rate * k / decay_step_size)`` at ``k`` iterations after the cycle; the momentum (``betas[0]``) runs the opposite way
-      between ``cycle_max_mom`` and ``cycle_min_mom``, and ``betas[1]`` is set to 0.99 (as
-      DeepSpeed did). DeepSpeed never used its ``cycle_*_stair_count`` arguments.
+      ``min / (1 + rate * k / decay_step_size)`` at ``k`` iterations after the cycle; the
+      momentum (``betas[0]``) runs the opposite way between ``cycle_max_mom`` and
+      ``cycle_min_mom``, and ``betas[1]`` is set to 0.99 (as DeepSpeed did).
+      DeepSpeed never used its ``cycle_*_stair_count`` arguments.
     - ``LRRangeTest``: ``min * (1 + rate * (i + 1) / step_size)`` (the quotient floored with
       ``staircase``).
 

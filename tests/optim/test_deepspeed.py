@@ -41,11 +41,11 @@ def _continue(rank: int, run: dict, **options) -> float:
     worst = 0.0
     for t in range(run["checkpoint_step"] + 1, run["steps"] + 1):
         for p, target, noise in zip(
-            params, run["targets"][rank], run["noise"][t][rank], strict=False
+            params, run["targets"][rank], run["noise"][t][rank], strict=True
         ):
             p.grad = (p.detach() - target) + noise  # generate.py's gradient
         opt.step()
-        for p, theirs in zip(params, run["trajectory"][t - 1][rank], strict=False):
+        for p, theirs in zip(params, run["trajectory"][t - 1][rank], strict=True):
             worst = max(worst, (p.detach() - theirs).abs().max().item())
     return worst
 

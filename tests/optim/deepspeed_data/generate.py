@@ -218,7 +218,7 @@ def run_case(rank, name, block, steps, checkpoint, seed):
     opt = cls(params, engine, **hyper)
     trajectory, record = [], {}
     for t in range(steps + 1):
-        for p, c, n in zip(params, targets[rank], noise[t][rank], strict=False):
+        for p, c, n in zip(params, targets[rank], noise[t][rank], strict=True):
             p.grad = gradient(p.detach(), c, n)
             if engine.enable_backward_allreduce:
                 dist.all_reduce(p.grad)
@@ -298,7 +298,7 @@ def main() -> None:
         _, block, steps, _ = CASES[seed]
         init, targets, noise = problem(steps, seed)
         other = by_rank[1][index][3]
-        for a, b in zip(record["params"], other["params"], strict=False):
+        for a, b in zip(record["params"], other["params"], strict=True):
             # rank 0's checkpoint stands for both ranks only where their params agree (0/1 Adam:
             # at a synchronization, up to the rounding of its accumulator)
             assert torch.allclose(a, b, rtol=0, atol=1e-6), (name, k)
