@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from fn.collectives import Local
 from fn.optim._checkpoint import state_to_dict
 from fn.optim._onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
 from fn.optim._schedulers import read_config
@@ -431,3 +432,171 @@ def _fields(
             frozen=torch.tensor(counters.frozen),
         )
     return fields
+
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+
+
+def convert_checkpoint(
+    folder: str | os.PathLike,
+    config: Mapping[str, Any] | str | os.PathLike | None = None,
+    *,
+    trust: bool = False,
+) -> tuple[dict[str, Any], list[str]]:
+    """A DeepSpeed 0.18.x checkpoint of a non-ZeRO 1-bit run, as a file that fn resumes from.
+
+    DeepSpeed's engine wrote ``<save_dir>/<tag>/mp_rank_00_model_states.pt`` (and the tag into
+    ``<save_dir>/latest``) holding ``module`` (the model's state dict), ``optimizer`` (the
+    optimizer's state dict), ``lr_scheduler``, ``buffer_names``, ``ds_config`` and counters.
+    The result holds plain containers and tensors only (``torch.load(weights_only=True)`` reads
+    it)::
+
+        {"model": state dict, "optimizer": DeepSpeed's optimizer state without error feedback,
+         "config": {"optimizer": ..., "scheduler": ... (resuming at the checkpoint)},
+         "step": updates made, "param_names": [...], "deepspeed_version": str}
+
+    and resumes with::
+
+        model.load_state_dict(ckpt["model"])
+        opt = fn.optim.from_deepspeed(model.parameters(), ckpt["config"],
+                                      state_dict=ckpt["optimizer"])
+        sched = fn.optim.scheduler_from_deepspeed(opt, ckpt["config"])  # if there is one
+
+    Args:
+        folder: DeepSpeed's ``save_dir`` (its ``latest`` tag is used) or one tag's folder.
+        config: the DeepSpeed config, when the checkpoint's ``ds_config`` is not a dict.
+        trust: unpickle arbitrary objects (``torch.load(weights_only=False)``); only for
+            checkpoints from a trusted source.
+
+    Returns:
+        The converted checkpoint and a summary, one line per item.
+
+    Raises:
+        FileNotFoundError: no model states file.
+        ValueError: a ZeRO or model-parallel checkpoint, no usable config, or a checkpoint that
+            ``from_deepspeed`` cannot import (the message says why).
+    """
+    path = _model_states(os.fspath(folder))
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=not trust)
+    except Exception as err:  # torch raises UnpicklingError or RuntimeError, by version
+        if trust:
+            raise
+        raise ValueError(
+            f"{path} holds objects that a weights-only load refuses ({err}); if the checkpoint "
+            "comes from a trusted source, convert it with --trust"
+        ) from err
+    if saved.get("optimizer") is None:
+        raise ValueError(
+            f"{path} has no optimizer state: a ZeRO checkpoint (DeepSpeed's 1-bit optimizers ran "
+            "without ZeRO) or one saved without its optimizer"
+        )
+    ds_config = config if config is not None else saved.get("ds_config")
+    if isinstance(ds_config, str) and not os.path.exists(ds_config):
+        ds_config = None
+    if ds_config is None:
+        raise ValueError(
+            f"{path} does not hold its DeepSpeed config as a dict: pass the config (--config)"
+        )
+    ds_config = read_config(ds_config)
+    block = ds_config.get("optimizer", ds_config)
+    names, params = _named_params(saved)
+    optimizer_state = _without_error_feedback(saved["optimizer"])
+    groups, start = [], 0
+    for ds_group in optimizer_state["param_groups"]:
+        count = len(ds_group["params"])
+        groups.append({"params": params[start : start + count]})
+        start += count
+    if start != len(params):
+        raise ValueError(
+            f"the optimizer has {start} params, the model state {len(params)} (after leaving out "
+            "its buffers and tied copies): fn converts runs whose optimizer took all of "
+            "model.parameters()"
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the summary lists what is not used
+        optimizer = from_deepspeed(
+            groups, {"optimizer": block}, state_dict=optimizer_state, comm=Local()
+        )
+    updates = optimizer.state_dict()["state"][0]["step"]
+    converted_config = {"optimizer": dict(block)}
+    summary = [
+        f"read {path} (DeepSpeed {saved.get('ds_version', '?')}, "
+        f"global step {saved.get('global_steps', '?')})",
+        f"optimizer: {block['type']} -> fn.optim.{type(optimizer).__name__} (per-param "
+        f"compression), {len(params)} params in {len(groups)} group(s), {updates} updates made "
+        "(DeepSpeed's step counter also counted its init step)",
+        "error feedback: dropped, it restarts at zero (DeepSpeed's own load reset it too)",
+    ]
+    scheduler = ds_config.get("scheduler")
+    if scheduler is not None:
+        iteration = (saved.get("lr_scheduler") or {}).get("last_batch_iteration", -1)
+        params_block = dict(scheduler.get("params") or {}, last_batch_iteration=iteration)
+        converted_config["scheduler"] = dict(scheduler, params=params_block)
+        summary.append(f"scheduler: {scheduler.get('type')} resumes at iteration {iteration}")
+    ignored = sorted(set(ds_config) - {"optimizer", "scheduler"})
+    if ignored:
+        summary.append(f"config keys not converted (see the migration guide): {ignored}")
+    converted = {
+        "model": saved["module"],
+        "optimizer": optimizer_state,
+        "config": converted_config,
+        "step": updates,
+        "param_names": names,
+        "deepspeed_version": str(saved.get("ds_version", "")),
+    }
+    return converted, summary
+
+
+def _model_states(folder: str) -> str:
+    latest = os.path.join(folder, "latest")
+    if os.path.isfile(latest):
+        with open(latest, encoding="utf-8") as f:
+            folder = os.path.join(folder, f.read().strip())
+    path = os.path.join(folder, MODEL_STATES)
+    if os.path.isfile(path):
+        if os.path.isfile(os.path.join(folder, MODEL_STATES.replace("00", "01"))):
+            raise ValueError(
+                f"{folder} is a model-parallel checkpoint; fn converts mp_rank_00 only"
+            )
+        return path
+    shards = [n for n in os.listdir(folder) if "optim_states" in n] if os.path.isdir(folder) else []
+    if shards:
+        raise ValueError(
+            f"{folder} is a ZeRO checkpoint ({shards[0]}, ...); DeepSpeed's 1-bit optimizers ran "
+            "without ZeRO"
+        )
+    raise FileNotFoundError(f"no {MODEL_STATES} in {folder} (nor a 'latest' file naming a tag)")
+
+
+def _named_params(saved: Mapping[str, Any]) -> tuple[list[str], list[torch.Tensor]]:
+    """The model's params in ``model.parameters()`` order: its state dict without the buffers
+    and without tied copies (the same storage under a second name)."""
+    buffers = set(saved.get("buffer_names") or [])
+    names, params, seen = [], [], set()
+    for name, value in saved["module"].items():
+        if name in buffers or not isinstance(value, torch.Tensor):
+            continue
+        key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        names.append(name)
+        params.append(torch.nn.Parameter(value.detach().float().clone()))
+    return names, params
+
+
+def _without_error_feedback(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's optimizer state dict without its error feedback and padded sizes, and without
+    ``exp_avg_mask`` (fn takes masks when the optimizer is built, as DeepSpeed's load did)."""
+    if "optimizer_state_dict" in state_dict:
+        return dict(state_dict)  # from_deepspeed explains why the fp16 wrapper is not imported
+    state = {
+        index: {k: v for k, v in entry.items() if k not in _DROPPED_STATE or k == "step"}
+        for index, entry in state_dict["state"].items()
+    }
+    groups = [
+        {k: v for k, v in group.items() if k != "exp_avg_mask"}
+        for group in state_dict["param_groups"]
+    ]
+    return {"state": state, "param_groups": groups}
