@@ -20,6 +20,7 @@ import fn
 from fn.collectives import Local, ProcessGroup
 from tests._distributed import run_distributed
 
+pytestmark = pytest.mark.filterwarnings("ignore:fn.optim.from_deepspeed")
 DATA = Path(__file__).resolve().parent / "deepspeed_data"
 REFERENCE = torch.load(DATA / "optimizers.pt", weights_only=True)
 RUNS = REFERENCE["runs"]
