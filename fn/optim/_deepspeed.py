@@ -308,8 +308,9 @@ def _import_state(optimizer: Any, kind: str, state_dict: Mapping[str, Any]) -> N
                 k: torch.cat([x.reshape(-1) for x in v]) if _is_tensor_list(v) else v
                 for k, v in fields.items()
             }
-        state = runtime.state._replace(count=torch.tensor(updates), **fields)
-        saved["state"][index]["step"] = updates if step is not None else 0
+        made = updates if step is not None else 0
+        state = runtime.state._replace(count=torch.tensor(made), **fields)
+        saved["state"][index]["step"] = made
         saved["state"][index]["functional"] = state_to_dict(state)
         for key in ("lr", "betas"):
             if key in ds_group:
