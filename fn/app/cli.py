@@ -4,6 +4,9 @@
 library with Adam, 1-bit Adam, 0/1 Adam, 1-bit LAMB and Adam over a LoCo 4-bit allreduce, on real
 gloo worker processes (``--workers N``) or on simulated ranks in one process (``--simulate N``),
 and compares held-out loss and the bytes each rank sent. See :mod:`fn.app.demo`.
+
+``python -m fn from-deepspeed CHECKPOINT_DIR OUT`` converts a DeepSpeed checkpoint of a 1-bit
+optimizer run into a file fn resumes from (:func:`fn.optim._deepspeed.convert_checkpoint`).
 """
 
 from __future__ import annotations
@@ -135,7 +138,59 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds the worker processes may take in all before they are killed "
         "(default: %(default)s)",
     )
+    c = sub.add_parser(
+        "from-deepspeed",
+        help="convert a DeepSpeed checkpoint of a 1-bit optimizer run for fn",
+        description=(
+            "Converts a DeepSpeed 0.18.x checkpoint folder of a non-ZeRO run with OneBitAdam, "
+            "ZeroOneAdam or OneBitLamb (mp_rank_00_model_states.pt: model and optimizer "
+            "states) into one file that torch.load(weights_only=True) reads and "
+            "fn.optim.from_deepspeed resumes from, and prints what was converted. See "
+            "docs/migrating-from-deepspeed.md."
+        ),
+    )
+    c.add_argument(
+        "checkpoint",
+        type=Path,
+        metavar="CHECKPOINT_DIR",
+        help="DeepSpeed's save_dir (its 'latest' tag is used) or one tag's folder",
+    )
+    c.add_argument("out", type=Path, metavar="OUT", help="the file to write")
+    c.add_argument(
+        "--config",
+        type=Path,
+        metavar="JSON",
+        help="the DeepSpeed config, if the checkpoint does not hold it as a dict",
+    )
+    c.add_argument(
+        "--trust",
+        action="store_true",
+        help="allow arbitrary pickled objects in the checkpoint (only for trusted files)",
+    )
     return parser
+
+
+def _from_deepspeed(args: argparse.Namespace) -> int:
+    from fn.optim._deepspeed import convert_checkpoint
+
+    try:
+        converted, summary = convert_checkpoint(args.checkpoint, args.config, trust=args.trust)
+        torch.save(converted, args.out)
+    except (OSError, ValueError, NotImplementedError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    for line in summary:
+        print(line)
+    print(f"wrote {args.out}; resume with:")
+    print(f"    ckpt = torch.load({str(args.out)!r}, weights_only=True)")
+    print('    model.load_state_dict(ckpt["model"])')
+    print(
+        '    opt = fn.optim.from_deepspeed(model.parameters(), ckpt["config"], '
+        'state_dict=ckpt["optimizer"])'
+    )
+    if "scheduler" in converted["config"]:
+        print('    sched = fn.optim.scheduler_from_deepspeed(opt, ckpt["config"])')
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -229,4 +284,6 @@ def _lr_hint(err: ValueError | WorkerError) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     args = _parser().parse_args(argv)
-    return _demo(args)  # the only command
+    if args.command == "from-deepspeed":
+        return _from_deepspeed(args)
+    return _demo(args)

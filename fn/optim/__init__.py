@@ -59,6 +59,9 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   ``step()`` and leave the others waiting in a collective.) Each rank's scaler still updates its
   scale from its local overflow flag; scales are powers of two, so the unscaled gradients do not
   depend on it.
+- Coming from DeepSpeed: ``from_deepspeed(params, config, state_dict=...)`` builds the optimizer
+  of a DeepSpeed 1-bit config and imports its checkpointed state, ``scheduler_from_deepspeed``
+  its LR schedule (docs/migrating-from-deepspeed.md).
 - Checkpoints: ``state_dict()`` holds, per group, the host-side step count, the whole functional
   state (error feedback included) as a flat dict of tensors, and the fp32 master copy; loading it
   into a fresh optimizer continues bit for bit. Only plain containers, tensors and numbers are
@@ -70,6 +73,17 @@ Policies (the same on every rank, so the ranks always issue the same collectives
 """
 
 from fn.optim._adapter import FunctionalOptimizer, default_comm
+from fn.optim._deepspeed import from_deepspeed
 from fn.optim._onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
+from fn.optim._schedulers import DeepSpeedLR, scheduler_from_deepspeed
 
-__all__ = ["FunctionalOptimizer", "OnebitAdam", "ZeroOneAdam", "OnebitLamb", "default_comm"]
+__all__ = [
+    "FunctionalOptimizer",
+    "OnebitAdam",
+    "ZeroOneAdam",
+    "OnebitLamb",
+    "default_comm",
+    "from_deepspeed",
+    "scheduler_from_deepspeed",
+    "DeepSpeedLR",
+]

@@ -84,7 +84,8 @@ class _OnebitFamily(FunctionalOptimizer):
 
 
 class OnebitAdam(_OnebitFamily):
-    """1-bit Adam (``fn.onebit_adam``) as a ``torch.optim.Optimizer``; one flat leaf per group.
+    """1-bit Adam (``fn.onebit_adam``) as a ``torch.optim.Optimizer``; one flat leaf per group,
+    or one leaf per param with ``flatten=False``.
 
     Args:
         params: tensors or param-group dicts; every argument below except ``comm``,
@@ -95,6 +96,10 @@ class OnebitAdam(_OnebitFamily):
         exp_avg_mask: ``{param: mask}``, masks broadcastable to their param's shape, multiplied
             into the momentum after every compressed allreduce.
         nonfinite: ``"raise"`` or ``"skip"`` (see :class:`FunctionalOptimizer`).
+        flatten: ``True``: the group's params are compressed as one flat leaf (one collective
+            per group and step). ``False``: each param tensor is compressed on its own, with its
+            own scale and error feedback (more, smaller collectives): DeepSpeed's numerics, as
+            ``fn.optim.from_deepspeed`` uses.
 
     Example:
         One warmup step (Adam, variance estimated), then one compressed step (the variance is
@@ -132,6 +137,7 @@ class OnebitAdam(_OnebitFamily):
         comm: Any = None,
         exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None = None,
         nonfinite: str = "raise",
+        flatten: bool = True,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -141,11 +147,12 @@ class OnebitAdam(_OnebitFamily):
             weight_decay=weight_decay,
             non_freeze=non_freeze,
         )
-        super().__init__(params, defaults, comm, exp_avg_mask, True, nonfinite)
+        super().__init__(params, defaults, comm, exp_avg_mask, flatten, nonfinite)
 
 
 class ZeroOneAdam(_OnebitFamily):
-    """0/1 Adam (``fn.zero_one_adam``) as a ``torch.optim.Optimizer``; one flat leaf per group.
+    """0/1 Adam (``fn.zero_one_adam``) as a ``torch.optim.Optimizer``; one flat leaf per group,
+    or one leaf per param with ``flatten=False``.
 
     Args:
         params: tensors or param-group dicts; every argument below except ``comm``,
@@ -155,6 +162,8 @@ class ZeroOneAdam(_OnebitFamily):
         comm: ``None`` gives :func:`default_comm`.
         exp_avg_mask: ``{param: mask}`` (see :class:`OnebitAdam`).
         nonfinite: ``"raise"`` or ``"skip"``.
+        flatten: one flat leaf per group (``True``) or one per param (``False``, DeepSpeed's
+            numerics; see :class:`OnebitAdam`).
 
     Between synchronizations the ranks' params differ by design (local steps).
 
@@ -193,6 +202,7 @@ class ZeroOneAdam(_OnebitFamily):
         comm: Any = None,
         exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None = None,
         nonfinite: str = "raise",
+        flatten: bool = True,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -204,7 +214,7 @@ class ZeroOneAdam(_OnebitFamily):
             local_step_scaler=local_step_scaler,
             local_step_clipper=local_step_clipper,
         )
-        super().__init__(params, defaults, comm, exp_avg_mask, True, nonfinite)
+        super().__init__(params, defaults, comm, exp_avg_mask, flatten, nonfinite)
 
 
 class OnebitLamb(_OnebitFamily):

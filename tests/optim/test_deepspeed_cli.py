@@ -1,0 +1,95 @@
+"""``python -m fn from-deepspeed CHECKPOINT_DIR OUT`` on DeepSpeed's non-ZeRO checkpoint layout
+(``<save_dir>/latest``, ``<save_dir>/<tag>/mp_rank_00_model_states.pt`` with the keys of
+DeepSpeed 0.18.9's ``engine._save_checkpoint``), filled with a reference run's states."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import fn
+from fn.app.cli import main
+from fn.collectives import Local
+
+DATA = Path(__file__).resolve().parent / "deepspeed_data"
+RUN = next(
+    r
+    for r in torch.load(DATA / "optimizers.pt", weights_only=True)["runs"]
+    if r["name"] == "zero_one_adam" and r["checkpoint_step"] == 9
+)
+SCHEDULER = {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 5}}
+
+
+def _save_dir(tmp_path: Path) -> Path:
+    weight, bias, head = RUN["params_at_checkpoint"]
+    module = {
+        "encoder.weight": weight,
+        "encoder.bias": bias,
+        "norm.running_mean": torch.zeros(3),  # a buffer
+        "head.weight": head,
+        "decoder.weight": weight,  # tied to encoder.weight: not a second param
+    }
+    state = {
+        "module": module,
+        "buffer_names": ["norm.running_mean"],
+        "optimizer": RUN["state_dict"],
+        "lr_scheduler": {"last_batch_iteration": RUN["checkpoint_step"]},
+        "sparse_tensor_module_names": set(),
+        "skipped_steps": 0,
+        "global_steps": RUN["checkpoint_step"] + 1,
+        "global_samples": 64,
+        "dp_world_size": 2,
+        "mp_world_size": 1,
+        "ds_config": {**RUN["config"], "scheduler": SCHEDULER, "train_batch_size": 8},
+        "ds_version": "0.18.9",
+    }
+    tag = tmp_path / "ckpt" / "global_step10"
+    tag.mkdir(parents=True)
+    torch.save(state, tag / "mp_rank_00_model_states.pt")
+    (tmp_path / "ckpt" / "latest").write_text("global_step10")
+    return tmp_path / "ckpt"
+
+
+def test_converts_a_checkpoint_that_fn_resumes_from(tmp_path, capsys):
+    out = tmp_path / "fn.pt"
+    assert main(["from-deepspeed", str(_save_dir(tmp_path)), str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "ZeroOneAdam -> fn.optim.ZeroOneAdam" in printed and "9 updates" in printed
+    assert "resumes at iteration 9" in printed and "train_batch_size" in printed
+    ckpt = torch.load(out, weights_only=True)
+    assert ckpt["param_names"] == ["encoder.weight", "encoder.bias", "head.weight"]
+    assert ckpt["step"] == 9
+    assert not any("error" in k for e in ckpt["optimizer"]["state"].values() for k in e)
+
+    params = [torch.nn.Parameter(ckpt["model"][n].clone()) for n in ckpt["param_names"]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = fn.optim.from_deepspeed(
+            params, ckpt["config"], state_dict=ckpt["optimizer"], comm=Local()
+        )
+        direct = fn.optim.from_deepspeed(
+            [torch.nn.Parameter(p.clone()) for p in RUN["params_at_checkpoint"]],
+            RUN["config"],
+            state_dict=RUN["state_dict"],
+            comm=Local(),
+        )
+    a, b = ours.state_dict()["state"][0], direct.state_dict()["state"][0]
+    assert a["step"] == b["step"] == 9
+    for key, value in b["functional"].items():
+        assert torch.equal(a["functional"][key], value), key
+    sched = fn.optim.scheduler_from_deepspeed(ours, ckpt["config"])
+    assert sched.last_epoch == 9 and ours.param_groups[0]["lr"] == pytest.approx(0.01)
+
+
+def test_unusable_folders_are_clear_errors(tmp_path, capsys):
+    out = str(tmp_path / "fn.pt")
+    assert main(["from-deepspeed", str(tmp_path / "missing"), out]) == 1
+    assert "no mp_rank_00_model_states.pt" in capsys.readouterr().err
+    zero = tmp_path / "zero"
+    zero.mkdir()
+    (zero / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    assert main(["from-deepspeed", str(zero), out]) == 1
+    assert "ZeRO" in capsys.readouterr().err
