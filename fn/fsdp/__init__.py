@@ -1,0 +1,20 @@
+"""FSDP2 integration: fn's quantized, error-compensated reduce-scatter inside ``fully_shard``.
+
+- :func:`loco_reduce_scatter` installs a :class:`QuantizedReduceScatter` (ZeRO++ qgZ with LoCo
+  error feedback, one or two hops) on every FSDP2 module of a model and returns a
+  :class:`LocoReduceScatterHandle`, whose ``state_dict`` holds every rank's error feedback.
+- :class:`TrainingCheckpoint` saves and restores model, optimizer and that handle with
+  ``torch.distributed.checkpoint``.
+"""
+
+from fn.fsdp.checkpoint import TrainingCheckpoint
+from fn.fsdp.loco import LocoReduceScatterHandle, loco_reduce_scatter
+from fn.fsdp.reduce_scatter import QuantizedReduceScatter, reduce_scale
+
+__all__ = [
+    "QuantizedReduceScatter",
+    "reduce_scale",
+    "LocoReduceScatterHandle",
+    "loco_reduce_scatter",
+    "TrainingCheckpoint",
+]
