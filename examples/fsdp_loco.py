@@ -181,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             checkpoint.save(args.checkpoint)
         if rank == 0:
             sent = f", fn reduce-scatter bytes sent (rank 0) {handle.bytes_sent}" if handle else ""
-            print(f"{args.mode}: held-out loss {final:.4f} after {checkpoint.step} steps{sent}")
+            print(f"{args.mode}: held-out loss {final:.6f} after {checkpoint.step} steps{sent}")
     finally:
         dist.destroy_process_group()
 

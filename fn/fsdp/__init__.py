@@ -9,9 +9,10 @@
 
 from fn.fsdp.checkpoint import TrainingCheckpoint
 from fn.fsdp.loco import LocoReduceScatterHandle, loco_reduce_scatter
-from fn.fsdp.reduce_scatter import QuantizedReduceScatter, reduce_scale
+from fn.fsdp.reduce_scatter import CommCache, QuantizedReduceScatter, reduce_scale
 
 __all__ = [
+    "CommCache",
     "QuantizedReduceScatter",
     "reduce_scale",
     "LocoReduceScatterHandle",

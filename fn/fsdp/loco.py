@@ -19,8 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from fn.collectives.process_group import ProcessGroup
-from fn.fsdp.reduce_scatter import QuantizedReduceScatter
+from fn.fsdp.reduce_scatter import CommCache, QuantizedReduceScatter
 
 __all__ = ["LocoReduceScatterHandle", "loco_reduce_scatter"]
 
@@ -68,7 +67,7 @@ class LocoReduceScatterHandle:
     """
 
     def __init__(
-        self, reduce_scatters: dict[str, QuantizedReduceScatter], rank: int, comms: _CommCache
+        self, reduce_scatters: dict[str, QuantizedReduceScatter], rank: int, comms: CommCache
     ) -> None:
         self.reduce_scatters = reduce_scatters
         self.rank = rank
@@ -104,26 +103,6 @@ class LocoReduceScatterHandle:
         parsed = {name: rs.parse_state_dict(own[name]) for name, rs in self.reduce_scatters.items()}
         for name, rs in self.reduce_scatters.items():
             rs._assign(*parsed[name])
-
-
-class _CommCache:
-    """fn's communicator for each FSDP2 process group, with its two-hop split made once."""
-
-    def __init__(self, local_world_size: int | None) -> None:
-        self.local_world_size = local_world_size
-        self.comms: dict[dist.ProcessGroup, ProcessGroup] = {}
-
-    def __call__(self, group: dist.ProcessGroup) -> ProcessGroup:
-        if group not in self.comms:
-            comm = ProcessGroup(group)
-            if self.local_world_size is not None:
-                comm.split(self.local_world_size)  # collective: every rank, same order
-            self.comms[group] = comm
-        return self.comms[group]
-
-    @property
-    def bytes_sent(self) -> int:
-        return sum(comm.bytes_sent for comm in self.comms.values())
 
 
 def loco_reduce_scatter(
@@ -171,7 +150,7 @@ def loco_reduce_scatter(
         (['<root>'], (20, 1))
         >>> dist.destroy_process_group()
     """
-    comm_for = _CommCache(local_world_size)
+    comm_for = CommCache(local_world_size)
     reduce_scatters = {}
     for name, child in module.named_modules():
         if not isinstance(child, FSDPModule):

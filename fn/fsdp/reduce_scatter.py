@@ -45,7 +45,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import (
 from fn.collectives.process_group import ProcessGroup
 from fn.collectives.quantized import _NON_FINITE, _plan, _reduce_scatter
 
-__all__ = ["QuantizedReduceScatter", "reduce_scale"]
+__all__ = ["CommCache", "QuantizedReduceScatter", "reduce_scale"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,42 @@ def reduce_scale(op: Any, world_size: int) -> float:
     raise ValueError(f"op must be ReduceOp.AVG, SUM or PREMUL_SUM, got {kind}")
 
 
+class CommCache:
+    """fn's communicator for each FSDP2 process group, with its two-hop split made once.
+
+    Args:
+        local_world_size: ranks per node: split every new group for the two-hop mode (a
+            collective call), or ``None``.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> from fn.fsdp import CommCache
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> comms = CommCache(local_world_size=None)
+        >>> comms(dist.group.WORLD) is comms(dist.group.WORLD), comms.bytes_sent
+        (True, 0)
+        >>> dist.destroy_process_group()
+    """
+
+    def __init__(self, local_world_size: int | None) -> None:
+        self.local_world_size = local_world_size
+        self.comms: dict[dist.ProcessGroup, ProcessGroup] = {}
+
+    def __call__(self, group: dist.ProcessGroup) -> ProcessGroup:
+        """The communicator of ``group`` (created on first use)."""
+        if group not in self.comms:
+            comm = ProcessGroup(group)
+            if self.local_world_size is not None:
+                comm.split(self.local_world_size)  # collective: every rank, same order
+            self.comms[group] = comm
+        return self.comms[group]
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes sent through all these communicators."""
+        return sum(comm.bytes_sent for comm in self.comms.values())
+
+
 class QuantizedReduceScatter(ReduceScatter):
     """One FSDP2 module's reduce-scatter: quantized (ZeRO++ qgZ), optionally LoCo-compensated.
 
@@ -90,8 +126,8 @@ class QuantizedReduceScatter(ReduceScatter):
         err_beta: LoCo's error decay ``beta`` in ``[0, 1)``, or ``None`` for no error feedback.
         reset_T: zero the error feedback every ``reset_T`` calls.
         local_world_size: ranks per node for the two-hop mode, or ``None`` for one hop.
-        comm_for: maps FSDP2's process group to fn's communicator (one per group, so that the
-            two-hop sub-groups are created once); by default a new ``ProcessGroup`` per group.
+        comm_for: maps FSDP2's process group to fn's communicator; by default a
+            :class:`CommCache` of this object's own.
         name: how log lines name this module.
 
     Attributes:
@@ -139,7 +175,7 @@ class QuantizedReduceScatter(ReduceScatter):
         self.reset_T = reset_T
         self.local_world_size = local_world_size
         self.name = name
-        self._comm_for = comm_for or ProcessGroup
+        self._comm_for = comm_for or CommCache(local_world_size)
         self.count = torch.zeros((), dtype=torch.int64)
         self.errors: tuple[torch.Tensor, ...] = ()
         self.layout: tuple[int, int] | None = None

@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from fn.collectives import Simulated, quantized_reduce_scatter, simulate
-from fn.fsdp import QuantizedReduceScatter, reduce_scale
+from fn.fsdp import QuantizedReduceScatter, loco_reduce_scatter, reduce_scale
 from tests._distributed import run_distributed
+from tests.fsdp import test_fsdp
 
 ROW = 37  # values per rank's row: not a multiple of the quantization group
 GROUP = 8
@@ -75,6 +76,18 @@ def _worker_two_ranks(rank: int, world_size: int) -> dict:
         errors = [torch.empty_like(rs.errors[0]) for _ in range(world_size)]
         dist.all_gather(errors, rs.errors[0])
         out["loco", beta] = torch.stack(outs), torch.stack(errors), int(rs.count)
+
+    def fresh():
+        return QuantizedReduceScatter(bits=4, group_size=GROUP, err_beta=BETA, reset_T=2)
+
+    rs = fresh()
+    outs = [
+        call(rs, inputs(world_size, ROW, seed=30 + t), dist.ReduceOp.AVG, rank) for t in range(3)
+    ]
+    alone = [
+        call(fresh(), inputs(world_size, ROW, seed=30 + t), dist.ReduceOp.AVG, rank) for t in (1, 2)
+    ]
+    out["reset_T"] = torch.equal(outs[1], alone[0]), torch.equal(outs[2], alone[1])
 
     records = []
     handler = logging.Handler()
@@ -175,6 +188,13 @@ def test_error_feedback_telescopes(two_ranks):
 
 
 @pytest.mark.timeout(300)
+def test_reset_T_zeroes_the_error_every_reset_T_calls(two_ranks):
+    for rank in range(2):
+        # call 2 uses call 1's error; call 3 (count 2 % reset_T == 0) starts from zero again
+        assert two_ranks[rank]["reset_T"] == (False, True)
+
+
+@pytest.mark.timeout(300)
 def test_layout_change_resets_with_a_log(two_ranks):
     for rank in range(2):
         before, after, messages = two_ranks[rank]["layout"]
@@ -202,6 +222,11 @@ def _worker_two_hop(rank: int, world_size: int) -> dict:
         for t in range(STEPS)
     ]
     out["loco"] = torch.stack(outs), [tuple(e.shape) for e in rs.errors]
+
+    dense = test_fsdp.grads(test_fsdp.build(world_size), rank)
+    model = test_fsdp.build(world_size)
+    loco_reduce_scatter(model, bits=8, group_size=4, err_beta=None, local_world_size=2)
+    out["fsdp"] = dense, test_fsdp.grads(model, rank)
     return out
 
 
@@ -221,6 +246,10 @@ def test_two_hop_four_ranks():
         # telescoping per hop: the summed outputs miss the truth by the last errors / (1 - beta)
         bound = quantization_bound(inputs(4, ROW, seed=20), "avg", 4, 2) / (1 - BETA)
         assert drift.abs().max() <= bound
+        dense, quantized = results[rank]["fsdp"]  # FSDP2 gradients through the two hops
+        for name, want in dense.items():
+            err = float((quantized[name] - want).abs().max())
+            assert err <= 2 * 3 * float(want.abs().max()) * 2 / 128 + 1e-7, name
 
 
 @pytest.mark.parametrize(
