@@ -5,7 +5,8 @@ weights, same synthetic token streams, AdamW) for ``--steps`` steps in each mode
 
 - ``dense``: FSDP2's own reduce-scatter;
 - ``loco``: ``fn.fsdp.loco_reduce_scatter(bits=4, err_beta=0.8)``;
-- ``qgz``: the same with ``err_beta=None`` (ZeRO++ qgZ, no error feedback).
+- ``qgz``: the same with ``err_beta=None`` (ZeRO++ qgZ, no error feedback);
+- ``loco+qwz``: LoCo, and the parameter all-gathers in 8 bits too (``quantized_all_gather``).
 
 Bytes are counted independently of fn, at torch's process-group interface: every collective of
 ``torch.distributed.ProcessGroup`` (FSDP2's, fn's, anyone's) is wrapped in each rank and counted
@@ -42,7 +43,7 @@ sys.path.insert(0, REPO)
 
 from fn.app._launch import spawn_gloo  # noqa: E402
 
-MODES = ("dense", "loco", "qgz")
+MODES = ("dense", "loco", "qgz", "loco+qwz")
 
 
 def _load_example():
@@ -107,7 +108,7 @@ def _worker(rank: int, world_size: int, send, config: dict) -> dict:
     table = example.bigram_table(args.vocab)
     results = {}
     for mode in MODES:
-        args.mode = mode
+        args.mode, args.qwz = mode.split("+")[0], mode.endswith("+qwz")
         model, handle = example.build(args, world_size)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
         counter.reset()
@@ -145,7 +146,7 @@ def print_results(results: list[dict], config: dict) -> None:
         f"{config['steps']} steps, {datetime.date.today()}"
     )
     print("bytes per rank per step (counted at the ProcessGroup interface, rank 0):")
-    header = f"{'mode':<6} {'gradients':>12} {'(gloo)':>12} {'params':>12} {'total':>12}"
+    header = f"{'mode':<8} {'gradients':>12} {'(gloo)':>12} {'params':>12} {'total':>12}"
     print(header + f" {'grad ratio':>10} {'held-out loss':>14} {'vs dense':>9} {'step s':>8}")
     dense_grad = sum(dense["bytes_per_step"].get(k, 0) for k in GRADIENT_KINDS)
     for mode in MODES:
@@ -156,7 +157,7 @@ def print_results(results: list[dict], config: dict) -> None:
         total = sum(r["bytes_per_step"].values())
         loss_vs = r["held_out_loss"] / dense["held_out_loss"] - 1
         print(
-            f"{mode:<6} {grad:>12.0f} {gloo:>12.0f} {gather:>12.0f} {total:>12.0f} "
+            f"{mode:<8} {grad:>12.0f} {gloo:>12.0f} {gather:>12.0f} {total:>12.0f} "
             f"{grad / dense_grad:>10.3f} {r['held_out_loss']:>14.4f} {loss_vs:>+9.2%} "
             f"{r['step_s']:>8.3f}"
         )

@@ -12,7 +12,7 @@ Run:
     torchrun --nproc-per-node 2 examples/fsdp_loco.py --max-steps 20
     torchrun --nproc-per-node 2 examples/fsdp_loco.py --max-steps 10 --checkpoint /tmp/ck
     torchrun --nproc-per-node 2 examples/fsdp_loco.py --max-steps 20 --checkpoint /tmp/ck --resume
-    options: --mode dense|loco|qgz, --bits 4|8, --err-beta 0.8, --local-world-size L
+    options: --mode dense|loco|qgz, --bits 4|8, --err-beta 0.8, --local-world-size L, --qwz
 """
 
 from __future__ import annotations
@@ -30,7 +30,12 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fn.fsdp import LocoReduceScatterHandle, TrainingCheckpoint, loco_reduce_scatter  # noqa: E402
+from fn.fsdp import (  # noqa: E402
+    LocoReduceScatterHandle,
+    TrainingCheckpoint,
+    loco_reduce_scatter,
+    quantized_all_gather,
+)
 
 
 class Block(nn.Module):
@@ -102,6 +107,8 @@ def build(
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if args.qwz:
+        quantized_all_gather(model, bits=8, group_size=args.group_size)
     if args.mode == "dense":
         return model, None
     handle = loco_reduce_scatter(
@@ -139,6 +146,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--err-beta", type=float, default=0.8)
     p.add_argument(
         "--local-world-size", type=int, default=None, help="ranks per node: two-hop reduce-scatter"
+    )
+    p.add_argument(
+        "--qwz", action="store_true", help="also all-gather the parameters in 8 bits (ZeRO++ qwZ)"
     )
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--d-model", type=int, default=64)
