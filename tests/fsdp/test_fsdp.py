@@ -95,6 +95,29 @@ def _worker_grads(rank: int, world_size: int) -> dict:
     logging.getLogger("fn.fsdp.reduce_scatter").removeHandler(handler)
     out["layout_log"] = [r.getMessage() for r in records]
     out["bytes"] = handle.bytes_sent
+
+    saved = {k: v.clone() for k, v in handle.reduce_scatters["block1"].state_dict().items()}
+    state = handle.state_dict()
+    refused = []
+    for broken, kind in (
+        ({"rank9": state[f"rank{rank}"]}, KeyError),
+        ({f"rank{rank}": {"block0": state[f"rank{rank}"]["block0"]}}, KeyError),
+        (
+            {
+                f"rank{rank}": {
+                    **state[f"rank{rank}"],
+                    "<root>": {**state[f"rank{rank}"]["<root>"], "error.0": torch.zeros(3)},
+                }
+            },
+            ValueError,
+        ),
+    ):
+        try:
+            handle.load_state_dict(broken)
+        except kind as err:
+            refused.append(str(err))
+    after = handle.reduce_scatters["block1"].state_dict()
+    out["refused"] = refused, all(torch.equal(saved[k], after[k]) for k in saved)
     return out
 
 
@@ -133,6 +156,14 @@ def test_equal_modules_keep_their_own_error_and_ranks_agree(grad_results):
     assert not torch.equal(
         grad_results[0]["separate"]["block0"], grad_results[1]["separate"]["block0"]
     )
+
+
+@pytest.mark.timeout(300)
+def test_load_state_dict_refuses_other_ranks_models_and_shapes(grad_results):
+    for rank in range(2):
+        refused, unchanged = grad_results[rank]["refused"]
+        assert len(refused) == 3 and unchanged
+        assert f"rank{rank}" in refused[0] and "block1" in refused[1] and "error.0" in refused[2]
 
 
 @pytest.mark.timeout(300)
