@@ -133,7 +133,8 @@ class QuantizedReduceScatter(ReduceScatter):
     Attributes:
         count: int64[]: calls made since the start (the ``reset_T`` clock).
         errors: the error buffers (fp32; hop 1 ``[W * m]``, hop 2 ``[W * m / L]`` with ``m``
-            the padded row length), ``()`` before the first call or without error feedback.
+            the padded row length), ``()`` before the first call or :meth:`reset`, or without
+            error feedback.
         layout: ``(n, W)`` of the buffers the errors belong to, or ``None``.
 
     Example:
@@ -242,9 +243,9 @@ class QuantizedReduceScatter(ReduceScatter):
         row = numel // world_size
         padded = self._padded_row(row)
         v = torch.nn.functional.pad(input_tensor.view(world_size, row).float(), (0, padded - row))
-        if (
-            self.local_world_size is not None
-        ):  # rank node * L + local gets chunk local * nodes + node
+        if self.local_world_size is not None:
+            # two hops: rank node * L + local receives chunk local * nodes + node; reorder the
+            # rows so that this chunk is its own row
             v = v.view(-1, self.local_world_size, padded).transpose(0, 1)
         try:
             shard, new_errors = _reduce_scatter(v.reshape(-1), errors, plan, self.err_beta or 0.0)
