@@ -1,0 +1,203 @@
+"""FSDP2 with dense, LoCo 4-bit and qgZ (4-bit, no feedback) gradient reduce-scatters.
+
+W gloo ranks on this machine train the transformer of ``examples/fsdp_loco.py`` (same random
+weights, same synthetic token streams, AdamW) for ``--steps`` steps in each mode:
+
+- ``dense``: FSDP2's own reduce-scatter;
+- ``loco``: ``fn.fsdp.loco_reduce_scatter(bits=4, err_beta=0.8)``;
+- ``qgz``: the same with ``err_beta=None`` (ZeRO++ qgZ, no error feedback);
+- ``loco+qwz``: LoCo, and the parameter all-gathers in 8 bits too (``quantized_all_gather``).
+
+Bytes are counted independently of fn, at torch's process-group interface: every collective of
+``torch.distributed.ProcessGroup`` (FSDP2's, fn's, anyone's) is wrapped in each rank and counted
+by what it hands to the backend, with the per-rank volume of a ring / pairwise algorithm:
+all-reduce ``2 (W-1)/W`` of the tensor, all-gather ``(W-1)/W`` of the output, reduce-scatter and
+all-to-all ``(W-1)/W`` of the input. gloo runs a reduce-scatter as an all-reduce, so its real
+traffic for dense FSDP2's gradients is twice the ideal figure: both are printed. The counts cover
+the training steps only (not the held-out evaluation). Then the held-out loss of every mode
+(LoCo should be within about 1% of dense) and the median step time, which means nothing on a
+loaded machine or without rate-limited links (see ``benchmarks/cluster.py`` for those).
+
+Run:  python3 benchmarks/fsdp.py [--ranks 2] [--steps 200] [--json out.json]
+      python3 benchmarks/fsdp.py --steps 3 --layers 1 --d-model 32   (a smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from fn.app._launch import spawn_gloo  # noqa: E402
+
+MODES = ("dense", "loco", "qgz", "loco+qwz")
+
+
+def _load_example():
+    path = os.path.join(REPO, "examples", "fsdp_loco.py")
+    spec = importlib.util.spec_from_file_location("fsdp_loco_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class ByteCounter:
+    """Wraps ``torch.distributed.ProcessGroup``'s collectives to count each one's bytes.
+
+    ``counts[kind]`` is this rank's ideal per-rank volume; ``gloo_counts`` counts a
+    reduce-scatter as the all-reduce gloo runs for it.
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[str, float] = defaultdict(float)
+        self.gloo_counts: dict[str, float] = defaultdict(float)
+        self.active = False
+        pg = dist.ProcessGroup
+
+        def wrap(name: str, kind: str, tensor_of, fraction):
+            original = getattr(pg, name)
+
+            def counted(group, *args, **kwargs):
+                if self.active:
+                    w = group.size()
+                    nbytes = _nbytes(tensor_of(args))
+                    self.counts[kind] += fraction(w) * nbytes
+                    gloo = 2 * (w - 1) / w if kind == "reduce_scatter" else fraction(w)
+                    self.gloo_counts[kind] += gloo * nbytes
+                return original(group, *args, **kwargs)
+
+            setattr(pg, name, counted)
+
+        def ring(w):
+            return (w - 1) / w
+
+        wrap("allreduce", "all_reduce", lambda a: a[0], lambda w: 2 * (w - 1) / w)
+        wrap("all_gather_single", "all_gather", lambda a: a[0], ring)  # (output, input, ...)
+        wrap("reduce_scatter_single", "reduce_scatter", lambda a: a[1], ring)
+        wrap("all_to_all_single", "all_to_all", lambda a: a[1], ring)
+
+    def reset(self) -> None:
+        self.counts.clear()
+        self.gloo_counts.clear()
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return t.numel() * t.element_size()
+
+
+def _worker(rank: int, world_size: int, send, config: dict) -> dict:
+    del send
+    example = _load_example()
+    args = example.parse_args(config["example_args"])
+    counter = ByteCounter()
+    table = example.bigram_table(args.vocab)
+    results = {}
+    for mode in MODES:
+        args.mode, args.qwz = mode.split("+")[0], mode.endswith("+qwz")
+        model, handle = example.build(args, world_size)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+        counter.reset()
+        times = []
+        for step in range(config["steps"]):
+            batch = example.train_batch(table, args, step, rank)
+            dist.barrier()
+            start = time.perf_counter()
+            counter.active = True
+            optimizer.zero_grad()
+            example.lm_loss(model, batch).backward()
+            optimizer.step()
+            counter.active = False
+            times.append(time.perf_counter() - start)
+        steps = config["steps"]
+        results[mode] = {
+            "bytes_per_step": {k: v / steps for k, v in counter.counts.items()},
+            "gloo_bytes_per_step": {k: v / steps for k, v in counter.gloo_counts.items()},
+            "fn_bytes_per_step": handle.bytes_sent / steps if handle else None,
+            "held_out_loss": example.held_out_loss(model, table, args),
+            "step_s": statistics.median(times),
+            "params": sum(p.numel() for p in model.parameters()),
+        }
+    return results
+
+
+GRADIENT_KINDS = ("reduce_scatter", "all_to_all")
+
+
+def print_results(results: list[dict], config: dict) -> None:
+    rank0 = results[0]
+    dense = rank0["dense"]
+    print(
+        f"FSDP2, {config['ranks']} gloo ranks, {dense['params']} parameters, "
+        f"{config['steps']} steps, {datetime.date.today()}"
+    )
+    print("bytes per rank per step (counted at the ProcessGroup interface, rank 0):")
+    header = f"{'mode':<8} {'gradients':>12} {'(gloo)':>12} {'params':>12} {'total':>12}"
+    print(header + f" {'grad ratio':>10} {'held-out loss':>14} {'vs dense':>9} {'step s':>8}")
+    dense_grad = sum(dense["bytes_per_step"].get(k, 0) for k in GRADIENT_KINDS)
+    for mode in MODES:
+        r = rank0[mode]
+        grad = sum(r["bytes_per_step"].get(k, 0) for k in GRADIENT_KINDS)
+        gloo = sum(r["gloo_bytes_per_step"].get(k, 0) for k in GRADIENT_KINDS)
+        gather = r["bytes_per_step"].get("all_gather", 0)
+        total = sum(r["bytes_per_step"].values())
+        loss_vs = r["held_out_loss"] / dense["held_out_loss"] - 1
+        print(
+            f"{mode:<8} {grad:>12.0f} {gloo:>12.0f} {gather:>12.0f} {total:>12.0f} "
+            f"{grad / dense_grad:>10.3f} {r['held_out_loss']:>14.4f} {loss_vs:>+9.2%} "
+            f"{r['step_s']:>8.3f}"
+        )
+    fn_counts = ", ".join(f"{m} {rank0[m]['fn_bytes_per_step']:.0f}" for m in MODES[1:])
+    print(f"fn's own count of its reduce-scatter bytes (rank 0): {fn_counts}")
+    print("gradients: reduce-scatter + all-to-all; (gloo): a reduce-scatter sent as gloo's")
+    print("all-reduce; params: FSDP2's all-gathers. Step times are meaningful only on a quiet")
+    print("machine and say nothing about slow links.")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--json", default=None, help="also write rank 0's results here")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    config = {
+        "ranks": args.ranks,
+        "steps": args.steps,
+        "example_args": [
+            "--layers", str(args.layers), "--d-model", str(args.d_model),
+            "--group-size", str(args.group_size), "--bits", "4", "--err-beta", "0.8",
+        ],
+    }  # fmt: skip
+    results = spawn_gloo(
+        _worker, args.ranks, (config,), timeout=args.timeout, on_message=lambda r, m: None
+    )
+    print_results(results, config)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": config, "rank0": results[0]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

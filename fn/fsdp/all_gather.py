@@ -1,0 +1,144 @@
+"""``quantized_all_gather``: FSDP2's parameter all-gather in 8-bit groups (ZeRO++ qwZ).
+
+FSDP2 all-gathers every module's parameter shards before its forward (and again before its
+backward when it resharded after the forward). :class:`QuantizedAllGather` sends each rank's
+flat shard ``x`` (``n`` values, padded on its own to whole groups) as blockwise codes and fp32
+scales, and every rank writes ``DQ(Q(x_i))`` for every rank ``i``, its own included, into
+FSDP2's output in the parameters' dtype: all ranks compute with the same unsharded weights, and
+the sharded parameters the optimizer updates stay exact. A shard with a non-finite value gathers
+as NaN on every rank. Inputs that are not floating point (FSDP2 sends mixed dtypes as bytes)
+are gathered unchanged.
+
+Reference:
+    Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant Model
+    Training", 2023 (arXiv:2306.10209), qwZ.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # torch exports no public name
+
+from fn.collectives.process_group import _all_gather_flat
+from fn.collectives.quantized import _all_gather, _plan
+from fn.fsdp.loco import ROOT
+from fn.fsdp.reduce_scatter import CommCache
+
+__all__ = ["QuantizedAllGather", "quantized_all_gather"]
+
+
+class QuantizedAllGather(AllGather):
+    """One FSDP2 module's parameter all-gather, sent as ``bits``-bit groups.
+
+    Args:
+        bits: 8 (ZeRO++'s qwZ) or 4.
+        group_size: values per quantization group (even).
+        comm_for: maps FSDP2's process group to fn's communicator (default: a
+            :class:`~fn.fsdp.CommCache` of this object's own).
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> from fn.fsdp import QuantizedAllGather
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> gather = QuantizedAllGather(bits=8, group_size=4)
+        >>> x = torch.tensor([0.5, -1.0, 0.25, 0.3, 0.7])
+        >>> out = gather.allocate((5,), dtype=torch.float32, device=torch.device("cpu"))
+        >>> gather(out, x, dist.group.WORLD)
+        >>> out  # x, to 8 bits per group of 4
+        tensor([ 0.5000, -1.0000,  0.2500,  0.2969,  0.6945])
+        >>> dist.destroy_process_group()
+    """
+
+    def __init__(
+        self,
+        bits: int = 8,
+        group_size: int = 128,
+        *,
+        comm_for: CommCache | None = None,
+    ) -> None:
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        if group_size < 2 or group_size % 2:
+            raise ValueError(f"group_size must be an even number >= 2, got {group_size}")
+        self.bits = bits
+        self.group_size = group_size
+        self._comm_for = comm_for or CommCache(None)
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A new uninitialized buffer (FSDP2 asks for the output)."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> None:
+        """Writes every rank's dequantized shard into ``output_tensor`` (``[W * n]``); runs
+        synchronously whatever ``async_op`` says (FSDP2 then sees no pending work)."""
+        del async_op
+        if not input_tensor.is_floating_point():
+            _all_gather_flat(output_tensor, input_tensor, group=group)
+            return None
+        comm = self._comm_for(group)
+        world_size, n = comm.world_size, input_tensor.numel()
+        if output_tensor.numel() != world_size * n:
+            raise ValueError(
+                f"output_tensor must hold world_size={world_size} x {n} values, "
+                f"got {output_tensor.numel()}"
+            )
+        padded = -(-n // self.group_size) * self.group_size
+        shard = nn.functional.pad(input_tensor.reshape(-1).float(), (0, padded - n))
+        plan = _plan(comm, self.bits, self.group_size, None)
+        gathered, _ = _all_gather(shard, None, plan, 0.0)
+        output_tensor.view(world_size, n).copy_(gathered.view(world_size, padded)[:, :n])
+        return None
+
+
+def quantized_all_gather(
+    module: nn.Module, *, bits: int = 8, group_size: int = 128
+) -> dict[str, QuantizedAllGather]:
+    """Sends the parameter all-gathers of every FSDP2 module under ``module`` quantized.
+
+    Forward and backward then run on ``DQ(Q(w))`` (blockwise ``bits``-bit, per rank's shard);
+    the sharded parameters and their updates stay exact. Use it with
+    :func:`~fn.fsdp.loco_reduce_scatter` for ZeRO++'s qwZ + qgZ.
+
+    Args:
+        module: a model with ``fully_shard`` applied to it or to some of its submodules.
+        bits: 8 (qwZ) or 4.
+        group_size: values per quantization group (even).
+
+    Returns:
+        ``{fqn: QuantizedAllGather}`` (``"<root>"`` for ``module`` itself).
+
+    Raises:
+        ValueError: no FSDP2 module under ``module``, or a bad argument.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> from fn.fsdp import quantized_all_gather
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,)))
+        >>> list(quantized_all_gather(model, bits=8, group_size=8))
+        ['<root>']
+        >>> dist.destroy_process_group()
+    """
+    comm_for = CommCache(None)
+    gathers = {}
+    for name, child in module.named_modules():
+        if isinstance(child, FSDPModule):
+            gather = QuantizedAllGather(bits, group_size, comm_for=comm_for)
+            child.set_custom_all_gather(gather)
+            gathers[name or ROOT] = gather
+    if not gathers:
+        raise ValueError("module: no FSDP2 module (fully_shard) in it")
+    return gathers
