@@ -8,7 +8,7 @@ Optimizers are pure state transitions over pytrees of tensors, in the style of o
     params = fn.apply_updates(params, updates)
 """
 
-from fn import optim, tree
+from fn import ddp, optim, tree
 from fn.base import (
     CompressedOptimizer,
     EmptyState,

@@ -262,6 +262,21 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             runtime.transform = self._make_transform(index, hyper)
             runtime.hyper = hyper
 
+    def next_update_compressed(self) -> list[bool]:
+        """Per param group: whether the next ``step()`` runs a compressed update.
+
+        The schedule of a ``CompressedOptimizer`` at the group's next update count, a host-side
+        function of the count (the same on every rank); ``False`` for a
+        ``GradientTransformation``. ``fn.ddp.register`` asks this before every backward pass.
+
+        Returns:
+            One bool per param group.
+        """
+        return [
+            isinstance(r.transform, CompressedOptimizer) and r.transform.is_compressed(r.step + 1)
+            for r in self._groups
+        ]
+
     # ---------------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict[str, Any]:
