@@ -29,6 +29,7 @@ from fn.transforms import __all__ as _transforms_all
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "ddp",
     "optim",
     "tree",
     "CompressedOptimizer",
