@@ -91,6 +91,12 @@ class BucketHookState:
         feedback belongs to another rank, so it is dropped (with a warning) and every bucket
         starts from zero error.
 
+        The errors are per bucket: the resumed run continues bit for bit when DDP gives it the
+        buckets it saved. DDP starts with buckets in the params' order and rebuilds them once,
+        after its first iteration, in the order the gradients arrived; a bucket that then holds
+        other params restarts from zero error (logged). ``find_unused_parameters=True`` keeps
+        the first buckets for good, so runs resume exactly.
+
         Raises:
             ValueError: a bucket's saved state does not fit the transform (nothing is changed).
         """
