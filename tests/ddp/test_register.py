@@ -17,10 +17,10 @@ from tests._distributed import run_distributed
 from tests.optim._problem import backward, flat_params, make_model
 
 OPTIMIZERS = {
-    # steps 1-3 warmup, 4-8 compressed
+    # steps 1-2 warmup, 3-8 compressed
     "onebit_adam": (lambda ps: fn.optim.OnebitAdam(ps, lr=1e-2, freeze_step=3), 8),
-    # variance steps 1, 3 (interval doubles after 2 refreshes); 1-bit steps 2, 4, 5; frozen
-    # from 6: local steps and synchronizations (interval 1, 2, 4)
+    # variance steps 1, 2, 3, 5 (5 also zeroes the errors), a 1-bit step 4, then frozen:
+    # synchronizations 6, 7, 9, 11 and local steps 8, 10, 12, 13, 14
     "zero_one_adam": (
         lambda ps: fn.optim.ZeroOneAdam(
             ps,
@@ -33,7 +33,7 @@ OPTIMIZERS = {
         ),
         14,
     ),
-    # steps 1-3 warmup (3 copies the variance), 4 sets the scaling, 5-8 compressed
+    # steps 1-2 warmup (2 copies the variance), 3 sets the scaling, 3-8 compressed
     "onebit_lamb": (lambda ps: fn.optim.OnebitLamb(ps, lr=1e-2, freeze_step=3), 8),
 }
 
