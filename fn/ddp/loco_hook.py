@@ -69,21 +69,19 @@ def loco_hook(state: LocoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         (arXiv:2407.04480).
 
     Example:
-        With ``torch.optim.AdamW``, one rank here (under ``torchrun`` every rank runs this):
+        One rank here (under ``torchrun`` every rank runs this); the state checkpoints the
+        error feedback of each bucket:
 
         >>> import torch.distributed as dist
         >>> from torch.nn.parallel import DistributedDataParallel as DDP
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         >>> model = DDP(torch.nn.Linear(4, 1))
-        >>> state = fn.ddp.LocoHookState(bits=4, start_iter=1)
+        >>> state = fn.ddp.LocoHookState(bits=8, start_iter=0)
         >>> model.register_comm_hook(state, fn.ddp.loco_hook)
-        >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        >>> for _ in range(2):
-        ...     opt.zero_grad()
-        ...     model(torch.ones(2, 4)).sum().backward()
-        ...     opt.step()
-        >>> state.iter, sorted(state.buckets)  # one dense iteration, one compressed
-        (2, [0])
+        >>> model(torch.ones(2, 4)).sum().backward()  # one compressed iteration
+        >>> saved = state.state_dict()  # save it per rank, with the model and the optimizer
+        >>> saved["iter"], saved["rank"], [len(b["state"]) for b in saved["buckets"].values()]
+        (1, 0, [3])
         >>> dist.destroy_process_group()
     """
     return compressing_hook(state, bucket)

@@ -268,10 +268,13 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         The schedule of a ``CompressedOptimizer`` at the group's next update count, a host-side
         function of the count (the same on every rank); ``False`` for a
         ``GradientTransformation``. ``fn.ddp.register`` asks this before every backward pass.
+        Changed group hyperparameters are taken into the transforms first, as ``step()`` will.
 
         Returns:
             One bool per param group.
         """
+        for index, (group, runtime) in enumerate(zip(self.param_groups, self._groups, strict=True)):
+            self._refresh_transform(index, group, runtime)
         return [
             isinstance(r.transform, CompressedOptimizer) and r.transform.is_compressed(r.step + 1)
             for r in self._groups

@@ -15,26 +15,17 @@ import fn.optim
 from fn.collectives._traffic import all_reduce_bytes
 from tests._distributed import run_distributed
 from tests.optim._problem import backward, flat_params, make_model
+from tests.optim.test_distributed import CHECKPOINTED
 
+# The optimizers of the adapter's distributed tests (weight decay on), with steps covering
+# every step kind (``name: (make, steps)``):
+# - onebit_adam: steps 1-3 warmup, 4-8 compressed;
+# - zero_one_adam: variance steps 1, 2, 3, 5 (5 also zeroes the errors), a 1-bit step 4, then
+#   frozen: synchronizations 6, 7, 9, 11 and local steps 8, 10, 12, 13, 14;
+# - onebit_lamb: steps 1-3 warmup (3 copies the variance), 4 sets the scaling, 4-8 compressed.
 OPTIMIZERS = {
-    # steps 1-2 warmup, 3-8 compressed
-    "onebit_adam": (lambda ps: fn.optim.OnebitAdam(ps, lr=1e-2, freeze_step=3), 8),
-    # variance steps 1, 2, 3, 5 (5 also zeroes the errors), a 1-bit step 4, then frozen:
-    # synchronizations 6, 7, 9, 11 and local steps 8, 10, 12, 13, 14
-    "zero_one_adam": (
-        lambda ps: fn.optim.ZeroOneAdam(
-            ps,
-            lr=1e-2,
-            var_freeze_step=5,
-            var_update_scaler=2,
-            local_step_scaler=2,
-            local_step_clipper=4,
-            weight_decay=0.01,
-        ),
-        14,
-    ),
-    # steps 1-2 warmup (2 copies the variance), 3 sets the scaling, 3-8 compressed
-    "onebit_lamb": (lambda ps: fn.optim.OnebitLamb(ps, lr=1e-2, freeze_step=3), 8),
+    name: (CHECKPOINTED[name], steps)
+    for name, steps in (("onebit_adam", 8), ("zero_one_adam", 14), ("onebit_lamb", 8))
 }
 
 # fn's dense warmup traffic per step without DDP (66 fp32 params, 2 ranks): one allreduce per
