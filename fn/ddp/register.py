@@ -75,8 +75,9 @@ def register(ddp_model: DistributedDataParallel, optimizer: _OnebitFamily) -> No
         ddp_model: a ``DistributedDataParallel`` model without a comm hook.
         optimizer: an ``fn.optim.OnebitAdam``, ``ZeroOneAdam`` or ``OnebitLamb`` whose params
             are exactly the trainable params of ``ddp_model`` and whose comm spans the same
-            ranks as DDP's process group. Build it before or after wrapping the model; register
-            before the first backward pass.
+            ranks as DDP's process group, or a wrapper of one that holds it as ``.optimizer``
+            (e.g. Accelerate's ``AcceleratedOptimizer``). Build it before or after wrapping the
+            model; register before the first backward pass.
 
     Raises:
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel``, or ``optimizer`` is not of
@@ -104,6 +105,10 @@ def register(ddp_model: DistributedDataParallel, optimizer: _OnebitFamily) -> No
             f"fn.ddp.register: ddp_model must be a DistributedDataParallel, got "
             f"{type(ddp_model).__name__}"
         )
+    while not isinstance(optimizer, _OnebitFamily) and isinstance(
+        getattr(optimizer, "optimizer", None), torch.optim.Optimizer
+    ):
+        optimizer = optimizer.optimizer
     if not isinstance(optimizer, _OnebitFamily):
         names = ", ".join(c.__name__ for c in (OnebitAdam, ZeroOneAdam, OnebitLamb))
         raise TypeError(

@@ -129,14 +129,28 @@ def test_register_with_three_ranks_agrees_to_rounding():
     )
 
 
+class _Wrapper:
+    """An optimizer wrapper as Accelerate's ``AcceleratedOptimizer``: the optimizer inside."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+
+
 def _accumulate(rank, use_ddp, micro=2, steps=6):
     """1-bit Adam with ``micro`` backward passes per step (all but the last under ``no_sync``
-    with DDP)."""
+    with DDP, the optimizer registered through a wrapper)."""
     model = make_model()
     opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3)
     net = model
     if use_ddp:
         net = DDP(model)
+        opt = _Wrapper(opt)
         fn.ddp.register(net, opt)
     for t in range(steps):
         opt.zero_grad()
