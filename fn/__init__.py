@@ -8,7 +8,7 @@ Optimizers are pure state transitions over pytrees of tensors, in the style of o
     params = fn.apply_updates(params, updates)
 """
 
-from fn import optim, tree
+from fn import ddp, optim, tree
 from fn.base import (
     CompressedOptimizer,
     EmptyState,
@@ -29,6 +29,7 @@ from fn.transforms import __all__ as _transforms_all
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "ddp",
     "optim",
     "tree",
     "CompressedOptimizer",

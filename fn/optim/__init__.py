@@ -13,8 +13,9 @@
 
 Policies (the same on every rank, so the ranks always issue the same collectives):
 
-- Gradient communication: the optimizer owns it. Do NOT wrap the model in DDP: each rank's
-  ``.grad`` must hold its LOCAL gradient. A ``CompressedOptimizer`` averages the gradients itself
+- Gradient communication: the optimizer owns it. Do NOT wrap the model in DDP (unless the
+  1-bit family is attached to it with ``fn.ddp.register``): each rank's ``.grad`` must hold its
+  LOCAL gradient. A ``CompressedOptimizer`` averages the gradients itself
   (dense in warmup, 1-bit once compressed); a plain ``GradientTransformation`` gets the gradients
   averaged by the adapter first (one dense allreduce per group, ``sync_grads``). So anything
   applied to ``.grad`` before ``step()`` (e.g. ``clip_grad_norm_``) sees the local gradient.

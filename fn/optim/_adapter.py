@@ -378,6 +378,24 @@ class FunctionalOptimizer(torch.optim.Optimizer):
                 f"fn.optim: param group {index}: {err} (nonfinite='skip' skips such steps)"
             ) from err
 
+    def next_update_compressed(self) -> list[bool]:
+        """Per param group: whether the next ``step()`` runs a compressed update.
+
+        The schedule of a ``CompressedOptimizer`` at the group's next update count, a host-side
+        function of the count (the same on every rank); ``False`` for a
+        ``GradientTransformation``. ``fn.ddp.register`` asks this before every backward pass.
+        Changed group hyperparameters are taken into the transforms first, as ``step()`` will.
+
+        Returns:
+            One bool per param group.
+        """
+        for index, (group, runtime) in enumerate(zip(self.param_groups, self._groups, strict=True)):
+            self._refresh_transform(index, group, runtime)
+        return [
+            isinstance(r.transform, CompressedOptimizer) and r.transform.is_compressed(r.step + 1)
+            for r in self._groups
+        ]
+
     # ---------------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict[str, Any]:

@@ -23,6 +23,8 @@ class _OnebitFamily(FunctionalOptimizer):
     hyperparameters, the comm, and the group's part of ``exp_avg_mask``."""
 
     _factory: Callable[..., CompressedOptimizer]
+    # The comm the transforms are built with, when it is not ``self.comm`` (fn.ddp.register).
+    _transform_comm: Any = None
 
     def __init__(
         self,
@@ -55,7 +57,16 @@ class _OnebitFamily(FunctionalOptimizer):
 
     def _make_transform(self, index: int, hyper: dict[str, Any]) -> Transform:
         params = self.param_groups[index]["params"]
-        return type(self)._factory(**hyper, comm=self.comm, exp_avg_mask=self._group_mask(params))
+        comm = self.comm if self._transform_comm is None else self._transform_comm
+        return type(self)._factory(**hyper, comm=comm, exp_avg_mask=self._group_mask(params))
+
+    def _take_averaged_grads(self, comm: Any) -> None:
+        """Rebuilds every group's transform with ``comm`` (the state is kept): a comm whose
+        dense mean is the identity, as the gradients of warmup updates arrive averaged over the
+        ranks (``fn.ddp.register``: DDP averaged them)."""
+        self._transform_comm = comm
+        for index, runtime in enumerate(self._groups):
+            runtime.transform = self._make_transform(index, runtime.hyper)
 
     def _group_mask(self, params: list[torch.Tensor]) -> Any:
         """The group's masks as the transform's pytree: one flat mask, or per-param masks."""

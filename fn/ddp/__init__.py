@@ -1,0 +1,18 @@
+"""fn with ``torch.nn.parallel.DistributedDataParallel``.
+
+- ``register(ddp_model, optimizer)``: ``fn.optim``'s 1-bit family (``OnebitAdam``,
+  ``ZeroOneAdam``, ``OnebitLamb``) on a DDP model: DDP averages the gradients of warmup updates
+  and sends nothing for compressed ones, so the run equals the same run without DDP.
+- Comm hooks for any optimizer, in PyTorch's convention
+  (``ddp_model.register_comm_hook(state, hook)``, as ``powerSGD_hook``): ``onebit_hook`` with
+  :class:`OnebitHookState` (error-compensated 1-bit allreduce of each bucket) and ``loco_hook``
+  with :class:`LocoHookState` (4/8-bit with LoCo error feedback). Both average densely for
+  ``start_iter`` iterations first and keep per-bucket error feedback that checkpoints with
+  ``state.state_dict()`` / ``state.load_state_dict()``.
+"""
+
+from fn.ddp.loco_hook import LocoHookState, loco_hook
+from fn.ddp.onebit_hook import OnebitHookState, onebit_hook
+from fn.ddp.register import register
+
+__all__ = ["register", "onebit_hook", "OnebitHookState", "loco_hook", "LocoHookState"]

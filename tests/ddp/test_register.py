@@ -1,0 +1,270 @@
+"""fn.ddp.register on real gloo processes: a DDP run equals the same run without DDP, per step
+kind of each 1-bit optimizer; DDP sends nothing in compressed steps; misuse is an error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fn
+import fn.ddp
+import fn.optim
+from fn.collectives._traffic import all_reduce_bytes
+from tests._distributed import run_distributed
+from tests.optim._problem import backward, flat_params, make_model
+from tests.optim.test_distributed import CHECKPOINTED
+
+# The optimizers of the adapter's distributed tests (weight decay on), with steps covering
+# every step kind (``name: (make, steps)``):
+# - onebit_adam: steps 1-3 warmup, 4-8 compressed;
+# - zero_one_adam: variance steps 1, 2, 3, 5 (5 also zeroes the errors), a 1-bit step 4, then
+#   frozen: synchronizations 6, 7, 9, 11 and local steps 8, 10, 12, 13, 14;
+# - onebit_lamb: steps 1-3 warmup (3 copies the variance), 4 sets the scaling, 4-8 compressed.
+OPTIMIZERS = {
+    name: (CHECKPOINTED[name], steps)
+    for name, steps in (("onebit_adam", 8), ("zero_one_adam", 14), ("onebit_lamb", 8))
+}
+
+# fn's dense warmup traffic per step without DDP (66 fp32 params, 2 ranks): one allreduce per
+# group, 1-bit LAMB one per param
+WARMUP_BYTES = {
+    "onebit_adam": all_reduce_bytes(66 * 4, 2),
+    "zero_one_adam": all_reduce_bytes(66 * 4, 2),
+    "onebit_lamb": sum(all_reduce_bytes(n * 4, 2) for n in (35, 7, 21, 3)),
+}
+
+
+def _bytes_written() -> int:
+    """What this process has written so far (sockets included: gloo's traffic), from the
+    kernel's count, independent of fn's own byte counter."""
+    with open("/proc/self/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("wchar"))
+
+
+def _run(rank, name, use_ddp, bucket_cap_mb=None):
+    """Params after each step, bytes written per step, and which steps were compressed."""
+    make, steps = OPTIMIZERS[name]
+    model = make_model()
+    opt = make(model.parameters())
+    net = model
+    if use_ddp:
+        kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+        net = DDP(model, **kwargs)
+        fn.ddp.register(net, opt)
+    history, sent, fn_sent, compressed = [], [], [], []
+    for t in range(steps):
+        compressed.append(opt.next_update_compressed()[0])
+        dist.barrier()
+        before = _bytes_written()
+        opt.comm.reset_bytes_sent()
+        opt.zero_grad()
+        backward(net, rank, t)
+        opt.step()
+        sent.append(_bytes_written() - before)
+        fn_sent.append(opt.comm.bytes_sent)
+        history.append(flat_params(model))
+    return {"history": history, "sent": sent, "fn_sent": fn_sent, "compressed": compressed}
+
+
+def _parity_worker(rank, world_size, names):
+    del world_size
+    out = {}
+    for name in names:
+        out[name] = {
+            "bare": _run(rank, name, False),
+            "ddp": _run(rank, name, True),
+            # tiny buckets: several per model, so that one backward makes several hook calls
+            "buckets": _run(rank, name, True, bucket_cap_mb=1e-4),
+        }
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_register_equals_bare_fn_bitwise_and_ddp_is_silent_when_compressed():
+    results = run_distributed(_parity_worker, 2, list(OPTIMIZERS), timeout=280)
+    for name in OPTIMIZERS:
+        for rank, result in enumerate(results):
+            bare = result[name]["bare"]
+            assert any(bare["compressed"]) and not all(bare["compressed"]), name
+            for kind in ("ddp", "buckets"):
+                run = result[name][kind]
+                assert run["compressed"] == bare["compressed"]
+                for t, (a, b) in enumerate(zip(run["history"], bare["history"], strict=True)):
+                    assert torch.equal(a, b), (name, kind, rank, t)
+                for t, compressed in enumerate(bare["compressed"]):
+                    if compressed:  # the same collectives as without DDP: DDP adds nothing
+                        ddp_bytes, bare_bytes = run["sent"][t], bare["sent"][t]
+                        assert ddp_bytes <= 1.05 * bare_bytes + 64, (name, kind, t, run["sent"])
+                        assert run["fn_sent"][t] == bare["fn_sent"][t]
+                    else:  # DDP averaged: fn sends its 1-element consensus allreduce only
+                        assert run["fn_sent"][t] == all_reduce_bytes(8, 2), (name, t)
+                        assert bare["fn_sent"][t] == all_reduce_bytes(8, 2) + WARMUP_BYTES[name]
+        if name != "zero_one_adam":  # (0/1 Adam's ranks differ between synchronizations)
+            last = [result[name]["ddp"]["history"][-1] for result in results]
+            assert torch.equal(last[0], last[1]), name
+
+
+def _three_ranks_worker(rank, world_size):
+    del world_size
+    return {"bare": _run(rank, "onebit_adam", False), "ddp": _run(rank, "onebit_adam", True)}
+
+
+@pytest.mark.timeout(200)
+def test_register_with_three_ranks_agrees_to_rounding():
+    """With W = 3 the warmup means may sum in another order (DDP's buckets vs fn's flat
+    gradient): equal to rounding, and the compressed steps add no DDP traffic."""
+    results = run_distributed(_three_ranks_worker, 3, timeout=180)
+    for result in results:
+        bare, run = result["bare"], result["ddp"]
+        for a, b in zip(run["history"], bare["history"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for t, compressed in enumerate(bare["compressed"]):
+            if compressed:
+                assert run["sent"][t] <= 1.05 * bare["sent"][t] + 64, (t, run["sent"])
+    assert all(
+        torch.equal(r["ddp"]["history"][-1], results[0]["ddp"]["history"][-1]) for r in results
+    )
+
+
+class _Wrapper:
+    """An optimizer wrapper as Accelerate's ``AcceleratedOptimizer``: the optimizer inside."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+
+
+def _accumulate(rank, use_ddp, micro=2, steps=6):
+    """1-bit Adam with ``micro`` backward passes per step (all but the last under ``no_sync``
+    with DDP, the optimizer registered through a wrapper)."""
+    model = make_model()
+    opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+    net = model
+    if use_ddp:
+        net = DDP(model)
+        opt = _Wrapper(opt)
+        fn.ddp.register(net, opt)
+    for t in range(steps):
+        opt.zero_grad()
+        for k in range(micro):
+            if use_ddp and k < micro - 1:
+                with net.no_sync():
+                    backward(net, rank, micro * t + k)
+            else:
+                backward(net, rank, micro * t + k)
+        opt.step()
+    return flat_params(model)
+
+
+def _mixed_phases(rank, use_ddp):
+    """Two param groups in different phases at once (per-group freeze_step), one DDP bucket."""
+    model = make_model()
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    opt = fn.optim.OnebitAdam(
+        [{"params": weights, "freeze_step": 2}, {"params": biases, "freeze_step": 5}], lr=1e-2
+    )
+    net = model
+    if use_ddp:
+        net = DDP(model)
+        fn.ddp.register(net, opt)
+    phases = []
+    for t in range(7):
+        phases.append(tuple(opt.next_update_compressed()))
+        opt.zero_grad()
+        backward(net, rank, t)
+        opt.step()
+    return flat_params(model), phases
+
+
+def _error(f):
+    try:
+        f()
+    except Exception as err:  # noqa: BLE001 (the test inspects the type and message)
+        return type(err).__name__, str(err)
+    return None
+
+
+def _misuse_worker(rank, world_size):
+    def adam(model, **kwargs):
+        return fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3, **kwargs)
+
+    def twice():
+        model = make_model()
+        opt = adam(model)
+        fn.ddp.register(DDP(model), opt)
+        fn.ddp.register(DDP(model), opt)
+
+    def hooked_model():
+        model = DDP(make_model())
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+        fn.ddp.register(model, adam(model.module))
+
+    def other_params():
+        fn.ddp.register(DDP(make_model()), adam(make_model(seed=1)))
+
+    def fewer_params():
+        model = make_model()
+        fn.ddp.register(DDP(model), fn.optim.OnebitAdam(model[0].parameters(), freeze_step=3))
+
+    def local_comm():
+        model = make_model()
+        fn.ddp.register(DDP(model), adam(model, comm=fn.collectives.Local()))
+
+    errors = {
+        "plain model": _error(lambda: fn.ddp.register(make_model(), adam(make_model()))),
+        "torch optimizer": _error(
+            lambda: fn.ddp.register(DDP(make_model()), torch.optim.AdamW(make_model().parameters()))
+        ),
+        "functional optimizer": _error(
+            lambda: fn.ddp.register(
+                DDP(make_model()),
+                fn.optim.FunctionalOptimizer(make_model().parameters(), fn.adam(1e-3)),
+            )
+        ),
+        "twice": _error(twice),
+        "hooked model": _error(hooked_model),
+        "other params": _error(other_params),
+        "fewer params": _error(fewer_params),
+        "local comm": _error(local_comm),
+    }
+    return {
+        "errors": errors,
+        "accumulate": (_accumulate(rank, False), _accumulate(rank, True)),
+        "mixed": (_mixed_phases(rank, False), _mixed_phases(rank, True)),
+    }
+
+
+@pytest.mark.timeout(200)
+def test_misuse_accumulation_and_mixed_phases():
+    results = run_distributed(_misuse_worker, 2, timeout=180)
+    expected = {
+        "plain model": ("TypeError", "must be a DistributedDataParallel"),
+        "torch optimizer": ("TypeError", "got AdamW"),
+        "functional optimizer": ("TypeError", "got FunctionalOptimizer"),
+        "twice": ("RuntimeError", "registered with a DDP model already"),
+        "hooked model": ("RuntimeError", "has a comm hook already"),
+        "other params": ("ValueError", "4 of the optimizer's 4 params are not in the model"),
+        "fewer params": (
+            "ValueError",
+            "0 of the optimizer's 2 params are not in the model, 2 of the model's 4",
+        ),
+        "local comm": ("ValueError", "world_size 1, DDP's process group 2"),
+    }
+    for result in results:
+        for case, (kind, message) in expected.items():
+            got = result["errors"][case]
+            assert got is not None and got[0] == kind and message in got[1], (case, got)
+        bare, ddp = result["accumulate"]
+        assert torch.equal(bare, ddp)
+        (bare, bare_phases), (ddp, ddp_phases) = result["mixed"]
+        assert (True, False) in bare_phases and bare_phases == ddp_phases
+        assert torch.equal(bare, ddp)
