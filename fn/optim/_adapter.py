@@ -384,16 +384,23 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         The schedule of a ``CompressedOptimizer`` at the group's next update count, a host-side
         function of the count (the same on every rank); ``False`` for a
         ``GradientTransformation``. ``fn.ddp.register`` asks this before every backward pass.
-        Changed group hyperparameters are taken into the transforms first, as ``step()`` will.
+        Changed group hyperparameters count, as in ``step()`` (nothing is committed).
 
         Returns:
             One bool per param group.
+
+        Raises:
+            ValueError: an invalid hyperparameter in ``param_groups`` (naming the group).
         """
-        for index, (group, runtime) in enumerate(zip(self.param_groups, self._groups, strict=True)):
-            self._refresh_transform(index, group, runtime)
+        transforms = [
+            self._plan_hyperparams(index, group, runtime)[0]
+            for index, (group, runtime) in enumerate(
+                zip(self.param_groups, self._groups, strict=True)
+            )
+        ]
         return [
-            isinstance(r.transform, CompressedOptimizer) and r.transform.is_compressed(r.step + 1)
-            for r in self._groups
+            isinstance(t, CompressedOptimizer) and t.is_compressed(r.step + 1)
+            for t, r in zip(transforms, self._groups, strict=True)
         ]
 
     # ---------------------------------------------------------------- checkpoints
