@@ -37,6 +37,9 @@ _GROUP = 16  # blocks of 1024 elements per program of the sign kernel
 _BYTES = 512  # packed bytes per program of the packbits kernel
 _UNPACK = 4096  # outputs per program of the unpackbits and dequantize kernels
 _TILE = 4096  # elements per tile of the quantize kernel (rows x chunk)
+# The interpreter runs programs one after another, paying per operation: on the CPU every
+# program takes this many times more work. Results do not depend on the program sizes.
+_INTERPRETER_SCALE = 16
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _FAILURES: list[BaseException] = []  # the first Triton failure; Triton is off after it
 
@@ -91,6 +94,10 @@ def _launch(kernel: Any, grid: tuple[int, ...], device: torch.device, *args: Any
     return True
 
 
+def _per_program(size: int, device: torch.device) -> int:
+    return size * _INTERPRETER_SCALE if device.type == "cpu" else size
+
+
 def _has_fp64(device: torch.device) -> bool:
     if device.type in ("cpu", "cuda"):
         return True
@@ -130,15 +137,16 @@ def packbits(k: ModuleType, x: torch.Tensor) -> torch.Tensor | None:
     x = x.contiguous()
     n = x.numel()
     out = torch.empty(_cdiv(n, 8), dtype=torch.uint8, device=x.device)
+    per_program = _per_program(_BYTES, x.device)
     if n and not _launch(
         k.packbits_kernel,
-        (_cdiv(out.numel(), _BYTES),),
+        (_cdiv(out.numel(), per_program),),
         x.device,
         x,
         out,
         n,
         out.numel(),
-        BYTES=_BYTES,
+        BYTES=per_program,
     ):
         return None
     return out
@@ -152,8 +160,9 @@ def unpackbits(
         return None
     packed = packed.contiguous()
     out = torch.empty(n, dtype=dtype, device=packed.device)
+    block = _per_program(_UNPACK, packed.device)
     if n and not _launch(
-        k.unpackbits_kernel, (_cdiv(n, _UNPACK),), packed.device, packed, out, n, BLOCK=_UNPACK
+        k.unpackbits_kernel, (_cdiv(n, block),), packed.device, packed, out, n, BLOCK=block
     ):
         return None
     return out
@@ -170,11 +179,12 @@ def sign_compress(
     n = v.numel()
     blocks = _cdiv(n, _reference.SUMSQ_BLOCK)
     fp64 = _has_fp64(v.device)
+    group = _per_program(_GROUP, v.device)
     packed = torch.empty(_cdiv(n, 8), dtype=torch.uint8, device=v.device)
     sums = torch.empty(blocks, dtype=torch.float64 if fp64 else torch.int64, device=v.device)
     if n and not _launch(
         k.sign_blocks_kernel,
-        (_cdiv(blocks, _GROUP),),
+        (_cdiv(blocks, group),),
         v.device,
         v,
         packed,
@@ -182,7 +192,7 @@ def sign_compress(
         n,
         packed.numel(),
         blocks,
-        GROUP=_GROUP,
+        GROUP=group,
         BLOCK=_reference.SUMSQ_BLOCK,
         FP64=fp64,
     ):
@@ -208,8 +218,9 @@ def quantize(
     groups = _cdiv(n, group_size)
     q = torch.empty(groups * group_size * bits // 8, dtype=torch.uint8, device=x.device)
     scales = torch.empty(groups, dtype=torch.float32, device=x.device)
-    chunk = min(_next_power_of_2(group_size), _TILE)
-    rows = _TILE // chunk
+    tile = _per_program(_TILE, x.device)
+    chunk = min(_next_power_of_2(group_size), tile)
+    rows = tile // chunk
     if groups and not _launch(
         k.quantize_kernel,
         (_cdiv(groups, rows),),
@@ -239,9 +250,10 @@ def dequantize(
         return None
     q, scales = q.contiguous(), scales.contiguous()
     out = torch.empty(n, dtype=torch.float32, device=q.device)
+    block = _per_program(_UNPACK, q.device)
     if n and not _launch(
         k.dequantize_kernel,
-        (_cdiv(n, _UNPACK),),
+        (_cdiv(n, block),),
         q.device,
         q,
         scales,
@@ -249,7 +261,7 @@ def dequantize(
         n,
         values // groups,
         BITS=bits,
-        BLOCK=_UNPACK,
+        BLOCK=block,
     ):
         return None
     return out
