@@ -111,12 +111,12 @@ def _with_reference(name: str) -> Callable[[Callable[..., Any]], Callable[..., A
     fallback = getattr(_reference, name)
 
     def decorate(impl: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(impl)
         def run(*args: Any) -> Any:
             k = _kernels()
             result = None if k is None else impl(k, *args)
             return fallback(*args) if result is None else result
 
+        run.__name__ = run.__qualname__ = impl.__name__  # the signature is the reference's
         return run
 
     return decorate

@@ -36,7 +36,7 @@ compiled = pytest.mark.skipif(
 )
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-_SIZES = [0, 1, 9, 1025, 16384 + 5, (1 << 16) + 3]
+_SIZES = [0, 1, 1025, (1 << 16) + 3]  # the interpreter pays per program, not per element
 
 
 @pytest.fixture
@@ -124,7 +124,7 @@ def test_quantize_rejects_non_finite_like_the_reference(strict_triton):
 @pytest.mark.parametrize("dtype", _DTYPES, ids=str)
 def test_fp64_free_sign_kernel_bit_exact(strict_triton, monkeypatch, dtype):
     monkeypatch.setattr(_triton, "_has_fp64", lambda device: False)
-    for n in (0, 1, 1025, (1 << 16) + 3):
+    for n in (1, (1 << 16) + 3):
         m = _edge_values(n, n + 5)
         m = m[torch.isfinite(m)].to(dtype)
         e = _finite(m.numel(), n, torch.float32)
