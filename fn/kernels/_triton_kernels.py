@@ -74,19 +74,22 @@ def _add_f64(a, b):
 
 
 @triton.jit
+def _halve(acc, ROWS: tl.constexpr, HALF: tl.constexpr, FP64: tl.constexpr):
+    """``acc[:, j] + acc[:, j + HALF]`` for ``j < HALF`` (one addition: its order is fixed)."""
+    first, second = tl.split(tl.permute(tl.reshape(acc, (ROWS, 2, HALF)), (0, 2, 1)))
+    if FP64:
+        return first + second
+    else:
+        return _add_f64(first, second)
+
+
+@triton.jit
 def _fold_halves(acc, GROUP: tl.constexpr, FP64: tl.constexpr):
     """Folds the 16 lanes of each row as ``lane[j] + lane[j + h]``, h = 8, 4, 2, 1."""
-    if FP64:
-        acc = tl.sum(tl.reshape(acc, (GROUP, 2, 8)), axis=1)
-        acc = tl.sum(tl.reshape(acc, (GROUP, 2, 4)), axis=1)
-        acc = tl.sum(tl.reshape(acc, (GROUP, 2, 2)), axis=1)
-        acc = tl.sum(acc, axis=1)
-    else:
-        acc = tl.reduce(tl.reshape(acc, (GROUP, 2, 8)), 1, _add_f64)
-        acc = tl.reduce(tl.reshape(acc, (GROUP, 2, 4)), 1, _add_f64)
-        acc = tl.reduce(tl.reshape(acc, (GROUP, 2, 2)), 1, _add_f64)
-        acc = tl.reduce(acc, 1, _add_f64)
-    return acc
+    acc = _halve(acc, GROUP, 8, FP64)
+    acc = _halve(acc, GROUP, 4, FP64)
+    acc = _halve(acc, GROUP, 2, FP64)
+    return tl.reshape(_halve(acc, GROUP, 1, FP64), (GROUP,))
 
 
 @triton.jit
