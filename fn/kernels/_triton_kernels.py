@@ -7,7 +7,9 @@ for ``h = 8, 4, 2, 1`` (a sum over an axis of length 2 is one addition, so its o
 
 Index arithmetic is int64 and every bound (``n``, byte and block counts) comes from the host, so
 no in-kernel expression wraps at 2^31 elements. Floating-point divisions use ``tl.div_rn``
-(IEEE round-to-nearest; Triton's ``/`` may be approximate on GPUs).
+(IEEE round-to-nearest; Triton's ``/`` may be approximate on GPUs). Fused multiply-adds (on
+by default) change no result: the only product that is added, ``d * d`` of an fp32 ``d`` in
+fp64, is exact.
 
 Devices without fp64 run ``sign_blocks_kernel`` with ``FP64=False``: the fp64 arithmetic is
 done on int64 bit patterns instead (:func:`_square_f64` and :func:`_add_f64`), which give the
