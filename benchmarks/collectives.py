@@ -1,10 +1,15 @@
 """Wire traffic and wall time of the compressed allreduces against an fp32 allreduce.
 
 W = 4 ranks, n = 2^22 fp32 values. Bytes are counted by the comms (per rank, the formulas in
-fn/collectives/_traffic.py) on Simulated(4) and on 4 real gloo processes; the wall time compares
-the 1-bit (and 4-bit LoCo) allreduce with dist.all_reduce on the same data in the gloo processes.
+fn/collectives/_traffic.py) on Simulated(W) and on W real processes; the wall time compares
+the 1-bit (and 4-bit LoCo) allreduce with dist.all_reduce on the same data in those processes.
+
+With ``--backend nccl`` every rank runs on its own GPU (rank r on cuda:r, its buffers there, the
+kernels of the CUDA kernel set, default Triton), W = the GPU count unless ``--world`` says less,
+and the timings wait for the GPUs (torch.cuda.synchronize) before each barrier.
 
 Run: python3 benchmarks/collectives.py [--log2n 22] [--repeats 5]
+     python3 benchmarks/collectives.py --backend nccl --log2n 26     # on a machine with GPUs
 """
 
 from __future__ import annotations
@@ -36,10 +41,10 @@ WORLD = 4
 GROUP = 128
 
 
-def counted_bytes(n: int) -> dict[str, int]:
-    """Per-rank bytes of one call of each allreduce on Simulated(W)."""
-    comm = Simulated(WORLD)
-    x = torch.randn(WORLD, n)
+def counted_bytes(n: int, world: int = WORLD) -> dict[str, int]:
+    """Per-rank bytes of one call of each allreduce on Simulated(world)."""
+    comm = Simulated(world)
+    x = torch.randn(world, n)
     simulate(lambda v: comm.all_reduce(v), comm)(x)
     out = {"fp32 ring all_reduce": comm.reset_bytes_sent()}
     we, se = replicate(init_error_feedback(n, comm=comm), comm)
@@ -52,34 +57,41 @@ def counted_bytes(n: int) -> dict[str, int]:
     return out
 
 
-def _timed(fn, repeats):
+def _timed(fn, repeats, sync):
     import torch.distributed as dist
 
     times = []
     for i in range(repeats + 1):
+        sync()
         dist.barrier()
         start = time.perf_counter()
         fn()
+        sync()
         dist.barrier()
         if i:  # the first call warms up
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def _worker(rank, port, n, repeats, results):
+def _worker(rank, world, backend, port, n, repeats, results):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    device, sync = torch.device("cpu"), lambda: None
+    if backend == "nccl":
+        device, sync = torch.device("cuda", rank), torch.cuda.synchronize
+        torch.cuda.set_device(device)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
-        world_size=WORLD,
+        world_size=world,
         timeout=datetime.timedelta(seconds=300),
+        **({"device_id": device} if backend == "nccl" else {}),
     )
     comm = ProcessGroup()
-    x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
-    we, se = init_error_feedback(n, comm=comm)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(rank)).to(device)
+    we, se = init_error_feedback(n, comm=comm, device=device)
     tx = loco_allreduce(4, GROUP, comm=comm)
     state = tx.init({"x": x})
 
@@ -87,29 +99,32 @@ def _worker(rank, port, n, repeats, results):
         y = x.clone()
         dist.all_reduce(y)
 
-    out = {"dist.all_reduce": _timed(dense, repeats)}
+    out = {"dist.all_reduce": _timed(dense, repeats, sync)}
     comm.reset_bytes_sent()
     out["1-bit compressed_allreduce"] = _timed(
-        lambda: compressed_allreduce(x, we, se, comm=comm), repeats
+        lambda: compressed_allreduce(x, we, se, comm=comm), repeats, sync
     )
     out["1-bit bytes"] = comm.reset_bytes_sent() // (repeats + 1)
-    out["4-bit loco_allreduce"] = _timed(lambda: tx.update({"x": x}, state), repeats)
+    out["4-bit loco_allreduce"] = _timed(lambda: tx.update({"x": x}, state), repeats, sync)
     out["4-bit bytes"] = comm.reset_bytes_sent() // (repeats + 1)
     results.put((rank, out))
     dist.destroy_process_group()
 
 
-def wall_times(n: int, repeats: int) -> dict[str, float]:
+def wall_times(n: int, repeats: int, world: int = WORLD, backend: str = "gloo") -> dict[str, float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, n, repeats, results)) for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, backend, port, n, repeats, results))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     try:
-        outs = dict(results.get(timeout=600) for _ in range(WORLD))
+        outs = dict(results.get(timeout=600) for _ in range(world))
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -122,18 +137,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--log2n", type=int, default=22)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    parser.add_argument(
+        "--world", type=int, default=None, help="ranks (default: 4 for gloo, the GPUs for nccl)"
+    )
     args = parser.parse_args()
+    world = args.world or (torch.cuda.device_count() if args.backend == "nccl" else WORLD)
+    if args.backend == "nccl" and not 1 <= world <= torch.cuda.device_count():
+        parser.error(f"--backend nccl needs one GPU per rank; {torch.cuda.device_count()} here")
     n = 2**args.log2n
     mib = 4 * n / 2**20
-    print(f"W={WORLD}, n=2^{args.log2n} fp32 ({mib:.0f} MiB per rank), torch {torch.__version__}")
-    nbytes = counted_bytes(n)
+    print(f"W={world}, n=2^{args.log2n} fp32 ({mib:.0f} MiB per rank), torch {torch.__version__}")
+    nbytes = counted_bytes(n, world)
     dense = nbytes["fp32 ring all_reduce"]
     for name, b in nbytes.items():
         print(f"  {name:28s} {b:>12,d} bytes sent per rank   fp32/this = {dense / b:7.3f}x")
-    times = wall_times(n, args.repeats)
+    times = wall_times(n, args.repeats, world, args.backend)
     assert times["1-bit bytes"] == nbytes["1-bit compressed_allreduce"]
     assert times["4-bit bytes"] == nbytes["4-bit loco_allreduce"]
-    print(f"gloo, {WORLD} processes, median of {args.repeats} calls (rank 0):")
+    print(f"{args.backend}, {world} processes, median of {args.repeats} calls (rank 0):")
     base = times["dist.all_reduce"]
     for name in ("dist.all_reduce", "1-bit compressed_allreduce", "4-bit loco_allreduce"):
         t = times[name]

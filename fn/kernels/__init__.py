@@ -4,8 +4,8 @@ Kernels (``torch.library`` custom ops, usable under ``torch.func.vmap`` and ``to
 :func:`packbits`, :func:`unpackbits`, :func:`sign_compress`, :func:`quantize`,
 :func:`dequantize`. A kernel called on a tensor of device type ``D`` runs a kernel set of the
 accelerator table's record for ``D``: by default fused C kernels on the CPU, Triton on
-CUDA/XPU, ``torch_npu`` on NPU; every record also offers ``"reference"``, the pure-torch
-oracle every implementation matches bit for bit.
+CUDA/XPU (CUDA also offers the kernel set ``"cupy"``), ``torch_npu`` on NPU; every record also
+offers ``"reference"``, the pure-torch oracle every implementation matches bit for bit.
 
 The table (:func:`get_accelerator`, :func:`set_accelerator`, :func:`register_accelerator`)
 holds one :class:`Accelerator` per device type: its availability, its ``torch.distributed``

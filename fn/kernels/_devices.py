@@ -1,7 +1,8 @@
 """The built-in device records: cpu, cuda, xpu, npu, hpu, mps.
 
 ``torch_npu`` / ``habana_frameworks`` are imported only when their record's availability is
-asked for.
+asked for; Triton and CuPy on the first call of one of their kernels. CUDA offers two kernel
+sets: ``"triton"`` (the default) and ``"cupy"``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import importlib.util
 
 import torch
 
-from fn.kernels import _cpu, _npu, _triton
+from fn.kernels import _cpu, _cupy, _npu, _triton
 from fn.kernels._accelerator import Accelerator
 
 _CPU_KERNELS = {
@@ -24,6 +25,8 @@ _TRITON_KERNELS = {
     "packbits": _triton.packbits,
     "unpackbits": _triton.unpackbits,
     "sign_compress": _triton.sign_compress,
+    "quantize": _triton.quantize,
+    "dequantize": _triton.dequantize,
 }
 _NPU_KERNELS = {"packbits": _npu.packbits, "sign_compress": _npu.sign_compress}
 
@@ -49,7 +52,12 @@ def builtin() -> list[Accelerator]:
     """The records fn ships with."""
     return [
         Accelerator("cpu", lambda: True, "gloo", {"c": _CPU_KERNELS}),
-        Accelerator("cuda", torch.cuda.is_available, "nccl", {"triton": _TRITON_KERNELS}),
+        Accelerator(
+            "cuda",
+            torch.cuda.is_available,
+            "nccl",
+            {"triton": _TRITON_KERNELS, "cupy": _cupy.KERNELS},
+        ),
         Accelerator("xpu", torch.xpu.is_available, _xpu_backend, {"triton": _TRITON_KERNELS}),
         Accelerator("npu", _npu_available, "hccl", {"torch_npu": _NPU_KERNELS}),
         Accelerator("hpu", _hpu_available, "hccl"),

@@ -27,8 +27,4 @@ def packbits(x: torch.Tensor) -> torch.Tensor:
 def sign_compress(
     m: torch.Tensor, error: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    v = m.float() if error is None else m.float() + error.float()
-    n = v.numel()
-    scale = _reference.rms_from_block_sums(_reference.block_sumsq(v), n).to(v.device)
-    new_error = None if error is None else v - torch.where(v >= 0, scale, -scale)
-    return packbits(v), scale, new_error
+    return _reference.sign_compress_with(packbits, m, error)

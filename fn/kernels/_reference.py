@@ -31,6 +31,8 @@ non-finite check, vmap and compile support.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 SUMSQ_BLOCK = 1024
@@ -121,6 +123,17 @@ def sign_compress(
     if error is not None:
         new_error = v - scale * unpackbits(packed, n)
     return packed, scale, new_error
+
+
+def sign_compress_with(
+    pack: Callable[[torch.Tensor], torch.Tensor], m: torch.Tensor, error: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`sign_compress` with the signs packed by ``pack`` (a bit-exact :func:`packbits`
+    of another kernel set); the scale and the new error come from the reference formulas."""
+    v = m.float() if error is None else m.float() + error.float()
+    scale = rms_from_block_sums(block_sumsq(v), v.numel()).to(v.device)
+    new_error = None if error is None else v - torch.where(v >= 0, scale, -scale)
+    return pack(v), scale, new_error
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

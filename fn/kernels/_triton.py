@@ -1,17 +1,33 @@
-"""Triton implementations for CUDA and XPU: packbits, unpackbits and sign_compress.
+"""Triton implementations for CUDA and XPU: every kernel of ``KERNEL_NAMES``.
 
-Triton is imported on the first call; without it (one warning) the reference runs. The sign
-kernel writes the packed signs and the canonical fp64 block sums in one pass; the scale and
-the new error come from the same formulas as the reference, so results are bit-identical.
-quantize/dequantize use the reference (vectorized torch ops) on these devices.
+Results are bit-identical to ``fn.kernels._reference`` for fp32, fp16 and bf16 inputs. The
+sign kernel writes the packed signs and the canonical fp64 block sums in one pass; the scale
+and the new error come from the same formulas as the reference.
+
+Safety:
+
+- Every launch runs under the input's device (``torch.cuda.device(t.device)``, or the device
+  module of its type), so it goes to that device and its current stream whatever device is
+  current.
+- Triton is imported on the first call. Without Triton, or when its import, a compilation or a
+  launch fails (a broken driver, a wrong build), one ``RuntimeWarning`` names the error and
+  every later call of this module runs the reference kernels.
+- Devices without fp64 (``has_fp64`` false in the device properties, e.g. some Intel GPUs)
+  run the sign kernel on integer emulation of the fp64 additions (bit-identical results);
+  the block sums come back as their int64 bit patterns and are folded on the CPU.
+- Tensors on the CPU run the kernels under ``TRITON_INTERPRET=1`` (used by the tests).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import importlib.util
 import warnings
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -19,61 +35,233 @@ from fn.kernels import _reference
 
 _GROUP = 16  # blocks of 1024 elements per program of the sign kernel
 _BYTES = 512  # packed bytes per program of the packbits kernel
-_UNPACK = 4096  # outputs per program of the unpackbits kernel
+_UNPACK = 4096  # outputs per program of the unpackbits and dequantize kernels
+_TILE = 4096  # elements per tile of the quantize kernel (rows x chunk)
+# The interpreter runs programs one after another, paying per operation: on the CPU every
+# program takes this many times more work. Results do not depend on the program sizes.
+_INTERPRETER_SCALE = 16
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_FAILURES: list[BaseException] = []  # the first Triton failure; Triton is off after it
+
+
+def _disable(error: BaseException, what: str) -> None:
+    _FAILURES.append(error)
+    warnings.warn(
+        f"fn.kernels: Triton {what} failed ({type(error).__name__}: {error}); CUDA/XPU "
+        "kernels run the reference from now on.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 @functools.lru_cache(maxsize=1)
-def _kernels() -> ModuleType | None:
+def _import_kernels() -> ModuleType | None:
     if importlib.util.find_spec("triton") is None:
         warnings.warn(
             "fn.kernels: Triton is not installed; CUDA/XPU kernels fall back to the reference.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
         return None
-    from fn.kernels import _triton_kernels
+    try:
+        return importlib.import_module("fn.kernels._triton_kernels")
+    except Exception as error:  # a broken install: anything its import raises
+        _disable(error, "import")
+        return None
 
-    return _triton_kernels
+
+def _kernels() -> ModuleType | None:
+    """The kernel module, or ``None`` (the reference runs) when Triton is missing or failed."""
+    return None if _FAILURES else _import_kernels()
 
 
-def packbits(x: torch.Tensor) -> torch.Tensor:
-    k = _kernels()
-    if k is None or x.dtype not in _FLOATS:
-        return _reference.packbits(x)
+def _device_guard(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    if device.type == "cpu":  # the interpreter
+        return contextlib.nullcontext()
+    return torch.get_device_module(device.type).device(device)
+
+
+def _launch(kernel: Any, grid: tuple[int, ...], device: torch.device, *args: Any, **meta: Any):
+    """Runs ``kernel[grid](*args, **meta)`` on ``device``; ``False`` when Triton failed."""
+    try:
+        with _device_guard(device):
+            kernel[grid](*args, **meta)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:  # a compiler or driver failure: anything the launch raises
+        _disable(error, f"launch of {getattr(kernel, '__name__', kernel)}")
+        return False
+    return True
+
+
+def _per_program(size: int, device: torch.device) -> int:
+    return size * _INTERPRETER_SCALE if device.type == "cpu" else size
+
+
+def _has_fp64(device: torch.device) -> bool:
+    if device.type in ("cpu", "cuda"):
+        return True
+    properties = torch.get_device_module(device.type).get_device_properties(device)
+    return bool(getattr(properties, "has_fp64", True))
+
+
+def _with_reference(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Runs the decorated Triton host function, or the reference ``name`` when it returns
+    ``None`` (Triton missing or failed, or an input it does not take)."""
+    fallback = getattr(_reference, name)
+
+    def decorate(impl: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            k = _kernels()
+            result = None if k is None else impl(k, *args)
+            return fallback(*args) if result is None else result
+
+        run.__name__ = run.__qualname__ = impl.__name__  # the signature is the reference's
+        return run
+
+    return decorate
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@_with_reference("packbits")
+def packbits(k: ModuleType, x: torch.Tensor) -> torch.Tensor | None:
+    if x.dtype not in _FLOATS:
+        return None
     x = x.contiguous()
     n = x.numel()
-    out = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device)
-    if n:
-        k.packbits_kernel[(-(-out.numel() // _BYTES),)](x, out, n, BYTES=_BYTES)
+    out = torch.empty(_cdiv(n, 8), dtype=torch.uint8, device=x.device)
+    per_program = _per_program(_BYTES, x.device)
+    if n and not _launch(
+        k.packbits_kernel,
+        (_cdiv(out.numel(), per_program),),
+        x.device,
+        x,
+        out,
+        n,
+        out.numel(),
+        BYTES=per_program,
+    ):
+        return None
     return out
 
 
-def unpackbits(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    k = _kernels()
-    if k is None or dtype not in _FLOATS or packed.numel() * 8 < n:
-        return _reference.unpackbits(packed, n, dtype)
+@_with_reference("unpackbits")
+def unpackbits(
+    k: ModuleType, packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor | None:
+    if dtype not in _FLOATS or packed.numel() * 8 < n:
+        return None
     packed = packed.contiguous()
     out = torch.empty(n, dtype=dtype, device=packed.device)
-    if n:
-        k.unpackbits_kernel[(-(-n // _UNPACK),)](packed, out, n, BLOCK=_UNPACK)
+    block = _per_program(_UNPACK, packed.device)
+    if n and not _launch(
+        k.unpackbits_kernel, (_cdiv(n, block),), packed.device, packed, out, n, BLOCK=block
+    ):
+        return None
     return out
 
 
+@_with_reference("sign_compress")
 def sign_compress(
-    m: torch.Tensor, error: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    k = _kernels()
-    if k is None:
-        return _reference.sign_compress(m, error)
-    v = (m.float() if error is None else m.float() + error.float()).contiguous()
+    k: ModuleType, m: torch.Tensor, error: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    if error is not None:
+        v = (m.float() + error.float()).contiguous()
+    else:  # the kernel converts fp16/bf16 to fp32 itself
+        v = (m if m.dtype in _FLOATS else m.float()).contiguous()
     n = v.numel()
-    blocks = -(-n // _reference.SUMSQ_BLOCK)
-    packed = torch.empty((n + 7) // 8, dtype=torch.uint8, device=v.device)
-    sums = torch.empty(blocks, dtype=torch.float64, device=v.device)
-    if n:
-        grid = (-(-blocks // _GROUP),)
-        k.sign_blocks_kernel[grid](v, packed, sums, n, GROUP=_GROUP, BLOCK=_reference.SUMSQ_BLOCK)
-    scale = _reference.rms_from_block_sums(sums, n)
-    new_error = None if error is None else v - torch.where(v >= 0, scale, -scale)
+    blocks = _cdiv(n, _reference.SUMSQ_BLOCK)
+    fp64 = _has_fp64(v.device)
+    group = _per_program(_GROUP, v.device)
+    packed = torch.empty(_cdiv(n, 8), dtype=torch.uint8, device=v.device)
+    sums = torch.empty(blocks, dtype=torch.float64 if fp64 else torch.int64, device=v.device)
+    if n and not _launch(
+        k.sign_blocks_kernel,
+        (_cdiv(blocks, group),),
+        v.device,
+        v,
+        packed,
+        sums,
+        n,
+        packed.numel(),
+        blocks,
+        GROUP=group,
+        BLOCK=_reference.SUMSQ_BLOCK,
+        FP64=fp64,
+    ):
+        return None
+    if fp64:
+        scale = _reference.rms_from_block_sums(sums, n)
+    else:
+        scale = _reference.rms_from_block_sums(sums.cpu().view(torch.float64), n).to(v.device)
+    new_error = None
+    if error is not None:
+        new_error = v - torch.where(v >= 0, scale, -scale)
     return packed, scale, new_error
+
+
+@_with_reference("quantize")
+def quantize(
+    k: ModuleType, x: torch.Tensor, bits: int, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if x.dtype not in _FLOATS or bits not in (4, 8) or group_size < 2 or group_size % 2:
+        return None  # the reference raises the argument errors
+    x = x.contiguous()
+    n = x.numel()
+    groups = _cdiv(n, group_size)
+    q = torch.empty(groups * group_size * bits // 8, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(groups, dtype=torch.float32, device=x.device)
+    tile = _per_program(_TILE, x.device)
+    chunk = min(_next_power_of_2(group_size), tile)
+    rows = tile // chunk
+    if groups and not _launch(
+        k.quantize_kernel,
+        (_cdiv(groups, rows),),
+        x.device,
+        x,
+        q,
+        scales,
+        n,
+        groups,
+        group_size,
+        _cdiv(group_size, chunk),
+        ROWS=rows,
+        CHUNK=chunk,
+        BITS=bits,
+    ):
+        return None
+    return q, scales
+
+
+@_with_reference("dequantize")
+def dequantize(
+    k: ModuleType, q: torch.Tensor, scales: torch.Tensor, bits: int, n: int
+) -> torch.Tensor | None:
+    values = q.numel() * 8 // bits if bits in (4, 8) else 0
+    groups = scales.numel()
+    if bits not in (4, 8) or scales.dtype != torch.float32 or not groups or n > values:
+        return None
+    q, scales = q.contiguous(), scales.contiguous()
+    out = torch.empty(n, dtype=torch.float32, device=q.device)
+    block = _per_program(_UNPACK, q.device)
+    if n and not _launch(
+        k.dequantize_kernel,
+        (_cdiv(n, block),),
+        q.device,
+        q,
+        scales,
+        out,
+        n,
+        values // groups,
+        BITS=bits,
+        BLOCK=block,
+    ):
+        return None
+    return out

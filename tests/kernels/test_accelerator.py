@@ -63,7 +63,7 @@ def test_builtin_records(clean_table):
     sets = {name: clean_table[name].kernel_set_names() for name in _BUILTIN}
     assert sets == {
         "cpu": ("c", "reference"),
-        "cuda": ("triton", "reference"),
+        "cuda": ("triton", "cupy", "reference"),
         "xpu": ("triton", "reference"),
         "npu": ("torch_npu", "reference"),
         "hpu": ("reference",),
