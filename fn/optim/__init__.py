@@ -56,6 +56,14 @@ Policies (the same on every rank, so the ranks always issue the same collectives
 """
 
 from fn.optim._adapter import FunctionalOptimizer, default_comm
+from fn.optim._checkpoint import PerRankState
 from fn.optim._onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
 
-__all__ = ["FunctionalOptimizer", "OnebitAdam", "ZeroOneAdam", "OnebitLamb", "default_comm"]
+__all__ = [
+    "FunctionalOptimizer",
+    "OnebitAdam",
+    "ZeroOneAdam",
+    "OnebitLamb",
+    "PerRankState",
+    "default_comm",
+]

@@ -17,7 +17,8 @@ Error feedback is also the only per-rank part of the state: every rank's moments
 master are the same. A record names the rank it was saved on; a rank that loads another rank's
 record takes its own error feedback from ``error_feedback_by_rank`` when the record holds every
 rank's (see :func:`gather_error_feedback`), and otherwise starts from zero error feedback
-(:func:`own_error_feedback`), never from another rank's.
+(:func:`own_error_feedback`), never from another rank's. :class:`PerRankState` saves each
+rank's error feedback with ``torch.distributed.checkpoint``.
 """
 
 from __future__ import annotations
@@ -293,3 +294,72 @@ def own_error_feedback(
         return {**record.functional, **mine}, False
     foreign = world_size > 1 and record.rank is not None and record.rank != rank
     return record.functional, foreign
+
+
+class PerRankState:
+    """An ``fn.optim`` optimizer as a ``torch.distributed.checkpoint`` (DCP) ``Stateful`` that
+    keeps every rank's error feedback.
+
+    DCP saves a tensor that every rank holds under the same name once (it assumes replicas):
+    right for the moments, the step and the master copy, which are the same on every rank, but
+    it would keep one rank's error feedback for all. Here each rank's error feedback gets a
+    name of its own (``error_feedback_of_rank.<rank>``), so every rank writes its own shard and
+    reads back its own. DCP checkpoints load at the world size they were saved with (the error
+    feedback's shapes depend on it); to change the world size, go through ``state_dict()``.
+
+    Args:
+        optimizer: an ``fn.optim`` optimizer.
+
+    Example:
+        Under ``torchrun`` every rank runs the same lines; one process shows them here:
+
+        >>> import tempfile, warnings
+        >>> import torch.distributed.checkpoint as dcp
+        >>> model = torch.nn.Linear(2, 1)
+        >>> comm = fn.collectives.Local()
+        >>> opt = fn.optim.OnebitAdam(model.parameters(), freeze_step=2, comm=comm)
+        >>> path = tempfile.mkdtemp()
+        >>> with warnings.catch_warnings():  # DCP warns that it runs without torch.distributed
+        ...     warnings.simplefilter("ignore")
+        ...     _ = dcp.save({"optim": fn.optim.PerRankState(opt)}, checkpoint_id=path)
+        ...     dcp.load({"optim": fn.optim.PerRankState(opt)}, checkpoint_id=path)
+        >>> opt.state_dict()["state"][0]["rank"]
+        0
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's ``state_dict()`` with its tensors copied (DCP loads in place into the
+        dict this returns; the master is a copy already) and each record's error feedback under
+        this rank's own name."""
+        saved = self.optimizer.state_dict()
+        rank = getattr(self.optimizer.comm, "rank", 0)
+        keys = [error_feedback_keys(runtime.state) for runtime in self.optimizer._groups]
+        state = {}
+        for index, record in saved["state"].items():
+            record.pop("rank", None)
+            record.pop("error_feedback_by_rank", None)
+            functional = {k: _copy(v) for k, v in record["functional"].items()}
+            mine = {k: functional.pop(k) for k in keys[index]}
+            record["functional"] = functional
+            record["error_feedback_of_rank"] = {str(rank): mine}
+            state[str(index)] = record  # DCP keys are strings
+        return {**saved, "state": state}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads what DCP read into :meth:`state_dict`'s layout (this rank's error feedback)."""
+        rank = getattr(self.optimizer.comm, "rank", 0)
+        state = {}
+        for index, record in state_dict["state"].items():
+            record = dict(record)
+            mine = record.pop("error_feedback_of_rank")[str(rank)]
+            record["functional"] = {**record["functional"], **mine}
+            record["rank"] = rank
+            state[int(index)] = record
+        self.optimizer.load_state_dict({**state_dict, "state": state})
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value

@@ -138,7 +138,32 @@ def _dist_onebit_adam(params):
     return fn.optim.OnebitAdam(params, lr=1e-2, freeze_step=FREEZE, weight_decay=0.01)
 
 
-def _rank0_checkpoints(rank, world_size):
+def _dcp_resume(rank, path):
+    """An uninterrupted run and one saved at K with torch.distributed.checkpoint, loaded into a
+    fresh model and optimizer and continued."""
+    import torch.distributed.checkpoint as dcp
+
+    k = STEPS - 3
+    model = make_model(dtype=torch.bfloat16)
+    opt = _dist_onebit_adam(model.parameters())
+    _, full = train(model, opt, rank, range(STEPS))
+    model = make_model(dtype=torch.bfloat16)
+    opt = _dist_onebit_adam(model.parameters())
+    train(model, opt, rank, range(k))
+    before = opt.state_dict()["state"][0]["functional"]
+    dcp.save({"model": model.state_dict(), "optim": fn.optim.PerRankState(opt)}, checkpoint_id=path)
+    fresh = make_model(seed=1, dtype=torch.bfloat16)
+    fresh_opt = _dist_onebit_adam(fresh.parameters())
+    state = {"model": fresh.state_dict(), "optim": fn.optim.PerRankState(fresh_opt)}
+    dcp.load(state, checkpoint_id=path)
+    fresh.load_state_dict(state["model"])
+    after = fresh_opt.state_dict()["state"][0]["functional"]
+    same_state = all(torch.equal(before[key], after[key]) for key in before)
+    _, resumed = train(fresh, fresh_opt, rank, range(k, STEPS))
+    return {"same_state": same_state, "full": full[-1], "resumed": resumed[-1]}
+
+
+def _rank0_checkpoints(rank, world_size, path):
     """Runs STEPS updates uninterrupted, and runs stopped at K where rank 0's state (gathered or
     not) is loaded on every rank, as Trainer and Accelerate do."""
     k = STEPS - 3
@@ -174,13 +199,14 @@ def _rank0_checkpoints(rank, world_size):
     opt.gather_error_feedback()
     train(model, opt, rank, range(k, k + 1))
     out["stale_dropped"] = "error_feedback_by_rank" not in opt.state_dict()["state"][0]
+    out["dcp"] = _dcp_resume(rank, path)
     return out
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_rank0_only_checkpoints_never_reuse_another_ranks_error_feedback():
-    out = run_distributed(_rank0_checkpoints, 2, timeout=240)
+def test_rank0_only_and_dcp_checkpoints_keep_each_ranks_error_feedback(tmp_path):
+    out = run_distributed(_rank0_checkpoints, 2, str(tmp_path / "dcp"), timeout=240)
     for rank in (0, 1):
         assert out[rank]["rank_recorded_False"] == rank
         assert out[rank]["has_all_True"] == (rank == 0)
@@ -196,3 +222,7 @@ def test_rank0_only_checkpoints_never_reuse_another_ranks_error_feedback():
     assert "rank 1 loads the optimizer state of rank [0]" in warning and "reset to zero" in warning
     assert out[1]["error_zero_False"]
     assert torch.equal(out[0]["resumed_False"], out[1]["resumed_False"])
+    # DCP: each rank gets its own error feedback back and resumes bit for bit
+    for rank in (0, 1):
+        assert out[rank]["dcp"]["same_state"]
+        assert torch.equal(out[rank]["dcp"]["resumed"], out[rank]["dcp"]["full"])
