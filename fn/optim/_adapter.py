@@ -305,12 +305,11 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         it on every rank; ``fn.integrations`` calls this before their saves. Without it, a rank
         that loads another rank's state resets its error feedback to zero (with a warning).
 
-        Memory: rank 0 holds a copy of every rank's error feedback until the next update, and
-        every rank reads all of them when it loads the checkpoint: for 1-bit Adam over ``n``
-        params, about ``4 n (W + 1)`` bytes (``W`` ranks' worker errors of ``n`` fp32 elements
-        and their server errors of ``n / W``), i.e. ``W + 1`` times the params in fp32; 1-bit
-        LAMB and 0/1 Adam about the same. The transfer goes around fn's byte counters.
-        Nothing happens on one rank.
+        Memory: rank 0 holds ``W`` ranks' error-feedback buffers until the next update, and
+        every rank reads all ``W`` when it loads the checkpoint: for 1-bit Adam over ``n``
+        params about ``4 n (W + 1)`` bytes (``W`` worker errors of ``n`` fp32 elements and ``W``
+        server errors of ``n / W``), i.e. ``W + 1`` times the params in fp32. The transfer goes
+        around fn's byte counters. Nothing happens on one rank.
         """
         if self.comm.world_size == 1:
             return
