@@ -20,7 +20,11 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   averaged by the adapter first (one dense allreduce per group, ``sync_grads``). So anything
   applied to ``.grad`` before ``step()`` (e.g. ``clip_grad_norm_``) sees the local gradient.
 - Flat buffers: per param group the params are copied into one contiguous buffer and each
-  param's ``.data`` becomes a view of it (build the optimizer after ``model.to(...)``). With
+  param's ``.data`` aliases its slice of it with a storage of its own (so safetensors and
+  accelerate save and load the model as any other). A param whose storage is replaced later
+  (``model.to(<same device>)``, as Trainer and accelerate do, or ``p.data = t``) is re-adopted
+  before the next step; a move to another device or dtype is an error (build the optimizer
+  after ``model.to(...)``). With
   ``flatten=True`` the transform sees the whole group as ONE 1-D leaf (one collective per group
   and step; right for elementwise rules: Adam, SGD, 1-bit Adam, 0/1 Adam); with
   ``flatten=False`` it sees per-param views of the buffer (needed for per-tensor rules: LAMB's
@@ -70,10 +74,18 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   first (layout, structure of the right optimizer, shapes, hyperparameters, finite values,
   second moments >= 0) and loads nothing unless all of it fits; errors name the group and field.
   ``state_dict()["state"]`` is keyed by group index (the state is per group, not per param), and
-  ``opt.state``, torch's per-param dict, stays empty.
+  ``opt.state``, torch's per-param dict, stays empty. Each record names the rank it was saved on:
+  error feedback is per rank, so a rank loading another rank's state (Trainer and accelerate
+  load rank 0's everywhere) resets its error feedback with a warning, unless
+  ``gather_error_feedback()`` (a collective, on every rank before rank 0 saves;
+  ``fn.integrations`` calls it) put every rank's into it. ``PerRankState(opt)`` saves each
+  rank's with ``torch.distributed.checkpoint``.
+- Environment: ``comm=None`` under ``torchrun`` (``WORLD_SIZE`` > 1) before
+  ``torch.distributed`` is initialized is an error, not a silent single-process run.
 """
 
 from fn.optim._adapter import FunctionalOptimizer, default_comm
+from fn.optim._checkpoint import PerRankState
 from fn.optim._deepspeed import from_deepspeed
 from fn.optim._onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
 from fn.optim._schedulers import DeepSpeedLR, scheduler_from_deepspeed
@@ -83,6 +95,7 @@ __all__ = [
     "OnebitAdam",
     "ZeroOneAdam",
     "OnebitLamb",
+    "PerRankState",
     "default_comm",
     "from_deepspeed",
     "scheduler_from_deepspeed",

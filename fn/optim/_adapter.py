@@ -7,6 +7,7 @@ The policies (gradient communication, flat buffers, mixed precision, non-finite 
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -25,6 +26,9 @@ from fn.optim._checkpoint import (
     check_master,
     check_state_values,
     checkpoint_parts,
+    error_feedback_keys,
+    gather_error_feedback,
+    own_error_feedback,
     state_from_dict,
     state_to_dict,
 )
@@ -38,9 +42,31 @@ _GROUP_META = frozenset({"params", "param_names", "initial_lr"})
 
 
 def default_comm() -> Any:
-    """``ProcessGroup()`` when ``torch.distributed`` is initialized, else ``Local()``."""
+    """``ProcessGroup()`` when ``torch.distributed`` is initialized, else ``Local()``.
+
+    Returns:
+        The communicator an optimizer built with ``comm=None`` uses.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialized but the environment says this
+            process is one of several (``WORLD_SIZE`` > 1, as set by ``torchrun``): a
+            single-process optimizer there would silently let the ranks drift apart.
+
+    Example:
+        >>> fn.optim.default_comm()  # one process, no torch.distributed
+        Local()
+    """
     if dist.is_available() and dist.is_initialized():
         return ProcessGroup()
+    world_size = os.environ.get("WORLD_SIZE", "1")
+    if world_size.strip() not in ("", "0", "1"):
+        raise RuntimeError(
+            f"WORLD_SIZE={world_size} in the environment, but torch.distributed is not "
+            "initialized: call torch.distributed.init_process_group() before building the "
+            "optimizer (Trainer and Accelerate do it when they are created: build the optimizer "
+            "after TrainingArguments/Accelerator), or pass comm=fn.collectives.Local() to run "
+            "each process alone on purpose"
+        )
     return Local()
 
 
@@ -115,6 +141,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True
+    # (the groups' states it was taken from, each group's error feedback by rank), on rank 0
+    _gathered: tuple[list[Any], list[tuple[dict[str, torch.Tensor], ...]]] | None = None
 
     def __init__(
         self,
@@ -405,14 +433,52 @@ class FunctionalOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- checkpoints
 
+    def gather_error_feedback(self) -> None:
+        """Sends every rank's error feedback to rank 0, where the next :meth:`state_dict` (until
+        the next update) holds it, so that a checkpoint saved by rank 0 alone resumes every rank
+        bit for bit. A collective call: every rank must call it.
+
+        Hugging Face ``Trainer`` and ``accelerate`` save only rank 0's optimizer state and load
+        it on every rank; ``fn.integrations`` calls this before their saves. Without it, a rank
+        that loads another rank's state resets its error feedback to zero (with a warning).
+
+        Memory: rank 0 holds ``W`` ranks' error-feedback buffers until the next update, and
+        every rank reads all ``W`` when it loads the checkpoint: for 1-bit Adam over ``n``
+        params about ``4 n (W + 1)`` bytes (``W`` worker errors of ``n`` fp32 elements and ``W``
+        server errors of ``n / W``), i.e. ``W + 1`` times the params in fp32. The transfer goes
+        around fn's byte counters. Nothing happens on one rank.
+        """
+        if self.comm.world_size == 1:
+            return
+        rank = self.comm.rank
+        states = [runtime.state for runtime in self._groups]
+        by_rank = [
+            gather_error_feedback(
+                self.comm.group, rank, state_to_dict(state), error_feedback_keys(state)
+            )
+            for state in states
+        ]
+        self._gathered = (states, by_rank) if rank == 0 else None
+
+    def _gathered_error_feedback(self, index: int) -> tuple[dict[str, torch.Tensor], ...] | None:
+        """Group ``index``'s gathered error feedback if it was gathered from the current state."""
+        if self._gathered is None:
+            return None
+        states, by_rank = self._gathered
+        if not all(s is r.state for s, r in zip(states, self._groups, strict=True)):
+            self._gathered = None  # stale: free it
+            return None
+        return by_rank[index]
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state in ``torch.optim``'s layout.
 
         Returns:
             ``{"state": {group_index: record}, "param_groups": [...]}`` where ``param_groups``
             holds each group's hyperparameters and param indices (as ``torch.optim``) and a
-            record is ``{"step": int, "world_size": int, "shapes": [[...], ...],
-            "functional": {path: tensor}, "master": fp32 tensor (fp16/bf16 params only)}``;
+            record is ``{"step": int, "world_size": int, "rank": int, "shapes": [[...], ...],
+            "functional": {path: tensor}, "master": fp32 tensor (fp16/bf16 params only),
+            "error_feedback_by_rank": [...] (on rank 0 after gather_error_feedback() only)}``;
             ``functional`` is the functional state flattened by pytree key path
             (e.g. ``".worker_error"``). The tensors are the live (never mutated) state tensors,
             the master is a copy, taken after writes to the params are synced into it as before a
@@ -434,6 +500,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
                 shapes=tuple(runtime.flat.shapes),
                 functional=state_to_dict(runtime.state),
                 master=master,
+                rank=getattr(self.comm, "rank", 0),
+                error_feedback_by_rank=self._gathered_error_feedback(index),
             )
             state[index] = record.to_dict()
         return {"state": state, "param_groups": param_groups}
@@ -444,8 +512,11 @@ class FunctionalOptimizer(torch.optim.Optimizer):
 
         ``exp_avg_mask`` and the comm come from the constructor, not the checkpoint. A checkpoint
         saved with another world size gets its error-feedback buffers reset for this one (with a
-        warning). All or nothing: every group's record is read and checked (structure, shapes,
-        hyperparameters, finite values, non-negative second moments) before any is loaded.
+        warning). A checkpoint saved on another rank gives this rank its own error feedback if it
+        holds every rank's (:meth:`gather_error_feedback`), else zero error feedback (with a
+        warning): never another rank's. All or nothing: every group's record is read and checked
+        (structure, shapes, hyperparameters, finite values, non-negative second moments) before
+        any is loaded.
 
         Raises:
             ValueError: a checkpoint that does not fit: a different number of groups or params,
@@ -455,7 +526,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         """
         saved_groups, records = checkpoint_parts(state_dict, len(self.param_groups))
         plans = []
-        worlds = set()
+        worlds, foreign = set(), set()
         for index, (group, saved, runtime) in enumerate(
             zip(self.param_groups, saved_groups, self._groups, strict=True)
         ):
@@ -481,11 +552,18 @@ class FunctionalOptimizer(torch.optim.Optimizer):
                     f"param group {index}: the checkpoint's hyperparameters are invalid: {err}"
                 ) from err
             tree = runtime.flat.tree(runtime.flat.master, self.flatten)
-            reset = record.world_size != self.comm.world_size
-            if reset:
+            functional, reset = own_error_feedback(
+                record,
+                getattr(self.comm, "rank", 0),
+                self.comm.world_size,
+                error_feedback_keys(runtime.state),
+            )
+            if record.world_size != self.comm.world_size:
                 worlds.add(record.world_size)
+            elif reset:
+                foreign.add(record.rank)
             fresh = transform.init(tree) if reset else runtime.state
-            state = state_from_dict(index, record.functional, fresh, reset)
+            state = state_from_dict(index, functional, fresh, reset)
             check_state_values(index, state)
             if runtime.flat.has_master_copy:
                 check_master(index, record.master, runtime.flat.numel)
@@ -495,6 +573,14 @@ class FunctionalOptimizer(torch.optim.Optimizer):
                 f"fn.optim: the checkpoint was saved with world_size {sorted(worlds)}, this run "
                 f"has world_size {self.comm.world_size}: the error-feedback buffers are reset to "
                 "zero for the new world size",
+                stacklevel=2,
+            )
+        if foreign:
+            warnings.warn(
+                f"fn.optim: rank {self.comm.rank} loads the optimizer state of rank "
+                f"{sorted(foreign)}, which holds only that rank's error feedback: this rank's is "
+                "reset to zero (call opt.gather_error_feedback() on every rank before rank 0 "
+                "saves, or use fn.integrations, to resume bit for bit)",
                 stacklevel=2,
             )
         for group, saved, runtime, transform, hyper, state, record in plans:

@@ -3,13 +3,22 @@
 ``FunctionalOptimizer.state_dict()["state"][i]`` is a :class:`GroupRecord` as a plain dict (plain
 containers, tensors and numbers only, so ``torch.load(weights_only=True)`` reads it)::
 
-    {"step": int, "world_size": int, "shapes": [[int, ...], ...],
-     "functional": {key path: tensor or number}, "master": fp32 tensor}  # master: fp16/bf16 only
+    {"step": int, "world_size": int, "rank": int, "shapes": [[int, ...], ...],
+     "functional": {key path: tensor or number},
+     "master": fp32 tensor,                                  # fp16/bf16 params only
+     "error_feedback_by_rank": [{key path: tensor}, ...]}    # gathered checkpoints only
 
 The functional state is stored flat, keyed by pytree key path (``".exp_avg"``,
 ``".worker_error"``), and rebuilt against the structure of a freshly initialized state. Its
 error feedback is found by type (``fn.collectives.error_feedback_leaves``): those buffers are
 sized by the world size, so a checkpoint of another world size gets them freshly initialized.
+
+Error feedback is also the only per-rank part of the state: every rank's moments, step and
+master are the same. A record names the rank it was saved on; a rank that loads another rank's
+record takes its own error feedback from ``error_feedback_by_rank`` when the record holds every
+rank's (see :func:`gather_error_feedback`), and otherwise starts from zero error feedback
+(:func:`own_error_feedback`), never from another rank's. :class:`PerRankState` saves each
+rank's error feedback with ``torch.distributed.checkpoint``.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from torch.utils import _pytree as pytree
 from fn.collectives import error_feedback_leaves
 
 _REQUIRED = ("step", "world_size", "shapes", "functional")
-_OPTIONAL = ("master",)
+_OPTIONAL = ("master", "rank", "error_feedback_by_rank")
 # State fields holding a second moment (a mean of squares): never negative.
 _SECOND_MOMENTS = frozenset({"nu", "exp_avg_sq", "exp_avg_sq_fresh"})
 
@@ -41,6 +50,9 @@ class GroupRecord:
         functional: the functional state flattened by pytree key path (:func:`state_to_dict`).
         master: fp32[n], the master copy of fp16/bf16 params; ``None`` for fp32/fp64 params
             (their own master, saved with the model).
+        rank: the rank it was saved on (``None``: not recorded).
+        error_feedback_by_rank: the error-feedback entries of ``functional`` of every rank,
+            indexed by rank, when they were gathered (:func:`gather_error_feedback`).
     """
 
     step: int
@@ -48,6 +60,8 @@ class GroupRecord:
     shapes: tuple[tuple[int, ...], ...]
     functional: dict[str, Any]
     master: torch.Tensor | None = None
+    rank: int | None = None
+    error_feedback_by_rank: tuple[dict[str, torch.Tensor], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The record as stored in ``state_dict()["state"]`` (no ``"master"`` key without one)."""
@@ -59,6 +73,10 @@ class GroupRecord:
         }
         if self.master is not None:
             record["master"] = self.master
+        if self.rank is not None:
+            record["rank"] = self.rank
+        if self.error_feedback_by_rank is not None:
+            record["error_feedback_by_rank"] = [dict(e) for e in self.error_feedback_by_rank]
         return record
 
     @classmethod
@@ -97,12 +115,22 @@ class GroupRecord:
         master = record.get("master")
         if master is not None and not isinstance(master, torch.Tensor):
             raise ValueError(f"{where}: 'master' must be a tensor, got {type(master).__name__}")
+        world_size = _integer(record["world_size"], f"{where}: 'world_size'", minimum=1)
+        rank = record.get("rank")
+        if rank is not None:
+            rank = _integer(rank, f"{where}: 'rank'", minimum=0)
+            if rank >= world_size:
+                raise ValueError(f"{where}: 'rank' {rank} is not below its world_size {world_size}")
         return cls(
             step=_integer(record["step"], f"{where}: 'step'", minimum=0),
-            world_size=_integer(record["world_size"], f"{where}: 'world_size'", minimum=1),
+            world_size=world_size,
             shapes=_shapes(record["shapes"], f"{where}: 'shapes'"),
             functional=dict(functional),
             master=master,
+            rank=rank,
+            error_feedback_by_rank=_by_rank(
+                record.get("error_feedback_by_rank"), world_size, where
+            ),
         )
 
     def check_shapes(self, group: int, shapes: Sequence[tuple[int, ...]]) -> None:
@@ -277,3 +305,155 @@ def check_master(group: int, master: torch.Tensor | None, numel: int) -> None:
             f"param group {group}: the checkpoint's master copy is not a finite floating-point "
             "tensor; nothing was loaded"
         )
+
+
+# ---------------------------------------------------------------- per-rank error feedback
+
+
+def _by_rank(value: Any, world_size: int, where: str) -> tuple[dict[str, torch.Tensor], ...] | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, Sequence)
+        or len(value) != world_size
+        or not all(isinstance(e, Mapping) for e in value)
+    ):
+        raise ValueError(
+            f"{where}: 'error_feedback_by_rank' must be a list of {world_size} dicts (one per "
+            f"rank), got {type(value).__name__}"
+        )
+    return tuple(dict(e) for e in value)
+
+
+def error_feedback_keys(state: Any) -> list[str]:
+    """The key paths (as in :func:`state_to_dict`) of the error-feedback leaves of ``state``."""
+    leaves, _ = pytree.tree_flatten_with_path(state)
+    marks = error_feedback_leaves(state)
+    return [pytree.keystr(path) for (path, _), error in zip(leaves, marks, strict=True) if error]
+
+
+def gather_error_feedback(
+    group: Any, rank: int, functional: dict[str, Any], keys: list[str]
+) -> tuple[dict[str, torch.Tensor], ...] | None:
+    """Every rank's error-feedback tensors, on group rank 0 (a collective call).
+
+    Args:
+        group: the ``torch.distributed`` process group (``None``: the world).
+        rank: this process's rank in ``group``.
+        functional: this rank's :func:`state_to_dict`.
+        keys: the error-feedback entries of ``functional`` (:func:`error_feedback_keys`).
+
+    Returns:
+        On group rank 0, one ``{key: tensor}`` per rank, indexed by rank; ``None`` elsewhere.
+    """
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size(group)
+    gathered: list[dict[str, torch.Tensor]] = [{} for _ in range(world_size)]
+    for key in keys:
+        local = functional[key].contiguous()
+        pieces = [torch.empty_like(local) for _ in range(world_size)] if rank == 0 else None
+        dist.gather(local, pieces, group=group, group_dst=0)
+        if rank == 0:
+            for r, piece in enumerate(pieces):
+                gathered[r][key] = piece
+    return tuple(gathered) if rank == 0 else None
+
+
+def own_error_feedback(
+    record: GroupRecord, rank: int, world_size: int, keys: list[str]
+) -> tuple[dict[str, Any], bool]:
+    """The functional state a rank loads from ``record``, and whether its error feedback must be
+    reset (a checkpoint of another world size, or another rank's without every rank's).
+
+    Args:
+        record: the loaded record.
+        rank: the loading rank.
+        world_size: the loading world size.
+        keys: the error-feedback entries (:func:`error_feedback_keys`).
+
+    Returns:
+        ``(functional, reset)``: ``functional`` with this rank's gathered error feedback put in
+        where the record has it.
+    """
+    if record.world_size != world_size:
+        return record.functional, True
+    if record.error_feedback_by_rank is not None:
+        mine = record.error_feedback_by_rank[rank]
+        if set(mine) != set(keys):
+            raise ValueError(
+                f"the checkpoint's error_feedback_by_rank has entries {sorted(mine)}, this "
+                f"optimizer's error feedback is {keys}"
+            )
+        return {**record.functional, **mine}, False
+    foreign = world_size > 1 and record.rank is not None and record.rank != rank
+    return record.functional, foreign
+
+
+class PerRankState:
+    """An ``fn.optim`` optimizer as a ``torch.distributed.checkpoint`` (DCP) ``Stateful`` that
+    keeps every rank's error feedback.
+
+    DCP saves a tensor that every rank holds under the same name once (it assumes replicas):
+    right for the moments, the step and the master copy, which are the same on every rank, but
+    it would keep one rank's error feedback for all. Here each rank's error feedback gets a
+    name of its own (``error_feedback_of_rank.<rank>``), so every rank writes its own shard and
+    reads back its own. DCP checkpoints load at the world size they were saved with (the error
+    feedback's shapes depend on it); to change the world size, go through ``state_dict()``.
+
+    Args:
+        optimizer: an ``fn.optim`` optimizer.
+
+    Example:
+        Under ``torchrun`` every rank runs the same lines; one process shows them here:
+
+        >>> import tempfile, warnings
+        >>> import torch.distributed.checkpoint as dcp
+        >>> model = torch.nn.Linear(2, 1)
+        >>> comm = fn.collectives.Local()
+        >>> opt = fn.optim.OnebitAdam(model.parameters(), freeze_step=2, comm=comm)
+        >>> path = tempfile.mkdtemp()
+        >>> with warnings.catch_warnings():  # DCP warns that it runs without torch.distributed
+        ...     warnings.simplefilter("ignore")
+        ...     _ = dcp.save({"optim": fn.optim.PerRankState(opt)}, checkpoint_id=path)
+        ...     dcp.load({"optim": fn.optim.PerRankState(opt)}, checkpoint_id=path)
+        >>> opt.state_dict()["state"][0]["rank"]
+        0
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's ``state_dict()`` with its tensors copied (DCP loads in place into the
+        dict this returns; the master is a copy already) and each record's error feedback under
+        this rank's own name."""
+        saved = self.optimizer.state_dict()
+        rank = getattr(self.optimizer.comm, "rank", 0)
+        keys = [error_feedback_keys(runtime.state) for runtime in self.optimizer._groups]
+        state = {}
+        for index, record in saved["state"].items():
+            record.pop("rank", None)
+            record.pop("error_feedback_by_rank", None)
+            functional = {k: _copy(v) for k, v in record["functional"].items()}
+            mine = {k: functional.pop(k) for k in keys[index]}
+            record["functional"] = functional
+            record["error_feedback_of_rank"] = {str(rank): mine}
+            state[str(index)] = record  # DCP keys are strings
+        return {**saved, "state": state}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads what DCP read into :meth:`state_dict`'s layout (this rank's error feedback)."""
+        rank = getattr(self.optimizer.comm, "rank", 0)
+        state = {}
+        for index, record in state_dict["state"].items():
+            record = dict(record)
+            mine = record.pop("error_feedback_of_rank")[str(rank)]
+            record["functional"] = {**record["functional"], **mine}
+            record["rank"] = rank
+            state[int(index)] = record
+        self.optimizer.load_state_dict({**state_dict, "state": state})
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value

@@ -1,8 +1,22 @@
 """Contiguous flat storage for one param group of the ``torch.optim`` adapter (``fn.optim``).
 
-The group's params are copied, in order, into one 1-D buffer and each param's ``.data`` becomes a
-view into it (made by copying and assigning ``.data``; storages are never swapped with ``set_``),
-so the optimizer reads and writes all of a group's params as one tensor on any device.
+The group's params are copied, in order, into one 1-D buffer and each param's ``.data`` becomes an
+alias of its slice of it (made by copying and assigning ``.data``; storages are never swapped with
+``set_``), so the optimizer reads and writes all of a group's params as one tensor on any device.
+
+Each alias is a tensor with a storage of its own that covers exactly its param's bytes of the
+buffer (a DLPack round trip of the slice; about a microsecond per param at construction, nothing
+per step, no extra memory). Libraries that look for shared storages therefore see ordinary,
+separate params: ``safetensors.torch.save_model``/``load_model`` and ``accelerate`` save and load
+fn-managed models as any other. (A device without DLPack support gets plain views of the buffer:
+the optimizer works the same, only those libraries then see one shared storage.)
+
+The ecosystem replaces params' storages after the optimizer was built (``model.to("cpu:0")`` in
+Hugging Face ``Trainer`` and ``accelerate``, ``p.data = ...``): before every step and every
+checkpoint read or write, a param whose storage was replaced is re-adopted, its current values
+copied into its slice of the buffer and its ``.data`` aliased to it again. A param moved to
+another device or cast to another dtype cannot be re-adopted (the buffer, the master copy and the
+optimizer state live on the old device, in the old dtype): that is an error naming the fix.
 
 fp16/bf16 params keep an fp32 master copy: the optimizer updates the master and casts it back
 into the params' buffer after every step. Other dtypes (fp32, fp64) are their own master. Writes
@@ -15,6 +29,7 @@ not used, since writes through ``.data`` do not bump them.
 from __future__ import annotations
 
 import torch
+from torch.utils import dlpack
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -23,7 +38,7 @@ class FlatGroup:
     """The flat buffers of one param group.
 
     Attributes:
-        params: the group's params (their ``.data`` are views of ``model``).
+        params: the group's params (their ``.data`` alias slices of ``model``).
         shapes: the params' shapes.
         numel: total elements ``n``.
         model: ``[n]`` in the params' dtype: the params' storage.
@@ -58,7 +73,7 @@ class FlatGroup:
         with torch.no_grad():
             for p, view in zip(params, self.views(self.model), strict=True):
                 view.copy_(p.detach())
-                p.data = view
+                p.data = _alias(view)
         self.master = self.model.float() if dtype in _LOW_PRECISION else self.model
         self._ptrs = [p.data_ptr() for p in params]
 
@@ -97,20 +112,46 @@ class FlatGroup:
         return torch.cat(pieces)
 
     def check_params(self) -> None:
-        """Verifies that the params still live in the buffer, then :meth:`sync_master`.
+        """Re-adopts params whose storage was replaced, then :meth:`sync_master` (before a step).
 
         Raises:
-            RuntimeError: a param's storage was replaced (``p.data = ...``, ``model.to(...)``
-                after the optimizer was built).
+            RuntimeError: a param was moved to another device, cast to another dtype or
+                reshaped after the optimizer was built.
         """
-        for i, p in enumerate(self.params):
-            if p.data_ptr() != self._ptrs[i]:
-                raise RuntimeError(
-                    f"param {i} of shape {self.shapes[i]} no longer lives in the optimizer's flat "
-                    "buffer (its .data was replaced, e.g. by model.to(...)): build the optimizer "
-                    "after moving or casting the model"
-                )
         self.sync_master()
+
+    @torch.no_grad()
+    def adopt(self) -> None:
+        """Takes back every param whose ``.data`` was replaced since the optimizer was built
+        (``model.to(<same device>)``, ``p.data = t``): its current values are copied into its
+        slice of the buffer and its ``.data`` aliases that slice again.
+
+        Raises:
+            RuntimeError: such a param has another device, dtype or shape than its slice (the
+                buffer cannot follow it); nothing is changed then.
+        """
+        moved = [i for i, p in enumerate(self.params) if p.data_ptr() != self._ptrs[i]]
+        for i in moved:
+            p = self.params[i]
+            if p.device != self.model.device or p.dtype != self.model.dtype:
+                raise RuntimeError(
+                    f"param {i} of shape {self.shapes[i]} was moved to {p.device}, "
+                    f"{p.dtype} after the optimizer was built (its buffer and state are on "
+                    f"{self.model.device}, {self.model.dtype}): move or cast the model before "
+                    "building the optimizer, or build a new one (state_dict()/"
+                    "load_state_dict() carries the state over)"
+                )
+            if tuple(p.shape) != self.shapes[i]:
+                raise RuntimeError(
+                    f"param {i} changed shape from {self.shapes[i]} to {tuple(p.shape)} after "
+                    "the optimizer was built: build the optimizer for the new model"
+                )
+        views = self.views(self.model)
+        for i in moved:
+            p = self.params[i]
+            views[i].copy_(p.data)
+            p.data = _alias(views[i])
+            self._ptrs[i] = p.data_ptr()
 
     @torch.no_grad()
     def sync_master(self) -> None:
@@ -120,8 +161,10 @@ class FlatGroup:
         of ``dtype(master[i])``, so any write is seen (through ``.data`` too) and an element
         that still equals its master cast to the params' dtype keeps its exact fp32 master. One
         comparison pass over the group's buffer (and one more only if something was written);
-        nothing to do without a separate master copy.
+        nothing to do without a separate master copy. Params whose storage was replaced are
+        re-adopted first (:meth:`adopt`).
         """
+        self.adopt()
         if not self.has_master_copy:
             return
         # fp16/bf16 compared as their 16-bit patterns: bit-exact and much faster than float ne
@@ -151,7 +194,9 @@ class FlatGroup:
     def load_master(self, master: torch.Tensor | None) -> None:
         """Sets the master copy from a checkpoint (``None``: from the params' current values)
         and the params from it. Without a separate master copy this does nothing: the params are
-        their own master and come from the model's checkpoint."""
+        their own master and come from the model's checkpoint. Params whose storage was replaced
+        are re-adopted first (:meth:`adopt`)."""
+        self.adopt()
         if not self.has_master_copy:
             return
         if master is None:
@@ -164,3 +209,13 @@ class FlatGroup:
                 )
             self.master.copy_(master)
             self.model.copy_(self.master)
+
+
+def _alias(view: torch.Tensor) -> torch.Tensor:
+    """A tensor on the memory of ``view`` whose storage covers exactly that memory (a DLPack
+    round trip, which keeps ``view``'s storage alive); ``view`` itself where the device has no
+    DLPack support."""
+    try:
+        return dlpack.from_dlpack(dlpack.to_dlpack(view))
+    except (BufferError, RuntimeError, TypeError):
+        return view

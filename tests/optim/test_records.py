@@ -22,11 +22,11 @@ def _checkpoint(dtype: torch.dtype = torch.float32) -> tuple[torch.optim.Optimiz
 def test_the_stored_record_round_trips(dtype):
     _, ckpt = _checkpoint(dtype)
     stored = ckpt["state"][0]
-    assert set(stored) == {"step", "world_size", "shapes", "functional"} | (
+    assert set(stored) == {"step", "world_size", "rank", "shapes", "functional"} | (
         {"master"} if dtype == torch.bfloat16 else set()
     )
     record = GroupRecord.from_dict(stored, 0)
-    assert record.step == 3 and record.world_size == 1
+    assert record.step == 3 and record.world_size == 1 and record.rank == 0
     assert record.shapes == ((7, 5), (7,), (3, 7), (3,))
     again = record.to_dict()
     assert again.keys() == stored.keys() and again["shapes"] == stored["shapes"]

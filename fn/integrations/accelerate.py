@@ -1,0 +1,51 @@
+"""``accelerate`` glue: :func:`attach`.
+
+Example (under ``torchrun``; the full script is ``examples/accelerate_loop.py``)::
+
+    accelerator = Accelerator()  # initializes torch.distributed
+    opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=100)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    fn.integrations.accelerate.attach(accelerator, model, opt)
+    ...  # accelerator.backward(loss); opt.step(); accelerator.save_state() / load_state()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fn.integrations._common import register_ddp, unwrap_optimizer
+
+__all__ = ["attach"]
+
+
+def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any) -> Any:
+    """Connects an ``fn.optim`` optimizer to a prepared model and its ``Accelerator``.
+
+    - ``fn.ddp.register(model, optimizer)`` when ``accelerator.prepare`` wrapped the model in DDP
+      (DDP then averages in warmup and is silent once compressed).
+    - A save-state pre-hook gathers every rank's error feedback on rank 0 before
+      ``accelerator.save_state()`` (which keeps rank 0's optimizer state and loads it on every
+      rank), so ``accelerator.load_state()`` resumes every rank bit for bit.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator``.
+        model: the model returned by ``accelerator.prepare``.
+        optimizer: the optimizer returned by ``accelerator.prepare`` (or the ``fn.optim``
+            optimizer itself).
+
+    Returns:
+        The handle of the save-state hook (``handle.remove()`` detaches it).
+
+    Raises:
+        TypeError: ``optimizer`` does not hold an ``fn.optim`` optimizer.
+    """
+    fn_optimizer = unwrap_optimizer(optimizer)
+    register_ddp(model, fn_optimizer)
+
+    def gather_before_save(models: list, weights: list, output_dir: str) -> None:
+        del models, weights, output_dir
+        fn_optimizer.gather_error_feedback()
+
+    return accelerator.register_save_state_pre_hook(gather_before_save)

@@ -1,0 +1,64 @@
+"""Hugging Face ``Trainer`` glue: :func:`attach` and :class:`FnTrainerCallback`.
+
+Example (under ``torchrun``; the full script is ``examples/hf_trainer.py``)::
+
+    args = TrainingArguments(output_dir, save_steps=50, ...)  # initializes torch.distributed
+    opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=100)
+    trainer = Trainer(model, args, train_dataset=data, optimizers=(opt, scheduler))
+    fn.integrations.transformers.attach(trainer)
+    trainer.train()  # or trainer.train(resume_from_checkpoint=...): every rank resumes exactly
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import Trainer, TrainerCallback
+
+from fn.integrations._common import register_ddp, unwrap_optimizer
+
+__all__ = ["FnTrainerCallback", "attach"]
+
+
+class FnTrainerCallback(TrainerCallback):
+    """Connects ``trainer``'s ``fn.optim`` optimizer to the ``Trainer``.
+
+    - At train begin: ``fn.ddp.register(trainer.model_wrapped, optimizer)`` when the Trainer
+      wrapped the model in DDP (DDP then averages in warmup and is silent once compressed).
+    - At the end of a step that the Trainer will checkpoint (``control.should_save``): every
+      rank's error feedback is gathered on rank 0 (``gather_error_feedback``), so the optimizer
+      state that rank 0 saves alone resumes every rank bit for bit.
+
+    Args:
+        trainer: the ``Trainer`` (its optimizer must be an ``fn.optim`` optimizer).
+    """
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Registers the DDP-wrapped model with the optimizer."""
+        register_ddp(self.trainer.model_wrapped, unwrap_optimizer(self.trainer.optimizer))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Gathers the error feedback into rank 0's optimizer state before a checkpoint."""
+        if control.should_save:
+            unwrap_optimizer(self.trainer.optimizer).gather_error_feedback()
+
+
+def attach(trainer: Trainer) -> FnTrainerCallback:
+    """Adds a :class:`FnTrainerCallback` to ``trainer`` (call it before ``trainer.train()``).
+
+    Args:
+        trainer: a ``Trainer`` built with ``optimizers=(an fn.optim optimizer, scheduler)``.
+
+    Returns:
+        The callback.
+
+    Raises:
+        TypeError: the trainer's optimizer is not an ``fn.optim`` optimizer.
+    """
+    unwrap_optimizer(trainer.optimizer)
+    callback = FnTrainerCallback(trainer)
+    trainer.add_callback(callback)
+    return callback

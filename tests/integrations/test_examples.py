@@ -1,0 +1,65 @@
+"""The two example scripts under ``torchrun`` (2 gloo ranks, a tiny GPT-2): a run resumed from a
+checkpoint of the stack's own ends with the same params, bit for bit, as the uninterrupted run
+(the scripts also check that every rank ends with the same params)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is in the 'integrations' extra")
+pytest.importorskip("accelerate", reason="accelerate is in the 'integrations' extra")
+safetensors_torch = pytest.importorskip("safetensors.torch", reason="in the 'integrations' extra")
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, FREEZE, SAVE = 6, 3, 3  # the checkpoint falls in the compressed phase
+RESUME = {"hf_trainer.py": "--resume-from-checkpoint", "accelerate_loop.py": "--resume"}
+
+
+def _torchrun(script: str, output_dir: Path, *extra: str) -> str:
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    )
+    env.pop("WORLD_SIZE", None)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(ROOT / "examples" / script), "--output-dir", str(output_dir),
+        "--max-steps", str(STEPS), "--freeze-step", str(FREEZE), "--save-steps", str(SAVE),
+        *extra,
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("script", list(RESUME))
+def test_resumed_run_is_bit_identical(script, tmp_path):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    out = _torchrun(script, full)
+    assert "the same on every rank" in out
+    checkpoint = f"checkpoint-{SAVE}"
+    shutil.copytree(full / checkpoint, resumed / checkpoint)
+    flag = RESUME[script]
+    extra = (flag,) if flag == "--resume" else (flag, str(resumed / checkpoint))
+    _torchrun(script, resumed, *extra)
+    a = safetensors_torch.load_file(full / "final" / "model.safetensors")
+    b = safetensors_torch.load_file(resumed / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and len(a) > 10
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    # the checkpoint rank 0 saved alone holds every rank's error feedback
+    optimizer_file = "optimizer.pt" if script == "hf_trainer.py" else "optimizer.bin"
+    saved = torch.load(full / checkpoint / optimizer_file, weights_only=True)
+    record = saved["state"][0]
+    assert record["rank"] == 0 and len(record["error_feedback_by_rank"]) == 2
