@@ -3,14 +3,11 @@ handing a DDP model to ``fn.ddp``."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from fn.optim import FunctionalOptimizer
-
-logger = logging.getLogger("fn.integrations")
 
 
 def unwrap_optimizer(optimizer: Any) -> FunctionalOptimizer:
