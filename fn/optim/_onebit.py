@@ -95,6 +95,8 @@ class OnebitAdam(_OnebitFamily):
         exp_avg_mask: ``{param: mask}``, masks broadcastable to their param's shape, multiplied
             into the momentum after every compressed allreduce.
         nonfinite: ``"raise"`` or ``"skip"`` (see :class:`FunctionalOptimizer`).
+        safeguard: bound the compressed updates (``fn.onebit_adam``); ``False`` gives
+            DeepSpeed's exact rule. Can be set per group.
 
     Example:
         One warmup step (Adam, variance estimated), then one compressed step (the variance is
@@ -132,6 +134,7 @@ class OnebitAdam(_OnebitFamily):
         comm: Any = None,
         exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None = None,
         nonfinite: str = "raise",
+        safeguard: bool = True,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -140,6 +143,7 @@ class OnebitAdam(_OnebitFamily):
             eps=eps,
             weight_decay=weight_decay,
             non_freeze=non_freeze,
+            safeguard=safeguard,
         )
         super().__init__(params, defaults, comm, exp_avg_mask, True, nonfinite)
 
@@ -155,6 +159,8 @@ class ZeroOneAdam(_OnebitFamily):
         comm: ``None`` gives :func:`default_comm`.
         exp_avg_mask: ``{param: mask}`` (see :class:`OnebitAdam`).
         nonfinite: ``"raise"`` or ``"skip"``.
+        safeguard: as the factory's; ``False`` gives DeepSpeed's exact rule. Can be set per
+            group.
 
     Between synchronizations the ranks' params differ by design (local steps).
 
@@ -193,6 +199,7 @@ class ZeroOneAdam(_OnebitFamily):
         comm: Any = None,
         exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None = None,
         nonfinite: str = "raise",
+        safeguard: bool = True,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -203,6 +210,7 @@ class ZeroOneAdam(_OnebitFamily):
             var_update_scaler=var_update_scaler,
             local_step_scaler=local_step_scaler,
             local_step_clipper=local_step_clipper,
+            safeguard=safeguard,
         )
         super().__init__(params, defaults, comm, exp_avg_mask, True, nonfinite)
 
@@ -222,6 +230,8 @@ class OnebitLamb(_OnebitFamily):
         comm: ``None`` gives :func:`default_comm`.
         exp_avg_mask: ``{param: mask}`` (see :class:`OnebitAdam`).
         nonfinite: ``"raise"`` or ``"skip"``.
+        safeguard: as the factory's; ``False`` gives DeepSpeed's exact rule. Can be set per
+            group.
 
     Example:
         A LAMB warmup step (trust ratio clamped to ``max_coeff``), then a compressed step with
@@ -262,6 +272,7 @@ class OnebitLamb(_OnebitFamily):
         comm: Any = None,
         exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None = None,
         nonfinite: str = "raise",
+        safeguard: bool = True,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -275,5 +286,6 @@ class OnebitLamb(_OnebitFamily):
             factor_max=factor_max,
             factor_min=factor_min,
             factor_threshold=factor_threshold,
+            safeguard=safeguard,
         )
         super().__init__(params, defaults, comm, exp_avg_mask, False, nonfinite)

@@ -12,11 +12,15 @@ from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
 from fn.transforms._leafwise import (
     LearningRate,
+    adam_ratio_bound,
+    bounded_preconditioned,
     compressed_mean,
     compressed_optimizer,
+    host_count,
     init_error_feedback_per_leaf,
     map_leaves,
     moving_average,
+    warn_unsafe_variance,
 )
 from fn.transforms._onebit_schedules import FreezeSchedule, OnebitAdamPlan
 from fn.tree import PyTree, tree_zeros_like
@@ -50,6 +54,7 @@ def onebit_adam(
     comm: Any,
     exp_avg_mask: PyTree | None = None,
     non_freeze: PyTree | None = None,
+    safeguard: bool = True,
 ) -> CompressedOptimizer:
     r"""1-bit Adam: Adam whose momentum is communicated with 1 bit per element once the variance
     is frozen.
@@ -146,6 +151,7 @@ def onebit_adam(
         "least one warmup update (t < freeze_step) must estimate"
     )
     schedule = FreezeSchedule(check_int("freeze_step", freeze_step, 2, why))
+    bound = adam_ratio_bound(b1, b2)
 
     def init_fields(params):
         worker_error, server_error = init_error_feedback_per_leaf(params, comm)
@@ -167,17 +173,23 @@ def onebit_adam(
             m, ew, es = compressed_mean(m, ew, es, comm, "the momentum (local gradient)")
             if mask is not None:
                 m = m * mask
-        u = m / v.sqrt().add_(eps)
+        if safeguard and compressed and not bool(dense):
+            u = bounded_preconditioned(m, v, eps, bound)
+        else:
+            u = m / v.sqrt().add_(eps)
         if weight_decay > 0:
             u = u.add_(weight_decay * p.float())
         return u.mul_(-eta), _Leaf(m, v, ew, es)
 
     def update(grads, state, params, plan, eta):
+        if plan.compressed and host_count(state.count) == schedule.freeze_step - 1:
+            warn_unsafe_variance("onebit_adam", state, eps, bound, safeguard, skip=non_freeze)
         rule = partial(leaf_rule, compressed=plan.compressed, eta=eta)
         inputs = (params, exp_avg_mask, non_freeze)
         return map_leaves("onebit_adam", rule, grads, state, _Leaf, *inputs)
 
     return compressed_optimizer(
+        "onebit_adam",
         lr,
         OnebitAdamState,
         init_fields,

@@ -20,10 +20,13 @@ from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
 from fn.transforms._leafwise import (
     LearningRate,
+    adam_ratio_bound,
+    bounded_preconditioned,
     compressed_mean,
     compressed_optimizer,
     map_leaves,
     moving_average,
+    warn_unsafe_variance,
 )
 from fn.transforms._onebit_schedules import FreezeSchedule, OnebitLambPlan
 from fn.transforms.trust_ratio import trust_ratio
@@ -69,6 +72,7 @@ def onebit_lamb(
     *,
     comm: Any,
     exp_avg_mask: PyTree | None = None,
+    safeguard: bool = True,
 ) -> CompressedOptimizer:
     r"""1-bit LAMB: LAMB whose momenta are communicated with 1 bit per element after a warmup,
     with the layerwise trust ratios frozen and rescaled by a fresh variance estimate.
@@ -198,6 +202,7 @@ def onebit_lamb(
         "frozen, which at least one warmup update (t < freeze_step) must estimate"
     )
     schedule = FreezeSchedule(check_int("freeze_step", freeze_step, 2, why))
+    bound = adam_ratio_bound(b1, b2)
 
     def init_fields(params):
         leaves = tree_leaves(params)
@@ -247,7 +252,7 @@ def onebit_lamb(
         g_hat = (m - b1 * m_last) / (1 - b1)
         v_fresh = moving_average(v_fresh, b2, g_hat, square=True)
         d = v.sqrt() + eps
-        u0 = m / d
+        u0 = bounded_preconditioned(m, v, eps, bound) if safeguard else m / d
         u = u0 + weight_decay * p.float() if weight_decay > 0 else u0
         f = (d / (v_fresh.sqrt() + eps)).amax()
         if weight_decay > 0:
@@ -265,6 +270,7 @@ def onebit_lamb(
             rule = partial(warmup_rule, eta=eta, copies_variance=plan.copies_variance)
             return map_leaves("onebit_lamb", rule, grads, state, _Leaf, params)
         if plan.sets_scaling:
+            warn_unsafe_variance("onebit_lamb", state, eps, bound, safeguard)
             state = state._replace(scaling_coeff=_scaling_coefficients(state))
         pieces, _ = map_leaves("onebit_lamb", scaled_momentum, grads, state, _Leaf)
         flat, worker_error, server_error = compressed_mean(
@@ -281,6 +287,7 @@ def onebit_lamb(
         return updates, state._replace(worker_error=worker_error, server_error=server_error)
 
     return compressed_optimizer(
+        "onebit_lamb",
         lr,
         OnebitLambState,
         init_fields,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -12,11 +13,14 @@ from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
 from fn.transforms._leafwise import (
     LearningRate,
+    adam_ratio_bound,
+    bounded_preconditioned,
     compressed_mean,
     compressed_optimizer,
     init_error_feedback_per_leaf,
     map_leaves,
     moving_average,
+    warn_unsafe_variance,
 )
 from fn.transforms._onebit_schedules import ZeroOneAdamPlan, ZeroOneAdamSchedule
 from fn.tree import PyTree, tree_map, tree_zeros_like
@@ -60,6 +64,7 @@ def zero_one_adam(
     *,
     comm: Any,
     exp_avg_mask: PyTree | None = None,
+    safeguard: bool = True,
 ) -> CompressedOptimizer:
     r"""0/1 Adam: Adam with an adaptively frozen variance, 1-bit communication and local steps.
 
@@ -166,6 +171,8 @@ def zero_one_adam(
         check_int("local_step_clipper", local_step_clipper, 1),
     )
 
+    bound = adam_ratio_bound(b1, b2)
+
     def init_fields(params):
         worker_error, server_error = init_error_feedback_per_leaf(params, comm)
         counters = schedule.counters(1)
@@ -199,7 +206,10 @@ def zero_one_adam(
         else:
             m = moving_average(m, b1, check_finite(g, "the local gradient"))
         denom = v.sqrt() + eps
-        u = m / denom
+        if safeguard:
+            u = bounded_preconditioned(m, v, eps, bound)
+        else:
+            u = m / denom
         if weight_decay > 0:
             u = u + weight_decay * p.float()
         update = -eta * u
@@ -209,7 +219,10 @@ def zero_one_adam(
             update = update - a
             a, ew, es = one_bit_mean(a * denom, ew, es, mask)
             m = torch.where(lrs != 0, -a / lrs, torch.zeros_like(a))
-            update = update + a / denom
+            averaged = a / denom
+            if safeguard and math.isfinite(bound):  # |a| <= lrs * bound: lrs-weighted steps
+                averaged = torch.minimum(torch.maximum(averaged, -lrs * bound), lrs * bound)
+            update = update + averaged
             a = torch.zeros_like(a)
         return update, _Leaf(m, v, a, ew, es)
 
@@ -219,7 +232,8 @@ def zero_one_adam(
         updates, state = map_leaves(
             "zero_one_adam", rule, grads, state, _Leaf, params, exp_avg_mask
         )
-        if plan.reset_errors:  # every leaf's errors, gradient or not
+        if plan.reset_errors:  # every leaf's errors, gradient or not; the variance freezes
+            warn_unsafe_variance("zero_one_adam", state, eps, bound, safeguard)
             state = state._replace(
                 worker_error=tree_map(torch.zeros_like, state.worker_error),
                 server_error=tree_map(torch.zeros_like, state.server_error),
@@ -240,6 +254,7 @@ def zero_one_adam(
         )
 
     return compressed_optimizer(
+        "zero_one_adam",
         lr,
         ZeroOneAdamState,
         init_fields,
