@@ -51,7 +51,8 @@ def compressed_optimizer(
     warmup_phase: str = "warmup",
 ) -> CompressedOptimizer:
     """A ``CompressedOptimizer`` whose two updates run ``update`` on the plan of the update.
-    A compressed update on a state with no update made raises (:func:`check_warmed_up`).
+    A compressed update on a state with no update made raises (:func:`check_warmed_up`, after
+    the update's own checks; the update is pure, so nothing changes).
 
     Args:
         name: the optimizer, for error messages.
@@ -92,10 +93,10 @@ def compressed_optimizer(
             plan = _resolve_plan(step, plan, plan_for, plan_type, compressed, phase)
             if params_needed_for is not None:
                 require_params(params, params_needed_for)
-            if compressed:
-                check_warmed_up(name, state.count)
             eta = learning_rate_now(lr, state.count, state.lr)
             updates, new_state = update(grads, state, params, plan, eta)
+            if compressed:  # after the update's own checks (of the gradients); nothing is kept
+                check_warmed_up(name, state.count)
             return updates, new_state._replace(count=state.count + 1, lr=eta)
 
         return update_fn
@@ -269,13 +270,6 @@ def adam_ratio_bound(b1: float, b2: float) -> float:
     if ratio >= 1:
         return math.inf
     return (1 - b1) / math.sqrt((1 - b2) * (1 - ratio))
-
-
-def bounded_preconditioned(
-    m: torch.Tensor, v: torch.Tensor, eps: float, bound: float
-) -> torch.Tensor:
-    """``clamp(m / (sqrt(v) + eps), -bound, bound)``: the safeguarded Adam direction."""
-    return (m / v.sqrt().add_(eps)).clamp(-bound, bound)
 
 
 def host_count(count: torch.Tensor) -> int | None:

@@ -21,7 +21,6 @@ from fn.collectives import ErrorFeedbackField
 from fn.transforms._leafwise import (
     LearningRate,
     adam_ratio_bound,
-    bounded_preconditioned,
     compressed_mean,
     compressed_optimizer,
     map_leaves,
@@ -135,6 +134,9 @@ def onebit_lamb(
         comm: the ``fn.collectives`` Comm.
         exp_avg_mask: optional pytree like params of masks multiplied into the momentum after
             every compressed allreduce; ``None`` leaves: no mask.
+        safeguard: clip the Adam direction where the variance is frozen to the range dense Adam
+            can reach, :math:`[-B, B]` (see below); ``False`` gives DeepSpeed's exact rule, bit
+            for bit.
 
     Returns:
         A ``CompressedOptimizer``; both updates are ``(grads, state, params, *, step=None,
@@ -154,6 +156,21 @@ def onebit_lamb(
     take no part in the scaling mean; ``freeze_step <= 1`` is rejected (DeepSpeed accepted it and
     warmed up its first real update anyway). DeepSpeed's 1-bit LAMB had no ``non_freeze`` groups
     and neither does this one.
+
+    Safeguard (``safeguard=True``, a deliberate deviation from DeepSpeed): an element whose
+    gradient was (almost) zero during the warmup (a dead unit, an unused embedding row) freezes
+    with :math:`v \approx 0`, but the 1-bit allreduce gives every element of :math:`m` about its
+    leaf's RMS magnitude, so :math:`m / (\sqrt v + \epsilon)` reaches :math:`10^5` or more and
+    the params blow up. Dense Adam without bias correction never leaves
+    :math:`|m / \sqrt v| \le B = (1-\beta_1) / \sqrt{(1-\beta_2)(1-\beta_1^2/\beta_2)}`
+    (Cauchy-Schwarz on the two moving averages; 7.27 for the default betas; no clip when
+    :math:`\beta_1^2 \ge \beta_2`), so :math:`u_0 = m / d` is
+    clipped to :math:`[-B, B]`: where the frozen variance still fits the gradients nothing
+    changes, elsewhere an element moves by at most :math:`\eta R f B` per update.
+    At the freeze a ``RuntimeWarning`` counts the elements whose frozen variance is zero or below
+    the safe range :math:`\sqrt v + \epsilon < \mathrm{rms}(m) / B` of their leaf; a compressed
+    update on a state with no update made (``count == 0``) raises ``ValueError``. See
+    ``docs/algorithms.md``, "Safeguard against near-zero frozen variance".
 
     Policies: a ``None`` gradient leaf gets a ``None`` update and keeps its state (its slice of
     the fused buffer is zero); every rank must have ``None`` at the same leaves. Non-finite
@@ -252,7 +269,7 @@ def onebit_lamb(
         g_hat = (m - b1 * m_last) / (1 - b1)
         v_fresh = moving_average(v_fresh, b2, g_hat, square=True)
         d = v.sqrt() + eps
-        u0 = bounded_preconditioned(m, v, eps, bound) if safeguard else m / d
+        u0 = (m / d).clamp(-bound, bound) if safeguard else m / d
         u = u0 + weight_decay * p.float() if weight_decay > 0 else u0
         f = (d / (v_fresh.sqrt() + eps)).amax()
         if weight_decay > 0:
