@@ -335,11 +335,12 @@ def warn_unsafe_variance(
     zero, below = int(zero.max()), int(below.max())
     if zero + below == 0:
         return
-    consequence = (
-        f"the safeguard bounds their updates at {bound:.3g} * lr"
-        if safeguard
-        else "with safeguard=False (DeepSpeed's rule) their updates can blow up"
-    )
+    if not safeguard:
+        consequence = "with safeguard=False (DeepSpeed's rule) their updates can blow up"
+    elif math.isinf(bound):
+        consequence = "betas with b1^2 >= b2 leave the safeguard no bound, so they can blow up"
+    else:
+        consequence = f"the safeguard bounds their updates at {bound:.3g} * lr"
     warnings.warn(
         f"{name}: the variance froze with {zero} of {total} elements at zero and {below} below "
         f"the safe range sqrt(v) + eps >= rms(m) / {bound:.3g} of their leaf (e.g. units or "

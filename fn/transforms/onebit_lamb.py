@@ -157,20 +157,12 @@ def onebit_lamb(
     warmed up its first real update anyway). DeepSpeed's 1-bit LAMB had no ``non_freeze`` groups
     and neither does this one.
 
-    Safeguard (``safeguard=True``, a deliberate deviation from DeepSpeed): an element whose
-    gradient was (almost) zero during the warmup (a dead unit, an unused embedding row) freezes
-    with :math:`v \approx 0`, but the 1-bit allreduce gives every element of :math:`m` about its
-    leaf's RMS magnitude, so :math:`m / (\sqrt v + \epsilon)` reaches :math:`10^5` or more and
-    the params blow up. Dense Adam without bias correction never leaves
-    :math:`|m / \sqrt v| \le B = (1-\beta_1) / \sqrt{(1-\beta_2)(1-\beta_1^2/\beta_2)}`
-    (Cauchy-Schwarz on the two moving averages; 7.27 for the default betas; no clip when
-    :math:`\beta_1^2 \ge \beta_2`), so :math:`u_0 = m / d` is
-    clipped to :math:`[-B, B]`: where the frozen variance still fits the gradients nothing
-    changes, elsewhere an element moves by at most :math:`\eta R f B` per update.
-    At the freeze a ``RuntimeWarning`` counts the elements whose frozen variance is zero or below
-    the safe range :math:`\sqrt v + \epsilon < \mathrm{rms}(m) / B` of their leaf; a compressed
-    update on a state with no update made (``count == 0``) raises ``ValueError``. See
-    ``docs/algorithms.md``, "Safeguard against near-zero frozen variance".
+    Safeguard (``safeguard=True``, a deliberate deviation from DeepSpeed; the failure and the
+    bound :math:`B = (1-\beta_1) / \sqrt{(1-\beta_2)(1-\beta_1^2/\beta_2)}` on dense Adam's
+    :math:`|m / \sqrt v|` are explained in ``onebit_adam``): :math:`u_0 = m / d` is clipped to
+    :math:`[-B, B]`, so an element moves by at most :math:`\eta R f B` per update. The freeze
+    (the first compressed update) warns and a never-warmed-up state raises as in
+    ``onebit_adam``.
 
     Policies: a ``None`` gradient leaf gets a ``None`` update and keeps its state (its slice of
     the fused buffer is zero); every rank must have ``None`` at the same leaves. Non-finite

@@ -137,26 +137,16 @@ def zero_one_adam(
     learning rates sum to zero sets ``m`` to zero instead of dividing by zero. There is no
     ``non_freeze`` option: DeepSpeed's 0/1 Adam had none.
 
-    Safeguard (``safeguard=True``, a deliberate deviation from DeepSpeed): an element whose
-    gradient was (almost) zero during the warmup (a dead unit, an unused embedding row) freezes
-    with :math:`v \approx 0`, but the 1-bit allreduce gives every element of :math:`m` about its
-    leaf's RMS magnitude, so :math:`m / (\sqrt v + \epsilon)` reaches :math:`10^5` or more and
-    the params blow up. Dense Adam without bias correction never leaves
-    :math:`|m / \sqrt v| \le B = (1-\beta_1) / \sqrt{(1-\beta_2)(1-\beta_1^2/\beta_2)}`
-    (Cauchy-Schwarz on the two moving averages; 7.27 for the default betas; no clip when
-    :math:`\beta_1^2 \ge \beta_2`), so every
-    :math:`m / (\sqrt v + \epsilon)` (from the first 1-bit step on, :math:`m` carries
-    compressed gradients) is clipped to :math:`[-B, B]` and the synchronized :math:`a / d` to
-    :math:`[-\ell B, \ell B]` (:math:`a` sums local steps of at most :math:`\eta B` each):
-    where the frozen variance still fits the gradients nothing changes, elsewhere an element moves
-    by at most :math:`\eta B` per update. On a 16-64-64-4 ReLU MLP (2 ranks, default betas and
-    eps, lr 1e-3 and 1e-2, ``var_freeze_step`` 10 and 50, 200 updates) DeepSpeed's rule gave NaN
-    in all four runs; the clipped rule ended at 0.93x, 0.98x, 1.52x and 1.11x dense Adam's
-    held-out MSE.
-    At the freeze a ``RuntimeWarning`` counts the elements whose frozen variance is zero or below
-    the safe range :math:`\sqrt v + \epsilon < \mathrm{rms}(m) / B` of their leaf; a compressed
-    update on a state with no update made (``count == 0``) raises ``ValueError``. See
-    ``docs/algorithms.md``, "Safeguard against near-zero frozen variance".
+    Safeguard (``safeguard=True``, a deliberate deviation from DeepSpeed; the failure and the
+    bound :math:`B = (1-\beta_1) / \sqrt{(1-\beta_2)(1-\beta_1^2/\beta_2)}` on dense Adam's
+    :math:`|m / \sqrt v|` are explained in ``onebit_adam``): every
+    :math:`m / (\sqrt v + \epsilon)` is clipped to :math:`[-B, B]` (from the first 1-bit step
+    on, :math:`m` carries compressed gradients, so the variance steps need it too) and the
+    synchronized :math:`a / d` to :math:`[-\ell B, \ell B]`, since :math:`a` sums local steps
+    of at most :math:`\eta B` each. On a 16-64-64-4 ReLU MLP (2 ranks, default betas and eps, lr
+    1e-3 and 1e-2, ``var_freeze_step`` 10 and 50, 200 updates) DeepSpeed's rule gave NaN in all
+    four runs; the clipped rule ended at 0.93x, 0.98x, 1.52x and 1.11x dense Adam's held-out
+    MSE. The freeze warns and a never-warmed-up state raises as in ``onebit_adam``.
 
     Policies: ``None`` gradient leaves get ``None`` updates and keep their state. Non-finite
     gradients raise ``ValueError`` with nothing updated: the variance step checks the averaged

@@ -24,14 +24,6 @@ FACTORIES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def relu_mlp():
     """The 16-64-64-4 ReLU MLP of the issue, regressing a small tanh teacher network."""
     gen = torch.Generator().manual_seed(0)
