@@ -117,13 +117,12 @@ _TOP_LEVEL = {
     "zero_optimization": "DeepSpeed's 1-bit optimizers ran without ZeRO (stage 0) only",
     "zeropp_loco_param": "ZeRO++'s LoCo error feedback is fn.collectives.loco_allreduce",
 }
-# fn options that make the imported optimizer follow DeepSpeed's numerics exactly, per fn
-# class. THE ONE PLACE for such fixed options: after the variance safeguard is merged, add
-# "safeguard": False to all three (DeepSpeed's exact rule; fn's default safeguard differs).
+# fn options that make the imported optimizer follow DeepSpeed's numerics exactly, per fn class:
+# each param compressed on its own, and DeepSpeed's frozen-variance rule (no safeguard).
 DEEPSPEED_OPTIONS: dict[type, dict[str, Any]] = {
-    OnebitAdam: {"flatten": False},
-    ZeroOneAdam: {"flatten": False},
-    OnebitLamb: {},
+    OnebitAdam: {"flatten": False, "safeguard": False},
+    ZeroOneAdam: {"flatten": False, "safeguard": False},
+    OnebitLamb: {"safeguard": False},
 }
 
 

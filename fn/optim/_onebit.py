@@ -107,6 +107,8 @@ class OnebitAdam(_OnebitFamily):
         exp_avg_mask: ``{param: mask}``, masks broadcastable to their param's shape, multiplied
             into the momentum after every compressed allreduce.
         nonfinite: ``"raise"`` or ``"skip"`` (see :class:`FunctionalOptimizer`).
+        safeguard: bound the compressed updates (``fn.onebit_adam``); ``False`` gives
+            DeepSpeed's exact rule. Can be set per group.
         flatten: ``True``: the group's params are compressed as one flat leaf (one collective
             per group and step). ``False``: each param tensor is compressed on its own, with its
             own scale and error feedback (more, smaller collectives): DeepSpeed's numerics, as
@@ -148,6 +150,7 @@ class OnebitAdam(_OnebitFamily):
         comm: Any = None,
         exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None = None,
         nonfinite: str = "raise",
+        safeguard: bool = True,
         flatten: bool = True,
     ) -> None:
         defaults = dict(
@@ -157,6 +160,7 @@ class OnebitAdam(_OnebitFamily):
             eps=eps,
             weight_decay=weight_decay,
             non_freeze=non_freeze,
+            safeguard=safeguard,
         )
         super().__init__(params, defaults, comm, exp_avg_mask, flatten, nonfinite)
 
@@ -173,6 +177,8 @@ class ZeroOneAdam(_OnebitFamily):
         comm: ``None`` gives :func:`default_comm`.
         exp_avg_mask: ``{param: mask}`` (see :class:`OnebitAdam`).
         nonfinite: ``"raise"`` or ``"skip"``.
+        safeguard: as the factory's; ``False`` gives DeepSpeed's exact rule. Can be set per
+            group.
         flatten: one flat leaf per group (``True``) or one per param (``False``, DeepSpeed's
             numerics; see :class:`OnebitAdam`).
 
@@ -213,6 +219,7 @@ class ZeroOneAdam(_OnebitFamily):
         comm: Any = None,
         exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None = None,
         nonfinite: str = "raise",
+        safeguard: bool = True,
         flatten: bool = True,
     ) -> None:
         defaults = dict(
@@ -224,6 +231,7 @@ class ZeroOneAdam(_OnebitFamily):
             var_update_scaler=var_update_scaler,
             local_step_scaler=local_step_scaler,
             local_step_clipper=local_step_clipper,
+            safeguard=safeguard,
         )
         super().__init__(params, defaults, comm, exp_avg_mask, flatten, nonfinite)
 
@@ -243,6 +251,8 @@ class OnebitLamb(_OnebitFamily):
         comm: ``None`` gives :func:`default_comm`.
         exp_avg_mask: ``{param: mask}`` (see :class:`OnebitAdam`).
         nonfinite: ``"raise"`` or ``"skip"``.
+        safeguard: as the factory's; ``False`` gives DeepSpeed's exact rule. Can be set per
+            group.
 
     Example:
         A LAMB warmup step (trust ratio clamped to ``max_coeff``), then a compressed step with
@@ -283,6 +293,7 @@ class OnebitLamb(_OnebitFamily):
         comm: Any = None,
         exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None = None,
         nonfinite: str = "raise",
+        safeguard: bool = True,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -296,5 +307,6 @@ class OnebitLamb(_OnebitFamily):
             factor_max=factor_max,
             factor_min=factor_min,
             factor_threshold=factor_threshold,
+            safeguard=safeguard,
         )
         super().__init__(params, defaults, comm, exp_avg_mask, False, nonfinite)

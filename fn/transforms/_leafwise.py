@@ -17,6 +17,8 @@ exact rules are in ``docs/algorithms.md``.
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -36,6 +38,7 @@ UpdateRule = Callable[[Updates, Any, Params | None, Any, torch.Tensor], tuple[Up
 
 
 def compressed_optimizer(
+    name: str,
     lr: LearningRate,
     state_type: type[NamedTuple],
     init_fields: Callable[[Params], dict[str, Any]],
@@ -48,8 +51,11 @@ def compressed_optimizer(
     warmup_phase: str = "warmup",
 ) -> CompressedOptimizer:
     """A ``CompressedOptimizer`` whose two updates run ``update`` on the plan of the update.
+    A compressed update on a state with no update made raises (:func:`check_warmed_up`, after
+    the update's own checks; the update is pure, so nothing changes).
 
     Args:
+        name: the optimizer, for error messages.
         lr: the learning rate or schedule; the state holds it as the 0-dim fp32 field ``lr``.
         state_type: the state NamedTuple; its first fields are ``count`` and ``lr``.
         init_fields: the other fields of the initial state, by name, for the params.
@@ -89,6 +95,8 @@ def compressed_optimizer(
                 require_params(params, params_needed_for)
             eta = learning_rate_now(lr, state.count, state.lr)
             updates, new_state = update(grads, state, params, plan, eta)
+            if compressed:  # after the update's own checks (of the gradients); nothing is kept
+                check_warmed_up(name, state.count)
             return updates, new_state._replace(count=state.count + 1, lr=eta)
 
         return update_fn
@@ -244,3 +252,111 @@ def _leaf_name(tree: PyTree, index: int) -> str:
     """The key path of leaf ``index`` of ``tree`` (e.g. ``['w']``), for error messages."""
     paths = pytree.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
     return pytree.keystr(paths[index][0])
+
+
+def adam_ratio_bound(b1: float, b2: float) -> float:
+    r"""The largest :math:`|m / \sqrt{v}|` that Adam without bias correction reaches, over all
+    gradient sequences: :math:`B = (1-\beta_1) / \sqrt{(1-\beta_2)(1-\beta_1^2/\beta_2)}`
+    (``inf`` when :math:`\beta_1^2 \ge \beta_2`); 7.27 for the default betas (0.9, 0.999).
+
+    From zero, :math:`m = (1-\beta_1)\sum_j \beta_1^j g_{t-j}` and
+    :math:`v = (1-\beta_2)\sum_j \beta_2^j g_{t-j}^2`; Cauchy-Schwarz on
+    :math:`\sum_j (\beta_1/\sqrt{\beta_2})^j \cdot \sqrt{\beta_2}^j g_{t-j}` gives
+    :math:`|m| \le (1-\beta_1) \sqrt{v / (1-\beta_2)} \sqrt{\sum_j (\beta_1^2/\beta_2)^j}`,
+    and the geometric sum is below :math:`1 / (1 - \beta_1^2/\beta_2)`. The bound is reached by
+    gradients growing like :math:`(\beta_1/\beta_2)^{-j}`, so dense Adam never exceeds it.
+    """
+    ratio = b1 * b1 / b2 if b2 > 0 else math.inf
+    if ratio >= 1:
+        return math.inf
+    return (1 - b1) / math.sqrt((1 - b2) * (1 - ratio))
+
+
+def host_count(count: torch.Tensor) -> int | None:
+    """The update count as a Python int where it can be read without tracing or a device sync:
+    eager, on the CPU (where ``init`` puts it); under ``Simulated`` (vmap) the largest over the
+    ranks. ``None`` under ``torch.compile``, other functorch transforms or on an accelerator."""
+    value = _host_tensor(count)
+    if value is None or value.device.type != "cpu" or value.numel() == 0:
+        return None
+    return int(value.max())
+
+
+def check_warmed_up(name: str, count: torch.Tensor) -> None:
+    """Raises ``ValueError`` if a compressed update gets a state with no update made (count 0),
+    whose variance was never estimated (checked where :func:`host_count` can read the count)."""
+    if host_count(count) == 0:
+        raise ValueError(
+            f"{name}: a compressed update on a state that never warmed up (count 0): the "
+            "variance it divides by was never estimated. Run the warmup updates first (step=1, "
+            "2, ...) or restore the state saved with the params; nothing was updated"
+        )
+
+
+def warn_unsafe_variance(
+    name: str,
+    state: Any,
+    eps: float,
+    bound: float,
+    safeguard: bool,
+    *,
+    skip: PyTree | None = None,
+) -> None:
+    """Warns (``RuntimeWarning``) if a frozen variance has elements that are zero or below the
+    safe range ``sqrt(v) + eps < rms(m) / bound`` of their leaf. Once compressed, each element of
+    the momentum has about its leaf's RMS magnitude, so there ``m / (sqrt(v) + eps)`` would exceed
+    any update dense Adam can make. Called once, at the freeze; silent where the counts cannot be
+    read on the host (under ``torch.compile`` or a functorch transform other than vmap).
+
+    Args:
+        name: the optimizer, for the message.
+        state: the state whose ``exp_avg`` (m) and ``exp_avg_sq`` (v) freeze.
+        eps, bound: the optimizer's ``eps`` and :func:`adam_ratio_bound`.
+        safeguard: whether the updates are bounded (only the message differs).
+        skip: optional tree like the params; leaves that are ``True`` do not freeze.
+    """
+    if torch.compiler.is_compiling():
+        return
+    spec = tree_flatten(state.exp_avg_sq)[1]
+    zero = below = total = 0
+    columns = (state.exp_avg, state.exp_avg_sq, skip)
+    for m, v, skipped in zip(*(_leaves_or_nones(c, spec) for c in columns), strict=True):
+        if v is None or skipped:
+            continue
+        rms = m.square().mean().sqrt()
+        zero = zero + (v <= 0).sum()
+        below = below + ((v > 0) & (v.sqrt().add_(eps).mul_(bound) < rms)).sum()
+        total += v.numel()
+    if total == 0:
+        return
+    zero, below = _host_tensor(zero), _host_tensor(below)
+    if zero is None or below is None:
+        return
+    zero, below = int(zero.max()), int(below.max())
+    if zero + below == 0:
+        return
+    if not safeguard:
+        consequence = "with safeguard=False (DeepSpeed's rule) their updates can blow up"
+    elif math.isinf(bound):
+        consequence = "betas with b1^2 >= b2 leave the safeguard no bound, so they can blow up"
+    else:
+        consequence = f"the safeguard bounds their updates at {bound:.3g} * lr"
+    warnings.warn(
+        f"{name}: the variance froze with {zero} of {total} elements at zero and {below} below "
+        f"the safe range sqrt(v) + eps >= rms(m) / {bound:.3g} of their leaf (e.g. units or "
+        f"embedding rows without gradient during the warmup); {consequence}",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+def _host_tensor(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as a plain tensor, unwrapped from every vmap level (``Simulated``): one entry per
+    rank; ``None`` under ``torch.compile`` or another functorch transform (e.g. ``grad``)."""
+    if torch.compiler.is_compiling():
+        return None
+    while torch._C._functorch.is_batchedtensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    if torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return None
+    return x

@@ -20,10 +20,12 @@ from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
 from fn.transforms._leafwise import (
     LearningRate,
+    adam_ratio_bound,
     compressed_mean,
     compressed_optimizer,
     map_leaves,
     moving_average,
+    warn_unsafe_variance,
 )
 from fn.transforms._onebit_schedules import FreezeSchedule, OnebitLambPlan
 from fn.transforms.trust_ratio import trust_ratio
@@ -69,6 +71,7 @@ def onebit_lamb(
     *,
     comm: Any,
     exp_avg_mask: PyTree | None = None,
+    safeguard: bool = True,
 ) -> CompressedOptimizer:
     r"""1-bit LAMB: LAMB whose momenta are communicated with 1 bit per element after a warmup,
     with the layerwise trust ratios frozen and rescaled by a fresh variance estimate.
@@ -131,6 +134,9 @@ def onebit_lamb(
         comm: the ``fn.collectives`` Comm.
         exp_avg_mask: optional pytree like params of masks multiplied into the momentum after
             every compressed allreduce; ``None`` leaves: no mask.
+        safeguard: clip the Adam direction where the variance is frozen to the range dense Adam
+            can reach, :math:`[-B, B]` (see below); ``False`` gives DeepSpeed's exact rule, bit
+            for bit.
 
     Returns:
         A ``CompressedOptimizer``; both updates are ``(grads, state, params, *, step=None,
@@ -150,6 +156,13 @@ def onebit_lamb(
     take no part in the scaling mean; ``freeze_step <= 1`` is rejected (DeepSpeed accepted it and
     warmed up its first real update anyway). DeepSpeed's 1-bit LAMB had no ``non_freeze`` groups
     and neither does this one.
+
+    Safeguard (``safeguard=True``, a deliberate deviation from DeepSpeed; the failure and the
+    bound :math:`B = (1-\beta_1) / \sqrt{(1-\beta_2)(1-\beta_1^2/\beta_2)}` on dense Adam's
+    :math:`|m / \sqrt v|` are explained in ``onebit_adam``): :math:`u_0 = m / d` is clipped to
+    :math:`[-B, B]`, so an element moves by at most :math:`\eta R f B` per update. The freeze
+    (the first compressed update) warns and a never-warmed-up state raises as in
+    ``onebit_adam``.
 
     Policies: a ``None`` gradient leaf gets a ``None`` update and keeps its state (its slice of
     the fused buffer is zero); every rank must have ``None`` at the same leaves. Non-finite
@@ -198,6 +211,7 @@ def onebit_lamb(
         "frozen, which at least one warmup update (t < freeze_step) must estimate"
     )
     schedule = FreezeSchedule(check_int("freeze_step", freeze_step, 2, why))
+    bound = adam_ratio_bound(b1, b2)
 
     def init_fields(params):
         leaves = tree_leaves(params)
@@ -247,7 +261,7 @@ def onebit_lamb(
         g_hat = (m - b1 * m_last) / (1 - b1)
         v_fresh = moving_average(v_fresh, b2, g_hat, square=True)
         d = v.sqrt() + eps
-        u0 = m / d
+        u0 = (m / d).clamp(-bound, bound) if safeguard else m / d
         u = u0 + weight_decay * p.float() if weight_decay > 0 else u0
         f = (d / (v_fresh.sqrt() + eps)).amax()
         if weight_decay > 0:
@@ -265,6 +279,7 @@ def onebit_lamb(
             rule = partial(warmup_rule, eta=eta, copies_variance=plan.copies_variance)
             return map_leaves("onebit_lamb", rule, grads, state, _Leaf, params)
         if plan.sets_scaling:
+            warn_unsafe_variance("onebit_lamb", state, eps, bound, safeguard)
             state = state._replace(scaling_coeff=_scaling_coefficients(state))
         pieces, _ = map_leaves("onebit_lamb", scaled_momentum, grads, state, _Leaf)
         flat, worker_error, server_error = compressed_mean(
@@ -281,6 +296,7 @@ def onebit_lamb(
         return updates, state._replace(worker_error=worker_error, server_error=server_error)
 
     return compressed_optimizer(
+        "onebit_lamb",
         lr,
         OnebitLambState,
         init_fields,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -12,11 +13,13 @@ from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
 from fn.transforms._leafwise import (
     LearningRate,
+    adam_ratio_bound,
     compressed_mean,
     compressed_optimizer,
     init_error_feedback_per_leaf,
     map_leaves,
     moving_average,
+    warn_unsafe_variance,
 )
 from fn.transforms._onebit_schedules import ZeroOneAdamPlan, ZeroOneAdamSchedule
 from fn.tree import PyTree, tree_map, tree_zeros_like
@@ -60,6 +63,7 @@ def zero_one_adam(
     *,
     comm: Any,
     exp_avg_mask: PyTree | None = None,
+    safeguard: bool = True,
 ) -> CompressedOptimizer:
     r"""0/1 Adam: Adam with an adaptively frozen variance, 1-bit communication and local steps.
 
@@ -108,6 +112,9 @@ def zero_one_adam(
         comm: the ``fn.collectives`` Comm.
         exp_avg_mask: optional pytree like params of masks, applied after every compressed
             allreduce (of the gradient and of the accumulator); ``None`` leaves: no mask.
+        safeguard: clip the Adam direction where the variance is frozen to the range dense Adam
+            can reach, :math:`[-B, B]` (see below); ``False`` gives DeepSpeed's exact rule, bit
+            for bit.
 
     Returns:
         A ``CompressedOptimizer``; both updates are ``(grads, state, params=None, *, step=None,
@@ -129,6 +136,17 @@ def zero_one_adam(
     gradient (DeepSpeed skipped the momentum update there). A sync after local steps whose
     learning rates sum to zero sets ``m`` to zero instead of dividing by zero. There is no
     ``non_freeze`` option: DeepSpeed's 0/1 Adam had none.
+
+    Safeguard (``safeguard=True``, a deliberate deviation from DeepSpeed; the failure and the
+    bound :math:`B = (1-\beta_1) / \sqrt{(1-\beta_2)(1-\beta_1^2/\beta_2)}` on dense Adam's
+    :math:`|m / \sqrt v|` are explained in ``onebit_adam``): every
+    :math:`m / (\sqrt v + \epsilon)` is clipped to :math:`[-B, B]` (from the first 1-bit step
+    on, :math:`m` carries compressed gradients, so the variance steps need it too) and the
+    synchronized :math:`a / d` to :math:`[-\ell B, \ell B]`, since :math:`a` sums local steps
+    of at most :math:`\eta B` each. On a 16-64-64-4 ReLU MLP (2 ranks, default betas and eps, lr
+    1e-3 and 1e-2, ``var_freeze_step`` 10 and 50, 200 updates) DeepSpeed's rule gave NaN in all
+    four runs; the clipped rule ended at 0.93x, 0.98x, 1.52x and 1.11x dense Adam's held-out
+    MSE. The freeze warns and a never-warmed-up state raises as in ``onebit_adam``.
 
     Policies: ``None`` gradient leaves get ``None`` updates and keep their state. Non-finite
     gradients raise ``ValueError`` with nothing updated: the variance step checks the averaged
@@ -166,6 +184,8 @@ def zero_one_adam(
         check_int("local_step_clipper", local_step_clipper, 1),
     )
 
+    bound = adam_ratio_bound(b1, b2)
+
     def init_fields(params):
         worker_error, server_error = init_error_feedback_per_leaf(params, comm)
         counters = schedule.counters(1)
@@ -200,6 +220,8 @@ def zero_one_adam(
             m = moving_average(m, b1, check_finite(g, "the local gradient"))
         denom = v.sqrt() + eps
         u = m / denom
+        if safeguard:
+            u = u.clamp(-bound, bound)
         if weight_decay > 0:
             u = u + weight_decay * p.float()
         update = -eta * u
@@ -209,7 +231,10 @@ def zero_one_adam(
             update = update - a
             a, ew, es = one_bit_mean(a * denom, ew, es, mask)
             m = torch.where(lrs != 0, -a / lrs, torch.zeros_like(a))
-            update = update + a / denom
+            averaged = a / denom
+            if safeguard and math.isfinite(bound):  # |a| <= lrs * bound: lrs-weighted steps
+                averaged = torch.minimum(torch.maximum(averaged, -lrs * bound), lrs * bound)
+            update = update + averaged
             a = torch.zeros_like(a)
         return update, _Leaf(m, v, a, ew, es)
 
@@ -219,7 +244,8 @@ def zero_one_adam(
         updates, state = map_leaves(
             "zero_one_adam", rule, grads, state, _Leaf, params, exp_avg_mask
         )
-        if plan.reset_errors:  # every leaf's errors, gradient or not
+        if plan.reset_errors:  # every leaf's errors, gradient or not; the variance freezes
+            warn_unsafe_variance("zero_one_adam", state, eps, bound, safeguard)
             state = state._replace(
                 worker_error=tree_map(torch.zeros_like, state.worker_error),
                 server_error=tree_map(torch.zeros_like, state.server_error),
@@ -240,6 +266,7 @@ def zero_one_adam(
         )
 
     return compressed_optimizer(
+        "zero_one_adam",
         lr,
         ZeroOneAdamState,
         init_fields,

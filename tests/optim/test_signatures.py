@@ -17,8 +17,8 @@ PAIRS = {
 }
 # keyword-only in both: the factory takes the comm and a mask pytree; the adapter takes the comm,
 # masks keyed by param, and its non-finite policy
-FACTORY_KEYWORDS = {"comm", "exp_avg_mask", "non_freeze"}
-ADAPTER_KEYWORDS = {"comm", "exp_avg_mask", "nonfinite"}
+FACTORY_KEYWORDS = {"comm", "exp_avg_mask", "non_freeze", "safeguard"}
+ADAPTER_KEYWORDS = {"comm", "exp_avg_mask", "nonfinite", "safeguard"}
 
 
 def _positional(signature: inspect.Signature) -> list[tuple[str, object]]:
@@ -54,6 +54,7 @@ def test_adapter_hyperparameters_are_the_factory_s(name):
     for kw in ("comm", "exp_avg_mask"):
         assert kw in _keyword_only(theirs)
     assert ours.parameters["exp_avg_mask"].default is theirs.parameters["exp_avg_mask"].default
+    assert ours.parameters["safeguard"].default is theirs.parameters["safeguard"].default
 
 
 @pytest.mark.parametrize("name", PAIRS)

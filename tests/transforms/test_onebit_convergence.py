@@ -1,7 +1,11 @@
 """Convergence on a real task: a character-level model of Python source text (the standard
 library's own modules), 8 simulated workers each training on its own shard. The compressed
 optimizers must end within 3% of the held-out loss of their uncompressed counterparts (the same
-rules with the compression never switched on: Adam without bias correction, and LAMB)."""
+rules with the compression never switched on: Adam without bias correction, and LAMB).
+
+Held-out losses measured (adam, onebit_adam, zero_one_adam, lamb, onebit_lamb): with the
+default ``safeguard=True`` 2.334, 2.326, 2.333, 2.533, 2.401; with ``safeguard=False``
+(DeepSpeed's exact rule) 2.334, 2.330, 2.323, 2.533, 2.370."""
 
 from __future__ import annotations
 

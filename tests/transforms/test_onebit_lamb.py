@@ -19,7 +19,10 @@ COEFFS = (10.0, 0.01, 0.9, 4.0, 0.5, 0.1)  # max/min_coeff, coeff_beta, factor_m
 
 
 def make(comm, freeze_step, wd=0.0, mask=None):
-    return fn.onebit_lamb(LR, freeze_step, BETAS, EPS, wd, *COEFFS, comm=comm, exp_avg_mask=mask)
+    # DeepSpeed's exact rule (safeguard=False), which the reference implements
+    return fn.onebit_lamb(
+        LR, freeze_step, BETAS, EPS, wd, *COEFFS, comm=comm, exp_avg_mask=mask, safeguard=False
+    )
 
 
 @pytest.mark.parametrize("wd", [0.0, 0.01])
@@ -94,7 +97,10 @@ def test_zero_norm_trust_ratio_is_the_clipped_one(world, max_coeff, min_coeff):
             g["zero_g"] = torch.zeros(4)  # u = 0 at every update (no weight decay)
     coeffs = (max_coeff, min_coeff) + COEFFS[2:]
     got, state = run_fn(
-        lambda c: fn.onebit_lamb(LR, 6, BETAS, EPS, 0.0, *coeffs, comm=c), params, grads, world
+        lambda c: fn.onebit_lamb(LR, 6, BETAS, EPS, 0.0, *coeffs, comm=c, safeguard=False),
+        params,
+        grads,
+        world,
     )
     ref = OnebitLambReference(params, world, LR, 6, BETAS, EPS, 0.0, coeffs)
     assert_trajectories_close(got, run_reference(ref, params, grads, world), atol=2e-6)

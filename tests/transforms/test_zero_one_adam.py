@@ -22,7 +22,10 @@ SCHED = (12, 2, 3, 4)
 
 
 def make(comm, wd=0.0, mask=None):
-    return fn.zero_one_adam(LR, BETAS, EPS, wd, *SCHED, comm=comm, exp_avg_mask=mask)
+    # DeepSpeed's exact rule (safeguard=False), which the reference implements
+    return fn.zero_one_adam(
+        LR, BETAS, EPS, wd, *SCHED, comm=comm, exp_avg_mask=mask, safeguard=False
+    )
 
 
 @pytest.mark.parametrize("wd", [0.0, 0.01])
