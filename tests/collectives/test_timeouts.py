@@ -18,7 +18,7 @@ from tests._distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-LIMIT_S = 1.0
+LIMIT_S = 2.0
 STALL_S = 4 * LIMIT_S
 
 
@@ -32,11 +32,12 @@ def _outcome(run):
 
 
 def _faults(rank, world_size, folder):
-    """Three faults in a row on one group; each rank saves its outcomes (the abandoned collectives
-    keep torch's process group from ending before its own timeout, so no result comes back)."""
+    """Three faults in a row on one group; each rank saves its outcomes and ends at once (torch's
+    process group would wait for the abandoned collectives until its own timeout)."""
     import torch.distributed as dist
 
     comm = ProcessGroup(timeout=LIMIT_S)
+    dist.barrier()  # the limit is short: start together
     out = {"ok": comm.all_reduce(torch.ones(3), op="sum").tolist()}
     # 1. Rank 2 is late (stalled): the others give up; its all_reduce then completes theirs.
     if rank == 2:
@@ -51,14 +52,18 @@ def _faults(rank, world_size, folder):
     # 3. Rank 2 is gone (it returns), the others wait for it.
     if rank != 2:
         out["gone"] = _outcome(lambda: comm.all_reduce(torch.ones(4)))
+    _save_and_end(out, folder, rank)
+
+
+def _save_and_end(out, folder, rank):
     torch.save(out, os.path.join(folder, f"{rank}.pt"))
-    return None
+    os._exit(0)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 def test_faults_are_named_on_every_rank_within_the_limit(tmp_path):
-    with pytest.raises(WorkerError, match="timed out"):
-        run_distributed(_faults, 3, str(tmp_path), timeout=30)
+    with pytest.raises(WorkerError, match="exited without a result"):
+        run_distributed(_faults, 3, str(tmp_path), timeout=80)
     results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(3)]
     for rank, out in enumerate(results):
         assert out["ok"] == [3.0, 3.0, 3.0]
@@ -107,3 +112,36 @@ def test_split_groups_inherit_the_timeout():
         assert "timeout=3 s" in repr(comm)
     finally:
         dist.destroy_process_group()
+
+
+def _group_added_on_one_rank(rank, world_size, folder):
+    """Rank 0 adds a param group while rank 1 steps: both give up after the limit, each told what
+    the other called (the config check's fingerprint all_gather against the step's vote)."""
+    import torch.distributed as dist
+
+    import fn.optim
+    from tests.optim._problem import backward, make_model
+
+    model = make_model()
+    opt = fn.optim.OnebitAdam([model[0].weight], lr=1e-2, freeze_step=3)
+    backward(model, rank, 0)
+    opt.comm = ProcessGroup(timeout=LIMIT_S)  # after the build, which is slow on a busy machine
+    dist.barrier()  # the limit is short: start together
+    if rank == 0:
+        out = _outcome(lambda: opt.add_param_group({"params": [model[2].weight]}))
+    else:
+        out = _outcome(opt.step)
+    _save_and_end(out, folder, rank)
+
+
+@pytest.mark.timeout(120)
+def test_param_group_added_on_one_rank_gives_up_on_both(tmp_path):
+    with pytest.raises(WorkerError, match="exited without a result"):
+        run_distributed(_group_added_on_one_rank, 2, str(tmp_path), timeout=80)
+    for rank in range(2):
+        out = torch.load(tmp_path / f"{rank}.pt")
+        assert out["missing"] == []
+        assert (
+            "rank 0: all_gather of (2,) int64; rank 1: all_reduce of () int64" in (out["message"])
+        )
+        assert out["s"] < 2 * LIMIT_S + 1.5
