@@ -19,7 +19,8 @@ from tests._distributed import run_distributed
 pytestmark = pytest.mark.distributed
 
 
-def _error(run):
+def error_message(run):
+    """The message of the ValueError that ``run()`` raises, or ``None``."""
     try:
         run()
     except ValueError as err:
@@ -53,23 +54,19 @@ def _worker(rank, world_size):
                 torch.randn((64, 60)[rank]), comm=comm
             ),
         }.items():
-            out[name] = _error(run)
+            out[name] = error_message(run)
         bytes_before = comm.reset_bytes_sent()
         out["after"] = _onebit(comm, 64)[0].shape, bytes_before
     # Two hops (2 nodes of 2): only rank 3 differs, inside node 1; node 0 learns it from the
     # poisoned counts of the inter-node hop.
-    out["two hops"] = _error(lambda: _loco(world, 100 if rank == 3 else 64, local=2))
+    out["two hops"] = error_message(lambda: _loco(world, 100 if rank == 3 else 64, local=2))
     out["two hops after"] = _loco(world, 64, local=2)[0]["x"].shape
     return out
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_distributed(_worker, 4, timeout=150)
-
-
 @pytest.mark.timeout(180)
-def test_different_sizes_raise_on_every_rank(results):
+def test_different_sizes_raise_on_every_rank():
+    results = run_distributed(_worker, 4, timeout=150)
     for rank, out in enumerate(results):
         if rank < 2:
             assert "rank 0: 64 elements, rank 1: 60 elements" in out["onebit 64/60"]

@@ -12,17 +12,10 @@ import fn
 import fn.optim
 from fn.collectives import Local, ProcessGroup
 from tests._distributed import run_distributed
+from tests.collectives.test_sizes import error_message
 from tests.optim._problem import backward, make_model
 
 pytestmark = pytest.mark.distributed
-
-
-def _error(run):
-    try:
-        run()
-    except ValueError as err:
-        return str(err)
-    return None
 
 
 def _build_cases(rank):
@@ -59,24 +52,24 @@ def _train(opt, model, rank, steps, drift_at=None):
 
 
 def _worker(rank, world_size):
-    out = {name: _error(run) for name, run in _build_cases(rank).items()}
+    out = {name: error_message(run) for name, run in _build_cases(rank).items()}
     # On demand: in sync after training, then rank 1 changes a param alone.
     model = make_model()
     opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3)
     _train(opt, model, rank, 5)
-    out["in sync"] = _error(opt.check_consistency)
+    out["in sync"] = error_message(opt.check_consistency)
     opt.param_groups[0]["lr"] = 1e-2 if rank == 0 else 3e-2
-    out["lr drift"] = _error(opt.check_consistency)
+    out["lr drift"] = error_message(opt.check_consistency)
     opt.param_groups[0]["lr"] = 1e-2
     if rank == 1:
         with torch.no_grad():
             model[2].bias.add_(1e-6)
-    out["param drift"] = _error(opt.check_consistency)
+    out["param drift"] = error_message(opt.check_consistency)
     # Every 2 steps, from step(): rank 1 drifts at update 3 (0-based), found at update 4.
     model = make_model()
     opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3)
     opt.check_every = 2
-    out["periodic"] = _error(lambda: _train(opt, model, rank, 8, drift_at=3))
+    out["periodic"] = error_message(lambda: _train(opt, model, rank, 8, drift_at=3))
     # 0/1 Adam with local steps and syncs, checked after every step: no false alarm.
     model = make_model()
     opt = fn.optim.ZeroOneAdam(
@@ -88,7 +81,7 @@ def _worker(rank, world_size):
         local_step_clipper=4,
     )
     opt.check_every = 1
-    out["zero_one"] = _error(lambda: _train(opt, model, rank, 16))
+    out["zero_one"] = error_message(lambda: _train(opt, model, rank, 16))
     out["zero_one step"] = opt.state_dict()["state"][0]["step"]
     return out
 
