@@ -15,10 +15,9 @@ dead, or in another code path), or, when every rank arrived, what each rank call
 cannot be used after such an error: the abandoned collective stays pending in torch, and
 ``destroy_process_group`` or the process's exit may wait for it until the process group's own
 timeout (``init_process_group(..., timeout=...)``, 30 minutes by default for gloo): set that one
-too. On accelerator
-tensors (NCCL and the like) a host-side limit would synchronize the host with the device at
-every collective: there the process group's own timeout applies (``init_process_group(...,
-timeout=...)``, 10 minutes by default for NCCL).
+too. On accelerator tensors (NCCL and the like) a host-side limit would synchronize the host
+with the device at every collective: there the process group's own timeout applies
+(``init_process_group(..., timeout=...)``, 10 minutes by default for NCCL).
 """
 
 from __future__ import annotations
@@ -37,7 +36,13 @@ from torch.distributed import distributed_c10d
 from fn.collectives import _traffic
 from fn.collectives.comm import ByteCounter, ReduceOp, check_chunked, check_op, check_split
 
-__all__ = ["CollectiveTimeoutError", "ProcessGroup", "TIMEOUT_ENV", "DEFAULT_TIMEOUT"]
+__all__ = [
+    "CollectiveTimeoutError",
+    "ProcessGroup",
+    "TIMEOUT_ENV",
+    "DEFAULT_TIMEOUT",
+    "resolve_timeout",
+]
 
 TIMEOUT_ENV = "FN_TIMEOUT"
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
@@ -68,7 +73,17 @@ class CollectiveTimeoutError(RuntimeError):
 
 def resolve_timeout(timeout: datetime.timedelta | float | None) -> datetime.timedelta:
     """``timeout`` (a ``timedelta`` or seconds), else ``$FN_TIMEOUT`` (seconds), else
-    :data:`DEFAULT_TIMEOUT`; raises ``ValueError`` unless it is positive and finite."""
+    :data:`DEFAULT_TIMEOUT`.
+
+    Raises:
+        ValueError: unless it is positive and finite (or ``$FN_TIMEOUT`` is not a number).
+        TypeError: ``timeout`` is neither a ``timedelta`` nor a number.
+
+    Example:
+        >>> from fn.collectives.process_group import resolve_timeout
+        >>> resolve_timeout(90), resolve_timeout(datetime.timedelta(minutes=2))
+        (datetime.timedelta(seconds=90), datetime.timedelta(seconds=120))
+    """
     source = "timeout"
     if timeout is None:
         if TIMEOUT_ENV not in os.environ:
