@@ -80,7 +80,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         nonfinite: ``"raise"`` or ``"skip"``: what a step with a non-finite gradient on any rank
             does (nothing changes either way).
         check_every: run :meth:`check_consistency` after every ``check_every``-th step that was
-            not skipped (``0``: never; also settable later as ``opt.check_every``).
+            not skipped (0/1 Adam: at the first sync from then on; ``0``: never; also settable
+            later as ``opt.check_every``).
 
     Building the optimizer and ``add_param_group`` check that every rank built the group the same
     way (optimizer, transform and its settings, hyperparameters, params and their initial values:
@@ -271,7 +272,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         if not self.check_every or self.last_step_skipped:
             return
         self._steps_since_check += 1
-        if self._steps_since_check >= self.check_every:
+        # 0/1 Adam: postponed to the next step after which the ranks' params agree (a sync)
+        due = self._steps_since_check >= self.check_every
+        if due and all(_params_comparable(runtime)[0] for runtime in self._groups):
             self._steps_since_check = 0
             self.check_consistency()
 
