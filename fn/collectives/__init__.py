@@ -34,7 +34,7 @@ from fn.collectives.onebit import (
     onebit_allreduce,
     padded_numel,
 )
-from fn.collectives.process_group import ProcessGroup
+from fn.collectives.process_group import CollectiveTimeoutError, ProcessGroup
 from fn.collectives.quantized import (
     LocoAllreduceState,
     QuantizedError,
@@ -51,6 +51,7 @@ __all__ = [
     "Simulated",
     "SimulatedGroup",
     "ProcessGroup",
+    "CollectiveTimeoutError",
     "simulate",
     "replicate",
     "dense_allreduce",

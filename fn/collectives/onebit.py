@@ -15,6 +15,7 @@ import torch
 from fn import kernels
 from fn._validation import finite_or_raise
 from fn.base import GradientTransformation
+from fn.collectives import _sizes
 from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedback, ErrorFeedbackField
@@ -92,8 +93,9 @@ def compressed_allreduce(
         y &= \\mathrm{concat}_r\\, b_r s(c_r) \\text{ sliced to } n
 
     where ``[r]`` is the ``r``-th of ``W`` equal chunks, reduced by rank ``r`` (its server part).
-    Wire: the packed signs (MSB first) go by all_to_all, the scales ``a_i`` by all_gather; the
-    packed ``s(c_r)`` and ``b_r`` by all_gather. Every rank gets the same ``y``, bit for bit.
+    Wire: the packed signs (MSB first) go by all_to_all, the scales ``a_i`` by all_gather (with
+    ``n`` next to them, 8 bytes, checked by every rank); the packed ``s(c_r)`` and ``b_r`` by
+    all_gather. Every rank gets the same ``y``, bit for bit.
 
     Error feedback telescopes: ``y = mean_i(x_i + e_{w,i} - e_{w,i}') + E_s - E_s'`` with
     ``E_s = concat_r e_{s,r}``, so over T steps the sum of ``y`` is the sum of the means up to the
@@ -112,7 +114,8 @@ def compressed_allreduce(
 
     Raises:
         ValueError: if the error shapes do not match, or (on every rank at once, before any
-            sign is sent) if some rank's ``x + worker_error`` is not finite. Nothing is changed.
+            sign is sent) if the ranks' ``x`` differ in element count or some rank's
+            ``x + worker_error`` is not finite. Nothing is changed.
 
     Example:
         One call sends only signs and scales: every rank gets the same coarse estimate.
@@ -172,8 +175,10 @@ def compressed_allreduce(
         if "non-finite" not in str(err):
             raise
         packed, scale, new_worker_error = None, flat.new_full((), torch.nan), None
+    # The element count travels with the scale: ranks with different sizes raise here, together.
+    gathered = comm.all_gather(_sizes.with_count(scale.view(1), n))  # [W, 3]
     scales = finite_or_raise(
-        comm.all_gather(scale),  # [W]
+        _sizes.checked_scales(gathered, n, "compressed_allreduce").view(world_size),
         "compressed_allreduce: non-finite values in x (or in the worker error)",
     )
 

@@ -4,21 +4,106 @@ Works with any backend that implements all_reduce, the flat all_gather / reduce_
 all_to_all_single (gloo, nccl, xccl, hccl, mpi), for instance under ``torchrun``. Results are
 new tensors: inputs are never changed. The collectives are not vmappable (use ``Simulated``
 to batch ranks in one process).
+
+Timeout: every collective gives up after ``timeout`` (``ProcessGroup(timeout=...)``, else the
+``FN_TIMEOUT`` environment variable in seconds, else 5 minutes) on host (CPU, gloo) tensors:
+it is started asynchronously and waited for with that limit. On a timeout or a failed collective
+the waiting ranks record their arrival in the group's store (the one ``init_process_group``
+made) and wait a little (up to ``min(timeout, 10 s)``) for each other, so that every one of them
+raises the same :class:`CollectiveTimeoutError` naming the ranks that never arrived (stalled,
+dead, or in another code path), or, when every rank arrived, what each rank called. The group
+cannot be used after such an error: the abandoned collective stays pending in torch, and
+``destroy_process_group`` or the process's exit may wait for it until the process group's own
+timeout (``init_process_group(..., timeout=...)``, 30 minutes by default for gloo): set that one
+too. On accelerator tensors (NCCL and the like) a host-side limit would synchronize the host
+with the device at every collective: there the process group's own timeout applies
+(``init_process_group(..., timeout=...)``, 10 minutes by default for NCCL).
 """
 
 from __future__ import annotations
 
+import datetime
+import itertools
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from fn.collectives import _traffic
 from fn.collectives.comm import ByteCounter, ReduceOp, check_chunked, check_op, check_split
 
-__all__ = ["ProcessGroup"]
+__all__ = [
+    "CollectiveTimeoutError",
+    "ProcessGroup",
+    "TIMEOUT_ENV",
+    "DEFAULT_TIMEOUT",
+    "resolve_timeout",
+]
+
+TIMEOUT_ENV = "FN_TIMEOUT"
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+_MAX_GRACE_S = 10.0
+_POLL_S = 0.05
+# Collectives issued through fn per torch process group (all ProcessGroup objects over one group
+# share it): the same sequence number on every rank names one collective in the store.
+_issued: dict[str, itertools.count] = {}
+
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective of a :class:`ProcessGroup` did not complete in time, or failed.
+
+    Attributes:
+        missing_ranks: the global ranks that did not reach the collective (empty when every rank
+            did; then the ranks called different collectives, or the backend failed).
+    """
+
+    def __init__(self, message: str, missing_ranks: list[int]) -> None:
+        super().__init__(message)
+        self.missing_ranks = missing_ranks
+
+
+def resolve_timeout(timeout: datetime.timedelta | float | None) -> datetime.timedelta:
+    """``timeout`` (a ``timedelta`` or seconds), else ``$FN_TIMEOUT`` (seconds), else
+    :data:`DEFAULT_TIMEOUT`.
+
+    Raises:
+        ValueError: unless it is positive and finite (or ``$FN_TIMEOUT`` is not a number).
+        TypeError: ``timeout`` is neither a ``timedelta`` nor a number.
+
+    Example:
+        >>> from fn.collectives.process_group import resolve_timeout
+        >>> resolve_timeout(90), resolve_timeout(datetime.timedelta(minutes=2))
+        (datetime.timedelta(seconds=90), datetime.timedelta(seconds=120))
+    """
+    source = "timeout"
+    if timeout is None:
+        if TIMEOUT_ENV not in os.environ:
+            return DEFAULT_TIMEOUT
+        source, timeout = TIMEOUT_ENV, os.environ[TIMEOUT_ENV]
+        try:
+            timeout = float(timeout)
+        except ValueError:
+            raise ValueError(
+                f"{TIMEOUT_ENV} must be a number of seconds, got {timeout!r}"
+            ) from None
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    elif isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    else:
+        raise TypeError(f"timeout must be a timedelta or a number of seconds, got {timeout!r}")
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{source} must be a positive, finite number of seconds, got {seconds}")
+    return datetime.timedelta(seconds=seconds)
 
 
 class ProcessGroup(ByteCounter):
@@ -26,6 +111,11 @@ class ProcessGroup(ByteCounter):
 
     Args:
         group: a ``torch.distributed`` process group, or ``None`` for the world.
+        timeout: how long a collective on host tensors may take before every waiting rank raises
+            :class:`CollectiveTimeoutError` naming the ranks that did not arrive: a ``timedelta``
+            or seconds; ``None`` reads ``$FN_TIMEOUT`` (seconds), else 5 minutes. Set it above
+            the longest time one rank may spend between two collectives (e.g. evaluation or
+            checkpointing on one rank only).
         counts_into: count the bytes sent into this comm's counter (used by :meth:`split`).
 
     Example:
@@ -41,7 +131,11 @@ class ProcessGroup(ByteCounter):
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None = None, *, counts_into: ProcessGroup | None = None
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        timeout: datetime.timedelta | float | None = None,
+        counts_into: ProcessGroup | None = None,
     ) -> None:
         super().__init__(counts_into)
         if not dist.is_available() or not dist.is_initialized():
@@ -50,6 +144,8 @@ class ProcessGroup(ByteCounter):
                 "(e.g. by torchrun)"
             )
         self.group = group
+        self.timeout = resolve_timeout(timeout)
+        self._name = (dist.group.WORLD if group is None else group).group_name
         self._world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._splits: dict[int, tuple[ProcessGroup, ProcessGroup]] = {}
@@ -81,8 +177,8 @@ class ProcessGroup(ByteCounter):
             ]
             inter = [dist.new_group(members[i::local_world_size]) for i in range(local_world_size)]
             self._splits[local_world_size] = (
-                ProcessGroup(intra[node], counts_into=self),
-                ProcessGroup(inter[local], counts_into=self),
+                ProcessGroup(intra[node], timeout=self.timeout, counts_into=self),
+                ProcessGroup(inter[local], timeout=self.timeout, counts_into=self),
             )
         return self._splits[local_world_size]
 
@@ -91,7 +187,76 @@ class ProcessGroup(ByteCounter):
         return self._world_size
 
     def __repr__(self) -> str:
-        return f"ProcessGroup(rank={self.rank}, world_size={self._world_size})"
+        return (
+            f"ProcessGroup(rank={self.rank}, world_size={self._world_size}, "
+            f"timeout={self.timeout.total_seconds():g} s)"
+        )
+
+    def _run(self, kind: str, x: torch.Tensor, start: Callable[[bool], Any]) -> None:
+        """Runs ``start(async_op)`` (one collective on ``x``) and waits for it, at most
+        ``timeout`` on host tensors; a failure becomes a :class:`CollectiveTimeoutError`."""
+        seq = next(_issued.setdefault(self._name, itertools.count()))
+        if torch.compiler.is_compiling():
+            start(False)
+            return
+        try:
+            work = start(True)
+            if x.device.type == "cpu":
+                work.wait(self.timeout)
+            else:
+                work.wait()
+        except RuntimeError as err:
+            raise self._diagnose(kind, seq, x, err) from err
+
+    def _diagnose(
+        self, kind: str, seq: int, x: torch.Tensor, err: RuntimeError
+    ) -> CollectiveTimeoutError:
+        """The error for collective ``seq`` that failed on this rank: the ranks that failed there
+        meet in the store to find the ranks that never arrived."""
+        members = (
+            list(range(self._world_size))
+            if self.group is None
+            else dist.get_process_group_ranks(self.group)
+        )
+        me = dist.get_rank()
+        call = f"{kind} of {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+        arrived: dict[int, str] = {}
+        try:
+            store = distributed_c10d._get_process_group_store(self.group or dist.group.WORLD)
+            prefix = f"fn/{seq}/"
+            store.set(f"{prefix}{me}", call)
+            deadline = time.monotonic() + min(self.timeout.total_seconds(), _MAX_GRACE_S)
+            while True:
+                for rank in members:
+                    if rank not in arrived and store.check([f"{prefix}{rank}"]):
+                        arrived[rank] = store.get(f"{prefix}{rank}").decode()
+                if len(arrived) == len(members) or time.monotonic() > deadline:
+                    break
+                time.sleep(_POLL_S)
+            missing = [rank for rank in members if rank not in arrived]
+        except (RuntimeError, ValueError) as store_err:  # the store's host (rank 0) is gone
+            return CollectiveTimeoutError(
+                f"fn.collectives: {call} (collective #{seq} on ranks {members}) failed on rank "
+                f"{me}: {err}; the store is unreachable ({store_err}), so rank 0 likely died",
+                [0],
+            )
+        where = f"collective #{seq} on ranks {members}"
+        limit = f"{self.timeout.total_seconds():g} s"
+        if missing:
+            return CollectiveTimeoutError(
+                f"fn.collectives: {call} ({where}) did not complete within {limit} on rank {me}: "
+                f"rank(s) {missing} never reached it (stalled, dead, or in a different code "
+                "path; see their output). If they are only slow, raise the limit with "
+                f"ProcessGroup(timeout=...) or {TIMEOUT_ENV}=<seconds>. ({err})",
+                missing,
+            )
+        calls = "; ".join(f"rank {rank}: {arrived[rank]}" for rank in members)
+        return CollectiveTimeoutError(
+            f"fn.collectives: {call} ({where}) failed on rank {me}: every rank reached it, but "
+            f"they called {calls} (every rank must make the same collectives in the same order "
+            f"with the same sizes). ({err})",
+            [],
+        )
 
     def _counted(self, kind: str, x: torch.Tensor) -> None:
         self._count(kind, _traffic.payload_bytes(x), self._world_size)
@@ -100,13 +265,22 @@ class ProcessGroup(ByteCounter):
         check_op(op)
         self._counted("all_reduce", x)
         out = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group)
+        self._run(
+            "all_reduce",
+            x,
+            lambda wait: dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group, async_op=wait),
+        )
         return out / self._world_size if op == "mean" else out
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         self._counted("all_gather", x)
         out = x.new_empty(self._world_size * x.numel())
-        _all_gather_flat(out, x.contiguous().view(-1), group=self.group)
+        flat = x.contiguous().view(-1)
+        self._run(
+            "all_gather",
+            x,
+            lambda wait: _all_gather_flat(out, flat, group=self.group, async_op=wait),
+        )
         return out.view(self._world_size, *x.shape)
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +288,11 @@ class ProcessGroup(ByteCounter):
         self._counted("all_to_all", x)
         x = x.contiguous()
         out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=self.group)
+        self._run(
+            "all_to_all",
+            x,
+            lambda wait: dist.all_to_all_single(out, x, group=self.group, async_op=wait),
+        )
         return out
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
@@ -122,6 +300,13 @@ class ProcessGroup(ByteCounter):
         check_chunked(x, self._world_size, "reduce_scatter")
         self._counted("reduce_scatter", x)
         out = x.new_empty(x[0].numel())
-        _reduce_scatter_flat(out, x.contiguous().view(-1), dist.ReduceOp.SUM, group=self.group)
+        flat = x.contiguous().view(-1)
+        self._run(
+            "reduce_scatter",
+            x,
+            lambda wait: _reduce_scatter_flat(
+                out, flat, dist.ReduceOp.SUM, group=self.group, async_op=wait
+            ),
+        )
         out = out.view(x.shape[1:])
         return out / self._world_size if op == "mean" else out

@@ -5,7 +5,9 @@ Quantization (``fn.kernels.quantize``): symmetric, per group of ``group_size`` v
 ``DQ(q) = q * scale``; the scales travel as fp32 next to the packed values.
 
 The allreduce has two phases. Reduce-scatter: every rank quantizes its (padded) ``x`` as ``W``
-chunks, all_to_all's them, and dequantizes and averages the ``W`` pieces of its own chunk. All-
+chunks, all_to_all's them (each chunk's scales followed by ``x.numel()`` as two fp32 digits, 8
+bytes: ranks whose ``x`` differ in size raise a ``ValueError`` together, see
+``fn.collectives._sizes``), and dequantizes and averages the ``W`` pieces of its own chunk. All-
 gather: every rank quantizes its averaged chunk and all_gathers it; everyone dequantizes the
 whole. In the hierarchical (two-hop) mode with ``L = local_world_size`` ranks per node (rank
 ``node * L + local``), the reduce-scatter runs inside each node first (``L`` chunks, dequantize,
@@ -37,6 +39,7 @@ import torch
 from fn import kernels
 from fn._validation import finite_or_raise
 from fn.base import GradientTransformation, stateless
+from fn.collectives import _sizes
 from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
@@ -115,18 +118,31 @@ def _feedback(
 
 
 def _reduce_scatter(
-    v: torch.Tensor, errors: tuple[torch.Tensor | None, ...], plan: _Plan, err_beta: float
+    v: torch.Tensor,
+    n: int,
+    errors: tuple[torch.Tensor | None, ...],
+    plan: _Plan,
+    err_beta: float,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """Mean over the world of this rank's chunk of the padded fp32 ``v``; new hop errors."""
+    """Mean over the world of this rank's chunk of the padded fp32 ``v`` (``n`` elements before
+    padding, sent next to the scales of every hop: ``fn.collectives._sizes``); new hop errors."""
     new_errors = []
     last = len(plan.hops) - 1
+    consistent = None  # after the first hop: whether every count seen so far was n
     for index, (hop, error) in enumerate(zip(plan.hops, errors, strict=True)):
         size = hop.world_size
         q, scales, new_error = _feedback(v, error, plan, err_beta)
         new_errors.append(new_error)
-        scales = hop.all_to_all(scales.view(size, -1))  # [size, groups per chunk]
+        sent = _sizes.with_count(scales.view(size, -1), n)
+        if consistent is not None:
+            sent = _sizes.poisoned(sent, consistent)
+        received = hop.all_to_all(sent)  # [size, groups per chunk + 2]
         if index == last:
+            scales = _sizes.checked_scales(received, n, "quantized allreduce")
             scales = finite_or_raise(scales, _NON_FINITE)
+        else:
+            consistent = _sizes.counts_match(received, n)
+            scales = received[:, :-2]
         q = hop.all_to_all(q.view(size, -1))  # [size, bytes per chunk]
         pieces = kernels.dequantize(q.reshape(-1), scales.reshape(-1), plan.bits, v.numel())
         v = pieces.view(size, -1).sum(0)
@@ -183,7 +199,9 @@ def quantized_reduce_scatter(
         ``mean_i DQ(Q(x_i))`` (two hops: requantized after the node sums).
 
     Raises:
-        ValueError: on every rank, if some rank's ``x`` is not finite.
+        ValueError: on every rank, if some rank's ``x`` is not finite or the ranks' ``x`` differ
+            in element count (when their padded sizes agree; padded sizes that differ make the
+            backend fail, gloo aborts the process).
 
     Example:
         >>> from fn.collectives import Simulated, quantized_reduce_scatter, simulate
@@ -198,7 +216,9 @@ def quantized_reduce_scatter(
                 [ 0.0674,  0.2013,  0.3333,  0.4633]])
     """
     plan = _plan(comm, bits, group_size, local_world_size)
-    shard, _ = _reduce_scatter(_flat_padded(x, plan), (None,) * len(plan.hops), plan, 0.0)
+    shard, _ = _reduce_scatter(
+        _flat_padded(x, plan), x.numel(), (None,) * len(plan.hops), plan, 0.0
+    )
     return shard
 
 
@@ -238,7 +258,9 @@ def quantized_allreduce(
     def reduce(u):
         if comm.world_size == 1 or u.numel() == 0:
             return u
-        shard, _ = _reduce_scatter(_flat_padded(u, plan), (None,) * len(plan.hops), plan, 0.0)
+        shard, _ = _reduce_scatter(
+            _flat_padded(u, plan), u.numel(), (None,) * len(plan.hops), plan, 0.0
+        )
         y, _ = _all_gather(shard, None, plan, 0.0)
         return y[: u.numel()].view(u.shape).to(u.dtype)
 
@@ -357,7 +379,9 @@ def loco_allreduce(
                 raise ValueError("loco_allreduce: an update leaf has no error state")
             buffers_numel = buffer_sizes(u.numel())
             errors = [load(b, k, reset) for b, k in zip(buffers, buffers_numel, strict=True)]
-            shard, hop_errors = _reduce_scatter(_flat_padded(u, plan), errors[:-1], plan, err_beta)
+            shard, hop_errors = _reduce_scatter(
+                _flat_padded(u, plan), u.numel(), errors[:-1], plan, err_beta
+            )
             y, gather_error = _all_gather(shard, errors[-1], plan, err_beta)
             out.append(y[: u.numel()].view(u.shape).to(u.dtype))
             new_stored.append(tuple(store(e) for e in (*hop_errors, gather_error)))

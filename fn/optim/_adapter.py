@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from fn._validation import all_finite
+from fn._validation import all_finite, check_int
 from fn.base import CompressedOptimizer, GradientTransformation, set_hyperparams
 from fn.base import get_hyperparam as _get_hyperparam
 from fn.collectives import Local, ProcessGroup, Simulated, SimulatedGroup
@@ -32,13 +32,21 @@ from fn.optim._checkpoint import (
     state_from_dict,
     state_to_dict,
 )
-from fn.optim._consensus import check_same_params, count_nonfinite
+from fn.optim._consensus import (
+    GroupSnapshot,
+    check_in_sync,
+    check_same_group,
+    count_nonfinite,
+    settings_of,
+)
 from fn.optim._flat import FlatGroup
 
 Transform = GradientTransformation | CompressedOptimizer
 NONFINITE_POLICIES = ("raise", "skip")
 # Group keys that are not hyperparameters of the transform.
 _GROUP_META = frozenset({"params", "param_names", "initial_lr"})
+# 0/1 Adam's params agree across ranks only up to fp32 rounding once a sync has happened.
+_SYNCED_RTOL = 1e-4
 
 
 def default_comm() -> Any:
@@ -109,6 +117,14 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             ``fn.collectives.loco_allreduce``.
         nonfinite: ``"raise"`` or ``"skip"``: what a step with a non-finite gradient on any rank,
             or with finite gradients whose average overflows, does (nothing changes either way).
+        check_every: run :meth:`check_consistency` after every ``check_every``-th step that was
+            not skipped (0/1 Adam: at the first sync from then on; ``0``: never; also settable
+            later as ``opt.check_every``).
+
+    Building the optimizer and ``add_param_group`` check that every rank built the group the same
+    way (optimizer, transform and its settings, hyperparameters, params and their initial values:
+    ``fn.optim._consensus.check_same_group``), so a mismatch is a ``ValueError`` on every rank
+    naming the fields and the ranks rather than a hang or diverging ranks.
 
     The learning rate of each group (``group["lr"]``, so ``torch.optim.lr_scheduler`` works) is
     written into the functional state with ``fn.set_hyperparams`` before every step; it defaults
@@ -154,6 +170,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         flatten: bool = True,
         sync_grads: bool | None = None,
         nonfinite: str = "raise",
+        check_every: int = 0,
     ) -> None:
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
@@ -173,10 +190,13 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self.last_step_skipped = False
+        self.check_every = check_int("check_every", check_every)
+        self._steps_since_check = 0
         self._transform = transform
         self._sync_grads = sync_grads
         self._groups: list[_Group] = []
         super().__init__(params, dict(defaults or {}))
+        self.register_step_post_hook(FunctionalOptimizer._after_step)
 
     # ---------------------------------------------------------------- construction
 
@@ -200,6 +220,24 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
 
+    def _settings(self, group: dict[str, Any]) -> dict[str, str]:
+        """What every rank must build a group with, described (for ``check_same_group``)."""
+        cls = type(self)
+        settings = {
+            "optimizer": f"{cls.__module__}.{cls.__qualname__}",
+            "flatten": repr(self.flatten),
+            "sync_grads": repr(self._sync_grads),
+            "nonfinite": repr(self.nonfinite),
+        }
+        if isinstance(self._transform, (GradientTransformation, CompressedOptimizer)):
+            settings.update(settings_of(self._transform))
+        else:
+            settings.update(settings_of(self._transform, "transform factory"))
+        for key in sorted(k for k in group if k not in ("params", "param_names")):
+            value = group[key]
+            settings[key] = repr(tuple(value) if isinstance(value, list) else value)
+        return settings
+
     def _build_group(self, index: int) -> None:
         group = self.param_groups[index]
         keep = [i for i, p in enumerate(group["params"]) if p.requires_grad]
@@ -207,6 +245,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         group["params"] = [group["params"][i] for i in keep]
         if "param_names" in group:
             group["param_names"] = [group["param_names"][i] for i in keep]
+        # First, before anything that can raise on one rank only: the others would wait for it.
+        check_same_group(self.comm, index, self._settings(group), group["params"])
         if isinstance(self._transform, (GradientTransformation, CompressedOptimizer)):
             extra = set(group) - _GROUP_META - {"lr"}
             if extra:
@@ -217,7 +257,6 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         lr = group.get("lr")
         if lr is not None and (isinstance(lr, torch.Tensor) or not isinstance(lr, (int, float))):
             raise TypeError(f"param group {index}: lr must be a Python number, got {lr!r}")
-        check_same_params(self.comm, index, group["params"])
 
         flat = FlatGroup(group["params"])
         hyper = self._hyper(group)
@@ -241,6 +280,45 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         if stored_lr is not None:
             group.setdefault("lr", stored_lr)
         self._groups.append(runtime)
+
+    # ---------------------------------------------------------------- consistency
+
+    def check_consistency(self) -> None:
+        """Checks that every rank holds the same params, step counts and hyperparameters (a
+        collective: every rank must call it; one pass over the params and one all_gather of six
+        int64 per group).
+
+        Params are compared bit for bit (the ranks of every fn optimizer apply identical updates),
+        except for 0/1 Adam, whose ranks differ by design between synchronizations: its params are
+        compared right after a sync or before the variance freezes, to a relative tolerance of
+        ``1e-4`` of their sums (a sync equalizes them up to fp32 rounding), and skipped after a
+        local step.
+
+        Raises:
+            ValueError: on every rank, naming the groups, what differs and the ranks.
+        """
+        snapshots = []
+        for group, runtime in zip(self.param_groups, self._groups, strict=True):
+            runtime.flat.sync_master()
+            compare, rtol = _params_comparable(runtime)
+            described = self._settings(group)
+            settings = "\n".join(f"{k}: {v}" for k, v in described.items())
+            snapshots.append(
+                GroupSnapshot(runtime.step, settings, runtime.flat.master, compare, rtol)
+            )
+        check_in_sync(self.comm, snapshots)
+
+    def _after_step(self, args: Any, kwargs: Any) -> None:
+        """The step post-hook: :meth:`check_consistency` every ``check_every`` steps taken."""
+        del args, kwargs
+        if not self.check_every or self.last_step_skipped:
+            return
+        self._steps_since_check += 1
+        # 0/1 Adam: postponed to the next step after which the ranks' params agree (a sync)
+        due = self._steps_since_check >= self.check_every
+        if due and all(_params_comparable(runtime)[0] for runtime in self._groups):
+            self._steps_since_check = 0
+            self.check_consistency()
 
     # ---------------------------------------------------------------- step
 
@@ -604,6 +682,17 @@ def _check_lr(index: int, lr: Any, where: str = "") -> None:
             f"param group {index}: lr{place} must be a finite Python number >= 0, got {lr!r}; "
             "nothing was changed"
         )
+
+
+def _params_comparable(runtime: _Group) -> tuple[bool, float]:
+    """Whether the ranks' params of a group agree after its last step, and to what tolerance."""
+    transform = runtime.transform
+    if not isinstance(transform, CompressedOptimizer) or transform.plan is None:
+        return True, 0.0
+    plan = transform.plan(max(runtime.step, 1))
+    if not hasattr(plan, "sync"):
+        return True, 0.0
+    return (runtime.step == 0 or not plan.frozen or plan.sync), _SYNCED_RTOL
 
 
 def _shortest_float(x: torch.Tensor) -> float:

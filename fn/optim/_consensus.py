@@ -3,18 +3,37 @@
 Every rank must issue the same collectives in the same order, so what decides them is agreed on
 by all ranks, never read from one rank's local data alone:
 
-- :func:`check_same_params`: when a group is built, the ranks compare their params (number,
-  shapes, dtypes), which size the flat buffers and every collective over them.
+- :func:`check_same_group`: when a group is built, the ranks compare its settings (optimizer,
+  transform, hyperparameters, schedules) and params (number, shapes, dtypes, which size the flat
+  buffers and every collective over them, and a checksum of their initial values).
+- :func:`check_in_sync`: on demand or every few steps, the ranks compare their step counts,
+  hyperparameters and params.
 - :func:`count_nonfinite`: before each step, the ranks vote on skipping it.
+
+The comparisons exchange a small fixed-size fingerprint first (one all_gather of a few int64 per
+rank); the full descriptions travel only when fingerprints differ, so that every rank raises the
+same error naming the fields and the ranks, and none waits in a collective the others skipped.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+import inspect
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from fn._validation import all_finite
+
+_MAX_SHOWN = 5  # differing fields named in one message
+_MAX_DEPTH = 12  # how deep settings_of follows closures and NamedTuples
+_SCALARS = (bool, int, float, str, type(None))
+_INITIAL_PARAMS_HINT = (
+    "the ranks' initial params differ: seed the model's initialization the same way on every "
+    "rank (or load the same weights) before building the optimizer"
+)
 
 
 def _describe(p: torch.Tensor) -> str:
@@ -34,42 +53,242 @@ def _all_gather_text(comm: Any, text: str, device: torch.device) -> list[str]:
     return [bytes(row[:n].tolist()).decode() for row, n in zip(rows, lengths, strict=True)]
 
 
-def check_same_params(comm: Any, index: int, params: list[torch.Tensor]) -> None:
-    """Raises the same ``ValueError`` on every rank if the ranks' params of group ``index``
-    differ in number, shape or dtype.
+def bit_checksum(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x``'s elements' bit patterns as integers (int64, wrapping): equal exactly when
+    the values are (up to collisions), and independent of the summation order."""
+    flat = x.detach().contiguous().view(-1)
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(
+        flat.element_size(), torch.uint8
+    )
+    return flat.view(as_int).sum(dtype=torch.int64)
 
-    Each rank describes its params (one line per param: shape and dtype) and the ranks gather
-    these descriptions; nothing is exchanged with one rank.
+
+def settings_of(obj: Any, path: str = "transform") -> dict[str, str]:
+    """The scalar settings inside a transform (``{path: repr}``): the NamedTuple fields and the
+    closure variables of its functions, followed a few levels deep (chains, schedules), each
+    object once. Tensors, comms and other objects are left out; functions are named by their
+    qualified name.
+
+    Example:
+        >>> from fn.optim._consensus import settings_of
+        >>> tx = fn.onebit_adam(1e-3, freeze_step=4, comm=fn.collectives.Local())
+        >>> for path, value in settings_of(tx).items():
+        ...     if path.endswith(("freeze_step", "eps")):
+        ...         print(path, value)
+        transform.warmup_update.plan_for.freeze_step 4
+        transform.warmup_update.update.leaf_rule.eps 1e-08
+    """
+    out: dict[str, str] = {}
+    seen: set[int] = set()
+
+    def visit(obj: Any, path: str, depth: int) -> None:
+        if isinstance(obj, _SCALARS):
+            out[path] = repr(obj)
+            return
+        if depth > _MAX_DEPTH or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            for field in obj._fields:
+                visit(getattr(obj, field), f"{path}.{field}", depth + 1)
+        elif isinstance(obj, (tuple, list)):
+            for i, item in enumerate(obj):
+                visit(item, f"{path}[{i}]", depth + 1)
+        elif inspect.ismethod(obj):
+            visit(obj.__self__, path, depth + 1)
+        elif inspect.isfunction(obj):
+            out[path] = f"{obj.__module__}.{obj.__qualname__}"
+            for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or (), strict=True):
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                visit(value, f"{path}.{name}", depth + 1)
+
+    visit(obj, path, 0)
+    return out
+
+
+def _gather_fingerprints(comm: Any, rows: torch.Tensor) -> list[list[int]]:
+    """Every rank's ``rows`` (int64, the same shape on every rank), as lists by rank."""
+    return comm.all_gather(rows.reshape(-1)).view(comm.world_size, -1).tolist()
+
+
+def _digest(text: str) -> int:
+    """A signed 63-bit hash of ``text`` (the same in every process, unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
+
+
+def _differences(described: list[dict[str, str]]) -> list[str]:
+    """``"field: value on ranks [..]; value on ranks [..]"`` for each field the ranks disagree on
+    (a field missing on a rank shows as ``<none>``), in rank 0's order."""
+    fields = list(dict.fromkeys(field for d in described for field in d))
+    out = []
+    for field in fields:
+        by_value: dict[str, list[int]] = {}
+        for rank, d in enumerate(described):
+            by_value.setdefault(d.get(field, "<none>"), []).append(rank)
+        if len(by_value) > 1:
+            shown = "; ".join(f"{value} on ranks {ranks}" for value, ranks in by_value.items())
+            out.append(f"{field}: {shown}")
+    return out
+
+
+def check_same_group(
+    comm: Any, index: int, settings: Mapping[str, str], params: list[torch.Tensor]
+) -> None:
+    """Raises the same ``ValueError`` on every rank if the ranks built param group ``index``
+    differently: other settings, other params (number, shapes, dtypes) or other initial values.
+
+    One all_gather of one int64 per rank (a hash of everything) in the common case; on a
+    mismatch, the descriptions (two more small all_gathers) to name the fields and the ranks.
 
     Args:
         comm: the communicator.
         index: the group's index (for the message).
+        settings: ``{field: value}`` descriptions (optimizer, transform, hyperparameters, ...).
         params: this rank's params of the group.
 
     Raises:
-        ValueError: on every rank, naming the first param (or the param count) that differs.
+        ValueError: on every rank, naming the param count or first param that differs, or else
+            every setting (up to five) and the ranks holding each value.
     """
     if comm.world_size == 1:
         return
     # on the params' device, like all of the optimizer's traffic (NCCL takes only GPU tensors)
     device = params[0].device if params else torch.device("cpu")
-    text = "\n".join(_describe(p) for p in params)
-    described = [t.splitlines() for t in _all_gather_text(comm, text, device)]
-    ours = described[0]
-    for rank, theirs in enumerate(described):
-        if len(theirs) != len(ours):
+    checksums = torch.stack([bit_checksum(p) for p in params]).tolist() if params else []
+    lines = [f"param {i}: {_describe(p)}" for i, p in enumerate(params)]
+    lines += [f"{field}: {value}" for field, value in settings.items()]
+    lines += [f"param {i} checksum: {c}" for i, c in enumerate(checksums)]
+    text = "\n".join(lines)
+    fingerprint = torch.tensor([len(params), _digest(text)], dtype=torch.int64, device=device)
+    gathered = _gather_fingerprints(comm, fingerprint)
+    if all(row == gathered[0] for row in gathered):
+        return
+    counts = [row[0] for row in gathered]
+    for rank, count in enumerate(counts):
+        if count != counts[0]:
             raise ValueError(
-                f"fn.optim: param group {index} has {len(ours)} trainable params on rank 0 "
-                f"but {len(theirs)} on rank {rank}; every rank must build the optimizer "
+                f"fn.optim: param group {index} has {counts[0]} trainable params on rank 0 "
+                f"but {count} on rank {rank}; every rank must build the optimizer "
                 "over the same model"
             )
-    for i, first in enumerate(ours):
+    described = [
+        dict(line.split(": ", 1) for line in t.splitlines())
+        for t in _all_gather_text(comm, text, device)
+    ]
+    for i in range(len(params)):
         for rank, theirs in enumerate(described):
-            if theirs[i] != first:
+            if theirs[f"param {i}"] != described[0][f"param {i}"]:
                 raise ValueError(
                     f"fn.optim: param group {index}, param {i} differs across ranks: "
-                    f"{first} on rank 0 but {theirs[i]} on rank {rank}"
+                    f"{described[0][f'param {i}']} on rank 0 but {theirs[f'param {i}']} on "
+                    f"rank {rank}"
                 )
+    differences = _differences(described)
+    hint = (
+        _INITIAL_PARAMS_HINT
+        if any(" checksum: " in d for d in differences)
+        else ("every rank must build the optimizer with the same arguments")
+    )
+    raise ValueError(
+        f"fn.optim: the ranks built param group {index} differently: "
+        + "; ".join(differences[:_MAX_SHOWN])
+        + ("; ..." if len(differences) > _MAX_SHOWN else "")
+        + f" ({hint})"
+    )
+
+
+class GroupSnapshot(NamedTuple):
+    """What :func:`check_in_sync` compares of one param group."""
+
+    step: int  # the group's update count
+    settings: str  # the group's hyperparameters, described
+    params: torch.Tensor  # the group's flat params (fp32 master for fp16/bf16)
+    compare_params: bool  # False where the ranks' params differ by design (0/1 Adam local steps)
+    rtol: float  # 0: bit-identical; else relative tolerance of the sums (0/1 Adam after syncs)
+
+
+def _param_stats(x: torch.Tensor) -> torch.Tensor:
+    """int64 ``[bit checksum, sum, sum |x|, sum x^2]``, the float64 sums as their bit patterns."""
+    x = x.detach()
+    sums = torch.stack(
+        [x.sum(dtype=torch.float64), x.abs().sum(dtype=torch.float64), x.double().square().sum()]
+    )
+    return torch.cat([bit_checksum(x).view(1), sums.view(torch.int64)])
+
+
+def _stats_agree(ours: list[int], theirs: list[int], rtol: float) -> bool:
+    if rtol == 0:
+        return ours[0] == theirs[0]
+    a = torch.tensor(ours[1:], dtype=torch.int64).view(torch.float64).tolist()
+    b = torch.tensor(theirs[1:], dtype=torch.int64).view(torch.float64).tolist()
+    sum_ok = abs(a[0] - b[0]) <= rtol * max(a[1], b[1])
+    square_ok = abs(a[2] - b[2]) <= rtol * max(a[2], b[2])
+    return all(map(math.isfinite, a + b)) and sum_ok and square_ok
+
+
+def check_in_sync(comm: Any, groups: Sequence[GroupSnapshot]) -> None:
+    """Raises the same ``ValueError`` on every rank if the ranks' step counts, hyperparameters or
+    params differ (one all_gather of ``6 * len(groups)`` int64 per rank and one pass over the
+    params; params bit for bit, or to ``rtol`` in their sums where a group asks for it).
+
+    Args:
+        comm: the communicator.
+        groups: this rank's snapshot of every group.
+
+    Raises:
+        ValueError: on every rank, naming each group, field and the ranks holding each value.
+    """
+    if comm.world_size == 1 or not groups:
+        return
+    device = groups[0].params.device
+    rows = torch.stack(
+        [
+            torch.cat(
+                [
+                    torch.tensor(
+                        [g.step, _digest(g.settings), int(g.compare_params)], device=device
+                    ),
+                    _param_stats(g.params).to(device),
+                ]
+            )
+            for g in groups
+        ]
+    )
+    gathered = _gather_fingerprints(comm, rows)
+    width = rows.shape[1]
+    problems = []
+    for index, group in enumerate(groups):
+        by_rank = [row[index * width : (index + 1) * width] for row in gathered]
+        fields = {
+            "step count": [r[0] for r in by_rank],
+            "hyperparameters": [r[1] for r in by_rank],
+        }
+        for field, values in fields.items():
+            if len(set(values)) > 1:
+                ranks = {v: [i for i, w in enumerate(values) if w == v] for v in values}
+                problems.append(
+                    f"param group {index} {field} differ: ranks "
+                    + " vs ".join(str(r) for r in ranks.values())
+                    + (f" (step counts {sorted(set(values))})" if field == "step count" else "")
+                )
+        if not all(r[2] for r in by_rank):
+            continue
+        agree = [_stats_agree(by_rank[0][3:], r[3:], group.rtol) for r in by_rank]
+        if not all(agree):
+            problems.append(
+                f"param group {index} params differ: ranks {[i for i, a in enumerate(agree) if a]}"
+                f" hold rank 0's, ranks {[i for i, a in enumerate(agree) if not a]} other values"
+            )
+    if problems:
+        raise ValueError(
+            "fn.optim: the ranks are out of sync: "
+            + "; ".join(problems)
+            + " (different initial params or hyperparameters, or a rank that changed its params "
+            "or stepped alone)"
+        )
 
 
 def count_nonfinite(comm: Any, grads: list[torch.Tensor], found_inf: torch.Tensor | None) -> int:

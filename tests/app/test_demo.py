@@ -125,14 +125,14 @@ def test_demo_bytes_match_the_wire_formulas(runs):
     assert int(rows["adam"]["bytes_per_rank"]) == STEPS * dense_step
 
     # 1-bit allreduce of a leaf padded to N (a multiple of W * lcm(W, 8) = 16): all_to_all of the
-    # N / 8 sign bytes, all_gather of the scale, all_gather of the N / (8 W) server sign bytes and
-    # of the server scale.
+    # N / 8 sign bytes, all_gather of the scale and the element count (3 fp32), all_gather of the
+    # N / (8 W) server sign bytes and of the server scale.
     def onebit(n):
         padded = -(-n // 16) * 16
         signs = padded // 8
         all_to_all = (WORLD - 1) * signs // WORLD
         server_signs = (WORLD - 1) * (signs // WORLD)
-        scales = 2 * (WORLD - 1) * 4
+        scales = (WORLD - 1) * (3 * 4 + 4)
         return all_to_all + server_signs + scales
 
     compressed_step = sum(onebit(n) for n in sizes)

@@ -1,0 +1,147 @@
+"""ProcessGroup's timeout on real gloo processes: a stalled rank is named by every waiting rank
+within seconds, ranks that call different collectives are told what each called, and the limit
+comes from the argument, ``FN_TIMEOUT`` or the default."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import pytest
+import torch
+
+from fn.app._launch import WorkerError
+from fn.collectives import CollectiveTimeoutError, ProcessGroup
+from fn.collectives.process_group import DEFAULT_TIMEOUT, TIMEOUT_ENV, resolve_timeout
+from tests._distributed import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+LIMIT_S = 2.0
+STALL_S = 4 * LIMIT_S
+
+
+def _outcome(run):
+    start = time.monotonic()
+    try:
+        run()
+    except CollectiveTimeoutError as err:
+        return {"missing": err.missing_ranks, "message": str(err), "s": time.monotonic() - start}
+    return {"missing": None, "message": "", "s": time.monotonic() - start}
+
+
+def _faults(rank, world_size, folder):
+    """Three faults in a row on one group; each rank saves its outcomes and ends at once (torch's
+    process group would wait for the abandoned collectives until its own timeout)."""
+    import torch.distributed as dist
+
+    comm = ProcessGroup(timeout=LIMIT_S)
+    dist.barrier()  # the limit is short: start together
+    out = {"ok": comm.all_reduce(torch.ones(3), op="sum").tolist()}
+    # 1. Rank 2 is late (stalled): the others give up; its all_reduce then completes theirs.
+    if rank == 2:
+        time.sleep(STALL_S)
+    out["stalled"] = _outcome(lambda: comm.all_reduce(torch.ones(4)))
+    dist.barrier()
+    # 2. Rank 0 calls an all_gather while the others call an all_reduce: nobody is missing.
+    if rank == 0:
+        out["mismatch"] = _outcome(lambda: comm.all_gather(torch.ones(2, dtype=torch.int64)))
+    else:
+        out["mismatch"] = _outcome(lambda: comm.all_reduce(torch.ones(1, dtype=torch.int64)))
+    # 3. Rank 2 is gone (it returns), the others wait for it.
+    if rank != 2:
+        out["gone"] = _outcome(lambda: comm.all_reduce(torch.ones(4)))
+    _save_and_end(out, folder, rank)
+
+
+def _save_and_end(out, folder, rank):
+    torch.save(out, os.path.join(folder, f"{rank}.pt"))
+    os._exit(0)
+
+
+@pytest.mark.timeout(120)
+def test_faults_are_named_on_every_rank_within_the_limit(tmp_path):
+    with pytest.raises(WorkerError, match="exited without a result"):
+        run_distributed(_faults, 3, str(tmp_path), timeout=80)
+    results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(3)]
+    for rank, out in enumerate(results):
+        assert out["ok"] == [3.0, 3.0, 3.0]
+        stalled, mismatch = out["stalled"], out["mismatch"]
+        if rank == 2:
+            assert stalled["missing"] is None
+        else:
+            for case in (stalled, out["gone"]):
+                assert case["missing"] == [2]
+                assert "rank(s) [2] never reached it" in case["message"]
+                assert "FN_TIMEOUT" in case["message"]
+                # the limit, then at most the grace period (also the limit here) to find rank 2
+                assert LIMIT_S <= case["s"] < 2 * LIMIT_S + 1.5
+        assert mismatch["missing"] == []
+        assert "rank 0: all_gather of (2,) int64" in mismatch["message"]
+        assert "rank 1: all_reduce of (1,) int64" in mismatch["message"]
+        assert mismatch["s"] < 2 * LIMIT_S + 1.5
+
+
+def test_timeout_from_argument_environment_or_default(monkeypatch):
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert resolve_timeout(None) == DEFAULT_TIMEOUT == datetime.timedelta(minutes=5)
+    assert resolve_timeout(2.5) == datetime.timedelta(seconds=2.5)
+    assert resolve_timeout(datetime.timedelta(seconds=7)) == datetime.timedelta(seconds=7)
+    monkeypatch.setenv(TIMEOUT_ENV, "30")
+    assert resolve_timeout(None) == datetime.timedelta(seconds=30)
+    assert resolve_timeout(4) == datetime.timedelta(seconds=4)  # the argument wins
+    monkeypatch.setenv(TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match="FN_TIMEOUT must be a number of seconds"):
+        resolve_timeout(None)
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="positive"):
+            resolve_timeout(bad)
+    with pytest.raises(TypeError, match="timedelta or a number"):
+        resolve_timeout("5")
+
+
+def test_split_groups_inherit_the_timeout():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        comm = ProcessGroup(timeout=3)
+        assert comm.timeout == datetime.timedelta(seconds=3)
+        assert all(sub.timeout == comm.timeout for sub in comm.split(1))
+        assert "timeout=3 s" in repr(comm)
+    finally:
+        dist.destroy_process_group()
+
+
+def _group_added_on_one_rank(rank, world_size, folder):
+    """Rank 0 adds a param group while rank 1 steps: both give up after the limit, each told what
+    the other called (the config check's fingerprint all_gather against the step's vote)."""
+    import torch.distributed as dist
+
+    import fn.optim
+    from tests.optim._problem import backward, make_model
+
+    model = make_model()
+    opt = fn.optim.OnebitAdam([model[0].weight], lr=1e-2, freeze_step=3)
+    backward(model, rank, 0)
+    opt.comm = ProcessGroup(timeout=LIMIT_S)  # after the build, which is slow on a busy machine
+    dist.barrier()  # the limit is short: start together
+    if rank == 0:
+        out = _outcome(lambda: opt.add_param_group({"params": [model[2].weight]}))
+    else:
+        out = _outcome(opt.step)
+    _save_and_end(out, folder, rank)
+
+
+@pytest.mark.timeout(120)
+def test_param_group_added_on_one_rank_gives_up_on_both(tmp_path):
+    with pytest.raises(WorkerError, match="exited without a result"):
+        run_distributed(_group_added_on_one_rank, 2, str(tmp_path), timeout=80)
+    for rank in range(2):
+        out = torch.load(tmp_path / f"{rank}.pt")
+        assert out["missing"] == []
+        assert (
+            "rank 0: all_gather of (2,) int64; rank 1: all_reduce of () int64" in (out["message"])
+        )
+        assert out["s"] < 2 * LIMIT_S + 1.5
