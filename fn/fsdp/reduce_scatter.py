@@ -248,10 +248,10 @@ class QuantizedReduceScatter(ReduceScatter):
             # rows so that this chunk is its own row
             v = v.view(-1, self.local_world_size, padded).transpose(0, 1)
         try:
-            shard, new_errors = _reduce_scatter(v.reshape(-1), errors, plan, self.err_beta or 0.0)
-        except (
-            ValueError
-        ) as err:  # every rank raises: the reduction is not finite, like a dense one
+            shard, new_errors = _reduce_scatter(
+                v.reshape(-1), numel, errors, plan, self.err_beta or 0.0
+            )
+        except ValueError as err:  # every rank raises: the reduction is not finite, as a dense one
             if str(err) != _NON_FINITE:
                 raise
             output_tensor.fill_(torch.nan)
