@@ -22,6 +22,7 @@ SECTIONS = [
     "1-bit Adam",
     "0/1 Adam",
     "1-bit LAMB",
+    "Safeguard against near-zero frozen variance",
     "Quantized allreduce with LoCo error feedback",
     "Deviations from DeepSpeed",
 ]

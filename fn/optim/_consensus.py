@@ -73,7 +73,7 @@ def settings_of(obj: Any, path: str = "transform") -> dict[str, str]:
         >>> from fn.optim._consensus import settings_of
         >>> tx = fn.onebit_adam(1e-3, freeze_step=4, comm=fn.collectives.Local())
         >>> for path, value in settings_of(tx).items():
-        ...     if path.endswith(("freeze_step", "eps")):
+        ...     if path.endswith(("freeze_step", "leaf_rule.eps")):
         ...         print(path, value)
         transform.warmup_update.plan_for.freeze_step 4
         transform.warmup_update.update.leaf_rule.eps 1e-08
