@@ -28,7 +28,8 @@ this machine's CPUs, so compute-bound steps are pessimistic.
 Run:  python3 benchmarks/fsdp.py [--ranks 2] [--steps 200] [--json out.json]
       python3 benchmarks/fsdp.py --steps 3 --layers 1 --d-model 32   (a smoke run)
       sudo python3 benchmarks/fsdp.py --rate 1gbit --ranks 4 --d-model 512 --layers 4 \\
-          --steps 30 --warmup 3                (links at 1 Gbit/s; ~13M params)
+          --batch 2 --context 16 --steps 30 --warmup 3   (1 Gbit/s links, 12.6M params: few
+          tokens per step, so that the gradients' and parameters' traffic dominates the step)
 """
 
 from __future__ import annotations
@@ -206,6 +207,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="first steps left out of the step time")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--context", type=int, default=32, help="tokens per sequence")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--json", default=None, help="also write rank 0's results here")
@@ -288,6 +291,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "example_args": [
             "--layers", str(args.layers), "--d-model", str(args.d_model),
             "--group-size", str(args.group_size), "--bits", "4", "--err-beta", "0.8",
+            "--batch", str(args.batch), "--context", str(args.context),
         ],
     }  # fmt: skip
     if args.rate is None:
