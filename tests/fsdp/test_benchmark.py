@@ -15,18 +15,22 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.timeout(600)
-def test_tiny_benchmark_counts_bytes_and_losses(tmp_path):
-    out = tmp_path / "fsdp.json"
-    tiny = ["--steps", "2", "--layers", "1", "--d-model", "32", "--timeout", "500"]
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "fsdp.py"), *tiny, "--json", str(out)],
+def _run_benchmark(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "fsdp.py"), *args],
         capture_output=True,
         text=True,
         timeout=560,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": ROOT},
     )
+
+
+@pytest.mark.timeout(600)
+def test_tiny_benchmark_counts_bytes_and_losses(tmp_path):
+    out = tmp_path / "fsdp.json"
+    tiny = ["--steps", "2", "--layers", "1", "--d-model", "32", "--timeout", "500"]
+    proc = _run_benchmark(*tiny, "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out loss" in proc.stdout
     results = json.loads(out.read_text())["rank0"]
@@ -75,15 +79,7 @@ def test_tiny_benchmark_on_rate_limited_links(tmp_path):
     out = tmp_path / "fsdp.json"
     tiny = ["--steps", "3", "--warmup", "1", "--layers", "1", "--d-model", "32"]
     links = ["--rate", "1gbit", "--prefix", "fntest", "--subnet", "10.215.0", "--timeout", "400"]
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "fsdp.py"), *tiny, *links]
-        + ["--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=560,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT},
-    )
+    proc = _run_benchmark(*tiny, *links, "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "links at 1gbit" in proc.stdout and "dense/this" in proc.stdout
     assert "dense: step 1/3" in proc.stdout  # rank 0's progress comes through
