@@ -193,8 +193,9 @@ def print_results(rank0: dict, config: dict) -> None:
     print("gradients: reduce-scatter + all-to-all; (gloo): a reduce-scatter sent as gloo's")
     print("all-reduce; params: FSDP2's all-gathers; dense/this: dense's step time over this mode's")
     if config["rate"]:
-        print(f"(same run). Step times: every rank's link at {config['rate']} both ways, all ranks")
-        print("on this machine's CPUs (compute-bound steps are pessimistic).")
+        print(f"(same run). Step times: every rank's link at {config['rate']} both ways")
+        print("(unlimited: no tc limit), all ranks on this machine's CPUs (compute-bound steps")
+        print("are pessimistic).")
     else:
         print("(same run). Step times are meaningful only on a quiet machine and say nothing")
         print("about slow links (see --rate).")
