@@ -34,6 +34,7 @@ Run:  sudo python3 benchmarks/cluster.py [--ranks 4] [--rates 1gbit,10gbit] [--l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import glob
 import json
@@ -46,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$")
@@ -139,9 +140,10 @@ def shaping_commands(prefix: str, ranks: int, rate: str) -> list[list[str]]:
     ]
 
 
-def worker_command(prefix: str, rank: int, config: dict) -> list[str]:
+def worker_command(prefix: str, rank: int, config: dict, script: str = __file__) -> list[str]:
+    """``script --worker CONFIG`` for one rank, run inside its namespace."""
     ns = namespaces(prefix, config["world_size"])[1][rank]
-    return ["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__)] + [
+    return ["ip", "netns", "exec", ns, sys.executable, os.path.abspath(script)] + [
         "--worker",
         json.dumps({**config, "rank": rank}),
     ]
@@ -204,9 +206,17 @@ def stop(procs: list[subprocess.Popen]) -> None:
             time.sleep(0.1)
 
 
-def run_ranks(prefix: str, config: dict, logdir: str, timeout: float) -> dict:
-    """Starts one worker per namespace, waits (at most ``timeout`` s) and returns rank 0's
-    results. Any failing rank stops all of them and raises with its log."""
+def run_ranks(
+    prefix: str,
+    config: dict,
+    logdir: str,
+    timeout: float,
+    script: str = __file__,
+    echo: bool = False,
+) -> dict:
+    """Starts one ``script --worker`` per namespace, waits (at most ``timeout`` s) and returns
+    rank 0's results. Any failing rank stops all of them and raises with its log. ``echo``
+    copies rank 0's output to stdout as it comes (progress of long runs)."""
     world = config["world_size"]
     out_path = os.path.join(logdir, f"result-{config['rate']}.json")
     config = {**config, "out": out_path}
@@ -219,26 +229,32 @@ def run_ranks(prefix: str, config: dict, logdir: str, timeout: float) -> dict:
         "PYTHONPATH": REPO,
     }
     procs, logs = [], []
+    reader = None
     try:
         for rank in range(world):
             log = open(os.path.join(logdir, f"rank{rank}-{config['rate']}.log"), "w")  # noqa: SIM115
             logs.append(log)
             procs.append(
                 subprocess.Popen(
-                    worker_command(prefix, rank, config),
+                    worker_command(prefix, rank, config, script),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env=env,
                     start_new_session=True,
                 )
             )
+        reader = open(logs[0].name) if echo else None  # noqa: SIM115
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if reader is not None:
+                print(reader.read(), end="", flush=True)
             codes = [p.poll() for p in procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 raise RuntimeError(f"rank {failed[0]} failed:\n{_tail(logs[failed[0]].name)}")
             if all(c == 0 for c in codes):
+                if reader is not None:
+                    print(reader.read(), end="", flush=True)
                 with open(out_path) as f:
                     return json.load(f)
             time.sleep(0.2)
@@ -247,6 +263,8 @@ def run_ranks(prefix: str, config: dict, logdir: str, timeout: float) -> dict:
         stop(procs)
         for log in logs:
             log.close()
+        if reader is not None:
+            reader.close()
 
 
 def _tail(path: str, lines: int = 30) -> str:
@@ -254,12 +272,50 @@ def _tail(path: str, lines: int = 30) -> str:
         return "".join(f.readlines()[-lines:])
 
 
-def check_host() -> None:
+def check_host(name: str = "cluster.py", hint: str = "; --dry-run shows the plan") -> None:
+    """Exits with a message unless this is root and ``ip`` and ``tc`` are on PATH."""
     if os.geteuid() != 0:
-        sys.exit("cluster.py needs root (network namespaces, veth, tc); --dry-run shows the plan")
+        sys.exit(f"{name} needs root (network namespaces, veth, tc){hint}")
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
-        sys.exit(f"cluster.py needs iproute2: {', '.join(missing)} not found on PATH")
+        sys.exit(f"{name} needs iproute2: {', '.join(missing)} not found on PATH")
+
+
+def check_no_leftovers(prefix: str) -> None:
+    leftovers = existing_namespaces(prefix)
+    if leftovers:
+        sys.exit(f"namespaces {' '.join(leftovers)} exist: run with --cleanup first")
+
+
+@contextlib.contextmanager
+def namespace_cluster(prefix: str, ranks: int, subnet: str) -> Iterator[str]:
+    """Builds the namespaces and yields a fresh log directory; removes both on leaving, also on
+    errors and on SIGINT / SIGTERM / SIGHUP (raised inside as ``Interrupted``)."""
+    check_no_leftovers(prefix)
+    logdir = None
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _raise_interrupted)
+        logdir = tempfile.mkdtemp(prefix=f"{prefix}-logs-")
+        print(f"building {ranks} namespaces ({prefix}-*), subnet {subnet}.0/24", flush=True)
+        for cmd in setup_commands(prefix, ranks, subnet):
+            run(cmd)
+        yield logdir
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        removed = cleanup(prefix)
+        print(f"removed namespaces {' '.join(removed)}", flush=True)
+        if logdir is not None:
+            shutil.rmtree(logdir, ignore_errors=True)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+
+
+def shape(prefix: str, ranks: int, rate: str) -> None:
+    """Sets every link's rate (``unlimited``: removes the limits)."""
+    for cmd in shaping_commands(prefix, ranks, rate):
+        run(cmd, check=parse_rate(rate) is not None)
 
 
 def _raise_interrupted(signum, frame):
@@ -566,16 +622,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--ranks must be within 2..16")
     if min(args.repeats, args.train_repeats) < 1 or args.warmup < 0:
         parser.error("--repeats and --train-repeats must be >= 1, --warmup >= 0")
-    if not re.fullmatch(r"[a-z][a-z0-9]{0,11}", args.prefix):
-        parser.error("--prefix: 1-12 lowercase letters/digits, starting with a letter")
-    octets = args.subnet.split(".")
-    if len(octets) != 3 or not all(o.isdigit() and int(o) < 256 for o in octets):
-        parser.error("--subnet: three octets, e.g. 10.213.0")
-    if not (octets[0] == "10" or octets[:2] == ["192", "168"]):
-        parser.error("--subnet must be private (10.x.y or 192.168.y)")
+    problem = naming_error(args.prefix, args.subnet)
+    if problem:
+        parser.error(problem)
     if args.timeout <= 0:
         parser.error("--timeout must be positive")
     return args
+
+
+def naming_error(prefix: str, subnet: str) -> str | None:
+    """What is wrong with a ``--prefix`` / ``--subnet`` pair, or ``None``."""
+    if not re.fullmatch(r"[a-z][a-z0-9]{0,11}", prefix):
+        return "--prefix: 1-12 lowercase letters/digits, starting with a letter"
+    octets = subnet.split(".")
+    if len(octets) != 3 or not all(o.isdigit() and int(o) < 256 for o in octets):
+        return "--subnet: three octets, e.g. 10.213.0"
+    if not (octets[0] == "10" or octets[:2] == ["192", "168"]):
+        return "--subnet must be private (10.x.y or 192.168.y)"
+    return None
 
 
 def worker_config(args: argparse.Namespace, rate: str) -> dict:
@@ -626,13 +690,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         removed = cleanup(args.prefix)
         print(f"removed {len(removed)} namespaces: {' '.join(removed) or '-'}")
         return
-    leftovers = existing_namespaces(args.prefix)
-    if leftovers:
-        sys.exit(f"namespaces {' '.join(leftovers)} exist: run with --cleanup first")
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_interrupted)
-    logdir = tempfile.mkdtemp(prefix=f"{args.prefix}-logs-")
+    check_no_leftovers(args.prefix)
     print(
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, "
@@ -640,28 +698,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     results = []
     try:
-        print(f"building {args.ranks} namespaces ({args.prefix}-*), subnet {args.subnet}.0/24")
-        for cmd in setup_commands(args.prefix, args.ranks, args.subnet):
-            run(cmd)
-        for rate in args.rate_list:
-            for cmd in shaping_commands(args.prefix, args.ranks, rate):
-                run(cmd, check=parse_rate(rate) is not None)
-            print(f"rate {rate}: running {args.ranks} ranks", flush=True)
-            results.append(run_ranks(args.prefix, worker_config(args, rate), logdir, args.timeout))
+        with namespace_cluster(args.prefix, args.ranks, args.subnet) as logdir:
+            for rate in args.rate_list:
+                shape(args.prefix, args.ranks, rate)
+                print(f"rate {rate}: running {args.ranks} ranks", flush=True)
+                config = worker_config(args, rate)
+                results.append(run_ranks(args.prefix, config, logdir, args.timeout))
     except Interrupted as err:
         print(f"interrupted by {err}: cleaning up", file=sys.stderr)
         raise SystemExit(130) from None
     except RuntimeError as err:
         print(f"cluster.py failed: {err}", file=sys.stderr)
         raise SystemExit(1) from None
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
-        removed = cleanup(args.prefix)
-        print(f"removed namespaces {' '.join(removed)}", flush=True)
-        shutil.rmtree(logdir, ignore_errors=True)
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
     print_results(results, args)
     if args.json:
         with open(args.json, "w") as f:

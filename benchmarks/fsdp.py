@@ -15,17 +15,28 @@ all-reduce ``2 (W-1)/W`` of the tensor, all-gather ``(W-1)/W`` of the output, re
 all-to-all ``(W-1)/W`` of the input. gloo runs a reduce-scatter as an all-reduce, so its real
 traffic for dense FSDP2's gradients is twice the ideal figure: both are printed. The counts cover
 the training steps only (not the held-out evaluation). Then the held-out loss of every mode
-(LoCo should be within about 1% of dense) and the median step time, which means nothing on a
-loaded machine or without rate-limited links (see ``benchmarks/cluster.py`` for those).
+(LoCo should be within about 1% of dense) and the median step time (the first ``--warmup`` steps
+left out), with dense's step time over each mode's.
+
+Without ``--rate`` the ranks talk over this machine's loopback, so the step times mean little.
+``--rate 1gbit`` (root, ``ip`` and ``tc``) runs each rank in its own network namespace, linked
+through a bridge at that rate in both directions, as ``benchmarks/cluster.py`` builds them (its
+functions, its cleanup: the namespaces go also on errors, timeouts and Ctrl-C; ``sudo python3
+benchmarks/cluster.py --cleanup --prefix fnfsdp`` removes what a killed run left). All ranks share
+this machine's CPUs, so compute-bound steps are pessimistic.
 
 Run:  python3 benchmarks/fsdp.py [--ranks 2] [--steps 200] [--json out.json]
       python3 benchmarks/fsdp.py --steps 3 --layers 1 --d-model 32   (a smoke run)
+      sudo python3 benchmarks/fsdp.py --rate 1gbit --ranks 4 --d-model 512 --layers 4 \\
+          --batch 2 --context 16 --steps 30 --warmup 3   (1 Gbit/s links, 12.6M params: few
+          tokens per step, so that the gradients' and parameters' traffic dominates the step)
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import importlib.util
 import json
 import os
@@ -46,12 +57,14 @@ from fn.app._launch import spawn_gloo  # noqa: E402
 MODES = ("dense", "loco", "qgz", "loco+qwz")
 
 
-def _load_example():
-    path = os.path.join(REPO, "examples", "fsdp_loco.py")
-    spec = importlib.util.spec_from_file_location("fsdp_loco_example", path)
+def _load(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, path))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+cluster = _load("fn_bench_cluster", os.path.join("benchmarks", "cluster.py"))
 
 
 class ByteCounter:
@@ -102,18 +115,20 @@ def _nbytes(t) -> int:
 
 def _worker(rank: int, world_size: int, send, config: dict) -> dict:
     del send
-    example = _load_example()
+    example = _load("fsdp_loco_example", os.path.join("examples", "fsdp_loco.py"))
     args = example.parse_args(config["example_args"])
     counter = ByteCounter()
     table = example.bigram_table(args.vocab)
     results = {}
+    steps, warmup = config["steps"], config["warmup"]
+    every = max(1, steps // 4)
     for mode in MODES:
         args.mode, args.qwz = mode.split("+")[0], mode.endswith("+qwz")
         model, handle = example.build(args, world_size)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
         counter.reset()
         times = []
-        for step in range(config["steps"]):
+        for step in range(steps):
             batch = example.train_batch(table, args, step, rank)
             dist.barrier()
             start = time.perf_counter()
@@ -123,31 +138,43 @@ def _worker(rank: int, world_size: int, send, config: dict) -> dict:
             optimizer.step()
             counter.active = False
             times.append(time.perf_counter() - start)
-        steps = config["steps"]
+            if rank == 0 and (step + 1) % every == 0 and step + 1 < steps:
+                print(f"{mode}: step {step + 1}/{steps}, {times[-1]:.3f} s", flush=True)
         results[mode] = {
             "bytes_per_step": {k: v / steps for k, v in counter.counts.items()},
             "gloo_bytes_per_step": {k: v / steps for k, v in counter.gloo_counts.items()},
             "fn_bytes_per_step": handle.bytes_sent / steps if handle else None,
             "held_out_loss": example.held_out_loss(model, table, args),
-            "step_s": statistics.median(times),
+            "step_s": statistics.median(times[warmup:]),
             "params": sum(p.numel() for p in model.parameters()),
         }
+        if rank == 0:
+            r = results[mode]
+            print(
+                f"{mode}: median step {r['step_s']:.3f} s, held-out loss {r['held_out_loss']:.4f}",
+                flush=True,
+            )
     return results
 
 
 GRADIENT_KINDS = ("reduce_scatter", "all_to_all")
 
 
-def print_results(results: list[dict], config: dict) -> None:
-    rank0 = results[0]
+def print_results(rank0: dict, config: dict) -> None:
     dense = rank0["dense"]
+    links = f"links at {config['rate']}" if config["rate"] else "local gloo"
     print(
-        f"FSDP2, {config['ranks']} gloo ranks, {dense['params']} parameters, "
-        f"{config['steps']} steps, {datetime.date.today()}"
+        f"FSDP2, {config['ranks']} gloo ranks, {links}, {dense['params']} parameters, "
+        f"{config['steps']} steps (step time: median of the last "
+        f"{config['steps'] - config['warmup']}), "
+        f"{datetime.date.today()}"
     )
     print("bytes per rank per step (counted at the ProcessGroup interface, rank 0):")
     header = f"{'mode':<8} {'gradients':>12} {'(gloo)':>12} {'params':>12} {'total':>12}"
-    print(header + f" {'grad ratio':>10} {'held-out loss':>14} {'vs dense':>9} {'step s':>8}")
+    print(
+        header + f" {'grad ratio':>10} {'held-out loss':>14} {'vs dense':>9} {'step s':>8} "
+        f"{'dense/this':>10}"
+    )
     dense_grad = sum(dense["bytes_per_step"].get(k, 0) for k in GRADIENT_KINDS)
     for mode in MODES:
         r = rank0[mode]
@@ -159,44 +186,126 @@ def print_results(results: list[dict], config: dict) -> None:
         print(
             f"{mode:<8} {grad:>12.0f} {gloo:>12.0f} {gather:>12.0f} {total:>12.0f} "
             f"{grad / dense_grad:>10.3f} {r['held_out_loss']:>14.4f} {loss_vs:>+9.2%} "
-            f"{r['step_s']:>8.3f}"
+            f"{r['step_s']:>8.3f} {dense['step_s'] / r['step_s']:>10.2f}"
         )
     fn_counts = ", ".join(f"{m} {rank0[m]['fn_bytes_per_step']:.0f}" for m in MODES[1:])
     print(f"fn's own count of its reduce-scatter bytes (rank 0): {fn_counts}")
     print("gradients: reduce-scatter + all-to-all; (gloo): a reduce-scatter sent as gloo's")
-    print("all-reduce; params: FSDP2's all-gathers. Step times are meaningful only on a quiet")
-    print("machine and say nothing about slow links.")
+    print("all-reduce; params: FSDP2's all-gathers; dense/this: dense's step time over this mode's")
+    if config["rate"]:
+        print(f"(same run). Step times: every rank's link at {config['rate']} both ways")
+        print("(unlimited: no tc limit), all ranks on this machine's CPUs (compute-bound steps")
+        print("are pessimistic).")
+    else:
+        print("(same run). Step times are meaningful only on a quiet machine and say nothing")
+        print("about slow links (see --rate).")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=1, help="first steps left out of the step time")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--context", type=int, default=32, help="tokens per sequence")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--json", default=None, help="also write rank 0's results here")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--rate", default=None, help="tc rate of every rank's link (e.g. 1gbit; needs root)"
+    )
+    p.add_argument("--prefix", default="fnfsdp", help="name prefix of the namespaces (--rate)")
+    p.add_argument("--subnet", default="10.214.0", help="first three octets of the /24 (--rate)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.ranks < 2:
+        p.error("--ranks must be at least 2")
+    if not 0 <= args.warmup < args.steps:
+        p.error("--warmup must be within 0..--steps - 1")
+    if args.timeout <= 0:
+        p.error("--timeout must be positive")
+    if args.rate is not None:
+        try:
+            cluster.parse_rate(args.rate)
+        except ValueError as err:
+            p.error(f"--rate: {err}")
+        problem = cluster.naming_error(args.prefix, args.subnet)
+        if problem:
+            p.error(problem)
+    return args
+
+
+def _namespace_worker(config: dict) -> None:
+    """One rank inside its namespace (``--worker``): rank 0 writes the results to ``out``."""
+    faulthandler.dump_traceback_later(config["timeout"], exit=True)
+    torch.set_num_threads(1)
+    rank, world_size = config["rank"], config["world_size"]
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=config["timeout"]),
+    )
+    try:
+        dist.barrier()  # gloo connects lazily: connect before the timed work starts
+        results = _worker(rank, world_size, None, config)
+        if rank == 0:
+            with open(config["out"], "w") as f:
+                json.dump(results, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_on_links(args: argparse.Namespace, config: dict) -> dict:
+    """Rank 0's results, every rank in its own namespace behind a link at ``args.rate``."""
+    cluster.check_host("benchmarks/fsdp.py --rate", hint="; run without --rate for local gloo")
+    config = {**config, "world_size": args.ranks, "master_addr": cluster.address(args.subnet, 0)}
+    try:
+        with cluster.namespace_cluster(args.prefix, args.ranks, args.subnet) as logdir:
+            cluster.shape(args.prefix, args.ranks, args.rate)
+            print(f"rate {args.rate}: running {args.ranks} ranks", flush=True)
+            return cluster.run_ranks(
+                args.prefix, config, logdir, args.timeout, script=__file__, echo=True
+            )
+    except cluster.Interrupted as err:
+        print(f"interrupted by {err}: cleaned up", file=sys.stderr)
+        raise SystemExit(130) from None
+    except RuntimeError as err:
+        print(f"fsdp.py failed: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.worker is not None:
+        _namespace_worker(json.loads(args.worker))
+        return
     config = {
         "ranks": args.ranks,
         "steps": args.steps,
+        "warmup": args.warmup,
+        "rate": args.rate,
+        "timeout": args.timeout,
         "example_args": [
             "--layers", str(args.layers), "--d-model", str(args.d_model),
             "--group-size", str(args.group_size), "--bits", "4", "--err-beta", "0.8",
+            "--batch", str(args.batch), "--context", str(args.context),
         ],
     }  # fmt: skip
-    results = spawn_gloo(
-        _worker, args.ranks, (config,), timeout=args.timeout, on_message=lambda r, m: None
-    )
-    print_results(results, config)
+    if args.rate is None:
+        results = spawn_gloo(
+            _worker, args.ranks, (config,), timeout=args.timeout, on_message=lambda r, m: None
+        )
+        rank0 = results[0]
+    else:
+        rank0 = _run_on_links(args, config)
+    print_results(rank0, config)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": config, "rank0": results[0]}, f, indent=1)
+            json.dump({"config": config, "rank0": rank0}, f, indent=1)
 
 
 if __name__ == "__main__":

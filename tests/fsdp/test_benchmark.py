@@ -1,9 +1,12 @@
-"""A tiny run of benchmarks/fsdp.py: it trains all three modes and counts bytes at the interface."""
+"""Tiny runs of benchmarks/fsdp.py: all modes, bytes counted at the interface, and (as root)
+the same on rate-limited links between network namespaces."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -12,18 +15,22 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.timeout(600)
-def test_tiny_benchmark_counts_bytes_and_losses(tmp_path):
-    out = tmp_path / "fsdp.json"
-    tiny = ["--steps", "2", "--layers", "1", "--d-model", "32", "--timeout", "500"]
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "fsdp.py"), *tiny, "--json", str(out)],
+def _run_benchmark(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "fsdp.py"), *args],
         capture_output=True,
         text=True,
         timeout=560,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": ROOT},
     )
+
+
+@pytest.mark.timeout(600)
+def test_tiny_benchmark_counts_bytes_and_losses(tmp_path):
+    out = tmp_path / "fsdp.json"
+    tiny = ["--steps", "2", "--layers", "1", "--d-model", "32", "--timeout", "500"]
+    proc = _run_benchmark(*tiny, "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out loss" in proc.stdout
     results = json.loads(out.read_text())["rank0"]
@@ -40,3 +47,79 @@ def test_tiny_benchmark_counts_bytes_and_losses(tmp_path):
         else:  # parameters: FSDP2's own all-gather
             assert counted["all_gather"] == dense["all_gather"]
         assert abs(results[mode]["held_out_loss"] / results["dense"]["held_out_loss"] - 1) < 0.05
+
+
+def _load_benchmark():
+    path = os.path.join(ROOT, "benchmarks", "fsdp.py")
+    spec = importlib.util.spec_from_file_location("_bench_fsdp", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _namespaces_unavailable() -> str | None:
+    """Why ``--rate`` cannot run here, or ``None``."""
+    if os.geteuid() != 0:
+        return "--rate needs root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"--rate needs iproute2 ({', '.join(missing)} missing)"
+    probe = "fnprobe-rate"
+    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode != 0:
+        return "cannot create network namespaces here"
+    subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
+    return None
+
+
+@pytest.mark.timeout(600)
+def test_tiny_benchmark_on_rate_limited_links(tmp_path):
+    reason = _namespaces_unavailable()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "fsdp.json"
+    tiny = ["--steps", "3", "--warmup", "1", "--layers", "1", "--d-model", "32"]
+    links = ["--rate", "1gbit", "--prefix", "fntest", "--subnet", "10.215.0", "--timeout", "400"]
+    proc = _run_benchmark(*tiny, *links, "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "links at 1gbit" in proc.stdout and "dense/this" in proc.stdout
+    assert "dense: step 1/3" in proc.stdout  # rank 0's progress comes through
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "fntest-" not in listed  # the namespaces were removed
+    results = json.loads(out.read_text())["rank0"]
+    dense = results["dense"]["bytes_per_step"]
+    for mode in ("dense", "loco", "qgz", "loco+qwz"):
+        assert results[mode]["step_s"] > 0
+    for mode in ("loco", "qgz"):  # the same byte counts as over loopback
+        assert results[mode]["bytes_per_step"]["all_to_all"] < 0.25 * dense["reduce_scatter"]
+        assert results[mode]["bytes_per_step"]["all_gather"] == dense["all_gather"]
+
+
+def test_rate_needs_root(monkeypatch):
+    bench = _load_benchmark()
+    monkeypatch.setattr(bench.cluster.os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit, match=r"fsdp.py --rate needs root"):
+        bench.main(["--rate", "1gbit"])
+
+
+def test_rate_needs_iproute2(monkeypatch):
+    bench = _load_benchmark()
+    monkeypatch.setattr(bench.cluster.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(bench.cluster.shutil, "which", lambda tool: None)
+    with pytest.raises(SystemExit, match="ip, tc not found"):
+        bench.main(["--rate", "1gbit"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--rate", "fast"], "--rate"),
+        (["--rate", "1gbit", "--prefix", "Bad"], "--prefix"),
+        (["--rate", "1gbit", "--subnet", "8.8.8"], "private"),
+        (["--steps", "2", "--warmup", "2"], "--warmup"),
+        (["--ranks", "1"], "--ranks"),
+    ],
+)
+def test_bad_arguments_are_named(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        _load_benchmark().parse_args(argv)
+    assert message in capsys.readouterr().err
