@@ -27,6 +27,13 @@ weights, Trainer/Accelerate start-up barriers and data loader seeding) and Train
 work. fn's own byte counter is not used (it is printed alongside, for fn's collectives only).
 ``warmup`` is the part before step ``--freeze - 1``, ``compressed`` the rest.
 
+Trainer's small excess over the bare loop is DDP's allreduce of its used-parameter map, which
+DDP runs every step under ``find_unused_parameters=True`` (Trainer's default for a model that is
+not a ``PreTrainedModel``; ``ddp_find_unused_parameters=False`` removes it and the row then equals
+the bare one): a few hundred bytes per step, whatever the model size. With batches that carry
+``labels`` (e.g. a GPT-2), Trainer also gathers the label count every step
+(``average_tokens_across_devices``, on by default), another collective of one number per step.
+
 Gloo sends a few hundred bytes per collective besides the data, which dominates tiny models;
 the 1.05x comparison of issue 16 needs gradient bytes to dominate (about 4M params or more):
 
