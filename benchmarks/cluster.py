@@ -10,13 +10,25 @@ Needs root, ``ip`` and ``tc`` (iproute2). It builds a private virtual cluster on
   receives at most RATE, like a full-duplex NIC port of that speed.
 
 Then it runs one gloo rank per namespace (``ip netns exec NS python3 cluster.py --worker ...``,
-MASTER_ADDR the rank-0 address, GLOO_SOCKET_IFNAME=eth0) and measures, for each rate, in the same
-processes: (1) ``dist.all_reduce`` vs fn's 1-bit ``compressed_allreduce`` vs the 4-bit
-``loco_allreduce`` on fp32 buffers of 2^k values, (2) full training steps of an MLP (~25M params,
-synthetic data): forward, backward, gradient communication and optimizer, for Adam with one
-dense allreduce of the flat gradient, Adam under DDP, and fn's 1-bit Adam in its compressed
-phase. Every method is timed between barriers, the methods interleaved in each repeat, and the
-median of rank 0's times is printed with the speedup over the dense baseline.
+MASTER_ADDR the rank-0 address, GLOO_SOCKET_IFNAME=eth0, ``--threads`` intra-op threads) and
+measures, for each rate, in the same processes, in steady state (after ``--warmup`` untimed
+calls, every buffer reused):
+
+1. allreduce of fp32 buffers of 2^k values: ``dist.all_reduce`` in place (the baseline), fn's
+   1-bit ``compressed_allreduce`` with ``out=`` (errors updated in place, the mean written into a
+   preallocated buffer) and the 4-bit ``loco_allreduce`` with ``donate=True``;
+2. full training steps of an MLP (~25M params, synthetic data): forward, backward, gradient
+   communication and optimizer, for Adam with one dense allreduce of the flat gradient, Adam
+   under DDP (the two baselines), ``fn.onebit_adam`` in its compressed phase with
+   ``donate=True`` and ``fn.apply_updates(..., donate=True)``, the ``fn.optim.OnebitAdam`` adapter
+   in its compressed phase, and the same step with no communication (the floor).
+
+Every method is timed between barriers, the methods interleaved in each repeat, and the median
+of rank 0's times is printed with the speedup over the dense baseline (allreduce) or the faster
+Adam row (training) and each step's ratio to the floor. A summary ends the run: every target of
+issue #17 that cluster.py measures, its ratio and "met", "NOT met" or "not measured" (a rate or
+size this run left out), with the load average before the run and THP_MEM_ALLOC_ENABLE (set it
+as ``sudo THP_MEM_ALLOC_ENABLE=1 python3 ...``).
 
 All ranks share this machine's CPUs: compute that would run in parallel on a real cluster
 (compression, backward) competes here, so compute-bound rows are pessimistic.
@@ -27,6 +39,7 @@ killed run left behind (namespaces named PREFIX-*, after killing the processes i
 Every child has a timeout and every loop is bounded.
 
 Run:  sudo python3 benchmarks/cluster.py [--ranks 4] [--rates 1gbit,10gbit] [--log2-sizes 20-25]
+      [--threads 1]
       python3 benchmarks/cluster.py --dry-run     (print the plan; needs nothing)
       sudo python3 benchmarks/cluster.py --cleanup
 """
@@ -48,6 +61,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$")
@@ -225,7 +239,7 @@ def run_ranks(
         "MASTER_ADDR": config["master_addr"],
         "MASTER_PORT": str(PORT),
         "GLOO_SOCKET_IFNAME": IFNAME,
-        "OMP_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": str(config["threads"]),
         "PYTHONPATH": REPO,
     }
     procs, logs = [], []
@@ -343,6 +357,13 @@ def _timed(fns: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dic
 
 
 def bench_collectives(cfg: dict) -> list[dict]:
+    """Allreduce times in steady state: every call writes into buffers made once.
+
+    Dense: ``dist.all_reduce`` in place on a copy of ``x``. 1-bit: ``compressed_allreduce`` with
+    its errors updated in place and ``y`` into a preallocated buffer (``out=``). 4-bit:
+    ``loco_allreduce`` with its state donated (``donate=True``, errors updated in place) and the
+    mean written into the buffer it is given (a copy of ``x``, as for dense).
+    """
     import torch
     import torch.distributed as dist
 
@@ -358,8 +379,8 @@ def bench_collectives(cfg: dict) -> list[dict]:
     for log2n in cfg["log2_sizes"]:
         n = 2**log2n
         x = torch.randn(n, generator=torch.Generator().manual_seed(cfg["rank"]))
-        buf = torch.empty_like(x)
-        errors = list(init_error_feedback(n, comm=comm))
+        buf, y = torch.empty_like(x), torch.empty_like(x)
+        worker_error, server_error = init_error_feedback(n, comm=comm)
         loco = loco_allreduce(4, 128, comm=comm)
         box = {"loco": loco.init({"x": x})}
 
@@ -367,11 +388,12 @@ def bench_collectives(cfg: dict) -> list[dict]:
             buf.copy_(x)
             dist.all_reduce(buf)
 
-        def onebit(x=x, errors=errors):
-            _, errors[0], errors[1] = compressed_allreduce(x, *errors, comm=comm)
+        def onebit(x=x, y=y, we=worker_error, se=server_error):
+            compressed_allreduce(x, we, se, comm=comm, out=(y, we, se))
 
-        def loco4(x=x, box=box, loco=loco):
-            _, box["loco"] = loco.update({"x": x}, box["loco"])
+        def loco4(x=x, buf=buf, box=box, loco=loco):
+            buf.copy_(x)
+            _, box["loco"] = loco.update({"x": buf}, box["loco"], donate=True)
 
         comm.reset_bytes_sent()
         onebit()
@@ -392,7 +414,7 @@ def bench_collectives(cfg: dict) -> list[dict]:
             }
         )
         _log(cfg, f"collectives 2^{log2n}: " + ", ".join(f"{k} {v:.4f}s" for k, v in times.items()))
-        del x, buf, errors, box
+        del x, buf, y, worker_error, server_error, box
     return rows
 
 
@@ -433,6 +455,7 @@ def bench_training(cfg: dict) -> dict:
     import torch.distributed as dist
 
     import fn
+    import fn.optim
     from fn.collectives import ProcessGroup
 
     world, rank = cfg["world_size"], cfg["rank"]
@@ -474,7 +497,8 @@ def bench_training(cfg: dict) -> dict:
         loss_of(ddp_model).backward()
         ddp_opt.step()
 
-    # fn.onebit_adam on the flat buffer (one leaf: one compressed allreduce per step).
+    # fn.onebit_adam on the flat buffer (one leaf: one compressed allreduce per step), donating
+    # its state and the gradient buffer (which receives the updates), params updated in place.
     onebit_model = build_mlp(cfg["width"], cfg["hidden"])
     flat_p, flat_g = flat_views(onebit_model)
     opt = fn.onebit_adam(lr=1e-4, freeze_step=2, comm=ProcessGroup())
@@ -484,18 +508,34 @@ def bench_training(cfg: dict) -> dict:
     updates, state = opt.warmup_update({"w": flat_g}, box["state"], step=1)
     with torch.no_grad():
         flat_p.copy_(fn.apply_updates({"w": flat_p}, updates)["w"])
-    # The frozen variance stands in for a long warmup: after one update it is (1 - b2) g^2, and
-    # m / sqrt(v) would blow the params up within a few steps. The cost does not depend on it.
-    v = state.exp_avg_sq["w"]
-    box["state"] = state._replace(exp_avg_sq={"w": torch.full_like(v, v.mean().item() / 1e-3)})
+    box["state"] = state._replace(exp_avg_sq={"w": long_warmup_variance(state.exp_avg_sq["w"])})
 
     def onebit_compressed():
         box["t"] += 1
         flat_g.zero_()
         loss_of(onebit_model).backward()
-        updates, box["state"] = opt.compressed_update({"w": flat_g}, box["state"], step=box["t"])
+        updates, box["state"] = opt.compressed_update(
+            {"w": flat_g}, box["state"], step=box["t"], donate=True
+        )
         with torch.no_grad():
-            flat_p.add_(updates["w"])  # fn.apply_updates's sum, in place as fn.optim does
+            fn.apply_updates({"w": flat_p}, updates, donate=True)
+
+    # The torch.optim adapter (always donates; one flat leaf), with the same frozen variance.
+    optim_model = build_mlp(cfg["width"], cfg["hidden"])
+    optim_opt = fn.optim.OnebitAdam(
+        optim_model.parameters(), lr=1e-4, freeze_step=2, comm=ProcessGroup()
+    )
+    loss_of(optim_model).backward()
+    optim_opt.step()
+    checkpoint = optim_opt.state_dict()
+    functional = checkpoint["state"][0]["functional"]
+    functional[".exp_avg_sq"] = long_warmup_variance(functional[".exp_avg_sq"])
+    optim_opt.load_state_dict(checkpoint)
+
+    def onebit_optim():
+        optim_opt.zero_grad(set_to_none=False)
+        loss_of(optim_model).backward()
+        optim_opt.step()
 
     numel = flat_p.numel()
     times = _timed(
@@ -503,6 +543,7 @@ def bench_training(cfg: dict) -> dict:
             "adam_dense": adam_dense,
             "adam_ddp": adam_ddp,
             "onebit": onebit_compressed,
+            "onebit_optim": onebit_optim,
             "adam_local": adam_local,
         },
         cfg["train_repeats"],
@@ -510,6 +551,15 @@ def bench_training(cfg: dict) -> dict:
     )
     _log(cfg, "training: " + ", ".join(f"{k} {v:.4f}s" for k, v in times.items()))
     return {"params": numel, **times}
+
+
+def long_warmup_variance(v):
+    """A frozen variance standing in for a long warmup: after one update it is (1 - b2) g^2, and
+    m / sqrt(v) would blow the params up within a few steps. The step's cost does not depend on
+    it."""
+    import torch
+
+    return torch.full_like(v, v.mean().item() / 1e-3)
 
 
 def _log(cfg: dict, msg: str) -> None:
@@ -524,7 +574,7 @@ def worker_main(cfg: dict) -> None:
     import torch.distributed as dist
 
     faulthandler.dump_traceback_later(cfg["timeout"], exit=True)
-    torch.set_num_threads(1)
+    torch.set_num_threads(cfg["threads"])
     dist.init_process_group(
         "gloo",
         rank=cfg["rank"],
@@ -571,19 +621,125 @@ def print_results(results: list[dict], args: argparse.Namespace) -> None:
                 )
         if "training" in res:
             t = res["training"]
+            adam, floor = adam_baseline(t), t["adam_local"]
             print(
                 f"\ntraining step, MLP {args.width}-{args.hidden}-{args.hidden}-{args.width} "
                 f"({t['params'] / 1e6:.1f}M params), batch {args.batch} per rank, {args.ranks} "
-                f"ranks at {rate}, median of {args.train_repeats} (ms; speedup vs Adam dense)"
+                f"ranks at {rate}, median of {args.train_repeats} (ms; x Adam = the faster Adam "
+                "row's time / this; / floor = this / the no-communication row's)"
             )
-            names = {
-                "adam_dense": "Adam: flat dense allreduce + torch Adam",
-                "adam_ddp": "Adam: DDP + torch Adam",
-                "onebit": "fn.onebit_adam, compressed phase",
-                "adam_local": "no communication (local Adam, a floor)",
-            }
-            for key, label in names.items():
-                print(f"  {label:42s} {1e3 * t[key]:9.1f}   x{t['adam_dense'] / t[key]:5.2f}")
+            for key, label in TRAINING_ROWS.items():
+                print(
+                    f"  {label:48s} {1e3 * t[key]:9.1f}   x Adam {adam / t[key]:5.2f}   "
+                    f"/ floor {t[key] / floor:5.2f}"
+                )
+
+
+TRAINING_ROWS = {
+    "adam_dense": "Adam: flat dense allreduce + torch Adam",
+    "adam_ddp": "Adam: DDP + torch Adam",
+    "onebit": "fn.onebit_adam compressed, donate=True",
+    "onebit_optim": "fn.optim.OnebitAdam compressed",
+    "adam_local": "no communication (local Adam, the floor)",
+}
+
+
+def adam_baseline(training: dict) -> float:
+    """The Adam baseline of a training result: the faster of its two Adam rows."""
+    return min(training["adam_dense"], training["adam_ddp"])
+
+
+class Target(NamedTuple):
+    """A target of issue #17 that one cluster.py run measures."""
+
+    text: str
+    rate_bits: float
+    measure: Callable[[dict], float | None]  # one rate's results -> the ratio
+    at_least: float | None = None  # met when ratio >= at_least
+    at_most: float | None = None  # met when ratio <= at_most
+
+
+def _allreduce_speedup(log2n: int, key: str) -> Callable[[dict], float | None]:
+    def measure(res: dict) -> float | None:
+        rows = [r for r in res.get("collectives", ()) if r["log2n"] == log2n]
+        return rows[0]["dense"] / rows[0][key] if rows else None
+
+    return measure
+
+
+def _training_ratio(key: str, over_floor: bool) -> Callable[[dict], float | None]:
+    def measure(res: dict) -> float | None:
+        t = res.get("training")
+        if t is None:
+            return None
+        return t[key] / t["adam_local"] if over_floor else adam_baseline(t) / t[key]
+
+    return measure
+
+
+TARGETS = (
+    Target("1-bit allreduce >= 8x dense, 2^24, 1 Gbit/s", 1e9, _allreduce_speedup(24, "onebit"), 8),
+    Target(
+        "1-bit allreduce >= 1x dense, 2^24, 10 Gbit/s", 1e10, _allreduce_speedup(24, "onebit"), 1
+    ),
+    Target(
+        "4-bit LoCo allreduce >= 4x dense, 2^24, 1 Gbit/s", 1e9, _allreduce_speedup(24, "loco4"), 4
+    ),
+    Target("fn.onebit_adam step >= 3x Adam, 1 Gbit/s", 1e9, _training_ratio("onebit", False), 3),
+    Target(
+        "fn.optim.OnebitAdam step >= 3x Adam, 1 Gbit/s",
+        1e9,
+        _training_ratio("onebit_optim", False),
+        3,
+    ),
+    Target(
+        "fn.onebit_adam step <= 1.3x the floor, 1 Gbit/s",
+        1e9,
+        _training_ratio("onebit", True),
+        at_most=1.3,
+    ),
+    Target(
+        "fn.optim.OnebitAdam step <= 1.3x the floor, 1 Gbit/s",
+        1e9,
+        _training_ratio("onebit_optim", True),
+        at_most=1.3,
+    ),
+)
+
+
+def target_status(results: list[dict]) -> list[tuple[str, float | None, str]]:
+    """Every target with its measured ratio (``None``: not measured in this run) and "met",
+    "NOT met" or "not measured"."""
+    rows = []
+    for target in TARGETS:
+        ratio = next(
+            (
+                value
+                for res in results
+                if parse_rate(res["rate"]) == target.rate_bits
+                and (value := target.measure(res)) is not None
+            ),
+            None,
+        )
+        if ratio is None:
+            rows.append((target.text, None, "not measured"))
+            continue
+        met = (target.at_least is None or ratio >= target.at_least) and (
+            target.at_most is None or ratio <= target.at_most
+        )
+        rows.append((target.text, ratio, "met" if met else "NOT met"))
+    return rows
+
+
+def print_summary(results: list[dict], args: argparse.Namespace, load: float) -> None:
+    thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "unset")
+    print(
+        f"\nissue #17 targets ({args.ranks} ranks, {args.threads} thread(s) per rank; load "
+        f"average before the run {load:.2f}; THP_MEM_ALLOC_ENABLE={thp})"
+    )
+    for text, ratio, status in target_status(results):
+        measured = "-" if ratio is None else f"{ratio:.2f}x"
+        print(f"  {text:54s} {measured:>8s}   {status}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -597,7 +753,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log2-sizes", default="20-25", help="allreduce sizes 2^k: LO-HI or list")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per collective")
     parser.add_argument("--train-repeats", type=int, default=5, help="timed training steps")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed calls before timing")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="untimed calls before timing (the fn.optim adapter, double-buffered, reaches its "
+        "steady state on its third step)",
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--width", type=int, default=1024, help="MLP input/output width")
     parser.add_argument("--hidden", type=int, default=4096, help="MLP hidden width")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
@@ -620,8 +783,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(str(err))
     if not 2 <= args.ranks <= 16:
         parser.error("--ranks must be within 2..16")
-    if min(args.repeats, args.train_repeats) < 1 or args.warmup < 0:
-        parser.error("--repeats and --train-repeats must be >= 1, --warmup >= 0")
+    if min(args.repeats, args.train_repeats, args.threads) < 1 or args.warmup < 0:
+        parser.error("--repeats, --train-repeats and --threads must be >= 1, --warmup >= 0")
     problem = naming_error(args.prefix, args.subnet)
     if problem:
         parser.error(problem)
@@ -651,6 +814,7 @@ def worker_config(args: argparse.Namespace, rate: str) -> dict:
         "repeats": args.repeats,
         "train_repeats": args.train_repeats,
         "warmup": args.warmup,
+        "threads": args.threads,
         "width": args.width,
         "hidden": args.hidden,
         "batch": args.batch,
@@ -691,9 +855,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"removed {len(removed)} namespaces: {' '.join(removed) or '-'}")
         return
     check_no_leftovers(args.prefix)
+    load = os.getloadavg()[0]
     print(
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, "
+        f"{os.cpu_count()} CPUs, load average {load:.2f}, "
         f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}"
     )
     results = []
@@ -711,9 +876,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"cluster.py failed: {err}", file=sys.stderr)
         raise SystemExit(1) from None
     print_results(results, args)
+    print_summary(results, args, load)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": sys.argv[1:], "results": results}, f, indent=1)
+            json.dump({"args": sys.argv[1:], "load": load, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import ipaddress
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -171,3 +172,113 @@ def test_cluster_flat_views_share_storage_with_the_model():
     with torch.no_grad():
         flat_p.add_(1.0)
     assert torch.equal(next(model.parameters()), before[0] + 1.0)
+
+
+def test_cluster_dry_run_passes_threads_and_warmup_to_the_ranks():
+    proc = _cli("cluster.py", "--dry-run", "--threads", "2", "--warmup", "4")
+    assert proc.returncode == 0, proc.stderr
+    worker = next(line for line in proc.stdout.splitlines() if line.startswith("ip netns exec"))
+    config = json.loads(worker.split("--worker ", 1)[1].strip("'"))
+    assert (config["threads"], config["warmup"]) == (2, 4)
+
+
+def test_cluster_rejects_zero_threads(capsys):
+    with pytest.raises(SystemExit):
+        cluster.parse_args(["--threads", "0"])
+    assert "--threads" in capsys.readouterr().err
+
+
+def _fake_results(onebit_24, loco_24, onebit_10g, step_1bit, step_optim):
+    """cluster.py results at 1gbit and 10gbit with the given times (dense 1 s, Adam 1 s)."""
+
+    def collectives(onebit, loco):
+        return [
+            {"log2n": 22, "dense": 1.0, "onebit": 1.0, "loco4": 1.0},
+            {"log2n": 24, "dense": 1.0, "onebit": onebit, "loco4": loco},
+        ]
+
+    training = {"adam_dense": 1.2, "adam_ddp": 1.0, "onebit": step_1bit}
+    training.update(onebit_optim=step_optim, adam_local=0.25)
+    return [
+        {"rate": "1gbit", "collectives": collectives(onebit_24, loco_24), "training": training},
+        {"rate": "10000mbit", "collectives": collectives(onebit_10g, 1.0)},
+    ]
+
+
+def test_cluster_target_status_compares_each_ratio_with_its_target():
+    results = _fake_results(1 / 8, 1 / 3.9, 1.0, 0.3, 0.34)
+    status = {text: (ratio, verdict) for text, ratio, verdict in cluster.target_status(results)}
+    assert len(status) == len(cluster.TARGETS) == 7
+    by_key = {
+        "1-bit allreduce >= 8x dense, 2^24, 1 Gbit/s": (8.0, "met"),
+        "1-bit allreduce >= 1x dense, 2^24, 10 Gbit/s": (1.0, "met"),
+        "4-bit LoCo allreduce >= 4x dense, 2^24, 1 Gbit/s": (3.9, "NOT met"),
+        # the faster Adam row (DDP, 1.0 s) is the baseline
+        "fn.onebit_adam step >= 3x Adam, 1 Gbit/s": (1 / 0.3, "met"),
+        "fn.optim.OnebitAdam step >= 3x Adam, 1 Gbit/s": (1 / 0.34, "NOT met"),
+        "fn.onebit_adam step <= 1.3x the floor, 1 Gbit/s": (1.2, "met"),
+        "fn.optim.OnebitAdam step <= 1.3x the floor, 1 Gbit/s": (1.36, "NOT met"),
+    }
+    for text, (ratio, verdict) in by_key.items():
+        assert status[text][0] == pytest.approx(ratio) and status[text][1] == verdict, text
+
+
+def test_cluster_target_status_says_what_a_run_did_not_measure():
+    results = _fake_results(0.1, 0.1, 0.1, 0.3, 0.3)[:1]  # no 10gbit rate
+    del results[0]["training"]
+    status = cluster.target_status(results)
+    measured = [text for text, ratio, verdict in status if verdict != "not measured"]
+    assert measured == [
+        "1-bit allreduce >= 8x dense, 2^24, 1 Gbit/s",
+        "4-bit LoCo allreduce >= 4x dense, 2^24, 1 Gbit/s",
+    ]
+    assert all(ratio is None for _, ratio, verdict in status if verdict == "not measured")
+
+
+@pytest.mark.timeout(300)
+def test_cluster_ranks_run_every_row_on_loopback(tmp_path, capsys):
+    """The rank side of cluster.py, 2 ranks on loopback (no namespaces, no root), tiny sizes:
+    every allreduce and training row runs and the report and the summary print them."""
+    argv = ["--ranks", "2", "--rates", "1gbit", "--log2-sizes", "10,11", "--repeats", "1"]
+    argv += ["--train-repeats", "1", "--warmup", "3", "--width", "8", "--hidden", "16"]
+    args = cluster.parse_args([*argv, "--batch", "4"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "result.json"
+    config = {**cluster.worker_config(args, "1gbit"), "master_addr": "127.0.0.1"}
+    config = {**config, "timeout": 240, "out": str(out)}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.join(BENCH, "cluster.py"), "--worker"]
+            + [json.dumps({**config, "rank": rank})],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        for rank in range(2)
+    ]
+    try:
+        logs = [p.communicate(timeout=260)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
+    result = json.loads(out.read_text())
+    assert [row["log2n"] for row in result["collectives"]] == [10, 11]
+    for row in result["collectives"]:
+        assert all(row[k] > 0 for k in ("dense", "onebit", "loco4"))
+        assert 0 < row["onebit_bytes"] < row["loco4_bytes"] < row["dense_bytes"]
+    assert set(result["training"]) == {"params", *cluster.TRAINING_ROWS}
+    cluster.print_results([result], args)
+    cluster.print_summary([result], args, load=0.5)
+    printed = capsys.readouterr().out
+    for label in cluster.TRAINING_ROWS.values():
+        assert label in printed
+    assert re.search(r"fn\.optim\.OnebitAdam step >= 3x Adam, 1 Gbit/s\s+[\d.]+x", printed)
+    assert "load average before the run 0.50" in printed
