@@ -2,7 +2,11 @@
 
 W = 4 ranks, n = 2^22 fp32 values. Bytes are counted by the comms (per rank, the formulas in
 fn/collectives/_traffic.py) on Simulated(W) and on W real processes; the wall time compares
-the 1-bit (and 4-bit LoCo) allreduce with dist.all_reduce on the same data in those processes.
+the 1-bit (and 4-bit LoCo) allreduce with dist.all_reduce on the same data in those processes,
+in steady state: after a warm-up call, every call writes into buffers made once
+(``dist.all_reduce`` in place on a copy of the data; ``compressed_allreduce`` with ``out=``, its
+errors updated in place; ``loco_allreduce`` with ``donate=True``, its mean written into a copy
+of the data).
 
 With ``--backend nccl`` every rank runs on its own GPU (rank r on cuda:r, its buffers there, the
 kernels of the CUDA kernel set, default Triton), W = the GPU count unless ``--world`` says less,
@@ -91,21 +95,27 @@ def _worker(rank, world, backend, port, n, repeats, results):
     )
     comm = ProcessGroup()
     x = torch.randn(n, generator=torch.Generator().manual_seed(rank)).to(device)
+    buf, y = torch.empty_like(x), torch.empty_like(x)
     we, se = init_error_feedback(n, comm=comm, device=device)
     tx = loco_allreduce(4, GROUP, comm=comm)
-    state = tx.init({"x": x})
+    box = {"state": tx.init({"x": x})}
 
     def dense():
-        y = x.clone()
-        dist.all_reduce(y)
+        buf.copy_(x)
+        dist.all_reduce(buf)
+
+    def onebit():
+        compressed_allreduce(x, we, se, comm=comm, out=(y, we, se))
+
+    def loco4():
+        buf.copy_(x)
+        _, box["state"] = tx.update({"x": buf}, box["state"], donate=True)
 
     out = {"dist.all_reduce": _timed(dense, repeats, sync)}
     comm.reset_bytes_sent()
-    out["1-bit compressed_allreduce"] = _timed(
-        lambda: compressed_allreduce(x, we, se, comm=comm), repeats, sync
-    )
+    out["1-bit compressed_allreduce"] = _timed(onebit, repeats, sync)
     out["1-bit bytes"] = comm.reset_bytes_sent() // (repeats + 1)
-    out["4-bit loco_allreduce"] = _timed(lambda: tx.update({"x": x}, state), repeats, sync)
+    out["4-bit loco_allreduce"] = _timed(loco4, repeats, sync)
     out["4-bit bytes"] = comm.reset_bytes_sent() // (repeats + 1)
     results.put((rank, out))
     dist.destroy_process_group()
@@ -147,7 +157,12 @@ def main() -> None:
         parser.error(f"--backend nccl needs one GPU per rank; {torch.cuda.device_count()} here")
     n = 2**args.log2n
     mib = 4 * n / 2**20
-    print(f"W={world}, n=2^{args.log2n} fp32 ({mib:.0f} MiB per rank), torch {torch.__version__}")
+    print(
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, load average "
+        f"{os.getloadavg()[0]:.2f}, THP_MEM_ALLOC_ENABLE="
+        f"{os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}, torch {torch.__version__}"
+    )
+    print(f"W={world}, n=2^{args.log2n} fp32 ({mib:.0f} MiB per rank)")
     nbytes = counted_bytes(n, world)
     dense = nbytes["fp32 ring all_reduce"]
     for name, b in nbytes.items():

@@ -28,6 +28,12 @@ def _load(name):
 cluster = _load("cluster.py")
 
 
+def _env(**extra):
+    """The environment of a benchmark process: this tree's fn first on the path."""
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def _cli(script, *args, timeout=120):
     return subprocess.run(
         [sys.executable, os.path.join(BENCH, script), *args],
@@ -35,7 +41,7 @@ def _cli(script, *args, timeout=120):
         text=True,
         timeout=timeout,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT},
+        env=_env(),
     )
 
 
@@ -248,9 +254,7 @@ def test_cluster_ranks_run_every_row_on_loopback(tmp_path, capsys):
     out = tmp_path / "result.json"
     config = {**cluster.worker_config(args, "1gbit"), "master_addr": "127.0.0.1"}
     config = {**config, "timeout": 240, "out": str(out)}
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     procs = [
         subprocess.Popen(
             [sys.executable, os.path.join(BENCH, "cluster.py"), "--worker"]
@@ -282,3 +286,17 @@ def test_cluster_ranks_run_every_row_on_loopback(tmp_path, capsys):
         assert label in printed
     assert re.search(r"fn\.optim\.OnebitAdam step >= 3x Adam, 1 Gbit/s\s+[\d.]+x", printed)
     assert "load average before the run 0.50" in printed
+
+
+@pytest.mark.timeout(300)
+def test_collectives_tiny_cli_counts_bytes_and_times_every_allreduce():
+    proc = _cli("collectives.py", "--log2n", "10", "--repeats", "2", timeout=280)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert re.search(r"load average [\d.]+, THP_MEM_ALLOC_ENABLE=\S+", out), out
+    ratios = dict(
+        re.findall(r"(\S+ \S+)\s+[\d,]+ bytes sent per rank\s+fp32/this =\s+([\d.]+)x", out)
+    )
+    assert float(ratios["1-bit compressed_allreduce"]) > float(ratios["4-bit loco_allreduce"]) > 1
+    for name in ("dist.all_reduce", "1-bit compressed_allreduce", "4-bit loco_allreduce"):
+        assert re.search(re.escape(name) + r"\s+[\d.]+ ms\s+time / dist.all_reduce =", out), out
