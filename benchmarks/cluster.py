@@ -757,8 +757,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--warmup",
         type=int,
         default=3,
-        help="untimed calls before timing (the fn.optim adapter, double-buffered, reaches its "
-        "steady state on its third step)",
+        help="untimed calls before timing (the fn.optim adapter, double-buffered, needs a few "
+        "steps to reach its steady state)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--width", type=int, default=1024, help="MLP input/output width")

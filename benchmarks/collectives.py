@@ -22,6 +22,7 @@ import argparse
 import datetime
 import multiprocessing as mp
 import os
+import queue
 import socket
 import statistics
 import sys
@@ -133,13 +134,26 @@ def wall_times(n: int, repeats: int, world: int = WORLD, backend: str = "gloo") 
     ]
     for p in procs:
         p.start()
+    outs = {}
+    deadline = time.monotonic() + 600
     try:
-        outs = dict(results.get(timeout=600) for _ in range(world))
+        while len(outs) < world:
+            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"rank {failed[0]} failed (its traceback is above)")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the ranks did not finish within 600 s")
+            try:
+                rank, out = results.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            outs[rank] = out
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=30 if len(outs) == world else 0)  # a failed run: stop the others now
             if p.is_alive():
                 p.kill()
+                p.join()
     return outs[0]
 
 
