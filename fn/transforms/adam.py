@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 from typing import Literal, NamedTuple, get_args
@@ -377,6 +376,22 @@ def _workspace(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return buffer
 
 
+def _batches(gs):
+    """The pieces ``(leaf, start, stop)`` of the leaves ``gs``, ``_PIECE`` elements at most and
+    starting at multiples of it, grouped into batches of at most ``_WORKSPACE`` elements."""
+    batch, size = [], 0
+    for i, g in enumerate(gs):
+        for start in range(0, g.numel(), _PIECE):
+            stop = min(g.numel(), start + _PIECE)
+            if size + stop - start > _WORKSPACE:
+                yield batch
+                batch, size = [], 0
+            batch.append((i, start, stop))
+            size += stop - start
+    if batch:
+        yield batch
+
+
 def _fused_in_pieces(run, ms, vs, gs, ps, dms, dvs):
     """The fused step of :func:`_fused_adam_step` without a full-size temporary: the new
     moments in the donated ones (in place where they are the same tensors; copied piece by
@@ -388,18 +403,11 @@ def _fused_in_pieces(run, ms, vs, gs, ps, dms, dvs):
     new_vs = [buffer_like(d, v) for v, d in zip(vs, dvs, strict=True)]
     leaves = [ms, vs, gs, new_ms, new_vs] + ([ps] if ps is not None else [])
     flat = [[t.view(-1) for t in group] for group in leaves]
-    pieces = [(i, s, min(g.numel(), s + _PIECE)) for i, g in enumerate(gs) for s in range(0, g.numel(), _PIECE)]  # fmt: skip
     workspace = _workspace(gs[0].dtype, gs[0].device)
-    start = 0
-    while start < len(pieces):
-        batch, size = [], 0
-        while start < len(pieces) and size + pieces[start][2] - pieces[start][1] <= _WORKSPACE:
-            batch.append(pieces[start])
-            size += pieces[start][2] - pieces[start][1]
-            start += 1
+    for batch in _batches(gs):
         m, v, g, new_m, new_v, *p = ([x[i][a:b] for i, a, b in batch] for x in flat)
-        offsets = itertools.accumulate((b - a for _, a, b in batch), initial=0)
-        work = [workspace[o : o + b - a] for o, (_, a, b) in zip(offsets, batch)]
+        size = sum(b - a for _, a, b in batch)
+        work = list(workspace[:size].split([b - a for _, a, b in batch]))
         for new, old in ((new_m, m), (new_v, v)):
             pairs = [(n, o) for n, o in zip(new, old, strict=True) if n.data_ptr() != o.data_ptr()]
             if pairs:

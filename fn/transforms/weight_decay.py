@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from fn._validation import check_nonnegative
 from fn._donation import fits
+from fn._validation import check_nonnegative
 from fn.base import EmptyState, GradientTransformation
 from fn.transforms._leaves import map_with_params
 
