@@ -11,7 +11,6 @@ import torch
 from torch.utils import _pytree as pytree
 
 import fn
-
 from fn.collectives import Local
 
 adam_module = importlib.import_module("fn.transforms.adam")  # fn.transforms.adam is the function
