@@ -371,7 +371,7 @@ def _workspace(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """This thread's workspace of ``_WORKSPACE`` elements for ``dtype`` on ``device``."""
     cache = _workspaces.__dict__.setdefault("buffers", {})
     buffer = cache.get((dtype, device))
-    if buffer is None:
+    if buffer is None or buffer.numel() < _WORKSPACE:
         buffer = cache[(dtype, device)] = torch.empty(_WORKSPACE, dtype=dtype, device=device)
     return buffer
 
