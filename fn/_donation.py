@@ -51,6 +51,12 @@ def fits(donated: Any, like: torch.Tensor) -> bool:
     )
 
 
+def can_donate(*tensors: torch.Tensor) -> bool:
+    """Whether results can be written in place next to ``tensors``: eager, not under
+    ``torch.compile``, and every tensor plain (:func:`fits` itself)."""
+    return not torch.compiler.is_compiling() and all(fits(t, t) for t in tensors)
+
+
 def buffer_like(donated: Any, like: torch.Tensor) -> torch.Tensor:
     """``donated`` where it :func:`fits` ``like``, else a new tensor like it (uninitialized)."""
     return donated if fits(donated, like) else torch.empty_like(like)

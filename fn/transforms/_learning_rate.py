@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from fn._donation import fits
+from fn._donation import can_donate
 from fn._foreach import foreach_ok
 from fn._validation import check_shapes
 from fn.tree import PyTree, tree_flatten, tree_unflatten
@@ -33,7 +33,7 @@ def scale_leaves(updates: PyTree, factor: torch.Tensor, in_place: bool = False) 
     ``in_place`` (donated updates), written into the leaves that can take it."""
     leaves, spec = tree_flatten(updates)
     live = [u for u in leaves if u is not None]
-    in_place = in_place and all(fits(u, u) for u in live)
+    in_place = in_place and can_donate(*live, factor)
     if foreach_ok(*live, factor):
         if in_place:
             torch._foreach_mul_(live, factor)

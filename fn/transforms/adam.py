@@ -8,7 +8,7 @@ from typing import Literal, NamedTuple, get_args
 
 import torch
 
-from fn._donation import buffer_like, donated_leaves, donated_state, fits, split_donated
+from fn._donation import buffer_like, can_donate, donated_leaves, donated_state, split_donated
 from fn._foreach import foreach_blocker, foreach_ok, per_leaf
 from fn._validation import check_betas, check_nonnegative, check_shapes
 from fn.base import GradientTransformation, chain
@@ -134,7 +134,7 @@ def _adam_leafwise(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt, donated=None):
     rounding of :func:`_adam_foreach`: ``m / (sqrt(v) * (bc1 / bc2_sqrt) + bc1 * eps)``. The
     in-place steps only touch fresh temporaries that autograd does not save, or donated
     buffers (``donated``: see :func:`_step_live_leaves`)."""
-    if donated is not None and all(fits(g, g) for g in gs):
+    if donated is not None and can_donate(*ms, *vs, *gs):
         return _adam_leafwise_donated(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt, *donated)
     new_ms = [torch.lerp(m, g, 1.0 - b1) for m, g in zip(ms, gs, strict=True)]
     new_vs = [torch.addcmul(v * b2, g, g, value=1.0 - b2) for v, g in zip(vs, gs, strict=True)]
@@ -170,7 +170,7 @@ def _adam_foreach(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt, donated=None):
     plain tensors); same ops and rounding. The in-place ops only touch fresh outputs, or donated
     buffers: the moments copied into the donated ones (none to copy in place), the update into
     the gradient's tensor once the moments have read it."""
-    if donated is not None and all(fits(g, g) for g in gs):
+    if donated is not None and can_donate(*ms, *vs, *gs):
         new_ms, new_vs = (_donated_copies(*pair) for pair in zip((ms, vs), donated, strict=True))
         torch._foreach_lerp_(new_ms, gs, 1.0 - b1)
         torch._foreach_mul_(new_vs, b2)
@@ -343,7 +343,7 @@ def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required):
                 weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
             )  # fmt: skip
 
-        if donated is not None and all(fits(g, g) for g in gs):
+        if donated is not None and can_donate(*gs):
             return _fused_in_pieces(run, ms, vs, gs, ps if weight_decay != 0.0 else None, *donated)
         new_ms = [m.clone() for m in ms]
         new_vs = [v.clone() for v in vs]

@@ -6,13 +6,13 @@ from typing import NamedTuple
 
 import torch
 
-from fn._donation import buffer_like, donated_leaves, donated_state, fits
+from fn._donation import buffer_like, can_donate, donated_leaves, donated_state
 from fn._validation import check_nonnegative, check_shapes
 from fn.base import GradientTransformation, chain
 from fn.transforms._leaves import device_of, update_state_leaves
 from fn.transforms.learning_rate import Schedule, scale_by_learning_rate
 from fn.transforms.weight_decay import add_decayed_weights
-from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten, tree_zeros_like
+from fn.tree import PyTree, tree_flatten, tree_leaves, tree_map, tree_unflatten, tree_zeros_like
 
 __all__ = ["TraceState", "trace", "sgd"]
 
@@ -68,7 +68,7 @@ def trace(
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         del params, extra
         donated = donated_state(donate, state)
-        if donated is not None:
+        if donated is not None and can_donate(*tree_leaves((updates, state))):
             return _trace_donated(updates, state, donated.trace, decay, nesterov, dampening)
         if dampening == 0.0:
 
@@ -110,12 +110,7 @@ def _trace_donated(updates, state, donated, decay, nesterov, dampening):
         else:
             torch.where(first, g, new.add_(g, alpha=1.0 - dampening), out=new)
         new_trace[i] = new
-        if not fits(g, g):
-            out[i] = torch.add(g, new, alpha=decay) if nesterov else new
-        elif nesterov:
-            out[i] = g.add_(new, alpha=decay)
-        else:
-            out[i] = g.copy_(new)
+        out[i] = g.add_(new, alpha=decay) if nesterov else g.copy_(new)
     return tree_unflatten(out, spec), TraceState(state.count + 1, tree_unflatten(new_trace, spec))
 
 

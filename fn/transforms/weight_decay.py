@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fn._donation import fits
+from fn._donation import can_donate
 from fn._validation import check_nonnegative
 from fn.base import EmptyState, GradientTransformation
 from fn.transforms._leaves import map_with_params
@@ -47,7 +47,7 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         return torch.add(u, p, alpha=weight_decay)
 
     def decay_in_place(u, p):
-        return u.add_(p, alpha=weight_decay) if fits(u, u) else decay(u, p)
+        return u.add_(p, alpha=weight_decay) if can_donate(u, p) else decay(u, p)
 
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         del extra

@@ -192,3 +192,27 @@ def test_pure_by_default():
     assert all(
         torch.equal(a, b) for a, b in zip(copies, _leaves((state, grads, params)), strict=True)
     )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fn.adam(0.1, implementation="chain", weight_decay=0.1),
+        lambda: fn.sgd(0.1, momentum=0.9, dampening=0.2),
+        lambda: fn.lamb(0.1, weight_decay=0.1),
+    ],
+    ids=["adam", "sgd", "lamb"],
+)
+def test_donate_under_vmap_computes_the_pure_result(make):
+    """Batched tensors cannot take results in place: donation falls back to the pure ops."""
+    tx = make()
+    params = {"w": torch.ones(3)}
+    state = tx.init(params)
+    grads = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
+
+    def step(g, donate):
+        return tx.update({"w": g}, state, params, donate=donate)
+
+    pure = torch.func.vmap(lambda g: step(g, None))(grads)
+    donated = torch.func.vmap(lambda g: step(g, True))(grads)
+    assert _same(pure, donated)
