@@ -168,6 +168,11 @@ class FunctionalOptimizer(torch.optim.Optimizer):
     to the transform's ``lr`` state field. A ``CompressedOptimizer`` gets ``step=t``, the
     1-based count of the group's updates (skipped steps do not count).
 
+    Buffers: each step donates (``update(..., donate=...)``) the group's state from two steps
+    back and the group's gradient buffer, so in steady state a step makes no new full-size
+    tensor, and the live state is never written (a failed or skipped step leaves it as it was).
+    The group therefore keeps two states and one gradient buffer.
+
     Attributes:
         skipped_steps: how many steps were skipped for non-finite gradients.
         last_step_skipped: whether the last ``step()`` was skipped.
