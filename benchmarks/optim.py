@@ -3,9 +3,10 @@
 One process (Local), an MLP of many small tensors (where per-tensor work dominates). Times are
 the median of ``--repeats`` runs of ``--steps`` optimizer steps each, the methods taking turns
 in every repeat (gradients are fixed, so only the optimizer is timed). Ratios are against
-``torch.optim.Adam(foreach=True)``. Last, for the same model in bf16 (fp32 master copy): the
-share of a compressed ``OnebitAdam`` step spent in the master sync that catches writes to the
-params between steps (``FlatGroup.sync_master``).
+``torch.optim.Adam(foreach=True)``. The adapter rows donate the optimizer's own buffers, as the
+adapter always does (double buffering; README "Buffer donation"). Last, for the same model in
+bf16 (fp32 master copy): the share of a compressed ``OnebitAdam`` step spent in the master sync
+that catches writes to the params between steps (``FlatGroup.sync_master``).
 
 Run: python3 benchmarks/optim.py [--layers 32] [--width 256] [--steps 50] [--repeats 5]
      [--threads N]

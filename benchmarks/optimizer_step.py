@@ -11,10 +11,15 @@ and for torch ``opt.step()`` with the same gradients in ``.grad``. All start fro
 params and see the same fixed gradients. The methods are interleaved in every repeat (so load
 changes hit all of them alike); the time printed is the median over the repeats after the
 warmup steps, and the ratio is time / the time of ``torch.optim.Adam(foreach=True)`` (lower is
-better; the target for fn eager is <= 1.2). ``torch.optim.Adam(fused=True)`` runs as a second
-reference: fn eager uses its kernel on copies of the state, so after the run their params are
-compared bit for bit (the lr, 2^-10, is exact in fp32 as fn stores it), and fn eager's params
-are compared with foreach Adam's (max abs difference). ``--adamw`` times AdamW instead.
+better; the target for fn eager is <= 1.2); "vs fused" is time / the time of
+``torch.optim.Adam(fused=True)``, the second reference. fn eager uses its kernel on copies of the
+state; "fn.adam eager donated" runs it with buffer donation (``update(..., donate=True)`` in place
+on the state, the update written into the gradients' tensors, ``apply_updates(...,
+donate=True)``; the gradients are copied back into their tensors before each step, untimed, as a
+backward pass writes them): the target for it is "vs fused" <= 1.2. After the run fn eager's
+params are compared with fused Adam's bit for bit (the lr, 2^-10, is exact in fp32 as fn stores
+it) and with foreach Adam's (max abs difference), and the donated run's with fn eager's (bit for
+bit). ``--adamw`` times AdamW instead.
 
 Run: python3 benchmarks/optimizer_step.py [--repeats 30] [--warmup 5] [--no-compile] [--adamw]
      python3 benchmarks/optimizer_step.py --vocab 64 --d-model 16 --layers 1 --repeats 2  (tiny)
@@ -63,7 +68,8 @@ def layer_shapes(vocab: int, d_model: int, layers: int) -> dict[str, tuple[int, 
 def make_steppers(
     shapes: dict[str, tuple[int, ...]], lr: float, compile_fn: bool, adamw: bool
 ) -> dict[str, tuple[Callable[[], None], Callable[[], dict[str, torch.Tensor]]]]:
-    """``name -> (step, current params)``: torch foreach and fused, fn eager, fn compiled."""
+    """``name -> (step, current params[, untimed preparation before each step])``: torch foreach
+    and fused, fn eager, fn compiled, fn eager donated (last)."""
     gen = torch.Generator().manual_seed(0)
     params0 = {k: torch.randn(s, generator=gen) * 0.02 for k, s in shapes.items()}
     grads = {k: torch.randn(s, generator=gen) * 1e-3 for k, s in shapes.items()}
@@ -97,6 +103,26 @@ def make_steppers(
             box["params"], box["state"] = step_fn(box["params"], box["state"])
 
         steppers[name] = (step, lambda box=box: box["params"])
+
+    # Donated: the update writes into the state and the gradients' tensors, apply_updates into
+    # the params. The gradients are copied into their (donated) buffers before each timed step,
+    # untimed, as a backward pass would write them.
+    box = {"params": {k: p.clone() for k, p in params0.items()}}
+    box["state"] = tx.init(box["params"])
+    buffers = {k: g.clone() for k, g in grads.items()}
+
+    def donated_step(box=box):
+        updates, box["state"] = tx.update(buffers, box["state"], box["params"], donate=True)
+        fn.apply_updates(box["params"], updates, donate=True)
+
+    def refill():
+        torch._foreach_copy_(list(buffers.values()), list(grads.values()))
+
+    steppers[f"fn.{fn_factory.__name__} eager donated"] = (
+        donated_step,
+        lambda box=box: box["params"],
+        refill,
+    )
     return steppers
 
 
@@ -124,23 +150,29 @@ def main(argv: list[str] | None = None) -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
     steppers = make_steppers(shapes, 2.0**-10, not args.no_compile, args.adamw)
-    for step, _ in steppers.values():
+    for step, _, *refill in steppers.values():
         for _ in range(args.warmup):
+            for prepare in refill:
+                prepare()
             step()
     times: dict[str, list[float]] = {name: [] for name in steppers}
     for _ in range(args.repeats):
-        for name, (step, _) in steppers.items():
+        for name, (step, _, *refill) in steppers.items():
+            for prepare in refill:
+                prepare()
             start = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)
 
     base_name, fused_name, eager_name = list(steppers)[:3]
+    donated_name = list(steppers)[-1]
     base = statistics.median(times[base_name])
+    fused = statistics.median(times[fused_name])
     print(f"median of {args.repeats} steps after {args.warmup} warmup steps; ratio = time / the")
-    print(f"time of {base_name}:")
+    print(f"time of {base_name}; vs fused: time / the time of {fused_name}:")
     for name, ts in times.items():
         t = statistics.median(ts)
-        print(f"  {name:34s} {1e3 * t:8.2f} ms   ratio {t / base:5.2f}")
+        print(f"  {name:34s} {1e3 * t:8.2f} ms   ratio {t / base:5.2f}   vs fused {t / fused:5.2f}")
     got = steppers[eager_name][1]()
     print(f"params of {eager_name} after {args.warmup + args.repeats} steps vs")
     for name in (base_name, fused_name):
@@ -148,6 +180,9 @@ def main(argv: list[str] | None = None) -> None:
         diff = max((ref[k] - got[k]).abs().max().item() for k in shapes)
         same = all(torch.equal(ref[k], got[k]) for k in shapes)
         print(f"  {name:34s} max |difference| {diff:.3g}, bit-identical: {same}")
+    donated = steppers[donated_name][1]()
+    same = all(torch.equal(donated[k], got[k]) for k in shapes)
+    print(f"params of {donated_name} equal to {eager_name}'s bit for bit: {same}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from fn._donation import split_donated, storages_of
 from fn._foreach import foreach_ok
 from fn._validation import check_step_or_plan
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
@@ -70,6 +71,45 @@ class GradientTransformation(NamedTuple):
     ``update`` should accept and ignore keyword arguments it does not know, as optax's do;
     ``chain`` forwards an extra keyword (such as ``step``) to every member that takes it, so a
     member without ``**extra`` works there too.
+
+    Buffer donation (the extra keyword ``donate``): by default ``update`` writes nothing it was
+    given. A caller that no longer needs its old state may hand its tensors over, as JAX's
+    ``donate_argnums`` does, so that the new state and updates are written into them instead of
+    into fresh tensors (on CPU every fresh full-size tensor pays a page fault per 4 KiB page):
+
+    - ``donate=None`` (the default): pure.
+    - ``donate=True``: the same as ``donate=state``, i.e. in place.
+    - ``donate=old``, a state of ``state``'s structure: the caller hands over the tensors of
+      ``old`` AND of ``updates``. The new state may be written into ``old``'s tensors (each
+      into the same field and leaf, where shape, dtype and device fit) and the new updates into
+      the ``updates`` tensors, and those tensors returned. A donated leaf may be the very tensor
+      of the same leaf of ``state``; it must not alias any other leaf of ``state``,
+      ``updates`` or ``params``.
+    - Results are bit for bit those of the pure call. A leaf the update leaves unchanged is
+      returned as the same tensor. After the call the caller reaches the donated tensors only
+      through the returned values; if it raises, they may hold anything (fn's compressed
+      collectives check their inputs before they write).
+    - Donation is permission, never obligation: a transform that does not take ``donate``
+      never sees it (``chain``, ``masked``, ``staged`` and ``CompressedOptimizer.update``
+      forward it, splitting a donated state as they split ``state``) and allocates as before.
+
+    :func:`apply_updates` takes ``donate=True`` too (``params`` updated in place).
+
+    Example:
+        >>> import torch, fn
+        >>> tx = fn.sgd(lr=0.1, momentum=0.9)
+        >>> params, grads = {"w": torch.ones(2)}, {"w": torch.full((2,), 0.5)}
+        >>> state = tx.init(params)
+        >>> pure_updates, pure_state = tx.update(dict(grads), state, params)
+        >>> trace = state[1].trace["w"]
+        >>> updates, state = tx.update({"w": grads["w"].clone()}, state, params, donate=True)
+        >>> state[1].trace["w"] is trace  # the momentum was written in place
+        True
+        >>> torch.equal(updates["w"], pure_updates["w"])
+        True
+        >>> new = fn.apply_updates(params, updates, donate=True)
+        >>> new["w"] is params["w"], params["w"]
+        (True, tensor([0.9500, 0.9500]))
     """
 
     init: TransformInitFn
@@ -146,11 +186,17 @@ class CompressedOptimizer(NamedTuple):
         """
         if check_step_or_plan(step, plan) is not None:
             phase = self.compressed_update if self.is_compressed(step) else self.warmup_update
-            return phase(grads, state, params, step=step, **extra)
+            return _without_unknown_donate(phase, extra)(grads, state, params, step=step, **extra)
         if self.plan is None:
             raise TypeError("this CompressedOptimizer has no plan function: pass step=t")
         phase = self.compressed_update if plan.compressed else self.warmup_update
-        return phase(grads, state, params, plan=plan, **extra)
+        return _without_unknown_donate(phase, extra)(grads, state, params, plan=plan, **extra)
+
+
+def _without_unknown_donate(update: TransformUpdateFn, extra: dict) -> TransformUpdateFn:
+    """``update``, or, when ``extra`` donates, a wrapper that drops the keywords ``update``
+    does not take (a phase without ``donate`` stays pure)."""
+    return update if extra.get("donate") is None else _taking_extras(update)
 
 
 def stateless(f: Callable[[Updates, Params | None], Updates]) -> GradientTransformation:
@@ -257,7 +303,11 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     Every extra keyword given to ``update`` (such as ``step``) goes to every member whose
     ``update`` takes ``**extra`` or names that keyword; the others do not see it. Each member's
-    signature is read once, here.
+    signature is read once, here. ``donate`` (see :class:`GradientTransformation`) is split
+    like the state: member ``i`` gets ``donate[i]`` (or ``True``). Once a member returns
+    updates that are tensors of its state, of an earlier member's state or of ``params`` (a
+    momentum returned as the update, say), the members after it get no ``donate``: they would
+    write into those tensors.
 
     Args:
         *transforms: gradient transformations, applied left to right.
@@ -278,30 +328,43 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init_fn(params):
         return tuple(tx.init(params) for tx in transforms)
 
-    def update_fn(updates, state, params=None, **extra):
+    def update_fn(updates, state, params=None, *, donate=None, **extra):
         if len(state) != len(transforms):
             raise ValueError(
                 f"chain of {len(transforms)} transforms got a state of {len(state)} entries"
             )
+        donated = split_donated("chain", donate, len(transforms))
+        donating = donate is not None
+        kept = storages_of(params) if donating else set()
         new_state = []
-        for update, s in zip(updates_fns, state, strict=True):
-            updates, s = update(updates, s, params, **extra)
+        for update, s, d in zip(updates_fns, state, donated, strict=True):
+            if donating and d is not None:
+                updates, s = update(updates, s, params, donate=d, **extra)
+            else:
+                updates, s = update(updates, s, params, **extra)
+            if donating:
+                kept |= storages_of(s)
+                # updates that hold state or params must not be written by the next members
+                donating = kept.isdisjoint(storages_of(updates))
             new_state.append(s)
         return updates, tuple(new_state)
 
     return GradientTransformation(init_fn, update_fn)
 
 
-def apply_updates(params: Params, updates: Updates) -> Params:
+def apply_updates(params: Params, updates: Updates, *, donate: bool = False) -> Params:
     """Returns ``params + updates`` leafwise, cast back to each param's dtype.
 
     .. math:: p \\leftarrow p + u
 
-    A ``None`` update leaves its param as it is. Inputs are not modified.
+    A ``None`` update leaves its param as it is. Inputs are not modified, unless ``donate``.
 
     Args:
         params: the params pytree.
         updates: a pytree of the same structure (``None`` leaves allowed).
+        donate: add in place into the params' tensors (``p.add_(u)``, the same values) and
+            return those tensors (buffer donation, see :class:`GradientTransformation`). The
+            params must not require grad while autograd records.
 
     Returns:
         The new params, with each param's dtype.
@@ -319,6 +382,14 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     pairs = [(i, p, u) for i, p, u in pairs if p is not None and u is not None]
     ps = [p for _, p, _ in pairs]
     us = [u for _, _, u in pairs]
+    if donate:
+        same_dtypes = all(p.dtype == u.dtype for p, u in zip(ps, us, strict=True))
+        if same_dtypes and foreach_ok(*ps, *us):
+            torch._foreach_add_(ps, us)
+        else:
+            for p, u in zip(ps, us, strict=True):
+                p.add_(u)
+        return params
     sums = torch._foreach_add(ps, us) if foreach_ok(*ps, *us) else map(torch.add, ps, us)
     out = list(p_leaves)
     for (i, p, _), s in zip(pairs, sums, strict=True):
@@ -338,6 +409,7 @@ def staged(opt: CompressedOptimizer) -> GradientTransformation:
     is given (see :class:`CompressedOptimizer`); otherwise it reads the counter on the host
     (``count + 1``), which needs a concrete tensor (eager mode, Local or ProcessGroup comms).
     Under ``Simulated`` (vmap) pass ``step=t``; under ``torch.compile`` pass ``plan=opt.plan(t)``.
+    A donated :class:`StagedState` (``donate=``) hands its ``inner`` state to the optimizer.
 
     Args:
         opt: the compressed optimizer.
@@ -361,7 +433,9 @@ def staged(opt: CompressedOptimizer) -> GradientTransformation:
     def init_fn(params):
         return StagedState(torch.zeros((), dtype=torch.int64), opt.init(params))
 
-    def update_fn(updates, state, params=None, *, step=None, plan=None, **extra):
+    def update_fn(updates, state, params=None, *, step=None, plan=None, donate=None, **extra):
+        if donate is not None and donate is not False:  # the inner state's part
+            extra["donate"] = True if donate is True else donate.inner
         if step is None and plan is None:
             try:
                 step = int(state.count) + 1

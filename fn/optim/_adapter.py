@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from fn._donation import storages_of
 from fn._validation import all_finite, check_int
 from fn.base import CompressedOptimizer, GradientTransformation, set_hyperparams
 from fn.base import get_hyperparam as _get_hyperparam
@@ -81,7 +83,14 @@ def default_comm() -> Any:
 class _Group:
     """The runtime of one param group: flat buffers, transform, functional state, step count,
     and the params left out because they were frozen (``requires_grad=False``) when it was
-    built."""
+    built.
+
+    Double buffering: ``spare`` is the state before ``state`` (or ``None``), which nothing
+    references any more; the next update gets it as its donated state and writes its new state
+    into it, so that the live ``state`` is never written and a failed or skipped step leaves it
+    as it was. ``exported`` holds weak references to the tensors handed out by ``state_dict()``:
+    those are never donated.
+    """
 
     def __init__(self, flat: FlatGroup, transform: Transform, hyper: dict, sync: bool) -> None:
         self.flat = flat
@@ -90,7 +99,35 @@ class _Group:
         self.hyper = hyper
         self.sync = sync
         self.state: Any = None
+        self.spare: Any = None
+        self.exported: list[weakref.ref] = []
         self.step = 0
+
+    def donation(self) -> Any:
+        """The donated state of the next update: ``spare`` with every leaf that shares memory
+        with the live state, the flat buffers or an exported tensor replaced by an empty
+        tensor (which fits no result, so the update allocates that one); ``None`` without a
+        spare."""
+        if self.spare is None:
+            return None
+        self.exported = [ref for ref in self.exported if ref() is not None]
+        exported = [ref() for ref in self.exported]
+        flat = self.flat
+        kept = storages_of((self.state, flat.master, flat.model, flat.grads, exported))
+
+        def leaf(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and not storages_of(x).isdisjoint(kept):
+                return torch.empty(0, dtype=x.dtype, device=x.device)
+            return x
+
+        return pytree.tree_map(leaf, self.spare)
+
+    def commit(self, state: Any) -> None:
+        """Makes ``state`` the live state and the old live state the spare; releases the
+        gradient buffer if the new state kept it."""
+        self.spare, self.state = self.state, state
+        if not storages_of(state).isdisjoint(storages_of(self.flat.grads)):
+            self.flat.release_grads()
 
 
 class FunctionalOptimizer(torch.optim.Optimizer):
@@ -130,6 +167,11 @@ class FunctionalOptimizer(torch.optim.Optimizer):
     written into the functional state with ``fn.set_hyperparams`` before every step; it defaults
     to the transform's ``lr`` state field. A ``CompressedOptimizer`` gets ``step=t``, the
     1-based count of the group's updates (skipped steps do not count).
+
+    Buffers: each step donates (``update(..., donate=...)``) the group's state from two steps
+    back and the group's gradient buffer, so in steady state a step makes no new full-size
+    tensor, and the live state is never written (a failed or skipped step leaves it as it was).
+    The group therefore keeps two states and one gradient buffer.
 
     Attributes:
         skipped_steps: how many steps were skipped for non-finite gradients.
@@ -362,7 +404,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         ]
         grads = [runtime.flat.gather_grads() for runtime in self._groups]
         if grad_scale is not None:
-            grads = _unscaled(grads, grad_scale)
+            _unscale(grads, grad_scale)
         if count_nonfinite(self.comm, grads, found_inf) > 0:
             return self._skip(
                 loss,
@@ -385,7 +427,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         ):
             runtime.flat.add(updates)
             runtime.transform, runtime.hyper = transform, hyper
-            runtime.state, runtime.step = state, runtime.step + 1
+            runtime.commit(state)
+            runtime.step += 1
         return loss
 
     def _skip(self, loss: Any, found_inf: torch.Tensor | None, message: str) -> Any:
@@ -448,7 +491,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
     def _compute_update(
         self, index: int, runtime: _Group, transform: Transform, lr: float | None, g: torch.Tensor
     ) -> tuple[Any, Any]:
-        """The group's updates and new state (pure: nothing is changed).
+        """The group's updates and new state. Only the gradient buffer ``g`` and the group's
+        spare state are written (donated): the live state and the params are not.
 
         Raises:
             _AveragedOverflow: the gradient averaged over the ranks is non-finite (the same on
@@ -475,7 +519,11 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         params = runtime.flat.tree(runtime.flat.master, self.flatten)
         try:
             return transform.update(
-                runtime.flat.tree(g, self.flatten), state, params, step=runtime.step + 1
+                runtime.flat.tree(g, self.flatten),
+                state,
+                params,
+                step=runtime.step + 1,
+                donate=runtime.donation(),
             )
         except ValueError as err:
             if "non-finite" not in str(err):
@@ -582,6 +630,11 @@ class FunctionalOptimizer(torch.optim.Optimizer):
                 error_feedback_by_rank=self._gathered_error_feedback(index),
             )
             state[index] = record.to_dict()
+            runtime.exported += [
+                weakref.ref(x)
+                for x in pytree.tree_leaves(state[index])
+                if isinstance(x, torch.Tensor)
+            ]
         return {"state": state, "param_groups": param_groups}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -664,7 +717,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         for group, saved, runtime, transform, hyper, state, record in plans:
             group.update({k: v for k, v in saved.items() if k != "params"})
             runtime.transform, runtime.hyper = transform, hyper
-            runtime.state, runtime.step = state, record.step
+            runtime.state, runtime.spare, runtime.step = state, None, record.step
             runtime.flat.load_master(record.master)
 
 
@@ -700,7 +753,9 @@ def _shortest_float(x: torch.Tensor) -> float:
     return float(str(numpy.float32(x.item())))
 
 
-def _unscaled(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> list[torch.Tensor]:
-    """The gradients divided by a ``GradScaler``'s scale (a power of two: exact)."""
+def _unscale(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
+    """Divides the gathered gradients by a ``GradScaler``'s scale in place (a power of two:
+    exact)."""
     inv_scale = grad_scale.double().reciprocal().float()
-    return [g * inv_scale.to(g.device) for g in grads]
+    for g in grads:
+        g.mul_(inv_scale.to(g.device))

@@ -75,6 +75,8 @@ class FlatGroup:
                 view.copy_(p.detach())
                 p.data = _alias(view)
         self.master = self.model.float() if dtype in _LOW_PRECISION else self.model
+        self._grads: torch.Tensor | None = None  # [n] in the master's dtype: gather_grads
+        self._grad_views: list[torch.Tensor] | None = None
         self._ptrs = [p.data_ptr() for p in params]
 
     @property
@@ -93,23 +95,38 @@ class FlatGroup:
         """What the functional transform sees: ``flat`` itself, or the per-param views of it."""
         return flat if flatten else self.views(flat)
 
+    @torch.no_grad()
     def gather_grads(self) -> torch.Tensor:
-        """The params' gradients as one new ``[n]`` tensor in the master's dtype.
+        """The params' gradients as one ``[n]`` tensor in the master's dtype: the group's
+        gradient buffer, allocated once and rewritten by every call (the optimizer donates it
+        to the update as the updates' buffer; see :meth:`release_grads`).
 
         A param whose ``.grad`` is ``None`` contributes zeros.
         """
-        pieces = []
-        for p in self.params:
+        if self._grads is None:
+            self._grads = torch.empty(
+                self.numel, dtype=self.master.dtype, device=self.master.device
+            )
+            self._grad_views = self.views(self._grads)
+        for p, view in zip(self.params, self._grad_views, strict=True):
             g = p.grad
             if g is None:
-                pieces.append(torch.zeros(p.numel(), dtype=self.master.dtype, device=p.device))
-                continue
-            if g.is_sparse:
+                view.zero_()
+            elif g.is_sparse:
                 raise ValueError("fn.optim does not support sparse gradients")
-            pieces.append(g.detach().reshape(-1).to(self.master.dtype))
-        if not pieces:
-            return torch.zeros(0, dtype=self.master.dtype, device=self.master.device)
-        return torch.cat(pieces)
+            else:
+                view.copy_(g)
+        return self._grads
+
+    @property
+    def grads(self) -> torch.Tensor | None:
+        """The gradient buffer of :meth:`gather_grads` (``None`` before the first call)."""
+        return self._grads
+
+    def release_grads(self) -> None:
+        """Lets the next :meth:`gather_grads` allocate a new buffer (for when something kept
+        the current one, e.g. a transform that keeps its gradient in its state)."""
+        self._grads = self._grad_views = None
 
     def check_params(self) -> None:
         """Re-adopts params whose storage was replaced, then :meth:`sync_master` (before a step).

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from fn._donation import can_donate
 from fn._foreach import foreach_ok
 from fn._validation import check_shapes
 from fn.tree import PyTree, tree_flatten, tree_unflatten
@@ -27,14 +28,18 @@ def learning_rate_now(
     return torch.full_like(stored, value)
 
 
-def scale_leaves(updates: PyTree, factor: torch.Tensor) -> PyTree:
-    """``u * factor`` for every non-``None`` leaf (one ``torch._foreach_mul`` on eager)."""
+def scale_leaves(updates: PyTree, factor: torch.Tensor, in_place: bool = False) -> PyTree:
+    """``u * factor`` for every non-``None`` leaf (one ``torch._foreach_mul`` on eager); with
+    ``in_place`` (donated updates), written into the leaves that can take it."""
     leaves, spec = tree_flatten(updates)
     live = [u for u in leaves if u is not None]
+    in_place = in_place and can_donate(*live, factor)
     if foreach_ok(*live, factor):
-        scaled = iter(torch._foreach_mul(live, factor))
+        if in_place:
+            torch._foreach_mul_(live, factor)
+        scaled = iter(live if in_place else torch._foreach_mul(live, factor))
     else:
-        scaled = iter([u * factor for u in live])
+        scaled = iter([u.mul_(factor) if in_place else u * factor for u in live])
     return tree_unflatten([None if u is None else next(scaled) for u in leaves], spec)
 
 

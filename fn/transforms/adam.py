@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import threading
 from typing import Literal, NamedTuple, get_args
 
 import torch
 
+from fn._donation import buffer_like, can_donate, donated_leaves, donated_state, split_donated
 from fn._foreach import foreach_blocker, foreach_ok, per_leaf
 from fn._validation import check_betas, check_nonnegative, check_shapes
 from fn.base import GradientTransformation, chain
@@ -74,10 +76,10 @@ def scale_by_adam(
         count = torch.zeros((), dtype=torch.int64, device=device_of(params))
         return ScaleByAdamState(count, tree_zeros_like(params), tree_zeros_like(params))
 
-    def update_fn(updates, state, params=None, **extra):
+    def update_fn(updates, state, params=None, *, donate=None, **extra):
         del params, extra
 
-        def moments_step(ms, vs, gs, ps, count):
+        def moments_step(ms, vs, gs, ps, count, donated):
             del ps
             if bias_correction:
                 bc1 = _bias_correction(b1, count)
@@ -85,18 +87,20 @@ def scale_by_adam(
             else:
                 bc1 = bc2_sqrt = None
             step = _adam_foreach if foreach_ok(*ms, *vs, *gs, count) else _adam_leafwise
-            return step(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt)
+            return step(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt, donated)
 
-        return _step_live_leaves("scale_by_adam", updates, state, moments_step)
+        donated = donated_state(donate, state)
+        return _step_live_leaves("scale_by_adam", updates, state, moments_step, None, donated)
 
     return GradientTransformation(init_fn, update_fn)
 
 
-def _step_live_leaves(name, updates, state, moments_step, params=None):
-    """Runs ``moments_step(ms, vs, gs, ps, count) -> (new_ms, new_vs, us)`` (``count`` = the
-    ``t`` of this update; ``ps`` the params' leaves, ``None`` without ``params``) on the leaves
-    that have an update and rebuilds the trees; leaves with a ``None`` update keep their moments.
-    Returns ``None`` when ``moments_step`` does."""
+def _step_live_leaves(name, updates, state, moments_step, params=None, donated=None):
+    """Runs ``moments_step(ms, vs, gs, ps, count, donated) -> (new_ms, new_vs, us)`` (``count``
+    = the ``t`` of this update; ``ps`` the params' leaves, ``None`` without ``params``;
+    ``donated``: ``None``, or the donated ``(ms, vs)`` leaves, ``None`` where not donated) on the
+    leaves that have an update and rebuilds the trees; leaves with a ``None`` update keep their
+    moments. Returns ``None`` when ``moments_step`` does."""
     m_leaves, spec = tree_flatten(state.mu)
     v_leaves = spec.flatten_up_to(state.nu)
     g_leaves = spec.flatten_up_to(updates)
@@ -111,7 +115,11 @@ def _step_live_leaves(name, updates, state, moments_step, params=None):
         p_leaves = spec.flatten_up_to(params)
         ps = [p_leaves[i] for i in live]
     count = state.count + 1
-    stepped = moments_step(ms, vs, gs, ps, count)
+    if donated is not None:
+        dm_leaves = donated_leaves(getattr(donated, "mu", None), spec)
+        dv_leaves = donated_leaves(getattr(donated, "nu", None), spec)
+        donated = ([dm_leaves[i] for i in live], [dv_leaves[i] for i in live])
+    stepped = moments_step(ms, vs, gs, ps, count, donated)
     if stepped is None:
         return None
     mu, nu, out = list(m_leaves), list(v_leaves), [None] * len(g_leaves)
@@ -121,10 +129,13 @@ def _step_live_leaves(name, updates, state, moments_step, params=None):
     return tree_unflatten(out, spec), ScaleByAdamState(count, mu, nu)
 
 
-def _adam_leafwise(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt):
+def _adam_leafwise(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt, donated=None):
     """New moments and updates, leaf by leaf (vmap, autograd, torch.compile), with the ops and
     rounding of :func:`_adam_foreach`: ``m / (sqrt(v) * (bc1 / bc2_sqrt) + bc1 * eps)``. The
-    in-place steps only touch fresh temporaries that autograd does not save."""
+    in-place steps only touch fresh temporaries that autograd does not save, or donated
+    buffers (``donated``: see :func:`_step_live_leaves`)."""
+    if donated is not None and can_donate(*ms, *vs, *gs):
+        return _adam_leafwise_donated(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt, *donated)
     new_ms = [torch.lerp(m, g, 1.0 - b1) for m, g in zip(ms, gs, strict=True)]
     new_vs = [torch.addcmul(v * b2, g, g, value=1.0 - b2) for v, g in zip(vs, gs, strict=True)]
     if bc1 is None:
@@ -135,13 +146,43 @@ def _adam_leafwise(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt):
     return new_ms, new_vs, us
 
 
-def _adam_foreach(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt):
+def _adam_leafwise_donated(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt, dms, dvs):
+    """:func:`_adam_leafwise` into the donated moments (where they fit) and the updates' own
+    tensors: the same ops, written with ``out=`` and in place."""
+    new_ms, new_vs = [], []
+    for m, v, g, dm, dv in zip(ms, vs, gs, dms, dvs, strict=True):
+        new_ms.append(torch.lerp(m, g, 1.0 - b1, out=buffer_like(dm, m)))
+        new_v = torch.mul(v, b2, out=buffer_like(dv, v))
+        new_vs.append(new_v.addcmul_(g, g, value=1.0 - b2))
+    us = []
+    for m, v, g in zip(new_ms, new_vs, gs, strict=True):
+        u = torch.sqrt(v, out=g)  # the gradient is read: its tensor takes the update
+        if bc1 is None:
+            u.add_(eps)
+        else:
+            u.mul_(bc1 / bc2_sqrt).add_(bc1 * eps)
+        us.append(torch.div(m, u, out=u))
+    return new_ms, new_vs, us
+
+
+def _adam_foreach(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt, donated=None):
     """:func:`_adam_leafwise` with one ``torch._foreach_*`` call per op over all leaves (eager,
-    plain tensors); same ops and rounding. The in-place ops only touch fresh outputs."""
-    new_ms = torch._foreach_lerp(ms, gs, 1.0 - b1)
-    new_vs = torch._foreach_mul(vs, b2)
-    torch._foreach_addcmul_(new_vs, gs, gs, value=1.0 - b2)
-    us = torch._foreach_sqrt(new_vs)
+    plain tensors); same ops and rounding. The in-place ops only touch fresh outputs, or donated
+    buffers: the moments copied into the donated ones (none to copy in place), the update into
+    the gradient's tensor once the moments have read it."""
+    if donated is not None and can_donate(*ms, *vs, *gs):
+        new_ms, new_vs = (_donated_copies(*pair) for pair in zip((ms, vs), donated, strict=True))
+        torch._foreach_lerp_(new_ms, gs, 1.0 - b1)
+        torch._foreach_mul_(new_vs, b2)
+        torch._foreach_addcmul_(new_vs, gs, gs, value=1.0 - b2)
+        us = gs
+        torch._foreach_copy_(us, new_vs)
+        torch._foreach_sqrt_(us)
+    else:
+        new_ms = torch._foreach_lerp(ms, gs, 1.0 - b1)
+        new_vs = torch._foreach_mul(vs, b2)
+        torch._foreach_addcmul_(new_vs, gs, gs, value=1.0 - b2)
+        us = torch._foreach_sqrt(new_vs)
     if bc1 is None:
         torch._foreach_add_(us, eps)
     else:
@@ -151,6 +192,16 @@ def _adam_foreach(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt):
     for m, u in zip(new_ms, us, strict=True):
         torch.div(m, u, out=u)
     return new_ms, new_vs, us
+
+
+def _donated_copies(xs, donated):
+    """``xs`` copied into the donated tensors (a new tensor where one does not fit; no copy
+    where it is the same tensor)."""
+    outs = [buffer_like(d, x) for x, d in zip(xs, donated, strict=True)]
+    pairs = [(o, x) for o, x in zip(outs, xs, strict=True) if o is not x]
+    if pairs:
+        torch._foreach_copy_([o for o, _ in pairs], [x for _, x in pairs])
+    return outs
 
 
 def _bias_correction(beta: float, count: torch.Tensor) -> torch.Tensor:
@@ -193,7 +244,9 @@ def _scale_by_adam_then_lr(
     def cannot_run(reason):
         return RuntimeError(f"{name}: implementation={implementation!r} cannot run: {reason}")
 
-    def update_fn(updates, state, params=None, **extra):
+    def update_fn(updates, state, params=None, *, donate=None, **extra):
+        if donate is not None:
+            extra["donate"] = donate
         if implementation == "chain":
             return per_leaf(chained.update, updates, state, params, **extra)
         moments_state, lr_state = state
@@ -211,7 +264,9 @@ def _scale_by_adam_then_lr(
             moments_step = _fused_adam_step(
                 b1, b2, eps, current, decoupled_weight_decay, cannot_run, implementation == "fused"
             )
-            fused = _step_live_leaves(name, updates, moments_state, moments_step, decayed)
+            donated = split_donated(name, donated_state(donate, state), 2)[0]
+            donated = donated_state(donated, moments_state)
+            fused = _step_live_leaves(name, updates, moments_state, moments_step, decayed, donated)
         elif implementation == "fused":
             raise cannot_run(reason)
         if fused is None:
@@ -265,7 +320,7 @@ def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required):
     update is ``p' - p`` (exact, and so is ``p + update``, wherever ``p' / p`` lies in
     [1/2, 2])."""
 
-    def moments_step(ms, vs, gs, ps, count):
+    def moments_step(ms, vs, gs, ps, count, donated):
         if weight_decay == 0.0:
             operands = (*ms, *vs, *gs)
         elif ps is None or any(p is None for p in ps):
@@ -279,22 +334,93 @@ def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required):
             if required:
                 raise cannot_run(reason)
             return None
+        kernel = torch._fused_adam_ if weight_decay == 0.0 else torch._fused_adamw_
+        step = count.to(torch.float32)  # the CUDA kernel reads steps as fp32
+
+        def run(us, gs, ms, vs):
+            kernel(
+                us, gs, ms, vs, [], [step] * len(gs), lr=lr, beta1=b1, beta2=b2,
+                weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+            )  # fmt: skip
+
+        if donated is not None and can_donate(*gs):
+            return _fused_in_pieces(run, ms, vs, gs, ps if weight_decay != 0.0 else None, *donated)
         new_ms = [m.clone() for m in ms]
         new_vs = [v.clone() for v in vs]
-        if weight_decay == 0.0:
-            kernel, us = torch._fused_adam_, [torch.zeros_like(g) for g in gs]
-        else:
-            kernel, us = torch._fused_adamw_, [p.clone() for p in ps]
-        steps = [count.to(torch.float32)] * len(gs)  # the CUDA kernel reads steps as fp32
-        kernel(
-            us, gs, new_ms, new_vs, [], steps, lr=lr, beta1=b1, beta2=b2,
-            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
-        )  # fmt: skip
+        us = [torch.zeros_like(g) for g in gs] if weight_decay == 0.0 else [p.clone() for p in ps]
+        run(us, gs, new_ms, new_vs)
         if weight_decay != 0.0:
             torch._foreach_sub_(us, ps)
         return new_ms, new_vs, us
 
     return moments_step
+
+
+# The donated fused step runs the kernel on pieces of at most _PIECE elements of each leaf, up to
+# _WORKSPACE elements per call, with a per-thread workspace of _WORKSPACE elements per dtype and
+# device (4 MiB in fp32) taking the "param" that the kernel updates in place: small enough to stay
+# in cache, so each piece's update is copied into the gradient's tensor at cache speed. Pieces
+# start at multiples of _PIECE in their leaf, so the kernel splits every leaf into vectors and a
+# scalar tail where it does without pieces: the same bits.
+_PIECE = 1 << 18
+_WORKSPACE = 1 << 20
+_workspaces = threading.local()
+
+
+def _workspace(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """This thread's workspace of ``_WORKSPACE`` elements for ``dtype`` on ``device``."""
+    cache = _workspaces.__dict__.setdefault("buffers", {})
+    buffer = cache.get((dtype, device))
+    if buffer is None or buffer.numel() < _WORKSPACE:
+        buffer = cache[(dtype, device)] = torch.empty(_WORKSPACE, dtype=dtype, device=device)
+    return buffer
+
+
+def _batches(gs):
+    """The pieces ``(leaf, start, stop)`` of the leaves ``gs``, ``_PIECE`` elements at most and
+    starting at multiples of it, grouped into batches of at most ``_WORKSPACE`` elements."""
+    batch, size = [], 0
+    for i, g in enumerate(gs):
+        for start in range(0, g.numel(), _PIECE):
+            stop = min(g.numel(), start + _PIECE)
+            if size + stop - start > _WORKSPACE:
+                yield batch
+                batch, size = [], 0
+            batch.append((i, start, stop))
+            size += stop - start
+    if batch:
+        yield batch
+
+
+def _fused_in_pieces(run, ms, vs, gs, ps, dms, dvs):
+    """The fused step of :func:`_fused_adam_step` without a full-size temporary: the new
+    moments in the donated ones (in place where they are the same tensors; copied piece by
+    piece into the others; new tensors where none fits), the updates in the gradients' tensors
+    (read by the kernel first). ``run(us, gs, ms, vs)`` calls the kernel; ``ps``: AdamW's params
+    (the kernel's "param" starts as a copy of them and the update is ``p' - p``), ``None`` for
+    Adam (it starts at zero and the update is ``0 - step``)."""
+    new_ms = [buffer_like(d, m) for m, d in zip(ms, dms, strict=True)]
+    new_vs = [buffer_like(d, v) for v, d in zip(vs, dvs, strict=True)]
+    leaves = [ms, vs, gs, new_ms, new_vs] + ([ps] if ps is not None else [])
+    flat = [[t.view(-1) for t in group] for group in leaves]
+    workspace = _workspace(gs[0].dtype, gs[0].device)
+    for batch in _batches(gs):
+        m, v, g, new_m, new_v, *p = ([x[i][a:b] for i, a, b in batch] for x in flat)
+        size = sum(b - a for _, a, b in batch)
+        work = list(workspace[:size].split([b - a for _, a, b in batch]))
+        for new, old in ((new_m, m), (new_v, v)):
+            pairs = [(n, o) for n, o in zip(new, old, strict=True) if n.data_ptr() != o.data_ptr()]
+            if pairs:
+                torch._foreach_copy_([n for n, _ in pairs], [o for _, o in pairs])
+        if ps is None:
+            workspace[:size].zero_()
+        else:
+            torch._foreach_copy_(work, p[0])
+        run(work, g, new_m, new_v)
+        if ps is not None:
+            torch._foreach_sub_(work, p[0])
+        torch._foreach_copy_(g, work)
+    return new_ms, new_vs, list(gs)
 
 
 def adam(
@@ -375,10 +501,13 @@ def adam(
     def init_fn(params):
         return (decay.init(params), *adam_then_lr.init(params))
 
-    def update_fn(updates, state, params=None, **extra):
+    def update_fn(updates, state, params=None, *, donate=None, **extra):
         if len(state) != 3:
             raise ValueError(f"adam: expected a state of 3 entries, got {len(state)}")
-        updates, decay_state = decay.update(updates, state[0], params)
+        donated = split_donated("adam", donate, 3)
+        updates, decay_state = decay.update(updates, state[0], params, donate=donated[0])
+        if donate is not None:
+            extra["donate"] = donate if isinstance(donate, bool) else tuple(donated[1:])
         updates, rest = adam_then_lr.update(updates, tuple(state[1:]), params, **extra)
         return updates, (decay_state, *rest)
 

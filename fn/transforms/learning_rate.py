@@ -51,7 +51,7 @@ def scale_by_learning_rate(
 
     Returns:
         A GradientTransformation with state :class:`ScaleByLearningRateState`. ``None``
-        updates stay ``None``.
+        updates stay ``None``. With ``donate`` the updates are scaled in place.
 
     Example:
         >>> tx = fn.scale_by_learning_rate(0.1)
@@ -84,10 +84,10 @@ def scale_by_learning_rate(
             count, torch.as_tensor(first, dtype=torch.float32, device=device).clone()
         )
 
-    def update_fn(updates, state, params=None, **extra):
+    def update_fn(updates, state, params=None, *, donate=None, **extra):
         del extra
         current = learning_rate_now(lr, state.count, state.lr)
-        updates = scale_leaves(updates, -current)
+        updates = scale_leaves(updates, -current, in_place=donate is not None)
         if decoupled_weight_decay != 0.0:
             updates = decoupled_decay(
                 "scale_by_learning_rate", updates, params, current, decoupled_weight_decay

@@ -40,6 +40,8 @@ def masked(
     on matrices only, ``masked(add_decayed_weights(0.01), lambda p: tree_map(lambda x: x.ndim
     > 1, p))``.
 
+    A donated :class:`MaskedState` (``donate=``) hands its ``inner_state`` to ``inner``.
+
     Args:
         inner: the transform to apply.
         mask: a pytree of Python bools with the params' structure, or a function
@@ -73,9 +75,11 @@ def masked(
     def init_fn(params):
         return MaskedState(inner.init(_select(params, mask_leaves(params))))
 
-    def update_fn(updates, state, params=None, **extra):
+    def update_fn(updates, state, params=None, *, donate=None, **extra):
         flags = mask_leaves(params if params is not None else updates)
         inner_params = None if params is None else _select(params, flags)
+        if donate is not None and donate is not False:  # the inner state's part
+            extra["donate"] = True if donate is True else donate.inner_state
         new, inner_state = inner.update(
             _select(updates, flags), state.inner_state, inner_params, **extra
         )

@@ -6,12 +6,13 @@ from typing import NamedTuple
 
 import torch
 
-from fn._validation import check_nonnegative
+from fn._donation import buffer_like, can_donate, donated_leaves, donated_state
+from fn._validation import check_nonnegative, check_shapes
 from fn.base import GradientTransformation, chain
 from fn.transforms._leaves import device_of, update_state_leaves
 from fn.transforms.learning_rate import Schedule, scale_by_learning_rate
 from fn.transforms.weight_decay import add_decayed_weights
-from fn.tree import PyTree, tree_map, tree_zeros_like
+from fn.tree import PyTree, tree_flatten, tree_leaves, tree_map, tree_unflatten, tree_zeros_like
 
 __all__ = ["TraceState", "trace", "sgd"]
 
@@ -64,8 +65,11 @@ def trace(
         count = torch.zeros((), dtype=torch.int64, device=device_of(params))
         return TraceState(count, tree_zeros_like(params))
 
-    def update_fn(updates, state, params=None, **extra):
+    def update_fn(updates, state, params=None, *, donate=None, **extra):
         del params, extra
+        donated = donated_state(donate, state)
+        if donated is not None and can_donate(*tree_leaves((updates, state))):
+            return _trace_donated(updates, state, donated.trace, decay, nesterov, dampening)
         if dampening == 0.0:
 
             def step(b, g):
@@ -85,6 +89,29 @@ def trace(
         return updates, TraceState(state.count + 1, new_trace)
 
     return GradientTransformation(init_fn, update_fn)
+
+
+def _trace_donated(updates, state, donated, decay, nesterov, dampening):
+    """:func:`trace`'s update with the ops of the pure one written into the donated buffers
+    (each new momentum into its donated leaf, where it fits) and the updates into their own
+    tensors, so that no update is a tensor of the state."""
+    b_leaves, spec = tree_flatten(state.trace)
+    g_leaves = spec.flatten_up_to(updates)
+    d_leaves = donated_leaves(donated, spec)
+    first = state.count == 0
+    new_trace, out = list(b_leaves), list(g_leaves)
+    for i, (b, g, d) in enumerate(zip(b_leaves, g_leaves, d_leaves, strict=True)):
+        if g is None:
+            continue
+        check_shapes("trace", b, g)
+        new = torch.mul(b, decay, out=buffer_like(d, b))
+        if dampening == 0.0:
+            new.add_(g)
+        else:
+            torch.where(first, g, new.add_(g, alpha=1.0 - dampening), out=new)
+        new_trace[i] = new
+        out[i] = g.add_(new, alpha=decay) if nesterov else g.copy_(new)
+    return tree_unflatten(out, spec), TraceState(state.count + 1, tree_unflatten(new_trace, spec))
 
 
 def sgd(

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from fn._donation import can_donate
 from fn._validation import check_nonnegative, check_ordered
-from fn.base import GradientTransformation, stateless
+from fn.base import EmptyState, GradientTransformation
 from fn.transforms._leaves import map_with_params
 
 __all__ = ["scale_by_trust_ratio"]
@@ -41,7 +42,8 @@ def scale_by_trust_ratio(
 
     Returns:
         A stateless GradientTransformation (:class:`fn.EmptyState`); ``update`` needs
-        ``params``. ``None`` updates stay ``None``.
+        ``params``. ``None`` updates stay ``None``; with ``donate`` the updates are scaled in
+        place.
 
     Example:
         >>> import torch
@@ -63,9 +65,22 @@ def scale_by_trust_ratio(
         ratio = trust_ratio(p, u, min_norm, trust_coefficient, eps, min_coeff, max_coeff)
         return u * ratio.to(u.dtype)
 
-    return stateless(
-        lambda updates, params: map_with_params("scale_by_trust_ratio", scale, updates, params)
-    )
+    def scale_in_place(u, p):
+        if not can_donate(u):
+            return scale(u, p)
+        ratio = trust_ratio(p, u, min_norm, trust_coefficient, eps, min_coeff, max_coeff)
+        return u.mul_(ratio.to(u.dtype))
+
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, *, donate=None, **extra):
+        del extra
+        f = scale if donate is None else scale_in_place
+        return map_with_params("scale_by_trust_ratio", f, updates, params), state
+
+    return GradientTransformation(init_fn, update_fn)
 
 
 def trust_ratio(

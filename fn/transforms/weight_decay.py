@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from fn._donation import can_donate
 from fn._validation import check_nonnegative
-from fn.base import GradientTransformation, stateless
+from fn.base import EmptyState, GradientTransformation
 from fn.transforms._leaves import map_with_params
 
 __all__ = ["add_decayed_weights"]
@@ -27,7 +28,8 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
 
     Returns:
         A stateless GradientTransformation (:class:`fn.EmptyState`). ``update`` needs ``params``
-        unless ``weight_decay`` is 0. ``None`` updates stay ``None``.
+        unless ``weight_decay`` is 0. ``None`` updates stay ``None``; with ``donate`` the
+        updates take the sums in place.
 
     Example:
         >>> tx = fn.add_decayed_weights(0.5)
@@ -37,12 +39,21 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
     """
     check_nonnegative("add_decayed_weights", weight_decay=weight_decay)
 
+    def init_fn(params):
+        del params
+        return EmptyState()
+
     def decay(u, p):
         return torch.add(u, p, alpha=weight_decay)
 
-    def update(updates, params):
-        if weight_decay == 0.0:
-            return updates
-        return map_with_params("add_decayed_weights", decay, updates, params)
+    def decay_in_place(u, p):
+        return u.add_(p, alpha=weight_decay) if can_donate(u, p) else decay(u, p)
 
-    return stateless(update)
+    def update_fn(updates, state, params=None, *, donate=None, **extra):
+        del extra
+        if weight_decay == 0.0:
+            return updates, state
+        f = decay if donate is None else decay_in_place
+        return map_with_params("add_decayed_weights", f, updates, params), state
+
+    return GradientTransformation(init_fn, update_fn)

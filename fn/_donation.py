@@ -1,0 +1,86 @@
+"""Buffer donation: reading the ``donate`` keyword of a transform's ``update``.
+
+The protocol is described in the docstring of :class:`fn.GradientTransformation`. These helpers
+turn ``donate`` into the donated state and pick, leaf by leaf, the donated tensors that can
+hold a result (same shape, dtype and device); a leaf that cannot is computed into a new tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def donated_state(donate: Any, state: Any) -> Any:
+    """The state whose tensors ``donate`` hands over: ``None`` (nothing donated), ``state``
+    itself for ``donate=True``, else ``donate``."""
+    if donate is None or donate is False:
+        return None
+    if donate is True:
+        return state
+    return donate
+
+
+def split_donated(name: str, donate: Any, count: int) -> list[Any]:
+    """The donated members' states of a combinator whose state is a tuple of ``count`` member
+    states: ``count`` times ``None`` or ``True``, or the entries of ``donate``.
+
+    Raises:
+        ValueError: a donated state with another number of entries.
+    """
+    if donate is None or donate is False or donate is True:
+        return [None if donate is False else donate] * count
+    if not isinstance(donate, (tuple, list)) or len(donate) != count:
+        size = len(donate) if isinstance(donate, (tuple, list)) else type(donate).__name__
+        raise ValueError(f"{name}: donate must be a state of {count} entries, got {size}")
+    return list(donate)
+
+
+def fits(donated: Any, like: torch.Tensor) -> bool:
+    """Whether ``donated`` can hold a result like ``like``: a plain contiguous tensor of its
+    shape, dtype and device, outside autograd."""
+    return (
+        isinstance(donated, torch.Tensor)
+        and donated.is_contiguous()
+        and donated.shape == like.shape
+        and donated.dtype == like.dtype
+        and donated.device == like.device
+        and not donated.requires_grad
+        and not torch._C._functorch.is_functorch_wrapped_tensor(donated)
+    )
+
+
+def can_donate(*tensors: torch.Tensor) -> bool:
+    """Whether results can be written in place next to ``tensors``: eager, not under
+    ``torch.compile``, and every tensor plain (:func:`fits` itself)."""
+    return not torch.compiler.is_compiling() and all(fits(t, t) for t in tensors)
+
+
+def buffer_like(donated: Any, like: torch.Tensor) -> torch.Tensor:
+    """``donated`` where it :func:`fits` ``like``, else a new tensor like it (uninitialized)."""
+    return donated if fits(donated, like) else torch.empty_like(like)
+
+
+def donated_leaves(donated: Any, spec: Any) -> list[Any]:
+    """The leaves of a donated subtree flattened like ``spec`` (its state's structure), or all
+    ``None`` when nothing is donated or the structure differs."""
+    if donated is None:
+        return [None] * spec.num_leaves
+    try:
+        return spec.flatten_up_to(donated)
+    except (TypeError, ValueError, RuntimeError):
+        return [None] * spec.num_leaves
+
+
+def storages_of(tree: Any) -> set[int]:
+    """The addresses of the storages of the non-empty tensor leaves of ``tree`` (views of one
+    tensor share one), to tell whether two trees share memory."""
+    found = set()
+    for leaf in torch.utils._pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor) and leaf.numel() > 0:
+            try:
+                found.add(leaf.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # a tensor without storage (vmap)
+                found.add(id(leaf))
+    return found
