@@ -30,8 +30,8 @@ class BucketHookState:
 
     Attributes:
         process_group: the ``torch.distributed`` group (``None``: the world).
-        comm: ``fn.collectives.ProcessGroup(process_group, timeout=timeout)``, the transform's
-            comm.
+        comm: the transform's ``fn.collectives.ProcessGroup`` (with ``overlap``, over a group of
+            the same ranks made for it, so that its collectives never interleave with DDP's).
         start_iter: dense iterations before compression starts.
         overlap: whether compressed buckets run on the state's background thread (the hook
             returns at once) or inside the hook.
@@ -55,7 +55,14 @@ class BucketHookState:
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
         self.process_group = process_group
-        self.comm = ProcessGroup(process_group, timeout=timeout)
+        fn_group = process_group
+        if overlap:
+            # fn's collectives then run on their own thread while DDP may send on its group
+            # (e.g. find_unused_parameters' allreduce after the last bucket): a group of their
+            # own keeps the two sequences apart, each in the same order on every rank
+            ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+            fn_group = dist.new_group(ranks, backend=dist.get_backend(process_group))
+        self.comm = ProcessGroup(fn_group, timeout=timeout)
         self.start_iter = check_int("start_iter", start_iter)
         self.overlap = overlap
         self.transform = make_transform(self.comm)

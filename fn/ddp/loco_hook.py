@@ -24,8 +24,10 @@ class LocoHookState(BucketHookState):
         err_beta: LoCo's error decay ``beta``.
         reset_T: zero a bucket's errors every ``reset_T`` of its compressed iterations.
         start_iter: iterations averaged densely before compression starts.
-        overlap: quantize on the state's background thread, overlapped with the backward pass
-            (``False``: inside the hook; the results are the same).
+        overlap: quantize on the state's background thread, overlapped with the backward pass,
+            over a process group of the same ranks that the state makes for it (a collective
+            call: build the state on every rank in the same order, as DDP); ``False``: inside
+            the hook, over ``process_group``. The results are the same.
         timeout: the limit of each quantized collective (``fn.collectives.ProcessGroup``'s
             ``timeout``: a ``timedelta`` or seconds; ``None``: ``$FN_TIMEOUT``, else 5 minutes).
     """

@@ -20,8 +20,10 @@ class OnebitHookState(BucketHookState):
         process_group: the group DDP communicates over (``None``: the world).
         start_iter: iterations averaged densely before compression starts (the first ones
             move the most; DDP also rebuilds its buckets after the first).
-        overlap: compress on the state's background thread, overlapped with the backward pass
-            (``False``: inside the hook; the results are the same).
+        overlap: compress on the state's background thread, overlapped with the backward pass,
+            over a process group of the same ranks that the state makes for it (a collective
+            call: build the state on every rank in the same order, as DDP); ``False``: inside
+            the hook, over ``process_group``. The results are the same.
         timeout: the limit of each compressed collective (``fn.collectives.ProcessGroup``'s
             ``timeout``: a ``timedelta`` or seconds; ``None``: ``$FN_TIMEOUT``, else 5 minutes).
     """
