@@ -3,6 +3,7 @@ inside the hook, errors raised on every rank instead of hanging, checkpoints, th
 events, and the background thread."""
 
 # No ``from __future__ import annotations``: DDP checks a hook's annotations as objects.
+import gc
 import multiprocessing
 import os
 import threading
@@ -200,7 +201,7 @@ def test_backward_goes_on_while_a_bucket_is_reduced(overlap, one_rank_group):
 
 
 def test_serial_worker_order_errors_and_fork():
-    worker = SerialWorker("test")
+    worker = SerialWorker("fn-test-worker")
     done = []
     futures = [worker.submit(lambda i=i: done.append(i) or i) for i in range(5)]
     failing = worker.submit(lambda: 1 / 0)
@@ -208,7 +209,6 @@ def test_serial_worker_order_errors_and_fork():
     assert done == list(range(5)) and [f.wait() for f in futures] == list(range(5))
     with pytest.raises(RuntimeError, match="ZeroDivisionError: division by zero"):
         failing.wait()
-    assert any(t.name.startswith("test") for t in threading.enumerate())
     # a forked child has no copy of the thread: the worker starts its own there
     _FORKED.append(worker)
     try:
@@ -216,6 +216,12 @@ def test_serial_worker_order_errors_and_fork():
             assert pool.apply(_submit_in_child) == 42
     finally:
         _FORKED.clear()
+    # the thread ends with its worker
+    (thread,) = [t for t in threading.enumerate() if t.name.startswith("fn-test-worker")]
+    del worker, futures, failing
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
 
 
 _FORKED = []  # the worker a forked child inherits
