@@ -16,7 +16,9 @@ run one after the other, each with its own model:
 - ``Accelerate + attach(OnebitAdam)``: an ``Accelerator(cpu=True)`` loop (the prepared model,
   optimizer and data loader) with ``fn.integrations.accelerate.attach``;
 - ``DDP + AdamW (dense)``: DDP's own allreduce;
-- ``DDP + AdamW + onebit_hook`` and ``DDP + AdamW + loco_hook (4 bit)``.
+- ``DDP + AdamW + onebit_hook`` and ``DDP + AdamW + loco_hook (4 bit)``: the hooks overlapped
+  with the backward pass (their default), and the same ``(no overlap)``
+  (``overlap=False``: each bucket compressed inside the hook).
 
 Bytes are what each rank process wrote from the start of the first step (its forward) to the
 end of the last one (its optimizer step), ``wchar`` of ``/proc/self/io``: every ``write`` /
@@ -26,6 +28,17 @@ bookkeeping). Not counted: one-time setup before the first step (DDP's broadcast
 weights, Trainer/Accelerate start-up barriers and data loader seeding) and Trainer's end-of-run
 work. fn's own byte counter is not used (it is printed alongside, for fn's collectives only).
 ``warmup`` is the part before step ``--freeze - 1``, ``compressed`` the rest.
+
+Step time: rank 0's median wall time of one compressed step (from ``zero_grad`` to the end of
+``optimizer.step()``, steps ``--freeze`` on), for the plain-loop setups (Trainer and Accelerate
+are not timed), and ``dense/this``, the dense setup's over this one's, measured in the same run.
+Without ``--rate`` the ranks talk over this machine's loopback, so step times say little about
+a network. ``--rate 1gbit`` (root, ``ip`` and ``tc``) runs each rank in its own network
+namespace behind a link of that rate both ways, through ``benchmarks/cluster.py``'s
+``namespace_cluster`` (its cleanup: also on errors, timeouts and Ctrl-C; ``sudo python3
+benchmarks/cluster.py --cleanup --prefix fnddp`` removes what a killed run left). Both ranks
+share this machine's CPUs, so compute-bound steps are pessimistic and overlap has only the
+cores that the other rank leaves.
 
 Trainer's small excess over the bare loop is DDP's allreduce of its used-parameter map, which
 DDP runs every step under ``find_unused_parameters=True`` (Trainer's default for a model that is
@@ -43,20 +56,31 @@ The default run (``--width 256``, 40 steps) takes a minute or two on 2 CPU cores
 
 Run: python3 benchmarks/ddp.py [--width 256] [--layers 4] [--steps 40] [--freeze 10]
      [--setups NAME ...] [--json FILE]
+     sudo python3 benchmarks/ddp.py --rate 1gbit --width 1024 --layers 8 --steps 30 \\
+         --freeze 5 --setups "DDP + AdamW (dense)" "DDP + AdamW + onebit_hook" \\
+         "DDP + AdamW + onebit_hook (no overlap)" "DDP + AdamW + loco_hook (4 bit)" \\
+         "DDP + AdamW + loco_hook (4 bit, no overlap)"   (step times at 1 Gbit/s, 8.4M params)
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import faulthandler
 import importlib.util
 import json
 import os
+import statistics
 import sys
 import tempfile
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# this script's folder is on sys.path when it runs
+import cluster  # noqa: E402
 
 import fn  # noqa: E402
 import fn.ddp  # noqa: E402
@@ -73,8 +97,11 @@ SETUPS = (
     ACCELERATE,
     "DDP + AdamW (dense)",
     "DDP + AdamW + onebit_hook",
+    "DDP + AdamW + onebit_hook (no overlap)",
     "DDP + AdamW + loco_hook (4 bit)",
+    "DDP + AdamW + loco_hook (4 bit, no overlap)",
 )
+DENSE = "DDP + AdamW (dense)"
 # The stacks a setup needs beyond torch (an optional extra of fn).
 NEEDS = {TRAINER: ("transformers", "accelerate"), ACCELERATE: ("accelerate",)}
 BATCH = 8
@@ -119,11 +146,18 @@ class RandomRows(torch.utils.data.Dataset):
 
 class Meter:
     """Bytes written from :meth:`start` (before step 0) on; ``warmup`` is marked before step
-    ``freeze - 1``."""
+    ``freeze - 1``. :meth:`timed` steps: the wall time of each compressed one."""
 
     def __init__(self, freeze: int) -> None:
         self.freeze = freeze
         self.begin = self.warmup = self.total = 0
+        self.times: list[float] = []
+
+    def timed(self, step: int, run) -> None:
+        start = time.perf_counter()
+        run()
+        if step >= self.freeze:
+            self.times.append(time.perf_counter() - start)
 
     def before_step(self, step: int) -> None:
         if step == 0:
@@ -139,7 +173,13 @@ class Meter:
         fn_bytes = (
             inner.comm.bytes_sent if isinstance(inner, fn.optim.FunctionalOptimizer) else None
         )
-        return {"total": self.total, "warmup": self.warmup, "fn_counter": fn_bytes}
+        step_s = statistics.median(self.times) if self.times else None
+        return {
+            "total": self.total,
+            "warmup": self.warmup,
+            "fn_counter": fn_bytes,
+            "step_s": step_s,
+        }
 
 
 def build(setup: str, width: int, layers: int, freeze: int) -> tuple:
@@ -154,11 +194,12 @@ def build(setup: str, width: int, layers: int, freeze: int) -> tuple:
         opt = fn.optim.OnebitAdam(model.parameters(), lr=LR, freeze_step=freeze)
         fn.ddp.register(net, opt)
         return net, opt
-    if setup == "DDP + AdamW + onebit_hook":
-        state = fn.ddp.OnebitHookState(start_iter=freeze - 1)
+    overlap = not setup.endswith("no overlap)")
+    if setup.startswith("DDP + AdamW + onebit_hook"):
+        state = fn.ddp.OnebitHookState(start_iter=freeze - 1, overlap=overlap)
         net.register_comm_hook(state, fn.ddp.onebit_hook)
-    elif setup == "DDP + AdamW + loco_hook (4 bit)":
-        state = fn.ddp.LocoHookState(bits=4, start_iter=freeze - 1)
+    elif setup.startswith("DDP + AdamW + loco_hook"):
+        state = fn.ddp.LocoHookState(bits=4, start_iter=freeze - 1, overlap=overlap)
         net.register_comm_hook(state, fn.ddp.loco_hook)
     return net, torch.optim.AdamW(model.parameters(), lr=LR)
 
@@ -168,11 +209,15 @@ def measure_loop(rank: int, setup: str, args: dict) -> dict:
     net, opt = build(setup, args["width"], args["layers"], args["freeze"])
     data = RandomRows(BATCH * args["steps"], args["width"], seed=rank)
     meter = Meter(args["freeze"])
-    for t in range(args["steps"]):
-        meter.before_step(t)
+
+    def step(t: int) -> None:
         opt.zero_grad()
         net(data.rows[t * BATCH : (t + 1) * BATCH])["loss"].backward()
         opt.step()
+
+    for t in range(args["steps"]):
+        meter.before_step(t)
+        meter.timed(t, lambda t=t: step(t))
     meter.stop()
     return meter.result(opt)
 
@@ -249,7 +294,7 @@ def worker(rank: int, world_size: int, send, setups: list[str], args: dict) -> l
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
         MASTER_PORT=os.environ.get("MASTER_PORT", "29500"),
     )
     results = []
@@ -262,6 +307,50 @@ def worker(rank: int, world_size: int, send, setups: list[str], args: dict) -> l
             results.append(measure_loop(rank, setup, args))
         torch.distributed.barrier()
     return results
+
+
+def namespace_worker(config: dict) -> None:
+    """One rank inside its namespace (``--worker``): rank 0 writes its results to ``out``."""
+    faulthandler.dump_traceback_later(config["timeout"], exit=True)
+    rank, world_size = config["rank"], config["world_size"]
+    torch.distributed.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=config["timeout"]),
+    )
+    try:
+        torch.distributed.barrier()  # gloo connects lazily: connect before the timed work
+        results = worker(rank, world_size, None, config["setups"], config["args"])
+        if rank == 0:
+            with open(config["out"], "w") as out:
+                json.dump(results, out)
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def run_on_links(args: argparse.Namespace, setups: list[str], config: dict) -> list[list[dict]]:
+    """``[rank 0's results]``, each rank in its own namespace behind a link at ``args.rate``."""
+    cluster.check_host("benchmarks/ddp.py --rate", hint="; run without --rate for local gloo")
+    ranks = {
+        "setups": setups,
+        "args": config,
+        "rate": args.rate,
+        "timeout": args.timeout,
+        "world_size": 2,
+        "master_addr": cluster.address(args.subnet, 0),
+    }
+    try:
+        with cluster.namespace_cluster(args.prefix, 2, args.subnet) as logdir:
+            cluster.shape(args.prefix, 2, args.rate)
+            return [cluster.run_ranks(args.prefix, ranks, logdir, args.timeout, script=__file__)]
+    except cluster.Interrupted as err:
+        print(f"interrupted by {err}: cleaned up", file=sys.stderr)
+        raise SystemExit(130) from None
+    except RuntimeError as err:
+        print(f"ddp.py failed: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -280,9 +369,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     parser.add_argument("--timeout", type=float, default=1200, help="seconds for the launch")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--rate", help="tc rate of both ranks' links (e.g. 1gbit; needs root)")
+    parser.add_argument("--prefix", default="fnddp", help="name prefix of the namespaces (--rate)")
+    parser.add_argument("--subnet", default="10.215.0", help="first three octets (--rate)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker is not None:
+        namespace_worker(json.loads(args.worker))
+        return []
     if not 1 < args.freeze <= args.steps:
         parser.error("--freeze must be in 2..--steps")
+    if args.rate is not None:
+        try:
+            cluster.parse_rate(args.rate)
+        except ValueError as err:
+            parser.error(f"--rate: {err}")
+        if problem := cluster.naming_error(args.prefix, args.subnet):
+            parser.error(problem)
     setups = [BARE] + [s for s in SETUPS if s in args.setups and s != BARE]
     for setup in setups:
         if absent := missing(setup):
@@ -291,26 +394,37 @@ def main(argv: list[str] | None = None) -> list[dict]:
             )
     config = {k: getattr(args, k) for k in ("width", "layers", "steps", "freeze")}
     numel = args.layers * (args.width * args.width + args.width)
+    links = f"links at {args.rate}" if args.rate else "local gloo"
     print(
-        f"2 gloo ranks, MLP of {numel} fp32 params, {args.steps} steps, compressed from step "
-        f"{args.freeze}; bytes written per rank (kernel count, rank 0)"
+        f"2 gloo ranks ({links}), MLP of {numel} fp32 params, {args.steps} steps, compressed "
+        f"from step {args.freeze}, {datetime.date.today()}; bytes written per rank (kernel "
+        "count, rank 0); step: median ms of a compressed step (rank 0)"
     )
-    ranks = spawn_gloo(
-        worker, 2, (setups, config), timeout=args.timeout, on_message=lambda r, m: None
+    if args.rate is None:
+        ranks = spawn_gloo(
+            worker, 2, (setups, config), timeout=args.timeout, on_message=lambda r, m: None
+        )
+    else:
+        ranks = run_on_links(args, setups, config)
+    print(
+        f"{'setup':44} {'total':>12} {'warmup':>12} {'compressed':>12} {'vs bare':>8} "
+        f"{'step ms':>8} {'dense/this':>10}"
     )
-    print(f"{'setup':36} {'total':>12} {'warmup':>12} {'compressed':>12} {'vs bare':>8}")
     results = []
+    dense_s = next((r["step_s"] for s, r in zip(setups, ranks[0], strict=True) if s == DENSE), None)
     for index, setup in enumerate(setups):
         row = {"setup": setup, **ranks[0][index], "ranks": [r[index] for r in ranks]}
         results.append(row)
         ratio = row["total"] / results[0]["total"]
+        step = "" if row["step_s"] is None else f"{1e3 * row['step_s']:8.1f}"
+        speedup = "" if dense_s is None or not step else f"{dense_s / row['step_s']:10.2f}"
         print(
-            f"{setup:36} {row['total']:12d} {row['warmup']:12d} "
-            f"{row['total'] - row['warmup']:12d} {ratio:8.3f}"
+            f"{setup:44} {row['total']:12d} {row['warmup']:12d} "
+            f"{row['total'] - row['warmup']:12d} {ratio:8.3f} {step:>8} {speedup:>10}"
         )
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"config": config, "results": results}, out, indent=1)
+            json.dump({"config": {**config, "rate": args.rate}, "results": results}, out, indent=1)
     return results
 
 

@@ -7,8 +7,9 @@
   (``ddp_model.register_comm_hook(state, hook)``, as ``powerSGD_hook``): ``onebit_hook`` with
   :class:`OnebitHookState` (error-compensated 1-bit allreduce of each bucket) and ``loco_hook``
   with :class:`LocoHookState` (4/8-bit with LoCo error feedback). Both average densely for
-  ``start_iter`` iterations first and keep per-bucket error feedback that checkpoints with
-  ``state.state_dict()`` / ``state.load_state_dict()``.
+  ``start_iter`` iterations first, keep per-bucket error feedback that checkpoints with
+  ``state.state_dict()`` / ``state.load_state_dict()``, and compress on the state's background
+  thread while autograd computes the next buckets (``overlap=False``: inside the hook).
 """
 
 from fn.ddp.loco_hook import LocoHookState, loco_hook

@@ -1,8 +1,11 @@
 """What the compression hooks share: a dense warmup, then a compressing transform per bucket
-with its error feedback kept in a state that checkpoints."""
+with its error feedback kept in a state that checkpoints, run on a background thread so that
+the backward pass goes on meanwhile."""
 
 from __future__ import annotations
 
+import datetime
+import functools
 import logging
 import warnings
 from collections.abc import Callable, Mapping
@@ -15,6 +18,7 @@ from fn._validation import check_int
 from fn.base import GradientTransformation
 from fn.collectives import ProcessGroup
 from fn.ddp._futures import completed, dense_mean
+from fn.ddp._worker import SerialWorker
 from fn.tree import tree_flatten, tree_unflatten
 
 logger = logging.getLogger("fn.ddp")
@@ -26,12 +30,18 @@ class BucketHookState:
 
     Attributes:
         process_group: the ``torch.distributed`` group (``None``: the world).
-        comm: ``fn.collectives.ProcessGroup(process_group)``, the transform's comm.
+        comm: the transform's ``fn.collectives.ProcessGroup`` (with ``overlap``, over a group of
+            the same ranks made for it, so that its collectives never interleave with DDP's).
         start_iter: dense iterations before compression starts.
+        overlap: whether compressed buckets run on the state's background thread (the hook
+            returns at once) or inside the hook.
         iter: iterations made so far (one per backward pass that reached DDP's last bucket).
         transform: the compressing ``GradientTransformation`` applied to each bucket's buffer.
         buckets: per bucket index, ``(layout, transform state)``; ``layout`` is the bucket's
             param shapes, so a bucket that DDP rebuilt with other params gets fresh errors.
+
+    Reading ``iter`` or ``buckets``, :meth:`state_dict` and :meth:`load_state_dict` first wait
+    for the buckets in flight.
     """
 
     def __init__(
@@ -39,31 +49,92 @@ class BucketHookState:
         process_group: dist.ProcessGroup | None,
         start_iter: int,
         make_transform: Callable[[ProcessGroup], GradientTransformation],
+        overlap: bool = True,
+        timeout: datetime.timedelta | float | None = None,
     ) -> None:
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {overlap!r}")
         self.process_group = process_group
-        self.comm = ProcessGroup(process_group)
+        fn_group = process_group
+        if overlap:
+            # fn's collectives then run on their own thread while DDP may send on its group
+            # (e.g. find_unused_parameters' allreduce after the last bucket): a group of their
+            # own keeps the two sequences apart, each in the same order on every rank
+            ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+            fn_group = dist.new_group(ranks, backend=dist.get_backend(process_group))
+        self.comm = ProcessGroup(fn_group, timeout=timeout)
         self.start_iter = check_int("start_iter", start_iter)
-        self.iter = 0
+        self.overlap = overlap
         self.transform = make_transform(self.comm)
-        self.buckets: dict[int, tuple[Layout, Any]] = {}
+        self._iter = 0
+        self._buckets: dict[int, tuple[Layout, Any]] = {}
+        # each bucket's layout at its last compressed hook call (the hook's thread logs rebuilds)
+        self._layouts: dict[int, Layout] = {}
+        self._worker = SerialWorker(f"fn.ddp.{type(self).__name__}")
+        # the error of a bucket that failed in the iteration in flight (overlap): the later
+        # buckets of that iteration fail with it, without communicating, as they would not have
+        # run inside the hook
+        self._failed: BaseException | None = None
 
-    def _bucket_state(self, index: int, layout: Layout, buffer: torch.Tensor) -> Any:
-        """The transform state of bucket ``index``: its own, or fresh if it is new or its
-        layout changed (with a log line)."""
-        known = self.buckets.get(index)
-        if known is not None and known[0] == layout:
-            return known[1]
-        if known is not None:
+    @property
+    def iter(self) -> int:
+        self._worker.drain()
+        return self._iter
+
+    @property
+    def buckets(self) -> dict[int, tuple[Layout, Any]]:
+        self._worker.drain()
+        return self._buckets
+
+    def _note_layout(self, index: int, layout: Layout, numel: int) -> None:
+        """Records bucket ``index``'s layout; logs when DDP rebuilt the bucket."""
+        known = self._layouts.get(index)
+        if known is not None and known != layout:
             logger.warning(
                 "fn.ddp: bucket %d now holds %d elements in %d params (was %d in %d; DDP rebuilt "
                 "its buckets): its error feedback is reset",
                 index,
-                buffer.numel(),
+                numel,
                 len(layout),
-                _numel(known[0]),
-                len(known[0]),
+                _numel(known),
+                len(known),
             )
-        return self.transform.init(buffer)
+        self._layouts[index] = layout
+
+    def _compress(
+        self, index: int, layout: Layout, buffer: torch.Tensor, last: bool
+    ) -> torch.Tensor:
+        """``buffer`` replaced by the transform's output with bucket ``index``'s error feedback
+        (fresh if the bucket is new or its layout changed); counts the iteration at the last."""
+        known = self._buckets.get(index)
+        bucket_state = (
+            known[1] if known is not None and known[0] == layout else self.transform.init(buffer)
+        )
+        mean, bucket_state = self.transform.update(buffer, bucket_state)
+        self._buckets[index] = (layout, bucket_state)
+        if last:
+            self._iter += 1
+        return buffer.copy_(mean)
+
+    def _in_order(
+        self, index: int, compress: Callable[[], torch.Tensor], last: bool
+    ) -> torch.Tensor:
+        """``compress()`` on the background thread, unless an earlier bucket of the iteration
+        failed (every rank fails in the same bucket: fn's collectives raise together)."""
+        try:
+            if self._failed is not None:
+                raise RuntimeError(
+                    f"fn.ddp: bucket {index} was not reduced: an earlier bucket of this "
+                    f"iteration failed ({self._failed})"
+                ) from self._failed
+            return compress()
+        except BaseException as err:
+            if self._failed is None:
+                self._failed = err
+            raise
+        finally:
+            if last:
+                self._failed = None
 
     def state_dict(self) -> dict[str, Any]:
         """The iteration count and every bucket's error feedback, for a checkpoint.
@@ -74,13 +145,14 @@ class BucketHookState:
             (``torch.load(weights_only=True)`` reads it). The error feedback is this rank's:
             save one per rank.
         """
+        self._worker.drain()
         return {
-            "iter": self.iter,
+            "iter": self._iter,
             "rank": self.comm.rank,
             "world_size": self.comm.world_size,
             "buckets": {
                 index: {"layout": [list(s) for s in layout], "state": tree_flatten(state)[0]}
-                for index, (layout, state) in self.buckets.items()
+                for index, (layout, state) in self._buckets.items()
             },
         }
 
@@ -100,6 +172,7 @@ class BucketHookState:
         Raises:
             ValueError: a bucket's saved state does not fit the transform (nothing is changed).
         """
+        self._worker.drain()
         buckets = {}
         same_rank = (state_dict["rank"], state_dict["world_size"]) == (
             self.comm.rank,
@@ -126,8 +199,9 @@ class BucketHookState:
                     f"{[tuple(x.shape) for x in leaves]}, this hook's transform needs {shapes}"
                 )
             buckets[int(index)] = (layout, tree_unflatten(leaves, spec))
-        self.iter = int(state_dict["iter"])
-        self.buckets = buckets
+        self._iter = int(state_dict["iter"])
+        self._buckets = buckets
+        self._layouts = {index: layout for index, (layout, _) in buckets.items()}
 
 
 def _numel(layout: Layout) -> int:
@@ -138,18 +212,18 @@ def compressing_hook(
     state: BucketHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """The dense mean of the bucket for ``start_iter`` iterations, then ``state.transform``
-    applied to it with the bucket's error feedback (synchronously: the returned future is
-    complete)."""
+    applied to it with the bucket's error feedback: handed to the state's background thread
+    with ``state.overlap`` (the future completes when the bucket is reduced, or with its error),
+    else run here (the future is complete)."""
     buffer = bucket.buffer()
-    if state.iter < state.start_iter:
-        future = dense_mean(buffer, state.process_group)
-    else:
-        index, layout = bucket.index(), tuple(tuple(p.shape) for p in bucket.parameters())
-        mean, bucket_state = state.transform.update(
-            buffer, state._bucket_state(index, layout, buffer)
-        )
-        state.buckets[index] = (layout, bucket_state)
-        future = completed(buffer.copy_(mean))
-    if bucket.is_last():
-        state.iter += 1
-    return future
+    last = bucket.is_last()
+    if state._iter < state.start_iter:
+        if last:
+            state._iter += 1
+        return dense_mean(buffer, state.process_group)
+    index, layout = bucket.index(), tuple(tuple(p.shape) for p in bucket.parameters())
+    state._note_layout(index, layout, buffer.numel())
+    compress = functools.partial(state._compress, index, layout, buffer, last)
+    if not state.overlap:
+        return completed(compress())
+    return state._worker.submit(functools.partial(state._in_order, index, compress, last))

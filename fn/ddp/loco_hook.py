@@ -1,6 +1,8 @@
 """``loco_hook``: a DDP comm hook that allreduces every gradient bucket in 4 or 8 bits."""
 
 # No ``from __future__ import annotations``: DDP checks a hook's annotations as objects.
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -22,6 +24,12 @@ class LocoHookState(BucketHookState):
         err_beta: LoCo's error decay ``beta``.
         reset_T: zero a bucket's errors every ``reset_T`` of its compressed iterations.
         start_iter: iterations averaged densely before compression starts.
+        overlap: quantize on the state's background thread, overlapped with the backward pass,
+            over a process group of the same ranks that the state makes for it (a collective
+            call: build the state on every rank in the same order, as DDP); ``False``: inside
+            the hook, over ``process_group``. The results are the same.
+        timeout: the limit of each quantized collective (``fn.collectives.ProcessGroup``'s
+            ``timeout``: a ``timedelta`` or seconds; ``None``: ``$FN_TIMEOUT``, else 5 minutes).
     """
 
     def __init__(
@@ -32,11 +40,15 @@ class LocoHookState(BucketHookState):
         err_beta: float = 0.8,
         reset_T: int = 1024,  # noqa: N803 (LoCo's / DeepSpeed's name)
         start_iter: int = 100,
+        overlap: bool = True,
+        timeout: datetime.timedelta | float | None = None,
     ) -> None:
         super().__init__(
             process_group,
             start_iter,
             lambda comm: loco_allreduce(bits, group_size, err_beta, reset_T, comm=comm),
+            overlap,
+            timeout,
         )
 
 
@@ -54,8 +66,8 @@ def loco_hook(state: LocoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     (keyed by the bucket's index; a bucket that DDP rebuilt with other params starts again from
     zero error, with a log line). Use it with any optimizer, e.g. ``torch.optim.AdamW``.
 
-    The quantized collectives are synchronous: the returned future is already complete (no
-    overlap with the backward pass in the compressed phase).
+    Overlap: as :func:`onebit_hook`, the hook hands the bucket to ``state``'s background thread
+    and returns a future of its result (``LocoHookState(overlap=False)``: inside the hook).
 
     Args:
         state: a :class:`LocoHookState`.

@@ -1,6 +1,8 @@
 """``onebit_hook``: a DDP comm hook that allreduces every gradient bucket in 1 bit per element."""
 
 # No ``from __future__ import annotations``: DDP checks a hook's annotations as objects.
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -18,10 +20,24 @@ class OnebitHookState(BucketHookState):
         process_group: the group DDP communicates over (``None``: the world).
         start_iter: iterations averaged densely before compression starts (the first ones
             move the most; DDP also rebuilds its buckets after the first).
+        overlap: compress on the state's background thread, overlapped with the backward pass,
+            over a process group of the same ranks that the state makes for it (a collective
+            call: build the state on every rank in the same order, as DDP); ``False``: inside
+            the hook, over ``process_group``. The results are the same.
+        timeout: the limit of each compressed collective (``fn.collectives.ProcessGroup``'s
+            ``timeout``: a ``timedelta`` or seconds; ``None``: ``$FN_TIMEOUT``, else 5 minutes).
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, start_iter: int = 100):
-        super().__init__(process_group, start_iter, lambda comm: onebit_allreduce(comm=comm))
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        start_iter: int = 100,
+        overlap: bool = True,
+        timeout: datetime.timedelta | float | None = None,
+    ) -> None:
+        super().__init__(
+            process_group, start_iter, lambda comm: onebit_allreduce(comm=comm), overlap, timeout
+        )
 
 
 def onebit_hook(
@@ -45,8 +61,12 @@ def onebit_hook(
     0/1 Adam and 1-bit LAMB prefer ``fn.ddp.register`` (they compress the momentum, which
     converges where compressing Adam's gradients may not).
 
-    The compressed collectives are synchronous: the returned future is already complete (no
-    overlap with the backward pass in the compressed phase).
+    Overlap: the hook hands the bucket to ``state``'s background thread and returns a future
+    of its result, so autograd computes the next buckets' gradients meanwhile; the thread
+    compresses the buckets one at a time in DDP's bucket order (the same on every rank). An
+    error (non-finite gradients on some rank, a ``CollectiveTimeoutError``) completes the
+    bucket's future with it, so the backward pass raises on every rank; the later buckets of
+    that iteration are not reduced and their error feedback is kept, as without overlap.
 
     Args:
         state: an :class:`OnebitHookState`.

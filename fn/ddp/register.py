@@ -37,12 +37,15 @@ def _onebit_family_hook(
         return dense_mean(buffer, schedule.group)
     # Param groups in different phases share the bucket: average only the warmup groups' part.
     grads = [g for g, d in zip(bucket.gradients(), dense, strict=True) if d]
-    averaged = dense_mean(torch.cat([g.reshape(-1) for g in grads]), schedule.group).wait()
-    offset = 0
-    for g in grads:
-        g.copy_(averaged[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-    return completed(buffer)
+
+    def scatter(future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        averaged, offset = future.value(), 0
+        for g in grads:
+            g.copy_(averaged[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return buffer
+
+    return dense_mean(torch.cat([g.reshape(-1) for g in grads]), schedule.group).then(scatter)
 
 
 def register(ddp_model: DistributedDataParallel, optimizer: _OnebitFamily) -> None:
@@ -58,6 +61,13 @@ def register(ddp_model: DistributedDataParallel, optimizer: _OnebitFamily) -> No
     - compressed update (1-bit Adam and 1-bit LAMB after ``freeze_step``; 0/1 Adam's 1-bit,
       local and synchronization updates): DDP sends nothing and each ``.grad`` keeps the local
       gradient; the optimizer's 1-bit collectives are the only gradient traffic.
+
+    The compressed updates' 1-bit allreduce runs in ``optimizer.step()``, after the backward
+    pass, not overlapped with it: the optimizer compresses each param group's momentum as one
+    flat buffer (one scale from the norm of all of it, its signs exchanged in one all-to-all),
+    so no part can go before the group's last gradient exists, and until ``step()`` the
+    gradients may still change (clipping, AMP's unscaling) or the step be skipped; compressing
+    per bucket during the backward pass would change the numerics.
 
     So the run equals the same run without DDP. Bit for bit with fp32/fp64 params when the
     world size is a power of two; otherwise the sums of the dense warmup means may be associated
