@@ -8,6 +8,7 @@ References:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -184,7 +185,7 @@ def compressed_allreduce(
         return _pure_allreduce(x, worker_error, server_error, comm)
     if not _plain(x, worker_error, server_error, *out):
         return _copied_into(out, _pure_allreduce(x, worker_error, server_error, comm))
-    return _allreduce_into(x.reshape(-1), None, 0.0, worker_error, server_error, comm, x, out)
+    return _start_into(x.reshape(-1), None, 0.0, worker_error, server_error, comm, x, out)()
 
 
 def _pure_allreduce(
@@ -240,13 +241,25 @@ def compressed_momentum_allreduce(
     *,
     comm: Comm,
     out: AllreduceOut,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
     """:func:`compressed_allreduce` of the momentum ``beta * m + (1 - beta) * g`` (rounded as
-    ``fn.transforms``' ``moving_average``) into the buffers ``out``, computing the momentum on
-    the fly (it is never a tensor; ``y`` may be ``m`` itself). Only the fused path: returns
-    ``None`` (nothing done) where it does not apply (one rank, no elements, other dtypes than
-    fp32, non-contiguous tensors, vmap, ``torch.compile``); the caller then computes the
-    momentum and calls :func:`compressed_allreduce`."""
+    ``fn.transforms``' ``moving_average``) into the buffers ``out``, in two steps.
+
+    This call compresses (the momentum is computed on the fly, never as a tensor), exchanges
+    and checks everything, on every rank, and writes nothing; the function it returns writes
+    the new errors and ``y`` (which may be ``m`` itself) and returns them. An optimizer calls
+    it for every leaf before it finishes any, so a failure on any leaf leaves every buffer
+    intact. Returns ``None`` (nothing done) where the fused path does not apply (one rank, no
+    elements, dtypes other than fp32, non-contiguous tensors, vmap, ``torch.compile``): the
+    caller then computes the momentum and calls :func:`compressed_allreduce`.
+
+    Example:
+        >>> from fn.collectives import Local
+        >>> from fn.collectives.onebit import compressed_momentum_allreduce
+        >>> m, g = torch.ones(3), torch.zeros(3)
+        >>> print(compressed_momentum_allreduce(m, g, 0.9, m, m, comm=Local(), out=(m, m, m)))
+        None
+    """
     tensors = (m, g, worker_error, server_error, *out)
     if (
         comm.world_size == 1
@@ -262,7 +275,7 @@ def compressed_momentum_allreduce(
     if worker_error.shape != (n_padded,) or server_error.shape != (n_padded // comm.world_size,):
         return None  # compressed_allreduce raises the error
     _check_out(out, m, worker_error, server_error)
-    return _allreduce_into(m.view(-1), g.view(-1), beta, worker_error, server_error, comm, m, out)
+    return _start_into(m.view(-1), g.view(-1), beta, worker_error, server_error, comm, m, out)
 
 
 def _plain(*tensors: torch.Tensor | None) -> bool:
@@ -318,7 +331,7 @@ def _copied_into(
     return tuple(r if b is None else b.copy_(r) for b, r in zip(out, results, strict=True))
 
 
-def _allreduce_into(
+def _start_into(
     flat: torch.Tensor,
     grad: torch.Tensor | None,
     beta: float,
@@ -327,11 +340,12 @@ def _allreduce_into(
     comm: Comm,
     like: torch.Tensor,
     out: AllreduceOut,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The allocation-free path, in three phases: the worker compresses ``flat`` (or the
     momentum of ``flat`` and ``grad``) and exchanges; the server sums the received signs,
-    compresses and exchanges; only then, every scale checked, the errors and ``y`` are
-    written (the worker's error before ``y``, which may share ``flat``'s memory)."""
+    compresses and exchanges; every scale checked, it returns the third phase, which writes
+    the errors and ``y`` (the worker's error before ``y``, which may share ``flat``'s
+    memory)."""
     world_size, n = comm.world_size, flat.numel()
     what = "compressed_allreduce"
     packed, scale = kernels.feedback_sign_compress(flat, worker_error, grad=grad, beta=beta)
@@ -348,18 +362,22 @@ def _allreduce_into(
     all_scales = finite_or_raise(
         comm.all_gather(server_scale), f"{what}: non-finite values in a server error"
     )
-    y, worker, server = (
-        torch.empty_like(t) if b is None else b
-        for b, t in zip(out, (like, worker_error, server_error), strict=True)
-    )
-    kernels.sign_sum_apply_error(received, weights, server_error, server_scale, server)
-    kernels.feedback_apply_error(flat, worker_error, scale, worker, grad=grad, beta=beta)
-    if y.dtype == torch.float32:
-        kernels.unpack_scaled(all_packed, all_scales, y.view(-1))
-    else:
-        values = torch.empty(n, dtype=torch.float32, device=y.device)
-        y.view(-1).copy_(kernels.unpack_scaled(all_packed, all_scales, values))
-    return y, worker, server
+
+    def finish() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        y, worker, server = (
+            torch.empty_like(t) if b is None else b
+            for b, t in zip(out, (like, worker_error, server_error), strict=True)
+        )
+        kernels.sign_sum_apply_error(received, weights, server_error, server_scale, server)
+        kernels.feedback_apply_error(flat, worker_error, scale, worker, grad=grad, beta=beta)
+        if y.dtype == torch.float32:
+            kernels.unpack_scaled(all_packed, all_scales, y.view(-1))
+        else:
+            values = torch.empty(n, dtype=torch.float32, device=y.device)
+            y.view(-1).copy_(kernels.unpack_scaled(all_packed, all_scales, values))
+        return y, worker, server
+
+    return finish
 
 
 class OnebitAllreduceState(NamedTuple):
