@@ -327,22 +327,38 @@ static void fn_feedback_error(const fn_feedback *f, float scale, float *out, int
     }
 }
 
-/* out[k] = +-scales[k / chunk] by sign bit k of packed (rows of chunk bits, chunk % 8 == 0);
-   begin is a multiple of 8. */
+/* out[k] = +-scales[k / chunk] by sign bit k of packed (rows of chunk bits, chunk % 8 == 0):
+   the scale's bits with the sign bit flipped where the bit is 0 (-0.0 for a zero scale, as
+   -1.0f * 0.0f); integer operations, which vectorize. begin is a multiple of 8. */
 static void fn_unpack_scaled(const uint8_t *packed, const float *scales, int64_t chunk,
                              float *out, int64_t begin, int64_t end)
 {
     int64_t k = begin;
+    uint32_t *o = (uint32_t *)out;
     while (k < end) {
         int64_t row = k / chunk, stop = min64(end, (row + 1) * chunk);
-        const float s = scales[row], ns = -s;
-        for (; k + 8 <= stop; k += 8) {
-            uint32_t byte = packed[k >> 3];
-            for (int j = 0; j < 8; j++)
-                out[k + j] = ((byte >> (7 - j)) & 1u) ? s : ns;
+        uint32_t s;
+        memcpy(&s, scales + row, 4);
+        const uint8_t *bytes = packed + k / 8;
+        int64_t whole = (stop - k) / 8, b = 0;
+#if defined(__AVX2__)
+        const __m256i weights = _mm256_setr_epi32(128, 64, 32, 16, 8, 4, 2, 1);
+        const __m256i value = _mm256_set1_epi32((int)s);
+        const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+        for (; b < whole; b++) {
+            __m256i bit = _mm256_and_si256(_mm256_set1_epi32(bytes[b]), weights);
+            __m256i clear = _mm256_cmpeq_epi32(bit, _mm256_setzero_si256());
+            __m256i v = _mm256_xor_si256(value, _mm256_and_si256(clear, sign));
+            _mm256_storeu_si256((__m256i *)(o + k + 8 * b), v);
         }
-        for (; k < stop; k++)
-            out[k] = ((packed[k >> 3] >> (7 - (k & 7))) & 1u) ? s : ns;
+#endif
+        for (; b < whole; b++) {
+            uint32_t byte = bytes[b];
+            for (int j = 0; j < 8; j++)
+                o[k + 8 * b + j] = s ^ ((~(byte >> (7 - j)) & 1u) << 31);
+        }
+        for (k += 8 * whole; k < stop; k++)
+            o[k] = s ^ ((~(packed[k >> 3] >> (7 - (k & 7))) & 1u) << 31);
     }
 }
 
@@ -376,6 +392,17 @@ static void fn_packbits(const float *x, uint8_t *bits, int64_t begin, int64_t en
         }
         word = reverse_bytes_bits(word);
         memcpy(bits + i, &word, 8);
+    }
+#elif defined(__AVX2__)
+    for (; i + 4 <= full; i += 4) {
+        uint32_t word = 0;
+        for (int t = 0; t < 4; t++) {
+            __m256 v = _mm256_loadu_ps(x + 8 * (i + t));
+            word |= (uint32_t)rev8((uint32_t)_mm256_movemask_ps(
+                        _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ)))
+                    << (8 * t);
+        }
+        memcpy(bits + i, &word, 4);
     }
 #endif
     for (; i < full; i++) {
