@@ -183,7 +183,7 @@ def compressed_allreduce(
         raise TypeError(f"compressed_allreduce needs a floating-point x, got {x.dtype}")
     if out is None:
         return _pure_allreduce(x, worker_error, server_error, comm)
-    if not _plain(x, worker_error, server_error, *out):
+    if not is_plain(x, worker_error, server_error, *out):
         return _copied_into(out, _pure_allreduce(x, worker_error, server_error, comm))
     return _start_into(x.reshape(-1), None, 0.0, worker_error, server_error, comm, x, out)()
 
@@ -232,53 +232,53 @@ def _pure_allreduce(
     return y.view(x.shape).to(x.dtype), new_worker_error, new_server_error
 
 
-def compressed_momentum_allreduce(
-    m: torch.Tensor,
-    g: torch.Tensor,
-    beta: float,
+def compressed_allreduce_start(
+    x: torch.Tensor,
     worker_error: torch.Tensor,
     server_error: torch.Tensor,
     *,
     comm: Comm,
     out: AllreduceOut,
+    grad: torch.Tensor | None = None,
+    beta: float = 0.0,
 ) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
-    """:func:`compressed_allreduce` of the momentum ``beta * m + (1 - beta) * g`` (rounded as
-    ``fn.transforms``' ``moving_average``) into the buffers ``out``, in two steps.
+    """:func:`compressed_allreduce` of ``x`` into the buffers ``out``, in two steps; with
+    ``grad``, of the momentum ``beta * x + (1 - beta) * grad`` (rounded as ``fn.transforms``'
+    ``moving_average``), computed on the fly, never as a tensor.
 
-    This call compresses (the momentum is computed on the fly, never as a tensor), exchanges
-    and checks everything, on every rank, and writes nothing; the function it returns writes
-    the new errors and ``y`` (which may be ``m`` itself) and returns them. An optimizer calls
-    it for every leaf before it finishes any, so a failure on any leaf leaves every buffer
-    intact. Returns ``None`` (nothing done) where the fused path does not apply (one rank, no
-    elements, dtypes other than fp32, non-contiguous tensors, vmap, ``torch.compile``): the
-    caller then computes the momentum and calls :func:`compressed_allreduce`.
+    This call compresses, exchanges and checks everything, on every rank, and writes nothing;
+    the function it returns writes the new errors and ``y`` (which may be ``x`` or ``grad``)
+    and returns them. An optimizer calls it for every leaf before it finishes any, so a
+    failure on any leaf leaves every buffer intact. Returns ``None`` (nothing done) where this
+    allocation-free path does not apply (one rank, no elements, dtypes other than fp32,
+    non-contiguous tensors, vmap, ``torch.compile``): the caller then takes the pure path.
 
     Example:
         >>> from fn.collectives import Local
-        >>> from fn.collectives.onebit import compressed_momentum_allreduce
-        >>> m, g = torch.ones(3), torch.zeros(3)
-        >>> print(compressed_momentum_allreduce(m, g, 0.9, m, m, comm=Local(), out=(m, m, m)))
+        >>> from fn.collectives.onebit import compressed_allreduce_start
+        >>> x = torch.ones(3)
+        >>> print(compressed_allreduce_start(x, x, x, comm=Local(), out=(x, x, x)))
         None
     """
-    tensors = (m, g, worker_error, server_error, *out)
+    tensors = (x, grad, worker_error, server_error, *out)
     if (
         comm.world_size == 1
-        or m.numel() == 0
+        or x.numel() == 0
         or any(t is not None and t.dtype != torch.float32 for t in tensors)
-        or not _plain(*tensors)
-        or not m.is_contiguous()
-        or g.shape != m.shape
-        or not g.is_contiguous()
+        or not is_plain(*tensors)
+        or not x.is_contiguous()
+        or (grad is not None and (grad.shape != x.shape or not grad.is_contiguous()))
     ):
         return None
-    n_padded = padded_numel(m.numel(), comm.world_size)
+    n_padded = padded_numel(x.numel(), comm.world_size)
     if worker_error.shape != (n_padded,) or server_error.shape != (n_padded // comm.world_size,):
         return None  # compressed_allreduce raises the error
-    _check_out(out, m, worker_error, server_error)
-    return _start_into(m.view(-1), g.view(-1), beta, worker_error, server_error, comm, m, out)
+    _check_out(out, x, worker_error, server_error)
+    flat_grad = None if grad is None else grad.view(-1)
+    return _start_into(x.view(-1), flat_grad, beta, worker_error, server_error, comm, x, out)
 
 
-def _plain(*tensors: torch.Tensor | None) -> bool:
+def is_plain(*tensors: torch.Tensor | None) -> bool:
     """Eager plain tensors (not traced, not under vmap or another functorch transform)."""
     if torch.compiler.is_compiling():
         return False

@@ -207,6 +207,16 @@ def moving_average(
     return (beta * x).add_(new)
 
 
+def moving_average_into(
+    out: torch.Tensor, x: torch.Tensor, beta: float, y: torch.Tensor
+) -> torch.Tensor:
+    """:func:`moving_average` (``beta * x + (1 - beta) * y``, the same rounding) written into
+    ``out`` (which may be ``x``), with ``y``'s buffer as scratch: ``y`` is overwritten by
+    ``(1 - beta) * y``. No temporary."""
+    y.mul_(1 - beta)
+    return torch.mul(x, beta, out=out).add_(y)
+
+
 def masked(m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``m * mask``, written into ``m`` where the product has ``m``'s shape and dtype (the
     same bits)."""

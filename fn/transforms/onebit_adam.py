@@ -11,7 +11,7 @@ from fn import kernels
 from fn._validation import check_betas, check_finite, check_int, check_nonnegative
 from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
-from fn.collectives.onebit import compressed_momentum_allreduce, fitting
+from fn.collectives.onebit import compressed_allreduce_start, fitting
 from fn.transforms._leafwise import (
     LearningRate,
     adam_ratio_bound,
@@ -225,7 +225,7 @@ def onebit_adam(
                 fitting(spare.worker_error, ew),
                 fitting(spare.server_error, es),
             )
-            start = compressed_momentum_allreduce(m, g, b1, ew, es, comm=comm, out=buffers)
+            start = compressed_allreduce_start(m, ew, es, comm=comm, out=buffers, grad=g, beta=b1)
         if start is None:
             result = leaf_rule(g, leaf, p, mask, dense, compressed=True, eta=eta)
             return lambda: result

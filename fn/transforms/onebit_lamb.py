@@ -274,7 +274,8 @@ def onebit_lamb(
         f = torch.maximum(f, last * (1 - factor_threshold))
         return -(eta * (r * f)) * u, _Leaf(m, v, v_fresh, r, f, scaling)
 
-    def update(grads, state, params, plan, eta):
+    def update(grads, state, params, plan, eta, donated=None):
+        del donated  # accepted; 1-bit LAMB's updates stay pure
         if not plan.compressed:
             rule = partial(warmup_rule, eta=eta, copies_variance=plan.copies_variance)
             return map_leaves("onebit_lamb", rule, grads, state, _Leaf, params)

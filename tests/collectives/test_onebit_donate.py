@@ -18,7 +18,7 @@ from fn.collectives import (
     replicate,
     simulate,
 )
-from fn.collectives.onebit import compressed_momentum_allreduce
+from fn.collectives.onebit import compressed_allreduce_start
 from fn.tree import tree_map
 from tests._distributed import run_distributed
 
@@ -69,7 +69,9 @@ def _check_momentum_run(comm, rank: int, n: int) -> None:
         g = _inputs(rank, n, step)
         x = (beta * m_pure).add_((1 - beta) * g)
         m_pure, *pure = compressed_allreduce(x, *pure, comm=comm)
-        finish = compressed_momentum_allreduce(m_don, g, beta, *don, comm=comm, out=(m_don, *don))
+        finish = compressed_allreduce_start(
+            m_don, *don, comm=comm, out=(m_don, *don), grad=g, beta=beta
+        )
         assert finish is not None
         result = finish()
         assert result[0] is m_don
@@ -143,7 +145,10 @@ def _nan_worker(rank: int, world_size: int) -> bool:
     for fused in (False, True):
         with pytest.raises(ValueError, match="non-finite"):
             if fused:
-                compressed_momentum_allreduce(x, x.clone(), 0.9, we, se, comm=comm, out=(x, we, se))
+                start = compressed_allreduce_start(
+                    x, we, se, comm=comm, out=(x, we, se), grad=x.clone(), beta=0.9
+                )
+                start()
             else:
                 compressed_allreduce(x, we, se, comm=comm, out=(x, we, se))
         for a, b in zip((x, we, se), before, strict=True):
