@@ -31,6 +31,10 @@ _TRITON_KERNELS = {
     "packbits": _triton.packbits,
     "unpackbits": _triton.unpackbits,
     "sign_compress": _triton.sign_compress,
+    "feedback_sign_compress": _triton.feedback_sign_compress,
+    "feedback_apply_error": _triton.feedback_apply_error,
+    "unpack_scaled": _triton.unpack_scaled,
+    "adam_direction": _triton.adam_direction,
     "quantize": _triton.quantize,
     "dequantize": _triton.dequantize,
 }

@@ -4,6 +4,9 @@ signs, onebit_adam's update expression), bit for bit; the public ops under vmap 
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -204,6 +207,59 @@ def test_argument_errors():
 
 
 @pytest.mark.parametrize("name", NEW_KERNELS)
-def test_devices_without_an_implementation_run_the_reference(clean_table, name):
-    assert _table.kernel("cuda", name) is getattr(_reference, name)
+def test_every_new_kernel_is_in_the_tables(clean_table, name):
     assert _table.kernel("cpu", name) is getattr(_cpu, name)
+    on_cuda = _table.kernel("cuda", name)
+    if name.startswith("sign_sum"):  # torch's CUDA sum order: the reference runs
+        assert on_cuda is getattr(_reference, name)
+    else:
+        assert on_cuda.__name__ == name and on_cuda is not getattr(_reference, name)
+
+
+@pytest.fixture(scope="module")
+def triton_interpreted():
+    if os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton on CPU needs triton installed and TRITON_INTERPRET=1")
+    from fn.kernels import _triton
+
+    return _triton
+
+
+@pytest.mark.parametrize("n, pad", [(0, 8), (1, 15), (1000, 24), (3000, 2100), (4096, 0)])
+@pytest.mark.parametrize("momentum", [False, True])
+def test_triton_interpreted_feedback(triton_interpreted, n, pad, momentum):
+    x, error = _values(n, n), _values(n + pad, n + 1)
+    grad = _values(n, n + 2) if momentum else None
+    want = _reference.feedback_sign_compress(x, error, grad, 0.9)
+    got = triton_interpreted.feedback_sign_compress(x, error, grad, 0.9)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    out_want, out_got = torch.empty_like(error), error.clone()
+    _reference.feedback_apply_error(x, error, want[1], out_want, grad, 0.9)
+    triton_interpreted.feedback_apply_error(x, out_got, got[1], out_got, grad, 0.9)
+    assert torch.equal(_bits(out_got), _bits(out_want))
+
+
+@pytest.mark.parametrize("ranks, chunk_bytes, cut", [(1, 1, 0), (3, 5, 3), (4, 700, 7)])
+def test_triton_interpreted_unpack_scaled(triton_interpreted, ranks, chunk_bytes, cut):
+    gen = torch.Generator().manual_seed(ranks)
+    packed = torch.randint(0, 256, (ranks, chunk_bytes), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(ranks, generator=gen)
+    scales[0] = 0.0
+    n = ranks * chunk_bytes * 8 - cut
+    want, got = torch.empty(n), torch.empty(n)
+    _reference.unpack_scaled(packed, scales, want)
+    triton_interpreted.unpack_scaled(packed, scales, got)
+    assert torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("bound", [None, 7.27])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_triton_interpreted_adam_direction(triton_interpreted, bound, weight_decay):
+    m, p, v = _values(5000, 1), _values(5000, 2), _values(5000, 3).square()
+    v[3], m[4] = 0.0, float("nan")
+    eta = torch.tensor(3e-4)
+    want = _onebit_adam_update(m, v, p, eta, 1e-8, bound, weight_decay)
+    out = torch.empty(5000)
+    decayed = p if weight_decay else None
+    triton_interpreted.adam_direction(m, v, decayed, eta, out, 1e-8, bound, weight_decay)
+    assert torch.equal(_bits(out), _bits(want))
