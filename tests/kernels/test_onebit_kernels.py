@@ -263,3 +263,79 @@ def test_triton_interpreted_adam_direction(triton_interpreted, bound, weight_dec
     decayed = p if weight_decay else None
     triton_interpreted.adam_direction(m, v, decayed, eta, out, 1e-8, bound, weight_decay)
     assert torch.equal(_bits(out), _bits(want))
+
+
+def _aot_variants():
+    from fn.kernels import _triton
+    from fn.kernels import _triton_kernels as k
+
+    c = "constexpr"
+    feedback = {"x_ptr": "*fp32", "g_ptr": "*fp32", "e_ptr": "*fp32"}
+    signs = {**feedback, "bits_ptr": "*u8", "sums_ptr": "*fp64", "n_valid": "i32"}
+    signs |= {"length": "i32", "nbytes": "i32", "nblocks": "i32", "beta": "fp32"}
+    signs |= {"one_minus_beta": "fp32", "GROUP": c, "BLOCK": c, "FP64": c, "MOMENTUM": c}
+    error = {**feedback, "scale_ptr": "*fp32", "out_ptr": "*fp32", "n_valid": "i32"}
+    error |= {"length": "i32", "beta": "fp32", "one_minus_beta": "fp32", "BLOCK": c}
+    error |= {"MOMENTUM": c}
+    unpack = {"bits_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}
+    unpack |= {"chunk": "i32", "BLOCK": c}
+    adam = {"m_ptr": "*fp32", "p_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "eps": "fp32"}
+    adam |= {"bound": "fp32", "weight_decay": "fp32", "neg_eta": "fp32", "BLOCK": c}
+    adam |= {"CLAMP": c, "DECAY": c}
+    block = {"GROUP": _triton._GROUP, "BLOCK": _reference.SUMSQ_BLOCK}
+    return {
+        "feedback-signs": (
+            k.feedback_blocks_kernel,
+            signs,
+            {**block, "FP64": True, "MOMENTUM": True},
+        ),
+        "feedback-signs-fp64-free": (
+            k.feedback_blocks_kernel,
+            {**signs, "sums_ptr": "*i64"},
+            {**block, "FP64": False, "MOMENTUM": False},
+        ),
+        "feedback-error": (
+            k.feedback_error_kernel,
+            error,
+            {"BLOCK": _triton._UNPACK, "MOMENTUM": True},
+        ),
+        "unpack-scaled": (k.unpack_scaled_kernel, unpack, {"BLOCK": _triton._UNPACK}),
+        "adam-direction": (
+            k.adam_direction_kernel,
+            adam,
+            {"BLOCK": _triton._UNPACK, "CLAMP": True, "DECAY": True},
+        ),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs triton installed and TRITON_INTERPRET unset (compiles for GPU targets)",
+)
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "feedback-signs",
+        "feedback-signs-fp64-free",
+        "feedback-error",
+        "unpack-scaled",
+        "adam-direction",
+    ],
+)
+def test_triton_kernels_compile_for_cuda(variant):
+    import triton
+    import triton.backends
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this triton wheel has no nvidia backend")
+    kernel, signature, constexprs = _aot_variants()[variant]
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}
+    )
+    assert len(compiled.asm["cubin"]) > 0
+    if variant == "feedback-signs-fp64-free":
+        assert "f64" not in compiled.asm["ttir"]
