@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
-from fn import collectives
+from fn import collectives, kernels
 from fn._validation import check_finite, check_shapes, check_step_or_plan, require_params
 from fn.base import CompressedOptimizer, Params, Updates
 from fn.transforms._learning_rate import learning_rate_now
@@ -215,6 +215,27 @@ def moving_average_into(
     ``(1 - beta) * y``. No temporary."""
     y.mul_(1 - beta)
     return torch.mul(x, beta, out=out).add_(y)
+
+
+def adam_update_into(
+    out: torch.Tensor | None,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    p: torch.Tensor | None,
+    eta: torch.Tensor,
+    *,
+    eps: float,
+    bound: float | None,
+    weight_decay: float,
+) -> torch.Tensor:
+    """The 1-bit family's Adam update ``-eta * (clamp(m / (sqrt(v) + eps), -bound, bound) +
+    weight_decay * p)`` (no clamp for ``bound=None``) written into ``out`` (a fresh tensor
+    when ``None``) by ``fn.kernels.adam_direction``: the bits of the torch expression."""
+    out = torch.empty_like(m) if out is None else out
+    decayed = p.float() if weight_decay > 0 else None
+    return kernels.adam_direction(
+        m, v, eta, out, eps=eps, bound=bound, weight_decay=weight_decay, p=decayed
+    )
 
 
 def masked(m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fn import kernels
 from fn._validation import check_betas, check_finite, check_int, check_nonnegative
 from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
@@ -15,6 +14,7 @@ from fn.collectives.onebit import compressed_allreduce_start, fitting
 from fn.transforms._leafwise import (
     LearningRate,
     adam_ratio_bound,
+    adam_update_into,
     compressed_mean,
     compressed_optimizer,
     host_count,
@@ -234,18 +234,9 @@ def onebit_adam(
             m_new, ew_new, es_new = start()
             if mask is not None:
                 m_new = masked(m_new, mask)
-            u = fitting(g, m_new)
-            u = torch.empty_like(m_new) if u is None else u
-            decayed = p.float() if weight_decay > 0 else None
-            kernels.adam_direction(
-                m_new,
-                v,
-                eta,
-                u,
-                eps=eps,
-                bound=bound if safeguard else None,
-                weight_decay=weight_decay,
-                p=decayed,
+            clip = bound if safeguard else None
+            u = adam_update_into(
+                fitting(g, m_new), m_new, v, p, eta, eps=eps, bound=clip, weight_decay=weight_decay
             )
             return u, _Leaf(m_new, v, ew_new, es_new)
 

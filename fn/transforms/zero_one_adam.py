@@ -8,7 +8,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fn import kernels
 from fn._validation import check_betas, check_finite, check_int, check_nonnegative
 from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
@@ -16,6 +15,7 @@ from fn.collectives.onebit import compressed_allreduce_start, fitting, is_plain
 from fn.transforms._leafwise import (
     LearningRate,
     adam_ratio_bound,
+    adam_update_into,
     compressed_mean,
     compressed_optimizer,
     init_error_feedback_per_leaf,
@@ -273,16 +273,9 @@ def zero_one_adam(
             if mask is not None and not plan.frozen:
                 mean = masked(mean, mask)
             m_new = moving_average_into(m_out, m, b1, mean)
-            decayed = p.float() if weight_decay > 0 else None
-            update = kernels.adam_direction(
-                m_new,
-                v,
-                eta,
-                u_out,
-                eps=eps,
-                bound=bound if safeguard else None,
-                weight_decay=weight_decay,
-                p=decayed,
+            clip = bound if safeguard else None
+            update = adam_update_into(
+                u_out, m_new, v, p, eta, eps=eps, bound=clip, weight_decay=weight_decay
             )
             a_new = a
             if plan.frozen:

@@ -183,15 +183,21 @@ def _fault_worker(rank: int, world_size: int, n: int, donated: bool) -> int:
     return _minor_faults() - before
 
 
-@pytest.mark.timeout(300)
-def test_gloo_steady_state_allocates_no_full_size_tensor(monkeypatch):
+def assert_steady_state_faults(monkeypatch, worker, n: int) -> None:
+    """Runs ``worker(rank, world_size, n, donated)`` (it returns its minor page faults over a few
+    steady-state calls) on 2 gloo ranks: pure, then donated. The pure run must show its fresh
+    tensors, the donated one fewer faults than 25% of the pages of one n-element buffer."""
     # glibc serves a 16 MiB tensor from its heap once its adaptive mmap threshold has grown
     # (then a fresh tensor may not fault); a fixed threshold makes every one a fresh mmap, as
     # tensors from 32 MiB on always are. Donated buffers are unaffected.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    n = 1 << 22
-    limit = n * 4 // resource.getpagesize() // 4  # 25% of the pages of one n-element buffer
-    pure = run_distributed(_fault_worker, 2, n, False, timeout=240)
+    limit = n * 4 // resource.getpagesize() // 4
+    pure = run_distributed(worker, 2, n, False, timeout=240)
     assert min(pure) > limit, f"the measurement cannot see fresh tensors: {pure}"
-    donated = run_distributed(_fault_worker, 2, n, True, timeout=240)
+    donated = run_distributed(worker, 2, n, True, timeout=240)
     assert max(donated) < limit, f"minor page faults per rank {donated} (limit {limit})"
+
+
+@pytest.mark.timeout(300)
+def test_gloo_steady_state_allocates_no_full_size_tensor(monkeypatch):
+    assert_steady_state_faults(monkeypatch, _fault_worker, 1 << 22)

@@ -13,6 +13,7 @@ import fn
 from fn.collectives import ProcessGroup, Simulated, replicate, simulate
 from fn.tree import tree_flatten, tree_map
 from tests._distributed import run_distributed
+from tests.collectives.test_onebit_donate import assert_steady_state_faults
 from tests.transforms._onebit_harness import make_grads, make_params
 
 STEPS = 12
@@ -179,13 +180,4 @@ def _fault_worker(rank, world_size, n, donated):
 
 @pytest.mark.timeout(300)
 def test_gloo_donated_compressed_update_allocates_no_full_size_tensor(monkeypatch):
-    # glibc serves a 16 MiB tensor from its heap once its adaptive mmap threshold has grown
-    # (then a fresh tensor may not fault); a fixed threshold makes every one a fresh mmap, as
-    # tensors from 32 MiB on always are. Donated buffers are unaffected.
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    n = 1 << 22
-    limit = n * 4 // resource.getpagesize() // 4  # 25% of the pages of one n-element buffer
-    pure = run_distributed(_fault_worker, 2, n, False, timeout=240)
-    assert min(pure) > limit, f"the measurement cannot see fresh tensors: {pure}"
-    donated = run_distributed(_fault_worker, 2, n, True, timeout=240)
-    assert max(donated) < limit, f"minor page faults per rank {donated} (limit {limit})"
+    assert_steady_state_faults(monkeypatch, _fault_worker, 1 << 22)
