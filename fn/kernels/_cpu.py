@@ -322,12 +322,14 @@ def _feedback(
     return f, keep
 
 
-def _feedback_signs(lib: ctypes.CDLL, f: _FeedbackStruct, length: int):
+def _feedback_signs(lib: ctypes.CDLL, f: _FeedbackStruct, length: int, alive: tuple):
+    """Phase 1 over ``f``'s source; ``alive`` holds the tensors ``f`` points into."""
     packed = _empty(lib, (length + 7) // 8, torch.uint8)
     blocks = -(-length // _reference.SUMSQ_BLOCK)
     sums = torch.empty(1 << max(0, blocks - 1).bit_length(), dtype=torch.float64)
     pointers = (ctypes.addressof(f), packed.data_ptr(), sums.data_ptr())
     _run(lib, "feedback_signs", length, _reference.SUMSQ_BLOCK, pointers)
+    del alive  # the tensors f points into lived until here
     scale = lib.fn_rms(sums.data_ptr(), blocks, sums.numel(), length)
     return packed, torch.tensor(scale, dtype=torch.float32)
 
@@ -338,8 +340,8 @@ def feedback_sign_compress(
     lib = library()
     if lib is None or not _plain_fp32(x, error, grad):
         return _reference.feedback_sign_compress(x, error, grad, beta)
-    f, _ = _feedback(_FEEDBACK_X, error, x, grad, beta)
-    return _feedback_signs(lib, f, error.numel())
+    f, alive = _feedback(_FEEDBACK_X, error, x, grad, beta)
+    return _feedback_signs(lib, f, error.numel(), alive)
 
 
 def feedback_apply_error(
@@ -353,9 +355,10 @@ def feedback_apply_error(
     lib = library()
     if lib is None or not _plain_fp32(x, error, grad, out):
         return _reference.feedback_apply_error(x, error, scale, out, grad, beta)
-    f, _ = _feedback(_FEEDBACK_X, error, x, grad, beta)
+    f, alive = _feedback(_FEEDBACK_X, error, x, grad, beta)
     pointers = (ctypes.addressof(f), out.data_ptr())
     _run(lib, "feedback_error", error.numel(), _reference.SUMSQ_BLOCK, pointers, scale=float(scale))
+    del alive  # the tensors f points into lived until here
     return None
 
 
@@ -365,8 +368,8 @@ def sign_sum_compress(
     lib = library()
     if lib is None or not _plain_fp32(weights, error) or not signs.is_contiguous():
         return _reference.sign_sum_compress(signs, weights, error)
-    f, _ = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
-    return _feedback_signs(lib, f, error.numel())
+    f, alive = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
+    return _feedback_signs(lib, f, error.numel(), alive)
 
 
 def sign_sum_apply_error(
@@ -379,9 +382,10 @@ def sign_sum_apply_error(
     lib = library()
     if lib is None or not _plain_fp32(weights, error, out) or not signs.is_contiguous():
         return _reference.sign_sum_apply_error(signs, weights, error, scale, out)
-    f, _ = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
+    f, alive = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
     pointers = (ctypes.addressof(f), out.data_ptr())
     _run(lib, "feedback_error", error.numel(), _reference.SUMSQ_BLOCK, pointers, scale=float(scale))
+    del alive  # the tensors f points into lived until here
     return None
 
 
