@@ -269,13 +269,15 @@ def compressed_mean(
     server_error: torch.Tensor,
     comm: Any,
     local_check: str | None = None,
+    out: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``fn.collectives.compressed_allreduce(x, worker_error, server_error)``: the 1-bit mean of
-    ``x`` over the ranks and the new errors. With one worker there is nothing to compress: ``x``
-    comes back as it is, checked to be finite (naming ``local_check``) unless that is ``None``;
-    an empty ``x`` comes back unchanged."""
+    """``fn.collectives.compressed_allreduce(x, worker_error, server_error, out=out)``: the
+    1-bit mean of ``x`` over the ranks and the new errors (written into the buffers of ``out``
+    where given). With one worker there is nothing to compress: ``x`` comes back as it is,
+    checked to be finite (naming ``local_check``) unless that is ``None``; an empty ``x``
+    comes back unchanged."""
     if comm.world_size > 1 and x.numel() > 0:
-        return collectives.compressed_allreduce(x, worker_error, server_error, comm=comm)
+        return collectives.compressed_allreduce(x, worker_error, server_error, comm=comm, out=out)
     if comm.world_size == 1 and local_check is not None:
         x = check_finite(x, local_check)
     return x, worker_error, server_error

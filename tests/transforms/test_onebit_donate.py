@@ -40,7 +40,7 @@ OPTIMIZERS = {
         comm=c,
         exp_avg_mask={"w": None, "b": (torch.arange(7) % 3).float(), "big": None},
     ),
-    "onebit_lamb": lambda c: fn.onebit_lamb(1e-2, 3, weight_decay=0.01, comm=c),  # pure
+    "onebit_lamb": lambda c: fn.onebit_lamb(1e-2, 3, weight_decay=0.01, comm=c),
 }
 
 
@@ -74,6 +74,10 @@ def _run(name, comm, rank, world_size, mode):
         else:
             updates, new = opt.update(g, state, p, step=t, donate=spare)
         plan = opt.plan(t)
+        if mode != "pure" and name == "onebit_lamb" and plan.compressed:
+            target = state if mode == "inplace" else spare
+            assert new.worker_error is target.worker_error  # the fused allreduce's errors
+            assert new.server_error is target.server_error
         if mode != "pure" and writes and plan.compressed and not getattr(plan, "sync", False):
             assert new.exp_avg_sq["w"] is state.exp_avg_sq["w"]  # frozen: the same tensor
             assert updates["w"] is g["w"]  # written into the donated gradient
