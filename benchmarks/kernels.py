@@ -1,5 +1,5 @@
-"""Throughput of the fn.kernels ops next to numpy.packbits, the read bandwidth of x.sum() and,
-on accelerators, the copy bandwidth of y.copy_(x).
+"""Throughput of the fn.kernels ops next to numpy.packbits, the read bandwidth of x.sum(), the
+write bandwidth of out.fill_(1) and, on accelerators, the copy bandwidth of y.copy_(x).
 
 Usage:
     python3 benchmarks/kernels.py                       # CPU, 2^20 .. 2^26 elements
@@ -12,8 +12,19 @@ sign_compress with error, whose input is m and e; for unpackbits and dequantize 
 outputs). The copy row counts the bytes the copy moves (read and write, 8 bytes x n): the
 device's copy bandwidth. Every number is the median of --repeat timed calls after one warm-up
 call, all measured in this run.
+
+The "donated" rows are the steady-state forms of the 1-bit allreduce (buffers reused, nothing
+full-size allocated): sign compression with error feedback in its two phases
+(feedback_sign_compress, then feedback_apply_error in place into the error), the same with the
+momentum beta * m + (1 - beta) * g computed inside (input m, g, e), and unpackbits into a
+buffer (unpack_scaled with scale 1, as the allreduce writes its output).
+
 Targets: CPU sign_compress >= 1.5x numpy.packbits(x >= 0) at 2^26; on CUDA (and other
-accelerators) packbits and sign_compress >= 50% of the copy bandwidth at 2^28.
+accelerators) packbits and sign_compress >= 50% of the copy bandwidth at 2^28. At the largest
+size of the run: the donated sign_compress + error within 1.5x of the time of three x.sum()
+read passes over its n-element input; packbits at >= 80% of the read bandwidth (x.sum(): 4n
+bytes read) and the donated unpackbits at >= 80% of the write bandwidth (out.fill_(1): 4n
+bytes written), each as the rate of the fp32 side (4n bytes) over that bandwidth.
 """
 
 from __future__ import annotations
@@ -30,6 +41,10 @@ import fn.kernels as K
 from fn.kernels import _reference
 
 _COPY = "y.copy_(x) (copy bandwidth)"
+_READ = "x.sum() (read bandwidth)"
+_WRITE = "out.fill_(1) (write bandwidth)"
+_DONATED_EF = "sign_compress + error, donated"
+_DONATED_UNPACK = "unpackbits into out, donated"
 _TARGET_LOG2 = 28  # the accelerator target's size: 1 GiB of fp32
 
 
@@ -49,12 +64,23 @@ def _cases(x: torch.Tensor, e: torch.Tensor, group_size: int, reference: bool):
     n = x.numel()
     packed = K.packbits(x)
     codes, scales = K.quantize(x, 4, group_size)
+    out, error, grad = torch.empty_like(x), e.clone(), torch.randn_like(x)
+    one = torch.ones(1, device=x.device)
+
+    def donated_sign_compress(g=None):
+        _, scale = K.feedback_sign_compress(x, error, grad=g, beta=0.9)
+        K.feedback_apply_error(x, error, scale, error, grad=g, beta=0.9)
+
     cases = [
-        ("x.sum() (read bandwidth)", 4, lambda: x.sum()),
+        (_READ, 4, lambda: x.sum()),
+        (_WRITE, 4, lambda: out.fill_(1.0)),
         ("packbits", 4, lambda: K.packbits(x)),
         ("unpackbits", 4, lambda: K.unpackbits(packed, n)),
+        (_DONATED_UNPACK, 4, lambda: K.unpack_scaled(packed.view(1, -1), one, out)),
         ("sign_compress", 4, lambda: K.sign_compress(x)),
         ("sign_compress + error", 8, lambda: K.sign_compress(x, e)),
+        (_DONATED_EF, 8, donated_sign_compress),
+        ("momentum sign_compress + error, donated", 12, lambda: donated_sign_compress(grad)),
         (f"quantize 4-bit g={group_size}", 4, lambda: K.quantize(x, 4, group_size)),
         (f"dequantize 4-bit g={group_size}", 4, lambda: K.dequantize(codes, scales, 4, n)),
     ]
@@ -108,26 +134,29 @@ def main() -> None:
     # the last-but-one column: the rate over numpy.packbits on the CPU, over the copy elsewhere
     base = "numpy.packbits(x >= 0)" if device.type == "cpu" else _COPY
     vs = "x numpy" if device.type == "cpu" else "x copy"
-    print(f"{'n':>5} {'op':<28} {'ms':>9} {'GB/s':>8} {vs:>8} {'x sum':>7}")
+    print(f"{'n':>5} {'op':<40} {'ms':>9} {'GB/s':>8} {vs:>8} {'x sum':>7}")
     results = {}
     for log2 in args.sizes:
         n = 1 << log2
         g = torch.Generator().manual_seed(log2)
         x = torch.randn(n, generator=g).to(device)
         e = torch.randn(n, generator=g).to(device)
-        rates = {}
+        rates, times = {}, {}
         for name, bytes_per_element, fn in _cases(x, e, args.group_size, args.reference):
             seconds = _median_seconds(fn, args.repeat, sync)
+            times[name] = seconds
             rates[name] = bytes_per_element * n / seconds / 1e9
             base_rate = rates.get(base)
             vs_base = f"{rates[name] / base_rate:8.2f}" if base_rate else f"{'-':>8}"
-            vs_sum = rates[name] / rates["x.sum() (read bandwidth)"]
+            vs_sum = rates[name] / rates[_READ]
             print(
-                f"2^{log2:<3} {name:<28} {seconds * 1e3:9.3f} {rates[name]:8.2f} "
+                f"2^{log2:<3} {name:<40} {seconds * 1e3:9.3f} {rates[name]:8.2f} "
                 f"{vs_base} {vs_sum:7.2f}"
             )
         results[log2] = rates
+        last = (log2, times)
         del x, e
+    _print_bandwidth_targets(*last)
     if device.type == "cpu" and 26 in results:
         ratio = results[26]["sign_compress"] / results[26]["numpy.packbits(x >= 0)"]
         verdict = "met" if ratio >= 1.5 else "NOT met"
@@ -141,6 +170,24 @@ def main() -> None:
                 f"target {name} >= 50% of copy bandwidth at 2^{_TARGET_LOG2}: "
                 f"{ratio:.0%} ({verdict})"
             )
+
+
+def _print_bandwidth_targets(log2: int, times: dict[str, float]) -> None:
+    """The targets on the steady-state forms, as ratios of times measured in this run."""
+    ratio = times[_DONATED_EF] / (3 * times[_READ])
+    verdict = "met" if ratio <= 1.5 else "NOT met"
+    print(
+        f"target {_DONATED_EF} <= 1.5x three x.sum() passes at 2^{log2}: {ratio:.2f}x ({verdict})"
+    )
+    for name, base, what in (
+        ("packbits", _READ, "read"),
+        (_DONATED_UNPACK, _WRITE, "write"),
+    ):
+        fraction = times[base] / times[name]  # both move 4n bytes of fp32
+        verdict = "met" if fraction >= 0.8 else "NOT met"
+        print(
+            f"target {name} >= 80% of the {what} bandwidth at 2^{log2}: {fraction:.0%} ({verdict})"
+        )
 
 
 if __name__ == "__main__":

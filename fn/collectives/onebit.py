@@ -8,6 +8,7 @@ References:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -73,12 +74,16 @@ def init_error_feedback(
     )
 
 
+AllreduceOut = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
 def compressed_allreduce(
     x: torch.Tensor,
     worker_error: torch.Tensor,
     server_error: torch.Tensor,
     *,
     comm: Comm,
+    out: AllreduceOut | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Error-compensated 1-bit allreduce: an estimate of the mean of ``x`` over the ranks.
 
@@ -106,15 +111,26 @@ def compressed_allreduce(
         worker_error: fp32[N], this rank's worker error.
         server_error: fp32[N / W], this rank's server error (for chunk ``rank``).
         comm: the communicator.
+        out: optional output buffers ``(y, worker, server)`` (buffer donation), each ``None``
+            (a fresh tensor) or a contiguous tensor to write: ``y`` of ``x``'s shape and dtype
+            (it may be ``x`` itself), ``worker``/``server`` fp32 of the errors' shapes (they may
+            be ``worker_error``/``server_error`` themselves). With buffers given, eager calls on
+            plain tensors make no full-size temporary: the signs of ``x + e_w`` are packed
+            without a padded copy, the server sums the received signs without unpacking them,
+            the new errors and ``y`` are written straight into the buffers, and nothing is
+            written before every rank's scales and counts have been checked (then also the
+            server's, so a failure leaves every buffer intact). Under ``Simulated`` (vmap) and
+            ``torch.compile`` the results are computed as without buffers and copied into them.
 
     Returns:
-        ``(y, worker_error', server_error')``; ``y`` has ``x``'s shape and dtype. With ``W == 1``
-        it is ``(x, worker_error, server_error)``; with ``n == 0`` it is ``x`` and zeroed errors,
-        without communication.
+        ``(y, worker_error', server_error')``, the buffers of ``out`` where given; ``y`` has
+        ``x``'s shape and dtype. With ``W == 1`` it is ``(x, worker_error, server_error)``
+        (nothing is written); with ``n == 0`` it is ``x`` and zeroed errors, without
+        communication.
 
     Raises:
-        ValueError: if the error shapes do not match, or (on every rank at once, before any
-            sign is sent) if the ranks' ``x`` differ in element count or some rank's
+        ValueError: if the error or buffer shapes do not match, or (on every rank at once,
+            before any sign is sent) if the ranks' ``x`` differ in element count or some rank's
             ``x + worker_error`` is not finite. Nothing is changed.
 
     Example:
@@ -155,12 +171,30 @@ def compressed_allreduce(
             f"{tuple(worker_error.shape)} and {tuple(server_error.shape)} "
             "(see init_error_feedback)"
         )
+    if out is not None:
+        _check_out(out, x, worker_error, server_error)
     if world_size == 1:
         return x, worker_error, server_error
     if n == 0:
-        return x, torch.zeros_like(worker_error), torch.zeros_like(server_error)
+        if out is None:
+            return x, torch.zeros_like(worker_error), torch.zeros_like(server_error)
+        return x, _zeroed(out[1], worker_error), _zeroed(out[2], server_error)
     if not x.is_floating_point():
         raise TypeError(f"compressed_allreduce needs a floating-point x, got {x.dtype}")
+    if out is None:
+        return _pure_allreduce(x, worker_error, server_error, comm)
+    if not is_plain(x, worker_error, server_error, *out):
+        return _copied_into(out, _pure_allreduce(x, worker_error, server_error, comm))
+    return _start_into(x.reshape(-1), None, 0.0, worker_error, server_error, comm, x, out)()
+
+
+def _pure_allreduce(
+    x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, comm: Comm
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference path (fresh tensors; also the one under vmap and ``torch.compile``)."""
+    world_size = comm.world_size
+    n = x.numel()
+    n_padded = worker_error.numel()
     chunk = n_padded // world_size
 
     flat = x.reshape(-1).float()
@@ -198,6 +232,154 @@ def compressed_allreduce(
     return y.view(x.shape).to(x.dtype), new_worker_error, new_server_error
 
 
+def compressed_allreduce_start(
+    x: torch.Tensor,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    *,
+    comm: Comm,
+    out: AllreduceOut,
+    grad: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+    """:func:`compressed_allreduce` of ``x`` into the buffers ``out``, in two steps; with
+    ``grad``, of the momentum ``beta * x + (1 - beta) * grad`` (rounded as ``fn.transforms``'
+    ``moving_average``), computed on the fly, never as a tensor.
+
+    This call compresses, exchanges and checks everything, on every rank, and writes nothing;
+    the function it returns writes the new errors and ``y`` (which may be ``x`` or ``grad``)
+    and returns them. An optimizer calls it for every leaf before it finishes any, so a
+    failure on any leaf leaves every buffer intact. Returns ``None`` (nothing done) where this
+    allocation-free path does not apply (one rank, no elements, dtypes other than fp32,
+    non-contiguous tensors, vmap, ``torch.compile``): the caller then takes the pure path.
+
+    Example:
+        >>> from fn.collectives import Local
+        >>> from fn.collectives.onebit import compressed_allreduce_start
+        >>> x = torch.ones(3)
+        >>> print(compressed_allreduce_start(x, x, x, comm=Local(), out=(x, x, x)))
+        None
+    """
+    tensors = (x, grad, worker_error, server_error, *out)
+    if (
+        comm.world_size == 1
+        or x.numel() == 0
+        or any(t is not None and t.dtype != torch.float32 for t in tensors)
+        or not is_plain(*tensors)
+        or not x.is_contiguous()
+        or (grad is not None and (grad.shape != x.shape or not grad.is_contiguous()))
+    ):
+        return None
+    n_padded = padded_numel(x.numel(), comm.world_size)
+    if worker_error.shape != (n_padded,) or server_error.shape != (n_padded // comm.world_size,):
+        return None  # compressed_allreduce raises the error
+    _check_out(out, x, worker_error, server_error)
+    flat_grad = None if grad is None else grad.view(-1)
+    return _start_into(x.view(-1), flat_grad, beta, worker_error, server_error, comm, x, out)
+
+
+def is_plain(*tensors: torch.Tensor | None) -> bool:
+    """Eager plain tensors (not traced, not under vmap or another functorch transform)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not any(
+        t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors
+    )
+
+
+def _check_out(
+    out: AllreduceOut, x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor
+) -> None:
+    if not isinstance(out, tuple) or len(out) != 3:
+        raise TypeError("compressed_allreduce: out must be a tuple (y, worker, server)")
+    wanted = ((x, "y"), (worker_error, "worker"), (server_error, "server"))
+    for buffer, (like, name) in zip(out, wanted, strict=True):
+        if buffer is None:
+            continue
+        if buffer.shape != like.shape or buffer.dtype != like.dtype:
+            raise ValueError(
+                f"compressed_allreduce: out {name} must be {like.dtype} {tuple(like.shape)}, "
+                f"got {buffer.dtype} {tuple(buffer.shape)}"
+            )
+        if not buffer.is_contiguous() or buffer.device != like.device:
+            raise ValueError(
+                f"compressed_allreduce: out {name} must be contiguous, on {like.device}"
+            )
+
+
+def fitting(buffer: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """``buffer`` when it can take a value like ``like`` (a donated leaf: same shape, dtype and
+    device, contiguous), else ``None`` (allocate)."""
+    if (
+        isinstance(buffer, torch.Tensor)
+        and buffer.shape == like.shape
+        and buffer.dtype == like.dtype
+        and buffer.device == like.device
+        and buffer.is_contiguous()
+    ):
+        return buffer
+    return None
+
+
+def _zeroed(buffer: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if buffer is None else buffer.zero_()
+
+
+def _copied_into(
+    out: AllreduceOut, results: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(r if b is None else b.copy_(r) for b, r in zip(out, results, strict=True))
+
+
+def _start_into(
+    flat: torch.Tensor,
+    grad: torch.Tensor | None,
+    beta: float,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    comm: Comm,
+    like: torch.Tensor,
+    out: AllreduceOut,
+) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The allocation-free path, in three phases: the worker compresses ``flat`` (or the
+    momentum of ``flat`` and ``grad``) and exchanges; the server sums the received signs,
+    compresses and exchanges; every scale checked, it returns the third phase, which writes
+    the errors and ``y`` (the worker's error before ``y``, which may share ``flat``'s
+    memory)."""
+    world_size, n = comm.world_size, flat.numel()
+    what = "compressed_allreduce"
+    packed, scale = kernels.feedback_sign_compress(flat, worker_error, grad=grad, beta=beta)
+    # The element count travels with the scale: ranks with different sizes raise here, together.
+    gathered = comm.all_gather(_sizes.with_count(scale.view(1), n))  # [W, 3]
+    scales = finite_or_raise(
+        _sizes.checked_scales(gathered, n, what).view(world_size),
+        f"{what}: non-finite values in x (or in the worker error)",
+    )
+    received = comm.all_to_all(packed.view(world_size, -1))  # [W, chunk / 8]
+    weights = scales / world_size
+    server_packed, server_scale = kernels.sign_sum_compress(received, weights, server_error)
+    all_packed = comm.all_gather(server_packed)  # [W, chunk / 8]
+    all_scales = finite_or_raise(
+        comm.all_gather(server_scale), f"{what}: non-finite values in a server error"
+    )
+
+    def finish() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        y, worker, server = (
+            torch.empty_like(t) if b is None else b
+            for b, t in zip(out, (like, worker_error, server_error), strict=True)
+        )
+        kernels.sign_sum_apply_error(received, weights, server_error, server_scale, server)
+        kernels.feedback_apply_error(flat, worker_error, scale, worker, grad=grad, beta=beta)
+        if y.dtype == torch.float32:
+            kernels.unpack_scaled(all_packed, all_scales, y.view(-1))
+        else:
+            values = torch.empty(n, dtype=torch.float32, device=y.device)
+            y.view(-1).copy_(kernels.unpack_scaled(all_packed, all_scales, values))
+        return y, worker, server
+
+    return finish
+
+
 class OnebitAllreduceState(NamedTuple):
     worker_error: ErrorFeedbackField  # per leaf: fp32[padded_numel(leaf.numel(), W)]
     server_error: ErrorFeedbackField  # per leaf: fp32[padded_numel(leaf.numel(), W) / W]
@@ -213,6 +395,11 @@ def onebit_allreduce(*, comm: Comm) -> GradientTransformation:
 
     ``init`` sizes the buffers from one rank's params: with ``Simulated``, call it on unbatched
     params and ``replicate`` the state, or run it under ``simulate``.
+
+    ``update`` takes the extra keyword ``donate`` (``None``, ``True`` or a state like
+    ``state``; the protocol of buffer donation): the new errors are written into the donated
+    state's buffers and each result into its update leaf (:func:`compressed_allreduce` with
+    ``out``), with the same bits as the pure call.
 
     Args:
         comm: the communicator.
@@ -243,17 +430,31 @@ def onebit_allreduce(*, comm: Comm) -> GradientTransformation:
 
         return OnebitAllreduceState(tree_map(worker, params), tree_map(server, params))
 
-    def update_fn(updates, state, params=None, **extra):
+    def update_fn(updates, state, params=None, *, donate=None, **extra):
         del params, extra
         leaves, spec = tree_flatten(updates)
         worker = spec.flatten_up_to(state.worker_error)
         server = spec.flatten_up_to(state.server_error)
+        donated = state if donate is True else donate
+        if donated is None:
+            spare = [(None, None)] * len(leaves)
+        else:
+            spare = list(
+                zip(
+                    spec.flatten_up_to(donated.worker_error),
+                    spec.flatten_up_to(donated.server_error),
+                    strict=True,
+                )
+            )
         out, new_worker, new_server = [], [], []
-        for u, we, se in zip(leaves, worker, server, strict=True):
+        for u, we, se, (dwe, dse) in zip(leaves, worker, server, spare, strict=True):
             if u is not None:
                 if we is None:
                     raise ValueError("onebit_allreduce: an update leaf has no error state")
-                u, we, se = compressed_allreduce(u, we, se, comm=comm)
+                buffers = None
+                if donated is not None:
+                    buffers = (fitting(u, u), fitting(dwe, we), fitting(dse, se))
+                u, we, se = compressed_allreduce(u, we, se, comm=comm, out=buffers)
             out.append(u)
             new_worker.append(we)
             new_server.append(se)

@@ -2,7 +2,10 @@
 
 Kernels (``torch.library`` custom ops, usable under ``torch.func.vmap`` and ``torch.compile``):
 :func:`packbits`, :func:`unpackbits`, :func:`sign_compress`, :func:`quantize`,
-:func:`dequantize`. A kernel called on a tensor of device type ``D`` runs a kernel set of the
+:func:`dequantize`; for the 1-bit allreduce without full-size temporaries, the two phases of
+error-compensated compression (:func:`feedback_sign_compress` / :func:`feedback_apply_error`,
+:func:`sign_sum_compress` / :func:`sign_sum_apply_error`), :func:`unpack_scaled` and
+:func:`adam_direction`. A kernel called on a tensor of device type ``D`` runs a kernel set of the
 accelerator table's record for ``D``: by default fused C kernels on the CPU, Triton on
 CUDA/XPU (CUDA also offers the kernel set ``"cupy"``), ``torch_npu`` on NPU; every record also
 offers ``"reference"``, the pure-torch oracle every implementation matches bit for bit.
@@ -19,7 +22,19 @@ kernels); ``FN_CACHE_DIR`` is where the CPU kernels are compiled (``~/.cache/fn`
 """
 
 from fn.kernels._accelerator import KERNEL_NAMES, Accelerator
-from fn.kernels._ops import dequantize, packbits, quantize, sign_compress, unpackbits
+from fn.kernels._ops import (
+    adam_direction,
+    dequantize,
+    feedback_apply_error,
+    feedback_sign_compress,
+    packbits,
+    quantize,
+    sign_compress,
+    sign_sum_apply_error,
+    sign_sum_compress,
+    unpack_scaled,
+    unpackbits,
+)
 from fn.kernels._table import (
     get_accelerator,
     kernel_set,
@@ -33,6 +48,12 @@ __all__ = [
     "packbits",
     "unpackbits",
     "sign_compress",
+    "feedback_sign_compress",
+    "feedback_apply_error",
+    "sign_sum_compress",
+    "sign_sum_apply_error",
+    "unpack_scaled",
+    "adam_direction",
     "quantize",
     "dequantize",
     "KERNEL_NAMES",

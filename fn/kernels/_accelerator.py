@@ -16,7 +16,19 @@ import torch
 
 from fn.kernels import _reference
 
-KERNEL_NAMES = ("packbits", "unpackbits", "sign_compress", "quantize", "dequantize")
+KERNEL_NAMES = (
+    "packbits",
+    "unpackbits",
+    "sign_compress",
+    "feedback_sign_compress",
+    "feedback_apply_error",
+    "sign_sum_compress",
+    "sign_sum_apply_error",
+    "unpack_scaled",
+    "adam_direction",
+    "quantize",
+    "dequantize",
+)
 REFERENCE = "reference"
 
 

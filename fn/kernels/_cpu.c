@@ -156,6 +156,229 @@ static void fn_apply_error(float *v, float scale, int64_t begin, int64_t end)
         v[i] = v[i] - (v[i] >= 0.0f ? scale : -scale);
 }
 
+/* ---- Error-compensated sign compression without full-size temporaries (1-bit allreduce) ----
+   v = source + e, where the source is x zero-padded to e's length, or the momentum
+   beta * m + (1 - beta) * g (two roundings, no fused multiply-add: built with
+   -ffp-contract=off), or the scaled sign sum of the W received chunks in the order of torch's
+   `sum(0)` over [W, chunk] (see _reference.sign_sum). Phase 1 writes the signs of v and the
+   block sums of squares; phase 2 (after the caller's checks) recomputes v and writes
+   e' = v - scale * s(v) into out, which may be e itself. */
+
+enum { FEEDBACK_X, FEEDBACK_MOMENTUM, FEEDBACK_SIGN_SUM };
+
+typedef struct {
+    int64_t mode, n;       /* n: valid elements of x (and g); the rest is zero padding */
+    const float *x, *g, *e;
+    float beta, one_minus_beta;
+    const uint8_t *signs;  /* FEEDBACK_SIGN_SUM: [ranks, row_bytes] packed signs */
+    const float *weights;  /* [ranks] */
+    int64_t ranks, row_bytes;
+    const int64_t *tails;  /* [ntails][2]: column ranges torch sums in its row_sum order */
+    int64_t ntails;
+} fn_feedback;
+
+static inline float signed_weight(const fn_feedback *f, int64_t row, int64_t k)
+{
+    uint32_t byte = f->signs[row * f->row_bytes + (k >> 3)];
+    return ((byte >> (7 - (k & 7))) & 1u) ? f->weights[row] : -f->weights[row];
+}
+
+static inline int64_t ceil_log2(int64_t x)
+{
+    int64_t bits = 0;
+    if (x <= 2)
+        return 1;
+    for (uint64_t y = (uint64_t)(x - 1); y; y >>= 1)
+        bits++;
+    return bits;
+}
+
+/* torch's multi_row_sum order over the terms first, first + stride, ... (count of them). */
+static float cascade_column(const fn_feedback *f, int64_t k, int64_t first, int64_t stride,
+                            int64_t count)
+{
+    int64_t power = ceil_log2(count) / 4 > 4 ? ceil_log2(count) / 4 : 4;
+    int64_t step = (int64_t)1 << power, mask = step - 1, t = 0;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    while (t + step <= count) {
+        for (int64_t j = 0; j < step; j++, t++)
+            acc[0] += signed_weight(f, first + t * stride, k);
+        for (int j = 1; j < 4; j++) {
+            acc[j] += acc[j - 1];
+            acc[j - 1] = 0.0f;
+            if (t & (mask << (j * power)))
+                break;
+        }
+    }
+    for (; t < count; t++)
+        acc[0] += signed_weight(f, first + t * stride, k);
+    for (int j = 1; j < 4; j++)
+        acc[0] += acc[j];
+    return acc[0];
+}
+
+/* torch's row_sum order (the columns its vectorized outer sum leaves over). */
+static float row_sum_column(const fn_feedback *f, int64_t k)
+{
+    int64_t quads = f->ranks / 4;
+    float p[4];
+    for (int j = 0; j < 4; j++)
+        p[j] = quads ? cascade_column(f, k, j, 4, quads) : 0.0f;
+    for (int64_t i = quads * 4; i < f->ranks; i++)
+        p[0] += signed_weight(f, i, k);
+    return ((p[0] + p[1]) + p[2]) + p[3];
+}
+
+/* Adds row t's signed weights for the columns [off, off + len) to acc (off, len: multiples of 8
+   but for the last block). */
+static void add_signed_row(const fn_feedback *f, int64_t t, int64_t off, int64_t len, float *acc)
+{
+    const uint8_t *row = f->signs + t * f->row_bytes + off / 8;
+    const float w = f->weights[t], nw = -w;
+    for (int64_t b = 0; b < len / 8; b++) {
+        uint32_t byte = row[b];
+        for (int j = 0; j < 8; j++)
+            acc[8 * b + j] += ((byte >> (7 - j)) & 1u) ? w : nw;
+    }
+    for (int64_t i = len / 8 * 8; i < len; i++)
+        acc[i] += ((row[i >> 3] >> (7 - (i & 7))) & 1u) ? w : nw;
+}
+
+/* The sign sum of the columns [off, off + len) into out, in torch's order. */
+static void sign_sum_block(const fn_feedback *f, int64_t off, int64_t len, float *out)
+{
+    float acc[3][BLOCK]; /* levels 1-3; level 0 is out */
+    int64_t count = f->ranks, power = ceil_log2(count) / 4 > 4 ? ceil_log2(count) / 4 : 4;
+    int64_t step = (int64_t)1 << power, mask = step - 1, t = 0;
+    float *level[4] = {out, acc[0], acc[1], acc[2]};
+    for (int l = 0; l < 4; l++)
+        memset(level[l], 0, (size_t)len * sizeof(float));
+    while (t + step <= count) {
+        for (int64_t j = 0; j < step; j++, t++)
+            add_signed_row(f, t, off, len, out);
+        for (int l = 1; l < 4; l++) {
+            for (int64_t i = 0; i < len; i++) {
+                level[l][i] += level[l - 1][i];
+                level[l - 1][i] = 0.0f;
+            }
+            if (t & (mask << (l * power)))
+                break;
+        }
+    }
+    for (; t < count; t++)
+        add_signed_row(f, t, off, len, out);
+    for (int l = 1; l < 4; l++)
+        for (int64_t i = 0; i < len; i++)
+            out[i] += level[l][i];
+    for (int64_t r = 0; r < f->ntails; r++) {
+        int64_t b = f->tails[2 * r] > off ? f->tails[2 * r] : off;
+        int64_t e = min64(f->tails[2 * r + 1], off + len);
+        for (int64_t k = b; k < e; k++)
+            out[k - off] = row_sum_column(f, k);
+    }
+}
+
+/* v = source + e for the elements [off, off + len) (len <= BLOCK). */
+static void feedback_values(const fn_feedback *f, int64_t off, int64_t len, float *v)
+{
+    const float *e = f->e + off;
+    int64_t valid = f->n - off < 0 ? 0 : min64(len, f->n - off);
+    if (f->mode == FEEDBACK_SIGN_SUM) {
+        sign_sum_block(f, off, len, v);
+        for (int64_t i = 0; i < len; i++)
+            v[i] = v[i] + e[i];
+        return;
+    }
+    if (f->mode == FEEDBACK_MOMENTUM) {
+        const float *m = f->x + off, *g = f->g + off, b = f->beta, c = f->one_minus_beta;
+        for (int64_t i = 0; i < valid; i++)
+            v[i] = (b * m[i] + c * g[i]) + e[i];
+    } else {
+        const float *x = f->x + off;
+        for (int64_t i = 0; i < valid; i++)
+            v[i] = x[i] + e[i];
+    }
+    for (int64_t i = valid; i < len; i++)
+        v[i] = 0.0f + e[i];
+}
+
+/* Phase 1: packed signs of v and its block sums of squares (begin: a multiple of BLOCK). */
+static void fn_feedback_signs(const fn_feedback *f, uint8_t *bits, double *block_sums,
+                              int64_t begin, int64_t end)
+{
+    float v[BLOCK];
+    for (int64_t b = begin / BLOCK; b < (end + BLOCK - 1) / BLOCK; b++) {
+        int64_t off = b * BLOCK, len = min64(BLOCK, end - off);
+        feedback_values(f, off, len, v);
+        sign_block(v, len, bits + off / 8, block_sums + b);
+    }
+}
+
+/* Phase 2: out = v - scale * s(v) (begin: a multiple of BLOCK). */
+static void fn_feedback_error(const fn_feedback *f, float scale, float *out, int64_t begin,
+                              int64_t end)
+{
+    float v[BLOCK];
+    for (int64_t b = begin / BLOCK; b < (end + BLOCK - 1) / BLOCK; b++) {
+        int64_t off = b * BLOCK, len = min64(BLOCK, end - off);
+        feedback_values(f, off, len, v);
+        for (int64_t i = 0; i < len; i++)
+            out[off + i] = v[i] - (v[i] >= 0.0f ? scale : -scale);
+    }
+}
+
+/* out[k] = +-scales[k / chunk] by sign bit k of packed (rows of chunk bits, chunk % 8 == 0):
+   the scale's bits with the sign bit flipped where the bit is 0 (-0.0 for a zero scale, as
+   -1.0f * 0.0f); integer operations, which vectorize. begin is a multiple of 8. */
+static void fn_unpack_scaled(const uint8_t *packed, const float *scales, int64_t chunk,
+                             float *out, int64_t begin, int64_t end)
+{
+    int64_t k = begin;
+    uint32_t *o = (uint32_t *)out;
+    while (k < end) {
+        int64_t row = k / chunk, stop = min64(end, (row + 1) * chunk);
+        uint32_t s;
+        memcpy(&s, scales + row, 4);
+        const uint8_t *bytes = packed + k / 8;
+        int64_t whole = (stop - k) / 8, b = 0;
+#if defined(__AVX2__)
+        const __m256i weights = _mm256_setr_epi32(128, 64, 32, 16, 8, 4, 2, 1);
+        const __m256i value = _mm256_set1_epi32((int)s);
+        const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+        for (; b < whole; b++) {
+            __m256i bit = _mm256_and_si256(_mm256_set1_epi32(bytes[b]), weights);
+            __m256i clear = _mm256_cmpeq_epi32(bit, _mm256_setzero_si256());
+            __m256i v = _mm256_xor_si256(value, _mm256_and_si256(clear, sign));
+            _mm256_storeu_si256((__m256i *)(o + k + 8 * b), v);
+        }
+#endif
+        for (; b < whole; b++) {
+            uint32_t byte = bytes[b];
+            for (int j = 0; j < 8; j++)
+                o[k + 8 * b + j] = s ^ ((~(byte >> (7 - j)) & 1u) << 31);
+        }
+        for (k += 8 * whole; k < stop; k++)
+            o[k] = s ^ ((~(packed[k >> 3] >> (7 - (k & 7))) & 1u) << 31);
+    }
+}
+
+/* The Adam direction of the 1-bit family's compressed update, rounded as the torch rule:
+   out = ((m / (root + eps)) clamped to [-bound, bound] (+ wd * p)) * neg_eta, where root is
+   torch's sqrt(v) (not correctly rounded everywhere, so the caller computes it; it may be out). */
+static void fn_adam_direction(const float *m, const float *root, const float *p, const float *k,
+                              int clamp, float neg_eta, float *out, int64_t begin, int64_t end)
+{
+    const float eps = k[0], bound = k[1], wd = k[2];
+    for (int64_t i = begin; i < end; i++) {
+        float u = m[i] / (root[i] + eps);
+        if (clamp)
+            u = u < -bound ? -bound : (u > bound ? bound : u); /* NaN stays NaN */
+        if (p)
+            u = u + wd * p[i];
+        out[i] = u * neg_eta;
+    }
+}
+
 /* begin is a multiple of 8; end is one too, or the total length. */
 static void fn_packbits(const float *x, uint8_t *bits, int64_t begin, int64_t end)
 {
@@ -169,6 +392,17 @@ static void fn_packbits(const float *x, uint8_t *bits, int64_t begin, int64_t en
         }
         word = reverse_bytes_bits(word);
         memcpy(bits + i, &word, 8);
+    }
+#elif defined(__AVX2__)
+    for (; i + 4 <= full; i += 4) {
+        uint32_t word = 0;
+        for (int t = 0; t < 4; t++) {
+            __m256 v = _mm256_loadu_ps(x + 8 * (i + t));
+            word |= (uint32_t)rev8((uint32_t)_mm256_movemask_ps(
+                        _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ)))
+                    << (8 * t);
+        }
+        memcpy(bits + i, &word, 4);
     }
 #endif
     for (; i < full; i++) {
@@ -291,6 +525,8 @@ static void fn_dequantize(const uint8_t *q, const float *scales, int nbits, int6
 }
 
 enum { SIGN_COMPRESS, APPLY_ERROR, PACKBITS, UNPACKBITS, QUANTIZE, DEQUANTIZE };
+/* The 1-bit allreduce's kernels, numbered apart from the others. */
+enum { FEEDBACK_SIGNS = 16, FEEDBACK_ERROR, UNPACK_SCALED, ADAM_DIRECTION };
 
 typedef struct {
     int64_t kernel, n, chunk, count, next, left;
@@ -307,6 +543,19 @@ static void run_chunk(const fn_job *j, int64_t b, int64_t e)
         break;
     case APPLY_ERROR:
         fn_apply_error(j->p[0], j->scale, b, e);
+        break;
+    case FEEDBACK_SIGNS:
+        fn_feedback_signs(j->p[0], j->p[1], j->p[2], b, e);
+        break;
+    case FEEDBACK_ERROR:
+        fn_feedback_error(j->p[0], j->scale, j->p[1], b, e);
+        break;
+    case UNPACK_SCALED:
+        fn_unpack_scaled(j->p[0], j->p[1], j->i[0], j->p[2], b, e);
+        break;
+    case ADAM_DIRECTION:
+        fn_adam_direction(j->p[0], j->p[1], j->p[2], j->p[3], (int)j->i[0], j->scale, j->p[4], b,
+                          e);
         break;
     case PACKBITS:
         fn_packbits(j->p[0], j->p[1], b, e);

@@ -33,7 +33,8 @@ import torch
 
 from fn.kernels import _reference
 
-_FLAGS = ("-O3", "-march=native", "-std=c99", "-shared", "-fPIC")
+# -ffp-contract=off: a * b + c stays two roundings (the momentum of the 1-bit family)
+_FLAGS = ("-O3", "-march=native", "-std=c99", "-ffp-contract=off", "-shared", "-fPIC")
 _CHUNK = 1 << 18  # elements per work item of a threaded call
 _HUGE_MIN = 1 << 23  # outputs from 8 MiB on ask for transparent huge pages
 _KERNEL_IDS = {
@@ -43,6 +44,10 @@ _KERNEL_IDS = {
     "unpackbits": 3,
     "quantize": 4,
     "dequantize": 5,
+    "feedback_signs": 16,
+    "feedback_error": 17,
+    "unpack_scaled": 18,
+    "adam_direction": 19,
 }
 
 
@@ -237,6 +242,187 @@ def sign_compress(
     if v is not None and math.isfinite(scale):
         _run(lib, "apply_error", n, 1, (v.data_ptr(),), scale=scale)
     return packed, torch.tensor(scale, dtype=torch.float32), v
+
+
+class _FeedbackStruct(ctypes.Structure):
+    """Mirror of the C ``fn_feedback``: the source of an error-compensated compression."""
+
+    _fields_ = [
+        ("mode", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("x", ctypes.c_void_p),
+        ("g", ctypes.c_void_p),
+        ("e", ctypes.c_void_p),
+        ("beta", ctypes.c_float),
+        ("one_minus_beta", ctypes.c_float),
+        ("signs", ctypes.c_void_p),
+        ("weights", ctypes.c_void_p),
+        ("ranks", ctypes.c_int64),
+        ("row_bytes", ctypes.c_int64),
+        ("tails", ctypes.c_void_p),
+        ("ntails", ctypes.c_int64),
+    ]
+
+
+_FEEDBACK_X, _FEEDBACK_MOMENTUM, _FEEDBACK_SIGN_SUM = 0, 1, 2
+_SUM_GRAIN = 32768  # at::internal::GRAIN_SIZE: smaller reductions run on one thread
+
+
+def _plain_fp32(*tensors: torch.Tensor | None) -> bool:
+    return all(
+        t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu")
+        for t in tensors
+    )
+
+
+def _torch_sum_tails(ranks: int, chunk: int) -> torch.Tensor:
+    """The column ranges that ``torch.sum(dim=0)`` of a contiguous fp32 ``[ranks, chunk]``
+    tensor reduces in its scalar ``row_sum`` order (int64 ``[k, 2]``); it reduces the others
+    in groups of 4 vectors in its ``multi_row_sum`` order. Its threads split the columns into
+    ``ceil(chunk / threads)`` pieces rounded to 128 bytes, and each piece ends with such a
+    range (ATen ``SumKernel.cpp``, ``TensorIteratorReduce.cpp``)."""
+    width = 4 * (16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8)
+    threads = torch.get_num_threads()
+    pieces = [(0, chunk)]
+    if ranks * chunk >= _SUM_GRAIN and threads > 1:
+        step = -(-chunk // min(threads, chunk))
+        pieces = []
+        for begin in range(0, chunk, step):
+            end = min(chunk, begin + step)
+            begin, end = begin - begin % 32, end if end == chunk else end - end % 32
+            if begin != end:
+                pieces.append((begin, end))
+    tails = [(b + (e - b) // width * width, e) for b, e in pieces if (e - b) % width]
+    return torch.tensor(tails, dtype=torch.int64).view(-1, 2)
+
+
+def _feedback(
+    mode: int, error: torch.Tensor, x=None, grad=None, beta: float = 0.0, signs=None, weights=None
+) -> tuple[_FeedbackStruct, tuple[torch.Tensor, ...]]:
+    """The C description of a source (and the tensors it points into, to keep alive)."""
+    keep: tuple[torch.Tensor, ...] = (error,)
+    f = _FeedbackStruct(mode=mode, e=error.data_ptr())
+    if mode == _FEEDBACK_SIGN_SUM:
+        tails = _torch_sum_tails(signs.shape[0], signs.shape[1] * 8)
+        f.signs, f.weights, f.ranks, f.row_bytes = (
+            signs.data_ptr(),
+            weights.data_ptr(),
+            signs.shape[0],
+            signs.shape[1],
+        )
+        f.tails, f.ntails = tails.data_ptr(), tails.shape[0]
+        keep += (signs, weights, tails)
+    else:
+        f.n, f.x = x.numel(), x.data_ptr()
+        if grad is not None:
+            f.mode, f.g = _FEEDBACK_MOMENTUM, grad.data_ptr()
+            f.beta, f.one_minus_beta = beta, 1 - beta
+            keep += (grad,)
+        keep += (x,)
+    return f, keep
+
+
+def _feedback_signs(lib: ctypes.CDLL, f: _FeedbackStruct, length: int, alive: tuple):
+    """Phase 1 over ``f``'s source; ``alive`` holds the tensors ``f`` points into."""
+    packed = _empty(lib, (length + 7) // 8, torch.uint8)
+    blocks = -(-length // _reference.SUMSQ_BLOCK)
+    sums = torch.empty(1 << max(0, blocks - 1).bit_length(), dtype=torch.float64)
+    pointers = (ctypes.addressof(f), packed.data_ptr(), sums.data_ptr())
+    _run(lib, "feedback_signs", length, _reference.SUMSQ_BLOCK, pointers)
+    del alive  # the tensors f points into lived until here
+    scale = lib.fn_rms(sums.data_ptr(), blocks, sums.numel(), length)
+    return packed, torch.tensor(scale, dtype=torch.float32)
+
+
+def feedback_sign_compress(
+    x: torch.Tensor, error: torch.Tensor, grad: torch.Tensor | None = None, beta: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lib = library()
+    if lib is None or not _plain_fp32(x, error, grad):
+        return _reference.feedback_sign_compress(x, error, grad, beta)
+    f, alive = _feedback(_FEEDBACK_X, error, x, grad, beta)
+    return _feedback_signs(lib, f, error.numel(), alive)
+
+
+def feedback_apply_error(
+    x: torch.Tensor,
+    error: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+    grad: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> None:
+    lib = library()
+    if lib is None or not _plain_fp32(x, error, grad, out):
+        return _reference.feedback_apply_error(x, error, scale, out, grad, beta)
+    f, alive = _feedback(_FEEDBACK_X, error, x, grad, beta)
+    pointers = (ctypes.addressof(f), out.data_ptr())
+    _run(lib, "feedback_error", error.numel(), _reference.SUMSQ_BLOCK, pointers, scale=float(scale))
+    del alive  # the tensors f points into lived until here
+    return None
+
+
+def sign_sum_compress(
+    signs: torch.Tensor, weights: torch.Tensor, error: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lib = library()
+    if lib is None or not _plain_fp32(weights, error) or not signs.is_contiguous():
+        return _reference.sign_sum_compress(signs, weights, error)
+    f, alive = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
+    return _feedback_signs(lib, f, error.numel(), alive)
+
+
+def sign_sum_apply_error(
+    signs: torch.Tensor,
+    weights: torch.Tensor,
+    error: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    lib = library()
+    if lib is None or not _plain_fp32(weights, error, out) or not signs.is_contiguous():
+        return _reference.sign_sum_apply_error(signs, weights, error, scale, out)
+    f, alive = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
+    pointers = (ctypes.addressof(f), out.data_ptr())
+    _run(lib, "feedback_error", error.numel(), _reference.SUMSQ_BLOCK, pointers, scale=float(scale))
+    del alive  # the tensors f points into lived until here
+    return None
+
+
+def unpack_scaled(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    lib = library()
+    if lib is None or not _plain_fp32(scales, out) or not packed.is_contiguous():
+        return _reference.unpack_scaled(packed, scales, out)
+    pointers = (packed.data_ptr(), scales.data_ptr(), out.data_ptr())
+    _run(lib, "unpack_scaled", out.numel(), 8, pointers, (packed.shape[1] * 8,))
+    return None
+
+
+def adam_direction(
+    m: torch.Tensor,
+    v: torch.Tensor,
+    p: torch.Tensor | None,
+    eta: torch.Tensor,
+    out: torch.Tensor,
+    eps: float,
+    bound: float | None,
+    weight_decay: float,
+) -> None:
+    lib = library()
+    if lib is None or not _plain_fp32(m, v, p, out):
+        return _reference.adam_direction(m, v, p, eta, out, eps, bound, weight_decay)
+    # torch's sqrt is not correctly rounded everywhere (1 ulp off on some inputs): use it
+    torch.sqrt(v, out=out)
+    constants = torch.tensor([eps, 0.0 if bound is None else bound, weight_decay])
+    pointers = (
+        m.data_ptr(),
+        out.data_ptr(),
+        None if p is None else p.data_ptr(),
+        constants.data_ptr(),
+        out.data_ptr(),
+    )
+    _run(lib, "adam_direction", out.numel(), 16, pointers, (bound is not None,), -float(eta))
+    return None
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,12 @@ _CPU_KERNELS = {
     "packbits": _cpu.packbits,
     "unpackbits": _cpu.unpackbits,
     "sign_compress": _cpu.sign_compress,
+    "feedback_sign_compress": _cpu.feedback_sign_compress,
+    "feedback_apply_error": _cpu.feedback_apply_error,
+    "sign_sum_compress": _cpu.sign_sum_compress,
+    "sign_sum_apply_error": _cpu.sign_sum_apply_error,
+    "unpack_scaled": _cpu.unpack_scaled,
+    "adam_direction": _cpu.adam_direction,
     "quantize": _cpu.quantize,
     "dequantize": _cpu.dequantize,
 }
@@ -25,6 +31,10 @@ _TRITON_KERNELS = {
     "packbits": _triton.packbits,
     "unpackbits": _triton.unpackbits,
     "sign_compress": _triton.sign_compress,
+    "feedback_sign_compress": _triton.feedback_sign_compress,
+    "feedback_apply_error": _triton.feedback_apply_error,
+    "unpack_scaled": _triton.unpack_scaled,
+    "adam_direction": _triton.adam_direction,
     "quantize": _triton.quantize,
     "dequantize": _triton.dequantize,
 }

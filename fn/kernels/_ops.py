@@ -83,6 +83,79 @@ def _(m, error):
     )
 
 
+@torch.library.custom_op("fn::feedback_sign_compress", mutates_args=())
+def _feedback_sign_compress(
+    x: torch.Tensor, error: torch.Tensor, grad: torch.Tensor | None, beta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl("feedback_sign_compress", x.device)(x, error, grad, beta)
+
+
+@_feedback_sign_compress.register_fake
+def _(x, error, grad, beta):
+    return _signs_and_scale(error)
+
+
+@torch.library.custom_op("fn::feedback_apply_error", mutates_args=("out",))
+def _feedback_apply_error(
+    x: torch.Tensor,
+    error: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+    grad: torch.Tensor | None,
+    beta: float,
+) -> None:
+    _impl("feedback_apply_error", x.device)(x, error, scale, out, grad, beta)
+
+
+@torch.library.custom_op("fn::sign_sum_compress", mutates_args=())
+def _sign_sum_compress(
+    signs: torch.Tensor, weights: torch.Tensor, error: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl("sign_sum_compress", error.device)(signs, weights, error)
+
+
+@_sign_sum_compress.register_fake
+def _(signs, weights, error):
+    return _signs_and_scale(error)
+
+
+@torch.library.custom_op("fn::sign_sum_apply_error", mutates_args=("out",))
+def _sign_sum_apply_error(
+    signs: torch.Tensor,
+    weights: torch.Tensor,
+    error: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    _impl("sign_sum_apply_error", error.device)(signs, weights, error, scale, out)
+
+
+@torch.library.custom_op("fn::unpack_scaled", mutates_args=("out",))
+def _unpack_scaled(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    _impl("unpack_scaled", out.device)(packed, scales, out)
+
+
+@torch.library.custom_op("fn::adam_direction", mutates_args=("out",))
+def _adam_direction(
+    m: torch.Tensor,
+    v: torch.Tensor,
+    p: torch.Tensor | None,
+    eta: torch.Tensor,
+    out: torch.Tensor,
+    eps: float,
+    bound: float | None,
+    weight_decay: float,
+) -> None:
+    _impl("adam_direction", out.device)(m, v, p, eta, out, eps, bound, weight_decay)
+
+
+def _signs_and_scale(error: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        error.new_empty((error.numel() + 7) // 8, dtype=torch.uint8),
+        error.new_empty((), dtype=torch.float32),
+    )
+
+
 @torch.library.custom_op("fn::quantize", mutates_args=())
 def _quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     q, scales = _impl("quantize", x.device)(x, bits, group_size)
@@ -136,8 +209,35 @@ def _row_shape(a: torch.Tensor, d: int) -> tuple[int, ...]:
     return tuple(s for i, s in enumerate(a.shape) if i != d)
 
 
-for _op in (_packbits, _unpackbits, _sign_compress, _sign_compress_ef, _quantize, _dequantize):
+def _per_row_into(op: Callable[..., Any]) -> Callable[..., Any]:
+    """The vmap rule of an op that writes its ``out`` argument: one call per row, each writing
+    its row of ``out`` (which must be batched when any input is)."""
+
+    def rule(info: Any, in_dims: Sequence[int | None], *args: Any) -> tuple[None, None]:
+        names = op._opoverload._schema.arguments
+        out_dim = in_dims[[a.name for a in names].index("out")]
+        if out_dim is None:
+            raise ValueError(f"{op._name}: under vmap, out must be batched like the inputs")
+        for b in range(info.batch_size):
+            op(*(a if d is None else a.select(d, b) for a, d in zip(args, in_dims, strict=True)))
+        return None, None
+
+    return rule
+
+
+for _op in (
+    _packbits,
+    _unpackbits,
+    _sign_compress,
+    _sign_compress_ef,
+    _feedback_sign_compress,
+    _sign_sum_compress,
+    _quantize,
+    _dequantize,
+):
     _op.register_vmap(_per_row(_op))
+for _op in (_feedback_apply_error, _sign_sum_apply_error, _unpack_scaled, _adam_direction):
+    _op.register_vmap(_per_row_into(_op))
 
 
 def _check_1d(x: torch.Tensor, name: str) -> None:
@@ -233,6 +333,249 @@ def sign_compress(
     if error.shape != m.shape:
         raise ValueError(f"error shape {tuple(error.shape)} != m shape {tuple(m.shape)}")
     return torch.ops.fn.sign_compress_ef(m, error)
+
+
+def _check_buffer(out: torch.Tensor, numel: int, name: str = "out") -> None:
+    _check_1d(out, name)
+    if out.dtype != torch.float32 or out.numel() != numel:
+        raise ValueError(
+            f"{name} must be a 1-D fp32 tensor of {numel} elements, got {out.dtype} "
+            f"{tuple(out.shape)}"
+        )
+
+
+def _check_feedback_input(x: torch.Tensor, error: torch.Tensor, grad: torch.Tensor | None) -> None:
+    _check_1d(x, "x")
+    _check_1d(error, "error")
+    if x.numel() > error.numel():
+        raise ValueError(f"x has {x.numel()} elements, more than error's {error.numel()}")
+    if grad is not None and grad.shape != x.shape:
+        raise ValueError(f"grad shape {tuple(grad.shape)} != x shape {tuple(x.shape)}")
+
+
+def feedback_sign_compress(
+    x: torch.Tensor, error: torch.Tensor, *, grad: torch.Tensor | None = None, beta: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 1 of error-compensated sign compression, without a padded or summed copy.
+
+    .. math::
+        v = \\mathrm{pad}_N(x) + e \\quad\\text{or}\\quad
+        v = \\mathrm{pad}_N(\\beta x + (1 - \\beta) g) + e, \\qquad
+        a = \\lVert v \\rVert_2 / \\sqrt{N}
+
+    The signs and the scale are those of :func:`sign_compress` of the zero-padded input, bit
+    for bit; with ``grad`` the momentum is rounded as ``(beta * x) + ((1 - beta) * grad)``.
+    Nothing is checked or written: the caller checks the scale (on every rank), then calls
+    :func:`feedback_apply_error` to write the new error.
+
+    Args:
+        x: 1-D fp32 tensor of ``n <= N`` elements (the momentum ``m`` when ``grad`` is given).
+        error: 1-D fp32 tensor of ``N`` elements, the error to compensate with.
+        grad: optional gradient, ``x``'s shape: compress ``beta * x + (1 - beta) * grad``.
+        beta: the momentum coefficient (with ``grad``).
+
+    Returns:
+        ``(packed, scale)``: the packed signs of ``v`` (``ceil(N / 8)`` bytes) and ``a`` (0-dim
+        fp32; NaN or Inf when ``v`` is not finite).
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> x, error = torch.tensor([6.0, -8.0]), torch.zeros(4)
+        >>> packed, scale = K.feedback_sign_compress(x, error)
+        >>> packed.tolist(), scale.item()  # the padding is zeros: their signs are +1
+        ([176], 5.0)
+        >>> K.feedback_apply_error(x, error, scale, error).tolist()  # in place
+        [1.0, -3.0, -5.0, -5.0]
+    """
+    _check_feedback_input(x, error, grad)
+    return torch.ops.fn.feedback_sign_compress(x, error, grad, float(beta))
+
+
+def feedback_apply_error(
+    x: torch.Tensor,
+    error: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    grad: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> torch.Tensor:
+    """Phase 2 of :func:`feedback_sign_compress`: writes ``e' = v - a s(v)`` into ``out``.
+
+    ``v`` is recomputed from the same ``x``, ``error`` (and ``grad``, ``beta``); ``out`` may be
+    ``error`` itself (each element is read before it is written).
+
+    Args:
+        x, error, grad, beta: as given to :func:`feedback_sign_compress`.
+        scale: the scale it returned.
+        out: 1-D fp32 tensor of ``error``'s length.
+
+    Returns:
+        ``out``.
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> m, g = torch.tensor([2.0, -6.0]), torch.tensor([4.0, -2.0])
+        >>> error = torch.zeros(4)
+        >>> packed, scale = K.feedback_sign_compress(m, error, grad=g, beta=0.5)
+        >>> scale.item()  # v = 0.5 * m + 0.5 * g, padded: [3, -4, 0, 0]
+        2.5
+        >>> K.feedback_apply_error(m, error, scale, torch.empty(4), grad=g, beta=0.5).tolist()
+        [0.5, -1.5, -2.5, -2.5]
+    """
+    _check_feedback_input(x, error, grad)
+    _check_buffer(out, error.numel())
+    torch.ops.fn.feedback_apply_error(x, error, scale, out, grad, float(beta))
+    return out
+
+
+def _check_sign_rows(signs: torch.Tensor, weights: torch.Tensor) -> None:
+    if signs.dim() != 2 or signs.dtype != torch.uint8:
+        raise ValueError(
+            f"signs must be a 2-D uint8 tensor [W, chunk / 8], got {signs.dtype} "
+            f"{tuple(signs.shape)}"
+        )
+    if weights.shape != (signs.shape[0],):
+        raise ValueError(f"weights must have shape ({signs.shape[0]},), got {tuple(weights.shape)}")
+
+
+def sign_sum_compress(
+    signs: torch.Tensor, weights: torch.Tensor, error: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 1 of the 1-bit allreduce's server compression, without unpacked signs.
+
+    .. math::
+        v_k = \\textstyle\\sum_i w_i\\, s_i[k] + e_k, \\quad a = \\lVert v \\rVert_2 / \\sqrt{n}
+
+    The sum runs in the order of ``torch.sum(dim=0)`` over the ``[W, chunk]`` rows of
+    ``+-w_i`` (the reference), so the bits are those of the reference path.
+
+    Args:
+        signs: uint8 ``[W, chunk / 8]``, row ``i`` the packed signs ``s_i``.
+        weights: fp32 ``[W]``.
+        error: 1-D fp32 tensor of ``chunk`` elements.
+
+    Returns:
+        ``(packed signs of v, a)`` as :func:`feedback_sign_compress`.
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> signs = torch.tensor([[0b11000000], [0b10100000]], dtype=torch.uint8)
+        >>> error = torch.zeros(8)
+        >>> packed, scale = K.sign_sum_compress(signs, torch.tensor([1.0, 3.0]), error)
+        >>> packed.tolist(), round(scale.item() ** 2, 4)  # v = [4, -2, 2, -4, -4, -4, -4, -4]
+        ([160], 13.0)
+    """
+    _check_sign_rows(signs, weights)
+    _check_buffer(error, signs.shape[1] * 8, "error")
+    return torch.ops.fn.sign_sum_compress(signs, weights, error)
+
+
+def sign_sum_apply_error(
+    signs: torch.Tensor,
+    weights: torch.Tensor,
+    error: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Phase 2 of :func:`sign_sum_compress`: writes ``e' = v - a s(v)`` into ``out`` (which
+    may be ``error``) and returns it.
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> signs, weights = torch.tensor([[0b11000000]], dtype=torch.uint8), torch.ones(1)
+        >>> error = torch.zeros(8)
+        >>> _, scale = K.sign_sum_compress(signs, weights, error)
+        >>> K.sign_sum_apply_error(signs, weights, error, scale, error).tolist()
+        [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    """
+    _check_sign_rows(signs, weights)
+    _check_buffer(error, signs.shape[1] * 8, "error")
+    _check_buffer(out, signs.shape[1] * 8)
+    torch.ops.fn.sign_sum_apply_error(signs, weights, error, scale, out)
+    return out
+
+
+def unpack_scaled(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Writes ``scales[r] * s(packed[r])`` of the rows ``r``, concatenated, into ``out`` (its
+    first ``out.numel()`` values), without unpacked signs.
+
+    Args:
+        packed: uint8 ``[W, chunk / 8]``.
+        scales: fp32 ``[W]``.
+        out: 1-D fp32 tensor of at most ``W * chunk`` elements.
+
+    Returns:
+        ``out``.
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> packed = torch.tensor([[0b10000000], [0b01000000]], dtype=torch.uint8)
+        >>> K.unpack_scaled(packed, torch.tensor([1.0, 2.0]), torch.empty(10)).tolist()
+        [1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -2.0, 2.0]
+    """
+    _check_sign_rows(packed, scales)
+    _check_1d(out, "out")
+    if out.dtype != torch.float32 or out.numel() > packed.numel() * 8:
+        raise ValueError(f"out must be fp32 with at most {packed.numel() * 8} elements")
+    torch.ops.fn.unpack_scaled(packed, scales, out)
+    return out
+
+
+def adam_direction(
+    m: torch.Tensor,
+    v: torch.Tensor,
+    eta: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    eps: float,
+    bound: float | None = None,
+    weight_decay: float = 0.0,
+    p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The update of a compressed Adam step of the 1-bit family, written into ``out``.
+
+    .. math::
+        u = -\\eta\\,\\big(\\mathrm{clamp}(m / (\\sqrt{v} + \\epsilon), -B, B) + \\lambda p\\big)
+
+    rounded as ``fn.onebit_adam`` computes it (no clamp when ``bound`` is ``None``; the decay
+    term only with ``p``).
+
+    Args:
+        m, v: fp32 momentum and variance (same shape as ``out``).
+        eta: the learning rate, a 0-dim fp32 tensor.
+        out: fp32 tensor to write (it may be ``m``).
+        eps, bound, weight_decay, p: as above.
+
+    Returns:
+        ``out``.
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> m, v = torch.tensor([1.0, -8.0]), torch.tensor([4.0, 1.0])
+        >>> K.adam_direction(m, v, torch.tensor(0.5), torch.empty(2), eps=0.0, bound=4.0).tolist()
+        [-0.25, 2.0]
+    """
+    for name, t in (("m", m), ("v", v), ("out", out)) + ((("p", p),) if p is not None else ()):
+        if t.shape != out.shape or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be fp32 of out's shape {tuple(out.shape)}")
+    torch.ops.fn.adam_direction(
+        m,
+        v,
+        p if weight_decay else None,
+        eta,
+        out,
+        float(eps),
+        None if bound is None else float(bound),
+        float(weight_decay),
+    )
+    return out
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

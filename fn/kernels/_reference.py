@@ -125,6 +125,107 @@ def sign_compress(
     return packed, scale, new_error
 
 
+def _feedback_input(
+    x: torch.Tensor, length: int, grad: torch.Tensor | None, beta: float
+) -> torch.Tensor:
+    """``x`` (or the momentum ``beta * x + (1 - beta) * grad``, rounded as written) as fp32,
+    zero-padded to ``length`` elements."""
+    source = x.float() if grad is None else (beta * x.float()).add_((1 - beta) * grad.float())
+    return torch.nn.functional.pad(source, (0, length - source.numel()))
+
+
+def feedback_sign_compress(
+    x: torch.Tensor, error: torch.Tensor, grad: torch.Tensor | None = None, beta: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 1 of error-compensated sign compression without a padded copy of ``x``.
+
+    ``v = x + e`` with 1-D ``x`` of ``n <= N`` elements taken as zero-padded to the length
+    ``N`` of ``error``; with ``grad`` given, ``x`` is the momentum ``m`` and the input is
+    ``beta * m + (1 - beta) * grad`` (``fn.transforms._leafwise.moving_average``'s rounding).
+
+    Returns:
+        ``(packed signs of v, a)``: ``ceil(N / 8)`` bytes and the 0-dim fp32 scale
+        ``||v|| / sqrt(N)``, the bits of :func:`sign_compress` of the padded input. Not checked
+        to be finite: the caller checks before :func:`feedback_apply_error`.
+    """
+    v = _feedback_input(x, error.numel(), grad, beta) + error.float()
+    return packbits(v), rms_from_block_sums(block_sumsq(v), v.numel()).to(v.device)
+
+
+def feedback_apply_error(
+    x: torch.Tensor,
+    error: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+    grad: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> None:
+    """Phase 2: writes ``e' = v - scale * s(v)`` (``v`` as in :func:`feedback_sign_compress`)
+    into fp32 ``out`` of ``error``'s length, which may be ``error`` itself."""
+    v = _feedback_input(x, error.numel(), grad, beta) + error.float()
+    out.copy_(v - torch.where(v >= 0, scale, -scale))
+
+
+def sign_sum(signs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_i weights[i] * s_i`` over the ``W`` rows of packed signs ``signs`` (uint8
+    ``[W, chunk / 8]``), as the 1-bit allreduce's server reduces: ``W`` rows of +-1 scaled in
+    place and summed by ``torch.sum(dim=0)`` (whose order the fast kernels reproduce)."""
+    ranks, chunk = signs.shape[0], signs.shape[1] * 8
+    unpacked = unpackbits(signs.reshape(-1), ranks * chunk).view(ranks, chunk)
+    return unpacked.mul_(weights[:, None]).sum(0)
+
+
+def sign_sum_compress(
+    signs: torch.Tensor, weights: torch.Tensor, error: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 1 of the server's compression: :func:`feedback_sign_compress` of
+    ``v = sign_sum(signs, weights) + error``, without the sum as a tensor."""
+    v = sign_sum(signs, weights) + error.float()
+    return packbits(v), rms_from_block_sums(block_sumsq(v), v.numel()).to(v.device)
+
+
+def sign_sum_apply_error(
+    signs: torch.Tensor,
+    weights: torch.Tensor,
+    error: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Phase 2 of the server's compression: ``out = v - scale * s(v)`` (``out`` may be
+    ``error``)."""
+    v = sign_sum(signs, weights) + error.float()
+    out.copy_(v - torch.where(v >= 0, scale, -scale))
+
+
+def unpack_scaled(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """Writes the first ``n = out.numel()`` values of ``scales[r] * s(packed[r])`` over the
+    rows ``r`` of ``packed`` (uint8 ``[W, chunk / 8]``) into fp32 ``out``."""
+    ranks, chunk = packed.shape[0], packed.shape[1] * 8
+    values = unpackbits(packed.reshape(-1), ranks * chunk).view(ranks, chunk)
+    out.copy_(values.mul_(scales[:, None]).reshape(-1)[: out.numel()])
+
+
+def adam_direction(
+    m: torch.Tensor,
+    v: torch.Tensor,
+    p: torch.Tensor | None,
+    eta: torch.Tensor,
+    out: torch.Tensor,
+    eps: float,
+    bound: float | None,
+    weight_decay: float,
+) -> None:
+    """Writes the update of the 1-bit family's compressed Adam step into ``out``:
+    ``-eta * (clamp(m / (sqrt(v) + eps), -bound, bound) + weight_decay * p)``, rounded as
+    ``onebit_adam`` computes it (no clamp when ``bound`` is ``None``, no decay without ``p``)."""
+    u = m / v.sqrt().add_(eps)
+    if bound is not None:
+        u = u.clamp(-bound, bound)
+    if p is not None:
+        u = u.add_(weight_decay * p.float())
+    out.copy_(u.mul_(-eta))
+
+
 def sign_compress_with(
     pack: Callable[[torch.Tensor], torch.Tensor], m: torch.Tensor, error: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -1,4 +1,7 @@
-"""Triton implementations for CUDA and XPU: every kernel of ``KERNEL_NAMES``.
+"""Triton implementations for CUDA and XPU: every kernel of ``KERNEL_NAMES`` but the server's
+``sign_sum_compress`` / ``sign_sum_apply_error``, whose reference order is that of torch's own
+``sum(dim=0)`` on the device (a CUDA reduction tree these kernels do not reproduce): they run the
+reference there.
 
 Results are bit-identical to ``fn.kernels._reference`` for fp32, fp16 and bf16 inputs. The
 sign kernel writes the packed signs and the canonical fp64 block sums in one pass; the scale
@@ -205,6 +208,154 @@ def sign_compress(
     if error is not None:
         new_error = v - torch.where(v >= 0, scale, -scale)
     return packed, scale, new_error
+
+
+def _fp32_contiguous(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in tensors)
+
+
+def _scale_from_sums(sums: torch.Tensor, n: int, fp64: bool, device: torch.device):
+    if fp64:
+        return _reference.rms_from_block_sums(sums, n)
+    return _reference.rms_from_block_sums(sums.cpu().view(torch.float64), n).to(device)
+
+
+@_with_reference("feedback_sign_compress")
+def feedback_sign_compress(
+    k: ModuleType,
+    x: torch.Tensor,
+    error: torch.Tensor,
+    grad: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not _fp32_contiguous(x, error, grad):
+        return None
+    length = error.numel()
+    blocks = _cdiv(length, _reference.SUMSQ_BLOCK)
+    fp64 = _has_fp64(error.device)
+    group = _per_program(_GROUP, error.device)
+    packed = torch.empty(_cdiv(length, 8), dtype=torch.uint8, device=error.device)
+    sums = torch.empty(blocks, dtype=torch.float64 if fp64 else torch.int64, device=error.device)
+    if length and not _launch(
+        k.feedback_blocks_kernel,
+        (_cdiv(blocks, group),),
+        error.device,
+        x,
+        x if grad is None else grad,
+        error,
+        packed,
+        sums,
+        x.numel(),
+        length,
+        packed.numel(),
+        blocks,
+        float(beta),
+        1 - float(beta),
+        GROUP=group,
+        BLOCK=_reference.SUMSQ_BLOCK,
+        FP64=fp64,
+        MOMENTUM=grad is not None,
+        enable_fp_fusion=False,
+    ):
+        return None
+    return packed, _scale_from_sums(sums, length, fp64, error.device)
+
+
+@_with_reference("feedback_apply_error")
+def feedback_apply_error(
+    k: ModuleType,
+    x: torch.Tensor,
+    error: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+    grad: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> bool | None:
+    """Returns ``True`` when written (``None`` runs the reference, which writes ``out``)."""
+    if not _fp32_contiguous(x, error, grad, out, scale):
+        return None
+    length = error.numel()
+    block = _per_program(_UNPACK, error.device)
+    if length and not _launch(
+        k.feedback_error_kernel,
+        (_cdiv(length, block),),
+        error.device,
+        x,
+        x if grad is None else grad,
+        error,
+        scale,
+        out,
+        x.numel(),
+        length,
+        float(beta),
+        1 - float(beta),
+        BLOCK=block,
+        MOMENTUM=grad is not None,
+        enable_fp_fusion=False,
+    ):
+        return None
+    return True
+
+
+@_with_reference("unpack_scaled")
+def unpack_scaled(
+    k: ModuleType, packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
+) -> bool | None:
+    if not _fp32_contiguous(scales, out) or not packed.is_contiguous():
+        return None
+    n = out.numel()
+    block = _per_program(_UNPACK, out.device)
+    if n and not _launch(
+        k.unpack_scaled_kernel,
+        (_cdiv(n, block),),
+        out.device,
+        packed,
+        scales,
+        out,
+        n,
+        packed.shape[1] * 8,
+        BLOCK=block,
+    ):
+        return None
+    return True
+
+
+@_with_reference("adam_direction")
+def adam_direction(
+    k: ModuleType,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    p: torch.Tensor | None,
+    eta: torch.Tensor,
+    out: torch.Tensor,
+    eps: float,
+    bound: float | None,
+    weight_decay: float,
+) -> bool | None:
+    if not _fp32_contiguous(m, v, p, out):
+        return None
+    torch.sqrt(v, out=out)  # torch's sqrt, whose bits the reference has
+    n = out.numel()
+    block = _per_program(_UNPACK, out.device)
+    if n and not _launch(
+        k.adam_direction_kernel,
+        (_cdiv(n, block),),
+        out.device,
+        m,
+        m if p is None else p,
+        out,
+        n,
+        float(eps),
+        0.0 if bound is None else float(bound),
+        float(weight_decay),
+        -float(eta),
+        BLOCK=block,
+        CLAMP=bound is not None,
+        DECAY=p is not None,
+        enable_fp_fusion=False,
+    ):
+        return None
+    return True
 
 
 @_with_reference("quantize")

@@ -95,6 +95,23 @@ def _fold_halves(acc, GROUP: tl.constexpr, FP64: tl.constexpr):
 
 
 @triton.jit
+def _signs_and_squares(v, inside, acc, blocks, k, bits_ptr, nbytes, GROUP, BLOCK, FP64):
+    """Adds the squares of the fp32 ``v`` (``[GROUP, 16]``, elements ``k * 16 ...`` of the
+    blocks) to their lanes and stores their packed signs; returns the lanes."""
+    weights = (1 << (7 - tl.arange(0, 8))).to(tl.int32)
+    if FP64:
+        d = v.to(tl.float64)
+        acc += d * d
+    else:
+        acc = _add_f64(acc, _square_f64(v))
+    bit = ((v >= 0) & inside).to(tl.int32)
+    byte = tl.sum(tl.reshape(bit, (GROUP, 2, 8)) * weights[None, None, :], axis=2)
+    byte_idx = blocks[:, None] * (BLOCK // 8) + k * 2 + tl.arange(0, 2)[None, :]
+    tl.store(bits_ptr + byte_idx, byte.to(tl.uint8), mask=byte_idx < nbytes)
+    return acc
+
+
+@triton.jit
 def sign_blocks_kernel(
     x_ptr,
     bits_ptr,
@@ -109,7 +126,6 @@ def sign_blocks_kernel(
     """Packed signs and per-block sums of squares (fp64, or their int64 bits without FP64)."""
     lanes = tl.arange(0, 16)
     blocks = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP).to(tl.int64)
-    weights = (1 << (7 - tl.arange(0, 8))).to(tl.int32)
     if FP64:
         acc = tl.zeros((GROUP, 16), dtype=tl.float64)
     else:
@@ -118,16 +134,114 @@ def sign_blocks_kernel(
         idx = blocks[:, None] * BLOCK + k * 16 + lanes[None, :]
         inside = idx < n
         v = tl.load(x_ptr + idx, mask=inside, other=0.0).to(tl.float32)
-        if FP64:
-            d = v.to(tl.float64)
-            acc += d * d
-        else:
-            acc = _add_f64(acc, _square_f64(v))
-        bit = ((v >= 0) & inside).to(tl.int32)
-        byte = tl.sum(tl.reshape(bit, (GROUP, 2, 8)) * weights[None, None, :], axis=2)
-        byte_idx = blocks[:, None] * (BLOCK // 8) + k * 2 + tl.arange(0, 2)[None, :]
-        tl.store(bits_ptr + byte_idx, byte.to(tl.uint8), mask=byte_idx < nbytes)
+        acc = _signs_and_squares(v, inside, acc, blocks, k, bits_ptr, nbytes, GROUP, BLOCK, FP64)
     tl.store(sums_ptr + blocks, _fold_halves(acc, GROUP, FP64), mask=blocks < nblocks)
+
+
+@triton.jit
+def _feedback_values(x_ptr, g_ptr, e_ptr, idx, n_valid, length, beta, one_minus_beta, MOMENTUM):
+    """``v = source + e`` at ``idx``: the source is ``x`` (or ``beta * x + (1 - beta) * g``;
+    launched without fp fusion, so two roundings) zero-padded from ``n_valid`` to ``length``."""
+    valid = idx < n_valid
+    x = tl.load(x_ptr + idx, mask=valid, other=0.0)
+    if MOMENTUM:
+        g = tl.load(g_ptr + idx, mask=valid, other=0.0)
+        x = tl.where(valid, beta * x + one_minus_beta * g, 0.0)
+    return x + tl.load(e_ptr + idx, mask=idx < length, other=0.0)
+
+
+@triton.jit
+def feedback_blocks_kernel(
+    x_ptr,
+    g_ptr,
+    e_ptr,
+    bits_ptr,
+    sums_ptr,
+    n_valid,
+    length,
+    nbytes,
+    nblocks,
+    beta,
+    one_minus_beta,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FP64: tl.constexpr,
+    MOMENTUM: tl.constexpr,
+):
+    """:func:`sign_blocks_kernel` of ``v`` (:func:`_feedback_values`), never stored."""
+    lanes = tl.arange(0, 16)
+    blocks = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP).to(tl.int64)
+    if FP64:
+        acc = tl.zeros((GROUP, 16), dtype=tl.float64)
+    else:
+        acc = tl.zeros((GROUP, 16), dtype=tl.int64)
+    for k in range(BLOCK // 16):
+        idx = blocks[:, None] * BLOCK + k * 16 + lanes[None, :]
+        inside = idx < length
+        v = _feedback_values(
+            x_ptr, g_ptr, e_ptr, idx, n_valid, length, beta, one_minus_beta, MOMENTUM
+        )
+        acc = _signs_and_squares(v, inside, acc, blocks, k, bits_ptr, nbytes, GROUP, BLOCK, FP64)
+    tl.store(sums_ptr + blocks, _fold_halves(acc, GROUP, FP64), mask=blocks < nblocks)
+
+
+@triton.jit
+def feedback_error_kernel(
+    x_ptr,
+    g_ptr,
+    e_ptr,
+    scale_ptr,
+    out_ptr,
+    n_valid,
+    length,
+    beta,
+    one_minus_beta,
+    BLOCK: tl.constexpr,
+    MOMENTUM: tl.constexpr,
+):
+    """``out = v - scale * s(v)`` (``out`` may be ``e``: each element is read first)."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    v = _feedback_values(x_ptr, g_ptr, e_ptr, idx, n_valid, length, beta, one_minus_beta, MOMENTUM)
+    scale = tl.load(scale_ptr)
+    tl.store(out_ptr + idx, v - tl.where(v >= 0, scale, -scale), mask=idx < length)
+
+
+@triton.jit
+def unpack_scaled_kernel(bits_ptr, scales_ptr, out_ptr, n, chunk, BLOCK: tl.constexpr):
+    """``out[k] = +-scales[k // chunk]`` by sign bit ``k``."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    inside = idx < n
+    byte = tl.load(bits_ptr + idx // 8, mask=inside, other=0).to(tl.int32)
+    bit = (byte >> (7 - (idx % 8)).to(tl.int32)) & 1
+    scale = tl.load(scales_ptr + idx // chunk, mask=inside, other=0.0)
+    tl.store(out_ptr + idx, tl.where(bit != 0, scale, -scale), mask=inside)
+
+
+@triton.jit
+def adam_direction_kernel(
+    m_ptr,
+    p_ptr,
+    out_ptr,
+    n,
+    eps,
+    bound,
+    weight_decay,
+    neg_eta,
+    BLOCK: tl.constexpr,
+    CLAMP: tl.constexpr,
+    DECAY: tl.constexpr,
+):
+    """``out = (clamp(m / (out + eps)) (+ wd * p)) * neg_eta`` with ``out`` holding torch's
+    ``sqrt(v)``; launched without fp fusion."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    inside = idx < n
+    root = tl.load(out_ptr + idx, mask=inside, other=1.0)
+    u = tl.div_rn(tl.load(m_ptr + idx, mask=inside, other=0.0), root + eps)
+    if CLAMP:
+        u = tl.where(u < -bound, -bound, tl.where(u > bound, bound, u))
+    if DECAY:
+        u = u + weight_decay * tl.load(p_ptr + idx, mask=inside, other=0.0)
+    tl.store(out_ptr + idx, u * neg_eta, mask=inside)
 
 
 @triton.jit

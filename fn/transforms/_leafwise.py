@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
-from fn import collectives
+from fn import collectives, kernels
 from fn._validation import check_finite, check_shapes, check_step_or_plan, require_params
 from fn.base import CompressedOptimizer, Params, Updates
 from fn.transforms._learning_rate import learning_rate_now
@@ -52,16 +52,21 @@ def compressed_optimizer(
 ) -> CompressedOptimizer:
     """A ``CompressedOptimizer`` whose two updates run ``update`` on the plan of the update.
     A compressed update on a state with no update made raises (:func:`check_warmed_up`, after
-    the update's own checks; the update is pure, so nothing changes).
+    the update's own checks; the update is pure, so nothing changes; when donating, before it).
+
+    Both updates take the extra keyword ``donate`` (buffer donation: ``None``, ``True`` for
+    the state itself, or a state like ``state``). The compressed update passes the donated
+    state to ``update`` as ``donated=``; the warmup update ignores it (it allocates).
 
     Args:
         name: the optimizer, for error messages.
         lr: the learning rate or schedule; the state holds it as the 0-dim fp32 field ``lr``.
         state_type: the state NamedTuple; its first fields are ``count`` and ``lr``.
         init_fields: the other fields of the initial state, by name, for the params.
-        update: ``(grads, state, params, plan, lr) -> (updates, state)``; the plan is a
-            ``plan_type`` whose ``compressed`` matches the phase, ``lr`` the learning rate of this
-            update. The ``count`` and ``lr`` of the state it returns are set here.
+        update: ``(grads, state, params, plan, lr, *, donated=None) -> (updates, state)``; the
+            plan is a ``plan_type`` whose ``compressed`` matches the phase, ``lr`` the learning
+            rate of this update, ``donated`` the donated state (compressed updates only). The
+            ``count`` and ``lr`` of the state it returns are set here.
         is_compressed: the host schedule, ``CompressedOptimizer.is_compressed``.
         plan_for: the plan of the 1-based update ``t``.
         plan_type: the type of the plans.
@@ -87,6 +92,7 @@ def compressed_optimizer(
             *,
             step: int | None = None,
             plan: Any = None,
+            donate: Any = None,
             **extra: Any,
         ) -> tuple[Updates, Any]:
             del extra
@@ -94,7 +100,12 @@ def compressed_optimizer(
             if params_needed_for is not None:
                 require_params(params, params_needed_for)
             eta = learning_rate_now(lr, state.count, state.lr)
-            updates, new_state = update(grads, state, params, plan, eta)
+            if compressed and donate is not None:
+                check_warmed_up(name, state.count)  # before any donated buffer is written
+                donated = state if donate is True else donate
+                updates, new_state = update(grads, state, params, plan, eta, donated=donated)
+            else:
+                updates, new_state = update(grads, state, params, plan, eta)
             if compressed:  # after the update's own checks (of the gradients); nothing is kept
                 check_warmed_up(name, state.count)
             return updates, new_state._replace(count=state.count + 1, lr=eta)
@@ -113,8 +124,15 @@ def map_leaves(
     state: Any,
     leaf_type: type[NamedTuple],
     *inputs: PyTree | None,
+    donated: Any = None,
 ) -> tuple[Updates, Any]:
     """Runs ``rule(g, leaf, *input_leaves) -> (update, new_leaf)`` on every leaf with a gradient.
+
+    With a ``donated`` state (buffer donation) the rule is called as ``rule(g, leaf,
+    *input_leaves, spare=donated_leaf)`` (a ``leaf_type`` of the donated state's leaves, which it
+    may write) and returns a function that finishes the leaf, ``() -> (update, new_leaf)``:
+    every leaf's rule runs (communicates and checks) before the first leaf finishes (writes),
+    so an error on any leaf leaves every donated buffer intact.
 
     Args:
         name: the optimizer, for error messages.
@@ -127,6 +145,7 @@ def map_leaves(
             the first one.
         *inputs: further trees like the params (params, masks), or ``None`` (``None`` at every
             leaf).
+        donated: ``None`` or a state like ``state`` whose ``leaf_type`` fields are donated.
 
     Returns:
         The updates (``None`` where the gradient is ``None``) and ``state`` with the fields of
@@ -143,20 +162,32 @@ def map_leaves(
     old_leaves = [leaf_type._make(values) for values in zip(*columns, strict=True)]
     input_columns = [_leaves_or_nones(tree, spec) for tree in inputs]
     extras = list(zip(*input_columns, strict=True)) if inputs else [()] * spec.num_leaves
+    spares = [None] * spec.num_leaves
+    if donated is not None:
+        donated_columns = [_leaves_or_nones(getattr(donated, field), spec) for field in fields]
+        spares = [leaf_type._make(values) for values in zip(*donated_columns, strict=True)]
     g_leaves = spec.flatten_up_to(grads)
-    updates, leaves = [], []
-    for i, (g, leaf, extra) in enumerate(zip(g_leaves, old_leaves, extras, strict=True)):
-        update = None
-        if g is not None:
-            like = leaf[0]
-            if like is None or g.shape != like.shape:  # named only on error: naming costs a walk
-                what = f"gradient leaf {_leaf_name(first, i)}"
-                if like is None:
-                    raise ValueError(f"{name}: {what} has no state (its param was None at init)")
-                check_shapes(name, like, g, what)
-            update, leaf = rule(g.float(), leaf, *extra)
-        updates.append(update)
-        leaves.append(leaf)
+    results = []
+    for i, (g, leaf, extra, spare) in enumerate(
+        zip(g_leaves, old_leaves, extras, spares, strict=True)
+    ):
+        if g is None:
+            results.append((None, leaf))
+            continue
+        like = leaf[0]
+        if like is None or g.shape != like.shape:  # named only on error: naming costs a walk
+            what = f"gradient leaf {_leaf_name(first, i)}"
+            if like is None:
+                raise ValueError(f"{name}: {what} has no state (its param was None at init)")
+            check_shapes(name, like, g, what)
+        if donated is None:
+            results.append(rule(g.float(), leaf, *extra))
+        else:
+            results.append(rule(g.float(), leaf, *extra, spare=spare))
+    if donated is not None:  # every leaf checked: now write
+        results = [r() if callable(r) else r for r in results]
+    updates = [update for update, _ in results]
+    leaves = [leaf for _, leaf in results]
     new_fields = {}
     for k, field in enumerate(fields):
         if any(new[k] is not old[k] for new, old in zip(leaves, old_leaves, strict=True)):
@@ -174,6 +205,48 @@ def moving_average(
     if square:
         new.mul_(y)
     return (beta * x).add_(new)
+
+
+def moving_average_into(
+    out: torch.Tensor, x: torch.Tensor, beta: float, y: torch.Tensor
+) -> torch.Tensor:
+    """:func:`moving_average` (``beta * x + (1 - beta) * y``, the same rounding) written into
+    ``out`` (which may be ``x``), with ``y``'s buffer as scratch: ``y`` is overwritten by
+    ``(1 - beta) * y``. No temporary."""
+    y.mul_(1 - beta)
+    return torch.mul(x, beta, out=out).add_(y)
+
+
+def adam_update_into(
+    out: torch.Tensor | None,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    p: torch.Tensor | None,
+    eta: torch.Tensor,
+    *,
+    eps: float,
+    bound: float | None,
+    weight_decay: float,
+) -> torch.Tensor:
+    """The 1-bit family's Adam update ``-eta * (clamp(m / (sqrt(v) + eps), -bound, bound) +
+    weight_decay * p)`` (no clamp for ``bound=None``) written into ``out`` (a fresh tensor
+    when ``None``) by ``fn.kernels.adam_direction``: the bits of the torch expression."""
+    out = torch.empty_like(m) if out is None else out
+    decayed = p.float() if weight_decay > 0 else None
+    return kernels.adam_direction(
+        m, v, eta, out, eps=eps, bound=bound, weight_decay=weight_decay, p=decayed
+    )
+
+
+def masked(m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``m * mask``, written into ``m`` where the product has ``m``'s shape and dtype (the
+    same bits)."""
+    if (
+        torch.result_type(m, mask) == m.dtype
+        and torch.broadcast_shapes(m.shape, mask.shape) == m.shape
+    ):
+        return m.mul_(mask)
+    return m * mask
 
 
 def init_error_feedback_per_leaf(params: Params, comm: Any) -> tuple[PyTree, PyTree]:
@@ -196,13 +269,15 @@ def compressed_mean(
     server_error: torch.Tensor,
     comm: Any,
     local_check: str | None = None,
+    out: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``fn.collectives.compressed_allreduce(x, worker_error, server_error)``: the 1-bit mean of
-    ``x`` over the ranks and the new errors. With one worker there is nothing to compress: ``x``
-    comes back as it is, checked to be finite (naming ``local_check``) unless that is ``None``;
-    an empty ``x`` comes back unchanged."""
+    """``fn.collectives.compressed_allreduce(x, worker_error, server_error, out=out)``: the
+    1-bit mean of ``x`` over the ranks and the new errors (written into the buffers of ``out``
+    where given). With one worker there is nothing to compress: ``x`` comes back as it is,
+    checked to be finite (naming ``local_check``) unless that is ``None``; an empty ``x``
+    comes back unchanged."""
     if comm.world_size > 1 and x.numel() > 0:
-        return collectives.compressed_allreduce(x, worker_error, server_error, comm=comm)
+        return collectives.compressed_allreduce(x, worker_error, server_error, comm=comm, out=out)
     if comm.world_size == 1 and local_check is not None:
         x = check_finite(x, local_check)
     return x, worker_error, server_error

@@ -10,14 +10,17 @@ import torch
 from fn._validation import check_betas, check_finite, check_int, check_nonnegative
 from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
+from fn.collectives.onebit import compressed_allreduce_start, fitting
 from fn.transforms._leafwise import (
     LearningRate,
     adam_ratio_bound,
+    adam_update_into,
     compressed_mean,
     compressed_optimizer,
     host_count,
     init_error_feedback_per_leaf,
     map_leaves,
+    masked,
     moving_average,
     warn_unsafe_variance,
 )
@@ -138,6 +141,15 @@ def onebit_adam(
     DeepSpeed, the error buffers are part of the state: a checkpoint continues bit for bit; they
     must be reset when the world size changes.
 
+    Buffer donation: both updates take the extra keyword ``donate`` (``None``, ``True`` or a
+    state like ``state``). A compressed update then writes the new momentum and errors into
+    the donated state's buffers and the updates into the gradients' buffers (fp32, contiguous;
+    ``grads`` are donated with the state), returns the frozen variance as the same tensor, and
+    on several ranks makes no full-size temporary: the momentum is computed inside the 1-bit
+    allreduce's kernels, the update by ``fn.kernels.adam_direction``. The bits are those of the
+    pure update; every check (all ranks' scales and counts, the warmup) runs before the first
+    write. Warmup updates, ``non_freeze`` leaves and one worker stay pure (they allocate).
+
     The exact rules, step by step, are in ``docs/algorithms.md`` (section "1-bit Adam").
 
     Example:
@@ -201,11 +213,43 @@ def onebit_adam(
             u = u.add_(weight_decay * p.float())
         return u.mul_(-eta), _Leaf(m, v, ew, es)
 
-    def update(grads, state, params, plan, eta):
+    def donated_rule(g, leaf, p, mask, dense, *, eta, spare):
+        """The compressed rule writing into the donated leaf ``spare`` and the gradient's
+        buffer (two steps, see ``map_leaves``); the pure rule where the fused path does not
+        apply (one worker, a ``non_freeze`` leaf, vmap, other dtypes)."""
+        m, v, ew, es = leaf
+        start = None
+        if not bool(dense):
+            buffers = (
+                fitting(spare.exp_avg, m),
+                fitting(spare.worker_error, ew),
+                fitting(spare.server_error, es),
+            )
+            start = compressed_allreduce_start(m, ew, es, comm=comm, out=buffers, grad=g, beta=b1)
+        if start is None:
+            result = leaf_rule(g, leaf, p, mask, dense, compressed=True, eta=eta)
+            return lambda: result
+
+        def finish():
+            m_new, ew_new, es_new = start()
+            if mask is not None:
+                m_new = masked(m_new, mask)
+            clip = bound if safeguard else None
+            u = adam_update_into(
+                fitting(g, m_new), m_new, v, p, eta, eps=eps, bound=clip, weight_decay=weight_decay
+            )
+            return u, _Leaf(m_new, v, ew_new, es_new)
+
+        return finish
+
+    def update(grads, state, params, plan, eta, donated=None):
         if plan.compressed and host_count(state.count) == schedule.freeze_step - 1:
             warn_unsafe_variance("onebit_adam", state, eps, bound, safeguard, skip=non_freeze)
-        rule = partial(leaf_rule, compressed=plan.compressed, eta=eta)
         inputs = (params, exp_avg_mask, non_freeze)
+        if donated is not None:
+            rule = partial(donated_rule, eta=eta)
+            return map_leaves("onebit_adam", rule, grads, state, _Leaf, *inputs, donated=donated)
+        rule = partial(leaf_rule, compressed=plan.compressed, eta=eta)
         return map_leaves("onebit_adam", rule, grads, state, _Leaf, *inputs)
 
     return compressed_optimizer(

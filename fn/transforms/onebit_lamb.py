@@ -18,6 +18,7 @@ from fn._validation import (
 )
 from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
+from fn.collectives.onebit import fitting
 from fn.transforms._leafwise import (
     LearningRate,
     adam_ratio_bound,
@@ -169,6 +170,11 @@ def onebit_lamb(
     gradients raise ``ValueError`` with nothing updated (warmup: checked on the averaged gradient;
     compressed: the collective's check, or a local check with one worker).
 
+    Buffer donation: the updates accept the extra keyword ``donate`` (``None``, ``True`` or a
+    state like ``state``). A compressed update then writes the new errors of the fused
+    allreduce into the donated state's buffers and its mean into the fused momentum, after
+    every rank's check; the per-leaf rule and the warmup updates still allocate their results.
+
     The exact rules, step by step, are in ``docs/algorithms.md`` (section "1-bit LAMB").
 
     Example:
@@ -274,7 +280,7 @@ def onebit_lamb(
         f = torch.maximum(f, last * (1 - factor_threshold))
         return -(eta * (r * f)) * u, _Leaf(m, v, v_fresh, r, f, scaling)
 
-    def update(grads, state, params, plan, eta):
+    def update(grads, state, params, plan, eta, donated=None):
         if not plan.compressed:
             rule = partial(warmup_rule, eta=eta, copies_variance=plan.copies_variance)
             return map_leaves("onebit_lamb", rule, grads, state, _Leaf, params)
@@ -282,12 +288,21 @@ def onebit_lamb(
             warn_unsafe_variance("onebit_lamb", state, eps, bound, safeguard)
             state = state._replace(scaling_coeff=_scaling_coefficients(state))
         pieces, _ = map_leaves("onebit_lamb", scaled_momentum, grads, state, _Leaf)
+        fused = _fuse(pieces, state.exp_avg)
+        buffers = None
+        if donated is not None:  # the fused momentum is ours: the mean goes into it
+            buffers = (
+                fitting(fused, fused),
+                fitting(donated.worker_error, state.worker_error),
+                fitting(donated.server_error, state.server_error),
+            )
         flat, worker_error, server_error = compressed_mean(
-            _fuse(pieces, state.exp_avg),
+            fused,
             state.worker_error,
             state.server_error,
             comm,
             "the momentum (local gradient)",
+            out=buffers,
         )
         momenta = _split(flat, pieces, state.exp_avg)  # None where the gradient is None
         rule = partial(compressed_rule, eta=eta)

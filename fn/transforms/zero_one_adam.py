@@ -11,14 +11,18 @@ import torch
 from fn._validation import check_betas, check_finite, check_int, check_nonnegative
 from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
+from fn.collectives.onebit import compressed_allreduce_start, fitting, is_plain
 from fn.transforms._leafwise import (
     LearningRate,
     adam_ratio_bound,
+    adam_update_into,
     compressed_mean,
     compressed_optimizer,
     init_error_feedback_per_leaf,
     map_leaves,
+    masked,
     moving_average,
+    moving_average_into,
     warn_unsafe_variance,
 )
 from fn.transforms._onebit_schedules import ZeroOneAdamPlan, ZeroOneAdamSchedule
@@ -153,6 +157,14 @@ def zero_one_adam(
     gradient, the 1-bit steps rely on the collective's check, local steps (no communication) check
     the local gradient, which on a real process group raises on the offending rank only.
 
+    Buffer donation: both updates take the extra keyword ``donate`` (``None``, ``True`` or a
+    state like ``state``). The 1-bit and local steps then write the new momentum, accumulator
+    and errors into the donated state's buffers and the updates into the gradients' buffers
+    (fp32, contiguous; ``grads`` are donated with the state) and return the variance as the
+    same tensor, without full-size temporaries on several ranks and with the bits of the pure
+    update; every check runs before the first write. Variance steps, sync steps and one
+    worker's 1-bit steps stay pure (they allocate).
+
     The exact rules, step by step, are in ``docs/algorithms.md`` (section "0/1 Adam").
 
     Example:
@@ -238,11 +250,49 @@ def zero_one_adam(
             a = torch.zeros_like(a)
         return update, _Leaf(m, v, a, ew, es)
 
-    def update(grads, state, params, plan, eta):
+    def donated_rule(g, leaf, p, mask, *, plan, eta, lrs, spare):
+        """A 1-bit or local (not sync) step writing into the donated leaf ``spare`` and the
+        gradient's buffer (two steps, see ``map_leaves``); the pure rule elsewhere (sync steps,
+        one worker, vmap, other dtypes)."""
+        m, v, a, ew, es = leaf
+        m_out, u_out = fitting(spare.exp_avg, m), fitting(g, m)
+        start = None
+        if not plan.sync and m_out is not None and u_out is not None:
+            if not plan.frozen:
+                buffers = (g, fitting(spare.worker_error, ew), fitting(spare.server_error, es))
+                start = compressed_allreduce_start(g, ew, es, comm=comm, out=buffers)
+            elif is_plain(g, m, v, a, m_out):
+                check_finite(g, "the local gradient")
+                start = lambda: (g, ew, es)  # noqa: E731
+        if start is None:
+            result = leaf_rule(g, leaf, p, mask, plan=plan, eta=eta, lrs=lrs)
+            return lambda: result
+
+        def finish():
+            mean, ew_new, es_new = start()
+            if mask is not None and not plan.frozen:
+                mean = masked(mean, mask)
+            m_new = moving_average_into(m_out, m, b1, mean)
+            clip = bound if safeguard else None
+            update = adam_update_into(
+                u_out, m_new, v, p, eta, eps=eps, bound=clip, weight_decay=weight_decay
+            )
+            a_new = a
+            if plan.frozen:
+                a_out = fitting(spare.momentum_accumulator, a)
+                a_new = a + update if a_out is None else torch.add(a, update, out=a_out)
+            return update, _Leaf(m_new, v, a_new, ew_new, es_new)
+
+        return finish
+
+    def update(grads, state, params, plan, eta, donated=None):
         lrs = state.lrs + eta if plan.frozen else state.lrs
-        rule = partial(leaf_rule, plan=plan, eta=eta, lrs=lrs)
+        if donated is not None:
+            rule = partial(donated_rule, plan=plan, eta=eta, lrs=lrs)
+        else:
+            rule = partial(leaf_rule, plan=plan, eta=eta, lrs=lrs)
         updates, state = map_leaves(
-            "zero_one_adam", rule, grads, state, _Leaf, params, exp_avg_mask
+            "zero_one_adam", rule, grads, state, _Leaf, params, exp_avg_mask, donated=donated
         )
         if plan.reset_errors:  # every leaf's errors, gradient or not; the variance freezes
             warn_unsafe_variance("zero_one_adam", state, eps, bound, safeguard)
