@@ -1,6 +1,5 @@
 """Steady-state allocation of ``fn.optim.OnebitAdam``'s compressed phase on 2 gloo ranks: no
-fresh full-size tensor per step (counted as minor page faults in every rank). It needs the 1-bit
-family's donated compressed updates and collectives' output buffers (issue #17)."""
+fresh full-size tensor per step (counted as minor page faults in every rank)."""
 
 from __future__ import annotations
 
@@ -12,9 +11,6 @@ import torch
 
 import fn.optim
 from tests._distributed import run_distributed
-
-# Enable (delete this line) once the 1-bit family donates (p17-onebit's branch is merged).
-pytestmark = pytest.mark.skip(reason="needs the 1-bit family's donated compressed updates")
 
 NUMEL = 1 << 22
 PAGES_OF_ONE_BUFFER = NUMEL * 4 // 4096
