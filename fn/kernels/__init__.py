@@ -2,7 +2,9 @@
 
 Kernels (``torch.library`` custom ops, usable under ``torch.func.vmap`` and ``torch.compile``):
 :func:`packbits`, :func:`unpackbits`, :func:`sign_compress`, :func:`quantize`,
-:func:`dequantize`. A kernel called on a tensor of device type ``D`` runs a kernel set of the
+:func:`dequantize`, and the fused LoCo kernels :func:`loco_quantize`, :func:`loco_error`,
+:func:`dequantize_sum`, :func:`dequantize_into` (the last three write into an ``out`` buffer).
+A kernel called on a tensor of device type ``D`` runs a kernel set of the
 accelerator table's record for ``D``: by default fused C kernels on the CPU, Triton on
 CUDA/XPU (CUDA also offers the kernel set ``"cupy"``), ``torch_npu`` on NPU; every record also
 offers ``"reference"``, the pure-torch oracle every implementation matches bit for bit.
@@ -19,7 +21,17 @@ kernels); ``FN_CACHE_DIR`` is where the CPU kernels are compiled (``~/.cache/fn`
 """
 
 from fn.kernels._accelerator import KERNEL_NAMES, Accelerator
-from fn.kernels._ops import dequantize, packbits, quantize, sign_compress, unpackbits
+from fn.kernels._ops import (
+    dequantize,
+    dequantize_into,
+    dequantize_sum,
+    loco_error,
+    loco_quantize,
+    packbits,
+    quantize,
+    sign_compress,
+    unpackbits,
+)
 from fn.kernels._table import (
     get_accelerator,
     kernel_set,
@@ -35,6 +47,10 @@ __all__ = [
     "sign_compress",
     "quantize",
     "dequantize",
+    "loco_quantize",
+    "loco_error",
+    "dequantize_sum",
+    "dequantize_into",
     "KERNEL_NAMES",
     "Accelerator",
     "get_accelerator",

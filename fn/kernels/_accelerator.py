@@ -16,7 +16,17 @@ import torch
 
 from fn.kernels import _reference
 
-KERNEL_NAMES = ("packbits", "unpackbits", "sign_compress", "quantize", "dequantize")
+KERNEL_NAMES = (
+    "packbits",
+    "unpackbits",
+    "sign_compress",
+    "quantize",
+    "dequantize",
+    "loco_quantize",
+    "loco_error",
+    "dequantize_sum",
+    "dequantize_into",
+)
 REFERENCE = "reference"
 
 

@@ -33,7 +33,8 @@ import torch
 
 from fn.kernels import _reference
 
-_FLAGS = ("-O3", "-march=native", "-std=c99", "-shared", "-fPIC")
+# -ffp-contract=off: no fused multiply-adds where torch rounds the product and the sum apart.
+_FLAGS = ("-O3", "-march=native", "-std=c99", "-ffp-contract=off", "-shared", "-fPIC")
 _CHUNK = 1 << 18  # elements per work item of a threaded call
 _HUGE_MIN = 1 << 23  # outputs from 8 MiB on ask for transparent huge pages
 _KERNEL_IDS = {
@@ -43,7 +44,14 @@ _KERNEL_IDS = {
     "unpackbits": 3,
     "quantize": 4,
     "dequantize": 5,
+    "loco_quantize": 6,
+    "loco_error": 7,
+    "dequantize_sum": 8,
+    "dequantize_into": 9,
 }
+# Capabilities whose fp32 vectors hold 8 lanes: torch's outer sum then takes one path (the
+# multi_row_sum order) for every column when the row length is a multiple of 32.
+_SUM_CAPABILITIES = ("AVX2", "DEFAULT")
 
 
 class _JobStruct(ctypes.Structure):
@@ -57,8 +65,9 @@ class _JobStruct(ctypes.Structure):
         ("next", ctypes.c_int64),
         ("left", ctypes.c_int64),
         ("p", ctypes.c_void_p * 5),
-        ("i", ctypes.c_int64 * 2),
+        ("i", ctypes.c_int64 * 5),
         ("scale", ctypes.c_float),
+        ("scale2", ctypes.c_float),
     ]
 
 
@@ -163,6 +172,7 @@ def _run(
     pointers: tuple[int | None, ...],
     ints: tuple[int, ...] = (),
     scale: float = 0.0,
+    scale2: float = 0.0,
 ) -> None:
     """Runs ``kernel`` over ``[0, n)`` in chunks starting at multiples of ``align``, on up to
     ``torch.get_num_threads()`` threads."""
@@ -172,6 +182,7 @@ def _run(
     job.p[: len(pointers)] = pointers
     job.i[: len(ints)] = ints
     job.scale = scale
+    job.scale2 = scale2
     ref = ctypes.byref(job)  # keeps the job alive for helpers that start late
     for _ in range(min(torch.get_num_threads(), count) - 1):
         _pool().submit(lib.fn_work, ref)
@@ -264,3 +275,98 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torc
     pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())
     _run(lib, "dequantize", n, 2, pointers, (bits, values // groups))
     return out
+
+
+def _writable_fp32(out: torch.Tensor) -> bool:
+    return out.dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
+
+
+def loco_quantize(
+    x: torch.Tensor, error: torch.Tensor | None, bits: int, group_size: int, numel: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lib = library()
+    if lib is None or numel % group_size or x.numel() > numel:
+        return _reference.loco_quantize(x, error, bits, group_size, numel)
+    x = _fp32(x)
+    e = None if error is None else _fp32(error)
+    q = _empty(lib, numel * bits // 8, torch.uint8)
+    scales = torch.empty(numel // group_size, dtype=torch.float32)
+    pointers = (
+        x.data_ptr(),
+        None if e is None else e.data_ptr(),
+        q.data_ptr(),
+        scales.data_ptr(),
+    )
+    _run(lib, "loco_quantize", numel, group_size, pointers, (bits, group_size, x.numel()))
+    return q, scales
+
+
+def loco_error(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    err_beta: float,
+    out: torch.Tensor,
+) -> None:
+    lib = library()
+    n = out.numel()
+    if lib is None or not _writable_fp32(out) or not scales.numel() or n % scales.numel():
+        return _reference.loco_error(x, error, q, scales, bits, err_beta, out)
+    x = _fp32(x)
+    e = None if error is None else _fp32(error)
+    q = q.detach().contiguous()
+    scales = _fp32(scales)
+    pointers = (
+        x.data_ptr(),
+        None if e is None else e.data_ptr(),
+        q.data_ptr(),
+        scales.data_ptr(),
+        out.data_ptr(),
+    )
+    ints = (bits, n // scales.numel(), x.numel())
+    _run(lib, "loco_error", n, 1, pointers, ints, scale=1 - err_beta, scale2=err_beta)
+    return None
+
+
+def dequantize_sum(
+    q: torch.Tensor, scales: torch.Tensor, bits: int, pieces: int, out: torch.Tensor
+) -> None:
+    lib = library()
+    cols = out.numel()
+    groups = scales.numel()
+    exact_order = pieces < 4 or (
+        torch.backends.cpu.get_cpu_capability() in _SUM_CAPABILITIES and cols % 32 == 0
+    )
+    if lib is None or not exact_order or not _writable_fp32(out) or not groups:
+        return _reference.dequantize_sum(q, scales, bits, pieces, out)
+    q = q.detach().contiguous()
+    scales = _fp32(scales)
+    level_power = max(4, (pieces - 1).bit_length() // 4)
+    pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())
+    ints = (bits, pieces * cols // groups, pieces, cols, level_power)
+    _run(lib, "dequantize_sum", cols, 1, pointers, ints)
+    return None
+
+
+def dequantize_into(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    out: torch.Tensor,
+    chunks: int,
+    local_world_size: int = 1,
+) -> None:
+    lib = library()
+    groups = scales.numel()
+    values = q.numel() * 8 // bits
+    whole = groups and not values % groups and not values % chunks
+    if lib is None or not _writable_fp32(out) or not whole or values // chunks % (values // groups):
+        return _reference.dequantize_into(q, scales, bits, out, chunks, local_world_size)
+    q = q.detach().contiguous()
+    scales = _fp32(scales)
+    pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())
+    ints = (bits, values // groups, values // chunks, chunks // local_world_size, local_world_size)
+    _run(lib, "dequantize_into", out.numel(), 2, pointers, ints)
+    return None

@@ -109,6 +109,68 @@ def _(q, scales, bits, n):
     return q.new_empty(n, dtype=torch.float32)
 
 
+@torch.library.custom_op("fn::loco_quantize", mutates_args=())
+def _loco_quantize(
+    x: torch.Tensor, error: torch.Tensor | None, bits: int, group_size: int, numel: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl("loco_quantize", x.device)(x, error, bits, group_size, numel)
+
+
+@_loco_quantize.register_fake
+def _(x, error, bits, group_size, numel):
+    return (
+        x.new_empty(numel * bits // 8, dtype=torch.uint8),
+        x.new_empty(numel // group_size, dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("fn::loco_error", mutates_args=("out",))
+def _loco_error(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    err_beta: float,
+    out: torch.Tensor,
+) -> None:
+    _impl("loco_error", out.device)(x, error, q, scales, bits, err_beta, out)
+
+
+@_loco_error.register_fake
+def _(x, error, q, scales, bits, err_beta, out):
+    return None
+
+
+@torch.library.custom_op("fn::dequantize_sum", mutates_args=("out",))
+def _dequantize_sum(
+    q: torch.Tensor, scales: torch.Tensor, bits: int, pieces: int, out: torch.Tensor
+) -> None:
+    _impl("dequantize_sum", out.device)(q, scales, bits, pieces, out)
+
+
+@_dequantize_sum.register_fake
+def _(q, scales, bits, pieces, out):
+    return None
+
+
+@torch.library.custom_op("fn::dequantize_into", mutates_args=("out",))
+def _dequantize_into(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    out: torch.Tensor,
+    chunks: int,
+    local_world_size: int,
+) -> None:
+    _impl("dequantize_into", out.device)(q, scales, bits, out, chunks, local_world_size)
+
+
+@_dequantize_into.register_fake
+def _(q, scales, bits, out, chunks, local_world_size):
+    return None
+
+
 def _per_row(op: Callable[..., Any]) -> Callable[..., Any]:
     """A vmap rule that calls ``op`` once per row and stacks the results along dim 0."""
 
@@ -132,12 +194,36 @@ def _per_row(op: Callable[..., Any]) -> Callable[..., Any]:
     return rule
 
 
+def _per_row_into(op: Callable[..., Any], out_index: int) -> Callable[..., Any]:
+    """A vmap rule for an op writing into its argument ``out_index``: one call per row of that
+    (batched) argument."""
+
+    def rule(info: Any, in_dims: Sequence[int | None], *args: Any) -> tuple[None, None]:
+        if in_dims[out_index] is None:
+            raise ValueError("under vmap, out must be batched like the inputs it is written from")
+        for b in range(info.batch_size):
+            op(*[a if d is None else a.select(d, b) for a, d in zip(args, in_dims, strict=True)])
+        return None, None
+
+    return rule
+
+
 def _row_shape(a: torch.Tensor, d: int) -> tuple[int, ...]:
     return tuple(s for i, s in enumerate(a.shape) if i != d)
 
 
-for _op in (_packbits, _unpackbits, _sign_compress, _sign_compress_ef, _quantize, _dequantize):
+for _op in (
+    _packbits,
+    _unpackbits,
+    _sign_compress,
+    _sign_compress_ef,
+    _quantize,
+    _dequantize,
+    _loco_quantize,
+):
     _op.register_vmap(_per_row(_op))
+for _op, _out_index in ((_loco_error, 6), (_dequantize_sum, 4), (_dequantize_into, 3)):
+    _op.register_vmap(_per_row_into(_op, _out_index))
 
 
 def _check_1d(x: torch.Tensor, name: str) -> None:
@@ -294,3 +380,177 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torc
     if n < 0 or n > values or (groups and values % groups) or (not groups and values):
         raise ValueError(f"{q.shape[0]} bytes / {groups} scales do not fit {bits}-bit n={n}")
     return torch.ops.fn.dequantize(q, scales, bits, n)
+
+
+def _check_out(out: torch.Tensor, numel: int, what: str) -> None:
+    _check_1d(out, "out")
+    if out.dtype != torch.float32 or out.shape[0] != numel:
+        raise ValueError(
+            f"out must be fp32 with {what}={numel} values, got {out.dtype}[{out.shape[0]}]"
+        )
+
+
+def loco_quantize(
+    x: torch.Tensor, error: torch.Tensor | None, bits: int, group_size: int, numel: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 1 of LoCo's compensated quantization: :func:`quantize` of ``v = pad(x) + e``.
+
+    ``x`` is read as if zero-padded to ``numel`` values (no padded copy is made) and the error
+    ``e`` is added in fp32; with ``error=None`` it is plain quantization of the padded ``x``
+    (ZeRO++ qgZ). Bit-identical to ``quantize(pad(x, numel) + error, bits, group_size)``. No
+    finiteness check: a group with NaN/Inf gets a NaN scale (the caller checks the scales).
+
+    Args:
+        x: 1-D tensor of at most ``numel`` elements (computed in fp32).
+        error: fp32 error of ``numel`` values, or ``None``.
+        bits: 4 or 8.
+        group_size: elements per scale; even, >= 2, dividing ``numel``.
+        numel: the padded length ``N``.
+
+    Returns:
+        ``(q, scales)``: uint8 ``q`` of ``N * bits / 8`` bytes, fp32 ``scales`` of ``N /
+        group_size``.
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> x, e = torch.tensor([1.0, -2.0, 4.0]), torch.full((4,), 0.5)
+        >>> q, scales = K.loco_quantize(x, e, bits=8, group_size=4, numel=4)
+        >>> q.tolist(), scales.tolist()  # v = [1.5, -1.5, 4.5, 0.5]
+        ([43, 213, 127, 14], [0.03515625])
+    """
+    _check_1d(x, "x")
+    _check_quant_args(bits, group_size)
+    if numel < x.shape[0] or numel % group_size:
+        raise ValueError(f"numel={numel} must be a multiple of group_size >= x's {x.shape[0]}")
+    if error is not None:
+        _check_1d(error, "error")
+        if error.shape[0] != numel:
+            raise ValueError(f"error must have numel={numel} values, got {error.shape[0]}")
+    return torch.ops.fn.loco_quantize(x, error, bits, group_size, numel)
+
+
+def _check_codes(q: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[int, int]:
+    _check_1d(q, "q")
+    _check_1d(scales, "scales")
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    values, groups = q.shape[0] * 8 // bits, scales.shape[0]
+    if not groups or values % groups or (values // groups) % 2:
+        raise ValueError(f"{q.shape[0]} bytes / {groups} scales are not whole {bits}-bit groups")
+    return values, values // groups
+
+
+def loco_error(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    err_beta: float,
+    out: torch.Tensor,
+) -> None:
+    """Phase 2 of LoCo: the new error, written into ``out`` (which may be ``error`` itself).
+
+    .. math::
+        v = \\mathrm{pad}(x) + e, \\quad e' = (v - DQ(q)) (1 - \\beta) + \\beta e
+
+    rounded in fp32 after every operation (``e = 0`` for ``error=None``), as the pure path
+    ``residual * (1 - beta) + beta * e`` does.
+
+    Args:
+        x, error: as given to :func:`loco_quantize` (``error``: fp32 of ``N`` values or ``None``).
+        q, scales: the result of :func:`loco_quantize`.
+        bits: 4 or 8, as quantized.
+        err_beta: LoCo's ``beta``.
+        out: fp32 buffer of ``N`` values, written.
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> x, e = torch.tensor([1.0, -2.0, 4.0, 0.5]), torch.zeros(4)
+        >>> q, scales = K.loco_quantize(x, e, 4, 4, 4)
+        >>> K.loco_error(x, e, q, scales, 4, 0.5, e)  # in place
+        >>> e.tolist()
+        [0.0, 0.0, 0.25, 0.0]
+    """
+    _check_1d(x, "x")
+    values, _ = _check_codes(q, scales, bits)
+    _check_out(out, values, "N")
+    if x.shape[0] > values:
+        raise ValueError(f"x has {x.shape[0]} values, more than the {values} quantized")
+    if error is not None and error.shape != out.shape:
+        raise ValueError(f"error shape {tuple(error.shape)} != out shape {tuple(out.shape)}")
+    torch.ops.fn.loco_error(x, error, q, scales, bits, float(err_beta), out)
+
+
+def dequantize_sum(
+    q: torch.Tensor, scales: torch.Tensor, bits: int, pieces: int, out: torch.Tensor
+) -> None:
+    """Sums the ``pieces`` dequantized rows held by ``q``/``scales`` into ``out``.
+
+    ``out = DQ(q).view(pieces, -1).sum(0)`` bit for bit (torch's summation order), without the
+    dequantized rows in memory.
+
+    Args:
+        q, scales: codes and scales of ``pieces * k`` values (rows of ``k``, whole groups).
+        bits: 4 or 8.
+        pieces: number of rows.
+        out: fp32 buffer of ``k`` values, written.
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> q, scales = K.quantize(torch.tensor([1.0, -2.0, 4.0, 0.5]), bits=8, group_size=2)
+        >>> out = torch.empty(2)
+        >>> K.dequantize_sum(q, scales, 8, 2, out)
+        >>> out.tolist()  # [1.0, -2.0] + [3.96875, 0.5]
+        [4.96875, -1.5]
+    """
+    values, group_size = _check_codes(q, scales, bits)
+    if pieces < 1 or values % pieces or (values // pieces) % group_size:
+        raise ValueError(f"{values} values do not split in {pieces} rows of whole groups")
+    _check_out(out, values // pieces, "values / pieces")
+    torch.ops.fn.dequantize_sum(q, scales, bits, pieces, out)
+
+
+def dequantize_into(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    out: torch.Tensor,
+    chunks: int = 1,
+    local_world_size: int = 1,
+) -> None:
+    """Dequantizes the first ``out.numel()`` values into ``out``, chunks reordered.
+
+    ``q``/``scales`` hold ``chunks`` equal chunks in rank order ``node * L + local`` (``L =
+    local_world_size``); ``out`` receives them in the order ``local * (chunks / L) + node``
+    (with ``L = 1``: unchanged), as the two-hop quantized all-gather needs, without a
+    transposed copy.
+
+    Args:
+        q, scales: codes and scales (whole groups per chunk).
+        bits: 4 or 8.
+        out: fp32 buffer of at most ``len(q) * 8 / bits`` values, written.
+        chunks: number of chunks ``W``.
+        local_world_size: ``L``, dividing ``chunks``.
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> q, scales = K.quantize(torch.tensor([1.0, -2.0, 4.0, 0.5]), bits=8, group_size=2)
+        >>> out = torch.empty(3)
+        >>> K.dequantize_into(q, scales, 8, out)
+        >>> out.tolist()
+        [1.0, -2.0, 3.96875]
+    """
+    values, group_size = _check_codes(q, scales, bits)
+    _check_1d(out, "out")
+    if chunks < 1 or local_world_size < 1 or chunks % local_world_size:
+        raise ValueError(f"local_world_size={local_world_size} must divide chunks={chunks}")
+    if values % chunks or (values // chunks) % group_size:
+        raise ValueError(f"{values} values do not split in {chunks} chunks of whole groups")
+    if out.dtype != torch.float32 or out.shape[0] > values:
+        raise ValueError(f"out must be fp32 with at most {values} values")
+    torch.ops.fn.dequantize_into(q, scales, bits, out, chunks, local_world_size)

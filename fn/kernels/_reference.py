@@ -173,3 +173,56 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torc
     groups = scales.numel()
     values = values.float().view(groups, -1) if groups else values.float().view(0, 1)
     return (values * scales[:, None]).view(-1)[:n]
+
+
+def loco_quantize(
+    x: torch.Tensor, error: torch.Tensor | None, bits: int, group_size: int, numel: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize` of ``v``: 1-D ``x`` zero-padded to ``numel`` values, plus ``error``
+    (``numel`` values) when given. Codes of a group with a non-finite value are unspecified."""
+    v = torch.nn.functional.pad(x.float(), (0, numel - x.numel()))
+    return quantize(v if error is None else v + error.float(), bits, group_size)
+
+
+def loco_error(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    err_beta: float,
+    out: torch.Tensor,
+) -> None:
+    """LoCo's new error into ``out`` (fp32, ``N`` values; it may be ``error`` itself):
+    ``(v - DQ(q)) * (1 - beta) + beta * e`` with ``v = pad(x, N) + e`` and ``e = 0`` when
+    ``error`` is ``None``, rounded after every operation."""
+    n = out.numel()
+    e = torch.zeros(n, device=out.device) if error is None else error.float()
+    v = torch.nn.functional.pad(x.float(), (0, n - x.numel())) + e
+    residual = v - dequantize(q, scales, bits, n)
+    out.copy_(residual * (1 - err_beta) + err_beta * e)
+
+
+def dequantize_sum(
+    q: torch.Tensor, scales: torch.Tensor, bits: int, pieces: int, out: torch.Tensor
+) -> None:
+    """``out`` (``k`` values) = the sum of the ``pieces`` dequantized rows of ``k`` values held
+    by ``q``/``scales``, in the order of ``torch.sum(rows, dim=0)``."""
+    rows = dequantize(q, scales, bits, pieces * out.numel()).view(pieces, -1)
+    out.copy_(rows.sum(0))
+
+
+def dequantize_into(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    out: torch.Tensor,
+    chunks: int,
+    local_world_size: int = 1,
+) -> None:
+    """The first ``out.numel()`` values of ``DQ(q)`` into ``out``, the ``chunks`` equal chunks
+    (rank order ``node * L + local``, ``L = local_world_size``) taken in the order
+    ``local * (chunks / L) + node``."""
+    values = dequantize(q, scales, bits, q.numel() * 8 // bits)
+    values = values.view(chunks // local_world_size, local_world_size, -1).transpose(0, 1)
+    out.copy_(values.reshape(-1)[: out.numel()])
