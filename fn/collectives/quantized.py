@@ -170,13 +170,16 @@ def _all_gather(
 _scratch = threading.local()
 
 
-def _workspace(name: str, numel: int, device: torch.device) -> torch.Tensor:
-    """An fp32 scratch buffer of ``numel`` values for the donated path: one per (thread, name,
+def _workspace(
+    name: str, numel: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """A scratch buffer of ``numel`` values for the donated path: one per (thread, name, dtype,
     device), grown to the largest size asked for and then reused (its contents are scratch)."""
     buffers = _scratch.__dict__.setdefault("buffers", {})
-    buffer = buffers.get((name, device))
+    key = (name, dtype, device)
+    buffer = buffers.get(key)
     if buffer is None or buffer.numel() < numel:
-        buffer = buffers[name, device] = torch.empty(numel, dtype=torch.float32, device=device)
+        buffer = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
     return buffer[:numel]
 
 
@@ -214,10 +217,15 @@ class _Pending(NamedTuple):
 
 
 def _quantize_padded(
-    source: torch.Tensor, error: torch.Tensor | None, numel: int, plan: _Plan
+    source: torch.Tensor, error: torch.Tensor | None, numel: int, plan: _Plan, name: str
 ) -> _Pending:
-    # A non-finite group makes every scale NaN, as in _quantize (its codes are not used).
-    q, scales = kernels.loco_quantize(source, error, plan.bits, plan.group_size, numel)
+    """Phase 1 into the workspaces ``name``; a non-finite group makes every scale NaN, as in
+    :func:`_quantize` (the codes are then never used)."""
+    out = (
+        _workspace(f"{name}.q", numel * plan.bits // 8, source.device, torch.uint8),
+        _workspace(f"{name}.scales", numel // plan.group_size, source.device),
+    )
+    q, scales = kernels.loco_quantize(source, error, plan.bits, plan.group_size, numel, out)
     return _Pending(source, error, q, torch.where(torch.isfinite(scales).all(), scales, torch.nan))
 
 
@@ -235,7 +243,7 @@ def _reduce_scatter_into(
     consistent = None
     for index, (hop, error) in enumerate(zip(plan.hops, errors, strict=True)):
         size = hop.world_size
-        quantized = _quantize_padded(source, error, numel, plan)
+        quantized = _quantize_padded(source, error, numel, plan, f"hop{index}")
         pending.append(quantized)
         sent = _sizes.with_count(quantized.scales.view(size, -1), n)
         if consistent is not None:
@@ -249,7 +257,7 @@ def _reduce_scatter_into(
             scales = received[:, :-2]
         q = hop.all_to_all(quantized.q.view(size, -1))
         numel //= size
-        source = out if index == last else _workspace(f"hop{index + 1}", numel, x.device)
+        source = out if index == last else _workspace(f"sum{index}", numel, x.device)
         kernels.dequantize_sum(q.reshape(-1), scales.reshape(-1), plan.bits, size, source)
     out.div_(plan.world.world_size)
     return pending
@@ -274,7 +282,7 @@ def _all_gather_into(
 ) -> None:
     """:func:`_all_gather` writing the first ``y.numel()`` values into the fp32 ``y`` and, with
     ``error_out``, LoCo's new error into it (it may be ``error``)."""
-    quantized = _quantize_padded(shard, error, shard.numel(), plan)
+    quantized = _quantize_padded(shard, error, shard.numel(), plan, "gather")
     q = plan.world.all_gather(quantized.q)
     scales = plan.world.all_gather(quantized.scales)
     if error_out is not None:

@@ -282,15 +282,25 @@ def _writable_fp32(out: torch.Tensor) -> bool:
 
 
 def loco_quantize(
-    x: torch.Tensor, error: torch.Tensor | None, bits: int, group_size: int, numel: int
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    numel: int,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     lib = library()
-    if lib is None or numel % group_size or x.numel() > numel:
-        return _reference.loco_quantize(x, error, bits, group_size, numel)
+    fits = out is None or (out[0].is_contiguous() and _writable_fp32(out[1]))
+    if lib is None or numel % group_size or x.numel() > numel or not fits:
+        return _reference.loco_quantize(x, error, bits, group_size, numel, out)
     x = _fp32(x)
     e = None if error is None else _fp32(error)
-    q = _empty(lib, numel * bits // 8, torch.uint8)
-    scales = torch.empty(numel // group_size, dtype=torch.float32)
+    if out is None:
+        out = (
+            _empty(lib, numel * bits // 8, torch.uint8),
+            torch.empty(numel // group_size, dtype=torch.float32),
+        )
+    q, scales = out
     pointers = (
         x.data_ptr(),
         None if e is None else e.data_ptr(),

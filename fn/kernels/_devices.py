@@ -20,6 +20,10 @@ _CPU_KERNELS = {
     "sign_compress": _cpu.sign_compress,
     "quantize": _cpu.quantize,
     "dequantize": _cpu.dequantize,
+    "loco_quantize": _cpu.loco_quantize,
+    "loco_error": _cpu.loco_error,
+    "dequantize_sum": _cpu.dequantize_sum,
+    "dequantize_into": _cpu.dequantize_into,
 }
 _TRITON_KERNELS = {
     "packbits": _triton.packbits,

@@ -124,6 +124,24 @@ def _(x, error, bits, group_size, numel):
     )
 
 
+@torch.library.custom_op("fn::loco_quantize_into", mutates_args=("q", "scales"))
+def _loco_quantize_into(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    numel: int,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    _impl("loco_quantize", x.device)(x, error, bits, group_size, numel, (q, scales))
+
+
+@_loco_quantize_into.register_fake
+def _(x, error, bits, group_size, numel, q, scales):
+    return None
+
+
 @torch.library.custom_op("fn::loco_error", mutates_args=("out",))
 def _loco_error(
     x: torch.Tensor,
@@ -222,7 +240,12 @@ for _op in (
     _loco_quantize,
 ):
     _op.register_vmap(_per_row(_op))
-for _op, _out_index in ((_loco_error, 6), (_dequantize_sum, 4), (_dequantize_into, 3)):
+for _op, _out_index in (
+    (_loco_quantize_into, 5),
+    (_loco_error, 6),
+    (_dequantize_sum, 4),
+    (_dequantize_into, 3),
+):
     _op.register_vmap(_per_row_into(_op, _out_index))
 
 
@@ -391,7 +414,12 @@ def _check_out(out: torch.Tensor, numel: int, what: str) -> None:
 
 
 def loco_quantize(
-    x: torch.Tensor, error: torch.Tensor | None, bits: int, group_size: int, numel: int
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    numel: int,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase 1 of LoCo's compensated quantization: :func:`quantize` of ``v = pad(x) + e``.
 
@@ -406,10 +434,11 @@ def loco_quantize(
         bits: 4 or 8.
         group_size: elements per scale; even, >= 2, dividing ``numel``.
         numel: the padded length ``N``.
+        out: ``(q, scales)`` buffers to write (contiguous, the shapes below), or ``None``.
 
     Returns:
         ``(q, scales)``: uint8 ``q`` of ``N * bits / 8`` bytes, fp32 ``scales`` of ``N /
-        group_size``.
+        group_size`` (``out``'s tensors when given).
 
     Example:
         >>> import torch
@@ -427,7 +456,15 @@ def loco_quantize(
         _check_1d(error, "error")
         if error.shape[0] != numel:
             raise ValueError(f"error must have numel={numel} values, got {error.shape[0]}")
-    return torch.ops.fn.loco_quantize(x, error, bits, group_size, numel)
+    if out is None:
+        return torch.ops.fn.loco_quantize(x, error, bits, group_size, numel)
+    q, scales = out
+    if q.dtype != torch.uint8 or q.shape != (numel * bits // 8,) or not q.is_contiguous():
+        raise ValueError(f"out's q must be contiguous uint8[{numel * bits // 8}]")
+    if scales.dtype != torch.float32 or scales.shape != (numel // group_size,):
+        raise ValueError(f"out's scales must be fp32[{numel // group_size}]")
+    torch.ops.fn.loco_quantize_into(x, error, bits, group_size, numel, q, scales)
+    return q, scales
 
 
 def _check_codes(q: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[int, int]:

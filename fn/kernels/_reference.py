@@ -176,12 +176,21 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torc
 
 
 def loco_quantize(
-    x: torch.Tensor, error: torch.Tensor | None, bits: int, group_size: int, numel: int
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    numel: int,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize` of ``v``: 1-D ``x`` zero-padded to ``numel`` values, plus ``error``
-    (``numel`` values) when given. Codes of a group with a non-finite value are unspecified."""
+    (``numel`` values) when given; written into ``out = (q, scales)`` when given. Codes of a
+    group with a non-finite value are unspecified."""
     v = torch.nn.functional.pad(x.float(), (0, numel - x.numel()))
-    return quantize(v if error is None else v + error.float(), bits, group_size)
+    q, scales = quantize(v if error is None else v + error.float(), bits, group_size)
+    if out is None:
+        return q, scales
+    return out[0].copy_(q), out[1].copy_(scales)
 
 
 def loco_error(

@@ -4,6 +4,7 @@ every buffer intact, and the steady state allocates no full-size buffer."""
 
 from __future__ import annotations
 
+import platform
 import resource
 
 import pytest
@@ -166,7 +167,11 @@ def test_non_finite_on_one_rank_raises_everywhere_buffers_intact():
         assert run_distributed(_gloo_non_finite, 2, local, timeout=200) == [True, True]
 
 
+WINDOWS = 4  # of 3 calls each, after 2 warm-up calls
+
+
 def _gloo_page_faults(rank, world_size, donate):
+    """The fewest minor page faults of WINDOWS windows of 3 steady-state loco_allreduce calls."""
     comm = ProcessGroup()
     n = 1 << 22
     tx = _loco(comm, None)
@@ -176,15 +181,27 @@ def _gloo_page_faults(rank, world_size, donate):
     kwargs = {"donate": True} if donate else {}
     for _ in range(2):  # warm-up: workspaces and kernels
         updates, state = tx.update(updates, state, **kwargs)
-    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(3):
-        updates, state = tx.update(updates, state, **kwargs)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start
+    windows = []
+    for _ in range(WINDOWS):
+        start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(3):
+            updates, state = tx.update(updates, state, **kwargs)
+        windows.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
+    return min(windows)
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_donated_loco_steady_state_allocates_no_full_size_buffer():
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the malloc tuning needs glibc")
+def test_donated_loco_steady_state_allocates_no_full_size_buffer(monkeypatch):
+    # The ranks' glibc maps every block from 4 MiB (each full-size buffer here: n or n / W fp32
+    # values) afresh, so that such an allocation faults in every window, and serves smaller ones
+    # from a heap it never trims. The small temporaries the donation protocol allows (the
+    # received 4-bit codes, 2 MiB; the scales) still grow that heap now and then: the fewest
+    # faults of a few windows is measured.
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "1")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(4 << 20))
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
     pages_of_one_buffer = (1 << 22) * 4 // resource.getpagesize()
     faults = run_distributed(_gloo_page_faults, 2, True, timeout=250)
     assert max(faults) < pages_of_one_buffer // 4, faults
