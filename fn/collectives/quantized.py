@@ -118,6 +118,22 @@ def _feedback(
     return q, scales, residual.mul_(1 - err_beta).add_(err_beta * error)
 
 
+def _exchange_scales(
+    hop: Comm, scales: torch.Tensor, n: int, consistent: torch.Tensor | None, last: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sends every chunk's scales with the count ``n`` (poisoned unless ``consistent``, after
+    the first hop) over ``hop``; returns the received scales ``[size, groups per chunk]`` and
+    whether every count seen so far was ``n``. The last hop raises (on every rank) instead."""
+    sent = _sizes.with_count(scales.view(hop.world_size, -1), n)
+    if consistent is not None:
+        sent = _sizes.poisoned(sent, consistent)
+    received = hop.all_to_all(sent)  # [size, groups per chunk + 2]
+    if last:
+        scales = _sizes.checked_scales(received, n, "quantized allreduce")
+        return finite_or_raise(scales, _NON_FINITE), consistent
+    return received[:, :-2], _sizes.counts_match(received, n)
+
+
 def _reduce_scatter(
     v: torch.Tensor,
     n: int,
@@ -134,16 +150,7 @@ def _reduce_scatter(
         size = hop.world_size
         q, scales, new_error = _feedback(v, error, plan, err_beta)
         new_errors.append(new_error)
-        sent = _sizes.with_count(scales.view(size, -1), n)
-        if consistent is not None:
-            sent = _sizes.poisoned(sent, consistent)
-        received = hop.all_to_all(sent)  # [size, groups per chunk + 2]
-        if index == last:
-            scales = _sizes.checked_scales(received, n, "quantized allreduce")
-            scales = finite_or_raise(scales, _NON_FINITE)
-        else:
-            consistent = _sizes.counts_match(received, n)
-            scales = received[:, :-2]
+        scales, consistent = _exchange_scales(hop, scales, n, consistent, index == last)
         q = hop.all_to_all(q.view(size, -1))  # [size, bytes per chunk]
         pieces = kernels.dequantize(q.reshape(-1), scales.reshape(-1), plan.bits, v.numel())
         v = pieces.view(size, -1).sum(0)
@@ -245,16 +252,7 @@ def _reduce_scatter_into(
         size = hop.world_size
         quantized = _quantize_padded(source, error, numel, plan, f"hop{index}")
         pending.append(quantized)
-        sent = _sizes.with_count(quantized.scales.view(size, -1), n)
-        if consistent is not None:
-            sent = _sizes.poisoned(sent, consistent)
-        received = hop.all_to_all(sent)
-        if index == last:
-            scales = _sizes.checked_scales(received, n, "quantized allreduce")
-            scales = finite_or_raise(scales, _NON_FINITE)
-        else:
-            consistent = _sizes.counts_match(received, n)
-            scales = received[:, :-2]
+        scales, consistent = _exchange_scales(hop, quantized.scales, n, consistent, index == last)
         q = hop.all_to_all(quantized.q.view(size, -1))
         numel //= size
         source = out if index == last else _workspace(f"sum{index}", numel, x.device)

@@ -170,6 +170,17 @@ def test_non_finite_on_one_rank_raises_everywhere_buffers_intact():
 WINDOWS = 4  # of 3 calls each, after 2 warm-up calls
 
 
+def count_full_size_faults_only(monkeypatch) -> None:
+    """Makes the ranks' glibc map every block from 4 MiB (each full-size buffer in these tests:
+    n or n / W fp32 values) afresh, so that such an allocation faults in every window, and
+    serve smaller ones from one heap it never trims. The small temporaries the donation
+    protocol allows (the received 4-bit codes, 2 MiB; the scales) still grow that heap now and
+    then: the tests take the fewest faults of a few windows."""
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "1")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(4 << 20))
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
+
+
 def _gloo_page_faults(rank, world_size, donate):
     """The fewest minor page faults of WINDOWS windows of 3 steady-state loco_allreduce calls."""
     comm = ProcessGroup()
@@ -194,14 +205,7 @@ def _gloo_page_faults(rank, world_size, donate):
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the malloc tuning needs glibc")
 def test_donated_loco_steady_state_allocates_no_full_size_buffer(monkeypatch):
-    # The ranks' glibc maps every block from 4 MiB (each full-size buffer here: n or n / W fp32
-    # values) afresh, so that such an allocation faults in every window, and serves smaller ones
-    # from a heap it never trims. The small temporaries the donation protocol allows (the
-    # received 4-bit codes, 2 MiB; the scales) still grow that heap now and then: the fewest
-    # faults of a few windows is measured.
-    monkeypatch.setenv("MALLOC_ARENA_MAX", "1")
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(4 << 20))
-    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
+    count_full_size_faults_only(monkeypatch)
     pages_of_one_buffer = (1 << 22) * 4 // resource.getpagesize()
     faults = run_distributed(_gloo_page_faults, 2, True, timeout=250)
     assert max(faults) < pages_of_one_buffer // 4, faults

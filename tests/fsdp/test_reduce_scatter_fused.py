@@ -15,6 +15,7 @@ from fn.collectives import ProcessGroup
 from fn.collectives.quantized import _plan, _reduce_scatter
 from fn.fsdp import QuantizedReduceScatter, reduce_scale
 from tests._distributed import run_distributed
+from tests.collectives.test_quantized_donation import count_full_size_faults_only
 from tests.fsdp.test_reduce_scatter import OPS, call, inputs
 
 pytestmark = pytest.mark.distributed
@@ -98,10 +99,7 @@ def _worker_faults(rank, world_size, local_world_size):
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the malloc tuning needs glibc")
 def test_fused_path_allocates_no_full_size_buffer(monkeypatch):
-    # See tests/collectives/test_quantized_donation.py for the malloc tuning.
-    monkeypatch.setenv("MALLOC_ARENA_MAX", "1")
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(4 << 20))
-    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
+    count_full_size_faults_only(monkeypatch)
     pages_of_one_buffer = (1 << 22) * 4 // resource.getpagesize()
     faults = run_distributed(_worker_faults, 2, None, timeout=250)
     assert max(faults) < pages_of_one_buffer // 4, faults
