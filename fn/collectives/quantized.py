@@ -307,7 +307,7 @@ def _allreduce_into(
         _write_errors(pending, list(error_outs[:-1]), plan, err_beta)
     # x is read for the last time above: now u may take the result.
     in_place = u.dtype == torch.float32 and u.is_contiguous()
-    y = u.view(-1) if in_place else torch.empty_like(x)
+    y = u.detach().view(-1) if in_place else torch.empty_like(x)
     error_out = None if error_outs is None else error_outs[-1]
     _all_gather_into(shard, errors[-1], error_out, plan, err_beta, y)
     return u if in_place else _into(u, y.view(u.shape).to(u.dtype))
