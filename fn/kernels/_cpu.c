@@ -301,15 +301,33 @@ static void fn_dequantize(const uint8_t *q, const float *scales, int nbits, int6
     }
 }
 
-/* LoCo phase 1: q, scales of Q(v), v = x zero-padded past nx (+ e when given), groups of
-   whole group_size over [begin, end) (begin, end multiples of group_size). */
-static void fn_loco_quantize(const float *x, const float *e, int64_t nx, int nbits,
+/* Where v's values come from: x holds R rows of `row` values; v's row j (padded with zeros to
+   `prow`, a multiple of the group size) is x's row (j % nodes) * local + j / nodes, for
+   R = nodes * local rows (one row: plain zero padding past the row). */
+typedef struct {
+    int64_t row, prow, nodes, local;
+} rows_layout;
+
+/* The x values of v from offset off (inside one padded row) on: *valid of them (maybe <= 0). */
+static inline const float *row_source(const float *x, rows_layout l, int64_t off, int64_t *valid)
+{
+    int64_t j = off / l.prow, c = off % l.prow;
+    *valid = l.row - c;
+    return x + ((j % l.nodes) * l.local + j / l.nodes) * l.row + c;
+}
+
+/* LoCo phase 1: q, scales of Q(v), v = x laid out as above (+ e when given), whole groups over
+   [begin, end) (begin, end multiples of group_size). */
+static void fn_loco_quantize(const float *x, const float *e, rows_layout l, int nbits,
                              int64_t group_size, uint8_t *q, float *scales, int64_t begin,
                              int64_t end)
 {
-    for (int64_t off = begin; off < end; off += group_size)
-        quantize_group(x + off, e ? e + off : NULL, nx - off, group_size, group_size, nbits,
+    for (int64_t off = begin; off < end; off += group_size) {
+        int64_t valid;
+        const float *src = row_source(x, l, off, &valid);
+        quantize_group(src, e ? e + off : NULL, valid, group_size, group_size, nbits,
                        q + off * nbits / 8, scales + off / group_size);
+    }
 }
 
 static inline float dequantized(const uint8_t *q, const float *scales, int nbits,
@@ -325,20 +343,26 @@ static inline float dequantized(const uint8_t *q, const float *scales, int nbits
     return (float)c * scales[i / group_size];
 }
 
-/* LoCo phase 2: out = (v - DQ(q)) * keep + beta * e with v = x zero-padded past nx, + e
-   (e = 0 when not given, as a reset error is): torch's rounding order (three roundings, no fused multiply-add: -ffp-contract=off).
-   out may be e itself (each element is read before it is written). */
-static void fn_loco_error(const float *x, const float *e, int64_t nx, const uint8_t *q,
+/* LoCo phase 2: out = (v - DQ(q)) * keep + beta * e with v as in phase 1 (e = 0 when not
+   given, as a reset error is): torch's rounding order (three roundings, no fused multiply-add:
+   -ffp-contract=off). out may be e itself (each element is read before it is written). */
+static void fn_loco_error(const float *x, const float *e, rows_layout l, const uint8_t *q,
                           const float *scales, int nbits, int64_t group_size, float keep,
                           float beta, float *out, int64_t begin, int64_t end)
 {
-    for (int64_t i = begin; i < end; i++) {
-        float ei = e ? e[i] : 0.0f;
-        float v = (i < nx ? x[i] : 0.0f) + ei;
-        float r = v - dequantized(q, scales, nbits, group_size, i);
-        float a = r * keep;
-        float b = beta * ei;
-        out[i] = a + b;
+    int64_t i = begin;
+    while (i < end) {
+        int64_t stop = min64(end, (i / l.prow + 1) * l.prow), valid;
+        const float *src = row_source(x, l, i, &valid);
+        for (int64_t k = 0; k < stop - i; k++) {
+            float ei = e ? e[i + k] : 0.0f;
+            float v = (k < valid ? src[k] : 0.0f) + ei;
+            float r = v - dequantized(q, scales, nbits, group_size, i + k);
+            float a = r * keep;
+            float b = beta * ei;
+            out[i + k] = a + b;
+        }
+        i = stop;
     }
 }
 
@@ -416,7 +440,7 @@ enum {
 typedef struct {
     int64_t kernel, n, chunk, count, next, left;
     void *p[5];
-    int64_t i[5];
+    int64_t i[6];
     float scale, scale2;
 } fn_job;
 
@@ -441,14 +465,17 @@ static void run_chunk(const fn_job *j, int64_t b, int64_t e)
     case DEQUANTIZE:
         fn_dequantize(j->p[0], j->p[1], (int)j->i[0], j->i[1], j->p[2], b, e);
         break;
-    case LOCO_QUANTIZE:
-        fn_loco_quantize(j->p[0], j->p[1], j->i[2], (int)j->i[0], j->i[1], j->p[2], j->p[3], b,
-                         e);
+    case LOCO_QUANTIZE: {
+        rows_layout l = {j->i[2], j->i[3], j->i[4], j->i[5]};
+        fn_loco_quantize(j->p[0], j->p[1], l, (int)j->i[0], j->i[1], j->p[2], j->p[3], b, e);
         break;
-    case LOCO_ERROR:
-        fn_loco_error(j->p[0], j->p[1], j->i[2], j->p[2], j->p[3], (int)j->i[0], j->i[1],
-                      j->scale, j->scale2, j->p[4], b, e);
+    }
+    case LOCO_ERROR: {
+        rows_layout l = {j->i[2], j->i[3], j->i[4], j->i[5]};
+        fn_loco_error(j->p[0], j->p[1], l, j->p[2], j->p[3], (int)j->i[0], j->i[1], j->scale,
+                      j->scale2, j->p[4], b, e);
         break;
+    }
     case DEQUANTIZE_SUM:
         fn_dequantize_sum(j->p[0], j->p[1], (int)j->i[0], j->i[1], j->i[2], j->i[3],
                           (int)j->i[4], j->p[2], b, e);

@@ -65,7 +65,7 @@ class _JobStruct(ctypes.Structure):
         ("next", ctypes.c_int64),
         ("left", ctypes.c_int64),
         ("p", ctypes.c_void_p * 5),
-        ("i", ctypes.c_int64 * 5),
+        ("i", ctypes.c_int64 * 6),
         ("scale", ctypes.c_float),
         ("scale2", ctypes.c_float),
     ]
@@ -281,6 +281,17 @@ def _writable_fp32(out: torch.Tensor) -> bool:
     return out.dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
 
 
+def _rows_layout(
+    n: int, numel: int, rows: tuple[int, int, int] | None
+) -> tuple[int, int, int, int]:
+    """The C ``rows_layout`` (row, padded row, nodes, local) of ``rows = (row, padded_row,
+    local)``; ``None``: one row of ``n`` values padded to ``numel``."""
+    if rows is None:
+        return (n, numel, 1, 1)
+    row, padded_row, local = rows
+    return (row, padded_row, n // row // local, local)
+
+
 def loco_quantize(
     x: torch.Tensor,
     error: torch.Tensor | None,
@@ -288,11 +299,12 @@ def loco_quantize(
     group_size: int,
     numel: int,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rows: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     lib = library()
     fits = out is None or (out[0].is_contiguous() and _writable_fp32(out[1]))
     if lib is None or numel % group_size or x.numel() > numel or not fits:
-        return _reference.loco_quantize(x, error, bits, group_size, numel, out)
+        return _reference.loco_quantize(x, error, bits, group_size, numel, out, rows)
     x = _fp32(x)
     e = None if error is None else _fp32(error)
     if out is None:
@@ -307,7 +319,8 @@ def loco_quantize(
         q.data_ptr(),
         scales.data_ptr(),
     )
-    _run(lib, "loco_quantize", numel, group_size, pointers, (bits, group_size, x.numel()))
+    ints = (bits, group_size, *_rows_layout(x.numel(), numel, rows))
+    _run(lib, "loco_quantize", numel, group_size, pointers, ints)
     return q, scales
 
 
@@ -319,11 +332,12 @@ def loco_error(
     bits: int,
     err_beta: float,
     out: torch.Tensor,
+    rows: tuple[int, int, int] | None = None,
 ) -> None:
     lib = library()
     n = out.numel()
     if lib is None or not _writable_fp32(out) or not scales.numel() or n % scales.numel():
-        return _reference.loco_error(x, error, q, scales, bits, err_beta, out)
+        return _reference.loco_error(x, error, q, scales, bits, err_beta, out, rows)
     x = _fp32(x)
     e = None if error is None else _fp32(error)
     q = q.detach().contiguous()
@@ -335,7 +349,7 @@ def loco_error(
         scales.data_ptr(),
         out.data_ptr(),
     )
-    ints = (bits, n // scales.numel(), x.numel())
+    ints = (bits, n // scales.numel(), *_rows_layout(x.numel(), n, rows))
     _run(lib, "loco_error", n, 1, pointers, ints, scale=1 - err_beta, scale2=err_beta)
     return None
 

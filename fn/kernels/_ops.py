@@ -111,13 +111,19 @@ def _(q, scales, bits, n):
 
 @torch.library.custom_op("fn::loco_quantize", mutates_args=())
 def _loco_quantize(
-    x: torch.Tensor, error: torch.Tensor | None, bits: int, group_size: int, numel: int
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    numel: int,
+    rows: list[int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _impl("loco_quantize", x.device)(x, error, bits, group_size, numel)
+    layout = None if rows is None else tuple(rows)
+    return _impl("loco_quantize", x.device)(x, error, bits, group_size, numel, None, layout)
 
 
 @_loco_quantize.register_fake
-def _(x, error, bits, group_size, numel):
+def _(x, error, bits, group_size, numel, rows):
     return (
         x.new_empty(numel * bits // 8, dtype=torch.uint8),
         x.new_empty(numel // group_size, dtype=torch.float32),
@@ -131,14 +137,16 @@ def _loco_quantize_into(
     bits: int,
     group_size: int,
     numel: int,
+    rows: list[int] | None,
     q: torch.Tensor,
     scales: torch.Tensor,
 ) -> None:
-    _impl("loco_quantize", x.device)(x, error, bits, group_size, numel, (q, scales))
+    layout = None if rows is None else tuple(rows)
+    _impl("loco_quantize", x.device)(x, error, bits, group_size, numel, (q, scales), layout)
 
 
 @_loco_quantize_into.register_fake
-def _(x, error, bits, group_size, numel, q, scales):
+def _(x, error, bits, group_size, numel, rows, q, scales):
     return None
 
 
@@ -151,12 +159,14 @@ def _loco_error(
     bits: int,
     err_beta: float,
     out: torch.Tensor,
+    rows: list[int] | None,
 ) -> None:
-    _impl("loco_error", out.device)(x, error, q, scales, bits, err_beta, out)
+    layout = None if rows is None else tuple(rows)
+    _impl("loco_error", out.device)(x, error, q, scales, bits, err_beta, out, layout)
 
 
 @_loco_error.register_fake
-def _(x, error, q, scales, bits, err_beta, out):
+def _(x, error, q, scales, bits, err_beta, out, rows):
     return None
 
 
@@ -241,7 +251,7 @@ for _op in (
 ):
     _op.register_vmap(_per_row(_op))
 for _op, _out_index in (
-    (_loco_quantize_into, 5),
+    (_loco_quantize_into, 6),
     (_loco_error, 6),
     (_dequantize_sum, 4),
     (_dequantize_into, 3),
@@ -413,6 +423,29 @@ def _check_out(out: torch.Tensor, numel: int, what: str) -> None:
         )
 
 
+def _check_rows(
+    rows: tuple[int, int, int] | None, n: int, numel: int, group_size: int
+) -> list[int] | None:
+    if rows is None:
+        return None
+    row, padded_row, local = rows
+    count = n // row if row > 0 else 0
+    if (
+        row < 1
+        or count * row != n
+        or padded_row < row
+        or padded_row % group_size
+        or local < 1
+        or count % local
+        or count * padded_row != numel
+    ):
+        raise ValueError(
+            f"rows={rows} does not lay out x's {n} values as rows padded to whole groups of "
+            f"{group_size} filling numel={numel} (local dividing the row count)"
+        )
+    return [row, padded_row, local]
+
+
 def loco_quantize(
     x: torch.Tensor,
     error: torch.Tensor | None,
@@ -420,6 +453,7 @@ def loco_quantize(
     group_size: int,
     numel: int,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rows: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase 1 of LoCo's compensated quantization: :func:`quantize` of ``v = pad(x) + e``.
 
@@ -435,6 +469,10 @@ def loco_quantize(
         group_size: elements per scale; even, >= 2, dividing ``numel``.
         numel: the padded length ``N``.
         out: ``(q, scales)`` buffers to write (contiguous, the shapes below), or ``None``.
+        rows: ``(row, padded_row, L)`` for ``x`` made of ``R`` rows of ``row`` values (FSDP's
+            reduce-scatter input): ``v``'s row ``j`` is ``x``'s row ``(j % (R / L)) * L + j //
+            (R / L)`` zero-padded to ``padded_row`` (a multiple of ``group_size``; ``numel =
+            R * padded_row``); ``L = 1`` keeps the order. ``None``: one row, padded to ``numel``.
 
     Returns:
         ``(q, scales)``: uint8 ``q`` of ``N * bits / 8`` bytes, fp32 ``scales`` of ``N /
@@ -456,14 +494,15 @@ def loco_quantize(
         _check_1d(error, "error")
         if error.shape[0] != numel:
             raise ValueError(f"error must have numel={numel} values, got {error.shape[0]}")
+    rows_list = _check_rows(rows, x.shape[0], numel, group_size)
     if out is None:
-        return torch.ops.fn.loco_quantize(x, error, bits, group_size, numel)
+        return torch.ops.fn.loco_quantize(x, error, bits, group_size, numel, rows_list)
     q, scales = out
     if q.dtype != torch.uint8 or q.shape != (numel * bits // 8,) or not q.is_contiguous():
         raise ValueError(f"out's q must be contiguous uint8[{numel * bits // 8}]")
     if scales.dtype != torch.float32 or scales.shape != (numel // group_size,):
         raise ValueError(f"out's scales must be fp32[{numel // group_size}]")
-    torch.ops.fn.loco_quantize_into(x, error, bits, group_size, numel, q, scales)
+    torch.ops.fn.loco_quantize_into(x, error, bits, group_size, numel, rows_list, q, scales)
     return q, scales
 
 
@@ -486,6 +525,7 @@ def loco_error(
     bits: int,
     err_beta: float,
     out: torch.Tensor,
+    rows: tuple[int, int, int] | None = None,
 ) -> None:
     """Phase 2 of LoCo: the new error, written into ``out`` (which may be ``error`` itself).
 
@@ -501,6 +541,7 @@ def loco_error(
         bits: 4 or 8, as quantized.
         err_beta: LoCo's ``beta``.
         out: fp32 buffer of ``N`` values, written.
+        rows: as given to :func:`loco_quantize`.
 
     Example:
         >>> import torch
@@ -518,7 +559,8 @@ def loco_error(
         raise ValueError(f"x has {x.shape[0]} values, more than the {values} quantized")
     if error is not None and error.shape != out.shape:
         raise ValueError(f"error shape {tuple(error.shape)} != out shape {tuple(out.shape)}")
-    torch.ops.fn.loco_error(x, error, q, scales, bits, float(err_beta), out)
+    rows_list = _check_rows(rows, x.shape[0], values, values // scales.shape[0])
+    torch.ops.fn.loco_error(x, error, q, scales, bits, float(err_beta), out, rows_list)
 
 
 def dequantize_sum(

@@ -175,6 +175,18 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torc
     return (values * scales[:, None]).view(-1)[:n]
 
 
+def _laid_out(x: torch.Tensor, numel: int, rows: tuple[int, int, int] | None) -> torch.Tensor:
+    """``x`` as the ``numel`` values ``v`` it stands for: zero-padded past its end, or with
+    ``rows = (row, padded_row, local)`` its rows of ``row`` values each zero-padded to
+    ``padded_row`` and reordered from ``[nodes, local]`` to ``[local, nodes]``."""
+    x = x.float()
+    if rows is not None:
+        row, padded_row, local = rows
+        x = torch.nn.functional.pad(x.view(-1, row), (0, padded_row - row))
+        x = x.view(-1, local, padded_row).transpose(0, 1).reshape(-1)
+    return torch.nn.functional.pad(x, (0, numel - x.numel()))
+
+
 def loco_quantize(
     x: torch.Tensor,
     error: torch.Tensor | None,
@@ -182,11 +194,12 @@ def loco_quantize(
     group_size: int,
     numel: int,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rows: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize` of ``v``: 1-D ``x`` zero-padded to ``numel`` values, plus ``error``
-    (``numel`` values) when given; written into ``out = (q, scales)`` when given. Codes of a
-    group with a non-finite value are unspecified."""
-    v = torch.nn.functional.pad(x.float(), (0, numel - x.numel()))
+    """:func:`quantize` of ``v`` (``numel`` values: 1-D ``x`` laid out by :func:`_laid_out`),
+    plus ``error`` (``numel`` values) when given; written into ``out = (q, scales)`` when
+    given. Codes of a group with a non-finite value are unspecified."""
+    v = _laid_out(x, numel, rows)
     q, scales = quantize(v if error is None else v + error.float(), bits, group_size)
     if out is None:
         return q, scales
@@ -201,14 +214,14 @@ def loco_error(
     bits: int,
     err_beta: float,
     out: torch.Tensor,
+    rows: tuple[int, int, int] | None = None,
 ) -> None:
     """LoCo's new error into ``out`` (fp32, ``N`` values; it may be ``error`` itself):
-    ``(v - DQ(q)) * (1 - beta) + beta * e`` with ``v = pad(x, N) + e`` and ``e = 0`` when
-    ``error`` is ``None``, rounded after every operation."""
+    ``(v - DQ(q)) * (1 - beta) + beta * e`` with ``v`` as in :func:`loco_quantize` plus ``e``
+    (``e = 0`` when ``error`` is ``None``), rounded after every operation."""
     n = out.numel()
     e = torch.zeros(n, device=out.device) if error is None else error.float()
-    v = torch.nn.functional.pad(x.float(), (0, n - x.numel())) + e
-    residual = v - dequantize(q, scales, bits, n)
+    residual = (_laid_out(x, n, rows) + e) - dequantize(q, scales, bits, n)
     out.copy_(residual * (1 - err_beta) + err_beta * e)
 
 

@@ -83,6 +83,35 @@ def test_loco_quantize_and_error_match_the_unfused_ops(impls, case, beta, with_e
 
 @pytest.mark.parametrize("impls", IMPLS)
 @settings(max_examples=60, deadline=None)
+@given(
+    case=_CASES,
+    row=st.integers(1, 50),
+    extra=st.integers(0, 1),
+    local=st.sampled_from((1, 2, 3)),
+    with_error=st.booleans(),
+)
+def test_loco_kernels_lay_out_padded_rows(impls, case, row, extra, local, with_error):
+    """FSDP's reduce-scatter input: R rows, each zero-padded, reordered for two hops."""
+    bits, group_size, chunks, _, _, seed = case
+    count = chunks * local
+    padded_row = (-(-row // group_size) + extra) * group_size
+    numel = count * padded_row
+    x = _values(count * row, seed)
+    v = torch.nn.functional.pad(x.view(count, row), (0, padded_row - row))
+    v = v.view(chunks, local, padded_row).transpose(0, 1).reshape(-1)
+    e = _values(numel, seed + 1, 0.3) if with_error else None
+    rows = (row, padded_row, local)
+    q, scales = impls("loco_quantize")(x, e, bits, group_size, numel, rows=rows)
+    want_q, want_scales = _padded_quantize(v, e, bits, group_size, numel)
+    assert _same_bits(q, want_q) and _same_bits(scales, want_scales)
+    out, want = torch.empty(numel), torch.empty(numel)
+    impls("loco_error")(x, e, q, scales, bits, 0.8, out, rows=rows)
+    K.loco_error(v, e, q, scales, bits, 0.8, want)
+    assert _same_bits(out, want)
+
+
+@pytest.mark.parametrize("impls", IMPLS)
+@settings(max_examples=60, deadline=None)
 @given(case=_CASES)
 def test_dequantize_sum_and_into_match_the_unfused_ops(impls, case):
     bits, group_size, chunks, groups, where, seed = case
@@ -143,6 +172,8 @@ def test_bad_arguments():
         K.loco_quantize(x, None, 4, 4, 6)
     with pytest.raises(ValueError, match="error"):
         K.loco_quantize(x, torch.zeros(3), 4, 4, 12)
+    with pytest.raises(ValueError, match="rows"):
+        K.loco_quantize(x, None, 4, 4, 12, rows=(3, 4, 1))
     with pytest.raises(ValueError, match="uint8"):
         K.loco_quantize(x, None, 4, 4, 12, out=(torch.empty(6), torch.empty(3)))
     q, scales = K.quantize(torch.zeros(12), 4, 4)
