@@ -221,10 +221,16 @@ class _Pending(NamedTuple):
     error: torch.Tensor | None  # fp32[N_k], or None for a zero error
     q: torch.Tensor
     scales: torch.Tensor
+    rows: tuple[int, int, int] | None  # how source is laid out (fn.kernels.loco_quantize)
 
 
 def _quantize_padded(
-    source: torch.Tensor, error: torch.Tensor | None, numel: int, plan: _Plan, name: str
+    source: torch.Tensor,
+    error: torch.Tensor | None,
+    numel: int,
+    plan: _Plan,
+    name: str,
+    rows: tuple[int, int, int] | None = None,
 ) -> _Pending:
     """Phase 1 into the workspaces ``name``; a non-finite group makes every scale NaN, as in
     :func:`_quantize` (the codes are then never used)."""
@@ -232,25 +238,35 @@ def _quantize_padded(
         _workspace(f"{name}.q", numel * plan.bits // 8, source.device, torch.uint8),
         _workspace(f"{name}.scales", numel // plan.group_size, source.device),
     )
-    q, scales = kernels.loco_quantize(source, error, plan.bits, plan.group_size, numel, out)
-    return _Pending(source, error, q, torch.where(torch.isfinite(scales).all(), scales, torch.nan))
+    q, scales = kernels.loco_quantize(source, error, plan.bits, plan.group_size, numel, out, rows)
+    scales = torch.where(torch.isfinite(scales).all(), scales, torch.nan)
+    return _Pending(source, error, q, scales, rows)
 
 
 def _reduce_scatter_into(
-    x: torch.Tensor, errors: tuple[torch.Tensor | None, ...], plan: _Plan, out: torch.Tensor
+    x: torch.Tensor,
+    errors: tuple[torch.Tensor | None, ...],
+    plan: _Plan,
+    out: torch.Tensor,
+    rows: tuple[int, int, int] | None = None,
 ) -> list[_Pending]:
-    """:func:`_reduce_scatter` of the flat fp32 ``x`` (zero-padded only virtually) into ``out``
-    (fp32[N / W]), hop sums in workspaces. Writes nothing else, and ``out`` only after the last
-    hop's check passed; returns the hops' quantizations for :func:`_write_errors`."""
+    """:func:`_reduce_scatter` of the flat fp32 ``x`` (zero-padded only virtually; laid out by
+    ``rows`` as in ``fn.kernels.loco_quantize``) into ``out`` (fp32[N / W]), hop sums in
+    workspaces. Writes nothing else, and ``out`` only after the last hop's check passed;
+    returns the hops' quantizations for :func:`_write_errors`."""
     n = x.numel()
     numel = quantized_padded_numel(n, plan.world.world_size, plan.group_size)
+    if rows is not None:
+        numel = n // rows[0] * rows[1]
     pending = []
     source = x
     last = len(plan.hops) - 1
     consistent = None
     for index, (hop, error) in enumerate(zip(plan.hops, errors, strict=True)):
         size = hop.world_size
-        quantized = _quantize_padded(source, error, numel, plan, f"hop{index}")
+        quantized = _quantize_padded(
+            source, error, numel, plan, f"hop{index}", rows if index == 0 else None
+        )
         pending.append(quantized)
         scales, consistent = _exchange_scales(hop, quantized.scales, n, consistent, index == last)
         q = hop.all_to_all(quantized.q.view(size, -1))
@@ -265,8 +281,8 @@ def _write_errors(
     pending: list[_Pending], outs: list[torch.Tensor], plan: _Plan, err_beta: float
 ) -> list[torch.Tensor]:
     for quantized, out in zip(pending, outs, strict=True):
-        source, error, q, scales = quantized
-        kernels.loco_error(source, error, q, scales, plan.bits, err_beta, out)
+        source, error, q, scales, rows = quantized
+        kernels.loco_error(source, error, q, scales, plan.bits, err_beta, out, rows)
     return outs
 
 

@@ -23,6 +23,12 @@ compression held back is sent later. A new layout (a different ``n`` or world si
 some parameters have no gradient) resets the buffers with a logged warning. A non-finite input
 on any rank makes every rank's output NaN and leaves the error feedback unchanged.
 
+Eager calls allocate no full-size tensor: fn's fused kernels read the padded (and, with two
+hops, reordered) rows in place (``fn.kernels.loco_quantize(..., rows=...)``), the sum goes
+straight into the output (fp32 rows of whole groups; else through a workspace) and the errors
+are updated in place, never in buffers :meth:`state_dict` handed out. Under ``torch.compile``
+the padded copy is made. The results are the same bits either way.
+
 References:
     Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant Model
     Training", 2023 (arXiv:2306.10209), qgZ.
@@ -247,8 +253,8 @@ class QuantizedReduceScatter(ReduceScatter):
         row = numel // world_size
         padded = self._padded_row(row)
         reset = self.err_beta is not None and int(self.count) % self.reset_T == 0
-        if self.local_world_size is None and padded == row and not _traced(input_tensor):
-            return self._fused(output_tensor, input_tensor, plan, scale, reset)
+        if not _traced(input_tensor):
+            return self._fused(output_tensor, input_tensor, plan, scale, reset, padded)
         errors: tuple[torch.Tensor | None, ...] = self.errors
         if reset:
             errors = tuple(torch.zeros_like(e) for e in errors)
@@ -282,19 +288,22 @@ class QuantizedReduceScatter(ReduceScatter):
         plan: Any,
         scale: float,
         reset: bool,
+        padded: int,
     ) -> None:
-        """One hop, rows of whole groups: the input is quantized where it lies, the result is
-        summed straight into the output (fp32) and the errors are updated in place, through
-        fn's fused kernels; the same bits as the padded path."""
+        """The fused path: the rows are quantized where they lie (padding and two-hop order
+        by index), the sum goes straight into the output when it is fp32 and needs no padding
+        (else through a workspace) and the errors are updated in place, through fn's fused
+        kernels; the same bits as the padded path."""
         x = input_tensor.reshape(-1).float()
         row = output_tensor.numel()
         shares = output_tensor.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
         direct = output_tensor.dtype == torch.float32 and output_tensor.is_contiguous()
-        direct = direct and not shares
-        shard = output_tensor.view(-1) if direct else _workspace("fsdp.shard", row, x.device)
-        errors = (None,) if reset or not self.errors else self.errors
+        direct = direct and padded == row and not shares
+        shard = output_tensor.view(-1) if direct else _workspace("fsdp.shard", padded, x.device)
+        errors = (None,) * len(plan.hops) if reset or not self.errors else self.errors
+        rows = (row, padded, self.local_world_size or 1)
         try:
-            pending = _reduce_scatter_into(x, errors, plan, shard)
+            pending = _reduce_scatter_into(x, errors, plan, shard, rows)
         except ValueError as err:  # every rank raises, before anything was written
             if str(err) != _NON_FINITE:
                 raise
@@ -302,11 +311,12 @@ class QuantizedReduceScatter(ReduceScatter):
             return None
         if self.err_beta is not None:
             # Buffers handed out by state_dict() are left alone: the next errors go elsewhere.
-            outs = (
-                self.errors if not self._handed_out else [torch.empty_like(e) for e in self.errors]
-            )
-            self.errors = tuple(_write_errors(pending, list(outs), plan, self.err_beta))
+            outs = list(self.errors)
+            if self._handed_out:
+                outs = [torch.empty_like(e) for e in outs]
+            self.errors = tuple(_write_errors(pending, outs, plan, self.err_beta))
             self._handed_out = False
+        shard = shard[:row]
         if scale != 1.0:
             shard.mul_(scale)
         if not direct:
