@@ -32,13 +32,14 @@ References:
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import torch
 
 from fn import kernels
 from fn._validation import finite_or_raise
-from fn.base import GradientTransformation, stateless
+from fn.base import EmptyState, GradientTransformation
 from fn.collectives import _sizes
 from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
@@ -117,6 +118,22 @@ def _feedback(
     return q, scales, residual.mul_(1 - err_beta).add_(err_beta * error)
 
 
+def _exchange_scales(
+    hop: Comm, scales: torch.Tensor, n: int, consistent: torch.Tensor | None, last: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sends every chunk's scales with the count ``n`` (poisoned unless ``consistent``, after
+    the first hop) over ``hop``; returns the received scales ``[size, groups per chunk]`` and
+    whether every count seen so far was ``n``. The last hop raises (on every rank) instead."""
+    sent = _sizes.with_count(scales.view(hop.world_size, -1), n)
+    if consistent is not None:
+        sent = _sizes.poisoned(sent, consistent)
+    received = hop.all_to_all(sent)  # [size, groups per chunk + 2]
+    if last:
+        scales = _sizes.checked_scales(received, n, "quantized allreduce")
+        return finite_or_raise(scales, _NON_FINITE), consistent
+    return received[:, :-2], _sizes.counts_match(received, n)
+
+
 def _reduce_scatter(
     v: torch.Tensor,
     n: int,
@@ -133,16 +150,7 @@ def _reduce_scatter(
         size = hop.world_size
         q, scales, new_error = _feedback(v, error, plan, err_beta)
         new_errors.append(new_error)
-        sent = _sizes.with_count(scales.view(size, -1), n)
-        if consistent is not None:
-            sent = _sizes.poisoned(sent, consistent)
-        received = hop.all_to_all(sent)  # [size, groups per chunk + 2]
-        if index == last:
-            scales = _sizes.checked_scales(received, n, "quantized allreduce")
-            scales = finite_or_raise(scales, _NON_FINITE)
-        else:
-            consistent = _sizes.counts_match(received, n)
-            scales = received[:, :-2]
+        scales, consistent = _exchange_scales(hop, scales, n, consistent, index == last)
         q = hop.all_to_all(q.view(size, -1))  # [size, bytes per chunk]
         pieces = kernels.dequantize(q.reshape(-1), scales.reshape(-1), plan.bits, v.numel())
         v = pieces.view(size, -1).sum(0)
@@ -166,6 +174,161 @@ def _all_gather(
     return fusion_barrier(out), new_error
 
 
+_scratch = threading.local()
+
+
+def _workspace(
+    name: str, numel: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """A scratch buffer of ``numel`` values for the donated path: one per (thread, name, dtype,
+    device), grown to the largest size asked for and then reused (its contents are scratch)."""
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    key = (name, dtype, device)
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel]
+
+
+def _fits(buffer: object, like: torch.Tensor) -> bool:
+    """Whether the donated ``buffer`` can take a result shaped like ``like`` in place."""
+    return (
+        isinstance(buffer, torch.Tensor)
+        and buffer.shape == like.shape
+        and buffer.dtype == like.dtype
+        and buffer.device == like.device
+        and buffer.is_contiguous()
+    )
+
+
+def _into(buffer: object, value: torch.Tensor) -> torch.Tensor:
+    """``value`` copied into the donated ``buffer`` when it fits, else ``value`` itself."""
+    if _fits(buffer, value):
+        return buffer.copy_(value)
+    return value
+
+
+def _traced(x: torch.Tensor) -> bool:
+    """Under vmap (``Simulated``) or ``torch.compile`` the donated path computes purely and then
+    copies into the donated buffers (same results; only eager tensors take the fused kernels)."""
+    return torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(x)
+
+
+class _Pending(NamedTuple):
+    """One quantization whose LoCo error is written once every rank's check has passed."""
+
+    source: torch.Tensor  # the values quantized (before zero padding and the error)
+    error: torch.Tensor | None  # fp32[N_k], or None for a zero error
+    q: torch.Tensor
+    scales: torch.Tensor
+    rows: tuple[int, int, int] | None  # how source is laid out (fn.kernels.loco_quantize)
+
+
+def _quantize_padded(
+    source: torch.Tensor,
+    error: torch.Tensor | None,
+    numel: int,
+    plan: _Plan,
+    name: str,
+    rows: tuple[int, int, int] | None = None,
+) -> _Pending:
+    """Phase 1 into the workspaces ``name``; a non-finite group makes every scale NaN, as in
+    :func:`_quantize` (the codes are then never used)."""
+    out = (
+        _workspace(f"{name}.q", numel * plan.bits // 8, source.device, torch.uint8),
+        _workspace(f"{name}.scales", numel // plan.group_size, source.device),
+    )
+    q, scales = kernels.loco_quantize(source, error, plan.bits, plan.group_size, numel, out, rows)
+    scales = torch.where(torch.isfinite(scales).all(), scales, torch.nan)
+    return _Pending(source, error, q, scales, rows)
+
+
+def _reduce_scatter_into(
+    x: torch.Tensor,
+    errors: tuple[torch.Tensor | None, ...],
+    plan: _Plan,
+    out: torch.Tensor,
+    rows: tuple[int, int, int] | None = None,
+) -> list[_Pending]:
+    """:func:`_reduce_scatter` of the flat fp32 ``x`` (zero-padded only virtually; laid out by
+    ``rows`` as in ``fn.kernels.loco_quantize``) into ``out`` (fp32[N / W]), hop sums in
+    workspaces. Writes nothing else, and ``out`` only after the last hop's check passed;
+    returns the hops' quantizations for :func:`_write_errors`."""
+    n = x.numel()
+    numel = quantized_padded_numel(n, plan.world.world_size, plan.group_size)
+    if rows is not None:
+        numel = n // rows[0] * rows[1]
+    pending = []
+    source = x
+    last = len(plan.hops) - 1
+    consistent = None
+    for index, (hop, error) in enumerate(zip(plan.hops, errors, strict=True)):
+        size = hop.world_size
+        quantized = _quantize_padded(
+            source, error, numel, plan, f"hop{index}", rows if index == 0 else None
+        )
+        pending.append(quantized)
+        scales, consistent = _exchange_scales(hop, quantized.scales, n, consistent, index == last)
+        q = hop.all_to_all(quantized.q.view(size, -1))
+        numel //= size
+        source = out if index == last else _workspace(f"sum{index}", numel, x.device)
+        kernels.dequantize_sum(q.reshape(-1), scales.reshape(-1), plan.bits, size, source)
+    out.div_(plan.world.world_size)
+    return pending
+
+
+def _write_errors(
+    pending: list[_Pending], outs: list[torch.Tensor], plan: _Plan, err_beta: float
+) -> list[torch.Tensor]:
+    for quantized, out in zip(pending, outs, strict=True):
+        source, error, q, scales, rows = quantized
+        kernels.loco_error(source, error, q, scales, plan.bits, err_beta, out, rows)
+    return outs
+
+
+def _all_gather_into(
+    shard: torch.Tensor,
+    error: torch.Tensor | None,
+    error_out: torch.Tensor | None,
+    plan: _Plan,
+    err_beta: float,
+    y: torch.Tensor,
+) -> None:
+    """:func:`_all_gather` writing the first ``y.numel()`` values into the fp32 ``y`` and, with
+    ``error_out``, LoCo's new error into it (it may be ``error``)."""
+    quantized = _quantize_padded(shard, error, shard.numel(), plan, "gather")
+    q = plan.world.all_gather(quantized.q)
+    scales = plan.world.all_gather(quantized.scales)
+    if error_out is not None:
+        _write_errors([quantized], [error_out], plan, err_beta)
+    local = plan.local_world_size or 1
+    kernels.dequantize_into(q.reshape(-1), scales.reshape(-1), plan.bits, y, q.shape[0], local)
+
+
+def _allreduce_into(
+    u: torch.Tensor,
+    errors: tuple[torch.Tensor | None, ...],
+    error_outs: tuple[torch.Tensor, ...] | None,
+    plan: _Plan,
+    err_beta: float,
+) -> torch.Tensor:
+    """The quantized allreduce of ``u`` written into ``u`` when it is contiguous fp32 (else a
+    fresh tensor), with the new errors (``error_outs``, when given) written once every rank's
+    check passed. The result is bit-identical to :func:`_reduce_scatter` + :func:`_all_gather`."""
+    x = u.detach().reshape(-1).float()
+    shard_numel = quantized_padded_numel(x.numel(), plan.world.world_size, plan.group_size)
+    shard = _workspace("shard", shard_numel // plan.world.world_size, x.device)
+    pending = _reduce_scatter_into(x, errors[:-1], plan, shard)
+    if error_outs is not None:
+        _write_errors(pending, list(error_outs[:-1]), plan, err_beta)
+    # x is read for the last time above: now u may take the result.
+    in_place = u.dtype == torch.float32 and u.is_contiguous()
+    y = u.detach().view(-1) if in_place else torch.empty_like(x)
+    error_out = None if error_outs is None else error_outs[-1]
+    _all_gather_into(shard, errors[-1], error_out, plan, err_beta, y)
+    return u if in_place else _into(u, y.view(u.shape).to(u.dtype))
+
+
 def _flat_padded(x: torch.Tensor, plan: _Plan) -> torch.Tensor:
     if not x.is_floating_point():
         raise TypeError(f"quantized allreduce needs a floating-point x, got {x.dtype}")
@@ -181,6 +344,7 @@ def quantized_reduce_scatter(
     bits: int = 4,
     group_size: int = 128,
     local_world_size: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's shard of the mean of ``x`` over the ranks, sent quantized (ZeRO++ qgZ).
 
@@ -193,10 +357,15 @@ def quantized_reduce_scatter(
         bits: 4 or 8.
         group_size: values per quantization group (even).
         local_world_size: ranks per node for the two-hop mode, or ``None`` for one hop.
+        out: an fp32[N / W] buffer for the result (written only after every rank's checks
+            passed), or ``None`` for a fresh tensor. With ``out`` (eager, fp32 ``x``) the
+            padding, the dequantized pieces and the hop sums are never materialized: fused
+            kernels and per-size workspaces (``fn.kernels.loco_quantize``,
+            ``fn.kernels.dequantize_sum``).
 
     Returns:
-        fp32[N / W]: chunk ``rank`` (one hop) or chunk ``local * (W / L) + node`` (two hops) of
-        ``mean_i DQ(Q(x_i))`` (two hops: requantized after the node sums).
+        ``out`` or a fresh fp32[N / W]: chunk ``rank`` (one hop) or chunk ``local * (W / L) +
+        node`` (two hops) of ``mean_i DQ(Q(x_i))`` (two hops: requantized after the node sums).
 
     Raises:
         ValueError: on every rank, if some rank's ``x`` is not finite or the ranks' ``x`` differ
@@ -216,10 +385,21 @@ def quantized_reduce_scatter(
                 [ 0.0674,  0.2013,  0.3333,  0.4633]])
     """
     plan = _plan(comm, bits, group_size, local_world_size)
-    shard, _ = _reduce_scatter(
-        _flat_padded(x, plan), x.numel(), (None,) * len(plan.hops), plan, 0.0
-    )
-    return shard
+    if out is not None:
+        shard_numel = quantized_padded_numel(x.numel(), comm.world_size, group_size)
+        if out.dtype != torch.float32 or out.shape != (shard_numel // comm.world_size,):
+            raise ValueError(
+                f"out must be fp32 of shape ({shard_numel // comm.world_size},), got "
+                f"{out.dtype}{tuple(out.shape)}"
+            )
+    if out is None or _traced(x) or _traced(out):
+        shard, _ = _reduce_scatter(
+            _flat_padded(x, plan), x.numel(), (None,) * len(plan.hops), plan, 0.0
+        )
+        return shard if out is None else out.copy_(shard)
+    _flat_padded(x[:0], plan)  # the type check
+    _reduce_scatter_into(x.detach().reshape(-1).float(), (None,) * len(plan.hops), plan, out)
+    return out
 
 
 def quantized_allreduce(
@@ -233,7 +413,10 @@ def quantized_allreduce(
 
     ``u -> DQ(Q(mean_i DQ(Q(u_i)))`` chunkwise: quantized reduce-scatter, then quantized
     all-gather (see the module docstring for the two-hop mode). ``None`` leaves pass through;
-    with ``W == 1`` it is the identity. Stateless.
+    with ``W == 1`` it is the identity. Stateless. ``update(..., donate=True)`` (buffer donation:
+    the caller hands over the ``updates`` tensors) writes each result into its update tensor
+    when that is contiguous fp32, through fused kernels and per-size workspaces (same
+    bits as the pure call); other dtypes are computed in fp32 and copied back.
 
     Args:
         bits: 4 or 8.
@@ -264,7 +447,23 @@ def quantized_allreduce(
         y, _ = _all_gather(shard, None, plan, 0.0)
         return y[: u.numel()].view(u.shape).to(u.dtype)
 
-    return stateless(lambda updates, params: tree_map(reduce, updates))
+    def reduce_into(u):
+        if comm.world_size == 1 or u.numel() == 0:
+            return u
+        if _traced(u):
+            return _into(u, reduce(u))
+        _flat_padded(u[:0].reshape(-1), plan)  # the type check
+        return _allreduce_into(u, (None,) * (len(plan.hops) + 1), None, plan, 0.0)
+
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, *, donate=None, **extra):
+        del params, extra
+        return tree_map(reduce if donate is None else reduce_into, updates), state
+
+    return GradientTransformation(init_fn, update_fn)
 
 
 class QuantizedError(NamedTuple):
@@ -298,6 +497,15 @@ def loco_allreduce(
     Before update ``t`` (0-based count ``c`` in the state), ``e`` is replaced by zero when
     ``c % reset_T == 0``. ``None`` leaves pass through; with ``W == 1`` the updates pass through
     unchanged (the count still advances).
+
+    Buffer donation: ``update(updates, state, donate=True)`` updates the fp32 error buffers in
+    place (``donate=<a LocoAllreduceState>``: writes them into that state's buffers) and writes
+    each result into its update tensor (contiguous fp32; other dtypes are copied back), with the
+    bits of the pure call. The padding, the dequantized pieces and the sums never exist as
+    tensors (fused kernels ``fn.kernels.loco_quantize``, ``loco_error``, ``dequantize_sum``,
+    ``dequantize_into``; per-thread workspaces for the hop sums and the shard), and nothing is
+    written before every rank's checks passed: a ``ValueError`` leaves the buffers intact.
+    ``error_dtype`` other than fp32 (and ``torch.int8``) still computes in fresh fp32 tensors.
 
     Args:
         bits: 4 or 8.
@@ -361,7 +569,28 @@ def loco_allreduce(
 
         return LocoAllreduceState(torch.zeros((), dtype=torch.int64), tree_map(zeros, params))
 
-    def update_fn(updates, state, params=None, **extra):
+    def leaf_pure(u, buffers, reset):
+        buffers_numel = buffer_sizes(u.numel())
+        errors = [load(b, k, reset) for b, k in zip(buffers, buffers_numel, strict=True)]
+        shard, hop_errors = _reduce_scatter(
+            _flat_padded(u, plan), u.numel(), errors[:-1], plan, err_beta
+        )
+        y, gather_error = _all_gather(shard, errors[-1], plan, err_beta)
+        new = tuple(store(e) for e in (*hop_errors, gather_error))
+        return y[: u.numel()].view(u.shape).to(u.dtype), new
+
+    def leaf_donated(u, buffers, given, reset):
+        if error_dtype != torch.float32 or _traced(u):
+            y, new = leaf_pure(u, buffers, reset)
+            return _into(u, y), tuple(_into(g, e) for g, e in zip(given, new, strict=True))
+        _flat_padded(u[:0].reshape(-1), plan)  # the type check
+        errors = (None,) * len(buffers) if bool(reset) else tuple(buffers)
+        outs = tuple(
+            g if _fits(g, b) else torch.empty_like(b) for g, b in zip(given, buffers, strict=True)
+        )
+        return _allreduce_into(u, errors, outs, plan, err_beta), outs
+
+    def update_fn(updates, state, params=None, *, donate=None, **extra):
         del params, extra
         count = state.count + 1
         if comm.world_size == 1:
@@ -369,22 +598,24 @@ def loco_allreduce(
         reset = state.count % reset_T == 0
         leaves, spec = tree_flatten(updates)
         stored = spec.flatten_up_to(state.errors)
+        if donate is None:
+            given = [None] * len(leaves)
+        else:
+            given = spec.flatten_up_to((state if donate is True else donate).errors)
         out, new_stored = [], []
-        for u, buffers in zip(leaves, stored, strict=True):
+        for u, buffers, donated in zip(leaves, stored, given, strict=True):
             if u is None or u.numel() == 0:
                 out.append(u)
                 new_stored.append(buffers)
                 continue
             if buffers is None:
                 raise ValueError("loco_allreduce: an update leaf has no error state")
-            buffers_numel = buffer_sizes(u.numel())
-            errors = [load(b, k, reset) for b, k in zip(buffers, buffers_numel, strict=True)]
-            shard, hop_errors = _reduce_scatter(
-                _flat_padded(u, plan), u.numel(), errors[:-1], plan, err_beta
-            )
-            y, gather_error = _all_gather(shard, errors[-1], plan, err_beta)
-            out.append(y[: u.numel()].view(u.shape).to(u.dtype))
-            new_stored.append(tuple(store(e) for e in (*hop_errors, gather_error)))
+            if donate is None:
+                y, new = leaf_pure(u, buffers, reset)
+            else:
+                y, new = leaf_donated(u, buffers, donated or (None,) * len(buffers), reset)
+            out.append(y)
+            new_stored.append(new)
         return tree_unflatten(out, spec), LocoAllreduceState(
             count, tree_unflatten(new_stored, spec)
         )

@@ -23,6 +23,12 @@ compression held back is sent later. A new layout (a different ``n`` or world si
 some parameters have no gradient) resets the buffers with a logged warning. A non-finite input
 on any rank makes every rank's output NaN and leaves the error feedback unchanged.
 
+Eager calls allocate no full-size tensor: fn's fused kernels read the padded (and, with two
+hops, reordered) rows in place (``fn.kernels.loco_quantize(..., rows=...)``), the sum goes
+straight into the output (fp32 rows of whole groups; else through a workspace) and the errors
+are updated in place, never in buffers :meth:`state_dict` handed out. Under ``torch.compile``
+the padded copy is made. The results are the same bits either way.
+
 References:
     Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant Model
     Training", 2023 (arXiv:2306.10209), qgZ.
@@ -43,7 +49,15 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import (
 )  # torch exports no public name
 
 from fn.collectives.process_group import ProcessGroup
-from fn.collectives.quantized import _NON_FINITE, _plan, _reduce_scatter
+from fn.collectives.quantized import (
+    _NON_FINITE,
+    _plan,
+    _reduce_scatter,
+    _reduce_scatter_into,
+    _traced,
+    _workspace,
+    _write_errors,
+)
 
 __all__ = ["CommCache", "QuantizedReduceScatter", "reduce_scale"]
 
@@ -180,6 +194,7 @@ class QuantizedReduceScatter(ReduceScatter):
         self.count = torch.zeros((), dtype=torch.int64)
         self.errors: tuple[torch.Tensor, ...] = ()
         self.layout: tuple[int, int] | None = None
+        self._handed_out = False  # whether state_dict() returned the error buffers
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A new uninitialized buffer (FSDP2 asks for the input and the output)."""
@@ -234,14 +249,17 @@ class QuantizedReduceScatter(ReduceScatter):
                     layout,
                 )
             self.reset(*layout, device=input_tensor.device)
-        errors: tuple[torch.Tensor | None, ...] = self.errors
-        if self.err_beta is not None and int(self.count) % self.reset_T == 0:
-            errors = tuple(torch.zeros_like(e) for e in errors)
         plan = _plan(comm, self.bits, self.group_size, self.local_world_size)
-        if not errors:
-            errors = (None,) * len(plan.hops)
         row = numel // world_size
         padded = self._padded_row(row)
+        reset = self.err_beta is not None and int(self.count) % self.reset_T == 0
+        if not _traced(input_tensor):
+            return self._fused(output_tensor, input_tensor, plan, scale, reset, padded)
+        errors: tuple[torch.Tensor | None, ...] = self.errors
+        if reset:
+            errors = tuple(torch.zeros_like(e) for e in errors)
+        if not errors:
+            errors = (None,) * len(plan.hops)
         v = torch.nn.functional.pad(input_tensor.view(world_size, row).float(), (0, padded - row))
         if self.local_world_size is not None:
             # two hops: rank node * L + local receives chunk local * nodes + node; reorder the
@@ -263,6 +281,49 @@ class QuantizedReduceScatter(ReduceScatter):
         self.count += 1
         return None
 
+    def _fused(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        plan: Any,
+        scale: float,
+        reset: bool,
+        padded: int,
+    ) -> None:
+        """The fused path: the rows are quantized where they lie (padding and two-hop order
+        by index), the sum goes straight into the output when it is fp32 and needs no padding
+        (else through a workspace) and the errors are updated in place, through fn's fused
+        kernels; the same bits as the padded path."""
+        x = input_tensor.reshape(-1).float()
+        row = output_tensor.numel()
+        shares = output_tensor.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        direct = output_tensor.dtype == torch.float32 and output_tensor.is_contiguous()
+        direct = direct and padded == row and not shares
+        shard = output_tensor.view(-1) if direct else _workspace("fsdp.shard", padded, x.device)
+        errors = (None,) * len(plan.hops) if reset or not self.errors else self.errors
+        rows = (row, padded, self.local_world_size or 1)
+        try:
+            pending = _reduce_scatter_into(x, errors, plan, shard, rows)
+        except ValueError as err:  # every rank raises, before anything was written
+            if str(err) != _NON_FINITE:
+                raise
+            output_tensor.fill_(torch.nan)
+            return None
+        if self.err_beta is not None:
+            # Buffers handed out by state_dict() are left alone: the next errors go elsewhere.
+            outs = list(self.errors)
+            if self._handed_out:
+                outs = [torch.empty_like(e) for e in outs]
+            self.errors = tuple(_write_errors(pending, outs, plan, self.err_beta))
+            self._handed_out = False
+        shard = shard[:row]
+        if scale != 1.0:
+            shard.mul_(scale)
+        if not direct:
+            output_tensor.copy_(shard.view(output_tensor.shape))
+        self.count += 1
+        return None
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """``count``, the layout's ``numel`` and ``world_size``, and ``error.<hop>`` buffers."""
         numel, world_size = self.layout[:2] if self.layout else (0, 0)
@@ -272,6 +333,7 @@ class QuantizedReduceScatter(ReduceScatter):
             "world_size": torch.tensor(world_size, dtype=torch.int64),
         }
         state.update({f"error.{i}": e for i, e in enumerate(self.errors)})
+        self._handed_out = True
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

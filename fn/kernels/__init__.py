@@ -2,7 +2,9 @@
 
 Kernels (``torch.library`` custom ops, usable under ``torch.func.vmap`` and ``torch.compile``):
 :func:`packbits`, :func:`unpackbits`, :func:`sign_compress`, :func:`quantize`,
-:func:`dequantize`; for the 1-bit allreduce without full-size temporaries, the two phases of
+:func:`dequantize`; the fused LoCo kernels :func:`loco_quantize`, :func:`loco_error`,
+:func:`dequantize_sum`, :func:`dequantize_into` (the last three write into an ``out`` buffer);
+for the 1-bit allreduce without full-size temporaries, the two phases of
 error-compensated compression (:func:`feedback_sign_compress` / :func:`feedback_apply_error`,
 :func:`sign_sum_compress` / :func:`sign_sum_apply_error`), :func:`unpack_scaled` and
 :func:`adam_direction`. A kernel called on a tensor of device type ``D`` runs a kernel set of the
@@ -25,8 +27,12 @@ from fn.kernels._accelerator import KERNEL_NAMES, Accelerator
 from fn.kernels._ops import (
     adam_direction,
     dequantize,
+    dequantize_into,
+    dequantize_sum,
     feedback_apply_error,
     feedback_sign_compress,
+    loco_error,
+    loco_quantize,
     packbits,
     quantize,
     sign_compress,
@@ -56,6 +62,10 @@ __all__ = [
     "adam_direction",
     "quantize",
     "dequantize",
+    "loco_quantize",
+    "loco_error",
+    "dequantize_sum",
+    "dequantize_into",
     "KERNEL_NAMES",
     "Accelerator",
     "get_accelerator",

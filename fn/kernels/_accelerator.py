@@ -28,6 +28,10 @@ KERNEL_NAMES = (
     "adam_direction",
     "quantize",
     "dequantize",
+    "loco_quantize",
+    "loco_error",
+    "dequantize_sum",
+    "dequantize_into",
 )
 REFERENCE = "reference"
 

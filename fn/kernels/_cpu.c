@@ -433,18 +433,28 @@ static void fn_unpackbits(const uint8_t *bits, float *out, int64_t begin, int64_
         out[idx] = ((bits[full] >> (7 - (idx - full * 8))) & 1u) ? 1.0f : -1.0f;
 }
 
-/* Symmetric blockwise quantization of one group (len <= group_size valid values, the rest
-   zero padding); a group containing NaN/Inf gets a NaN scale and zero codes. */
-static void quantize_group(const float *p, int64_t len, int64_t group_size, int nbits,
-                           uint8_t *q, float *scale_out)
+/* Element i of a group: x[i] for i < nx, else zero padding; plus e[i] when e is given
+   (LoCo's v = x + e, added in fp32 as torch does). */
+static inline float group_value(const float *x, const float *e, int64_t nx, int64_t i)
+{
+    float v = i < nx ? x[i] : 0.0f;
+    return e ? v + e[i] : v;
+}
+
+/* Symmetric blockwise quantization of one group: value i is group_value(x, e, nx, i) (len
+   values count, the rest are zero padding); a group containing NaN/Inf gets a NaN scale and
+   zero codes. */
+static void quantize_group(const float *x, const float *e, int64_t nx, int64_t len,
+                           int64_t group_size, int nbits, uint8_t *q, float *scale_out)
 {
     const float qmax = (float)(1 << (nbits - 1));
     /* |x| ordered as floats is ordered as its bit pattern (NaN > Inf > finite): an integer
        max, which vectorizes without reassociating float operations. */
     uint32_t top = 0;
     for (int64_t i = 0; i < len; i++) {
+        float v = group_value(x, e, nx, i);
         uint32_t u;
-        memcpy(&u, p + i, 4);
+        memcpy(&u, &v, 4);
         u &= 0x7FFFFFFFu;
         top = u > top ? u : top;
     }
@@ -459,7 +469,7 @@ static void quantize_group(const float *p, int64_t len, int64_t group_size, int 
         int64_t m = min64(256, group_size - i0);
         int64_t valid = finite ? (len - i0 < 0 ? 0 : min64(m, len - i0)) : 0;
         for (int64_t i = 0; i < valid; i++) {
-            float r = rintf(p[i0 + i] / div);
+            float r = rintf(group_value(x, e, nx, i0 + i) / div);
             r = r < -qmax ? -qmax : r;
             r = r > qmax - 1.0f ? qmax - 1.0f : r;
             c[i] = (int8_t)(int32_t)r;
@@ -482,8 +492,9 @@ static void fn_quantize(const float *x, int nbits, int64_t group_size, uint8_t *
 {
     for (int64_t g = begin / group_size; g < (end + group_size - 1) / group_size; g++) {
         int64_t off = g * group_size;
-        quantize_group(x + off, min64(group_size, end - off), group_size, nbits,
-                       q + off * nbits / 8, scales + g);
+        int64_t len = min64(group_size, end - off);
+        quantize_group(x + off, NULL, len, len, group_size, nbits, q + off * nbits / 8,
+                       scales + g);
     }
 }
 
@@ -524,15 +535,151 @@ static void fn_dequantize(const uint8_t *q, const float *scales, int nbits, int6
     }
 }
 
-enum { SIGN_COMPRESS, APPLY_ERROR, PACKBITS, UNPACKBITS, QUANTIZE, DEQUANTIZE };
-/* The 1-bit allreduce's kernels, numbered apart from the others. */
-enum { FEEDBACK_SIGNS = 16, FEEDBACK_ERROR, UNPACK_SCALED, ADAM_DIRECTION };
+/* Where v's values come from: x holds R rows of `row` values; v's row j (padded with zeros to
+   `prow`, a multiple of the group size) is x's row (j % nodes) * local + j / nodes, for
+   R = nodes * local rows (one row: plain zero padding past the row). */
+typedef struct {
+    int64_t row, prow, nodes, local;
+} rows_layout;
+
+/* The x values of v from offset off (inside one padded row) on: *valid of them (maybe <= 0). */
+static inline const float *row_source(const float *x, rows_layout l, int64_t off, int64_t *valid)
+{
+    int64_t j = off / l.prow, c = off % l.prow;
+    *valid = l.row - c;
+    return x + ((j % l.nodes) * l.local + j / l.nodes) * l.row + c;
+}
+
+/* LoCo phase 1: q, scales of Q(v), v = x laid out as above (+ e when given), whole groups over
+   [begin, end) (begin, end multiples of group_size). */
+static void fn_loco_quantize(const float *x, const float *e, rows_layout l, int nbits,
+                             int64_t group_size, uint8_t *q, float *scales, int64_t begin,
+                             int64_t end)
+{
+    for (int64_t off = begin; off < end; off += group_size) {
+        int64_t valid;
+        const float *src = row_source(x, l, off, &valid);
+        quantize_group(src, e ? e + off : NULL, valid, group_size, group_size, nbits,
+                       q + off * nbits / 8, scales + off / group_size);
+    }
+}
+
+static inline float dequantized(const uint8_t *q, const float *scales, int nbits,
+                                int64_t group_size, int64_t i)
+{
+    int32_t c;
+    if (nbits == 8) {
+        c = (int8_t)q[i];
+    } else {
+        int32_t nib = i & 1 ? q[i / 2] & 0xF : q[i / 2] >> 4;
+        c = nib - ((nib & 8) << 1);
+    }
+    return (float)c * scales[i / group_size];
+}
+
+/* LoCo phase 2: out = (v - DQ(q)) * keep + beta * e with v as in phase 1 (e = 0 when not
+   given, as a reset error is): torch's rounding order (three roundings, no fused multiply-add:
+   -ffp-contract=off). out may be e itself (each element is read before it is written). */
+static void fn_loco_error(const float *x, const float *e, rows_layout l, const uint8_t *q,
+                          const float *scales, int nbits, int64_t group_size, float keep,
+                          float beta, float *out, int64_t begin, int64_t end)
+{
+    int64_t i = begin;
+    while (i < end) {
+        int64_t stop = min64(end, (i / l.prow + 1) * l.prow), valid;
+        const float *src = row_source(x, l, i, &valid);
+        for (int64_t k = 0; k < stop - i; k++) {
+            float ei = e ? e[i + k] : 0.0f;
+            float v = (k < valid ? src[k] : 0.0f) + ei;
+            float r = v - dequantized(q, scales, nbits, group_size, i + k);
+            float a = r * keep;
+            float b = beta * ei;
+            out[i + k] = a + b;
+        }
+        i = stop;
+    }
+}
+
+#define SUM_TILE 256
+#define SUM_LEVELS 4
+
+/* out[i] = sum over the `pieces` rows of DQ(row)[i], rows of `cols` values (whole groups) in
+   one buffer, added in the order of torch's outer-dimension sum (aten's multi_row_sum): an
+   fp32 accumulator per level, rows added to level 0 from zero, level j-1 moved into level j
+   every 2^(j * level_power) rows, then the levels added to level 0 in order. */
+static void fn_dequantize_sum(const uint8_t *q, const float *scales, int nbits,
+                              int64_t group_size, int64_t pieces, int64_t cols, int level_power,
+                              float *out, int64_t begin, int64_t end)
+{
+    const int64_t step = (int64_t)1 << level_power, mask = step - 1;
+    float acc[SUM_LEVELS][SUM_TILE];
+    for (int64_t t0 = begin; t0 < end; t0 += SUM_TILE) {
+        int64_t len = min64(SUM_TILE, end - t0);
+        for (int l = 0; l < SUM_LEVELS; l++)
+            for (int64_t k = 0; k < len; k++)
+                acc[l][k] = 0.0f;
+        int64_t r = 0;
+        while (r + step <= pieces) {
+            for (int64_t j = 0; j < step; j++, r++)
+                for (int64_t k = 0; k < len; k++)
+                    acc[0][k] += dequantized(q, scales, nbits, group_size, r * cols + t0 + k);
+            for (int l = 1; l < SUM_LEVELS; l++) {
+                for (int64_t k = 0; k < len; k++) {
+                    acc[l][k] += acc[l - 1][k];
+                    acc[l - 1][k] = 0.0f;
+                }
+                if (r & (mask << (l * level_power)))
+                    break;
+            }
+        }
+        for (; r < pieces; r++)
+            for (int64_t k = 0; k < len; k++)
+                acc[0][k] += dequantized(q, scales, nbits, group_size, r * cols + t0 + k);
+        for (int l = 1; l < SUM_LEVELS; l++)
+            for (int64_t k = 0; k < len; k++)
+                acc[0][k] += acc[l][k];
+        memcpy(out + t0, acc[0], (size_t)len * sizeof(float));
+    }
+}
+
+/* out[i] (i < the output length) = DQ(q)[source(i)]: the W = nodes * local chunks of `cols`
+   values arrive in rank order (node, local) and are written in chunk order (local, node). */
+static void fn_dequantize_into(const uint8_t *q, const float *scales, int nbits,
+                               int64_t group_size, int64_t cols, int64_t nodes, int64_t local,
+                               float *out, int64_t begin, int64_t end)
+{
+    int64_t i = begin;
+    while (i < end) {
+        int64_t chunk = i / cols, stop = min64(end, (chunk + 1) * cols);
+        int64_t piece = (chunk % nodes) * local + chunk / nodes;
+        fn_dequantize(q + piece * cols * nbits / 8, scales + piece * cols / group_size, nbits,
+                      group_size, out + chunk * cols, i - chunk * cols, stop - chunk * cols);
+        i = stop;
+    }
+}
+
+enum {
+    SIGN_COMPRESS,
+    APPLY_ERROR,
+    PACKBITS,
+    UNPACKBITS,
+    QUANTIZE,
+    DEQUANTIZE,
+    LOCO_QUANTIZE,
+    LOCO_ERROR,
+    DEQUANTIZE_SUM,
+    DEQUANTIZE_INTO,
+    FEEDBACK_SIGNS,
+    FEEDBACK_ERROR,
+    UNPACK_SCALED,
+    ADAM_DIRECTION,
+};
 
 typedef struct {
     int64_t kernel, n, chunk, count, next, left;
     void *p[5];
-    int64_t i[2];
-    float scale;
+    int64_t i[6];
+    float scale, scale2;
 } fn_job;
 
 static void run_chunk(const fn_job *j, int64_t b, int64_t e)
@@ -568,6 +715,25 @@ static void run_chunk(const fn_job *j, int64_t b, int64_t e)
         break;
     case DEQUANTIZE:
         fn_dequantize(j->p[0], j->p[1], (int)j->i[0], j->i[1], j->p[2], b, e);
+        break;
+    case LOCO_QUANTIZE: {
+        rows_layout l = {j->i[2], j->i[3], j->i[4], j->i[5]};
+        fn_loco_quantize(j->p[0], j->p[1], l, (int)j->i[0], j->i[1], j->p[2], j->p[3], b, e);
+        break;
+    }
+    case LOCO_ERROR: {
+        rows_layout l = {j->i[2], j->i[3], j->i[4], j->i[5]};
+        fn_loco_error(j->p[0], j->p[1], l, j->p[2], j->p[3], (int)j->i[0], j->i[1], j->scale,
+                      j->scale2, j->p[4], b, e);
+        break;
+    }
+    case DEQUANTIZE_SUM:
+        fn_dequantize_sum(j->p[0], j->p[1], (int)j->i[0], j->i[1], j->i[2], j->i[3],
+                          (int)j->i[4], j->p[2], b, e);
+        break;
+    case DEQUANTIZE_INTO:
+        fn_dequantize_into(j->p[0], j->p[1], (int)j->i[0], j->i[1], j->i[2], j->i[3], j->i[4],
+                           j->p[2], b, e);
         break;
     }
 }

@@ -33,7 +33,7 @@ import torch
 
 from fn.kernels import _reference
 
-# -ffp-contract=off: a * b + c stays two roundings (the momentum of the 1-bit family)
+# -ffp-contract=off: no fused multiply-adds where torch rounds the product and the sum apart.
 _FLAGS = ("-O3", "-march=native", "-std=c99", "-ffp-contract=off", "-shared", "-fPIC")
 _CHUNK = 1 << 18  # elements per work item of a threaded call
 _HUGE_MIN = 1 << 23  # outputs from 8 MiB on ask for transparent huge pages
@@ -44,11 +44,18 @@ _KERNEL_IDS = {
     "unpackbits": 3,
     "quantize": 4,
     "dequantize": 5,
-    "feedback_signs": 16,
-    "feedback_error": 17,
-    "unpack_scaled": 18,
-    "adam_direction": 19,
+    "loco_quantize": 6,
+    "loco_error": 7,
+    "dequantize_sum": 8,
+    "dequantize_into": 9,
+    "feedback_signs": 10,
+    "feedback_error": 11,
+    "unpack_scaled": 12,
+    "adam_direction": 13,
 }
+# Capabilities whose fp32 vectors hold 8 lanes: torch's outer sum then takes one path (the
+# multi_row_sum order) for every column when the row length is a multiple of 32.
+_SUM_CAPABILITIES = ("AVX2", "DEFAULT")
 
 
 class _JobStruct(ctypes.Structure):
@@ -62,8 +69,9 @@ class _JobStruct(ctypes.Structure):
         ("next", ctypes.c_int64),
         ("left", ctypes.c_int64),
         ("p", ctypes.c_void_p * 5),
-        ("i", ctypes.c_int64 * 2),
+        ("i", ctypes.c_int64 * 6),
         ("scale", ctypes.c_float),
+        ("scale2", ctypes.c_float),
     ]
 
 
@@ -168,6 +176,7 @@ def _run(
     pointers: tuple[int | None, ...],
     ints: tuple[int, ...] = (),
     scale: float = 0.0,
+    scale2: float = 0.0,
 ) -> None:
     """Runs ``kernel`` over ``[0, n)`` in chunks starting at multiples of ``align``, on up to
     ``torch.get_num_threads()`` threads."""
@@ -177,6 +186,7 @@ def _run(
     job.p[: len(pointers)] = pointers
     job.i[: len(ints)] = ints
     job.scale = scale
+    job.scale2 = scale2
     ref = ctypes.byref(job)  # keeps the job alive for helpers that start late
     for _ in range(min(torch.get_num_threads(), count) - 1):
         _pool().submit(lib.fn_work, ref)
@@ -450,3 +460,122 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torc
     pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())
     _run(lib, "dequantize", n, 2, pointers, (bits, values // groups))
     return out
+
+
+def _writable_fp32(out: torch.Tensor) -> bool:
+    return out.dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
+
+
+def _rows_layout(
+    n: int, numel: int, rows: tuple[int, int, int] | None
+) -> tuple[int, int, int, int]:
+    """The C ``rows_layout`` (row, padded row, nodes, local) of ``rows = (row, padded_row,
+    local)``; ``None``: one row of ``n`` values padded to ``numel``."""
+    if rows is None:
+        return (n, numel, 1, 1)
+    row, padded_row, local = rows
+    return (row, padded_row, n // row // local, local)
+
+
+def loco_quantize(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    numel: int,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rows: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lib = library()
+    fits = out is None or (out[0].is_contiguous() and _writable_fp32(out[1]))
+    if lib is None or numel % group_size or x.numel() > numel or not fits:
+        return _reference.loco_quantize(x, error, bits, group_size, numel, out, rows)
+    x = _fp32(x)
+    e = None if error is None else _fp32(error)
+    if out is None:
+        out = (
+            _empty(lib, numel * bits // 8, torch.uint8),
+            torch.empty(numel // group_size, dtype=torch.float32),
+        )
+    q, scales = out
+    pointers = (
+        x.data_ptr(),
+        None if e is None else e.data_ptr(),
+        q.data_ptr(),
+        scales.data_ptr(),
+    )
+    ints = (bits, group_size, *_rows_layout(x.numel(), numel, rows))
+    _run(lib, "loco_quantize", numel, group_size, pointers, ints)
+    return q, scales
+
+
+def loco_error(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    err_beta: float,
+    out: torch.Tensor,
+    rows: tuple[int, int, int] | None = None,
+) -> None:
+    lib = library()
+    n = out.numel()
+    if lib is None or not _writable_fp32(out) or not scales.numel() or n % scales.numel():
+        return _reference.loco_error(x, error, q, scales, bits, err_beta, out, rows)
+    x = _fp32(x)
+    e = None if error is None else _fp32(error)
+    q = q.detach().contiguous()
+    scales = _fp32(scales)
+    pointers = (
+        x.data_ptr(),
+        None if e is None else e.data_ptr(),
+        q.data_ptr(),
+        scales.data_ptr(),
+        out.data_ptr(),
+    )
+    ints = (bits, n // scales.numel(), *_rows_layout(x.numel(), n, rows))
+    _run(lib, "loco_error", n, 1, pointers, ints, scale=1 - err_beta, scale2=err_beta)
+    return None
+
+
+def dequantize_sum(
+    q: torch.Tensor, scales: torch.Tensor, bits: int, pieces: int, out: torch.Tensor
+) -> None:
+    lib = library()
+    cols = out.numel()
+    groups = scales.numel()
+    exact_order = pieces < 4 or (
+        torch.backends.cpu.get_cpu_capability() in _SUM_CAPABILITIES and cols % 32 == 0
+    )
+    if lib is None or not exact_order or not _writable_fp32(out) or not groups:
+        return _reference.dequantize_sum(q, scales, bits, pieces, out)
+    q = q.detach().contiguous()
+    scales = _fp32(scales)
+    level_power = max(4, (pieces - 1).bit_length() // 4)
+    pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())
+    ints = (bits, pieces * cols // groups, pieces, cols, level_power)
+    _run(lib, "dequantize_sum", cols, 1, pointers, ints)
+    return None
+
+
+def dequantize_into(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    out: torch.Tensor,
+    chunks: int,
+    local_world_size: int = 1,
+) -> None:
+    lib = library()
+    groups = scales.numel()
+    values = q.numel() * 8 // bits
+    whole = groups and not values % groups and not values % chunks
+    if lib is None or not _writable_fp32(out) or not whole or values // chunks % (values // groups):
+        return _reference.dequantize_into(q, scales, bits, out, chunks, local_world_size)
+    q = q.detach().contiguous()
+    scales = _fp32(scales)
+    pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())
+    ints = (bits, values // groups, values // chunks, chunks // local_world_size, local_world_size)
+    _run(lib, "dequantize_into", out.numel(), 2, pointers, ints)
+    return None

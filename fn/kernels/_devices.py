@@ -26,6 +26,10 @@ _CPU_KERNELS = {
     "adam_direction": _cpu.adam_direction,
     "quantize": _cpu.quantize,
     "dequantize": _cpu.dequantize,
+    "loco_quantize": _cpu.loco_quantize,
+    "loco_error": _cpu.loco_error,
+    "dequantize_sum": _cpu.dequantize_sum,
+    "dequantize_into": _cpu.dequantize_into,
 }
 _TRITON_KERNELS = {
     "packbits": _triton.packbits,

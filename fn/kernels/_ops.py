@@ -182,6 +182,96 @@ def _(q, scales, bits, n):
     return q.new_empty(n, dtype=torch.float32)
 
 
+@torch.library.custom_op("fn::loco_quantize", mutates_args=())
+def _loco_quantize(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    numel: int,
+    rows: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    layout = None if rows is None else tuple(rows)
+    return _impl("loco_quantize", x.device)(x, error, bits, group_size, numel, None, layout)
+
+
+@_loco_quantize.register_fake
+def _(x, error, bits, group_size, numel, rows):
+    return (
+        x.new_empty(numel * bits // 8, dtype=torch.uint8),
+        x.new_empty(numel // group_size, dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("fn::loco_quantize_into", mutates_args=("q", "scales"))
+def _loco_quantize_into(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    numel: int,
+    rows: list[int] | None,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    layout = None if rows is None else tuple(rows)
+    _impl("loco_quantize", x.device)(x, error, bits, group_size, numel, (q, scales), layout)
+
+
+@_loco_quantize_into.register_fake
+def _(x, error, bits, group_size, numel, rows, q, scales):
+    return None
+
+
+@torch.library.custom_op("fn::loco_error", mutates_args=("out",))
+def _loco_error(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    err_beta: float,
+    out: torch.Tensor,
+    rows: list[int] | None,
+) -> None:
+    layout = None if rows is None else tuple(rows)
+    _impl("loco_error", out.device)(x, error, q, scales, bits, err_beta, out, layout)
+
+
+@_loco_error.register_fake
+def _(x, error, q, scales, bits, err_beta, out, rows):
+    return None
+
+
+@torch.library.custom_op("fn::dequantize_sum", mutates_args=("out",))
+def _dequantize_sum(
+    q: torch.Tensor, scales: torch.Tensor, bits: int, pieces: int, out: torch.Tensor
+) -> None:
+    _impl("dequantize_sum", out.device)(q, scales, bits, pieces, out)
+
+
+@_dequantize_sum.register_fake
+def _(q, scales, bits, pieces, out):
+    return None
+
+
+@torch.library.custom_op("fn::dequantize_into", mutates_args=("out",))
+def _dequantize_into(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    out: torch.Tensor,
+    chunks: int,
+    local_world_size: int,
+) -> None:
+    _impl("dequantize_into", out.device)(q, scales, bits, out, chunks, local_world_size)
+
+
+@_dequantize_into.register_fake
+def _(q, scales, bits, out, chunks, local_world_size):
+    return None
+
+
 def _per_row(op: Callable[..., Any]) -> Callable[..., Any]:
     """A vmap rule that calls ``op`` once per row and stacks the results along dim 0."""
 
@@ -205,24 +295,25 @@ def _per_row(op: Callable[..., Any]) -> Callable[..., Any]:
     return rule
 
 
-def _row_shape(a: torch.Tensor, d: int) -> tuple[int, ...]:
-    return tuple(s for i, s in enumerate(a.shape) if i != d)
-
-
-def _per_row_into(op: Callable[..., Any]) -> Callable[..., Any]:
-    """The vmap rule of an op that writes its ``out`` argument: one call per row, each writing
-    its row of ``out`` (which must be batched when any input is)."""
+def _per_row_into(op: Callable[..., Any], out_index: int | None = None) -> Callable[..., Any]:
+    """The vmap rule of an op that writes into its argument ``out_index`` (by default the one
+    named ``out``): one call per row, each writing its row of that argument (which must be
+    batched when any input is)."""
+    if out_index is None:
+        out_index = [a.name for a in op._opoverload._schema.arguments].index("out")
 
     def rule(info: Any, in_dims: Sequence[int | None], *args: Any) -> tuple[None, None]:
-        names = op._opoverload._schema.arguments
-        out_dim = in_dims[[a.name for a in names].index("out")]
-        if out_dim is None:
+        if in_dims[out_index] is None:
             raise ValueError(f"{op._name}: under vmap, out must be batched like the inputs")
         for b in range(info.batch_size):
             op(*(a if d is None else a.select(d, b) for a, d in zip(args, in_dims, strict=True)))
         return None, None
 
     return rule
+
+
+def _row_shape(a: torch.Tensor, d: int) -> tuple[int, ...]:
+    return tuple(s for i, s in enumerate(a.shape) if i != d)
 
 
 for _op in (
@@ -234,10 +325,18 @@ for _op in (
     _sign_sum_compress,
     _quantize,
     _dequantize,
+    _loco_quantize,
 ):
     _op.register_vmap(_per_row(_op))
 for _op in (_feedback_apply_error, _sign_sum_apply_error, _unpack_scaled, _adam_direction):
     _op.register_vmap(_per_row_into(_op))
+for _op, _out_index in (
+    (_loco_quantize_into, 6),
+    (_loco_error, 6),
+    (_dequantize_sum, 4),
+    (_dequantize_into, 3),
+):
+    _op.register_vmap(_per_row_into(_op, _out_index))
 
 
 def _check_1d(x: torch.Tensor, name: str) -> None:
@@ -637,3 +736,223 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torc
     if n < 0 or n > values or (groups and values % groups) or (not groups and values):
         raise ValueError(f"{q.shape[0]} bytes / {groups} scales do not fit {bits}-bit n={n}")
     return torch.ops.fn.dequantize(q, scales, bits, n)
+
+
+def _check_out(out: torch.Tensor, numel: int, what: str) -> None:
+    _check_1d(out, "out")
+    if out.dtype != torch.float32 or out.shape[0] != numel:
+        raise ValueError(
+            f"out must be fp32 with {what}={numel} values, got {out.dtype}[{out.shape[0]}]"
+        )
+
+
+def _check_rows(
+    rows: tuple[int, int, int] | None, n: int, numel: int, group_size: int
+) -> list[int] | None:
+    if rows is None:
+        return None
+    row, padded_row, local = rows
+    count = n // row if row > 0 else 0
+    if (
+        row < 1
+        or count * row != n
+        or padded_row < row
+        or padded_row % group_size
+        or local < 1
+        or count % local
+        or count * padded_row != numel
+    ):
+        raise ValueError(
+            f"rows={rows} does not lay out x's {n} values as rows padded to whole groups of "
+            f"{group_size} filling numel={numel} (local dividing the row count)"
+        )
+    return [row, padded_row, local]
+
+
+def loco_quantize(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    numel: int,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rows: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 1 of LoCo's compensated quantization: :func:`quantize` of ``v = pad(x) + e``.
+
+    ``x`` is read as if zero-padded to ``numel`` values (no padded copy is made) and the error
+    ``e`` is added in fp32; with ``error=None`` it is plain quantization of the padded ``x``
+    (ZeRO++ qgZ). Bit-identical to ``quantize(pad(x, numel) + error, bits, group_size)``. No
+    finiteness check: a group with NaN/Inf gets a NaN scale (the caller checks the scales).
+
+    Args:
+        x: 1-D tensor of at most ``numel`` elements (computed in fp32).
+        error: fp32 error of ``numel`` values, or ``None``.
+        bits: 4 or 8.
+        group_size: elements per scale; even, >= 2, dividing ``numel``.
+        numel: the padded length ``N``.
+        out: ``(q, scales)`` buffers to write (contiguous, the shapes below), or ``None``.
+        rows: ``(row, padded_row, L)`` for ``x`` made of ``R`` rows of ``row`` values (FSDP's
+            reduce-scatter input): ``v``'s row ``j`` is ``x``'s row ``(j % (R / L)) * L + j //
+            (R / L)`` zero-padded to ``padded_row`` (a multiple of ``group_size``; ``numel =
+            R * padded_row``); ``L = 1`` keeps the order. ``None``: one row, padded to ``numel``.
+
+    Returns:
+        ``(q, scales)``: uint8 ``q`` of ``N * bits / 8`` bytes, fp32 ``scales`` of ``N /
+        group_size`` (``out``'s tensors when given).
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> x, e = torch.tensor([1.0, -2.0, 4.0]), torch.full((4,), 0.5)
+        >>> q, scales = K.loco_quantize(x, e, bits=8, group_size=4, numel=4)
+        >>> q.tolist(), scales.tolist()  # v = [1.5, -1.5, 4.5, 0.5]
+        ([43, 213, 127, 14], [0.03515625])
+    """
+    _check_1d(x, "x")
+    _check_quant_args(bits, group_size)
+    if numel < x.shape[0] or numel % group_size:
+        raise ValueError(f"numel={numel} must be a multiple of group_size >= x's {x.shape[0]}")
+    if error is not None:
+        _check_1d(error, "error")
+        if error.shape[0] != numel:
+            raise ValueError(f"error must have numel={numel} values, got {error.shape[0]}")
+    rows_list = _check_rows(rows, x.shape[0], numel, group_size)
+    if out is None:
+        return torch.ops.fn.loco_quantize(x, error, bits, group_size, numel, rows_list)
+    q, scales = out
+    if q.dtype != torch.uint8 or q.shape != (numel * bits // 8,) or not q.is_contiguous():
+        raise ValueError(f"out's q must be contiguous uint8[{numel * bits // 8}]")
+    if scales.dtype != torch.float32 or scales.shape != (numel // group_size,):
+        raise ValueError(f"out's scales must be fp32[{numel // group_size}]")
+    torch.ops.fn.loco_quantize_into(x, error, bits, group_size, numel, rows_list, q, scales)
+    return q, scales
+
+
+def _check_codes(q: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[int, int]:
+    _check_1d(q, "q")
+    _check_1d(scales, "scales")
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    values, groups = q.shape[0] * 8 // bits, scales.shape[0]
+    if not groups or values % groups or (values // groups) % 2:
+        raise ValueError(f"{q.shape[0]} bytes / {groups} scales are not whole {bits}-bit groups")
+    return values, values // groups
+
+
+def loco_error(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    err_beta: float,
+    out: torch.Tensor,
+    rows: tuple[int, int, int] | None = None,
+) -> None:
+    """Phase 2 of LoCo: the new error, written into ``out`` (which may be ``error`` itself).
+
+    .. math::
+        v = \\mathrm{pad}(x) + e, \\quad e' = (v - DQ(q)) (1 - \\beta) + \\beta e
+
+    rounded in fp32 after every operation (``e = 0`` for ``error=None``), as the pure path
+    ``residual * (1 - beta) + beta * e`` does.
+
+    Args:
+        x, error: as given to :func:`loco_quantize` (``error``: fp32 of ``N`` values or ``None``).
+        q, scales: the result of :func:`loco_quantize`.
+        bits: 4 or 8, as quantized.
+        err_beta: LoCo's ``beta``.
+        out: fp32 buffer of ``N`` values, written.
+        rows: as given to :func:`loco_quantize`.
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> x, e = torch.tensor([1.0, -2.0, 4.0, 0.5]), torch.zeros(4)
+        >>> q, scales = K.loco_quantize(x, e, 4, 4, 4)
+        >>> K.loco_error(x, e, q, scales, 4, 0.5, e)  # in place
+        >>> e.tolist()
+        [0.0, 0.0, 0.25, 0.0]
+    """
+    _check_1d(x, "x")
+    values, _ = _check_codes(q, scales, bits)
+    _check_out(out, values, "N")
+    if x.shape[0] > values:
+        raise ValueError(f"x has {x.shape[0]} values, more than the {values} quantized")
+    if error is not None and error.shape != out.shape:
+        raise ValueError(f"error shape {tuple(error.shape)} != out shape {tuple(out.shape)}")
+    rows_list = _check_rows(rows, x.shape[0], values, values // scales.shape[0])
+    torch.ops.fn.loco_error(x, error, q, scales, bits, float(err_beta), out, rows_list)
+
+
+def dequantize_sum(
+    q: torch.Tensor, scales: torch.Tensor, bits: int, pieces: int, out: torch.Tensor
+) -> None:
+    """Sums the ``pieces`` dequantized rows held by ``q``/``scales`` into ``out``.
+
+    ``out = DQ(q).view(pieces, -1).sum(0)`` bit for bit (torch's summation order), without the
+    dequantized rows in memory.
+
+    Args:
+        q, scales: codes and scales of ``pieces * k`` values (rows of ``k``, whole groups).
+        bits: 4 or 8.
+        pieces: number of rows.
+        out: fp32 buffer of ``k`` values, written.
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> q, scales = K.quantize(torch.tensor([1.0, -2.0, 4.0, 0.5]), bits=8, group_size=2)
+        >>> out = torch.empty(2)
+        >>> K.dequantize_sum(q, scales, 8, 2, out)
+        >>> out.tolist()  # [1.0, -2.0] + [3.96875, 0.5]
+        [4.96875, -1.5]
+    """
+    values, group_size = _check_codes(q, scales, bits)
+    if pieces < 1 or values % pieces or (values // pieces) % group_size:
+        raise ValueError(f"{values} values do not split in {pieces} rows of whole groups")
+    _check_out(out, values // pieces, "values / pieces")
+    torch.ops.fn.dequantize_sum(q, scales, bits, pieces, out)
+
+
+def dequantize_into(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    out: torch.Tensor,
+    chunks: int = 1,
+    local_world_size: int = 1,
+) -> None:
+    """Dequantizes the first ``out.numel()`` values into ``out``, chunks reordered.
+
+    ``q``/``scales`` hold ``chunks`` equal chunks in rank order ``node * L + local`` (``L =
+    local_world_size``); ``out`` receives them in the order ``local * (chunks / L) + node``
+    (with ``L = 1``: unchanged), as the two-hop quantized all-gather needs, without a
+    transposed copy.
+
+    Args:
+        q, scales: codes and scales (whole groups per chunk).
+        bits: 4 or 8.
+        out: fp32 buffer of at most ``len(q) * 8 / bits`` values, written.
+        chunks: number of chunks ``W``.
+        local_world_size: ``L``, dividing ``chunks``.
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> q, scales = K.quantize(torch.tensor([1.0, -2.0, 4.0, 0.5]), bits=8, group_size=2)
+        >>> out = torch.empty(3)
+        >>> K.dequantize_into(q, scales, 8, out)
+        >>> out.tolist()
+        [1.0, -2.0, 3.96875]
+    """
+    values, group_size = _check_codes(q, scales, bits)
+    _check_1d(out, "out")
+    if chunks < 1 or local_world_size < 1 or chunks % local_world_size:
+        raise ValueError(f"local_world_size={local_world_size} must divide chunks={chunks}")
+    if values % chunks or (values // chunks) % group_size:
+        raise ValueError(f"{values} values do not split in {chunks} chunks of whole groups")
+    if out.dtype != torch.float32 or out.shape[0] > values:
+        raise ValueError(f"out must be fp32 with at most {values} values")
+    torch.ops.fn.dequantize_into(q, scales, bits, out, chunks, local_world_size)

@@ -274,3 +274,78 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torc
     groups = scales.numel()
     values = values.float().view(groups, -1) if groups else values.float().view(0, 1)
     return (values * scales[:, None]).view(-1)[:n]
+
+
+def _laid_out(x: torch.Tensor, numel: int, rows: tuple[int, int, int] | None) -> torch.Tensor:
+    """``x`` as the ``numel`` values ``v`` it stands for: zero-padded past its end, or with
+    ``rows = (row, padded_row, local)`` its rows of ``row`` values each zero-padded to
+    ``padded_row`` and reordered from ``[nodes, local]`` to ``[local, nodes]``."""
+    x = x.float()
+    if rows is not None:
+        row, padded_row, local = rows
+        x = torch.nn.functional.pad(x.view(-1, row), (0, padded_row - row))
+        x = x.view(-1, local, padded_row).transpose(0, 1).reshape(-1)
+    return torch.nn.functional.pad(x, (0, numel - x.numel()))
+
+
+def loco_quantize(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    numel: int,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rows: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize` of ``v`` (``numel`` values: 1-D ``x`` laid out by :func:`_laid_out`),
+    plus ``error`` (``numel`` values) when given; written into ``out = (q, scales)`` when
+    given. Codes of a group with a non-finite value are unspecified."""
+    v = _laid_out(x, numel, rows)
+    q, scales = quantize(v if error is None else v + error.float(), bits, group_size)
+    if out is None:
+        return q, scales
+    return out[0].copy_(q), out[1].copy_(scales)
+
+
+def loco_error(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    err_beta: float,
+    out: torch.Tensor,
+    rows: tuple[int, int, int] | None = None,
+) -> None:
+    """LoCo's new error into ``out`` (fp32, ``N`` values; it may be ``error`` itself):
+    ``(v - DQ(q)) * (1 - beta) + beta * e`` with ``v`` as in :func:`loco_quantize` plus ``e``
+    (``e = 0`` when ``error`` is ``None``), rounded after every operation."""
+    n = out.numel()
+    e = torch.zeros(n, device=out.device) if error is None else error.float()
+    residual = (_laid_out(x, n, rows) + e) - dequantize(q, scales, bits, n)
+    out.copy_(residual * (1 - err_beta) + err_beta * e)
+
+
+def dequantize_sum(
+    q: torch.Tensor, scales: torch.Tensor, bits: int, pieces: int, out: torch.Tensor
+) -> None:
+    """``out`` (``k`` values) = the sum of the ``pieces`` dequantized rows of ``k`` values held
+    by ``q``/``scales``, in the order of ``torch.sum(rows, dim=0)``."""
+    rows = dequantize(q, scales, bits, pieces * out.numel()).view(pieces, -1)
+    out.copy_(rows.sum(0))
+
+
+def dequantize_into(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    out: torch.Tensor,
+    chunks: int,
+    local_world_size: int = 1,
+) -> None:
+    """The first ``out.numel()`` values of ``DQ(q)`` into ``out``, the ``chunks`` equal chunks
+    (rank order ``node * L + local``, ``L = local_world_size``) taken in the order
+    ``local * (chunks / L) + node``."""
+    values = dequantize(q, scales, bits, q.numel() * 8 // bits)
+    values = values.view(chunks // local_world_size, local_world_size, -1).transpose(0, 1)
+    out.copy_(values.reshape(-1)[: out.numel()])
