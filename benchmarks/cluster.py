@@ -239,7 +239,7 @@ def run_ranks(
         "MASTER_ADDR": config["master_addr"],
         "MASTER_PORT": str(PORT),
         "GLOO_SOCKET_IFNAME": IFNAME,
-        "OMP_NUM_THREADS": str(config["threads"]),
+        "OMP_NUM_THREADS": str(config.get("threads", 1)),  # fsdp.py and ddp.py use 1
         "PYTHONPATH": REPO,
     }
     procs, logs = [], []

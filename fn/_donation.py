@@ -51,6 +51,22 @@ def fits(donated: Any, like: torch.Tensor) -> bool:
     )
 
 
+def fitting(donated: Any, like: torch.Tensor) -> torch.Tensor | None:
+    """``donated`` where it :func:`fits` ``like``, else ``None`` (the caller allocates)."""
+    return donated if fits(donated, like) else None
+
+
+def eager(*tensors: torch.Tensor | None) -> bool:
+    """Whether ``tensors`` are concrete: not under ``torch.compile``, none wrapped by vmap or
+    another functorch transform (``None`` entries are ignored). Only then can fused kernels write
+    into donated buffers; traced calls compute purely and copy."""
+    if torch.compiler.is_compiling():
+        return False
+    return not any(
+        t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors
+    )
+
+
 def can_donate(*tensors: torch.Tensor) -> bool:
     """Whether results can be written in place next to ``tensors``: eager, not under
     ``torch.compile``, and every tensor plain (:func:`fits` itself)."""

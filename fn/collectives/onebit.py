@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from fn import kernels
+from fn._donation import eager, fitting
 from fn._validation import finite_or_raise
 from fn.base import GradientTransformation
 from fn.collectives import _sizes
@@ -183,7 +184,7 @@ def compressed_allreduce(
         raise TypeError(f"compressed_allreduce needs a floating-point x, got {x.dtype}")
     if out is None:
         return _pure_allreduce(x, worker_error, server_error, comm)
-    if not is_plain(x, worker_error, server_error, *out):
+    if not eager(x, worker_error, server_error, *out):
         return _copied_into(out, _pure_allreduce(x, worker_error, server_error, comm))
     return _start_into(x.reshape(-1), None, 0.0, worker_error, server_error, comm, x, out)()
 
@@ -265,7 +266,7 @@ def compressed_allreduce_start(
         comm.world_size == 1
         or x.numel() == 0
         or any(t is not None and t.dtype != torch.float32 for t in tensors)
-        or not is_plain(*tensors)
+        or not eager(*tensors)
         or not x.is_contiguous()
         or (grad is not None and (grad.shape != x.shape or not grad.is_contiguous()))
     ):
@@ -276,15 +277,6 @@ def compressed_allreduce_start(
     _check_out(out, x, worker_error, server_error)
     flat_grad = None if grad is None else grad.view(-1)
     return _start_into(x.view(-1), flat_grad, beta, worker_error, server_error, comm, x, out)
-
-
-def is_plain(*tensors: torch.Tensor | None) -> bool:
-    """Eager plain tensors (not traced, not under vmap or another functorch transform)."""
-    if torch.compiler.is_compiling():
-        return False
-    return not any(
-        t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors
-    )
 
 
 def _check_out(
@@ -305,20 +297,6 @@ def _check_out(
             raise ValueError(
                 f"compressed_allreduce: out {name} must be contiguous, on {like.device}"
             )
-
-
-def fitting(buffer: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-    """``buffer`` when it can take a value like ``like`` (a donated leaf: same shape, dtype and
-    device, contiguous), else ``None`` (allocate)."""
-    if (
-        isinstance(buffer, torch.Tensor)
-        and buffer.shape == like.shape
-        and buffer.dtype == like.dtype
-        and buffer.device == like.device
-        and buffer.is_contiguous()
-    ):
-        return buffer
-    return None
 
 
 def _zeroed(buffer: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

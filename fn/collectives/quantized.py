@@ -38,6 +38,7 @@ from typing import NamedTuple
 import torch
 
 from fn import kernels
+from fn._donation import eager, fits
 from fn._validation import finite_or_raise
 from fn.base import EmptyState, GradientTransformation
 from fn.collectives import _sizes
@@ -190,28 +191,11 @@ def _workspace(
     return buffer[:numel]
 
 
-def _fits(buffer: object, like: torch.Tensor) -> bool:
-    """Whether the donated ``buffer`` can take a result shaped like ``like`` in place."""
-    return (
-        isinstance(buffer, torch.Tensor)
-        and buffer.shape == like.shape
-        and buffer.dtype == like.dtype
-        and buffer.device == like.device
-        and buffer.is_contiguous()
-    )
-
-
 def _into(buffer: object, value: torch.Tensor) -> torch.Tensor:
     """``value`` copied into the donated ``buffer`` when it fits, else ``value`` itself."""
-    if _fits(buffer, value):
+    if fits(buffer, value):
         return buffer.copy_(value)
     return value
-
-
-def _traced(x: torch.Tensor) -> bool:
-    """Under vmap (``Simulated``) or ``torch.compile`` the donated path computes purely and then
-    copies into the donated buffers (same results; only eager tensors take the fused kernels)."""
-    return torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(x)
 
 
 class _Pending(NamedTuple):
@@ -392,7 +376,7 @@ def quantized_reduce_scatter(
                 f"out must be fp32 of shape ({shard_numel // comm.world_size},), got "
                 f"{out.dtype}{tuple(out.shape)}"
             )
-    if out is None or _traced(x) or _traced(out):
+    if out is None or not eager(x) or not eager(out):
         shard, _ = _reduce_scatter(
             _flat_padded(x, plan), x.numel(), (None,) * len(plan.hops), plan, 0.0
         )
@@ -450,7 +434,7 @@ def quantized_allreduce(
     def reduce_into(u):
         if comm.world_size == 1 or u.numel() == 0:
             return u
-        if _traced(u):
+        if not eager(u):
             return _into(u, reduce(u))
         _flat_padded(u[:0].reshape(-1), plan)  # the type check
         return _allreduce_into(u, (None,) * (len(plan.hops) + 1), None, plan, 0.0)
@@ -580,13 +564,13 @@ def loco_allreduce(
         return y[: u.numel()].view(u.shape).to(u.dtype), new
 
     def leaf_donated(u, buffers, given, reset):
-        if error_dtype != torch.float32 or _traced(u):
+        if error_dtype != torch.float32 or not eager(u):
             y, new = leaf_pure(u, buffers, reset)
             return _into(u, y), tuple(_into(g, e) for g, e in zip(given, new, strict=True))
         _flat_padded(u[:0].reshape(-1), plan)  # the type check
         errors = (None,) * len(buffers) if bool(reset) else tuple(buffers)
         outs = tuple(
-            g if _fits(g, b) else torch.empty_like(b) for g, b in zip(given, buffers, strict=True)
+            g if fits(g, b) else torch.empty_like(b) for g, b in zip(given, buffers, strict=True)
         )
         return _allreduce_into(u, errors, outs, plan, err_beta), outs
 

@@ -48,13 +48,13 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import (
     ReduceScatter,
 )  # torch exports no public name
 
+from fn._donation import eager
 from fn.collectives.process_group import ProcessGroup
 from fn.collectives.quantized import (
     _NON_FINITE,
     _plan,
     _reduce_scatter,
     _reduce_scatter_into,
-    _traced,
     _workspace,
     _write_errors,
 )
@@ -253,7 +253,7 @@ class QuantizedReduceScatter(ReduceScatter):
         row = numel // world_size
         padded = self._padded_row(row)
         reset = self.err_beta is not None and int(self.count) % self.reset_T == 0
-        if not _traced(input_tensor):
+        if eager(input_tensor):
             return self._fused(output_tensor, input_tensor, plan, scale, reset, padded)
         errors: tuple[torch.Tensor | None, ...] = self.errors
         if reset:

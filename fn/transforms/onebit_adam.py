@@ -7,10 +7,11 @@ from typing import Any, NamedTuple
 
 import torch
 
+from fn._donation import fitting
 from fn._validation import check_betas, check_finite, check_int, check_nonnegative
 from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
-from fn.collectives.onebit import compressed_allreduce_start, fitting
+from fn.collectives.onebit import compressed_allreduce_start
 from fn.transforms._leafwise import (
     LearningRate,
     adam_ratio_bound,

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fn import collectives
+from fn._donation import fitting
 from fn._validation import (
     check_betas,
     check_finite,
@@ -18,7 +19,6 @@ from fn._validation import (
 )
 from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
-from fn.collectives.onebit import fitting
 from fn.transforms._leafwise import (
     LearningRate,
     adam_ratio_bound,

@@ -8,10 +8,11 @@ from typing import Any, NamedTuple
 
 import torch
 
+from fn._donation import eager, fitting
 from fn._validation import check_betas, check_finite, check_int, check_nonnegative
 from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
-from fn.collectives.onebit import compressed_allreduce_start, fitting, is_plain
+from fn.collectives.onebit import compressed_allreduce_start
 from fn.transforms._leafwise import (
     LearningRate,
     adam_ratio_bound,
@@ -261,7 +262,7 @@ def zero_one_adam(
             if not plan.frozen:
                 buffers = (g, fitting(spare.worker_error, ew), fitting(spare.server_error, es))
                 start = compressed_allreduce_start(g, ew, es, comm=comm, out=buffers)
-            elif is_plain(g, m, v, a, m_out):
+            elif eager(g, m, v, a, m_out):
                 check_finite(g, "the local gradient")
                 start = lambda: (g, ew, es)  # noqa: E731
         if start is None:
