@@ -37,23 +37,31 @@ def split_donated(name: str, donate: Any, count: int) -> list[Any]:
     return list(donate)
 
 
-def fits(donated: Any, like: torch.Tensor) -> bool:
-    """Whether ``donated`` can hold a result like ``like``: a plain contiguous tensor of its
-    shape, dtype and device, outside autograd."""
+def _matches(donated: Any, like: torch.Tensor) -> bool:
     return (
         isinstance(donated, torch.Tensor)
         and donated.is_contiguous()
         and donated.shape == like.shape
         and donated.dtype == like.dtype
         and donated.device == like.device
+    )
+
+
+def fits(donated: Any, like: torch.Tensor) -> bool:
+    """Whether ``donated`` can hold a result like ``like``: a plain contiguous tensor of its
+    shape, dtype and device, outside autograd."""
+    return (
+        _matches(donated, like)
         and not donated.requires_grad
         and not torch._C._functorch.is_functorch_wrapped_tensor(donated)
     )
 
 
 def fitting(donated: Any, like: torch.Tensor) -> torch.Tensor | None:
-    """``donated`` where it :func:`fits` ``like``, else ``None`` (the caller allocates)."""
-    return donated if fits(donated, like) else None
+    """``donated`` where it is a contiguous tensor of ``like``'s shape, dtype and device, else
+    ``None`` (the caller allocates). Under vmap both may be batched: the collectives then
+    compute purely and copy into it."""
+    return donated if _matches(donated, like) else None
 
 
 def eager(*tensors: torch.Tensor | None) -> bool:

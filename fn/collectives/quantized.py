@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 
 from fn import kernels
-from fn._donation import eager, fits
+from fn._donation import eager, fitting
 from fn._validation import finite_or_raise
 from fn.base import EmptyState, GradientTransformation
 from fn.collectives import _sizes
@@ -193,7 +193,7 @@ def _workspace(
 
 def _into(buffer: object, value: torch.Tensor) -> torch.Tensor:
     """``value`` copied into the donated ``buffer`` when it fits, else ``value`` itself."""
-    if fits(buffer, value):
+    if fitting(buffer, value) is not None:
         return buffer.copy_(value)
     return value
 
@@ -570,7 +570,8 @@ def loco_allreduce(
         _flat_padded(u[:0].reshape(-1), plan)  # the type check
         errors = (None,) * len(buffers) if bool(reset) else tuple(buffers)
         outs = tuple(
-            g if fits(g, b) else torch.empty_like(b) for g, b in zip(given, buffers, strict=True)
+            fitting(g, b) if fitting(g, b) is not None else torch.empty_like(b)
+            for g, b in zip(given, buffers, strict=True)
         )
         return _allreduce_into(u, errors, outs, plan, err_beta), outs
 
