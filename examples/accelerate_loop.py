@@ -18,7 +18,13 @@ import os
 import re
 
 import torch
-from _tiny_gpt2 import SyntheticTokens, check_ranks_agree, parse_args, tiny_gpt2
+from _tiny_gpt2 import (
+    SyntheticTokens,
+    check_ranks_agree,
+    end_distributed,
+    parse_args,
+    tiny_gpt2,
+)
 from accelerate import Accelerator
 
 import fn.optim
@@ -70,6 +76,7 @@ def main() -> None:
     accelerator.wait_for_everyone()
     accelerator.save_model(model, os.path.join(args.output_dir, "final"))
     check_ranks_agree(model)
+    end_distributed()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,13 @@ from __future__ import annotations
 import os
 
 import torch
-from _tiny_gpt2 import SyntheticTokens, check_ranks_agree, parse_args, tiny_gpt2
+from _tiny_gpt2 import (
+    SyntheticTokens,
+    check_ranks_agree,
+    end_distributed,
+    parse_args,
+    tiny_gpt2,
+)
 from transformers import Trainer, TrainingArguments
 
 import fn.optim
@@ -49,6 +55,7 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(os.path.join(args.output_dir, "final"))
     check_ranks_agree(trainer.model)
+    end_distributed()
 
 
 if __name__ == "__main__":
