@@ -570,7 +570,7 @@ def loco_allreduce(
         _flat_padded(u[:0].reshape(-1), plan)  # the type check
         errors = (None,) * len(buffers) if bool(reset) else tuple(buffers)
         outs = tuple(
-            fitting(g, b) if fitting(g, b) is not None else torch.empty_like(b)
+            g if fitting(g, b) is not None else torch.empty_like(b)
             for g, b in zip(given, buffers, strict=True)
         )
         return _allreduce_into(u, errors, outs, plan, err_beta), outs
