@@ -15,6 +15,11 @@ out of memory) comes first, as the errors of its peers (a closed connection) are
 On a timeout each rank dumps its Python stack (``faulthandler`` on ``SIGUSR1``, where the
 platform has it): a rank that is not inside a ``torch.distributed`` call is named as the one
 the others wait for.
+
+A child ends with ``os._exit(0)`` once its result has reached the parent. Interpreter
+finalization in a process that used gloo can abort (SIGABRT) while torch's C++ threads still
+hold tensors; skipping it keeps a finished run from being reported as a dead rank. Python
+``atexit`` handlers registered inside ``worker_fn`` therefore do not run.
 """
 
 from __future__ import annotations
@@ -131,6 +136,14 @@ def _child(
         dist.destroy_process_group()
     # Plain pickle: tensors travel by value, not as shared-memory handles that die with the child.
     messages.put(("result", rank, pickle.dumps(out)))
+    messages.close()
+    messages.join_thread()  # the result has reached the pipe
+    # Skip interpreter finalization: in a process that used gloo it can abort with SIGABRT
+    # ("terminate called without an active exception") when torch's C++ threads still hold
+    # tensors, and nothing it does could change the result already sent.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _describe_exit(exitcode: int) -> str:

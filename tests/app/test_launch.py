@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TextIO
@@ -79,6 +80,29 @@ def test_a_timeout_names_the_stalled_worker():
     assert "worker rank(s) [1] stalled outside any collective" in str(err)
     assert "_stalls_on_rank_1" in str(err)  # where it stalled
     assert not [p for p in _children(os.getpid()) if _is_worker(p)]
+
+
+def _leaves_a_thread_in_a_collective(rank, world_size, send):
+    group = torch.distributed.new_group([0, 1])
+    tensor = torch.ones(1 << 22)
+
+    def all_reduce_repeatedly():
+        for _ in range(50):
+            torch.distributed.all_reduce(tensor, group=group)
+
+    threading.Thread(target=all_reduce_repeatedly, daemon=True).start()
+    return rank
+
+
+@pytest.mark.timeout(90)
+def test_a_finished_worker_is_not_failed_by_its_teardown():
+    # gloo work still in flight at interpreter exit aborts the process (SIGABRT); the result
+    # was sent before, so the run succeeds
+    for _ in range(2):
+        results = spawn_gloo(
+            _leaves_a_thread_in_a_collective, 2, (), timeout=60, on_message=lambda *a: None
+        )
+        assert results == [0, 1]
 
 
 def _children(pid: int) -> list[int]:
