@@ -171,6 +171,48 @@ def unpackbits(
     return out
 
 
+def _fp32_contiguous(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in tensors)
+
+
+def _sign_blocks(
+    kernel: Any,
+    device: torch.device,
+    length: int,
+    inputs: tuple[Any, ...],
+    lengths: tuple[int, ...],
+    scalars: tuple[float, ...] = (),
+    **meta: Any,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Launches a sign-blocks kernel as ``kernel(*inputs, packed, sums, *lengths, nbytes,
+    nblocks, *scalars)`` over ``length`` elements; returns the packed signs and the scale."""
+    blocks = _cdiv(length, _reference.SUMSQ_BLOCK)
+    fp64 = _has_fp64(device)
+    group = _per_program(_GROUP, device)
+    packed = torch.empty(_cdiv(length, 8), dtype=torch.uint8, device=device)
+    sums = torch.empty(blocks, dtype=torch.float64 if fp64 else torch.int64, device=device)
+    if length and not _launch(
+        kernel,
+        (_cdiv(blocks, group),),
+        device,
+        *inputs,
+        packed,
+        sums,
+        *lengths,
+        packed.numel(),
+        blocks,
+        *scalars,
+        GROUP=group,
+        BLOCK=_reference.SUMSQ_BLOCK,
+        FP64=fp64,
+        **meta,
+    ):
+        return None
+    if fp64:
+        return packed, _reference.rms_from_block_sums(sums, length)
+    return packed, _reference.rms_from_block_sums(sums.cpu().view(torch.float64), length).to(device)
+
+
 @_with_reference("sign_compress")
 def sign_compress(
     k: ModuleType, m: torch.Tensor, error: torch.Tensor | None = None
@@ -180,44 +222,14 @@ def sign_compress(
     else:  # the kernel converts fp16/bf16 to fp32 itself
         v = (m if m.dtype in _FLOATS else m.float()).contiguous()
     n = v.numel()
-    blocks = _cdiv(n, _reference.SUMSQ_BLOCK)
-    fp64 = _has_fp64(v.device)
-    group = _per_program(_GROUP, v.device)
-    packed = torch.empty(_cdiv(n, 8), dtype=torch.uint8, device=v.device)
-    sums = torch.empty(blocks, dtype=torch.float64 if fp64 else torch.int64, device=v.device)
-    if n and not _launch(
-        k.sign_blocks_kernel,
-        (_cdiv(blocks, group),),
-        v.device,
-        v,
-        packed,
-        sums,
-        n,
-        packed.numel(),
-        blocks,
-        GROUP=group,
-        BLOCK=_reference.SUMSQ_BLOCK,
-        FP64=fp64,
-    ):
+    signs = _sign_blocks(k.sign_blocks_kernel, v.device, n, (v,), (n,))
+    if signs is None:
         return None
-    if fp64:
-        scale = _reference.rms_from_block_sums(sums, n)
-    else:
-        scale = _reference.rms_from_block_sums(sums.cpu().view(torch.float64), n).to(v.device)
+    packed, scale = signs
     new_error = None
     if error is not None:
         new_error = v - torch.where(v >= 0, scale, -scale)
     return packed, scale, new_error
-
-
-def _fp32_contiguous(*tensors: torch.Tensor | None) -> bool:
-    return all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in tensors)
-
-
-def _scale_from_sums(sums: torch.Tensor, n: int, fp64: bool, device: torch.device):
-    if fp64:
-        return _reference.rms_from_block_sums(sums, n)
-    return _reference.rms_from_block_sums(sums.cpu().view(torch.float64), n).to(device)
 
 
 @_with_reference("feedback_sign_compress")
@@ -230,35 +242,16 @@ def feedback_sign_compress(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     if not _fp32_contiguous(x, error, grad):
         return None
-    length = error.numel()
-    blocks = _cdiv(length, _reference.SUMSQ_BLOCK)
-    fp64 = _has_fp64(error.device)
-    group = _per_program(_GROUP, error.device)
-    packed = torch.empty(_cdiv(length, 8), dtype=torch.uint8, device=error.device)
-    sums = torch.empty(blocks, dtype=torch.float64 if fp64 else torch.int64, device=error.device)
-    if length and not _launch(
+    return _sign_blocks(
         k.feedback_blocks_kernel,
-        (_cdiv(blocks, group),),
         error.device,
-        x,
-        x if grad is None else grad,
-        error,
-        packed,
-        sums,
-        x.numel(),
-        length,
-        packed.numel(),
-        blocks,
-        float(beta),
-        1 - float(beta),
-        GROUP=group,
-        BLOCK=_reference.SUMSQ_BLOCK,
-        FP64=fp64,
+        error.numel(),
+        (x, x if grad is None else grad, error),
+        (x.numel(), error.numel()),
+        (float(beta), 1 - float(beta)),
         MOMENTUM=grad is not None,
         enable_fp_fusion=False,
-    ):
-        return None
-    return packed, _scale_from_sums(sums, length, fp64, error.device)
+    )
 
 
 @_with_reference("feedback_apply_error")
