@@ -336,6 +336,37 @@ def _raise_interrupted(signum, frame):
     raise Interrupted(signal.Signals(signum).name)
 
 
+def run_on_links(
+    prefix: str,
+    subnet: str,
+    configs: Sequence[dict],
+    timeout: float,
+    script: str = __file__,
+    echo: bool = False,
+) -> list[dict]:
+    """Rank 0's results of each config, run one after the other as ``script --worker`` with
+    every one of ``config["world_size"]`` ranks in its own namespace behind a link at
+    ``config["rate"]`` (see :func:`run_ranks`). On a failing rank or an interrupt it removes
+    the namespaces and exits with a message (status 1 or 130)."""
+    ranks = configs[0]["world_size"]
+    master = {"master_addr": address(subnet, 0)}
+    results = []
+    try:
+        with namespace_cluster(prefix, ranks, subnet) as logdir:
+            for config in configs:
+                shape(prefix, ranks, config["rate"])
+                print(f"rate {config['rate']}: running {ranks} ranks", flush=True)
+                config = {**config, **master}
+                results.append(run_ranks(prefix, config, logdir, timeout, script, echo))
+    except Interrupted as err:
+        print(f"interrupted by {err}: cleaned up", file=sys.stderr)
+        raise SystemExit(130) from None
+    except RuntimeError as err:
+        print(f"{os.path.basename(script)} failed: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+    return results
+
+
 # ----------------------------------------------------------------------------------------------
 # Rank side (inside a namespace).
 
@@ -861,20 +892,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{os.cpu_count()} CPUs, load average {load:.2f}, "
         f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}"
     )
-    results = []
-    try:
-        with namespace_cluster(args.prefix, args.ranks, args.subnet) as logdir:
-            for rate in args.rate_list:
-                shape(args.prefix, args.ranks, rate)
-                print(f"rate {rate}: running {args.ranks} ranks", flush=True)
-                config = worker_config(args, rate)
-                results.append(run_ranks(args.prefix, config, logdir, args.timeout))
-    except Interrupted as err:
-        print(f"interrupted by {err}: cleaning up", file=sys.stderr)
-        raise SystemExit(130) from None
-    except RuntimeError as err:
-        print(f"cluster.py failed: {err}", file=sys.stderr)
-        raise SystemExit(1) from None
+    configs = [worker_config(args, rate) for rate in args.rate_list]
+    results = run_on_links(args.prefix, args.subnet, configs, args.timeout)
     print_results(results, args)
     print_summary(results, args, load)
     if args.json:

@@ -330,29 +330,6 @@ def namespace_worker(config: dict) -> None:
         torch.distributed.destroy_process_group()
 
 
-def run_on_links(args: argparse.Namespace, setups: list[str], config: dict) -> list[list[dict]]:
-    """``[rank 0's results]``, each rank in its own namespace behind a link at ``args.rate``."""
-    cluster.check_host("benchmarks/ddp.py --rate", hint="; run without --rate for local gloo")
-    ranks = {
-        "setups": setups,
-        "args": config,
-        "rate": args.rate,
-        "timeout": args.timeout,
-        "world_size": 2,
-        "master_addr": cluster.address(args.subnet, 0),
-    }
-    try:
-        with cluster.namespace_cluster(args.prefix, 2, args.subnet) as logdir:
-            cluster.shape(args.prefix, 2, args.rate)
-            return [cluster.run_ranks(args.prefix, ranks, logdir, args.timeout, script=__file__)]
-    except cluster.Interrupted as err:
-        print(f"interrupted by {err}: cleaned up", file=sys.stderr)
-        raise SystemExit(130) from None
-    except RuntimeError as err:
-        print(f"ddp.py failed: {err}", file=sys.stderr)
-        raise SystemExit(1) from None
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=256)
@@ -405,7 +382,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             worker, 2, (setups, config), timeout=args.timeout, on_message=lambda r, m: None
         )
     else:
-        ranks = run_on_links(args, setups, config)
+        cluster.check_host("benchmarks/ddp.py --rate", hint="; run without --rate for local gloo")
+        ranks = {"setups": setups, "args": config, "rate": args.rate, "timeout": args.timeout}
+        ranks = cluster.run_on_links(
+            args.prefix, args.subnet, [{**ranks, "world_size": 2}], args.timeout, __file__
+        )
     print(
         f"{'setup':44} {'total':>12} {'warmup':>12} {'compressed':>12} {'vs bare':>8} "
         f"{'step ms':>8} {'dense/this':>10}"

@@ -259,25 +259,6 @@ def _namespace_worker(config: dict) -> None:
         dist.destroy_process_group()
 
 
-def _run_on_links(args: argparse.Namespace, config: dict) -> dict:
-    """Rank 0's results, every rank in its own namespace behind a link at ``args.rate``."""
-    cluster.check_host("benchmarks/fsdp.py --rate", hint="; run without --rate for local gloo")
-    config = {**config, "world_size": args.ranks, "master_addr": cluster.address(args.subnet, 0)}
-    try:
-        with cluster.namespace_cluster(args.prefix, args.ranks, args.subnet) as logdir:
-            cluster.shape(args.prefix, args.ranks, args.rate)
-            print(f"rate {args.rate}: running {args.ranks} ranks", flush=True)
-            return cluster.run_ranks(
-                args.prefix, config, logdir, args.timeout, script=__file__, echo=True
-            )
-    except cluster.Interrupted as err:
-        print(f"interrupted by {err}: cleaned up", file=sys.stderr)
-        raise SystemExit(130) from None
-    except RuntimeError as err:
-        print(f"fsdp.py failed: {err}", file=sys.stderr)
-        raise SystemExit(1) from None
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker is not None:
@@ -301,7 +282,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         rank0 = results[0]
     else:
-        rank0 = _run_on_links(args, config)
+        cluster.check_host("benchmarks/fsdp.py --rate", hint="; run without --rate for local gloo")
+        links = {**config, "world_size": args.ranks}
+        (rank0,) = cluster.run_on_links(
+            args.prefix, args.subnet, [links], args.timeout, __file__, echo=True
+        )
     print_results(rank0, config)
     if args.json:
         with open(args.json, "w") as f:
