@@ -598,32 +598,46 @@ def _log(cfg: dict, msg: str) -> None:
         print(f"[{cfg['rate']}] {msg}", flush=True)
 
 
-def worker_main(cfg: dict) -> None:
+def serve_rank(config: dict, work: Callable[[], object], threads: int | None = None) -> None:
+    """One rank inside its namespace (``script --worker CONFIG``): joins the gloo group of
+    ``config``'s ``rank`` and ``world_size`` (``timeout`` seconds for everything), runs ``work()``
+    and rank 0 writes its result as JSON to ``config["out"]``. ``threads``: torch's intra-op
+    threads (``None``: as set by ``OMP_NUM_THREADS``)."""
     import faulthandler
 
     import torch
     import torch.distributed as dist
 
-    faulthandler.dump_traceback_later(cfg["timeout"], exit=True)
-    torch.set_num_threads(cfg["threads"])
+    faulthandler.dump_traceback_later(config["timeout"], exit=True)
+    if threads is not None:
+        torch.set_num_threads(threads)
     dist.init_process_group(
         "gloo",
-        rank=cfg["rank"],
-        world_size=cfg["world_size"],
-        timeout=datetime.timedelta(seconds=cfg["timeout"]),
+        rank=config["rank"],
+        world_size=config["world_size"],
+        timeout=datetime.timedelta(seconds=config["timeout"]),
     )
     try:
+        dist.barrier()  # gloo connects lazily: connect before the timed work starts
+        result = work()
+        if config["rank"] == 0:
+            with open(config["out"], "w") as f:
+                json.dump(result, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def worker_main(cfg: dict) -> None:
+    def work() -> dict:
         result = {"rate": cfg["rate"]}
         if not cfg["skip_collectives"]:
             result["collectives"] = bench_collectives(cfg)
         if not cfg["skip_training"]:
             result["training"] = bench_training(cfg)
-        if cfg["rank"] == 0:
-            with open(cfg["out"], "w") as f:
-                json.dump(result, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        return result
+
+    serve_rank(cfg, work, cfg["threads"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -822,6 +836,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.timeout <= 0:
         parser.error("--timeout must be positive")
     return args
+
+
+def add_link_arguments(parser: argparse.ArgumentParser, prefix: str, subnet: str) -> None:
+    """``--rate``, ``--prefix`` and ``--subnet`` of a benchmark that runs on local gloo, or with
+    ``--rate`` on namespace links (:func:`run_on_links`); check them with
+    :func:`check_link_arguments`."""
+    parser.add_argument("--rate", help="tc rate of every rank's link (e.g. 1gbit; needs root)")
+    parser.add_argument("--prefix", default=prefix, help="name prefix of the namespaces (--rate)")
+    parser.add_argument("--subnet", default=subnet, help="first three octets of the /24 (--rate)")
+
+
+def check_link_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exits through ``parser.error`` naming a bad ``--rate``, ``--prefix`` or ``--subnet``
+    (checked only with ``--rate``)."""
+    if args.rate is None:
+        return
+    try:
+        parse_rate(args.rate)
+    except ValueError as err:
+        parser.error(f"--rate: {err}")
+    if problem := naming_error(args.prefix, args.subnet):
+        parser.error(problem)
 
 
 def naming_error(prefix: str, subnet: str) -> str | None:

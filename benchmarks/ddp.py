@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import faulthandler
 import importlib.util
 import json
 import os
@@ -309,27 +308,6 @@ def worker(rank: int, world_size: int, send, setups: list[str], args: dict) -> l
     return results
 
 
-def namespace_worker(config: dict) -> None:
-    """One rank inside its namespace (``--worker``): rank 0 writes its results to ``out``."""
-    faulthandler.dump_traceback_later(config["timeout"], exit=True)
-    rank, world_size = config["rank"], config["world_size"]
-    torch.distributed.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=config["timeout"]),
-    )
-    try:
-        torch.distributed.barrier()  # gloo connects lazily: connect before the timed work
-        results = worker(rank, world_size, None, config["setups"], config["args"])
-        if rank == 0:
-            with open(config["out"], "w") as out:
-                json.dump(results, out)
-        torch.distributed.barrier()
-    finally:
-        torch.distributed.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=256)
@@ -346,23 +324,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     parser.add_argument("--timeout", type=float, default=1200, help="seconds for the launch")
     parser.add_argument("--json", help="also write the results to this file")
-    parser.add_argument("--rate", help="tc rate of both ranks' links (e.g. 1gbit; needs root)")
-    parser.add_argument("--prefix", default="fnddp", help="name prefix of the namespaces (--rate)")
-    parser.add_argument("--subnet", default="10.215.0", help="first three octets (--rate)")
+    cluster.add_link_arguments(parser, prefix="fnddp", subnet="10.215.0")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
-        namespace_worker(json.loads(args.worker))
+        config = json.loads(args.worker)
+        rank, world_size = config["rank"], config["world_size"]
+        cluster.serve_rank(
+            config, lambda: worker(rank, world_size, None, config["setups"], config["args"])
+        )
         return []
     if not 1 < args.freeze <= args.steps:
         parser.error("--freeze must be in 2..--steps")
-    if args.rate is not None:
-        try:
-            cluster.parse_rate(args.rate)
-        except ValueError as err:
-            parser.error(f"--rate: {err}")
-        if problem := cluster.naming_error(args.prefix, args.subnet):
-            parser.error(problem)
+    cluster.check_link_arguments(parser, args)
     setups = [BARE] + [s for s in SETUPS if s in args.setups and s != BARE]
     for setup in setups:
         if absent := missing(setup):

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import faulthandler
 import importlib.util
 import json
 import os
@@ -213,11 +212,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--json", default=None, help="also write rank 0's results here")
-    p.add_argument(
-        "--rate", default=None, help="tc rate of every rank's link (e.g. 1gbit; needs root)"
-    )
-    p.add_argument("--prefix", default="fnfsdp", help="name prefix of the namespaces (--rate)")
-    p.add_argument("--subnet", default="10.214.0", help="first three octets of the /24 (--rate)")
+    cluster.add_link_arguments(p, prefix="fnfsdp", subnet="10.214.0")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.ranks < 2:
@@ -226,43 +221,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--warmup must be within 0..--steps - 1")
     if args.timeout <= 0:
         p.error("--timeout must be positive")
-    if args.rate is not None:
-        try:
-            cluster.parse_rate(args.rate)
-        except ValueError as err:
-            p.error(f"--rate: {err}")
-        problem = cluster.naming_error(args.prefix, args.subnet)
-        if problem:
-            p.error(problem)
+    cluster.check_link_arguments(p, args)
     return args
-
-
-def _namespace_worker(config: dict) -> None:
-    """One rank inside its namespace (``--worker``): rank 0 writes the results to ``out``."""
-    faulthandler.dump_traceback_later(config["timeout"], exit=True)
-    torch.set_num_threads(1)
-    rank, world_size = config["rank"], config["world_size"]
-    dist.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=config["timeout"]),
-    )
-    try:
-        dist.barrier()  # gloo connects lazily: connect before the timed work starts
-        results = _worker(rank, world_size, None, config)
-        if rank == 0:
-            with open(config["out"], "w") as f:
-                json.dump(results, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker is not None:
-        _namespace_worker(json.loads(args.worker))
+        config = json.loads(args.worker)
+        rank, world_size = config["rank"], config["world_size"]
+        cluster.serve_rank(config, lambda: _worker(rank, world_size, None, config), threads=1)
         return
     config = {
         "ranks": args.ranks,
