@@ -497,27 +497,24 @@ def bench_training(cfg: dict) -> dict:
     def loss_of(model):
         return torch.nn.functional.mse_loss(model(x), y)
 
-    # Adam, the flat gradient averaged with one dense allreduce, torch.optim.Adam(foreach=True).
-    dense_model = build_mlp(cfg["width"], cfg["hidden"])
-    _, dense_g = flat_views(dense_model)
-    dense_opt = torch.optim.Adam(dense_model.parameters(), lr=1e-4, foreach=True)
+    def flat_adam(average: bool) -> Callable[[], None]:
+        """A step of torch.optim.Adam(foreach=True) on a flat gradient, averaged with one dense
+        allreduce, or (the compute floor) without any communication: each rank alone."""
+        model = build_mlp(cfg["width"], cfg["hidden"])
+        _, flat_grad = flat_views(model)
+        adam = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True)
 
-    def adam_dense():
-        dense_g.zero_()
-        loss_of(dense_model).backward()
-        dist.all_reduce(dense_g)
-        dense_g.div_(world)
-        dense_opt.step()
+        def step():
+            flat_grad.zero_()
+            loss_of(model).backward()
+            if average:
+                dist.all_reduce(flat_grad)
+                flat_grad.div_(world)
+            adam.step()
 
-    # The compute floor: the same step without any communication (each rank alone).
-    local_model = build_mlp(cfg["width"], cfg["hidden"])
-    _, local_g = flat_views(local_model)
-    local_opt = torch.optim.Adam(local_model.parameters(), lr=1e-4, foreach=True)
+        return step
 
-    def adam_local():
-        local_g.zero_()
-        loss_of(local_model).backward()
-        local_opt.step()
+    adam_dense, adam_local = flat_adam(average=True), flat_adam(average=False)
 
     # Adam under DDP (bucketed allreduce overlapped with backward).
     ddp_model = torch.nn.parallel.DistributedDataParallel(build_mlp(cfg["width"], cfg["hidden"]))

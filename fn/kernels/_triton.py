@@ -38,7 +38,7 @@ from fn.kernels import _reference
 
 _GROUP = 16  # blocks of 1024 elements per program of the sign kernel
 _BYTES = 512  # packed bytes per program of the packbits kernel
-_UNPACK = 4096  # outputs per program of the unpackbits and dequantize kernels
+_UNPACK = 4096  # elements per program of the elementwise kernels (_launch_elementwise)
 _TILE = 4096  # elements per tile of the quantize kernel (rows x chunk)
 # The interpreter runs programs one after another, paying per operation: on the CPU every
 # program takes this many times more work. Results do not depend on the program sizes.
@@ -99,6 +99,17 @@ def _launch(kernel: Any, grid: tuple[int, ...], device: torch.device, *args: Any
 
 def _per_program(size: int, device: torch.device) -> int:
     return size * _INTERPRETER_SCALE if device.type == "cpu" else size
+
+
+def _launch_elementwise(
+    kernel: Any, n: int, device: torch.device, *args: Any, **meta: Any
+) -> bool | None:
+    """Runs ``kernel(*args, BLOCK=..., **meta)`` over ``n`` elements, ``_UNPACK`` a program:
+    ``True``, or ``None`` (the reference runs) when Triton failed."""
+    block = _per_program(_UNPACK, device)
+    if n and not _launch(kernel, (_cdiv(n, block),), device, *args, BLOCK=block, **meta):
+        return None
+    return True
 
 
 def _has_fp64(device: torch.device) -> bool:
@@ -163,10 +174,7 @@ def unpackbits(
         return None
     packed = packed.contiguous()
     out = torch.empty(n, dtype=dtype, device=packed.device)
-    block = _per_program(_UNPACK, packed.device)
-    if n and not _launch(
-        k.unpackbits_kernel, (_cdiv(n, block),), packed.device, packed, out, n, BLOCK=block
-    ):
+    if not _launch_elementwise(k.unpackbits_kernel, n, packed.device, packed, out, n):
         return None
     return out
 
@@ -268,10 +276,9 @@ def feedback_apply_error(
     if not _fp32_contiguous(x, error, grad, out, scale):
         return None
     length = error.numel()
-    block = _per_program(_UNPACK, error.device)
-    if length and not _launch(
+    return _launch_elementwise(
         k.feedback_error_kernel,
-        (_cdiv(length, block),),
+        length,
         error.device,
         x,
         x if grad is None else grad,
@@ -282,12 +289,9 @@ def feedback_apply_error(
         length,
         float(beta),
         1 - float(beta),
-        BLOCK=block,
         MOMENTUM=grad is not None,
         enable_fp_fusion=False,
-    ):
-        return None
-    return True
+    )
 
 
 @_with_reference("unpack_scaled")
@@ -297,20 +301,9 @@ def unpack_scaled(
     if not _fp32_contiguous(scales, out) or not packed.is_contiguous():
         return None
     n = out.numel()
-    block = _per_program(_UNPACK, out.device)
-    if n and not _launch(
-        k.unpack_scaled_kernel,
-        (_cdiv(n, block),),
-        out.device,
-        packed,
-        scales,
-        out,
-        n,
-        packed.shape[1] * 8,
-        BLOCK=block,
-    ):
-        return None
-    return True
+    return _launch_elementwise(
+        k.unpack_scaled_kernel, n, out.device, packed, scales, out, n, packed.shape[1] * 8
+    )
 
 
 @_with_reference("adam_direction")
@@ -329,10 +322,9 @@ def adam_direction(
         return None
     torch.sqrt(v, out=out)  # torch's sqrt, whose bits the reference has
     n = out.numel()
-    block = _per_program(_UNPACK, out.device)
-    if n and not _launch(
+    return _launch_elementwise(
         k.adam_direction_kernel,
-        (_cdiv(n, block),),
+        n,
         out.device,
         m,
         m if p is None else p,
@@ -342,13 +334,10 @@ def adam_direction(
         0.0 if bound is None else float(bound),
         float(weight_decay),
         -float(eta),
-        BLOCK=block,
         CLAMP=bound is not None,
         DECAY=p is not None,
         enable_fp_fusion=False,
-    ):
-        return None
-    return True
+    )
 
 
 @_with_reference("quantize")
@@ -394,18 +383,8 @@ def dequantize(
         return None
     q, scales = q.contiguous(), scales.contiguous()
     out = torch.empty(n, dtype=torch.float32, device=q.device)
-    block = _per_program(_UNPACK, q.device)
-    if n and not _launch(
-        k.dequantize_kernel,
-        (_cdiv(n, block),),
-        q.device,
-        q,
-        scales,
-        out,
-        n,
-        values // groups,
-        BITS=bits,
-        BLOCK=block,
+    if not _launch_elementwise(
+        k.dequantize_kernel, n, q.device, q, scales, out, n, values // groups, BITS=bits
     ):
         return None
     return out
