@@ -124,66 +124,6 @@ def _feedback_values(x_ptr, g_ptr, e_ptr, idx, n_valid, length, beta, one_minus_
 
 
 @triton.jit
-def _sign_blocks(
-    x_ptr,
-    g_ptr,
-    e_ptr,
-    bits_ptr,
-    sums_ptr,
-    n_valid,
-    length,
-    nbytes,
-    nblocks,
-    beta,
-    one_minus_beta,
-    GROUP: tl.constexpr,
-    BLOCK: tl.constexpr,
-    FP64: tl.constexpr,
-    FEEDBACK: tl.constexpr,
-    MOMENTUM: tl.constexpr,
-):
-    """Packed signs and per-block sums of squares of the first ``length`` elements of ``x``
-    (fp32, fp16 or bf16; ``n_valid == length``), or with ``FEEDBACK`` of the fp32
-    :func:`_feedback_values`, which are never stored."""
-    lanes = tl.arange(0, 16)
-    blocks = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP).to(tl.int64)
-    if FP64:
-        acc = tl.zeros((GROUP, 16), dtype=tl.float64)
-    else:
-        acc = tl.zeros((GROUP, 16), dtype=tl.int64)
-    for k in range(BLOCK // 16):
-        idx = blocks[:, None] * BLOCK + k * 16 + lanes[None, :]
-        inside = idx < length
-        if FEEDBACK:
-            v = _feedback_values(
-                x_ptr, g_ptr, e_ptr, idx, n_valid, length, beta, one_minus_beta, MOMENTUM
-            )
-        else:
-            v = tl.load(x_ptr + idx, mask=inside, other=0.0).to(tl.float32)
-        acc = _signs_and_squares(v, inside, acc, blocks, k, bits_ptr, nbytes, GROUP, BLOCK, FP64)
-    tl.store(sums_ptr + blocks, _fold_halves(acc, GROUP, FP64), mask=blocks < nblocks)
-
-
-@triton.jit
-def sign_blocks_kernel(
-    x_ptr,
-    bits_ptr,
-    sums_ptr,
-    n,
-    nbytes,
-    nblocks,
-    GROUP: tl.constexpr,
-    BLOCK: tl.constexpr,
-    FP64: tl.constexpr,
-):
-    """Packed signs and per-block sums of squares (fp64, or their int64 bits without FP64)."""
-    _sign_blocks(
-        x_ptr, x_ptr, x_ptr, bits_ptr, sums_ptr, n, n, nbytes, nblocks, 0.0, 1.0,
-        GROUP, BLOCK, FP64, False, False,
-    )  # fmt: skip
-
-
-@triton.jit
 def feedback_blocks_kernel(
     x_ptr,
     g_ptr,
@@ -201,10 +141,44 @@ def feedback_blocks_kernel(
     FP64: tl.constexpr,
     MOMENTUM: tl.constexpr,
 ):
-    """:func:`sign_blocks_kernel` of ``v`` (:func:`_feedback_values`), never stored."""
-    _sign_blocks(
-        x_ptr, g_ptr, e_ptr, bits_ptr, sums_ptr, n_valid, length, nbytes, nblocks, beta,
-        one_minus_beta, GROUP, BLOCK, FP64, True, MOMENTUM,
+    """Packed signs and per-block sums of squares (fp64, or their int64 bits without FP64) of
+    ``v`` (:func:`_feedback_values`, never stored); with ``e_ptr=None`` (a compile-time switch)
+    of the first ``length`` elements of ``x`` (fp32, fp16 or bf16; ``n_valid == length``)."""
+    lanes = tl.arange(0, 16)
+    blocks = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP).to(tl.int64)
+    if FP64:
+        acc = tl.zeros((GROUP, 16), dtype=tl.float64)
+    else:
+        acc = tl.zeros((GROUP, 16), dtype=tl.int64)
+    for k in range(BLOCK // 16):
+        idx = blocks[:, None] * BLOCK + k * 16 + lanes[None, :]
+        inside = idx < length
+        if e_ptr is None:
+            v = tl.load(x_ptr + idx, mask=inside, other=0.0).to(tl.float32)
+        else:
+            v = _feedback_values(
+                x_ptr, g_ptr, e_ptr, idx, n_valid, length, beta, one_minus_beta, MOMENTUM
+            )
+        acc = _signs_and_squares(v, inside, acc, blocks, k, bits_ptr, nbytes, GROUP, BLOCK, FP64)
+    tl.store(sums_ptr + blocks, _fold_halves(acc, GROUP, FP64), mask=blocks < nblocks)
+
+
+@triton.jit
+def sign_blocks_kernel(
+    x_ptr,
+    bits_ptr,
+    sums_ptr,
+    n,
+    nbytes,
+    nblocks,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FP64: tl.constexpr,
+):
+    """:func:`feedback_blocks_kernel` of ``x`` itself."""
+    feedback_blocks_kernel(
+        x_ptr, None, None, bits_ptr, sums_ptr, n, n, nbytes, nblocks, 0.0, 1.0, GROUP, BLOCK, FP64,
+        False,
     )  # fmt: skip
 
 
