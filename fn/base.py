@@ -95,7 +95,8 @@ class GradientTransformation(NamedTuple):
       never sees it (``chain``, ``masked``, ``staged`` and ``CompressedOptimizer.update``
       forward it, splitting a donated state as they split ``state``) and allocates as before.
 
-    :func:`apply_updates` takes ``donate=True`` too (``params`` updated in place).
+    :func:`apply_updates` takes ``donate=True`` too (``params`` updated in place), and
+    :func:`update_and_apply` runs both in one step (one pass where ``tx`` has a fused step).
 
     Example:
         >>> import torch, fn
@@ -413,6 +414,11 @@ def register_update_and_apply(
     return tx
 
 
+def registered_update_and_apply(tx: GradientTransformation) -> Callable[..., Any] | None:
+    """The function :func:`register_update_and_apply` gave ``tx``, or ``None``."""
+    return _UPDATE_AND_APPLY.get(tx.update)
+
+
 def update_and_apply(
     tx: GradientTransformation,
     updates: Updates,
@@ -477,7 +483,7 @@ def update_and_apply(
         )
     if not storages_of(p_leaves).isdisjoint(storages_of((updates, state))):
         raise ValueError("update_and_apply: params share memory with the updates or the state")
-    fused = _UPDATE_AND_APPLY.get(tx.update)
+    fused = registered_update_and_apply(tx)
     if fused is not None:
         return fused(updates, state, params, donate=donate, **extra)
     updates, state = tx.update(updates, state, params, donate=donate, **extra)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import threading
-from functools import partial
 from typing import Literal, NamedTuple, get_args
 
 import torch
@@ -17,7 +16,7 @@ from fn.base import (
     apply_updates,
     chain,
     register_update_and_apply,
-    update_and_apply,
+    registered_update_and_apply,
 )
 from fn.transforms._learning_rate import learning_rate_now
 from fn.transforms._leaves import device_of
@@ -352,7 +351,7 @@ def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required, apply=
     def moments_step(ms, vs, gs, ps, count, donated):
         if weight_decay == 0.0 and not apply:
             operands = (*ms, *vs, *gs)
-        elif ps is None or any(p is None for p in ps) or (apply and not can_donate(*ps)):
+        elif ps is None or any(p is None for p in ps):
             return None
         else:
             operands = (*ms, *vs, *gs, *ps)
@@ -513,7 +512,11 @@ def adam(
       run, else leaf by leaf. The fused kernel and the chain agree to fp32 rounding.
 
     Forcing ``"fused"`` or ``"foreach"`` where it cannot run raises a RuntimeError that names
-    the reason. Inputs are never modified.
+    the reason. Inputs are never modified, unless donated (``donate=``, see
+    :class:`fn.GradientTransformation`). ``fn.update_and_apply(tx, grads, state, params)`` runs
+    the update and ``apply_updates`` as one step that writes the params in place: with the fused
+    kernel on fp32/fp64 tensors the kernel writes the params directly, as
+    ``torch.optim.Adam(fused=True)``; in other dtypes it goes through a small workspace.
 
     Reference: Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015.
 
@@ -547,6 +550,7 @@ def adam(
     """
     decay = add_decayed_weights(weight_decay)
     adam_then_lr = _scale_by_adam_then_lr("adam", lr, betas, eps, 0.0, implementation)
+    apply_adam_then_lr = registered_update_and_apply(adam_then_lr)
 
     def init_fn(params):
         return (decay.init(params), *adam_then_lr.init(params))
@@ -558,7 +562,7 @@ def adam(
         updates, decay_state = decay.update(updates, state[0], params, donate=donated[0])
         if donate is not None:
             extra["donate"] = donate if isinstance(donate, bool) else tuple(donated[1:])
-        rest_step = partial(update_and_apply, adam_then_lr) if apply else adam_then_lr.update
+        rest_step = apply_adam_then_lr if apply else adam_then_lr.update
         out, rest = rest_step(updates, tuple(state[1:]), params, **extra)
         return out, (decay_state, *rest)
 
@@ -597,7 +601,10 @@ def adamw(
     (``torch.optim.AdamW(fused=True)``'s kernel; its params and ``apply_updates``'s agree bit
     for bit wherever a step moves a param by less than half of it), ``"foreach"`` and
     ``"chain"`` run the chain with foreach or per-leaf ops, and ``"auto"`` (the default) picks
-    ``"fused"`` where it can run and the chain elsewhere.
+    ``"fused"`` where it can run and the chain elsewhere. ``fn.update_and_apply`` runs the
+    update and ``apply_updates`` as one step that writes the params in place (the fused kernel
+    on a small workspace: the params are read and written once, and ``p + (p' - p)`` is
+    computed there as ``apply_updates`` does).
 
     Reference: Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
 

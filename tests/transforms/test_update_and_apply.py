@@ -90,6 +90,9 @@ def test_fused_kernel_writes_the_params(monkeypatch):
     for tx in (fn.adam(1e-2), fn.adam(1e-2, weight_decay=0.1), fn.adamw(1e-2)):
         _run(tx, _params(SIZES), "in place", steps=2)
         _run(tx, _params(SIZES, torch.bfloat16), "spare", steps=2)
+        with torch.no_grad():  # a model's params, outside autograd
+            leaves = {k: p.requires_grad_(True) for k, p in _params(SIZES).items()}
+            _run(tx, leaves, "in place", steps=2)
 
 
 def test_a_leaf_without_gradient_keeps_its_param_and_moments():
