@@ -19,7 +19,6 @@ every host-side decision of update ``t`` as Python bools: pass ``plan=opt.plan(t
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
@@ -27,6 +26,7 @@ import torch
 
 from fn._donation import split_donated, storages_of
 from fn._foreach import foreach_ok
+from fn._fused_steps import update_and_apply_step
 from fn._validation import check_step_or_plan
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
@@ -400,25 +400,6 @@ def apply_updates(params: Params, updates: Updates, *, donate: bool = False) -> 
     return tree_unflatten(out, spec)
 
 
-# The fused steps of fn.update_and_apply, by the update function of their transform.
-_UPDATE_AND_APPLY: weakref.WeakKeyDictionary[Callable, Callable] = weakref.WeakKeyDictionary()
-
-
-def register_update_and_apply(
-    tx: GradientTransformation, update_and_apply_fn: Callable[..., tuple[Params, OptState]]
-) -> GradientTransformation:
-    """Returns ``tx``, whose steps in :func:`update_and_apply` run ``update_and_apply_fn(updates,
-    state, params, donate=..., **extra) -> (params, state)``: the params updated in place, with
-    the values of ``tx.update`` then ``apply_updates`` bit for bit."""
-    _UPDATE_AND_APPLY[tx.update] = update_and_apply_fn
-    return tx
-
-
-def registered_update_and_apply(tx: GradientTransformation) -> Callable[..., Any] | None:
-    """The function :func:`register_update_and_apply` gave ``tx``, or ``None``."""
-    return _UPDATE_AND_APPLY.get(tx.update)
-
-
 def update_and_apply(
     tx: GradientTransformation,
     updates: Updates,
@@ -483,7 +464,7 @@ def update_and_apply(
         )
     if not storages_of(p_leaves).isdisjoint(storages_of((updates, state))):
         raise ValueError("update_and_apply: params share memory with the updates or the state")
-    fused = registered_update_and_apply(tx)
+    fused = update_and_apply_step(tx)
     if fused is not None:
         return fused(updates, state, params, donate=donate, **extra)
     updates, state = tx.update(updates, state, params, donate=donate, **extra)

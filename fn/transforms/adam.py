@@ -10,14 +10,9 @@ import torch
 
 from fn._donation import buffer_like, can_donate, donated_leaves, donated_state, split_donated
 from fn._foreach import foreach_blocker, foreach_ok, per_leaf
+from fn._fused_steps import register_update_and_apply, update_and_apply_step
 from fn._validation import check_betas, check_nonnegative, check_shapes
-from fn.base import (
-    GradientTransformation,
-    apply_updates,
-    chain,
-    register_update_and_apply,
-    registered_update_and_apply,
-)
+from fn.base import GradientTransformation, apply_updates, chain
 from fn.transforms._learning_rate import learning_rate_now
 from fn.transforms._leaves import device_of
 from fn.transforms.learning_rate import (
@@ -550,7 +545,7 @@ def adam(
     """
     decay = add_decayed_weights(weight_decay)
     adam_then_lr = _scale_by_adam_then_lr("adam", lr, betas, eps, 0.0, implementation)
-    apply_adam_then_lr = registered_update_and_apply(adam_then_lr)
+    apply_adam_then_lr = update_and_apply_step(adam_then_lr)
 
     def init_fn(params):
         return (decay.init(params), *adam_then_lr.init(params))
