@@ -367,6 +367,8 @@ def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required, apply=
             )  # fmt: skip
 
         decoupled = weight_decay != 0.0
+        if apply and donated is None:  # nothing fits: the new moments are new tensors
+            donated = ([None] * len(gs), [None] * len(gs))
         if apply and not decoupled and gs[0].dtype in (torch.float32, torch.float64):
             new_ms, new_vs = (
                 _donated_copies(*pair) for pair in zip((ms, vs), donated, strict=True)

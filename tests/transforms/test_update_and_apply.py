@@ -149,3 +149,16 @@ def test_rejects_params_sharing_memory_with_updates_or_state():
     with pytest.raises(ValueError, match="share memory"):
         fn.update_and_apply(tx, _grads(params, torch.Generator()), state, state[1].mu)
     assert _same(params, before)
+
+
+def test_a_donated_state_without_tensors_allocates_the_new_moments():
+    tx = fn.adam(1e-2)
+    params = _params(SIZES)
+    pure_params = {k: p.clone() for k, p in params.items()}
+    state = tx.init(params)
+    grads = _grads(params, torch.Generator().manual_seed(0))
+    updates, pure_state = tx.update(dict(grads), state, pure_params)
+    pure_params = fn.apply_updates(pure_params, updates)
+    params, new_state = fn.update_and_apply(tx, dict(grads), state, params, donate=(None,) * 3)
+    assert _same(params, pure_params) and _same(new_state, pure_state)
+    assert new_state[1].mu["p0"] is not state[1].mu["p0"]
