@@ -16,10 +16,12 @@ better; the target for fn eager is <= 1.2); "vs fused" is time / the time of
 state; "fn.adam eager donated" runs it with buffer donation (``update(..., donate=True)`` in place
 on the state, the update written into the gradients' tensors, ``apply_updates(...,
 donate=True)``; the gradients are copied back into their tensors before each step, untimed, as a
-backward pass writes them): the target for it is "vs fused" <= 1.2. After the run fn eager's
-params are compared with fused Adam's bit for bit (the lr, 2^-10, is exact in fp32 as fn stores
-it) and with foreach Adam's (max abs difference), and the donated run's with fn eager's (bit for
-bit). ``--adamw`` times AdamW instead.
+backward pass writes them); "fn.adam update_and_apply" runs ``fn.update_and_apply(tx, grads,
+state, params)`` (the same values; the fused kernel writes the params and the state in place,
+the gradients are only read): the target for these two is "vs fused" <= 1.2. After the run fn
+eager's params are compared with fused Adam's bit for bit (the lr, 2^-10, is exact in fp32 as fn
+stores it) and with foreach Adam's (max abs difference), and the last two runs' with fn eager's
+(bit for bit). ``--adamw`` times AdamW instead.
 
 Run: python3 benchmarks/optimizer_step.py [--repeats 30] [--warmup 5] [--no-compile] [--adamw]
      python3 benchmarks/optimizer_step.py --vocab 64 --d-model 16 --layers 1 --repeats 2  (tiny)
@@ -69,7 +71,7 @@ def make_steppers(
     shapes: dict[str, tuple[int, ...]], lr: float, compile_fn: bool, adamw: bool
 ) -> dict[str, tuple[Callable[[], None], Callable[[], dict[str, torch.Tensor]]]]:
     """``name -> (step, current params[, untimed preparation before each step])``: torch foreach
-    and fused, fn eager, fn compiled, fn eager donated (last)."""
+    and fused, fn eager, fn compiled, fn eager donated and fn.update_and_apply (the last two)."""
     gen = torch.Generator().manual_seed(0)
     params0 = {k: torch.randn(s, generator=gen) * 0.02 for k, s in shapes.items()}
     grads = {k: torch.randn(s, generator=gen) * 1e-3 for k, s in shapes.items()}
@@ -105,24 +107,31 @@ def make_steppers(
         steppers[name] = (step, lambda box=box: box["params"])
 
     # Donated: the update writes into the state and the gradients' tensors, apply_updates into
-    # the params. The gradients are copied into their (donated) buffers before each timed step,
-    # untimed, as a backward pass would write them.
-    box = {"params": {k: p.clone() for k, p in params0.items()}}
-    box["state"] = tx.init(box["params"])
-    buffers = {k: g.clone() for k, g in grads.items()}
-
-    def donated_step(box=box):
-        updates, box["state"] = tx.update(buffers, box["state"], box["params"], donate=True)
+    # the params; update_and_apply writes the state and the params (the gradients are only read).
+    # The gradients are copied into their (donated) buffers before each timed step, untimed, as
+    # a backward pass would write them.
+    def donated_step(box):
+        updates, box["state"] = tx.update(box["grads"], box["state"], box["params"], donate=True)
         fn.apply_updates(box["params"], updates, donate=True)
 
-    def refill():
-        torch._foreach_copy_(list(buffers.values()), list(grads.values()))
+    def fused_apply_step(box):
+        box["params"], box["state"] = fn.update_and_apply(
+            tx, box["grads"], box["state"], box["params"]
+        )
 
-    steppers[f"fn.{fn_factory.__name__} eager donated"] = (
-        donated_step,
-        lambda box=box: box["params"],
-        refill,
-    )
+    for name, step_fn in (("eager donated", donated_step), ("update_and_apply", fused_apply_step)):
+        box = {"params": {k: p.clone() for k, p in params0.items()}}
+        box["state"] = tx.init(box["params"])
+        box["grads"] = {k: g.clone() for k, g in grads.items()}
+
+        def refill(box=box):
+            torch._foreach_copy_(list(box["grads"].values()), list(grads.values()))
+
+        steppers[f"fn.{fn_factory.__name__} {name}"] = (
+            lambda box=box, step_fn=step_fn: step_fn(box),
+            lambda box=box: box["params"],
+            refill,
+        )
     return steppers
 
 
@@ -165,7 +174,6 @@ def main(argv: list[str] | None = None) -> None:
             times[name].append(time.perf_counter() - start)
 
     base_name, fused_name, eager_name = list(steppers)[:3]
-    donated_name = list(steppers)[-1]
     base = statistics.median(times[base_name])
     fused = statistics.median(times[fused_name])
     print(f"median of {args.repeats} steps after {args.warmup} warmup steps; ratio = time / the")
@@ -180,9 +188,10 @@ def main(argv: list[str] | None = None) -> None:
         diff = max((ref[k] - got[k]).abs().max().item() for k in shapes)
         same = all(torch.equal(ref[k], got[k]) for k in shapes)
         print(f"  {name:34s} max |difference| {diff:.3g}, bit-identical: {same}")
-    donated = steppers[donated_name][1]()
-    same = all(torch.equal(donated[k], got[k]) for k in shapes)
-    print(f"params of {donated_name} equal to {eager_name}'s bit for bit: {same}")
+    for donated_name in list(steppers)[-2:]:
+        donated = steppers[donated_name][1]()
+        same = all(torch.equal(donated[k], got[k]) for k in shapes)
+        print(f"params of {donated_name} equal to {eager_name}'s bit for bit: {same}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from fn.base import (
     staged,
     stateless,
     stateless_with_tree_map,
+    update_and_apply,
 )
 from fn.transforms import *  # noqa: F403
 from fn.transforms import __all__ as _transforms_all
@@ -44,5 +45,6 @@ __all__ = [
     "staged",
     "stateless",
     "stateless_with_tree_map",
+    "update_and_apply",
     *_transforms_all,
 ]

@@ -26,6 +26,7 @@ import torch
 
 from fn._donation import split_donated, storages_of
 from fn._foreach import foreach_ok
+from fn._fused_steps import update_and_apply_step
 from fn._validation import check_step_or_plan
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
@@ -44,6 +45,7 @@ __all__ = [
     "stateless_with_tree_map",
     "chain",
     "apply_updates",
+    "update_and_apply",
     "staged",
     "set_hyperparams",
     "get_hyperparam",
@@ -93,7 +95,8 @@ class GradientTransformation(NamedTuple):
       never sees it (``chain``, ``masked``, ``staged`` and ``CompressedOptimizer.update``
       forward it, splitting a donated state as they split ``state``) and allocates as before.
 
-    :func:`apply_updates` takes ``donate=True`` too (``params`` updated in place).
+    :func:`apply_updates` takes ``donate=True`` too (``params`` updated in place), and
+    :func:`update_and_apply` runs both in one step (one pass where ``tx`` has a fused step).
 
     Example:
         >>> import torch, fn
@@ -395,6 +398,77 @@ def apply_updates(params: Params, updates: Updates, *, donate: bool = False) -> 
     for (i, p, _), s in zip(pairs, sums, strict=True):
         out[i] = s.to(p.dtype)
     return tree_unflatten(out, spec)
+
+
+def update_and_apply(
+    tx: GradientTransformation,
+    updates: Updates,
+    state: OptState,
+    params: Params,
+    *,
+    donate: Any = True,
+    **extra: Any,
+) -> tuple[Params, OptState]:
+    """One optimizer step that updates the params in place, the same as::
+
+        updates, state = tx.update(updates, state, params, donate=donate, **extra)
+        params = fn.apply_updates(params, updates, donate=True)
+
+    bit for bit, with one pass over the params where ``tx`` has a fused step: ``fn.adam`` and
+    ``fn.adamw`` where their fused kernel runs (see :func:`fn.adam`) write the new params and
+    moments directly, reading the params, gradients and moments once as
+    ``torch.optim.Adam(fused=True)`` does, instead of writing the updates and reading them back.
+    Other transforms run the two lines above.
+
+    Args:
+        tx: the transformation.
+        updates: the incoming updates (gradients), donated as by ``tx.update(...,
+            donate=...)``: their tensors may be written.
+        state: ``tx``'s state.
+        params: the params, updated in place and returned (the same tensors). They must not
+            share memory with ``updates`` or ``state``.
+        donate: the donated state, ``True`` (``state`` is written in place) or a state of
+            ``state``'s structure (see :class:`GradientTransformation`).
+        **extra: passed on to ``tx.update`` (e.g. ``step``).
+
+    Returns:
+        ``(params, new_state)``.
+
+    Raises:
+        ValueError: ``donate`` is ``None`` or ``False`` (this step writes the state: use
+            ``tx.update`` for a pure one), ``params`` is ``None``, a param requires grad while
+            autograd records, or the params share memory with the updates or the state.
+
+    Example:
+        >>> import torch, fn
+        >>> tx = fn.adam(lr=0.1)
+        >>> params = {"w": torch.tensor([1.0, -2.0])}
+        >>> state = tx.init(params)
+        >>> w, grads = params["w"], {"w": torch.tensor([0.5, -0.25])}
+        >>> params, state = fn.update_and_apply(tx, grads, state, params)
+        >>> params["w"] is w, w  # the first step is -lr * sign(g)
+        (True, tensor([ 0.9000, -1.9000]))
+    """
+    if donate is None or donate is False:
+        raise ValueError(
+            "update_and_apply: donate must be True or a donated state (the step writes the "
+            f"state), got {donate!r}; use tx.update and fn.apply_updates for a pure step"
+        )
+    if params is None:
+        raise ValueError("update_and_apply: params are required (they are updated in place)")
+    p_leaves = [p for p in tree_flatten(params)[0] if isinstance(p, torch.Tensor)]
+    if torch.is_grad_enabled() and any(p.requires_grad for p in p_leaves):
+        raise ValueError(
+            "update_and_apply: a param requires grad while autograd records; run the step "
+            "under torch.no_grad() or pass detached params"
+        )
+    if not storages_of(p_leaves).isdisjoint(storages_of((updates, state))):
+        raise ValueError("update_and_apply: params share memory with the updates or the state")
+    fused = update_and_apply_step(tx)
+    if fused is not None:
+        return fused(updates, state, params, donate=donate, **extra)
+    updates, state = tx.update(updates, state, params, donate=donate, **extra)
+    return apply_updates(params, updates, donate=True), state
 
 
 class StagedState(NamedTuple):

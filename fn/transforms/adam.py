@@ -10,8 +10,9 @@ import torch
 
 from fn._donation import buffer_like, can_donate, donated_leaves, donated_state, split_donated
 from fn._foreach import foreach_blocker, foreach_ok, per_leaf
+from fn._fused_steps import register_update_and_apply, update_and_apply_step
 from fn._validation import check_betas, check_nonnegative, check_shapes
-from fn.base import GradientTransformation, chain
+from fn.base import GradientTransformation, apply_updates, chain
 from fn.transforms._learning_rate import learning_rate_now
 from fn.transforms._leaves import device_of
 from fn.transforms.learning_rate import (
@@ -244,37 +245,54 @@ def _scale_by_adam_then_lr(
     def cannot_run(reason):
         return RuntimeError(f"{name}: implementation={implementation!r} cannot run: {reason}")
 
-    def update_fn(updates, state, params=None, *, donate=None, **extra):
-        if donate is not None:
-            extra["donate"] = donate
+    def unfused(updates, state, params, extra):
         if implementation == "chain":
             return per_leaf(chained.update, updates, state, params, **extra)
-        moments_state, lr_state = state
-        decayed = params if decoupled_weight_decay != 0.0 else None
         if implementation == "foreach":
-            operands = tree_leaves((updates, moments_state, lr_state, decayed))
-            reason = foreach_blocker(*operands)
+            moments_state, lr_state = state
+            decayed = params if decoupled_weight_decay != 0.0 else None
+            reason = foreach_blocker(*tree_leaves((updates, moments_state, lr_state, decayed)))
             if reason is not None:
                 raise cannot_run(reason)
-            return chained.update(updates, state, params, **extra)
-        fused = None
-        reason = foreach_blocker(lr_state.count, lr_state.lr)
-        if reason is None:
-            current = learning_rate_now(lr, lr_state.count, lr_state.lr)
-            moments_step = _fused_adam_step(
-                b1, b2, eps, current, decoupled_weight_decay, cannot_run, implementation == "fused"
-            )
-            donated = split_donated(name, donated_state(donate, state), 2)[0]
-            donated = donated_state(donated, moments_state)
-            fused = _step_live_leaves(name, updates, moments_state, moments_step, decayed, donated)
-        elif implementation == "fused":
-            raise cannot_run(reason)
-        if fused is None:
-            return chained.update(updates, state, params, **extra)
-        updates, moments_state = fused
-        return updates, (moments_state, ScaleByLearningRateState(lr_state.count + 1, current))
+        return chained.update(updates, state, params, **extra)
 
-    return GradientTransformation(chained.init, update_fn)
+    def step(updates, state, params, donate, extra, apply):
+        """``update_fn``, or with ``apply`` the step of :func:`fn.update_and_apply`: the params
+        updated in place and returned in place of the updates."""
+        if donate is not None:
+            extra["donate"] = donate
+        fused = None
+        if implementation in ("auto", "fused"):
+            moments_state, lr_state = state
+            reason = foreach_blocker(lr_state.count, lr_state.lr)
+            if reason is None:
+                current = learning_rate_now(lr, lr_state.count, lr_state.lr)
+                moments_step = _fused_adam_step(
+                    b1, b2, eps, current, decoupled_weight_decay, cannot_run,
+                    implementation == "fused", apply,
+                )  # fmt: skip
+                donated = split_donated(name, donated_state(donate, state), 2)[0]
+                donated = donated_state(donated, moments_state)
+                read = params if apply or decoupled_weight_decay != 0.0 else None
+                fused = _step_live_leaves(name, updates, moments_state, moments_step, read, donated)
+            elif implementation == "fused":
+                raise cannot_run(reason)
+        if fused is None:
+            updates, state = unfused(updates, state, params, extra)
+            return (apply_updates(params, updates, donate=True) if apply else updates), state
+        updates, moments_state = fused
+        state = (moments_state, ScaleByLearningRateState(lr_state.count + 1, current))
+        return (params if apply else updates), state
+
+    def update_fn(updates, state, params=None, *, donate=None, **extra):
+        return step(updates, state, params, donate, extra, apply=False)
+
+    def update_and_apply_fn(updates, state, params, *, donate, **extra):
+        return step(updates, state, params, donate, extra, apply=True)
+
+    return register_update_and_apply(
+        GradientTransformation(chained.init, update_fn), update_and_apply_fn
+    )
 
 
 # Devices and dtypes where fn uses torch._fused_adam_ (torch.optim.Adam(fused=True)'s kernel);
@@ -305,7 +323,7 @@ def _fused_blocker(operands, count, lr):
     return None
 
 
-def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required):
+def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required, apply=False):
     """A ``moments_step`` for :func:`_step_live_leaves` computing the new moments and the update
     ``-lr * m_hat / (sqrt(v_hat) + eps)`` (with ``weight_decay``: AdamW's
     ``-lr * wd * p - lr * m_hat / (sqrt(v_hat) + eps)``) with one ``torch._fused_adam_`` or
@@ -318,10 +336,15 @@ def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required):
     and of a "param": zeros for Adam, whose result ``0 - step`` is the update (``p + update`` is
     then the kernel's ``p - step`` exactly), or a copy ``p'`` of the params for AdamW, whose
     update is ``p' - p`` (exact, and so is ``p + update``, wherever ``p' / p`` lies in
-    [1/2, 2])."""
+    [1/2, 2]).
+
+    With ``apply`` (donated state only, see :func:`fn.update_and_apply`) it adds the update to
+    the params in place and returns ``None`` updates: fp32/fp64 Adam runs the kernel on the
+    params themselves (``p - step``, the value of ``p + (0 - step)``), the rest through the
+    workspace of :func:`_fused_in_pieces`."""
 
     def moments_step(ms, vs, gs, ps, count, donated):
-        if weight_decay == 0.0:
+        if weight_decay == 0.0 and not apply:
             operands = (*ms, *vs, *gs)
         elif ps is None or any(p is None for p in ps):
             return None
@@ -343,8 +366,17 @@ def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required):
                 weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
             )  # fmt: skip
 
-        if donated is not None and can_donate(*gs):
-            return _fused_in_pieces(run, ms, vs, gs, ps if weight_decay != 0.0 else None, *donated)
+        decoupled = weight_decay != 0.0
+        if apply and donated is None:  # nothing fits: the new moments are new tensors
+            donated = ([None] * len(gs), [None] * len(gs))
+        if apply and not decoupled and gs[0].dtype in (torch.float32, torch.float64):
+            new_ms, new_vs = (
+                _donated_copies(*pair) for pair in zip((ms, vs), donated, strict=True)
+            )
+            run(ps, gs, new_ms, new_vs)
+            return new_ms, new_vs, [None] * len(gs)
+        if apply or (donated is not None and can_donate(*gs)):
+            return _fused_in_pieces(run, ms, vs, gs, ps, *donated, decoupled=decoupled, apply=apply)
         new_ms = [m.clone() for m in ms]
         new_vs = [v.clone() for v in vs]
         us = [torch.zeros_like(g) for g in gs] if weight_decay == 0.0 else [p.clone() for p in ps]
@@ -359,9 +391,9 @@ def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required):
 # The donated fused step runs the kernel on pieces of at most _PIECE elements of each leaf, up to
 # _WORKSPACE elements per call, with a per-thread workspace of _WORKSPACE elements per dtype and
 # device (4 MiB in fp32) taking the "param" that the kernel updates in place: small enough to stay
-# in cache, so each piece's update is copied into the gradient's tensor at cache speed. Pieces
-# start at multiples of _PIECE in their leaf, so the kernel splits every leaf into vectors and a
-# scalar tail where it does without pieces: the same bits.
+# in cache, so each piece's update is copied into the gradient's tensor (or added to the param)
+# at cache speed. Pieces start at multiples of _PIECE in their leaf, so the kernel splits every
+# leaf into vectors and a scalar tail where it does without pieces: the same bits.
 _PIECE = 1 << 18
 _WORKSPACE = 1 << 20
 _workspaces = threading.local()
@@ -392,35 +424,49 @@ def _batches(gs):
         yield batch
 
 
-def _fused_in_pieces(run, ms, vs, gs, ps, dms, dvs):
+def _piece(t, start, stop):
+    """Elements ``start:stop`` of the contiguous ``t``: ``t`` itself when that is all of it."""
+    return t if stop - start == t.numel() else t.view(-1)[start:stop]
+
+
+def _fused_in_pieces(run, ms, vs, gs, ps, dms, dvs, *, decoupled, apply):
     """The fused step of :func:`_fused_adam_step` without a full-size temporary: the new
     moments in the donated ones (in place where they are the same tensors; copied piece by
     piece into the others; new tensors where none fits), the updates in the gradients' tensors
-    (read by the kernel first). ``run(us, gs, ms, vs)`` calls the kernel; ``ps``: AdamW's params
-    (the kernel's "param" starts as a copy of them and the update is ``p' - p``), ``None`` for
-    Adam (it starts at zero and the update is ``0 - step``)."""
+    (read by the kernel first), or, with ``apply``, added to the params ``ps`` in place (the
+    gradients only read; the updates returned are ``None``). ``run(us, gs, ms, vs)`` calls the
+    kernel; ``decoupled``: AdamW (the kernel's "param" starts as a copy of the params and the
+    update is ``p' - p``), else Adam (it starts at zero and the update is ``0 - step``)."""
     new_ms = [buffer_like(d, m) for m, d in zip(ms, dms, strict=True)]
     new_vs = [buffer_like(d, v) for v, d in zip(vs, dvs, strict=True)]
-    leaves = [ms, vs, gs, new_ms, new_vs] + ([ps] if ps is not None else [])
-    flat = [[t.view(-1) for t in group] for group in leaves]
     workspace = _workspace(gs[0].dtype, gs[0].device)
     for batch in _batches(gs):
-        m, v, g, new_m, new_v, *p = ([x[i][a:b] for i, a, b in batch] for x in flat)
+        g, m, v = ([_piece(x[i], a, b) for i, a, b in batch] for x in (gs, new_ms, new_vs))
+        moved = [
+            (_piece(new[i], a, b), _piece(old[i], a, b))
+            for new, old in ((new_ms, ms), (new_vs, vs))
+            for i, a, b in batch
+            if new[i] is not old[i]
+        ]
+        if moved:
+            torch._foreach_copy_([n for n, _ in moved], [o for _, o in moved])
         size = sum(b - a for _, a, b in batch)
-        work = list(workspace[:size].split([b - a for _, a, b in batch]))
-        for new, old in ((new_m, m), (new_v, v)):
-            pairs = [(n, o) for n, o in zip(new, old, strict=True) if n.data_ptr() != o.data_ptr()]
-            if pairs:
-                torch._foreach_copy_([n for n, _ in pairs], [o for _, o in pairs])
-        if ps is None:
-            workspace[:size].zero_()
+        sizes = [x.numel() for x in g]
+        work = [w.view_as(x) for w, x in zip(workspace[:size].split(sizes), g, strict=True)]
+        if decoupled or apply:
+            p = [_piece(ps[i], a, b) for i, a, b in batch]
+        if decoupled:
+            torch._foreach_copy_(work, p)
         else:
-            torch._foreach_copy_(work, p[0])
-        run(work, g, new_m, new_v)
-        if ps is not None:
-            torch._foreach_sub_(work, p[0])
-        torch._foreach_copy_(g, work)
-    return new_ms, new_vs, list(gs)
+            workspace[:size].zero_()
+        run(work, g, m, v)
+        if decoupled:
+            torch._foreach_sub_(work, p)
+        if apply:
+            torch._foreach_add_(p, work)
+        else:
+            torch._foreach_copy_(g, work)
+    return new_ms, new_vs, ([None] * len(gs) if apply else list(gs))
 
 
 def adam(
@@ -463,7 +509,11 @@ def adam(
       run, else leaf by leaf. The fused kernel and the chain agree to fp32 rounding.
 
     Forcing ``"fused"`` or ``"foreach"`` where it cannot run raises a RuntimeError that names
-    the reason. Inputs are never modified.
+    the reason. Inputs are never modified, unless donated (``donate=``, see
+    :class:`fn.GradientTransformation`). ``fn.update_and_apply(tx, grads, state, params)`` runs
+    the update and ``apply_updates`` as one step that writes the params in place: with the fused
+    kernel on fp32/fp64 tensors the kernel writes the params directly, as
+    ``torch.optim.Adam(fused=True)``; in other dtypes it goes through a small workspace.
 
     Reference: Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015.
 
@@ -497,21 +547,31 @@ def adam(
     """
     decay = add_decayed_weights(weight_decay)
     adam_then_lr = _scale_by_adam_then_lr("adam", lr, betas, eps, 0.0, implementation)
+    apply_adam_then_lr = update_and_apply_step(adam_then_lr)
 
     def init_fn(params):
         return (decay.init(params), *adam_then_lr.init(params))
 
-    def update_fn(updates, state, params=None, *, donate=None, **extra):
+    def step(updates, state, params, donate, extra, apply):
         if len(state) != 3:
             raise ValueError(f"adam: expected a state of 3 entries, got {len(state)}")
         donated = split_donated("adam", donate, 3)
         updates, decay_state = decay.update(updates, state[0], params, donate=donated[0])
         if donate is not None:
             extra["donate"] = donate if isinstance(donate, bool) else tuple(donated[1:])
-        updates, rest = adam_then_lr.update(updates, tuple(state[1:]), params, **extra)
-        return updates, (decay_state, *rest)
+        rest_step = apply_adam_then_lr if apply else adam_then_lr.update
+        out, rest = rest_step(updates, tuple(state[1:]), params, **extra)
+        return out, (decay_state, *rest)
 
-    return GradientTransformation(init_fn, update_fn)
+    def update_fn(updates, state, params=None, *, donate=None, **extra):
+        return step(updates, state, params, donate, extra, apply=False)
+
+    def update_and_apply_fn(updates, state, params, *, donate, **extra):
+        return step(updates, state, params, donate, extra, apply=True)
+
+    return register_update_and_apply(
+        GradientTransformation(init_fn, update_fn), update_and_apply_fn
+    )
 
 
 def adamw(
@@ -538,7 +598,10 @@ def adamw(
     (``torch.optim.AdamW(fused=True)``'s kernel; its params and ``apply_updates``'s agree bit
     for bit wherever a step moves a param by less than half of it), ``"foreach"`` and
     ``"chain"`` run the chain with foreach or per-leaf ops, and ``"auto"`` (the default) picks
-    ``"fused"`` where it can run and the chain elsewhere.
+    ``"fused"`` where it can run and the chain elsewhere. ``fn.update_and_apply`` runs the
+    update and ``apply_updates`` as one step that writes the params in place (the fused kernel
+    on a small workspace: the params are read and written once, and ``p + (p' - p)`` is
+    computed there as ``apply_updates`` does).
 
     Reference: Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
 

@@ -1,0 +1,24 @@
+"""The fused steps of :func:`fn.update_and_apply`: transforms that can write the params
+directly register a step here, keyed by their ``update`` function (weakly: a transform that is
+dropped takes its entry with it)."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+_STEPS: weakref.WeakKeyDictionary[Callable, Callable] = weakref.WeakKeyDictionary()
+
+
+def register_update_and_apply(tx: Any, step: Callable[..., tuple[Any, Any]]) -> Any:
+    """Returns the GradientTransformation ``tx``, whose steps in :func:`fn.update_and_apply` run
+    ``step(updates, state, params, donate=..., **extra) -> (params, state)``: the params updated
+    in place, with the values of ``tx.update`` then ``apply_updates`` bit for bit."""
+    _STEPS[tx.update] = step
+    return tx
+
+
+def update_and_apply_step(tx: Any) -> Callable[..., tuple[Any, Any]] | None:
+    """The step registered for ``tx`` by :func:`register_update_and_apply`, or ``None``."""
+    return _STEPS.get(tx.update)
