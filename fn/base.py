@@ -414,7 +414,9 @@ def update_and_apply(
         updates, state = tx.update(updates, state, params, donate=donate, **extra)
         params = fn.apply_updates(params, updates, donate=True)
 
-    bit for bit, with one pass over the params where ``tx`` has a fused step: ``fn.adam`` and
+    bit for bit (one exception: a param of ``-0.0`` whose step is exactly zero may stay ``-0.0``
+    where the two calls give ``+0.0``; the values are equal), with one pass over the params where
+    ``tx`` has a fused step: ``fn.adam`` and
     ``fn.adamw`` where their fused kernel runs (see :func:`fn.adam`) write the new params and
     moments directly, reading the params, gradients and moments once as
     ``torch.optim.Adam(fused=True)`` does, instead of writing the updates and reading them back.
