@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 
 from fn import kernels
-from fn._donation import eager, fitting
+from fn._donation import donated_state, donating, eager, fitting
 from fn._validation import finite_or_raise
 from fn.base import EmptyState, GradientTransformation
 from fn.collectives import _sizes
@@ -445,7 +445,7 @@ def quantized_allreduce(
 
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         del params, extra
-        return tree_map(reduce if donate is None else reduce_into, updates), state
+        return tree_map(reduce_into if donating(donate) else reduce, updates), state
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -578,15 +578,16 @@ def loco_allreduce(
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         del params, extra
         count = state.count + 1
+        donated = donated_state(donate, state)
         if comm.world_size == 1:
             return updates, state._replace(count=count)
         reset = state.count % reset_T == 0
         leaves, spec = tree_flatten(updates)
         stored = spec.flatten_up_to(state.errors)
-        if donate is None:
+        if donated is None:
             given = [None] * len(leaves)
         else:
-            given = spec.flatten_up_to((state if donate is True else donate).errors)
+            given = spec.flatten_up_to(donated.errors)
         out, new_stored = [], []
         for u, buffers, donated in zip(leaves, stored, given, strict=True):
             if u is None or u.numel() == 0:
@@ -595,7 +596,7 @@ def loco_allreduce(
                 continue
             if buffers is None:
                 raise ValueError("loco_allreduce: an update leaf has no error state")
-            if donate is None:
+            if donated is None:
                 y, new = leaf_pure(u, buffers, reset)
             else:
                 y, new = leaf_donated(u, buffers, donated or (None,) * len(buffers), reset)
