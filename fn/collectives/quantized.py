@@ -436,7 +436,7 @@ def quantized_allreduce(
             return u
         if not eager(u):
             return _into(u, reduce(u))
-        _flat_padded(u[:0].reshape(-1), plan)  # the type check
+        _flat_padded(u.reshape(-1)[:0], plan)  # the type check
         return _allreduce_into(u, (None,) * (len(plan.hops) + 1), None, plan, 0.0)
 
     def init_fn(params):
@@ -567,7 +567,7 @@ def loco_allreduce(
         if error_dtype != torch.float32 or not eager(u):
             y, new = leaf_pure(u, buffers, reset)
             return _into(u, y), tuple(_into(g, e) for g, e in zip(given, new, strict=True))
-        _flat_padded(u[:0].reshape(-1), plan)  # the type check
+        _flat_padded(u.reshape(-1)[:0], plan)  # the type check
         errors = (None,) * len(buffers) if bool(reset) else tuple(buffers)
         outs = tuple(
             g if fitting(g, b) is not None else torch.empty_like(b)
