@@ -189,8 +189,13 @@ def test_a_step_failing_in_any_collective_changes_nothing(name):
     load_state_dict the run goes on as the uninterrupted one."""
     comm = Mirror()
     model, reference = make_model(), make_model()
-    opt = FAULTY[name](model.parameters(), comm)
-    ref_opt = FAULTY[name](reference.parameters(), Mirror())
+
+    def groups(m):  # a failure in the second group's update must not commit the first's
+        ps = list(m.parameters())
+        return [{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-3}]
+
+    opt = FAULTY[name](groups(model), comm)
+    ref_opt = FAULTY[name](groups(reference), Mirror())
     for t in range(6):
         for m in (model, reference):
             m.zero_grad()
@@ -209,7 +214,9 @@ def test_a_step_failing_in_any_collective_changes_nothing(name):
                 comm.fail_at = None
             now = opt.state_dict()
             assert same_bits(now, held_bits), f"step {t}, call {fail_at}: state changed"
-            assert now["state"][0]["step"] == held["state"][0]["step"]
+            assert [r["step"] for r in now["state"].values()] == [
+                r["step"] for r in held["state"].values()
+            ]
             assert torch.equal(flat_params(model), params), f"step {t}, call {fail_at}"
         assert torch.equal(flat_params(model), flat_params(reference)), f"step {t} differs"
         if t == 1:
