@@ -5,6 +5,7 @@ first write, and no fresh full-size tensor in steady state (counted as minor pag
 from __future__ import annotations
 
 import resource
+import warnings
 
 import pytest
 import torch
@@ -232,3 +233,36 @@ def test_a_failing_collective_leaves_the_donated_buffers_intact(name):
         assert same_bits(got, want)
     spare_ids = {id(x) for x in tree_flatten(spare)[0]}
     assert any(id(x) in spare_ids for x in tree_flatten(got[1])[0]), "nothing was donated"
+
+
+def _nan_in_a_later_leaf_worker(rank, world_size):
+    """Every donating compressed update and ``onebit_allreduce`` with a NaN in the last leaf
+    of rank 1 only: every rank raises and keeps every buffer (live state, spare, grads)."""
+    comm = ProcessGroup()
+    warnings.simplefilter("ignore", RuntimeWarning)  # the unsafe-variance warning
+    transforms = {name: (make(comm), step) for name, (make, step) in MIRRORED.items()}
+    transforms["onebit_allreduce"] = (fn.collectives.onebit_allreduce(comm=comm), None)
+    gen = torch.Generator().manual_seed(rank)
+    params = {k: torch.randn(n, generator=gen) for k, n in (("a", 300), ("b", 35), ("c", 64))}
+    intact = {}
+    for name, (opt, step) in transforms.items():
+        state = opt.init(params)
+        kw = (lambda t: {"step": t}) if step else (lambda t: {})
+        for t in range(1, (step or 3)):
+            _, state = opt.update(tree_map(torch.randn_like, params), state, params, **kw(t))
+        spare, grads = tree_map(torch.clone, state), tree_map(torch.randn_like, params)
+        if rank == 1:
+            grads["c"][5] = float("nan")
+        before = tree_map(torch.clone, (state, spare, grads))
+        try:
+            opt.update(grads, state, params, donate=spare, **kw(step or 3))
+            intact[name] = "no error"
+        except ValueError:
+            intact[name] = same_bits((state, spare, grads), before)
+    return intact
+
+
+@pytest.mark.timeout(300)
+def test_gloo_nonfinite_later_leaf_on_one_rank_leaves_every_buffer_intact():
+    for rank, intact in enumerate(run_distributed(_nan_in_a_later_leaf_worker, 2, timeout=240)):
+        assert all(v is True for v in intact.values()), f"rank {rank}: {intact}"
