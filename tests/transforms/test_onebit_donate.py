@@ -266,3 +266,36 @@ def _nan_in_a_later_leaf_worker(rank, world_size):
 def test_gloo_nonfinite_later_leaf_on_one_rank_leaves_every_buffer_intact():
     for rank, intact in enumerate(run_distributed(_nan_in_a_later_leaf_worker, 2, timeout=240)):
         assert all(v is True for v in intact.values()), f"rank {rank}: {intact}"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the unsafe-variance warning
+@pytest.mark.parametrize(
+    ("make", "step"),
+    [
+        *(pytest.param(make, step, id=name) for name, (make, step) in MIRRORED.items()),
+        pytest.param(
+            lambda comm: fn.zero_one_adam(
+                1e-2, var_freeze_step=2, var_update_scaler=1, local_step_scaler=2, comm=comm
+            ),
+            6,
+            id="zero_one_adam-local",
+        ),
+    ],
+)
+def test_donated_gradients_that_require_grad_give_the_pure_update(make, step):
+    """A gradient that requires grad fits no result: the donated compressed update (two
+    mirrored ranks) computes it as the pure one does."""
+    opt = make(Mirror())
+    gen = torch.Generator().manual_seed(0)
+    params = {k: torch.randn(n, generator=gen) for k, n in (("a", 300), ("b", 35))}
+    state = opt.init(params)
+    for t in range(1, step):
+        _, state = opt.update(tree_map(torch.randn_like, params), state, params, step=t)
+    grads = tree_map(lambda p: torch.randn(p.shape, generator=gen), params)
+
+    def tracked():  # leaves that require grad
+        return tree_map(lambda g: g.clone().requires_grad_(), grads)
+
+    want = opt.update(tracked(), state, params, step=step)
+    got = opt.update(tracked(), state, params, step=step, donate=True)
+    assert same_bits(got, want)
