@@ -589,7 +589,7 @@ def loco_allreduce(
         else:
             given = spec.flatten_up_to(donated.errors)
         out, new_stored = [], []
-        for u, buffers, donated in zip(leaves, stored, given, strict=True):
+        for u, buffers, spare in zip(leaves, stored, given, strict=True):
             if u is None or u.numel() == 0:
                 out.append(u)
                 new_stored.append(buffers)
@@ -599,7 +599,7 @@ def loco_allreduce(
             if donated is None:
                 y, new = leaf_pure(u, buffers, reset)
             else:
-                y, new = leaf_donated(u, buffers, donated or (None,) * len(buffers), reset)
+                y, new = leaf_donated(u, buffers, spare or (None,) * len(buffers), reset)
             out.append(y)
             new_stored.append(new)
         return tree_unflatten(out, spec), LocoAllreduceState(
