@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 
 import fn
 from fn.collectives import Local
+from tests._mirror import Mirror
 
 adam_module = importlib.import_module("fn.transforms.adam")  # fn.transforms.adam is the function
 
@@ -228,6 +229,8 @@ PURE_IF_NOT_DONATING = {
     "masked": lambda: fn.masked(fn.scale_by_learning_rate(0.1), lambda p: {k: True for k in p}),
     "onebit_adam": lambda: fn.onebit_adam(0.1, freeze_step=2, comm=Local()),
     "onebit_allreduce": lambda: fn.collectives.onebit_allreduce(comm=Local()),
+    "quantized_allreduce": lambda: fn.collectives.quantized_allreduce(comm=Mirror()),
+    "loco_allreduce": lambda: fn.collectives.loco_allreduce(comm=Mirror()),
 }
 
 
