@@ -10,15 +10,30 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_structure
+
+
+def donating(donate: Any) -> bool:
+    """Whether ``donate`` hands anything over (``None`` and ``False`` do not)."""
+    return donate is not None and donate is not False
 
 
 def donated_state(donate: Any, state: Any) -> Any:
     """The state whose tensors ``donate`` hands over: ``None`` (nothing donated), ``state``
-    itself for ``donate=True``, else ``donate``."""
-    if donate is None or donate is False:
+    itself for ``donate=True``, else ``donate``.
+
+    Raises:
+        ValueError: ``donate`` is a state of another tree structure than ``state``.
+    """
+    if not donating(donate):
         return None
     if donate is True:
         return state
+    if tree_structure(donate) != tree_structure(state):
+        raise ValueError(
+            "donate must be True, None or a state of the same structure as state, got a "
+            f"{type(donate).__name__} of another structure"
+        )
     return donate
 
 
@@ -29,8 +44,8 @@ def split_donated(name: str, donate: Any, count: int) -> list[Any]:
     Raises:
         ValueError: a donated state with another number of entries.
     """
-    if donate is None or donate is False or donate is True:
-        return [None if donate is False else donate] * count
+    if not donating(donate) or donate is True:
+        return [donate if donate is True else None] * count
     if not isinstance(donate, (tuple, list)) or len(donate) != count:
         size = len(donate) if isinstance(donate, (tuple, list)) else type(donate).__name__
         raise ValueError(f"{name}: donate must be a state of {count} entries, got {size}")

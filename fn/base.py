@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from fn._donation import split_donated, storages_of
+from fn._donation import donated_state, donating, split_donated, storages_of
 from fn._foreach import foreach_ok
 from fn._fused_steps import update_and_apply_step
 from fn._validation import check_step_or_plan
@@ -79,14 +79,14 @@ class GradientTransformation(NamedTuple):
     ``donate_argnums`` does, so that the new state and updates are written into them instead of
     into fresh tensors (on CPU every fresh full-size tensor pays a page fault per 4 KiB page):
 
-    - ``donate=None`` (the default): pure.
+    - ``donate=None`` (the default) or ``False``: pure.
     - ``donate=True``: the same as ``donate=state``, i.e. in place.
     - ``donate=old``, a state of ``state``'s structure: the caller hands over the tensors of
       ``old`` AND of ``updates``. The new state may be written into ``old``'s tensors (each
       into the same field and leaf, where shape, dtype and device fit) and the new updates into
       the ``updates`` tensors, and those tensors returned. A donated leaf may be the very tensor
       of the same leaf of ``state``; it must not alias any other leaf of ``state``,
-      ``updates`` or ``params``.
+      ``updates`` or ``params``. A state of another tree structure raises ``ValueError``.
     - Results are bit for bit those of the pure call. A leaf the update leaves unchanged is
       returned as the same tensor. After the call the caller reaches the donated tensors only
       through the returned values; if it raises, they may hold anything (fn's compressed
@@ -337,18 +337,18 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 f"chain of {len(transforms)} transforms got a state of {len(state)} entries"
             )
         donated = split_donated("chain", donate, len(transforms))
-        donating = donate is not None
-        kept = storages_of(params) if donating else set()
+        passing = donating(donate)
+        kept = storages_of(params) if passing else set()
         new_state = []
         for update, s, d in zip(updates_fns, state, donated, strict=True):
-            if donating and d is not None:
+            if passing and d is not None:
                 updates, s = update(updates, s, params, donate=d, **extra)
             else:
                 updates, s = update(updates, s, params, **extra)
-            if donating:
+            if passing:
                 kept |= storages_of(s)
                 # updates that hold state or params must not be written by the next members
-                donating = kept.isdisjoint(storages_of(updates))
+                passing = kept.isdisjoint(storages_of(updates))
             new_state.append(s)
         return updates, tuple(new_state)
 
@@ -510,8 +510,8 @@ def staged(opt: CompressedOptimizer) -> GradientTransformation:
         return StagedState(torch.zeros((), dtype=torch.int64), opt.init(params))
 
     def update_fn(updates, state, params=None, *, step=None, plan=None, donate=None, **extra):
-        if donate is not None and donate is not False:  # the inner state's part
-            extra["donate"] = True if donate is True else donate.inner
+        if donating(donate):  # the inner state's part
+            extra["donate"] = True if donate is True else donated_state(donate, state).inner
         if step is None and plan is None:
             try:
                 step = int(state.count) + 1

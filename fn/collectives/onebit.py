@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from fn import kernels
-from fn._donation import eager, fitting
+from fn._donation import donated_state, eager, fitting
 from fn._validation import finite_or_raise
 from fn.base import GradientTransformation
 from fn.collectives import _sizes
@@ -408,12 +408,26 @@ def onebit_allreduce(*, comm: Comm) -> GradientTransformation:
 
         return OnebitAllreduceState(tree_map(worker, params), tree_map(server, params))
 
+    def exchanged(u, we, se, buffers):
+        """The allreduce of one leaf exchanged and checked on every rank, nothing written; the
+        function it returns writes the results into ``buffers`` (as :func:`compressed_allreduce`
+        with ``out``) and returns them."""
+        start = compressed_allreduce_start(u, we, se, comm=comm, out=buffers)
+        if start is not None:
+            return start
+        result = compressed_allreduce(u, we, se, comm=comm)
+        inputs = (u, we, se)
+        return lambda: tuple(
+            r if b is None or r is x else b.copy_(r)
+            for b, r, x in zip(buffers, result, inputs, strict=True)
+        )
+
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         del params, extra
         leaves, spec = tree_flatten(updates)
         worker = spec.flatten_up_to(state.worker_error)
         server = spec.flatten_up_to(state.server_error)
-        donated = state if donate is True else donate
+        donated = donated_state(donate, state)
         if donated is None:
             spare = [(None, None)] * len(leaves)
         else:
@@ -424,18 +438,22 @@ def onebit_allreduce(*, comm: Comm) -> GradientTransformation:
                     strict=True,
                 )
             )
-        out, new_worker, new_server = [], [], []
+        results = []
         for u, we, se, (dwe, dse) in zip(leaves, worker, server, spare, strict=True):
-            if u is not None:
-                if we is None:
-                    raise ValueError("onebit_allreduce: an update leaf has no error state")
-                buffers = None
-                if donated is not None:
-                    buffers = (fitting(u, u), fitting(dwe, we), fitting(dse, se))
-                u, we, se = compressed_allreduce(u, we, se, comm=comm, out=buffers)
-            out.append(u)
-            new_worker.append(we)
-            new_server.append(se)
+            if u is None:
+                results.append((u, we, se))
+                continue
+            if we is None:
+                raise ValueError("onebit_allreduce: an update leaf has no error state")
+            if donated is None:
+                results.append(compressed_allreduce(u, we, se, comm=comm))
+            else:
+                results.append(
+                    exchanged(u, we, se, (fitting(u, u), fitting(dwe, we), fitting(dse, se)))
+                )
+        if donated is not None:  # every leaf exchanged and checked: now write
+            results = [r() if callable(r) else r for r in results]
+        out, new_worker, new_server = (list(column) for column in zip(*results, strict=True))
         return tree_unflatten(out, spec), OnebitAllreduceState(
             tree_unflatten(new_worker, spec), tree_unflatten(new_server, spec)
         )

@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 
 from fn import kernels
-from fn._donation import eager, fitting
+from fn._donation import donated_state, donating, eager, fitting
 from fn._validation import finite_or_raise
 from fn.base import EmptyState, GradientTransformation
 from fn.collectives import _sizes
@@ -436,7 +436,7 @@ def quantized_allreduce(
             return u
         if not eager(u):
             return _into(u, reduce(u))
-        _flat_padded(u[:0].reshape(-1), plan)  # the type check
+        _flat_padded(u.reshape(-1)[:0], plan)  # the type check
         return _allreduce_into(u, (None,) * (len(plan.hops) + 1), None, plan, 0.0)
 
     def init_fn(params):
@@ -445,7 +445,7 @@ def quantized_allreduce(
 
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         del params, extra
-        return tree_map(reduce if donate is None else reduce_into, updates), state
+        return tree_map(reduce_into if donating(donate) else reduce, updates), state
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -567,7 +567,7 @@ def loco_allreduce(
         if error_dtype != torch.float32 or not eager(u):
             y, new = leaf_pure(u, buffers, reset)
             return _into(u, y), tuple(_into(g, e) for g, e in zip(given, new, strict=True))
-        _flat_padded(u[:0].reshape(-1), plan)  # the type check
+        _flat_padded(u.reshape(-1)[:0], plan)  # the type check
         errors = (None,) * len(buffers) if bool(reset) else tuple(buffers)
         outs = tuple(
             g if fitting(g, b) is not None else torch.empty_like(b)
@@ -578,27 +578,28 @@ def loco_allreduce(
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         del params, extra
         count = state.count + 1
+        donated = donated_state(donate, state)
         if comm.world_size == 1:
             return updates, state._replace(count=count)
         reset = state.count % reset_T == 0
         leaves, spec = tree_flatten(updates)
         stored = spec.flatten_up_to(state.errors)
-        if donate is None:
+        if donated is None:
             given = [None] * len(leaves)
         else:
-            given = spec.flatten_up_to((state if donate is True else donate).errors)
+            given = spec.flatten_up_to(donated.errors)
         out, new_stored = [], []
-        for u, buffers, donated in zip(leaves, stored, given, strict=True):
+        for u, buffers, spare in zip(leaves, stored, given, strict=True):
             if u is None or u.numel() == 0:
                 out.append(u)
                 new_stored.append(buffers)
                 continue
             if buffers is None:
                 raise ValueError("loco_allreduce: an update leaf has no error state")
-            if donate is None:
+            if donated is None:
                 y, new = leaf_pure(u, buffers, reset)
             else:
-                y, new = leaf_donated(u, buffers, donated or (None,) * len(buffers), reset)
+                y, new = leaf_donated(u, buffers, spare or (None,) * len(buffers), reset)
             out.append(y)
             new_stored.append(new)
         return tree_unflatten(out, spec), LocoAllreduceState(

@@ -26,6 +26,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fn import collectives, kernels
+from fn._donation import donated_state
 from fn._validation import check_finite, check_shapes, check_step_or_plan, require_params
 from fn.base import CompressedOptimizer, Params, Updates
 from fn.transforms._learning_rate import learning_rate_now
@@ -100,9 +101,9 @@ def compressed_optimizer(
             if params_needed_for is not None:
                 require_params(params, params_needed_for)
             eta = learning_rate_now(lr, state.count, state.lr)
-            if compressed and donate is not None:
+            donated = donated_state(donate, state)
+            if compressed and donated is not None:
                 check_warmed_up(name, state.count)  # before any donated buffer is written
-                donated = state if donate is True else donate
                 updates, new_state = update(grads, state, params, plan, eta, donated=donated)
             else:
                 updates, new_state = update(grads, state, params, plan, eta)

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from fn._donation import donating
 from fn._validation import check_nonnegative
 from fn.base import GradientTransformation
 from fn.transforms._learning_rate import decoupled_decay, learning_rate_now, scale_leaves
@@ -87,7 +88,7 @@ def scale_by_learning_rate(
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         del extra
         current = learning_rate_now(lr, state.count, state.lr)
-        updates = scale_leaves(updates, -current, in_place=donate is not None)
+        updates = scale_leaves(updates, -current, in_place=donating(donate))
         if decoupled_weight_decay != 0.0:
             updates = decoupled_decay(
                 "scale_by_learning_rate", updates, params, current, decoupled_weight_decay

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from fn._donation import donated_state, donating
 from fn.base import GradientTransformation, OptState, stateless
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
@@ -78,8 +79,8 @@ def masked(
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         flags = mask_leaves(params if params is not None else updates)
         inner_params = None if params is None else _select(params, flags)
-        if donate is not None and donate is not False:  # the inner state's part
-            extra["donate"] = True if donate is True else donate.inner_state
+        if donating(donate):  # the inner state's part
+            extra["donate"] = True if donate is True else donated_state(donate, state).inner_state
         new, inner_state = inner.update(
             _select(updates, flags), state.inner_state, inner_params, **extra
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fn._donation import can_donate
+from fn._donation import can_donate, donating
 from fn._validation import check_nonnegative, check_ordered
 from fn.base import EmptyState, GradientTransformation
 from fn.transforms._leaves import map_with_params
@@ -77,7 +77,7 @@ def scale_by_trust_ratio(
 
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         del extra
-        f = scale if donate is None else scale_in_place
+        f = scale_in_place if donating(donate) else scale
         return map_with_params("scale_by_trust_ratio", f, updates, params), state
 
     return GradientTransformation(init_fn, update_fn)

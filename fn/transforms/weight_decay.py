@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fn._donation import can_donate
+from fn._donation import can_donate, donating
 from fn._validation import check_nonnegative
 from fn.base import EmptyState, GradientTransformation
 from fn.transforms._leaves import map_with_params
@@ -53,7 +53,7 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         del extra
         if weight_decay == 0.0:
             return updates, state
-        f = decay if donate is None else decay_in_place
+        f = decay_in_place if donating(donate) else decay
         return map_with_params("add_decayed_weights", f, updates, params), state
 
     return GradientTransformation(init_fn, update_fn)

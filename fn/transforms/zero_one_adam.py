@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fn._donation import eager, fitting
+from fn._donation import eager, fits, fitting
 from fn._validation import check_betas, check_finite, check_int, check_nonnegative
 from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
@@ -254,9 +254,9 @@ def zero_one_adam(
     def donated_rule(g, leaf, p, mask, *, plan, eta, lrs, spare):
         """A 1-bit or local (not sync) step writing into the donated leaf ``spare`` and the
         gradient's buffer (two steps, see ``map_leaves``); the pure rule elsewhere (sync steps,
-        one worker, vmap, other dtypes)."""
+        one worker, vmap, other dtypes, gradients that require grad)."""
         m, v, a, ew, es = leaf
-        m_out, u_out = fitting(spare.exp_avg, m), fitting(g, m)
+        m_out, u_out = fitting(spare.exp_avg, m), g if fits(g, m) else None
         start = None
         if not plan.sync and m_out is not None and u_out is not None:
             if not plan.frozen:

@@ -56,3 +56,22 @@ def test_compiled_simulate_matches_eager():
     )
     torch.testing.assert_close(y_comp["x"], y_eager["x"], atol=1e-6, rtol=0)
     torch.testing.assert_close(s_comp.errors["x"], s_eager.errors["x"], atol=1e-6, rtol=0)
+
+
+@pytest.mark.timeout(300)
+def test_compiled_allreduce_with_output_buffers_computes_purely_and_copies_into_them():
+    """README, Buffer donation: under torch.compile ``out=`` gives the compiled pure call's
+    results, written into the buffers."""
+    w, n = 2, 300
+    comm = Simulated(w)
+    x = torch.randn(w, n, generator=torch.Generator().manual_seed(0))
+    we, se = replicate(init_error_feedback(n, comm=comm), comm)
+    pure = torch.compile(simulate(lambda x, a, b: compressed_allreduce(x, a, b, comm=comm), comm))
+    donated = torch.compile(
+        simulate(lambda x, a, b: compressed_allreduce(x, a, b, comm=comm, out=(x, a, b)), comm)
+    )
+    want = pure(x, we, se)
+    buffers = (x.clone(), we.clone(), se.clone())
+    got = donated(*buffers)
+    for g, b, expected in zip(got, buffers, want, strict=True):
+        assert torch.equal(g, expected) and torch.equal(b, expected)

@@ -21,6 +21,7 @@ from fn.collectives import (
 from fn.collectives.onebit import compressed_allreduce_start
 from fn.tree import tree_map
 from tests._distributed import run_distributed
+from tests._mirror import Mirror, same_bits
 
 SIZES = (1, 7, 8, 1000, 4099, 70001)
 STEPS = 3
@@ -201,3 +202,28 @@ def assert_steady_state_faults(monkeypatch, worker, n: int) -> None:
 @pytest.mark.timeout(300)
 def test_gloo_steady_state_allocates_no_full_size_tensor(monkeypatch):
     assert_steady_state_faults(monkeypatch, _fault_worker, 1 << 22)
+
+
+def _tree_mirror_case(make_transform, leaf):
+    """A donated update of a 3-leaf tree on two (mirrored) ranks whose leaf ``leaf`` holds a
+    NaN: the error must leave every donated buffer (state, spare and updates) as it was."""
+    comm = Mirror()
+    tx = make_transform(comm)
+    gen = torch.Generator().manual_seed(0)
+    params = {k: torch.randn(n, generator=gen) for k, n in (("a", 300), ("b", 35), ("c", 64))}
+    state = tx.init(params)
+    for _ in range(2):
+        _, state = tx.update(tree_map(torch.randn_like, params), state)
+    for donate in ("in place", "spare"):
+        live, spare = tree_map(torch.clone, state), tree_map(torch.clone, state)
+        updates = tree_map(torch.randn_like, params)
+        updates[leaf][3] = float("nan")
+        before = tree_map(torch.clone, (live, spare, updates))
+        with pytest.raises(ValueError, match="non-finite"):
+            tx.update(updates, live, donate=True if donate == "in place" else spare)
+        assert same_bits((live, spare, updates), before), f"{donate}: a buffer was written"
+
+
+@pytest.mark.parametrize("leaf", ["b", "c"])
+def test_onebit_allreduce_checks_every_leaf_before_writing_any(leaf):
+    _tree_mirror_case(lambda comm: onebit_allreduce(comm=comm), leaf)

@@ -4,6 +4,7 @@ out by ``state_dict()``, and without fresh full-size tensors in steady state."""
 
 from __future__ import annotations
 
+import copy
 import resource
 import warnings
 
@@ -14,6 +15,7 @@ import fn
 import fn.optim
 from fn.collectives import Local
 from tests._distributed import run_distributed
+from tests._mirror import Mirror, bits, same_bits
 from tests.optim._problem import (
     backward,
     flat_grads,
@@ -163,3 +165,68 @@ def test_onebit_family_adapters_equal_the_pure_loop_on_two_ranks():
     for rank, result in enumerate(run_distributed(_onebit_family, 2, timeout=280)):
         for name, same in result.items():
             assert all(same), f"{name} on rank {rank}: steps {same} equal to the pure loop"
+
+
+FAULTY = {
+    "adam": lambda ps, comm: fn.optim.FunctionalOptimizer(ps, fn.adam(1e-2), comm=comm),
+    "sgd-unflattened": lambda ps, comm: fn.optim.FunctionalOptimizer(
+        ps, fn.sgd(0.1, momentum=0.9), comm=comm, flatten=False
+    ),
+    "onebit_adam": lambda ps, comm: fn.optim.OnebitAdam(ps, lr=1e-2, freeze_step=2, comm=comm),
+    "zero_one_adam": lambda ps, comm: fn.optim.ZeroOneAdam(
+        ps, lr=1e-2, var_freeze_step=2, var_update_scaler=1, local_step_scaler=2, comm=comm
+    ),
+    "onebit_lamb": lambda ps, comm: fn.optim.OnebitLamb(ps, lr=1e-2, freeze_step=2, comm=comm),
+}
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the unsafe-variance warning
+@pytest.mark.parametrize("name", list(FAULTY))
+def test_a_step_failing_in_any_collective_changes_nothing(name):
+    """On two (mirrored) ranks, every step is first run with its collective call k failing, for
+    every k: state_dict() and the params stay as they were; the retried steps give the
+    uninterrupted run's params; a state_dict taken earlier is never written; after
+    load_state_dict the run goes on as the uninterrupted one."""
+    comm = Mirror()
+    model, reference = make_model(), make_model()
+
+    def groups(m):  # a failure in the second group's update must not commit the first's
+        ps = list(m.parameters())
+        return [{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-3}]
+
+    opt = FAULTY[name](groups(model), comm)
+    ref_opt = FAULTY[name](groups(reference), Mirror())
+    for t in range(6):
+        for m in (model, reference):
+            m.zero_grad()
+            backward(m, 0, t)
+        ref_opt.step()
+        held = opt.state_dict()
+        held_bits, params = bits(held), flat_params(model)
+        for fail_at in range(1, 100):
+            comm.calls, comm.fail_at = 0, fail_at
+            try:
+                opt.step()
+                break  # fail_at is past the step's last collective call
+            except ConnectionError:
+                pass
+            finally:
+                comm.fail_at = None
+            now = opt.state_dict()
+            assert same_bits(now, held_bits), f"step {t}, call {fail_at}: state changed"
+            assert [r["step"] for r in now["state"].values()] == [
+                r["step"] for r in held["state"].values()
+            ]
+            assert torch.equal(flat_params(model), params), f"step {t}, call {fail_at}"
+        assert torch.equal(flat_params(model), flat_params(reference)), f"step {t} differs"
+        if t == 1:
+            first_held, first_bits = held, held_bits
+    assert same_bits(bits(first_held), first_bits), "an exported tensor was written"
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for t in range(6, 9):
+        for m in (model, reference):
+            m.zero_grad()
+            backward(m, 0, t)
+        opt.step()
+        ref_opt.step()
+        assert torch.equal(flat_params(model), flat_params(reference)), f"step {t} differs"

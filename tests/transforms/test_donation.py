@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 
 import fn
 from fn.collectives import Local
+from tests._mirror import Mirror
 
 adam_module = importlib.import_module("fn.transforms.adam")  # fn.transforms.adam is the function
 
@@ -216,3 +217,87 @@ def test_donate_under_vmap_computes_the_pure_result(make):
     pure = torch.func.vmap(lambda g: step(g, None))(grads)
     donated = torch.func.vmap(lambda g: step(g, True))(grads)
     assert _same(pure, donated)
+
+
+PURE_IF_NOT_DONATING = {
+    "adam": lambda: fn.adam(0.1, weight_decay=0.1),
+    "sgd": lambda: fn.sgd(0.1, momentum=0.9),
+    "lamb": lambda: fn.lamb(0.1, weight_decay=0.1),
+    "scale_by_learning_rate": lambda: fn.scale_by_learning_rate(0.1),
+    "add_decayed_weights": lambda: fn.add_decayed_weights(0.1),
+    "scale_by_trust_ratio": lambda: fn.scale_by_trust_ratio(),
+    "masked": lambda: fn.masked(fn.scale_by_learning_rate(0.1), lambda p: {k: True for k in p}),
+    "onebit_adam": lambda: fn.onebit_adam(0.1, freeze_step=2, comm=Local()),
+    "onebit_allreduce": lambda: fn.collectives.onebit_allreduce(comm=Local()),
+    "quantized_allreduce": lambda: fn.collectives.quantized_allreduce(comm=Mirror()),
+    "loco_allreduce": lambda: fn.collectives.loco_allreduce(comm=Mirror()),
+}
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # 1-bit Adam's unsafe-variance warning
+@pytest.mark.parametrize("donate", [None, False])
+@pytest.mark.parametrize("name", list(PURE_IF_NOT_DONATING))
+def test_donate_false_is_pure_like_none(name, donate):
+    """``donate=False`` (as ``apply_updates``' default) donates nothing."""
+    tx = PURE_IF_NOT_DONATING[name]()
+    params = _params([6, 3])
+    gen = torch.Generator().manual_seed(0)
+    state = tx.init(params)
+    extra = {"step": 3} if isinstance(tx, fn.CompressedOptimizer) else {}
+    if extra:
+        for t in (1, 2):
+            _, state = tx.update(_grads(params, gen), state, params, step=t)
+    grads = _grads(params, gen)
+    copies = [x.clone() for x in _leaves((state, grads, params))]
+    tx.update(grads, state, params, donate=donate, **extra)
+    assert all(
+        torch.equal(a, b) for a, b in zip(copies, _leaves((state, grads, params)), strict=True)
+    )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fn.adamw(0.1),
+        lambda: fn.trace(0.9),
+        lambda: fn.masked(fn.adam(0.1), lambda p: {k: True for k in p}),
+        lambda: fn.staged(fn.onebit_adam(0.1, freeze_step=2, comm=Local())),
+        lambda: fn.collectives.onebit_allreduce(comm=Local()),
+        lambda: fn.collectives.loco_allreduce(comm=Local()),
+    ],
+    ids=["adamw", "trace", "masked", "staged", "onebit_allreduce", "loco_allreduce"],
+)
+def test_a_donated_state_of_another_structure_is_a_clear_error(make):
+    tx = make()
+    params = _params([6, 3])
+    state = tx.init(params)
+    other = tx.init({"only": torch.ones(6)})
+    grads = _grads(params, torch.Generator().manual_seed(0))
+    copies = [x.clone() for x in _leaves((state, grads, other))]
+    with pytest.raises(ValueError, match="donate must be .* a state of the same structure"):
+        tx.update(grads, state, params, donate=other)
+    assert all(
+        torch.equal(a, b) for a, b in zip(copies, _leaves((state, grads, other)), strict=True)
+    )
+
+
+@pytest.mark.parametrize("mode", ["in place", "spare"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fn.adam(1e-2, weight_decay=0.01),
+        lambda: fn.adamw(1e-2, implementation="foreach"),
+        lambda: fn.sgd(0.1, momentum=0.9, nesterov=True),
+        lambda: fn.lamb(1e-2, weight_decay=0.01),
+    ],
+    ids=["adam", "adamw-foreach", "nesterov", "lamb"],
+)
+def test_donated_bf16_zero_size_and_zero_dim_leaves_are_bit_identical(make, mode):
+    gen = torch.Generator().manual_seed(0)
+    params = {
+        "bf16": torch.randn(33, generator=gen).bfloat16(),
+        "scalar": torch.tensor(0.5),
+        "empty": torch.zeros(0),
+        "matrix": torch.randn(4, 3, generator=gen),
+    }
+    _run(make(), params, mode, steps=3)

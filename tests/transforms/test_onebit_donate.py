@@ -5,6 +5,7 @@ first write, and no fresh full-size tensor in steady state (counted as minor pag
 from __future__ import annotations
 
 import resource
+import warnings
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import fn
 from fn.collectives import ProcessGroup, Simulated, replicate, simulate
 from fn.tree import tree_flatten, tree_map
 from tests._distributed import run_distributed
+from tests._mirror import Mirror, same_bits
 from tests.collectives.test_onebit_donate import assert_steady_state_faults
 from tests.transforms._onebit_harness import make_grads, make_params
 
@@ -185,3 +187,115 @@ def _fault_worker(rank, world_size, n, donated):
 @pytest.mark.timeout(300)
 def test_gloo_donated_compressed_update_allocates_no_full_size_tensor(monkeypatch):
     assert_steady_state_faults(monkeypatch, _fault_worker, 1 << 22)
+
+
+MIRRORED = {  # (optimizer, a compressed update count that donates)
+    "onebit_adam": (
+        lambda comm: fn.onebit_adam(1e-2, freeze_step=2, weight_decay=0.1, comm=comm),
+        4,
+    ),
+    "zero_one_adam": (
+        lambda comm: fn.zero_one_adam(1e-2, var_freeze_step=10, var_update_scaler=1, comm=comm),
+        4,
+    ),
+    "onebit_lamb": (lambda comm: fn.onebit_lamb(1e-2, freeze_step=2, comm=comm), 4),
+}
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the unsafe-variance warning
+@pytest.mark.parametrize("name", list(MIRRORED))
+def test_a_failing_collective_leaves_the_donated_buffers_intact(name):
+    """A compressed update on two (mirrored) ranks, its collective call k failing, for every
+    k: the live state, the donated spare and the gradients stay as they were, and the retry
+    gives the uninterrupted update's bits."""
+    comm = Mirror()
+    make, step = MIRRORED[name]
+    opt = make(comm)
+    gen = torch.Generator().manual_seed(0)
+    params = {k: torch.randn(n, generator=gen) for k, n in (("a", 300), ("b", 35), ("c", 64))}
+    state = opt.init(params)
+    for t in range(1, step + 1):
+        grads = tree_map(lambda p: torch.randn(p.shape, generator=gen) * 0.1, params)
+        if t < step:
+            _, state = opt.update(grads, state, params, step=t)
+    comm.calls = 0
+    want = opt.update(tree_map(torch.clone, grads), state, params, step=step)
+    calls = comm.calls
+    for fail_at in range(1, calls + 1):
+        live, spare, g = (tree_map(torch.clone, x) for x in (state, state, grads))
+        before = tree_map(torch.clone, (live, spare, g))
+        comm.calls, comm.fail_at = 0, fail_at
+        with pytest.raises(ConnectionError):
+            opt.update(g, live, params, step=step, donate=spare)
+        comm.fail_at = None
+        assert same_bits((live, spare, g), before), f"call {fail_at} of {calls}: written"
+        got = opt.update(g, live, params, step=step, donate=spare)
+        assert same_bits(got, want)
+    spare_ids = {id(x) for x in tree_flatten(spare)[0]}
+    assert any(id(x) in spare_ids for x in tree_flatten(got[1])[0]), "nothing was donated"
+
+
+def _nan_in_a_later_leaf_worker(rank, world_size):
+    """Every donating compressed update and ``onebit_allreduce`` with a NaN in the last leaf
+    of rank 1 only: every rank raises and keeps every buffer (live state, spare, grads)."""
+    comm = ProcessGroup()
+    warnings.simplefilter("ignore", RuntimeWarning)  # the unsafe-variance warning
+    transforms = {name: (make(comm), step) for name, (make, step) in MIRRORED.items()}
+    transforms["onebit_allreduce"] = (fn.collectives.onebit_allreduce(comm=comm), None)
+    gen = torch.Generator().manual_seed(rank)
+    params = {k: torch.randn(n, generator=gen) for k, n in (("a", 300), ("b", 35), ("c", 64))}
+    intact = {}
+    for name, (opt, step) in transforms.items():
+        state = opt.init(params)
+        kw = (lambda t: {"step": t}) if step else (lambda t: {})
+        for t in range(1, (step or 3)):
+            _, state = opt.update(tree_map(torch.randn_like, params), state, params, **kw(t))
+        spare, grads = tree_map(torch.clone, state), tree_map(torch.randn_like, params)
+        if rank == 1:
+            grads["c"][5] = float("nan")
+        before = tree_map(torch.clone, (state, spare, grads))
+        try:
+            opt.update(grads, state, params, donate=spare, **kw(step or 3))
+            intact[name] = "no error"
+        except ValueError:
+            intact[name] = same_bits((state, spare, grads), before)
+    return intact
+
+
+@pytest.mark.timeout(300)
+def test_gloo_nonfinite_later_leaf_on_one_rank_leaves_every_buffer_intact():
+    for rank, intact in enumerate(run_distributed(_nan_in_a_later_leaf_worker, 2, timeout=240)):
+        assert all(v is True for v in intact.values()), f"rank {rank}: {intact}"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the unsafe-variance warning
+@pytest.mark.parametrize(
+    ("make", "step"),
+    [
+        *(pytest.param(make, step, id=name) for name, (make, step) in MIRRORED.items()),
+        pytest.param(
+            lambda comm: fn.zero_one_adam(
+                1e-2, var_freeze_step=2, var_update_scaler=1, local_step_scaler=2, comm=comm
+            ),
+            6,
+            id="zero_one_adam-local",
+        ),
+    ],
+)
+def test_donated_gradients_that_require_grad_give_the_pure_update(make, step):
+    """A gradient that requires grad fits no result: the donated compressed update (two
+    mirrored ranks) computes it as the pure one does."""
+    opt = make(Mirror())
+    gen = torch.Generator().manual_seed(0)
+    params = {k: torch.randn(n, generator=gen) for k, n in (("a", 300), ("b", 35))}
+    state = opt.init(params)
+    for t in range(1, step):
+        _, state = opt.update(tree_map(torch.randn_like, params), state, params, step=t)
+    grads = tree_map(lambda p: torch.randn(p.shape, generator=gen), params)
+
+    def tracked():  # leaves that require grad
+        return tree_map(lambda g: g.clone().requires_grad_(), grads)
+
+    want = opt.update(tracked(), state, params, step=step)
+    got = opt.update(tracked(), state, params, step=step, donate=True)
+    assert same_bits(got, want)
