@@ -233,11 +233,13 @@ def _reduce_scatter_into(
     plan: _Plan,
     out: torch.Tensor,
     rows: tuple[int, int, int] | None = None,
+    tag: str = "",
 ) -> list[_Pending]:
     """:func:`_reduce_scatter` of the flat fp32 ``x`` (zero-padded only virtually; laid out by
     ``rows`` as in ``fn.kernels.loco_quantize``) into ``out`` (fp32[N / W]), hop sums in
     workspaces. Writes nothing else, and ``out`` only after the last hop's check passed;
-    returns the hops' quantizations for :func:`_write_errors`."""
+    returns the hops' quantizations for :func:`_write_errors` (in workspaces named after
+    ``tag``: another tag keeps them while this function runs again)."""
     n = x.numel()
     numel = quantized_padded_numel(n, plan.world.world_size, plan.group_size)
     if rows is not None:
@@ -249,13 +251,13 @@ def _reduce_scatter_into(
     for index, (hop, error) in enumerate(zip(plan.hops, errors, strict=True)):
         size = hop.world_size
         quantized = _quantize_padded(
-            source, error, numel, plan, f"hop{index}", rows if index == 0 else None
+            source, error, numel, plan, f"{tag}hop{index}", rows if index == 0 else None
         )
         pending.append(quantized)
         scales, consistent = _exchange_scales(hop, quantized.scales, n, consistent, index == last)
         q = hop.all_to_all(quantized.q.view(size, -1))
         numel //= size
-        source = out if index == last else _workspace(f"sum{index}", numel, x.device)
+        source = out if index == last else _workspace(f"{tag}sum{index}", numel, x.device)
         kernels.dequantize_sum(q.reshape(-1), scales.reshape(-1), plan.bits, size, source)
     out.div_(plan.world.world_size)
     return pending
@@ -289,6 +291,48 @@ def _all_gather_into(
     kernels.dequantize_into(q.reshape(-1), scales.reshape(-1), plan.bits, y, q.shape[0], local)
 
 
+class _Shard(NamedTuple):
+    """A leaf between the two phases of the donated quantized allreduce."""
+
+    update: torch.Tensor  # the leaf, which takes the result
+    shard: torch.Tensor  # fp32[N_padded / W]: this rank's chunk of the mean
+    pending: list[_Pending]  # the reduce-scatter hops' quantizations
+
+
+def _reduce_scatter_leaf(
+    u: torch.Tensor, errors: tuple[torch.Tensor | None, ...], plan: _Plan, tag: str = ""
+) -> _Shard:
+    """Phase 1 of :func:`_allreduce_into`: every rank's checks, nothing written. The shard and
+    the quantizations live in workspaces named after ``tag`` until phase 2."""
+    x = u.detach().reshape(-1).float()
+    shard_numel = quantized_padded_numel(x.numel(), plan.world.world_size, plan.group_size)
+    shard = _workspace(f"{tag}shard", shard_numel // plan.world.world_size, x.device)
+    return _Shard(u, shard, _reduce_scatter_into(x, errors[:-1], plan, shard, tag=tag))
+
+
+def _gather_leaf(
+    reduced: _Shard,
+    errors: tuple[torch.Tensor | None, ...],
+    error_outs: tuple[torch.Tensor, ...] | None,
+    plan: _Plan,
+    err_beta: float,
+) -> torch.Tensor:
+    """Phase 2 of :func:`_allreduce_into`: writes the new errors and the result."""
+    u, shard, pending = reduced
+    if error_outs is not None:
+        _write_errors(pending, list(error_outs[:-1]), plan, err_beta)
+    # the leaf's values are read for the last time above: now u may take the result.
+    in_place = u.dtype == torch.float32 and u.is_contiguous()
+    y = (
+        u.detach().view(-1)
+        if in_place
+        else torch.empty(u.numel(), device=u.device, dtype=torch.float32)
+    )
+    error_out = None if error_outs is None else error_outs[-1]
+    _all_gather_into(shard, errors[-1], error_out, plan, err_beta, y)
+    return u if in_place else _into(u, y.view(u.shape).to(u.dtype))
+
+
 def _allreduce_into(
     u: torch.Tensor,
     errors: tuple[torch.Tensor | None, ...],
@@ -299,18 +343,13 @@ def _allreduce_into(
     """The quantized allreduce of ``u`` written into ``u`` when it is contiguous fp32 (else a
     fresh tensor), with the new errors (``error_outs``, when given) written once every rank's
     check passed. The result is bit-identical to :func:`_reduce_scatter` + :func:`_all_gather`."""
-    x = u.detach().reshape(-1).float()
-    shard_numel = quantized_padded_numel(x.numel(), plan.world.world_size, plan.group_size)
-    shard = _workspace("shard", shard_numel // plan.world.world_size, x.device)
-    pending = _reduce_scatter_into(x, errors[:-1], plan, shard)
-    if error_outs is not None:
-        _write_errors(pending, list(error_outs[:-1]), plan, err_beta)
-    # x is read for the last time above: now u may take the result.
-    in_place = u.dtype == torch.float32 and u.is_contiguous()
-    y = u.detach().view(-1) if in_place else torch.empty_like(x)
-    error_out = None if error_outs is None else error_outs[-1]
-    _all_gather_into(shard, errors[-1], error_out, plan, err_beta, y)
-    return u if in_place else _into(u, y.view(u.shape).to(u.dtype))
+    return _gather_leaf(_reduce_scatter_leaf(u, errors, plan), errors, error_outs, plan, err_beta)
+
+
+def _leaf_tag(index: int, leaves: int) -> str:
+    """Workspace names for leaf ``index`` of ``leaves`` held between the two phases (one leaf
+    shares the names of :func:`_allreduce_into`)."""
+    return "" if leaves == 1 else f"leaf{index}."
 
 
 def _flat_padded(x: torch.Tensor, plan: _Plan) -> torch.Tensor:
@@ -400,7 +439,8 @@ def quantized_allreduce(
     with ``W == 1`` it is the identity. Stateless. ``update(..., donate=True)`` (buffer donation:
     the caller hands over the ``updates`` tensors) writes each result into its update tensor
     when that is contiguous fp32, through fused kernels and per-size workspaces (same
-    bits as the pure call); other dtypes are computed in fp32 and copied back.
+    bits as the pure call); other dtypes are computed in fp32 and copied back. No leaf is
+    written before every leaf's checks passed on every rank (as in :func:`loco_allreduce`).
 
     Args:
         bits: 4 or 8.
@@ -431,13 +471,17 @@ def quantized_allreduce(
         y, _ = _all_gather(shard, None, plan, 0.0)
         return y[: u.numel()].view(u.shape).to(u.dtype)
 
-    def reduce_into(u):
-        if comm.world_size == 1 or u.numel() == 0:
-            return u
+    no_errors = (None,) * (len(plan.hops) + 1)
+
+    def reduce_into(u, tag):
+        """Phase 1 of the donated reduction of ``u`` (every check, nothing written); returns
+        phase 2, which writes the result into ``u``."""
         if not eager(u):
-            return _into(u, reduce(u))
+            y = reduce(u)
+            return lambda: _into(u, y)
         _flat_padded(u.reshape(-1)[:0], plan)  # the type check
-        return _allreduce_into(u, (None,) * (len(plan.hops) + 1), None, plan, 0.0)
+        reduced = _reduce_scatter_leaf(u, no_errors, plan, tag)
+        return lambda: _gather_leaf(reduced, no_errors, None, plan, 0.0)
 
     def init_fn(params):
         del params
@@ -445,7 +489,17 @@ def quantized_allreduce(
 
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         del params, extra
-        return tree_map(reduce_into if donating(donate) else reduce, updates), state
+        if not donating(donate):
+            return tree_map(reduce, updates), state
+        leaves, spec = tree_flatten(updates)
+        live = [i for i, u in enumerate(leaves) if u is not None and u.numel() > 0]
+        if comm.world_size == 1 or not live:
+            return updates, state
+        # every leaf's checks pass before any leaf is written
+        writes = [reduce_into(leaves[i], _leaf_tag(k, len(live))) for k, i in enumerate(live)]
+        for i, write in zip(live, writes, strict=True):
+            leaves[i] = write()
+        return tree_unflatten(leaves, spec), state
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -488,7 +542,10 @@ def loco_allreduce(
     bits of the pure call. The padding, the dequantized pieces and the sums never exist as
     tensors (fused kernels ``fn.kernels.loco_quantize``, ``loco_error``, ``dequantize_sum``,
     ``dequantize_into``; per-thread workspaces for the hop sums and the shard), and nothing is
-    written before every rank's checks passed: a ``ValueError`` leaves the buffers intact.
+    written before every rank's checks passed for every leaf: a ``ValueError`` leaves the
+    buffers intact. With several leaves, each leaf's codes and shard wait in workspaces of their
+    own (per thread and leaf position, about ``bits / 32 + 1 / W`` of the leaf's fp32 size) until
+    the last leaf's checks passed.
     ``error_dtype`` other than fp32 (and ``torch.int8``) still computes in fresh fp32 tensors.
 
     Args:
@@ -563,17 +620,20 @@ def loco_allreduce(
         new = tuple(store(e) for e in (*hop_errors, gather_error))
         return y[: u.numel()].view(u.shape).to(u.dtype), new
 
-    def leaf_donated(u, buffers, given, reset):
+    def leaf_donated(u, buffers, given, reset, tag):
+        """Phase 1 of a donated leaf (every check, nothing written); returns phase 2, which
+        writes the result and the new errors."""
         if error_dtype != torch.float32 or not eager(u):
             y, new = leaf_pure(u, buffers, reset)
-            return _into(u, y), tuple(_into(g, e) for g, e in zip(given, new, strict=True))
+            return lambda: (_into(u, y), tuple(map(_into, given, new)))
         _flat_padded(u.reshape(-1)[:0], plan)  # the type check
         errors = (None,) * len(buffers) if bool(reset) else tuple(buffers)
         outs = tuple(
             g if fitting(g, b) is not None else torch.empty_like(b)
             for g, b in zip(given, buffers, strict=True)
         )
-        return _allreduce_into(u, errors, outs, plan, err_beta), outs
+        reduced = _reduce_scatter_leaf(u, errors, plan, tag)
+        return lambda: (_gather_leaf(reduced, errors, outs, plan, err_beta), outs)
 
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         del params, extra
@@ -588,20 +648,27 @@ def loco_allreduce(
             given = [None] * len(leaves)
         else:
             given = spec.flatten_up_to(donated.errors)
-        out, new_stored = [], []
-        for u, buffers, spare in zip(leaves, stored, given, strict=True):
-            if u is None or u.numel() == 0:
-                out.append(u)
-                new_stored.append(buffers)
-                continue
-            if buffers is None:
-                raise ValueError("loco_allreduce: an update leaf has no error state")
-            if donated is None:
-                y, new = leaf_pure(u, buffers, reset)
-            else:
-                y, new = leaf_donated(u, buffers, spare or (None,) * len(buffers), reset)
-            out.append(y)
-            new_stored.append(new)
+        live = [i for i, u in enumerate(leaves) if u is not None and u.numel() > 0]
+        if any(stored[i] is None for i in live):
+            raise ValueError("loco_allreduce: an update leaf has no error state")
+        out, new_stored = list(leaves), list(stored)
+        if donated is None:
+            for i in live:
+                out[i], new_stored[i] = leaf_pure(leaves[i], stored[i], reset)
+        else:
+            # every leaf's checks pass before any leaf is written
+            writes = [
+                leaf_donated(
+                    leaves[i],
+                    stored[i],
+                    given[i] or (None,) * len(stored[i]),
+                    reset,
+                    _leaf_tag(k, len(live)),
+                )
+                for k, i in enumerate(live)
+            ]
+            for i, write in zip(live, writes, strict=True):
+                out[i], new_stored[i] = write()
         return tree_unflatten(out, spec), LocoAllreduceState(
             count, tree_unflatten(new_stored, spec)
         )

@@ -216,11 +216,6 @@ def test_donated_loco_steady_state_allocates_no_full_size_buffer(monkeypatch):
     assert min(faults) >= pages_of_one_buffer // 4, faults
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the quantized transforms run leaf by leaf: a later leaf's failed check comes after "
-    "earlier leaves were written (a fix needs per-leaf workspaces held across the exchange)",
-)
 @pytest.mark.parametrize(
     "make",
     [lambda comm: loco_allreduce(comm=comm), lambda comm: quantized_allreduce(comm=comm)],
