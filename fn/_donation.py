@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_structure
+
+from fn.tree import tree_flatten
 
 
 def donating(donate: Any) -> bool:
@@ -29,7 +30,7 @@ def donated_state(donate: Any, state: Any) -> Any:
         return None
     if donate is True:
         return state
-    if tree_structure(donate) != tree_structure(state):
+    if tree_flatten(donate)[1] != tree_flatten(state)[1]:
         raise ValueError(
             "donate must be True, None or a state of the same structure as state, got a "
             f"{type(donate).__name__} of another structure"
