@@ -27,15 +27,6 @@
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* Reverses the 8 low bits: SIMD compare masks are LSB first, packed bytes MSB first. */
-static inline uint8_t rev8(uint32_t b)
-{
-    b = ((b & 0xF0u) >> 4) | ((b & 0x0Fu) << 4);
-    b = ((b & 0xCCu) >> 2) | ((b & 0x33u) << 2);
-    b = ((b & 0xAAu) >> 1) | ((b & 0x55u) << 1);
-    return (uint8_t)b;
-}
-
 /* Reverses the bits inside each byte of a 64-bit word; stored little-endian (x86), byte b
    then holds elements 8b..8b+7, MSB first. */
 static inline uint64_t reverse_bytes_bits(uint64_t w)
@@ -44,6 +35,27 @@ static inline uint64_t reverse_bytes_bits(uint64_t w)
     w = ((w >> 2) & 0x3333333333333333ull) | ((w & 0x3333333333333333ull) << 2);
     return ((w >> 4) & 0x0F0F0F0F0F0F0F0Full) | ((w & 0x0F0F0F0F0F0F0F0Full) << 4);
 }
+
+#if defined(__AVX2__)
+/* The signs (x >= 0) of 32 floats as 4 packed bytes (a little-endian word), MSB first: the
+   compare masks narrowed to bytes, then ordered so that movemask's bit 8b + 7 - j is element
+   8b + j. */
+static inline uint32_t signs32(__m256 v0, __m256 v1, __m256 v2, __m256 v3)
+{
+    const __m256 zero = _mm256_setzero_ps();
+    /* packs interleave the 128-bit lanes: bytes 0-15 hold elements 0-3, 8-11, 16-19, 24-27,
+       bytes 16-31 elements 4-7, 12-15, 20-23, 28-31; the permute pairs each 8 elements. */
+    const __m256i order = _mm256_setr_epi8(11, 10, 9, 8, 3, 2, 1, 0, 15, 14, 13, 12, 7, 6, 5, 4,
+                                           11, 10, 9, 8, 3, 2, 1, 0, 15, 14, 13, 12, 7, 6, 5, 4);
+    __m256i c0 = _mm256_castps_si256(_mm256_cmp_ps(v0, zero, _CMP_GE_OQ));
+    __m256i c1 = _mm256_castps_si256(_mm256_cmp_ps(v1, zero, _CMP_GE_OQ));
+    __m256i c2 = _mm256_castps_si256(_mm256_cmp_ps(v2, zero, _CMP_GE_OQ));
+    __m256i c3 = _mm256_castps_si256(_mm256_cmp_ps(v3, zero, _CMP_GE_OQ));
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
+    b = _mm256_permute4x64_epi64(b, _MM_SHUFFLE(3, 1, 2, 0));
+    return (uint32_t)_mm256_movemask_epi8(_mm256_shuffle_epi8(b, order));
+}
+#endif
 
 /* One full block: signs and the 16 lane sums (lane j adds x[j]^2, x[j+16]^2, ... in order).
    fma(d, d, acc) equals acc + d * d here: the square of an fp32 value is exact in fp64. */
@@ -71,15 +83,17 @@ static void sign_block_full(const float *x, uint8_t *bits, double *acc)
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256d a[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
                     _mm256_setzero_pd()};
-    for (int k = 0; k < BLOCK / LANES; k++) {
-        for (int h = 0; h < 2; h++) {
-            __m256 v = _mm256_loadu_ps(x + k * LANES + 8 * h);
-            bits[2 * k + h] = rev8((uint32_t)_mm256_movemask_ps(
-                _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ)));
-            __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
-            __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-            a[2 * h] = _mm256_fmadd_pd(d0, d0, a[2 * h]);
-            a[2 * h + 1] = _mm256_fmadd_pd(d1, d1, a[2 * h + 1]);
+    for (int k = 0; k < BLOCK; k += 2 * LANES) {
+        __m256 v[4];
+        for (int t = 0; t < 4; t++)
+            v[t] = _mm256_loadu_ps(x + k + 8 * t);
+        uint32_t word = signs32(v[0], v[1], v[2], v[3]);
+        memcpy(bits + k / 8, &word, 4);
+        for (int t = 0; t < 4; t++) { /* lanes 8 (t % 2) .. 8 (t % 2) + 7 */
+            __m256d d0 = _mm256_cvtps_pd(_mm_loadu_ps(x + k + 8 * t));
+            __m256d d1 = _mm256_cvtps_pd(_mm_loadu_ps(x + k + 8 * t + 4));
+            a[2 * (t % 2)] = _mm256_fmadd_pd(d0, d0, a[2 * (t % 2)]);
+            a[2 * (t % 2) + 1] = _mm256_fmadd_pd(d1, d1, a[2 * (t % 2) + 1]);
         }
     }
     for (int i = 0; i < 4; i++)
@@ -395,13 +409,9 @@ static void fn_packbits(const float *x, uint8_t *bits, int64_t begin, int64_t en
     }
 #elif defined(__AVX2__)
     for (; i + 4 <= full; i += 4) {
-        uint32_t word = 0;
-        for (int t = 0; t < 4; t++) {
-            __m256 v = _mm256_loadu_ps(x + 8 * (i + t));
-            word |= (uint32_t)rev8((uint32_t)_mm256_movemask_ps(
-                        _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ)))
-                    << (8 * t);
-        }
+        const float *p = x + 8 * i;
+        uint32_t word = signs32(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8),
+                                _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24));
         memcpy(bits + i, &word, 4);
     }
 #endif
