@@ -256,7 +256,18 @@ static void add_signed_row(const fn_feedback *f, int64_t t, int64_t off, int64_t
 {
     const uint8_t *row = f->signs + t * f->row_bytes + off / 8;
     const float w = f->weights[t], nw = -w;
-    for (int64_t b = 0; b < len / 8; b++) {
+    int64_t b = 0;
+#if defined(__AVX2__)
+    const __m256i weights = _mm256_setr_epi32(128, 64, 32, 16, 8, 4, 2, 1);
+    const __m256 pos = _mm256_set1_ps(w), neg = _mm256_set1_ps(nw);
+    for (; b < len / 8; b++) {
+        __m256i bit = _mm256_and_si256(_mm256_set1_epi32(row[b]), weights);
+        __m256 set = _mm256_castsi256_ps(_mm256_cmpeq_epi32(bit, weights));
+        __m256 term = _mm256_blendv_ps(neg, pos, set);
+        _mm256_storeu_ps(acc + 8 * b, _mm256_add_ps(_mm256_loadu_ps(acc + 8 * b), term));
+    }
+#endif
+    for (; b < len / 8; b++) {
         uint32_t byte = row[b];
         for (int j = 0; j < 8; j++)
             acc[8 * b + j] += ((byte >> (7 - j)) & 1u) ? w : nw;
