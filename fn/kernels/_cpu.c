@@ -214,12 +214,17 @@ static inline int64_t ceil_log2(int64_t x)
     return bits;
 }
 
+/* log2 of the rows torch's multi_row_sum adds into one level before moving it up. */
+static inline int64_t level_power(int64_t count)
+{
+    return ceil_log2(count) / 4 > 4 ? ceil_log2(count) / 4 : 4;
+}
+
 /* torch's multi_row_sum order over the terms first, first + stride, ... (count of them). */
 static float cascade_column(const fn_feedback *f, int64_t k, int64_t first, int64_t stride,
                             int64_t count)
 {
-    int64_t power = ceil_log2(count) / 4 > 4 ? ceil_log2(count) / 4 : 4;
-    int64_t step = (int64_t)1 << power, mask = step - 1, t = 0;
+    int64_t power = level_power(count), step = (int64_t)1 << power, mask = step - 1, t = 0;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     while (t + step <= count) {
         for (int64_t j = 0; j < step; j++, t++)
@@ -256,18 +261,7 @@ static void add_signed_row(const fn_feedback *f, int64_t t, int64_t off, int64_t
 {
     const uint8_t *row = f->signs + t * f->row_bytes + off / 8;
     const float w = f->weights[t], nw = -w;
-    int64_t b = 0;
-#if defined(__AVX2__)
-    const __m256i weights = _mm256_setr_epi32(128, 64, 32, 16, 8, 4, 2, 1);
-    const __m256 pos = _mm256_set1_ps(w), neg = _mm256_set1_ps(nw);
-    for (; b < len / 8; b++) {
-        __m256i bit = _mm256_and_si256(_mm256_set1_epi32(row[b]), weights);
-        __m256 set = _mm256_castsi256_ps(_mm256_cmpeq_epi32(bit, weights));
-        __m256 term = _mm256_blendv_ps(neg, pos, set);
-        _mm256_storeu_ps(acc + 8 * b, _mm256_add_ps(_mm256_loadu_ps(acc + 8 * b), term));
-    }
-#endif
-    for (; b < len / 8; b++) {
+    for (int64_t b = 0; b < len / 8; b++) {
         uint32_t byte = row[b];
         for (int j = 0; j < 8; j++)
             acc[8 * b + j] += ((byte >> (7 - j)) & 1u) ? w : nw;
@@ -276,11 +270,12 @@ static void add_signed_row(const fn_feedback *f, int64_t t, int64_t off, int64_t
         acc[i] += ((row[i >> 3] >> (7 - (i & 7))) & 1u) ? w : nw;
 }
 
-/* The sign sum of the columns [off, off + len) into out, in torch's order. */
-static void sign_sum_block(const fn_feedback *f, int64_t off, int64_t len, float *out)
+/* The sign sum of the columns [off, off + len) into out (len <= BLOCK), in the order of
+   torch's multi_row_sum: levels of accumulators in memory, one pass per row. */
+static void sign_sum_columns(const fn_feedback *f, int64_t off, int64_t len, float *out)
 {
     float acc[3][BLOCK]; /* levels 1-3; level 0 is out */
-    int64_t count = f->ranks, power = ceil_log2(count) / 4 > 4 ? ceil_log2(count) / 4 : 4;
+    int64_t count = f->ranks, power = level_power(count);
     int64_t step = (int64_t)1 << power, mask = step - 1, t = 0;
     float *level[4] = {out, acc[0], acc[1], acc[2]};
     for (int l = 0; l < 4; l++)
@@ -302,6 +297,69 @@ static void sign_sum_block(const fn_feedback *f, int64_t off, int64_t len, float
     for (int l = 1; l < 4; l++)
         for (int64_t i = 0; i < len; i++)
             out[i] += level[l][i];
+}
+
+#if defined(__AVX2__)
+/* Adds row t's signed weights (w where the bit is set, else -w) for the 32 columns of the 4
+   bytes from `byte` on to acc: lane j of vector g takes bit 8 g + 7 - j of the bytes read as a
+   little-endian word, shifted into the sign bit that blendv selects by. */
+static inline void add_signed_row32(const fn_feedback *f, int64_t t, int64_t byte, __m256 *acc)
+{
+    uint32_t word;
+    memcpy(&word, f->signs + t * f->row_bytes + byte, 4);
+    __m256i bits = _mm256_set1_epi32((int)word);
+    __m256 w = _mm256_set1_ps(f->weights[t]);
+    __m256 nw = _mm256_xor_ps(w, _mm256_set1_ps(-0.0f));
+    for (int g = 0; g < 4; g++) {
+        __m256i shift = _mm256_setr_epi32(24 - 8 * g, 25 - 8 * g, 26 - 8 * g, 27 - 8 * g,
+                                          28 - 8 * g, 29 - 8 * g, 30 - 8 * g, 31 - 8 * g);
+        __m256 set = _mm256_castsi256_ps(_mm256_sllv_epi32(bits, shift));
+        acc[g] = _mm256_add_ps(acc[g], _mm256_blendv_ps(nw, w, set));
+    }
+}
+
+/* sign_sum_columns for the 32 columns from byte `byte` on, the levels held in registers: the
+   same additions in the same order, without the passes over memory. */
+static void sign_sum_registers(const fn_feedback *f, int64_t byte, float *out)
+{
+    int64_t count = f->ranks, power = level_power(count);
+    int64_t step = (int64_t)1 << power, mask = step - 1, t = 0;
+    __m256 level[4][4];
+    for (int l = 0; l < 4; l++)
+        for (int g = 0; g < 4; g++)
+            level[l][g] = _mm256_setzero_ps();
+    while (t + step <= count) {
+        for (int64_t j = 0; j < step; j++, t++)
+            add_signed_row32(f, t, byte, level[0]);
+        for (int l = 1; l < 4; l++) {
+            for (int g = 0; g < 4; g++) {
+                level[l][g] = _mm256_add_ps(level[l][g], level[l - 1][g]);
+                level[l - 1][g] = _mm256_setzero_ps();
+            }
+            if (t & (mask << (l * power)))
+                break;
+        }
+    }
+    for (; t < count; t++)
+        add_signed_row32(f, t, byte, level[0]);
+    for (int l = 1; l < 4; l++)
+        for (int g = 0; g < 4; g++)
+            level[0][g] = _mm256_add_ps(level[0][g], level[l][g]);
+    for (int g = 0; g < 4; g++)
+        _mm256_storeu_ps(out + 8 * g, level[0][g]);
+}
+#endif
+
+/* The sign sum of the columns [off, off + len) into out, in torch's order. */
+static void sign_sum_block(const fn_feedback *f, int64_t off, int64_t len, float *out)
+{
+    int64_t done = 0;
+#if defined(__AVX2__)
+    for (; done + 32 <= len; done += 32)
+        sign_sum_registers(f, (off + done) / 8, out + done);
+#endif
+    if (done < len)
+        sign_sum_columns(f, off + done, len - done, out + done);
     for (int64_t r = 0; r < f->ntails; r++) {
         int64_t b = f->tails[2 * r] > off ? f->tails[2 * r] : off;
         int64_t e = min64(f->tails[2 * r + 1], off + len);
