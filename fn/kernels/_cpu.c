@@ -27,15 +27,6 @@
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* Reverses the 8 low bits: SIMD compare masks are LSB first, packed bytes MSB first. */
-static inline uint8_t rev8(uint32_t b)
-{
-    b = ((b & 0xF0u) >> 4) | ((b & 0x0Fu) << 4);
-    b = ((b & 0xCCu) >> 2) | ((b & 0x33u) << 2);
-    b = ((b & 0xAAu) >> 1) | ((b & 0x55u) << 1);
-    return (uint8_t)b;
-}
-
 /* Reverses the bits inside each byte of a 64-bit word; stored little-endian (x86), byte b
    then holds elements 8b..8b+7, MSB first. */
 static inline uint64_t reverse_bytes_bits(uint64_t w)
@@ -44,6 +35,27 @@ static inline uint64_t reverse_bytes_bits(uint64_t w)
     w = ((w >> 2) & 0x3333333333333333ull) | ((w & 0x3333333333333333ull) << 2);
     return ((w >> 4) & 0x0F0F0F0F0F0F0F0Full) | ((w & 0x0F0F0F0F0F0F0F0Full) << 4);
 }
+
+#if defined(__AVX2__)
+/* The signs (x >= 0) of 32 floats as 4 packed bytes (a little-endian word), MSB first: the
+   compare masks narrowed to bytes, then ordered so that movemask's bit 8b + 7 - j is element
+   8b + j. */
+static inline uint32_t signs32(__m256 v0, __m256 v1, __m256 v2, __m256 v3)
+{
+    const __m256 zero = _mm256_setzero_ps();
+    /* packs interleave the 128-bit lanes: bytes 0-15 hold elements 0-3, 8-11, 16-19, 24-27,
+       bytes 16-31 elements 4-7, 12-15, 20-23, 28-31; the permute pairs each 8 elements. */
+    const __m256i order = _mm256_setr_epi8(11, 10, 9, 8, 3, 2, 1, 0, 15, 14, 13, 12, 7, 6, 5, 4,
+                                           11, 10, 9, 8, 3, 2, 1, 0, 15, 14, 13, 12, 7, 6, 5, 4);
+    __m256i c0 = _mm256_castps_si256(_mm256_cmp_ps(v0, zero, _CMP_GE_OQ));
+    __m256i c1 = _mm256_castps_si256(_mm256_cmp_ps(v1, zero, _CMP_GE_OQ));
+    __m256i c2 = _mm256_castps_si256(_mm256_cmp_ps(v2, zero, _CMP_GE_OQ));
+    __m256i c3 = _mm256_castps_si256(_mm256_cmp_ps(v3, zero, _CMP_GE_OQ));
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
+    b = _mm256_permute4x64_epi64(b, _MM_SHUFFLE(3, 1, 2, 0));
+    return (uint32_t)_mm256_movemask_epi8(_mm256_shuffle_epi8(b, order));
+}
+#endif
 
 /* One full block: signs and the 16 lane sums (lane j adds x[j]^2, x[j+16]^2, ... in order).
    fma(d, d, acc) equals acc + d * d here: the square of an fp32 value is exact in fp64. */
@@ -71,15 +83,24 @@ static void sign_block_full(const float *x, uint8_t *bits, double *acc)
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256d a[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
                     _mm256_setzero_pd()};
-    for (int k = 0; k < BLOCK / LANES; k++) {
-        for (int h = 0; h < 2; h++) {
-            __m256 v = _mm256_loadu_ps(x + k * LANES + 8 * h);
-            bits[2 * k + h] = rev8((uint32_t)_mm256_movemask_ps(
-                _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ)));
-            __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
-            __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-            a[2 * h] = _mm256_fmadd_pd(d0, d0, a[2 * h]);
-            a[2 * h + 1] = _mm256_fmadd_pd(d1, d1, a[2 * h + 1]);
+    for (int k = 0; k < BLOCK; k += 2 * LANES) {
+        __m256 v[4];
+        for (int t = 0; t < 4; t++)
+            v[t] = _mm256_loadu_ps(x + k + 8 * t);
+        /* The two cache lines 2 KiB ahead: with the sums of squares, this loop does enough
+           work per line that at one thread too few misses are in flight for the hardware
+           prefetchers alone (the lighter packbits loop is faster without). */
+        __builtin_prefetch(x + k + 512, 0, 3);
+        __builtin_prefetch(x + k + 528, 0, 3);
+        uint32_t word = signs32(v[0], v[1], v[2], v[3]);
+        memcpy(bits + k / 8, &word, 4);
+        /* Converted straight from memory: vextractf128 would compete with the packs and
+           shuffles for the same ports. a[2 (t % 2)], a[2 (t % 2) + 1]: lanes 8 (t % 2) + 0-7. */
+        for (int t = 0; t < 4; t++) {
+            __m256d d0 = _mm256_cvtps_pd(_mm_loadu_ps(x + k + 8 * t));
+            __m256d d1 = _mm256_cvtps_pd(_mm_loadu_ps(x + k + 8 * t + 4));
+            a[2 * (t % 2)] = _mm256_fmadd_pd(d0, d0, a[2 * (t % 2)]);
+            a[2 * (t % 2) + 1] = _mm256_fmadd_pd(d1, d1, a[2 * (t % 2) + 1]);
         }
     }
     for (int i = 0; i < 4; i++)
@@ -193,12 +214,17 @@ static inline int64_t ceil_log2(int64_t x)
     return bits;
 }
 
+/* log2 of the rows torch's multi_row_sum adds into one level before moving it up. */
+static inline int64_t level_power(int64_t count)
+{
+    return ceil_log2(count) / 4 > 4 ? ceil_log2(count) / 4 : 4;
+}
+
 /* torch's multi_row_sum order over the terms first, first + stride, ... (count of them). */
 static float cascade_column(const fn_feedback *f, int64_t k, int64_t first, int64_t stride,
                             int64_t count)
 {
-    int64_t power = ceil_log2(count) / 4 > 4 ? ceil_log2(count) / 4 : 4;
-    int64_t step = (int64_t)1 << power, mask = step - 1, t = 0;
+    int64_t power = level_power(count), step = (int64_t)1 << power, mask = step - 1, t = 0;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     while (t + step <= count) {
         for (int64_t j = 0; j < step; j++, t++)
@@ -244,11 +270,12 @@ static void add_signed_row(const fn_feedback *f, int64_t t, int64_t off, int64_t
         acc[i] += ((row[i >> 3] >> (7 - (i & 7))) & 1u) ? w : nw;
 }
 
-/* The sign sum of the columns [off, off + len) into out, in torch's order. */
-static void sign_sum_block(const fn_feedback *f, int64_t off, int64_t len, float *out)
+/* The sign sum of the columns [off, off + len) into out (len <= BLOCK), in the order of
+   torch's multi_row_sum: levels of accumulators in memory, one pass per row. */
+static void sign_sum_columns(const fn_feedback *f, int64_t off, int64_t len, float *out)
 {
     float acc[3][BLOCK]; /* levels 1-3; level 0 is out */
-    int64_t count = f->ranks, power = ceil_log2(count) / 4 > 4 ? ceil_log2(count) / 4 : 4;
+    int64_t count = f->ranks, power = level_power(count);
     int64_t step = (int64_t)1 << power, mask = step - 1, t = 0;
     float *level[4] = {out, acc[0], acc[1], acc[2]};
     for (int l = 0; l < 4; l++)
@@ -270,6 +297,69 @@ static void sign_sum_block(const fn_feedback *f, int64_t off, int64_t len, float
     for (int l = 1; l < 4; l++)
         for (int64_t i = 0; i < len; i++)
             out[i] += level[l][i];
+}
+
+#if defined(__AVX2__)
+/* Adds row t's signed weights (w where the bit is set, else -w) for the 32 columns of the 4
+   bytes from `byte` on to acc: lane j of vector g takes bit 8 g + 7 - j of the bytes read as a
+   little-endian word, shifted into the sign bit that blendv selects by. */
+static inline void add_signed_row32(const fn_feedback *f, int64_t t, int64_t byte, __m256 *acc)
+{
+    uint32_t word;
+    memcpy(&word, f->signs + t * f->row_bytes + byte, 4);
+    __m256i bits = _mm256_set1_epi32((int)word);
+    __m256 w = _mm256_set1_ps(f->weights[t]);
+    __m256 nw = _mm256_xor_ps(w, _mm256_set1_ps(-0.0f));
+    for (int g = 0; g < 4; g++) {
+        __m256i shift = _mm256_setr_epi32(24 - 8 * g, 25 - 8 * g, 26 - 8 * g, 27 - 8 * g,
+                                          28 - 8 * g, 29 - 8 * g, 30 - 8 * g, 31 - 8 * g);
+        __m256 set = _mm256_castsi256_ps(_mm256_sllv_epi32(bits, shift));
+        acc[g] = _mm256_add_ps(acc[g], _mm256_blendv_ps(nw, w, set));
+    }
+}
+
+/* sign_sum_columns for the 32 columns from byte `byte` on, the levels held in registers: the
+   same additions in the same order, without the passes over memory. */
+static void sign_sum_registers(const fn_feedback *f, int64_t byte, float *out)
+{
+    int64_t count = f->ranks, power = level_power(count);
+    int64_t step = (int64_t)1 << power, mask = step - 1, t = 0;
+    __m256 level[4][4];
+    for (int l = 0; l < 4; l++)
+        for (int g = 0; g < 4; g++)
+            level[l][g] = _mm256_setzero_ps();
+    while (t + step <= count) {
+        for (int64_t j = 0; j < step; j++, t++)
+            add_signed_row32(f, t, byte, level[0]);
+        for (int l = 1; l < 4; l++) {
+            for (int g = 0; g < 4; g++) {
+                level[l][g] = _mm256_add_ps(level[l][g], level[l - 1][g]);
+                level[l - 1][g] = _mm256_setzero_ps();
+            }
+            if (t & (mask << (l * power)))
+                break;
+        }
+    }
+    for (; t < count; t++)
+        add_signed_row32(f, t, byte, level[0]);
+    for (int l = 1; l < 4; l++)
+        for (int g = 0; g < 4; g++)
+            level[0][g] = _mm256_add_ps(level[0][g], level[l][g]);
+    for (int g = 0; g < 4; g++)
+        _mm256_storeu_ps(out + 8 * g, level[0][g]);
+}
+#endif
+
+/* The sign sum of the columns [off, off + len) into out, in torch's order. */
+static void sign_sum_block(const fn_feedback *f, int64_t off, int64_t len, float *out)
+{
+    int64_t done = 0;
+#if defined(__AVX2__)
+    for (; done + 32 <= len; done += 32)
+        sign_sum_registers(f, (off + done) / 8, out + done);
+#endif
+    if (done < len)
+        sign_sum_columns(f, off + done, len - done, out + done);
     for (int64_t r = 0; r < f->ntails; r++) {
         int64_t b = f->tails[2 * r] > off ? f->tails[2 * r] : off;
         int64_t e = min64(f->tails[2 * r + 1], off + len);
@@ -395,13 +485,9 @@ static void fn_packbits(const float *x, uint8_t *bits, int64_t begin, int64_t en
     }
 #elif defined(__AVX2__)
     for (; i + 4 <= full; i += 4) {
-        uint32_t word = 0;
-        for (int t = 0; t < 4; t++) {
-            __m256 v = _mm256_loadu_ps(x + 8 * (i + t));
-            word |= (uint32_t)rev8((uint32_t)_mm256_movemask_ps(
-                        _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ)))
-                    << (8 * t);
-        }
+        const float *p = x + 8 * i;
+        uint32_t word = signs32(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8),
+                                _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24));
         memcpy(bits + i, &word, 4);
     }
 #endif
