@@ -24,17 +24,20 @@ def donated_state(donate: Any, state: Any) -> Any:
     itself for ``donate=True``, else ``donate``.
 
     Raises:
-        ValueError: ``donate`` is a state of another tree structure than ``state``.
+        ValueError: ``donate`` is a state of another tree structure than ``state`` (where
+            ``donate`` holds ``None``, that part of ``state`` is not donated).
     """
     if not donating(donate):
         return None
     if donate is True:
         return state
-    if tree_flatten(donate)[1] != tree_flatten(state)[1]:
+    try:  # a None in donate stands for a whole part of state that is not donated
+        tree_flatten(donate)[1].flatten_up_to(state)
+    except ValueError as err:
         raise ValueError(
-            "donate must be True, None or a state of the same structure as state, got a "
-            f"{type(donate).__name__} of another structure"
-        )
+            "donate must be True, None or a state of the same structure as state (None for a "
+            f"part not donated), got a {type(donate).__name__} of another structure: {err}"
+        ) from None
     return donate
 
 

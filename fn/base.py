@@ -86,7 +86,9 @@ class GradientTransformation(NamedTuple):
       into the same field and leaf, where shape, dtype and device fit) and the new updates into
       the ``updates`` tensors, and those tensors returned. A donated leaf may be the very tensor
       of the same leaf of ``state``; it must not alias any other leaf of ``state``,
-      ``updates`` or ``params``. A state of another tree structure raises ``ValueError``.
+      ``updates`` or ``params``. ``None`` in place of a part of ``old`` (e.g. one ``chain``
+      member's state) donates nothing there; a state of another tree structure raises
+      ``ValueError``.
     - Results are bit for bit those of the pure call. A leaf the update leaves unchanged is
       returned as the same tensor. After the call the caller reaches the donated tensors only
       through the returned values; if it raises, they may hold anything (fn's compressed
