@@ -80,10 +80,3 @@ def check_ranks_agree(model: torch.nn.Module) -> str:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"final params sha256 {mine} (the same on every rank)")
     return mine
-
-
-def end_distributed() -> None:
-    """Destroys the process group, if any, before the interpreter exits: gloo's threads are then
-    joined in order instead of during the process's teardown, which can abort it."""
-    if dist.is_initialized():
-        dist.destroy_process_group()

@@ -21,13 +21,13 @@ import torch
 from _tiny_gpt2 import (
     SyntheticTokens,
     check_ranks_agree,
-    end_distributed,
     parse_args,
     tiny_gpt2,
 )
 from accelerate import Accelerator
 
 import fn.optim
+from fn.collectives import exit_distributed
 from fn.integrations.accelerate import attach
 
 
@@ -76,8 +76,8 @@ def main() -> None:
     accelerator.wait_for_everyone()
     accelerator.save_model(model, os.path.join(args.output_dir, "final"))
     check_ranks_agree(model)
-    end_distributed()
 
 
 if __name__ == "__main__":
     main()
+    exit_distributed()  # destroys the group; gloo can abort if interpreter exit tears it down

@@ -30,6 +30,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from fn.collectives import exit_distributed  # noqa: E402
 from fn.fsdp import (  # noqa: E402
     LocoReduceScatterHandle,
     TrainingCheckpoint,
@@ -198,3 +199,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_distributed()  # FSDP2's DTensor caches hold the group: do not let exit tear it down

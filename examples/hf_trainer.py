@@ -18,13 +18,13 @@ import torch
 from _tiny_gpt2 import (
     SyntheticTokens,
     check_ranks_agree,
-    end_distributed,
     parse_args,
     tiny_gpt2,
 )
 from transformers import Trainer, TrainingArguments
 
 import fn.optim
+from fn.collectives import exit_distributed
 from fn.integrations.transformers import attach
 
 
@@ -55,8 +55,8 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(os.path.join(args.output_dir, "final"))
     check_ranks_agree(trainer.model)
-    end_distributed()
 
 
 if __name__ == "__main__":
     main()
+    exit_distributed()  # destroys the group; gloo can abort if interpreter exit tears it down

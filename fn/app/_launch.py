@@ -16,10 +16,10 @@ On a timeout each rank dumps its Python stack (``faulthandler`` on ``SIGUSR1``, 
 platform has it): a rank that is not inside a ``torch.distributed`` call is named as the one
 the others wait for.
 
-A child ends with ``os._exit(0)`` once its result has reached the parent. Interpreter
-finalization in a process that used gloo can abort (SIGABRT) while torch's C++ threads still
-hold tensors; skipping it keeps a finished run from being reported as a dead rank. Python
-``atexit`` handlers registered inside ``worker_fn`` therefore do not run.
+A child ends with :func:`fn.collectives.exit_distributed` once its result has reached the
+parent: its atexit handlers run, interpreter finalization does not. In a process that used gloo
+finalization can abort (SIGABRT) while torch's C++ threads still hold tensors; skipping it keeps
+a finished run from being reported as a dead rank.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from fn.collectives import exit_distributed
 
 __all__ = ["WorkerError", "spawn_gloo"]
 
@@ -138,12 +140,7 @@ def _child(
     messages.put(("result", rank, pickle.dumps(out)))
     messages.close()
     messages.join_thread()  # the result has reached the pipe
-    # Skip interpreter finalization: in a process that used gloo it can abort with SIGABRT
-    # ("terminate called without an active exception") when torch's C++ threads still hold
-    # tensors, and nothing it does could change the result already sent.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_distributed()
 
 
 def _describe_exit(exitcode: int) -> str:

@@ -6,7 +6,8 @@ Backends (the ``Comm`` protocol, see ``comm.py``):
 - ``Simulated(W)``: W ranks in one process. ``simulate(f, comm)(*args)`` runs ``f`` per rank
   under ``torch.func.vmap`` over the leading rank axis of every tensor argument;
   ``replicate(tree, comm)`` stacks W copies (params, states). Works under ``torch.compile``.
-- ``ProcessGroup(group=None)``: ``torch.distributed`` (gloo, nccl, ...), e.g. under torchrun.
+- ``ProcessGroup(group=None)``: ``torch.distributed`` (gloo, nccl, ...), e.g. under torchrun;
+  ``exit_distributed()`` ends such a process without the abort gloo can cause at exit.
 
 ``comm.split(L)`` gives the intra-node and inter-node comms of a two-level topology.
 Every comm counts the bytes each rank sends (``bytes_sent``, ``reset_bytes_sent()``) with the
@@ -34,6 +35,7 @@ from fn.collectives.onebit import (
     onebit_allreduce,
     padded_numel,
 )
+from fn.collectives.process_exit import exit_distributed
 from fn.collectives.process_group import CollectiveTimeoutError, ProcessGroup
 from fn.collectives.quantized import (
     LocoAllreduceState,
@@ -52,6 +54,7 @@ __all__ = [
     "SimulatedGroup",
     "ProcessGroup",
     "CollectiveTimeoutError",
+    "exit_distributed",
     "simulate",
     "replicate",
     "dense_allreduce",
