@@ -598,12 +598,15 @@ def _log(cfg: dict, msg: str) -> None:
 def serve_rank(config: dict, work: Callable[[], object], threads: int | None = None) -> None:
     """One rank inside its namespace (``script --worker CONFIG``): joins the gloo group of
     ``config``'s ``rank`` and ``world_size`` (``timeout`` seconds for everything), runs ``work()``
-    and rank 0 writes its result as JSON to ``config["out"]``. ``threads``: torch's intra-op
-    threads (``None``: as set by ``OMP_NUM_THREADS``)."""
+    and rank 0 writes its result as JSON to ``config["out"]``, then ends the process with
+    :func:`fn.collectives.exit_distributed`. ``threads``: torch's intra-op threads (``None``: as
+    set by ``OMP_NUM_THREADS``)."""
     import faulthandler
 
     import torch
     import torch.distributed as dist
+
+    from fn.collectives import exit_distributed
 
     faulthandler.dump_traceback_later(config["timeout"], exit=True)
     if threads is not None:
@@ -623,6 +626,7 @@ def serve_rank(config: dict, work: Callable[[], object], threads: int | None = N
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_distributed()  # a finished rank must not abort in gloo's teardown at interpreter exit
 
 
 def worker_main(cfg: dict) -> None:
