@@ -52,6 +52,7 @@ _KERNEL_IDS = {
     "feedback_error": 11,
     "unpack_scaled": 12,
     "adam_direction": 13,
+    "adamw_step": 14,
 }
 # Capabilities whose fp32 vectors hold 8 lanes: torch's outer sum then takes one path (the
 # multi_row_sum order) for every column when the row length is a multiple of 32.
@@ -578,4 +579,117 @@ def dequantize_into(
     pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())
     ints = (bits, values // groups, values // chunks, chunks // local_world_size, local_world_size)
     _run(lib, "dequantize_into", out.numel(), 2, pointers, ints)
+    return None
+
+
+class _AdamWStruct(ctypes.Structure):
+    """Mirror of the C ``fn_adamw``: the operands and constants of one fn.adamw step."""
+
+    _fields_ = [
+        ("p", ctypes.c_void_p),
+        ("g", ctypes.c_void_p),
+        ("m", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("m_out", ctypes.c_void_p),
+        ("v_out", ctypes.c_void_p),
+        ("vector_end", ctypes.c_int64),
+        ("fp64", ctypes.c_int64),
+        ("decayed", ctypes.c_int64),
+        ("small_lerp", ctypes.c_int64),
+        ("decay", ctypes.c_double),
+        ("w", ctypes.c_double),
+        ("b2", ctypes.c_double),
+        ("c2", ctypes.c_double),
+        ("bc2_sqrt", ctypes.c_double),
+        ("eps", ctypes.c_double),
+        ("neg_step", ctypes.c_double),
+    ]
+
+
+_ADAMW_DTYPES = (torch.float32, torch.float64)
+
+
+def _torch_adam_lanes(dtype: torch.dtype) -> int | None:
+    """The vector length of ``torch._fused_adamw_``'s CPU kernel for ``dtype`` (its scalar tail
+    is the last ``n % lanes`` elements of a tensor), ``None`` on capabilities the C kernel does
+    not follow."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    width = 64 if capability.startswith("AVX512") else 32 if capability == "AVX2" else None
+    return None if width is None else width // dtype.itemsize
+
+
+def _adamw_args(p, g, m, v, m_out, v_out, step, lr, beta1, beta2, eps, weight_decay, lanes):
+    """The C arguments, with the scalars of torch's kernel computed as it does (in fp64)."""
+    n = p.numel()
+    w = 1.0 - beta1
+    rounded_w = torch.tensor(w, dtype=p.dtype).item()
+    return _AdamWStruct(
+        p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), m_out.data_ptr(),
+        v_out.data_ptr(), n - n % lanes, p.dtype == torch.float64, weight_decay != 0.0,
+        abs(rounded_w) < 0.5, 1.0 - lr * weight_decay, w, beta2, 1.0 - beta2,
+        math.sqrt(1.0 - beta2**step), eps, -(lr / (1.0 - beta1**step)),
+    )  # fmt: skip
+
+
+@functools.cache
+def _adamw_follows_torch(dtype: torch.dtype, small_lerp: bool) -> bool:
+    """Whether the C kernel gives the reference's bits here: torch's kernel rounds as its build
+    contracts it (see ``_cpu.c``), so each (dtype, lerp branch) is checked once on random data
+    covering vector lanes and the tail; where it differs, the reference runs."""
+    lanes = _torch_adam_lanes(dtype)
+    if lanes is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    beta1 = 0.9 if small_lerp else 0.25
+    outs: list[list[torch.Tensor]] = [[], []]
+    for n in (4096 + lanes - 1, *[lanes - 1] * 128):  # vector lanes, then tails
+        scales = torch.pow(10.0, torch.randint(-6, 2, (n,), generator=gen).to(dtype))
+        p = torch.randn(n, generator=gen, dtype=dtype)
+        g = torch.randn(n, generator=gen, dtype=dtype) * scales
+        m = torch.randn(n, generator=gen, dtype=dtype) * 0.1
+        v = torch.rand(n, generator=gen, dtype=dtype) * 0.1
+        for impl, out in zip((_reference.adamw_step, _adamw_c), outs, strict=True):
+            pi, mi, vi = p.clone(), m.clone(), v.clone()
+            impl(pi, g, mi, vi, mi, vi, 3.0, 1e-3, beta1, 0.999, 1e-8, 0.01)
+            out += [pi, mi, vi]
+    bits = torch.int32 if dtype == torch.float32 else torch.int64
+    return torch.equal(*(torch.cat(out).view(bits) for out in outs))
+
+
+def _adamw_c(p, g, m, v, m_out, v_out, step, lr, beta1, beta2, eps, weight_decay) -> None:
+    lib = library()
+    args = _adamw_args(
+        p, g, m, v, m_out, v_out, step, lr, beta1, beta2, eps, weight_decay,
+        _torch_adam_lanes(p.dtype),
+    )  # fmt: skip
+    _run(lib, "adamw_step", p.numel(), 16, (ctypes.addressof(args),))
+
+
+def adamw_step(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    m_out: torch.Tensor,
+    v_out: torch.Tensor,
+    step: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    operands = (p, g, m, v, m_out, v_out)
+    plain = all(
+        t.dtype == p.dtype and t.is_contiguous() and t.device.type == "cpu" for t in operands
+    )
+    small_lerp = abs(torch.tensor(1.0 - beta1, dtype=p.dtype).item()) < 0.5
+    if (
+        library() is None
+        or p.dtype not in _ADAMW_DTYPES
+        or not plain
+        or not _adamw_follows_torch(p.dtype, small_lerp)
+    ):
+        return _reference.adamw_step(*operands, step, lr, beta1, beta2, eps, weight_decay)
+    _adamw_c(*operands, step, lr, beta1, beta2, eps, weight_decay)
     return None

@@ -349,3 +349,33 @@ def dequantize_into(
     values = dequantize(q, scales, bits, q.numel() * 8 // bits)
     values = values.view(chunks // local_world_size, local_world_size, -1).transpose(0, 1)
     out.copy_(values.reshape(-1)[: out.numel()])
+
+
+def adamw_step(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    m_out: torch.Tensor,
+    v_out: torch.Tensor,
+    step: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One step of ``fn.adamw`` applied to the params: the new moments into ``m_out``, ``v_out``
+    (they may be ``m``, ``v``) and ``p`` updated in place to ``p + (p' - p)``, where ``p'`` is
+    ``torch._fused_adamw_`` (``torch.optim.AdamW(fused=True)``'s kernel) run on a copy of ``p``
+    at step ``step``: the values of ``fn.adamw``'s update followed by ``apply_updates``."""
+    for out, x in ((m_out, m), (v_out, v)):
+        if out is not x:
+            out.copy_(x)
+    stepped = p.clone()
+    count = torch.tensor(step, dtype=torch.float32, device=p.device)
+    torch._fused_adamw_(
+        [stepped], [g], [m_out], [v_out], [], [count], lr=lr, beta1=beta1, beta2=beta2,
+        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+    )  # fmt: skip
+    p.add_(stepped.sub_(p))

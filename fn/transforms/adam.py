@@ -8,9 +8,10 @@ from typing import Literal, NamedTuple, get_args
 
 import torch
 
+from fn import kernels
 from fn._donation import buffer_like, can_donate, donated_leaves, donated_state, split_donated
 from fn._foreach import foreach_blocker, foreach_ok, per_leaf
-from fn._fused_steps import register_update_and_apply, update_and_apply_step
+from fn._fused_steps import register_update_and_apply, update_and_apply_step, update_functions
 from fn._validation import check_betas, check_nonnegative, check_shapes
 from fn.base import GradientTransformation, apply_updates, chain
 from fn.transforms._learning_rate import learning_rate_now
@@ -284,12 +285,7 @@ def _scale_by_adam_then_lr(
         state = (moments_state, ScaleByLearningRateState(lr_state.count + 1, current))
         return (params if apply else updates), state
 
-    def update_fn(updates, state, params=None, *, donate=None, **extra):
-        return step(updates, state, params, donate, extra, apply=False)
-
-    def update_and_apply_fn(updates, state, params, *, donate, **extra):
-        return step(updates, state, params, donate, extra, apply=True)
-
+    update_fn, update_and_apply_fn = update_functions(step)
     return register_update_and_apply(
         GradientTransformation(chained.init, update_fn), update_and_apply_fn
     )
@@ -299,6 +295,9 @@ def _scale_by_adam_then_lr(
 # elsewhere the foreach ops run. CUDA is listed as torch.optim ships it; CI only runs the CPU one.
 _FUSED_DEVICE_TYPES = frozenset({"cpu", "cuda"})
 _FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+# Dtypes where update_and_apply runs the kernel on the params themselves: torch's for Adam, fn's
+# fn.kernels.adamw_step for AdamW on the CPU (its values: p + (p' - p), not torch's p').
+_C_DTYPES = (torch.float32, torch.float64)
 
 
 def _fused_blocker(operands, count, lr):
@@ -340,8 +339,9 @@ def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required, apply=
 
     With ``apply`` (donated state only, see :func:`fn.update_and_apply`) it adds the update to
     the params in place and returns ``None`` updates: fp32/fp64 Adam runs the kernel on the
-    params themselves (``p - step``, the value of ``p + (0 - step)``), the rest through the
-    workspace of :func:`_fused_in_pieces`."""
+    params themselves (``p - step``, the value of ``p + (0 - step)``), fp32/fp64 AdamW on the
+    CPU runs :func:`fn.kernels.adamw_step` (one pass computing ``p + (p' - p)``), the rest
+    goes through the workspace of :func:`_fused_in_pieces`."""
 
     def moments_step(ms, vs, gs, ps, count, donated):
         if weight_decay == 0.0 and not apply:
@@ -369,7 +369,19 @@ def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required, apply=
         decoupled = weight_decay != 0.0
         if apply and donated is None:  # nothing fits: the new moments are new tensors
             donated = ([None] * len(gs), [None] * len(gs))
-        if apply and not decoupled and gs[0].dtype in (torch.float32, torch.float64):
+        if apply and decoupled and gs[0].device.type == "cpu" and gs[0].dtype in _C_DTYPES:
+            new_ms, new_vs = (
+                [buffer_like(d, x) for x, d in zip(xs, ds, strict=True)]
+                for xs, ds in zip((ms, vs), donated, strict=True)
+            )
+            hyper = {
+                "step": float(step), "lr": float(lr), "betas": (b1, b2), "eps": eps,
+                "weight_decay": weight_decay,
+            }  # fmt: skip
+            for p, g, m, v, m_out, v_out in zip(ps, gs, ms, vs, new_ms, new_vs, strict=True):
+                kernels.adamw_step(p, g, m, v, m_out=m_out, v_out=v_out, **hyper)
+            return new_ms, new_vs, [None] * len(gs)
+        if apply and not decoupled and gs[0].dtype in _C_DTYPES:
             new_ms, new_vs = (
                 _donated_copies(*pair) for pair in zip((ms, vs), donated, strict=True)
             )
@@ -563,12 +575,7 @@ def adam(
         out, rest = rest_step(updates, tuple(state[1:]), params, **extra)
         return out, (decay_state, *rest)
 
-    def update_fn(updates, state, params=None, *, donate=None, **extra):
-        return step(updates, state, params, donate, extra, apply=False)
-
-    def update_and_apply_fn(updates, state, params, *, donate, **extra):
-        return step(updates, state, params, donate, extra, apply=True)
-
+    update_fn, update_and_apply_fn = update_functions(step)
     return register_update_and_apply(
         GradientTransformation(init_fn, update_fn), update_and_apply_fn
     )
