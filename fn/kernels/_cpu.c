@@ -881,36 +881,42 @@ float fn_rms(double *sums, int64_t count, int64_t length, int64_t n)
 }
 
 /* ---- fn.adamw's fused step: fn_adamw_step ----
-   One pass over (p, g, m, v) with the values of fn.adamw's update then apply_updates: the
-   params, decayed and stepped as torch._fused_adamw_ (torch.optim.AdamW(fused=True)'s CPU
-   kernel) rounds them into p', then p + (p' - p). torch's kernel rounds its vector lanes and
-   its scalar tail (the last n % lanes elements of a tensor) differently, as its build contracts
-   them into fused multiply-adds:
+   One pass over (p, g, m, v) of every leaf with the values of fn.adamw's update then
+   apply_updates: the params, decayed and stepped as torch._fused_adamw_
+   (torch.optim.AdamW(fused=True)'s CPU kernel) rounds them into p', then p + (p' - p). torch's
+   kernel rounds its vector lanes and its scalar tail (the last n % lanes elements of a tensor)
+   differently, as its build contracts them into fused multiply-adds:
      vector lanes: m' = fma(w, g - m, m) (or fma(w - 1, g - m, g) for w >= 1/2),
                    v' = fma(c2 * g, g, v * b2);
      scalar tail:  the same m', v' = fma(v, b2, (c2 * g) * g);
    then p' = p * decay + (neg_step * m') / (sqrt(v') / bc2_sqrt + eps) in both, with the
    multiplications and divisions rounded apart (this file is built with -ffp-contract=off, so
-   every fma here is explicit). m', v' go to m_out, v_out (they may be m, v themselves). */
+   every fma here is explicit). m', v' go to m_out, v_out (they may be m, v themselves). The
+   job's index space is the leaves one after another. */
 typedef struct fn_adamw {
-    void *p;
-    const void *g, *m, *v;
-    void *m_out, *v_out;
-    int64_t vector_end; /* n - n % lanes of torch's kernel: its scalar tail starts here */
-    int64_t fp64, decayed, small_lerp;
+    /* 6 rows of count addresses (p, g, m, v, m_out, v_out), then the count + 1 offsets of the
+       leaves in the job's index space (the last one the total) */
+    const int64_t *table;
+    int64_t count, lanes, fp64, decayed, small_lerp;
     double decay, w, b2, c2, bc2_sqrt, eps, neg_step;
 } fn_adamw;
 
+typedef struct {
+    void *p, *m_out, *v_out;
+    const void *g, *m, *v;
+    int64_t vector_end; /* n - n % lanes: torch's scalar tail starts here */
+} adamw_leaf;
+
 #define FN_ADAMW_ELEMENT(T, FMA, SQRT)                                                          \
-    static inline void adamw_element_##T(const fn_adamw *a, int64_t i, int tail)               \
+    static inline void adamw_element_##T(const fn_adamw *a, const adamw_leaf *l, int64_t i)    \
     {                                                                                           \
-        T *p = a->p, *mo = a->m_out, *vo = a->v_out;                                            \
-        const T *g = a->g, *m = a->m, *v = a->v;                                                \
+        T *p = l->p, *mo = l->m_out, *vo = l->v_out;                                            \
+        const T *g = l->g, *m = l->m, *v = l->v;                                                \
         const T w = (T)a->w, b2 = (T)a->b2, c2 = (T)a->c2;                                      \
         T pi = p[i], gi = g[i], mi = m[i], vi = v[i];                                           \
         T pd = a->decayed ? pi * (T)a->decay : pi;                                              \
         T mn = a->small_lerp ? FMA(w, gi - mi, mi) : FMA(w - (T)1, gi - mi, gi);                \
-        T vn = tail ? FMA(vi, b2, (c2 * gi) * gi) : FMA(c2 * gi, gi, vi * b2);                  \
+        T vn = i >= l->vector_end ? FMA(vi, b2, (c2 * gi) * gi) : FMA(c2 * gi, gi, vi * b2);    \
         T den = SQRT(vn) / (T)a->bc2_sqrt + (T)a->eps;                                          \
         T pn = pd + ((T)a->neg_step * mn) / den;                                                \
         mo[i] = mn;                                                                             \
@@ -923,10 +929,10 @@ FN_ADAMW_ELEMENT(double, fma, sqrt)
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* Elements [i, i + 8 * count) of torch's vector lanes, 8 fp32 values at a time. */
-static void adamw_vectors_float(const fn_adamw *a, int64_t i, int64_t count)
+static void adamw_vectors_float(const fn_adamw *a, const adamw_leaf *l, int64_t i, int64_t count)
 {
-    float *p = a->p, *mo = a->m_out, *vo = a->v_out;
-    const float *g = a->g, *m = a->m, *v = a->v;
+    float *p = l->p, *mo = l->m_out, *vo = l->v_out;
+    const float *g = l->g, *m = l->m, *v = l->v;
     const __m256 decay = _mm256_set1_ps((float)a->decay), b2 = _mm256_set1_ps((float)a->b2);
     const __m256 c2 = _mm256_set1_ps((float)a->c2), bc2 = _mm256_set1_ps((float)a->bc2_sqrt);
     const __m256 eps = _mm256_set1_ps((float)a->eps), neg = _mm256_set1_ps((float)a->neg_step);
@@ -947,10 +953,11 @@ static void adamw_vectors_float(const fn_adamw *a, int64_t i, int64_t count)
 }
 
 /* The same, 4 fp64 values at a time. */
-static void adamw_vectors_double(const fn_adamw *a, int64_t i, int64_t count)
+static void adamw_vectors_double(const fn_adamw *a, const adamw_leaf *l, int64_t i,
+                                 int64_t count)
 {
-    double *p = a->p, *mo = a->m_out, *vo = a->v_out;
-    const double *g = a->g, *m = a->m, *v = a->v;
+    double *p = l->p, *mo = l->m_out, *vo = l->v_out;
+    const double *g = l->g, *m = l->m, *v = l->v;
     const __m256d decay = _mm256_set1_pd(a->decay), b2 = _mm256_set1_pd(a->b2);
     const __m256d c2 = _mm256_set1_pd(a->c2), bc2 = _mm256_set1_pd(a->bc2_sqrt);
     const __m256d eps = _mm256_set1_pd(a->eps), neg = _mm256_set1_pd(a->neg_step);
@@ -970,24 +977,48 @@ static void adamw_vectors_double(const fn_adamw *a, int64_t i, int64_t count)
 }
 #endif
 
-static void fn_adamw_step(const fn_adamw *a, int64_t begin, int64_t end)
+/* Elements [begin, end) of one leaf. */
+static void adamw_leaf_range(const fn_adamw *a, const adamw_leaf *l, int64_t begin, int64_t end)
 {
     int64_t i = begin;
 #if defined(__AVX2__) && defined(__FMA__)
-    int64_t stop = min64(end, a->vector_end);
+    int64_t stop = min64(end, l->vector_end);
     if (i < stop) {
         int64_t lanes = a->fp64 ? 4 : 8, count = (stop - i) / lanes;
         if (a->fp64)
-            adamw_vectors_double(a, i, count);
+            adamw_vectors_double(a, l, i, count);
         else
-            adamw_vectors_float(a, i, count);
+            adamw_vectors_float(a, l, i, count);
         i += count * lanes;
     }
 #endif
     for (; i < end; i++) {
         if (a->fp64)
-            adamw_element_double(a, i, i >= a->vector_end);
+            adamw_element_double(a, l, i);
         else
-            adamw_element_float(a, i, i >= a->vector_end);
+            adamw_element_float(a, l, i);
+    }
+}
+
+static void fn_adamw_step(const fn_adamw *a, int64_t begin, int64_t end)
+{
+    const int64_t *t = a->table, n = a->count, *start = t + 6 * n;
+    int64_t lo = 0, hi = n; /* the last leaf starting at or before begin */
+    while (hi - lo > 1) {
+        int64_t mid = (lo + hi) / 2;
+        if (start[mid] <= begin)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    for (int64_t k = lo; k < n && start[k] < end; k++) {
+        int64_t size = start[k + 1] - start[k];
+        adamw_leaf l = {
+            (void *)(intptr_t)t[k], (void *)(intptr_t)t[4 * n + k], (void *)(intptr_t)t[5 * n + k],
+            (const void *)(intptr_t)t[n + k], (const void *)(intptr_t)t[2 * n + k],
+            (const void *)(intptr_t)t[3 * n + k], size - size % a->lanes,
+        };
+        int64_t b = begin > start[k] ? begin - start[k] : 0;
+        adamw_leaf_range(a, &l, b, min64(end, start[k + 1]) - start[k]);
     }
 }

@@ -583,16 +583,12 @@ def dequantize_into(
 
 
 class _AdamWStruct(ctypes.Structure):
-    """Mirror of the C ``fn_adamw``: the operands and constants of one fn.adamw step."""
+    """Mirror of the C ``fn_adamw``: the leaves and constants of one fn.adamw step."""
 
     _fields_ = [
-        ("p", ctypes.c_void_p),
-        ("g", ctypes.c_void_p),
-        ("m", ctypes.c_void_p),
-        ("v", ctypes.c_void_p),
-        ("m_out", ctypes.c_void_p),
-        ("v_out", ctypes.c_void_p),
-        ("vector_end", ctypes.c_int64),
+        ("table", ctypes.c_void_p),
+        ("count", ctypes.c_int64),
+        ("lanes", ctypes.c_int64),
         ("fp64", ctypes.c_int64),
         ("decayed", ctypes.c_int64),
         ("small_lerp", ctypes.c_int64),
@@ -618,60 +614,65 @@ def _torch_adam_lanes(dtype: torch.dtype) -> int | None:
     return None if width is None else width // dtype.itemsize
 
 
-def _adamw_args(p, g, m, v, m_out, v_out, step, lr, beta1, beta2, eps, weight_decay, lanes):
-    """The C arguments, with the scalars of torch's kernel computed as it does (in fp64)."""
-    n = p.numel()
-    w = 1.0 - beta1
-    rounded_w = torch.tensor(w, dtype=p.dtype).item()
-    return _AdamWStruct(
-        p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), m_out.data_ptr(),
-        v_out.data_ptr(), n - n % lanes, p.dtype == torch.float64, weight_decay != 0.0,
-        abs(rounded_w) < 0.5, 1.0 - lr * weight_decay, w, beta2, 1.0 - beta2,
-        math.sqrt(1.0 - beta2**step), eps, -(lr / (1.0 - beta1**step)),
-    )  # fmt: skip
+@functools.lru_cache(maxsize=64)
+def _small_lerp(beta1: float, dtype: torch.dtype) -> bool:
+    """torch's test for its lerp branch: ``|1 - beta1|`` rounded to ``dtype`` below 1/2."""
+    return abs(torch.tensor(1.0 - beta1, dtype=dtype).item()) < 0.5
 
 
 @functools.cache
 def _adamw_follows_torch(dtype: torch.dtype, small_lerp: bool) -> bool:
     """Whether the C kernel gives the reference's bits here: torch's kernel rounds as its build
     contracts it (see ``_cpu.c``), so each (dtype, lerp branch) is checked once on random data
-    covering vector lanes and the tail; where it differs, the reference runs."""
+    covering vector lanes and many tails; where it differs, the reference runs."""
     lanes = _torch_adam_lanes(dtype)
     if lanes is None:
         return False
     gen = torch.Generator().manual_seed(0)
-    beta1 = 0.9 if small_lerp else 0.25
-    outs: list[list[torch.Tensor]] = [[], []]
-    for n in (4096 + lanes - 1, *[lanes - 1] * 128):  # vector lanes, then tails
-        scales = torch.pow(10.0, torch.randint(-6, 2, (n,), generator=gen).to(dtype))
-        p = torch.randn(n, generator=gen, dtype=dtype)
-        g = torch.randn(n, generator=gen, dtype=dtype) * scales
-        m = torch.randn(n, generator=gen, dtype=dtype) * 0.1
-        v = torch.rand(n, generator=gen, dtype=dtype) * 0.1
-        for impl, out in zip((_reference.adamw_step, _adamw_c), outs, strict=True):
-            pi, mi, vi = p.clone(), m.clone(), v.clone()
-            impl(pi, g, mi, vi, mi, vi, 3.0, 1e-3, beta1, 0.999, 1e-8, 0.01)
-            out += [pi, mi, vi]
+    sizes = (4096 + lanes - 1, *[lanes - 1] * 128)  # vector lanes, then tails
+    ps, gs, ms, vs = [], [], [], []
+    for n in sizes:
+        scale = torch.pow(10.0, torch.randint(-6, 2, (n,), generator=gen)).to(dtype)
+        ps.append(torch.randn(n, generator=gen, dtype=dtype))
+        gs.append(torch.randn(n, generator=gen, dtype=dtype) * scale)
+        ms.append(torch.randn(n, generator=gen, dtype=dtype) * 0.1)
+        vs.append(torch.rand(n, generator=gen, dtype=dtype) * 0.1)
+    hyper = (3.0, 1e-3, 0.9 if small_lerp else 0.25, 0.999, 1e-8, 0.01)
+    outs = []
+    for impl in (_reference.adamw_step, _adamw_c):
+        p, m, v = ([x.clone() for x in xs] for xs in (ps, ms, vs))
+        impl(p, gs, m, v, m, v, *hyper)
+        outs.append(torch.cat(p + m + v))
     bits = torch.int32 if dtype == torch.float32 else torch.int64
-    return torch.equal(*(torch.cat(out).view(bits) for out in outs))
+    return torch.equal(outs[0].view(bits), outs[1].view(bits))
 
 
-def _adamw_c(p, g, m, v, m_out, v_out, step, lr, beta1, beta2, eps, weight_decay) -> None:
-    lib = library()
-    args = _adamw_args(
-        p, g, m, v, m_out, v_out, step, lr, beta1, beta2, eps, weight_decay,
-        _torch_adam_lanes(p.dtype),
+def _adamw_c(ps, gs, ms, vs, m_outs, v_outs, step, lr, beta1, beta2, eps, weight_decay):
+    """The C kernel over all leaves in one job, the scalars computed as torch's kernel does
+    (in fp64)."""
+    sizes = [p.numel() for p in ps]
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    addresses = [t.data_ptr() for ts in (ps, gs, ms, vs, m_outs, v_outs) for t in ts]
+    table = torch.tensor(addresses + starts, dtype=torch.int64)
+    dtype = ps[0].dtype
+    args = _AdamWStruct(
+        table.data_ptr(), len(ps), _torch_adam_lanes(dtype), dtype == torch.float64,
+        weight_decay != 0.0, _small_lerp(beta1, dtype), 1.0 - lr * weight_decay, 1.0 - beta1,
+        beta2, 1.0 - beta2, math.sqrt(1.0 - beta2**step), eps, -(lr / (1.0 - beta1**step)),
     )  # fmt: skip
-    _run(lib, "adamw_step", p.numel(), 16, (ctypes.addressof(args),))
+    _run(library(), "adamw_step", starts[-1], 16, (ctypes.addressof(args),))
+    del table  # the job read it until here
 
 
 def adamw_step(
-    p: torch.Tensor,
-    g: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    m_out: torch.Tensor,
-    v_out: torch.Tensor,
+    ps: list[torch.Tensor],
+    gs: list[torch.Tensor],
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    m_outs: list[torch.Tensor],
+    v_outs: list[torch.Tensor],
     step: float,
     lr: float,
     beta1: float,
@@ -679,16 +680,16 @@ def adamw_step(
     eps: float,
     weight_decay: float,
 ) -> None:
-    operands = (p, g, m, v, m_out, v_out)
-    plain = all(
-        t.dtype == p.dtype and t.is_contiguous() and t.device.type == "cpu" for t in operands
-    )
-    small_lerp = abs(torch.tensor(1.0 - beta1, dtype=p.dtype).item()) < 0.5
+    operands = (ps, gs, ms, vs, m_outs, v_outs)
+    dtype = ps[0].dtype if ps else None
     if (
-        library() is None
-        or p.dtype not in _ADAMW_DTYPES
-        or not plain
-        or not _adamw_follows_torch(p.dtype, small_lerp)
+        not ps
+        or library() is None
+        or dtype not in _ADAMW_DTYPES
+        or not all(
+            t.dtype == dtype and t.is_cpu and t.is_contiguous() for ts in operands for t in ts
+        )
+        or not _adamw_follows_torch(dtype, _small_lerp(beta1, dtype))
     ):
         return _reference.adamw_step(*operands, step, lr, beta1, beta2, eps, weight_decay)
     _adamw_c(*operands, step, lr, beta1, beta2, eps, weight_decay)

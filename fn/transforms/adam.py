@@ -8,12 +8,12 @@ from typing import Literal, NamedTuple, get_args
 
 import torch
 
-from fn import kernels
 from fn._donation import buffer_like, can_donate, donated_leaves, donated_state, split_donated
 from fn._foreach import foreach_blocker, foreach_ok, per_leaf
 from fn._fused_steps import register_update_and_apply, update_and_apply_step, update_functions
 from fn._validation import check_betas, check_nonnegative, check_shapes
 from fn.base import GradientTransformation, apply_updates, chain
+from fn.kernels._table import kernel as device_kernel
 from fn.transforms._learning_rate import learning_rate_now
 from fn.transforms._leaves import device_of
 from fn.transforms.learning_rate import (
@@ -374,12 +374,10 @@ def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required, apply=
                 [buffer_like(d, x) for x, d in zip(xs, ds, strict=True)]
                 for xs, ds in zip((ms, vs), donated, strict=True)
             )
-            hyper = {
-                "step": float(step), "lr": float(lr), "betas": (b1, b2), "eps": eps,
-                "weight_decay": weight_decay,
-            }  # fmt: skip
-            for p, g, m, v, m_out, v_out in zip(ps, gs, ms, vs, new_ms, new_vs, strict=True):
-                kernels.adamw_step(p, g, m, v, m_out=m_out, v_out=v_out, **hyper)
+            # the table's kernel without fn.kernels.adamw_step's checks: _fused_blocker did them
+            device_kernel("cpu", "adamw_step")(
+                ps, gs, ms, vs, new_ms, new_vs, float(step), float(lr), b1, b2, eps, weight_decay
+            )
             return new_ms, new_vs, [None] * len(gs)
         if apply and not decoupled and gs[0].dtype in _C_DTYPES:
             new_ms, new_vs = (
@@ -606,9 +604,11 @@ def adamw(
     for bit wherever a step moves a param by less than half of it), ``"foreach"`` and
     ``"chain"`` run the chain with foreach or per-leaf ops, and ``"auto"`` (the default) picks
     ``"fused"`` where it can run and the chain elsewhere. ``fn.update_and_apply`` runs the
-    update and ``apply_updates`` as one step that writes the params in place (the fused kernel
-    on a small workspace: the params are read and written once, and ``p + (p' - p)`` is
-    computed there as ``apply_updates`` does).
+    update and ``apply_updates`` as one step that writes the params in place, reading and
+    writing the params and moments once: where the fused kernel runs, on fp32/fp64 CPU tensors
+    :func:`fn.kernels.adamw_step` (a C kernel computing torch's ``p'`` and ``p + (p' - p)`` in
+    one pass), else the fused kernel on a small workspace, ``p + (p' - p)`` computed there as
+    ``apply_updates`` does.
 
     Reference: Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
 
