@@ -888,11 +888,14 @@ float fn_rms(double *sums, int64_t count, int64_t length, int64_t n)
    differently, as its build contracts them into fused multiply-adds:
      vector lanes: m' = fma(w, g - m, m) (or fma(w - 1, g - m, g) for w >= 1/2),
                    v' = fma(c2 * g, g, v * b2);
-     scalar tail:  the same m', v' = fma(v, b2, (c2 * g) * g);
+     scalar tail:  m' = fma(w, g - m, m) (or fma(-(g - m), 1 - w, g), whose zeros can differ),
+                   v' = fma(v, b2, (c2 * g) * g);
    then p' = p * decay + (neg_step * m') / (sqrt(v') / bc2_sqrt + eps) in both, with the
    multiplications and divisions rounded apart (this file is built with -ffp-contract=off, so
-   every fma here is explicit). m', v' go to m_out, v_out (they may be m, v themselves). The
-   job's index space is the leaves one after another. */
+   every fma here is explicit). m', v' go to m_out, v_out (they may be m, v themselves). A NaN
+   param stays that NaN, as in torch's p + (p' - p) (x86 returns the first NaN operand, and the
+   compiler may swap the operands of an addition here). The job's index space is the leaves one
+   after another. */
 typedef struct fn_adamw {
     /* 6 rows of count addresses (p, g, m, v, m_out, v_out), then the count + 1 offsets of the
        leaves in the job's index space (the last one the total) */
@@ -915,13 +918,16 @@ typedef struct {
         const T w = (T)a->w, b2 = (T)a->b2, c2 = (T)a->c2;                                      \
         T pi = p[i], gi = g[i], mi = m[i], vi = v[i];                                           \
         T pd = a->decayed ? pi * (T)a->decay : pi;                                              \
-        T mn = a->small_lerp ? FMA(w, gi - mi, mi) : FMA(w - (T)1, gi - mi, gi);                \
-        T vn = i >= l->vector_end ? FMA(vi, b2, (c2 * gi) * gi) : FMA(c2 * gi, gi, vi * b2);    \
+        int tail = i >= l->vector_end;                                                          \
+        T mn = a->small_lerp ? FMA(w, gi - mi, mi)                                              \
+               : tail        ? FMA(-(gi - mi), (T)1 - w, gi)                                    \
+                             : FMA(w - (T)1, gi - mi, gi);                                      \
+        T vn = tail ? FMA(vi, b2, (c2 * gi) * gi) : FMA(c2 * gi, gi, vi * b2);                  \
         T den = SQRT(vn) / (T)a->bc2_sqrt + (T)a->eps;                                          \
         T pn = pd + ((T)a->neg_step * mn) / den;                                                \
         mo[i] = mn;                                                                             \
         vo[i] = vn;                                                                             \
-        p[i] = pi + (pn - pi);                                                                  \
+        p[i] = pi != pi ? pi + pi : pi + (pn - pi);                                             \
     }
 FN_ADAMW_ELEMENT(float, fmaf, sqrtf)
 FN_ADAMW_ELEMENT(double, fma, sqrt)
@@ -948,7 +954,9 @@ static void adamw_vectors_float(const fn_adamw *a, const adamw_leaf *l, int64_t 
         __m256 pn = _mm256_add_ps(pd, _mm256_div_ps(_mm256_mul_ps(neg, mn), den));
         _mm256_storeu_ps(mo + i, mn);
         _mm256_storeu_ps(vo + i, vn);
-        _mm256_storeu_ps(p + i, _mm256_add_ps(pi, _mm256_sub_ps(pn, pi)));
+        __m256 nan = _mm256_cmp_ps(pi, pi, _CMP_UNORD_Q);
+        __m256 pu = _mm256_add_ps(pi, _mm256_sub_ps(pn, pi));
+        _mm256_storeu_ps(p + i, _mm256_blendv_ps(pu, _mm256_add_ps(pi, pi), nan));
     }
 }
 
@@ -972,7 +980,9 @@ static void adamw_vectors_double(const fn_adamw *a, const adamw_leaf *l, int64_t
         __m256d pn = _mm256_add_pd(pd, _mm256_div_pd(_mm256_mul_pd(neg, mn), den));
         _mm256_storeu_pd(mo + i, mn);
         _mm256_storeu_pd(vo + i, vn);
-        _mm256_storeu_pd(p + i, _mm256_add_pd(pi, _mm256_sub_pd(pn, pi)));
+        __m256d nan = _mm256_cmp_pd(pi, pi, _CMP_UNORD_Q);
+        __m256d pu = _mm256_add_pd(pi, _mm256_sub_pd(pn, pi));
+        _mm256_storeu_pd(p + i, _mm256_blendv_pd(pu, _mm256_add_pd(pi, pi), nan));
     }
 }
 #endif
