@@ -669,6 +669,17 @@ def _adamw_c(ps, gs, ms, vs, m_outs, v_outs, step, lr, beta1, beta2, eps, weight
     del table  # the job read it until here
 
 
+def adamw_step_runs(dtype: torch.dtype | None, beta1: float) -> bool:
+    """Whether :func:`adamw_step` runs the C kernel (not the reference) on contiguous CPU
+    tensors of ``dtype``: a compiler works, ``dtype`` is fp32 or fp64, and the kernel follows
+    torch's rounding on this build (checked once per dtype and lerp branch)."""
+    return (
+        dtype in _ADAMW_DTYPES
+        and library() is not None
+        and _adamw_follows_torch(dtype, _small_lerp(beta1, dtype))
+    )
+
+
 def adamw_step(
     ps: list[torch.Tensor],
     gs: list[torch.Tensor],
@@ -687,12 +698,10 @@ def adamw_step(
     dtype = ps[0].dtype if ps else None
     if (
         not ps
-        or library() is None
-        or dtype not in _ADAMW_DTYPES
+        or not adamw_step_runs(dtype, beta1)
         or not all(
             t.dtype == dtype and t.is_cpu and t.is_contiguous() for ts in operands for t in ts
         )
-        or not _adamw_follows_torch(dtype, _small_lerp(beta1, dtype))
     ):
         return _reference.adamw_step(*operands, step, lr, beta1, beta2, eps, weight_decay)
     _adamw_c(*operands, step, lr, beta1, beta2, eps, weight_decay)

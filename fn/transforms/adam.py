@@ -13,6 +13,7 @@ from fn._foreach import foreach_blocker, foreach_ok, per_leaf
 from fn._fused_steps import register_update_and_apply, update_and_apply_step, update_functions
 from fn._validation import check_betas, check_nonnegative, check_shapes
 from fn.base import GradientTransformation, apply_updates, chain
+from fn.kernels._cpu import adamw_step_runs
 from fn.kernels._table import kernel as device_kernel
 from fn.transforms._learning_rate import learning_rate_now
 from fn.transforms._leaves import device_of
@@ -295,9 +296,6 @@ def _scale_by_adam_then_lr(
 # elsewhere the foreach ops run. CUDA is listed as torch.optim ships it; CI only runs the CPU one.
 _FUSED_DEVICE_TYPES = frozenset({"cpu", "cuda"})
 _FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-# Dtypes where update_and_apply runs the kernel on the params themselves: torch's for Adam, fn's
-# fn.kernels.adamw_step for AdamW on the CPU (its values: p + (p' - p), not torch's p').
-_C_DTYPES = (torch.float32, torch.float64)
 
 
 def _fused_blocker(operands, count, lr):
@@ -340,8 +338,9 @@ def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required, apply=
     With ``apply`` (donated state only, see :func:`fn.update_and_apply`) it adds the update to
     the params in place and returns ``None`` updates: fp32/fp64 Adam runs the kernel on the
     params themselves (``p - step``, the value of ``p + (0 - step)``), fp32/fp64 AdamW on the
-    CPU runs :func:`fn.kernels.adamw_step` (one pass computing ``p + (p' - p)``), the rest
-    goes through the workspace of :func:`_fused_in_pieces`."""
+    CPU runs :func:`fn.kernels.adamw_step` (one pass computing ``p + (p' - p)``) where its C
+    kernel runs, the rest goes through the workspace of :func:`_fused_in_pieces` (no
+    full-size copy, unlike the kernel's reference)."""
 
     def moments_step(ms, vs, gs, ps, count, donated):
         if weight_decay == 0.0 and not apply:
@@ -369,7 +368,7 @@ def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required, apply=
         decoupled = weight_decay != 0.0
         if apply and donated is None:  # nothing fits: the new moments are new tensors
             donated = ([None] * len(gs), [None] * len(gs))
-        if apply and decoupled and gs[0].device.type == "cpu" and gs[0].dtype in _C_DTYPES:
+        if apply and decoupled and gs[0].is_cpu and adamw_step_runs(gs[0].dtype, b1):
             new_ms, new_vs = (
                 [buffer_like(d, x) for x, d in zip(xs, ds, strict=True)]
                 for xs, ds in zip((ms, vs), donated, strict=True)
@@ -379,7 +378,7 @@ def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required, apply=
                 ps, gs, ms, vs, new_ms, new_vs, float(step), float(lr), b1, b2, eps, weight_decay
             )
             return new_ms, new_vs, [None] * len(gs)
-        if apply and not decoupled and gs[0].dtype in _C_DTYPES:
+        if apply and not decoupled and gs[0].dtype in (torch.float32, torch.float64):
             new_ms, new_vs = (
                 _donated_copies(*pair) for pair in zip((ms, vs), donated, strict=True)
             )

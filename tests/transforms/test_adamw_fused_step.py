@@ -4,12 +4,16 @@ over params, gradients and moments) and gives, bit for bit, the params and state
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch.utils import _pytree as pytree
 
 import fn
 from fn.kernels import _cpu
+
+adam_module = importlib.import_module("fn.transforms.adam")  # fn.transforms.adam is the function
 
 SIZES = [(1000,), (7,), (3, 5), (1,), (129,), (4096 + 13,)]
 
@@ -78,7 +82,7 @@ def kernel_calls(monkeypatch):
 
 
 def _c_kernel_runs(dtype):
-    return _cpu.library() is not None and _cpu._adamw_follows_torch(dtype, True)
+    return _cpu.adamw_step_runs(dtype, 0.9)
 
 
 @pytest.mark.parametrize("mode", ["in place", "spare"])
@@ -112,3 +116,11 @@ def test_mixed_dtypes_fall_back_bit_identical(kernel_calls):
     _three_ways(fn.adamw(1e-2), _params(dtypes), steps=6, mode="in place")
     _three_ways(fn.adamw(1e-2), _params(dtypes), steps=6, mode="spare")
     assert kernel_calls[0] == 0  # torch's kernel takes one dtype: the chain runs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_without_the_c_kernel_the_workspace_path_runs(monkeypatch, kernel_calls, dtype):
+    monkeypatch.setattr(adam_module, "adamw_step_runs", lambda dtype, beta1: False)
+    _three_ways(fn.adamw(1e-2), _params([dtype] * len(SIZES)), steps=6, mode="in place")
+    _three_ways(fn.adamw(0.5, weight_decay=0.9), _params([dtype] * len(SIZES)), 6, "spare")
+    assert kernel_calls[0] == 0
