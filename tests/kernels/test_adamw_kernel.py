@@ -1,8 +1,6 @@
 """``fn.kernels.adamw_step``: the C kernel against the reference (torch's fused AdamW kernel on a
 copy of the params, then ``p + (p' - p)``), bit for bit, in every build of the C source."""
 
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,6 +8,7 @@ from hypothesis import strategies as st
 
 import fn.kernels as K
 from fn.kernels import _cpu, _reference
+from tests.kernels.test_implementations import OLDER_CPUS, use_c_kernels_built_for
 
 _DTYPES = (torch.float32, torch.float64)
 _SPECIAL = (0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-310, 3e38)
@@ -131,33 +130,13 @@ def test_many_steps_stay_identical(c_kernels):
         assert _same(p1 + m1 + v1, p2 + m2 + v2), t
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next(ln for ln in f if ln.startswith("flags")).split(":")[1].split())
-    except (OSError, StopIteration):
-        return set()
-
-
-@pytest.mark.parametrize(
-    "march, needs", [("haswell", {"avx2", "fma"}), ("x86-64", set())], ids=["avx2", "generic"]
-)
+@OLDER_CPUS
 def test_other_c_code_paths_bit_exact(c_kernels, march, needs, tmp_path, monkeypatch):
     """The AVX2 and plain-C (scalar ``fmaf``) branches, built for an older CPU. The plain-C
     build (libm's ``fmaf``, the compiler's operand order) may give a NaN of another sign where
     two NaNs meet; torch's AVX2 kernel, which it follows, never runs without AVX2 anyway."""
     same = _same if march == "haswell" else _same_but_nan_signs
-    flags = _cpu_flags()
-    if "avx2" not in flags or not needs <= flags:
-        pytest.skip(f"-march={march} code does not run on this CPU (x86-64 with AVX2 needed)")
-    out = tmp_path / "kernels.so"
-    _cpu._compile(
-        os.environ.get("CC", "cc"),
-        out,
-        tuple(f"-march={march}" if f.startswith("-march") else f for f in _cpu._FLAGS),
-    )
-    lib = _cpu._load(out)
-    monkeypatch.setattr(_cpu, "library", lambda: lib)
+    use_c_kernels_built_for(march, needs, tmp_path, monkeypatch)
     for dtype in _DTYPES:
         for beta1 in (0.9, 0.3, 0.0):
             hyper = (5.0, 1e-3, beta1, 0.999, 1e-8, 1e-2)
