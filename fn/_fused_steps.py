@@ -22,3 +22,22 @@ def register_update_and_apply(tx: Any, step: Callable[..., tuple[Any, Any]]) -> 
 def update_and_apply_step(tx: Any) -> Callable[..., tuple[Any, Any]] | None:
     """The step registered for ``tx`` by :func:`register_update_and_apply`, or ``None``."""
     return _STEPS.get(tx.update)
+
+
+def update_functions(
+    step: Callable[..., tuple[Any, Any]],
+) -> tuple[Callable[..., tuple[Any, Any]], Callable[..., tuple[Any, Any]]]:
+    """``(update_fn, update_and_apply_fn)`` of a transform whose update and fused step are one
+    ``step(updates, state, params, donate, extra, apply)`` (``extra``: a dict of the other
+    keywords, which ``step`` may change): ``update_fn`` runs it with ``apply=False`` and returns
+    ``(updates, state)``; ``update_and_apply_fn``, the step to give
+    :func:`register_update_and_apply`, runs it with ``apply=True`` and returns ``(params,
+    state)``, the params updated in place."""
+
+    def update_fn(updates, state, params=None, *, donate=None, **extra):
+        return step(updates, state, params, donate, extra, apply=False)
+
+    def update_and_apply_fn(updates, state, params, *, donate, **extra):
+        return step(updates, state, params, donate, extra, apply=True)
+
+    return update_fn, update_and_apply_fn

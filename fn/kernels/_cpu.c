@@ -759,7 +759,11 @@ enum {
     FEEDBACK_ERROR,
     UNPACK_SCALED,
     ADAM_DIRECTION,
+    ADAMW_STEP,
 };
+
+struct fn_adamw; /* fn.adamw's fused step: the last section */
+static void fn_adamw_step(const struct fn_adamw *a, int64_t begin, int64_t end);
 
 typedef struct {
     int64_t kernel, n, chunk, count, next, left;
@@ -789,6 +793,9 @@ static void run_chunk(const fn_job *j, int64_t b, int64_t e)
     case ADAM_DIRECTION:
         fn_adam_direction(j->p[0], j->p[1], j->p[2], j->p[3], (int)j->i[0], j->scale, j->p[4], b,
                           e);
+        break;
+    case ADAMW_STEP:
+        fn_adamw_step(j->p[0], b, e);
         break;
     case PACKBITS:
         fn_packbits(j->p[0], j->p[1], b, e);
@@ -871,4 +878,157 @@ float fn_rms(double *sums, int64_t count, int64_t length, int64_t n)
         for (int64_t j = 0; j < h; j++)
             sums[j] = sums[j] + sums[j + h];
     return (float)sqrt(sums[0] / (double)n);
+}
+
+/* ---- fn.adamw's fused step: fn_adamw_step ----
+   One pass over (p, g, m, v) of every leaf with the values of fn.adamw's update then
+   apply_updates: the params, decayed and stepped as torch._fused_adamw_
+   (torch.optim.AdamW(fused=True)'s CPU kernel) rounds them into p', then p + (p' - p). torch's
+   kernel rounds its vector lanes and its scalar tail (the last n % lanes elements of a tensor)
+   differently, as its build contracts them into fused multiply-adds:
+     vector lanes: m' = fma(w, g - m, m) (or fma(w - 1, g - m, g) for w >= 1/2),
+                   v' = fma(c2 * g, g, v * b2);
+     scalar tail:  m' = fma(w, g - m, m) (or fma(-(g - m), 1 - w, g), whose zeros can differ),
+                   v' = fma(v, b2, (c2 * g) * g);
+   then p' = p * decay + (neg_step * m') / (sqrt(v') / bc2_sqrt + eps) in both, with the
+   multiplications and divisions rounded apart (this file is built with -ffp-contract=off, so
+   every fma here is explicit). m', v' go to m_out, v_out (they may be m, v themselves). A NaN
+   param stays that NaN, as in torch's p + (p' - p) (x86 returns the first NaN operand, and the
+   compiler may swap the operands of an addition here). The job's index space is the leaves one
+   after another. */
+typedef struct fn_adamw {
+    /* 6 rows of count addresses (p, g, m, v, m_out, v_out), then the count + 1 offsets of the
+       leaves in the job's index space (the last one the total) */
+    const int64_t *table;
+    int64_t count, lanes, fp64, decayed, small_lerp;
+    double decay, w, b2, c2, bc2_sqrt, eps, neg_step;
+} fn_adamw;
+
+typedef struct {
+    void *p, *m_out, *v_out;
+    const void *g, *m, *v;
+    int64_t vector_end; /* n - n % lanes: torch's scalar tail starts here */
+} adamw_leaf;
+
+#define FN_ADAMW_ELEMENT(T, FMA, SQRT)                                                          \
+    static inline void adamw_element_##T(const fn_adamw *a, const adamw_leaf *l, int64_t i)    \
+    {                                                                                           \
+        T *p = l->p, *mo = l->m_out, *vo = l->v_out;                                            \
+        const T *g = l->g, *m = l->m, *v = l->v;                                                \
+        const T w = (T)a->w, b2 = (T)a->b2, c2 = (T)a->c2;                                      \
+        T pi = p[i], gi = g[i], mi = m[i], vi = v[i];                                           \
+        T pd = a->decayed ? pi * (T)a->decay : pi;                                              \
+        int tail = i >= l->vector_end;                                                          \
+        T mn = a->small_lerp ? FMA(w, gi - mi, mi)                                              \
+               : tail        ? FMA(-(gi - mi), (T)1 - w, gi)                                    \
+                             : FMA(w - (T)1, gi - mi, gi);                                      \
+        T vn = tail ? FMA(vi, b2, (c2 * gi) * gi) : FMA(c2 * gi, gi, vi * b2);                  \
+        T den = SQRT(vn) / (T)a->bc2_sqrt + (T)a->eps;                                          \
+        T pn = pd + ((T)a->neg_step * mn) / den;                                                \
+        mo[i] = mn;                                                                             \
+        vo[i] = vn;                                                                             \
+        p[i] = pi != pi ? pi + pi : pi + (pn - pi);                                             \
+    }
+FN_ADAMW_ELEMENT(float, fmaf, sqrtf)
+FN_ADAMW_ELEMENT(double, fma, sqrt)
+#undef FN_ADAMW_ELEMENT
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* Elements [i, i + 8 * count) of torch's vector lanes, 8 fp32 values at a time. */
+static void adamw_vectors_float(const fn_adamw *a, const adamw_leaf *l, int64_t i, int64_t count)
+{
+    float *p = l->p, *mo = l->m_out, *vo = l->v_out;
+    const float *g = l->g, *m = l->m, *v = l->v;
+    const __m256 decay = _mm256_set1_ps((float)a->decay), b2 = _mm256_set1_ps((float)a->b2);
+    const __m256 c2 = _mm256_set1_ps((float)a->c2), bc2 = _mm256_set1_ps((float)a->bc2_sqrt);
+    const __m256 eps = _mm256_set1_ps((float)a->eps), neg = _mm256_set1_ps((float)a->neg_step);
+    const float w = (float)a->w;
+    const __m256 coeff = _mm256_set1_ps(a->small_lerp ? w : w - 1.0f);
+    for (int64_t k = 0; k < count; k++, i += 8) {
+        __m256 pi = _mm256_loadu_ps(p + i), gi = _mm256_loadu_ps(g + i);
+        __m256 mi = _mm256_loadu_ps(m + i), vi = _mm256_loadu_ps(v + i);
+        __m256 pd = a->decayed ? _mm256_mul_ps(pi, decay) : pi;
+        __m256 mn = _mm256_fmadd_ps(coeff, _mm256_sub_ps(gi, mi), a->small_lerp ? mi : gi);
+        __m256 vn = _mm256_fmadd_ps(_mm256_mul_ps(c2, gi), gi, _mm256_mul_ps(vi, b2));
+        __m256 den = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vn), bc2), eps);
+        __m256 pn = _mm256_add_ps(pd, _mm256_div_ps(_mm256_mul_ps(neg, mn), den));
+        _mm256_storeu_ps(mo + i, mn);
+        _mm256_storeu_ps(vo + i, vn);
+        __m256 nan = _mm256_cmp_ps(pi, pi, _CMP_UNORD_Q);
+        __m256 pu = _mm256_add_ps(pi, _mm256_sub_ps(pn, pi));
+        _mm256_storeu_ps(p + i, _mm256_blendv_ps(pu, _mm256_add_ps(pi, pi), nan));
+    }
+}
+
+/* The same, 4 fp64 values at a time. */
+static void adamw_vectors_double(const fn_adamw *a, const adamw_leaf *l, int64_t i,
+                                 int64_t count)
+{
+    double *p = l->p, *mo = l->m_out, *vo = l->v_out;
+    const double *g = l->g, *m = l->m, *v = l->v;
+    const __m256d decay = _mm256_set1_pd(a->decay), b2 = _mm256_set1_pd(a->b2);
+    const __m256d c2 = _mm256_set1_pd(a->c2), bc2 = _mm256_set1_pd(a->bc2_sqrt);
+    const __m256d eps = _mm256_set1_pd(a->eps), neg = _mm256_set1_pd(a->neg_step);
+    const __m256d coeff = _mm256_set1_pd(a->small_lerp ? a->w : a->w - 1.0);
+    for (int64_t k = 0; k < count; k++, i += 4) {
+        __m256d pi = _mm256_loadu_pd(p + i), gi = _mm256_loadu_pd(g + i);
+        __m256d mi = _mm256_loadu_pd(m + i), vi = _mm256_loadu_pd(v + i);
+        __m256d pd = a->decayed ? _mm256_mul_pd(pi, decay) : pi;
+        __m256d mn = _mm256_fmadd_pd(coeff, _mm256_sub_pd(gi, mi), a->small_lerp ? mi : gi);
+        __m256d vn = _mm256_fmadd_pd(_mm256_mul_pd(c2, gi), gi, _mm256_mul_pd(vi, b2));
+        __m256d den = _mm256_add_pd(_mm256_div_pd(_mm256_sqrt_pd(vn), bc2), eps);
+        __m256d pn = _mm256_add_pd(pd, _mm256_div_pd(_mm256_mul_pd(neg, mn), den));
+        _mm256_storeu_pd(mo + i, mn);
+        _mm256_storeu_pd(vo + i, vn);
+        __m256d nan = _mm256_cmp_pd(pi, pi, _CMP_UNORD_Q);
+        __m256d pu = _mm256_add_pd(pi, _mm256_sub_pd(pn, pi));
+        _mm256_storeu_pd(p + i, _mm256_blendv_pd(pu, _mm256_add_pd(pi, pi), nan));
+    }
+}
+#endif
+
+/* Elements [begin, end) of one leaf. */
+static void adamw_leaf_range(const fn_adamw *a, const adamw_leaf *l, int64_t begin, int64_t end)
+{
+    int64_t i = begin;
+#if defined(__AVX2__) && defined(__FMA__)
+    int64_t stop = min64(end, l->vector_end);
+    if (i < stop) {
+        int64_t lanes = a->fp64 ? 4 : 8, count = (stop - i) / lanes;
+        if (a->fp64)
+            adamw_vectors_double(a, l, i, count);
+        else
+            adamw_vectors_float(a, l, i, count);
+        i += count * lanes;
+    }
+#endif
+    for (; i < end; i++) {
+        if (a->fp64)
+            adamw_element_double(a, l, i);
+        else
+            adamw_element_float(a, l, i);
+    }
+}
+
+static void fn_adamw_step(const fn_adamw *a, int64_t begin, int64_t end)
+{
+    const int64_t *t = a->table, n = a->count, *start = t + 6 * n;
+    int64_t lo = 0, hi = n; /* the last leaf starting at or before begin */
+    while (hi - lo > 1) {
+        int64_t mid = (lo + hi) / 2;
+        if (start[mid] <= begin)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    for (int64_t k = lo; k < n && start[k] < end; k++) {
+        int64_t size = start[k + 1] - start[k];
+        adamw_leaf l = {
+            (void *)(intptr_t)t[k], (void *)(intptr_t)t[4 * n + k], (void *)(intptr_t)t[5 * n + k],
+            (const void *)(intptr_t)t[n + k], (const void *)(intptr_t)t[2 * n + k],
+            (const void *)(intptr_t)t[3 * n + k], size - size % a->lanes,
+        };
+        int64_t b = begin > start[k] ? begin - start[k] : 0;
+        adamw_leaf_range(a, &l, b, min64(end, start[k + 1]) - start[k]);
+    }
 }

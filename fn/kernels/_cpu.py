@@ -52,6 +52,7 @@ _KERNEL_IDS = {
     "feedback_error": 11,
     "unpack_scaled": 12,
     "adam_direction": 13,
+    "adamw_step": 14,
 }
 # Capabilities whose fp32 vectors hold 8 lanes: torch's outer sum then takes one path (the
 # multi_row_sum order) for every column when the row length is a multiple of 32.
@@ -578,4 +579,130 @@ def dequantize_into(
     pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())
     ints = (bits, values // groups, values // chunks, chunks // local_world_size, local_world_size)
     _run(lib, "dequantize_into", out.numel(), 2, pointers, ints)
+    return None
+
+
+class _AdamWStruct(ctypes.Structure):
+    """Mirror of the C ``fn_adamw``: the leaves and constants of one fn.adamw step."""
+
+    _fields_ = [
+        ("table", ctypes.c_void_p),
+        ("count", ctypes.c_int64),
+        ("lanes", ctypes.c_int64),
+        ("fp64", ctypes.c_int64),
+        ("decayed", ctypes.c_int64),
+        ("small_lerp", ctypes.c_int64),
+        ("decay", ctypes.c_double),
+        ("w", ctypes.c_double),
+        ("b2", ctypes.c_double),
+        ("c2", ctypes.c_double),
+        ("bc2_sqrt", ctypes.c_double),
+        ("eps", ctypes.c_double),
+        ("neg_step", ctypes.c_double),
+    ]
+
+
+_ADAMW_DTYPES = (torch.float32, torch.float64)
+
+
+def _torch_adam_lanes(dtype: torch.dtype) -> int | None:
+    """The vector length of ``torch._fused_adamw_``'s CPU kernel for ``dtype`` (its scalar tail
+    is the last ``n % lanes`` elements of a tensor), ``None`` on capabilities the C kernel does
+    not follow."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    width = 64 if capability.startswith("AVX512") else 32 if capability == "AVX2" else None
+    return None if width is None else width // dtype.itemsize
+
+
+@functools.lru_cache(maxsize=64)
+def _small_lerp(beta1: float, dtype: torch.dtype) -> bool:
+    """torch's test for its lerp branch: ``|1 - beta1|`` rounded to ``dtype`` below 1/2."""
+    return abs(torch.tensor(1.0 - beta1, dtype=dtype).item()) < 0.5
+
+
+@functools.cache
+def _adamw_follows_torch(dtype: torch.dtype, small_lerp: bool) -> bool:
+    """Whether the C kernel gives the reference's bits here: torch's kernel rounds as its build
+    contracts it (see ``_cpu.c``), so each (dtype, lerp branch) is checked once on random data
+    covering vector lanes and many tails; where it differs, the reference runs."""
+    lanes = _torch_adam_lanes(dtype)
+    if lanes is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    sizes = (4096 + lanes - 1, *[lanes - 1] * 128)  # vector lanes, then tails
+    ps, gs, ms, vs = [], [], [], []
+    for n in sizes:
+        scale = torch.pow(10.0, torch.randint(-6, 2, (n,), generator=gen)).to(dtype)
+        ps.append(torch.randn(n, generator=gen, dtype=dtype))
+        gs.append(torch.randn(n, generator=gen, dtype=dtype) * scale)
+        gs[-1][::5] = -0.0  # signed zeros tell the lerp forms apart at beta1 = 0
+        ms.append(torch.randn(n, generator=gen, dtype=dtype) * 0.1)
+        vs.append(torch.rand(n, generator=gen, dtype=dtype) * 0.1)
+    bits = torch.int32 if dtype == torch.float32 else torch.int64
+    for beta1 in (0.9,) if small_lerp else (0.3, 0.0):
+        outs = []
+        for impl in (_reference.adamw_step, _adamw_c):
+            p, m, v = ([x.clone() for x in xs] for xs in (ps, ms, vs))
+            impl(p, gs, m, v, m, v, 3.0, 1e-3, beta1, 0.999, 1e-8, 0.01)
+            outs.append(torch.cat(p + m + v).view(bits))
+        if not torch.equal(*outs):
+            return False
+    return True
+
+
+def _adamw_c(ps, gs, ms, vs, m_outs, v_outs, step, lr, beta1, beta2, eps, weight_decay):
+    """The C kernel over all leaves in one job, the scalars computed as torch's kernel does
+    (in fp64)."""
+    sizes = [p.numel() for p in ps]
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    addresses = [t.data_ptr() for ts in (ps, gs, ms, vs, m_outs, v_outs) for t in ts]
+    table = torch.tensor(addresses + starts, dtype=torch.int64)
+    dtype = ps[0].dtype
+    args = _AdamWStruct(
+        table.data_ptr(), len(ps), _torch_adam_lanes(dtype), dtype == torch.float64,
+        weight_decay != 0.0, _small_lerp(beta1, dtype), 1.0 - lr * weight_decay, 1.0 - beta1,
+        beta2, 1.0 - beta2, math.sqrt(1.0 - beta2**step), eps, -(lr / (1.0 - beta1**step)),
+    )  # fmt: skip
+    _run(library(), "adamw_step", starts[-1], 16, (ctypes.addressof(args),))
+    del table  # the job read it until here
+
+
+def adamw_step_runs(dtype: torch.dtype | None, beta1: float) -> bool:
+    """Whether :func:`adamw_step` runs the C kernel (not the reference) on contiguous CPU
+    tensors of ``dtype``: a compiler works, ``dtype`` is fp32 or fp64, and the kernel follows
+    torch's rounding on this build (checked once per dtype and lerp branch)."""
+    return (
+        dtype in _ADAMW_DTYPES
+        and library() is not None
+        and _adamw_follows_torch(dtype, _small_lerp(beta1, dtype))
+    )
+
+
+def adamw_step(
+    ps: list[torch.Tensor],
+    gs: list[torch.Tensor],
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    m_outs: list[torch.Tensor],
+    v_outs: list[torch.Tensor],
+    step: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    operands = (ps, gs, ms, vs, m_outs, v_outs)
+    dtype = ps[0].dtype if ps else None
+    if (
+        not ps
+        or not adamw_step_runs(dtype, beta1)
+        or not all(
+            t.dtype == dtype and t.is_cpu and t.is_contiguous() for ts in operands for t in ts
+        )
+    ):
+        return _reference.adamw_step(*operands, step, lr, beta1, beta2, eps, weight_decay)
+    _adamw_c(*operands, step, lr, beta1, beta2, eps, weight_decay)
     return None

@@ -677,6 +677,89 @@ def adam_direction(
     return out
 
 
+def adamw_step(
+    ps: Sequence[torch.Tensor],
+    gs: Sequence[torch.Tensor],
+    ms: Sequence[torch.Tensor],
+    vs: Sequence[torch.Tensor],
+    *,
+    step: float,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    m_outs: Sequence[torch.Tensor] | None = None,
+    v_outs: Sequence[torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One AdamW step applied to the params in place, with the values of ``fn.adamw``'s
+    update followed by ``fn.apply_updates``.
+
+    For each param ``p`` with gradient ``g`` and moments ``m``, ``v``:
+
+    .. math::
+        m_t = \\beta_1 m + (1 - \\beta_1) g, \\quad v_t = \\beta_2 v + (1 - \\beta_2) g^2,
+        \\quad p' = (1 - \\eta\\lambda) p - \\frac{\\eta}{1 - \\beta_1^t}\\,
+        \\frac{m_t}{\\sqrt{v_t} / \\sqrt{1 - \\beta_2^t} + \\epsilon},
+        \\quad p \\leftarrow p + (p' - p)
+
+    where ``p'``, ``m_t`` and ``v_t`` are rounded as ``torch._fused_adamw_`` (the kernel of
+    ``torch.optim.AdamW(fused=True)``) computes them, and ``p + (p' - p)`` as
+    ``apply_updates`` adds the update ``p' - p``. On the CPU, for contiguous fp32 or fp64
+    tensors, a C kernel does it in one pass over ``p``, ``g``, ``m`` and ``v``; elsewhere the
+    reference runs torch's kernel on a copy of the params. Eager tensors only (not a custom op).
+
+    Reference: Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
+
+    Args:
+        ps: the params (updated in place), tensors of one device.
+        gs: their gradients (only read).
+        ms, vs: the first and second moments (only read, unless they are the outputs).
+        step: ``t``, the number of this update (1 for the first).
+        lr: the learning rate ``eta``.
+        betas: ``(beta1, beta2)``.
+        eps: the denominator term ``epsilon``.
+        weight_decay: the decoupled decay ``lambda``.
+        m_outs, v_outs: where the new moments go (``None``: into ``ms``, ``vs``).
+
+    Returns:
+        ``(m_outs, v_outs)`` as lists.
+
+    Raises:
+        ValueError: when the lists differ in length, or a tensor differs from its param in
+            shape, dtype or device.
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> p, g = torch.tensor([1.0, -2.0]), torch.tensor([0.5, -0.25])
+        >>> _ = K.adamw_step(
+        ...     [p], [g], [torch.zeros(2)], [torch.zeros(2)],
+        ...     step=1, lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.5,
+        ... )
+        >>> p  # (1 - 0.1 * 0.5) * p - 0.1 * sign(g)
+        tensor([ 0.8500, -1.8000])
+    """
+    m_outs = list(ms if m_outs is None else m_outs)
+    v_outs = list(vs if v_outs is None else v_outs)
+    lists = {"gs": gs, "ms": ms, "vs": vs, "m_outs": m_outs, "v_outs": v_outs}
+    for name, ts in lists.items():
+        if len(ts) != len(ps):
+            raise ValueError(f"adamw_step: {name} has {len(ts)} tensors for {len(ps)} params")
+        for t, p in zip(ts, ps, strict=True):
+            if t.shape != p.shape or t.dtype != p.dtype or t.device != ps[0].device:
+                raise ValueError(
+                    f"adamw_step: a tensor of {name} differs from its param in shape, dtype "
+                    "or device (all on one device)"
+                )
+    if ps:
+        beta1, beta2 = betas
+        _impl("adamw_step", ps[0].device)(
+            list(ps), list(gs), list(ms), list(vs), m_outs, v_outs, float(step), float(lr),
+            float(beta1), float(beta2), float(eps), float(weight_decay),
+        )  # fmt: skip
+    return m_outs, v_outs
+
+
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric blockwise ``bits``-bit quantization (ZeRO++ qgZ; Wang et al. 2023).
 

@@ -349,3 +349,36 @@ def dequantize_into(
     values = dequantize(q, scales, bits, q.numel() * 8 // bits)
     values = values.view(chunks // local_world_size, local_world_size, -1).transpose(0, 1)
     out.copy_(values.reshape(-1)[: out.numel()])
+
+
+def adamw_step(
+    ps: list[torch.Tensor],
+    gs: list[torch.Tensor],
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    m_outs: list[torch.Tensor],
+    v_outs: list[torch.Tensor],
+    step: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One step of ``fn.adamw`` applied to the params: the new moments into ``m_outs``,
+    ``v_outs`` (they may be ``ms``, ``vs``) and every ``p`` updated in place to ``p + (p' - p)``,
+    where ``p'`` is ``torch._fused_adamw_`` (``torch.optim.AdamW(fused=True)``'s kernel) run on
+    a copy of ``p`` at step ``step``: the values of ``fn.adamw``'s update then
+    ``apply_updates``."""
+    for outs, xs in ((m_outs, ms), (v_outs, vs)):
+        for out, x in zip(outs, xs, strict=True):
+            if out is not x:
+                out.copy_(x)
+    stepped = [p.clone() for p in ps]
+    counts = [torch.tensor(step, dtype=torch.float32, device=p.device) for p in ps]
+    torch._fused_adamw_(
+        stepped, gs, m_outs, v_outs, [], counts, lr=lr, beta1=beta1, beta2=beta2,
+        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+    )  # fmt: skip
+    for p, new in zip(ps, stepped, strict=True):
+        p.add_(new.sub_(p))

@@ -10,9 +10,11 @@ import torch
 
 from fn._donation import buffer_like, can_donate, donated_leaves, donated_state, split_donated
 from fn._foreach import foreach_blocker, foreach_ok, per_leaf
-from fn._fused_steps import register_update_and_apply, update_and_apply_step
+from fn._fused_steps import register_update_and_apply, update_and_apply_step, update_functions
 from fn._validation import check_betas, check_nonnegative, check_shapes
 from fn.base import GradientTransformation, apply_updates, chain
+from fn.kernels._cpu import adamw_step_runs
+from fn.kernels._table import kernel as device_kernel
 from fn.transforms._learning_rate import learning_rate_now
 from fn.transforms._leaves import device_of
 from fn.transforms.learning_rate import (
@@ -284,12 +286,7 @@ def _scale_by_adam_then_lr(
         state = (moments_state, ScaleByLearningRateState(lr_state.count + 1, current))
         return (params if apply else updates), state
 
-    def update_fn(updates, state, params=None, *, donate=None, **extra):
-        return step(updates, state, params, donate, extra, apply=False)
-
-    def update_and_apply_fn(updates, state, params, *, donate, **extra):
-        return step(updates, state, params, donate, extra, apply=True)
-
+    update_fn, update_and_apply_fn = update_functions(step)
     return register_update_and_apply(
         GradientTransformation(chained.init, update_fn), update_and_apply_fn
     )
@@ -340,8 +337,10 @@ def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required, apply=
 
     With ``apply`` (donated state only, see :func:`fn.update_and_apply`) it adds the update to
     the params in place and returns ``None`` updates: fp32/fp64 Adam runs the kernel on the
-    params themselves (``p - step``, the value of ``p + (0 - step)``), the rest through the
-    workspace of :func:`_fused_in_pieces`."""
+    params themselves (``p - step``, the value of ``p + (0 - step)``), fp32/fp64 AdamW on the
+    CPU runs :func:`fn.kernels.adamw_step` (one pass computing ``p + (p' - p)``) where its C
+    kernel runs, the rest goes through the workspace of :func:`_fused_in_pieces` (no
+    full-size copy, unlike the kernel's reference)."""
 
     def moments_step(ms, vs, gs, ps, count, donated):
         if weight_decay == 0.0 and not apply:
@@ -369,6 +368,16 @@ def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required, apply=
         decoupled = weight_decay != 0.0
         if apply and donated is None:  # nothing fits: the new moments are new tensors
             donated = ([None] * len(gs), [None] * len(gs))
+        if apply and decoupled and gs[0].is_cpu and adamw_step_runs(gs[0].dtype, b1):
+            new_ms, new_vs = (
+                [buffer_like(d, x) for x, d in zip(xs, ds, strict=True)]
+                for xs, ds in zip((ms, vs), donated, strict=True)
+            )
+            # the table's kernel without fn.kernels.adamw_step's checks: _fused_blocker did them
+            device_kernel("cpu", "adamw_step")(
+                ps, gs, ms, vs, new_ms, new_vs, float(step), float(lr), b1, b2, eps, weight_decay
+            )
+            return new_ms, new_vs, [None] * len(gs)
         if apply and not decoupled and gs[0].dtype in (torch.float32, torch.float64):
             new_ms, new_vs = (
                 _donated_copies(*pair) for pair in zip((ms, vs), donated, strict=True)
@@ -563,12 +572,7 @@ def adam(
         out, rest = rest_step(updates, tuple(state[1:]), params, **extra)
         return out, (decay_state, *rest)
 
-    def update_fn(updates, state, params=None, *, donate=None, **extra):
-        return step(updates, state, params, donate, extra, apply=False)
-
-    def update_and_apply_fn(updates, state, params, *, donate, **extra):
-        return step(updates, state, params, donate, extra, apply=True)
-
+    update_fn, update_and_apply_fn = update_functions(step)
     return register_update_and_apply(
         GradientTransformation(init_fn, update_fn), update_and_apply_fn
     )
@@ -599,9 +603,11 @@ def adamw(
     for bit wherever a step moves a param by less than half of it), ``"foreach"`` and
     ``"chain"`` run the chain with foreach or per-leaf ops, and ``"auto"`` (the default) picks
     ``"fused"`` where it can run and the chain elsewhere. ``fn.update_and_apply`` runs the
-    update and ``apply_updates`` as one step that writes the params in place (the fused kernel
-    on a small workspace: the params are read and written once, and ``p + (p' - p)`` is
-    computed there as ``apply_updates`` does).
+    update and ``apply_updates`` as one step that writes the params in place, reading and
+    writing the params and moments once: where the fused kernel runs, on fp32/fp64 CPU tensors
+    :func:`fn.kernels.adamw_step` (a C kernel computing torch's ``p'`` and ``p + (p' - p)`` in
+    one pass), else the fused kernel on a small workspace, ``p + (p' - p)`` computed there as
+    ``apply_updates`` does.
 
     Reference: Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
 
