@@ -176,7 +176,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
     Buffers: each step donates (``update(..., donate=...)``) the group's state from two steps
     back and the group's gradient buffer, so in steady state a step makes no new full-size
     tensor, and the live state is never written (a failed or skipped step leaves it as it was).
-    The group therefore keeps two states and one gradient buffer.
+    The group therefore keeps two states and one gradient buffer, into which the params'
+    ``.grad`` are copied before every step (the updates are written into it, so it cannot be
+    the ``.grad`` themselves, which a step leaves as they were).
 
     Attributes:
         skipped_steps: how many steps were skipped for non-finite gradients.
@@ -375,9 +377,12 @@ class FunctionalOptimizer(torch.optim.Optimizer):
 
         Everything is checked first (the params' storage, frozen params made trainable, every
         group's hyperparameters, the gradients on every rank); then every group's update and new
-        state are computed (the transforms are pure, so nothing is changed yet); the params, the
-        states, the transforms and the step counts of all groups are committed last. A step
-        that fails or is skipped at any point leaves every group exactly as it was.
+        state are computed into the group's gradient buffer and spare state (neither the live
+        state nor the params are written), the last group's update added to its params in the
+        same step (``fn.update_and_apply``) once every other group's exists; the other groups'
+        params, the states, the transforms and the step counts of all groups are committed
+        last. A step that fails or is skipped at any point leaves every group exactly as it
+        was.
 
         Args:
             closure: re-evaluates the model and returns the loss (run with grad enabled).
