@@ -59,13 +59,13 @@ Policies (the same on every rank, so the ranks always issue the same collectives
 - All or nothing: ``step()`` first checks everything (params, frozen params, every group's
   hyperparameters in ``param_groups``, the gradients), then computes every group's update and new
   state into the group's own buffers (its gradient buffer and spare state, see
-  ``FunctionalOptimizer``'s "Buffers"; the live state and the params are not written), the last group's update
-  added to its params in the same step (``fn.update_and_apply``: one pass over them where the
-  transform has a fused step, e.g. ``fn.adam``) once every other group's update exists, and
-  commits all groups last. Every check that can reject the step (the gradients, the averaged
-  gradients, the transforms' own checks, every collective) runs before the first write to the
-  params. A step that raises or is skipped in any group leaves every group's params, state,
-  transform and step count as they were, so the groups' step counts never drift apart.
+  ``FunctionalOptimizer``'s "Buffers"; the live state and the params are not written), the last
+  group's update added to its params in the same step (``fn.update_and_apply``: one pass over
+  them where the transform has a fused step, e.g. ``fn.adam``) once every other group's update
+  exists, and commits all groups last. Every check that can reject the step (the gradients, the
+  averaged gradients, the transforms' own checks, every collective) runs before the first write
+  to the params. A step that raises or is skipped in any group leaves every group's params,
+  state, transform and step count as they were, so the groups' step counts never drift apart.
 - ``GradScaler``: the optimizer declares ``_step_supports_amp_scaling``: ``scaler.step(opt)``
   always calls ``opt.step()``, which unscales the gradients itself (its ``.grad`` stay scaled)
   and makes the overflow decision global. (Without this, a rank that overflowed alone would skip

@@ -564,8 +564,10 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         grads = flat.tree(g, self.flatten)
         donated = runtime.donation()
         try:
-            if apply and donated is not None and storages_of(flat.master).isdisjoint(
-                storages_of(state)
+            if (
+                apply
+                and donated is not None
+                and storages_of(flat.master).isdisjoint(storages_of(state))
             ):
                 _, new_state = update_and_apply(
                     transform, grads, state, params, donate=donated, step=runtime.step + 1
