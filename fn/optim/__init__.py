@@ -48,10 +48,10 @@ Policies (the same on every rank, so the ranks always issue the same collectives
 - Non-finite gradients: the ranks agree on one decision (a 1-element allreduce of the count of
   non-finite gradient elements). Finite gradients whose average over the ranks overflows count
   as non-finite too (every rank holds the same average, so all decide alike). ``OnebitAdam``
-  makes no pass and no allreduce of its own for this (except under a ``GradScaler``): its
-  updates reject a non-finite gradient of any rank on every rank before they write anything
-  (the warmup checks the averaged gradient, the compressed update the scales its 1-bit
-  allreduce gathers), with the same outcome.
+  counts none of its own (no pass over its gradients; the allreduce stays, for a
+  ``GradScaler``'s overflow flags): its updates reject a non-finite gradient of any rank on
+  every rank before they write anything (the warmup checks the averaged gradient, the
+  compressed update the scales its 1-bit allreduce gathers), with the same outcome.
   ``nonfinite="raise"`` (default) raises ``ValueError`` on every rank, ``"skip"`` skips the step;
   either way nothing changes (params, state, error feedback, step counts). A step driven by
   ``torch.amp.GradScaler`` always skips on overflow (that is the scaler's protocol; it then

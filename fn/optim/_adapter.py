@@ -416,16 +416,13 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         if grad_scale is not None:
             _unscale(grads, grad_scale)
         # Transforms that reject non-finite gradients themselves, on every rank and before
-        # any write, need no separate pass over their gradients (nor, without a scaler, the
-        # count's allreduce).
+        # any write, need no separate pass over their gradients.
         unchecked = [
             g
-            for g, runtime, (transform, _, _) in zip(grads, self._groups, plans, strict=True)
+            for g, (transform, _, _) in zip(grads, plans, strict=True)
             if not self._checks_gradients(transform)
         ]
-        if (unchecked or found_inf is not None) and count_nonfinite(
-            self.comm, unchecked, found_inf
-        ) > 0:
+        if count_nonfinite(self.comm, unchecked, found_inf) > 0:
             return self._skip(
                 loss,
                 found_inf,

@@ -1,6 +1,6 @@
 """What one ``step()`` does beyond the functional donated step it wraps: ``OnebitAdam`` makes no
-non-finite gradient pass and no count allreduce of its own (its updates reject non-finite
-gradients on every rank before writing), and the last param group's update goes into its params
+non-finite gradient pass of its own (its updates reject non-finite gradients on every rank
+before writing), and the last param group's update goes into its params
 through ``fn.update_and_apply``; with several groups and non-finite gradients anywhere, nothing
 changes."""
 
@@ -25,9 +25,19 @@ def _two_groups(model: torch.nn.Module) -> list[dict]:
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the unsafe-variance warning
 @pytest.mark.parametrize("compressed", [False, True])
-def test_onebit_adam_step_makes_the_functional_steps_collectives_only(compressed):
-    """On two mirrored ranks, an OnebitAdam step issues as many collectives as the functional
-    donated update of its one flat leaf: no count allreduce for the non-finite check."""
+def test_onebit_adam_step_makes_no_gradient_pass_of_its_own(compressed, monkeypatch):
+    """On two mirrored ranks, an OnebitAdam step gives the non-finite count no gradients to
+    scan (FunctionalOptimizer(fn.adam) gives it all) and issues the collectives of the
+    functional donated update of its one flat leaf plus the count's allreduce, with its
+    params."""
+    counted = []
+
+    def count_nonfinite(comm, grads, found_inf):
+        counted.append(len(grads))
+        return real_count(comm, grads, found_inf)
+
+    real_count = fn.optim._adapter.count_nonfinite
+    monkeypatch.setattr(fn.optim._adapter, "count_nonfinite", count_nonfinite)
     model = make_model()
     comm = Mirror()
     opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3, comm=comm)
@@ -44,8 +54,14 @@ def test_onebit_adam_step_makes_the_functional_steps_collectives_only(compressed
         comm.calls = 0
         updates, state = tx.update(g, state, p, step=t + 1, donate=True)
         p = fn.apply_updates(p, updates, donate=True)
-        assert adapter_calls == comm.calls, f"update {t + 1}: {adapter_calls} != {comm.calls}"
+        assert adapter_calls == comm.calls + 1, f"update {t + 1}: {adapter_calls}, {comm.calls}"
         assert torch.equal(flat_params(model), p), f"update {t + 1} differs"
+    assert counted == [0] * len(counted)
+    adam = fn.optim.FunctionalOptimizer(make_model().parameters(), fn.adam(1e-2), comm=comm)
+    for q in adam.param_groups[0]["params"]:
+        q.grad = torch.ones_like(q)
+    adam.step()
+    assert counted[-1] == 1
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
