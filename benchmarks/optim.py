@@ -4,9 +4,15 @@ One process (Local), an MLP of many small tensors (where per-tensor work dominat
 the median of ``--repeats`` runs of ``--steps`` optimizer steps each, the methods taking turns
 in every repeat (gradients are fixed, so only the optimizer is timed). Ratios are against
 ``torch.optim.Adam(foreach=True)``. The adapter rows donate the optimizer's own buffers, as the
-adapter always does (double buffering; README "Buffer donation"). Last, for the same model in
-bf16 (fp32 master copy): the share of a compressed ``OnebitAdam`` step spent in the master sync
-that catches writes to the params between steps (``FlatGroup.sync_master``).
+adapter always does (double buffering; README "Buffer donation"). Two rows run the compressed
+1-bit Adam step as on two ranks (``tests/_mirror.py``'s ``Mirror``: a comm of two ranks holding
+this process's tensors, so the donated, fused path of the 1-bit allreduce runs): the
+``OnebitAdam`` adapter and the functional donated step it wraps (``fn.onebit_adam`` on one flat
+leaf, ``donate=True``, ``fn.apply_updates(..., donate=True)``), which first copies the fixed
+gradients into its gradient buffer (the step writes its updates there), as the adapter copies
+the params' ``.grad`` into its own. Last, for the same model in bf16 (fp32 master copy): the
+share of a compressed ``OnebitAdam`` step spent in the master sync that catches writes to the
+params between steps (``FlatGroup.sync_master``).
 
 Run: python3 benchmarks/optim.py [--layers 32] [--width 256] [--steps 50] [--repeats 5]
      [--threads N]
@@ -28,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fn  # noqa: E402
 import fn.optim  # noqa: E402
 from fn.collectives import Local  # noqa: E402
+from tests._mirror import Mirror  # noqa: E402
 
 
 def make_model(layers: int, width: int) -> torch.nn.Module:
@@ -53,6 +60,24 @@ def time_steps(
                 step()
             times[name].append((time.perf_counter() - start) / steps)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def functional_onebit_step(model: torch.nn.Module) -> Callable[[], None]:
+    """The functional donated 1-bit Adam step on the flat params of ``model`` with its fixed
+    gradients, on two mirrored ranks: update 1 warms up, every later one compresses."""
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    fixed = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    grads = torch.empty_like(fixed)
+    tx = fn.onebit_adam(freeze_step=2, comm=Mirror())
+    box = {"state": tx.init(params), "t": 0}
+
+    def step() -> None:
+        box["t"] += 1
+        grads.copy_(fixed)
+        updates, box["state"] = tx.update(grads, box["state"], params, step=box["t"], donate=True)
+        fn.apply_updates(params, updates, donate=True)
+
+    return step
 
 
 def main() -> None:
@@ -97,6 +122,13 @@ def main() -> None:
         opt = make(model.parameters())
         assert isinstance(opt.comm, Local)
         steppers[name] = opt.step
+
+    model = make_model(args.layers, args.width)
+    opt = fn.optim.OnebitAdam(model.parameters(), freeze_step=2, comm=Mirror())
+    steppers["fn.optim.OnebitAdam (compressed, 2 ranks)"] = opt.step
+    steppers["fn.onebit_adam donated (compressed, 2 ranks)"] = functional_onebit_step(
+        make_model(args.layers, args.width)
+    )
 
     model = make_model(args.layers, args.width).to(torch.bfloat16)
     for p in model.parameters():

@@ -47,17 +47,25 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   collectives. Momentum and weight decay therefore still move such params.
 - Non-finite gradients: the ranks agree on one decision (a 1-element allreduce of the count of
   non-finite gradient elements). Finite gradients whose average over the ranks overflows count
-  as non-finite too (every rank holds the same average, so all decide alike).
+  as non-finite too (every rank holds the same average, so all decide alike). ``OnebitAdam``
+  counts none of its own (no pass over its gradients; the allreduce stays, for a
+  ``GradScaler``'s overflow flags): its updates reject a non-finite gradient of any rank on
+  every rank before they write anything (the warmup checks the averaged gradient, the
+  compressed update the scales its 1-bit allreduce gathers), with the same outcome.
   ``nonfinite="raise"`` (default) raises ``ValueError`` on every rank, ``"skip"`` skips the step;
   either way nothing changes (params, state, error feedback, step counts). A step driven by
   ``torch.amp.GradScaler`` always skips on overflow (that is the scaler's protocol; it then
   lowers its scale).
 - All or nothing: ``step()`` first checks everything (params, frozen params, every group's
   hyperparameters in ``param_groups``, the gradients), then computes every group's update and new
-  state (the transforms are pure: new tensors, nothing written), and commits all groups last. A
-  step that raises or is skipped in any group leaves every group's params, state, transform and
-  step count as they were, so the groups' step counts never drift apart. The price: the new states
-  of all groups exist at once before the commit (no extra copy in steady state).
+  state into the group's own buffers (its gradient buffer and spare state, see
+  ``FunctionalOptimizer``'s "Buffers"; the live state and the params are not written), the last
+  group's update added to its params in the same step (``fn.update_and_apply``: one pass over
+  them where the transform has a fused step, e.g. ``fn.adam``) once every other group's update
+  exists, and commits all groups last. Every check that can reject the step (the gradients, the
+  averaged gradients, the transforms' own checks, every collective) runs before the first write
+  to the params. A step that raises or is skipped in any group leaves every group's params,
+  state, transform and step count as they were, so the groups' step counts never drift apart.
 - ``GradScaler``: the optimizer declares ``_step_supports_amp_scaling``: ``scaler.step(opt)``
   always calls ``opt.step()``, which unscales the gradients itself (its ``.grad`` stay scaled)
   and makes the overflow decision global. (Without this, a rank that overflowed alone would skip

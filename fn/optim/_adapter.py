@@ -20,7 +20,12 @@ from torch.utils import _pytree as pytree
 
 from fn._donation import storages_of
 from fn._validation import all_finite, check_int
-from fn.base import CompressedOptimizer, GradientTransformation, set_hyperparams
+from fn.base import (
+    CompressedOptimizer,
+    GradientTransformation,
+    set_hyperparams,
+    update_and_apply,
+)
 from fn.base import get_hyperparam as _get_hyperparam
 from fn.collectives import Local, ProcessGroup, Simulated, SimulatedGroup
 from fn.optim._checkpoint import (
@@ -171,7 +176,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
     Buffers: each step donates (``update(..., donate=...)``) the group's state from two steps
     back and the group's gradient buffer, so in steady state a step makes no new full-size
     tensor, and the live state is never written (a failed or skipped step leaves it as it was).
-    The group therefore keeps two states and one gradient buffer.
+    The group therefore keeps two states and one gradient buffer, into which the params'
+    ``.grad`` are copied before every step (the updates are written into it, so it cannot be
+    the ``.grad`` themselves, which a step leaves as they were).
 
     Attributes:
         skipped_steps: how many steps were skipped for non-finite gradients.
@@ -370,9 +377,12 @@ class FunctionalOptimizer(torch.optim.Optimizer):
 
         Everything is checked first (the params' storage, frozen params made trainable, every
         group's hyperparameters, the gradients on every rank); then every group's update and new
-        state are computed (the transforms are pure, so nothing is changed yet); the params, the
-        states, the transforms and the step counts of all groups are committed last. A step
-        that fails or is skipped at any point leaves every group exactly as it was.
+        state are computed into the group's gradient buffer and spare state (neither the live
+        state nor the params are written), the last group's update added to its params in the
+        same step (``fn.update_and_apply``) once every other group's exists; the other groups'
+        params, the states, the transforms and the step counts of all groups are committed
+        last. A step that fails or is skipped at any point leaves every group exactly as it
+        was.
 
         Args:
             closure: re-evaluates the model and returns the loss (run with grad enabled).
@@ -405,16 +415,27 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         grads = [runtime.flat.gather_grads() for runtime in self._groups]
         if grad_scale is not None:
             _unscale(grads, grad_scale)
-        if count_nonfinite(self.comm, grads, found_inf) > 0:
+        # Transforms that reject non-finite gradients themselves, on every rank and before
+        # any write, need no separate pass over their gradients.
+        unchecked = [
+            g
+            for g, (transform, _, _) in zip(grads, plans, strict=True)
+            if not self._checks_gradients(transform)
+        ]
+        if count_nonfinite(self.comm, unchecked, found_inf) > 0:
             return self._skip(
                 loss,
                 found_inf,
                 "fn.optim: non-finite gradients (NaN or Inf) on some rank; no update was made and "
                 "the optimizer state is unchanged (nonfinite='skip' skips such steps)",
             )
+        # Every group but the last computes its update (writing only its spare state and
+        # gradient buffer); the last one, after which nothing can reject the step any more,
+        # updates its params in the same step (fn.update_and_apply); then the others add theirs.
+        last = len(self._groups) - 1
         try:
-            pending = [
-                self._compute_update(index, runtime, transform, lr, g)
+            results = [
+                self._compute_update(index, runtime, transform, lr, g, apply=index == last)
                 for index, (runtime, (transform, _, lr), g) in enumerate(
                     zip(self._groups, plans, grads, strict=True)
                 )
@@ -423,13 +444,20 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             return self._skip(loss, found_inf, str(err))
         self.last_step_skipped = False
         for runtime, (transform, hyper, _), (updates, state) in zip(
-            self._groups, plans, pending, strict=True
+            self._groups, plans, results, strict=True
         ):
-            runtime.flat.add(updates)
+            runtime.flat.add(updates)  # None (applied already): only cast into the params
             runtime.transform, runtime.hyper = transform, hyper
             runtime.commit(state)
             runtime.step += 1
         return loss
+
+    def _checks_gradients(self, transform: Transform) -> bool:
+        """Whether ``transform``'s updates raise ``ValueError`` (with "non-finite" in the
+        message) on every rank, before writing anything, when any rank's gradient is not
+        finite: then ``step()`` makes no pass of its own over that group's gradients."""
+        del transform
+        return False
 
     def _skip(self, loss: Any, found_inf: torch.Tensor | None, message: str) -> Any:
         """Records a skipped step (``nonfinite="skip"`` or a ``GradScaler`` overflow), or raises
@@ -489,14 +517,26 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         return transform, hyper, lr
 
     def _compute_update(
-        self, index: int, runtime: _Group, transform: Transform, lr: float | None, g: torch.Tensor
+        self,
+        index: int,
+        runtime: _Group,
+        transform: Transform,
+        lr: float | None,
+        g: torch.Tensor,
+        *,
+        apply: bool = False,
     ) -> tuple[Any, Any]:
         """The group's updates and new state. Only the gradient buffer ``g`` and the group's
-        spare state are written (donated): the live state and the params are not.
+        spare state are written (donated), and with ``apply`` (once the group has a spare) the
+        params' master: the update is then added to it in the same step
+        (``fn.update_and_apply``, one pass where the transform has a fused step) and the updates
+        returned are ``None`` (``FlatGroup.add`` then only casts the master into the params).
+        The live state is not written.
 
         Raises:
             _AveragedOverflow: the gradient averaged over the ranks is non-finite (the same on
-                every rank: they all hold the same average).
+                every rank: they all hold the same average), or the transform rejected a
+                non-finite value (before writing anything).
         """
         if runtime.sync and self.comm.world_size > 1 and g.numel() > 0:
             g = self.comm.all_reduce(g, op="mean")
@@ -516,15 +556,21 @@ class FunctionalOptimizer(torch.optim.Optimizer):
                     f"fn.optim: param group {index} sets lr, but its transform has no lr state "
                     "field; no update was made"
                 ) from err
-        params = runtime.flat.tree(runtime.flat.master, self.flatten)
+        flat = runtime.flat
+        params = flat.tree(flat.master, self.flatten)
+        grads = flat.tree(g, self.flatten)
+        donated = runtime.donation()
         try:
-            return transform.update(
-                runtime.flat.tree(g, self.flatten),
-                state,
-                params,
-                step=runtime.step + 1,
-                donate=runtime.donation(),
-            )
+            if (
+                apply
+                and donated is not None
+                and storages_of(flat.master).isdisjoint(storages_of(state))
+            ):
+                _, new_state = update_and_apply(
+                    transform, grads, state, params, donate=donated, step=runtime.step + 1
+                )
+                return None, new_state
+            return transform.update(grads, state, params, step=runtime.step + 1, donate=donated)
         except ValueError as err:
             if "non-finite" not in str(err):
                 raise
