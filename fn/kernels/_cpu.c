@@ -544,17 +544,17 @@ static inline __m256 group_values8(const float *x, const float *e, int64_t nx, i
 }
 
 /* The codes rint(v / div) clamped to [lo, hi] of the 32 elements i..i+31 as int8, in order:
-   the conversion rounds to nearest even as rintf does. */
+   the conversion rounds to nearest even as rintf does; the clamp comes after the saturating
+   narrowing to int8, which leaves a clamp to bounds inside int8's range unchanged. */
 static inline __m256i codes32(const float *x, const float *e, int64_t nx, int64_t i, __m256 div,
                               __m256i lo, __m256i hi)
 {
     __m256i c[4];
-    for (int k = 0; k < 4; k++) {
-        __m256 r = _mm256_div_ps(group_values8(x, e, nx, i + 8 * k), div);
-        c[k] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(r), lo), hi);
-    }
+    for (int k = 0; k < 4; k++)
+        c[k] = _mm256_cvtps_epi32(_mm256_div_ps(group_values8(x, e, nx, i + 8 * k), div));
     /* packs interleave the 128-bit lanes as in signs32; the permute restores element order. */
     __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    b = _mm256_min_epi8(_mm256_max_epi8(b, lo), hi);
     return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 #endif
@@ -599,11 +599,19 @@ static void quantize_group(const float *x, const float *e, int64_t nx, int64_t l
 #if defined(__AVX2__)
     if (finite) {
         const __m256 divs = _mm256_set1_ps(div);
-        const __m256i lo = _mm256_set1_epi32(-(1 << (nbits - 1)));
-        const __m256i hi = _mm256_set1_epi32((1 << (nbits - 1)) - 1);
+        const __m256i lo = _mm256_set1_epi8((char)-(1 << (nbits - 1)));
+        const __m256i hi = _mm256_set1_epi8((char)((1 << (nbits - 1)) - 1));
         const __m256i nibble = _mm256_set1_epi8(0x0F);
         const __m256i weights = _mm256_set1_epi16(0x0110); /* bytes (16, 1): hi * 16 + lo */
+        /* The next group (its usual place: group_size values on) is prefetched while this
+           one, already in L1 from the max pass, is coded: the memory stream keeps going. */
         for (; i0 + 64 <= len; i0 += 64) {
+            uintptr_t ahead = (uintptr_t)(group_size + i0) * sizeof(float);
+            for (uintptr_t k = 0; k < 64 * sizeof(float); k += 64) {
+                _mm_prefetch((const char *)((uintptr_t)x + ahead + k), _MM_HINT_T0);
+                if (e)
+                    _mm_prefetch((const char *)((uintptr_t)e + ahead + k), _MM_HINT_T0);
+            }
             __m256i a = codes32(x, e, nx, i0, divs, lo, hi);
             __m256i b = codes32(x, e, nx, i0 + 32, divs, lo, hi);
             if (nbits == 8) {
