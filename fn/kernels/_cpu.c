@@ -675,24 +675,33 @@ static inline __m256i nibbles32(const uint8_t *q)
     return _mm256_shuffle_epi8(table, n);
 }
 
-/* (float)code * s of 32 int8 codes into out[0..31]. */
-static inline void scaled32(__m256i c, __m256 s, float *out)
+/* (float)code * s of 32 int8 codes into out[0..31], or added to it (add). */
+static inline void scaled32(__m256i c, __m256 s, float *out, int add)
 {
     __m128i h[2] = {_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1)};
     for (int k = 0; k < 2; k++) {
         __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h[k]));
         __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(h[k], 8)));
-        _mm256_storeu_ps(out + 16 * k, _mm256_mul_ps(a, s));
-        _mm256_storeu_ps(out + 16 * k + 8, _mm256_mul_ps(b, s));
+        a = _mm256_mul_ps(a, s);
+        b = _mm256_mul_ps(b, s);
+        if (add) {
+            a = _mm256_add_ps(_mm256_loadu_ps(out + 16 * k), a);
+            b = _mm256_add_ps(_mm256_loadu_ps(out + 16 * k + 8), b);
+        }
+        _mm256_storeu_ps(out + 16 * k, a);
+        _mm256_storeu_ps(out + 16 * k + 8, b);
     }
 }
 #endif
 
-/* dst[i - begin] = DQ(q)[i] for i in [begin, end), group by group: the scale is loaded once
-   and the inner loops have no division or branch per element. Each value is
-   (float)code * scale, as element by element. */
-static void dequantize_range(const uint8_t *q, const float *scales, int nbits,
-                             int64_t group_size, int64_t begin, int64_t end, float *dst)
+static inline void put(float *dst, float v, int add) { *dst = add ? *dst + v : v; }
+
+/* dst[i - begin] = DQ(q)[i] for i in [begin, end), or dst[i - begin] += DQ(q)[i] (add),
+   group by group: the scale is loaded once and the inner loops have no division or branch per
+   element. Each value is (float)code * scale, as element by element. */
+static inline void dequantize_range(const uint8_t *q, const float *scales, int nbits,
+                                    int64_t group_size, int64_t begin, int64_t end, float *dst,
+                                    int add)
 {
     int64_t i = begin;
     while (i < end) {
@@ -703,33 +712,33 @@ static void dequantize_range(const uint8_t *q, const float *scales, int nbits,
 #if defined(__AVX2__)
             for (; i + 32 <= stop; i += 32)
                 scaled32(_mm256_loadu_si256((const __m256i *)(q + i)), _mm256_set1_ps(s),
-                         dst + (i - begin));
+                         dst + (i - begin), add);
 #endif
             for (; i < stop; i++)
-                dst[i - begin] = (float)(int8_t)q[i] * s;
+                put(dst + (i - begin), (float)(int8_t)q[i] * s, add);
             continue;
         }
         if ((i & 1) && i < stop) { /* a group that starts on a low nibble (odd group_size) */
             int32_t lo = q[i / 2] & 0xF;
-            dst[i - begin] = (float)(lo - ((lo & 8) << 1)) * s;
+            put(dst + (i - begin), (float)(lo - ((lo & 8) << 1)) * s, add);
             i++;
         }
 #if defined(__AVX2__)
         for (; i + 32 <= stop; i += 32)
-            scaled32(nibbles32(q + i / 2), _mm256_set1_ps(s), dst + (i - begin));
+            scaled32(nibbles32(q + i / 2), _mm256_set1_ps(s), dst + (i - begin), add);
 #endif
         const uint8_t *qb = q + i / 2;
         float *o = dst + (i - begin);
         int64_t pairs = (stop - i) / 2;
         for (int64_t k = 0; k < pairs; k++) {
             int32_t hi = qb[k] >> 4, lo = qb[k] & 0xF;
-            o[2 * k] = (float)(hi - ((hi & 8) << 1)) * s; /* 4-bit two's complement */
-            o[2 * k + 1] = (float)(lo - ((lo & 8) << 1)) * s;
+            put(o + 2 * k, (float)(hi - ((hi & 8) << 1)) * s, add); /* 4-bit two's complement */
+            put(o + 2 * k + 1, (float)(lo - ((lo & 8) << 1)) * s, add);
         }
         i += 2 * pairs;
         if (i < stop) { /* the odd last value: a high nibble */
             int32_t hi = q[i / 2] >> 4;
-            dst[i - begin] = (float)(hi - ((hi & 8) << 1)) * s;
+            put(dst + (i - begin), (float)(hi - ((hi & 8) << 1)) * s, add);
             i++;
         }
     }
@@ -738,7 +747,7 @@ static void dequantize_range(const uint8_t *q, const float *scales, int nbits,
 static void fn_dequantize(const uint8_t *q, const float *scales, int nbits, int64_t group_size,
                           float *out, int64_t begin, int64_t end)
 {
-    dequantize_range(q, scales, nbits, group_size, begin, end, out + begin);
+    dequantize_range(q, scales, nbits, group_size, begin, end, out + begin, 0);
 }
 
 /* Where v's values come from: x holds R rows of `row` values; v's row j (padded with zeros to
@@ -782,7 +791,7 @@ static void fn_loco_error(const float *x, const float *e, rows_layout l, const u
     while (i < end) {
         int64_t stop = min64(end, min64(i + 256, (i / l.prow + 1) * l.prow)), valid;
         const float *src = row_source(x, l, i, &valid);
-        dequantize_range(q, scales, nbits, group_size, i, stop, dq);
+        dequantize_range(q, scales, nbits, group_size, i, stop, dq, 0);
         for (int64_t k = 0; k < stop - i; k++) {
             float ei = e ? e[i + k] : 0.0f;
             float v = (k < valid ? src[k] : 0.0f) + ei;
@@ -807,7 +816,7 @@ static void fn_dequantize_sum(const uint8_t *q, const float *scales, int nbits,
                               float *out, int64_t begin, int64_t end)
 {
     const int64_t step = (int64_t)1 << level_power, mask = step - 1;
-    float acc[SUM_LEVELS][SUM_TILE], dq[SUM_TILE];
+    float acc[SUM_LEVELS][SUM_TILE];
     for (int64_t t0 = begin; t0 < end; t0 += SUM_TILE) {
         int64_t len = min64(SUM_TILE, end - t0);
         for (int l = 0; l < SUM_LEVELS; l++)
@@ -815,12 +824,9 @@ static void fn_dequantize_sum(const uint8_t *q, const float *scales, int nbits,
                 acc[l][k] = 0.0f;
         int64_t r = 0;
         while (r + step <= pieces) {
-            for (int64_t j = 0; j < step; j++, r++) {
+            for (int64_t j = 0; j < step; j++, r++)
                 dequantize_range(q, scales, nbits, group_size, r * cols + t0, r * cols + t0 + len,
-                                 dq);
-                for (int64_t k = 0; k < len; k++)
-                    acc[0][k] += dq[k];
-            }
+                                 acc[0], 1);
             for (int l = 1; l < SUM_LEVELS; l++) {
                 for (int64_t k = 0; k < len; k++) {
                     acc[l][k] += acc[l - 1][k];
@@ -830,11 +836,9 @@ static void fn_dequantize_sum(const uint8_t *q, const float *scales, int nbits,
                     break;
             }
         }
-        for (; r < pieces; r++) {
-            dequantize_range(q, scales, nbits, group_size, r * cols + t0, r * cols + t0 + len, dq);
-            for (int64_t k = 0; k < len; k++)
-                acc[0][k] += dq[k];
-        }
+        for (; r < pieces; r++)
+            dequantize_range(q, scales, nbits, group_size, r * cols + t0, r * cols + t0 + len,
+                             acc[0], 1);
         for (int l = 1; l < SUM_LEVELS; l++)
             for (int64_t k = 0; k < len; k++)
                 acc[0][k] += acc[l][k];
