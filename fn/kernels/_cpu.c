@@ -605,12 +605,12 @@ static void quantize_group(const float *x, const float *e, int64_t nx, int64_t l
         const __m256i weights = _mm256_set1_epi16(0x0110); /* bytes (16, 1): hi * 16 + lo */
         /* The next group (its usual place: group_size values on) is prefetched while this
            one, already in L1 from the max pass, is coded: the memory stream keeps going. */
+        const uintptr_t ahead = (uintptr_t)group_size * sizeof(float);
         for (; i0 + 64 <= len; i0 += 64) {
-            uintptr_t ahead = (uintptr_t)(group_size + i0) * sizeof(float);
-            for (uintptr_t k = 0; k < 64 * sizeof(float); k += 64) {
-                _mm_prefetch((const char *)((uintptr_t)x + ahead + k), _MM_HINT_T0);
+            for (int k = 0; k < 256; k += 64) {
+                _mm_prefetch((const char *)((uintptr_t)(x + i0) + ahead + k), _MM_HINT_T0);
                 if (e)
-                    _mm_prefetch((const char *)((uintptr_t)e + ahead + k), _MM_HINT_T0);
+                    _mm_prefetch((const char *)((uintptr_t)(e + i0) + ahead + k), _MM_HINT_T0);
             }
             __m256i a = codes32(x, e, nx, i0, divs, lo, hi);
             __m256i b = codes32(x, e, nx, i0 + 32, divs, lo, hi);
