@@ -36,9 +36,9 @@ import concurrent.futures
 import functools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -62,7 +62,8 @@ __all__ = [
     "loco_allreduce",
 ]
 
-_PIECE_MIN = 1 << 16  # values per chunk piece of the pipelined collectives
+_T = TypeVar("_T")
+_PIECE_MIN = 1 << 16  # values per destination and piece of the pipelined reduce-scatter
 _NON_FINITE = "quantized allreduce: non-finite values in x (or in the error feedback)"
 
 
@@ -290,11 +291,27 @@ def _comm_thread() -> ThreadPoolExecutor:
 os.register_at_fork(after_in_child=_comm_thread.cache_clear)
 
 
+def _overlapped(
+    comm: Comm, device: torch.device, collectives: Callable[[], _T], work: Callable[[], None]
+) -> _T:
+    """``work()`` while ``collectives()`` runs, the result of ``collectives()``. On a
+    :class:`ProcessGroup` with CPU tensors (whose collectives wait without the GIL, as the CPU
+    kernels run) the collectives go to a helper thread, so that the wire and this rank's
+    compute overlap; on any other comm (``Simulated`` under vmap, ``Local``) or device they
+    run first, in this thread."""
+    if not _overlaps(comm, device):
+        result = collectives()
+        work()
+        return result
+    future = _comm_thread().submit(collectives)
+    try:
+        work()
+    finally:
+        result = future.result()  # a collective is never left running
+    return result
+
+
 def _overlaps(comm: Comm, device: torch.device) -> bool:
-    """Whether the collectives of ``comm`` on ``device`` tensors may run in the comm thread
-    while this thread computes: on a :class:`ProcessGroup` with CPU tensors, whose collectives
-    wait without the GIL (as the CPU kernels run). Other comms (``Simulated`` under vmap,
-    ``Local``) and devices run everything in order, in this thread."""
     return isinstance(comm, ProcessGroup) and device.type == "cpu"
 
 
@@ -368,68 +385,6 @@ def _reduce_scatter_pipelined(
     return pending
 
 
-def _all_gather_pipelined(
-    shard: torch.Tensor,
-    error: torch.Tensor | None,
-    error_out: torch.Tensor | None,
-    plan: _Plan,
-    err_beta: float,
-    y: torch.Tensor,
-    pending: Sequence[_Pending],
-    pending_outs: Sequence[torch.Tensor],
-) -> None:
-    """:func:`_all_gather_into` on a ProcessGroup with the wire overlapped: the shard is cut in
-    pieces (:func:`_pieces`), each quantized (codes and scales packed in one uint8 row) and
-    all_gathered in the comm thread while the next is quantized; the errors are written while
-    the pieces are on the wire, and each received piece is dequantized into ``y`` while the
-    next is on the wire. The same bits as the unpipelined all-gather: a rank whose shard has a
-    non-finite group gives NaN for its whole chunk (and NaN errors), as one NaN scale poisons
-    all of :func:`_quantize`'s."""
-    comm, bits, group_size = plan.world, plan.bits, plan.group_size
-    size, chunk, n = comm.world_size, shard.numel(), y.numel()
-    pieces = _pieces(chunk, group_size)
-    piece = chunk // pieces
-    codes = piece * bits // 8
-    row = codes + 4 * (piece // group_size)
-    send = _workspace("gather.send", pieces * row, shard.device, torch.uint8).view(pieces, row)
-    local = plan.local_world_size or 1
-    # rank node * L + local holds chunk local * nodes + node
-    first = [(r % local) * (size // local) * chunk + r // local * chunk for r in range(size)]
-    parts, futures = [], []
-    try:
-        for k in range(pieces):
-            span = (k * piece, (k + 1) * piece)
-            source = shard[span[0] : span[1]]
-            e = None if error is None else error[span[0] : span[1]]
-            q, scales = send[k, :codes], send[k, codes:].view(torch.float32)
-            kernels.loco_quantize(source, e, bits, group_size, piece, (q, scales))
-            parts.append(_Pending(source, e, q, scales, None, span))
-            futures.append(_comm_thread().submit(comm.all_gather, send[k]))
-        if error_out is not None:
-            if not bool(torch.isfinite(send[:, codes:].view(torch.float32)).all()):
-                parts = [p._replace(scales=torch.full_like(p.scales, torch.nan)) for p in parts]
-            pending = [*pending, *parts]
-            pending_outs = [*pending_outs, *[error_out] * len(parts)]
-        _write_errors(pending, pending_outs, plan, err_beta)
-        finite = [True] * size
-        for k, future in enumerate(futures):
-            got = future.result()  # [size, row]: piece k of every rank's shard
-            for r in range(size):
-                scales = got[r, codes:].view(torch.float32)
-                finite[r] = finite[r] and bool(torch.isfinite(scales).all())
-                start = first[r] + k * piece
-                if start < n:
-                    out = y[start : min(start + piece, n)]
-                    kernels.dequantize_into(got[r, :codes], scales, bits, out)
-    finally:
-        for future in futures:  # after a failure: no collective is left queued or running
-            future.cancel()
-        concurrent.futures.wait(futures)
-    for r in range(size):
-        if not finite[r]:
-            y[first[r] : first[r] + chunk].fill_(torch.nan)
-
-
 def _all_gather_into(
     shard: torch.Tensor,
     error: torch.Tensor | None,
@@ -441,19 +396,18 @@ def _all_gather_into(
     pending_outs: Sequence[torch.Tensor] = (),
 ) -> None:
     """:func:`_all_gather` writing the first ``y.numel()`` values into the fp32 ``y`` and, with
-    ``error_out``, LoCo's new error into it (it may be ``error``), after the errors of
-    ``pending`` (the reduce-scatter's quantizations) into ``pending_outs`` (before ``y`` is
-    written: ``y`` may hold a ``pending`` source). Pipelined on a ProcessGroup with CPU tensors
-    (:func:`_all_gather_pipelined`)."""
-    if _overlaps(plan.world, shard.device):
-        _all_gather_pipelined(shard, error, error_out, plan, err_beta, y, pending, pending_outs)
-        return
+    ``error_out``, LoCo's new error into it (it may be ``error``). The errors of ``pending``
+    (the reduce-scatter's quantizations) are written into ``pending_outs`` while the codes are
+    on the wire, before ``y`` is written (``y`` may hold a ``pending`` source)."""
     quantized = _quantize_padded(shard, error, shard.numel(), plan, "gather")
     if error_out is not None:
         pending, pending_outs = [*pending, quantized], [*pending_outs, error_out]
-    q = plan.world.all_gather(quantized.q)
-    scales = plan.world.all_gather(quantized.scales)
-    _write_errors(pending, pending_outs, plan, err_beta)
+    q, scales = _overlapped(
+        plan.world,
+        shard.device,
+        lambda: (plan.world.all_gather(quantized.q), plan.world.all_gather(quantized.scales)),
+        lambda: _write_errors(pending, pending_outs, plan, err_beta),
+    )
     local = plan.local_world_size or 1
     kernels.dequantize_into(q.reshape(-1), scales.reshape(-1), plan.bits, y, q.shape[0], local)
 

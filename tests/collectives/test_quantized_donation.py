@@ -161,14 +161,6 @@ def _gloo_pieces(rank, world_size, piece_min, n):
             strict=True,
         ):
             assert torch.equal(a, b)
-    # a finite x whose sum overflows: the shard's non-finite group poisons its whole chunk
-    plain = quantized_allreduce(4, GROUP, comm=ProcessGroup())
-    huge = torch.full((n,), 3e38) * (torch.arange(n) < 600)
-    pure, _ = plain.update({"x": huge.clone()}, plain.init(None))
-    donated, _ = plain.update({"x": huge.clone()}, plain.init(None), donate=True)
-    assert int(pure["x"].isnan().sum()) == chunk
-    assert torch.equal(pure["x"].isnan(), donated["x"].isnan())
-    assert torch.equal(pure["x"].nan_to_num(), donated["x"].nan_to_num())
     bad = xs[2].clone()
     if rank == world_size - 1:
         bad[17] = torch.nan  # in piece 0 of chunk 0: only rank 0 receives it
