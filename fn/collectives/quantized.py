@@ -32,7 +32,6 @@ References:
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import os
 import threading
@@ -63,7 +62,6 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
-_PIECE_MIN = 1 << 16  # values per destination and piece of the pipelined reduce-scatter
 _NON_FINITE = "quantized allreduce: non-finite values in x (or in the error feedback)"
 
 
@@ -214,7 +212,6 @@ class _Pending(NamedTuple):
     q: torch.Tensor
     scales: torch.Tensor
     rows: tuple[int, int, int] | None  # how source is laid out (fn.kernels.loco_quantize)
-    span: tuple[int, int] | None = None  # the part of the hop's error it covers; None: all
 
 
 def _quantize_padded(
@@ -276,9 +273,8 @@ def _write_errors(
     pending: Sequence[_Pending], outs: Sequence[torch.Tensor], plan: _Plan, err_beta: float
 ) -> Sequence[torch.Tensor]:
     for quantized, out in zip(pending, outs, strict=True):
-        source, error, q, scales, rows, span = quantized
-        part = out if span is None else out[span[0] : span[1]]
-        kernels.loco_error(source, error, q, scales, plan.bits, err_beta, part, rows)
+        source, error, q, scales, rows = quantized
+        kernels.loco_error(source, error, q, scales, plan.bits, err_beta, out, rows)
     return outs
 
 
@@ -291,15 +287,12 @@ def _comm_thread() -> ThreadPoolExecutor:
 os.register_at_fork(after_in_child=_comm_thread.cache_clear)
 
 
-def _overlapped(
-    comm: Comm, device: torch.device, collectives: Callable[[], _T], work: Callable[[], None]
-) -> _T:
+def _overlapped(comm: Comm, collectives: Callable[[], _T], work: Callable[[], None]) -> _T:
     """``work()`` while ``collectives()`` runs, the result of ``collectives()``. On a
-    :class:`ProcessGroup` with CPU tensors (whose collectives wait without the GIL, as the CPU
-    kernels run) the collectives go to a helper thread, so that the wire and this rank's
-    compute overlap; on any other comm (``Simulated`` under vmap, ``Local``) or device they
-    run first, in this thread."""
-    if not _overlaps(comm, device):
+    :class:`ProcessGroup` (whose collectives wait without the GIL, as the CPU kernels run) the
+    collectives go to a helper thread, so the wire and this rank's compute overlap; on any other
+    comm (``Simulated`` under vmap, ``Local``) they run first, in this thread."""
+    if not isinstance(comm, ProcessGroup):
         result = collectives()
         work()
         return result
@@ -309,80 +302,6 @@ def _overlapped(
     finally:
         result = future.result()  # a collective is never left running
     return result
-
-
-def _overlaps(comm: Comm, device: torch.device) -> bool:
-    return isinstance(comm, ProcessGroup) and device.type == "cpu"
-
-
-def _pieces(chunk: int, group_size: int) -> int:
-    """Into how many pieces of whole groups (of at least ``_PIECE_MIN`` values, at most 4) the
-    pipelined reduce-scatter cuts each destination's chunk of ``chunk`` values."""
-    for pieces in (4, 2):
-        if chunk % (pieces * group_size) == 0 and chunk // pieces >= _PIECE_MIN:
-            return pieces
-    return 1
-
-
-def _reduce_scatter_pipelined(
-    x: torch.Tensor, error: torch.Tensor | None, plan: _Plan, out: torch.Tensor, tag: str
-) -> list[_Pending]:
-    """The one-hop :func:`_reduce_scatter_into` into the workspace ``out``, its quantization,
-    wire and sum overlapped: every destination's chunk is cut in ``K`` pieces
-    (:func:`_pieces`); piece ``k`` of every chunk is quantized and sent (codes, scales and the
-    count digits packed in one uint8 row per destination, one all_to_all in the comm thread)
-    while piece ``k + 1`` is quantized, and each received piece is summed into ``out`` while the
-    next is on the wire. The same bits as the unpipelined hop. A non-finite group of any piece
-    makes every scale of this rank's last piece NaN, so that every rank raises at the check
-    after the last piece (the count digits and the scales of every piece, as
-    :func:`_exchange_scales` checks them). Returns one quantization per destination and piece
-    (``span``: where it lies in the hop's error)."""
-    comm, bits, group_size = plan.world, plan.bits, plan.group_size
-    size, n, chunk = comm.world_size, x.numel(), out.numel()
-    pieces = _pieces(chunk, group_size)
-    piece = chunk // pieces
-    codes, groups = piece * bits // 8, piece // group_size
-    row = codes + 4 * (groups + 2)  # codes, fp32 scales, fp32 count digits
-    send = _workspace(f"{tag}rs.send", pieces * size * row, x.device, torch.uint8)
-    send = send.view(pieces, size, row)
-    digits = _sizes.with_count(x.new_empty(1, 0), n).view(torch.uint8).view(-1)
-    pending, futures = [], []
-    finite = torch.ones((), dtype=torch.bool)
-    try:
-        for k in range(pieces):
-            for r in range(size):
-                start = r * chunk + k * piece
-                source = x[min(start, n) : min(start + piece, n)]
-                e = None if error is None else error[start : start + piece]
-                q = send[k, r, :codes]
-                scales = send[k, r, codes:-8].view(torch.float32)
-                kernels.loco_quantize(source, e, bits, group_size, piece, (q, scales))
-                send[k, r, -8:] = digits
-                pending.append(_Pending(source, e, q, scales, None, (start, start + piece)))
-            scales = send[k, :, codes:-8].view(torch.float32)
-            finite &= torch.isfinite(scales).all()
-            if k == pieces - 1:
-                scales.masked_fill_(~finite, torch.nan)
-            futures.append(_comm_thread().submit(comm.all_to_all, send[k]))
-        received = []
-        for k, future in enumerate(futures):
-            got = future.result()  # [size, row]: piece k of this rank's chunk from every rank
-            received.append(got[:, codes:].contiguous().view(torch.float32))
-            kernels.dequantize_sum(
-                got[:, :codes].reshape(-1),
-                received[-1][:, :-2].reshape(-1),
-                bits,
-                size,
-                out[k * piece : (k + 1) * piece],
-            )
-    finally:
-        for future in futures:  # after a failure: no collective is left queued or running
-            future.cancel()
-        concurrent.futures.wait(futures)
-    checked = torch.cat([*(r[:, :-2] for r in received), received[-1][:, -2:]], dim=1)
-    finite_or_raise(_sizes.checked_scales(checked, n, "quantized allreduce"), _NON_FINITE)
-    out.div_(size)
-    return pending
 
 
 def _all_gather_into(
@@ -404,7 +323,6 @@ def _all_gather_into(
         pending, pending_outs = [*pending, quantized], [*pending_outs, error_out]
     q, scales = _overlapped(
         plan.world,
-        shard.device,
         lambda: (plan.world.all_gather(quantized.q), plan.world.all_gather(quantized.scales)),
         lambda: _write_errors(pending, pending_outs, plan, err_beta),
     )
@@ -417,7 +335,7 @@ class _Shard(NamedTuple):
 
     update: torch.Tensor  # the leaf, which takes the result
     shard: torch.Tensor  # fp32[N_padded / W]: this rank's chunk of the mean
-    pending: list[list[_Pending]]  # per reduce-scatter hop, its quantizations
+    pending: list[_Pending]  # the reduce-scatter hops' quantizations
 
 
 def _reduce_scatter_leaf(
@@ -428,10 +346,7 @@ def _reduce_scatter_leaf(
     x = u.detach().reshape(-1).float()
     shard_numel = quantized_padded_numel(x.numel(), plan.world.world_size, plan.group_size)
     shard = _workspace(f"{tag}shard", shard_numel // plan.world.world_size, x.device)
-    if len(plan.hops) == 1 and _overlaps(plan.world, x.device):
-        return _Shard(u, shard, [_reduce_scatter_pipelined(x, errors[0], plan, shard, tag)])
-    pending = _reduce_scatter_into(x, errors[:-1], plan, shard, tag=tag)
-    return _Shard(u, shard, [[quantized] for quantized in pending])
+    return _Shard(u, shard, _reduce_scatter_into(x, errors[:-1], plan, shard, tag=tag))
 
 
 def _gather_leaf(
@@ -453,9 +368,8 @@ def _gather_leaf(
     if error_outs is None:
         _all_gather_into(shard, errors[-1], None, plan, err_beta, y)
     else:
-        parts = [quantized for hop in pending for quantized in hop]
-        outs = [out for hop, out in zip(pending, error_outs[:-1], strict=True) for _ in hop]
-        _all_gather_into(shard, errors[-1], error_outs[-1], plan, err_beta, y, parts, outs)
+        outs = list(error_outs)
+        _all_gather_into(shard, errors[-1], outs[-1], plan, err_beta, y, pending, outs[:-1])
     return u if in_place else _into(u, y.view(u.shape).to(u.dtype))
 
 
