@@ -287,12 +287,15 @@ def _comm_thread() -> ThreadPoolExecutor:
 os.register_at_fork(after_in_child=_comm_thread.cache_clear)
 
 
-def _overlapped(comm: Comm, collectives: Callable[[], _T], work: Callable[[], None]) -> _T:
+def _overlapped(
+    comm: Comm, device: torch.device, collectives: Callable[[], _T], work: Callable[[], None]
+) -> _T:
     """``work()`` while ``collectives()`` runs, the result of ``collectives()``. On a
-    :class:`ProcessGroup` (whose collectives wait without the GIL, as the CPU kernels run) the
-    collectives go to a helper thread, so the wire and this rank's compute overlap; on any other
-    comm (``Simulated`` under vmap, ``Local``) they run first, in this thread."""
-    if not isinstance(comm, ProcessGroup):
+    :class:`ProcessGroup` with CPU tensors (whose collectives wait without the GIL, as the CPU
+    kernels run) the collectives go to a helper thread, so that the wire and this rank's
+    compute overlap; on any other comm (``Simulated`` under vmap, ``Local``) or device (whose
+    streams are per thread) they run first, in this thread."""
+    if not isinstance(comm, ProcessGroup) or device.type != "cpu":
         result = collectives()
         work()
         return result
@@ -323,6 +326,7 @@ def _all_gather_into(
         pending, pending_outs = [*pending, quantized], [*pending_outs, error_out]
     q, scales = _overlapped(
         plan.world,
+        shard.device,
         lambda: (plan.world.all_gather(quantized.q), plan.world.all_gather(quantized.scales)),
         lambda: _write_errors(pending, pending_outs, plan, err_beta),
     )
