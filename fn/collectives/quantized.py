@@ -32,13 +32,12 @@ References:
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -62,7 +61,7 @@ __all__ = [
     "loco_allreduce",
 ]
 
-_PIECE_MIN = 1 << 16  # values per chunk piece of the pipelined collectives
+_T = TypeVar("_T")
 _NON_FINITE = "quantized allreduce: non-finite values in x (or in the error feedback)"
 
 
@@ -213,7 +212,6 @@ class _Pending(NamedTuple):
     q: torch.Tensor
     scales: torch.Tensor
     rows: tuple[int, int, int] | None  # how source is laid out (fn.kernels.loco_quantize)
-    span: tuple[int, int] | None = None  # the part of the hop's error it covers; None: all
 
 
 def _quantize_padded(
@@ -275,9 +273,8 @@ def _write_errors(
     pending: Sequence[_Pending], outs: Sequence[torch.Tensor], plan: _Plan, err_beta: float
 ) -> Sequence[torch.Tensor]:
     for quantized, out in zip(pending, outs, strict=True):
-        source, error, q, scales, rows, span = quantized
-        part = out if span is None else out[span[0] : span[1]]
-        kernels.loco_error(source, error, q, scales, plan.bits, err_beta, part, rows)
+        source, error, q, scales, rows = quantized
+        kernels.loco_error(source, error, q, scales, plan.bits, err_beta, out, rows)
     return outs
 
 
@@ -290,144 +287,24 @@ def _comm_thread() -> ThreadPoolExecutor:
 os.register_at_fork(after_in_child=_comm_thread.cache_clear)
 
 
-def _overlaps(comm: Comm, device: torch.device) -> bool:
-    """Whether the collectives of ``comm`` on ``device`` tensors may run in the comm thread
-    while this thread computes: on a :class:`ProcessGroup` with CPU tensors, whose collectives
-    wait without the GIL (as the CPU kernels run). Other comms (``Simulated`` under vmap,
-    ``Local``) and devices run everything in order, in this thread."""
-    return isinstance(comm, ProcessGroup) and device.type == "cpu"
-
-
-def _pieces(chunk: int, group_size: int) -> int:
-    """Into how many pieces of whole groups (of at least ``_PIECE_MIN`` values, at most 4) the
-    pipelined reduce-scatter cuts each destination's chunk of ``chunk`` values."""
-    for pieces in (4, 2):
-        if chunk % (pieces * group_size) == 0 and chunk // pieces >= _PIECE_MIN:
-            return pieces
-    return 1
-
-
-def _reduce_scatter_pipelined(
-    x: torch.Tensor, error: torch.Tensor | None, plan: _Plan, out: torch.Tensor, tag: str
-) -> list[_Pending]:
-    """The one-hop :func:`_reduce_scatter_into` into the workspace ``out``, its quantization,
-    wire and sum overlapped: every destination's chunk is cut in ``K`` pieces
-    (:func:`_pieces`); piece ``k`` of every chunk is quantized and sent (codes, scales and the
-    count digits packed in one uint8 row per destination, one all_to_all in the comm thread)
-    while piece ``k + 1`` is quantized, and each received piece is summed into ``out`` while the
-    next is on the wire. The same bits as the unpipelined hop. A non-finite group of any piece
-    makes every scale of this rank's last piece NaN, so that every rank raises at the check
-    after the last piece (the count digits and the scales of every piece, as
-    :func:`_exchange_scales` checks them). Returns one quantization per destination and piece
-    (``span``: where it lies in the hop's error)."""
-    comm, bits, group_size = plan.world, plan.bits, plan.group_size
-    size, n, chunk = comm.world_size, x.numel(), out.numel()
-    pieces = _pieces(chunk, group_size)
-    piece = chunk // pieces
-    codes, groups = piece * bits // 8, piece // group_size
-    row = codes + 4 * (groups + 2)  # codes, fp32 scales, fp32 count digits
-    send = _workspace(f"{tag}rs.send", pieces * size * row, x.device, torch.uint8)
-    send = send.view(pieces, size, row)
-    digits = _sizes.with_count(x.new_empty(1, 0), n).view(torch.uint8).view(-1)
-    pending, futures = [], []
-    finite = torch.ones((), dtype=torch.bool)
+def _overlapped(
+    comm: Comm, device: torch.device, collectives: Callable[[], _T], work: Callable[[], None]
+) -> _T:
+    """``work()`` while ``collectives()`` runs, the result of ``collectives()``. On a
+    :class:`ProcessGroup` with CPU tensors (whose collectives wait without the GIL, as the CPU
+    kernels run) the collectives go to a helper thread, so that the wire and this rank's
+    compute overlap; on any other comm (``Simulated`` under vmap, ``Local``) or device (whose
+    streams are per thread) they run first, in this thread."""
+    if not isinstance(comm, ProcessGroup) or device.type != "cpu":
+        result = collectives()
+        work()
+        return result
+    future = _comm_thread().submit(collectives)
     try:
-        for k in range(pieces):
-            for r in range(size):
-                start = r * chunk + k * piece
-                source = x[min(start, n) : min(start + piece, n)]
-                e = None if error is None else error[start : start + piece]
-                q = send[k, r, :codes]
-                scales = send[k, r, codes:-8].view(torch.float32)
-                kernels.loco_quantize(source, e, bits, group_size, piece, (q, scales))
-                send[k, r, -8:] = digits
-                pending.append(_Pending(source, e, q, scales, None, (start, start + piece)))
-            scales = send[k, :, codes:-8].view(torch.float32)
-            finite &= torch.isfinite(scales).all()
-            if k == pieces - 1:
-                scales.masked_fill_(~finite, torch.nan)
-            futures.append(_comm_thread().submit(comm.all_to_all, send[k]))
-        received = []
-        for k, future in enumerate(futures):
-            got = future.result()  # [size, row]: piece k of this rank's chunk from every rank
-            received.append(got[:, codes:].contiguous().view(torch.float32))
-            kernels.dequantize_sum(
-                got[:, :codes].reshape(-1),
-                received[-1][:, :-2].reshape(-1),
-                bits,
-                size,
-                out[k * piece : (k + 1) * piece],
-            )
+        work()
     finally:
-        for future in futures:  # after a failure: no collective is left queued or running
-            future.cancel()
-        concurrent.futures.wait(futures)
-    checked = torch.cat([*(r[:, :-2] for r in received), received[-1][:, -2:]], dim=1)
-    finite_or_raise(_sizes.checked_scales(checked, n, "quantized allreduce"), _NON_FINITE)
-    out.div_(size)
-    return pending
-
-
-def _all_gather_pipelined(
-    shard: torch.Tensor,
-    error: torch.Tensor | None,
-    error_out: torch.Tensor | None,
-    plan: _Plan,
-    err_beta: float,
-    y: torch.Tensor,
-    pending: Sequence[_Pending],
-    pending_outs: Sequence[torch.Tensor],
-) -> None:
-    """:func:`_all_gather_into` on a ProcessGroup with the wire overlapped: the shard is cut in
-    pieces (:func:`_pieces`), each quantized (codes and scales packed in one uint8 row) and
-    all_gathered in the comm thread while the next is quantized; the errors are written while
-    the pieces are on the wire, and each received piece is dequantized into ``y`` while the
-    next is on the wire. The same bits as the unpipelined all-gather: a rank whose shard has a
-    non-finite group gives NaN for its whole chunk (and NaN errors), as one NaN scale poisons
-    all of :func:`_quantize`'s."""
-    comm, bits, group_size = plan.world, plan.bits, plan.group_size
-    size, chunk, n = comm.world_size, shard.numel(), y.numel()
-    pieces = _pieces(chunk, group_size)
-    piece = chunk // pieces
-    codes = piece * bits // 8
-    row = codes + 4 * (piece // group_size)
-    send = _workspace("gather.send", pieces * row, shard.device, torch.uint8).view(pieces, row)
-    local = plan.local_world_size or 1
-    # rank node * L + local holds chunk local * nodes + node
-    first = [(r % local) * (size // local) * chunk + r // local * chunk for r in range(size)]
-    parts, futures = [], []
-    try:
-        for k in range(pieces):
-            span = (k * piece, (k + 1) * piece)
-            source = shard[span[0] : span[1]]
-            e = None if error is None else error[span[0] : span[1]]
-            q, scales = send[k, :codes], send[k, codes:].view(torch.float32)
-            kernels.loco_quantize(source, e, bits, group_size, piece, (q, scales))
-            parts.append(_Pending(source, e, q, scales, None, span))
-            futures.append(_comm_thread().submit(comm.all_gather, send[k]))
-        if error_out is not None:
-            if not bool(torch.isfinite(send[:, codes:].view(torch.float32)).all()):
-                parts = [p._replace(scales=torch.full_like(p.scales, torch.nan)) for p in parts]
-            pending = [*pending, *parts]
-            pending_outs = [*pending_outs, *[error_out] * len(parts)]
-        _write_errors(pending, pending_outs, plan, err_beta)
-        finite = [True] * size
-        for k, future in enumerate(futures):
-            got = future.result()  # [size, row]: piece k of every rank's shard
-            for r in range(size):
-                scales = got[r, codes:].view(torch.float32)
-                finite[r] = finite[r] and bool(torch.isfinite(scales).all())
-                start = first[r] + k * piece
-                if start < n:
-                    out = y[start : min(start + piece, n)]
-                    kernels.dequantize_into(got[r, :codes], scales, bits, out)
-    finally:
-        for future in futures:  # after a failure: no collective is left queued or running
-            future.cancel()
-        concurrent.futures.wait(futures)
-    for r in range(size):
-        if not finite[r]:
-            y[first[r] : first[r] + chunk].fill_(torch.nan)
+        result = future.result()  # a collective is never left running
+    return result
 
 
 def _all_gather_into(
@@ -441,19 +318,18 @@ def _all_gather_into(
     pending_outs: Sequence[torch.Tensor] = (),
 ) -> None:
     """:func:`_all_gather` writing the first ``y.numel()`` values into the fp32 ``y`` and, with
-    ``error_out``, LoCo's new error into it (it may be ``error``), after the errors of
-    ``pending`` (the reduce-scatter's quantizations) into ``pending_outs`` (before ``y`` is
-    written: ``y`` may hold a ``pending`` source). Pipelined on a ProcessGroup with CPU tensors
-    (:func:`_all_gather_pipelined`)."""
-    if _overlaps(plan.world, shard.device):
-        _all_gather_pipelined(shard, error, error_out, plan, err_beta, y, pending, pending_outs)
-        return
+    ``error_out``, LoCo's new error into it (it may be ``error``). The errors of ``pending``
+    (the reduce-scatter's quantizations) are written into ``pending_outs`` while the codes are
+    on the wire, before ``y`` is written (``y`` may hold a ``pending`` source)."""
     quantized = _quantize_padded(shard, error, shard.numel(), plan, "gather")
     if error_out is not None:
         pending, pending_outs = [*pending, quantized], [*pending_outs, error_out]
-    q = plan.world.all_gather(quantized.q)
-    scales = plan.world.all_gather(quantized.scales)
-    _write_errors(pending, pending_outs, plan, err_beta)
+    q, scales = _overlapped(
+        plan.world,
+        shard.device,
+        lambda: (plan.world.all_gather(quantized.q), plan.world.all_gather(quantized.scales)),
+        lambda: _write_errors(pending, pending_outs, plan, err_beta),
+    )
     local = plan.local_world_size or 1
     kernels.dequantize_into(q.reshape(-1), scales.reshape(-1), plan.bits, y, q.shape[0], local)
 
@@ -463,7 +339,7 @@ class _Shard(NamedTuple):
 
     update: torch.Tensor  # the leaf, which takes the result
     shard: torch.Tensor  # fp32[N_padded / W]: this rank's chunk of the mean
-    pending: list[list[_Pending]]  # per reduce-scatter hop, its quantizations
+    pending: list[_Pending]  # the reduce-scatter hops' quantizations
 
 
 def _reduce_scatter_leaf(
@@ -474,10 +350,7 @@ def _reduce_scatter_leaf(
     x = u.detach().reshape(-1).float()
     shard_numel = quantized_padded_numel(x.numel(), plan.world.world_size, plan.group_size)
     shard = _workspace(f"{tag}shard", shard_numel // plan.world.world_size, x.device)
-    if len(plan.hops) == 1 and _overlaps(plan.world, x.device):
-        return _Shard(u, shard, [_reduce_scatter_pipelined(x, errors[0], plan, shard, tag)])
-    pending = _reduce_scatter_into(x, errors[:-1], plan, shard, tag=tag)
-    return _Shard(u, shard, [[quantized] for quantized in pending])
+    return _Shard(u, shard, _reduce_scatter_into(x, errors[:-1], plan, shard, tag=tag))
 
 
 def _gather_leaf(
@@ -499,9 +372,8 @@ def _gather_leaf(
     if error_outs is None:
         _all_gather_into(shard, errors[-1], None, plan, err_beta, y)
     else:
-        parts = [quantized for hop in pending for quantized in hop]
-        outs = [out for hop, out in zip(pending, error_outs[:-1], strict=True) for _ in hop]
-        _all_gather_into(shard, errors[-1], error_outs[-1], plan, err_beta, y, parts, outs)
+        outs = list(error_outs)
+        _all_gather_into(shard, errors[-1], outs[-1], plan, err_beta, y, pending, outs[:-1])
     return u if in_place else _into(u, y.view(u.shape).to(u.dtype))
 
 

@@ -137,56 +137,6 @@ def test_donated_matches_pure_on_gloo():
     assert run_distributed(_gloo_compare, 4, 2, 4096, timeout=200) == [True] * 4
 
 
-def _gloo_pieces(rank, world_size, piece_min, n):
-    """The pipelined one-hop reduce-scatter (chunks cut in pieces of ``piece_min`` values or
-    more) against the pure path, also for two leaves and for a NaN that only one rank's piece 0
-    carries."""
-    from fn.collectives import quantized
-
-    quantized._PIECE_MIN = piece_min
-    chunk = quantized_padded_numel(n, world_size, GROUP) // world_size
-    assert quantized._pieces(chunk, GROUP) == 4
-    _gloo_compare(rank, world_size, None, n)
-    tx = _loco(ProcessGroup(), None)
-    xs = _inputs(world_size, n, seed=1)[:, rank]
-    trees = [{"a": x.clone(), "b": x[: n // 3].clone() * 2} for x in xs]
-    pure, inplace = tx.init(trees[0]), tx.init(trees[0])
-    for tree in trees:
-        y_pure, pure = tx.update(_clone(tree), pure)
-        y, inplace = tx.update(_clone(tree), inplace, donate=True)
-        assert all(torch.equal(y[k], y_pure[k]) for k in tree)
-        for a, b in zip(
-            pure.errors["a"] + pure.errors["b"],
-            inplace.errors["a"] + inplace.errors["b"],
-            strict=True,
-        ):
-            assert torch.equal(a, b)
-    # a finite x whose sum overflows: the shard's non-finite group poisons its whole chunk
-    plain = quantized_allreduce(4, GROUP, comm=ProcessGroup())
-    huge = torch.full((n,), 3e38) * (torch.arange(n) < 600)
-    pure, _ = plain.update({"x": huge.clone()}, plain.init(None))
-    donated, _ = plain.update({"x": huge.clone()}, plain.init(None), donate=True)
-    assert int(pure["x"].isnan().sum()) == chunk
-    assert torch.equal(pure["x"].isnan(), donated["x"].isnan())
-    assert torch.equal(pure["x"].nan_to_num(), donated["x"].nan_to_num())
-    bad = xs[2].clone()
-    if rank == world_size - 1:
-        bad[17] = torch.nan  # in piece 0 of chunk 0: only rank 0 receives it
-    before = _clone(inplace)
-    with pytest.raises(ValueError, match="non-finite"):
-        tx.update({"a": bad, "b": trees[0]["b"].clone()}, inplace, donate=True)
-    for a, b in zip(before.errors["a"], inplace.errors["a"], strict=True):
-        assert torch.equal(a, b)
-    return True
-
-
-@pytest.mark.distributed
-@pytest.mark.timeout(240)
-def test_pipelined_reduce_scatter_matches_pure_on_gloo():
-    # n = 4056 pads to 4096: chunks of 2048, pieces of 512 (the last one partly padding)
-    assert run_distributed(_gloo_pieces, 2, 512, 4056, timeout=200) == [True] * 2
-
-
 def _gloo_non_finite(rank, world_size, local):
     comm = ProcessGroup()
     n = 1000
