@@ -32,8 +32,12 @@ References:
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -45,6 +49,7 @@ from fn.collectives import _sizes
 from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
+from fn.collectives.process_group import ProcessGroup
 from fn.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
@@ -56,6 +61,7 @@ __all__ = [
     "loco_allreduce",
 ]
 
+_T = TypeVar("_T")
 _NON_FINITE = "quantized allreduce: non-finite values in x (or in the error feedback)"
 
 
@@ -264,12 +270,41 @@ def _reduce_scatter_into(
 
 
 def _write_errors(
-    pending: list[_Pending], outs: list[torch.Tensor], plan: _Plan, err_beta: float
-) -> list[torch.Tensor]:
+    pending: Sequence[_Pending], outs: Sequence[torch.Tensor], plan: _Plan, err_beta: float
+) -> Sequence[torch.Tensor]:
     for quantized, out in zip(pending, outs, strict=True):
         source, error, q, scales, rows = quantized
         kernels.loco_error(source, error, q, scales, plan.bits, err_beta, out, rows)
     return outs
+
+
+@functools.lru_cache(maxsize=1)
+def _comm_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="fn-comm")
+
+
+# A forked child inherits the executor object but not its thread.
+os.register_at_fork(after_in_child=_comm_thread.cache_clear)
+
+
+def _overlapped(
+    comm: Comm, device: torch.device, collectives: Callable[[], _T], work: Callable[[], None]
+) -> _T:
+    """``work()`` while ``collectives()`` runs, the result of ``collectives()``. On a
+    :class:`ProcessGroup` with CPU tensors (whose collectives wait without the GIL, as the CPU
+    kernels run) the collectives go to a helper thread, so that the wire and this rank's
+    compute overlap; on any other comm (``Simulated`` under vmap, ``Local``) or device (whose
+    streams are per thread) they run first, in this thread."""
+    if not isinstance(comm, ProcessGroup) or device.type != "cpu":
+        result = collectives()
+        work()
+        return result
+    future = _comm_thread().submit(collectives)
+    try:
+        work()
+    finally:
+        result = future.result()  # a collective is never left running
+    return result
 
 
 def _all_gather_into(
@@ -279,14 +314,22 @@ def _all_gather_into(
     plan: _Plan,
     err_beta: float,
     y: torch.Tensor,
+    pending: Sequence[_Pending] = (),
+    pending_outs: Sequence[torch.Tensor] = (),
 ) -> None:
     """:func:`_all_gather` writing the first ``y.numel()`` values into the fp32 ``y`` and, with
-    ``error_out``, LoCo's new error into it (it may be ``error``)."""
+    ``error_out``, LoCo's new error into it (it may be ``error``). The errors of ``pending``
+    (the reduce-scatter's quantizations) are written into ``pending_outs`` while the codes are
+    on the wire, before ``y`` is written (``y`` may hold a ``pending`` source)."""
     quantized = _quantize_padded(shard, error, shard.numel(), plan, "gather")
-    q = plan.world.all_gather(quantized.q)
-    scales = plan.world.all_gather(quantized.scales)
     if error_out is not None:
-        _write_errors([quantized], [error_out], plan, err_beta)
+        pending, pending_outs = [*pending, quantized], [*pending_outs, error_out]
+    q, scales = _overlapped(
+        plan.world,
+        shard.device,
+        lambda: (plan.world.all_gather(quantized.q), plan.world.all_gather(quantized.scales)),
+        lambda: _write_errors(pending, pending_outs, plan, err_beta),
+    )
     local = plan.local_world_size or 1
     kernels.dequantize_into(q.reshape(-1), scales.reshape(-1), plan.bits, y, q.shape[0], local)
 
@@ -319,17 +362,18 @@ def _gather_leaf(
 ) -> torch.Tensor:
     """Phase 2 of :func:`_allreduce_into`: writes the new errors and the result."""
     u, shard, pending = reduced
-    if error_outs is not None:
-        _write_errors(pending, list(error_outs[:-1]), plan, err_beta)
-    # the leaf's values are read for the last time above: now u may take the result.
+    # u's values are read (by the pending errors) before the all-gather writes the result.
     in_place = u.dtype == torch.float32 and u.is_contiguous()
     y = (
         u.detach().view(-1)
         if in_place
         else torch.empty(u.numel(), device=u.device, dtype=torch.float32)
     )
-    error_out = None if error_outs is None else error_outs[-1]
-    _all_gather_into(shard, errors[-1], error_out, plan, err_beta, y)
+    if error_outs is None:
+        _all_gather_into(shard, errors[-1], None, plan, err_beta, y)
+    else:
+        outs = list(error_outs)
+        _all_gather_into(shard, errors[-1], outs[-1], plan, err_beta, y, pending, outs[:-1])
     return u if in_place else _into(u, y.view(u.shape).to(u.dtype))
 
 

@@ -527,6 +527,38 @@ static inline float group_value(const float *x, const float *e, int64_t nx, int6
     return e ? v + e[i] : v;
 }
 
+#if defined(__AVX2__)
+/* group_value of the 8 elements i..i+7 (i + 8 <= the group's length). */
+static inline __m256 group_values8(const float *x, const float *e, int64_t nx, int64_t i)
+{
+    __m256 v;
+    if (i + 8 <= nx) {
+        v = _mm256_loadu_ps(x + i);
+    } else {
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        int32_t have = nx - i > 0 ? (int32_t)(nx - i) : 0;
+        __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(have), lane);
+        v = _mm256_maskload_ps(have ? x + i : x, mask); /* masked-off lanes read as zero */
+    }
+    return e ? _mm256_add_ps(v, _mm256_loadu_ps(e + i)) : v;
+}
+
+/* The codes rint(v / div) clamped to [lo, hi] of the 32 elements i..i+31 as int8, in order:
+   the conversion rounds to nearest even as rintf does; the clamp comes after the saturating
+   narrowing to int8, which leaves a clamp to bounds inside int8's range unchanged. */
+static inline __m256i codes32(const float *x, const float *e, int64_t nx, int64_t i, __m256 div,
+                              __m256i lo, __m256i hi)
+{
+    __m256i c[4];
+    for (int k = 0; k < 4; k++)
+        c[k] = _mm256_cvtps_epi32(_mm256_div_ps(group_values8(x, e, nx, i + 8 * k), div));
+    /* packs interleave the 128-bit lanes as in signs32; the permute restores element order. */
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    b = _mm256_min_epi8(_mm256_max_epi8(b, lo), hi);
+    return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
+
 /* Symmetric blockwise quantization of one group: value i is group_value(x, e, nx, i) (len
    values count, the rest are zero padding); a group containing NaN/Inf gets a NaN scale and
    zero codes. */
@@ -537,7 +569,20 @@ static void quantize_group(const float *x, const float *e, int64_t nx, int64_t l
     /* |x| ordered as floats is ordered as its bit pattern (NaN > Inf > finite): an integer
        max, which vectorizes without reassociating float operations. */
     uint32_t top = 0;
-    for (int64_t i = 0; i < len; i++) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    __m256i top8 = _mm256_setzero_si256();
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+    for (; i + 8 <= len; i += 8) {
+        __m256i u = _mm256_castps_si256(group_values8(x, e, nx, i));
+        top8 = _mm256_max_epu32(top8, _mm256_and_si256(u, magnitude));
+    }
+    uint32_t lanes[8];
+    _mm256_storeu_si256((__m256i *)lanes, top8);
+    for (int k = 0; k < 8; k++)
+        top = lanes[k] > top ? lanes[k] : top;
+#endif
+    for (; i < len; i++) {
         float v = group_value(x, e, nx, i);
         uint32_t u;
         memcpy(&u, &v, 4);
@@ -550,24 +595,56 @@ static void quantize_group(const float *x, const float *e, int64_t nx, int64_t l
     float scale = finite ? absmax / qmax : NAN;
     *scale_out = scale;
     float div = scale > 0.0f ? scale : 1.0f;
-    for (int64_t i0 = 0; i0 < group_size; i0 += 256) {
+    int64_t i0 = 0;
+#if defined(__AVX2__)
+    if (finite) {
+        const __m256 divs = _mm256_set1_ps(div);
+        const __m256i lo = _mm256_set1_epi8((char)-(1 << (nbits - 1)));
+        const __m256i hi = _mm256_set1_epi8((char)((1 << (nbits - 1)) - 1));
+        const __m256i nibble = _mm256_set1_epi8(0x0F);
+        const __m256i weights = _mm256_set1_epi16(0x0110); /* bytes (16, 1): hi * 16 + lo */
+        /* The next group (its usual place: group_size values on) is prefetched while this
+           one, already in L1 from the max pass, is coded: the memory stream keeps going. */
+        const uintptr_t ahead = (uintptr_t)group_size * sizeof(float);
+        for (; i0 + 64 <= len; i0 += 64) {
+            for (int k = 0; k < 256; k += 64) {
+                _mm_prefetch((const char *)((uintptr_t)(x + i0) + ahead + k), _MM_HINT_T0);
+                if (e)
+                    _mm_prefetch((const char *)((uintptr_t)(e + i0) + ahead + k), _MM_HINT_T0);
+            }
+            __m256i a = codes32(x, e, nx, i0, divs, lo, hi);
+            __m256i b = codes32(x, e, nx, i0 + 32, divs, lo, hi);
+            if (nbits == 8) {
+                _mm256_storeu_si256((__m256i *)(q + i0), a);
+                _mm256_storeu_si256((__m256i *)(q + i0 + 32), b);
+                continue;
+            }
+            __m256i pa = _mm256_maddubs_epi16(_mm256_and_si256(a, nibble), weights);
+            __m256i pb = _mm256_maddubs_epi16(_mm256_and_si256(b, nibble), weights);
+            __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi16(pa, pb),
+                                                 _MM_SHUFFLE(3, 1, 2, 0));
+            _mm256_storeu_si256((__m256i *)(q + i0 / 2), p);
+        }
+    }
+#endif
+    for (; i0 < group_size; i0 += 256) {
         int8_t c[256];
         int64_t m = min64(256, group_size - i0);
         int64_t valid = finite ? (len - i0 < 0 ? 0 : min64(m, len - i0)) : 0;
-        for (int64_t i = 0; i < valid; i++) {
-            float r = rintf(group_value(x, e, nx, i0 + i) / div);
+        for (int64_t k = 0; k < valid; k++) {
+            float r = rintf(group_value(x, e, nx, i0 + k) / div);
             r = r < -qmax ? -qmax : r;
             r = r > qmax - 1.0f ? qmax - 1.0f : r;
-            c[i] = (int8_t)(int32_t)r;
+            c[k] = (int8_t)(int32_t)r;
         }
-        for (int64_t i = valid; i < m; i++)
-            c[i] = 0;
+        for (int64_t k = valid; k < m; k++)
+            c[k] = 0;
         if (nbits == 8) {
-            for (int64_t i = 0; i < m; i++)
-                q[i0 + i] = (uint8_t)c[i];
+            for (int64_t k = 0; k < m; k++)
+                q[i0 + k] = (uint8_t)c[k];
         } else {
-            for (int64_t i = 0; i < m / 2; i++)
-                q[i0 / 2 + i] = (uint8_t)(((c[2 * i] & 0xF) << 4) | (c[2 * i + 1] & 0xF));
+            for (int64_t k = 0; k < m / 2; k++)
+                q[i0 / 2 + k] = (uint8_t)(((c[2 * k] & 0xF) << 4) | (c[2 * k + 1] & 0xF));
         }
     }
 }
@@ -584,10 +661,47 @@ static void fn_quantize(const float *x, int nbits, int64_t group_size, uint8_t *
     }
 }
 
-/* Group by group: the scale is loaded once and the inner loops vectorize (no division or
-   branch per element). Each value is (float)code * scale, as element by element. */
-static void fn_dequantize(const uint8_t *q, const float *scales, int nbits, int64_t group_size,
-                          float *out, int64_t begin, int64_t end)
+#if defined(__AVX2__)
+/* 32 4-bit codes (16 bytes, high nibble first) as 32 int8 values in order. */
+static inline __m256i nibbles32(const uint8_t *q)
+{
+    /* 4-bit two's complement by table: 0..7, then -8..-1 */
+    const __m256i table = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1,
+                                           0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    __m128i b = _mm_loadu_si128((const __m128i *)q);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4), lo = _mm_and_si128(b, low4);
+    __m256i n = _mm256_set_m128i(_mm_unpackhi_epi8(hi, lo), _mm_unpacklo_epi8(hi, lo));
+    return _mm256_shuffle_epi8(table, n);
+}
+
+/* (float)code * s of 32 int8 codes into out[0..31], or added to it (add). */
+static inline void scaled32(__m256i c, __m256 s, float *out, int add)
+{
+    __m128i h[2] = {_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1)};
+    for (int k = 0; k < 2; k++) {
+        __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h[k]));
+        __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(h[k], 8)));
+        a = _mm256_mul_ps(a, s);
+        b = _mm256_mul_ps(b, s);
+        if (add) {
+            a = _mm256_add_ps(_mm256_loadu_ps(out + 16 * k), a);
+            b = _mm256_add_ps(_mm256_loadu_ps(out + 16 * k + 8), b);
+        }
+        _mm256_storeu_ps(out + 16 * k, a);
+        _mm256_storeu_ps(out + 16 * k + 8, b);
+    }
+}
+#endif
+
+static inline void put(float *dst, float v, int add) { *dst = add ? *dst + v : v; }
+
+/* dst[i - begin] = DQ(q)[i] for i in [begin, end), or dst[i - begin] += DQ(q)[i] (add),
+   group by group: the scale is loaded once and the inner loops have no division or branch per
+   element. Each value is (float)code * scale, as element by element. */
+static inline void dequantize_range(const uint8_t *q, const float *scales, int nbits,
+                                    int64_t group_size, int64_t begin, int64_t end, float *dst,
+                                    int add)
 {
     int64_t i = begin;
     while (i < end) {
@@ -595,30 +709,45 @@ static void fn_dequantize(const uint8_t *q, const float *scales, int nbits, int6
         int64_t stop = min64(end, (g + 1) * group_size);
         const float s = scales[g];
         if (nbits == 8) {
+#if defined(__AVX2__)
+            for (; i + 32 <= stop; i += 32)
+                scaled32(_mm256_loadu_si256((const __m256i *)(q + i)), _mm256_set1_ps(s),
+                         dst + (i - begin), add);
+#endif
             for (; i < stop; i++)
-                out[i] = (float)(int8_t)q[i] * s;
+                put(dst + (i - begin), (float)(int8_t)q[i] * s, add);
             continue;
         }
         if ((i & 1) && i < stop) { /* a group that starts on a low nibble (odd group_size) */
             int32_t lo = q[i / 2] & 0xF;
-            out[i] = (float)(lo - ((lo & 8) << 1)) * s;
+            put(dst + (i - begin), (float)(lo - ((lo & 8) << 1)) * s, add);
             i++;
         }
+#if defined(__AVX2__)
+        for (; i + 32 <= stop; i += 32)
+            scaled32(nibbles32(q + i / 2), _mm256_set1_ps(s), dst + (i - begin), add);
+#endif
         const uint8_t *qb = q + i / 2;
-        float *o = out + i;
+        float *o = dst + (i - begin);
         int64_t pairs = (stop - i) / 2;
         for (int64_t k = 0; k < pairs; k++) {
             int32_t hi = qb[k] >> 4, lo = qb[k] & 0xF;
-            o[2 * k] = (float)(hi - ((hi & 8) << 1)) * s; /* 4-bit two's complement */
-            o[2 * k + 1] = (float)(lo - ((lo & 8) << 1)) * s;
+            put(o + 2 * k, (float)(hi - ((hi & 8) << 1)) * s, add); /* 4-bit two's complement */
+            put(o + 2 * k + 1, (float)(lo - ((lo & 8) << 1)) * s, add);
         }
         i += 2 * pairs;
         if (i < stop) { /* the odd last value: a high nibble */
             int32_t hi = q[i / 2] >> 4;
-            out[i] = (float)(hi - ((hi & 8) << 1)) * s;
+            put(dst + (i - begin), (float)(hi - ((hi & 8) << 1)) * s, add);
             i++;
         }
     }
+}
+
+static void fn_dequantize(const uint8_t *q, const float *scales, int nbits, int64_t group_size,
+                          float *out, int64_t begin, int64_t end)
+{
+    dequantize_range(q, scales, nbits, group_size, begin, end, out + begin, 0);
 }
 
 /* Where v's values come from: x holds R rows of `row` values; v's row j (padded with zeros to
@@ -650,19 +779,6 @@ static void fn_loco_quantize(const float *x, const float *e, rows_layout l, int 
     }
 }
 
-static inline float dequantized(const uint8_t *q, const float *scales, int nbits,
-                                int64_t group_size, int64_t i)
-{
-    int32_t c;
-    if (nbits == 8) {
-        c = (int8_t)q[i];
-    } else {
-        int32_t nib = i & 1 ? q[i / 2] & 0xF : q[i / 2] >> 4;
-        c = nib - ((nib & 8) << 1);
-    }
-    return (float)c * scales[i / group_size];
-}
-
 /* LoCo phase 2: out = (v - DQ(q)) * keep + beta * e with v as in phase 1 (e = 0 when not
    given, as a reset error is): torch's rounding order (three roundings, no fused multiply-add:
    -ffp-contract=off). out may be e itself (each element is read before it is written). */
@@ -670,14 +786,16 @@ static void fn_loco_error(const float *x, const float *e, rows_layout l, const u
                           const float *scales, int nbits, int64_t group_size, float keep,
                           float beta, float *out, int64_t begin, int64_t end)
 {
+    float dq[256];
     int64_t i = begin;
     while (i < end) {
-        int64_t stop = min64(end, (i / l.prow + 1) * l.prow), valid;
+        int64_t stop = min64(end, min64(i + 256, (i / l.prow + 1) * l.prow)), valid;
         const float *src = row_source(x, l, i, &valid);
+        dequantize_range(q, scales, nbits, group_size, i, stop, dq, 0);
         for (int64_t k = 0; k < stop - i; k++) {
             float ei = e ? e[i + k] : 0.0f;
             float v = (k < valid ? src[k] : 0.0f) + ei;
-            float r = v - dequantized(q, scales, nbits, group_size, i + k);
+            float r = v - dq[k];
             float a = r * keep;
             float b = beta * ei;
             out[i + k] = a + b;
@@ -707,8 +825,8 @@ static void fn_dequantize_sum(const uint8_t *q, const float *scales, int nbits,
         int64_t r = 0;
         while (r + step <= pieces) {
             for (int64_t j = 0; j < step; j++, r++)
-                for (int64_t k = 0; k < len; k++)
-                    acc[0][k] += dequantized(q, scales, nbits, group_size, r * cols + t0 + k);
+                dequantize_range(q, scales, nbits, group_size, r * cols + t0, r * cols + t0 + len,
+                                 acc[0], 1);
             for (int l = 1; l < SUM_LEVELS; l++) {
                 for (int64_t k = 0; k < len; k++) {
                     acc[l][k] += acc[l - 1][k];
@@ -719,8 +837,8 @@ static void fn_dequantize_sum(const uint8_t *q, const float *scales, int nbits,
             }
         }
         for (; r < pieces; r++)
-            for (int64_t k = 0; k < len; k++)
-                acc[0][k] += dequantized(q, scales, nbits, group_size, r * cols + t0 + k);
+            dequantize_range(q, scales, nbits, group_size, r * cols + t0, r * cols + t0 + len,
+                             acc[0], 1);
         for (int l = 1; l < SUM_LEVELS; l++)
             for (int64_t k = 0; k < len; k++)
                 acc[0][k] += acc[l][k];
