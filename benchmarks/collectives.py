@@ -81,6 +81,8 @@ def _timed(fn, repeats, sync):
 def _worker(rank, world, backend, port, n, repeats, results):
     import torch.distributed as dist
 
+    from fn.collectives import exit_distributed
+
     torch.set_num_threads(1)
     device, sync = torch.device("cpu"), lambda: None
     if backend == "nccl":
@@ -119,7 +121,9 @@ def _worker(rank, world, backend, port, n, repeats, results):
     out["4-bit loco_allreduce"] = _timed(loco4, repeats, sync)
     out["4-bit bytes"] = comm.reset_bytes_sent() // (repeats + 1)
     results.put((rank, out))
-    dist.destroy_process_group()
+    results.close()
+    results.join_thread()  # the result is in the pipe before the process ends
+    exit_distributed()  # a finished rank must not abort in gloo's teardown at exit
 
 
 def wall_times(n: int, repeats: int, world: int = WORLD, backend: str = "gloo") -> dict[str, float]:

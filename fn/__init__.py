@@ -24,6 +24,7 @@ from fn.base import (
     stateless_with_tree_map,
     update_and_apply,
 )
+from fn.errors import NonFiniteError
 from fn.transforms import *  # noqa: F403
 from fn.transforms import __all__ as _transforms_all
 
@@ -36,6 +37,7 @@ __all__ = [
     "CompressedOptimizer",
     "EmptyState",
     "GradientTransformation",
+    "NonFiniteError",
     "StagedState",
     "apply_updates",
     "chain",

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from fn.errors import NonFiniteError
+
 __all__ = [
     "all_finite",
     "check_betas",
@@ -137,11 +139,11 @@ def all_finite(x: torch.Tensor) -> bool:
 
 def finite_or_raise(x: torch.Tensor, message: str) -> torch.Tensor:
     """``x`` (eager) or a copy of it (under vmap or ``torch.compile``); raises
-    ``ValueError(message)`` if any element (any rank's) is not finite."""
+    ``NonFiniteError(message)`` if any element (any rank's) is not finite."""
     if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(x):
         return _finite_or_raise_op(x, message)
     if not all_finite(x):
-        raise ValueError(message)
+        raise NonFiniteError(message)
     return x
 
 
@@ -158,7 +160,7 @@ def check_finite(x: torch.Tensor, what: str) -> torch.Tensor:
 @torch.library.custom_op("fn::finite_or_raise", mutates_args=())
 def _finite_or_raise_op(x: torch.Tensor, message: str) -> torch.Tensor:
     if not all_finite(x):
-        raise ValueError(message)
+        raise NonFiniteError(message)
     return x.clone()
 
 

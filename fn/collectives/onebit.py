@@ -21,6 +21,7 @@ from fn.collectives import _sizes
 from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedback, ErrorFeedbackField
+from fn.errors import NonFiniteError
 from fn.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
@@ -206,9 +207,7 @@ def _pure_allreduce(
     # sign is exchanged: no rank is left waiting and no error state is touched.
     try:
         packed, scale, new_worker_error = kernels.sign_compress(flat, worker_error)
-    except ValueError as err:
-        if "non-finite" not in str(err):
-            raise
+    except NonFiniteError:
         packed, scale, new_worker_error = None, flat.new_full((), torch.nan), None
     # The element count travels with the scale: ranks with different sizes raise here, together.
     gathered = comm.all_gather(_sizes.with_count(scale.view(1), n))  # [W, 3]

@@ -50,6 +50,7 @@ from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
 from fn.collectives.process_group import ProcessGroup
+from fn.errors import NonFiniteError
 from fn.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
@@ -100,9 +101,7 @@ def _quantize(v: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]
     # for a rank that raised.
     try:
         q, scales = kernels.quantize(v, plan.bits, plan.group_size)
-    except ValueError as err:
-        if "non-finite" not in str(err):
-            raise
+    except NonFiniteError:
         q = v.new_zeros(v.numel() * plan.bits // 8, dtype=torch.uint8)
         return q, v.new_full((v.numel() // plan.group_size,), torch.nan)
     return q, torch.where(torch.isfinite(scales).all(), scales, torch.nan)

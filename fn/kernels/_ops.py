@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from fn.errors import NonFiniteError
 from fn.kernels import _table
 
 
@@ -24,7 +25,7 @@ def _impl(name: str, device: torch.device) -> Callable[..., Any]:
 
 def _check_finite(scale: torch.Tensor, what: str) -> None:
     if not bool(torch.isfinite(scale).all()):
-        raise ValueError(
+        raise NonFiniteError(
             f"{what}: the scale is non-finite (NaN or Inf in the input); refusing to "
             "produce compressed garbage"
         )

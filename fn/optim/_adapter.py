@@ -28,6 +28,7 @@ from fn.base import (
 )
 from fn.base import get_hyperparam as _get_hyperparam
 from fn.collectives import Local, ProcessGroup, Simulated, SimulatedGroup
+from fn.errors import NonFiniteError
 from fn.optim._checkpoint import (
     GroupRecord,
     check_master,
@@ -206,6 +207,10 @@ class FunctionalOptimizer(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True
+    # Whether the transform's updates raise NonFiniteError on every rank, before writing
+    # anything, when any rank's gradient is not finite: then step() makes no pass of its own
+    # over the gradients.
+    _checks_gradients = False
     # (the groups' states it was taken from, each group's error feedback by rank), on rank 0
     _gathered: tuple[list[Any], list[tuple[dict[str, torch.Tensor], ...]]] | None = None
 
@@ -391,9 +396,10 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             The closure's loss, or ``None``.
 
         Raises:
-            ValueError: ``nonfinite="raise"`` and a gradient is non-finite on some rank, or a
-                group's averaged gradient overflows (on every rank); an invalid hyperparameter
-                in ``param_groups``. Nothing was changed.
+            fn.NonFiniteError: ``nonfinite="raise"`` and a gradient is non-finite on some
+                rank, or a group's averaged gradient overflows (on every rank). Nothing was
+                changed.
+            ValueError: an invalid hyperparameter in ``param_groups``. Nothing was changed.
             RuntimeError: a param no longer lives in the flat buffer, or a param frozen when its
                 group was built now requires a gradient. Nothing was changed.
         """
@@ -420,7 +426,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         unchecked = [
             g
             for g, (transform, _, _) in zip(grads, plans, strict=True)
-            if not self._checks_gradients(transform)
+            if not self._checks_gradients
         ]
         if count_nonfinite(self.comm, unchecked, found_inf) > 0:
             return self._skip(
@@ -452,19 +458,12 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             runtime.step += 1
         return loss
 
-    def _checks_gradients(self, transform: Transform) -> bool:
-        """Whether ``transform``'s updates raise ``ValueError`` (with "non-finite" in the
-        message) on every rank, before writing anything, when any rank's gradient is not
-        finite: then ``step()`` makes no pass of its own over that group's gradients."""
-        del transform
-        return False
-
     def _skip(self, loss: Any, found_inf: torch.Tensor | None, message: str) -> Any:
         """Records a skipped step (``nonfinite="skip"`` or a ``GradScaler`` overflow), or raises
-        ``ValueError(message)`` under ``nonfinite="raise"``."""
+        ``NonFiniteError(message)`` under ``nonfinite="raise"``."""
         self.last_step_skipped = True
         if self.nonfinite == "raise" and found_inf is None:
-            raise ValueError(message)
+            raise NonFiniteError(message)
         self.skipped_steps += 1
         return loss
 
@@ -571,9 +570,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
                 )
                 return None, new_state
             return transform.update(grads, state, params, step=runtime.step + 1, donate=donated)
-        except ValueError as err:
-            if "non-finite" not in str(err):
-                raise
+        except NonFiniteError as err:
             raise _AveragedOverflow(
                 f"fn.optim: param group {index}: {err} (nonfinite='skip' skips such steps)"
             ) from err
@@ -767,7 +764,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             runtime.flat.load_master(record.master)
 
 
-class _AveragedOverflow(ValueError):
+class _AveragedOverflow(NonFiniteError):
     """A group's gradient averaged over the ranks (or a quantity the transform derives from it)
     is non-finite: a step to skip under ``nonfinite="skip"``, the same on every rank."""
 

@@ -137,12 +137,10 @@ class OnebitAdam(_OnebitFamily):
     def _factory(*, non_freeze: bool, **kwargs: Any) -> CompressedOptimizer:
         return onebit_adam(**kwargs, non_freeze=bool(non_freeze) or None)
 
-    def _checks_gradients(self, transform: Transform) -> bool:
-        """True: every update of ``fn.onebit_adam`` rejects a non-finite gradient of any rank
-        on every rank before it writes (the warmup checks the averaged gradient, the compressed
-        update the scales its 1-bit allreduce gathers, or the momentum with one worker)."""
-        del transform
-        return True
+    # Every update of fn.onebit_adam rejects a non-finite gradient of any rank on every rank
+    # before it writes (the warmup checks the averaged gradient, the compressed update the
+    # scales its 1-bit allreduce gathers, or the momentum with one worker).
+    _checks_gradients = True
 
     def __init__(
         self,
