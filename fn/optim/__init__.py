@@ -52,8 +52,8 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   ``GradScaler``'s overflow flags): its updates reject a non-finite gradient of any rank on
   every rank before they write anything (the warmup checks the averaged gradient, the
   compressed update the scales its 1-bit allreduce gathers), with the same outcome.
-  ``nonfinite="raise"`` (default) raises ``ValueError`` on every rank, ``"skip"`` skips the step;
-  either way nothing changes (params, state, error feedback, step counts). A step driven by
+  ``nonfinite="raise"`` (default) raises ``fn.NonFiniteError`` (a ``ValueError``) on every
+  rank, ``"skip"`` skips the step; either way nothing changes (params, state, error feedback, step counts). A step driven by
   ``torch.amp.GradScaler`` always skips on overflow (that is the scaler's protocol; it then
   lowers its scale).
 - All or nothing: ``step()`` first checks everything (params, frozen params, every group's
