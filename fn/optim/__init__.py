@@ -53,9 +53,9 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   every rank before they write anything (the warmup checks the averaged gradient, the
   compressed update the scales its 1-bit allreduce gathers), with the same outcome.
   ``nonfinite="raise"`` (default) raises ``fn.NonFiniteError`` (a ``ValueError``) on every
-  rank, ``"skip"`` skips the step; either way nothing changes (params, state, error feedback, step counts). A step driven by
-  ``torch.amp.GradScaler`` always skips on overflow (that is the scaler's protocol; it then
-  lowers its scale).
+  rank, ``"skip"`` skips the step; either way nothing changes (params, state, error feedback,
+  step counts). A step driven by ``torch.amp.GradScaler`` always skips on overflow (that is the
+  scaler's protocol; it then lowers its scale).
 - All or nothing: ``step()`` first checks everything (params, frozen params, every group's
   hyperparameters in ``param_groups``, the gradients), then computes every group's update and new
   state into the group's own buffers (its gradient buffer and spare state, see
