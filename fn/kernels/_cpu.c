@@ -404,27 +404,50 @@ static void fn_feedback_signs(const fn_feedback *f, uint8_t *bits, double *block
     }
 }
 
-/* Phase 2: out = v - scale * s(v) (begin: a multiple of BLOCK). */
-static void fn_feedback_error(const fn_feedback *f, float scale, float *out, int64_t begin,
-                              int64_t end)
+/* Phase 2: out = v - scale * s(v) (begin: a multiple of BLOCK). With stream, a 32-byte
+   aligned out is written with non-temporal stores (no read of its lines into the cache). */
+static void fn_feedback_error(const fn_feedback *f, float scale, float *out, int stream,
+                              int64_t begin, int64_t end)
 {
     float v[BLOCK];
+#if defined(__AVX2__)
+    stream = stream && ((uintptr_t)out & 31) == 0;
+    const __m256 zero = _mm256_setzero_ps(), up = _mm256_set1_ps(scale);
+    const __m256 down = _mm256_set1_ps(-scale);
+#endif
     for (int64_t b = begin / BLOCK; b < (end + BLOCK - 1) / BLOCK; b++) {
-        int64_t off = b * BLOCK, len = min64(BLOCK, end - off);
+        int64_t off = b * BLOCK, len = min64(BLOCK, end - off), i = 0;
         feedback_values(f, off, len, v);
-        for (int64_t i = 0; i < len; i++)
+#if defined(__AVX2__)
+        if (stream) {
+            for (; i + 8 <= len; i += 8) {
+                __m256 x = _mm256_loadu_ps(v + i);
+                __m256 s = _mm256_blendv_ps(down, up, _mm256_cmp_ps(x, zero, _CMP_GE_OQ));
+                _mm256_stream_ps(out + off + i, _mm256_sub_ps(x, s));
+            }
+        }
+#endif
+        for (; i < len; i++)
             out[off + i] = v[i] - (v[i] >= 0.0f ? scale : -scale);
     }
+#if defined(__AVX2__)
+    if (stream)
+        _mm_sfence();
+#endif
 }
 
 /* out[k] = +-scales[k / chunk] by sign bit k of packed (rows of chunk bits, chunk % 8 == 0):
    the scale's bits with the sign bit flipped where the bit is 0 (-0.0 for a zero scale, as
-   -1.0f * 0.0f); integer operations, which vectorize. begin is a multiple of 8. */
+   -1.0f * 0.0f); integer operations, which vectorize. begin is a multiple of 8. With stream,
+   the 32-byte aligned groups of 8 are written with non-temporal stores. */
 static void fn_unpack_scaled(const uint8_t *packed, const float *scales, int64_t chunk,
-                             float *out, int64_t begin, int64_t end)
+                             float *out, int stream, int64_t begin, int64_t end)
 {
     int64_t k = begin;
     uint32_t *o = (uint32_t *)out;
+#if defined(__AVX2__)
+    stream = stream && ((uintptr_t)out & 31) == 0; /* k is a multiple of 8: o + k stays aligned */
+#endif
     while (k < end) {
         int64_t row = k / chunk, stop = min64(end, (row + 1) * chunk);
         uint32_t s;
@@ -439,7 +462,10 @@ static void fn_unpack_scaled(const uint8_t *packed, const float *scales, int64_t
             __m256i bit = _mm256_and_si256(_mm256_set1_epi32(bytes[b]), weights);
             __m256i clear = _mm256_cmpeq_epi32(bit, _mm256_setzero_si256());
             __m256i v = _mm256_xor_si256(value, _mm256_and_si256(clear, sign));
-            _mm256_storeu_si256((__m256i *)(o + k + 8 * b), v);
+            if (stream)
+                _mm256_stream_si256((__m256i *)(o + k + 8 * b), v);
+            else
+                _mm256_storeu_si256((__m256i *)(o + k + 8 * b), v);
         }
 #endif
         for (; b < whole; b++) {
@@ -450,6 +476,10 @@ static void fn_unpack_scaled(const uint8_t *packed, const float *scales, int64_t
         for (k += 8 * whole; k < stop; k++)
             o[k] = s ^ ((~(packed[k >> 3] >> (7 - (k & 7))) & 1u) << 31);
     }
+#if defined(__AVX2__)
+    if (stream)
+        _mm_sfence();
+#endif
 }
 
 /* The Adam direction of the 1-bit family's compressed update, rounded as the torch rule:
@@ -506,17 +536,11 @@ static void fn_packbits(const float *x, uint8_t *bits, int64_t begin, int64_t en
     }
 }
 
-/* begin is a multiple of 8; end is one too, or the total length. */
-static void fn_unpackbits(const uint8_t *bits, float *out, int64_t begin, int64_t end)
+/* out[k] = +-1 by bit k: one row of unpack_scaled with the scale 1 (begin: a multiple of 8). */
+static void fn_unpackbits(const uint8_t *bits, float *out, int stream, int64_t begin, int64_t end)
 {
-    int64_t full = end / 8;
-    for (int64_t i = begin / 8; i < full; i++) {
-        uint32_t b = bits[i];
-        for (int j = 0; j < 8; j++)
-            out[i * 8 + j] = ((b >> (7 - j)) & 1u) ? 1.0f : -1.0f;
-    }
-    for (int64_t idx = full * 8; idx < end; idx++)
-        out[idx] = ((bits[full] >> (7 - (idx - full * 8))) & 1u) ? 1.0f : -1.0f;
+    const float one = 1.0f;
+    fn_unpack_scaled(bits, &one, INT64_MAX, out, stream, begin, end);
 }
 
 /* Element i of a group: x[i] for i < nx, else zero padding; plus e[i] when e is given
@@ -903,10 +927,10 @@ static void run_chunk(const fn_job *j, int64_t b, int64_t e)
         fn_feedback_signs(j->p[0], j->p[1], j->p[2], b, e);
         break;
     case FEEDBACK_ERROR:
-        fn_feedback_error(j->p[0], j->scale, j->p[1], b, e);
+        fn_feedback_error(j->p[0], j->scale, j->p[1], (int)j->i[0], b, e);
         break;
     case UNPACK_SCALED:
-        fn_unpack_scaled(j->p[0], j->p[1], j->i[0], j->p[2], b, e);
+        fn_unpack_scaled(j->p[0], j->p[1], j->i[0], j->p[2], (int)j->i[1], b, e);
         break;
     case ADAM_DIRECTION:
         fn_adam_direction(j->p[0], j->p[1], j->p[2], j->p[3], (int)j->i[0], j->scale, j->p[4], b,
@@ -919,7 +943,7 @@ static void run_chunk(const fn_job *j, int64_t b, int64_t e)
         fn_packbits(j->p[0], j->p[1], b, e);
         break;
     case UNPACKBITS:
-        fn_unpackbits(j->p[0], j->p[1], b, e);
+        fn_unpackbits(j->p[0], j->p[1], (int)j->i[0], b, e);
         break;
     case QUANTIZE:
         fn_quantize(j->p[0], (int)j->i[0], j->i[1], j->p[1], j->p[2], b, e);

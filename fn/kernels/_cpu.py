@@ -195,6 +195,30 @@ def _run(
     lib.fn_wait(ref)
 
 
+def _last_level_cache() -> int:
+    """The bytes of the largest CPU cache Linux reports (32 MiB where it reports none)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = entry.read_text().strip()
+        except OSError:
+            continue
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+    return max(sizes, default=32 << 20)
+
+
+# Outputs written without being read, from half the last-level cache on, bypass the cache
+# (non-temporal stores): no read of each line before its write, and the inputs of the next pass
+# stay cached. Smaller outputs stay in the cache, where their consumer reads them next.
+_STREAM_MIN = _last_level_cache() // 2
+
+
+def _streams(out: torch.Tensor) -> int:
+    return int(out.numel() * out.element_size() >= _STREAM_MIN)
+
+
 def _fp32(x: torch.Tensor) -> torch.Tensor:
     return x.detach().float().contiguous()
 
@@ -222,7 +246,7 @@ def unpackbits(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32)
         return _reference.unpackbits(packed, n, dtype)
     packed = packed.detach().contiguous()
     out = _empty(lib, n, torch.float32)
-    _run(lib, "unpackbits", n, 8, (packed.data_ptr(), out.data_ptr()))
+    _run(lib, "unpackbits", n, 8, (packed.data_ptr(), out.data_ptr()), (_streams(out),))
     return out
 
 
@@ -368,7 +392,9 @@ def feedback_apply_error(
         return _reference.feedback_apply_error(x, error, scale, out, grad, beta)
     f, alive = _feedback(_FEEDBACK_X, error, x, grad, beta)
     pointers = (ctypes.addressof(f), out.data_ptr())
-    _run(lib, "feedback_error", error.numel(), _reference.SUMSQ_BLOCK, pointers, scale=float(scale))
+    stream = _streams(out) if out.data_ptr() != error.data_ptr() else 0  # in place: lines cached
+    ints = (stream,)
+    _run(lib, "feedback_error", error.numel(), _reference.SUMSQ_BLOCK, pointers, ints, float(scale))
     del alive  # the tensors f points into lived until here
     return None
 
@@ -395,7 +421,9 @@ def sign_sum_apply_error(
         return _reference.sign_sum_apply_error(signs, weights, error, scale, out)
     f, alive = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
     pointers = (ctypes.addressof(f), out.data_ptr())
-    _run(lib, "feedback_error", error.numel(), _reference.SUMSQ_BLOCK, pointers, scale=float(scale))
+    stream = _streams(out) if out.data_ptr() != error.data_ptr() else 0  # in place: lines cached
+    ints = (stream,)
+    _run(lib, "feedback_error", error.numel(), _reference.SUMSQ_BLOCK, pointers, ints, float(scale))
     del alive  # the tensors f points into lived until here
     return None
 
@@ -405,7 +433,7 @@ def unpack_scaled(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor)
     if lib is None or not _plain_fp32(scales, out) or not packed.is_contiguous():
         return _reference.unpack_scaled(packed, scales, out)
     pointers = (packed.data_ptr(), scales.data_ptr(), out.data_ptr())
-    _run(lib, "unpack_scaled", out.numel(), 8, pointers, (packed.shape[1] * 8,))
+    _run(lib, "unpack_scaled", out.numel(), 8, pointers, (packed.shape[1] * 8, _streams(out)))
     return None
 
 

@@ -4,6 +4,7 @@ signs, onebit_adam's update expression), bit for bit; the public ops under vmap 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -158,6 +159,93 @@ def test_adam_direction_matches_onebit_adam(c_kernels, n, bound, weight_decay, s
         out = torch.empty(n)
         impl.adam_direction(m, v, p if weight_decay else None, eta, out, 1e-8, bound, weight_decay)
         assert torch.equal(_bits(out), _bits(want))
+
+
+@contextlib.contextmanager
+def _stream_min(nbytes: int):
+    """Outputs from ``nbytes`` on are written with non-temporal stores, in this block."""
+    previous = _cpu._STREAM_MIN
+    _cpu._STREAM_MIN = nbytes
+    try:
+        yield
+    finally:
+        _cpu._STREAM_MIN = previous
+
+
+def _buffer(n: int, shift: int) -> torch.Tensor:
+    """A NaN-filled fp32[n] starting ``shift`` elements after a 64-byte aligned allocation."""
+    return torch.full((n + shift,), float("nan"))[shift:]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(0, 5000),
+    pad=st.integers(0, 2100),
+    momentum=st.booleans(),
+    shift=st.sampled_from([0, 1, 4, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_streamed_outputs_match_the_reference(c_kernels, n, pad, momentum, shift, seed):
+    x, error = _values(n, seed), _values(n + pad, seed + 1)
+    grad = _values(n, seed + 2) if momentum else None
+    scale = torch.tensor(0.75)
+    ranks = 1 + seed % 5
+    packed = torch.randint(0, 256, (ranks, 1 + seed % 300), dtype=torch.uint8)
+    scales = torch.rand(ranks)
+    weights = scales / ranks
+    signs_error = _values(packed.shape[1] * 8, seed + 3)
+    want_error = torch.empty_like(error)
+    _reference.feedback_apply_error(x, error, scale, want_error, grad, 0.9)
+    want_server = torch.empty_like(signs_error)
+    _reference.sign_sum_apply_error(packed, weights, signs_error, scale, want_server)
+    want_y = torch.empty(packed.numel() * 8)
+    _reference.unpack_scaled(packed, scales, want_y)
+    with _stream_min(0):
+        out = _buffer(error.numel(), shift)
+        c_kernels.feedback_apply_error(x, error, scale, out, grad, 0.9)
+        assert torch.equal(_bits(out), _bits(want_error))
+        out = _buffer(signs_error.numel(), shift)
+        c_kernels.sign_sum_apply_error(packed, weights, signs_error, scale, out)
+        assert torch.equal(_bits(out), _bits(want_server))
+        out = _buffer(want_y.numel(), shift)
+        c_kernels.unpack_scaled(packed, scales, out)
+        assert torch.equal(_bits(out), _bits(want_y))
+        bits = packed.reshape(-1)
+        count = max(0, bits.numel() * 8 - seed % 8)
+        assert torch.equal(c_kernels.unpackbits(bits, count), _reference.unpackbits(bits, count))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("stream_min", [0, None, 1 << 62])
+def test_streamed_outputs_of_threaded_calls(c_kernels, threads, stream_min):
+    """Calls of several chunks (threads claim them in turn), below and above the default
+    threshold of non-temporal stores (half the last-level cache), forced on and off."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    minimum = _cpu._STREAM_MIN if stream_min is None else stream_min
+    try:
+        for n in (3 * _cpu._CHUNK + 1000, _cpu._STREAM_MIN // 4 + 5 * _cpu._CHUNK + 8):
+            x, grad, error = _values(n, 1), _values(n, 2), _values(n + 24, 3)
+            scale = torch.tensor(0.5)
+            want = torch.empty_like(error)
+            _reference.feedback_apply_error(x, error, scale, want, grad, 0.9)
+            packed = _reference.packbits(want).view(4, -1)
+            scales = torch.tensor([0.0, 1.0, 2.0, 3.0])
+            want_y = torch.empty(packed.numel() * 8)
+            _reference.unpack_scaled(packed, scales, want_y)
+            with _stream_min(minimum):
+                for shift in (0, 1):
+                    out = _buffer(error.numel(), shift)
+                    c_kernels.feedback_apply_error(x, error, scale, out, grad, 0.9)
+                    assert torch.equal(_bits(out), _bits(want)), (n, shift)
+                    out = _buffer(want_y.numel(), shift)
+                    c_kernels.unpack_scaled(packed, scales, out)
+                    assert torch.equal(_bits(out), _bits(want_y)), (n, shift)
+                bits = packed.reshape(-1)
+                got = c_kernels.unpackbits(bits, n + 21)
+                assert torch.equal(got, _reference.unpackbits(bits, n + 21)), n
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_public_ops_write_their_buffers_and_vmap_per_row():
