@@ -5,7 +5,8 @@ For a payload of ``b`` bytes on each of ``W`` ranks (bandwidth-optimal ring/pair
 - ``all_reduce``: ``2 (W - 1) / W * b`` (ring: reduce-scatter then all-gather),
 - ``all_gather``: ``(W - 1) * b``, i.e. ``(W - 1) / W`` of the ``W * b`` byte output,
 - ``all_to_all``: ``(W - 1) / W * b`` of the ``b`` byte input (every chunk but one's own),
-- ``reduce_scatter``: ``(W - 1) / W * b`` of the ``b`` byte input.
+- ``reduce_scatter``: ``(W - 1) / W * b`` of the ``b`` byte input,
+- ``send`` (point to point): ``b``.
 
 Fractions are rounded up to whole bytes. ``W == 1`` sends nothing.
 """
@@ -38,3 +39,8 @@ def all_to_all_bytes(nbytes: int, world_size: int) -> int:
 
 def reduce_scatter_bytes(nbytes: int, world_size: int) -> int:
     return _ceil_div((world_size - 1) * nbytes, world_size)
+
+
+def send_bytes(nbytes: int, world_size: int) -> int:
+    del world_size
+    return nbytes

@@ -2,7 +2,9 @@
 
 Works with any backend that implements all_reduce, the flat all_gather / reduce_scatter and
 all_to_all_single (gloo, nccl, xccl, hccl, mpi), for instance under ``torchrun``. Results are
-new tensors: inputs are never changed. The collectives are not vmappable (use ``Simulated``
+new tensors: inputs are never changed. :meth:`ProcessGroup.transfers` adds point-to-point
+sends and receives into given buffers (:class:`Transfers`), which fused callers overlap with
+their compute. The collectives are not vmappable (use ``Simulated``
 to batch ranks in one process).
 
 Timeout: every collective gives up after ``timeout`` (``ProcessGroup(timeout=...)``, else the
@@ -39,6 +41,7 @@ from fn.collectives.comm import ByteCounter, ReduceOp, check_chunked, check_op, 
 __all__ = [
     "CollectiveTimeoutError",
     "ProcessGroup",
+    "Transfers",
     "TIMEOUT_ENV",
     "DEFAULT_TIMEOUT",
     "resolve_timeout",
@@ -201,12 +204,26 @@ class ProcessGroup(ByteCounter):
             return
         try:
             work = start(True)
+        except RuntimeError as err:
+            raise self._diagnose(kind, seq, x, err) from err
+        self._wait(work, kind, seq, x)
+
+    def _wait(self, work: Any, kind: str, seq: int, x: torch.Tensor) -> None:
+        """Waits for ``work`` (collective ``seq`` on ``x``), at most ``timeout`` on host
+        tensors; a failure becomes a :class:`CollectiveTimeoutError`."""
+        try:
             if x.device.type == "cpu":
                 work.wait(self.timeout)
             else:
                 work.wait()
         except RuntimeError as err:
             raise self._diagnose(kind, seq, x, err) from err
+
+    def transfers(self, kind: str) -> Transfers:
+        """Point-to-point transfers between the ranks of this group, started as they are
+        posted and waited for with this group's timeout (see :class:`Transfers`). Every rank
+        must open the same sequence of transfers (they count as one collective each)."""
+        return Transfers(self, kind)
 
     def _diagnose(
         self, kind: str, seq: int, x: torch.Tensor, err: RuntimeError
@@ -310,3 +327,73 @@ class ProcessGroup(ByteCounter):
         )
         out = out.view(x.shape[1:])
         return out / self._world_size if op == "mean" else out
+
+
+class Transfers:
+    """Sends and receives on a :class:`ProcessGroup`, each started when posted (gloo moves
+    the bytes on its own threads while this thread computes), waited for with the group's
+    timeout. Between two ranks, messages are received in the order they were sent.
+
+    Used as a context manager: leaving the block waits for every transfer not yet waited for,
+    so that none is left running (unless a transfer failed: the group is then unusable).
+
+    Args:
+        comm: the group.
+        kind: the name in error messages.
+    """
+
+    def __init__(self, comm: ProcessGroup, kind: str) -> None:
+        self._comm = comm
+        self._kind = kind
+        self._seq = next(_issued.setdefault(comm._name, itertools.count()))
+        self._sends: list[tuple[Any, torch.Tensor]] = []
+        self._recvs: dict[int, list[tuple[Any, torch.Tensor]]] = {}
+        self._failed = False
+
+    def send(self, x: torch.Tensor, peer: int, tag: int = 0) -> None:
+        """Starts sending the contiguous ``x`` to group rank ``peer`` (``x`` must stay
+        unchanged until the transfers are waited for)."""
+        self._comm._count("send", _traffic.payload_bytes(x), self._comm.world_size)
+        group = self._comm.group
+        work = self._start(x, lambda: dist.isend(x, group=group, tag=tag, group_dst=peer))
+        self._sends.append((work, x))
+
+    def recv(self, x: torch.Tensor, peer: int, tag: int = 0) -> None:
+        """Starts receiving the next message with ``tag`` from group rank ``peer`` into the
+        contiguous ``x``; :meth:`wait_from` waits for it."""
+        group = self._comm.group
+        work = self._start(x, lambda: dist.irecv(x, group=group, tag=tag, group_src=peer))
+        self._recvs.setdefault(peer, []).append((work, x))
+
+    def wait_from(self, peer: int) -> None:
+        """Waits for every receive posted from ``peer``."""
+        for work, x in self._recvs.pop(peer, []):
+            self._wait(work, x)
+
+    def wait(self) -> None:
+        """Waits for every transfer."""
+        for peer in list(self._recvs):
+            self.wait_from(peer)
+        while self._sends:
+            self._wait(*self._sends.pop(0))
+
+    def _start(self, x: torch.Tensor, start: Callable[[], Any]) -> Any:
+        try:
+            return start()
+        except RuntimeError as err:
+            self._failed = True
+            raise self._comm._diagnose(self._kind, self._seq, x, err) from err
+
+    def _wait(self, work: Any, x: torch.Tensor) -> None:
+        try:
+            self._comm._wait(work, self._kind, self._seq, x)
+        except CollectiveTimeoutError:
+            self._failed = True
+            raise
+
+    def __enter__(self) -> Transfers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._failed:
+            self.wait()

@@ -246,6 +246,8 @@ def _reduce_scatter_into(
     returns the hops' quantizations for :func:`_write_errors` (in workspaces named after
     ``tag``: another tag keeps them while this function runs again)."""
     n = x.numel()
+    if rows is None and _streams(plan, x.device):
+        return [_reduce_scatter_streamed(x, errors[0], plan, out, tag)]
     numel = quantized_padded_numel(n, plan.world.world_size, plan.group_size)
     if rows is not None:
         numel = n // rows[0] * rows[1]
@@ -266,6 +268,107 @@ def _reduce_scatter_into(
         kernels.dequantize_sum(q.reshape(-1), scales.reshape(-1), plan.bits, size, source)
     out.div_(plan.world.world_size)
     return pending
+
+
+def _streams(plan: _Plan, device: torch.device) -> bool:
+    """Whether the donated path streams its chunks point to point (one hop on a
+    :class:`ProcessGroup` with host tensors) instead of calling the comm's collectives."""
+    return len(plan.hops) == 1 and isinstance(plan.world, ProcessGroup) and device.type == "cpu"
+
+
+def _peers(comm: ProcessGroup) -> list[int]:
+    """The other ranks from ``rank + 1`` on: at each step every rank sends to a different one."""
+    return [(comm.rank + k) % comm.world_size for k in range(1, comm.world_size)]
+
+
+def _reduce_scatter_streamed(
+    x: torch.Tensor, error: torch.Tensor | None, plan: _Plan, out: torch.Tensor, tag: str
+) -> _Pending:
+    """:func:`_reduce_scatter_into` in one hop on a :class:`ProcessGroup`: each peer's chunk
+    is quantized and sent as soon as it is ready, while the chunks already sent travel (same
+    bits, bytes and errors). The count's two digits follow the chunks to every peer, both NaN
+    unless all of this rank's scales are finite; every rank checks them all before ``out`` is
+    written (a non-finite rank's count is not known: the non-finite error comes first)."""
+    comm = plan.world
+    assert isinstance(comm, ProcessGroup)
+    world_size, n, bits = comm.world_size, x.numel(), plan.bits
+    numel = quantized_padded_numel(n, world_size, plan.group_size)
+    chunk = numel // world_size
+    q = _workspace(f"{tag}hop0.q", numel * bits // 8, x.device, torch.uint8)
+    scales = _workspace(f"{tag}hop0.scales", numel // plan.group_size, x.device)
+    got_q = _workspace("scatter.got.q", numel * bits // 8, x.device, torch.uint8)
+    got_scales = _workspace("scatter.got.scales", numel // plan.group_size, x.device)
+    got_trailers = _workspace("scatter.got.trailers", 2 * world_size, x.device)
+    q, got_q = q.view(world_size, -1), got_q.view(world_size, -1)
+    scales, got_scales = scales.view(world_size, -1), got_scales.view(world_size, -1)
+    got_trailers = got_trailers.view(world_size, 2)
+    with comm.transfers("quantized reduce-scatter (point to point)") as transfers:
+        for peer in _peers(comm):
+            transfers.recv(got_q[peer], peer, 0)
+            transfers.recv(got_scales[peer], peer, 1)
+            transfers.recv(got_trailers[peer], peer, 2)
+        for peer in [*_peers(comm), comm.rank]:
+            begin = peer * chunk
+            kernels.loco_quantize(
+                x[min(begin, n) : begin + chunk],
+                None if error is None else error[begin : begin + chunk],
+                bits,
+                plan.group_size,
+                chunk,
+                (q[peer], scales[peer]),
+            )
+            if peer != comm.rank:
+                transfers.send(q[peer], peer, 0)
+                transfers.send(scales[peer], peer, 1)
+        trailer = _sizes.with_count(scales[:1, :0], n).view(2)
+        trailer = torch.where(torch.isfinite(scales).all(), trailer, torch.nan)
+        for peer in _peers(comm):
+            transfers.send(trailer, peer, 2)
+        got_q[comm.rank] = q[comm.rank]
+        got_scales[comm.rank] = scales[comm.rank]
+        got_trailers[comm.rank] = trailer
+    _sizes.checked_scales(finite_or_raise(got_trailers, _NON_FINITE), n, "quantized allreduce")
+    kernels.dequantize_sum(got_q.view(-1), got_scales.view(-1), bits, world_size, out)
+    out.div_(world_size)
+    return _Pending(x, error, q.view(-1), scales.view(-1), None)
+
+
+def _all_gather_streamed(
+    quantized: _Pending,
+    plan: _Plan,
+    y: torch.Tensor,
+    pending: Sequence[_Pending],
+    pending_outs: Sequence[torch.Tensor],
+    err_beta: float,
+) -> None:
+    """The all-gather of :func:`_all_gather_into` point to point on a :class:`ProcessGroup`:
+    the errors are written while the chunks travel, then each chunk is dequantized into ``y``
+    as it arrives (this rank's first)."""
+    comm = plan.world
+    assert isinstance(comm, ProcessGroup)
+    world_size, chunk = comm.world_size, quantized.q.numel() * 8 // plan.bits
+    got_q = _workspace("gather.got.q", world_size * quantized.q.numel(), y.device, torch.uint8)
+    got_scales = _workspace("gather.got.scales", world_size * quantized.scales.numel(), y.device)
+    got_q, got_scales = got_q.view(world_size, -1), got_scales.view(world_size, -1)
+    got_q[comm.rank], got_scales[comm.rank] = quantized.q, quantized.scales
+
+    def dequantize(rank):
+        out = y[rank * chunk : (rank + 1) * chunk]
+        if out.numel():
+            kernels.dequantize_into(got_q[rank], got_scales[rank], plan.bits, out, 1)
+
+    with comm.transfers("quantized all-gather (point to point)") as transfers:
+        for peer in _peers(comm):
+            transfers.recv(got_q[peer], peer, 0)
+            transfers.recv(got_scales[peer], peer, 1)
+        for peer in _peers(comm):
+            transfers.send(quantized.q, peer, 0)
+            transfers.send(quantized.scales, peer, 1)
+        _write_errors(pending, pending_outs, plan, err_beta)
+        dequantize(comm.rank)
+        for peer in _peers(comm):
+            transfers.wait_from(peer)
+            dequantize(peer)
 
 
 def _write_errors(
@@ -323,6 +426,8 @@ def _all_gather_into(
     quantized = _quantize_padded(shard, error, shard.numel(), plan, "gather")
     if error_out is not None:
         pending, pending_outs = [*pending, quantized], [*pending_outs, error_out]
+    if _streams(plan, y.device):
+        return _all_gather_streamed(quantized, plan, y, pending, pending_outs, err_beta)
     q, scales = _overlapped(
         plan.world,
         shard.device,
@@ -586,9 +691,13 @@ def loco_allreduce(
     tensors (fused kernels ``fn.kernels.loco_quantize``, ``loco_error``, ``dequantize_sum``,
     ``dequantize_into``; per-thread workspaces for the hop sums and the shard), and nothing is
     written before every rank's checks passed for every leaf: a ``ValueError`` leaves the
-    buffers intact. With several leaves, each leaf's codes and shard wait in workspaces of their
-    own (per thread and leaf position, about ``bits / 32 + 1 / W`` of the leaf's fp32 size) until
-    the last leaf's checks passed.
+    buffers intact. On a :class:`ProcessGroup` with host tensors and one hop, the chunks go
+    point to point (:meth:`ProcessGroup.transfers`, same bits and bytes): each peer's chunk is
+    sent as soon as it is quantized, the errors are written while the all-gather's chunks
+    travel, and each of those is dequantized into the result as it arrives (the chunks received
+    wait in workspaces too). With several leaves, each leaf's codes and shard wait in
+    workspaces of their own (per thread and leaf position, about ``bits / 32 + 1 / W`` of the
+    leaf's fp32 size) until the last leaf's checks passed.
     ``error_dtype`` other than fp32 (and ``torch.int8``) still computes in fresh fp32 tensors.
 
     Args:

@@ -699,7 +699,8 @@ static inline __m256i nibbles32(const uint8_t *q)
     return _mm256_shuffle_epi8(table, n);
 }
 
-/* (float)code * s of 32 int8 codes into out[0..31], or added to it (add). */
+/* (float)code * s of 32 int8 codes into out[0..31], or added to it (add == 1), or streamed
+   to it (add == 2: non-temporal stores, out 32-byte aligned). */
 static inline void scaled32(__m256i c, __m256 s, float *out, int add)
 {
     __m128i h[2] = {_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1)};
@@ -708,6 +709,11 @@ static inline void scaled32(__m256i c, __m256 s, float *out, int add)
         __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(h[k], 8)));
         a = _mm256_mul_ps(a, s);
         b = _mm256_mul_ps(b, s);
+        if (add == 2) {
+            _mm256_stream_ps(out + 16 * k, a);
+            _mm256_stream_ps(out + 16 * k + 8, b);
+            continue;
+        }
         if (add) {
             a = _mm256_add_ps(_mm256_loadu_ps(out + 16 * k), a);
             b = _mm256_add_ps(_mm256_loadu_ps(out + 16 * k + 8), b);
@@ -718,10 +724,11 @@ static inline void scaled32(__m256i c, __m256 s, float *out, int add)
 }
 #endif
 
-static inline void put(float *dst, float v, int add) { *dst = add ? *dst + v : v; }
+static inline void put(float *dst, float v, int add) { *dst = add == 1 ? *dst + v : v; }
 
-/* dst[i - begin] = DQ(q)[i] for i in [begin, end), or dst[i - begin] += DQ(q)[i] (add),
-   group by group: the scale is loaded once and the inner loops have no division or branch per
+/* dst[i - begin] = DQ(q)[i] for i in [begin, end), or dst[i - begin] += DQ(q)[i] (add == 1),
+   or = with non-temporal stores of whole vectors (add == 2: dst + i - begin 32-byte aligned
+   at every group start; the caller fences), group by group: the scale is loaded once and the inner loops have no division or branch per
    element. Each value is (float)code * scale, as element by element. */
 static inline void dequantize_range(const uint8_t *q, const float *scales, int nbits,
                                     int64_t group_size, int64_t begin, int64_t end, float *dst,
@@ -880,10 +887,24 @@ static void fn_dequantize_into(const uint8_t *q, const float *scales, int nbits,
     while (i < end) {
         int64_t chunk = i / cols, stop = min64(end, (chunk + 1) * cols);
         int64_t piece = (chunk % nodes) * local + chunk / nodes;
-        fn_dequantize(q + piece * cols * nbits / 8, scales + piece * cols / group_size, nbits,
-                      group_size, out + chunk * cols, i - chunk * cols, stop - chunk * cols);
+        const uint8_t *pq = q + piece * cols * nbits / 8;
+        const float *ps = scales + piece * cols / group_size;
+        int64_t b = i - chunk * cols, e = stop - chunk * cols;
+        float *dst = out + chunk * cols + b;
+#if defined(__AVX2__)
+        /* out is written, never read: streamed past the cache (no read for ownership) */
+        if (nbits == 4 && group_size % 8 == 0 && b % 8 == 0 && (uintptr_t)dst % 32 == 0) {
+            dequantize_range(pq, ps, nbits, group_size, b, e, dst, 2);
+            i = stop;
+            continue;
+        }
+#endif
+        dequantize_range(pq, ps, nbits, group_size, b, e, dst, 0);
         i = stop;
     }
+#if defined(__AVX2__)
+    _mm_sfence();
+#endif
 }
 
 enum {

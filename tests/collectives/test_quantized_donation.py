@@ -137,6 +137,19 @@ def test_donated_matches_pure_on_gloo():
     assert run_distributed(_gloo_compare, 4, 2, 4096, timeout=200) == [True] * 4
 
 
+def _gloo_compare_streamed(rank, world_size):
+    """One hop on 4 ranks: the chunks go point to point; n = 1 leaves 3 chunks all padding."""
+    for n in (1000, 1):
+        _gloo_compare(rank, world_size, None, n)
+    return True
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_donated_streamed_matches_pure_on_four_gloo_ranks():
+    assert run_distributed(_gloo_compare_streamed, 4, timeout=200) == [True] * 4
+
+
 def _gloo_non_finite(rank, world_size, local):
     comm = ProcessGroup()
     n = 1000
@@ -167,6 +180,9 @@ def _gloo_non_finite(rank, world_size, local):
 def test_non_finite_on_one_rank_raises_everywhere_buffers_intact():
     for local in (None, 1):
         assert run_distributed(_gloo_non_finite, 2, local, timeout=200) == [True, True]
+    # rank 1's NaN is in the chunk it sends to rank 0 only: ranks 2 and 3 learn it from the
+    # flag that follows the chunks
+    assert run_distributed(_gloo_non_finite, 4, None, timeout=200) == [True] * 4
 
 
 WINDOWS = 4  # of 3 calls each, after 2 warm-up calls

@@ -38,6 +38,19 @@ def _loco(comm, n, local=None):
     return tx.update({"x": torch.randn(n)}, tx.init({"x": torch.zeros(n)}))
 
 
+def _loco_donated(comm, n):
+    """The donated update (streamed point to point on one hop); the state must stay intact."""
+    tx = loco_allreduce(comm=comm)
+    state = tx.init({"x": torch.zeros(n)})
+    _, state = tx.update({"x": torch.randn(n)}, state, donate=True)
+    before = [e.clone() for e in state.errors["x"]]
+    try:
+        return tx.update({"x": torch.randn(n)}, state, donate=True)
+    except ValueError:
+        assert all(map(torch.equal, before, state.errors["x"]))
+        raise
+
+
 def _worker(rank, world_size):
     import torch.distributed as dist
 
@@ -61,6 +74,9 @@ def _worker(rank, world_size):
     # poisoned counts of the inter-node hop.
     out["two hops"] = error_message(lambda: _loco(world, 100 if rank == 3 else 64, local=2))
     out["two hops after"] = _loco(world, 64, local=2)[0]["x"].shape
+    # Donated, one hop: the counts follow the chunks to every peer (same padded size: 512).
+    out["donated"] = error_message(lambda: _loco_donated(world, 190 if rank == 2 else 200))
+    out["donated after"] = _loco_donated(world, 200)[0]["x"].shape
     return out
 
 
@@ -79,6 +95,8 @@ def test_different_sizes_raise_on_every_rank():
         message = out["two hops"]
         assert message is not None and "different sizes" in message
         assert out["two hops after"] == torch.Size([64])
+        assert "rank 1: 200 elements, rank 2: 190 elements" in out["donated"]
+        assert out["donated after"] == torch.Size([200])
     assert "100 elements" in results[3]["two hops"]
     assert "a mismatch seen earlier" in results[0]["two hops"]
 

@@ -145,3 +145,31 @@ def test_param_group_added_on_one_rank_gives_up_on_both(tmp_path):
             "rank 0: all_gather of (2,) int64; rank 1: all_reduce of () int64" in (out["message"])
         )
         assert out["s"] < 2 * LIMIT_S + 1.5
+
+
+def _stalled_transfers(rank, world_size, folder):
+    """Rank 1 is late to a point-to-point exchange: rank 0's wait gives up and names it."""
+    import torch.distributed as dist
+
+    comm = ProcessGroup(timeout=LIMIT_S)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(STALL_S)
+
+    def exchange():
+        with comm.transfers("exchange") as transfers:
+            transfers.recv(torch.empty(4), 1 - rank)
+            transfers.send(torch.ones(4), 1 - rank)
+
+    _save_and_end({"stalled": _outcome(exchange)}, folder, rank)
+
+
+@pytest.mark.timeout(120)
+def test_point_to_point_transfers_time_out_naming_the_late_rank(tmp_path):
+    with pytest.raises(WorkerError, match="exited without a result"):
+        run_distributed(_stalled_transfers, 2, str(tmp_path), timeout=80)
+    stalled = torch.load(tmp_path / "0.pt")["stalled"]
+    assert stalled["missing"] == [1]
+    assert "exchange of (4,) float32" in stalled["message"]
+    assert "rank(s) [1] never reached it" in stalled["message"]
+    assert LIMIT_S <= stalled["s"] < 2 * LIMIT_S + 1.5

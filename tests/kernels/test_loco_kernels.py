@@ -130,6 +130,29 @@ def test_dequantize_sum_and_into_match_the_unfused_ops(impls, case):
         assert _same_bits(out, ordered[:n])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("offset", range(9))
+@pytest.mark.parametrize("group_size", [8, 32, 128, 200])
+def test_dequantize_into_any_output_alignment(group_size, offset, threads):
+    """4-bit output is streamed (non-temporal stores) where it is 32-byte aligned, stored
+    plainly elsewhere: the same bits for every alignment, tail and split over threads."""
+    _c("dequantize_into")
+    chunks, cols = 4, group_size * (3 * _cpu._CHUNK // (4 * group_size) + 1)
+    q, scales = K.quantize(_values(chunks * cols, offset), 4, group_size)
+    ordered = K.dequantize(q, scales, 4, chunks * cols).view(2, 2, -1).transpose(0, 1)
+    n = chunks * cols - 5 * offset
+    base = torch.full((n + offset,), 7.0)
+    out = base[offset:]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _cpu.dequantize_into(q, scales, 4, out, chunks, 2)
+    finally:
+        torch.set_num_threads(previous)
+    assert _same_bits(out, ordered.reshape(-1)[:n])
+    assert bool((base[:offset] == 7.0).all())
+
+
 @pytest.mark.parametrize("pieces", [2, 3, 4, 8, 15, 16, 17, 31, 33, 64])
 @pytest.mark.parametrize("cols", [32, 4096, 96 * 1024])
 def test_dequantize_sum_follows_torchs_order_on_large_rows(pieces, cols):
