@@ -240,9 +240,11 @@ def onebit_adam(
                 m_new = masked(m_new, mask)
             clip = bound if safeguard else None
             new_leaf = _Leaf(m_new, v, ew_new, es_new)
-            if apply and fits(p, m_new):
+            target = p.detach() if apply and isinstance(p, torch.Tensor) else None
+            # update_and_apply has checked that autograd records no param
+            if target is not None and fits(target, m_new):
                 kernels.adam_apply(
-                    m_new, v, eta, p, eps=eps, bound=clip, weight_decay=weight_decay,
+                    m_new, v, eta, target, eps=eps, bound=clip, weight_decay=weight_decay,
                     root=fitting(g, m_new),
                 )  # fmt: skip
                 return None, new_leaf

@@ -86,6 +86,21 @@ def test_mirrored_update_and_apply_matches_update_then_apply(config, mode, keywo
     _compare(Mirror(), 0, 1, config, mode, keyword, _Counting(monkeypatch))
 
 
+def test_params_that_require_grad_are_updated_in_place_under_no_grad(monkeypatch):
+    counter = _Counting(monkeypatch)
+    opt = fn.onebit_adam(1e-2, 2, weight_decay=0.01, comm=Mirror())
+    params = tree_map(lambda p: p.requires_grad_(), make_params())
+    pure_params = tree_map(lambda p: p.detach().clone(), params)
+    state, pure_state = opt.init(pure_params), opt.init(pure_params)
+    for t, g in enumerate(make_grads(params, 1, 4), start=1):
+        updates, pure_state = opt.update(_clone(g[0]), pure_state, pure_params, step=t)
+        pure_params = fn.apply_updates(pure_params, updates)
+        with torch.no_grad():
+            params, state = fn.update_and_apply(opt, _clone(g[0]), state, params, step=t)
+        assert same_bits(params, pure_params) and same_bits(state, pure_state), t
+    assert counter.calls == 3 * 3
+
+
 def _gloo_worker(rank, world_size):
     counter = _Counting()
     comm = ProcessGroup()
