@@ -151,6 +151,10 @@ def onebit_adam(
     allreduce's kernels, the update by ``fn.kernels.adam_direction``. The bits are those of the
     pure update; every check (all ranks' scales and counts, the warmup) runs before the first
     write. Warmup updates, ``non_freeze`` leaves and one worker stay pure (they allocate).
+    ``fn.update_and_apply(opt, grads, state, params, step=t)`` (or ``plan=``) goes one step
+    further on that path: each fp32 param gets its update added in place as its new momentum
+    is written (``fn.kernels.adam_apply``), and the gradients' buffers receive ``sqrt(v)``
+    instead of the updates; the params' bits are those of ``update`` then ``apply_updates``.
 
     The exact rules, step by step, are in ``docs/algorithms.md`` (section "1-bit Adam").
 
