@@ -20,8 +20,9 @@ calls, every buffer reused):
 2. full training steps of an MLP (~25M params, synthetic data): forward, backward, gradient
    communication and optimizer, for Adam with one dense allreduce of the flat gradient, Adam
    under DDP (the two baselines), ``fn.onebit_adam`` in its compressed phase with
-   ``donate=True`` and ``fn.apply_updates(..., donate=True)``, the ``fn.optim.OnebitAdam`` adapter
-   in its compressed phase, and the same step with no communication (the floor).
+   ``fn.update_and_apply`` (state and gradient buffer donated, params updated in place), the
+   ``fn.optim.OnebitAdam`` adapter in its compressed phase, and the same step with no
+   communication (the floor).
 
 Every method is timed between barriers, the methods interleaved in each repeat, and the median
 of rank 0's times is printed with the speedup over the dense baseline (allreduce) or the faster
@@ -525,8 +526,8 @@ def bench_training(cfg: dict) -> dict:
         loss_of(ddp_model).backward()
         ddp_opt.step()
 
-    # fn.onebit_adam on the flat buffer (one leaf: one compressed allreduce per step), donating
-    # its state and the gradient buffer (which receives the updates), params updated in place.
+    # fn.onebit_adam on the flat buffer (one leaf: one compressed allreduce per step) through
+    # fn.update_and_apply: its state and the gradient buffer donated, params updated in place.
     onebit_model = build_mlp(cfg["width"], cfg["hidden"])
     flat_p, flat_g = flat_views(onebit_model)
     opt = fn.onebit_adam(lr=1e-4, freeze_step=2, comm=ProcessGroup())
@@ -542,11 +543,10 @@ def bench_training(cfg: dict) -> dict:
         box["t"] += 1
         flat_g.zero_()
         loss_of(onebit_model).backward()
-        updates, box["state"] = opt.compressed_update(
-            {"w": flat_g}, box["state"], step=box["t"], donate=True
-        )
         with torch.no_grad():
-            fn.apply_updates({"w": flat_p}, updates, donate=True)
+            _, box["state"] = fn.update_and_apply(
+                opt, {"w": flat_g}, box["state"], {"w": flat_p}, step=box["t"]
+            )
 
     # The torch.optim adapter (always donates; one flat leaf), with the same frozen variance.
     optim_model = build_mlp(cfg["width"], cfg["hidden"])
@@ -684,7 +684,7 @@ def print_results(results: list[dict], args: argparse.Namespace) -> None:
 TRAINING_ROWS = {
     "adam_dense": "Adam: flat dense allreduce + torch Adam",
     "adam_ddp": "Adam: DDP + torch Adam",
-    "onebit": "fn.onebit_adam compressed, donate=True",
+    "onebit": "fn.onebit_adam compressed, update_and_apply",
     "onebit_optim": "fn.optim.OnebitAdam compressed",
     "adam_local": "no communication (local Adam, the floor)",
 }

@@ -7,12 +7,12 @@ in every repeat (gradients are fixed, so only the optimizer is timed). Ratios ar
 adapter always does (double buffering; README "Buffer donation"). Two rows run the compressed
 1-bit Adam step as on two ranks (``tests/_mirror.py``'s ``Mirror``: a comm of two ranks holding
 this process's tensors, so the donated, fused path of the 1-bit allreduce runs): the
-``OnebitAdam`` adapter and the functional donated step it wraps (``fn.onebit_adam`` on one flat
-leaf, ``donate=True``, ``fn.apply_updates(..., donate=True)``), which first copies the fixed
-gradients into its gradient buffer (the step writes its updates there), as the adapter copies
-the params' ``.grad`` into its own. Last, for the same model in bf16 (fp32 master copy): the
-share of a compressed ``OnebitAdam`` step spent in the master sync that catches writes to the
-params between steps (``FlatGroup.sync_master``).
+``OnebitAdam`` adapter and the functional donated step it wraps (``fn.update_and_apply`` of
+``fn.onebit_adam`` on one flat leaf), which first copies the fixed gradients into its gradient
+buffer (the step writes into it), as the adapter copies the params' ``.grad`` into its own.
+Last, for the same model in bf16 (fp32 master copy): the share of a compressed ``OnebitAdam``
+step spent in the master sync that catches writes to the params between steps
+(``FlatGroup.sync_master``).
 
 Run: python3 benchmarks/optim.py [--layers 32] [--width 256] [--steps 50] [--repeats 5]
      [--threads N]
@@ -74,8 +74,7 @@ def functional_onebit_step(model: torch.nn.Module) -> Callable[[], None]:
     def step() -> None:
         box["t"] += 1
         grads.copy_(fixed)
-        updates, box["state"] = tx.update(grads, box["state"], params, step=box["t"], donate=True)
-        fn.apply_updates(params, updates, donate=True)
+        _, box["state"] = fn.update_and_apply(tx, grads, box["state"], params, step=box["t"])
 
     return step
 

@@ -12,16 +12,23 @@ _STEPS: weakref.WeakKeyDictionary[Callable, Callable] = weakref.WeakKeyDictionar
 
 
 def register_update_and_apply(tx: Any, step: Callable[..., tuple[Any, Any]]) -> Any:
-    """Returns the GradientTransformation ``tx``, whose steps in :func:`fn.update_and_apply` run
-    ``step(updates, state, params, donate=..., **extra) -> (params, state)``: the params updated
-    in place, with the values of ``tx.update`` then ``apply_updates`` bit for bit."""
-    _STEPS[tx.update] = step
+    """Returns the GradientTransformation or CompressedOptimizer ``tx``, whose steps in
+    :func:`fn.update_and_apply` run ``step(updates, state, params, donate=..., **extra) ->
+    (params, state)``: the params updated in place, with the values of ``tx.update`` then
+    ``apply_updates`` bit for bit. ``step`` must not reference ``tx``'s functions (they key it
+    weakly)."""
+    _STEPS[_key(tx)] = step
     return tx
 
 
 def update_and_apply_step(tx: Any) -> Callable[..., tuple[Any, Any]] | None:
     """The step registered for ``tx`` by :func:`register_update_and_apply`, or ``None``."""
-    return _STEPS.get(tx.update)
+    return _STEPS.get(_key(tx))
+
+
+def _key(tx: Any) -> Callable:
+    # A CompressedOptimizer's update is a bound method, a new object at every access.
+    return tx.compressed_update if hasattr(tx, "compressed_update") else tx.update
 
 
 def update_functions(

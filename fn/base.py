@@ -421,7 +421,10 @@ def update_and_apply(
     ``tx`` has a fused step: ``fn.adam`` and
     ``fn.adamw`` where their fused kernel runs (see :func:`fn.adam`) write the new params and
     moments directly, reading the params, gradients and moments once as
-    ``torch.optim.Adam(fused=True)`` does, instead of writing the updates and reading them back.
+    ``torch.optim.Adam(fused=True)`` does, instead of writing the updates and reading them back;
+    ``fn.onebit_adam``'s donated compressed updates (several ranks, fp32 params) add the Adam
+    direction to the params as the new momentum arrives (``fn.kernels.adam_apply``), with
+    ``sqrt(v)`` in the gradients' buffers, instead of writing the updates there.
     Other transforms run the two lines above.
 
     Args:

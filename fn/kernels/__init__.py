@@ -7,8 +7,9 @@ Kernels (``torch.library`` custom ops, usable under ``torch.func.vmap`` and ``to
 for the 1-bit allreduce without full-size temporaries, the two phases of
 error-compensated compression (:func:`feedback_sign_compress` / :func:`feedback_apply_error`,
 :func:`sign_sum_compress` / :func:`sign_sum_apply_error`), :func:`unpack_scaled` and
-:func:`adam_direction`; eager only (no custom op), :func:`adamw_step`: ``fn.adamw``'s step
-applied to the params in one pass. A kernel called on a tensor of device type ``D`` runs a
+:func:`adam_direction`; eager only (no custom op), :func:`adam_apply`: that direction added to
+the params in one pass, and :func:`adamw_step`: ``fn.adamw``'s step applied to the params in
+one pass. A kernel called on a tensor of device type ``D`` runs a
 kernel set of the accelerator table's record for ``D``: by default fused C kernels on the CPU,
 Triton on CUDA/XPU (CUDA also offers the kernel set ``"cupy"``), ``torch_npu`` on NPU; every
 record also offers ``"reference"``, the pure-torch oracle every implementation matches bit for bit.
@@ -26,6 +27,7 @@ kernels); ``FN_CACHE_DIR`` is where the CPU kernels are compiled (``~/.cache/fn`
 
 from fn.kernels._accelerator import KERNEL_NAMES, Accelerator
 from fn.kernels._ops import (
+    adam_apply,
     adam_direction,
     adamw_step,
     dequantize,
@@ -62,6 +64,7 @@ __all__ = [
     "sign_sum_apply_error",
     "unpack_scaled",
     "adam_direction",
+    "adam_apply",
     "adamw_step",
     "quantize",
     "dequantize",

@@ -26,6 +26,7 @@ KERNEL_NAMES = (
     "sign_sum_apply_error",
     "unpack_scaled",
     "adam_direction",
+    "adam_apply",
     "adamw_step",
     "quantize",
     "dequantize",

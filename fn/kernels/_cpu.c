@@ -482,13 +482,22 @@ static void fn_unpack_scaled(const uint8_t *packed, const float *scales, int64_t
 #endif
 }
 
+static void fn_adam_apply(const float *m, const float *root, const float *k, int clamp, int decay,
+                          float neg_eta, float *p, int64_t begin, int64_t end);
+
 /* The Adam direction of the 1-bit family's compressed update, rounded as the torch rule:
    out = ((m / (root + eps)) clamped to [-bound, bound] (+ wd * p)) * neg_eta, where root is
-   torch's sqrt(v) (not correctly rounded everywhere, so the caller computes it; it may be out). */
+   torch's sqrt(v) (not correctly rounded everywhere, so the caller computes it; it may be out).
+   flags: 1 clamps; 2 adds the direction to out instead (out the params, p NULL or out). */
 static void fn_adam_direction(const float *m, const float *root, const float *p, const float *k,
-                              int clamp, float neg_eta, float *out, int64_t begin, int64_t end)
+                              int flags, float neg_eta, float *out, int64_t begin, int64_t end)
 {
     const float eps = k[0], bound = k[1], wd = k[2];
+    const int clamp = flags & 1;
+    if (flags & 2) {
+        fn_adam_apply(m, root, k, clamp, p != NULL, neg_eta, out, begin, end);
+        return;
+    }
     for (int64_t i = begin; i < end; i++) {
         float u = m[i] / (root[i] + eps);
         if (clamp)
@@ -1193,5 +1202,41 @@ static void fn_adamw_step(const fn_adamw *a, int64_t begin, int64_t end)
         };
         int64_t b = begin > start[k] ? begin - start[k] : 0;
         adamw_leaf_range(a, &l, b, min64(end, start[k + 1]) - start[k]);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------
+   The 1-bit family's compressed Adam step added to the params in one pass (fn_adam_direction
+   with flag 2): p = p + ((m / (root + eps)) clamped to [-bound, bound] (+ wd * p)) * neg_eta,
+   each operation rounded as fn_adam_direction followed by the params' p + u. */
+static void fn_adam_apply(const float *m, const float *root, const float *k, int clamp, int decay,
+                          float neg_eta, float *p, int64_t begin, int64_t end)
+{
+    const float eps = k[0], bound = k[1], wd = k[2];
+    int64_t i = begin;
+#if defined(__AVX2__)
+    const __m256 ve = _mm256_set1_ps(eps), vb = _mm256_set1_ps(bound);
+    const __m256 vnb = _mm256_set1_ps(-bound), vw = _mm256_set1_ps(wd);
+    const __m256 vn = _mm256_set1_ps(neg_eta);
+    for (; i + 8 <= end; i += 8) {
+        __m256 u = _mm256_div_ps(_mm256_loadu_ps(m + i),
+                                 _mm256_add_ps(_mm256_loadu_ps(root + i), ve));
+        if (clamp) { /* as the scalar ternaries: NaN stays NaN */
+            u = _mm256_blendv_ps(u, vnb, _mm256_cmp_ps(u, vnb, _CMP_LT_OQ));
+            u = _mm256_blendv_ps(u, vb, _mm256_cmp_ps(u, vb, _CMP_GT_OQ));
+        }
+        __m256 pi = _mm256_loadu_ps(p + i);
+        if (decay)
+            u = _mm256_add_ps(u, _mm256_mul_ps(vw, pi));
+        _mm256_storeu_ps(p + i, _mm256_add_ps(pi, _mm256_mul_ps(u, vn)));
+    }
+#endif
+    for (; i < end; i++) {
+        float u = m[i] / (root[i] + eps);
+        if (clamp)
+            u = u < -bound ? -bound : (u > bound ? bound : u);
+        if (decay)
+            u = u + wd * p[i];
+        p[i] = p[i] + u * neg_eta;
     }
 }

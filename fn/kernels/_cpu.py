@@ -464,6 +464,28 @@ def adam_direction(
     return None
 
 
+def adam_apply(
+    m: torch.Tensor,
+    v: torch.Tensor,
+    eta: torch.Tensor,
+    params: torch.Tensor,
+    root: torch.Tensor,
+    eps: float,
+    bound: float | None,
+    weight_decay: float,
+) -> None:
+    lib = library()
+    if lib is None or not _plain_fp32(m, v, params, root):
+        return _reference.adam_apply(m, v, eta, params, root, eps, bound, weight_decay)
+    torch.sqrt(v, out=root)  # torch's rounding, as adam_direction
+    constants = torch.tensor([eps, 0.0 if bound is None else bound, weight_decay])
+    decayed = params.data_ptr() if weight_decay else None
+    pointers = (m.data_ptr(), root.data_ptr(), decayed, constants.data_ptr(), params.data_ptr())
+    flags = (bound is not None) | 2  # 2: add the direction to the params
+    _run(lib, "adam_direction", params.numel(), 16, pointers, (flags,), -float(eta))
+    return None
+
+
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     lib = library()
     if lib is None or bits not in (4, 8) or group_size < 2 or group_size % 2:

@@ -24,6 +24,7 @@ _CPU_KERNELS = {
     "sign_sum_apply_error": _cpu.sign_sum_apply_error,
     "unpack_scaled": _cpu.unpack_scaled,
     "adam_direction": _cpu.adam_direction,
+    "adam_apply": _cpu.adam_apply,
     "adamw_step": _cpu.adamw_step,
     "quantize": _cpu.quantize,
     "dequantize": _cpu.dequantize,

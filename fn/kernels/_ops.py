@@ -678,6 +678,66 @@ def adam_direction(
     return out
 
 
+def adam_apply(
+    m: torch.Tensor,
+    v: torch.Tensor,
+    eta: torch.Tensor,
+    params: torch.Tensor,
+    *,
+    eps: float,
+    bound: float | None = None,
+    weight_decay: float = 0.0,
+    root: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The update of :func:`adam_direction` added to the params in place, with the values of
+    ``params.add_(adam_direction(m, v, eta, out, ..., p=params))``.
+
+    .. math::
+        p \\leftarrow p - \\eta\\,\\big(\\mathrm{clamp}(m / (\\sqrt{v} + \\epsilon), -B, B)
+            + \\lambda p\\big)
+
+    rounded as ``fn.onebit_adam``'s update followed by ``fn.apply_updates``. On the CPU, for
+    contiguous fp32 tensors, a C kernel reads ``m``, ``sqrt(v)`` and the params once and writes
+    the params; ``sqrt(v)`` is torch's (computed into ``root``, as :func:`adam_direction` does).
+    Eager tensors only (not a custom op).
+
+    Args:
+        m, v: fp32 momentum and variance (the params' shape).
+        eta: the learning rate, a 0-dim fp32 tensor.
+        params: fp32 params, updated in place.
+        eps, bound, weight_decay: as :func:`adam_direction` (the decay term uses ``params``).
+        root: fp32 scratch of the params' shape (overwritten), or ``None`` for a new tensor.
+
+    Returns:
+        ``params``.
+
+    Raises:
+        ValueError: a tensor that is not fp32 of the params' shape.
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> m, v, p = torch.tensor([1.0, -8.0]), torch.tensor([4.0, 1.0]), torch.ones(2)
+        >>> K.adam_apply(m, v, torch.tensor(0.5), p, eps=0.0, bound=4.0).tolist()
+        [0.75, 3.0]
+    """
+    root = torch.empty_like(params) if root is None else root
+    for name, t in (("m", m), ("v", v), ("params", params), ("root", root)):
+        if t.shape != params.shape or t.dtype != torch.float32:
+            raise ValueError(f"adam_apply: {name} must be fp32 of the params' shape")
+    _impl("adam_apply", params.device)(
+        m,
+        v,
+        eta,
+        params,
+        root,
+        float(eps),
+        None if bound is None else float(bound),
+        float(weight_decay),
+    )
+    return params
+
+
 def adamw_step(
     ps: Sequence[torch.Tensor],
     gs: Sequence[torch.Tensor],

@@ -226,6 +226,23 @@ def adam_direction(
     out.copy_(u.mul_(-eta))
 
 
+def adam_apply(
+    m: torch.Tensor,
+    v: torch.Tensor,
+    eta: torch.Tensor,
+    params: torch.Tensor,
+    root: torch.Tensor,
+    eps: float,
+    bound: float | None,
+    weight_decay: float,
+) -> None:
+    """Adds :func:`adam_direction` (with ``p = params`` when ``weight_decay`` is non-zero) to
+    ``params`` in place, as ``params.add_(update)``; ``root`` (like ``params``) is scratch."""
+    decayed = params if weight_decay else None
+    adam_direction(m, v, decayed, eta, root, eps, bound, weight_decay)
+    params.add_(root)
+
+
 def sign_compress_with(
     pack: Callable[[torch.Tensor], torch.Tensor], m: torch.Tensor, error: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

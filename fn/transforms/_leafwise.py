@@ -27,8 +27,9 @@ from torch.utils import _pytree as pytree
 
 from fn import collectives, kernels
 from fn._donation import donated_state
+from fn._fused_steps import register_update_and_apply
 from fn._validation import check_finite, check_shapes, check_step_or_plan, require_params
-from fn.base import CompressedOptimizer, Params, Updates
+from fn.base import CompressedOptimizer, Params, Updates, apply_updates
 from fn.transforms._learning_rate import learning_rate_now
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
@@ -50,6 +51,7 @@ def compressed_optimizer(
     *,
     params_needed_for: str | None,
     warmup_phase: str = "warmup",
+    fused_apply: bool = False,
 ) -> CompressedOptimizer:
     """A ``CompressedOptimizer`` whose two updates run ``update`` on the plan of the update.
     A compressed update on a state with no update made raises (:func:`check_warmed_up`, after
@@ -74,6 +76,11 @@ def compressed_optimizer(
         params_needed_for: what needs the params (e.g. ``"weight_decay > 0"``), or ``None`` when
             the updates work without them.
         warmup_phase: the name of the phase of ``warmup_update`` in error messages.
+        fused_apply: register a step for :func:`fn.update_and_apply` whose donated compressed
+            updates call ``update(..., donated=..., apply=True)``: ``update`` then adds the
+            update of every leaf it can to its param in place and returns ``None`` there (the
+            other leaves' updates are added by ``apply_updates``). Other updates run
+            ``update`` and ``apply_updates``.
 
     Returns:
         ``CompressedOptimizer(init, warmup_update, compressed_update, is_compressed, plan_for)``.
@@ -83,9 +90,30 @@ def compressed_optimizer(
         count = torch.zeros((), dtype=torch.int64)
         return state_type(count=count, lr=_initial_lr(lr), **init_fields(params))
 
-    def phase_update(compressed: bool):
+    def phase_step(compressed: bool):
         phase = "compressed" if compressed else warmup_phase
 
+        def step_fn(grads, state, params, step, plan, donate, apply):
+            plan = _resolve_plan(step, plan, plan_for, plan_type, compressed, phase)
+            if params_needed_for is not None:
+                require_params(params, params_needed_for)
+            eta = learning_rate_now(lr, state.count, state.lr)
+            donated = donated_state(donate, state)
+            if compressed and donated is not None:
+                check_warmed_up(name, state.count)  # before any donated buffer is written
+                applying = {"apply": True} if apply else {}
+                updates, new_state = update(
+                    grads, state, params, plan, eta, donated=donated, **applying
+                )
+            else:
+                updates, new_state = update(grads, state, params, plan, eta)
+            if compressed:  # after the update's own checks (of the gradients); nothing is kept
+                check_warmed_up(name, state.count)
+            return updates, new_state._replace(count=state.count + 1, lr=eta)
+
+        return step_fn
+
+    def update_fn_of(step_fn):
         def update_fn(
             grads: Updates,
             state: Any,
@@ -97,25 +125,28 @@ def compressed_optimizer(
             **extra: Any,
         ) -> tuple[Updates, Any]:
             del extra
-            plan = _resolve_plan(step, plan, plan_for, plan_type, compressed, phase)
-            if params_needed_for is not None:
-                require_params(params, params_needed_for)
-            eta = learning_rate_now(lr, state.count, state.lr)
-            donated = donated_state(donate, state)
-            if compressed and donated is not None:
-                check_warmed_up(name, state.count)  # before any donated buffer is written
-                updates, new_state = update(grads, state, params, plan, eta, donated=donated)
-            else:
-                updates, new_state = update(grads, state, params, plan, eta)
-            if compressed:  # after the update's own checks (of the gradients); nothing is kept
-                check_warmed_up(name, state.count)
-            return updates, new_state._replace(count=state.count + 1, lr=eta)
+            return step_fn(grads, state, params, step, plan, donate, apply=False)
 
         return update_fn
 
-    return CompressedOptimizer(
-        init_fn, phase_update(False), phase_update(True), is_compressed, plan_for
+    warmup_step, compressed_step = phase_step(False), phase_step(True)
+    opt = CompressedOptimizer(
+        init_fn, update_fn_of(warmup_step), update_fn_of(compressed_step), is_compressed, plan_for
     )
+    if not fused_apply:
+        return opt
+
+    def update_and_apply_fn(grads, state, params, *, donate, step=None, plan=None, **extra):
+        del extra
+        if check_step_or_plan(step, plan) is not None:
+            compressed = is_compressed(step)
+        else:  # a wrong plan: the compressed step's check raises
+            compressed = not isinstance(plan, plan_type) or plan.compressed
+        phase_fn = compressed_step if compressed else warmup_step
+        updates, new_state = phase_fn(grads, state, params, step, plan, donate, apply=True)
+        return apply_updates(params, updates, donate=True), new_state
+
+    return register_update_and_apply(opt, update_and_apply_fn)
 
 
 def map_leaves(

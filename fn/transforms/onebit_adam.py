@@ -7,7 +7,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fn._donation import fitting
+from fn import kernels
+from fn._donation import fits, fitting
 from fn._validation import check_betas, check_finite, check_int, check_nonnegative
 from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
@@ -150,6 +151,10 @@ def onebit_adam(
     allreduce's kernels, the update by ``fn.kernels.adam_direction``. The bits are those of the
     pure update; every check (all ranks' scales and counts, the warmup) runs before the first
     write. Warmup updates, ``non_freeze`` leaves and one worker stay pure (they allocate).
+    ``fn.update_and_apply(opt, grads, state, params, step=t)`` (or ``plan=``) goes one step
+    further on that path: each fp32 param gets its update added in place as its new momentum
+    is written (``fn.kernels.adam_apply``), and the gradients' buffers receive ``sqrt(v)``
+    instead of the updates; the params' bits are those of ``update`` then ``apply_updates``.
 
     The exact rules, step by step, are in ``docs/algorithms.md`` (section "1-bit Adam").
 
@@ -214,10 +219,12 @@ def onebit_adam(
             u = u.add_(weight_decay * p.float())
         return u.mul_(-eta), _Leaf(m, v, ew, es)
 
-    def donated_rule(g, leaf, p, mask, dense, *, eta, spare):
+    def donated_rule(g, leaf, p, mask, dense, *, eta, spare, apply):
         """The compressed rule writing into the donated leaf ``spare`` and the gradient's
         buffer (two steps, see ``map_leaves``); the pure rule where the fused path does not
-        apply (one worker, a ``non_freeze`` leaf, vmap, other dtypes)."""
+        apply (one worker, a ``non_freeze`` leaf, vmap, other dtypes). With ``apply``, an fp32
+        param ``p`` gets its update added in place (``sqrt(v)`` goes into the gradient's
+        buffer, free once the allreduce has read it) and the update returned is ``None``."""
         m, v, ew, es = leaf
         start = None
         if not bool(dense):
@@ -236,19 +243,28 @@ def onebit_adam(
             if mask is not None:
                 m_new = masked(m_new, mask)
             clip = bound if safeguard else None
+            new_leaf = _Leaf(m_new, v, ew_new, es_new)
+            target = p.detach() if apply and isinstance(p, torch.Tensor) else None
+            # update_and_apply has checked that autograd records no param
+            if target is not None and fits(target, m_new):
+                kernels.adam_apply(
+                    m_new, v, eta, target, eps=eps, bound=clip, weight_decay=weight_decay,
+                    root=fitting(g, m_new),
+                )  # fmt: skip
+                return None, new_leaf
             u = adam_update_into(
                 fitting(g, m_new), m_new, v, p, eta, eps=eps, bound=clip, weight_decay=weight_decay
             )
-            return u, _Leaf(m_new, v, ew_new, es_new)
+            return u, new_leaf
 
         return finish
 
-    def update(grads, state, params, plan, eta, donated=None):
+    def update(grads, state, params, plan, eta, donated=None, apply=False):
         if plan.compressed and host_count(state.count) == schedule.freeze_step - 1:
             warn_unsafe_variance("onebit_adam", state, eps, bound, safeguard, skip=non_freeze)
         inputs = (params, exp_avg_mask, non_freeze)
         if donated is not None:
-            rule = partial(donated_rule, eta=eta)
+            rule = partial(donated_rule, eta=eta, apply=apply)
             return map_leaves("onebit_adam", rule, grads, state, _Leaf, *inputs, donated=donated)
         rule = partial(leaf_rule, compressed=plan.compressed, eta=eta)
         return map_leaves("onebit_adam", rule, grads, state, _Leaf, *inputs)
@@ -263,4 +279,5 @@ def onebit_adam(
         schedule.onebit_adam_plan,
         OnebitAdamPlan,
         params_needed_for="weight_decay > 0" if weight_decay > 0 else None,
+        fused_apply=True,
     )
