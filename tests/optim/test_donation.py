@@ -232,7 +232,7 @@ def test_a_step_failing_in_any_collective_changes_nothing(name):
         assert torch.equal(flat_params(model), flat_params(reference)), f"step {t} differs"
 
 
-ONEBIT = {
+FUSED_ONEBIT_SETTINGS = {
     "decay": dict(weight_decay=0.01),
     "exact": dict(safeguard=False),
 }
@@ -240,7 +240,7 @@ ONEBIT = {
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the unsafe-variance warning
 @pytest.mark.parametrize("flatten", [True, False])
-@pytest.mark.parametrize("name", list(ONEBIT))
+@pytest.mark.parametrize("name", list(FUSED_ONEBIT_SETTINGS))
 def test_onebit_adam_compressed_steps_add_to_the_params_in_place(name, flatten, monkeypatch):
     """On two (mirrored) ranks the adapter's compressed steps take fn.onebit_adam's fused step
     (fn.kernels.adam_apply on the params), with the pure functional loop's params."""
@@ -252,12 +252,17 @@ def test_onebit_adam_compressed_steps_add_to_the_params_in_place(name, flatten, 
     model = make_model()
     start = flat_params(model)
     opt = fn.optim.OnebitAdam(
-        model.parameters(), lr=1e-2, freeze_step=3, comm=Mirror(), flatten=flatten, **ONEBIT[name]
+        model.parameters(),
+        lr=1e-2,
+        freeze_step=3,
+        comm=Mirror(),
+        flatten=flatten,
+        **FUSED_ONEBIT_SETTINGS[name],
     )
     grads, history = _train(opt, model, 0, STEPS)
     assert calls, "the compressed steps did not add to the params in place"
     to_tree = (lambda x: x) if flatten else unflatten_like(model)
-    tx = fn.onebit_adam(1e-2, 3, comm=Mirror(), **ONEBIT[name])
+    tx = fn.onebit_adam(1e-2, 3, comm=Mirror(), **FUSED_ONEBIT_SETTINGS[name])
     ref = run_functional(tx, start, grads, to_tree=to_tree)
     for t, (got, want) in enumerate(zip(history, ref, strict=True)):
         assert torch.equal(got, want), f"step {t + 1} differs from the pure functional loop"
