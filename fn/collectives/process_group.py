@@ -4,8 +4,8 @@ Works with any backend that implements all_reduce, the flat all_gather / reduce_
 all_to_all_single (gloo, nccl, xccl, hccl, mpi), for instance under ``torchrun``. Results are
 new tensors: inputs are never changed. :meth:`ProcessGroup.transfers` adds point-to-point
 sends and receives into given buffers (:class:`Transfers`), which fused callers overlap with
-their compute. The collectives are not vmappable (use ``Simulated``
-to batch ranks in one process).
+their compute. The collectives are not vmappable (use ``Simulated`` to batch ranks in one
+process).
 
 Timeout: every collective gives up after ``timeout`` (``ProcessGroup(timeout=...)``, else the
 ``FN_TIMEOUT`` environment variable in seconds, else 5 minutes) on host (CPU, gloo) tensors:

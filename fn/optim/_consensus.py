@@ -75,8 +75,8 @@ def settings_of(obj: Any, path: str = "transform") -> dict[str, str]:
         >>> for path, value in settings_of(tx).items():
         ...     if path.endswith(("freeze_step", "leaf_rule.eps")):
         ...         print(path, value)
-        transform.warmup_update.plan_for.freeze_step 4
-        transform.warmup_update.update.donated_rule.leaf_rule.eps 1e-08
+        transform.warmup_update.step_fn.plan_for.freeze_step 4
+        transform.warmup_update.step_fn.update.donated_rule.leaf_rule.eps 1e-08
     """
     out: dict[str, str] = {}
     seen: set[int] = set()
