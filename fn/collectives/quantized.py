@@ -246,7 +246,7 @@ def _reduce_scatter_into(
     returns the hops' quantizations for :func:`_write_errors` (in workspaces named after
     ``tag``: another tag keeps them while this function runs again)."""
     n = x.numel()
-    if rows is None and _streams(plan, x.device):
+    if rows is None and _point_to_point(plan, x.device):
         return [_reduce_scatter_streamed(x, errors[0], plan, out, tag)]
     numel = quantized_padded_numel(n, plan.world.world_size, plan.group_size)
     if rows is not None:
@@ -270,7 +270,7 @@ def _reduce_scatter_into(
     return pending
 
 
-def _streams(plan: _Plan, device: torch.device) -> bool:
+def _point_to_point(plan: _Plan, device: torch.device) -> bool:
     """Whether the donated path streams its chunks point to point (one hop on a
     :class:`ProcessGroup` with host tensors) instead of calling the comm's collectives."""
     return len(plan.hops) == 1 and isinstance(plan.world, ProcessGroup) and device.type == "cpu"
@@ -426,7 +426,7 @@ def _all_gather_into(
     quantized = _quantize_padded(shard, error, shard.numel(), plan, "gather")
     if error_out is not None:
         pending, pending_outs = [*pending, quantized], [*pending_outs, error_out]
-    if _streams(plan, y.device):
+    if _point_to_point(plan, y.device):
         return _all_gather_streamed(quantized, plan, y, pending, pending_outs, err_beta)
     q, scales = _overlapped(
         plan.world,

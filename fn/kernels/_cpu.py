@@ -215,7 +215,11 @@ def _last_level_cache() -> int:
 _STREAM_MIN = _last_level_cache() // 2
 
 
-def _streams(out: torch.Tensor) -> int:
+def _streams(out: torch.Tensor, updated: torch.Tensor | None = None) -> int:
+    """1 where the kernel should write ``out`` with non-temporal stores: large, and not the
+    tensor ``updated`` in place (whose lines the kernel has just read into the cache)."""
+    if updated is not None and out.data_ptr() == updated.data_ptr():
+        return 0
     return int(out.numel() * out.element_size() >= _STREAM_MIN)
 
 
@@ -392,8 +396,7 @@ def feedback_apply_error(
         return _reference.feedback_apply_error(x, error, scale, out, grad, beta)
     f, alive = _feedback(_FEEDBACK_X, error, x, grad, beta)
     pointers = (ctypes.addressof(f), out.data_ptr())
-    stream = _streams(out) if out.data_ptr() != error.data_ptr() else 0  # in place: lines cached
-    ints = (stream,)
+    ints = (_streams(out, error),)
     _run(lib, "feedback_error", error.numel(), _reference.SUMSQ_BLOCK, pointers, ints, float(scale))
     del alive  # the tensors f points into lived until here
     return None
@@ -421,8 +424,7 @@ def sign_sum_apply_error(
         return _reference.sign_sum_apply_error(signs, weights, error, scale, out)
     f, alive = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
     pointers = (ctypes.addressof(f), out.data_ptr())
-    stream = _streams(out) if out.data_ptr() != error.data_ptr() else 0  # in place: lines cached
-    ints = (stream,)
+    ints = (_streams(out, error),)
     _run(lib, "feedback_error", error.numel(), _reference.SUMSQ_BLOCK, pointers, ints, float(scale))
     del alive  # the tensors f points into lived until here
     return None
@@ -450,18 +452,20 @@ def adam_direction(
     lib = library()
     if lib is None or not _plain_fp32(m, v, p, out):
         return _reference.adam_direction(m, v, p, eta, out, eps, bound, weight_decay)
-    # torch's sqrt is not correctly rounded everywhere (1 ulp off on some inputs): use it
-    torch.sqrt(v, out=out)
-    constants = torch.tensor([eps, 0.0 if bound is None else bound, weight_decay])
-    pointers = (
-        m.data_ptr(),
-        out.data_ptr(),
-        None if p is None else p.data_ptr(),
-        constants.data_ptr(),
-        out.data_ptr(),
-    )
-    _run(lib, "adam_direction", out.numel(), 16, pointers, (bound is not None,), -float(eta))
+    _adam_kernel(lib, m, v, p, eta, out, out, eps, bound, weight_decay, add=False)
     return None
+
+
+def _adam_kernel(lib, m, v, p, eta, root, out, eps, bound, weight_decay, *, add: bool) -> None:
+    """The C ``adam_direction`` job: ``sqrt(v)`` into ``root`` first (torch's sqrt is not
+    correctly rounded everywhere, 1 ulp off on some inputs, so the kernel uses torch's), then
+    the direction written into ``out`` or, with ``add``, added to it."""
+    torch.sqrt(v, out=root)
+    constants = torch.tensor([eps, 0.0 if bound is None else bound, weight_decay])
+    decayed = None if p is None else p.data_ptr()
+    pointers = (m.data_ptr(), root.data_ptr(), decayed, constants.data_ptr(), out.data_ptr())
+    flags = int(bound is not None) | (2 if add else 0)  # 2: add the direction to out
+    _run(lib, "adam_direction", out.numel(), 16, pointers, (flags,), -float(eta))
 
 
 def adam_apply(
@@ -477,12 +481,8 @@ def adam_apply(
     lib = library()
     if lib is None or not _plain_fp32(m, v, params, root):
         return _reference.adam_apply(m, v, eta, params, root, eps, bound, weight_decay)
-    torch.sqrt(v, out=root)  # torch's rounding, as adam_direction
-    constants = torch.tensor([eps, 0.0 if bound is None else bound, weight_decay])
-    decayed = params.data_ptr() if weight_decay else None
-    pointers = (m.data_ptr(), root.data_ptr(), decayed, constants.data_ptr(), params.data_ptr())
-    flags = (bound is not None) | 2  # 2: add the direction to the params
-    _run(lib, "adam_direction", params.numel(), 16, pointers, (flags,), -float(eta))
+    decayed = params if weight_decay else None
+    _adam_kernel(lib, m, v, decayed, eta, root, params, eps, bound, weight_decay, add=True)
     return None
 
 
