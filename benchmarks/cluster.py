@@ -21,15 +21,17 @@ calls, every buffer reused):
    communication and optimizer, for Adam with one dense allreduce of the flat gradient, Adam
    under DDP (the two baselines), ``fn.onebit_adam`` in its compressed phase with
    ``fn.update_and_apply`` (state and gradient buffer donated, params updated in place), the
-   ``fn.optim.OnebitAdam`` adapter in its compressed phase, and the same step with no
-   communication (the floor).
+   ``fn.optim.OnebitAdam`` adapter in its compressed phase, the same step with no
+   communication (the floor), and forward + backward alone (the bound: no step that computes
+   the gradient is faster, so Adam's time over it is the most any optimizer's "x Adam" can be
+   in that run).
 
 Every method is timed between barriers, the methods interleaved in each repeat, and the median
 of rank 0's times is printed with the speedup over the dense baseline (allreduce) or the faster
 Adam row (training) and each step's ratio to the floor. A summary ends the run: every target of
 issue #17 that cluster.py measures, its ratio and "met", "NOT met" or "not measured" (a rate or
-size this run left out), with the load average before the run and THP_MEM_ALLOC_ENABLE (set it
-as ``sudo THP_MEM_ALLOC_ENABLE=1 python3 ...``).
+size this run left out), the bound of the "x Adam" targets, with the load average before the run
+and THP_MEM_ALLOC_ENABLE (set it as ``sudo THP_MEM_ALLOC_ENABLE=1 python3 ...``).
 
 All ranks share this machine's CPUs: compute that would run in parallel on a real cluster
 (compression, backward) competes here, so compute-bound rows are pessimistic.
@@ -517,6 +519,14 @@ def bench_training(cfg: dict) -> dict:
 
     adam_dense, adam_local = flat_adam(average=True), flat_adam(average=False)
 
+    # Forward and backward alone: no data-parallel step that computes the gradient is faster.
+    backward_model = build_mlp(cfg["width"], cfg["hidden"])
+    _, backward_grad = flat_views(backward_model)
+
+    def backward_only():
+        backward_grad.zero_()
+        loss_of(backward_model).backward()
+
     # Adam under DDP (bucketed allreduce overlapped with backward).
     ddp_model = torch.nn.parallel.DistributedDataParallel(build_mlp(cfg["width"], cfg["hidden"]))
     ddp_opt = torch.optim.Adam(ddp_model.parameters(), lr=1e-4, foreach=True)
@@ -573,6 +583,7 @@ def bench_training(cfg: dict) -> dict:
             "onebit": onebit_compressed,
             "onebit_optim": onebit_optim,
             "adam_local": adam_local,
+            "backward": backward_only,
         },
         cfg["train_repeats"],
         cfg["warmup"],
@@ -687,6 +698,7 @@ TRAINING_ROWS = {
     "onebit": "fn.onebit_adam compressed, update_and_apply",
     "onebit_optim": "fn.optim.OnebitAdam compressed",
     "adam_local": "no communication (local Adam, the floor)",
+    "backward": "forward + backward only (the bound)",
 }
 
 
@@ -703,6 +715,16 @@ class Target(NamedTuple):
     measure: Callable[[dict], float | None]  # one rate's results -> the ratio
     at_least: float | None = None  # met when ratio >= at_least
     at_most: float | None = None  # met when ratio <= at_most
+    bound: Callable[[dict], float | None] | None = None  # the best ratio any method could reach
+
+
+class Status(NamedTuple):
+    """A target's outcome in one run."""
+
+    text: str
+    ratio: float | None  # None: not measured in this run
+    verdict: str  # "met", "NOT met" or "not measured"
+    bound: float | None = None  # the target's bound in this run, where it has one
 
 
 def _allreduce_speedup(log2n: int, key: str) -> Callable[[dict], float | None]:
@@ -711,6 +733,13 @@ def _allreduce_speedup(log2n: int, key: str) -> Callable[[dict], float | None]:
         return rows[0]["dense"] / rows[0][key] if rows else None
 
     return measure
+
+
+def _speedup_bound(res: dict) -> float | None:
+    """Adam's step over forward + backward alone: what a step that computes the gradient and
+    then does no work at all would measure as its speedup over Adam in that run."""
+    t = res.get("training")
+    return None if t is None else adam_baseline(t) / t["backward"]
 
 
 def _training_ratio(key: str, over_floor: bool) -> Callable[[dict], float | None]:
@@ -731,12 +760,19 @@ TARGETS = (
     Target(
         "4-bit LoCo allreduce >= 4x dense, 2^24, 1 Gbit/s", 1e9, _allreduce_speedup(24, "loco4"), 4
     ),
-    Target("fn.onebit_adam step >= 3x Adam, 1 Gbit/s", 1e9, _training_ratio("onebit", False), 3),
+    Target(
+        "fn.onebit_adam step >= 3x Adam, 1 Gbit/s",
+        1e9,
+        _training_ratio("onebit", False),
+        3,
+        bound=_speedup_bound,
+    ),
     Target(
         "fn.optim.OnebitAdam step >= 3x Adam, 1 Gbit/s",
         1e9,
         _training_ratio("onebit_optim", False),
         3,
+        bound=_speedup_bound,
     ),
     Target(
         "fn.onebit_adam step <= 1.3x the floor, 1 Gbit/s",
@@ -753,27 +789,28 @@ TARGETS = (
 )
 
 
-def target_status(results: list[dict]) -> list[tuple[str, float | None, str]]:
-    """Every target with its measured ratio (``None``: not measured in this run) and "met",
-    "NOT met" or "not measured"."""
+def target_status(results: list[dict]) -> list[Status]:
+    """Every target's :class:`Status`: its measured ratio and verdict, and its bound where it
+    has one (from the same rate's results)."""
     rows = []
     for target in TARGETS:
-        ratio = next(
+        res = next(
             (
-                value
+                res
                 for res in results
-                if parse_rate(res["rate"]) == target.rate_bits
-                and (value := target.measure(res)) is not None
+                if parse_rate(res["rate"]) == target.rate_bits and target.measure(res) is not None
             ),
             None,
         )
-        if ratio is None:
-            rows.append((target.text, None, "not measured"))
+        if res is None:
+            rows.append(Status(target.text, None, "not measured"))
             continue
+        ratio = target.measure(res)
         met = (target.at_least is None or ratio >= target.at_least) and (
             target.at_most is None or ratio <= target.at_most
         )
-        rows.append((target.text, ratio, "met" if met else "NOT met"))
+        bound = None if target.bound is None else target.bound(res)
+        rows.append(Status(target.text, ratio, "met" if met else "NOT met", bound))
     return rows
 
 
@@ -781,11 +818,13 @@ def print_summary(results: list[dict], args: argparse.Namespace, load: float) ->
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "unset")
     print(
         f"\nissue #17 targets ({args.ranks} ranks, {args.threads} thread(s) per rank; load "
-        f"average before the run {load:.2f}; THP_MEM_ALLOC_ENABLE={thp})"
+        f"average before the run {load:.2f}; THP_MEM_ALLOC_ENABLE={thp}; bound: the ratio of "
+        "a step that is forward + backward alone)"
     )
-    for text, ratio, status in target_status(results):
-        measured = "-" if ratio is None else f"{ratio:.2f}x"
-        print(f"  {text:54s} {measured:>8s}   {status}")
+    for status in target_status(results):
+        measured = "-" if status.ratio is None else f"{status.ratio:.2f}x"
+        bound = "" if status.bound is None else f"   (bound {status.bound:.2f}x)"
+        print(f"  {status.text:54s} {measured:>8s}   {status.verdict}{bound}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -204,7 +204,7 @@ def _fake_results(onebit_24, loco_24, onebit_10g, step_1bit, step_optim):
         ]
 
     training = {"adam_dense": 1.2, "adam_ddp": 1.0, "onebit": step_1bit}
-    training.update(onebit_optim=step_optim, adam_local=0.25)
+    training.update(onebit_optim=step_optim, adam_local=0.25, backward=0.2)
     return [
         {"rate": "1gbit", "collectives": collectives(onebit_24, loco_24), "training": training},
         {"rate": "10000mbit", "collectives": collectives(onebit_10g, 1.0)},
@@ -213,7 +213,7 @@ def _fake_results(onebit_24, loco_24, onebit_10g, step_1bit, step_optim):
 
 def test_cluster_target_status_compares_each_ratio_with_its_target():
     results = _fake_results(1 / 8, 1 / 3.9, 1.0, 0.3, 0.34)
-    status = {text: (ratio, verdict) for text, ratio, verdict in cluster.target_status(results)}
+    status = {s.text: (s.ratio, s.verdict) for s in cluster.target_status(results)}
     assert len(status) == len(cluster.TARGETS) == 7
     by_key = {
         "1-bit allreduce >= 8x dense, 2^24, 1 Gbit/s": (8.0, "met"),
@@ -229,16 +229,25 @@ def test_cluster_target_status_compares_each_ratio_with_its_target():
         assert status[text][0] == pytest.approx(ratio) and status[text][1] == verdict, text
 
 
+def test_cluster_speedup_targets_carry_their_bound_from_forward_and_backward():
+    results = _fake_results(1 / 8, 1 / 3.9, 1.0, 0.3, 0.34)
+    bounds = {s.text: s.bound for s in cluster.target_status(results)}
+    # the faster Adam row (1.0 s) over forward + backward alone (0.2 s)
+    assert bounds["fn.onebit_adam step >= 3x Adam, 1 Gbit/s"] == pytest.approx(5.0)
+    assert bounds["fn.optim.OnebitAdam step >= 3x Adam, 1 Gbit/s"] == pytest.approx(5.0)
+    assert bounds["1-bit allreduce >= 8x dense, 2^24, 1 Gbit/s"] is None
+
+
 def test_cluster_target_status_says_what_a_run_did_not_measure():
     results = _fake_results(0.1, 0.1, 0.1, 0.3, 0.3)[:1]  # no 10gbit rate
     del results[0]["training"]
     status = cluster.target_status(results)
-    measured = [text for text, ratio, verdict in status if verdict != "not measured"]
+    measured = [s.text for s in status if s.verdict != "not measured"]
     assert measured == [
         "1-bit allreduce >= 8x dense, 2^24, 1 Gbit/s",
         "4-bit LoCo allreduce >= 4x dense, 2^24, 1 Gbit/s",
     ]
-    assert all(ratio is None for _, ratio, verdict in status if verdict == "not measured")
+    assert all(s.ratio is None for s in status if s.verdict == "not measured")
 
 
 @pytest.mark.timeout(300)
@@ -284,7 +293,11 @@ def test_cluster_ranks_run_every_row_on_loopback(tmp_path, capsys):
     printed = capsys.readouterr().out
     for label in cluster.TRAINING_ROWS.values():
         assert label in printed
-    assert re.search(r"fn\.optim\.OnebitAdam step >= 3x Adam, 1 Gbit/s\s+[\d.]+x", printed)
+    assert re.search(
+        r"fn\.optim\.OnebitAdam step >= 3x Adam, 1 Gbit/s\s+[\d.]+x\s+(met|NOT met)"
+        r"\s+\(bound [\d.]+x\)",
+        printed,
+    )
     assert "load average before the run 0.50" in printed
 
 
