@@ -77,6 +77,9 @@ def init_error_feedback(
 
 
 AllreduceOut = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+# (packed [W, chunk / 8], scales [W], y): writes the allreduce's result into the flat fp32 y.
+WriteY = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
+Finish = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (write_y=...) -> ...
 
 
 def compressed_allreduce(
@@ -241,14 +244,18 @@ def compressed_allreduce_start(
     out: AllreduceOut,
     grad: torch.Tensor | None = None,
     beta: float = 0.0,
-) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+) -> Finish | None:
     """:func:`compressed_allreduce` of ``x`` into the buffers ``out``, in two steps; with
     ``grad``, of the momentum ``beta * x + (1 - beta) * grad`` (rounded as ``fn.transforms``'
     ``moving_average``), computed on the fly, never as a tensor.
 
     This call compresses, exchanges and checks everything, on every rank, and writes nothing;
     the function it returns writes the new errors and ``y`` (which may be ``x`` or ``grad``)
-    and returns them. An optimizer calls it for every leaf before it finishes any, so a
+    and returns them. Given ``write_y(packed, scales, y)``, that function calls it to write
+    ``y`` (fp32, flat) from the gathered signs (uint8 ``[W, chunk / 8]``) and scales (fp32
+    ``[W]``) as ``fn.kernels.unpack_scaled`` does, after the errors: a consumer of ``y`` can
+    then write it in the pass that uses it (``fn.kernels.adam_apply`` with ``signs``). An
+    optimizer calls it for every leaf before it finishes any, so a
     failure on any leaf leaves every buffer intact. Returns ``None`` (nothing done) where this
     allocation-free path does not apply (one rank, no elements, dtypes other than fp32,
     non-contiguous tensors, vmap, ``torch.compile``): the caller then takes the pure path.
@@ -317,7 +324,7 @@ def _start_into(
     comm: Comm,
     like: torch.Tensor,
     out: AllreduceOut,
-) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+) -> Finish:
     """The allocation-free path, in three phases: the worker compresses ``flat`` (or the
     momentum of ``flat`` and ``grad``) and exchanges; the server sums the received signs,
     compresses and exchanges; every scale checked, it returns the third phase, which writes
@@ -340,7 +347,7 @@ def _start_into(
         comm.all_gather(server_scale), f"{what}: non-finite values in a server error"
     )
 
-    def finish() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def finish(write_y: WriteY = kernels.unpack_scaled) -> tuple[torch.Tensor, ...]:
         y, worker, server = (
             torch.empty_like(t) if b is None else b
             for b, t in zip(out, (like, worker_error, server_error), strict=True)
@@ -348,7 +355,7 @@ def _start_into(
         kernels.sign_sum_apply_error(received, weights, server_error, server_scale, server)
         kernels.feedback_apply_error(flat, worker_error, scale, worker, grad=grad, beta=beta)
         if y.dtype == torch.float32:
-            kernels.unpack_scaled(all_packed, all_scales, y.view(-1))
+            write_y(all_packed, all_scales, y.view(-1))
         else:
             values = torch.empty(n, dtype=torch.float32, device=y.device)
             y.view(-1).copy_(kernels.unpack_scaled(all_packed, all_scales, values))

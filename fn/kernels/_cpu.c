@@ -482,20 +482,33 @@ static void fn_unpack_scaled(const uint8_t *packed, const float *scales, int64_t
 #endif
 }
 
-static void fn_adam_apply(const float *m, const float *root, const float *k, int clamp, int decay,
-                          float neg_eta, float *p, int64_t begin, int64_t end);
+/* The new momentum of a compressed step as the packed signs it arrives as (see
+   fn_unpack_scaled): fn_adam_apply writes its values into m, instead of reading m. */
+typedef struct {
+    const uint8_t *packed;
+    const float *scales;
+    int64_t chunk, stream;
+    float *m;
+} fn_signed_momentum;
+
+static void fn_adam_apply(const float *m, const fn_signed_momentum *signed_m, const float *root,
+                          const float *k, int clamp, int decay, float neg_eta, float *p,
+                          int64_t begin, int64_t end);
 
 /* The Adam direction of the 1-bit family's compressed update, rounded as the torch rule:
    out = ((m / (root + eps)) clamped to [-bound, bound] (+ wd * p)) * neg_eta, where root is
    torch's sqrt(v) (not correctly rounded everywhere, so the caller computes it; it may be out).
-   flags: 1 clamps; 2 adds the direction to out instead (out the params, p NULL or out). */
+   flags: 1 clamps; 2 adds the direction to out instead (out the params, p NULL or out); 4 (with
+   2) takes m as a fn_signed_momentum, whose values it writes. */
 static void fn_adam_direction(const float *m, const float *root, const float *p, const float *k,
                               int flags, float neg_eta, float *out, int64_t begin, int64_t end)
 {
     const float eps = k[0], bound = k[1], wd = k[2];
     const int clamp = flags & 1;
     if (flags & 2) {
-        fn_adam_apply(m, root, k, clamp, p != NULL, neg_eta, out, begin, end);
+        const fn_signed_momentum *signed_m = flags & 4 ? (const void *)m : NULL;
+        fn_adam_apply(signed_m ? NULL : m, signed_m, root, k, clamp, p != NULL, neg_eta, out,
+                      begin, end);
         return;
     }
     for (int64_t i = begin; i < end; i++) {
@@ -1208,9 +1221,22 @@ static void fn_adamw_step(const fn_adamw *a, int64_t begin, int64_t end)
 /* ------------------------------------------------------------------------------------------
    The 1-bit family's compressed Adam step added to the params in one pass (fn_adam_direction
    with flag 2): p = p + ((m / (root + eps)) clamped to [-bound, bound] (+ wd * p)) * neg_eta,
-   each operation rounded as fn_adam_direction followed by the params' p + u. */
-static void fn_adam_apply(const float *m, const float *root, const float *k, int clamp, int decay,
-                          float neg_eta, float *p, int64_t begin, int64_t end)
+   each operation rounded as fn_adam_direction followed by the params' p + u. With signed_m, m
+   is +-scales[i / chunk] by sign bit i (the bits of fn_unpack_scaled), written into signed_m->m
+   (non-temporal with stream) as it is used; begin is then a multiple of 8. */
+static inline float signed_value(const fn_signed_momentum *s, int64_t i)
+{
+    uint32_t bits;
+    memcpy(&bits, s->scales + i / s->chunk, 4);
+    bits ^= (~(s->packed[i >> 3] >> (7 - (i & 7))) & 1u) << 31;
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
+static void fn_adam_apply(const float *m, const fn_signed_momentum *signed_m, const float *root,
+                          const float *k, int clamp, int decay, float neg_eta, float *p,
+                          int64_t begin, int64_t end)
 {
     const float eps = k[0], bound = k[1], wd = k[2];
     int64_t i = begin;
@@ -1218,9 +1244,26 @@ static void fn_adam_apply(const float *m, const float *root, const float *k, int
     const __m256 ve = _mm256_set1_ps(eps), vb = _mm256_set1_ps(bound);
     const __m256 vnb = _mm256_set1_ps(-bound), vw = _mm256_set1_ps(wd);
     const __m256 vn = _mm256_set1_ps(neg_eta);
+    const __m256i weights = _mm256_setr_epi32(128, 64, 32, 16, 8, 4, 2, 1);
+    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+    const int stream = signed_m && signed_m->stream && ((uintptr_t)signed_m->m & 31) == 0;
     for (; i + 8 <= end; i += 8) {
-        __m256 u = _mm256_div_ps(_mm256_loadu_ps(m + i),
-                                 _mm256_add_ps(_mm256_loadu_ps(root + i), ve));
+        __m256 mi;
+        if (signed_m) { /* 8 values of one row: chunk is a multiple of 8 */
+            uint32_t s;
+            memcpy(&s, signed_m->scales + i / signed_m->chunk, 4);
+            __m256i bit = _mm256_and_si256(_mm256_set1_epi32(signed_m->packed[i >> 3]), weights);
+            __m256i clear = _mm256_cmpeq_epi32(bit, _mm256_setzero_si256());
+            mi = _mm256_castsi256_ps(
+                _mm256_xor_si256(_mm256_set1_epi32((int)s), _mm256_and_si256(clear, sign)));
+            if (stream)
+                _mm256_stream_ps(signed_m->m + i, mi);
+            else
+                _mm256_storeu_ps(signed_m->m + i, mi);
+        } else {
+            mi = _mm256_loadu_ps(m + i);
+        }
+        __m256 u = _mm256_div_ps(mi, _mm256_add_ps(_mm256_loadu_ps(root + i), ve));
         if (clamp) { /* as the scalar ternaries: NaN stays NaN */
             u = _mm256_blendv_ps(u, vnb, _mm256_cmp_ps(u, vnb, _CMP_LT_OQ));
             u = _mm256_blendv_ps(u, vb, _mm256_cmp_ps(u, vb, _CMP_GT_OQ));
@@ -1230,9 +1273,12 @@ static void fn_adam_apply(const float *m, const float *root, const float *k, int
             u = _mm256_add_ps(u, _mm256_mul_ps(vw, pi));
         _mm256_storeu_ps(p + i, _mm256_add_ps(pi, _mm256_mul_ps(u, vn)));
     }
+    if (stream)
+        _mm_sfence();
 #endif
     for (; i < end; i++) {
-        float u = m[i] / (root[i] + eps);
+        float mi = m ? m[i] : (signed_m->m[i] = signed_value(signed_m, i));
+        float u = mi / (root[i] + eps);
         if (clamp)
             u = u < -bound ? -bound : (u > bound ? bound : u);
         if (decay)

@@ -456,16 +456,38 @@ def adam_direction(
     return None
 
 
-def _adam_kernel(lib, m, v, p, eta, root, out, eps, bound, weight_decay, *, add: bool) -> None:
+def _adam_kernel(
+    lib, m, v, p, eta, root, out, eps, bound, weight_decay, *, add: bool, signs=None
+) -> None:
     """The C ``adam_direction`` job: ``sqrt(v)`` into ``root`` first (torch's sqrt is not
     correctly rounded everywhere, 1 ulp off on some inputs, so the kernel uses torch's), then
-    the direction written into ``out`` or, with ``add``, added to it."""
+    the direction written into ``out`` or, with ``add``, added to it; with ``signs`` (``add``
+    only), ``m`` is written from them as it is used (:func:`adam_apply`)."""
     torch.sqrt(v, out=root)
     constants = torch.tensor([eps, 0.0 if bound is None else bound, weight_decay])
     decayed = None if p is None else p.data_ptr()
-    pointers = (m.data_ptr(), root.data_ptr(), decayed, constants.data_ptr(), out.data_ptr())
     flags = int(bound is not None) | (2 if add else 0)  # 2: add the direction to out
+    momentum = m.data_ptr()
+    if signs is not None:
+        packed, scales = signs
+        signed = _SignedMomentum(
+            packed.data_ptr(), scales.data_ptr(), packed.shape[1] * 8, _streams(m), m.data_ptr()
+        )
+        momentum, flags = ctypes.addressof(signed), flags | 4  # 4: m from the signs
+    pointers = (momentum, root.data_ptr(), decayed, constants.data_ptr(), out.data_ptr())
     _run(lib, "adam_direction", out.numel(), 16, pointers, (flags,), -float(eta))
+
+
+class _SignedMomentum(ctypes.Structure):
+    """Mirror of the C ``fn_signed_momentum``."""
+
+    _fields_ = [
+        ("packed", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("chunk", ctypes.c_int64),
+        ("stream", ctypes.c_int64),
+        ("m", ctypes.c_void_p),
+    ]
 
 
 def adam_apply(
@@ -477,12 +499,16 @@ def adam_apply(
     eps: float,
     bound: float | None,
     weight_decay: float,
+    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     lib = library()
-    if lib is None or not _plain_fp32(m, v, params, root):
-        return _reference.adam_apply(m, v, eta, params, root, eps, bound, weight_decay)
+    plain_signs = signs is None or (signs[0].is_contiguous() and _plain_fp32(signs[1]))
+    if lib is None or not _plain_fp32(m, v, params, root) or not plain_signs:
+        return _reference.adam_apply(m, v, eta, params, root, eps, bound, weight_decay, signs)
     decayed = params if weight_decay else None
-    _adam_kernel(lib, m, v, decayed, eta, root, params, eps, bound, weight_decay, add=True)
+    _adam_kernel(
+        lib, m, v, decayed, eta, root, params, eps, bound, weight_decay, add=True, signs=signs
+    )
     return None
 
 

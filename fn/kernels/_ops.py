@@ -688,9 +688,11 @@ def adam_apply(
     bound: float | None = None,
     weight_decay: float = 0.0,
     root: torch.Tensor | None = None,
+    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The update of :func:`adam_direction` added to the params in place, with the values of
-    ``params.add_(adam_direction(m, v, eta, out, ..., p=params))``.
+    ``params.add_(adam_direction(m, v, eta, out, ..., p=params))``; with ``signs``, the
+    momentum ``m`` is first written from the packed signs it arrives as.
 
     .. math::
         p \\leftarrow p - \\eta\\,\\big(\\mathrm{clamp}(m / (\\sqrt{v} + \\epsilon), -B, B)
@@ -699,7 +701,9 @@ def adam_apply(
     rounded as ``fn.onebit_adam``'s update followed by ``fn.apply_updates``. On the CPU, for
     contiguous fp32 tensors, a C kernel reads ``m``, ``sqrt(v)`` and the params once and writes
     the params; ``sqrt(v)`` is torch's (computed into ``root``, as :func:`adam_direction` does).
-    Eager tensors only (not a custom op).
+    With ``signs``, it writes ``m`` as :func:`unpack_scaled` does instead of reading it (the
+    new momentum of a 1-bit allreduce, in the pass that uses it). Eager tensors only (not a
+    custom op).
 
     Args:
         m, v: fp32 momentum and variance (the params' shape).
@@ -707,12 +711,16 @@ def adam_apply(
         params: fp32 params, updated in place.
         eps, bound, weight_decay: as :func:`adam_direction` (the decay term uses ``params``).
         root: fp32 scratch of the params' shape (overwritten), or ``None`` for a new tensor.
+        signs: ``(packed, scales)`` as for :func:`unpack_scaled` (uint8 ``[W, chunk / 8]``,
+            fp32 ``[W]``, ``chunk`` a multiple of 8 with ``W * chunk`` at least the params'
+            size), whose values ``m`` receives first; ``None``: ``m`` is read.
 
     Returns:
         ``params``.
 
     Raises:
-        ValueError: a tensor that is not fp32 of the params' shape.
+        ValueError: a tensor that is not fp32 of the params' shape, or ``signs`` that do not
+            hold the params' size.
 
     Example:
         >>> import torch
@@ -725,16 +733,14 @@ def adam_apply(
     for name, t in (("m", m), ("v", v), ("params", params), ("root", root)):
         if t.shape != params.shape or t.dtype != torch.float32:
             raise ValueError(f"adam_apply: {name} must be fp32 of the params' shape")
-    _impl("adam_apply", params.device)(
-        m,
-        v,
-        eta,
-        params,
-        root,
-        float(eps),
-        None if bound is None else float(bound),
-        float(weight_decay),
-    )
+    constants = (float(eps), None if bound is None else float(bound), float(weight_decay))
+    if signs is None:
+        _impl("adam_apply", params.device)(m, v, eta, params, root, *constants)
+        return params
+    _check_sign_rows(*signs)
+    if signs[0].numel() * 8 < params.numel():
+        raise ValueError(f"adam_apply: signs must hold the params' {params.numel()} values")
+    _impl("adam_apply", params.device)(m, v, eta, params, root, *constants, signs)
     return params
 
 

@@ -235,9 +235,16 @@ def adam_apply(
     eps: float,
     bound: float | None,
     weight_decay: float,
+    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Adds :func:`adam_direction` (with ``p = params`` when ``weight_decay`` is non-zero) to
-    ``params`` in place, as ``params.add_(update)``; ``root`` (like ``params``) is scratch."""
+    ``params`` in place, as ``params.add_(update)``; ``root`` (like ``params``) is scratch.
+    With ``signs = (packed, scales)``, ``m`` is first written as :func:`unpack_scaled` of
+    them."""
+    if signs is not None:
+        values = torch.empty(m.numel(), dtype=torch.float32, device=m.device)
+        unpack_scaled(*signs, values)
+        m.copy_(values.view(m.shape))
     decayed = params if weight_decay else None
     adam_direction(m, v, decayed, eta, root, eps, bound, weight_decay)
     params.add_(root)

@@ -238,14 +238,25 @@ def onebit_adam(
             result = leaf_rule(g, leaf, p, mask, dense, compressed=True, eta=eta)
             return lambda: result
 
+        clip = bound if safeguard else None
+        # update_and_apply has checked that autograd records no param
+        target = p.detach() if apply and isinstance(p, torch.Tensor) else None
+
         def finish():
+            if mask is None and target is not None and fits(target, m):
+                # The new momentum is written by the pass that adds the update to the params.
+                def apply_update(packed, scales, m_new):
+                    kernels.adam_apply(
+                        m_new.view(m.shape), v, eta, target, eps=eps, bound=clip,
+                        weight_decay=weight_decay, root=fitting(g, m), signs=(packed, scales),
+                    )  # fmt: skip
+
+                m_new, ew_new, es_new = start(apply_update)
+                return None, _Leaf(m_new, v, ew_new, es_new)
             m_new, ew_new, es_new = start()
             if mask is not None:
                 m_new = masked(m_new, mask)
-            clip = bound if safeguard else None
             new_leaf = _Leaf(m_new, v, ew_new, es_new)
-            target = p.detach() if apply and isinstance(p, torch.Tensor) else None
-            # update_and_apply has checked that autograd records no param
             if target is not None and fits(target, m_new):
                 kernels.adam_apply(
                     m_new, v, eta, target, eps=eps, bound=clip, weight_decay=weight_decay,

@@ -199,6 +199,51 @@ def test_adam_apply_matches_direction_then_add(c_kernels, n, bound, weight_decay
         assert same_bits(got, want), impl.__name__
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    ranks=st.integers(1, 4),
+    row_bytes=st.integers(1, 40),
+    short=st.integers(0, 17),
+    bound=st.sampled_from([None, 7.27]),
+    weight_decay=st.sampled_from([0.0, 0.01]),
+    seed=st.integers(0, 2**16),
+)
+def test_adam_apply_with_signs_matches_unpack_then_apply(
+    c_kernels, ranks, row_bytes, short, bound, weight_decay, seed
+):
+    """``m`` written from packed signs in the pass that uses it: the bits of
+    ``unpack_scaled`` into ``m`` followed by ``adam_apply`` (a zero scale gives -0.0 / +0.0)."""
+    n = max(0, ranks * row_bytes * 8 - short)
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (ranks, row_bytes), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(ranks, generator=gen) * torch.logspace(-3, 1, ranks)
+    scales[0] = 0.0
+    p, v = _values(n, seed + 1), _values(n, seed + 2).square()
+    eta = torch.tensor(3e-4)
+    want_m, want = torch.full((n,), 7.0), p.clone()
+    _reference.unpack_scaled(packed, scales, want_m)
+    _reference.adam_apply(want_m, v, eta, want, torch.empty(n), 1e-8, bound, weight_decay)
+    for impl in (_reference, c_kernels):
+        got_m, got = torch.full((n,), 7.0), p.clone()
+        impl.adam_apply(
+            got_m, v, eta, got, torch.empty(n), 1e-8, bound, weight_decay, (packed, scales)
+        )
+        assert same_bits(got_m, want_m) and same_bits(got, want), impl.__name__
+
+
+def test_public_adam_apply_with_signs_writes_the_momentum_and_checks_them():
+    m, p = torch.zeros(2, 4), torch.ones(2, 4)
+    packed = torch.tensor([[0b10100000], [0b11111111]], dtype=torch.uint8)
+    K.adam_apply(m, torch.ones(2, 4), torch.tensor(0.5), p, eps=0.0, signs=(packed, torch.ones(2)))
+    assert m.flatten().tolist() == [1.0, -1.0, 1.0, -1.0, -1.0, -1.0, -1.0, -1.0]
+    assert p.flatten().tolist() == [0.5, 1.5, 0.5, 1.5, 1.5, 1.5, 1.5, 1.5]
+    big = torch.ones(3, 4)
+    with pytest.raises(ValueError, match="hold the params' 12 values"):
+        K.adam_apply(big, big, torch.tensor(0.5), big, eps=0.0, signs=(packed[:1], torch.ones(1)))
+    with pytest.raises(ValueError, match="weights must have shape"):
+        K.adam_apply(m, m, torch.tensor(0.5), p, eps=0.0, signs=(packed, torch.ones(3)))
+
+
 def test_public_adam_apply_checks_and_writes_the_params():
     p = torch.ones(4)
     out = K.adam_apply(torch.ones(4), torch.ones(4), torch.tensor(0.5), p, eps=0.0)
