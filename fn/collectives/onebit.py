@@ -342,9 +342,13 @@ def _start_into(
     received = comm.all_to_all(packed.view(world_size, -1))  # [W, chunk / 8]
     weights = scales / world_size
     server_packed, server_scale = kernels.sign_sum_compress(received, weights, server_error)
-    all_packed = comm.all_gather(server_packed)  # [W, chunk / 8]
+    # One all_gather for the signs and the scale (its 4 bytes after them): one latency less.
+    message = torch.cat((server_packed, server_scale.reshape(1).view(torch.uint8)))
+    gathered = comm.all_gather(message)  # [W, chunk / 8 + 4]
+    all_packed = gathered[:, :-4].contiguous()  # [W, chunk / 8]
     all_scales = finite_or_raise(
-        comm.all_gather(server_scale), f"{what}: non-finite values in a server error"
+        gathered[:, -4:].contiguous().view(torch.float32).view(world_size),
+        f"{what}: non-finite values in a server error",
     )
 
     def finish(write_y: WriteY = kernels.unpack_scaled) -> tuple[torch.Tensor, ...]:

@@ -218,8 +218,10 @@ def test_a_failing_collective_leaves_the_donated_buffers_intact(name):
         grads = tree_map(lambda p: torch.randn(p.shape, generator=gen) * 0.1, params)
         if t < step:
             _, state = opt.update(grads, state, params, step=t)
-    comm.calls = 0
     want = opt.update(tree_map(torch.clone, grads), state, params, step=step)
+    comm.calls = 0  # the donating update's calls (it gathers each server's signs and scale once)
+    donating = (tree_map(torch.clone, x) for x in (grads, state))
+    opt.update(*donating, params, step=step, donate=True)
     calls = comm.calls
     for fail_at in range(1, calls + 1):
         live, spare, g = (tree_map(torch.clone, x) for x in (state, state, grads))

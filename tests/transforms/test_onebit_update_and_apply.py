@@ -150,8 +150,9 @@ def test_a_failing_collective_leaves_params_and_buffers_intact():
     want_updates, want_state = opt.update(_clone(grads), state, params, step=4)
     want_params = fn.apply_updates(params, want_updates)
     comm.calls = 0
-    opt.update(_clone(grads), state, params, step=4)
+    fn.update_and_apply(opt, _clone(grads), _clone(state), _clone(params), donate=True, step=4)
     calls = comm.calls
+    assert calls == 3 * len(params)  # per leaf: scales, signs, the server's signs and scale
     for fail_at in range(1, calls + 1):
         p, live, spare, g = (_clone(x) for x in (params, state, state, grads))
         before = _clone((p, live, spare, g))
