@@ -423,8 +423,9 @@ def update_and_apply(
     moments directly, reading the params, gradients and moments once as
     ``torch.optim.Adam(fused=True)`` does, instead of writing the updates and reading them back;
     ``fn.onebit_adam``'s donated compressed updates (several ranks, fp32 params) add the Adam
-    direction to the params as the new momentum arrives (``fn.kernels.adam_apply``), with
-    ``sqrt(v)`` in the gradients' buffers, instead of writing the updates there.
+    direction to the params in the pass that writes the new momentum
+    (``fn.kernels.adam_apply``), with the gradients' buffers as scratch, instead of writing the
+    updates there.
     Other transforms run the two lines above.
 
     Args:

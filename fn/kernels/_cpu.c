@@ -491,28 +491,27 @@ typedef struct {
     float *m;
 } fn_signed_momentum;
 
-static void fn_adam_apply(const float *m, const fn_signed_momentum *signed_m, const float *root,
+static void fn_adam_apply(const float *m, const fn_signed_momentum *signed_m, const float *v,
                           const float *k, int clamp, int decay, float neg_eta, float *p,
                           int64_t begin, int64_t end);
 
 /* The Adam direction of the 1-bit family's compressed update, rounded as the torch rule:
-   out = ((m / (root + eps)) clamped to [-bound, bound] (+ wd * p)) * neg_eta, where root is
-   torch's sqrt(v) (not correctly rounded everywhere, so the caller computes it; it may be out).
-   flags: 1 clamps; 2 adds the direction to out instead (out the params, p NULL or out); 4 (with
-   2) takes m as a fn_signed_momentum, whose values it writes. */
-static void fn_adam_direction(const float *m, const float *root, const float *p, const float *k,
+   out = ((m / (sqrt(v) + eps)) clamped to [-bound, bound] (+ wd * p)) * neg_eta, sqrt correctly
+   rounded (sqrtps / sqrtf). flags: 1 clamps; 2 adds the direction to out instead (out the
+   params, p NULL or out); 4 (with 2) takes m as a fn_signed_momentum, whose values it writes. */
+static void fn_adam_direction(const float *m, const float *v, const float *p, const float *k,
                               int flags, float neg_eta, float *out, int64_t begin, int64_t end)
 {
     const float eps = k[0], bound = k[1], wd = k[2];
     const int clamp = flags & 1;
     if (flags & 2) {
         const fn_signed_momentum *signed_m = flags & 4 ? (const void *)m : NULL;
-        fn_adam_apply(signed_m ? NULL : m, signed_m, root, k, clamp, p != NULL, neg_eta, out,
-                      begin, end);
+        fn_adam_apply(signed_m ? NULL : m, signed_m, v, k, clamp, p != NULL, neg_eta, out, begin,
+                      end);
         return;
     }
     for (int64_t i = begin; i < end; i++) {
-        float u = m[i] / (root[i] + eps);
+        float u = m[i] / (sqrtf(v[i]) + eps);
         if (clamp)
             u = u < -bound ? -bound : (u > bound ? bound : u); /* NaN stays NaN */
         if (p)
@@ -1220,7 +1219,7 @@ static void fn_adamw_step(const fn_adamw *a, int64_t begin, int64_t end)
 
 /* ------------------------------------------------------------------------------------------
    The 1-bit family's compressed Adam step added to the params in one pass (fn_adam_direction
-   with flag 2): p = p + ((m / (root + eps)) clamped to [-bound, bound] (+ wd * p)) * neg_eta,
+   with flag 2): p = p + ((m / (sqrt(v) + eps)) clamped to [-bound, bound] (+ wd * p)) * neg_eta,
    each operation rounded as fn_adam_direction followed by the params' p + u. With signed_m, m
    is +-scales[i / chunk] by sign bit i (the bits of fn_unpack_scaled), written into signed_m->m
    (non-temporal with stream) as it is used; begin is then a multiple of 8. */
@@ -1234,7 +1233,7 @@ static inline float signed_value(const fn_signed_momentum *s, int64_t i)
     return value;
 }
 
-static void fn_adam_apply(const float *m, const fn_signed_momentum *signed_m, const float *root,
+static void fn_adam_apply(const float *m, const fn_signed_momentum *signed_m, const float *v,
                           const float *k, int clamp, int decay, float neg_eta, float *p,
                           int64_t begin, int64_t end)
 {
@@ -1263,7 +1262,7 @@ static void fn_adam_apply(const float *m, const fn_signed_momentum *signed_m, co
         } else {
             mi = _mm256_loadu_ps(m + i);
         }
-        __m256 u = _mm256_div_ps(mi, _mm256_add_ps(_mm256_loadu_ps(root + i), ve));
+        __m256 u = _mm256_div_ps(mi, _mm256_add_ps(_mm256_sqrt_ps(_mm256_loadu_ps(v + i)), ve));
         if (clamp) { /* as the scalar ternaries: NaN stays NaN */
             u = _mm256_blendv_ps(u, vnb, _mm256_cmp_ps(u, vnb, _CMP_LT_OQ));
             u = _mm256_blendv_ps(u, vb, _mm256_cmp_ps(u, vb, _CMP_GT_OQ));
@@ -1278,7 +1277,7 @@ static void fn_adam_apply(const float *m, const fn_signed_momentum *signed_m, co
 #endif
     for (; i < end; i++) {
         float mi = m ? m[i] : (signed_m->m[i] = signed_value(signed_m, i));
-        float u = mi / (root[i] + eps);
+        float u = mi / (sqrtf(v[i]) + eps);
         if (clamp)
             u = u < -bound ? -bound : (u > bound ? bound : u);
         if (decay)

@@ -452,18 +452,14 @@ def adam_direction(
     lib = library()
     if lib is None or not _plain_fp32(m, v, p, out):
         return _reference.adam_direction(m, v, p, eta, out, eps, bound, weight_decay)
-    _adam_kernel(lib, m, v, p, eta, out, out, eps, bound, weight_decay, add=False)
+    _adam_kernel(lib, m, v, p, eta, out, eps, bound, weight_decay, add=False)
     return None
 
 
-def _adam_kernel(
-    lib, m, v, p, eta, root, out, eps, bound, weight_decay, *, add: bool, signs=None
-) -> None:
-    """The C ``adam_direction`` job: ``sqrt(v)`` into ``root`` first (torch's sqrt is not
-    correctly rounded everywhere, 1 ulp off on some inputs, so the kernel uses torch's), then
-    the direction written into ``out`` or, with ``add``, added to it; with ``signs`` (``add``
-    only), ``m`` is written from them as it is used (:func:`adam_apply`)."""
-    torch.sqrt(v, out=root)
+def _adam_kernel(lib, m, v, p, eta, out, eps, bound, weight_decay, *, add: bool, signs=None):
+    """The C ``adam_direction`` job: the direction written into ``out`` or, with ``add``, added
+    to it; with ``signs`` (``add`` only), ``m`` is written from them as it is used
+    (:func:`adam_apply`)."""
     constants = torch.tensor([eps, 0.0 if bound is None else bound, weight_decay])
     decayed = None if p is None else p.data_ptr()
     flags = int(bound is not None) | (2 if add else 0)  # 2: add the direction to out
@@ -474,7 +470,7 @@ def _adam_kernel(
             packed.data_ptr(), scales.data_ptr(), packed.shape[1] * 8, _streams(m), m.data_ptr()
         )
         momentum, flags = ctypes.addressof(signed), flags | 4  # 4: m from the signs
-    pointers = (momentum, root.data_ptr(), decayed, constants.data_ptr(), out.data_ptr())
+    pointers = (momentum, v.data_ptr(), decayed, constants.data_ptr(), out.data_ptr())
     _run(lib, "adam_direction", out.numel(), 16, pointers, (flags,), -float(eta))
 
 
@@ -495,7 +491,7 @@ def adam_apply(
     v: torch.Tensor,
     eta: torch.Tensor,
     params: torch.Tensor,
-    root: torch.Tensor,
+    root: torch.Tensor | None,
     eps: float,
     bound: float | None,
     weight_decay: float,
@@ -503,12 +499,10 @@ def adam_apply(
 ) -> None:
     lib = library()
     plain_signs = signs is None or (signs[0].is_contiguous() and _plain_fp32(signs[1]))
-    if lib is None or not _plain_fp32(m, v, params, root) or not plain_signs:
+    if lib is None or not _plain_fp32(m, v, params) or not plain_signs:
         return _reference.adam_apply(m, v, eta, params, root, eps, bound, weight_decay, signs)
     decayed = params if weight_decay else None
-    _adam_kernel(
-        lib, m, v, decayed, eta, root, params, eps, bound, weight_decay, add=True, signs=signs
-    )
+    _adam_kernel(lib, m, v, decayed, eta, params, eps, bound, weight_decay, add=True, signs=signs)
     return None
 
 

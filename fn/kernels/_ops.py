@@ -644,7 +644,8 @@ def adam_direction(
         u = -\\eta\\,\\big(\\mathrm{clamp}(m / (\\sqrt{v} + \\epsilon), -B, B) + \\lambda p\\big)
 
     rounded as ``fn.onebit_adam`` computes it (no clamp when ``bound`` is ``None``; the decay
-    term only with ``p``).
+    term only with ``p``; ``sqrt`` correctly rounded, as IEEE 754's square root: torch's fp32
+    ``sqrt`` on the CPU is 1 ulp off for about one input in six).
 
     Args:
         m, v: fp32 momentum and variance (same shape as ``out``).
@@ -698,19 +699,19 @@ def adam_apply(
         p \\leftarrow p - \\eta\\,\\big(\\mathrm{clamp}(m / (\\sqrt{v} + \\epsilon), -B, B)
             + \\lambda p\\big)
 
-    rounded as ``fn.onebit_adam``'s update followed by ``fn.apply_updates``. On the CPU, for
-    contiguous fp32 tensors, a C kernel reads ``m``, ``sqrt(v)`` and the params once and writes
-    the params; ``sqrt(v)`` is torch's (computed into ``root``, as :func:`adam_direction` does).
-    With ``signs``, it writes ``m`` as :func:`unpack_scaled` does instead of reading it (the
-    new momentum of a 1-bit allreduce, in the pass that uses it). Eager tensors only (not a
-    custom op).
+    rounded as ``fn.onebit_adam``'s update followed by ``fn.apply_updates`` (``sqrt``
+    correctly rounded). On the CPU, for contiguous fp32 tensors, a C kernel reads ``m``, ``v``
+    and the params once and writes the params. With ``signs``, it writes ``m`` as
+    :func:`unpack_scaled` does instead of reading it (the new momentum of a 1-bit allreduce, in
+    the pass that uses it). Eager tensors only (not a custom op).
 
     Args:
         m, v: fp32 momentum and variance (the params' shape).
         eta: the learning rate, a 0-dim fp32 tensor.
         params: fp32 params, updated in place.
         eps, bound, weight_decay: as :func:`adam_direction` (the decay term uses ``params``).
-        root: fp32 scratch of the params' shape (overwritten), or ``None`` for a new tensor.
+        root: fp32 scratch of the params' shape that an implementation may overwrite (the
+            reference writes the update there; the C kernel needs none), or ``None``.
         signs: ``(packed, scales)`` as for :func:`unpack_scaled` (uint8 ``[W, chunk / 8]``,
             fp32 ``[W]``, ``chunk`` a multiple of 8 with ``W * chunk`` at least the params'
             size), whose values ``m`` receives first; ``None``: ``m`` is read.
@@ -729,9 +730,8 @@ def adam_apply(
         >>> K.adam_apply(m, v, torch.tensor(0.5), p, eps=0.0, bound=4.0).tolist()
         [0.75, 3.0]
     """
-    root = torch.empty_like(params) if root is None else root
     for name, t in (("m", m), ("v", v), ("params", params), ("root", root)):
-        if t.shape != params.shape or t.dtype != torch.float32:
+        if t is not None and (t.shape != params.shape or t.dtype != torch.float32):
             raise ValueError(f"adam_apply: {name} must be fp32 of the params' shape")
     constants = (float(eps), None if bound is None else float(bound), float(weight_decay))
     if signs is None:

@@ -205,6 +205,16 @@ def unpack_scaled(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor)
     out.copy_(values.mul_(scales[:, None]).reshape(-1)[: out.numel()])
 
 
+def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
+    """``sqrt(v)`` correctly rounded (IEEE 754) for fp32 ``v``: the same bits on every device.
+    torch's fp32 sqrt on the CPU (MKL's vector math) is 1 ulp off for about one input in six;
+    the fp64 root rounded once to fp32 is exact (fp64 carries more than 2 * 24 + 2 bits, so the
+    double rounding is innocuous). Devices without fp64 (mps) take torch's sqrt."""
+    if v.dtype != torch.float32 or v.device.type == "mps":
+        return v.sqrt()
+    return v.double().sqrt().float()
+
+
 def adam_direction(
     m: torch.Tensor,
     v: torch.Tensor,
@@ -217,8 +227,9 @@ def adam_direction(
 ) -> None:
     """Writes the update of the 1-bit family's compressed Adam step into ``out``:
     ``-eta * (clamp(m / (sqrt(v) + eps), -bound, bound) + weight_decay * p)``, rounded as
-    ``onebit_adam`` computes it (no clamp when ``bound`` is ``None``, no decay without ``p``)."""
-    u = m / v.sqrt().add_(eps)
+    ``onebit_adam`` computes it (no clamp when ``bound`` is ``None``, no decay without ``p``;
+    ``sqrt`` correctly rounded, :func:`sqrt_rn`)."""
+    u = m / sqrt_rn(v).add_(eps)
     if bound is not None:
         u = u.clamp(-bound, bound)
     if p is not None:
@@ -231,14 +242,15 @@ def adam_apply(
     v: torch.Tensor,
     eta: torch.Tensor,
     params: torch.Tensor,
-    root: torch.Tensor,
+    root: torch.Tensor | None,
     eps: float,
     bound: float | None,
     weight_decay: float,
     signs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Adds :func:`adam_direction` (with ``p = params`` when ``weight_decay`` is non-zero) to
-    ``params`` in place, as ``params.add_(update)``; ``root`` (like ``params``) is scratch.
+    ``params`` in place, as ``params.add_(update)``; ``root`` (like ``params``, or ``None``) is
+    scratch for the update.
     With ``signs = (packed, scales)``, ``m`` is first written as :func:`unpack_scaled` of
     them."""
     if signs is not None:
@@ -246,8 +258,9 @@ def adam_apply(
         unpack_scaled(*signs, values)
         m.copy_(values.view(m.shape))
     decayed = params if weight_decay else None
-    adam_direction(m, v, decayed, eta, root, eps, bound, weight_decay)
-    params.add_(root)
+    update = torch.empty_like(params) if root is None else root
+    adam_direction(m, v, decayed, eta, update, eps, bound, weight_decay)
+    params.add_(update)
 
 
 def sign_compress_with(

@@ -320,13 +320,13 @@ def adam_direction(
 ) -> bool | None:
     if not _fp32_contiguous(m, v, p, out):
         return None
-    torch.sqrt(v, out=out)  # torch's sqrt, whose bits the reference has
     n = out.numel()
     return _launch_elementwise(
         k.adam_direction_kernel,
         n,
         out.device,
         m,
+        v,
         m if p is None else p,
         out,
         n,

@@ -217,6 +217,7 @@ def unpack_scaled_kernel(bits_ptr, scales_ptr, out_ptr, n, chunk, BLOCK: tl.cons
 @triton.jit
 def adam_direction_kernel(
     m_ptr,
+    v_ptr,
     p_ptr,
     out_ptr,
     n,
@@ -228,11 +229,11 @@ def adam_direction_kernel(
     CLAMP: tl.constexpr,
     DECAY: tl.constexpr,
 ):
-    """``out = (clamp(m / (out + eps)) (+ wd * p)) * neg_eta`` with ``out`` holding torch's
-    ``sqrt(v)``; launched without fp fusion."""
+    """``out = (clamp(m / (sqrt(v) + eps)) (+ wd * p)) * neg_eta``, the square root correctly
+    rounded; launched without fp fusion."""
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     inside = idx < n
-    root = tl.load(out_ptr + idx, mask=inside, other=1.0)
+    root = tl.sqrt_rn(tl.load(v_ptr + idx, mask=inside, other=1.0))
     u = tl.div_rn(tl.load(m_ptr + idx, mask=inside, other=0.0), root + eps)
     if CLAMP:
         u = tl.where(u < -bound, -bound, tl.where(u > bound, bound, u))

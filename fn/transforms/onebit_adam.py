@@ -13,6 +13,7 @@ from fn._validation import check_betas, check_finite, check_int, check_nonnegati
 from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
 from fn.collectives.onebit import compressed_allreduce_start
+from fn.kernels._reference import sqrt_rn
 from fn.transforms._leafwise import (
     LearningRate,
     adam_ratio_bound,
@@ -153,8 +154,12 @@ def onebit_adam(
     write. Warmup updates, ``non_freeze`` leaves and one worker stay pure (they allocate).
     ``fn.update_and_apply(opt, grads, state, params, step=t)`` (or ``plan=``) goes one step
     further on that path: each fp32 param gets its update added in place as its new momentum
-    is written (``fn.kernels.adam_apply``), and the gradients' buffers receive ``sqrt(v)``
-    instead of the updates; the params' bits are those of ``update`` then ``apply_updates``.
+    is written (``fn.kernels.adam_apply``), and the gradients' buffers are scratch (their
+    contents unspecified) instead of receiving the updates; the params' bits are those of
+    ``update`` then ``apply_updates``.
+
+    ``sqrt(v)`` is correctly rounded (IEEE 754's square root, the same bits on every device;
+    torch's fp32 ``sqrt`` on the CPU is 1 ulp off for about one input in six).
 
     The exact rules, step by step, are in ``docs/algorithms.md`` (section "1-bit Adam").
 
@@ -212,9 +217,9 @@ def onebit_adam(
             if mask is not None:
                 m = m * mask
         if safeguard and compressed and not bool(dense):
-            u = (m / v.sqrt().add_(eps)).clamp(-bound, bound)
+            u = (m / sqrt_rn(v).add_(eps)).clamp(-bound, bound)
         else:
-            u = m / v.sqrt().add_(eps)
+            u = m / sqrt_rn(v).add_(eps)
         if weight_decay > 0:
             u = u.add_(weight_decay * p.float())
         return u.mul_(-eta), _Leaf(m, v, ew, es)
@@ -223,8 +228,8 @@ def onebit_adam(
         """The compressed rule writing into the donated leaf ``spare`` and the gradient's
         buffer (two steps, see ``map_leaves``); the pure rule where the fused path does not
         apply (one worker, a ``non_freeze`` leaf, vmap, other dtypes). With ``apply``, an fp32
-        param ``p`` gets its update added in place (``sqrt(v)`` goes into the gradient's
-        buffer, free once the allreduce has read it) and the update returned is ``None``."""
+        param ``p`` gets its update added in place (the gradient's buffer, free once the
+        allreduce has read it, is the kernel's scratch) and the update returned is ``None``."""
         m, v, ew, es = leaf
         start = None
         if not bool(dense):

@@ -13,6 +13,7 @@ from fn._validation import check_betas, check_finite, check_int, check_nonnegati
 from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
 from fn.collectives.onebit import compressed_allreduce_start
+from fn.kernels._reference import sqrt_rn
 from fn.transforms._leafwise import (
     LearningRate,
     adam_ratio_bound,
@@ -231,7 +232,7 @@ def zero_one_adam(
             m = moving_average(m, b1, g)
         else:
             m = moving_average(m, b1, check_finite(g, "the local gradient"))
-        denom = v.sqrt() + eps
+        denom = sqrt_rn(v) + eps
         u = m / denom
         if safeguard:
             u = u.clamp(-bound, bound)

@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import os
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -131,13 +132,26 @@ def test_unpack_scaled_matches_unpack_then_scale(c_kernels, ranks, chunk_bytes, 
 
 
 def _onebit_adam_update(m, v, p, eta, eps, bound, weight_decay):
-    """The expression of onebit_adam's leaf rule."""
-    u = m / v.sqrt().add_(eps)
+    """The expression of onebit_adam's leaf rule, with numpy's fp32 square root (IEEE 754's,
+    correctly rounded)."""
+    u = m / torch.from_numpy(np.sqrt(v.numpy())).add_(eps)
     if bound is not None:
         u = u.clamp(-bound, bound)
     if weight_decay > 0:
         u = u.add_(weight_decay * p.float())
     return u.mul_(-eta)
+
+
+def test_sqrt_rn_is_the_correctly_rounded_square_root():
+    """fp64 then fp32 against numpy's fp32 sqrt (the hardware's, IEEE 754) on every exponent
+    and on the values torch's own CPU sqrt rounds the other way."""
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 0x7F800000, (1 << 20,), generator=gen, dtype=torch.int32)
+    special = torch.tensor([0.0, -0.0, float("inf"), 1e-45, 1.1754942e-38, 3.4028235e38])
+    v = torch.cat([bits.view(torch.float32), special])
+    want = torch.from_numpy(np.sqrt(v.numpy()))
+    assert torch.equal(_bits(_reference.sqrt_rn(v)), _bits(want))
+    assert torch.isnan(_reference.sqrt_rn(torch.tensor([float("nan"), -1.0]))).all()
 
 
 @settings(max_examples=40, deadline=None)
@@ -367,7 +381,8 @@ def _aot_variants():
     error |= {"MOMENTUM": c}
     unpack = {"bits_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}
     unpack |= {"chunk": "i32", "BLOCK": c}
-    adam = {"m_ptr": "*fp32", "p_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "eps": "fp32"}
+    adam = {"m_ptr": "*fp32", "v_ptr": "*fp32", "p_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}
+    adam |= {"eps": "fp32"}
     adam |= {"bound": "fp32", "weight_decay": "fp32", "neg_eta": "fp32", "BLOCK": c}
     adam |= {"CLAMP": c, "DECAY": c}
     block = {"GROUP": _triton._GROUP, "BLOCK": _reference.SUMSQ_BLOCK}
