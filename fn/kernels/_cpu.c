@@ -392,6 +392,67 @@ static void feedback_values(const fn_feedback *f, int64_t off, int64_t len, floa
         v[i] = 0.0f + e[i];
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define FEEDBACK_AHEAD 256 /* elements: how far ahead of the loads the input streams are fetched */
+
+/* Whether the block at off is a full block of x or momentum values (fused paths below). */
+static inline int feedback_fused(const fn_feedback *f, int64_t off, int64_t len)
+{
+    return f->mode != FEEDBACK_SIGN_SUM && len == BLOCK && off + BLOCK <= f->n;
+}
+
+/* feedback_values of the 32 elements from i on, in registers (the same fp32 operations). */
+static inline void feedback_values32(const fn_feedback *f, int64_t i, __m256 *v)
+{
+    const float *x = f->x + i, *e = f->e + i;
+    if (f->mode == FEEDBACK_MOMENTUM) {
+        const float *g = f->g + i;
+        const __m256 b = _mm256_set1_ps(f->beta), c = _mm256_set1_ps(f->one_minus_beta);
+        for (int t = 0; t < 4; t++) {
+            __m256 m = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(x + 8 * t)),
+                                     _mm256_mul_ps(c, _mm256_loadu_ps(g + 8 * t)));
+            v[t] = _mm256_add_ps(m, _mm256_loadu_ps(e + 8 * t));
+        }
+        _mm_prefetch((const char *)(g + FEEDBACK_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(g + FEEDBACK_AHEAD + 16), _MM_HINT_T0);
+    } else {
+        for (int t = 0; t < 4; t++)
+            v[t] = _mm256_add_ps(_mm256_loadu_ps(x + 8 * t), _mm256_loadu_ps(e + 8 * t));
+    }
+    _mm_prefetch((const char *)(x + FEEDBACK_AHEAD), _MM_HINT_T0);
+    _mm_prefetch((const char *)(x + FEEDBACK_AHEAD + 16), _MM_HINT_T0);
+    _mm_prefetch((const char *)(e + FEEDBACK_AHEAD), _MM_HINT_T0);
+    _mm_prefetch((const char *)(e + FEEDBACK_AHEAD + 16), _MM_HINT_T0);
+}
+
+/* sign_block of a fused block, v computed in registers: the same signs and lane sums. */
+static void feedback_sign_block(const fn_feedback *f, int64_t off, uint8_t *bits,
+                                double *block_sum)
+{
+    __m256d a[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
+                    _mm256_setzero_pd()};
+    for (int k = 0; k < BLOCK; k += 2 * LANES) {
+        __m256 v[4];
+        feedback_values32(f, off + k, v);
+        uint32_t word = signs32(v[0], v[1], v[2], v[3]);
+        memcpy(bits + k / 8, &word, 4);
+        for (int t = 0; t < 4; t++) {
+            __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v[t]));
+            __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(v[t], 1));
+            a[2 * (t % 2)] = _mm256_fmadd_pd(d0, d0, a[2 * (t % 2)]);
+            a[2 * (t % 2) + 1] = _mm256_fmadd_pd(d1, d1, a[2 * (t % 2) + 1]);
+        }
+    }
+    double acc[LANES];
+    for (int i = 0; i < 4; i++)
+        _mm256_storeu_pd(acc + 4 * i, a[i]);
+    for (int h = LANES / 2; h > 0; h /= 2)
+        for (int j = 0; j < h; j++)
+            acc[j] += acc[j + h];
+    *block_sum = acc[0];
+}
+#endif
+
 /* Phase 1: packed signs of v and its block sums of squares (begin: a multiple of BLOCK). */
 static void fn_feedback_signs(const fn_feedback *f, uint8_t *bits, double *block_sums,
                               int64_t begin, int64_t end)
@@ -399,6 +460,12 @@ static void fn_feedback_signs(const fn_feedback *f, uint8_t *bits, double *block
     float v[BLOCK];
     for (int64_t b = begin / BLOCK; b < (end + BLOCK - 1) / BLOCK; b++) {
         int64_t off = b * BLOCK, len = min64(BLOCK, end - off);
+#if defined(__AVX2__) && defined(__FMA__)
+        if (feedback_fused(f, off, len)) {
+            feedback_sign_block(f, off, bits + off / 8, block_sums + b);
+            continue;
+        }
+#endif
         feedback_values(f, off, len, v);
         sign_block(v, len, bits + off / 8, block_sums + b);
     }
@@ -417,6 +484,24 @@ static void fn_feedback_error(const fn_feedback *f, float scale, float *out, int
 #endif
     for (int64_t b = begin / BLOCK; b < (end + BLOCK - 1) / BLOCK; b++) {
         int64_t off = b * BLOCK, len = min64(BLOCK, end - off), i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        if (feedback_fused(f, off, len)) {
+            /* v in registers; out may be e itself: each vector is read before it is written */
+            for (; i < BLOCK; i += 32) {
+                __m256 x[4];
+                feedback_values32(f, off + i, x);
+                for (int t = 0; t < 4; t++) {
+                    __m256 s = _mm256_blendv_ps(down, up, _mm256_cmp_ps(x[t], zero, _CMP_GE_OQ));
+                    __m256 y = _mm256_sub_ps(x[t], s);
+                    if (stream)
+                        _mm256_stream_ps(out + off + i + 8 * t, y);
+                    else
+                        _mm256_storeu_ps(out + off + i + 8 * t, y);
+                }
+            }
+            continue;
+        }
+#endif
         feedback_values(f, off, len, v);
 #if defined(__AVX2__)
         if (stream) {
