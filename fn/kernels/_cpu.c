@@ -151,25 +151,6 @@ static void sign_block(const float *x, int64_t len, uint8_t *bits, double *block
     *block_sum = acc[0];
 }
 
-/* v = m (+ e): packed signs of v and per-block sums of squares; v is written to v_out when
-   e is given (the error pass then turns it into the new error in place). */
-static void fn_sign_compress(const float *m, const float *e, float *v_out, int64_t begin,
-                             int64_t end, uint8_t *bits, double *block_sums)
-{
-    /* begin is a multiple of BLOCK; end is one too, or the total length. */
-    for (int64_t b = begin / BLOCK; b < (end + BLOCK - 1) / BLOCK; b++) {
-        int64_t off = b * BLOCK, len = min64(BLOCK, end - off);
-        const float *x = m + off;
-        if (e) {
-            float *v = v_out + off;
-            for (int64_t i = 0; i < len; i++)
-                v[i] = m[off + i] + e[off + i];
-            x = v;
-        }
-        sign_block(x, len, bits + off / 8, block_sums + b);
-    }
-}
-
 /* v <- v - scale * sign(v), sign(v) = +1 for v >= 0. */
 static void fn_apply_error(float *v, float scale, int64_t begin, int64_t end)
 {
@@ -425,15 +406,19 @@ static inline void feedback_values32(const fn_feedback *f, int64_t i, __m256 *v)
     _mm_prefetch((const char *)(e + FEEDBACK_AHEAD + 16), _MM_HINT_T0);
 }
 
-/* sign_block of a fused block, v computed in registers: the same signs and lane sums. */
+/* sign_block of a fused block, v computed in registers: the same signs and lane sums; v is
+   also stored to v_out + off when v_out is given. */
 static void feedback_sign_block(const fn_feedback *f, int64_t off, uint8_t *bits,
-                                double *block_sum)
+                                double *block_sum, float *v_out)
 {
     __m256d a[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
                     _mm256_setzero_pd()};
     for (int k = 0; k < BLOCK; k += 2 * LANES) {
         __m256 v[4];
         feedback_values32(f, off + k, v);
+        if (v_out)
+            for (int t = 0; t < 4; t++)
+                _mm256_storeu_ps(v_out + off + k + 8 * t, v[t]);
         uint32_t word = signs32(v[0], v[1], v[2], v[3]);
         memcpy(bits + k / 8, &word, 4);
         for (int t = 0; t < 4; t++) {
@@ -453,6 +438,32 @@ static void feedback_sign_block(const fn_feedback *f, int64_t off, uint8_t *bits
 }
 #endif
 
+/* v = m (+ e): packed signs of v and per-block sums of squares; v is written to v_out when
+   e is given (the error pass then turns it into the new error in place). */
+static void fn_sign_compress(const float *m, const float *e, float *v_out, int64_t begin,
+                             int64_t end, uint8_t *bits, double *block_sums)
+{
+    /* begin is a multiple of BLOCK; end is one too, or the total length. */
+    for (int64_t b = begin / BLOCK; b < (end + BLOCK - 1) / BLOCK; b++) {
+        int64_t off = b * BLOCK, len = min64(BLOCK, end - off);
+        const float *x = m + off;
+#if defined(__AVX2__) && defined(__FMA__)
+        if (e && len == BLOCK) {
+            fn_feedback f = {FEEDBACK_X, end, m, NULL, e};
+            feedback_sign_block(&f, off, bits + off / 8, block_sums + b, v_out);
+            continue;
+        }
+#endif
+        if (e) {
+            float *v = v_out + off;
+            for (int64_t i = 0; i < len; i++)
+                v[i] = m[off + i] + e[off + i];
+            x = v;
+        }
+        sign_block(x, len, bits + off / 8, block_sums + b);
+    }
+}
+
 /* Phase 1: packed signs of v and its block sums of squares (begin: a multiple of BLOCK). */
 static void fn_feedback_signs(const fn_feedback *f, uint8_t *bits, double *block_sums,
                               int64_t begin, int64_t end)
@@ -462,7 +473,7 @@ static void fn_feedback_signs(const fn_feedback *f, uint8_t *bits, double *block
         int64_t off = b * BLOCK, len = min64(BLOCK, end - off);
 #if defined(__AVX2__) && defined(__FMA__)
         if (feedback_fused(f, off, len)) {
-            feedback_sign_block(f, off, bits + off / 8, block_sums + b);
+            feedback_sign_block(f, off, bits + off / 8, block_sums + b, NULL);
             continue;
         }
 #endif
