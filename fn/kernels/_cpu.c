@@ -299,9 +299,9 @@ static inline void add_signed_row32(const fn_feedback *f, int64_t t, int64_t byt
     }
 }
 
-/* sign_sum_columns for the 32 columns from byte `byte` on, the levels held in registers: the
-   same additions in the same order, without the passes over memory. */
-static void sign_sum_registers(const fn_feedback *f, int64_t byte, float *out)
+/* sign_sum_columns for the 32 columns from byte `byte` on into sum, the levels held in
+   registers: the same additions in the same order, without the passes over memory. */
+static inline void sign_sum_registers(const fn_feedback *f, int64_t byte, __m256 *sum)
 {
     int64_t count = f->ranks, power = level_power(count);
     int64_t step = (int64_t)1 << power, mask = step - 1, t = 0;
@@ -327,7 +327,7 @@ static void sign_sum_registers(const fn_feedback *f, int64_t byte, float *out)
         for (int g = 0; g < 4; g++)
             level[0][g] = _mm256_add_ps(level[0][g], level[l][g]);
     for (int g = 0; g < 4; g++)
-        _mm256_storeu_ps(out + 8 * g, level[0][g]);
+        sum[g] = level[0][g];
 }
 #endif
 
@@ -336,8 +336,12 @@ static void sign_sum_block(const fn_feedback *f, int64_t off, int64_t len, float
 {
     int64_t done = 0;
 #if defined(__AVX2__)
-    for (; done + 32 <= len; done += 32)
-        sign_sum_registers(f, (off + done) / 8, out + done);
+    for (; done + 32 <= len; done += 32) {
+        __m256 sum[4];
+        sign_sum_registers(f, (off + done) / 8, sum);
+        for (int g = 0; g < 4; g++)
+            _mm256_storeu_ps(out + done + 8 * g, sum[g]);
+    }
 #endif
     if (done < len)
         sign_sum_columns(f, off + done, len - done, out + done);
@@ -376,34 +380,49 @@ static void feedback_values(const fn_feedback *f, int64_t off, int64_t len, floa
 #if defined(__AVX2__) && defined(__FMA__)
 #define FEEDBACK_AHEAD 256 /* elements: how far ahead of the loads the input streams are fetched */
 
-/* Whether the block at off is a full block of x or momentum values (fused paths below). */
+/* Whether the block at off is computed in registers (the fused paths below): a full block of
+   x or momentum values, or of sign sums in torch's multi_row_sum order. */
 static inline int feedback_fused(const fn_feedback *f, int64_t off, int64_t len)
 {
-    return f->mode != FEEDBACK_SIGN_SUM && len == BLOCK && off + BLOCK <= f->n;
+    if (len != BLOCK)
+        return 0;
+    if (f->mode != FEEDBACK_SIGN_SUM)
+        return off + BLOCK <= f->n;
+    for (int64_t r = 0; r < f->ntails; r++) /* columns in torch's row_sum order */
+        if (f->tails[2 * r] < off + BLOCK && f->tails[2 * r + 1] > off)
+            return 0;
+    return 1;
 }
 
 /* feedback_values of the 32 elements from i on, in registers (the same fp32 operations). */
 static inline void feedback_values32(const fn_feedback *f, int64_t i, __m256 *v)
 {
-    const float *x = f->x + i, *e = f->e + i;
+    const float *e = f->e + i;
+    _mm_prefetch((const char *)(e + FEEDBACK_AHEAD), _MM_HINT_T0);
+    _mm_prefetch((const char *)(e + FEEDBACK_AHEAD + 16), _MM_HINT_T0);
+    if (f->mode == FEEDBACK_SIGN_SUM) {
+        sign_sum_registers(f, i / 8, v);
+        for (int t = 0; t < 4; t++)
+            v[t] = _mm256_add_ps(v[t], _mm256_loadu_ps(e + 8 * t));
+        return;
+    }
+    const float *x = f->x + i;
+    _mm_prefetch((const char *)(x + FEEDBACK_AHEAD), _MM_HINT_T0);
+    _mm_prefetch((const char *)(x + FEEDBACK_AHEAD + 16), _MM_HINT_T0);
     if (f->mode == FEEDBACK_MOMENTUM) {
         const float *g = f->g + i;
         const __m256 b = _mm256_set1_ps(f->beta), c = _mm256_set1_ps(f->one_minus_beta);
+        _mm_prefetch((const char *)(g + FEEDBACK_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(g + FEEDBACK_AHEAD + 16), _MM_HINT_T0);
         for (int t = 0; t < 4; t++) {
             __m256 m = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(x + 8 * t)),
                                      _mm256_mul_ps(c, _mm256_loadu_ps(g + 8 * t)));
             v[t] = _mm256_add_ps(m, _mm256_loadu_ps(e + 8 * t));
         }
-        _mm_prefetch((const char *)(g + FEEDBACK_AHEAD), _MM_HINT_T0);
-        _mm_prefetch((const char *)(g + FEEDBACK_AHEAD + 16), _MM_HINT_T0);
     } else {
         for (int t = 0; t < 4; t++)
             v[t] = _mm256_add_ps(_mm256_loadu_ps(x + 8 * t), _mm256_loadu_ps(e + 8 * t));
     }
-    _mm_prefetch((const char *)(x + FEEDBACK_AHEAD), _MM_HINT_T0);
-    _mm_prefetch((const char *)(x + FEEDBACK_AHEAD + 16), _MM_HINT_T0);
-    _mm_prefetch((const char *)(e + FEEDBACK_AHEAD), _MM_HINT_T0);
-    _mm_prefetch((const char *)(e + FEEDBACK_AHEAD + 16), _MM_HINT_T0);
 }
 
 /* sign_block of a fused block, v computed in registers: the same signs and lane sums; v is
