@@ -151,25 +151,6 @@ static void sign_block(const float *x, int64_t len, uint8_t *bits, double *block
     *block_sum = acc[0];
 }
 
-/* v = m (+ e): packed signs of v and per-block sums of squares; v is written to v_out when
-   e is given (the error pass then turns it into the new error in place). */
-static void fn_sign_compress(const float *m, const float *e, float *v_out, int64_t begin,
-                             int64_t end, uint8_t *bits, double *block_sums)
-{
-    /* begin is a multiple of BLOCK; end is one too, or the total length. */
-    for (int64_t b = begin / BLOCK; b < (end + BLOCK - 1) / BLOCK; b++) {
-        int64_t off = b * BLOCK, len = min64(BLOCK, end - off);
-        const float *x = m + off;
-        if (e) {
-            float *v = v_out + off;
-            for (int64_t i = 0; i < len; i++)
-                v[i] = m[off + i] + e[off + i];
-            x = v;
-        }
-        sign_block(x, len, bits + off / 8, block_sums + b);
-    }
-}
-
 /* v <- v - scale * sign(v), sign(v) = +1 for v >= 0. */
 static void fn_apply_error(float *v, float scale, int64_t begin, int64_t end)
 {
@@ -318,9 +299,9 @@ static inline void add_signed_row32(const fn_feedback *f, int64_t t, int64_t byt
     }
 }
 
-/* sign_sum_columns for the 32 columns from byte `byte` on, the levels held in registers: the
-   same additions in the same order, without the passes over memory. */
-static void sign_sum_registers(const fn_feedback *f, int64_t byte, float *out)
+/* sign_sum_columns for the 32 columns from byte `byte` on into sum, the levels held in
+   registers: the same additions in the same order, without the passes over memory. */
+static inline void sign_sum_registers(const fn_feedback *f, int64_t byte, __m256 *sum)
 {
     int64_t count = f->ranks, power = level_power(count);
     int64_t step = (int64_t)1 << power, mask = step - 1, t = 0;
@@ -346,7 +327,7 @@ static void sign_sum_registers(const fn_feedback *f, int64_t byte, float *out)
         for (int g = 0; g < 4; g++)
             level[0][g] = _mm256_add_ps(level[0][g], level[l][g]);
     for (int g = 0; g < 4; g++)
-        _mm256_storeu_ps(out + 8 * g, level[0][g]);
+        sum[g] = level[0][g];
 }
 #endif
 
@@ -355,8 +336,12 @@ static void sign_sum_block(const fn_feedback *f, int64_t off, int64_t len, float
 {
     int64_t done = 0;
 #if defined(__AVX2__)
-    for (; done + 32 <= len; done += 32)
-        sign_sum_registers(f, (off + done) / 8, out + done);
+    for (; done + 32 <= len; done += 32) {
+        __m256 sum[4];
+        sign_sum_registers(f, (off + done) / 8, sum);
+        for (int g = 0; g < 4; g++)
+            _mm256_storeu_ps(out + done + 8 * g, sum[g]);
+    }
 #endif
     if (done < len)
         sign_sum_columns(f, off + done, len - done, out + done);
@@ -392,6 +377,112 @@ static void feedback_values(const fn_feedback *f, int64_t off, int64_t len, floa
         v[i] = 0.0f + e[i];
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define FEEDBACK_AHEAD 256 /* elements: how far ahead of the loads the input streams are fetched */
+
+/* Whether the block at off is computed in registers (the fused paths below): a full block of
+   x or momentum values, or of sign sums in torch's multi_row_sum order. */
+static inline int feedback_fused(const fn_feedback *f, int64_t off, int64_t len)
+{
+    if (len != BLOCK)
+        return 0;
+    if (f->mode != FEEDBACK_SIGN_SUM)
+        return off + BLOCK <= f->n;
+    for (int64_t r = 0; r < f->ntails; r++) /* columns in torch's row_sum order */
+        if (f->tails[2 * r] < off + BLOCK && f->tails[2 * r + 1] > off)
+            return 0;
+    return 1;
+}
+
+/* feedback_values of the 32 elements from i on, in registers (the same fp32 operations). */
+static inline void feedback_values32(const fn_feedback *f, int64_t i, __m256 *v)
+{
+    const float *e = f->e + i;
+    _mm_prefetch((const char *)(e + FEEDBACK_AHEAD), _MM_HINT_T0);
+    _mm_prefetch((const char *)(e + FEEDBACK_AHEAD + 16), _MM_HINT_T0);
+    if (f->mode == FEEDBACK_SIGN_SUM) {
+        sign_sum_registers(f, i / 8, v);
+        for (int t = 0; t < 4; t++)
+            v[t] = _mm256_add_ps(v[t], _mm256_loadu_ps(e + 8 * t));
+        return;
+    }
+    const float *x = f->x + i;
+    _mm_prefetch((const char *)(x + FEEDBACK_AHEAD), _MM_HINT_T0);
+    _mm_prefetch((const char *)(x + FEEDBACK_AHEAD + 16), _MM_HINT_T0);
+    if (f->mode == FEEDBACK_MOMENTUM) {
+        const float *g = f->g + i;
+        const __m256 b = _mm256_set1_ps(f->beta), c = _mm256_set1_ps(f->one_minus_beta);
+        _mm_prefetch((const char *)(g + FEEDBACK_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(g + FEEDBACK_AHEAD + 16), _MM_HINT_T0);
+        for (int t = 0; t < 4; t++) {
+            __m256 m = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(x + 8 * t)),
+                                     _mm256_mul_ps(c, _mm256_loadu_ps(g + 8 * t)));
+            v[t] = _mm256_add_ps(m, _mm256_loadu_ps(e + 8 * t));
+        }
+    } else {
+        for (int t = 0; t < 4; t++)
+            v[t] = _mm256_add_ps(_mm256_loadu_ps(x + 8 * t), _mm256_loadu_ps(e + 8 * t));
+    }
+}
+
+/* sign_block of a fused block, v computed in registers: the same signs and lane sums; v is
+   also stored to v_out + off when v_out is given. */
+static void feedback_sign_block(const fn_feedback *f, int64_t off, uint8_t *bits,
+                                double *block_sum, float *v_out)
+{
+    __m256d a[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
+                    _mm256_setzero_pd()};
+    for (int k = 0; k < BLOCK; k += 2 * LANES) {
+        __m256 v[4];
+        feedback_values32(f, off + k, v);
+        if (v_out)
+            for (int t = 0; t < 4; t++)
+                _mm256_storeu_ps(v_out + off + k + 8 * t, v[t]);
+        uint32_t word = signs32(v[0], v[1], v[2], v[3]);
+        memcpy(bits + k / 8, &word, 4);
+        for (int t = 0; t < 4; t++) {
+            __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v[t]));
+            __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(v[t], 1));
+            a[2 * (t % 2)] = _mm256_fmadd_pd(d0, d0, a[2 * (t % 2)]);
+            a[2 * (t % 2) + 1] = _mm256_fmadd_pd(d1, d1, a[2 * (t % 2) + 1]);
+        }
+    }
+    double acc[LANES];
+    for (int i = 0; i < 4; i++)
+        _mm256_storeu_pd(acc + 4 * i, a[i]);
+    for (int h = LANES / 2; h > 0; h /= 2)
+        for (int j = 0; j < h; j++)
+            acc[j] += acc[j + h];
+    *block_sum = acc[0];
+}
+#endif
+
+/* v = m (+ e): packed signs of v and per-block sums of squares; v is written to v_out when
+   e is given (the error pass then turns it into the new error in place). */
+static void fn_sign_compress(const float *m, const float *e, float *v_out, int64_t begin,
+                             int64_t end, uint8_t *bits, double *block_sums)
+{
+    /* begin is a multiple of BLOCK; end is one too, or the total length. */
+    for (int64_t b = begin / BLOCK; b < (end + BLOCK - 1) / BLOCK; b++) {
+        int64_t off = b * BLOCK, len = min64(BLOCK, end - off);
+        const float *x = m + off;
+#if defined(__AVX2__) && defined(__FMA__)
+        if (e && len == BLOCK) {
+            fn_feedback f = {FEEDBACK_X, end, m, NULL, e};
+            feedback_sign_block(&f, off, bits + off / 8, block_sums + b, v_out);
+            continue;
+        }
+#endif
+        if (e) {
+            float *v = v_out + off;
+            for (int64_t i = 0; i < len; i++)
+                v[i] = m[off + i] + e[off + i];
+            x = v;
+        }
+        sign_block(x, len, bits + off / 8, block_sums + b);
+    }
+}
+
 /* Phase 1: packed signs of v and its block sums of squares (begin: a multiple of BLOCK). */
 static void fn_feedback_signs(const fn_feedback *f, uint8_t *bits, double *block_sums,
                               int64_t begin, int64_t end)
@@ -399,6 +490,12 @@ static void fn_feedback_signs(const fn_feedback *f, uint8_t *bits, double *block
     float v[BLOCK];
     for (int64_t b = begin / BLOCK; b < (end + BLOCK - 1) / BLOCK; b++) {
         int64_t off = b * BLOCK, len = min64(BLOCK, end - off);
+#if defined(__AVX2__) && defined(__FMA__)
+        if (feedback_fused(f, off, len)) {
+            feedback_sign_block(f, off, bits + off / 8, block_sums + b, NULL);
+            continue;
+        }
+#endif
         feedback_values(f, off, len, v);
         sign_block(v, len, bits + off / 8, block_sums + b);
     }
@@ -417,6 +514,24 @@ static void fn_feedback_error(const fn_feedback *f, float scale, float *out, int
 #endif
     for (int64_t b = begin / BLOCK; b < (end + BLOCK - 1) / BLOCK; b++) {
         int64_t off = b * BLOCK, len = min64(BLOCK, end - off), i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        if (feedback_fused(f, off, len)) {
+            /* v in registers; out may be e itself: each vector is read before it is written */
+            for (; i < BLOCK; i += 32) {
+                __m256 x[4];
+                feedback_values32(f, off + i, x);
+                for (int t = 0; t < 4; t++) {
+                    __m256 s = _mm256_blendv_ps(down, up, _mm256_cmp_ps(x[t], zero, _CMP_GE_OQ));
+                    __m256 y = _mm256_sub_ps(x[t], s);
+                    if (stream)
+                        _mm256_stream_ps(out + off + i + 8 * t, y);
+                    else
+                        _mm256_storeu_ps(out + off + i + 8 * t, y);
+                }
+            }
+            continue;
+        }
+#endif
         feedback_values(f, off, len, v);
 #if defined(__AVX2__)
         if (stream) {

@@ -110,6 +110,39 @@ def test_sign_sum_matches_torch_sum(c_kernels, threads, ranks, chunk_bytes, seed
         torch.set_num_threads(previous)
 
 
+def test_sign_sum_tails_inside_a_full_block(c_kernels, monkeypatch):
+    """Columns that torch sums in its row_sum order (with 64-byte vectors such a range can lie
+    inside a block) take that order in a full block too: the same values as in a short block,
+    which the scalar path computes."""
+    gen = torch.Generator().manual_seed(0)
+    ranks = 7
+    signs = torch.randint(0, 256, (ranks, 256), dtype=torch.uint8, generator=gen)
+    weights = torch.rand(ranks, generator=gen) * torch.logspace(-4, 4, ranks)
+    error, scale = _values(2048, 1), torch.tensor(0.5)
+    tails = {2048: [[1088, 1120]], 128: [[64, 96]]}
+
+    def run(columns: slice, tailed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        part = signs[:, columns.start // 8 : columns.stop // 8].contiguous()
+        ranges = tails[columns.stop - columns.start] if tailed else []
+        monkeypatch.setattr(
+            c_kernels,
+            "_torch_sum_tails",
+            lambda r, chunk: torch.tensor(ranges, dtype=torch.int64).view(-1, 2),
+        )
+        packed, _ = c_kernels.sign_sum_compress(part, weights, error[columns])
+        out = torch.empty(columns.stop - columns.start)
+        c_kernels.sign_sum_apply_error(part, weights, error[columns], scale, out)
+        return packed, out
+
+    packed, out = run(slice(0, 2048), tailed=True)
+    short_packed, short_out = run(slice(1024, 1152), tailed=True)
+    assert torch.equal(packed[128:144], short_packed)
+    assert torch.equal(_bits(out[1024:1152]), _bits(short_out))
+    _, plain = run(slice(0, 2048), tailed=False)  # the orders differ on these columns
+    assert not torch.equal(_bits(plain[1088:1120]), _bits(out[1088:1120]))
+    assert torch.equal(_bits(plain[:1088]), _bits(out[:1088]))
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     ranks=st.integers(1, 9),
