@@ -238,6 +238,7 @@ class ProcessGroup(ByteCounter):
         me = dist.get_rank()
         call = f"{kind} of {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
         arrived: dict[int, str] = {}
+        store_lost = ""
         try:
             store = distributed_c10d._get_process_group_store(self.group or dist.group.WORLD)
             prefix = f"fn/{seq}/"
@@ -250,13 +251,18 @@ class ProcessGroup(ByteCounter):
                 if len(arrived) == len(members) or time.monotonic() > deadline:
                     break
                 time.sleep(_POLL_S)
-            missing = [rank for rank in members if rank not in arrived]
         except (RuntimeError, ValueError) as store_err:  # the store's host (rank 0) is gone
-            return CollectiveTimeoutError(
-                f"fn.collectives: {call} (collective #{seq} on ranks {members}) failed on rank "
-                f"{me}: {err}; the store is unreachable ({store_err}), so rank 0 likely died",
-                [0],
-            )
+            if not arrived:  # never reached it: nothing is known of the others
+                return CollectiveTimeoutError(
+                    f"fn.collectives: {call} (collective #{seq} on ranks {members}) failed on "
+                    f"rank {me}: {err}; the store is unreachable ({store_err}), so rank 0 likely "
+                    "died",
+                    [0],
+                )
+            # Rank 0 ended while this rank was looking (its own failure raised there too):
+            # the ranks seen so far stand.
+            store_lost = f" (the store went away while the ranks were looked for: {store_err})"
+        missing = [rank for rank in members if rank not in arrived]
         where = f"collective #{seq} on ranks {members}"
         limit = f"{self.timeout.total_seconds():g} s"
         if missing:
@@ -264,7 +270,7 @@ class ProcessGroup(ByteCounter):
                 f"fn.collectives: {call} ({where}) did not complete within {limit} on rank {me}: "
                 f"rank(s) {missing} never reached it (stalled, dead, or in a different code "
                 "path; see their output). If they are only slow, raise the limit with "
-                f"ProcessGroup(timeout=...) or {TIMEOUT_ENV}=<seconds>. ({err})",
+                f"ProcessGroup(timeout=...) or {TIMEOUT_ENV}=<seconds>.{store_lost} ({err})",
                 missing,
             )
         calls = "; ".join(f"rank {rank}: {arrived[rank]}" for rank in members)

@@ -179,8 +179,12 @@ typedef struct {
     int64_t ntails;
 } fn_feedback;
 
-static inline float signed_weight(const fn_feedback *f, int64_t row, int64_t k)
+/* Term (row, k) of a column sum: row `row`'s value in column k. */
+typedef float (*column_term)(const void *ctx, int64_t row, int64_t k);
+
+static float signed_weight(const void *ctx, int64_t row, int64_t k)
 {
+    const fn_feedback *f = ctx;
     uint32_t byte = f->signs[row * f->row_bytes + (k >> 3)];
     return ((byte >> (7 - (k & 7))) & 1u) ? f->weights[row] : -f->weights[row];
 }
@@ -201,15 +205,15 @@ static inline int64_t level_power(int64_t count)
     return ceil_log2(count) / 4 > 4 ? ceil_log2(count) / 4 : 4;
 }
 
-/* torch's multi_row_sum order over the terms first, first + stride, ... (count of them). */
-static float cascade_column(const fn_feedback *f, int64_t k, int64_t first, int64_t stride,
-                            int64_t count)
+/* torch's multi_row_sum order over the terms of rows first, first + stride, ... (count). */
+static float cascade_column(column_term term, const void *ctx, int64_t k, int64_t first,
+                            int64_t stride, int64_t count)
 {
     int64_t power = level_power(count), step = (int64_t)1 << power, mask = step - 1, t = 0;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     while (t + step <= count) {
         for (int64_t j = 0; j < step; j++, t++)
-            acc[0] += signed_weight(f, first + t * stride, k);
+            acc[0] += term(ctx, first + t * stride, k);
         for (int j = 1; j < 4; j++) {
             acc[j] += acc[j - 1];
             acc[j - 1] = 0.0f;
@@ -218,21 +222,22 @@ static float cascade_column(const fn_feedback *f, int64_t k, int64_t first, int6
         }
     }
     for (; t < count; t++)
-        acc[0] += signed_weight(f, first + t * stride, k);
+        acc[0] += term(ctx, first + t * stride, k);
     for (int j = 1; j < 4; j++)
         acc[0] += acc[j];
     return acc[0];
 }
 
-/* torch's row_sum order (the columns its vectorized outer sum leaves over). */
-static float row_sum_column(const fn_feedback *f, int64_t k)
+/* torch's row_sum order over `rows` terms (the columns its vectorized outer sum leaves over:
+   four interleaved cascades, then the rows past the last multiple of 4). */
+static float row_sum_column(column_term term, const void *ctx, int64_t rows, int64_t k)
 {
-    int64_t quads = f->ranks / 4;
+    int64_t quads = rows / 4;
     float p[4];
     for (int j = 0; j < 4; j++)
-        p[j] = quads ? cascade_column(f, k, j, 4, quads) : 0.0f;
-    for (int64_t i = quads * 4; i < f->ranks; i++)
-        p[0] += signed_weight(f, i, k);
+        p[j] = quads ? cascade_column(term, ctx, k, j, 4, quads) : 0.0f;
+    for (int64_t i = quads * 4; i < rows; i++)
+        p[0] += term(ctx, i, k);
     return ((p[0] + p[1]) + p[2]) + p[3];
 }
 
@@ -349,7 +354,7 @@ static void sign_sum_block(const fn_feedback *f, int64_t off, int64_t len, float
         int64_t b = f->tails[2 * r] > off ? f->tails[2 * r] : off;
         int64_t e = min64(f->tails[2 * r + 1], off + len);
         for (int64_t k = b; k < e; k++)
-            out[k - off] = row_sum_column(f, k);
+            out[k - off] = row_sum_column(signed_weight, f, f->ranks, k);
     }
 }
 
@@ -974,15 +979,34 @@ static void fn_loco_error(const float *x, const float *e, rows_layout l, const u
 #define SUM_TILE 256
 #define SUM_LEVELS 4
 
-/* out[i] = sum over the `pieces` rows of DQ(row)[i], rows of `cols` values (whole groups) in
-   one buffer, added in the order of torch's outer-dimension sum (aten's multi_row_sum): an
-   fp32 accumulator per level, rows added to level 0 from zero, level j-1 moved into level j
-   every 2^(j * level_power) rows, then the levels added to level 0 in order. */
-static void fn_dequantize_sum(const uint8_t *q, const float *scales, int nbits,
-                              int64_t group_size, int64_t pieces, int64_t cols, int level_power,
-                              float *out, int64_t begin, int64_t end)
+typedef struct {
+    const uint8_t *q;
+    const float *scales;
+    int nbits;
+    int64_t group_size, cols;
+} dequantized_rows;
+
+static float dequantized_term(const void *ctx, int64_t row, int64_t k)
 {
-    const int64_t step = (int64_t)1 << level_power, mask = step - 1;
+    const dequantized_rows *d = ctx;
+    float v;
+    int64_t i = row * d->cols + k;
+    dequantize_range(d->q, d->scales, d->nbits, d->group_size, i, i + 1, &v, 0);
+    return v;
+}
+
+/* out[i] = sum over the `pieces` rows of DQ(row)[i], rows of `cols` values (whole groups) in
+   one buffer, added in the order of torch's outer-dimension sum: aten's multi_row_sum (an fp32
+   accumulator per level, rows added to level 0 from zero, level j-1 moved into level j every
+   2^(j * level_power) rows, then the levels added to level 0 in order), except in the column
+   ranges `tails` ([ntails][2]), which torch sums in its row_sum order. */
+static void fn_dequantize_sum(const uint8_t *q, const float *scales, int nbits,
+                              int64_t group_size, int64_t pieces, int64_t cols,
+                              const int64_t *tails, int64_t ntails, float *out, int64_t begin,
+                              int64_t end)
+{
+    const int64_t power = level_power(pieces), step = (int64_t)1 << power, mask = step - 1;
+    const dequantized_rows rows = {q, scales, nbits, group_size, cols};
     float acc[SUM_LEVELS][SUM_TILE];
     for (int64_t t0 = begin; t0 < end; t0 += SUM_TILE) {
         int64_t len = min64(SUM_TILE, end - t0);
@@ -999,7 +1023,7 @@ static void fn_dequantize_sum(const uint8_t *q, const float *scales, int nbits,
                     acc[l][k] += acc[l - 1][k];
                     acc[l - 1][k] = 0.0f;
                 }
-                if (r & (mask << (l * level_power)))
+                if (r & (mask << (l * power)))
                     break;
             }
         }
@@ -1009,6 +1033,11 @@ static void fn_dequantize_sum(const uint8_t *q, const float *scales, int nbits,
         for (int l = 1; l < SUM_LEVELS; l++)
             for (int64_t k = 0; k < len; k++)
                 acc[0][k] += acc[l][k];
+        for (int64_t r = 0; r < ntails; r++) {
+            int64_t b = tails[2 * r] > t0 ? tails[2 * r] : t0;
+            for (int64_t k = b; k < min64(tails[2 * r + 1], t0 + len); k++)
+                acc[0][k - t0] = row_sum_column(dequantized_term, &rows, pieces, k);
+        }
         memcpy(out + t0, acc[0], (size_t)len * sizeof(float));
     }
 }
@@ -1120,8 +1149,8 @@ static void run_chunk(const fn_job *j, int64_t b, int64_t e)
         break;
     }
     case DEQUANTIZE_SUM:
-        fn_dequantize_sum(j->p[0], j->p[1], (int)j->i[0], j->i[1], j->i[2], j->i[3],
-                          (int)j->i[4], j->p[2], b, e);
+        fn_dequantize_sum(j->p[0], j->p[1], (int)j->i[0], j->i[1], j->i[2], j->i[3], j->p[3],
+                          j->i[4], j->p[2], b, e);
         break;
     case DEQUANTIZE_INTO:
         fn_dequantize_into(j->p[0], j->p[1], (int)j->i[0], j->i[1], j->i[2], j->i[3], j->i[4],

@@ -4,7 +4,11 @@ The C source is ``_cpu.c``, package data next to this module. The shared library
 per (source text, compiler, flags, CPU) into ``$FN_CACHE_DIR`` (default ``~/.cache/fn``) with
 ``$CC`` (default ``cc``) and ``-O3 -march=native``. Without a working compiler every kernel
 falls back to the reference and one warning says why. Results are bit-identical to
-``fn.kernels._reference``.
+``fn.kernels._reference``. Where the reference is one of torch's own kernels (the sums over the
+ranks' chunks in ``torch.sum(dim=0)``'s order, the fused AdamW step in
+``torch._fused_adamw_``'s rounding), the C kernel follows the vector length that torch's kernel
+is found to run on this build (found once by running it; the CPU capability does not tell it),
+so the fast path is taken on every capability torch's AVX2 and AVX512 builds report.
 
 Large calls are split into chunks of ``_CHUNK`` elements claimed by up to
 ``torch.get_num_threads()`` threads (ctypes releases the GIL; no OpenMP runtime is involved).
@@ -54,9 +58,6 @@ _KERNEL_IDS = {
     "adam_direction": 13,
     "adamw_step": 14,
 }
-# Capabilities whose fp32 vectors hold 8 lanes: torch's outer sum then takes one path (the
-# multi_row_sum order) for every column when the row length is a multiple of 32.
-_SUM_CAPABILITIES = ("AVX2", "DEFAULT")
 
 
 class _JobStruct(ctypes.Structure):
@@ -314,13 +315,28 @@ def _plain_fp32(*tensors: torch.Tensor | None) -> bool:
     )
 
 
+@functools.cache
+def _torch_sum_lanes() -> int:
+    """The fp32 vector length of torch's CPU sum kernel, found by running it: which kernel a
+    build dispatches to is not told by ``get_cpu_capability()`` (torch 2.13's AVX512 builds
+    sum with 8 lanes). The smallest width whose columns take the ``row_sum`` order: narrower
+    outer sums go in groups of 4 columns (rows 0, 1 and 4 tell the two orders apart)."""
+    for lanes in (8, 16, 32, 64):
+        rows = torch.zeros(5, lanes)
+        rows[0], rows[1], rows[4] = 2.0**24, 1.0, -(2.0**24)
+        if rows.sum(0)[0] != 0:  # (2^24 + 1) - 2^24 rounds to 0; row_sum adds 1 last
+            return lanes
+    raise RuntimeError("torch's sum(0) takes no vectorized order up to 64 lanes")
+
+
 def _torch_sum_tails(ranks: int, chunk: int) -> torch.Tensor:
     """The column ranges that ``torch.sum(dim=0)`` of a contiguous fp32 ``[ranks, chunk]``
-    tensor reduces in its scalar ``row_sum`` order (int64 ``[k, 2]``); it reduces the others
-    in groups of 4 vectors in its ``multi_row_sum`` order. Its threads split the columns into
-    ``ceil(chunk / threads)`` pieces rounded to 128 bytes, and each piece ends with such a
-    range (ATen ``SumKernel.cpp``, ``TensorIteratorReduce.cpp``)."""
-    width = 4 * (16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8)
+    tensor reduces in its ``row_sum`` order (int64 ``[k, 2]``); it reduces the others in its
+    ``multi_row_sum`` order. Its threads split the columns into ``ceil(chunk / threads)``
+    pieces rounded to 128 bytes; a piece of at least one vector of columns is summed in groups
+    of 4 vectors, a shorter one in groups of 4 columns, and the columns past the last whole
+    group take the ``row_sum`` order (ATen ``SumKernel.cpp``, ``TensorIteratorReduce.cpp``)."""
+    lanes = _torch_sum_lanes()
     threads = torch.get_num_threads()
     pieces = [(0, chunk)]
     if ranks * chunk >= _SUM_GRAIN and threads > 1:
@@ -331,7 +347,11 @@ def _torch_sum_tails(ranks: int, chunk: int) -> torch.Tensor:
             begin, end = begin - begin % 32, end if end == chunk else end - end % 32
             if begin != end:
                 pieces.append((begin, end))
-    tails = [(b + (e - b) // width * width, e) for b, e in pieces if (e - b) % width]
+    tails = []
+    for begin, end in pieces:
+        width = 4 * lanes if end - begin >= lanes else 4
+        if (end - begin) % width:
+            tails.append((begin + (end - begin) // width * width, end))
     return torch.tensor(tails, dtype=torch.int64).view(-1, 2)
 
 
@@ -616,16 +636,13 @@ def dequantize_sum(
     lib = library()
     cols = out.numel()
     groups = scales.numel()
-    exact_order = pieces < 4 or (
-        torch.backends.cpu.get_cpu_capability() in _SUM_CAPABILITIES and cols % 32 == 0
-    )
-    if lib is None or not exact_order or not _writable_fp32(out) or not groups:
+    if lib is None or not _writable_fp32(out) or not groups:
         return _reference.dequantize_sum(q, scales, bits, pieces, out)
     q = q.detach().contiguous()
     scales = _fp32(scales)
-    level_power = max(4, (pieces - 1).bit_length() // 4)
-    pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())
-    ints = (bits, pieces * cols // groups, pieces, cols, level_power)
+    tails = _torch_sum_tails(pieces, cols)
+    pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr(), tails.data_ptr())
+    ints = (bits, pieces * cols // groups, pieces, cols, tails.shape[0])
     _run(lib, "dequantize_sum", cols, 1, pointers, ints)
     return None
 
@@ -673,15 +690,7 @@ class _AdamWStruct(ctypes.Structure):
 
 
 _ADAMW_DTYPES = (torch.float32, torch.float64)
-
-
-def _torch_adam_lanes(dtype: torch.dtype) -> int | None:
-    """The vector length of ``torch._fused_adamw_``'s CPU kernel for ``dtype`` (its scalar tail
-    is the last ``n % lanes`` elements of a tensor), ``None`` on capabilities the C kernel does
-    not follow."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    width = 64 if capability.startswith("AVX512") else 32 if capability == "AVX2" else None
-    return None if width is None else width // dtype.itemsize
+_ADAM_VECTOR_BYTES = (32, 64)  # torch's 256-bit and 512-bit CPU kernels
 
 
 @functools.lru_cache(maxsize=64)
@@ -691,38 +700,45 @@ def _small_lerp(beta1: float, dtype: torch.dtype) -> bool:
 
 
 @functools.cache
-def _adamw_follows_torch(dtype: torch.dtype, small_lerp: bool) -> bool:
-    """Whether the C kernel gives the reference's bits here: torch's kernel rounds as its build
-    contracts it (see ``_cpu.c``), so each (dtype, lerp branch) is checked once on random data
-    covering vector lanes and many tails; where it differs, the reference runs."""
-    lanes = _torch_adam_lanes(dtype)
-    if lanes is None:
-        return False
+def _adamw_lanes(dtype: torch.dtype, small_lerp: bool) -> int | None:
+    """The vector length (values of ``dtype``) with which the C kernel gives the reference's
+    bits on this build, or ``None`` where no length does (the reference runs). torch's kernel
+    rounds its vector lanes and its scalar tail as its build contracts them (see ``_cpu.c``),
+    and which vector length it runs is not told by ``get_cpu_capability()`` (torch 2.13's
+    AVX512 builds run its 256-bit kernel): each (dtype, lerp branch) is checked once, for each
+    length, on random data covering vector lanes and many tails."""
     gen = torch.Generator().manual_seed(0)
-    sizes = (4096 + lanes - 1, *[lanes - 1] * 128)  # vector lanes, then tails
     ps, gs, ms, vs = [], [], [], []
-    for n in sizes:
+    for n in (4096 + 63, *range(1, 64), *range(1, 64)):  # vector lanes, every tail length
         scale = torch.pow(10.0, torch.randint(-6, 2, (n,), generator=gen)).to(dtype)
         ps.append(torch.randn(n, generator=gen, dtype=dtype))
         gs.append(torch.randn(n, generator=gen, dtype=dtype) * scale)
         gs[-1][::5] = -0.0  # signed zeros tell the lerp forms apart at beta1 = 0
         ms.append(torch.randn(n, generator=gen, dtype=dtype) * 0.1)
         vs.append(torch.rand(n, generator=gen, dtype=dtype) * 0.1)
-    bits = torch.int32 if dtype == torch.float32 else torch.int64
-    for beta1 in (0.9,) if small_lerp else (0.3, 0.0):
-        outs = []
-        for impl in (_reference.adamw_step, _adamw_c):
-            p, m, v = ([x.clone() for x in xs] for xs in (ps, ms, vs))
-            impl(p, gs, m, v, m, v, 3.0, 1e-3, beta1, 0.999, 1e-8, 0.01)
-            outs.append(torch.cat(p + m + v).view(bits))
-        if not torch.equal(*outs):
-            return False
-    return True
+    betas = (0.9,) if small_lerp else (0.3, 0.0)
+    for lanes in (nbytes // dtype.itemsize for nbytes in _ADAM_VECTOR_BYTES):
+        if all(_adamw_matches(lanes, ps, gs, ms, vs, beta1) for beta1 in betas):
+            return lanes
+    return None
 
 
-def _adamw_c(ps, gs, ms, vs, m_outs, v_outs, step, lr, beta1, beta2, eps, weight_decay):
+def _adamw_matches(lanes, ps, gs, ms, vs, beta1) -> bool:
+    """Whether the C kernel with ``lanes`` gives the reference's bits on these leaves."""
+    bits = torch.int32 if ps[0].dtype == torch.float32 else torch.int64
+    outs = []
+    for impl in (_reference.adamw_step, functools.partial(_adamw_c, lanes=lanes)):
+        p, m, v = ([x.clone() for x in xs] for xs in (ps, ms, vs))
+        impl(p, gs, m, v, m, v, 3.0, 1e-3, beta1, 0.999, 1e-8, 0.01)
+        outs.append(torch.cat(p + m + v).view(bits))
+    return torch.equal(*outs)
+
+
+def _adamw_c(
+    ps, gs, ms, vs, m_outs, v_outs, step, lr, beta1, beta2, eps, weight_decay, *, lanes=None
+):
     """The C kernel over all leaves in one job, the scalars computed as torch's kernel does
-    (in fp64)."""
+    (in fp64); ``lanes``: its vector length (default: the one checked for this build)."""
     sizes = [p.numel() for p in ps]
     starts = [0]
     for n in sizes:
@@ -730,8 +746,10 @@ def _adamw_c(ps, gs, ms, vs, m_outs, v_outs, step, lr, beta1, beta2, eps, weight
     addresses = [t.data_ptr() for ts in (ps, gs, ms, vs, m_outs, v_outs) for t in ts]
     table = torch.tensor(addresses + starts, dtype=torch.int64)
     dtype = ps[0].dtype
+    if lanes is None:
+        lanes = _adamw_lanes(dtype, _small_lerp(beta1, dtype))
     args = _AdamWStruct(
-        table.data_ptr(), len(ps), _torch_adam_lanes(dtype), dtype == torch.float64,
+        table.data_ptr(), len(ps), lanes, dtype == torch.float64,
         weight_decay != 0.0, _small_lerp(beta1, dtype), 1.0 - lr * weight_decay, 1.0 - beta1,
         beta2, 1.0 - beta2, math.sqrt(1.0 - beta2**step), eps, -(lr / (1.0 - beta1**step)),
     )  # fmt: skip
@@ -746,7 +764,7 @@ def adamw_step_runs(dtype: torch.dtype | None, beta1: float) -> bool:
     return (
         dtype in _ADAMW_DTYPES
         and library() is not None
-        and _adamw_follows_torch(dtype, _small_lerp(beta1, dtype))
+        and _adamw_lanes(dtype, _small_lerp(beta1, dtype)) is not None
     )
 
 

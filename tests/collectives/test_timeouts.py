@@ -173,3 +173,49 @@ def test_point_to_point_transfers_time_out_naming_the_late_rank(tmp_path):
     assert "exchange of (4,) float32" in stalled["message"]
     assert "rank(s) [1] never reached it" in stalled["message"]
     assert LIMIT_S <= stalled["s"] < 2 * LIMIT_S + 1.5
+
+
+class _VanishingStore:
+    """rank 0's store as rank 1 sees it: rank 0 arrived, and the store answers ``answers``
+    checks before its host (rank 0, which raised too) ends."""
+
+    def __init__(self, answers: int, reachable: bool = True):
+        self.keys = {}
+        self.answers = answers
+        self.reachable = reachable
+
+    def set(self, key, value):
+        if not self.reachable:
+            raise RuntimeError("Connection refused")
+        self.keys.setdefault(key.replace("/1", "/0"), b"all_reduce of (4,) float32")
+        self.keys[key] = value.encode()
+
+    def check(self, keys):
+        self.answers -= 1
+        if self.answers < 0:
+            raise RuntimeError("Connection reset by peer")
+        return all(k in self.keys for k in keys)
+
+    def get(self, key):
+        return self.keys[key]
+
+
+@pytest.mark.parametrize("answers", [2, 3, 7])
+def test_a_store_that_ends_while_looking_keeps_what_was_seen(monkeypatch, answers):
+    """Rank 0 hosts the store and ends once it raised: a rank still looking for the missing
+    ranks names those it has not seen (rank 2 here), not rank 0."""
+    from fn.collectives import process_group
+
+    store = _VanishingStore(answers)
+    monkeypatch.setattr(process_group.distributed_c10d, "_get_process_group_store", lambda g: store)
+    monkeypatch.setattr(process_group.dist, "get_rank", lambda group=None: 1)
+    comm = object.__new__(ProcessGroup)
+    comm.group, comm._world_size = None, 3
+    comm.timeout = datetime.timedelta(seconds=30)
+    err = comm._diagnose("all_reduce", 5, torch.ones(4), RuntimeError("timed out"))
+    assert err.missing_ranks == [2]
+    assert "rank(s) [2] never reached it" in str(err) and "store went away" in str(err)
+
+    store = _VanishingStore(99, reachable=False)  # never reached: rank 0 is the suspect
+    err = comm._diagnose("all_reduce", 6, torch.ones(4), RuntimeError("timed out"))
+    assert err.missing_ranks == [0] and "rank 0 likely died" in str(err)

@@ -18,7 +18,7 @@ _SPECIAL = (0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-310
 def c_kernels():
     if _cpu.library() is None:
         pytest.skip("no working C compiler: the CPU kernels fall back to the reference")
-    if not all(_cpu._adamw_follows_torch(d, s) for d in _DTYPES for s in (True, False)):
+    if not all(_cpu._adamw_lanes(d, s) for d in _DTYPES for s in (True, False)):
         pytest.skip("torch's fused AdamW kernel rounds otherwise on this build: the C one is off")
     return _cpu
 
@@ -148,23 +148,28 @@ def test_other_c_code_paths_bit_exact(c_kernels, march, needs, tmp_path, monkeyp
 
 def test_the_check_against_torch_detects_another_rounding(c_kernels, monkeypatch):
     """With the tail rounded as the vector lanes, the one-time check fails: the reference runs."""
-
-    def every_lane_vector(ps, gs, ms, vs, m_outs, v_outs, *hyper):
-        monkeypatch.setattr(_cpu, "_torch_adam_lanes", lambda dtype: 1)
-        try:
-            _adamw_c(ps, gs, ms, vs, m_outs, v_outs, *hyper)
-        finally:
-            monkeypatch.undo()
-
-    _adamw_c = _cpu._adamw_c
-    monkeypatch.setattr(_cpu, "_adamw_c", every_lane_vector)
-    _cpu._adamw_follows_torch.cache_clear()
+    _cpu._adamw_lanes.cache_clear()
+    monkeypatch.setattr(_cpu, "_ADAM_VECTOR_BYTES", (4, 8))  # 1 or 2 fp32 lanes: tails rounded as lanes
     try:
-        assert not _cpu._adamw_follows_torch(torch.float32, True)
+        assert _cpu._adamw_lanes(torch.float32, True) is None
+        assert not _cpu.adamw_step_runs(torch.float32, 0.9)
     finally:
         monkeypatch.undo()
-        _cpu._adamw_follows_torch.cache_clear()
-    assert _cpu._adamw_follows_torch(torch.float32, True)
+        _cpu._adamw_lanes.cache_clear()
+    assert _cpu._adamw_lanes(torch.float32, True) in (8, 16)
+
+
+def test_the_vector_length_is_found_by_running_torchs_kernel(c_kernels, monkeypatch):
+    """The check tries the 512-bit length too: a build whose kernel runs it is followed."""
+    _cpu._adamw_lanes.cache_clear()
+    found = _cpu._adamw_lanes(torch.float32, False)
+    monkeypatch.setattr(_cpu, "_ADAM_VECTOR_BYTES", (8, found * 4))  # a wrong length first
+    try:
+        _cpu._adamw_lanes.cache_clear()
+        assert _cpu._adamw_lanes(torch.float32, False) == found
+    finally:
+        monkeypatch.undo()
+        _cpu._adamw_lanes.cache_clear()
 
 
 def test_public_op_defaults_checks_and_dispatch():

@@ -69,7 +69,7 @@ def kernel_calls(monkeypatch):
     if _cpu.library() is not None:  # the one-time checks run the kernel: not counted
         for dtype in (torch.float32, torch.float64):
             for small_lerp in (True, False):
-                _cpu._adamw_follows_torch(dtype, small_lerp)
+                _cpu._adamw_lanes(dtype, small_lerp)
     calls = [0]
     run = _cpu._adamw_c
 
