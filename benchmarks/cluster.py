@@ -70,6 +70,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$")
 RATE_UNIT = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 PORT = 29500
+MAX_TUNING_ROUNDS = 30  # untimed rounds past --warmup while a kernel tunes (it takes 9 calls)
 IFNAME = "eth0"
 
 
@@ -374,19 +375,38 @@ def run_on_links(
 # Rank side (inside a namespace).
 
 
-def _timed(fns: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dict[str, float]:
-    """Median seconds per call of each fn, timed between barriers, interleaved per repeat."""
+def _tuning_anywhere() -> bool:
+    """Whether a CPU kernel on some rank is still timing its settings (``fn.kernels``)."""
+    import torch
     import torch.distributed as dist
 
+    import fn.kernels
+
+    pending = torch.tensor([float(fn.kernels.tuning_pending())])
+    dist.all_reduce(pending, dist.ReduceOp.MAX)
+    return bool(pending.item())
+
+
+def _timed(fns: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dict[str, float]:
+    """Median seconds per call of each fn, timed between barriers, interleaved per repeat, after
+    ``warmup`` untimed rounds and as many more (up to ``MAX_TUNING_ROUNDS``) as the kernels'
+    tuning of their first large calls lasts on any rank."""
+    import torch.distributed as dist
+
+    for i in range(warmup + MAX_TUNING_ROUNDS):
+        if i >= warmup and not _tuning_anywhere():
+            break
+        for f in fns.values():
+            dist.barrier()
+            f()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for i in range(warmup + repeats):
+    for _ in range(repeats):
         for name, f in fns.items():
             dist.barrier()
             start = time.perf_counter()
             f()
             dist.barrier()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
+            times[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 

@@ -44,6 +44,7 @@ from fn.collectives import (  # noqa: E402
 
 WORLD = 4
 GROUP = 128
+MAX_WARMUP = 30  # calls: one, then more while a CPU kernel tunes its first large calls
 
 
 def counted_bytes(n: int, world: int = WORLD) -> dict[str, int]:
@@ -62,20 +63,34 @@ def counted_bytes(n: int, world: int = WORLD) -> dict[str, int]:
     return out
 
 
-def _timed(fn, repeats, sync):
+def _timed(call, repeats, sync):
+    """The median seconds of ``repeats`` calls after the warm-up (one call, then more while a
+    CPU kernel on some rank is still tuning its first large calls, at most 30); the calls made."""
     import torch.distributed as dist
 
+    import fn.kernels
+
+    calls = 0
+    for _ in range(MAX_WARMUP):
+        call()
+        sync()
+        calls += 1
+        if dist.get_backend() != "gloo":  # device kernels: nothing is tuned
+            break
+        pending = torch.tensor([float(fn.kernels.tuning_pending())])
+        dist.all_reduce(pending, dist.ReduceOp.MAX)
+        if not pending.item():
+            break
     times = []
-    for i in range(repeats + 1):
+    for _ in range(repeats):
         sync()
         dist.barrier()
         start = time.perf_counter()
-        fn()
+        call()
         sync()
         dist.barrier()
-        if i:  # the first call warms up
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), calls + repeats
 
 
 def _worker(rank, world, backend, port, n, repeats, results):
@@ -114,12 +129,12 @@ def _worker(rank, world, backend, port, n, repeats, results):
         buf.copy_(x)
         _, box["state"] = tx.update({"x": buf}, box["state"], donate=True)
 
-    out = {"dist.all_reduce": _timed(dense, repeats, sync)}
+    out = {"dist.all_reduce": _timed(dense, repeats, sync)[0]}
     comm.reset_bytes_sent()
-    out["1-bit compressed_allreduce"] = _timed(onebit, repeats, sync)
-    out["1-bit bytes"] = comm.reset_bytes_sent() // (repeats + 1)
-    out["4-bit loco_allreduce"] = _timed(loco4, repeats, sync)
-    out["4-bit bytes"] = comm.reset_bytes_sent() // (repeats + 1)
+    out["1-bit compressed_allreduce"], calls = _timed(onebit, repeats, sync)
+    out["1-bit bytes"] = comm.reset_bytes_sent() // calls
+    out["4-bit loco_allreduce"], calls = _timed(loco4, repeats, sync)
+    out["4-bit bytes"] = comm.reset_bytes_sent() // calls
     results.put((rank, out))
     results.close()
     results.join_thread()  # the result is in the pipe before the process ends

@@ -19,6 +19,10 @@ holds one :class:`Accelerator` per device type: its availability, its ``torch.di
 backend and its kernel sets (:func:`register_kernels`, :func:`select_kernels`,
 :func:`kernel_set`).
 
+The CPU kernels of the 1-bit allreduce choose, per process, how far ahead they prefetch their
+inputs by timing their first large calls (the results do not depend on it);
+:func:`tuning_pending` tells whether that is still going on.
+
 Environment: ``FN_ACCELERATOR`` names the accelerator in use (over detection);
 ``FN_KERNELS`` selects kernel sets, ``NAME`` for every device type offering it or
 ``DEVICE_TYPE:NAME`` entries, comma-separated (``FN_KERNELS=reference`` forces the reference
@@ -26,6 +30,7 @@ kernels); ``FN_CACHE_DIR`` is where the CPU kernels are compiled (``~/.cache/fn`
 """
 
 from fn.kernels._accelerator import KERNEL_NAMES, Accelerator
+from fn.kernels._cpu import tuning_pending
 from fn.kernels._ops import (
     adam_apply,
     adam_direction,
@@ -72,6 +77,7 @@ __all__ = [
     "loco_error",
     "dequantize_sum",
     "dequantize_into",
+    "tuning_pending",
     "KERNEL_NAMES",
     "Accelerator",
     "get_accelerator",

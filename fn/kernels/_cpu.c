@@ -177,6 +177,7 @@ typedef struct {
     int64_t ranks, row_bytes;
     const int64_t *tails;  /* [ntails][2]: column ranges torch sums in its row_sum order */
     int64_t ntails;
+    int64_t ahead; /* elements: how far ahead of the loads the input streams are prefetched */
 } fn_feedback;
 
 /* Term (row, k) of a column sum: row `row`'s value in column k. */
@@ -383,7 +384,6 @@ static void feedback_values(const fn_feedback *f, int64_t off, int64_t len, floa
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-#define FEEDBACK_AHEAD 256 /* elements: how far ahead of the loads the input streams are fetched */
 
 /* Whether the block at off is computed in registers (the fused paths below): a full block of
    x or momentum values, or of sign sums in torch's multi_row_sum order. */
@@ -400,11 +400,18 @@ static inline int feedback_fused(const fn_feedback *f, int64_t off, int64_t len)
 }
 
 /* feedback_values of the 32 elements from i on, in registers (the same fp32 operations). */
+static inline void prefetch_ahead(const float *p, int64_t ahead)
+{
+    _mm_prefetch((const char *)(p + ahead), _MM_HINT_T0);
+    _mm_prefetch((const char *)(p + ahead + 16), _MM_HINT_T0);
+}
+
 static inline void feedback_values32(const fn_feedback *f, int64_t i, __m256 *v)
 {
     const float *e = f->e + i;
-    _mm_prefetch((const char *)(e + FEEDBACK_AHEAD), _MM_HINT_T0);
-    _mm_prefetch((const char *)(e + FEEDBACK_AHEAD + 16), _MM_HINT_T0);
+    const int64_t ahead = f->ahead; /* 0: the hardware prefetchers alone */
+    if (ahead)
+        prefetch_ahead(e, ahead);
     if (f->mode == FEEDBACK_SIGN_SUM) {
         sign_sum_registers(f, i / 8, v);
         for (int t = 0; t < 4; t++)
@@ -412,13 +419,13 @@ static inline void feedback_values32(const fn_feedback *f, int64_t i, __m256 *v)
         return;
     }
     const float *x = f->x + i;
-    _mm_prefetch((const char *)(x + FEEDBACK_AHEAD), _MM_HINT_T0);
-    _mm_prefetch((const char *)(x + FEEDBACK_AHEAD + 16), _MM_HINT_T0);
+    if (ahead)
+        prefetch_ahead(x, ahead);
     if (f->mode == FEEDBACK_MOMENTUM) {
         const float *g = f->g + i;
         const __m256 b = _mm256_set1_ps(f->beta), c = _mm256_set1_ps(f->one_minus_beta);
-        _mm_prefetch((const char *)(g + FEEDBACK_AHEAD), _MM_HINT_T0);
-        _mm_prefetch((const char *)(g + FEEDBACK_AHEAD + 16), _MM_HINT_T0);
+        if (ahead)
+            prefetch_ahead(g, ahead);
         for (int t = 0; t < 4; t++) {
             __m256 m = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(x + 8 * t)),
                                      _mm256_mul_ps(c, _mm256_loadu_ps(g + 8 * t)));
@@ -464,8 +471,8 @@ static void feedback_sign_block(const fn_feedback *f, int64_t off, uint8_t *bits
 
 /* v = m (+ e): packed signs of v and per-block sums of squares; v is written to v_out when
    e is given (the error pass then turns it into the new error in place). */
-static void fn_sign_compress(const float *m, const float *e, float *v_out, int64_t begin,
-                             int64_t end, uint8_t *bits, double *block_sums)
+static void fn_sign_compress(const float *m, const float *e, float *v_out, int64_t ahead,
+                             int64_t begin, int64_t end, uint8_t *bits, double *block_sums)
 {
     /* begin is a multiple of BLOCK; end is one too, or the total length. */
     for (int64_t b = begin / BLOCK; b < (end + BLOCK - 1) / BLOCK; b++) {
@@ -474,6 +481,7 @@ static void fn_sign_compress(const float *m, const float *e, float *v_out, int64
 #if defined(__AVX2__) && defined(__FMA__)
         if (e && len == BLOCK) {
             fn_feedback f = {FEEDBACK_X, end, m, NULL, e};
+            f.ahead = ahead;
             feedback_sign_block(&f, off, bits + off / 8, block_sums + b, v_out);
             continue;
         }
@@ -1104,7 +1112,7 @@ static void run_chunk(const fn_job *j, int64_t b, int64_t e)
 {
     switch (j->kernel) {
     case SIGN_COMPRESS:
-        fn_sign_compress(j->p[0], j->p[1], j->p[2], b, e, j->p[3], j->p[4]);
+        fn_sign_compress(j->p[0], j->p[1], j->p[2], j->i[0], b, e, j->p[3], j->p[4]);
         break;
     case APPLY_ERROR:
         fn_apply_error(j->p[0], j->scale, b, e);

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from fn.kernels import _reference
+from fn.kernels import _reference, _tuning
 
 # -ffp-contract=off: no fused multiply-adds where torch rounds the product and the sum apart.
 _FLAGS = ("-O3", "-march=native", "-std=c99", "-ffp-contract=off", "-shared", "-fPIC")
@@ -275,7 +275,7 @@ def sign_compress(
         packed.data_ptr(),
         sums.data_ptr(),
     )
-    _run(lib, "sign_compress", n, _reference.SUMSQ_BLOCK, pointers)
+    _run_prefetching(lib, "sign_compress", n, pointers)
     # Padded and folded in C, not by torch ops: on a busy machine, torch's intra-op thread pool
     # (which even a 512 KiB fill enters) can stall a call for a scheduler tick.
     scale = lib.fn_rms(sums.data_ptr(), blocks, sums.numel(), n)
@@ -301,11 +301,43 @@ class _FeedbackStruct(ctypes.Structure):
         ("row_bytes", ctypes.c_int64),
         ("tails", ctypes.c_void_p),
         ("ntails", ctypes.c_int64),
+        ("ahead", ctypes.c_int64),
     ]
 
 
 _FEEDBACK_X, _FEEDBACK_MOMENTUM, _FEEDBACK_SIGN_SUM = 0, 1, 2
 _SUM_GRAIN = 32768  # at::internal::GRAIN_SIZE: smaller reductions run on one thread
+# How far ahead (elements; 0: not at all) the error-feedback kernels prefetch their inputs:
+# 1 KiB ahead was faster on AMD Zen 3 hosts, none on Zen 4 ones (fn.kernels._tuning).
+_PREFETCH = _tuning.Tuner((256, 0, 1024))
+
+
+def tuning_pending() -> bool:
+    """Whether a CPU kernel is still timing its candidate prefetch distances (on the first large
+    calls of each kind, see ``fn.kernels._tuning``): a benchmark's warm-up lasts until it is not."""
+    return _PREFETCH.pending()
+
+
+def _run_prefetching(
+    lib: ctypes.CDLL,
+    kernel: str,
+    n: int,
+    pointers: tuple[int | None, ...],
+    ints: tuple[int, ...] = (),
+    scale: float = 0.0,
+    feedback: _FeedbackStruct | None = None,
+) -> None:
+    """:func:`_run` over blocks of a kernel that prefetches its input streams, at the distance
+    tuned for it (and ``feedback``'s mode): in ``feedback.ahead``, or else before ``ints``."""
+    mode = None if feedback is None else feedback.mode
+
+    def call(ahead: int) -> None:
+        if feedback is not None:
+            feedback.ahead = ahead
+        args = ints if feedback is not None else (ahead, *ints)
+        _run(lib, kernel, n, _reference.SUMSQ_BLOCK, pointers, args, scale)
+
+    _PREFETCH.run((kernel, mode), n, call)
 
 
 def _plain_fp32(*tensors: torch.Tensor | None) -> bool:
@@ -387,7 +419,7 @@ def _feedback_signs(lib: ctypes.CDLL, f: _FeedbackStruct, length: int, alive: tu
     blocks = -(-length // _reference.SUMSQ_BLOCK)
     sums = torch.empty(1 << max(0, blocks - 1).bit_length(), dtype=torch.float64)
     pointers = (ctypes.addressof(f), packed.data_ptr(), sums.data_ptr())
-    _run(lib, "feedback_signs", length, _reference.SUMSQ_BLOCK, pointers)
+    _run_prefetching(lib, "feedback_signs", length, pointers, feedback=f)
     del alive  # the tensors f points into lived until here
     scale = lib.fn_rms(sums.data_ptr(), blocks, sums.numel(), length)
     return packed, torch.tensor(scale, dtype=torch.float32)
@@ -417,7 +449,7 @@ def feedback_apply_error(
     f, alive = _feedback(_FEEDBACK_X, error, x, grad, beta)
     pointers = (ctypes.addressof(f), out.data_ptr())
     ints = (_streams(out, error),)
-    _run(lib, "feedback_error", error.numel(), _reference.SUMSQ_BLOCK, pointers, ints, float(scale))
+    _run_prefetching(lib, "feedback_error", error.numel(), pointers, ints, float(scale), f)
     del alive  # the tensors f points into lived until here
     return None
 
@@ -445,7 +477,7 @@ def sign_sum_apply_error(
     f, alive = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
     pointers = (ctypes.addressof(f), out.data_ptr())
     ints = (_streams(out, error),)
-    _run(lib, "feedback_error", error.numel(), _reference.SUMSQ_BLOCK, pointers, ints, float(scale))
+    _run_prefetching(lib, "feedback_error", error.numel(), pointers, ints, float(scale), f)
     del alive  # the tensors f points into lived until here
     return None
 

@@ -149,7 +149,7 @@ def test_other_c_code_paths_bit_exact(c_kernels, march, needs, tmp_path, monkeyp
 def test_the_check_against_torch_detects_another_rounding(c_kernels, monkeypatch):
     """With the tail rounded as the vector lanes, the one-time check fails: the reference runs."""
     _cpu._adamw_lanes.cache_clear()
-    monkeypatch.setattr(_cpu, "_ADAM_VECTOR_BYTES", (4, 8))  # 1 or 2 fp32 lanes: tails rounded as lanes
+    monkeypatch.setattr(_cpu, "_ADAM_VECTOR_BYTES", (4, 8))  # 1 or 2 fp32 lanes
     try:
         assert _cpu._adamw_lanes(torch.float32, True) is None
         assert not _cpu.adamw_step_runs(torch.float32, 0.9)
