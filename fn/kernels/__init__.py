@@ -19,8 +19,8 @@ holds one :class:`Accelerator` per device type: its availability, its ``torch.di
 backend and its kernel sets (:func:`register_kernels`, :func:`select_kernels`,
 :func:`kernel_set`).
 
-The CPU kernels of the 1-bit allreduce choose, per process, how far ahead they prefetch their
-inputs by timing their first large calls (the results do not depend on it);
+``packbits`` and the CPU kernels of the 1-bit allreduce choose, per process, how far ahead
+they prefetch their inputs by timing their first large calls (the results do not depend on it);
 :func:`tuning_pending` tells whether that is still going on.
 
 Environment: ``FN_ACCELERATOR`` names the accelerator in use (over detection);

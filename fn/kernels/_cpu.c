@@ -648,12 +648,17 @@ static void fn_adam_direction(const float *m, const float *v, const float *p, co
     }
 }
 
-/* begin is a multiple of 8; end is one too, or the total length. */
-static void fn_packbits(const float *x, uint8_t *bits, int64_t begin, int64_t end)
+/* begin is a multiple of 8; end is one too, or the total length. ahead: elements from the
+   loads on that are prefetched (0: none). */
+static void fn_packbits(const float *x, uint8_t *bits, int64_t ahead, int64_t begin,
+                        int64_t end)
 {
     int64_t full = end / 8, i = begin / 8;
 #if defined(__AVX512F__)
     for (; i + 8 <= full; i += 8) {
+        if (ahead)
+            for (int t = 0; t < 4; t++)
+                _mm_prefetch((const char *)(x + 8 * i + ahead + 16 * t), _MM_HINT_T0);
         uint64_t word = 0;
         for (int t = 0; t < 4; t++) {
             __m512 v = _mm512_loadu_ps(x + 8 * i + 16 * t);
@@ -665,6 +670,9 @@ static void fn_packbits(const float *x, uint8_t *bits, int64_t begin, int64_t en
 #elif defined(__AVX2__)
     for (; i + 4 <= full; i += 4) {
         const float *p = x + 8 * i;
+        if (ahead)
+            for (int t = 0; t < 2; t++)
+                _mm_prefetch((const char *)(p + ahead + 16 * t), _MM_HINT_T0);
         uint32_t word = signs32(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8),
                                 _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24));
         memcpy(bits + i, &word, 4);
@@ -1134,7 +1142,7 @@ static void run_chunk(const fn_job *j, int64_t b, int64_t e)
         fn_adamw_step(j->p[0], b, e);
         break;
     case PACKBITS:
-        fn_packbits(j->p[0], j->p[1], b, e);
+        fn_packbits(j->p[0], j->p[1], j->i[0], b, e);
         break;
     case UNPACKBITS:
         fn_unpackbits(j->p[0], j->p[1], (int)j->i[0], b, e);

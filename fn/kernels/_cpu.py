@@ -241,7 +241,12 @@ def packbits(x: torch.Tensor) -> torch.Tensor:
         return _reference.packbits(x)
     x = _fp32(x)
     out = _empty(lib, (x.numel() + 7) // 8, torch.uint8)
-    _run(lib, "packbits", x.numel(), 8, (x.data_ptr(), out.data_ptr()))
+    pointers = (x.data_ptr(), out.data_ptr())
+    _PREFETCH.run(
+        ("packbits", None),
+        x.numel(),
+        lambda ahead: _run(lib, "packbits", x.numel(), 8, pointers, (ahead,)),
+    )
     return out
 
 
@@ -307,9 +312,12 @@ class _FeedbackStruct(ctypes.Structure):
 
 _FEEDBACK_X, _FEEDBACK_MOMENTUM, _FEEDBACK_SIGN_SUM = 0, 1, 2
 _SUM_GRAIN = 32768  # at::internal::GRAIN_SIZE: smaller reductions run on one thread
-# How far ahead (elements; 0: not at all) the error-feedback kernels prefetch their inputs:
-# 1 KiB ahead was faster on AMD Zen 3 hosts, none on Zen 4 ones (fn.kernels._tuning).
-_PREFETCH = _tuning.Tuner((256, 0, 1024))
+# How far ahead (elements; 0: not at all) packbits and the error-feedback kernels prefetch
+# their inputs, chosen per host (fn.kernels._tuning): on a Zen 4 host 4 KiB ahead brings
+# packbits from 86% to 97% of the read bandwidth, while 1 KiB ahead slows the error-feedback
+# kernels by about a fifth there, where it was the faster choice on Zen 3 hosts.
+# Timed calls stream from memory: their fp32 input alone fills the last-level cache.
+_PREFETCH = _tuning.Tuner((0, 256, 1024), min_elements=max(1 << 22, _last_level_cache() // 4))
 
 
 def tuning_pending() -> bool:

@@ -11,6 +11,7 @@ neither timed nor tuned: they take the default until a choice is made.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -36,6 +37,11 @@ class Tuner(Generic[_V]):
         self.min_elements = min_elements
         self._samples: dict[Hashable, dict[int, list[float]]] = {}
         self._chosen: dict[Hashable, _V] = {}
+        self._lock = threading.Lock()
+        # A child forked while another thread held the lock would wait on it forever.
+        os.register_at_fork(after_in_child=self._reset_lock)
+
+    def _reset_lock(self) -> None:
         self._lock = threading.Lock()
 
     def pending(self) -> bool:

@@ -91,7 +91,10 @@ def test_every_prefetch_distance_gives_the_same_bits(monkeypatch, ahead):
     _reference.sign_sum_apply_error(signs, weights, e, scale, want)
     _cpu.sign_sum_apply_error(signs, weights, out, scale, out)
     assert torch.equal(_bits(out), _bits(want))
+    ragged = x[: n - 3]  # a last byte of 5 signs
+    assert torch.equal(_cpu.packbits(ragged), _reference.packbits(ragged))
     got = _cpu.sign_compress(x, e)
     assert all(torch.equal(a, b) for a, b in zip(got, _reference.sign_compress(x, e), strict=True))
     assert _cpu._PREFETCH.chosen(("feedback_signs", _cpu._FEEDBACK_X)) == ahead
+    assert _cpu._PREFETCH.chosen(("packbits", None)) == ahead
     assert not K.tuning_pending()
