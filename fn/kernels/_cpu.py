@@ -313,7 +313,7 @@ class _FeedbackStruct(ctypes.Structure):
 _FEEDBACK_X, _FEEDBACK_MOMENTUM, _FEEDBACK_SIGN_SUM = 0, 1, 2
 _SUM_GRAIN = 32768  # at::internal::GRAIN_SIZE: smaller reductions run on one thread
 # How far ahead (elements; 0: not at all) packbits and the error-feedback kernels prefetch
-# their inputs, chosen per host (fn.kernels._tuning): on a Zen 4 host 4 KiB ahead brings
+# their inputs, chosen per host (fn.kernels._tuning): on a Zen 5 host 4 KiB ahead brings
 # packbits from 86% to 97% of the read bandwidth, while 1 KiB ahead slows the error-feedback
 # kernels by about a fifth there, where it was the faster choice on Zen 3 hosts.
 # Timed calls stream from memory: their fp32 input alone fills the last-level cache.
