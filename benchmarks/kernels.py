@@ -31,15 +31,19 @@ bytes written), each as the rate of the fp32 side (4n bytes) over that bandwidth
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-import fn.kernels as K
-from fn.kernels import _reference
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fn.kernels as K  # noqa: E402
+from fn.kernels import _reference  # noqa: E402
 
 _COPY = "y.copy_(x) (copy bandwidth)"
 _READ = "x.sum() (read bandwidth)"

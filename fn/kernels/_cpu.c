@@ -89,7 +89,7 @@ static void sign_block_full(const float *x, uint8_t *bits, double *acc)
             v[t] = _mm256_loadu_ps(x + k + 8 * t);
         /* The two cache lines 2 KiB ahead: with the sums of squares, this loop does enough
            work per line that at one thread too few misses are in flight for the hardware
-           prefetchers alone (the lighter packbits loop is faster without). */
+           prefetchers alone (packbits, with less work per line, takes a tuned distance). */
         __builtin_prefetch(x + k + 512, 0, 3);
         __builtin_prefetch(x + k + 528, 0, 3);
         uint32_t word = signs32(v[0], v[1], v[2], v[3]);

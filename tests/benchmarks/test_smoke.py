@@ -45,6 +45,35 @@ def _cli(script, *args, timeout=120):
     )
 
 
+# Runs a script as `python3 benchmarks/NAME.py --help` would from a checkout where fn is not
+# installed: the editable install's finder and this tree's root taken off the import path, the
+# script's folder first on it as Python puts it.
+_UNINSTALLED = """
+import os, runpy, sys
+root, script = sys.argv[1:]
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
+sys.path[:] = [os.path.dirname(script)] + [p for p in sys.path if p not in ("", root)]
+sys.argv = [script, "--help"]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", sorted(f for f in os.listdir(BENCH) if f.endswith(".py")))
+def test_scripts_run_from_a_checkout_without_an_install(script, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNINSTALLED, ROOT, os.path.join(BENCH, script)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "usage:" in proc.stdout
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("adamw", [False, True], ids=["adam", "adamw"])
 def test_optimizer_step_tiny_cli_runs_and_agrees_with_torch(adamw):
