@@ -7,12 +7,13 @@ Kernels (``torch.library`` custom ops, usable under ``torch.func.vmap`` and ``to
 for the 1-bit allreduce without full-size temporaries, the two phases of
 error-compensated compression (:func:`feedback_sign_compress` / :func:`feedback_apply_error`,
 :func:`sign_sum_compress` / :func:`sign_sum_apply_error`), :func:`unpack_scaled` and
-:func:`adam_direction`; eager only (no custom op), :func:`adam_apply`: that direction added to
-the params in one pass, and :func:`adamw_step`: ``fn.adamw``'s step applied to the params in
-one pass. A kernel called on a tensor of device type ``D`` runs a
-kernel set of the accelerator table's record for ``D``: by default fused C kernels on the CPU,
-Triton on CUDA/XPU (CUDA also offers the kernel set ``"cupy"``), ``torch_npu`` on NPU; every
-record also offers ``"reference"``, the pure-torch oracle every implementation matches bit for bit.
+:func:`adam_direction`; :func:`sqrt_rn` (IEEE 754's square root); eager only (no custom op),
+:func:`adam_apply`: that direction added to the params in one pass, and :func:`adamw_step`:
+``fn.adamw``'s step applied to the params in one pass. A kernel called on a tensor of device
+type ``D`` runs a kernel set of the accelerator table's record for ``D``: by default fused C
+kernels on the CPU, Triton on CUDA/XPU (CUDA also offers the kernel set ``"cupy"``),
+``torch_npu`` on NPU; every record also offers ``"reference"``, the pure-torch oracle every
+implementation matches bit for bit.
 
 The table (:func:`get_accelerator`, :func:`set_accelerator`, :func:`register_accelerator`)
 holds one :class:`Accelerator` per device type: its availability, its ``torch.distributed``
@@ -47,6 +48,7 @@ from fn.kernels._ops import (
     sign_compress,
     sign_sum_apply_error,
     sign_sum_compress,
+    sqrt_rn,
     unpack_scaled,
     unpackbits,
 )
@@ -71,6 +73,7 @@ __all__ = [
     "adam_direction",
     "adam_apply",
     "adamw_step",
+    "sqrt_rn",
     "quantize",
     "dequantize",
     "loco_quantize",

@@ -28,6 +28,7 @@ KERNEL_NAMES = (
     "adam_direction",
     "adam_apply",
     "adamw_step",
+    "sqrt_rn",
     "quantize",
     "dequantize",
     "loco_quantize",

@@ -623,6 +623,21 @@ static void fn_adam_apply(const float *m, const fn_signed_momentum *signed_m, co
                           const float *k, int clamp, int decay, float neg_eta, float *p,
                           int64_t begin, int64_t end);
 
+/* out = sqrt(v) correctly rounded: the instruction is IEEE 754's square root (sqrtps, sqrtf). */
+static void fn_sqrt_rn(const float *v, float *out, int64_t begin, int64_t end)
+{
+    int64_t i = begin;
+#if defined(__AVX512F__)
+    for (; i + 16 <= end; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_sqrt_ps(_mm512_loadu_ps(v + i)));
+#elif defined(__AVX2__)
+    for (; i + 8 <= end; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_sqrt_ps(_mm256_loadu_ps(v + i)));
+#endif
+    for (; i < end; i++)
+        out[i] = sqrtf(v[i]);
+}
+
 /* The Adam direction of the 1-bit family's compressed update, rounded as the torch rule:
    out = ((m / (sqrt(v) + eps)) clamped to [-bound, bound] (+ wd * p)) * neg_eta, sqrt correctly
    rounded (sqrtps / sqrtf). flags: 1 clamps; 2 adds the direction to out instead (out the
@@ -1104,6 +1119,7 @@ enum {
     UNPACK_SCALED,
     ADAM_DIRECTION,
     ADAMW_STEP,
+    SQRT_RN,
 };
 
 struct fn_adamw; /* fn.adamw's fused step: the last section */
@@ -1140,6 +1156,9 @@ static void run_chunk(const fn_job *j, int64_t b, int64_t e)
         break;
     case ADAMW_STEP:
         fn_adamw_step(j->p[0], b, e);
+        break;
+    case SQRT_RN:
+        fn_sqrt_rn(j->p[0], j->p[1], b, e);
         break;
     case PACKBITS:
         fn_packbits(j->p[0], j->p[1], j->i[0], b, e);

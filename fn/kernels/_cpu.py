@@ -57,6 +57,7 @@ _KERNEL_IDS = {
     "unpack_scaled": 12,
     "adam_direction": 13,
     "adamw_step": 14,
+    "sqrt_rn": 15,
 }
 
 
@@ -514,6 +515,15 @@ def adam_direction(
         return _reference.adam_direction(m, v, p, eta, out, eps, bound, weight_decay)
     _adam_kernel(lib, m, v, p, eta, out, eps, bound, weight_decay, add=False)
     return None
+
+
+def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
+    lib = library()
+    if lib is None or not _plain_fp32(v):
+        return _reference.sqrt_rn(v)
+    out = _empty(lib, v.numel(), torch.float32)
+    _run(lib, "sqrt_rn", v.numel(), 16, (v.data_ptr(), out.data_ptr()))
+    return out.view(v.shape)
 
 
 def _adam_kernel(lib, m, v, p, eta, out, eps, bound, weight_decay, *, add: bool, signs=None):

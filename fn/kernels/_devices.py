@@ -26,6 +26,7 @@ _CPU_KERNELS = {
     "adam_direction": _cpu.adam_direction,
     "adam_apply": _cpu.adam_apply,
     "adamw_step": _cpu.adamw_step,
+    "sqrt_rn": _cpu.sqrt_rn,
     "quantize": _cpu.quantize,
     "dequantize": _cpu.dequantize,
     "loco_quantize": _cpu.loco_quantize,

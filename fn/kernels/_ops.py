@@ -150,6 +150,21 @@ def _adam_direction(
     _impl("adam_direction", out.device)(m, v, p, eta, out, eps, bound, weight_decay)
 
 
+@torch.library.custom_op("fn::sqrt_rn", mutates_args=())
+def _sqrt_rn(v: torch.Tensor) -> torch.Tensor:
+    return _impl("sqrt_rn", v.device)(v)
+
+
+@_sqrt_rn.register_fake
+def _(v):
+    return torch.empty_like(v)
+
+
+@_sqrt_rn.register_vmap
+def _(info, in_dims, v):
+    return _sqrt_rn(v), in_dims[0]  # elementwise: the batch is one call
+
+
 def _signs_and_scale(error: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (
         error.new_empty((error.numel() + 7) // 8, dtype=torch.uint8),
@@ -645,7 +660,7 @@ def adam_direction(
 
     rounded as ``fn.onebit_adam`` computes it (no clamp when ``bound`` is ``None``; the decay
     term only with ``p``; ``sqrt`` correctly rounded, as IEEE 754's square root: torch's fp32
-    ``sqrt`` on the CPU is 1 ulp off for about one input in six).
+    ``sqrt`` on the CPU is 1 ulp off for about one input in five).
 
     Args:
         m, v: fp32 momentum and variance (same shape as ``out``).
@@ -825,6 +840,35 @@ def adamw_step(
             float(beta1), float(beta2), float(eps), float(weight_decay),
         )  # fmt: skip
     return m_outs, v_outs
+
+
+def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
+    r"""The square root of fp32 ``v`` correctly rounded, as IEEE 754 defines it: the same bits on
+    every device and kernel set (where the root is NaN, for negative or NaN ``v``, only NaN is
+    promised, not its sign or payload).
+
+    .. math::
+        \mathrm{sqrt\_rn}(v) = \mathrm{round}_{\mathrm{fp32}}(\sqrt{v})
+
+    torch's fp32 ``sqrt`` on the CPU is 1 ulp off for about one input in five; the 1-bit Adam
+    family divides by this root (docs/algorithms.md#1-bit-adam). Other dtypes take torch's
+    ``sqrt``.
+
+    Args:
+        v: a tensor (negative values give NaN).
+
+    Returns:
+        A new tensor of ``v``'s shape and dtype.
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> K.sqrt_rn(torch.tensor([4.0, 2.0, 0.0])).tolist()
+        [2.0, 1.4142135381698608, 0.0]
+    """
+    if v.dtype != torch.float32 or v.device.type == "mps":
+        return v.sqrt()
+    return torch.ops.fn.sqrt_rn(v)
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

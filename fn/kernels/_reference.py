@@ -207,7 +207,7 @@ def unpack_scaled(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor)
 
 def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
     """``sqrt(v)`` correctly rounded (IEEE 754) for fp32 ``v``: the same bits on every device.
-    torch's fp32 sqrt on the CPU (MKL's vector math) is 1 ulp off for about one input in six;
+    torch's fp32 sqrt on the CPU (MKL's vector math) is 1 ulp off for about one input in five;
     the fp64 root rounded once to fp32 is exact (fp64 carries more than 2 * 24 + 2 bits, so the
     double rounding is innocuous). Devices without fp64 (mps) take torch's sqrt."""
     if v.dtype != torch.float32 or v.device.type == "mps":

@@ -13,7 +13,7 @@ from fn._validation import check_betas, check_finite, check_int, check_nonnegati
 from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
 from fn.collectives.onebit import compressed_allreduce_start
-from fn.kernels._reference import sqrt_rn
+from fn.kernels import sqrt_rn
 from fn.transforms._leafwise import (
     LearningRate,
     adam_ratio_bound,
@@ -159,7 +159,7 @@ def onebit_adam(
     ``update`` then ``apply_updates``.
 
     ``sqrt(v)`` is correctly rounded (IEEE 754's square root, the same bits on every device;
-    torch's fp32 ``sqrt`` on the CPU is 1 ulp off for about one input in six).
+    torch's fp32 ``sqrt`` on the CPU is 1 ulp off for about one input in five).
 
     The exact rules, step by step, are in ``docs/algorithms.md`` (section "1-bit Adam").
 

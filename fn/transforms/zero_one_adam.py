@@ -13,7 +13,7 @@ from fn._validation import check_betas, check_finite, check_int, check_nonnegati
 from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
 from fn.collectives.onebit import compressed_allreduce_start
-from fn.kernels._reference import sqrt_rn
+from fn.kernels import sqrt_rn
 from fn.transforms._leafwise import (
     LearningRate,
     adam_ratio_bound,

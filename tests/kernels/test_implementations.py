@@ -204,6 +204,8 @@ def test_other_c_code_paths_bit_exact(march, needs, tmp_path, monkeypatch):
         assert all(_same_bits(a, b) for a, b in zip(got, want, strict=True)), n
         assert _same_bits(_cpu.sign_compress(m)[1], _reference.sign_compress(m)[1]), n
         assert _same_bits(_cpu.packbits(m), _reference.packbits(m)), n
+        v = m.square()
+        assert _same_bits(_cpu.sqrt_rn(v), _reference.sqrt_rn(v)), n
         q, scales = _cpu.quantize(m, 8, 6)
         want_q, want_scales = _reference.quantize(m, 8, 6)
         assert _same_bits(q, want_q) and _same_bits(scales, want_scales), n

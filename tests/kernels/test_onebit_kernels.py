@@ -187,6 +187,46 @@ def test_sqrt_rn_is_the_correctly_rounded_square_root():
     assert torch.isnan(_reference.sqrt_rn(torch.tensor([float("nan"), -1.0]))).all()
 
 
+def _nan_or_equal_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal bits wherever ``want`` is a number, NaN wherever it is NaN (payloads unpromised)."""
+    nan = torch.isnan(want)
+    return torch.equal(torch.isnan(got), nan) and torch.equal(_bits(got[~nan]), _bits(want[~nan]))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 70_000), shift=st.integers(0, 15), seed=st.integers(0, 2**16))
+def test_sqrt_rn_kernel_matches_the_reference(c_kernels, threads, n, shift, seed):
+    """Every fp32 bit pattern (subnormals, infinities, negatives, NaN), vector bodies and tails,
+    inputs off alignment, threaded chunks."""
+    gen = torch.Generator().manual_seed(seed)
+    v = torch.randint(-(2**31), 2**31, (n + shift,), generator=gen, dtype=torch.int64)
+    v = v.to(torch.int32).view(torch.float32)[shift:]
+    previous = torch.get_num_threads(), c_kernels._CHUNK
+    torch.set_num_threads(threads)
+    c_kernels._CHUNK = 4096  # several chunks per call
+    try:
+        got = c_kernels.sqrt_rn(v)
+    finally:
+        torch.set_num_threads(previous[0])
+        c_kernels._CHUNK = previous[1]
+    assert got.shape == v.shape and (n == 0 or got.data_ptr() != v.data_ptr())
+    assert _nan_or_equal_bits(got, _reference.sqrt_rn(v))
+
+
+def test_sqrt_rn_op_keeps_shapes_dtypes_and_runs_under_vmap_and_compile():
+    v = torch.rand(3, 5, 7) * 100
+    want = _reference.sqrt_rn(v)
+    assert torch.equal(K.sqrt_rn(v), want)
+    assert torch.equal(K.sqrt_rn(v.transpose(0, 2)), want.transpose(0, 2))  # not contiguous
+    assert torch.equal(torch.func.vmap(K.sqrt_rn, in_dims=1)(v), want.transpose(0, 1))
+    compiled = torch.compile(lambda x: K.sqrt_rn(x) + 1.0, fullgraph=True)
+    assert torch.equal(compiled(v), want + 1.0)
+    half = v.to(torch.bfloat16)
+    assert K.sqrt_rn(half).dtype == torch.bfloat16 and torch.equal(K.sqrt_rn(half), half.sqrt())
+    assert _table.kernel("cpu", "sqrt_rn") is _cpu.sqrt_rn
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     n=st.integers(0, 3000),
