@@ -1,6 +1,7 @@
 """Triton implementations for CUDA and XPU: every kernel of ``KERNEL_NAMES`` but the server's
 ``sign_sum_compress`` / ``sign_sum_apply_error``, whose reference order is that of torch's own
-``sum(dim=0)`` on the device (a CUDA reduction tree these kernels do not reproduce): they run the
+``sum(dim=0)`` on the device (a CUDA reduction tree these kernels do not reproduce), and
+``sqrt_rn``, one elementwise op that the reference's fp64 root serves on a GPU: they run the
 reference there.
 
 Results are bit-identical to ``fn.kernels._reference`` for fp32, fp16 and bf16 inputs. The
