@@ -251,6 +251,13 @@ class ProcessGroup(ByteCounter):
                 if len(arrived) == len(members) or time.monotonic() > deadline:
                     break
                 time.sleep(_POLL_S)
+            if len(arrived) == len(members):
+                # The store lives in rank 0's process, which ends once its error is raised: every
+                # rank stays until all have read every call, so none loses a call to that exit.
+                store.set(f"{prefix}read/{me}", "")
+                read = [f"{prefix}read/{rank}" for rank in members]
+                while not store.check(read) and time.monotonic() <= deadline:
+                    time.sleep(_POLL_S)
         except (RuntimeError, ValueError) as store_err:  # the store's host (rank 0) is gone
             if not arrived:  # never reached it: nothing is known of the others
                 return CollectiveTimeoutError(

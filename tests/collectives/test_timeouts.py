@@ -200,6 +200,50 @@ class _VanishingStore:
         return self.keys[key]
 
 
+class _ReadingStore:
+    """rank 0's store as rank 0 sees it: rank 1 called another collective and marks that it has
+    read every call after ``late`` checks (never with ``late=None``)."""
+
+    def __init__(self, late: int | None):
+        self.keys = {"fn/5/1": b"all_gather of (2,) int64"}
+        self.late, self.checks = late, 0
+
+    def set(self, key, value):
+        self.keys[key] = value.encode()
+
+    def check(self, keys):
+        self.checks += 1
+        if self.late is not None and self.checks >= self.late:
+            self.keys["fn/5/read/1"] = b""
+        return all(k in self.keys for k in keys)
+
+    def get(self, key):
+        return self.keys[key]
+
+
+@pytest.mark.parametrize("late", [3, 6, None])
+def test_the_store_host_stays_until_every_rank_read_the_calls(monkeypatch, late):
+    """Every rank arrived: rank 0 (the store's host) returns only once rank 1 has read the calls,
+    or at the grace deadline."""
+    from fn.collectives import process_group
+
+    store = _ReadingStore(late)
+    monkeypatch.setattr(process_group.distributed_c10d, "_get_process_group_store", lambda g: store)
+    monkeypatch.setattr(process_group.dist, "get_rank", lambda group=None: 0)
+    comm = object.__new__(ProcessGroup)
+    comm.group, comm._world_size = None, 2
+    comm.timeout = datetime.timedelta(seconds=0.5)
+    start = time.monotonic()
+    err = comm._diagnose("all_reduce", 5, torch.ones(4), RuntimeError("timed out"))
+    assert err.missing_ranks == []
+    assert "rank 0: all_reduce of (4,) float32; rank 1: all_gather of (2,) int64" in str(err)
+    assert "fn/5/read/0" in store.keys
+    if late is None:
+        assert 0.5 <= time.monotonic() - start < 1.5
+    else:
+        assert store.checks >= late and "fn/5/read/1" in store.keys
+
+
 @pytest.mark.parametrize("answers", [2, 3, 7])
 def test_a_store_that_ends_while_looking_keeps_what_was_seen(monkeypatch, answers):
     """Rank 0 hosts the store and ends once it raised: a rank still looking for the missing
