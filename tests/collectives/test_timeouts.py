@@ -200,6 +200,20 @@ class _VanishingStore:
         return self.keys[key]
 
 
+def _diagnosing_rank(monkeypatch, stores, rank, world_size, timeout_s):
+    """A ``ProcessGroup`` of ``world_size`` ranks as ``rank`` sees it, its store ``stores[-1]``."""
+    from fn.collectives import process_group
+
+    monkeypatch.setattr(
+        process_group.distributed_c10d, "_get_process_group_store", lambda g: stores[-1]
+    )
+    monkeypatch.setattr(process_group.dist, "get_rank", lambda group=None: rank)
+    comm = object.__new__(ProcessGroup)
+    comm.group, comm._world_size = None, world_size
+    comm.timeout = datetime.timedelta(seconds=timeout_s)
+    return comm
+
+
 class _ReadingStore:
     """rank 0's store as rank 0 sees it: rank 1 called another collective and marks that it has
     read every call after ``late`` checks (never with ``late=None``)."""
@@ -225,14 +239,8 @@ class _ReadingStore:
 def test_the_store_host_stays_until_every_rank_read_the_calls(monkeypatch, late):
     """Every rank arrived: rank 0 (the store's host) returns only once rank 1 has read the calls,
     or at the grace deadline."""
-    from fn.collectives import process_group
-
     store = _ReadingStore(late)
-    monkeypatch.setattr(process_group.distributed_c10d, "_get_process_group_store", lambda g: store)
-    monkeypatch.setattr(process_group.dist, "get_rank", lambda group=None: 0)
-    comm = object.__new__(ProcessGroup)
-    comm.group, comm._world_size = None, 2
-    comm.timeout = datetime.timedelta(seconds=0.5)
+    comm = _diagnosing_rank(monkeypatch, [store], rank=0, world_size=2, timeout_s=0.5)
     start = time.monotonic()
     err = comm._diagnose("all_reduce", 5, torch.ones(4), RuntimeError("timed out"))
     assert err.missing_ranks == []
@@ -248,18 +256,12 @@ def test_the_store_host_stays_until_every_rank_read_the_calls(monkeypatch, late)
 def test_a_store_that_ends_while_looking_keeps_what_was_seen(monkeypatch, answers):
     """Rank 0 hosts the store and ends once it raised: a rank still looking for the missing
     ranks names those it has not seen (rank 2 here), not rank 0."""
-    from fn.collectives import process_group
-
-    store = _VanishingStore(answers)
-    monkeypatch.setattr(process_group.distributed_c10d, "_get_process_group_store", lambda g: store)
-    monkeypatch.setattr(process_group.dist, "get_rank", lambda group=None: 1)
-    comm = object.__new__(ProcessGroup)
-    comm.group, comm._world_size = None, 3
-    comm.timeout = datetime.timedelta(seconds=30)
+    stores = [_VanishingStore(answers)]
+    comm = _diagnosing_rank(monkeypatch, stores, rank=1, world_size=3, timeout_s=30)
     err = comm._diagnose("all_reduce", 5, torch.ones(4), RuntimeError("timed out"))
     assert err.missing_ranks == [2]
     assert "rank(s) [2] never reached it" in str(err) and "store went away" in str(err)
 
-    store = _VanishingStore(99, reachable=False)  # never reached: rank 0 is the suspect
+    stores.append(_VanishingStore(99, reachable=False))  # never reached: rank 0 is the suspect
     err = comm._diagnose("all_reduce", 6, torch.ones(4), RuntimeError("timed out"))
     assert err.missing_ranks == [0] and "rank 0 likely died" in str(err)
