@@ -375,7 +375,7 @@ def run_on_links(
 # Rank side (inside a namespace).
 
 
-def _tuning_anywhere() -> bool:
+def tuning_anywhere() -> bool:
     """Whether a CPU kernel on some rank is still timing its settings (``fn.kernels``)."""
     import torch
     import torch.distributed as dist
@@ -394,7 +394,7 @@ def _timed(fns: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dic
     import torch.distributed as dist
 
     for i in range(warmup + MAX_TUNING_ROUNDS):
-        if i >= warmup and not _tuning_anywhere():
+        if i >= warmup and not tuning_anywhere():
             break
         for f in fns.values():
             dist.barrier()

@@ -32,6 +32,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# this script's folder is on sys.path when it runs
+from cluster import tuning_anywhere  # noqa: E402
+
 from fn.collectives import (  # noqa: E402
     ProcessGroup,
     Simulated,
@@ -68,18 +71,13 @@ def _timed(call, repeats, sync):
     CPU kernel on some rank is still tuning its first large calls, at most 30); the calls made."""
     import torch.distributed as dist
 
-    import fn.kernels
-
     calls = 0
     for _ in range(MAX_WARMUP):
         call()
         sync()
         calls += 1
-        if dist.get_backend() != "gloo":  # device kernels: nothing is tuned
-            break
-        pending = torch.tensor([float(fn.kernels.tuning_pending())])
-        dist.all_reduce(pending, dist.ReduceOp.MAX)
-        if not pending.item():
+        # device kernels (NCCL) tune nothing
+        if dist.get_backend() != "gloo" or not tuning_anywhere():
             break
     times = []
     for _ in range(repeats):

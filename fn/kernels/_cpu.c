@@ -399,13 +399,14 @@ static inline int feedback_fused(const fn_feedback *f, int64_t off, int64_t len)
     return 1;
 }
 
-/* feedback_values of the 32 elements from i on, in registers (the same fp32 operations). */
+/* The two cache lines of 32 floats at p + ahead. */
 static inline void prefetch_ahead(const float *p, int64_t ahead)
 {
     _mm_prefetch((const char *)(p + ahead), _MM_HINT_T0);
     _mm_prefetch((const char *)(p + ahead + 16), _MM_HINT_T0);
 }
 
+/* feedback_values of the 32 elements from i on, in registers (the same fp32 operations). */
 static inline void feedback_values32(const fn_feedback *f, int64_t i, __m256 *v)
 {
     const float *e = f->e + i;

@@ -242,12 +242,7 @@ def packbits(x: torch.Tensor) -> torch.Tensor:
         return _reference.packbits(x)
     x = _fp32(x)
     out = _empty(lib, (x.numel() + 7) // 8, torch.uint8)
-    pointers = (x.data_ptr(), out.data_ptr())
-    _PREFETCH.run(
-        ("packbits", None),
-        x.numel(),
-        lambda ahead: _run(lib, "packbits", x.numel(), 8, pointers, (ahead,)),
-    )
+    _run_prefetching(lib, "packbits", x.numel(), (x.data_ptr(), out.data_ptr()), align=8)
     return out
 
 
@@ -335,16 +330,17 @@ def _run_prefetching(
     ints: tuple[int, ...] = (),
     scale: float = 0.0,
     feedback: _FeedbackStruct | None = None,
+    align: int = _reference.SUMSQ_BLOCK,
 ) -> None:
-    """:func:`_run` over blocks of a kernel that prefetches its input streams, at the distance
-    tuned for it (and ``feedback``'s mode): in ``feedback.ahead``, or else before ``ints``."""
+    """:func:`_run` of a kernel that prefetches its input streams, at the distance tuned for it
+    (and ``feedback``'s mode): in ``feedback.ahead``, or else before ``ints``."""
     mode = None if feedback is None else feedback.mode
 
     def call(ahead: int) -> None:
         if feedback is not None:
             feedback.ahead = ahead
         args = ints if feedback is not None else (ahead, *ints)
-        _run(lib, kernel, n, _reference.SUMSQ_BLOCK, pointers, args, scale)
+        _run(lib, kernel, n, align, pointers, args, scale)
 
     _PREFETCH.run((kernel, mode), n, call)
 
