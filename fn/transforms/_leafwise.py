@@ -17,6 +17,7 @@ exact rules are in ``docs/algorithms.md``.
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Callable
@@ -32,6 +33,11 @@ from fn._validation import check_finite, check_shapes, check_step_or_plan, requi
 from fn.base import CompressedOptimizer, Params, Updates, apply_updates
 from fn.transforms._learning_rate import learning_rate_now
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
+
+logger = logging.getLogger("fn.transforms")
+# More than this fraction of a frozen variance below the safe range is no longer the few dead
+# units a healthy run has: the updates of most elements would be clipped.
+_RISKY_FRACTION = 0.5
 
 LearningRate = float | Callable[[torch.Tensor], torch.Tensor]
 
@@ -400,7 +406,7 @@ def check_warmed_up(name: str, count: torch.Tensor) -> None:
         )
 
 
-def warn_unsafe_variance(
+def report_frozen_variance(
     name: str,
     state: Any,
     eps: float,
@@ -408,30 +414,40 @@ def warn_unsafe_variance(
     safeguard: bool,
     *,
     skip: PyTree | None = None,
+    mask: PyTree | None = None,
 ) -> None:
-    """Warns (``RuntimeWarning``) if a frozen variance has elements that are zero or below the
-    safe range ``sqrt(v) + eps < rms(m) / bound`` of their leaf. Once compressed, each element of
-    the momentum has about its leaf's RMS magnitude, so there ``m / (sqrt(v) + eps)`` would exceed
-    any update dense Adam can make. Called once, at the freeze; silent where the counts cannot be
+    """Reports the frozen variance's elements that are zero or below the safe range
+    ``sqrt(v) + eps < rms(m) / bound`` of their leaf. Once compressed, each element of the
+    momentum has about its leaf's RMS magnitude, so there ``m / (sqrt(v) + eps)`` would exceed any
+    update dense Adam can make. Called once, at the freeze; silent where the counts cannot be
     read on the host (under ``torch.compile`` or a functorch transform other than vmap).
+
+    Healthy runs have a few percent to a fifth of their elements below the range (the safeguard
+    clips them), so the counts go to the ``fn.transforms`` logger at INFO. A ``RuntimeWarning``
+    is raised only where training is at risk: an element at exactly zero that will be updated
+    (outside ``mask``), more than half of the elements below the range, or any element below it
+    when nothing bounds the updates (``safeguard=False``, or betas with ``b1^2 >= b2``).
 
     Args:
         name: the optimizer, for the message.
         state: the state whose ``exp_avg`` (m) and ``exp_avg_sq`` (v) freeze.
         eps, bound: the optimizer's ``eps`` and :func:`adam_ratio_bound`.
-        safeguard: whether the updates are bounded (only the message differs).
+        safeguard: whether the updates are bounded.
         skip: optional tree like the params; leaves that are ``True`` do not freeze.
+        mask: optional tree like the params of 0/1 masks (``exp_avg_mask``); an element masked
+            to 0 is never updated, so its variance at zero is no risk.
     """
     if torch.compiler.is_compiling():
         return
     spec = tree_flatten(state.exp_avg_sq)[1]
     zero = below = total = 0
-    columns = (state.exp_avg, state.exp_avg_sq, skip)
-    for m, v, skipped in zip(*(_leaves_or_nones(c, spec) for c in columns), strict=True):
+    columns = (state.exp_avg, state.exp_avg_sq, skip, mask)
+    for m, v, skipped, kept in zip(*(_leaves_or_nones(c, spec) for c in columns), strict=True):
         if v is None or skipped:
             continue
         rms = m.square().mean().sqrt()
-        zero = zero + (v <= 0).sum()
+        at_zero = v <= 0
+        zero = zero + (at_zero if kept is None else at_zero & (kept != 0)).sum()
         below = below + ((v > 0) & (v.sqrt().add_(eps).mul_(bound) < rms)).sum()
         total += v.numel()
     if total == 0:
@@ -440,21 +456,23 @@ def warn_unsafe_variance(
     if zero is None or below is None:
         return
     zero, below = int(zero.max()), int(below.max())
-    if zero + below == 0:
-        return
+    unbounded = not safeguard or math.isinf(bound)
     if not safeguard:
         consequence = "with safeguard=False (DeepSpeed's rule) their updates can blow up"
     elif math.isinf(bound):
         consequence = "betas with b1^2 >= b2 leave the safeguard no bound, so they can blow up"
     else:
         consequence = f"the safeguard bounds their updates at {bound:.3g} * lr"
-    warnings.warn(
+    message = (
         f"{name}: the variance froze with {zero} of {total} elements at zero and {below} below "
         f"the safe range sqrt(v) + eps >= rms(m) / {bound:.3g} of their leaf (e.g. units or "
-        f"embedding rows without gradient during the warmup); {consequence}",
-        RuntimeWarning,
-        stacklevel=2,
+        f"embedding rows without gradient during the warmup); {consequence}"
     )
+    at_risk = zero > 0 or below > _RISKY_FRACTION * total or (unbounded and below > 0)
+    if at_risk:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    else:
+        logger.info(message)
 
 
 def _host_tensor(x: torch.Tensor) -> torch.Tensor | None:

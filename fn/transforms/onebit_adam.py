@@ -25,7 +25,7 @@ from fn.transforms._leafwise import (
     map_leaves,
     masked,
     moving_average,
-    warn_unsafe_variance,
+    report_frozen_variance,
 )
 from fn.transforms._onebit_schedules import FreezeSchedule, OnebitAdamPlan
 from fn.tree import PyTree, tree_zeros_like
@@ -132,8 +132,10 @@ def onebit_adam(
     :math:`\eta B` per update. On a 16-64-64-4 ReLU MLP (2 ranks, default betas and eps, lr
     1e-3 and 1e-2, ``freeze_step`` 10 and 50, 200 updates) DeepSpeed's rule gave NaN in all four
     runs; the clipped rule ended at 0.93x, 0.99x, 1.33x and 1.05x dense Adam's held-out MSE.
-    At the freeze a ``RuntimeWarning`` counts the elements whose frozen variance is zero or below
-    the safe range :math:`\sqrt v + \epsilon < \mathrm{rms}(m) / B` of their leaf; a compressed
+    At the freeze the ``fn.transforms`` logger counts, at INFO, the elements whose frozen variance
+    is zero or below the safe range :math:`\sqrt v + \epsilon < \mathrm{rms}(m) / B` of their
+    leaf; a ``RuntimeWarning`` says so instead where training is at risk (an element at zero
+    outside ``exp_avg_mask``, more than half below the range, or no bound); a compressed
     update on a state with no update made (``count == 0``) raises ``ValueError``. See
     ``docs/algorithms.md``, "Safeguard against near-zero frozen variance".
 
@@ -277,7 +279,9 @@ def onebit_adam(
 
     def update(grads, state, params, plan, eta, donated=None, apply=False):
         if plan.compressed and host_count(state.count) == schedule.freeze_step - 1:
-            warn_unsafe_variance("onebit_adam", state, eps, bound, safeguard, skip=non_freeze)
+            report_frozen_variance(
+                "onebit_adam", state, eps, bound, safeguard, skip=non_freeze, mask=exp_avg_mask
+            )
         inputs = (params, exp_avg_mask, non_freeze)
         if donated is not None:
             rule = partial(donated_rule, eta=eta, apply=apply)

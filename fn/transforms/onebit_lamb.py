@@ -26,7 +26,7 @@ from fn.transforms._leafwise import (
     compressed_optimizer,
     map_leaves,
     moving_average,
-    warn_unsafe_variance,
+    report_frozen_variance,
 )
 from fn.transforms._onebit_schedules import FreezeSchedule, OnebitLambPlan
 from fn.transforms.trust_ratio import trust_ratio
@@ -162,7 +162,7 @@ def onebit_lamb(
     bound :math:`B = (1-\beta_1) / \sqrt{(1-\beta_2)(1-\beta_1^2/\beta_2)}` on dense Adam's
     :math:`|m / \sqrt v|` are explained in ``onebit_adam``): :math:`u_0 = m / d` is clipped to
     :math:`[-B, B]`, so an element moves by at most :math:`\eta R f B` per update. The freeze
-    (the first compressed update) warns and a never-warmed-up state raises as in
+    (the first compressed update) reports and a never-warmed-up state raises as in
     ``onebit_adam``.
 
     Policies: a ``None`` gradient leaf gets a ``None`` update and keeps its state (its slice of
@@ -285,7 +285,7 @@ def onebit_lamb(
             rule = partial(warmup_rule, eta=eta, copies_variance=plan.copies_variance)
             return map_leaves("onebit_lamb", rule, grads, state, _Leaf, params)
         if plan.sets_scaling:
-            warn_unsafe_variance("onebit_lamb", state, eps, bound, safeguard)
+            report_frozen_variance("onebit_lamb", state, eps, bound, safeguard, mask=exp_avg_mask)
             state = state._replace(scaling_coeff=_scaling_coefficients(state))
         pieces, _ = map_leaves("onebit_lamb", scaled_momentum, grads, state, _Leaf)
         fused = _fuse(pieces, state.exp_avg)

@@ -25,7 +25,7 @@ from fn.transforms._leafwise import (
     masked,
     moving_average,
     moving_average_into,
-    warn_unsafe_variance,
+    report_frozen_variance,
 )
 from fn.transforms._onebit_schedules import ZeroOneAdamPlan, ZeroOneAdamSchedule
 from fn.tree import PyTree, tree_map, tree_zeros_like
@@ -152,7 +152,7 @@ def zero_one_adam(
     of at most :math:`\eta B` each. On a 16-64-64-4 ReLU MLP (2 ranks, default betas and eps, lr
     1e-3 and 1e-2, ``var_freeze_step`` 10 and 50, 200 updates) DeepSpeed's rule gave NaN in all
     four runs; the clipped rule ended at 0.93x, 0.98x, 1.52x and 1.11x dense Adam's held-out
-    MSE. The freeze warns and a never-warmed-up state raises as in ``onebit_adam``.
+    MSE. The freeze reports and a never-warmed-up state raises as in ``onebit_adam``.
 
     Policies: ``None`` gradient leaves get ``None`` updates and keep their state. Non-finite
     gradients raise ``ValueError`` with nothing updated: the variance step checks the averaged
@@ -297,7 +297,7 @@ def zero_one_adam(
             "zero_one_adam", rule, grads, state, _Leaf, params, exp_avg_mask, donated=donated
         )
         if plan.reset_errors:  # every leaf's errors, gradient or not; the variance freezes
-            warn_unsafe_variance("zero_one_adam", state, eps, bound, safeguard)
+            report_frozen_variance("zero_one_adam", state, eps, bound, safeguard, mask=exp_avg_mask)
             state = state._replace(
                 worker_error=tree_map(torch.zeros_like, state.worker_error),
                 server_error=tree_map(torch.zeros_like, state.server_error),

@@ -1,10 +1,11 @@
 """The safeguard against near-zero frozen variance (``safeguard=True``, the default): models with
 dead units and unused embedding rows train with the default betas and eps, where DeepSpeed's
-rule (``safeguard=False``) blows up; the freeze warns once with a count; a compressed update on
+rule (``safeguard=False``) blows up; the freeze reports a count once (a warning only where training is at risk); a compressed update on
 a state that never warmed up is an error."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import pytest
@@ -173,11 +174,14 @@ def test_adam_ratio_bound_is_reached_and_never_exceeded():
     assert adam_ratio_bound(0.9, 0.5) == float("inf")
 
 
-def _freeze_warnings(name, comm, *, safeguard=True):
-    """Warmup on a gradient that is zero on 3 of 8 elements, then two compressed updates."""
-    opt = FACTORIES[name](1e-2, 3, comm, safeguard=safeguard)
+ZEROS_3_OF_8 = torch.tensor([0.5, -1.0, 2.0, 0.0, 0.0, 0.0, 1.0, -0.5])
+
+
+def _freeze_reports(name, comm, grad=ZEROS_3_OF_8, **kwargs):
+    """Warmup on a constant gradient, then two compressed updates: the RuntimeWarnings' and the
+    ``fn.transforms`` INFO records' messages."""
+    opt = FACTORIES[name](1e-2, 3, comm, **kwargs)
     init = {"w": torch.ones(8)}
-    grad = torch.tensor([0.5, -1.0, 2.0, 0.0, 0.0, 0.0, 1.0, -0.5])
     params, state, update = init, opt.init(init), opt.update
     if isinstance(comm, Simulated):
         params, state, update = (
@@ -186,12 +190,27 @@ def _freeze_warnings(name, comm, *, safeguard=True):
             simulate(update, comm),
         )
         grad = torch.stack([grad, grad])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for t in range(1, 6):
-            updates, state = update({"w": grad}, state, params, step=t)
-            params = fn.apply_updates(params, updates)
-    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    logger = logging.getLogger("fn.transforms")
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for t in range(1, 6):
+                updates, state = update({"w": grad}, state, params, step=t)
+                params = fn.apply_updates(params, updates)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return warned, [r.getMessage() for r in records]
+
+
+def _freeze_warnings(name, comm, **kwargs):
+    return _freeze_reports(name, comm, **kwargs)[0]
 
 
 @pytest.mark.parametrize("name", FACTORIES)
@@ -206,6 +225,38 @@ def test_freeze_warns_once_with_the_count(name, comm):
 def test_freeze_warning_names_the_risk_without_the_safeguard():
     (message,) = _freeze_warnings("onebit_adam", Local(), safeguard=False)
     assert "safeguard=False" in message and "blow up" in message
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_freeze_logs_a_few_elements_below_the_range_without_a_warning(name):
+    grad = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, 1.0, -1.0, 0.05])  # one element far below
+    warned, logged = _freeze_reports(name, Local(), grad=grad)
+    assert warned == []
+    assert len(logged) == 1
+    assert f"{name}: the variance froze with 0 of 8 elements at zero and 1 below" in logged[0]
+
+
+def test_freeze_warns_when_a_few_elements_are_below_the_range_without_the_safeguard():
+    grad = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, 1.0, -1.0, 0.05])
+    warned, logged = _freeze_reports("onebit_adam", Local(), grad=grad, safeguard=False)
+    assert len(warned) == 1 and "0 of 8 elements at zero and 1 below" in warned[0]
+    assert logged == []
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_freeze_warns_when_most_elements_are_below_the_range(name):
+    grad = torch.tensor([20.0, -0.05, 0.05, 0.05, -0.05, 0.05, -0.05, 0.05])
+    warned, logged = _freeze_reports(name, Local(), grad=grad)
+    assert len(warned) == 1 and "0 of 8 elements at zero and 7 below" in warned[0]
+    assert logged == []
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_freeze_logs_zero_variance_that_exp_avg_mask_never_updates(name):
+    mask = {"w": (ZEROS_3_OF_8 != 0).float()}
+    warned, logged = _freeze_reports(name, Local(), exp_avg_mask=mask)
+    assert warned == []
+    assert len(logged) == 1 and "with 0 of 8 elements at zero" in logged[0]
 
 
 def test_freeze_is_silent_when_every_variance_is_in_range():
