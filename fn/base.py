@@ -139,6 +139,11 @@ class CompressedOptimizer(NamedTuple):
             Python bools with a ``compressed`` attribute equal to ``is_compressed(t)`` (e.g.
             ``fn.transforms.ZeroOneAdamPlan``). ``None`` (the default) for an optimizer whose
             updates only take ``step``.
+        param_agreement: ``param_agreement(t)``, how closely the ranks' params agree after
+            update ``t`` (``t = 0``: the params it starts from), a pure function of ``t``:
+            ``0.0`` bit for bit (the default), ``r > 0`` up to a relative ``r`` of their sums,
+            ``None`` not at all (0/1 Adam's local steps, where the ranks differ by design).
+            ``fn.optim`` compares the ranks' params only where they agree.
 
     Both updates have the signature ``(grads, state, params=None, *, step=None, plan=None,
     **extra)`` and take exactly one of ``step``, the 1-based count of the update being made (a
@@ -170,6 +175,18 @@ class CompressedOptimizer(NamedTuple):
     compressed_update: TransformUpdateFn
     is_compressed: Callable[[int], bool]
     plan: Callable[[int], Any] | None = None
+    param_agreement: Callable[[int], float | None] = lambda t: 0.0
+
+    def first_compressed_update(self, last: int) -> int | None:
+        """The first update count ``t`` in ``1..last`` whose update is compressed, or ``None``
+        when updates ``1..last`` all run the full-precision warmup.
+
+        Example:
+            >>> opt = fn.onebit_adam(1e-3, freeze_step=100, comm=fn.collectives.Local())
+            >>> opt.first_compressed_update(1000), opt.first_compressed_update(99)
+            (100, None)
+        """
+        return next((t for t in range(1, last + 1) if self.is_compressed(t)), None)
 
     def update(
         self,

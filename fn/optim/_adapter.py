@@ -53,8 +53,6 @@ Transform = GradientTransformation | CompressedOptimizer
 NONFINITE_POLICIES = ("raise", "skip")
 # Group keys that are not hyperparameters of the transform.
 _GROUP_META = frozenset({"params", "param_names", "initial_lr"})
-# 0/1 Adam's params agree across ranks only up to fp32 rounding once a sync has happened.
-_SYNCED_RTOL = 1e-4
 
 
 def default_comm() -> Any:
@@ -165,9 +163,11 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             later as ``opt.check_every``).
 
     Building the optimizer and ``add_param_group`` check that every rank built the group the same
-    way (optimizer, transform and its settings, hyperparameters, params and their initial values:
-    ``fn.optim._consensus.check_same_group``), so a mismatch is a ``ValueError`` on every rank
-    naming the fields and the ranks rather than a hang or diverging ranks.
+    way (optimizer, transform and its settings, hyperparameters, the params' number, shapes and
+    dtypes), and the first ``step()`` (after any ``load_state_dict``) checks that the ranks hold
+    the same step counts and params (:meth:`check_consistency`), so a mismatch is a
+    ``ValueError`` on every rank naming the fields and the ranks rather than a hang or diverging
+    ranks.
 
     The learning rate of each group (``group["lr"]``, so ``torch.optim.lr_scheduler`` works) is
     written into the functional state with ``fn.set_hyperparams`` before every step; it defaults
@@ -246,6 +246,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = False
         self.check_every = check_int("check_every", check_every)
         self._steps_since_check = 0
+        # Whether the ranks' starting point was compared: at the first step() after building or
+        # load_state_dict, once the weights and the state that the ranks start from are final.
+        self._start_checked = False
         self._transform = transform
         self._sync_grads = sync_grads
         self._groups: list[_Group] = []
@@ -342,11 +345,12 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         collective: every rank must call it; one pass over the params and one all_gather of six
         int64 per group).
 
-        Params are compared bit for bit (the ranks of every fn optimizer apply identical updates),
-        except for 0/1 Adam, whose ranks differ by design between synchronizations: its params are
-        compared right after a sync or before the variance freezes, to a relative tolerance of
-        ``1e-4`` of their sums (a sync equalizes them up to fp32 rounding), and skipped after a
-        local step.
+        Params are compared as closely as the transform declares that the ranks' params agree
+        after the group's last update (``CompressedOptimizer.param_agreement``): bit for bit for
+        every fn optimizer (the ranks apply identical updates), except 0/1 Adam once its variance
+        froze, whose ranks differ by design between synchronizations: its params are compared
+        right after a sync to a relative tolerance of ``1e-4`` of their sums (a sync equalizes
+        them up to fp32 rounding), and not after a local step.
 
         Raises:
             ValueError: on every rank, naming the groups, what differs and the ranks.
@@ -354,11 +358,12 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         snapshots = []
         for group, runtime in zip(self.param_groups, self._groups, strict=True):
             runtime.flat.sync_master()
-            compare, rtol = _params_comparable(runtime)
             described = self._settings(group)
             settings = "\n".join(f"{k}: {v}" for k, v in described.items())
             snapshots.append(
-                GroupSnapshot(runtime.step, settings, runtime.flat.master, compare, rtol)
+                GroupSnapshot(
+                    runtime.step, settings, runtime.flat.master, _param_agreement(runtime)
+                )
             )
         check_in_sync(self.comm, snapshots)
 
@@ -370,7 +375,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         self._steps_since_check += 1
         # 0/1 Adam: postponed to the next step after which the ranks' params agree (a sync)
         due = self._steps_since_check >= self.check_every
-        if due and all(_params_comparable(runtime)[0] for runtime in self._groups):
+        if due and all(_param_agreement(runtime) is not None for runtime in self._groups):
             self._steps_since_check = 0
             self.check_consistency()
 
@@ -399,7 +404,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             fn.NonFiniteError: ``nonfinite="raise"`` and a gradient is non-finite on some
                 rank, or a group's averaged gradient overflows (on every rank). Nothing was
                 changed.
-            ValueError: an invalid hyperparameter in ``param_groups``. Nothing was changed.
+            ValueError: an invalid hyperparameter in ``param_groups``, or (at the first step after
+                building or ``load_state_dict``) ranks whose step counts, hyperparameters or
+                params differ. Nothing was changed.
             RuntimeError: a param no longer lives in the flat buffer, or a param frozen when its
                 group was built now requires a gradient. Nothing was changed.
         """
@@ -412,6 +419,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         self._check_unfrozen()
         for runtime in self._groups:
             runtime.flat.check_params()
+        if not self._start_checked:
+            self.check_consistency()
+            self._start_checked = True
         plans = [
             self._plan_hyperparams(index, group, runtime)
             for index, (group, runtime) in enumerate(
@@ -762,6 +772,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             runtime.transform, runtime.hyper = transform, hyper
             runtime.state, runtime.spare, runtime.step = state, None, record.step
             runtime.flat.load_master(record.master)
+        self._start_checked = False
 
 
 class _AveragedOverflow(NonFiniteError):
@@ -780,15 +791,13 @@ def _check_lr(index: int, lr: Any, where: str = "") -> None:
         )
 
 
-def _params_comparable(runtime: _Group) -> tuple[bool, float]:
-    """Whether the ranks' params of a group agree after its last step, and to what tolerance."""
+def _param_agreement(runtime: _Group) -> float | None:
+    """How closely the ranks' params of a group agree after its last update (``check_in_sync``'s
+    ``tolerance``): as its ``CompressedOptimizer`` declares, else bit for bit."""
     transform = runtime.transform
-    if not isinstance(transform, CompressedOptimizer) or transform.plan is None:
-        return True, 0.0
-    plan = transform.plan(max(runtime.step, 1))
-    if not hasattr(plan, "sync"):
-        return True, 0.0
-    return (runtime.step == 0 or not plan.frozen or plan.sync), _SYNCED_RTOL
+    if isinstance(transform, CompressedOptimizer):
+        return transform.param_agreement(runtime.step)
+    return 0.0
 
 
 def _shortest_float(x: torch.Tensor) -> float:

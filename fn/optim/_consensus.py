@@ -4,10 +4,12 @@ Every rank must issue the same collectives in the same order, so what decides th
 by all ranks, never read from one rank's local data alone:
 
 - :func:`check_same_group`: when a group is built, the ranks compare its settings (optimizer,
-  transform, hyperparameters, schedules) and params (number, shapes, dtypes, which size the flat
-  buffers and every collective over them, and a checksum of their initial values).
-- :func:`check_in_sync`: on demand or every few steps, the ranks compare their step counts,
-  hyperparameters and params.
+  transform, hyperparameters, schedules) and params (number, shapes and dtypes, which size the
+  flat buffers and every collective over them). Not their values: a rank may load its weights
+  and its optimizer state after building the optimizer, and 0/1 Adam's ranks differ by design.
+- :func:`check_in_sync`: at the first step (after any ``load_state_dict``), on demand and every
+  few steps, the ranks compare their step counts, hyperparameters and params (where the
+  optimizer declares that the ranks' params agree).
 - :func:`count_nonfinite`: before each step, the ranks vote on skipping it.
 
 The comparisons exchange a small fixed-size fingerprint first (one all_gather of a few int64 per
@@ -30,10 +32,6 @@ from fn._validation import all_finite
 _MAX_SHOWN = 5  # differing fields named in one message
 _MAX_DEPTH = 12  # how deep settings_of follows closures and NamedTuples
 _SCALARS = (bool, int, float, str, type(None))
-_INITIAL_PARAMS_HINT = (
-    "the ranks' initial params differ: seed the model's initialization the same way on every "
-    "rank (or load the same weights) before building the optimizer"
-)
 
 
 def _describe(p: torch.Tensor) -> str:
@@ -138,7 +136,8 @@ def check_same_group(
     comm: Any, index: int, settings: Mapping[str, str], params: list[torch.Tensor]
 ) -> None:
     """Raises the same ``ValueError`` on every rank if the ranks built param group ``index``
-    differently: other settings, other params (number, shapes, dtypes) or other initial values.
+    differently: other settings or other params (number, shapes, dtypes). The params' values
+    are not compared here (:func:`check_in_sync` does, once they are final).
 
     One all_gather of one int64 per rank (a hash of everything) in the common case; on a
     mismatch, the descriptions (two more small all_gathers) to name the fields and the ranks.
@@ -157,10 +156,8 @@ def check_same_group(
         return
     # on the params' device, like all of the optimizer's traffic (NCCL takes only GPU tensors)
     device = params[0].device if params else torch.device("cpu")
-    checksums = torch.stack([bit_checksum(p) for p in params]).tolist() if params else []
     lines = [f"param {i}: {_describe(p)}" for i, p in enumerate(params)]
     lines += [f"{field}: {value}" for field, value in settings.items()]
-    lines += [f"param {i} checksum: {c}" for i, c in enumerate(checksums)]
     text = "\n".join(lines)
     fingerprint = torch.tensor([len(params), _digest(text)], dtype=torch.int64, device=device)
     gathered = _gather_fingerprints(comm, fingerprint)
@@ -187,16 +184,11 @@ def check_same_group(
                     f"rank {rank}"
                 )
     differences = _differences(described)
-    hint = (
-        _INITIAL_PARAMS_HINT
-        if any(" checksum: " in d for d in differences)
-        else ("every rank must build the optimizer with the same arguments")
-    )
     raise ValueError(
         f"fn.optim: the ranks built param group {index} differently: "
         + "; ".join(differences[:_MAX_SHOWN])
         + ("; ..." if len(differences) > _MAX_SHOWN else "")
-        + f" ({hint})"
+        + " (every rank must build the optimizer with the same arguments)"
     )
 
 
@@ -206,8 +198,10 @@ class GroupSnapshot(NamedTuple):
     step: int  # the group's update count
     settings: str  # the group's hyperparameters, described
     params: torch.Tensor  # the group's flat params (fp32 master for fp16/bf16)
-    compare_params: bool  # False where the ranks' params differ by design (0/1 Adam local steps)
-    rtol: float  # 0: bit-identical; else relative tolerance of the sums (0/1 Adam after syncs)
+    # How closely the ranks' params agree (CompressedOptimizer.param_agreement): 0.0 bit for
+    # bit, r > 0 to a relative r of their sums (0/1 Adam after a sync), None not compared (0/1
+    # Adam's local steps, where the ranks differ by design).
+    tolerance: float | None
 
 
 def _param_stats(x: torch.Tensor) -> torch.Tensor:
@@ -232,7 +226,8 @@ def _stats_agree(ours: list[int], theirs: list[int], rtol: float) -> bool:
 def check_in_sync(comm: Any, groups: Sequence[GroupSnapshot]) -> None:
     """Raises the same ``ValueError`` on every rank if the ranks' step counts, hyperparameters or
     params differ (one all_gather of ``6 * len(groups)`` int64 per rank and one pass over the
-    params; params bit for bit, or to ``rtol`` in their sums where a group asks for it).
+    params; params bit for bit, to a tolerance in their sums, or not at all, as each group's
+    ``tolerance`` says).
 
     Args:
         comm: the communicator.
@@ -249,7 +244,7 @@ def check_in_sync(comm: Any, groups: Sequence[GroupSnapshot]) -> None:
             torch.cat(
                 [
                     torch.tensor(
-                        [g.step, _digest(g.settings), int(g.compare_params)], device=device
+                        [g.step, _digest(g.settings), int(g.tolerance is not None)], device=device
                     ),
                     _param_stats(g.params).to(device),
                 ]
@@ -276,7 +271,7 @@ def check_in_sync(comm: Any, groups: Sequence[GroupSnapshot]) -> None:
                 )
         if not all(r[2] for r in by_rank):
             continue
-        agree = [_stats_agree(by_rank[0][3:], r[3:], group.rtol) for r in by_rank]
+        agree = [_stats_agree(by_rank[0][3:], r[3:], group.tolerance) for r in by_rank]
         if not all(agree):
             problems.append(
                 f"param group {index} params differ: ranks {[i for i, a in enumerate(agree) if a]}"
@@ -286,8 +281,10 @@ def check_in_sync(comm: Any, groups: Sequence[GroupSnapshot]) -> None:
         raise ValueError(
             "fn.optim: the ranks are out of sync: "
             + "; ".join(problems)
-            + " (different initial params or hyperparameters, or a rank that changed its params "
-            "or stepped alone)"
+            + " (the ranks started from different params or hyperparameters: seed the model's "
+            "initialization the same way on every rank or load the same weights, and when "
+            "resuming load every rank's optimizer state too; or a rank changed its params or "
+            "stepped alone)"
         )
 
 

@@ -96,6 +96,19 @@ def compressed_optimizer(
         count = torch.zeros((), dtype=torch.int64)
         return state_type(count=count, lr=_initial_lr(lr), **init_fields(params))
 
+    announced = False
+
+    def announce_compressed(count: torch.Tensor) -> None:
+        """Logs the first compressed update this optimizer runs (where the count is on the host),
+        so that a run whose compressed phase starts late, or never, can be told from the log."""
+        nonlocal announced
+        made = host_count(count)  # the updates made before this one
+        if announced or made is None:
+            return
+        announced = True
+        switch = "start" if made == 0 or not is_compressed(made) else "continue"
+        logger.info("%s: compressed updates %s at update %d", name, switch, made + 1)
+
     def phase_step(compressed: bool):
         phase = "compressed" if compressed else warmup_phase
 
@@ -115,6 +128,7 @@ def compressed_optimizer(
                 updates, new_state = update(grads, state, params, plan, eta)
             if compressed:  # after the update's own checks (of the gradients); nothing is kept
                 check_warmed_up(name, state.count)
+                announce_compressed(state.count)
             return updates, new_state._replace(count=state.count + 1, lr=eta)
 
         return step_fn

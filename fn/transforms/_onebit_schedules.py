@@ -82,6 +82,10 @@ class FreezeSchedule(NamedTuple):
         )
 
 
+# How closely 0/1 Adam's ranks' params agree after a synchronization (relative, of their sums).
+SYNCED_RTOL = 1e-4
+
+
 class ZeroOneAdamCounters(NamedTuple):
     """0/1 Adam's schedule counters, as DeepSpeed kept them, at the start of an update."""
 
@@ -157,6 +161,15 @@ class ZeroOneAdamSchedule(NamedTuple):
     def resets_errors(self, t: int) -> bool:
         """True at the update after which the variance freezes (the error buffers are zeroed)."""
         return t == self.last_unfrozen_step
+
+    def param_agreement(self, t: int) -> float | None:
+        """How closely the ranks' params agree after update ``t``: bit for bit until the variance
+        freezes (every rank applies the same update); after a synchronization up to fp32
+        rounding (:data:`SYNCED_RTOL` of their sums: each rank replaces its own local updates by
+        the synchronized one); not at all after a local step."""
+        if not self.frozen(t):
+            return 0.0
+        return SYNCED_RTOL if self.is_sync_step(t) else None
 
     def plan(self, t: int) -> ZeroOneAdamPlan:
         """The plan of update ``t`` (one :meth:`counters` evaluation)."""

@@ -328,7 +328,7 @@ def zero_one_adam(
         ZeroOneAdamPlan,
         params_needed_for="weight_decay > 0" if weight_decay > 0 else None,
         warmup_phase="variance (warmup)",
-    )
+    )._replace(param_agreement=schedule.param_agreement)
 
 
 def _advance(interval, counter, scaler, clipper=None):

@@ -1,7 +1,8 @@
 """Cross-rank checks of the adapter on 2 gloo processes (one launch): a group built differently
-(optimizer, schedule, lr, transform settings, initial params) is a ValueError on every rank
-naming the field and the ranks; check_consistency and check_every find ranks that drifted
-apart, and 0/1 Adam's local steps are not mistaken for drift."""
+(optimizer, schedule, lr, transform settings) is a ValueError on every rank naming the field and
+the ranks, and so are different initial params at the first step; check_consistency and
+check_every find ranks that drifted apart, and 0/1 Adam's local steps are not mistaken for
+drift."""
 
 from __future__ import annotations
 
@@ -29,10 +30,16 @@ def _build_cases(rank):
         "fixed transform": lambda: fn.optim.FunctionalOptimizer(
             ps, fn.onebit_adam(1e-3, freeze_step=5 + rank, comm=ProcessGroup())
         ),
-        "initial params": lambda: fn.optim.OnebitAdam(make_model(seed=rank).parameters()),
+        "initial params": lambda: _first_step(make_model(seed=rank)),
         "add_param_group": lambda: _add_group(rank),
         "same": lambda: fn.optim.OnebitAdam(ps, lr=1e-2, freeze_step=4),
     }
+
+
+def _first_step(model):
+    opt = fn.optim.OnebitAdam(model.parameters())  # builds: values are not compared yet
+    backward(model, 0, 0)
+    opt.step()
 
 
 def _add_group(rank):
@@ -99,7 +106,7 @@ def test_groups_built_differently_raise_on_every_rank(results):
         assert "freeze_step: 4 on ranks [0]; 30 on ranks [1]" in out["freeze_step"]
         assert "lr: 0.01 on ranks [0]; 0.02 on ranks [1]" in out["lr"]
         assert "freeze_step: 5 on ranks [0]; 6 on ranks [1]" in out["fixed transform"]
-        assert "param 0 checksum" in out["initial params"]
+        assert "param group 0 params differ: ranks [0] hold rank 0's" in out["initial params"]
         assert "seed the model's initialization" in out["initial params"]
         assert "param group 1 differently: lr: 0.001 on ranks [0]" in out["add_param_group"]
         assert out["same"] is None

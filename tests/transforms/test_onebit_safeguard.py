@@ -1,7 +1,7 @@
 """The safeguard against near-zero frozen variance (``safeguard=True``, the default): models with
 dead units and unused embedding rows train with the default betas and eps, where DeepSpeed's
-rule (``safeguard=False``) blows up; the freeze reports a count once (a warning only where training is at risk); a compressed update on
-a state that never warmed up is an error."""
+rule (``safeguard=False``) blows up; the freeze reports a count once (a warning only where
+training is at risk); a compressed update on a state that never warmed up is an error."""
 
 from __future__ import annotations
 
