@@ -69,9 +69,7 @@ def _resume_everywhere(rank: int, world_size: int, name: str) -> dict[int, float
 
 @pytest.fixture(scope="module")
 def distances():
-    return {
-        name: run_distributed(_resume_everywhere, 2, name, timeout=200) for name in OPTIMIZERS
-    }
+    return {name: run_distributed(_resume_everywhere, 2, name, timeout=200) for name in OPTIMIZERS}
 
 
 @pytest.mark.timeout(600)
