@@ -51,7 +51,7 @@ def main() -> None:
     optimizer = fn.optim.OnebitAdam(model.parameters(), lr=args.lr, freeze_step=args.freeze_step)
     loader = torch.utils.data.DataLoader(SyntheticTokens(), batch_size=args.batch_size)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    attach(accelerator, model, optimizer)
+    attach(accelerator, model, optimizer, max_steps=args.max_steps)
 
     step = 0
     if args.resume:

@@ -20,7 +20,9 @@ from fn.integrations._common import register_ddp, unwrap_optimizer
 __all__ = ["attach"]
 
 
-def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any) -> Any:
+def attach(
+    accelerator: Any, model: torch.nn.Module, optimizer: Any, *, max_steps: int | None = None
+) -> Any:
     """Connects an ``fn.optim`` optimizer to a prepared model and its ``Accelerator``.
 
     - ``fn.ddp.register(model, optimizer)`` when ``accelerator.prepare`` wrapped the model in DDP
@@ -28,12 +30,16 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any) -> Any:
     - A save-state pre-hook gathers every rank's error feedback on rank 0 before
       ``accelerator.save_state()`` (which keeps rank 0's optimizer state and loads it on every
       rank), so ``accelerator.load_state()`` resumes every rank bit for bit.
+    - With ``max_steps``, a warning when no update within it would be compressed
+      (``FunctionalOptimizer.warn_if_never_compressed``).
 
     Args:
         accelerator: the ``accelerate.Accelerator``.
         model: the model returned by ``accelerator.prepare``.
         optimizer: the optimizer returned by ``accelerator.prepare`` (or the ``fn.optim``
             optimizer itself).
+        max_steps: the number of optimizer updates the run makes (the ``num_training_steps`` a
+            scheduler gets), or ``None`` when unknown.
 
     Returns:
         The handle of the save-state hook (``handle.remove()`` detaches it).
@@ -43,6 +49,8 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any) -> Any:
     """
     fn_optimizer = unwrap_optimizer(optimizer)
     register_ddp(model, fn_optimizer)
+    if max_steps is not None:
+        fn_optimizer.warn_if_never_compressed(max_steps, "max_steps")
 
     def gather_before_save(models: list, weights: list, output_dir: str) -> None:
         del models, weights, output_dir

@@ -24,7 +24,9 @@ class FnTrainerCallback(TrainerCallback):
     """Connects ``trainer``'s ``fn.optim`` optimizer to the ``Trainer``.
 
     - At train begin: ``fn.ddp.register(trainer.model_wrapped, optimizer)`` when the Trainer
-      wrapped the model in DDP (DDP then averages in warmup and is silent once compressed).
+      wrapped the model in DDP (DDP then averages in warmup and is silent once compressed), and
+      a warning when no update within the run's ``max_steps`` would be compressed
+      (``FunctionalOptimizer.warn_if_never_compressed``).
     - At the end of a step that the Trainer will checkpoint (``control.should_save``): every
       rank's error feedback is gathered on rank 0 (``gather_error_feedback``), so the optimizer
       state that rank 0 saves alone resumes every rank bit for bit.
@@ -37,8 +39,12 @@ class FnTrainerCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Registers the DDP-wrapped model with the optimizer."""
-        register_ddp(self.trainer.model_wrapped, unwrap_optimizer(self.trainer.optimizer))
+        """Registers the DDP-wrapped model with the optimizer; warns if the compressed phase
+        would never start within ``state.max_steps``."""
+        optimizer = unwrap_optimizer(self.trainer.optimizer)
+        register_ddp(self.trainer.model_wrapped, optimizer)
+        if state.max_steps > 0:
+            optimizer.warn_if_never_compressed(state.max_steps, "the Trainer's max_steps")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Gathers the error feedback into rank 0's optimizer state before a checkpoint."""

@@ -610,6 +610,35 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             for t, r in zip(transforms, self._groups, strict=True)
         ]
 
+    def warn_if_never_compressed(self, updates: int, source: str = "this run") -> bool:
+        """Warns (``UserWarning``) when a param group's ``CompressedOptimizer`` would make no
+        compressed update among the first ``updates`` updates (e.g. a ``freeze_step`` beyond a
+        run's length): every update would be a dense allreduce, Adam's traffic, and the run would
+        save no bandwidth. ``fn.integrations`` calls it with the run's length.
+
+        Args:
+            updates: the number of updates the run makes.
+            source: where ``updates`` comes from, for the message (e.g. ``"max_steps"``).
+
+        Returns:
+            Whether it warned.
+        """
+        idle = [
+            index
+            for index, runtime in enumerate(self._groups)
+            if isinstance(runtime.transform, CompressedOptimizer)
+            and runtime.transform.first_compressed_update(updates) is None
+        ]
+        if idle:
+            warnings.warn(
+                f"fn.optim: param groups {idle} make no compressed update within {source} "
+                f"({updates} updates): every update is a dense allreduce, as plain Adam's, and "
+                "saves no bandwidth; set freeze_step (0/1 Adam: var_freeze_step) below "
+                f"{updates}",
+                stacklevel=2,
+            )
+        return bool(idle)
+
     # ---------------------------------------------------------------- checkpoints
 
     def gather_error_feedback(self) -> None:

@@ -142,7 +142,8 @@ def from_deepspeed(
     are case-insensitive, as in DeepSpeed), with every hyperparameter DeepSpeed read (its
     defaults where absent) and DeepSpeed's numerics: each param tensor is compressed on its own
     (``flatten=False``). Keys without effect in fn (``cuda_aware``, ``comm_backend_name``, ...)
-    are explained in one warning.
+    are explained in one warning; a block without ``"params"`` warns that DeepSpeed's defaults
+    (``freeze_step`` 100000: dense updates for 100000 steps) are used.
 
     With ``state_dict`` (what DeepSpeed's engine stored under ``"optimizer"`` in
     ``mp_rank_00_model_states.pt``), the training continues as DeepSpeed's uninterrupted run
@@ -200,6 +201,14 @@ def from_deepspeed(
         warnings.warn(
             "fn.optim.from_deepspeed: DeepSpeed config keys without effect here:\n  "
             + "\n  ".join(notes),
+            stacklevel=2,
+        )
+    if not block.get("params") and not values:
+        defaults = ", ".join(f"{k}={v!r}" for k, v in hyper.items())
+        warnings.warn(
+            f"fn.optim.from_deepspeed: the {block['type']} block has no 'params', so DeepSpeed's "
+            f"defaults are used ({defaults}); with freeze_step or var_freeze_step 100000 the "
+            "updates stay dense (Adam's traffic) for the first 100000 steps",
             stacklevel=2,
         )
     optimizer = cls(params, **hyper, **{**DEEPSPEED_OPTIONS[cls], **options})
