@@ -96,18 +96,14 @@ def compressed_optimizer(
         count = torch.zeros((), dtype=torch.int64)
         return state_type(count=count, lr=_initial_lr(lr), **init_fields(params))
 
-    announced = False
-
     def announce_compressed(count: torch.Tensor) -> None:
-        """Logs the first compressed update this optimizer runs (where the count is on the host),
-        so that a run whose compressed phase starts late, or never, can be told from the log."""
-        nonlocal announced
+        """Logs the run's first compressed update (where the count is on the host), so that a
+        run whose compressed phase starts late, or never, can be told from the log."""
         made = host_count(count)  # the updates made before this one
-        if announced or made is None:
-            return
-        announced = True
-        switch = "start" if made == 0 or not is_compressed(made) else "continue"
-        logger.info("%s: compressed updates %s at update %d", name, switch, made + 1)
+        if made is None or (made > 0 and is_compressed(made)):
+            return  # not a switch from the warmup (rare, so the scan below is too)
+        if next(t for t in range(1, made + 2) if is_compressed(t)) == made + 1:
+            logger.info("%s: compressed updates start at update %d", name, made + 1)
 
     def phase_step(compressed: bool):
         phase = "compressed" if compressed else warmup_phase
