@@ -1,6 +1,6 @@
 """What the compression hooks share: a dense warmup, then a compressing transform per bucket
 with its error feedback kept in a state that checkpoints, run on a background thread so that
-the backward pass goes on meanwhile."""
+the backward pass goes on meanwhile; one policy for non-finite buckets in both phases."""
 
 from __future__ import annotations
 
@@ -14,15 +14,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fn._validation import check_int
+from fn._validation import all_finite, check_int, finite_or_raise
 from fn.base import GradientTransformation
 from fn.collectives import ProcessGroup
 from fn.ddp._futures import completed, dense_mean
 from fn.ddp._worker import SerialWorker
+from fn.errors import NonFiniteError
 from fn.tree import tree_flatten, tree_unflatten
 
 logger = logging.getLogger("fn.ddp")
 Layout = tuple[tuple[int, ...], ...]  # a bucket's param shapes, in order
+NONFINITE_POLICIES = ("propagate", "raise")
 
 
 class BucketHookState:
@@ -35,13 +37,18 @@ class BucketHookState:
         start_iter: dense iterations before compression starts.
         overlap: whether compressed buckets run on the state's background thread (the hook
             returns at once) or inside the hook.
-        iter: iterations made so far (one per backward pass that reached DDP's last bucket).
+        nonfinite: ``"propagate"`` or ``"raise"``: what a bucket with a NaN or an Inf on some
+            rank gives, in both phases (see :func:`compressing_hook`).
+        iter: iterations made so far (one per backward pass that reached DDP's last bucket and
+            did not raise).
         transform: the compressing ``GradientTransformation`` applied to each bucket's buffer.
-        buckets: per bucket index, ``(layout, transform state)``; ``layout`` is the bucket's
-            param shapes, so a bucket that DDP rebuilt with other params gets fresh errors.
+        buckets: per bucket index, ``(layout, transform state)`` as the last compressed
+            iteration whose buckets were all finite left it; ``layout`` is the bucket's param
+            shapes, so a bucket that DDP rebuilt with other params gets fresh errors.
 
     Reading ``iter`` or ``buckets``, :meth:`state_dict` and :meth:`load_state_dict` first wait
-    for the buckets in flight.
+    for the buckets in flight. ``nonfinite`` is a setting, like ``overlap``: the checkpoint
+    leaves it out.
     """
 
     def __init__(
@@ -51,9 +58,12 @@ class BucketHookState:
         make_transform: Callable[[ProcessGroup], GradientTransformation],
         overlap: bool = True,
         timeout: datetime.timedelta | float | None = None,
+        nonfinite: str = "propagate",
     ) -> None:
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         self.process_group = process_group
         fn_group = process_group
         if overlap:
@@ -65,9 +75,15 @@ class BucketHookState:
         self.comm = ProcessGroup(fn_group, timeout=timeout)
         self.start_iter = check_int("start_iter", start_iter)
         self.overlap = overlap
+        self.nonfinite = nonfinite
         self.transform = make_transform(self.comm)
         self._iter = 0
         self._buckets: dict[int, tuple[Layout, Any]] = {}
+        # the compressed iteration in flight: each bucket's new (layout, transform state), or
+        # None where the bucket was not finite; committed at its last bucket if all are finite
+        self._pending: dict[int, tuple[Layout, Any] | None] = {}
+        # the dense iteration in flight under "raise": each bucket's checked mean
+        self._dense_checks: dict[int, torch.futures.Future[torch.Tensor]] = {}
         # each bucket's layout at its last compressed hook call (the hook's thread logs rebuilds)
         self._layouts: dict[int, Layout] = {}
         self._worker = SerialWorker(f"fn.ddp.{type(self).__name__}")
@@ -101,20 +117,77 @@ class BucketHookState:
             )
         self._layouts[index] = layout
 
+    def _dense(
+        self, index: int, buffer: torch.Tensor, last: bool
+    ) -> torch.futures.Future[torch.Tensor]:
+        """The dense mean of bucket ``index``; the iteration counts at the last bucket. Under
+        ``"raise"`` each mean is checked (it is the same on every rank, so every rank raises
+        alike) and the iteration counts once every bucket's check passed."""
+        mean = dense_mean(buffer, self.process_group)
+        if self.nonfinite == "propagate":
+            if last:
+                self._iter += 1
+            return mean
+        if index in self._dense_checks:  # left by an iteration that failed before its end
+            self._dense_checks.clear()
+        checked = mean.then(functools.partial(_finite_mean, index))
+        self._dense_checks[index] = checked
+        if not last:
+            return checked
+        checks, self._dense_checks = list(self._dense_checks.values()), {}
+        return torch.futures.collect_all(checks).then(self._count_dense)
+
+    def _count_dense(
+        self, checks: torch.futures.Future[list[torch.futures.Future]]
+    ) -> torch.Tensor:
+        """The last bucket's mean, once every bucket's mean of the iteration passed its check
+        (``checks.value()`` raises the first failure); counts the iteration."""
+        mean = checks.value()[-1].value()
+        self._iter += 1
+        return mean
+
     def _compress(
         self, index: int, layout: Layout, buffer: torch.Tensor, last: bool
     ) -> torch.Tensor:
         """``buffer`` replaced by the transform's output with bucket ``index``'s error feedback
-        (fresh if the bucket is new or its layout changed); counts the iteration at the last."""
+        (fresh if the bucket is new or its layout changed), or by NaN where some rank's bucket
+        is not finite (``"propagate"``; ``"raise"`` raises). The new error feedback of the
+        iteration's buckets is committed at its last bucket, and only if every bucket was
+        finite; the iteration counts there."""
+        if index in self._pending:  # left by an iteration that failed before its end
+            self._pending.clear()
         known = self._buckets.get(index)
         bucket_state = (
             known[1] if known is not None and known[0] == layout else self.transform.init(buffer)
         )
-        mean, bucket_state = self.transform.update(buffer, bucket_state)
-        self._buckets[index] = (layout, bucket_state)
+        try:
+            mean, bucket_state = self.transform.update(buffer, bucket_state)
+            if self.comm.world_size == 1:  # the transforms pass one rank's values on unchecked
+                finite_or_raise(mean, "its gradients hold a NaN or an Inf")
+        except NonFiniteError as err:
+            if self.nonfinite == "raise":
+                self._pending.clear()
+                raise _nonfinite(index, str(err)) from err
+            logger.info(
+                "fn.ddp: bucket %d is not finite on some rank (%s): passed on as NaN, no error "
+                "feedback of this iteration is kept",
+                index,
+                err,
+            )
+            self._pending[index] = None
+            buffer.fill_(torch.nan)
+        except BaseException:
+            self._pending.clear()
+            raise
+        else:
+            self._pending[index] = (layout, bucket_state)
+            buffer.copy_(mean)
         if last:
+            pending, self._pending = self._pending, {}
+            if all(entry is not None for entry in pending.values()):
+                self._buckets.update(pending)
             self._iter += 1
-        return buffer.copy_(mean)
+        return buffer
 
     def _in_order(
         self, index: int, compress: Callable[[], torch.Tensor], last: bool
@@ -201,11 +274,32 @@ class BucketHookState:
             buckets[int(index)] = (layout, tree_unflatten(leaves, spec))
         self._iter = int(state_dict["iter"])
         self._buckets = buckets
+        self._pending, self._dense_checks = {}, {}
         self._layouts = {index: layout for index, (layout, _) in buckets.items()}
 
 
 def _numel(layout: Layout) -> int:
     return sum(torch.Size(shape).numel() for shape in layout)
+
+
+def _nonfinite(index: int, cause: str) -> NonFiniteError:
+    return NonFiniteError(
+        f"fn.ddp: bucket {index} is non-finite on some rank ({cause}); the hook state is "
+        "unchanged (nonfinite='propagate' passes such buckets on, e.g. to torch.amp.GradScaler, "
+        "which then skips the step)"
+    )
+
+
+def _finite_mean(index: int, mean: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+    """The dense mean of bucket ``index``, or ``NonFiniteError`` if it is not finite."""
+    value = mean.value()
+    if not all_finite(value):
+        raise _nonfinite(
+            index,
+            "its mean over the ranks holds a NaN or an Inf: a rank's gradients do, or "
+            "their sum overflows",
+        )
+    return value
 
 
 def compressing_hook(
@@ -214,14 +308,26 @@ def compressing_hook(
     """The dense mean of the bucket for ``start_iter`` iterations, then ``state.transform``
     applied to it with the bucket's error feedback: handed to the state's background thread
     with ``state.overlap`` (the future completes when the bucket is reduced, or with its error),
-    else run here (the future is complete)."""
+    else run here (the future is complete).
+
+    A bucket with a NaN or an Inf on some rank gets the same answer on every rank, in both
+    phases, from no collective of its own (the dense mean of such a bucket is non-finite on
+    every rank; the compressed collectives raise ``fn.NonFiniteError`` on every rank):
+
+    - ``state.nonfinite == "propagate"``: the bucket's result is non-finite on every rank: in
+      the dense phase its mean as DDP's own allreduce gives it (NaN or Inf where some rank had
+      them), in the compressed phase all NaN (the collective cannot say where). No error
+      feedback of that iteration is kept;
+    - ``"raise"``: ``fn.NonFiniteError`` on every rank, from the hook or through the bucket's
+      future (the dense phase checks each mean: one pass over the bucket); no error feedback
+      of the iteration is kept and it does not count in ``state.iter``.
+    """
     buffer = bucket.buffer()
     last = bucket.is_last()
+    index = bucket.index()
     if state._iter < state.start_iter:
-        if last:
-            state._iter += 1
-        return dense_mean(buffer, state.process_group)
-    index, layout = bucket.index(), tuple(tuple(p.shape) for p in bucket.parameters())
+        return state._dense(index, buffer, last)
+    layout = tuple(tuple(p.shape) for p in bucket.parameters())
     state._note_layout(index, layout, buffer.numel())
     compress = functools.partial(state._compress, index, layout, buffer, last)
     if not state.overlap:

@@ -30,6 +30,14 @@ class LocoHookState(BucketHookState):
             the hook, over ``process_group``. The results are the same.
         timeout: the limit of each quantized collective (``fn.collectives.ProcessGroup``'s
             ``timeout``: a ``timedelta`` or seconds; ``None``: ``$FN_TIMEOUT``, else 5 minutes).
+        nonfinite: what a bucket with a NaN or an Inf on some rank gives, in both phases and on
+            every rank: ``"propagate"`` (default; a non-finite result on every rank, as DDP's own
+            allreduce gives, so that ``torch.amp.GradScaler`` skips the step) or ``"raise"``
+            (``fn.NonFiniteError``); either way no bucket keeps error feedback from that
+            iteration. See :class:`OnebitHookState`.
+
+    Raises:
+        ValueError: ``nonfinite`` is neither ``"propagate"`` nor ``"raise"``.
     """
 
     def __init__(
@@ -42,6 +50,7 @@ class LocoHookState(BucketHookState):
         start_iter: int = 100,
         overlap: bool = True,
         timeout: datetime.timedelta | float | None = None,
+        nonfinite: str = "propagate",
     ) -> None:
         super().__init__(
             process_group,
@@ -49,6 +58,7 @@ class LocoHookState(BucketHookState):
             lambda comm: loco_allreduce(bits, group_size, err_beta, reset_T, comm=comm),
             overlap,
             timeout,
+            nonfinite,
         )
 
 
@@ -68,6 +78,8 @@ def loco_hook(state: LocoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 
     Overlap: as :func:`onebit_hook`, the hook hands the bucket to ``state``'s background thread
     and returns a future of its result (``LocoHookState(overlap=False)``: inside the hook).
+    Non-finite gradients, as :func:`onebit_hook`: passed on as non-finite on every rank by
+    default (``torch.amp.GradScaler`` then skips the step), ``nonfinite="raise"`` raises.
 
     Args:
         state: a :class:`LocoHookState`.

@@ -26,6 +26,20 @@ class OnebitHookState(BucketHookState):
             the hook, over ``process_group``. The results are the same.
         timeout: the limit of each compressed collective (``fn.collectives.ProcessGroup``'s
             ``timeout``: a ``timedelta`` or seconds; ``None``: ``$FN_TIMEOUT``, else 5 minutes).
+        nonfinite: what a bucket with a NaN or an Inf on some rank gives, the same in the dense
+            and the compressed phase and on every rank, found without a collective of its own.
+            ``"propagate"`` (default): a non-finite result on every rank (in the dense phase
+            the mean, as DDP's own allreduce gives it; compressed, all NaN), as DDP without a
+            hook does, so ``torch.amp.GradScaler`` sees the overflow and skips the step
+            (fp16 training overflows by design) and ``clip_grad_norm_`` a non-finite norm.
+            ``"raise"``: ``backward()`` raises ``fn.NonFiniteError`` on every rank (a
+            ``RuntimeError`` naming it where it comes through the bucket's future: overlapped,
+            and in the dense phase); the iteration does not count in ``iter``. Either way no
+            bucket keeps error feedback from that iteration, so the next finite one goes on
+            as if it had not happened. A setting, not part of :meth:`state_dict`.
+
+    Raises:
+        ValueError: ``nonfinite`` is neither ``"propagate"`` nor ``"raise"``.
     """
 
     def __init__(
@@ -34,9 +48,15 @@ class OnebitHookState(BucketHookState):
         start_iter: int = 100,
         overlap: bool = True,
         timeout: datetime.timedelta | float | None = None,
+        nonfinite: str = "propagate",
     ) -> None:
         super().__init__(
-            process_group, start_iter, lambda comm: onebit_allreduce(comm=comm), overlap, timeout
+            process_group,
+            start_iter,
+            lambda comm: onebit_allreduce(comm=comm),
+            overlap,
+            timeout,
+            nonfinite,
         )
 
 
@@ -64,9 +84,15 @@ def onebit_hook(
     Overlap: the hook hands the bucket to ``state``'s background thread and returns a future
     of its result, so autograd computes the next buckets' gradients meanwhile; the thread
     compresses the buckets one at a time in DDP's bucket order (the same on every rank). An
-    error (non-finite gradients on some rank, a ``CollectiveTimeoutError``) completes the
-    bucket's future with it, so the backward pass raises on every rank; the later buckets of
-    that iteration are not reduced and their error feedback is kept, as without overlap.
+    error (non-finite gradients on some rank with ``nonfinite="raise"``, a
+    ``CollectiveTimeoutError``) completes the bucket's future with it, so the backward pass
+    raises on every rank; the later buckets of that iteration are not reduced and no bucket
+    keeps error feedback from that iteration, as without overlap.
+
+    Non-finite gradients (``state.nonfinite``): by default a bucket with a NaN or an Inf on
+    some rank comes out non-finite on every rank, as from DDP's own allreduce, so that
+    ``torch.amp.GradScaler`` skips the step; ``"raise"`` raises ``fn.NonFiniteError`` on every
+    rank instead, in the dense and the compressed phase alike.
 
     Args:
         state: an :class:`OnebitHookState`.

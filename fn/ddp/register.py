@@ -76,6 +76,14 @@ def register(ddp_model: DistributedDataParallel, optimizer: _OnebitFamily) -> No
     dtype's rounding. Param groups in different phases (e.g. per-group ``freeze_step``) are
     handled per param.
 
+    Non-finite gradients: one policy, the optimizer's ``nonfinite``, in both phases. The hook
+    decides nothing: the dense mean of a warmup update is non-finite on every rank where some
+    rank's gradient is (as from DDP's own allreduce), and compressed updates send nothing. Then
+    ``optimizer.step()`` raises ``fn.NonFiniteError`` on every rank (``nonfinite="raise"``) or
+    skips the step on every rank (``"skip"``, and always under ``torch.amp.GradScaler``), with
+    params and optimizer state unchanged either way. (``fn.ddp.onebit_hook`` and ``loco_hook``,
+    which serve optimizers without such a policy, take ``nonfinite=`` in their states.)
+
     Gradient accumulation: run the micro-batches but the last under ``ddp_model.no_sync()`` and
     call ``optimizer.step()`` once per accumulated batch: the hook runs (averaging or not) on the
     accumulated gradients of the last backward pass. A ``step()`` after backward passes that all

@@ -1,5 +1,6 @@
 """fn.ddp.register on real gloo processes: a DDP run equals the same run without DDP, per step
-kind of each 1-bit optimizer; DDP sends nothing in compressed steps; misuse is an error."""
+kind of each 1-bit optimizer; DDP sends nothing in compressed steps; a NaN on one rank meets the
+optimizer's own ``nonfinite`` policy in both phases; misuse is an error."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import fn.ddp
 import fn.optim
 from fn.collectives._traffic import all_reduce_bytes
 from tests._distributed import run_distributed
-from tests.optim._problem import backward, flat_params, make_model
+from tests.optim._problem import backward, flat_params, make_model, states_equal
 from tests.optim.test_distributed import CHECKPOINTED
 
 # The optimizers of the adapter's distributed tests (weight decay on), with steps covering
@@ -127,6 +128,59 @@ def test_register_with_three_ranks_agrees_to_rounding():
     assert all(
         torch.equal(r["ddp"]["history"][-1], results[0]["ddp"]["history"][-1]) for r in results
     )
+
+
+def _nan_worker(rank, world_size):
+    """Rank 0's gradient of the first layer's weight turns NaN at a warmup and at a compressed
+    update of 1-bit Adam (freeze_step 3): the hook passes it on, the optimizer decides."""
+    del world_size
+    out = {}
+    for policy in ("raise", "skip"):
+        for bad in (1, 4):
+            model = make_model()
+            opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3, nonfinite=policy)
+            net = DDP(model)
+            fn.ddp.register(net, opt)
+            for t in range(bad + 2):
+                opt.zero_grad()
+                handle = None
+                if t == bad and rank == 0:
+                    handle = model[0].weight.register_hook(lambda g: torch.full_like(g, torch.nan))
+                backward(net, rank, t)  # never raises: the hook decides nothing
+                if handle is not None:
+                    handle.remove()
+                if t != bad:
+                    opt.step()
+                    continue
+                compressed = opt.next_update_compressed()[0]
+                before, params = opt.state_dict(), flat_params(model)
+                error = _error(opt.step)
+                kept = states_equal(before, opt.state_dict()) and torch.equal(
+                    params, flat_params(model)
+                )
+            out[policy, bad] = {
+                "compressed": compressed,
+                "error": error,
+                "kept": kept,
+                "skipped": opt.skipped_steps,
+                "params": flat_params(model),
+            }
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_a_nan_on_one_rank_meets_the_optimizers_policy_in_both_phases():
+    results = run_distributed(_nan_worker, 2, timeout=180)
+    for result in results:
+        for bad in (1, 4):
+            raised, skipped = result["raise", bad], result["skip", bad]
+            assert raised["compressed"] == skipped["compressed"] == (bad == 4)
+            assert raised["error"] is not None and raised["error"][0] == "NonFiniteError", raised
+            assert skipped["error"] is None and skipped["skipped"] == 1, skipped
+            assert raised["kept"] and skipped["kept"]
+            assert bool(torch.isfinite(skipped["params"]).all())
+    for key in results[0]:
+        assert torch.equal(results[0][key]["params"], results[1][key]["params"]), key
 
 
 class _Wrapper:
