@@ -152,7 +152,8 @@ def from_deepspeed(
     counters, 1-bit LAMB's ``lamb_coeff_freeze``, ``last_factor`` and ``scaling_coeff`` and each
     group's lr are taken over; the error feedback starts at zero, as DeepSpeed's own
     ``load_state_dict`` reset it. A 0/1 Adam checkpoint is rank 0's: taken between two
-    synchronizations, it stands for every rank's local params and accumulator.
+    synchronizations, it stands for every rank's local params and accumulator (a rank's own
+    state dict and params, where it kept them, continue its own).
 
     Args:
         params: tensors or param-group dicts, in the order given to DeepSpeed (the checkpoint's

@@ -18,13 +18,15 @@ DATA = Path(__file__).resolve().parent / "deepspeed_data"
 RUN = next(
     r
     for r in torch.load(DATA / "optimizers.pt", weights_only=True)["runs"]
-    if r["name"] == "zero_one_adam" and r["checkpoint_step"] == 9
+    if r["name"] == "zero_one_adam" and r["world_size"] == 2 and r["checkpoint_step"] == 9
 )
+# what DeepSpeed's engine saves: rank 0's params and optimizer state
+PARAMS, STATE_DICT = RUN["params_at_checkpoint"][0], RUN["state_dicts"][0]
 SCHEDULER = {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 5}}
 
 
 def _save_dir(tmp_path: Path) -> Path:
-    weight, bias, head = RUN["params_at_checkpoint"]
+    weight, bias, head = PARAMS
     module = {
         "encoder.weight": weight,
         "encoder.bias": bias,
@@ -35,7 +37,7 @@ def _save_dir(tmp_path: Path) -> Path:
     state = {
         "module": module,
         "buffer_names": ["norm.running_mean"],
-        "optimizer": RUN["state_dict"],
+        "optimizer": STATE_DICT,
         "lr_scheduler": {"last_batch_iteration": RUN["checkpoint_step"]},
         "sparse_tensor_module_names": set(),
         "skipped_steps": 0,
@@ -71,9 +73,9 @@ def test_converts_a_checkpoint_that_fn_resumes_from(tmp_path, capsys):
             params, ckpt["config"], state_dict=ckpt["optimizer"], comm=Local()
         )
         direct = fn.optim.from_deepspeed(
-            [torch.nn.Parameter(p.clone()) for p in RUN["params_at_checkpoint"]],
+            [torch.nn.Parameter(p.clone()) for p in PARAMS],
             RUN["config"],
-            state_dict=RUN["state_dict"],
+            state_dict=STATE_DICT,
             comm=Local(),
         )
     a, b = ours.state_dict()["state"][0], direct.state_dict()["state"][0]

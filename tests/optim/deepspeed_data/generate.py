@@ -1,20 +1,21 @@
 """Generates the DeepSpeed 0.18.9 reference data of tests/optim/test_deepspeed.py.
 
-Runs DeepSpeed's own ``OnebitAdam``, ``ZeroOneAdam`` and ``OnebitLamb`` on CPU with gloo (2
-ranks, no engine: the engine's gradient averaging is emulated from the optimizers'
+Runs DeepSpeed's own ``OnebitAdam``, ``ZeroOneAdam`` and ``OnebitLamb`` on CPU with gloo (2 and
+4 ranks, no engine: the engine's gradient averaging is emulated from the optimizers'
 ``enable_backward_allreduce`` flag, as the engine reads it) on a tiny quadratic model, and
 DeepSpeed's LR schedulers on a dummy optimizer. DeepSpeed 0.18.9 ships no CPU packbits kernel: a
 numpy one (the semantics of its XPU kernel: bit 1 unless the sign bit is set, most significant
 bit first) is plugged into its ``CompressedBackend``.
 
-For every optimizer and two checkpoint updates ``k`` (one in the warmup, one in the compressed
-phase) one run of ``steps`` real updates is recorded: DeepSpeed's optimizer ``state_dict()`` of
-rank 0 after update ``k`` (what its engine checkpoints), and every rank's params after every
-update, with the error feedback zeroed on every rank right after update ``k`` (as DeepSpeed's
-``load_state_dict`` zeroes it). DeepSpeed's first ``step()`` is its gradient-dropping init step;
-it gets gradient index 0, real update ``t`` gets index ``t``.
+For every world size, optimizer and checkpoint update ``k`` (in the warmup and in the compressed
+phase; for 0/1 Adam also after a local step, where the ranks' params and momenta differ by
+design) one run of ``steps`` real updates is recorded: EVERY rank's optimizer ``state_dict()``
+and params after update ``k`` (DeepSpeed's engine checkpoints rank 0's), and every rank's params
+after every later update, with the error feedback zeroed on every rank right after update ``k``
+(as DeepSpeed's ``load_state_dict`` zeroes it). DeepSpeed's first ``step()`` is its
+gradient-dropping init step; it gets gradient index 0, real update ``t`` gets index ``t``.
 
-Regenerate (needs DeepSpeed 0.18.9 in a venv that sees the machine's torch; about a minute)::
+Regenerate (needs DeepSpeed 0.18.9 in a venv that sees the machine's torch; a few minutes)::
 
     python3 -m venv --system-site-packages /work/wt/dsvenv
     DS_BUILD_OPS=0 /work/wt/dsvenv/bin/pip install --no-build-isolation deepspeed==0.18.9
@@ -39,12 +40,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HERE = Path(__file__).resolve().parent
-WORLD = 2
-# 24 + 6 + 18 = 48 elements: 1-bit LAMB's fused buffer needs no padding for 2 ranks (16 | 48),
-# where DeepSpeed's padding bug does not show (docs/algorithms.md, "Deviations from DeepSpeed")
-SHAPES = [(4, 6), (6,), (3, 6)]
+# The leaf shapes per world size. DeepSpeed pads 1-bit LAMB's fused buffer to a multiple of
+# 16 elements for 2 ranks and of 32 for 4; only without that padding does its padding bug not
+# show (docs/algorithms.md, "Deviations from DeepSpeed"): 24 + 6 + 18 = 48 for 2 ranks and
+# 24 + 8 + 64 = 96 for 4. 1-bit and 0/1 Adam pad each leaf on its own, which fn reproduces:
+# with 4 ranks two leaves are padded (24 and 8 to 32) and one is not.
+SHAPES = {2: [(4, 6), (6,), (3, 6)], 4: [(4, 6), (8,), (8, 8)]}
 CASES = [
-    # name, DeepSpeed optimizer block, real updates, checkpoint updates
+    # name, DeepSpeed optimizer block, real updates, {checkpoint update: its kind}; the kinds:
+    # "warmup", "compressed", and for 0/1 Adam "sync" and "local" (its variance freezes after
+    # update 6; it then syncs at updates 7, 8, 9 and 11 and steps locally at 10, 12, 13 and 14)
     (
         "onebit_adam",
         {
@@ -52,7 +57,7 @@ CASES = [
             "params": {"lr": 0.01, "freeze_step": 4, "weight_decay": 0.01, "cuda_aware": False},
         },
         10,
-        (2, 6),
+        {2: "warmup", 6: "compressed"},
     ),
     (
         "zero_one_adam",
@@ -68,7 +73,7 @@ CASES = [
             },
         },
         14,
-        (4, 9),
+        {4: "warmup", 9: "sync", 10: "local"},
     ),
     (
         "onebit_lamb",
@@ -77,7 +82,7 @@ CASES = [
             "params": {"lr": 0.01, "freeze_step": 4, "weight_decay": 0.01, "max_coeff": 0.3},
         },
         10,
-        (2, 6),
+        {2: "warmup", 6: "compressed"},
     ),
 ]
 SCHEDULERS = [
@@ -178,13 +183,14 @@ class FakeEngine:
         self.enable_backward_allreduce = True
 
 
-def problem(steps: int, seed: int):
+def problem(world: int, steps: int, seed: int):
     """Initial params, per-rank targets and per-rank gradient noise (index 0: the init step)."""
+    shapes = SHAPES[world]
     gen = torch.Generator().manual_seed(seed)
-    init = [torch.randn(s, generator=gen) for s in SHAPES]
-    targets = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(WORLD)]
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    targets = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(world)]
     noise = [
-        [[0.3 * torch.randn(s, generator=gen) for s in SHAPES] for _ in range(WORLD)]
+        [[0.3 * torch.randn(s, generator=gen) for s in shapes] for _ in range(world)]
         for _ in range(steps + 1)
     ]
     return init, targets, noise
@@ -205,13 +211,13 @@ def zero_errors(opt) -> None:
             e.zero_()
 
 
-def run_case(rank, name, block, steps, checkpoint, seed):
+def run_case(rank, world, name, block, steps, checkpoint, seed):
     import deepspeed.runtime.fp16.onebit as onebit
 
     cls = {"onebit_adam": onebit.OnebitAdam, "zero_one_adam": onebit.ZeroOneAdam}.get(
         name, onebit.OnebitLamb
     )
-    init, targets, noise = problem(steps, seed)
+    init, targets, noise = problem(world, steps, seed)
     params = [torch.nn.Parameter(x.clone()) for x in init]
     engine = FakeEngine()
     hyper = dict(block["params"], comm_backend_name="compressed")
@@ -222,7 +228,7 @@ def run_case(rank, name, block, steps, checkpoint, seed):
             p.grad = gradient(p.detach(), c, n)
             if engine.enable_backward_allreduce:
                 dist.all_reduce(p.grad)
-                p.grad.mul_(1.0 / WORLD)
+                p.grad.mul_(1.0 / world)
         opt.step()
         if t == 0:
             continue
@@ -236,12 +242,12 @@ def run_case(rank, name, block, steps, checkpoint, seed):
     return trajectory, record
 
 
-def worker(rank, port, folder):
+def worker(rank, world, port, folder):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
+        WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
@@ -254,7 +260,7 @@ def worker(rank, port, folder):
     results = []
     for seed, (name, block, steps, checkpoints) in enumerate(CASES):
         for k in checkpoints:
-            trajectory, record = run_case(rank, name, block, steps, k, seed)
+            trajectory, record = run_case(rank, world, name, block, steps, k, seed)
             results.append((name, k, trajectory, record))
     torch.save(results, Path(folder) / f"rank{rank}.pt")
 
@@ -275,54 +281,122 @@ def scheduler_reference():
     return out
 
 
-def main() -> None:
-    import deepspeed
-
-    assert deepspeed.__version__ == "0.18.9", deepspeed.__version__
+def run_world(world: int) -> list[list]:
+    """Every rank's ``(name, k, trajectory, record)`` per run, indexed by rank."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as folder:
-        procs = [ctx.Process(target=worker, args=(r, port, folder)) for r in range(WORLD)]
+        procs = [ctx.Process(target=worker, args=(r, world, port, folder)) for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
-            p.join(timeout=600)
+            p.join(timeout=900)
             if p.exitcode != 0:
                 sys.exit(f"a worker failed with exit code {p.exitcode}")
-        by_rank = [torch.load(Path(folder) / f"rank{r}.pt") for r in range(WORLD)]
-    runs = []
-    for index, (name, k, _, record) in enumerate(by_rank[0]):
-        seed = next(i for i, case in enumerate(CASES) if case[0] == name)
-        _, block, steps, _ = CASES[seed]
-        init, targets, noise = problem(steps, seed)
-        other = by_rank[1][index][3]
-        for a, b in zip(record["params"], other["params"], strict=True):
-            # rank 0's checkpoint stands for both ranks only where their params agree (0/1 Adam:
-            # at a synchronization, up to the rounding of its accumulator)
-            assert torch.allclose(a, b, rtol=0, atol=1e-6), (name, k)
-        runs.append(
-            {
-                "name": name,
-                "config": {"optimizer": block},
-                "checkpoint_step": k,
-                "steps": steps,
-                "init": init,
-                "targets": targets,
-                "noise": noise,
-                "state_dict": record["state_dict"],
-                "params_at_checkpoint": record["params"],
-                # [update t - 1][rank][leaf]: every rank's params after real update t
-                "trajectory": [
-                    [by_rank[r][index][2][t] for r in range(WORLD)] for t in range(steps)
-                ],
-            }
-        )
-    torch.save(
-        {"deepspeed": deepspeed.__version__, "world_size": WORLD, "runs": runs},
-        HERE / "optimizers.pt",
+        return [torch.load(Path(folder) / f"rank{r}.pt") for r in range(world)]
+
+
+def ranks_agree(params_by_rank) -> bool:
+    """Whether every rank's params equal rank 0's (0/1 Adam at a sync: up to the rounding of its
+    accumulator)."""
+    return all(
+        torch.allclose(a, b, rtol=0, atol=1e-6)
+        for other in params_by_rank[1:]
+        for a, b in zip(params_by_rank[0], other, strict=True)
     )
+
+
+def by_leaf(nested):
+    """``nested[i][rank][leaf]`` as one tensor per leaf, indexed ``[i, rank]``."""
+    return [
+        torch.stack([torch.stack([x[j] for x in row]) for row in nested])
+        for j in range(len(nested[0][0]))
+    ]
+
+
+def packed(tree):
+    """``tree`` with every tensor a view of one flat buffer per dtype (tensors that ``tree``
+    shares stay shared). ``torch.save`` writes one zip record per storage, a few hundred bytes
+    of headers, more than most of these tiny tensors hold: packed, the file is mostly data."""
+    unique = {}
+
+    def collect(x):
+        if isinstance(x, torch.Tensor):
+            unique.setdefault(id(x), x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                collect(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                collect(v)
+
+    collect(tree)
+    views = {}
+    for dtype in {t.dtype for t in unique.values()}:
+        tensors = [t for t in unique.values() if t.dtype == dtype]
+        buffer = torch.cat([t.detach().reshape(-1) for t in tensors])
+        for t, flat in zip(tensors, buffer.split([t.numel() for t in tensors]), strict=True):
+            views[id(t)] = flat.view(t.shape)
+
+    def rebuild(x):
+        if isinstance(x, torch.Tensor):
+            return views[id(x)]
+        if isinstance(x, dict):
+            return {k: rebuild(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(rebuild(v) for v in x)
+        return x
+
+    return rebuild(tree)
+
+
+def main() -> None:
+    import deepspeed
+
+    assert deepspeed.__version__ == "0.18.9", deepspeed.__version__
+    runs = []
+    for world in sorted(SHAPES):
+        by_rank = run_world(world)
+        problems = {}  # one copy per world size and case: torch.save stores shared tensors once
+        for index, (name, k, _, _) in enumerate(by_rank[0]):
+            seed = next(i for i, case in enumerate(CASES) if case[0] == name)
+            _, block, steps, kinds = CASES[seed]
+            if name not in problems:
+                init, targets, noise = problem(world, steps, seed)
+                problems[name] = init, targets, by_leaf(noise)
+            init, targets, noise = problems[name]
+            records = [by_rank[r][index][3] for r in range(world)]
+            params = [record["params"] for record in records]
+            # a single-file checkpoint (rank 0's) stands for every rank except after a local step
+            assert ranks_agree(params) == (kinds[k] != "local"), (world, name, k)
+            runs.append(
+                {
+                    "name": name,
+                    "world_size": world,
+                    "config": {"optimizer": block},
+                    "checkpoint_step": k,
+                    "checkpoint_kind": kinds[k],
+                    "steps": steps,
+                    "init": init,  # [leaf]
+                    "targets": targets,  # [rank][leaf]
+                    # [leaf], indexed [t, rank]: the noise of the gradient of update t (t = 0:
+                    # the init step) on the rank
+                    "noise": noise,
+                    # [rank]: every rank's optimizer state dict and params after update k
+                    "state_dicts": [record["state_dict"] for record in records],
+                    "params_at_checkpoint": params,
+                    # [leaf], indexed [t - k - 1, rank]: the rank's params after update t > k
+                    "trajectory": by_leaf(
+                        [
+                            [by_rank[r][index][2][t - 1] for r in range(world)]
+                            for t in range(k + 1, steps + 1)
+                        ]
+                    ),
+                }
+            )
+    torch.save({"deepspeed": deepspeed.__version__, "runs": packed(runs)}, HERE / "optimizers.pt")
     torch.save(
         {"deepspeed": deepspeed.__version__, "schedulers": scheduler_reference()},
         HERE / "schedulers.pt",
