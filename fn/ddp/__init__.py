@@ -12,8 +12,8 @@
   thread while autograd computes the next buckets (``overlap=False``: inside the hook).
 """
 
-from fn.ddp.loco_hook import LocoHookState, loco_hook
-from fn.ddp.onebit_hook import OnebitHookState, onebit_hook
-from fn.ddp.register import register
+from fn.ddp.loco import LocoHookState, loco_hook
+from fn.ddp.onebit import OnebitHookState, onebit_hook
+from fn.ddp.registration import register
 
 __all__ = ["register", "onebit_hook", "OnebitHookState", "loco_hook", "LocoHookState"]
