@@ -315,6 +315,28 @@ def test_a_param_group_on_the_meta_device_is_not_added():
     opt.step()
 
 
+@pytest.mark.parametrize("name", ["OnebitAdam", "ZeroOneAdam", "OnebitLamb"])
+def test_exp_avg_mask_of_another_form_is_a_type_error_naming_the_form(name):
+    model = make_model()
+    w = model[0].weight
+    mask = torch.ones_like(w)
+    wrong = [
+        ([(w, mask)], "got list"),  # pairs
+        ([mask, mask, mask], "got list"),  # masks in the params' order
+        (mask, "got Tensor"),
+        ({"0.weight": mask}, "got a key of type str"),  # names
+        ({w: mask.tolist()}, "got a value of type list"),
+    ]
+    for form, message in wrong:
+        with pytest.raises(TypeError, match=f"mapping {{param: mask}}.*{message}"):
+            ADAPTERS[name](model.parameters(), exp_avg_mask=form)
+    with pytest.raises(ValueError, match="does not broadcast to its param's shape"):
+        ADAPTERS[name](model.parameters(), exp_avg_mask={w: torch.ones(3, 3)})
+    with pytest.raises(ValueError, match="not trainable params of this optimizer"):
+        ADAPTERS[name](model[2].parameters(), exp_avg_mask={w: mask})
+    ADAPTERS[name](model.parameters(), exp_avg_mask={w: mask})
+
+
 def test_default_comm_is_local_without_torch_distributed():
     model = make_model()
     assert isinstance(fn.optim.OnebitAdam(model.parameters()).comm, Local)
