@@ -8,6 +8,8 @@ Optimizers are pure state transitions over pytrees of tensors, in the style of o
     params = fn.apply_updates(params, updates)
 """
 
+import torch
+
 from fn import ddp, optim, tree
 from fn.base import (
     CompressedOptimizer,
@@ -27,6 +29,10 @@ from fn.base import (
 from fn.errors import NonFiniteError
 from fn.transforms import *  # noqa: F403
 from fn.transforms import __all__ as _transforms_all
+
+# torch.load's default (weights_only=True) unpickles only the classes registered as safe; each
+# package registers the classes of its states (fn.transforms and fn.collectives their own).
+torch.serialization.add_safe_globals([EmptyState, StagedState])
 
 __version__ = "0.1.0.dev0"
 

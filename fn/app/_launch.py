@@ -181,9 +181,12 @@ def _failure(context: mp.ProcessContext, exits: dict[int, int]) -> WorkerError:
     return WorkerError("\n".join(lines), causes, died=bool(died), tracebacks=tracebacks)
 
 
-def _timed_out(context: mp.ProcessContext, done: set[int], stacks: Path, timeout: float):
-    """The error for a run past its deadline: names the ranks that had not finished and, from
-    their stacks, the one(s) not waiting inside a ``torch.distributed`` call."""
+def _timed_out(
+    context: mp.ProcessContext, done: set[int], stacks: Path, timeout: float, started: float
+):
+    """The error for a run past its deadline (``timeout`` seconds after ``started`` on the
+    ``time.monotonic`` clock): names the ranks that had not finished and, from their stacks,
+    the one(s) not waiting inside a ``torch.distributed`` call."""
     running = [r for r, p in enumerate(context.processes) if p.is_alive() and r not in done]
     if _STACK_SIGNAL is not None:
         for r in running:
@@ -196,7 +199,11 @@ def _timed_out(context: mp.ProcessContext, done: set[int], stacks: Path, timeout
             frames[r] = (stacks / f"rank{r}.txt").read_text()
     waiting = [r for r in running if _COLLECTIVE_FRAME in frames.get(r, "")]
     stalled = [r for r in running if r in frames and frames[r] and r not in waiting]
-    message = f"the workers timed out: not finished within {timeout:g} s; "
+    elapsed = time.monotonic() - started
+    message = (
+        f"the workers timed out: not finished within {timeout:g} s (stopped after "
+        f"{elapsed:.1f} s); "
+    )
     if waiting and stalled:
         where = frames[stalled[0]].strip().splitlines()
         message += (
@@ -251,7 +258,8 @@ def spawn_gloo(
         stacks.name,
         args,
     )
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     results: dict[int, Any] = {}
     exits: dict[int, int] = {}  # exit codes as first seen, before torch ends the other ranks
     context = None
@@ -268,7 +276,7 @@ def spawn_gloo(
             if exited and len(results) == world_size:
                 break
             if time.monotonic() > deadline:
-                raise _timed_out(context, set(results), Path(stacks.name), timeout)
+                raise _timed_out(context, set(results), Path(stacks.name), timeout, started)
             try:
                 kind, rank, payload = messages.get(timeout=POLL_S)
             except queue.Empty:

@@ -21,6 +21,8 @@ LoCo error feedback, optional two-hop mode). Their error-feedback buffers are ma
 (``ErrorFeedback``, ``ErrorFeedbackField``; see ``error_feedback.py``).
 """
 
+import torch
+
 from fn.collectives.comm import Comm, Local
 from fn.collectives.dense import dense_allreduce
 from fn.collectives.error_feedback import (
@@ -46,6 +48,11 @@ from fn.collectives.quantized import (
     quantized_reduce_scatter,
 )
 from fn.collectives.simulated import Simulated, SimulatedGroup, replicate, simulate
+
+# The state classes, for torch.load's default weights_only=True (see fn/__init__.py).
+torch.serialization.add_safe_globals(
+    [ErrorFeedback, LocoAllreduceState, OnebitAllreduceState, QuantizedError]
+)
 
 __all__ = [
     "Comm",

@@ -8,18 +8,24 @@ their compute. The collectives are not vmappable (use ``Simulated`` to batch ran
 process).
 
 Timeout: every collective gives up after ``timeout`` (``ProcessGroup(timeout=...)``, else the
-``FN_TIMEOUT`` environment variable in seconds, else 5 minutes) on host (CPU, gloo) tensors:
-it is started asynchronously and waited for with that limit. On a timeout or a failed collective
-the waiting ranks record their arrival in the group's store (the one ``init_process_group``
-made) and wait a little (up to ``min(timeout, 10 s)``) for each other, so that every one of them
-raises the same :class:`CollectiveTimeoutError` naming the ranks that never arrived (stalled,
-dead, or in another code path), or, when every rank arrived, what each rank called. The group
-cannot be used after such an error: the abandoned collective stays pending in torch, and
-``destroy_process_group`` or the process's exit may wait for it until the process group's own
-timeout (``init_process_group(..., timeout=...)``, 30 minutes by default for gloo): set that one
-too. On accelerator tensors (NCCL and the like) a host-side limit would synchronize the host
-with the device at every collective: there the process group's own timeout applies
-(``init_process_group(..., timeout=...)``, 10 minutes by default for NCCL).
+``FN_TIMEOUT`` environment variable in seconds, else 5 minutes) on host (CPU, gloo) tensors,
+counted from the moment it was started (asynchronously). A collective still waiting when the
+last part of that limit begins (its last half, at most 10 s) makes the rank record its arrival
+in the group's store (the one ``init_process_group`` made) and look for the others there while
+the collective goes on: if it completes in time, nothing happened; otherwise every waiting rank
+raises, at the limit, the same :class:`CollectiveTimeoutError` naming the ranks that never
+arrived (stalled, dead, or in another code path), or, when every rank arrived, what each rank
+called. Point-to-point transfers (:meth:`ProcessGroup.transfers`) are waited for the whole
+limit, as gloo closes the connection when such a wait times out; their ranks look for each
+other after it, for that last part again. A collective that fails before the limit (a peer's
+process ended, closing its connections) is reported as a failure, with the time it failed, once
+the other ranks had that last part of the limit to arrive. Every message states the limit and
+the seconds waited. The group cannot be used after such an error: the abandoned collective
+stays pending in torch, and ``destroy_process_group`` or the process's exit may wait for it
+until the process group's own timeout (``init_process_group(..., timeout=...)``, 30 minutes by
+default for gloo): set that one too. On accelerator tensors (NCCL and the like) a host-side
+limit would synchronize the host with the device at every collective: there the process group's
+own timeout applies (``init_process_group(..., timeout=...)``, 10 minutes by default for NCCL).
 """
 
 from __future__ import annotations
@@ -202,22 +208,47 @@ class ProcessGroup(ByteCounter):
         if torch.compiler.is_compiling():
             start(False)
             return
+        started = time.monotonic()
         try:
             work = start(True)
         except RuntimeError as err:
-            raise self._diagnose(kind, seq, x, err) from err
-        self._wait(work, kind, seq, x)
+            raise self._diagnose(kind, seq, x, err, started) from err
+        self._wait(work, kind, seq, x, started)
 
-    def _wait(self, work: Any, kind: str, seq: int, x: torch.Tensor) -> None:
-        """Waits for ``work`` (collective ``seq`` on ``x``), at most ``timeout`` on host
-        tensors; a failure becomes a :class:`CollectiveTimeoutError`."""
+    def _grace_s(self) -> float:
+        """The last part of the limit, in which the waiting ranks look for each other."""
+        return min(self.timeout.total_seconds() / 2, _MAX_GRACE_S)
+
+    def _wait(
+        self,
+        work: Any,
+        kind: str,
+        seq: int,
+        x: torch.Tensor,
+        started: float,
+        point_to_point: bool = False,
+    ) -> None:
+        """Waits for ``work`` (collective ``seq`` on ``x``, started at ``started`` on the
+        ``time.monotonic`` clock), at most until ``timeout`` after ``started`` on host
+        tensors; a failure becomes a :class:`CollectiveTimeoutError`.
+
+        A collective is waited for until the last part of the limit, which :meth:`_diagnose`
+        spends looking for the other ranks while it goes on; a point-to-point transfer is
+        waited for until the limit (gloo closes the connection when such a wait times out).
+        """
         try:
             if x.device.type == "cpu":
-                work.wait(self.timeout)
+                limit_s = self.timeout.total_seconds()
+                until_s = limit_s if point_to_point else limit_s - self._grace_s()
+                # a zero timeout would mean torch's default: wait a millisecond at least
+                remaining_s = max(until_s - (time.monotonic() - started), 1e-3)
+                work.wait(datetime.timedelta(seconds=remaining_s))
             else:
                 work.wait()
         except RuntimeError as err:
-            raise self._diagnose(kind, seq, x, err) from err
+            error = self._diagnose(kind, seq, x, err, started, work)
+            if error is not None:
+                raise error from err
 
     def transfers(self, kind: str) -> Transfers:
         """Point-to-point transfers between the ranks of this group, started as they are
@@ -226,10 +257,21 @@ class ProcessGroup(ByteCounter):
         return Transfers(self, kind)
 
     def _diagnose(
-        self, kind: str, seq: int, x: torch.Tensor, err: RuntimeError
-    ) -> CollectiveTimeoutError:
-        """The error for collective ``seq`` that failed on this rank: the ranks that failed there
-        meet in the store to find the ranks that never arrived."""
+        self,
+        kind: str,
+        seq: int,
+        x: torch.Tensor,
+        err: RuntimeError,
+        started: float,
+        work: Any = None,
+    ) -> CollectiveTimeoutError | None:
+        """The error for collective ``seq`` on ``x``, started at ``started``, that failed with
+        ``err`` on this rank or is still running (``work``, past the first part of the limit);
+        ``None`` if that work completes in the rest of the limit.
+
+        The ranks that got here meet in the store to find the ranks that never arrived: until
+        the limit for a running collective, for the last part of the limit after a failure.
+        """
         members = (
             list(range(self._world_size))
             if self.group is None
@@ -237,14 +279,29 @@ class ProcessGroup(ByteCounter):
         )
         me = dist.get_rank()
         call = f"{kind} of {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+        on_host = x.device.type == "cpu"
+        # gloo's wait gives up but leaves a collective running; a failed one has completed, and
+        # so has a point-to-point transfer at the limit (an expired one)
+        running = work is not None and on_host and not work.is_completed()
+        failed_s = time.monotonic() - started
+        expired = on_host and not running and failed_s >= self.timeout.total_seconds()
+        if running:
+            deadline = started + self.timeout.total_seconds()
+        else:
+            deadline = time.monotonic() + self._grace_s()
         arrived: dict[int, str] = {}
         store_lost = ""
         try:
             store = distributed_c10d._get_process_group_store(self.group or dist.group.WORLD)
             prefix = f"fn/{seq}/"
             store.set(f"{prefix}{me}", call)
-            deadline = time.monotonic() + min(self.timeout.total_seconds(), _MAX_GRACE_S)
             while True:
+                if running and work.is_completed():
+                    try:
+                        work.wait(datetime.timedelta(seconds=1e-3))  # completed: returns at once
+                        return None
+                    except RuntimeError as late:  # failed in the last part: before the limit
+                        err, running, failed_s = late, False, time.monotonic() - started
                 for rank in members:
                     if rank not in arrived and store.check([f"{prefix}{rank}"]):
                         arrived[rank] = store.get(f"{prefix}{rank}").decode()
@@ -260,33 +317,77 @@ class ProcessGroup(ByteCounter):
                     time.sleep(_POLL_S)
         except (RuntimeError, ValueError) as store_err:  # the store's host (rank 0) is gone
             if not arrived:  # never reached it: nothing is known of the others
+                outcome = self._outcome(me, running or expired, failed_s, started, x)
                 return CollectiveTimeoutError(
-                    f"fn.collectives: {call} (collective #{seq} on ranks {members}) failed on "
-                    f"rank {me}: {err}; the store is unreachable ({store_err}), so rank 0 likely "
-                    "died",
+                    f"fn.collectives: {call} (collective #{seq} on ranks {members}) {outcome}: "
+                    f"{err}; the store is unreachable ({store_err}), so rank 0 likely died",
                     [0],
                 )
             # Rank 0 ended while this rank was looking (its own failure raised there too):
             # the ranks seen so far stand.
             store_lost = f" (the store went away while the ranks were looked for: {store_err})"
+        same_call = len(arrived) == len(members) and len(set(arrived.values())) == 1
+        if running and same_call:  # every rank is in it: it may still complete in the limit
+            try:
+                work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+                return None
+            except RuntimeError as late:
+                if work.is_completed():
+                    err, running, failed_s = late, False, time.monotonic() - started
         missing = [rank for rank in members if rank not in arrived]
         where = f"collective #{seq} on ranks {members}"
-        limit = f"{self.timeout.total_seconds():g} s"
-        if missing:
+        timed_out = running or expired
+        outcome = self._outcome(me, timed_out, failed_s, started, x)
+        # torch's own words, unless they are the "timed out" of the wait for the first part
+        detail = "" if running else f" ({err})"
+        raise_limit = f"raise the limit with ProcessGroup(timeout=...) or {TIMEOUT_ENV}=<seconds>"
+        if missing and timed_out:
             return CollectiveTimeoutError(
-                f"fn.collectives: {call} ({where}) did not complete within {limit} on rank {me}: "
-                f"rank(s) {missing} never reached it (stalled, dead, or in a different code "
-                "path; see their output). If they are only slow, raise the limit with "
-                f"ProcessGroup(timeout=...) or {TIMEOUT_ENV}=<seconds>.{store_lost} ({err})",
+                f"fn.collectives: {call} ({where}) {outcome}: rank(s) {missing} never reached it "
+                "(stalled, dead, or in a different code path; see their output). If they are "
+                f"only slow, {raise_limit}.{store_lost}{detail}",
+                missing,
+            )
+        if missing:
+            looked_s = time.monotonic() - started
+            return CollectiveTimeoutError(
+                f"fn.collectives: {call} ({where}) {outcome}: rank(s) {missing} never reached it "
+                f"in {looked_s:.1f} s; a collective that fails before the limit usually means "
+                f"that their process exited or crashed (see their output).{store_lost}{detail}",
                 missing,
             )
         calls = "; ".join(f"rank {rank}: {arrived[rank]}" for rank in members)
+        if same_call:
+            cause = f"{raise_limit} if it is only slow" if timed_out else "the backend failed"
+            return CollectiveTimeoutError(
+                f"fn.collectives: {call} ({where}) {outcome}, though every rank reached it "
+                f"({cause}).{detail}",
+                [],
+            )
         return CollectiveTimeoutError(
-            f"fn.collectives: {call} ({where}) failed on rank {me}: every rank reached it, but "
-            f"they called {calls} (every rank must make the same collectives in the same order "
-            f"with the same sizes). ({err})",
+            f"fn.collectives: {call} ({where}) {outcome}: every rank reached it, but they "
+            f"called {calls} (every rank must make the same collectives in the same order with "
+            f"the same sizes).{detail}",
             [],
         )
+
+    def _outcome(
+        self, me: int, timed_out: bool, failed_s: float, started: float, x: torch.Tensor
+    ) -> str:
+        """What happened to a collective of this rank, with the limit and the seconds waited:
+        ``timed_out`` (at the limit, or given up before it) or failed after ``failed_s``."""
+        limit_s = self.timeout.total_seconds()
+        waited_s = time.monotonic() - started
+        if timed_out and waited_s >= limit_s:
+            return f"did not complete within {limit_s:g} s on rank {me} (waited {waited_s:.1f} s)"
+        if timed_out:
+            return f"had not completed on rank {me} after {waited_s:.1f} s (limit {limit_s:g} s)"
+        if x.device.type != "cpu":
+            return (
+                f"failed on rank {me} after {failed_s:.1f} s (on {x.device.type} tensors the "
+                "process group's own timeout applies: init_process_group(timeout=...))"
+            )
+        return f"failed on rank {me} after {failed_s:.1f} s, before its limit of {limit_s:g} s"
 
     def _counted(self, kind: str, x: torch.Tensor) -> None:
         self._count(kind, _traffic.payload_bytes(x), self._world_size)
@@ -359,8 +460,9 @@ class Transfers:
         self._comm = comm
         self._kind = kind
         self._seq = next(_issued.setdefault(comm._name, itertools.count()))
-        self._sends: list[tuple[Any, torch.Tensor]] = []
-        self._recvs: dict[int, list[tuple[Any, torch.Tensor]]] = {}
+        # (work, tensor, when it was started on the time.monotonic clock)
+        self._sends: list[tuple[Any, torch.Tensor, float]] = []
+        self._recvs: dict[int, list[tuple[Any, torch.Tensor, float]]] = {}
         self._failed = False
 
     def send(self, x: torch.Tensor, peer: int, tag: int = 0) -> None:
@@ -368,20 +470,22 @@ class Transfers:
         unchanged until the transfers are waited for)."""
         self._comm._count("send", _traffic.payload_bytes(x), self._comm.world_size)
         group = self._comm.group
-        work = self._start(x, lambda: dist.isend(x, group=group, tag=tag, group_dst=peer))
-        self._sends.append((work, x))
+        self._sends.append(
+            self._start(x, lambda: dist.isend(x, group=group, tag=tag, group_dst=peer))
+        )
 
     def recv(self, x: torch.Tensor, peer: int, tag: int = 0) -> None:
         """Starts receiving the next message with ``tag`` from group rank ``peer`` into the
         contiguous ``x``; :meth:`wait_from` waits for it."""
         group = self._comm.group
-        work = self._start(x, lambda: dist.irecv(x, group=group, tag=tag, group_src=peer))
-        self._recvs.setdefault(peer, []).append((work, x))
+        self._recvs.setdefault(peer, []).append(
+            self._start(x, lambda: dist.irecv(x, group=group, tag=tag, group_src=peer))
+        )
 
     def wait_from(self, peer: int) -> None:
         """Waits for every receive posted from ``peer``."""
-        for work, x in self._recvs.pop(peer, []):
-            self._wait(work, x)
+        for work, x, started in self._recvs.pop(peer, []):
+            self._wait(work, x, started)
 
     def wait(self) -> None:
         """Waits for every transfer."""
@@ -390,16 +494,17 @@ class Transfers:
         while self._sends:
             self._wait(*self._sends.pop(0))
 
-    def _start(self, x: torch.Tensor, start: Callable[[], Any]) -> Any:
+    def _start(self, x: torch.Tensor, start: Callable[[], Any]) -> tuple[Any, torch.Tensor, float]:
+        started = time.monotonic()
         try:
-            return start()
+            return start(), x, started
         except RuntimeError as err:
             self._failed = True
-            raise self._comm._diagnose(self._kind, self._seq, x, err) from err
+            raise self._comm._diagnose(self._kind, self._seq, x, err, started) from err
 
-    def _wait(self, work: Any, x: torch.Tensor) -> None:
+    def _wait(self, work: Any, x: torch.Tensor, started: float) -> None:
         try:
-            self._comm._wait(work, self._kind, self._seq, x)
+            self._comm._wait(work, self._kind, self._seq, x, started, point_to_point=True)
         except CollectiveTimeoutError:
             self._failed = True
             raise

@@ -17,8 +17,8 @@
   and the compressed phase; neither keeps error feedback from such an iteration.
 """
 
-from fn.ddp.loco_hook import LocoHookState, loco_hook
-from fn.ddp.onebit_hook import OnebitHookState, onebit_hook
-from fn.ddp.register import register
+from fn.ddp.loco import LocoHookState, loco_hook
+from fn.ddp.onebit import OnebitHookState, onebit_hook
+from fn.ddp.registration import register
 
 __all__ = ["register", "onebit_hook", "OnebitHookState", "loco_hook", "LocoHookState"]

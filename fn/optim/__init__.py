@@ -24,7 +24,8 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   accelerate save and load the model as any other). A param whose storage is replaced later
   (``model.to(<same device>)``, as Trainer and accelerate do, or ``p.data = t``) is re-adopted
   before the next step; a move to another device or dtype is an error (build the optimizer
-  after ``model.to(...)``). With
+  after ``model.to(...)``). Params on the meta device are a ``ValueError`` when their group is
+  built: build the optimizer after ``model.to_empty(device=...)`` and initialization. With
   ``flatten=True`` the transform sees the whole group as ONE 1-D leaf (one collective per group
   and step; right for elementwise rules: Adam, SGD, 1-bit Adam, 0/1 Adam); with
   ``flatten=False`` it sees per-param views of the buffer (needed for per-tensor rules: LAMB's

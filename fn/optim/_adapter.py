@@ -302,6 +302,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         group["params"] = [group["params"][i] for i in keep]
         if "param_names" in group:
             group["param_names"] = [group["param_names"][i] for i in keep]
+        _check_not_meta(index, group)
         # First, before anything that can raise on one rank only: the others would wait for it.
         check_same_group(self.comm, index, self._settings(group), group["params"])
         if isinstance(self._transform, (GradientTransformation, CompressedOptimizer)):
@@ -807,6 +808,21 @@ class FunctionalOptimizer(torch.optim.Optimizer):
 class _AveragedOverflow(NonFiniteError):
     """A group's gradient averaged over the ranks (or a quantity the transform derives from it)
     is non-finite: a step to skip under ``nonfinite="skip"``, the same on every rank."""
+
+
+def _check_not_meta(index: int, group: dict[str, Any]) -> None:
+    """Raises ``ValueError`` naming the first param of ``group`` on the meta device (it holds no
+    values: the flat buffers and the state would have none either)."""
+    for i, p in enumerate(group["params"]):
+        if p.is_meta:
+            names = group.get("param_names")
+            name = f" ({names[i]!r})" if names else ""
+            raise ValueError(
+                f"fn.optim: param group {index}, param {i}{name} of shape {tuple(p.shape)} is on "
+                "the meta device; build the optimizer after the model's params hold their "
+                "values: model.to_empty(device=...) and its initialization (or loading a "
+                "checkpoint)"
+            )
 
 
 def _check_lr(index: int, lr: Any, where: str = "") -> None:

@@ -35,7 +35,7 @@ class _OnebitFamily(FunctionalOptimizer):
         flatten: bool,
         nonfinite: str,
     ) -> None:
-        self._masks = dict(exp_avg_mask or {})
+        self._masks = _masks_by_param(exp_avg_mask)
         super().__init__(
             params,
             type(self)._factory,
@@ -94,6 +94,30 @@ class _OnebitFamily(FunctionalOptimizer):
         )
 
 
+def _masks_by_param(
+    exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None,
+) -> dict[torch.Tensor, torch.Tensor]:
+    """``exp_avg_mask`` as a dict, after checking its form: ``{param: mask tensor}``.
+
+    Raises:
+        TypeError: ``exp_avg_mask`` is not a mapping, or has a key or a value that is not a
+            tensor (e.g. a param's name).
+    """
+    form = "{param: mask}, the params themselves mapped to tensors broadcastable to their shapes"
+    if exp_avg_mask is None:
+        return {}
+    if not isinstance(exp_avg_mask, Mapping):
+        raise TypeError(f"exp_avg_mask must be a mapping {form}; got {type(exp_avg_mask).__name__}")
+    for param, mask in exp_avg_mask.items():
+        for role, value in (("key", param), ("value", mask)):
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"exp_avg_mask must be a mapping {form}; got a {role} of type "
+                    f"{type(value).__name__}"
+                )
+    return dict(exp_avg_mask)
+
+
 class OnebitAdam(_OnebitFamily):
     """1-bit Adam (``fn.onebit_adam``) as a ``torch.optim.Optimizer``; one flat leaf per group,
     or one leaf per param with ``flatten=False``.
@@ -105,7 +129,8 @@ class OnebitAdam(_OnebitFamily):
         non_freeze: the group is never compressed (DeepSpeed's ``non_freeze`` groups).
         comm: ``None`` gives :func:`default_comm`.
         exp_avg_mask: ``{param: mask}``, masks broadcastable to their param's shape, multiplied
-            into the momentum after every compressed allreduce.
+            into the momentum after every compressed allreduce (keyed by the params
+            themselves; another form is a ``TypeError``).
         nonfinite: ``"raise"`` or ``"skip"`` (see :class:`FunctionalOptimizer`).
         safeguard: bound the compressed updates (``fn.onebit_adam``); ``False`` gives
             DeepSpeed's exact rule. Can be set per group.

@@ -13,21 +13,36 @@ Policies shared by every transform here:
   ``fn.set_hyperparams``; the rest are Python floats fixed when the transform is built.
 """
 
+import torch
+
 from fn.transforms._onebit_schedules import OnebitAdamPlan, OnebitLambPlan, ZeroOneAdamPlan
-from fn.transforms.adam import ScaleByAdamState, adam, adamw, scale_by_adam
-from fn.transforms.lamb import lamb
+from fn.transforms.adam_transform import ScaleByAdamState, adam, adamw, scale_by_adam
+from fn.transforms.lamb_transform import lamb
 from fn.transforms.learning_rate import (
     ScaleByLearningRateState,
     Schedule,
     scale_by_learning_rate,
 )
 from fn.transforms.masking import MaskedState, masked, set_to_zero
-from fn.transforms.onebit_adam import OnebitAdamState, onebit_adam
-from fn.transforms.onebit_lamb import OnebitLambState, onebit_lamb
-from fn.transforms.sgd import TraceState, sgd, trace
+from fn.transforms.onebit_adam_transform import OnebitAdamState, onebit_adam
+from fn.transforms.onebit_lamb_transform import OnebitLambState, onebit_lamb
+from fn.transforms.sgd_transform import TraceState, sgd, trace
 from fn.transforms.trust_ratio import scale_by_trust_ratio
 from fn.transforms.weight_decay import add_decayed_weights
-from fn.transforms.zero_one_adam import ZeroOneAdamState, zero_one_adam
+from fn.transforms.zero_one_adam_transform import ZeroOneAdamState, zero_one_adam
+
+# The state classes, for torch.load's default weights_only=True (see fn/__init__.py).
+torch.serialization.add_safe_globals(
+    [
+        MaskedState,
+        OnebitAdamState,
+        OnebitLambState,
+        ScaleByAdamState,
+        ScaleByLearningRateState,
+        TraceState,
+        ZeroOneAdamState,
+    ]
+)
 
 __all__ = [
     "MaskedState",

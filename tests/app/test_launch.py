@@ -4,6 +4,7 @@ worker."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,6 +78,8 @@ def test_a_timeout_names_the_stalled_worker():
         spawn_gloo(_stalls_on_rank_1, 2, (), timeout=30, on_message=lambda *a: None)
     err = info.value
     assert err.timed_out and not err.died and err.ranks == [1]
+    stopped = re.search(r"not finished within 30 s \(stopped after ([\d.]+) s\)", str(err))
+    assert stopped and 30 <= float(stopped[1]) < 40
     assert "worker rank(s) [1] stalled outside any collective" in str(err)
     assert "_stalls_on_rank_1" in str(err)  # where it stalled
     assert not [p for p in _children(os.getpid()) if _is_worker(p)]

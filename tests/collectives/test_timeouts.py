@@ -1,11 +1,13 @@
 """ProcessGroup's timeout on real gloo processes: a stalled rank is named by every waiting rank
-within seconds, ranks that call different collectives are told what each called, and the limit
-comes from the argument, ``FN_TIMEOUT`` or the default."""
+at the limit, a rank whose process ended is named as such right after the failure, ranks that
+call different collectives are told what each called, every message states the limit and the
+seconds waited, and the limit comes from the argument, ``FN_TIMEOUT`` or the default."""
 
 from __future__ import annotations
 
 import datetime
 import os
+import re
 import time
 
 import pytest
@@ -20,6 +22,7 @@ pytestmark = pytest.mark.distributed
 
 LIMIT_S = 2.0
 STALL_S = 4 * LIMIT_S
+GRACE_S = LIMIT_S / 2  # the last part of the limit, in which the ranks look for each other
 
 
 def _outcome(run):
@@ -32,13 +35,20 @@ def _outcome(run):
 
 
 def _faults(rank, world_size, folder):
-    """Three faults in a row on one group; each rank saves its outcomes and ends at once (torch's
-    process group would wait for the abandoned collectives until its own timeout)."""
+    """A late rank, then three faults in a row on one group, the limit set by ``FN_TIMEOUT``;
+    each rank saves its outcomes and ends at once (torch's process group would wait for the
+    abandoned collectives until its own timeout)."""
     import torch.distributed as dist
 
-    comm = ProcessGroup(timeout=LIMIT_S)
+    os.environ[TIMEOUT_ENV] = f"{LIMIT_S:g}"
+    comm = ProcessGroup()
     dist.barrier()  # the limit is short: start together
     out = {"ok": comm.all_reduce(torch.ones(3), op="sum").tolist()}
+    # 0. Rank 2 arrives in the last part of the limit, while the others look for it: no error.
+    if rank == 2:
+        time.sleep(LIMIT_S - GRACE_S / 2)
+    out["late"] = _outcome(lambda: comm.all_reduce(torch.ones(4)))
+    dist.barrier()
     # 1. Rank 2 is late (stalled): the others give up; its all_reduce then completes theirs.
     if rank == 2:
         time.sleep(STALL_S)
@@ -49,8 +59,9 @@ def _faults(rank, world_size, folder):
         out["mismatch"] = _outcome(lambda: comm.all_gather(torch.ones(2, dtype=torch.int64)))
     else:
         out["mismatch"] = _outcome(lambda: comm.all_reduce(torch.ones(1, dtype=torch.int64)))
-    # 3. Rank 2 is gone (it returns), the others wait for it.
+    # 3. Rank 2's process ends; the others' collective fails at once.
     if rank != 2:
+        time.sleep(0.5)  # rank 2 has ended
         out["gone"] = _outcome(lambda: comm.all_reduce(torch.ones(4)))
     _save_and_end(out, folder, rank)
 
@@ -67,20 +78,34 @@ def test_faults_are_named_on_every_rank_within_the_limit(tmp_path):
     results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(3)]
     for rank, out in enumerate(results):
         assert out["ok"] == [3.0, 3.0, 3.0]
+        assert out["late"]["missing"] is None and out["late"]["s"] < LIMIT_S
         stalled, mismatch = out["stalled"], out["mismatch"]
         if rank == 2:
             assert stalled["missing"] is None
         else:
-            for case in (stalled, out["gone"]):
-                assert case["missing"] == [2]
-                assert "rank(s) [2] never reached it" in case["message"]
-                assert "FN_TIMEOUT" in case["message"]
-                # the limit, then at most the grace period (also the limit here) to find rank 2
-                assert LIMIT_S <= case["s"] < 2 * LIMIT_S + 1.5
+            assert stalled["missing"] == [2]
+            assert "rank(s) [2] never reached it" in stalled["message"]
+            assert "FN_TIMEOUT" in stalled["message"]
+            waited = re.search(
+                r"did not complete within 2 s on rank \d \(waited ([\d.]+) s\)", stalled["message"]
+            )
+            # (the message rounds to 0.1 s)
+            assert waited and LIMIT_S <= float(waited[1]) < stalled["s"] + 0.1 < LIMIT_S + 1.5
+            gone = out["gone"]
+            assert gone["missing"] == [2]
+            failed = re.search(
+                r"failed on rank \d after ([\d.]+) s, before its limit of 2 s: "
+                r"rank\(s\) \[2\] never reached it in ([\d.]+) s",
+                gone["message"],
+            )
+            assert failed and float(failed[1]) < GRACE_S <= float(failed[2]) < gone["s"] + 0.1
+            assert "their process exited or crashed" in gone["message"]
+            assert gone["s"] < GRACE_S + 1.5  # found after the last part of the limit
         assert mismatch["missing"] == []
         assert "rank 0: all_gather of (2,) int64" in mismatch["message"]
         assert "rank 1: all_reduce of (1,) int64" in mismatch["message"]
-        assert mismatch["s"] < 2 * LIMIT_S + 1.5
+        assert "limit 2 s" in mismatch["message"] or "limit of 2 s" in mismatch["message"]
+        assert mismatch["s"] < LIMIT_S + 1.5
 
 
 def test_timeout_from_argument_environment_or_default(monkeypatch):
@@ -144,7 +169,7 @@ def test_param_group_added_on_one_rank_gives_up_on_both(tmp_path):
         assert (
             "rank 0: all_gather of (2,) int64; rank 1: all_reduce of () int64" in (out["message"])
         )
-        assert out["s"] < 2 * LIMIT_S + 1.5
+        assert out["s"] < LIMIT_S + 1.5
 
 
 def _stalled_transfers(rank, world_size, folder):
@@ -172,7 +197,11 @@ def test_point_to_point_transfers_time_out_naming_the_late_rank(tmp_path):
     assert stalled["missing"] == [1]
     assert "exchange of (4,) float32" in stalled["message"]
     assert "rank(s) [1] never reached it" in stalled["message"]
-    assert LIMIT_S <= stalled["s"] < 2 * LIMIT_S + 1.5
+    # a transfer waits the whole limit, then its ranks look for each other
+    assert re.search(
+        r"did not complete within 2 s on rank 0 \(waited 3\.\d s\)", stalled["message"]
+    )
+    assert LIMIT_S + GRACE_S <= stalled["s"] < LIMIT_S + GRACE_S + 1.5
 
 
 class _VanishingStore:
@@ -242,12 +271,12 @@ def test_the_store_host_stays_until_every_rank_read_the_calls(monkeypatch, late)
     store = _ReadingStore(late)
     comm = _diagnosing_rank(monkeypatch, [store], rank=0, world_size=2, timeout_s=0.5)
     start = time.monotonic()
-    err = comm._diagnose("all_reduce", 5, torch.ones(4), RuntimeError("timed out"))
+    err = comm._diagnose("all_reduce", 5, torch.ones(4), RuntimeError("failed"), time.monotonic())
     assert err.missing_ranks == []
     assert "rank 0: all_reduce of (4,) float32; rank 1: all_gather of (2,) int64" in str(err)
     assert "fn/5/read/0" in store.keys
-    if late is None:
-        assert 0.5 <= time.monotonic() - start < 1.5
+    if late is None:  # after a failure: the last part of the limit, half of it here
+        assert 0.25 <= time.monotonic() - start < 1.25
     else:
         assert store.checks >= late and "fn/5/read/1" in store.keys
 
@@ -258,10 +287,101 @@ def test_a_store_that_ends_while_looking_keeps_what_was_seen(monkeypatch, answer
     ranks names those it has not seen (rank 2 here), not rank 0."""
     stores = [_VanishingStore(answers)]
     comm = _diagnosing_rank(monkeypatch, stores, rank=1, world_size=3, timeout_s=30)
-    err = comm._diagnose("all_reduce", 5, torch.ones(4), RuntimeError("timed out"))
+    err = comm._diagnose("all_reduce", 5, torch.ones(4), RuntimeError("failed"), time.monotonic())
     assert err.missing_ranks == [2]
     assert "rank(s) [2] never reached it" in str(err) and "store went away" in str(err)
 
     stores.append(_VanishingStore(99, reachable=False))  # never reached: rank 0 is the suspect
-    err = comm._diagnose("all_reduce", 6, torch.ones(4), RuntimeError("timed out"))
+    err = comm._diagnose("all_reduce", 6, torch.ones(4), RuntimeError("failed"), time.monotonic())
     assert err.missing_ranks == [0] and "rank 0 likely died" in str(err)
+
+
+class _Store:
+    """A store in which the ranks of ``calls`` ({rank: call}) arrived."""
+
+    def __init__(self, calls: dict[int, str]):
+        self.keys = {f"fn/5/{rank}": call.encode() for rank, call in calls.items()}
+        self.keys.update({f"fn/5/read/{rank}": b"" for rank in calls})
+
+    def set(self, key, value):
+        self.keys[key] = value.encode()
+
+    def check(self, keys):
+        return all(k in self.keys for k in keys)
+
+    def get(self, key):
+        return self.keys[key]
+
+
+class _Work:
+    """A collective on host tensors that completes ``done_after`` seconds from now (never with
+    ``None``), failing with ``error`` if one is given."""
+
+    def __init__(self, done_after: float | None, error: str | None = None):
+        self.done_at = None if done_after is None else time.monotonic() + done_after
+        self.error = error
+
+    def is_completed(self):
+        return self.done_at is not None and time.monotonic() >= self.done_at
+
+    def wait(self, timeout):
+        end = time.monotonic() + timeout.total_seconds()
+        while not self.is_completed() and time.monotonic() < end:
+            time.sleep(0.01)
+        if not self.is_completed():
+            raise RuntimeError("Operation timed out!")
+        if self.error is not None:
+            raise RuntimeError(self.error)
+
+
+LIMIT_UNIT_S = 0.6  # the limit of the single-process tests below; their last part is 0.3 s
+
+
+def _diagnose_after_first_part(monkeypatch, calls, work):
+    """``_diagnose`` on rank 0 of two, called as ``_wait`` does when ``work``, started the first
+    part of the limit ago, is still running (``work=None``: the collective failed at once).
+    Returns its result and the seconds from the collective's start to the return."""
+    comm = _diagnosing_rank(monkeypatch, [_Store(calls)], 0, 2, LIMIT_UNIT_S)
+    started = time.monotonic() - (LIMIT_UNIT_S / 2 if work is not None else 0)
+    err = comm._diagnose("all_reduce", 5, torch.ones(4), RuntimeError("gloo"), started, work)
+    return err, time.monotonic() - started
+
+
+def test_a_collective_that_completes_in_the_last_part_of_the_limit_is_no_error(monkeypatch):
+    for calls in ({}, {1: "all_reduce of (4,) float32"}):  # rank 1 arrived or not
+        err, elapsed = _diagnose_after_first_part(monkeypatch, calls, _Work(0.1))
+        assert err is None and elapsed < LIMIT_UNIT_S
+
+
+def test_a_missing_rank_is_reported_at_the_limit_with_the_seconds_waited(monkeypatch):
+    err, elapsed = _diagnose_after_first_part(monkeypatch, {}, _Work(None))
+    assert err.missing_ranks == [1]
+    waited = re.search(r"did not complete within 0.6 s on rank 0 \(waited ([\d.]+) s\)", str(err))
+    assert waited and LIMIT_UNIT_S <= float(waited[1]) < elapsed + 0.1 < LIMIT_UNIT_S + 0.5
+    assert "rank(s) [1] never reached it" in str(err) and "FN_TIMEOUT" in str(err)
+
+
+def test_a_slow_collective_every_rank_reached_is_reported_at_the_limit(monkeypatch):
+    err, elapsed = _diagnose_after_first_part(
+        monkeypatch, {1: "all_reduce of (4,) float32"}, _Work(None)
+    )
+    assert err.missing_ranks == [] and LIMIT_UNIT_S <= elapsed < LIMIT_UNIT_S + 0.5
+    assert "did not complete within 0.6 s on rank 0 (waited 0.6 s), though every rank " in str(err)
+    assert "raise the limit" in str(err)
+
+
+@pytest.mark.parametrize("when", ["at once", "in the last part of the limit"])
+def test_a_failure_is_reported_with_its_time_not_as_a_timeout(monkeypatch, when):
+    work = None if when == "at once" else _Work(0.1, error="Connection closed by peer")
+    err, elapsed = _diagnose_after_first_part(monkeypatch, {}, work)
+    assert err.missing_ranks == [1]
+    failed = re.search(
+        r"failed on rank 0 after ([\d.]+) s, before its limit of 0.6 s: rank\(s\) \[1\] never "
+        r"reached it in ([\d.]+) s; .* their process exited or crashed",
+        str(err),
+    )
+    assert failed, str(err)
+    assert float(failed[1]) <= float(failed[2]) < elapsed + 0.1
+    assert "did not complete" not in str(err)
+    if work is not None:  # the failure that ended the collective is the one named
+        assert "Connection closed by peer" in str(err)

@@ -126,7 +126,8 @@ def test_a_stalled_rank_raises_a_timeout_through_the_hook(tmp_path):
     out = torch.load(tmp_path / "0.pt")
     assert out["error"] is not None and "rank(s) [1] never reached it" in out["error"], out
     assert CollectiveTimeoutError.__name__ in out["error"] + out["cause"], out
-    assert LIMIT_S <= out["s"] < 2 * LIMIT_S + 3, out  # the limit, then the grace period
+    # the limit, then (point-to-point transfers) its last half to find the ranks
+    assert LIMIT_S <= out["s"] < 1.5 * LIMIT_S + 3, out
 
 
 @pytest.fixture

@@ -273,6 +273,70 @@ def test_bad_arguments():
         fn.optim.OnebitAdam(model[0].parameters(), exp_avg_mask={model[2].bias: torch.ones(3)})
 
 
+ADAPTERS = {
+    "FunctionalOptimizer": lambda params: fn.optim.FunctionalOptimizer(params, fn.adam(1e-2)),
+    "OnebitAdam": fn.optim.OnebitAdam,
+    "ZeroOneAdam": fn.optim.ZeroOneAdam,
+    "OnebitLamb": fn.optim.OnebitLamb,
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTERS))
+def test_params_on_the_meta_device_are_an_error_naming_the_param_and_the_fix(name):
+    with torch.device("meta"):
+        model = make_model()
+    with pytest.raises(ValueError, match=r"param group 0, param 0 \('0.weight'\).*meta device"):
+        ADAPTERS[name](model.named_parameters())
+    model.to_empty(device="cpu")
+    with pytest.raises(ValueError, match=r"model.to_empty\(device=\.\.\.\) and its init"):
+        ADAPTERS[name](
+            [
+                {"params": [model[0].weight]},
+                {"params": [torch.nn.Parameter(torch.ones(2, device="meta"))]},
+            ]
+        )
+
+
+def test_a_param_group_on_the_meta_device_is_not_added():
+    model = make_model()
+    opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    with pytest.raises(ValueError, match="param group 1, param 1 of shape \\(3,\\) is on the meta"):
+        opt.add_param_group(
+            {
+                "params": [
+                    torch.nn.Parameter(torch.ones(2)),
+                    torch.nn.Parameter(torch.ones(3, device="meta")),
+                ]
+            }
+        )
+    assert len(opt.param_groups) == 1
+    opt.zero_grad()
+    backward(model, 0, 0)
+    opt.step()
+
+
+@pytest.mark.parametrize("name", ["OnebitAdam", "ZeroOneAdam", "OnebitLamb"])
+def test_exp_avg_mask_of_another_form_is_a_type_error_naming_the_form(name):
+    model = make_model()
+    w = model[0].weight
+    mask = torch.ones_like(w)
+    wrong = [
+        ([(w, mask)], "got list"),  # pairs
+        ([mask, mask, mask], "got list"),  # masks in the params' order
+        (mask, "got Tensor"),
+        ({"0.weight": mask}, "got a key of type str"),  # names
+        ({w: mask.tolist()}, "got a value of type list"),
+    ]
+    for form, message in wrong:
+        with pytest.raises(TypeError, match=f"mapping {{param: mask}}.*{message}"):
+            ADAPTERS[name](model.parameters(), exp_avg_mask=form)
+    with pytest.raises(ValueError, match="does not broadcast to its param's shape"):
+        ADAPTERS[name](model.parameters(), exp_avg_mask={w: torch.ones(3, 3)})
+    with pytest.raises(ValueError, match="not trainable params of this optimizer"):
+        ADAPTERS[name](model[2].parameters(), exp_avg_mask={w: mask})
+    ADAPTERS[name](model.parameters(), exp_avg_mask={w: mask})
+
+
 def test_default_comm_is_local_without_torch_distributed():
     model = make_model()
     assert isinstance(fn.optim.OnebitAdam(model.parameters()).comm, Local)

@@ -4,16 +4,13 @@ over params, gradients and moments) and gives, bit for bit, the params and state
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 from torch.utils import _pytree as pytree
 
 import fn
 from fn.kernels import _cpu
-
-adam_module = importlib.import_module("fn.transforms.adam")  # fn.transforms.adam is the function
+from fn.transforms import adam_transform as adam_module
 
 SIZES = [(1000,), (7,), (3, 5), (1,), (129,), (4096 + 13,)]
 

@@ -3,7 +3,6 @@ bit the pure results, written into the donated tensors."""
 
 from __future__ import annotations
 
-import importlib
 import warnings
 
 import pytest
@@ -12,9 +11,8 @@ from torch.utils import _pytree as pytree
 
 import fn
 from fn.collectives import Local
+from fn.transforms import adam_transform as adam_module
 from tests._mirror import Mirror
-
-adam_module = importlib.import_module("fn.transforms.adam")  # fn.transforms.adam is the function
 
 
 def _params(sizes, dtype=torch.float32, seed=0):

@@ -3,15 +3,12 @@
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 from torch.utils import _pytree as pytree
 
 import fn
-
-adam_module = importlib.import_module("fn.transforms.adam")  # fn.transforms.adam is the function
+from fn.transforms import adam_transform as adam_module
 
 SIZES = [1000, 7, 300, 1, 129]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fn.base import GradientTransformation, chain
-from fn.transforms.adam import scale_by_adam
+from fn.transforms.adam_transform import scale_by_adam
 from fn.transforms.learning_rate import Schedule, scale_by_learning_rate
 from fn.transforms.trust_ratio import scale_by_trust_ratio
 from fn.transforms.weight_decay import add_decayed_weights
