@@ -343,7 +343,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
 
     def check_consistency(self) -> None:
         """Checks that every rank holds the same params, step counts and hyperparameters (a
-        collective: every rank must call it; one pass over the params and one all_gather of six
+        collective: every rank must call it; one pass over the params and one all_gather of seven
         int64 per group).
 
         Params are compared as closely as the transform declares that the ranks' params agree

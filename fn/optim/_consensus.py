@@ -73,7 +73,7 @@ def settings_of(obj: Any, path: str = "transform") -> dict[str, str]:
         >>> for path, value in settings_of(tx).items():
         ...     if path.endswith(("freeze_step", "leaf_rule.eps")):
         ...         print(path, value)
-        transform.warmup_update.step_fn.plan_for.freeze_step 4
+        transform.warmup_update.step_fn.announce_compressed.is_compressed.freeze_step 4
         transform.warmup_update.step_fn.update.donated_rule.leaf_rule.eps 1e-08
     """
     out: dict[str, str] = {}
@@ -225,7 +225,7 @@ def _stats_agree(ours: list[int], theirs: list[int], rtol: float) -> bool:
 
 def check_in_sync(comm: Any, groups: Sequence[GroupSnapshot]) -> None:
     """Raises the same ``ValueError`` on every rank if the ranks' step counts, hyperparameters or
-    params differ (one all_gather of ``6 * len(groups)`` int64 per rank and one pass over the
+    params differ (one all_gather of ``7 * len(groups)`` int64 per rank and one pass over the
     params; params bit for bit, to a tolerance in their sums, or not at all, as each group's
     ``tolerance`` says).
 

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fn
 import fn.ddp
 import fn.optim
-from fn.collectives._traffic import all_reduce_bytes
+from fn.collectives._traffic import all_gather_bytes, all_reduce_bytes
 from tests._distributed import run_distributed
 from tests.optim._problem import backward, flat_params, make_model, states_equal
 from tests.optim.test_distributed import CHECKPOINTED
@@ -29,6 +29,8 @@ OPTIMIZERS = {
     for name, steps in (("onebit_adam", 8), ("zero_one_adam", 14), ("onebit_lamb", 8))
 }
 
+# The first step's check that the ranks start in sync: one all_gather of 7 int64 (one group)
+START_CHECK_BYTES = all_gather_bytes(7 * 8, 2)
 # fn's dense warmup traffic per step without DDP (66 fp32 params, 2 ranks): one allreduce per
 # group, 1-bit LAMB one per param
 WARMUP_BYTES = {
@@ -101,8 +103,9 @@ def test_register_equals_bare_fn_bitwise_and_ddp_is_silent_when_compressed():
                         assert ddp_bytes <= 1.05 * bare_bytes + 64, (name, kind, t, run["sent"])
                         assert run["fn_sent"][t] == bare["fn_sent"][t]
                     else:  # DDP averaged: fn sends its 1-element consensus allreduce only
-                        assert run["fn_sent"][t] == all_reduce_bytes(8, 2), (name, t)
-                        assert bare["fn_sent"][t] == all_reduce_bytes(8, 2) + WARMUP_BYTES[name]
+                        vote = all_reduce_bytes(8, 2) + (START_CHECK_BYTES if t == 0 else 0)
+                        assert run["fn_sent"][t] == vote, (name, t)
+                        assert bare["fn_sent"][t] == vote + WARMUP_BYTES[name]
         if name != "zero_one_adam":  # (0/1 Adam's ranks differ between synchronizations)
             last = [result[name]["ddp"]["history"][-1] for result in results]
             assert torch.equal(last[0], last[1]), name
