@@ -239,16 +239,32 @@ class QuantizedReduceScatter(ReduceScatter):
                 f"output_tensor's {output_tensor.numel()} values"
             )
         layout = (numel, world_size)
+        kept = (self.count, self.errors, self.layout)
         if self.layout != layout:
-            if self.layout is not None:
-                logger.warning(
-                    "fn.fsdp: %s: reduce-scatter layout changed from %s to %s; error feedback "
-                    "reset to zero",
-                    self.name or "module",
-                    self.layout,
-                    layout,
-                )
             self.reset(*layout, device=input_tensor.device)
+        try:
+            self._reduce(output_tensor, input_tensor, comm, scale)
+        except ValueError:  # raised on every rank (their sizes differ): nothing was written
+            self.count, self.errors, self.layout = kept
+            raise
+        if kept[2] not in (None, layout):
+            logger.warning(
+                "fn.fsdp: %s: reduce-scatter layout changed from %s to %s; error feedback "
+                "reset to zero",
+                self.name or "module",
+                kept[2],
+                layout,
+            )
+
+    def _reduce(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        comm: ProcessGroup,
+        scale: float,
+    ) -> None:
+        """:meth:`__call__` once the layout's buffers are in place."""
+        world_size, numel = comm.world_size, input_tensor.numel()
         plan = _plan(comm, self.bits, self.group_size, self.local_world_size)
         row = numel // world_size
         padded = self._padded_row(row)
