@@ -20,7 +20,6 @@ goes on with: the check stays in the compiled graph and before everything that d
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterable
 
 import torch
@@ -29,15 +28,21 @@ _DIGIT = 2**24  # every integer below 2^24 is exact in fp32
 
 
 def layout_checksum(layout: Iterable[tuple[int, int]]) -> int:
-    """A 24-bit checksum of ``(position, element count)`` of every tensor a call reduces.
+    """A 24-bit checksum of ``(position, element count)`` of every tensor a call reduces: 32-bit
+    FNV-1a over their 8-byte little-endian values, folded (plain integer arithmetic, which
+    ``torch.compile`` evaluates while tracing).
 
     Example:
         >>> from fn.collectives._sizes import layout_checksum
         >>> layout_checksum([(0, 300), (2, 64)]) == layout_checksum([(0, 300), (1, 64)])
         False
     """
-    text = ",".join(f"{position}:{int(numel)}" for position, numel in layout)
-    return zlib.crc32(text.encode()) % _DIGIT
+    checksum = 0x811C9DC5
+    for position, numel in layout:
+        for value in (position, int(numel)):
+            for shift in range(0, 64, 8):
+                checksum = ((checksum ^ ((value >> shift) & 0xFF)) * 0x01000193) % 2**32
+    return ((checksum >> 24) ^ checksum) % _DIGIT
 
 
 def with_count(scales: torch.Tensor, n: int, checksum: int | None = None) -> torch.Tensor:

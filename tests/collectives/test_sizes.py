@@ -21,6 +21,7 @@ from fn.collectives import (
 )
 from fn.tree import tree_leaves, tree_map
 from tests._distributed import run_distributed
+from tests._mirror import Mirror
 
 pytestmark = pytest.mark.distributed
 
@@ -176,6 +177,28 @@ def test_the_group_stays_usable_after_the_errors(results):
         for key, (message, _) in results[0][scope].items():
             assert message is None, (scope, key, message)
         assert all(results[r][scope].keys() == results[0][scope].keys() for r in ranks)
+
+
+class _Disagreeing(Mirror):
+    """Two ranks whose size records say rank 1 holds twice this rank's elements."""
+
+    def all_to_all(self, x):
+        out = super().all_to_all(x)
+        if x.dtype == torch.float32 and x.shape[-1] == 3:  # the records
+            out = out * torch.tensor([[1.0], [2.0]])
+        return out
+
+
+@pytest.mark.timeout(120)
+def test_the_check_stays_in_compiled_graphs():
+    comm = _Disagreeing()
+
+    def shard(x):
+        return quantized_reduce_scatter(x, comm=comm, group_size=GROUP)
+
+    for run in (shard, torch.compile(shard)):
+        with pytest.raises(ValueError, match=r"\(rank 0: 64 elements, rank 1: 128 elements\)"):
+            run(torch.randn(64))
 
 
 def test_the_record_is_12_bytes_per_rank_in_the_quantized_collectives():
