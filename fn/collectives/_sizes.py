@@ -1,4 +1,4 @@
-"""Size records sent next to the scales of the compressed collectives.
+"""Size records: what the compressed collectives send so that ranks whose sizes differ raise.
 
 Every rank must pass a tensor of the same size; one that does not would get results of another
 shape or mix unrelated chunks, and with gloo a message longer than the receive posted for it
@@ -11,7 +11,8 @@ exact in fp32) that tells apart calls whose other tensors differ.
 
 The 1-bit allreduce appends the record to the one scale it all-gathers: a message of fixed size.
 The quantized collectives' scales grow with ``n``, so their records travel first, on their own
-(fixed size, every rank's to every rank), and the scales then travel with the codes.
+(fixed size, every rank's to every rank), and the scales then travel with the codes; point to
+point, the count goes first and the checksum after the chunks (whose sizes it does not set).
 
 The check reads tensor values, so under vmap (``Simulated``) and ``torch.compile`` it runs as a
 custom op (as ``fn._validation.finite_or_raise``) that returns a copy of a tensor that the call

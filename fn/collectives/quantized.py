@@ -131,9 +131,9 @@ def _feedback(
 
 
 def _released_scales(plan: _Plan, scales: torch.Tensor, n: int, checksum: int) -> torch.Tensor:
-    """``scales`` (of the first hop), once every rank's size record matched this call's: the
-    records go first, every rank's to every rank (all_to_all, as the chunks: a reduce-scatter
-    sends nothing else), in a message whose size does not depend on ``n``."""
+    """``scales`` (of the first hop), once every rank's size record matched this call's. The
+    records go first, every rank's to every rank, in a message whose size does not depend on
+    ``n`` (an all_to_all, as the chunks: a reduce-scatter uses no other collective)."""
     world = plan.world
     mine = _sizes.with_count(scales.new_empty(world.world_size, 0), n, checksum)
     return _sizes.released(scales, world.all_to_all(mine), n, _WHAT, checksum)
@@ -311,13 +311,13 @@ def _reduce_scatter_streamed(
     tag: str,
     checksum: int,
 ) -> _Pending:
-    """:func:`_reduce_scatter_into` in one hop on a :class:`ProcessGroup`, point to point. The
-    size records go to every peer first; while they travel this rank quantizes its first peer's
-    chunk, then checks every rank's record (a mismatch raises here on every rank, before any
-    chunk moves). Then each peer's chunk is sent as soon as it is ready, while the chunks already
-    sent travel (the bits and errors of the collectives). A flag follows the chunks to every
-    peer, NaN unless all of this rank's scales are finite: every rank checks them all before
-    ``out`` is written."""
+    """:func:`_reduce_scatter_into` in one hop on a :class:`ProcessGroup`, point to point, with
+    the bits, bytes and errors of the collectives. The size record is split: its count goes to
+    every peer first, and while the counts travel this rank quantizes its first peer's chunk,
+    then checks every rank's count (a mismatch raises here on every rank, before any chunk
+    moves). Then each peer's chunk is sent as soon as it is ready, while the chunks already sent
+    travel, and the layout checksum follows the chunks, NaN unless all of this rank's scales are
+    finite: every rank checks them all before ``out`` is written."""
     comm = plan.world
     assert isinstance(comm, ProcessGroup)
     world_size, n, bits = comm.world_size, x.numel(), plan.bits
@@ -327,18 +327,15 @@ def _reduce_scatter_streamed(
     scales = _workspace(f"{tag}hop0.scales", numel // plan.group_size, x.device)
     got_q = _workspace("scatter.got.q", numel * bits // 8, x.device, torch.uint8)
     got_scales = _workspace("scatter.got.scales", numel // plan.group_size, x.device)
-    got_flags = _workspace("scatter.got.flags", world_size, x.device)
+    got_records = _workspace("scatter.got.records", 3 * world_size, x.device).view(world_size, 3)
     q, got_q = q.view(world_size, -1), got_q.view(world_size, -1)
     scales, got_scales = scales.view(world_size, -1), got_scales.view(world_size, -1)
-    record = _sizes.with_count(scales[:1, :0], n, checksum).view(-1)
-    got_records = _workspace("scatter.got.records", world_size * record.numel(), x.device)
-    got_records = got_records.view(world_size, -1)
+    record = _sizes.with_count(scales[:1, :0], n, checksum).view(3)
     peers = _peers(comm)
     with comm.transfers("quantized reduce-scatter (point to point)") as transfers:
         for peer in peers:
-            transfers.recv(got_records[peer], peer, 2)
-            transfers.send(record, peer, 2)
-        got_records[comm.rank] = record
+            transfers.recv(got_records[peer, :2], peer, 2)
+            transfers.send(record[:2], peer, 2)
         for index, peer in enumerate([*peers, comm.rank]):
             begin = peer * chunk
             kernels.loco_quantize(
@@ -352,21 +349,22 @@ def _reduce_scatter_streamed(
             if index == 0:
                 for source in peers:
                     transfers.wait_from(source)
-                _sizes.check(got_records, n, _WHAT, checksum)
+                got_records[comm.rank] = record
+                _sizes.check(got_records[:, :2], n, _WHAT)
                 for source in peers:
                     transfers.recv(got_q[source], source, 0)
                     transfers.recv(got_scales[source], source, 1)
-                    transfers.recv(got_flags[source : source + 1], source, 3)
+                    transfers.recv(got_records[source, 2:], source, 3)
             if peer != comm.rank:
                 transfers.send(q[peer], peer, 0)
                 transfers.send(scales[peer], peer, 1)
-        flag = torch.where(torch.isfinite(scales).all(), 0.0, torch.nan).view(1)
+        tail = torch.where(torch.isfinite(scales).all(), record[2:], torch.nan)
         for peer in peers:
-            transfers.send(flag, peer, 3)
+            transfers.send(tail, peer, 3)
         got_q[comm.rank] = q[comm.rank]
         got_scales[comm.rank] = scales[comm.rank]
-        got_flags[comm.rank] = flag
-    finite_or_raise(got_flags, _NON_FINITE)
+        got_records[comm.rank, 2:] = tail
+    _sizes.check(finite_or_raise(got_records, _NON_FINITE), n, _WHAT, checksum)
     kernels.dequantize_sum(got_q.view(-1), got_scales.view(-1), bits, world_size, out)
     out.div_(world_size)
     return _Pending(x, error, q.view(-1), scales.view(-1), None)
@@ -750,10 +748,10 @@ def loco_allreduce(
     ``dequantize_into``; per-thread workspaces for the hop sums and the shard), and nothing is
     written before every rank's checks passed for every leaf: a ``ValueError`` leaves the
     buffers intact. On a :class:`ProcessGroup` with host tensors and one hop, the chunks go
-    point to point (:meth:`ProcessGroup.transfers`, same bits; a 4-byte finiteness flag per peer
-    more): each peer's chunk is sent as soon as it is quantized, the errors are written while
-    the all-gather's chunks travel, and each of those is dequantized into the result as it
-    arrives (the chunks received wait in workspaces too). With several leaves, each leaf's
+    point to point (:meth:`ProcessGroup.transfers`, same bits and bytes): each peer's chunk is
+    sent as soon as it is quantized, the errors are written while the all-gather's chunks
+    travel, and each of those is dequantized into the result as it arrives (the chunks received
+    wait in workspaces too). With several leaves, each leaf's
     codes and shard wait in workspaces of their own (per thread and leaf position, about
     ``bits / 32 + 1 / W`` of the leaf's fp32 size) until the last leaf's checks passed.
     ``error_dtype`` other than fp32 (and ``torch.int8``) still computes in fresh fp32 tensors.

@@ -69,6 +69,11 @@ def loco_hook(state: LocoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     Overlap: as :func:`onebit_hook`, the hook hands the bucket to ``state``'s background thread
     and returns a future of its result (``LocoHookState(overlap=False)``: inside the hook).
 
+    Buckets of different sizes on different ranks (DDP's own checks rule them out) raise the
+    collective's ``ValueError`` on every rank, naming each rank's size, before any chunk is
+    sent, with the bucket and its error feedback unchanged (with overlap, DDP's backward pass
+    raises it wrapped in a ``RuntimeError``).
+
     Args:
         state: a :class:`LocoHookState`.
         bucket: DDP's gradient bucket.

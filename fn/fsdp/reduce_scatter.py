@@ -21,7 +21,9 @@ padded layout; one buffer per hop), reset to zero every ``reset_T`` calls:
 so that, from ``e = 0`` and with one hop, ``sum_t DQ(q_t) + e_T / (1 - beta) = sum_t x_t``: what
 compression held back is sent later. A new layout (a different ``n`` or world size, e.g. when
 some parameters have no gradient) resets the buffers with a logged warning. A non-finite input
-on any rank makes every rank's output NaN and leaves the error feedback unchanged.
+on any rank makes every rank's output NaN and leaves the error feedback unchanged. Ranks whose
+``n`` differ raise the same ``ValueError`` (the collective's size records), before any chunk
+is sent, with the output, the buffers, the count and the layout unchanged.
 
 Eager calls allocate no full-size tensor: fn's fused kernels read the padded (and, with two
 hops, reordered) rows in place (``fn.kernels.loco_quantize(..., rows=...)``), the sum goes
