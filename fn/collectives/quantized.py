@@ -5,14 +5,19 @@ Quantization (``fn.kernels.quantize``): symmetric, per group of ``group_size`` v
 ``DQ(q) = q * scale``; the scales travel as fp32 next to the packed values.
 
 The allreduce has two phases. Reduce-scatter: every rank quantizes its (padded) ``x`` as ``W``
-chunks, all_to_all's them (each chunk's scales followed by ``x.numel()`` as two fp32 digits, 8
-bytes: ranks whose ``x`` differ in size raise a ``ValueError`` together, see
-``fn.collectives._sizes``), and dequantizes and averages the ``W`` pieces of its own chunk. All-
-gather: every rank quantizes its averaged chunk and all_gathers it; everyone dequantizes the
-whole. In the hierarchical (two-hop) mode with ``L = local_world_size`` ranks per node (rank
-``node * L + local``), the reduce-scatter runs inside each node first (``L`` chunks, dequantize,
-sum, requantize) and then across nodes between the ranks of the same local index (``W / L``
-chunks); rank ``(node, local)`` then holds chunk ``local * (W / L) + node``.
+chunks, all_to_all's them (chunk ``r``'s codes and scales in one message to rank ``r``), and
+dequantizes and averages the ``W`` pieces of its own chunk. All-gather: every rank quantizes its
+averaged chunk and all_gathers it; everyone dequantizes the whole. In the hierarchical (two-hop)
+mode with ``L = local_world_size`` ranks per node (rank ``node * L + local``), the reduce-scatter
+runs inside each node first (``L`` chunks, dequantize, sum, requantize) and then across nodes
+between the ranks of the same local index (``W / L`` chunks); rank ``(node, local)`` then holds
+chunk ``local * (W / L) + node``.
+
+Before any of that, every rank sends every rank a record of its call's size, 12 bytes: ``n =
+x.numel()`` as two fp32 digits and a checksum of the call's layout (``fn.collectives._sizes``).
+It is the only message whose size does not depend on ``n``: ranks whose calls differ raise the
+same ``ValueError`` there, before any message that could overflow a peer's receive (with gloo, an
+abort of the process).
 
 All variants return the true MEAN over the ``W`` ranks. (DeepSpeed's hierarchical kernel path
 appears to return ``sum / num_nodes``; this one divides the full sum by ``W``.)
@@ -63,7 +68,8 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
-_NON_FINITE = "quantized allreduce: non-finite values in x (or in the error feedback)"
+_WHAT = "quantized allreduce"
+_NON_FINITE = f"{_WHAT}: non-finite values in x (or in the error feedback)"
 
 
 def quantized_padded_numel(numel: int, world_size: int, group_size: int) -> int:
@@ -124,20 +130,25 @@ def _feedback(
     return q, scales, residual.mul_(1 - err_beta).add_(err_beta * error)
 
 
-def _exchange_scales(
-    hop: Comm, scales: torch.Tensor, n: int, consistent: torch.Tensor | None, last: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Sends every chunk's scales with the count ``n`` (poisoned unless ``consistent``, after
-    the first hop) over ``hop``; returns the received scales ``[size, groups per chunk]`` and
-    whether every count seen so far was ``n``. The last hop raises (on every rank) instead."""
-    sent = _sizes.with_count(scales.view(hop.world_size, -1), n)
-    if consistent is not None:
-        sent = _sizes.poisoned(sent, consistent)
-    received = hop.all_to_all(sent)  # [size, groups per chunk + 2]
-    if last:
-        scales = _sizes.checked_scales(received, n, "quantized allreduce")
-        return finite_or_raise(scales, _NON_FINITE), consistent
-    return received[:, :-2], _sizes.counts_match(received, n)
+def _released_scales(plan: _Plan, scales: torch.Tensor, n: int, checksum: int) -> torch.Tensor:
+    """``scales`` (of the first hop), once every rank's size record matched this call's. The
+    records go first, every rank's to every rank, in a message whose size does not depend on
+    ``n`` (an all_to_all, as the chunks: a reduce-scatter uses no other collective)."""
+    world = plan.world
+    mine = _sizes.with_count(scales.new_empty(world.world_size, 0), n, checksum)
+    return _sizes.released(scales, world.all_to_all(mine), n, _WHAT, checksum)
+
+
+def _exchange_chunks(
+    hop: Comm, q: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sends chunk ``r`` of the codes and of the scales to rank ``r`` of ``hop``, in one
+    message; returns the received codes and scales, flat, the pieces in the hop's rank order."""
+    size = hop.world_size
+    q = q.view(size, -1)
+    received = hop.all_to_all(torch.cat([q, scales.view(size, -1).view(torch.uint8)], dim=1))
+    codes = received[:, : q.shape[1]].reshape(-1)
+    return codes, received[:, q.shape[1] :].contiguous().view(torch.float32).view(-1)
 
 
 def _reduce_scatter(
@@ -146,19 +157,24 @@ def _reduce_scatter(
     errors: tuple[torch.Tensor | None, ...],
     plan: _Plan,
     err_beta: float,
+    checksum: int | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Mean over the world of this rank's chunk of the padded fp32 ``v`` (``n`` elements before
-    padding, sent next to the scales of every hop: ``fn.collectives._sizes``); new hop errors."""
+    padding; ``checksum``: of the call's layout, by default of ``v`` alone); new hop errors."""
+    if checksum is None:
+        checksum = _sizes.layout_checksum([(0, n)])
     new_errors = []
     last = len(plan.hops) - 1
-    consistent = None  # after the first hop: whether every count seen so far was n
     for index, (hop, error) in enumerate(zip(plan.hops, errors, strict=True)):
         size = hop.world_size
         q, scales, new_error = _feedback(v, error, plan, err_beta)
         new_errors.append(new_error)
-        scales, consistent = _exchange_scales(hop, scales, n, consistent, index == last)
-        q = hop.all_to_all(q.view(size, -1))  # [size, bytes per chunk]
-        pieces = kernels.dequantize(q.reshape(-1), scales.reshape(-1), plan.bits, v.numel())
+        if index == 0:
+            scales = _released_scales(plan, scales, n, checksum)
+        q, scales = _exchange_chunks(hop, q, scales)
+        if index == last:
+            scales = finite_or_raise(scales, _NON_FINITE)
+        pieces = kernels.dequantize(q, scales, plan.bits, v.numel())
         v = pieces.view(size, -1).sum(0)
     return v / plan.world.world_size, new_errors
 
@@ -239,6 +255,7 @@ def _reduce_scatter_into(
     out: torch.Tensor,
     rows: tuple[int, int, int] | None = None,
     tag: str = "",
+    checksum: int | None = None,
 ) -> list[_Pending]:
     """:func:`_reduce_scatter` of the flat fp32 ``x`` (zero-padded only virtually; laid out by
     ``rows`` as in ``fn.kernels.loco_quantize``) into ``out`` (fp32[N / W]), hop sums in
@@ -246,26 +263,31 @@ def _reduce_scatter_into(
     returns the hops' quantizations for :func:`_write_errors` (in workspaces named after
     ``tag``: another tag keeps them while this function runs again)."""
     n = x.numel()
+    if checksum is None:
+        checksum = _sizes.layout_checksum([(0, n)])
     if rows is None and _point_to_point(plan, x.device):
-        return [_reduce_scatter_streamed(x, errors[0], plan, out, tag)]
+        return [_reduce_scatter_streamed(x, errors[0], plan, out, tag, checksum)]
     numel = quantized_padded_numel(n, plan.world.world_size, plan.group_size)
     if rows is not None:
         numel = n // rows[0] * rows[1]
     pending = []
     source = x
     last = len(plan.hops) - 1
-    consistent = None
     for index, (hop, error) in enumerate(zip(plan.hops, errors, strict=True)):
         size = hop.world_size
         quantized = _quantize_padded(
             source, error, numel, plan, f"{tag}hop{index}", rows if index == 0 else None
         )
         pending.append(quantized)
-        scales, consistent = _exchange_scales(hop, quantized.scales, n, consistent, index == last)
-        q = hop.all_to_all(quantized.q.view(size, -1))
+        scales = quantized.scales
+        if index == 0:
+            scales = _released_scales(plan, scales, n, checksum)
+        q, scales = _exchange_chunks(hop, quantized.q, scales)
+        if index == last:
+            scales = finite_or_raise(scales, _NON_FINITE)
         numel //= size
         source = out if index == last else _workspace(f"{tag}sum{index}", numel, x.device)
-        kernels.dequantize_sum(q.reshape(-1), scales.reshape(-1), plan.bits, size, source)
+        kernels.dequantize_sum(q, scales, plan.bits, size, source)
     out.div_(plan.world.world_size)
     return pending
 
@@ -282,13 +304,20 @@ def _peers(comm: ProcessGroup) -> list[int]:
 
 
 def _reduce_scatter_streamed(
-    x: torch.Tensor, error: torch.Tensor | None, plan: _Plan, out: torch.Tensor, tag: str
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    plan: _Plan,
+    out: torch.Tensor,
+    tag: str,
+    checksum: int,
 ) -> _Pending:
-    """:func:`_reduce_scatter_into` in one hop on a :class:`ProcessGroup`: each peer's chunk
-    is quantized and sent as soon as it is ready, while the chunks already sent travel (same
-    bits, bytes and errors). The count's two digits follow the chunks to every peer, both NaN
-    unless all of this rank's scales are finite; every rank checks them all before ``out`` is
-    written (a non-finite rank's count is not known: the non-finite error comes first)."""
+    """:func:`_reduce_scatter_into` in one hop on a :class:`ProcessGroup`, point to point, with
+    the bits, bytes and errors of the collectives. The size record is split: its count goes to
+    every peer first, and while the counts travel this rank quantizes its first peer's chunk,
+    then checks every rank's count (a mismatch raises here on every rank, before any chunk
+    moves). Then each peer's chunk is sent as soon as it is ready, while the chunks already sent
+    travel, and the layout checksum follows the chunks, NaN unless all of this rank's scales are
+    finite: every rank checks them all before ``out`` is written."""
     comm = plan.world
     assert isinstance(comm, ProcessGroup)
     world_size, n, bits = comm.world_size, x.numel(), plan.bits
@@ -298,16 +327,16 @@ def _reduce_scatter_streamed(
     scales = _workspace(f"{tag}hop0.scales", numel // plan.group_size, x.device)
     got_q = _workspace("scatter.got.q", numel * bits // 8, x.device, torch.uint8)
     got_scales = _workspace("scatter.got.scales", numel // plan.group_size, x.device)
-    got_trailers = _workspace("scatter.got.trailers", 2 * world_size, x.device)
+    got_records = _workspace("scatter.got.records", 3 * world_size, x.device).view(world_size, 3)
     q, got_q = q.view(world_size, -1), got_q.view(world_size, -1)
     scales, got_scales = scales.view(world_size, -1), got_scales.view(world_size, -1)
-    got_trailers = got_trailers.view(world_size, 2)
+    record = _sizes.with_count(scales[:1, :0], n, checksum).view(3)
+    peers = _peers(comm)
     with comm.transfers("quantized reduce-scatter (point to point)") as transfers:
-        for peer in _peers(comm):
-            transfers.recv(got_q[peer], peer, 0)
-            transfers.recv(got_scales[peer], peer, 1)
-            transfers.recv(got_trailers[peer], peer, 2)
-        for peer in [*_peers(comm), comm.rank]:
+        for peer in peers:
+            transfers.recv(got_records[peer, :2], peer, 2)
+            transfers.send(record[:2], peer, 2)
+        for index, peer in enumerate([*peers, comm.rank]):
             begin = peer * chunk
             kernels.loco_quantize(
                 x[min(begin, n) : begin + chunk],
@@ -317,17 +346,25 @@ def _reduce_scatter_streamed(
                 chunk,
                 (q[peer], scales[peer]),
             )
+            if index == 0:
+                for source in peers:
+                    transfers.wait_from(source)
+                got_records[comm.rank] = record
+                _sizes.check(got_records[:, :2], n, _WHAT)
+                for source in peers:
+                    transfers.recv(got_q[source], source, 0)
+                    transfers.recv(got_scales[source], source, 1)
+                    transfers.recv(got_records[source, 2:], source, 3)
             if peer != comm.rank:
                 transfers.send(q[peer], peer, 0)
                 transfers.send(scales[peer], peer, 1)
-        trailer = _sizes.with_count(scales[:1, :0], n).view(2)
-        trailer = torch.where(torch.isfinite(scales).all(), trailer, torch.nan)
-        for peer in _peers(comm):
-            transfers.send(trailer, peer, 2)
+        tail = torch.where(torch.isfinite(scales).all(), record[2:], torch.nan)
+        for peer in peers:
+            transfers.send(tail, peer, 3)
         got_q[comm.rank] = q[comm.rank]
         got_scales[comm.rank] = scales[comm.rank]
-        got_trailers[comm.rank] = trailer
-    _sizes.checked_scales(finite_or_raise(got_trailers, _NON_FINITE), n, "quantized allreduce")
+        got_records[comm.rank, 2:] = tail
+    _sizes.check(finite_or_raise(got_records, _NON_FINITE), n, _WHAT, checksum)
     kernels.dequantize_sum(got_q.view(-1), got_scales.view(-1), bits, world_size, out)
     out.div_(world_size)
     return _Pending(x, error, q.view(-1), scales.view(-1), None)
@@ -447,14 +484,19 @@ class _Shard(NamedTuple):
 
 
 def _reduce_scatter_leaf(
-    u: torch.Tensor, errors: tuple[torch.Tensor | None, ...], plan: _Plan, tag: str = ""
+    u: torch.Tensor,
+    errors: tuple[torch.Tensor | None, ...],
+    plan: _Plan,
+    tag: str = "",
+    checksum: int | None = None,
 ) -> _Shard:
     """Phase 1 of :func:`_allreduce_into`: every rank's checks, nothing written. The shard and
     the quantizations live in workspaces named after ``tag`` until phase 2."""
     x = u.detach().reshape(-1).float()
     shard_numel = quantized_padded_numel(x.numel(), plan.world.world_size, plan.group_size)
     shard = _workspace(f"{tag}shard", shard_numel // plan.world.world_size, x.device)
-    return _Shard(u, shard, _reduce_scatter_into(x, errors[:-1], plan, shard, tag=tag))
+    pending = _reduce_scatter_into(x, errors[:-1], plan, shard, tag=tag, checksum=checksum)
+    return _Shard(u, shard, pending)
 
 
 def _gather_leaf(
@@ -500,6 +542,13 @@ def _leaf_tag(index: int, leaves: int) -> str:
     return "" if leaves == 1 else f"leaf{index}."
 
 
+def _live(leaves: Sequence[torch.Tensor | None]) -> tuple[list[int], int]:
+    """The positions of the leaves that communicate (not ``None``, not empty) and the checksum
+    of the call's layout that every rank's size records carry (``fn.collectives._sizes``)."""
+    live = [i for i, u in enumerate(leaves) if u is not None and u.numel() > 0]
+    return live, _sizes.layout_checksum((i, leaves[i].numel()) for i in live)
+
+
 def _flat_padded(x: torch.Tensor, plan: _Plan) -> torch.Tensor:
     if not x.is_floating_point():
         raise TypeError(f"quantized allreduce needs a floating-point x, got {x.dtype}")
@@ -539,9 +588,9 @@ def quantized_reduce_scatter(
         node`` (two hops) of ``mean_i DQ(Q(x_i))`` (two hops: requantized after the node sums).
 
     Raises:
-        ValueError: on every rank, if some rank's ``x`` is not finite or the ranks' ``x`` differ
-            in element count (when their padded sizes agree; padded sizes that differ make the
-            backend fail, gloo aborts the process).
+        ValueError: on every rank, if the ranks' ``x`` differ in element count (before any
+            chunk is sent, naming every rank's count) or some rank's ``x`` is not finite; ``out``
+            is not written.
 
     Example:
         >>> from fn.collectives import Simulated, quantized_reduce_scatter, simulate
@@ -599,6 +648,11 @@ def quantized_allreduce(
     Returns:
         A GradientTransformation with an ``EmptyState``.
 
+    Raises:
+        ValueError: from ``update``, on every rank, if the ranks' update leaves differ in size
+            or in which of them communicate (not ``None``, not empty; checked before any chunk
+            is sent) or some rank's values are not finite. No leaf is written.
+
     Example:
         >>> from fn.collectives import Simulated, quantized_allreduce, simulate
         >>> comm = Simulated(2)
@@ -610,25 +664,23 @@ def quantized_allreduce(
     """
     plan = _plan(comm, bits, group_size, local_world_size)
 
-    def reduce(u):
-        if comm.world_size == 1 or u.numel() == 0:
-            return u
+    def reduce(u, checksum):
         shard, _ = _reduce_scatter(
-            _flat_padded(u, plan), u.numel(), (None,) * len(plan.hops), plan, 0.0
+            _flat_padded(u, plan), u.numel(), (None,) * len(plan.hops), plan, 0.0, checksum
         )
         y, _ = _all_gather(shard, None, plan, 0.0)
         return y[: u.numel()].view(u.shape).to(u.dtype)
 
     no_errors = (None,) * (len(plan.hops) + 1)
 
-    def reduce_into(u, tag):
+    def reduce_into(u, tag, checksum):
         """Phase 1 of the donated reduction of ``u`` (every check, nothing written); returns
         phase 2, which writes the result into ``u``."""
         if not eager(u):
-            y = reduce(u)
+            y = reduce(u, checksum)
             return lambda: _into(u, y)
         _flat_padded(u.reshape(-1)[:0], plan)  # the type check
-        reduced = _reduce_scatter_leaf(u, no_errors, plan, tag)
+        reduced = _reduce_scatter_leaf(u, no_errors, plan, tag, checksum)
         return lambda: _gather_leaf(reduced, no_errors, None, plan, 0.0)
 
     def init_fn(params):
@@ -637,14 +689,18 @@ def quantized_allreduce(
 
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         del params, extra
-        if not donating(donate):
-            return tree_map(reduce, updates), state
         leaves, spec = tree_flatten(updates)
-        live = [i for i, u in enumerate(leaves) if u is not None and u.numel() > 0]
+        live, checksum = _live(leaves)
         if comm.world_size == 1 or not live:
             return updates, state
+        if not donating(donate):
+            for i in live:
+                leaves[i] = reduce(leaves[i], checksum)
+            return tree_unflatten(leaves, spec), state
         # every leaf's checks pass before any leaf is written
-        writes = [reduce_into(leaves[i], _leaf_tag(k, len(live))) for k, i in enumerate(live)]
+        writes = [
+            reduce_into(leaves[i], _leaf_tag(k, len(live)), checksum) for k, i in enumerate(live)
+        ]
         for i, write in zip(live, writes, strict=True):
             leaves[i] = write()
         return tree_unflatten(leaves, spec), state
@@ -695,9 +751,9 @@ def loco_allreduce(
     point to point (:meth:`ProcessGroup.transfers`, same bits and bytes): each peer's chunk is
     sent as soon as it is quantized, the errors are written while the all-gather's chunks
     travel, and each of those is dequantized into the result as it arrives (the chunks received
-    wait in workspaces too). With several leaves, each leaf's codes and shard wait in
-    workspaces of their own (per thread and leaf position, about ``bits / 32 + 1 / W`` of the
-    leaf's fp32 size) until the last leaf's checks passed.
+    wait in workspaces too). With several leaves, each leaf's
+    codes and shard wait in workspaces of their own (per thread and leaf position, about
+    ``bits / 32 + 1 / W`` of the leaf's fp32 size) until the last leaf's checks passed.
     ``error_dtype`` other than fp32 (and ``torch.int8``) still computes in fresh fp32 tensors.
 
     Args:
@@ -712,6 +768,11 @@ def loco_allreduce(
 
     Returns:
         A GradientTransformation with state :class:`LocoAllreduceState`.
+
+    Raises:
+        ValueError: from ``update``, on every rank, if the ranks' update leaves differ in size
+            or in which of them communicate (not ``None``, not empty; checked before any chunk
+            is sent) or some rank's values are not finite. Nothing is written.
 
     Example:
         >>> from fn.collectives import Simulated, loco_allreduce, simulate
@@ -762,21 +823,21 @@ def loco_allreduce(
 
         return LocoAllreduceState(torch.zeros((), dtype=torch.int64), tree_map(zeros, params))
 
-    def leaf_pure(u, buffers, reset):
+    def leaf_pure(u, buffers, reset, checksum):
         buffers_numel = buffer_sizes(u.numel())
         errors = [load(b, k, reset) for b, k in zip(buffers, buffers_numel, strict=True)]
         shard, hop_errors = _reduce_scatter(
-            _flat_padded(u, plan), u.numel(), errors[:-1], plan, err_beta
+            _flat_padded(u, plan), u.numel(), errors[:-1], plan, err_beta, checksum
         )
         y, gather_error = _all_gather(shard, errors[-1], plan, err_beta)
         new = tuple(store(e) for e in (*hop_errors, gather_error))
         return y[: u.numel()].view(u.shape).to(u.dtype), new
 
-    def leaf_donated(u, buffers, given, reset, tag):
+    def leaf_donated(u, buffers, given, reset, tag, checksum):
         """Phase 1 of a donated leaf (every check, nothing written); returns phase 2, which
         writes the result and the new errors."""
         if error_dtype != torch.float32 or not eager(u):
-            y, new = leaf_pure(u, buffers, reset)
+            y, new = leaf_pure(u, buffers, reset, checksum)
             return lambda: (_into(u, y), tuple(map(_into, given, new)))
         _flat_padded(u.reshape(-1)[:0], plan)  # the type check
         errors = (None,) * len(buffers) if bool(reset) else tuple(buffers)
@@ -784,7 +845,7 @@ def loco_allreduce(
             g if fitting(g, b) is not None else torch.empty_like(b)
             for g, b in zip(given, buffers, strict=True)
         )
-        reduced = _reduce_scatter_leaf(u, errors, plan, tag)
+        reduced = _reduce_scatter_leaf(u, errors, plan, tag, checksum)
         return lambda: (_gather_leaf(reduced, errors, outs, plan, err_beta), outs)
 
     def update_fn(updates, state, params=None, *, donate=None, **extra):
@@ -800,13 +861,13 @@ def loco_allreduce(
             given = [None] * len(leaves)
         else:
             given = spec.flatten_up_to(donated.errors)
-        live = [i for i, u in enumerate(leaves) if u is not None and u.numel() > 0]
+        live, checksum = _live(leaves)
         if any(stored[i] is None for i in live):
             raise ValueError("loco_allreduce: an update leaf has no error state")
         out, new_stored = list(leaves), list(stored)
         if donated is None:
             for i in live:
-                out[i], new_stored[i] = leaf_pure(leaves[i], stored[i], reset)
+                out[i], new_stored[i] = leaf_pure(leaves[i], stored[i], reset, checksum)
         else:
             # every leaf's checks pass before any leaf is written
             writes = [
@@ -816,6 +877,7 @@ def loco_allreduce(
                     given[i] or (None,) * len(stored[i]),
                     reset,
                     _leaf_tag(k, len(live)),
+                    checksum,
                 )
                 for k, i in enumerate(live)
             ]

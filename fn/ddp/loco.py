@@ -81,6 +81,11 @@ def loco_hook(state: LocoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     Non-finite gradients, as :func:`onebit_hook`: passed on as non-finite on every rank by
     default (``torch.amp.GradScaler`` then skips the step), ``nonfinite="raise"`` raises.
 
+    Buckets of different sizes on different ranks (DDP's own checks rule them out) raise the
+    collective's ``ValueError`` on every rank, naming each rank's size, before any chunk is
+    sent, with the bucket and its error feedback unchanged (with overlap, DDP's backward pass
+    raises it wrapped in a ``RuntimeError``).
+
     Args:
         state: a :class:`LocoHookState`.
         bucket: DDP's gradient bucket.

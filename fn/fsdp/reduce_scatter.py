@@ -21,7 +21,9 @@ padded layout; one buffer per hop), reset to zero every ``reset_T`` calls:
 so that, from ``e = 0`` and with one hop, ``sum_t DQ(q_t) + e_T / (1 - beta) = sum_t x_t``: what
 compression held back is sent later. A new layout (a different ``n`` or world size, e.g. when
 some parameters have no gradient) resets the buffers with a logged warning. A non-finite input
-on any rank makes every rank's output NaN and leaves the error feedback unchanged.
+on any rank makes every rank's output NaN and leaves the error feedback unchanged. Ranks whose
+``n`` differ raise the same ``ValueError`` (the collective's size records), before any chunk
+is sent, with the output, the buffers, the count and the layout unchanged.
 
 Eager calls allocate no full-size tensor: fn's fused kernels read the padded (and, with two
 hops, reordered) rows in place (``fn.kernels.loco_quantize(..., rows=...)``), the sum goes
@@ -239,16 +241,32 @@ class QuantizedReduceScatter(ReduceScatter):
                 f"output_tensor's {output_tensor.numel()} values"
             )
         layout = (numel, world_size)
+        kept = (self.count, self.errors, self.layout)
         if self.layout != layout:
-            if self.layout is not None:
-                logger.warning(
-                    "fn.fsdp: %s: reduce-scatter layout changed from %s to %s; error feedback "
-                    "reset to zero",
-                    self.name or "module",
-                    self.layout,
-                    layout,
-                )
             self.reset(*layout, device=input_tensor.device)
+        try:
+            self._reduce(output_tensor, input_tensor, comm, scale)
+        except ValueError:  # raised on every rank (their sizes differ): nothing was written
+            self.count, self.errors, self.layout = kept
+            raise
+        if kept[2] not in (None, layout):
+            logger.warning(
+                "fn.fsdp: %s: reduce-scatter layout changed from %s to %s; error feedback "
+                "reset to zero",
+                self.name or "module",
+                kept[2],
+                layout,
+            )
+
+    def _reduce(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        comm: ProcessGroup,
+        scale: float,
+    ) -> None:
+        """:meth:`__call__` once the layout's buffers are in place."""
+        world_size, numel = comm.world_size, input_tensor.numel()
         plan = _plan(comm, self.bits, self.group_size, self.local_world_size)
         row = numel // world_size
         padded = self._padded_row(row)

@@ -173,6 +173,44 @@ class _Bucket:
         return True
 
 
+def _sizes_worker(rank, world_size):
+    """Rank 1's bucket 1 holds 300 elements where rank 0's holds 64 (bucket 0 matches)."""
+    out = {}
+    for overlap in (False, True):
+        state = fn.ddp.LocoHookState(start_iter=0, bits=4, group_size=8, overlap=overlap)
+        torch.manual_seed(rank)
+        fn.ddp.loco_hook(state, _Bucket(0, [(8, 8)])).wait()
+        before = _roundtrip(state.state_dict())  # a copy: state_dict() holds the live buffers
+        bucket = _Bucket(1, [(8, 8)] if rank == 0 else [(300,)])
+        buffer = bucket.buffer().clone()
+        try:
+            fn.ddp.loco_hook(state, bucket).wait()
+            message = None
+        except (ValueError, RuntimeError) as err:  # overlap: DDP's future wraps the ValueError
+            message = str(err)
+        after = state.state_dict()
+        kept = after["iter"] == before["iter"] and list(after["buckets"]) == [0]
+        pairs = zip(before["buckets"][0]["state"], after["buckets"][0]["state"], strict=True)
+        kept = kept and all(torch.equal(a, b) for a, b in pairs)
+        fn.ddp.loco_hook(state, _Bucket(0, [(8, 8)])).wait()  # the hook goes on
+        out[overlap] = message, kept, torch.equal(bucket.buffer(), buffer), state.iter
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_loco_hook_buckets_of_different_sizes_raise_on_every_rank():
+    results = run_distributed(_sizes_worker, 2, timeout=180)
+    expected = (
+        "quantized allreduce: the ranks passed tensors of different sizes (rank 0: 64 elements, "
+        "rank 1: 300 elements); every rank must pass the same number of elements. Nothing was "
+        "changed."
+    )
+    for result in results:
+        for overlap, (message, kept, untouched, iterations) in result.items():
+            assert message is not None and expected in message, (overlap, message)
+            assert kept and untouched and iterations == 2, overlap
+
+
 @pytest.fixture
 def one_rank_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

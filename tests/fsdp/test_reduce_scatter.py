@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fn.fsdp.reduce_scatter as reduce_scatter
 from fn.collectives import Simulated, quantized_reduce_scatter, simulate
 from fn.fsdp import QuantizedReduceScatter, loco_reduce_scatter, reduce_scale
 from tests._distributed import run_distributed
@@ -250,6 +251,57 @@ def test_two_hop_four_ranks():
         for name, want in dense.items():
             err = float((quantized[name] - want).abs().max())
             assert err <= 2 * 3 * float(want.abs().max()) * 2 / 128 + 1e-7, name
+
+
+def _worker_sizes(rank: int, world_size: int) -> dict:
+    """Rank 3's FSDP2 buffer holds rows of another length (another padded size): the fused and
+    the padded path, one hop and two, from a state that a first call made."""
+    out = {}
+    eager = reduce_scatter.eager
+    for local in (None, 2):
+        for fused in (True, False):
+            if not fused:  # the path taken under torch.compile
+                reduce_scatter.eager = lambda *tensors: False
+            try:
+                rs = QuantizedReduceScatter(
+                    bits=4, group_size=GROUP, err_beta=BETA, local_world_size=local
+                )
+                call(rs, inputs(world_size, ROW, seed=7), dist.ReduceOp.AVG, rank)
+                before = rs.layout, {k: v.clone() for k, v in rs.state_dict().items()}
+                row = ROW + 64 if rank == 3 else ROW
+                x = inputs(world_size, row, seed=8)[rank]
+                buffer, output = x.clone(), torch.full((row,), 7.0)
+                try:
+                    rs(output, buffer, dist.group.WORLD, dist.ReduceOp.AVG)
+                    message = None
+                except ValueError as err:
+                    message = str(err)
+                state = rs.state_dict()
+                kept = rs.layout == before[0] and all(
+                    torch.equal(v, state[k]) for k, v in before[1].items()
+                )
+                untouched = torch.equal(buffer, x) and bool((output == 7.0).all())
+                after = call(rs, inputs(world_size, ROW, seed=9), dist.ReduceOp.AVG, rank)
+                out[local, fused] = message, kept, untouched, bool(after.isfinite().all())
+            finally:
+                reduce_scatter.eager = eager
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_different_sizes_raise_on_every_rank_and_keep_the_state():
+    results = run_distributed(_worker_sizes, 4, timeout=240)
+    counts = ", ".join(f"rank {r}: {4 * ROW} elements" for r in range(3))
+    expected = (
+        f"quantized allreduce: the ranks passed tensors of different sizes ({counts}, "
+        f"rank 3: {4 * (ROW + 64)} elements); every rank must pass the same number of "
+        "elements. Nothing was changed."
+    )
+    for rank in range(4):
+        assert len(results[rank]) == 4
+        for path, (message, kept, untouched, after) in results[rank].items():
+            assert message == expected, (rank, path, message)
+            assert kept and untouched and after, (rank, path)
 
 
 @pytest.mark.parametrize(
