@@ -490,8 +490,9 @@ def _reduce_scatter_leaf(
     tag: str = "",
     checksum: int | None = None,
 ) -> _Shard:
-    """Phase 1 of :func:`_allreduce_into`: every rank's checks, nothing written. The shard and
-    the quantizations live in workspaces named after ``tag`` until phase 2."""
+    """Phase 1 of a leaf's donated allreduce: every rank's checks, nothing written. The shard and
+    the quantizations live in workspaces named after ``tag`` until phase 2 (:func:`_gather_leaf`).
+    The two phases give the bits of :func:`_reduce_scatter` + :func:`_all_gather`."""
     x = u.detach().reshape(-1).float()
     shard_numel = quantized_padded_numel(x.numel(), plan.world.world_size, plan.group_size)
     shard = _workspace(f"{tag}shard", shard_numel // plan.world.world_size, x.device)
@@ -506,7 +507,8 @@ def _gather_leaf(
     plan: _Plan,
     err_beta: float,
 ) -> torch.Tensor:
-    """Phase 2 of :func:`_allreduce_into`: writes the new errors and the result."""
+    """Phase 2 of a leaf's donated allreduce: writes the new errors and the result into ``u`` when
+    it is contiguous fp32 (else into a fresh tensor)."""
     u, shard, pending = reduced
     # u's values are read (by the pending errors) before the all-gather writes the result.
     in_place = u.dtype == torch.float32 and u.is_contiguous()
@@ -523,22 +525,9 @@ def _gather_leaf(
     return u if in_place else _into(u, y.view(u.shape).to(u.dtype))
 
 
-def _allreduce_into(
-    u: torch.Tensor,
-    errors: tuple[torch.Tensor | None, ...],
-    error_outs: tuple[torch.Tensor, ...] | None,
-    plan: _Plan,
-    err_beta: float,
-) -> torch.Tensor:
-    """The quantized allreduce of ``u`` written into ``u`` when it is contiguous fp32 (else a
-    fresh tensor), with the new errors (``error_outs``, when given) written once every rank's
-    check passed. The result is bit-identical to :func:`_reduce_scatter` + :func:`_all_gather`."""
-    return _gather_leaf(_reduce_scatter_leaf(u, errors, plan), errors, error_outs, plan, err_beta)
-
-
 def _leaf_tag(index: int, leaves: int) -> str:
-    """Workspace names for leaf ``index`` of ``leaves`` held between the two phases (one leaf
-    shares the names of :func:`_allreduce_into`)."""
+    """Workspace names for leaf ``index`` of ``leaves`` held between the two phases (a single
+    leaf uses the plain names)."""
     return "" if leaves == 1 else f"leaf{index}."
 
 
