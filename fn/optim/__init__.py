@@ -71,8 +71,11 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   always calls ``opt.step()``, which unscales the gradients itself (its ``.grad`` stay scaled)
   and makes the overflow decision global. (Without this, a rank that overflowed alone would skip
   ``step()`` and leave the others waiting in a collective.) Each rank's scaler still updates its
-  scale from its local overflow flag; scales are powers of two, so the unscaled gradients do not
-  depend on it.
+  scale from its local overflow flag (the scaler offers no way to give it the global one);
+  scales are powers of two, so the unscaled gradients do not depend on it. The exception is
+  ``fn.ddp.register`` with 0/1 Adam: after a compressed update where only some ranks
+  overflowed, the ranks' scales differ, and a later variance refresh, where DDP averages the
+  still-scaled gradients, mixes them.
 - Coming from DeepSpeed: ``from_deepspeed(params, config, state_dict=...)`` builds the optimizer
   of a DeepSpeed 1-bit config and imports its checkpointed state, ``scheduler_from_deepspeed``
   its LR schedule (docs/migrating-from-deepspeed.md).
