@@ -24,11 +24,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from fn._donation import donated_state, donating, split_donated, storages_of
-from fn._foreach import foreach_ok
-from fn._fused_steps import update_and_apply_step
-from fn._validation import check_step_or_plan
-from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
+from fn.errors import check_step_or_plan
+from fn.tree import PyTree, foreach_ok, storages_of, tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
     "Params",
@@ -36,6 +33,7 @@ __all__ = [
     "OptState",
     "TransformInitFn",
     "TransformUpdateFn",
+    "FastStepFn",
     "GradientTransformation",
     "CompressedOptimizer",
     "EmptyState",
@@ -64,6 +62,14 @@ class TransformUpdateFn(Protocol):
     def __call__(
         self, updates: Updates, state: OptState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, OptState]: ...
+
+
+class FastStepFn(Protocol):
+    """A transform's fast step: ``update`` then ``apply_updates`` in one in-place step."""
+
+    def __call__(
+        self, updates: Updates, state: OptState, params: Params, *, donate: Any, **extra: Any
+    ) -> tuple[Params, OptState]: ...
 
 
 class GradientTransformation(NamedTuple):
@@ -98,7 +104,14 @@ class GradientTransformation(NamedTuple):
       forward it, splitting a donated state as they split ``state``) and allocates as before.
 
     :func:`apply_updates` takes ``donate=True`` too (``params`` updated in place), and
-    :func:`update_and_apply` runs both in one step (one pass where ``tx`` has a fused step).
+    :func:`update_and_apply` runs both in one step.
+
+    Fast step (the optional third field ``fast_step``): a transform whose ``update`` then
+    ``apply_updates`` can run as one in-place pass declares it here, as
+    ``fast_step(updates, state, params, *, donate, **extra) -> (params, state)`` with the
+    params updated in place and the bits of the two calls (:func:`update_and_apply` states the
+    contract). ``None`` (the default): :func:`update_and_apply` runs ``update`` and
+    ``apply_updates``. ``fn.adam`` and ``fn.adamw`` declare one.
 
     Example:
         >>> import torch, fn
@@ -119,6 +132,7 @@ class GradientTransformation(NamedTuple):
 
     init: TransformInitFn
     update: TransformUpdateFn
+    fast_step: FastStepFn | None = None
 
 
 class EmptyState(NamedTuple):
@@ -144,6 +158,9 @@ class CompressedOptimizer(NamedTuple):
             ``0.0`` bit for bit (the default), ``r > 0`` up to a relative ``r`` of their sums,
             ``None`` not at all (0/1 Adam's local steps, where the ranks differ by design).
             ``fn.optim`` compares the ranks' params only where they agree.
+        fast_step: ``None``, or the in-place step that :func:`update_and_apply` runs instead of
+            ``update`` then ``apply_updates`` (see :class:`GradientTransformation`); it takes
+            ``step`` or ``plan`` as ``update`` does.
 
     Both updates have the signature ``(grads, state, params=None, *, step=None, plan=None,
     **extra)`` and take exactly one of ``step``, the 1-based count of the update being made (a
@@ -176,6 +193,7 @@ class CompressedOptimizer(NamedTuple):
     is_compressed: Callable[[int], bool]
     plan: Callable[[int], Any] | None = None
     param_agreement: Callable[[int], float | None] = lambda t: 0.0
+    fast_step: FastStepFn | None = None
 
     def first_compressed_update(self, last: int) -> int | None:
         """The first update count ``t`` in ``1..last`` whose update is compressed, or ``None``
@@ -213,6 +231,52 @@ class CompressedOptimizer(NamedTuple):
             raise TypeError("this CompressedOptimizer has no plan function: pass step=t")
         phase = self.compressed_update if plan.compressed else self.warmup_update
         return _without_unknown_donate(phase, extra)(grads, state, params, plan=plan, **extra)
+
+
+# Buffer donation: reading the ``donate`` keyword (the protocol is in GradientTransformation's
+# docstring; fn.tree decides, leaf by leaf, which donated tensors can hold a result).
+
+
+def donating(donate: Any) -> bool:
+    """Whether ``donate`` hands anything over (``None`` and ``False`` do not)."""
+    return donate is not None and donate is not False
+
+
+def donated_state(donate: Any, state: Any) -> Any:
+    """The state whose tensors ``donate`` hands over: ``None`` (nothing donated), ``state``
+    itself for ``donate=True``, else ``donate``.
+
+    Raises:
+        ValueError: ``donate`` is a state of another tree structure than ``state`` (where
+            ``donate`` holds ``None``, that part of ``state`` is not donated).
+    """
+    if not donating(donate):
+        return None
+    if donate is True:
+        return state
+    try:  # a None in donate stands for a whole part of state that is not donated
+        tree_flatten(donate)[1].flatten_up_to(state)
+    except ValueError as err:
+        raise ValueError(
+            "donate must be True, None or a state of the same structure as state (None for a "
+            f"part not donated), got a {type(donate).__name__} of another structure: {err}"
+        ) from None
+    return donate
+
+
+def split_donated(name: str, donate: Any, count: int) -> list[Any]:
+    """The donated members' states of a combinator whose state is a tuple of ``count`` member
+    states: ``count`` times ``None`` or ``True``, or the entries of ``donate``.
+
+    Raises:
+        ValueError: a donated state with another number of entries.
+    """
+    if not donating(donate) or donate is True:
+        return [donate if donate is True else None] * count
+    if not isinstance(donate, (tuple, list)) or len(donate) != count:
+        size = len(donate) if isinstance(donate, (tuple, list)) else type(donate).__name__
+        raise ValueError(f"{name}: donate must be a state of {count} entries, got {size}")
+    return list(donate)
 
 
 def _without_unknown_donate(update: TransformUpdateFn, extra: dict) -> TransformUpdateFn:
@@ -489,9 +553,9 @@ def update_and_apply(
         )
     if not storages_of(p_leaves).isdisjoint(storages_of((updates, state))):
         raise ValueError("update_and_apply: params share memory with the updates or the state")
-    fused = update_and_apply_step(tx)
-    if fused is not None:
-        return fused(updates, state, params, donate=donate, **extra)
+    fast_step = getattr(tx, "fast_step", None)  # absent from a transform of another library
+    if fast_step is not None:
+        return fast_step(updates, state, params, donate=donate, **extra)
     updates, state = tx.update(updates, state, params, donate=donate, **extra)
     return apply_updates(params, updates, donate=True), state
 

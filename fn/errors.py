@@ -1,8 +1,37 @@
-"""The exception fn raises for non-finite values."""
+"""What fn refuses, and how it says so: the exceptions fn raises and the checks that raise them.
+
+Arguments: hyperparameters are checked when a transform is built, by name, so the error says
+which argument is wrong; shapes, params and the update count when it is called.
+
+Finiteness: a check that can raise from inside ``torch.func.vmap`` and ``torch.compile``. A
+Python ``if`` on a tensor value fails under vmap (``Simulated`` runs every rank under vmap), so
+there the check is a custom op: its vmap rule sees the whole batch as a plain tensor and checks
+it. The op returns a copy of its input that the caller goes on with, so a compiled graph cannot
+drop it. On eager plain tensors the check runs directly and returns the input itself (no copy).
+"""
 
 from __future__ import annotations
 
-__all__ = ["NonFiniteError"]
+from itertools import pairwise
+from typing import Any
+
+import torch
+
+__all__ = [
+    "NonFiniteError",
+    "all_finite",
+    "check_betas",
+    "check_finite",
+    "check_fraction",
+    "check_int",
+    "check_nonnegative",
+    "check_ordered",
+    "check_shapes",
+    "check_step",
+    "check_step_or_plan",
+    "finite_or_raise",
+    "require_params",
+]
 
 
 class NonFiniteError(ValueError):
@@ -22,3 +51,143 @@ class NonFiniteError(ValueError):
         ...     print(type(err).__name__, isinstance(err, ValueError))
         NonFiniteError True
     """
+
+
+def check_betas(name: str, betas: tuple[float, float]) -> tuple[float, float]:
+    """``betas`` as floats; raises ``ValueError`` unless both lie in [0, 1)."""
+    b1, b2 = (float(b) for b in betas)
+    for i, b in enumerate((b1, b2)):
+        if not 0.0 <= b < 1.0:  # also rejects NaN
+            raise ValueError(f"{name}: betas[{i}] must be in [0, 1), got {b}")
+    return b1, b2
+
+
+def check_nonnegative(name: str, **values: float) -> None:
+    """Raises ``ValueError`` unless every value is >= 0."""
+    for key, v in values.items():
+        if not v >= 0.0:  # also rejects NaN
+            raise ValueError(f"{name}: {key} must be >= 0, got {v}")
+
+
+def check_fraction(name: str, **values: float) -> None:
+    """Raises ``ValueError`` unless every value lies in [0, 1) (an EMA coefficient)."""
+    for key, v in values.items():
+        if not 0.0 <= v < 1.0:  # also rejects NaN
+            raise ValueError(f"{name}: {key} must be in [0, 1), got {v}")
+
+
+def check_ordered(name: str, **bounds: float) -> None:
+    """Raises ``ValueError`` unless the values, in the order given, do not decrease (e.g.
+    ``min_coeff=a, max_coeff=b`` needs ``a <= b``)."""
+    for (low_key, low), (high_key, high) in pairwise(bounds.items()):
+        if not low <= high:  # also rejects NaN
+            raise ValueError(f"{name}: {low_key} ({low}) must be <= {high_key} ({high})")
+
+
+def check_int(name: str, value: int, minimum: int = 0, why: str = "") -> int:
+    """``value``; raises ``ValueError`` (naming ``name``, then ``why``) unless it is an int (not a
+    bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        reason = f": {why}" if why else ""
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}{reason}")
+    return value
+
+
+def check_step(step: Any) -> int:
+    """``step``, the 1-based update count of a host-side schedule.
+
+    Raises:
+        TypeError: if ``step`` is a tensor (the schedule is decided on the host).
+        ValueError: unless ``step`` is an int (not a bool) >= 1.
+    """
+    if isinstance(step, torch.Tensor):
+        raise TypeError(
+            "step must be a Python int (the schedule is decided on the host), got a tensor"
+        )
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"step counts updates from 1, got {step!r}")
+    return step
+
+
+def check_step_or_plan(step: Any, plan: Any) -> int | None:
+    """Checks that exactly one of ``step`` (the 1-based update count) and ``plan``
+    (``opt.plan(t)``) is given, as a compressed optimizer's updates take them.
+
+    Returns:
+        ``step`` checked by :func:`check_step`, or ``None`` when ``plan`` is given.
+
+    Raises:
+        TypeError: if neither or both are given, or ``step`` is a tensor.
+        ValueError: unless ``step`` is an int (not a bool) >= 1.
+    """
+    if (step is None) == (plan is None):
+        raise TypeError(
+            "pass exactly one of step=t (the 1-based update count) and plan=opt.plan(t)"
+        )
+    return None if step is None else check_step(step)
+
+
+def check_shapes(name: str, like: torch.Tensor, update: torch.Tensor, what: str = "update") -> None:
+    """Raises ``ValueError`` when ``update`` (described as ``what``, e.g. ``"gradient leaf
+    'w'"``) and the state or param leaf ``like`` differ in shape (no broadcasting)."""
+    if update.shape != like.shape:
+        raise ValueError(
+            f"{name}: {what} of shape {tuple(update.shape)} does not match the state's "
+            f"{tuple(like.shape)}"
+        )
+
+
+def require_params(params: Any, why: str) -> None:
+    """Raises ``ValueError`` when ``params`` is ``None`` (``why`` says what needs them)."""
+    if params is None:
+        raise ValueError(f"{why} needs the params: call update(grads, state, params, step=t)")
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """True if no element of ``x`` is NaN or infinite.
+
+    One reduction in the common case: a sum is finite only if every element is (NaN and
+    infinities propagate; ``inf + -inf`` is NaN). Only a non-finite sum, a NaN/Inf or finite
+    values whose sum overflows, takes the elementwise test.
+    """
+    if bool(torch.isfinite(x.sum())):
+        return True
+    return bool(torch.isfinite(x).all())
+
+
+def finite_or_raise(x: torch.Tensor, message: str) -> torch.Tensor:
+    """``x`` (eager) or a copy of it (under vmap or ``torch.compile``); raises
+    ``NonFiniteError(message)`` if any element (any rank's) is not finite."""
+    if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return _finite_or_raise_op(x, message)
+    if not all_finite(x):
+        raise NonFiniteError(message)
+    return x
+
+
+def check_finite(x: torch.Tensor, what: str) -> torch.Tensor:
+    """:func:`finite_or_raise` for an optimizer about to update its state: the message (which
+    contains "non-finite") names ``what`` and says that nothing was updated."""
+    return finite_or_raise(
+        x,
+        f"{what} contains non-finite values (NaN or Inf); no update was made and the "
+        "optimizer state is unchanged",
+    )
+
+
+@torch.library.custom_op("fn::finite_or_raise", mutates_args=())
+def _finite_or_raise_op(x: torch.Tensor, message: str) -> torch.Tensor:
+    if not all_finite(x):
+        raise NonFiniteError(message)
+    return x.clone()
+
+
+@_finite_or_raise_op.register_fake
+def _(x, message):
+    return torch.empty_like(x)
+
+
+@_finite_or_raise_op.register_vmap
+def _(info, in_dims, x, message):
+    del info
+    return _finite_or_raise_op(x, message), in_dims[0]

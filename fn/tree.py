@@ -4,12 +4,18 @@ Params, gradients, updates and optimizer states are pytrees (dicts, lists, tuple
 whose leaves are tensors. A ``None`` leaf stands for a parameter without a gradient (unused or
 frozen): every helper here passes it through untouched, and multi-tree maps take the structure of
 their first tree, so ``tree_map(f, grads, mu)`` returns ``None`` wherever ``grads`` has ``None``.
+
+Below the public helpers are the leaf plumbing that fn's packages share and that is not part of
+the API: whether leaves can go through ``torch._foreach_*`` ops (:func:`foreach_ok`), and which
+tensors a step may write in place (:func:`fits`, :func:`buffer_like`, :func:`storages_of`: the
+buffers of buffer donation, see :class:`fn.GradientTransformation`).
 """
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
@@ -212,3 +218,130 @@ def tree_all_finite(tree: PyTree) -> torch.Tensor:
     """
     flags = [torch.isfinite(x).all() for x in tree_leaves(tree)]
     return torch.stack(flags).all() if flags else torch.tensor(True)
+
+
+# Foreach ops: when the leaves of a tree can go through torch._foreach_* ops (one call per op).
+
+_Result = TypeVar("_Result")
+
+# Set while ``per_leaf`` runs a function: every foreach_ok inside it answers False.
+_PER_LEAF = contextvars.ContextVar("fn_per_leaf", default=False)
+
+
+def foreach_blocker(*leaves: torch.Tensor) -> str | None:
+    """Why the tensors cannot go through ``torch._foreach_*`` ops, or ``None`` when they can:
+    eager, plain tensors outside autograd (see :func:`foreach_ok`)."""
+    if not leaves:
+        return "there are no tensors"
+    if torch.compiler.is_compiling():
+        return "it runs under torch.compile"
+    if _PER_LEAF.get():
+        return "per-leaf ops were asked for"
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    if any(wrapped(t) for t in leaves):
+        return "it runs under a torch.func transform (vmap, grad, ...)"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
+        return "a tensor requires grad and autograd is recording"
+    return None
+
+
+def foreach_ok(*leaves: torch.Tensor) -> bool:
+    """True for eager, plain tensors outside autograd: then one ``torch._foreach_*`` call per op
+    over all leaves replaces a Python loop of per-leaf ops, as ``torch.optim``'s foreach Adam.
+    Pass every tensor operand, scalars from the state included: under ``simulate`` a replicated
+    state (e.g. the learning rate) can be batched while the updates are not.
+
+    Otherwise callers go leaf by leaf: the foreach ops have no ``torch.func.vmap`` batching
+    rules, in-place steps on fresh outputs that autograd saved (``sqrt``) would break the
+    backward, and under ``torch.compile`` the per-leaf ops fuse anyway. Inside :func:`per_leaf`
+    the answer is always False.
+    """
+    return foreach_blocker(*leaves) is None
+
+
+def per_leaf(f: Callable[..., _Result], *args: object, **kwargs: object) -> _Result:
+    """``f(*args, **kwargs)`` with :func:`foreach_ok` False throughout: eager code then runs the
+    per-leaf ops that vmap, autograd and ``torch.compile`` run, with their rounding."""
+    if torch.compiler.is_compiling():  # foreach_ok is False there already
+        return f(*args, **kwargs)
+    token = _PER_LEAF.set(True)
+    try:
+        return f(*args, **kwargs)
+    finally:
+        _PER_LEAF.reset(token)
+
+
+# Buffers: which tensors a step may write in place.
+
+
+def _matches(donated: Any, like: torch.Tensor) -> bool:
+    return (
+        isinstance(donated, torch.Tensor)
+        and donated.is_contiguous()
+        and donated.shape == like.shape
+        and donated.dtype == like.dtype
+        and donated.device == like.device
+    )
+
+
+def fits(donated: Any, like: torch.Tensor) -> bool:
+    """Whether ``donated`` can hold a result like ``like``: a plain contiguous tensor of its
+    shape, dtype and device, outside autograd."""
+    return (
+        _matches(donated, like)
+        and not donated.requires_grad
+        and not torch._C._functorch.is_functorch_wrapped_tensor(donated)
+    )
+
+
+def fitting(donated: Any, like: torch.Tensor) -> torch.Tensor | None:
+    """``donated`` where it is a contiguous tensor of ``like``'s shape, dtype and device, else
+    ``None`` (the caller allocates). Under vmap both may be batched: the collectives then
+    compute purely and copy into it."""
+    return donated if _matches(donated, like) else None
+
+
+def eager(*tensors: torch.Tensor | None) -> bool:
+    """Whether ``tensors`` are concrete: not under ``torch.compile``, none wrapped by vmap or
+    another functorch transform (``None`` entries are ignored). Only then can fused kernels write
+    into donated buffers; traced calls compute purely and copy."""
+    if torch.compiler.is_compiling():
+        return False
+    return not any(
+        t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors
+    )
+
+
+def can_donate(*tensors: torch.Tensor) -> bool:
+    """Whether results can be written in place next to ``tensors``: eager, not under
+    ``torch.compile``, and every tensor plain (:func:`fits` itself)."""
+    return not torch.compiler.is_compiling() and all(fits(t, t) for t in tensors)
+
+
+def buffer_like(donated: Any, like: torch.Tensor) -> torch.Tensor:
+    """``donated`` where it :func:`fits` ``like``, else a new tensor like it (uninitialized)."""
+    return donated if fits(donated, like) else torch.empty_like(like)
+
+
+def donated_leaves(donated: Any, spec: Any) -> list[Any]:
+    """The leaves of a donated subtree flattened like ``spec`` (its state's structure), or all
+    ``None`` when nothing is donated or the structure differs."""
+    if donated is None:
+        return [None] * spec.num_leaves
+    try:
+        return spec.flatten_up_to(donated)
+    except (TypeError, ValueError, RuntimeError):
+        return [None] * spec.num_leaves
+
+
+def storages_of(tree: Any) -> set[int]:
+    """The addresses of the storages of the non-empty tensor leaves of ``tree`` (views of one
+    tensor share one), to tell whether two trees share memory."""
+    found = set()
+    for leaf in torch.utils._pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor) and leaf.numel() > 0:
+            try:
+                found.add(leaf.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # a tensor without storage (vmap)
+                found.add(id(leaf))
+    return found

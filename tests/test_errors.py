@@ -1,11 +1,30 @@
-"""fn.NonFiniteError: every layer that refuses non-finite values raises it (a ValueError)."""
+"""fn.errors: NonFiniteError (every layer that refuses non-finite values raises it, a ValueError),
+the argument checks, the finiteness test and the check that raises under vmap/compile."""
+
+from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fn
 from fn import kernels
 from fn.collectives import Simulated, compressed_allreduce, init_error_feedback, replicate, simulate
+from fn.errors import (
+    all_finite,
+    check_betas,
+    check_finite,
+    check_fraction,
+    check_int,
+    check_nonnegative,
+    check_ordered,
+    check_shapes,
+    check_step,
+    check_step_or_plan,
+    finite_or_raise,
+    require_params,
+)
 
 NAN = float("nan")
 
@@ -47,3 +66,108 @@ def test_adapter_raises_under_the_raise_policy():
     with pytest.raises(fn.NonFiniteError):
         opt.step()
     assert torch.equal(w.detach(), torch.ones(2)) and opt.last_step_skipped
+
+
+FLOATS = st.floats(width=32, allow_nan=True, allow_infinity=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(FLOATS, max_size=40))
+def test_all_finite_is_the_elementwise_test(values):
+    x = torch.tensor(values, dtype=torch.float32)
+    assert all_finite(x) == bool(torch.isfinite(x).all())
+
+
+@pytest.mark.parametrize(
+    "values,expected",
+    [
+        ([3e38, 3e38], True),  # the sum overflows; every element is finite
+        ([-3e38, -3e38, 1.0], True),
+        ([float("inf"), float("-inf")], False),  # the sum is NaN
+        ([1.0, float("nan")], False),
+        ([], True),
+    ],
+)
+def test_all_finite_edge_cases(values, expected):
+    assert all_finite(torch.tensor(values, dtype=torch.float32)) is expected
+
+
+def test_eager_check_returns_the_input_itself():
+    x = torch.randn(5)
+    assert finite_or_raise(x, "bad") is x
+    x[2] = float("nan")
+    with pytest.raises(ValueError, match="bad"):
+        finite_or_raise(x, "bad")
+
+
+def test_vmap_checks_every_rank_and_returns_a_copy():
+    x = torch.randn(4, 6)
+    out = torch.func.vmap(lambda r: finite_or_raise(r, "bad") * 1)(x)
+    assert torch.equal(out, x)
+    x[3, 0] = float("inf")
+    with pytest.raises(ValueError, match="bad"):
+        torch.func.vmap(lambda r: finite_or_raise(r, "bad"))(x)
+
+
+def test_check_betas_names_the_transform_and_the_beta():
+    assert check_betas("opt", (0, 0.5)) == (0.0, 0.5)
+    with pytest.raises(ValueError, match=r"opt: betas\[1\] must be in \[0, 1\), got 1.0"):
+        check_betas("opt", (0.9, 1.0))
+    with pytest.raises(ValueError, match=r"betas\[0\]"):
+        check_betas("opt", (float("nan"), 0.5))
+
+
+def test_range_checks_name_the_argument_and_reject_nan():
+    check_nonnegative("opt", eps=0.0, lr=1.0)
+    with pytest.raises(ValueError, match="opt: lr must be >= 0, got nan"):
+        check_nonnegative("opt", eps=0.0, lr=float("nan"))
+    check_fraction("opt", coeff_beta=0.0)
+    with pytest.raises(ValueError, match=r"coeff_beta must be in \[0, 1\)"):
+        check_fraction("opt", coeff_beta=1.0)
+    check_ordered("opt", low=1.0, mid=1.0, high=2.0)
+    with pytest.raises(ValueError, match=r"opt: mid \(3.0\) must be <= high \(2.0\)"):
+        check_ordered("opt", low=1.0, mid=3.0, high=2.0)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.0, True, "1", None])
+def test_check_int_wants_an_int_at_least_the_minimum(value):
+    assert check_int("freeze_step", 1, 1) == 1
+    with pytest.raises(ValueError, match=r"freeze_step must be an int >= 1, got .*: why"):
+        check_int("freeze_step", value, 1, "why")
+
+
+def test_check_step_counts_from_one_on_the_host():
+    assert check_step(3) == 3
+    for bad in (0, -2, 1.0, True, "3"):
+        with pytest.raises(ValueError, match="step counts updates from 1"):
+            check_step(bad)
+    with pytest.raises(TypeError, match="Python int"):
+        check_step(torch.tensor(1))
+
+
+def test_check_step_or_plan_takes_exactly_one():
+    assert check_step_or_plan(2, None) == 2
+    assert check_step_or_plan(None, object()) is None
+    for step, plan in ((None, None), (2, object())):
+        with pytest.raises(TypeError, match="exactly one of step"):
+            check_step_or_plan(step, plan)
+    with pytest.raises(ValueError, match="step counts updates from 1"):
+        check_step_or_plan(0, None)
+
+
+def test_check_shapes_names_what_does_not_match():
+    check_shapes("opt", torch.zeros(2, 3), torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"opt: gradient leaf \['w'\] of shape \(3, 2\)"):
+        check_shapes("opt", torch.zeros(2, 3), torch.ones(3, 2), "gradient leaf ['w']")
+    with pytest.raises(ValueError, match="does not match"):
+        check_shapes("opt", torch.zeros(2, 3), torch.ones(3))
+
+
+def test_require_params_and_check_finite_say_what():
+    require_params({}, "weight_decay > 0")
+    with pytest.raises(ValueError, match="weight_decay > 0 needs the params"):
+        require_params(None, "weight_decay > 0")
+    x = torch.ones(3)
+    assert check_finite(x, "the gradient") is x
+    with pytest.raises(ValueError, match="the gradient contains non-finite.*state is unchanged"):
+        check_finite(torch.tensor([1.0, float("inf")]), "the gradient")

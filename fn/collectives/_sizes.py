@@ -15,7 +15,7 @@ The quantized collectives' scales grow with ``n``, so their records travel first
 point, the count goes first and the checksum after the chunks (whose sizes it does not set).
 
 The check reads tensor values, so under vmap (``Simulated``) and ``torch.compile`` it runs as a
-custom op (as ``fn._validation.finite_or_raise``) that returns a copy of a tensor that the call
+custom op (as ``fn.errors.finite_or_raise``) that returns a copy of a tensor that the call
 goes on with: the check stays in the compiled graph and before everything that depends on it.
 """
 

@@ -14,15 +14,13 @@ from typing import NamedTuple
 import torch
 
 from fn import kernels
-from fn._donation import donated_state, eager, fitting
-from fn._validation import finite_or_raise
-from fn.base import GradientTransformation
+from fn.base import GradientTransformation, donated_state
 from fn.collectives import _sizes
 from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedback, ErrorFeedbackField
-from fn.errors import NonFiniteError
-from fn.tree import tree_flatten, tree_map, tree_unflatten
+from fn.errors import NonFiniteError, finite_or_raise
+from fn.tree import eager, fitting, tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
     "padded_numel",

@@ -47,16 +47,14 @@ from typing import NamedTuple, TypeVar
 import torch
 
 from fn import kernels
-from fn._donation import donated_state, donating, eager, fitting
-from fn._validation import finite_or_raise
-from fn.base import EmptyState, GradientTransformation
+from fn.base import EmptyState, GradientTransformation, donated_state, donating
 from fn.collectives import _sizes
 from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
 from fn.collectives.process_group import ProcessGroup
-from fn.errors import NonFiniteError
-from fn.tree import tree_flatten, tree_map, tree_unflatten
+from fn.errors import NonFiniteError, finite_or_raise
+from fn.tree import eager, fitting, tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
     "quantized_padded_numel",

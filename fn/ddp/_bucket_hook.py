@@ -14,12 +14,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fn._validation import all_finite, check_int, finite_or_raise
 from fn.base import GradientTransformation
 from fn.collectives import ProcessGroup
 from fn.ddp._futures import completed, dense_mean
 from fn.ddp._worker import SerialWorker
-from fn.errors import NonFiniteError
+from fn.errors import NonFiniteError, all_finite, check_int, finite_or_raise
 from fn.tree import tree_flatten, tree_unflatten
 
 logger = logging.getLogger("fn.ddp")

@@ -50,7 +50,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import (
     ReduceScatter,
 )  # torch exports no public name
 
-from fn._donation import eager
 from fn.collectives.process_group import ProcessGroup
 from fn.collectives.quantized import (
     _NON_FINITE,
@@ -60,6 +59,7 @@ from fn.collectives.quantized import (
     _workspace,
     _write_errors,
 )
+from fn.tree import eager
 
 __all__ = ["CommCache", "QuantizedReduceScatter", "reduce_scale"]
 

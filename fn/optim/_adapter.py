@@ -18,8 +18,6 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from fn._donation import storages_of
-from fn._validation import all_finite, check_int
 from fn.base import (
     CompressedOptimizer,
     GradientTransformation,
@@ -28,7 +26,7 @@ from fn.base import (
 )
 from fn.base import get_hyperparam as _get_hyperparam
 from fn.collectives import Local, ProcessGroup, Simulated, SimulatedGroup
-from fn.errors import NonFiniteError
+from fn.errors import NonFiniteError, all_finite, check_int
 from fn.optim._checkpoint import (
     GroupRecord,
     check_master,
@@ -48,6 +46,7 @@ from fn.optim._consensus import (
     settings_of,
 )
 from fn.optim._flat import FlatGroup
+from fn.tree import storages_of
 
 Transform = GradientTransformation | CompressedOptimizer
 NONFINITE_POLICIES = ("raise", "skip")

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fn._validation import all_finite
+from fn.errors import all_finite
 
 _MAX_SHOWN = 5  # differing fields named in one message
 _MAX_DEPTH = 12  # how deep settings_of follows closures and NamedTuples

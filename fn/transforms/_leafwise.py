@@ -27,10 +27,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fn import collectives, kernels
-from fn._donation import donated_state
-from fn._fused_steps import register_update_and_apply
-from fn._validation import check_finite, check_shapes, check_step_or_plan, require_params
-from fn.base import CompressedOptimizer, Params, Updates, apply_updates
+from fn.base import CompressedOptimizer, Params, Updates, apply_updates, donated_state
+from fn.errors import check_finite, check_shapes, check_step_or_plan, require_params
 from fn.transforms._learning_rate import learning_rate_now
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
@@ -162,7 +160,7 @@ def compressed_optimizer(
         updates, new_state = phase_fn(grads, state, params, step, plan, donate, apply=True)
         return apply_updates(params, updates, donate=True), new_state
 
-    return register_update_and_apply(opt, update_and_apply_fn)
+    return opt._replace(fast_step=update_and_apply_fn)
 
 
 def map_leaves(

@@ -6,10 +6,8 @@ from collections.abc import Callable
 
 import torch
 
-from fn._donation import can_donate
-from fn._foreach import foreach_ok
-from fn._validation import check_shapes
-from fn.tree import PyTree, tree_flatten, tree_unflatten
+from fn.errors import check_shapes
+from fn.tree import PyTree, can_donate, foreach_ok, tree_flatten, tree_unflatten
 
 
 def learning_rate_now(

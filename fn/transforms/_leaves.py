@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from fn._validation import check_shapes
+from fn.errors import check_shapes
 from fn.tree import PyTree, tree_leaves, tree_map
 
 

@@ -8,11 +8,8 @@ from typing import Literal, NamedTuple, get_args
 
 import torch
 
-from fn._donation import buffer_like, can_donate, donated_leaves, donated_state, split_donated
-from fn._foreach import foreach_blocker, foreach_ok, per_leaf
-from fn._fused_steps import register_update_and_apply, update_and_apply_step, update_functions
-from fn._validation import check_betas, check_nonnegative, check_shapes
-from fn.base import GradientTransformation, apply_updates, chain
+from fn.base import GradientTransformation, apply_updates, chain, donated_state, split_donated
+from fn.errors import check_betas, check_nonnegative, check_shapes
 from fn.kernels._cpu import adamw_step_runs
 from fn.kernels._table import kernel as device_kernel
 from fn.transforms._learning_rate import learning_rate_now
@@ -23,7 +20,19 @@ from fn.transforms.learning_rate import (
     scale_by_learning_rate,
 )
 from fn.transforms.weight_decay import add_decayed_weights
-from fn.tree import PyTree, tree_flatten, tree_leaves, tree_unflatten, tree_zeros_like
+from fn.tree import (
+    PyTree,
+    buffer_like,
+    can_donate,
+    donated_leaves,
+    foreach_blocker,
+    foreach_ok,
+    per_leaf,
+    tree_flatten,
+    tree_leaves,
+    tree_unflatten,
+    tree_zeros_like,
+)
 
 __all__ = ["ScaleByAdamState", "scale_by_adam", "adam", "adamw"]
 
@@ -215,6 +224,22 @@ def _bias_correction(beta: float, count: torch.Tensor) -> torch.Tensor:
     return -torch.expm1(count.to(torch.float32) * math.log(beta))
 
 
+def _update_functions(step):
+    """``(update_fn, fast_step)`` of a transform whose update and fast step are one
+    ``step(updates, state, params, donate, extra, apply)`` (``extra``: a dict of the other
+    keywords, which ``step`` may change): ``update_fn`` runs it with ``apply=False`` and returns
+    ``(updates, state)``; ``fast_step`` runs it with ``apply=True`` and returns ``(params,
+    state)``, the params updated in place."""
+
+    def update_fn(updates, state, params=None, *, donate=None, **extra):
+        return step(updates, state, params, donate, extra, apply=False)
+
+    def fast_step(updates, state, params, *, donate, **extra):
+        return step(updates, state, params, donate, extra, apply=True)
+
+    return update_fn, fast_step
+
+
 Implementation = Literal["auto", "fused", "foreach", "chain"]
 _IMPLEMENTATIONS = get_args(Implementation)
 
@@ -286,10 +311,8 @@ def _scale_by_adam_then_lr(
         state = (moments_state, ScaleByLearningRateState(lr_state.count + 1, current))
         return (params if apply else updates), state
 
-    update_fn, update_and_apply_fn = update_functions(step)
-    return register_update_and_apply(
-        GradientTransformation(chained.init, update_fn), update_and_apply_fn
-    )
+    update_fn, fast_step = _update_functions(step)
+    return GradientTransformation(chained.init, update_fn, fast_step)
 
 
 # Devices and dtypes where fn uses torch._fused_adam_ (torch.optim.Adam(fused=True)'s kernel);
@@ -556,7 +579,7 @@ def adam(
     """
     decay = add_decayed_weights(weight_decay)
     adam_then_lr = _scale_by_adam_then_lr("adam", lr, betas, eps, 0.0, implementation)
-    apply_adam_then_lr = update_and_apply_step(adam_then_lr)
+    apply_adam_then_lr = adam_then_lr.fast_step
 
     def init_fn(params):
         return (decay.init(params), *adam_then_lr.init(params))
@@ -572,10 +595,8 @@ def adam(
         out, rest = rest_step(updates, tuple(state[1:]), params, **extra)
         return out, (decay_state, *rest)
 
-    update_fn, update_and_apply_fn = update_functions(step)
-    return register_update_and_apply(
-        GradientTransformation(init_fn, update_fn), update_and_apply_fn
-    )
+    update_fn, fast_step = _update_functions(step)
+    return GradientTransformation(init_fn, update_fn, fast_step)
 
 
 def adamw(

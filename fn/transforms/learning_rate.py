@@ -7,9 +7,8 @@ from typing import NamedTuple
 
 import torch
 
-from fn._donation import donating
-from fn._validation import check_nonnegative
-from fn.base import GradientTransformation
+from fn.base import GradientTransformation, donating
+from fn.errors import check_nonnegative
 from fn.transforms._learning_rate import decoupled_decay, learning_rate_now, scale_leaves
 from fn.transforms._leaves import device_of
 

@@ -7,8 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from fn._donation import donated_state, donating
-from fn.base import GradientTransformation, OptState, stateless
+from fn.base import GradientTransformation, OptState, donated_state, donating, stateless
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["MaskedState", "masked", "set_to_zero"]

@@ -8,8 +8,9 @@ from typing import Any, NamedTuple
 import torch
 
 from fn import collectives
-from fn._donation import fitting
-from fn._validation import (
+from fn.base import CompressedOptimizer
+from fn.collectives import ErrorFeedbackField
+from fn.errors import (
     check_betas,
     check_finite,
     check_fraction,
@@ -17,8 +18,6 @@ from fn._validation import (
     check_nonnegative,
     check_ordered,
 )
-from fn.base import CompressedOptimizer
-from fn.collectives import ErrorFeedbackField
 from fn.transforms._leafwise import (
     LearningRate,
     adam_ratio_bound,
@@ -30,7 +29,15 @@ from fn.transforms._leafwise import (
 )
 from fn.transforms._onebit_schedules import FreezeSchedule, OnebitLambPlan
 from fn.transforms.trust_ratio import trust_ratio
-from fn.tree import PyTree, tree_flatten, tree_leaves, tree_map, tree_unflatten, tree_zeros_like
+from fn.tree import (
+    PyTree,
+    fitting,
+    tree_flatten,
+    tree_leaves,
+    tree_map,
+    tree_unflatten,
+    tree_zeros_like,
+)
 
 
 class OnebitLambState(NamedTuple):

@@ -6,13 +6,22 @@ from typing import NamedTuple
 
 import torch
 
-from fn._donation import buffer_like, can_donate, donated_leaves, donated_state
-from fn._validation import check_nonnegative, check_shapes
-from fn.base import GradientTransformation, chain
+from fn.base import GradientTransformation, chain, donated_state
+from fn.errors import check_nonnegative, check_shapes
 from fn.transforms._leaves import device_of, update_state_leaves
 from fn.transforms.learning_rate import Schedule, scale_by_learning_rate
 from fn.transforms.weight_decay import add_decayed_weights
-from fn.tree import PyTree, tree_flatten, tree_leaves, tree_map, tree_unflatten, tree_zeros_like
+from fn.tree import (
+    PyTree,
+    buffer_like,
+    can_donate,
+    donated_leaves,
+    tree_flatten,
+    tree_leaves,
+    tree_map,
+    tree_unflatten,
+    tree_zeros_like,
+)
 
 __all__ = ["TraceState", "trace", "sgd"]
 

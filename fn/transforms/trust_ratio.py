@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from fn._donation import can_donate, donating
-from fn._validation import check_nonnegative, check_ordered
-from fn.base import EmptyState, GradientTransformation
+from fn.base import EmptyState, GradientTransformation, donating
+from fn.errors import check_nonnegative, check_ordered
 from fn.transforms._leaves import map_with_params
+from fn.tree import can_donate
 
 __all__ = ["scale_by_trust_ratio"]
 

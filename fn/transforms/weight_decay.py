@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from fn._donation import can_donate, donating
-from fn._validation import check_nonnegative
-from fn.base import EmptyState, GradientTransformation
+from fn.base import EmptyState, GradientTransformation, donating
+from fn.errors import check_nonnegative
 from fn.transforms._leaves import map_with_params
+from fn.tree import can_donate
 
 __all__ = ["add_decayed_weights"]
 

@@ -8,11 +8,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fn._donation import eager, fits, fitting
-from fn._validation import check_betas, check_finite, check_int, check_nonnegative
 from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
 from fn.collectives.onebit import compressed_allreduce_start
+from fn.errors import check_betas, check_finite, check_int, check_nonnegative
 from fn.kernels import sqrt_rn
 from fn.transforms._leafwise import (
     LearningRate,
@@ -28,7 +27,7 @@ from fn.transforms._leafwise import (
     report_frozen_variance,
 )
 from fn.transforms._onebit_schedules import ZeroOneAdamPlan, ZeroOneAdamSchedule
-from fn.tree import PyTree, tree_map, tree_zeros_like
+from fn.tree import PyTree, eager, fits, fitting, tree_map, tree_zeros_like
 
 
 class ZeroOneAdamState(NamedTuple):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import fn
-from fn._foreach import foreach_ok, per_leaf
 from fn.collectives import Simulated, simulate
+from fn.tree import foreach_ok, per_leaf
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # from torch internals
 
