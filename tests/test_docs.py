@@ -59,13 +59,17 @@ def test_links_to_algorithms_name_existing_sections():
     assert not broken, f"links to missing sections of docs/algorithms.md: {broken}"
 
 
-def test_no_references_to_a_missing_specification():
+def test_no_references_to_documents_outside_the_repository():
+    """Code, tests and docs cite only files in the repository: the specification is
+    docs/algorithms.md, the layout docs/architecture.md."""
     stale = [
-        str(path.relative_to(ROOT))
+        f"{path.relative_to(ROOT)}: {name}"
         for path in _documents()
-        if path != Path(__file__).resolve() and "ALGORITHMS.md" in path.read_text(encoding="utf-8")
+        if path != Path(__file__).resolve()
+        for name in ("ALGORITHMS.md", "DESIGN.md")
+        if name in path.read_text(encoding="utf-8")
     ]
-    assert not stale, f"ALGORITHMS.md is docs/algorithms.md: {stale}"
+    assert not stale, f"cite docs/algorithms.md or docs/architecture.md instead: {stale}"
     assert "docs/algorithms.md" in (ROOT / "README.md").read_text(encoding="utf-8")
 
 

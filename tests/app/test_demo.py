@@ -116,7 +116,8 @@ def test_demo_learns(runs, mode):
 
 @pytest.mark.timeout(120)
 def test_demo_bytes_match_the_wire_formulas(runs):
-    """Bytes per rank against DESIGN.md's traffic formulas, for W = 2 and the demo's model."""
+    """Bytes per rank against the traffic formulas of docs/algorithms.md, for W = 2 and the demo's
+    model."""
     rows = _rows(runs["workers"][3])
     warm = demo.warmup_steps(STEPS)
     sizes = _leaf_sizes()

@@ -77,7 +77,7 @@ def unpack_signs(packed, count):
 
 
 def onebit_step(xs, worker_errors, server_errors):
-    """One error-compensated 1-bit allreduce (DESIGN.md), as a loop over ranks."""
+    """One error-compensated 1-bit allreduce (docs/algorithms.md), as a loop over ranks."""
     w, n = len(xs), xs[0].size
     big_n = onebit_padded(n, w)
     chunk = big_n // w

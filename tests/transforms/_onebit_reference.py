@@ -19,7 +19,7 @@ def sign(x: torch.Tensor) -> torch.Tensor:
 
 
 def car(xs: list[torch.Tensor], ews: list[torch.Tensor], ess: list[torch.Tensor]):
-    """The error-compensated 1-bit allreduce over a list of ranks (DESIGN.md); updates the error
+    """The error-compensated 1-bit allreduce over a list of ranks (docs/algorithms.md); updates the error
     lists in place and returns every rank's (equal) output. The identity for one rank."""
     world = len(xs)
     if world == 1:
