@@ -92,6 +92,33 @@ def test_adam_family_equals_update_then_apply(make, adamw, implementation, mode)
     _run(make(implementation=implementation), _params(SIZES), mode, adamw=adamw if fused else None)
 
 
+@pytest.mark.parametrize("mode", ["in place", "spare"])
+@pytest.mark.parametrize("implementation", ["auto", "fused", "foreach", "chain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(
+    "make, adamw",
+    [
+        (lambda **kw: fn.adam(LR, **kw), None),
+        (lambda **kw: fn.adam(LR, weight_decay=0.1, **kw), None),
+        (lambda **kw: fn.adamw(LR, **kw), (LR, 1e-2)),
+    ],
+    ids=["adam", "adam-l2", "adamw"],
+)
+def test_fast_step_over_shapes_dtypes_and_a_leaf_without_gradient(
+    make, adamw, dtype, implementation, mode
+):
+    # matrices, a 0-dim leaf and a leaf without gradient: the fast step against the pure rule
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(33, 17), (), (5,), (4, 3, 2), (1000,)]
+    params = {
+        f"p{i}": (torch.randn(s, generator=gen) * 0.5).to(dtype) for i, s in enumerate(shapes)
+    }
+    fused = implementation in ("auto", "fused")
+    _run(
+        make(implementation=implementation), params, mode, drop="p3", adamw=adamw if fused else None
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("mode", ["in place", "spare"])
 def test_fused_pieces_equal_update_then_apply(monkeypatch, dtype, mode):
