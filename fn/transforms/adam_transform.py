@@ -224,26 +224,6 @@ def _scale_by_adam_then_lr(
     def cannot_run(reason):
         return RuntimeError(f"{name}: implementation={implementation!r} cannot run: {reason}")
 
-    def fused(moments_step, updates, state, params, donate):
-        """``(updates, state)`` of the fused ``moments_step``, or ``None`` where it cannot run."""
-        if implementation not in ("auto", "fused"):
-            return None
-        moments_state, lr_state = state
-        reason = foreach_blocker(lr_state.count, lr_state.lr)
-        if reason is not None:
-            if implementation == "fused":
-                raise cannot_run(reason)
-            return None
-        current = learning_rate_now(lr, lr_state.count, lr_state.lr)
-        donated = split_donated(name, donated_state(donate, state), 2)[0]
-        donated = donated_state(donated, moments_state)
-        required = cannot_run if implementation == "fused" else None
-        run = functools.partial(moments_step, hyper, current, required)
-        stepped = _step_live_leaves(name, updates, moments_state, run, params, donated)
-        if stepped is None:
-            return None
-        return stepped[0], (stepped[1], ScaleByLearningRateState(lr_state.count + 1, current))
-
     def unfused(updates, state, params, donate, extra):
         if donate is not None:
             extra["donate"] = donate
@@ -256,6 +236,13 @@ def _scale_by_adam_then_lr(
             if reason is not None:
                 raise cannot_run(reason)
         return chained.update(updates, state, params, **extra)
+
+    def fused(moments_step, updates, state, params, donate):
+        if implementation not in ("auto", "fused"):
+            return None
+        required = cannot_run if implementation == "fused" else None
+        run = functools.partial(moments_step, hyper)
+        return _fused_step(name, lr, required, run, updates, state, params, donate)
 
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         read = params if decoupled else None
@@ -270,6 +257,27 @@ def _scale_by_adam_then_lr(
         return apply_updates(params, updates, donate=True), state
 
     return GradientTransformation(chained.init, update_fn, fast_step)
+
+
+def _fused_step(name, lr, cannot_run, moments_step, updates, state, params, donate):
+    """``(updates, state)`` of :func:`_scale_by_adam_then_lr` from the fused
+    ``moments_step(lr, cannot_run, ms, vs, gs, ps, count, donated)`` (:func:`_fused_update` or
+    :func:`_fused_apply`) run on the live leaves at the state's learning rate, or ``None`` where
+    it cannot run (``cannot_run(reason)`` is raised instead where given)."""
+    moments_state, lr_state = state
+    reason = foreach_blocker(lr_state.count, lr_state.lr)
+    if reason is not None:
+        if cannot_run is not None:
+            raise cannot_run(reason)
+        return None
+    current = learning_rate_now(lr, lr_state.count, lr_state.lr)
+    donated = split_donated(name, donated_state(donate, state), 2)[0]
+    donated = donated_state(donated, moments_state)
+    run = functools.partial(moments_step, current, cannot_run)
+    stepped = _step_live_leaves(name, updates, moments_state, run, params, donated)
+    if stepped is None:
+        return None
+    return stepped[0], (stepped[1], ScaleByLearningRateState(lr_state.count + 1, current))
 
 
 # Devices and dtypes where fn uses torch._fused_adam_ (torch.optim.Adam(fused=True)'s kernel);
