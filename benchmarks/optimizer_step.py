@@ -21,7 +21,8 @@ state, params)`` (the same values; the fused kernel writes the params and the st
 the gradients are only read): the target for these two is "vs fused" <= 1.2. After the run fn
 eager's params are compared with fused Adam's bit for bit (the lr, 2^-10, is exact in fp32 as fn
 stores it) and with foreach Adam's (max abs difference), and the last two runs' with fn eager's
-(bit for bit). ``--adamw`` times AdamW instead.
+(bit for bit). ``--adamw`` times AdamW instead; its update_and_apply is then compared with
+``torch.optim.AdamW(fused=True)``, whose kernel it runs on the params.
 
 Run: python3 benchmarks/optimizer_step.py [--repeats 30] [--warmup 5] [--no-compile] [--adamw]
      python3 benchmarks/optimizer_step.py --vocab 64 --d-model 16 --layers 1 --repeats 2  (tiny)
@@ -188,10 +189,13 @@ def main(argv: list[str] | None = None) -> None:
         diff = max((ref[k] - got[k]).abs().max().item() for k in shapes)
         same = all(torch.equal(ref[k], got[k]) for k in shapes)
         print(f"  {name:34s} max |difference| {diff:.3g}, bit-identical: {same}")
-    for donated_name in list(steppers)[-2:]:
-        donated = steppers[donated_name][1]()
-        same = all(torch.equal(donated[k], got[k]) for k in shapes)
-        print(f"params of {donated_name} equal to {eager_name}'s bit for bit: {same}")
+    donated_name, apply_name = list(steppers)[-2:]
+    # fn.adamw's fast step is torch.optim.AdamW(fused=True)'s (see fn.update_and_apply)
+    apply_ref = fused_name if args.adamw else eager_name
+    for name, ref_name in ((donated_name, eager_name), (apply_name, apply_ref)):
+        ref, donated = steppers[ref_name][1](), steppers[name][1]()
+        same = all(torch.equal(donated[k], ref[k]) for k in shapes)
+        print(f"params of {name} equal to {ref_name}'s bit for bit: {same}")
 
 
 if __name__ == "__main__":

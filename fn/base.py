@@ -497,11 +497,12 @@ def update_and_apply(
         updates, state = tx.update(updates, state, params, donate=donate, **extra)
         params = fn.apply_updates(params, updates, donate=True)
 
-    bit for bit (one exception: a param of ``-0.0`` whose step is exactly zero may stay ``-0.0``
-    where the two calls give ``+0.0``; the values are equal), with one pass over the params where
-    ``tx`` has a fused step: ``fn.adam`` and
-    ``fn.adamw`` where their fused kernel runs (see :func:`fn.adam`) write the new params and
-    moments directly, reading the params, gradients and moments once as
+    bit for bit (two exceptions: a param of ``-0.0`` whose step is exactly zero may stay ``-0.0``
+    where the two calls give ``+0.0``, the values being equal; ``fn.adamw``'s fused step gives
+    ``torch.optim.AdamW(fused=True)``'s params, those of the two calls wherever a step moves a
+    param by less than half of it), with one pass over the params where ``tx`` has a fused step:
+    ``fn.adam`` and ``fn.adamw`` where their fused kernel runs (see :func:`fn.adam`) write the
+    new params and moments directly, reading the params, gradients and moments once as
     ``torch.optim.Adam(fused=True)`` does, instead of writing the updates and reading them back;
     ``fn.onebit_adam``'s donated compressed updates (several ranks, fp32 params) add the Adam
     direction to the params in the pass that writes the new momentum

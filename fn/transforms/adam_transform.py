@@ -1,17 +1,22 @@
-"""Adam: the bias-corrected adaptive-moment preconditioner and the Adam/AdamW optimizers."""
+"""Adam: the bias-corrected adaptive-moment preconditioner and the Adam/AdamW optimizers.
+
+The definition is :func:`adam_leaf`, one leaf's step; the foreach loop and the fused kernel
+compute it over all leaves (the fused kernel with its own rounding, see :func:`adam`). The
+donated updates and the fast steps of :func:`fn.update_and_apply` are in
+``fn.transforms._adam_steps``.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
-import threading
 from typing import Literal, NamedTuple, get_args
 
 import torch
 
 from fn.base import GradientTransformation, apply_updates, chain, donated_state, split_donated
 from fn.errors import check_betas, check_nonnegative, check_shapes
-from fn.kernels._cpu import adamw_step_runs
-from fn.kernels._table import kernel as device_kernel
+from fn.transforms import _adam_steps as steps
 from fn.transforms._learning_rate import learning_rate_now
 from fn.transforms._leaves import device_of
 from fn.transforms.learning_rate import (
@@ -22,7 +27,6 @@ from fn.transforms.learning_rate import (
 from fn.transforms.weight_decay import add_decayed_weights
 from fn.tree import (
     PyTree,
-    buffer_like,
     can_donate,
     donated_leaves,
     foreach_blocker,
@@ -41,6 +45,41 @@ class ScaleByAdamState(NamedTuple):
     count: torch.Tensor  # [] int64: updates made so far
     mu: PyTree  # like params: first moment m
     nu: PyTree  # like params: second moment v
+
+
+def adam_leaf(m, v, g, b1, b2, eps, bc1=None, bc2_sqrt=None):
+    """One leaf's Adam step: the new moments ``m``, ``v`` and the update ``u`` for the update
+    ``g``, with the bias corrections ``bc1 = 1 - b1^t``, ``bc2_sqrt = sqrt(1 - b2^t)`` (``None``
+    without bias correction)::
+
+        m = lerp(m, g, 1 - b1)                      # b1 m + (1 - b1) g
+        v = v * b2 + (1 - b2) g g
+        u = m / (sqrt(v) * (bc1 / bc2_sqrt) + bc1 eps)   # (m / bc1) / (sqrt(v / bc2^2) + eps)
+        u = m / (sqrt(v) + eps)                     # without bias correction
+
+    The ops and rounding of ``torch.optim.Adam(foreach=True)``; the foreach loop and the
+    donated steps compute exactly these values."""
+    m = torch.lerp(m, g, 1.0 - b1)
+    v = torch.addcmul(v * b2, g, g, value=1.0 - b2)
+    if bc1 is None:
+        return m, v, m / (v.sqrt() + eps)
+    return m, v, m / (v.sqrt() * (bc1 / bc2_sqrt)).add_(bc1 * eps)
+
+
+def _adam_foreach(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt):
+    """:func:`adam_leaf` on all leaves with one ``torch._foreach_*`` call per op (eager, plain
+    tensors); the same values."""
+    new_ms = torch._foreach_lerp(ms, gs, 1.0 - b1)
+    new_vs = torch._foreach_mul(vs, b2)
+    torch._foreach_addcmul_(new_vs, gs, gs, value=1.0 - b2)
+    us = torch._foreach_sqrt(new_vs)
+    return new_ms, new_vs, steps.adam_direction_(us, new_ms, eps, bc1, bc2_sqrt)
+
+
+def _adam_leafwise(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt):
+    """:func:`adam_leaf` leaf by leaf (vmap, autograd, torch.compile): ``(ms, vs, us)``."""
+    stepped = [adam_leaf(*mvg, b1, b2, eps, bc1, bc2_sqrt) for mvg in zip(ms, vs, gs, strict=True)]
+    return [s[0] for s in stepped], [s[1] for s in stepped], [s[2] for s in stepped]
 
 
 def scale_by_adam(
@@ -88,19 +127,20 @@ def scale_by_adam(
         count = torch.zeros((), dtype=torch.int64, device=device_of(params))
         return ScaleByAdamState(count, tree_zeros_like(params), tree_zeros_like(params))
 
+    def moments_step(ms, vs, gs, ps, count, donated):
+        del ps
+        bc1 = bc2_sqrt = None
+        if bias_correction:
+            bc1, bc2_sqrt = _bias_correction(b1, count), _bias_correction(b2, count).sqrt()
+        foreach = foreach_ok(*ms, *vs, *gs, count)
+        if donated is not None and can_donate(*ms, *vs, *gs):
+            step = steps.adam_foreach_donated if foreach else steps.adam_leafwise_donated
+            return step(ms, vs, gs, *donated, b1, b2, eps, bc1, bc2_sqrt)
+        step = _adam_foreach if foreach else _adam_leafwise
+        return step(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt)
+
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         del params, extra
-
-        def moments_step(ms, vs, gs, ps, count, donated):
-            del ps
-            if bias_correction:
-                bc1 = _bias_correction(b1, count)
-                bc2_sqrt = _bias_correction(b2, count).sqrt()
-            else:
-                bc1 = bc2_sqrt = None
-            step = _adam_foreach if foreach_ok(*ms, *vs, *gs, count) else _adam_leafwise
-            return step(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt, donated)
-
         donated = donated_state(donate, state)
         return _step_live_leaves("scale_by_adam", updates, state, moments_step, None, donated)
 
@@ -141,103 +181,12 @@ def _step_live_leaves(name, updates, state, moments_step, params=None, donated=N
     return tree_unflatten(out, spec), ScaleByAdamState(count, mu, nu)
 
 
-def _adam_leafwise(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt, donated=None):
-    """New moments and updates, leaf by leaf (vmap, autograd, torch.compile), with the ops and
-    rounding of :func:`_adam_foreach`: ``m / (sqrt(v) * (bc1 / bc2_sqrt) + bc1 * eps)``. The
-    in-place steps only touch fresh temporaries that autograd does not save, or donated
-    buffers (``donated``: see :func:`_step_live_leaves`)."""
-    if donated is not None and can_donate(*ms, *vs, *gs):
-        return _adam_leafwise_donated(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt, *donated)
-    new_ms = [torch.lerp(m, g, 1.0 - b1) for m, g in zip(ms, gs, strict=True)]
-    new_vs = [torch.addcmul(v * b2, g, g, value=1.0 - b2) for v, g in zip(vs, gs, strict=True)]
-    if bc1 is None:
-        us = [m / (v.sqrt() + eps) for m, v in zip(new_ms, new_vs, strict=True)]
-    else:
-        scale, shift = bc1 / bc2_sqrt, bc1 * eps
-        us = [m / (v.sqrt() * scale).add_(shift) for m, v in zip(new_ms, new_vs, strict=True)]
-    return new_ms, new_vs, us
-
-
-def _adam_leafwise_donated(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt, dms, dvs):
-    """:func:`_adam_leafwise` into the donated moments (where they fit) and the updates' own
-    tensors: the same ops, written with ``out=`` and in place."""
-    new_ms, new_vs = [], []
-    for m, v, g, dm, dv in zip(ms, vs, gs, dms, dvs, strict=True):
-        new_ms.append(torch.lerp(m, g, 1.0 - b1, out=buffer_like(dm, m)))
-        new_v = torch.mul(v, b2, out=buffer_like(dv, v))
-        new_vs.append(new_v.addcmul_(g, g, value=1.0 - b2))
-    us = []
-    for m, v, g in zip(new_ms, new_vs, gs, strict=True):
-        u = torch.sqrt(v, out=g)  # the gradient is read: its tensor takes the update
-        if bc1 is None:
-            u.add_(eps)
-        else:
-            u.mul_(bc1 / bc2_sqrt).add_(bc1 * eps)
-        us.append(torch.div(m, u, out=u))
-    return new_ms, new_vs, us
-
-
-def _adam_foreach(ms, vs, gs, b1, b2, eps, bc1, bc2_sqrt, donated=None):
-    """:func:`_adam_leafwise` with one ``torch._foreach_*`` call per op over all leaves (eager,
-    plain tensors); same ops and rounding. The in-place ops only touch fresh outputs, or donated
-    buffers: the moments copied into the donated ones (none to copy in place), the update into
-    the gradient's tensor once the moments have read it."""
-    if donated is not None and can_donate(*ms, *vs, *gs):
-        new_ms, new_vs = (_donated_copies(*pair) for pair in zip((ms, vs), donated, strict=True))
-        torch._foreach_lerp_(new_ms, gs, 1.0 - b1)
-        torch._foreach_mul_(new_vs, b2)
-        torch._foreach_addcmul_(new_vs, gs, gs, value=1.0 - b2)
-        us = gs
-        torch._foreach_copy_(us, new_vs)
-        torch._foreach_sqrt_(us)
-    else:
-        new_ms = torch._foreach_lerp(ms, gs, 1.0 - b1)
-        new_vs = torch._foreach_mul(vs, b2)
-        torch._foreach_addcmul_(new_vs, gs, gs, value=1.0 - b2)
-        us = torch._foreach_sqrt(new_vs)
-    if bc1 is None:
-        torch._foreach_add_(us, eps)
-    else:
-        # sqrt(v) / bc2_sqrt + eps, scaled by bc1 so that m needs no division by bc1.
-        torch._foreach_mul_(us, bc1 / bc2_sqrt)
-        torch._foreach_add_(us, bc1 * eps)
-    for m, u in zip(new_ms, us, strict=True):
-        torch.div(m, u, out=u)
-    return new_ms, new_vs, us
-
-
-def _donated_copies(xs, donated):
-    """``xs`` copied into the donated tensors (a new tensor where one does not fit; no copy
-    where it is the same tensor)."""
-    outs = [buffer_like(d, x) for x, d in zip(xs, donated, strict=True)]
-    pairs = [(o, x) for o, x in zip(outs, xs, strict=True) if o is not x]
-    if pairs:
-        torch._foreach_copy_([o for o, _ in pairs], [x for _, x in pairs])
-    return outs
-
-
 def _bias_correction(beta: float, count: torch.Tensor) -> torch.Tensor:
     """``1 - beta**count`` as fp32, computed as ``-expm1(count * log(beta))``: the direct form
     cancels catastrophically in fp32 (``1 - 0.999**1`` keeps only ~4 significant digits)."""
     if beta == 0.0:
         return torch.ones_like(count, dtype=torch.float32)
     return -torch.expm1(count.to(torch.float32) * math.log(beta))
-
-
-def _update_functions(step):
-    """``(update_fn, fast_step)`` of a transform whose update and fast step are one
-    ``step(updates, state, params, donate, extra, apply)`` (``extra``: a dict of the other
-    keywords, which ``step`` may change): ``update_fn`` runs it with ``apply=False`` and returns
-    ``(updates, state)``; ``fast_step`` runs it with ``apply=True`` and returns ``(params,
-    state)``, the params updated in place."""
-
-    def update_fn(updates, state, params=None, *, donate=None, **extra):
-        return step(updates, state, params, donate, extra, apply=False)
-
-    def fast_step(updates, state, params, *, donate, **extra):
-        return step(updates, state, params, donate, extra, apply=True)
-
-    return update_fn, fast_step
 
 
 Implementation = Literal["auto", "fused", "foreach", "chain"]
@@ -255,64 +204,80 @@ def _scale_by_adam_then_lr(
     """``chain(scale_by_adam(*betas, eps), scale_by_learning_rate(lr, decoupled_weight_decay=
     ...))`` with the same state, run by ``implementation`` (the choices: :func:`adam`). The
     fused path is one ``torch._fused_adam_`` / ``torch._fused_adamw_`` call (see
-    :func:`_fused_adam_step`): one pass over the moments instead of six. Without decay,
+    :func:`_fused_update`): one pass over the moments instead of six. Without decay,
     ``params + update`` then equals ``torch.optim.Adam(fused=True)``'s new params bit for bit
     (for a learning rate representable in fp32, as the state stores it); with decoupled decay it
     equals ``torch.optim.AdamW(fused=True)``'s wherever a step moves a param by less than half
-    of it.
+    of it. The fast step (:func:`fn.update_and_apply`) is :func:`_fused_apply` where the
+    kernel runs, else the chain's update and ``apply_updates``.
     """
     if implementation not in _IMPLEMENTATIONS:
         choices = ", ".join(repr(c) for c in _IMPLEMENTATIONS)
         raise ValueError(f"{name}: implementation must be one of {choices}, got {implementation!r}")
-    moments = scale_by_adam(*betas, eps)
-    step_size = scale_by_learning_rate(lr, decoupled_weight_decay=decoupled_weight_decay)
-    chained = chain(moments, step_size)
-    b1, b2 = (float(b) for b in betas)
+    chained = chain(
+        scale_by_adam(*betas, eps),
+        scale_by_learning_rate(lr, decoupled_weight_decay=decoupled_weight_decay),
+    )
+    hyper = (float(betas[0]), float(betas[1]), eps, decoupled_weight_decay)
+    decoupled = decoupled_weight_decay != 0.0
 
     def cannot_run(reason):
         return RuntimeError(f"{name}: implementation={implementation!r} cannot run: {reason}")
 
-    def unfused(updates, state, params, extra):
+    def unfused(updates, state, params, donate, extra):
+        if donate is not None:
+            extra["donate"] = donate
         if implementation == "chain":
             return per_leaf(chained.update, updates, state, params, **extra)
         if implementation == "foreach":
             moments_state, lr_state = state
-            decayed = params if decoupled_weight_decay != 0.0 else None
+            decayed = params if decoupled else None
             reason = foreach_blocker(*tree_leaves((updates, moments_state, lr_state, decayed)))
             if reason is not None:
                 raise cannot_run(reason)
         return chained.update(updates, state, params, **extra)
 
-    def step(updates, state, params, donate, extra, apply):
-        """``update_fn``, or with ``apply`` the step of :func:`fn.update_and_apply`: the params
-        updated in place and returned in place of the updates."""
-        if donate is not None:
-            extra["donate"] = donate
-        fused = None
-        if implementation in ("auto", "fused"):
-            moments_state, lr_state = state
-            reason = foreach_blocker(lr_state.count, lr_state.lr)
-            if reason is None:
-                current = learning_rate_now(lr, lr_state.count, lr_state.lr)
-                moments_step = _fused_adam_step(
-                    b1, b2, eps, current, decoupled_weight_decay, cannot_run,
-                    implementation == "fused", apply,
-                )  # fmt: skip
-                donated = split_donated(name, donated_state(donate, state), 2)[0]
-                donated = donated_state(donated, moments_state)
-                read = params if apply or decoupled_weight_decay != 0.0 else None
-                fused = _step_live_leaves(name, updates, moments_state, moments_step, read, donated)
-            elif implementation == "fused":
-                raise cannot_run(reason)
-        if fused is None:
-            updates, state = unfused(updates, state, params, extra)
-            return (apply_updates(params, updates, donate=True) if apply else updates), state
-        updates, moments_state = fused
-        state = (moments_state, ScaleByLearningRateState(lr_state.count + 1, current))
-        return (params if apply else updates), state
+    def fused(moments_step, updates, state, params, donate):
+        if implementation not in ("auto", "fused"):
+            return None
+        required = cannot_run if implementation == "fused" else None
+        run = functools.partial(moments_step, hyper)
+        return _fused_step(name, lr, required, run, updates, state, params, donate)
 
-    update_fn, fast_step = _update_functions(step)
+    def update_fn(updates, state, params=None, *, donate=None, **extra):
+        read = params if decoupled else None
+        stepped = fused(_fused_update, updates, state, read, donate)
+        return stepped if stepped is not None else unfused(updates, state, params, donate, extra)
+
+    def fast_step(updates, state, params, *, donate, **extra):
+        stepped = fused(_fused_apply, updates, state, params, donate)
+        if stepped is not None:
+            return params, stepped[1]
+        updates, state = unfused(updates, state, params, donate, extra)
+        return apply_updates(params, updates, donate=True), state
+
     return GradientTransformation(chained.init, update_fn, fast_step)
+
+
+def _fused_step(name, lr, cannot_run, moments_step, updates, state, params, donate):
+    """``(updates, state)`` of :func:`_scale_by_adam_then_lr` from the fused
+    ``moments_step(lr, cannot_run, ms, vs, gs, ps, count, donated)`` (:func:`_fused_update` or
+    :func:`_fused_apply`) run on the live leaves at the state's learning rate, or ``None`` where
+    it cannot run (``cannot_run(reason)`` is raised instead where given)."""
+    moments_state, lr_state = state
+    reason = foreach_blocker(lr_state.count, lr_state.lr)
+    if reason is not None:
+        if cannot_run is not None:
+            raise cannot_run(reason)
+        return None
+    current = learning_rate_now(lr, lr_state.count, lr_state.lr)
+    donated = split_donated(name, donated_state(donate, state), 2)[0]
+    donated = donated_state(donated, moments_state)
+    run = functools.partial(moments_step, current, cannot_run)
+    stepped = _step_live_leaves(name, updates, moments_state, run, params, donated)
+    if stepped is None:
+        return None
+    return stepped[0], (stepped[1], ScaleByLearningRateState(lr_state.count + 1, current))
 
 
 # Devices and dtypes where fn uses torch._fused_adam_ (torch.optim.Adam(fused=True)'s kernel);
@@ -343,162 +308,71 @@ def _fused_blocker(operands, count, lr):
     return None
 
 
-def _fused_adam_step(b1, b2, eps, lr, weight_decay, cannot_run, required, apply=False):
-    """A ``moments_step`` for :func:`_step_live_leaves` computing the new moments and the update
-    ``-lr * m_hat / (sqrt(v_hat) + eps)`` (with ``weight_decay``: AdamW's
-    ``-lr * wd * p - lr * m_hat / (sqrt(v_hat) + eps)``) with one ``torch._fused_adam_`` or
-    ``torch._fused_adamw_`` call. Where the kernel cannot run (:func:`_fused_blocker`) it returns
-    ``None`` (the caller falls back), or raises ``cannot_run(reason)`` when ``required``. It
-    also returns ``None`` when there is nothing to compute (no leaf has an update) and when
-    AdamW lacks params (the fall-back chain raises that error).
+def _fused_kernel(hyper, lr, cannot_run, operands, count):
+    """``run(ps, gs, ms, vs)``: one ``torch._fused_adam_`` call (``torch._fused_adamw_`` with
+    decay) at step ``count`` updating ``ps``, ``ms`` and ``vs`` in place, or ``None`` where
+    the kernel cannot run on ``operands`` (:func:`_fused_blocker`; ``cannot_run(reason)`` is
+    raised instead where given)."""
+    reason = _fused_blocker(operands, count, lr)
+    if reason is not None:
+        if cannot_run is not None:
+            raise cannot_run(reason)
+        return None
+    b1, b2, eps, weight_decay = hyper
+    kernel = torch._fused_adam_ if weight_decay == 0.0 else torch._fused_adamw_
+    step = count.to(torch.float32)  # the CUDA kernel reads steps as fp32
+
+    def run(ps, gs, ms, vs):
+        kernel(
+            ps, gs, ms, vs, [], [step] * len(gs), lr=lr, beta1=b1, beta2=b2,
+            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+        )  # fmt: skip
+
+    return run
+
+
+def _fused_update(hyper, lr, cannot_run, ms, vs, gs, ps, count, donated):
+    """A ``moments_step`` for :func:`_step_live_leaves`: the new moments and the update
+    ``-lr * m_hat / (sqrt(v_hat) + eps)`` (with decay: AdamW's ``-lr * wd * p - lr * m_hat /
+    (sqrt(v_hat) + eps)``) from one fused kernel call, or ``None`` where there is nothing to
+    compute, the kernel cannot run (the caller falls back) or AdamW lacks params (the
+    fall-back chain raises that error).
 
     The kernel updates params and moments in place, so it runs on fresh copies of the moments
     and of a "param": zeros for Adam, whose result ``0 - step`` is the update (``p + update`` is
     then the kernel's ``p - step`` exactly), or a copy ``p'`` of the params for AdamW, whose
     update is ``p' - p`` (exact, and so is ``p + update``, wherever ``p' / p`` lies in
-    [1/2, 2]).
-
-    With ``apply`` (donated state only, see :func:`fn.update_and_apply`) it adds the update to
-    the params in place and returns ``None`` updates: fp32/fp64 Adam runs the kernel on the
-    params themselves (``p - step``, the value of ``p + (0 - step)``), fp32/fp64 AdamW on the
-    CPU runs :func:`fn.kernels.adamw_step` (one pass computing ``p + (p' - p)``) where its C
-    kernel runs, the rest goes through the workspace of :func:`_fused_in_pieces` (no
-    full-size copy, unlike the kernel's reference)."""
-
-    def moments_step(ms, vs, gs, ps, count, donated):
-        if weight_decay == 0.0 and not apply:
-            operands = (*ms, *vs, *gs)
-        elif ps is None or any(p is None for p in ps):
-            return None
-        else:
-            operands = (*ms, *vs, *gs, *ps)
-        if not gs:
-            return None
-        reason = _fused_blocker(operands, count, lr)
-        if reason is not None:
-            if required:
-                raise cannot_run(reason)
-            return None
-        kernel = torch._fused_adam_ if weight_decay == 0.0 else torch._fused_adamw_
-        step = count.to(torch.float32)  # the CUDA kernel reads steps as fp32
-
-        def run(us, gs, ms, vs):
-            kernel(
-                us, gs, ms, vs, [], [step] * len(gs), lr=lr, beta1=b1, beta2=b2,
-                weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
-            )  # fmt: skip
-
-        decoupled = weight_decay != 0.0
-        if apply and donated is None:  # nothing fits: the new moments are new tensors
-            donated = ([None] * len(gs), [None] * len(gs))
-        if apply and decoupled and gs[0].is_cpu and adamw_step_runs(gs[0].dtype, b1):
-            new_ms, new_vs = (
-                [buffer_like(d, x) for x, d in zip(xs, ds, strict=True)]
-                for xs, ds in zip((ms, vs), donated, strict=True)
-            )
-            # the table's kernel without fn.kernels.adamw_step's checks: _fused_blocker did them
-            device_kernel("cpu", "adamw_step")(
-                ps, gs, ms, vs, new_ms, new_vs, float(step), float(lr), b1, b2, eps, weight_decay
-            )
-            return new_ms, new_vs, [None] * len(gs)
-        if apply and not decoupled and gs[0].dtype in (torch.float32, torch.float64):
-            new_ms, new_vs = (
-                _donated_copies(*pair) for pair in zip((ms, vs), donated, strict=True)
-            )
-            run(ps, gs, new_ms, new_vs)
-            return new_ms, new_vs, [None] * len(gs)
-        if apply or (donated is not None and can_donate(*gs)):
-            return _fused_in_pieces(run, ms, vs, gs, ps, *donated, decoupled=decoupled, apply=apply)
-        new_ms = [m.clone() for m in ms]
-        new_vs = [v.clone() for v in vs]
-        us = [torch.zeros_like(g) for g in gs] if weight_decay == 0.0 else [p.clone() for p in ps]
-        run(us, gs, new_ms, new_vs)
-        if weight_decay != 0.0:
-            torch._foreach_sub_(us, ps)
-        return new_ms, new_vs, us
-
-    return moments_step
+    [1/2, 2]). Donated, the same values go into the donated moments and the gradients' tensors
+    (``fn.transforms._adam_steps.fused_into_gradients``)."""
+    decoupled = hyper[3] != 0.0
+    if not gs or (decoupled and (ps is None or any(p is None for p in ps))):
+        return None
+    operands = (*ms, *vs, *gs, *ps) if decoupled else (*ms, *vs, *gs)
+    run = _fused_kernel(hyper, lr, cannot_run, operands, count)
+    if run is None:
+        return None
+    if donated is not None and can_donate(*gs):
+        return steps.fused_into_gradients(run, ms, vs, gs, ps, *donated, decoupled)
+    new_ms, new_vs = [m.clone() for m in ms], [v.clone() for v in vs]
+    us = [p.clone() for p in ps] if decoupled else [torch.zeros_like(g) for g in gs]
+    run(us, gs, new_ms, new_vs)
+    if decoupled:
+        torch._foreach_sub_(us, ps)
+    return new_ms, new_vs, us
 
 
-# The donated fused step runs the kernel on pieces of at most _PIECE elements of each leaf, up to
-# _WORKSPACE elements per call, with a per-thread workspace of _WORKSPACE elements per dtype and
-# device (4 MiB in fp32) taking the "param" that the kernel updates in place: small enough to stay
-# in cache, so each piece's update is copied into the gradient's tensor (or added to the param)
-# at cache speed. Pieces start at multiples of _PIECE in their leaf, so the kernel splits every
-# leaf into vectors and a scalar tail where it does without pieces: the same bits.
-_PIECE = 1 << 18
-_WORKSPACE = 1 << 20
-_workspaces = threading.local()
-
-
-def _workspace(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """This thread's workspace of ``_WORKSPACE`` elements for ``dtype`` on ``device``."""
-    cache = _workspaces.__dict__.setdefault("buffers", {})
-    buffer = cache.get((dtype, device))
-    if buffer is None or buffer.numel() < _WORKSPACE:
-        buffer = cache[(dtype, device)] = torch.empty(_WORKSPACE, dtype=dtype, device=device)
-    return buffer
-
-
-def _batches(gs):
-    """The pieces ``(leaf, start, stop)`` of the leaves ``gs``, ``_PIECE`` elements at most and
-    starting at multiples of it, grouped into batches of at most ``_WORKSPACE`` elements."""
-    batch, size = [], 0
-    for i, g in enumerate(gs):
-        for start in range(0, g.numel(), _PIECE):
-            stop = min(g.numel(), start + _PIECE)
-            if size + stop - start > _WORKSPACE:
-                yield batch
-                batch, size = [], 0
-            batch.append((i, start, stop))
-            size += stop - start
-    if batch:
-        yield batch
-
-
-def _piece(t, start, stop):
-    """Elements ``start:stop`` of the contiguous ``t``: ``t`` itself when that is all of it."""
-    return t if stop - start == t.numel() else t.view(-1)[start:stop]
-
-
-def _fused_in_pieces(run, ms, vs, gs, ps, dms, dvs, *, decoupled, apply):
-    """The fused step of :func:`_fused_adam_step` without a full-size temporary: the new
-    moments in the donated ones (in place where they are the same tensors; copied piece by
-    piece into the others; new tensors where none fits), the updates in the gradients' tensors
-    (read by the kernel first), or, with ``apply``, added to the params ``ps`` in place (the
-    gradients only read; the updates returned are ``None``). ``run(us, gs, ms, vs)`` calls the
-    kernel; ``decoupled``: AdamW (the kernel's "param" starts as a copy of the params and the
-    update is ``p' - p``), else Adam (it starts at zero and the update is ``0 - step``)."""
-    new_ms = [buffer_like(d, m) for m, d in zip(ms, dms, strict=True)]
-    new_vs = [buffer_like(d, v) for v, d in zip(vs, dvs, strict=True)]
-    workspace = _workspace(gs[0].dtype, gs[0].device)
-    for batch in _batches(gs):
-        g, m, v = ([_piece(x[i], a, b) for i, a, b in batch] for x in (gs, new_ms, new_vs))
-        moved = [
-            (_piece(new[i], a, b), _piece(old[i], a, b))
-            for new, old in ((new_ms, ms), (new_vs, vs))
-            for i, a, b in batch
-            if new[i] is not old[i]
-        ]
-        if moved:
-            torch._foreach_copy_([n for n, _ in moved], [o for _, o in moved])
-        size = sum(b - a for _, a, b in batch)
-        sizes = [x.numel() for x in g]
-        work = [w.view_as(x) for w, x in zip(workspace[:size].split(sizes), g, strict=True)]
-        if decoupled or apply:
-            p = [_piece(ps[i], a, b) for i, a, b in batch]
-        if decoupled:
-            torch._foreach_copy_(work, p)
-        else:
-            workspace[:size].zero_()
-        run(work, g, m, v)
-        if decoupled:
-            torch._foreach_sub_(work, p)
-        if apply:
-            torch._foreach_add_(p, work)
-        else:
-            torch._foreach_copy_(g, work)
-    return new_ms, new_vs, ([None] * len(gs) if apply else list(gs))
+def _fused_apply(hyper, lr, cannot_run, ms, vs, gs, ps, count, donated):
+    """The fast step's ``moments_step`` for :func:`_step_live_leaves`: the fused kernel's step
+    added to the params in place (``fn.transforms._adam_steps.fused_onto_params``), the new
+    moments returned with ``None`` updates; ``None`` where :func:`_fused_update` is."""
+    if not gs or any(p is None for p in ps):
+        return None
+    run = _fused_kernel(hyper, lr, cannot_run, (*ms, *vs, *gs, *ps), count)
+    if run is None:
+        return None
+    dms, dvs = donated if donated is not None else ([None] * len(gs), [None] * len(gs))
+    new_ms, new_vs = steps.fused_onto_params(run, ms, vs, gs, ps, dms, dvs, hyper[3] != 0.0)
+    return new_ms, new_vs, [None] * len(gs)
 
 
 def adam(
@@ -579,23 +453,33 @@ def adam(
     """
     decay = add_decayed_weights(weight_decay)
     adam_then_lr = _scale_by_adam_then_lr("adam", lr, betas, eps, 0.0, implementation)
-    apply_adam_then_lr = adam_then_lr.fast_step
 
     def init_fn(params):
         return (decay.init(params), *adam_then_lr.init(params))
 
-    def step(updates, state, params, donate, extra, apply):
+    def decayed(updates, state, params, donate):
+        """The decayed updates, the decay's state and the donated rest of the state."""
         if len(state) != 3:
             raise ValueError(f"adam: expected a state of 3 entries, got {len(state)}")
         donated = split_donated("adam", donate, 3)
         updates, decay_state = decay.update(updates, state[0], params, donate=donated[0])
-        if donate is not None:
-            extra["donate"] = donate if isinstance(donate, bool) else tuple(donated[1:])
-        rest_step = apply_adam_then_lr if apply else adam_then_lr.update
-        out, rest = rest_step(updates, tuple(state[1:]), params, **extra)
-        return out, (decay_state, *rest)
+        rest = donate if donate is None or isinstance(donate, bool) else tuple(donated[1:])
+        return updates, decay_state, rest
 
-    update_fn, fast_step = _update_functions(step)
+    def update_fn(updates, state, params=None, *, donate=None, **extra):
+        updates, decay_state, donate = decayed(updates, state, params, donate)
+        if donate is not None:
+            extra["donate"] = donate
+        updates, rest = adam_then_lr.update(updates, tuple(state[1:]), params, **extra)
+        return updates, (decay_state, *rest)
+
+    def fast_step(updates, state, params, *, donate, **extra):
+        updates, decay_state, donate = decayed(updates, state, params, donate)
+        params, rest = adam_then_lr.fast_step(
+            updates, tuple(state[1:]), params, donate=donate, **extra
+        )
+        return params, (decay_state, *rest)
+
     return GradientTransformation(init_fn, update_fn, fast_step)
 
 
@@ -624,11 +508,11 @@ def adamw(
     for bit wherever a step moves a param by less than half of it), ``"foreach"`` and
     ``"chain"`` run the chain with foreach or per-leaf ops, and ``"auto"`` (the default) picks
     ``"fused"`` where it can run and the chain elsewhere. ``fn.update_and_apply`` runs the
-    update and ``apply_updates`` as one step that writes the params in place, reading and
-    writing the params and moments once: where the fused kernel runs, on fp32/fp64 CPU tensors
-    :func:`fn.kernels.adamw_step` (a C kernel computing torch's ``p'`` and ``p + (p' - p)`` in
-    one pass), else the fused kernel on a small workspace, ``p + (p' - p)`` computed there as
-    ``apply_updates`` does.
+    step in place, reading and writing the params and moments once: where the fused kernel
+    runs, it is ``torch._fused_adamw_`` on the params themselves, so the params are
+    ``torch.optim.AdamW(fused=True)``'s bit for bit, and those of ``update`` then
+    ``apply_updates`` wherever a step moves a param by less than half of it (elsewhere
+    ``p + (p' - p)`` rounds once more than ``p'``); else it is those two calls.
 
     Reference: Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
 

@@ -79,16 +79,10 @@ def trace(
         donated = donated_state(donate, state)
         if donated is not None and can_donate(*tree_leaves((updates, state))):
             return _trace_donated(updates, state, donated.trace, decay, nesterov, dampening)
-        if dampening == 0.0:
+        first = state.count == 0 if dampening != 0.0 else None
 
-            def step(b, g):
-                return torch.add(b * decay, g)
-
-        else:
-            first = state.count == 0
-
-            def step(b, g):
-                return torch.where(first, g, torch.add(b * decay, g, alpha=1.0 - dampening))
+        def step(b, g):
+            return trace_leaf(b, g, decay, dampening, first)
 
         new_trace = update_state_leaves("trace", step, state.trace, updates)
         if nesterov:
@@ -100,8 +94,18 @@ def trace(
     return GradientTransformation(init_fn, update_fn)
 
 
+def trace_leaf(b, g, decay, dampening=0.0, first=None):
+    """One leaf's momentum buffer after the update ``g``: ``b * decay + g``, or with
+    dampening ``b * decay + (1 - dampening) * g`` and ``g`` itself at the first update
+    (``first``: a 0-dim bool tensor). :func:`trace` returns it, or ``g + decay * b`` (Nesterov),
+    as the update."""
+    if dampening == 0.0:
+        return torch.add(b * decay, g)
+    return torch.where(first, g, torch.add(b * decay, g, alpha=1.0 - dampening))
+
+
 def _trace_donated(updates, state, donated, decay, nesterov, dampening):
-    """:func:`trace`'s update with the ops of the pure one written into the donated buffers
+    """:func:`trace`'s update with the ops of :func:`trace_leaf` written into the donated buffers
     (each new momentum into its donated leaf, where it fits) and the updates into their own
     tensors, so that no update is a tensor of the state."""
     b_leaves, spec = tree_flatten(state.trace)

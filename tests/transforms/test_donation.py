@@ -11,7 +11,7 @@ from torch.utils import _pytree as pytree
 
 import fn
 from fn.collectives import Local
-from fn.transforms import adam_transform as adam_module
+from fn.transforms import _adam_steps as adam_steps
 from tests._mirror import Mirror
 
 
@@ -75,8 +75,8 @@ def test_adam_donated_is_bit_identical(make, implementation, mode):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_fused_adam_in_pieces_is_bit_identical(monkeypatch, dtype):
     # pieces of 64 elements and calls of 256: leaves cut across pieces and calls
-    monkeypatch.setattr(adam_module, "_PIECE", 64)
-    monkeypatch.setattr(adam_module, "_WORKSPACE", 256)
+    monkeypatch.setattr(adam_steps, "_PIECE", 64)
+    monkeypatch.setattr(adam_steps, "_WORKSPACE", 256)
     for make in (fn.adam, fn.adamw):
         _run(
             make(lr=1e-2, implementation="fused"), _params([1000, 7, 300, 64, 129], dtype), "spare"
@@ -85,7 +85,7 @@ def test_fused_adam_in_pieces_is_bit_identical(monkeypatch, dtype):
 
 
 def test_fused_adam_leaf_larger_than_a_piece():
-    _run(fn.adam(lr=1e-3), _params([adam_module._PIECE * 2 + 37]), "spare", steps=3)
+    _run(fn.adam(lr=1e-3), _params([adam_steps._PIECE * 2 + 37]), "spare", steps=3)
 
 
 def test_adam_in_place_keeps_the_state_tensors():

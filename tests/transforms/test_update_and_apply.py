@@ -1,5 +1,7 @@
 """``fn.update_and_apply``: the params updated in place, bit for bit ``tx.update`` then
-``fn.apply_updates``; ``fn.adam``/``fn.adamw`` run their fused kernel on the params."""
+``fn.apply_updates``; ``fn.adam``/``fn.adamw`` run their fused kernel on the params (``fn.adamw``:
+bit for bit ``torch.optim.AdamW(fused=True)``, and the two calls wherever a step moves a param by
+less than half of it)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 import fn
+from fn.transforms import _adam_steps as adam_steps
 from fn.transforms import adam_transform as adam_module
 
 SIZES = [1000, 7, 300, 1, 129]
+LR = 2**-7  # AdamW's: exact in fp32, as the state stores it, so torch.optim.AdamW sees it too
 
 
 def _params(sizes, dtype=torch.float32):
@@ -28,17 +32,25 @@ def _same(a, b):
     return len(la) == len(lb) and all(torch.equal(x, y) for x, y in zip(la, lb, strict=True))
 
 
-def _run(tx, params, mode, steps=4, drop=None):
+def _run(tx, params, mode, steps=4, drop=None, adamw=None):
     """The pure loop and ``update_and_apply`` side by side (``drop``: a leaf without gradient);
-    asserts bit-identical states and params after every step, the params written in place."""
+    asserts bit-identical states and params after every step, the params written in place.
+    ``adamw``: ``(lr, weight_decay)`` of an ``fn.adamw`` whose fused kernel runs: its fast step
+    is ``torch.optim.AdamW(fused=True)``'s, so the params equal those bit for bit, and the pure
+    loop's wherever every step so far moved a param by less than half of it."""
     gen = torch.Generator().manual_seed(1)
     pure_params = {k: p.clone() for k, p in params.items()}
     tensors = dict(params)
     pure_state, state, spare = tx.init(params), tx.init(params), tx.init(params)
+    if adamw is not None:
+        reference = {k: p.clone().requires_grad_(True) for k, p in params.items()}
+        opt = torch.optim.AdamW(reference.values(), lr=adamw[0], weight_decay=adamw[1], fused=True)
+        small = {k: torch.ones_like(p, dtype=torch.bool) for k, p in params.items()}
     for t in range(1, steps + 1):
         grads = _grads(params, gen)
         if drop is not None:
             grads[drop] = None
+        old_params = pure_params
         pure_updates, pure_state = tx.update(dict(grads), pure_state, pure_params)
         pure_params = fn.apply_updates(pure_params, pure_updates)
         donated = {k: None if g is None else g.clone() for k, g in grads.items()}
@@ -49,33 +61,73 @@ def _run(tx, params, mode, steps=4, drop=None):
             spare, state = state, new_state
         assert all(params[k] is tensors[k] for k in params), "params not updated in place"
         assert _same(state, pure_state), f"states differ at step {t}"
-        assert _same(params, pure_params), f"params differ at step {t}"
+        if adamw is None:
+            assert _same(params, pure_params), f"params differ at step {t}"
+            continue
+        for k, p in reference.items():
+            p.grad = None if grads[k] is None else grads[k].clone()
+        opt.step()
+        assert _same(params, {k: p.detach() for k, p in reference.items()}), f"step {t}"
+        for k, p in params.items():
+            step = (pure_params[k] - old_params[k]).abs()
+            small[k] &= step < old_params[k].abs() / 2
+            assert torch.equal(p[small[k]], pure_params[k][small[k]]), f"{k} at step {t}"
 
 
 @pytest.mark.parametrize("mode", ["in place", "spare"])
 @pytest.mark.parametrize("implementation", ["auto", "fused", "foreach", "chain"])
 @pytest.mark.parametrize(
-    "make",
+    "make, adamw",
     [
-        lambda **kw: fn.adam(1e-2, **kw),
-        lambda **kw: fn.adam(1e-2, weight_decay=0.1, **kw),
-        lambda **kw: fn.adamw(1e-2, **kw),
-        lambda **kw: fn.adamw(0.5, weight_decay=0.9, **kw),  # steps of more than half a param
+        (lambda **kw: fn.adam(1e-2, **kw), None),
+        (lambda **kw: fn.adam(1e-2, weight_decay=0.1, **kw), None),
+        (lambda **kw: fn.adamw(LR, **kw), (LR, 1e-2)),
+        # steps of more than half a param
+        (lambda **kw: fn.adamw(0.5, weight_decay=0.9, **kw), (0.5, 0.9)),
     ],
     ids=["adam", "adam-l2", "adamw", "adamw-large-steps"],
 )
-def test_adam_family_equals_update_then_apply(make, implementation, mode):
-    _run(make(implementation=implementation), _params(SIZES), mode)
+def test_adam_family_equals_update_then_apply(make, adamw, implementation, mode):
+    fused = implementation in ("auto", "fused")  # else the fast step is update + apply_updates
+    _run(make(implementation=implementation), _params(SIZES), mode, adamw=adamw if fused else None)
+
+
+@pytest.mark.parametrize("mode", ["in place", "spare"])
+@pytest.mark.parametrize("implementation", ["auto", "fused", "foreach", "chain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(
+    "make, adamw",
+    [
+        (lambda **kw: fn.adam(LR, **kw), None),
+        (lambda **kw: fn.adam(LR, weight_decay=0.1, **kw), None),
+        (lambda **kw: fn.adamw(LR, **kw), (LR, 1e-2)),
+    ],
+    ids=["adam", "adam-l2", "adamw"],
+)
+def test_fast_step_over_shapes_dtypes_and_a_leaf_without_gradient(
+    make, adamw, dtype, implementation, mode
+):
+    # matrices, a 0-dim leaf and a leaf without gradient: the fast step against the pure rule
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(33, 17), (), (5,), (4, 3, 2), (1000,)]
+    params = {
+        f"p{i}": (torch.randn(s, generator=gen) * 0.5).to(dtype) for i, s in enumerate(shapes)
+    }
+    fused = implementation in ("auto", "fused")
+    _run(
+        make(implementation=implementation), params, mode, drop="p3", adamw=adamw if fused else None
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("mode", ["in place", "spare"])
 def test_fused_pieces_equal_update_then_apply(monkeypatch, dtype, mode):
     # pieces of 64 elements and calls of 256: leaves cut across pieces and calls
-    monkeypatch.setattr(adam_module, "_PIECE", 64)
-    monkeypatch.setattr(adam_module, "_WORKSPACE", 256)
-    for make in (fn.adam, fn.adamw):
-        _run(make(1e-2, implementation="fused"), _params([1000, 7, 300, 64, 129], dtype), mode)
+    monkeypatch.setattr(adam_steps, "_PIECE", 64)
+    monkeypatch.setattr(adam_steps, "_WORKSPACE", 256)
+    params = _params([1000, 7, 300, 64, 129], dtype)
+    _run(fn.adam(1e-2, implementation="fused"), params, mode)
+    _run(fn.adamw(LR, implementation="fused"), params, mode, adamw=(LR, 1e-2))
 
 
 def test_fused_kernel_writes_the_params(monkeypatch):
@@ -84,17 +136,21 @@ def test_fused_kernel_writes_the_params(monkeypatch):
         raise AssertionError("apply_updates called")
 
     monkeypatch.setattr(adam_module, "apply_updates", refuse)
-    for tx in (fn.adam(1e-2), fn.adam(1e-2, weight_decay=0.1), fn.adamw(1e-2)):
-        _run(tx, _params(SIZES), "in place", steps=2)
-        _run(tx, _params(SIZES, torch.bfloat16), "spare", steps=2)
+    for tx, adamw in (
+        (fn.adam(1e-2), None),
+        (fn.adam(1e-2, weight_decay=0.1), None),
+        (fn.adamw(LR), (LR, 1e-2)),
+    ):
+        _run(tx, _params(SIZES), "in place", steps=2, adamw=adamw)
+        _run(tx, _params(SIZES, torch.bfloat16), "spare", steps=2, adamw=adamw)
         with torch.no_grad():  # a model's params, outside autograd
             leaves = {k: p.requires_grad_(True) for k, p in _params(SIZES).items()}
-            _run(tx, leaves, "in place", steps=2)
+            _run(tx, leaves, "in place", steps=2, adamw=adamw)
 
 
 def test_a_leaf_without_gradient_keeps_its_param_and_moments():
     _run(fn.adam(1e-2), _params(SIZES), "in place", drop="p1")
-    _run(fn.adamw(1e-2), _params(SIZES), "spare", drop="p2")
+    _run(fn.adamw(LR), _params(SIZES), "spare", drop="p2", adamw=(LR, 1e-2))
 
 
 @pytest.mark.parametrize(
