@@ -614,15 +614,15 @@ def quantized_reduce_scatter(
 def quantized_reduce_scatter_into(
     output_tensor: torch.Tensor,
     input_tensor: torch.Tensor,
+    errors: Sequence[torch.Tensor | None] = (),
+    error_outs: Sequence[torch.Tensor] = (),
     *,
     comm: Comm,
     bits: int = 4,
     group_size: int = 128,
     local_world_size: int | None = None,
-    scale: float = 1.0,
-    errors: Sequence[torch.Tensor | None] = (),
-    error_outs: Sequence[torch.Tensor] = (),
     err_beta: float = 0.0,
+    scale: float = 1.0,
 ) -> None:
     """``torch.distributed.reduce_scatter_tensor`` sent quantized (ZeRO++ qgZ), in place, with
     optional LoCo error feedback.
@@ -645,15 +645,15 @@ def quantized_reduce_scatter_into(
     Args:
         output_tensor: ``[m]`` values of any floating dtype, written last.
         input_tensor: ``[W * m]`` floating-point values.
+        errors: per hop, this rank's fp32 error ``[W * p]`` (the second hop ``[W * p / L]``),
+            ``None`` for zero; ``()``: zero errors.
+        error_outs: per hop, where the new error goes (same shapes), or ``()`` for none.
         comm: the communicator.
         bits: 4 or 8.
         group_size: values per quantization group (even).
         local_world_size: ranks per node for the two-hop mode, or ``None`` for one hop.
-        scale: the factor of the mean (``W`` for the sum).
-        errors: per hop, this rank's fp32 error ``[W * p]`` (the second hop ``[W * p / L]``),
-            ``None`` for zero; ``()``: zero errors.
-        error_outs: per hop, where the new error goes (same shapes), or ``()`` for none.
         err_beta: LoCo's error decay ``beta``.
+        scale: the factor of the mean (``W`` for the sum).
 
     Raises:
         ValueError: ``input_tensor`` is not ``W`` rows of ``output_tensor``'s size, a bad

@@ -114,17 +114,21 @@ def quantized_all_gather(
         ``{fqn: QuantizedAllGather}`` (``"<root>"`` for ``module`` itself).
 
     Raises:
-        ValueError: no FSDP2 module under ``module``, or a bad argument.
+        ValueError: no FSDP2 module under ``module``, or ``bits`` / ``group_size`` out of
+            range (as :class:`QuantizedAllGather`).
 
     Example:
+        ZeRO++'s qwZ and qgZ together:
+
         >>> import torch.distributed as dist
         >>> from torch.distributed.device_mesh import init_device_mesh
         >>> from torch.distributed.fsdp import fully_shard
-        >>> from fn.fsdp import quantized_all_gather
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         >>> model = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,)))
-        >>> list(quantized_all_gather(model, bits=8, group_size=8))
-        ['<root>']
+        >>> gathers = fn.fsdp.quantized_all_gather(model, bits=8, group_size=8)  # qwZ
+        >>> handle = fn.fsdp.loco_reduce_scatter(model, bits=4, group_size=8)  # qgZ
+        >>> list(gathers), list(handle.reduce_scatters)
+        (['<root>'], ['<root>'])
         >>> dist.destroy_process_group()
     """
     comm_for = CommCache(None)
