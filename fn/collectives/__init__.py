@@ -18,7 +18,10 @@ Collectives: ``dense_allreduce`` (the fp32 baseline, as a transform), ``compress
 ``onebit_allreduce`` (error-compensated 1-bit, ~1/32 of the fp32 traffic),
 ``quantized_allreduce`` / ``loco_allreduce`` / ``quantized_reduce_scatter`` (blockwise 4/8-bit,
 LoCo error feedback, optional two-hop mode). Their error-feedback buffers are marked by type
-(``ErrorFeedback``, ``ErrorFeedbackField``; see ``error_feedback.py``).
+(``ErrorFeedback``, ``ErrorFeedbackField``; see ``error_feedback.py``). In-place forms, as plain
+functions in ``torch.distributed``'s flat layout: ``quantized_reduce_scatter_into`` (with LoCo
+error buffers the caller keeps) and ``quantized_all_gather_into`` (what ``fn.fsdp`` installs in
+FSDP2).
 """
 
 import torch
@@ -39,14 +42,9 @@ from fn.collectives.onebit import (
 )
 from fn.collectives.process_exit import exit_distributed
 from fn.collectives.process_group import CollectiveTimeoutError, ProcessGroup
-from fn.collectives.quantized import (
-    LocoAllreduceState,
-    QuantizedError,
-    loco_allreduce,
-    quantized_allreduce,
-    quantized_padded_numel,
-    quantized_reduce_scatter,
-)
+from fn.collectives.quantized import *  # noqa: F403
+from fn.collectives.quantized import LocoAllreduceState, QuantizedError
+from fn.collectives.quantized import __all__ as _quantized_all
 from fn.collectives.simulated import Simulated, SimulatedGroup, replicate, simulate
 
 # The state classes, for torch.load's default weights_only=True (see fn/__init__.py).
@@ -73,10 +71,5 @@ __all__ = [
     "compressed_allreduce",
     "OnebitAllreduceState",
     "onebit_allreduce",
-    "quantized_padded_numel",
-    "quantized_reduce_scatter",
-    "quantized_allreduce",
-    "QuantizedError",
-    "LocoAllreduceState",
-    "loco_allreduce",
+    *_quantized_all,
 ]

@@ -18,6 +18,8 @@ calling comm method (plain Python, so ``torch.compile`` replays the count on eve
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 WORLD, INTRA, INTER = 0, 1, 2
@@ -58,11 +60,44 @@ def _reduce(grouped: torch.Tensor, op: str) -> torch.Tensor:
     return total / grouped.shape[1] if op == "mean" else total
 
 
-@torch.library.custom_op("fn::sim_all_reduce", mutates_args=())
-def sim_all_reduce(
-    x: torch.Tensor, rank: torch.Tensor, op: str, local_size: int, hop: int, group_size: int
-) -> torch.Tensor:
-    raise outside_error("all_reduce")
+def _vmap_rule(
+    op: torch.library.CustomOpDef, moved_to: int, out_dim: int
+) -> Callable[[Callable[..., tuple[torch.Tensor, int | None]]], None]:
+    """Registers ``op``'s vmap rule around ``across(grouped, hop, *options)``, the collective
+    on every rank's payload as ``[groups, group_size, ...]`` (``options``: ``op``'s arguments
+    before the group layout). At another level than the rank's, the rule moves that batch dim
+    to dim ``moved_to`` of the payload and calls ``op`` again; its result has the batch dim at
+    ``out_dim``."""
+
+    def register(across: Callable[..., tuple[torch.Tensor, int | None]]) -> None:
+        @op.register_vmap
+        def _(info, in_dims, x, rank, *args):
+            x_dim, rank_dim = in_dims[0], in_dims[1]
+            if rank_dim is None:
+                return op(x.movedim(x_dim, moved_to), rank, *args), out_dim
+            *options, local_size, hop, _group_size = args
+            grouped = _to_groups(_stack_ranks(x, x_dim, info.batch_size), local_size, hop)
+            return across(grouped, hop, *options)
+
+    return register
+
+
+def _simulated_op(kind: str, reduces: bool) -> torch.library.CustomOpDef:
+    """The op ``fn::sim_<kind>(x, rank[, op], local_size, hop, group_size)``, which exists only
+    through its vmap rule (called without the rank level, it raises)."""
+
+    def outside(*args: object) -> torch.Tensor:
+        raise outside_error(kind)
+
+    payload = "Tensor x, Tensor rank, str op" if reduces else "Tensor x, Tensor rank"
+    schema = f"({payload}, SymInt local_size, SymInt hop, SymInt group_size) -> Tensor"
+    return torch.library.custom_op(f"fn::sim_{kind}", outside, mutates_args=(), schema=schema)
+
+
+sim_all_reduce = _simulated_op("all_reduce", reduces=True)
+sim_all_gather = _simulated_op("all_gather", reduces=False)
+sim_all_to_all = _simulated_op("all_to_all", reduces=False)
+sim_reduce_scatter = _simulated_op("reduce_scatter", reduces=True)
 
 
 @sim_all_reduce.register_fake
@@ -70,48 +105,9 @@ def _(x, rank, op, local_size, hop, group_size):
     return torch.empty_like(x)
 
 
-@sim_all_reduce.register_vmap
-def _(info, in_dims, x, rank, op, local_size, hop, group_size):
-    x_dim, rank_dim = in_dims[0], in_dims[1]
-    if rank_dim is None:
-        return sim_all_reduce(x.movedim(x_dim, 0), rank, op, local_size, hop, group_size), 0
-    grouped = _to_groups(_stack_ranks(x, x_dim, info.batch_size), local_size, hop)
-    if hop == WORLD:  # the same value on every rank
-        return _reduce(grouped, op)[0], None
-    reduced = _reduce(grouped, op).unsqueeze(1).expand_as(grouped)
-    return _from_groups(reduced, hop), 0
-
-
-@torch.library.custom_op("fn::sim_all_gather", mutates_args=())
-def sim_all_gather(
-    x: torch.Tensor, rank: torch.Tensor, local_size: int, hop: int, group_size: int
-) -> torch.Tensor:
-    raise outside_error("all_gather")
-
-
 @sim_all_gather.register_fake
 def _(x, rank, local_size, hop, group_size):
     return x.new_empty(group_size, *x.shape)
-
-
-@sim_all_gather.register_vmap
-def _(info, in_dims, x, rank, local_size, hop, group_size):
-    x_dim, rank_dim = in_dims[0], in_dims[1]
-    if rank_dim is None:
-        return sim_all_gather(x.movedim(x_dim, 0), rank, local_size, hop, group_size), 1
-    grouped = _to_groups(_stack_ranks(x, x_dim, info.batch_size), local_size, hop)
-    if hop == WORLD:  # the same value on every rank
-        return grouped[0].contiguous(), None
-    groups, size = grouped.shape[:2]
-    gathered = grouped.unsqueeze(1).expand(groups, size, *grouped.shape[1:])
-    return _from_groups(gathered, hop), 0
-
-
-@torch.library.custom_op("fn::sim_all_to_all", mutates_args=())
-def sim_all_to_all(
-    x: torch.Tensor, rank: torch.Tensor, local_size: int, hop: int, group_size: int
-) -> torch.Tensor:
-    raise outside_error("all_to_all")
 
 
 @sim_all_to_all.register_fake
@@ -119,33 +115,35 @@ def _(x, rank, local_size, hop, group_size):
     return torch.empty_like(x)
 
 
-@sim_all_to_all.register_vmap
-def _(info, in_dims, x, rank, local_size, hop, group_size):
-    x_dim, rank_dim = in_dims[0], in_dims[1]
-    if rank_dim is None:
-        return sim_all_to_all(x.movedim(x_dim, 1), rank, local_size, hop, group_size), 1
-    # [groups, source, destination, *chunk]
-    grouped = _to_groups(_stack_ranks(x, x_dim, info.batch_size), local_size, hop)
-    return _from_groups(grouped.transpose(1, 2), hop).contiguous(), 0
-
-
-@torch.library.custom_op("fn::sim_reduce_scatter", mutates_args=())
-def sim_reduce_scatter(
-    x: torch.Tensor, rank: torch.Tensor, op: str, local_size: int, hop: int, group_size: int
-) -> torch.Tensor:
-    raise outside_error("reduce_scatter")
-
-
 @sim_reduce_scatter.register_fake
 def _(x, rank, op, local_size, hop, group_size):
     return x.new_empty(x.shape[1:])
 
 
-@sim_reduce_scatter.register_vmap
-def _(info, in_dims, x, rank, op, local_size, hop, group_size):
-    x_dim, rank_dim = in_dims[0], in_dims[1]
-    if rank_dim is None:
-        return sim_reduce_scatter(x.movedim(x_dim, 1), rank, op, local_size, hop, group_size), 0
+@_vmap_rule(sim_all_reduce, moved_to=0, out_dim=0)
+def _(grouped, hop, op):
+    if hop == WORLD:  # the same value on every rank
+        return _reduce(grouped, op)[0], None
+    reduced = _reduce(grouped, op).unsqueeze(1).expand_as(grouped)
+    return _from_groups(reduced, hop), 0
+
+
+@_vmap_rule(sim_all_gather, moved_to=0, out_dim=1)
+def _(grouped, hop):
+    if hop == WORLD:  # the same value on every rank
+        return grouped[0].contiguous(), None
+    groups, size = grouped.shape[:2]
+    gathered = grouped.unsqueeze(1).expand(groups, size, *grouped.shape[1:])
+    return _from_groups(gathered, hop), 0
+
+
+@_vmap_rule(sim_all_to_all, moved_to=1, out_dim=1)
+def _(grouped, hop):
     # [groups, source, destination, *chunk]
-    grouped = _to_groups(_stack_ranks(x, x_dim, info.batch_size), local_size, hop)
+    return _from_groups(grouped.transpose(1, 2), hop).contiguous(), 0
+
+
+@_vmap_rule(sim_reduce_scatter, moved_to=1, out_dim=0)
+def _(grouped, hop, op):
+    # [groups, source, destination, *chunk]
     return _from_groups(_reduce(grouped, op), hop), 0

@@ -51,6 +51,7 @@ __all__ = [
     "TIMEOUT_ENV",
     "DEFAULT_TIMEOUT",
     "resolve_timeout",
+    "all_gather_flat",
 ]
 
 TIMEOUT_ENV = "FN_TIMEOUT"
@@ -63,8 +64,41 @@ _issued: dict[str, itertools.count] = {}
 
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_flat(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Any:
+    """``torch.distributed``'s flat all-gather into ``output_tensor`` (``[W * n]``, row ``i``
+    rank ``i``'s ``input_tensor``), under its name in the installed torch:
+    ``all_gather_single`` from torch 2.13 on, ``all_gather_into_tensor`` before. Sends the
+    tensors as they are (any dtype) and counts no bytes.
+
+    Args:
+        output_tensor: ``[W * n]``, the dtype of ``input_tensor``.
+        input_tensor: this rank's ``n`` values.
+        group: the process group (``None``: the world).
+        async_op: return a work handle instead of waiting.
+
+    Returns:
+        The work handle with ``async_op``, else ``None``.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> from fn.collectives.process_group import all_gather_flat
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> out = torch.empty(2, dtype=torch.uint8)
+        >>> all_gather_flat(out, torch.tensor([7, 9], dtype=torch.uint8))
+        >>> out
+        tensor([7, 9], dtype=torch.uint8)
+        >>> dist.destroy_process_group()
+    """
+    return _all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -410,7 +444,7 @@ class ProcessGroup(ByteCounter):
         self._run(
             "all_gather",
             x,
-            lambda wait: _all_gather_flat(out, flat, group=self.group, async_op=wait),
+            lambda wait: all_gather_flat(out, flat, group=self.group, async_op=wait),
         )
         return out.view(self._world_size, *x.shape)
 

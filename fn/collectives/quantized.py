@@ -59,6 +59,8 @@ from fn.tree import eager, fitting, tree_flatten, tree_map, tree_unflatten
 __all__ = [
     "quantized_padded_numel",
     "quantized_reduce_scatter",
+    "quantized_reduce_scatter_into",
+    "quantized_all_gather_into",
     "quantized_allreduce",
     "QuantizedError",
     "LocoAllreduceState",
@@ -607,6 +609,184 @@ def quantized_reduce_scatter(
     _flat_padded(x[:0], plan)  # the type check
     _reduce_scatter_into(x.detach().reshape(-1).float(), (None,) * len(plan.hops), plan, out)
     return out
+
+
+def quantized_reduce_scatter_into(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    errors: Sequence[torch.Tensor | None] = (),
+    error_outs: Sequence[torch.Tensor] = (),
+    *,
+    comm: Comm,
+    bits: int = 4,
+    group_size: int = 128,
+    local_world_size: int | None = None,
+    err_beta: float = 0.0,
+    scale: float = 1.0,
+) -> None:
+    """``torch.distributed.reduce_scatter_tensor`` sent quantized (ZeRO++ qgZ), in place, with
+    optional LoCo error feedback.
+
+    ``input_tensor`` holds ``W`` rows of ``m = output_tensor.numel()`` values, row ``r`` for
+    rank ``r``. Every row is zero-padded on its own to ``p`` values, whole groups, and quantized
+    (``v = row + e``, ``e`` this rank's error of the hop); rank ``r`` writes ``scale`` times the
+    mean over the ranks of their dequantized row ``r`` into ``output_tensor`` (its dtype). With
+    ``local_world_size`` the rows go intra-node first, then inter-node (each hop quantizes
+    again), still row ``r`` to rank ``r``. With ``error_outs``, LoCo's new errors
+    ``e' = err_beta e + (1 - err_beta) (v - DQ(Q(v)))`` are written into them (they may be
+    ``errors`` themselves).
+
+    Eager calls allocate no full-size tensor: the rows are quantized where they lie (padding
+    and two-hop order by index, ``fn.kernels.loco_quantize(..., rows=...)``), the sum goes
+    straight into ``output_tensor`` when it is fp32 of whole groups (else through a per-thread
+    workspace) and the errors are written by ``fn.kernels.loco_error``. Otherwise (under
+    ``torch.compile`` or ``vmap``) the padded rows are made; the bits are the same.
+
+    Args:
+        output_tensor: ``[m]`` values of any floating dtype, written last.
+        input_tensor: ``[W * m]`` floating-point values.
+        errors: per hop, this rank's fp32 error ``[W * p]`` (the second hop ``[W * p / L]``),
+            ``None`` for zero; ``()``: zero errors.
+        error_outs: per hop, where the new error goes (same shapes), or ``()`` for none.
+        comm: the communicator.
+        bits: 4 or 8.
+        group_size: values per quantization group (even).
+        local_world_size: ranks per node for the two-hop mode, or ``None`` for one hop.
+        err_beta: LoCo's error decay ``beta``.
+        scale: the factor of the mean (``W`` for the sum).
+
+    Raises:
+        ValueError: ``input_tensor`` is not ``W`` rows of ``output_tensor``'s size, a bad
+            ``bits`` or ``group_size``; on every rank, if the ranks' ``input_tensor`` differ in
+            size (checked before any chunk is sent). ``fn.NonFiniteError`` (a ``ValueError``):
+            on every rank, if some rank's values (or errors) are not finite. Nothing is written.
+
+    Example:
+        >>> from fn.collectives import Simulated, quantized_reduce_scatter_into, simulate
+        >>> comm = Simulated(2)
+        >>> x = torch.linspace(-1, 1, 12).view(2, 6)  # row r: rank r's input, 2 rows of 3
+        >>> def shard(x):  # written for one rank: the sum of row `rank`, to 8 bits
+        ...     out = x.new_empty(3)
+        ...     quantized_reduce_scatter_into(out, x, comm=comm, bits=8, group_size=4, scale=2.0)
+        ...     return out
+        >>> simulate(shard, comm)(x)  # row r: rank r's output
+        tensor([[-0.9077, -0.5469, -0.1818],
+                [ 0.1783,  0.5469,  0.8999]])
+        >>> x.view(2, 2, 3).sum(0)
+        tensor([[-0.9091, -0.5455, -0.1818],
+                [ 0.1818,  0.5455,  0.9091]])
+    """
+    plan = _plan(comm, bits, group_size, local_world_size)
+    world_size, numel = comm.world_size, input_tensor.numel()
+    row = output_tensor.numel()
+    if numel % world_size or row != numel // world_size:
+        raise ValueError(
+            f"input_tensor ({numel} values) must be world_size={world_size} rows of "
+            f"output_tensor's {row} values"
+        )
+    padded = -(-row // group_size) * group_size
+    errors = tuple(errors) or (None,) * len(plan.hops)
+    if not eager(input_tensor, output_tensor):
+        return _reduce_scatter_rows_padded(
+            output_tensor, input_tensor, plan, scale, errors, error_outs, err_beta, padded
+        )
+    x = input_tensor.reshape(-1).float()
+    shares = output_tensor.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    direct = output_tensor.dtype == torch.float32 and output_tensor.is_contiguous()
+    direct = direct and padded == row and not shares
+    shard = output_tensor.view(-1) if direct else _workspace("rows.shard", padded, x.device)
+    rows = (row, padded, local_world_size or 1)
+    pending = _reduce_scatter_into(x, errors, plan, shard, rows)
+    if error_outs:
+        _write_errors(pending, error_outs, plan, err_beta)
+    shard = shard[:row]
+    if scale != 1.0:
+        shard.mul_(scale)
+    if not direct:
+        output_tensor.copy_(shard.view(output_tensor.shape))
+    return None
+
+
+def _reduce_scatter_rows_padded(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    plan: _Plan,
+    scale: float,
+    errors: tuple[torch.Tensor | None, ...],
+    error_outs: Sequence[torch.Tensor],
+    err_beta: float,
+    padded: int,
+) -> None:
+    """:func:`quantized_reduce_scatter_into` on the padded (and, with two hops, reordered)
+    rows, made as tensors: the path under ``torch.compile`` and ``vmap``."""
+    world_size, row = plan.world.world_size, output_tensor.numel()
+    v = torch.nn.functional.pad(input_tensor.view(world_size, row).float(), (0, padded - row))
+    if plan.local_world_size is not None:
+        # two hops: rank node * L + local receives chunk local * nodes + node; reorder the rows
+        # so that this chunk is its own row
+        v = v.view(-1, plan.local_world_size, padded).transpose(0, 1)
+    if error_outs:  # a zero error still gives a new one
+        errors = tuple(
+            torch.zeros_like(out) if e is None else e
+            for e, out in zip(errors, error_outs, strict=True)
+        )
+    shard, new_errors = _reduce_scatter(v.reshape(-1), input_tensor.numel(), errors, plan, err_beta)
+    shard = shard[:row]
+    output_tensor.copy_(shard if scale == 1.0 else shard * scale)
+    for out, new in zip(error_outs, new_errors if error_outs else (), strict=True):
+        out.copy_(new)
+    return None
+
+
+def quantized_all_gather_into(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    *,
+    comm: Comm,
+    bits: int = 8,
+    group_size: int = 128,
+) -> None:
+    """``torch.distributed.all_gather_into_tensor`` sent quantized (ZeRO++ qwZ), in place.
+
+    Every rank sends its ``input_tensor`` (``n`` values, zero-padded on its own to whole
+    groups) as blockwise codes and fp32 scales; every rank writes ``DQ(Q(x_i))`` of every rank
+    ``i``, its own included, as row ``i`` of ``output_tensor`` (``[W * n]``, its dtype). A rank's
+    non-finite values gather as NaN.
+
+    Args:
+        output_tensor: ``[W * n]`` values of any floating dtype.
+        input_tensor: this rank's ``n`` floating-point values.
+        comm: the communicator.
+        bits: 8 (ZeRO++'s qwZ) or 4.
+        group_size: values per quantization group (even).
+
+    Raises:
+        ValueError: ``output_tensor`` does not hold ``W * n`` values, a bad ``bits`` or
+            ``group_size``.
+
+    Example:
+        >>> from fn.collectives import Simulated, quantized_all_gather_into, simulate
+        >>> comm = Simulated(2)
+        >>> x = torch.tensor([[0.5, -1.0, 0.3], [0.25, 0.7, 0.1]])  # row r: rank r's shard
+        >>> def gather(x):  # written for one rank
+        ...     out = x.new_empty(6)
+        ...     quantized_all_gather_into(out, x, comm=comm, bits=8, group_size=4)
+        ...     return out
+        >>> simulate(gather, comm)(x)[0]  # every rank: both shards, to 8 bits per group of 4
+        tensor([ 0.5000, -1.0000,  0.2969,  0.2516,  0.6945,  0.0984])
+    """
+    plan = _plan(comm, bits, group_size, None)
+    world_size, n = comm.world_size, input_tensor.numel()
+    if output_tensor.numel() != world_size * n:
+        raise ValueError(
+            f"output_tensor must hold world_size={world_size} x {n} values, "
+            f"got {output_tensor.numel()}"
+        )
+    padded = -(-n // group_size) * group_size
+    shard = torch.nn.functional.pad(input_tensor.reshape(-1).float(), (0, padded - n))
+    gathered, _ = _all_gather(shard, None, plan, 0.0)
+    output_tensor.view(world_size, n).copy_(gathered.view(world_size, padded)[:, :n])
+    return None
 
 
 def quantized_allreduce(

@@ -27,7 +27,8 @@ NONFINITE_POLICIES = ("propagate", "raise")
 
 
 class BucketHookState:
-    """The state of a compression hook (see ``OnebitHookState``, ``LocoHookState``).
+    """The state of a compression hook (see ``OnebitHookState``, ``LocoHookState``): a subclass
+    says which transform compresses the buckets (:meth:`_make_transform`).
 
     Attributes:
         process_group: the ``torch.distributed`` group (``None``: the world).
@@ -52,9 +53,8 @@ class BucketHookState:
 
     def __init__(
         self,
-        process_group: dist.ProcessGroup | None,
-        start_iter: int,
-        make_transform: Callable[[ProcessGroup], GradientTransformation],
+        process_group: dist.ProcessGroup | None = None,
+        start_iter: int = 100,
         overlap: bool = True,
         timeout: datetime.timedelta | float | None = None,
         nonfinite: str = "propagate",
@@ -75,7 +75,7 @@ class BucketHookState:
         self.start_iter = check_int("start_iter", start_iter)
         self.overlap = overlap
         self.nonfinite = nonfinite
-        self.transform = make_transform(self.comm)
+        self.transform = self._make_transform(self.comm)
         self._iter = 0
         self._buckets: dict[int, tuple[Layout, Any]] = {}
         # the compressed iteration in flight: each bucket's new (layout, transform state), or
@@ -90,6 +90,10 @@ class BucketHookState:
         # buckets of that iteration fail with it, without communicating, as they would not have
         # run inside the hook
         self._failed: BaseException | None = None
+
+    def _make_transform(self, comm: ProcessGroup) -> GradientTransformation:
+        """The compressing transform over ``comm`` (each hook's state says which)."""
+        raise NotImplementedError
 
     @property
     def iter(self) -> int:

@@ -6,7 +6,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from fn.collectives import loco_allreduce
+from fn.base import GradientTransformation
+from fn.collectives import ProcessGroup, loco_allreduce
 from fn.ddp._bucket_hook import BucketHookState, compressing_hook
 
 __all__ = ["LocoHookState", "loco_hook"]
@@ -24,12 +25,10 @@ class LocoHookState(BucketHookState):
         err_beta: LoCo's error decay ``beta``.
         reset_T: zero a bucket's errors every ``reset_T`` of its compressed iterations.
         start_iter: iterations averaged densely before compression starts.
-        overlap: quantize on the state's background thread, overlapped with the backward pass,
-            over a process group of the same ranks that the state makes for it (a collective
-            call: build the state on every rank in the same order, as DDP); ``False``: inside
-            the hook, over ``process_group``. The results are the same.
-        timeout: the limit of each quantized collective (``fn.collectives.ProcessGroup``'s
-            ``timeout``: a ``timedelta`` or seconds; ``None``: ``$FN_TIMEOUT``, else 5 minutes).
+        overlap: quantize on the state's background thread, overlapped with the backward pass
+            (``False``: inside the hook); as :class:`OnebitHookState`'s, a collective call
+            when set. The results are the same.
+        timeout: the limit of each quantized collective, as :class:`OnebitHookState`'s.
         nonfinite: what a bucket with a NaN or an Inf on some rank gives, in both phases and on
             every rank: ``"propagate"`` (default; a non-finite result on every rank, as DDP's own
             allreduce gives, so that ``torch.amp.GradScaler`` skips the step) or ``"raise"``
@@ -52,14 +51,11 @@ class LocoHookState(BucketHookState):
         timeout: datetime.timedelta | float | None = None,
         nonfinite: str = "propagate",
     ) -> None:
-        super().__init__(
-            process_group,
-            start_iter,
-            lambda comm: loco_allreduce(bits, group_size, err_beta, reset_T, comm=comm),
-            overlap,
-            timeout,
-            nonfinite,
-        )
+        self._quantization = (bits, group_size, err_beta, reset_T)
+        super().__init__(process_group, start_iter, overlap, timeout, nonfinite)
+
+    def _make_transform(self, comm: ProcessGroup) -> GradientTransformation:
+        return loco_allreduce(*self._quantization, comm=comm)
 
 
 def loco_hook(state: LocoHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

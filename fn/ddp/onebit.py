@@ -1,12 +1,11 @@
 """``onebit_hook``: a DDP comm hook that allreduces every gradient bucket in 1 bit per element."""
 
 # No ``from __future__ import annotations``: DDP checks a hook's annotations as objects.
-import datetime
-
 import torch
 import torch.distributed as dist
 
-from fn.collectives import onebit_allreduce
+from fn.base import GradientTransformation
+from fn.collectives import ProcessGroup, onebit_allreduce
 from fn.ddp._bucket_hook import BucketHookState, compressing_hook
 
 __all__ = ["OnebitHookState", "onebit_hook"]
@@ -42,22 +41,8 @@ class OnebitHookState(BucketHookState):
         ValueError: ``nonfinite`` is neither ``"propagate"`` nor ``"raise"``.
     """
 
-    def __init__(
-        self,
-        process_group: dist.ProcessGroup | None = None,
-        start_iter: int = 100,
-        overlap: bool = True,
-        timeout: datetime.timedelta | float | None = None,
-        nonfinite: str = "propagate",
-    ) -> None:
-        super().__init__(
-            process_group,
-            start_iter,
-            lambda comm: onebit_allreduce(comm=comm),
-            overlap,
-            timeout,
-            nonfinite,
-        )
+    def _make_transform(self, comm: ProcessGroup) -> GradientTransformation:
+        return onebit_allreduce(comm=comm)
 
 
 def onebit_hook(

@@ -24,8 +24,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # torch exports no public name
 
-from fn.collectives.process_group import _all_gather_flat
-from fn.collectives.quantized import _all_gather, _plan
+from fn.collectives import quantized_all_gather_into
+from fn.collectives.process_group import all_gather_flat
 from fn.fsdp.loco import ROOT
 from fn.fsdp.reduce_scatter import CommCache
 
@@ -84,20 +84,15 @@ class QuantizedAllGather(AllGather):
         synchronously whatever ``async_op`` says (FSDP2 then sees no pending work)."""
         del async_op
         if not input_tensor.is_floating_point():
-            _all_gather_flat(output_tensor, input_tensor, group=group)
+            all_gather_flat(output_tensor, input_tensor, group=group)
             return None
-        comm = self._comm_for(group)
-        world_size, n = comm.world_size, input_tensor.numel()
-        if output_tensor.numel() != world_size * n:
-            raise ValueError(
-                f"output_tensor must hold world_size={world_size} x {n} values, "
-                f"got {output_tensor.numel()}"
-            )
-        padded = -(-n // self.group_size) * self.group_size
-        shard = nn.functional.pad(input_tensor.reshape(-1).float(), (0, padded - n))
-        plan = _plan(comm, self.bits, self.group_size, None)
-        gathered, _ = _all_gather(shard, None, plan, 0.0)
-        output_tensor.view(world_size, n).copy_(gathered.view(world_size, padded)[:, :n])
+        quantized_all_gather_into(
+            output_tensor,
+            input_tensor,
+            comm=self._comm_for(group),
+            bits=self.bits,
+            group_size=self.group_size,
+        )
         return None
 
 
@@ -119,17 +114,21 @@ def quantized_all_gather(
         ``{fqn: QuantizedAllGather}`` (``"<root>"`` for ``module`` itself).
 
     Raises:
-        ValueError: no FSDP2 module under ``module``, or a bad argument.
+        ValueError: no FSDP2 module under ``module``, or ``bits`` / ``group_size`` out of
+            range (as :class:`QuantizedAllGather`).
 
     Example:
+        ZeRO++'s qwZ and qgZ together:
+
         >>> import torch.distributed as dist
         >>> from torch.distributed.device_mesh import init_device_mesh
         >>> from torch.distributed.fsdp import fully_shard
-        >>> from fn.fsdp import quantized_all_gather
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         >>> model = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,)))
-        >>> list(quantized_all_gather(model, bits=8, group_size=8))
-        ['<root>']
+        >>> gathers = fn.fsdp.quantized_all_gather(model, bits=8, group_size=8)  # qwZ
+        >>> handle = fn.fsdp.loco_reduce_scatter(model, bits=4, group_size=8)  # qgZ
+        >>> list(gathers), list(handle.reduce_scatters)
+        (['<root>'], ['<root>'])
         >>> dist.destroy_process_group()
     """
     comm_for = CommCache(None)

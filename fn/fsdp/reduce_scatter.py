@@ -4,7 +4,7 @@ One object serves one FSDP2 module (``FSDPModule.set_custom_reduce_scatter``). F
 a flat buffer ``x`` of ``n`` values in the reduce dtype whose ``W`` rows (``x.view(W, n / W)``)
 are the ``W`` ranks' shards, and an output of ``n / W`` values. Every row is zero-padded on its
 own to whole quantization groups, the padded rows go through fn's quantized reduce-scatter
-(:func:`fn.collectives.quantized_reduce_scatter`: one hop, or intra-node then inter-node with
+(:func:`fn.collectives.quantized_reduce_scatter_into`: one hop, or intra-node then inter-node with
 ``local_world_size``) in fp32, and this rank's row of the result is written back in the buffer's
 dtype, scaled as ``dist.reduce_scatter_tensor`` would scale it:
 
@@ -50,16 +50,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import (
     ReduceScatter,
 )  # torch exports no public name
 
-from fn.collectives.process_group import ProcessGroup
-from fn.collectives.quantized import (
-    _NON_FINITE,
-    _plan,
-    _reduce_scatter,
-    _reduce_scatter_into,
-    _workspace,
-    _write_errors,
-)
-from fn.tree import eager
+from fn.collectives import ProcessGroup, quantized_reduce_scatter_into
+from fn.errors import NonFiniteError
 
 __all__ = ["CommCache", "QuantizedReduceScatter", "reduce_scale"]
 
@@ -265,80 +257,32 @@ class QuantizedReduceScatter(ReduceScatter):
         comm: ProcessGroup,
         scale: float,
     ) -> None:
-        """:meth:`__call__` once the layout's buffers are in place."""
-        world_size, numel = comm.world_size, input_tensor.numel()
-        plan = _plan(comm, self.bits, self.group_size, self.local_world_size)
-        row = numel // world_size
-        padded = self._padded_row(row)
+        """:meth:`__call__` once the layout's buffers are in place: errors read from
+        ``self.errors`` and written back in place (never into buffers :meth:`state_dict`
+        handed out), the count advanced; a non-finite reduction gives NaN and keeps both."""
         reset = self.err_beta is not None and int(self.count) % self.reset_T == 0
-        if eager(input_tensor):
-            return self._fused(output_tensor, input_tensor, plan, scale, reset, padded)
-        errors: tuple[torch.Tensor | None, ...] = self.errors
-        if reset:
-            errors = tuple(torch.zeros_like(e) for e in errors)
-        if not errors:
-            errors = (None,) * len(plan.hops)
-        v = torch.nn.functional.pad(input_tensor.view(world_size, row).float(), (0, padded - row))
-        if self.local_world_size is not None:
-            # two hops: rank node * L + local receives chunk local * nodes + node; reorder the
-            # rows so that this chunk is its own row
-            v = v.view(-1, self.local_world_size, padded).transpose(0, 1)
+        outs = list(self.errors)
+        if self._handed_out:
+            outs = [torch.empty_like(e) for e in outs]
         try:
-            shard, new_errors = _reduce_scatter(
-                v.reshape(-1), numel, errors, plan, self.err_beta or 0.0
+            quantized_reduce_scatter_into(
+                output_tensor,
+                input_tensor,
+                comm=comm,
+                bits=self.bits,
+                group_size=self.group_size,
+                local_world_size=self.local_world_size,
+                scale=scale,
+                errors=() if reset else self.errors,
+                error_outs=outs,
+                err_beta=self.err_beta or 0.0,
             )
-        except ValueError as err:  # every rank raises: the reduction is not finite, as a dense one
-            if str(err) != _NON_FINITE:
-                raise
-            output_tensor.fill_(torch.nan)
-            return None
-        shard = shard[:row]
-        output_tensor.copy_(shard if scale == 1.0 else shard * scale)
-        if self.err_beta is not None:
-            self.errors = tuple(new_errors)
-        self.count += 1
-        return None
-
-    def _fused(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        plan: Any,
-        scale: float,
-        reset: bool,
-        padded: int,
-    ) -> None:
-        """The fused path: the rows are quantized where they lie (padding and two-hop order
-        by index), the sum goes straight into the output when it is fp32 and needs no padding
-        (else through a workspace) and the errors are updated in place, through fn's fused
-        kernels; the same bits as the padded path."""
-        x = input_tensor.reshape(-1).float()
-        row = output_tensor.numel()
-        shares = output_tensor.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
-        direct = output_tensor.dtype == torch.float32 and output_tensor.is_contiguous()
-        direct = direct and padded == row and not shares
-        shard = output_tensor.view(-1) if direct else _workspace("fsdp.shard", padded, x.device)
-        errors = (None,) * len(plan.hops) if reset or not self.errors else self.errors
-        rows = (row, padded, self.local_world_size or 1)
-        try:
-            pending = _reduce_scatter_into(x, errors, plan, shard, rows)
-        except ValueError as err:  # every rank raises, before anything was written
-            if str(err) != _NON_FINITE:
-                raise
+        except NonFiniteError:  # every rank raises, before anything was written
             output_tensor.fill_(torch.nan)
             return None
         if self.err_beta is not None:
-            # Buffers handed out by state_dict() are left alone: the next errors go elsewhere.
-            outs = list(self.errors)
-            if self._handed_out:
-                outs = [torch.empty_like(e) for e in outs]
-            self.errors = tuple(_write_errors(pending, outs, plan, self.err_beta))
+            self.errors = tuple(outs)
             self._handed_out = False
-        shard = shard[:row]
-        if scale != 1.0:
-            shard.mul_(scale)
-        if not direct:
-            output_tensor.copy_(shard.view(output_tensor.shape))
         self.count += 1
         return None
 

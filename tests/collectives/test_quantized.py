@@ -6,14 +6,17 @@ import numpy as np
 import pytest
 import torch
 
+import fn
 from fn.collectives import (
     Local,
     LocoAllreduceState,
     QuantizedError,
     Simulated,
     loco_allreduce,
+    quantized_all_gather_into,
     quantized_allreduce,
     quantized_reduce_scatter,
+    quantized_reduce_scatter_into,
     replicate,
     simulate,
 )
@@ -252,3 +255,73 @@ def test_loco_tracks_fp32_closer_than_plain_4bit_on_noisy_quadratic():
     plain = (trajectories["plain"] - trajectories["fp32"]).norm(dim=1).mean()
     loco = (trajectories["loco"] - trajectories["fp32"]).norm(dim=1).mean()
     assert loco < 0.75 * plain, (loco, plain)  # measured 0.25 vs 0.41
+
+
+@pytest.mark.parametrize(("w", "local", "row"), [(2, None, 64), (4, None, 37), (4, 2, 37)])
+def test_quantized_reduce_scatter_into_is_the_rowwise_reduce_scatter(w, local, row):
+    """Row r of every rank's input reaches rank r: the chunkwise reduce-scatter of the rows,
+    each padded to whole groups (and reordered for two hops), then scaled."""
+    comm = Simulated(w)
+    x = make_inputs(w, w * row, 1)[0]
+    padded = -(-row // GROUP) * GROUP
+    rows = torch.nn.functional.pad(x.view(w, w, row), (0, padded - row))
+    if local is not None:  # rank node * L + local receives chunk local * nodes + node
+        rows = rows.view(w, -1, local, padded).transpose(1, 2)
+
+    def into(x):
+        out = x.new_empty(row)
+        quantized_reduce_scatter_into(
+            out, x, comm=comm, group_size=GROUP, local_world_size=local, scale=3.0
+        )
+        return out
+
+    def chunkwise(v):
+        return quantized_reduce_scatter(v, comm=comm, group_size=GROUP, local_world_size=local)
+
+    want = simulate(chunkwise, comm)(rows.reshape(w, -1))[:, :row] * 3.0
+    assert torch.equal(simulate(into, comm)(x), want)
+
+
+def test_quantized_reduce_scatter_into_writes_loco_errors_or_nothing():
+    """The new errors are ``(1 - beta) (v - DQ(Q(v)))`` from a zero error; a size mismatch
+    raises before anything is written."""
+    comm, w, row, beta = Simulated(2), 2, 2 * GROUP, 0.25
+    x = make_inputs(w, w * row, 1)[0]
+
+    def into(x):
+        out, error = x.new_empty(row), x.new_zeros(w * row)
+        quantized_reduce_scatter_into(
+            out, x, (None,), (error,), comm=comm, group_size=GROUP, err_beta=beta
+        )
+        return error
+
+    q, scales = fn.kernels.quantize(x.reshape(-1), 4, GROUP)
+    dq = fn.kernels.dequantize(q, scales, 4, x.numel()).view(w, -1)
+    assert torch.allclose(simulate(into, comm)(x), (1 - beta) * (x - dq), atol=1e-7)
+    out = torch.full((3,), 7.0)
+    with pytest.raises(ValueError, match="must be world_size=1 rows of output_tensor's 3"):
+        quantized_reduce_scatter_into(out, torch.zeros(4), comm=Local())
+    assert bool((out == 7.0).all())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_all_gather_into_writes_every_ranks_quantized_shard(bits):
+    comm, n = Simulated(3), 37
+    x = make_inputs(3, n, 1)[0].to(torch.bfloat16)
+    padded = -(-n // GROUP) * GROUP
+
+    def gather(x):
+        out = x.new_empty(3 * n)
+        quantized_all_gather_into(out, x, comm=comm, bits=bits, group_size=GROUP)
+        return out
+
+    got = simulate(gather, comm)(x)
+    want = []
+    for shard in torch.nn.functional.pad(x.float(), (0, padded - n)):
+        q, scales = fn.kernels.quantize(shard, bits, GROUP)
+        want.append(fn.kernels.dequantize(q, scales, bits, padded)[:n])
+    want = torch.cat(want).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert all(torch.equal(got[r], want) for r in range(3))
+    with pytest.raises(ValueError, match="output_tensor must hold world_size=1 x 2 values"):
+        quantized_all_gather_into(torch.empty(3), torch.ones(2), comm=Local())

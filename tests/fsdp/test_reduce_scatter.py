@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fn.fsdp.reduce_scatter as reduce_scatter
+import fn.collectives.quantized as quantized
 from fn.collectives import Simulated, quantized_reduce_scatter, simulate
 from fn.fsdp import QuantizedReduceScatter, loco_reduce_scatter, reduce_scale
 from tests._distributed import run_distributed
@@ -257,11 +257,11 @@ def _worker_sizes(rank: int, world_size: int) -> dict:
     """Rank 3's FSDP2 buffer holds rows of another length (another padded size): the fused and
     the padded path, one hop and two, from a state that a first call made."""
     out = {}
-    eager = reduce_scatter.eager
+    eager = quantized.eager
     for local in (None, 2):
         for fused in (True, False):
             if not fused:  # the path taken under torch.compile
-                reduce_scatter.eager = lambda *tensors: False
+                quantized.eager = lambda *tensors: False
             try:
                 rs = QuantizedReduceScatter(
                     bits=4, group_size=GROUP, err_beta=BETA, local_world_size=local
@@ -284,7 +284,7 @@ def _worker_sizes(rank: int, world_size: int) -> dict:
                 after = call(rs, inputs(world_size, ROW, seed=9), dist.ReduceOp.AVG, rank)
                 out[local, fused] = message, kept, untouched, bool(after.isfinite().all())
             finally:
-                reduce_scatter.eager = eager
+                quantized.eager = eager
     return out
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fn.fsdp.reduce_scatter as reduce_scatter
+import fn.collectives.quantized as quantized
 from fn.collectives import ProcessGroup
 from fn.collectives.quantized import _plan, _reduce_scatter
 from fn.fsdp import QuantizedReduceScatter, reduce_scale
@@ -86,7 +86,7 @@ def test_fused_path_matches_the_padded_path_bit_for_bit():
 
 def _worker_faults(rank, world_size, local_world_size, padded_path):
     if padded_path:  # the path the fused one replaces (taken under vmap and torch.compile)
-        reduce_scatter.eager = lambda *tensors: False
+        quantized.eager = lambda *tensors: False
     n = 1 << 22
     rs = QuantizedReduceScatter(
         bits=4, group_size=128, err_beta=BETA, local_world_size=local_world_size
