@@ -96,8 +96,9 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   ``torch.distributed`` is initialized is an error, not a silent single-process run.
 """
 
-from fn.optim._adapter import FunctionalOptimizer, default_comm
+from fn.optim._adapter import FunctionalOptimizer
 from fn.optim._checkpoint import PerRankState
+from fn.optim._consensus import default_comm
 from fn.optim._deepspeed import from_deepspeed
 from fn.optim._onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
 from fn.optim._schedulers import DeepSpeedLR, scheduler_from_deepspeed
