@@ -32,13 +32,12 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
+from fn.base import SecondMoment, marked_fields
 from fn.collectives import error_feedback_leaves
 from fn.optim._step import check_lr
 
 _REQUIRED = ("step", "world_size", "shapes", "functional")
 _OPTIONAL = ("master", "rank", "error_feedback_by_rank")
-# State fields holding a second moment (a mean of squares): never negative.
-_SECOND_MOMENTS = frozenset({"nu", "exp_avg_sq", "exp_avg_sq_fresh"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +263,7 @@ def checkpoint_parts(
 
 def check_state_values(group: int, state: Any) -> None:
     """Raises ``ValueError`` unless every floating-point value of ``state`` is finite and every
-    second moment (``nu``, ``exp_avg_sq``, ``exp_avg_sq_fresh``) is >= 0.
+    second moment (a state field annotated ``fn.base.SecondMomentField``) is >= 0.
 
     A loaded NaN or negative variance would otherwise turn the params into NaN at the next
     step, with no error.
@@ -273,7 +272,8 @@ def check_state_values(group: int, state: Any) -> None:
         group: the param group's index (for the messages).
         state: a functional state read from a checkpoint.
     """
-    for path, leaf in pytree.tree_flatten_with_path(state)[0]:
+    leaves = pytree.tree_flatten_with_path(state)[0]
+    for (path, leaf), second_moment in zip(leaves, _second_moment_leaves(state), strict=True):
         key = pytree.keystr(path)
         if isinstance(leaf, float) or (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
             values = torch.as_tensor(leaf)
@@ -283,13 +283,26 @@ def check_state_values(group: int, state: Any) -> None:
                     f"param group {group}: state entry {key!r} in the checkpoint has {bad} "
                     "non-finite values (NaN or Inf); nothing was loaded"
                 )
-            names = {entry.name for entry in path if isinstance(entry, pytree.GetAttrKey)}
-            if names & _SECOND_MOMENTS and bool((values < 0).any()):
+            if second_moment and bool((values < 0).any()):
                 raise ValueError(
                     f"param group {group}: state entry {key!r} in the checkpoint has negative "
                     f"values (min {values.min().item():.3g}), but a second moment is >= 0; "
                     "nothing was loaded"
                 )
+
+
+def _second_moment_leaves(state: Any) -> list[bool]:
+    """Which leaves of ``state`` lie in a field annotated ``SecondMomentField``, in pytree leaf
+    order."""
+    marks = []
+    for path, _ in pytree.tree_flatten_with_path(state)[0]:
+        node, inside = state, False
+        for entry in path:
+            if isinstance(entry, pytree.GetAttrKey):
+                inside = inside or entry.name in marked_fields(type(node), SecondMoment)
+            node = entry.get(node)
+        marks.append(inside)
+    return marks
 
 
 def check_master(group: int, master: torch.Tensor | None, numel: int) -> None:

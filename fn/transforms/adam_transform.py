@@ -8,7 +8,14 @@ from typing import Literal, NamedTuple, get_args
 
 import torch
 
-from fn.base import GradientTransformation, apply_updates, chain, donated_state, split_donated
+from fn.base import (
+    GradientTransformation,
+    SecondMomentField,
+    apply_updates,
+    chain,
+    donated_state,
+    split_donated,
+)
 from fn.errors import check_betas, check_nonnegative, check_shapes
 from fn.kernels._cpu import adamw_step_runs
 from fn.kernels._table import kernel as device_kernel
@@ -40,7 +47,7 @@ __all__ = ["ScaleByAdamState", "scale_by_adam", "adam", "adamw"]
 class ScaleByAdamState(NamedTuple):
     count: torch.Tensor  # [] int64: updates made so far
     mu: PyTree  # like params: first moment m
-    nu: PyTree  # like params: second moment v
+    nu: SecondMomentField  # like params: second moment v
 
 
 def scale_by_adam(
