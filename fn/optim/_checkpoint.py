@@ -404,18 +404,7 @@ def plan_load(
     for index, (group, saved, runtime, current) in enumerate(
         zip(param_groups, saved_groups, groups, hypers, strict=True)
     ):
-        if index not in records:
-            raise ValueError(
-                f"the checkpoint has no state for param group {index} (its 'state' is keyed "
-                f"by {sorted(map(repr, records))[:4]}; fn.optim keys it by group index)"
-            )
-        record = GroupRecord.from_dict(records[index], index)
-        record.check_shapes(index, runtime.flat.shapes)
-        if len(saved["params"]) != len(group["params"]):
-            raise ValueError(
-                f"param group {index}: {len(saved['params'])} params in the checkpoint, "
-                f"{len(group['params'])} here"
-            )
+        record = _read_record(index, records, saved, group, runtime)
         if "lr" in saved:
             check_lr(index, saved["lr"], "in the checkpoint")
         hyper = {k: saved.get(k, v) for k, v in current.items()}
@@ -425,21 +414,11 @@ def plan_load(
             raise ValueError(
                 f"param group {index}: the checkpoint's hyperparameters are invalid: {err}"
             ) from err
-        functional, reset = own_error_feedback(
-            record, getattr(comm, "rank", 0), comm.world_size, error_feedback_keys(runtime.state)
-        )
+        state, reset = _restored_state(index, record, runtime, transform, comm, flatten)
         if record.world_size != comm.world_size:
             worlds.add(record.world_size)
         elif reset:
             foreign.add(record.rank)
-        if reset:
-            template = transform.init(runtime.flat.tree(runtime.flat.master, flatten))
-        else:
-            template = runtime.state
-        state = state_from_dict(index, functional, template, reset)
-        check_state_values(index, state)
-        if runtime.flat.has_master_copy:
-            check_master(index, record.master, runtime.flat.numel)
         plans.append(LoadPlan(saved, transform, hyper, state, record))
     if worlds:
         warnings.warn(
@@ -457,6 +436,46 @@ def plan_load(
             stacklevel=3,
         )
     return plans
+
+
+def _read_record(
+    index: int, records: Mapping[Any, Any], saved: Mapping[str, Any], group: Mapping, runtime: Any
+) -> GroupRecord:
+    """Group ``index``'s record in a checkpoint's ``records``, checked against the group (its
+    saved param group ``saved``, its param group ``group`` and runtime here)."""
+    if index not in records:
+        raise ValueError(
+            f"the checkpoint has no state for param group {index} (its 'state' is keyed "
+            f"by {sorted(map(repr, records))[:4]}; fn.optim keys it by group index)"
+        )
+    record = GroupRecord.from_dict(records[index], index)
+    record.check_shapes(index, runtime.flat.shapes)
+    if len(saved["params"]) != len(group["params"]):
+        raise ValueError(
+            f"param group {index}: {len(saved['params'])} params in the checkpoint, "
+            f"{len(group['params'])} here"
+        )
+    return record
+
+
+def _restored_state(
+    index: int, record: GroupRecord, runtime: Any, transform: Any, comm: Any, flatten: bool
+) -> tuple[Any, bool]:
+    """The checked functional state this rank loads from group ``index``'s record, and whether
+    its error feedback was reset (:func:`own_error_feedback`): then it starts from the
+    ``transform``'s initial error feedback."""
+    functional, reset = own_error_feedback(
+        record, getattr(comm, "rank", 0), comm.world_size, error_feedback_keys(runtime.state)
+    )
+    if reset:
+        template = transform.init(runtime.flat.tree(runtime.flat.master, flatten))
+    else:
+        template = runtime.state
+    state = state_from_dict(index, functional, template, reset)
+    check_state_values(index, state)
+    if runtime.flat.has_master_copy:
+        check_master(index, record.master, runtime.flat.numel)
+    return state, reset
 
 
 def load(
