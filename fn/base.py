@@ -18,9 +18,11 @@ every host-side decision of update ``t`` as Python bools: pass ``plan=opt.plan(t
 
 from __future__ import annotations
 
+import functools
 import inspect
+import typing
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Annotated, Any, NamedTuple, Protocol
 
 import torch
 
@@ -31,6 +33,9 @@ __all__ = [
     "Params",
     "Updates",
     "OptState",
+    "SecondMoment",
+    "SecondMomentField",
+    "marked_fields",
     "TransformInitFn",
     "TransformUpdateFn",
     "FastStepFn",
@@ -52,6 +57,43 @@ __all__ = [
 Params = PyTree
 Updates = PyTree
 OptState = Any
+
+
+class SecondMoment:
+    """The mark of :data:`SecondMomentField` in a state field's annotation."""
+
+
+@functools.cache
+def marked_fields(cls: type, mark: Any) -> frozenset[str]:
+    """The fields of the class ``cls`` (a state ``NamedTuple``) annotated ``Annotated[...,
+    mark]``, as :data:`SecondMomentField` and ``fn.collectives.ErrorFeedbackField`` are.
+
+    Args:
+        cls: the class.
+        mark: the annotation's mark, e.g. :class:`SecondMoment`.
+
+    Returns:
+        The names of the marked fields; none where the annotations do not resolve.
+
+    Example:
+        >>> sorted(fn.base.marked_fields(fn.transforms.ScaleByAdamState, fn.base.SecondMoment))
+        ['nu']
+    """
+    try:
+        hints = typing.get_type_hints(cls, include_extras=True)
+    except (NameError, TypeError):
+        return frozenset()
+    return frozenset(
+        name
+        for name, hint in hints.items()
+        if typing.get_origin(hint) is Annotated and mark in hint.__metadata__
+    )
+
+
+SecondMomentField = Annotated[PyTree, SecondMoment]
+"""The annotation of a state field whose pytree holds second moments (means of squares: never
+negative), e.g. ``nu: SecondMomentField`` in ``fn.transforms.ScaleByAdamState``; ``fn.optim``
+rejects a checkpoint in which one is negative."""
 
 
 class TransformInitFn(Protocol):

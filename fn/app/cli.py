@@ -6,7 +6,7 @@ gloo worker processes (``--workers N``) or on simulated ranks in one process (``
 and compares held-out loss and the bytes each rank sent. See :mod:`fn.app.demo`.
 
 ``python -m fn from-deepspeed CHECKPOINT_DIR OUT`` converts a DeepSpeed checkpoint of a 1-bit
-optimizer run into a file fn resumes from (:func:`fn.optim._deepspeed.convert_checkpoint`).
+optimizer run into a file fn resumes from (:func:`fn.optim.convert_checkpoint`).
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _from_deepspeed(args: argparse.Namespace) -> int:
-    from fn.optim._deepspeed import convert_checkpoint
+    from fn.optim import convert_checkpoint
 
     try:
         converted, summary = convert_checkpoint(args.checkpoint, args.config, trust=args.trust)

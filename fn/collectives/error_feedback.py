@@ -21,13 +21,12 @@ Two ways mark a part of a state as error feedback, and both are read from types,
 
 from __future__ import annotations
 
-import functools
-import typing
 from typing import Annotated, Any, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
 
+from fn.base import marked_fields
 from fn.tree import PyTree
 
 __all__ = ["ErrorFeedback", "ErrorFeedbackField", "error_feedback_leaves"]
@@ -49,26 +48,12 @@ ErrorFeedbackField = Annotated[PyTree, ErrorFeedback]
 """The annotation of a state field whose pytree holds error-feedback buffers."""
 
 
-@functools.cache
-def _annotated_fields(cls: type) -> frozenset[str]:
-    """The fields of the NamedTuple class ``cls`` annotated as :data:`ErrorFeedbackField`."""
-    try:
-        hints = typing.get_type_hints(cls, include_extras=True)
-    except (NameError, TypeError):  # annotations that do not resolve mark nothing
-        return frozenset()
-    return frozenset(
-        name
-        for name, hint in hints.items()
-        if typing.get_origin(hint) is Annotated and ErrorFeedback in hint.__metadata__
-    )
-
-
 def _mark(node: Any, inside: bool) -> Any:
     """``node`` with every leaf replaced by whether it lies in error feedback."""
     if isinstance(node, ErrorFeedback):
         inside = True
     if isinstance(node, tuple) and hasattr(node, "_fields"):
-        marked = _annotated_fields(type(node))
+        marked = marked_fields(type(node), ErrorFeedback)
         return type(node)(*(_mark(getattr(node, f), inside or f in marked) for f in node._fields))
     if pytree.tree_is_leaf(node):
         return inside

@@ -7,7 +7,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fn.ddp._futures import completed, dense_mean
 from fn.ddp._preaveraged import PreaveragedComm
-from fn.optim._onebit import OnebitAdam, OnebitLamb, ZeroOneAdam, _OnebitFamily
+from fn.optim import OnebitAdam, OnebitFamily, OnebitLamb, ZeroOneAdam
 
 __all__ = ["register"]
 
@@ -15,7 +15,7 @@ __all__ = ["register"]
 class _Schedule:
     """What the hook needs to know: the optimizer, DDP's group and each param's group index."""
 
-    def __init__(self, optimizer: _OnebitFamily, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, optimizer: OnebitFamily, group: dist.ProcessGroup | None) -> None:
         self.optimizer = optimizer
         self.group = group
         self.group_of = {
@@ -48,7 +48,7 @@ def _onebit_family_hook(
     return dense_mean(torch.cat([g.reshape(-1) for g in grads]), schedule.group).then(scatter)
 
 
-def register(ddp_model: DistributedDataParallel, optimizer: _OnebitFamily) -> None:
+def register(ddp_model: DistributedDataParallel, optimizer: OnebitFamily) -> None:
     """Attaches a 1-bit family optimizer to the ``DistributedDataParallel`` model it trains.
 
     Registers a DDP comm hook that makes DDP's gradient communication follow the optimizer's
@@ -123,18 +123,18 @@ def register(ddp_model: DistributedDataParallel, optimizer: _OnebitFamily) -> No
             f"fn.ddp.register: ddp_model must be a DistributedDataParallel, got "
             f"{type(ddp_model).__name__}"
         )
-    while not isinstance(optimizer, _OnebitFamily) and isinstance(
+    while not isinstance(optimizer, OnebitFamily) and isinstance(
         getattr(optimizer, "optimizer", None), torch.optim.Optimizer
     ):
         optimizer = optimizer.optimizer
-    if not isinstance(optimizer, _OnebitFamily):
+    if not isinstance(optimizer, OnebitFamily):
         names = ", ".join(c.__name__ for c in (OnebitAdam, ZeroOneAdam, OnebitLamb))
         raise TypeError(
             f"fn.ddp.register: optimizer must be one of fn.optim's {names}, got "
             f"{type(optimizer).__name__} (other optimizers: register fn.ddp.onebit_hook or "
             "fn.ddp.loco_hook with ddp_model.register_comm_hook)"
         )
-    if optimizer._transform_comm is not None:
+    if optimizer.transform_comm is not optimizer.comm:
         raise RuntimeError("fn.ddp.register: this optimizer is registered with a DDP model already")
     if ddp_model._comm_hooks:
         raise RuntimeError(
@@ -157,4 +157,4 @@ def register(ddp_model: DistributedDataParallel, optimizer: _OnebitFamily) -> No
         )
     schedule = _Schedule(optimizer, ddp_model.process_group)
     ddp_model.register_comm_hook(schedule, _onebit_family_hook)
-    optimizer._take_averaged_grads(PreaveragedComm(optimizer.comm))
+    optimizer.take_averaged_grads(PreaveragedComm(optimizer.comm))

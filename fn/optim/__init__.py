@@ -3,7 +3,7 @@
 ``FunctionalOptimizer(params, transform)`` runs any ``GradientTransformation`` or
 ``CompressedOptimizer`` as a ``torch.optim.Optimizer``; ``OnebitAdam``, ``ZeroOneAdam`` and
 ``OnebitLamb`` are drop-in optimizers with the arguments of ``fn.onebit_adam``,
-``fn.zero_one_adam`` and ``fn.onebit_lamb``::
+``fn.zero_one_adam`` and ``fn.onebit_lamb`` (their shared base: ``OnebitFamily``)::
 
     opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=1000)  # under torchrun
     for x, y in data:
@@ -78,7 +78,8 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   still-scaled gradients, mixes them.
 - Coming from DeepSpeed: ``from_deepspeed(params, config, state_dict=...)`` builds the optimizer
   of a DeepSpeed 1-bit config and imports its checkpointed state, ``scheduler_from_deepspeed``
-  its LR schedule (docs/migrating-from-deepspeed.md).
+  its LR schedule, and ``convert_checkpoint(folder)`` turns a DeepSpeed checkpoint folder into
+  a file they resume from (docs/migrating-from-deepspeed.md).
 - Checkpoints: ``state_dict()`` holds, per group, the host-side step count, the whole functional
   state (error feedback included) as a flat dict of tensors, and the fp32 master copy; loading it
   into a fresh optimizer continues bit for bit. Only plain containers, tensors and numbers are
@@ -96,10 +97,11 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   ``torch.distributed`` is initialized is an error, not a silent single-process run.
 """
 
-from fn.optim._adapter import FunctionalOptimizer, default_comm
+from fn.optim._adapter import FunctionalOptimizer
 from fn.optim._checkpoint import PerRankState
-from fn.optim._deepspeed import from_deepspeed
-from fn.optim._onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
+from fn.optim._consensus import default_comm
+from fn.optim._deepspeed import convert_checkpoint, from_deepspeed
+from fn.optim._onebit import OnebitAdam, OnebitFamily, OnebitLamb, ZeroOneAdam
 from fn.optim._schedulers import DeepSpeedLR, scheduler_from_deepspeed
 
 __all__ = [
@@ -107,9 +109,11 @@ __all__ = [
     "OnebitAdam",
     "ZeroOneAdam",
     "OnebitLamb",
+    "OnebitFamily",
     "PerRankState",
     "default_comm",
     "from_deepspeed",
+    "convert_checkpoint",
     "scheduler_from_deepspeed",
     "DeepSpeedLR",
 ]

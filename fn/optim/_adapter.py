@@ -6,131 +6,42 @@ The policies (gradient communication, flat buffers, mixed precision, non-finite 
 
 from __future__ import annotations
 
-import math
-import os
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import Any
 
-import numpy
 import torch
-import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
-from fn.base import (
-    CompressedOptimizer,
-    GradientTransformation,
-    set_hyperparams,
-    update_and_apply,
-)
-from fn.base import get_hyperparam as _get_hyperparam
-from fn.collectives import Local, ProcessGroup, Simulated, SimulatedGroup
-from fn.errors import NonFiniteError, all_finite, check_int
+from fn.base import CompressedOptimizer
+from fn.errors import NonFiniteError, check_int
 from fn.optim._checkpoint import (
-    GroupRecord,
-    check_master,
-    check_state_values,
-    checkpoint_parts,
-    error_feedback_keys,
-    gather_error_feedback,
-    own_error_feedback,
-    state_from_dict,
-    state_to_dict,
+    GatheredErrorFeedback,
+    load,
+    packed_param_groups,
+    plan_load,
+    save_group,
 )
 from fn.optim._consensus import (
-    GroupSnapshot,
     check_in_sync,
     check_same_group,
     count_nonfinite,
-    settings_of,
+    group_settings,
+    process_comm,
 )
-from fn.optim._flat import FlatGroup
-from fn.tree import storages_of
-
-Transform = GradientTransformation | CompressedOptimizer
-NONFINITE_POLICIES = ("raise", "skip")
-# Group keys that are not hyperparameters of the transform.
-_GROUP_META = frozenset({"params", "param_names", "initial_lr"})
-
-
-def default_comm() -> Any:
-    """``ProcessGroup()`` when ``torch.distributed`` is initialized, else ``Local()``.
-
-    Returns:
-        The communicator an optimizer built with ``comm=None`` uses.
-
-    Raises:
-        RuntimeError: ``torch.distributed`` is not initialized but the environment says this
-            process is one of several (``WORLD_SIZE`` > 1, as set by ``torchrun``): a
-            single-process optimizer there would silently let the ranks drift apart.
-
-    Example:
-        >>> fn.optim.default_comm()  # one process, no torch.distributed
-        Local()
-    """
-    if dist.is_available() and dist.is_initialized():
-        return ProcessGroup()
-    world_size = os.environ.get("WORLD_SIZE", "1")
-    if world_size.strip() not in ("", "0", "1"):
-        raise RuntimeError(
-            f"WORLD_SIZE={world_size} in the environment, but torch.distributed is not "
-            "initialized: call torch.distributed.init_process_group() before building the "
-            "optimizer (Trainer and Accelerate do it when they are created: build the optimizer "
-            "after TrainingArguments/Accelerator), or pass comm=fn.collectives.Local() to run "
-            "each process alone on purpose"
-        )
-    return Local()
-
-
-class _Group:
-    """The runtime of one param group: flat buffers, transform, functional state, step count,
-    and the params left out because they were frozen (``requires_grad=False``) when it was
-    built.
-
-    Double buffering: ``spare`` is the state before ``state`` (or ``None``), which nothing
-    references any more; the next update gets it as its donated state and writes its new state
-    into it, so that the live ``state`` is never written and a failed or skipped step leaves it
-    as it was. ``exported`` holds weak references to the tensors handed out by ``state_dict()``:
-    those are never donated.
-    """
-
-    def __init__(self, flat: FlatGroup, transform: Transform, hyper: dict, sync: bool) -> None:
-        self.flat = flat
-        self.frozen: list[torch.Tensor] = []
-        self.transform = transform
-        self.hyper = hyper
-        self.sync = sync
-        self.state: Any = None
-        self.spare: Any = None
-        self.exported: list[weakref.ref] = []
-        self.step = 0
-
-    def donation(self) -> Any:
-        """The donated state of the next update: ``spare`` with every leaf that shares memory
-        with the live state, the flat buffers or an exported tensor replaced by an empty
-        tensor (which fits no result, so the update allocates that one); ``None`` without a
-        spare."""
-        if self.spare is None:
-            return None
-        self.exported = [ref for ref in self.exported if ref() is not None]
-        exported = [ref() for ref in self.exported]
-        flat = self.flat
-        kept = storages_of((self.state, flat.master, flat.model, flat.grads, exported))
-
-        def leaf(x: Any) -> Any:
-            if isinstance(x, torch.Tensor) and not storages_of(x).isdisjoint(kept):
-                return torch.empty(0, dtype=x.dtype, device=x.device)
-            return x
-
-        return pytree.tree_map(leaf, self.spare)
-
-    def commit(self, state: Any) -> None:
-        """Makes ``state`` the live state and the old live state the spare; releases the
-        gradient buffer if the new state kept it."""
-        self.spare, self.state = self.state, state
-        if not storages_of(state).isdisjoint(storages_of(self.flat.grads)):
-            self.flat.release_grads()
+from fn.optim._step import (
+    AveragedOverflow,
+    GroupRuntime,
+    Transform,
+    check_group,
+    check_nonfinite_policy,
+    check_unfrozen,
+    commit_groups,
+    is_fixed,
+    split_frozen,
+    unscale,
+    update_groups,
+)
 
 
 class FunctionalOptimizer(torch.optim.Optimizer):
@@ -210,8 +121,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
     # anything, when any rank's gradient is not finite: then step() makes no pass of its own
     # over the gradients.
     _checks_gradients = False
-    # (the groups' states it was taken from, each group's error feedback by rank), on rank 0
-    _gathered: tuple[list[Any], list[tuple[dict[str, torch.Tensor], ...]]] | None = None
+    # every rank's error feedback, on rank 0 after gather_error_feedback()
+    _gathered: GatheredErrorFeedback | None = None
 
     def __init__(
         self,
@@ -225,20 +136,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         nonfinite: str = "raise",
         check_every: int = 0,
     ) -> None:
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
-        comm = default_comm() if comm is None else comm
-        if isinstance(comm, (Simulated, SimulatedGroup)):
-            raise TypeError(
-                "fn.optim runs one rank per process: use Local() or ProcessGroup(); simulate "
-                "ranks with the functional API (fn.collectives.simulate)"
-            )
-        is_transform = isinstance(transform, (GradientTransformation, CompressedOptimizer))
-        if not is_transform and not callable(transform):
-            raise TypeError(f"transform must be a transform or a factory, got {transform!r}")
-        if is_transform and defaults:
-            raise ValueError("defaults are for a factory transform; this one is fixed")
-        self.comm = comm
+        check_nonfinite_policy(nonfinite)
+        self.comm = process_comm(comm)
+        self._fixed = is_fixed(transform, defaults)
         self.flatten = flatten
         self.nonfinite = nonfinite
         self.skipped_steps = 0
@@ -250,7 +150,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         self._start_checked = False
         self._transform = transform
         self._sync_grads = sync_grads
-        self._groups: list[_Group] = []
+        self._groups: list[GroupRuntime] = []
         super().__init__(params, dict(defaults or {}))
         self.register_step_post_hook(FunctionalOptimizer._after_step)
 
@@ -259,7 +159,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
     def _make_transform(self, index: int, hyper: dict[str, Any]) -> Transform:
         """The transform of group ``index`` built from its hyperparameters."""
         del index
-        if isinstance(self._transform, (GradientTransformation, CompressedOptimizer)):
+        if self._fixed:
             return self._transform
         return self._transform(**hyper)
 
@@ -278,65 +178,21 @@ class FunctionalOptimizer(torch.optim.Optimizer):
 
     def _settings(self, group: dict[str, Any]) -> dict[str, str]:
         """What every rank must build a group with, described (for ``check_same_group``)."""
-        cls = type(self)
-        settings = {
-            "optimizer": f"{cls.__module__}.{cls.__qualname__}",
-            "flatten": repr(self.flatten),
-            "sync_grads": repr(self._sync_grads),
-            "nonfinite": repr(self.nonfinite),
-        }
-        if isinstance(self._transform, (GradientTransformation, CompressedOptimizer)):
-            settings.update(settings_of(self._transform))
-        else:
-            settings.update(settings_of(self._transform, "transform factory"))
-        for key in sorted(k for k in group if k not in ("params", "param_names")):
-            value = group[key]
-            settings[key] = repr(tuple(value) if isinstance(value, list) else value)
-        return settings
+        options = dict(flatten=self.flatten, sync_grads=self._sync_grads, nonfinite=self.nonfinite)
+        return group_settings(type(self), options, self._transform, self._fixed, group)
 
     def _build_group(self, index: int) -> None:
         group = self.param_groups[index]
-        keep = [i for i, p in enumerate(group["params"]) if p.requires_grad]
-        frozen = [p for p in group["params"] if not p.requires_grad]
-        group["params"] = [group["params"][i] for i in keep]
-        if "param_names" in group:
-            group["param_names"] = [group["param_names"][i] for i in keep]
-        _check_not_meta(index, group)
+        frozen = split_frozen(index, group)
         # First, before anything that can raise on one rank only: the others would wait for it.
         check_same_group(self.comm, index, self._settings(group), group["params"])
-        if isinstance(self._transform, (GradientTransformation, CompressedOptimizer)):
-            extra = set(group) - _GROUP_META - {"lr"}
-            if extra:
-                raise ValueError(
-                    f"param group {index} sets {sorted(extra)}, but a fixed transform only takes "
-                    "a per-group lr; pass a factory and defaults for per-group hyperparameters"
-                )
-        lr = group.get("lr")
-        if lr is not None and (isinstance(lr, torch.Tensor) or not isinstance(lr, (int, float))):
-            raise TypeError(f"param group {index}: lr must be a Python number, got {lr!r}")
-
-        flat = FlatGroup(group["params"])
+        check_group(index, group, self._fixed)
         hyper = self._hyper(group)
         transform = self._make_transform(index, hyper)
-        sync = (
-            not isinstance(transform, CompressedOptimizer)
-            if self._sync_grads is None
-            else self._sync_grads
+        self._groups.append(
+            GroupRuntime.build(index, group, transform, hyper, self._sync_grads, self.flatten)
         )
-        runtime = _Group(flat, transform, hyper, sync)
-        runtime.frozen = frozen
-        runtime.state = transform.init(flat.tree(flat.master, self.flatten))
-        try:
-            stored_lr = _shortest_float(_get_hyperparam(runtime.state, "lr"))
-        except KeyError:
-            stored_lr = None
-        if stored_lr is None and "lr" in group:
-            raise ValueError(
-                f"param group {index} sets lr, but the transform has no lr state field"
-            )
-        if stored_lr is not None:
-            group.setdefault("lr", stored_lr)
-        self._groups.append(runtime)
+        self._groups[-1].frozen = frozen
 
     # ---------------------------------------------------------------- consistency
 
@@ -355,16 +211,10 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: on every rank, naming the groups, what differs and the ranks.
         """
-        snapshots = []
-        for group, runtime in zip(self.param_groups, self._groups, strict=True):
-            runtime.flat.sync_master()
-            described = self._settings(group)
-            settings = "\n".join(f"{k}: {v}" for k, v in described.items())
-            snapshots.append(
-                GroupSnapshot(
-                    runtime.step, settings, runtime.flat.master, _param_agreement(runtime)
-                )
-            )
+        snapshots = [
+            runtime.snapshot(self._settings(group))
+            for group, runtime in zip(self.param_groups, self._groups, strict=True)
+        ]
         check_in_sync(self.comm, snapshots)
 
     def _after_step(self, args: Any, kwargs: Any) -> None:
@@ -375,7 +225,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         self._steps_since_check += 1
         # 0/1 Adam: postponed to the next step after which the ranks' params agree (a sync)
         due = self._steps_since_check >= self.check_every
-        if due and all(_param_agreement(runtime) is not None for runtime in self._groups):
+        if due and all(runtime.param_agreement() is not None for runtime in self._groups):
             self._steps_since_check = 0
             self.check_consistency()
 
@@ -416,28 +266,19 @@ class FunctionalOptimizer(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        self._check_unfrozen()
+        check_unfrozen(self._groups, self.param_groups)
         for runtime in self._groups:
             runtime.flat.check_params()
         if not self._start_checked:
             self.check_consistency()
             self._start_checked = True
-        plans = [
-            self._plan_hyperparams(index, group, runtime)
-            for index, (group, runtime) in enumerate(
-                zip(self.param_groups, self._groups, strict=True)
-            )
-        ]
+        plans = self._plans()
         grads = [runtime.flat.gather_grads() for runtime in self._groups]
         if grad_scale is not None:
-            _unscale(grads, grad_scale)
+            unscale(grads, grad_scale)
         # Transforms that reject non-finite gradients themselves, on every rank and before
         # any write, need no separate pass over their gradients.
-        unchecked = [
-            g
-            for g, (transform, _, _) in zip(grads, plans, strict=True)
-            if not self._checks_gradients
-        ]
+        unchecked = [] if self._checks_gradients else grads
         if count_nonfinite(self.comm, unchecked, found_inf) > 0:
             return self._skip(
                 loss,
@@ -445,27 +286,12 @@ class FunctionalOptimizer(torch.optim.Optimizer):
                 "fn.optim: non-finite gradients (NaN or Inf) on some rank; no update was made and "
                 "the optimizer state is unchanged (nonfinite='skip' skips such steps)",
             )
-        # Every group but the last computes its update (writing only its spare state and
-        # gradient buffer); the last one, after which nothing can reject the step any more,
-        # updates its params in the same step (fn.update_and_apply); then the others add theirs.
-        last = len(self._groups) - 1
         try:
-            results = [
-                self._compute_update(index, runtime, transform, lr, g, apply=index == last)
-                for index, (runtime, (transform, _, lr), g) in enumerate(
-                    zip(self._groups, plans, grads, strict=True)
-                )
-            ]
-        except _AveragedOverflow as err:
+            results = update_groups(self.comm, self.flatten, self._groups, plans, grads)
+        except AveragedOverflow as err:
             return self._skip(loss, found_inf, str(err))
         self.last_step_skipped = False
-        for runtime, (transform, hyper, _), (updates, state) in zip(
-            self._groups, plans, results, strict=True
-        ):
-            runtime.flat.add(updates)  # None (applied already): only cast into the params
-            runtime.transform, runtime.hyper = transform, hyper
-            runtime.commit(state)
-            runtime.step += 1
+        commit_groups(self._groups, plans, results)
         return loss
 
     def _skip(self, loss: Any, found_inf: torch.Tensor | None, message: str) -> Any:
@@ -477,113 +303,23 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         self.skipped_steps += 1
         return loss
 
-    def _check_unfrozen(self) -> None:
-        """Raises ``RuntimeError`` if a param left out as frozen now requires a gradient."""
-        for index, runtime in enumerate(self._groups):
-            for p in runtime.frozen:
-                if p.requires_grad and not any(
-                    p is q for g in self.param_groups for q in g["params"]
-                ):
-                    raise RuntimeError(
-                        f"fn.optim: a param of shape {tuple(p.shape)} in param group {index} had "
-                        "requires_grad=False when the group was built, so it has no place in the "
-                        "group's flat buffer and would never be trained; it now requires a "
-                        "gradient: unfreeze params before building the optimizer, or add them "
-                        "with add_param_group. No update was made"
-                    )
-
-    def _plan_hyperparams(
-        self, index: int, group: dict[str, Any], runtime: _Group
-    ) -> tuple[Transform, dict[str, Any], float | None]:
-        """The group's transform (rebuilt when a hyperparameter other than lr changed), its
-        hyperparameters and its checked lr; nothing is committed.
+    def _plans(self) -> list[tuple[Transform, dict[str, Any], float | None]]:
+        """Every group's next transform, hyperparameters and checked lr (``GroupRuntime.plan``:
+        the transform rebuilt where a hyperparameter other than lr changed); nothing is
+        committed.
 
         Raises:
             ValueError: a hyperparameter set through ``param_groups`` is invalid (naming the
                 group).
         """
-        lr = group.get("lr")
-        if "lr" in group:
-            _check_lr(index, lr)
-        hyper = self._hyper(group)
-        changed = {k for k in hyper if k != "lr" and hyper[k] != runtime.hyper.get(k)}
-        if not changed:
-            return runtime.transform, runtime.hyper, lr
-        values = ", ".join(f"{k}={hyper[k]!r}" for k in sorted(changed))
-        try:
-            transform = self._make_transform(index, hyper)
-            fresh = transform.init(runtime.flat.tree(runtime.flat.master, self.flatten))
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(
-                f"fn.optim: param group {index} sets {values}: {err}; no update was made"
-            ) from err
-        if pytree.tree_structure(fresh) != pytree.tree_structure(runtime.state):
-            raise ValueError(
-                f"fn.optim: param group {index} sets {values}, which gives the transform a state "
-                "of another structure than the group's (e.g. momentum from 0 to non-zero): "
-                "such a change needs a new optimizer; no update was made"
+        return [
+            runtime.plan(
+                index, group, self._hyper(group), partial(self._make_transform, index), self.flatten
             )
-        return transform, hyper, lr
-
-    def _compute_update(
-        self,
-        index: int,
-        runtime: _Group,
-        transform: Transform,
-        lr: float | None,
-        g: torch.Tensor,
-        *,
-        apply: bool = False,
-    ) -> tuple[Any, Any]:
-        """The group's updates and new state. Only the gradient buffer ``g`` and the group's
-        spare state are written (donated), and with ``apply`` (once the group has a spare) the
-        params' master: the update is then added to it in the same step
-        (``fn.update_and_apply``, one pass where the transform has a fused step) and the updates
-        returned are ``None`` (``FlatGroup.add`` then only casts the master into the params).
-        The live state is not written.
-
-        Raises:
-            _AveragedOverflow: the gradient averaged over the ranks is non-finite (the same on
-                every rank: they all hold the same average), or the transform rejected a
-                non-finite value (before writing anything).
-        """
-        if runtime.sync and self.comm.world_size > 1 and g.numel() > 0:
-            g = self.comm.all_reduce(g, op="mean")
-            if not all_finite(g):
-                raise _AveragedOverflow(
-                    f"fn.optim: param group {index}: the gradient averaged over the ranks is "
-                    "non-finite (NaN or Inf) although every rank's gradient is finite (the sum "
-                    "overflows); no update was made and the optimizer state is unchanged "
-                    "(nonfinite='skip' skips such steps)"
-                )
-        state = runtime.state
-        if lr is not None:
-            try:
-                state = set_hyperparams(state, lr=lr)
-            except KeyError as err:
-                raise ValueError(
-                    f"fn.optim: param group {index} sets lr, but its transform has no lr state "
-                    "field; no update was made"
-                ) from err
-        flat = runtime.flat
-        params = flat.tree(flat.master, self.flatten)
-        grads = flat.tree(g, self.flatten)
-        donated = runtime.donation()
-        try:
-            if (
-                apply
-                and donated is not None
-                and storages_of(flat.master).isdisjoint(storages_of(state))
-            ):
-                _, new_state = update_and_apply(
-                    transform, grads, state, params, donate=donated, step=runtime.step + 1
-                )
-                return None, new_state
-            return transform.update(grads, state, params, step=runtime.step + 1, donate=donated)
-        except NonFiniteError as err:
-            raise _AveragedOverflow(
-                f"fn.optim: param group {index}: {err} (nonfinite='skip' skips such steps)"
-            ) from err
+            for index, (group, runtime) in enumerate(
+                zip(self.param_groups, self._groups, strict=True)
+            )
+        ]
 
     def next_update_compressed(self) -> list[bool]:
         """Per param group: whether the next ``step()`` runs a compressed update.
@@ -599,15 +335,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: an invalid hyperparameter in ``param_groups`` (naming the group).
         """
-        transforms = [
-            self._plan_hyperparams(index, group, runtime)[0]
-            for index, (group, runtime) in enumerate(
-                zip(self.param_groups, self._groups, strict=True)
-            )
-        ]
         return [
-            isinstance(t, CompressedOptimizer) and t.is_compressed(r.step + 1)
-            for t, r in zip(transforms, self._groups, strict=True)
+            isinstance(transform, CompressedOptimizer) and transform.is_compressed(r.step + 1)
+            for (transform, _, _), r in zip(self._plans(), self._groups, strict=True)
         ]
 
     def warn_if_never_compressed(self, updates: int, source: str = "this run") -> bool:
@@ -656,27 +386,16 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         server errors of ``n / W``), i.e. ``W + 1`` times the params in fp32. The transfer goes
         around fn's byte counters. Nothing happens on one rank.
         """
-        if self.comm.world_size == 1:
-            return
-        rank = self.comm.rank
-        states = [runtime.state for runtime in self._groups]
-        by_rank = [
-            gather_error_feedback(
-                self.comm.group, rank, state_to_dict(state), error_feedback_keys(state)
-            )
-            for state in states
-        ]
-        self._gathered = (states, by_rank) if rank == 0 else None
+        self._gathered = GatheredErrorFeedback.gather(self.comm, self._groups)
 
     def _gathered_error_feedback(self, index: int) -> tuple[dict[str, torch.Tensor], ...] | None:
         """Group ``index``'s gathered error feedback if it was gathered from the current state."""
         if self._gathered is None:
             return None
-        states, by_rank = self._gathered
-        if not all(s is r.state for s, r in zip(states, self._groups, strict=True)):
+        if not self._gathered.current(self._groups):
             self._gathered = None  # stale: free it
             return None
-        return by_rank[index]
+        return self._gathered.by_rank[index]
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state in ``torch.optim``'s layout.
@@ -692,32 +411,11 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             the master is a copy, taken after writes to the params are synced into it as before a
             step (see ``fn.optim._checkpoint.GroupRecord``).
         """
-        param_groups, start = [], 0
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            packed["params"] = list(range(start, start + len(group["params"])))
-            start += len(group["params"])
-            param_groups.append(packed)
-        state = {}
-        for index, runtime in enumerate(self._groups):
-            runtime.flat.sync_master()
-            master = runtime.flat.master.clone() if runtime.flat.has_master_copy else None
-            record = GroupRecord(
-                step=runtime.step,
-                world_size=self.comm.world_size,
-                shapes=tuple(runtime.flat.shapes),
-                functional=state_to_dict(runtime.state),
-                master=master,
-                rank=getattr(self.comm, "rank", 0),
-                error_feedback_by_rank=self._gathered_error_feedback(index),
-            )
-            state[index] = record.to_dict()
-            runtime.exported += [
-                weakref.ref(x)
-                for x in pytree.tree_leaves(state[index])
-                if isinstance(x, torch.Tensor)
-            ]
-        return {"state": state, "param_groups": param_groups}
+        state = {
+            index: save_group(runtime, self.comm, self._gathered_error_feedback(index))
+            for index, runtime in enumerate(self._groups)
+        }
+        return {"state": state, "param_groups": packed_param_groups(self.param_groups)}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restores a :meth:`state_dict`: the functional state (error feedback included), the step
@@ -737,121 +435,15 @@ class FunctionalOptimizer(torch.optim.Optimizer):
                 optimizer's), an invalid hyperparameter, a non-finite value or a negative second
                 moment; the message names the group and the field. Nothing was changed.
         """
-        saved_groups, records = checkpoint_parts(state_dict, len(self.param_groups))
-        plans = []
-        worlds, foreign = set(), set()
-        for index, (group, saved, runtime) in enumerate(
-            zip(self.param_groups, saved_groups, self._groups, strict=True)
-        ):
-            if index not in records:
-                raise ValueError(
-                    f"the checkpoint has no state for param group {index} (its 'state' is keyed "
-                    f"by {sorted(map(repr, records))[:4]}; fn.optim keys it by group index)"
-                )
-            record = GroupRecord.from_dict(records[index], index)
-            record.check_shapes(index, runtime.flat.shapes)
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"param group {index}: {len(saved['params'])} params in the checkpoint, "
-                    f"{len(group['params'])} here"
-                )
-            if "lr" in saved:
-                _check_lr(index, saved["lr"], "in the checkpoint")
-            hyper = {k: saved.get(k, v) for k, v in self._hyper(group).items()}
-            try:
-                transform = self._make_transform(index, hyper)
-            except (TypeError, ValueError) as err:
-                raise ValueError(
-                    f"param group {index}: the checkpoint's hyperparameters are invalid: {err}"
-                ) from err
-            tree = runtime.flat.tree(runtime.flat.master, self.flatten)
-            functional, reset = own_error_feedback(
-                record,
-                getattr(self.comm, "rank", 0),
-                self.comm.world_size,
-                error_feedback_keys(runtime.state),
-            )
-            if record.world_size != self.comm.world_size:
-                worlds.add(record.world_size)
-            elif reset:
-                foreign.add(record.rank)
-            fresh = transform.init(tree) if reset else runtime.state
-            state = state_from_dict(index, functional, fresh, reset)
-            check_state_values(index, state)
-            if runtime.flat.has_master_copy:
-                check_master(index, record.master, runtime.flat.numel)
-            plans.append((group, saved, runtime, transform, hyper, state, record))
-        if worlds:
-            warnings.warn(
-                f"fn.optim: the checkpoint was saved with world_size {sorted(worlds)}, this run "
-                f"has world_size {self.comm.world_size}: the error-feedback buffers are reset to "
-                "zero for the new world size",
-                stacklevel=2,
-            )
-        if foreign:
-            warnings.warn(
-                f"fn.optim: rank {self.comm.rank} loads the optimizer state of rank "
-                f"{sorted(foreign)}, which holds only that rank's error feedback: this rank's is "
-                "reset to zero (call opt.gather_error_feedback() on every rank before rank 0 "
-                "saves, or use fn.integrations, to resume bit for bit)",
-                stacklevel=2,
-            )
-        for group, saved, runtime, transform, hyper, state, record in plans:
-            group.update({k: v for k, v in saved.items() if k != "params"})
-            runtime.transform, runtime.hyper = transform, hyper
-            runtime.state, runtime.spare, runtime.step = state, None, record.step
-            runtime.flat.load_master(record.master)
-        self._start_checked = False
-
-
-class _AveragedOverflow(NonFiniteError):
-    """A group's gradient averaged over the ranks (or a quantity the transform derives from it)
-    is non-finite: a step to skip under ``nonfinite="skip"``, the same on every rank."""
-
-
-def _check_not_meta(index: int, group: dict[str, Any]) -> None:
-    """Raises ``ValueError`` naming the first param of ``group`` on the meta device (it holds no
-    values: the flat buffers and the state would have none either)."""
-    for i, p in enumerate(group["params"]):
-        if p.is_meta:
-            names = group.get("param_names")
-            name = f" ({names[i]!r})" if names else ""
-            raise ValueError(
-                f"fn.optim: param group {index}, param {i}{name} of shape {tuple(p.shape)} is on "
-                "the meta device; build the optimizer after the model's params hold their "
-                "values: model.to_empty(device=...) and its initialization (or loading a "
-                "checkpoint)"
-            )
-
-
-def _check_lr(index: int, lr: Any, where: str = "") -> None:
-    """Raises ``ValueError`` unless ``lr`` is a finite Python number >= 0."""
-    number = isinstance(lr, (int, float)) and not isinstance(lr, bool)
-    if not number or not math.isfinite(lr) or lr < 0:
-        place = f" {where}" if where else ""
-        raise ValueError(
-            f"param group {index}: lr{place} must be a finite Python number >= 0, got {lr!r}; "
-            "nothing was changed"
+        hypers = [self._hyper(group) for group in self.param_groups]
+        plans = plan_load(
+            state_dict,
+            self.param_groups,
+            self._groups,
+            hypers,
+            self._make_transform,
+            self.comm,
+            self.flatten,
         )
-
-
-def _param_agreement(runtime: _Group) -> float | None:
-    """How closely the ranks' params of a group agree after its last update (``check_in_sync``'s
-    ``tolerance``): as its ``CompressedOptimizer`` declares, else bit for bit."""
-    transform = runtime.transform
-    if isinstance(transform, CompressedOptimizer):
-        return transform.param_agreement(runtime.step)
-    return 0.0
-
-
-def _shortest_float(x: torch.Tensor) -> float:
-    """The shortest decimal that rounds to the fp32 ``x`` (``1e-2``, not ``0.009999999776``)."""
-    return float(str(numpy.float32(x.item())))
-
-
-def _unscale(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
-    """Divides the gathered gradients by a ``GradScaler``'s scale in place (a power of two:
-    exact)."""
-    inv_scale = grad_scale.double().reciprocal().float()
-    for g in grads:
-        g.mul_(inv_scale.to(g.device))
+        load(plans, self.param_groups, self._groups)
+        self._start_checked = False

@@ -25,18 +25,19 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Mapping, Sequence
-from typing import Any
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
 
+from fn.base import SecondMoment, marked_fields
 from fn.collectives import error_feedback_leaves
+from fn.optim._step import check_lr
 
 _REQUIRED = ("step", "world_size", "shapes", "functional")
 _OPTIONAL = ("master", "rank", "error_feedback_by_rank")
-# State fields holding a second moment (a mean of squares): never negative.
-_SECOND_MOMENTS = frozenset({"nu", "exp_avg_sq", "exp_avg_sq_fresh"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +263,7 @@ def checkpoint_parts(
 
 def check_state_values(group: int, state: Any) -> None:
     """Raises ``ValueError`` unless every floating-point value of ``state`` is finite and every
-    second moment (``nu``, ``exp_avg_sq``, ``exp_avg_sq_fresh``) is >= 0.
+    second moment (a state field annotated ``fn.base.SecondMomentField``) is >= 0.
 
     A loaded NaN or negative variance would otherwise turn the params into NaN at the next
     step, with no error.
@@ -271,7 +272,8 @@ def check_state_values(group: int, state: Any) -> None:
         group: the param group's index (for the messages).
         state: a functional state read from a checkpoint.
     """
-    for path, leaf in pytree.tree_flatten_with_path(state)[0]:
+    leaves = pytree.tree_flatten_with_path(state)[0]
+    for (path, leaf), second_moment in zip(leaves, _second_moment_leaves(state), strict=True):
         key = pytree.keystr(path)
         if isinstance(leaf, float) or (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
             values = torch.as_tensor(leaf)
@@ -281,13 +283,26 @@ def check_state_values(group: int, state: Any) -> None:
                     f"param group {group}: state entry {key!r} in the checkpoint has {bad} "
                     "non-finite values (NaN or Inf); nothing was loaded"
                 )
-            names = {entry.name for entry in path if isinstance(entry, pytree.GetAttrKey)}
-            if names & _SECOND_MOMENTS and bool((values < 0).any()):
+            if second_moment and bool((values < 0).any()):
                 raise ValueError(
                     f"param group {group}: state entry {key!r} in the checkpoint has negative "
                     f"values (min {values.min().item():.3g}), but a second moment is >= 0; "
                     "nothing was loaded"
                 )
+
+
+def _second_moment_leaves(state: Any) -> list[bool]:
+    """Which leaves of ``state`` lie in a field annotated ``SecondMomentField``, in pytree leaf
+    order."""
+    marks = []
+    for path, _ in pytree.tree_flatten_with_path(state)[0]:
+        node, inside = state, False
+        for entry in path:
+            if isinstance(entry, pytree.GetAttrKey):
+                inside = inside or entry.name in marked_fields(type(node), SecondMoment)
+            node = entry.get(node)
+        marks.append(inside)
+    return marks
 
 
 def check_master(group: int, master: torch.Tensor | None, numel: int) -> None:
@@ -305,6 +320,174 @@ def check_master(group: int, master: torch.Tensor | None, numel: int) -> None:
             f"param group {group}: the checkpoint's master copy is not a finite floating-point "
             "tensor; nothing was loaded"
         )
+
+
+def packed_param_groups(param_groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The param groups as ``torch.optim`` saves them: each group's entries with its params
+    replaced by their indices, counted across the groups."""
+    packed, start = [], 0
+    for group in param_groups:
+        entry = {k: v for k, v in group.items() if k != "params"}
+        entry["params"] = list(range(start, start + len(group["params"])))
+        start += len(group["params"])
+        packed.append(entry)
+    return packed
+
+
+def save_group(
+    runtime: Any, comm: Any, error_feedback_by_rank: tuple[dict[str, torch.Tensor], ...] | None
+) -> dict[str, Any]:
+    """The stored record of one group (``GroupRecord.to_dict``): its live state tensors and a
+    copy of its master, taken after writes to the params are synced into it as before a step.
+    The tensors handed out are never donated (``GroupRuntime.export``).
+
+    Args:
+        runtime: the group's ``GroupRuntime``.
+        comm: the optimizer's communicator.
+        error_feedback_by_rank: every rank's gathered error feedback, or ``None``.
+    """
+    runtime.flat.sync_master()
+    master = runtime.flat.master.clone() if runtime.flat.has_master_copy else None
+    record = GroupRecord(
+        step=runtime.step,
+        world_size=comm.world_size,
+        shapes=tuple(runtime.flat.shapes),
+        functional=state_to_dict(runtime.state),
+        master=master,
+        rank=getattr(comm, "rank", 0),
+        error_feedback_by_rank=error_feedback_by_rank,
+    ).to_dict()
+    runtime.export(record)
+    return record
+
+
+class LoadPlan(NamedTuple):
+    """What ``load_state_dict`` sets in one param group once every group's record is checked."""
+
+    saved: Mapping[str, Any]  # the checkpoint's param group: its hyperparameters
+    transform: Any  # the group's transform with them
+    hyper: dict[str, Any]
+    state: Any  # the restored functional state
+    record: GroupRecord
+
+
+def plan_load(
+    state_dict: Any,
+    param_groups: Sequence[Mapping[str, Any]],
+    groups: Sequence[Any],
+    hypers: Sequence[dict[str, Any]],
+    make_transform: Callable[[int, dict[str, Any]], Any],
+    comm: Any,
+    flatten: bool,
+) -> list[LoadPlan]:
+    """Reads and checks every group's record of an optimizer ``state_dict`` (all before any is
+    loaded) and warns (at ``load_state_dict``'s caller) of the error feedback it resets.
+
+    Args:
+        state_dict: what ``load_state_dict`` was given.
+        param_groups: the optimizer's param groups.
+        groups: their ``GroupRuntime``.
+        hypers: their hyperparameters.
+        make_transform: ``make_transform(index, hyper)``, group ``index``'s transform.
+        comm: the optimizer's communicator.
+        flatten: whether the transform sees one flat leaf.
+
+    Returns:
+        One plan per group.
+
+    Raises:
+        ValueError: a checkpoint that does not fit (see ``FunctionalOptimizer.load_state_dict``).
+    """
+    saved_groups, records = checkpoint_parts(state_dict, len(param_groups))
+    plans = []
+    worlds, foreign = set(), set()
+    for index, (group, saved, runtime, current) in enumerate(
+        zip(param_groups, saved_groups, groups, hypers, strict=True)
+    ):
+        record = _read_record(index, records, saved, group, runtime)
+        if "lr" in saved:
+            check_lr(index, saved["lr"], "in the checkpoint")
+        hyper = {k: saved.get(k, v) for k, v in current.items()}
+        try:
+            transform = make_transform(index, hyper)
+        except (TypeError, ValueError) as err:
+            raise ValueError(
+                f"param group {index}: the checkpoint's hyperparameters are invalid: {err}"
+            ) from err
+        state, reset = _restored_state(index, record, runtime, transform, comm, flatten)
+        if record.world_size != comm.world_size:
+            worlds.add(record.world_size)
+        elif reset:
+            foreign.add(record.rank)
+        plans.append(LoadPlan(saved, transform, hyper, state, record))
+    if worlds:
+        warnings.warn(
+            f"fn.optim: the checkpoint was saved with world_size {sorted(worlds)}, this run "
+            f"has world_size {comm.world_size}: the error-feedback buffers are reset to "
+            "zero for the new world size",
+            stacklevel=3,
+        )
+    if foreign:
+        warnings.warn(
+            f"fn.optim: rank {comm.rank} loads the optimizer state of rank "
+            f"{sorted(foreign)}, which holds only that rank's error feedback: this rank's is "
+            "reset to zero (call opt.gather_error_feedback() on every rank before rank 0 "
+            "saves, or use fn.integrations, to resume bit for bit)",
+            stacklevel=3,
+        )
+    return plans
+
+
+def _read_record(
+    index: int, records: Mapping[Any, Any], saved: Mapping[str, Any], group: Mapping, runtime: Any
+) -> GroupRecord:
+    """Group ``index``'s record in a checkpoint's ``records``, checked against the group (its
+    saved param group ``saved``, its param group ``group`` and runtime here)."""
+    if index not in records:
+        raise ValueError(
+            f"the checkpoint has no state for param group {index} (its 'state' is keyed "
+            f"by {sorted(map(repr, records))[:4]}; fn.optim keys it by group index)"
+        )
+    record = GroupRecord.from_dict(records[index], index)
+    record.check_shapes(index, runtime.flat.shapes)
+    if len(saved["params"]) != len(group["params"]):
+        raise ValueError(
+            f"param group {index}: {len(saved['params'])} params in the checkpoint, "
+            f"{len(group['params'])} here"
+        )
+    return record
+
+
+def _restored_state(
+    index: int, record: GroupRecord, runtime: Any, transform: Any, comm: Any, flatten: bool
+) -> tuple[Any, bool]:
+    """The checked functional state this rank loads from group ``index``'s record, and whether
+    its error feedback was reset (:func:`own_error_feedback`): then it starts from the
+    ``transform``'s initial error feedback."""
+    functional, reset = own_error_feedback(
+        record, getattr(comm, "rank", 0), comm.world_size, error_feedback_keys(runtime.state)
+    )
+    if reset:
+        template = transform.init(runtime.flat.tree(runtime.flat.master, flatten))
+    else:
+        template = runtime.state
+    state = state_from_dict(index, functional, template, reset)
+    check_state_values(index, state)
+    if runtime.flat.has_master_copy:
+        check_master(index, record.master, runtime.flat.numel)
+    return state, reset
+
+
+def load(
+    plans: Sequence[LoadPlan], param_groups: Sequence[dict[str, Any]], groups: Sequence
+) -> None:
+    """Sets every group's hyperparameters, transform, state, step count and master from its
+    plan (:func:`plan_load`)."""
+    for plan, group, runtime in zip(plans, param_groups, groups, strict=True):
+        group.update({k: v for k, v in plan.saved.items() if k != "params"})
+        runtime.transform, runtime.hyper = plan.transform, plan.hyper
+        runtime.state, runtime.spare, runtime.step = plan.state, None, plan.record.step
+        runtime.flat.load_master(plan.record.master)
 
 
 # ---------------------------------------------------------------- per-rank error feedback
@@ -358,6 +541,31 @@ def gather_error_feedback(
             for r, piece in enumerate(pieces):
                 gathered[r][key] = piece
     return tuple(gathered) if rank == 0 else None
+
+
+class GatheredErrorFeedback(NamedTuple):
+    """Every rank's error feedback of every group, held on rank 0 while the states it was
+    gathered from are live (``FunctionalOptimizer.gather_error_feedback``)."""
+
+    states: list[Any]  # the groups' states it was taken from
+    by_rank: list[tuple[dict[str, torch.Tensor], ...]]  # per group, indexed by rank
+
+    @classmethod
+    def gather(cls, comm: Any, groups: Sequence[Any]) -> GatheredErrorFeedback | None:
+        """Gathers it from every rank (a collective): on rank 0 the result, elsewhere (and with
+        one rank, where nothing happens) ``None``."""
+        if comm.world_size == 1:
+            return None
+        states = [runtime.state for runtime in groups]
+        by_rank = [
+            gather_error_feedback(comm.group, comm.rank, state_to_dict(s), error_feedback_keys(s))
+            for s in states
+        ]
+        return cls(states, by_rank) if comm.rank == 0 else None
+
+    def current(self, groups: Sequence[Any]) -> bool:
+        """Whether it was gathered from the groups' live states (else it is stale)."""
+        return all(s is r.state for s, r in zip(self.states, groups, strict=True))
 
 
 def own_error_feedback(

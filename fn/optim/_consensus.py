@@ -3,6 +3,8 @@
 Every rank must issue the same collectives in the same order, so what decides them is agreed on
 by all ranks, never read from one rank's local data alone:
 
+- :func:`default_comm`: whether this process is one of several ranks (``torch.distributed``
+  initialized, or ``WORLD_SIZE`` > 1 without it: an error).
 - :func:`check_same_group`: when a group is built, the ranks compare its settings (optimizer,
   transform, hyperparameters, schedules) and params (number, shapes and dtypes, which size the
   flat buffers and every collective over them). Not their values: a rank may load its weights
@@ -22,11 +24,14 @@ from __future__ import annotations
 import hashlib
 import inspect
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
+from fn.collectives import Local, ProcessGroup, Simulated, SimulatedGroup
 from fn.errors import all_finite
 
 _MAX_SHOWN = 5  # differing fields named in one message
@@ -105,6 +110,76 @@ def settings_of(obj: Any, path: str = "transform") -> dict[str, str]:
 
     visit(obj, path, 0)
     return out
+
+
+def default_comm() -> Any:
+    """``ProcessGroup()`` when ``torch.distributed`` is initialized, else ``Local()``.
+
+    Returns:
+        The communicator an optimizer built with ``comm=None`` uses.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialized but the environment says this
+            process is one of several (``WORLD_SIZE`` > 1, as set by ``torchrun``): a
+            single-process optimizer there would silently let the ranks drift apart.
+
+    Example:
+        >>> fn.optim.default_comm()  # one process, no torch.distributed
+        Local()
+    """
+    if dist.is_available() and dist.is_initialized():
+        return ProcessGroup()
+    world_size = os.environ.get("WORLD_SIZE", "1")
+    if world_size.strip() not in ("", "0", "1"):
+        raise RuntimeError(
+            f"WORLD_SIZE={world_size} in the environment, but torch.distributed is not "
+            "initialized: call torch.distributed.init_process_group() before building the "
+            "optimizer (Trainer and Accelerate do it when they are created: build the optimizer "
+            "after TrainingArguments/Accelerator), or pass comm=fn.collectives.Local() to run "
+            "each process alone on purpose"
+        )
+    return Local()
+
+
+def process_comm(comm: Any) -> Any:
+    """The communicator of an adapter built with ``comm``: :func:`default_comm` for ``None``.
+
+    Raises:
+        TypeError: ``comm`` simulates ranks (the adapter runs one rank per process).
+    """
+    comm = default_comm() if comm is None else comm
+    if isinstance(comm, (Simulated, SimulatedGroup)):
+        raise TypeError(
+            "fn.optim runs one rank per process: use Local() or ProcessGroup(); simulate "
+            "ranks with the functional API (fn.collectives.simulate)"
+        )
+    return comm
+
+
+def group_settings(
+    optimizer: type, options: Mapping[str, Any], transform: Any, fixed: bool, group: Mapping
+) -> dict[str, str]:
+    """What every rank must build a param group with, described (for :func:`check_same_group`
+    and :func:`check_in_sync`).
+
+    Args:
+        optimizer: the optimizer's class.
+        options: its constructor's options (``flatten``, ``sync_grads``, ``nonfinite``).
+        transform: the transform, or the factory that builds it.
+        fixed: whether ``transform`` is a transform (else a factory).
+        group: the param group.
+
+    Returns:
+        ``{name: description}``: the optimizer's class, the options, the transform's settings
+        (:func:`settings_of`) and the group's entries but its params and their names.
+    """
+    settings = {"optimizer": f"{optimizer.__module__}.{optimizer.__qualname__}"}
+    settings.update({name: repr(value) for name, value in options.items()})
+    settings.update(settings_of(transform, "transform" if fixed else "transform factory"))
+    for key in sorted(k for k in group if k not in ("params", "param_names")):
+        value = group[key]
+        settings[key] = repr(tuple(value) if isinstance(value, list) else value)
+    return settings
 
 
 def _gather_fingerprints(comm: Any, rows: torch.Tensor) -> list[list[int]]:

@@ -19,7 +19,7 @@ from fn.collectives import Local
 from fn.optim._checkpoint import state_to_dict
 from fn.optim._onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
 from fn.optim._schedulers import read_config
-from fn.transforms._onebit_schedules import ZeroOneAdamSchedule
+from fn.transforms import ZeroOneAdamSchedule
 
 _ADAM = dict(lr=1e-3, freeze_step=100000, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 _ZERO_ONE = dict(

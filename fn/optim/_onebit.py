@@ -18,9 +18,16 @@ from fn.optim._adapter import FunctionalOptimizer, Transform
 from fn.transforms import onebit_adam, onebit_lamb, zero_one_adam
 
 
-class _OnebitFamily(FunctionalOptimizer):
-    """Shared construction of the 1-bit family adapters: per-group transforms with the group's
-    hyperparameters, the comm, and the group's part of ``exp_avg_mask``."""
+class OnebitFamily(FunctionalOptimizer):
+    """The 1-bit family adapters' shared part (``OnebitAdam``, ``ZeroOneAdam``, ``OnebitLamb``):
+    per-group transforms of the class's factory with the group's hyperparameters, the comm,
+    and the group's part of ``exp_avg_mask``.
+
+    A subclass names its factory (``_factory``) and spells out the factory's hyperparameters in
+    its constructor's signature, which hands all its arguments on (``locals()``): every argument
+    but ``params``, ``comm``, ``exp_avg_mask``, ``nonfinite`` and ``flatten`` is a default
+    hyperparameter of its param groups, in the signature's order.
+    """
 
     _factory: Callable[..., CompressedOptimizer]
     # The comm the transforms are built with, when it is not ``self.comm`` (fn.ddp.register).
@@ -29,11 +36,12 @@ class _OnebitFamily(FunctionalOptimizer):
     def __init__(
         self,
         params: Any,
-        defaults: dict[str, Any],
+        *,
         comm: Any,
         exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None,
-        flatten: bool,
         nonfinite: str,
+        flatten: bool = False,
+        **defaults: Any,
     ) -> None:
         self._masks = _masks_by_param(exp_avg_mask)
         super().__init__(
@@ -57,13 +65,23 @@ class _OnebitFamily(FunctionalOptimizer):
 
     def _make_transform(self, index: int, hyper: dict[str, Any]) -> Transform:
         params = self.param_groups[index]["params"]
-        comm = self.comm if self._transform_comm is None else self._transform_comm
-        return type(self)._factory(**hyper, comm=comm, exp_avg_mask=self._group_mask(params))
+        mask = self._group_mask(params)
+        return type(self)._factory(**hyper, comm=self.transform_comm, exp_avg_mask=mask)
 
-    def _take_averaged_grads(self, comm: Any) -> None:
+    @property
+    def transform_comm(self) -> Any:
+        """The comm the groups' transforms are built with: ``comm``, or the one
+        :meth:`take_averaged_grads` gave them."""
+        return self.comm if self._transform_comm is None else self._transform_comm
+
+    def take_averaged_grads(self, comm: Any) -> None:
         """Rebuilds every group's transform with ``comm`` (the state is kept): a comm whose
         dense mean is the identity, as the gradients of warmup updates arrive averaged over the
-        ranks (``fn.ddp.register``: DDP averaged them)."""
+        ranks (``fn.ddp.register``: DDP averaged them).
+
+        Args:
+            comm: the comm the transforms are built with from now on.
+        """
         self._transform_comm = comm
         for index, runtime in enumerate(self._groups):
             runtime.transform = self._make_transform(index, runtime.hyper)
@@ -118,7 +136,7 @@ def _masks_by_param(
     return dict(exp_avg_mask)
 
 
-class OnebitAdam(_OnebitFamily):
+class OnebitAdam(OnebitFamily):
     """1-bit Adam (``fn.onebit_adam``) as a ``torch.optim.Optimizer``; one flat leaf per group,
     or one leaf per param with ``flatten=False``.
 
@@ -183,19 +201,10 @@ class OnebitAdam(_OnebitFamily):
         safeguard: bool = True,
         flatten: bool = True,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            freeze_step=freeze_step,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            non_freeze=non_freeze,
-            safeguard=safeguard,
-        )
-        super().__init__(params, defaults, comm, exp_avg_mask, flatten, nonfinite)
+        super().__init__(**_arguments(locals()))
 
 
-class ZeroOneAdam(_OnebitFamily):
+class ZeroOneAdam(OnebitFamily):
     """0/1 Adam (``fn.zero_one_adam``) as a ``torch.optim.Optimizer``; one flat leaf per group,
     or one leaf per param with ``flatten=False``.
 
@@ -252,21 +261,10 @@ class ZeroOneAdam(_OnebitFamily):
         safeguard: bool = True,
         flatten: bool = True,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            var_freeze_step=var_freeze_step,
-            var_update_scaler=var_update_scaler,
-            local_step_scaler=local_step_scaler,
-            local_step_clipper=local_step_clipper,
-            safeguard=safeguard,
-        )
-        super().__init__(params, defaults, comm, exp_avg_mask, flatten, nonfinite)
+        super().__init__(**_arguments(locals()))
 
 
-class OnebitLamb(_OnebitFamily):
+class OnebitLamb(OnebitFamily):
     """1-bit LAMB (``fn.onebit_lamb``) as a ``torch.optim.Optimizer``.
 
     The transform sees per-param views of the group's flat buffer (trust ratios are per tensor);
@@ -325,18 +323,10 @@ class OnebitLamb(_OnebitFamily):
         nonfinite: str = "raise",
         safeguard: bool = True,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            freeze_step=freeze_step,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            max_coeff=max_coeff,
-            min_coeff=min_coeff,
-            coeff_beta=coeff_beta,
-            factor_max=factor_max,
-            factor_min=factor_min,
-            factor_threshold=factor_threshold,
-            safeguard=safeguard,
-        )
-        super().__init__(params, defaults, comm, exp_avg_mask, False, nonfinite)
+        super().__init__(**_arguments(locals()))
+
+
+def _arguments(frame: dict[str, Any]) -> dict[str, Any]:
+    """A constructor's arguments, in its signature's order, from its ``locals()`` (taken before
+    anything else is assigned)."""
+    return {name: value for name, value in frame.items() if name not in ("self", "__class__")}

@@ -15,7 +15,12 @@ Policies shared by every transform here:
 
 import torch
 
-from fn.transforms._onebit_schedules import OnebitAdamPlan, OnebitLambPlan, ZeroOneAdamPlan
+from fn.transforms._onebit_schedules import (
+    OnebitAdamPlan,
+    OnebitLambPlan,
+    ZeroOneAdamPlan,
+    ZeroOneAdamSchedule,
+)
 from fn.transforms.adam_transform import ScaleByAdamState, adam, adamw, scale_by_adam
 from fn.transforms.lamb_transform import lamb
 from fn.transforms.learning_rate import (
@@ -55,6 +60,7 @@ __all__ = [
     "ScaleByLearningRateState",
     "TraceState",
     "ZeroOneAdamPlan",
+    "ZeroOneAdamSchedule",
     "ZeroOneAdamState",
     "adam",
     "adamw",

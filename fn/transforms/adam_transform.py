@@ -14,7 +14,14 @@ from typing import Literal, NamedTuple, get_args
 
 import torch
 
-from fn.base import GradientTransformation, apply_updates, chain, donated_state, split_donated
+from fn.base import (
+    GradientTransformation,
+    SecondMomentField,
+    apply_updates,
+    chain,
+    donated_state,
+    split_donated,
+)
 from fn.errors import check_betas, check_nonnegative, check_shapes
 from fn.transforms import _adam_steps as steps
 from fn.transforms._learning_rate import learning_rate_now
@@ -44,7 +51,7 @@ __all__ = ["ScaleByAdamState", "scale_by_adam", "adam", "adamw"]
 class ScaleByAdamState(NamedTuple):
     count: torch.Tensor  # [] int64: updates made so far
     mu: PyTree  # like params: first moment m
-    nu: PyTree  # like params: second moment v
+    nu: SecondMomentField  # like params: second moment v
 
 
 def adam_leaf(m, v, g, b1, b2, eps, bc1=None, bc2_sqrt=None):

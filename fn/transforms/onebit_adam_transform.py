@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fn import kernels
-from fn.base import CompressedOptimizer
+from fn.base import CompressedOptimizer, SecondMomentField
 from fn.collectives import ErrorFeedbackField
 from fn.collectives.onebit import compressed_allreduce_start
 from fn.errors import check_betas, check_finite, check_int, check_nonnegative
@@ -34,7 +34,7 @@ class OnebitAdamState(NamedTuple):
     count: torch.Tensor  # [] int64: updates made so far
     lr: torch.Tensor  # [] fp32: the learning rate of the last update (or the one to use next)
     exp_avg: PyTree  # like params, fp32: the momentum m
-    exp_avg_sq: PyTree  # like params, fp32: the variance v (frozen once compressed)
+    exp_avg_sq: SecondMomentField  # like params, fp32: the variance v (frozen once compressed)
     worker_error: ErrorFeedbackField  # per leaf [N_leaf] fp32: e_w of the leaf's allreduce
     server_error: ErrorFeedbackField  # per leaf [N_leaf / W] fp32: e_s
 

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fn import collectives
-from fn.base import CompressedOptimizer
+from fn.base import CompressedOptimizer, SecondMomentField
 from fn.collectives import ErrorFeedbackField
 from fn.errors import (
     check_betas,
@@ -44,8 +44,8 @@ class OnebitLambState(NamedTuple):
     count: torch.Tensor  # [] int64: updates made so far
     lr: torch.Tensor  # [] fp32: the learning rate of the last update (or the one to use next)
     exp_avg: PyTree  # like params, fp32: the momentum m
-    exp_avg_sq: PyTree  # like params, fp32: the variance v (frozen once compressed)
-    exp_avg_sq_fresh: PyTree  # like params, fp32: the fresh variance tracked while compressed
+    exp_avg_sq: SecondMomentField  # like params, fp32: the variance v (frozen once compressed)
+    exp_avg_sq_fresh: SecondMomentField  # like params, fp32: the variance tracked while compressed
     lamb_coeff_freeze: PyTree  # per leaf [] fp32: R, the EMA of the warmup trust ratios
     last_factor: PyTree  # per leaf [] fp32: the last scaling factor of R (starts at 1)
     scaling_coeff: PyTree  # per leaf [] fp32: momentum scaling, set at the first compressed update

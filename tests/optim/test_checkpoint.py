@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
 import fn
 import fn.optim
+from fn.base import SecondMomentField
+from fn.tree import PyTree
 from tests.optim._problem import interrupted_run, make_model, save_and_load, train
 
 N = 12
@@ -86,3 +90,44 @@ def test_a_checkpoint_of_another_model_or_optimizer_is_a_value_error():
     split = OPTIMIZERS["onebit_adam"]([{"params": [p]} for p in make_model().parameters()])
     with pytest.raises(ValueError, match="param groups"):
         split.load_state_dict(ckpt)
+
+
+class _SquaresState(NamedTuple):
+    count: torch.Tensor
+    squares: SecondMomentField  # declared: never negative
+    offsets: PyTree  # any sign
+
+
+def _squares_transform() -> fn.GradientTransformation:
+    """A transform whose state declares one second-moment field and one signed field."""
+
+    def init(params):
+        zeros = torch.zeros_like(params)
+        return _SquaresState(torch.zeros([], dtype=torch.int64), zeros, zeros.clone())
+
+    def update(grads, state, params=None, **extra):
+        new = _SquaresState(state.count + 1, state.squares + grads**2, state.offsets - grads)
+        return -0.1 * grads, new
+
+    return fn.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("field", ["squares", "offsets"])
+def test_a_negative_value_is_rejected_only_in_a_declared_second_moment(field):
+    model = make_model()
+    opt = fn.optim.FunctionalOptimizer(model.parameters(), _squares_transform())
+    train(model, opt, 0, range(2))
+    saved = opt.state_dict()
+    saved["state"][0]["functional"][f".{field}"] = -torch.ones(
+        sum(p.numel() for p in model.parameters())
+    )
+    before = opt._groups[0].state
+    if field == "squares":
+        with pytest.raises(ValueError, match=r"state entry '\.squares' .* negative values"):
+            opt.load_state_dict(saved)
+        assert opt._groups[0].state is before
+    else:
+        opt.load_state_dict(saved)
+        assert torch.equal(
+            opt._groups[0].state.offsets, saved["state"][0]["functional"][".offsets"]
+        )

@@ -1,0 +1,405 @@
+"""One param group of the ``torch.optim`` adapter at run time, and its update.
+
+A :class:`GroupRuntime` holds the group's flat buffers, transform, hyperparameters, functional
+state and step count. ``FunctionalOptimizer.step()`` checks everything first, then asks every
+group for its updates and new state (:meth:`GroupRuntime.update`, which writes only the group's
+gradient buffer and spare state), and commits all groups last (:meth:`GroupRuntime.commit`): a
+step that fails or is skipped in any group leaves every group as it was.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy
+import torch
+from torch.utils import _pytree as pytree
+
+from fn.base import (
+    CompressedOptimizer,
+    GradientTransformation,
+    get_hyperparam,
+    set_hyperparams,
+    update_and_apply,
+)
+from fn.errors import NonFiniteError, all_finite
+from fn.optim._consensus import GroupSnapshot
+from fn.optim._flat import FlatGroup
+from fn.tree import storages_of
+
+Transform = GradientTransformation | CompressedOptimizer
+NONFINITE_POLICIES = ("raise", "skip")
+# Group keys that are not hyperparameters of the transform.
+_GROUP_META = frozenset({"params", "param_names", "initial_lr"})
+
+
+class AveragedOverflow(NonFiniteError):
+    """A group's gradient averaged over the ranks (or a quantity the transform derives from it)
+    is non-finite: a step to skip under ``nonfinite="skip"``, the same on every rank."""
+
+
+class GroupRuntime:
+    """The runtime of one param group: flat buffers, transform, functional state, step count,
+    and the params left out because they were frozen (``requires_grad=False``) when it was
+    built.
+
+    Double buffering: ``spare`` is the state before ``state`` (or ``None``), which nothing
+    references any more; the next update gets it as its donated state and writes its new state
+    into it, so that the live ``state`` is never written and a failed or skipped step leaves it
+    as it was. ``exported`` holds weak references to the tensors handed out by ``state_dict()``:
+    those are never donated.
+    """
+
+    def __init__(self, flat: FlatGroup, transform: Transform, hyper: dict, sync: bool) -> None:
+        self.flat = flat
+        self.frozen: list[torch.Tensor] = []
+        self.transform = transform
+        self.hyper = hyper
+        self.sync = sync
+        self.state: Any = None
+        self.spare: Any = None
+        self.exported: list[weakref.ref] = []
+        self.step = 0
+
+    @classmethod
+    def build(
+        cls,
+        index: int,
+        group: dict[str, Any],
+        transform: Transform,
+        hyper: dict[str, Any],
+        sync_grads: bool | None,
+        flatten: bool,
+    ) -> GroupRuntime:
+        """The runtime of param group ``index`` (its trainable params, checked already), with
+        the transform's initial state; sets ``group["lr"]`` to the state's lr if it has none.
+        ``sync_grads``: the optimizer's (``None``: only a ``GradientTransformation``'s
+        gradients are averaged by the adapter).
+
+        Raises:
+            ValueError: the group sets an lr, but the transform has no lr state field.
+        """
+        if sync_grads is None:
+            sync_grads = not isinstance(transform, CompressedOptimizer)
+        flat = FlatGroup(group["params"])
+        runtime = cls(flat, transform, hyper, sync_grads)
+        runtime.state = transform.init(flat.tree(flat.master, flatten))
+        try:
+            stored_lr = _shortest_float(get_hyperparam(runtime.state, "lr"))
+        except KeyError:
+            stored_lr = None
+        if stored_lr is None and "lr" in group:
+            raise ValueError(
+                f"param group {index} sets lr, but the transform has no lr state field"
+            )
+        if stored_lr is not None:
+            group.setdefault("lr", stored_lr)
+        return runtime
+
+    def plan(
+        self,
+        index: int,
+        group: Mapping[str, Any],
+        hyper: dict[str, Any],
+        make_transform: Callable[[dict[str, Any]], Transform],
+        flatten: bool,
+    ) -> tuple[Transform, dict[str, Any], float | None]:
+        """The group's next transform (rebuilt with ``make_transform`` when a hyperparameter
+        other than lr changed), its hyperparameters ``hyper`` (as ``group`` sets them) and its
+        checked lr; nothing is committed.
+
+        Raises:
+            ValueError: a hyperparameter set through ``param_groups`` is invalid or changes the
+                state's structure (naming the group).
+        """
+        lr = group.get("lr")
+        if "lr" in group:
+            check_lr(index, lr)
+        changed = {k for k in hyper if k != "lr" and hyper[k] != self.hyper.get(k)}
+        if not changed:
+            return self.transform, self.hyper, lr
+        values = ", ".join(f"{k}={hyper[k]!r}" for k in sorted(changed))
+        try:
+            transform = make_transform(hyper)
+            fresh = transform.init(self.flat.tree(self.flat.master, flatten))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(
+                f"fn.optim: param group {index} sets {values}: {err}; no update was made"
+            ) from err
+        if pytree.tree_structure(fresh) != pytree.tree_structure(self.state):
+            raise ValueError(
+                f"fn.optim: param group {index} sets {values}, which gives the transform a state "
+                "of another structure than the group's (e.g. momentum from 0 to non-zero): "
+                "such a change needs a new optimizer; no update was made"
+            )
+        return transform, hyper, lr
+
+    def param_agreement(self) -> float | None:
+        """How closely the ranks' params agree after the group's last update (``check_in_sync``'s
+        ``tolerance``): as its ``CompressedOptimizer`` declares, else bit for bit."""
+        if isinstance(self.transform, CompressedOptimizer):
+            return self.transform.param_agreement(self.step)
+        return 0.0
+
+    def snapshot(self, settings: Mapping[str, str]) -> GroupSnapshot:
+        """What ``check_in_sync`` compares of the group, its params synced with their master
+        first; ``settings`` describes the group (``group_settings``)."""
+        self.flat.sync_master()
+        described = "\n".join(f"{k}: {v}" for k, v in settings.items())
+        return GroupSnapshot(self.step, described, self.flat.master, self.param_agreement())
+
+    def donation(self) -> Any:
+        """The donated state of the next update: ``spare`` with every leaf that shares memory
+        with the live state, the flat buffers or an exported tensor replaced by an empty
+        tensor (which fits no result, so the update allocates that one); ``None`` without a
+        spare."""
+        if self.spare is None:
+            return None
+        self.exported = [ref for ref in self.exported if ref() is not None]
+        exported = [ref() for ref in self.exported]
+        flat = self.flat
+        kept = storages_of((self.state, flat.master, flat.model, flat.grads, exported))
+
+        def leaf(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and not storages_of(x).isdisjoint(kept):
+                return torch.empty(0, dtype=x.dtype, device=x.device)
+            return x
+
+        return pytree.tree_map(leaf, self.spare)
+
+    def export(self, record: Any) -> None:
+        """Notes the tensors of ``record`` (handed out by ``state_dict()``): never donated."""
+        self.exported += [
+            weakref.ref(x) for x in pytree.tree_leaves(record) if isinstance(x, torch.Tensor)
+        ]
+
+    def commit(self, state: Any) -> None:
+        """Makes ``state`` the live state and the old live state the spare; releases the
+        gradient buffer if the new state kept it."""
+        self.spare, self.state = self.state, state
+        if not storages_of(state).isdisjoint(storages_of(self.flat.grads)):
+            self.flat.release_grads()
+
+    def update(
+        self,
+        comm: Any,
+        flatten: bool,
+        index: int,
+        transform: Transform,
+        lr: float | None,
+        g: torch.Tensor,
+        *,
+        apply: bool = False,
+    ) -> tuple[Any, Any]:
+        """The group's updates and new state. Only the gradient buffer ``g`` and the group's
+        spare state are written (donated), and with ``apply`` (once the group has a spare) the
+        params' master: the update is then added to it in the same step
+        (``fn.update_and_apply``, one pass where the transform has a fused step) and the updates
+        returned are ``None`` (``FlatGroup.add`` then only casts the master into the params).
+        The live state is not written.
+
+        Args:
+            comm: the optimizer's communicator.
+            flatten: whether the transform sees one flat leaf (else per-param views).
+            index: the group's index (for the messages).
+            transform: the transform of this update (rebuilt if a hyperparameter changed).
+            lr: the group's learning rate, written into the state; ``None``: the state's own.
+            g: the group's gathered (and unscaled) flat gradient.
+            apply: add the update to the params' master in the same step.
+
+        Returns:
+            ``(updates, state)``.
+
+        Raises:
+            AveragedOverflow: the gradient averaged over the ranks is non-finite (the same on
+                every rank: they all hold the same average), or the transform rejected a
+                non-finite value (before writing anything).
+            ValueError: ``lr`` is given but the transform has no lr state field.
+        """
+        if self.sync and comm.world_size > 1 and g.numel() > 0:
+            g = comm.all_reduce(g, op="mean")
+            if not all_finite(g):
+                raise AveragedOverflow(
+                    f"fn.optim: param group {index}: the gradient averaged over the ranks is "
+                    "non-finite (NaN or Inf) although every rank's gradient is finite (the sum "
+                    "overflows); no update was made and the optimizer state is unchanged "
+                    "(nonfinite='skip' skips such steps)"
+                )
+        state = self.state
+        if lr is not None:
+            try:
+                state = set_hyperparams(state, lr=lr)
+            except KeyError as err:
+                raise ValueError(
+                    f"fn.optim: param group {index} sets lr, but its transform has no lr state "
+                    "field; no update was made"
+                ) from err
+        flat = self.flat
+        params = flat.tree(flat.master, flatten)
+        grads = flat.tree(g, flatten)
+        donated = self.donation()
+        try:
+            if (
+                apply
+                and donated is not None
+                and storages_of(flat.master).isdisjoint(storages_of(state))
+            ):
+                _, new_state = update_and_apply(
+                    transform, grads, state, params, donate=donated, step=self.step + 1
+                )
+                return None, new_state
+            return transform.update(grads, state, params, step=self.step + 1, donate=donated)
+        except NonFiniteError as err:
+            raise AveragedOverflow(
+                f"fn.optim: param group {index}: {err} (nonfinite='skip' skips such steps)"
+            ) from err
+
+
+def unscale(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
+    """Divides the gathered gradients by a ``GradScaler``'s scale in place (a power of two:
+    exact)."""
+    inv_scale = grad_scale.double().reciprocal().float()
+    for g in grads:
+        g.mul_(inv_scale.to(g.device))
+
+
+def update_groups(
+    comm: Any,
+    flatten: bool,
+    groups: Sequence[GroupRuntime],
+    plans: Sequence[tuple[Transform, dict[str, Any], float | None]],
+    grads: Sequence[torch.Tensor],
+) -> list[tuple[Any, Any]]:
+    """Every group's ``(updates, state)`` for its plan ``(transform, hyper, lr)`` and gradient
+    (:meth:`GroupRuntime.update`).
+
+    Every group but the last computes its update (writing only its spare state and gradient
+    buffer); the last one, after which nothing can reject the step any more, updates its params
+    in the same step (``fn.update_and_apply``); :func:`commit_groups` then adds the others'.
+
+    Raises:
+        AveragedOverflow: as :meth:`GroupRuntime.update`; no param was written.
+    """
+    last = len(groups) - 1
+    return [
+        runtime.update(comm, flatten, index, transform, lr, g, apply=index == last)
+        for index, (runtime, (transform, _, lr), g) in enumerate(
+            zip(groups, plans, grads, strict=True)
+        )
+    ]
+
+
+def commit_groups(
+    groups: Sequence[GroupRuntime],
+    plans: Sequence[tuple[Transform, dict[str, Any], float | None]],
+    results: Sequence[tuple[Any, Any]],
+) -> None:
+    """Adds every group's updates to its params and commits its transform, hyperparameters,
+    state and step count (the results of :func:`update_groups`)."""
+    for runtime, (transform, hyper, _), (updates, state) in zip(
+        groups, plans, results, strict=True
+    ):
+        runtime.flat.add(updates)  # None (applied already): only cast into the params
+        runtime.transform, runtime.hyper = transform, hyper
+        runtime.commit(state)
+        runtime.step += 1
+
+
+def check_nonfinite_policy(nonfinite: str) -> None:
+    """Raises ``ValueError`` unless ``nonfinite`` is one of :data:`NONFINITE_POLICIES`."""
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+
+
+def is_fixed(transform: Any, defaults: Mapping[str, Any] | None) -> bool:
+    """Whether the adapter's ``transform`` is a transform (else a factory of transforms).
+
+    Raises:
+        TypeError: ``transform`` is neither.
+        ValueError: ``defaults`` for a transform (they are a factory's).
+    """
+    fixed = isinstance(transform, (GradientTransformation, CompressedOptimizer))
+    if not fixed and not callable(transform):
+        raise TypeError(f"transform must be a transform or a factory, got {transform!r}")
+    if fixed and defaults:
+        raise ValueError("defaults are for a factory transform; this one is fixed")
+    return fixed
+
+
+def check_group(index: int, group: Mapping[str, Any], fixed: bool) -> None:
+    """Checks what a new param group sets: with a ``fixed`` transform only an lr, and the lr a
+    Python number.
+
+    Raises:
+        ValueError: a fixed transform and another hyperparameter than lr.
+        TypeError: an lr that is not a Python number.
+    """
+    if fixed:
+        extra = set(group) - _GROUP_META - {"lr"}
+        if extra:
+            raise ValueError(
+                f"param group {index} sets {sorted(extra)}, but a fixed transform only takes "
+                "a per-group lr; pass a factory and defaults for per-group hyperparameters"
+            )
+    lr = group.get("lr")
+    if lr is not None and (isinstance(lr, torch.Tensor) or not isinstance(lr, (int, float))):
+        raise TypeError(f"param group {index}: lr must be a Python number, got {lr!r}")
+
+
+def split_frozen(index: int, group: dict[str, Any]) -> list[torch.Tensor]:
+    """Leaves the params with ``requires_grad=False`` (and their names) out of ``group`` and
+    returns them.
+
+    Raises:
+        ValueError: a trainable param is on the meta device (it holds no values: the flat
+            buffers and the state would have none either), naming the first.
+    """
+    keep = [i for i, p in enumerate(group["params"]) if p.requires_grad]
+    frozen = [p for p in group["params"] if not p.requires_grad]
+    group["params"] = [group["params"][i] for i in keep]
+    if "param_names" in group:
+        group["param_names"] = [group["param_names"][i] for i in keep]
+    for i, p in enumerate(group["params"]):
+        if p.is_meta:
+            names = group.get("param_names")
+            name = f" ({names[i]!r})" if names else ""
+            raise ValueError(
+                f"fn.optim: param group {index}, param {i}{name} of shape {tuple(p.shape)} is on "
+                "the meta device; build the optimizer after the model's params hold their "
+                "values: model.to_empty(device=...) and its initialization (or loading a "
+                "checkpoint)"
+            )
+    return frozen
+
+
+def check_unfrozen(groups: Sequence[GroupRuntime], param_groups: Sequence[Mapping]) -> None:
+    """Raises ``RuntimeError`` if a param left out as frozen now requires a gradient."""
+    for index, runtime in enumerate(groups):
+        for p in runtime.frozen:
+            if p.requires_grad and not any(p is q for g in param_groups for q in g["params"]):
+                raise RuntimeError(
+                    f"fn.optim: a param of shape {tuple(p.shape)} in param group {index} had "
+                    "requires_grad=False when the group was built, so it has no place in the "
+                    "group's flat buffer and would never be trained; it now requires a "
+                    "gradient: unfreeze params before building the optimizer, or add them "
+                    "with add_param_group. No update was made"
+                )
+
+
+def check_lr(index: int, lr: Any, where: str = "") -> None:
+    """Raises ``ValueError`` unless ``lr`` is a finite Python number >= 0."""
+    number = isinstance(lr, (int, float)) and not isinstance(lr, bool)
+    if not number or not math.isfinite(lr) or lr < 0:
+        place = f" {where}" if where else ""
+        raise ValueError(
+            f"param group {index}: lr{place} must be a finite Python number >= 0, got {lr!r}; "
+            "nothing was changed"
+        )
+
+
+def _shortest_float(x: torch.Tensor) -> float:
+    """The shortest decimal that rounds to the fp32 ``x`` (``1e-2``, not ``0.009999999776``)."""
+    return float(str(numpy.float32(x.item())))
