@@ -713,10 +713,7 @@ def adamw_step(
     ``p + (p' - p)``) a cache-sized batch at a time, the copies in one workspace: torch's kernel
     is elementwise and rounds only a tensor's last ``n % lanes`` elements apart from its vector
     lanes, which the cuts at multiples of ``_ADAMW_BATCH`` keep where they are."""
-    for outs, xs in ((m_outs, ms), (v_outs, vs)):
-        for out, x in zip(outs, xs, strict=True):
-            if out is not x:
-                out.copy_(x)
+    _reference.copy_moments(ms, vs, m_outs, v_outs)
     if not ps:
         return
     count = torch.tensor(step, dtype=torch.float32)

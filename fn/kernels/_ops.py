@@ -1,9 +1,13 @@
 """The public kernels, each declared once (``fn.kernels._spec``): its op's schema, shape rule,
-vmap rule and reference, and its public function (checks and documentation).
+vmap rule and reference, and its public function.
 
-The ops are ``torch.library`` custom ops in namespace ``fn``; each runs the implementation the
-accelerator table dispatches to for its input's device type. ``adam_apply`` and ``adamw_step``
-are eager kernels without an op.
+A function under ``@declare`` is the public function's signature, documentation and argument
+checks: it raises for bad arguments and returns nothing (or the op's arguments that differ from
+the public ones); the op's result is what the public function returns. The ops are
+``torch.library`` custom ops in namespace ``fn``; each runs the implementation the accelerator
+table dispatches to for its input's device type. ``sign_compress`` and ``loco_quantize`` pick
+one of two ops (without / with the error, a fresh / a given output); ``adam_apply`` and
+``adamw_step`` are eager kernels without an op.
 """
 
 from __future__ import annotations

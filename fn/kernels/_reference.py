@@ -419,6 +419,20 @@ def dequantize_into(
     out.copy_(values.reshape(-1)[: out.numel()])
 
 
+def copy_moments(
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    m_outs: list[torch.Tensor],
+    v_outs: list[torch.Tensor],
+) -> None:
+    """The moments into the outputs of :func:`adamw_step` that are not the moments themselves
+    (the step then updates the outputs in place)."""
+    for outs, xs in ((m_outs, ms), (v_outs, vs)):
+        for out, x in zip(outs, xs, strict=True):
+            if out is not x:
+                out.copy_(x)
+
+
 def adamw_step(
     ps: list[torch.Tensor],
     gs: list[torch.Tensor],
@@ -438,12 +452,7 @@ def adamw_step(
     where ``p'`` is ``torch._fused_adamw_`` (``torch.optim.AdamW(fused=True)``'s kernel) run on
     a copy of ``p`` at step ``step``: the values of ``fn.adamw``'s update then
     ``apply_updates``."""
-    for outs, xs in ((m_outs, ms), (v_outs, vs)):
-        for out, x in zip(outs, xs, strict=True):
-            if out is not x:
-                out.copy_(x)
-    if not ps:
-        return
+    copy_moments(ms, vs, m_outs, v_outs)
     stepped = [p.clone() for p in ps]
     counts = [torch.tensor(step, dtype=torch.float32, device=p.device) for p in ps]
     torch._fused_adamw_(

@@ -138,19 +138,12 @@ def public(
 
 
 def declare(
-    schema: str,
-    *,
-    fake: Callable[..., Any] | None = None,
-    vmap: str = ROWS,
-    reference: Callable[..., Any],
-    call: Callable[..., Any] | None = None,
-    finite: int | None = None,
-    returns: str | None = None,
+    schema: str, *, returns: str | None = None, **options: Any
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declares the op of ``schema`` (``"name(args) -> results"``; mutated arguments marked
     ``(a!)``) and derives its public function from the decorated checks (:func:`public`).
 
-    Args:
+    Args (``options`` are :class:`Op`'s):
         schema: the op's name and signature; the kernel of that name takes the same arguments.
         fake: the shape rule: empty outputs of the right shapes from the arguments (ops that
             only write into arguments need none).
@@ -162,8 +155,7 @@ def declare(
         finite: the index of the result that must be finite (a scale), else ``NonFiniteError``.
         returns: the argument the public function returns (``None``: the op's result).
     """
-    op = Op(schema, fake=fake, vmap=vmap, reference=reference, call=call, finite=finite)
-    return public(op, returns)
+    return public(Op(schema, **options), returns)
 
 
 def _per_row(op: Op) -> Callable[..., Any]:

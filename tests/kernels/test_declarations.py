@@ -225,5 +225,6 @@ def test_implementation_matches_its_reference(kernel_set, name, n, seed, variant
     args = MAKERS[name](n, torch.Generator().manual_seed(seed), variant)
     got_args, want_args = _clone(args), _clone(args)
     got, want = impl(*got_args), _spec.REFERENCES[name](*want_args)
-    assert _same(got, want)
+    if want is not None:  # a kernel that writes into its arguments returns nothing of note
+        assert _same(got, want)
     assert _same(got_args, want_args)
