@@ -119,13 +119,16 @@ def public(
 
     def decorate(check: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(check)
+        parameters = signature.parameters.values()
+        positional = [p.name for p in parameters if p.kind == p.POSITIONAL_OR_KEYWORD]
+        defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
 
         @functools.wraps(check)
         def checked(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            values = bound.arguments
-            changes = check(**values)
+            if len(args) > len(positional) or any(n in kwargs for n in positional[: len(args)]):
+                signature.bind(*args, **kwargs)  # raises the TypeError of the bad call
+            values = {**defaults, **dict(zip(positional, args, strict=False)), **kwargs}
+            changes = check(**values)  # a missing or unknown argument raises here
             if changes:
                 values.update(changes)
             result = op(*(values[name] for name in op.argument_names))
