@@ -20,6 +20,9 @@ full-size allocated): sign compression with error feedback in its two phases
 momentum beta * m + (1 - beta) * g computed inside (input m, g, e), and unpackbits into a
 buffer (unpack_scaled with scale 1, as the allreduce writes its output).
 
+The sums over ranks (dequantize_sum, sign_sum_compress) reduce 4 ranks' rows into n values;
+adamw_step counts the 16 bytes of p, g, m and v per element.
+
 Targets: CPU sign_compress >= 1.5x numpy.packbits(x >= 0) at 2^26; on CUDA (and other
 accelerators) packbits and sign_compress >= 50% of the copy bandwidth at 2^28. At the largest
 size of the run: the donated sign_compress + error within 1.5x of the time of three x.sum()
@@ -50,6 +53,7 @@ _READ = "x.sum() (read bandwidth)"
 _WRITE = "out.fill_(1) (write bandwidth)"
 _DONATED_EF = "sign_compress + error, donated"
 _DONATED_UNPACK = "unpackbits into out, donated"
+_RANKS = 4  # the ranks of the sums over ranks
 _TARGET_LOG2 = 28  # the accelerator target's size: 1 GiB of fp32
 MAX_WARMUP = 30
 
@@ -76,6 +80,19 @@ def _cases(x: torch.Tensor, e: torch.Tensor, group_size: int, reference: bool):
     out, error, grad = torch.empty_like(x), e.clone(), torch.randn_like(x)
     one = torch.ones(1, device=x.device)
 
+    rank_codes = (*K.quantize(x.repeat(_RANKS), 4, group_size), 4, _RANKS)
+    signs = K.packbits(x.repeat(_RANKS)).view(_RANKS, -1)
+    weights = torch.rand(_RANKS, device=x.device)
+    p, m, v = x.clone(), torch.zeros_like(x), torch.zeros_like(x)
+    adamw = {"step": 3, "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+
+    def donated_sign_sum():
+        _, scale = K.sign_sum_compress(signs, weights, error)
+        K.sign_sum_apply_error(signs, weights, error, scale, error)
+
+    def adamw_step():
+        K.adamw_step([p], [grad], [m], [v], **adamw)
+
     def donated_sign_compress(g=None):
         _, scale = K.feedback_sign_compress(x, error, grad=g, beta=0.9)
         K.feedback_apply_error(x, error, scale, error, grad=g, beta=0.9)
@@ -92,6 +109,9 @@ def _cases(x: torch.Tensor, e: torch.Tensor, group_size: int, reference: bool):
         ("momentum sign_compress + error, donated", 12, lambda: donated_sign_compress(grad)),
         (f"quantize 4-bit g={group_size}", 4, lambda: K.quantize(x, 4, group_size)),
         (f"dequantize 4-bit g={group_size}", 4, lambda: K.dequantize(codes, scales, 4, n)),
+        (f"dequantize_sum 4-bit W={_RANKS}", 4, lambda: K.dequantize_sum(*rank_codes, out)),
+        (f"sign_sum_compress + error W={_RANKS}, donated", 4, donated_sign_sum),
+        ("adamw_step (p, g, m, v)", 16, adamw_step),
     ]
     if x.device.type == "cpu":
         xn = x.numpy()

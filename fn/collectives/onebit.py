@@ -220,7 +220,7 @@ def _pure_allreduce(
     received = comm.all_to_all(packed.view(world_size, -1))  # [W, chunk / 8]: chunk r of rank i
     # unpackbits returns fresh tensors: scaling them in place saves a full-size copy each.
     signs = kernels.unpackbits(received.reshape(-1), n_padded).view(world_size, chunk)
-    server_m = signs.mul_((scales / world_size)[:, None]).sum(0)  # [chunk]
+    server_m = kernels.sum_ranks(signs.mul_((scales / world_size)[:, None]))  # [chunk]
     server_packed, server_scale, new_server_error = kernels.sign_compress(server_m, server_error)
 
     all_packed = comm.all_gather(server_packed)  # [W, chunk / 8]

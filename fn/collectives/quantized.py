@@ -175,7 +175,7 @@ def _reduce_scatter(
         if index == last:
             scales = finite_or_raise(scales, _NON_FINITE)
         pieces = kernels.dequantize(q, scales, plan.bits, v.numel())
-        v = pieces.view(size, -1).sum(0)
+        v = kernels.sum_ranks(pieces.view(size, -1))
     return v / plan.world.world_size, new_errors
 
 

@@ -9,7 +9,10 @@ error-compensated compression (:func:`feedback_sign_compress` / :func:`feedback_
 :func:`sign_sum_compress` / :func:`sign_sum_apply_error`), :func:`unpack_scaled` and
 :func:`adam_direction`; :func:`sqrt_rn` (IEEE 754's square root); eager only (no custom op),
 :func:`adam_apply`: that direction added to the params in one pass, and :func:`adamw_step`:
-``fn.adamw``'s step applied to the params in one pass. A kernel called on a tensor of device
+``fn.adamw``'s step applied to the params (torch's fused AdamW kernel, then ``p + (p' - p)``).
+:func:`sum_ranks` is the sum over ranks in the order every kernel follows: rank by rank, left to
+right. Each kernel is declared once (``fn/kernels/_ops.py``: its op's schema, shape rule, vmap
+rule, reference and public checks). A kernel called on a tensor of device
 type ``D`` runs a kernel set of the accelerator table's record for ``D``: by default fused C
 kernels on the CPU, Triton on CUDA/XPU (CUDA also offers the kernel set ``"cupy"``),
 ``torch_npu`` on NPU; every record also offers ``"reference"``, the pure-torch oracle every
@@ -52,6 +55,7 @@ from fn.kernels._ops import (
     unpack_scaled,
     unpackbits,
 )
+from fn.kernels._reference import sum_ranks
 from fn.kernels._table import (
     get_accelerator,
     kernel_set,
@@ -80,6 +84,7 @@ __all__ = [
     "loco_error",
     "dequantize_sum",
     "dequantize_into",
+    "sum_ranks",
     "tuning_pending",
     "KERNEL_NAMES",
     "Accelerator",

@@ -14,28 +14,10 @@ from typing import Any
 
 import torch
 
-from fn.kernels import _reference
+from fn.kernels import _ops  # noqa: F401  (declares the kernels)
+from fn.kernels._spec import REFERENCES
 
-KERNEL_NAMES = (
-    "packbits",
-    "unpackbits",
-    "sign_compress",
-    "feedback_sign_compress",
-    "feedback_apply_error",
-    "sign_sum_compress",
-    "sign_sum_apply_error",
-    "unpack_scaled",
-    "adam_direction",
-    "adam_apply",
-    "adamw_step",
-    "sqrt_rn",
-    "quantize",
-    "dequantize",
-    "loco_quantize",
-    "loco_error",
-    "dequantize_sum",
-    "dequantize_into",
-)
+KERNEL_NAMES = tuple(REFERENCES)  # in declaration order (fn.kernels._ops)
 REFERENCE = "reference"
 
 
@@ -117,11 +99,11 @@ class Accelerator:
         if kernel_set is None:
             kernel_set = self.kernel_set_names()[0]
         if kernel_set == REFERENCE:
-            return getattr(_reference, name)
+            return REFERENCES[name]
         kernels = self.kernel_sets.get(kernel_set)
         if kernels is None:
             raise ValueError(
                 f"unknown kernel set {kernel_set!r} for device type {self.name!r}; "
                 f"valid: {self.kernel_set_names()}"
             )
-        return kernels.get(name) or getattr(_reference, name)
+        return kernels.get(name) or REFERENCES[name]

@@ -161,8 +161,8 @@ static void fn_apply_error(float *v, float scale, int64_t begin, int64_t end)
 /* ---- Error-compensated sign compression without full-size temporaries (1-bit allreduce) ----
    v = source + e, where the source is x zero-padded to e's length, or the momentum
    beta * m + (1 - beta) * g (two roundings, no fused multiply-add: built with
-   -ffp-contract=off), or the scaled sign sum of the W received chunks in the order of torch's
-   `sum(0)` over [W, chunk] (see _reference.sign_sum). Phase 1 writes the signs of v and the
+   -ffp-contract=off), or the scaled sign sum of the W received chunks added in rank order
+   (0 + row 0 + row 1 + ..., see fn.kernels.sum_ranks). Phase 1 writes the signs of v and the
    block sums of squares; phase 2 (after the caller's checks) recomputes v and writes
    e' = v - scale * s(v) into out, which may be e itself. */
 
@@ -175,72 +175,8 @@ typedef struct {
     const uint8_t *signs;  /* FEEDBACK_SIGN_SUM: [ranks, row_bytes] packed signs */
     const float *weights;  /* [ranks] */
     int64_t ranks, row_bytes;
-    const int64_t *tails;  /* [ntails][2]: column ranges torch sums in its row_sum order */
-    int64_t ntails;
     int64_t ahead; /* elements: how far ahead of the loads the input streams are prefetched */
 } fn_feedback;
-
-/* Term (row, k) of a column sum: row `row`'s value in column k. */
-typedef float (*column_term)(const void *ctx, int64_t row, int64_t k);
-
-static float signed_weight(const void *ctx, int64_t row, int64_t k)
-{
-    const fn_feedback *f = ctx;
-    uint32_t byte = f->signs[row * f->row_bytes + (k >> 3)];
-    return ((byte >> (7 - (k & 7))) & 1u) ? f->weights[row] : -f->weights[row];
-}
-
-static inline int64_t ceil_log2(int64_t x)
-{
-    int64_t bits = 0;
-    if (x <= 2)
-        return 1;
-    for (uint64_t y = (uint64_t)(x - 1); y; y >>= 1)
-        bits++;
-    return bits;
-}
-
-/* log2 of the rows torch's multi_row_sum adds into one level before moving it up. */
-static inline int64_t level_power(int64_t count)
-{
-    return ceil_log2(count) / 4 > 4 ? ceil_log2(count) / 4 : 4;
-}
-
-/* torch's multi_row_sum order over the terms of rows first, first + stride, ... (count). */
-static float cascade_column(column_term term, const void *ctx, int64_t k, int64_t first,
-                            int64_t stride, int64_t count)
-{
-    int64_t power = level_power(count), step = (int64_t)1 << power, mask = step - 1, t = 0;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    while (t + step <= count) {
-        for (int64_t j = 0; j < step; j++, t++)
-            acc[0] += term(ctx, first + t * stride, k);
-        for (int j = 1; j < 4; j++) {
-            acc[j] += acc[j - 1];
-            acc[j - 1] = 0.0f;
-            if (t & (mask << (j * power)))
-                break;
-        }
-    }
-    for (; t < count; t++)
-        acc[0] += term(ctx, first + t * stride, k);
-    for (int j = 1; j < 4; j++)
-        acc[0] += acc[j];
-    return acc[0];
-}
-
-/* torch's row_sum order over `rows` terms (the columns its vectorized outer sum leaves over:
-   four interleaved cascades, then the rows past the last multiple of 4). */
-static float row_sum_column(column_term term, const void *ctx, int64_t rows, int64_t k)
-{
-    int64_t quads = rows / 4;
-    float p[4];
-    for (int j = 0; j < 4; j++)
-        p[j] = quads ? cascade_column(term, ctx, k, j, 4, quads) : 0.0f;
-    for (int64_t i = quads * 4; i < rows; i++)
-        p[0] += term(ctx, i, k);
-    return ((p[0] + p[1]) + p[2]) + p[3];
-}
 
 /* Adds row t's signed weights for the columns [off, off + len) to acc (off, len: multiples of 8
    but for the last block). */
@@ -257,33 +193,13 @@ static void add_signed_row(const fn_feedback *f, int64_t t, int64_t off, int64_t
         acc[i] += ((row[i >> 3] >> (7 - (i & 7))) & 1u) ? w : nw;
 }
 
-/* The sign sum of the columns [off, off + len) into out (len <= BLOCK), in the order of
-   torch's multi_row_sum: levels of accumulators in memory, one pass per row. */
+/* The sign sum of the columns [off, off + len) into out (len <= BLOCK): the rows added in
+   rank order, from zero. */
 static void sign_sum_columns(const fn_feedback *f, int64_t off, int64_t len, float *out)
 {
-    float acc[3][BLOCK]; /* levels 1-3; level 0 is out */
-    int64_t count = f->ranks, power = level_power(count);
-    int64_t step = (int64_t)1 << power, mask = step - 1, t = 0;
-    float *level[4] = {out, acc[0], acc[1], acc[2]};
-    for (int l = 0; l < 4; l++)
-        memset(level[l], 0, (size_t)len * sizeof(float));
-    while (t + step <= count) {
-        for (int64_t j = 0; j < step; j++, t++)
-            add_signed_row(f, t, off, len, out);
-        for (int l = 1; l < 4; l++) {
-            for (int64_t i = 0; i < len; i++) {
-                level[l][i] += level[l - 1][i];
-                level[l - 1][i] = 0.0f;
-            }
-            if (t & (mask << (l * power)))
-                break;
-        }
-    }
-    for (; t < count; t++)
+    memset(out, 0, (size_t)len * sizeof(float));
+    for (int64_t t = 0; t < f->ranks; t++)
         add_signed_row(f, t, off, len, out);
-    for (int l = 1; l < 4; l++)
-        for (int64_t i = 0; i < len; i++)
-            out[i] += level[l][i];
 }
 
 #if defined(__AVX2__)
@@ -305,39 +221,17 @@ static inline void add_signed_row32(const fn_feedback *f, int64_t t, int64_t byt
     }
 }
 
-/* sign_sum_columns for the 32 columns from byte `byte` on into sum, the levels held in
-   registers: the same additions in the same order, without the passes over memory. */
+/* sign_sum_columns for the 32 columns from byte `byte` on into sum, in registers. */
 static inline void sign_sum_registers(const fn_feedback *f, int64_t byte, __m256 *sum)
 {
-    int64_t count = f->ranks, power = level_power(count);
-    int64_t step = (int64_t)1 << power, mask = step - 1, t = 0;
-    __m256 level[4][4];
-    for (int l = 0; l < 4; l++)
-        for (int g = 0; g < 4; g++)
-            level[l][g] = _mm256_setzero_ps();
-    while (t + step <= count) {
-        for (int64_t j = 0; j < step; j++, t++)
-            add_signed_row32(f, t, byte, level[0]);
-        for (int l = 1; l < 4; l++) {
-            for (int g = 0; g < 4; g++) {
-                level[l][g] = _mm256_add_ps(level[l][g], level[l - 1][g]);
-                level[l - 1][g] = _mm256_setzero_ps();
-            }
-            if (t & (mask << (l * power)))
-                break;
-        }
-    }
-    for (; t < count; t++)
-        add_signed_row32(f, t, byte, level[0]);
-    for (int l = 1; l < 4; l++)
-        for (int g = 0; g < 4; g++)
-            level[0][g] = _mm256_add_ps(level[0][g], level[l][g]);
     for (int g = 0; g < 4; g++)
-        sum[g] = level[0][g];
+        sum[g] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < f->ranks; t++)
+        add_signed_row32(f, t, byte, sum);
 }
 #endif
 
-/* The sign sum of the columns [off, off + len) into out, in torch's order. */
+/* The sign sum of the columns [off, off + len) into out, in rank order. */
 static void sign_sum_block(const fn_feedback *f, int64_t off, int64_t len, float *out)
 {
     int64_t done = 0;
@@ -351,12 +245,6 @@ static void sign_sum_block(const fn_feedback *f, int64_t off, int64_t len, float
 #endif
     if (done < len)
         sign_sum_columns(f, off + done, len - done, out + done);
-    for (int64_t r = 0; r < f->ntails; r++) {
-        int64_t b = f->tails[2 * r] > off ? f->tails[2 * r] : off;
-        int64_t e = min64(f->tails[2 * r + 1], off + len);
-        for (int64_t k = b; k < e; k++)
-            out[k - off] = row_sum_column(signed_weight, f, f->ranks, k);
-    }
 }
 
 /* v = source + e for the elements [off, off + len) (len <= BLOCK). */
@@ -386,17 +274,10 @@ static void feedback_values(const fn_feedback *f, int64_t off, int64_t len, floa
 #if defined(__AVX2__) && defined(__FMA__)
 
 /* Whether the block at off is computed in registers (the fused paths below): a full block of
-   x or momentum values, or of sign sums in torch's multi_row_sum order. */
+   x or momentum values, or of sign sums. */
 static inline int feedback_fused(const fn_feedback *f, int64_t off, int64_t len)
 {
-    if (len != BLOCK)
-        return 0;
-    if (f->mode != FEEDBACK_SIGN_SUM)
-        return off + BLOCK <= f->n;
-    for (int64_t r = 0; r < f->ntails; r++) /* columns in torch's row_sum order */
-        if (f->tails[2 * r] < off + BLOCK && f->tails[2 * r + 1] > off)
-            return 0;
-    return 1;
+    return len == BLOCK && (f->mode == FEEDBACK_SIGN_SUM || off + BLOCK <= f->n);
 }
 
 /* The two cache lines of 32 floats at p + ahead. */
@@ -1009,68 +890,21 @@ static void fn_loco_error(const float *x, const float *e, rows_layout l, const u
 }
 
 #define SUM_TILE 256
-#define SUM_LEVELS 4
-
-typedef struct {
-    const uint8_t *q;
-    const float *scales;
-    int nbits;
-    int64_t group_size, cols;
-} dequantized_rows;
-
-static float dequantized_term(const void *ctx, int64_t row, int64_t k)
-{
-    const dequantized_rows *d = ctx;
-    float v;
-    int64_t i = row * d->cols + k;
-    dequantize_range(d->q, d->scales, d->nbits, d->group_size, i, i + 1, &v, 0);
-    return v;
-}
 
 /* out[i] = sum over the `pieces` rows of DQ(row)[i], rows of `cols` values (whole groups) in
-   one buffer, added in the order of torch's outer-dimension sum: aten's multi_row_sum (an fp32
-   accumulator per level, rows added to level 0 from zero, level j-1 moved into level j every
-   2^(j * level_power) rows, then the levels added to level 0 in order), except in the column
-   ranges `tails` ([ntails][2]), which torch sums in its row_sum order. */
+   one buffer, added in rank order from zero (0 + row 0 + row 1 + ..., fn.kernels.sum_ranks). */
 static void fn_dequantize_sum(const uint8_t *q, const float *scales, int nbits,
-                              int64_t group_size, int64_t pieces, int64_t cols,
-                              const int64_t *tails, int64_t ntails, float *out, int64_t begin,
-                              int64_t end)
+                              int64_t group_size, int64_t pieces, int64_t cols, float *out,
+                              int64_t begin, int64_t end)
 {
-    const int64_t power = level_power(pieces), step = (int64_t)1 << power, mask = step - 1;
-    const dequantized_rows rows = {q, scales, nbits, group_size, cols};
-    float acc[SUM_LEVELS][SUM_TILE];
+    float acc[SUM_TILE];
     for (int64_t t0 = begin; t0 < end; t0 += SUM_TILE) {
         int64_t len = min64(SUM_TILE, end - t0);
-        for (int l = 0; l < SUM_LEVELS; l++)
-            for (int64_t k = 0; k < len; k++)
-                acc[l][k] = 0.0f;
-        int64_t r = 0;
-        while (r + step <= pieces) {
-            for (int64_t j = 0; j < step; j++, r++)
-                dequantize_range(q, scales, nbits, group_size, r * cols + t0, r * cols + t0 + len,
-                                 acc[0], 1);
-            for (int l = 1; l < SUM_LEVELS; l++) {
-                for (int64_t k = 0; k < len; k++) {
-                    acc[l][k] += acc[l - 1][k];
-                    acc[l - 1][k] = 0.0f;
-                }
-                if (r & (mask << (l * power)))
-                    break;
-            }
-        }
-        for (; r < pieces; r++)
+        memset(acc, 0, (size_t)len * sizeof(float));
+        for (int64_t r = 0; r < pieces; r++)
             dequantize_range(q, scales, nbits, group_size, r * cols + t0, r * cols + t0 + len,
-                             acc[0], 1);
-        for (int l = 1; l < SUM_LEVELS; l++)
-            for (int64_t k = 0; k < len; k++)
-                acc[0][k] += acc[l][k];
-        for (int64_t r = 0; r < ntails; r++) {
-            int64_t b = tails[2 * r] > t0 ? tails[2 * r] : t0;
-            for (int64_t k = b; k < min64(tails[2 * r + 1], t0 + len); k++)
-                acc[0][k - t0] = row_sum_column(dequantized_term, &rows, pieces, k);
-        }
-        memcpy(out + t0, acc[0], (size_t)len * sizeof(float));
+                             acc, 1);
+        memcpy(out + t0, acc, (size_t)len * sizeof(float));
     }
 }
 
@@ -1119,12 +953,8 @@ enum {
     FEEDBACK_ERROR,
     UNPACK_SCALED,
     ADAM_DIRECTION,
-    ADAMW_STEP,
     SQRT_RN,
 };
-
-struct fn_adamw; /* fn.adamw's fused step: the last section */
-static void fn_adamw_step(const struct fn_adamw *a, int64_t begin, int64_t end);
 
 typedef struct {
     int64_t kernel, n, chunk, count, next, left;
@@ -1155,9 +985,6 @@ static void run_chunk(const fn_job *j, int64_t b, int64_t e)
         fn_adam_direction(j->p[0], j->p[1], j->p[2], j->p[3], (int)j->i[0], j->scale, j->p[4], b,
                           e);
         break;
-    case ADAMW_STEP:
-        fn_adamw_step(j->p[0], b, e);
-        break;
     case SQRT_RN:
         fn_sqrt_rn(j->p[0], j->p[1], b, e);
         break;
@@ -1185,8 +1012,8 @@ static void run_chunk(const fn_job *j, int64_t b, int64_t e)
         break;
     }
     case DEQUANTIZE_SUM:
-        fn_dequantize_sum(j->p[0], j->p[1], (int)j->i[0], j->i[1], j->i[2], j->i[3], j->p[3],
-                          j->i[4], j->p[2], b, e);
+        fn_dequantize_sum(j->p[0], j->p[1], (int)j->i[0], j->i[1], j->i[2], j->i[3], j->p[2], b,
+                          e);
         break;
     case DEQUANTIZE_INTO:
         fn_dequantize_into(j->p[0], j->p[1], (int)j->i[0], j->i[1], j->i[2], j->i[3], j->i[4],
@@ -1242,159 +1069,6 @@ float fn_rms(double *sums, int64_t count, int64_t length, int64_t n)
         for (int64_t j = 0; j < h; j++)
             sums[j] = sums[j] + sums[j + h];
     return (float)sqrt(sums[0] / (double)n);
-}
-
-/* ---- fn.adamw's fused step: fn_adamw_step ----
-   One pass over (p, g, m, v) of every leaf with the values of fn.adamw's update then
-   apply_updates: the params, decayed and stepped as torch._fused_adamw_
-   (torch.optim.AdamW(fused=True)'s CPU kernel) rounds them into p', then p + (p' - p). torch's
-   kernel rounds its vector lanes and its scalar tail (the last n % lanes elements of a tensor)
-   differently, as its build contracts them into fused multiply-adds:
-     vector lanes: m' = fma(w, g - m, m) (or fma(w - 1, g - m, g) for w >= 1/2),
-                   v' = fma(c2 * g, g, v * b2);
-     scalar tail:  m' = fma(w, g - m, m) (or fma(-(g - m), 1 - w, g), whose zeros can differ),
-                   v' = fma(v, b2, (c2 * g) * g);
-   then p' = p * decay + (neg_step * m') / (sqrt(v') / bc2_sqrt + eps) in both, with the
-   multiplications and divisions rounded apart (this file is built with -ffp-contract=off, so
-   every fma here is explicit). m', v' go to m_out, v_out (they may be m, v themselves). A NaN
-   param stays that NaN, as in torch's p + (p' - p) (x86 returns the first NaN operand, and the
-   compiler may swap the operands of an addition here). The job's index space is the leaves one
-   after another. */
-typedef struct fn_adamw {
-    /* 6 rows of count addresses (p, g, m, v, m_out, v_out), then the count + 1 offsets of the
-       leaves in the job's index space (the last one the total) */
-    const int64_t *table;
-    int64_t count, lanes, fp64, decayed, small_lerp;
-    double decay, w, b2, c2, bc2_sqrt, eps, neg_step;
-} fn_adamw;
-
-typedef struct {
-    void *p, *m_out, *v_out;
-    const void *g, *m, *v;
-    int64_t vector_end; /* n - n % lanes: torch's scalar tail starts here */
-} adamw_leaf;
-
-#define FN_ADAMW_ELEMENT(T, FMA, SQRT)                                                          \
-    static inline void adamw_element_##T(const fn_adamw *a, const adamw_leaf *l, int64_t i)    \
-    {                                                                                           \
-        T *p = l->p, *mo = l->m_out, *vo = l->v_out;                                            \
-        const T *g = l->g, *m = l->m, *v = l->v;                                                \
-        const T w = (T)a->w, b2 = (T)a->b2, c2 = (T)a->c2;                                      \
-        T pi = p[i], gi = g[i], mi = m[i], vi = v[i];                                           \
-        T pd = a->decayed ? pi * (T)a->decay : pi;                                              \
-        int tail = i >= l->vector_end;                                                          \
-        T mn = a->small_lerp ? FMA(w, gi - mi, mi)                                              \
-               : tail        ? FMA(-(gi - mi), (T)1 - w, gi)                                    \
-                             : FMA(w - (T)1, gi - mi, gi);                                      \
-        T vn = tail ? FMA(vi, b2, (c2 * gi) * gi) : FMA(c2 * gi, gi, vi * b2);                  \
-        T den = SQRT(vn) / (T)a->bc2_sqrt + (T)a->eps;                                          \
-        T pn = pd + ((T)a->neg_step * mn) / den;                                                \
-        mo[i] = mn;                                                                             \
-        vo[i] = vn;                                                                             \
-        p[i] = pi != pi ? pi + pi : pi + (pn - pi);                                             \
-    }
-FN_ADAMW_ELEMENT(float, fmaf, sqrtf)
-FN_ADAMW_ELEMENT(double, fma, sqrt)
-#undef FN_ADAMW_ELEMENT
-
-#if defined(__AVX2__) && defined(__FMA__)
-/* Elements [i, i + 8 * count) of torch's vector lanes, 8 fp32 values at a time. */
-static void adamw_vectors_float(const fn_adamw *a, const adamw_leaf *l, int64_t i, int64_t count)
-{
-    float *p = l->p, *mo = l->m_out, *vo = l->v_out;
-    const float *g = l->g, *m = l->m, *v = l->v;
-    const __m256 decay = _mm256_set1_ps((float)a->decay), b2 = _mm256_set1_ps((float)a->b2);
-    const __m256 c2 = _mm256_set1_ps((float)a->c2), bc2 = _mm256_set1_ps((float)a->bc2_sqrt);
-    const __m256 eps = _mm256_set1_ps((float)a->eps), neg = _mm256_set1_ps((float)a->neg_step);
-    const float w = (float)a->w;
-    const __m256 coeff = _mm256_set1_ps(a->small_lerp ? w : w - 1.0f);
-    for (int64_t k = 0; k < count; k++, i += 8) {
-        __m256 pi = _mm256_loadu_ps(p + i), gi = _mm256_loadu_ps(g + i);
-        __m256 mi = _mm256_loadu_ps(m + i), vi = _mm256_loadu_ps(v + i);
-        __m256 pd = a->decayed ? _mm256_mul_ps(pi, decay) : pi;
-        __m256 mn = _mm256_fmadd_ps(coeff, _mm256_sub_ps(gi, mi), a->small_lerp ? mi : gi);
-        __m256 vn = _mm256_fmadd_ps(_mm256_mul_ps(c2, gi), gi, _mm256_mul_ps(vi, b2));
-        __m256 den = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vn), bc2), eps);
-        __m256 pn = _mm256_add_ps(pd, _mm256_div_ps(_mm256_mul_ps(neg, mn), den));
-        _mm256_storeu_ps(mo + i, mn);
-        _mm256_storeu_ps(vo + i, vn);
-        __m256 nan = _mm256_cmp_ps(pi, pi, _CMP_UNORD_Q);
-        __m256 pu = _mm256_add_ps(pi, _mm256_sub_ps(pn, pi));
-        _mm256_storeu_ps(p + i, _mm256_blendv_ps(pu, _mm256_add_ps(pi, pi), nan));
-    }
-}
-
-/* The same, 4 fp64 values at a time. */
-static void adamw_vectors_double(const fn_adamw *a, const adamw_leaf *l, int64_t i,
-                                 int64_t count)
-{
-    double *p = l->p, *mo = l->m_out, *vo = l->v_out;
-    const double *g = l->g, *m = l->m, *v = l->v;
-    const __m256d decay = _mm256_set1_pd(a->decay), b2 = _mm256_set1_pd(a->b2);
-    const __m256d c2 = _mm256_set1_pd(a->c2), bc2 = _mm256_set1_pd(a->bc2_sqrt);
-    const __m256d eps = _mm256_set1_pd(a->eps), neg = _mm256_set1_pd(a->neg_step);
-    const __m256d coeff = _mm256_set1_pd(a->small_lerp ? a->w : a->w - 1.0);
-    for (int64_t k = 0; k < count; k++, i += 4) {
-        __m256d pi = _mm256_loadu_pd(p + i), gi = _mm256_loadu_pd(g + i);
-        __m256d mi = _mm256_loadu_pd(m + i), vi = _mm256_loadu_pd(v + i);
-        __m256d pd = a->decayed ? _mm256_mul_pd(pi, decay) : pi;
-        __m256d mn = _mm256_fmadd_pd(coeff, _mm256_sub_pd(gi, mi), a->small_lerp ? mi : gi);
-        __m256d vn = _mm256_fmadd_pd(_mm256_mul_pd(c2, gi), gi, _mm256_mul_pd(vi, b2));
-        __m256d den = _mm256_add_pd(_mm256_div_pd(_mm256_sqrt_pd(vn), bc2), eps);
-        __m256d pn = _mm256_add_pd(pd, _mm256_div_pd(_mm256_mul_pd(neg, mn), den));
-        _mm256_storeu_pd(mo + i, mn);
-        _mm256_storeu_pd(vo + i, vn);
-        __m256d nan = _mm256_cmp_pd(pi, pi, _CMP_UNORD_Q);
-        __m256d pu = _mm256_add_pd(pi, _mm256_sub_pd(pn, pi));
-        _mm256_storeu_pd(p + i, _mm256_blendv_pd(pu, _mm256_add_pd(pi, pi), nan));
-    }
-}
-#endif
-
-/* Elements [begin, end) of one leaf. */
-static void adamw_leaf_range(const fn_adamw *a, const adamw_leaf *l, int64_t begin, int64_t end)
-{
-    int64_t i = begin;
-#if defined(__AVX2__) && defined(__FMA__)
-    int64_t stop = min64(end, l->vector_end);
-    if (i < stop) {
-        int64_t lanes = a->fp64 ? 4 : 8, count = (stop - i) / lanes;
-        if (a->fp64)
-            adamw_vectors_double(a, l, i, count);
-        else
-            adamw_vectors_float(a, l, i, count);
-        i += count * lanes;
-    }
-#endif
-    for (; i < end; i++) {
-        if (a->fp64)
-            adamw_element_double(a, l, i);
-        else
-            adamw_element_float(a, l, i);
-    }
-}
-
-static void fn_adamw_step(const fn_adamw *a, int64_t begin, int64_t end)
-{
-    const int64_t *t = a->table, n = a->count, *start = t + 6 * n;
-    int64_t lo = 0, hi = n; /* the last leaf starting at or before begin */
-    while (hi - lo > 1) {
-        int64_t mid = (lo + hi) / 2;
-        if (start[mid] <= begin)
-            lo = mid;
-        else
-            hi = mid;
-    }
-    for (int64_t k = lo; k < n && start[k] < end; k++) {
-        int64_t size = start[k + 1] - start[k];
-        adamw_leaf l = {
-            (void *)(intptr_t)t[k], (void *)(intptr_t)t[4 * n + k], (void *)(intptr_t)t[5 * n + k],
-            (const void *)(intptr_t)t[n + k], (const void *)(intptr_t)t[2 * n + k],
-            (const void *)(intptr_t)t[3 * n + k], size - size % a->lanes,
-        };
-        int64_t b = begin > start[k] ? begin - start[k] : 0;
-        adamw_leaf_range(a, &l, b, min64(end, start[k + 1]) - start[k]);
-    }
 }
 
 /* ------------------------------------------------------------------------------------------

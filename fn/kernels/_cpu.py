@@ -4,11 +4,9 @@ The C source is ``_cpu.c``, package data next to this module. The shared library
 per (source text, compiler, flags, CPU) into ``$FN_CACHE_DIR`` (default ``~/.cache/fn``) with
 ``$CC`` (default ``cc``) and ``-O3 -march=native``. Without a working compiler every kernel
 falls back to the reference and one warning says why. Results are bit-identical to
-``fn.kernels._reference``. Where the reference is one of torch's own kernels (the sums over the
-ranks' chunks in ``torch.sum(dim=0)``'s order, the fused AdamW step in
-``torch._fused_adamw_``'s rounding), the C kernel follows the vector length that torch's kernel
-is found to run on this build (found once by running it; the CPU capability does not tell it),
-so the fast path is taken on every capability torch's AVX2 and AVX512 builds report.
+``fn.kernels._reference``, whose arithmetic order each kernel follows (the sums over the ranks'
+chunks in rank order, :func:`fn.kernels.sum_ranks`); nothing depends on how torch's own kernels
+are built.
 
 Large calls are split into chunks of ``_CHUNK`` elements claimed by up to
 ``torch.get_num_threads()`` threads (ctypes releases the GIL; no OpenMP runtime is involved).
@@ -56,8 +54,7 @@ _KERNEL_IDS = {
     "feedback_error": 11,
     "unpack_scaled": 12,
     "adam_direction": 13,
-    "adamw_step": 14,
-    "sqrt_rn": 15,
+    "sqrt_rn": 14,
 }
 
 
@@ -300,14 +297,11 @@ class _FeedbackStruct(ctypes.Structure):
         ("weights", ctypes.c_void_p),
         ("ranks", ctypes.c_int64),
         ("row_bytes", ctypes.c_int64),
-        ("tails", ctypes.c_void_p),
-        ("ntails", ctypes.c_int64),
         ("ahead", ctypes.c_int64),
     ]
 
 
 _FEEDBACK_X, _FEEDBACK_MOMENTUM, _FEEDBACK_SIGN_SUM = 0, 1, 2
-_SUM_GRAIN = 32768  # at::internal::GRAIN_SIZE: smaller reductions run on one thread
 # How far ahead (elements; 0: not at all) packbits and the error-feedback kernels prefetch
 # their inputs, chosen per host (fn.kernels._tuning): on a Zen 5 host 4 KiB ahead brings
 # packbits from 86% to 97% of the read bandwidth, while 1 KiB ahead slows the error-feedback
@@ -352,46 +346,6 @@ def _plain_fp32(*tensors: torch.Tensor | None) -> bool:
     )
 
 
-@functools.cache
-def _torch_sum_lanes() -> int:
-    """The fp32 vector length of torch's CPU sum kernel, found by running it: which kernel a
-    build dispatches to is not told by ``get_cpu_capability()`` (torch 2.13's AVX512 builds
-    sum with 8 lanes). The smallest width whose columns take the ``row_sum`` order: narrower
-    outer sums go in groups of 4 columns (rows 0, 1 and 4 tell the two orders apart)."""
-    for lanes in (8, 16, 32, 64):
-        rows = torch.zeros(5, lanes)
-        rows[0], rows[1], rows[4] = 2.0**24, 1.0, -(2.0**24)
-        if rows.sum(0)[0] != 0:  # (2^24 + 1) - 2^24 rounds to 0; row_sum adds 1 last
-            return lanes
-    raise RuntimeError("torch's sum(0) takes no vectorized order up to 64 lanes")
-
-
-def _torch_sum_tails(ranks: int, chunk: int) -> torch.Tensor:
-    """The column ranges that ``torch.sum(dim=0)`` of a contiguous fp32 ``[ranks, chunk]``
-    tensor reduces in its ``row_sum`` order (int64 ``[k, 2]``); it reduces the others in its
-    ``multi_row_sum`` order. Its threads split the columns into ``ceil(chunk / threads)``
-    pieces rounded to 128 bytes; a piece of at least one vector of columns is summed in groups
-    of 4 vectors, a shorter one in groups of 4 columns, and the columns past the last whole
-    group take the ``row_sum`` order (ATen ``SumKernel.cpp``, ``TensorIteratorReduce.cpp``)."""
-    lanes = _torch_sum_lanes()
-    threads = torch.get_num_threads()
-    pieces = [(0, chunk)]
-    if ranks * chunk >= _SUM_GRAIN and threads > 1:
-        step = -(-chunk // min(threads, chunk))
-        pieces = []
-        for begin in range(0, chunk, step):
-            end = min(chunk, begin + step)
-            begin, end = begin - begin % 32, end if end == chunk else end - end % 32
-            if begin != end:
-                pieces.append((begin, end))
-    tails = []
-    for begin, end in pieces:
-        width = 4 * lanes if end - begin >= lanes else 4
-        if (end - begin) % width:
-            tails.append((begin + (end - begin) // width * width, end))
-    return torch.tensor(tails, dtype=torch.int64).view(-1, 2)
-
-
 def _feedback(
     mode: int, error: torch.Tensor, x=None, grad=None, beta: float = 0.0, signs=None, weights=None
 ) -> tuple[_FeedbackStruct, tuple[torch.Tensor, ...]]:
@@ -399,15 +353,13 @@ def _feedback(
     keep: tuple[torch.Tensor, ...] = (error,)
     f = _FeedbackStruct(mode=mode, e=error.data_ptr())
     if mode == _FEEDBACK_SIGN_SUM:
-        tails = _torch_sum_tails(signs.shape[0], signs.shape[1] * 8)
         f.signs, f.weights, f.ranks, f.row_bytes = (
             signs.data_ptr(),
             weights.data_ptr(),
             signs.shape[0],
             signs.shape[1],
         )
-        f.tails, f.ntails = tails.data_ptr(), tails.shape[0]
-        keep += (signs, weights, tails)
+        keep += (signs, weights)
     else:
         f.n, f.x = x.numel(), x.data_ptr()
         if grad is not None:
@@ -686,9 +638,8 @@ def dequantize_sum(
         return _reference.dequantize_sum(q, scales, bits, pieces, out)
     q = q.detach().contiguous()
     scales = _fp32(scales)
-    tails = _torch_sum_tails(pieces, cols)
-    pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr(), tails.data_ptr())
-    ints = (bits, pieces * cols // groups, pieces, cols, tails.shape[0])
+    pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())
+    ints = (bits, pieces * cols // groups, pieces, cols)
     _run(lib, "dequantize_sum", cols, 1, pointers, ints)
     return None
 
@@ -715,103 +666,33 @@ def dequantize_into(
     return None
 
 
-class _AdamWStruct(ctypes.Structure):
-    """Mirror of the C ``fn_adamw``: the leaves and constants of one fn.adamw step."""
-
-    _fields_ = [
-        ("table", ctypes.c_void_p),
-        ("count", ctypes.c_int64),
-        ("lanes", ctypes.c_int64),
-        ("fp64", ctypes.c_int64),
-        ("decayed", ctypes.c_int64),
-        ("small_lerp", ctypes.c_int64),
-        ("decay", ctypes.c_double),
-        ("w", ctypes.c_double),
-        ("b2", ctypes.c_double),
-        ("c2", ctypes.c_double),
-        ("bc2_sqrt", ctypes.c_double),
-        ("eps", ctypes.c_double),
-        ("neg_step", ctypes.c_double),
-    ]
+# Elements per batch of adamw_step: a batch's p, its copy, g, m and v stay in the cache between
+# the kernel's passes. Leaves are cut at multiples of it (a multiple of every vector length).
+_ADAMW_BATCH = 1 << 18
 
 
-_ADAMW_DTYPES = (torch.float32, torch.float64)
-_ADAM_VECTOR_BYTES = (32, 64)  # torch's 256-bit and 512-bit CPU kernels
-
-
-@functools.lru_cache(maxsize=64)
-def _small_lerp(beta1: float, dtype: torch.dtype) -> bool:
-    """torch's test for its lerp branch: ``|1 - beta1|`` rounded to ``dtype`` below 1/2."""
-    return abs(torch.tensor(1.0 - beta1, dtype=dtype).item()) < 0.5
-
-
-@functools.cache
-def _adamw_lanes(dtype: torch.dtype, small_lerp: bool) -> int | None:
-    """The vector length (values of ``dtype``) with which the C kernel gives the reference's
-    bits on this build, or ``None`` where no length does (the reference runs). torch's kernel
-    rounds its vector lanes and its scalar tail as its build contracts them (see ``_cpu.c``),
-    and which vector length it runs is not told by ``get_cpu_capability()`` (torch 2.13's
-    AVX512 builds run its 256-bit kernel): each (dtype, lerp branch) is checked once, for each
-    length, on random data covering vector lanes and many tails."""
-    gen = torch.Generator().manual_seed(0)
-    ps, gs, ms, vs = [], [], [], []
-    for n in (4096 + 63, *range(1, 64), *range(1, 64)):  # vector lanes, every tail length
-        scale = torch.pow(10.0, torch.randint(-6, 2, (n,), generator=gen)).to(dtype)
-        ps.append(torch.randn(n, generator=gen, dtype=dtype))
-        gs.append(torch.randn(n, generator=gen, dtype=dtype) * scale)
-        gs[-1][::5] = -0.0  # signed zeros tell the lerp forms apart at beta1 = 0
-        ms.append(torch.randn(n, generator=gen, dtype=dtype) * 0.1)
-        vs.append(torch.rand(n, generator=gen, dtype=dtype) * 0.1)
-    betas = (0.9,) if small_lerp else (0.3, 0.0)
-    for lanes in (nbytes // dtype.itemsize for nbytes in _ADAM_VECTOR_BYTES):
-        if all(_adamw_matches(lanes, ps, gs, ms, vs, beta1) for beta1 in betas):
-            return lanes
-    return None
-
-
-def _adamw_matches(lanes, ps, gs, ms, vs, beta1) -> bool:
-    """Whether the C kernel with ``lanes`` gives the reference's bits on these leaves."""
-    bits = torch.int32 if ps[0].dtype == torch.float32 else torch.int64
-    outs = []
-    for impl in (_reference.adamw_step, functools.partial(_adamw_c, lanes=lanes)):
-        p, m, v = ([x.clone() for x in xs] for xs in (ps, ms, vs))
-        impl(p, gs, m, v, m, v, 3.0, 1e-3, beta1, 0.999, 1e-8, 0.01)
-        outs.append(torch.cat(p + m + v).view(bits))
-    return torch.equal(*outs)
-
-
-def _adamw_c(
-    ps, gs, ms, vs, m_outs, v_outs, step, lr, beta1, beta2, eps, weight_decay, *, lanes=None
-):
-    """The C kernel over all leaves in one job, the scalars computed as torch's kernel does
-    (in fp64); ``lanes``: its vector length (default: the one checked for this build)."""
-    sizes = [p.numel() for p in ps]
-    starts = [0]
-    for n in sizes:
-        starts.append(starts[-1] + n)
-    addresses = [t.data_ptr() for ts in (ps, gs, ms, vs, m_outs, v_outs) for t in ts]
-    table = torch.tensor(addresses + starts, dtype=torch.int64)
-    dtype = ps[0].dtype
-    if lanes is None:
-        lanes = _adamw_lanes(dtype, _small_lerp(beta1, dtype))
-    args = _AdamWStruct(
-        table.data_ptr(), len(ps), lanes, dtype == torch.float64,
-        weight_decay != 0.0, _small_lerp(beta1, dtype), 1.0 - lr * weight_decay, 1.0 - beta1,
-        beta2, 1.0 - beta2, math.sqrt(1.0 - beta2**step), eps, -(lr / (1.0 - beta1**step)),
-    )  # fmt: skip
-    _run(library(), "adamw_step", starts[-1], 16, (ctypes.addressof(args),))
-    del table  # the job read it until here
-
-
-def adamw_step_runs(dtype: torch.dtype | None, beta1: float) -> bool:
-    """Whether :func:`adamw_step` runs the C kernel (not the reference) on contiguous CPU
-    tensors of ``dtype``: a compiler works, ``dtype`` is fp32 or fp64, and the kernel follows
-    torch's rounding on this build (checked once per dtype and lerp branch)."""
-    return (
-        dtype in _ADAMW_DTYPES
-        and library() is not None
-        and _adamw_lanes(dtype, _small_lerp(beta1, dtype)) is not None
-    )
+def _adamw_batches(leaves: list[tuple[torch.Tensor, ...]]) -> list[list[tuple[torch.Tensor, ...]]]:
+    """The leaves ``(p, g, m, v)`` cut into pieces of at most ``_ADAMW_BATCH`` elements (but
+    for non-contiguous leaves, kept whole) and grouped into batches of about that many."""
+    batches: list[list[tuple[torch.Tensor, ...]]] = [[]]
+    size = 0
+    for leaf in leaves:
+        n = leaf[0].numel()
+        if all(t.is_contiguous() for t in leaf):
+            flat = [t.view(-1) for t in leaf]
+            pieces = [
+                tuple(t[i : i + _ADAMW_BATCH] for t in flat)
+                for i in range(0, max(n, 1), _ADAMW_BATCH)
+            ]
+        else:
+            pieces = [leaf]
+        for piece in pieces:
+            if size and size + piece[0].numel() > _ADAMW_BATCH:
+                batches.append([])
+                size = 0
+            batches[-1].append(piece)
+            size += piece[0].numel()
+    return batches
 
 
 def adamw_step(
@@ -828,15 +709,30 @@ def adamw_step(
     eps: float,
     weight_decay: float,
 ) -> None:
-    operands = (ps, gs, ms, vs, m_outs, v_outs)
-    dtype = ps[0].dtype if ps else None
-    if (
-        not ps
-        or not adamw_step_runs(dtype, beta1)
-        or not all(
-            t.dtype == dtype and t.is_cpu and t.is_contiguous() for ts in operands for t in ts
-        )
-    ):
-        return _reference.adamw_step(*operands, step, lr, beta1, beta2, eps, weight_decay)
-    _adamw_c(*operands, step, lr, beta1, beta2, eps, weight_decay)
-    return None
+    """The reference's step (torch's fused AdamW kernel on a copy of the params, then
+    ``p + (p' - p)``) a cache-sized batch at a time, the copies in one workspace: torch's kernel
+    is elementwise and rounds only a tensor's last ``n % lanes`` elements apart from its vector
+    lanes, which the cuts at multiples of ``_ADAMW_BATCH`` keep where they are."""
+    _reference.copy_moments(ms, vs, m_outs, v_outs)
+    if not ps:
+        return
+    count = torch.tensor(step, dtype=torch.float32)
+    work: dict[torch.dtype, torch.Tensor] = {}
+    for batch in _adamw_batches(list(zip(ps, gs, m_outs, v_outs, strict=True))):
+        p, g, m, v = (list(column) for column in zip(*batch, strict=True))
+        copies, used = [], dict.fromkeys(work, 0)
+        for t in p:
+            if t.numel() > _ADAMW_BATCH or not t.is_contiguous():
+                copies.append(torch.empty_like(t))
+                continue
+            if t.dtype not in work:
+                work[t.dtype], used[t.dtype] = torch.empty(_ADAMW_BATCH, dtype=t.dtype), 0
+            copies.append(work[t.dtype][used[t.dtype] : used[t.dtype] + t.numel()].view_as(t))
+            used[t.dtype] += t.numel()
+        torch._foreach_copy_(copies, p)
+        torch._fused_adamw_(
+            copies, g, m, v, [], [count] * len(p), lr=lr, beta1=beta1, beta2=beta2,
+            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+        )  # fmt: skip
+        torch._foreach_sub_(copies, p)
+        torch._foreach_add_(p, copies)

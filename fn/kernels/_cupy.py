@@ -74,6 +74,3 @@ def sign_compress(
     m: torch.Tensor, error: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     return _reference.sign_compress_with(packbits, m, error)
-
-
-KERNELS = {"packbits": packbits, "unpackbits": unpackbits, "sign_compress": sign_compress}

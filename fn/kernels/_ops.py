@@ -1,358 +1,23 @@
-"""The public kernels: ``torch.library`` custom ops in namespace ``fn``.
+"""The public kernels, each declared once (``fn.kernels._spec``): its op's schema, shape rule,
+vmap rule and reference, and its public function.
 
-Each op runs the implementation the accelerator table dispatches to for its input's device type
-(``fn.kernels._table.kernel``: a kernel of the device's selected kernel set, or the reference).
-``register_fake`` gives shapes to ``torch.compile`` (the op stays one opaque node, so a graph has
-no breaks and no data-dependent guards, and a change of kernel set needs no recompilation);
-``register_vmap`` runs the op once per row, so under ``torch.func.vmap`` every row is an
-independent call (its own scale, its own error) and the non-finite check sees concrete data.
+A function under ``@declare`` is the public function's signature, documentation and argument
+checks: it raises for bad arguments and returns nothing (or the op's arguments that differ from
+the public ones); the op's result is what the public function returns. The ops are
+``torch.library`` custom ops in namespace ``fn``; each runs the implementation the accelerator
+table dispatches to for its input's device type. ``sign_compress`` and ``loco_quantize`` pick
+one of two ops (without / with the error, a fresh / a given output); ``adam_apply`` and
+``adamw_step`` are eager kernels without an op.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
-from fn.errors import NonFiniteError
-from fn.kernels import _table
-
-
-def _impl(name: str, device: torch.device) -> Callable[..., Any]:
-    return _table.kernel(device.type, name)
-
-
-def _check_finite(scale: torch.Tensor, what: str) -> None:
-    if not bool(torch.isfinite(scale).all()):
-        raise NonFiniteError(
-            f"{what}: the scale is non-finite (NaN or Inf in the input); refusing to "
-            "produce compressed garbage"
-        )
-
-
-@torch.library.custom_op("fn::packbits", mutates_args=())
-def _packbits(x: torch.Tensor) -> torch.Tensor:
-    return _impl("packbits", x.device)(x)
-
-
-@_packbits.register_fake
-def _(x):
-    return x.new_empty((x.numel() + 7) // 8, dtype=torch.uint8)
-
-
-@torch.library.custom_op("fn::unpackbits", mutates_args=())
-def _unpackbits(packed: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
-    return _impl("unpackbits", packed.device)(packed, n, dtype)
-
-
-@_unpackbits.register_fake
-def _(packed, n, dtype):
-    return packed.new_empty(n, dtype=dtype)
-
-
-@torch.library.custom_op("fn::sign_compress", mutates_args=())
-def _sign_compress(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    packed, scale, _ = _impl("sign_compress", m.device)(m)
-    _check_finite(scale, "sign_compress")
-    return packed, scale
-
-
-@_sign_compress.register_fake
-def _(m):
-    return m.new_empty((m.numel() + 7) // 8, dtype=torch.uint8), m.new_empty(
-        (), dtype=torch.float32
-    )
-
-
-@torch.library.custom_op("fn::sign_compress_ef", mutates_args=())
-def _sign_compress_ef(
-    m: torch.Tensor, error: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    packed, scale, new_error = _impl("sign_compress", m.device)(m, error)
-    _check_finite(scale, "sign_compress")
-    return packed, scale, new_error
-
-
-@_sign_compress_ef.register_fake
-def _(m, error):
-    n = m.numel()
-    return (
-        m.new_empty((n + 7) // 8, dtype=torch.uint8),
-        m.new_empty((), dtype=torch.float32),
-        m.new_empty(n, dtype=torch.float32),
-    )
-
-
-@torch.library.custom_op("fn::feedback_sign_compress", mutates_args=())
-def _feedback_sign_compress(
-    x: torch.Tensor, error: torch.Tensor, grad: torch.Tensor | None, beta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _impl("feedback_sign_compress", x.device)(x, error, grad, beta)
-
-
-@_feedback_sign_compress.register_fake
-def _(x, error, grad, beta):
-    return _signs_and_scale(error)
-
-
-@torch.library.custom_op("fn::feedback_apply_error", mutates_args=("out",))
-def _feedback_apply_error(
-    x: torch.Tensor,
-    error: torch.Tensor,
-    scale: torch.Tensor,
-    out: torch.Tensor,
-    grad: torch.Tensor | None,
-    beta: float,
-) -> None:
-    _impl("feedback_apply_error", x.device)(x, error, scale, out, grad, beta)
-
-
-@torch.library.custom_op("fn::sign_sum_compress", mutates_args=())
-def _sign_sum_compress(
-    signs: torch.Tensor, weights: torch.Tensor, error: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _impl("sign_sum_compress", error.device)(signs, weights, error)
-
-
-@_sign_sum_compress.register_fake
-def _(signs, weights, error):
-    return _signs_and_scale(error)
-
-
-@torch.library.custom_op("fn::sign_sum_apply_error", mutates_args=("out",))
-def _sign_sum_apply_error(
-    signs: torch.Tensor,
-    weights: torch.Tensor,
-    error: torch.Tensor,
-    scale: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    _impl("sign_sum_apply_error", error.device)(signs, weights, error, scale, out)
-
-
-@torch.library.custom_op("fn::unpack_scaled", mutates_args=("out",))
-def _unpack_scaled(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-    _impl("unpack_scaled", out.device)(packed, scales, out)
-
-
-@torch.library.custom_op("fn::adam_direction", mutates_args=("out",))
-def _adam_direction(
-    m: torch.Tensor,
-    v: torch.Tensor,
-    p: torch.Tensor | None,
-    eta: torch.Tensor,
-    out: torch.Tensor,
-    eps: float,
-    bound: float | None,
-    weight_decay: float,
-) -> None:
-    _impl("adam_direction", out.device)(m, v, p, eta, out, eps, bound, weight_decay)
-
-
-@torch.library.custom_op("fn::sqrt_rn", mutates_args=())
-def _sqrt_rn(v: torch.Tensor) -> torch.Tensor:
-    return _impl("sqrt_rn", v.device)(v)
-
-
-@_sqrt_rn.register_fake
-def _(v):
-    return torch.empty_like(v)
-
-
-@_sqrt_rn.register_vmap
-def _(info, in_dims, v):
-    return _sqrt_rn(v), in_dims[0]  # elementwise: the batch is one call
-
-
-def _signs_and_scale(error: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (
-        error.new_empty((error.numel() + 7) // 8, dtype=torch.uint8),
-        error.new_empty((), dtype=torch.float32),
-    )
-
-
-@torch.library.custom_op("fn::quantize", mutates_args=())
-def _quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scales = _impl("quantize", x.device)(x, bits, group_size)
-    _check_finite(scales, "quantize")
-    return q, scales
-
-
-@_quantize.register_fake
-def _(x, bits, group_size):
-    groups = (x.numel() + group_size - 1) // group_size
-    return (
-        x.new_empty(groups * group_size * bits // 8, dtype=torch.uint8),
-        x.new_empty(groups, dtype=torch.float32),
-    )
-
-
-@torch.library.custom_op("fn::dequantize", mutates_args=())
-def _dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    return _impl("dequantize", q.device)(q, scales, bits, n)
-
-
-@_dequantize.register_fake
-def _(q, scales, bits, n):
-    return q.new_empty(n, dtype=torch.float32)
-
-
-@torch.library.custom_op("fn::loco_quantize", mutates_args=())
-def _loco_quantize(
-    x: torch.Tensor,
-    error: torch.Tensor | None,
-    bits: int,
-    group_size: int,
-    numel: int,
-    rows: list[int] | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    layout = None if rows is None else tuple(rows)
-    return _impl("loco_quantize", x.device)(x, error, bits, group_size, numel, None, layout)
-
-
-@_loco_quantize.register_fake
-def _(x, error, bits, group_size, numel, rows):
-    return (
-        x.new_empty(numel * bits // 8, dtype=torch.uint8),
-        x.new_empty(numel // group_size, dtype=torch.float32),
-    )
-
-
-@torch.library.custom_op("fn::loco_quantize_into", mutates_args=("q", "scales"))
-def _loco_quantize_into(
-    x: torch.Tensor,
-    error: torch.Tensor | None,
-    bits: int,
-    group_size: int,
-    numel: int,
-    rows: list[int] | None,
-    q: torch.Tensor,
-    scales: torch.Tensor,
-) -> None:
-    layout = None if rows is None else tuple(rows)
-    _impl("loco_quantize", x.device)(x, error, bits, group_size, numel, (q, scales), layout)
-
-
-@_loco_quantize_into.register_fake
-def _(x, error, bits, group_size, numel, rows, q, scales):
-    return None
-
-
-@torch.library.custom_op("fn::loco_error", mutates_args=("out",))
-def _loco_error(
-    x: torch.Tensor,
-    error: torch.Tensor | None,
-    q: torch.Tensor,
-    scales: torch.Tensor,
-    bits: int,
-    err_beta: float,
-    out: torch.Tensor,
-    rows: list[int] | None,
-) -> None:
-    layout = None if rows is None else tuple(rows)
-    _impl("loco_error", out.device)(x, error, q, scales, bits, err_beta, out, layout)
-
-
-@_loco_error.register_fake
-def _(x, error, q, scales, bits, err_beta, out, rows):
-    return None
-
-
-@torch.library.custom_op("fn::dequantize_sum", mutates_args=("out",))
-def _dequantize_sum(
-    q: torch.Tensor, scales: torch.Tensor, bits: int, pieces: int, out: torch.Tensor
-) -> None:
-    _impl("dequantize_sum", out.device)(q, scales, bits, pieces, out)
-
-
-@_dequantize_sum.register_fake
-def _(q, scales, bits, pieces, out):
-    return None
-
-
-@torch.library.custom_op("fn::dequantize_into", mutates_args=("out",))
-def _dequantize_into(
-    q: torch.Tensor,
-    scales: torch.Tensor,
-    bits: int,
-    out: torch.Tensor,
-    chunks: int,
-    local_world_size: int,
-) -> None:
-    _impl("dequantize_into", out.device)(q, scales, bits, out, chunks, local_world_size)
-
-
-@_dequantize_into.register_fake
-def _(q, scales, bits, out, chunks, local_world_size):
-    return None
-
-
-def _per_row(op: Callable[..., Any]) -> Callable[..., Any]:
-    """A vmap rule that calls ``op`` once per row and stacks the results along dim 0."""
-
-    def rule(info: Any, in_dims: Sequence[int | None], *args: Any) -> tuple[Any, Any]:
-        def row(b: int | None) -> list[Any]:
-            if b is None:  # a zero-filled row, for the output shapes of an empty batch
-                return [
-                    a if d is None else a.new_zeros(_row_shape(a, d))
-                    for a, d in zip(args, in_dims, strict=True)
-                ]
-            return [a if d is None else a.select(d, b) for a, d in zip(args, in_dims, strict=True)]
-
-        count = info.batch_size
-        rows = [op(*row(b)) for b in range(count)] if count else [op(*row(None))]
-        rows = [r if isinstance(r, tuple) else (r,) for r in rows]
-        stacked = tuple(torch.stack(column)[:count] for column in zip(*rows, strict=True))
-        if len(stacked) == 1:
-            return stacked[0], 0
-        return stacked, (0,) * len(stacked)
-
-    return rule
-
-
-def _per_row_into(op: Callable[..., Any], out_index: int | None = None) -> Callable[..., Any]:
-    """The vmap rule of an op that writes into its argument ``out_index`` (by default the one
-    named ``out``): one call per row, each writing its row of that argument (which must be
-    batched when any input is)."""
-    if out_index is None:
-        out_index = [a.name for a in op._opoverload._schema.arguments].index("out")
-
-    def rule(info: Any, in_dims: Sequence[int | None], *args: Any) -> tuple[None, None]:
-        if in_dims[out_index] is None:
-            raise ValueError(f"{op._name}: under vmap, out must be batched like the inputs")
-        for b in range(info.batch_size):
-            op(*(a if d is None else a.select(d, b) for a, d in zip(args, in_dims, strict=True)))
-        return None, None
-
-    return rule
-
-
-def _row_shape(a: torch.Tensor, d: int) -> tuple[int, ...]:
-    return tuple(s for i, s in enumerate(a.shape) if i != d)
-
-
-for _op in (
-    _packbits,
-    _unpackbits,
-    _sign_compress,
-    _sign_compress_ef,
-    _feedback_sign_compress,
-    _sign_sum_compress,
-    _quantize,
-    _dequantize,
-    _loco_quantize,
-):
-    _op.register_vmap(_per_row(_op))
-for _op in (_feedback_apply_error, _sign_sum_apply_error, _unpack_scaled, _adam_direction):
-    _op.register_vmap(_per_row_into(_op))
-for _op, _out_index in (
-    (_loco_quantize_into, 6),
-    (_loco_error, 6),
-    (_dequantize_sum, 4),
-    (_dequantize_into, 3),
-):
-    _op.register_vmap(_per_row_into(_op, _out_index))
+from fn.kernels import _reference
+from fn.kernels._spec import ELEMENTWISE, Op, declare, eager, kernel
 
 
 def _check_1d(x: torch.Tensor, name: str) -> None:
@@ -368,6 +33,11 @@ def _check_quant_args(bits: int, group_size: int) -> None:
         raise ValueError(f"group_size must be an even number >= 2, got {group_size}")
 
 
+@declare(
+    "packbits(Tensor x) -> Tensor",
+    fake=lambda x: x.new_empty((x.numel() + 7) // 8, dtype=torch.uint8),
+    reference=_reference.packbits,
+)
 def packbits(x: torch.Tensor) -> torch.Tensor:
     """Packs the signs of ``x`` (bit 1 for ``x >= 0``, ``-0.0`` included), MSB first.
 
@@ -384,9 +54,13 @@ def packbits(x: torch.Tensor) -> torch.Tensor:
         [187, 0]
     """
     _check_1d(x, "x")
-    return torch.ops.fn.packbits(x)
 
 
+@declare(
+    "unpackbits(Tensor bits, int n, ScalarType dtype) -> Tensor",
+    fake=lambda bits, n, dtype: bits.new_empty(n, dtype=dtype),
+    reference=_reference.unpackbits,
+)
 def unpackbits(bits: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Unpacks the first ``n`` signs packed by :func:`packbits`.
 
@@ -409,7 +83,37 @@ def unpackbits(bits: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -
         raise ValueError(f"bits must be uint8, got {bits.dtype}")
     if n < 0 or bits.shape[0] * 8 < n:
         raise ValueError(f"{bits.shape[0]} bytes cannot hold n={n} signs")
-    return torch.ops.fn.unpackbits(bits, n, dtype)
+
+
+def _signs_and_scale(error: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        error.new_empty((error.numel() + 7) // 8, dtype=torch.uint8),
+        error.new_empty((), dtype=torch.float32),
+    )
+
+
+def _codes_like(
+    x: torch.Tensor, numel: int, bits: int, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        x.new_empty(numel * bits // 8, dtype=torch.uint8),
+        x.new_empty(numel // group_size, dtype=torch.float32),
+    )
+
+
+_SIGN_COMPRESS = Op(
+    "sign_compress(Tensor m) -> (Tensor, Tensor)",
+    fake=_signs_and_scale,
+    reference=_reference.sign_compress,
+    call=lambda impl, m: impl(m)[:2],
+    finite=1,
+)
+_SIGN_COMPRESS_EF = Op(
+    "sign_compress_ef(Tensor m, Tensor error) -> (Tensor, Tensor, Tensor)",
+    fake=lambda m, error: (*_signs_and_scale(m), m.new_empty(m.numel(), dtype=torch.float32)),
+    reference=_reference.sign_compress,
+    finite=1,
+)
 
 
 def sign_compress(
@@ -442,12 +146,12 @@ def sign_compress(
     """
     _check_1d(m, "m")
     if error is None:
-        packed, scale = torch.ops.fn.sign_compress(m)
+        packed, scale = _SIGN_COMPRESS(m)
         return packed, scale, None
     _check_1d(error, "error")
     if error.shape != m.shape:
         raise ValueError(f"error shape {tuple(error.shape)} != m shape {tuple(m.shape)}")
-    return torch.ops.fn.sign_compress_ef(m, error)
+    return _SIGN_COMPRESS_EF(m, error)
 
 
 def _check_buffer(out: torch.Tensor, numel: int, name: str = "out") -> None:
@@ -468,6 +172,11 @@ def _check_feedback_input(x: torch.Tensor, error: torch.Tensor, grad: torch.Tens
         raise ValueError(f"grad shape {tuple(grad.shape)} != x shape {tuple(x.shape)}")
 
 
+@declare(
+    "feedback_sign_compress(Tensor x, Tensor error, Tensor? grad, float beta) -> (Tensor, Tensor)",
+    fake=lambda x, error, grad, beta: _signs_and_scale(error),
+    reference=_reference.feedback_sign_compress,
+)
 def feedback_sign_compress(
     x: torch.Tensor, error: torch.Tensor, *, grad: torch.Tensor | None = None, beta: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -504,9 +213,15 @@ def feedback_sign_compress(
         [1.0, -3.0, -5.0, -5.0]
     """
     _check_feedback_input(x, error, grad)
-    return torch.ops.fn.feedback_sign_compress(x, error, grad, float(beta))
+    return {"beta": float(beta)}
 
 
+@declare(
+    "feedback_apply_error(Tensor x, Tensor error, Tensor scale, Tensor(a!) out, Tensor? grad, "
+    "float beta) -> ()",
+    reference=_reference.feedback_apply_error,
+    returns="out",
+)
 def feedback_apply_error(
     x: torch.Tensor,
     error: torch.Tensor,
@@ -542,8 +257,7 @@ def feedback_apply_error(
     """
     _check_feedback_input(x, error, grad)
     _check_buffer(out, error.numel())
-    torch.ops.fn.feedback_apply_error(x, error, scale, out, grad, float(beta))
-    return out
+    return {"beta": float(beta)}
 
 
 def _check_sign_rows(signs: torch.Tensor, weights: torch.Tensor) -> None:
@@ -556,6 +270,11 @@ def _check_sign_rows(signs: torch.Tensor, weights: torch.Tensor) -> None:
         raise ValueError(f"weights must have shape ({signs.shape[0]},), got {tuple(weights.shape)}")
 
 
+@declare(
+    "sign_sum_compress(Tensor signs, Tensor weights, Tensor error) -> (Tensor, Tensor)",
+    fake=lambda signs, weights, error: _signs_and_scale(error),
+    reference=_reference.sign_sum_compress,
+)
 def sign_sum_compress(
     signs: torch.Tensor, weights: torch.Tensor, error: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -564,8 +283,8 @@ def sign_sum_compress(
     .. math::
         v_k = \\textstyle\\sum_i w_i\\, s_i[k] + e_k, \\quad a = \\lVert v \\rVert_2 / \\sqrt{n}
 
-    The sum runs in the order of ``torch.sum(dim=0)`` over the ``[W, chunk]`` rows of
-    ``+-w_i`` (the reference), so the bits are those of the reference path.
+    The ``[W, chunk]`` rows of ``+-w_i`` are added in rank order (:func:`sum_ranks`), so the
+    bits are those of the reference path.
 
     Args:
         signs: uint8 ``[W, chunk / 8]``, row ``i`` the packed signs ``s_i``.
@@ -586,9 +305,14 @@ def sign_sum_compress(
     """
     _check_sign_rows(signs, weights)
     _check_buffer(error, signs.shape[1] * 8, "error")
-    return torch.ops.fn.sign_sum_compress(signs, weights, error)
 
 
+@declare(
+    "sign_sum_apply_error(Tensor signs, Tensor weights, Tensor error, Tensor scale, "
+    "Tensor(a!) out) -> ()",
+    reference=_reference.sign_sum_apply_error,
+    returns="out",
+)
 def sign_sum_apply_error(
     signs: torch.Tensor,
     weights: torch.Tensor,
@@ -611,10 +335,13 @@ def sign_sum_apply_error(
     _check_sign_rows(signs, weights)
     _check_buffer(error, signs.shape[1] * 8, "error")
     _check_buffer(out, signs.shape[1] * 8)
-    torch.ops.fn.sign_sum_apply_error(signs, weights, error, scale, out)
-    return out
 
 
+@declare(
+    "unpack_scaled(Tensor packed, Tensor scales, Tensor(a!) out) -> ()",
+    reference=_reference.unpack_scaled,
+    returns="out",
+)
 def unpack_scaled(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Writes ``scales[r] * s(packed[r])`` of the rows ``r``, concatenated, into ``out`` (its
     first ``out.numel()`` values), without unpacked signs.
@@ -638,10 +365,14 @@ def unpack_scaled(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor)
     _check_1d(out, "out")
     if out.dtype != torch.float32 or out.numel() > packed.numel() * 8:
         raise ValueError(f"out must be fp32 with at most {packed.numel() * 8} elements")
-    torch.ops.fn.unpack_scaled(packed, scales, out)
-    return out
 
 
+@declare(
+    "adam_direction(Tensor m, Tensor v, Tensor? p, Tensor eta, Tensor(a!) out, float eps, "
+    "float? bound, float weight_decay) -> ()",
+    reference=_reference.adam_direction,
+    returns="out",
+)
 def adam_direction(
     m: torch.Tensor,
     v: torch.Tensor,
@@ -681,17 +412,15 @@ def adam_direction(
     for name, t in (("m", m), ("v", v), ("out", out)) + ((("p", p),) if p is not None else ()):
         if t.shape != out.shape or t.dtype != torch.float32:
             raise ValueError(f"{name} must be fp32 of out's shape {tuple(out.shape)}")
-    torch.ops.fn.adam_direction(
-        m,
-        v,
-        p if weight_decay else None,
-        eta,
-        out,
-        float(eps),
-        None if bound is None else float(bound),
-        float(weight_decay),
-    )
-    return out
+    return {
+        "p": p if weight_decay else None,
+        "eps": float(eps),
+        "bound": None if bound is None else float(bound),
+        "weight_decay": float(weight_decay),
+    }
+
+
+_ADAM_APPLY = eager(_reference.adam_apply)
 
 
 def adam_apply(
@@ -750,13 +479,16 @@ def adam_apply(
             raise ValueError(f"adam_apply: {name} must be fp32 of the params' shape")
     constants = (float(eps), None if bound is None else float(bound), float(weight_decay))
     if signs is None:
-        _impl("adam_apply", params.device)(m, v, eta, params, root, *constants)
+        kernel(_ADAM_APPLY, params.device)(m, v, eta, params, root, *constants)
         return params
     _check_sign_rows(*signs)
     if signs[0].numel() * 8 < params.numel():
         raise ValueError(f"adam_apply: signs must hold the params' {params.numel()} values")
-    _impl("adam_apply", params.device)(m, v, eta, params, root, *constants, signs)
+    kernel(_ADAM_APPLY, params.device)(m, v, eta, params, root, *constants, signs)
     return params
+
+
+_ADAMW_STEP = eager(_reference.adamw_step)
 
 
 def adamw_step(
@@ -786,9 +518,9 @@ def adamw_step(
 
     where ``p'``, ``m_t`` and ``v_t`` are rounded as ``torch._fused_adamw_`` (the kernel of
     ``torch.optim.AdamW(fused=True)``) computes them, and ``p + (p' - p)`` as
-    ``apply_updates`` adds the update ``p' - p``. On the CPU, for contiguous fp32 or fp64
-    tensors, a C kernel does it in one pass over ``p``, ``g``, ``m`` and ``v``; elsewhere the
-    reference runs torch's kernel on a copy of the params. Eager tensors only (not a custom op).
+    ``apply_updates`` adds the update ``p' - p``: it runs torch's own kernel (bit for bit
+    ``torch.optim.AdamW(fused=True)``), on the CPU a cache-sized batch of the leaves at a time
+    with the copies of the params in one workspace. Eager tensors only (not a custom op).
 
     Reference: Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
 
@@ -835,11 +567,19 @@ def adamw_step(
                 )
     if ps:
         beta1, beta2 = betas
-        _impl("adamw_step", ps[0].device)(
+        kernel(_ADAMW_STEP, ps[0].device)(
             list(ps), list(gs), list(ms), list(vs), m_outs, v_outs, float(step), float(lr),
             float(beta1), float(beta2), float(eps), float(weight_decay),
         )  # fmt: skip
     return m_outs, v_outs
+
+
+_SQRT_RN = Op(
+    "sqrt_rn(Tensor v) -> Tensor",
+    fake=torch.empty_like,
+    vmap=ELEMENTWISE,
+    reference=_reference.sqrt_rn,
+)
 
 
 def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
@@ -868,9 +608,17 @@ def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
     """
     if v.dtype != torch.float32 or v.device.type == "mps":
         return v.sqrt()
-    return torch.ops.fn.sqrt_rn(v)
+    return _SQRT_RN(v)
 
 
+@declare(
+    "quantize(Tensor x, int bits, int group_size) -> (Tensor, Tensor)",
+    fake=lambda x, bits, group_size: _codes_like(
+        x, -(-x.numel() // group_size) * group_size, bits, group_size
+    ),
+    reference=_reference.quantize,
+    finite=1,
+)
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric blockwise ``bits``-bit quantization (ZeRO++ qgZ; Wang et al. 2023).
 
@@ -899,9 +647,13 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     """
     _check_1d(x, "x")
     _check_quant_args(bits, group_size)
-    return torch.ops.fn.quantize(x, bits, group_size)
 
 
+@declare(
+    "dequantize(Tensor q, Tensor scales, int bits, int n) -> Tensor",
+    fake=lambda q, scales, bits, n: q.new_empty(n, dtype=torch.float32),
+    reference=_reference.dequantize,
+)
 def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`quantize`: ``x_i = q_i s_g`` for the first ``n`` values, fp32.
 
@@ -929,7 +681,6 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torc
     groups = scales.shape[0]
     if n < 0 or n > values or (groups and values % groups) or (not groups and values):
         raise ValueError(f"{q.shape[0]} bytes / {groups} scales do not fit {bits}-bit n={n}")
-    return torch.ops.fn.dequantize(q, scales, bits, n)
 
 
 def _check_out(out: torch.Tensor, numel: int, what: str) -> None:
@@ -961,6 +712,29 @@ def _check_rows(
             f"{group_size} filling numel={numel} (local dividing the row count)"
         )
     return [row, padded_row, local]
+
+
+def _rows_tuple(rows: list[int] | None) -> tuple[int, ...] | None:
+    return None if rows is None else tuple(rows)
+
+
+_LOCO_QUANTIZE = Op(
+    "loco_quantize(Tensor x, Tensor? error, int bits, int group_size, int numel, int[]? rows) "
+    "-> (Tensor, Tensor)",
+    fake=lambda x, error, bits, group_size, numel, rows: _codes_like(x, numel, bits, group_size),
+    reference=_reference.loco_quantize,
+    call=lambda impl, x, error, bits, group_size, numel, rows: impl(
+        x, error, bits, group_size, numel, None, _rows_tuple(rows)
+    ),
+)
+_LOCO_QUANTIZE_INTO = Op(
+    "loco_quantize_into(Tensor x, Tensor? error, int bits, int group_size, int numel, "
+    "int[]? rows, Tensor(a!) q, Tensor(b!) scales) -> ()",
+    reference=_reference.loco_quantize,
+    call=lambda impl, x, error, bits, group_size, numel, rows, q, scales: impl(
+        x, error, bits, group_size, numel, (q, scales), _rows_tuple(rows)
+    ),
+)
 
 
 def loco_quantize(
@@ -1013,13 +787,13 @@ def loco_quantize(
             raise ValueError(f"error must have numel={numel} values, got {error.shape[0]}")
     rows_list = _check_rows(rows, x.shape[0], numel, group_size)
     if out is None:
-        return torch.ops.fn.loco_quantize(x, error, bits, group_size, numel, rows_list)
+        return _LOCO_QUANTIZE(x, error, bits, group_size, numel, rows_list)
     q, scales = out
     if q.dtype != torch.uint8 or q.shape != (numel * bits // 8,) or not q.is_contiguous():
         raise ValueError(f"out's q must be contiguous uint8[{numel * bits // 8}]")
     if scales.dtype != torch.float32 or scales.shape != (numel // group_size,):
         raise ValueError(f"out's scales must be fp32[{numel // group_size}]")
-    torch.ops.fn.loco_quantize_into(x, error, bits, group_size, numel, rows_list, q, scales)
+    _LOCO_QUANTIZE_INTO(x, error, bits, group_size, numel, rows_list, q, scales)
     return q, scales
 
 
@@ -1034,6 +808,14 @@ def _check_codes(q: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[int,
     return values, values // groups
 
 
+@declare(
+    "loco_error(Tensor x, Tensor? error, Tensor q, Tensor scales, int bits, float err_beta, "
+    "Tensor(a!) out, int[]? rows) -> ()",
+    reference=_reference.loco_error,
+    call=lambda impl, x, error, q, scales, bits, err_beta, out, rows: impl(
+        x, error, q, scales, bits, err_beta, out, _rows_tuple(rows)
+    ),
+)
 def loco_error(
     x: torch.Tensor,
     error: torch.Tensor | None,
@@ -1077,16 +859,20 @@ def loco_error(
     if error is not None and error.shape != out.shape:
         raise ValueError(f"error shape {tuple(error.shape)} != out shape {tuple(out.shape)}")
     rows_list = _check_rows(rows, x.shape[0], values, values // scales.shape[0])
-    torch.ops.fn.loco_error(x, error, q, scales, bits, float(err_beta), out, rows_list)
+    return {"err_beta": float(err_beta), "rows": rows_list}
 
 
+@declare(
+    "dequantize_sum(Tensor q, Tensor scales, int bits, int pieces, Tensor(a!) out) -> ()",
+    reference=_reference.dequantize_sum,
+)
 def dequantize_sum(
     q: torch.Tensor, scales: torch.Tensor, bits: int, pieces: int, out: torch.Tensor
 ) -> None:
     """Sums the ``pieces`` dequantized rows held by ``q``/``scales`` into ``out``.
 
-    ``out = DQ(q).view(pieces, -1).sum(0)`` bit for bit (torch's summation order), without the
-    dequantized rows in memory.
+    ``out = sum_ranks(DQ(q).view(pieces, -1))`` bit for bit (the rows added in rank order, see
+    :func:`sum_ranks`), without the dequantized rows in memory.
 
     Args:
         q, scales: codes and scales of ``pieces * k`` values (rows of ``k``, whole groups).
@@ -1107,9 +893,13 @@ def dequantize_sum(
     if pieces < 1 or values % pieces or (values // pieces) % group_size:
         raise ValueError(f"{values} values do not split in {pieces} rows of whole groups")
     _check_out(out, values // pieces, "values / pieces")
-    torch.ops.fn.dequantize_sum(q, scales, bits, pieces, out)
 
 
+@declare(
+    "dequantize_into(Tensor q, Tensor scales, int bits, Tensor(a!) out, int chunks, "
+    "int local_world_size) -> ()",
+    reference=_reference.dequantize_into,
+)
 def dequantize_into(
     q: torch.Tensor,
     scales: torch.Tensor,
@@ -1149,4 +939,3 @@ def dequantize_into(
         raise ValueError(f"{values} values do not split in {chunks} chunks of whole groups")
     if out.dtype != torch.float32 or out.shape[0] > values:
         raise ValueError(f"out must be fp32 with at most {values} values")
-    torch.ops.fn.dequantize_into(q, scales, bits, out, chunks, local_world_size)

@@ -13,6 +13,8 @@ Conventions (shared by every implementation):
   the lanes are then folded as ``lane[j] += lane[j + h]`` for ``h = 8, 4, 2, 1``; the block
   sums are zero-padded to a power of two and folded the same way (first half plus second half)
   down to one value. See :func:`block_sumsq` and :func:`rms_from_block_sums`.
+- Sums over ranks: the rows of a ``[W, ...]`` tensor are added left to right in rank order,
+  from zero, in the rows' dtype: ``((0 + row 0) + row 1) + row 2 ...`` (:func:`sum_ranks`).
 - Quantization: symmetric, blockwise per group of ``group_size`` elements (the input is
   zero-padded to whole groups): ``scale = absmax / 2^(bits-1)``,
   ``q = clamp(round(v / scale), -2^(bits-1), 2^(bits-1) - 1)`` (round half to even), stored as
@@ -166,13 +168,42 @@ def feedback_apply_error(
     out.copy_(v - torch.where(v >= 0, scale, -scale))
 
 
+def sum_ranks(rows: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks of ``rows`` (``[W, ...]``, row ``i`` from rank ``i``), added left to
+    right in rank order from zero: ``((0 + rows[0]) + rows[1]) + ... + rows[W - 1]``, rounded in
+    ``rows``' dtype after every addition.
+
+    The order is part of the result: every kernel that sums over ranks (the 1-bit allreduce's
+    server sum, the quantized allreduce's sum of dequantized pieces) follows it, on every
+    device and kernel set, so their bits do not depend on a library's reduction order. Adding
+    from zero makes a zero sum ``+0.0``.
+
+    Args:
+        rows: a tensor of at least one dimension; dim 0 is the rank.
+
+    Returns:
+        A tensor of ``rows[0]``'s shape and dtype.
+
+    Example:
+        >>> import torch
+        >>> import fn.kernels as K
+        >>> rows = torch.tensor([[1.0, 2.0**24], [2.0, 1.0], [3.0, 1.0]])
+        >>> K.sum_ranks(rows).tolist()  # (2^24 + 1) rounds to 2^24, and so does + 1 again
+        [6.0, 16777216.0]
+    """
+    total = torch.zeros_like(rows[0])
+    for row in rows.unbind(0):
+        total = total + row
+    return total
+
+
 def sign_sum(signs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``sum_i weights[i] * s_i`` over the ``W`` rows of packed signs ``signs`` (uint8
     ``[W, chunk / 8]``), as the 1-bit allreduce's server reduces: ``W`` rows of +-1 scaled in
-    place and summed by ``torch.sum(dim=0)`` (whose order the fast kernels reproduce)."""
+    place and summed in rank order (:func:`sum_ranks`)."""
     ranks, chunk = signs.shape[0], signs.shape[1] * 8
     unpacked = unpackbits(signs.reshape(-1), ranks * chunk).view(ranks, chunk)
-    return unpacked.mul_(weights[:, None]).sum(0)
+    return sum_ranks(unpacked.mul_(weights[:, None]))
 
 
 def sign_sum_compress(
@@ -367,9 +398,9 @@ def dequantize_sum(
     q: torch.Tensor, scales: torch.Tensor, bits: int, pieces: int, out: torch.Tensor
 ) -> None:
     """``out`` (``k`` values) = the sum of the ``pieces`` dequantized rows of ``k`` values held
-    by ``q``/``scales``, in the order of ``torch.sum(rows, dim=0)``."""
+    by ``q``/``scales``, added in rank order (:func:`sum_ranks`)."""
     rows = dequantize(q, scales, bits, pieces * out.numel()).view(pieces, -1)
-    out.copy_(rows.sum(0))
+    out.copy_(sum_ranks(rows))
 
 
 def dequantize_into(
@@ -386,6 +417,20 @@ def dequantize_into(
     values = dequantize(q, scales, bits, q.numel() * 8 // bits)
     values = values.view(chunks // local_world_size, local_world_size, -1).transpose(0, 1)
     out.copy_(values.reshape(-1)[: out.numel()])
+
+
+def copy_moments(
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    m_outs: list[torch.Tensor],
+    v_outs: list[torch.Tensor],
+) -> None:
+    """The moments into the outputs of :func:`adamw_step` that are not the moments themselves
+    (the step then updates the outputs in place)."""
+    for outs, xs in ((m_outs, ms), (v_outs, vs)):
+        for out, x in zip(outs, xs, strict=True):
+            if out is not x:
+                out.copy_(x)
 
 
 def adamw_step(
@@ -407,10 +452,7 @@ def adamw_step(
     where ``p'`` is ``torch._fused_adamw_`` (``torch.optim.AdamW(fused=True)``'s kernel) run on
     a copy of ``p`` at step ``step``: the values of ``fn.adamw``'s update then
     ``apply_updates``."""
-    for outs, xs in ((m_outs, ms), (v_outs, vs)):
-        for out, x in zip(outs, xs, strict=True):
-            if out is not x:
-                out.copy_(x)
+    copy_moments(ms, vs, m_outs, v_outs)
     stepped = [p.clone() for p in ps]
     counts = [torch.tensor(step, dtype=torch.float32, device=p.device) for p in ps]
     torch._fused_adamw_(

@@ -20,8 +20,9 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fn.kernels import _devices, _reference
+from fn.kernels import _devices
 from fn.kernels._accelerator import REFERENCE, Accelerator
+from fn.kernels._spec import REFERENCES
 
 _DETECTION_ORDER = ("cuda", "xpu", "npu", "hpu", "mps")
 _TABLE: dict[str, Accelerator] = {record.name: record for record in _devices.builtin()}
@@ -288,5 +289,5 @@ def kernel(device_type: str, name: str) -> Callable[..., Any]:
     doc); the reference for device types without a record."""
     record = _serving(device_type)
     if record is None:
-        return getattr(_reference, name)
+        return REFERENCES[name]
     return record.kernel(name, kernel_set(device_type))

@@ -1,8 +1,9 @@
-"""Triton implementations for CUDA and XPU: every kernel of ``KERNEL_NAMES`` but the server's
-``sign_sum_compress`` / ``sign_sum_apply_error``, whose reference order is that of torch's own
-``sum(dim=0)`` on the device (a CUDA reduction tree these kernels do not reproduce), and
-``sqrt_rn``, one elementwise op that the reference's fp64 root serves on a GPU: they run the
-reference there.
+"""Triton implementations for CUDA and XPU, each a function of its kernel's name: ``packbits``,
+``unpackbits``, ``sign_compress``, the error-feedback phases, ``unpack_scaled``,
+``adam_direction``, ``quantize`` and ``dequantize``. The others run the reference there: the
+sums over ranks (``sign_sum_compress`` / ``sign_sum_apply_error``, ``dequantize_sum``: rank by
+rank, as ``fn.kernels.sum_ranks`` adds), the LoCo kernels, ``sqrt_rn`` (one elementwise op that
+the reference's fp64 root serves on a GPU), ``adam_apply`` and ``adamw_step``.
 
 Results are bit-identical to ``fn.kernels._reference`` for fp32, fp16 and bf16 inputs. The
 sign kernel writes the packed signs and the canonical fp64 block sums in one pass; the scale

@@ -1,5 +1,5 @@
-"""``fn.kernels.adamw_step``: the C kernel against the reference (torch's fused AdamW kernel on a
-copy of the params, then ``p + (p' - p)``), bit for bit, in every build of the C source."""
+"""``fn.kernels.adamw_step``: the CPU kernel set's batched step against the reference (torch's
+fused AdamW kernel on a copy of the params, then ``p + (p' - p)``), bit for bit."""
 
 import pytest
 import torch
@@ -8,19 +8,9 @@ from hypothesis import strategies as st
 
 import fn.kernels as K
 from fn.kernels import _cpu, _reference
-from tests.kernels.test_implementations import OLDER_CPUS, use_c_kernels_built_for
 
 _DTYPES = (torch.float32, torch.float64)
 _SPECIAL = (0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-310, 3e38)
-
-
-@pytest.fixture(scope="module")
-def c_kernels():
-    if _cpu.library() is None:
-        pytest.skip("no working C compiler: the CPU kernels fall back to the reference")
-    if not all(_cpu._adamw_lanes(d, s) for d in _DTYPES for s in (True, False)):
-        pytest.skip("torch's fused AdamW kernel rounds otherwise on this build: the C one is off")
-    return _cpu
 
 
 def _leaves(sizes, dtype, seed, special):
@@ -94,82 +84,84 @@ _HYPER = st.tuples(
     special=st.booleans(),
     hyper=_HYPER,
     separate_outputs=st.booleans(),
+    batch=st.sampled_from([64, 256, 1 << 18]),
 )
-def test_c_kernel_matches_the_reference(
-    c_kernels, sizes, dtype, seed, special, hyper, separate_outputs
+def test_cpu_batches_match_the_reference(
+    sizes, dtype, seed, special, hyper, separate_outputs, batch
 ):
-    got, want = _both(c_kernels.adamw_step, sizes, dtype, seed, special, hyper, separate_outputs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_cpu, "_ADAMW_BATCH", batch)  # leaves cut into pieces, batches across leaves
+        got, want = _both(_cpu.adamw_step, sizes, dtype, seed, special, hyper, separate_outputs)
     assert _same(got, want)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_chunks_cut_across_leaves(c_kernels, monkeypatch, threads):
-    monkeypatch.setattr(_cpu, "_CHUNK", 48)  # chunks of 48 elements: many per leaf, and across
+def test_batches_cut_across_leaves(monkeypatch, threads):
+    monkeypatch.setattr(_cpu, "_ADAMW_BATCH", 48)  # many pieces per leaf, and batches across
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         sizes = [0, 5, 100, 17, 0, 1, 256, 31]
         hyper = (3.0, 1e-3, 0.9, 0.999, 1e-8, 1e-2)
         for dtype in _DTYPES:
-            got, want = _both(c_kernels.adamw_step, sizes, dtype, 0, True, hyper, False)
+            got, want = _both(_cpu.adamw_step, sizes, dtype, 0, True, hyper, False)
             assert _same(got, want)
     finally:
         torch.set_num_threads(previous)
 
 
-def test_many_steps_stay_identical(c_kernels):
-    runs = {impl: _leaves([1000, 7, 129], torch.float32, 3, False) for impl in ("c", "reference")}
+def test_non_contiguous_and_mixed_dtype_leaves(monkeypatch):
+    """A strided leaf is stepped whole; leaves of two dtypes share a batch."""
+    monkeypatch.setattr(_cpu, "_ADAMW_BATCH", 64)
+    results = []
+    for run in (_cpu.adamw_step, _reference.adamw_step):
+        ps, gs, ms, vs = (a + b for a, b in zip(
+            _leaves([40, 300], torch.float32, 1, True),
+            _leaves([9], torch.float64, 2, True),
+            strict=True,
+        ))  # fmt: skip
+        strided = [x.view(20, 2)[:, 0] for x in (ps[0], gs[0], ms[0], vs[0])]
+        ps[0], gs[0], ms[0], vs[0] = strided
+        run(ps, gs, ms, vs, ms, vs, 4.0, 1e-3, 0.9, 0.999, 1e-8, 1e-2)
+        results.append(ps + ms + vs)
+    assert _same(*results)
+
+
+def test_many_steps_stay_identical():
+    runs = {impl: _leaves([1000, 7, 129], torch.float32, 3, False) for impl in ("cpu", "reference")}
     gen = torch.Generator().manual_seed(4)
     for t in range(1, 41):
-        grads = [torch.randn(p.shape, generator=gen) * 1e-2 for p in runs["c"][0]]
+        grads = [torch.randn(p.shape, generator=gen) * 1e-2 for p in runs["cpu"][0]]
         hyper = (float(t), 2.0**-10, 0.9, 0.999, 1e-8, 1e-2)
         for impl, (ps, _, ms, vs) in runs.items():
-            step = c_kernels.adamw_step if impl == "c" else _reference.adamw_step
+            step = _cpu.adamw_step if impl == "cpu" else _reference.adamw_step
             step(ps, grads, ms, vs, ms, vs, *hyper)
         (p1, _, m1, v1), (p2, _, m2, v2) = runs.values()
         assert _same(p1 + m1 + v1, p2 + m2 + v2), t
 
 
-@OLDER_CPUS
-def test_other_c_code_paths_bit_exact(c_kernels, march, needs, tmp_path, monkeypatch):
-    """The AVX2 and plain-C (scalar ``fmaf``) branches, built for an older CPU. The plain-C
-    build (libm's ``fmaf``, the compiler's operand order) may give a NaN of another sign where
-    two NaNs meet; torch's AVX2 kernel, which it follows, never runs without AVX2 anyway."""
-    same = _same if march == "haswell" else _same_but_nan_signs
-    use_c_kernels_built_for(march, needs, tmp_path, monkeypatch)
-    for dtype in _DTYPES:
-        for beta1 in (0.9, 0.3, 0.0):
-            hyper = (5.0, 1e-3, beta1, 0.999, 1e-8, 1e-2)
-            sizes = [4096 + 15, 3, 0, 33]
-            for seed in range(3):
-                got, want = _both(_cpu._adamw_c, sizes, dtype, seed, True, hyper, True)
-                assert same(got, want), (march, dtype, beta1, seed)
-
-
-def test_the_check_against_torch_detects_another_rounding(c_kernels, monkeypatch):
-    """With the tail rounded as the vector lanes, the one-time check fails: the reference runs."""
-    _cpu._adamw_lanes.cache_clear()
-    monkeypatch.setattr(_cpu, "_ADAM_VECTOR_BYTES", (4, 8))  # 1 or 2 fp32 lanes
-    try:
-        assert _cpu._adamw_lanes(torch.float32, True) is None
-        assert not _cpu.adamw_step_runs(torch.float32, 0.9)
-    finally:
-        monkeypatch.undo()
-        _cpu._adamw_lanes.cache_clear()
-    assert _cpu._adamw_lanes(torch.float32, True) in (8, 16)
-
-
-def test_the_vector_length_is_found_by_running_torchs_kernel(c_kernels, monkeypatch):
-    """The check tries the 512-bit length too: a build whose kernel runs it is followed."""
-    _cpu._adamw_lanes.cache_clear()
-    found = _cpu._adamw_lanes(torch.float32, False)
-    monkeypatch.setattr(_cpu, "_ADAM_VECTOR_BYTES", (8, found * 4))  # a wrong length first
-    try:
-        _cpu._adamw_lanes.cache_clear()
-        assert _cpu._adamw_lanes(torch.float32, False) == found
-    finally:
-        monkeypatch.undo()
-        _cpu._adamw_lanes.cache_clear()
+def test_torch_adamw_bit_for_bit():
+    """The params and moments of ``torch.optim.AdamW(fused=True)``'s steps (whose params are
+    ``p'``; the public step's are ``p + (p' - p)``, equal where ``p' - p`` is exact)."""
+    gen = torch.Generator().manual_seed(6)
+    params = [torch.randn(n, generator=gen) for n in (300, 5)]
+    ours = [p.clone() for p in params]
+    ms, vs = [torch.zeros_like(p) for p in ours], [torch.zeros_like(p) for p in ours]
+    theirs = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = torch.optim.AdamW(theirs, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                            fused=True)  # fmt: skip
+    for t in range(1, 4):
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        for p, g in zip(theirs, grads, strict=True):
+            p.grad = g.clone()
+        before = [p.detach().clone() for p in theirs]
+        opt.step()
+        kw = {"step": t, "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+        K.adamw_step(ours, grads, ms, vs, **kw)
+        want = [b + (p.detach() - b) for b, p in zip(before, theirs, strict=True)]
+        assert _same(ours, want)
+        assert _same(ms + vs, [opt.state[p][k] for k in ("exp_avg", "exp_avg_sq") for p in theirs])
+        ours = [w.clone() for w in want]  # both go on from torch's params
 
 
 def test_public_op_defaults_checks_and_dispatch():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fn.kernels as K
-from fn.kernels import _cupy, _reference, _table, _triton
+from fn.kernels import _cupy, _reference, _spec, _table, _triton
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -59,7 +59,7 @@ def test_cupy_is_a_second_cuda_kernel_set(clean_table, monkeypatch):
 
 
 def test_cupy_kernels_on_a_cpu_stand_in(clean_table, numpy_cupy):
-    K.register_kernels("cpu", "cupy", _cupy.KERNELS)
+    K.register_kernels("cpu", "cupy", _spec.implementations(_cupy))
     K.select_kernels("cpu", "cupy")
     g = torch.Generator().manual_seed(0)
     for n in (0, 1, 7, 8, 9, 1023, 1025, 70001):

@@ -120,7 +120,7 @@ def test_dequantize_sum_and_into_match_the_unfused_ops(impls, case):
     pieces = K.dequantize(q, scales, bits, chunks * cols)
     out = torch.full((cols,), 7.0)
     impls("dequantize_sum")(q, scales, bits, chunks, out)
-    assert _same_bits(out, pieces.view(chunks, -1).sum(0))
+    assert _same_bits(out, K.sum_ranks(pieces.view(chunks, -1)))
 
     for local in {1, chunks} | {d for d in (2, 3, 4) if chunks % d == 0}:
         ordered = pieces.view(chunks // local, local, -1).transpose(0, 1).reshape(-1)
@@ -155,13 +155,13 @@ def test_dequantize_into_any_output_alignment(group_size, offset, threads):
 
 @pytest.mark.parametrize("pieces", [2, 3, 4, 8, 15, 16, 17, 31, 33, 64])
 @pytest.mark.parametrize("cols", [32, 4096, 96 * 1024])
-def test_dequantize_sum_follows_torchs_order_on_large_rows(pieces, cols):
-    """Many pieces (torch's cascade levels) and rows split over threads."""
+def test_dequantize_sum_adds_in_rank_order_on_large_rows(pieces, cols):
+    """Many pieces, and rows split over threads: rank by rank, left to right."""
     x = _values(pieces * cols, pieces + cols) * torch.logspace(-6, 6, pieces * cols)
     q, scales = K.quantize(x, 4, 32)
     out = torch.empty(cols)
     K.dequantize_sum(q, scales, 4, pieces, out)
-    assert _same_bits(out, K.dequantize(q, scales, 4, pieces * cols).view(pieces, -1).sum(0))
+    assert _same_bits(out, K.sum_ranks(K.dequantize(q, scales, 4, pieces * cols).view(pieces, -1)))
 
 
 def test_ops_run_per_row_under_vmap():
@@ -184,7 +184,9 @@ def test_ops_run_per_row_under_vmap():
         want = torch.empty(64)
         K.loco_error(x[row], e[row], want_q, want_scales, 4, 0.5, want)
         assert _same_bits(out[row], want)
-        assert _same_bits(summed[row], K.dequantize(want_q, want_scales, 4, 64).view(2, -1).sum(0))
+        assert _same_bits(
+            summed[row], K.sum_ranks(K.dequantize(want_q, want_scales, 4, 64).view(2, -1))
+        )
     with pytest.raises(ValueError, match="batched"):
         torch.func.vmap(lambda q, s: sum_rows(q, s, torch.empty(32)))(q, scales)
 
