@@ -19,8 +19,9 @@ def sign(x: torch.Tensor) -> torch.Tensor:
 
 
 def car(xs: list[torch.Tensor], ews: list[torch.Tensor], ess: list[torch.Tensor]):
-    """The error-compensated 1-bit allreduce over a list of ranks (docs/algorithms.md); updates the error
-    lists in place and returns every rank's (equal) output. The identity for one rank."""
+    """The error-compensated 1-bit allreduce over a list of ranks (docs/algorithms.md); updates
+    the error lists in place and returns every rank's (equal) output. The identity for one
+    rank."""
     world = len(xs)
     if world == 1:
         return [xs[0]]
