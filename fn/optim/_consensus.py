@@ -74,7 +74,7 @@ def settings_of(obj: Any, path: str = "transform") -> dict[str, str]:
         ...     if path.endswith(("freeze_step", "leaf_rule.eps")):
         ...         print(path, value)
         transform.warmup_update.step_fn.announce_compressed.is_compressed.freeze_step 4
-        transform.warmup_update.step_fn.update.donated_rule.leaf_rule.eps 1e-08
+        transform.warmup_update.step_fn.update.leaf_rule.eps 1e-08
     """
     out: dict[str, str] = {}
     seen: set[int] = set()

@@ -12,7 +12,6 @@ from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
 from fn.errors import (
     check_betas,
-    check_finite,
     check_fraction,
     check_int,
     check_nonnegative,
@@ -20,9 +19,12 @@ from fn.errors import (
 )
 from fn.transforms._leafwise import (
     LearningRate,
+    adam_denominator,
+    adam_direction,
     adam_ratio_bound,
     compressed_mean,
     compressed_optimizer,
+    dense_moments,
     map_leaves,
     moving_average,
     report_frozen_variance,
@@ -246,14 +248,10 @@ def onebit_lamb(
 
     def warmup_rule(g, leaf, p, *, eta, copies_variance):
         m, v, v_fresh, r, last, scaling = leaf
-        g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
-        m = moving_average(m, b1, g)
-        v = moving_average(v, b2, g, square=True)
+        m, v = dense_moments(g, m, v, b1, b2, comm)
         if copies_variance:
             v_fresh = v
-        u = m / (v.sqrt() + eps)
-        if weight_decay > 0:
-            u = u + weight_decay * p.float()
+        u = adam_direction(m, adam_denominator(v, eps), p, bound=None, weight_decay=weight_decay)
         if m.numel() > 0:
             ratio = trust_ratio(p.float(), u, min_coeff=min_coeff, max_coeff=max_coeff)
             r = torch.where(ratio != 1, moving_average(r, coeff_beta, ratio), r)
@@ -273,10 +271,10 @@ def onebit_lamb(
             m = m * mask
         g_hat = (m - b1 * m_last) / (1 - b1)
         v_fresh = moving_average(v_fresh, b2, g_hat, square=True)
-        d = v.sqrt() + eps
-        u0 = (m / d).clamp(-bound, bound) if safeguard else m / d
+        d = adam_denominator(v, eps)
+        u0 = adam_direction(m, d, p, bound=bound if safeguard else None, weight_decay=0.0)
         u = u0 + weight_decay * p.float() if weight_decay > 0 else u0
-        f = (d / (v_fresh.sqrt() + eps)).amax()
+        f = (d / adam_denominator(v_fresh, eps)).amax()
         if weight_decay > 0:
             u_norm = torch.linalg.vector_norm(u)
             q = (torch.linalg.vector_norm(u0) / u_norm).clamp(max=1.0)

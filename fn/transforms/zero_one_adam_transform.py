@@ -10,24 +10,23 @@ import torch
 
 from fn.base import CompressedOptimizer
 from fn.collectives import ErrorFeedbackField
-from fn.collectives.onebit import compressed_allreduce_start
 from fn.errors import check_betas, check_finite, check_int, check_nonnegative
-from fn.kernels import sqrt_rn
 from fn.transforms._leafwise import (
     LearningRate,
+    adam_denominator,
+    adam_direction,
     adam_ratio_bound,
-    adam_update_into,
     compressed_mean,
     compressed_optimizer,
+    dense_moments,
     init_error_feedback_per_leaf,
     map_leaves,
-    masked,
     moving_average,
-    moving_average_into,
     report_frozen_variance,
 )
 from fn.transforms._onebit_schedules import ZeroOneAdamPlan, ZeroOneAdamSchedule
-from fn.tree import PyTree, eager, fits, fitting, tree_map, tree_zeros_like
+from fn.transforms.onebit_fast import AdamSettings, zero_one_adam_step
+from fn.tree import PyTree, tree_map, tree_zeros_like
 
 
 class ZeroOneAdamState(NamedTuple):
@@ -223,21 +222,14 @@ def zero_one_adam(
     def leaf_rule(g, leaf, p, mask, *, plan, eta, lrs):
         m, v, a, ew, es = leaf
         if plan.variance:
-            g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
-            v = moving_average(v, b2, g, square=True)
-            m = moving_average(m, b1, g)
+            m, v = dense_moments(g, m, v, b1, b2, comm)
         elif not plan.frozen:
             g, ew, es = one_bit_mean(g, ew, es, mask, "the gradient")
             m = moving_average(m, b1, g)
         else:
             m = moving_average(m, b1, check_finite(g, "the local gradient"))
-        denom = sqrt_rn(v) + eps
-        u = m / denom
-        if safeguard:
-            u = u.clamp(-bound, bound)
-        if weight_decay > 0:
-            u = u + weight_decay * p.float()
-        update = -eta * u
+        denom = adam_denominator(v, eps)
+        update = adam_direction(m, denom, p, bound=clip, weight_decay=weight_decay).mul_(-eta)
         if plan.frozen:
             a = a + update
         if plan.sync:
@@ -251,50 +243,20 @@ def zero_one_adam(
             a = torch.zeros_like(a)
         return update, _Leaf(m, v, a, ew, es)
 
-    def donated_rule(g, leaf, p, mask, *, plan, eta, lrs, spare):
-        """A 1-bit or local (not sync) step writing into the donated leaf ``spare`` and the
-        gradient's buffer (two steps, see ``map_leaves``); the pure rule elsewhere (sync steps,
-        one worker, vmap, other dtypes, gradients that require grad)."""
-        m, v, a, ew, es = leaf
-        m_out, u_out = fitting(spare.exp_avg, m), g if fits(g, m) else None
-        start = None
-        if not plan.sync and m_out is not None and u_out is not None:
-            if not plan.frozen:
-                buffers = (g, fitting(spare.worker_error, ew), fitting(spare.server_error, es))
-                start = compressed_allreduce_start(g, ew, es, comm=comm, out=buffers)
-            elif eager(g, m, v, a, m_out):
-                check_finite(g, "the local gradient")
-                start = lambda: (g, ew, es)  # noqa: E731
-        if start is None:
-            result = leaf_rule(g, leaf, p, mask, plan=plan, eta=eta, lrs=lrs)
-            return lambda: result
-
-        def finish():
-            mean, ew_new, es_new = start()
-            if mask is not None and not plan.frozen:
-                mean = masked(mean, mask)
-            m_new = moving_average_into(m_out, m, b1, mean)
-            clip = bound if safeguard else None
-            update = adam_update_into(
-                u_out, m_new, v, p, eta, eps=eps, bound=clip, weight_decay=weight_decay
-            )
-            a_new = a
-            if plan.frozen:
-                a_out = fitting(spare.momentum_accumulator, a)
-                a_new = a + update if a_out is None else torch.add(a, update, out=a_out)
-            return update, _Leaf(m_new, v, a_new, ew_new, es_new)
-
-        return finish
+    clip = bound if safeguard else None
+    fast = AdamSettings(comm, b1, eps, clip, weight_decay)
 
     def update(grads, state, params, plan, eta, donated=None):
         lrs = state.lrs + eta if plan.frozen else state.lrs
-        if donated is not None:
-            rule = partial(donated_rule, plan=plan, eta=eta, lrs=lrs)
+        rule = partial(leaf_rule, plan=plan, eta=eta, lrs=lrs)
+        inputs = (params, exp_avg_mask)
+        if donated is not None and not plan.sync:
+            step = zero_one_adam_step(
+                fast, rule, _Leaf, grads, state, *inputs, plan.frozen, eta, donated
+            )
         else:
-            rule = partial(leaf_rule, plan=plan, eta=eta, lrs=lrs)
-        updates, state = map_leaves(
-            "zero_one_adam", rule, grads, state, _Leaf, params, exp_avg_mask, donated=donated
-        )
+            step = map_leaves("zero_one_adam", rule, grads, state, _Leaf, *inputs)
+        updates, state = step
         if plan.reset_errors:  # every leaf's errors, gradient or not; the variance freezes
             report_frozen_variance("zero_one_adam", state, eps, bound, safeguard, mask=exp_avg_mask)
             state = state._replace(
