@@ -94,15 +94,6 @@ def compressed_optimizer(
         count = torch.zeros((), dtype=torch.int64)
         return state_type(count=count, lr=_initial_lr(lr), **init_fields(params))
 
-    def announce_compressed(count: torch.Tensor) -> None:
-        """Logs the run's first compressed update (where the count is on the host), so that a
-        run whose compressed phase starts late, or never, can be told from the log."""
-        made = host_count(count)  # the updates made before this one
-        if made is None or (made > 0 and is_compressed(made)):
-            return  # not a switch from the warmup (rare, so the scan below is too)
-        if next(t for t in range(1, made + 2) if is_compressed(t)) == made + 1:
-            logger.info("%s: compressed updates start at update %d", name, made + 1)
-
     def phase_step(compressed: bool):
         phase = "compressed" if compressed else warmup_phase
 
@@ -114,15 +105,13 @@ def compressed_optimizer(
             donated = donated_state(donate, state)
             if compressed and donated is not None:
                 check_warmed_up(name, state.count)  # before any donated buffer is written
-                applying = {"apply": True} if apply else {}
-                updates, new_state = update(
-                    grads, state, params, plan, eta, donated=donated, **applying
-                )
+                given = {"donated": donated, "apply": True} if apply else {"donated": donated}
+                updates, new_state = update(grads, state, params, plan, eta, **given)
             else:
                 updates, new_state = update(grads, state, params, plan, eta)
             if compressed:  # after the update's own checks (of the gradients); nothing is kept
                 check_warmed_up(name, state.count)
-                announce_compressed(state.count)
+                _announce_compressed(name, is_compressed, state.count)
             return updates, new_state._replace(count=state.count + 1, lr=eta)
 
         return step_fn
@@ -149,8 +138,30 @@ def compressed_optimizer(
     )
     if not fused_apply:
         return opt
+    return opt._replace(
+        fast_step=_fast_step(is_compressed, plan_type, warmup_step, compressed_step)
+    )
 
-    def update_and_apply_fn(grads, state, params, *, donate, step=None, plan=None, **extra):
+
+def _announce_compressed(
+    name: str, is_compressed: Callable[[int], bool], count: torch.Tensor
+) -> None:
+    """Logs the run's first compressed update (where the count is on the host), so that a run
+    whose compressed phase starts late, or never, can be told from the log."""
+    made = host_count(count)  # the updates made before this one
+    if made is None or (made > 0 and is_compressed(made)):
+        return  # not a switch from the warmup (rare, so the scan below is too)
+    if next(t for t in range(1, made + 2) if is_compressed(t)) == made + 1:
+        logger.info("%s: compressed updates start at update %d", name, made + 1)
+
+
+def _fast_step(
+    is_compressed: Callable[[int], bool], plan_type: type, warmup_step: Any, compressed_step: Any
+) -> Any:
+    """The ``fast_step`` of :func:`compressed_optimizer` with ``fused_apply``: the update of
+    the phase with ``apply=True``, then ``apply_updates`` of the leaves it did not apply."""
+
+    def fast_step(grads, state, params, *, donate, step=None, plan=None, **extra):
         del extra
         if check_step_or_plan(step, plan) is not None:
             compressed = is_compressed(step)
@@ -160,7 +171,7 @@ def compressed_optimizer(
         updates, new_state = phase_fn(grads, state, params, step, plan, donate, apply=True)
         return apply_updates(params, updates, donate=True), new_state
 
-    return opt._replace(fast_step=update_and_apply_fn)
+    return fast_step
 
 
 class LeafInputs(NamedTuple):
@@ -282,6 +293,17 @@ def moving_average(
     if square:
         new.mul_(y)
     return (beta * x).add_(new)
+
+
+class OnebitSettings(NamedTuple):
+    """The hyperparameters that the 1-bit family's rules and fast steps share."""
+
+    comm: Any  # the fn.collectives Comm
+    b1: float  # the momentum's beta
+    b2: float  # the variance's beta
+    eps: float  # added to sqrt(v)
+    clip: float | None  # the safeguard's bound on m / (sqrt(v) + eps); None: safeguard off
+    weight_decay: float  # L2, added to the direction
 
 
 def dense_moments(

@@ -12,6 +12,7 @@ from fn.collectives import ErrorFeedbackField
 from fn.errors import check_betas, check_int, check_nonnegative
 from fn.transforms._leafwise import (
     LearningRate,
+    OnebitSettings,
     adam_denominator,
     adam_direction,
     adam_ratio_bound,
@@ -25,7 +26,7 @@ from fn.transforms._leafwise import (
     report_frozen_variance,
 )
 from fn.transforms._onebit_schedules import FreezeSchedule, OnebitAdamPlan
-from fn.transforms.onebit_fast import AdamSettings, onebit_adam_step
+from fn.transforms.onebit_fast import onebit_adam_step
 from fn.tree import PyTree, tree_zeros_like
 
 
@@ -195,51 +196,57 @@ def onebit_adam(
     )
     schedule = FreezeSchedule(check_int("freeze_step", freeze_step, 2, why))
     bound = adam_ratio_bound(b1, b2)
-
-    def init_fields(params):
-        worker_error, server_error = init_error_feedback_per_leaf(params, comm)
-        return dict(
-            exp_avg=tree_zeros_like(params, torch.float32),
-            exp_avg_sq=tree_zeros_like(params, torch.float32),
-            worker_error=worker_error,
-            server_error=server_error,
-        )
-
-    def leaf_rule(g, leaf, p, mask, dense, *, compressed, eta):
-        m, v, ew, es = leaf
-        if not compressed or bool(dense):
-            m, v = dense_moments(g, m, v, b1, b2, comm)
-        else:
-            m = moving_average(m, b1, g)
-            m, ew, es = compressed_mean(m, ew, es, comm, "the momentum (local gradient)")
-            if mask is not None:
-                m = m * mask
-        clip = bound if safeguard and compressed and not bool(dense) else None
-        u = adam_direction(m, adam_denominator(v, eps), p, bound=clip, weight_decay=weight_decay)
-        return u.mul_(-eta), _Leaf(m, v, ew, es)
-
-    fast = AdamSettings(comm, b1, eps, bound if safeguard else None, weight_decay)
+    settings = OnebitSettings(comm, b1, b2, eps, bound if safeguard else None, weight_decay)
 
     def update(grads, state, params, plan, eta, donated=None, apply=False):
         if plan.compressed and host_count(state.count) == schedule.freeze_step - 1:
             report_frozen_variance(
                 "onebit_adam", state, eps, bound, safeguard, skip=non_freeze, mask=exp_avg_mask
             )
-        rule = partial(leaf_rule, compressed=plan.compressed, eta=eta)
+        rule = partial(_rule, settings, compressed=plan.compressed, eta=eta)
         inputs = (params, exp_avg_mask, non_freeze)
         if donated is not None:
-            return onebit_adam_step(fast, rule, _Leaf, grads, state, *inputs, eta, donated, apply)
+            return onebit_adam_step(
+                settings, rule, _Leaf, grads, state, *inputs, eta, donated, apply
+            )
         return map_leaves("onebit_adam", rule, grads, state, _Leaf, *inputs)
 
     return compressed_optimizer(
         "onebit_adam",
         lr,
         OnebitAdamState,
-        init_fields,
+        partial(_init_fields, comm),
         update,
         schedule.is_compressed,
         schedule.onebit_adam_plan,
         OnebitAdamPlan,
         params_needed_for="weight_decay > 0" if weight_decay > 0 else None,
         fused_apply=True,
+    )
+
+
+def _rule(h: OnebitSettings, g, leaf, p, mask, dense, *, compressed, eta):
+    """1-bit Adam's update of one leaf (the rules in ``onebit_adam``'s docstring); ``dense``:
+    a ``non_freeze`` leaf, which keeps the warmup rule."""
+    m, v, ew, es = leaf
+    if not compressed or bool(dense):
+        m, v = dense_moments(g, m, v, h.b1, h.b2, h.comm)
+    else:
+        m = moving_average(m, h.b1, g)
+        m, ew, es = compressed_mean(m, ew, es, h.comm, "the momentum (local gradient)")
+        if mask is not None:
+            m = m * mask
+    clip = h.clip if compressed and not bool(dense) else None
+    u = adam_direction(m, adam_denominator(v, h.eps), p, bound=clip, weight_decay=h.weight_decay)
+    return u.mul_(-eta), _Leaf(m, v, ew, es)
+
+
+def _init_fields(comm: Any, params: PyTree) -> dict[str, Any]:
+    """The fields of the initial state after ``count`` and ``lr``."""
+    worker_error, server_error = init_error_feedback_per_leaf(params, comm)
+    return dict(
+        exp_avg=tree_zeros_like(params, torch.float32),
+        exp_avg_sq=tree_zeros_like(params, torch.float32),
+        worker_error=worker_error,
+        server_error=server_error,
     )

@@ -26,25 +26,15 @@ from fn.collectives.onebit import (
     write_result,
 )
 from fn.errors import check_finite
-from fn.transforms._leafwise import LeafInputs, leaves_of, rebuilt
+from fn.transforms._leafwise import LeafInputs, OnebitSettings, leaves_of, rebuilt
 from fn.tree import eager, fits, fitting
 
 # (g, leaf, *input_leaves) -> (update, new_leaf): the pure rule of the step
 Rule = Callable[..., tuple[torch.Tensor | None, Any]]
 
 
-class AdamSettings(NamedTuple):
-    """The hyperparameters a fast step needs."""
-
-    comm: Any
-    b1: float
-    eps: float
-    bound: float | None  # the safeguard's clip of m / (sqrt(v) + eps); None: no clip
-    weight_decay: float
-
-
 def onebit_adam_step(
-    h: AdamSettings,
+    h: OnebitSettings,
     rule: Rule,
     leaf_type: type[NamedTuple],
     grads: Any,
@@ -80,7 +70,7 @@ def onebit_adam_step(
 
 
 def _write_onebit_adam_leaf(
-    h: AdamSettings, exchange: CompressedExchange, x: LeafInputs, eta: torch.Tensor, apply: bool
+    h: OnebitSettings, exchange: CompressedExchange, x: LeafInputs, eta: torch.Tensor, apply: bool
 ) -> tuple[torch.Tensor | None, Any]:
     """Writes one leaf of :func:`onebit_adam_step`: the errors, then the momentum and the
     update (the gradient's buffer) or, with ``apply``, the momentum as the update is added to
@@ -96,7 +86,7 @@ def _write_onebit_adam_leaf(
     # update_and_apply has checked that autograd records no param
     target = p.detach() if apply and isinstance(p, torch.Tensor) else None
     applies = target is not None and fits(target, m)
-    settings = dict(eps=h.eps, bound=h.bound, weight_decay=h.weight_decay)
+    settings = dict(eps=h.eps, bound=h.clip, weight_decay=h.weight_decay)
     if applies and mask is None:  # the momentum is written by the pass that adds the update
         signs = (exchange.packed, exchange.scales)
         kernels.adam_apply(m_new, v, eta, target, root=fitting(x.g, m), signs=signs, **settings)
@@ -112,7 +102,7 @@ def _write_onebit_adam_leaf(
 
 
 def zero_one_adam_step(
-    h: AdamSettings,
+    h: OnebitSettings,
     rule: Rule,
     leaf_type: type[NamedTuple],
     grads: Any,
@@ -151,7 +141,7 @@ def zero_one_adam_step(
 
 
 def _write_zero_one_adam_leaf(
-    h: AdamSettings,
+    h: OnebitSettings,
     exchange: CompressedExchange | None,
     x: LeafInputs,
     frozen: bool,
@@ -173,7 +163,7 @@ def _write_zero_one_adam_leaf(
             mean = masked(mean, mask)
     m_new = moving_average_into(x.spare.exp_avg, m, h.b1, mean)
     update = adam_update_into(
-        x.g, m_new, v, p, eta, eps=h.eps, bound=h.bound, weight_decay=h.weight_decay
+        x.g, m_new, v, p, eta, eps=h.eps, bound=h.clip, weight_decay=h.weight_decay
     )
     a_new = a
     if frozen:
