@@ -1,18 +1,23 @@
 """The shared driver of the compressed optimizers (1-bit Adam, 0/1 Adam, 1-bit LAMB).
 
-Each optimizer is its state, its per-leaf rule and, where the algorithm needs one, a step over
-all leaves at once (1-bit LAMB's fused allreduce, 0/1 Adam's schedule counters). This module does
-the rest the same way for all three:
+Each optimizer is its state, its pure per-leaf rules (taking the shared
+:class:`OnebitSettings`) and, where the algorithm needs one, a step over all leaves at once
+(1-bit LAMB's fused allreduce, 0/1 Adam's schedule counters); the allocation-free steps of its
+donated updates live beside the rules in ``fn.transforms.onebit_fast``. This module does the
+rest the same way for all three:
 
 - :func:`compressed_optimizer` builds the ``CompressedOptimizer``: it resolves the plan of the
   update (from exactly one of ``step`` and ``plan``), checks that ``params`` are given where the
   rule needs them, reads the learning rate of the update and advances the counter.
 - :func:`map_leaves` runs the per-leaf rule: it flattens every per-leaf state field against one
-  spec, checks the gradient shapes, passes ``None`` gradient leaves through and rebuilds the
-  trees.
+  spec (:func:`leaves_of`, which also checks the gradient shapes), passes ``None`` gradient
+  leaves through and rebuilds the trees (:func:`rebuilt`).
+- The pieces the rules share: :func:`moving_average`, :func:`dense_moments` (the warmup's dense
+  step), :func:`adam_denominator` and :func:`adam_direction` (with the safeguard's clip,
+  :func:`adam_ratio_bound`), :func:`report_frozen_variance`.
 
-Nothing here communicates except :func:`compressed_mean`, which calls ``fn.collectives``. The
-exact rules are in ``docs/algorithms.md``.
+Nothing here communicates except :func:`compressed_mean` and :func:`dense_moments`, which call
+``fn.collectives``. The exact rules are in ``docs/algorithms.md``.
 """
 
 from __future__ import annotations

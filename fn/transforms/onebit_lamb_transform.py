@@ -185,6 +185,9 @@ def onebit_lamb(
     allreduce into the donated state's buffers and its mean into the fused momentum, after
     every rank's check; the per-leaf rule and the warmup updates still allocate their results.
 
+    ``sqrt(v)`` and ``sqrt(v~)`` are correctly rounded (``fn.kernels.sqrt_rn``, as in
+    ``onebit_adam``).
+
     The exact rules, step by step, are in ``docs/algorithms.md`` (section "1-bit LAMB").
 
     Example:
