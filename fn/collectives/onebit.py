@@ -8,7 +8,6 @@ References:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -75,9 +74,6 @@ def init_error_feedback(
 
 
 AllreduceOut = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
-# (packed [W, chunk / 8], scales [W], y): writes the allreduce's result into the flat fp32 y.
-WriteY = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
-Finish = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (write_y=...) -> ...
 
 
 def compressed_allreduce(
@@ -188,7 +184,10 @@ def compressed_allreduce(
         return _pure_allreduce(x, worker_error, server_error, comm)
     if not eager(x, worker_error, server_error, *out):
         return _copied_into(out, _pure_allreduce(x, worker_error, server_error, comm))
-    return _start_into(x.reshape(-1), None, 0.0, worker_error, server_error, comm, x, out)()
+    exchange = _exchange(x.reshape(-1), None, 0.0, worker_error, server_error, comm)
+    worker, server = write_errors(exchange, out[1], out[2])
+    y = torch.empty_like(x) if out[0] is None else out[0]
+    return write_result(exchange, y), worker, server
 
 
 def _pure_allreduce(
@@ -233,39 +232,70 @@ def _pure_allreduce(
     return y.view(x.shape).to(x.dtype), new_worker_error, new_server_error
 
 
-def compressed_allreduce_start(
+class CompressedExchange(NamedTuple):
+    """One rank's side of a :func:`compressed_allreduce` after every exchange and check, before
+    anything is written (:func:`compressed_allreduce_exchange`): what the two writing steps,
+    :func:`write_errors` and :func:`write_result`, need."""
+
+    x: torch.Tensor  # [n] this rank's input, flat (the previous momentum where grad is given)
+    grad: torch.Tensor | None  # [n] fp32 or None: the gradient of the momentum
+    beta: float  # the momentum's beta (with grad)
+    worker_error: torch.Tensor  # fp32[N]: e_w before the call
+    server_error: torch.Tensor  # fp32[N / W]: e_s before the call
+    scale: torch.Tensor  # [] fp32: this rank's worker scale
+    received: torch.Tensor  # uint8 [W, chunk / 8]: the signs of this rank's chunk, by rank
+    weights: torch.Tensor  # fp32 [W]: every rank's worker scale / W
+    server_scale: torch.Tensor  # [] fp32: this rank's server scale
+    packed: torch.Tensor  # uint8 [W, chunk / 8]: every rank's server signs
+    scales: torch.Tensor  # fp32 [W]: every rank's server scale (all checked finite)
+
+
+def compressed_allreduce_exchange(
     x: torch.Tensor,
     worker_error: torch.Tensor,
     server_error: torch.Tensor,
     *,
     comm: Comm,
-    out: AllreduceOut,
     grad: torch.Tensor | None = None,
     beta: float = 0.0,
-) -> Finish | None:
-    """:func:`compressed_allreduce` of ``x`` into the buffers ``out``, in two steps; with
-    ``grad``, of the momentum ``beta * x + (1 - beta) * grad`` (rounded as ``fn.transforms``'
-    ``moving_average``), computed on the fly, never as a tensor.
+) -> CompressedExchange | None:
+    """The communication of :func:`compressed_allreduce` of ``x`` without a fresh full-size
+    tensor; with ``grad``, of the momentum ``beta * x + (1 - beta) * grad`` (rounded as
+    ``fn.transforms``' ``moving_average``), computed on the fly, never as a tensor.
 
-    This call compresses, exchanges and checks everything, on every rank, and writes nothing;
-    the function it returns writes the new errors and ``y`` (which may be ``x`` or ``grad``)
-    and returns them. Given ``write_y(packed, scales, y)``, that function calls it to write
-    ``y`` (fp32, flat) from the gathered signs (uint8 ``[W, chunk / 8]``) and scales (fp32
-    ``[W]``) as ``fn.kernels.unpack_scaled`` does, after the errors: a consumer of ``y`` can
-    then write it in the pass that uses it (``fn.kernels.adam_apply`` with ``signs``). An
-    optimizer calls it for every leaf before it finishes any, so a
-    failure on any leaf leaves every buffer intact. Returns ``None`` (nothing done) where this
-    allocation-free path does not apply (one rank, no elements, dtypes other than fp32,
-    non-contiguous tensors, vmap, ``torch.compile``): the caller then takes the pure path.
+    It compresses, exchanges and checks everything, on every rank, and writes nothing; then
+    :func:`write_errors` writes the new errors and :func:`write_result` (or
+    ``fn.kernels.adam_apply`` with ``signs=(exchange.packed, exchange.scales)``) the result.
+    An optimizer exchanges every leaf before it writes any, so a failure on any leaf leaves
+    every buffer intact.
+
+    Args:
+        x: this rank's tensor (fp32, contiguous).
+        worker_error: fp32[N], this rank's worker error.
+        server_error: fp32[N / W], this rank's server error.
+        comm: the communicator.
+        grad: optional fp32 tensor of ``x``'s shape, contiguous: the gradient of the momentum.
+        beta: the momentum's beta (with ``grad``).
+
+    Returns:
+        The :class:`CompressedExchange`, or ``None`` (nothing done) where this allocation-free
+        path does not apply (one rank, no elements, dtypes other than fp32, non-contiguous
+        tensors, errors of other shapes, vmap, ``torch.compile``): the caller then takes
+        :func:`compressed_allreduce`, which raises where the call is wrong.
+
+    Raises:
+        ValueError: (on every rank at once, before any sign is sent) if the ranks' ``x`` differ
+            in element count or some rank's momentum is not finite; (after the server's
+            exchange) if a server error is not finite. Nothing is changed.
 
     Example:
         >>> from fn.collectives import Local
-        >>> from fn.collectives.onebit import compressed_allreduce_start
+        >>> from fn.collectives.onebit import compressed_allreduce_exchange
         >>> x = torch.ones(3)
-        >>> print(compressed_allreduce_start(x, x, x, comm=Local(), out=(x, x, x)))
+        >>> print(compressed_allreduce_exchange(x, x, x, comm=Local()))
         None
     """
-    tensors = (x, grad, worker_error, server_error, *out)
+    tensors = (x, grad, worker_error, server_error)
     if (
         comm.world_size == 1
         or x.numel() == 0
@@ -277,10 +307,42 @@ def compressed_allreduce_start(
         return None
     n_padded = padded_numel(x.numel(), comm.world_size)
     if worker_error.shape != (n_padded,) or server_error.shape != (n_padded // comm.world_size,):
-        return None  # compressed_allreduce raises the error
-    _check_out(out, x, worker_error, server_error)
+        return None
     flat_grad = None if grad is None else grad.view(-1)
-    return _start_into(x.view(-1), flat_grad, beta, worker_error, server_error, comm, x, out)
+    return _exchange(x.view(-1), flat_grad, beta, worker_error, server_error, comm)
+
+
+def write_errors(
+    exchange: CompressedExchange,
+    worker: torch.Tensor | None = None,
+    server: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writes the new errors of ``exchange`` into ``worker`` and ``server`` (fresh tensors
+    where ``None``; they may be the old errors themselves) and returns them. The worker error
+    is computed from ``exchange.x`` (and ``grad``): call this before :func:`write_result`
+    writes a result that shares their memory."""
+    worker = torch.empty_like(exchange.worker_error) if worker is None else worker
+    server = torch.empty_like(exchange.server_error) if server is None else server
+    kernels.sign_sum_apply_error(
+        exchange.received, exchange.weights, exchange.server_error, exchange.server_scale, server
+    )
+    kernels.feedback_apply_error(
+        exchange.x, exchange.worker_error, exchange.scale, worker, grad=exchange.grad,
+        beta=exchange.beta,
+    )  # fmt: skip
+    return worker, server
+
+
+def write_result(exchange: CompressedExchange, y: torch.Tensor) -> torch.Tensor:
+    """Writes the result of ``exchange`` (the concatenated server signs times their scales,
+    sliced to ``n``) into ``y`` (``n`` elements, contiguous, any floating dtype) by
+    ``fn.kernels.unpack_scaled`` and returns ``y``."""
+    if y.dtype == torch.float32:
+        kernels.unpack_scaled(exchange.packed, exchange.scales, y.view(-1))
+    else:
+        values = torch.empty(y.numel(), dtype=torch.float32, device=y.device)
+        y.view(-1).copy_(kernels.unpack_scaled(exchange.packed, exchange.scales, values))
+    return y
 
 
 def _check_out(
@@ -313,21 +375,17 @@ def _copied_into(
     return tuple(r if b is None else b.copy_(r) for b, r in zip(out, results, strict=True))
 
 
-def _start_into(
+def _exchange(
     flat: torch.Tensor,
     grad: torch.Tensor | None,
     beta: float,
     worker_error: torch.Tensor,
     server_error: torch.Tensor,
     comm: Comm,
-    like: torch.Tensor,
-    out: AllreduceOut,
-) -> Finish:
-    """The allocation-free path, in three phases: the worker compresses ``flat`` (or the
-    momentum of ``flat`` and ``grad``) and exchanges; the server sums the received signs,
-    compresses and exchanges; every scale checked, it returns the third phase, which writes
-    the errors and ``y`` (the worker's error before ``y``, which may share ``flat``'s
-    memory)."""
+) -> CompressedExchange:
+    """The allocation-free exchange: the worker compresses ``flat`` (or the momentum of
+    ``flat`` and ``grad``) and exchanges; the server sums the received signs, compresses and
+    exchanges; every scale is checked."""
     world_size, n = comm.world_size, flat.numel()
     what = "compressed_allreduce"
     packed, scale = kernels.feedback_sign_compress(flat, worker_error, grad=grad, beta=beta)
@@ -343,27 +401,14 @@ def _start_into(
     # One all_gather for the signs and the scale (its 4 bytes after them): one latency less.
     message = torch.cat((server_packed, server_scale.reshape(1).view(torch.uint8)))
     gathered = comm.all_gather(message)  # [W, chunk / 8 + 4]
-    all_packed = gathered[:, :-4].contiguous()  # [W, chunk / 8]
     all_scales = finite_or_raise(
         gathered[:, -4:].contiguous().view(torch.float32).view(world_size),
         f"{what}: non-finite values in a server error",
     )
-
-    def finish(write_y: WriteY = kernels.unpack_scaled) -> tuple[torch.Tensor, ...]:
-        y, worker, server = (
-            torch.empty_like(t) if b is None else b
-            for b, t in zip(out, (like, worker_error, server_error), strict=True)
-        )
-        kernels.sign_sum_apply_error(received, weights, server_error, server_scale, server)
-        kernels.feedback_apply_error(flat, worker_error, scale, worker, grad=grad, beta=beta)
-        if y.dtype == torch.float32:
-            write_y(all_packed, all_scales, y.view(-1))
-        else:
-            values = torch.empty(n, dtype=torch.float32, device=y.device)
-            y.view(-1).copy_(kernels.unpack_scaled(all_packed, all_scales, values))
-        return y, worker, server
-
-    return finish
+    return CompressedExchange(
+        flat, grad, beta, worker_error, server_error, scale, received, weights, server_scale,
+        gathered[:, :-4].contiguous(), all_scales,
+    )  # fmt: skip
 
 
 class OnebitAllreduceState(NamedTuple):
@@ -416,54 +461,58 @@ def onebit_allreduce(*, comm: Comm) -> GradientTransformation:
 
         return OnebitAllreduceState(tree_map(worker, params), tree_map(server, params))
 
-    def exchanged(u, we, se, buffers):
-        """The allreduce of one leaf exchanged and checked on every rank, nothing written; the
-        function it returns writes the results into ``buffers`` (as :func:`compressed_allreduce`
-        with ``out``) and returns them."""
-        start = compressed_allreduce_start(u, we, se, comm=comm, out=buffers)
-        if start is not None:
-            return start
-        result = compressed_allreduce(u, we, se, comm=comm)
-        inputs = (u, we, se)
-        return lambda: tuple(
-            r if b is None or r is x else b.copy_(r)
-            for b, r, x in zip(buffers, result, inputs, strict=True)
-        )
-
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         del params, extra
         leaves, spec = tree_flatten(updates)
         worker = spec.flatten_up_to(state.worker_error)
         server = spec.flatten_up_to(state.server_error)
         donated = donated_state(donate, state)
+        if any(u is not None and we is None for u, we in zip(leaves, worker, strict=True)):
+            raise ValueError("onebit_allreduce: an update leaf has no error state")
         if donated is None:
-            spare = [(None, None)] * len(leaves)
+            results = [
+                (u, we, se) if u is None else compressed_allreduce(u, we, se, comm=comm)
+                for u, we, se in zip(leaves, worker, server, strict=True)
+            ]
         else:
-            spare = list(
-                zip(
-                    spec.flatten_up_to(donated.worker_error),
-                    spec.flatten_up_to(donated.server_error),
-                    strict=True,
-                )
-            )
-        results = []
-        for u, we, se, (dwe, dse) in zip(leaves, worker, server, spare, strict=True):
-            if u is None:
-                results.append((u, we, se))
-                continue
-            if we is None:
-                raise ValueError("onebit_allreduce: an update leaf has no error state")
-            if donated is None:
-                results.append(compressed_allreduce(u, we, se, comm=comm))
-            else:
-                results.append(
-                    exchanged(u, we, se, (fitting(u, u), fitting(dwe, we), fitting(dse, se)))
-                )
-        if donated is not None:  # every leaf exchanged and checked: now write
-            results = [r() if callable(r) else r for r in results]
+            results = _donated_allreduces(leaves, worker, server, donated, spec, comm)
         out, new_worker, new_server = (list(column) for column in zip(*results, strict=True))
         return tree_unflatten(out, spec), OnebitAllreduceState(
             tree_unflatten(new_worker, spec), tree_unflatten(new_server, spec)
         )
 
     return GradientTransformation(init_fn, update_fn)
+
+
+def _donated_allreduces(leaves, worker, server, donated, spec, comm):
+    """:func:`compressed_allreduce` of every leaf, each result written into its leaf and the
+    errors into ``donated``'s buffers (where they fit): every leaf is exchanged and checked
+    before the first is written."""
+    spare_worker = spec.flatten_up_to(donated.worker_error)
+    spare_server = spec.flatten_up_to(donated.server_error)
+    exchanges, pure = [], []
+    for u, we, se in zip(leaves, worker, server, strict=True):
+        ex = None if u is None else compressed_allreduce_exchange(u, we, se, comm=comm)
+        exchanges.append(ex)
+        pure.append(
+            None if u is None or ex is not None else compressed_allreduce(u, we, se, comm=comm)
+        )
+    # every leaf exchanged and checked: now write
+    results = []
+    for u, we, se, dwe, dse, ex, result in zip(
+        leaves, worker, server, spare_worker, spare_server, exchanges, pure, strict=True
+    ):
+        if u is None:
+            results.append((u, we, se))
+        elif ex is not None:
+            errors = write_errors(ex, fitting(dwe, we), fitting(dse, se))
+            results.append((write_result(ex, u), *errors))
+        else:
+            buffers = (fitting(u, u), fitting(dwe, we), fitting(dse, se))
+            results.append(
+                tuple(
+                    r if b is None or r is x else b.copy_(r)
+                    for b, r, x in zip(buffers, result, (u, we, se), strict=True)
+                )
+            )
+    return results

@@ -76,10 +76,10 @@ def settings_of(obj: Any, path: str = "transform") -> dict[str, str]:
         >>> from fn.optim._consensus import settings_of
         >>> tx = fn.onebit_adam(1e-3, freeze_step=4, comm=fn.collectives.Local())
         >>> for path, value in settings_of(tx).items():
-        ...     if path.endswith(("freeze_step", "leaf_rule.eps")):
+        ...     if path.endswith(("freeze_step", "settings.eps")):
         ...         print(path, value)
-        transform.warmup_update.step_fn.announce_compressed.is_compressed.freeze_step 4
-        transform.warmup_update.step_fn.update.donated_rule.leaf_rule.eps 1e-08
+        transform.warmup_update.step_fn.is_compressed.freeze_step 4
+        transform.warmup_update.step_fn.update.settings.eps 1e-08
     """
     out: dict[str, str] = {}
     seen: set[int] = set()

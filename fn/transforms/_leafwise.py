@@ -1,18 +1,23 @@
 """The shared driver of the compressed optimizers (1-bit Adam, 0/1 Adam, 1-bit LAMB).
 
-Each optimizer is its state, its per-leaf rule and, where the algorithm needs one, a step over
-all leaves at once (1-bit LAMB's fused allreduce, 0/1 Adam's schedule counters). This module does
-the rest the same way for all three:
+Each optimizer is its state, its pure per-leaf rules (taking the shared
+:class:`OnebitSettings`) and, where the algorithm needs one, a step over all leaves at once
+(1-bit LAMB's fused allreduce, 0/1 Adam's schedule counters); the allocation-free steps of its
+donated updates live beside the rules in ``fn.transforms.onebit_fast``. This module does the
+rest the same way for all three:
 
 - :func:`compressed_optimizer` builds the ``CompressedOptimizer``: it resolves the plan of the
   update (from exactly one of ``step`` and ``plan``), checks that ``params`` are given where the
   rule needs them, reads the learning rate of the update and advances the counter.
 - :func:`map_leaves` runs the per-leaf rule: it flattens every per-leaf state field against one
-  spec, checks the gradient shapes, passes ``None`` gradient leaves through and rebuilds the
-  trees.
+  spec (:func:`leaves_of`, which also checks the gradient shapes), passes ``None`` gradient
+  leaves through and rebuilds the trees (:func:`rebuilt`).
+- The pieces the rules share: :func:`moving_average`, :func:`dense_moments` (the warmup's dense
+  step), :func:`adam_denominator` and :func:`adam_direction` (with the safeguard's clip,
+  :func:`adam_ratio_bound`), :func:`report_frozen_variance`.
 
-Nothing here communicates except :func:`compressed_mean`, which calls ``fn.collectives``. The
-exact rules are in ``docs/algorithms.md``.
+Nothing here communicates except :func:`compressed_mean` and :func:`dense_moments`, which call
+``fn.collectives``. The exact rules are in ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
@@ -94,15 +99,6 @@ def compressed_optimizer(
         count = torch.zeros((), dtype=torch.int64)
         return state_type(count=count, lr=_initial_lr(lr), **init_fields(params))
 
-    def announce_compressed(count: torch.Tensor) -> None:
-        """Logs the run's first compressed update (where the count is on the host), so that a
-        run whose compressed phase starts late, or never, can be told from the log."""
-        made = host_count(count)  # the updates made before this one
-        if made is None or (made > 0 and is_compressed(made)):
-            return  # not a switch from the warmup (rare, so the scan below is too)
-        if next(t for t in range(1, made + 2) if is_compressed(t)) == made + 1:
-            logger.info("%s: compressed updates start at update %d", name, made + 1)
-
     def phase_step(compressed: bool):
         phase = "compressed" if compressed else warmup_phase
 
@@ -114,15 +110,13 @@ def compressed_optimizer(
             donated = donated_state(donate, state)
             if compressed and donated is not None:
                 check_warmed_up(name, state.count)  # before any donated buffer is written
-                applying = {"apply": True} if apply else {}
-                updates, new_state = update(
-                    grads, state, params, plan, eta, donated=donated, **applying
-                )
+                given = {"donated": donated, "apply": True} if apply else {"donated": donated}
+                updates, new_state = update(grads, state, params, plan, eta, **given)
             else:
                 updates, new_state = update(grads, state, params, plan, eta)
             if compressed:  # after the update's own checks (of the gradients); nothing is kept
                 check_warmed_up(name, state.count)
-                announce_compressed(state.count)
+                _announce_compressed(name, is_compressed, state.count)
             return updates, new_state._replace(count=state.count + 1, lr=eta)
 
         return step_fn
@@ -149,8 +143,30 @@ def compressed_optimizer(
     )
     if not fused_apply:
         return opt
+    return opt._replace(
+        fast_step=_fast_step(is_compressed, plan_type, warmup_step, compressed_step)
+    )
 
-    def update_and_apply_fn(grads, state, params, *, donate, step=None, plan=None, **extra):
+
+def _announce_compressed(
+    name: str, is_compressed: Callable[[int], bool], count: torch.Tensor
+) -> None:
+    """Logs the run's first compressed update (where the count is on the host), so that a run
+    whose compressed phase starts late, or never, can be told from the log."""
+    made = host_count(count)  # the updates made before this one
+    if made is None or (made > 0 and is_compressed(made)):
+        return  # not a switch from the warmup (rare, so the scan below is too)
+    if next(t for t in range(1, made + 2) if is_compressed(t)) == made + 1:
+        logger.info("%s: compressed updates start at update %d", name, made + 1)
+
+
+def _fast_step(
+    is_compressed: Callable[[int], bool], plan_type: type, warmup_step: Any, compressed_step: Any
+) -> Any:
+    """The ``fast_step`` of :func:`compressed_optimizer` with ``fused_apply``: the update of
+    the phase with ``apply=True``, then ``apply_updates`` of the leaves it did not apply."""
+
+    def fast_step(grads, state, params, *, donate, step=None, plan=None, **extra):
         del extra
         if check_step_or_plan(step, plan) is not None:
             compressed = is_compressed(step)
@@ -160,7 +176,82 @@ def compressed_optimizer(
         updates, new_state = phase_fn(grads, state, params, step, plan, donate, apply=True)
         return apply_updates(params, updates, donate=True), new_state
 
-    return opt._replace(fast_step=update_and_apply_fn)
+    return fast_step
+
+
+class LeafInputs(NamedTuple):
+    """One leaf with a gradient, as :func:`leaves_of` hands it to a rule or a fast step."""
+
+    g: torch.Tensor  # the gradient, fp32
+    leaf: Any  # the leaf_type of the leaf's state
+    inputs: tuple[Any, ...]  # the leaf's entry of each further tree (params, masks)
+    spare: Any  # the leaf_type of the donated state's leaves, or None
+
+
+class Leaves(NamedTuple):
+    """The leaves of an update (:func:`leaves_of`); :func:`rebuilt` makes the trees again."""
+
+    spec: pytree.TreeSpec
+    fields: tuple[str, ...]  # the leaf_type's fields
+    old: list[Any]  # the leaf_type of every leaf's state, in leaf order
+    with_grad: list[tuple[int, LeafInputs]]  # (index, inputs) of the leaves with a gradient
+
+
+def leaves_of(
+    name: str,
+    grads: Updates,
+    state: Any,
+    leaf_type: type[NamedTuple],
+    *inputs: PyTree | None,
+    donated: Any = None,
+) -> Leaves:
+    """Flattens every per-leaf state field, ``grads``, ``inputs`` and the ``donated`` state
+    against the spec of the first field of ``leaf_type`` and checks the gradient shapes.
+
+    Raises:
+        ValueError: naming the leaf, if a gradient's shape differs from its state's.
+    """
+    fields = leaf_type._fields
+    first = getattr(state, fields[0])
+    spec = tree_flatten(first)[1]
+    columns = [spec.flatten_up_to(getattr(state, field)) for field in fields]
+    old = [leaf_type._make(values) for values in zip(*columns, strict=True)]
+    input_columns = [_leaves_or_nones(tree, spec) for tree in inputs]
+    extras = list(zip(*input_columns, strict=True)) if inputs else [()] * spec.num_leaves
+    spares = [None] * spec.num_leaves
+    if donated is not None:
+        donated_columns = [_leaves_or_nones(getattr(donated, field), spec) for field in fields]
+        spares = [leaf_type._make(values) for values in zip(*donated_columns, strict=True)]
+    with_grad = []
+    for i, (g, leaf, extra, spare) in enumerate(
+        zip(spec.flatten_up_to(grads), old, extras, spares, strict=True)
+    ):
+        if g is None:
+            continue
+        like = leaf[0]
+        if like is None or g.shape != like.shape:  # named only on error: naming costs a walk
+            what = f"gradient leaf {_leaf_name(first, i)}"
+            if like is None:
+                raise ValueError(f"{name}: {what} has no state (its param was None at init)")
+            check_shapes(name, like, g, what)
+        with_grad.append((i, LeafInputs(g.float(), leaf, extra, spare)))
+    return Leaves(spec, fields, old, with_grad)
+
+
+def rebuilt(
+    leaves: Leaves, results: list[tuple[torch.Tensor | None, Any]], state: Any
+) -> tuple[Updates, Any]:
+    """The updates and ``state`` with its per-leaf fields rebuilt from ``results``, one
+    ``(update, new_leaf)`` per leaf with a gradient (a leaf without one gets a ``None`` update
+    and keeps its state; a field whose leaves are all unchanged stays the same tree)."""
+    updates, new = [None] * len(leaves.old), list(leaves.old)
+    for (i, _), (update, leaf) in zip(leaves.with_grad, results, strict=True):
+        updates[i], new[i] = update, leaf
+    new_fields = {}
+    for k, field in enumerate(leaves.fields):
+        if any(a[k] is not b[k] for a, b in zip(new, leaves.old, strict=True)):
+            new_fields[field] = tree_unflatten([leaf[k] for leaf in new], leaves.spec)
+    return tree_unflatten(updates, leaves.spec), state._replace(**new_fields)
 
 
 def map_leaves(
@@ -170,15 +261,8 @@ def map_leaves(
     state: Any,
     leaf_type: type[NamedTuple],
     *inputs: PyTree | None,
-    donated: Any = None,
 ) -> tuple[Updates, Any]:
     """Runs ``rule(g, leaf, *input_leaves) -> (update, new_leaf)`` on every leaf with a gradient.
-
-    With a ``donated`` state (buffer donation) the rule is called as ``rule(g, leaf,
-    *input_leaves, spare=donated_leaf)`` (a ``leaf_type`` of the donated state's leaves, which it
-    may write) and returns a function that finishes the leaf, ``() -> (update, new_leaf)``:
-    every leaf's rule runs (communicates and checks) before the first leaf finishes (writes),
-    so an error on any leaf leaves every donated buffer intact.
 
     Args:
         name: the optimizer, for error messages.
@@ -191,54 +275,17 @@ def map_leaves(
             the first one.
         *inputs: further trees like the params (params, masks), or ``None`` (``None`` at every
             leaf).
-        donated: ``None`` or a state like ``state`` whose ``leaf_type`` fields are donated.
 
     Returns:
         The updates (``None`` where the gradient is ``None``) and ``state`` with the fields of
-        ``leaf_type`` rebuilt from the new leaves (a leaf without a gradient keeps its state; a
-        field whose leaves are all unchanged stays the same tree).
+        ``leaf_type`` rebuilt from the new leaves (:func:`rebuilt`).
 
     Raises:
         ValueError: naming the leaf, if a gradient's shape differs from its state's.
     """
-    fields = leaf_type._fields
-    first = getattr(state, fields[0])
-    spec = tree_flatten(first)[1]
-    columns = [spec.flatten_up_to(getattr(state, field)) for field in fields]
-    old_leaves = [leaf_type._make(values) for values in zip(*columns, strict=True)]
-    input_columns = [_leaves_or_nones(tree, spec) for tree in inputs]
-    extras = list(zip(*input_columns, strict=True)) if inputs else [()] * spec.num_leaves
-    spares = [None] * spec.num_leaves
-    if donated is not None:
-        donated_columns = [_leaves_or_nones(getattr(donated, field), spec) for field in fields]
-        spares = [leaf_type._make(values) for values in zip(*donated_columns, strict=True)]
-    g_leaves = spec.flatten_up_to(grads)
-    results = []
-    for i, (g, leaf, extra, spare) in enumerate(
-        zip(g_leaves, old_leaves, extras, spares, strict=True)
-    ):
-        if g is None:
-            results.append((None, leaf))
-            continue
-        like = leaf[0]
-        if like is None or g.shape != like.shape:  # named only on error: naming costs a walk
-            what = f"gradient leaf {_leaf_name(first, i)}"
-            if like is None:
-                raise ValueError(f"{name}: {what} has no state (its param was None at init)")
-            check_shapes(name, like, g, what)
-        if donated is None:
-            results.append(rule(g.float(), leaf, *extra))
-        else:
-            results.append(rule(g.float(), leaf, *extra, spare=spare))
-    if donated is not None:  # every leaf checked: now write
-        results = [r() if callable(r) else r for r in results]
-    updates = [update for update, _ in results]
-    leaves = [leaf for _, leaf in results]
-    new_fields = {}
-    for k, field in enumerate(fields):
-        if any(new[k] is not old[k] for new, old in zip(leaves, old_leaves, strict=True)):
-            new_fields[field] = tree_unflatten([leaf[k] for leaf in leaves], spec)
-    return tree_unflatten(updates, spec), state._replace(**new_fields)
+    leaves = leaves_of(name, grads, state, leaf_type, *inputs)
+    results = [rule(x.g, x.leaf, *x.inputs) for _, x in leaves.with_grad]
+    return rebuilt(leaves, results, state)
 
 
 def moving_average(
@@ -253,46 +300,50 @@ def moving_average(
     return (beta * x).add_(new)
 
 
-def moving_average_into(
-    out: torch.Tensor, x: torch.Tensor, beta: float, y: torch.Tensor
-) -> torch.Tensor:
-    """:func:`moving_average` (``beta * x + (1 - beta) * y``, the same rounding) written into
-    ``out`` (which may be ``x``), with ``y``'s buffer as scratch: ``y`` is overwritten by
-    ``(1 - beta) * y``. No temporary."""
-    y.mul_(1 - beta)
-    return torch.mul(x, beta, out=out).add_(y)
+class OnebitSettings(NamedTuple):
+    """The hyperparameters that the 1-bit family's rules and fast steps share."""
+
+    comm: Any  # the fn.collectives Comm
+    b1: float  # the momentum's beta
+    b2: float  # the variance's beta
+    eps: float  # added to sqrt(v)
+    clip: float | None  # the safeguard's bound on m / (sqrt(v) + eps); None: safeguard off
+    weight_decay: float  # L2, added to the direction
 
 
-def adam_update_into(
-    out: torch.Tensor | None,
+def dense_moments(
+    g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, b1: float, b2: float, comm: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The warmup (dense) step of the moments: ``g`` averaged over the ranks by a dense
+    allreduce and checked to be finite (on every rank at once), then ``m`` and ``v`` moved
+    towards it and its square (:func:`moving_average`)."""
+    g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
+    return moving_average(m, b1, g), moving_average(v, b2, g, square=True)
+
+
+def adam_denominator(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """``sqrt(v) + eps`` with the square root correctly rounded (``fn.kernels.sqrt_rn``: the
+    same bits on every device)."""
+    return kernels.sqrt_rn(v) + eps
+
+
+def adam_direction(
     m: torch.Tensor,
-    v: torch.Tensor,
+    denom: torch.Tensor,
     p: torch.Tensor | None,
-    eta: torch.Tensor,
     *,
-    eps: float,
     bound: float | None,
     weight_decay: float,
 ) -> torch.Tensor:
-    """The 1-bit family's Adam update ``-eta * (clamp(m / (sqrt(v) + eps), -bound, bound) +
-    weight_decay * p)`` (no clamp for ``bound=None``) written into ``out`` (a fresh tensor
-    when ``None``) by ``fn.kernels.adam_direction``: the bits of the torch expression."""
-    out = torch.empty_like(m) if out is None else out
-    decayed = p.float() if weight_decay > 0 else None
-    return kernels.adam_direction(
-        m, v, eta, out, eps=eps, bound=bound, weight_decay=weight_decay, p=decayed
-    )
-
-
-def masked(m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``m * mask``, written into ``m`` where the product has ``m``'s shape and dtype (the
-    same bits)."""
-    if (
-        torch.result_type(m, mask) == m.dtype
-        and torch.broadcast_shapes(m.shape, mask.shape) == m.shape
-    ):
-        return m.mul_(mask)
-    return m * mask
+    """The 1-bit family's Adam direction ``clamp(m / denom, -bound, bound) + weight_decay * p``
+    (no clamp for ``bound=None``: the safeguard off, or the variance not frozen), a fresh
+    tensor; ``denom`` is :func:`adam_denominator`."""
+    u = m / denom
+    if bound is not None:
+        u = u.clamp(-bound, bound)
+    if weight_decay > 0:
+        u = u.add_(weight_decay * p.float())
+    return u
 
 
 def init_error_feedback_per_leaf(params: Params, comm: Any) -> tuple[PyTree, PyTree]:

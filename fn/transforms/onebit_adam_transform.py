@@ -7,27 +7,27 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fn import kernels
 from fn.base import CompressedOptimizer, SecondMomentField
 from fn.collectives import ErrorFeedbackField
-from fn.collectives.onebit import compressed_allreduce_start
-from fn.errors import check_betas, check_finite, check_int, check_nonnegative
-from fn.kernels import sqrt_rn
+from fn.errors import check_betas, check_int, check_nonnegative
 from fn.transforms._leafwise import (
     LearningRate,
+    OnebitSettings,
+    adam_denominator,
+    adam_direction,
     adam_ratio_bound,
-    adam_update_into,
     compressed_mean,
     compressed_optimizer,
+    dense_moments,
     host_count,
     init_error_feedback_per_leaf,
     map_leaves,
-    masked,
     moving_average,
     report_frozen_variance,
 )
 from fn.transforms._onebit_schedules import FreezeSchedule, OnebitAdamPlan
-from fn.tree import PyTree, fits, fitting, tree_zeros_like
+from fn.transforms.onebit_fast import onebit_adam_step
+from fn.tree import PyTree, tree_zeros_like
 
 
 class OnebitAdamState(NamedTuple):
@@ -196,107 +196,57 @@ def onebit_adam(
     )
     schedule = FreezeSchedule(check_int("freeze_step", freeze_step, 2, why))
     bound = adam_ratio_bound(b1, b2)
-
-    def init_fields(params):
-        worker_error, server_error = init_error_feedback_per_leaf(params, comm)
-        return dict(
-            exp_avg=tree_zeros_like(params, torch.float32),
-            exp_avg_sq=tree_zeros_like(params, torch.float32),
-            worker_error=worker_error,
-            server_error=server_error,
-        )
-
-    def leaf_rule(g, leaf, p, mask, dense, *, compressed, eta):
-        m, v, ew, es = leaf
-        if not compressed or bool(dense):
-            g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
-            m = moving_average(m, b1, g)
-            v = moving_average(v, b2, g, square=True)
-        else:
-            m = moving_average(m, b1, g)
-            m, ew, es = compressed_mean(m, ew, es, comm, "the momentum (local gradient)")
-            if mask is not None:
-                m = m * mask
-        if safeguard and compressed and not bool(dense):
-            u = (m / sqrt_rn(v).add_(eps)).clamp(-bound, bound)
-        else:
-            u = m / sqrt_rn(v).add_(eps)
-        if weight_decay > 0:
-            u = u.add_(weight_decay * p.float())
-        return u.mul_(-eta), _Leaf(m, v, ew, es)
-
-    def donated_rule(g, leaf, p, mask, dense, *, eta, spare, apply):
-        """The compressed rule writing into the donated leaf ``spare`` and the gradient's
-        buffer (two steps, see ``map_leaves``); the pure rule where the fused path does not
-        apply (one worker, a ``non_freeze`` leaf, vmap, other dtypes). With ``apply``, an fp32
-        param ``p`` gets its update added in place (the gradient's buffer, free once the
-        allreduce has read it, is the kernel's scratch) and the update returned is ``None``."""
-        m, v, ew, es = leaf
-        start = None
-        if not bool(dense):
-            buffers = (
-                fitting(spare.exp_avg, m),
-                fitting(spare.worker_error, ew),
-                fitting(spare.server_error, es),
-            )
-            start = compressed_allreduce_start(m, ew, es, comm=comm, out=buffers, grad=g, beta=b1)
-        if start is None:
-            result = leaf_rule(g, leaf, p, mask, dense, compressed=True, eta=eta)
-            return lambda: result
-
-        clip = bound if safeguard else None
-        # update_and_apply has checked that autograd records no param
-        target = p.detach() if apply and isinstance(p, torch.Tensor) else None
-
-        def finish():
-            if mask is None and target is not None and fits(target, m):
-                # The new momentum is written by the pass that adds the update to the params.
-                def apply_update(packed, scales, m_new):
-                    kernels.adam_apply(
-                        m_new.view(m.shape), v, eta, target, eps=eps, bound=clip,
-                        weight_decay=weight_decay, root=fitting(g, m), signs=(packed, scales),
-                    )  # fmt: skip
-
-                m_new, ew_new, es_new = start(apply_update)
-                return None, _Leaf(m_new, v, ew_new, es_new)
-            m_new, ew_new, es_new = start()
-            if mask is not None:
-                m_new = masked(m_new, mask)
-            new_leaf = _Leaf(m_new, v, ew_new, es_new)
-            if target is not None and fits(target, m_new):
-                kernels.adam_apply(
-                    m_new, v, eta, target, eps=eps, bound=clip, weight_decay=weight_decay,
-                    root=fitting(g, m_new),
-                )  # fmt: skip
-                return None, new_leaf
-            u = adam_update_into(
-                fitting(g, m_new), m_new, v, p, eta, eps=eps, bound=clip, weight_decay=weight_decay
-            )
-            return u, new_leaf
-
-        return finish
+    settings = OnebitSettings(comm, b1, b2, eps, bound if safeguard else None, weight_decay)
 
     def update(grads, state, params, plan, eta, donated=None, apply=False):
         if plan.compressed and host_count(state.count) == schedule.freeze_step - 1:
             report_frozen_variance(
                 "onebit_adam", state, eps, bound, safeguard, skip=non_freeze, mask=exp_avg_mask
             )
+        rule = partial(_rule, settings, compressed=plan.compressed, eta=eta)
         inputs = (params, exp_avg_mask, non_freeze)
         if donated is not None:
-            rule = partial(donated_rule, eta=eta, apply=apply)
-            return map_leaves("onebit_adam", rule, grads, state, _Leaf, *inputs, donated=donated)
-        rule = partial(leaf_rule, compressed=plan.compressed, eta=eta)
+            return onebit_adam_step(
+                settings, rule, _Leaf, grads, state, *inputs, eta, donated, apply
+            )
         return map_leaves("onebit_adam", rule, grads, state, _Leaf, *inputs)
 
     return compressed_optimizer(
         "onebit_adam",
         lr,
         OnebitAdamState,
-        init_fields,
+        partial(_init_fields, comm),
         update,
         schedule.is_compressed,
         schedule.onebit_adam_plan,
         OnebitAdamPlan,
         params_needed_for="weight_decay > 0" if weight_decay > 0 else None,
         fused_apply=True,
+    )
+
+
+def _rule(h: OnebitSettings, g, leaf, p, mask, dense, *, compressed, eta):
+    """1-bit Adam's update of one leaf (the rules in ``onebit_adam``'s docstring); ``dense``:
+    a ``non_freeze`` leaf, which keeps the warmup rule."""
+    m, v, ew, es = leaf
+    if not compressed or bool(dense):
+        m, v = dense_moments(g, m, v, h.b1, h.b2, h.comm)
+    else:
+        m = moving_average(m, h.b1, g)
+        m, ew, es = compressed_mean(m, ew, es, h.comm, "the momentum (local gradient)")
+        if mask is not None:
+            m = m * mask
+    clip = h.clip if compressed and not bool(dense) else None
+    u = adam_direction(m, adam_denominator(v, h.eps), p, bound=clip, weight_decay=h.weight_decay)
+    return u.mul_(-eta), _Leaf(m, v, ew, es)
+
+
+def _init_fields(comm: Any, params: PyTree) -> dict[str, Any]:
+    """The fields of the initial state after ``count`` and ``lr``."""
+    worker_error, server_error = init_error_feedback_per_leaf(params, comm)
+    return dict(
+        exp_avg=tree_zeros_like(params, torch.float32),
+        exp_avg_sq=tree_zeros_like(params, torch.float32),
+        worker_error=worker_error,
+        server_error=server_error,
     )

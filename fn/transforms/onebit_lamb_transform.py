@@ -12,7 +12,6 @@ from fn.base import CompressedOptimizer, SecondMomentField
 from fn.collectives import ErrorFeedbackField
 from fn.errors import (
     check_betas,
-    check_finite,
     check_fraction,
     check_int,
     check_nonnegative,
@@ -20,9 +19,13 @@ from fn.errors import (
 )
 from fn.transforms._leafwise import (
     LearningRate,
+    OnebitSettings,
+    adam_denominator,
+    adam_direction,
     adam_ratio_bound,
     compressed_mean,
     compressed_optimizer,
+    dense_moments,
     map_leaves,
     moving_average,
     report_frozen_variance,
@@ -182,6 +185,9 @@ def onebit_lamb(
     allreduce into the donated state's buffers and its mean into the fused momentum, after
     every rank's check; the per-leaf rule and the warmup updates still allocate their results.
 
+    ``sqrt(v)`` and ``sqrt(v~)`` are correctly rounded (``fn.kernels.sqrt_rn``, as in
+    ``onebit_adam``).
+
     The exact rules, step by step, are in ``docs/algorithms.md`` (section "1-bit LAMB").
 
     Example:
@@ -225,109 +231,132 @@ def onebit_lamb(
     )
     schedule = FreezeSchedule(check_int("freeze_step", freeze_step, 2, why))
     bound = adam_ratio_bound(b1, b2)
-
-    def init_fields(params):
-        leaves = tree_leaves(params)
-        numel = sum(p.numel() for p in leaves)
-        device = leaves[0].device if leaves else None
-        worker_error, server_error = collectives.init_error_feedback(
-            numel, comm=comm, device=device
-        )
-        return dict(
-            exp_avg=tree_zeros_like(params, torch.float32),
-            exp_avg_sq=tree_zeros_like(params, torch.float32),
-            exp_avg_sq_fresh=tree_zeros_like(params, torch.float32),
-            lamb_coeff_freeze=_scalars(params, 0.0),
-            last_factor=_scalars(params, 1.0),
-            scaling_coeff=_scalars(params, 1.0),
-            worker_error=worker_error,
-            server_error=server_error,
-        )
-
-    def warmup_rule(g, leaf, p, *, eta, copies_variance):
-        m, v, v_fresh, r, last, scaling = leaf
-        g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
-        m = moving_average(m, b1, g)
-        v = moving_average(v, b2, g, square=True)
-        if copies_variance:
-            v_fresh = v
-        u = m / (v.sqrt() + eps)
-        if weight_decay > 0:
-            u = u + weight_decay * p.float()
-        if m.numel() > 0:
-            ratio = trust_ratio(p.float(), u, min_coeff=min_coeff, max_coeff=max_coeff)
-            r = torch.where(ratio != 1, moving_average(r, coeff_beta, ratio), r)
-            u = -(eta * ratio) * u
-        return u, _Leaf(m, v, v_fresh, r, last, scaling)
-
-    def scaled_momentum(g, leaf):
-        return moving_average(leaf.exp_avg, b1, g) * leaf.scaling_coeff, leaf
-
-    def compressed_rule(m, leaf, p, mask, *, eta):
-        """The compressed update of a leaf whose momentum came out of the allreduce as ``m``."""
-        m_last, v, v_fresh, r, last, scaling = leaf
-        if m.numel() == 0:
-            return torch.zeros_like(m_last), leaf
-        m = m / scaling
-        if mask is not None:
-            m = m * mask
-        g_hat = (m - b1 * m_last) / (1 - b1)
-        v_fresh = moving_average(v_fresh, b2, g_hat, square=True)
-        d = v.sqrt() + eps
-        u0 = (m / d).clamp(-bound, bound) if safeguard else m / d
-        u = u0 + weight_decay * p.float() if weight_decay > 0 else u0
-        f = (d / (v_fresh.sqrt() + eps)).amax()
-        if weight_decay > 0:
-            u_norm = torch.linalg.vector_norm(u)
-            q = (torch.linalg.vector_norm(u0) / u_norm).clamp(max=1.0)
-            q = torch.where(u_norm != 0, q, torch.ones_like(q))
-            f = f * q + (1 - q)
-        f = f.clamp(max=factor_max).clamp(min=factor_min)
-        f = torch.minimum(f, last * (1 + factor_threshold))
-        f = torch.maximum(f, last * (1 - factor_threshold))
-        return -(eta * (r * f)) * u, _Leaf(m, v, v_fresh, r, f, scaling)
+    settings = OnebitSettings(comm, b1, b2, eps, bound if safeguard else None, weight_decay)
+    trust = _TrustSettings(
+        min_coeff, max_coeff, coeff_beta, factor_min, factor_max, factor_threshold
+    )
 
     def update(grads, state, params, plan, eta, donated=None):
         if not plan.compressed:
-            rule = partial(warmup_rule, eta=eta, copies_variance=plan.copies_variance)
+            rule = partial(_warmup_rule, settings, trust, eta=eta, copies=plan.copies_variance)
             return map_leaves("onebit_lamb", rule, grads, state, _Leaf, params)
         if plan.sets_scaling:
             report_frozen_variance("onebit_lamb", state, eps, bound, safeguard, mask=exp_avg_mask)
             state = state._replace(scaling_coeff=_scaling_coefficients(state))
-        pieces, _ = map_leaves("onebit_lamb", scaled_momentum, grads, state, _Leaf)
-        fused = _fuse(pieces, state.exp_avg)
-        buffers = None
-        if donated is not None:  # the fused momentum is ours: the mean goes into it
-            buffers = (
-                fitting(fused, fused),
-                fitting(donated.worker_error, state.worker_error),
-                fitting(donated.server_error, state.server_error),
-            )
-        flat, worker_error, server_error = compressed_mean(
-            fused,
-            state.worker_error,
-            state.server_error,
-            comm,
-            "the momentum (local gradient)",
-            out=buffers,
-        )
-        momenta = _split(flat, pieces, state.exp_avg)  # None where the gradient is None
-        rule = partial(compressed_rule, eta=eta)
+        momenta, state = _fused_momenta(settings, grads, state, donated)
+        rule = partial(_compressed_rule, settings, trust, eta=eta)
         inputs = (params, exp_avg_mask)
-        updates, state = map_leaves("onebit_lamb", rule, momenta, state, _Leaf, *inputs)
-        return updates, state._replace(worker_error=worker_error, server_error=server_error)
+        return map_leaves("onebit_lamb", rule, momenta, state, _Leaf, *inputs)
 
     return compressed_optimizer(
         "onebit_lamb",
         lr,
         OnebitLambState,
-        init_fields,
+        partial(_init_fields, comm),
         update,
         schedule.is_compressed,
         schedule.onebit_lamb_plan,
         OnebitLambPlan,
         params_needed_for="1-bit LAMB (trust ratios)",
     )
+
+
+def _init_fields(comm: Any, params: PyTree) -> dict[str, Any]:
+    """The fields of the initial state after ``count`` and ``lr``."""
+    leaves = tree_leaves(params)
+    numel = sum(p.numel() for p in leaves)
+    device = leaves[0].device if leaves else None
+    worker_error, server_error = collectives.init_error_feedback(numel, comm=comm, device=device)
+    return dict(
+        exp_avg=tree_zeros_like(params, torch.float32),
+        exp_avg_sq=tree_zeros_like(params, torch.float32),
+        exp_avg_sq_fresh=tree_zeros_like(params, torch.float32),
+        lamb_coeff_freeze=_scalars(params, 0.0),
+        last_factor=_scalars(params, 1.0),
+        scaling_coeff=_scalars(params, 1.0),
+        worker_error=worker_error,
+        server_error=server_error,
+    )
+
+
+class _TrustSettings(NamedTuple):
+    """The hyperparameters of 1-bit LAMB's trust ratios (see ``onebit_lamb``)."""
+
+    min_coeff: float
+    max_coeff: float
+    coeff_beta: float
+    factor_min: float
+    factor_max: float
+    factor_threshold: float
+
+
+def _warmup_rule(h: OnebitSettings, trust: _TrustSettings, g, leaf, p, *, eta, copies):
+    """The warmup update of one leaf: LAMB on the averaged gradient; ``copies``: the fresh
+    variance starts as a copy of the variance."""
+    m, v, v_fresh, r, last, scaling = leaf
+    m, v = dense_moments(g, m, v, h.b1, h.b2, h.comm)
+    if copies:
+        v_fresh = v
+    u = adam_direction(m, adam_denominator(v, h.eps), p, bound=None, weight_decay=h.weight_decay)
+    if m.numel() > 0:
+        ratio = trust_ratio(p.float(), u, min_coeff=trust.min_coeff, max_coeff=trust.max_coeff)
+        r = torch.where(ratio != 1, moving_average(r, trust.coeff_beta, ratio), r)
+        u = -(eta * ratio) * u
+    return u, _Leaf(m, v, v_fresh, r, last, scaling)
+
+
+def _compressed_rule(h: OnebitSettings, trust: _TrustSettings, m, leaf, p, mask, *, eta):
+    """The compressed update of a leaf whose momentum came out of the allreduce as ``m``."""
+    m_last, v, v_fresh, r, last, scaling = leaf
+    if m.numel() == 0:
+        return torch.zeros_like(m_last), leaf
+    m = m / scaling
+    if mask is not None:
+        m = m * mask
+    g_hat = (m - h.b1 * m_last) / (1 - h.b1)
+    v_fresh = moving_average(v_fresh, h.b2, g_hat, square=True)
+    d = adam_denominator(v, h.eps)
+    u0 = adam_direction(m, d, p, bound=h.clip, weight_decay=0.0)
+    u = u0 + h.weight_decay * p.float() if h.weight_decay > 0 else u0
+    f = (d / adam_denominator(v_fresh, h.eps)).amax()
+    if h.weight_decay > 0:
+        u_norm = torch.linalg.vector_norm(u)
+        q = (torch.linalg.vector_norm(u0) / u_norm).clamp(max=1.0)
+        q = torch.where(u_norm != 0, q, torch.ones_like(q))
+        f = f * q + (1 - q)
+    f = f.clamp(max=trust.factor_max).clamp(min=trust.factor_min)
+    f = torch.minimum(f, last * (1 + trust.factor_threshold))
+    f = torch.maximum(f, last * (1 - trust.factor_threshold))
+    return -(eta * (r * f)) * u, _Leaf(m, v, v_fresh, r, f, scaling)
+
+
+def _fused_momenta(h: OnebitSettings, grads, state, donated):
+    """Every leaf's scaled momentum, 1-bit averaged by one compressed allreduce of all of them
+    (into the fused momentum and ``donated``'s error buffers where given): the momenta as views
+    of the mean (``None`` where the gradient is ``None``) and ``state`` with the new errors."""
+    pieces, _ = map_leaves("onebit_lamb", partial(_scaled_momentum, h.b1), grads, state, _Leaf)
+    fused = _fuse(pieces, state.exp_avg)
+    buffers = None
+    if donated is not None:  # the fused momentum is ours: the mean goes into it
+        buffers = (
+            fitting(fused, fused),
+            fitting(donated.worker_error, state.worker_error),
+            fitting(donated.server_error, state.server_error),
+        )
+    flat, worker_error, server_error = compressed_mean(
+        fused,
+        state.worker_error,
+        state.server_error,
+        h.comm,
+        "the momentum (local gradient)",
+        out=buffers,
+    )
+    momenta = _split(flat, pieces, state.exp_avg)
+    return momenta, state._replace(worker_error=worker_error, server_error=server_error)
+
+
+def _scaled_momentum(b1, g, leaf):
+    return moving_average(leaf.exp_avg, b1, g) * leaf.scaling_coeff, leaf
 
 
 def _scalars(params: PyTree, value: float) -> PyTree:

@@ -10,24 +10,24 @@ import torch
 
 from fn.base import CompressedOptimizer, SecondMomentField
 from fn.collectives import ErrorFeedbackField
-from fn.collectives.onebit import compressed_allreduce_start
 from fn.errors import check_betas, check_finite, check_int, check_nonnegative
-from fn.kernels import sqrt_rn
 from fn.transforms._leafwise import (
     LearningRate,
+    OnebitSettings,
+    adam_denominator,
+    adam_direction,
     adam_ratio_bound,
-    adam_update_into,
     compressed_mean,
     compressed_optimizer,
+    dense_moments,
     init_error_feedback_per_leaf,
     map_leaves,
-    masked,
     moving_average,
-    moving_average_into,
     report_frozen_variance,
 )
 from fn.transforms._onebit_schedules import ZeroOneAdamPlan, ZeroOneAdamSchedule
-from fn.tree import PyTree, eager, fits, fitting, tree_map, tree_zeros_like
+from fn.transforms.onebit_fast import zero_one_adam_step
+from fn.tree import PyTree, tree_map, tree_zeros_like
 
 
 class ZeroOneAdamState(NamedTuple):
@@ -198,129 +198,30 @@ def zero_one_adam(
     )
 
     bound = adam_ratio_bound(b1, b2)
-
-    def init_fields(params):
-        worker_error, server_error = init_error_feedback_per_leaf(params, comm)
-        counters = schedule.counters(1)
-        return dict(
-            exp_avg=tree_zeros_like(params, torch.float32),
-            exp_avg_sq=tree_zeros_like(params, torch.float32),
-            momentum_accumulator=tree_zeros_like(params, torch.float32),
-            worker_error=worker_error,
-            server_error=server_error,
-            var_interval=torch.tensor(counters.var_interval),
-            var_counter=torch.tensor(counters.var_counter),
-            local_interval=torch.tensor(counters.local_interval),
-            local_counter=torch.tensor(counters.local_counter),
-            lrs=torch.tensor(0.0, dtype=torch.float32),
-            frozen=torch.tensor(counters.frozen),
-        )
-
-    def one_bit_mean(x, ew, es, mask, local_check=None):
-        x, ew, es = compressed_mean(x, ew, es, comm, local_check)
-        return (x if mask is None else x * mask), ew, es
-
-    def leaf_rule(g, leaf, p, mask, *, plan, eta, lrs):
-        m, v, a, ew, es = leaf
-        if plan.variance:
-            g = check_finite(comm.all_reduce(g, op="mean"), "the averaged gradient")
-            v = moving_average(v, b2, g, square=True)
-            m = moving_average(m, b1, g)
-        elif not plan.frozen:
-            g, ew, es = one_bit_mean(g, ew, es, mask, "the gradient")
-            m = moving_average(m, b1, g)
-        else:
-            m = moving_average(m, b1, check_finite(g, "the local gradient"))
-        denom = sqrt_rn(v) + eps
-        u = m / denom
-        if safeguard:
-            u = u.clamp(-bound, bound)
-        if weight_decay > 0:
-            u = u + weight_decay * p.float()
-        update = -eta * u
-        if plan.frozen:
-            a = a + update
-        if plan.sync:
-            update = update - a
-            a, ew, es = one_bit_mean(a * denom, ew, es, mask)
-            m = torch.where(lrs != 0, -a / lrs, torch.zeros_like(a))
-            averaged = a / denom
-            if safeguard and math.isfinite(bound):  # |a| <= lrs * bound: lrs-weighted steps
-                averaged = torch.minimum(torch.maximum(averaged, -lrs * bound), lrs * bound)
-            update = update + averaged
-            a = torch.zeros_like(a)
-        return update, _Leaf(m, v, a, ew, es)
-
-    def donated_rule(g, leaf, p, mask, *, plan, eta, lrs, spare):
-        """A 1-bit or local (not sync) step writing into the donated leaf ``spare`` and the
-        gradient's buffer (two steps, see ``map_leaves``); the pure rule elsewhere (sync steps,
-        one worker, vmap, other dtypes, gradients that require grad)."""
-        m, v, a, ew, es = leaf
-        m_out, u_out = fitting(spare.exp_avg, m), g if fits(g, m) else None
-        start = None
-        if not plan.sync and m_out is not None and u_out is not None:
-            if not plan.frozen:
-                buffers = (g, fitting(spare.worker_error, ew), fitting(spare.server_error, es))
-                start = compressed_allreduce_start(g, ew, es, comm=comm, out=buffers)
-            elif eager(g, m, v, a, m_out):
-                check_finite(g, "the local gradient")
-                start = lambda: (g, ew, es)  # noqa: E731
-        if start is None:
-            result = leaf_rule(g, leaf, p, mask, plan=plan, eta=eta, lrs=lrs)
-            return lambda: result
-
-        def finish():
-            mean, ew_new, es_new = start()
-            if mask is not None and not plan.frozen:
-                mean = masked(mean, mask)
-            m_new = moving_average_into(m_out, m, b1, mean)
-            clip = bound if safeguard else None
-            update = adam_update_into(
-                u_out, m_new, v, p, eta, eps=eps, bound=clip, weight_decay=weight_decay
-            )
-            a_new = a
-            if plan.frozen:
-                a_out = fitting(spare.momentum_accumulator, a)
-                a_new = a + update if a_out is None else torch.add(a, update, out=a_out)
-            return update, _Leaf(m_new, v, a_new, ew_new, es_new)
-
-        return finish
+    settings = OnebitSettings(comm, b1, b2, eps, bound if safeguard else None, weight_decay)
 
     def update(grads, state, params, plan, eta, donated=None):
         lrs = state.lrs + eta if plan.frozen else state.lrs
-        if donated is not None:
-            rule = partial(donated_rule, plan=plan, eta=eta, lrs=lrs)
+        rule = partial(_rule, settings, plan=plan, eta=eta, lrs=lrs)
+        inputs = (params, exp_avg_mask)
+        if donated is None or plan.sync:
+            updates, state = map_leaves("zero_one_adam", rule, grads, state, _Leaf, *inputs)
         else:
-            rule = partial(leaf_rule, plan=plan, eta=eta, lrs=lrs)
-        updates, state = map_leaves(
-            "zero_one_adam", rule, grads, state, _Leaf, params, exp_avg_mask, donated=donated
-        )
+            fast = (settings, rule, _Leaf, grads, state, *inputs, plan.frozen, eta, donated)
+            updates, state = zero_one_adam_step(*fast)
         if plan.reset_errors:  # every leaf's errors, gradient or not; the variance freezes
             report_frozen_variance("zero_one_adam", state, eps, bound, safeguard, mask=exp_avg_mask)
             state = state._replace(
                 worker_error=tree_map(torch.zeros_like, state.worker_error),
                 server_error=tree_map(torch.zeros_like, state.server_error),
             )
-        var = (state.var_interval, state.var_counter)
-        if plan.variance:
-            var = _advance(*var, var_update_scaler)
-        local = (state.local_interval, state.local_counter)
-        if plan.frozen:
-            local = _advance(*local, local_step_scaler, local_step_clipper)
-        return updates, state._replace(
-            var_interval=var[0],
-            var_counter=var[1],
-            local_interval=local[0],
-            local_counter=local[1],
-            lrs=torch.zeros_like(lrs) if plan.sync else lrs,
-            frozen=torch.full_like(state.frozen, plan.frozen or plan.reset_errors),
-        )
+        return updates, _advanced(state, plan, lrs, schedule)
 
     return compressed_optimizer(
         "zero_one_adam",
         lr,
         ZeroOneAdamState,
-        init_fields,
+        partial(_init_fields, comm, schedule),
         update,
         schedule.is_compressed,
         schedule.plan,
@@ -330,6 +231,67 @@ def zero_one_adam(
     )._replace(param_agreement=schedule.param_agreement)
 
 
+def _rule(h: OnebitSettings, g, leaf, p, mask, *, plan, eta, lrs):
+    """0/1 Adam's update of one leaf (the rules in ``zero_one_adam``'s docstring)."""
+    m, v, a, ew, es = leaf
+    if plan.variance:
+        m, v = dense_moments(g, m, v, h.b1, h.b2, h.comm)
+    elif not plan.frozen:
+        g, ew, es = _one_bit_mean(h.comm, g, ew, es, mask, "the gradient")
+        m = moving_average(m, h.b1, g)
+    else:
+        m = moving_average(m, h.b1, check_finite(g, "the local gradient"))
+    denom = adam_denominator(v, h.eps)
+    update = adam_direction(m, denom, p, bound=h.clip, weight_decay=h.weight_decay).mul_(-eta)
+    if plan.frozen:
+        a = a + update
+    if plan.sync:
+        update = update - a
+        a, ew, es = _one_bit_mean(h.comm, a * denom, ew, es, mask)
+        m = torch.where(lrs != 0, -a / lrs, torch.zeros_like(a))
+        averaged = a / denom
+        if h.clip is not None and math.isfinite(h.clip):  # |a| <= lrs * bound: lrs-weighted
+            averaged = torch.minimum(torch.maximum(averaged, -lrs * h.clip), lrs * h.clip)
+        update = update + averaged
+        a = torch.zeros_like(a)
+    return update, _Leaf(m, v, a, ew, es)
+
+
+def _one_bit_mean(comm, x, ew, es, mask, local_check=None):
+    x, ew, es = compressed_mean(x, ew, es, comm, local_check)
+    return (x if mask is None else x * mask), ew, es
+
+
+def _counter_fields(counters) -> dict[str, torch.Tensor]:
+    """The schedule counters of the state, as tensors."""
+    return dict(
+        var_interval=torch.tensor(counters.var_interval),
+        var_counter=torch.tensor(counters.var_counter),
+        local_interval=torch.tensor(counters.local_interval),
+        local_counter=torch.tensor(counters.local_counter),
+        frozen=torch.tensor(counters.frozen),
+    )
+
+
+def _advanced(state, plan, lrs, schedule):
+    """``state`` with the schedule counters and the sum of learning rates after the update
+    ``plan`` (they equal ``schedule.counters(t + 1)`` after update ``t``)."""
+    var = (state.var_interval, state.var_counter)
+    if plan.variance:
+        var = _advance(*var, schedule.var_update_scaler)
+    local = (state.local_interval, state.local_counter)
+    if plan.frozen:
+        local = _advance(*local, schedule.local_step_scaler, schedule.local_step_clipper)
+    return state._replace(
+        var_interval=var[0],
+        var_counter=var[1],
+        local_interval=local[0],
+        local_counter=local[1],
+        lrs=torch.zeros_like(lrs) if plan.sync else lrs,
+        frozen=torch.full_like(state.frozen, plan.frozen or plan.reset_errors),
+    )
+
+
 def _advance(interval, counter, scaler, clipper=None):
     """One more event of a doubling schedule, in tensor ops (no host value is read): after
     ``scaler`` events the interval doubles (capped at ``clipper``) and the counter restarts."""
@@ -337,3 +299,17 @@ def _advance(interval, counter, scaler, clipper=None):
     wraps = counter == scaler
     doubled = 2 * interval if clipper is None else (2 * interval).clamp(max=clipper)
     return torch.where(wraps, doubled, interval), torch.where(wraps, 0, counter)
+
+
+def _init_fields(comm: Any, schedule: ZeroOneAdamSchedule, params: PyTree) -> dict[str, Any]:
+    """The fields of the initial state after ``count`` and ``lr``; the counters of update 1."""
+    worker_error, server_error = init_error_feedback_per_leaf(params, comm)
+    return dict(
+        exp_avg=tree_zeros_like(params, torch.float32),
+        exp_avg_sq=tree_zeros_like(params, torch.float32),
+        momentum_accumulator=tree_zeros_like(params, torch.float32),
+        worker_error=worker_error,
+        server_error=server_error,
+        **_counter_fields(schedule.counters(1)),
+        lrs=torch.tensor(0.0, dtype=torch.float32),
+    )

@@ -18,7 +18,7 @@ from fn.collectives import (
     replicate,
     simulate,
 )
-from fn.collectives.onebit import compressed_allreduce_start
+from fn.collectives.onebit import compressed_allreduce_exchange, write_errors, write_result
 from fn.tree import tree_map
 from tests._distributed import run_distributed
 from tests._mirror import Mirror, same_bits
@@ -70,13 +70,10 @@ def _check_momentum_run(comm, rank: int, n: int) -> None:
         g = _inputs(rank, n, step)
         x = (beta * m_pure).add_((1 - beta) * g)
         m_pure, *pure = compressed_allreduce(x, *pure, comm=comm)
-        finish = compressed_allreduce_start(
-            m_don, *don, comm=comm, out=(m_don, *don), grad=g, beta=beta
-        )
-        assert finish is not None
-        result = finish()
-        assert result[0] is m_don
-        don = result[1:]
+        exchange = compressed_allreduce_exchange(m_don, *don, comm=comm, grad=g, beta=beta)
+        assert exchange is not None
+        don = write_errors(exchange, *don)
+        assert write_result(exchange, m_don) is m_don
         assert torch.equal(m_don, m_pure), (n, step)
         assert torch.equal(don[0], pure[0]) and torch.equal(don[1], pure[1])
 
@@ -146,10 +143,11 @@ def _nan_worker(rank: int, world_size: int) -> bool:
     for fused in (False, True):
         with pytest.raises(ValueError, match="non-finite"):
             if fused:
-                start = compressed_allreduce_start(
-                    x, we, se, comm=comm, out=(x, we, se), grad=x.clone(), beta=0.9
+                exchange = compressed_allreduce_exchange(
+                    x, we, se, comm=comm, grad=x.clone(), beta=0.9
                 )
-                start()
+                write_errors(exchange, we, se)
+                write_result(exchange, x)
             else:
                 compressed_allreduce(x, we, se, comm=comm, out=(x, we, se))
         for a, b in zip((x, we, se), before, strict=True):
