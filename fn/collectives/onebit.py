@@ -25,6 +25,10 @@ __all__ = [
     "padded_numel",
     "init_error_feedback",
     "compressed_allreduce",
+    "CompressedExchange",
+    "compressed_allreduce_exchange",
+    "write_errors",
+    "write_result",
     "OnebitAllreduceState",
     "onebit_allreduce",
 ]
