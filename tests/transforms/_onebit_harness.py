@@ -56,6 +56,30 @@ def run_fn(make_opt, params, grads, world):
     return history, state
 
 
+def check_exp_avg_mask_keeps_masked_momentum_zero(make_opt):
+    """Runs ``make_opt(comm, mask)`` on 4 simulated ranks for 8 updates with a random 0/1
+    ``exp_avg_mask``; after every compressed update the momentum is exactly zero where the mask
+    is 0 and non-zero where it is 1."""
+    world = 4
+    comm = Simulated(world)
+    params = make_params()
+    mask = {
+        k: (torch.rand(p.shape, generator=torch.Generator().manual_seed(3)) > 0.5).float()
+        for k, p in params.items()
+    }
+    opt = make_opt(comm, mask)
+    state, p = replicate(opt.init(params), comm), replicate(params, comm)
+    update = simulate(opt.update, comm)
+    for t, g in enumerate(make_grads(params, world, 8), start=1):
+        stacked = {k: torch.stack([g[r][k] for r in range(world)]) for k in params}
+        updates, state = update(stacked, state, p, step=t)
+        p = fn.apply_updates(p, updates)
+        if opt.is_compressed(t):
+            for k in params:
+                assert torch.all(state.exp_avg[k][:, mask[k] == 0] == 0)
+                assert torch.all(state.exp_avg[k][:, mask[k] == 1] != 0)
+
+
 def run_reference(ref, params, grads, world):
     p = [dict(params) for _ in range(world)]
     history = []

@@ -7,6 +7,7 @@ import fn
 from fn.collectives import Local, Simulated, replicate, simulate
 from tests.transforms._onebit_harness import (
     assert_trajectories_close,
+    check_exp_avg_mask_keeps_masked_momentum_zero,
     make_grads,
     make_params,
     run_fn,
@@ -66,24 +67,9 @@ def test_phases_follow_freeze_step():
 
 
 def test_exp_avg_mask_keeps_masked_momentum_zero():
-    world = 4
-    comm = Simulated(world)
-    params = make_params()
-    mask = {
-        k: (torch.rand(p.shape, generator=torch.Generator().manual_seed(3)) > 0.5).float()
-        for k, p in params.items()
-    }
-    opt = fn.onebit_adam(LR, 3, comm=comm, exp_avg_mask=mask)
-    state, p = replicate(opt.init(params), comm), replicate(params, comm)
-    update = simulate(opt.update, comm)
-    for t, g in enumerate(make_grads(params, world, 8), start=1):
-        stacked = {k: torch.stack([g[r][k] for r in range(world)]) for k in params}
-        updates, state = update(stacked, state, p, step=t)
-        p = fn.apply_updates(p, updates)
-        if opt.is_compressed(t):
-            for k in params:
-                assert torch.all(state.exp_avg[k][:, mask[k] == 0] == 0)
-                assert torch.all(state.exp_avg[k][:, mask[k] == 1] != 0)
+    check_exp_avg_mask_keeps_masked_momentum_zero(
+        lambda comm, mask: fn.onebit_adam(LR, 3, comm=comm, exp_avg_mask=mask)
+    )
 
 
 def test_none_and_empty_leaves():

@@ -7,6 +7,7 @@ import fn
 from fn.collectives import Local, Simulated, replicate, simulate
 from tests.transforms._onebit_harness import (
     assert_trajectories_close,
+    check_exp_avg_mask_keeps_masked_momentum_zero,
     make_grads,
     make_params,
     run_fn,
@@ -121,24 +122,7 @@ def test_zero_norm_trust_ratio_is_the_clipped_one(world, max_coeff, min_coeff):
 
 
 def test_exp_avg_mask_keeps_masked_momentum_zero():
-    world = 4
-    comm = Simulated(world)
-    params = make_params()
-    mask = {
-        k: (torch.rand(p.shape, generator=torch.Generator().manual_seed(3)) > 0.5).float()
-        for k, p in params.items()
-    }
-    opt = make(comm, 3, mask=mask)
-    state, p = replicate(opt.init(params), comm), replicate(params, comm)
-    update = simulate(opt.update, comm)
-    for t, g in enumerate(make_grads(params, world, 8), start=1):
-        stacked = {k: torch.stack([g[r][k] for r in range(world)]) for k in params}
-        updates, state = update(stacked, state, p, step=t)
-        p = fn.apply_updates(p, updates)
-        if opt.is_compressed(t):
-            for k in params:
-                assert torch.all(state.exp_avg[k][:, mask[k] == 0] == 0)
-                assert torch.all(state.exp_avg[k][:, mask[k] == 1] != 0)
+    check_exp_avg_mask_keeps_masked_momentum_zero(lambda comm, mask: make(comm, 3, mask=mask))
 
 
 def test_none_empty_and_zero_momentum_leaves():
