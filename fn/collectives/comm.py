@@ -13,9 +13,13 @@ import torch
 
 from fn.collectives import _traffic
 
-__all__ = ["Comm", "Local", "ReduceOp"]
+__all__ = ["Comm", "Local", "ReduceOp", "HOPS"]
 
 ReduceOp = Literal["mean", "sum"]
+
+# The levels of a two-level topology (``Comm.split``), in the order of their codes 0, 1, 2: the
+# whole group, inside a node, across nodes.
+HOPS = ("world", "intra", "inter")
 
 
 @runtime_checkable
@@ -34,6 +38,11 @@ class Comm(Protocol):
     - ``split(L)``: ``(intra, inter)`` comms for a two-level topology of ``W / L`` nodes with
       ``L`` ranks each (rank ``node * L + local``): ``intra`` spans this rank's node, ``inter``
       the ranks with this rank's local index. Their traffic counts into this comm.
+
+    fn's comms (``Local``, ``Simulated``, ``ProcessGroup``) also break ``bytes_sent`` down by
+    level: ``bytes_sent_by_hop`` is ``{"world": ..., "intra": ..., "inter": ...}``, the bytes
+    sent by collectives of the whole group, of its ``intra`` split (inside a node) and of its
+    ``inter`` split (across nodes). Other comms need not.
 
     Example:
         >>> from fn.collectives import Comm, Local, Simulated
@@ -63,28 +72,36 @@ class Comm(Protocol):
 class ByteCounter:
     """Byte bookkeeping shared by the backends (a mutable counter, the only state of a comm).
 
-    A sub-group comm (from ``split``) counts into its parent's counter.
+    A sub-group comm (from ``split``) counts into its parent's counter, under its level
+    (``hop``, an index into :data:`HOPS`).
     """
 
-    def __init__(self, counts_into: ByteCounter | None = None) -> None:
-        # A 0-dim tensor updated in place, not a Python int: torch.compile guards an int it reads
+    def __init__(self, counts_into: ByteCounter | None = None, hop: int = 0) -> None:
+        # 0-dim tensors updated in place, not Python ints: torch.compile guards an int it reads
         # by value (a recompile for every new count, eager fall-back with dynamic=False), while
         # an in-place add on a tensor is traced into the graph and runs at every call.
-        self._bytes_sent = torch.zeros((), dtype=torch.int64)
+        self._bytes_by_hop = torch.zeros(len(HOPS), dtype=torch.int64)
         self._counter = self if counts_into is None else counts_into._counter
+        self._hop = hop
 
     @property
     def bytes_sent(self) -> int:
-        return int(self._counter._bytes_sent)
+        return int(self._counter._bytes_by_hop.sum())
+
+    @property
+    def bytes_sent_by_hop(self) -> dict[str, int]:
+        """``bytes_sent`` by level: ``{"world": ..., "intra": ..., "inter": ...}``."""
+        return dict(zip(HOPS, self._counter._bytes_by_hop.tolist(), strict=True))
 
     def reset_bytes_sent(self) -> int:
-        """Zeroes the counter and returns the count it had."""
-        old = int(self._counter._bytes_sent)
-        self._counter._bytes_sent.zero_()
+        """Zeroes the counter (every level) and returns the count it had."""
+        old = self.bytes_sent
+        self._counter._bytes_by_hop.zero_()
         return old
 
-    def _count(self, kind: str, nbytes: int, world_size: int) -> None:
-        self._counter._bytes_sent.add_(getattr(_traffic, f"{kind}_bytes")(nbytes, world_size))
+    def _count(self, kind: str, nbytes: int, world_size: int, hop: int | None = None) -> None:
+        nbytes = getattr(_traffic, f"{kind}_bytes")(nbytes, world_size)
+        self._counter._bytes_by_hop[self._hop if hop is None else hop].add_(nbytes)
 
 
 def check_split(world_size: int, local_world_size: int) -> None:

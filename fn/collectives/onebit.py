@@ -16,7 +16,7 @@ from fn import kernels
 from fn.base import GradientTransformation, donated_state
 from fn.collectives import _sizes
 from fn.collectives._fusion_barrier import fusion_barrier
-from fn.collectives.comm import Comm
+from fn.collectives.comm import Comm, check_split
 from fn.collectives.error_feedback import ErrorFeedback, ErrorFeedbackField
 from fn.errors import NonFiniteError, finite_or_raise
 from fn.tree import eager, fitting, tree_flatten, tree_map, tree_unflatten
@@ -34,45 +34,73 @@ __all__ = [
 ]
 
 
-def padded_numel(numel: int, world_size: int) -> int:
-    """``numel`` rounded up to a multiple of ``W * lcm(W, 8)``.
+def padded_numel(numel: int, world_size: int, local_world_size: int | None = None) -> int:
+    """How many elements a :func:`compressed_allreduce` of ``numel`` elements works on.
 
-    Every rank's chunk of ``N / W`` signs is then a whole number of bytes, and split again into
-    ``W`` byte-aligned pieces.
+    Flat (``local_world_size`` ``None`` or 1): ``numel`` rounded up to a multiple of
+    ``W * lcm(W, 8)``. Every rank's chunk of ``N / W`` signs is then a whole number of bytes,
+    and split again into ``W`` byte-aligned pieces.
+
+    Hierarchical (``L = local_world_size``): ``L`` shards, each of ``padded_numel(ceil(numel /
+    L), W / L)`` elements, the flat padding of one shard among the ``W / L`` nodes.
+
+    Args:
+        numel: the number of elements allreduced.
+        world_size: ``W``.
+        local_world_size: ranks per node ``L`` (it must divide ``W``), or ``None`` for flat.
+
+    Returns:
+        The padded element count ``N``.
 
     Example:
         >>> from fn.collectives import padded_numel
         >>> padded_numel(10, 2), padded_numel(10, 3), padded_numel(32, 4)
         (16, 72, 32)
+        >>> padded_numel(100, 4, local_world_size=2)  # 2 shards of padded_numel(50, 2) = 64
+        128
     """
+    if local_world_size is not None:
+        check_split(world_size, local_world_size)
+        nodes = world_size // local_world_size
+        return local_world_size * padded_numel(-(-numel // local_world_size), nodes)
     unit = world_size * math.lcm(world_size, 8)
     return -(-numel // unit) * unit
 
 
 def init_error_feedback(
-    numel: int, *, comm: Comm, device: torch.device | str | None = None
+    numel: int,
+    *,
+    comm: Comm,
+    local_world_size: int | None = None,
+    device: torch.device | str | None = None,
 ) -> ErrorFeedback:
     """Zero error-feedback buffers for a ``numel``-element :func:`compressed_allreduce`.
 
     Args:
         numel: the number of elements that will be allreduced.
         comm: the communicator (its world size fixes the padding).
+        local_world_size: ranks per node ``L`` for the hierarchical collective, or ``None``.
         device: where the buffers live.
 
     Returns:
-        ``ErrorFeedback(worker fp32[N], server fp32[N / W])`` with ``N = padded_numel(numel, W)``
-        (a NamedTuple: ``worker_error, server_error = init_error_feedback(...)`` works).
+        ``ErrorFeedback(worker fp32[N / L], server fp32[N / W])`` with ``N = padded_numel(numel,
+        W, L)`` and ``L = 1`` when flat (a NamedTuple: ``worker_error, server_error =
+        init_error_feedback(...)`` works). Hierarchical, the worker error covers this rank's
+        shard of its node's mean: ``L`` times smaller than flat.
 
     Example:
         >>> from fn.collectives import Simulated, init_error_feedback
         >>> worker, server = init_error_feedback(10, comm=Simulated(2))
         >>> worker.shape, server.shape
         (torch.Size([16]), torch.Size([8]))
+        >>> worker, server = init_error_feedback(100, comm=Simulated(4), local_world_size=2)
+        >>> worker.shape, server.shape
+        (torch.Size([64]), torch.Size([32]))
     """
     world_size = comm.world_size
-    n_padded = padded_numel(numel, world_size)
+    n_padded = padded_numel(numel, world_size, local_world_size)
     return ErrorFeedback(
-        torch.zeros(n_padded, dtype=torch.float32, device=device),
+        torch.zeros(n_padded // (local_world_size or 1), dtype=torch.float32, device=device),
         torch.zeros(n_padded // world_size, dtype=torch.float32, device=device),
     )
 
@@ -86,6 +114,7 @@ def compressed_allreduce(
     server_error: torch.Tensor,
     *,
     comm: Comm,
+    local_world_size: int | None = None,
     out: AllreduceOut | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Error-compensated 1-bit allreduce: an estimate of the mean of ``x`` over the ranks.
@@ -109,11 +138,30 @@ def compressed_allreduce(
     ``E_s = concat_r e_{s,r}``, so over T steps the sum of ``y`` is the sum of the means up to the
     initial minus the final errors.
 
+    Hierarchical (``local_world_size=L``, ranks ``node * L + local`` as torchrun lays them out):
+    with ``S = N / L``, every rank splits its padded ``x`` into ``L`` shards of ``S``, and
+
+    1. inside each node, a dense fp32 reduce-scatter: rank ``local`` gets
+       ``x̄ = (x_0[local] + ... + x_{L-1}[local]) / L`` (its node's ranks, summed left to right in
+       rank order), an exact mean;
+    2. across nodes, the 1-bit allreduce above of ``x̄`` among the ``W / L`` ranks of the same
+       local index, with this rank's ``e_w`` (fp32[S]) and ``e_s`` (fp32[N / W]);
+    3. inside each node, an all-gather of the result's packed signs and ``W / L`` scales; ``y``
+       is the ``L`` results in local order, sliced to ``n``.
+
+    Only step 2 crosses nodes: ``1 / L`` of the flat collective's 1-bit traffic, while the
+    dense traffic stays on the fast links inside a node. With one node (``L = W``) step 2 is the
+    identity and ``y`` the exact mean (gathered in fp32, the errors untouched); with ``L = 1``
+    it is the flat collective, bit for bit. Every call first all-gathers ``n`` and ``L`` over
+    the whole group (12 bytes a rank), so ranks that disagree on either raise together.
+
     Args:
         x: this rank's tensor (any shape, floating point).
-        worker_error: fp32[N], this rank's worker error.
+        worker_error: fp32[N / L], this rank's worker error (``L = 1`` when flat).
         server_error: fp32[N / W], this rank's server error (for chunk ``rank``).
         comm: the communicator.
+        local_world_size: ranks per node ``L`` (a divisor of ``W``) for the hierarchical
+            collective, or ``None`` for flat. Every rank must pass the same value.
         out: optional output buffers ``(y, worker, server)`` (buffer donation), each ``None``
             (a fresh tensor) or a contiguous tensor to write: ``y`` of ``x``'s shape and dtype
             (it may be ``x`` itself), ``worker``/``server`` fp32 of the errors' shapes (they may
@@ -132,9 +180,12 @@ def compressed_allreduce(
         communication.
 
     Raises:
-        ValueError: if the error or buffer shapes do not match, or (on every rank at once,
-            before any sign is sent) if the ranks' ``x`` differ in element count or some rank's
-            ``x + worker_error`` is not finite. Nothing is changed.
+        ValueError: if the error or buffer shapes do not match or ``local_world_size`` does not
+            divide ``W``, or (on every rank at once, before any sign is sent) if the ranks' ``x``
+            differ in element count or ``local_world_size``, or some rank's ``x +
+            worker_error`` is not finite (hierarchical: a non-finite value on any rank, found
+            by its node's ranks across nodes, is forwarded to every rank before anything is
+            written). Nothing is changed.
 
     Example:
         One call sends only signs and scales: every rank gets the same coarse estimate.
@@ -164,16 +215,7 @@ def compressed_allreduce(
     """
     world_size = comm.world_size
     n = x.numel()
-    n_padded = padded_numel(n, world_size)
-    if tuple(worker_error.shape) != (n_padded,) or tuple(server_error.shape) != (
-        n_padded // world_size,
-    ):
-        raise ValueError(
-            f"compressed_allreduce of {n} elements over {world_size} ranks needs errors of "
-            f"shapes ({n_padded},) and ({n_padded // world_size},), got "
-            f"{tuple(worker_error.shape)} and {tuple(server_error.shape)} "
-            "(see init_error_feedback)"
-        )
+    _check_errors(n, worker_error, server_error, world_size, local_world_size)
     if out is not None:
         _check_out(out, x, worker_error, server_error)
     if world_size == 1:
@@ -184,28 +226,70 @@ def compressed_allreduce(
         return x, _zeroed(out[1], worker_error), _zeroed(out[2], server_error)
     if not x.is_floating_point():
         raise TypeError(f"compressed_allreduce needs a floating-point x, got {x.dtype}")
-    if out is None:
-        return _pure_allreduce(x, worker_error, server_error, comm)
-    if not eager(x, worker_error, server_error, *out):
-        return _copied_into(out, _pure_allreduce(x, worker_error, server_error, comm))
-    exchange = _exchange(x.reshape(-1), None, 0.0, worker_error, server_error, comm)
-    worker, server = write_errors(exchange, out[1], out[2])
-    y = torch.empty_like(x) if out[0] is None else out[0]
-    return write_result(exchange, y), worker, server
+    hierarchical = local_world_size not in (None, 1)
+    if out is not None and eager(x, worker_error, server_error, *out):
+        errors = (worker_error, server_error)
+        if hierarchical:
+            exchange = _hierarchical_exchange(
+                x.reshape(-1), None, 0.0, *errors, comm, local_world_size
+            )
+        else:
+            exchange = _exchange(x.reshape(-1), None, 0.0, *errors, comm)
+        if exchange is not None:
+            worker, server = write_errors(exchange, out[1], out[2])
+            y = torch.empty_like(x) if out[0] is None else out[0]
+            return write_result(exchange, y), worker, server
+    if hierarchical:
+        pure = _pure_hierarchical(x, worker_error, server_error, comm, local_world_size)
+    else:
+        pure = _pure_allreduce(x, worker_error, server_error, comm)
+    return pure if out is None else _copied_into(out, pure)
+
+
+def _check_errors(
+    n: int,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    world_size: int,
+    local_world_size: int | None,
+) -> None:
+    n_padded = padded_numel(n, world_size, local_world_size)
+    shapes = (n_padded // (local_world_size or 1),), (n_padded // world_size,)
+    if (tuple(worker_error.shape), tuple(server_error.shape)) != shapes:
+        level = "" if local_world_size is None else f" ({local_world_size} per node)"
+        raise ValueError(
+            f"compressed_allreduce of {n} elements over {world_size} ranks{level} needs errors "
+            f"of shapes {shapes[0]} and {shapes[1]}, got {tuple(worker_error.shape)} and "
+            f"{tuple(server_error.shape)} (see init_error_feedback)"
+        )
 
 
 def _pure_allreduce(
     x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, comm: Comm
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The reference path (fresh tensors; also the one under vmap and ``torch.compile``)."""
-    world_size = comm.world_size
-    n = x.numel()
-    n_padded = worker_error.numel()
-    chunk = n_padded // world_size
-
+    n, n_padded = x.numel(), worker_error.numel()
     flat = x.reshape(-1).float()
     if n_padded > n:
         flat = torch.nn.functional.pad(flat, (0, n_padded - n))
+    all_packed, all_scales, worker, server = _pure_exchange(
+        flat, n, worker_error, server_error, comm
+    )
+    return _unpacked(all_packed, all_scales, n_padded, x), worker, server
+
+
+def _pure_exchange(
+    flat: torch.Tensor,
+    n: int,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    comm: Comm,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The exchanges of the reference path for the padded ``flat`` of a call of ``n``
+    elements: every rank's packed server signs ``[W, chunk / 8]`` and scales ``[W]``, and this
+    rank's new errors."""
+    world_size, n_padded = comm.world_size, flat.numel()
+    chunk = n_padded // world_size
     # Non-finite values make the scale non-finite (or the kernel raise); the rank then sends a
     # NaN scale, every rank sees it after the scale all_gather and raises there, before any
     # sign is exchanged: no rank is left waiting and no error state is touched.
@@ -228,12 +312,133 @@ def _pure_allreduce(
 
     all_packed = comm.all_gather(server_packed)  # [W, chunk / 8]
     all_scales = comm.all_gather(server_scale)  # [W]
-    y = kernels.unpackbits(all_packed.reshape(-1), n_padded).view(world_size, chunk)
-    y = y.mul_(all_scales[:, None]).reshape(-1)
+    return all_packed, all_scales, new_worker_error, new_server_error
+
+
+def _unpacked(
+    all_packed: torch.Tensor, all_scales: torch.Tensor, n_padded: int, like: torch.Tensor
+) -> torch.Tensor:
+    """The result ``y`` of the packed signs ``[R, chunk / 8]`` and scales ``[R]``: each chunk's
+    signs times its scale, concatenated, sliced to ``like``'s size, in its shape and dtype."""
+    rows = all_scales.numel()
+    y = kernels.unpackbits(all_packed.reshape(-1), n_padded).view(rows, n_padded // rows)
+    y = y.mul_(all_scales.reshape(rows, 1)).reshape(-1)
     if torch.compiler.is_compiling():
         y = fusion_barrier(y)
-    y = y[:n]
-    return y.view(x.shape).to(x.dtype), new_worker_error, new_server_error
+    return y[: like.numel()].view(like.shape).to(like.dtype)
+
+
+_NON_FINITE_ON_SOME_RANK = (
+    "compressed_allreduce: non-finite values in x or in an error-feedback buffer (on some rank)"
+)
+
+
+def _agree(comm: Comm, x: torch.Tensor, local_world_size: int) -> None:
+    """The first exchange of a hierarchical call, over the whole group: every rank's element
+    count and ``local_world_size`` (12 bytes), so that ranks that disagree raise together
+    before any exchange whose size or group depends on them."""
+    level = torch.full((1,), float(local_world_size), device=x.device)
+    gathered = comm.all_gather(_sizes.with_count(level, x.numel()))  # [W, 3]
+    levels = _sizes.checked_scales(gathered, x.numel(), "compressed_allreduce").view(-1)
+    if eager(levels) and bool((levels != local_world_size).any()):
+        shown = ", ".join(f"rank {i}: {int(v)}" for i, v in enumerate(levels.tolist()))
+        raise ValueError(
+            f"compressed_allreduce: the ranks passed different local_world_size ({shown}); "
+            "every rank must pass the same. Nothing was changed."
+        )
+
+
+def _node_mean(flat: torch.Tensor, intra: Comm) -> torch.Tensor:
+    """This rank's shard of its node's mean of ``flat`` (``[L * S]``): the dense fp32
+    reduce-scatter of step 1, its ``L`` pieces summed left to right in rank order."""
+    local_world_size = intra.world_size
+    pieces = intra.all_to_all(flat.view(local_world_size, -1))  # [L, S]: row i from local rank i
+    return kernels.sum_ranks(pieces).div_(local_world_size)
+
+
+def _node_input(x: torch.Tensor, n_padded: int) -> torch.Tensor:
+    flat = x.reshape(-1).float()
+    return (
+        torch.nn.functional.pad(flat, (0, n_padded - flat.numel()))
+        if n_padded > x.numel()
+        else flat
+    )
+
+
+def _pure_hierarchical(
+    x: torch.Tensor,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    comm: Comm,
+    local_world_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference path of the hierarchical collective (see :func:`compressed_allreduce`)."""
+    _agree(comm, x, local_world_size)  # before split, a collective over groups of that size
+    intra, inter = comm.split(local_world_size)
+    n_padded = local_world_size * worker_error.numel()
+    mean = _node_mean(_node_input(x, n_padded), intra)
+    if inter.world_size == 1:  # one node: the exact mean, gathered in fp32
+        y = finite_or_raise(intra.all_gather(mean), _NON_FINITE_ON_SOME_RANK).reshape(-1)
+        return y[: x.numel()].view(x.shape).to(x.dtype), worker_error, server_error
+    failure = None
+    try:
+        packed, scales, worker, server = _pure_exchange(
+            mean, x.numel(), worker_error, server_error, inter
+        )
+    except NonFiniteError as error:
+        if not eager(mean):  # vmap (Simulated) or torch.compile: every rank raises together
+            raise
+        # This rank's across-node group raised together; tell the node before raising, so
+        # that no rank of it waits in the all_gather below.
+        failure = error
+        nodes = inter.world_size
+        packed = mean.new_zeros(nodes, mean.numel() // nodes // 8, dtype=torch.uint8)
+        scales = mean.new_full((nodes,), torch.nan)
+    all_packed = intra.all_gather(packed)  # [L, W / L, chunk / 8]
+    all_scales = intra.all_gather(scales)  # [L, W / L]
+    if failure is not None:
+        raise NonFiniteError(_NON_FINITE_ON_SOME_RANK) from failure
+    all_scales = finite_or_raise(all_scales, _NON_FINITE_ON_SOME_RANK)
+    return _unpacked(all_packed, all_scales, n_padded, x), worker, server
+
+
+def _hierarchical_exchange(
+    flat: torch.Tensor,
+    grad: torch.Tensor | None,
+    beta: float,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    comm: Comm,
+    local_world_size: int,
+) -> CompressedExchange | None:
+    """The hierarchical collective's exchanges for :func:`write_errors` and
+    :func:`write_result`; ``None`` with one node (the caller takes the pure path). Allocates
+    the node's input when ``grad`` is given or padding is needed, and this rank's shard."""
+    if local_world_size == comm.world_size:
+        return None
+    _agree(comm, flat, local_world_size)  # before split, a collective over groups of that size
+    intra, inter = comm.split(local_world_size)
+    if grad is not None:  # the momentum, rounded as fn.transforms' moving_average
+        flat = (beta * flat).add_((1 - beta) * grad)
+    mean = _node_mean(_node_input(flat, local_world_size * worker_error.numel()), intra)
+    nodes = inter.world_size
+    failure = None
+    try:
+        exchange = _exchange(mean, None, 0.0, worker_error, server_error, inter)
+        message = torch.cat((exchange.packed.view(-1), exchange.scales.view(torch.uint8)))
+    except NonFiniteError as error:  # as in _pure_hierarchical
+        failure = error
+        nan = torch.full((nodes,), torch.nan, device=mean.device).view(torch.uint8)
+        message = torch.cat((mean.new_zeros(mean.numel() // 8, dtype=torch.uint8), nan))
+    gathered = intra.all_gather(message)  # [L, S / 8 + 4 (W / L)]
+    if failure is not None:
+        raise NonFiniteError(_NON_FINITE_ON_SOME_RANK) from failure
+    tail = 4 * nodes
+    all_scales = finite_or_raise(
+        gathered[:, -tail:].contiguous().view(torch.float32).view(-1), _NON_FINITE_ON_SOME_RANK
+    )
+    packed = gathered[:, :-tail].contiguous().view(comm.world_size, -1)
+    return exchange._replace(packed=packed, scales=all_scales)
 
 
 class CompressedExchange(NamedTuple):
@@ -262,6 +467,7 @@ def compressed_allreduce_exchange(
     comm: Comm,
     grad: torch.Tensor | None = None,
     beta: float = 0.0,
+    local_world_size: int | None = None,
 ) -> CompressedExchange | None:
     """The communication of :func:`compressed_allreduce` of ``x`` without a fresh full-size
     tensor; with ``grad``, of the momentum ``beta * x + (1 - beta) * grad`` (rounded as
@@ -280,12 +486,17 @@ def compressed_allreduce_exchange(
         comm: the communicator.
         grad: optional fp32 tensor of ``x``'s shape, contiguous: the gradient of the momentum.
         beta: the momentum's beta (with ``grad``).
+        local_world_size: ranks per node for the hierarchical collective, or ``None`` (see
+            :func:`compressed_allreduce`). Hierarchical, the exchange allocates this rank's
+            shard of its node's mean (``1 / L`` of ``x``), and the momentum when ``grad`` is
+            given; ``exchange.x`` is then that shard, and ``packed``/``scales`` cover all ``W``
+            chunks, in the flat layout.
 
     Returns:
         The :class:`CompressedExchange`, or ``None`` (nothing done) where this allocation-free
         path does not apply (one rank, no elements, dtypes other than fp32, non-contiguous
-        tensors, errors of other shapes, vmap, ``torch.compile``): the caller then takes
-        :func:`compressed_allreduce`, which raises where the call is wrong.
+        tensors, errors of other shapes, vmap, ``torch.compile``, one node): the caller then
+        takes :func:`compressed_allreduce`, which raises where the call is wrong.
 
     Raises:
         ValueError: (on every rank at once, before any sign is sent) if the ranks' ``x`` differ
@@ -309,11 +520,15 @@ def compressed_allreduce_exchange(
         or (grad is not None and (grad.shape != x.shape or not grad.is_contiguous()))
     ):
         return None
-    n_padded = padded_numel(x.numel(), comm.world_size)
-    if worker_error.shape != (n_padded,) or server_error.shape != (n_padded // comm.world_size,):
+    try:
+        _check_errors(x.numel(), worker_error, server_error, comm.world_size, local_world_size)
+    except ValueError:
         return None
     flat_grad = None if grad is None else grad.view(-1)
-    return _exchange(x.view(-1), flat_grad, beta, worker_error, server_error, comm)
+    errors = (worker_error, server_error)
+    if local_world_size not in (None, 1):
+        return _hierarchical_exchange(x.view(-1), flat_grad, beta, *errors, comm, local_world_size)
+    return _exchange(x.view(-1), flat_grad, beta, *errors, comm)
 
 
 def write_errors(
@@ -416,11 +631,11 @@ def _exchange(
 
 
 class OnebitAllreduceState(NamedTuple):
-    worker_error: ErrorFeedbackField  # per leaf: fp32[padded_numel(leaf.numel(), W)]
-    server_error: ErrorFeedbackField  # per leaf: fp32[padded_numel(leaf.numel(), W) / W]
+    worker_error: ErrorFeedbackField  # per leaf: fp32[padded_numel(leaf.numel(), W, L) / L]
+    server_error: ErrorFeedbackField  # per leaf: fp32[padded_numel(leaf.numel(), W, L) / W]
 
 
-def onebit_allreduce(*, comm: Comm) -> GradientTransformation:
+def onebit_allreduce(*, comm: Comm, local_world_size: int | None = None) -> GradientTransformation:
     """The error-compensated 1-bit allreduce of every update leaf, as a transform.
 
     ``update`` replaces each leaf ``u`` of every rank by :func:`compressed_allreduce` of it
@@ -438,9 +653,15 @@ def onebit_allreduce(*, comm: Comm) -> GradientTransformation:
 
     Args:
         comm: the communicator.
+        local_world_size: ranks per node ``L`` for the hierarchical collective (dense inside a
+            node, 1-bit across nodes; the worker errors are ``L`` times smaller), or ``None``
+            for flat. See :func:`compressed_allreduce`.
 
     Returns:
         A GradientTransformation with state :class:`OnebitAllreduceState`.
+
+    Raises:
+        ValueError: if ``local_world_size`` is not a positive divisor of ``comm.world_size``.
 
     Example:
         >>> from fn.collectives import Simulated, onebit_allreduce, simulate
@@ -456,12 +677,16 @@ def onebit_allreduce(*, comm: Comm) -> GradientTransformation:
                 [1.1180, 1.1180]])
     """
 
+    if local_world_size is not None:
+        check_split(comm.world_size, local_world_size)
+    level = dict(comm=comm, local_world_size=local_world_size)
+
     def init_fn(params):
         def worker(p):
-            return init_error_feedback(p.numel(), comm=comm, device=p.device)[0]
+            return init_error_feedback(p.numel(), **level, device=p.device)[0]
 
         def server(p):
-            return init_error_feedback(p.numel(), comm=comm, device=p.device)[1]
+            return init_error_feedback(p.numel(), **level, device=p.device)[1]
 
         return OnebitAllreduceState(tree_map(worker, params), tree_map(server, params))
 
@@ -475,11 +700,11 @@ def onebit_allreduce(*, comm: Comm) -> GradientTransformation:
             raise ValueError("onebit_allreduce: an update leaf has no error state")
         if donated is None:
             results = [
-                (u, we, se) if u is None else compressed_allreduce(u, we, se, comm=comm)
+                (u, we, se) if u is None else compressed_allreduce(u, we, se, **level)
                 for u, we, se in zip(leaves, worker, server, strict=True)
             ]
         else:
-            results = _donated_allreduces(leaves, worker, server, donated, spec, comm)
+            results = _donated_allreduces(leaves, worker, server, donated, spec, level)
         out, new_worker, new_server = (list(column) for column in zip(*results, strict=True))
         return tree_unflatten(out, spec), OnebitAllreduceState(
             tree_unflatten(new_worker, spec), tree_unflatten(new_server, spec)
@@ -488,7 +713,7 @@ def onebit_allreduce(*, comm: Comm) -> GradientTransformation:
     return GradientTransformation(init_fn, update_fn)
 
 
-def _donated_allreduces(leaves, worker, server, donated, spec, comm):
+def _donated_allreduces(leaves, worker, server, donated, spec, level):
     """:func:`compressed_allreduce` of every leaf, each result written into its leaf and the
     errors into ``donated``'s buffers (where they fit): every leaf is exchanged and checked
     before the first is written."""
@@ -496,10 +721,10 @@ def _donated_allreduces(leaves, worker, server, donated, spec, comm):
     spare_server = spec.flatten_up_to(donated.server_error)
     exchanges, pure = [], []
     for u, we, se in zip(leaves, worker, server, strict=True):
-        ex = None if u is None else compressed_allreduce_exchange(u, we, se, comm=comm)
+        ex = None if u is None else compressed_allreduce_exchange(u, we, se, **level)
         exchanges.append(ex)
         pure.append(
-            None if u is None or ex is not None else compressed_allreduce(u, we, se, comm=comm)
+            None if u is None or ex is not None else compressed_allreduce(u, we, se, **level)
         )
     # every leaf exchanged and checked: now write
     results = []

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from fn.collectives import _traffic
-from fn.collectives.comm import ByteCounter, ReduceOp, check_chunked, check_op, check_split
+from fn.collectives.comm import HOPS, ByteCounter, ReduceOp, check_chunked, check_op, check_split
 
 __all__ = [
     "CollectiveTimeoutError",
@@ -160,6 +160,8 @@ class ProcessGroup(ByteCounter):
             the longest time one rank may spend between two collectives (e.g. evaluation or
             checkpointing on one rank only).
         counts_into: count the bytes sent into this comm's counter (used by :meth:`split`).
+        hop: the level this comm's bytes count under in ``bytes_sent_by_hop``, an index into
+            ``fn.collectives.comm.HOPS`` (used by :meth:`split`).
 
     Example:
         Under ``torchrun`` the launcher sets up the group; here a one-rank gloo group in this
@@ -179,8 +181,9 @@ class ProcessGroup(ByteCounter):
         *,
         timeout: datetime.timedelta | float | None = None,
         counts_into: ProcessGroup | None = None,
+        hop: int = 0,
     ) -> None:
-        super().__init__(counts_into)
+        super().__init__(counts_into, hop)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "ProcessGroup needs torch.distributed.init_process_group() to have been called "
@@ -219,9 +222,10 @@ class ProcessGroup(ByteCounter):
                 for n in range(nodes)
             ]
             inter = [dist.new_group(members[i::local_world_size]) for i in range(local_world_size)]
+            shared = dict(timeout=self.timeout, counts_into=self)
             self._splits[local_world_size] = (
-                ProcessGroup(intra[node], timeout=self.timeout, counts_into=self),
-                ProcessGroup(inter[local], timeout=self.timeout, counts_into=self),
+                ProcessGroup(intra[node], **shared, hop=HOPS.index("intra")),
+                ProcessGroup(inter[local], **shared, hop=HOPS.index("inter")),
             )
         return self._splits[local_world_size]
 

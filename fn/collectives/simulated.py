@@ -52,7 +52,7 @@ class _SimulatedCollectives:
 
     def _layout(self, kind: str, x: torch.Tensor) -> tuple[int, int, int]:
         """Counts one rank's bytes for the call; returns the ops' group layout arguments."""
-        self._root._count(kind, _traffic.payload_bytes(x), self._size)
+        self._root._count(kind, _traffic.payload_bytes(x), self._size, self._hop)
         return self._local_size, self._hop, self._size
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
@@ -160,6 +160,10 @@ class SimulatedGroup(_SimulatedCollectives):
     @property
     def bytes_sent(self) -> int:
         return self._root.bytes_sent
+
+    @property
+    def bytes_sent_by_hop(self) -> dict[str, int]:
+        return self._root.bytes_sent_by_hop
 
     def reset_bytes_sent(self) -> int:
         return self._root.reset_bytes_sent()

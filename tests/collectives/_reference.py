@@ -108,6 +108,49 @@ def onebit_step(xs, worker_errors, server_errors):
     return [y.reshape(xs[0].shape) for _ in xs], new_worker, new_server
 
 
+def hierarchical_onebit_padded(n, w, local):
+    return local * onebit_padded(-(-n // local), w // local)
+
+
+def hierarchical_onebit_step(xs, worker_errors, server_errors, local):
+    """The hierarchical 1-bit allreduce (docs/algorithms.md): an exact mean inside each node
+    (summed in rank order), the 1-bit allreduce above across nodes among the ranks of the same
+    local index, and every node gathering its ranks' results."""
+    w, n = len(xs), xs[0].size
+    big_n = hierarchical_onebit_padded(n, w, local)
+    shard = big_n // local
+    padded = []
+    for x in xs:
+        p = np.zeros(big_n, np.float32)
+        p[:n] = x.reshape(-1)
+        padded.append(p)
+    intra, inter = split_groups(w, local)
+    means = [None] * w
+    for members in intra:
+        for position, r in enumerate(members):
+            piece = slice(position * shard, (position + 1) * shard)
+            total = padded[members[0]][piece].copy()
+            for i in members[1:]:
+                total = total + padded[i][piece]
+            means[r] = total / np.float32(local)
+    if len(inter[0]) == 1:  # one node: the exact mean, the errors untouched
+        y = np.concatenate(means)[:n]
+        copies = [e.copy() for e in worker_errors], [e.copy() for e in server_errors]
+        return [y.reshape(xs[0].shape) for _ in xs], *copies
+    results = [None] * w
+    new_worker, new_server = [None] * w, [None] * w
+    for members in inter:
+        ys, ws, ss = onebit_step(
+            [means[r] for r in members],
+            [worker_errors[r] for r in members],
+            [server_errors[r] for r in members],
+        )
+        for r, y, we, se in zip(members, ys, ws, ss, strict=True):
+            results[r], new_worker[r], new_server[r] = y, we, se
+    y = np.concatenate([results[r] for r in intra[0]])[:n]  # every node holds the same
+    return [y.reshape(xs[0].shape) for _ in xs], new_worker, new_server
+
+
 # ----------------------------------------------------------------------------- quantized allreduce
 
 
