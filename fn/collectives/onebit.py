@@ -660,8 +660,13 @@ def onebit_allreduce(*, comm: Comm, local_world_size: int | None = None) -> Grad
     Returns:
         A GradientTransformation with state :class:`OnebitAllreduceState`.
 
+    With a ``ProcessGroup`` and ``local_world_size``, building the transform is a collective
+    call (it builds the node groups: ``ProcessGroup.split``): every rank builds it, in the same
+    order.
+
     Raises:
-        ValueError: if ``local_world_size`` is not a positive divisor of ``comm.world_size``.
+        ValueError: if ``local_world_size`` is not a positive divisor of ``comm.world_size``, or
+            (``ProcessGroup``) the ranks passed different values.
 
     Example:
         >>> from fn.collectives import Simulated, onebit_allreduce, simulate
@@ -678,7 +683,7 @@ def onebit_allreduce(*, comm: Comm, local_world_size: int | None = None) -> Grad
     """
 
     if local_world_size is not None:
-        check_split(comm.world_size, local_world_size)
+        comm.split(local_world_size)  # checks it; a ProcessGroup builds its node groups now
     level = dict(comm=comm, local_world_size=local_world_size)
 
     def init_fn(params):

@@ -200,16 +200,28 @@ class ProcessGroup(ByteCounter):
         """The intra-node and inter-node groups of this rank (group ranks ``node * L + local``).
 
         A collective call: every rank of the group must call it, in the same order (the groups
-        are created once per ``local_world_size`` and cached).
+        are created once per ``local_world_size`` and cached). Before creating them, the ranks
+        all-gather their ``local_world_size`` (8 bytes a rank): ranks that disagree raise
+        ``ValueError`` together instead of creating mismatched groups.
 
         Args:
             local_world_size: ranks per node ``L``; must divide ``world_size``.
 
         Returns:
             ``(intra, inter)`` ``ProcessGroup``s that count their bytes into this one.
+
+        Raises:
+            ValueError: ``local_world_size`` does not divide the world size, or the ranks
+                passed different values (on every rank).
         """
         check_split(self._world_size, local_world_size)
         if local_world_size not in self._splits:
+            levels = self.all_gather(torch.tensor([local_world_size])).view(-1).tolist()
+            if len(set(levels)) > 1:
+                shown = ", ".join(f"rank {i}: {level}" for i, level in enumerate(levels))
+                raise ValueError(
+                    f"ProcessGroup.split: the ranks passed different local_world_size ({shown})"
+                )
             members = (
                 list(range(self._world_size))
                 if self.group is None

@@ -39,6 +39,7 @@ class BucketHookState:
             returns at once) or inside the hook.
         nonfinite: ``"propagate"`` or ``"raise"``: what a bucket with a NaN or an Inf on some
             rank gives, in both phases (see :func:`compressing_hook`).
+        local_world_size: ranks per node of the two-level collectives, or ``None`` (flat).
         iter: iterations made so far (one per backward pass that reached DDP's last bucket and
             did not raise).
         transform: the compressing ``GradientTransformation`` applied to each bucket's buffer.
@@ -58,6 +59,7 @@ class BucketHookState:
         overlap: bool = True,
         timeout: datetime.timedelta | float | None = None,
         nonfinite: str = "propagate",
+        local_world_size: int | None = None,
     ) -> None:
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
@@ -72,6 +74,7 @@ class BucketHookState:
             ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
             fn_group = dist.new_group(ranks, backend=dist.get_backend(process_group))
         self.comm = ProcessGroup(fn_group, timeout=timeout)
+        self.local_world_size = local_world_size
         self.start_iter = check_int("start_iter", start_iter)
         self.overlap = overlap
         self.nonfinite = nonfinite
@@ -216,7 +219,8 @@ class BucketHookState:
         """The iteration count and every bucket's error feedback, for a checkpoint.
 
         Returns:
-            ``{"iter": int, "rank": int, "world_size": int, "buckets": {index: {"layout":
+            ``{"iter": int, "rank": int, "world_size": int, "local_world_size": int | None,
+            "buckets": {index: {"layout":
             [[shape], ...], "state": [tensor, ...]}}}``: plain containers and tensors
             (``torch.load(weights_only=True)`` reads it). The error feedback is this rank's:
             save one per rank.
@@ -226,6 +230,7 @@ class BucketHookState:
             "iter": self._iter,
             "rank": self.comm.rank,
             "world_size": self.comm.world_size,
+            "local_world_size": self.local_world_size,
             "buckets": {
                 index: {"layout": [list(s) for s in layout], "state": tree_flatten(state)[0]}
                 for index, (layout, state) in self._buckets.items()
@@ -235,9 +240,10 @@ class BucketHookState:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restores a :meth:`state_dict` of this rank.
 
-        A state saved by another rank or world size keeps only the iteration count: its error
-        feedback belongs to another rank, so it is dropped (with a warning) and every bucket
-        starts from zero error.
+        A state saved by another rank, world size or ``local_world_size`` keeps only the
+        iteration count: its error feedback belongs to another rank or level, so it is dropped
+        (with a warning) and every bucket starts from zero error. (A state saved before
+        ``local_world_size`` was recorded counts as flat.)
 
         The errors are per bucket: the resumed run continues bit for bit when DDP gives it the
         buckets it saved. DDP starts with buckets in the params' order and rebuilds them once,
@@ -250,15 +256,13 @@ class BucketHookState:
         """
         self._worker.drain()
         buckets = {}
-        same_rank = (state_dict["rank"], state_dict["world_size"]) == (
-            self.comm.rank,
-            self.comm.world_size,
-        )
+        saved = (state_dict["rank"], state_dict["world_size"], state_dict.get("local_world_size"))
+        here = (self.comm.rank, self.comm.world_size, self.local_world_size)
+        same_rank = saved == here
         if not same_rank:
             warnings.warn(
-                f"fn.ddp: the hook state was saved by rank {state_dict['rank']} of "
-                f"{state_dict['world_size']}, this is rank {self.comm.rank} of "
-                f"{self.comm.world_size}: its error feedback is reset",
+                f"fn.ddp: the hook state was saved by {_rank_text(*saved)}, this is "
+                f"{_rank_text(*here)}: its error feedback is reset",
                 stacklevel=2,
             )
         for index, saved in state_dict["buckets"].items() if same_rank else ():
@@ -279,6 +283,11 @@ class BucketHookState:
         self._buckets = buckets
         self._pending, self._dense_checks = {}, {}
         self._layouts = {index: layout for index, (layout, _) in buckets.items()}
+
+
+def _rank_text(rank: int, world_size: int, local_world_size: int | None) -> str:
+    level = "" if local_world_size is None else f" with local_world_size {local_world_size}"
+    return f"rank {rank} of {world_size}{level}"
 
 
 def _numel(layout: Layout) -> int:

@@ -34,9 +34,13 @@ class LocoHookState(BucketHookState):
             allreduce gives, so that ``torch.amp.GradScaler`` skips the step) or ``"raise"``
             (``fn.NonFiniteError``); either way no bucket keeps error feedback from that
             iteration. See :class:`OnebitHookState`.
+        local_world_size: ranks per node for LoCo's two-hop reduce-scatter (inside each node,
+            then across nodes; ``fn.collectives.loco_allreduce``), or ``None`` for one hop.
+            Recorded in :meth:`state_dict`.
 
     Raises:
-        ValueError: ``nonfinite`` is neither ``"propagate"`` nor ``"raise"``.
+        ValueError: ``nonfinite`` is neither ``"propagate"`` nor ``"raise"``;
+            ``local_world_size`` does not divide the world size.
     """
 
     def __init__(
@@ -50,12 +54,15 @@ class LocoHookState(BucketHookState):
         overlap: bool = True,
         timeout: datetime.timedelta | float | None = None,
         nonfinite: str = "propagate",
+        local_world_size: int | None = None,
     ) -> None:
         self._quantization = (bits, group_size, err_beta, reset_T)
-        super().__init__(process_group, start_iter, overlap, timeout, nonfinite)
+        super().__init__(process_group, start_iter, overlap, timeout, nonfinite, local_world_size)
 
     def _make_transform(self, comm: ProcessGroup) -> GradientTransformation:
-        return loco_allreduce(*self._quantization, comm=comm)
+        return loco_allreduce(
+            *self._quantization, comm=comm, local_world_size=self.local_world_size
+        )
 
 
 def loco_hook(state: LocoHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

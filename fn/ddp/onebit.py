@@ -36,13 +36,18 @@ class OnebitHookState(BucketHookState):
             and in the dense phase); the iteration does not count in ``iter``. Either way no
             bucket keeps error feedback from that iteration, so the next finite one goes on
             as if it had not happened. A setting, not part of :meth:`state_dict`.
+        local_world_size: ranks per node ``L`` for the hierarchical 1-bit allreduce (a dense
+            mean inside each node, 1 bit across nodes; ``fn.collectives.compressed_allreduce``),
+            or ``None`` for flat. Use it with several ranks per node and a slow network between
+            nodes (torchrun's ``LOCAL_WORLD_SIZE``). Recorded in :meth:`state_dict`.
 
     Raises:
-        ValueError: ``nonfinite`` is neither ``"propagate"`` nor ``"raise"``.
+        ValueError: ``nonfinite`` is neither ``"propagate"`` nor ``"raise"``;
+            ``local_world_size`` does not divide the world size.
     """
 
     def _make_transform(self, comm: ProcessGroup) -> GradientTransformation:
-        return onebit_allreduce(comm=comm)
+        return onebit_allreduce(comm=comm, local_world_size=self.local_world_size)
 
 
 def onebit_hook(

@@ -288,3 +288,16 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize(("local", "bad_rank"), [(2, 3), (2, 0), (4, 1)])
 def test_gloo_nonfinite_on_one_rank_raises_on_every_rank_and_writes_nothing(local, bad_rank):
     assert run_distributed(_nonfinite_worker, 4, local, bad_rank, timeout=240) == [True] * 4
+
+
+def _split_disagree_worker(rank: int, world_size: int) -> str:
+    comm = ProcessGroup(timeout=60)
+    with pytest.raises(ValueError, match="different local_world_size") as raised:
+        onebit_allreduce(comm=comm, local_world_size=1 if rank == 1 else 2)  # builds the groups
+    return str(raised.value)
+
+
+@pytest.mark.timeout(300)
+def test_gloo_transforms_built_with_different_levels_raise_together():
+    messages = run_distributed(_split_disagree_worker, 4, timeout=240)
+    assert len(set(messages)) == 1 and "rank 1: 1, rank 2: 2" in messages[0]

@@ -264,3 +264,63 @@ def test_state_dict_checks(name, one_rank_group):
     assert fresh.iter == 3 and fresh.buckets[0][0] == ((6,),)  # unchanged
     with pytest.raises(ValueError, match="start_iter must be an int >= 0"):
         state_cls(start_iter=-1, **kwargs)
+
+
+def test_state_dict_saved_at_another_level_resets_error_feedback(one_rank_group):
+    state = fn.ddp.OnebitHookState(start_iter=0)
+    hook = fn.ddp.onebit_hook
+    for _ in range(2):
+        hook(state, _Bucket(0, [(6,)]))
+    saved = _roundtrip(state.state_dict())
+    assert saved["local_world_size"] is None
+    other = fn.ddp.OnebitHookState(start_iter=0, local_world_size=1)
+    with pytest.warns(
+        UserWarning, match="rank 0 of 1, this is rank 0 of 1 with local_world_size 1"
+    ):
+        other.load_state_dict(saved)
+    assert other.iter == 2 and other.buckets == {}
+    hook(other, _Bucket(0, [(6,)]))
+    assert _roundtrip(other.state_dict())["local_world_size"] == 1
+    del saved["local_world_size"]  # a state saved before the level was recorded: flat
+    fresh = fn.ddp.OnebitHookState(start_iter=0)
+    fresh.load_state_dict(saved)
+    assert fresh.buckets[0][0] == ((6,),)
+
+
+def _hierarchical_hooks_worker(rank, world_size):
+    """Both hooks at 2 ranks per node: each compressed bucket equals the hierarchical
+    collective's transform on the same input, and the checkpoint records the level."""
+    comm = ProcessGroup()
+    out = {}
+    for name, transform in (
+        ("onebit", lambda: onebit_allreduce(comm=comm, local_world_size=2)),
+        ("loco4", lambda: loco_allreduce(comm=comm, local_world_size=2, bits=4, group_size=8)),
+    ):
+        state_cls, hook, kwargs = HOOKS[name]
+        model = make_model()
+        net = DDP(model, find_unused_parameters=True)
+        hook_state = state_cls(start_iter=START, local_world_size=2, **kwargs)
+        record = []
+        net.register_comm_hook(hook_state, _recording(hook, record))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for t in range(STEPS):
+            opt.zero_grad()
+            backward(net, rank, t)
+            opt.step()
+        tx, ref_states, equal = transform(), {}, []
+        for iteration, index, x, y in record:
+            if iteration < START:
+                continue
+            ref, ref_states[index] = tx.update(x, ref_states.get(index, tx.init(x)))
+            equal.append(torch.equal(y, ref))
+        out[name] = (equal, hook_state.state_dict()["local_world_size"])
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_hooks_at_two_ranks_per_node_on_four_ranks():
+    results = run_distributed(_hierarchical_hooks_worker, 4, timeout=240)
+    for result in results:
+        for name, (equal, level) in result.items():
+            assert equal and all(equal), name
+            assert level == 2, name
