@@ -7,7 +7,8 @@ one line per task at most every ``interval`` seconds, and when the task ends.
 from __future__ import annotations
 
 import time
-from typing import Protocol, TextIO
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TextIO
 
 __all__ = ["Progress", "make_progress"]
 
@@ -22,16 +23,16 @@ class Progress(Protocol):
         """Ends the display."""
 
 
+@dataclass
 class _TqdmProgress:
     """One tqdm bar per task, opened when the task reports its first step."""
 
-    def __init__(self, tqdm: type, stream: TextIO, tasks: int, steps: int) -> None:
-        self.tqdm = tqdm
-        self.stream = stream
-        self.tasks = tasks
-        self.steps = steps
-        self.task = -1
-        self.bar = None
+    tqdm: type
+    stream: TextIO
+    tasks: int
+    steps: int
+    task: int = field(default=-1, init=False)
+    bar: Any = field(default=None, init=False)
 
     def update(self, task: int, name: str, step: int) -> None:
         if self.bar is None or task != self.task:
@@ -53,15 +54,15 @@ class _TqdmProgress:
             self.bar = None
 
 
+@dataclass
 class _LineProgress:
     """A line ``[task/tasks] name: step/steps steps`` at most every ``interval`` seconds."""
 
-    def __init__(self, stream: TextIO, tasks: int, steps: int, interval: float) -> None:
-        self.stream = stream
-        self.tasks = tasks
-        self.steps = steps
-        self.interval = interval
-        self.last_line = -float("inf")
+    stream: TextIO
+    tasks: int
+    steps: int
+    interval: float
+    last_line: float = field(default=-float("inf"), init=False)
 
     def update(self, task: int, name: str, step: int) -> None:
         now = time.monotonic()

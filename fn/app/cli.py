@@ -15,6 +15,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -244,29 +245,42 @@ def _demo(args: argparse.Namespace) -> int:
     print()
     for line in demo.notes(cfg, results):
         print(line)
-    settings = {**cfg._asdict(), "warmup_steps": demo.warmup_steps(cfg.steps), "out": str(args.out)}
-    meta = {"settings": settings, "description": header}
-    try:
-        written = _report.write_results(args.out, rows, results, meta)
-        why_not = _report.plot_losses(
-            args.out / _report.OUTPUTS[2], results, demo.warmup_steps(cfg.steps), demo.title(cfg)
-        )
-    except OSError as err:
-        print(
-            f"error: cannot write the results to --out {args.out}: {err}; the table above "
-            "holds them",
-            file=sys.stderr,
-        )
+    if not _write_outputs(args.out, cfg, header, rows, results):
         return 1
-    if why_not is None:
-        written.append(args.out / "loss.png")
-    else:
-        print(f"no plot: {why_not}")
-    print("wrote " + ", ".join(str(p) for p in written))
     if not all(math.isfinite(r.final_loss) for r in results):
         print("error: a loss is not finite", file=sys.stderr)
         return 1
     return 0
+
+
+def _write_outputs(
+    out: Path,
+    cfg: demo.DemoConfig,
+    header: list[str],
+    rows: list[dict[str, Any]],
+    results: list[demo.OptimizerResult],
+) -> bool:
+    """Writes the demo's results files and loss plot to ``out`` and says what it wrote; on an
+    ``OSError``, prints the error and returns ``False``."""
+    settings = {**cfg._asdict(), "warmup_steps": demo.warmup_steps(cfg.steps), "out": str(out)}
+    meta = {"settings": settings, "description": header}
+    try:
+        written = _report.write_results(out, rows, results, meta)
+        why_not = _report.plot_losses(
+            out / _report.OUTPUTS[2], results, demo.warmup_steps(cfg.steps), demo.title(cfg)
+        )
+    except OSError as err:
+        print(
+            f"error: cannot write the results to --out {out}: {err}; the table above holds them",
+            file=sys.stderr,
+        )
+        return False
+    if why_not is None:
+        written.append(out / "loss.png")
+    else:
+        print(f"no plot: {why_not}")
+    print("wrote " + ", ".join(str(p) for p in written))
+    return True
 
 
 def _lr_hint(err: ValueError | WorkerError) -> str:

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from fn.kernels import _reference, _tuning
+from fn.kernels._spec import implementation
 
 # -ffp-contract=off: no fused multiply-adds where torch rounds the product and the sum apart.
 _FLAGS = ("-O3", "-march=native", "-std=c99", "-ffp-contract=off", "-shared", "-fPIC")
@@ -226,6 +227,22 @@ def _fp32(x: torch.Tensor) -> torch.Tensor:
     return x.detach().float().contiguous()
 
 
+def _codes(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantized codes and their scales as the C kernels read them (contiguous; fp32 scales)."""
+    return q.detach().contiguous(), _fp32(scales)
+
+
+def _block_sums(length: int) -> tuple[int, torch.Tensor]:
+    """The number of sum-of-squares blocks of ``length`` elements and the fp64 buffer the C
+    kernel writes their sums into and ``fn_rms`` folds (a power of two long)."""
+    blocks = -(-length // _reference.SUMSQ_BLOCK)
+    return blocks, torch.empty(1 << max(0, blocks - 1).bit_length(), dtype=torch.float64)
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def _empty(lib: ctypes.CDLL, size: int, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(size, dtype=dtype)
     if out.nbytes >= _HUGE_MIN:
@@ -233,46 +250,40 @@ def _empty(lib: ctypes.CDLL, size: int, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def packbits(x: torch.Tensor) -> torch.Tensor:
-    lib = library()
-    if lib is None or x.dtype != torch.float32:
-        return _reference.packbits(x)
+# The library is looked up on every call (a test builds it for another CPU); each kernel runs
+# the reference without it, or for the inputs it does not take (returning None).
+_with_library = implementation(lambda: library())
+
+
+@_with_library
+def packbits(lib, x):
+    if x.dtype != torch.float32:
+        return None
     x = _fp32(x)
     out = _empty(lib, (x.numel() + 7) // 8, torch.uint8)
     _run_prefetching(lib, "packbits", x.numel(), (x.data_ptr(), out.data_ptr()), align=8)
     return out
 
 
-def unpackbits(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    lib = library()
-    if lib is None or dtype != torch.float32 or packed.numel() * 8 < n:
-        return _reference.unpackbits(packed, n, dtype)
+@_with_library
+def unpackbits(lib, packed, n, dtype=torch.float32):
+    if dtype != torch.float32 or packed.numel() * 8 < n:
+        return None
     packed = packed.detach().contiguous()
     out = _empty(lib, n, torch.float32)
     _run(lib, "unpackbits", n, 8, (packed.data_ptr(), out.data_ptr()), (_streams(out),))
     return out
 
 
-def sign_compress(
-    m: torch.Tensor, error: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    lib = library()
-    if lib is None:
-        return _reference.sign_compress(m, error)
+@_with_library
+def sign_compress(lib, m, error=None):
     m = _fp32(m)
     n = m.numel()
     e = None if error is None else _fp32(error)
     v = None if e is None else _empty(lib, n, torch.float32)
     packed = _empty(lib, (n + 7) // 8, torch.uint8)
-    blocks = -(-n // _reference.SUMSQ_BLOCK)
-    sums = torch.empty(1 << max(0, blocks - 1).bit_length(), dtype=torch.float64)
-    pointers = (
-        m.data_ptr(),
-        None if e is None else e.data_ptr(),
-        None if v is None else v.data_ptr(),
-        packed.data_ptr(),
-        sums.data_ptr(),
-    )
+    blocks, sums = _block_sums(n)
+    pointers = (m.data_ptr(), _address(e), _address(v), packed.data_ptr(), sums.data_ptr())
     _run_prefetching(lib, "sign_compress", n, pointers)
     # Padded and folded in C, not by torch ops: on a busy machine, torch's intra-op thread pool
     # (which even a 512 KiB fill enters) can stall a call for a scheduler tick.
@@ -373,8 +384,7 @@ def _feedback(
 def _feedback_signs(lib: ctypes.CDLL, f: _FeedbackStruct, length: int, alive: tuple):
     """Phase 1 over ``f``'s source; ``alive`` holds the tensors ``f`` points into."""
     packed = _empty(lib, (length + 7) // 8, torch.uint8)
-    blocks = -(-length // _reference.SUMSQ_BLOCK)
-    sums = torch.empty(1 << max(0, blocks - 1).bit_length(), dtype=torch.float64)
+    blocks, sums = _block_sums(length)
     pointers = (ctypes.addressof(f), packed.data_ptr(), sums.data_ptr())
     _run_prefetching(lib, "feedback_signs", length, pointers, feedback=f)
     del alive  # the tensors f points into lived until here
@@ -382,93 +392,76 @@ def _feedback_signs(lib: ctypes.CDLL, f: _FeedbackStruct, length: int, alive: tu
     return packed, torch.tensor(scale, dtype=torch.float32)
 
 
-def feedback_sign_compress(
-    x: torch.Tensor, error: torch.Tensor, grad: torch.Tensor | None = None, beta: float = 0.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    lib = library()
-    if lib is None or not _plain_fp32(x, error, grad):
-        return _reference.feedback_sign_compress(x, error, grad, beta)
-    f, alive = _feedback(_FEEDBACK_X, error, x, grad, beta)
-    return _feedback_signs(lib, f, error.numel(), alive)
-
-
-def feedback_apply_error(
-    x: torch.Tensor,
+def _feedback_error(
+    lib: ctypes.CDLL,
+    f: _FeedbackStruct,
     error: torch.Tensor,
     scale: torch.Tensor,
     out: torch.Tensor,
-    grad: torch.Tensor | None = None,
-    beta: float = 0.0,
-) -> None:
-    lib = library()
-    if lib is None or not _plain_fp32(x, error, grad, out):
-        return _reference.feedback_apply_error(x, error, scale, out, grad, beta)
-    f, alive = _feedback(_FEEDBACK_X, error, x, grad, beta)
+    alive: tuple,
+) -> bool:
+    """Phase 2 over ``f``'s source: ``out = v - scale * s(v)`` (``out`` may be ``error``);
+    ``alive`` holds the tensors ``f`` points into."""
     pointers = (ctypes.addressof(f), out.data_ptr())
     ints = (_streams(out, error),)
     _run_prefetching(lib, "feedback_error", error.numel(), pointers, ints, float(scale), f)
     del alive  # the tensors f points into lived until here
-    return None
+    return True
 
 
-def sign_sum_compress(
-    signs: torch.Tensor, weights: torch.Tensor, error: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    lib = library()
-    if lib is None or not _plain_fp32(weights, error) or not signs.is_contiguous():
-        return _reference.sign_sum_compress(signs, weights, error)
+@_with_library
+def feedback_sign_compress(lib, x, error, grad=None, beta=0.0):
+    if not _plain_fp32(x, error, grad):
+        return None
+    f, alive = _feedback(_FEEDBACK_X, error, x, grad, beta)
+    return _feedback_signs(lib, f, error.numel(), alive)
+
+
+@_with_library
+def feedback_apply_error(lib, x, error, scale, out, grad=None, beta=0.0):
+    if not _plain_fp32(x, error, grad, out):
+        return None
+    f, alive = _feedback(_FEEDBACK_X, error, x, grad, beta)
+    return _feedback_error(lib, f, error, scale, out, alive)
+
+
+@_with_library
+def sign_sum_compress(lib, signs, weights, error):
+    if not _plain_fp32(weights, error) or not signs.is_contiguous():
+        return None
     f, alive = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
     return _feedback_signs(lib, f, error.numel(), alive)
 
 
-def sign_sum_apply_error(
-    signs: torch.Tensor,
-    weights: torch.Tensor,
-    error: torch.Tensor,
-    scale: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    lib = library()
-    if lib is None or not _plain_fp32(weights, error, out) or not signs.is_contiguous():
-        return _reference.sign_sum_apply_error(signs, weights, error, scale, out)
+@_with_library
+def sign_sum_apply_error(lib, signs, weights, error, scale, out):
+    if not _plain_fp32(weights, error, out) or not signs.is_contiguous():
+        return None
     f, alive = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
-    pointers = (ctypes.addressof(f), out.data_ptr())
-    ints = (_streams(out, error),)
-    _run_prefetching(lib, "feedback_error", error.numel(), pointers, ints, float(scale), f)
-    del alive  # the tensors f points into lived until here
-    return None
+    return _feedback_error(lib, f, error, scale, out, alive)
 
 
-def unpack_scaled(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-    lib = library()
-    if lib is None or not _plain_fp32(scales, out) or not packed.is_contiguous():
-        return _reference.unpack_scaled(packed, scales, out)
+@_with_library
+def unpack_scaled(lib, packed, scales, out):
+    if not _plain_fp32(scales, out) or not packed.is_contiguous():
+        return None
     pointers = (packed.data_ptr(), scales.data_ptr(), out.data_ptr())
     _run(lib, "unpack_scaled", out.numel(), 8, pointers, (packed.shape[1] * 8, _streams(out)))
-    return None
+    return True
 
 
-def adam_direction(
-    m: torch.Tensor,
-    v: torch.Tensor,
-    p: torch.Tensor | None,
-    eta: torch.Tensor,
-    out: torch.Tensor,
-    eps: float,
-    bound: float | None,
-    weight_decay: float,
-) -> None:
-    lib = library()
-    if lib is None or not _plain_fp32(m, v, p, out):
-        return _reference.adam_direction(m, v, p, eta, out, eps, bound, weight_decay)
+@_with_library
+def adam_direction(lib, m, v, p, eta, out, eps, bound, weight_decay):
+    if not _plain_fp32(m, v, p, out):
+        return None
     _adam_kernel(lib, m, v, p, eta, out, eps, bound, weight_decay, add=False)
-    return None
+    return True
 
 
-def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
-    lib = library()
-    if lib is None or not _plain_fp32(v):
-        return _reference.sqrt_rn(v)
+@_with_library
+def sqrt_rn(lib, v):
+    if not _plain_fp32(v):
+        return None
     out = _empty(lib, v.numel(), torch.float32)
     _run(lib, "sqrt_rn", v.numel(), 16, (v.data_ptr(), out.data_ptr()))
     return out.view(v.shape)
@@ -479,7 +472,7 @@ def _adam_kernel(lib, m, v, p, eta, out, eps, bound, weight_decay, *, add: bool,
     to it; with ``signs`` (``add`` only), ``m`` is written from them as it is used
     (:func:`adam_apply`)."""
     constants = torch.tensor([eps, 0.0 if bound is None else bound, weight_decay])
-    decayed = None if p is None else p.data_ptr()
+    decayed = _address(p)
     flags = int(bound is not None) | (2 if add else 0)  # 2: add the direction to out
     momentum = m.data_ptr()
     if signs is not None:
@@ -504,30 +497,20 @@ class _SignedMomentum(ctypes.Structure):
     ]
 
 
-def adam_apply(
-    m: torch.Tensor,
-    v: torch.Tensor,
-    eta: torch.Tensor,
-    params: torch.Tensor,
-    root: torch.Tensor | None,
-    eps: float,
-    bound: float | None,
-    weight_decay: float,
-    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
-    lib = library()
+@_with_library
+def adam_apply(lib, m, v, eta, params, root, eps, bound, weight_decay, signs=None):
     plain_signs = signs is None or (signs[0].is_contiguous() and _plain_fp32(signs[1]))
-    if lib is None or not _plain_fp32(m, v, params) or not plain_signs:
-        return _reference.adam_apply(m, v, eta, params, root, eps, bound, weight_decay, signs)
+    if not _plain_fp32(m, v, params) or not plain_signs:
+        return None
     decayed = params if weight_decay else None
     _adam_kernel(lib, m, v, decayed, eta, params, eps, bound, weight_decay, add=True, signs=signs)
-    return None
+    return True
 
 
-def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    lib = library()
-    if lib is None or bits not in (4, 8) or group_size < 2 or group_size % 2:
-        return _reference.quantize(x, bits, group_size)
+@_with_library
+def quantize(lib, x, bits, group_size):
+    if bits not in (4, 8) or group_size < 2 or group_size % 2:
+        return None  # the reference raises the argument errors
     x = _fp32(x)
     groups = -(-x.numel() // group_size)
     q = _empty(lib, groups * group_size * bits // 8, torch.uint8)
@@ -537,14 +520,13 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     return q, scales
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    lib = library()
+@_with_library
+def dequantize(lib, q, scales, bits, n):
     groups = scales.numel()
     values = q.numel() * 8 // bits if bits in (4, 8) else 0
-    if lib is None or not groups or values % groups or n > values:
-        return _reference.dequantize(q, scales, bits, n)
-    q = q.detach().contiguous()
-    scales = _fp32(scales)
+    if not groups or values % groups or n > values:
+        return None
+    q, scales = _codes(q, scales)
     out = _empty(lib, n, torch.float32)
     pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())
     _run(lib, "dequantize", n, 2, pointers, (bits, values // groups))
@@ -566,19 +548,11 @@ def _rows_layout(
     return (row, padded_row, n // row // local, local)
 
 
-def loco_quantize(
-    x: torch.Tensor,
-    error: torch.Tensor | None,
-    bits: int,
-    group_size: int,
-    numel: int,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    rows: tuple[int, int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    lib = library()
+@_with_library
+def loco_quantize(lib, x, error, bits, group_size, numel, out=None, rows=None):
     fits = out is None or (out[0].is_contiguous() and _writable_fp32(out[1]))
-    if lib is None or numel % group_size or x.numel() > numel or not fits:
-        return _reference.loco_quantize(x, error, bits, group_size, numel, out, rows)
+    if numel % group_size or x.numel() > numel or not fits:
+        return None
     x = _fp32(x)
     e = None if error is None else _fp32(error)
     if out is None:
@@ -587,83 +561,51 @@ def loco_quantize(
             torch.empty(numel // group_size, dtype=torch.float32),
         )
     q, scales = out
-    pointers = (
-        x.data_ptr(),
-        None if e is None else e.data_ptr(),
-        q.data_ptr(),
-        scales.data_ptr(),
-    )
+    pointers = (x.data_ptr(), _address(e), q.data_ptr(), scales.data_ptr())
     ints = (bits, group_size, *_rows_layout(x.numel(), numel, rows))
     _run(lib, "loco_quantize", numel, group_size, pointers, ints)
     return q, scales
 
 
-def loco_error(
-    x: torch.Tensor,
-    error: torch.Tensor | None,
-    q: torch.Tensor,
-    scales: torch.Tensor,
-    bits: int,
-    err_beta: float,
-    out: torch.Tensor,
-    rows: tuple[int, int, int] | None = None,
-) -> None:
-    lib = library()
+@_with_library
+def loco_error(lib, x, error, q, scales, bits, err_beta, out, rows=None):
     n = out.numel()
-    if lib is None or not _writable_fp32(out) or not scales.numel() or n % scales.numel():
-        return _reference.loco_error(x, error, q, scales, bits, err_beta, out, rows)
+    if not _writable_fp32(out) or not scales.numel() or n % scales.numel():
+        return None
     x = _fp32(x)
     e = None if error is None else _fp32(error)
-    q = q.detach().contiguous()
-    scales = _fp32(scales)
-    pointers = (
-        x.data_ptr(),
-        None if e is None else e.data_ptr(),
-        q.data_ptr(),
-        scales.data_ptr(),
-        out.data_ptr(),
-    )
+    q, scales = _codes(q, scales)
+    pointers = (x.data_ptr(), _address(e), q.data_ptr(), scales.data_ptr(), out.data_ptr())
     ints = (bits, n // scales.numel(), *_rows_layout(x.numel(), n, rows))
     _run(lib, "loco_error", n, 1, pointers, ints, scale=1 - err_beta, scale2=err_beta)
-    return None
+    return True
 
 
-def dequantize_sum(
-    q: torch.Tensor, scales: torch.Tensor, bits: int, pieces: int, out: torch.Tensor
-) -> None:
-    lib = library()
+@_with_library
+def dequantize_sum(lib, q, scales, bits, pieces, out):
     cols = out.numel()
     groups = scales.numel()
-    if lib is None or not _writable_fp32(out) or not groups:
-        return _reference.dequantize_sum(q, scales, bits, pieces, out)
-    q = q.detach().contiguous()
-    scales = _fp32(scales)
+    if not _writable_fp32(out) or not groups:
+        return None
+    q, scales = _codes(q, scales)
     pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())
     ints = (bits, pieces * cols // groups, pieces, cols)
     _run(lib, "dequantize_sum", cols, 1, pointers, ints)
-    return None
+    return True
 
 
-def dequantize_into(
-    q: torch.Tensor,
-    scales: torch.Tensor,
-    bits: int,
-    out: torch.Tensor,
-    chunks: int,
-    local_world_size: int = 1,
-) -> None:
-    lib = library()
+@_with_library
+def dequantize_into(lib, q, scales, bits, out, chunks, local_world_size=1):
     groups = scales.numel()
     values = q.numel() * 8 // bits
     whole = groups and not values % groups and not values % chunks
-    if lib is None or not _writable_fp32(out) or not whole or values // chunks % (values // groups):
-        return _reference.dequantize_into(q, scales, bits, out, chunks, local_world_size)
-    q = q.detach().contiguous()
-    scales = _fp32(scales)
+    if not _writable_fp32(out) or not whole or values // chunks % (values // groups):
+        return None
+    q, scales = _codes(q, scales)
     pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())
     ints = (bits, values // groups, values // chunks, chunks // local_world_size, local_world_size)
     _run(lib, "dequantize_into", out.numel(), 2, pointers, ints)
-    return None
+    return True
 
 
 # Elements per batch of adamw_step: a batch's p, its copy, g, m and v stay in the cache between
@@ -695,27 +637,15 @@ def _adamw_batches(leaves: list[tuple[torch.Tensor, ...]]) -> list[list[tuple[to
     return batches
 
 
-def adamw_step(
-    ps: list[torch.Tensor],
-    gs: list[torch.Tensor],
-    ms: list[torch.Tensor],
-    vs: list[torch.Tensor],
-    m_outs: list[torch.Tensor],
-    v_outs: list[torch.Tensor],
-    step: float,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-) -> None:
+@implementation()  # torch's kernels only: it runs without the library
+def adamw_step(ps, gs, ms, vs, m_outs, v_outs, step, lr, beta1, beta2, eps, weight_decay):
     """The reference's step (torch's fused AdamW kernel on a copy of the params, then
     ``p + (p' - p)``) a cache-sized batch at a time, the copies in one workspace: torch's kernel
     is elementwise and rounds only a tensor's last ``n % lanes`` elements apart from its vector
     lanes, which the cuts at multiples of ``_ADAMW_BATCH`` keep where they are."""
     _reference.copy_moments(ms, vs, m_outs, v_outs)
     if not ps:
-        return
+        return True
     count = torch.tensor(step, dtype=torch.float32)
     work: dict[torch.dtype, torch.Tensor] = {}
     for batch in _adamw_batches(list(zip(ps, gs, m_outs, v_outs, strict=True))):
@@ -736,3 +666,4 @@ def adamw_step(
         )  # fmt: skip
         torch._foreach_sub_(copies, p)
         torch._foreach_add_(p, copies)
+    return True

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from fn.kernels import _reference
+from fn.kernels._spec import implementation
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -50,27 +51,27 @@ def _on_device(cp: ModuleType, device: torch.device) -> contextlib.AbstractConte
     return stack
 
 
-def packbits(x: torch.Tensor) -> torch.Tensor:
-    cp = _cupy()
-    if cp is None or x.dtype not in _FLOATS:
-        return _reference.packbits(x)
+_with_cupy = implementation(_cupy)
+
+
+@_with_cupy
+def packbits(cp: ModuleType, x):
+    if x.dtype not in _FLOATS:
+        return None
     signs = (x >= 0).contiguous()
     with _on_device(cp, x.device):
         packed = cp.packbits(cp.from_dlpack(signs))
     return torch.from_dlpack(packed)
 
 
-def unpackbits(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    cp = _cupy()
-    if cp is None:
-        return _reference.unpackbits(packed, n, dtype)
+@_with_cupy
+def unpackbits(cp: ModuleType, packed, n, dtype=torch.float32):
     with _on_device(cp, packed.device):
         bits = cp.unpackbits(cp.from_dlpack(packed.contiguous()))[:n]
     one = torch.ones((), dtype=dtype, device=packed.device)
     return torch.where(torch.from_dlpack(bits) != 0, one, -one)
 
 
-def sign_compress(
-    m: torch.Tensor, error: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+@implementation()
+def sign_compress(m, error=None):
     return _reference.sign_compress_with(packbits, m, error)

@@ -26,13 +26,6 @@ def _check_1d(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be a 1-D tensor, got {shape}")
 
 
-def _check_quant_args(bits: int, group_size: int) -> None:
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 4 or 8, got {bits}")
-    if group_size < 2 or group_size % 2:
-        raise ValueError(f"group_size must be an even number >= 2, got {group_size}")
-
-
 @declare(
     "packbits(Tensor x) -> Tensor",
     fake=lambda x: x.new_empty((x.numel() + 7) // 8, dtype=torch.uint8),
@@ -646,7 +639,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
         ([32, 192, 127, 16], [0.03125])
     """
     _check_1d(x, "x")
-    _check_quant_args(bits, group_size)
+    _reference.check_quant_args(bits, group_size)
 
 
 @declare(
@@ -675,8 +668,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torc
     """
     _check_1d(q, "q")
     _check_1d(scales, "scales")
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    _reference.check_bits(bits)
     values = q.shape[0] * 8 // bits
     groups = scales.shape[0]
     if n < 0 or n > values or (groups and values % groups) or (not groups and values):
@@ -778,7 +770,7 @@ def loco_quantize(
         ([43, 213, 127, 14], [0.03515625])
     """
     _check_1d(x, "x")
-    _check_quant_args(bits, group_size)
+    _reference.check_quant_args(bits, group_size)
     if numel < x.shape[0] or numel % group_size:
         raise ValueError(f"numel={numel} must be a multiple of group_size >= x's {x.shape[0]}")
     if error is not None:
@@ -800,8 +792,7 @@ def loco_quantize(
 def _check_codes(q: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[int, int]:
     _check_1d(q, "q")
     _check_1d(scales, "scales")
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    _reference.check_bits(bits)
     values, groups = q.shape[0] * 8 // bits, scales.shape[0]
     if not groups or values % groups or (values // groups) % 2:
         raise ValueError(f"{q.shape[0]} bytes / {groups} scales are not whole {bits}-bit groups")

@@ -305,6 +305,19 @@ def sign_compress_with(
     return pack(v), scale, new_error
 
 
+def check_bits(bits: int) -> None:
+    """Raises ``ValueError`` unless ``bits`` is a code width of :func:`quantize`: 4 or 8."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+def check_quant_args(bits: int, group_size: int) -> None:
+    """Raises ``ValueError`` unless ``bits`` and ``group_size`` (even, >= 2) can quantize."""
+    check_bits(bits)
+    if group_size < 2 or group_size % 2:
+        raise ValueError(f"group_size must be an even number >= 2, got {group_size}")
+
+
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric blockwise quantization of 1-D ``x``.
 
@@ -312,10 +325,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
         ``(q, scales)``: ``q`` is uint8, ``ceil(n / group_size) * group_size * bits / 8`` bytes;
         ``scales`` is fp32, one per group.
     """
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 4 or 8, got {bits}")
-    if group_size < 2 or group_size % 2:
-        raise ValueError(f"group_size must be an even number >= 2, got {group_size}")
+    check_quant_args(bits, group_size)
     n = x.numel()
     v = torch.nn.functional.pad(x.float(), (0, -n % group_size)).view(-1, group_size)
     qmax = 2 ** (bits - 1)
@@ -330,8 +340,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`quantize`: the first ``n`` values ``q * scale`` as fp32."""
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    check_bits(bits)
     if bits == 4:
         high = (q >> 4).to(torch.int16)
         low = (q & 0xF).to(torch.int16)

@@ -8,7 +8,8 @@ come the custom op ``fn::<name>`` (which runs, for a tensor of device type ``D``
 that name from ``D``'s kernel set in the accelerator table), its fake and vmap rule, the
 reference entry of every kernel set (:data:`REFERENCES`) and, through :func:`public`, the
 checked public function. A device implementation is a function of the kernel's name and the
-reference's signature in the module of its kernel set (:func:`implementations`).
+reference's signature in the module of its kernel set (:func:`implementations`), made by
+:func:`implementation`, which runs the reference for the inputs it does not take.
 
 The op stays one opaque node under ``torch.compile`` (no graph breaks, no data-dependent
 guards, and a change of kernel set needs no recompilation). Under ``torch.func.vmap`` every row
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from fn.errors import NonFiniteError
+from fn.kernels import _reference
 
 ROWS = "rows"  # vmap: one call per row, the results stacked along dim 0
 ELEMENTWISE = "elementwise"  # vmap: the batch is one call
@@ -45,6 +47,65 @@ def kernel(name: str, device: torch.device) -> Callable[..., Any]:
 def implementations(module: types.ModuleType) -> dict[str, Callable[..., Any]]:
     """The kernel set of ``module``: its functions named as a kernel, under that name."""
     return {name: getattr(module, name) for name in REFERENCES if hasattr(module, name)}
+
+
+def implementation(
+    backend: Callable[[], Any] | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Makes the decorated ``impl`` the kernel of its name in a device kernel set: a function
+    with the signature of the reference of that name (``fn.kernels._reference``), which runs
+    ``impl`` and, where ``impl`` cannot, the reference.
+
+    The kernel calls ``impl(handle, *args)`` with the handle that ``backend()`` gives (a
+    compiled library, an imported module), or ``impl(*args)`` without a backend. It runs the
+    reference instead when the handle is ``None`` (the backend is unavailable) or ``impl``
+    returns ``None`` (an input it does not take, before it writes anything); an ``impl`` that
+    writes into an argument returns ``True``.
+
+    Args:
+        backend: gives the handle, or ``None`` when it is unavailable; called on every call.
+
+    Returns:
+        The decorator.
+
+    Raises:
+        TypeError: (when decorating) ``impl``'s parameters after the handle are not the
+            reference's: names, kinds and defaults.
+
+    Example:
+        >>> import torch
+        >>> @implementation()
+        ... def packbits(x):
+        ...     return None if x.dtype == torch.float16 else _reference.packbits(x)
+        >>> packbits(torch.tensor([1.0, -2.0], dtype=torch.float16)).tolist()  # the reference
+        [128]
+    """
+
+    def decorate(impl: Callable[..., Any]) -> Callable[..., Any]:
+        reference = getattr(_reference, impl.__name__)
+        wanted = inspect.signature(reference).parameters.values()
+        given = list(inspect.signature(impl).parameters.values())[backend is not None :]
+        if [(p.name, p.kind, p.default) for p in given] != [
+            (p.name, p.kind, p.default) for p in wanted
+        ]:
+            raise TypeError(f"{impl.__name__}: the parameters are not the reference's")
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if backend is None:
+                result = impl(*args, **kwargs)
+            else:
+                handle = backend()
+                result = None if handle is None else impl(handle, *args, **kwargs)
+            if result is None:  # looked up now: a test may replace the reference
+                return getattr(_reference, impl.__name__)(*args, **kwargs)
+            return result
+
+        run.__name__ = run.__qualname__ = impl.__name__
+        run.__module__, run.__doc__ = impl.__module__, impl.__doc__
+        run.__signature__ = inspect.signature(reference)  # type: ignore[attr-defined]
+        return run
+
+    return decorate
 
 
 def eager(reference: Callable[..., Any]) -> str:

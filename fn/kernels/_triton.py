@@ -30,13 +30,13 @@ import functools
 import importlib
 import importlib.util
 import warnings
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
 
 from fn.kernels import _reference
+from fn.kernels._spec import implementation
 
 _GROUP = 16  # blocks of 1024 elements per program of the sign kernel
 _BYTES = 512  # packed bytes per program of the packbits kernel
@@ -121,21 +121,9 @@ def _has_fp64(device: torch.device) -> bool:
     return bool(getattr(properties, "has_fp64", True))
 
 
-def _with_reference(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Runs the decorated Triton host function, or the reference ``name`` when it returns
-    ``None`` (Triton missing or failed, or an input it does not take)."""
-    fallback = getattr(_reference, name)
-
-    def decorate(impl: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any) -> Any:
-            k = _kernels()
-            result = None if k is None else impl(k, *args)
-            return fallback(*args) if result is None else result
-
-        run.__name__ = run.__qualname__ = impl.__name__  # the signature is the reference's
-        return run
-
-    return decorate
+# A Triton host function gets the kernel module; the reference runs without it (Triton missing
+# or failed) or when the function returns None (an input it does not take, or a failed launch).
+_with_triton = implementation(_kernels)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -146,8 +134,8 @@ def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@_with_reference("packbits")
-def packbits(k: ModuleType, x: torch.Tensor) -> torch.Tensor | None:
+@_with_triton
+def packbits(k: ModuleType, x):
     if x.dtype not in _FLOATS:
         return None
     x = x.contiguous()
@@ -168,10 +156,8 @@ def packbits(k: ModuleType, x: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-@_with_reference("unpackbits")
-def unpackbits(
-    k: ModuleType, packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32
-) -> torch.Tensor | None:
+@_with_triton
+def unpackbits(k: ModuleType, packed, n, dtype=torch.float32):
     if dtype not in _FLOATS or packed.numel() * 8 < n:
         return None
     packed = packed.contiguous()
@@ -223,10 +209,8 @@ def _sign_blocks(
     return packed, _reference.rms_from_block_sums(sums.cpu().view(torch.float64), length).to(device)
 
 
-@_with_reference("sign_compress")
-def sign_compress(
-    k: ModuleType, m: torch.Tensor, error: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+@_with_triton
+def sign_compress(k: ModuleType, m, error=None):
     if error is not None:
         v = (m.float() + error.float()).contiguous()
     else:  # the kernel converts fp16/bf16 to fp32 itself
@@ -242,14 +226,8 @@ def sign_compress(
     return packed, scale, new_error
 
 
-@_with_reference("feedback_sign_compress")
-def feedback_sign_compress(
-    k: ModuleType,
-    x: torch.Tensor,
-    error: torch.Tensor,
-    grad: torch.Tensor | None = None,
-    beta: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+@_with_triton
+def feedback_sign_compress(k: ModuleType, x, error, grad=None, beta=0.0):
     if not _fp32_contiguous(x, error, grad):
         return None
     return _sign_blocks(
@@ -264,17 +242,8 @@ def feedback_sign_compress(
     )
 
 
-@_with_reference("feedback_apply_error")
-def feedback_apply_error(
-    k: ModuleType,
-    x: torch.Tensor,
-    error: torch.Tensor,
-    scale: torch.Tensor,
-    out: torch.Tensor,
-    grad: torch.Tensor | None = None,
-    beta: float = 0.0,
-) -> bool | None:
-    """Returns ``True`` when written (``None`` runs the reference, which writes ``out``)."""
+@_with_triton
+def feedback_apply_error(k: ModuleType, x, error, scale, out, grad=None, beta=0.0):
     if not _fp32_contiguous(x, error, grad, out, scale):
         return None
     length = error.numel()
@@ -296,10 +265,8 @@ def feedback_apply_error(
     )
 
 
-@_with_reference("unpack_scaled")
-def unpack_scaled(
-    k: ModuleType, packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
-) -> bool | None:
+@_with_triton
+def unpack_scaled(k: ModuleType, packed, scales, out):
     if not _fp32_contiguous(scales, out) or not packed.is_contiguous():
         return None
     n = out.numel()
@@ -308,18 +275,8 @@ def unpack_scaled(
     )
 
 
-@_with_reference("adam_direction")
-def adam_direction(
-    k: ModuleType,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    p: torch.Tensor | None,
-    eta: torch.Tensor,
-    out: torch.Tensor,
-    eps: float,
-    bound: float | None,
-    weight_decay: float,
-) -> bool | None:
+@_with_triton
+def adam_direction(k: ModuleType, m, v, p, eta, out, eps, bound, weight_decay):
     if not _fp32_contiguous(m, v, p, out):
         return None
     n = out.numel()
@@ -342,10 +299,8 @@ def adam_direction(
     )
 
 
-@_with_reference("quantize")
-def quantize(
-    k: ModuleType, x: torch.Tensor, bits: int, group_size: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+@_with_triton
+def quantize(k: ModuleType, x, bits, group_size):
     if x.dtype not in _FLOATS or bits not in (4, 8) or group_size < 2 or group_size % 2:
         return None  # the reference raises the argument errors
     x = x.contiguous()
@@ -375,10 +330,8 @@ def quantize(
     return q, scales
 
 
-@_with_reference("dequantize")
-def dequantize(
-    k: ModuleType, q: torch.Tensor, scales: torch.Tensor, bits: int, n: int
-) -> torch.Tensor | None:
+@_with_triton
+def dequantize(k: ModuleType, q, scales, bits, n):
     values = q.numel() * 8 // bits if bits in (4, 8) else 0
     groups = scales.numel()
     if bits not in (4, 8) or scales.dtype != torch.float32 or not groups or n > values:

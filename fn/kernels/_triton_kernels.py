@@ -204,12 +204,18 @@ def feedback_error_kernel(
 
 
 @triton.jit
+def _sign_bits(bits_ptr, idx, inside):
+    """The packed sign bits ``idx`` (most significant bit first): 1 for +1, 0 for -1."""
+    byte = tl.load(bits_ptr + idx // 8, mask=inside, other=0).to(tl.int32)
+    return (byte >> (7 - (idx % 8)).to(tl.int32)) & 1
+
+
+@triton.jit
 def unpack_scaled_kernel(bits_ptr, scales_ptr, out_ptr, n, chunk, BLOCK: tl.constexpr):
     """``out[k] = +-scales[k // chunk]`` by sign bit ``k``."""
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     inside = idx < n
-    byte = tl.load(bits_ptr + idx // 8, mask=inside, other=0).to(tl.int32)
-    bit = (byte >> (7 - (idx % 8)).to(tl.int32)) & 1
+    bit = _sign_bits(bits_ptr, idx, inside)
     scale = tl.load(scales_ptr + idx // chunk, mask=inside, other=0.0)
     tl.store(out_ptr + idx, tl.where(bit != 0, scale, -scale), mask=inside)
 
@@ -258,8 +264,7 @@ def packbits_kernel(x_ptr, bits_ptr, n, nbytes, BYTES: tl.constexpr):
 def unpackbits_kernel(bits_ptr, out_ptr, n, BLOCK: tl.constexpr):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     inside = idx < n
-    byte = tl.load(bits_ptr + idx // 8, mask=inside, other=0).to(tl.int32)
-    bit = (byte >> (7 - (idx % 8)).to(tl.int32)) & 1
+    bit = _sign_bits(bits_ptr, idx, inside)
     out = tl.where(bit != 0, 1.0, -1.0)
     tl.store(out_ptr + idx, out.to(out_ptr.dtype.element_ty), mask=inside)
 

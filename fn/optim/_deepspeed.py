@@ -487,42 +487,12 @@ def convert_checkpoint(
             ``from_deepspeed`` cannot import (the message says why).
     """
     path = _model_states(os.fspath(folder))
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=not trust)
-    except Exception as err:  # torch raises UnpicklingError or RuntimeError, by version
-        if trust:
-            raise
-        raise ValueError(
-            f"{path} holds objects that a weights-only load refuses ({err}); if the checkpoint "
-            "comes from a trusted source, convert it with --trust"
-        ) from err
-    if saved.get("optimizer") is None:
-        raise ValueError(
-            f"{path} has no optimizer state: a ZeRO checkpoint (DeepSpeed's 1-bit optimizers ran "
-            "without ZeRO) or one saved without its optimizer"
-        )
-    ds_config = config if config is not None else saved.get("ds_config")
-    if isinstance(ds_config, str) and not os.path.exists(ds_config):
-        ds_config = None
-    if ds_config is None:
-        raise ValueError(
-            f"{path} does not hold its DeepSpeed config as a dict: pass the config (--config)"
-        )
-    ds_config = read_config(ds_config)
+    saved = _load_model_states(path, trust)
+    ds_config = _checkpoint_config(path, saved, config)
     block = ds_config.get("optimizer", ds_config)
     names, params = _named_params(saved)
     optimizer_state = _without_error_feedback(saved["optimizer"])
-    groups, start = [], 0
-    for ds_group in optimizer_state["param_groups"]:
-        count = len(ds_group["params"])
-        groups.append({"params": params[start : start + count]})
-        start += count
-    if start != len(params):
-        raise ValueError(
-            f"the optimizer has {start} params, the model state {len(params)} (after leaving out "
-            "its buffers and tied copies): fn converts runs whose optimizer took all of "
-            "model.parameters()"
-        )
+    groups = _param_groups(params, optimizer_state["param_groups"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the summary lists what is not used
         optimizer = from_deepspeed(
@@ -556,6 +526,58 @@ def convert_checkpoint(
         "deepspeed_version": str(saved.get("ds_version", "")),
     }
     return converted, summary
+
+
+def _load_model_states(path: str, trust: bool) -> dict[str, Any]:
+    """The model states file at ``path``, which must hold the optimizer's state."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=not trust)
+    except Exception as err:  # torch raises UnpicklingError or RuntimeError, by version
+        if trust:
+            raise
+        raise ValueError(
+            f"{path} holds objects that a weights-only load refuses ({err}); if the checkpoint "
+            "comes from a trusted source, convert it with --trust"
+        ) from err
+    if saved.get("optimizer") is None:
+        raise ValueError(
+            f"{path} has no optimizer state: a ZeRO checkpoint (DeepSpeed's 1-bit optimizers ran "
+            "without ZeRO) or one saved without its optimizer"
+        )
+    return saved
+
+
+def _checkpoint_config(
+    path: str, saved: Mapping[str, Any], config: Mapping[str, Any] | str | os.PathLike | None
+) -> dict[str, Any]:
+    """The DeepSpeed config of the checkpoint ``saved`` (read from ``path``): ``config`` if
+    given, else the checkpoint's ``ds_config`` (a dict, or the path of a file that exists)."""
+    ds_config = config if config is not None else saved.get("ds_config")
+    if isinstance(ds_config, str) and not os.path.exists(ds_config):
+        ds_config = None
+    if ds_config is None:
+        raise ValueError(
+            f"{path} does not hold its DeepSpeed config as a dict: pass the config (--config)"
+        )
+    return read_config(ds_config)
+
+
+def _param_groups(
+    params: list[torch.Tensor], ds_groups: Iterable[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """``params`` cut into DeepSpeed's param groups, in order (the optimizer took them all)."""
+    groups, start = [], 0
+    for ds_group in ds_groups:
+        count = len(ds_group["params"])
+        groups.append({"params": params[start : start + count]})
+        start += count
+    if start != len(params):
+        raise ValueError(
+            f"the optimizer has {start} params, the model state {len(params)} (after leaving out "
+            "its buffers and tied copies): fn converts runs whose optimizer took all of "
+            "model.parameters()"
+        )
+    return groups
 
 
 def _model_states(folder: str) -> str:

@@ -9,6 +9,7 @@ must equal the reference's bits.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 from collections.abc import Callable
 from typing import Any
@@ -228,3 +229,54 @@ def test_implementation_matches_its_reference(kernel_set, name, n, seed, variant
     if want is not None:  # a kernel that writes into its arguments returns nothing of note
         assert _same(got, want)
     assert _same(got_args, want_args)
+
+
+# The kernels whose reference sums over ranks (fn.kernels.sum_ranks, directly or through
+# _reference.sign_sum).
+RANK_SUMS = ("sign_sum_compress", "sign_sum_apply_error", "dequantize_sum")
+
+
+def test_accelerator_kernel_sets_sum_over_ranks_in_rank_order():
+    """Only the C kernels have their own sums over ranks (tested above and in
+    test_capabilities, bit for bit); every other built-in kernel set (Triton, CuPy, torch_npu)
+    runs the reference's, which adds rank by rank as ``sum_ranks`` does. A set that gains its
+    own must be added to ``SETS`` above to be tested against the reference."""
+    for device_type in ("cuda", "xpu", "npu", "hpu", "mps"):
+        record = K.get_accelerator(device_type)
+        for kernel_set in record.kernel_set_names():
+            for name in RANK_SUMS:
+                assert record.kernel(name, kernel_set) is _spec.REFERENCES[name], (
+                    device_type,
+                    kernel_set,
+                    name,
+                )
+
+
+def test_implementation_has_the_reference_signature_and_falls_back_to_it():
+    """``_spec.implementation``: the reference's signature, checked when decorating; the
+    reference runs where the implementation returns ``None`` or its backend is unavailable."""
+    calls = []
+
+    @_spec.implementation(lambda: calls)
+    def dequantize(handle, q, scales, bits, n):
+        handle.append(n)
+        return None if n % 2 else torch.full((n,), 7.0)
+
+    q, scales = K.quantize(torch.arange(8.0), 8, 4)
+    assert dequantize(q, scales, 8, 4).tolist() == [7.0] * 4
+    assert _same(dequantize(q, scales, 8, 3), _reference.dequantize(q, scales, 8, 3))
+    assert calls == [4, 3]
+    assert str(inspect.signature(dequantize)) == str(inspect.signature(_reference.dequantize))
+
+    @_spec.implementation(lambda: None)
+    def packbits(handle, x):
+        raise AssertionError("called without its backend")
+
+    assert _same(
+        packbits(torch.tensor([1.0, -1.0])), _reference.packbits(torch.tensor([1.0, -1.0]))
+    )
+    with pytest.raises(TypeError, match="unpackbits: the parameters are not the reference's"):
+
+        @_spec.implementation()
+        def unpackbits(packed, n, dtype=torch.float16):
+            return None
