@@ -33,6 +33,20 @@ issue #17 that cluster.py measures, its ratio and "met", "NOT met" or "not measu
 size this run left out), the bound of the "x Adam" targets, with the load average before the run
 and THP_MEM_ALLOC_ENABLE (set it as ``sudo THP_MEM_ALLOC_ENABLE=1 python3 ...``).
 
+Two-level (``--nodes N --ranks-per-node L``, ``N * L`` ranks numbered ``node * L + local`` as
+torchrun lays them out): each rank's ``eth0`` joins its node's bridge (in namespace
+``PREFIX-n<k>``) by an unlimited veth, and each node's bridge joins the core bridge
+(``PREFIX-br``) by one veth, the node's uplink, with the token bucket on both of its ends: ranks
+of a node talk over fast links, nodes over RATE. The allreduce rows are then dense, the flat and
+the hierarchical (``local_world_size=L``) 1-bit ``compressed_allreduce``, the hierarchical 4-bit
+``loco_allreduce`` and the bound of the hierarchical ones: the hierarchical 1-bit's intra-node
+part alone (its dense exchange inside the node and the all-gather of the packed result); the
+training rows add ``fn.onebit_adam`` and ``fn.optim.OnebitAdam`` with ``local_world_size=L``
+(printed as not available where fn does not take it). Every row also gives the bytes each rank
+sent across nodes in one untimed call, read by rank 0 from the uplinks' counters (``ip -n
+PREFIX-n<k> -s -j link show dev uplink``), and for fn's collectives the comm's own count by
+level (``bytes_sent_by_hop``); the summary gives the targets of issue #28.
+
 All ranks share this machine's CPUs: compute that would run in parallel on a real cluster
 (compression, backward) competes here, so compute-bound rows are pessimistic.
 
@@ -43,6 +57,7 @@ Every child has a timeout and every loop is bounded.
 
 Run:  sudo python3 benchmarks/cluster.py [--ranks 4] [--rates 1gbit,10gbit] [--log2-sizes 20-25]
       [--threads 1]
+      sudo python3 benchmarks/cluster.py --nodes 2 --ranks-per-node 2 [--rates 1gbit,10gbit]
       python3 benchmarks/cluster.py --dry-run     (print the plan; needs nothing)
       sudo python3 benchmarks/cluster.py --cleanup
 """
@@ -500,7 +515,8 @@ def bytes_across_nodes(
         comm = comms.get(name)
         if comm is not None:
             comm.reset_bytes_sent()
-        row = {"across": (measured(f) - barriers) / cfg["world_size"]}
+        # at least 0: a call that sends nothing across may read a few bytes under the barriers'
+        row = {"across": max(0, measured(f) - barriers) / cfg["world_size"]}
         if comm is not None:
             row["by_hop"] = comm.bytes_sent_by_hop
         out[name] = row
@@ -978,7 +994,7 @@ def print_two_level_results(results: list[dict], args: argparse.Namespace) -> No
             )
             for key, label in (TRAINING_ROWS | HIERARCHICAL_TRAINING_ROWS).items():
                 if t[key] is None:
-                    print(f"  {label:48s} not available (fn.onebit_adam has no local_world_size)")
+                    print(f"  {label:48s} not available (no local_world_size in fn)")
                     continue
                 print(
                     f"  {label:48s} {1e3 * t[key]:9.1f}   x DDP {t['adam_ddp'] / t[key]:5.2f}   "
