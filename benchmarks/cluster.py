@@ -33,6 +33,20 @@ issue #17 that cluster.py measures, its ratio and "met", "NOT met" or "not measu
 size this run left out), the bound of the "x Adam" targets, with the load average before the run
 and THP_MEM_ALLOC_ENABLE (set it as ``sudo THP_MEM_ALLOC_ENABLE=1 python3 ...``).
 
+Two-level (``--nodes N --ranks-per-node L``, ``N * L`` ranks numbered ``node * L + local`` as
+torchrun lays them out): each rank's ``eth0`` joins its node's bridge (in namespace
+``PREFIX-n<k>``) by an unlimited veth, and each node's bridge joins the core bridge
+(``PREFIX-br``) by one veth, the node's uplink, with the token bucket on both of its ends: ranks
+of a node talk over fast links, nodes over RATE. The allreduce rows are then dense, the flat and
+the hierarchical (``local_world_size=L``) 1-bit ``compressed_allreduce``, the hierarchical 4-bit
+``loco_allreduce`` and the bound of the hierarchical ones: the hierarchical 1-bit's intra-node
+part alone (its dense exchange inside the node and the all-gather of the packed result); the
+training rows add ``fn.onebit_adam`` and ``fn.optim.OnebitAdam`` with ``local_world_size=L``
+(printed as not available where fn does not take it). Every row also gives the bytes each rank
+sent across nodes in one untimed call, read by rank 0 from the uplinks' counters (``ip -n
+PREFIX-n<k> -s -j link show dev uplink``), and for fn's collectives the comm's own count by
+level (``bytes_sent_by_hop``); the summary gives the targets of issue #28.
+
 All ranks share this machine's CPUs: compute that would run in parallel on a real cluster
 (compression, backward) competes here, so compute-bound rows are pessimistic.
 
@@ -43,6 +57,7 @@ Every child has a timeout and every loop is bounded.
 
 Run:  sudo python3 benchmarks/cluster.py [--ranks 4] [--rates 1gbit,10gbit] [--log2-sizes 20-25]
       [--threads 1]
+      sudo python3 benchmarks/cluster.py --nodes 2 --ranks-per-node 2 [--rates 1gbit,10gbit]
       python3 benchmarks/cluster.py --dry-run     (print the plan; needs nothing)
       sudo python3 benchmarks/cluster.py --cleanup
 """
@@ -53,6 +68,7 @@ import argparse
 import contextlib
 import datetime
 import glob
+import inspect
 import json
 import os
 import re
@@ -72,6 +88,7 @@ RATE_UNIT = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**
 PORT = 29500
 MAX_TUNING_ROUNDS = 30  # untimed rounds past --warmup while a kernel tunes (it takes 9 calls)
 IFNAME = "eth0"
+UPLINK = "uplink"  # a node's end of its link to the core bridge (two-level)
 
 
 class Interrupted(Exception):
@@ -113,41 +130,75 @@ def namespaces(prefix: str, ranks: int) -> tuple[str, list[str]]:
     return f"{prefix}-br", [f"{prefix}-r{i}" for i in range(ranks)]
 
 
+def node_namespaces(prefix: str, nodes: int) -> list[str]:
+    """The namespaces of the two-level cluster's nodes, each holding its node's bridge."""
+    return [f"{prefix}-n{k}" for k in range(nodes)]
+
+
 def address(subnet: str, rank: int) -> str:
     return f"{subnet}.{rank + 1}"
 
 
-def setup_commands(prefix: str, ranks: int, subnet: str) -> list[list[str]]:
-    """Namespaces, bridge, veth pairs, addresses; all inside the new namespaces."""
+def setup_commands(
+    prefix: str, ranks: int, subnet: str, ranks_per_node: int | None = None
+) -> list[list[str]]:
+    """Namespaces, bridges, veth pairs, addresses; all inside the new namespaces.
+
+    Flat (``ranks_per_node`` ``None``): every rank's ``eth0`` is a port ``p<i>`` of the bridge
+    namespace's ``br0``. Two-level (``ranks_per_node=L``): rank ``i``'s ``eth0`` is a port
+    ``p<i>`` of its node's ``br0`` (in ``PREFIX-n<i // L>``), and each node's bridge is joined to
+    the core bridge (``PREFIX-br``) by one veth, the node's uplink: ``uplink`` in the node,
+    ``n<k>`` on the core bridge. One /24 either way.
+    """
     bridge, rank_ns = namespaces(prefix, ranks)
-    cmds = [["ip", "netns", "add", ns] for ns in (bridge, *rank_ns)]
-    cmds += [
-        ["ip", "-n", bridge, "link", "add", "br0", "type", "bridge"],
-        ["ip", "-n", bridge, "link", "set", "br0", "up"],
-    ]
-    for i, ns in enumerate(rank_ns):
-        port = f"p{i}"
+    nodes = [] if ranks_per_node is None else node_namespaces(prefix, ranks // ranks_per_node)
+    cmds = [["ip", "netns", "add", ns] for ns in (bridge, *nodes, *rank_ns)]
+    for ns in (bridge, *nodes):
         cmds += [
-            ["ip", "-n", ns, "link", "add", IFNAME, "type", "veth", "peer", "name", port]
-            + ["netns", bridge],
-            ["ip", "-n", bridge, "link", "set", port, "master", "br0"],
-            ["ip", "-n", bridge, "link", "set", port, "up"],
+            ["ip", "-n", ns, "link", "add", "br0", "type", "bridge"],
+            ["ip", "-n", ns, "link", "set", "br0", "up"],
+        ]
+    for k, node in enumerate(nodes):
+        cmds += _veth_to_bridge(node, UPLINK, bridge, f"n{k}")
+        cmds.append(["ip", "-n", node, "link", "set", UPLINK, "master", "br0"])
+    for i, ns in enumerate(rank_ns):
+        port_ns = bridge if ranks_per_node is None else nodes[i // ranks_per_node]
+        cmds += _veth_to_bridge(ns, IFNAME, port_ns, f"p{i}")
+        cmds += [
             ["ip", "-n", ns, "addr", "add", f"{address(subnet, i)}/24", "dev", IFNAME],
-            ["ip", "-n", ns, "link", "set", IFNAME, "up"],
             ["ip", "-n", ns, "link", "set", "lo", "up"],
         ]
     return cmds
 
 
-def shaping_commands(prefix: str, ranks: int, rate: str) -> list[list[str]]:
-    """A tbf qdisc at RATE on both ends of every link (``unlimited``: remove them).
+def _veth_to_bridge(ns: str, dev: str, bridge_ns: str, port: str) -> list[list[str]]:
+    """A veth pair from ``dev`` in ``ns`` to ``port`` on ``bridge_ns``'s ``br0``, both up."""
+    return [
+        ["ip", "-n", ns, "link", "add", dev, "type", "veth", "peer", "name", port]
+        + ["netns", bridge_ns],
+        ["ip", "-n", bridge_ns, "link", "set", port, "master", "br0"],
+        ["ip", "-n", bridge_ns, "link", "set", port, "up"],
+        ["ip", "-n", ns, "link", "set", dev, "up"],
+    ]
+
+
+def shaping_commands(
+    prefix: str, ranks: int, rate: str, ranks_per_node: int | None = None
+) -> list[list[str]]:
+    """A tbf qdisc at RATE on both ends of every rate-limited link (``unlimited``: remove them):
+    every rank's link when flat, every node's uplink when two-level (``ranks_per_node``; the
+    links inside a node stay unlimited).
 
     The bucket holds 2 ms of traffic (at least 128 KiB, so that 64 KiB GSO packets pass whole);
     packets wait at most 50 ms in the queue.
     """
     bits = parse_rate(rate)
     bridge, rank_ns = namespaces(prefix, ranks)
-    ends = [(ns, IFNAME) for ns in rank_ns] + [(bridge, f"p{i}") for i in range(ranks)]
+    if ranks_per_node is None:
+        ends = [(ns, IFNAME) for ns in rank_ns] + [(bridge, f"p{i}") for i in range(ranks)]
+    else:
+        nodes = node_namespaces(prefix, ranks // ranks_per_node)
+        ends = [(ns, UPLINK) for ns in nodes] + [(bridge, f"n{k}") for k in range(len(nodes))]
     if bits is None:
         return [["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"] for ns, dev in ends]
     burst = max(128 * 1024, int(bits / 8 * 0.002))
@@ -306,17 +357,24 @@ def check_no_leftovers(prefix: str) -> None:
 
 
 @contextlib.contextmanager
-def namespace_cluster(prefix: str, ranks: int, subnet: str) -> Iterator[str]:
-    """Builds the namespaces and yields a fresh log directory; removes both on leaving, also on
-    errors and on SIGINT / SIGTERM / SIGHUP (raised inside as ``Interrupted``)."""
+def namespace_cluster(
+    prefix: str, ranks: int, subnet: str, ranks_per_node: int | None = None
+) -> Iterator[str]:
+    """Builds the namespaces (two-level with ``ranks_per_node``, see :func:`setup_commands`) and
+    yields a fresh log directory; removes both on leaving, also on errors and on SIGINT /
+    SIGTERM / SIGHUP (raised inside as ``Interrupted``)."""
     check_no_leftovers(prefix)
     logdir = None
     try:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, _raise_interrupted)
         logdir = tempfile.mkdtemp(prefix=f"{prefix}-logs-")
-        print(f"building {ranks} namespaces ({prefix}-*), subnet {subnet}.0/24", flush=True)
-        for cmd in setup_commands(prefix, ranks, subnet):
+        layout = "" if ranks_per_node is None else f" on {ranks // ranks_per_node} nodes"
+        print(
+            f"building namespaces for {ranks} ranks{layout} ({prefix}-*), subnet {subnet}.0/24",
+            flush=True,
+        )
+        for cmd in setup_commands(prefix, ranks, subnet, ranks_per_node):
             run(cmd)
         yield logdir
     finally:
@@ -330,9 +388,9 @@ def namespace_cluster(prefix: str, ranks: int, subnet: str) -> Iterator[str]:
             signal.signal(sig, signal.SIG_DFL)
 
 
-def shape(prefix: str, ranks: int, rate: str) -> None:
-    """Sets every link's rate (``unlimited``: removes the limits)."""
-    for cmd in shaping_commands(prefix, ranks, rate):
+def shape(prefix: str, ranks: int, rate: str, ranks_per_node: int | None = None) -> None:
+    """Sets every rate-limited link's rate (``unlimited``: removes the limits)."""
+    for cmd in shaping_commands(prefix, ranks, rate, ranks_per_node):
         run(cmd, check=parse_rate(rate) is not None)
 
 
@@ -350,15 +408,17 @@ def run_on_links(
 ) -> list[dict]:
     """Rank 0's results of each config, run one after the other as ``script --worker`` with
     every one of ``config["world_size"]`` ranks in its own namespace behind a link at
-    ``config["rate"]`` (see :func:`run_ranks`). On a failing rank or an interrupt it removes
-    the namespaces and exits with a message (status 1 or 130)."""
-    ranks = configs[0]["world_size"]
+    ``config["rate"]`` (see :func:`run_ranks`); with ``config["ranks_per_node"]``, on the
+    two-level cluster of :func:`setup_commands` with each node's uplink at that rate. On a
+    failing rank or an interrupt it removes the namespaces and exits with a message (status 1
+    or 130)."""
+    ranks, per_node = configs[0]["world_size"], configs[0].get("ranks_per_node")
     master = {"master_addr": address(subnet, 0)}
     results = []
     try:
-        with namespace_cluster(prefix, ranks, subnet) as logdir:
+        with namespace_cluster(prefix, ranks, subnet, per_node) as logdir:
             for config in configs:
-                shape(prefix, ranks, config["rate"])
+                shape(prefix, ranks, config["rate"], per_node)
                 print(f"rate {config['rate']}: running {ranks} ranks", flush=True)
                 config = {**config, **master}
                 results.append(run_ranks(prefix, config, logdir, timeout, script, echo))
@@ -410,14 +470,71 @@ def _timed(fns: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dic
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def uplink_tx_bytes(prefix: str, nodes: int) -> int:
+    """Bytes sent so far out of every node's uplink (their sum: every byte that crossed nodes).
+
+    Read with ``ip -n PREFIX-n<k> -s -j link show dev uplink``; a rank runs as root, so ``ip -n``
+    reaches the node namespaces from inside its own.
+    """
+    total = 0
+    for ns in node_namespaces(prefix, nodes):
+        (link,) = json.loads(
+            run(["ip", "-n", ns, "-s", "-j", "link", "show", "dev", UPLINK]).stdout
+        )
+        total += link["stats64"]["tx"]["bytes"]
+    return total
+
+
+def bytes_across_nodes(
+    cfg: dict, fns: dict[str, Callable[[], None]], comms: dict[str, object] | None = None
+) -> dict[str, dict]:
+    """Per rank, what one untimed call of each fn sent across nodes, on the two-level cluster.
+
+    Rank 0 reads the uplinks' counters (:func:`uplink_tx_bytes`) between barriers around one
+    call of each fn; their difference, less that of a call that does nothing (the barriers' own
+    traffic), divided by the world size, is ``"across"``. For a fn in ``comms``, ``"by_hop"`` is
+    that comm's own count of the same call (``bytes_sent_by_hop``). Only rank 0's numbers are
+    read (the other ranks return zeros).
+    """
+    import torch.distributed as dist
+
+    nodes = cfg["world_size"] // cfg["ranks_per_node"]
+    comms = comms or {}
+
+    def measured(f: Callable[[], None]) -> int:
+        dist.barrier()
+        before = uplink_tx_bytes(cfg["prefix"], nodes) if cfg["rank"] == 0 else 0
+        dist.barrier()
+        f()
+        dist.barrier()
+        return (uplink_tx_bytes(cfg["prefix"], nodes) if cfg["rank"] == 0 else 0) - before
+
+    barriers = measured(lambda: None)
+    out = {}
+    for name, f in fns.items():
+        comm = comms.get(name)
+        if comm is not None:
+            comm.reset_bytes_sent()
+        # at least 0: a call that sends nothing across may read a few bytes under the barriers'
+        row = {"across": max(0, measured(f) - barriers) / cfg["world_size"]}
+        if comm is not None:
+            row["by_hop"] = comm.bytes_sent_by_hop
+        out[name] = row
+    return out
+
+
 def bench_collectives(cfg: dict) -> list[dict]:
     """Allreduce times in steady state: every call writes into buffers made once.
 
     Dense: ``dist.all_reduce`` in place on a copy of ``x``. 1-bit: ``compressed_allreduce`` with
     its errors updated in place and ``y`` into a preallocated buffer (``out=``). 4-bit:
     ``loco_allreduce`` with its state donated (``donate=True``, errors updated in place) and the
-    mean written into the buffer it is given (a copy of ``x``, as for dense).
+    mean written into the buffer it is given (a copy of ``x``, as for dense). On the two-level
+    cluster (``cfg["ranks_per_node"]``): see :func:`bench_two_level_collectives`.
     """
+    if cfg.get("ranks_per_node") is not None:
+        return bench_two_level_collectives(cfg)
+
     import torch
     import torch.distributed as dist
 
@@ -472,6 +589,77 @@ def bench_collectives(cfg: dict) -> list[dict]:
     return rows
 
 
+def bench_two_level_collectives(cfg: dict) -> list[dict]:
+    """The allreduces on the two-level cluster, ``L = cfg["ranks_per_node"]``: dense
+    (``dist.all_reduce``), the flat 1-bit ``compressed_allreduce``, the hierarchical one
+    (``local_world_size=L``) and the hierarchical 4-bit ``loco_allreduce``, buffers reused as
+    in :func:`bench_collectives`; and the bound of the hierarchical 1-bit: its intra-node part
+    alone (``"intra"``: the dense fp32 exchange of the node's reduce-scatter and the all-gather
+    of the packed result, over the unlimited links), which no hierarchical call can beat.
+    Each row has, per method, the bytes per rank across nodes (:func:`bytes_across_nodes`).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from fn.collectives import (
+        ProcessGroup,
+        compressed_allreduce,
+        init_error_feedback,
+        loco_allreduce,
+        padded_numel,
+    )
+
+    world, local = cfg["world_size"], cfg["ranks_per_node"]
+    nodes = world // local
+    comm = ProcessGroup()
+    intra, _ = comm.split(local)
+    rows = []
+    for log2n in cfg["log2_sizes"]:
+        n = 2**log2n
+        x = torch.randn(n, generator=torch.Generator().manual_seed(cfg["rank"]))
+        buf, y = torch.empty_like(x), torch.empty_like(x)
+        flat_errors = init_error_feedback(n, comm=comm)
+        hier_errors = init_error_feedback(n, comm=comm, local_world_size=local)
+        loco = loco_allreduce(4, 128, comm=comm, local_world_size=local)
+        box = {"loco": loco.init({"x": x})}
+        shard = padded_numel(n, world, local) // local
+        node_input = torch.zeros(local * shard)
+        message = torch.zeros(shard // 8 + 4 * nodes, dtype=torch.uint8)
+
+        def dense(x=x, buf=buf):
+            buf.copy_(x)
+            dist.all_reduce(buf)
+
+        def onebit(x=x, y=y, errors=flat_errors):
+            compressed_allreduce(x, *errors, comm=comm, out=(y, *errors))
+
+        def onebit_hier(x=x, y=y, errors=hier_errors):
+            compressed_allreduce(x, *errors, comm=comm, local_world_size=local, out=(y, *errors))
+
+        def loco4_hier(x=x, buf=buf, box=box, loco=loco):
+            buf.copy_(x)
+            _, box["loco"] = loco.update({"x": buf}, box["loco"], donate=True)
+
+        def intra_part(node_input=node_input, message=message):
+            intra.all_to_all(node_input.view(local, -1)).sum(0)
+            intra.all_gather(message)
+
+        fns = {
+            "dense": dense,
+            "onebit": onebit,
+            "onebit_hier": onebit_hier,
+            "loco4_hier": loco4_hier,
+            "intra": intra_part,
+        }
+        counted = {name: comm for name in fns if name != "dense"}
+        sent = bytes_across_nodes(cfg, fns, counted)
+        times = _timed(fns, cfg["repeats"], cfg["warmup"])
+        rows.append({"log2n": log2n, **times, "bytes": sent})
+        _log(cfg, f"collectives 2^{log2n}: " + ", ".join(f"{k} {v:.4f}s" for k, v in times.items()))
+        del x, buf, y, flat_errors, hier_errors, box, node_input, message
+    return rows
+
+
 def build_mlp(width: int, hidden: int):
     import torch
 
@@ -504,7 +692,22 @@ def flat_views(model):
     return flat_p, flat_g
 
 
+def hierarchical_onebit_adam_available() -> bool:
+    """Whether ``fn.onebit_adam`` and ``fn.optim.OnebitAdam`` take ``local_world_size``."""
+    import fn
+    import fn.optim
+
+    return all(
+        "local_world_size" in inspect.signature(f).parameters
+        for f in (fn.onebit_adam, fn.optim.OnebitAdam)
+    )
+
+
 def bench_training(cfg: dict) -> dict:
+    """Training step times (:data:`TRAINING_ROWS`), with, on the two-level cluster, the
+    hierarchical 1-bit Adam rows (``None`` where fn has no ``local_world_size`` for them, see
+    :func:`hierarchical_onebit_adam_available`) and the bytes per rank across nodes of one
+    step of each row (``"bytes"``)."""
     import torch
     import torch.distributed as dist
 
@@ -513,6 +716,7 @@ def bench_training(cfg: dict) -> dict:
     from fn.collectives import ProcessGroup
 
     world, rank = cfg["world_size"], cfg["rank"]
+    local = cfg.get("ranks_per_node")
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(cfg["batch"], cfg["width"], generator=gen)
     y = torch.randn(cfg["batch"], cfg["width"], generator=gen)
@@ -556,60 +760,79 @@ def bench_training(cfg: dict) -> dict:
         loss_of(ddp_model).backward()
         ddp_opt.step()
 
-    # fn.onebit_adam on the flat buffer (one leaf: one compressed allreduce per step) through
-    # fn.update_and_apply: its state and the gradient buffer donated, params updated in place.
-    onebit_model = build_mlp(cfg["width"], cfg["hidden"])
-    flat_p, flat_g = flat_views(onebit_model)
-    opt = fn.onebit_adam(lr=1e-4, freeze_step=2, comm=ProcessGroup())
-    box = {"state": opt.init({"w": flat_p}), "t": 1}
-    flat_g.zero_()
-    loss_of(onebit_model).backward()
-    updates, state = opt.warmup_update({"w": flat_g}, box["state"], step=1)
-    with torch.no_grad():
-        flat_p.copy_(fn.apply_updates({"w": flat_p}, updates)["w"])
-    box["state"] = state._replace(exp_avg_sq={"w": long_warmup_variance(state.exp_avg_sq["w"])})
-
-    def onebit_compressed():
-        box["t"] += 1
+    def onebit_step(**hierarchical) -> tuple[Callable[[], None], ProcessGroup]:
+        """fn.onebit_adam on the flat buffer (one leaf: one compressed allreduce per step)
+        through fn.update_and_apply: its state and the gradient buffer donated, params updated
+        in place; in its compressed phase, after one warmup step."""
+        model = build_mlp(cfg["width"], cfg["hidden"])
+        flat_p, flat_g = flat_views(model)
+        comm = ProcessGroup()
+        opt = fn.onebit_adam(lr=1e-4, freeze_step=2, comm=comm, **hierarchical)
+        box = {"state": opt.init({"w": flat_p}), "t": 1}
         flat_g.zero_()
-        loss_of(onebit_model).backward()
+        loss_of(model).backward()
+        updates, state = opt.warmup_update({"w": flat_g}, box["state"], step=1)
         with torch.no_grad():
-            _, box["state"] = fn.update_and_apply(
-                opt, {"w": flat_g}, box["state"], {"w": flat_p}, step=box["t"]
+            flat_p.copy_(fn.apply_updates({"w": flat_p}, updates)["w"])
+        variance = long_warmup_variance(state.exp_avg_sq["w"])
+        box["state"] = state._replace(exp_avg_sq={"w": variance})
+
+        def step():
+            box["t"] += 1
+            flat_g.zero_()
+            loss_of(model).backward()
+            with torch.no_grad():
+                _, box["state"] = fn.update_and_apply(
+                    opt, {"w": flat_g}, box["state"], {"w": flat_p}, step=box["t"]
+                )
+
+        return step, comm
+
+    def onebit_optim_step(**hierarchical) -> tuple[Callable[[], None], ProcessGroup]:
+        """The torch.optim adapter (always donates; one flat leaf), with the same frozen
+        variance, in its compressed phase."""
+        model = build_mlp(cfg["width"], cfg["hidden"])
+        comm = ProcessGroup()
+        opt = fn.optim.OnebitAdam(
+            model.parameters(), lr=1e-4, freeze_step=2, comm=comm, **hierarchical
+        )
+        loss_of(model).backward()
+        opt.step()
+        checkpoint = opt.state_dict()
+        functional = checkpoint["state"][0]["functional"]
+        functional[".exp_avg_sq"] = long_warmup_variance(functional[".exp_avg_sq"])
+        opt.load_state_dict(checkpoint)
+
+        def step():
+            opt.zero_grad(set_to_none=False)
+            loss_of(model).backward()
+            opt.step()
+
+        return step, comm
+
+    onebit, onebit_comm = onebit_step()
+    onebit_optim, optim_comm = onebit_optim_step()
+    fns = {
+        "adam_dense": adam_dense,
+        "adam_ddp": adam_ddp,
+        "onebit": onebit,
+        "onebit_optim": onebit_optim,
+    }
+    comms = {"onebit": onebit_comm, "onebit_optim": optim_comm}
+    hierarchical_rows = {}
+    if local is not None:
+        hierarchical_rows = dict.fromkeys(HIERARCHICAL_TRAINING_ROWS)
+        if hierarchical_onebit_adam_available():
+            fns["onebit_hier"], comms["onebit_hier"] = onebit_step(local_world_size=local)
+            fns["onebit_optim_hier"], comms["onebit_optim_hier"] = onebit_optim_step(
+                local_world_size=local
             )
-
-    # The torch.optim adapter (always donates; one flat leaf), with the same frozen variance.
-    optim_model = build_mlp(cfg["width"], cfg["hidden"])
-    optim_opt = fn.optim.OnebitAdam(
-        optim_model.parameters(), lr=1e-4, freeze_step=2, comm=ProcessGroup()
-    )
-    loss_of(optim_model).backward()
-    optim_opt.step()
-    checkpoint = optim_opt.state_dict()
-    functional = checkpoint["state"][0]["functional"]
-    functional[".exp_avg_sq"] = long_warmup_variance(functional[".exp_avg_sq"])
-    optim_opt.load_state_dict(checkpoint)
-
-    def onebit_optim():
-        optim_opt.zero_grad(set_to_none=False)
-        loss_of(optim_model).backward()
-        optim_opt.step()
-
-    numel = flat_p.numel()
-    times = _timed(
-        {
-            "adam_dense": adam_dense,
-            "adam_ddp": adam_ddp,
-            "onebit": onebit_compressed,
-            "onebit_optim": onebit_optim,
-            "adam_local": adam_local,
-            "backward": backward_only,
-        },
-        cfg["train_repeats"],
-        cfg["warmup"],
-    )
+    fns |= {"adam_local": adam_local, "backward": backward_only}
+    sent = {} if local is None else {"bytes": bytes_across_nodes(cfg, fns, comms)}
+    times = _timed(fns, cfg["train_repeats"], cfg["warmup"])
     _log(cfg, "training: " + ", ".join(f"{k} {v:.4f}s" for k, v in times.items()))
-    return {"params": numel, **times}
+    params = sum(p.numel() for p in ddp_model.parameters())
+    return {"params": params, **hierarchical_rows, **times, **sent}
 
 
 def long_warmup_variance(v):
@@ -677,6 +900,9 @@ def worker_main(cfg: dict) -> None:
 
 
 def print_results(results: list[dict], args: argparse.Namespace) -> None:
+    if args.ranks_per_node is not None:
+        print_two_level_results(results, args)
+        return
     for res in results:
         rate = res["rate"]
         if "collectives" in res:
@@ -712,6 +938,71 @@ def print_results(results: list[dict], args: argparse.Namespace) -> None:
                 )
 
 
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:8.2f}"
+
+
+def _hops(row: dict) -> str:
+    """A comm's own count of one call, MiB per level (the levels it used)."""
+    hops = {k: v for k, v in row.get("by_hop", {}).items() if v}
+    return "  comm: " + " ".join(f"{k} {v / 2**20:.2f}" for k, v in hops.items()) if hops else ""
+
+
+COLLECTIVE_ROWS = {
+    "dense": "dense dist.all_reduce",
+    "onebit": "1-bit compressed_allreduce, flat",
+    "onebit_hier": "1-bit compressed_allreduce, hierarchical",
+    "loco4_hier": "4-bit loco_allreduce, hierarchical",
+    "intra": "bound: the hierarchical 1-bit's intra-node part",
+}
+
+
+def print_two_level_results(results: list[dict], args: argparse.Namespace) -> None:
+    """The rows of a two-level run: per rate, the allreduces and the training steps, each with
+    its time, its ratio and the MiB each rank sent across nodes (measured on the uplinks; for
+    fn's collectives also the comm's own count by level, MiB per rank)."""
+    layout = f"{args.nodes} nodes x {args.ranks_per_node} ranks"
+    for res in results:
+        rate = res["rate"]
+        if "collectives" in res:
+            print(
+                f"\nallreduce of n fp32 values, {layout}, uplinks at {rate}, links inside a node "
+                f"unlimited, median of {args.repeats} (ms; x dense = dense time / this; MiB per "
+                "rank across nodes)"
+            )
+            for r in res["collectives"]:
+                print(f"  n = 2^{r['log2n']}")
+                for key, label in COLLECTIVE_ROWS.items():
+                    print(
+                        f"    {label:48s} {1e3 * r[key]:9.1f}   x dense {r['dense'] / r[key]:6.2f}"
+                        f"   across {_mib(r['bytes'][key]['across'])}{_hops(r['bytes'][key])}"
+                    )
+                across = r["bytes"]["onebit_hier"]["across"] / r["bytes"]["onebit"]["across"]
+                print(
+                    "    hierarchical 1-bit over flat 1-bit: "
+                    f"{r['onebit'] / r['onebit_hier']:.2f}x faster, {across:.3f}x the bytes across "
+                    "nodes"
+                )
+        if "training" in res:
+            t = res["training"]
+            print(
+                f"\ntraining step, MLP {args.width}-{args.hidden}-{args.hidden}-{args.width} "
+                f"({t['params'] / 1e6:.1f}M params), batch {args.batch} per rank, {layout}, "
+                f"uplinks at {rate}, median of {args.train_repeats} (ms; x DDP = the DDP + Adam "
+                "row's time / this; / floor = this / the no-communication row's; MiB per rank "
+                "across nodes)"
+            )
+            for key, label in (TRAINING_ROWS | HIERARCHICAL_TRAINING_ROWS).items():
+                if t[key] is None:
+                    print(f"  {label:48s} not available (no local_world_size in fn)")
+                    continue
+                print(
+                    f"  {label:48s} {1e3 * t[key]:9.1f}   x DDP {t['adam_ddp'] / t[key]:5.2f}   "
+                    f"/ floor {t[key] / t['adam_local']:5.2f}   across "
+                    f"{_mib(t['bytes'][key]['across'])}{_hops(t['bytes'][key])}"
+                )
+
+
 TRAINING_ROWS = {
     "adam_dense": "Adam: flat dense allreduce + torch Adam",
     "adam_ddp": "Adam: DDP + torch Adam",
@@ -719,6 +1010,12 @@ TRAINING_ROWS = {
     "onebit_optim": "fn.optim.OnebitAdam compressed",
     "adam_local": "no communication (local Adam, the floor)",
     "backward": "forward + backward only (the bound)",
+}
+
+
+HIERARCHICAL_TRAINING_ROWS = {
+    "onebit_hier": "fn.onebit_adam hierarchical, update_and_apply",
+    "onebit_optim_hier": "fn.optim.OnebitAdam hierarchical",
 }
 
 
@@ -809,11 +1106,96 @@ TARGETS = (
 )
 
 
-def target_status(results: list[dict]) -> list[Status]:
+def _collective_row(res: dict, log2n: int) -> dict | None:
+    rows = [r for r in res.get("collectives", ()) if r["log2n"] == log2n]
+    return rows[0] if rows else None
+
+
+def _two_level_ratio(key: str, over: str, bound: bool = False) -> Callable[[dict], float | None]:
+    """``over``'s time / ``key``'s at 2^24 on the two-level cluster (``bound``: / the intra-node
+    part's instead of ``key``'s: the most a hierarchical call can reach in that run)."""
+
+    def measure(res: dict) -> float | None:
+        r = _collective_row(res, 24)
+        return None if r is None else r[over] / r["intra" if bound else key]
+
+    return measure
+
+
+def _hierarchical_bytes(res: dict) -> float | None:
+    r = _collective_row(res, 24)
+    return (
+        None if r is None else r["bytes"]["onebit_hier"]["across"] / r["bytes"]["onebit"]["across"]
+    )
+
+
+def _two_level_step(key: str, over_floor: bool) -> Callable[[dict], float | None]:
+    def measure(res: dict) -> float | None:
+        t = res.get("training")
+        if t is None or t[key] is None:
+            return None
+        return t[key] / t["adam_local"] if over_floor else t["adam_ddp"] / t[key]
+
+    return measure
+
+
+def _ddp_bound(res: dict) -> float | None:
+    """DDP + Adam's step over forward + backward alone (see :func:`_speedup_bound`)."""
+    t = res.get("training")
+    return None if t is None else t["adam_ddp"] / t["backward"]
+
+
+def two_level_targets(ranks_per_node: int) -> tuple[Target, ...]:
+    """The targets of issue #28 on the two-level cluster of ``ranks_per_node`` ranks a node."""
+    targets = [
+        Target(
+            f"hier. 1-bit bytes across nodes <= 1/{ranks_per_node} of flat, 2^24, 1 Gbit/s",
+            1e9,
+            _hierarchical_bytes,
+            at_most=1 / ranks_per_node,
+        ),
+        Target(
+            "hier. 1-bit allreduce >= 1.5x flat 1-bit, 2^24, 1 Gbit/s",
+            1e9,
+            _two_level_ratio("onebit_hier", "onebit"),
+            1.5,
+            bound=_two_level_ratio("onebit_hier", "onebit", bound=True),
+        ),
+        Target(
+            "hier. 1-bit allreduce >= 12x dense, 2^24, 1 Gbit/s",
+            1e9,
+            _two_level_ratio("onebit_hier", "dense"),
+            12,
+            bound=_two_level_ratio("onebit_hier", "dense", bound=True),
+        ),
+    ]
+    for text, key in (
+        ("fn.onebit_adam hierarchical", "onebit_hier"),
+        ("fn.optim.OnebitAdam hierarchical", "onebit_optim_hier"),
+    ):
+        targets += [
+            Target(
+                f"{text} step >= 3x DDP+Adam, 1 Gbit/s",
+                1e9,
+                _two_level_step(key, False),
+                3,
+                bound=_ddp_bound,
+            ),
+            Target(
+                f"{text} step <= 1.1x the floor, 1 Gbit/s",
+                1e9,
+                _two_level_step(key, True),
+                at_most=1.1,
+            ),
+        ]
+    return tuple(targets)
+
+
+def target_status(results: list[dict], targets: Sequence[Target] = TARGETS) -> list[Status]:
     """Every target's :class:`Status`: its measured ratio and verdict, and its bound where it
     has one (from the same rate's results)."""
     rows = []
-    for target in TARGETS:
+    for target in targets:
         res = next(
             (
                 res
@@ -836,22 +1218,42 @@ def target_status(results: list[dict]) -> list[Status]:
 
 def print_summary(results: list[dict], args: argparse.Namespace, load: float) -> None:
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "unset")
+    if args.ranks_per_node is None:
+        title, targets = f"issue #17 targets ({args.ranks} ranks", TARGETS
+        bound = "a step that is forward + backward alone"
+    else:
+        title = f"issue #28 targets ({args.nodes} nodes x {args.ranks_per_node} ranks"
+        targets = two_level_targets(args.ranks_per_node)
+        bound = (
+            "an allreduce that is the hierarchical 1-bit's intra-node part alone, or a step "
+            "that is forward + backward alone"
+        )
     print(
-        f"\nissue #17 targets ({args.ranks} ranks, {args.threads} thread(s) per rank; load "
-        f"average before the run {load:.2f}; THP_MEM_ALLOC_ENABLE={thp}; bound: the ratio of "
-        "a step that is forward + backward alone)"
+        f"\n{title}, {args.threads} thread(s) per rank; load average before the run "
+        f"{load:.2f}; THP_MEM_ALLOC_ENABLE={thp}; bound: the ratio of {bound})"
     )
-    for status in target_status(results):
+    statuses = target_status(results, targets)
+    width = max(54, *(len(status.text) for status in statuses))
+    for status in statuses:
         measured = "-" if status.ratio is None else f"{status.ratio:.2f}x"
         bound = "" if status.bound is None else f"   (bound {status.bound:.2f}x)"
-        print(f"  {status.text:54s} {measured:>8s}   {status.verdict}{bound}")
+        print(f"  {status.text:{width}s} {measured:>8s}   {status.verdict}{bound}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--ranks", type=int, default=4, help="ranks = namespaces (2..16)")
+    parser.add_argument(
+        "--ranks", type=int, help="ranks = namespaces (2..16; default 4), on one flat bridge"
+    )
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        help="two-level cluster: this many nodes (>= 2), each with --ranks-per-node ranks on "
+        "unlimited links and one uplink at the rate to the others",
+    )
+    parser.add_argument("--ranks-per-node", type=int, help="ranks per node (with --nodes)")
     parser.add_argument(
         "--rates", default="1gbit,10gbit", help="comma list of tc rates (e.g. 100mbit, unlimited)"
     )
@@ -886,8 +1288,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.log2_list = parse_sizes(args.log2_sizes)
     except ValueError as err:
         parser.error(str(err))
+    if (args.nodes is None) != (args.ranks_per_node is None):
+        parser.error("--nodes and --ranks-per-node go together")
+    if args.nodes is not None:
+        if args.ranks is not None:
+            parser.error("--ranks: leave it out with --nodes (ranks = nodes x ranks per node)")
+        if args.nodes < 2 or args.ranks_per_node < 1:
+            parser.error("--nodes must be >= 2 and --ranks-per-node >= 1")
+        args.ranks = args.nodes * args.ranks_per_node
+    elif args.ranks is None:
+        args.ranks = 4
     if not 2 <= args.ranks <= 16:
-        parser.error("--ranks must be within 2..16")
+        parser.error(
+            f"--ranks (or --nodes x --ranks-per-node) must be within 2..16, not {args.ranks}"
+        )
     if min(args.repeats, args.train_repeats, args.threads) < 1 or args.warmup < 0:
         parser.error("--repeats, --train-repeats and --threads must be >= 1, --warmup >= 0")
     problem = naming_error(args.prefix, args.subnet)
@@ -935,6 +1349,8 @@ def naming_error(prefix: str, subnet: str) -> str | None:
 def worker_config(args: argparse.Namespace, rate: str) -> dict:
     return {
         "world_size": args.ranks,
+        "ranks_per_node": args.ranks_per_node,
+        "prefix": args.prefix,
         "rate": rate,
         "master_addr": address(args.subnet, 0),
         "log2_sizes": args.log2_list,
@@ -952,18 +1368,30 @@ def worker_config(args: argparse.Namespace, rate: str) -> dict:
 
 
 def print_plan(args: argparse.Namespace) -> None:
-    print("# set up")
-    for cmd in setup_commands(args.prefix, args.ranks, args.subnet):
+    per_node = args.ranks_per_node
+    layout = "" if per_node is None else f" ({args.nodes} nodes x {per_node} ranks)"
+    print(f"# set up{layout}")
+    for cmd in setup_commands(args.prefix, args.ranks, args.subnet, per_node):
         print(" ".join(cmd))
+    links = "every link" if per_node is None else "every node's uplink"
     for rate in args.rate_list:
-        print(f"# rate {rate}: shape, then run one rank per namespace (timeout {args.timeout} s)")
-        for cmd in shaping_commands(args.prefix, args.ranks, rate):
+        print(
+            f"# rate {rate}: shape {links}, then run one rank per namespace (timeout "
+            f"{args.timeout} s)"
+        )
+        for cmd in shaping_commands(args.prefix, args.ranks, rate, per_node):
             print(" ".join(cmd))
         for rank in range(args.ranks):
             cmd = worker_command(args.prefix, rank, worker_config(args, rate))
             print(" ".join(cmd[:-1]), f"'{cmd[-1]}'")
+        if per_node is not None:
+            print("# rank 0 reads the bytes across nodes, around one call of each method:")
+            for ns in node_namespaces(args.prefix, args.nodes):
+                print(f"#   ip -n {ns} -s -j link show dev {UPLINK}")
     print("# clean up")
-    for ns in (*namespaces(args.prefix, args.ranks)[1], namespaces(args.prefix, args.ranks)[0]):
+    bridge, rank_ns = namespaces(args.prefix, args.ranks)
+    nodes = [] if per_node is None else node_namespaces(args.prefix, args.nodes)
+    for ns in (*rank_ns, *nodes, bridge):
         print(f"ip netns delete {ns}")
 
 

@@ -132,6 +132,101 @@ def test_cluster_dry_run_plan_stays_inside_its_namespaces():
         assert ipaddress.ip_address(addr) in net
 
 
+def _dry_run(*argv):
+    proc = _cli("cluster.py", "--dry-run", *argv)
+    assert proc.returncode == 0, proc.stderr
+    return [line for line in proc.stdout.splitlines() if not line.startswith("#")]
+
+
+def test_cluster_two_level_plan_puts_each_rank_on_its_node_and_shapes_only_uplinks():
+    lines = _dry_run("--nodes", "2", "--ranks-per-node", "3", "--rates", "1gbit,unlimited")
+    ranks = [f"fnbench-r{i}" for i in range(6)]
+    nodes = ["fnbench-n0", "fnbench-n1"]
+    ours = {"fnbench-br", *nodes, *ranks}
+    for line in lines:
+        words = line.split()
+        if words[:2] == ["ip", "netns"]:
+            assert words[2] in ("add", "exec", "delete") and words[3] in ours, line
+        else:
+            assert words[0] in ("ip", "tc") and words[1] == "-n" and words[2] in ours, line
+    assert sorted(line.split()[3] for line in lines if line.startswith("ip netns add")) == sorted(
+        ours
+    )
+    assert sorted(line.split()[3] for line in lines if line.startswith("ip netns delete")) == (
+        sorted(ours)
+    )
+    # a bridge in the core and in each node
+    bridges = [line.split()[2] for line in lines if line.endswith("link add br0 type bridge")]
+    assert sorted(bridges) == sorted(["fnbench-br", *nodes])
+    # rank i's veth ends on its node's bridge (ranks node * L + local), each node's uplink on
+    # the core bridge
+    veths = [line.split() for line in lines if "type veth peer" in line]
+    ends = {(w[2], w[5]): (w[-1], w[10]) for w in veths}  # (ns, dev) -> (peer ns, peer name)
+    for i, ns in enumerate(ranks):
+        assert ends[(ns, "eth0")] == (nodes[i // 3], f"p{i}")
+    for k, ns in enumerate(nodes):
+        assert ends[(ns, "uplink")] == ("fnbench-br", f"n{k}")
+    assert len(veths) == 8
+    masters = {(w[2], w[5]) for w in map(str.split, lines) if "master" in w}
+    assert masters == {(nodes[i // 3], f"p{i}") for i in range(6)} | {
+        *((ns, "uplink") for ns in nodes),
+        *(("fnbench-br", f"n{k}") for k in range(2)),
+    }
+    # tbf on both ends of each uplink, nowhere else; unlimited removes exactly those
+    shaped = {(w[2], w[6]) for w in map(str.split, lines) if "tbf" in w}
+    uplink_ends = {(ns, "uplink") for ns in nodes} | {("fnbench-br", "n0"), ("fnbench-br", "n1")}
+    assert shaped == uplink_ends
+    assert sum("tbf rate 1gbit" in line for line in lines) == 4
+    assert {(w[2], w[6]) for w in map(str.split, lines) if "del" in w and w[0] == "tc"} == (
+        uplink_ends
+    )
+    workers = [line for line in lines if line.startswith("ip netns exec")]
+    assert len(workers) == 12  # 6 ranks, 2 rates
+    config = json.loads(workers[0].split("--worker ", 1)[1].strip("'"))
+    assert (config["world_size"], config["ranks_per_node"], config["prefix"]) == (6, 3, "fnbench")
+    addrs = re.findall(r"ip -n (\S+) addr add (\S+)/24", "\n".join(lines))
+    assert addrs == [(ns, f"10.213.0.{i + 1}") for i, ns in enumerate(ranks)]
+
+
+def test_cluster_flat_plan_has_no_nodes():
+    lines = _dry_run("--ranks", "2", "--rates", "1gbit")
+    assert not any("-n0" in line or "uplink" in line for line in lines)
+    worker = next(line for line in lines if line.startswith("ip netns exec"))
+    config = json.loads(worker.split("--worker ", 1)[1].strip("'"))
+    assert config["ranks_per_node"] is None and config["world_size"] == 2
+
+
+def test_cluster_two_level_plan_prints_the_uplink_counters_it_reads():
+    proc = _cli("cluster.py", "--dry-run", "--nodes", "3", "--ranks-per-node", "1")
+    assert proc.returncode == 0, proc.stderr
+    reads = re.findall(r"ip -n (\S+) -s -j link show dev uplink", proc.stdout)
+    assert reads == ["fnbench-n0", "fnbench-n1", "fnbench-n2"] * 2  # per rate
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nodes", "2"], "go together"),
+        (["--ranks-per-node", "2"], "go together"),
+        (["--nodes", "1", "--ranks-per-node", "2"], "--nodes must be >= 2"),
+        (["--nodes", "2", "--ranks-per-node", "0"], "--ranks-per-node >= 1"),
+        (["--nodes", "2", "--ranks-per-node", "2", "--ranks", "4"], "leave it out"),
+        (["--nodes", "3", "--ranks-per-node", "6"], "within 2..16, not 18"),
+    ],
+)
+def test_cluster_rejects_bad_two_level_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        cluster.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_cluster_world_size_comes_from_nodes_and_ranks_per_node():
+    args = cluster.parse_args(["--nodes", "2", "--ranks-per-node", "3"])
+    assert (args.ranks, args.nodes, args.ranks_per_node) == (6, 2, 3)
+    assert cluster.parse_args([]).ranks == 4
+    assert cluster.parse_args([]).ranks_per_node is None
+
+
 @pytest.mark.parametrize(
     "rate, bits", [("100mbit", 1e8), ("1gbit", 1e9), ("2.5gbit", 2.5e9), ("unlimited", None)]
 )
@@ -277,6 +372,86 @@ def test_cluster_target_status_says_what_a_run_did_not_measure():
         "4-bit LoCo allreduce >= 4x dense, 2^24, 1 Gbit/s",
     ]
     assert all(s.ratio is None for s in status if s.verdict == "not measured")
+
+
+def _fake_two_level_results(hierarchical_steps=True):
+    """A two-level cluster.py result at 1gbit: 2^24 allreduce times (dense 1.2 s, flat 1-bit
+    0.15 s, hierarchical 0.09 s, its intra-node part 0.06 s), bytes across nodes (flat 8 MiB,
+    hierarchical 4.2 MiB) and training times (DDP 1.0 s, floor 0.25 s)."""
+    mib = 2**20
+    names = ("dense", "onebit", "onebit_hier", "loco4_hier", "intra")
+    times = dict(zip(names, (1.2, 0.15, 0.09, 0.2, 0.06), strict=True))
+    across = dict(zip(names, (48 * mib, 8 * mib, 4.2 * mib, 16 * mib, 0.0), strict=True))
+    sent = {name: {"across": across[name], "by_hop": {"world": 1, "inter": 2}} for name in names}
+    sent["dense"] = {"across": across["dense"]}
+    hier = {"onebit_hier": 0.3, "onebit_optim_hier": 0.26}
+    if not hierarchical_steps:
+        hier = dict.fromkeys(hier)
+    training = {"params": 25e6, "adam_dense": 1.2, "adam_ddp": 1.0, "onebit": 0.4}
+    training |= {"onebit_optim": 0.45, "adam_local": 0.25, "backward": 0.2, **hier}
+    training["bytes"] = {name: {"across": mib} for name in training if name != "params"}
+    collectives = [{"log2n": 24, **times, "bytes": sent}]
+    return [{"rate": "1gbit", "collectives": collectives, "training": training}]
+
+
+def test_cluster_two_level_targets_compare_each_ratio_with_its_target():
+    targets = cluster.two_level_targets(2)
+    status = {s.text: s for s in cluster.target_status(_fake_two_level_results(), targets)}
+    expected = {
+        "hier. 1-bit bytes across nodes <= 1/2 of flat, 2^24, 1 Gbit/s": (4.2 / 8, "NOT met"),
+        "hier. 1-bit allreduce >= 1.5x flat 1-bit, 2^24, 1 Gbit/s": (0.15 / 0.09, "met"),
+        "hier. 1-bit allreduce >= 12x dense, 2^24, 1 Gbit/s": (1.2 / 0.09, "met"),
+        "fn.onebit_adam hierarchical step >= 3x DDP+Adam, 1 Gbit/s": (1 / 0.3, "met"),
+        "fn.onebit_adam hierarchical step <= 1.1x the floor, 1 Gbit/s": (1.2, "NOT met"),
+        "fn.optim.OnebitAdam hierarchical step >= 3x DDP+Adam, 1 Gbit/s": (1 / 0.26, "met"),
+        "fn.optim.OnebitAdam hierarchical step <= 1.1x the floor, 1 Gbit/s": (1.04, "met"),
+    }
+    assert set(status) == set(expected)
+    for text, (ratio, verdict) in expected.items():
+        assert status[text].ratio == pytest.approx(ratio) and status[text].verdict == verdict
+    # bounds: the intra-node part alone, and forward + backward alone under DDP's time
+    bounds = {text: s.bound for text, s in status.items()}
+    assert bounds["hier. 1-bit allreduce >= 1.5x flat 1-bit, 2^24, 1 Gbit/s"] == pytest.approx(
+        0.15 / 0.06
+    )
+    assert bounds["hier. 1-bit allreduce >= 12x dense, 2^24, 1 Gbit/s"] == pytest.approx(20.0)
+    assert bounds["fn.onebit_adam hierarchical step >= 3x DDP+Adam, 1 Gbit/s"] == (
+        pytest.approx(5.0)
+    )
+    assert bounds["hier. 1-bit bytes across nodes <= 1/2 of flat, 2^24, 1 Gbit/s"] is None
+
+
+def test_cluster_two_level_steps_without_local_world_size_are_not_measured(capsys):
+    results = _fake_two_level_results(hierarchical_steps=False)
+    status = cluster.target_status(results, cluster.two_level_targets(2))
+    unmeasured = {s.text for s in status if s.verdict == "not measured"}
+    assert unmeasured == {s.text for s in status if "step" in s.text}
+    args = cluster.parse_args(["--nodes", "2", "--ranks-per-node", "2", "--rates", "1gbit"])
+    cluster.print_results(results, args)
+    printed = capsys.readouterr().out
+    for label in cluster.HIERARCHICAL_TRAINING_ROWS.values():
+        assert re.search(re.escape(label) + r"\s+not available", printed), printed
+
+
+def test_cluster_two_level_report_prints_bytes_across_nodes_and_the_speedup(capsys):
+    args = cluster.parse_args(["--nodes", "2", "--ranks-per-node", "2", "--rates", "1gbit"])
+    results = _fake_two_level_results()
+    cluster.print_results(results, args)
+    cluster.print_summary(results, args, load=0.5)
+    printed = capsys.readouterr().out
+    assert "2 nodes x 2 ranks, uplinks at 1gbit" in printed
+    assert re.search(
+        r"1-bit compressed_allreduce, flat\s+150\.0\s+x dense\s+8\.00\s+across\s+8\.00", printed
+    )
+    assert re.search(r"hierarchical\s+90\.0\s+x dense\s+13\.33\s+across\s+4\.20", printed)
+    assert "1.67x faster, 0.525x the bytes across nodes" in printed
+    assert re.search(
+        r"DDP \+ torch Adam\s+1000\.0\s+x DDP\s+1\.00\s+/ floor\s+4\.00\s+across", printed
+    )
+    assert "issue #28 targets (2 nodes x 2 ranks" in printed
+    assert re.search(
+        r"hier\. 1-bit allreduce >= 1\.5x flat 1-bit.*1\.67x\s+met\s+\(bound 2\.50x\)", printed
+    )
 
 
 @pytest.mark.timeout(300)
