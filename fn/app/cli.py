@@ -109,6 +109,14 @@ def _parser() -> argparse.ArgumentParser:
         help="instead of processes, N ranks simulated in this process (fn.collectives.Simulated)",
     )
     d.add_argument(
+        "--ranks-per-node",
+        type=_int_at_least(1),
+        metavar="L",
+        help="ranks per node: the compressed optimizers average densely inside each node of L "
+        "consecutive ranks and compress only across nodes (local_world_size=L); must divide "
+        "the number of ranks (default: flat)",
+    )
+    d.add_argument(
         "--optimizers",
         type=_optimizers,
         default=demo.OPTIMIZERS,
@@ -204,7 +212,15 @@ def _demo(args: argparse.Namespace) -> int:
         lr=args.lr,
         seed=args.seed,
         timeout=args.timeout,
+        ranks_per_node=args.ranks_per_node,
     )
+    if cfg.ranks_per_node is not None and cfg.world_size % cfg.ranks_per_node:
+        print(
+            f"error: --ranks-per-node {cfg.ranks_per_node} does not divide the "
+            f"{cfg.world_size} ranks",
+            file=sys.stderr,
+        )
+        return 2
     try:
         _report.check_writable(args.out)  # fail now, not after the training
     except OSError as err:

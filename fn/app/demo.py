@@ -86,6 +86,7 @@ class DemoConfig(NamedTuple):
     context: int = 32  # characters the model sees
     embed: int = 16
     hidden: int = 256
+    ranks_per_node: int | None = None  # the 1-bit and LoCo collectives' local_world_size
 
 
 class OptimizerResult(NamedTuple):
@@ -128,18 +129,24 @@ def _zero_one_local_scaler(steps: int) -> int:
     return max(1, (steps - warmup_steps(steps)) // 8)
 
 
-def make_optimizer(name: str, comm: Any, lr: float, steps: int) -> Any:
+def make_optimizer(
+    name: str, comm: Any, lr: float, steps: int, local_world_size: int | None = None
+) -> Any:
     """The optimizer ``name`` of :data:`OPTIMIZERS` for a run of ``steps`` updates over ``comm``.
+
+    ``local_world_size``: ranks per node of the compressed collectives (hierarchical 1-bit,
+    two-hop LoCo), or ``None`` (flat). Adam's dense allreduce ignores it.
 
     Returns:
         A ``GradientTransformation`` (``adam``, ``loco_adam``) or a ``CompressedOptimizer``;
         both are called as ``opt.update(grads, state, params, step=t)`` with LOCAL gradients.
     """
     warm = warmup_steps(steps)
+    level = dict(comm=comm, local_world_size=local_world_size)
     if name == "adam":
         return fn.chain(dense_allreduce(comm=comm), fn.adam(lr=lr, betas=BETAS, eps=EPS))
     if name == "onebit_adam":
-        return fn.onebit_adam(lr=lr, freeze_step=warm + 1, betas=BETAS, eps=EPS, comm=comm)
+        return fn.onebit_adam(lr=lr, freeze_step=warm + 1, betas=BETAS, eps=EPS, **level)
     if name == "zero_one_adam":
         return fn.zero_one_adam(
             lr=lr,
@@ -148,13 +155,13 @@ def make_optimizer(name: str, comm: Any, lr: float, steps: int) -> Any:
             var_freeze_step=warm,
             local_step_scaler=_zero_one_local_scaler(steps),
             local_step_clipper=ZERO_ONE_MAX_LOCAL,
-            comm=comm,
+            **level,
         )
     if name == "onebit_lamb":
-        return fn.onebit_lamb(lr=lr, freeze_step=warm + 1, betas=BETAS, eps=EPS, comm=comm)
+        return fn.onebit_lamb(lr=lr, freeze_step=warm + 1, betas=BETAS, eps=EPS, **level)
     if name == "loco_adam":
         return fn.chain(
-            collectives.loco_allreduce(bits=4, comm=comm), fn.adam(lr=lr, betas=BETAS, eps=EPS)
+            collectives.loco_allreduce(bits=4, **level), fn.adam(lr=lr, betas=BETAS, eps=EPS)
         )
     raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
 
@@ -187,8 +194,16 @@ def _param_count(cfg: DemoConfig, vocab_size: int) -> int:
 
 def _mode(cfg: DemoConfig) -> str:
     if cfg.simulate:
-        return f"{cfg.world_size} simulated ranks (fn.collectives.Simulated) in this process"
-    return f"{cfg.world_size} gloo worker processes (fn.collectives.ProcessGroup)"
+        mode = f"{cfg.world_size} simulated ranks (fn.collectives.Simulated) in this process"
+    else:
+        mode = f"{cfg.world_size} gloo worker processes (fn.collectives.ProcessGroup)"
+    if cfg.ranks_per_node is None:
+        return mode
+    nodes = cfg.world_size // cfg.ranks_per_node
+    return (
+        f"{mode}, as {nodes} nodes of {cfg.ranks_per_node} (hierarchical: dense inside a node, "
+        "compressed across nodes)"
+    )
 
 
 def describe(cfg: DemoConfig) -> list[str]:
@@ -381,7 +396,7 @@ def run_simulated(
     results = []
     for i, name in enumerate(cfg.optimizers):
         comm = collectives.Simulated(cfg.world_size)
-        opt = make_optimizer(name, comm, cfg.lr, cfg.steps)
+        opt = make_optimizer(name, comm, cfg.lr, cfg.steps, cfg.ranks_per_node)
         step = collectives.simulate(functools.partial(_train_step, model, opt), comm)
         trace = _fit(
             cfg,
@@ -408,7 +423,7 @@ def _worker(rank: int, world_size: int, send: Callable[[Any], None], cfg: DemoCo
     traces = []
     for i, name in enumerate(cfg.optimizers):
         comm = collectives.ProcessGroup()
-        opt = make_optimizer(name, comm, cfg.lr, cfg.steps)
+        opt = make_optimizer(name, comm, cfg.lr, cfg.steps, cfg.ranks_per_node)
         next_batch = _batches(cfg, data, ranks)
 
         def local_batch(next_batch=next_batch):
