@@ -35,7 +35,7 @@ from fn import collectives, kernels
 from fn.base import CompressedOptimizer, Params, Updates, apply_updates, donated_state
 from fn.errors import check_finite, check_shapes, check_step_or_plan, require_params
 from fn.transforms._learning_rate import learning_rate_now
-from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
+from fn.tree import LiveLeaves, PyTree, live_leaves, tree_flatten, tree_map, tree_unflatten
 
 logger = logging.getLogger("fn.transforms")
 # More than this fraction of a frozen variance below the safe range is no longer the few dead
@@ -191,10 +191,9 @@ class LeafInputs(NamedTuple):
 class Leaves(NamedTuple):
     """The leaves of an update (:func:`leaves_of`); :func:`rebuilt` makes the trees again."""
 
-    spec: pytree.TreeSpec
-    fields: tuple[str, ...]  # the leaf_type's fields
-    old: list[Any]  # the leaf_type of every leaf's state, in leaf order
-    with_grad: list[tuple[int, LeafInputs]]  # (index, inputs) of the leaves with a gradient
+    walk: LiveLeaves  # the gradients, then the leaf_type's fields, the inputs, the donated fields
+    leaf_type: type[NamedTuple]
+    with_grad: list[LeafInputs]  # the leaves with a gradient, in leaf order
 
 
 def leaves_of(
@@ -206,36 +205,32 @@ def leaves_of(
     donated: Any = None,
 ) -> Leaves:
     """Flattens every per-leaf state field, ``grads``, ``inputs`` and the ``donated`` state
-    against the spec of the first field of ``leaf_type`` and checks the gradient shapes.
+    against the structure of the first field of ``leaf_type`` (:func:`fn.tree.live_leaves`)
+    and checks the gradient shapes.
 
     Raises:
         ValueError: naming the leaf, if a gradient's shape differs from its state's.
     """
     fields = leaf_type._fields
     first = getattr(state, fields[0])
-    spec = tree_flatten(first)[1]
-    columns = [spec.flatten_up_to(getattr(state, field)) for field in fields]
-    old = [leaf_type._make(values) for values in zip(*columns, strict=True)]
-    input_columns = [_leaves_or_nones(tree, spec) for tree in inputs]
-    extras = list(zip(*input_columns, strict=True)) if inputs else [()] * spec.num_leaves
-    spares = [None] * spec.num_leaves
-    if donated is not None:
-        donated_columns = [_leaves_or_nones(getattr(donated, field), spec) for field in fields]
-        spares = [leaf_type._make(values) for values in zip(*donated_columns, strict=True)]
-    with_grad = []
-    for i, (g, leaf, extra, spare) in enumerate(
-        zip(spec.flatten_up_to(grads), old, extras, spares, strict=True)
-    ):
-        if g is None:
-            continue
-        like = leaf[0]
+
+    def check(i, g, like, *rest):
         if like is None or g.shape != like.shape:  # named only on error: naming costs a walk
             what = f"gradient leaf {_leaf_name(first, i)}"
             if like is None:
                 raise ValueError(f"{name}: {what} has no state (its param was None at init)")
             check_shapes(name, like, g, what)
-        with_grad.append((i, LeafInputs(g.float(), leaf, extra, spare)))
-    return Leaves(spec, fields, old, with_grad)
+
+    spares = [None if donated is None else getattr(donated, field) for field in fields]
+    trees = (*(getattr(state, field) for field in fields), *inputs, *spares)
+    walk = live_leaves(grads, *trees, structure=first, check=check)
+    n, m = len(fields), len(inputs)
+    with_grad = []
+    for g, *row in zip(*(walk.at_live(k) for k in range(len(walk.leaves))), strict=True):
+        leaf, extra = leaf_type._make(row[:n]), tuple(row[n : n + m])
+        spare = None if donated is None else leaf_type._make(row[n + m :])
+        with_grad.append(LeafInputs(g.float(), leaf, extra, spare))
+    return Leaves(walk, leaf_type, with_grad)
 
 
 def rebuilt(
@@ -244,14 +239,13 @@ def rebuilt(
     """The updates and ``state`` with its per-leaf fields rebuilt from ``results``, one
     ``(update, new_leaf)`` per leaf with a gradient (a leaf without one gets a ``None`` update
     and keeps its state; a field whose leaves are all unchanged stays the same tree)."""
-    updates, new = [None] * len(leaves.old), list(leaves.old)
-    for (i, _), (update, leaf) in zip(leaves.with_grad, results, strict=True):
-        updates[i], new[i] = update, leaf
+    walk = leaves.walk
     new_fields = {}
-    for k, field in enumerate(leaves.fields):
-        if any(a[k] is not b[k] for a, b in zip(new, leaves.old, strict=True)):
-            new_fields[field] = tree_unflatten([leaf[k] for leaf in new], leaves.spec)
-    return tree_unflatten(updates, leaves.spec), state._replace(**new_fields)
+    for k, field in enumerate(leaves.leaf_type._fields):
+        new = [leaf[k] for _, leaf in results]
+        if any(a is not x.leaf[k] for a, x in zip(new, leaves.with_grad, strict=True)):
+            new_fields[field] = walk.rebuild(new, fill=1 + k)
+    return walk.rebuild([update for update, _ in results]), state._replace(**new_fields)
 
 
 def map_leaves(
@@ -284,7 +278,7 @@ def map_leaves(
         ValueError: naming the leaf, if a gradient's shape differs from its state's.
     """
     leaves = leaves_of(name, grads, state, leaf_type, *inputs)
-    results = [rule(x.g, x.leaf, *x.inputs) for _, x in leaves.with_grad]
+    results = [rule(x.g, x.leaf, *x.inputs) for x in leaves.with_grad]
     return rebuilt(leaves, results, state)
 
 
@@ -414,12 +408,6 @@ def _resolve_plan(
     return plan
 
 
-def _leaves_or_nones(tree: PyTree | None, spec: pytree.TreeSpec) -> list[Any]:
-    if tree is None:
-        return [None] * spec.num_leaves
-    return spec.flatten_up_to(tree)
-
-
 def _leaf_name(tree: PyTree, index: int) -> str:
     """The key path of leaf ``index`` of ``tree`` (e.g. ``['w']``), for error messages."""
     paths = pytree.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
@@ -498,11 +486,10 @@ def report_frozen_variance(
     """
     if torch.compiler.is_compiling():
         return
-    spec = tree_flatten(state.exp_avg_sq)[1]
     zero = below = total = 0
-    columns = (state.exp_avg, state.exp_avg_sq, skip, mask)
-    for m, v, skipped, kept in zip(*(_leaves_or_nones(c, spec) for c in columns), strict=True):
-        if v is None or skipped:
+    walk = live_leaves(state.exp_avg_sq, state.exp_avg, skip, mask)  # the leaves with a variance
+    for v, m, skipped, kept in zip(*(walk.at_live(k) for k in range(4)), strict=True):
+        if skipped:
             continue
         rms = m.square().mean().sqrt()
         at_zero = v <= 0

@@ -52,7 +52,7 @@ def onebit_adam_step(
     leaves = leaves_of("onebit_adam", grads, state, leaf_type, params, masks, non_freeze,
                        donated=donated)  # fmt: skip
     exchanges, pure = [], []
-    for _, x in leaves.with_grad:  # compress, exchange, check: nothing written
+    for x in leaves.with_grad:  # compress, exchange, check: nothing written
         m, _, ew, es = x.leaf
         dense = x.inputs[2]
         exchange = None
@@ -61,7 +61,7 @@ def onebit_adam_step(
         exchanges.append(exchange)
         pure.append(rule(x.g, x.leaf, *x.inputs) if exchange is None else None)
     results = []
-    for (_, x), exchange, result in zip(leaves.with_grad, exchanges, pure, strict=True):
+    for x, exchange, result in zip(leaves.with_grad, exchanges, pure, strict=True):
         if exchange is None:
             results.append(result)
         else:
@@ -118,7 +118,7 @@ def zero_one_adam_step(
     Returns ``(updates, state)``."""
     leaves = leaves_of("zero_one_adam", grads, state, leaf_type, params, masks, donated=donated)
     fast, exchanges, pure = [], [], []
-    for _, x in leaves.with_grad:  # compress, exchange, check: nothing written
+    for x in leaves.with_grad:  # compress, exchange, check: nothing written
         m, v, a, ew, es = x.leaf
         fits_buffers = fitting(x.spare.exp_avg, m) is not None and fits(x.g, m)
         exchange, local = None, False
@@ -131,9 +131,7 @@ def zero_one_adam_step(
         exchanges.append(exchange)
         pure.append(None if fast[-1] else rule(x.g, x.leaf, *x.inputs))
     results = []
-    for (_, x), is_fast, exchange, result in zip(
-        leaves.with_grad, fast, exchanges, pure, strict=True
-    ):
+    for x, is_fast, exchange, result in zip(leaves.with_grad, fast, exchanges, pure, strict=True):
         if is_fast:
             result = _write_zero_one_adam_leaf(h, exchange, x, frozen, eta)
         results.append(result)
