@@ -1,17 +1,18 @@
 """The shared driver of the compressed optimizers (1-bit Adam, 0/1 Adam, 1-bit LAMB).
 
 Each optimizer is its state, its pure per-leaf rules (taking the shared
-:class:`OnebitSettings`) and, where the algorithm needs one, a step over all leaves at once
-(1-bit LAMB's fused allreduce, 0/1 Adam's schedule counters); the allocation-free steps of its
-donated updates live beside the rules in ``fn.transforms.onebit_fast``. This module does the
-rest the same way for all three:
+:class:`OnebitSettings`, from :func:`onebit_settings`) and, where the algorithm needs one, a
+step over all leaves at once (1-bit LAMB's fused allreduce, 0/1 Adam's schedule counters); the
+allocation-free steps of its donated updates live beside the rules in
+``fn.transforms.onebit_fast``. This module does the rest the same way for all three:
 
 - :func:`compressed_optimizer` builds the ``CompressedOptimizer``: it resolves the plan of the
   update (from exactly one of ``step`` and ``plan``), checks that ``params`` are given where the
   rule needs them, reads the learning rate of the update and advances the counter.
-- :func:`map_leaves` runs the per-leaf rule: it flattens every per-leaf state field against one
-  spec (:func:`leaves_of`, which also checks the gradient shapes), passes ``None`` gradient
-  leaves through and rebuilds the trees (:func:`rebuilt`).
+- :func:`map_leaves` runs the per-leaf rule on the state's leaves (:func:`leaf_type`, one
+  NamedTuple per leaf derived from the state's fields): :func:`leaves_of` walks the leaves with
+  a gradient (``fn.tree.live_leaves``) and checks their shapes, :func:`rebuilt` makes the
+  trees again; a fast step takes the same leaves and returns the same results.
 - The pieces the rules share: :func:`moving_average`, :func:`dense_moments` (the warmup's dense
   step), :func:`adam_denominator` and :func:`adam_direction` (with the safeguard's clip,
   :func:`adam_ratio_bound`), :func:`report_frozen_variance`.
@@ -33,7 +34,14 @@ from torch.utils import _pytree as pytree
 
 from fn import collectives, kernels
 from fn.base import CompressedOptimizer, Params, Updates, apply_updates, donated_state
-from fn.errors import check_finite, check_shapes, check_step_or_plan, require_params
+from fn.errors import (
+    check_betas,
+    check_finite,
+    check_nonnegative,
+    check_shapes,
+    check_step_or_plan,
+    require_params,
+)
 from fn.transforms._learning_rate import learning_rate_now
 from fn.tree import LiveLeaves, PyTree, live_leaves, tree_flatten, tree_map, tree_unflatten
 
@@ -305,6 +313,47 @@ class OnebitSettings(NamedTuple):
     weight_decay: float  # L2, added to the direction
 
 
+def onebit_settings(
+    name: str,
+    lr: LearningRate,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    comm: Any,
+    safeguard: bool,
+) -> OnebitSettings:
+    """Checks the hyperparameters that the 1-bit family shares and returns its settings; the
+    safeguard's clip is :func:`adam_ratio_bound` of the betas (``None`` without ``safeguard``).
+
+    Raises:
+        ValueError: naming the argument: negative ``lr`` (a number), ``eps`` or
+            ``weight_decay``; betas outside [0, 1).
+    """
+    b1, b2 = check_betas(name, betas)
+    check_nonnegative(name, eps=eps, weight_decay=weight_decay)
+    if not callable(lr):
+        check_nonnegative(name, lr=lr)
+    clip = adam_ratio_bound(b1, b2) if safeguard else None
+    return OnebitSettings(comm, b1, b2, eps, clip, weight_decay)
+
+
+def leaf_type(state_type: type[NamedTuple], *, shared: tuple[str, ...] = ()) -> type[NamedTuple]:
+    """The NamedTuple of one leaf of the per-leaf fields of ``state_type`` (trees like the
+    params): every field but ``count``, ``lr`` and the ``shared`` ones (one value for all
+    leaves), in the state's order. :func:`map_leaves` hands it to a rule, which returns one.
+
+    Example:
+        >>> leaf_type(fn.OnebitLambState, shared=("worker_error", "server_error"))._fields[:3]
+        ('exp_avg', 'exp_avg_sq', 'exp_avg_sq_fresh')
+    """
+    unknown = [field for field in shared if field not in state_type._fields]
+    if unknown:
+        raise TypeError(f"{state_type.__name__} has no fields {unknown}")
+    skipped = ("count", "lr", *shared)
+    fields = [(field, torch.Tensor) for field in state_type._fields if field not in skipped]
+    return NamedTuple(f"{state_type.__name__}Leaf", fields)
+
+
 def dense_moments(
     g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, b1: float, b2: float, comm: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -456,9 +505,7 @@ def check_warmed_up(name: str, count: torch.Tensor) -> None:
 def report_frozen_variance(
     name: str,
     state: Any,
-    eps: float,
-    bound: float,
-    safeguard: bool,
+    h: OnebitSettings,
     *,
     skip: PyTree | None = None,
     mask: PyTree | None = None,
@@ -478,14 +525,14 @@ def report_frozen_variance(
     Args:
         name: the optimizer, for the message.
         state: the state whose ``exp_avg`` (m) and ``exp_avg_sq`` (v) freeze.
-        eps, bound: the optimizer's ``eps`` and :func:`adam_ratio_bound`.
-        safeguard: whether the updates are bounded.
+        h: the optimizer's settings (``h.clip`` is ``None`` when the updates are not bounded).
         skip: optional tree like the params; leaves that are ``True`` do not freeze.
         mask: optional tree like the params of 0/1 masks (``exp_avg_mask``); an element masked
             to 0 is never updated, so its variance at zero is no risk.
     """
     if torch.compiler.is_compiling():
         return
+    eps, bound, safeguard = h.eps, adam_ratio_bound(h.b1, h.b2), h.clip is not None
     zero = below = total = 0
     walk = live_leaves(state.exp_avg_sq, state.exp_avg, skip, mask)  # the leaves with a variance
     for v, m, skipped, kept in zip(*(walk.at_live(k) for k in range(4)), strict=True):

@@ -10,24 +10,19 @@ import torch
 from fn import collectives
 from fn.base import CompressedOptimizer, SecondMomentField
 from fn.collectives import ErrorFeedbackField
-from fn.errors import (
-    check_betas,
-    check_fraction,
-    check_int,
-    check_nonnegative,
-    check_ordered,
-)
+from fn.errors import check_fraction, check_int, check_nonnegative, check_ordered
 from fn.transforms._leafwise import (
     LearningRate,
     OnebitSettings,
     adam_denominator,
     adam_direction,
-    adam_ratio_bound,
     compressed_mean,
     compressed_optimizer,
     dense_moments,
+    leaf_type,
     map_leaves,
     moving_average,
+    onebit_settings,
     report_frozen_variance,
 )
 from fn.transforms._onebit_schedules import FreezeSchedule, OnebitLambPlan
@@ -56,15 +51,7 @@ class OnebitLambState(NamedTuple):
     server_error: ErrorFeedbackField  # [N / W] fp32: e_s
 
 
-class _Leaf(NamedTuple):
-    """One leaf of the per-leaf fields of :class:`OnebitLambState`."""
-
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    exp_avg_sq_fresh: torch.Tensor
-    lamb_coeff_freeze: torch.Tensor
-    last_factor: torch.Tensor
-    scaling_coeff: torch.Tensor
+_Leaf = leaf_type(OnebitLambState, shared=("worker_error", "server_error"))
 
 
 def onebit_lamb(
@@ -211,17 +198,13 @@ def onebit_lamb(
         >>> torch.equal(params["w"][0], params["w"][1])  # the ranks agree after each update
         True
     """
-    b1, b2 = check_betas("onebit_lamb", betas)
+    settings = onebit_settings("onebit_lamb", lr, betas, eps, weight_decay, comm, safeguard)
     check_nonnegative(
         "onebit_lamb",
-        eps=eps,
-        weight_decay=weight_decay,
         min_coeff=min_coeff,
         factor_min=factor_min,
         factor_threshold=factor_threshold,
     )
-    if not callable(lr):
-        check_nonnegative("onebit_lamb", lr=lr)
     check_ordered("onebit_lamb", min_coeff=min_coeff, max_coeff=max_coeff)
     check_ordered("onebit_lamb", factor_min=factor_min, factor_max=factor_max)
     check_fraction("onebit_lamb", coeff_beta=coeff_beta)
@@ -230,8 +213,6 @@ def onebit_lamb(
         "frozen, which at least one warmup update (t < freeze_step) must estimate"
     )
     schedule = FreezeSchedule(check_int("freeze_step", freeze_step, 2, why))
-    bound = adam_ratio_bound(b1, b2)
-    settings = OnebitSettings(comm, b1, b2, eps, bound if safeguard else None, weight_decay)
     trust = _TrustSettings(
         min_coeff, max_coeff, coeff_beta, factor_min, factor_max, factor_threshold
     )
@@ -241,7 +222,7 @@ def onebit_lamb(
             rule = partial(_warmup_rule, settings, trust, eta=eta, copies=plan.copies_variance)
             return map_leaves("onebit_lamb", rule, grads, state, _Leaf, params)
         if plan.sets_scaling:
-            report_frozen_variance("onebit_lamb", state, eps, bound, safeguard, mask=exp_avg_mask)
+            report_frozen_variance("onebit_lamb", state, settings, mask=exp_avg_mask)
             state = state._replace(scaling_coeff=_scaling_coefficients(state))
         momenta, state = _fused_momenta(settings, grads, state, donated)
         rule = partial(_compressed_rule, settings, trust, eta=eta)
