@@ -43,7 +43,7 @@ from fn.errors import (
     require_params,
 )
 from fn.transforms._learning_rate import learning_rate_now
-from fn.tree import LiveLeaves, PyTree, live_leaves, tree_flatten, tree_map, tree_unflatten
+from fn.tree import LiveLeaves, PyTree, live_leaves
 
 logger = logging.getLogger("fn.transforms")
 # More than this fraction of a frozen variance below the safe range is no longer the few dead
@@ -393,14 +393,12 @@ def init_error_feedback_per_leaf(params: Params, comm: Any) -> tuple[PyTree, PyT
     """The worker and server errors of one compressed allreduce per leaf (trees like the
     params, ``None`` where a param is ``None``)."""
 
-    def errors(p):
-        return collectives.init_error_feedback(p.numel(), comm=comm, device=p.device)
-
-    spec = tree_flatten(params)[1]
-    pairs = spec.flatten_up_to(tree_map(errors, params))
-    worker = [None if pair is None else pair[0] for pair in pairs]
-    server = [None if pair is None else pair[1] for pair in pairs]
-    return tree_unflatten(worker, spec), tree_unflatten(server, spec)
+    walk = live_leaves(params)
+    pairs = [
+        collectives.init_error_feedback(p.numel(), comm=comm, device=p.device)
+        for p in walk.at_live(0)
+    ]
+    return walk.rebuild([pair[0] for pair in pairs]), walk.rebuild([pair[1] for pair in pairs])
 
 
 def compressed_mean(

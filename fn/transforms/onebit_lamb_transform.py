@@ -27,15 +27,7 @@ from fn.transforms._leafwise import (
 )
 from fn.transforms._onebit_schedules import FreezeSchedule, OnebitLambPlan
 from fn.transforms.trust_ratio import trust_ratio
-from fn.tree import (
-    PyTree,
-    fitting,
-    tree_flatten,
-    tree_leaves,
-    tree_map,
-    tree_unflatten,
-    tree_zeros_like,
-)
+from fn.tree import LiveLeaves, PyTree, fitting, live_leaves, tree_leaves, tree_map, tree_zeros_like
 
 
 class OnebitLambState(NamedTuple):
@@ -316,7 +308,8 @@ def _fused_momenta(h: OnebitSettings, grads, state, donated):
     (into the fused momentum and ``donated``'s error buffers where given): the momenta as views
     of the mean (``None`` where the gradient is ``None``) and ``state`` with the new errors."""
     pieces, _ = map_leaves("onebit_lamb", partial(_scaled_momentum, h.b1), grads, state, _Leaf)
-    fused = _fuse(pieces, state.exp_avg)
+    walk = live_leaves(state.exp_avg, pieces)  # the momenta's sizes, their scaled pieces
+    fused = _fuse(walk)
     buffers = None
     if donated is not None:  # the fused momentum is ours: the mean goes into it
         buffers = (
@@ -332,7 +325,7 @@ def _fused_momenta(h: OnebitSettings, grads, state, donated):
         "the momentum (local gradient)",
         out=buffers,
     )
-    momenta = _split(flat, pieces, state.exp_avg)
+    momenta = _split(flat, walk)
     return momenta, state._replace(worker_error=worker_error, server_error=server_error)
 
 
@@ -348,42 +341,37 @@ def _scalars(params: PyTree, value: float) -> PyTree:
 def _scaling_coefficients(state: OnebitLambState) -> PyTree:
     """The momentum scaling of every non-empty leaf, ``mean_l(rms(m_l)) / rms(m_l)`` (1 where
     ``m_l`` is zero), the mean over the non-empty leaves; empty leaves keep theirs."""
-    m_leaves, spec = tree_flatten(state.exp_avg)
-    scaling = spec.flatten_up_to(state.scaling_coeff)
+    walk = live_leaves(state.exp_avg, state.scaling_coeff)
+    scaling = walk.at_live(1)
     rms = {
-        i: torch.linalg.vector_norm(m) / m.numel() ** 0.5
-        for i, m in enumerate(m_leaves)
-        if m is not None and m.numel() > 0
+        j: torch.linalg.vector_norm(m) / m.numel() ** 0.5
+        for j, m in enumerate(walk.at_live(0))
+        if m.numel() > 0
     }
     if rms:
         mean = torch.stack(list(rms.values())).mean()
-        for i, s in rms.items():
-            scaling[i] = torch.where(s > 0, mean / s, torch.ones_like(s))
-    return tree_unflatten(scaling, spec)
+        for j, s in rms.items():
+            scaling[j] = torch.where(s > 0, mean / s, torch.ones_like(s))
+    return walk.rebuild(scaling, fill=1)
 
 
-def _fuse(pieces: PyTree, like: PyTree) -> torch.Tensor:
-    """The pieces, flattened and concatenated in leaf order; zeros of the size of the leaf of
-    ``like`` where a piece is ``None``."""
+def _fuse(walk: LiveLeaves) -> torch.Tensor:
+    """The pieces of ``walk`` (of the momenta, then the pieces), flattened and concatenated in
+    leaf order; zeros of the size of the momentum where a piece is ``None``."""
     flat = [
         torch.zeros(m.numel(), dtype=m.dtype, device=m.device)
         if piece is None
         else piece.reshape(-1)
-        for piece, m in zip(
-            tree_leaves(pieces, keep_none=True), tree_leaves(like, keep_none=True), strict=True
-        )
-        if m is not None
+        for m, piece in zip(walk.at_live(0), walk.at_live(1), strict=True)
     ]
     return torch.cat(flat) if flat else torch.zeros(0)
 
 
-def _split(flat: torch.Tensor, pieces: PyTree, like: PyTree) -> PyTree:
-    """Inverse of :func:`_fuse`: views of ``flat`` shaped like the pieces (``None`` where a piece
-    is ``None``)."""
-    piece_leaves, spec = tree_flatten(pieces)
+def _split(flat: torch.Tensor, walk: LiveLeaves) -> PyTree:
+    """Inverse of :func:`_fuse`: views of ``flat`` shaped like the momenta (``None`` where a
+    piece is ``None``)."""
     out, offset = [], 0
-    for piece, m in zip(piece_leaves, spec.flatten_up_to(like), strict=True):
-        n = 0 if m is None else m.numel()
-        out.append(None if piece is None else flat[offset : offset + n].view_as(m))
-        offset += n
-    return tree_unflatten(out, spec)
+    for m, piece in zip(walk.at_live(0), walk.at_live(1), strict=True):
+        out.append(None if piece is None else flat[offset : offset + m.numel()].view_as(m))
+        offset += m.numel()
+    return walk.rebuild(out)
