@@ -266,9 +266,10 @@ def live_leaves(
             ``None`` leaves.
         structure: the tree whose structure all take, ``update``'s by default; a state field,
             where the state decides which leaves exist. One of ``trees`` is flattened once.
-        check: called as ``check(i, u, *entries)`` at each live position ``i`` in leaf order,
-            with the update's leaf ``u`` and the trees' leaves there, before the walk is
-            returned; it raises on a bad leaf (e.g. a shape that differs from the state's).
+        check: called as ``check(i, u, like)`` at each live position ``i`` in leaf order, with
+            the update's leaf ``u`` and the leaf ``like`` of the first of ``trees`` there
+            (``None`` without trees), before the walk is returned; it raises on a bad leaf
+            (e.g. a shape that differs from the state's).
 
     Returns:
         ``LiveLeaves(spec, leaves, live)``: ``leaves[0]`` the update's leaves, ``leaves[k]``
@@ -298,8 +299,9 @@ def live_leaves(
     leaves = [flat(update), *(flat(tree) for tree in trees)]
     live = [i for i, u in enumerate(leaves[0]) if u is not None]
     if check is not None:
+        likes = leaves[1] if trees else flat(None)
         for i in live:
-            check(i, *(column[i] for column in leaves))
+            check(i, leaves[0][i], likes[i])
     return LiveLeaves(spec, leaves, live)
 
 

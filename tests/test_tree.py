@@ -86,10 +86,10 @@ def test_live_leaves_skips_none_updates_and_rebuilds_with_the_state():
     state = tree.tree_zeros_like(make())
     state["b"] = torch.full((3,), 7.0)  # kept: "b" has no update
     checked = []
-    walk = tree.live_leaves(grads, state, None, check=lambda i, *row: checked.append((i, row)))
-    assert walk.live == [0, 2, 3]
-    assert [i for i, _ in checked] == walk.live
-    assert all(len(row) == 3 and row[2] is None for _, row in checked)
+    walk = tree.live_leaves(grads, state, None, check=lambda *args: checked.append(args))
+    assert walk.live == [0, 2, 3] and walk.leaves[2] == [None] * 4
+    assert [i for i, _, _ in checked] == walk.live
+    assert all(u is grads["a"] and like is state["a"] for i, u, like in checked if i == 0)
     assert walk.at_live(1)[0] is state["a"]
     new = walk.rebuild([g + 1 for g in walk.at_live(0)], fill=1)
     assert new["b"] is state["b"] and torch.equal(new["a"], torch.full((2,), 2.0))

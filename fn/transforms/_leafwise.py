@@ -222,15 +222,16 @@ def leaves_of(
     fields = leaf_type._fields
     first = getattr(state, fields[0])
 
-    def check(i, g, like, *rest):
+    def check(i, g, like):
         if like is None or g.shape != like.shape:  # named only on error: naming costs a walk
             what = f"gradient leaf {_leaf_name(first, i)}"
             if like is None:
                 raise ValueError(f"{name}: {what} has no state (its param was None at init)")
             check_shapes(name, like, g, what)
 
-    spares = [None if donated is None else getattr(donated, field) for field in fields]
-    trees = (*(getattr(state, field) for field in fields), *inputs, *spares)
+    trees = [*(getattr(state, field) for field in fields), *inputs]
+    if donated is not None:
+        trees += [getattr(donated, field) for field in fields]
     walk = live_leaves(grads, *trees, structure=first, check=check)
     n, m = len(fields), len(inputs)
     with_grad = []

@@ -16,8 +16,8 @@ def matching(name: str, missing: str) -> Callable[..., None]:
     ``u`` has the shape of the first tree's leaf ``like`` (``fn.errors.check_shapes``); where
     ``like`` is ``None``, ``ValueError("{name}: {missing}")``."""
 
-    def check(i: int, u: torch.Tensor, like: Any, *rest: Any) -> None:
-        del i, rest
+    def check(i: int, u: torch.Tensor, like: Any) -> None:
+        del i
         if like is None:
             raise ValueError(f"{name}: {missing}")
         check_shapes(name, like, u)
