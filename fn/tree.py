@@ -6,16 +6,19 @@ frozen): every helper here passes it through untouched, and multi-tree maps take
 their first tree, so ``tree_map(f, grads, mu)`` returns ``None`` wherever ``grads`` has ``None``.
 
 Below the public helpers are the leaf plumbing that fn's packages share and that is not part of
-the API: whether leaves can go through ``torch._foreach_*`` ops (:func:`foreach_ok`), and which
-tensors a step may write in place (:func:`fits`, :func:`buffer_like`, :func:`storages_of`: the
-buffers of buffer donation, see :class:`fn.GradientTransformation`).
+the API: the walk over the leaves that have an update (:func:`live_leaves`: flatten the trees
+against one structure, skip ``None`` updates, check each leaf, rebuild the trees; every
+transform's update goes through it), whether leaves can go through ``torch._foreach_*`` ops
+(:func:`foreach_ok`), and which tensors a step may write in place (:func:`fits`,
+:func:`buffer_like`, :func:`storages_of`: the buffers of buffer donation, see
+:class:`fn.GradientTransformation`).
 """
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
@@ -218,6 +221,88 @@ def tree_all_finite(tree: PyTree) -> torch.Tensor:
     """
     flags = [torch.isfinite(x).all() for x in tree_leaves(tree)]
     return torch.stack(flags).all() if flags else torch.tensor(True)
+
+
+# The leaf walk: the leaves of an update that are not None, with the matching leaves of the state.
+
+
+class LiveLeaves(NamedTuple):
+    """Trees flattened against one structure and the positions where the update has a leaf
+    (:func:`live_leaves`)."""
+
+    spec: pytree.TreeSpec  # the structure every tree was flattened against
+    leaves: list[list[Any]]  # each tree's leaves, the update's first (all None for a None tree)
+    live: list[int]  # the positions, in leaf order, where the update's leaf is not None
+
+    def at_live(self, k: int) -> list[Any]:
+        """Tree ``k``'s leaves at the live positions (``k = 0``: the update's)."""
+        column = self.leaves[k]
+        return [column[i] for i in self.live]
+
+    def rebuild(self, values: Sequence[Any], fill: int | None = None) -> PyTree:
+        """A tree of the structure holding ``values`` (one per live position, in order) at the
+        live positions and tree ``fill``'s leaves elsewhere (``None`` when ``fill`` is
+        ``None``): the new state field of a leafwise step keeps its leaves without an update."""
+        out = [None] * self.spec.num_leaves if fill is None else list(self.leaves[fill])
+        for i, value in zip(self.live, values, strict=True):
+            out[i] = value
+        return tree_unflatten(out, self.spec)
+
+
+def live_leaves(
+    update: PyTree,
+    *trees: PyTree | None,
+    structure: PyTree | None = None,
+    check: Callable[..., None] | None = None,
+) -> LiveLeaves:
+    """The leaf walk of a transform's update: ``update`` and ``trees`` flattened against one
+    structure, and the positions where ``update`` has a leaf. A ``None`` leaf of ``update`` (a
+    param without gradient) is not live: its update stays ``None`` and its state is kept
+    (:meth:`LiveLeaves.rebuild`).
+
+    Args:
+        update: the tree whose leaves that are not ``None`` are live (gradients, updates).
+        *trees: trees like it (state fields, params, masks); ``None`` stands for a tree of
+            ``None`` leaves.
+        structure: the tree whose structure all take, ``update``'s by default; a state field,
+            where the state decides which leaves exist. One of ``trees`` is flattened once.
+        check: called as ``check(i, u, like)`` at each live position ``i`` in leaf order, with
+            the update's leaf ``u`` and the leaf ``like`` of the first of ``trees`` there
+            (``None`` without trees), before the walk is returned; it raises on a bad leaf
+            (e.g. a shape that differs from the state's).
+
+    Returns:
+        ``LiveLeaves(spec, leaves, live)``: ``leaves[0]`` the update's leaves, ``leaves[k]``
+        those of ``trees[k - 1]``; ``at_live(k)`` and ``rebuild`` read and rebuild them.
+
+    Raises:
+        Whatever ``check`` raises; ``ValueError`` or ``TypeError`` (torch's pytree) where a
+        tree's structure differs from the structure's.
+
+    Example:
+        >>> grads = {"w": torch.tensor([1.0, 2.0]), "b": None}  # "b" has no gradient
+        >>> mu = {"w": torch.zeros(2), "b": torch.zeros(1)}
+        >>> walk = fn.tree.live_leaves(grads, mu)
+        >>> walk.live, walk.at_live(1)
+        ([0], [tensor([0., 0.])])
+        >>> walk.rebuild([torch.ones(2)], fill=1)  # "b" keeps its state
+        {'w': tensor([1., 1.]), 'b': tensor([0.])}
+    """
+    base = update if structure is None else structure
+    base_leaves, spec = tree_flatten(base)
+
+    def flat(tree: PyTree | None) -> list[Any]:
+        if tree is None:
+            return [None] * spec.num_leaves
+        return base_leaves if tree is base else spec.flatten_up_to(tree)
+
+    leaves = [flat(update), *(flat(tree) for tree in trees)]
+    live = [i for i, u in enumerate(leaves[0]) if u is not None]
+    if check is not None:
+        likes = leaves[1] if trees else flat(None)
+        for i in live:
+            check(i, leaves[0][i], likes[i])
+    return LiveLeaves(spec, leaves, live)
 
 
 # Foreach ops: when the leaves of a tree can go through torch._foreach_* ops (one call per op).

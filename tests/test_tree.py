@@ -79,3 +79,32 @@ def test_all_finite():
     assert not bool(tree.tree_all_finite(bad))
     assert not bool(tree.tree_all_finite({"x": torch.tensor([float("inf")])}))
     assert bool(tree.tree_all_finite({}))
+
+
+def test_live_leaves_skips_none_updates_and_rebuilds_with_the_state():
+    grads = {"a": torch.ones(2), "b": None, "c": [torch.ones(2, 2), torch.zeros(0)]}
+    state = tree.tree_zeros_like(make())
+    state["b"] = torch.full((3,), 7.0)  # kept: "b" has no update
+    checked = []
+    walk = tree.live_leaves(grads, state, None, check=lambda *args: checked.append(args))
+    assert walk.live == [0, 2, 3] and walk.leaves[2] == [None] * 4
+    assert [i for i, _, _ in checked] == walk.live
+    assert all(u is grads["a"] and like is state["a"] for i, u, like in checked if i == 0)
+    assert walk.at_live(1)[0] is state["a"]
+    new = walk.rebuild([g + 1 for g in walk.at_live(0)], fill=1)
+    assert new["b"] is state["b"] and torch.equal(new["a"], torch.full((2,), 2.0))
+    assert walk.rebuild([None, None, None])["b"] is None
+
+
+def test_live_leaves_takes_the_given_structure_and_raises_from_check():
+    state = {"w": torch.zeros(2), "frozen": None}
+    grads = {"w": torch.ones(2), "frozen": {"x": torch.ones(1)}}  # a subtree where state is None
+    walk = tree.live_leaves(grads, state, structure=state)
+    assert walk.live == [0, 1] and walk.leaves[1][1] is None
+
+    def check(i, g, s):
+        if s is None:
+            raise ValueError(f"leaf {i} has no state")
+
+    with pytest.raises(ValueError, match="leaf 1 has no state"):
+        tree.live_leaves(grads, state, structure=state, check=check)

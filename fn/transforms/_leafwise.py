@@ -1,17 +1,18 @@
 """The shared driver of the compressed optimizers (1-bit Adam, 0/1 Adam, 1-bit LAMB).
 
 Each optimizer is its state, its pure per-leaf rules (taking the shared
-:class:`OnebitSettings`) and, where the algorithm needs one, a step over all leaves at once
-(1-bit LAMB's fused allreduce, 0/1 Adam's schedule counters); the allocation-free steps of its
-donated updates live beside the rules in ``fn.transforms.onebit_fast``. This module does the
-rest the same way for all three:
+:class:`OnebitSettings`, from :func:`onebit_settings`) and, where the algorithm needs one, a
+step over all leaves at once (1-bit LAMB's fused allreduce, 0/1 Adam's schedule counters); the
+allocation-free steps of its donated updates live beside the rules in
+``fn.transforms.onebit_fast``. This module does the rest the same way for all three:
 
 - :func:`compressed_optimizer` builds the ``CompressedOptimizer``: it resolves the plan of the
   update (from exactly one of ``step`` and ``plan``), checks that ``params`` are given where the
   rule needs them, reads the learning rate of the update and advances the counter.
-- :func:`map_leaves` runs the per-leaf rule: it flattens every per-leaf state field against one
-  spec (:func:`leaves_of`, which also checks the gradient shapes), passes ``None`` gradient
-  leaves through and rebuilds the trees (:func:`rebuilt`).
+- :func:`map_leaves` runs the per-leaf rule on the state's leaves (:func:`leaf_type`, one
+  NamedTuple per leaf derived from the state's fields): :func:`leaves_of` walks the leaves with
+  a gradient (``fn.tree.live_leaves``) and checks their shapes, :func:`rebuilt` makes the
+  trees again; a fast step takes the same leaves and returns the same results.
 - The pieces the rules share: :func:`moving_average`, :func:`dense_moments` (the warmup's dense
   step), :func:`adam_denominator` and :func:`adam_direction` (with the safeguard's clip,
   :func:`adam_ratio_bound`), :func:`report_frozen_variance`.
@@ -33,9 +34,16 @@ from torch.utils import _pytree as pytree
 
 from fn import collectives, kernels
 from fn.base import CompressedOptimizer, Params, Updates, apply_updates, donated_state
-from fn.errors import check_finite, check_shapes, check_step_or_plan, require_params
+from fn.errors import (
+    check_betas,
+    check_finite,
+    check_nonnegative,
+    check_shapes,
+    check_step_or_plan,
+    require_params,
+)
 from fn.transforms._learning_rate import learning_rate_now
-from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
+from fn.tree import LiveLeaves, PyTree, live_leaves
 
 logger = logging.getLogger("fn.transforms")
 # More than this fraction of a frozen variance below the safe range is no longer the few dead
@@ -191,10 +199,9 @@ class LeafInputs(NamedTuple):
 class Leaves(NamedTuple):
     """The leaves of an update (:func:`leaves_of`); :func:`rebuilt` makes the trees again."""
 
-    spec: pytree.TreeSpec
-    fields: tuple[str, ...]  # the leaf_type's fields
-    old: list[Any]  # the leaf_type of every leaf's state, in leaf order
-    with_grad: list[tuple[int, LeafInputs]]  # (index, inputs) of the leaves with a gradient
+    walk: LiveLeaves  # the gradients, then the leaf_type's fields, the inputs, the donated fields
+    leaf_type: type[NamedTuple]
+    with_grad: list[LeafInputs]  # the leaves with a gradient, in leaf order
 
 
 def leaves_of(
@@ -206,36 +213,33 @@ def leaves_of(
     donated: Any = None,
 ) -> Leaves:
     """Flattens every per-leaf state field, ``grads``, ``inputs`` and the ``donated`` state
-    against the spec of the first field of ``leaf_type`` and checks the gradient shapes.
+    against the structure of the first field of ``leaf_type`` (:func:`fn.tree.live_leaves`)
+    and checks the gradient shapes.
 
     Raises:
         ValueError: naming the leaf, if a gradient's shape differs from its state's.
     """
     fields = leaf_type._fields
     first = getattr(state, fields[0])
-    spec = tree_flatten(first)[1]
-    columns = [spec.flatten_up_to(getattr(state, field)) for field in fields]
-    old = [leaf_type._make(values) for values in zip(*columns, strict=True)]
-    input_columns = [_leaves_or_nones(tree, spec) for tree in inputs]
-    extras = list(zip(*input_columns, strict=True)) if inputs else [()] * spec.num_leaves
-    spares = [None] * spec.num_leaves
-    if donated is not None:
-        donated_columns = [_leaves_or_nones(getattr(donated, field), spec) for field in fields]
-        spares = [leaf_type._make(values) for values in zip(*donated_columns, strict=True)]
-    with_grad = []
-    for i, (g, leaf, extra, spare) in enumerate(
-        zip(spec.flatten_up_to(grads), old, extras, spares, strict=True)
-    ):
-        if g is None:
-            continue
-        like = leaf[0]
+
+    def check(i, g, like):
         if like is None or g.shape != like.shape:  # named only on error: naming costs a walk
             what = f"gradient leaf {_leaf_name(first, i)}"
             if like is None:
                 raise ValueError(f"{name}: {what} has no state (its param was None at init)")
             check_shapes(name, like, g, what)
-        with_grad.append((i, LeafInputs(g.float(), leaf, extra, spare)))
-    return Leaves(spec, fields, old, with_grad)
+
+    trees = [*(getattr(state, field) for field in fields), *inputs]
+    if donated is not None:
+        trees += [getattr(donated, field) for field in fields]
+    walk = live_leaves(grads, *trees, structure=first, check=check)
+    n, m = len(fields), len(inputs)
+    with_grad = []
+    for g, *row in zip(*(walk.at_live(k) for k in range(len(walk.leaves))), strict=True):
+        leaf, extra = leaf_type._make(row[:n]), tuple(row[n : n + m])
+        spare = None if donated is None else leaf_type._make(row[n + m :])
+        with_grad.append(LeafInputs(g.float(), leaf, extra, spare))
+    return Leaves(walk, leaf_type, with_grad)
 
 
 def rebuilt(
@@ -244,14 +248,13 @@ def rebuilt(
     """The updates and ``state`` with its per-leaf fields rebuilt from ``results``, one
     ``(update, new_leaf)`` per leaf with a gradient (a leaf without one gets a ``None`` update
     and keeps its state; a field whose leaves are all unchanged stays the same tree)."""
-    updates, new = [None] * len(leaves.old), list(leaves.old)
-    for (i, _), (update, leaf) in zip(leaves.with_grad, results, strict=True):
-        updates[i], new[i] = update, leaf
+    walk = leaves.walk
     new_fields = {}
-    for k, field in enumerate(leaves.fields):
-        if any(a[k] is not b[k] for a, b in zip(new, leaves.old, strict=True)):
-            new_fields[field] = tree_unflatten([leaf[k] for leaf in new], leaves.spec)
-    return tree_unflatten(updates, leaves.spec), state._replace(**new_fields)
+    for k, field in enumerate(leaves.leaf_type._fields):
+        new = [leaf[k] for _, leaf in results]
+        if any(a is not x.leaf[k] for a, x in zip(new, leaves.with_grad, strict=True)):
+            new_fields[field] = walk.rebuild(new, fill=1 + k)
+    return walk.rebuild([update for update, _ in results]), state._replace(**new_fields)
 
 
 def map_leaves(
@@ -284,7 +287,7 @@ def map_leaves(
         ValueError: naming the leaf, if a gradient's shape differs from its state's.
     """
     leaves = leaves_of(name, grads, state, leaf_type, *inputs)
-    results = [rule(x.g, x.leaf, *x.inputs) for _, x in leaves.with_grad]
+    results = [rule(x.g, x.leaf, *x.inputs) for x in leaves.with_grad]
     return rebuilt(leaves, results, state)
 
 
@@ -309,6 +312,47 @@ class OnebitSettings(NamedTuple):
     eps: float  # added to sqrt(v)
     clip: float | None  # the safeguard's bound on m / (sqrt(v) + eps); None: safeguard off
     weight_decay: float  # L2, added to the direction
+
+
+def onebit_settings(
+    name: str,
+    lr: LearningRate,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    comm: Any,
+    safeguard: bool,
+) -> OnebitSettings:
+    """Checks the hyperparameters that the 1-bit family shares and returns its settings; the
+    safeguard's clip is :func:`adam_ratio_bound` of the betas (``None`` without ``safeguard``).
+
+    Raises:
+        ValueError: naming the argument: negative ``lr`` (a number), ``eps`` or
+            ``weight_decay``; betas outside [0, 1).
+    """
+    b1, b2 = check_betas(name, betas)
+    check_nonnegative(name, eps=eps, weight_decay=weight_decay)
+    if not callable(lr):
+        check_nonnegative(name, lr=lr)
+    clip = adam_ratio_bound(b1, b2) if safeguard else None
+    return OnebitSettings(comm, b1, b2, eps, clip, weight_decay)
+
+
+def leaf_type(state_type: type[NamedTuple], *, shared: tuple[str, ...] = ()) -> type[NamedTuple]:
+    """The NamedTuple of one leaf of the per-leaf fields of ``state_type`` (trees like the
+    params): every field but ``count``, ``lr`` and the ``shared`` ones (one value for all
+    leaves), in the state's order. :func:`map_leaves` hands it to a rule, which returns one.
+
+    Example:
+        >>> leaf_type(fn.OnebitLambState, shared=("worker_error", "server_error"))._fields[:3]
+        ('exp_avg', 'exp_avg_sq', 'exp_avg_sq_fresh')
+    """
+    unknown = [field for field in shared if field not in state_type._fields]
+    if unknown:
+        raise TypeError(f"{state_type.__name__} has no fields {unknown}")
+    skipped = ("count", "lr", *shared)
+    fields = [(field, torch.Tensor) for field in state_type._fields if field not in skipped]
+    return NamedTuple(f"{state_type.__name__}Leaf", fields)
 
 
 def dense_moments(
@@ -350,14 +394,12 @@ def init_error_feedback_per_leaf(params: Params, comm: Any) -> tuple[PyTree, PyT
     """The worker and server errors of one compressed allreduce per leaf (trees like the
     params, ``None`` where a param is ``None``)."""
 
-    def errors(p):
-        return collectives.init_error_feedback(p.numel(), comm=comm, device=p.device)
-
-    spec = tree_flatten(params)[1]
-    pairs = spec.flatten_up_to(tree_map(errors, params))
-    worker = [None if pair is None else pair[0] for pair in pairs]
-    server = [None if pair is None else pair[1] for pair in pairs]
-    return tree_unflatten(worker, spec), tree_unflatten(server, spec)
+    walk = live_leaves(params)
+    pairs = [
+        collectives.init_error_feedback(p.numel(), comm=comm, device=p.device)
+        for p in walk.at_live(0)
+    ]
+    return walk.rebuild([pair[0] for pair in pairs]), walk.rebuild([pair[1] for pair in pairs])
 
 
 def compressed_mean(
@@ -414,12 +456,6 @@ def _resolve_plan(
     return plan
 
 
-def _leaves_or_nones(tree: PyTree | None, spec: pytree.TreeSpec) -> list[Any]:
-    if tree is None:
-        return [None] * spec.num_leaves
-    return spec.flatten_up_to(tree)
-
-
 def _leaf_name(tree: PyTree, index: int) -> str:
     """The key path of leaf ``index`` of ``tree`` (e.g. ``['w']``), for error messages."""
     paths = pytree.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
@@ -468,9 +504,7 @@ def check_warmed_up(name: str, count: torch.Tensor) -> None:
 def report_frozen_variance(
     name: str,
     state: Any,
-    eps: float,
-    bound: float,
-    safeguard: bool,
+    h: OnebitSettings,
     *,
     skip: PyTree | None = None,
     mask: PyTree | None = None,
@@ -490,19 +524,18 @@ def report_frozen_variance(
     Args:
         name: the optimizer, for the message.
         state: the state whose ``exp_avg`` (m) and ``exp_avg_sq`` (v) freeze.
-        eps, bound: the optimizer's ``eps`` and :func:`adam_ratio_bound`.
-        safeguard: whether the updates are bounded.
+        h: the optimizer's settings (``h.clip`` is ``None`` when the updates are not bounded).
         skip: optional tree like the params; leaves that are ``True`` do not freeze.
         mask: optional tree like the params of 0/1 masks (``exp_avg_mask``); an element masked
             to 0 is never updated, so its variance at zero is no risk.
     """
     if torch.compiler.is_compiling():
         return
-    spec = tree_flatten(state.exp_avg_sq)[1]
+    eps, bound, safeguard = h.eps, adam_ratio_bound(h.b1, h.b2), h.clip is not None
     zero = below = total = 0
-    columns = (state.exp_avg, state.exp_avg_sq, skip, mask)
-    for m, v, skipped, kept in zip(*(_leaves_or_nones(c, spec) for c in columns), strict=True):
-        if v is None or skipped:
+    walk = live_leaves(state.exp_avg_sq, state.exp_avg, skip, mask)  # the leaves with a variance
+    for v, m, skipped, kept in zip(*(walk.at_live(k) for k in range(4)), strict=True):
+        if skipped:
             continue
         rms = m.square().mean().sqrt()
         at_zero = v <= 0

@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import torch
 
-from fn.errors import check_shapes
-from fn.tree import PyTree, can_donate, foreach_ok, tree_flatten, tree_unflatten
+from fn.transforms._leaves import matching
+from fn.tree import PyTree, can_donate, foreach_ok, live_leaves
 
 
 def learning_rate_now(
@@ -29,16 +29,16 @@ def learning_rate_now(
 def scale_leaves(updates: PyTree, factor: torch.Tensor, in_place: bool = False) -> PyTree:
     """``u * factor`` for every non-``None`` leaf (one ``torch._foreach_mul`` on eager); with
     ``in_place`` (donated updates), written into the leaves that can take it."""
-    leaves, spec = tree_flatten(updates)
-    live = [u for u in leaves if u is not None]
+    walk = live_leaves(updates)
+    live = walk.at_live(0)
     in_place = in_place and can_donate(*live, factor)
     if foreach_ok(*live, factor):
         if in_place:
             torch._foreach_mul_(live, factor)
-        scaled = iter(live if in_place else torch._foreach_mul(live, factor))
+        scaled = live if in_place else torch._foreach_mul(live, factor)
     else:
-        scaled = iter([u.mul_(factor) if in_place else u * factor for u in live])
-    return tree_unflatten([None if u is None else next(scaled) for u in leaves], spec)
+        scaled = [u.mul_(factor) if in_place else u * factor for u in live]
+    return walk.rebuild(scaled)
 
 
 def decoupled_decay(
@@ -49,15 +49,9 @@ def decoupled_decay(
     ``None`` step stays ``None``; a ``None`` param under a step is an error."""
     if params is None:
         raise ValueError(f"{name}: decoupled weight decay needs params")
-    s_leaves, spec = tree_flatten(steps)
-    p_leaves = spec.flatten_up_to(params)
-    live = [i for i, s in enumerate(s_leaves) if s is not None]
-    for i in live:
-        if p_leaves[i] is None:
-            raise ValueError(f"{name}: a param is None where its update is not")
-        check_shapes(name, p_leaves[i], s_leaves[i])
-    ps = [p_leaves[i] for i in live]
-    ss = [s_leaves[i] for i in live]
+    check = matching(name, "a param is None where its update is not")
+    walk = live_leaves(steps, params, check=check)
+    ss, ps = walk.at_live(0), walk.at_live(1)
     keep = 1.0 - lr * weight_decay
     if foreach_ok(*ps, *ss, keep):
         out = torch._foreach_mul(ps, keep)
@@ -65,7 +59,4 @@ def decoupled_decay(
         torch._foreach_sub_(out, ps)
     else:
         out = [(p * keep + s) - p for p, s in zip(ps, ss, strict=True)]
-    result = [None] * len(s_leaves)
-    for i, u in zip(live, out, strict=True):
-        result[i] = u
-    return tree_unflatten(result, spec)
+    return walk.rebuild(out)

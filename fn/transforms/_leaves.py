@@ -1,30 +1,28 @@
-"""Leafwise helpers shared by the transforms: the None-update policy and devices."""
+"""Leafwise helpers shared by the transforms: the checks of the leaf walk and devices."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from fn.errors import check_shapes
-from fn.tree import PyTree, tree_leaves, tree_map
+from fn.tree import PyTree, live_leaves, tree_leaves
 
 
-def update_state_leaves(
-    name: str,
-    f: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    state: PyTree,
-    updates: PyTree,
-) -> PyTree:
-    """``f(s, u)`` leafwise; a leaf whose update is ``None`` keeps its state ``s`` unchanged."""
+def matching(name: str, missing: str) -> Callable[..., None]:
+    """A ``check`` for :func:`fn.tree.live_leaves`: at every live position the update's leaf
+    ``u`` has the shape of the first tree's leaf ``like`` (``fn.errors.check_shapes``); where
+    ``like`` is ``None``, ``ValueError("{name}: {missing}")``."""
 
-    def leaf(s, u):
-        if u is None:
-            return s
-        check_shapes(name, s, u)
-        return f(s, u)
+    def check(i: int, u: torch.Tensor, like: Any) -> None:
+        del i
+        if like is None:
+            raise ValueError(f"{name}: {missing}")
+        check_shapes(name, like, u)
 
-    return tree_map(leaf, state, updates)
+    return check
 
 
 def map_with_params(
@@ -38,14 +36,9 @@ def map_with_params(
     update, or for an update whose shape differs from its param's."""
     if params is None:
         raise ValueError(f"{name}: update() needs params")
-
-    def leaf(u, p):
-        if p is None:
-            raise ValueError(f"{name}: a param is None where its update is not")
-        check_shapes(name, p, u)
-        return f(u, p)
-
-    return tree_map(leaf, updates, params)
+    check = matching(name, "a param is None where its update is not")
+    walk = live_leaves(updates, params, check=check)
+    return walk.rebuild([f(u, p) for u, p in zip(walk.at_live(0), walk.at_live(1), strict=True)])
 
 
 def device_of(params: PyTree) -> torch.device:

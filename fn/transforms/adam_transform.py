@@ -22,10 +22,10 @@ from fn.base import (
     donated_state,
     split_donated,
 )
-from fn.errors import check_betas, check_nonnegative, check_shapes
+from fn.errors import check_betas, check_nonnegative
 from fn.transforms import _adam_steps as steps
 from fn.transforms._learning_rate import learning_rate_now
-from fn.transforms._leaves import device_of
+from fn.transforms._leaves import device_of, matching
 from fn.transforms.learning_rate import (
     ScaleByLearningRateState,
     Schedule,
@@ -38,10 +38,9 @@ from fn.tree import (
     donated_leaves,
     foreach_blocker,
     foreach_ok,
+    live_leaves,
     per_leaf,
-    tree_flatten,
     tree_leaves,
-    tree_unflatten,
     tree_zeros_like,
 )
 
@@ -160,32 +159,21 @@ def _step_live_leaves(name, updates, state, moments_step, params=None, donated=N
     ``donated``: ``None``, or the donated ``(ms, vs)`` leaves, ``None`` where not donated) on the
     leaves that have an update and rebuilds the trees; leaves with a ``None`` update keep their
     moments. Returns ``None`` when ``moments_step`` does."""
-    m_leaves, spec = tree_flatten(state.mu)
-    v_leaves = spec.flatten_up_to(state.nu)
-    g_leaves = spec.flatten_up_to(updates)
-    live = [i for i, g in enumerate(g_leaves) if g is not None]
-    for i in live:
-        if m_leaves[i] is None:
-            raise ValueError(f"{name}: an update where the state has no moments")
-        check_shapes(name, m_leaves[i], g_leaves[i])
-    ms, vs, gs = ([leaves[i] for i in live] for leaves in (m_leaves, v_leaves, g_leaves))
-    ps = None
-    if params is not None:
-        p_leaves = spec.flatten_up_to(params)
-        ps = [p_leaves[i] for i in live]
+    check = matching(name, "an update where the state has no moments")
+    walk = live_leaves(updates, state.mu, state.nu, params, structure=state.mu, check=check)
+    gs, ms, vs = walk.at_live(0), walk.at_live(1), walk.at_live(2)
+    ps = None if params is None else walk.at_live(3)
     count = state.count + 1
     if donated is not None:
-        dm_leaves = donated_leaves(getattr(donated, "mu", None), spec)
-        dv_leaves = donated_leaves(getattr(donated, "nu", None), spec)
-        donated = ([dm_leaves[i] for i in live], [dv_leaves[i] for i in live])
+        dm_leaves = donated_leaves(getattr(donated, "mu", None), walk.spec)
+        dv_leaves = donated_leaves(getattr(donated, "nu", None), walk.spec)
+        donated = ([dm_leaves[i] for i in walk.live], [dv_leaves[i] for i in walk.live])
     stepped = moments_step(ms, vs, gs, ps, count, donated)
     if stepped is None:
         return None
-    mu, nu, out = list(m_leaves), list(v_leaves), [None] * len(g_leaves)
-    for i, m, v, u in zip(live, *stepped, strict=True):
-        mu[i], nu[i], out[i] = m, v, u
-    mu, nu = tree_unflatten(mu, spec), tree_unflatten(nu, spec)
-    return tree_unflatten(out, spec), ScaleByAdamState(count, mu, nu)
+    new_ms, new_vs, us = stepped
+    mu, nu = walk.rebuild(new_ms, fill=1), walk.rebuild(new_vs, fill=2)
+    return walk.rebuild(us), ScaleByAdamState(count, mu, nu)
 
 
 def _bias_correction(beta: float, count: torch.Tensor) -> torch.Tensor:

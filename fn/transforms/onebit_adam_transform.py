@@ -9,20 +9,23 @@ import torch
 
 from fn.base import CompressedOptimizer, SecondMomentField
 from fn.collectives import ErrorFeedbackField
-from fn.errors import check_betas, check_int, check_nonnegative
+from fn.errors import check_int
 from fn.transforms._leafwise import (
     LearningRate,
     OnebitSettings,
     adam_denominator,
     adam_direction,
-    adam_ratio_bound,
     compressed_mean,
     compressed_optimizer,
     dense_moments,
     host_count,
     init_error_feedback_per_leaf,
+    leaf_type,
+    leaves_of,
     map_leaves,
     moving_average,
+    onebit_settings,
+    rebuilt,
     report_frozen_variance,
 )
 from fn.transforms._onebit_schedules import FreezeSchedule, OnebitAdamPlan
@@ -39,13 +42,7 @@ class OnebitAdamState(NamedTuple):
     server_error: ErrorFeedbackField  # per leaf [N_leaf / W] fp32: e_s
 
 
-class _Leaf(NamedTuple):
-    """One leaf of the per-leaf fields of :class:`OnebitAdamState`."""
-
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    worker_error: torch.Tensor
-    server_error: torch.Tensor
+_Leaf = leaf_type(OnebitAdamState)
 
 
 def onebit_adam(
@@ -186,30 +183,23 @@ def onebit_adam(
         >>> torch.equal(params["w"][0], params["w"][1])  # the ranks agree after each update
         True
     """
-    b1, b2 = check_betas("onebit_adam", betas)
-    check_nonnegative("onebit_adam", eps=eps, weight_decay=weight_decay)
-    if not callable(lr):
-        check_nonnegative("onebit_adam", lr=lr)
+    settings = onebit_settings("onebit_adam", lr, betas, eps, weight_decay, comm, safeguard)
     why = (
         "the compressed updates divide by sqrt(v) + eps with the variance v frozen, which at "
         "least one warmup update (t < freeze_step) must estimate"
     )
     schedule = FreezeSchedule(check_int("freeze_step", freeze_step, 2, why))
-    bound = adam_ratio_bound(b1, b2)
-    settings = OnebitSettings(comm, b1, b2, eps, bound if safeguard else None, weight_decay)
 
     def update(grads, state, params, plan, eta, donated=None, apply=False):
         if plan.compressed and host_count(state.count) == schedule.freeze_step - 1:
-            report_frozen_variance(
-                "onebit_adam", state, eps, bound, safeguard, skip=non_freeze, mask=exp_avg_mask
-            )
+            skip, mask = non_freeze, exp_avg_mask
+            report_frozen_variance("onebit_adam", state, settings, skip=skip, mask=mask)
         rule = partial(_rule, settings, compressed=plan.compressed, eta=eta)
         inputs = (params, exp_avg_mask, non_freeze)
-        if donated is not None:
-            return onebit_adam_step(
-                settings, rule, _Leaf, grads, state, *inputs, eta, donated, apply
-            )
-        return map_leaves("onebit_adam", rule, grads, state, _Leaf, *inputs)
+        if donated is None:
+            return map_leaves("onebit_adam", rule, grads, state, _Leaf, *inputs)
+        leaves = leaves_of("onebit_adam", grads, state, _Leaf, *inputs, donated=donated)
+        return rebuilt(leaves, onebit_adam_step(settings, rule, leaves, eta, apply), state)
 
     return compressed_optimizer(
         "onebit_adam",

@@ -14,7 +14,7 @@ the bits are those of the pure rule (the tests compare them leaf by leaf).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -26,7 +26,7 @@ from fn.collectives.onebit import (
     write_result,
 )
 from fn.errors import check_finite
-from fn.transforms._leafwise import LeafInputs, OnebitSettings, leaves_of, rebuilt
+from fn.transforms._leafwise import LeafInputs, Leaves, OnebitSettings
 from fn.tree import eager, fits, fitting
 
 # (g, leaf, *input_leaves) -> (update, new_leaf): the pure rule of the step
@@ -34,25 +34,15 @@ Rule = Callable[..., tuple[torch.Tensor | None, Any]]
 
 
 def onebit_adam_step(
-    h: OnebitSettings,
-    rule: Rule,
-    leaf_type: type[NamedTuple],
-    grads: Any,
-    state: Any,
-    params: Any,
-    masks: Any,
-    non_freeze: Any,
-    eta: torch.Tensor,
-    donated: Any,
-    apply: bool,
-) -> tuple[Any, Any]:
-    """1-bit Adam's compressed update (``rule``'s bits) into the buffers of ``donated`` and the
-    gradients (see the module docstring); with ``apply``, every fp32 param gets its update
-    added in place and its update is ``None``. Returns ``(updates, state)``."""
-    leaves = leaves_of("onebit_adam", grads, state, leaf_type, params, masks, non_freeze,
-                       donated=donated)  # fmt: skip
+    h: OnebitSettings, rule: Rule, leaves: Leaves, eta: torch.Tensor, apply: bool
+) -> list[tuple[torch.Tensor | None, Any]]:
+    """1-bit Adam's compressed update (``rule``'s bits) of ``leaves`` (:func:`leaves_of` with
+    the donated state) into the buffers of the donated state and the gradients (see the module
+    docstring); with ``apply``, every fp32 param gets its update added in place and its update
+    is ``None``. Returns the ``(update, new_leaf)`` of every leaf with a gradient, for
+    :func:`rebuilt`."""
     exchanges, pure = [], []
-    for _, x in leaves.with_grad:  # compress, exchange, check: nothing written
+    for x in leaves.with_grad:  # compress, exchange, check: nothing written
         m, _, ew, es = x.leaf
         dense = x.inputs[2]
         exchange = None
@@ -61,12 +51,12 @@ def onebit_adam_step(
         exchanges.append(exchange)
         pure.append(rule(x.g, x.leaf, *x.inputs) if exchange is None else None)
     results = []
-    for (_, x), exchange, result in zip(leaves.with_grad, exchanges, pure, strict=True):
+    for x, exchange, result in zip(leaves.with_grad, exchanges, pure, strict=True):
         if exchange is None:
             results.append(result)
         else:
             results.append(_write_onebit_adam_leaf(h, exchange, x, eta, apply))
-    return rebuilt(leaves, results, state)
+    return results
 
 
 def _write_onebit_adam_leaf(
@@ -102,23 +92,14 @@ def _write_onebit_adam_leaf(
 
 
 def zero_one_adam_step(
-    h: OnebitSettings,
-    rule: Rule,
-    leaf_type: type[NamedTuple],
-    grads: Any,
-    state: Any,
-    params: Any,
-    masks: Any,
-    frozen: bool,
-    eta: torch.Tensor,
-    donated: Any,
-) -> tuple[Any, Any]:
+    h: OnebitSettings, rule: Rule, leaves: Leaves, frozen: bool, eta: torch.Tensor
+) -> list[tuple[torch.Tensor, Any]]:
     """0/1 Adam's 1-bit step (``frozen=False``) or local step (``frozen=True``), ``rule``'s
-    bits, into the buffers of ``donated`` and the gradients (see the module docstring).
-    Returns ``(updates, state)``."""
-    leaves = leaves_of("zero_one_adam", grads, state, leaf_type, params, masks, donated=donated)
+    bits, of ``leaves`` (:func:`leaves_of` with the donated state) into the buffers of the
+    donated state and the gradients (see the module docstring). Returns the ``(update,
+    new_leaf)`` of every leaf with a gradient, for :func:`rebuilt`."""
     fast, exchanges, pure = [], [], []
-    for _, x in leaves.with_grad:  # compress, exchange, check: nothing written
+    for x in leaves.with_grad:  # compress, exchange, check: nothing written
         m, v, a, ew, es = x.leaf
         fits_buffers = fitting(x.spare.exp_avg, m) is not None and fits(x.g, m)
         exchange, local = None, False
@@ -131,13 +112,11 @@ def zero_one_adam_step(
         exchanges.append(exchange)
         pure.append(None if fast[-1] else rule(x.g, x.leaf, *x.inputs))
     results = []
-    for (_, x), is_fast, exchange, result in zip(
-        leaves.with_grad, fast, exchanges, pure, strict=True
-    ):
+    for x, is_fast, exchange, result in zip(leaves.with_grad, fast, exchanges, pure, strict=True):
         if is_fast:
             result = _write_zero_one_adam_leaf(h, exchange, x, frozen, eta)
         results.append(result)
-    return rebuilt(leaves, results, state)
+    return results
 
 
 def _write_zero_one_adam_leaf(

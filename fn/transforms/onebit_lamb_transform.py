@@ -10,37 +10,24 @@ import torch
 from fn import collectives
 from fn.base import CompressedOptimizer, SecondMomentField
 from fn.collectives import ErrorFeedbackField
-from fn.errors import (
-    check_betas,
-    check_fraction,
-    check_int,
-    check_nonnegative,
-    check_ordered,
-)
+from fn.errors import check_fraction, check_int, check_nonnegative, check_ordered
 from fn.transforms._leafwise import (
     LearningRate,
     OnebitSettings,
     adam_denominator,
     adam_direction,
-    adam_ratio_bound,
     compressed_mean,
     compressed_optimizer,
     dense_moments,
+    leaf_type,
     map_leaves,
     moving_average,
+    onebit_settings,
     report_frozen_variance,
 )
 from fn.transforms._onebit_schedules import FreezeSchedule, OnebitLambPlan
 from fn.transforms.trust_ratio import trust_ratio
-from fn.tree import (
-    PyTree,
-    fitting,
-    tree_flatten,
-    tree_leaves,
-    tree_map,
-    tree_unflatten,
-    tree_zeros_like,
-)
+from fn.tree import LiveLeaves, PyTree, fitting, live_leaves, tree_leaves, tree_map, tree_zeros_like
 
 
 class OnebitLambState(NamedTuple):
@@ -56,15 +43,7 @@ class OnebitLambState(NamedTuple):
     server_error: ErrorFeedbackField  # [N / W] fp32: e_s
 
 
-class _Leaf(NamedTuple):
-    """One leaf of the per-leaf fields of :class:`OnebitLambState`."""
-
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    exp_avg_sq_fresh: torch.Tensor
-    lamb_coeff_freeze: torch.Tensor
-    last_factor: torch.Tensor
-    scaling_coeff: torch.Tensor
+_Leaf = leaf_type(OnebitLambState, shared=("worker_error", "server_error"))
 
 
 def onebit_lamb(
@@ -211,17 +190,13 @@ def onebit_lamb(
         >>> torch.equal(params["w"][0], params["w"][1])  # the ranks agree after each update
         True
     """
-    b1, b2 = check_betas("onebit_lamb", betas)
+    settings = onebit_settings("onebit_lamb", lr, betas, eps, weight_decay, comm, safeguard)
     check_nonnegative(
         "onebit_lamb",
-        eps=eps,
-        weight_decay=weight_decay,
         min_coeff=min_coeff,
         factor_min=factor_min,
         factor_threshold=factor_threshold,
     )
-    if not callable(lr):
-        check_nonnegative("onebit_lamb", lr=lr)
     check_ordered("onebit_lamb", min_coeff=min_coeff, max_coeff=max_coeff)
     check_ordered("onebit_lamb", factor_min=factor_min, factor_max=factor_max)
     check_fraction("onebit_lamb", coeff_beta=coeff_beta)
@@ -230,8 +205,6 @@ def onebit_lamb(
         "frozen, which at least one warmup update (t < freeze_step) must estimate"
     )
     schedule = FreezeSchedule(check_int("freeze_step", freeze_step, 2, why))
-    bound = adam_ratio_bound(b1, b2)
-    settings = OnebitSettings(comm, b1, b2, eps, bound if safeguard else None, weight_decay)
     trust = _TrustSettings(
         min_coeff, max_coeff, coeff_beta, factor_min, factor_max, factor_threshold
     )
@@ -241,7 +214,7 @@ def onebit_lamb(
             rule = partial(_warmup_rule, settings, trust, eta=eta, copies=plan.copies_variance)
             return map_leaves("onebit_lamb", rule, grads, state, _Leaf, params)
         if plan.sets_scaling:
-            report_frozen_variance("onebit_lamb", state, eps, bound, safeguard, mask=exp_avg_mask)
+            report_frozen_variance("onebit_lamb", state, settings, mask=exp_avg_mask)
             state = state._replace(scaling_coeff=_scaling_coefficients(state))
         momenta, state = _fused_momenta(settings, grads, state, donated)
         rule = partial(_compressed_rule, settings, trust, eta=eta)
@@ -335,7 +308,8 @@ def _fused_momenta(h: OnebitSettings, grads, state, donated):
     (into the fused momentum and ``donated``'s error buffers where given): the momenta as views
     of the mean (``None`` where the gradient is ``None``) and ``state`` with the new errors."""
     pieces, _ = map_leaves("onebit_lamb", partial(_scaled_momentum, h.b1), grads, state, _Leaf)
-    fused = _fuse(pieces, state.exp_avg)
+    walk = live_leaves(state.exp_avg, pieces)  # the momenta's sizes, their scaled pieces
+    fused = _fuse(walk)
     buffers = None
     if donated is not None:  # the fused momentum is ours: the mean goes into it
         buffers = (
@@ -351,7 +325,7 @@ def _fused_momenta(h: OnebitSettings, grads, state, donated):
         "the momentum (local gradient)",
         out=buffers,
     )
-    momenta = _split(flat, pieces, state.exp_avg)
+    momenta = _split(flat, walk)
     return momenta, state._replace(worker_error=worker_error, server_error=server_error)
 
 
@@ -367,42 +341,37 @@ def _scalars(params: PyTree, value: float) -> PyTree:
 def _scaling_coefficients(state: OnebitLambState) -> PyTree:
     """The momentum scaling of every non-empty leaf, ``mean_l(rms(m_l)) / rms(m_l)`` (1 where
     ``m_l`` is zero), the mean over the non-empty leaves; empty leaves keep theirs."""
-    m_leaves, spec = tree_flatten(state.exp_avg)
-    scaling = spec.flatten_up_to(state.scaling_coeff)
+    walk = live_leaves(state.exp_avg, state.scaling_coeff)
+    scaling = walk.at_live(1)
     rms = {
-        i: torch.linalg.vector_norm(m) / m.numel() ** 0.5
-        for i, m in enumerate(m_leaves)
-        if m is not None and m.numel() > 0
+        j: torch.linalg.vector_norm(m) / m.numel() ** 0.5
+        for j, m in enumerate(walk.at_live(0))
+        if m.numel() > 0
     }
     if rms:
         mean = torch.stack(list(rms.values())).mean()
-        for i, s in rms.items():
-            scaling[i] = torch.where(s > 0, mean / s, torch.ones_like(s))
-    return tree_unflatten(scaling, spec)
+        for j, s in rms.items():
+            scaling[j] = torch.where(s > 0, mean / s, torch.ones_like(s))
+    return walk.rebuild(scaling, fill=1)
 
 
-def _fuse(pieces: PyTree, like: PyTree) -> torch.Tensor:
-    """The pieces, flattened and concatenated in leaf order; zeros of the size of the leaf of
-    ``like`` where a piece is ``None``."""
+def _fuse(walk: LiveLeaves) -> torch.Tensor:
+    """The pieces of ``walk`` (of the momenta, then the pieces), flattened and concatenated in
+    leaf order; zeros of the size of the momentum where a piece is ``None``."""
     flat = [
         torch.zeros(m.numel(), dtype=m.dtype, device=m.device)
         if piece is None
         else piece.reshape(-1)
-        for piece, m in zip(
-            tree_leaves(pieces, keep_none=True), tree_leaves(like, keep_none=True), strict=True
-        )
-        if m is not None
+        for m, piece in zip(walk.at_live(0), walk.at_live(1), strict=True)
     ]
     return torch.cat(flat) if flat else torch.zeros(0)
 
 
-def _split(flat: torch.Tensor, pieces: PyTree, like: PyTree) -> PyTree:
-    """Inverse of :func:`_fuse`: views of ``flat`` shaped like the pieces (``None`` where a piece
-    is ``None``)."""
-    piece_leaves, spec = tree_flatten(pieces)
+def _split(flat: torch.Tensor, walk: LiveLeaves) -> PyTree:
+    """Inverse of :func:`_fuse`: views of ``flat`` shaped like the momenta (``None`` where a
+    piece is ``None``)."""
     out, offset = [], 0
-    for piece, m in zip(piece_leaves, spec.flatten_up_to(like), strict=True):
-        n = 0 if m is None else m.numel()
-        out.append(None if piece is None else flat[offset : offset + n].view_as(m))
-        offset += n
-    return tree_unflatten(out, spec)
+    for m, piece in zip(walk.at_live(0), walk.at_live(1), strict=True):
+        out.append(None if piece is None else flat[offset : offset + m.numel()].view_as(m))
+        offset += m.numel()
+    return walk.rebuild(out)

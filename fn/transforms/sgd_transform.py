@@ -7,8 +7,8 @@ from typing import NamedTuple
 import torch
 
 from fn.base import GradientTransformation, chain, donated_state
-from fn.errors import check_nonnegative, check_shapes
-from fn.transforms._leaves import device_of, update_state_leaves
+from fn.errors import check_nonnegative
+from fn.transforms._leaves import device_of, matching
 from fn.transforms.learning_rate import Schedule, scale_by_learning_rate
 from fn.transforms.weight_decay import add_decayed_weights
 from fn.tree import (
@@ -16,10 +16,8 @@ from fn.tree import (
     buffer_like,
     can_donate,
     donated_leaves,
-    tree_flatten,
+    live_leaves,
     tree_leaves,
-    tree_map,
-    tree_unflatten,
     tree_zeros_like,
 )
 
@@ -76,20 +74,18 @@ def trace(
 
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         del params, extra
+        check = matching("trace", "an update where the state has no momentum buffer")
+        walk = live_leaves(updates, state.trace, structure=state.trace, check=check)
         donated = donated_state(donate, state)
         if donated is not None and can_donate(*tree_leaves((updates, state))):
-            return _trace_donated(updates, state, donated.trace, decay, nesterov, dampening)
+            return _trace_donated(walk, state, donated.trace, decay, nesterov, dampening)
         first = state.count == 0 if dampening != 0.0 else None
-
-        def step(b, g):
-            return trace_leaf(b, g, decay, dampening, first)
-
-        new_trace = update_state_leaves("trace", step, state.trace, updates)
+        gs, bs = walk.at_live(0), walk.at_live(1)
+        new_bs = [trace_leaf(b, g, decay, dampening, first) for g, b in zip(gs, bs, strict=True)]
+        out = new_bs
         if nesterov:
-            updates = tree_map(lambda g, b: torch.add(g, b, alpha=decay), updates, new_trace)
-        else:
-            updates = tree_map(lambda g, b: b, updates, new_trace)
-        return updates, TraceState(state.count + 1, new_trace)
+            out = [torch.add(g, b, alpha=decay) for g, b in zip(gs, new_bs, strict=True)]
+        return walk.rebuild(out), TraceState(state.count + 1, walk.rebuild(new_bs, fill=1))
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -104,27 +100,23 @@ def trace_leaf(b, g, decay, dampening=0.0, first=None):
     return torch.where(first, g, torch.add(b * decay, g, alpha=1.0 - dampening))
 
 
-def _trace_donated(updates, state, donated, decay, nesterov, dampening):
-    """:func:`trace`'s update with the ops of :func:`trace_leaf` written into the donated buffers
-    (each new momentum into its donated leaf, where it fits) and the updates into their own
-    tensors, so that no update is a tensor of the state."""
-    b_leaves, spec = tree_flatten(state.trace)
-    g_leaves = spec.flatten_up_to(updates)
-    d_leaves = donated_leaves(donated, spec)
+def _trace_donated(walk, state, donated, decay, nesterov, dampening):
+    """:func:`trace`'s update on the leaf walk ``walk`` (of the updates and the momentum) with
+    the ops of :func:`trace_leaf` written into the donated buffers (each new momentum into its
+    donated leaf, where it fits) and the updates into their own tensors, so that no update is a
+    tensor of the state."""
+    spares = donated_leaves(donated, walk.spec)
     first = state.count == 0
-    new_trace, out = list(b_leaves), list(g_leaves)
-    for i, (b, g, d) in enumerate(zip(b_leaves, g_leaves, d_leaves, strict=True)):
-        if g is None:
-            continue
-        check_shapes("trace", b, g)
-        new = torch.mul(b, decay, out=buffer_like(d, b))
+    new_bs, out = [], []
+    for i, g, b in zip(walk.live, walk.at_live(0), walk.at_live(1), strict=True):
+        new = torch.mul(b, decay, out=buffer_like(spares[i], b))
         if dampening == 0.0:
             new.add_(g)
         else:
             torch.where(first, g, new.add_(g, alpha=1.0 - dampening), out=new)
-        new_trace[i] = new
-        out[i] = g.add_(new, alpha=decay) if nesterov else g.copy_(new)
-    return tree_unflatten(out, spec), TraceState(state.count + 1, tree_unflatten(new_trace, spec))
+        new_bs.append(new)
+        out.append(g.add_(new, alpha=decay) if nesterov else g.copy_(new))
+    return walk.rebuild(out), TraceState(state.count + 1, walk.rebuild(new_bs, fill=1))
 
 
 def sgd(

@@ -10,19 +10,22 @@ import torch
 
 from fn.base import CompressedOptimizer, SecondMomentField
 from fn.collectives import ErrorFeedbackField
-from fn.errors import check_betas, check_finite, check_int, check_nonnegative
+from fn.errors import check_finite, check_int
 from fn.transforms._leafwise import (
     LearningRate,
     OnebitSettings,
     adam_denominator,
     adam_direction,
-    adam_ratio_bound,
     compressed_mean,
     compressed_optimizer,
     dense_moments,
     init_error_feedback_per_leaf,
+    leaf_type,
+    leaves_of,
     map_leaves,
     moving_average,
+    onebit_settings,
+    rebuilt,
     report_frozen_variance,
 )
 from fn.transforms._onebit_schedules import ZeroOneAdamPlan, ZeroOneAdamSchedule
@@ -46,14 +49,9 @@ class ZeroOneAdamState(NamedTuple):
     frozen: torch.Tensor  # [] bool: the variance is frozen (local steps and syncs)
 
 
-class _Leaf(NamedTuple):
-    """One leaf of the per-leaf fields of :class:`ZeroOneAdamState`."""
-
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    momentum_accumulator: torch.Tensor
-    worker_error: torch.Tensor
-    server_error: torch.Tensor
+# The fields with one value for all leaves: the schedule counters and the sum of learning rates.
+_SCHEDULE = ("var_interval", "var_counter", "local_interval", "local_counter", "lrs", "frozen")
+_Leaf = leaf_type(ZeroOneAdamState, shared=_SCHEDULE)
 
 
 def zero_one_adam(
@@ -186,19 +184,13 @@ def zero_one_adam(
         >>> bool(state.frozen), int(state.count)
         (True, 5)
     """
-    b1, b2 = check_betas("zero_one_adam", betas)
-    check_nonnegative("zero_one_adam", eps=eps, weight_decay=weight_decay)
-    if not callable(lr):
-        check_nonnegative("zero_one_adam", lr=lr)
+    settings = onebit_settings("zero_one_adam", lr, betas, eps, weight_decay, comm, safeguard)
     schedule = ZeroOneAdamSchedule(
         check_int("var_freeze_step", var_freeze_step),
         check_int("var_update_scaler", var_update_scaler, 1),
         check_int("local_step_scaler", local_step_scaler, 1),
         check_int("local_step_clipper", local_step_clipper, 1),
     )
-
-    bound = adam_ratio_bound(b1, b2)
-    settings = OnebitSettings(comm, b1, b2, eps, bound if safeguard else None, weight_decay)
 
     def update(grads, state, params, plan, eta, donated=None):
         lrs = state.lrs + eta if plan.frozen else state.lrs
@@ -207,10 +199,11 @@ def zero_one_adam(
         if donated is None or plan.sync:
             updates, state = map_leaves("zero_one_adam", rule, grads, state, _Leaf, *inputs)
         else:
-            fast = (settings, rule, _Leaf, grads, state, *inputs, plan.frozen, eta, donated)
-            updates, state = zero_one_adam_step(*fast)
+            leaves = leaves_of("zero_one_adam", grads, state, _Leaf, *inputs, donated=donated)
+            results = zero_one_adam_step(settings, rule, leaves, plan.frozen, eta)
+            updates, state = rebuilt(leaves, results, state)
         if plan.reset_errors:  # every leaf's errors, gradient or not; the variance freezes
-            report_frozen_variance("zero_one_adam", state, eps, bound, safeguard, mask=exp_avg_mask)
+            report_frozen_variance("zero_one_adam", state, settings, mask=exp_avg_mask)
             state = state._replace(
                 worker_error=tree_map(torch.zeros_like, state.worker_error),
                 server_error=tree_map(torch.zeros_like, state.server_error),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fn.collectives import Local
-from fn.transforms._leafwise import compressed_mean, map_leaves, moving_average
+from fn.transforms._leafwise import compressed_mean, leaf_type, map_leaves, moving_average
 
 
 class State(NamedTuple):
@@ -77,3 +77,18 @@ def test_compressed_mean_with_one_worker_is_the_input_checked():
         compressed_mean(torch.tensor([float("nan")]), ew, es, Local(), "the momentum")
     nan = torch.tensor([float("nan")])
     assert compressed_mean(nan, ew, es, Local())[0] is nan  # no check asked for
+
+
+def test_leaf_type_holds_the_per_leaf_fields_in_the_state_order():
+    class Full(NamedTuple):
+        count: torch.Tensor
+        lr: torch.Tensor
+        exp_avg: dict
+        shared_error: torch.Tensor
+        total: dict
+
+    derived = leaf_type(Full, shared=("shared_error",))
+    assert derived._fields == Leaf._fields
+    assert leaf_type(State)._fields == ("exp_avg", "total")
+    with pytest.raises(TypeError, match="no fields"):
+        leaf_type(Full, shared=("worker_error",))

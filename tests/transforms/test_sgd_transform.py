@@ -43,3 +43,14 @@ def test_nesterov_needs_momentum_and_no_dampening(kwargs):
 def test_negative_lr_is_an_error():
     with pytest.raises(ValueError, match="lr"):
         fn.sgd(-0.1)
+
+
+@pytest.mark.parametrize("donate", [None, True])
+def test_trace_rejects_an_update_without_state_and_a_wrong_shape(donate):
+    tx = fn.trace(0.9)
+    state = tx.init({"w": torch.zeros(2), "frozen": None})
+    with pytest.raises(ValueError, match="trace: an update where the state has no momentum"):
+        tx.update({"w": torch.ones(2), "frozen": torch.ones(1)}, state, donate=donate)
+    with pytest.raises(ValueError, match="does not match"):
+        tx.update({"w": torch.ones(3), "frozen": None}, state, donate=donate)
+    assert torch.equal(state.trace["w"], torch.zeros(2))
