@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from functools import partial
 from typing import Any
 
 import torch
 
-from fn.base import CompressedOptimizer
 from fn.errors import NonFiniteError, check_int
 from fn.optim._checkpoint import (
     GatheredErrorFeedback,
@@ -37,7 +35,10 @@ from fn.optim._step import (
     check_nonfinite_policy,
     check_unfrozen,
     commit_groups,
+    compressed_next,
     is_fixed,
+    never_compressed,
+    plan_groups,
     split_frozen,
     unscale,
     update_groups,
@@ -71,6 +72,10 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         check_every: run :meth:`check_consistency` after every ``check_every``-th step that was
             not skipped (0/1 Adam: at the first sync from then on; ``0``: never; also settable
             later as ``opt.check_every``).
+        local_world_size: the ranks per node that the transform's compressed collectives were
+            built with (``None``: flat). Their error feedback is sized by it, so checkpoints
+            record it, and one loaded under another value gets its error feedback reset (with a
+            warning), as under another world size.
 
     Building the optimizer and ``add_param_group`` check that every rank built the group the same
     way (optimizer, transform and its settings, hyperparameters, the params' number, shapes and
@@ -135,9 +140,11 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         sync_grads: bool | None = None,
         nonfinite: str = "raise",
         check_every: int = 0,
+        local_world_size: int | None = None,
     ) -> None:
         check_nonfinite_policy(nonfinite)
         self.comm = process_comm(comm)
+        self.local_world_size = local_world_size
         self._fixed = is_fixed(transform, defaults)
         self.flatten = flatten
         self.nonfinite = nonfinite
@@ -179,6 +186,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
     def _settings(self, group: dict[str, Any]) -> dict[str, str]:
         """What every rank must build a group with, described (for ``check_same_group``)."""
         options = dict(flatten=self.flatten, sync_grads=self._sync_grads, nonfinite=self.nonfinite)
+        options["local_world_size"] = self.local_world_size
         return group_settings(type(self), options, self._transform, self._fixed, group)
 
     def _build_group(self, index: int) -> None:
@@ -312,14 +320,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             ValueError: a hyperparameter set through ``param_groups`` is invalid (naming the
                 group).
         """
-        return [
-            runtime.plan(
-                index, group, self._hyper(group), partial(self._make_transform, index), self.flatten
-            )
-            for index, (group, runtime) in enumerate(
-                zip(self.param_groups, self._groups, strict=True)
-            )
-        ]
+        make, hypers = self._make_transform, [self._hyper(g) for g in self.param_groups]
+        return plan_groups(self.param_groups, self._groups, hypers, make, self.flatten)
 
     def next_update_compressed(self) -> list[bool]:
         """Per param group: whether the next ``step()`` runs a compressed update.
@@ -335,10 +337,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: an invalid hyperparameter in ``param_groups`` (naming the group).
         """
-        return [
-            isinstance(transform, CompressedOptimizer) and transform.is_compressed(r.step + 1)
-            for (transform, _, _), r in zip(self._plans(), self._groups, strict=True)
-        ]
+        return compressed_next(self._plans(), self._groups)
 
     def warn_if_never_compressed(self, updates: int, source: str = "this run") -> bool:
         """Warns (``UserWarning``) when a param group's ``CompressedOptimizer`` would make no
@@ -353,12 +352,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         Returns:
             Whether it warned.
         """
-        idle = [
-            index
-            for index, runtime in enumerate(self._groups)
-            if isinstance(runtime.transform, CompressedOptimizer)
-            and runtime.transform.first_compressed_update(updates) is None
-        ]
+        idle = never_compressed(self._groups, updates)
         if idle:
             warnings.warn(
                 f"fn.optim: param groups {idle} make no compressed update within {source} "
@@ -403,7 +397,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         Returns:
             ``{"state": {group_index: record}, "param_groups": [...]}`` where ``param_groups``
             holds each group's hyperparameters and param indices (as ``torch.optim``) and a
-            record is ``{"step": int, "world_size": int, "rank": int, "shapes": [[...], ...],
+            record is ``{"step": int, "world_size": int, "rank": int, "local_world_size": int
+            (hierarchical collectives only), "shapes": [[...], ...],
             "functional": {path: tensor}, "master": fp32 tensor (fp16/bf16 params only),
             "error_feedback_by_rank": [...] (on rank 0 after gather_error_feedback() only)}``;
             ``functional`` is the functional state flattened by pytree key path
@@ -412,7 +407,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             step (see ``fn.optim._checkpoint.GroupRecord``).
         """
         state = {
-            index: save_group(runtime, self.comm, self._gathered_error_feedback(index))
+            index: save_group(
+                runtime, self.comm, self._gathered_error_feedback(index), self.local_world_size
+            )
             for index, runtime in enumerate(self._groups)
         }
         return {"state": state, "param_groups": packed_param_groups(self.param_groups)}
@@ -421,11 +418,12 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         """Restores a :meth:`state_dict`: the functional state (error feedback included), the step
         counts, the fp32 master copies and the groups' hyperparameters.
 
-        ``exp_avg_mask`` and the comm come from the constructor, not the checkpoint. A checkpoint
-        saved with another world size gets its error-feedback buffers reset for this one (with a
-        warning). A checkpoint saved on another rank gives this rank its own error feedback if it
-        holds every rank's (:meth:`gather_error_feedback`), else zero error feedback (with a
-        warning): never another rank's. All or nothing: every group's record is read and checked
+        ``exp_avg_mask``, the comm and ``local_world_size`` come from the constructor, not the
+        checkpoint. A checkpoint saved with another world size or ``local_world_size`` gets its
+        error-feedback buffers reset for this one (with a warning). A checkpoint saved on
+        another rank gives this rank its own error feedback if it holds every rank's
+        (:meth:`gather_error_feedback`), else zero error feedback (with a warning): never
+        another rank's. All or nothing: every group's record is read and checked
         (structure, shapes, hyperparameters, finite values, non-negative second moments) before
         any is loaded.
 
@@ -444,6 +442,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             self._make_transform,
             self.comm,
             self.flatten,
+            self.local_world_size,
         )
         load(plans, self.param_groups, self._groups)
         self._start_checked = False

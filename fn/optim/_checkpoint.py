@@ -5,13 +5,16 @@ containers, tensors and numbers only, so ``torch.load(weights_only=True)`` reads
 
     {"step": int, "world_size": int, "rank": int, "shapes": [[int, ...], ...],
      "functional": {key path: tensor or number},
+     "local_world_size": int,                                # hierarchical collectives only
      "master": fp32 tensor,                                  # fp16/bf16 params only
      "error_feedback_by_rank": [{key path: tensor}, ...]}    # gathered checkpoints only
 
 The functional state is stored flat, keyed by pytree key path (``".exp_avg"``,
 ``".worker_error"``), and rebuilt against the structure of a freshly initialized state. Its
 error feedback is found by type (``fn.collectives.error_feedback_leaves``): those buffers are
-sized by the world size, so a checkpoint of another world size gets them freshly initialized.
+sized by the world size and the ranks per node of hierarchical collectives
+(``local_world_size``), so a checkpoint of another world size or level gets them freshly
+initialized.
 
 Error feedback is also the only per-rank part of the state: every rank's moments, step and
 master are the same. A record names the rank it was saved on; a rank that loads another rank's
@@ -37,7 +40,7 @@ from fn.collectives import error_feedback_leaves
 from fn.optim._step import check_lr
 
 _REQUIRED = ("step", "world_size", "shapes", "functional")
-_OPTIONAL = ("master", "rank", "error_feedback_by_rank")
+_OPTIONAL = ("master", "rank", "error_feedback_by_rank", "local_world_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,8 @@ class GroupRecord:
         rank: the rank it was saved on (``None``: not recorded).
         error_feedback_by_rank: the error-feedback entries of ``functional`` of every rank,
             indexed by rank, when they were gathered (:func:`gather_error_feedback`).
+        local_world_size: the ranks per node of the transform's hierarchical collectives
+            (``None``: flat; then the key is left out).
     """
 
     step: int
@@ -63,6 +68,7 @@ class GroupRecord:
     master: torch.Tensor | None = None
     rank: int | None = None
     error_feedback_by_rank: tuple[dict[str, torch.Tensor], ...] | None = None
+    local_world_size: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The record as stored in ``state_dict()["state"]`` (no ``"master"`` key without one)."""
@@ -78,6 +84,8 @@ class GroupRecord:
             record["rank"] = self.rank
         if self.error_feedback_by_rank is not None:
             record["error_feedback_by_rank"] = [dict(e) for e in self.error_feedback_by_rank]
+        if self.local_world_size is not None:
+            record["local_world_size"] = self.local_world_size
         return record
 
     @classmethod
@@ -122,6 +130,14 @@ class GroupRecord:
             rank = _integer(rank, f"{where}: 'rank'", minimum=0)
             if rank >= world_size:
                 raise ValueError(f"{where}: 'rank' {rank} is not below its world_size {world_size}")
+        level = record.get("local_world_size")
+        if level is not None:
+            level = _integer(level, f"{where}: 'local_world_size'", minimum=1)
+            if world_size % level:
+                raise ValueError(
+                    f"{where}: 'local_world_size' {level} does not divide its world_size "
+                    f"{world_size}"
+                )
         return cls(
             step=_integer(record["step"], f"{where}: 'step'", minimum=0),
             world_size=world_size,
@@ -132,6 +148,7 @@ class GroupRecord:
             error_feedback_by_rank=_by_rank(
                 record.get("error_feedback_by_rank"), world_size, where
             ),
+            local_world_size=level,
         )
 
     def check_shapes(self, group: int, shapes: Sequence[tuple[int, ...]]) -> None:
@@ -335,7 +352,10 @@ def packed_param_groups(param_groups: Sequence[Mapping[str, Any]]) -> list[dict[
 
 
 def save_group(
-    runtime: Any, comm: Any, error_feedback_by_rank: tuple[dict[str, torch.Tensor], ...] | None
+    runtime: Any,
+    comm: Any,
+    error_feedback_by_rank: tuple[dict[str, torch.Tensor], ...] | None,
+    local_world_size: int | None = None,
 ) -> dict[str, Any]:
     """The stored record of one group (``GroupRecord.to_dict``): its live state tensors and a
     copy of its master, taken after writes to the params are synced into it as before a step.
@@ -345,6 +365,7 @@ def save_group(
         runtime: the group's ``GroupRuntime``.
         comm: the optimizer's communicator.
         error_feedback_by_rank: every rank's gathered error feedback, or ``None``.
+        local_world_size: the ranks per node of the transform's collectives (``None``: flat).
     """
     runtime.flat.sync_master()
     master = runtime.flat.master.clone() if runtime.flat.has_master_copy else None
@@ -356,6 +377,7 @@ def save_group(
         master=master,
         rank=getattr(comm, "rank", 0),
         error_feedback_by_rank=error_feedback_by_rank,
+        local_world_size=local_world_size,
     ).to_dict()
     runtime.export(record)
     return record
@@ -379,6 +401,7 @@ def plan_load(
     make_transform: Callable[[int, dict[str, Any]], Any],
     comm: Any,
     flatten: bool,
+    local_world_size: int | None = None,
 ) -> list[LoadPlan]:
     """Reads and checks every group's record of an optimizer ``state_dict`` (all before any is
     loaded) and warns (at ``load_state_dict``'s caller) of the error feedback it resets.
@@ -391,6 +414,7 @@ def plan_load(
         make_transform: ``make_transform(index, hyper)``, group ``index``'s transform.
         comm: the optimizer's communicator.
         flatten: whether the transform sees one flat leaf.
+        local_world_size: the ranks per node of the transforms' collectives (``None``: flat).
 
     Returns:
         One plan per group.
@@ -414,17 +438,18 @@ def plan_load(
             raise ValueError(
                 f"param group {index}: the checkpoint's hyperparameters are invalid: {err}"
             ) from err
-        state, reset = _restored_state(index, record, runtime, transform, comm, flatten)
-        if record.world_size != comm.world_size:
-            worlds.add(record.world_size)
+        layout = (comm, local_world_size)
+        state, reset = _restored_state(index, record, runtime, transform, layout, flatten)
+        if (record.world_size, record.local_world_size) != (comm.world_size, local_world_size):
+            worlds.add(_layout_text(record.world_size, record.local_world_size))
         elif reset:
             foreign.add(record.rank)
         plans.append(LoadPlan(saved, transform, hyper, state, record))
     if worlds:
         warnings.warn(
-            f"fn.optim: the checkpoint was saved with world_size {sorted(worlds)}, this run "
-            f"has world_size {comm.world_size}: the error-feedback buffers are reset to "
-            "zero for the new world size",
+            f"fn.optim: the checkpoint was saved with {' or '.join(sorted(worlds))}, this run "
+            f"has {_layout_text(comm.world_size, local_world_size)}: the error-feedback "
+            "buffers are reset to zero for the new layout",
             stacklevel=3,
         )
     if foreign:
@@ -436,6 +461,13 @@ def plan_load(
             stacklevel=3,
         )
     return plans
+
+
+def _layout_text(world_size: int, local_world_size: int | None) -> str:
+    """How the error feedback was laid out, for the messages: ``world_size [W]``, with the
+    ranks per node of hierarchical collectives."""
+    level = "" if local_world_size is None else f" and local_world_size {local_world_size}"
+    return f"world_size [{world_size}]{level}"
 
 
 def _read_record(
@@ -459,14 +491,20 @@ def _read_record(
 
 
 def _restored_state(
-    index: int, record: GroupRecord, runtime: Any, transform: Any, comm: Any, flatten: bool
+    index: int,
+    record: GroupRecord,
+    runtime: Any,
+    transform: Any,
+    layout: tuple[Any, int | None],
+    flatten: bool,
 ) -> tuple[Any, bool]:
     """The checked functional state this rank loads from group ``index``'s record, and whether
     its error feedback was reset (:func:`own_error_feedback`): then it starts from the
-    ``transform``'s initial error feedback."""
-    functional, reset = own_error_feedback(
-        record, getattr(comm, "rank", 0), comm.world_size, error_feedback_keys(runtime.state)
-    )
+    ``transform``'s initial error feedback. ``layout``: the comm and ``local_world_size``."""
+    comm, local_world_size = layout
+    keys = error_feedback_keys(runtime.state)
+    rank = getattr(comm, "rank", 0)
+    functional, reset = own_error_feedback(record, rank, comm.world_size, keys, local_world_size)
     if reset:
         template = transform.init(runtime.flat.tree(runtime.flat.master, flatten))
     else:
@@ -569,22 +607,28 @@ class GatheredErrorFeedback(NamedTuple):
 
 
 def own_error_feedback(
-    record: GroupRecord, rank: int, world_size: int, keys: list[str]
+    record: GroupRecord,
+    rank: int,
+    world_size: int,
+    keys: list[str],
+    local_world_size: int | None = None,
 ) -> tuple[dict[str, Any], bool]:
     """The functional state a rank loads from ``record``, and whether its error feedback must be
-    reset (a checkpoint of another world size, or another rank's without every rank's).
+    reset (a checkpoint of another world size or local_world_size, or another rank's without
+    every rank's).
 
     Args:
         record: the loaded record.
         rank: the loading rank.
         world_size: the loading world size.
+        local_world_size: the loading ranks per node (``None``: flat).
         keys: the error-feedback entries (:func:`error_feedback_keys`).
 
     Returns:
         ``(functional, reset)``: ``functional`` with this rank's gathered error feedback put in
         where the record has it.
     """
-    if record.world_size != world_size:
+    if (record.world_size, record.local_world_size) != (world_size, local_world_size):
         return record.functional, True
     if record.error_feedback_by_rank is not None:
         mine = record.error_feedback_by_rank[rank]

@@ -25,8 +25,9 @@ class OnebitFamily(FunctionalOptimizer):
 
     A subclass names its factory (``_factory``) and spells out the factory's hyperparameters in
     its constructor's signature, which hands all its arguments on (``locals()``): every argument
-    but ``params``, ``comm``, ``exp_avg_mask``, ``nonfinite`` and ``flatten`` is a default
-    hyperparameter of its param groups, in the signature's order.
+    but ``params``, ``comm``, ``exp_avg_mask``, ``nonfinite``, ``flatten`` and
+    ``local_world_size`` is a default hyperparameter of its param groups, in the signature's
+    order.
     """
 
     _factory: Callable[..., CompressedOptimizer]
@@ -41,6 +42,7 @@ class OnebitFamily(FunctionalOptimizer):
         exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None,
         nonfinite: str,
         flatten: bool = False,
+        local_world_size: int | None = None,
         **defaults: Any,
     ) -> None:
         self._masks = _masks_by_param(exp_avg_mask)
@@ -52,6 +54,7 @@ class OnebitFamily(FunctionalOptimizer):
             flatten=flatten,
             sync_grads=False,
             nonfinite=nonfinite,
+            local_world_size=local_world_size,
         )
         unused = [tuple(m.shape) for p, m in self._masks.items() if not self._has_param(p)]
         if unused:
@@ -66,7 +69,8 @@ class OnebitFamily(FunctionalOptimizer):
     def _make_transform(self, index: int, hyper: dict[str, Any]) -> Transform:
         params = self.param_groups[index]["params"]
         mask = self._group_mask(params)
-        return type(self)._factory(**hyper, comm=self.transform_comm, exp_avg_mask=mask)
+        level = dict(comm=self.transform_comm, local_world_size=self.local_world_size)
+        return type(self)._factory(**hyper, **level, exp_avg_mask=mask)
 
     @property
     def transform_comm(self) -> Any:
@@ -156,6 +160,11 @@ class OnebitAdam(OnebitFamily):
             per group and step). ``False``: each param tensor is compressed on its own, with its
             own scale and error feedback (more, smaller collectives): DeepSpeed's numerics, as
             ``fn.optim.from_deepspeed`` uses.
+        local_world_size: ranks per node for the hierarchical 1-bit allreduce (dense inside a
+            node, 1 bit across nodes; see ``fn.onebit_adam``), e.g. torchrun's
+            ``LOCAL_WORLD_SIZE``; ``None``: flat. The same on every rank and for every group;
+            checkpoints record it (loading under another value resets the error feedback, with
+            a warning).
 
     Example:
         One warmup step (Adam, variance estimated), then one compressed step (the variance is
@@ -200,6 +209,7 @@ class OnebitAdam(OnebitFamily):
         nonfinite: str = "raise",
         safeguard: bool = True,
         flatten: bool = True,
+        local_world_size: int | None = None,
     ) -> None:
         super().__init__(**_arguments(locals()))
 
@@ -220,6 +230,8 @@ class ZeroOneAdam(OnebitFamily):
             group.
         flatten: one flat leaf per group (``True``) or one per param (``False``, DeepSpeed's
             numerics; see :class:`OnebitAdam`).
+        local_world_size: ranks per node for the hierarchical 1-bit allreduce (see
+            :class:`OnebitAdam`).
 
     Between synchronizations the ranks' params differ by design (local steps).
 
@@ -260,6 +272,7 @@ class ZeroOneAdam(OnebitFamily):
         nonfinite: str = "raise",
         safeguard: bool = True,
         flatten: bool = True,
+        local_world_size: int | None = None,
     ) -> None:
         super().__init__(**_arguments(locals()))
 
@@ -281,6 +294,8 @@ class OnebitLamb(OnebitFamily):
         nonfinite: ``"raise"`` or ``"skip"``.
         safeguard: as the factory's; ``False`` gives DeepSpeed's exact rule. Can be set per
             group.
+        local_world_size: ranks per node for the hierarchical 1-bit allreduce (see
+            :class:`OnebitAdam`).
 
     Example:
         A LAMB warmup step (trust ratio clamped to ``max_coeff``), then a compressed step with
@@ -322,6 +337,7 @@ class OnebitLamb(OnebitFamily):
         exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None = None,
         nonfinite: str = "raise",
         safeguard: bool = True,
+        local_world_size: int | None = None,
     ) -> None:
         super().__init__(**_arguments(locals()))
 

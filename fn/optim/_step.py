@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy
@@ -306,6 +307,44 @@ def commit_groups(
         runtime.transform, runtime.hyper = transform, hyper
         runtime.commit(state)
         runtime.step += 1
+
+
+def plan_groups(
+    param_groups: Sequence[Mapping[str, Any]],
+    groups: Sequence[GroupRuntime],
+    hypers: Sequence[dict[str, Any]],
+    make_transform: Callable[[int, dict[str, Any]], Any],
+    flatten: bool,
+) -> list[tuple[Any, dict[str, Any], float | None]]:
+    """Every group's next transform, hyperparameters and checked lr (:meth:`GroupRuntime.plan`
+    with ``make_transform(index, hyper)``); nothing is committed."""
+    return [
+        runtime.plan(index, group, hyper, partial(make_transform, index), flatten)
+        for index, (group, runtime, hyper) in enumerate(
+            zip(param_groups, groups, hypers, strict=True)
+        )
+    ]
+
+
+def compressed_next(
+    plans: Sequence[tuple[Any, Any, Any]], groups: Sequence[GroupRuntime]
+) -> list[bool]:
+    """Per group: whether its next update, by the transform of its plan, is compressed."""
+    return [
+        isinstance(transform, CompressedOptimizer) and transform.is_compressed(runtime.step + 1)
+        for (transform, _, _), runtime in zip(plans, groups, strict=True)
+    ]
+
+
+def never_compressed(groups: Sequence[GroupRuntime], updates: int) -> list[int]:
+    """The groups whose ``CompressedOptimizer`` makes no compressed update among the first
+    ``updates`` updates."""
+    return [
+        index
+        for index, runtime in enumerate(groups)
+        if isinstance(runtime.transform, CompressedOptimizer)
+        and runtime.transform.first_compressed_update(updates) is None
+    ]
 
 
 def check_nonfinite_policy(nonfinite: str) -> None:

@@ -312,6 +312,7 @@ class OnebitSettings(NamedTuple):
     eps: float  # added to sqrt(v)
     clip: float | None  # the safeguard's bound on m / (sqrt(v) + eps); None: safeguard off
     weight_decay: float  # L2, added to the direction
+    local_world_size: int | None = None  # ranks per node of the 1-bit allreduce; None: flat
 
 
 def onebit_settings(
@@ -322,20 +323,25 @@ def onebit_settings(
     weight_decay: float,
     comm: Any,
     safeguard: bool,
+    local_world_size: int | None = None,
 ) -> OnebitSettings:
     """Checks the hyperparameters that the 1-bit family shares and returns its settings; the
     safeguard's clip is :func:`adam_ratio_bound` of the betas (``None`` without ``safeguard``).
 
     Raises:
         ValueError: naming the argument: negative ``lr`` (a number), ``eps`` or
-            ``weight_decay``; betas outside [0, 1).
+            ``weight_decay``; betas outside [0, 1); a ``local_world_size`` that is not a
+            positive divisor of the world size (or, on a ``ProcessGroup``, differs between
+            ranks: its node groups are built here, a collective call).
     """
     b1, b2 = check_betas(name, betas)
     check_nonnegative(name, eps=eps, weight_decay=weight_decay)
     if not callable(lr):
         check_nonnegative(name, lr=lr)
     clip = adam_ratio_bound(b1, b2) if safeguard else None
-    return OnebitSettings(comm, b1, b2, eps, clip, weight_decay)
+    if local_world_size is not None:
+        comm.split(local_world_size)
+    return OnebitSettings(comm, b1, b2, eps, clip, weight_decay, local_world_size)
 
 
 def leaf_type(state_type: type[NamedTuple], *, shared: tuple[str, ...] = ()) -> type[NamedTuple]:
@@ -390,13 +396,14 @@ def adam_direction(
     return u
 
 
-def init_error_feedback_per_leaf(params: Params, comm: Any) -> tuple[PyTree, PyTree]:
+def init_error_feedback_per_leaf(params: Params, h: OnebitSettings) -> tuple[PyTree, PyTree]:
     """The worker and server errors of one compressed allreduce per leaf (trees like the
-    params, ``None`` where a param is ``None``)."""
+    params, ``None`` where a param is ``None``), at ``h``'s level."""
 
     walk = live_leaves(params)
+    level = dict(comm=h.comm, local_world_size=h.local_world_size)
     pairs = [
-        collectives.init_error_feedback(p.numel(), comm=comm, device=p.device)
+        collectives.init_error_feedback(p.numel(), **level, device=p.device)
         for p in walk.at_live(0)
     ]
     return walk.rebuild([pair[0] for pair in pairs]), walk.rebuild([pair[1] for pair in pairs])
@@ -406,17 +413,20 @@ def compressed_mean(
     x: torch.Tensor,
     worker_error: torch.Tensor,
     server_error: torch.Tensor,
-    comm: Any,
+    h: OnebitSettings,
     local_check: str | None = None,
     out: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``fn.collectives.compressed_allreduce(x, worker_error, server_error, out=out)``: the
-    1-bit mean of ``x`` over the ranks and the new errors (written into the buffers of ``out``
-    where given). With one worker there is nothing to compress: ``x`` comes back as it is,
-    checked to be finite (naming ``local_check``) unless that is ``None``; an empty ``x``
-    comes back unchanged."""
+    """``fn.collectives.compressed_allreduce(x, worker_error, server_error, out=out)`` at
+    ``h``'s comm and level: the 1-bit mean of ``x`` over the ranks and the new errors (written
+    into the buffers of ``out`` where given). With one worker there is nothing to compress:
+    ``x`` comes back as it is, checked to be finite (naming ``local_check``) unless that is
+    ``None``; an empty ``x`` comes back unchanged."""
+    comm = h.comm
     if comm.world_size > 1 and x.numel() > 0:
-        return collectives.compressed_allreduce(x, worker_error, server_error, comm=comm, out=out)
+        return collectives.compressed_allreduce(
+            x, worker_error, server_error, comm=comm, local_world_size=h.local_world_size, out=out
+        )
     if comm.world_size == 1 and local_check is not None:
         x = check_finite(x, local_check)
     return x, worker_error, server_error

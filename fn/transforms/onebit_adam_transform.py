@@ -38,7 +38,7 @@ class OnebitAdamState(NamedTuple):
     lr: torch.Tensor  # [] fp32: the learning rate of the last update (or the one to use next)
     exp_avg: PyTree  # like params, fp32: the momentum m
     exp_avg_sq: SecondMomentField  # like params, fp32: the variance v (frozen once compressed)
-    worker_error: ErrorFeedbackField  # per leaf [N_leaf] fp32: e_w of the leaf's allreduce
+    worker_error: ErrorFeedbackField  # per leaf [N_leaf / L] fp32 (L = 1 flat): e_w
     server_error: ErrorFeedbackField  # per leaf [N_leaf / W] fp32: e_s
 
 
@@ -56,6 +56,7 @@ def onebit_adam(
     exp_avg_mask: PyTree | None = None,
     non_freeze: PyTree | None = None,
     safeguard: bool = True,
+    local_world_size: int | None = None,
 ) -> CompressedOptimizer:
     r"""1-bit Adam: Adam whose momentum is communicated with 1 bit per element once the variance
     is frozen.
@@ -103,6 +104,11 @@ def onebit_adam(
         safeguard: clip the Adam direction where the variance is frozen to the range dense Adam
             can reach, :math:`[-B, B]` (see below); ``False`` gives DeepSpeed's exact rule, bit
             for bit.
+        local_world_size: ranks per node ``L`` for the hierarchical 1-bit allreduce: a dense
+            fp32 mean inside each node of ``L`` consecutive ranks, 1 bit only across nodes
+            (``fn.collectives.compressed_allreduce``; the worker errors are ``L`` times
+            smaller). ``None`` (default): flat, every rank compresses. Use it with several
+            ranks per node and a slow network between nodes; every rank must pass the same.
 
     Returns:
         A ``CompressedOptimizer(init, warmup_update, compressed_update, is_compressed, plan)``;
@@ -183,7 +189,9 @@ def onebit_adam(
         >>> torch.equal(params["w"][0], params["w"][1])  # the ranks agree after each update
         True
     """
-    settings = onebit_settings("onebit_adam", lr, betas, eps, weight_decay, comm, safeguard)
+    settings = onebit_settings(
+        "onebit_adam", lr, betas, eps, weight_decay, comm, safeguard, local_world_size
+    )
     why = (
         "the compressed updates divide by sqrt(v) + eps with the variance v frozen, which at "
         "least one warmup update (t < freeze_step) must estimate"
@@ -205,7 +213,7 @@ def onebit_adam(
         "onebit_adam",
         lr,
         OnebitAdamState,
-        partial(_init_fields, comm),
+        partial(_init_fields, settings),
         update,
         schedule.is_compressed,
         schedule.onebit_adam_plan,
@@ -223,7 +231,7 @@ def _rule(h: OnebitSettings, g, leaf, p, mask, dense, *, compressed, eta):
         m, v = dense_moments(g, m, v, h.b1, h.b2, h.comm)
     else:
         m = moving_average(m, h.b1, g)
-        m, ew, es = compressed_mean(m, ew, es, h.comm, "the momentum (local gradient)")
+        m, ew, es = compressed_mean(m, ew, es, h, "the momentum (local gradient)")
         if mask is not None:
             m = m * mask
     clip = h.clip if compressed and not bool(dense) else None
@@ -231,9 +239,9 @@ def _rule(h: OnebitSettings, g, leaf, p, mask, dense, *, compressed, eta):
     return u.mul_(-eta), _Leaf(m, v, ew, es)
 
 
-def _init_fields(comm: Any, params: PyTree) -> dict[str, Any]:
+def _init_fields(h: OnebitSettings, params: PyTree) -> dict[str, Any]:
     """The fields of the initial state after ``count`` and ``lr``."""
-    worker_error, server_error = init_error_feedback_per_leaf(params, comm)
+    worker_error, server_error = init_error_feedback_per_leaf(params, h)
     return dict(
         exp_avg=tree_zeros_like(params, torch.float32),
         exp_avg_sq=tree_zeros_like(params, torch.float32),

@@ -47,7 +47,9 @@ def onebit_adam_step(
         dense = x.inputs[2]
         exchange = None
         if not bool(dense):
-            exchange = compressed_allreduce_exchange(m, ew, es, comm=h.comm, grad=x.g, beta=h.b1)
+            exchange = compressed_allreduce_exchange(
+                m, ew, es, comm=h.comm, grad=x.g, beta=h.b1, local_world_size=h.local_world_size
+            )
         exchanges.append(exchange)
         pure.append(rule(x.g, x.leaf, *x.inputs) if exchange is None else None)
     results = []
@@ -104,7 +106,9 @@ def zero_one_adam_step(
         fits_buffers = fitting(x.spare.exp_avg, m) is not None and fits(x.g, m)
         exchange, local = None, False
         if fits_buffers and not frozen:
-            exchange = compressed_allreduce_exchange(x.g, ew, es, comm=h.comm)
+            exchange = compressed_allreduce_exchange(
+                x.g, ew, es, comm=h.comm, local_world_size=h.local_world_size
+            )
         elif fits_buffers and eager(x.g, m, v, a, x.spare.exp_avg):
             check_finite(x.g, "the local gradient")
             local = True

@@ -39,7 +39,7 @@ class OnebitLambState(NamedTuple):
     lamb_coeff_freeze: PyTree  # per leaf [] fp32: R, the EMA of the warmup trust ratios
     last_factor: PyTree  # per leaf [] fp32: the last scaling factor of R (starts at 1)
     scaling_coeff: PyTree  # per leaf [] fp32: momentum scaling, set at the first compressed update
-    worker_error: ErrorFeedbackField  # [N] fp32: e_w of the one fused compressed allreduce
+    worker_error: ErrorFeedbackField  # [N / L] fp32 (L = 1 flat): e_w of the fused allreduce
     server_error: ErrorFeedbackField  # [N / W] fp32: e_s
 
 
@@ -62,6 +62,7 @@ def onebit_lamb(
     comm: Any,
     exp_avg_mask: PyTree | None = None,
     safeguard: bool = True,
+    local_world_size: int | None = None,
 ) -> CompressedOptimizer:
     r"""1-bit LAMB: LAMB whose momenta are communicated with 1 bit per element after a warmup,
     with the layerwise trust ratios frozen and rescaled by a fresh variance estimate.
@@ -127,6 +128,11 @@ def onebit_lamb(
         safeguard: clip the Adam direction where the variance is frozen to the range dense Adam
             can reach, :math:`[-B, B]` (see below); ``False`` gives DeepSpeed's exact rule, bit
             for bit.
+        local_world_size: ranks per node ``L`` for the hierarchical 1-bit allreduce: a dense
+            fp32 mean inside each node of ``L`` consecutive ranks, 1 bit only across nodes
+            (``fn.collectives.compressed_allreduce``; the worker errors are ``L`` times
+            smaller). ``None`` (default): flat, every rank compresses. Use it with several
+            ranks per node and a slow network between nodes; every rank must pass the same.
 
     Returns:
         A ``CompressedOptimizer``; both updates are ``(grads, state, params, *, step=None,
@@ -190,7 +196,9 @@ def onebit_lamb(
         >>> torch.equal(params["w"][0], params["w"][1])  # the ranks agree after each update
         True
     """
-    settings = onebit_settings("onebit_lamb", lr, betas, eps, weight_decay, comm, safeguard)
+    settings = onebit_settings(
+        "onebit_lamb", lr, betas, eps, weight_decay, comm, safeguard, local_world_size
+    )
     check_nonnegative(
         "onebit_lamb",
         min_coeff=min_coeff,
@@ -225,7 +233,7 @@ def onebit_lamb(
         "onebit_lamb",
         lr,
         OnebitLambState,
-        partial(_init_fields, comm),
+        partial(_init_fields, settings),
         update,
         schedule.is_compressed,
         schedule.onebit_lamb_plan,
@@ -234,12 +242,14 @@ def onebit_lamb(
     )
 
 
-def _init_fields(comm: Any, params: PyTree) -> dict[str, Any]:
+def _init_fields(h: OnebitSettings, params: PyTree) -> dict[str, Any]:
     """The fields of the initial state after ``count`` and ``lr``."""
     leaves = tree_leaves(params)
     numel = sum(p.numel() for p in leaves)
     device = leaves[0].device if leaves else None
-    worker_error, server_error = collectives.init_error_feedback(numel, comm=comm, device=device)
+    worker_error, server_error = collectives.init_error_feedback(
+        numel, comm=h.comm, local_world_size=h.local_world_size, device=device
+    )
     return dict(
         exp_avg=tree_zeros_like(params, torch.float32),
         exp_avg_sq=tree_zeros_like(params, torch.float32),
@@ -321,7 +331,7 @@ def _fused_momenta(h: OnebitSettings, grads, state, donated):
         fused,
         state.worker_error,
         state.server_error,
-        h.comm,
+        h,
         "the momentum (local gradient)",
         out=buffers,
     )

@@ -39,7 +39,7 @@ class ZeroOneAdamState(NamedTuple):
     exp_avg: PyTree  # like params, fp32: the momentum m
     exp_avg_sq: SecondMomentField  # like params, fp32: the variance v
     momentum_accumulator: PyTree  # like params, fp32: a, the sum of local updates since a sync
-    worker_error: ErrorFeedbackField  # per leaf [N_leaf] fp32: e_w of the leaf's allreduce
+    worker_error: ErrorFeedbackField  # per leaf [N_leaf / L] fp32 (L = 1 flat): e_w
     server_error: ErrorFeedbackField  # per leaf [N_leaf / W] fp32: e_s
     var_interval: torch.Tensor  # [] int64: equals ZeroOneAdamSchedule.counters(count + 1)
     var_counter: torch.Tensor  # [] int64
@@ -67,6 +67,7 @@ def zero_one_adam(
     comm: Any,
     exp_avg_mask: PyTree | None = None,
     safeguard: bool = True,
+    local_world_size: int | None = None,
 ) -> CompressedOptimizer:
     r"""0/1 Adam: Adam with an adaptively frozen variance, 1-bit communication and local steps.
 
@@ -118,6 +119,11 @@ def zero_one_adam(
         safeguard: clip the Adam direction where the variance is frozen to the range dense Adam
             can reach, :math:`[-B, B]` (see below); ``False`` gives DeepSpeed's exact rule, bit
             for bit.
+        local_world_size: ranks per node ``L`` for the hierarchical 1-bit allreduce: a dense
+            fp32 mean inside each node of ``L`` consecutive ranks, 1 bit only across nodes
+            (``fn.collectives.compressed_allreduce``; the worker errors are ``L`` times
+            smaller). ``None`` (default): flat, every rank compresses. Use it with several
+            ranks per node and a slow network between nodes; every rank must pass the same.
 
     Returns:
         A ``CompressedOptimizer``; both updates are ``(grads, state, params=None, *, step=None,
@@ -184,7 +190,9 @@ def zero_one_adam(
         >>> bool(state.frozen), int(state.count)
         (True, 5)
     """
-    settings = onebit_settings("zero_one_adam", lr, betas, eps, weight_decay, comm, safeguard)
+    settings = onebit_settings(
+        "zero_one_adam", lr, betas, eps, weight_decay, comm, safeguard, local_world_size
+    )
     schedule = ZeroOneAdamSchedule(
         check_int("var_freeze_step", var_freeze_step),
         check_int("var_update_scaler", var_update_scaler, 1),
@@ -214,7 +222,7 @@ def zero_one_adam(
         "zero_one_adam",
         lr,
         ZeroOneAdamState,
-        partial(_init_fields, comm, schedule),
+        partial(_init_fields, settings, schedule),
         update,
         schedule.is_compressed,
         schedule.plan,
@@ -230,7 +238,7 @@ def _rule(h: OnebitSettings, g, leaf, p, mask, *, plan, eta, lrs):
     if plan.variance:
         m, v = dense_moments(g, m, v, h.b1, h.b2, h.comm)
     elif not plan.frozen:
-        g, ew, es = _one_bit_mean(h.comm, g, ew, es, mask, "the gradient")
+        g, ew, es = _one_bit_mean(h, g, ew, es, mask, "the gradient")
         m = moving_average(m, h.b1, g)
     else:
         m = moving_average(m, h.b1, check_finite(g, "the local gradient"))
@@ -240,7 +248,7 @@ def _rule(h: OnebitSettings, g, leaf, p, mask, *, plan, eta, lrs):
         a = a + update
     if plan.sync:
         update = update - a
-        a, ew, es = _one_bit_mean(h.comm, a * denom, ew, es, mask)
+        a, ew, es = _one_bit_mean(h, a * denom, ew, es, mask)
         m = torch.where(lrs != 0, -a / lrs, torch.zeros_like(a))
         averaged = a / denom
         if h.clip is not None and math.isfinite(h.clip):  # |a| <= lrs * bound: lrs-weighted
@@ -250,8 +258,8 @@ def _rule(h: OnebitSettings, g, leaf, p, mask, *, plan, eta, lrs):
     return update, _Leaf(m, v, a, ew, es)
 
 
-def _one_bit_mean(comm, x, ew, es, mask, local_check=None):
-    x, ew, es = compressed_mean(x, ew, es, comm, local_check)
+def _one_bit_mean(h, x, ew, es, mask, local_check=None):
+    x, ew, es = compressed_mean(x, ew, es, h, local_check)
     return (x if mask is None else x * mask), ew, es
 
 
@@ -294,9 +302,11 @@ def _advance(interval, counter, scaler, clipper=None):
     return torch.where(wraps, doubled, interval), torch.where(wraps, 0, counter)
 
 
-def _init_fields(comm: Any, schedule: ZeroOneAdamSchedule, params: PyTree) -> dict[str, Any]:
+def _init_fields(
+    h: OnebitSettings, schedule: ZeroOneAdamSchedule, params: PyTree
+) -> dict[str, Any]:
     """The fields of the initial state after ``count`` and ``lr``; the counters of update 1."""
-    worker_error, server_error = init_error_feedback_per_leaf(params, comm)
+    worker_error, server_error = init_error_feedback_per_leaf(params, h)
     return dict(
         exp_avg=tree_zeros_like(params, torch.float32),
         exp_avg_sq=tree_zeros_like(params, torch.float32),

@@ -17,8 +17,8 @@ PAIRS = {
 }
 # keyword-only in both: the factory takes the comm and a mask pytree; the adapter takes the comm,
 # masks keyed by param, and its non-finite policy
-FACTORY_KEYWORDS = {"comm", "exp_avg_mask", "non_freeze", "safeguard"}
-ADAPTER_KEYWORDS = {"comm", "exp_avg_mask", "nonfinite", "safeguard"}
+FACTORY_KEYWORDS = {"comm", "exp_avg_mask", "non_freeze", "safeguard", "local_world_size"}
+ADAPTER_KEYWORDS = {"comm", "exp_avg_mask", "nonfinite", "safeguard", "local_world_size"}
 
 
 def _positional(signature: inspect.Signature) -> list[tuple[str, object]]:
@@ -55,6 +55,8 @@ def test_adapter_hyperparameters_are_the_factory_s(name):
         assert kw in _keyword_only(theirs)
     assert ours.parameters["exp_avg_mask"].default is theirs.parameters["exp_avg_mask"].default
     assert ours.parameters["safeguard"].default is theirs.parameters["safeguard"].default
+    level = "local_world_size"
+    assert ours.parameters[level].default is theirs.parameters[level].default is None
 
 
 @pytest.mark.parametrize("name", PAIRS)

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from fn.collectives import Local
-from fn.transforms._leafwise import compressed_mean, leaf_type, map_leaves, moving_average
+from fn.transforms._leafwise import (
+    compressed_mean,
+    leaf_type,
+    map_leaves,
+    moving_average,
+    onebit_settings,
+)
 
 
 class State(NamedTuple):
@@ -72,11 +78,12 @@ def test_moving_average_rounds_as_written():
 
 def test_compressed_mean_with_one_worker_is_the_input_checked():
     x, ew, es = torch.ones(3), torch.zeros(0), torch.zeros(0)
-    assert compressed_mean(x, ew, es, Local())[0] is x
+    one = onebit_settings("test", 1e-3, (0.9, 0.999), 1e-8, 0.0, Local(), True)
+    assert compressed_mean(x, ew, es, one)[0] is x
     with pytest.raises(ValueError, match="the momentum contains non-finite"):
-        compressed_mean(torch.tensor([float("nan")]), ew, es, Local(), "the momentum")
+        compressed_mean(torch.tensor([float("nan")]), ew, es, one, "the momentum")
     nan = torch.tensor([float("nan")])
-    assert compressed_mean(nan, ew, es, Local())[0] is nan  # no check asked for
+    assert compressed_mean(nan, ew, es, one)[0] is nan  # no check asked for
 
 
 def test_leaf_type_holds_the_per_leaf_fields_in_the_state_order():

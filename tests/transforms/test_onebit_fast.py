@@ -28,14 +28,16 @@ NON_FREEZE = {"w": False, "b": True, "big": False, "empty": False, "frozen": Fal
 STEPS = 8
 
 CASES = {
-    "onebit_adam": lambda comm: fn.onebit_adam(1e-2, 3, weight_decay=0.01, comm=comm),
-    "onebit_adam_masked": lambda comm: fn.onebit_adam(
+    "onebit_adam": lambda comm, **level: fn.onebit_adam(
+        1e-2, 3, weight_decay=0.01, comm=comm, **level
+    ),
+    "onebit_adam_masked": lambda comm, **level: fn.onebit_adam(
         1e-2, 3, exp_avg_mask=MASK, safeguard=False, comm=comm
     ),
-    "onebit_adam_non_freeze": lambda comm: fn.onebit_adam(
+    "onebit_adam_non_freeze": lambda comm, **level: fn.onebit_adam(
         1e-2, 3, weight_decay=0.01, non_freeze=NON_FREEZE, comm=comm
     ),
-    "zero_one_adam": lambda comm: fn.zero_one_adam(
+    "zero_one_adam": lambda comm, **level: fn.zero_one_adam(
         1e-2,
         var_freeze_step=4,
         var_update_scaler=1,
@@ -43,8 +45,9 @@ CASES = {
         local_step_clipper=2,
         weight_decay=0.01,
         comm=comm,
+        **level,
     ),  # fmt: skip
-    "zero_one_adam_masked": lambda comm: fn.zero_one_adam(
+    "zero_one_adam_masked": lambda comm, **level: fn.zero_one_adam(
         1e-2,
         var_freeze_step=5,
         var_update_scaler=1,
@@ -52,9 +55,14 @@ CASES = {
         local_step_clipper=2,
         exp_avg_mask=MASK,
         comm=comm,
+        **level,
     ),  # fmt: skip
-    "onebit_lamb": lambda comm: fn.onebit_lamb(1e-2, 3, weight_decay=0.01, comm=comm),
-    "onebit_lamb_masked": lambda comm: fn.onebit_lamb(1e-2, 4, exp_avg_mask=MASK, comm=comm),
+    "onebit_lamb": lambda comm, **level: fn.onebit_lamb(
+        1e-2, 3, weight_decay=0.01, comm=comm, **level
+    ),
+    "onebit_lamb_masked": lambda comm, **level: fn.onebit_lamb(
+        1e-2, 4, exp_avg_mask=MASK, comm=comm, **level
+    ),
 }
 
 
@@ -105,10 +113,11 @@ class _Counted:
             monkeypatch.setattr(fast, "compressed_allreduce_exchange", counted)
 
 
-def _run_case(name: str, comm, world: int, rank: int) -> dict[str, int]:
+def _run_case(name: str, comm, world: int, rank: int, **level) -> dict[str, int]:
     """Runs the pure loop, the donated one (into a spare and in place) and update_and_apply
-    side by side; asserts the same bits after every update. Returns the kinds of step seen."""
-    opt = CASES[name](comm)
+    side by side; asserts the same bits after every update. Returns the kinds of step seen.
+    ``level``: ``local_world_size`` for the hierarchical collective, or nothing (flat)."""
+    opt = CASES[name](comm, **level)
     params = _params()
     pure_p, applied_p = _clone(params), _clone(params)
     pure_s = opt.init(params)
@@ -158,12 +167,12 @@ def test_one_worker_donated_steps_match_the_pure_rules(name):
     _run_case(name, Local(), 1, 0)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_simulated_donated_steps_match_the_pure_rules(world):
+@pytest.mark.parametrize(("world", "local"), [(2, None), (3, None), (4, None), (4, 2)])
+def test_simulated_donated_steps_match_the_pure_rules(world, local):
     """Under vmap the fast steps take the pure rules (and copy): still the same bits."""
     comm = Simulated(world)
     for name in ("onebit_adam_non_freeze", "zero_one_adam_masked", "onebit_lamb"):
-        opt = CASES[name](comm)
+        opt = CASES[name](comm, local_world_size=local)
         params = replicate(_params(), comm)
         pure_s, spare_s = replicate(opt.init(_params()), comm), None
         spare_s, spare = _clone(pure_s), _clone(pure_s)
@@ -186,22 +195,23 @@ def test_simulated_donated_steps_match_the_pure_rules(world):
             params = fn.apply_updates(params, want_u)
 
 
-def _gloo_worker(rank: int, world_size: int) -> dict[str, int]:
+def _gloo_worker(rank: int, world_size: int, local: int | None = None) -> dict[str, int]:
     warnings.simplefilter("ignore", RuntimeWarning)
     counter = _Counted()
     comm = ProcessGroup()
     fast_calls = {}
     for name in CASES:
         before = counter.calls
-        _run_case(name, comm, world_size, rank)
+        _run_case(name, comm, world_size, rank, local_world_size=local)
         fast_calls[name] = counter.calls - before
     return fast_calls
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_gloo_fast_steps_match_the_pure_rules(world):
-    for rank, calls in enumerate(run_distributed(_gloo_worker, world, timeout=500)):
+@pytest.mark.parametrize(("world", "local"), [(2, None), (3, None), (4, None), (4, 2)])
+def test_gloo_fast_steps_match_the_pure_rules(world, local):
+    results = run_distributed(_gloo_worker, world, local, timeout=500)
+    for rank, calls in enumerate(results):
         for name, n in calls.items():
             assert (n > 0) == _want_fast(name, world), (rank, name, n)
 
