@@ -41,8 +41,8 @@ of a node talk over fast links, nodes over RATE. The allreduce rows are then den
 the hierarchical (``local_world_size=L``) 1-bit ``compressed_allreduce``, the hierarchical 4-bit
 ``loco_allreduce`` and the bound of the hierarchical ones: the hierarchical 1-bit's intra-node
 part alone (its dense exchange inside the node and the all-gather of the packed result); the
-training rows add ``fn.onebit_adam`` and ``fn.optim.OnebitAdam`` with ``local_world_size=L``
-(printed as not available where fn does not take it). Every row also gives the bytes each rank
+training rows add ``fn.onebit_adam`` and ``fn.optim.OnebitAdam`` with ``local_world_size=L``.
+Every row also gives the bytes each rank
 sent across nodes in one untimed call, read by rank 0 from the uplinks' counters (``ip -n
 PREFIX-n<k> -s -j link show dev uplink``), and for fn's collectives the comm's own count by
 level (``bytes_sent_by_hop``); the summary gives the targets of issue #28.
@@ -68,7 +68,6 @@ import argparse
 import contextlib
 import datetime
 import glob
-import inspect
 import json
 import os
 import re
@@ -692,22 +691,10 @@ def flat_views(model):
     return flat_p, flat_g
 
 
-def hierarchical_onebit_adam_available() -> bool:
-    """Whether ``fn.onebit_adam`` and ``fn.optim.OnebitAdam`` take ``local_world_size``."""
-    import fn
-    import fn.optim
-
-    return all(
-        "local_world_size" in inspect.signature(f).parameters
-        for f in (fn.onebit_adam, fn.optim.OnebitAdam)
-    )
-
-
 def bench_training(cfg: dict) -> dict:
     """Training step times (:data:`TRAINING_ROWS`), with, on the two-level cluster, the
-    hierarchical 1-bit Adam rows (``None`` where fn has no ``local_world_size`` for them, see
-    :func:`hierarchical_onebit_adam_available`) and the bytes per rank across nodes of one
-    step of each row (``"bytes"``)."""
+    hierarchical 1-bit Adam rows (:data:`HIERARCHICAL_TRAINING_ROWS`) and the bytes per rank
+    across nodes of one step of each row (``"bytes"``)."""
     import torch
     import torch.distributed as dist
 
@@ -819,20 +806,17 @@ def bench_training(cfg: dict) -> dict:
         "onebit_optim": onebit_optim,
     }
     comms = {"onebit": onebit_comm, "onebit_optim": optim_comm}
-    hierarchical_rows = {}
     if local is not None:
-        hierarchical_rows = dict.fromkeys(HIERARCHICAL_TRAINING_ROWS)
-        if hierarchical_onebit_adam_available():
-            fns["onebit_hier"], comms["onebit_hier"] = onebit_step(local_world_size=local)
-            fns["onebit_optim_hier"], comms["onebit_optim_hier"] = onebit_optim_step(
-                local_world_size=local
-            )
+        fns["onebit_hier"], comms["onebit_hier"] = onebit_step(local_world_size=local)
+        fns["onebit_optim_hier"], comms["onebit_optim_hier"] = onebit_optim_step(
+            local_world_size=local
+        )
     fns |= {"adam_local": adam_local, "backward": backward_only}
     sent = {} if local is None else {"bytes": bytes_across_nodes(cfg, fns, comms)}
     times = _timed(fns, cfg["train_repeats"], cfg["warmup"])
     _log(cfg, "training: " + ", ".join(f"{k} {v:.4f}s" for k, v in times.items()))
     params = sum(p.numel() for p in ddp_model.parameters())
-    return {"params": params, **hierarchical_rows, **times, **sent}
+    return {"params": params, **times, **sent}
 
 
 def long_warmup_variance(v):
@@ -993,9 +977,6 @@ def print_two_level_results(results: list[dict], args: argparse.Namespace) -> No
                 "across nodes)"
             )
             for key, label in (TRAINING_ROWS | HIERARCHICAL_TRAINING_ROWS).items():
-                if t[key] is None:
-                    print(f"  {label:48s} not available (no local_world_size in fn)")
-                    continue
                 print(
                     f"  {label:48s} {1e3 * t[key]:9.1f}   x DDP {t['adam_ddp'] / t[key]:5.2f}   "
                     f"/ floor {t[key] / t['adam_local']:5.2f}   across "

@@ -374,7 +374,7 @@ def test_cluster_target_status_says_what_a_run_did_not_measure():
     assert all(s.ratio is None for s in status if s.verdict == "not measured")
 
 
-def _fake_two_level_results(hierarchical_steps=True):
+def _fake_two_level_results():
     """A two-level cluster.py result at 1gbit: 2^24 allreduce times (dense 1.2 s, flat 1-bit
     0.15 s, hierarchical 0.09 s, its intra-node part 0.06 s), bytes across nodes (flat 8 MiB,
     hierarchical 4.2 MiB) and training times (DDP 1.0 s, floor 0.25 s)."""
@@ -385,8 +385,6 @@ def _fake_two_level_results(hierarchical_steps=True):
     sent = {name: {"across": across[name], "by_hop": {"world": 1, "inter": 2}} for name in names}
     sent["dense"] = {"across": across["dense"]}
     hier = {"onebit_hier": 0.3, "onebit_optim_hier": 0.26}
-    if not hierarchical_steps:
-        hier = dict.fromkeys(hier)
     training = {"params": 25e6, "adam_dense": 1.2, "adam_ddp": 1.0, "onebit": 0.4}
     training |= {"onebit_optim": 0.45, "adam_local": 0.25, "backward": 0.2, **hier}
     training["bytes"] = {name: {"across": mib} for name in training if name != "params"}
@@ -419,18 +417,6 @@ def test_cluster_two_level_targets_compare_each_ratio_with_its_target():
         pytest.approx(5.0)
     )
     assert bounds["hier. 1-bit bytes across nodes <= 1/2 of flat, 2^24, 1 Gbit/s"] is None
-
-
-def test_cluster_two_level_steps_without_local_world_size_are_not_measured(capsys):
-    results = _fake_two_level_results(hierarchical_steps=False)
-    status = cluster.target_status(results, cluster.two_level_targets(2))
-    unmeasured = {s.text for s in status if s.verdict == "not measured"}
-    assert unmeasured == {s.text for s in status if "step" in s.text}
-    args = cluster.parse_args(["--nodes", "2", "--ranks-per-node", "2", "--rates", "1gbit"])
-    cluster.print_results(results, args)
-    printed = capsys.readouterr().out
-    for label in cluster.HIERARCHICAL_TRAINING_ROWS.values():
-        assert re.search(re.escape(label) + r"\s+not available", printed), printed
 
 
 def test_cluster_two_level_report_prints_bytes_across_nodes_and_the_speedup(capsys):
