@@ -12,10 +12,13 @@ Backends (the ``Comm`` protocol, see ``comm.py``):
 ``comm.split(L)`` gives the intra-node and inter-node comms of a two-level topology.
 Every comm counts the bytes each rank sends (``bytes_sent``, ``reset_bytes_sent()``) with the
 per-rank formulas of ``_traffic.py``: ring all_reduce ``2 (W-1)/W`` of the payload, all_gather
-``(W-1)/W`` of the output, all_to_all and reduce_scatter ``(W-1)/W`` of the input.
+``(W-1)/W`` of the output, all_to_all and reduce_scatter ``(W-1)/W`` of the input;
+``bytes_sent_by_hop`` splits the count into the whole group's collectives (``"world"``) and
+those of its two-level split, inside a node (``"intra"``) and across nodes (``"inter"``).
 
 Collectives: ``dense_allreduce`` (the fp32 baseline, as a transform), ``compressed_allreduce`` /
-``onebit_allreduce`` (error-compensated 1-bit, ~1/32 of the fp32 traffic),
+``onebit_allreduce`` (error-compensated 1-bit, ~1/32 of the fp32 traffic; with
+``local_world_size``, hierarchical: dense inside each node, 1 bit across nodes),
 ``quantized_allreduce`` / ``loco_allreduce`` / ``quantized_reduce_scatter`` (blockwise 4/8-bit,
 LoCo error feedback, optional two-hop mode). Their error-feedback buffers are marked by type
 (``ErrorFeedback``, ``ErrorFeedbackField``; see ``error_feedback.py``). In-place forms, as plain

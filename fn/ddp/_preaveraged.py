@@ -26,6 +26,10 @@ class PreaveragedComm:
     def bytes_sent(self) -> int:
         return self.comm.bytes_sent
 
+    @property
+    def bytes_sent_by_hop(self) -> dict[str, int]:
+        return self.comm.bytes_sent_by_hop
+
     def reset_bytes_sent(self) -> int:
         return self.comm.reset_bytes_sent()
 
