@@ -69,9 +69,10 @@ def register(ddp_model: DistributedDataParallel, optimizer: OnebitFamily) -> Non
     gradients may still change (clipping, AMP's unscaling) or the step be skipped; compressing
     per bucket during the backward pass would change the numerics.
 
-    So the run equals the same run without DDP. Bit for bit with fp32/fp64 params when the
-    world size is a power of two; otherwise the sums of the dense warmup means may be associated
-    differently (gloo sums DDP's buckets, fn the group's flat gradient) and agree to rounding.
+    So the run equals the same run without DDP. Bit for bit with fp32/fp64 params on two ranks
+    (a sum of two terms is the same in either order); with more ranks the sums of the dense
+    warmup means may be associated differently (gloo sums DDP's buckets, fn the group's flat
+    gradient, each in its own ring order) and agree to rounding.
     With fp16/bf16 params DDP averages in the params' dtype, fn in fp32: they agree to that
     dtype's rounding. Param groups in different phases (e.g. per-group ``freeze_step``) are
     handled per param.

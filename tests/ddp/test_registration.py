@@ -17,6 +17,7 @@ from fn.collectives._traffic import all_gather_bytes, all_reduce_bytes
 from tests._distributed import run_distributed
 from tests.optim._problem import backward, flat_params, make_model, states_equal
 from tests.optim.test_distributed import CHECKPOINTED
+from tests.optim.test_hierarchical import ADAPTERS as HIERARCHICAL
 
 # The optimizers of the adapter's distributed tests (weight decay on), with steps covering
 # every step kind (``name: (make, steps)``):
@@ -325,3 +326,45 @@ def test_misuse_accumulation_and_mixed_phases():
         (bare, bare_phases), (ddp, ddp_phases) = result["mixed"]
         assert (True, False) in bare_phases and bare_phases == ddp_phases
         assert torch.equal(bare, ddp)
+
+
+def _hierarchical_worker(rank, world_size):
+    """Each 1-bit adapter at 2 ranks per node, with and without DDP: the params after every
+    step."""
+    del world_size
+    out = {}
+    for name, (adapter, _) in HIERARCHICAL.items():
+        runs = []
+        for use_ddp in (False, True):
+            model = make_model()
+            opt = adapter(model.parameters(), local_world_size=2)
+            net = model
+            if use_ddp:
+                net = DDP(model)
+                fn.ddp.register(net, opt)
+            history = []
+            for t in range(9):
+                opt.zero_grad()
+                backward(net, rank, t)
+                opt.step()
+                history.append(flat_params(model))
+            runs.append(history)
+        out[name] = runs
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_register_follows_the_optimizer_s_local_world_size():
+    """At 2 ranks per node on 4 ranks: the run with DDP equals the bare one to rounding (the
+    warmup means of 4 ranks may sum in another order), and 1-bit Adam's and 1-bit LAMB's ranks
+    agree bit for bit after every step."""
+    results = run_distributed(_hierarchical_worker, 4, timeout=280)
+    for name in HIERARCHICAL:
+        for result in results:
+            bare, ddp = result[name]
+            for a, b in zip(ddp, bare, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        if name == "zero_one_adam":  # its ranks differ between synchronizations by design
+            continue
+        for t in range(9):
+            assert all(torch.equal(r[name][1][t], results[0][name][1][t]) for r in results), t
