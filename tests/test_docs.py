@@ -19,6 +19,7 @@ ALGORITHMS = ROOT / "docs" / "algorithms.md"
 SECTIONS = [
     "Conventions",
     "Error-compensated 1-bit allreduce",
+    "Hierarchical 1-bit allreduce",
     "1-bit Adam",
     "0/1 Adam",
     "1-bit LAMB",
