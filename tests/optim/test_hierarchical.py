@@ -115,3 +115,25 @@ def test_a_checkpoint_at_another_level_resets_the_error_feedback(results, name):
             result[name]["warnings"]
         )
         assert result[name]["reset"]
+
+
+def _disagreeing_worker(rank: int, world_size: int) -> list[str]:
+    level = 1 if rank == 0 else 2
+    messages = []
+    for build in (
+        lambda: fn.optim.OnebitAdam(make_model().parameters(), local_world_size=level),
+        lambda: fn.onebit_adam(comm=ProcessGroup(), local_world_size=level),
+    ):
+        with pytest.raises(ValueError, match="local_world_size") as raised:
+            build()
+        messages.append(str(raised.value))
+    with pytest.raises(ValueError, match="does not divide"):
+        fn.optim.OnebitAdam(make_model().parameters(), local_world_size=3)
+    return messages
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_ranks_that_disagree_on_the_level_raise_together():
+    first, second = run_distributed(_disagreeing_worker, 2, timeout=240)
+    assert first == second
