@@ -110,13 +110,7 @@ def test_cluster_dry_run_plan_stays_inside_its_namespaces():
     proc = _cli("cluster.py", "--dry-run", "--ranks", "3", "--rates", "100mbit,unlimited")
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if not line.startswith("#")]
-    ours = {"fnbench-br", "fnbench-r0", "fnbench-r1", "fnbench-r2"}
-    for line in lines:
-        words = line.split()
-        if words[:2] == ["ip", "netns"]:
-            assert words[2] in ("add", "exec", "delete") and words[3] in ours, line
-        else:
-            assert words[0] in ("ip", "tc") and words[1] == "-n" and words[2] in ours, line
+    _assert_inside(lines, {"fnbench-br", "fnbench-r0", "fnbench-r1", "fnbench-r2"})
     assert sum("tbf rate 100mbit" in line for line in lines) == 6  # both ends of 3 links
     assert sum("qdisc del" in line for line in lines) == 6
     assert sum(line.startswith("ip netns add") for line in lines) == 4
@@ -132,6 +126,16 @@ def test_cluster_dry_run_plan_stays_inside_its_namespaces():
         assert ipaddress.ip_address(addr) in net
 
 
+def _assert_inside(lines, ours):
+    """Every command of a dry-run plan acts inside one of the namespaces ``ours``."""
+    for line in lines:
+        words = line.split()
+        if words[:2] == ["ip", "netns"]:
+            assert words[2] in ("add", "exec", "delete") and words[3] in ours, line
+        else:
+            assert words[0] in ("ip", "tc") and words[1] == "-n" and words[2] in ours, line
+
+
 def _dry_run(*argv):
     proc = _cli("cluster.py", "--dry-run", *argv)
     assert proc.returncode == 0, proc.stderr
@@ -142,13 +146,7 @@ def test_cluster_two_level_plan_puts_each_rank_on_its_node_and_shapes_only_uplin
     lines = _dry_run("--nodes", "2", "--ranks-per-node", "3", "--rates", "1gbit,unlimited")
     ranks = [f"fnbench-r{i}" for i in range(6)]
     nodes = ["fnbench-n0", "fnbench-n1"]
-    ours = {"fnbench-br", *nodes, *ranks}
-    for line in lines:
-        words = line.split()
-        if words[:2] == ["ip", "netns"]:
-            assert words[2] in ("add", "exec", "delete") and words[3] in ours, line
-        else:
-            assert words[0] in ("ip", "tc") and words[1] == "-n" and words[2] in ours, line
+    _assert_inside(lines, {"fnbench-br", *nodes, *ranks})
     assert sorted(line.split()[3] for line in lines if line.startswith("ip netns add")) == sorted(
         ours
     )
