@@ -146,7 +146,8 @@ def test_cluster_two_level_plan_puts_each_rank_on_its_node_and_shapes_only_uplin
     lines = _dry_run("--nodes", "2", "--ranks-per-node", "3", "--rates", "1gbit,unlimited")
     ranks = [f"fnbench-r{i}" for i in range(6)]
     nodes = ["fnbench-n0", "fnbench-n1"]
-    _assert_inside(lines, {"fnbench-br", *nodes, *ranks})
+    ours = {"fnbench-br", *nodes, *ranks}
+    _assert_inside(lines, ours)
     assert sorted(line.split()[3] for line in lines if line.startswith("ip netns add")) == sorted(
         ours
     )
