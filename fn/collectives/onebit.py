@@ -226,20 +226,14 @@ def compressed_allreduce(
         return x, _zeroed(out[1], worker_error), _zeroed(out[2], server_error)
     if not x.is_floating_point():
         raise TypeError(f"compressed_allreduce needs a floating-point x, got {x.dtype}")
-    hierarchical = local_world_size not in (None, 1)
     if out is not None and eager(x, worker_error, server_error, *out):
         errors = (worker_error, server_error)
-        if hierarchical:
-            exchange = _hierarchical_exchange(
-                x.reshape(-1), None, 0.0, *errors, comm, local_world_size
-            )
-        else:
-            exchange = _exchange(x.reshape(-1), None, 0.0, *errors, comm)
+        exchange = _exchange(x.reshape(-1), None, 0.0, *errors, comm, local_world_size)
         if exchange is not None:
             worker, server = write_errors(exchange, out[1], out[2])
             y = torch.empty_like(x) if out[0] is None else out[0]
             return write_result(exchange, y), worker, server
-    if hierarchical:
+    if local_world_size not in (None, 1):
         pure = _pure_hierarchical(x, worker_error, server_error, comm, local_world_size)
     else:
         pure = _pure_allreduce(x, worker_error, server_error, comm)
@@ -404,22 +398,15 @@ def _pure_hierarchical(
 
 def _hierarchical_exchange(
     flat: torch.Tensor,
-    grad: torch.Tensor | None,
-    beta: float,
     worker_error: torch.Tensor,
     server_error: torch.Tensor,
-    comm: Comm,
-    local_world_size: int,
-) -> CompressedExchange | None:
-    """The hierarchical collective's exchanges for :func:`write_errors` and
-    :func:`write_result`; ``None`` with one node (the caller takes the pure path). Allocates
-    the node's input when ``grad`` is given or padding is needed, and this rank's shard."""
-    if local_world_size == comm.world_size:
-        return None
-    _agree(comm, flat, local_world_size)  # before split, a collective over groups of that size
-    intra, inter = comm.split(local_world_size)
-    if grad is not None:  # the momentum, rounded as fn.transforms' moving_average
-        flat = (beta * flat).add_((1 - beta) * grad)
+    intra: Comm,
+    inter: Comm,
+) -> CompressedExchange:
+    """The hierarchical collective's exchanges of ``flat`` for :func:`write_errors` and
+    :func:`write_result` over the node's ``intra`` and the ``inter`` comm of this rank's
+    local index. Allocates this rank's shard (and a padded copy where ``flat`` needs one)."""
+    local_world_size = intra.world_size
     mean = _node_mean(_node_input(flat, local_world_size * worker_error.numel()), intra)
     nodes = inter.world_size
     failure = None
@@ -437,7 +424,7 @@ def _hierarchical_exchange(
     all_scales = finite_or_raise(
         gathered[:, -tail:].contiguous().view(torch.float32).view(-1), _NON_FINITE_ON_SOME_RANK
     )
-    packed = gathered[:, :-tail].contiguous().view(comm.world_size, -1)
+    packed = gathered[:, :-tail].contiguous().view(local_world_size * nodes, -1)
     return exchange._replace(packed=packed, scales=all_scales)
 
 
@@ -526,9 +513,7 @@ def compressed_allreduce_exchange(
         return None
     flat_grad = None if grad is None else grad.view(-1)
     errors = (worker_error, server_error)
-    if local_world_size not in (None, 1):
-        return _hierarchical_exchange(x.view(-1), flat_grad, beta, *errors, comm, local_world_size)
-    return _exchange(x.view(-1), flat_grad, beta, *errors, comm)
+    return _exchange(x.view(-1), flat_grad, beta, *errors, comm, local_world_size)
 
 
 def write_errors(
@@ -601,10 +586,22 @@ def _exchange(
     worker_error: torch.Tensor,
     server_error: torch.Tensor,
     comm: Comm,
-) -> CompressedExchange:
+    local_world_size: int | None = None,
+) -> CompressedExchange | None:
     """The allocation-free exchange: the worker compresses ``flat`` (or the momentum of
     ``flat`` and ``grad``) and exchanges; the server sums the received signs, compresses and
-    exchanges; every scale is checked."""
+    exchanges; every scale is checked. Hierarchical (``local_world_size`` above 1), the
+    exchanges of :func:`_hierarchical_exchange` (of the momentum, computed here, when ``grad``
+    is given), or ``None`` with one node (the caller takes the pure path)."""
+    if local_world_size not in (None, 1):
+        if local_world_size == comm.world_size:
+            return None
+        _agree(comm, flat, local_world_size)  # before split, a collective over groups of that size
+        if grad is not None:  # the momentum, rounded as fn.transforms' moving_average
+            flat = (beta * flat).add_((1 - beta) * grad)
+        return _hierarchical_exchange(
+            flat, worker_error, server_error, *comm.split(local_world_size)
+        )
     world_size, n = comm.world_size, flat.numel()
     what = "compressed_allreduce"
     packed, scale = kernels.feedback_sign_compress(flat, worker_error, grad=grad, beta=beta)

@@ -10,24 +10,7 @@ import torch
 from fn.base import CompressedOptimizer, SecondMomentField
 from fn.collectives import ErrorFeedbackField
 from fn.errors import check_int
-from fn.transforms._leafwise import (
-    LearningRate,
-    OnebitSettings,
-    adam_denominator,
-    adam_direction,
-    compressed_mean,
-    compressed_optimizer,
-    dense_moments,
-    host_count,
-    init_error_feedback_per_leaf,
-    leaf_type,
-    leaves_of,
-    map_leaves,
-    moving_average,
-    onebit_settings,
-    rebuilt,
-    report_frozen_variance,
-)
+from fn.transforms import _leafwise as leafwise
 from fn.transforms._onebit_schedules import FreezeSchedule, OnebitAdamPlan
 from fn.transforms.onebit_fast import onebit_adam_step
 from fn.tree import PyTree, tree_zeros_like
@@ -42,11 +25,11 @@ class OnebitAdamState(NamedTuple):
     server_error: ErrorFeedbackField  # per leaf [N_leaf / W] fp32: e_s
 
 
-_Leaf = leaf_type(OnebitAdamState)
+_Leaf = leafwise.leaf_type(OnebitAdamState)
 
 
 def onebit_adam(
-    lr: LearningRate = 1e-3,
+    lr: leafwise.LearningRate = 1e-3,
     freeze_step: int = 100000,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
@@ -189,7 +172,7 @@ def onebit_adam(
         >>> torch.equal(params["w"][0], params["w"][1])  # the ranks agree after each update
         True
     """
-    settings = onebit_settings(
+    settings = leafwise.onebit_settings(
         "onebit_adam", lr, betas, eps, weight_decay, comm, safeguard, local_world_size
     )
     why = (
@@ -199,17 +182,17 @@ def onebit_adam(
     schedule = FreezeSchedule(check_int("freeze_step", freeze_step, 2, why))
 
     def update(grads, state, params, plan, eta, donated=None, apply=False):
-        if plan.compressed and host_count(state.count) == schedule.freeze_step - 1:
+        if plan.compressed and leafwise.host_count(state.count) == schedule.freeze_step - 1:
             skip, mask = non_freeze, exp_avg_mask
-            report_frozen_variance("onebit_adam", state, settings, skip=skip, mask=mask)
+            leafwise.report_frozen_variance("onebit_adam", state, settings, skip=skip, mask=mask)
         rule = partial(_rule, settings, compressed=plan.compressed, eta=eta)
         inputs = (params, exp_avg_mask, non_freeze)
         if donated is None:
-            return map_leaves("onebit_adam", rule, grads, state, _Leaf, *inputs)
-        leaves = leaves_of("onebit_adam", grads, state, _Leaf, *inputs, donated=donated)
-        return rebuilt(leaves, onebit_adam_step(settings, rule, leaves, eta, apply), state)
+            return leafwise.map_leaves("onebit_adam", rule, grads, state, _Leaf, *inputs)
+        leaves = leafwise.leaves_of("onebit_adam", grads, state, _Leaf, *inputs, donated=donated)
+        return leafwise.rebuilt(leaves, onebit_adam_step(settings, rule, leaves, eta, apply), state)
 
-    return compressed_optimizer(
+    return leafwise.compressed_optimizer(
         "onebit_adam",
         lr,
         OnebitAdamState,
@@ -223,25 +206,27 @@ def onebit_adam(
     )
 
 
-def _rule(h: OnebitSettings, g, leaf, p, mask, dense, *, compressed, eta):
+def _rule(h: leafwise.OnebitSettings, g, leaf, p, mask, dense, *, compressed, eta):
     """1-bit Adam's update of one leaf (the rules in ``onebit_adam``'s docstring); ``dense``:
     a ``non_freeze`` leaf, which keeps the warmup rule."""
     m, v, ew, es = leaf
     if not compressed or bool(dense):
-        m, v = dense_moments(g, m, v, h.b1, h.b2, h.comm)
+        m, v = leafwise.dense_moments(g, m, v, h.b1, h.b2, h.comm)
     else:
-        m = moving_average(m, h.b1, g)
-        m, ew, es = compressed_mean(m, ew, es, h, "the momentum (local gradient)")
+        m = leafwise.moving_average(m, h.b1, g)
+        m, ew, es = leafwise.compressed_mean(m, ew, es, h, "the momentum (local gradient)")
         if mask is not None:
             m = m * mask
     clip = h.clip if compressed and not bool(dense) else None
-    u = adam_direction(m, adam_denominator(v, h.eps), p, bound=clip, weight_decay=h.weight_decay)
+    u = leafwise.adam_direction(
+        m, leafwise.adam_denominator(v, h.eps), p, bound=clip, weight_decay=h.weight_decay
+    )
     return u.mul_(-eta), _Leaf(m, v, ew, es)
 
 
-def _init_fields(h: OnebitSettings, params: PyTree) -> dict[str, Any]:
+def _init_fields(h: leafwise.OnebitSettings, params: PyTree) -> dict[str, Any]:
     """The fields of the initial state after ``count`` and ``lr``."""
-    worker_error, server_error = init_error_feedback_per_leaf(params, h)
+    worker_error, server_error = leafwise.init_error_feedback_per_leaf(params, h)
     return dict(
         exp_avg=tree_zeros_like(params, torch.float32),
         exp_avg_sq=tree_zeros_like(params, torch.float32),

@@ -11,20 +11,7 @@ from fn import collectives
 from fn.base import CompressedOptimizer, SecondMomentField
 from fn.collectives import ErrorFeedbackField
 from fn.errors import check_fraction, check_int, check_nonnegative, check_ordered
-from fn.transforms._leafwise import (
-    LearningRate,
-    OnebitSettings,
-    adam_denominator,
-    adam_direction,
-    compressed_mean,
-    compressed_optimizer,
-    dense_moments,
-    leaf_type,
-    map_leaves,
-    moving_average,
-    onebit_settings,
-    report_frozen_variance,
-)
+from fn.transforms import _leafwise as leafwise
 from fn.transforms._onebit_schedules import FreezeSchedule, OnebitLambPlan
 from fn.transforms.trust_ratio import trust_ratio
 from fn.tree import LiveLeaves, PyTree, fitting, live_leaves, tree_leaves, tree_map, tree_zeros_like
@@ -43,11 +30,11 @@ class OnebitLambState(NamedTuple):
     server_error: ErrorFeedbackField  # [N / W] fp32: e_s
 
 
-_Leaf = leaf_type(OnebitLambState, shared=("worker_error", "server_error"))
+_Leaf = leafwise.leaf_type(OnebitLambState, shared=("worker_error", "server_error"))
 
 
 def onebit_lamb(
-    lr: LearningRate = 1e-3,
+    lr: leafwise.LearningRate = 1e-3,
     freeze_step: int = 100000,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
@@ -128,11 +115,8 @@ def onebit_lamb(
         safeguard: clip the Adam direction where the variance is frozen to the range dense Adam
             can reach, :math:`[-B, B]` (see below); ``False`` gives DeepSpeed's exact rule, bit
             for bit.
-        local_world_size: ranks per node ``L`` for the hierarchical 1-bit allreduce: a dense
-            fp32 mean inside each node of ``L`` consecutive ranks, 1 bit only across nodes
-            (``fn.collectives.compressed_allreduce``; the worker errors are ``L`` times
-            smaller). ``None`` (default): flat, every rank compresses. Use it with several
-            ranks per node and a slow network between nodes; every rank must pass the same.
+        local_world_size: ranks per node for the hierarchical 1-bit allreduce (dense inside a
+            node, 1 bit across nodes), or ``None`` (flat): see ``fn.onebit_adam``.
 
     Returns:
         A ``CompressedOptimizer``; both updates are ``(grads, state, params, *, step=None,
@@ -196,7 +180,7 @@ def onebit_lamb(
         >>> torch.equal(params["w"][0], params["w"][1])  # the ranks agree after each update
         True
     """
-    settings = onebit_settings(
+    settings = leafwise.onebit_settings(
         "onebit_lamb", lr, betas, eps, weight_decay, comm, safeguard, local_world_size
     )
     check_nonnegative(
@@ -220,16 +204,16 @@ def onebit_lamb(
     def update(grads, state, params, plan, eta, donated=None):
         if not plan.compressed:
             rule = partial(_warmup_rule, settings, trust, eta=eta, copies=plan.copies_variance)
-            return map_leaves("onebit_lamb", rule, grads, state, _Leaf, params)
+            return leafwise.map_leaves("onebit_lamb", rule, grads, state, _Leaf, params)
         if plan.sets_scaling:
-            report_frozen_variance("onebit_lamb", state, settings, mask=exp_avg_mask)
+            leafwise.report_frozen_variance("onebit_lamb", state, settings, mask=exp_avg_mask)
             state = state._replace(scaling_coeff=_scaling_coefficients(state))
         momenta, state = _fused_momenta(settings, grads, state, donated)
         rule = partial(_compressed_rule, settings, trust, eta=eta)
         inputs = (params, exp_avg_mask)
-        return map_leaves("onebit_lamb", rule, momenta, state, _Leaf, *inputs)
+        return leafwise.map_leaves("onebit_lamb", rule, momenta, state, _Leaf, *inputs)
 
-    return compressed_optimizer(
+    return leafwise.compressed_optimizer(
         "onebit_lamb",
         lr,
         OnebitLambState,
@@ -242,7 +226,7 @@ def onebit_lamb(
     )
 
 
-def _init_fields(h: OnebitSettings, params: PyTree) -> dict[str, Any]:
+def _init_fields(h: leafwise.OnebitSettings, params: PyTree) -> dict[str, Any]:
     """The fields of the initial state after ``count`` and ``lr``."""
     leaves = tree_leaves(params)
     numel = sum(p.numel() for p in leaves)
@@ -273,22 +257,24 @@ class _TrustSettings(NamedTuple):
     factor_threshold: float
 
 
-def _warmup_rule(h: OnebitSettings, trust: _TrustSettings, g, leaf, p, *, eta, copies):
+def _warmup_rule(h: leafwise.OnebitSettings, trust: _TrustSettings, g, leaf, p, *, eta, copies):
     """The warmup update of one leaf: LAMB on the averaged gradient; ``copies``: the fresh
     variance starts as a copy of the variance."""
     m, v, v_fresh, r, last, scaling = leaf
-    m, v = dense_moments(g, m, v, h.b1, h.b2, h.comm)
+    m, v = leafwise.dense_moments(g, m, v, h.b1, h.b2, h.comm)
     if copies:
         v_fresh = v
-    u = adam_direction(m, adam_denominator(v, h.eps), p, bound=None, weight_decay=h.weight_decay)
+    u = leafwise.adam_direction(
+        m, leafwise.adam_denominator(v, h.eps), p, bound=None, weight_decay=h.weight_decay
+    )
     if m.numel() > 0:
         ratio = trust_ratio(p.float(), u, min_coeff=trust.min_coeff, max_coeff=trust.max_coeff)
-        r = torch.where(ratio != 1, moving_average(r, trust.coeff_beta, ratio), r)
+        r = torch.where(ratio != 1, leafwise.moving_average(r, trust.coeff_beta, ratio), r)
         u = -(eta * ratio) * u
     return u, _Leaf(m, v, v_fresh, r, last, scaling)
 
 
-def _compressed_rule(h: OnebitSettings, trust: _TrustSettings, m, leaf, p, mask, *, eta):
+def _compressed_rule(h: leafwise.OnebitSettings, trust: _TrustSettings, m, leaf, p, mask, *, eta):
     """The compressed update of a leaf whose momentum came out of the allreduce as ``m``."""
     m_last, v, v_fresh, r, last, scaling = leaf
     if m.numel() == 0:
@@ -297,11 +283,11 @@ def _compressed_rule(h: OnebitSettings, trust: _TrustSettings, m, leaf, p, mask,
     if mask is not None:
         m = m * mask
     g_hat = (m - h.b1 * m_last) / (1 - h.b1)
-    v_fresh = moving_average(v_fresh, h.b2, g_hat, square=True)
-    d = adam_denominator(v, h.eps)
-    u0 = adam_direction(m, d, p, bound=h.clip, weight_decay=0.0)
+    v_fresh = leafwise.moving_average(v_fresh, h.b2, g_hat, square=True)
+    d = leafwise.adam_denominator(v, h.eps)
+    u0 = leafwise.adam_direction(m, d, p, bound=h.clip, weight_decay=0.0)
     u = u0 + h.weight_decay * p.float() if h.weight_decay > 0 else u0
-    f = (d / adam_denominator(v_fresh, h.eps)).amax()
+    f = (d / leafwise.adam_denominator(v_fresh, h.eps)).amax()
     if h.weight_decay > 0:
         u_norm = torch.linalg.vector_norm(u)
         q = (torch.linalg.vector_norm(u0) / u_norm).clamp(max=1.0)
@@ -313,11 +299,13 @@ def _compressed_rule(h: OnebitSettings, trust: _TrustSettings, m, leaf, p, mask,
     return -(eta * (r * f)) * u, _Leaf(m, v, v_fresh, r, f, scaling)
 
 
-def _fused_momenta(h: OnebitSettings, grads, state, donated):
+def _fused_momenta(h: leafwise.OnebitSettings, grads, state, donated):
     """Every leaf's scaled momentum, 1-bit averaged by one compressed allreduce of all of them
     (into the fused momentum and ``donated``'s error buffers where given): the momenta as views
     of the mean (``None`` where the gradient is ``None``) and ``state`` with the new errors."""
-    pieces, _ = map_leaves("onebit_lamb", partial(_scaled_momentum, h.b1), grads, state, _Leaf)
+    pieces, _ = leafwise.map_leaves(
+        "onebit_lamb", partial(_scaled_momentum, h.b1), grads, state, _Leaf
+    )
     walk = live_leaves(state.exp_avg, pieces)  # the momenta's sizes, their scaled pieces
     fused = _fuse(walk)
     buffers = None
@@ -327,7 +315,7 @@ def _fused_momenta(h: OnebitSettings, grads, state, donated):
             fitting(donated.worker_error, state.worker_error),
             fitting(donated.server_error, state.server_error),
         )
-    flat, worker_error, server_error = compressed_mean(
+    flat, worker_error, server_error = leafwise.compressed_mean(
         fused,
         state.worker_error,
         state.server_error,
@@ -340,7 +328,7 @@ def _fused_momenta(h: OnebitSettings, grads, state, donated):
 
 
 def _scaled_momentum(b1, g, leaf):
-    return moving_average(leaf.exp_avg, b1, g) * leaf.scaling_coeff, leaf
+    return leafwise.moving_average(leaf.exp_avg, b1, g) * leaf.scaling_coeff, leaf
 
 
 def _scalars(params: PyTree, value: float) -> PyTree:

@@ -11,23 +11,7 @@ import torch
 from fn.base import CompressedOptimizer, SecondMomentField
 from fn.collectives import ErrorFeedbackField
 from fn.errors import check_finite, check_int
-from fn.transforms._leafwise import (
-    LearningRate,
-    OnebitSettings,
-    adam_denominator,
-    adam_direction,
-    compressed_mean,
-    compressed_optimizer,
-    dense_moments,
-    init_error_feedback_per_leaf,
-    leaf_type,
-    leaves_of,
-    map_leaves,
-    moving_average,
-    onebit_settings,
-    rebuilt,
-    report_frozen_variance,
-)
+from fn.transforms import _leafwise as leafwise
 from fn.transforms._onebit_schedules import ZeroOneAdamPlan, ZeroOneAdamSchedule
 from fn.transforms.onebit_fast import zero_one_adam_step
 from fn.tree import PyTree, tree_map, tree_zeros_like
@@ -51,11 +35,11 @@ class ZeroOneAdamState(NamedTuple):
 
 # The fields with one value for all leaves: the schedule counters and the sum of learning rates.
 _SCHEDULE = ("var_interval", "var_counter", "local_interval", "local_counter", "lrs", "frozen")
-_Leaf = leaf_type(ZeroOneAdamState, shared=_SCHEDULE)
+_Leaf = leafwise.leaf_type(ZeroOneAdamState, shared=_SCHEDULE)
 
 
 def zero_one_adam(
-    lr: LearningRate = 1e-3,
+    lr: leafwise.LearningRate = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
@@ -119,11 +103,8 @@ def zero_one_adam(
         safeguard: clip the Adam direction where the variance is frozen to the range dense Adam
             can reach, :math:`[-B, B]` (see below); ``False`` gives DeepSpeed's exact rule, bit
             for bit.
-        local_world_size: ranks per node ``L`` for the hierarchical 1-bit allreduce: a dense
-            fp32 mean inside each node of ``L`` consecutive ranks, 1 bit only across nodes
-            (``fn.collectives.compressed_allreduce``; the worker errors are ``L`` times
-            smaller). ``None`` (default): flat, every rank compresses. Use it with several
-            ranks per node and a slow network between nodes; every rank must pass the same.
+        local_world_size: ranks per node for the hierarchical 1-bit allreduce (dense inside a
+            node, 1 bit across nodes), or ``None`` (flat): see ``fn.onebit_adam``.
 
     Returns:
         A ``CompressedOptimizer``; both updates are ``(grads, state, params=None, *, step=None,
@@ -190,7 +171,7 @@ def zero_one_adam(
         >>> bool(state.frozen), int(state.count)
         (True, 5)
     """
-    settings = onebit_settings(
+    settings = leafwise.onebit_settings(
         "zero_one_adam", lr, betas, eps, weight_decay, comm, safeguard, local_world_size
     )
     schedule = ZeroOneAdamSchedule(
@@ -205,20 +186,24 @@ def zero_one_adam(
         rule = partial(_rule, settings, plan=plan, eta=eta, lrs=lrs)
         inputs = (params, exp_avg_mask)
         if donated is None or plan.sync:
-            updates, state = map_leaves("zero_one_adam", rule, grads, state, _Leaf, *inputs)
+            updates, state = leafwise.map_leaves(
+                "zero_one_adam", rule, grads, state, _Leaf, *inputs
+            )
         else:
-            leaves = leaves_of("zero_one_adam", grads, state, _Leaf, *inputs, donated=donated)
+            leaves = leafwise.leaves_of(
+                "zero_one_adam", grads, state, _Leaf, *inputs, donated=donated
+            )
             results = zero_one_adam_step(settings, rule, leaves, plan.frozen, eta)
-            updates, state = rebuilt(leaves, results, state)
+            updates, state = leafwise.rebuilt(leaves, results, state)
         if plan.reset_errors:  # every leaf's errors, gradient or not; the variance freezes
-            report_frozen_variance("zero_one_adam", state, settings, mask=exp_avg_mask)
+            leafwise.report_frozen_variance("zero_one_adam", state, settings, mask=exp_avg_mask)
             state = state._replace(
                 worker_error=tree_map(torch.zeros_like, state.worker_error),
                 server_error=tree_map(torch.zeros_like, state.server_error),
             )
         return updates, _advanced(state, plan, lrs, schedule)
 
-    return compressed_optimizer(
+    return leafwise.compressed_optimizer(
         "zero_one_adam",
         lr,
         ZeroOneAdamState,
@@ -232,18 +217,20 @@ def zero_one_adam(
     )._replace(param_agreement=schedule.param_agreement)
 
 
-def _rule(h: OnebitSettings, g, leaf, p, mask, *, plan, eta, lrs):
+def _rule(h: leafwise.OnebitSettings, g, leaf, p, mask, *, plan, eta, lrs):
     """0/1 Adam's update of one leaf (the rules in ``zero_one_adam``'s docstring)."""
     m, v, a, ew, es = leaf
     if plan.variance:
-        m, v = dense_moments(g, m, v, h.b1, h.b2, h.comm)
+        m, v = leafwise.dense_moments(g, m, v, h.b1, h.b2, h.comm)
     elif not plan.frozen:
         g, ew, es = _one_bit_mean(h, g, ew, es, mask, "the gradient")
-        m = moving_average(m, h.b1, g)
+        m = leafwise.moving_average(m, h.b1, g)
     else:
-        m = moving_average(m, h.b1, check_finite(g, "the local gradient"))
-    denom = adam_denominator(v, h.eps)
-    update = adam_direction(m, denom, p, bound=h.clip, weight_decay=h.weight_decay).mul_(-eta)
+        m = leafwise.moving_average(m, h.b1, check_finite(g, "the local gradient"))
+    denom = leafwise.adam_denominator(v, h.eps)
+    update = leafwise.adam_direction(m, denom, p, bound=h.clip, weight_decay=h.weight_decay).mul_(
+        -eta
+    )
     if plan.frozen:
         a = a + update
     if plan.sync:
@@ -259,7 +246,7 @@ def _rule(h: OnebitSettings, g, leaf, p, mask, *, plan, eta, lrs):
 
 
 def _one_bit_mean(h, x, ew, es, mask, local_check=None):
-    x, ew, es = compressed_mean(x, ew, es, h, local_check)
+    x, ew, es = leafwise.compressed_mean(x, ew, es, h, local_check)
     return (x if mask is None else x * mask), ew, es
 
 
@@ -303,10 +290,10 @@ def _advance(interval, counter, scaler, clipper=None):
 
 
 def _init_fields(
-    h: OnebitSettings, schedule: ZeroOneAdamSchedule, params: PyTree
+    h: leafwise.OnebitSettings, schedule: ZeroOneAdamSchedule, params: PyTree
 ) -> dict[str, Any]:
     """The fields of the initial state after ``count`` and ``lr``; the counters of update 1."""
-    worker_error, server_error = init_error_feedback_per_leaf(params, h)
+    worker_error, server_error = leafwise.init_error_feedback_per_leaf(params, h)
     return dict(
         exp_avg=tree_zeros_like(params, torch.float32),
         exp_avg_sq=tree_zeros_like(params, torch.float32),
