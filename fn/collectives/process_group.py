@@ -201,8 +201,9 @@ class ProcessGroup(ByteCounter):
 
         A collective call: every rank of the group must call it, in the same order (the groups
         are created once per ``local_world_size`` and cached). Before creating them, the ranks
-        all-gather their ``local_world_size`` (8 bytes a rank): ranks that disagree raise
-        ``ValueError`` together instead of creating mismatched groups.
+        all-gather their ``local_world_size`` (8 bytes a rank, not counted in ``bytes_sent``, as the
+        groups' creation is not): ranks that disagree raise ``ValueError`` together instead of
+        creating mismatched groups.
 
         Args:
             local_world_size: ranks per node ``L``; must divide ``world_size``.
@@ -216,7 +217,15 @@ class ProcessGroup(ByteCounter):
         """
         check_split(self._world_size, local_world_size)
         if local_world_size not in self._splits:
-            levels = self.all_gather(torch.tensor([local_world_size])).view(-1).tolist()
+            # uncounted, as the group creation itself: bytes_sent counts the collectives
+            mine = torch.tensor([local_world_size])
+            levels = mine.new_empty(self._world_size)
+            self._run(
+                "all_gather",
+                mine,
+                lambda wait: all_gather_flat(levels, mine, group=self.group, async_op=wait),
+            )
+            levels = levels.tolist()
             if len(set(levels)) > 1:
                 shown = ", ".join(f"rank {i}: {level}" for i, level in enumerate(levels))
                 raise ValueError(
