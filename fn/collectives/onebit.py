@@ -19,7 +19,7 @@ from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm, check_split
 from fn.collectives.error_feedback import ErrorFeedback, ErrorFeedbackField
 from fn.errors import NonFiniteError, finite_or_raise
-from fn.tree import eager, fitting, tree_flatten, tree_map, tree_unflatten
+from fn.tree import donated_leaves, eager, fitting, live_leaves, tree_map
 
 __all__ = [
     "padded_numel",
@@ -694,48 +694,42 @@ def onebit_allreduce(*, comm: Comm, local_world_size: int | None = None) -> Grad
 
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         del params, extra
-        leaves, spec = tree_flatten(updates)
-        worker = spec.flatten_up_to(state.worker_error)
-        server = spec.flatten_up_to(state.server_error)
+        walk = live_leaves(updates, state.worker_error, state.server_error, check=_has_errors)
         donated = donated_state(donate, state)
-        if any(u is not None and we is None for u, we in zip(leaves, worker, strict=True)):
-            raise ValueError("onebit_allreduce: an update leaf has no error state")
+        live = zip(*(walk.at_live(k) for k in range(3)), strict=True)
         if donated is None:
-            results = [
-                (u, we, se) if u is None else compressed_allreduce(u, we, se, **level)
-                for u, we, se in zip(leaves, worker, server, strict=True)
-            ]
+            results = [compressed_allreduce(u, we, se, **level) for u, we, se in live]
         else:
-            results = _donated_allreduces(leaves, worker, server, donated, spec, level)
-        out, new_worker, new_server = (list(column) for column in zip(*results, strict=True))
-        return tree_unflatten(out, spec), OnebitAllreduceState(
-            tree_unflatten(new_worker, spec), tree_unflatten(new_server, spec)
+            spares = [donated_leaves(tree, walk.spec) for tree in donated]
+            spare = zip(*([leaves[i] for i in walk.live] for leaves in spares), strict=True)
+            results = _donated_allreduces(list(live), list(spare), level)
+        out, worker, server = (list(column) for column in zip(*results, strict=True))
+        return walk.rebuild(out), OnebitAllreduceState(
+            walk.rebuild(worker, fill=1), walk.rebuild(server, fill=2)
         )
 
     return GradientTransformation(init_fn, update_fn)
 
 
-def _donated_allreduces(leaves, worker, server, donated, spec, level):
-    """:func:`compressed_allreduce` of every leaf, each result written into its leaf and the
-    errors into ``donated``'s buffers (where they fit): every leaf is exchanged and checked
-    before the first is written."""
-    spare_worker = spec.flatten_up_to(donated.worker_error)
-    spare_server = spec.flatten_up_to(donated.server_error)
-    exchanges, pure = [], []
-    for u, we, se in zip(leaves, worker, server, strict=True):
-        ex = None if u is None else compressed_allreduce_exchange(u, we, se, **level)
-        exchanges.append(ex)
-        pure.append(
-            None if u is None or ex is not None else compressed_allreduce(u, we, se, **level)
-        )
+def _has_errors(index: int, update: torch.Tensor, worker_error: torch.Tensor | None) -> None:
+    del index, update
+    if worker_error is None:
+        raise ValueError("onebit_allreduce: an update leaf has no error state")
+
+
+def _donated_allreduces(live, spare, level):
+    """:func:`compressed_allreduce` of every live ``(u, worker, server)``, each result written
+    into ``u`` and the errors into the ``spare`` buffers (where they fit): every leaf is
+    exchanged and checked before the first is written."""
+    exchanges = [compressed_allreduce_exchange(*leaf, **level) for leaf in live]
+    pure = [
+        compressed_allreduce(*leaf, **level) if ex is None else None
+        for leaf, ex in zip(live, exchanges, strict=True)
+    ]
     # every leaf exchanged and checked: now write
     results = []
-    for u, we, se, dwe, dse, ex, result in zip(
-        leaves, worker, server, spare_worker, spare_server, exchanges, pure, strict=True
-    ):
-        if u is None:
-            results.append((u, we, se))
-        elif ex is not None:
+    for (u, we, se), (dwe, dse), ex, result in zip(live, spare, exchanges, pure, strict=True):
+        if ex is not None:
             errors = write_errors(ex, fitting(dwe, we), fitting(dse, se))
             results.append((write_result(ex, u), *errors))
         else:
