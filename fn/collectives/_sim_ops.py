@@ -22,7 +22,10 @@ from collections.abc import Callable
 
 import torch
 
-WORLD, INTRA, INTER = 0, 1, 2
+from fn.collectives.comm import HOPS
+
+# the hop codes are the byte counter's level indices (``ByteCounter._count``)
+WORLD, INTRA, INTER = (HOPS.index(hop) for hop in ("world", "intra", "inter"))
 
 
 def outside_error(name: str) -> RuntimeError:
