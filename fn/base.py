@@ -211,7 +211,7 @@ class CompressedOptimizer(NamedTuple):
     Compiling a training step: ``torch.compile`` guards Python ints by value (a recompile for
     every new ``t``, then a silent fall-back to eager) or turns them into symbolic ints the
     schedules cannot branch on. Pass the plan into the compiled function instead of ``t``: a
-    plan is a few bools, so the step compiles once per distinct plan (at most 2 for 1-bit Adam,
+    plan is a few bools, so the step compiles once per distinct plan (at most 3 for 1-bit Adam,
     4 for 1-bit LAMB, 5 for 0/1 Adam), however many steps are run::
 
         opt = fn.zero_one_adam(lr=1e-3, var_freeze_step=1000, comm=comm)

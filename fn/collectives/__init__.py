@@ -18,7 +18,8 @@ those of its two-level split, inside a node (``"intra"``) and across nodes (``"i
 
 Collectives: ``dense_allreduce`` (the fp32 baseline, as a transform), ``compressed_allreduce`` /
 ``onebit_allreduce`` (error-compensated 1-bit, ~1/32 of the fp32 traffic; with
-``local_world_size``, hierarchical: dense inside each node, 1 bit across nodes),
+``local_world_size``, hierarchical: dense inside each node, 1 bit across nodes; its result
+can stay in the ``PackedSigns`` form it arrives in),
 ``quantized_allreduce`` / ``loco_allreduce`` / ``quantized_reduce_scatter`` (blockwise 4/8-bit,
 LoCo error feedback, optional two-hop mode). Their error-feedback buffers are marked by type
 (``ErrorFeedback``, ``ErrorFeedbackField``; see ``error_feedback.py``). In-place forms, as plain
@@ -37,7 +38,9 @@ from fn.collectives.error_feedback import (
     error_feedback_leaves,
 )
 from fn.collectives.onebit import (
+    ERROR_DTYPES,
     OnebitAllreduceState,
+    PackedSigns,
     compressed_allreduce,
     init_error_feedback,
     onebit_allreduce,
@@ -52,7 +55,7 @@ from fn.collectives.simulated import Simulated, SimulatedGroup, replicate, simul
 
 # The state classes, for torch.load's default weights_only=True (see fn/__init__.py).
 torch.serialization.add_safe_globals(
-    [ErrorFeedback, LocoAllreduceState, OnebitAllreduceState, QuantizedError]
+    [ErrorFeedback, LocoAllreduceState, OnebitAllreduceState, PackedSigns, QuantizedError]
 )
 
 __all__ = [
@@ -72,6 +75,8 @@ __all__ = [
     "padded_numel",
     "init_error_feedback",
     "compressed_allreduce",
+    "PackedSigns",
+    "ERROR_DTYPES",
     "OnebitAllreduceState",
     "onebit_allreduce",
     *_quantized_all,

@@ -25,6 +25,7 @@ __all__ = [
     "padded_numel",
     "init_error_feedback",
     "compressed_allreduce",
+    "PackedSigns",
     "CompressedExchange",
     "compressed_allreduce_exchange",
     "write_errors",
@@ -73,6 +74,7 @@ def init_error_feedback(
     comm: Comm,
     local_world_size: int | None = None,
     device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> ErrorFeedback:
     """Zero error-feedback buffers for a ``numel``-element :func:`compressed_allreduce`.
 
@@ -81,9 +83,10 @@ def init_error_feedback(
         comm: the communicator (its world size fixes the padding).
         local_world_size: ranks per node ``L`` for the hierarchical collective, or ``None``.
         device: where the buffers live.
+        dtype: their storage, one of :data:`ERROR_DTYPES` (fp32, DeepSpeed's, by default).
 
     Returns:
-        ``ErrorFeedback(worker fp32[N / L], server fp32[N / W])`` with ``N = padded_numel(numel,
+        ``ErrorFeedback(worker [N / L], server [N / W])`` with ``N = padded_numel(numel,
         W, L)`` and ``L = 1`` when flat (a NamedTuple: ``worker_error, server_error =
         init_error_feedback(...)`` works). Hierarchical, the worker error covers this rank's
         shard of its node's mean: ``L`` times smaller than flat.
@@ -97,12 +100,63 @@ def init_error_feedback(
         >>> worker.shape, server.shape
         (torch.Size([64]), torch.Size([32]))
     """
+    _check_error_dtype("init_error_feedback", dtype)
     world_size = comm.world_size
     n_padded = padded_numel(numel, world_size, local_world_size)
     return ErrorFeedback(
-        torch.zeros(n_padded // (local_world_size or 1), dtype=torch.float32, device=device),
-        torch.zeros(n_padded // world_size, dtype=torch.float32, device=device),
+        torch.zeros(n_padded // (local_world_size or 1), dtype=dtype, device=device),
+        torch.zeros(n_padded // world_size, dtype=dtype, device=device),
     )
+
+
+# The storage dtypes of the 1-bit allreduce's error feedback: it always computes in fp32.
+ERROR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_error_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """Returns ``dtype`` if it is one of :data:`ERROR_DTYPES`, else raises ``ValueError``
+    naming ``name``."""
+    if dtype not in ERROR_DTYPES:
+        allowed = ", ".join(str(d) for d in ERROR_DTYPES)
+        raise ValueError(f"{name}: error_dtype must be one of {allowed}, got {dtype!r}")
+    return dtype
+
+
+class PackedSigns(NamedTuple):
+    """A vector kept as one bit per element and one fp32 scale per chunk: the form of the 1-bit
+    allreduce's result (``compressed_allreduce(..., packed=True)``).
+
+    With ``R`` rows of ``chunk`` signs, value ``i`` is ``scales[i // chunk] * s_i`` with
+    ``s_i = +1`` where bit ``i`` is set (MSB first, as ``fn.kernels.packbits``) and ``-1``
+    where it is not; a vector of ``n <= R * chunk`` elements is the first ``n`` values. It holds
+    ``n / 8`` bytes and ``4 R`` where the vector itself takes ``4 n``.
+
+    Example:
+        >>> from fn.collectives import PackedSigns
+        >>> signs = PackedSigns(
+        ...     torch.tensor([[0b10000000], [0b01000000]], dtype=torch.uint8),
+        ...     torch.tensor([1.0, 2.0]),
+        ... )
+        >>> signs.unpacked(torch.empty(10))
+        tensor([ 1., -1., -1., -1., -1., -1., -1., -1., -2.,  2.])
+    """
+
+    packed: torch.Tensor  # uint8 [R, chunk / 8]: the signs
+    scales: torch.Tensor  # fp32 [R]: one scale per chunk
+
+    def values(self, numel: int) -> torch.Tensor:
+        """The first ``numel`` values, 1-D fp32 (a view of a fresh padded tensor)."""
+        rows = self.scales.numel()
+        n_padded = self.packed.numel() * 8
+        y = kernels.unpackbits(self.packed.reshape(-1), n_padded).view(rows, n_padded // rows)
+        y = y.mul_(self.scales.reshape(rows, 1)).reshape(-1)
+        if torch.compiler.is_compiling():
+            y = fusion_barrier(y)
+        return y[:numel]
+
+    def unpacked(self, like: torch.Tensor) -> torch.Tensor:
+        """The first ``like.numel()`` values in ``like``'s shape and dtype (fresh)."""
+        return self.values(like.numel()).view(like.shape).to(like.dtype)
 
 
 AllreduceOut = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -116,7 +170,8 @@ def compressed_allreduce(
     comm: Comm,
     local_world_size: int | None = None,
     out: AllreduceOut | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    packed: bool = False,
+) -> tuple[torch.Tensor | PackedSigns, torch.Tensor, torch.Tensor]:
     """Error-compensated 1-bit allreduce: an estimate of the mean of ``x`` over the ranks.
 
     With ``n = x.numel()``, ``N = padded_numel(n, W)``, ``s(v) = +1 if v >= 0 else -1`` (so
@@ -172,12 +227,20 @@ def compressed_allreduce(
             written before every rank's scales and counts have been checked (then also the
             server's, so a failure leaves every buffer intact). Under ``Simulated`` (vmap) and
             ``torch.compile`` the results are computed as without buffers and copied into them.
+        packed: return ``y`` as the :class:`PackedSigns` it arrives as (the server signs and
+            their ``W`` scales, ``n / 8`` bytes and ``4 W``) instead of unpacking it; where
+            nothing is compressed (``W == 1``, ``n == 0``, one node) ``y`` stays a tensor.
+            ``out``'s ``y`` must then be ``None``.
+
+    The error buffers may also be bf16 or fp16 (:data:`ERROR_DTYPES`): the collective then
+    computes in fp32 as above and rounds the new errors to their dtype once (the in-place path
+    takes fp32 only).
 
     Returns:
         ``(y, worker_error', server_error')``, the buffers of ``out`` where given; ``y`` has
-        ``x``'s shape and dtype. With ``W == 1`` it is ``(x, worker_error, server_error)``
-        (nothing is written); with ``n == 0`` it is ``x`` and zeroed errors, without
-        communication.
+        ``x``'s shape and dtype (or is a :class:`PackedSigns`, with ``packed``). With
+        ``W == 1`` it is ``(x, worker_error, server_error)`` (nothing is written); with
+        ``n == 0`` it is ``x`` and zeroed errors, without communication.
 
     Raises:
         ValueError: if the error or buffer shapes do not match or ``local_world_size`` does not
@@ -218,6 +281,8 @@ def compressed_allreduce(
     _check_errors(n, worker_error, server_error, world_size, local_world_size)
     if out is not None:
         _check_out(out, x, worker_error, server_error)
+        if packed and out[0] is not None:
+            raise ValueError("compressed_allreduce: with packed=True, out's y must be None")
     if world_size == 1:
         return x, worker_error, server_error
     if n == 0:
@@ -231,12 +296,19 @@ def compressed_allreduce(
         exchange = _exchange(x.reshape(-1), None, 0.0, *errors, comm, local_world_size)
         if exchange is not None:
             worker, server = write_errors(exchange, out[1], out[2])
+            if packed:
+                return PackedSigns(exchange.packed, exchange.scales), worker, server
             y = torch.empty_like(x) if out[0] is None else out[0]
             return write_result(exchange, y), worker, server
+    dtype = worker_error.dtype
+    errors = (worker_error.float(), server_error.float())
     if local_world_size not in (None, 1):
-        pure = _pure_hierarchical(x, worker_error, server_error, comm, local_world_size)
+        y, worker, server = _pure_hierarchical(x, *errors, comm, local_world_size)
     else:
-        pure = _pure_allreduce(x, worker_error, server_error, comm)
+        y, worker, server = _pure_allreduce(x, *errors, comm)
+    if isinstance(y, PackedSigns) and not packed:
+        y = y.unpacked(x)
+    pure = (y, worker.to(dtype), server.to(dtype))
     return pure if out is None else _copied_into(out, pure)
 
 
@@ -247,6 +319,11 @@ def _check_errors(
     world_size: int,
     local_world_size: int | None,
 ) -> None:
+    if worker_error.dtype not in ERROR_DTYPES or server_error.dtype != worker_error.dtype:
+        raise ValueError(
+            "compressed_allreduce: the error buffers must share one of the dtypes "
+            f"{ERROR_DTYPES}, got {worker_error.dtype} and {server_error.dtype}"
+        )
     n_padded = padded_numel(n, world_size, local_world_size)
     shapes = (n_padded // (local_world_size or 1),), (n_padded // world_size,)
     if (tuple(worker_error.shape), tuple(server_error.shape)) != shapes:
@@ -260,8 +337,9 @@ def _check_errors(
 
 def _pure_allreduce(
     x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, comm: Comm
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reference path (fresh tensors; also the one under vmap and ``torch.compile``)."""
+) -> tuple[PackedSigns, torch.Tensor, torch.Tensor]:
+    """The reference path (fresh tensors; also the one under vmap and ``torch.compile``):
+    the result as it arrives, and the new errors."""
     n, n_padded = x.numel(), worker_error.numel()
     flat = x.reshape(-1).float()
     if n_padded > n:
@@ -269,7 +347,7 @@ def _pure_allreduce(
     all_packed, all_scales, worker, server = _pure_exchange(
         flat, n, worker_error, server_error, comm
     )
-    return _unpacked(all_packed, all_scales, n_padded, x), worker, server
+    return PackedSigns(all_packed, all_scales), worker, server
 
 
 def _pure_exchange(
@@ -307,19 +385,6 @@ def _pure_exchange(
     all_packed = comm.all_gather(server_packed)  # [W, chunk / 8]
     all_scales = comm.all_gather(server_scale)  # [W]
     return all_packed, all_scales, new_worker_error, new_server_error
-
-
-def _unpacked(
-    all_packed: torch.Tensor, all_scales: torch.Tensor, n_padded: int, like: torch.Tensor
-) -> torch.Tensor:
-    """The result ``y`` of the packed signs ``[R, chunk / 8]`` and scales ``[R]``: each chunk's
-    signs times its scale, concatenated, sliced to ``like``'s size, in its shape and dtype."""
-    rows = all_scales.numel()
-    y = kernels.unpackbits(all_packed.reshape(-1), n_padded).view(rows, n_padded // rows)
-    y = y.mul_(all_scales.reshape(rows, 1)).reshape(-1)
-    if torch.compiler.is_compiling():
-        y = fusion_barrier(y)
-    return y[: like.numel()].view(like.shape).to(like.dtype)
 
 
 _NON_FINITE_ON_SOME_RANK = (
@@ -365,8 +430,10 @@ def _pure_hierarchical(
     server_error: torch.Tensor,
     comm: Comm,
     local_world_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reference path of the hierarchical collective (see :func:`compressed_allreduce`)."""
+) -> tuple[torch.Tensor | PackedSigns, torch.Tensor, torch.Tensor]:
+    """The reference path of the hierarchical collective (see :func:`compressed_allreduce`):
+    the result as it arrives (the exact mean, as a tensor, with one node), and the new
+    errors."""
     _agree(comm, x, local_world_size)  # before split, a collective over groups of that size
     intra, inter = comm.split(local_world_size)
     n_padded = local_world_size * worker_error.numel()
@@ -393,7 +460,8 @@ def _pure_hierarchical(
     if failure is not None:
         raise NonFiniteError(_NON_FINITE_ON_SOME_RANK) from failure
     all_scales = finite_or_raise(all_scales, _NON_FINITE_ON_SOME_RANK)
-    return _unpacked(all_packed, all_scales, n_padded, x), worker, server
+    rows = all_scales.numel()
+    return PackedSigns(all_packed.reshape(rows, -1), all_scales.reshape(rows)), worker, server
 
 
 def _hierarchical_exchange(

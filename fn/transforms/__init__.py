@@ -15,6 +15,7 @@ Policies shared by every transform here:
 
 import torch
 
+from fn.transforms._leafwise import momentum_of
 from fn.transforms._onebit_schedules import (
     OnebitAdamPlan,
     OnebitLambPlan,
@@ -67,6 +68,7 @@ __all__ = [
     "add_decayed_weights",
     "lamb",
     "masked",
+    "momentum_of",
     "onebit_adam",
     "onebit_lamb",
     "scale_by_adam",

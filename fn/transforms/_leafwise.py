@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from fn import collectives, kernels
 from fn.base import CompressedOptimizer, Params, Updates, apply_updates, donated_state
+from fn.collectives import PackedSigns
 from fn.errors import (
     check_betas,
     check_finite,
@@ -43,7 +44,7 @@ from fn.errors import (
     require_params,
 )
 from fn.transforms._learning_rate import learning_rate_now
-from fn.tree import LiveLeaves, PyTree, live_leaves
+from fn.tree import LiveLeaves, PyTree, live_leaves, tree_flatten, tree_map
 
 logger = logging.getLogger("fn.transforms")
 # More than this fraction of a frozen variance below the safe range is no longer the few dead
@@ -115,7 +116,7 @@ def compressed_optimizer(
             if params_needed_for is not None:
                 require_params(params, params_needed_for)
             eta = learning_rate_now(lr, state.count, state.lr)
-            donated = donated_state(donate, state)
+            donated = donated_state(_same_forms(donate, state), state)
             if compressed and donated is not None:
                 check_warmed_up(name, state.count)  # before any donated buffer is written
                 given = {"donated": donated, "apply": True} if apply else {"donated": donated}
@@ -154,6 +155,20 @@ def compressed_optimizer(
     return opt._replace(
         fast_step=_fast_step(is_compressed, plan_type, warmup_step, compressed_step)
     )
+
+
+def _same_forms(donated: Any, state: Any) -> Any:
+    """``donated`` (a state of ``state``'s type, or ``None`` / ``True``) with ``None`` for every
+    field kept in another form than in ``state`` (e.g. a momentum packed in one, fp32 in the
+    other, as between the states before and after the freeze): such a field is not donated."""
+    if not isinstance(donated, type(state)):
+        return donated
+    fields = {
+        field: None
+        for field, mine in zip(state._fields, state, strict=True)
+        if tree_flatten(getattr(donated, field))[1] != tree_flatten(mine)[1]
+    }
+    return donated._replace(**fields)
 
 
 def _announce_compressed(
@@ -213,29 +228,31 @@ def leaves_of(
     donated: Any = None,
 ) -> Leaves:
     """Flattens every per-leaf state field, ``grads``, ``inputs`` and the ``donated`` state
-    against the structure of the first field of ``leaf_type`` (:func:`fn.tree.live_leaves`)
-    and checks the gradient shapes.
+    against the structure of the variance ``exp_avg_sq`` (:func:`fn.tree.live_leaves`), which
+    every optimizer of the family keeps for every param, in its shape (a momentum may be a
+    :class:`fn.collectives.PackedSigns`, an error buffer ``None``), and checks the gradient
+    shapes against it.
 
     Raises:
         ValueError: naming the leaf, if a gradient's shape differs from its state's.
     """
     fields = leaf_type._fields
-    first = getattr(state, fields[0])
+    variance = state.exp_avg_sq
 
     def check(i, g, like):
         if like is None or g.shape != like.shape:  # named only on error: naming costs a walk
-            what = f"gradient leaf {_leaf_name(first, i)}"
+            what = f"gradient leaf {_leaf_name(variance, i)}"
             if like is None:
                 raise ValueError(f"{name}: {what} has no state (its param was None at init)")
             check_shapes(name, like, g, what)
 
-    trees = [*(getattr(state, field) for field in fields), *inputs]
+    trees = [variance, *(getattr(state, field) for field in fields), *inputs]
     if donated is not None:
         trees += [getattr(donated, field) for field in fields]
-    walk = live_leaves(grads, *trees, structure=first, check=check)
+    walk = live_leaves(grads, *trees, structure=variance, check=check)
     n, m = len(fields), len(inputs)
     with_grad = []
-    for g, *row in zip(*(walk.at_live(k) for k in range(len(walk.leaves))), strict=True):
+    for g, _, *row in zip(*(walk.at_live(k) for k in range(len(walk.leaves))), strict=True):
         leaf, extra = leaf_type._make(row[:n]), tuple(row[n : n + m])
         spare = None if donated is None else leaf_type._make(row[n + m :])
         with_grad.append(LeafInputs(g.float(), leaf, extra, spare))
@@ -253,7 +270,7 @@ def rebuilt(
     for k, field in enumerate(leaves.leaf_type._fields):
         new = [leaf[k] for _, leaf in results]
         if any(a is not x.leaf[k] for a, x in zip(new, leaves.with_grad, strict=True)):
-            new_fields[field] = walk.rebuild(new, fill=1 + k)
+            new_fields[field] = walk.rebuild(new, fill=2 + k)  # after the gradients, variance
     return walk.rebuild([update for update, _ in results]), state._replace(**new_fields)
 
 
@@ -313,6 +330,7 @@ class OnebitSettings(NamedTuple):
     clip: float | None  # the safeguard's bound on m / (sqrt(v) + eps); None: safeguard off
     weight_decay: float  # L2, added to the direction
     local_world_size: int | None = None  # ranks per node of the 1-bit allreduce; None: flat
+    error_dtype: torch.dtype = torch.float32  # the storage of the error feedback
 
 
 def onebit_settings(
@@ -324,24 +342,29 @@ def onebit_settings(
     comm: Any,
     safeguard: bool,
     local_world_size: int | None = None,
+    error_dtype: torch.dtype = torch.float32,
 ) -> OnebitSettings:
     """Checks the hyperparameters that the 1-bit family shares and returns its settings; the
     safeguard's clip is :func:`adam_ratio_bound` of the betas (``None`` without ``safeguard``).
 
     Raises:
         ValueError: naming the argument: negative ``lr`` (a number), ``eps`` or
-            ``weight_decay``; betas outside [0, 1); a ``local_world_size`` that is not a
-            positive divisor of the world size (or, on a ``ProcessGroup``, differs between
-            ranks: its node groups are built here, a collective call).
+            ``weight_decay``; betas outside [0, 1); an ``error_dtype`` other than fp32, bf16 or
+            fp16; a ``local_world_size`` that is not a positive divisor of the world size (or,
+            on a ``ProcessGroup``, differs between ranks: its node groups are built here, a
+            collective call).
     """
     b1, b2 = check_betas(name, betas)
     check_nonnegative(name, eps=eps, weight_decay=weight_decay)
     if not callable(lr):
         check_nonnegative(name, lr=lr)
+    if error_dtype not in collectives.ERROR_DTYPES:
+        allowed = ", ".join(map(str, collectives.ERROR_DTYPES))
+        raise ValueError(f"{name}: error_dtype must be one of {allowed}, got {error_dtype!r}")
     clip = adam_ratio_bound(b1, b2) if safeguard else None
     if local_world_size is not None:
         comm.split(local_world_size)
-    return OnebitSettings(comm, b1, b2, eps, clip, weight_decay, local_world_size)
+    return OnebitSettings(comm, b1, b2, eps, clip, weight_decay, local_world_size, error_dtype)
 
 
 def leaf_type(state_type: type[NamedTuple], *, shared: tuple[str, ...] = ()) -> type[NamedTuple]:
@@ -398,10 +421,9 @@ def adam_direction(
 
 def init_error_feedback_per_leaf(params: Params, h: OnebitSettings) -> tuple[PyTree, PyTree]:
     """The worker and server errors of one compressed allreduce per leaf (trees like the
-    params, ``None`` where a param is ``None``), at ``h``'s level."""
-
+    params, ``None`` where a param is ``None``), at ``h``'s level, in ``h.error_dtype``."""
     walk = live_leaves(params)
-    level = dict(comm=h.comm, local_world_size=h.local_world_size)
+    level = dict(comm=h.comm, local_world_size=h.local_world_size, dtype=h.error_dtype)
     pairs = [
         collectives.init_error_feedback(p.numel(), **level, device=p.device)
         for p in walk.at_live(0)
@@ -409,27 +431,142 @@ def init_error_feedback_per_leaf(params: Params, h: OnebitSettings) -> tuple[PyT
     return walk.rebuild([pair[0] for pair in pairs]), walk.rebuild([pair[1] for pair in pairs])
 
 
+def no_error_feedback(params: Params) -> PyTree:
+    """The error feedback of a fresh state: ``None`` at every leaf (a tree like the params).
+    The buffers are allocated by the first compressed update (:func:`error_feedback`)."""
+    return tree_map(lambda p: None, params)
+
+
+def error_feedback(
+    worker_error: torch.Tensor | None,
+    server_error: torch.Tensor | None,
+    x: torch.Tensor,
+    h: OnebitSettings,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The error buffers of a compressed allreduce of ``x``: the given ones, or zeros of the
+    level's shapes in ``h.error_dtype`` where they are not allocated yet (``None``) and the
+    allreduce compresses (several ranks, ``x`` not empty); else ``None`` stays ``None``."""
+    if worker_error is not None or h.comm.world_size == 1 or x.numel() == 0:
+        return worker_error, server_error
+    return collectives.init_error_feedback(
+        x.numel(),
+        comm=h.comm,
+        local_world_size=h.local_world_size,
+        device=x.device,
+        dtype=h.error_dtype,
+    )
+
+
 def compressed_mean(
     x: torch.Tensor,
-    worker_error: torch.Tensor,
-    server_error: torch.Tensor,
+    worker_error: torch.Tensor | None,
+    server_error: torch.Tensor | None,
     h: OnebitSettings,
     local_check: str | None = None,
     out: Any = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``fn.collectives.compressed_allreduce(x, worker_error, server_error, out=out)`` at
-    ``h``'s comm and level: the 1-bit mean of ``x`` over the ranks and the new errors (written
-    into the buffers of ``out`` where given). With one worker there is nothing to compress:
-    ``x`` comes back as it is, checked to be finite (naming ``local_check``) unless that is
-    ``None``; an empty ``x`` comes back unchanged."""
+    packed: bool = False,
+) -> tuple[torch.Tensor | PackedSigns, torch.Tensor | None, torch.Tensor | None]:
+    """``fn.collectives.compressed_allreduce(x, worker_error, server_error, out=out,
+    packed=packed)`` at ``h``'s comm and level: the 1-bit mean of ``x`` over the ranks (with
+    ``packed``, as the :class:`~fn.collectives.PackedSigns` it arrives as) and the new errors
+    (written into the buffers of ``out`` where given; allocated by :func:`error_feedback` where
+    ``None``). With one worker there is nothing to compress: ``x`` comes back as it is,
+    checked to be finite (naming ``local_check``) unless that is ``None``; an empty ``x`` comes
+    back unchanged."""
     comm = h.comm
+    worker_error, server_error = error_feedback(worker_error, server_error, x, h)
     if comm.world_size > 1 and x.numel() > 0:
         return collectives.compressed_allreduce(
-            x, worker_error, server_error, comm=comm, local_world_size=h.local_world_size, out=out
+            x,
+            worker_error,
+            server_error,
+            comm=comm,
+            local_world_size=h.local_world_size,
+            out=out,
+            packed=packed,
         )
     if comm.world_size == 1 and local_check is not None:
         x = check_finite(x, local_check)
     return x, worker_error, server_error
+
+
+def momentum(
+    kept: torch.Tensor | PackedSigns, like: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The fp32 momentum of a leaf as the state keeps it: a tensor is the momentum itself; a
+    :class:`~fn.collectives.PackedSigns` (the 1-bit allreduce's result) is unpacked into
+    ``like``'s shape and multiplied by ``mask`` (``exp_avg_mask``) where given, the bits the
+    momentum had when the allreduce returned it."""
+    if not isinstance(kept, PackedSigns):
+        return kept
+    m = kept.unpacked(like)
+    return m if mask is None else m * mask
+
+
+def fused_momentum(
+    mean: torch.Tensor, scaling: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """A leaf's momentum from its slice of a fused 1-bit allreduce of scaled momenta (1-bit
+    LAMB): divided by its scaling coefficient, times its mask."""
+    m = mean / scaling
+    return m if mask is None else m * mask
+
+
+def momentum_of(state: Any, exp_avg_mask: PyTree | None = None) -> PyTree:
+    """Every leaf's fp32 momentum ``m`` in a state of the 1-bit family, a tree like the params.
+
+    ``state.exp_avg`` where it holds tensors; where it holds the packed signs of a 1-bit
+    allreduce (``fn.collectives.PackedSigns``), read back exactly: per leaf (1-bit Adam:
+    signs times scales times ``exp_avg_mask``), or one for all leaves fused (1-bit LAMB: each
+    leaf's slice divided by its ``scaling_coeff``, times its mask).
+
+    Args:
+        state: a state of ``fn.onebit_adam``, ``fn.zero_one_adam`` or ``fn.onebit_lamb``.
+        exp_avg_mask: the optimizer's ``exp_avg_mask`` (``None``: none).
+
+    Returns:
+        A tree like the params of fp32 tensors (``None`` where a param is ``None``).
+
+    Example:
+        >>> from fn.collectives import Simulated, replicate, simulate
+        >>> comm = Simulated(2)
+        >>> opt = fn.onebit_adam(lr=0.1, freeze_step=2, comm=comm)
+        >>> state = replicate(opt.init({"w": torch.zeros(3)}), comm)
+        >>> update = simulate(opt.update, comm)
+        >>> grads = {"w": torch.tensor([[1.0, -2.0, 3.0], [3.0, -2.0, 1.0]])}
+        >>> for t in (1, 2):
+        ...     _, state = update(grads, state, step=t)
+        >>> type(state.exp_avg["w"]).__name__
+        'PackedSigns'
+        >>> simulate(fn.transforms.momentum_of, comm)(state)["w"][0]
+        tensor([ 0.3447, -0.3447,  0.3447])
+    """
+    if isinstance(state.exp_avg, PackedSigns):  # fused, in leaf order
+        walk = live_leaves(state.exp_avg_sq, state.scaling_coeff, exp_avg_mask)
+        total = sum(v.numel() for v in walk.at_live(0))
+        flat, offset, momenta = state.exp_avg.values(total), 0, []
+        for v, scaling, mask in zip(*(walk.at_live(k) for k in range(3)), strict=True):
+            piece = flat[offset : offset + v.numel()].view_as(v)
+            momenta.append(fused_momentum(piece, scaling, mask))
+            offset += v.numel()
+        return walk.rebuild(momenta)
+    walk = live_leaves(state.exp_avg_sq, state.exp_avg, exp_avg_mask)
+    columns = zip(*(walk.at_live(k) for k in range(3)), strict=True)
+    momenta = [momentum(m, v, mask) for v, m, mask in columns]
+    return walk.rebuild(momenta)
+
+
+def kept_momentum(
+    mean: torch.Tensor | PackedSigns, like: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor | PackedSigns, torch.Tensor]:
+    """The momentum that a compressed mean gives (:func:`compressed_mean` with ``packed``),
+    as the state keeps it and as an fp32 tensor: packed signs are kept as they arrive (the
+    mask applies when they are read, :func:`momentum`); a tensor (nothing was compressed) is
+    kept with the mask applied."""
+    if isinstance(mean, PackedSigns):
+        return mean, momentum(mean, like, mask)
+    m = mean if mask is None else mean * mask
+    return m, m
 
 
 def _initial_lr(lr: LearningRate) -> torch.Tensor:
@@ -547,7 +684,7 @@ def report_frozen_variance(
     for v, m, skipped, kept in zip(*(walk.at_live(k) for k in range(4)), strict=True):
         if skipped:
             continue
-        rms = m.square().mean().sqrt()
+        rms = momentum(m, v, kept).square().mean().sqrt()
         at_zero = v <= 0
         zero = zero + (at_zero if kept is None else at_zero & (kept != 0)).sum()
         below = below + ((v > 0) & (v.sqrt().add_(eps).mul_(bound) < rms)).sum()

@@ -23,6 +23,9 @@ class OnebitAdamPlan(NamedTuple):
     """The host-side decisions of a 1-bit Adam update."""
 
     compressed: bool  # the compressed rule (1-bit allreduce of m, v frozen), else warmup
+    # the first compressed update: the variance freezes, the error feedback is allocated and the
+    # fp32 momentum of the warmup becomes the packed signs the allreduce returns
+    freezes: bool
 
 
 class OnebitLambPlan(NamedTuple):
@@ -73,7 +76,7 @@ class FreezeSchedule(NamedTuple):
 
     def onebit_adam_plan(self, t: int) -> OnebitAdamPlan:
         """The plan of 1-bit Adam's update ``t``."""
-        return OnebitAdamPlan(self.is_compressed(t))
+        return OnebitAdamPlan(self.is_compressed(t), t == self.first_compressed_step())
 
     def onebit_lamb_plan(self, t: int) -> OnebitLambPlan:
         """The plan of 1-bit LAMB's update ``t``."""

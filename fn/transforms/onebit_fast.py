@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fn import kernels
+from fn.collectives import PackedSigns
 from fn.collectives.onebit import (
     CompressedExchange,
     compressed_allreduce_exchange,
@@ -26,7 +27,13 @@ from fn.collectives.onebit import (
     write_result,
 )
 from fn.errors import check_finite
-from fn.transforms._leafwise import LeafInputs, Leaves, OnebitSettings
+from fn.transforms._leafwise import (
+    LeafInputs,
+    Leaves,
+    OnebitSettings,
+    error_feedback,
+    momentum,
+)
 from fn.tree import eager, fits, fitting
 
 # (g, leaf, *input_leaves) -> (update, new_leaf): the pure rule of the step
@@ -39,17 +46,20 @@ def onebit_adam_step(
     """1-bit Adam's compressed update (``rule``'s bits) of ``leaves`` (:func:`leaves_of` with
     the donated state) into the buffers of the donated state and the gradients (see the module
     docstring); with ``apply``, every fp32 param gets its update added in place and its update
-    is ``None``. Returns the ``(update, new_leaf)`` of every leaf with a gradient, for
-    :func:`rebuilt`."""
+    is ``None``. The new momentum is kept as the exchange's packed signs. Returns the
+    ``(update, new_leaf)`` of every leaf with a gradient, for :func:`rebuilt`."""
     exchanges, pure = [], []
     for x in leaves.with_grad:  # compress, exchange, check: nothing written
-        m, _, ew, es = x.leaf
-        dense = x.inputs[2]
+        kept, v, ew, es = x.leaf
+        mask, dense = x.inputs[1:]
         exchange = None
         if not bool(dense):
+            errors = error_feedback(ew, es, x.g, h)
+            previous = momentum(kept, v, mask)
             exchange = compressed_allreduce_exchange(
-                m, ew, es, comm=h.comm, grad=x.g, beta=h.b1, local_world_size=h.local_world_size
-            )
+                previous, *errors, comm=h.comm, grad=x.g, beta=h.b1,
+                local_world_size=h.local_world_size,
+            )  # fmt: skip
         exchanges.append(exchange)
         pure.append(rule(x.g, x.leaf, *x.inputs) if exchange is None else None)
     results = []
@@ -64,33 +74,41 @@ def onebit_adam_step(
 def _write_onebit_adam_leaf(
     h: OnebitSettings, exchange: CompressedExchange, x: LeafInputs, eta: torch.Tensor, apply: bool
 ) -> tuple[torch.Tensor | None, Any]:
-    """Writes one leaf of :func:`onebit_adam_step`: the errors, then the momentum and the
-    update (the gradient's buffer) or, with ``apply``, the momentum as the update is added to
-    the param (the gradient's buffer, read by the exchange, is the kernel's scratch)."""
-    m, v, ew, es = x.leaf
+    """Writes one leaf of :func:`onebit_adam_step`: the errors (into the donated state's
+    buffers), then the update into the gradient's buffer or, with ``apply``, added to the param
+    (the gradient's buffer, read by the exchange, is then the kernels' scratch). The momentum
+    is the exchange's packed signs: its values are written only where the update needs them
+    as a tensor (into the gradient's buffer)."""
+    _, v, _, _ = x.leaf
     p, mask, _ = x.inputs
     spare = x.spare
+    ew, es = exchange.worker_error, exchange.server_error
     ew_new, es_new = write_errors(
-        exchange, fitting(spare.worker_error, ew), fitting(spare.server_error, es)
+        exchange, _fitting(spare.worker_error, ew), _fitting(spare.server_error, es)
     )
-    m_new = fitting(spare.exp_avg, m)
-    m_new = torch.empty_like(m) if m_new is None else m_new
+    kept = PackedSigns(exchange.packed, exchange.scales)
+    new_leaf = type(x.leaf)(kept, v, ew_new, es_new)
+    scratch = fitting(x.g, v)
+    scratch = torch.empty_like(v) if scratch is None else scratch
     # update_and_apply has checked that autograd records no param
     target = p.detach() if apply and isinstance(p, torch.Tensor) else None
-    applies = target is not None and fits(target, m)
+    applies = target is not None and fits(target, v)
     settings = dict(eps=h.eps, bound=h.clip, weight_decay=h.weight_decay)
-    if applies and mask is None:  # the momentum is written by the pass that adds the update
-        signs = (exchange.packed, exchange.scales)
-        kernels.adam_apply(m_new, v, eta, target, root=fitting(x.g, m), signs=signs, **settings)
-        return None, type(x.leaf)(m_new, v, ew_new, es_new)
-    m_new = write_result(exchange, m_new)
-    if mask is not None:
-        m_new = masked(m_new, mask)
-    new_leaf = type(x.leaf)(m_new, v, ew_new, es_new)
-    if applies:
-        kernels.adam_apply(m_new, v, eta, target, root=fitting(x.g, m_new), **settings)
+    if applies and mask is None:  # the momentum's values go by once, into the scratch
+        kernels.adam_apply(scratch, v, eta, target, root=scratch, signs=kept, **settings)
         return None, new_leaf
-    return adam_update_into(fitting(x.g, m_new), m_new, v, p, eta, **settings), new_leaf
+    m = write_result(exchange, scratch)
+    if mask is not None:
+        m = masked(m, mask)
+    if applies:
+        kernels.adam_apply(m, v, eta, target, root=m, **settings)
+        return None, new_leaf
+    return adam_update_into(m, m, v, p, eta, **settings), new_leaf
+
+
+def _fitting(donated: Any, like: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`fitting`, where the donated state's buffer may not be allocated yet (``None``)."""
+    return None if donated is None else fitting(donated, like)
 
 
 def zero_one_adam_step(
@@ -107,8 +125,9 @@ def zero_one_adam_step(
         exchange, local = None, False
         if fits_buffers and not frozen:
             exchange = compressed_allreduce_exchange(
-                x.g, ew, es, comm=h.comm, local_world_size=h.local_world_size
-            )
+                x.g, *error_feedback(ew, es, x.g, h), comm=h.comm,
+                local_world_size=h.local_world_size,
+            )  # fmt: skip
         elif fits_buffers and eager(x.g, m, v, a, x.spare.exp_avg):
             check_finite(x.g, "the local gradient")
             local = True
@@ -138,8 +157,9 @@ def _write_zero_one_adam_leaf(
     mean = x.g
     if exchange is not None:
         spare = x.spare
+        ew, es = exchange.worker_error, exchange.server_error
         ew, es = write_errors(
-            exchange, fitting(spare.worker_error, ew), fitting(spare.server_error, es)
+            exchange, _fitting(spare.worker_error, ew), _fitting(spare.server_error, es)
         )
         mean = write_result(exchange, x.g)
         if mask is not None:

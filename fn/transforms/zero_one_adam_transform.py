@@ -23,8 +23,8 @@ class ZeroOneAdamState(NamedTuple):
     exp_avg: PyTree  # like params, fp32: the momentum m
     exp_avg_sq: SecondMomentField  # like params, fp32: the variance v
     momentum_accumulator: PyTree  # like params, fp32: a, the sum of local updates since a sync
-    worker_error: ErrorFeedbackField  # per leaf [N_leaf / L] fp32 (L = 1 flat): e_w
-    server_error: ErrorFeedbackField  # per leaf [N_leaf / W] fp32: e_s
+    worker_error: ErrorFeedbackField  # per leaf [N_leaf / L] (L = 1 flat), error_dtype: e_w
+    server_error: ErrorFeedbackField  # per leaf [N_leaf / W], error_dtype: e_s
     var_interval: torch.Tensor  # [] int64: equals ZeroOneAdamSchedule.counters(count + 1)
     var_counter: torch.Tensor  # [] int64
     local_interval: torch.Tensor  # [] int64
@@ -52,6 +52,7 @@ def zero_one_adam(
     exp_avg_mask: PyTree | None = None,
     safeguard: bool = True,
     local_world_size: int | None = None,
+    error_dtype: torch.dtype = torch.float32,
 ) -> CompressedOptimizer:
     r"""0/1 Adam: Adam with an adaptively frozen variance, 1-bit communication and local steps.
 
@@ -105,6 +106,12 @@ def zero_one_adam(
             for bit.
         local_world_size: ranks per node for the hierarchical 1-bit allreduce (dense inside a
             node, 1 bit across nodes), or ``None`` (flat): see ``fn.onebit_adam``.
+        error_dtype: the storage of the errors (fp32, bf16 or fp16): see ``fn.onebit_adam``.
+
+    Memory: unlike 1-bit Adam, 0/1 Adam keeps its momentum in fp32 throughout (its local steps
+    move it with each rank's own gradient, so it is not the 1-bit allreduce's result that
+    packed signs could hold), and its error buffers from ``init`` on (its 1-bit updates start
+    among the first updates, between the variance refreshes).
 
     Returns:
         A ``CompressedOptimizer``; both updates are ``(grads, state, params=None, *, step=None,
@@ -116,7 +123,8 @@ def zero_one_adam(
 
     Raises:
         ValueError: naming the argument: negative ``lr`` (a number), ``eps`` or ``weight_decay``;
-            betas outside [0, 1); a negative ``var_freeze_step`` or a scaler/clipper < 1.
+            betas outside [0, 1); a negative ``var_freeze_step`` or a scaler/clipper < 1; an
+            ``error_dtype`` other than fp32, bf16 or fp16.
 
     Deviations from DeepSpeed, all deliberate: the schedule counters are global (DeepSpeed kept
     identical copies per param, and a param without a gradient skipped its own counter) and live
@@ -172,7 +180,15 @@ def zero_one_adam(
         (True, 5)
     """
     settings = leafwise.onebit_settings(
-        "zero_one_adam", lr, betas, eps, weight_decay, comm, safeguard, local_world_size
+        "zero_one_adam",
+        lr,
+        betas,
+        eps,
+        weight_decay,
+        comm,
+        safeguard,
+        local_world_size,
+        error_dtype,
     )
     schedule = ZeroOneAdamSchedule(
         check_int("var_freeze_step", var_freeze_step),

@@ -33,9 +33,10 @@ def _same(a, b):
     return len(la) == len(lb) and all(torch.equal(x, y) for x, y in zip(la, lb, strict=True))
 
 
-def _run(tx, params, mode, steps=4, **kwargs):
+def _run(tx, params, mode, steps=4, reuses_from=1, **kwargs):
     """Steps the pure and the donating loop side by side; asserts bit-identical updates, states
-    and params after every step, and that the donated buffers took the results."""
+    and params after every step, and that the donated buffers took the results (from step
+    ``reuses_from`` on)."""
     gen = torch.Generator().manual_seed(1)
     pure_params = {k: p.clone() for k, p in params.items()}
     pure_state, state = tx.init(params), tx.init(params)
@@ -55,7 +56,8 @@ def _run(tx, params, mode, steps=4, **kwargs):
         assert _same(updates, pure_updates), f"updates differ at step {t}"
         assert _same(state, pure_state), f"states differ at step {t}"
         big = [x for x in _leaves((updates, state)) if x.numel() > 1]
-        assert t == 1 and mode != "in place" or any(id(x) in before for x in big)
+        reuses = t >= reuses_from and (t > 1 or mode == "in place")
+        assert not reuses or any(id(x) in before for x in big)
         params = fn.apply_updates(params, updates, donate=True)
         assert _same(params, pure_params), f"params differ at step {t}"
     return state
@@ -128,11 +130,12 @@ def test_none_updates_keep_their_state():
 
 
 def test_staged_compressed_optimizer_takes_donate():
+    """One worker's compressed updates are pure (nothing is exchanged, no error buffers exist):
+    donation is accepted, and in place the frozen variance comes back as the same tensor."""
     tx = fn.staged(fn.onebit_adam(lr=1e-2, freeze_step=2, comm=Local()))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the unsafe-variance warning
-        _run(tx, _params([64, 5]), "spare", steps=4)
-        _run(tx, _params([64, 5]), "in place", steps=4)
+        _run(tx, _params([64, 5]), "in place", steps=4, reuses_from=2)
 
 
 def test_chain_stops_donating_once_updates_hold_state():

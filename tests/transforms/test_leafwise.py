@@ -20,12 +20,12 @@ from fn.transforms._leafwise import (
 class State(NamedTuple):
     count: torch.Tensor
     exp_avg: dict
-    total: dict
+    exp_avg_sq: dict
 
 
 class Leaf(NamedTuple):
     exp_avg: torch.Tensor
-    total: torch.Tensor
+    exp_avg_sq: torch.Tensor
 
 
 def make_state():
@@ -35,7 +35,7 @@ def make_state():
 
 def rule(g, leaf, scale):
     factor = 1.0 if scale is None else scale
-    return -g, Leaf(leaf.exp_avg + g * factor, leaf.total + 1)
+    return -g, Leaf(leaf.exp_avg + g * factor, leaf.exp_avg_sq + 1)
 
 
 def test_rule_runs_per_leaf_and_fields_are_rebuilt():
@@ -45,7 +45,7 @@ def test_rule_runs_per_leaf_and_fields_are_rebuilt():
     assert updates["w"].dtype == torch.float32  # gradients reach the rule as fp32
     assert torch.equal(updates["b"], torch.full((4,), -2.0))
     assert torch.equal(new.exp_avg["w"], torch.full((2, 3), 3.0))
-    assert torch.equal(new.total["b"], torch.full((4,), 2.0))
+    assert torch.equal(new.exp_avg_sq["b"], torch.full((4,), 2.0))
     assert new.count is state.count  # fields outside the leaf type are left alone
 
 
@@ -59,7 +59,7 @@ def test_none_gradient_leaves_pass_through_untouched():
 
     updates, new = map_leaves("opt", counting_rule, {"w": None, "b": torch.ones(4)}, state, Leaf)
     assert updates["w"] is None and calls == [torch.Size([4])]
-    assert new.exp_avg["w"] is state.exp_avg["w"] and new.total["w"] is state.total["w"]
+    assert new.exp_avg["w"] is state.exp_avg["w"] and new.exp_avg_sq["w"] is state.exp_avg_sq["w"]
 
 
 def test_a_wrong_gradient_shape_names_the_leaf():
@@ -92,10 +92,10 @@ def test_leaf_type_holds_the_per_leaf_fields_in_the_state_order():
         lr: torch.Tensor
         exp_avg: dict
         shared_error: torch.Tensor
-        total: dict
+        exp_avg_sq: dict
 
     derived = leaf_type(Full, shared=("shared_error",))
     assert derived._fields == Leaf._fields
-    assert leaf_type(State)._fields == ("exp_avg", "total")
+    assert leaf_type(State)._fields == ("exp_avg", "exp_avg_sq")
     with pytest.raises(TypeError, match="no fields"):
         leaf_type(Full, shared=("worker_error",))

@@ -77,11 +77,22 @@ def test_state_after_warmup_and_first_compressed_step():
 
 
 def test_fused_single_error_buffer_sizes():
+    """One error pair for all leaves fused, allocated by the first compressed update (never
+    with one worker); the fresh variance comes with the last warmup update, the packed
+    momentum with the first compressed one."""
     params = make_params()  # 15 + 7 + 40 = 62 elements
-    for world, padded in ((1, 64), (2, 64), (4, 64), (3, 72)):
-        state = make(Simulated(world), 3).init(params)
-        assert state.worker_error.shape == (padded,)
-        assert state.server_error.shape == (padded // world,)
+    state = make(Simulated(2), 3).init(params)
+    assert state.worker_error is None and state.server_error is None
+    assert all(v is None for v in state.exp_avg_sq_fresh.values())
+    for world, padded in ((1, None), (2, 64), (4, 64), (3, 72)):
+        _, state = run_fn(lambda c: make(c, 3), params, make_grads(params, world, 3), world)
+        assert all(v is not None for v in state.exp_avg_sq_fresh.values())
+        if padded is None:
+            assert state.worker_error is None and torch.is_tensor(state.exp_avg["w"])
+            continue
+        assert state.worker_error.shape == (world, padded)
+        assert state.server_error.shape == (world, padded // world)
+        assert state.exp_avg.packed.shape == (world, world, padded // world // 8)
 
 
 @pytest.mark.parametrize("max_coeff, min_coeff", [(10.0, 2.0), (0.5, 0.01)])
