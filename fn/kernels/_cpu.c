@@ -158,22 +158,39 @@ static void fn_apply_error(float *v, float scale, int64_t begin, int64_t end)
         v[i] = v[i] - (v[i] >= 0.0f ? scale : -scale);
 }
 
+/* Value i of rows of chunk packed signs scaled per row (fn_unpack_scaled's bits): the row's
+   scale with the sign bit flipped where bit i is 0. */
+static inline float scaled_sign(const uint8_t *packed, const float *scales, int64_t chunk,
+                                int64_t i)
+{
+    uint32_t bits;
+    memcpy(&bits, scales + i / chunk, 4);
+    bits ^= (~(packed[i >> 3] >> (7 - (i & 7))) & 1u) << 31;
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
 /* ---- Error-compensated sign compression without full-size temporaries (1-bit allreduce) ----
    v = source + e, where the source is x zero-padded to e's length, or the momentum
    beta * m + (1 - beta) * g (two roundings, no fused multiply-add: built with
-   -ffp-contract=off), or the scaled sign sum of the W received chunks added in rank order
-   (0 + row 0 + row 1 + ..., see fn.kernels.sum_ranks). Phase 1 writes the signs of v and the
-   block sums of squares; phase 2 (after the caller's checks) recomputes v and writes
-   e' = v - scale * s(v) into out, which may be e itself. */
+   -ffp-contract=off) with m read from x or from packed signs (scaled_sign), or the scaled sign
+   sum of the W received chunks added in rank order (0 + row 0 + row 1 + ..., see
+   fn.kernels.sum_ranks). Phase 1 writes the signs of v and the block sums of squares; phase 2
+   (after the caller's checks) recomputes v and writes e' = v - scale * s(v) into out, which
+   may be e itself. */
 
-enum { FEEDBACK_X, FEEDBACK_MOMENTUM, FEEDBACK_SIGN_SUM };
+enum { FEEDBACK_X, FEEDBACK_MOMENTUM, FEEDBACK_SIGN_SUM, FEEDBACK_SIGNED_MOMENTUM };
 
 typedef struct {
     int64_t mode, n;       /* n: valid elements of x (and g); the rest is zero padding */
     const float *x, *g, *e;
     float beta, one_minus_beta;
-    const uint8_t *signs;  /* FEEDBACK_SIGN_SUM: [ranks, row_bytes] packed signs */
-    const float *weights;  /* [ranks] */
+    /* FEEDBACK_SIGN_SUM: [ranks, row_bytes] packed signs, summed with the weights [ranks];
+       FEEDBACK_SIGNED_MOMENTUM: m's rows (scaled_sign, chunk = 8 row_bytes), the weights the
+       rows' scales. */
+    const uint8_t *signs;
+    const float *weights;
     int64_t ranks, row_bytes;
     int64_t ahead; /* elements: how far ahead of the loads the input streams are prefetched */
 } fn_feedback;
@@ -262,6 +279,11 @@ static void feedback_values(const fn_feedback *f, int64_t off, int64_t len, floa
         const float *m = f->x + off, *g = f->g + off, b = f->beta, c = f->one_minus_beta;
         for (int64_t i = 0; i < valid; i++)
             v[i] = (b * m[i] + c * g[i]) + e[i];
+    } else if (f->mode == FEEDBACK_SIGNED_MOMENTUM) {
+        const float *g = f->g + off, b = f->beta, c = f->one_minus_beta;
+        const int64_t chunk = 8 * f->row_bytes;
+        for (int64_t i = 0; i < valid; i++)
+            v[i] = (b * scaled_sign(f->signs, f->weights, chunk, off + i) + c * g[i]) + e[i];
     } else {
         const float *x = f->x + off;
         for (int64_t i = 0; i < valid; i++)
@@ -287,6 +309,32 @@ static inline void prefetch_ahead(const float *p, int64_t ahead)
     _mm_prefetch((const char *)(p + ahead + 16), _MM_HINT_T0);
 }
 
+/* feedback_values of the 32 signed-momentum elements from i on, in registers: m from 4 bytes
+   of signs, 8 values a byte, each byte's scale that of its row (rows of whole bytes). */
+static inline void signed_momentum_values32(const fn_feedback *f, int64_t i, __m256 *v)
+{
+    const int64_t chunk = 8 * f->row_bytes;
+    const float *e = f->e + i, *g = f->g + i;
+    const __m256 b = _mm256_set1_ps(f->beta), c = _mm256_set1_ps(f->one_minus_beta);
+    const __m256i weights = _mm256_setr_epi32(128, 64, 32, 16, 8, 4, 2, 1);
+    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+    if (f->ahead)
+        prefetch_ahead(g, f->ahead);
+    int64_t row = i / chunk, next = (row + 1) * chunk;
+    for (int t = 0; t < 4; t++) {
+        for (; i + 8 * t >= next; next += chunk)
+            row++;
+        uint32_t s;
+        memcpy(&s, f->weights + row, 4);
+        __m256i bit = _mm256_and_si256(_mm256_set1_epi32(f->signs[(i >> 3) + t]), weights);
+        __m256i clear = _mm256_cmpeq_epi32(bit, _mm256_setzero_si256());
+        __m256 m = _mm256_castsi256_ps(
+            _mm256_xor_si256(_mm256_set1_epi32((int)s), _mm256_and_si256(clear, sign)));
+        m = _mm256_add_ps(_mm256_mul_ps(b, m), _mm256_mul_ps(c, _mm256_loadu_ps(g + 8 * t)));
+        v[t] = _mm256_add_ps(m, _mm256_loadu_ps(e + 8 * t));
+    }
+}
+
 /* feedback_values of the 32 elements from i on, in registers (the same fp32 operations). */
 static inline void feedback_values32(const fn_feedback *f, int64_t i, __m256 *v)
 {
@@ -298,6 +346,10 @@ static inline void feedback_values32(const fn_feedback *f, int64_t i, __m256 *v)
         sign_sum_registers(f, i / 8, v);
         for (int t = 0; t < 4; t++)
             v[t] = _mm256_add_ps(v[t], _mm256_loadu_ps(e + 8 * t));
+        return;
+    }
+    if (f->mode == FEEDBACK_SIGNED_MOMENTUM) {
+        signed_momentum_values32(f, i, v);
         return;
     }
     const float *x = f->x + i;
@@ -1076,22 +1128,13 @@ float fn_rms(double *sums, int64_t count, int64_t length, int64_t n)
    with flag 2): p = p + ((m / (sqrt(v) + eps)) clamped to [-bound, bound] (+ wd * p)) * neg_eta,
    each operation rounded as fn_adam_direction followed by the params' p + u. With signed_m, m
    is +-scales[i / chunk] by sign bit i (the bits of fn_unpack_scaled), written into signed_m->m
-   (non-temporal with stream) as it is used; begin is then a multiple of 8. */
-static inline float signed_value(const fn_signed_momentum *s, int64_t i)
-{
-    uint32_t bits;
-    memcpy(&bits, s->scales + i / s->chunk, 4);
-    bits ^= (~(s->packed[i >> 3] >> (7 - (i & 7))) & 1u) << 31;
-    float value;
-    memcpy(&value, &bits, 4);
-    return value;
-}
-
+   (non-temporal with stream) as it is used, unless that is NULL; begin is then a multiple of 8. */
 static void fn_adam_apply(const float *m, const fn_signed_momentum *signed_m, const float *v,
                           const float *k, int clamp, int decay, float neg_eta, float *p,
                           int64_t begin, int64_t end)
 {
     const float eps = k[0], bound = k[1], wd = k[2];
+    float *const m_out = signed_m ? signed_m->m : NULL;
     int64_t i = begin;
 #if defined(__AVX2__)
     const __m256 ve = _mm256_set1_ps(eps), vb = _mm256_set1_ps(bound);
@@ -1099,7 +1142,7 @@ static void fn_adam_apply(const float *m, const fn_signed_momentum *signed_m, co
     const __m256 vn = _mm256_set1_ps(neg_eta);
     const __m256i weights = _mm256_setr_epi32(128, 64, 32, 16, 8, 4, 2, 1);
     const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
-    const int stream = signed_m && signed_m->stream && ((uintptr_t)signed_m->m & 31) == 0;
+    const int stream = m_out && signed_m->stream && ((uintptr_t)m_out & 31) == 0;
     for (; i + 8 <= end; i += 8) {
         __m256 mi;
         if (signed_m) { /* 8 values of one row: chunk is a multiple of 8 */
@@ -1110,9 +1153,9 @@ static void fn_adam_apply(const float *m, const fn_signed_momentum *signed_m, co
             mi = _mm256_castsi256_ps(
                 _mm256_xor_si256(_mm256_set1_epi32((int)s), _mm256_and_si256(clear, sign)));
             if (stream)
-                _mm256_stream_ps(signed_m->m + i, mi);
-            else
-                _mm256_storeu_ps(signed_m->m + i, mi);
+                _mm256_stream_ps(m_out + i, mi);
+            else if (m_out)
+                _mm256_storeu_ps(m_out + i, mi);
         } else {
             mi = _mm256_loadu_ps(m + i);
         }
@@ -1130,7 +1173,9 @@ static void fn_adam_apply(const float *m, const fn_signed_momentum *signed_m, co
         _mm_sfence();
 #endif
     for (; i < end; i++) {
-        float mi = m ? m[i] : (signed_m->m[i] = signed_value(signed_m, i));
+        float mi = m ? m[i] : scaled_sign(signed_m->packed, signed_m->scales, signed_m->chunk, i);
+        if (m_out)
+            m_out[i] = mi;
         float u = mi / (sqrtf(v[i]) + eps);
         if (clamp)
             u = u < -bound ? -bound : (u > bound ? bound : u);

@@ -227,9 +227,9 @@ def sign_compress(k: ModuleType, m, error=None):
 
 
 @_with_triton
-def feedback_sign_compress(k: ModuleType, x, error, grad=None, beta=0.0):
-    if not _fp32_contiguous(x, error, grad):
-        return None
+def feedback_sign_compress(k: ModuleType, x, error, grad=None, beta=0.0, signs=None):
+    if signs is not None or not _fp32_contiguous(x, error, grad):
+        return None  # the momentum given as signs: the reference
     return _sign_blocks(
         k.feedback_blocks_kernel,
         error.device,
@@ -243,8 +243,8 @@ def feedback_sign_compress(k: ModuleType, x, error, grad=None, beta=0.0):
 
 
 @_with_triton
-def feedback_apply_error(k: ModuleType, x, error, scale, out, grad=None, beta=0.0):
-    if not _fp32_contiguous(x, error, grad, out, scale):
+def feedback_apply_error(k: ModuleType, x, error, scale, out, grad=None, beta=0.0, signs=None):
+    if signs is not None or not _fp32_contiguous(x, error, grad, out, scale):
         return None
     length = error.numel()
     return _launch_elementwise(
