@@ -3,7 +3,8 @@
 ``adam_direction``, ``quantize`` and ``dequantize``. The others run the reference there: the
 sums over ranks (``sign_sum_compress`` / ``sign_sum_apply_error``, ``dequantize_sum``: rank by
 rank, as ``fn.kernels.sum_ranks`` adds), the LoCo kernels, ``sqrt_rn`` (one elementwise op that
-the reference's fp64 root serves on a GPU), ``adam_apply`` and ``adamw_step``.
+the reference's fp64 root serves on a GPU), ``adam_apply`` and ``adamw_step``, and the
+error-feedback phases given the previous momentum as packed signs (``signs=``).
 
 Results are bit-identical to ``fn.kernels._reference`` for fp32, fp16 and bf16 inputs. The
 sign kernel writes the packed signs and the canonical fp64 block sums in one pass; the scale
