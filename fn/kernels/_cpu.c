@@ -309,27 +309,36 @@ static inline void prefetch_ahead(const float *p, int64_t ahead)
     _mm_prefetch((const char *)(p + ahead + 16), _MM_HINT_T0);
 }
 
-/* feedback_values of the 32 signed-momentum elements from i on, in registers: m from 4 bytes
-   of signs, 8 values a byte, each byte's scale that of its row (rows of whole bytes). */
+/* feedback_values of the 32 signed-momentum elements from i on (i a multiple of 32), in
+   registers: m from 4 bytes of signs read as a little-endian word, lane j of vector t taking
+   bit 8 t + 7 - j shifted into the sign bit (as add_signed_row32), each 8 values scaled by
+   their row's scale (rows of whole bytes: a row changes inside the 32 only for short rows). */
 static inline void signed_momentum_values32(const fn_feedback *f, int64_t i, __m256 *v)
 {
-    const int64_t chunk = 8 * f->row_bytes;
+    const uint64_t chunk = 8 * (uint64_t)f->row_bytes;
     const float *e = f->e + i, *g = f->g + i;
     const __m256 b = _mm256_set1_ps(f->beta), c = _mm256_set1_ps(f->one_minus_beta);
-    const __m256i weights = _mm256_setr_epi32(128, 64, 32, 16, 8, 4, 2, 1);
     const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
-    if (f->ahead)
+    if (f->ahead) /* e: by feedback_values32 */
         prefetch_ahead(g, f->ahead);
-    int64_t row = i / chunk, next = (row + 1) * chunk;
+    uint32_t word;
+    memcpy(&word, f->signs + (i >> 3), 4);
+    const __m256i bits = _mm256_set1_epi32((int)word);
+    uint64_t row = (uint64_t)i / chunk, next = (row + 1) * chunk;
+    int32_t s;
+    memcpy(&s, f->weights + row, 4);
+    __m256i scale = _mm256_set1_epi32(s);
     for (int t = 0; t < 4; t++) {
-        for (; i + 8 * t >= next; next += chunk)
-            row++;
-        uint32_t s;
-        memcpy(&s, f->weights + row, 4);
-        __m256i bit = _mm256_and_si256(_mm256_set1_epi32(f->signs[(i >> 3) + t]), weights);
-        __m256i clear = _mm256_cmpeq_epi32(bit, _mm256_setzero_si256());
-        __m256 m = _mm256_castsi256_ps(
-            _mm256_xor_si256(_mm256_set1_epi32((int)s), _mm256_and_si256(clear, sign)));
+        if ((uint64_t)i + 8 * t >= next) {
+            row = ((uint64_t)i + 8 * t) / chunk;
+            next = (row + 1) * chunk;
+            memcpy(&s, f->weights + row, 4);
+            scale = _mm256_set1_epi32(s);
+        }
+        __m256i shift = _mm256_setr_epi32(24 - 8 * t, 25 - 8 * t, 26 - 8 * t, 27 - 8 * t,
+                                          28 - 8 * t, 29 - 8 * t, 30 - 8 * t, 31 - 8 * t);
+        __m256i flip = _mm256_andnot_si256(_mm256_sllv_epi32(bits, shift), sign);
+        __m256 m = _mm256_castsi256_ps(_mm256_xor_si256(scale, flip));
         m = _mm256_add_ps(_mm256_mul_ps(b, m), _mm256_mul_ps(c, _mm256_loadu_ps(g + 8 * t)));
         v[t] = _mm256_add_ps(m, _mm256_loadu_ps(e + 8 * t));
     }
