@@ -184,7 +184,8 @@ enum { FEEDBACK_X, FEEDBACK_MOMENTUM, FEEDBACK_SIGN_SUM, FEEDBACK_SIGNED_MOMENTU
 
 typedef struct {
     int64_t mode, n;       /* n: valid elements of x (and g); the rest is zero padding */
-    const float *x, *g, *e;
+    const float *x, *g;
+    const void *e; /* fp32, or bf16 with e_bf16 */
     float beta, one_minus_beta;
     /* FEEDBACK_SIGN_SUM: [ranks, row_bytes] packed signs, summed with the weights [ranks];
        FEEDBACK_SIGNED_MOMENTUM: m's rows (scaled_sign, chunk = 8 row_bytes), the weights the
@@ -193,7 +194,35 @@ typedef struct {
     const float *weights;
     int64_t ranks, row_bytes;
     int64_t ahead; /* elements: how far ahead of the loads the input streams are prefetched */
+    int64_t e_bf16;
 } fn_feedback;
+
+/* The float of bf16 bits (exact). */
+static inline float bf16_value(uint16_t h)
+{
+    uint32_t bits = (uint32_t)h << 16;
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
+/* x rounded to bf16 as torch rounds (to nearest, ties to even; NaN: 0x7FC0). */
+static inline uint16_t bf16_bits(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if (x != x)
+        return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Element i of f's error, as fp32. */
+static inline float error_value(const fn_feedback *f, int64_t i)
+{
+    if (f->e_bf16)
+        return bf16_value(((const uint16_t *)f->e)[i]);
+    return ((const float *)f->e)[i];
+}
 
 /* Adds row t's signed weights for the columns [off, off + len) to acc (off, len: multiples of 8
    but for the last block). */
@@ -264,33 +293,36 @@ static void sign_sum_block(const fn_feedback *f, int64_t off, int64_t len, float
         sign_sum_columns(f, off + done, len - done, out + done);
 }
 
-/* v = source + e for the elements [off, off + len) (len <= BLOCK). */
+/* v = source + e for the elements [off, off + len) (len <= BLOCK): the source, then e added
+   (each fp32 operation rounded as in one expression). */
 static void feedback_values(const fn_feedback *f, int64_t off, int64_t len, float *v)
 {
-    const float *e = f->e + off;
     int64_t valid = f->n - off < 0 ? 0 : min64(len, f->n - off);
     if (f->mode == FEEDBACK_SIGN_SUM) {
         sign_sum_block(f, off, len, v);
-        for (int64_t i = 0; i < len; i++)
-            v[i] = v[i] + e[i];
-        return;
-    }
-    if (f->mode == FEEDBACK_MOMENTUM) {
+        valid = len;
+    } else if (f->mode == FEEDBACK_MOMENTUM) {
         const float *m = f->x + off, *g = f->g + off, b = f->beta, c = f->one_minus_beta;
         for (int64_t i = 0; i < valid; i++)
-            v[i] = (b * m[i] + c * g[i]) + e[i];
+            v[i] = b * m[i] + c * g[i];
     } else if (f->mode == FEEDBACK_SIGNED_MOMENTUM) {
         const float *g = f->g + off, b = f->beta, c = f->one_minus_beta;
         const int64_t chunk = 8 * f->row_bytes;
         for (int64_t i = 0; i < valid; i++)
-            v[i] = (b * scaled_sign(f->signs, f->weights, chunk, off + i) + c * g[i]) + e[i];
+            v[i] = b * scaled_sign(f->signs, f->weights, chunk, off + i) + c * g[i];
     } else {
-        const float *x = f->x + off;
-        for (int64_t i = 0; i < valid; i++)
-            v[i] = x[i] + e[i];
+        memcpy(v, f->x + off, (size_t)valid * sizeof(float));
     }
     for (int64_t i = valid; i < len; i++)
-        v[i] = 0.0f + e[i];
+        v[i] = 0.0f;
+    if (f->e_bf16) {
+        for (int64_t i = 0; i < len; i++)
+            v[i] = v[i] + error_value(f, off + i);
+    } else {
+        const float *e = (const float *)f->e + off;
+        for (int64_t i = 0; i < len; i++)
+            v[i] = v[i] + e[i];
+    }
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -309,6 +341,25 @@ static inline void prefetch_ahead(const float *p, int64_t ahead)
     _mm_prefetch((const char *)(p + ahead + 16), _MM_HINT_T0);
 }
 
+/* The 8 error values from i on, as fp32. */
+static inline __m256 error_values8(const fn_feedback *f, int64_t i)
+{
+    if (!f->e_bf16)
+        return _mm256_loadu_ps((const float *)f->e + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)f->e + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* Prefetches the error's 32 values `ahead` elements after i (two cache lines of fp32, one of
+   bf16). */
+static inline void prefetch_error(const fn_feedback *f, int64_t i, int64_t ahead)
+{
+    if (f->e_bf16)
+        _mm_prefetch((const char *)((const uint16_t *)f->e + i + ahead), _MM_HINT_T0);
+    else
+        prefetch_ahead((const float *)f->e + i, ahead);
+}
+
 /* feedback_values of the 32 signed-momentum elements from i on (i a multiple of 32), in
    registers: m from 4 bytes of signs read as a little-endian word, lane j of vector t taking
    bit 8 t + 7 - j shifted into the sign bit (as add_signed_row32), each 8 values scaled by
@@ -316,7 +367,7 @@ static inline void prefetch_ahead(const float *p, int64_t ahead)
 static inline void signed_momentum_values32(const fn_feedback *f, int64_t i, __m256 *v)
 {
     const uint64_t chunk = 8 * (uint64_t)f->row_bytes;
-    const float *e = f->e + i, *g = f->g + i;
+    const float *g = f->g + i;
     const __m256 b = _mm256_set1_ps(f->beta), c = _mm256_set1_ps(f->one_minus_beta);
     const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
     if (f->ahead) /* e: by feedback_values32 */
@@ -340,21 +391,20 @@ static inline void signed_momentum_values32(const fn_feedback *f, int64_t i, __m
         __m256i flip = _mm256_andnot_si256(_mm256_sllv_epi32(bits, shift), sign);
         __m256 m = _mm256_castsi256_ps(_mm256_xor_si256(scale, flip));
         m = _mm256_add_ps(_mm256_mul_ps(b, m), _mm256_mul_ps(c, _mm256_loadu_ps(g + 8 * t)));
-        v[t] = _mm256_add_ps(m, _mm256_loadu_ps(e + 8 * t));
+        v[t] = _mm256_add_ps(m, error_values8(f, i + 8 * t));
     }
 }
 
 /* feedback_values of the 32 elements from i on, in registers (the same fp32 operations). */
 static inline void feedback_values32(const fn_feedback *f, int64_t i, __m256 *v)
 {
-    const float *e = f->e + i;
     const int64_t ahead = f->ahead; /* 0: the hardware prefetchers alone */
     if (ahead)
-        prefetch_ahead(e, ahead);
+        prefetch_error(f, i, ahead);
     if (f->mode == FEEDBACK_SIGN_SUM) {
         sign_sum_registers(f, i / 8, v);
         for (int t = 0; t < 4; t++)
-            v[t] = _mm256_add_ps(v[t], _mm256_loadu_ps(e + 8 * t));
+            v[t] = _mm256_add_ps(v[t], error_values8(f, i + 8 * t));
         return;
     }
     if (f->mode == FEEDBACK_SIGNED_MOMENTUM) {
@@ -372,11 +422,11 @@ static inline void feedback_values32(const fn_feedback *f, int64_t i, __m256 *v)
         for (int t = 0; t < 4; t++) {
             __m256 m = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(x + 8 * t)),
                                      _mm256_mul_ps(c, _mm256_loadu_ps(g + 8 * t)));
-            v[t] = _mm256_add_ps(m, _mm256_loadu_ps(e + 8 * t));
+            v[t] = _mm256_add_ps(m, error_values8(f, i + 8 * t));
         }
     } else {
         for (int t = 0; t < 4; t++)
-            v[t] = _mm256_add_ps(_mm256_loadu_ps(x + 8 * t), _mm256_loadu_ps(e + 8 * t));
+            v[t] = _mm256_add_ps(_mm256_loadu_ps(x + 8 * t), error_values8(f, i + 8 * t));
     }
 }
 
@@ -457,14 +507,32 @@ static void fn_feedback_signs(const fn_feedback *f, uint8_t *bits, double *block
     }
 }
 
-/* Phase 2: out = v - scale * s(v) (begin: a multiple of BLOCK). With stream, a 32-byte
-   aligned out is written with non-temporal stores (no read of its lines into the cache). */
-static void fn_feedback_error(const fn_feedback *f, float scale, float *out, int stream,
-                              int64_t begin, int64_t end)
-{
-    float v[BLOCK];
 #if defined(__AVX2__)
-    stream = stream && ((uintptr_t)out & 31) == 0;
+/* The 8 values y rounded to bf16 as bf16_bits, stored at o. */
+static inline void store_bf16x8(uint16_t *o, __m256 y)
+{
+    __m256i u = _mm256_castps_si256(y);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    r = _mm256_srli_epi32(r, 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    /* packus interleaves the 128-bit lanes: the permute puts the 8 halves in order */
+    r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), _MM_SHUFFLE(3, 1, 2, 0));
+    _mm_storeu_si128((__m128i *)o, _mm256_castsi256_si128(r));
+}
+#endif
+
+/* Phase 2: out = v - scale * s(v) (begin: a multiple of BLOCK), fp32 or, with out_bf16,
+   rounded once to bf16. With stream, a 32-byte aligned fp32 out is written with non-temporal
+   stores (no read of its lines into the cache). */
+static void fn_feedback_error(const fn_feedback *f, float scale, void *out_bytes, int stream,
+                              int out_bf16, int64_t begin, int64_t end)
+{
+    float v[BLOCK], *out = out_bytes;
+    uint16_t *out16 = out_bytes;
+#if defined(__AVX2__)
+    stream = stream && !out_bf16 && ((uintptr_t)out & 31) == 0;
     const __m256 zero = _mm256_setzero_ps(), up = _mm256_set1_ps(scale);
     const __m256 down = _mm256_set1_ps(-scale);
 #endif
@@ -479,7 +547,9 @@ static void fn_feedback_error(const fn_feedback *f, float scale, float *out, int
                 for (int t = 0; t < 4; t++) {
                     __m256 s = _mm256_blendv_ps(down, up, _mm256_cmp_ps(x[t], zero, _CMP_GE_OQ));
                     __m256 y = _mm256_sub_ps(x[t], s);
-                    if (stream)
+                    if (out_bf16)
+                        store_bf16x8(out16 + off + i + 8 * t, y);
+                    else if (stream)
                         _mm256_stream_ps(out + off + i + 8 * t, y);
                     else
                         _mm256_storeu_ps(out + off + i + 8 * t, y);
@@ -498,8 +568,13 @@ static void fn_feedback_error(const fn_feedback *f, float scale, float *out, int
             }
         }
 #endif
-        for (; i < len; i++)
-            out[off + i] = v[i] - (v[i] >= 0.0f ? scale : -scale);
+        for (; i < len; i++) {
+            float y = v[i] - (v[i] >= 0.0f ? scale : -scale);
+            if (out_bf16)
+                out16[off + i] = bf16_bits(y);
+            else
+                out[off + i] = y;
+        }
     }
 #if defined(__AVX2__)
     if (stream)
@@ -1037,7 +1112,7 @@ static void run_chunk(const fn_job *j, int64_t b, int64_t e)
         fn_feedback_signs(j->p[0], j->p[1], j->p[2], b, e);
         break;
     case FEEDBACK_ERROR:
-        fn_feedback_error(j->p[0], j->scale, j->p[1], (int)j->i[0], b, e);
+        fn_feedback_error(j->p[0], j->scale, j->p[1], (int)j->i[0], (int)j->i[1], b, e);
         break;
     case UNPACK_SCALED:
         fn_unpack_scaled(j->p[0], j->p[1], j->i[0], j->p[2], (int)j->i[1], b, e);

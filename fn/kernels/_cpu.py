@@ -309,6 +309,7 @@ class _FeedbackStruct(ctypes.Structure):
         ("ranks", ctypes.c_int64),
         ("row_bytes", ctypes.c_int64),
         ("ahead", ctypes.c_int64),
+        ("e_bf16", ctypes.c_int64),
     ]
 
 
@@ -365,7 +366,7 @@ def _feedback(
     :data:`_FEEDBACK_SIGNED_MOMENTUM` the momentum of ``grad`` and the previous momentum
     given as ``signs`` rows scaled by ``weights``."""
     keep: tuple[torch.Tensor, ...] = (error,)
-    f = _FeedbackStruct(mode=mode, e=error.data_ptr())
+    f = _FeedbackStruct(mode=mode, e=error.data_ptr(), e_bf16=error.dtype == torch.bfloat16)
     if mode in (_FEEDBACK_SIGN_SUM, _FEEDBACK_SIGNED_MOMENTUM):
         f.signs, f.weights, f.ranks, f.row_bytes = (
             signs.data_ptr(),
@@ -407,10 +408,10 @@ def _feedback_error(
     out: torch.Tensor,
     alive: tuple,
 ) -> bool:
-    """Phase 2 over ``f``'s source: ``out = v - scale * s(v)`` (``out`` may be ``error``);
-    ``alive`` holds the tensors ``f`` points into."""
+    """Phase 2 over ``f``'s source: ``out = v - scale * s(v)`` (``out`` may be ``error``), fp32
+    or rounded to bf16; ``alive`` holds the tensors ``f`` points into."""
     pointers = (ctypes.addressof(f), out.data_ptr())
-    ints = (_streams(out, error),)
+    ints = (_streams(out, error), int(out.dtype == torch.bfloat16))
     _run_prefetching(lib, "feedback_error", error.numel(), pointers, ints, float(scale), f)
     del alive  # the tensors f points into lived until here
     return True
@@ -431,9 +432,16 @@ def _momentum_source(error, x, grad, beta, signs):
     return _feedback(_FEEDBACK_SIGNED_MOMENTUM, error, None, grad, beta, packed, scales)
 
 
+def _error_buffer(t: torch.Tensor) -> bool:
+    """Whether the feedback kernels read or write ``t`` as an error: contiguous fp32 or bf16."""
+    fits = t.dtype in (torch.float32, torch.bfloat16)
+    return fits and t.is_contiguous() and t.device.type == "cpu"
+
+
 @_with_library
 def feedback_sign_compress(lib, x, error, grad=None, beta=0.0, signs=None):
-    source = _momentum_source(error, x, grad, beta, signs) if _plain_fp32(x, error, grad) else None
+    plain = _plain_fp32(x, grad) and _error_buffer(error)
+    source = _momentum_source(error, x, grad, beta, signs) if plain else None
     if source is None:
         return None
     f, alive = source
@@ -442,7 +450,7 @@ def feedback_sign_compress(lib, x, error, grad=None, beta=0.0, signs=None):
 
 @_with_library
 def feedback_apply_error(lib, x, error, scale, out, grad=None, beta=0.0, signs=None):
-    plain = _plain_fp32(x, error, grad, out)
+    plain = _plain_fp32(x, grad) and _error_buffer(error) and _error_buffer(out)
     source = _momentum_source(error, x, grad, beta, signs) if plain else None
     if source is None:
         return None

@@ -156,6 +156,20 @@ def _check_buffer(out: torch.Tensor, numel: int, name: str = "out") -> None:
         )
 
 
+# The dtypes an error of the feedback ops may be stored in (read as fp32, written rounded once).
+_ERROR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_error_buffer(t: torch.Tensor, name: str, numel: int | None = None) -> None:
+    _check_1d(t, name)
+    if t.dtype not in _ERROR_DTYPES or (numel is not None and t.numel() != numel):
+        length = "" if numel is None else f" of {numel} elements"
+        raise ValueError(
+            f"{name} must be a 1-D fp32, bf16 or fp16 tensor{length}, got {t.dtype} "
+            f"{tuple(t.shape)}"
+        )
+
+
 def _check_feedback_input(
     x: torch.Tensor | None,
     error: torch.Tensor,
@@ -164,7 +178,7 @@ def _check_feedback_input(
 ) -> dict[str, torch.Tensor | None]:
     """Raises for a bad source of the feedback ops; returns the op's ``packed`` and ``scales``
     arguments (``None`` without ``signs``)."""
-    _check_1d(error, "error")
+    _check_error_buffer(error, "error")
     if signs is None:
         if x is None:
             raise ValueError("x is required unless the momentum is given as signs")
@@ -240,7 +254,8 @@ def feedback_sign_compress(
     Args:
         x: 1-D fp32 tensor of ``n <= N`` elements (the momentum ``m`` when ``grad`` is given),
             or ``None`` with ``signs``.
-        error: 1-D fp32 tensor of ``N`` elements, the error to compensate with.
+        error: 1-D tensor of ``N`` elements, the error to compensate with: fp32, or bf16 or fp16
+            (read as fp32; the C kernels read fp32 and bf16, the reference any of them).
         grad: optional gradient, ``x``'s shape: compress ``beta * x + (1 - beta) * grad``
             (required with ``signs``, where it gives ``n``).
         beta: the momentum coefficient (with ``grad``).
@@ -300,7 +315,8 @@ def feedback_apply_error(
     Args:
         x, error, grad, beta, signs: as given to :func:`feedback_sign_compress`.
         scale: the scale it returned.
-        out: 1-D fp32 tensor of ``error``'s length.
+        out: 1-D tensor of ``error``'s length, fp32, bf16 or fp16: ``e'`` is computed in fp32
+            and rounded once to ``out``'s dtype.
 
     Returns:
         ``out``.
@@ -320,7 +336,7 @@ def feedback_apply_error(
         [0.5, -1.5, -2.5, -2.5]
     """
     arguments = _check_feedback_input(x, error, grad, signs)
-    _check_buffer(out, error.numel())
+    _check_error_buffer(out, "out", error.numel())
     return {"beta": float(beta), **arguments}
 
 

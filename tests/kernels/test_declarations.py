@@ -47,7 +47,8 @@ def _feedback(n: int, gen: torch.Generator, variant: int) -> tuple[Any, ...]:
     x, signs = _values(n, gen), None
     if variant == 3:  # the momentum as the packed signs of two ranks' chunks
         x, signs = None, (_signs(2, -(-n // 16) or 1, gen), _weights(2, gen))
-    return x, _values(length, gen), grad, 0.9 if grad is not None else 0.0, signs
+    error = _values(length, gen).to(torch.bfloat16 if variant == 2 else torch.float32)
+    return x, error, grad, 0.9 if grad is not None else 0.0, signs
 
 
 def _feedback_apply(n: int, gen: torch.Generator, variant: int) -> tuple[Any, ...]:
