@@ -423,11 +423,8 @@ def _momentum_source(error, x, grad, beta, signs):
     if signs is None:
         return None if x is None else _feedback(_FEEDBACK_X, error, x, grad, beta)
     packed, scales = signs
-    if grad is None or packed.dtype != torch.uint8 or not packed.is_contiguous():
-        return None
-    if packed.device.type != "cpu":
-        return None
-    if not _plain_fp32(scales) or packed.numel() * 8 < grad.numel():
+    rows = packed.dtype == torch.uint8 and packed.is_contiguous() and packed.device.type == "cpu"
+    if grad is None or not rows or not _plain_fp32(scales) or packed.numel() * 8 < grad.numel():
         return None
     return _feedback(_FEEDBACK_SIGNED_MOMENTUM, error, None, grad, beta, packed, scales)
 

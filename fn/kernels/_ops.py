@@ -185,7 +185,7 @@ def _check_feedback_input(
         _check_1d(x, "x")
         if grad is not None and grad.shape != x.shape:
             raise ValueError(f"grad shape {tuple(grad.shape)} != x shape {tuple(x.shape)}")
-        source = x
+        source, name = x, "x"
     else:
         if x is not None:
             raise ValueError("give the previous momentum as x or as signs, not both (x=None)")
@@ -195,9 +195,9 @@ def _check_feedback_input(
         if not isinstance(signs, tuple) or len(signs) != 2:
             raise ValueError("signs must be a (packed, scales) tuple")
         _check_scaled_signs(*signs, grad.numel(), "grad's")
-        source = grad
+        source, name = grad, "grad"
     if source.numel() > error.numel():
-        raise ValueError(f"x has {source.numel()} elements, more than error's {error.numel()}")
+        raise ValueError(f"{name} has {source.numel()} elements, more than error's {error.numel()}")
     packed, scales = (None, None) if signs is None else signs
     return {"packed": packed, "scales": scales}
 

@@ -177,8 +177,9 @@ def feedback_apply_error(
     beta: float = 0.0,
     signs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Phase 2: writes ``e' = v - scale * s(v)`` (``v`` as in :func:`feedback_sign_compress`)
-    into fp32 ``out`` of ``error``'s length, which may be ``error`` itself."""
+    """Phase 2: writes ``e' = v - scale * s(v)`` (``v`` as in :func:`feedback_sign_compress`,
+    the error read as fp32) into ``out`` of ``error``'s length, which may be ``error`` itself,
+    computed in fp32 and rounded once to ``out``'s dtype."""
     v = _feedback_input(x, error.numel(), grad, beta, signs) + error.float()
     out.copy_(v - torch.where(v >= 0, scale, -scale))
 
