@@ -457,7 +457,7 @@ def feedback_apply_error(lib, x, error, scale, out, grad=None, beta=0.0, signs=N
 
 @_with_library
 def sign_sum_compress(lib, signs, weights, error):
-    if not _plain_fp32(weights, error) or not signs.is_contiguous():
+    if not _plain_fp32(weights) or not _error_buffer(error) or not signs.is_contiguous():
         return None
     f, alive = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
     return _feedback_signs(lib, f, error.numel(), alive)
@@ -465,7 +465,8 @@ def sign_sum_compress(lib, signs, weights, error):
 
 @_with_library
 def sign_sum_apply_error(lib, signs, weights, error, scale, out):
-    if not _plain_fp32(weights, error, out) or not signs.is_contiguous():
+    buffers = _error_buffer(error) and _error_buffer(out)
+    if not _plain_fp32(weights) or not buffers or not signs.is_contiguous():
         return None
     f, alive = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
     return _feedback_error(lib, f, error, scale, out, alive)

@@ -147,15 +147,6 @@ def sign_compress(
     return _SIGN_COMPRESS_EF(m, error)
 
 
-def _check_buffer(out: torch.Tensor, numel: int, name: str = "out") -> None:
-    _check_1d(out, name)
-    if out.dtype != torch.float32 or out.numel() != numel:
-        raise ValueError(
-            f"{name} must be a 1-D fp32 tensor of {numel} elements, got {out.dtype} "
-            f"{tuple(out.shape)}"
-        )
-
-
 # The dtypes an error of the feedback ops may be stored in (read as fp32, written rounded once).
 _ERROR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -369,7 +360,8 @@ def sign_sum_compress(
     Args:
         signs: uint8 ``[W, chunk / 8]``, row ``i`` the packed signs ``s_i``.
         weights: fp32 ``[W]``.
-        error: 1-D fp32 tensor of ``chunk`` elements.
+        error: 1-D tensor of ``chunk`` elements: fp32, bf16 or fp16, read as fp32 (as
+            :func:`feedback_sign_compress`'s).
 
     Returns:
         ``(packed signs of v, a)`` as :func:`feedback_sign_compress`.
@@ -384,7 +376,7 @@ def sign_sum_compress(
         ([160], 13.0)
     """
     _check_sign_rows(signs, weights)
-    _check_buffer(error, signs.shape[1] * 8, "error")
+    _check_error_buffer(error, "error", signs.shape[1] * 8)
 
 
 @declare(
@@ -401,7 +393,8 @@ def sign_sum_apply_error(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """Phase 2 of :func:`sign_sum_compress`: writes ``e' = v - a s(v)`` into ``out`` (which
-    may be ``error``) and returns it.
+    may be ``error``) and returns it; ``out`` is fp32, bf16 or fp16, ``e'`` computed in fp32 and
+    rounded once to its dtype.
 
     Example:
         >>> import torch
@@ -413,8 +406,8 @@ def sign_sum_apply_error(
         [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     """
     _check_sign_rows(signs, weights)
-    _check_buffer(error, signs.shape[1] * 8, "error")
-    _check_buffer(out, signs.shape[1] * 8)
+    _check_error_buffer(error, "error", signs.shape[1] * 8)
+    _check_error_buffer(out, "out", signs.shape[1] * 8)
 
 
 @declare(

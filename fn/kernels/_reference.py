@@ -239,7 +239,7 @@ def sign_sum_apply_error(
     out: torch.Tensor,
 ) -> None:
     """Phase 2 of the server's compression: ``out = v - scale * s(v)`` (``out`` may be
-    ``error``)."""
+    ``error``), rounded once to ``out``'s dtype."""
     v = sign_sum(signs, weights) + error.float()
     out.copy_(v - torch.where(v >= 0, scale, -scale))
 

@@ -59,7 +59,8 @@ def _feedback_apply(n: int, gen: torch.Generator, variant: int) -> tuple[Any, ..
 
 def _sign_sum(n: int, gen: torch.Generator, variant: int) -> tuple[Any, ...]:
     ranks, nbytes = variant + 1, -(-n // 8) or 1
-    return _signs(ranks, nbytes, gen), _weights(ranks, gen), _values(8 * nbytes, gen)
+    error = _values(8 * nbytes, gen).to(torch.bfloat16 if variant == 2 else torch.float32)
+    return _signs(ranks, nbytes, gen), _weights(ranks, gen), error
 
 
 def _sign_sum_apply(n: int, gen: torch.Generator, variant: int) -> tuple[Any, ...]:

@@ -1,6 +1,6 @@
-"""The error of the feedback ops stored in bf16 (or fp16): read as fp32, the new error computed
-in fp32 and rounded once to ``out``'s dtype, bit for bit the fp32 path then ``.to(dtype)``, for
-the reference and the C kernels (which read and write fp32 and bf16)."""
+"""The error of the feedback ops (worker and server) stored in bf16 (or fp16): read as fp32, the
+new error computed in fp32 and rounded once to ``out``'s dtype, bit for bit the fp32 path then
+``.to(dtype)``, for the reference and the C kernels (which read and write fp32 and bf16)."""
 
 from __future__ import annotations
 
@@ -85,6 +85,37 @@ def test_feedback_with_a_low_precision_error_rounds_once(
                 assert torch.equal(_bits(in_place), _bits(want)), impl.__name__
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    ranks=st.integers(1, 9),
+    chunk_bytes=st.integers(1, 600),
+    error_dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    out_dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_server_error_in_low_precision_rounds_once(
+    c_kernels, ranks, chunk_bytes, error_dtype, out_dtype, threads, seed
+):
+    """The server's phases (``sign_sum_compress`` / ``sign_sum_apply_error``) likewise."""
+    gen = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 256, (ranks, chunk_bytes), dtype=torch.uint8, generator=gen)
+    weights = torch.rand(ranks, generator=gen) * torch.logspace(-3, 3, ranks)
+    error = _values(8 * chunk_bytes, gen).to(error_dtype)
+    want_packed, want_scale = _reference.sign_sum_compress(signs, weights, error.float())
+    want = torch.empty(8 * chunk_bytes)
+    _reference.sign_sum_apply_error(signs, weights, error.float(), want_scale, want)
+    want = want.to(out_dtype)
+    with _threads(threads):
+        for impl in (_reference, c_kernels):
+            packed, scale = impl.sign_sum_compress(signs, weights, error)
+            assert torch.equal(packed, want_packed), impl.__name__
+            assert torch.equal(_bits(scale), _bits(want_scale)), impl.__name__
+            out = torch.full((8 * chunk_bytes,), float("nan"), dtype=out_dtype)
+            impl.sign_sum_apply_error(signs, weights, error, scale, out)
+            assert torch.equal(_bits(out), _bits(want)), impl.__name__
+
+
 def test_bf16_rounding_of_the_c_kernel_is_torchs():
     """Ties to even, values that round up to the next binade and to infinity, and subnormals:
     the new error of an all-zero source with scale 0 is the error itself, rounded to bf16."""
@@ -109,6 +140,11 @@ def test_error_dtype_errors():
         K.feedback_apply_error(
             torch.zeros(4), torch.zeros(8), torch.tensor(1.0), torch.zeros(8, dtype=torch.int32)
         )
+    signs, weights = torch.zeros(1, 1, dtype=torch.uint8), torch.ones(1)
+    with pytest.raises(ValueError, match="error must be a 1-D fp32, bf16 or fp16 tensor of 8"):
+        K.sign_sum_compress(signs, weights, torch.zeros(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="out must be a 1-D fp32, bf16 or fp16 tensor of 8"):
+        K.sign_sum_apply_error(signs, weights, torch.zeros(8), torch.tensor(1.0), torch.zeros(9))
     error = torch.zeros(8, dtype=torch.bfloat16)
     out = K.feedback_apply_error(torch.ones(4), error, torch.tensor(1.0), error)
     assert out is error and out.tolist() == [0.0] * 4 + [-1.0] * 4
