@@ -158,25 +158,71 @@ static void fn_apply_error(float *v, float scale, int64_t begin, int64_t end)
         v[i] = v[i] - (v[i] >= 0.0f ? scale : -scale);
 }
 
+/* Value i of rows of chunk packed signs scaled per row (fn_unpack_scaled's bits): the row's
+   scale with the sign bit flipped where bit i is 0. */
+static inline float scaled_sign(const uint8_t *packed, const float *scales, int64_t chunk,
+                                int64_t i)
+{
+    uint32_t bits;
+    memcpy(&bits, scales + i / chunk, 4);
+    bits ^= (~(packed[i >> 3] >> (7 - (i & 7))) & 1u) << 31;
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
 /* ---- Error-compensated sign compression without full-size temporaries (1-bit allreduce) ----
    v = source + e, where the source is x zero-padded to e's length, or the momentum
    beta * m + (1 - beta) * g (two roundings, no fused multiply-add: built with
-   -ffp-contract=off), or the scaled sign sum of the W received chunks added in rank order
-   (0 + row 0 + row 1 + ..., see fn.kernels.sum_ranks). Phase 1 writes the signs of v and the
-   block sums of squares; phase 2 (after the caller's checks) recomputes v and writes
-   e' = v - scale * s(v) into out, which may be e itself. */
+   -ffp-contract=off) with m read from x or from packed signs (scaled_sign), or the scaled sign
+   sum of the W received chunks added in rank order (0 + row 0 + row 1 + ..., see
+   fn.kernels.sum_ranks). Phase 1 writes the signs of v and the block sums of squares; phase 2
+   (after the caller's checks) recomputes v and writes e' = v - scale * s(v) into out, which
+   may be e itself. */
 
-enum { FEEDBACK_X, FEEDBACK_MOMENTUM, FEEDBACK_SIGN_SUM };
+enum { FEEDBACK_X, FEEDBACK_MOMENTUM, FEEDBACK_SIGN_SUM, FEEDBACK_SIGNED_MOMENTUM };
 
 typedef struct {
     int64_t mode, n;       /* n: valid elements of x (and g); the rest is zero padding */
-    const float *x, *g, *e;
+    const float *x, *g;
+    const void *e; /* fp32, or bf16 with e_bf16 */
     float beta, one_minus_beta;
-    const uint8_t *signs;  /* FEEDBACK_SIGN_SUM: [ranks, row_bytes] packed signs */
-    const float *weights;  /* [ranks] */
+    /* FEEDBACK_SIGN_SUM: [ranks, row_bytes] packed signs, summed with the weights [ranks];
+       FEEDBACK_SIGNED_MOMENTUM: m's rows (scaled_sign, chunk = 8 row_bytes), the weights the
+       rows' scales. */
+    const uint8_t *signs;
+    const float *weights;
     int64_t ranks, row_bytes;
     int64_t ahead; /* elements: how far ahead of the loads the input streams are prefetched */
+    int64_t e_bf16;
 } fn_feedback;
+
+/* The float of bf16 bits (exact). */
+static inline float bf16_value(uint16_t h)
+{
+    uint32_t bits = (uint32_t)h << 16;
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
+/* x rounded to bf16 as torch rounds (to nearest, ties to even; NaN: 0x7FC0). */
+static inline uint16_t bf16_bits(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if (x != x)
+        return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Element i of f's error, as fp32. */
+static inline float error_value(const fn_feedback *f, int64_t i)
+{
+    if (f->e_bf16)
+        return bf16_value(((const uint16_t *)f->e)[i]);
+    return ((const float *)f->e)[i];
+}
 
 /* Adds row t's signed weights for the columns [off, off + len) to acc (off, len: multiples of 8
    but for the last block). */
@@ -247,28 +293,36 @@ static void sign_sum_block(const fn_feedback *f, int64_t off, int64_t len, float
         sign_sum_columns(f, off + done, len - done, out + done);
 }
 
-/* v = source + e for the elements [off, off + len) (len <= BLOCK). */
+/* v = source + e for the elements [off, off + len) (len <= BLOCK): the source, then e added
+   (each fp32 operation rounded as in one expression). */
 static void feedback_values(const fn_feedback *f, int64_t off, int64_t len, float *v)
 {
-    const float *e = f->e + off;
     int64_t valid = f->n - off < 0 ? 0 : min64(len, f->n - off);
     if (f->mode == FEEDBACK_SIGN_SUM) {
         sign_sum_block(f, off, len, v);
-        for (int64_t i = 0; i < len; i++)
-            v[i] = v[i] + e[i];
-        return;
-    }
-    if (f->mode == FEEDBACK_MOMENTUM) {
+        valid = len;
+    } else if (f->mode == FEEDBACK_MOMENTUM) {
         const float *m = f->x + off, *g = f->g + off, b = f->beta, c = f->one_minus_beta;
         for (int64_t i = 0; i < valid; i++)
-            v[i] = (b * m[i] + c * g[i]) + e[i];
-    } else {
-        const float *x = f->x + off;
+            v[i] = b * m[i] + c * g[i];
+    } else if (f->mode == FEEDBACK_SIGNED_MOMENTUM) {
+        const float *g = f->g + off, b = f->beta, c = f->one_minus_beta;
+        const int64_t chunk = 8 * f->row_bytes;
         for (int64_t i = 0; i < valid; i++)
-            v[i] = x[i] + e[i];
+            v[i] = b * scaled_sign(f->signs, f->weights, chunk, off + i) + c * g[i];
+    } else {
+        memcpy(v, f->x + off, (size_t)valid * sizeof(float));
     }
     for (int64_t i = valid; i < len; i++)
-        v[i] = 0.0f + e[i];
+        v[i] = 0.0f;
+    if (f->e_bf16) {
+        for (int64_t i = 0; i < len; i++)
+            v[i] = v[i] + error_value(f, off + i);
+    } else {
+        const float *e = (const float *)f->e + off;
+        for (int64_t i = 0; i < len; i++)
+            v[i] = v[i] + e[i];
+    }
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -287,17 +341,74 @@ static inline void prefetch_ahead(const float *p, int64_t ahead)
     _mm_prefetch((const char *)(p + ahead + 16), _MM_HINT_T0);
 }
 
+/* The 8 error values from i on, as fp32. */
+static inline __m256 error_values8(const fn_feedback *f, int64_t i)
+{
+    if (!f->e_bf16)
+        return _mm256_loadu_ps((const float *)f->e + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)f->e + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* Prefetches the error's 32 values `ahead` elements after i (two cache lines of fp32, one of
+   bf16). */
+static inline void prefetch_error(const fn_feedback *f, int64_t i, int64_t ahead)
+{
+    if (f->e_bf16)
+        _mm_prefetch((const char *)((const uint16_t *)f->e + i + ahead), _MM_HINT_T0);
+    else
+        prefetch_ahead((const float *)f->e + i, ahead);
+}
+
+/* feedback_values of the 32 signed-momentum elements from i on (i a multiple of 32), in
+   registers: m from 4 bytes of signs read as a little-endian word, lane j of vector t taking
+   bit 8 t + 7 - j shifted into the sign bit (as add_signed_row32), each 8 values scaled by
+   their row's scale (rows of whole bytes: a row changes inside the 32 only for short rows). */
+static inline void signed_momentum_values32(const fn_feedback *f, int64_t i, __m256 *v)
+{
+    const uint64_t chunk = 8 * (uint64_t)f->row_bytes;
+    const float *g = f->g + i;
+    const __m256 b = _mm256_set1_ps(f->beta), c = _mm256_set1_ps(f->one_minus_beta);
+    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+    if (f->ahead) /* e: by feedback_values32 */
+        prefetch_ahead(g, f->ahead);
+    uint32_t word;
+    memcpy(&word, f->signs + (i >> 3), 4);
+    const __m256i bits = _mm256_set1_epi32((int)word);
+    uint64_t row = (uint64_t)i / chunk, next = (row + 1) * chunk;
+    int32_t s;
+    memcpy(&s, f->weights + row, 4);
+    __m256i scale = _mm256_set1_epi32(s);
+    for (int t = 0; t < 4; t++) {
+        if ((uint64_t)i + 8 * t >= next) {
+            row = ((uint64_t)i + 8 * t) / chunk;
+            next = (row + 1) * chunk;
+            memcpy(&s, f->weights + row, 4);
+            scale = _mm256_set1_epi32(s);
+        }
+        __m256i shift = _mm256_setr_epi32(24 - 8 * t, 25 - 8 * t, 26 - 8 * t, 27 - 8 * t,
+                                          28 - 8 * t, 29 - 8 * t, 30 - 8 * t, 31 - 8 * t);
+        __m256i flip = _mm256_andnot_si256(_mm256_sllv_epi32(bits, shift), sign);
+        __m256 m = _mm256_castsi256_ps(_mm256_xor_si256(scale, flip));
+        m = _mm256_add_ps(_mm256_mul_ps(b, m), _mm256_mul_ps(c, _mm256_loadu_ps(g + 8 * t)));
+        v[t] = _mm256_add_ps(m, error_values8(f, i + 8 * t));
+    }
+}
+
 /* feedback_values of the 32 elements from i on, in registers (the same fp32 operations). */
 static inline void feedback_values32(const fn_feedback *f, int64_t i, __m256 *v)
 {
-    const float *e = f->e + i;
     const int64_t ahead = f->ahead; /* 0: the hardware prefetchers alone */
     if (ahead)
-        prefetch_ahead(e, ahead);
+        prefetch_error(f, i, ahead);
     if (f->mode == FEEDBACK_SIGN_SUM) {
         sign_sum_registers(f, i / 8, v);
         for (int t = 0; t < 4; t++)
-            v[t] = _mm256_add_ps(v[t], _mm256_loadu_ps(e + 8 * t));
+            v[t] = _mm256_add_ps(v[t], error_values8(f, i + 8 * t));
+        return;
+    }
+    if (f->mode == FEEDBACK_SIGNED_MOMENTUM) {
+        signed_momentum_values32(f, i, v);
         return;
     }
     const float *x = f->x + i;
@@ -311,11 +422,11 @@ static inline void feedback_values32(const fn_feedback *f, int64_t i, __m256 *v)
         for (int t = 0; t < 4; t++) {
             __m256 m = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(x + 8 * t)),
                                      _mm256_mul_ps(c, _mm256_loadu_ps(g + 8 * t)));
-            v[t] = _mm256_add_ps(m, _mm256_loadu_ps(e + 8 * t));
+            v[t] = _mm256_add_ps(m, error_values8(f, i + 8 * t));
         }
     } else {
         for (int t = 0; t < 4; t++)
-            v[t] = _mm256_add_ps(_mm256_loadu_ps(x + 8 * t), _mm256_loadu_ps(e + 8 * t));
+            v[t] = _mm256_add_ps(_mm256_loadu_ps(x + 8 * t), error_values8(f, i + 8 * t));
     }
 }
 
@@ -396,14 +507,32 @@ static void fn_feedback_signs(const fn_feedback *f, uint8_t *bits, double *block
     }
 }
 
-/* Phase 2: out = v - scale * s(v) (begin: a multiple of BLOCK). With stream, a 32-byte
-   aligned out is written with non-temporal stores (no read of its lines into the cache). */
-static void fn_feedback_error(const fn_feedback *f, float scale, float *out, int stream,
-                              int64_t begin, int64_t end)
-{
-    float v[BLOCK];
 #if defined(__AVX2__)
-    stream = stream && ((uintptr_t)out & 31) == 0;
+/* The 8 values y rounded to bf16 as bf16_bits, stored at o. */
+static inline void store_bf16x8(uint16_t *o, __m256 y)
+{
+    __m256i u = _mm256_castps_si256(y);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    r = _mm256_srli_epi32(r, 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    /* packus interleaves the 128-bit lanes: the permute puts the 8 halves in order */
+    r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), _MM_SHUFFLE(3, 1, 2, 0));
+    _mm_storeu_si128((__m128i *)o, _mm256_castsi256_si128(r));
+}
+#endif
+
+/* Phase 2: out = v - scale * s(v) (begin: a multiple of BLOCK), fp32 or, with out_bf16,
+   rounded once to bf16. With stream, a 32-byte aligned fp32 out is written with non-temporal
+   stores (no read of its lines into the cache). */
+static void fn_feedback_error(const fn_feedback *f, float scale, void *out_bytes, int stream,
+                              int out_bf16, int64_t begin, int64_t end)
+{
+    float v[BLOCK], *out = out_bytes;
+    uint16_t *out16 = out_bytes;
+#if defined(__AVX2__)
+    stream = stream && !out_bf16 && ((uintptr_t)out & 31) == 0;
     const __m256 zero = _mm256_setzero_ps(), up = _mm256_set1_ps(scale);
     const __m256 down = _mm256_set1_ps(-scale);
 #endif
@@ -418,7 +547,9 @@ static void fn_feedback_error(const fn_feedback *f, float scale, float *out, int
                 for (int t = 0; t < 4; t++) {
                     __m256 s = _mm256_blendv_ps(down, up, _mm256_cmp_ps(x[t], zero, _CMP_GE_OQ));
                     __m256 y = _mm256_sub_ps(x[t], s);
-                    if (stream)
+                    if (out_bf16)
+                        store_bf16x8(out16 + off + i + 8 * t, y);
+                    else if (stream)
                         _mm256_stream_ps(out + off + i + 8 * t, y);
                     else
                         _mm256_storeu_ps(out + off + i + 8 * t, y);
@@ -437,8 +568,13 @@ static void fn_feedback_error(const fn_feedback *f, float scale, float *out, int
             }
         }
 #endif
-        for (; i < len; i++)
-            out[off + i] = v[i] - (v[i] >= 0.0f ? scale : -scale);
+        for (; i < len; i++) {
+            float y = v[i] - (v[i] >= 0.0f ? scale : -scale);
+            if (out_bf16)
+                out16[off + i] = bf16_bits(y);
+            else
+                out[off + i] = y;
+        }
     }
 #if defined(__AVX2__)
     if (stream)
@@ -976,7 +1112,7 @@ static void run_chunk(const fn_job *j, int64_t b, int64_t e)
         fn_feedback_signs(j->p[0], j->p[1], j->p[2], b, e);
         break;
     case FEEDBACK_ERROR:
-        fn_feedback_error(j->p[0], j->scale, j->p[1], (int)j->i[0], b, e);
+        fn_feedback_error(j->p[0], j->scale, j->p[1], (int)j->i[0], (int)j->i[1], b, e);
         break;
     case UNPACK_SCALED:
         fn_unpack_scaled(j->p[0], j->p[1], j->i[0], j->p[2], (int)j->i[1], b, e);
@@ -1076,22 +1212,13 @@ float fn_rms(double *sums, int64_t count, int64_t length, int64_t n)
    with flag 2): p = p + ((m / (sqrt(v) + eps)) clamped to [-bound, bound] (+ wd * p)) * neg_eta,
    each operation rounded as fn_adam_direction followed by the params' p + u. With signed_m, m
    is +-scales[i / chunk] by sign bit i (the bits of fn_unpack_scaled), written into signed_m->m
-   (non-temporal with stream) as it is used; begin is then a multiple of 8. */
-static inline float signed_value(const fn_signed_momentum *s, int64_t i)
-{
-    uint32_t bits;
-    memcpy(&bits, s->scales + i / s->chunk, 4);
-    bits ^= (~(s->packed[i >> 3] >> (7 - (i & 7))) & 1u) << 31;
-    float value;
-    memcpy(&value, &bits, 4);
-    return value;
-}
-
+   (non-temporal with stream) as it is used, unless that is NULL; begin is then a multiple of 8. */
 static void fn_adam_apply(const float *m, const fn_signed_momentum *signed_m, const float *v,
                           const float *k, int clamp, int decay, float neg_eta, float *p,
                           int64_t begin, int64_t end)
 {
     const float eps = k[0], bound = k[1], wd = k[2];
+    float *const m_out = signed_m ? signed_m->m : NULL;
     int64_t i = begin;
 #if defined(__AVX2__)
     const __m256 ve = _mm256_set1_ps(eps), vb = _mm256_set1_ps(bound);
@@ -1099,7 +1226,7 @@ static void fn_adam_apply(const float *m, const fn_signed_momentum *signed_m, co
     const __m256 vn = _mm256_set1_ps(neg_eta);
     const __m256i weights = _mm256_setr_epi32(128, 64, 32, 16, 8, 4, 2, 1);
     const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
-    const int stream = signed_m && signed_m->stream && ((uintptr_t)signed_m->m & 31) == 0;
+    const int stream = m_out && signed_m->stream && ((uintptr_t)m_out & 31) == 0;
     for (; i + 8 <= end; i += 8) {
         __m256 mi;
         if (signed_m) { /* 8 values of one row: chunk is a multiple of 8 */
@@ -1110,9 +1237,9 @@ static void fn_adam_apply(const float *m, const fn_signed_momentum *signed_m, co
             mi = _mm256_castsi256_ps(
                 _mm256_xor_si256(_mm256_set1_epi32((int)s), _mm256_and_si256(clear, sign)));
             if (stream)
-                _mm256_stream_ps(signed_m->m + i, mi);
-            else
-                _mm256_storeu_ps(signed_m->m + i, mi);
+                _mm256_stream_ps(m_out + i, mi);
+            else if (m_out)
+                _mm256_storeu_ps(m_out + i, mi);
         } else {
             mi = _mm256_loadu_ps(m + i);
         }
@@ -1130,7 +1257,9 @@ static void fn_adam_apply(const float *m, const fn_signed_momentum *signed_m, co
         _mm_sfence();
 #endif
     for (; i < end; i++) {
-        float mi = m ? m[i] : (signed_m->m[i] = signed_value(signed_m, i));
+        float mi = m ? m[i] : scaled_sign(signed_m->packed, signed_m->scales, signed_m->chunk, i);
+        if (m_out)
+            m_out[i] = mi;
         float u = mi / (sqrtf(v[i]) + eps);
         if (clamp)
             u = u < -bound ? -bound : (u > bound ? bound : u);

@@ -309,10 +309,11 @@ class _FeedbackStruct(ctypes.Structure):
         ("ranks", ctypes.c_int64),
         ("row_bytes", ctypes.c_int64),
         ("ahead", ctypes.c_int64),
+        ("e_bf16", ctypes.c_int64),
     ]
 
 
-_FEEDBACK_X, _FEEDBACK_MOMENTUM, _FEEDBACK_SIGN_SUM = 0, 1, 2
+_FEEDBACK_X, _FEEDBACK_MOMENTUM, _FEEDBACK_SIGN_SUM, _FEEDBACK_SIGNED_MOMENTUM = 0, 1, 2, 3
 # How far ahead (elements; 0: not at all) packbits and the error-feedback kernels prefetch
 # their inputs, chosen per host (fn.kernels._tuning): on a Zen 5 host 4 KiB ahead brings
 # packbits from 86% to 97% of the read bandwidth, while 1 KiB ahead slows the error-feedback
@@ -360,10 +361,13 @@ def _plain_fp32(*tensors: torch.Tensor | None) -> bool:
 def _feedback(
     mode: int, error: torch.Tensor, x=None, grad=None, beta: float = 0.0, signs=None, weights=None
 ) -> tuple[_FeedbackStruct, tuple[torch.Tensor, ...]]:
-    """The C description of a source (and the tensors it points into, to keep alive)."""
+    """The C description of a source (and the tensors it points into, to keep alive): ``x``
+    (the momentum with ``grad``), the sign sum of ``signs`` and ``weights``, or with
+    :data:`_FEEDBACK_SIGNED_MOMENTUM` the momentum of ``grad`` and the previous momentum
+    given as ``signs`` rows scaled by ``weights``."""
     keep: tuple[torch.Tensor, ...] = (error,)
-    f = _FeedbackStruct(mode=mode, e=error.data_ptr())
-    if mode == _FEEDBACK_SIGN_SUM:
+    f = _FeedbackStruct(mode=mode, e=error.data_ptr(), e_bf16=error.dtype == torch.bfloat16)
+    if mode in (_FEEDBACK_SIGN_SUM, _FEEDBACK_SIGNED_MOMENTUM):
         f.signs, f.weights, f.ranks, f.row_bytes = (
             signs.data_ptr(),
             weights.data_ptr(),
@@ -371,13 +375,17 @@ def _feedback(
             signs.shape[1],
         )
         keep += (signs, weights)
-    else:
-        f.n, f.x = x.numel(), x.data_ptr()
+    if mode != _FEEDBACK_SIGN_SUM:
+        f.n = grad.numel() if x is None else x.numel()
+        if x is not None:
+            f.x = x.data_ptr()
+            keep += (x,)
         if grad is not None:
-            f.mode, f.g = _FEEDBACK_MOMENTUM, grad.data_ptr()
+            if mode == _FEEDBACK_X:
+                f.mode = _FEEDBACK_MOMENTUM
+            f.g = grad.data_ptr()
             f.beta, f.one_minus_beta = beta, 1 - beta
             keep += (grad,)
-        keep += (x,)
     return f, keep
 
 
@@ -400,34 +408,56 @@ def _feedback_error(
     out: torch.Tensor,
     alive: tuple,
 ) -> bool:
-    """Phase 2 over ``f``'s source: ``out = v - scale * s(v)`` (``out`` may be ``error``);
-    ``alive`` holds the tensors ``f`` points into."""
+    """Phase 2 over ``f``'s source: ``out = v - scale * s(v)`` (``out`` may be ``error``), fp32
+    or rounded to bf16; ``alive`` holds the tensors ``f`` points into."""
     pointers = (ctypes.addressof(f), out.data_ptr())
-    ints = (_streams(out, error),)
+    ints = (_streams(out, error), int(out.dtype == torch.bfloat16))
     _run_prefetching(lib, "feedback_error", error.numel(), pointers, ints, float(scale), f)
     del alive  # the tensors f points into lived until here
     return True
 
 
-@_with_library
-def feedback_sign_compress(lib, x, error, grad=None, beta=0.0):
-    if not _plain_fp32(x, error, grad):
+def _momentum_source(error, x, grad, beta, signs):
+    """:func:`_feedback` of the feedback kernels' source (``x``, or the packed ``signs`` of the
+    previous momentum), or ``None`` for inputs the C kernels do not take."""
+    if signs is None:
+        return None if x is None else _feedback(_FEEDBACK_X, error, x, grad, beta)
+    packed, scales = signs
+    rows = packed.dtype == torch.uint8 and packed.is_contiguous() and packed.device.type == "cpu"
+    if grad is None or not rows or not _plain_fp32(scales) or packed.numel() * 8 < grad.numel():
         return None
-    f, alive = _feedback(_FEEDBACK_X, error, x, grad, beta)
+    return _feedback(_FEEDBACK_SIGNED_MOMENTUM, error, None, grad, beta, packed, scales)
+
+
+def _error_buffer(t: torch.Tensor) -> bool:
+    """Whether the feedback kernels read or write ``t`` as an error: contiguous fp32 or bf16."""
+    fits = t.dtype in (torch.float32, torch.bfloat16)
+    return fits and t.is_contiguous() and t.device.type == "cpu"
+
+
+@_with_library
+def feedback_sign_compress(lib, x, error, grad=None, beta=0.0, signs=None):
+    plain = _plain_fp32(x, grad) and _error_buffer(error)
+    source = _momentum_source(error, x, grad, beta, signs) if plain else None
+    if source is None:
+        return None
+    f, alive = source
     return _feedback_signs(lib, f, error.numel(), alive)
 
 
 @_with_library
-def feedback_apply_error(lib, x, error, scale, out, grad=None, beta=0.0):
-    if not _plain_fp32(x, error, grad, out):
+def feedback_apply_error(lib, x, error, scale, out, grad=None, beta=0.0, signs=None):
+    plain = _plain_fp32(x, grad) and _error_buffer(error) and _error_buffer(out)
+    source = _momentum_source(error, x, grad, beta, signs) if plain else None
+    if source is None:
         return None
-    f, alive = _feedback(_FEEDBACK_X, error, x, grad, beta)
+    f, alive = source
     return _feedback_error(lib, f, error, scale, out, alive)
 
 
 @_with_library
 def sign_sum_compress(lib, signs, weights, error):
-    if not _plain_fp32(weights, error) or not signs.is_contiguous():
+    if not _plain_fp32(weights) or not _error_buffer(error) or not signs.is_contiguous():
         return None
     f, alive = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
     return _feedback_signs(lib, f, error.numel(), alive)
@@ -435,7 +465,8 @@ def sign_sum_compress(lib, signs, weights, error):
 
 @_with_library
 def sign_sum_apply_error(lib, signs, weights, error, scale, out):
-    if not _plain_fp32(weights, error, out) or not signs.is_contiguous():
+    buffers = _error_buffer(error) and _error_buffer(out)
+    if not _plain_fp32(weights) or not buffers or not signs.is_contiguous():
         return None
     f, alive = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
     return _feedback_error(lib, f, error, scale, out, alive)
@@ -469,16 +500,17 @@ def sqrt_rn(lib, v):
 
 def _adam_kernel(lib, m, v, p, eta, out, eps, bound, weight_decay, *, add: bool, signs=None):
     """The C ``adam_direction`` job: the direction written into ``out`` or, with ``add``, added
-    to it; with ``signs`` (``add`` only), ``m`` is written from them as it is used
-    (:func:`adam_apply`)."""
+    to it; with ``signs`` (``add`` only), ``m`` (unless ``None``) is written from them as it is
+    used (:func:`adam_apply`)."""
     constants = torch.tensor([eps, 0.0 if bound is None else bound, weight_decay])
     decayed = _address(p)
     flags = int(bound is not None) | (2 if add else 0)  # 2: add the direction to out
-    momentum = m.data_ptr()
+    momentum = _address(m)
     if signs is not None:
         packed, scales = signs
+        written = (0, None) if m is None else (_streams(m), m.data_ptr())
         signed = _SignedMomentum(
-            packed.data_ptr(), scales.data_ptr(), packed.shape[1] * 8, _streams(m), m.data_ptr()
+            packed.data_ptr(), scales.data_ptr(), packed.shape[1] * 8, *written
         )
         momentum, flags = ctypes.addressof(signed), flags | 4  # 4: m from the signs
     pointers = (momentum, v.data_ptr(), decayed, constants.data_ptr(), out.data_ptr())

@@ -147,31 +147,85 @@ def sign_compress(
     return _SIGN_COMPRESS_EF(m, error)
 
 
-def _check_buffer(out: torch.Tensor, numel: int, name: str = "out") -> None:
-    _check_1d(out, name)
-    if out.dtype != torch.float32 or out.numel() != numel:
+# The dtypes an error of the feedback ops may be stored in (read as fp32, written rounded once).
+_ERROR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_error_buffer(t: torch.Tensor, name: str, numel: int | None = None) -> None:
+    _check_1d(t, name)
+    if t.dtype not in _ERROR_DTYPES or (numel is not None and t.numel() != numel):
+        length = "" if numel is None else f" of {numel} elements"
         raise ValueError(
-            f"{name} must be a 1-D fp32 tensor of {numel} elements, got {out.dtype} "
-            f"{tuple(out.shape)}"
+            f"{name} must be a 1-D fp32, bf16 or fp16 tensor{length}, got {t.dtype} "
+            f"{tuple(t.shape)}"
         )
 
 
-def _check_feedback_input(x: torch.Tensor, error: torch.Tensor, grad: torch.Tensor | None) -> None:
-    _check_1d(x, "x")
-    _check_1d(error, "error")
-    if x.numel() > error.numel():
-        raise ValueError(f"x has {x.numel()} elements, more than error's {error.numel()}")
-    if grad is not None and grad.shape != x.shape:
-        raise ValueError(f"grad shape {tuple(grad.shape)} != x shape {tuple(x.shape)}")
+def _check_feedback_input(
+    x: torch.Tensor | None,
+    error: torch.Tensor,
+    grad: torch.Tensor | None,
+    signs: tuple[torch.Tensor, torch.Tensor] | None,
+) -> dict[str, torch.Tensor | None]:
+    """Raises for a bad source of the feedback ops; returns the op's ``packed`` and ``scales``
+    arguments (``None`` without ``signs``)."""
+    _check_error_buffer(error, "error")
+    if signs is None:
+        if x is None:
+            raise ValueError("x is required unless the momentum is given as signs")
+        _check_1d(x, "x")
+        if grad is not None and grad.shape != x.shape:
+            raise ValueError(f"grad shape {tuple(grad.shape)} != x shape {tuple(x.shape)}")
+        source, name = x, "x"
+    else:
+        if x is not None:
+            raise ValueError("give the previous momentum as x or as signs, not both (x=None)")
+        if grad is None:
+            raise ValueError("signs need grad: the momentum is beta * m + (1 - beta) * grad")
+        _check_1d(grad, "grad")
+        if not isinstance(signs, tuple) or len(signs) != 2:
+            raise ValueError("signs must be a (packed, scales) tuple")
+        _check_scaled_signs(*signs, grad.numel(), "grad's")
+        source, name = grad, "grad"
+    if source.numel() > error.numel():
+        raise ValueError(f"{name} has {source.numel()} elements, more than error's {error.numel()}")
+    packed, scales = (None, None) if signs is None else signs
+    return {"packed": packed, "scales": scales}
+
+
+def _check_scaled_signs(packed: torch.Tensor, scales: torch.Tensor, n: int, what: str) -> None:
+    """Raises unless ``(packed, scales)`` are :func:`unpack_scaled`'s rows holding the ``n``
+    values named ``what``."""
+    _check_sign_rows(packed, scales)
+    if scales.dtype != torch.float32:
+        raise ValueError(f"scales must be fp32, got {scales.dtype}")
+    if packed.numel() * 8 < n:
+        raise ValueError(f"signs must hold {what} {n} values, got {packed.numel() * 8}")
+
+
+def _signs(
+    packed: torch.Tensor | None, scales: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The kernels' ``signs`` argument from the feedback ops' ``packed`` and ``scales``."""
+    return None if packed is None else (packed, scales)
 
 
 @declare(
-    "feedback_sign_compress(Tensor x, Tensor error, Tensor? grad, float beta) -> (Tensor, Tensor)",
-    fake=lambda x, error, grad, beta: _signs_and_scale(error),
+    "feedback_sign_compress(Tensor? x, Tensor error, Tensor? grad, float beta, Tensor? packed, "
+    "Tensor? scales) -> (Tensor, Tensor)",
+    fake=lambda x, error, grad, beta, packed, scales: _signs_and_scale(error),
     reference=_reference.feedback_sign_compress,
+    call=lambda impl, x, error, grad, beta, packed, scales: impl(
+        x, error, grad, beta, _signs(packed, scales)
+    ),
 )
 def feedback_sign_compress(
-    x: torch.Tensor, error: torch.Tensor, *, grad: torch.Tensor | None = None, beta: float = 0.0
+    x: torch.Tensor | None,
+    error: torch.Tensor,
+    *,
+    grad: torch.Tensor | None = None,
+    beta: float = 0.0,
+    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase 1 of error-compensated sign compression, without a padded or summed copy.
 
@@ -182,18 +236,31 @@ def feedback_sign_compress(
 
     The signs and the scale are those of :func:`sign_compress` of the zero-padded input, bit
     for bit; with ``grad`` the momentum is rounded as ``(beta * x) + ((1 - beta) * grad)``.
+    The previous momentum may come as the packed signs of a 1-bit allreduce instead (``signs``,
+    ``x=None``): the results are those of ``x = unpack_scaled(*signs, torch.empty(n))``, and
+    no fp32 copy of it is made on the CPU.
     Nothing is checked or written: the caller checks the scale (on every rank), then calls
     :func:`feedback_apply_error` to write the new error.
 
     Args:
-        x: 1-D fp32 tensor of ``n <= N`` elements (the momentum ``m`` when ``grad`` is given).
-        error: 1-D fp32 tensor of ``N`` elements, the error to compensate with.
-        grad: optional gradient, ``x``'s shape: compress ``beta * x + (1 - beta) * grad``.
+        x: 1-D fp32 tensor of ``n <= N`` elements (the momentum ``m`` when ``grad`` is given),
+            or ``None`` with ``signs``.
+        error: 1-D tensor of ``N`` elements, the error to compensate with: fp32, or bf16 or fp16
+            (read as fp32; the C kernels read fp32 and bf16, the reference any of them).
+        grad: optional gradient, ``x``'s shape: compress ``beta * x + (1 - beta) * grad``
+            (required with ``signs``, where it gives ``n``).
         beta: the momentum coefficient (with ``grad``).
+        signs: ``(packed, scales)`` as for :func:`unpack_scaled` (uint8 ``[R, chunk / 8]``,
+            fp32 ``[R]``, ``R * chunk >= n``): the previous momentum ``m``, value ``i`` being
+            ``scales[i // chunk]`` signed by bit ``i``; ``None``: ``x``.
 
     Returns:
         ``(packed, scale)``: the packed signs of ``v`` (``ceil(N / 8)`` bytes) and ``a`` (0-dim
         fp32; NaN or Inf when ``v`` is not finite).
+
+    Raises:
+        ValueError: for shapes that do not fit, ``x`` and ``signs`` both given (or neither),
+            ``signs`` without ``grad``, or ``signs`` that are not uint8 rows and fp32 scales.
 
     Example:
         >>> import torch
@@ -204,38 +271,49 @@ def feedback_sign_compress(
         ([176], 5.0)
         >>> K.feedback_apply_error(x, error, scale, error).tolist()  # in place
         [1.0, -3.0, -5.0, -5.0]
+        >>> signs = (torch.tensor([[0b01000000]], dtype=torch.uint8), torch.tensor([2.0]))
+        >>> g = torch.tensor([4.0, 4.0])  # m = [-2, 2]: v = 0.5 * m + 0.5 * g = [1, 3, 0, 0]
+        >>> K.feedback_sign_compress(None, torch.zeros(4), grad=g, beta=0.5, signs=signs)[1]
+        tensor(1.5811)
     """
-    _check_feedback_input(x, error, grad)
-    return {"beta": float(beta)}
+    return {"beta": float(beta), **_check_feedback_input(x, error, grad, signs)}
 
 
 @declare(
-    "feedback_apply_error(Tensor x, Tensor error, Tensor scale, Tensor(a!) out, Tensor? grad, "
-    "float beta) -> ()",
+    "feedback_apply_error(Tensor? x, Tensor error, Tensor scale, Tensor(a!) out, Tensor? grad, "
+    "float beta, Tensor? packed, Tensor? scales) -> ()",
     reference=_reference.feedback_apply_error,
+    call=lambda impl, x, error, scale, out, grad, beta, packed, scales: impl(
+        x, error, scale, out, grad, beta, _signs(packed, scales)
+    ),
     returns="out",
 )
 def feedback_apply_error(
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     error: torch.Tensor,
     scale: torch.Tensor,
     out: torch.Tensor,
     *,
     grad: torch.Tensor | None = None,
     beta: float = 0.0,
+    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Phase 2 of :func:`feedback_sign_compress`: writes ``e' = v - a s(v)`` into ``out``.
 
-    ``v`` is recomputed from the same ``x``, ``error`` (and ``grad``, ``beta``); ``out`` may be
-    ``error`` itself (each element is read before it is written).
+    ``v`` is recomputed from the same ``x`` (or ``signs``), ``error``, ``grad`` and ``beta``;
+    ``out`` may be ``error`` itself (each element is read before it is written).
 
     Args:
-        x, error, grad, beta: as given to :func:`feedback_sign_compress`.
+        x, error, grad, beta, signs: as given to :func:`feedback_sign_compress`.
         scale: the scale it returned.
-        out: 1-D fp32 tensor of ``error``'s length.
+        out: 1-D tensor of ``error``'s length, fp32, bf16 or fp16: ``e'`` is computed in fp32
+            and rounded once to ``out``'s dtype.
 
     Returns:
         ``out``.
+
+    Raises:
+        ValueError: as :func:`feedback_sign_compress`, or for an ``out`` of another length.
 
     Example:
         >>> import torch
@@ -248,9 +326,9 @@ def feedback_apply_error(
         >>> K.feedback_apply_error(m, error, scale, torch.empty(4), grad=g, beta=0.5).tolist()
         [0.5, -1.5, -2.5, -2.5]
     """
-    _check_feedback_input(x, error, grad)
-    _check_buffer(out, error.numel())
-    return {"beta": float(beta)}
+    arguments = _check_feedback_input(x, error, grad, signs)
+    _check_error_buffer(out, "out", error.numel())
+    return {"beta": float(beta), **arguments}
 
 
 def _check_sign_rows(signs: torch.Tensor, weights: torch.Tensor) -> None:
@@ -282,7 +360,8 @@ def sign_sum_compress(
     Args:
         signs: uint8 ``[W, chunk / 8]``, row ``i`` the packed signs ``s_i``.
         weights: fp32 ``[W]``.
-        error: 1-D fp32 tensor of ``chunk`` elements.
+        error: 1-D tensor of ``chunk`` elements: fp32, bf16 or fp16, read as fp32 (as
+            :func:`feedback_sign_compress`'s).
 
     Returns:
         ``(packed signs of v, a)`` as :func:`feedback_sign_compress`.
@@ -297,7 +376,7 @@ def sign_sum_compress(
         ([160], 13.0)
     """
     _check_sign_rows(signs, weights)
-    _check_buffer(error, signs.shape[1] * 8, "error")
+    _check_error_buffer(error, "error", signs.shape[1] * 8)
 
 
 @declare(
@@ -314,7 +393,8 @@ def sign_sum_apply_error(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """Phase 2 of :func:`sign_sum_compress`: writes ``e' = v - a s(v)`` into ``out`` (which
-    may be ``error``) and returns it.
+    may be ``error``) and returns it; ``out`` is fp32, bf16 or fp16, ``e'`` computed in fp32 and
+    rounded once to its dtype.
 
     Example:
         >>> import torch
@@ -326,8 +406,8 @@ def sign_sum_apply_error(
         [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     """
     _check_sign_rows(signs, weights)
-    _check_buffer(error, signs.shape[1] * 8, "error")
-    _check_buffer(out, signs.shape[1] * 8)
+    _check_error_buffer(error, "error", signs.shape[1] * 8)
+    _check_error_buffer(out, "out", signs.shape[1] * 8)
 
 
 @declare(
@@ -417,7 +497,7 @@ _ADAM_APPLY = eager(_reference.adam_apply)
 
 
 def adam_apply(
-    m: torch.Tensor,
+    m: torch.Tensor | None,
     v: torch.Tensor,
     eta: torch.Tensor,
     params: torch.Tensor,
@@ -440,10 +520,12 @@ def adam_apply(
     correctly rounded). On the CPU, for contiguous fp32 tensors, a C kernel reads ``m``, ``v``
     and the params once and writes the params. With ``signs``, it writes ``m`` as
     :func:`unpack_scaled` does instead of reading it (the new momentum of a 1-bit allreduce, in
-    the pass that uses it). Eager tensors only (not a custom op).
+    the pass that uses it), or, with ``m=None``, uses it without writing it anywhere (a state
+    that keeps the momentum as these signs). Eager tensors only (not a custom op).
 
     Args:
-        m, v: fp32 momentum and variance (the params' shape).
+        m, v: fp32 momentum and variance (the params' shape); ``m`` may be ``None`` with
+            ``signs``.
         eta: the learning rate, a 0-dim fp32 tensor.
         params: fp32 params, updated in place.
         eps, bound, weight_decay: as :func:`adam_direction` (the decay term uses ``params``).
@@ -457,8 +539,9 @@ def adam_apply(
         ``params``.
 
     Raises:
-        ValueError: a tensor that is not fp32 of the params' shape, or ``signs`` that do not
-            hold the params' size.
+        ValueError: a tensor that is not fp32 of the params' shape, ``m=None`` without
+            ``signs``, or ``signs`` that are not uint8 rows with fp32 scales holding the params'
+            size.
 
     Example:
         >>> import torch
@@ -466,17 +549,23 @@ def adam_apply(
         >>> m, v, p = torch.tensor([1.0, -8.0]), torch.tensor([4.0, 1.0]), torch.ones(2)
         >>> K.adam_apply(m, v, torch.tensor(0.5), p, eps=0.0, bound=4.0).tolist()
         [0.75, 3.0]
+        >>> signs = (torch.tensor([[0b10000000]], dtype=torch.uint8), torch.tensor([2.0]))
+        >>> K.adam_apply(None, v, torch.tensor(0.5), p, eps=0.0, signs=signs).tolist()  # m=[2, -2]
+        [0.25, 4.0]
     """
     for name, t in (("m", m), ("v", v), ("params", params), ("root", root)):
         if t is not None and (t.shape != params.shape or t.dtype != torch.float32):
             raise ValueError(f"adam_apply: {name} must be fp32 of the params' shape")
     constants = (float(eps), None if bound is None else float(bound), float(weight_decay))
     if signs is None:
+        if m is None:
+            raise ValueError("adam_apply: m is required unless the momentum is given as signs")
         kernel(_ADAM_APPLY, params.device)(m, v, eta, params, root, *constants)
         return params
-    _check_sign_rows(*signs)
-    if signs[0].numel() * 8 < params.numel():
-        raise ValueError(f"adam_apply: signs must hold the params' {params.numel()} values")
+    try:
+        _check_scaled_signs(*signs, params.numel(), "the params'")
+    except ValueError as error:
+        raise ValueError(f"adam_apply: {error}") from None
     kernel(_ADAM_APPLY, params.device)(m, v, eta, params, root, *constants, signs)
     return params
 

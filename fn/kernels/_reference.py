@@ -128,43 +128,59 @@ def sign_compress(
 
 
 def _feedback_input(
-    x: torch.Tensor, length: int, grad: torch.Tensor | None, beta: float
+    x: torch.Tensor | None,
+    length: int,
+    grad: torch.Tensor | None,
+    beta: float,
+    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``x`` (or the momentum ``beta * x + (1 - beta) * grad``, rounded as written) as fp32,
-    zero-padded to ``length`` elements."""
+    zero-padded to ``length`` elements; with ``signs = (packed, scales)``, ``x`` is the first
+    ``grad.numel()`` values of :func:`unpack_scaled` of them."""
+    if signs is not None:
+        x = torch.empty(grad.numel(), dtype=torch.float32, device=grad.device)
+        unpack_scaled(*signs, x)
     source = x.float() if grad is None else (beta * x.float()).add_((1 - beta) * grad.float())
     return torch.nn.functional.pad(source, (0, length - source.numel()))
 
 
 def feedback_sign_compress(
-    x: torch.Tensor, error: torch.Tensor, grad: torch.Tensor | None = None, beta: float = 0.0
+    x: torch.Tensor | None,
+    error: torch.Tensor,
+    grad: torch.Tensor | None = None,
+    beta: float = 0.0,
+    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase 1 of error-compensated sign compression without a padded copy of ``x``.
 
     ``v = x + e`` with 1-D ``x`` of ``n <= N`` elements taken as zero-padded to the length
     ``N`` of ``error``; with ``grad`` given, ``x`` is the momentum ``m`` and the input is
     ``beta * m + (1 - beta) * grad`` (``fn.transforms._leafwise.moving_average``'s rounding).
+    With ``signs = (packed, scales)`` (and ``x`` ``None``, ``grad`` given), ``m`` is the first
+    ``grad.numel()`` values of :func:`unpack_scaled` of them.
 
     Returns:
         ``(packed signs of v, a)``: ``ceil(N / 8)`` bytes and the 0-dim fp32 scale
         ``||v|| / sqrt(N)``, the bits of :func:`sign_compress` of the padded input. Not checked
         to be finite: the caller checks before :func:`feedback_apply_error`.
     """
-    v = _feedback_input(x, error.numel(), grad, beta) + error.float()
+    v = _feedback_input(x, error.numel(), grad, beta, signs) + error.float()
     return packbits(v), rms_from_block_sums(block_sumsq(v), v.numel()).to(v.device)
 
 
 def feedback_apply_error(
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     error: torch.Tensor,
     scale: torch.Tensor,
     out: torch.Tensor,
     grad: torch.Tensor | None = None,
     beta: float = 0.0,
+    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Phase 2: writes ``e' = v - scale * s(v)`` (``v`` as in :func:`feedback_sign_compress`)
-    into fp32 ``out`` of ``error``'s length, which may be ``error`` itself."""
-    v = _feedback_input(x, error.numel(), grad, beta) + error.float()
+    """Phase 2: writes ``e' = v - scale * s(v)`` (``v`` as in :func:`feedback_sign_compress`,
+    the error read as fp32) into ``out`` of ``error``'s length, which may be ``error`` itself,
+    computed in fp32 and rounded once to ``out``'s dtype."""
+    v = _feedback_input(x, error.numel(), grad, beta, signs) + error.float()
     out.copy_(v - torch.where(v >= 0, scale, -scale))
 
 
@@ -223,7 +239,7 @@ def sign_sum_apply_error(
     out: torch.Tensor,
 ) -> None:
     """Phase 2 of the server's compression: ``out = v - scale * s(v)`` (``out`` may be
-    ``error``)."""
+    ``error``), rounded once to ``out``'s dtype."""
     v = sign_sum(signs, weights) + error.float()
     out.copy_(v - torch.where(v >= 0, scale, -scale))
 
@@ -269,7 +285,7 @@ def adam_direction(
 
 
 def adam_apply(
-    m: torch.Tensor,
+    m: torch.Tensor | None,
     v: torch.Tensor,
     eta: torch.Tensor,
     params: torch.Tensor,
@@ -282,12 +298,15 @@ def adam_apply(
     """Adds :func:`adam_direction` (with ``p = params`` when ``weight_decay`` is non-zero) to
     ``params`` in place, as ``params.add_(update)``; ``root`` (like ``params``, or ``None``) is
     scratch for the update.
-    With ``signs = (packed, scales)``, ``m`` is first written as :func:`unpack_scaled` of
-    them."""
+    With ``signs = (packed, scales)``, the momentum is :func:`unpack_scaled` of them, first
+    written into ``m`` (or nowhere when ``m`` is ``None``)."""
     if signs is not None:
-        values = torch.empty(m.numel(), dtype=torch.float32, device=m.device)
+        values = torch.empty(params.numel(), dtype=torch.float32, device=params.device)
         unpack_scaled(*signs, values)
-        m.copy_(values.view(m.shape))
+        if m is None:
+            m = values.view(params.shape)
+        else:
+            m.copy_(values.view(m.shape))
     decayed = params if weight_decay else None
     update = torch.empty_like(params) if root is None else root
     adam_direction(m, v, decayed, eta, update, eps, bound, weight_decay)

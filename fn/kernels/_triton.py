@@ -3,7 +3,8 @@
 ``adam_direction``, ``quantize`` and ``dequantize``. The others run the reference there: the
 sums over ranks (``sign_sum_compress`` / ``sign_sum_apply_error``, ``dequantize_sum``: rank by
 rank, as ``fn.kernels.sum_ranks`` adds), the LoCo kernels, ``sqrt_rn`` (one elementwise op that
-the reference's fp64 root serves on a GPU), ``adam_apply`` and ``adamw_step``.
+the reference's fp64 root serves on a GPU), ``adam_apply`` and ``adamw_step``, and the
+error-feedback phases given the previous momentum as packed signs (``signs=``).
 
 Results are bit-identical to ``fn.kernels._reference`` for fp32, fp16 and bf16 inputs. The
 sign kernel writes the packed signs and the canonical fp64 block sums in one pass; the scale
@@ -227,9 +228,9 @@ def sign_compress(k: ModuleType, m, error=None):
 
 
 @_with_triton
-def feedback_sign_compress(k: ModuleType, x, error, grad=None, beta=0.0):
-    if not _fp32_contiguous(x, error, grad):
-        return None
+def feedback_sign_compress(k: ModuleType, x, error, grad=None, beta=0.0, signs=None):
+    if signs is not None or not _fp32_contiguous(x, error, grad):
+        return None  # the momentum given as signs: the reference
     return _sign_blocks(
         k.feedback_blocks_kernel,
         error.device,
@@ -243,8 +244,8 @@ def feedback_sign_compress(k: ModuleType, x, error, grad=None, beta=0.0):
 
 
 @_with_triton
-def feedback_apply_error(k: ModuleType, x, error, scale, out, grad=None, beta=0.0):
-    if not _fp32_contiguous(x, error, grad, out, scale):
+def feedback_apply_error(k: ModuleType, x, error, scale, out, grad=None, beta=0.0, signs=None):
+    if signs is not None or not _fp32_contiguous(x, error, grad, out, scale):
         return None
     length = error.numel()
     return _launch_elementwise(

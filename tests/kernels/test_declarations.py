@@ -44,18 +44,23 @@ def _weights(ranks: int, gen: torch.Generator) -> torch.Tensor:
 def _feedback(n: int, gen: torch.Generator, variant: int) -> tuple[Any, ...]:
     length = n + variant  # x shorter than the error: zero padding
     grad = _values(n, gen) if variant % 2 else None
-    return _values(n, gen), _values(length, gen), grad, 0.9 if grad is not None else 0.0
+    x, signs = _values(n, gen), None
+    if variant == 3:  # the momentum as the packed signs of two ranks' chunks
+        x, signs = None, (_signs(2, -(-n // 16) or 1, gen), _weights(2, gen))
+    error = _values(length, gen).to(torch.bfloat16 if variant == 2 else torch.float32)
+    return x, error, grad, 0.9 if grad is not None else 0.0, signs
 
 
 def _feedback_apply(n: int, gen: torch.Generator, variant: int) -> tuple[Any, ...]:
-    x, error, grad, beta = _feedback(n, gen, variant)
-    _, scale = _reference.feedback_sign_compress(x, error, grad, beta)
-    return x, error, scale, torch.full_like(error, 7.0), grad, beta
+    x, error, grad, beta, signs = _feedback(n, gen, variant)
+    _, scale = _reference.feedback_sign_compress(x, error, grad, beta, signs)
+    return x, error, scale, torch.full_like(error, 7.0), grad, beta, signs
 
 
 def _sign_sum(n: int, gen: torch.Generator, variant: int) -> tuple[Any, ...]:
     ranks, nbytes = variant + 1, -(-n // 8) or 1
-    return _signs(ranks, nbytes, gen), _weights(ranks, gen), _values(8 * nbytes, gen)
+    error = _values(8 * nbytes, gen).to(torch.bfloat16 if variant == 2 else torch.float32)
+    return _signs(ranks, nbytes, gen), _weights(ranks, gen), error
 
 
 def _sign_sum_apply(n: int, gen: torch.Generator, variant: int) -> tuple[Any, ...]:
@@ -77,6 +82,8 @@ def _adam_apply(n: int, gen: torch.Generator, variant: int) -> tuple[Any, ...]:
     if variant % 2:
         nbytes = -(-n // 16) or 1  # two ranks' chunks of whole bytes
         signs = (_signs(2, nbytes, gen), _weights(2, gen))
+    if variant == 3:  # the momentum read from the signs only
+        m = None
     return m, v, eta, _values(n, gen), None, eps, bound, 0.1 * (variant >= 2), signs
 
 

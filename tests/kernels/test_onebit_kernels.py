@@ -362,7 +362,7 @@ def test_argument_errors():
         K.feedback_sign_compress(torch.zeros(9), torch.zeros(8))
     with pytest.raises(ValueError, match="grad shape"):
         K.feedback_sign_compress(torch.zeros(4), torch.zeros(8), grad=torch.zeros(5))
-    with pytest.raises(ValueError, match="out must be a 1-D fp32 tensor of 8"):
+    with pytest.raises(ValueError, match="out must be a 1-D fp32, bf16 or fp16 tensor of 8"):
         K.feedback_apply_error(torch.zeros(4), torch.zeros(8), torch.tensor(1.0), torch.zeros(9))
     with pytest.raises(ValueError, match="weights must have shape"):
         K.sign_sum_compress(torch.zeros(2, 1, dtype=torch.uint8), torch.ones(3), torch.zeros(8))
