@@ -501,7 +501,8 @@ class CompressedExchange(NamedTuple):
     anything is written (:func:`compressed_allreduce_exchange`): what the two writing steps,
     :func:`write_errors` and :func:`write_result`, need."""
 
-    x: torch.Tensor  # [n] this rank's input, flat (the previous momentum where grad is given)
+    # [n] this rank's input, flat (the previous momentum where grad is given, maybe packed)
+    x: torch.Tensor | PackedSigns
     grad: torch.Tensor | None  # [n] fp32 or None: the gradient of the momentum
     beta: float  # the momentum's beta (with grad)
     worker_error: torch.Tensor  # fp32[N]: e_w before the call
@@ -515,7 +516,7 @@ class CompressedExchange(NamedTuple):
 
 
 def compressed_allreduce_exchange(
-    x: torch.Tensor,
+    x: torch.Tensor | PackedSigns,
     worker_error: torch.Tensor,
     server_error: torch.Tensor,
     *,
@@ -535,9 +536,12 @@ def compressed_allreduce_exchange(
     every buffer intact.
 
     Args:
-        x: this rank's tensor (fp32, contiguous).
-        worker_error: fp32[N], this rank's worker error.
-        server_error: fp32[N / W], this rank's server error.
+        x: this rank's tensor (fp32, contiguous); with ``grad``, the previous momentum, which
+            may also be the :class:`PackedSigns` a 1-bit allreduce returned it as (read from
+            its signs, never unpacked into a tensor; hierarchical, unpacked).
+        worker_error: [N], this rank's worker error: fp32, or bf16 (the kernels read it as
+            fp32 and round the new error once; fp16 takes the reference kernels).
+        server_error: [N / W], this rank's server error, in the worker error's dtype.
         comm: the communicator.
         grad: optional fp32 tensor of ``x``'s shape, contiguous: the gradient of the momentum.
         beta: the momentum's beta (with ``grad``).
@@ -549,8 +553,9 @@ def compressed_allreduce_exchange(
 
     Returns:
         The :class:`CompressedExchange`, or ``None`` (nothing done) where this allocation-free
-        path does not apply (one rank, no elements, dtypes other than fp32, non-contiguous
-        tensors, errors of other shapes, vmap, ``torch.compile``, one node): the caller then
+        path does not apply (one rank, no elements, values other than fp32 or errors other
+        than fp32 and bf16, non-contiguous tensors, errors of other shapes, packed signs
+        without ``grad``, vmap, ``torch.compile``, one node): the caller then
         takes :func:`compressed_allreduce`, which raises where the call is wrong.
 
     Raises:
@@ -565,23 +570,30 @@ def compressed_allreduce_exchange(
         >>> print(compressed_allreduce_exchange(x, x, x, comm=Local()))
         None
     """
-    tensors = (x, grad, worker_error, server_error)
+    if isinstance(x, PackedSigns):
+        if grad is None or x.packed.numel() * 8 < grad.numel() or not eager(*x):
+            return None
+        like, source = grad, x
+    else:
+        like, source = x, x.view(-1) if x.is_contiguous() else None
+    values = (like, grad)
     if (
         comm.world_size == 1
-        or x.numel() == 0
-        or any(t is not None and t.dtype != torch.float32 for t in tensors)
-        or not eager(*tensors)
-        or not x.is_contiguous()
-        or (grad is not None and (grad.shape != x.shape or not grad.is_contiguous()))
+        or like.numel() == 0
+        or source is None
+        or any(t is not None and t.dtype != torch.float32 for t in values)
+        or worker_error.dtype not in (torch.float32, torch.bfloat16)
+        or not eager(*values, worker_error, server_error)
+        or (grad is not None and (grad.shape != like.shape or not grad.is_contiguous()))
     ):
         return None
     try:
-        _check_errors(x.numel(), worker_error, server_error, comm.world_size, local_world_size)
+        _check_errors(like.numel(), worker_error, server_error, comm.world_size, local_world_size)
     except ValueError:
         return None
     flat_grad = None if grad is None else grad.view(-1)
     errors = (worker_error, server_error)
-    return _exchange(x.view(-1), flat_grad, beta, *errors, comm, local_world_size)
+    return _exchange(source, flat_grad, beta, *errors, comm, local_world_size)
 
 
 def write_errors(
@@ -598,11 +610,17 @@ def write_errors(
     kernels.sign_sum_apply_error(
         exchange.received, exchange.weights, exchange.server_error, exchange.server_scale, server
     )
+    x, signs = _source(exchange.x)
     kernels.feedback_apply_error(
-        exchange.x, exchange.worker_error, exchange.scale, worker, grad=exchange.grad,
-        beta=exchange.beta,
+        x, exchange.worker_error, exchange.scale, worker, grad=exchange.grad, beta=exchange.beta,
+        signs=signs,
     )  # fmt: skip
     return worker, server
+
+
+def _source(x: torch.Tensor | PackedSigns) -> tuple[torch.Tensor | None, tuple | None]:
+    """The ``x`` and ``signs`` arguments of the feedback kernels for an input in either form."""
+    return (None, tuple(x)) if isinstance(x, PackedSigns) else (x, None)
 
 
 def write_result(exchange: CompressedExchange, y: torch.Tensor) -> torch.Tensor:
@@ -648,7 +666,7 @@ def _copied_into(
 
 
 def _exchange(
-    flat: torch.Tensor,
+    flat: torch.Tensor | PackedSigns,
     grad: torch.Tensor | None,
     beta: float,
     worker_error: torch.Tensor,
@@ -664,15 +682,20 @@ def _exchange(
     if local_world_size not in (None, 1):
         if local_world_size == comm.world_size:
             return None
+        if isinstance(flat, PackedSigns):
+            flat = flat.values(grad.numel())
         _agree(comm, flat, local_world_size)  # before split, a collective over groups of that size
         if grad is not None:  # the momentum, rounded as fn.transforms' moving_average
             flat = (beta * flat).add_((1 - beta) * grad)
         return _hierarchical_exchange(
             flat, worker_error, server_error, *comm.split(local_world_size)
         )
-    world_size, n = comm.world_size, flat.numel()
+    x, signs = _source(flat)
+    world_size, n = comm.world_size, flat.numel() if signs is None else grad.numel()
     what = "compressed_allreduce"
-    packed, scale = kernels.feedback_sign_compress(flat, worker_error, grad=grad, beta=beta)
+    packed, scale = kernels.feedback_sign_compress(
+        x, worker_error, grad=grad, beta=beta, signs=signs
+    )
     # The element count travels with the scale: ranks with different sizes raise here, together.
     gathered = comm.all_gather(_sizes.with_count(scale.view(1), n))  # [W, 3]
     scales = finite_or_raise(

@@ -55,7 +55,7 @@ def onebit_adam_step(
         exchange = None
         if not bool(dense):
             errors = error_feedback(ew, es, x.g, h)
-            previous = momentum(kept, v, mask)
+            previous = kept if mask is None else momentum(kept, v, mask)  # the kernels read signs
             exchange = compressed_allreduce_exchange(
                 previous, *errors, comm=h.comm, grad=x.g, beta=h.b1,
                 local_world_size=h.local_world_size,
@@ -88,16 +88,15 @@ def _write_onebit_adam_leaf(
     )
     kept = PackedSigns(exchange.packed, exchange.scales)
     new_leaf = type(x.leaf)(kept, v, ew_new, es_new)
-    scratch = fitting(x.g, v)
-    scratch = torch.empty_like(v) if scratch is None else scratch
     # update_and_apply has checked that autograd records no param
     target = p.detach() if apply and isinstance(p, torch.Tensor) else None
     applies = target is not None and fits(target, v)
     settings = dict(eps=h.eps, bound=h.clip, weight_decay=h.weight_decay)
-    if applies and mask is None:  # the momentum's values go by once, into the scratch
-        kernels.adam_apply(scratch, v, eta, target, root=scratch, signs=kept, **settings)
+    scratch = fitting(x.g, v)
+    if applies and mask is None:  # the momentum is read from its signs
+        kernels.adam_apply(None, v, eta, target, root=scratch, signs=kept, **settings)
         return None, new_leaf
-    m = write_result(exchange, scratch)
+    m = write_result(exchange, torch.empty_like(v) if scratch is None else scratch)
     if mask is not None:
         m = masked(m, mask)
     if applies:
