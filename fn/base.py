@@ -203,6 +203,17 @@ class CompressedOptimizer(NamedTuple):
         fast_step: ``None``, or the in-place step that :func:`update_and_apply` runs instead of
             ``update`` then ``apply_updates`` (see :class:`GradientTransformation`); it takes
             ``step`` or ``plan`` as ``update`` does.
+        check_state: ``None``, or ``check_state(state) -> state`` for an optimizer whose state
+            fields change form with its phase (a buffer ``None`` until it is needed, a momentum
+            kept as ``fn.collectives.PackedSigns``): it checks a state from elsewhere (a
+            checkpoint), whose fields may be in any form its updates take, and returns it with
+            its buffers in the dtypes the optimizer keeps; ``ValueError`` naming the field
+            otherwise. ``fn.optim`` loads checkpoints through it.
+        full_state: ``None``, or ``full_state(state) -> state`` for such an optimizer: the
+            state in one layout at every update count (every buffer allocated, zero where none
+            was yet; the momentum as tensors), from which the updates continue bit for bit.
+            ``fn.optim.PerRankState`` saves and loads through it, since
+            ``torch.distributed.checkpoint`` loads in place into a layout fixed beforehand.
 
     Both updates have the signature ``(grads, state, params=None, *, step=None, plan=None,
     **extra)`` and take exactly one of ``step``, the 1-based count of the update being made (a
@@ -236,6 +247,8 @@ class CompressedOptimizer(NamedTuple):
     plan: Callable[[int], Any] | None = None
     param_agreement: Callable[[int], float | None] = lambda t: 0.0
     fast_step: FastStepFn | None = None
+    check_state: Callable[[Any], Any] | None = None
+    full_state: Callable[[Any], Any] | None = None
 
     def first_compressed_update(self, last: int) -> int | None:
         """The first update count ``t`` in ``1..last`` whose update is compressed, or ``None``

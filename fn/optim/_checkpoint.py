@@ -36,7 +36,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fn.base import SecondMoment, marked_fields
-from fn.collectives import error_feedback_leaves
+from fn.collectives import PackedSigns, error_feedback_leaves
 from fn.optim._step import check_lr
 
 _REQUIRED = ("step", "world_size", "shapes", "functional")
@@ -191,7 +191,9 @@ def state_to_dict(state: Any) -> dict[str, Any]:
     return {pytree.keystr(path): leaf for path, leaf in leaves}
 
 
-def state_from_dict(group: int, saved: Mapping[str, Any], template: Any, reset: bool) -> Any:
+def state_from_dict(
+    group: int, saved: Mapping[str, Any], template: Any, reset: bool, forms: bool = False
+) -> Any:
     """A state of ``template``'s structure with the leaves of ``saved``.
 
     Args:
@@ -200,15 +202,24 @@ def state_from_dict(group: int, saved: Mapping[str, Any], template: Any, reset: 
         template: a state of the structure wanted, on the device and in the dtypes wanted.
         reset: take the error-feedback leaves from ``template`` (a checkpoint of another world
             size), not from ``saved``.
+        forms: the optimizer keeps some fields in a form that depends on its phase (a buffer
+            ``None`` until it is needed, a momentum as ``fn.collectives.PackedSigns``; the
+            transform's ``check_state`` checks them): a field saved in another form than
+            ``template``'s is taken in the checkpoint's form, on ``template``'s device.
 
     Returns:
         The state, with tensors copied from ``saved`` (never aliased to the checkpoint).
 
     Raises:
-        ValueError: ``saved`` has other keys than ``template`` or a tensor of another shape.
+        ValueError: ``saved`` has other keys than ``template`` (in a form it does not take) or
+            a tensor of another shape.
     """
     leaves, spec = pytree.tree_flatten_with_path(template)
     keys = [pytree.keystr(path) for path, _ in leaves]
+    marks = error_feedback_leaves(template)
+    device = next((x.device for _, x in leaves if isinstance(x, torch.Tensor)), None)
+    if forms and set(keys) != set(saved):
+        return _in_saved_forms(group, saved, template, reset, device)
     if set(keys) != set(saved):
         missing, extra = sorted(set(keys) - set(saved)), sorted(set(saved) - set(keys))
         raise ValueError(
@@ -216,21 +227,111 @@ def state_from_dict(group: int, saved: Mapping[str, Any], template: Any, reset: 
             f"(missing {missing[:4]}, unexpected {extra[:4]}); was it saved by another optimizer?"
         )
     out = []
-    for (_, leaf), key, error in zip(leaves, keys, error_feedback_leaves(template), strict=True):
+    for (_, leaf), key, error in zip(leaves, keys, marks, strict=True):
         value = saved[key]
         if reset and error:
             out.append(leaf)
-            continue
-        if isinstance(leaf, torch.Tensor):
-            if not isinstance(value, torch.Tensor) or value.shape != leaf.shape:
-                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
-                raise ValueError(
-                    f"param group {group}: state entry {key!r} has shape {got} in the "
-                    f"checkpoint, {tuple(leaf.shape)} here"
-                )
-            value = value.to(device=leaf.device, dtype=leaf.dtype, copy=True)
-        out.append(value)
+        elif not forms or isinstance(leaf, torch.Tensor) and isinstance(value, torch.Tensor):
+            out.append(_copied(group, key, value, leaf))
+        else:  # a buffer one of the two does not hold (yet): the checkpoint's
+            out.append(_copied(group, key, value, None, device))
     return pytree.tree_unflatten(out, spec)
+
+
+def _copied(group: int, key: str, value: Any, like: Any, device: torch.device | None = None) -> Any:
+    """``value`` copied to ``like``'s device and dtype, checked to have its shape (to
+    ``device``, unchecked, where ``like`` is not a tensor)."""
+    if isinstance(value, PackedSigns):
+        return PackedSigns(*(t.to(device=device, copy=True) for t in value))
+    if not isinstance(value, torch.Tensor):
+        if isinstance(like, torch.Tensor):
+            raise ValueError(
+                f"param group {group}: state entry {key!r} is a {type(value).__name__} in the "
+                f"checkpoint, a tensor of shape {tuple(like.shape)} here"
+            )
+        return value
+    if not isinstance(like, torch.Tensor):
+        return value.to(device=device, copy=True)
+    if value.shape != like.shape:
+        raise ValueError(
+            f"param group {group}: state entry {key!r} has shape {tuple(value.shape)} in the "
+            f"checkpoint, {tuple(like.shape)} here"
+        )
+    return value.to(device=like.device, dtype=like.dtype, copy=True)
+
+
+def _in_saved_forms(
+    group: int, saved: Mapping[str, Any], template: Any, reset: bool, device: Any
+) -> Any:
+    """:func:`state_from_dict` of a state whose fields may be saved in another form than the
+    template's: field by field, each leaf of the template (a ``PackedSigns`` counting as one)
+    is read from the checkpoint as a leaf, or as a ``PackedSigns`` saved at its key, or the
+    whole field is one of these (a momentum of all leaves fused)."""
+    used, fields = set(), {}
+    marks = _field_marks(template)
+    for field, mine, error in zip(template._fields, template, marks, strict=True):
+        if reset and error:
+            fields[field] = mine
+            used.update(k for k in saved if _under(k, f".{field}"))
+            continue
+        leaves, spec = pytree.tree_flatten_with_path(mine, is_leaf=_is_form)
+        read = [_read_form(saved, f".{field}{pytree.keystr(path)}") for path, _ in leaves]
+        if any(value is _MISSING for value, _ in read):
+            read = [_read_form(saved, f".{field}")]
+            spec = None
+        if any(value is _MISSING for value, _ in read):
+            mine_keys = {f".{field}{pytree.keystr(path)}" for path, _ in leaves}
+            theirs = {k for k in saved if _under(k, f".{field}")}
+            missing, extra = sorted(mine_keys - theirs), sorted(theirs - mine_keys)
+            raise ValueError(
+                f"param group {group}: the checkpoint's optimizer state has another structure "
+                f"(missing {missing[:4]}, unexpected {extra[:4]}); was it saved by another "
+                "optimizer?"
+            )
+        values = []
+        for (value, taken), (_, like) in zip(read, leaves if spec else [(None, mine)], strict=True):
+            used.update(taken)
+            same_form = isinstance(like, torch.Tensor) and isinstance(value, torch.Tensor)
+            values.append(_copied(group, taken[0], value, like if same_form else None, device))
+        fields[field] = values[0] if spec is None else pytree.tree_unflatten(values, spec)
+    extra = sorted(set(saved) - used)
+    if extra:
+        raise ValueError(
+            f"param group {group}: the checkpoint's optimizer state has entries {extra[:4]} "
+            "that this optimizer does not keep; was it saved by another optimizer?"
+        )
+    return type(template)(**fields)
+
+
+_MISSING = object()
+
+
+def _is_form(x: Any) -> bool:
+    return x is None or isinstance(x, PackedSigns)
+
+
+def _under(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith((prefix + ".", prefix + "["))
+
+
+def _read_form(saved: Mapping[str, Any], key: str) -> tuple[Any, tuple[str, ...]]:
+    """The checkpoint's value at ``key`` (a leaf, or a ``PackedSigns`` saved as its two
+    fields) and the keys it was read from; ``_MISSING`` where there is neither."""
+    if key in saved:
+        return saved[key], (key,)
+    parts = (f"{key}.packed", f"{key}.scales")
+    if all(k in saved for k in parts):
+        return PackedSigns(saved[parts[0]], saved[parts[1]]), parts
+    return _MISSING, ()
+
+
+def _field_marks(state: Any) -> list[bool]:
+    """Per field of the NamedTuple ``state``: whether it is error feedback."""
+    marks = []
+    for field in state._fields:
+        probe = state._replace(**{f: (f == field) for f in state._fields})
+        marks.append(bool(error_feedback_leaves(probe)[state._fields.index(field)]))
+    return marks
 
 
 def checkpoint_parts(
@@ -509,7 +610,13 @@ def _restored_state(
         template = transform.init(runtime.flat.tree(runtime.flat.master, flatten))
     else:
         template = runtime.state
-    state = state_from_dict(index, functional, template, reset)
+    check_state = getattr(transform, "check_state", None)
+    state = state_from_dict(index, functional, template, reset, forms=check_state is not None)
+    if check_state is not None:
+        try:
+            state = check_state(state)
+        except ValueError as err:
+            raise ValueError(f"param group {index}: the checkpoint's state: {err}") from err
     check_state_values(index, state)
     if runtime.flat.has_master_copy:
         check_master(index, record.master, runtime.flat.numel)
@@ -652,6 +759,10 @@ class PerRankState:
     name of its own (``error_feedback_of_rank.<rank>``), so every rank writes its own shard and
     reads back its own. DCP checkpoints load at the world size they were saved with (the error
     feedback's shapes depend on it); to change the world size, go through ``state_dict()``.
+    DCP loads in place into a layout fixed before it reads, so an optimizer whose state changes
+    form with its phase (``CompressedOptimizer.full_state``: the 1-bit family's packed momentum
+    and lazily allocated buffers) is saved and loaded here in its full layout, from which its
+    updates continue bit for bit.
 
     Args:
         optimizer: an ``fn.optim`` optimizer.
@@ -682,11 +793,15 @@ class PerRankState:
         this rank's own name."""
         saved = self.optimizer.state_dict()
         rank = getattr(self.optimizer.comm, "rank", 0)
-        keys = [error_feedback_keys(runtime.state) for runtime in self.optimizer._groups]
+        groups = self.optimizer._groups
+        keys = [error_feedback_keys(runtime.state) for runtime in groups]
         state = {}
         for index, record in saved["state"].items():
             record.pop("rank", None)
             record.pop("error_feedback_by_rank", None)
+            full = getattr(groups[index].transform, "full_state", None)
+            if full is not None:  # one layout at every count: DCP loads in place into it
+                record["functional"] = state_to_dict(full(groups[index].state))
             functional = {k: _copy(v) for k, v in record["functional"].items()}
             mine = {k: functional.pop(k) for k in keys[index]}
             record["functional"] = functional

@@ -25,9 +25,9 @@ class OnebitFamily(FunctionalOptimizer):
 
     A subclass names its factory (``_factory``) and spells out the factory's hyperparameters in
     its constructor's signature, which hands all its arguments on (``locals()``): every argument
-    but ``params``, ``comm``, ``exp_avg_mask``, ``nonfinite``, ``flatten`` and
-    ``local_world_size`` is a default hyperparameter of its param groups, in the signature's
-    order.
+    but ``params``, ``comm``, ``exp_avg_mask``, ``nonfinite``, ``flatten``,
+    ``local_world_size`` and ``error_dtype`` is a default hyperparameter of its param groups,
+    in the signature's order.
     """
 
     _factory: Callable[..., CompressedOptimizer]
@@ -43,9 +43,11 @@ class OnebitFamily(FunctionalOptimizer):
         nonfinite: str,
         flatten: bool = False,
         local_world_size: int | None = None,
+        error_dtype: torch.dtype = torch.float32,
         **defaults: Any,
     ) -> None:
         self._masks = _masks_by_param(exp_avg_mask)
+        self.error_dtype = error_dtype
         super().__init__(
             params,
             type(self)._factory,
@@ -70,7 +72,12 @@ class OnebitFamily(FunctionalOptimizer):
         params = self.param_groups[index]["params"]
         mask = self._group_mask(params)
         level = dict(comm=self.transform_comm, local_world_size=self.local_world_size)
-        return type(self)._factory(**hyper, **level, exp_avg_mask=mask)
+        return type(self)._factory(
+            **hyper, **level, error_dtype=self.error_dtype, exp_avg_mask=mask
+        )
+
+    def _settings(self, group: dict[str, Any]) -> dict[str, str]:
+        return {**super()._settings(group), "error_dtype": str(self.error_dtype)}
 
     @property
     def transform_comm(self) -> Any:
@@ -165,6 +172,10 @@ class OnebitAdam(OnebitFamily):
             ``LOCAL_WORLD_SIZE``; ``None``: flat. The same on every rank and for every group;
             checkpoints record it (loading under another value resets the error feedback, with
             a warning).
+        error_dtype: the storage of the error feedback, ``torch.float32`` (DeepSpeed's),
+            ``torch.bfloat16`` or ``torch.float16`` (see ``fn.onebit_adam``); the same on
+            every rank and for every group. A checkpoint's error feedback loads into it
+            converted (rounded where narrower).
 
     Example:
         One warmup step (Adam, variance estimated), then one compressed step (the variance is
@@ -210,6 +221,7 @@ class OnebitAdam(OnebitFamily):
         safeguard: bool = True,
         flatten: bool = True,
         local_world_size: int | None = None,
+        error_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__(**_arguments(locals()))
 
@@ -232,6 +244,7 @@ class ZeroOneAdam(OnebitFamily):
             numerics; see :class:`OnebitAdam`).
         local_world_size: ranks per node for the hierarchical 1-bit allreduce (see
             :class:`OnebitAdam`).
+        error_dtype: the storage of the error feedback (see :class:`OnebitAdam`).
 
     Between synchronizations the ranks' params differ by design (local steps).
 
@@ -273,6 +286,7 @@ class ZeroOneAdam(OnebitFamily):
         safeguard: bool = True,
         flatten: bool = True,
         local_world_size: int | None = None,
+        error_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__(**_arguments(locals()))
 
@@ -296,6 +310,7 @@ class OnebitLamb(OnebitFamily):
             group.
         local_world_size: ranks per node for the hierarchical 1-bit allreduce (see
             :class:`OnebitAdam`).
+        error_dtype: the storage of the error feedback (see :class:`OnebitAdam`).
 
     Example:
         A LAMB warmup step (trust ratio clamped to ``max_coeff``), then a compressed step with
@@ -338,6 +353,7 @@ class OnebitLamb(OnebitFamily):
         nonfinite: str = "raise",
         safeguard: bool = True,
         local_world_size: int | None = None,
+        error_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__(**_arguments(locals()))
 

@@ -210,7 +210,7 @@ def onebit_adam(
         leaves = leafwise.leaves_of("onebit_adam", grads, state, _Leaf, *inputs, donated=donated)
         return leafwise.rebuilt(leaves, onebit_adam_step(settings, rule, leaves, eta, apply), state)
 
-    return leafwise.compressed_optimizer(
+    opt = leafwise.compressed_optimizer(
         "onebit_adam",
         lr,
         OnebitAdamState,
@@ -221,6 +221,10 @@ def onebit_adam(
         OnebitAdamPlan,
         params_needed_for="weight_decay > 0" if weight_decay > 0 else None,
         fused_apply=True,
+    )
+    return opt._replace(
+        check_state=partial(leafwise.checked_state, "onebit_adam", settings),
+        full_state=partial(leafwise.full_state, settings, exp_avg_mask),
     )
 
 

@@ -232,7 +232,7 @@ def onebit_lamb(
             state = state._replace(exp_avg=mean)  # the momenta, read back by momentum_of
         return updates, state
 
-    return leafwise.compressed_optimizer(
+    opt = leafwise.compressed_optimizer(
         "onebit_lamb",
         lr,
         OnebitLambState,
@@ -242,6 +242,10 @@ def onebit_lamb(
         schedule.onebit_lamb_plan,
         OnebitLambPlan,
         params_needed_for="1-bit LAMB (trust ratios)",
+    )
+    return opt._replace(
+        check_state=partial(leafwise.checked_state, "onebit_lamb", settings),
+        full_state=partial(leafwise.full_state, settings, exp_avg_mask),
     )
 
 

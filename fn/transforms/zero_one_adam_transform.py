@@ -230,7 +230,11 @@ def zero_one_adam(
         ZeroOneAdamPlan,
         params_needed_for="weight_decay > 0" if weight_decay > 0 else None,
         warmup_phase="variance (warmup)",
-    )._replace(param_agreement=schedule.param_agreement)
+    )._replace(
+        param_agreement=schedule.param_agreement,
+        check_state=partial(leafwise.checked_state, "zero_one_adam", settings),
+        full_state=partial(leafwise.full_state, settings, exp_avg_mask),
+    )
 
 
 def _rule(h: leafwise.OnebitSettings, g, leaf, p, mask, *, plan, eta, lrs):

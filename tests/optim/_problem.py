@@ -103,7 +103,8 @@ def states_equal(a: dict, b: dict) -> bool:
         if ra["step"] != rb["step"] or ra["functional"].keys() != rb["functional"].keys():
             return False
         for key, x in ra["functional"].items():
-            if not torch.equal(x, rb["functional"][key]):
+            y = rb["functional"][key]
+            if (x is None) != (y is None) or x is not None and not torch.equal(x, y):
                 return False
         if ("master" in ra) != ("master" in rb):
             return False

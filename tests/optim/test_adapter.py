@@ -185,7 +185,8 @@ def test_nonfinite_gradients_change_nothing(policy):
     after = opt.state_dict()
     assert after["state"][0]["step"] == 3
     for k, v in state["state"][0]["functional"].items():
-        assert torch.equal(v, after["state"][0]["functional"][k]), k
+        w = after["state"][0]["functional"][k]
+        assert (v is None and w is None) or torch.equal(v, w), k
     assert torch.equal(flat_params(model), params)
 
 
@@ -234,7 +235,7 @@ def test_none_grads_count_as_zero_and_empty_params_give_no_nan():
         assert torch.isfinite(flat_params(model)).all()
         for record in opt.state_dict()["state"].values():
             for v in record["functional"].values():
-                assert torch.isfinite(v.float()).all()
+                assert v is None or torch.isfinite(v.float()).all()
 
 
 def test_zero_grad_for_a_none_grad_param_equals_an_explicit_zero():

@@ -138,7 +138,10 @@ def _corrupt(state_dict: dict[str, Any], how: str) -> dict[str, Any]:
     functional = record["functional"]
     if how == "nan":
         functional[".exp_avg"][0] = float("nan")
-    elif how == "inf_error":
+    elif how == "inf_error":  # one rank: never compressed, so the checkpoint holds none
+        numel = functional[".exp_avg_sq"].numel()
+        functional[".worker_error"] = torch.zeros(fn.collectives.padded_numel(numel, 1))
+        functional[".server_error"] = torch.zeros(fn.collectives.padded_numel(numel, 1))
         functional[".worker_error"][-1] = float("inf")
     elif how == "negative_variance":
         functional[".exp_avg_sq"][3] = -1e-3

@@ -35,8 +35,10 @@ def _same(a: list[Any], b: list[Any]) -> bool:
     for (step_a, state_a), (step_b, state_b) in zip(a, b, strict=True):
         if step_a != step_b or state_a.keys() != state_b.keys():
             return False
-        if not all(torch.equal(state_a[k], state_b[k]) for k in state_a):
-            return False
+        for k, x in state_a.items():
+            y = state_b[k]
+            if (x is None) != (y is None) or x is not None and not torch.equal(x, y):
+                return False
     return True
 
 

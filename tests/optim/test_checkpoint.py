@@ -52,11 +52,12 @@ def test_a_checkpoint_is_not_aliased_to_the_live_optimizer():
     opt = OPTIMIZERS["onebit_adam"](model.parameters())
     train(model, opt, 0, range(3))
     saved = opt.state_dict()
-    copy = {k: v.clone() for k, v in saved["state"][0]["functional"].items()}
+    functional = saved["state"][0]["functional"]
+    copy = {k: v.clone() for k, v in functional.items() if v is not None}
     master = saved["state"][0]["master"].clone()
     train(model, opt, 0, range(3, 6))
     for k, v in copy.items():
-        assert torch.equal(saved["state"][0]["functional"][k], v), k
+        assert torch.equal(functional[k], v), k
     assert torch.equal(saved["state"][0]["master"], master)
 
 

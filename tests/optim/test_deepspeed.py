@@ -182,7 +182,7 @@ def test_every_rank_s_imported_state_is_deepspeed_s_without_its_init_step(run):
             assert torch.equal(functional[f".exp_avg[{j}]"], ds[j]["exp_avg"])
             assert torch.equal(functional[f".exp_avg_sq[{j}]"], ds[j]["exp_avg_sq"])
         errors = [v for k, v in functional.items() if "_error" in k]
-        assert errors and all(not e.any() for e in errors)
+        assert errors and all(e is None or not e.any() for e in errors)
         if name == "onebit_lamb":
             for j in range(3):
                 for key in ("lamb_coeff_freeze", "last_factor", "scaling_coeff"):

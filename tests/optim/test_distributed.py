@@ -197,10 +197,12 @@ def test_world_size_change_resets_the_errors_with_a_warning(results):
     state = opt.state_dict()["state"][0]
     saved = ckpt["state"][0]
     assert state["step"] == saved["step"] == 7
-    assert torch.equal(state["functional"][".exp_avg"], saved["functional"][".exp_avg"])
-    for field in (".worker_error", ".server_error"):
-        assert state["functional"][field].shape != saved["functional"][field].shape
-        assert not state["functional"][field].any()
+    moments = [k for k in saved["functional"] if k.startswith(".exp_avg")]  # packed or not
+    assert moments and all(
+        torch.equal(state["functional"][k], saved["functional"][k]) for k in moments
+    )
+    for field in (".worker_error", ".server_error"):  # reset: allocated, zero, when needed
+        assert saved["functional"][field].any() and state["functional"][field] is None
     train(model, opt, 0, range(7, 9))
     assert torch.isfinite(flat_params(model)).all()
 

@@ -17,8 +17,9 @@ PAIRS = {
 }
 # keyword-only in both: the factory takes the comm and a mask pytree; the adapter takes the comm,
 # masks keyed by param, and its non-finite policy
-FACTORY_KEYWORDS = {"comm", "exp_avg_mask", "non_freeze", "safeguard", "local_world_size"}
-ADAPTER_KEYWORDS = {"comm", "exp_avg_mask", "nonfinite", "safeguard", "local_world_size"}
+LEVEL = {"local_world_size", "error_dtype"}
+FACTORY_KEYWORDS = {"comm", "exp_avg_mask", "non_freeze", "safeguard", *LEVEL}
+ADAPTER_KEYWORDS = {"comm", "exp_avg_mask", "nonfinite", "safeguard", *LEVEL}
 
 
 def _positional(signature: inspect.Signature) -> list[tuple[str, object]]:
@@ -57,6 +58,7 @@ def test_adapter_hyperparameters_are_the_factory_s(name):
     assert ours.parameters["safeguard"].default is theirs.parameters["safeguard"].default
     level = "local_world_size"
     assert ours.parameters[level].default is theirs.parameters[level].default is None
+    assert ours.parameters["error_dtype"].default is theirs.parameters["error_dtype"].default
 
 
 @pytest.mark.parametrize("name", PAIRS)
