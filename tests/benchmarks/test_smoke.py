@@ -502,3 +502,73 @@ def test_collectives_tiny_cli_counts_bytes_and_times_every_allreduce():
     assert float(ratios["1-bit compressed_allreduce"]) > float(ratios["4-bit loco_allreduce"]) > 1
     for name in ("dist.all_reduce", "1-bit compressed_allreduce", "4-bit loco_allreduce"):
         assert re.search(re.escape(name) + r"\s+[\d.]+ ms\s+time / dist.all_reduce =", out), out
+
+
+def _markdown_rows(text):
+    """The body rows of the markdown tables in ``text``, as lists of cells."""
+    rows = [line.strip("|").split(" | ") for line in text.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in row] for row in rows if row[0].strip() != "W"]
+
+
+@pytest.mark.timeout(120)
+def test_memory_tiny_cli_counts_state_against_adam(tmp_path):
+    report = tmp_path / "rows.json"
+    optimizers = ("adam", "onebit-adam", "onebit-adam:error_dtype=bfloat16")
+    args = ("--params", "2e4", "--world-sizes", "2", "--compressed-steps", "2")
+    proc = _cli("memory.py", *args, "--optimizers", *optimizers, "--json", str(report), timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    rows = _markdown_rows(proc.stdout)
+    assert all(len(row) == 10 for row in rows), proc.stdout
+    by_name = {(row[1], row[2]): row for row in rows}
+    for phase in ("warmup", "compressed"):
+        assert by_name[("adam", phase)][4] == "1.00x"
+        assert float(by_name[("onebit-adam", phase)][3]) > 0
+        assert by_name[("onebit-adam today's layout (computed)", phase)][5:9] == ["-"] * 4
+    if torch.cuda.is_available():
+        assert "CUDA, " in proc.stdout
+    else:
+        assert "CUDA rows skipped" in proc.stdout
+
+    measured = json.loads(report.read_text())
+    n = measured["numel"]
+    cpu = {(row["optimizer"], row["phase"]): row for row in measured["cpu"]}
+    adam = cpu[("adam", "compressed")]
+    assert 8 * n <= adam["state"] <= 8 * n + 1024  # exp_avg, exp_avg_sq and the step counts
+    today = cpu[("onebit-adam today's layout (computed)", "compressed")]
+    assert today["state"] == 4 * (3 * n + -(-n // 2))  # server_error: n / W, rounded up
+    assert today["ratio"] == pytest.approx(today["state"] / adam["state"])
+    onebit = cpu[("onebit-adam", "compressed")]
+    assert onebit["ratio"] == pytest.approx(onebit["state"] / adam["state"])
+    assert onebit["grads"] == 4 * n  # the adapter's fp32 gradient buffer
+    assert onebit["peak"] >= onebit["base"] > 0
+    # one process, a comm of two ranks (the CUDA rows' way): the state of a rank of the gloo run
+    memory = _load("memory.py")
+    cfg = dict(width=measured["width"], hidden=measured["hidden"], freeze=3, compressed_steps=2)
+    alone = memory.measure_in_process("onebit-adam", {}, cfg, 2, "cpu")
+    assert alone["compressed"]["state"] == onebit["state"]
+    assert alone["compressed"]["spare"] == onebit["spare"]
+
+
+def test_memory_counts_each_storage_once():
+    memory = _load("memory.py")
+    x = torch.zeros(10)
+    state = {"a": x, "b": [x[2:], (x.view(2, 5),)], "c": "not a tensor"}
+    state["d"] = torch.optim.Adam([torch.zeros(3, requires_grad=True)]).param_groups
+    assert sum(memory.storages(state).values()) == 40 + 12
+    assert memory.parse_kwargs("error_dtype=bfloat16,lr=0.5,name=x") == dict(
+        error_dtype=torch.bfloat16, lr=0.5, name="x"
+    )
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        memory.parse_kwargs("bfloat16")
+    name, kwargs = memory.parse_optimizer("adam", {"error_dtype": torch.bfloat16})
+    assert (name, kwargs) == ("adam", {})  # the common arguments are for fn.optim only
+    assert memory.missing_kwargs("onebit-lamb", {"no_such_argument": 1}) == ["no_such_argument"]
+
+
+@pytest.mark.parametrize(
+    ("ratio", "status"), [(1.2, "<= 1.20x: met"), (1.204, "<= 1.20x: met"), (1.21, "NOT met")]
+)
+def test_memory_target_status_compares_the_printed_ratio(ratio, status):
+    memory = _load("memory.py")
+    assert status in memory.target_status({"target": 1.2, "ratio": ratio})
+    assert memory.target_status({"target": None, "ratio": ratio}) == "-"
