@@ -76,25 +76,13 @@ from fn.collectives import Local  # noqa: E402
 
 MIB = 2**20
 PHASES = ("warmup", "compressed")
-# name -> (builder of the optimizer from params, extra kwargs and freeze step; its class)
-OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], type]] = {
-    "adam": (lambda ps, kw, freeze: torch.optim.Adam(ps, **kw), torch.optim.Adam),
-    "adamw-fused": (
-        lambda ps, kw, freeze: torch.optim.AdamW(ps, fused=True, **kw),
-        torch.optim.AdamW,
-    ),
-    "onebit-adam": (
-        lambda ps, kw, freeze: fn.optim.OnebitAdam(ps, freeze_step=freeze, **kw),
-        fn.optim.OnebitAdam,
-    ),
-    "zero-one-adam": (
-        lambda ps, kw, freeze: fn.optim.ZeroOneAdam(ps, var_freeze_step=freeze, **kw),
-        fn.optim.ZeroOneAdam,
-    ),
-    "onebit-lamb": (
-        lambda ps, kw, freeze: fn.optim.OnebitLamb(ps, freeze_step=freeze, **kw),
-        fn.optim.OnebitLamb,
-    ),
+# name -> (class, its fixed keyword arguments for a freeze step)
+OPTIMIZERS: dict[str, tuple[type, Callable[[int], dict[str, Any]]]] = {
+    "adam": (torch.optim.Adam, lambda freeze: {}),
+    "adamw-fused": (torch.optim.AdamW, lambda freeze: {"fused": True}),
+    "onebit-adam": (fn.optim.OnebitAdam, lambda freeze: {"freeze_step": freeze}),
+    "zero-one-adam": (fn.optim.ZeroOneAdam, lambda freeze: {"var_freeze_step": freeze}),
+    "onebit-lamb": (fn.optim.OnebitLamb, lambda freeze: {"freeze_step": freeze}),
 }
 DEFAULT_OPTIMIZERS = (
     "adam",
@@ -214,14 +202,14 @@ def parse_optimizer(spec: str, common: dict[str, Any]) -> tuple[str, dict[str, A
     name, _, kwargs = spec.partition(":")
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose from {sorted(OPTIMIZERS)}")
-    cls = OPTIMIZERS[name][1]
+    cls = OPTIMIZERS[name][0]
     extra = common if issubclass(cls, fn.optim.FunctionalOptimizer) else {}
     return name, {**extra, **parse_kwargs(kwargs)}
 
 
 def missing_kwargs(name: str, kwargs: dict[str, Any]) -> list[str]:
     """The keyword arguments in ``kwargs`` that optimizer ``name``'s signature does not take."""
-    params = inspect.signature(OPTIMIZERS[name][1]).parameters
+    params = inspect.signature(OPTIMIZERS[name][0]).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return []
     return [k for k in kwargs if k not in params]
@@ -238,12 +226,20 @@ def error_dtype(kwargs: dict[str, Any]) -> str:
     return str(kwargs.get("error_dtype", torch.float32)).removeprefix("torch.")
 
 
+def build_optimizer(
+    name: str, params: Any, kwargs: dict[str, Any], freeze: int
+) -> torch.optim.Optimizer:
+    """Optimizer ``name`` of ``params`` with freeze step ``freeze`` and ``kwargs``."""
+    cls, fixed = OPTIMIZERS[name]
+    return cls(params, **fixed(freeze), **kwargs)
+
+
 def load_code(name: str, kwargs: dict[str, Any], freeze: int, device: str) -> None:
     """Runs optimizer ``name`` through both phases on a tiny param, so that the code and
     libraries its steps load (``torch._dynamo``, the kernels) are not counted as its data."""
     param = torch.zeros(64, device=device, requires_grad=True)
     param.grad = torch.ones_like(param)
-    opt = OPTIMIZERS[name][0]([param], kwargs, freeze)
+    opt = build_optimizer(name, [param], kwargs, freeze)
     for _ in range(freeze + 1):
         opt.step()
 
@@ -273,7 +269,7 @@ def measure(
         backward()
         load_code(name, kwargs, cfg["freeze"], device)
         base = peak()
-        opt = OPTIMIZERS[name][0](model.parameters(), kwargs, cfg["freeze"])
+        opt = build_optimizer(name, model.parameters(), kwargs, cfg["freeze"])
         steps = (cfg["freeze"] - 1, cfg["compressed_steps"])
         for phase, count in zip(PHASES, steps, strict=True):
             for _ in range(count):
@@ -328,7 +324,7 @@ def measure_in_process(
     """:func:`measure` on ``device`` in this process, the fn optimizers on an :class:`OneOf`
     comm of ``world_size`` ranks; ``peak`` is ``torch.cuda.max_memory_allocated`` on CUDA
     (reset first), else ``ru_maxrss``."""
-    if issubclass(OPTIMIZERS[name][1], fn.optim.FunctionalOptimizer):
+    if issubclass(OPTIMIZERS[name][0], fn.optim.FunctionalOptimizer):
         kwargs = {**kwargs, "comm": OneOf(world_size)}
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
