@@ -64,9 +64,11 @@ import resource
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -111,8 +113,9 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 
 def storages(tree: Any, seen: dict[int, int] | None = None) -> dict[int, int]:
-    """The unique untyped storages of the tensors in ``tree`` (dicts, lists, tuples and
-    NamedTuples walked), as ``{address: bytes}``, added to ``seen`` if given.
+    """The unique untyped storages of the tensors in ``tree`` (dicts, lists, tuples,
+    NamedTuples and other pytree nodes walked), as ``{address: bytes}``, added to ``seen`` if
+    given.
 
     Example:
         >>> x = torch.zeros(4)
@@ -129,6 +132,10 @@ def storages(tree: Any, seen: dict[int, int] | None = None) -> dict[int, int]:
     elif isinstance(tree, (list, tuple)):
         for value in tree:
             storages(value, seen)
+    else:  # a registered pytree node (a dataclass, ...) or a leaf that holds no tensor
+        for leaf in pytree.tree_leaves(tree):
+            if isinstance(leaf, torch.Tensor):
+                storages(leaf, seen)
     return seen
 
 
@@ -216,6 +223,8 @@ def missing_kwargs(name: str, kwargs: dict[str, Any]) -> list[str]:
 
 
 def label(name: str, kwargs: dict[str, Any]) -> str:
+    """A row's optimizer: ``name`` and its ``kwargs`` as ``key=value`` (dtypes by name)."""
+
     def show(v: Any) -> str:
         return str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else repr(v)
 
@@ -223,6 +232,7 @@ def label(name: str, kwargs: dict[str, Any]) -> str:
 
 
 def error_dtype(kwargs: dict[str, Any]) -> str:
+    """The error feedback's dtype that ``kwargs`` give (``float32`` by default), by name."""
     return str(kwargs.get("error_dtype", torch.float32)).removeprefix("torch.")
 
 
@@ -279,13 +289,14 @@ def measure(
     return result
 
 
+def max_rss() -> int:
+    """This process's peak resident memory in bytes (``ru_maxrss``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
 def rank_worker(rank: int, world_size: int, send: Any, name: str, kwargs: dict, cfg: dict) -> dict:
     """One gloo rank of :func:`measure` on the CPU; ``peak`` is ``ru_maxrss``."""
     del send, world_size
-
-    def max_rss() -> int:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
     return measure(name, kwargs, {**cfg, "rank": rank}, "cpu", max_rss)
 
 
@@ -326,17 +337,11 @@ def measure_in_process(
     (reset first), else ``ru_maxrss``."""
     if issubclass(OPTIMIZERS[name][0], fn.optim.FunctionalOptimizer):
         kwargs = {**kwargs, "comm": OneOf(world_size)}
+    peak = max_rss
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-
-        def peak() -> int:
-            return torch.cuda.max_memory_allocated(device)
-    else:
-
-        def peak() -> int:
-            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
+        peak = partial(torch.cuda.max_memory_allocated, device)
     return measure(name, kwargs, {**cfg, "rank": 0}, device, peak)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import ipaddress
 import json
@@ -552,9 +553,11 @@ def test_memory_tiny_cli_counts_state_against_adam(tmp_path):
 def test_memory_counts_each_storage_once():
     memory = _load("memory.py")
     x = torch.zeros(10)
-    state = {"a": x, "b": [x[2:], (x.view(2, 5),)], "c": "not a tensor"}
+    pair = collections.namedtuple("pair", "first second")
+    state = {"a": x, "b": [x[2:], pair(x.view(2, 5), torch.zeros(2, dtype=torch.bfloat16))]}
+    state["c"] = "not a tensor"
     state["d"] = torch.optim.Adam([torch.zeros(3, requires_grad=True)]).param_groups
-    assert sum(memory.storages(state).values()) == 40 + 12
+    assert sum(memory.storages(state).values()) == 40 + 4 + 12
     assert memory.parse_kwargs("error_dtype=bfloat16,lr=0.5,name=x") == dict(
         error_dtype=torch.bfloat16, lr=0.5, name="x"
     )
