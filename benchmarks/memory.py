@@ -13,10 +13,10 @@ run: ``warmup`` after ``--freeze - 1`` updates (the last dense update of 1-bit A
 Columns, per rank (rank 0's bytes; the peaks are the largest of the ranks'):
 
 - ``state``: the optimizer state, the sum of the sizes of the unique untyped storages of every
-  tensor reachable from it (dicts, lists, tuples and NamedTuples walked; storages counted once,
-  by address). ``torch.optim``: ``optimizer.state``. The ``fn.optim`` adapters: the live
-  functional state of every param group, plus the fp32 master copy of fp16/bf16 params (fp32
-  params are their own master, so there is none).
+  tensor reachable from it (dicts, lists, tuples, NamedTuples and other pytree nodes walked;
+  storages counted once, by address). ``torch.optim``: ``optimizer.state``. The ``fn.optim``
+  adapters: the live functional state of every param group, plus the fp32 master copy of
+  fp16/bf16 params (fp32 params are their own master, so there is none).
 - ``x Adam``: ``state`` over ``torch.optim.Adam``'s ``state`` measured in the same run.
 - ``spare``: the adapter's second state, which the next step is donated to write into
   (storages not already in ``state``); ``grads``: its gradient buffer, into which the params'
@@ -24,11 +24,12 @@ Columns, per rank (rank 0's bytes; the peaks are the largest of the ranks'):
   the peak.
 - ``peak``: ``ru_maxrss`` (``resource.getrusage``), the process's peak resident memory;
   ``+peak``: the peak over the one measured once the model and its gradients exist (after a
-  first forward and backward, before the optimizer is built): what the optimizer and its steps
-  add to the process's own (model, gradients, activations, libraries).
+  first forward and backward, and after the optimizer ran once through both phases on a tiny
+  param, so that the code its steps load is not counted): what the optimizer and its steps add
+  to the process's own (model, gradients, activations, libraries).
 
-``today's layout (computed)`` rows give the fp32 layout of DeepSpeed 0.18.9 and of fn before the
-packed momentum, from the formula: ``4 (3n + n/W)`` bytes for 1-bit Adam (``exp_avg``,
+``today's layout (computed)`` rows give the fp32 layout of DeepSpeed 0.18.9's optimizers, from
+the formula: ``4 (3n + n/W)`` bytes for 1-bit Adam (``exp_avg``,
 ``exp_avg_sq`` and ``worker_error`` of ``n`` values each, ``server_error`` of ``n/W``) and
 ``4 (4n + n/W)`` for 1-bit LAMB (with ``exp_avg_sq_fresh``). Targets (``W = 4``, against
 ``torch.optim.Adam``): in the compressed phase 1-bit Adam <= 1.2x with fp32 error feedback,
@@ -439,16 +440,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per launch")
     parser.add_argument("--json", help="also write the rows (bytes) to this file")
     args = parser.parse_args(argv)
+    sizes = args.world_sizes.split(",")
+    if not all(w.strip().isdigit() and int(w) >= 1 for w in sizes):
+        parser.error(f"--world-sizes must be integers >= 1 separated by commas, got {sizes}")
+    args.world_sizes = [int(w) for w in sizes]
     try:
-        args.world_sizes = [int(w) for w in args.world_sizes.split(",")]
         common = parse_kwargs(args.optimizer_kwargs)
         args.optimizers = [parse_optimizer(spec, common) for spec in args.optimizers]
     except ValueError as err:
         parser.error(str(err))
     if args.freeze < 2:
         parser.error("--freeze must be >= 2 (the warmup phase has freeze - 1 updates)")
-    if args.compressed_steps < 1 or min(args.world_sizes) < 1 or args.params < 16:
-        parser.error("--compressed-steps and --world-sizes must be >= 1, --params >= 16")
+    if args.compressed_steps < 1:
+        parser.error("--compressed-steps must be >= 1")
+    if not args.params >= 16:
+        parser.error(f"--params must be >= 16, got {args.params}")
+    if not args.timeout > 0:
+        parser.error(f"--timeout must be > 0, got {args.timeout}")
     return args
 
 

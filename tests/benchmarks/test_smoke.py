@@ -575,3 +575,23 @@ def test_memory_target_status_compares_the_printed_ratio(ratio, status):
     memory = _load("memory.py")
     assert status in memory.target_status({"target": 1.2, "ratio": ratio})
     assert memory.target_status({"target": None, "ratio": ratio}) == "-"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--world-sizes", "2,x"], "--world-sizes"),
+        (["--world-sizes", "0"], "--world-sizes"),
+        (["--optimizers", "sgd"], "unknown optimizer 'sgd'"),
+        (["--optimizers", "onebit-adam:bfloat16"], "KEY=VALUE"),
+        (["--optimizer-kwargs", "lr"], "KEY=VALUE"),
+        (["--freeze", "1"], "--freeze"),
+        (["--compressed-steps", "0"], "--compressed-steps"),
+        (["--params", "nan"], "--params"),
+        (["--timeout", "0"], "--timeout"),
+    ],
+)
+def test_memory_rejects_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        _load("memory.py").parse_args(argv)
+    assert message in capsys.readouterr().err
