@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import inspect
 import ipaddress
 import json
 import os
@@ -14,6 +15,8 @@ import sys
 
 import pytest
 import torch
+
+import fn.optim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "benchmarks")
@@ -525,6 +528,9 @@ def test_memory_tiny_cli_counts_state_against_adam(tmp_path):
         assert by_name[("adam", phase)][4] == "1.00x"
         assert float(by_name[("onebit-adam", phase)][3]) > 0
         assert by_name[("onebit-adam today's layout (computed)", phase)][5:9] == ["-"] * 4
+    takes_error_dtype = "error_dtype" in inspect.signature(fn.optim.OnebitAdam).parameters
+    bf16_state = by_name[("onebit-adam error_dtype=bfloat16", "compressed")][3]
+    assert (bf16_state == "n/a") is not takes_error_dtype
     if torch.cuda.is_available():
         assert "CUDA, " in proc.stdout
     else:
@@ -595,3 +601,33 @@ def test_memory_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
         _load("memory.py").parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_memory_rows_put_the_targets_on_their_rows_at_four_ranks():
+    memory = _load("memory.py")
+
+    def run(nbytes):
+        return {
+            phase: {"state": nbytes, "spare": 0, "grads": 0, "peak": 2, "base": 1}
+            for phase in memory.PHASES
+        }
+
+    runs = [
+        ("adam", {}, run(1000)),
+        ("onebit-adam", {}, run(1200)),
+        ("zero-one-adam", {}, run(900)),
+    ]
+    runs.append(("onebit-lamb", {"error_dtype": torch.bfloat16}, None))
+    rows = {(r["optimizer"], r["phase"]): r for r in memory.rows_of(runs, 100, 4)}
+    assert rows[("onebit-adam", "compressed")]["ratio"] == 1.2
+    assert memory.target_status(rows[("onebit-adam", "compressed")]).endswith(": met")
+    assert "NOT met" in memory.target_status(rows[("onebit-adam", "warmup")])  # 1.2 > 1.0
+    assert memory.target_status(rows[("zero-one-adam", "compressed")]) == "-"
+    lamb = rows[("onebit-lamb error_dtype=bfloat16", "compressed")]
+    assert lamb["na"] and "not measured" in memory.target_status(lamb)
+    today = rows[("onebit-lamb today's layout (computed)", "compressed")]
+    assert today["state"] == 4 * (4 * 100 + 25) and today["ratio"] == 1.7
+    table = memory.format_table(list(rows.values()), "peak")
+    assert "| 4 | onebit-lamb error_dtype=bfloat16 | compressed | n/a |" in table
+    # at two ranks no row has a target
+    assert all(r.get("target") is None for r in memory.rows_of(runs, 100, 2))
