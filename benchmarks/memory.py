@@ -1,14 +1,14 @@
 """Optimizer-state bytes and peak memory of the 1-bit optimizers against torch.optim.Adam.
 
-``W`` gloo ranks (``--world-sizes``, one process per rank, all on this machine) each build the
-same MLP of about ``--params`` parameters (``cluster.py``'s shape: ``w -> 4w -> 4w -> w``) and
-train it on random batches of 8 rows (loss: the mean square of the output) with one optimizer
-(one launch per optimizer, so that every row's peak is its own): ``torch.optim.Adam``,
-``torch.optim.AdamW(fused=True)`` and the ``fn.optim`` adapters ``OnebitAdam``, ``ZeroOneAdam``
-and ``OnebitLamb`` with ``freeze_step=--freeze`` (0/1 Adam: ``var_freeze_step``; its schedule,
-not 1-bit Adam's phases, decides which of its updates communicate 1 bit). Two measurements per
-run: ``warmup`` after ``--freeze - 1`` updates (the last dense update of 1-bit Adam and LAMB),
-``compressed`` after ``--compressed-steps`` more.
+``W`` gloo ranks (``--world-sizes``, one process per rank, all on this machine) each build the same
+MLP of about ``--params`` parameters (``cluster.py``'s shape: ``w -> 4w -> 4w -> w``; fp32, or
+``--dtype bfloat16``) and train it on random batches of 8 rows (loss: the mean square of the output)
+with one optimizer (one launch per optimizer, so that every row's peak is its own):
+``torch.optim.Adam``, ``torch.optim.AdamW(fused=True)`` and the ``fn.optim`` adapters
+``OnebitAdam``, ``ZeroOneAdam`` and ``OnebitLamb`` with ``freeze_step=--freeze`` (0/1 Adam:
+``var_freeze_step``; its schedule, not 1-bit Adam's phases, decides which of its updates communicate
+1 bit). Two measurements per run: ``warmup`` after ``--freeze - 1`` updates (the last dense update
+of 1-bit Adam and LAMB), ``compressed`` after ``--compressed-steps`` more.
 
 Columns, per rank (rank 0's bytes; the peaks are the largest of the ranks'):
 
@@ -48,8 +48,8 @@ return this rank's own tensors (the state and the buffers are those of a rank of
 ``peak`` is ``torch.cuda.max_memory_allocated``; ``+peak`` is over the memory allocated once the
 model and its gradients exist.
 
-Run: python3 benchmarks/memory.py [--world-sizes 2,4] [--params 25e6] [--freeze 3]
-     [--compressed-steps 3] [--optimizers NAME[:KEY=VALUE,...] ...]
+Run: python3 benchmarks/memory.py [--world-sizes 2,4] [--params 25e6] [--dtype float32]
+     [--freeze 3] [--compressed-steps 3] [--optimizers NAME[:KEY=VALUE,...] ...]
      [--optimizer-kwargs KEY=VALUE,...] [--timeout 600] [--json FILE]
 """
 
@@ -168,7 +168,10 @@ def mlp_widths(params: float) -> tuple[int, int]:
     return hidden // 4, hidden
 
 
-def build_mlp(width: int, hidden: int, device: str) -> torch.nn.Module:
+def build_mlp(
+    width: int, hidden: int, device: str, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    """``cluster.py``'s MLP ``width -> hidden -> hidden -> width``, seeded, in ``dtype``."""
     torch.manual_seed(0)
     return torch.nn.Sequential(
         torch.nn.Linear(width, hidden),
@@ -176,7 +179,7 @@ def build_mlp(width: int, hidden: int, device: str) -> torch.nn.Module:
         torch.nn.Linear(hidden, hidden),
         torch.nn.ReLU(),
         torch.nn.Linear(hidden, width),
-    ).to(device)
+    ).to(device, dtype)
 
 
 def parse_kwargs(text: str) -> dict[str, Any]:
@@ -265,11 +268,12 @@ def measure(
     """Trains the MLP of ``cfg`` with optimizer ``name`` and returns, per phase, its
     :func:`state_bytes` with ``peak`` (``peak()`` bytes) and ``base`` (``peak()`` once the
     model and its gradients exist)."""
-    model = build_mlp(cfg["width"], cfg["hidden"], device)
+    dtype = _DTYPES[cfg["dtype"]]
+    model = build_mlp(cfg["width"], cfg["hidden"], device, dtype)
     generator = torch.Generator().manual_seed(cfg["rank"])
 
     def backward() -> None:
-        x = torch.randn(8, cfg["width"], generator=generator).to(device)
+        x = torch.randn(8, cfg["width"], generator=generator).to(device, dtype)
         model.zero_grad(set_to_none=False)
         model(x).square().mean().backward()
 
@@ -426,6 +430,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", default="2,4", help="comma-separated, e.g. 2,4")
     parser.add_argument("--params", type=float, default=25e6, help="MLP parameters (about)")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the params' dtype (bfloat16: the fn.optim adapters keep an fp32 master copy)",
+    )
     parser.add_argument("--freeze", type=int, default=3, help="freeze_step (>= 2)")
     parser.add_argument("--compressed-steps", type=int, default=3)
     parser.add_argument(
@@ -464,10 +474,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     width, hidden = mlp_widths(args.params)
     numel = sum(p.numel() for p in build_mlp(width, hidden, "cpu").parameters())
-    cfg = dict(width=width, hidden=hidden, freeze=args.freeze)
+    cfg = dict(width=width, hidden=hidden, dtype=args.dtype, freeze=args.freeze)
     cfg["compressed_steps"] = args.compressed_steps
     print(
-        f"MLP {width}-{hidden}-{hidden}-{width}: {numel} fp32 params ({4 * numel / MIB:.1f} MiB), "
+        f"MLP {width}-{hidden}-{hidden}-{width}: {numel} {args.dtype} params "
+        f"({numel * _DTYPES[args.dtype].itemsize / MIB:.1f} MiB), "
         f"freeze_step {args.freeze}, {args.compressed_steps} compressed steps; torch "
         f"{torch.__version__}; load average {os.getloadavg()[0]:.2f}"
     )

@@ -550,10 +550,13 @@ def test_memory_tiny_cli_counts_state_against_adam(tmp_path):
     assert onebit["peak"] >= onebit["base"] > 0
     # one process, a comm of two ranks (the CUDA rows' way): the state of a rank of the gloo run
     memory = _load("memory.py")
-    cfg = dict(width=measured["width"], hidden=measured["hidden"], freeze=3, compressed_steps=2)
+    cfg = {k: measured[k] for k in ("width", "hidden", "dtype", "freeze", "compressed_steps")}
     alone = memory.measure_in_process("onebit-adam", {}, cfg, 2, "cpu")
     assert alone["compressed"]["state"] == onebit["state"]
     assert alone["compressed"]["spare"] == onebit["spare"]
+    # bf16 params: the same state and the fp32 master copy
+    bf16 = memory.measure_in_process("onebit-adam", {}, {**cfg, "dtype": "bfloat16"}, 2, "cpu")
+    assert bf16["compressed"]["state"] == onebit["state"] + 4 * n
 
 
 def test_memory_counts_each_storage_once():
