@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import importlib.util
+import inspect
 import ipaddress
 import json
 import os
@@ -13,6 +15,8 @@ import sys
 
 import pytest
 import torch
+
+import fn.optim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "benchmarks")
@@ -502,3 +506,131 @@ def test_collectives_tiny_cli_counts_bytes_and_times_every_allreduce():
     assert float(ratios["1-bit compressed_allreduce"]) > float(ratios["4-bit loco_allreduce"]) > 1
     for name in ("dist.all_reduce", "1-bit compressed_allreduce", "4-bit loco_allreduce"):
         assert re.search(re.escape(name) + r"\s+[\d.]+ ms\s+time / dist.all_reduce =", out), out
+
+
+def _markdown_rows(text):
+    """The body rows of the markdown tables in ``text``, as lists of cells."""
+    rows = [line.strip("|").split(" | ") for line in text.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in row] for row in rows if row[0].strip() != "W"]
+
+
+@pytest.mark.timeout(120)
+def test_memory_tiny_cli_counts_state_against_adam(tmp_path):
+    report = tmp_path / "rows.json"
+    optimizers = ("adam", "onebit-adam", "onebit-adam:error_dtype=bfloat16")
+    args = ("--params", "2e4", "--world-sizes", "2", "--compressed-steps", "2")
+    proc = _cli("memory.py", *args, "--optimizers", *optimizers, "--json", str(report), timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    rows = _markdown_rows(proc.stdout)
+    assert all(len(row) == 10 for row in rows), proc.stdout
+    by_name = {(row[1], row[2]): row for row in rows}
+    for phase in ("warmup", "compressed"):
+        assert by_name[("adam", phase)][4] == "1.00x"
+        assert float(by_name[("onebit-adam", phase)][3]) > 0
+        assert by_name[("onebit-adam today's layout (computed)", phase)][5:9] == ["-"] * 4
+    takes_error_dtype = "error_dtype" in inspect.signature(fn.optim.OnebitAdam).parameters
+    bf16_state = by_name[("onebit-adam error_dtype=bfloat16", "compressed")][3]
+    assert (bf16_state == "n/a") is not takes_error_dtype
+    if torch.cuda.is_available():
+        assert "CUDA, " in proc.stdout
+    else:
+        assert "CUDA rows skipped" in proc.stdout
+
+    measured = json.loads(report.read_text())
+    n = measured["numel"]
+    cpu = {(row["optimizer"], row["phase"]): row for row in measured["cpu"]}
+    adam = cpu[("adam", "compressed")]
+    assert 8 * n <= adam["state"] <= 8 * n + 1024  # exp_avg, exp_avg_sq and the step counts
+    today = cpu[("onebit-adam today's layout (computed)", "compressed")]
+    assert today["state"] == 4 * (3 * n + -(-n // 2))  # server_error: n / W, rounded up
+    assert today["ratio"] == pytest.approx(today["state"] / adam["state"])
+    onebit = cpu[("onebit-adam", "compressed")]
+    assert onebit["ratio"] == pytest.approx(onebit["state"] / adam["state"])
+    assert onebit["grads"] == 4 * n  # the adapter's fp32 gradient buffer
+    assert onebit["peak"] >= onebit["base"] > 0
+    # one process, a comm of two ranks (the CUDA rows' way): the state of a rank of the gloo run
+    memory = _load("memory.py")
+    cfg = {k: measured[k] for k in ("width", "hidden", "dtype", "freeze", "compressed_steps")}
+    alone = memory.measure_in_process("onebit-adam", {}, cfg, 2, "cpu")
+    assert alone["compressed"]["state"] == onebit["state"]
+    assert alone["compressed"]["spare"] == onebit["spare"]
+    # bf16 params: the same state and the fp32 master copy
+    bf16 = memory.measure_in_process("onebit-adam", {}, {**cfg, "dtype": "bfloat16"}, 2, "cpu")
+    assert bf16["compressed"]["state"] == onebit["state"] + 4 * n
+
+
+def test_memory_counts_each_storage_once():
+    memory = _load("memory.py")
+    x = torch.zeros(10)
+    pair = collections.namedtuple("pair", "first second")
+    state = {"a": x, "b": [x[2:], pair(x.view(2, 5), torch.zeros(2, dtype=torch.bfloat16))]}
+    state["c"] = "not a tensor"
+    state["d"] = torch.optim.Adam([torch.zeros(3, requires_grad=True)]).param_groups
+    assert sum(memory.storages(state).values()) == 40 + 4 + 12
+    assert memory.parse_kwargs("error_dtype=bfloat16,lr=0.5,name=x") == dict(
+        error_dtype=torch.bfloat16, lr=0.5, name="x"
+    )
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        memory.parse_kwargs("bfloat16")
+    name, kwargs = memory.parse_optimizer("adam", {"error_dtype": torch.bfloat16})
+    assert (name, kwargs) == ("adam", {})  # the common arguments are for fn.optim only
+    assert memory.missing_kwargs("onebit-lamb", {"no_such_argument": 1}) == ["no_such_argument"]
+
+
+@pytest.mark.parametrize(
+    ("ratio", "status"), [(1.2, "<= 1.20x: met"), (1.204, "<= 1.20x: met"), (1.21, "NOT met")]
+)
+def test_memory_target_status_compares_the_printed_ratio(ratio, status):
+    memory = _load("memory.py")
+    assert status in memory.target_status({"target": 1.2, "ratio": ratio})
+    assert memory.target_status({"target": None, "ratio": ratio}) == "-"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--world-sizes", "2,x"], "--world-sizes"),
+        (["--world-sizes", "0"], "--world-sizes"),
+        (["--optimizers", "sgd"], "unknown optimizer 'sgd'"),
+        (["--optimizers", "onebit-adam:bfloat16"], "KEY=VALUE"),
+        (["--optimizer-kwargs", "lr"], "KEY=VALUE"),
+        (["--freeze", "1"], "--freeze"),
+        (["--compressed-steps", "0"], "--compressed-steps"),
+        (["--params", "nan"], "--params"),
+        (["--timeout", "0"], "--timeout"),
+    ],
+)
+def test_memory_rejects_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        _load("memory.py").parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_memory_rows_put_the_targets_on_their_rows_at_four_ranks():
+    memory = _load("memory.py")
+
+    def run(nbytes):
+        return {
+            phase: {"state": nbytes, "spare": 0, "grads": 0, "peak": 2, "base": 1}
+            for phase in memory.PHASES
+        }
+
+    runs = [
+        ("adam", {}, run(1000)),
+        ("onebit-adam", {}, run(1200)),
+        ("zero-one-adam", {}, run(900)),
+    ]
+    runs.append(("onebit-lamb", {"error_dtype": torch.bfloat16}, None))
+    rows = {(r["optimizer"], r["phase"]): r for r in memory.rows_of(runs, 100, 4)}
+    assert rows[("onebit-adam", "compressed")]["ratio"] == 1.2
+    assert memory.target_status(rows[("onebit-adam", "compressed")]).endswith(": met")
+    assert "NOT met" in memory.target_status(rows[("onebit-adam", "warmup")])  # 1.2 > 1.0
+    assert memory.target_status(rows[("zero-one-adam", "compressed")]) == "-"
+    lamb = rows[("onebit-lamb error_dtype=bfloat16", "compressed")]
+    assert lamb["na"] and "not measured" in memory.target_status(lamb)
+    today = rows[("onebit-lamb today's layout (computed)", "compressed")]
+    assert today["state"] == 4 * (4 * 100 + 25) and today["ratio"] == 1.7
+    table = memory.format_table(list(rows.values()), "peak")
+    assert "| 4 | onebit-lamb error_dtype=bfloat16 | compressed | n/a |" in table
+    # at two ranks no row has a target
+    assert all(r.get("target") is None for r in memory.rows_of(runs, 100, 2))
