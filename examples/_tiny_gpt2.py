@@ -30,7 +30,7 @@ def parse_args(description: str, resume_flag: str) -> argparse.Namespace:
 
 
 def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
-    """A 2-layer GPT-2 (about 70k params) with random weights drawn from ``seed``, the same on
+    """A 2-layer GPT-2 (about 30k params) with random weights drawn from ``seed``, the same on
     every rank; dropout off, so that a run does not depend on the random state of the stack."""
     torch.manual_seed(seed)
     config = GPT2Config(
