@@ -101,7 +101,9 @@ class DemoTask:
         starts = _data.batch_starts(self.shard.numel(), self.context, DEMO_BATCH, self.gen)
         return _data.windows(self.shard, starts, self.context)
 
-    def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
+    def loss(
+        self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
         x, y = batch
         return torch.nn.functional.cross_entropy(model(x).float(), y)
 
@@ -364,6 +366,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.demo_steps, args.gpt2_steps, args.heldout = 60, 40, 256
     if min(args.demo_steps, args.gpt2_steps) < 10:
         parser.error("--demo-steps and --gpt2-steps must be at least 10")
+    if min(args.demo_lr, args.gpt2_lr, args.heldout, args.timeout) <= 0 or args.weight_decay < 0:
+        parser.error(
+            "--demo-lr, --gpt2-lr, --heldout and --timeout must be positive, --weight-decay >= 0"
+        )
     if "gpt2" in args.tasks and importlib.util.find_spec("transformers") is None:
         parser.error("the gpt2 task needs transformers (pip install transformers); or --tasks demo")
     for cls in ONEBIT.values():

@@ -14,7 +14,6 @@ from fn.app import _data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "precision.py")
-ONEBIT = ("onebit_adam", "zero_one_adam", "onebit_lamb")
 
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -29,32 +28,39 @@ def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.timeout(150)
-def test_bf16_params_stay_within_3_percent_of_fp32(tmp_path):
+# At lr 1e-4 most Adam updates of the demo's bf16 weights are about one bf16 ulp: without the
+# adapter's fp32 masters they would round away (torch.optim.AdamW stepping the bf16 params
+# directly ends 5 % above its fp32 run here). 1-bit LAMB's trust ratios need a larger lr to learn
+# within the run.
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "optimizers, lr", [(("onebit_adam", "zero_one_adam"), "1e-4"), (("onebit_lamb",), "3e-3")]
+)
+def test_bf16_params_stay_within_3_percent_of_fp32(tmp_path, optimizers, lr):
     out = tmp_path / "runs.json"
     proc = _run(
         "--quick",
         "--tasks",
         "demo",
+        "--demo-lr",
+        lr,
         "--precisions",
         "fp32,bf16",
         "--optimizers",
-        ",".join(ONEBIT),
+        ",".join(optimizers),
         "--json",
         str(out),
-        timeout=120,
+        timeout=100,
     )
     assert proc.returncode == 0, proc.stderr
     runs = {(r["optimizer"], r["precision"]): r for r in json.loads(out.read_text())["runs"]}
-    assert len(runs) == 2 * len(ONEBIT)
+    assert len(runs) == 2 * len(optimizers)
     uniform = math.log(_data.VOCAB_SIZE)
-    for name in ONEBIT:
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| demo | bf16 params")]
+    for name in optimizers:
         fp32, bf16 = runs[name, "fp32"]["heldout"], runs[name, "bf16"]["heldout"]
         assert fp32 < uniform - 0.4, f"{name} did not learn in fp32 ({fp32:.3f})"
         assert abs(bf16 / fp32 - 1) <= 0.03, f"{name}: bf16 {bf16:.4f} vs fp32 {fp32:.4f}"
-        rows = [
-            line for line in proc.stdout.splitlines() if line.startswith("| demo | bf16 params")
-        ]
         assert any(f"| {name} | {bf16:.4f} |" in line for line in rows), proc.stdout
 
 
