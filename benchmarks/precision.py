@@ -22,7 +22,7 @@ of the updates, as the demo, then compressed). Every optimizer gets the same lr 
 learn within the run), betas and eps (the demo's) and weight decay (decoupled in all four).
 The held-out loss (cross-entropy in nats, computed in fp32 from the logits of the model as
 trained, in its precision) is taken after the last update, averaged over the two ranks and then
-over ``--seeds`` (model init and data order).
+over ``--seeds`` (model init and data order; every run of a seed sees the same batches).
 
 Printed: a line per run, then a markdown table: task, precision, optimizer, held-out loss
 (``mean ± std`` over seeds when there are several), its ratio to AdamW's in the same precision
@@ -81,25 +81,30 @@ GPT2_BATCH = 16  # sequences per rank per update
 
 
 class DemoTask:
-    """The demo's next-character model on this rank's shard of the standard-library text."""
+    """The demo's next-character model (its default size) on this rank's shard of the
+    standard-library text; ``heldout`` windows of the held-out module."""
 
-    name = "demo"
-
-    def __init__(self, rank: int, world_size: int, seed: int, heldout_windows: int) -> None:
+    def __init__(self, rank: int, world_size: int, seed: int, heldout: int) -> None:
         corpus = _data.load_corpus()
         self.context, self.seed = 32, seed
         self.shard = _data.shard(corpus.train, rank, world_size)
-        starts = _data.heldout_starts(corpus.heldout.numel(), self.context, heldout_windows)
+        starts = _data.heldout_starts(corpus.heldout.numel(), self.context, heldout)
         self.heldout = _data.windows(corpus.heldout, starts, self.context)
-        self.gen = torch.Generator().manual_seed(seed * 100_003 + rank)
+        self.data_seed = seed * 100_003 + rank
 
     def model(self) -> torch.nn.Module:
         torch.manual_seed(self.seed)
         return demo.CharMLP(_data.VOCAB_SIZE, self.context, embed=16, hidden=256)
 
-    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = _data.batch_starts(self.shard.numel(), self.context, DEMO_BATCH, self.gen)
-        return _data.windows(self.shard, starts, self.context)
+    def batches(self) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """A function returning the next batch: the same sequence in every run."""
+        gen = torch.Generator().manual_seed(self.data_seed)
+
+        def batch() -> tuple[torch.Tensor, torch.Tensor]:
+            starts = _data.batch_starts(self.shard.numel(), self.context, DEMO_BATCH, gen)
+            return _data.windows(self.shard, starts, self.context)
+
+        return batch
 
     def loss(
         self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
@@ -109,23 +114,24 @@ class DemoTask:
 
 
 class Gpt2Task:
-    """The examples' tiny GPT-2 on this rank's share of the synthetic token sequences."""
+    """The examples' tiny GPT-2 on this rank's share of the synthetic token sequences; up to
+    ``heldout`` sequences of another seed held out."""
 
-    name = "gpt2"
-
-    def __init__(self, rank: int, world_size: int, seed: int, heldout_windows: int) -> None:
-        import _tiny_gpt2
+    def __init__(self, rank: int, world_size: int, seed: int, heldout: int) -> None:
+        import _tiny_gpt2  # imports transformers: only when this task runs
 
         self.tiny, self.seed = _tiny_gpt2, seed
         self.shard = _tiny_gpt2.SyntheticTokens().tokens[rank::world_size]
-        self.heldout = _tiny_gpt2.SyntheticTokens(seed=2).tokens[:heldout_windows]
-        self.gen = torch.Generator().manual_seed(seed * 100_003 + rank)
+        self.heldout = _tiny_gpt2.SyntheticTokens(seed=2).tokens[:heldout]
+        self.data_seed = seed * 100_003 + rank
 
     def model(self) -> torch.nn.Module:
         return self.tiny.tiny_gpt2(self.seed)
 
-    def batch(self) -> torch.Tensor:
-        return self.shard[torch.randint(0, len(self.shard), (GPT2_BATCH,), generator=self.gen)]
+    def batches(self) -> Callable[[], torch.Tensor]:
+        """A function returning the next batch: the same sequence in every run."""
+        gen = torch.Generator().manual_seed(self.data_seed)
+        return lambda: self.shard[torch.randint(0, len(self.shard), (GPT2_BATCH,), generator=gen)]
 
     def loss(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         logits = model(input_ids=tokens).logits.float()
@@ -213,10 +219,11 @@ def train(task: Any, precision: str, name: str, steps: int, lr: float, config: d
     hyper = dict(lr=lr, betas=demo.BETAS, eps=demo.EPS, weight_decay=config["wd"])
     opt = make_optimizer(name, model, steps, hyper, config["onebit_kwargs"])
     scaler = torch.amp.GradScaler("cpu") if precision == "autocast-fp16" else None
+    next_batch = task.batches()
     skipped, start, diverged = 0, time.perf_counter(), False
     for _ in range(steps):
         with _autocast(precision):
-            loss = task.loss(model, task.batch())
+            loss = task.loss(model, next_batch())
         (loss if scaler is None else scaler.scale(loss)).backward()
         try:
             if name == "adamw":
@@ -359,7 +366,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--json", metavar="FILE", help="write every run's numbers here")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for all runs")
     parser.add_argument(
-        "--quick", action="store_true", help="a short check: 60 demo / 40 gpt2 updates"
+        "--quick",
+        action="store_true",
+        help="a short check: 60 demo / 40 gpt2 updates, 256 held-out windows (overrides "
+        "--demo-steps, --gpt2-steps, --heldout)",
     )
     args = parser.parse_args(argv)
     if args.quick:
