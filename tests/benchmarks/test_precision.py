@@ -30,7 +30,7 @@ def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
 
 # At lr 1e-4 most Adam updates of the demo's bf16 weights are about one bf16 ulp: without the
 # adapter's fp32 masters they would round away (torch.optim.AdamW stepping the bf16 params
-# directly ends 5 % above its fp32 run here). 1-bit LAMB's trust ratios need a larger lr to learn
+# directly ends 5.5 % above its fp32 run here). 1-bit LAMB's trust ratios need a larger lr to learn
 # within the run.
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
