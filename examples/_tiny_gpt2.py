@@ -29,10 +29,10 @@ def parse_args(description: str, resume_flag: str) -> argparse.Namespace:
     return parser.parse_args()
 
 
-def tiny_gpt2() -> GPT2LMHeadModel:
-    """A 2-layer GPT-2 (about 70k params) with random weights, the same on every rank; dropout
-    off, so that a run does not depend on the random state of the stack."""
-    torch.manual_seed(0)
+def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
+    """A 2-layer GPT-2 (about 30k params) with random weights drawn from ``seed``, the same on
+    every rank; dropout off, so that a run does not depend on the random state of the stack."""
+    torch.manual_seed(seed)
     config = GPT2Config(
         vocab_size=VOCAB,
         n_positions=SEQ,
@@ -48,10 +48,11 @@ def tiny_gpt2() -> GPT2LMHeadModel:
 
 class SyntheticTokens(torch.utils.data.Dataset):
     """``SAMPLES`` fixed random token sequences (a repeating pattern plus noise, so that the loss
-    can fall); items are ``{"input_ids", "labels"}`` dicts."""
+    can fall), drawn from ``seed`` (another seed: held-out sequences of the same kind); items
+    are ``{"input_ids", "labels"}`` dicts."""
 
-    def __init__(self) -> None:
-        gen = torch.Generator().manual_seed(1)
+    def __init__(self, seed: int = 1) -> None:
+        gen = torch.Generator().manual_seed(seed)
         pattern = torch.arange(SEQ) % 7
         noise = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=gen)
         keep = torch.rand(SAMPLES, SEQ, generator=gen) < 0.8
