@@ -539,7 +539,7 @@ def momentum_of(state: Any, exp_avg_mask: PyTree | None = None) -> PyTree:
         >>> type(state.exp_avg["w"]).__name__
         'PackedSigns'
         >>> simulate(fn.transforms.momentum_of, comm)(state)["w"][0]
-        tensor([ 0.3447, -0.3447,  0.3447])
+        tensor([ 0.1683, -0.1683,  0.1683])
     """
     if isinstance(state.exp_avg, PackedSigns) and hasattr(state, "scaling_coeff"):  # fused
         walk = live_leaves(state.exp_avg_sq, state.scaling_coeff, exp_avg_mask)

@@ -64,6 +64,30 @@ def test_bf16_params_stay_within_3_percent_of_fp32(tmp_path, optimizers, lr):
         assert any(f"| {name} | {bf16:.4f} |" in line for line in rows), proc.stdout
 
 
+@pytest.mark.timeout(150)
+def test_bf16_error_feedback_stays_within_3_percent_of_fp32(tmp_path):
+    """error_dtype=bfloat16 stores the error feedback rounded to bf16; each 1-bit optimizer's
+    held-out loss stays within 3% of its run with fp32 error feedback."""
+    heldout = {}
+    for kwargs in ("{}", '{"error_dtype": "bfloat16"}'):
+        out = tmp_path / f"runs{len(heldout)}.json"
+        proc = _run(
+            "--quick", "--tasks", "demo", "--precisions", "fp32",
+            "--optimizers", "onebit_adam,zero_one_adam,onebit_lamb",
+            "--optimizer-kwargs", kwargs, "--json", str(out), timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        heldout[kwargs] = {
+            r["optimizer"]: r["heldout"] for r in json.loads(out.read_text())["runs"]
+        }
+    fp32, bf16 = heldout.values()
+    assert fp32.keys() == bf16.keys() == {"onebit_adam", "zero_one_adam", "onebit_lamb"}
+    for name in fp32:
+        assert fp32[name] < math.log(_data.VOCAB_SIZE) - 0.4, f"{name} did not learn"
+        assert fp32[name] != bf16[name], f"{name}: the option changed nothing"
+        assert abs(bf16[name] / fp32[name] - 1) <= 0.03, (name, bf16[name], fp32[name])
+
+
 @pytest.mark.timeout(60)
 def test_optimizer_kwargs_the_optimizers_do_not_take_are_refused_before_any_run():
     proc = _run("--quick", "--optimizer-kwargs", '{"no_such_option": "bfloat16"}', timeout=50)

@@ -43,6 +43,9 @@ OPTIMIZERS = {
         exp_avg_mask={"w": None, "b": (torch.arange(7) % 3).float(), "big": None},
     ),
     "onebit_lamb": lambda c: fn.onebit_lamb(1e-2, 3, weight_decay=0.01, comm=c),
+    "onebit_adam_bf16_errors": lambda c: fn.onebit_adam(
+        1e-2, 2, weight_decay=0.01, comm=c, error_dtype=torch.bfloat16
+    ),
 }
 
 
