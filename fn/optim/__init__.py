@@ -92,7 +92,11 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   load rank 0's everywhere) resets its error feedback with a warning, unless
   ``gather_error_feedback()`` (a collective, on every rank before rank 0 saves;
   ``fn.integrations`` calls it) put every rank's into it. ``PerRankState(opt)`` saves each
-  rank's with ``torch.distributed.checkpoint``.
+  rank's with ``torch.distributed.checkpoint``. The 1-bit family's state changes form with its
+  phase (error feedback allocated at the freeze, 1-bit Adam's and 1-bit LAMB's momentum kept as
+  packed signs once compressed); a checkpoint holds it in the form it had, and loads exactly
+  into an optimizer at any step count, in warmup or compressed (``check_state`` checks each
+  form; ``PerRankState`` saves the one full layout, ``full_state``, that DCP loads in place).
 - Environment: ``comm=None`` under ``torchrun`` (``WORLD_SIZE`` > 1) before
   ``torch.distributed`` is initialized is an error, not a silent single-process run.
 """

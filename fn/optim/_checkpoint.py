@@ -264,24 +264,28 @@ def _in_saved_forms(
     group: int, saved: Mapping[str, Any], template: Any, reset: bool, device: Any
 ) -> Any:
     """:func:`state_from_dict` of a state whose fields may be saved in another form than the
-    template's: field by field, each leaf of the template (a ``PackedSigns`` counting as one)
-    is read from the checkpoint as a leaf, or as a ``PackedSigns`` saved at its key, or the
-    whole field is one of these (a momentum of all leaves fused)."""
+    template's. Each field is read in the first layout that holds every entry the checkpoint
+    has under it: the template field's own (a ``PackedSigns`` counting as one leaf), the field
+    as one leaf (a momentum of all leaves fused), or the layout of another field of the state
+    (per leaf, like the params); at each leaf, a tensor, ``None`` or a ``PackedSigns``."""
     used, fields = set(), {}
     marks = _field_marks(template)
     for field, mine, error in zip(template._fields, template, marks, strict=True):
+        prefix = f".{field}"
+        theirs = {k for k in saved if _under(k, prefix)}
+        used.update(theirs)
         if reset and error:
             fields[field] = mine
-            used.update(k for k in saved if _under(k, f".{field}"))
             continue
-        leaves, spec = pytree.tree_flatten_with_path(mine, is_leaf=_is_form)
-        read = [_read_form(saved, f".{field}{pytree.keystr(path)}") for path, _ in leaves]
-        if any(value is _MISSING for value, _ in read):
-            read = [_read_form(saved, f".{field}")]
-            spec = None
-        if any(value is _MISSING for value, _ in read):
-            mine_keys = {f".{field}{pytree.keystr(path)}" for path, _ in leaves}
-            theirs = {k for k in saved if _under(k, f".{field}")}
+        layouts = [mine, None, *(other for other in template if other is not mine)]
+        for layout in layouts:
+            leaves, spec = pytree.tree_flatten_with_path(layout, is_leaf=_is_form)
+            read = [_read_form(saved, prefix + pytree.keystr(path)) for path, _ in leaves]
+            taken = {k for _, keys in read for k in keys}
+            if all(value is not _MISSING for value, _ in read) and taken == theirs:
+                break
+        else:
+            mine_keys = {prefix + pytree.keystr(path) for path, _ in _leaf_paths(mine)}
             missing, extra = sorted(mine_keys - theirs), sorted(theirs - mine_keys)
             raise ValueError(
                 f"param group {group}: the checkpoint's optimizer state has another structure "
@@ -289,11 +293,10 @@ def _in_saved_forms(
                 "optimizer?"
             )
         values = []
-        for (value, taken), (_, like) in zip(read, leaves if spec else [(None, mine)], strict=True):
-            used.update(taken)
+        for (value, keys), (_, like) in zip(read, leaves, strict=True):
             same_form = isinstance(like, torch.Tensor) and isinstance(value, torch.Tensor)
-            values.append(_copied(group, taken[0], value, like if same_form else None, device))
-        fields[field] = values[0] if spec is None else pytree.tree_unflatten(values, spec)
+            values.append(_copied(group, keys[0], value, like if same_form else None, device))
+        fields[field] = pytree.tree_unflatten(values, spec)
     extra = sorted(set(saved) - used)
     if extra:
         raise ValueError(
@@ -301,6 +304,10 @@ def _in_saved_forms(
             "that this optimizer does not keep; was it saved by another optimizer?"
         )
     return type(template)(**fields)
+
+
+def _leaf_paths(tree: Any) -> list[tuple[Any, Any]]:
+    return pytree.tree_flatten_with_path(tree, is_leaf=_is_form)[0]
 
 
 _MISSING = object()
