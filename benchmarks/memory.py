@@ -72,6 +72,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the other benchmarks
+
+import cluster  # noqa: E402
 
 import fn.optim  # noqa: E402
 from fn.app._launch import spawn_gloo  # noqa: E402
@@ -172,14 +175,7 @@ def build_mlp(
     width: int, hidden: int, device: str, dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
     """``cluster.py``'s MLP ``width -> hidden -> hidden -> width``, seeded, in ``dtype``."""
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(width, hidden),
-        torch.nn.ReLU(),
-        torch.nn.Linear(hidden, hidden),
-        torch.nn.ReLU(),
-        torch.nn.Linear(hidden, width),
-    ).to(device, dtype)
+    return cluster.build_mlp(width, hidden).to(device, dtype)
 
 
 def parse_kwargs(text: str) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fn.kernels import _table
+from fn.kernels import _cpu, _table
 
 
 @pytest.fixture
@@ -14,3 +14,11 @@ def clean_table(monkeypatch):
     monkeypatch.delenv("FN_ACCELERATOR", raising=False)
     monkeypatch.delenv("FN_KERNELS", raising=False)
     return _table._TABLE
+
+
+@pytest.fixture(scope="module")
+def c_kernels():
+    """The C kernel set (``fn.kernels._cpu``); skips where no C compiler works."""
+    if _cpu.library() is None:
+        pytest.skip("no working C compiler: the CPU kernels fall back to the reference")
+    return _cpu

@@ -28,13 +28,6 @@ NEW_KERNELS = (
 )
 
 
-@pytest.fixture(scope="module")
-def c_kernels():
-    if _cpu.library() is None:
-        pytest.skip("no working C compiler: the CPU kernels fall back to the reference")
-    return _cpu
-
-
 def _values(n: int, seed: int, special: bool = True) -> torch.Tensor:
     x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
     x *= torch.logspace(-3, 3, n) if n else 1.0

@@ -16,13 +16,6 @@ import fn.kernels as K
 from fn.kernels import _cpu, _reference
 
 
-@pytest.fixture(scope="module")
-def c_kernels():
-    if _cpu.library() is None:
-        pytest.skip("no working C compiler: the CPU kernels fall back to the reference")
-    return _cpu
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.int32)
 
