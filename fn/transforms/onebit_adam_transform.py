@@ -148,18 +148,20 @@ def onebit_adam(
     must be reset when the world size changes.
 
     Buffer donation: both updates take the extra keyword ``donate`` (``None``, ``True`` or a
-    state like ``state``). A compressed update then writes the new momentum and errors into
-    the donated state's buffers and the updates into the gradients' buffers (fp32, contiguous;
-    ``grads`` are donated with the state), returns the frozen variance as the same tensor, and
-    on several ranks makes no full-size temporary: the momentum is computed inside the 1-bit
-    allreduce's kernels, the update by ``fn.kernels.adam_direction``. The bits are those of the
-    pure update; every check (all ranks' scales and counts, the warmup) runs before the first
-    write. Warmup updates, ``non_freeze`` leaves and one worker stay pure (they allocate).
+    state like ``state``). A compressed update then writes the new errors into the donated
+    state's buffers and the updates into the gradients' buffers (fp32, contiguous; ``grads``
+    are donated with the state), keeps the new momentum as the packed signs the allreduce
+    received, returns the frozen variance as the same tensor, and on several ranks makes no
+    full-size temporary: the momentum is computed inside the 1-bit allreduce's kernels (which
+    read the previous one from its signs; a leaf with a mask unpacks it), the update by
+    ``fn.kernels.adam_direction``. The bits are those of the pure update; every check (all
+    ranks' scales and counts, the warmup) runs before the first write. Warmup updates,
+    ``non_freeze`` leaves, fp16 errors and one worker stay pure (they allocate).
     ``fn.update_and_apply(opt, grads, state, params, step=t)`` (or ``plan=``) goes one step
-    further on that path: each fp32 param gets its update added in place as its new momentum
-    is written (``fn.kernels.adam_apply``), and the gradients' buffers are scratch (their
-    contents unspecified) instead of receiving the updates; the params' bits are those of
-    ``update`` then ``apply_updates``.
+    further on that path: each fp32 param gets its update added in place, reading the new
+    momentum from its signs (``fn.kernels.adam_apply``), and the gradients' buffers are scratch
+    (their contents unspecified) instead of receiving the updates; the params' bits are those
+    of ``update`` then ``apply_updates``.
 
     ``sqrt(v)`` is correctly rounded (IEEE 754's square root, the same bits on every device;
     torch's fp32 ``sqrt`` on the CPU is 1 ulp off for about one input in five).

@@ -5,10 +5,12 @@ A donated compressed update (``donate=``, and ``fn.update_and_apply``) runs one 
 here: straight-line kernel and communication calls, in two passes over the leaves. The first
 pass compresses, exchanges and checks every leaf (``compressed_allreduce_exchange``, which
 writes nothing; a leaf the fast path does not fit runs its pure rule, which writes nothing
-either); the second writes: the new errors, then the momentum and the update into the donated
-state's and the gradients' buffers, or (``apply``) the update added to the param in place by
-``fn.kernels.adam_apply``. So a failure on any rank and any leaf leaves every buffer intact, and
-the bits are those of the pure rule (the tests compare them leaf by leaf).
+either); the second writes: the new errors into the donated state's buffers, then the update
+into the gradients' buffers, or (``apply``) added to the param in place by
+``fn.kernels.adam_apply``. 1-bit Adam's new momentum is the exchange's packed signs, kept as
+they are, and the kernels read the previous one from its signs; 0/1 Adam's is written into the
+donated state. So a failure on any rank and any leaf leaves every buffer intact, and the bits
+are those of the pure rule (the tests compare them leaf by leaf).
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def _write_onebit_adam_leaf(
     spare = x.spare
     ew, es = exchange.worker_error, exchange.server_error
     ew_new, es_new = write_errors(
-        exchange, _fitting(spare.worker_error, ew), _fitting(spare.server_error, es)
+        exchange, fitting(spare.worker_error, ew), fitting(spare.server_error, es)
     )
     kept = PackedSigns(exchange.packed, exchange.scales)
     new_leaf = type(x.leaf)(kept, v, ew_new, es_new)
@@ -103,11 +105,6 @@ def _write_onebit_adam_leaf(
         kernels.adam_apply(m, v, eta, target, root=m, **settings)
         return None, new_leaf
     return adam_update_into(m, m, v, p, eta, **settings), new_leaf
-
-
-def _fitting(donated: Any, like: torch.Tensor | None) -> torch.Tensor | None:
-    """:func:`fitting`, where the donated state's buffer may not be allocated yet (``None``)."""
-    return None if donated is None else fitting(donated, like)
 
 
 def zero_one_adam_step(
@@ -158,7 +155,7 @@ def _write_zero_one_adam_leaf(
         spare = x.spare
         ew, es = exchange.worker_error, exchange.server_error
         ew, es = write_errors(
-            exchange, _fitting(spare.worker_error, ew), _fitting(spare.server_error, es)
+            exchange, fitting(spare.worker_error, ew), fitting(spare.server_error, es)
         )
         mean = write_result(exchange, x.g)
         if mask is not None:

@@ -330,8 +330,8 @@ def _fused_momenta(h: leafwise.OnebitSettings, grads, state, donated):
     if donated is not None and state.worker_error is not None:
         buffers = (
             None,
-            _fitting(donated.worker_error, state.worker_error),
-            _fitting(donated.server_error, state.server_error),
+            fitting(donated.worker_error, state.worker_error),
+            fitting(donated.server_error, state.server_error),
         )
     mean, worker_error, server_error = leafwise.compressed_mean(
         fused,
@@ -345,10 +345,6 @@ def _fused_momenta(h: leafwise.OnebitSettings, grads, state, donated):
     flat = mean.values(fused.numel()) if isinstance(mean, PackedSigns) else mean
     momenta = _split(flat, walk)
     return mean, momenta, state._replace(worker_error=worker_error, server_error=server_error)
-
-
-def _fitting(donated: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-    return None if donated is None else fitting(donated, like)
 
 
 def _scaled_momentum(b1, g, leaf):
