@@ -15,13 +15,13 @@ Policies shared by every transform here:
 
 import torch
 
-from fn.transforms._leafwise import momentum_of
 from fn.transforms._onebit_schedules import (
     OnebitAdamPlan,
     OnebitLambPlan,
     ZeroOneAdamPlan,
     ZeroOneAdamSchedule,
 )
+from fn.transforms._onebit_state import momentum_of
 from fn.transforms.adam_transform import ScaleByAdamState, adam, adamw, scale_by_adam
 from fn.transforms.lamb_transform import lamb
 from fn.transforms.learning_rate import (

@@ -43,6 +43,7 @@ from fn.errors import (
     check_step_or_plan,
     require_params,
 )
+from fn.transforms import _onebit_state as onebit_state
 from fn.transforms._learning_rate import learning_rate_now
 from fn.tree import LiveLeaves, PyTree, live_leaves, tree_flatten, tree_map
 
@@ -490,210 +491,6 @@ def compressed_mean(
     return x, worker_error, server_error
 
 
-def momentum(
-    kept: torch.Tensor | PackedSigns, like: torch.Tensor, mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The fp32 momentum of a leaf as the state keeps it: a tensor is the momentum itself; a
-    :class:`~fn.collectives.PackedSigns` (the 1-bit allreduce's result) is unpacked into
-    ``like``'s shape and multiplied by ``mask`` (``exp_avg_mask``) where given, the bits the
-    momentum had when the allreduce returned it."""
-    if not isinstance(kept, PackedSigns):
-        return kept
-    m = kept.unpacked(like)
-    return m if mask is None else m * mask
-
-
-def fused_momentum(
-    mean: torch.Tensor, scaling: torch.Tensor, mask: torch.Tensor | None
-) -> torch.Tensor:
-    """A leaf's momentum from its slice of a fused 1-bit allreduce of scaled momenta (1-bit
-    LAMB): divided by its scaling coefficient, times its mask."""
-    m = mean / scaling
-    return m if mask is None else m * mask
-
-
-def momentum_of(state: Any, exp_avg_mask: PyTree | None = None) -> PyTree:
-    """Every leaf's fp32 momentum ``m`` in a state of the 1-bit family, a tree like the params.
-
-    ``state.exp_avg`` where it holds tensors; where it holds the packed signs of a 1-bit
-    allreduce (``fn.collectives.PackedSigns``), read back exactly: per leaf (1-bit Adam:
-    signs times scales times ``exp_avg_mask``), or one for all leaves fused (1-bit LAMB: each
-    leaf's slice divided by its ``scaling_coeff``, times its mask).
-
-    Args:
-        state: a state of ``fn.onebit_adam``, ``fn.zero_one_adam`` or ``fn.onebit_lamb``.
-        exp_avg_mask: the optimizer's ``exp_avg_mask`` (``None``: none).
-
-    Returns:
-        A tree like the params of fp32 tensors (``None`` where a param is ``None``).
-
-    Example:
-        >>> from fn.collectives import Simulated, replicate, simulate
-        >>> comm = Simulated(2)
-        >>> opt = fn.onebit_adam(lr=0.1, freeze_step=2, comm=comm)
-        >>> state = replicate(opt.init({"w": torch.zeros(3)}), comm)
-        >>> update = simulate(opt.update, comm)
-        >>> grads = {"w": torch.tensor([[1.0, -2.0, 3.0], [3.0, -2.0, 1.0]])}
-        >>> for t in (1, 2):
-        ...     _, state = update(grads, state, step=t)
-        >>> type(state.exp_avg["w"]).__name__
-        'PackedSigns'
-        >>> simulate(fn.transforms.momentum_of, comm)(state)["w"][0]
-        tensor([ 0.1683, -0.1683,  0.1683])
-    """
-    if isinstance(state.exp_avg, PackedSigns) and hasattr(state, "scaling_coeff"):  # fused
-        walk = live_leaves(state.exp_avg_sq, state.scaling_coeff, exp_avg_mask)
-        total = sum(v.numel() for v in walk.at_live(0))
-        flat, offset, momenta = state.exp_avg.values(total), 0, []
-        for v, scaling, mask in zip(*(walk.at_live(k) for k in range(3)), strict=True):
-            piece = flat[offset : offset + v.numel()].view_as(v)
-            momenta.append(fused_momentum(piece, scaling, mask))
-            offset += v.numel()
-        return walk.rebuild(momenta)
-    walk = live_leaves(state.exp_avg_sq, state.exp_avg, exp_avg_mask)
-    columns = zip(*(walk.at_live(k) for k in range(3)), strict=True)
-    momenta = [momentum(m, v, mask) for v, m, mask in columns]
-    return walk.rebuild(momenta)
-
-
-def checked_state(name: str, h: OnebitSettings, state: Any) -> Any:
-    """``CompressedOptimizer.check_state`` of the 1-bit family: checks the forms of a state
-    from a checkpoint against its variance (the params' shapes) and ``h``'s level, and
-    returns it with the error feedback in ``h.error_dtype``.
-
-    Per leaf: the momentum ``exp_avg`` is an fp32 tensor of the param's shape or a
-    :class:`~fn.collectives.PackedSigns` (uint8 rows, one fp32 scale each) holding at least its
-    elements (1-bit LAMB: one for all leaves); the fresh variance (1-bit LAMB) ``None`` or fp32
-    of the param's shape; the errors ``None`` (allocated when needed) or of the shapes
-    ``fn.collectives.init_error_feedback`` gives, per leaf or, where the error field is one
-    tensor, for all leaves.
-
-    Raises:
-        ValueError: naming the field and what it holds.
-    """
-    fused_momentum = isinstance(state.exp_avg, PackedSigns)
-    momenta = None if fused_momentum else state.exp_avg
-    walk = live_leaves(state.exp_avg_sq, momenta, getattr(state, "exp_avg_sq_fresh", None))
-    variances = walk.at_live(0)
-    total = sum(v.numel() for v in variances)
-    if fused_momentum:
-        _check_packed(name, "exp_avg", state.exp_avg, total)
-    else:
-        for v, m in zip(variances, walk.at_live(1), strict=True):
-            if isinstance(m, PackedSigns):
-                _check_packed(name, "exp_avg", m, v.numel())
-            else:
-                _check_like(name, "exp_avg", m, v)
-    if hasattr(state, "exp_avg_sq_fresh"):
-        for v, fresh in zip(variances, walk.at_live(2), strict=True):
-            if fresh is not None:
-                _check_like(name, "exp_avg_sq_fresh", fresh, v)
-    fused = state.worker_error is None or isinstance(state.worker_error, torch.Tensor)
-    if fused:
-        errors = _checked_errors(name, h, state.worker_error, state.server_error, total)
-        return state._replace(worker_error=errors[0], server_error=errors[1])
-    errors = live_leaves(state.exp_avg_sq, state.worker_error, state.server_error)
-    pairs = [
-        _checked_errors(name, h, ew, es, v.numel())
-        for v, ew, es in zip(*(errors.at_live(k) for k in range(3)), strict=True)
-    ]
-    return state._replace(
-        worker_error=errors.rebuild([p[0] for p in pairs], fill=1),
-        server_error=errors.rebuild([p[1] for p in pairs], fill=2),
-    )
-
-
-def full_state(h: OnebitSettings, exp_avg_mask: PyTree | None, state: Any) -> Any:
-    """``CompressedOptimizer.full_state`` of the 1-bit family: the momentum as fp32 tensors
-    (:func:`momentum_of`), the error feedback allocated (zeros where ``None``, per leaf or for
-    all leaves as :func:`checked_state` reads it) and the fresh variance of 1-bit LAMB a copy of
-    the variance where it is ``None`` (unused until the last warmup update sets it)."""
-    walk = live_leaves(state.exp_avg_sq, state.exp_avg_sq)
-    variances = walk.at_live(0)
-    total = sum(v.numel() for v in variances)
-    fields = {"exp_avg": momentum_of(state, exp_avg_mask)}
-    if hasattr(state, "exp_avg_sq_fresh"):
-        fresh = live_leaves(state.exp_avg_sq, state.exp_avg_sq_fresh)
-        copies = [
-            v.clone() if f is None else f
-            for v, f in zip(*(fresh.at_live(k) for k in (0, 1)), strict=True)
-        ]
-        fields["exp_avg_sq_fresh"] = fresh.rebuild(copies, fill=1)
-    level = dict(comm=h.comm, local_world_size=h.local_world_size, dtype=h.error_dtype)
-    if state.worker_error is None:
-        device = variances[0].device if variances else None
-        errors = collectives.init_error_feedback(total, **level, device=device)
-        fields.update(worker_error=errors[0], server_error=errors[1])
-    elif not isinstance(state.worker_error, torch.Tensor):
-        pairs = live_leaves(state.exp_avg_sq, state.worker_error, state.server_error)
-        allocated = [
-            collectives.init_error_feedback(v.numel(), **level, device=v.device)
-            if ew is None
-            else (ew, es)
-            for v, ew, es in zip(*(pairs.at_live(k) for k in range(3)), strict=True)
-        ]
-        fields.update(
-            worker_error=pairs.rebuild([p[0] for p in allocated], fill=1),
-            server_error=pairs.rebuild([p[1] for p in allocated], fill=2),
-        )
-    return state._replace(**fields)
-
-
-def _check_like(name: str, field: str, x: Any, like: torch.Tensor) -> None:
-    if not isinstance(x, torch.Tensor) or x.shape != like.shape or x.dtype != torch.float32:
-        got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"{name}: {field} holds {got}, not fp32 of shape {tuple(like.shape)}")
-
-
-def _check_packed(name: str, field: str, x: PackedSigns, numel: int) -> None:
-    packed, scales = x
-    if (
-        not isinstance(packed, torch.Tensor)
-        or not isinstance(scales, torch.Tensor)
-        or packed.dtype != torch.uint8
-        or packed.dim() != 2
-        or scales.dtype != torch.float32
-        or tuple(scales.shape) != (packed.shape[0],)
-        or packed.numel() * 8 < numel
-    ):
-        raise ValueError(
-            f"{name}: {field} holds packed signs that are not uint8 rows [R, chunk / 8] with "
-            f"fp32 scales [R] for at least {numel} elements"
-        )
-
-
-def _checked_errors(
-    name: str, h: OnebitSettings, worker: Any, server: Any, numel: int
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """A leaf's error pair in ``h.error_dtype``, checked to be ``None`` or of its shapes."""
-    if worker is None and server is None:
-        return None, None
-    want = collectives.init_error_feedback(
-        numel, comm=h.comm, local_world_size=h.local_world_size, device="meta"
-    )
-    for field, x, like in (("worker_error", worker, want[0]), ("server_error", server, want[1])):
-        if not isinstance(x, torch.Tensor) or x.shape != like.shape or not x.is_floating_point():
-            got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else "None"
-            raise ValueError(
-                f"{name}: {field} has {got}, the error feedback of {numel} elements here has "
-                f"shape {tuple(like.shape)}"
-            )
-    return worker.to(h.error_dtype), server.to(h.error_dtype)
-
-
-def kept_momentum(
-    mean: torch.Tensor | PackedSigns, like: torch.Tensor, mask: torch.Tensor | None
-) -> tuple[torch.Tensor | PackedSigns, torch.Tensor]:
-    """The momentum that a compressed mean gives (:func:`compressed_mean` with ``packed``),
-    as the state keeps it and as an fp32 tensor: packed signs are kept as they arrive (the
-    mask applies when they are read, :func:`momentum`); a tensor (nothing was compressed) is
-    kept with the mask applied."""
-    if isinstance(mean, PackedSigns):
-        return mean, momentum(mean, like, mask)
-    m = mean if mask is None else mean * mask
-    return m, m
-
-
 def _initial_lr(lr: LearningRate) -> torch.Tensor:
     """The ``lr`` state field at init: a 0-dim fp32 tensor (a schedule is read at count 0)."""
     if callable(lr):
@@ -809,7 +606,7 @@ def report_frozen_variance(
     for v, m, skipped, kept in zip(*(walk.at_live(k) for k in range(4)), strict=True):
         if skipped:
             continue
-        rms = momentum(m, v, kept).square().mean().sqrt()
+        rms = onebit_state.momentum(m, v, kept).square().mean().sqrt()
         at_zero = v <= 0
         zero = zero + (at_zero if kept is None else at_zero & (kept != 0)).sum()
         below = below + ((v > 0) & (v.sqrt().add_(eps).mul_(bound) < rms)).sum()

@@ -11,6 +11,7 @@ from fn.base import CompressedOptimizer, SecondMomentField
 from fn.collectives import ErrorFeedbackField
 from fn.errors import check_int
 from fn.transforms import _leafwise as leafwise
+from fn.transforms import _onebit_state as onebit_state
 from fn.transforms._onebit_schedules import FreezeSchedule, OnebitAdamPlan
 from fn.transforms.onebit_fast import onebit_adam_step
 from fn.tree import PyTree, tree_zeros_like
@@ -225,8 +226,8 @@ def onebit_adam(
         fused_apply=True,
     )
     return opt._replace(
-        check_state=partial(leafwise.checked_state, "onebit_adam", settings),
-        full_state=partial(leafwise.full_state, settings, exp_avg_mask),
+        check_state=partial(onebit_state.checked_state, "onebit_adam", settings),
+        full_state=partial(onebit_state.full_state, settings, exp_avg_mask),
     )
 
 
@@ -234,7 +235,7 @@ def _rule(h: leafwise.OnebitSettings, g, leaf, p, mask, dense, *, compressed, et
     """1-bit Adam's update of one leaf (the rules in ``onebit_adam``'s docstring); ``dense``:
     a ``non_freeze`` leaf, which keeps the warmup rule."""
     kept, v, ew, es = leaf
-    m = leafwise.momentum(kept, v, mask)
+    m = onebit_state.momentum(kept, v, mask)
     if not compressed or bool(dense):
         m, v = leafwise.dense_moments(g, m, v, h.b1, h.b2, h.comm)
         kept = m
@@ -243,7 +244,7 @@ def _rule(h: leafwise.OnebitSettings, g, leaf, p, mask, dense, *, compressed, et
         mean, ew, es = leafwise.compressed_mean(
             m, ew, es, h, "the momentum (local gradient)", packed=True
         )
-        kept, m = leafwise.kept_momentum(mean, v, mask)
+        kept, m = onebit_state.kept_momentum(mean, v, mask)
     clip = h.clip if compressed and not bool(dense) else None
     u = leafwise.adam_direction(
         m, leafwise.adam_denominator(v, h.eps), p, bound=clip, weight_decay=h.weight_decay

@@ -11,6 +11,7 @@ from fn.base import CompressedOptimizer, SecondMomentField
 from fn.collectives import ErrorFeedbackField, PackedSigns
 from fn.errors import check_fraction, check_int, check_nonnegative, check_ordered
 from fn.transforms import _leafwise as leafwise
+from fn.transforms import _onebit_state as onebit_state
 from fn.transforms._onebit_schedules import FreezeSchedule, OnebitLambPlan
 from fn.transforms.trust_ratio import trust_ratio
 from fn.tree import LiveLeaves, PyTree, fitting, live_leaves, tree_leaves, tree_map, tree_zeros_like
@@ -217,7 +218,7 @@ def onebit_lamb(
     )
 
     def update(grads, state, params, plan, eta, donated=None):
-        state = state._replace(exp_avg=leafwise.momentum_of(state, exp_avg_mask))
+        state = state._replace(exp_avg=onebit_state.momentum_of(state, exp_avg_mask))
         if not plan.compressed:
             rule = partial(_warmup_rule, settings, trust, eta=eta, copies=plan.copies_variance)
             return leafwise.map_leaves("onebit_lamb", rule, grads, state, _Leaf, params)
@@ -244,8 +245,8 @@ def onebit_lamb(
         params_needed_for="1-bit LAMB (trust ratios)",
     )
     return opt._replace(
-        check_state=partial(leafwise.checked_state, "onebit_lamb", settings),
-        full_state=partial(leafwise.full_state, settings, exp_avg_mask),
+        check_state=partial(onebit_state.checked_state, "onebit_lamb", settings),
+        full_state=partial(onebit_state.full_state, settings, exp_avg_mask),
     )
 
 
@@ -297,7 +298,7 @@ def _compressed_rule(h: leafwise.OnebitSettings, trust: _TrustSettings, m, leaf,
     m_last, v, v_fresh, r, last, scaling = leaf
     if m.numel() == 0:
         return torch.zeros_like(m_last), leaf
-    m = leafwise.fused_momentum(m, scaling, mask)
+    m = onebit_state.fused_momentum(m, scaling, mask)
     v_fresh = v if v_fresh is None else v_fresh  # a state whose warmup made no copy
     g_hat = (m - h.b1 * m_last) / (1 - h.b1)
     v_fresh = leafwise.moving_average(v_fresh, h.b2, g_hat, square=True)

@@ -12,6 +12,7 @@ from fn.base import CompressedOptimizer, SecondMomentField
 from fn.collectives import ErrorFeedbackField
 from fn.errors import check_finite, check_int
 from fn.transforms import _leafwise as leafwise
+from fn.transforms import _onebit_state as onebit_state
 from fn.transforms._onebit_schedules import ZeroOneAdamPlan, ZeroOneAdamSchedule
 from fn.transforms.onebit_fast import zero_one_adam_step
 from fn.tree import PyTree, tree_map, tree_zeros_like
@@ -232,8 +233,8 @@ def zero_one_adam(
         warmup_phase="variance (warmup)",
     )._replace(
         param_agreement=schedule.param_agreement,
-        check_state=partial(leafwise.checked_state, "zero_one_adam", settings),
-        full_state=partial(leafwise.full_state, settings, exp_avg_mask),
+        check_state=partial(onebit_state.checked_state, "zero_one_adam", settings),
+        full_state=partial(onebit_state.full_state, settings, exp_avg_mask),
     )
 
 
