@@ -23,6 +23,8 @@ from fn.tree import donated_leaves, eager, fitting, live_leaves, tree_map
 
 __all__ = [
     "padded_numel",
+    "ERROR_DTYPES",
+    "check_error_dtype",
     "init_error_feedback",
     "compressed_allreduce",
     "PackedSigns",
@@ -100,7 +102,7 @@ def init_error_feedback(
         >>> worker.shape, server.shape
         (torch.Size([64]), torch.Size([32]))
     """
-    _check_error_dtype("init_error_feedback", dtype)
+    check_error_dtype("init_error_feedback", dtype)
     world_size = comm.world_size
     n_padded = padded_numel(numel, world_size, local_world_size)
     return ErrorFeedback(
@@ -113,9 +115,24 @@ def init_error_feedback(
 ERROR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_error_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """Returns ``dtype`` if it is one of :data:`ERROR_DTYPES`, else raises ``ValueError``
-    naming ``name``."""
+def check_error_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """Checks the storage dtype of 1-bit error feedback (``error_dtype=`` of the 1-bit family).
+
+    Args:
+        name: who asks, for the message.
+        dtype: the dtype to check.
+
+    Returns:
+        ``dtype``, if it is one of :data:`ERROR_DTYPES` (fp32, bf16, fp16).
+
+    Raises:
+        ValueError: naming ``name``, for any other value.
+
+    Example:
+        >>> from fn.collectives import check_error_dtype
+        >>> check_error_dtype("opt", torch.bfloat16)
+        torch.bfloat16
+    """
     if dtype not in ERROR_DTYPES:
         allowed = ", ".join(str(d) for d in ERROR_DTYPES)
         raise ValueError(f"{name}: error_dtype must be one of {allowed}, got {dtype!r}")

@@ -36,7 +36,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fn.base import SecondMoment, marked_fields
-from fn.collectives import PackedSigns, error_feedback_leaves
+from fn.collectives import ErrorFeedback, PackedSigns, error_feedback_leaves
 from fn.optim._step import check_lr
 
 _REQUIRED = ("step", "world_size", "shapes", "functional")
@@ -269,12 +269,12 @@ def _in_saved_forms(
     as one leaf (a momentum of all leaves fused), or the layout of another field of the state
     (per leaf, like the params); at each leaf, a tensor, ``None`` or a ``PackedSigns``."""
     used, fields = set(), {}
-    marks = _field_marks(template)
-    for field, mine, error in zip(template._fields, template, marks, strict=True):
+    errors = marked_fields(type(template), ErrorFeedback)
+    for field, mine in zip(template._fields, template, strict=True):
         prefix = f".{field}"
         theirs = {k for k in saved if _under(k, prefix)}
         used.update(theirs)
-        if reset and error:
+        if reset and field in errors:
             fields[field] = mine
             continue
         layouts = [mine, None, *(other for other in template if other is not mine)]
@@ -330,15 +330,6 @@ def _read_form(saved: Mapping[str, Any], key: str) -> tuple[Any, tuple[str, ...]
     if all(k in saved for k in parts):
         return PackedSigns(saved[parts[0]], saved[parts[1]]), parts
     return _MISSING, ()
-
-
-def _field_marks(state: Any) -> list[bool]:
-    """Per field of the NamedTuple ``state``: whether it is error feedback."""
-    marks = []
-    for field in state._fields:
-        probe = state._replace(**{f: (f == field) for f in state._fields})
-        marks.append(bool(error_feedback_leaves(probe)[state._fields.index(field)]))
-    return marks
 
 
 def checkpoint_parts(

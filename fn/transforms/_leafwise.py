@@ -359,9 +359,7 @@ def onebit_settings(
     check_nonnegative(name, eps=eps, weight_decay=weight_decay)
     if not callable(lr):
         check_nonnegative(name, lr=lr)
-    if error_dtype not in collectives.ERROR_DTYPES:
-        allowed = ", ".join(map(str, collectives.ERROR_DTYPES))
-        raise ValueError(f"{name}: error_dtype must be one of {allowed}, got {error_dtype!r}")
+    collectives.check_error_dtype(name, error_dtype)
     clip = adam_ratio_bound(b1, b2) if safeguard else None
     if local_world_size is not None:
         comm.split(local_world_size)

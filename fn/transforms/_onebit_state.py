@@ -108,12 +108,12 @@ def checked_state(name: str, h: OnebitSettings, state: Any) -> Any:
     Raises:
         ValueError: naming the field and what it holds.
     """
-    fused_momentum = isinstance(state.exp_avg, PackedSigns)
-    momenta = None if fused_momentum else state.exp_avg
+    fused_signs = isinstance(state.exp_avg, PackedSigns)
+    momenta = None if fused_signs else state.exp_avg
     walk = live_leaves(state.exp_avg_sq, momenta, getattr(state, "exp_avg_sq_fresh", None))
     variances = walk.at_live(0)
     total = sum(v.numel() for v in variances)
-    if fused_momentum:
+    if fused_signs:
         _check_packed(name, "exp_avg", state.exp_avg, total)
     else:
         for v, m in zip(variances, walk.at_live(1), strict=True):
