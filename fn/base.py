@@ -35,6 +35,8 @@ __all__ = [
     "OptState",
     "SecondMoment",
     "SecondMomentField",
+    "PerRank",
+    "PerRankField",
     "marked_fields",
     "TransformInitFn",
     "TransformUpdateFn",
@@ -94,6 +96,16 @@ SecondMomentField = Annotated[PyTree, SecondMoment]
 """The annotation of a state field whose pytree holds second moments (means of squares: never
 negative), e.g. ``nu: SecondMomentField`` in ``fn.transforms.ScaleByAdamState``; ``fn.optim``
 rejects a checkpoint in which one is negative."""
+
+
+class PerRank:
+    """The mark of :data:`PerRankField` in a state field's annotation."""
+
+
+PerRankField = Annotated[PyTree, PerRank]
+"""The annotation of a state field whose values may differ between ranks by design, e.g. 0/1
+Adam's momentum and accumulator between its synchronizations: ``fn.optim.PerRankState`` saves
+it under each rank's own name, as it does error feedback, instead of once for all ranks."""
 
 
 class TransformInitFn(Protocol):

@@ -221,7 +221,9 @@ def simulate(f: Callable[..., Any], comm: Simulated) -> Callable[..., Any]:
                 out = f(*rank_args, **rank_kwargs)
             out_leaves, out_spec = tree_flatten(out)
             is_tensor = [isinstance(o, torch.Tensor) for o in out_leaves]
-            structure.append((out_leaves, out_spec, is_tensor))
+            # Only the non-tensor leaves are kept: a batched tensor must not outlive the vmap.
+            kept = [None if t else o for o, t in zip(out_leaves, is_tensor, strict=True)]
+            structure.append((kept, out_spec, is_tensor))
             return tuple(o for o, t in zip(out_leaves, is_tensor, strict=True) if t)
 
         ranks = torch.arange(world_size)

@@ -23,9 +23,9 @@ from fn.optim._checkpoint import (
 from fn.optim._consensus import (
     check_in_sync,
     check_same_group,
-    count_nonfinite,
     group_settings,
     process_comm,
+    vote_on_gradients,
 )
 from fn.optim._step import (
     AveragedOverflow,
@@ -39,6 +39,7 @@ from fn.optim._step import (
     is_fixed,
     never_compressed,
     plan_groups,
+    read_lr,
     split_frozen,
     unscale,
     update_groups,
@@ -159,7 +160,6 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         self._sync_grads = sync_grads
         self._groups: list[GroupRuntime] = []
         super().__init__(params, dict(defaults or {}))
-        self.register_step_post_hook(FunctionalOptimizer._after_step)
 
     # ---------------------------------------------------------------- construction
 
@@ -171,7 +171,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         return self._transform(**hyper)
 
     def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in group.items() if k in self.defaults}
+        return read_lr({k: v for k, v in group.items() if k in self.defaults})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a group (a collective call under ``ProcessGroup``: every rank must add the same
@@ -225,9 +225,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         ]
         check_in_sync(self.comm, snapshots)
 
-    def _after_step(self, args: Any, kwargs: Any) -> None:
-        """The step post-hook: :meth:`check_consistency` every ``check_every`` steps taken."""
-        del args, kwargs
+    def _check_if_due(self) -> None:
+        """:meth:`check_consistency` every ``check_every`` steps taken."""
         if not self.check_every or self.last_step_skipped:
             return
         self._steps_since_check += 1
@@ -239,6 +238,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- step
 
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every group, or none: all or nothing.
@@ -262,7 +262,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             fn.NonFiniteError: ``nonfinite="raise"`` and a gradient is non-finite on some
                 rank, or a group's averaged gradient overflows (on every rank). Nothing was
                 changed.
-            ValueError: an invalid hyperparameter in ``param_groups``, or (at the first step after
+            ValueError: an invalid hyperparameter in ``param_groups``, a gradient the optimizer
+                cannot take (sparse) on some rank (on every rank), or (at the first step after
                 building or ``load_state_dict``) ranks whose step counts, hyperparameters or
                 params differ. Nothing was changed.
             RuntimeError: a param no longer lives in the flat buffer, or a param frozen when its
@@ -281,13 +282,25 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             self.check_consistency()
             self._start_checked = True
         plans = self._plans()
+        unusable = [
+            f"param group {index}: {why}"
+            for index, runtime in enumerate(self._groups)
+            if (why := runtime.flat.unusable_grad()) is not None
+        ]
         grads = [runtime.flat.gather_grads() for runtime in self._groups]
         if grad_scale is not None:
             unscale(grads, grad_scale)
         # Transforms that reject non-finite gradients themselves, on every rank and before
         # any write, need no separate pass over their gradients.
-        unchecked = [] if self._checks_gradients else grads
-        if count_nonfinite(self.comm, unchecked, found_inf) > 0:
+        unchecked = [] if self._checks_gradients or unusable else grads
+        vote = vote_on_gradients(self.comm, unchecked, found_inf, bool(unusable))
+        if vote.unusable:
+            mine = unusable[0] if unusable else "that rank's error names the param"
+            raise ValueError(
+                f"fn.optim: {vote.unusable} of {self.comm.world_size} ranks hold a gradient that "
+                f"fn.optim cannot take ({mine}); no update was made on any rank"
+            )
+        if vote.nonfinite > 0:
             return self._skip(
                 loss,
                 found_inf,
@@ -300,6 +313,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             return self._skip(loss, found_inf, str(err))
         self.last_step_skipped = False
         commit_groups(self._groups, plans, results)
+        self._check_if_due()
         return loss
 
     def _skip(self, loss: Any, found_inf: torch.Tensor | None, message: str) -> Any:

@@ -35,9 +35,9 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
-from fn.base import SecondMoment, marked_fields
+from fn.base import PerRank, SecondMoment, marked_fields
 from fn.collectives import ErrorFeedback, PackedSigns, error_feedback_leaves
-from fn.optim._step import check_lr
+from fn.optim._step import lr_value, read_lr
 
 _REQUIRED = ("step", "world_size", "shapes", "functional")
 _OPTIONAL = ("master", "rank", "error_feedback_by_rank", "local_world_size")
@@ -389,7 +389,8 @@ def check_state_values(group: int, state: Any) -> None:
         state: a functional state read from a checkpoint.
     """
     leaves = pytree.tree_flatten_with_path(state)[0]
-    for (path, leaf), second_moment in zip(leaves, _second_moment_leaves(state), strict=True):
+    second_moments = _marked_leaves(state, SecondMoment)
+    for (path, leaf), second_moment in zip(leaves, second_moments, strict=True):
         key = pytree.keystr(path)
         if isinstance(leaf, float) or (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
             values = torch.as_tensor(leaf)
@@ -407,18 +408,26 @@ def check_state_values(group: int, state: Any) -> None:
                 )
 
 
-def _second_moment_leaves(state: Any) -> list[bool]:
-    """Which leaves of ``state`` lie in a field annotated ``SecondMomentField``, in pytree leaf
-    order."""
+def _marked_leaves(state: Any, mark: Any) -> list[bool]:
+    """Which leaves of ``state`` lie in a field annotated with ``mark`` (e.g.
+    ``SecondMomentField``), in pytree leaf order."""
     marks = []
     for path, _ in pytree.tree_flatten_with_path(state)[0]:
         node, inside = state, False
         for entry in path:
             if isinstance(entry, pytree.GetAttrKey):
-                inside = inside or entry.name in marked_fields(type(node), SecondMoment)
+                inside = inside or entry.name in marked_fields(type(node), mark)
             node = entry.get(node)
         marks.append(inside)
     return marks
+
+
+def per_rank_keys(state: Any) -> list[str]:
+    """The key paths (as in :func:`state_to_dict`) of the leaves of ``state`` that may differ
+    between ranks: its error feedback and the fields annotated ``fn.base.PerRankField``."""
+    leaves, _ = pytree.tree_flatten_with_path(state)
+    marks = zip(error_feedback_leaves(state), _marked_leaves(state, PerRank), strict=True)
+    return [pytree.keystr(path) for (path, _), m in zip(leaves, marks, strict=True) if any(m)]
 
 
 def check_master(group: int, master: torch.Tensor | None, numel: int) -> None:
@@ -529,8 +538,8 @@ def plan_load(
     ):
         record = _read_record(index, records, saved, group, runtime)
         if "lr" in saved:
-            check_lr(index, saved["lr"], "in the checkpoint")
-        hyper = {k: saved.get(k, v) for k, v in current.items()}
+            lr_value(index, saved["lr"], "in the checkpoint")
+        hyper = read_lr({k: saved.get(k, v) for k, v in current.items()})
         try:
             transform = make_transform(index, hyper)
         except (TypeError, ValueError) as err:
@@ -671,12 +680,19 @@ def gather_error_feedback(
 
     Returns:
         On group rank 0, one ``{key: tensor}`` per rank, indexed by rank; ``None`` elsewhere.
+        A buffer not allocated yet (``None``: the 1-bit family before its freeze) is ``None``
+        on every rank alike, since when it is allocated depends on the update count alone; it
+        is recorded as ``None`` for every rank, with nothing sent.
     """
     import torch.distributed as dist
 
     world_size = dist.get_world_size(group)
-    gathered: list[dict[str, torch.Tensor]] = [{} for _ in range(world_size)]
+    gathered: list[dict[str, torch.Tensor | None]] = [{} for _ in range(world_size)]
     for key in keys:
+        if functional[key] is None:
+            for entries in gathered:
+                entries[key] = None
+            continue
         local = functional[key].contiguous()
         pieces = [torch.empty_like(local) for _ in range(world_size)] if rank == 0 else None
         dist.gather(local, pieces, group=group, group_dst=0)
@@ -737,10 +753,13 @@ def own_error_feedback(
         return record.functional, True
     if record.error_feedback_by_rank is not None:
         mine = record.error_feedback_by_rank[rank]
-        if set(mine) != set(keys):
+        # A field may be saved in another form than this state's (one None for a buffer not
+        # allocated yet, or per-leaf tensors): an entry covers the entries under it or above it.
+        uncovered = [k for k in keys if not any(_under(k, g) or _under(g, k) for g in mine)]
+        if uncovered or not set(mine) <= set(record.functional):
             raise ValueError(
-                f"the checkpoint's error_feedback_by_rank has entries {sorted(mine)}, this "
-                f"optimizer's error feedback is {keys}"
+                f"the checkpoint's error_feedback_by_rank has entries {sorted(mine)} for rank "
+                f"{rank}, this optimizer's error feedback is {keys}"
             )
         return {**record.functional, **mine}, False
     foreign = world_size > 1 and record.rank is not None and record.rank != rank
@@ -749,14 +768,16 @@ def own_error_feedback(
 
 class PerRankState:
     """An ``fn.optim`` optimizer as a ``torch.distributed.checkpoint`` (DCP) ``Stateful`` that
-    keeps every rank's error feedback.
+    keeps every rank's own state: its error feedback and the fields that differ between ranks.
 
     DCP saves a tensor that every rank holds under the same name once (it assumes replicas):
     right for the moments, the step and the master copy, which are the same on every rank, but
-    it would keep one rank's error feedback for all. Here each rank's error feedback gets a
-    name of its own (``error_feedback_of_rank.<rank>``), so every rank writes its own shard and
-    reads back its own. DCP checkpoints load at the world size they were saved with (the error
-    feedback's shapes depend on it); to change the world size, go through ``state_dict()``.
+    it would keep one rank's error feedback for all, and one rank's momentum and accumulator
+    of 0/1 Adam, which differ between its synchronizations (state fields annotated
+    ``fn.base.PerRankField``). Here each rank's share of the state gets a name of its own
+    (``state_of_rank.<rank>``), so every rank writes its own shard and reads back its own.
+    DCP checkpoints load at the world size they were saved with (the error feedback's shapes
+    depend on it); to change the world size, go through ``state_dict()``.
     DCP loads in place into a layout fixed before it reads, so an optimizer whose state changes
     form with its phase (``CompressedOptimizer.full_state``: the 1-bit family's packed momentum
     and lazily allocated buffers) is saved and loaded here in its full layout, from which its
@@ -787,33 +808,34 @@ class PerRankState:
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's ``state_dict()`` with its tensors copied (DCP loads in place into the
-        dict this returns; the master is a copy already) and each record's error feedback under
-        this rank's own name."""
+        dict this returns; the master is a copy already) and each record's per-rank entries
+        (:func:`per_rank_keys`) under this rank's own name."""
         saved = self.optimizer.state_dict()
         rank = getattr(self.optimizer.comm, "rank", 0)
         groups = self.optimizer._groups
-        keys = [error_feedback_keys(runtime.state) for runtime in groups]
         state = {}
         for index, record in saved["state"].items():
             record.pop("rank", None)
             record.pop("error_feedback_by_rank", None)
+            functional_state = groups[index].state
             full = getattr(groups[index].transform, "full_state", None)
             if full is not None:  # one layout at every count: DCP loads in place into it
-                record["functional"] = state_to_dict(full(groups[index].state))
+                functional_state = full(functional_state)
+                record["functional"] = state_to_dict(functional_state)
             functional = {k: _copy(v) for k, v in record["functional"].items()}
-            mine = {k: functional.pop(k) for k in keys[index]}
+            mine = {k: functional.pop(k) for k in per_rank_keys(functional_state)}
             record["functional"] = functional
-            record["error_feedback_of_rank"] = {str(rank): mine}
+            record["state_of_rank"] = {str(rank): mine}
             state[str(index)] = record  # DCP keys are strings
         return {**saved, "state": state}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Loads what DCP read into :meth:`state_dict`'s layout (this rank's error feedback)."""
+        """Loads what DCP read into :meth:`state_dict`'s layout (this rank's own entries)."""
         rank = getattr(self.optimizer.comm, "rank", 0)
         state = {}
         for index, record in state_dict["state"].items():
             record = dict(record)
-            mine = record.pop("error_feedback_of_rank")[str(rank)]
+            mine = record.pop("state_of_rank")[str(rank)]
             record["functional"] = {**record["functional"], **mine}
             record["rank"] = rank
             state[int(index)] = record

@@ -12,7 +12,8 @@ by all ranks, never read from one rank's local data alone:
 - :func:`check_in_sync`: at the first step (after any ``load_state_dict``), on demand and every
   few steps, the ranks compare their step counts, hyperparameters and params (where the
   optimizer declares that the ranks' params agree).
-- :func:`count_nonfinite`: before each step, the ranks vote on skipping it.
+- :func:`vote_on_gradients`: before each step, the ranks vote on taking it (every rank's
+  gradients usable and finite).
 
 The comparisons exchange a small fixed-size fingerprint first (one all_gather of a few int64 per
 rank); the full descriptions travel only when fingerprints differ, so that every rank raises the
@@ -363,25 +364,35 @@ def check_in_sync(comm: Any, groups: Sequence[GroupSnapshot]) -> None:
         )
 
 
-def count_nonfinite(comm: Any, grads: list[torch.Tensor], found_inf: torch.Tensor | None) -> int:
-    """The number of non-finite gradient elements summed over all ranks (one 1-element
-    allreduce), plus one per rank whose ``GradScaler`` found an overflow.
+class GradientVote(NamedTuple):
+    """What the ranks agreed on about one step's gradients (the same on every rank)."""
+
+    nonfinite: int  # non-finite gradient elements over all ranks, plus overflowing scalers
+    unusable: int  # ranks with a gradient the optimizer cannot take (e.g. a sparse one)
+
+
+def vote_on_gradients(
+    comm: Any, grads: list[torch.Tensor], found_inf: torch.Tensor | None, unusable: bool
+) -> GradientVote:
+    """The ranks' vote on a step's gradients: one 2-element allreduce.
 
     Args:
         comm: the communicator.
-        grads: this rank's gradients.
+        grads: this rank's gradients to count non-finite elements in (none: not counted here).
         found_inf: this rank's ``GradScaler`` overflow flag, or ``None`` without a scaler.
+        unusable: whether this rank holds a gradient the optimizer cannot take.
 
     Returns:
-        The same count on every rank: zero exactly when every rank may step.
+        The same vote on every rank: the step may be taken exactly when both counts are zero.
     """
     device = grads[0].device if grads else torch.device("cpu")
-    count = torch.zeros((), dtype=torch.int64, device=device)
+    counts = torch.zeros(2, dtype=torch.int64, device=device)
     for g in grads:
         if not all_finite(g):  # one reduction in the common case; the exact count only here
-            count = count + (~torch.isfinite(g)).sum().to(device)
+            counts[0] += (~torch.isfinite(g)).sum().to(device)
     if found_inf is not None:
-        count = count + (found_inf.to(device) > 0).to(torch.int64)
+        counts[0] += (found_inf.to(device) > 0).to(torch.int64)
+    counts[1] = int(unusable)
     if comm.world_size > 1:
-        count = comm.all_reduce(count, op="sum")
-    return int(count)
+        counts = comm.all_reduce(counts, op="sum")
+    return GradientVote(*counts.tolist())

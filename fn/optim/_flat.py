@@ -101,7 +101,8 @@ class FlatGroup:
         gradient buffer, allocated once and rewritten by every call (the optimizer donates it
         to the update as the updates' buffer; see :meth:`release_grads`).
 
-        A param whose ``.grad`` is ``None`` contributes zeros.
+        A param whose ``.grad`` is ``None`` contributes zeros. Call :meth:`unusable_grad` first:
+        a gradient it names is not copied.
         """
         if self._grads is None:
             self._grads = torch.empty(
@@ -110,13 +111,23 @@ class FlatGroup:
             self._grad_views = self.views(self._grads)
         for p, view in zip(self.params, self._grad_views, strict=True):
             g = p.grad
-            if g is None:
+            if g is None or g.layout != torch.strided:
                 view.zero_()
-            elif g.is_sparse:
-                raise ValueError("fn.optim does not support sparse gradients")
             else:
                 view.copy_(g)
         return self._grads
+
+    def unusable_grad(self) -> str | None:
+        """Why this rank's gradients cannot be gathered (a sparse gradient, naming its param's
+        index and shape), or ``None``: a check on this rank alone, which the adapter agrees on
+        with the other ranks before it raises (so that no rank waits in a collective)."""
+        for index, p in enumerate(self.params):
+            if p.grad is not None and p.grad.layout != torch.strided:
+                return (
+                    f"param {index} of shape {tuple(p.shape)} has a {p.grad.layout} gradient; "
+                    "fn.optim takes dense gradients only (e.g. nn.Embedding(sparse=False))"
+                )
+        return None
 
     @property
     def grads(self) -> torch.Tensor | None:

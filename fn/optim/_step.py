@@ -116,9 +116,7 @@ class GroupRuntime:
             ValueError: a hyperparameter set through ``param_groups`` is invalid or changes the
                 state's structure (naming the group).
         """
-        lr = group.get("lr")
-        if "lr" in group:
-            check_lr(index, lr)
+        lr = lr_value(index, group["lr"]) if "lr" in group else None
         changed = {k for k in hyper if k != "lr" and hyper[k] != self.hyper.get(k)}
         if not changed:
             return self.transform, self.hyper, lr
@@ -369,12 +367,11 @@ def is_fixed(transform: Any, defaults: Mapping[str, Any] | None) -> bool:
 
 
 def check_group(index: int, group: Mapping[str, Any], fixed: bool) -> None:
-    """Checks what a new param group sets: with a ``fixed`` transform only an lr, and the lr a
-    Python number.
+    """Checks what a new param group sets: with a ``fixed`` transform only an lr, and the lr
+    (:func:`lr_value`).
 
     Raises:
-        ValueError: a fixed transform and another hyperparameter than lr.
-        TypeError: an lr that is not a Python number.
+        ValueError: a fixed transform and another hyperparameter than lr, or an invalid lr.
     """
     if fixed:
         extra = set(group) - _GROUP_META - {"lr"}
@@ -383,9 +380,8 @@ def check_group(index: int, group: Mapping[str, Any], fixed: bool) -> None:
                 f"param group {index} sets {sorted(extra)}, but a fixed transform only takes "
                 "a per-group lr; pass a factory and defaults for per-group hyperparameters"
             )
-    lr = group.get("lr")
-    if lr is not None and (isinstance(lr, torch.Tensor) or not isinstance(lr, (int, float))):
-        raise TypeError(f"param group {index}: lr must be a Python number, got {lr!r}")
+    if group.get("lr") is not None:
+        lr_value(index, group["lr"])
 
 
 def split_frozen(index: int, group: dict[str, Any]) -> list[torch.Tensor]:
@@ -428,15 +424,34 @@ def check_unfrozen(groups: Sequence[GroupRuntime], param_groups: Sequence[Mappin
                 )
 
 
-def check_lr(index: int, lr: Any, where: str = "") -> None:
-    """Raises ``ValueError`` unless ``lr`` is a finite Python number >= 0."""
-    number = isinstance(lr, (int, float)) and not isinstance(lr, bool)
-    if not number or not math.isfinite(lr) or lr < 0:
+def lr_value(index: int, lr: Any, where: str = "") -> float:
+    """A group's ``lr`` as a Python float.
+
+    As in ``torch.optim``, ``lr`` may be a one-element floating-point tensor (which a scheduler
+    then writes in place): its value is read at each step and written into the functional
+    state, never the tensor itself.
+
+    Raises:
+        ValueError: unless ``lr`` is a finite number >= 0, as a Python number or such a tensor.
+    """
+    value = lr
+    if isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.is_floating_point():
+        value = lr.item()
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < 0:
         place = f" {where}" if where else ""
         raise ValueError(
-            f"param group {index}: lr{place} must be a finite Python number >= 0, got {lr!r}; "
-            "nothing was changed"
+            f"param group {index}: lr{place} must be a finite Python number >= 0 (or a "
+            f"one-element floating-point tensor holding one), got {lr!r}; nothing was changed"
         )
+    return float(value)
+
+
+def read_lr(hyper: dict[str, Any]) -> dict[str, Any]:
+    """``hyper`` with a tensor ``lr`` read as a Python float (the factories take numbers)."""
+    if isinstance(hyper.get("lr"), torch.Tensor):
+        return {**hyper, "lr": hyper["lr"].item()}
+    return hyper
 
 
 def _shortest_float(x: torch.Tensor) -> float:

@@ -512,13 +512,17 @@ def _resolve_plan(
             ``plan_type``.
         ValueError: if ``step`` is not an int >= 1, or the plan is not one of ``phase``.
     """
-    if check_step_or_plan(step, plan) is not None:
-        plan, where = plan_for(step), f"update {step}"
+    given_step = check_step_or_plan(step, plan) is not None
+    if given_step:
+        # Python bools, also for a symbolic step under torch.compile: dynamo then guards on
+        # each decision (e.g. t >= freeze_step), not on the value of t.
+        plan = plan_for(step)
+        plan = type(plan)(*(True if decided else False for decided in plan))
     elif not isinstance(plan, plan_type):
         raise TypeError(f"plan must be a {plan_type.__name__} (opt.plan(t)), got {plan!r}")
-    else:
-        where = f"the update planned as {plan}"
     if plan.compressed != compressed:
+        # formatted here only: a step given to a compiled function may be a symbolic int
+        where = f"update {step}" if given_step else f"the update planned as {plan}"
         raise ValueError(f"{where} is not a {phase} update")
     return plan
 

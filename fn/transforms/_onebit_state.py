@@ -140,13 +140,21 @@ def checked_state(name: str, h: OnebitSettings, state: Any) -> Any:
     )
 
 
-def full_state(h: OnebitSettings, exp_avg_mask: PyTree | None, state: Any) -> Any:
+def full_state(
+    h: OnebitSettings,
+    exp_avg_mask: PyTree | None,
+    state: Any,
+    never_compressed: PyTree | None = None,
+) -> Any:
     """``CompressedOptimizer.full_state`` of the 1-bit family: the momentum as fp32 tensors
     (:func:`momentum_of`), the error feedback allocated (zeros where ``None``, per leaf or for
-    all leaves as :func:`checked_state` reads it) and the fresh variance of 1-bit LAMB a copy of
-    the variance where it is ``None`` (unused until the last warmup update sets it)."""
-    walk = live_leaves(state.exp_avg_sq, state.exp_avg_sq)
+    all leaves as :func:`checked_state` reads it) except at the leaves ``never_compressed``
+    marks (1-bit Adam's ``non_freeze``: fixed when the optimizer is built, so the layout is
+    too), and the fresh variance of 1-bit LAMB a copy of the variance where it is ``None``
+    (unused until the last warmup update sets it)."""
+    walk = live_leaves(state.exp_avg_sq, never_compressed)
     variances = walk.at_live(0)
+    skipped = [bool(s) for s in walk.at_live(1)]
     total = sum(v.numel() for v in variances)
     fields = {"exp_avg": momentum_of(state, exp_avg_mask)}
     if hasattr(state, "exp_avg_sq_fresh"):
@@ -157,17 +165,17 @@ def full_state(h: OnebitSettings, exp_avg_mask: PyTree | None, state: Any) -> An
         ]
         fields["exp_avg_sq_fresh"] = fresh.rebuild(copies, fill=1)
     level = dict(comm=h.comm, local_world_size=h.local_world_size, dtype=h.error_dtype)
-    if state.worker_error is None:
+    if state.worker_error is None and not (skipped and all(skipped)):
         device = variances[0].device if variances else None
         errors = collectives.init_error_feedback(total, **level, device=device)
         fields.update(worker_error=errors[0], server_error=errors[1])
-    elif not isinstance(state.worker_error, torch.Tensor):
+    elif state.worker_error is not None and not isinstance(state.worker_error, torch.Tensor):
         pairs = live_leaves(state.exp_avg_sq, state.worker_error, state.server_error)
         allocated = [
             collectives.init_error_feedback(v.numel(), **level, device=v.device)
-            if ew is None
+            if ew is None and not skip
             else (ew, es)
-            for v, ew, es in zip(*(pairs.at_live(k) for k in range(3)), strict=True)
+            for v, ew, es, skip in zip(*(pairs.at_live(k) for k in range(3)), skipped, strict=True)
         ]
         fields.update(
             worker_error=pairs.rebuild([p[0] for p in allocated], fill=1),

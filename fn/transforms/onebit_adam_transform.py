@@ -227,7 +227,9 @@ def onebit_adam(
     )
     return opt._replace(
         check_state=partial(onebit_state.checked_state, "onebit_adam", settings),
-        full_state=partial(onebit_state.full_state, settings, exp_avg_mask),
+        full_state=partial(
+            onebit_state.full_state, settings, exp_avg_mask, never_compressed=non_freeze
+        ),
     )
 
 

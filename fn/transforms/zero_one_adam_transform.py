@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fn.base import CompressedOptimizer, SecondMomentField
+from fn.base import CompressedOptimizer, PerRankField, SecondMomentField
 from fn.collectives import ErrorFeedbackField
 from fn.errors import check_finite, check_int
 from fn.transforms import _leafwise as leafwise
@@ -21,9 +21,9 @@ from fn.tree import PyTree, tree_map, tree_zeros_like
 class ZeroOneAdamState(NamedTuple):
     count: torch.Tensor  # [] int64: updates made so far
     lr: torch.Tensor  # [] fp32: the learning rate of the last update (or the one to use next)
-    exp_avg: PyTree  # like params, fp32: the momentum m
+    exp_avg: PerRankField  # like params, fp32: the momentum m (each rank's own when frozen)
     exp_avg_sq: SecondMomentField  # like params, fp32: the variance v
-    momentum_accumulator: PyTree  # like params, fp32: a, the sum of local updates since a sync
+    momentum_accumulator: PerRankField  # like params, fp32: a, the local updates since a sync
     worker_error: ErrorFeedbackField  # per leaf [N_leaf / L] (L = 1 flat), error_dtype: e_w
     server_error: ErrorFeedbackField  # per leaf [N_leaf / W], error_dtype: e_s
     var_interval: torch.Tensor  # [] int64: equals ZeroOneAdamSchedule.counters(count + 1)

@@ -104,7 +104,7 @@ def test_register_equals_bare_fn_bitwise_and_ddp_is_silent_when_compressed():
                         assert ddp_bytes <= 1.05 * bare_bytes + 64, (name, kind, t, run["sent"])
                         assert run["fn_sent"][t] == bare["fn_sent"][t]
                     else:  # DDP averaged: fn sends its 1-element consensus allreduce only
-                        vote = all_reduce_bytes(8, 2) + (START_CHECK_BYTES if t == 0 else 0)
+                        vote = all_reduce_bytes(16, 2) + (START_CHECK_BYTES if t == 0 else 0)
                         assert run["fn_sent"][t] == vote, (name, t)
                         assert bare["fn_sent"][t] == vote + WARMUP_BYTES[name]
         if name != "zero_one_adam":  # (0/1 Adam's ranks differ between synchronizations)

@@ -3,6 +3,8 @@ flat buffers, param groups, LR schedulers, policies."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -358,3 +360,30 @@ def test_add_param_group_builds_its_buffer_and_a_bad_group_is_not_added():
     opt.step()
     moved = (flat_params(model) - before).abs()
     assert moved[:42].max() > 5e-3 and 0 < moved[42:].max() < 2e-3  # lr 1e-2 vs 1e-3
+
+
+def test_tensor_lr_equals_float_lr_with_a_scheduler():
+    """A one-element tensor lr (as torch.optim takes it; schedulers write it in place) gives
+    the float lr's updates bit for bit, and the state never aliases the tensor."""
+    runs = {}
+    for kind in ("float", "tensor"):
+        model = make_model()
+        lr = 1e-2 if kind == "float" else torch.tensor(1e-2)
+        local = fn.collectives.Local()
+        opt = fn.optim.OnebitAdam(model.parameters(), lr=lr, freeze_step=3, comm=local)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            train(model, opt, 0, range(6), scheduler=sched)
+        runs[kind] = (flat_params(model), opt.state_dict())
+    assert torch.equal(runs["float"][0], runs["tensor"][0])
+    lr_in_state = runs["tensor"][1]["state"][0]["functional"][".lr"]
+    assert isinstance(runs["tensor"][1]["param_groups"][0]["lr"], torch.Tensor)
+    assert torch.equal(lr_in_state, runs["float"][1]["state"][0]["functional"][".lr"])
+
+
+@pytest.mark.parametrize("lr", [torch.tensor([1e-2, 1e-3]), torch.tensor(1), torch.tensor(-0.1)])
+def test_a_tensor_lr_that_is_no_learning_rate_is_refused(lr):
+    model = make_model()
+    with pytest.raises(ValueError, match="one-element floating-point tensor"):
+        fn.optim.OnebitAdam(model.parameters(), lr=lr, comm=fn.collectives.Local())

@@ -32,12 +32,12 @@ def test_onebit_adam_step_makes_no_gradient_pass_of_its_own(compressed, monkeypa
     first step, the check that the ranks start in sync), with its params."""
     counted = []
 
-    def count_nonfinite(comm, grads, found_inf):
+    def vote_on_gradients(comm, grads, found_inf, unusable):
         counted.append(len(grads))
-        return real_count(comm, grads, found_inf)
+        return real_count(comm, grads, found_inf, unusable)
 
-    real_count = fn.optim._adapter.count_nonfinite
-    monkeypatch.setattr(fn.optim._adapter, "count_nonfinite", count_nonfinite)
+    real_count = fn.optim._adapter.vote_on_gradients
+    monkeypatch.setattr(fn.optim._adapter, "vote_on_gradients", vote_on_gradients)
     model = make_model()
     comm = Mirror()
     opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3, comm=comm)

@@ -231,3 +231,35 @@ def test_plan_argument_errors():
     assert four_fields.plan is None
     with pytest.raises(TypeError, match="no plan"):
         four_fields.update(g, state, params, plan=opt.plan(1))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2], ids=["local", "simulated2"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_compiled_step_given_t_matches_eager_within_the_recompile_limit(name, world):
+    """``step=t`` passed into a compiled step: dynamo specializes the first ``t``, then makes it
+    a dynamic int guarded by the plan's decisions, and the results are the eager ones, bit for
+    bit (under ``Simulated`` too). 1-bit Adam and 1-bit LAMB compile one graph more than their
+    plans; 0/1 Adam's doubling intervals keep adding guards (README: pass ``plan=`` there)."""
+    build, steps, _ = OPTIMIZERS[name]
+    comm = Local() if world == 1 else Simulated(world)
+    opt = build(comm)
+    params = make_params()
+    grads = make_grads(params, world, steps)
+    state = opt.init(params)
+    if world > 1:
+        params, state = replicate(params, comm), replicate(state, comm)
+    step = training_step(opt, comm)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter)
+    got, want = (params, state), (params, state)
+    for t in range(1, steps + 1):
+        g = rank_grads(grads, t, world)
+        got = compiled(*got, g, step=t)
+        want = step(*want, g, step=t)
+        for a, b in zip(tree_leaves(got), tree_leaves(want), strict=True):
+            assert_equal(a, b, t)
+    torch._dynamo.reset()
+    if name != "zero_one_adam":
+        assert counter.frame_count == OPTIMIZERS[name][2] + 1
