@@ -27,6 +27,7 @@ from fn.optim._consensus import (
     group_settings,
     process_comm,
 )
+from fn.optim._ddp_detection import warn_if_averaged
 from fn.optim._step import (
     AveragedOverflow,
     GroupRuntime,
@@ -155,6 +156,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         # Whether the ranks' starting point was compared: at the first step() after building or
         # load_state_dict, once the weights and the state that the ranks start from are final.
         self._start_checked = False
+        # Whether the first step still has to look for gradients averaged before it (DDP that
+        # fn was not told about; fn.optim._ddp_detection): once per optimizer.
+        self._averaging_unchecked = True
         self._transform = transform
         self._sync_grads = sync_grads
         self._groups: list[GroupRuntime] = []
@@ -282,6 +286,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             self._start_checked = True
         plans = self._plans()
         grads = [runtime.flat.gather_grads() for runtime in self._groups]
+        if self._averaging_unchecked:
+            self._averaging_unchecked = False
+            warn_if_averaged(self, grads)
         if grad_scale is not None:
             unscale(grads, grad_scale)
         # Transforms that reject non-finite gradients themselves, on every rank and before
