@@ -6,9 +6,6 @@ are reported."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -27,31 +24,15 @@ from lightning.pytorch.strategies import (  # noqa: E402
 )
 
 from fn.integrations.lightning import FnCallback, check_strategy  # noqa: E402
+from tests._distributed import ROOT, torchrun  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 # 64 samples, 2 ranks, batch 4: 8 steps per epoch, so the checkpoint at 4 falls in the middle of
 # an epoch (the example's loader is resumable) and the one at 8 at its end
 STEPS, SAVE, BATCH = 10, 4, 4
 
 
-def _torchrun(script: Path, *args: str) -> str:
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-    )
-    env.pop("WORLD_SIZE", None)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(script), *args,
-    ]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return done.stdout
-
-
 def _example(output_dir: Path, freeze: int, *extra: str) -> dict[str, torch.Tensor]:
-    out = _torchrun(
+    out = torchrun(
         ROOT / "examples" / "lightning_ddp.py",
         "--output-dir", str(output_dir), "--max-steps", str(STEPS), "--freeze-step", str(freeze),
         "--save-steps", str(SAVE), "--batch-size", str(BATCH), *extra,
@@ -96,7 +77,7 @@ def test_resumed_in_warmup_is_bit_identical(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_compressed_steps_send_what_bare_fn_sends_and_unregistered_ddp_is_reported(tmp_path):
-    _torchrun(ROOT / "tests" / "integrations" / "_lightning_traffic.py", str(tmp_path))
+    torchrun(ROOT / "tests" / "integrations" / "_lightning_traffic.py", str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     for result in ranks:
         bare, registered, unregistered = (result[k] for k in ("bare", "registered", "unregistered"))
