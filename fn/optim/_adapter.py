@@ -377,9 +377,10 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         the next update) holds it, so that a checkpoint saved by rank 0 alone resumes every rank
         bit for bit. A collective call: every rank must call it.
 
-        Hugging Face ``Trainer`` and ``accelerate`` save only rank 0's optimizer state and load
-        it on every rank; ``fn.integrations`` calls this before their saves. Without it, a rank
-        that loads another rank's state resets its error feedback to zero (with a warning).
+        Hugging Face ``Trainer``, ``accelerate`` and PyTorch Lightning save only rank 0's
+        optimizer state and load it on every rank; ``fn.integrations`` calls this before their
+        saves. Without it, a rank that loads another rank's state resets its error feedback to
+        zero (with a warning).
 
         Memory: rank 0 holds ``W`` ranks' error-feedback buffers until the next update, and
         every rank reads all ``W`` when it loads the checkpoint: for 1-bit Adam over ``n``
