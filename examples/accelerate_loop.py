@@ -18,12 +18,8 @@ import os
 import re
 
 import torch
-from _tiny_gpt2 import (
-    SyntheticTokens,
-    check_ranks_agree,
-    parse_args,
-    tiny_gpt2,
-)
+from _common import check_ranks_agree, parse_args
+from _tiny_gpt2 import SyntheticTokens, tiny_gpt2
 from accelerate import Accelerator
 
 import fn.optim

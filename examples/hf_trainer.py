@@ -15,12 +15,8 @@ from __future__ import annotations
 import os
 
 import torch
-from _tiny_gpt2 import (
-    SyntheticTokens,
-    check_ranks_agree,
-    parse_args,
-    tiny_gpt2,
-)
+from _common import check_ranks_agree, parse_args
+from _tiny_gpt2 import SyntheticTokens, tiny_gpt2
 from transformers import Trainer, TrainingArguments
 
 import fn.optim

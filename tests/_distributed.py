@@ -7,14 +7,23 @@ each joins a gloo group on a free local port and returns ``worker_fn(rank, world
 exception in a child, a child that dies, or the timeout raises in the parent (a
 ``RuntimeError``), and every child is killed, also when the parent dies (Linux).
 Batch many cases into one call: a launch costs a few seconds.
+
+``torchrun(script, *args)`` runs a script (an example, or a worker that a stack must launch
+itself) on 2 gloo ranks under ``torchrun``.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fn.app._launch import spawn_gloo
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _call(rank: int, world_size: int, send: Any, worker_fn: Callable[..., Any], args: tuple) -> Any:
@@ -47,3 +56,29 @@ def run_distributed(
         on_message=lambda rank, message: None,
         threads=1,
     )
+
+
+def torchrun(script: Path, *args: str, timeout: float = 240) -> str:
+    """Runs ``script args`` under ``torchrun --standalone --nproc-per-node 2``, with the
+    worktree on ``PYTHONPATH`` and one intra-op thread per rank.
+
+    Returns:
+        Its standard output.
+
+    Raises:
+        AssertionError: it failed (with the ends of its output); ``subprocess.TimeoutExpired``
+            after ``timeout`` seconds.
+    """
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    )
+    env.pop("WORLD_SIZE", None)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(script), *args,
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done.stdout

@@ -1,23 +1,31 @@
-"""Glue for the training stacks: Hugging Face ``Trainer`` and ``accelerate``.
+"""Glue for the training stacks: Hugging Face ``Trainer``, ``accelerate`` and PyTorch Lightning.
 
 Each stack has its own module, imported on demand (``import fn`` never imports them, nor the
-stacks; they need the ``integrations`` extra: ``pip install "fn-optim[integrations]"``):
+stacks; they need the ``integrations`` extra, ``pip install "fn-optim[integrations]"``, and
+Lightning the ``lightning`` extra, ``pip install "fn-optim[lightning]"``):
 
 - ``fn.integrations.transformers.attach(trainer)``: a ``Trainer`` with an ``fn.optim`` 1-bit
   optimizer keeps DDP silent in the compressed phase and saves checkpoints that resume every rank
   bit for bit.
 - ``fn.integrations.accelerate.attach(accelerator, model, optimizer)``: the same for a loop
   driven by an ``Accelerator`` (after ``accelerator.prepare``).
+- ``lightning.Trainer(callbacks=[fn.integrations.lightning.FnCallback()])``: the same for a
+  Lightning ``Trainer`` whose ``configure_optimizers`` returns an ``fn.optim`` optimizer
+  (``trainer.fit(model, ckpt_path=...)`` resumes every rank bit for bit); Lightning's sharded
+  strategies (FSDP, FSDP2, DeepSpeed) raise ``NotImplementedError`` there
+  (``fn.integrations.lightning.check_strategy``).
 
-What both do, and why:
+What they do, and why:
 
 - DDP: the stacks wrap the model in ``DistributedDataParallel``, which would average every
   gradient again; ``fn.ddp.register`` lets DDP average in warmup and silences it in the
   compressed phase (the optimizer's 1-bit allreduce is then the only gradient traffic).
 - Checkpoints: the stacks save only rank 0's optimizer state and load it on every rank; before
-  each save, every rank's error feedback is gathered into it
-  (``FunctionalOptimizer.gather_error_feedback``; its memory cost is documented there), and each
-  rank takes back its own at load.
+  each save (Lightning: while it builds the checkpoint), every rank's error feedback is
+  gathered into it (``FunctionalOptimizer.gather_error_feedback``; its memory cost is
+  documented there), and each rank takes back its own at load.
+- Without the glue, fn notices a DDP model it was not told about at the optimizer's first step
+  and warns once with the fix (:mod:`fn.optim`, "A DDP model fn was not told about").
 - ``model.to(device)`` and safetensors saving need no glue: ``fn.optim`` re-adopts replaced
   param storages and gives every param a storage of its own (``fn.optim._flat``).
 """

@@ -19,6 +19,12 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   (dense in warmup, 1-bit once compressed); a plain ``GradientTransformation`` gets the gradients
   averaged by the adapter first (one dense allreduce per group, ``sync_grads``). So anything
   applied to ``.grad`` before ``step()`` (e.g. ``clip_grad_norm_``) sees the local gradient.
+- A DDP model fn was not told about: gradients that arrive averaged already are noticed once,
+  at the first ``step()`` on several ranks (the ranks all_gather 3 int64 per group, sums of
+  their gradients' bit patterns; bit-identical and non-zero on every rank means averaged, or
+  the same batch everywhere), and one ``UserWarning`` names the fix (``fn.ddp.register`` or
+  the stack's ``fn.integrations`` glue; ``sync_grads=False`` for a plain transform). Nothing
+  else changes; later steps pay one attribute test.
 - Flat buffers: per param group the params are copied into one contiguous buffer and each
   param's ``.data`` aliases its slice of it with a storage of its own (so safetensors and
   accelerate save and load the model as any other). A param whose storage is replaced later

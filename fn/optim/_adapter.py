@@ -27,6 +27,7 @@ from fn.optim._consensus import (
     process_comm,
     vote_on_gradients,
 )
+from fn.optim._ddp_detection import warn_if_averaged
 from fn.optim._step import (
     AveragedOverflow,
     GroupRuntime,
@@ -156,6 +157,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         # Whether the ranks' starting point was compared: at the first step() after building or
         # load_state_dict, once the weights and the state that the ranks start from are final.
         self._start_checked = False
+        # Whether the first step still has to look for gradients averaged before it (DDP that
+        # fn was not told about; fn.optim._ddp_detection): once per optimizer.
+        self._averaging_unchecked = True
         self._transform = transform
         self._sync_grads = sync_grads
         self._groups: list[GroupRuntime] = []
@@ -288,6 +292,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             if (why := runtime.flat.unusable_grad()) is not None
         ]
         grads = [runtime.flat.gather_grads() for runtime in self._groups]
+        if self._averaging_unchecked:
+            self._averaging_unchecked = False
+            warn_if_averaged(self, grads)
         if grad_scale is not None:
             unscale(grads, grad_scale)
         # Transforms that reject non-finite gradients themselves, on every rank and before
@@ -384,9 +391,10 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         the next update) holds it, so that a checkpoint saved by rank 0 alone resumes every rank
         bit for bit. A collective call: every rank must call it.
 
-        Hugging Face ``Trainer`` and ``accelerate`` save only rank 0's optimizer state and load
-        it on every rank; ``fn.integrations`` calls this before their saves. Without it, a rank
-        that loads another rank's state resets its error feedback to zero (with a warning).
+        Hugging Face ``Trainer``, ``accelerate`` and PyTorch Lightning save only rank 0's
+        optimizer state and load it on every rank; ``fn.integrations`` calls this before their
+        saves. Without it, a rank that loads another rank's state resets its error feedback to
+        zero (with a warning).
 
         Memory: rank 0 holds ``W`` ranks' error-feedback buffers until the next update, and
         every rank reads all ``W`` when it loads the checkpoint: for 1-bit Adam over ``n``

@@ -32,6 +32,9 @@ OPTIMIZERS = {
 
 # The first step's check that the ranks start in sync: one all_gather of 7 int64 (one group)
 START_CHECK_BYTES = all_gather_bytes(7 * 8, 2)
+# Without DDP, the first step's look for gradients averaged already (fn.optim._ddp_detection):
+# one all_gather of 3 int64 (one group)
+DETECTION_BYTES = all_gather_bytes(3 * 8, 2)
 # fn's dense warmup traffic per step without DDP (66 fp32 params, 2 ranks): one allreduce per
 # group, 1-bit LAMB one per param
 WARMUP_BYTES = {
@@ -106,7 +109,8 @@ def test_register_equals_bare_fn_bitwise_and_ddp_is_silent_when_compressed():
                     else:  # DDP averaged: fn sends its 1-element consensus allreduce only
                         vote = all_reduce_bytes(16, 2) + (START_CHECK_BYTES if t == 0 else 0)
                         assert run["fn_sent"][t] == vote, (name, t)
-                        assert bare["fn_sent"][t] == vote + WARMUP_BYTES[name]
+                        detection = DETECTION_BYTES if t == 0 else 0
+                        assert bare["fn_sent"][t] == vote + WARMUP_BYTES[name] + detection
         if name != "zero_one_adam":  # (0/1 Adam's ranks differ between synchronizations)
             last = [result[name]["ddp"]["history"][-1] for result in results]
             assert torch.equal(last[0], last[1]), name

@@ -4,10 +4,7 @@ checkpoint of the stack's own ends with the same params, bit for bit, as the uni
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,28 +13,18 @@ import torch
 pytest.importorskip("transformers", reason="transformers is in the 'integrations' extra")
 pytest.importorskip("accelerate", reason="accelerate is in the 'integrations' extra")
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="in the 'integrations' extra")
+from tests._distributed import ROOT, torchrun  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS, FREEZE, SAVE = 6, 3, 3  # the checkpoint falls in the compressed phase
 RESUME = {"hf_trainer.py": "--resume-from-checkpoint", "accelerate_loop.py": "--resume"}
 
 
 def _torchrun(script: str, output_dir: Path, *extra: str) -> str:
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-    )
-    env.pop("WORLD_SIZE", None)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(ROOT / "examples" / script), "--output-dir", str(output_dir),
+    return torchrun(
+        ROOT / "examples" / script, "--output-dir", str(output_dir),
         "--max-steps", str(STEPS), "--freeze-step", str(FREEZE), "--save-steps", str(SAVE),
-        *extra,
-    ]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return done.stdout
+        *extra, timeout=420,
+    )  # fmt: skip
 
 
 @pytest.mark.distributed

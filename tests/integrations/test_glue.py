@@ -16,7 +16,7 @@ from fn.collectives import Local
 def test_import_fn_imports_no_stack():
     code = (
         "import sys, fn, fn.optim; "
-        "print(sorted(m for m in ('transformers', 'accelerate', 'fn.integrations') "
+        "print(sorted(m for m in ('transformers', 'accelerate', 'lightning', 'fn.integrations') "
         "if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
