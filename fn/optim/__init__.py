@@ -52,17 +52,19 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   counts as a zero gradient (as DDP's ``find_unused_parameters``): a rank cannot know whether
   another rank had a gradient without an extra collective, and every rank must run the same
   collectives. Momentum and weight decay therefore still move such params.
-- Non-finite gradients: the ranks agree on one decision (a 1-element allreduce of the count of
-  non-finite gradient elements). Finite gradients whose average over the ranks overflows count
-  as non-finite too (every rank holds the same average, so all decide alike). ``OnebitAdam``
-  counts none of its own (no pass over its gradients; the allreduce stays, for a
-  ``GradScaler``'s overflow flags): its updates reject a non-finite gradient of any rank on
-  every rank before they write anything (the warmup checks the averaged gradient, the
-  compressed update the scales its 1-bit allreduce gathers), with the same outcome.
-  ``nonfinite="raise"`` (default) raises ``fn.NonFiniteError`` (a ``ValueError``) on every
-  rank, ``"skip"`` skips the step; either way nothing changes (params, state, error feedback,
-  step counts). A step driven by ``torch.amp.GradScaler`` always skips on overflow (that is the
-  scaler's protocol; it then lowers its scale).
+- Non-finite and unusable gradients: the ranks agree on one decision (a 2-element allreduce of the
+  count of non-finite gradient elements and of the ranks holding a gradient the optimizer cannot
+  take, a sparse one: then every rank raises the same ``ValueError``, the rank that holds it
+  naming the param, and nothing changes). Finite gradients whose average over the ranks overflows
+  count as non-finite too (every rank holds the same average, so all decide alike). ``OnebitAdam``
+  counts none of its own (no pass over its gradients; the allreduce stays, for a ``GradScaler``'s
+  overflow flags): its updates reject a non-finite gradient of any rank on every rank before they
+  write anything (the warmup checks the averaged gradient, the compressed update the scales its
+  1-bit allreduce gathers), with the same outcome. ``nonfinite="raise"`` (default) raises
+  ``fn.NonFiniteError`` (a ``ValueError``) on every rank, ``"skip"`` skips the step; either way
+  nothing changes (params, state, error feedback, step counts). A step driven by
+  ``torch.amp.GradScaler`` always skips on overflow (that is the scaler's protocol; it then lowers
+  its scale).
 - All or nothing: ``step()`` first checks everything (params, frozen params, every group's
   hyperparameters in ``param_groups``, the gradients), then computes every group's update and new
   state into the group's own buffers (its gradient buffer and spare state, see
@@ -82,6 +84,10 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   ``fn.ddp.register`` with 0/1 Adam: after a compressed update where only some ranks
   overflowed, the ranks' scales differ, and a later variance refresh, where DDP averages the
   still-scaled gradients, mixes them.
+- ``torch.compile``: ``step()`` is an eager boundary (``torch.compiler.disable``); a compiled
+  training step that calls it breaks its graph there once and never recompiles for it.
+- Learning rates: a Python number or, as in ``torch.optim``, a one-element floating-point
+  tensor, whose value is read at every step (a scheduler may write it in place).
 - Coming from DeepSpeed: ``from_deepspeed(params, config, state_dict=...)`` builds the optimizer
   of a DeepSpeed 1-bit config and imports its checkpointed state, ``scheduler_from_deepspeed``
   its LR schedule, and ``convert_checkpoint(folder)`` turns a DeepSpeed checkpoint folder into
@@ -90,19 +96,21 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   state (error feedback included) as a flat dict of tensors, and the fp32 master copy; loading it
   into a fresh optimizer continues bit for bit. Only plain containers, tensors and numbers are
   stored, so ``torch.load(weights_only=True)`` reads it. ``load_state_dict`` checks every group
-  first (layout, structure of the right optimizer, shapes, hyperparameters, finite values,
-  second moments >= 0) and loads nothing unless all of it fits; errors name the group and field.
+  first (layout, structure of the right optimizer, shapes, hyperparameters, finite values, second
+  moments >= 0) and loads nothing unless all of it fits; errors name the group and field.
   ``state_dict()["state"]`` is keyed by group index (the state is per group, not per param), and
   ``opt.state``, torch's per-param dict, stays empty. Each record names the rank it was saved on:
-  error feedback is per rank, so a rank loading another rank's state (Trainer and accelerate
-  load rank 0's everywhere) resets its error feedback with a warning, unless
+  error feedback is per rank, so a rank loading another rank's state (Trainer and accelerate load
+  rank 0's everywhere) resets its error feedback with a warning, unless
   ``gather_error_feedback()`` (a collective, on every rank before rank 0 saves;
-  ``fn.integrations`` calls it) put every rank's into it. ``PerRankState(opt)`` saves each
-  rank's with ``torch.distributed.checkpoint``. The 1-bit family's state changes form with its
-  phase (error feedback allocated at the freeze, 1-bit Adam's and 1-bit LAMB's momentum kept as
-  packed signs once compressed); a checkpoint holds it in the form it had, and loads exactly
-  into an optimizer at any step count, in warmup or compressed (``check_state`` checks each
-  form; ``PerRankState`` saves the one full layout, ``full_state``, that DCP loads in place).
+  ``fn.integrations`` calls it) put every rank's into it (``None`` for a buffer not allocated yet,
+  in warmup). ``PerRankState(opt)`` saves each rank's with ``torch.distributed.checkpoint``, and
+  the fields that differ between ranks by design (``fn.base.PerRankField``: 0/1 Adam's momentum
+  and accumulator between synchronizations) with it. The 1-bit family's state changes form with
+  its phase (error feedback allocated at the freeze, 1-bit Adam's and 1-bit LAMB's momentum kept
+  as packed signs once compressed); a checkpoint holds it in the form it had, and loads exactly
+  into an optimizer at any step count, in warmup or compressed (``check_state`` checks each form;
+  ``PerRankState`` saves the one full layout, ``full_state``, that DCP loads in place).
 - Environment: ``comm=None`` under ``torchrun`` (``WORLD_SIZE`` > 1) before
   ``torch.distributed`` is initialized is an error, not a silent single-process run.
 """

@@ -1,6 +1,7 @@
 """The two example scripts under ``torchrun`` (2 gloo ranks, a tiny GPT-2): a run resumed from a
-checkpoint of the stack's own ends with the same params, bit for bit, as the uninterrupted run
-(the scripts also check that every rank ends with the same params)."""
+checkpoint of the stack's own, saved in warmup or at the freeze, ends with the same params, bit
+for bit, as the uninterrupted run (the scripts also check that every rank ends with the same
+params)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytest.importorskip("accelerate", reason="accelerate is in the 'integrations' ex
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="in the 'integrations' extra")
 from tests._distributed import ROOT, torchrun  # noqa: E402
 
-STEPS, FREEZE, SAVE = 6, 3, 3  # the checkpoint falls in the compressed phase
+STEPS, FREEZE, SAVE = 6, 4, 2  # checkpoints after updates 2 (warmup) and 4 (the freeze)
 RESUME = {"hf_trainer.py": "--resume-from-checkpoint", "accelerate_loop.py": "--resume"}
 
 
@@ -32,21 +33,23 @@ def _torchrun(script: str, output_dir: Path, *extra: str) -> str:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("script", list(RESUME))
 def test_resumed_run_is_bit_identical(script, tmp_path):
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    full = tmp_path / "full"
     out = _torchrun(script, full)
     assert "the same on every rank" in out
-    checkpoint = f"checkpoint-{SAVE}"
-    shutil.copytree(full / checkpoint, resumed / checkpoint)
-    flag = RESUME[script]
-    extra = (flag,) if flag == "--resume" else (flag, str(resumed / checkpoint))
-    _torchrun(script, resumed, *extra)
-    a = safetensors_torch.load_file(full / "final" / "model.safetensors")
-    b = safetensors_torch.load_file(resumed / "final" / "model.safetensors")
-    assert a.keys() == b.keys() and len(a) > 10
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-    # the checkpoint rank 0 saved alone holds every rank's error feedback
-    optimizer_file = "optimizer.pt" if script == "hf_trainer.py" else "optimizer.bin"
-    saved = torch.load(full / checkpoint / optimizer_file, weights_only=True)
-    record = saved["state"][0]
-    assert record["rank"] == 0 and len(record["error_feedback_by_rank"]) == 2
+    final = safetensors_torch.load_file(full / "final" / "model.safetensors")
+    assert len(final) > 10
+    for step in range(SAVE, STEPS, SAVE):
+        checkpoint, resumed = f"checkpoint-{step}", tmp_path / f"resumed-{step}"
+        shutil.copytree(full / checkpoint, resumed / checkpoint)
+        flag = RESUME[script]
+        extra = (flag,) if flag == "--resume" else (flag, str(resumed / checkpoint))
+        _torchrun(script, resumed, *extra)
+        got = safetensors_torch.load_file(resumed / "final" / "model.safetensors")
+        assert got.keys() == final.keys()
+        for name in final:
+            assert torch.equal(got[name], final[name]), (step, name)
+        # the checkpoint rank 0 saved alone holds every rank's error feedback (None in warmup)
+        optimizer_file = "optimizer.pt" if script == "hf_trainer.py" else "optimizer.bin"
+        saved = torch.load(full / checkpoint / optimizer_file, weights_only=True)
+        record = saved["state"][0]
+        assert record["rank"] == 0 and len(record["error_feedback_by_rank"]) == 2

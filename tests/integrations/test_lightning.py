@@ -58,19 +58,7 @@ def _resumed_runs_equal_the_full_run(tmp_path: Path, freeze: int) -> None:
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_resumed_in_the_compressed_phase_is_bit_identical(tmp_path):
-    _resumed_runs_equal_the_full_run(tmp_path, freeze=3)  # checkpoints after updates 4 and 8
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.xfail(
-    strict=True,
-    reason="gather_error_feedback before the first compressed update (error feedback None) "
-    "crashes; fixed on another branch: remove this mark after the merge",
-)
-def test_resumed_in_warmup_is_bit_identical(tmp_path):
+def test_resumed_in_warmup_and_in_the_compressed_phase_is_bit_identical(tmp_path):
     _resumed_runs_equal_the_full_run(tmp_path, freeze=6)  # checkpoint 4: warmup; 8: compressed
 
 
