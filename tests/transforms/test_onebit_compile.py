@@ -51,9 +51,10 @@ def rank_grads(grads, t, world):
     return {k: torch.stack([g[k] for g in grads[t - 1]]) for k in grads[t - 1][0]}
 
 
-def run_compiled_and_eager(name, world, backend, compare):
-    """Runs the compiled ``plan=`` step and the eager ``step=`` step side by side; ``compare``
-    checks every param and state leaf after every update. Returns (frames compiled, plans)."""
+def set_up(name, world):
+    """The optimizer ``name`` on ``world`` ranks (``Local`` or ``Simulated``): the optimizer,
+    its comm, the params and state (rank-stacked when simulated), every update's gradients
+    and the training step."""
     build, steps, _ = OPTIMIZERS[name]
     comm = Local() if world == 1 else Simulated(world)
     opt = build(comm)
@@ -62,7 +63,14 @@ def run_compiled_and_eager(name, world, backend, compare):
     state = opt.init(params)
     if world > 1:
         params, state = replicate(params, comm), replicate(state, comm)
-    step = training_step(opt, comm)
+    return opt, comm, params, state, grads, training_step(opt, comm)
+
+
+def run_compiled_and_eager(name, world, backend, compare):
+    """Runs the compiled ``plan=`` step and the eager ``step=`` step side by side; ``compare``
+    checks every param and state leaf after every update. Returns (frames compiled, plans)."""
+    steps = OPTIMIZERS[name][1]
+    opt, comm, params, state, grads, step = set_up(name, world)
     torch._dynamo.reset()
     counter = CompileCounterWithBackend(backend)
     # dynamic=False: any Python int reaching the graph would be guarded by value and recompile
@@ -241,15 +249,8 @@ def test_compiled_step_given_t_matches_eager_within_the_recompile_limit(name, wo
     a dynamic int guarded by the plan's decisions, and the results are the eager ones, bit for
     bit (under ``Simulated`` too). 1-bit Adam and 1-bit LAMB compile one graph more than their
     plans; 0/1 Adam's doubling intervals keep adding guards (README: pass ``plan=`` there)."""
-    build, steps, _ = OPTIMIZERS[name]
-    comm = Local() if world == 1 else Simulated(world)
-    opt = build(comm)
-    params = make_params()
-    grads = make_grads(params, world, steps)
-    state = opt.init(params)
-    if world > 1:
-        params, state = replicate(params, comm), replicate(state, comm)
-    step = training_step(opt, comm)
+    steps = OPTIMIZERS[name][1]
+    _, _, params, state, grads, step = set_up(name, world)
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(step, backend=counter)
