@@ -242,7 +242,10 @@ class FunctionalOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- step
 
-    @torch.compiler.disable
+    @torch.compiler.disable(
+        reason="an fn.optim step runs eagerly: its host-side checks and fused kernels are its "
+        "boundary in a compiled training step (call it outside a fullgraph=True function)"
+    )
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every group, or none: all or nothing.
