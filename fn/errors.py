@@ -12,6 +12,8 @@ drop it. On eager plain tensors the check runs directly and returns the input it
 
 from __future__ import annotations
 
+import os
+import sys
 from itertools import pairwise
 from typing import Any
 
@@ -31,6 +33,7 @@ __all__ = [
     "check_step_or_plan",
     "finite_or_raise",
     "require_params",
+    "user_stacklevel",
 ]
 
 
@@ -191,3 +194,27 @@ def _(x, message):
 def _(info, in_dims, x, message):
     del info
     return _finite_or_raise_op(x, message), in_dims[0]
+
+
+# fn's package and torch's: the frames that user_stacklevel skips.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(path)) + os.sep for path in (__file__, torch.__file__)
+)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` that names the caller's first frame outside fn
+    and torch (e.g. the user's ``opt.step()`` line, however many wrappers torch adds).
+
+    Example:
+        Called from code outside fn and torch, it names that code's own frame:
+
+        >>> def report():
+        ...     return fn.errors.user_stacklevel()
+        >>> report()
+        1
+    """
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from fn.base import CompressedOptimizer
+from fn.errors import user_stacklevel
 from fn.optim._consensus import bit_checksum
 
 _REGISTER_FIX = (
@@ -119,6 +120,6 @@ def warn_if_averaged(optimizer: Any, grads: Sequence[torch.Tensor]) -> bool:
         f"DistributedDataParallel model that fn was not told about; {cost}. Fix: "
         f"{_REGISTER_FIX if onebit else _SYNC_FIX}. (If every rank trains on the same batch on "
         "purpose, ignore this; it is checked once.)",
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
     return True

@@ -37,8 +37,12 @@ def _run(rank, make, *, wrap=False, register=False, same_batch=False, zero=False
             else:
                 backward(net, 0 if same_batch else rank, t)
             opt.step()
-    messages = [str(w.message) for w in caught if "fn.optim" in str(w.message)]
-    return {"warnings": messages, "params": flat_params(model)}
+    ours = [w for w in caught if "fn.optim" in str(w.message)]
+    return {
+        "warnings": [str(w.message) for w in ours],
+        "where": [w.filename for w in ours],  # the line that called opt.step()
+        "params": flat_params(model),
+    }
 
 
 def onebit(ps):
@@ -82,6 +86,7 @@ def test_unregistered_ddp_warns_once_with_the_fix(results):
             assert "fn.ddp.register(ddp_model, opt)" in message
             assert "fn.integrations.lightning.FnCallback()" in message
             assert "saves no traffic" in message
+            assert result[case]["where"] == [__file__], result[case]["where"]
         (message,) = result["adam_ddp"]["warnings"]
         assert "sync_grads=False" in message and "fn.ddp.register" not in message
 
