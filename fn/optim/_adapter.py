@@ -46,6 +46,11 @@ from fn.optim._step import (
     update_groups,
 )
 
+_EAGER_STEP = (
+    "an fn.optim step runs eagerly: its host-side checks and fused kernels are its boundary in "
+    "a compiled training step (call it outside a fullgraph=True function)"
+)
+
 
 class FunctionalOptimizer(torch.optim.Optimizer):
     """Any fn transform as a ``torch.optim.Optimizer`` (the policies: :mod:`fn.optim`).
@@ -164,6 +169,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         self._sync_grads = sync_grads
         self._groups: list[GroupRuntime] = []
         super().__init__(params, dict(defaults or {}))
+        # Made here, not where the class is defined: importing fn must not import dynamo
+        # (torch.optim's own constructor imports it anyway).
+        self._eager_step = torch.compiler.disable(self._step, reason=_EAGER_STEP)
 
     # ---------------------------------------------------------------- construction
 
@@ -242,11 +250,6 @@ class FunctionalOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- step
 
-    @torch.compiler.disable(
-        reason="an fn.optim step runs eagerly: its host-side checks and fused kernels are its "
-        "boundary in a compiled training step (call it outside a fullgraph=True function)"
-    )
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every group, or none: all or nothing.
 
@@ -276,6 +279,11 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             RuntimeError: a param no longer lives in the flat buffer, or a param frozen when its
                 group was built now requires a gradient. Nothing was changed.
         """
+        return self._eager_step(closure)
+
+    @torch.no_grad()
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
+        """:meth:`step`, run eagerly also inside a compiled function (``_eager_step``)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
