@@ -144,8 +144,8 @@ class AutoFreezeSchedule(NamedTuple):
     """The two phases of 1-bit Adam and 1-bit LAMB with ``freeze_step="auto"``: the first
     compressed update is the state's ``auto.freeze_at`` (0 while the warmup has not decided it),
     read on the host. The plans are :class:`FreezeSchedule`'s with that ``freeze_step``, except
-    that 1-bit LAMB's last warmup update is not known in advance (its first compressed update
-    takes the variance as the fresh variance instead: the same values).
+    that 1-bit LAMB's last warmup update is not known in advance (every warmup update of an
+    automatic switch sets the fresh variance to the variance instead: the same values).
     """
 
     settings: AutoFreeze

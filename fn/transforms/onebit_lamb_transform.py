@@ -242,7 +242,9 @@ def onebit_lamb(
                     "onebit_lamb", auto, grads, state, h.comm, None
                 )
                 h = h._replace(comm=Local())
-            rule = partial(_warmup_rule, h, trust, eta=eta, copies=plan.copies_variance)
+            # with an automatic switch any warmup update may be the last: each sets v~ = v
+            copies = plan.copies_variance or (auto is not None and auto.freeze is not None)
+            rule = partial(_warmup_rule, h, trust, eta=eta, copies=copies)
             updates, new = leafwise.map_leaves("onebit_lamb", rule, grads, state, _Leaf, params)
             return updates, new._replace(auto=observed)
         if plan.sets_scaling:
