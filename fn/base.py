@@ -201,12 +201,15 @@ class CompressedOptimizer(NamedTuple):
         warmup_update: the full-precision update: averages the LOCAL gradients with a dense
             allreduce, then updates.
         compressed_update: the compressed update: 1-bit collectives inside.
-        is_compressed: the host-side schedule, ``is_compressed(t) -> bool`` for the 1-based update
-            count ``t``; a pure function of ``t``, never of tensor values.
-        plan: ``plan(t)``, every host-side decision of update ``t`` as a hashable NamedTuple of
-            Python bools with a ``compressed`` attribute equal to ``is_compressed(t)`` (e.g.
-            ``fn.transforms.ZeroOneAdamPlan``). ``None`` (the default) for an optimizer whose
-            updates only take ``step``.
+        is_compressed: the host-side schedule, ``is_compressed(t, state=None) -> bool`` for the
+            1-based update count ``t``: a pure function of ``t``, never of tensor values, except
+            with ``freeze_step="auto"`` (1-bit Adam, 1-bit LAMB), where it also reads the
+            switch decided in the state given (one host read of a CPU scalar; the state is then
+            required).
+        plan: ``plan(t, state=None)``, every host-side decision of update ``t`` as a hashable
+            NamedTuple of Python bools with a ``compressed`` attribute equal to
+            ``is_compressed(t, state)`` (e.g. ``fn.transforms.ZeroOneAdamPlan``). ``None`` (the
+            default) for an optimizer whose updates only take ``step``.
         param_agreement: ``param_agreement(t)``, how closely the ranks' params agree after
             update ``t`` (``t = 0``: the params it starts from), a pure function of ``t``:
             ``0.0`` bit for bit (the default), ``r > 0`` up to a relative ``r`` of their sums,
@@ -226,6 +229,10 @@ class CompressedOptimizer(NamedTuple):
             was yet; the momentum as tensors), from which the updates continue bit for bit.
             ``fn.optim.PerRankState`` saves and loads through it, since
             ``torch.distributed.checkpoint`` loads in place into a layout fixed beforehand.
+        first_compressed: ``None``, or ``first_compressed(state=None) -> int``, the first
+            compressed update as the host knows it (with ``freeze_step="auto"``, the one decided
+            in ``state``, or while undecided the latest it can be);
+            :meth:`first_compressed_update` scans ``is_compressed`` without it.
 
     Both updates have the signature ``(grads, state, params=None, *, step=None, plan=None,
     **extra)`` and take exactly one of ``step``, the 1-based count of the update being made (a
@@ -255,23 +262,29 @@ class CompressedOptimizer(NamedTuple):
     init: TransformInitFn
     warmup_update: TransformUpdateFn
     compressed_update: TransformUpdateFn
-    is_compressed: Callable[[int], bool]
-    plan: Callable[[int], Any] | None = None
+    is_compressed: Callable[..., bool]
+    plan: Callable[..., Any] | None = None
     param_agreement: Callable[[int], float | None] = lambda t: 0.0
     fast_step: FastStepFn | None = None
     check_state: Callable[[Any], Any] | None = None
     full_state: Callable[[Any], Any] | None = None
+    first_compressed: Callable[[Any], int] | None = None
 
-    def first_compressed_update(self, last: int) -> int | None:
+    def first_compressed_update(self, last: int, state: Any = None) -> int | None:
         """The first update count ``t`` in ``1..last`` whose update is compressed, or ``None``
-        when updates ``1..last`` all run the full-precision warmup.
+        when updates ``1..last`` all run the full-precision warmup. With
+        ``freeze_step="auto"``: the switch decided in ``state``, or, while undecided or without
+        a state, the latest it can be (``max_updates + 1``).
 
         Example:
             >>> opt = fn.onebit_adam(1e-3, freeze_step=100, comm=fn.collectives.Local())
             >>> opt.first_compressed_update(1000), opt.first_compressed_update(99)
             (100, None)
         """
-        return next((t for t in range(1, last + 1) if self.is_compressed(t)), None)
+        if self.first_compressed is not None:
+            first = self.first_compressed(state)
+            return first if first <= last else None
+        return next((t for t in range(1, last + 1) if self.is_compressed(t, state)), None)
 
     def update(
         self,
@@ -292,7 +305,8 @@ class CompressedOptimizer(NamedTuple):
             ValueError: if ``step`` is not an int >= 1.
         """
         if check_step_or_plan(step, plan) is not None:
-            phase = self.compressed_update if self.is_compressed(step) else self.warmup_update
+            compressed = self.is_compressed(step, state)
+            phase = self.compressed_update if compressed else self.warmup_update
             return _without_unknown_donate(phase, extra)(grads, state, params, step=step, **extra)
         if self.plan is None:
             raise TypeError("this CompressedOptimizer has no plan function: pass step=t")

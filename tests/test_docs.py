@@ -23,6 +23,7 @@ SECTIONS = [
     "1-bit Adam",
     "0/1 Adam",
     "1-bit LAMB",
+    "Automatic freeze and momentum mask",
     "Safeguard against near-zero frozen variance",
     "Quantized allreduce with LoCo error feedback",
     "Deviations from DeepSpeed",

@@ -359,7 +359,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         """Per param group: whether the next ``step()`` runs a compressed update.
 
         The schedule of a ``CompressedOptimizer`` at the group's next update count, a host-side
-        function of the count (the same on every rank); ``False`` for a
+        function of the count (with ``freeze_step="auto"``, of the switch decided in the
+        group's state: the same on every rank); ``False`` for a
         ``GradientTransformation``. ``fn.ddp.register`` asks this before every backward pass.
         Changed group hyperparameters count, as in ``step()`` (nothing is committed).
 
@@ -374,8 +375,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
     def warn_if_never_compressed(self, updates: int, source: str = "this run") -> bool:
         """Warns (``UserWarning``) when a param group's ``CompressedOptimizer`` would make no
         compressed update among the first ``updates`` updates (e.g. a ``freeze_step`` beyond a
-        run's length): every update would be a dense allreduce, Adam's traffic, and the run would
-        save no bandwidth. ``fn.integrations`` calls it with the run's length.
+        run's length; with ``freeze_step="auto"``, a ``max_updates`` that is not below it while
+        the switch is undecided): every update might be a dense allreduce, Adam's traffic, and
+        the run would save no bandwidth. ``fn.integrations`` calls it with the run's length.
 
         Args:
             updates: the number of updates the run makes.
@@ -389,8 +391,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             warnings.warn(
                 f"fn.optim: param groups {idle} make no compressed update within {source} "
                 f"({updates} updates): every update is a dense allreduce, as plain Adam's, and "
-                "saves no bandwidth; set freeze_step (0/1 Adam: var_freeze_step) below "
-                f"{updates}",
+                "saves no bandwidth; set freeze_step (0/1 Adam: var_freeze_step), or "
+                f"freeze_step=fn.AutoFreeze(max_updates=...), below {updates}",
                 stacklevel=2,
             )
         return bool(idle)

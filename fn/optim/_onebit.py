@@ -15,7 +15,8 @@ import torch
 
 from fn.base import CompressedOptimizer
 from fn.optim._adapter import FunctionalOptimizer, Transform
-from fn.transforms import onebit_adam, onebit_lamb, zero_one_adam
+from fn.optim._checkpoint import checkpoint_parts
+from fn.transforms import AutoFreeze, onebit_adam, onebit_lamb, zero_one_adam
 
 
 class OnebitFamily(FunctionalOptimizer):
@@ -39,14 +40,15 @@ class OnebitFamily(FunctionalOptimizer):
         params: Any,
         *,
         comm: Any,
-        exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None,
+        exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | str | None,
         nonfinite: str,
         flatten: bool = False,
         local_world_size: int | None = None,
         error_dtype: torch.dtype = torch.float32,
         **defaults: Any,
     ) -> None:
-        self._masks = _masks_by_param(exp_avg_mask)
+        self._auto_mask = isinstance(exp_avg_mask, str)
+        self._masks = _masks_by_param(None if self._auto_mask else exp_avg_mask)
         self.error_dtype = error_dtype
         super().__init__(
             params,
@@ -64,6 +66,24 @@ class OnebitFamily(FunctionalOptimizer):
                 f"exp_avg_mask has masks (shapes {unused}) for tensors that are not trainable "
                 "params of this optimizer"
             )
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """As :meth:`FunctionalOptimizer.load_state_dict`; a checkpoint saved with a fixed
+        ``freeze_step`` into a group with ``"auto"`` (or the reverse) raises ``ValueError``,
+        nothing loaded: their states differ, and the checkpoint's would switch the group's
+        schedule."""
+        saved_groups, _ = checkpoint_parts(state_dict, len(self.param_groups))
+        for index, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
+            for key in ("freeze_step", "var_freeze_step"):
+                mine, theirs = group.get(key), saved.get(key, group.get(key))
+                if _automatic(mine) != _automatic(theirs):
+                    raise ValueError(
+                        f"param group {index}: the checkpoint was saved with {key}={theirs!r}, "
+                        f"this optimizer has {key}={mine!r}: an automatic switch and a fixed one "
+                        "keep different states; build the optimizer with the checkpoint's "
+                        f"{key}. Nothing was loaded"
+                    )
+        super().load_state_dict(state_dict)
 
     def _has_param(self, p: torch.Tensor) -> bool:
         return any(p is q for group in self.param_groups for q in group["params"])
@@ -98,7 +118,10 @@ class OnebitFamily(FunctionalOptimizer):
             runtime.transform = self._make_transform(index, runtime.hyper)
 
     def _group_mask(self, params: list[torch.Tensor]) -> Any:
-        """The group's masks as the transform's pytree: one flat mask, or per-param masks."""
+        """The group's masks as the transform's pytree: one flat mask, or per-param masks;
+        ``"auto"`` for ``exp_avg_mask="auto"``."""
+        if self._auto_mask:
+            return "auto"
         masks = []
         for p in params:
             mask = self._masks.get(p)
@@ -121,6 +144,10 @@ class OnebitFamily(FunctionalOptimizer):
                 for p, m in zip(params, masks, strict=True)
             ]
         )
+
+
+def _automatic(freeze_step: Any) -> bool:
+    return isinstance(freeze_step, (str, AutoFreeze))
 
 
 def _masks_by_param(
@@ -159,7 +186,8 @@ class OnebitAdam(OnebitFamily):
         comm: ``None`` gives :func:`default_comm`.
         exp_avg_mask: ``{param: mask}``, masks broadcastable to their param's shape, multiplied
             into the momentum after every compressed allreduce (keyed by the params
-            themselves; another form is a ``TypeError``).
+            themselves; another form is a ``TypeError``), or ``"auto"``: 0 where the averaged
+            gradient was exactly zero at every warmup update (``fn.onebit_adam``).
         nonfinite: ``"raise"`` or ``"skip"`` (see :class:`FunctionalOptimizer`).
         safeguard: bound the compressed updates (``fn.onebit_adam``); ``False`` gives
             DeepSpeed's exact rule. Can be set per group.
@@ -209,14 +237,14 @@ class OnebitAdam(OnebitFamily):
         self,
         params: Any,
         lr: float = 1e-3,
-        freeze_step: int = 100000,
+        freeze_step: int | str | AutoFreeze = 100000,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         non_freeze: bool = False,
         *,
         comm: Any = None,
-        exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None = None,
+        exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | str | None = None,
         nonfinite: str = "raise",
         safeguard: bool = True,
         flatten: bool = True,
@@ -281,7 +309,7 @@ class ZeroOneAdam(OnebitFamily):
         local_step_clipper: int = 16,
         *,
         comm: Any = None,
-        exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None = None,
+        exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | str | None = None,
         nonfinite: str = "raise",
         safeguard: bool = True,
         flatten: bool = True,
@@ -337,7 +365,7 @@ class OnebitLamb(OnebitFamily):
         self,
         params: Any,
         lr: float = 1e-3,
-        freeze_step: int = 100000,
+        freeze_step: int | str | AutoFreeze = 100000,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
@@ -349,7 +377,7 @@ class OnebitLamb(OnebitFamily):
         factor_threshold: float = 0.1,
         *,
         comm: Any = None,
-        exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | None = None,
+        exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | str | None = None,
         nonfinite: str = "raise",
         safeguard: bool = True,
         local_world_size: int | None = None,

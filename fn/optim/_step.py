@@ -329,19 +329,21 @@ def compressed_next(
 ) -> list[bool]:
     """Per group: whether its next update, by the transform of its plan, is compressed."""
     return [
-        isinstance(transform, CompressedOptimizer) and transform.is_compressed(runtime.step + 1)
+        isinstance(transform, CompressedOptimizer)
+        and transform.is_compressed(runtime.step + 1, runtime.state)
         for (transform, _, _), runtime in zip(plans, groups, strict=True)
     ]
 
 
 def never_compressed(groups: Sequence[GroupRuntime], updates: int) -> list[int]:
     """The groups whose ``CompressedOptimizer`` makes no compressed update among the first
-    ``updates`` updates."""
+    ``updates`` updates (with ``freeze_step="auto"``: none decided there, nor bound to be by
+    its ``max_updates``)."""
     return [
         index
         for index, runtime in enumerate(groups)
         if isinstance(runtime.transform, CompressedOptimizer)
-        and runtime.transform.first_compressed_update(updates) is None
+        and runtime.transform.first_compressed_update(updates, runtime.state) is None
     ]
 
 

@@ -15,7 +15,9 @@ Policies shared by every transform here:
 
 import torch
 
+from fn.transforms._onebit_auto import AutoState
 from fn.transforms._onebit_schedules import (
+    AutoFreeze,
     OnebitAdamPlan,
     OnebitLambPlan,
     ZeroOneAdamPlan,
@@ -40,6 +42,8 @@ from fn.transforms.zero_one_adam_transform import ZeroOneAdamState, zero_one_ada
 # The state classes, for torch.load's default weights_only=True (see fn/__init__.py).
 torch.serialization.add_safe_globals(
     [
+        AutoFreeze,
+        AutoState,
         MaskedState,
         OnebitAdamState,
         OnebitLambState,
@@ -51,6 +55,8 @@ torch.serialization.add_safe_globals(
 )
 
 __all__ = [
+    "AutoFreeze",
+    "AutoState",
     "MaskedState",
     "OnebitAdamPlan",
     "OnebitAdamState",

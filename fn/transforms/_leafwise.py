@@ -27,6 +27,7 @@ import logging
 import math
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -64,13 +65,14 @@ def compressed_optimizer(
     state_type: type[NamedTuple],
     init_fields: Callable[[Params], dict[str, Any]],
     update: UpdateRule,
-    is_compressed: Callable[[int], bool],
-    plan_for: Callable[[int], Any],
+    is_compressed: Callable[..., bool],
+    plan_for: Callable[..., Any],
     plan_type: type,
     *,
     params_needed_for: str | None,
     warmup_phase: str = "warmup",
     fused_apply: bool = False,
+    first_compressed: Callable[[Any], int] | None = None,
 ) -> CompressedOptimizer:
     """A ``CompressedOptimizer`` whose two updates run ``update`` on the plan of the update.
     A compressed update on a state with no update made raises (:func:`check_warmed_up`, after
@@ -89,8 +91,8 @@ def compressed_optimizer(
             plan is a ``plan_type`` whose ``compressed`` matches the phase, ``lr`` the learning
             rate of this update, ``donated`` the donated state (compressed updates only). The
             ``count`` and ``lr`` of the state it returns are set here.
-        is_compressed: the host schedule, ``CompressedOptimizer.is_compressed``.
-        plan_for: the plan of the 1-based update ``t``.
+        is_compressed: the host schedule, ``CompressedOptimizer.is_compressed``: ``(t, state)``.
+        plan_for: the plan of the 1-based update ``t``, ``(t, state)``.
         plan_type: the type of the plans.
         params_needed_for: what needs the params (e.g. ``"weight_decay > 0"``), or ``None`` when
             the updates work without them.
@@ -100,6 +102,7 @@ def compressed_optimizer(
             update of every leaf it can to its param in place and returns ``None`` there (the
             other leaves' updates are added by ``apply_updates``). Other updates run
             ``update`` and ``apply_updates``.
+        first_compressed: ``CompressedOptimizer.first_compressed``, or ``None``.
 
     Returns:
         ``CompressedOptimizer(init, warmup_update, compressed_update, is_compressed, plan_for)``.
@@ -113,7 +116,9 @@ def compressed_optimizer(
         phase = "compressed" if compressed else warmup_phase
 
         def step_fn(grads, state, params, step, plan, donate, apply):
-            plan = _resolve_plan(step, plan, plan_for, plan_type, compressed, phase)
+            plan = _resolve_plan(
+                step, plan, partial(plan_for, state=state), plan_type, compressed, phase
+            )
             if params_needed_for is not None:
                 require_params(params, params_needed_for)
             eta = learning_rate_now(lr, state.count, state.lr)
@@ -126,7 +131,7 @@ def compressed_optimizer(
                 updates, new_state = update(grads, state, params, plan, eta)
             if compressed:  # after the update's own checks (of the gradients); nothing is kept
                 check_warmed_up(name, state.count)
-                _announce_compressed(name, is_compressed, state.count)
+                _announce_compressed(name, partial(is_compressed, state=state), state.count)
             return updates, new_state._replace(count=state.count + 1, lr=eta)
 
         return step_fn
@@ -149,7 +154,12 @@ def compressed_optimizer(
 
     warmup_step, compressed_step = phase_step(False), phase_step(True)
     opt = CompressedOptimizer(
-        init_fn, update_fn_of(warmup_step), update_fn_of(compressed_step), is_compressed, plan_for
+        init_fn,
+        update_fn_of(warmup_step),
+        update_fn_of(compressed_step),
+        is_compressed,
+        plan_for,
+        first_compressed=first_compressed,
     )
     if not fused_apply:
         return opt
@@ -193,7 +203,7 @@ def _fast_step(
     def fast_step(grads, state, params, *, donate, step=None, plan=None, **extra):
         del extra
         if check_step_or_plan(step, plan) is not None:
-            compressed = is_compressed(step)
+            compressed = is_compressed(step, state)
         else:  # a wrong plan: the compressed step's check raises
             compressed = not isinstance(plan, plan_type) or plan.compressed
         phase_fn = compressed_step if compressed else warmup_step
@@ -238,7 +248,28 @@ def leaves_of(
         ValueError: naming the leaf, if a gradient's shape differs from its state's.
     """
     fields = leaf_type._fields
-    variance = state.exp_avg_sq
+    trees = [*(getattr(state, field) for field in fields), *inputs]
+    if donated is not None:
+        trees += [getattr(donated, field) for field in fields]
+    walk = gradient_leaves(name, grads, state.exp_avg_sq, *trees)
+    n, m = len(fields), len(inputs)
+    with_grad = []
+    for g, _, *row in zip(*(walk.at_live(k) for k in range(len(walk.leaves))), strict=True):
+        leaf, extra = leaf_type._make(row[:n]), tuple(row[n : n + m])
+        spare = None if donated is None else leaf_type._make(row[n + m :])
+        with_grad.append(LeafInputs(g.float(), leaf, extra, spare))
+    return Leaves(walk, leaf_type, with_grad)
+
+
+def gradient_leaves(
+    name: str, grads: Updates, variance: PyTree, *trees: PyTree | None
+) -> LiveLeaves:
+    """``fn.tree.live_leaves(grads, variance, *trees)`` against the structure of the variance,
+    with every gradient's shape checked against its variance's.
+
+    Raises:
+        ValueError: naming the leaf, if a gradient's shape differs from its state's.
+    """
 
     def check(i, g, like):
         if like is None or g.shape != like.shape:  # named only on error: naming costs a walk
@@ -247,17 +278,7 @@ def leaves_of(
                 raise ValueError(f"{name}: {what} has no state (its param was None at init)")
             check_shapes(name, like, g, what)
 
-    trees = [variance, *(getattr(state, field) for field in fields), *inputs]
-    if donated is not None:
-        trees += [getattr(donated, field) for field in fields]
-    walk = live_leaves(grads, *trees, structure=variance, check=check)
-    n, m = len(fields), len(inputs)
-    with_grad = []
-    for g, _, *row in zip(*(walk.at_live(k) for k in range(len(walk.leaves))), strict=True):
-        leaf, extra = leaf_type._make(row[:n]), tuple(row[n : n + m])
-        spare = None if donated is None else leaf_type._make(row[n + m :])
-        with_grad.append(LeafInputs(g.float(), leaf, extra, spare))
-    return Leaves(walk, leaf_type, with_grad)
+    return live_leaves(grads, variance, *trees, structure=variance, check=check)
 
 
 def rebuilt(

@@ -1,8 +1,10 @@
-"""Host-side schedules of the 1-bit family: pure functions of the 1-based update count ``t``.
+"""Host-side schedules of the 1-bit family: functions of the 1-based update count ``t``.
 
-Which collective runs at update ``t`` is decided here, on the host, from ``t`` alone; the state
-counters of the optimizers only record these values (for checkpoints and inspection) and never
-decide anything.
+Which collective runs at update ``t`` is decided here, on the host, from ``t`` alone, except
+with ``freeze_step="auto"`` (:class:`AutoFreeze`): there the warmup decides the first
+compressed update and keeps it in the state (``freeze_at``), which :class:`AutoFreezeSchedule`
+reads on the host. The state counters of the optimizers otherwise only record these values (for
+checkpoints and inspection) and never decide anything.
 
 DeepSpeed 0.18.9 counted a gradient-dropping "init step" before the first real update, so its
 counter read ``c = t + 1`` at real update ``t``. The rules below are written so that real update
@@ -16,7 +18,11 @@ however many steps are run. Every plan has a ``compressed`` attribute: which upd
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import torch
+
+from fn.errors import check_int
 
 
 class OnebitAdamPlan(NamedTuple):
@@ -57,15 +63,16 @@ class FreezeSchedule(NamedTuple):
     and is compressed from ``t == freeze_step`` on (from ``t == 1`` when ``freeze_step <= 1``).
     The schedule itself takes any ``freeze_step``; ``onebit_adam`` and ``onebit_lamb`` require
     ``freeze_step >= 2``, since their compressed updates need a variance estimated in warmup.
+    The ``state`` arguments are not used (see :class:`AutoFreezeSchedule`).
     """
 
     freeze_step: int
 
-    def is_compressed(self, t: int) -> bool:
+    def is_compressed(self, t: int, state: Any = None) -> bool:
         """True if update ``t`` uses the compressed rule."""
         return t >= self.freeze_step
 
-    def first_compressed_step(self) -> int:
+    def first_compressed_step(self, state: Any = None) -> int:
         """The first compressed update (1-bit LAMB computes its scaling coefficients there)."""
         return max(self.freeze_step, 1)
 
@@ -74,15 +81,150 @@ class FreezeSchedule(NamedTuple):
         variance into the fresh variance."""
         return t + 1 == self.freeze_step
 
-    def onebit_adam_plan(self, t: int) -> OnebitAdamPlan:
+    def onebit_adam_plan(self, t: int, state: Any = None) -> OnebitAdamPlan:
         """The plan of 1-bit Adam's update ``t``."""
         return OnebitAdamPlan(self.is_compressed(t), t == self.first_compressed_step())
 
-    def onebit_lamb_plan(self, t: int) -> OnebitLambPlan:
+    def onebit_lamb_plan(self, t: int, state: Any = None) -> OnebitLambPlan:
         """The plan of 1-bit LAMB's update ``t``."""
         return OnebitLambPlan(
             self.is_compressed(t), self.is_last_warmup_step(t), t == self.first_compressed_step()
         )
+
+
+class AutoFreeze(NamedTuple):
+    r"""``freeze_step="auto"``'s settings: the warmup ends once the variance has settled.
+
+    At the end of warmup update ``t`` the next update becomes the first compressed one when
+    ``t >= min_updates`` and either the smoothed relative change of the bias-corrected variance
+    per update, :math:`\hat D_t`, is below ``tolerance`` or ``t >= max_updates`` (the rule and
+    its evidence: ``docs/algorithms.md``, "Automatic freeze and momentum mask"). ``"auto"`` is
+    ``AutoFreeze()``.
+
+    Attributes:
+        min_updates: the fewest warmup updates (at least 1).
+        max_updates: the most warmup updates (at least ``min_updates``).
+        tolerance: the relative change per update below which the variance has settled, in
+            ``(0, 1)``.
+
+    Example:
+        >>> opt = fn.onebit_adam(freeze_step=fn.AutoFreeze(min_updates=20, max_updates=200),
+        ...                      comm=fn.collectives.Local())
+        >>> opt.first_compressed_update(1000)  # undecided: the latest the switch can be
+        201
+    """
+
+    min_updates: int = 10
+    max_updates: int = 1000
+    tolerance: float = 0.01
+
+    def checked(self) -> AutoFreeze:
+        """The settings, checked.
+
+        Raises:
+            ValueError: ``min_updates < 1``, ``max_updates < min_updates`` or a tolerance
+                outside ``(0, 1)``, naming the value.
+        """
+        check_int("AutoFreeze.min_updates", self.min_updates, 1, "the variance needs a warmup")
+        check_int("AutoFreeze.max_updates", self.max_updates, 1)
+        if self.min_updates > self.max_updates:
+            raise ValueError(
+                f"AutoFreeze: min_updates ({self.min_updates}) is above max_updates "
+                f"({self.max_updates})"
+            )
+        tolerance = self.tolerance
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
+            raise ValueError(f"AutoFreeze.tolerance must be a number in (0, 1), got {tolerance!r}")
+        if not 0 < tolerance < 1:
+            raise ValueError(f"AutoFreeze.tolerance must be in (0, 1), got {tolerance!r}")
+        return self
+
+
+class AutoFreezeSchedule(NamedTuple):
+    """The two phases of 1-bit Adam and 1-bit LAMB with ``freeze_step="auto"``: the first
+    compressed update is the state's ``auto.freeze_at`` (0 while the warmup has not decided it),
+    read on the host. The plans are :class:`FreezeSchedule`'s with that ``freeze_step``, except
+    that 1-bit LAMB's last warmup update is not known in advance (every warmup update of an
+    automatic switch sets the fresh variance to the variance instead: the same values).
+    """
+
+    settings: AutoFreeze
+
+    def freeze_at(self, state: Any) -> int:
+        """The first compressed update decided in ``state``, 0 while undecided.
+
+        Raises:
+            TypeError: no state is given, or its decision cannot be read on the host (under
+                ``torch.compile``: pass ``plan=opt.plan(t, state)`` computed outside).
+        """
+        if state is None:
+            raise TypeError(
+                'freeze_step="auto" keeps its decision in the state: pass it, '
+                "opt.is_compressed(t, state) or opt.plan(t, state)"
+            )
+        return read_freeze_at(state.auto.freeze_at)
+
+    def is_compressed(self, t: int, state: Any = None) -> bool:
+        """True if update ``t`` uses the compressed rule, by the decision in ``state``."""
+        freeze_at = self.freeze_at(state)
+        return 0 < freeze_at <= t
+
+    def first_compressed_step(self, state: Any = None) -> int:
+        """The first compressed update: decided in ``state``, or, while undecided or without a
+        state, the latest it can be (``max_updates + 1``)."""
+        freeze_at = 0 if state is None else self.freeze_at(state)
+        return freeze_at if freeze_at > 0 else self.settings.max_updates + 1
+
+    def onebit_adam_plan(self, t: int, state: Any = None) -> OnebitAdamPlan:
+        """The plan of 1-bit Adam's update ``t``."""
+        freeze_at = self.freeze_at(state)
+        return OnebitAdamPlan(0 < freeze_at <= t, t == freeze_at)
+
+    def onebit_lamb_plan(self, t: int, state: Any = None) -> OnebitLambPlan:
+        """The plan of 1-bit LAMB's update ``t``."""
+        freeze_at = self.freeze_at(state)
+        return OnebitLambPlan(0 < freeze_at <= t, False, t == freeze_at)
+
+
+def read_freeze_at(freeze_at: torch.Tensor) -> int:
+    """The value of a state's ``freeze_at`` on the host: under ``Simulated`` (vmap) the ranks'
+    common value.
+
+    Raises:
+        TypeError: the value cannot be read here (``torch.compile`` or another functorch
+            transform).
+        RuntimeError: the ranks' values differ (they are computed alike on every rank).
+    """
+    x = freeze_at
+    if not torch.compiler.is_compiling():
+        while torch._C._functorch.is_batchedtensor(x):
+            x = torch._C._functorch.get_unwrapped(x)
+    if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(x):
+        raise TypeError(
+            'freeze_step="auto": the decided first compressed update cannot be read on the '
+            "host here (torch.compile or a functorch transform); pass plan=opt.plan(t, state) "
+            "computed outside"
+        )
+    low, high = int(x.min()), int(x.max())
+    if low != high:
+        raise RuntimeError(f"freeze_step='auto': the ranks decided differently ({low}, {high})")
+    return high
+
+
+def freeze_schedule(freeze_step: Any, why: str) -> FreezeSchedule | AutoFreezeSchedule:
+    """The schedule of ``freeze_step``: an int (at least 2, ``why``), ``"auto"`` or an
+    :class:`AutoFreeze`.
+
+    Raises:
+        ValueError: another value, or an invalid one (naming it).
+    """
+    if isinstance(freeze_step, str):
+        if freeze_step != "auto":
+            raise ValueError(f'freeze_step must be an int >= 2 or "auto", got {freeze_step!r}')
+        return AutoFreezeSchedule(AutoFreeze())
+    if isinstance(freeze_step, AutoFreeze):
+        return AutoFreezeSchedule(freeze_step.checked())
+    return FreezeSchedule(check_int("freeze_step", freeze_step, 2, why))
 
 
 # How closely 0/1 Adam's ranks' params agree after a synchronization (relative, of their sums).
@@ -157,8 +299,9 @@ class ZeroOneAdamSchedule(NamedTuple):
         """True if update ``t`` is frozen and ends with a 1-bit synchronization."""
         return self.frozen(t) and (t + 1) % self.counters(t).local_interval == 0
 
-    def is_compressed(self, t: int) -> bool:
-        """Every update but the variance refreshes uses ``compressed_update``."""
+    def is_compressed(self, t: int, state: Any = None) -> bool:
+        """Every update but the variance refreshes uses ``compressed_update`` (``state`` is not
+        used)."""
         return not self.is_variance_step(t)
 
     def resets_errors(self, t: int) -> bool:
@@ -174,8 +317,8 @@ class ZeroOneAdamSchedule(NamedTuple):
             return 0.0
         return SYNCED_RTOL if self.is_sync_step(t) else None
 
-    def plan(self, t: int) -> ZeroOneAdamPlan:
-        """The plan of update ``t`` (one :meth:`counters` evaluation)."""
+    def plan(self, t: int, state: Any = None) -> ZeroOneAdamPlan:
+        """The plan of update ``t`` (one :meth:`counters` evaluation; ``state`` is not used)."""
         counters = self.counters(t)
         c = t + 1
         return ZeroOneAdamPlan(

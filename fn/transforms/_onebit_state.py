@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fn import collectives
+from fn import collectives, kernels
 from fn.collectives import PackedSigns
 from fn.tree import PyTree, live_leaves
 
@@ -38,6 +38,20 @@ def momentum(
         return kept
     m = kept.unpacked(like)
     return m if mask is None else m * mask
+
+
+def masks_of(exp_avg_mask: Any, state: Any) -> PyTree | None:
+    """The optimizer's masks: ``exp_avg_mask`` itself, or for ``"auto"`` the masks of the
+    record in ``state.auto`` (fp32, like the variance: 0 where the averaged gradient was exactly
+    0 at every warmup update, 1 elsewhere; the record is complete at the freeze)."""
+    if not isinstance(exp_avg_mask, str):
+        return exp_avg_mask
+    walk = live_leaves(state.exp_avg_sq, state.auto.always_zero)
+    masks = [
+        (kernels.unpackbits(record, v.numel()) < 0).to(torch.float32).view_as(v)
+        for v, record in zip(walk.at_live(0), walk.at_live(1), strict=True)
+    ]
+    return walk.rebuild(masks)
 
 
 def fused_momentum(
@@ -59,7 +73,8 @@ def momentum_of(state: Any, exp_avg_mask: PyTree | None = None) -> PyTree:
 
     Args:
         state: a state of ``fn.onebit_adam``, ``fn.zero_one_adam`` or ``fn.onebit_lamb``.
-        exp_avg_mask: the optimizer's ``exp_avg_mask`` (``None``: none).
+        exp_avg_mask: the optimizer's ``exp_avg_mask`` (``None``: none; ``"auto"``: the mask
+            recorded in the state, :func:`masks_of`).
 
     Returns:
         A tree like the params of fp32 tensors (``None`` where a param is ``None``).
@@ -78,6 +93,7 @@ def momentum_of(state: Any, exp_avg_mask: PyTree | None = None) -> PyTree:
         >>> simulate(fn.transforms.momentum_of, comm)(state)["w"][0]
         tensor([ 0.1683, -0.1683,  0.1683])
     """
+    exp_avg_mask = masks_of(exp_avg_mask, state)
     if isinstance(state.exp_avg, PackedSigns) and hasattr(state, "scaling_coeff"):  # fused
         walk = live_leaves(state.exp_avg_sq, state.scaling_coeff, exp_avg_mask)
         total = sum(v.numel() for v in walk.at_live(0))

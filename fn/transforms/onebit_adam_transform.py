@@ -8,11 +8,17 @@ from typing import Any, NamedTuple
 import torch
 
 from fn.base import CompressedOptimizer, SecondMomentField
-from fn.collectives import ErrorFeedbackField
-from fn.errors import check_int
+from fn.collectives import ErrorFeedbackField, Local
 from fn.transforms import _leafwise as leafwise
 from fn.transforms import _onebit_state as onebit_state
-from fn.transforms._onebit_schedules import FreezeSchedule, OnebitAdamPlan
+from fn.transforms._onebit_auto import (
+    AutoState,
+    auto_warmup,
+    averaged_and_observed,
+    checked_auto,
+    init_auto,
+)
+from fn.transforms._onebit_schedules import AutoFreeze, OnebitAdamPlan, freeze_schedule
 from fn.transforms.onebit_fast import onebit_adam_step
 from fn.tree import PyTree, tree_zeros_like
 
@@ -27,20 +33,22 @@ class OnebitAdamState(NamedTuple):
     # per leaf [N_leaf / L] (L = 1 flat), error_dtype: e_w; None until the first compressed update
     worker_error: ErrorFeedbackField
     server_error: ErrorFeedbackField  # per leaf [N_leaf / W], error_dtype: e_s; None as e_w
+    # what freeze_step="auto" and exp_avg_mask="auto" decide from (AutoState); None without them
+    auto: AutoState | None = None
 
 
-_Leaf = leafwise.leaf_type(OnebitAdamState)
+_Leaf = leafwise.leaf_type(OnebitAdamState, shared=("auto",))
 
 
 def onebit_adam(
     lr: leafwise.LearningRate = 1e-3,
-    freeze_step: int = 100000,
+    freeze_step: int | str | AutoFreeze = 100000,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     *,
     comm: Any,
-    exp_avg_mask: PyTree | None = None,
+    exp_avg_mask: PyTree | str | None = None,
     non_freeze: PyTree | None = None,
     safeguard: bool = True,
     local_world_size: int | None = None,
@@ -77,7 +85,12 @@ def onebit_adam(
         freeze_step: the first compressed update is ``t == freeze_step`` (updates
             ``1 .. freeze_step - 1`` warm up); at least 2, since the compressed phase needs the
             variance that the warmup estimates (``ValueError`` otherwise; DeepSpeed warmed up
-            its first real update whatever ``freeze_step`` was).
+            its first real update whatever ``freeze_step`` was). ``"auto"`` (or an
+            ``fn.AutoFreeze`` with its bounds): the warmup ends once the variance has settled,
+            decided in the state from the averaged gradients (the same on every rank, no
+            communication added); then ``opt.plan(t, state)`` and ``opt.is_compressed(t,
+            state)`` need the state (see ``docs/algorithms.md``, "Automatic freeze and momentum
+            mask").
         betas: :math:`(\beta_1, \beta_2)`.
         eps: :math:`\epsilon`, added to :math:`\sqrt{v}`.
         weight_decay: :math:`\lambda`, added to the update (L2, as DeepSpeed; not decoupled).
@@ -85,7 +98,9 @@ def onebit_adam(
         exp_avg_mask: optional pytree like params; a tensor leaf (broadcastable to the param) is
             multiplied into the momentum after every compressed allreduce, to keep momentum that
             should be exactly zero (e.g. unused embedding rows) from collecting compression error.
-            ``None`` leaves (or ``None``) mean no mask.
+            ``None`` leaves (or ``None``) mean no mask. ``"auto"``: 0 where the averaged
+            gradient was exactly zero at every warmup update, 1 elsewhere (the state records it
+            in ``n / 8`` bytes per leaf), the same as passing that mask.
         non_freeze: optional pytree like params of bools, DeepSpeed's ``non_freeze`` parameter
             groups: a ``True`` leaf is never compressed; it keeps the warmup rule (dense
             allreduce, ``m`` and ``v`` updated) in the compressed phase too.
@@ -112,14 +127,16 @@ def onebit_adam(
         A ``CompressedOptimizer(init, warmup_update, compressed_update, is_compressed, plan)``;
         both updates are ``(grads, state, params=None, *, step=None, plan=None, **extra) ->
         (updates, state)`` with either ``step``, the 1-based update count (a Python int), or
-        ``plan=opt.plan(step)``, an ``OnebitAdamPlan`` (for ``torch.compile``: three plans,
-        warmup, the freeze (the first compressed update) and compressed, so three graphs).
-        ``params`` is needed when ``weight_decay > 0``.
+        ``plan=opt.plan(step)`` (``opt.plan(step, state)`` with ``freeze_step="auto"``), an
+        ``OnebitAdamPlan`` (for ``torch.compile``: three plans, warmup, the freeze (the first
+        compressed update) and compressed, so three graphs). ``params`` is needed when
+        ``weight_decay > 0``.
 
     Raises:
         ValueError: naming the argument: negative ``lr`` (a number), ``eps`` or ``weight_decay``;
-            betas outside [0, 1); ``freeze_step < 2``; an ``error_dtype`` other than fp32, bf16
-            or fp16.
+            betas outside [0, 1); ``freeze_step < 2``, another string than ``"auto"`` or an
+            invalid ``fn.AutoFreeze``; ``"auto"`` with every leaf in ``non_freeze``; an
+            ``error_dtype`` other than fp32, bf16 or fp16.
 
     Safeguard (``safeguard=True``, a deliberate deviation from DeepSpeed): an element whose
     gradient was (almost) zero during the warmup (a dead unit, an unused embedding row) freezes
@@ -200,37 +217,51 @@ def onebit_adam(
         "the compressed updates divide by sqrt(v) + eps with the variance v frozen, which at "
         "least one warmup update (t < freeze_step) must estimate"
     )
-    schedule = FreezeSchedule(check_int("freeze_step", freeze_step, 2, why))
+    schedule = freeze_schedule(freeze_step, why)
+    auto = auto_warmup("onebit_adam", schedule, exp_avg_mask, non_freeze, settings.b2)
 
     def update(grads, state, params, plan, eta, donated=None, apply=False):
+        h, observed = settings, state.auto
+        if auto is not None and not plan.compressed:  # the warmup observes the averaged grads
+            grads, observed = averaged_and_observed(
+                "onebit_adam", auto, grads, state, h.comm, non_freeze
+            )
+            h = h._replace(comm=Local())
+        mask = onebit_state.masks_of(exp_avg_mask, state) if plan.compressed else None
         if plan.freezes:
-            skip, mask = non_freeze, exp_avg_mask
-            leafwise.report_frozen_variance("onebit_adam", state, settings, skip=skip, mask=mask)
-        rule = partial(_rule, settings, compressed=plan.compressed, eta=eta)
-        inputs = (params, exp_avg_mask, non_freeze)
+            skip = non_freeze
+            leafwise.report_frozen_variance("onebit_adam", state, h, skip=skip, mask=mask)
+        rule = partial(_rule, h, compressed=plan.compressed, eta=eta)
+        inputs = (params, mask, non_freeze)
         if donated is None:
-            return leafwise.map_leaves("onebit_adam", rule, grads, state, _Leaf, *inputs)
+            updates, new = leafwise.map_leaves("onebit_adam", rule, grads, state, _Leaf, *inputs)
+            return updates, new._replace(auto=observed)
         leaves = leafwise.leaves_of("onebit_adam", grads, state, _Leaf, *inputs, donated=donated)
-        return leafwise.rebuilt(leaves, onebit_adam_step(settings, rule, leaves, eta, apply), state)
+        return leafwise.rebuilt(leaves, onebit_adam_step(h, rule, leaves, eta, apply), state)
 
     opt = leafwise.compressed_optimizer(
         "onebit_adam",
         lr,
         OnebitAdamState,
-        partial(_init_fields, settings),
+        partial(_init_fields, settings, auto),
         update,
         schedule.is_compressed,
         schedule.onebit_adam_plan,
         OnebitAdamPlan,
         params_needed_for="weight_decay > 0" if weight_decay > 0 else None,
         fused_apply=True,
+        first_compressed=schedule.first_compressed_step,
     )
-    return opt._replace(
-        check_state=partial(onebit_state.checked_state, "onebit_adam", settings),
-        full_state=partial(
-            onebit_state.full_state, settings, exp_avg_mask, never_compressed=non_freeze
-        ),
-    )
+
+    def check_state(state):
+        state = onebit_state.checked_state("onebit_adam", settings, state)
+        return state._replace(auto=checked_auto("onebit_adam", auto, state))
+
+    def full_state(state):
+        mask = onebit_state.masks_of(exp_avg_mask, state)
+        return onebit_state.full_state(settings, mask, state, never_compressed=non_freeze)
+
+    return opt._replace(check_state=check_state, full_state=full_state)
 
 
 def _rule(h: leafwise.OnebitSettings, g, leaf, p, mask, dense, *, compressed, eta):
@@ -254,13 +285,14 @@ def _rule(h: leafwise.OnebitSettings, g, leaf, p, mask, dense, *, compressed, et
     return u.mul_(-eta), _Leaf(kept, v, ew, es)
 
 
-def _init_fields(h: leafwise.OnebitSettings, params: PyTree) -> dict[str, Any]:
+def _init_fields(h: leafwise.OnebitSettings, auto: Any, params: PyTree) -> dict[str, Any]:
     """The fields of the initial state after ``count`` and ``lr``: Adam's (the errors come
-    with the first compressed update)."""
+    with the first compressed update) and what the warmup decides from (``auto``)."""
     del h
     return dict(
         exp_avg=tree_zeros_like(params, torch.float32),
         exp_avg_sq=tree_zeros_like(params, torch.float32),
         worker_error=leafwise.no_error_feedback(params),
         server_error=leafwise.no_error_feedback(params),
+        auto=init_auto(auto, params),
     )

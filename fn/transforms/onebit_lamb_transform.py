@@ -8,11 +8,18 @@ from typing import Any, NamedTuple
 import torch
 
 from fn.base import CompressedOptimizer, SecondMomentField
-from fn.collectives import ErrorFeedbackField, PackedSigns
-from fn.errors import check_fraction, check_int, check_nonnegative, check_ordered
+from fn.collectives import ErrorFeedbackField, Local, PackedSigns
+from fn.errors import check_fraction, check_nonnegative, check_ordered
 from fn.transforms import _leafwise as leafwise
 from fn.transforms import _onebit_state as onebit_state
-from fn.transforms._onebit_schedules import FreezeSchedule, OnebitLambPlan
+from fn.transforms._onebit_auto import (
+    AutoState,
+    auto_warmup,
+    averaged_and_observed,
+    checked_auto,
+    init_auto,
+)
+from fn.transforms._onebit_schedules import AutoFreeze, OnebitLambPlan, freeze_schedule
 from fn.transforms.trust_ratio import trust_ratio
 from fn.tree import LiveLeaves, PyTree, fitting, live_leaves, tree_leaves, tree_map, tree_zeros_like
 
@@ -32,14 +39,16 @@ class OnebitLambState(NamedTuple):
     # [N / L] (L = 1 flat), error_dtype: e_w of the fused allreduce; None until it first runs
     worker_error: ErrorFeedbackField
     server_error: ErrorFeedbackField  # [N / W], error_dtype: e_s; None as e_w
+    # what freeze_step="auto" and exp_avg_mask="auto" decide from (AutoState); None without them
+    auto: AutoState | None = None
 
 
-_Leaf = leafwise.leaf_type(OnebitLambState, shared=("worker_error", "server_error"))
+_Leaf = leafwise.leaf_type(OnebitLambState, shared=("worker_error", "server_error", "auto"))
 
 
 def onebit_lamb(
     lr: leafwise.LearningRate = 1e-3,
-    freeze_step: int = 100000,
+    freeze_step: int | str | AutoFreeze = 100000,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
@@ -51,7 +60,7 @@ def onebit_lamb(
     factor_threshold: float = 0.1,
     *,
     comm: Any,
-    exp_avg_mask: PyTree | None = None,
+    exp_avg_mask: PyTree | str | None = None,
     safeguard: bool = True,
     local_world_size: int | None = None,
     error_dtype: torch.dtype = torch.float32,
@@ -106,7 +115,8 @@ def onebit_lamb(
             kept in the state as ``lr``.
         freeze_step: the first compressed update is ``t == freeze_step``; at least 2, since the
             compressed phase needs the variance and trust ratio that the warmup estimates
-            (``ValueError`` otherwise).
+            (``ValueError`` otherwise). ``"auto"`` or an ``fn.AutoFreeze``: decided in the
+            state once the variance has settled (see ``fn.onebit_adam``).
         betas: :math:`(\beta_1, \beta_2)`.
         eps: :math:`\epsilon`.
         weight_decay: :math:`\lambda`, added to the update.
@@ -116,7 +126,9 @@ def onebit_lamb(
         factor_threshold: :math:`\tau`, the largest relative change of :math:`f` per update.
         comm: the ``fn.collectives`` Comm.
         exp_avg_mask: optional pytree like params of masks multiplied into the momentum after
-            every compressed allreduce; ``None`` leaves: no mask.
+            every compressed allreduce; ``None`` leaves: no mask; ``"auto"``: 0 where the
+            averaged gradient was exactly zero at every warmup update (see
+            ``fn.onebit_adam``).
         safeguard: clip the Adam direction where the variance is frozen to the range dense Adam
             can reach, :math:`[-B, B]` (see below); ``False`` gives DeepSpeed's exact rule, bit
             for bit.
@@ -145,7 +157,8 @@ def onebit_lamb(
         ValueError: naming the argument: negative ``lr`` (a number), ``eps``, ``weight_decay``,
             ``min_coeff``, ``factor_min`` or ``factor_threshold``; ``min_coeff > max_coeff``,
             ``factor_min > factor_max``; betas or ``coeff_beta`` outside [0, 1);
-            ``freeze_step < 2``; an ``error_dtype`` other than fp32, bf16 or fp16.
+            ``freeze_step < 2``, another string than ``"auto"`` or an invalid
+            ``fn.AutoFreeze``; an ``error_dtype`` other than fp32, bf16 or fp16.
 
     Further deliberate deviations from DeepSpeed: a leaf whose momentum is zero at the first
     compressed update gets the scaling coefficient 1 (DeepSpeed divided by zero), and empty leaves
@@ -212,22 +225,34 @@ def onebit_lamb(
         "the compressed updates divide by sqrt(v) + eps and scale by the trust ratio R, both "
         "frozen, which at least one warmup update (t < freeze_step) must estimate"
     )
-    schedule = FreezeSchedule(check_int("freeze_step", freeze_step, 2, why))
+    schedule = freeze_schedule(freeze_step, why)
+    auto = auto_warmup("onebit_lamb", schedule, exp_avg_mask, None, settings.b2)
     trust = _TrustSettings(
         min_coeff, max_coeff, coeff_beta, factor_min, factor_max, factor_threshold
     )
 
     def update(grads, state, params, plan, eta, donated=None):
-        state = state._replace(exp_avg=onebit_state.momentum_of(state, exp_avg_mask))
+        packed = isinstance(state.exp_avg, PackedSigns)
+        mask = onebit_state.masks_of(exp_avg_mask, state) if plan.compressed or packed else None
+        state = state._replace(exp_avg=onebit_state.momentum_of(state, mask))
         if not plan.compressed:
-            rule = partial(_warmup_rule, settings, trust, eta=eta, copies=plan.copies_variance)
-            return leafwise.map_leaves("onebit_lamb", rule, grads, state, _Leaf, params)
+            h, observed = settings, state.auto
+            if auto is not None:  # the warmup observes the averaged gradients
+                grads, observed = averaged_and_observed(
+                    "onebit_lamb", auto, grads, state, h.comm, None
+                )
+                h = h._replace(comm=Local())
+            # with an automatic switch any warmup update may be the last: each sets v~ = v
+            copies = plan.copies_variance or (auto is not None and auto.freeze is not None)
+            rule = partial(_warmup_rule, h, trust, eta=eta, copies=copies)
+            updates, new = leafwise.map_leaves("onebit_lamb", rule, grads, state, _Leaf, params)
+            return updates, new._replace(auto=observed)
         if plan.sets_scaling:
-            leafwise.report_frozen_variance("onebit_lamb", state, settings, mask=exp_avg_mask)
+            leafwise.report_frozen_variance("onebit_lamb", state, settings, mask=mask)
             state = state._replace(scaling_coeff=_scaling_coefficients(state))
         mean, momenta, state = _fused_momenta(settings, grads, state, donated)
         rule = partial(_compressed_rule, settings, trust, eta=eta)
-        inputs = (params, exp_avg_mask)
+        inputs = (params, mask)
         updates, state = leafwise.map_leaves("onebit_lamb", rule, momenta, state, _Leaf, *inputs)
         if isinstance(mean, PackedSigns) and None not in tree_leaves(momenta, keep_none=True):
             state = state._replace(exp_avg=mean)  # the momenta, read back by momentum_of
@@ -237,20 +262,26 @@ def onebit_lamb(
         "onebit_lamb",
         lr,
         OnebitLambState,
-        partial(_init_fields, settings),
+        partial(_init_fields, settings, auto),
         update,
         schedule.is_compressed,
         schedule.onebit_lamb_plan,
         OnebitLambPlan,
         params_needed_for="1-bit LAMB (trust ratios)",
-    )
-    return opt._replace(
-        check_state=partial(onebit_state.checked_state, "onebit_lamb", settings),
-        full_state=partial(onebit_state.full_state, settings, exp_avg_mask),
+        first_compressed=schedule.first_compressed_step,
     )
 
+    def check_state(state):
+        state = onebit_state.checked_state("onebit_lamb", settings, state)
+        return state._replace(auto=checked_auto("onebit_lamb", auto, state))
 
-def _init_fields(h: leafwise.OnebitSettings, params: PyTree) -> dict[str, Any]:
+    def full_state(state):
+        return onebit_state.full_state(settings, onebit_state.masks_of(exp_avg_mask, state), state)
+
+    return opt._replace(check_state=check_state, full_state=full_state)
+
+
+def _init_fields(h: leafwise.OnebitSettings, auto: Any, params: PyTree) -> dict[str, Any]:
     """The fields of the initial state after ``count`` and ``lr``."""
     del h
     return dict(
@@ -262,6 +293,7 @@ def _init_fields(h: leafwise.OnebitSettings, params: PyTree) -> dict[str, Any]:
         scaling_coeff=_scalars(params, 1.0),
         worker_error=None,
         server_error=None,
+        auto=init_auto(auto, params),
     )
 
 

@@ -13,7 +13,7 @@ from fn.collectives import ErrorFeedbackField
 from fn.errors import check_finite, check_int
 from fn.transforms import _leafwise as leafwise
 from fn.transforms import _onebit_state as onebit_state
-from fn.transforms._onebit_schedules import ZeroOneAdamPlan, ZeroOneAdamSchedule
+from fn.transforms._onebit_schedules import AutoFreeze, ZeroOneAdamPlan, ZeroOneAdamSchedule
 from fn.transforms.onebit_fast import zero_one_adam_step
 from fn.tree import PyTree, tree_map, tree_zeros_like
 
@@ -126,6 +126,8 @@ def zero_one_adam(
         ValueError: naming the argument: negative ``lr`` (a number), ``eps`` or ``weight_decay``;
             betas outside [0, 1); a negative ``var_freeze_step`` or a scaler/clipper < 1; an
             ``error_dtype`` other than fp32, bf16 or fp16.
+        NotImplementedError: ``var_freeze_step="auto"`` (see ``docs/algorithms.md``,
+            "Automatic freeze and momentum mask", for why 0/1 Adam has none).
 
     Deviations from DeepSpeed, all deliberate: the schedule counters are global (DeepSpeed kept
     identical copies per param, and a param without a gradient skipped its own counter) and live
@@ -191,6 +193,14 @@ def zero_one_adam(
         local_world_size,
         error_dtype,
     )
+    if isinstance(var_freeze_step, (str, AutoFreeze)):
+        raise NotImplementedError(
+            "zero_one_adam: var_freeze_step has no 'auto': the variance refreshes grow rare on "
+            "their own (about 200 dense updates in 100000), so a late freeze costs little "
+            "bandwidth, and when local steps become safe depends on the learning rate, not on "
+            "the variance having settled; pass an int (docs/algorithms.md, 'Automatic freeze "
+            "and momentum mask')"
+        )
     schedule = ZeroOneAdamSchedule(
         check_int("var_freeze_step", var_freeze_step),
         check_int("var_update_scaler", var_update_scaler, 1),

@@ -1,0 +1,201 @@
+"""``freeze_step="auto"`` against fixed freeze steps: held-out loss, bytes sent, the switch.
+
+Two gloo ranks (one process each, CPU) train three tasks with ``fn.optim.OnebitAdam``, once
+with ``freeze_step="auto"`` (the default ``fn.AutoFreeze()``) and once per fixed
+``freeze_step`` at 5, 10, 15, 25 and 40 % of the run:
+
+- ``demo``: the next-character model and stdlib text of ``python -m fn demo`` (as
+  ``benchmarks/precision.py``'s task);
+- ``gpt2``: the tiny GPT-2 of ``examples/_tiny_gpt2.py`` on its synthetic tokens (needs
+  transformers);
+- ``mlp``: a 16-64-64-4 ReLU MLP regressing a fixed random teacher network (MSE).
+
+Every run of a seed sees the same batches and initial params. The held-out loss is taken after
+the last update (mean over the ranks), then averaged over ``--seeds``; bytes are what one rank
+sent (``comm.bytes_sent``, the largest over the ranks), averaged over the seeds; the switch is
+the first compressed update (``opt.next_update_compressed()`` before each step).
+
+Printed: a line per run, then a markdown table per task and setting: held-out loss, its ratio to
+the best fixed setting's, bytes and their ratio to the 25 % setting's, the switch. The targets of
+``"auto"``: loss within 1 % of the best fixed setting, bytes at most the 25 % setting's.
+
+Run: python3 benchmarks/freeze.py [--tasks demo,gpt2,mlp] [--seeds 0,1] [--demo-steps 300]
+     [--gpt2-steps 200] [--mlp-steps 300] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import precision  # noqa: E402  (puts the repository and examples/ on the path)
+
+import fn.optim  # noqa: E402
+from fn.app import demo  # noqa: E402
+from fn.app._launch import spawn_gloo  # noqa: E402
+
+FRACTIONS = (0.05, 0.10, 0.15, 0.25, 0.40)
+SETTINGS = ("auto", *(f"{round(100 * f)}%" for f in FRACTIONS))
+LR = {"demo": 3e-3, "gpt2": 1e-2, "mlp": 1e-2}
+
+
+class MlpTask:
+    """A 16-64-64-4 ReLU MLP regressing a fixed random teacher (a 16-32-4 tanh network)."""
+
+    def __init__(self, rank: int, world_size: int, seed: int, heldout: int) -> None:
+        teacher = torch.Generator().manual_seed(1234)
+        self.w1 = torch.randn(16, 32, generator=teacher) / 4
+        self.w2 = torch.randn(32, 4, generator=teacher) / 6
+        self.seed, self.data_seed = seed, seed * 100_003 + rank
+        x = torch.randn(heldout, 16, generator=torch.Generator().manual_seed(999))
+        self.heldout = (x, self.target(x))
+
+    def target(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.w1) @ self.w2
+
+    def model(self) -> torch.nn.Module:
+        torch.manual_seed(self.seed)
+        return torch.nn.Sequential(
+            torch.nn.Linear(16, 64),
+            torch.nn.ReLU(),
+            torch.nn.Linear(64, 64),
+            torch.nn.ReLU(),
+            torch.nn.Linear(64, 4),
+        )
+
+    def batches(self) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        gen = torch.Generator().manual_seed(self.data_seed)
+
+        def batch() -> tuple[torch.Tensor, torch.Tensor]:
+            x = torch.randn(32, 16, generator=gen)
+            return x, self.target(x) + 0.05 * torch.randn(32, 4, generator=gen)
+
+        return batch
+
+    def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x), y)
+
+
+TASK_TYPES = {"demo": precision.DemoTask, "gpt2": precision.Gpt2Task, "mlp": MlpTask}
+
+
+def freeze_step(setting: str, steps: int) -> Any:
+    """The ``freeze_step`` of a setting: ``"auto"``, or the update at that fraction of the run."""
+    if setting == "auto":
+        return "auto"
+    return max(2, round(float(setting.rstrip("%")) / 100 * steps) + 1)
+
+
+def train(task: Any, setting: str, steps: int, lr: float) -> dict:
+    """One run on this rank: the held-out loss (mean over the ranks), bytes sent, the switch."""
+    model = task.model()
+    opt = fn.optim.OnebitAdam(
+        model.parameters(),
+        lr=lr,
+        freeze_step=freeze_step(setting, steps),
+        betas=demo.BETAS,
+        eps=demo.EPS,
+    )
+    next_batch, switch = task.batches(), None
+    for t in range(1, steps + 1):
+        if switch is None and opt.next_update_compressed()[0]:
+            switch = t
+        task.loss(model, next_batch()).backward()
+        opt.step()
+        model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        heldout = task.loss(model, task.heldout).reshape(1)
+    torch.distributed.all_reduce(heldout)
+    sent = torch.tensor([opt.comm.bytes_sent])
+    torch.distributed.all_reduce(sent, op=torch.distributed.ReduceOp.MAX)
+    world = torch.distributed.get_world_size()
+    return {"heldout": heldout.item() / world, "bytes": int(sent), "switch": switch}
+
+
+def worker(rank: int, world_size: int, send: Callable[[Any], None], config: dict) -> list[dict]:
+    """One gloo rank: every (task, seed, setting) of ``config`` in turn."""
+    if rank:  # the ranks warn alike: rank 0 speaks for all
+        warnings.simplefilter("ignore")
+    runs = []
+    for task_name in config["tasks"]:
+        steps = config["steps"][task_name]
+        for seed in config["seeds"]:
+            task = TASK_TYPES[task_name](rank, world_size, seed, 512)
+            for setting in SETTINGS:
+                run = {"task": task_name, "seed": seed, "setting": setting, "steps": steps}
+                run.update(train(task, setting, steps, LR[task_name]))
+                runs.append(run)
+                if rank == 0:
+                    send(run)
+    return runs
+
+
+def table(runs: list[dict]) -> list[str]:
+    """The markdown table: per task and setting, means over the seeds."""
+    lines = [
+        "| task | freeze_step | held-out loss | vs best fixed | bytes/rank | vs 25 % | switch |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for task in dict.fromkeys(r["task"] for r in runs):
+        mine = [r for r in runs if r["task"] == task]
+        mean = {
+            s: {
+                k: statistics.mean(r[k] for r in mine if r["setting"] == s)
+                for k in ("heldout", "bytes")
+            }
+            for s in SETTINGS
+        }
+        best = min(mean[s]["heldout"] for s in SETTINGS if s != "auto")
+        for s in SETTINGS:
+            switches = [r["switch"] for r in mine if r["setting"] == s]
+            lines.append(
+                f"| {task} | {s} | {mean[s]['heldout']:.4f} | {mean[s]['heldout'] / best:.3f} | "
+                f"{mean[s]['bytes']:,.0f} | {mean[s]['bytes'] / mean['25%']['bytes']:.2f} | "
+                f"{', '.join(map(str, switches))} |"
+            )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", default="demo,gpt2,mlp")
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--demo-steps", type=int, default=300)
+    parser.add_argument("--gpt2-steps", type=int, default=200)
+    parser.add_argument("--mlp-steps", type=int, default=300)
+    parser.add_argument("--quick", action="store_true", help="a tiny run (smoke test)")
+    args = parser.parse_args(argv)
+    tasks = [t for t in args.tasks.split(",") if t]
+    if "gpt2" in tasks and importlib.util.find_spec("transformers") is None:
+        print("gpt2: skipped (transformers is not installed)")
+        tasks.remove("gpt2")
+    steps = {"demo": args.demo_steps, "gpt2": args.gpt2_steps, "mlp": args.mlp_steps}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if args.quick:
+        steps, seeds = dict.fromkeys(steps, 24), seeds[:1]
+    config = {"tasks": tasks, "seeds": seeds, "steps": steps}
+    results = spawn_gloo(
+        worker,
+        precision.WORLD_SIZE,
+        (config,),
+        timeout=3600,
+        on_message=lambda rank, run: print(run, flush=True),
+        threads=1,
+    )
+    runs = results[0]
+    print("\n".join(table(runs)))
+    return runs
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""What the warmup of 1-bit Adam and 1-bit LAMB decides for ``freeze_step="auto"`` and
+``exp_avg_mask="auto"``: the state field ``auto`` (:class:`AutoState`) and the functions that
+update, read and check it.
+
+At every warmup update the averaged gradient (the same on every rank) gives two things, both
+from one call of ``fn.kernels.sign_compress`` on ``-|g|`` per leaf: the RMS scale of the
+gradient (a fixed-order sum, the same bits on every device and rank), from which the variance
+statistics and then the switch are computed (:func:`observed`), and the packed bits of the
+elements where the gradient is exactly zero (``-0.0 >= 0``), ANDed into the mask's record. The
+rules are in ``docs/algorithms.md``, "Automatic freeze and momentum mask"; the host side reads
+``freeze_at`` (``_onebit_schedules.AutoFreezeSchedule``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from fn import kernels
+from fn.errors import check_finite
+from fn.transforms._leafwise import gradient_leaves
+from fn.transforms._onebit_schedules import AutoFreeze, AutoFreezeSchedule
+from fn.tree import PyTree, live_leaves, tree_flatten, tree_map
+
+# The smoothing of the variance's relative change per update (about ten updates).
+DRIFT_BETA = 0.9
+
+
+class AutoState(NamedTuple):
+    """The state field ``auto`` of 1-bit Adam and 1-bit LAMB (``None`` where neither
+    ``freeze_step`` nor ``exp_avg_mask`` is ``"auto"``); every value is the same on every rank."""
+
+    # [] int64, on the CPU: the first compressed update once decided, 0 before; None: a fixed
+    # freeze_step
+    freeze_at: torch.Tensor | None
+    variance_sum: torch.Tensor | None  # [] fp64, on the CPU: T, the sum of v (up to rounding)
+    drift: torch.Tensor | None  # [] fp64, on the CPU: D, the smoothed relative change of V
+    # per leaf uint8 [ceil(n / 8)], MSB first: bit 1 where the averaged gradient was exactly 0
+    # at every warmup update so far (exp_avg_mask="auto"); None otherwise
+    always_zero: PyTree
+
+
+class AutoWarmup(NamedTuple):
+    """What an optimizer decides in its warmup: the switch (``freeze``, ``None`` for a fixed
+    ``freeze_step``) and the mask (``mask``); ``b2`` is its variance's beta."""
+
+    freeze: AutoFreeze | None
+    mask: bool
+    b2: float
+
+
+def auto_warmup(
+    name: str, schedule: Any, exp_avg_mask: Any, non_freeze: PyTree | None, b2: float
+) -> AutoWarmup | None:
+    """The optimizer's :class:`AutoWarmup`, ``None`` when nothing is automatic.
+
+    Raises:
+        ValueError: ``exp_avg_mask`` is a string other than ``"auto"``, or the switch is
+            automatic while every leaf is ``non_freeze`` (nothing would freeze).
+    """
+    if isinstance(exp_avg_mask, str) and exp_avg_mask != "auto":
+        raise ValueError(
+            f'{name}: exp_avg_mask must be a pytree of masks, None or "auto", got {exp_avg_mask!r}'
+        )
+    freeze = schedule.settings if isinstance(schedule, AutoFreezeSchedule) else None
+    skips = [bool(s) for s in tree_flatten(non_freeze)[0]] if non_freeze is not None else []
+    if freeze is not None and skips and all(skips):
+        raise ValueError(
+            f'{name}: freeze_step="auto" with every leaf in non_freeze: no leaf ever freezes, '
+            "so there is nothing to decide; pass a fixed freeze_step or leave some leaves out "
+            "of non_freeze"
+        )
+    mask = isinstance(exp_avg_mask, str)
+    if freeze is None and not mask:
+        return None
+    return AutoWarmup(freeze, mask, b2)
+
+
+def init_auto(auto: AutoWarmup | None, params: PyTree) -> AutoState | None:
+    """The field ``auto`` of a fresh state: undecided, statistics zero, every element of the
+    mask's record "always zero" so far."""
+    if auto is None:
+        return None
+    scalars = (None, None, None)
+    if auto.freeze is not None:
+        zero = torch.zeros((), dtype=torch.float64)
+        scalars = (torch.zeros((), dtype=torch.int64), zero, zero.clone())
+    record = None
+    if auto.mask:
+        record = tree_map(
+            lambda p: kernels.packbits(torch.zeros(p.numel(), device=p.device)), params
+        )
+    return AutoState(*scalars, record)
+
+
+def averaged_and_observed(
+    name: str,
+    auto: AutoWarmup,
+    grads: PyTree,
+    state: Any,
+    comm: Any,
+    non_freeze: PyTree | None,
+) -> tuple[PyTree, AutoState]:
+    """A warmup update's gradients averaged over the ranks (dense allreduce, checked finite on
+    every rank: what the warmup rule would compute) and the state's ``auto`` after it
+    (:func:`observed`). The rule then runs on the averaged gradients with the allreduce left
+    out.
+
+    Raises:
+        ValueError: a gradient's shape differs from its state's, or an averaged gradient is
+            non-finite (on every rank).
+    """
+    walk = gradient_leaves(name, grads, state.exp_avg_sq, non_freeze, state.auto.always_zero)
+    means, scales, records = [], [], []
+    for g, _, skip, record in zip(*(walk.at_live(k) for k in range(4)), strict=True):
+        mean = check_finite(comm.all_reduce(g.float(), op="mean"), "the averaged gradient")
+        means.append(mean)
+        if g.numel() == 0:
+            records.append(record)
+            continue
+        zero_bits, scale, _ = kernels.sign_compress(mean.reshape(-1).abs().neg())
+        records.append(None if record is None else record & zero_bits)
+        if not bool(skip):
+            scales.append((scale, g.numel()))
+    new = state.auto
+    if auto.mask:
+        new = new._replace(always_zero=walk.rebuild(records, fill=3))
+    if auto.freeze is not None:
+        new = observed(auto, new, scales, state.count)
+    return walk.rebuild(means), new
+
+
+def observed(
+    auto: AutoWarmup, state: AutoState, scales: list[tuple[torch.Tensor, int]], count: Any
+) -> AutoState:
+    """``state`` after the warmup update ``t = count + 1`` whose averaged gradient has the RMS
+    ``scales`` (with each leaf's size) over the leaves that freeze: the statistics of
+    ``docs/algorithms.md`` and, while undecided, the decision ``freeze_at = t + 1``."""
+    settings, b2 = auto.freeze, auto.b2
+    f64 = dict(dtype=torch.float64, device="cpu")
+    q = torch.zeros((), **f64)
+    for scale, n in scales:
+        q = q + scale.to(**f64).square() * n
+    t = count + 1
+    b2_t = torch.tensor(b2, **f64)
+    total = b2 * state.variance_sum + (1 - b2) * q
+    later = t >= 2
+    one = torch.ones((), **f64)
+    variance = total / (1 - b2_t.pow(t))
+    before = torch.where(later, 1 - b2_t.pow(t - 1), one)
+    previous = state.variance_sum / before
+    change = torch.where(
+        variance > 0, (variance - previous).abs() / variance.clamp(min=1e-300), one
+    )
+    drift = torch.where(later, DRIFT_BETA * state.drift + (1 - DRIFT_BETA) * change, state.drift)
+    unbiased = drift / torch.where(later, 1 - torch.tensor(DRIFT_BETA, **f64).pow(t - 1), one)
+    settled = later & (unbiased < settings.tolerance)
+    decide = (
+        (state.freeze_at == 0)
+        & (t >= settings.min_updates)
+        & (settled | (t >= settings.max_updates))
+    )
+    freeze_at = torch.where(decide, t + 1, state.freeze_at)
+    return state._replace(freeze_at=freeze_at, variance_sum=total, drift=drift)
+
+
+def checked_auto(name: str, auto: AutoWarmup | None, state: Any) -> AutoState | None:
+    """The state's ``auto`` checked against the optimizer's (``check_state``).
+
+    Raises:
+        ValueError: it was made by an optimizer with a fixed ``freeze_step`` for an automatic
+            one or the reverse, likewise for ``exp_avg_mask="auto"``, or holds values of
+            the wrong form.
+    """
+    have = getattr(state, "auto", None)
+    frozen_auto = have is not None and have.freeze_at is not None
+    mask_auto = have is not None and have.always_zero is not None
+    want_freeze = auto is not None and auto.freeze is not None
+    want_mask = auto is not None and auto.mask
+    if frozen_auto != want_freeze:
+        made, here = ('"auto"', "a fixed one") if frozen_auto else ("a fixed one", '"auto"')
+        raise ValueError(
+            f"{name}: the state was made with freeze_step {made}, this optimizer has {here}: "
+            "their states differ (the automatic switch is decided in the state); build the "
+            "optimizer as the state's was"
+        )
+    if mask_auto != want_mask:
+        made, here = ('"auto"', "not") if mask_auto else ("not", '"auto"')
+        raise ValueError(
+            f'{name}: the state was made with exp_avg_mask {made} "auto", this optimizer\'s is '
+            f"{here}; build the optimizer as the state's was"
+        )
+    if have is None:
+        return None
+    if want_freeze:
+        forms = (
+            ("freeze_at", torch.int64),
+            ("variance_sum", torch.float64),
+            ("drift", torch.float64),
+        )
+        for field, dtype in forms:
+            x = getattr(have, field)
+            if not isinstance(x, torch.Tensor) or x.dtype != dtype or x.dim() != 0:
+                raise ValueError(f"{name}: auto.{field} must be a 0-dim {dtype} tensor")
+        if int(have.freeze_at) < 0 or float(have.variance_sum) < 0 or float(have.drift) < 0:
+            raise ValueError(f"{name}: auto holds a negative freeze_at, variance_sum or drift")
+        have = have._replace(**{f: getattr(have, f).cpu() for f, _ in forms})
+    if want_mask:
+        walk = live_leaves(state.exp_avg_sq, have.always_zero)
+        for v, record in zip(walk.at_live(0), walk.at_live(1), strict=True):
+            size = -(-v.numel() // 8)
+            if (
+                not isinstance(record, torch.Tensor)
+                or record.dtype != torch.uint8
+                or tuple(record.shape) != (size,)
+            ):
+                raise ValueError(
+                    f"{name}: auto.always_zero holds a leaf that is not uint8 [{size}] for a "
+                    f"param of {v.numel()} elements"
+                )
+    return have
