@@ -267,14 +267,18 @@ def _in_saved_forms(
     template's. Each field is read in the first layout that holds every entry the checkpoint
     has under it: the template field's own (a ``PackedSigns`` counting as one leaf), the field
     as one leaf (a momentum of all leaves fused), or the layout of another field of the state
-    (per leaf, like the params); at each leaf, a tensor, ``None`` or a ``PackedSigns``."""
+    (per leaf, like the params); at each leaf, a tensor, ``None`` or a ``PackedSigns``. A field
+    that the template leaves ``None`` and the checkpoint lacks (one saved before fn added the
+    field) stays ``None``."""
     used, fields = set(), {}
     errors = marked_fields(type(template), ErrorFeedback)
     for field, mine in zip(template._fields, template, strict=True):
         prefix = f".{field}"
         theirs = {k for k in saved if _under(k, prefix)}
         used.update(theirs)
-        if reset and field in errors:
+        if reset and field in errors or not theirs and mine is None:
+            # (a field this optimizer leaves unused, absent from a checkpoint saved before fn
+            # had it, stays None)
             fields[field] = mine
             continue
         layouts = [mine, None, *(other for other in template if other is not mine)]

@@ -12,7 +12,7 @@ import fn
 import fn.optim
 from fn.base import SecondMomentField
 from fn.tree import PyTree
-from tests.optim._problem import interrupted_run, make_model, save_and_load, train
+from tests.optim._problem import flat_params, interrupted_run, make_model, save_and_load, train
 
 N = 12
 OPTIMIZERS = {
@@ -36,6 +36,31 @@ def test_resume_is_bit_identical(name, k):
     out = interrupted_run(OPTIMIZERS[name], 0, k, N)
     assert out["same_params"] and out["same_state"]
     assert out["checkpoint"]["state"][0]["step"] == k
+
+
+@pytest.mark.parametrize("k", [2, 8], ids=["warmup", "compressed"])
+@pytest.mark.parametrize("name", ["onebit_adam", "onebit_lamb"])
+def test_a_checkpoint_without_a_field_this_optimizer_leaves_unused_resumes(name, k):
+    """A checkpoint saved before the state had its ``auto`` field (``None`` unless
+    ``freeze_step="auto"``) loads, and the run continues bit for bit; an automatic optimizer
+    refuses it."""
+    make = OPTIMIZERS[name]
+    model = make_model()
+    train(model, make(model.parameters()), 0, range(N))
+    model_k = make_model()
+    opt_k = make(model_k.parameters())
+    train(model_k, opt_k, 0, range(k))
+    older = save_and_load({"model": model_k.state_dict(), "optim": opt_k.state_dict()})
+    assert older["optim"]["state"][0]["functional"].pop(".auto") is None
+    resumed = make_model(seed=3)
+    resumed.load_state_dict(older["model"])
+    opt = make(resumed.parameters())
+    opt.load_state_dict(older["optim"])
+    train(resumed, opt, 0, range(k, N))
+    assert torch.equal(flat_params(resumed), flat_params(model))
+    automatic = type(opt)(make_model().parameters(), freeze_step="auto")
+    with pytest.raises(ValueError):
+        automatic.load_state_dict(older["optim"])
 
 
 @pytest.mark.parametrize("optimizer_first", [False, True], ids=["model-first", "optim-first"])
