@@ -201,15 +201,17 @@ class CompressedOptimizer(NamedTuple):
         warmup_update: the full-precision update: averages the LOCAL gradients with a dense
             allreduce, then updates.
         compressed_update: the compressed update: 1-bit collectives inside.
-        is_compressed: the host-side schedule, ``is_compressed(t, state=None) -> bool`` for the
-            1-based update count ``t``: a pure function of ``t``, never of tensor values, except
-            with ``freeze_step="auto"`` (1-bit Adam, 1-bit LAMB), where it also reads the
-            switch decided in the state given (one host read of a CPU scalar; the state is then
-            required).
-        plan: ``plan(t, state=None)``, every host-side decision of update ``t`` as a hashable
-            NamedTuple of Python bools with a ``compressed`` attribute equal to
-            ``is_compressed(t, state)`` (e.g. ``fn.transforms.ZeroOneAdamPlan``). ``None`` (the
-            default) for an optimizer whose updates only take ``step``.
+        is_compressed: the host-side schedule, ``is_compressed(t) -> bool`` for the 1-based
+            update count ``t``: a pure function of ``t``, never of tensor values; with
+            ``reads_state``, ``is_compressed(t, state=None)``, which may also read the state
+            (``freeze_step="auto"`` of 1-bit Adam and 1-bit LAMB reads the switch decided in
+            it: one host read of a CPU scalar; the state is then required). Ask
+            :meth:`compressed_at`, which passes the state where the schedule takes it.
+        plan: ``plan(t)`` (with ``reads_state``, ``plan(t, state=None)``), every host-side
+            decision of update ``t`` as a hashable NamedTuple of Python bools with a
+            ``compressed`` attribute equal to ``compressed_at(t, state)`` (e.g.
+            ``fn.transforms.ZeroOneAdamPlan``). ``None`` (the default) for an optimizer whose
+            updates only take ``step``.
         param_agreement: ``param_agreement(t)``, how closely the ranks' params agree after
             update ``t`` (``t = 0``: the params it starts from), a pure function of ``t``:
             ``0.0`` bit for bit (the default), ``r > 0`` up to a relative ``r`` of their sums,
@@ -233,16 +235,19 @@ class CompressedOptimizer(NamedTuple):
             compressed update as the host knows it (with ``freeze_step="auto"``, the one decided
             in ``state``, or while undecided the latest it can be);
             :meth:`first_compressed_update` scans ``is_compressed`` without it.
+        reads_state: whether ``is_compressed`` and ``plan`` take the state as their second
+            argument (``False``, the default: they take ``t`` alone).
 
     Both updates have the signature ``(grads, state, params=None, *, step=None, plan=None,
     **extra)`` and take exactly one of ``step``, the 1-based count of the update being made (a
     Python ``int``), and ``plan=opt.plan(step)``; both give the same result, bit for bit.
 
-    Compiling a training step: ``torch.compile`` guards Python ints by value (a recompile for
-    every new ``t``, then a silent fall-back to eager) or turns them into symbolic ints the
-    schedules cannot branch on. Pass the plan into the compiled function instead of ``t``: a
+    Compiling a training step: pass the plan into the compiled function instead of ``t``: a
     plan is a few bools, so the step compiles once per distinct plan (at most 3 for 1-bit Adam,
-    4 for 1-bit LAMB, 5 for 0/1 Adam), however many steps are run::
+    4 for 1-bit LAMB, 5 for 0/1 Adam), however many steps are run. (Dynamo makes a ``t`` passed
+    in a symbolic int after its first value and guards on the plan's decisions: one graph more
+    than the plans for 1-bit Adam and 1-bit LAMB; 0/1 Adam's doubling intervals keep adding
+    guards until dynamo's recompile limit.)::
 
         opt = fn.zero_one_adam(lr=1e-3, var_freeze_step=1000, comm=comm)
 
@@ -269,6 +274,18 @@ class CompressedOptimizer(NamedTuple):
     check_state: Callable[[Any], Any] | None = None
     full_state: Callable[[Any], Any] | None = None
     first_compressed: Callable[[Any], int] | None = None
+    reads_state: bool = False
+
+    def compressed_at(self, t: int, state: Any = None) -> bool:
+        """Whether update ``t`` is compressed: ``is_compressed(t)``, or ``is_compressed(t,
+        state)`` for a schedule that reads the state (``reads_state``).
+
+        Example:
+            >>> opt = fn.onebit_adam(1e-3, freeze_step=3, comm=fn.collectives.Local())
+            >>> [opt.compressed_at(t) for t in (1, 2, 3)]
+            [False, False, True]
+        """
+        return self.is_compressed(t, state) if self.reads_state else self.is_compressed(t)
 
     def first_compressed_update(self, last: int, state: Any = None) -> int | None:
         """The first update count ``t`` in ``1..last`` whose update is compressed, or ``None``
@@ -284,7 +301,7 @@ class CompressedOptimizer(NamedTuple):
         if self.first_compressed is not None:
             first = self.first_compressed(state)
             return first if first <= last else None
-        return next((t for t in range(1, last + 1) if self.is_compressed(t, state)), None)
+        return next((t for t in range(1, last + 1) if self.compressed_at(t, state)), None)
 
     def update(
         self,
@@ -305,7 +322,7 @@ class CompressedOptimizer(NamedTuple):
             ValueError: if ``step`` is not an int >= 1.
         """
         if check_step_or_plan(step, plan) is not None:
-            compressed = self.is_compressed(step, state)
+            compressed = self.compressed_at(step, state)
             phase = self.compressed_update if compressed else self.warmup_update
             return _without_unknown_donate(phase, extra)(grads, state, params, step=step, **extra)
         if self.plan is None:

@@ -330,7 +330,7 @@ def compressed_next(
     """Per group: whether its next update, by the transform of its plan, is compressed."""
     return [
         isinstance(transform, CompressedOptimizer)
-        and transform.is_compressed(runtime.step + 1, runtime.state)
+        and transform.compressed_at(runtime.step + 1, runtime.state)
         for (transform, _, _), runtime in zip(plans, groups, strict=True)
     ]
 

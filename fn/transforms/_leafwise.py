@@ -91,7 +91,8 @@ def compressed_optimizer(
             plan is a ``plan_type`` whose ``compressed`` matches the phase, ``lr`` the learning
             rate of this update, ``donated`` the donated state (compressed updates only). The
             ``count`` and ``lr`` of the state it returns are set here.
-        is_compressed: the host schedule, ``CompressedOptimizer.is_compressed``: ``(t, state)``.
+        is_compressed: the host schedule, ``CompressedOptimizer.is_compressed``: ``(t, state)``
+            (the optimizer ``reads_state``).
         plan_for: the plan of the 1-based update ``t``, ``(t, state)``.
         plan_type: the type of the plans.
         params_needed_for: what needs the params (e.g. ``"weight_decay > 0"``), or ``None`` when
@@ -160,6 +161,7 @@ def compressed_optimizer(
         is_compressed,
         plan_for,
         first_compressed=first_compressed,
+        reads_state=True,
     )
     if not fused_apply:
         return opt
