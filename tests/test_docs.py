@@ -25,6 +25,7 @@ SECTIONS = [
     "1-bit LAMB",
     "Safeguard against near-zero frozen variance",
     "Quantized allreduce with LoCo error feedback",
+    "1-bit Adam and 1-bit LAMB on FSDP2",
     "Deviations from DeepSpeed",
 ]
 
