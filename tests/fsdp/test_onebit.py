@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fn
 import fn.fsdp
@@ -36,13 +36,14 @@ class Net(nn.Module):
 MODULES = [["block.weight", "block.bias"], ["head.weight", "head.bias"]]  # FSDP2's order
 
 
-def build(seed: int = 0, shard: bool = True) -> nn.Module:
+def build(seed: int = 0, shard: bool = True, policy: MixedPrecisionPolicy | None = None):
     torch.manual_seed(seed)
     model = Net()
     if shard:
         mesh = init_device_mesh("cpu", (WORLD,))
-        fully_shard(model.block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        mp = {} if policy is None else {"mp_policy": policy}
+        fully_shard(model.block, mesh=mesh, **mp)
+        fully_shard(model, mesh=mesh, **mp)
     return model
 
 
@@ -226,6 +227,20 @@ def _worker_train(rank: int, world_size: int, weight_decay: float) -> dict:
     )
 
 
+def _worker_bf16(rank: int, world_size: int) -> dict:
+    model = build(policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    opt = fn.fsdp.OnebitAdam(model, lr=LR, freeze_step=FREEZE)
+    start = full_params(model)
+    for t in range(1, STEPS + 1):
+        opt.zero_grad()
+        x, y = batch(rank, t)
+        nn.functional.mse_loss(model(x).float(), y).backward()
+        opt.step()
+    params = full_params(model)
+    grads = {k: p.grad.dtype for k, p in model.named_parameters()}
+    return dict(start=start, params=params, grads=grads, count=opt.count)
+
+
 def _refusal(make) -> tuple[str, str] | None:
     try:
         make()
@@ -293,6 +308,17 @@ def test_compressed_traffic_is_counted_and_nonfinite_raises_on_every_rank(traine
         message, unchanged, count = result["nonfinite"]
         assert message is not None and "non-finite" in message, rank
         assert unchanged and count == STEPS
+
+
+@pytest.mark.timeout(300)
+def test_bf16_policy_keeps_fp32_masters_and_ranks_agree():
+    results = run_distributed(_worker_bf16, WORLD, timeout=240)
+    for result in results:
+        assert result["count"] == STEPS
+        for k, value in result["params"].items():
+            assert value.dtype == torch.float32 and result["grads"][k] == torch.float32
+            assert torch.equal(value, results[0]["params"][k]), k
+            assert not torch.equal(value, result["start"][k]), k
 
 
 @pytest.mark.timeout(300)
