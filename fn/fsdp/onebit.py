@@ -14,6 +14,7 @@ LAMB on FSDP2".
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 import zlib
 from typing import Any, NamedTuple
@@ -42,6 +43,8 @@ from fn.fsdp.reduce_scatter import CommCache, reduce_scale
 from fn.transforms import onebit_adam, onebit_adam_sharded
 
 __all__ = ["OnebitAdam", "OnebitLamb"]
+
+_FORMAT = 1  # the layout of OnebitAdam.state_dict()
 
 # The FSDP2 modules that carry an fn.fsdp optimizer's reduce-scatter, and that optimizer.
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
@@ -161,7 +164,8 @@ class OnebitAdam(torch.optim.Optimizer):
     ranks' params stay identical (each rank steps its own shard).
 
     Construct it on every rank, after ``fully_shard``: it checks on every rank together that
-    the model and the settings agree (a collective call).
+    the model and the settings agree (a collective call). Checkpoints: its ``state_dict()``
+    through :class:`~fn.fsdp.TrainingCheckpoint` (DCP), resumed bit for bit after any update.
 
     Args:
         model: the model, with ``fully_shard`` applied to it or its submodules, on one 1-D mesh;
@@ -270,15 +274,189 @@ class OnebitAdam(torch.optim.Optimizer):
         return self._comms.bytes_sent
 
     def state_dict(self) -> dict[str, Any]:
-        """Not built yet."""
-        raise NotImplementedError(
-            "fn.fsdp.OnebitAdam has no checkpoints yet: its momentum (packed signs per FSDP2 "
-            "module) and per-rank error feedback need a DCP layout of their own"
-        )
+        """This rank's state as a ``torch.distributed.checkpoint`` (DCP) state dict.
+
+        ``{"header", "lr", "exp_avg", "exp_avg_sq", "momentum", "rank<r>"}``: ``header`` (int64:
+        format, world size, updates made, checksums of the model's layout and of the settings);
+        ``lr`` (``param_groups[0]["lr"]``); ``exp_avg`` and ``exp_avg_sq`` by param FQN as
+        DTensors of the shards (``exp_avg`` only where a param's momentum is a tensor: the
+        warmup, or a module not compressed yet); ``momentum`` by module, the packed signs and
+        scales of its full momentum (the same on every rank: DCP saves them once); and under
+        ``rank<r>``, a name of this rank's own, by module its worker and server errors (DCP
+        would keep one rank's copy of tensors saved under one name by every rank).
+        :class:`~fn.fsdp.TrainingCheckpoint` saves and loads it.
+
+        Returns:
+            A dict of tensors (the state's own, not copies).
+        """
+        mine: dict[str, dict[str, torch.Tensor]] = {}
+        state: dict[str, Any] = {
+            "header": self._header(),
+            "lr": torch.tensor(float(self.param_groups[0]["lr"]), dtype=torch.float64),
+            "exp_avg": {},
+            "exp_avg_sq": {},
+            "momentum": {},
+            f"rank{self.rank}": mine,
+        }
+        for layout in self._layouts:
+            for slot in layout.slots:
+                m = self._state.exp_avg[slot.name]
+                if isinstance(m, torch.Tensor):
+                    state["exp_avg"][slot.name] = _shard_of(m, slot.param)
+                v = self._state.exp_avg_sq[slot.name]
+                state["exp_avg_sq"][slot.name] = _shard_of(v, slot.param)
+            held = self._compressed[layout.name]
+            if held.signs is not None:
+                signs = {"packed": held.signs.packed, "scales": held.signs.scales}
+                state["momentum"][layout.name] = signs
+            if held.errors is not None:
+                mine[layout.name] = {"worker": held.errors[0], "server": held.errors[1]}
+        return state
+
+    def checkpoint_template(
+        self, header: torch.Tensor, saved: dict[str, torch.Size]
+    ) -> dict[str, Any]:
+        """The state dict that DCP loads a checkpoint of :meth:`state_dict` into: new tensors
+        shaped as saved (this rank's errors only if the world size is the same).
+
+        Args:
+            header: the checkpoint's ``header`` (loaded first).
+            saved: the checkpoint's optimizer keys, flat (``"exp_avg.block.weight"``), and
+                their sizes (from the checkpoint's metadata).
+
+        Returns:
+            A dict of the form of :meth:`state_dict`, to pass to ``dcp.load``.
+
+        Raises:
+            ValueError: the header does not match this model or these settings, or a key is
+                missing (nothing was loaded).
+        """
+        world_size, _ = self._checked_header(header)
+        template: dict[str, Any] = {
+            "header": header.clone(),
+            "lr": torch.zeros((), dtype=torch.float64),
+            "exp_avg": {},
+            "exp_avg_sq": {},
+            "momentum": {},
+        }
+        for layout in self._layouts:
+            signed = f"momentum.{layout.name}.packed" in saved
+            if signed:
+                template["momentum"][layout.name] = {
+                    name: torch.zeros(saved[f"momentum.{layout.name}.{name}"], dtype=dtype)
+                    for name, dtype in (("packed", torch.uint8), ("scales", torch.float32))
+                }
+            for slot in layout.slots:
+                for field in ("exp_avg", "exp_avg_sq"):
+                    if f"{field}.{slot.name}" in saved:
+                        template[field][slot.name] = _shard_of(torch.zeros(0), slot.param)
+                    elif field == "exp_avg_sq" or not signed:
+                        raise ValueError(
+                            f"fn.fsdp.OnebitAdam: the checkpoint has no {field} of {slot.name}; "
+                            "nothing was loaded"
+                        )
+        own = f"rank{self.rank}"
+        if world_size == self.comm.world_size:
+            template[own] = {
+                layout.name: {
+                    name: torch.zeros(saved[f"{own}.{layout.name}.{name}"], dtype=self.error_dtype)
+                    for name in ("worker", "server")
+                }
+                for layout in self._layouts
+                if f"{own}.{layout.name}.worker" in saved
+            }
+        return template
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Not built yet."""
-        raise NotImplementedError("fn.fsdp.OnebitAdam has no checkpoints yet (see state_dict)")
+        """Restores a :meth:`state_dict` (as :meth:`checkpoint_template` lays it out).
+
+        Saved at this world size, the state continues bit for bit. Saved at another one, the
+        momentum is read back exactly into this world size's layout, and the error feedback
+        (which compensated the old layout's compression) restarts from zero with a warning.
+
+        Raises:
+            ValueError: the checkpoint is of another model, other settings, or incomplete;
+                nothing was changed.
+        """
+        world_size, count = self._checked_header(state_dict["header"])
+        same = world_size == self.comm.world_size
+        own = state_dict.get(f"rank{self.rank}", {}) if same else {}
+        exp_avg, exp_avg_sq, compressed = {}, {}, {}
+        for layout in self._layouts:
+            held = _Compressed()
+            signs = state_dict["momentum"].get(layout.name)
+            if signs is not None:
+                held.signs = PackedSigns(signs["packed"], signs["scales"])
+            if layout.name in own:
+                held.errors = (own[layout.name]["worker"], own[layout.name]["server"])
+            for slot in layout.slots:
+                exp_avg_sq[slot.name] = _local(state_dict["exp_avg_sq"][slot.name]).clone()
+                m = state_dict["exp_avg"].get(slot.name)
+                exp_avg[slot.name] = None if m is None else _local(m).clone()
+            if held.signs is not None and not same:  # into this world size's layout
+                old = module_layout(
+                    layout.name, [(s.name, s.param) for s in layout.slots], world_size
+                )
+                exp_avg.update(
+                    _momentum_from_signs(old, held.signs, self.comm.world_size, self.rank)
+                )
+                held.signs = None
+            compressed[layout.name] = held
+        if not same and (state_dict["momentum"] or state_dict.get(f"rank{self.rank}")):
+            warnings.warn(
+                f"fn.fsdp.OnebitAdam: checkpoint saved at world size {world_size}, loaded at "
+                f"{self.comm.world_size}: the error feedback restarts from zero (the momentum "
+                "is kept)",
+                stacklevel=2,
+            )
+        self.param_groups[0]["lr"] = float(state_dict["lr"])
+        self._state = self._state._replace(
+            count=torch.tensor(count, dtype=torch.int64),
+            lr=torch.tensor(float(state_dict["lr"]), dtype=torch.float32),
+            exp_avg=exp_avg,
+            exp_avg_sq=exp_avg_sq,
+        )
+        self._compressed = compressed
+
+    def _header(self) -> torch.Tensor:
+        """``[format, world size, updates made, crc of the layout, crc of the settings]``."""
+        return torch.tensor(
+            [_FORMAT, self.comm.world_size, self.count, *self._fingerprints()], dtype=torch.int64
+        )
+
+    def _fingerprints(self) -> tuple[int, int]:
+        layout = repr(
+            [(x.name, [(s.name, tuple(s.param.shape)) for s in x.slots]) for x in self._layouts]
+        )
+        group = self.param_groups[0]
+        fixed = {k: group[k] for k in sorted(group) if k not in ("params", "lr")}
+        settings = repr((fixed, str(self.error_dtype)))
+        return zlib.crc32(layout.encode()), zlib.crc32(settings.encode())
+
+    def _checked_header(self, header: torch.Tensor) -> tuple[int, int]:
+        """The checkpoint's world size and update count, or ``ValueError`` if it is not a
+        checkpoint of this model and these settings."""
+        values = header.tolist()
+        if len(values) != 5 or values[0] != _FORMAT:
+            raise ValueError(
+                f"fn.fsdp.OnebitAdam: not a checkpoint of this format (header {values}); "
+                "nothing was loaded"
+            )
+        _, world_size, count, layout, settings = values
+        layout_now, settings_now = self._fingerprints()
+        if layout != layout_now:
+            raise ValueError(
+                "fn.fsdp.OnebitAdam: the checkpoint is of another model (its FSDP2 modules, "
+                "params or shapes differ); nothing was loaded"
+            )
+        if settings != settings_now:
+            raise ValueError(
+                "fn.fsdp.OnebitAdam: the checkpoint was saved with other settings (freeze_step, "
+                "betas, eps, weight_decay, safeguard or error_dtype); nothing was loaded"
+            )
+        if world_size < 1 or count < 0:
+            raise ValueError(f"fn.fsdp.OnebitAdam: corrupt checkpoint header {values}")
+        return world_size, count
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -456,6 +634,38 @@ class OnebitLamb:
 
 def _local(x: torch.Tensor) -> torch.Tensor:
     return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _shard_of(local: torch.Tensor, param: DTensor) -> DTensor:
+    """``local`` (this rank's shard of a tensor like ``param``; empty: zeros) as a DTensor
+    sharded as ``param``."""
+    if local.numel() == 0:
+        local = torch.zeros_like(_local(param), dtype=torch.float32)
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+    )
+
+
+def _momentum_from_signs(
+    layout: ModuleLayout, signs: PackedSigns, world_size: int, rank: int
+) -> dict[str, torch.Tensor]:
+    """Every param's shard, at ``world_size`` and ``rank``, of a module's momentum packed in
+    ``layout`` (that of the world size it was saved at), read exactly."""
+    saved_world_size = signs.scales.numel()
+    rows = signs.values(saved_world_size * layout.padded_row).view(saved_world_size, -1)
+    shards = {}
+    for slot in layout.slots:
+        dim = next(pl.dim for pl in slot.param.placements if isinstance(pl, Shard))
+        chunks = torch.empty(slot.param.shape, device="meta").chunk(saved_world_size, dim)
+        pieces = [
+            rows[j, slot.offset : slot.offset + chunk.numel()].view(chunk.shape)
+            for j, chunk in enumerate(chunks)
+        ]
+        full = torch.cat(pieces, dim)
+        mine = full.chunk(world_size, dim)
+        shard = mine[rank] if rank < len(mine) else full.narrow(dim, 0, 0)
+        shards[slot.name] = shard.contiguous()
+    return shards
 
 
 def _dense_reduce_scatter(comm: ProcessGroup, rows: torch.Tensor, op: Any) -> torch.Tensor:

@@ -36,11 +36,16 @@ class Net(nn.Module):
 MODULES = [["block.weight", "block.bias"], ["head.weight", "head.bias"]]  # FSDP2's order
 
 
-def build(seed: int = 0, shard: bool = True, policy: MixedPrecisionPolicy | None = None):
+def build(
+    seed: int = 0,
+    shard: bool = True,
+    policy: MixedPrecisionPolicy | None = None,
+    world: int = WORLD,
+):
     torch.manual_seed(seed)
     model = Net()
     if shard:
-        mesh = init_device_mesh("cpu", (WORLD,))
+        mesh = init_device_mesh("cpu", (world,))
         mp = {} if policy is None else {"mp_policy": policy}
         fully_shard(model.block, mesh=mesh, **mp)
         fully_shard(model, mesh=mesh, **mp)
