@@ -38,7 +38,7 @@ from fn.collectives import (
 )
 from fn.collectives.onebit import compressed_allreduce_exchange, write_errors
 from fn.errors import NonFiniteError
-from fn.fsdp.loco import ROOT, _own_params
+from fn.fsdp.loco import ROOT
 from fn.fsdp.reduce_scatter import CommCache, reduce_scale
 from fn.transforms import onebit_adam, onebit_adam_sharded
 
@@ -689,10 +689,31 @@ def _modules(model: nn.Module) -> list[tuple[str, list[tuple[str, DTensor]]]]:
     found = []
     for name, child in model.named_modules():
         if isinstance(child, FSDPModule):
-            params = _own_params(child)
+            params = _fsdp_order(child)
             if params:
                 found.append((name or ROOT, [(names[id(p)], p) for p in params]))
     return found
+
+
+def _fsdp_order(module: FSDPModule) -> list[nn.Parameter]:
+    """The trainable params of ``module``'s FSDP2 group in the order of its reduce-scatter:
+    FSDP2 visits the modules depth first, a module after its children (nested FSDP2 modules
+    left out), each module's own params in registration order."""
+    order: list[nn.Parameter] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        if m is not module and isinstance(m, FSDPModule):
+            return
+        for child in m.children():
+            visit(child)
+        for p in m.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                order.append(p)
+
+    visit(module)
+    return [p for p in order if p.requires_grad]
 
 
 def _one_dim(found: list[tuple[str, list[tuple[str, DTensor]]]]) -> bool:

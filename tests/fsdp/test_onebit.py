@@ -22,18 +22,20 @@ STEPS = 7
 
 class Net(nn.Module):
     """``block`` is sharded on its own (a weight of 3 rows: dim-0 padding at W = 2, and a row of
-    12 padded to 16); ``head`` sits in the root's group."""
+    12 padded to 16); ``head`` and ``scale`` sit in the root's group, where FSDP2 puts the root's
+    own ``scale`` after its child's params (registration order puts it first)."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.scale = nn.Parameter(torch.ones(2))
         self.block = nn.Linear(5, 3)
         self.head = nn.Linear(3, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.block(x)))
+        return self.head(torch.tanh(self.block(x))) * self.scale
 
 
-MODULES = [["block.weight", "block.bias"], ["head.weight", "head.bias"]]  # FSDP2's order
+MODULES = [["block.weight", "block.bias"], ["head.weight", "head.bias", "scale"]]  # FSDP2's order
 
 
 def build(
