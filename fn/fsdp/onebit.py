@@ -274,25 +274,31 @@ class OnebitAdam(torch.optim.Optimizer):
         return self._comms.bytes_sent
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state as a ``torch.distributed.checkpoint`` (DCP) state dict.
+        """This rank's state as a ``torch.distributed.checkpoint`` (DCP) state dict, in one
+        layout at every update (DCP loads in place into a layout fixed before it reads).
 
-        ``{"header", "lr", "exp_avg", "exp_avg_sq", "momentum", "rank<r>"}``: ``header`` (int64:
-        format, world size, updates made, checksums of the model's layout and of the settings);
-        ``lr`` (``param_groups[0]["lr"]``); ``exp_avg`` and ``exp_avg_sq`` by param FQN as
-        DTensors of the shards (``exp_avg`` only where a param's momentum is a tensor: the
-        warmup, or a module not compressed yet); ``momentum`` by module, the packed signs and
-        scales of its full momentum (the same on every rank: DCP saves them once); and under
-        ``rank<r>``, a name of this rank's own, by module its worker and server errors (DCP
-        would keep one rank's copy of tensors saved under one name by every rank).
-        :class:`~fn.fsdp.TrainingCheckpoint` saves and loads it.
+        ``{"header", "lr", "signed", "exp_avg", "exp_avg_sq", "momentum", "rank<r>"}``:
+        ``header`` (int64: format, world size, updates made, checksums of the model's layout
+        and of the settings); ``lr`` (``param_groups[0]["lr"]``); ``signed`` (int8 per module:
+        whether its momentum is kept as packed signs); ``exp_avg`` and ``exp_avg_sq`` by param
+        FQN, DTensors of the shards (``exp_avg``: zeros where the momentum is packed);
+        ``momentum`` by module, the packed signs and scales of its full momentum (zeros before
+        the freeze; the same on every rank, so DCP saves them once); and under ``rank<r>``, a
+        name of this rank's own, by module its worker and server errors (zeros before the
+        first compressed update; DCP would keep one rank's copy of a name every rank saves).
+        :class:`~fn.fsdp.TrainingCheckpoint` saves it, and loads it at any world size, checked
+        before anything changes; ``dcp.load`` straight into it works at the same world size.
 
         Returns:
-            A dict of tensors (the state's own, not copies).
+            A dict of tensors: the state's own where it holds them, zeros where it does not.
         """
+        world_size = self.comm.world_size
+        signed = [self._compressed[x.name].signs is not None for x in self._layouts]
         mine: dict[str, dict[str, torch.Tensor]] = {}
         state: dict[str, Any] = {
             "header": self._header(),
             "lr": torch.tensor(float(self.param_groups[0]["lr"]), dtype=torch.float64),
+            "signed": torch.tensor(signed, dtype=torch.int8),
             "exp_avg": {},
             "exp_avg_sq": {},
             "momentum": {},
@@ -301,23 +307,27 @@ class OnebitAdam(torch.optim.Optimizer):
         for layout in self._layouts:
             for slot in layout.slots:
                 m = self._state.exp_avg[slot.name]
-                if isinstance(m, torch.Tensor):
-                    state["exp_avg"][slot.name] = _shard_of(m, slot.param)
+                m = m if isinstance(m, torch.Tensor) else torch.zeros(0)
+                state["exp_avg"][slot.name] = _shard_of(m, slot.param)
                 v = self._state.exp_avg_sq[slot.name]
                 state["exp_avg_sq"][slot.name] = _shard_of(v, slot.param)
             held = self._compressed[layout.name]
-            if held.signs is not None:
-                signs = {"packed": held.signs.packed, "scales": held.signs.scales}
-                state["momentum"][layout.name] = signs
-            if held.errors is not None:
-                mine[layout.name] = {"worker": held.errors[0], "server": held.errors[1]}
+            signs = held.signs or PackedSigns(
+                torch.zeros(world_size, layout.padded_row // 8, dtype=torch.uint8),
+                torch.zeros(world_size),
+            )
+            state["momentum"][layout.name] = {"packed": signs.packed, "scales": signs.scales}
+            errors = held.errors or init_error_feedback(
+                world_size * layout.padded_row, comm=self.comm, dtype=self.error_dtype
+            )
+            mine[layout.name] = {"worker": errors[0], "server": errors[1]}
         return state
 
     def checkpoint_template(
         self, header: torch.Tensor, saved: dict[str, torch.Size]
     ) -> dict[str, Any]:
         """The state dict that DCP loads a checkpoint of :meth:`state_dict` into: new tensors
-        shaped as saved (this rank's errors only if the world size is the same).
+        laid out as saved (this rank's errors only if the world size is the same).
 
         Args:
             header: the checkpoint's ``header`` (loaded first).
@@ -332,77 +342,86 @@ class OnebitAdam(torch.optim.Optimizer):
                 missing (nothing was loaded).
         """
         world_size, _ = self._checked_header(header)
+        own = f"rank{self.rank}"
+        needed = ["lr", "signed"]
+        for layout in self._layouts:
+            needed += [f"momentum.{layout.name}.{k}" for k in ("packed", "scales")]
+            if world_size == self.comm.world_size:
+                needed += [f"{own}.{layout.name}.{k}" for k in ("worker", "server")]
+            needed += [f"{f}.{s.name}" for s in layout.slots for f in ("exp_avg", "exp_avg_sq")]
+        missing = [key for key in needed if key not in saved]
+        if missing:
+            raise ValueError(
+                f"fn.fsdp.OnebitAdam: the checkpoint has no {missing[:4]}; nothing was loaded"
+            )
+
+        def new(key: str, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(saved[key], dtype=dtype)
+
         template: dict[str, Any] = {
             "header": header.clone(),
-            "lr": torch.zeros((), dtype=torch.float64),
+            "lr": new("lr", torch.float64),
+            "signed": new("signed", torch.int8),
             "exp_avg": {},
             "exp_avg_sq": {},
             "momentum": {},
         }
         for layout in self._layouts:
-            signed = f"momentum.{layout.name}.packed" in saved
-            if signed:
-                template["momentum"][layout.name] = {
-                    name: torch.zeros(saved[f"momentum.{layout.name}.{name}"], dtype=dtype)
-                    for name, dtype in (("packed", torch.uint8), ("scales", torch.float32))
-                }
+            template["momentum"][layout.name] = {
+                k: new(f"momentum.{layout.name}.{k}", dtype)
+                for k, dtype in (("packed", torch.uint8), ("scales", torch.float32))
+            }
             for slot in layout.slots:
                 for field in ("exp_avg", "exp_avg_sq"):
-                    if f"{field}.{slot.name}" in saved:
-                        template[field][slot.name] = _shard_of(torch.zeros(0), slot.param)
-                    elif field == "exp_avg_sq" or not signed:
-                        raise ValueError(
-                            f"fn.fsdp.OnebitAdam: the checkpoint has no {field} of {slot.name}; "
-                            "nothing was loaded"
-                        )
-        own = f"rank{self.rank}"
+                    template[field][slot.name] = _shard_of(torch.zeros(0), slot.param)
         if world_size == self.comm.world_size:
             template[own] = {
-                layout.name: {
-                    name: torch.zeros(saved[f"{own}.{layout.name}.{name}"], dtype=self.error_dtype)
-                    for name in ("worker", "server")
+                x.name: {
+                    k: new(f"{own}.{x.name}.{k}", self.error_dtype) for k in ("worker", "server")
                 }
-                for layout in self._layouts
-                if f"{own}.{layout.name}.worker" in saved
+                for x in self._layouts
             }
         return template
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores a :meth:`state_dict` (as :meth:`checkpoint_template` lays it out).
+        """Restores a :meth:`state_dict` (as :meth:`state_dict` or :meth:`checkpoint_template`
+        lays it out).
 
         Saved at this world size, the state continues bit for bit. Saved at another one, the
         momentum is read back exactly into this world size's layout, and the error feedback
         (which compensated the old layout's compression) restarts from zero with a warning.
 
         Raises:
-            ValueError: the checkpoint is of another model, other settings, or incomplete;
-                nothing was changed.
+            ValueError: the checkpoint is of another model or other settings; nothing was
+                changed.
         """
         world_size, count = self._checked_header(state_dict["header"])
         same = world_size == self.comm.world_size
+        signed = [bool(x) for x in state_dict["signed"].tolist()]
+        if len(signed) != len(self._layouts):
+            raise ValueError(f"fn.fsdp.OnebitAdam: corrupt checkpoint: signed = {signed}")
         own = state_dict.get(f"rank{self.rank}", {}) if same else {}
         exp_avg, exp_avg_sq, compressed = {}, {}, {}
-        for layout in self._layouts:
+        for layout, packed in zip(self._layouts, signed, strict=True):
             held = _Compressed()
-            signs = state_dict["momentum"].get(layout.name)
-            if signs is not None:
-                held.signs = PackedSigns(signs["packed"], signs["scales"])
-            if layout.name in own:
-                held.errors = (own[layout.name]["worker"], own[layout.name]["server"])
             for slot in layout.slots:
                 exp_avg_sq[slot.name] = _local(state_dict["exp_avg_sq"][slot.name]).clone()
-                m = state_dict["exp_avg"].get(slot.name)
-                exp_avg[slot.name] = None if m is None else _local(m).clone()
-            if held.signs is not None and not same:  # into this world size's layout
-                old = module_layout(
-                    layout.name, [(s.name, s.param) for s in layout.slots], world_size
-                )
-                exp_avg.update(
-                    _momentum_from_signs(old, held.signs, self.comm.world_size, self.rank)
-                )
-                held.signs = None
+                m = _local(state_dict["exp_avg"][slot.name]).clone()
+                exp_avg[slot.name] = None if packed else m
+            if packed:
+                signs = state_dict["momentum"][layout.name]
+                held.signs = PackedSigns(signs["packed"].clone(), signs["scales"].clone())
+                if same:
+                    errors = own[layout.name]
+                    held.errors = (errors["worker"].clone(), errors["server"].clone())
+                else:  # into this world size's layout, as the shards' momentum
+                    slots = [(s.name, s.param) for s in layout.slots]
+                    old = module_layout(layout.name, slots, world_size)
+                    world, rank = self.comm.world_size, self.rank
+                    exp_avg.update(_momentum_from_signs(old, held.signs, world, rank))
+                    held.signs = None
             compressed[layout.name] = held
-        if not same and (state_dict["momentum"] or state_dict.get(f"rank{self.rank}")):
+        if not same and any(signed):
             warnings.warn(
                 f"fn.fsdp.OnebitAdam: checkpoint saved at world size {world_size}, loaded at "
                 f"{self.comm.world_size}: the error feedback restarts from zero (the momentum "

@@ -1,7 +1,8 @@
 """fn.fsdp.OnebitAdam's DCP checkpoints (fn.fsdp.TrainingCheckpoint) on gloo ranks: saved in the
 warmup, just before the freeze, just after it and in the compressed phase, and resumed in fresh
-processes, a run continues bit for bit; at another world size the momentum is kept and the error
-feedback restarts with a warning; checkpoints that do not match are refused with nothing loaded."""
+processes, a run continues bit for bit (also with the optimizer as a plain DCP Stateful); at
+another world size the momentum is kept and the error feedback restarts with a warning;
+checkpoints that do not match are refused with nothing loaded."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 import fn.fsdp
 from tests._distributed import run_distributed
@@ -51,6 +54,9 @@ def _worker_save(rank: int, world_size: int, root: str) -> dict:
         history[t] = full_params(model)
         if t in SAVES:
             fn.fsdp.TrainingCheckpoint(model, opt, step=t).save(os.path.join(root, str(t)))
+        if t == FREEZE:  # the optimizer alone as a DCP Stateful, as torch users save one
+            state = {"model": get_model_state_dict(model), "optim": opt}
+            dcp.save(state, checkpoint_id=os.path.join(root, "stateful"))
         if t == SAVES[-1]:
             state = opt.state_dict()
             saved = dict(
@@ -89,6 +95,16 @@ def _worker_resume(rank: int, world_size: int, root: str, history: dict) -> dict
             train_step(model, opt, rank, t)
             got = full_params(model)
             mismatches += [(t, k) for k in got if not torch.equal(got[k], history[t][k])]
+    model = build(seed=1)
+    opt = optimizer(model)
+    state = {"model": get_model_state_dict(model), "optim": opt}
+    dcp.load(state, checkpoint_id=os.path.join(root, "stateful"))
+    set_model_state_dict(model, state["model"])
+    counts["stateful"] = (opt.count, FREEZE, opt.param_groups[0]["lr"])
+    for t in range(FREEZE + 1, STEPS + 1):
+        train_step(model, opt, rank, t)
+        got = full_params(model)
+        mismatches += [("stateful", t, k) for k in got if not torch.equal(got[k], history[t][k])]
     refusals = {}
     compressed = os.path.join(root, str(SAVES[-1]))
 
@@ -149,6 +165,7 @@ def test_resumes_bit_for_bit_at_every_phase_and_refuses_mismatches(tmp_path):
         assert result["mismatches"] == [], rank
         for start in SAVES:
             assert result["counts"][start] == (start, start, 1e-2 / start)
+        assert result["counts"]["stateful"] == (FREEZE, FREEZE, 1e-2 / FREEZE)
         refusals = result["refusals"]
         assert (
             refusals["model"][0].startswith("ValueError")
