@@ -146,14 +146,7 @@ def _worker(rank: int, world_size: int, send, config: dict) -> dict:
         times = []
         for step in range(steps):
             batch = example.train_batch(table, args, step, rank)
-            dist.barrier()
-            start = time.perf_counter()
-            counter.active = True
-            optimizer.zero_grad()
-            example.lm_loss(model, batch).backward()
-            optimizer.step()
-            counter.active = False
-            times.append(time.perf_counter() - start)
+            times.append(_timed_step(example, model, optimizer, batch, counter))
             if rank == 0 and (step + 1) % every == 0 and step + 1 < steps:
                 print(f"{mode}: step {step + 1}/{steps}, {times[-1]:.3f} s", flush=True)
         results[mode] = {
@@ -175,14 +168,25 @@ def _worker(rank: int, world_size: int, send, config: dict) -> dict:
     return results
 
 
+def _timed_step(example, model, optimizer, batch, counter: ByteCounter) -> float:
+    """One training step after a barrier, its collectives counted; its seconds."""
+    dist.barrier()
+    start = time.perf_counter()
+    counter.active = True
+    optimizer.zero_grad()
+    example.lm_loss(model, batch).backward()
+    optimizer.step()
+    counter.active = False
+    return time.perf_counter() - start
+
+
 def _train_onebit(mode, example, args, table, counter, rank, world_size, config) -> dict:
     """Trains with 1-bit Adam (``onebit``: FSDP2; ``ddp+onebit``: DDP), counting the bytes of
     the compressed steps after the freeze."""
     steps, warmup, freeze = config["steps"], config["warmup"], config["freeze_step"]
     hyper = dict(lr=args.lr, freeze_step=freeze, weight_decay=0.01)
     if mode == "onebit":
-        args.mode, args.qwz = "dense", False
-        model, _ = example.build(args, world_size)
+        model = example.sharded_transformer(args, world_size)
         optimizer = fn.fsdp.OnebitAdam(model, **hyper)
     else:
         torch.manual_seed(args.seed)
@@ -198,14 +202,7 @@ def _train_onebit(mode, example, args, table, counter, rank, world_size, config)
             counter.reset()
             fn_before = getattr(optimizer, "bytes_sent", 0)
         batch = example.train_batch(table, args, step, rank)
-        dist.barrier()
-        start = time.perf_counter()
-        counter.active = True
-        optimizer.zero_grad()
-        example.lm_loss(model, batch).backward()
-        optimizer.step()
-        counter.active = False
-        times.append(time.perf_counter() - start)
+        times.append(_timed_step(example, model, optimizer, batch, counter))
     compressed = max(1, steps - freeze)
     fn_sent = getattr(optimizer, "bytes_sent", None)
     result = {

@@ -24,34 +24,14 @@ import sys
 import zlib
 from collections.abc import Sequence
 
-import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from examples.fsdp_loco import (  # noqa: E402
-    Transformer,
-    bigram_table,
-    held_out_loss,
-    lm_loss,
-    train_batch,
-)
+from examples.fsdp_loco import parse_training_args, sharded_transformer, train  # noqa: E402
 from fn.collectives import exit_distributed  # noqa: E402
 from fn.fsdp import OnebitAdam, TrainingCheckpoint  # noqa: E402
-
-
-def build(args: argparse.Namespace, world_size: int) -> nn.Module:
-    """The FSDP2 transformer (the same random weights on every rank)."""
-    torch.manual_seed(args.seed)
-    model = Transformer(args.vocab, args.d_model, args.heads, args.layers, args.context)
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 def params_checksum(model: nn.Module) -> int:
@@ -67,21 +47,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--max-steps", type=int, default=40)
     p.add_argument("--freeze-step", type=int, default=10, help="first compressed update")
-    p.add_argument("--vocab", type=int, default=64)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--context", type=int, default=32)
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--checkpoint", default=None, help="checkpoint directory (saved at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
-    args = p.parse_args(argv)
-    if args.resume and not args.checkpoint:
-        p.error("--resume needs --checkpoint")
-    return args
+    return parse_training_args(p, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -89,21 +55,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     try:
-        model = build(args, world_size)
+        model = sharded_transformer(args, world_size)
         optimizer = OnebitAdam(model, lr=args.lr, freeze_step=args.freeze_step, weight_decay=0.01)
         checkpoint = TrainingCheckpoint(model, optimizer)
         if args.resume:
             checkpoint.load(args.checkpoint)
-        table = bigram_table(args.vocab)
-        for step in range(checkpoint.step, args.max_steps):
-            optimizer.zero_grad()
-            loss = lm_loss(model, train_batch(table, args, step, rank))
-            loss.backward()
-            optimizer.step()
-            checkpoint.step = step + 1
-            if rank == 0 and (step + 1) % args.log_every == 0:
-                print(f"step {step + 1}: train loss {float(loss.detach()):.4f}", flush=True)
-        final = held_out_loss(model, table, args)
+        final = train(model, optimizer, checkpoint, args, rank)
         if args.checkpoint:
             checkpoint.save(args.checkpoint)
         crcs = [None] * world_size
