@@ -55,9 +55,9 @@ error feedback, in the compressed phase, each beside its formula (docs/algorithm
 and 1-bit LAMB on FSDP2"): FSDP2 ``4n/W`` params ``+ 4n/W`` grads ``+ 4n/W`` (v) ``+ n/8`` (m)
 ``+ e n + e n/W`` (errors, ``e`` bytes each), replicated ``4n + 4n + 4n + n/8 + e n + e n/W``.
 Targets at ``W = 4``: <= 0.5x of the replicated fp32-error total with fp32 errors, <= 0.4x with
-bf16 errors. The FSDP2 optimizer's state is its ``state_dict()``'s tensors (the shards of ``v``,
-the packed momentum, this rank's errors); the adapter's is ``state`` above, its spare state and
-gradient buffer printed beside, not in the total.
+bf16 errors. The FSDP2 optimizer's state is what it holds between steps (the shards of ``v``,
+each module's packed momentum and this rank's errors); the adapter's is ``state`` above, its
+spare state and gradient buffer printed beside, not in the total.
 
 Run: python3 benchmarks/memory.py [--world-sizes 2,4] [--params 25e6] [--dtype float32]
      [--freeze 3] [--compressed-steps 3] [--optimizers NAME[:KEY=VALUE,...] ...]
@@ -480,8 +480,9 @@ def fsdp_onebit_worker(rank: int, world_size: int, send: Any, cfg: dict, dtype: 
                 "params": _local_storages(params),
                 "grads": _local_storages([p.grad for p in params]),
             }
-            if setup == "fsdp":
-                row.update(state=_local_storages(opt.state_dict()), extra=0)
+            if setup == "fsdp":  # its live state: the shards' moments, each module's packed
+                held = [(x.signs, x.errors) for x in opt._compressed.values()]  # m and errors
+                row.update(state=_local_storages([opt._state, held]), extra=0)
             else:
                 measured = state_bytes(opt)
                 row.update(state=measured["state"], extra=measured["spare"] + measured["grads"])
