@@ -18,6 +18,18 @@ the training steps only (not the held-out evaluation). Then the held-out loss of
 (LoCo should be within about 1% of dense) and the median step time (the first ``--warmup`` steps
 left out), with dense's step time over each mode's.
 
+Then 1-bit Adam, with the same model, data and steps (``freeze_step`` ``--freeze-step``):
+
+- ``onebit``: FSDP2 + ``fn.fsdp.OnebitAdam`` (1-bit momentum inside each module's reduce-scatter);
+- ``ddp+onebit``: the unsharded model in ``DistributedDataParallel`` + ``fn.optim.OnebitAdam``
+  (``fn.ddp.register``), the same rule on replicated params.
+
+Their bytes are counted per compressed step after the freeze (the freeze's one all-gather of the
+momentum left out). FSDP2's parameter all-gathers are the same as dense's (same model), so the
+1-bit gradient traffic of ``onebit`` is its total less dense's all-gathers; its ratio to dense
+FSDP2 + AdamW's reduce-scatter (target <= 0.1) is printed, and its held-out loss against
+``ddp+onebit``'s (target within 1%).
+
 Without ``--rate`` the ranks talk over this machine's loopback, so the step times mean little.
 ``--rate 1gbit`` (root, ``ip`` and ``tc``) runs each rank in its own network namespace, linked
 through a bridge at that rate in both directions, as ``benchmarks/cluster.py`` builds them (its
@@ -47,13 +59,18 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+import fn.ddp  # noqa: E402
+import fn.fsdp  # noqa: E402
+import fn.optim  # noqa: E402
 from fn.app._launch import spawn_gloo  # noqa: E402
 
 MODES = ("dense", "loco", "qgz", "loco+qwz")
+ONEBIT_MODES = ("onebit", "ddp+onebit")
 
 
 def _load(name: str, path: str):
@@ -129,14 +146,7 @@ def _worker(rank: int, world_size: int, send, config: dict) -> dict:
         times = []
         for step in range(steps):
             batch = example.train_batch(table, args, step, rank)
-            dist.barrier()
-            start = time.perf_counter()
-            counter.active = True
-            optimizer.zero_grad()
-            example.lm_loss(model, batch).backward()
-            optimizer.step()
-            counter.active = False
-            times.append(time.perf_counter() - start)
+            times.append(_timed_step(example, model, optimizer, batch, counter))
             if rank == 0 and (step + 1) % every == 0 and step + 1 < steps:
                 print(f"{mode}: step {step + 1}/{steps}, {times[-1]:.3f} s", flush=True)
         results[mode] = {
@@ -153,7 +163,63 @@ def _worker(rank: int, world_size: int, send, config: dict) -> dict:
                 f"{mode}: median step {r['step_s']:.3f} s, held-out loss {r['held_out_loss']:.4f}",
                 flush=True,
             )
+    for mode in ONEBIT_MODES:
+        results[mode] = _train_onebit(mode, example, args, table, counter, rank, world_size, config)
     return results
+
+
+def _timed_step(example, model, optimizer, batch, counter: ByteCounter) -> float:
+    """One training step after a barrier, its collectives counted; its seconds."""
+    dist.barrier()
+    start = time.perf_counter()
+    counter.active = True
+    optimizer.zero_grad()
+    example.lm_loss(model, batch).backward()
+    optimizer.step()
+    counter.active = False
+    return time.perf_counter() - start
+
+
+def _train_onebit(mode, example, args, table, counter, rank, world_size, config) -> dict:
+    """Trains with 1-bit Adam (``onebit``: FSDP2; ``ddp+onebit``: DDP), counting the bytes of
+    the compressed steps after the freeze."""
+    steps, warmup, freeze = config["steps"], config["warmup"], config["freeze_step"]
+    hyper = dict(lr=args.lr, freeze_step=freeze, weight_decay=0.01)
+    if mode == "onebit":
+        model = example.sharded_transformer(args, world_size)
+        optimizer = fn.fsdp.OnebitAdam(model, **hyper)
+    else:
+        torch.manual_seed(args.seed)
+        model = DistributedDataParallel(
+            example.Transformer(args.vocab, args.d_model, args.heads, args.layers, args.context)
+        )
+        optimizer = fn.optim.OnebitAdam(model.parameters(), **hyper)
+        fn.ddp.register(model, optimizer)
+    counter.reset()
+    times, fn_before = [], 0
+    for step in range(steps):
+        if step + 1 == freeze + 1:  # from here on: compressed steps after the freeze
+            counter.reset()
+            fn_before = getattr(optimizer, "bytes_sent", 0)
+        batch = example.train_batch(table, args, step, rank)
+        times.append(_timed_step(example, model, optimizer, batch, counter))
+    compressed = max(1, steps - freeze)
+    fn_sent = getattr(optimizer, "bytes_sent", None)
+    result = {
+        "bytes_per_step": {k: v / compressed for k, v in counter.counts.items()},
+        "gloo_bytes_per_step": {k: v / compressed for k, v in counter.gloo_counts.items()},
+        "fn_bytes_per_step": None if fn_sent is None else (fn_sent - fn_before) / compressed,
+        "held_out_loss": example.held_out_loss(model, table, args),
+        "step_s": statistics.median(times[max(warmup, freeze) :] or times),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+    if rank == 0:
+        print(
+            f"{mode}: median step {result['step_s']:.3f} s, "
+            f"held-out loss {result['held_out_loss']:.4f}",
+            flush=True,
+        )
+    return result
 
 
 GRADIENT_KINDS = ("reduce_scatter", "all_to_all")
@@ -198,6 +264,47 @@ def print_results(rank0: dict, config: dict) -> None:
     else:
         print("(same run). Step times are meaningful only on a quiet machine and say nothing")
         print("about slow links (see --rate).")
+    print_onebit(rank0, config)
+
+
+def print_onebit(rank0: dict, config: dict) -> None:
+    """1-bit Adam's rows: bytes per compressed step and held-out loss (module docstring)."""
+    dense, onebit, ddp = rank0["dense"], rank0["onebit"], rank0["ddp+onebit"]
+    dense_grad = dense["bytes_per_step"].get("reduce_scatter", 0)
+    dense_gather = dense["bytes_per_step"].get("all_gather", 0)
+    onebit_total = sum(onebit["bytes_per_step"].values())
+    onebit_grad = onebit_total - dense_gather
+    ratio = onebit_grad / dense_grad
+    gloo_ratio = onebit_grad / dense["gloo_bytes_per_step"].get("reduce_scatter", 0)
+    loss_vs = onebit["held_out_loss"] / ddp["held_out_loss"] - 1
+    print(
+        f"\n1-bit Adam, freeze_step {config['freeze_step']}: bytes per rank per compressed step "
+        f"after the freeze ({config['steps'] - config['freeze_step']} steps), rank 0"
+    )
+    print(f"{'mode':<22} {'gradients':>12} {'params':>12} {'total':>12} {'fn count':>12}")
+    dense_row = f"{'FSDP2 + AdamW (dense)':<22} {dense_grad:>12.0f} {dense_gather:>12.0f}"
+    print(dense_row + f" {sum(dense['bytes_per_step'].values()):>12.0f} {'-':>12}")
+    print(
+        f"{'FSDP2 + fn OnebitAdam':<22} {onebit_grad:>12.0f} {dense_gather:>12.0f} "
+        f"{onebit_total:>12.0f} {onebit['fn_bytes_per_step']:>12.0f}"
+    )
+    ddp_total = sum(ddp["bytes_per_step"].values())
+    print(f"{'DDP + fn.optim (1-bit)':<22} {ddp_total:>12.0f} {0:>12} {ddp_total:>12.0f} {'-':>12}")
+    print(
+        f"gradient bytes, FSDP2 + fn OnebitAdam / FSDP2 + AdamW reduce-scatter: {ratio:.4f} "
+        f"(1/{1 / ratio:.1f}; target <= 0.1: {'met' if ratio <= 0.1 else 'NOT met'}; against "
+        f"gloo's real reduce-scatter traffic {gloo_ratio:.4f})"
+    )
+    print(
+        f"held-out loss after {config['steps']} steps: FSDP2 + fn OnebitAdam "
+        f"{onebit['held_out_loss']:.4f}, DDP + fn.optim.OnebitAdam {ddp['held_out_loss']:.4f}, "
+        f"FSDP2 + AdamW {dense['held_out_loss']:.4f}; FSDP2/DDP {loss_vs:+.2%} "
+        f"(target within 1%: {'met' if abs(loss_vs) <= 0.01 else 'NOT met'})"
+    )
+    print(
+        f"median compressed step: FSDP2 + fn OnebitAdam {onebit['step_s']:.3f} s, DDP + "
+        f"fn.optim.OnebitAdam {ddp['step_s']:.3f} s, FSDP2 + AdamW {dense['step_s']:.3f} s"
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -210,6 +317,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--context", type=int, default=32, help="tokens per sequence")
     p.add_argument("--group-size", type=int, default=128)
+    p.add_argument(
+        "--freeze-step", type=int, default=None, help="1-bit Adam's (default: steps // 4, >= 2)"
+    )
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--json", default=None, help="also write rank 0's results here")
     cluster.add_link_arguments(p, prefix="fnfsdp", subnet="10.214.0")
@@ -219,6 +329,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--ranks must be at least 2")
     if not 0 <= args.warmup < args.steps:
         p.error("--warmup must be within 0..--steps - 1")
+    if args.freeze_step is None:
+        args.freeze_step = max(2, args.steps // 4)
+    if not 2 <= args.freeze_step < args.steps:
+        p.error("--freeze-step must be within 2..--steps - 1 (a compressed step after it)")
     if args.timeout <= 0:
         p.error("--timeout must be positive")
     cluster.check_link_arguments(p, args)
@@ -236,6 +350,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "ranks": args.ranks,
         "steps": args.steps,
         "warmup": args.warmup,
+        "freeze_step": args.freeze_step,
         "rate": args.rate,
         "timeout": args.timeout,
         "example_args": [

@@ -48,9 +48,21 @@ return this rank's own tensors (the state and the buffers are those of a rank of
 ``peak`` is ``torch.cuda.max_memory_allocated``; ``+peak`` is over the memory allocated once the
 model and its gradients exist.
 
+``--fsdp-onebit`` measures instead, per rank, params + grads + optimizer state of FSDP2 +
+``fn.fsdp.OnebitAdam`` (``fully_shard`` on every ``Linear`` and the root) against replicated
+params + ``fn.optim.OnebitAdam`` (DDP's own buckets not counted), fp32 params, fp32 and bf16
+error feedback, in the compressed phase, each beside its formula (docs/algorithms.md, "1-bit Adam
+and 1-bit LAMB on FSDP2"): FSDP2 ``4n/W`` params ``+ 4n/W`` grads ``+ 4n/W`` (v) ``+ n/8`` (m)
+``+ e n + e n/W`` (errors, ``e`` bytes each), replicated ``4n + 4n + 4n + n/8 + e n + e n/W``.
+Targets at ``W = 4``: <= 0.5x of the replicated fp32-error total with fp32 errors, <= 0.4x with
+bf16 errors. The FSDP2 optimizer's state is what it holds between steps (the shards of ``v``,
+each module's packed momentum and this rank's errors); the adapter's is ``state`` above, its
+spare state and gradient buffer printed beside, not in the total.
+
 Run: python3 benchmarks/memory.py [--world-sizes 2,4] [--params 25e6] [--dtype float32]
      [--freeze 3] [--compressed-steps 3] [--optimizers NAME[:KEY=VALUE,...] ...]
      [--optimizer-kwargs KEY=VALUE,...] [--timeout 600] [--json FILE]
+     python3 benchmarks/memory.py --fsdp-onebit [--world-sizes 2,4] [--params 25e6]
 """
 
 from __future__ import annotations
@@ -422,6 +434,118 @@ def merge_ranks(results: Sequence[dict]) -> dict:
     return merged
 
 
+FSDP_TARGETS = {"float32": 0.5, "bfloat16": 0.4}  # x the replicated fp32-error total, W = 4
+
+
+def _local_storages(tree: Any) -> int:
+    """:func:`storages` of ``tree`` with every DTensor replaced by this rank's shard."""
+    from torch.distributed.tensor import DTensor
+
+    local = pytree.tree_map(lambda x: x.to_local() if isinstance(x, DTensor) else x, tree)
+    return sum(storages(local).values())
+
+
+def fsdp_onebit_worker(rank: int, world_size: int, send: Any, cfg: dict, dtype: str) -> dict:
+    """One gloo rank: params, grads and optimizer-state bytes of FSDP2 + ``fn.fsdp.OnebitAdam``
+    and of replicated params + ``fn.optim.OnebitAdam``, after the compressed steps."""
+    del send
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import fn.fsdp
+
+    generator = torch.Generator().manual_seed(rank)
+    out = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "[a-z_.A-Z]+: the variance froze", RuntimeWarning)
+        for setup in ("fsdp", "replicated"):
+            model = build_mlp(cfg["width"], cfg["hidden"], "cpu")
+            kwargs = dict(freeze_step=cfg["freeze"], error_dtype=_DTYPES[dtype])
+            if setup == "fsdp":
+                mesh = init_device_mesh("cpu", (world_size,))
+                for layer in model:
+                    if isinstance(layer, torch.nn.Linear):
+                        fully_shard(layer, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+                opt = fn.fsdp.OnebitAdam(model, **kwargs)
+            else:
+                opt = fn.optim.OnebitAdam(model.parameters(), **kwargs)
+            for _ in range(cfg["freeze"] - 1 + cfg["compressed_steps"]):
+                opt.zero_grad()
+                x = torch.randn(8, cfg["width"], generator=generator)
+                model(x).square().mean().backward()
+                opt.step()
+            params = list(model.parameters())
+            row = {
+                "params": _local_storages(params),
+                "grads": _local_storages([p.grad for p in params]),
+            }
+            if setup == "fsdp":  # its live state: the shards' moments, each module's packed
+                held = [(x.signs, x.errors) for x in opt._compressed.values()]  # m and errors
+                row.update(state=_local_storages([opt._state, held]), extra=0)
+            else:
+                measured = state_bytes(opt)
+                row.update(state=measured["state"], extra=measured["spare"] + measured["grads"])
+            out[setup] = row
+    return out
+
+
+def fsdp_formula(setup: str, numel: int, world_size: int, dtype: str) -> float:
+    """Params + grads + optimizer state per rank, compressed phase (module docstring)."""
+    e = _DTYPES[dtype].itemsize
+    errors = e * numel + e * numel / world_size
+    if setup == "fsdp":
+        return 12 * numel / world_size + numel / 8 + errors
+    return 12 * numel + numel / 8 + errors
+
+
+def fsdp_onebit_rows(args: argparse.Namespace, cfg: dict, numel: int) -> list[dict[str, Any]]:
+    """Runs :func:`fsdp_onebit_worker` at every world size and error dtype; the table's rows."""
+    rows = []
+    for world_size in args.world_sizes:
+        measured = {}
+        for dtype in ("float32", "bfloat16"):
+            print(f"W={world_size} FSDP2 vs replicated 1-bit Adam, {dtype} errors ...", flush=True)
+            ranks = spawn_gloo(
+                fsdp_onebit_worker,
+                world_size,
+                (cfg, dtype),
+                timeout=args.timeout,
+                on_message=lambda rank, message: None,
+                threads=1,
+            )
+            measured[dtype] = ranks[0]
+        baseline = measured["float32"]["replicated"]
+        baseline_total = baseline["params"] + baseline["grads"] + baseline["state"]
+        for dtype in ("float32", "bfloat16"):
+            for setup in ("replicated", "fsdp"):
+                row = dict(measured[dtype][setup], W=world_size, setup=setup, errors=dtype)
+                row["total"] = row["params"] + row["grads"] + row["state"]
+                row["formula"] = fsdp_formula(setup, numel, world_size, dtype)
+                row["ratio"] = row["total"] / baseline_total
+                target = FSDP_TARGETS[dtype] if setup == "fsdp" else None
+                row["target"] = target if world_size == TARGET_WORLD_SIZE else None
+                rows.append(row)
+    return rows
+
+
+def format_fsdp_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The ``--fsdp-onebit`` rows as a markdown table (MiB)."""
+    names = {"fsdp": "FSDP2 + fn.fsdp.OnebitAdam", "replicated": "DDP + fn.optim.OnebitAdam"}
+    header = (
+        "| W | setup | errors | params MiB | grads MiB | state MiB | total MiB | formula MiB "
+        "| x DDP fp32 errors | not in total MiB | target |"
+    )
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for row in rows:
+        cells = [str(row["W"]), names[row["setup"]], row["errors"]]
+        cells += [f"{row[k] / MIB:.1f}" for k in ("params", "grads", "state", "total", "formula")]
+        cells += [f"{row['ratio']:.2f}x", f"{row['extra'] / MIB:.1f}" if row["extra"] else "-"]
+        cells.append(target_status(row))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", default="2,4", help="comma-separated, e.g. 2,4")
@@ -445,6 +569,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--timeout", type=float, default=600, help="seconds per launch")
     parser.add_argument("--json", help="also write the rows (bytes) to this file")
+    parser.add_argument(
+        "--fsdp-onebit",
+        action="store_true",
+        help="params + grads + state of FSDP2 + fn.fsdp.OnebitAdam vs replicated (see above)",
+    )
     args = parser.parse_args(argv)
     sizes = args.world_sizes.split(",")
     if not all(w.strip().isdigit() and int(w) >= 1 for w in sizes):
@@ -478,6 +607,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"freeze_step {args.freeze}, {args.compressed_steps} compressed steps; torch "
         f"{torch.__version__}; load average {os.getloadavg()[0]:.2f}"
     )
+    if args.fsdp_onebit:
+        rows = fsdp_onebit_rows(args, cfg, numel)
+        print("\nCPU, gloo ranks, compressed phase, fp32 params, per rank (rank 0)\n")
+        print(format_fsdp_table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({**cfg, "numel": numel, "fsdp_onebit": rows}, f, indent=1)
+        return
     cpu_rows, cuda_rows = [], []
     for world_size in args.world_sizes:
         runs, cuda_runs = [], []

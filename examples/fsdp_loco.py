@@ -98,16 +98,23 @@ def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(model(batch[:, :-1]), batch[:, 1:].flatten())
 
 
-def build(
-    args: argparse.Namespace, world_size: int
-) -> tuple[nn.Module, LocoReduceScatterHandle | None]:
-    """The FSDP2 transformer (same random weights on every rank) and fn's handle, if any."""
+def sharded_transformer(args: argparse.Namespace, world_size: int) -> nn.Module:
+    """The transformer (the same random weights on every rank), every block and the root an
+    FSDP2 module."""
     torch.manual_seed(args.seed)
     model = Transformer(args.vocab, args.d_model, args.heads, args.layers, args.context)
     mesh = init_device_mesh("cpu", (world_size,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def build(
+    args: argparse.Namespace, world_size: int
+) -> tuple[nn.Module, LocoReduceScatterHandle | None]:
+    """The FSDP2 transformer (same random weights on every rank) and fn's handle, if any."""
+    model = sharded_transformer(args, world_size)
     if args.qwz:
         quantized_all_gather(model, bits=8, group_size=args.group_size)
     if args.mode == "dense":
@@ -151,6 +158,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--qwz", action="store_true", help="also all-gather the parameters in 8 bits (ZeRO++ qwZ)"
     )
+    return parse_training_args(p, argv)
+
+
+def parse_training_args(
+    p: argparse.ArgumentParser, argv: Sequence[str] | None = None
+) -> argparse.Namespace:
+    """Adds the options of the FSDP2 examples' model, data, training and checkpoints to ``p``
+    (examples/fsdp_onebit.py shares them) and parses ``argv``."""
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
@@ -168,6 +183,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    checkpoint: TrainingCheckpoint,
+    args: argparse.Namespace,
+    rank: int,
+) -> float:
+    """Trains from ``checkpoint.step`` to ``--max-steps`` (rank 0 logs the loss), counting the
+    steps in ``checkpoint.step``; returns the held-out loss."""
+    table = bigram_table(args.vocab)
+    for step in range(checkpoint.step, args.max_steps):
+        optimizer.zero_grad()
+        loss = lm_loss(model, train_batch(table, args, step, rank))
+        loss.backward()
+        optimizer.step()
+        checkpoint.step = step + 1
+        if rank == 0 and (step + 1) % args.log_every == 0:
+            print(f"step {step + 1}: train loss {float(loss.detach()):.4f}", flush=True)
+    return held_out_loss(model, table, args)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     dist.init_process_group("gloo")
@@ -178,16 +214,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         checkpoint = TrainingCheckpoint(model, optimizer, handle)
         if args.resume:
             checkpoint.load(args.checkpoint)
-        table = bigram_table(args.vocab)
-        for step in range(checkpoint.step, args.max_steps):
-            optimizer.zero_grad()
-            loss = lm_loss(model, train_batch(table, args, step, rank))
-            loss.backward()
-            optimizer.step()
-            checkpoint.step = step + 1
-            if rank == 0 and (step + 1) % args.log_every == 0:
-                print(f"step {step + 1}: train loss {float(loss.detach()):.4f}", flush=True)
-        final = held_out_loss(model, table, args)
+        final = train(model, optimizer, checkpoint, args, rank)
         if args.checkpoint:
             checkpoint.save(args.checkpoint)
         if rank == 0:

@@ -26,6 +26,7 @@ SECTIONS = [
     "Automatic freeze and momentum mask",
     "Safeguard against near-zero frozen variance",
     "Quantized allreduce with LoCo error feedback",
+    "1-bit Adam and 1-bit LAMB on FSDP2",
     "Deviations from DeepSpeed",
 ]
 

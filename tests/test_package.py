@@ -23,7 +23,7 @@ ALLOWED = {
     "collectives": {"errors", "tree", "kernels", "base"},
     "transforms": {"errors", "tree", "kernels", "base", "collectives"},
     "optim": {"errors", "tree", "kernels", "base", "collectives", "transforms"},
-    "fsdp": {"errors", "tree", "kernels", "base", "collectives"},
+    "fsdp": {"errors", "tree", "kernels", "base", "collectives", "transforms"},
     "ddp": {"errors", "tree", "kernels", "base", "collectives", "transforms", "optim"},
     "integrations": {"errors", "tree", "base", "collectives", "transforms", "optim", "ddp"},
     "app": {"errors", "tree", "base", "collectives", "transforms", "optim", "ddp"},

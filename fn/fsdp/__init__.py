@@ -5,6 +5,8 @@
   :class:`LocoReduceScatterHandle`, whose ``state_dict`` holds every rank's error feedback.
 - :func:`quantized_all_gather` sends the parameter all-gathers in 8-bit groups (ZeRO++ qwZ)
   through :class:`QuantizedAllGather`.
+- :class:`OnebitAdam` is 1-bit Adam over FSDP2's shards: its 1-bit allreduce of the momentum
+  runs inside every module's reduce-scatter (:class:`OnebitLamb` is not built yet).
 - :class:`TrainingCheckpoint` saves and restores model, optimizer and that handle with
   ``torch.distributed.checkpoint``.
 """
@@ -12,6 +14,7 @@
 from fn.fsdp.all_gather import QuantizedAllGather, quantized_all_gather
 from fn.fsdp.checkpoint import TrainingCheckpoint
 from fn.fsdp.loco import LocoReduceScatterHandle, loco_reduce_scatter
+from fn.fsdp.onebit import OnebitAdam, OnebitLamb
 from fn.fsdp.reduce_scatter import CommCache, QuantizedReduceScatter, reduce_scale
 
 __all__ = [
@@ -23,4 +26,6 @@ __all__ = [
     "QuantizedAllGather",
     "quantized_all_gather",
     "TrainingCheckpoint",
+    "OnebitAdam",
+    "OnebitLamb",
 ]

@@ -4,7 +4,10 @@ FSDP2's checkpoints are ``torch.distributed.checkpoint`` (DCP) checkpoints of sh
 dicts (``torch.distributed.checkpoint.state_dict.get_state_dict``): every rank writes its own
 shards. fn's error feedback is per rank too; a :class:`~fn.fsdp.LocoReduceScatterHandle` keys it
 by rank, so the same ``dcp.save`` / ``dcp.load`` carries it. Resuming needs the same world size
-and model: the error feedback of one rank means nothing to another.
+and model: the error feedback of one rank means nothing to another. An
+:class:`~fn.fsdp.OnebitAdam` saves its own state dict (its shards, its packed momentum once, each
+rank's errors under that rank's name); its checkpoints load at any update, and at another world
+size with the error feedback reset.
 """
 
 from __future__ import annotations
@@ -15,9 +18,16 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from fn.fsdp.loco import LocoReduceScatterHandle
+from fn.fsdp.onebit import OnebitAdam
 
 __all__ = ["TrainingCheckpoint"]
 
@@ -62,8 +72,12 @@ class TrainingCheckpoint:
         self.step = step
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"model", "optim", "step"[, "loco"]}``: sharded model and optimizer state dicts."""
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        """``{"model", "optim", "step"[, "loco"]}``: sharded model and optimizer state dicts
+        (an :class:`~fn.fsdp.OnebitAdam`'s own ``state_dict()``)."""
+        if isinstance(self.optimizer, OnebitAdam):
+            model_state, optim_state = get_model_state_dict(self.model), self.optimizer.state_dict()
+        else:
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {
             "model": model_state,
             "optim": optim_state,
@@ -75,12 +89,16 @@ class TrainingCheckpoint:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores :meth:`state_dict`'s output into the model, optimizer and handle."""
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state_dict["model"],
-            optim_state_dict=state_dict["optim"],
-        )
+        if isinstance(self.optimizer, OnebitAdam):
+            self.optimizer.load_state_dict(state_dict["optim"])  # checks before it changes
+            set_model_state_dict(self.model, state_dict["model"])
+        else:
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state_dict["model"],
+                optim_state_dict=state_dict["optim"],
+            )
         if self.handle is not None:
             self.handle.load_state_dict(state_dict["loco"])
         self.step = int(state_dict["step"])
@@ -90,5 +108,53 @@ class TrainingCheckpoint:
         dcp.save({"training": self}, checkpoint_id=path)
 
     def load(self, path: str | os.PathLike) -> None:
-        """Restores everything from the checkpoint directory ``path`` (collective)."""
-        dcp.load({"training": self}, checkpoint_id=path)
+        """Restores everything from the checkpoint directory ``path`` (collective).
+
+        For an :class:`~fn.fsdp.OnebitAdam` it reads the optimizer's header first and the rest
+        into new tensors laid out as saved, then restores them: a checkpoint of another model
+        or other settings, or one that cannot be read, raises on every rank with nothing
+        changed.
+
+        Raises:
+            ValueError: (``OnebitAdam``) the checkpoint does not match the model or optimizer,
+                or cannot be read.
+        """
+        if not isinstance(self.optimizer, OnebitAdam):
+            dcp.load({"training": self}, checkpoint_id=path)
+            return
+        prefix = "training.optim."
+        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        saved = {
+            key[len(prefix) :]: getattr(meta, "size", None)
+            for key, meta in metadata.items()
+            if key.startswith(prefix)
+        }
+        if "header" not in saved:
+            raise ValueError(
+                f"{os.fspath(path)} holds no fn.fsdp.OnebitAdam state (saved with another "
+                "optimizer?); nothing was loaded"
+            )
+        header = torch.zeros(saved["header"], dtype=torch.int64)
+        _read(path, {"training": {"optim": {"header": header}}})
+        state = {
+            "model": {k: v.detach().clone() for k, v in get_model_state_dict(self.model).items()},
+            "optim": self.optimizer.checkpoint_template(header, saved),
+            "step": torch.zeros((), dtype=torch.int64),
+        }
+        if self.handle is not None:
+            state["loco"] = self.handle.state_dict()
+        _read(path, {"training": state})
+        self.load_state_dict(state)
+
+
+def _read(path: str | os.PathLike, state: dict[str, Any]) -> None:
+    """``dcp.load`` into new tensors, its failure on any rank a ``ValueError`` on every rank (DCP
+    raises a ``BaseException``)."""
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as error:
+        rank, (cause, _) = next(iter(error.failures.items()))
+        raise ValueError(
+            f"cannot read the checkpoint {os.fspath(path)} (corrupt, or not of this model): "
+            f"rank {rank}: {type(cause).__name__}: {cause}; nothing was loaded"
+        ) from None

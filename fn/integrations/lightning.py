@@ -24,8 +24,7 @@ from fn.optim import FunctionalOptimizer, OnebitFamily
 
 __all__ = ["FnCallback", "check_strategy"]
 
-# Strategies that shard or average the gradients themselves, with what to use instead. (When
-# fn.fsdp has optimizers of the 1-bit family, Lightning's FSDP strategies route them here.)
+# Strategies that shard or average the gradients themselves, with what to use instead.
 _UNSUPPORTED = (
     (
         FSDPStrategy,
@@ -75,10 +74,10 @@ def check_strategy(strategy: Any, optimizer: FunctionalOptimizer) -> None:
             raise NotImplementedError(
                 f"fn.integrations.lightning: {type(optimizer).__name__} cannot run under "
                 f"{type(strategy).__name__}: {why}, and fn.optim's 1-bit family needs whole "
-                "params and local gradients (fn has no sharded 1-bit optimizer yet). Use "
-                "Trainer(strategy='ddp') with it, or keep the sharded strategy with a torch "
-                "optimizer and fn.fsdp.loco_reduce_scatter (4-bit gradients with error "
-                "feedback; see fn.fsdp)"
+                "params and local gradients. Use Trainer(strategy='ddp') with it; for a sharded "
+                "model, fn.fsdp.OnebitAdam runs 1-bit Adam on FSDP2 in a plain training loop "
+                "(not through Lightning's strategies yet), and a torch optimizer with "
+                "fn.fsdp.loco_reduce_scatter sends 4-bit gradients under any FSDP2 setup"
             )
 
 

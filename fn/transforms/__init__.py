@@ -32,7 +32,11 @@ from fn.transforms.learning_rate import (
     scale_by_learning_rate,
 )
 from fn.transforms.masking import MaskedState, masked, set_to_zero
-from fn.transforms.onebit_adam_transform import OnebitAdamState, onebit_adam
+from fn.transforms.onebit_adam_transform import (
+    OnebitAdamState,
+    onebit_adam,
+    onebit_adam_sharded,
+)
 from fn.transforms.onebit_lamb_transform import OnebitLambState, onebit_lamb
 from fn.transforms.sgd_transform import TraceState, sgd, trace
 from fn.transforms.trust_ratio import scale_by_trust_ratio
@@ -76,6 +80,7 @@ __all__ = [
     "masked",
     "momentum_of",
     "onebit_adam",
+    "onebit_adam_sharded",
     "onebit_lamb",
     "scale_by_adam",
     "scale_by_learning_rate",

@@ -213,34 +213,112 @@ def onebit_adam(
     settings = leafwise.onebit_settings(
         "onebit_adam", lr, betas, eps, weight_decay, comm, safeguard, local_world_size, error_dtype
     )
+    return _onebit_adam("onebit_adam", settings, lr, freeze_step, exp_avg_mask, non_freeze)
+
+
+def onebit_adam_sharded(
+    lr: leafwise.LearningRate = 1e-3,
+    freeze_step: int = 100000,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    safeguard: bool = True,
+) -> CompressedOptimizer:
+    r"""1-bit Adam's rule on one rank's shard of the params, for a caller that runs the
+    communication itself (``fn.fsdp.OnebitAdam``, inside FSDP2's reduce-scatter).
+
+    The rule of :func:`onebit_adam` (the same code), with the collectives' results as inputs:
+
+    .. math::
+        \text{warmup } (t < F):&\quad g = \mathrm{mean}_r\, g_r \text{ (given)},\
+            m \leftarrow \beta_1 m + (1-\beta_1) g,\ v \leftarrow \beta_2 v + (1-\beta_2) g^2 \\
+        \text{compressed } (t \ge F):&\quad m = \mathrm{CAR}(\beta_1 m + (1-\beta_1) g_r)
+            \text{ (given)},\ v \text{ unchanged} \\
+        \text{both}:&\quad u = m / (\sqrt{v} + \epsilon) + \lambda p,\quad
+            p \leftarrow p - \eta\, u
+
+    with the safeguard's clip of :func:`onebit_adam` in the compressed updates. Everything is
+    elementwise, so it runs on any shard of the params.
+
+    Args:
+        lr, freeze_step, betas, eps, weight_decay, safeguard: as :func:`onebit_adam`.
+
+    Returns:
+        A ``CompressedOptimizer`` whose ``warmup_update`` takes the mean gradient over the ranks
+        and whose ``compressed_update`` takes the new momentum, each in place of the gradient
+        (both ``(grads, state, params=None, *, step=None, plan=None)``). Its state is an
+        ``OnebitAdamState`` whose errors stay ``None``; the momentum a compressed update
+        returns in ``exp_avg`` is the one it was given (the caller keeps it as it likes).
+
+    Raises:
+        ValueError: as :func:`onebit_adam`.
+
+    Example:
+        >>> import torch
+        >>> import fn
+        >>> opt = fn.transforms.onebit_adam_sharded(lr=0.1, freeze_step=2)
+        >>> params = {"w": torch.zeros(2)}
+        >>> state = opt.init(params)
+        >>> mean_grad = {"w": torch.tensor([1.0, -1.0])}
+        >>> updates, state = opt.update(mean_grad, state, params, step=1)
+        >>> params = fn.apply_updates(params, updates)
+        >>> params["w"]
+        tensor([-0.3162,  0.3162])
+        >>> momentum = {"w": torch.tensor([0.5, 0.5])}  # CAR's result, from the caller
+        >>> updates, state = opt.update(momentum, state, params, step=2)
+        >>> fn.apply_updates(params, updates)["w"]  # m / sqrt(v) = 15.8, clipped to 7.27
+        tensor([-1.0433, -0.4108])
+    """
+    settings = leafwise.onebit_settings(
+        "onebit_adam_sharded", lr, betas, eps, weight_decay, Local(), safeguard
+    )
+    return _onebit_adam("onebit_adam_sharded", settings, lr, freeze_step, None, None, averaged=True)
+
+
+def _onebit_adam(
+    name: str,
+    settings: leafwise.OnebitSettings,
+    lr: leafwise.LearningRate,
+    freeze_step: int | str | AutoFreeze,
+    exp_avg_mask: PyTree | str | None,
+    non_freeze: PyTree | None,
+    averaged: bool = False,
+) -> CompressedOptimizer:
+    """1-bit Adam with ``settings``; ``averaged``: the compressed updates are given the new
+    momentum in place of the local gradient (:func:`onebit_adam_sharded`)."""
+    weight_decay = settings.weight_decay
     why = (
         "the compressed updates divide by sqrt(v) + eps with the variance v frozen, which at "
         "least one warmup update (t < freeze_step) must estimate"
     )
     schedule = freeze_schedule(freeze_step, why)
-    auto = auto_warmup("onebit_adam", schedule, exp_avg_mask, non_freeze, settings.b2)
+    auto = auto_warmup(name, schedule, exp_avg_mask, non_freeze, settings.b2)
+    if averaged and auto is not None:
+        raise NotImplementedError(
+            f"{name}: freeze_step='auto' and exp_avg_mask='auto' are not built for a caller that "
+            "runs the communication itself: on a shard of the params the warmup's variance "
+            "statistics would have to be summed over the ranks first"
+        )
 
     def update(grads, state, params, plan, eta, donated=None, apply=False):
         h, observed = settings, state.auto
         if auto is not None and not plan.compressed:  # the warmup observes the averaged grads
-            grads, observed = averaged_and_observed(
-                "onebit_adam", auto, grads, state, h.comm, non_freeze
-            )
+            grads, observed = averaged_and_observed(name, auto, grads, state, h.comm, non_freeze)
             h = h._replace(comm=Local())
         mask = onebit_state.masks_of(exp_avg_mask, state) if plan.compressed else None
         if plan.freezes:
-            skip = non_freeze
-            leafwise.report_frozen_variance("onebit_adam", state, h, skip=skip, mask=mask)
-        rule = partial(_rule, h, compressed=plan.compressed, eta=eta)
+            leafwise.report_frozen_variance(name, state, h, skip=non_freeze, mask=mask)
+        rule = partial(_rule, h, compressed=plan.compressed, eta=eta, averaged=averaged)
         inputs = (params, mask, non_freeze)
-        if donated is None:
-            updates, new = leafwise.map_leaves("onebit_adam", rule, grads, state, _Leaf, *inputs)
+        if donated is None or averaged:  # averaged: the donated steps run the collective
+            updates, new = leafwise.map_leaves(name, rule, grads, state, _Leaf, *inputs)
             return updates, new._replace(auto=observed)
-        leaves = leafwise.leaves_of("onebit_adam", grads, state, _Leaf, *inputs, donated=donated)
+        leaves = leafwise.leaves_of(name, grads, state, _Leaf, *inputs, donated=donated)
         return leafwise.rebuilt(leaves, onebit_adam_step(h, rule, leaves, eta, apply), state)
 
     opt = leafwise.compressed_optimizer(
-        "onebit_adam",
+        name,
         lr,
         OnebitAdamState,
         partial(_init_fields, settings, auto),
@@ -249,13 +327,15 @@ def onebit_adam(
         schedule.onebit_adam_plan,
         OnebitAdamPlan,
         params_needed_for="weight_decay > 0" if weight_decay > 0 else None,
-        fused_apply=True,
+        fused_apply=not averaged,
         first_compressed=schedule.first_compressed_step,
     )
+    if averaged:
+        return opt
 
     def check_state(state):
-        state = onebit_state.checked_state("onebit_adam", settings, state)
-        return state._replace(auto=checked_auto("onebit_adam", auto, state))
+        state = onebit_state.checked_state(name, settings, state)
+        return state._replace(auto=checked_auto(name, auto, state))
 
     def full_state(state):
         mask = onebit_state.masks_of(exp_avg_mask, state)
@@ -264,19 +344,23 @@ def onebit_adam(
     return opt._replace(check_state=check_state, full_state=full_state)
 
 
-def _rule(h: leafwise.OnebitSettings, g, leaf, p, mask, dense, *, compressed, eta):
+def _rule(h: leafwise.OnebitSettings, g, leaf, p, mask, dense, *, compressed, eta, averaged=False):
     """1-bit Adam's update of one leaf (the rules in ``onebit_adam``'s docstring); ``dense``:
-    a ``non_freeze`` leaf, which keeps the warmup rule."""
+    a ``non_freeze`` leaf, which keeps the warmup rule; ``averaged``: a compressed update's
+    ``g`` is the momentum's 1-bit allreduce, which the caller ran (``onebit_adam_sharded``)."""
     kept, v, ew, es = leaf
     m = onebit_state.momentum(kept, v, mask)
     if not compressed or bool(dense):
         m, v = leafwise.dense_moments(g, m, v, h.b1, h.b2, h.comm)
         kept = m
     else:
-        m = leafwise.moving_average(m, h.b1, g)
-        mean, ew, es = leafwise.compressed_mean(
-            m, ew, es, h, "the momentum (local gradient)", packed=True
-        )
+        if averaged:
+            mean = g
+        else:
+            m = leafwise.moving_average(m, h.b1, g)
+            mean, ew, es = leafwise.compressed_mean(
+                m, ew, es, h, "the momentum (local gradient)", packed=True
+            )
         kept, m = onebit_state.kept_momentum(mean, v, mask)
     clip = h.clip if compressed and not bool(dense) else None
     u = leafwise.adam_direction(

@@ -514,6 +514,26 @@ def _markdown_rows(text):
     return [[cell.strip() for cell in row] for row in rows if row[0].strip() != "W"]
 
 
+@pytest.mark.timeout(180)
+def test_memory_fsdp_onebit_rows_match_their_formula(tmp_path):
+    report = tmp_path / "rows.json"
+    args = ("--fsdp-onebit", "--params", "2e4", "--world-sizes", "2", "--compressed-steps", "1")
+    proc = _cli("memory.py", *args, "--json", str(report), timeout=170)
+    assert proc.returncode == 0, proc.stderr
+    assert len(_markdown_rows(proc.stdout)) == 4, proc.stdout
+    measured = json.loads(report.read_text())
+    rows = {(r["setup"], r["errors"]): r for r in measured["fsdp_onebit"]}
+    n = measured["numel"]
+    for (setup, errors), row in rows.items():
+        assert row["total"] == row["params"] + row["grads"] + row["state"]
+        # the formula leaves out FSDP2's dim-0 padding and the row padding of each module
+        assert row["formula"] <= row["total"] <= row["formula"] * 1.02 + 1024, (setup, errors)
+    ddp, fsdp = rows[("replicated", "float32")], rows[("fsdp", "float32")]
+    assert ddp["params"] == ddp["grads"] == 4 * n and ddp["ratio"] == 1
+    assert fsdp["params"] == fsdp["grads"] and fsdp["params"] <= 4 * n / 2 + 1024
+    assert rows[("fsdp", "bfloat16")]["state"] < fsdp["state"] < ddp["state"]
+
+
 @pytest.mark.timeout(120)
 def test_memory_tiny_cli_counts_state_against_adam(tmp_path):
     report = tmp_path / "rows.json"

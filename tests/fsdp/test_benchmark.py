@@ -29,7 +29,7 @@ def _run_benchmark(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(600)
 def test_tiny_benchmark_counts_bytes_and_losses(tmp_path):
     out = tmp_path / "fsdp.json"
-    tiny = ["--steps", "2", "--layers", "1", "--d-model", "32", "--timeout", "500"]
+    tiny = ["--steps", "3", "--layers", "1", "--d-model", "32", "--timeout", "500"]
     proc = _run_benchmark(*tiny, "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out loss" in proc.stdout
@@ -47,6 +47,20 @@ def test_tiny_benchmark_counts_bytes_and_losses(tmp_path):
         else:  # parameters: FSDP2's own all-gather
             assert counted["all_gather"] == dense["all_gather"]
         assert abs(results[mode]["held_out_loss"] / results["dense"]["held_out_loss"] - 1) < 0.05
+    # 1-bit Adam (freeze_step 2): one compressed step after the freeze, counted at the interface
+    onebit = results["onebit"]["bytes_per_step"]
+    assert "reduce_scatter" not in onebit  # no dense reduce-scatter once compressed
+    assert (
+        onebit["all_gather"] - dense["all_gather"] + onebit["all_to_all"]
+        == (
+            results["onebit"]["fn_bytes_per_step"]  # fn's own count: the 1-bit exchange's bytes
+        )
+    )
+    assert results["onebit"]["fn_bytes_per_step"] < 0.1 * dense["reduce_scatter"]
+    assert results["ddp+onebit"]["fn_bytes_per_step"] is None
+    assert 0 < results["ddp+onebit"]["bytes_per_step"]["all_to_all"] < 0.1 * dense["reduce_scatter"]
+    assert "gradient bytes, FSDP2 + fn OnebitAdam / FSDP2 + AdamW reduce-scatter" in proc.stdout
+    assert "FSDP2/DDP" in proc.stdout
 
 
 def _load_benchmark():
@@ -117,6 +131,7 @@ def test_rate_needs_iproute2(monkeypatch):
         (["--rate", "1gbit", "--subnet", "8.8.8"], "private"),
         (["--steps", "2", "--warmup", "2"], "--warmup"),
         (["--ranks", "1"], "--ranks"),
+        (["--steps", "4", "--freeze-step", "4"], "--freeze-step"),
     ],
 )
 def test_bad_arguments_are_named(argv, message, capsys):

@@ -1,5 +1,5 @@
-"""examples/fsdp_loco.py under torchrun (2 ranks, a tiny model): it trains, and a run resumed
-from its checkpoint ends where the uninterrupted run ends."""
+"""examples/fsdp_loco.py and examples/fsdp_onebit.py under torchrun (2 ranks, a tiny model): they
+train, and a run resumed from its checkpoint ends where the uninterrupted run ends."""
 
 from __future__ import annotations
 
@@ -7,18 +7,20 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY = ["--layers", "1", "--d-model", "16", "--heads", "2", "--context", "8", "--vocab", "16"]
-TINY += ["--batch", "2", "--group-size", "16", "--log-every", "1"]
+MODEL = ["--layers", "1", "--d-model", "16", "--heads", "2", "--context", "8", "--vocab", "16"]
+MODEL += ["--batch", "2", "--log-every", "1"]
+TINY = MODEL + ["--group-size", "16"]
 
 
-def torchrun(*args: str) -> str:
+def torchrun(*args: str, example: str = "fsdp_loco.py", tiny: Sequence[str] = TINY) -> str:
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        + [os.path.join(ROOT, "examples", "fsdp_loco.py"), *TINY, *args],
+        + [os.path.join(ROOT, "examples", example), *tiny, *args],
         capture_output=True,
         text=True,
         timeout=280,
@@ -44,3 +46,18 @@ def test_example_trains_and_resumes_exactly(tmp_path):
     assert held_out(resumed) == held_out(straight)
     last = re.compile(r"step 4: train loss \S+")
     assert last.search(resumed).group(0) == last.search(straight).group(0)
+
+
+@pytest.mark.timeout(900)
+def test_onebit_example_resumes_after_the_freeze_exactly(tmp_path):
+    def onebit(*args: str) -> str:
+        return torchrun("--freeze-step", "2", *args, example="fsdp_onebit.py", tiny=MODEL)
+
+    straight = onebit("--max-steps", "4")
+    checkpoint = str(tmp_path / "ckpt")
+    onebit("--max-steps", "2", "--checkpoint", checkpoint)  # the next update is the freeze
+    resumed = onebit("--max-steps", "4", "--checkpoint", checkpoint, "--resume")
+    assert "step 1:" not in resumed and "step 3: train loss" in resumed
+    assert held_out(resumed) == held_out(straight)
+    crc = re.compile(r"ranks agree \(params crc32 (\S+) on 2 ranks")
+    assert crc.search(resumed).group(1) == crc.search(straight).group(1)

@@ -1,0 +1,835 @@
+"""``OnebitAdam``: 1-bit Adam on a model sharded by FSDP2, its 1-bit allreduce inside the
+reduce-scatter of every FSDP2 module.
+
+Each FSDP2 module's gradients are one vector ``X`` in FSDP2's layout (``W`` rows, row ``j`` rank
+``j``'s shard, each padded to a multiple of ``lcm(W, 8)``), so that chunk ``j`` of
+``fn.collectives.compressed_allreduce`` is rank ``j``'s shard. Warmup updates reduce-scatter
+densely; compressed ones run the collective's phases on the momentum inside the reduce-scatter
+and keep it, full size, as its packed signs. ``step()`` then runs the per-leaf rule of
+``fn.onebit_adam`` on every shard (``fn.transforms.onebit_adam_sharded``). The rule, the
+buffers each rank holds and the bytes it sends are in docs/algorithms.md, "1-bit Adam and 1-bit
+LAMB on FSDP2".
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+import zlib
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import (
+    ReduceScatter,
+)  # torch exports no public name
+from torch.distributed.tensor import DTensor, Shard
+
+from fn.base import apply_updates, set_hyperparams
+from fn.collectives import (
+    Local,
+    PackedSigns,
+    ProcessGroup,
+    check_error_dtype,
+    init_error_feedback,
+)
+from fn.collectives.onebit import compressed_allreduce_exchange, write_errors
+from fn.errors import NonFiniteError
+from fn.fsdp.loco import ROOT
+from fn.fsdp.reduce_scatter import CommCache, reduce_scale
+from fn.transforms import onebit_adam, onebit_adam_sharded
+
+__all__ = ["OnebitAdam", "OnebitLamb"]
+
+_FORMAT = 1  # the layout of OnebitAdam.state_dict()
+
+# The FSDP2 modules that carry an fn.fsdp optimizer's reduce-scatter, and that optimizer.
+_INSTALLED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+class ParamSlot(NamedTuple):
+    """Where one param sits in its module's compressed vector ``X`` (``[W, S']``)."""
+
+    name: str  # the param's FQN in the model
+    param: DTensor
+    offset: int  # its first value in every row
+    width: int  # its values per row, padding included (numel / W after dim-0 padding)
+    real: tuple[int, ...]  # per rank j: how many of row j's ``width`` values are its elements
+
+
+class ModuleLayout(NamedTuple):
+    """One FSDP2 module's compressed vector: ``W`` rows of ``padded_row`` values, of which the
+    first ``row`` are FSDP2's reduce-scatter row and the rest zeros."""
+
+    name: str  # the module's FQN ("<root>" for the model itself)
+    slots: tuple[ParamSlot, ...]  # its params in FSDP2's order
+    row: int  # S: FSDP2's row
+    padded_row: int  # S': S rounded up to a multiple of lcm(W, 8)
+
+    def padding(self, world_size: int) -> list[tuple[int, int]]:
+        """The flat ``[start, stop)`` ranges of ``X`` that hold no element of a param."""
+        ranges = []
+        for j in range(world_size):
+            base = j * self.padded_row
+            for slot in self.slots:
+                if slot.real[j] < slot.width:
+                    start = base + slot.offset
+                    ranges.append((start + slot.real[j], start + slot.width))
+            if self.padded_row > self.row:
+                ranges.append((base + self.row, base + self.padded_row))
+        return ranges
+
+
+def module_layout(name: str, params: list[tuple[str, DTensor]], world_size: int) -> ModuleLayout:
+    """The layout of ``X`` for a module's params (FQN and sharded param, in FSDP2's order)."""
+    slots, offset = [], 0
+    for fqn, p in params:
+        dim = next(pl.dim for pl in p.placements if isinstance(pl, Shard))
+        if dim == 0 and p.dim() > 0:
+            rows = -(-p.shape[0] // world_size)  # FSDP2 pads dim 0 to a multiple of W
+            per_row = math.prod(p.shape[1:])
+            width = rows * per_row
+            real = tuple(
+                max(0, min(rows, p.shape[0] - j * rows)) * per_row for j in range(world_size)
+            )
+        else:  # Shard(d > 0): even chunks, FSDP2 checks it
+            width = p.numel() // world_size
+            real = (width,) * world_size
+        slots.append(ParamSlot(fqn, p, offset, width, real))
+        offset += width
+    unit = math.lcm(world_size, 8)
+    return ModuleLayout(name, tuple(slots), offset, -(-offset // unit) * unit)
+
+
+class _Compressed:
+    """One module's compressed state on this rank: the momentum (all ``W`` chunks' packed signs
+    and scales, ``None`` before the freeze), the worker and server errors, and what the last
+    reduce-scatter found."""
+
+    def __init__(self) -> None:
+        self.signs: PackedSigns | None = None
+        self.errors: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.reduced_at = 0  # the update whose reduce-scatter ran last (0: none)
+        self.nonfinite = False  # whether that reduce-scatter's collective found a NaN or Inf
+
+
+class OnebitReduceScatter(ReduceScatter):
+    """The reduce-scatter of one FSDP2 module under :class:`OnebitAdam` (installed by it):
+    dense in the warmup, the 1-bit allreduce of the momentum once compressed."""
+
+    def __init__(self, optimizer: OnebitAdam, layout: ModuleLayout) -> None:
+        self.optimizer = optimizer
+        self.layout = layout
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A new uninitialized buffer (FSDP2 asks for the input and the output)."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> None:
+        """Writes this rank's shard into ``output_tensor`` (see :class:`OnebitAdam`)."""
+        if async_op:
+            raise NotImplementedError("fn.fsdp.OnebitAdam reduce-scatters synchronously")
+        self.optimizer._reduce_scatter(self.layout, output_tensor, input_tensor, group, op)
+
+
+class OnebitAdam(torch.optim.Optimizer):
+    """1-bit Adam (``fn.onebit_adam``) over a model sharded by FSDP2 (``fully_shard``).
+
+    A ``torch.optim.Optimizer`` over the model's trainable params (DTensor shards, one param
+    group): it installs its own reduce-scatter on every FSDP2 module of ``model``
+    (``set_custom_reduce_scatter``). Warmup updates (``t < freeze_step``) reduce-scatter the
+    gradients densely and run Adam's warmup rule on the shards (``m`` and ``v`` sharded). At the
+    freeze each module all-gathers its momentum shards once; from then on the reduce-scatter
+    compresses the momentum ``b1 m + (1 - b1) g_r`` of this rank's local gradient with the
+    error-compensated 1-bit allreduce (chunk ``j`` is rank ``j``'s shard), keeps the new
+    momentum full size as packed signs (``n / 8`` bytes) and its errors (worker: full size,
+    server: shard size), and ``step()`` applies the frozen-variance rule on the shards:
+
+    .. math::
+        u = \\mathrm{clip}(m / (\\sqrt{v} + \\epsilon), -B, B) + \\lambda p,\\quad
+        p \\leftarrow p - \\eta u
+
+    (``fn.transforms.onebit_adam_sharded``, the rule of ``fn.onebit_adam``). Where each buffer
+    lives and the bytes sent: docs/algorithms.md, "1-bit Adam and 1-bit LAMB on FSDP2". The
+    ranks' params stay identical (each rank steps its own shard).
+
+    Construct it on every rank, after ``fully_shard``: it checks on every rank together that
+    the model and the settings agree (a collective call). Checkpoints: its ``state_dict()``
+    through :class:`~fn.fsdp.TrainingCheckpoint` (DCP), resumed bit for bit after any update.
+
+    Args:
+        model: the model, with ``fully_shard`` applied to it or its submodules, on one 1-D mesh;
+            every trainable param must be in an FSDP2 module.
+        lr, freeze_step, betas, eps, weight_decay, safeguard: as ``fn.onebit_adam``. ``lr``
+            is read from ``param_groups[0]["lr"]`` at every step (LR schedulers work); the
+            others are fixed here.
+        non_freeze: must be ``False`` (``NotImplementedError`` otherwise).
+        exp_avg_mask: must be ``None`` (``NotImplementedError`` otherwise).
+        nonfinite: ``"raise"`` (``"skip"``: ``NotImplementedError``).
+        local_world_size: must be ``None`` (``NotImplementedError`` otherwise).
+        error_dtype: the storage of the errors, ``torch.float32`` or ``torch.bfloat16``
+            (``torch.float16``: ``NotImplementedError``).
+
+    Raises:
+        ValueError: on every rank: no FSDP2 module with trainable params, a trainable param
+            outside every FSDP2 module, a module already driven by another fn.fsdp optimizer,
+            settings that differ between ranks, or a bad hyperparameter.
+        NotImplementedError: on every rank: HSDP or a 2-D mesh, or an option not built yet.
+
+    Policies: a non-finite gradient makes ``step()`` raise ``fn.NonFiniteError`` on every
+    rank, before any param or ``v`` changes (in the compressed phase the collective found it,
+    and the module whose gradient held it kept its momentum and errors; the modules
+    reduce-scattered before it in the same backward have advanced theirs). A param without a
+    gradient keeps its state and value. Gradient accumulation over several backwards of one
+    compressed update must go through ``set_requires_gradient_sync(False)`` (a second
+    reduce-scatter before ``step()`` raises ``RuntimeError``).
+
+    Example:
+        >>> import torch, torch.distributed as dist
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> import fn.fsdp
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = fully_shard(torch.nn.Linear(2, 1), mesh=init_device_mesh("cpu", (1,)))
+        >>> opt = fn.fsdp.OnebitAdam(model, lr=1e-2, freeze_step=2)
+        >>> for _ in range(3):
+        ...     opt.zero_grad()
+        ...     model(torch.ones(1, 2)).sum().backward()
+        ...     opt.step()
+        >>> opt.count
+        3
+        >>> dist.destroy_process_group()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        non_freeze: bool = False,
+        *,
+        exp_avg_mask: Any = None,
+        nonfinite: str = "raise",
+        safeguard: bool = True,
+        local_world_size: int | None = None,
+        error_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        settings = dict(
+            lr=lr, freeze_step=freeze_step, betas=tuple(betas), eps=eps,
+            weight_decay=weight_decay, safeguard=safeguard,
+        )  # fmt: skip
+        found = _modules(model)
+        group = found[0][1][0][1].device_mesh.get_group(0) if found and _one_dim(found) else None
+        problem = _problem(model, found, non_freeze, exp_avg_mask, nonfinite, local_world_size)
+        if problem is None:
+            problem = _bad_settings(settings, error_dtype)
+        fingerprint = repr(
+            (settings, non_freeze, exp_avg_mask is None, nonfinite, local_world_size,
+             str(error_dtype), [(m, [(n, tuple(p.shape)) for n, p in ps]) for m, ps in found])
+        )  # fmt: skip
+        _agree(group, problem, fingerprint)
+        self._comms = CommCache(None)
+        self.comm = self._comms(group)
+        world_size = self.comm.world_size
+        self.error_dtype = error_dtype
+        self.rank = dist.get_rank(group)
+        self._layouts = [module_layout(name, params, world_size) for name, params in found]
+        self._compressed = {layout.name: _Compressed() for layout in self._layouts}
+        self._b1 = float(betas[0])
+        params = [slot.param for layout in self._layouts for slot in layout.slots]
+        super().__init__(params, dict(settings, lr=lr))
+        if world_size > 1:
+            self._rule = onebit_adam_sharded(**settings)
+        else:  # FSDP2 calls no reduce-scatter: the rule with one worker (nothing to compress)
+            self._rule = onebit_adam(**settings, comm=Local(), error_dtype=error_dtype)
+        self._state = self._rule.init(self._shards())
+        for name, module in model.named_modules():
+            layout = next((x for x in self._layouts if x.name == (name or ROOT)), None)
+            if layout is not None:
+                module.set_custom_reduce_scatter(OnebitReduceScatter(self, layout))
+                _INSTALLED[module] = self
+
+    @property
+    def count(self) -> int:
+        """The number of updates made."""
+        return int(self._state.count)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has sent through fn's communicators (reduce-scatters, the freeze's
+        all-gathers and the checks; FSDP2's parameter all-gathers are not counted)."""
+        return self._comms.bytes_sent
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state as a ``torch.distributed.checkpoint`` (DCP) state dict, in one
+        layout at every update (DCP loads in place into a layout fixed before it reads).
+
+        ``{"header", "lr", "signed", "exp_avg", "exp_avg_sq", "momentum", "rank<r>"}``:
+        ``header`` (int64: format, world size, updates made, checksums of the model's layout
+        and of the settings); ``lr`` (``param_groups[0]["lr"]``); ``signed`` (int8 per module:
+        whether its momentum is kept as packed signs); ``exp_avg`` and ``exp_avg_sq`` by param
+        FQN, DTensors of the shards (``exp_avg``: zeros where the momentum is packed);
+        ``momentum`` by module, the packed signs and scales of its full momentum (zeros before
+        the freeze; the same on every rank, so DCP saves them once); and under ``rank<r>``, a
+        name of this rank's own, by module its worker and server errors (zeros before the
+        first compressed update; DCP would keep one rank's copy of a name every rank saves).
+        :class:`~fn.fsdp.TrainingCheckpoint` saves it, and loads it at any world size, checked
+        before anything changes; ``dcp.load`` straight into it works at the same world size.
+
+        Returns:
+            A dict of tensors: the state's own where it holds them, zeros where it does not.
+        """
+        world_size = self.comm.world_size
+        signed = [self._compressed[x.name].signs is not None for x in self._layouts]
+        mine: dict[str, dict[str, torch.Tensor]] = {}
+        state: dict[str, Any] = {
+            "header": self._header(),
+            "lr": torch.tensor(float(self.param_groups[0]["lr"]), dtype=torch.float64),
+            "signed": torch.tensor(signed, dtype=torch.int8),
+            "exp_avg": {},
+            "exp_avg_sq": {},
+            "momentum": {},
+            f"rank{self.rank}": mine,
+        }
+        for layout in self._layouts:
+            for slot in layout.slots:
+                m = self._state.exp_avg[slot.name]
+                m = m if isinstance(m, torch.Tensor) else torch.zeros(0)
+                state["exp_avg"][slot.name] = _shard_of(m, slot.param)
+                v = self._state.exp_avg_sq[slot.name]
+                state["exp_avg_sq"][slot.name] = _shard_of(v, slot.param)
+            held = self._compressed[layout.name]
+            signs = held.signs or PackedSigns(
+                torch.zeros(world_size, layout.padded_row // 8, dtype=torch.uint8),
+                torch.zeros(world_size),
+            )
+            state["momentum"][layout.name] = {"packed": signs.packed, "scales": signs.scales}
+            errors = held.errors or init_error_feedback(
+                world_size * layout.padded_row, comm=self.comm, dtype=self.error_dtype
+            )
+            mine[layout.name] = {"worker": errors[0], "server": errors[1]}
+        return state
+
+    def checkpoint_template(
+        self, header: torch.Tensor, saved: dict[str, torch.Size]
+    ) -> dict[str, Any]:
+        """The state dict that DCP loads a checkpoint of :meth:`state_dict` into: new tensors
+        laid out as saved (this rank's errors only if the world size is the same).
+
+        Args:
+            header: the checkpoint's ``header`` (loaded first).
+            saved: the checkpoint's optimizer keys, flat (``"exp_avg.block.weight"``), and
+                their sizes (from the checkpoint's metadata).
+
+        Returns:
+            A dict of the form of :meth:`state_dict`, to pass to ``dcp.load``.
+
+        Raises:
+            ValueError: the header does not match this model or these settings, or a key is
+                missing (nothing was loaded).
+        """
+        world_size, _ = self._checked_header(header)
+        own = f"rank{self.rank}"
+        needed = ["lr", "signed"]
+        for layout in self._layouts:
+            needed += [f"momentum.{layout.name}.{k}" for k in ("packed", "scales")]
+            if world_size == self.comm.world_size:
+                needed += [f"{own}.{layout.name}.{k}" for k in ("worker", "server")]
+            needed += [f"{f}.{s.name}" for s in layout.slots for f in ("exp_avg", "exp_avg_sq")]
+        missing = [key for key in needed if key not in saved]
+        if missing:
+            raise ValueError(
+                f"fn.fsdp.OnebitAdam: the checkpoint has no {missing[:4]}; nothing was loaded"
+            )
+
+        def new(key: str, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(saved[key], dtype=dtype)
+
+        template: dict[str, Any] = {
+            "header": header.clone(),
+            "lr": new("lr", torch.float64),
+            "signed": new("signed", torch.int8),
+            "exp_avg": {},
+            "exp_avg_sq": {},
+            "momentum": {},
+        }
+        for layout in self._layouts:
+            template["momentum"][layout.name] = {
+                k: new(f"momentum.{layout.name}.{k}", dtype)
+                for k, dtype in (("packed", torch.uint8), ("scales", torch.float32))
+            }
+            for slot in layout.slots:
+                for field in ("exp_avg", "exp_avg_sq"):
+                    template[field][slot.name] = _shard_of(torch.zeros(0), slot.param)
+        if world_size == self.comm.world_size:
+            template[own] = {
+                x.name: {
+                    k: new(f"{own}.{x.name}.{k}", self.error_dtype) for k in ("worker", "server")
+                }
+                for x in self._layouts
+            }
+        return template
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores a :meth:`state_dict` (as :meth:`state_dict` or :meth:`checkpoint_template`
+        lays it out).
+
+        Saved at this world size, the state continues bit for bit. Saved at another one, the
+        momentum is read back exactly into this world size's layout, and the error feedback
+        (which compensated the old layout's compression) restarts from zero with a warning.
+
+        Raises:
+            ValueError: the checkpoint is of another model or other settings; nothing was
+                changed.
+        """
+        world_size, count = self._checked_header(state_dict["header"])
+        same = world_size == self.comm.world_size
+        signed = [bool(x) for x in state_dict["signed"].tolist()]
+        if len(signed) != len(self._layouts):
+            raise ValueError(f"fn.fsdp.OnebitAdam: corrupt checkpoint: signed = {signed}")
+        own = state_dict.get(f"rank{self.rank}", {}) if same else {}
+        exp_avg, exp_avg_sq, compressed = {}, {}, {}
+        for layout, packed in zip(self._layouts, signed, strict=True):
+            held = _Compressed()
+            for slot in layout.slots:
+                exp_avg_sq[slot.name] = _local(state_dict["exp_avg_sq"][slot.name]).clone()
+                m = _local(state_dict["exp_avg"][slot.name]).clone()
+                exp_avg[slot.name] = None if packed else m
+            if packed:
+                signs = state_dict["momentum"][layout.name]
+                held.signs = PackedSigns(signs["packed"].clone(), signs["scales"].clone())
+                if same:
+                    errors = own[layout.name]
+                    held.errors = (errors["worker"].clone(), errors["server"].clone())
+                else:  # into this world size's layout, as the shards' momentum
+                    slots = [(s.name, s.param) for s in layout.slots]
+                    old = module_layout(layout.name, slots, world_size)
+                    world, rank = self.comm.world_size, self.rank
+                    exp_avg.update(_momentum_from_signs(old, held.signs, world, rank))
+                    held.signs = None
+            compressed[layout.name] = held
+        if not same and any(signed):
+            warnings.warn(
+                f"fn.fsdp.OnebitAdam: checkpoint saved at world size {world_size}, loaded at "
+                f"{self.comm.world_size}: the error feedback restarts from zero (the momentum "
+                "is kept)",
+                stacklevel=2,
+            )
+        self.param_groups[0]["lr"] = float(state_dict["lr"])
+        self._state = self._state._replace(
+            count=torch.tensor(count, dtype=torch.int64),
+            lr=torch.tensor(float(state_dict["lr"]), dtype=torch.float32),
+            exp_avg=exp_avg,
+            exp_avg_sq=exp_avg_sq,
+        )
+        self._compressed = compressed
+
+    def _header(self) -> torch.Tensor:
+        """``[format, world size, updates made, crc of the layout, crc of the settings]``."""
+        return torch.tensor(
+            [_FORMAT, self.comm.world_size, self.count, *self._fingerprints()], dtype=torch.int64
+        )
+
+    def _fingerprints(self) -> tuple[int, int]:
+        layout = repr(
+            [(x.name, [(s.name, tuple(s.param.shape)) for s in x.slots]) for x in self._layouts]
+        )
+        group = self.param_groups[0]
+        fixed = {k: group[k] for k in sorted(group) if k not in ("params", "lr")}
+        settings = repr((fixed, str(self.error_dtype)))
+        return zlib.crc32(layout.encode()), zlib.crc32(settings.encode())
+
+    def _checked_header(self, header: torch.Tensor) -> tuple[int, int]:
+        """The checkpoint's world size and update count, or ``ValueError`` if it is not a
+        checkpoint of this model and these settings."""
+        values = header.tolist()
+        if len(values) != 5 or values[0] != _FORMAT:
+            raise ValueError(
+                f"fn.fsdp.OnebitAdam: not a checkpoint of this format (header {values}); "
+                "nothing was loaded"
+            )
+        _, world_size, count, layout, settings = values
+        layout_now, settings_now = self._fingerprints()
+        if layout != layout_now:
+            raise ValueError(
+                "fn.fsdp.OnebitAdam: the checkpoint is of another model (its FSDP2 modules, "
+                "params or shapes differ); nothing was loaded"
+            )
+        if settings != settings_now:
+            raise ValueError(
+                "fn.fsdp.OnebitAdam: the checkpoint was saved with other settings (freeze_step, "
+                "betas, eps, weight_decay, safeguard or error_dtype); nothing was loaded"
+            )
+        if world_size < 1 or count < 0:
+            raise ValueError(f"fn.fsdp.OnebitAdam: corrupt checkpoint header {values}")
+        return world_size, count
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One update of every param shard (see the class docstring).
+
+        Raises:
+            fn.NonFiniteError: on every rank, if a gradient on some rank is not finite;
+                no param and no ``v`` changed.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t = self.count + 1
+        compressed = self.comm.world_size > 1 and self._rule.is_compressed(t)
+        params = self._shards()
+        if compressed:
+            inputs = self._momentum_shards(t)
+        else:
+            inputs = {
+                slot.name: None if slot.param.grad is None else _local(slot.param.grad)
+                for layout in self._layouts
+                for slot in layout.slots
+            }
+            self._check_finite(inputs)
+        state = set_hyperparams(self._state, lr=self.param_groups[0]["lr"])
+        updates, state = self._rule.update(inputs, state, params, step=t)
+        apply_updates(params, updates, donate=True)
+        if compressed:  # the momentum lives in the packed signs: drop the shards' copies
+            exp_avg = {k: None if inputs[k] is not None else m for k, m in state.exp_avg.items()}
+            state = state._replace(exp_avg=exp_avg)
+        self._state = state
+        return loss
+
+    def _shards(self) -> dict[str, torch.Tensor]:
+        """This rank's shard of every param, by FQN."""
+        return {slot.name: _local(slot.param) for x in self._layouts for slot in x.slots}
+
+    def _momentum_shards(self, t: int) -> dict[str, torch.Tensor | None]:
+        """Every param's shard of its module's new momentum, read exactly from the packed signs
+        (``None`` for the params of a module whose reduce-scatter did not run for update
+        ``t``)."""
+        if any(self._compressed[x.name].nonfinite for x in self._layouts):
+            for x in self._layouts:
+                self._compressed[x.name].nonfinite = False
+            raise NonFiniteError(
+                "fn.fsdp.OnebitAdam: non-finite values in the momentum of some rank (its local "
+                "gradient); no param changed (the modules reduce-scattered before it in this "
+                "backward have advanced their momentum and errors)"
+            )
+        shards: dict[str, torch.Tensor | None] = {}
+        for layout in self._layouts:
+            held = self._compressed[layout.name]
+            row = None
+            if held.reduced_at == t:
+                rank = slice(self.rank, self.rank + 1)
+                signs = PackedSigns(held.signs.packed[rank], held.signs.scales[rank])
+                row = signs.values(layout.padded_row)
+            for slot in layout.slots:
+                local = _local(slot.param)
+                piece = None if row is None else row[slot.offset : slot.offset + local.numel()]
+                shards[slot.name] = None if piece is None else piece.view(local.shape)
+        return shards
+
+    def _check_finite(self, grads: dict[str, torch.Tensor | None]) -> None:
+        """Raises ``NonFiniteError`` on every rank if some rank's gradient shard is not
+        finite (one allreduce of one value)."""
+        bad = sum(int(not bool(g.isfinite().all())) for g in grads.values() if g is not None)
+        if self.comm.world_size > 1:
+            bad = int(self.comm.all_reduce(torch.tensor([float(bad)]), "sum").item())
+        if bad:
+            raise NonFiniteError(
+                "fn.fsdp.OnebitAdam: non-finite values in the averaged gradient (on some rank); "
+                "nothing was updated"
+            )
+
+    def _reduce_scatter(
+        self,
+        layout: ModuleLayout,
+        output: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+    ) -> None:
+        """The reduce-scatter of one module (:class:`OnebitReduceScatter`)."""
+        comm = self._comms(group)
+        world_size = comm.world_size
+        if input_tensor.numel() != world_size * layout.row:
+            raise NotImplementedError(
+                f"fn.fsdp.OnebitAdam: module {layout.name} reduce-scatters "
+                f"{input_tensor.numel()} values, not the {world_size * layout.row} of all its "
+                "trainable params: a param without a gradient in FSDP2's reduce-scatter is not "
+                "supported yet"
+            )
+        rows = input_tensor.view(world_size, layout.row)
+        t = self.count + 1
+        if not self._rule.is_compressed(t):
+            output.copy_(_dense_reduce_scatter(comm, rows, op))
+            return
+        held = self._compressed[layout.name]
+        if held.reduced_at == t:
+            raise RuntimeError(
+                f"fn.fsdp.OnebitAdam: module {layout.name} was reduce-scattered twice before "
+                "step(); accumulate gradients with set_requires_gradient_sync(False)"
+            )
+        held.reduced_at = t
+        momentum = self._previous_momentum(layout, held, comm, input_tensor.device)
+        if layout.padded_row == layout.row and input_tensor.dtype == torch.float32:
+            grad = input_tensor.view(-1)
+        else:
+            grad = torch.zeros_like(momentum)
+            grad.view(world_size, layout.padded_row)[:, : layout.row] = rows
+        if held.errors is None:
+            held.errors = tuple(
+                init_error_feedback(
+                    momentum.numel(), comm=comm, device=momentum.device, dtype=self.error_dtype
+                )
+            )
+        try:
+            exchange = compressed_allreduce_exchange(
+                momentum, *held.errors, comm=comm, grad=grad, beta=self._b1
+            )
+        except NonFiniteError:  # raised on every rank, before anything was written
+            held.nonfinite = True
+            output.fill_(torch.nan)
+            return
+        if exchange is None:  # not on this path's tensors (e.g. under torch.compile)
+            raise NotImplementedError(
+                "fn.fsdp.OnebitAdam: the 1-bit exchange runs eagerly on contiguous fp32 "
+                "tensors with fp32 or bf16 errors only"
+            )
+        write_errors(exchange, *held.errors)
+        held.signs = PackedSigns(exchange.packed, exchange.scales)
+        rank = slice(self.rank, self.rank + 1)
+        mine = PackedSigns(exchange.packed[rank], exchange.scales[rank])
+        shard = mine.values(layout.row).mul_(reduce_scale(op, world_size))
+        output.copy_(shard)
+
+    def _previous_momentum(
+        self, layout: ModuleLayout, held: _Compressed, comm: ProcessGroup, device: torch.device
+    ) -> torch.Tensor:
+        """The module's momentum before this update, flat in the layout of ``X``, zero at its
+        padding positions: unpacked from its signs, or at the freeze all-gathered from the
+        shards' warmup momentum."""
+        world_size = comm.world_size
+        if held.signs is None:
+            row = torch.zeros(layout.padded_row, device=device)
+            for slot in layout.slots:
+                m = self._state.exp_avg[slot.name]
+                row[slot.offset : slot.offset + m.numel()] = m.reshape(-1)
+            return comm.all_gather(row).view(-1)
+        momentum = held.signs.values(world_size * layout.padded_row).clone()
+        for start, stop in layout.padding(world_size):
+            momentum[start:stop] = 0.0
+        return momentum
+
+
+class OnebitLamb:
+    """1-bit LAMB on FSDP2: not built yet (see docs/algorithms.md, "1-bit Adam and 1-bit LAMB
+    on FSDP2").
+
+    Raises:
+        NotImplementedError: always.
+    """
+
+    def __init__(self, model: nn.Module, *args: Any, **kwargs: Any) -> None:
+        del model, args, kwargs
+        raise NotImplementedError(
+            "fn.fsdp.OnebitLamb is not built yet: its trust ratios need the full-tensor norms "
+            "of every param (an allreduce of the shards' squared norms) and its fused 1-bit "
+            "allreduce of the scaled momenta needs the scaling coefficients in each module's "
+            "FSDP2 layout; use fn.fsdp.OnebitAdam, or fn.optim.OnebitLamb with DDP"
+        )
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _shard_of(local: torch.Tensor, param: DTensor) -> DTensor:
+    """``local`` (this rank's shard of a tensor like ``param``; empty: zeros) as a DTensor
+    sharded as ``param``."""
+    if local.numel() == 0:
+        local = torch.zeros_like(_local(param), dtype=torch.float32)
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+    )
+
+
+def _momentum_from_signs(
+    layout: ModuleLayout, signs: PackedSigns, world_size: int, rank: int
+) -> dict[str, torch.Tensor]:
+    """Every param's shard, at ``world_size`` and ``rank``, of a module's momentum packed in
+    ``layout`` (that of the world size it was saved at), read exactly."""
+    saved_world_size = signs.scales.numel()
+    rows = signs.values(saved_world_size * layout.padded_row).view(saved_world_size, -1)
+    shards = {}
+    for slot in layout.slots:
+        dim = next(pl.dim for pl in slot.param.placements if isinstance(pl, Shard))
+        chunks = torch.empty(slot.param.shape, device="meta").chunk(saved_world_size, dim)
+        pieces = [
+            rows[j, slot.offset : slot.offset + chunk.numel()].view(chunk.shape)
+            for j, chunk in enumerate(chunks)
+        ]
+        full = torch.cat(pieces, dim)
+        mine = full.chunk(world_size, dim)
+        shard = mine[rank] if rank < len(mine) else full.narrow(dim, 0, 0)
+        shards[slot.name] = shard.contiguous()
+    return shards
+
+
+def _dense_reduce_scatter(comm: ProcessGroup, rows: torch.Tensor, op: Any) -> torch.Tensor:
+    """``dist.reduce_scatter_tensor``'s result for ``op``: the sum of the ranks' rows (fn's
+    ``ProcessGroup``), divided by ``W`` for ``AVG``, times ``f`` for ``PREMUL_SUM(f)``."""
+    total = comm.reduce_scatter(rows, "sum")
+    kind = getattr(op, "op", op)
+    if kind == dist.ReduceOp.AVG:
+        return total / comm.world_size
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        return total * op.factor
+    if kind == dist.ReduceOp.SUM:
+        return total
+    raise ValueError(f"op must be ReduceOp.AVG, SUM or PREMUL_SUM, got {kind}")
+
+
+def _modules(model: nn.Module) -> list[tuple[str, list[tuple[str, DTensor]]]]:
+    """The FSDP2 modules under ``model`` with trainable params: ``(fqn, [(param fqn, param)])``
+    in FSDP2's order."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    found = []
+    for name, child in model.named_modules():
+        if isinstance(child, FSDPModule):
+            params = _fsdp_order(child)
+            if params:
+                found.append((name or ROOT, [(names[id(p)], p) for p in params]))
+    return found
+
+
+def _fsdp_order(module: FSDPModule) -> list[nn.Parameter]:
+    """The trainable params of ``module``'s FSDP2 group in the order of its reduce-scatter:
+    FSDP2 visits the modules depth first, a module after its children (nested FSDP2 modules
+    left out), each module's own params in registration order."""
+    order: list[nn.Parameter] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        if m is not module and isinstance(m, FSDPModule):
+            return
+        for child in m.children():
+            visit(child)
+        for p in m.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                order.append(p)
+
+    visit(module)
+    return [p for p in order if p.requires_grad]
+
+
+def _one_dim(found: list[tuple[str, list[tuple[str, DTensor]]]]) -> bool:
+    return all(isinstance(p, DTensor) and p.device_mesh.ndim == 1 for _, ps in found for _, p in ps)
+
+
+def _problem(
+    model: nn.Module,
+    found: list[tuple[str, list[tuple[str, DTensor]]]],
+    non_freeze: bool,
+    exp_avg_mask: Any,
+    nonfinite: str,
+    local_world_size: int | None,
+) -> tuple[type[Exception], str] | None:
+    """What this rank finds wrong with the model or the options, or ``None``."""
+    if not found:
+        return ValueError, "model has no FSDP2 module (fully_shard) with trainable params"
+    inside = {id(p) for _, ps in found for _, p in ps}
+    outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in inside]
+    if outside:
+        return ValueError, f"trainable params outside every FSDP2 module: {outside}"
+    if not _one_dim(found):
+        return NotImplementedError, (
+            "HSDP and 2-D meshes are not supported: the 1-bit allreduce runs over one group, "
+            "the params' 1-D shard mesh"
+        )
+    groups = {ps[0][1].device_mesh for _, ps in found}
+    if len(groups) > 1:
+        return NotImplementedError, "FSDP2 modules on different meshes are not supported"
+    taken = [name for name, module in model.named_modules() if module in _INSTALLED]
+    if taken:
+        return ValueError, f"the FSDP2 modules {taken} already have an fn.fsdp optimizer"
+    unsupported = {
+        "non_freeze": (non_freeze, "one module's vector would mix dense and compressed params"),
+        "exp_avg_mask": (
+            exp_avg_mask is not None,
+            "the mask would have to be laid out as each module's FSDP2 vector, full size",
+        ),
+        "nonfinite='skip'": (
+            nonfinite == "skip",
+            "the modules reduce-scattered before a non-finite one have already advanced",
+        ),
+        "local_world_size": (
+            local_world_size is not None,
+            "the hierarchical collective hands a rank another chunk than its FSDP2 shard",
+        ),
+    }
+    for name, (used, why) in unsupported.items():
+        if used:
+            return NotImplementedError, f"{name} is not supported yet on FSDP2: {why}"
+    if nonfinite != "raise":
+        return ValueError, f"nonfinite must be 'raise', got {nonfinite!r}"
+    return None
+
+
+def _bad_settings(
+    settings: dict[str, Any], error_dtype: torch.dtype
+) -> tuple[type[Exception], str] | None:
+    """The rule's own checks of the hyperparameters, as a problem."""
+    try:
+        check_error_dtype("fn.fsdp.OnebitAdam", error_dtype)
+        onebit_adam_sharded(**settings)
+    except ValueError as error:
+        return ValueError, str(error)
+    if error_dtype == torch.float16:
+        return NotImplementedError, (
+            "error_dtype=torch.float16 is not supported yet on FSDP2: the in-place 1-bit "
+            "exchange takes fp32 and bf16 errors"
+        )
+    return None
+
+
+def _agree(
+    group: dist.ProcessGroup | None, problem: tuple[type[Exception], str] | None, fingerprint: str
+) -> None:
+    """Raises on every rank if some rank found a problem or the ranks' settings differ (one
+    all-gather over ``group``, or ``WORLD`` when the model gave none)."""
+    if group is None and dist.is_initialized():
+        group = dist.group.WORLD
+    if group is None or dist.get_world_size(group) == 1:
+        if problem is not None:
+            raise problem[0](f"fn.fsdp.OnebitAdam: {problem[1]}")
+        return
+    kinds = (None, ValueError, NotImplementedError)
+    mine = torch.tensor(
+        [kinds.index(problem[0]) if problem else 0, zlib.crc32(fingerprint.encode())],
+        dtype=torch.int64,
+    )
+    gathered = ProcessGroup(group).all_gather(mine)
+    if problem is not None:
+        raise problem[0](f"fn.fsdp.OnebitAdam: {problem[1]}")
+    failed = [r for r, kind in enumerate(gathered[:, 0].tolist()) if kind]
+    if failed:
+        kind = kinds[int(gathered[failed[0], 0])]
+        raise kind(f"fn.fsdp.OnebitAdam: rank {failed[0]} refused the model or the settings")
+    if bool((gathered[:, 1] != gathered[0, 1]).any()):
+        raise ValueError(
+            "fn.fsdp.OnebitAdam: the ranks passed different settings or models (fingerprints "
+            f"{gathered[:, 1].tolist()}); every rank must pass the same"
+        )

@@ -1,0 +1,345 @@
+"""fn.fsdp.OnebitAdam on 2 gloo ranks: bit for bit against a loop-over-ranks reference of the rule
+in docs/algorithms.md ("1-bit Adam and 1-bit LAMB on FSDP2"), written here, and bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import fn
+import fn.fsdp
+from tests._distributed import run_distributed
+
+WORLD = 2
+LR, FREEZE, BETAS, EPS = 1e-2, 3, (0.9, 0.999), 1e-8
+STEPS = 7
+
+
+class Net(nn.Module):
+    """``block`` is sharded on its own (a weight of 3 rows: dim-0 padding at W = 2, and a row of
+    12 padded to 16); ``head`` and ``scale`` sit in the root's group, where FSDP2 puts the root's
+    own ``scale`` after its child's params (registration order puts it first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(2))
+        self.block = nn.Linear(5, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.block(x))) * self.scale
+
+
+MODULES = [["block.weight", "block.bias"], ["head.weight", "head.bias", "scale"]]  # FSDP2's order
+
+
+def build(
+    seed: int = 0,
+    shard: bool = True,
+    policy: MixedPrecisionPolicy | None = None,
+    world: int = WORLD,
+):
+    torch.manual_seed(seed)
+    model = Net()
+    if shard:
+        mesh = init_device_mesh("cpu", (world,))
+        mp = {} if policy is None else {"mp_policy": policy}
+        fully_shard(model.block, mesh=mesh, **mp)
+        fully_shard(model, mesh=mesh, **mp)
+    return model
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(4, 5, generator=g), torch.randn(4, 2, generator=g)
+
+
+def lr_at(t: int) -> float:
+    return LR if t < 6 else LR / 2  # a scheduler's change, read at every step
+
+
+# ----------------------------------------------------------------------------- the reference
+
+
+def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
+    return v.double().sqrt().float()
+
+
+def rms(x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(math.sqrt(float(x.double().square().sum()) / x.numel()))
+
+
+def sign(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x >= 0, 1.0, -1.0)
+
+
+def row_layout(shapes: list[torch.Size]) -> tuple[list[int], int]:
+    """Each param's values per row (dim 0 padded to a multiple of W) and the padded row."""
+    widths = [-(-s[0] // WORLD) * math.prod(s[1:]) for s in shapes]
+    unit = math.lcm(WORLD, 8)
+    return widths, -(-sum(widths) // unit) * unit
+
+
+def to_x(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """FSDP2's layout, flat: row j holds rows [j R, (j + 1) R) of every tensor, zero padded."""
+    widths, padded = row_layout([t.shape for t in tensors])
+    x = torch.zeros(WORLD, padded)
+    for j in range(WORLD):
+        offset = 0
+        for t, width in zip(tensors, widths, strict=True):
+            rows = -(-t.shape[0] // WORLD)
+            piece = t[j * rows : (j + 1) * rows].reshape(-1)
+            x[j, offset : offset + piece.numel()] = piece
+            offset += width
+    return x.reshape(-1)
+
+
+def from_x(x: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    widths, padded = row_layout([t.shape for t in like])
+    rows_of = x.view(WORLD, padded)
+    out, offset = [], 0
+    for t, width in zip(like, widths, strict=True):
+        rows = -(-t.shape[0] // WORLD)
+        per_row = math.prod(t.shape[1:])
+        pieces = []
+        for j in range(WORLD):
+            real = max(0, min(rows, t.shape[0] - j * rows)) * per_row
+            pieces.append(rows_of[j, offset : offset + real])
+        out.append(torch.cat(pieces).view(t.shape))
+        offset += width
+    return out
+
+
+def car(xs: list[torch.Tensor], ews: list[torch.Tensor], ess: list[torch.Tensor]) -> torch.Tensor:
+    """The 1-bit allreduce of docs/algorithms.md over the ranks' ``xs`` (no padding: the length
+    is a multiple of W lcm(W, 8)); updates the error lists."""
+    n = xs[0].numel()
+    chunk = n // WORLD
+    scales, signs = [], []
+    for r in range(WORLD):
+        m = xs[r] + ews[r]
+        a = rms(m)
+        ews[r] = m - a * sign(m)
+        scales.append(a)
+        signs.append(sign(m))
+    out = []
+    for r in range(WORLD):
+        c = None
+        for i in range(WORLD):
+            term = signs[i][r * chunk : (r + 1) * chunk] * (scales[i] / WORLD)
+            c = term if c is None else c + term
+        c = c + ess[r]
+        b = rms(c)
+        ess[r] = c - b * sign(c)
+        out.append(b * sign(c))
+    return torch.cat(out)
+
+
+class Reference:
+    def __init__(self, params: dict[str, torch.Tensor], weight_decay: float) -> None:
+        self.p = {k: v.clone() for k, v in params.items()}
+        self.m = {k: torch.zeros_like(v) for k, v in params.items()}
+        self.v = {k: torch.zeros_like(v) for k, v in params.items()}
+        self.wd = weight_decay
+        b1, b2 = BETAS
+        self.bound = (1 - b1) / math.sqrt((1 - b2) * (1 - b1 * b1 / b2))
+        self.errors = {}
+
+    def step(self, t: int, grads: list[dict[str, torch.Tensor]]) -> None:
+        b1, b2 = BETAS
+        if t < FREEZE:
+            for k in self.p:
+                g = (grads[0][k] + grads[1][k]) / WORLD
+                self.m[k] = b1 * self.m[k] + (1 - b1) * g
+                self.v[k] = b2 * self.v[k] + ((1 - b2) * g) * g
+        else:
+            for names in MODULES:
+                like = [self.p[k] for k in names]
+                previous = to_x([self.m[k] for k in names])  # zero at the padding
+                xs = [b1 * previous + (1 - b1) * to_x([g[k] for k in names]) for g in grads]
+                if names[0] not in self.errors:
+                    self.errors[names[0]] = (
+                        [torch.zeros_like(previous) for _ in range(WORLD)],
+                        [torch.zeros(previous.numel() // WORLD) for _ in range(WORLD)],
+                    )
+                y = car(xs, *self.errors[names[0]])
+                self.m.update(zip(names, from_x(y, like), strict=True))
+        lr = torch.tensor(lr_at(t))
+        for k in self.p:
+            u = self.m[k] / (sqrt_rn(self.v[k]) + EPS)
+            if t >= FREEZE:
+                u = u.clamp(-self.bound, self.bound)
+            if self.wd > 0:
+                u = u + self.wd * self.p[k]
+            self.p[k] = self.p[k] + u * -lr
+
+
+def local_grads(params: dict[str, torch.Tensor], rank: int, step: int) -> dict[str, torch.Tensor]:
+    model = build(shard=False)
+    model.load_state_dict(params)
+    x, y = batch(rank, step)
+    nn.functional.mse_loss(model(x), y).backward()
+    return {k: p.grad for k, p in model.named_parameters()}
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: p.full_tensor().detach().clone() for k, p in model.named_parameters()}
+
+
+# ----------------------------------------------------------------------------- the workers
+
+
+def _worker_train(rank: int, world_size: int, weight_decay: float) -> dict:
+    model = build()
+    opt = fn.fsdp.OnebitAdam(
+        model, lr=LR, freeze_step=FREEZE, betas=BETAS, eps=EPS, weight_decay=weight_decay
+    )
+    reference = Reference(full_params(model), weight_decay)
+    history, mismatches = [], []
+    for t in range(1, STEPS + 1):
+        grads = [local_grads(reference.p, r, t) for r in range(world_size)]
+        reference.step(t, grads)
+        opt.param_groups[0]["lr"] = lr_at(t)
+        opt.zero_grad()
+        x, y = batch(rank, t)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        got = full_params(model)
+        history.append(got)
+        mismatches += [(t, k) for k in got if not torch.equal(got[k], reference.p[k])]
+    before = full_params(model)
+    opt.zero_grad()
+    x, y = batch(rank, 0)
+    if rank == 1:
+        x[0, 0] = torch.nan
+    nn.functional.mse_loss(model(x), y).backward()
+    try:
+        opt.step()
+        raised = None
+    except fn.NonFiniteError as error:
+        raised = str(error)
+    after = full_params(model)
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    return dict(
+        history=history,
+        mismatches=mismatches,
+        moved=[not torch.equal(history[0][k], history[-1][k]) for k in history[0]],
+        bytes=opt.bytes_sent,
+        nonfinite=(raised, unchanged, opt.count),
+    )
+
+
+def _worker_bf16(rank: int, world_size: int) -> dict:
+    model = build(policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    opt = fn.fsdp.OnebitAdam(model, lr=LR, freeze_step=FREEZE)
+    start = full_params(model)
+    for t in range(1, STEPS + 1):
+        opt.zero_grad()
+        x, y = batch(rank, t)
+        nn.functional.mse_loss(model(x).float(), y).backward()
+        opt.step()
+    params = full_params(model)
+    grads = {k: p.grad.dtype for k, p in model.named_parameters()}
+    return dict(start=start, params=params, grads=grads, count=opt.count)
+
+
+def _refusal(make) -> tuple[str, str] | None:
+    try:
+        make()
+    except (ValueError, NotImplementedError) as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+def _worker_bad_input(rank: int, world_size: int) -> dict:
+    out = {}
+    torch.manual_seed(0)
+    out["no fsdp"] = _refusal(lambda: fn.fsdp.OnebitAdam(nn.Linear(2, 2)))
+
+    def outside():
+        model = Net()
+        fully_shard(model.block, mesh=init_device_mesh("cpu", (world_size,)))
+        return fn.fsdp.OnebitAdam(model)
+
+    out["outside"] = _refusal(outside)
+
+    def two_dim():
+        model = Net()
+        mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model, mesh=mesh)
+        return fn.fsdp.OnebitAdam(model)
+
+    out["2-d"] = _refusal(two_dim)
+    out["lr differs"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), lr=0.1 * (rank + 1)))
+    mask = {} if rank == 0 else None  # only rank 0 asks for what is not built
+    out["mask on rank 0"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), exp_avg_mask=mask))
+    out["fp16 errors"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), error_dtype=torch.float16))
+    out["freeze_step"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), freeze_step=1))
+    model = build()
+    fn.fsdp.OnebitAdam(model)
+    out["second"] = _refusal(lambda: fn.fsdp.OnebitAdam(model))
+    out["lamb"] = _refusal(lambda: fn.fsdp.OnebitLamb(build()))
+    return out
+
+
+# ----------------------------------------------------------------------------- the tests
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return {wd: run_distributed(_worker_train, WORLD, wd, timeout=240) for wd in (0.0, 0.1)}
+
+
+@pytest.mark.timeout(300)
+def test_bit_for_bit_with_the_reference_and_ranks_agree(trained):
+    for results in trained.values():
+        for rank, result in enumerate(results):
+            assert result["mismatches"] == [], rank
+            assert all(result["moved"])
+            for t, params in enumerate(result["history"]):
+                for k, value in params.items():
+                    assert torch.equal(value, results[0]["history"][t][k]), (rank, t, k)
+    wd_off, wd_on = trained[0.0][0]["history"][-1], trained[0.1][0]["history"][-1]
+    assert not torch.equal(wd_off["block.weight"], wd_on["block.weight"])
+
+
+@pytest.mark.timeout(300)
+def test_compressed_traffic_is_counted_and_nonfinite_raises_on_every_rank(trained):
+    for rank, result in enumerate(trained[0.0]):
+        assert result["bytes"] > 0
+        message, unchanged, count = result["nonfinite"]
+        assert message is not None and "non-finite" in message, rank
+        assert unchanged and count == STEPS
+
+
+@pytest.mark.timeout(300)
+def test_bf16_policy_keeps_fp32_masters_and_ranks_agree():
+    results = run_distributed(_worker_bf16, WORLD, timeout=240)
+    for result in results:
+        assert result["count"] == STEPS
+        for k, value in result["params"].items():
+            assert value.dtype == torch.float32 and result["grads"][k] == torch.float32
+            assert torch.equal(value, results[0]["params"][k]), k
+            assert not torch.equal(value, result["start"][k]), k
+
+
+@pytest.mark.timeout(300)
+def test_bad_input_is_refused_on_every_rank():
+    results = run_distributed(_worker_bad_input, WORLD, timeout=240)
+    for rank, out in enumerate(results):
+        assert out["no fsdp"][0] == "ValueError" and "no FSDP2 module" in out["no fsdp"][1]
+        assert out["outside"][0] == "ValueError" and "head.weight" in out["outside"][1]
+        assert out["2-d"][0] == "NotImplementedError" and "2-D" in out["2-d"][1]
+        assert out["lr differs"][0] == "ValueError" and "different" in out["lr differs"][1]
+        kind, message = out["mask on rank 0"]
+        assert kind == "NotImplementedError"
+        assert ("exp_avg_mask" in message) if rank == 0 else ("rank 0" in message)
+        assert out["fp16 errors"][0] == "NotImplementedError"
+        assert out["freeze_step"][0] == "ValueError" and "freeze_step" in out["freeze_step"][1]
+        assert out["second"][0] == "ValueError" and "already" in out["second"][1]
+        assert out["lamb"][0] == "NotImplementedError" and "trust ratio" in out["lamb"][1]

@@ -1,0 +1,190 @@
+"""fn.fsdp.OnebitAdam's DCP checkpoints (fn.fsdp.TrainingCheckpoint) on gloo ranks: saved in the
+warmup, just before the freeze, just after it and in the compressed phase, and resumed in fresh
+processes, a run continues bit for bit (also with the optimizer as a plain DCP Stateful); at
+another world size the momentum is kept and the error feedback restarts with a warning;
+checkpoints that do not match are refused with nothing loaded."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+import fn.fsdp
+from tests._distributed import run_distributed
+from tests.fsdp.test_onebit import FREEZE, STEPS, WORLD, Net, batch, build, from_x, full_params
+
+SAVES = (1, FREEZE - 1, FREEZE, FREEZE + 2)  # warmup, before the freeze, after it, compressed
+
+
+def optimizer(model: nn.Module, freeze_step: int = FREEZE) -> fn.fsdp.OnebitAdam:
+    return fn.fsdp.OnebitAdam(model, lr=1e-2, freeze_step=freeze_step, weight_decay=0.1)
+
+
+def train_step(model: nn.Module, opt: fn.fsdp.OnebitAdam, rank: int, t: int) -> None:
+    opt.param_groups[0]["lr"] = 1e-2 / t  # a schedule: the resumed run reads it back
+    opt.zero_grad()
+    x, y = batch(rank, t)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def full_momentum(opt: fn.fsdp.OnebitAdam) -> dict[str, torch.Tensor]:
+    """Every param's full momentum from the packed signs of its module (the same on all ranks)."""
+    out = {}
+    for layout in opt._layouts:
+        signs = opt._compressed[layout.name].signs
+        x = signs.values(WORLD * layout.padded_row)
+        like = [slot.param for slot in layout.slots]
+        out.update(zip([s.name for s in layout.slots], from_x(x, like), strict=True))
+    return out
+
+
+def _worker_save(rank: int, world_size: int, root: str) -> dict:
+    model = build()
+    opt = optimizer(model)
+    history, saved = {}, {}
+    for t in range(1, STEPS + 1):
+        train_step(model, opt, rank, t)
+        history[t] = full_params(model)
+        if t in SAVES:
+            fn.fsdp.TrainingCheckpoint(model, opt, step=t).save(os.path.join(root, str(t)))
+        if t == FREEZE:  # the optimizer alone as a DCP Stateful, as torch users save one
+            state = {"model": get_model_state_dict(model), "optim": opt}
+            dcp.save(state, checkpoint_id=os.path.join(root, "stateful"))
+        if t == SAVES[-1]:
+            state = opt.state_dict()
+            saved = dict(
+                momentum=full_momentum(opt),
+                variance={k: v.full_tensor() for k, v in state["exp_avg_sq"].items()},
+            )
+    other = build()
+    adamw = torch.optim.AdamW(other.parameters())
+    fn.fsdp.TrainingCheckpoint(other, adamw).save(os.path.join(root, "adamw"))
+    return dict(history=history, saved=saved)
+
+
+def _refused(model: nn.Module, opt: fn.fsdp.OnebitAdam, path: str) -> tuple[str, bool]:
+    before = full_params(model)
+    try:
+        fn.fsdp.TrainingCheckpoint(model, opt).load(path)
+        message = "loaded"
+    except Exception as error:  # noqa: BLE001 -- the test reports which one
+        message = f"{type(error).__name__}: {error}"
+    after = full_params(model)
+    unchanged = opt.count == 0 and all(torch.equal(before[k], after[k]) for k in before)
+    return message, unchanged
+
+
+def _worker_resume(rank: int, world_size: int, root: str, history: dict) -> dict:
+    mismatches, counts = [], {}
+    for start in SAVES:
+        model = build(seed=1)  # other weights: the load must overwrite them
+        opt = optimizer(model)
+        ckpt = fn.fsdp.TrainingCheckpoint(model, opt)
+        ckpt.load(os.path.join(root, str(start)))
+        counts[start] = (opt.count, ckpt.step, opt.param_groups[0]["lr"])
+        got = full_params(model)
+        mismatches += [(start, k) for k in got if not torch.equal(got[k], history[start][k])]
+        for t in range(start + 1, STEPS + 1):
+            train_step(model, opt, rank, t)
+            got = full_params(model)
+            mismatches += [(t, k) for k in got if not torch.equal(got[k], history[t][k])]
+    model = build(seed=1)
+    opt = optimizer(model)
+    state = {"model": get_model_state_dict(model), "optim": opt}
+    dcp.load(state, checkpoint_id=os.path.join(root, "stateful"))
+    set_model_state_dict(model, state["model"])
+    counts["stateful"] = (opt.count, FREEZE, opt.param_groups[0]["lr"])
+    for t in range(FREEZE + 1, STEPS + 1):
+        train_step(model, opt, rank, t)
+        got = full_params(model)
+        mismatches += [("stateful", t, k) for k in got if not torch.equal(got[k], history[t][k])]
+    refusals = {}
+    compressed = os.path.join(root, str(SAVES[-1]))
+
+    class Wider(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Linear(5, 4)
+            self.head = nn.Linear(4, 2)
+
+    torch.manual_seed(0)
+    wider = Wider()
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world_size,))
+    torch.distributed.fsdp.fully_shard(wider.block, mesh=mesh)
+    torch.distributed.fsdp.fully_shard(wider, mesh=mesh)
+    refusals["model"] = _refused(wider, optimizer(wider), compressed)
+    model = build(seed=1)
+    refusals["settings"] = _refused(model, optimizer(model, freeze_step=4), compressed)
+    model = build(seed=1)
+    refusals["adamw"] = _refused(model, optimizer(model), os.path.join(root, "adamw"))
+    model = build(seed=1)
+    refusals["corrupt"] = _refused(model, optimizer(model), os.path.join(root, "corrupt"))
+    return dict(mismatches=mismatches, counts=counts, refusals=refusals)
+
+
+def _worker_other_world_size(rank: int, world_size: int, root: str) -> dict:
+    model = build(seed=1, world=world_size)
+    opt = optimizer(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn.fsdp.TrainingCheckpoint(model, opt).load(os.path.join(root, str(SAVES[-1])))
+    warned = [str(w.message) for w in caught if "error feedback restarts" in str(w.message)]
+    momentum = {k: m.clone() for k, m in opt._state.exp_avg.items()}
+    variance = {k: v.clone() for k, v in opt._state.exp_avg_sq.items()}
+    count = opt.count
+    for t in range(SAVES[-1] + 1, STEPS + 1):
+        train_step(model, opt, rank, t)
+    params = full_params(model)
+    return dict(warned=warned, momentum=momentum, variance=variance, count=count, params=params)
+
+
+@pytest.mark.timeout(300)
+def test_resumes_bit_for_bit_at_every_phase_and_refuses_mismatches(tmp_path):
+    root = str(tmp_path)
+    saved = run_distributed(_worker_save, WORLD, root, timeout=240)
+    history = saved[0]["history"]
+    for rank in range(WORLD):
+        for t, params in saved[rank]["history"].items():
+            assert all(torch.equal(v, history[t][k]) for k, v in params.items()), (rank, t)
+    corrupt = os.path.join(root, "corrupt")
+    os.makedirs(corrupt)
+    for name in os.listdir(os.path.join(root, str(SAVES[-1]))):
+        with open(os.path.join(root, str(SAVES[-1]), name), "rb") as source:
+            data = source.read()
+        with open(os.path.join(corrupt, name), "wb") as target:
+            target.write(data[: len(data) // 2] if name.endswith(".distcp") else data)
+    results = run_distributed(_worker_resume, WORLD, root, history, timeout=240)
+    for rank, result in enumerate(results):
+        assert result["mismatches"] == [], rank
+        for start in SAVES:
+            assert result["counts"][start] == (start, start, 1e-2 / start)
+        assert result["counts"]["stateful"] == (FREEZE, FREEZE, 1e-2 / FREEZE)
+        refusals = result["refusals"]
+        assert (
+            refusals["model"][0].startswith("ValueError")
+            and "another model" in (refusals["model"][0])
+        )
+        assert (
+            refusals["settings"][0].startswith("ValueError")
+            and "settings" in (refusals["settings"][0])
+        )
+        assert (
+            refusals["adamw"][0].startswith("ValueError") and "OnebitAdam" in (refusals["adamw"][0])
+        )
+        assert refusals["corrupt"][0].startswith("ValueError: cannot read the checkpoint")
+        assert all(unchanged for _, unchanged in refusals.values()), refusals
+
+    (one,) = run_distributed(_worker_other_world_size, 1, root, timeout=240)
+    assert len(one["warned"]) == 1 and one["count"] == SAVES[-1]
+    expected = saved[0]["saved"]
+    for k, m in one["momentum"].items():
+        assert torch.equal(m, expected["momentum"][k]), k
+        assert torch.equal(one["variance"][k], expected["variance"][k]), k
+    assert all(torch.isfinite(v).all() for v in one["params"].values())
