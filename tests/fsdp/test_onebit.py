@@ -279,6 +279,8 @@ def _worker_bad_input(rank: int, world_size: int) -> dict:
     mask = {} if rank == 0 else None  # only rank 0 asks for what is not built
     out["mask on rank 0"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), exp_avg_mask=mask))
     out["fp16 errors"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), error_dtype=torch.float16))
+    auto = "auto" if rank == 0 else 10  # only rank 0 asks for the automatic switch, not built
+    out["auto on rank 0"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), freeze_step=auto))
     out["freeze_step"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), freeze_step=1))
     model = build()
     fn.fsdp.OnebitAdam(model)
@@ -340,6 +342,7 @@ def test_bad_input_is_refused_on_every_rank():
         assert kind == "NotImplementedError"
         assert ("exp_avg_mask" in message) if rank == 0 else ("rank 0" in message)
         assert out["fp16 errors"][0] == "NotImplementedError"
+        assert out["auto on rank 0"][0] == "NotImplementedError", out["auto on rank 0"]
         assert out["freeze_step"][0] == "ValueError" and "freeze_step" in out["freeze_step"][1]
         assert out["second"][0] == "ValueError" and "already" in out["second"][1]
         assert out["lamb"][0] == "NotImplementedError" and "trust ratio" in out["lamb"][1]
