@@ -161,8 +161,7 @@ def _dcp_resume(rank, path):
     fresh.load_state_dict(state["model"])
     after = fresh_opt.state_dict()["state"][0]["functional"]
     same_state = before.keys() == after.keys() and all(
-        before[key] is after[key] is None or torch.equal(before[key], after[key])
-        for key in before
+        before[key] is after[key] is None or torch.equal(before[key], after[key]) for key in before
     )
     _, resumed = train(fresh, fresh_opt, rank, range(k, STEPS))
     return {"same_state": same_state, "full": full[-1], "resumed": resumed[-1]}
