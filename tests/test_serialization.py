@@ -53,6 +53,7 @@ FACTORIES: dict[str, Callable[[], GradientTransformation | CompressedOptimizer]]
     "lamb": lambda: fn.lamb(lr=1e-2, weight_decay=0.1),
     "masked": lambda: fn.masked(fn.adam(lr=1e-2), {"w": True, "b": False}),
     "onebit_adam": _onebit_adam,
+    "onebit_adam_sharded": lambda: fn.transforms.onebit_adam_sharded(lr=1e-2, freeze_step=2),
     "onebit_lamb": _onebit_lamb,
     "scale_by_adam": fn.scale_by_adam,
     "scale_by_learning_rate": lambda: fn.scale_by_learning_rate(lambda count: 1e-2 / (1 + count)),
@@ -72,6 +73,10 @@ FACTORIES: dict[str, Callable[[], GradientTransformation | CompressedOptimizer]]
     "staged(onebit_lamb)": lambda: fn.staged(_onebit_lamb()),
     "staged(zero_one_adam)": lambda: fn.staged(_zero_one_adam()),
     "loco_allreduce(fp32 errors)": lambda: loco_allreduce(comm=Local()),
+    # the state that freeze_step="auto" and exp_avg_mask="auto" decide in (fn.transforms.AutoState)
+    "onebit_adam(auto)": lambda: fn.onebit_adam(
+        lr=1e-2, freeze_step=fn.AutoFreeze(1, 2), exp_avg_mask="auto", comm=Local()
+    ),
 }
 
 

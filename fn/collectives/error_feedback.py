@@ -75,7 +75,7 @@ def error_feedback_leaves(state: PyTree) -> list[bool]:
         >>> import fn
         >>> opt = fn.onebit_adam(lr=1e-3, freeze_step=10, comm=fn.collectives.Local())
         >>> state = opt.init({"w": torch.zeros(3)})
-        >>> fn.collectives.error_feedback_leaves(state)
-        [False, False, False, False, True, True]
+        >>> fn.collectives.error_feedback_leaves(state)  # count, lr, m, v, the errors, auto
+        [False, False, False, False, True, True, False]
     """
     return pytree.tree_leaves(_mark(state, False))
