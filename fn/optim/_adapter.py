@@ -279,7 +279,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             RuntimeError: a param no longer lives in the flat buffer, or a param frozen when its
                 group was built now requires a gradient. Nothing was changed.
         """
-        return self._eager_step(closure)
+        if torch.compiler.is_compiling():  # dynamo traces this: break the graph here
+            return self._eager_step(closure)
+        return self._step(closure)  # eager: without the wrapper's per-call cost
 
     @torch.no_grad()
     def _step(self, closure: Callable[[], Any] | None) -> Any:
@@ -297,12 +299,12 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             self.check_consistency()
             self._start_checked = True
         plans = self._plans()
-        unusable = [
-            f"param group {index}: {why}"
-            for index, runtime in enumerate(self._groups)
-            if (why := runtime.flat.unusable_grad()) is not None
-        ]
         grads = [runtime.flat.gather_grads() for runtime in self._groups]
+        unusable = [
+            f"param group {index}: {runtime.flat.unusable}"
+            for index, runtime in enumerate(self._groups)
+            if runtime.flat.unusable is not None
+        ]
         if self._averaging_unchecked:
             self._averaging_unchecked = False
             warn_if_averaged(self, grads)

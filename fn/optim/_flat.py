@@ -76,6 +76,8 @@ class FlatGroup:
                 p.data = _alias(view)
         self.master = self.model.float() if dtype in _LOW_PRECISION else self.model
         self._grads: torch.Tensor | None = None  # [n] in the master's dtype: gather_grads
+        # why the last gather_grads could not take this rank's gradients (a sparse one), or None
+        self.unusable: str | None = None
         self._grad_views: list[torch.Tensor] | None = None
         self._ptrs = [p.data_ptr() for p in params]
 
@@ -101,33 +103,29 @@ class FlatGroup:
         gradient buffer, allocated once and rewritten by every call (the optimizer donates it
         to the update as the updates' buffer; see :meth:`release_grads`).
 
-        A param whose ``.grad`` is ``None`` contributes zeros. Call :meth:`unusable_grad` first:
-        a gradient it names is not copied.
+        A param whose ``.grad`` is ``None`` contributes zeros, and so does one whose gradient is
+        not dense: :attr:`unusable` then says why (a check on this rank alone, which the adapter
+        agrees on with the other ranks before it raises, so that no rank waits in a collective).
         """
         if self._grads is None:
             self._grads = torch.empty(
                 self.numel, dtype=self.master.dtype, device=self.master.device
             )
             self._grad_views = self.views(self._grads)
-        for p, view in zip(self.params, self._grad_views, strict=True):
+        self.unusable = None
+        for index, (p, view) in enumerate(zip(self.params, self._grad_views, strict=True)):
             g = p.grad
-            if g is None or g.layout != torch.strided:
+            if g is None:
                 view.zero_()
+            elif g.layout != torch.strided:
+                view.zero_()
+                self.unusable = self.unusable or (
+                    f"param {index} of shape {tuple(p.shape)} has a {g.layout} gradient; "
+                    "fn.optim takes dense gradients only (e.g. nn.Embedding(sparse=False))"
+                )
             else:
                 view.copy_(g)
         return self._grads
-
-    def unusable_grad(self) -> str | None:
-        """Why this rank's gradients cannot be gathered (a sparse gradient, naming its param's
-        index and shape), or ``None``: a check on this rank alone, which the adapter agrees on
-        with the other ranks before it raises (so that no rank waits in a collective)."""
-        for index, p in enumerate(self.params):
-            if p.grad is not None and p.grad.layout != torch.strided:
-                return (
-                    f"param {index} of shape {tuple(p.shape)} has a {p.grad.layout} gradient; "
-                    "fn.optim takes dense gradients only (e.g. nn.Embedding(sparse=False))"
-                )
-        return None
 
     @property
     def grads(self) -> torch.Tensor | None:
