@@ -5,8 +5,9 @@
   :class:`LocoReduceScatterHandle`, whose ``state_dict`` holds every rank's error feedback.
 - :func:`quantized_all_gather` sends the parameter all-gathers in 8-bit groups (ZeRO++ qwZ)
   through :class:`QuantizedAllGather`.
-- :class:`OnebitAdam` is 1-bit Adam over FSDP2's shards: its 1-bit allreduce of the momentum
-  runs inside every module's reduce-scatter (:class:`OnebitLamb` is not built yet).
+- :class:`OnebitAdam` and :class:`OnebitLamb` are 1-bit Adam and 1-bit LAMB over FSDP2's
+  shards: their 1-bit allreduce of the momentum runs inside every module's reduce-scatter
+  (:class:`ShardedOnebitOptimizer` is what they share).
 - :class:`TrainingCheckpoint` saves and restores model, optimizer and that handle with
   ``torch.distributed.checkpoint``.
 """
@@ -14,7 +15,8 @@
 from fn.fsdp.all_gather import QuantizedAllGather, quantized_all_gather
 from fn.fsdp.checkpoint import TrainingCheckpoint
 from fn.fsdp.loco import LocoReduceScatterHandle, loco_reduce_scatter
-from fn.fsdp.onebit import OnebitAdam, OnebitLamb
+from fn.fsdp.onebit import OnebitAdam, ShardedOnebitOptimizer
+from fn.fsdp.onebit_lamb import OnebitLamb
 from fn.fsdp.reduce_scatter import CommCache, QuantizedReduceScatter, reduce_scale
 
 __all__ = [
@@ -28,4 +30,5 @@ __all__ = [
     "TrainingCheckpoint",
     "OnebitAdam",
     "OnebitLamb",
+    "ShardedOnebitOptimizer",
 ]

@@ -5,7 +5,7 @@ dicts (``torch.distributed.checkpoint.state_dict.get_state_dict``): every rank w
 shards. fn's error feedback is per rank too; a :class:`~fn.fsdp.LocoReduceScatterHandle` keys it
 by rank, so the same ``dcp.save`` / ``dcp.load`` carries it. Resuming needs the same world size
 and model: the error feedback of one rank means nothing to another. An
-:class:`~fn.fsdp.OnebitAdam` saves its own state dict (its shards, its packed momentum once, each
+:class:`~fn.fsdp.OnebitAdam` (and :class:`~fn.fsdp.OnebitLamb`) saves its own state dict (its shards, its packed momentum once, each
 rank's errors under that rank's name); its checkpoints load at any update, and at another world
 size with the error feedback reset.
 """
@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fn.fsdp.loco import LocoReduceScatterHandle
-from fn.fsdp.onebit import OnebitAdam
+from fn.fsdp.onebit import ShardedOnebitOptimizer
 
 __all__ = ["TrainingCheckpoint"]
 
@@ -73,8 +73,8 @@ class TrainingCheckpoint:
 
     def state_dict(self) -> dict[str, Any]:
         """``{"model", "optim", "step"[, "loco"]}``: sharded model and optimizer state dicts
-        (an :class:`~fn.fsdp.OnebitAdam`'s own ``state_dict()``)."""
-        if isinstance(self.optimizer, OnebitAdam):
+        (a :class:`~fn.fsdp.ShardedOnebitOptimizer`'s own ``state_dict()``)."""
+        if isinstance(self.optimizer, ShardedOnebitOptimizer):
             model_state, optim_state = get_model_state_dict(self.model), self.optimizer.state_dict()
         else:
             model_state, optim_state = get_state_dict(self.model, self.optimizer)
@@ -89,7 +89,7 @@ class TrainingCheckpoint:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores :meth:`state_dict`'s output into the model, optimizer and handle."""
-        if isinstance(self.optimizer, OnebitAdam):
+        if isinstance(self.optimizer, ShardedOnebitOptimizer):
             self.optimizer.load_state_dict(state_dict["optim"])  # checks before it changes
             set_model_state_dict(self.model, state_dict["model"])
         else:
@@ -110,16 +110,16 @@ class TrainingCheckpoint:
     def load(self, path: str | os.PathLike) -> None:
         """Restores everything from the checkpoint directory ``path`` (collective).
 
-        For an :class:`~fn.fsdp.OnebitAdam` it reads the optimizer's header first and the rest
+        For a :class:`~fn.fsdp.ShardedOnebitOptimizer` it reads the optimizer's header first and the rest
         into new tensors laid out as saved, then restores them: a checkpoint of another model
         or other settings, or one that cannot be read, raises on every rank with nothing
         changed.
 
         Raises:
-            ValueError: (``OnebitAdam``) the checkpoint does not match the model or optimizer,
+            ValueError: (a ``ShardedOnebitOptimizer``) the checkpoint does not match the model or optimizer,
                 or cannot be read.
         """
-        if not isinstance(self.optimizer, OnebitAdam):
+        if not isinstance(self.optimizer, ShardedOnebitOptimizer):
             dcp.load({"training": self}, checkpoint_id=path)
             return
         prefix = "training.optim."
@@ -131,7 +131,7 @@ class TrainingCheckpoint:
         }
         if "header" not in saved:
             raise ValueError(
-                f"{os.fspath(path)} holds no fn.fsdp.OnebitAdam state (saved with another "
+                f"{os.fspath(path)} holds no state of {self.optimizer.name} (saved with another "
                 "optimizer?); nothing was loaded"
             )
         header = torch.zeros(saved["header"], dtype=torch.int64)

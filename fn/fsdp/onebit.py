@@ -1,12 +1,14 @@
-"""``OnebitAdam``: 1-bit Adam on a model sharded by FSDP2, its 1-bit allreduce inside the
-reduce-scatter of every FSDP2 module.
+"""1-bit Adam and 1-bit LAMB on a model sharded by FSDP2, the 1-bit allreduce of the momentum
+inside the reduce-scatter of every FSDP2 module: :class:`ShardedOnebitOptimizer` (the
+machinery) and :class:`OnebitAdam` (``fn.fsdp.onebit_lamb`` has :class:`~fn.fsdp.OnebitLamb`).
 
 Each FSDP2 module's gradients are one vector ``X`` in FSDP2's layout (``W`` rows, row ``j`` rank
 ``j``'s shard, each padded to a multiple of ``lcm(W, 8)``), so that chunk ``j`` of
 ``fn.collectives.compressed_allreduce`` is rank ``j``'s shard. Warmup updates reduce-scatter
 densely; compressed ones run the collective's phases on the momentum inside the reduce-scatter
 and keep it, full size, as its packed signs. ``step()`` then runs the per-leaf rule of
-``fn.onebit_adam`` on every shard (``fn.transforms.onebit_adam_sharded``). The rule, the
+``fn.onebit_adam`` (or ``fn.onebit_lamb``) on every shard
+(``fn.transforms.onebit_adam_sharded``, ``onebit_lamb_sharded``). The rule, the
 buffers each rank holds and the bytes it sends are in docs/algorithms.md, "1-bit Adam and 1-bit
 LAMB on FSDP2".
 """
@@ -28,7 +30,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import (
 )  # torch exports no public name
 from torch.distributed.tensor import DTensor, Shard
 
-from fn.base import apply_updates, set_hyperparams
+from fn.base import CompressedOptimizer, apply_updates, set_hyperparams
 from fn.collectives import (
     Local,
     PackedSigns,
@@ -36,15 +38,19 @@ from fn.collectives import (
     check_error_dtype,
     init_error_feedback,
 )
-from fn.collectives.onebit import compressed_allreduce_exchange, write_errors
+from fn.collectives.onebit import (
+    CompressedExchange,
+    compressed_allreduce_exchange,
+    write_errors,
+)
 from fn.errors import NonFiniteError
 from fn.fsdp.loco import ROOT
 from fn.fsdp.reduce_scatter import CommCache, reduce_scale
 from fn.transforms import onebit_adam, onebit_adam_sharded
 
-__all__ = ["OnebitAdam", "OnebitLamb"]
+__all__ = ["OnebitAdam", "ShardedOnebitOptimizer"]
 
-_FORMAT = 1  # the layout of OnebitAdam.state_dict()
+_FORMAT = 1  # the layout of ShardedOnebitOptimizer.state_dict()
 
 # The FSDP2 modules that carry an fn.fsdp optimizer's reduce-scatter, and that optimizer.
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
@@ -117,10 +123,11 @@ class _Compressed:
 
 
 class OnebitReduceScatter(ReduceScatter):
-    """The reduce-scatter of one FSDP2 module under :class:`OnebitAdam` (installed by it):
-    dense in the warmup, the 1-bit allreduce of the momentum once compressed."""
+    """The reduce-scatter of one FSDP2 module under a :class:`ShardedOnebitOptimizer`
+    (installed by it): dense in the warmup, the 1-bit allreduce of the momentum once
+    compressed."""
 
-    def __init__(self, optimizer: OnebitAdam, layout: ModuleLayout) -> None:
+    def __init__(self, optimizer: ShardedOnebitOptimizer, layout: ModuleLayout) -> None:
         self.optimizer = optimizer
         self.layout = layout
 
@@ -138,11 +145,512 @@ class OnebitReduceScatter(ReduceScatter):
     ) -> None:
         """Writes this rank's shard into ``output_tensor`` (see :class:`OnebitAdam`)."""
         if async_op:
-            raise NotImplementedError("fn.fsdp.OnebitAdam reduce-scatters synchronously")
+            raise NotImplementedError(f"{self.optimizer.name} reduce-scatters synchronously")
         self.optimizer._reduce_scatter(self.layout, output_tensor, input_tensor, group, op)
 
 
-class OnebitAdam(torch.optim.Optimizer):
+class ShardedOnebitOptimizer(torch.optim.Optimizer):
+    """What the 1-bit optimizers on FSDP2 share (:class:`OnebitAdam`,
+    :class:`~fn.fsdp.OnebitLamb`): the model's FSDP2 modules and their layouts, the
+    reduce-scatter installed on each (dense in the warmup, the 1-bit allreduce of the momentum
+    once compressed), ``step()`` on the shards, the checks across ranks and the DCP state dict.
+
+    A subclass gives the rule (``fn.transforms``' sharded rule, and the rule with one rank),
+    what each module's compressed vector is (:meth:`_exchange`) and its further state fields.
+    It is constructed through a subclass, whose arguments are those of :class:`OnebitAdam`.
+    """
+
+    # The compressed phase keeps the momentum's fp32 shards in the state (the rule reads the
+    # momentum before the update); else only the packed signs hold it.
+    keeps_momentum_shards = False
+    scalar_fields: tuple[str, ...] = ()  # the rule's per-param 0-dim fields (same on all ranks)
+    optional_fields: tuple[str, ...] = ()  # the rule's further per-param shards, maybe None
+
+    def __init__(
+        self,
+        model: nn.Module,
+        settings: dict[str, Any],
+        *,
+        non_freeze: bool,
+        exp_avg_mask: Any,
+        nonfinite: str,
+        local_world_size: int | None,
+        error_dtype: torch.dtype,
+    ) -> None:
+        self.name = f"fn.fsdp.{type(self).__name__}"
+        found = _modules(model)
+        group = found[0][1][0][1].device_mesh.get_group(0) if found and _one_dim(found) else None
+        problem = _problem(model, found, non_freeze, exp_avg_mask, nonfinite, local_world_size)
+        if problem is None:
+            problem = self._bad_settings(settings, error_dtype)
+        fingerprint = repr(
+            (settings, non_freeze, exp_avg_mask is None, nonfinite, local_world_size,
+             str(error_dtype), [(m, [(n, tuple(p.shape)) for n, p in ps]) for m, ps in found])
+        )  # fmt: skip
+        _agree(self.name, group, problem, fingerprint)
+        self._comms = CommCache(None)
+        self.comm = self._comms(group)
+        world_size = self.comm.world_size
+        self.error_dtype = error_dtype
+        self.rank = dist.get_rank(group)
+        self._layouts = [module_layout(name, params, world_size) for name, params in found]
+        self._compressed = {layout.name: _Compressed() for layout in self._layouts}
+        self._b1 = float(settings["betas"][0])
+        params = [slot.param for layout in self._layouts for slot in layout.slots]
+        super().__init__(params, dict(settings))
+        if world_size > 1:
+            self._rule = self._make_rule(settings, self.comm)
+        else:
+            self._rule = self._single_rank_rule(settings, error_dtype)
+        self._state = self._rule.init(self._shards())
+        for name, module in model.named_modules():
+            layout = next((x for x in self._layouts if x.name == (name or ROOT)), None)
+            if layout is not None:
+                module.set_custom_reduce_scatter(OnebitReduceScatter(self, layout))
+                _INSTALLED[module] = self
+
+    @property
+    def count(self) -> int:
+        """The number of updates made."""
+        return int(self._state.count)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has sent through fn's communicators (reduce-scatters, the freeze's
+        all-gathers and the checks; FSDP2's parameter all-gathers are not counted)."""
+        return self._comms.bytes_sent
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state as a ``torch.distributed.checkpoint`` (DCP) state dict, in one
+        layout at every update (DCP loads in place into a layout fixed before it reads).
+
+        ``{"header", "lr", "signed", "exp_avg", "exp_avg_sq", "momentum", "rank<r>"}``:
+        ``header`` (int64: format, world size, updates made, checksums of the model's layout
+        and of the settings); ``lr`` (``param_groups[0]["lr"]``); ``signed`` (int8 per module:
+        whether its momentum is kept as packed signs); ``exp_avg`` and ``exp_avg_sq`` by param
+        FQN, DTensors of the shards (``exp_avg``: zeros where the momentum is packed);
+        ``momentum`` by module, the packed signs and scales of its full momentum (zeros before
+        the freeze; the same on every rank, so DCP saves them once); and under ``rank<r>``, a
+        name of this rank's own, by module its worker and server errors (zeros before the
+        first compressed update; DCP would keep one rank's copy of a name every rank saves).
+        A subclass's further per-param fields come by field name: its ``scalar_fields`` (0-dim,
+        the same on every rank) and its ``optional_fields`` (DTensors of the shards, zeros
+        where ``None``, with ``"<field>_held"``: int8 per param, whether it holds a tensor).
+        :class:`~fn.fsdp.TrainingCheckpoint` saves it, and loads it at any world size, checked
+        before anything changes; ``dcp.load`` straight into it works at the same world size.
+
+        Returns:
+            A dict of tensors: the state's own where it holds them, zeros where it does not.
+        """
+        world_size = self.comm.world_size
+        signed = [self._compressed[x.name].signs is not None for x in self._layouts]
+        mine: dict[str, dict[str, torch.Tensor]] = {}
+        state: dict[str, Any] = {
+            "header": self._header(),
+            "lr": torch.tensor(float(self.param_groups[0]["lr"]), dtype=torch.float64),
+            "signed": torch.tensor(signed, dtype=torch.int8),
+            "exp_avg": {},
+            "exp_avg_sq": {},
+            "momentum": {},
+            f"rank{self.rank}": mine,
+        }
+        for layout in self._layouts:
+            for slot in layout.slots:
+                m = self._state.exp_avg[slot.name]
+                m = m if isinstance(m, torch.Tensor) else torch.zeros(0)
+                state["exp_avg"][slot.name] = _shard_of(m, slot.param)
+                v = self._state.exp_avg_sq[slot.name]
+                state["exp_avg_sq"][slot.name] = _shard_of(v, slot.param)
+            held = self._compressed[layout.name]
+            signs = held.signs or PackedSigns(
+                torch.zeros(world_size, layout.padded_row // 8, dtype=torch.uint8),
+                torch.zeros(world_size),
+            )
+            state["momentum"][layout.name] = {"packed": signs.packed, "scales": signs.scales}
+            errors = held.errors or init_error_feedback(
+                world_size * layout.padded_row, comm=self.comm, dtype=self.error_dtype
+            )
+            mine[layout.name] = {"worker": errors[0], "server": errors[1]}
+        slots = [slot for layout in self._layouts for slot in layout.slots]
+        for field in self.scalar_fields:
+            state[field] = {slot.name: getattr(self._state, field)[slot.name] for slot in slots}
+        for field in self.optional_fields:
+            values = [getattr(self._state, field)[slot.name] for slot in slots]
+            state[f"{field}_held"] = torch.tensor([x is not None for x in values], dtype=torch.int8)
+            state[field] = {
+                slot.name: _shard_of(torch.zeros(0) if x is None else x, slot.param)
+                for slot, x in zip(slots, values, strict=True)
+            }
+        return state
+
+    def checkpoint_template(
+        self, header: torch.Tensor, saved: dict[str, torch.Size]
+    ) -> dict[str, Any]:
+        """The state dict that DCP loads a checkpoint of :meth:`state_dict` into: new tensors
+        laid out as saved (this rank's errors only if the world size is the same).
+
+        Args:
+            header: the checkpoint's ``header`` (loaded first).
+            saved: the checkpoint's optimizer keys, flat (``"exp_avg.block.weight"``), and
+                their sizes (from the checkpoint's metadata).
+
+        Returns:
+            A dict of the form of :meth:`state_dict`, to pass to ``dcp.load``.
+
+        Raises:
+            ValueError: the header does not match this model or these settings, or a key is
+                missing (nothing was loaded).
+        """
+        world_size, _ = self._checked_header(header)
+        own = f"rank{self.rank}"
+        needed = ["lr", "signed"]
+        for layout in self._layouts:
+            needed += [f"momentum.{layout.name}.{k}" for k in ("packed", "scales")]
+            if world_size == self.comm.world_size:
+                needed += [f"{own}.{layout.name}.{k}" for k in ("worker", "server")]
+            fields = ("exp_avg", "exp_avg_sq", *self.scalar_fields, *self.optional_fields)
+            needed += [f"{f}.{s.name}" for s in layout.slots for f in fields]
+        needed += [f"{field}_held" for field in self.optional_fields]
+        missing = [key for key in needed if key not in saved]
+        if missing:
+            raise ValueError(
+                f"{self.name}: the checkpoint has no {missing[:4]}; nothing was loaded"
+            )
+
+        def new(key: str, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(saved[key], dtype=dtype)
+
+        template: dict[str, Any] = {
+            "header": header.clone(),
+            "lr": new("lr", torch.float64),
+            "signed": new("signed", torch.int8),
+            "exp_avg": {},
+            "exp_avg_sq": {},
+            "momentum": {},
+        }
+        for layout in self._layouts:
+            template["momentum"][layout.name] = {
+                k: new(f"momentum.{layout.name}.{k}", dtype)
+                for k, dtype in (("packed", torch.uint8), ("scales", torch.float32))
+            }
+            for slot in layout.slots:
+                for field in ("exp_avg", "exp_avg_sq", *self.optional_fields):
+                    shard = _shard_of(torch.zeros(0), slot.param)
+                    template.setdefault(field, {})[slot.name] = shard
+                for field in self.scalar_fields:
+                    key = f"{field}.{slot.name}"
+                    template.setdefault(field, {})[slot.name] = new(key, torch.float32)
+        for field in self.optional_fields:
+            template[f"{field}_held"] = new(f"{field}_held", torch.int8)
+        if world_size == self.comm.world_size:
+            template[own] = {
+                x.name: {
+                    k: new(f"{own}.{x.name}.{k}", self.error_dtype) for k in ("worker", "server")
+                }
+                for x in self._layouts
+            }
+        return template
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores a :meth:`state_dict` (as :meth:`state_dict` or :meth:`checkpoint_template`
+        lays it out).
+
+        Saved at this world size, the state continues bit for bit. Saved at another one, the
+        momentum is read back exactly into this world size's layout, and the error feedback
+        (which compensated the old layout's compression) restarts from zero with a warning.
+
+        Raises:
+            ValueError: the checkpoint is of another model or other settings; nothing was
+                changed.
+        """
+        world_size, count = self._checked_header(state_dict["header"])
+        same = world_size == self.comm.world_size
+        signed = [bool(x) for x in state_dict["signed"].tolist()]
+        if len(signed) != len(self._layouts):
+            raise ValueError(f"{self.name}: corrupt checkpoint: signed = {signed}")
+        own = state_dict.get(f"rank{self.rank}", {}) if same else {}
+        exp_avg, exp_avg_sq, compressed = {}, {}, {}
+        for layout, packed in zip(self._layouts, signed, strict=True):
+            held = _Compressed()
+            for slot in layout.slots:
+                exp_avg_sq[slot.name] = _local(state_dict["exp_avg_sq"][slot.name]).clone()
+                m = _local(state_dict["exp_avg"][slot.name]).clone()
+                exp_avg[slot.name] = None if packed and not self.keeps_momentum_shards else m
+            if packed:
+                signs = state_dict["momentum"][layout.name]
+                held.signs = PackedSigns(signs["packed"].clone(), signs["scales"].clone())
+                if same:
+                    errors = own[layout.name]
+                    held.errors = (errors["worker"].clone(), errors["server"].clone())
+                else:  # the shards' momentum, in this world size's layout
+                    if not self.keeps_momentum_shards:  # (else DCP resharded exp_avg)
+                        slots = [(s.name, s.param) for s in layout.slots]
+                        old = module_layout(layout.name, slots, world_size)
+                        world, rank = self.comm.world_size, self.rank
+                        exp_avg.update(_momentum_from_signs(old, held.signs, world, rank))
+                    held.signs = None
+            compressed[layout.name] = held
+        if not same and any(signed):
+            warnings.warn(
+                f"{self.name}: checkpoint saved at world size {world_size}, loaded at "
+                f"{self.comm.world_size}: the error feedback restarts from zero (the momentum "
+                "is kept)",
+                stacklevel=2,
+            )
+        names = [slot.name for layout in self._layouts for slot in layout.slots]
+        extra = {
+            field: {k: state_dict[field][k].clone() for k in names} for field in self.scalar_fields
+        }
+        for field in self.optional_fields:
+            held_by = [bool(x) for x in state_dict[f"{field}_held"].tolist()]
+            values = [_local(state_dict[field][k]).clone() for k in names]
+            extra[field] = {
+                k: x if kept else None for k, x, kept in zip(names, values, held_by, strict=True)
+            }
+        self.param_groups[0]["lr"] = float(state_dict["lr"])
+        self._state = self._state._replace(
+            count=torch.tensor(count, dtype=torch.int64),
+            lr=torch.tensor(float(state_dict["lr"]), dtype=torch.float32),
+            exp_avg=exp_avg,
+            exp_avg_sq=exp_avg_sq,
+            **extra,
+        )
+        self._compressed = compressed
+
+    def _header(self) -> torch.Tensor:
+        """``[format, world size, updates made, crc of the layout, crc of the settings]``."""
+        return torch.tensor(
+            [_FORMAT, self.comm.world_size, self.count, *self._fingerprints()], dtype=torch.int64
+        )
+
+    def _fingerprints(self) -> tuple[int, int]:
+        layout = repr(
+            [(x.name, [(s.name, tuple(s.param.shape)) for s in x.slots]) for x in self._layouts]
+        )
+        group = self.param_groups[0]
+        fixed = {k: group[k] for k in sorted(group) if k not in ("params", "lr")}
+        settings = repr((fixed, str(self.error_dtype)))
+        return zlib.crc32(layout.encode()), zlib.crc32(settings.encode())
+
+    def _checked_header(self, header: torch.Tensor) -> tuple[int, int]:
+        """The checkpoint's world size and update count, or ``ValueError`` if it is not a
+        checkpoint of this model and these settings."""
+        values = header.tolist()
+        if len(values) != 5 or values[0] != _FORMAT:
+            raise ValueError(
+                f"{self.name}: not a checkpoint of this format (header {values}); "
+                "nothing was loaded"
+            )
+        _, world_size, count, layout, settings = values
+        layout_now, settings_now = self._fingerprints()
+        if layout != layout_now:
+            raise ValueError(
+                f"{self.name}: the checkpoint is of another model (its FSDP2 modules, "
+                "params or shapes differ); nothing was loaded"
+            )
+        if settings != settings_now:
+            raise ValueError(
+                f"{self.name}: the checkpoint was saved with other settings (its "
+                "hyperparameters or error_dtype); nothing was loaded"
+            )
+        if world_size < 1 or count < 0:
+            raise ValueError(f"{self.name}: corrupt checkpoint header {values}")
+        return world_size, count
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One update of every param shard (see the class docstring).
+
+        Raises:
+            fn.NonFiniteError: on every rank, if a gradient on some rank is not finite;
+                no param and no ``v`` changed.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t = self.count + 1
+        compressed = self.comm.world_size > 1 and self._rule.is_compressed(t)
+        params = self._shards()
+        if compressed:
+            inputs = self._momentum_shards(t)
+        else:
+            inputs = {
+                slot.name: None if slot.param.grad is None else _local(slot.param.grad)
+                for layout in self._layouts
+                for slot in layout.slots
+            }
+            self._check_finite(inputs)
+        state = set_hyperparams(self._state, lr=self.param_groups[0]["lr"])
+        updates, state = self._rule.update(inputs, state, params, step=t)
+        apply_updates(params, updates, donate=True)
+        if compressed and not self.keeps_momentum_shards:  # it lives in the packed signs
+            exp_avg = {k: None if inputs[k] is not None else m for k, m in state.exp_avg.items()}
+            state = state._replace(exp_avg=exp_avg)
+        self._state = state
+        return loss
+
+    def _shards(self) -> dict[str, torch.Tensor]:
+        """This rank's shard of every param, by FQN."""
+        return {slot.name: _local(slot.param) for x in self._layouts for slot in x.slots}
+
+    def _momentum_shards(self, t: int) -> dict[str, torch.Tensor | None]:
+        """Every param's shard of its module's new momentum, read exactly from the packed signs
+        (``None`` for the params of a module whose reduce-scatter did not run for update
+        ``t``)."""
+        if any(self._compressed[x.name].nonfinite for x in self._layouts):
+            for x in self._layouts:
+                self._compressed[x.name].nonfinite = False
+            raise NonFiniteError(
+                f"{self.name}: non-finite values in the momentum of some rank (its local "
+                "gradient); no param changed (the modules reduce-scattered before it in this "
+                "backward have advanced their momentum and errors)"
+            )
+        shards: dict[str, torch.Tensor | None] = {}
+        for layout in self._layouts:
+            held = self._compressed[layout.name]
+            row = None
+            if held.reduced_at == t:
+                rank = slice(self.rank, self.rank + 1)
+                signs = PackedSigns(held.signs.packed[rank], held.signs.scales[rank])
+                row = signs.values(layout.padded_row)
+            for slot in layout.slots:
+                local = _local(slot.param)
+                piece = None if row is None else row[slot.offset : slot.offset + local.numel()]
+                shards[slot.name] = None if piece is None else piece.view(local.shape)
+        return shards
+
+    def _check_finite(self, grads: dict[str, torch.Tensor | None]) -> None:
+        """Raises ``NonFiniteError`` on every rank if some rank's gradient shard is not
+        finite (one allreduce of one value)."""
+        bad = sum(int(not bool(g.isfinite().all())) for g in grads.values() if g is not None)
+        if self.comm.world_size > 1:
+            bad = int(self.comm.all_reduce(torch.tensor([float(bad)]), "sum").item())
+        if bad:
+            raise NonFiniteError(
+                f"{self.name}: non-finite values in the averaged gradient (on some rank); "
+                "nothing was updated"
+            )
+
+    def _reduce_scatter(
+        self,
+        layout: ModuleLayout,
+        output: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+    ) -> None:
+        """The reduce-scatter of one module (:class:`OnebitReduceScatter`)."""
+        comm = self._comms(group)
+        world_size = comm.world_size
+        if input_tensor.numel() != world_size * layout.row:
+            raise NotImplementedError(
+                f"{self.name}: module {layout.name} reduce-scatters "
+                f"{input_tensor.numel()} values, not the {world_size * layout.row} of all its "
+                "trainable params: a param without a gradient in FSDP2's reduce-scatter is not "
+                "supported yet"
+            )
+        rows = input_tensor.view(world_size, layout.row)
+        t = self.count + 1
+        if not self._rule.is_compressed(t):
+            output.copy_(_dense_reduce_scatter(comm, rows, op))
+            return
+        held = self._compressed[layout.name]
+        if held.reduced_at == t:
+            raise RuntimeError(
+                f"{self.name}: module {layout.name} was reduce-scattered twice before "
+                "step(); accumulate gradients with set_requires_gradient_sync(False)"
+            )
+        held.reduced_at = t
+        momentum = self._previous_momentum(layout, held, comm, input_tensor.device)
+        if layout.padded_row == layout.row and input_tensor.dtype == torch.float32:
+            grad = input_tensor.view(-1)
+        else:
+            grad = torch.zeros_like(momentum)
+            grad.view(world_size, layout.padded_row)[:, : layout.row] = rows
+        if held.errors is None:
+            held.errors = tuple(
+                init_error_feedback(
+                    momentum.numel(), comm=comm, device=momentum.device, dtype=self.error_dtype
+                )
+            )
+        try:
+            exchange = self._exchange(layout, held, comm, momentum, grad)
+        except NonFiniteError:  # raised on every rank, before anything was written
+            held.nonfinite = True
+            output.fill_(torch.nan)
+            return
+        if exchange is None:  # not on this path's tensors (e.g. under torch.compile)
+            raise NotImplementedError(
+                f"{self.name}: the 1-bit exchange runs eagerly on contiguous fp32 "
+                "tensors with fp32 or bf16 errors only"
+            )
+        write_errors(exchange, *held.errors)
+        held.signs = PackedSigns(exchange.packed, exchange.scales)
+        rank = slice(self.rank, self.rank + 1)
+        mine = PackedSigns(exchange.packed[rank], exchange.scales[rank])
+        shard = mine.values(layout.row).mul_(reduce_scale(op, world_size))
+        output.copy_(shard)
+
+    def _previous_momentum(
+        self, layout: ModuleLayout, held: _Compressed, comm: ProcessGroup, device: torch.device
+    ) -> torch.Tensor:
+        """The module's momentum before this update, flat in the layout of ``X``, zero at its
+        padding positions: unpacked from its signs, or at the freeze all-gathered from the
+        shards' warmup momentum."""
+        world_size = comm.world_size
+        if held.signs is None:
+            row = torch.zeros(layout.padded_row, device=device)
+            for slot in layout.slots:
+                m = self._state.exp_avg[slot.name]
+                row[slot.offset : slot.offset + m.numel()] = m.reshape(-1)
+            return comm.all_gather(row).view(-1)
+        momentum = held.signs.values(world_size * layout.padded_row).clone()
+        for start, stop in layout.padding(world_size):
+            momentum[start:stop] = 0.0
+        return momentum
+
+    def _exchange(
+        self,
+        layout: ModuleLayout,
+        held: _Compressed,
+        comm: ProcessGroup,
+        momentum: torch.Tensor,
+        grad: torch.Tensor,
+    ) -> CompressedExchange | None:
+        """The 1-bit exchange of one module's compressed vector, from its momentum before
+        this update (:meth:`_previous_momentum`) and this rank's gradient, both flat in the
+        layout of ``X`` (``fn.collectives.onebit.compressed_allreduce_exchange``)."""
+        raise NotImplementedError
+
+    def _make_rule(self, settings: dict[str, Any], comm: Any) -> CompressedOptimizer:
+        """The rule on the shards, its norms (if any) over ``comm``."""
+        raise NotImplementedError
+
+    def _single_rank_rule(
+        self, settings: dict[str, Any], error_dtype: torch.dtype
+    ) -> CompressedOptimizer:
+        """The rule with one rank (FSDP2 calls no reduce-scatter: nothing to compress)."""
+        raise NotImplementedError
+
+    def _bad_settings(
+        self, settings: dict[str, Any], error_dtype: torch.dtype
+    ) -> tuple[type[Exception], str] | None:
+        """The rule's own checks of the hyperparameters, as a problem."""
+        try:
+            check_error_dtype(self.name, error_dtype)
+            self._make_rule(settings, Local())
+        except (ValueError, NotImplementedError) as error:  # e.g. freeze_step="auto", not built
+            return type(error), str(error)
+        if error_dtype == torch.float16:
+            return NotImplementedError, (
+                "error_dtype=torch.float16 is not supported yet on FSDP2: the in-place 1-bit "
+                "exchange takes fp32 and bf16 errors"
+            )
+        return None
+
+
+class OnebitAdam(ShardedOnebitOptimizer):
     """1-bit Adam (``fn.onebit_adam``) over a model sharded by FSDP2 (``fully_shard``).
 
     A ``torch.optim.Optimizer`` over the model's trainable params (DTensor shards, one param
@@ -231,423 +739,36 @@ class OnebitAdam(torch.optim.Optimizer):
             lr=lr, freeze_step=freeze_step, betas=tuple(betas), eps=eps,
             weight_decay=weight_decay, safeguard=safeguard,
         )  # fmt: skip
-        found = _modules(model)
-        group = found[0][1][0][1].device_mesh.get_group(0) if found and _one_dim(found) else None
-        problem = _problem(model, found, non_freeze, exp_avg_mask, nonfinite, local_world_size)
-        if problem is None:
-            problem = _bad_settings(settings, error_dtype)
-        fingerprint = repr(
-            (settings, non_freeze, exp_avg_mask is None, nonfinite, local_world_size,
-             str(error_dtype), [(m, [(n, tuple(p.shape)) for n, p in ps]) for m, ps in found])
-        )  # fmt: skip
-        _agree(group, problem, fingerprint)
-        self._comms = CommCache(None)
-        self.comm = self._comms(group)
-        world_size = self.comm.world_size
-        self.error_dtype = error_dtype
-        self.rank = dist.get_rank(group)
-        self._layouts = [module_layout(name, params, world_size) for name, params in found]
-        self._compressed = {layout.name: _Compressed() for layout in self._layouts}
-        self._b1 = float(betas[0])
-        params = [slot.param for layout in self._layouts for slot in layout.slots]
-        super().__init__(params, dict(settings, lr=lr))
-        if world_size > 1:
-            self._rule = onebit_adam_sharded(**settings)
-        else:  # FSDP2 calls no reduce-scatter: the rule with one worker (nothing to compress)
-            self._rule = onebit_adam(**settings, comm=Local(), error_dtype=error_dtype)
-        self._state = self._rule.init(self._shards())
-        for name, module in model.named_modules():
-            layout = next((x for x in self._layouts if x.name == (name or ROOT)), None)
-            if layout is not None:
-                module.set_custom_reduce_scatter(OnebitReduceScatter(self, layout))
-                _INSTALLED[module] = self
-
-    @property
-    def count(self) -> int:
-        """The number of updates made."""
-        return int(self._state.count)
-
-    @property
-    def bytes_sent(self) -> int:
-        """Bytes this rank has sent through fn's communicators (reduce-scatters, the freeze's
-        all-gathers and the checks; FSDP2's parameter all-gathers are not counted)."""
-        return self._comms.bytes_sent
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's state as a ``torch.distributed.checkpoint`` (DCP) state dict, in one
-        layout at every update (DCP loads in place into a layout fixed before it reads).
-
-        ``{"header", "lr", "signed", "exp_avg", "exp_avg_sq", "momentum", "rank<r>"}``:
-        ``header`` (int64: format, world size, updates made, checksums of the model's layout
-        and of the settings); ``lr`` (``param_groups[0]["lr"]``); ``signed`` (int8 per module:
-        whether its momentum is kept as packed signs); ``exp_avg`` and ``exp_avg_sq`` by param
-        FQN, DTensors of the shards (``exp_avg``: zeros where the momentum is packed);
-        ``momentum`` by module, the packed signs and scales of its full momentum (zeros before
-        the freeze; the same on every rank, so DCP saves them once); and under ``rank<r>``, a
-        name of this rank's own, by module its worker and server errors (zeros before the
-        first compressed update; DCP would keep one rank's copy of a name every rank saves).
-        :class:`~fn.fsdp.TrainingCheckpoint` saves it, and loads it at any world size, checked
-        before anything changes; ``dcp.load`` straight into it works at the same world size.
-
-        Returns:
-            A dict of tensors: the state's own where it holds them, zeros where it does not.
-        """
-        world_size = self.comm.world_size
-        signed = [self._compressed[x.name].signs is not None for x in self._layouts]
-        mine: dict[str, dict[str, torch.Tensor]] = {}
-        state: dict[str, Any] = {
-            "header": self._header(),
-            "lr": torch.tensor(float(self.param_groups[0]["lr"]), dtype=torch.float64),
-            "signed": torch.tensor(signed, dtype=torch.int8),
-            "exp_avg": {},
-            "exp_avg_sq": {},
-            "momentum": {},
-            f"rank{self.rank}": mine,
-        }
-        for layout in self._layouts:
-            for slot in layout.slots:
-                m = self._state.exp_avg[slot.name]
-                m = m if isinstance(m, torch.Tensor) else torch.zeros(0)
-                state["exp_avg"][slot.name] = _shard_of(m, slot.param)
-                v = self._state.exp_avg_sq[slot.name]
-                state["exp_avg_sq"][slot.name] = _shard_of(v, slot.param)
-            held = self._compressed[layout.name]
-            signs = held.signs or PackedSigns(
-                torch.zeros(world_size, layout.padded_row // 8, dtype=torch.uint8),
-                torch.zeros(world_size),
-            )
-            state["momentum"][layout.name] = {"packed": signs.packed, "scales": signs.scales}
-            errors = held.errors or init_error_feedback(
-                world_size * layout.padded_row, comm=self.comm, dtype=self.error_dtype
-            )
-            mine[layout.name] = {"worker": errors[0], "server": errors[1]}
-        return state
-
-    def checkpoint_template(
-        self, header: torch.Tensor, saved: dict[str, torch.Size]
-    ) -> dict[str, Any]:
-        """The state dict that DCP loads a checkpoint of :meth:`state_dict` into: new tensors
-        laid out as saved (this rank's errors only if the world size is the same).
-
-        Args:
-            header: the checkpoint's ``header`` (loaded first).
-            saved: the checkpoint's optimizer keys, flat (``"exp_avg.block.weight"``), and
-                their sizes (from the checkpoint's metadata).
-
-        Returns:
-            A dict of the form of :meth:`state_dict`, to pass to ``dcp.load``.
-
-        Raises:
-            ValueError: the header does not match this model or these settings, or a key is
-                missing (nothing was loaded).
-        """
-        world_size, _ = self._checked_header(header)
-        own = f"rank{self.rank}"
-        needed = ["lr", "signed"]
-        for layout in self._layouts:
-            needed += [f"momentum.{layout.name}.{k}" for k in ("packed", "scales")]
-            if world_size == self.comm.world_size:
-                needed += [f"{own}.{layout.name}.{k}" for k in ("worker", "server")]
-            needed += [f"{f}.{s.name}" for s in layout.slots for f in ("exp_avg", "exp_avg_sq")]
-        missing = [key for key in needed if key not in saved]
-        if missing:
-            raise ValueError(
-                f"fn.fsdp.OnebitAdam: the checkpoint has no {missing[:4]}; nothing was loaded"
-            )
-
-        def new(key: str, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(saved[key], dtype=dtype)
-
-        template: dict[str, Any] = {
-            "header": header.clone(),
-            "lr": new("lr", torch.float64),
-            "signed": new("signed", torch.int8),
-            "exp_avg": {},
-            "exp_avg_sq": {},
-            "momentum": {},
-        }
-        for layout in self._layouts:
-            template["momentum"][layout.name] = {
-                k: new(f"momentum.{layout.name}.{k}", dtype)
-                for k, dtype in (("packed", torch.uint8), ("scales", torch.float32))
-            }
-            for slot in layout.slots:
-                for field in ("exp_avg", "exp_avg_sq"):
-                    template[field][slot.name] = _shard_of(torch.zeros(0), slot.param)
-        if world_size == self.comm.world_size:
-            template[own] = {
-                x.name: {
-                    k: new(f"{own}.{x.name}.{k}", self.error_dtype) for k in ("worker", "server")
-                }
-                for x in self._layouts
-            }
-        return template
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores a :meth:`state_dict` (as :meth:`state_dict` or :meth:`checkpoint_template`
-        lays it out).
-
-        Saved at this world size, the state continues bit for bit. Saved at another one, the
-        momentum is read back exactly into this world size's layout, and the error feedback
-        (which compensated the old layout's compression) restarts from zero with a warning.
-
-        Raises:
-            ValueError: the checkpoint is of another model or other settings; nothing was
-                changed.
-        """
-        world_size, count = self._checked_header(state_dict["header"])
-        same = world_size == self.comm.world_size
-        signed = [bool(x) for x in state_dict["signed"].tolist()]
-        if len(signed) != len(self._layouts):
-            raise ValueError(f"fn.fsdp.OnebitAdam: corrupt checkpoint: signed = {signed}")
-        own = state_dict.get(f"rank{self.rank}", {}) if same else {}
-        exp_avg, exp_avg_sq, compressed = {}, {}, {}
-        for layout, packed in zip(self._layouts, signed, strict=True):
-            held = _Compressed()
-            for slot in layout.slots:
-                exp_avg_sq[slot.name] = _local(state_dict["exp_avg_sq"][slot.name]).clone()
-                m = _local(state_dict["exp_avg"][slot.name]).clone()
-                exp_avg[slot.name] = None if packed else m
-            if packed:
-                signs = state_dict["momentum"][layout.name]
-                held.signs = PackedSigns(signs["packed"].clone(), signs["scales"].clone())
-                if same:
-                    errors = own[layout.name]
-                    held.errors = (errors["worker"].clone(), errors["server"].clone())
-                else:  # into this world size's layout, as the shards' momentum
-                    slots = [(s.name, s.param) for s in layout.slots]
-                    old = module_layout(layout.name, slots, world_size)
-                    world, rank = self.comm.world_size, self.rank
-                    exp_avg.update(_momentum_from_signs(old, held.signs, world, rank))
-                    held.signs = None
-            compressed[layout.name] = held
-        if not same and any(signed):
-            warnings.warn(
-                f"fn.fsdp.OnebitAdam: checkpoint saved at world size {world_size}, loaded at "
-                f"{self.comm.world_size}: the error feedback restarts from zero (the momentum "
-                "is kept)",
-                stacklevel=2,
-            )
-        self.param_groups[0]["lr"] = float(state_dict["lr"])
-        self._state = self._state._replace(
-            count=torch.tensor(count, dtype=torch.int64),
-            lr=torch.tensor(float(state_dict["lr"]), dtype=torch.float32),
-            exp_avg=exp_avg,
-            exp_avg_sq=exp_avg_sq,
-        )
-        self._compressed = compressed
-
-    def _header(self) -> torch.Tensor:
-        """``[format, world size, updates made, crc of the layout, crc of the settings]``."""
-        return torch.tensor(
-            [_FORMAT, self.comm.world_size, self.count, *self._fingerprints()], dtype=torch.int64
+        super().__init__(
+            model,
+            settings,
+            non_freeze=non_freeze,
+            exp_avg_mask=exp_avg_mask,
+            nonfinite=nonfinite,
+            local_world_size=local_world_size,
+            error_dtype=error_dtype,
         )
 
-    def _fingerprints(self) -> tuple[int, int]:
-        layout = repr(
-            [(x.name, [(s.name, tuple(s.param.shape)) for s in x.slots]) for x in self._layouts]
-        )
-        group = self.param_groups[0]
-        fixed = {k: group[k] for k in sorted(group) if k not in ("params", "lr")}
-        settings = repr((fixed, str(self.error_dtype)))
-        return zlib.crc32(layout.encode()), zlib.crc32(settings.encode())
+    def _make_rule(self, settings: dict[str, Any], comm: Any) -> CompressedOptimizer:
+        del comm  # elementwise: nothing to sum over the shards
+        return onebit_adam_sharded(**settings)
 
-    def _checked_header(self, header: torch.Tensor) -> tuple[int, int]:
-        """The checkpoint's world size and update count, or ``ValueError`` if it is not a
-        checkpoint of this model and these settings."""
-        values = header.tolist()
-        if len(values) != 5 or values[0] != _FORMAT:
-            raise ValueError(
-                f"fn.fsdp.OnebitAdam: not a checkpoint of this format (header {values}); "
-                "nothing was loaded"
-            )
-        _, world_size, count, layout, settings = values
-        layout_now, settings_now = self._fingerprints()
-        if layout != layout_now:
-            raise ValueError(
-                "fn.fsdp.OnebitAdam: the checkpoint is of another model (its FSDP2 modules, "
-                "params or shapes differ); nothing was loaded"
-            )
-        if settings != settings_now:
-            raise ValueError(
-                "fn.fsdp.OnebitAdam: the checkpoint was saved with other settings (freeze_step, "
-                "betas, eps, weight_decay, safeguard or error_dtype); nothing was loaded"
-            )
-        if world_size < 1 or count < 0:
-            raise ValueError(f"fn.fsdp.OnebitAdam: corrupt checkpoint header {values}")
-        return world_size, count
+    def _single_rank_rule(
+        self, settings: dict[str, Any], error_dtype: torch.dtype
+    ) -> CompressedOptimizer:
+        return onebit_adam(**settings, comm=Local(), error_dtype=error_dtype)
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        """One update of every param shard (see the class docstring).
-
-        Raises:
-            fn.NonFiniteError: on every rank, if a gradient on some rank is not finite;
-                no param and no ``v`` changed.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        t = self.count + 1
-        compressed = self.comm.world_size > 1 and self._rule.is_compressed(t)
-        params = self._shards()
-        if compressed:
-            inputs = self._momentum_shards(t)
-        else:
-            inputs = {
-                slot.name: None if slot.param.grad is None else _local(slot.param.grad)
-                for layout in self._layouts
-                for slot in layout.slots
-            }
-            self._check_finite(inputs)
-        state = set_hyperparams(self._state, lr=self.param_groups[0]["lr"])
-        updates, state = self._rule.update(inputs, state, params, step=t)
-        apply_updates(params, updates, donate=True)
-        if compressed:  # the momentum lives in the packed signs: drop the shards' copies
-            exp_avg = {k: None if inputs[k] is not None else m for k, m in state.exp_avg.items()}
-            state = state._replace(exp_avg=exp_avg)
-        self._state = state
-        return loss
-
-    def _shards(self) -> dict[str, torch.Tensor]:
-        """This rank's shard of every param, by FQN."""
-        return {slot.name: _local(slot.param) for x in self._layouts for slot in x.slots}
-
-    def _momentum_shards(self, t: int) -> dict[str, torch.Tensor | None]:
-        """Every param's shard of its module's new momentum, read exactly from the packed signs
-        (``None`` for the params of a module whose reduce-scatter did not run for update
-        ``t``)."""
-        if any(self._compressed[x.name].nonfinite for x in self._layouts):
-            for x in self._layouts:
-                self._compressed[x.name].nonfinite = False
-            raise NonFiniteError(
-                "fn.fsdp.OnebitAdam: non-finite values in the momentum of some rank (its local "
-                "gradient); no param changed (the modules reduce-scattered before it in this "
-                "backward have advanced their momentum and errors)"
-            )
-        shards: dict[str, torch.Tensor | None] = {}
-        for layout in self._layouts:
-            held = self._compressed[layout.name]
-            row = None
-            if held.reduced_at == t:
-                rank = slice(self.rank, self.rank + 1)
-                signs = PackedSigns(held.signs.packed[rank], held.signs.scales[rank])
-                row = signs.values(layout.padded_row)
-            for slot in layout.slots:
-                local = _local(slot.param)
-                piece = None if row is None else row[slot.offset : slot.offset + local.numel()]
-                shards[slot.name] = None if piece is None else piece.view(local.shape)
-        return shards
-
-    def _check_finite(self, grads: dict[str, torch.Tensor | None]) -> None:
-        """Raises ``NonFiniteError`` on every rank if some rank's gradient shard is not
-        finite (one allreduce of one value)."""
-        bad = sum(int(not bool(g.isfinite().all())) for g in grads.values() if g is not None)
-        if self.comm.world_size > 1:
-            bad = int(self.comm.all_reduce(torch.tensor([float(bad)]), "sum").item())
-        if bad:
-            raise NonFiniteError(
-                "fn.fsdp.OnebitAdam: non-finite values in the averaged gradient (on some rank); "
-                "nothing was updated"
-            )
-
-    def _reduce_scatter(
+    def _exchange(
         self,
         layout: ModuleLayout,
-        output: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: Any,
-    ) -> None:
-        """The reduce-scatter of one module (:class:`OnebitReduceScatter`)."""
-        comm = self._comms(group)
-        world_size = comm.world_size
-        if input_tensor.numel() != world_size * layout.row:
-            raise NotImplementedError(
-                f"fn.fsdp.OnebitAdam: module {layout.name} reduce-scatters "
-                f"{input_tensor.numel()} values, not the {world_size * layout.row} of all its "
-                "trainable params: a param without a gradient in FSDP2's reduce-scatter is not "
-                "supported yet"
-            )
-        rows = input_tensor.view(world_size, layout.row)
-        t = self.count + 1
-        if not self._rule.is_compressed(t):
-            output.copy_(_dense_reduce_scatter(comm, rows, op))
-            return
-        held = self._compressed[layout.name]
-        if held.reduced_at == t:
-            raise RuntimeError(
-                f"fn.fsdp.OnebitAdam: module {layout.name} was reduce-scattered twice before "
-                "step(); accumulate gradients with set_requires_gradient_sync(False)"
-            )
-        held.reduced_at = t
-        momentum = self._previous_momentum(layout, held, comm, input_tensor.device)
-        if layout.padded_row == layout.row and input_tensor.dtype == torch.float32:
-            grad = input_tensor.view(-1)
-        else:
-            grad = torch.zeros_like(momentum)
-            grad.view(world_size, layout.padded_row)[:, : layout.row] = rows
-        if held.errors is None:
-            held.errors = tuple(
-                init_error_feedback(
-                    momentum.numel(), comm=comm, device=momentum.device, dtype=self.error_dtype
-                )
-            )
-        try:
-            exchange = compressed_allreduce_exchange(
-                momentum, *held.errors, comm=comm, grad=grad, beta=self._b1
-            )
-        except NonFiniteError:  # raised on every rank, before anything was written
-            held.nonfinite = True
-            output.fill_(torch.nan)
-            return
-        if exchange is None:  # not on this path's tensors (e.g. under torch.compile)
-            raise NotImplementedError(
-                "fn.fsdp.OnebitAdam: the 1-bit exchange runs eagerly on contiguous fp32 "
-                "tensors with fp32 or bf16 errors only"
-            )
-        write_errors(exchange, *held.errors)
-        held.signs = PackedSigns(exchange.packed, exchange.scales)
-        rank = slice(self.rank, self.rank + 1)
-        mine = PackedSigns(exchange.packed[rank], exchange.scales[rank])
-        shard = mine.values(layout.row).mul_(reduce_scale(op, world_size))
-        output.copy_(shard)
-
-    def _previous_momentum(
-        self, layout: ModuleLayout, held: _Compressed, comm: ProcessGroup, device: torch.device
-    ) -> torch.Tensor:
-        """The module's momentum before this update, flat in the layout of ``X``, zero at its
-        padding positions: unpacked from its signs, or at the freeze all-gathered from the
-        shards' warmup momentum."""
-        world_size = comm.world_size
-        if held.signs is None:
-            row = torch.zeros(layout.padded_row, device=device)
-            for slot in layout.slots:
-                m = self._state.exp_avg[slot.name]
-                row[slot.offset : slot.offset + m.numel()] = m.reshape(-1)
-            return comm.all_gather(row).view(-1)
-        momentum = held.signs.values(world_size * layout.padded_row).clone()
-        for start, stop in layout.padding(world_size):
-            momentum[start:stop] = 0.0
-        return momentum
-
-
-class OnebitLamb:
-    """1-bit LAMB on FSDP2: not built yet (see docs/algorithms.md, "1-bit Adam and 1-bit LAMB
-    on FSDP2").
-
-    Raises:
-        NotImplementedError: always.
-    """
-
-    def __init__(self, model: nn.Module, *args: Any, **kwargs: Any) -> None:
-        del model, args, kwargs
-        raise NotImplementedError(
-            "fn.fsdp.OnebitLamb is not built yet: its trust ratios need the full-tensor norms "
-            "of every param (an allreduce of the shards' squared norms) and its fused 1-bit "
-            "allreduce of the scaled momenta needs the scaling coefficients in each module's "
-            "FSDP2 layout; use fn.fsdp.OnebitAdam, or fn.optim.OnebitLamb with DDP"
+        held: _Compressed,
+        comm: ProcessGroup,
+        momentum: torch.Tensor,
+        grad: torch.Tensor,
+    ) -> CompressedExchange | None:
+        """The momentum ``b1 m + (1 - b1) g_r``, formed inside the exchange."""
+        return compressed_allreduce_exchange(
+            momentum, *held.errors, comm=comm, grad=grad, beta=self._b1
         )
 
 
@@ -788,25 +909,11 @@ def _problem(
     return None
 
 
-def _bad_settings(
-    settings: dict[str, Any], error_dtype: torch.dtype
-) -> tuple[type[Exception], str] | None:
-    """The rule's own checks of the hyperparameters, as a problem."""
-    try:
-        check_error_dtype("fn.fsdp.OnebitAdam", error_dtype)
-        onebit_adam_sharded(**settings)
-    except (ValueError, NotImplementedError) as error:  # e.g. freeze_step="auto", not built
-        return type(error), str(error)
-    if error_dtype == torch.float16:
-        return NotImplementedError, (
-            "error_dtype=torch.float16 is not supported yet on FSDP2: the in-place 1-bit "
-            "exchange takes fp32 and bf16 errors"
-        )
-    return None
-
-
 def _agree(
-    group: dist.ProcessGroup | None, problem: tuple[type[Exception], str] | None, fingerprint: str
+    name: str,
+    group: dist.ProcessGroup | None,
+    problem: tuple[type[Exception], str] | None,
+    fingerprint: str,
 ) -> None:
     """Raises on every rank if some rank found a problem or the ranks' settings differ (one
     all-gather over ``group``, or ``WORLD`` when the model gave none)."""
@@ -814,7 +921,7 @@ def _agree(
         group = dist.group.WORLD
     if group is None or dist.get_world_size(group) == 1:
         if problem is not None:
-            raise problem[0](f"fn.fsdp.OnebitAdam: {problem[1]}")
+            raise problem[0](f"{name}: {problem[1]}")
         return
     kinds = (None, ValueError, NotImplementedError)
     mine = torch.tensor(
@@ -823,13 +930,13 @@ def _agree(
     )
     gathered = ProcessGroup(group).all_gather(mine)
     if problem is not None:
-        raise problem[0](f"fn.fsdp.OnebitAdam: {problem[1]}")
+        raise problem[0](f"{name}: {problem[1]}")
     failed = [r for r, kind in enumerate(gathered[:, 0].tolist()) if kind]
     if failed:
         kind = kinds[int(gathered[failed[0], 0])]
-        raise kind(f"fn.fsdp.OnebitAdam: rank {failed[0]} refused the model or the settings")
+        raise kind(f"{name}: rank {failed[0]} refused the model or the settings")
     if bool((gathered[:, 1] != gathered[0, 1]).any()):
         raise ValueError(
-            "fn.fsdp.OnebitAdam: the ranks passed different settings or models (fingerprints "
+            f"{name}: the ranks passed different settings or models (fingerprints "
             f"{gathered[:, 1].tolist()}); every rank must pass the same"
         )

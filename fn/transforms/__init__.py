@@ -37,7 +37,11 @@ from fn.transforms.onebit_adam_transform import (
     onebit_adam,
     onebit_adam_sharded,
 )
-from fn.transforms.onebit_lamb_transform import OnebitLambState, onebit_lamb
+from fn.transforms.onebit_lamb_transform import (
+    OnebitLambState,
+    onebit_lamb,
+    onebit_lamb_sharded,
+)
 from fn.transforms.sgd_transform import TraceState, sgd, trace
 from fn.transforms.trust_ratio import scale_by_trust_ratio
 from fn.transforms.weight_decay import add_decayed_weights
@@ -82,6 +86,7 @@ __all__ = [
     "onebit_adam",
     "onebit_adam_sharded",
     "onebit_lamb",
+    "onebit_lamb_sharded",
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_trust_ratio",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -20,7 +21,7 @@ from fn.transforms._onebit_auto import (
     init_auto,
 )
 from fn.transforms._onebit_schedules import AutoFreeze, OnebitLambPlan, freeze_schedule
-from fn.transforms.trust_ratio import trust_ratio
+from fn.transforms.trust_ratio import trust_ratio_of_norms
 from fn.tree import LiveLeaves, PyTree, fitting, live_leaves, tree_leaves, tree_map, tree_zeros_like
 
 
@@ -212,24 +213,11 @@ def onebit_lamb(
     settings = leafwise.onebit_settings(
         "onebit_lamb", lr, betas, eps, weight_decay, comm, safeguard, local_world_size, error_dtype
     )
-    check_nonnegative(
-        "onebit_lamb",
-        min_coeff=min_coeff,
-        factor_min=factor_min,
-        factor_threshold=factor_threshold,
+    trust = _trust_settings(
+        "onebit_lamb", min_coeff, max_coeff, coeff_beta, factor_min, factor_max, factor_threshold
     )
-    check_ordered("onebit_lamb", min_coeff=min_coeff, max_coeff=max_coeff)
-    check_ordered("onebit_lamb", factor_min=factor_min, factor_max=factor_max)
-    check_fraction("onebit_lamb", coeff_beta=coeff_beta)
-    why = (
-        "the compressed updates divide by sqrt(v) + eps and scale by the trust ratio R, both "
-        "frozen, which at least one warmup update (t < freeze_step) must estimate"
-    )
-    schedule = freeze_schedule(freeze_step, why)
+    schedule = freeze_schedule(freeze_step, _FREEZE_NEEDS)
     auto = auto_warmup("onebit_lamb", schedule, exp_avg_mask, None, settings.b2)
-    trust = _TrustSettings(
-        min_coeff, max_coeff, coeff_beta, factor_min, factor_max, factor_threshold
-    )
 
     def update(grads, state, params, plan, eta, donated=None):
         packed = isinstance(state.exp_avg, PackedSigns)
@@ -281,6 +269,208 @@ def onebit_lamb(
     return opt._replace(check_state=check_state, full_state=full_state)
 
 
+def onebit_lamb_sharded(
+    lr: leafwise.LearningRate = 1e-3,
+    freeze_step: int = 100000,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    max_coeff: float = 10.0,
+    min_coeff: float = 0.01,
+    coeff_beta: float = 0.9,
+    factor_max: float = 4.0,
+    factor_min: float = 0.5,
+    factor_threshold: float = 0.1,
+    *,
+    comm: Any,
+    safeguard: bool = True,
+) -> CompressedOptimizer:
+    r"""1-bit LAMB's rule on one rank's shard of the params, for a caller that runs the
+        momentum's communication itself (``fn.fsdp.OnebitLamb``, inside FSDP2's reduce-scatter).
+
+        The rule of :func:`onebit_lamb` (the same per-leaf code), with two differences of where
+        things are computed:
+
+        - every full-tensor reduction of a leaf (:math:`\lVert p
+    Vert`, :math:`\lVert u
+    Vert`,
+          :math:`\lVert u_0
+    Vert`, :math:`\lVert m
+    Vert` and the factor's :math:`\max_i`) is
+          taken over the shards: each rank's sums of squares (fp64) and maxima are all-gathered
+          over ``comm`` in one call per update and reduced in rank order, so every rank gets the
+          same bits; a norm is :math:`\sqrt{\sum_r s_r}` in fp64, rounded once to fp32;
+        - the momentum scaling :math:`s_\ell` is fixed at the last warmup update (from the momentum
+          it leaves, the one :func:`onebit_lamb` reads at the first compressed update), so that it
+          is known before the first compressed reduce-scatter, which scales by it.
+
+        Inputs: a warmup update takes the mean gradient shards over the ranks; a compressed one
+        takes this rank's shard of the allreduce's result (the scaled momentum
+        :math:`\mathrm{CAR}(s_\ell(eta_1 m_\ell + (1-eta_1) g_{r,\ell}))`), with the state's
+        ``exp_avg`` holding the momentum shards before it (:math:`m_{last}`).
+
+        Args:
+            lr, freeze_step, betas, eps, weight_decay, max_coeff, min_coeff, coeff_beta,
+                factor_max, factor_min, factor_threshold, safeguard: as :func:`onebit_lamb`.
+            comm: the ``fn.collectives`` Comm over the ranks that hold the shards (its
+                ``all_gather`` carries the norms; ``Local()`` for unsharded leaves).
+
+        Returns:
+            A ``CompressedOptimizer`` (``params`` required) whose state is an ``OnebitLambState``
+            with the errors ``None``; the momentum a compressed update returns in ``exp_avg`` is
+            the new fp32 shard. Every rank must have ``None`` gradients at the same leaves.
+
+        Raises:
+            ValueError: as :func:`onebit_lamb`.
+            NotImplementedError: ``freeze_step="auto"`` (not built on shards).
+
+        Example:
+            One rank holding the whole leaf (``Local``): the rule of :func:`onebit_lamb` with one
+            worker, up to how its norms are summed.
+
+            >>> import torch
+            >>> import fn
+            >>> from fn.collectives import Local
+            >>> opt = fn.transforms.onebit_lamb_sharded(lr=0.1, freeze_step=2, comm=Local())
+            >>> params = {"w": torch.tensor([1.0, 2.0])}
+            >>> state = opt.init(params)
+            >>> updates, state = opt.update({"w": torch.tensor([1.0, -1.0])}, state, params, step=1)
+            >>> params = fn.apply_updates(params, updates)
+            >>> state.scaling_coeff["w"]  # fixed at the last warmup update
+            tensor(1.)
+            >>> momentum = {"w": torch.tensor([0.2, -0.1])}  # CAR's result, from the caller
+            >>> updates, state = opt.update(momentum, state, params, step=2)
+            >>> state.exp_avg["w"]
+            tensor([ 0.2000, -0.1000])
+    """
+    name = "onebit_lamb_sharded"
+    settings = leafwise.onebit_settings(name, lr, betas, eps, weight_decay, Local(), safeguard)
+    trust = _trust_settings(
+        name, min_coeff, max_coeff, coeff_beta, factor_min, factor_max, factor_threshold
+    )
+    schedule = freeze_schedule(freeze_step, _FREEZE_NEEDS)
+    if auto_warmup(name, schedule, None, None, settings.b2) is not None:
+        raise NotImplementedError(
+            f"{name}: freeze_step='auto' is not built on shards: the warmup's variance "
+            "statistics would have to be summed over the ranks first"
+        )
+
+    def update(grads, state, params, plan, eta, donated=None):
+        del donated
+        leaves = leafwise.leaves_of(name, grads, state, _Leaf, params)
+        if plan.compressed:
+            if plan.sets_scaling:
+                leafwise.report_frozen_variance(name, state, settings)
+            return _sharded_compressed(settings, trust, comm, leaves, state, eta)
+        return _sharded_warmup(settings, trust, comm, leaves, state, eta, plan.copies_variance)
+
+    return leafwise.compressed_optimizer(
+        name,
+        lr,
+        OnebitLambState,
+        partial(_init_fields, settings, None),
+        update,
+        schedule.is_compressed,
+        schedule.onebit_lamb_plan,
+        OnebitLambPlan,
+        params_needed_for="1-bit LAMB (trust ratios)",
+        first_compressed=schedule.first_compressed_step,
+    )
+
+
+def _sharded_warmup(h, trust, comm, leaves, state, eta, copies):
+    """:func:`_warmup_rule` on shards: the norms summed over the ranks; ``copies``: the last
+    warmup update, which also fixes the momentum scaling (from the norms of the new momenta,
+    in the same all-gather)."""
+    directions = [
+        _warmup_direction(h, x.g, x.leaf, x.inputs[0], copies=copies) for x in leaves.with_grad
+    ]
+    _, moved = leafwise.rebuilt(leaves, directions, state)
+    walk = live_leaves(moved.exp_avg, moved.scaling_coeff)
+    sums = [
+        part
+        for (u, _), x in zip(directions, leaves.with_grad, strict=True)
+        for part in (_count(u), _sum_of_squares(x.inputs[0]), _sum_of_squares(u))
+    ]
+    if copies:
+        sums += [part for m in walk.at_live(0) for part in (_count(m), _sum_of_squares(m))]
+    total, _ = _over_ranks(comm, sums, [])
+    counts = total.tolist()
+    results = []
+    for j, (u, leaf) in enumerate(directions):
+        if counts[3 * j] == 0:  # an empty leaf: no trust ratio
+            results.append((u, leaf))
+            continue
+        norms = _norm(total[3 * j + 1]), _norm(total[3 * j + 2])
+        results.append(_warmup_scaled(trust, u, leaf, *norms, eta=eta))
+    updates, new = leafwise.rebuilt(leaves, results, state)
+    if not copies:
+        return updates, new
+    start = 3 * len(directions)
+    rms = {
+        j: _norm(total[start + 2 * j + 1]) / counts[start + 2 * j] ** 0.5
+        for j in range(len(walk.at_live(0)))
+        if counts[start + 2 * j] > 0
+    }
+    scaling = walk.rebuild(_scaling_of_rms(rms, walk.at_live(1)), fill=1)
+    return updates, new._replace(scaling_coeff=scaling)
+
+
+def _sharded_compressed(h, trust, comm, leaves, state, eta):
+    """:func:`_compressed_rule` on shards: the factor's maximum and the norms over the
+    ranks."""
+    directions = [
+        _compressed_direction(h, x.g, x.leaf, x.inputs[0], None) for x in leaves.with_grad
+    ]
+    sums = [
+        part
+        for d, _ in directions
+        for part in (_count(d.u), _sum_of_squares(d.u0), _sum_of_squares(d.u))
+    ]
+    highest = [_largest(d.spread) for d, _ in directions]
+    total, largest = _over_ranks(comm, sums, highest)
+    counts = total[0::3].tolist()
+    results = []
+    for j, ((d, leaf), x) in enumerate(zip(directions, leaves.with_grad, strict=True)):
+        if counts[j] == 0:  # an empty leaf
+            results.append((torch.zeros_like(x.leaf.exp_avg), x.leaf))
+            continue
+        norms = (_norm(total[3 * j + 1]), _norm(total[3 * j + 2])) if h.weight_decay > 0 else None
+        factor = largest[j].float()
+        results.append(_compressed_scaled(h, trust, d.u, leaf, factor, norms, eta=eta))
+    return leafwise.rebuilt(leaves, results, state)
+
+
+def _count(x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
+
+
+def _sum_of_squares(x: torch.Tensor) -> torch.Tensor:
+    return x.double().square().sum()
+
+
+def _largest(x: torch.Tensor) -> torch.Tensor:
+    """The largest element of ``x`` (fp64), ``-inf`` for an empty shard."""
+    if x.numel() == 0:
+        return torch.tensor(-math.inf, dtype=torch.float64, device=x.device)
+    return x.amax().double()
+
+
+def _norm(sum_of_squares: torch.Tensor) -> torch.Tensor:
+    """A norm from its fp64 sum of squares, rounded once to fp32."""
+    return sum_of_squares.sqrt().float()
+
+
+def _over_ranks(
+    comm: Any, sums: list[torch.Tensor], maxima: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sums over the ranks of ``sums`` and the maxima of ``maxima`` (0-dim fp64 each), the
+    same bits on every rank: one all-gather, reduced in rank order."""
+    local = torch.stack([*sums, *maxima]) if sums or maxima else torch.zeros(0, dtype=torch.float64)
+    rows = comm.all_gather(local).view(-1, local.numel())
+    return rows[:, : len(sums)].sum(0), rows[:, len(sums) :].amax(0)
+
+
 def _init_fields(h: leafwise.OnebitSettings, auto: Any, params: PyTree) -> dict[str, Any]:
     """The fields of the initial state after ``count`` and ``lr``."""
     del h
@@ -308,9 +498,45 @@ class _TrustSettings(NamedTuple):
     factor_threshold: float
 
 
+def _trust_settings(
+    name: str,
+    min_coeff: float,
+    max_coeff: float,
+    coeff_beta: float,
+    factor_min: float,
+    factor_max: float,
+    factor_threshold: float,
+) -> _TrustSettings:
+    """The checked trust-ratio hyperparameters (``ValueError`` naming a bad one)."""
+    check_nonnegative(
+        name, min_coeff=min_coeff, factor_min=factor_min, factor_threshold=factor_threshold
+    )
+    check_ordered(name, min_coeff=min_coeff, max_coeff=max_coeff)
+    check_ordered(name, factor_min=factor_min, factor_max=factor_max)
+    check_fraction(name, coeff_beta=coeff_beta)
+    return _TrustSettings(
+        min_coeff, max_coeff, coeff_beta, factor_min, factor_max, factor_threshold
+    )
+
+
+_FREEZE_NEEDS = (
+    "the compressed updates divide by sqrt(v) + eps and scale by the trust ratio R, both "
+    "frozen, which at least one warmup update (t < freeze_step) must estimate"
+)
+
+
 def _warmup_rule(h: leafwise.OnebitSettings, trust: _TrustSettings, g, leaf, p, *, eta, copies):
     """The warmup update of one leaf: LAMB on the averaged gradient; ``copies``: the fresh
     variance starts as a copy of the variance."""
+    u, leaf = _warmup_direction(h, g, leaf, p, copies=copies)
+    if u.numel() == 0:
+        return u, leaf
+    p_norm, u_norm = torch.linalg.vector_norm(p.float()), torch.linalg.vector_norm(u)
+    return _warmup_scaled(trust, u, leaf, p_norm, u_norm, eta=eta)
+
+
+def _warmup_direction(h: leafwise.OnebitSettings, g, leaf, p, *, copies):
+    """The elementwise part of a warmup update: the new moments and Adam's direction ``u``."""
     m, v, v_fresh, r, last, scaling = leaf
     m, v = leafwise.dense_moments(g, m, v, h.b1, h.b2, h.comm)
     if copies:
@@ -318,18 +544,44 @@ def _warmup_rule(h: leafwise.OnebitSettings, trust: _TrustSettings, g, leaf, p, 
     u = leafwise.adam_direction(
         m, leafwise.adam_denominator(v, h.eps), p, bound=None, weight_decay=h.weight_decay
     )
-    if m.numel() > 0:
-        ratio = trust_ratio(p.float(), u, min_coeff=trust.min_coeff, max_coeff=trust.max_coeff)
-        r = torch.where(ratio != 1, leafwise.moving_average(r, trust.coeff_beta, ratio), r)
-        u = -(eta * ratio) * u
     return u, _Leaf(m, v, v_fresh, r, last, scaling)
+
+
+def _warmup_scaled(trust: _TrustSettings, u, leaf, p_norm, u_norm, *, eta):
+    """The warmup update of a non-empty leaf from its direction and the norms of its param and
+    direction: the trust ratio, its moving average ``R`` and the scaled update."""
+    ratio = trust_ratio_of_norms(
+        p_norm, u_norm, min_coeff=trust.min_coeff, max_coeff=trust.max_coeff
+    )
+    r = leaf.lamb_coeff_freeze
+    r = torch.where(ratio != 1, leafwise.moving_average(r, trust.coeff_beta, ratio), r)
+    return -(eta * ratio) * u, leaf._replace(lamb_coeff_freeze=r)
 
 
 def _compressed_rule(h: leafwise.OnebitSettings, trust: _TrustSettings, m, leaf, p, mask, *, eta):
     """The compressed update of a leaf whose momentum came out of the allreduce as ``m``."""
-    m_last, v, v_fresh, r, last, scaling = leaf
     if m.numel() == 0:
-        return torch.zeros_like(m_last), leaf
+        return torch.zeros_like(leaf.exp_avg), leaf
+    direction, leaf = _compressed_direction(h, m, leaf, p, mask)
+    norms = None
+    if h.weight_decay > 0:
+        norms = (torch.linalg.vector_norm(direction.u0), torch.linalg.vector_norm(direction.u))
+    factor = direction.spread.amax()
+    return _compressed_scaled(h, trust, direction.u, leaf, factor, norms, eta=eta)
+
+
+class _CompressedDirection(NamedTuple):
+    """The elementwise part of a compressed update of one leaf."""
+
+    u0: torch.Tensor  # m / d, clipped by the safeguard
+    u: torch.Tensor  # u0 plus the weight decay
+    spread: torch.Tensor  # d / (sqrt(v~) + eps), whose largest element is the factor f
+
+
+def _compressed_direction(h: leafwise.OnebitSettings, m, leaf, p, mask):
+    """The elementwise part of a compressed update: the momentum ``m`` (the leaf's slice of
+    the allreduce's result, scaled), the fresh variance, the directions."""
+    m_last, v, v_fresh, r, last, scaling = leaf
     m = onebit_state.fused_momentum(m, scaling, mask)
     v_fresh = v if v_fresh is None else v_fresh  # a state whose warmup made no copy
     g_hat = (m - h.b1 * m_last) / (1 - h.b1)
@@ -337,16 +589,26 @@ def _compressed_rule(h: leafwise.OnebitSettings, trust: _TrustSettings, m, leaf,
     d = leafwise.adam_denominator(v, h.eps)
     u0 = leafwise.adam_direction(m, d, p, bound=h.clip, weight_decay=0.0)
     u = u0 + h.weight_decay * p.float() if h.weight_decay > 0 else u0
-    f = (d / leafwise.adam_denominator(v_fresh, h.eps)).amax()
-    if h.weight_decay > 0:
-        u_norm = torch.linalg.vector_norm(u)
-        q = (torch.linalg.vector_norm(u0) / u_norm).clamp(max=1.0)
+    spread = d / leafwise.adam_denominator(v_fresh, h.eps)
+    return _CompressedDirection(u0, u, spread), _Leaf(m, v, v_fresh, r, last, scaling)
+
+
+def _compressed_scaled(
+    h: leafwise.OnebitSettings, trust: _TrustSettings, u, leaf, f, norms, *, eta
+):
+    """The compressed update of a non-empty leaf from its direction ``u``, the largest element
+    ``f`` of its spread and, with weight decay, the norms of ``u0`` and ``u``: the factor
+    (bounded, and by ``factor_threshold`` around the last one) and the scaled update."""
+    if norms is not None:
+        u0_norm, u_norm = norms
+        q = (u0_norm / u_norm).clamp(max=1.0)
         q = torch.where(u_norm != 0, q, torch.ones_like(q))
         f = f * q + (1 - q)
+    last = leaf.last_factor
     f = f.clamp(max=trust.factor_max).clamp(min=trust.factor_min)
     f = torch.minimum(f, last * (1 + trust.factor_threshold))
     f = torch.maximum(f, last * (1 - trust.factor_threshold))
-    return -(eta * (r * f)) * u, _Leaf(m, v, v_fresh, r, f, scaling)
+    return -(eta * (leaf.lamb_coeff_freeze * f)) * u, leaf._replace(last_factor=f)
 
 
 def _fused_momenta(h: leafwise.OnebitSettings, grads, state, donated):
@@ -393,17 +655,22 @@ def _scaling_coefficients(state: OnebitLambState) -> PyTree:
     """The momentum scaling of every non-empty leaf, ``mean_l(rms(m_l)) / rms(m_l)`` (1 where
     ``m_l`` is zero), the mean over the non-empty leaves; empty leaves keep theirs."""
     walk = live_leaves(state.exp_avg, state.scaling_coeff)
-    scaling = walk.at_live(1)
     rms = {
         j: torch.linalg.vector_norm(m) / m.numel() ** 0.5
         for j, m in enumerate(walk.at_live(0))
         if m.numel() > 0
     }
+    return walk.rebuild(_scaling_of_rms(rms, walk.at_live(1)), fill=1)
+
+
+def _scaling_of_rms(rms: dict[int, torch.Tensor], scaling: list) -> list:
+    """``scaling`` with the coefficient of every leaf ``j`` in ``rms`` (its momentum's RMS)
+    set to ``mean(rms) / rms[j]`` (1 where ``rms[j]`` is 0)."""
     if rms:
         mean = torch.stack(list(rms.values())).mean()
         for j, s in rms.items():
             scaling[j] = torch.where(s > 0, mean / s, torch.ones_like(s))
-    return walk.rebuild(scaling, fill=1)
+    return scaling
 
 
 def _fuse(walk: LiveLeaves) -> torch.Tensor:

@@ -94,8 +94,26 @@ def trust_ratio(
 ) -> torch.Tensor:
     """The 0-dim fp32 trust ratio of one leaf, as :func:`scale_by_trust_ratio` defines it: the
     fallback 1 for a zero norm comes before the clamp, so it is clamped too."""
-    p_norm = torch.linalg.vector_norm(param.float()).clamp(min=min_norm)
-    u_norm = torch.linalg.vector_norm(update.float()).clamp(min=min_norm)
+    p_norm = torch.linalg.vector_norm(param.float())
+    u_norm = torch.linalg.vector_norm(update.float())
+    return trust_ratio_of_norms(
+        p_norm, u_norm, min_norm, trust_coefficient, eps, min_coeff, max_coeff
+    )
+
+
+def trust_ratio_of_norms(
+    p_norm: torch.Tensor,
+    u_norm: torch.Tensor,
+    min_norm: float = 0.0,
+    trust_coefficient: float = 1.0,
+    eps: float = 0.0,
+    min_coeff: float | None = None,
+    max_coeff: float | None = None,
+) -> torch.Tensor:
+    """:func:`trust_ratio` from the two norms (0-dim fp32), however they were summed (a
+    sharded leaf's norms come from the sums of its shards)."""
+    p_norm = p_norm.clamp(min=min_norm)
+    u_norm = u_norm.clamp(min=min_norm)
     ratio = trust_coefficient * p_norm / (u_norm + eps)
     ratio = torch.where((p_norm == 0) | (u_norm == 0), torch.ones_like(ratio), ratio)
     if min_coeff is not None or max_coeff is not None:

@@ -1,8 +1,8 @@
-"""fn.fsdp.OnebitAdam's DCP checkpoints (fn.fsdp.TrainingCheckpoint) on gloo ranks: saved in the
-warmup, just before the freeze, just after it and in the compressed phase, and resumed in fresh
-processes, a run continues bit for bit (also with the optimizer as a plain DCP Stateful); at
-another world size the momentum is kept and the error feedback restarts with a warning;
-checkpoints that do not match are refused with nothing loaded."""
+"""fn.fsdp.OnebitAdam's and fn.fsdp.OnebitLamb's DCP checkpoints (fn.fsdp.TrainingCheckpoint) on
+gloo ranks: saved in the warmup, just before the freeze, just after it and in the compressed
+phase, and resumed in fresh processes, a run continues bit for bit (also with the optimizer as a
+plain DCP Stateful); at another world size the momentum is kept and the error feedback restarts
+with a warning; checkpoints that do not match are refused with nothing loaded."""
 
 from __future__ import annotations
 
@@ -17,16 +17,24 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 import fn.fsdp
 from tests._distributed import run_distributed
-from tests.fsdp.test_onebit import FREEZE, STEPS, WORLD, Net, batch, build, from_x, full_params
+from tests.fsdp import test_onebit, test_onebit_lamb
+from tests.fsdp.test_onebit import FREEZE, STEPS, WORLD, batch, from_x, full_params
 
 SAVES = (1, FREEZE - 1, FREEZE, FREEZE + 2)  # warmup, before the freeze, after it, compressed
+# per optimizer: its class and the test module whose model it trains
+KINDS = {"adam": (fn.fsdp.OnebitAdam, test_onebit), "lamb": (fn.fsdp.OnebitLamb, test_onebit_lamb)}
+OPTIMIZER = fn.fsdp.ShardedOnebitOptimizer
 
 
-def optimizer(model: nn.Module, freeze_step: int = FREEZE) -> fn.fsdp.OnebitAdam:
-    return fn.fsdp.OnebitAdam(model, lr=1e-2, freeze_step=freeze_step, weight_decay=0.1)
+def build(kind: str, **kwargs) -> nn.Module:
+    return KINDS[kind][1].build(**kwargs)
 
 
-def train_step(model: nn.Module, opt: fn.fsdp.OnebitAdam, rank: int, t: int) -> None:
+def optimizer(kind: str, model: nn.Module, freeze_step: int = FREEZE) -> OPTIMIZER:
+    return KINDS[kind][0](model, lr=1e-2, freeze_step=freeze_step, weight_decay=0.1)
+
+
+def train_step(model: nn.Module, opt: OPTIMIZER, rank: int, t: int) -> None:
     opt.param_groups[0]["lr"] = 1e-2 / t  # a schedule: the resumed run reads it back
     opt.zero_grad()
     x, y = batch(rank, t)
@@ -34,8 +42,11 @@ def train_step(model: nn.Module, opt: fn.fsdp.OnebitAdam, rank: int, t: int) -> 
     opt.step()
 
 
-def full_momentum(opt: fn.fsdp.OnebitAdam) -> dict[str, torch.Tensor]:
-    """Every param's full momentum from the packed signs of its module (the same on all ranks)."""
+def full_momentum(opt: OPTIMIZER) -> dict[str, torch.Tensor]:
+    """Every param's full momentum (the same on all ranks): 1-bit LAMB's shards, or 1-bit Adam's
+    from the packed signs of its module."""
+    if opt.keeps_momentum_shards:
+        return {k: m.full_tensor() for k, m in opt.state_dict()["exp_avg"].items()}
     out = {}
     for layout in opt._layouts:
         signs = opt._compressed[layout.name].signs
@@ -45,9 +56,9 @@ def full_momentum(opt: fn.fsdp.OnebitAdam) -> dict[str, torch.Tensor]:
     return out
 
 
-def _worker_save(rank: int, world_size: int, root: str) -> dict:
-    model = build()
-    opt = optimizer(model)
+def _worker_save(rank: int, world_size: int, root: str, kind: str) -> dict:
+    model = build(kind)
+    opt = optimizer(kind, model)
     history, saved = {}, {}
     for t in range(1, STEPS + 1):
         train_step(model, opt, rank, t)
@@ -63,13 +74,13 @@ def _worker_save(rank: int, world_size: int, root: str) -> dict:
                 momentum=full_momentum(opt),
                 variance={k: v.full_tensor() for k, v in state["exp_avg_sq"].items()},
             )
-    other = build()
+    other = build(kind)
     adamw = torch.optim.AdamW(other.parameters())
     fn.fsdp.TrainingCheckpoint(other, adamw).save(os.path.join(root, "adamw"))
     return dict(history=history, saved=saved)
 
 
-def _refused(model: nn.Module, opt: fn.fsdp.OnebitAdam, path: str) -> tuple[str, bool]:
+def _refused(model: nn.Module, opt: OPTIMIZER, path: str) -> tuple[str, bool]:
     before = full_params(model)
     try:
         fn.fsdp.TrainingCheckpoint(model, opt).load(path)
@@ -81,11 +92,11 @@ def _refused(model: nn.Module, opt: fn.fsdp.OnebitAdam, path: str) -> tuple[str,
     return message, unchanged
 
 
-def _worker_resume(rank: int, world_size: int, root: str, history: dict) -> dict:
+def _worker_resume(rank: int, world_size: int, root: str, history: dict, kind: str) -> dict:
     mismatches, counts = [], {}
     for start in SAVES:
-        model = build(seed=1)  # other weights: the load must overwrite them
-        opt = optimizer(model)
+        model = build(kind, seed=1)  # other weights: the load must overwrite them
+        opt = optimizer(kind, model)
         ckpt = fn.fsdp.TrainingCheckpoint(model, opt)
         ckpt.load(os.path.join(root, str(start)))
         counts[start] = (opt.count, ckpt.step, opt.param_groups[0]["lr"])
@@ -95,8 +106,8 @@ def _worker_resume(rank: int, world_size: int, root: str, history: dict) -> dict
             train_step(model, opt, rank, t)
             got = full_params(model)
             mismatches += [(t, k) for k in got if not torch.equal(got[k], history[t][k])]
-    model = build(seed=1)
-    opt = optimizer(model)
+    model = build(kind, seed=1)
+    opt = optimizer(kind, model)
     state = {"model": get_model_state_dict(model), "optim": opt}
     dcp.load(state, checkpoint_id=os.path.join(root, "stateful"))
     set_model_state_dict(model, state["model"])
@@ -108,7 +119,7 @@ def _worker_resume(rank: int, world_size: int, root: str, history: dict) -> dict
     refusals = {}
     compressed = os.path.join(root, str(SAVES[-1]))
 
-    class Wider(Net):
+    class Wider(KINDS[kind][1].Net):
         def __init__(self) -> None:
             super().__init__()
             self.block = nn.Linear(5, 4)
@@ -119,19 +130,19 @@ def _worker_resume(rank: int, world_size: int, root: str, history: dict) -> dict
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world_size,))
     torch.distributed.fsdp.fully_shard(wider.block, mesh=mesh)
     torch.distributed.fsdp.fully_shard(wider, mesh=mesh)
-    refusals["model"] = _refused(wider, optimizer(wider), compressed)
-    model = build(seed=1)
-    refusals["settings"] = _refused(model, optimizer(model, freeze_step=4), compressed)
-    model = build(seed=1)
-    refusals["adamw"] = _refused(model, optimizer(model), os.path.join(root, "adamw"))
-    model = build(seed=1)
-    refusals["corrupt"] = _refused(model, optimizer(model), os.path.join(root, "corrupt"))
+    refusals["model"] = _refused(wider, optimizer(kind, wider), compressed)
+    model = build(kind, seed=1)
+    refusals["settings"] = _refused(model, optimizer(kind, model, freeze_step=4), compressed)
+    model = build(kind, seed=1)
+    refusals["adamw"] = _refused(model, optimizer(kind, model), os.path.join(root, "adamw"))
+    model = build(kind, seed=1)
+    refusals["corrupt"] = _refused(model, optimizer(kind, model), os.path.join(root, "corrupt"))
     return dict(mismatches=mismatches, counts=counts, refusals=refusals)
 
 
-def _worker_other_world_size(rank: int, world_size: int, root: str) -> dict:
-    model = build(seed=1, world=world_size)
-    opt = optimizer(model)
+def _worker_other_world_size(rank: int, world_size: int, root: str, kind: str) -> dict:
+    model = build(kind, seed=1, world=world_size)
+    opt = optimizer(kind, model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fn.fsdp.TrainingCheckpoint(model, opt).load(os.path.join(root, str(SAVES[-1])))
@@ -146,9 +157,10 @@ def _worker_other_world_size(rank: int, world_size: int, root: str) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_resumes_bit_for_bit_at_every_phase_and_refuses_mismatches(tmp_path):
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_resumes_bit_for_bit_at_every_phase_and_refuses_mismatches(tmp_path, kind):
     root = str(tmp_path)
-    saved = run_distributed(_worker_save, WORLD, root, timeout=240)
+    saved = run_distributed(_worker_save, WORLD, root, kind, timeout=240)
     history = saved[0]["history"]
     for rank in range(WORLD):
         for t, params in saved[rank]["history"].items():
@@ -160,7 +172,7 @@ def test_resumes_bit_for_bit_at_every_phase_and_refuses_mismatches(tmp_path):
             data = source.read()
         with open(os.path.join(corrupt, name), "wb") as target:
             target.write(data[: len(data) // 2] if name.endswith(".distcp") else data)
-    results = run_distributed(_worker_resume, WORLD, root, history, timeout=240)
+    results = run_distributed(_worker_resume, WORLD, root, history, kind, timeout=240)
     for rank, result in enumerate(results):
         assert result["mismatches"] == [], rank
         for start in SAVES:
@@ -176,12 +188,13 @@ def test_resumes_bit_for_bit_at_every_phase_and_refuses_mismatches(tmp_path):
             and "settings" in (refusals["settings"][0])
         )
         assert (
-            refusals["adamw"][0].startswith("ValueError") and "OnebitAdam" in (refusals["adamw"][0])
+            refusals["adamw"][0].startswith("ValueError")
+            and KINDS[kind][0].__name__ in (refusals["adamw"][0])
         )
         assert refusals["corrupt"][0].startswith("ValueError: cannot read the checkpoint")
         assert all(unchanged for _, unchanged in refusals.values()), refusals
 
-    (one,) = run_distributed(_worker_other_world_size, 1, root, timeout=240)
+    (one,) = run_distributed(_worker_other_world_size, 1, root, kind, timeout=240)
     assert len(one["warned"]) == 1 and one["count"] == SAVES[-1]
     expected = saved[0]["saved"]
     for k, m in one["momentum"].items():

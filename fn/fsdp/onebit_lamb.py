@@ -1,0 +1,147 @@
+"""``OnebitLamb``: 1-bit LAMB on a model sharded by FSDP2, its 1-bit allreduce of the scaled
+momenta inside the reduce-scatter of every FSDP2 module (the machinery of
+:class:`~fn.fsdp.onebit.ShardedOnebitOptimizer`; the rule in docs/algorithms.md, "1-bit Adam
+and 1-bit LAMB on FSDP2")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fn.base import CompressedOptimizer
+from fn.collectives import Local, ProcessGroup
+from fn.collectives.onebit import CompressedExchange, compressed_allreduce_exchange
+from fn.fsdp.onebit import ModuleLayout, ShardedOnebitOptimizer
+from fn.transforms import onebit_lamb, onebit_lamb_sharded
+
+__all__ = ["OnebitLamb"]
+
+
+class OnebitLamb(ShardedOnebitOptimizer):
+    r"""1-bit LAMB (``fn.onebit_lamb``) over a model sharded by FSDP2 (``fully_shard``).
+
+    As :class:`~fn.fsdp.OnebitAdam` (the same reduce-scatter, checks, checkpoints and policies),
+    with 1-bit LAMB's rule on the shards (``fn.transforms.onebit_lamb_sharded``, the per-leaf
+    code of ``fn.onebit_lamb``). Its per-param trust ratios need full-tensor norms: each
+    update all-gathers every rank's per-param sums of squares (and the factor's maxima), a few
+    fp64 values per param, and reduces them in rank order, so every rank computes the same
+    ratios. At the last warmup update the same all-gather carries the momentum norms that fix
+    the scaling coefficients :math:`s_\ell`; from the freeze on, a module's compressed vector
+    is its params' scaled momenta :math:`s_\ell(\beta_1 m_\ell + (1-\beta_1) g_{r,\ell})` in
+    FSDP2's layout, the packed signs hold the scaled result, and ``step()`` reads
+    :math:`m_\ell` back as its shard divided by :math:`s_\ell`:
+
+    .. math::
+        \hat g = (m - \beta_1 m_{last}) / (1 - \beta_1),\quad
+        \tilde v \leftarrow \beta_2 \tilde v + (1-\beta_2) \hat g^2,\quad
+        p \leftarrow p - \eta R f\, (\mathrm{clip}(m / (\sqrt v + \epsilon)) + \lambda p)
+
+    with the frozen trust ratio :math:`R` and the factor :math:`f` of ``fn.onebit_lamb``.
+    Per rank it keeps, beyond :class:`~fn.fsdp.OnebitAdam`'s buffers, the fresh variance
+    :math:`\tilde v` and the momentum's fp32 shard (its value before the update), both
+    ``n / W``, and three scalars per param.
+
+    The one difference from ``fn.onebit_lamb`` with DDP is where the momenta are fused: per
+    FSDP2 module (one error pair per module) instead of all params in one vector; a norm is
+    the square root of the fp64 sum of the shards' sums of squares, rounded once to fp32
+    (``fn.onebit_lamb`` takes ``torch.linalg.vector_norm`` of the full tensor).
+
+    Args:
+        model: as :class:`~fn.fsdp.OnebitAdam`.
+        lr, freeze_step, betas, eps, weight_decay, max_coeff, min_coeff, coeff_beta,
+            factor_max, factor_min, factor_threshold, safeguard: as ``fn.onebit_lamb``
+            (``lr`` read from ``param_groups[0]["lr"]`` at every step).
+        exp_avg_mask, nonfinite, local_world_size, error_dtype: as
+            :class:`~fn.fsdp.OnebitAdam` (the same options are not built yet).
+
+    Raises:
+        ValueError, NotImplementedError: as :class:`~fn.fsdp.OnebitAdam`, on every rank.
+
+    Example:
+        >>> import torch, torch.distributed as dist
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> import fn.fsdp
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = fully_shard(torch.nn.Linear(2, 1), mesh=init_device_mesh("cpu", (1,)))
+        >>> opt = fn.fsdp.OnebitLamb(model, lr=1e-2, freeze_step=2)
+        >>> for _ in range(3):
+        ...     opt.zero_grad()
+        ...     model(torch.ones(1, 2)).sum().backward()
+        ...     opt.step()
+        >>> opt.count
+        3
+        >>> dist.destroy_process_group()
+    """
+
+    keeps_momentum_shards = True
+    scalar_fields = ("lamb_coeff_freeze", "last_factor", "scaling_coeff")
+    optional_fields = ("exp_avg_sq_fresh",)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        coeff_beta: float = 0.9,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+        *,
+        exp_avg_mask: Any = None,
+        nonfinite: str = "raise",
+        safeguard: bool = True,
+        local_world_size: int | None = None,
+        error_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        settings = dict(
+            lr=lr, freeze_step=freeze_step, betas=tuple(betas), eps=eps,
+            weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff,
+            coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
+            factor_threshold=factor_threshold, safeguard=safeguard,
+        )  # fmt: skip
+        super().__init__(
+            model,
+            settings,
+            non_freeze=False,
+            exp_avg_mask=exp_avg_mask,
+            nonfinite=nonfinite,
+            local_world_size=local_world_size,
+            error_dtype=error_dtype,
+        )
+
+    def _make_rule(self, settings: dict[str, Any], comm: Any) -> CompressedOptimizer:
+        return onebit_lamb_sharded(**settings, comm=comm)
+
+    def _single_rank_rule(
+        self, settings: dict[str, Any], error_dtype: torch.dtype
+    ) -> CompressedOptimizer:
+        return onebit_lamb(**settings, comm=Local(), error_dtype=error_dtype)
+
+    def _exchange(
+        self,
+        layout: ModuleLayout,
+        held: Any,
+        comm: ProcessGroup,
+        momentum: torch.Tensor,
+        grad: torch.Tensor,
+    ) -> CompressedExchange | None:
+        """Every param's scaled momentum ``s (b1 m + (1 - b1) g_r)``, with ``m`` the packed
+        result divided by ``s`` (at the freeze: the warmup's momentum, unscaled)."""
+        rows = momentum.view(comm.world_size, layout.padded_row)
+        grads = grad.view(comm.world_size, layout.padded_row)
+        b1 = self._b1
+        for slot in layout.slots:
+            columns = slice(slot.offset, slot.offset + slot.width)
+            s = self._state.scaling_coeff[slot.name]
+            m = rows[:, columns] if held.signs is None else rows[:, columns] / s
+            # rounded as fn.transforms' moving average: the two products, then their sum
+            rows[:, columns] = (b1 * m + (1 - b1) * grads[:, columns]) * s
+        return compressed_allreduce_exchange(momentum, *held.errors, comm=comm)
