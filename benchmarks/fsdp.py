@@ -18,11 +18,13 @@ the training steps only (not the held-out evaluation). Then the held-out loss of
 (LoCo should be within about 1% of dense) and the median step time (the first ``--warmup`` steps
 left out), with dense's step time over each mode's.
 
-Then 1-bit Adam, with the same model, data and steps (``freeze_step`` ``--freeze-step``):
+Then 1-bit Adam (``--onebit adam``) or 1-bit LAMB (``--onebit lamb``), with the same model,
+data and steps (``freeze_step`` ``--freeze-step``):
 
-- ``onebit``: FSDP2 + ``fn.fsdp.OnebitAdam`` (1-bit momentum inside each module's reduce-scatter);
+- ``onebit``: FSDP2 + ``fn.fsdp.OnebitAdam`` (or ``OnebitLamb``: 1-bit momentum inside each
+  module's reduce-scatter);
 - ``ddp+onebit``: the unsharded model in ``DistributedDataParallel`` + ``fn.optim.OnebitAdam``
-  (``fn.ddp.register``), the same rule on replicated params.
+  (or ``OnebitLamb``; ``fn.ddp.register``), the same rule on replicated params.
 
 Their bytes are counted per compressed step after the freeze (the freeze's one all-gather of the
 momentum left out). FSDP2's parameter all-gathers are the same as dense's (same model), so the
@@ -37,7 +39,7 @@ functions, its cleanup: the namespaces go also on errors, timeouts and Ctrl-C; `
 benchmarks/cluster.py --cleanup --prefix fnfsdp`` removes what a killed run left). All ranks share
 this machine's CPUs, so compute-bound steps are pessimistic.
 
-Run:  python3 benchmarks/fsdp.py [--ranks 2] [--steps 200] [--json out.json]
+Run:  python3 benchmarks/fsdp.py [--ranks 2] [--steps 200] [--onebit adam|lamb] [--json out.json]
       python3 benchmarks/fsdp.py --steps 3 --layers 1 --d-model 32   (a smoke run)
       sudo python3 benchmarks/fsdp.py --rate 1gbit --ranks 4 --d-model 512 --layers 4 \\
           --batch 2 --context 16 --steps 30 --warmup 3   (1 Gbit/s links, 12.6M params: few
@@ -71,6 +73,7 @@ from fn.app._launch import spawn_gloo  # noqa: E402
 
 MODES = ("dense", "loco", "qgz", "loco+qwz")
 ONEBIT_MODES = ("onebit", "ddp+onebit")
+ONEBIT_OPTIMIZERS = {"adam": "OnebitAdam", "lamb": "OnebitLamb"}  # by --onebit
 
 
 def _load(name: str, path: str):
@@ -181,19 +184,20 @@ def _timed_step(example, model, optimizer, batch, counter: ByteCounter) -> float
 
 
 def _train_onebit(mode, example, args, table, counter, rank, world_size, config) -> dict:
-    """Trains with 1-bit Adam (``onebit``: FSDP2; ``ddp+onebit``: DDP), counting the bytes of
-    the compressed steps after the freeze."""
+    """Trains with 1-bit Adam or LAMB (``onebit``: FSDP2; ``ddp+onebit``: DDP), counting the
+    bytes of the compressed steps after the freeze."""
     steps, warmup, freeze = config["steps"], config["warmup"], config["freeze_step"]
     hyper = dict(lr=args.lr, freeze_step=freeze, weight_decay=0.01)
+    name = ONEBIT_OPTIMIZERS[config["onebit"]]
     if mode == "onebit":
         model = example.sharded_transformer(args, world_size)
-        optimizer = fn.fsdp.OnebitAdam(model, **hyper)
+        optimizer = getattr(fn.fsdp, name)(model, **hyper)
     else:
         torch.manual_seed(args.seed)
         model = DistributedDataParallel(
             example.Transformer(args.vocab, args.d_model, args.heads, args.layers, args.context)
         )
-        optimizer = fn.optim.OnebitAdam(model.parameters(), **hyper)
+        optimizer = getattr(fn.optim, name)(model.parameters(), **hyper)
         fn.ddp.register(model, optimizer)
     counter.reset()
     times, fn_before = [], 0
@@ -268,7 +272,9 @@ def print_results(rank0: dict, config: dict) -> None:
 
 
 def print_onebit(rank0: dict, config: dict) -> None:
-    """1-bit Adam's rows: bytes per compressed step and held-out loss (module docstring)."""
+    """The 1-bit rows: bytes per compressed step and held-out loss (module docstring)."""
+    name = ONEBIT_OPTIMIZERS[config["onebit"]]
+    family = {"adam": "1-bit Adam", "lamb": "1-bit LAMB"}[config["onebit"]]
     dense, onebit, ddp = rank0["dense"], rank0["onebit"], rank0["ddp+onebit"]
     dense_grad = dense["bytes_per_step"].get("reduce_scatter", 0)
     dense_gather = dense["bytes_per_step"].get("all_gather", 0)
@@ -278,32 +284,32 @@ def print_onebit(rank0: dict, config: dict) -> None:
     gloo_ratio = onebit_grad / dense["gloo_bytes_per_step"].get("reduce_scatter", 0)
     loss_vs = onebit["held_out_loss"] / ddp["held_out_loss"] - 1
     print(
-        f"\n1-bit Adam, freeze_step {config['freeze_step']}: bytes per rank per compressed step "
+        f"\n{family}, freeze_step {config['freeze_step']}: bytes per rank per compressed step "
         f"after the freeze ({config['steps'] - config['freeze_step']} steps), rank 0"
     )
     print(f"{'mode':<22} {'gradients':>12} {'params':>12} {'total':>12} {'fn count':>12}")
     dense_row = f"{'FSDP2 + AdamW (dense)':<22} {dense_grad:>12.0f} {dense_gather:>12.0f}"
     print(dense_row + f" {sum(dense['bytes_per_step'].values()):>12.0f} {'-':>12}")
     print(
-        f"{'FSDP2 + fn OnebitAdam':<22} {onebit_grad:>12.0f} {dense_gather:>12.0f} "
+        f"{'FSDP2 + fn ' + name:<22} {onebit_grad:>12.0f} {dense_gather:>12.0f} "
         f"{onebit_total:>12.0f} {onebit['fn_bytes_per_step']:>12.0f}"
     )
     ddp_total = sum(ddp["bytes_per_step"].values())
     print(f"{'DDP + fn.optim (1-bit)':<22} {ddp_total:>12.0f} {0:>12} {ddp_total:>12.0f} {'-':>12}")
     print(
-        f"gradient bytes, FSDP2 + fn OnebitAdam / FSDP2 + AdamW reduce-scatter: {ratio:.4f} "
+        f"gradient bytes, FSDP2 + fn {name} / FSDP2 + AdamW reduce-scatter: {ratio:.4f} "
         f"(1/{1 / ratio:.1f}; target <= 0.1: {'met' if ratio <= 0.1 else 'NOT met'}; against "
         f"gloo's real reduce-scatter traffic {gloo_ratio:.4f})"
     )
     print(
-        f"held-out loss after {config['steps']} steps: FSDP2 + fn OnebitAdam "
-        f"{onebit['held_out_loss']:.4f}, DDP + fn.optim.OnebitAdam {ddp['held_out_loss']:.4f}, "
+        f"held-out loss after {config['steps']} steps: FSDP2 + fn {name} "
+        f"{onebit['held_out_loss']:.4f}, DDP + fn.optim.{name} {ddp['held_out_loss']:.4f}, "
         f"FSDP2 + AdamW {dense['held_out_loss']:.4f}; FSDP2/DDP {loss_vs:+.2%} "
         f"(target within 1%: {'met' if abs(loss_vs) <= 0.01 else 'NOT met'})"
     )
     print(
-        f"median compressed step: FSDP2 + fn OnebitAdam {onebit['step_s']:.3f} s, DDP + "
-        f"fn.optim.OnebitAdam {ddp['step_s']:.3f} s, FSDP2 + AdamW {dense['step_s']:.3f} s"
+        f"median compressed step: FSDP2 + fn {name} {onebit['step_s']:.3f} s, DDP + "
+        f"fn.optim.{name} {ddp['step_s']:.3f} s, FSDP2 + AdamW {dense['step_s']:.3f} s"
     )
 
 
@@ -319,6 +325,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument(
         "--freeze-step", type=int, default=None, help="1-bit Adam's (default: steps // 4, >= 2)"
+    )
+    p.add_argument(
+        "--onebit", choices=list(ONEBIT_OPTIMIZERS), default="adam", help="the 1-bit rows' family"
     )
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--json", default=None, help="also write rank 0's results here")
@@ -351,6 +360,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "steps": args.steps,
         "warmup": args.warmup,
         "freeze_step": args.freeze_step,
+        "onebit": args.onebit,
         "rate": args.rate,
         "timeout": args.timeout,
         "example_args": [

@@ -1,17 +1,19 @@
-"""FSDP2 (``fully_shard``) training with 1-bit Adam: a small transformer on CPU.
+"""FSDP2 (``fully_shard``) training with 1-bit Adam or 1-bit LAMB: a small transformer on CPU.
 
-Every transformer block and the root are FSDP2 modules; ``fn.fsdp.OnebitAdam`` updates their
-shards. Up to ``--freeze-step`` the gradients are reduce-scattered densely (Adam's warmup, ``m``
-and ``v`` sharded); from then on each module's reduce-scatter sends its momentum as 1 bit per
-element with error feedback, and every rank keeps the full momentum as packed signs. The model
-and the data are those of examples/fsdp_loco.py (a random bigram chain, each rank its own
-stream). Checkpoints (``--checkpoint DIR``) are ``torch.distributed.checkpoint`` directories
-with the model, the optimizer (its shards, its packed momentum, every rank's error feedback) and
-the step; ``--resume`` continues one, at any step, and the resumed run equals the uninterrupted
-one bit for bit. At the end the ranks check that their all-gathered params are identical.
+Every transformer block and the root are FSDP2 modules; ``fn.fsdp.OnebitAdam`` (or
+``fn.fsdp.OnebitLamb`` with ``--optimizer lamb``) updates their shards. Up to ``--freeze-step``
+the gradients are reduce-scattered densely (the warmup, ``m`` and ``v`` sharded); from then on
+each module's reduce-scatter sends its momentum as 1 bit per element with error feedback, and
+every rank keeps the full momentum as packed signs. The model and the data are those of
+examples/fsdp_loco.py (a random bigram chain, each rank its own stream). Checkpoints
+(``--checkpoint DIR``) are ``torch.distributed.checkpoint`` directories with the model, the
+optimizer (its shards, its packed momentum, every rank's error feedback) and the step;
+``--resume`` continues one, at any step, and the resumed run equals the uninterrupted one bit
+for bit. At the end the ranks check that their all-gathered params are identical.
 
 Run:
     torchrun --nproc-per-node 2 examples/fsdp_onebit.py --max-steps 40 --freeze-step 10
+    torchrun --nproc-per-node 2 examples/fsdp_onebit.py --max-steps 40 --optimizer lamb
     torchrun --nproc-per-node 2 examples/fsdp_onebit.py --max-steps 12 --checkpoint /tmp/ck
     torchrun --nproc-per-node 2 examples/fsdp_onebit.py --max-steps 40 --checkpoint /tmp/ck --resume
 """
@@ -31,7 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples.fsdp_loco import parse_training_args, sharded_transformer, train  # noqa: E402
 from fn.collectives import exit_distributed  # noqa: E402
-from fn.fsdp import OnebitAdam, TrainingCheckpoint  # noqa: E402
+from fn.fsdp import OnebitAdam, OnebitLamb, TrainingCheckpoint  # noqa: E402
+
+OPTIMIZERS = {"adam": OnebitAdam, "lamb": OnebitLamb}
 
 
 def params_checksum(model: nn.Module) -> int:
@@ -47,6 +51,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--max-steps", type=int, default=40)
     p.add_argument("--freeze-step", type=int, default=10, help="first compressed update")
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam")
     return parse_training_args(p, argv)
 
 
@@ -56,7 +61,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     try:
         model = sharded_transformer(args, world_size)
-        optimizer = OnebitAdam(model, lr=args.lr, freeze_step=args.freeze_step, weight_decay=0.01)
+        optimizer = OPTIMIZERS[args.optimizer](
+            model, lr=args.lr, freeze_step=args.freeze_step, weight_decay=0.01
+        )
         checkpoint = TrainingCheckpoint(model, optimizer)
         if args.resume:
             checkpoint.load(args.checkpoint)

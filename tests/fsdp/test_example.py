@@ -49,9 +49,11 @@ def test_example_trains_and_resumes_exactly(tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_onebit_example_resumes_after_the_freeze_exactly(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adam", "lamb"])
+def test_onebit_example_resumes_after_the_freeze_exactly(tmp_path, optimizer):
     def onebit(*args: str) -> str:
-        return torchrun("--freeze-step", "2", *args, example="fsdp_onebit.py", tiny=MODEL)
+        flags = ("--freeze-step", "2", "--optimizer", optimizer)
+        return torchrun(*flags, *args, example="fsdp_onebit.py", tiny=MODEL)
 
     straight = onebit("--max-steps", "4")
     checkpoint = str(tmp_path / "ckpt")
