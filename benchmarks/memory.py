@@ -55,14 +55,17 @@ error feedback, in the compressed phase, each beside its formula (docs/algorithm
 and 1-bit LAMB on FSDP2"): FSDP2 ``4n/W`` params ``+ 4n/W`` grads ``+ 4n/W`` (v) ``+ n/8`` (m)
 ``+ e n + e n/W`` (errors, ``e`` bytes each), replicated ``4n + 4n + 4n + n/8 + e n + e n/W``.
 Targets at ``W = 4``: <= 0.5x of the replicated fp32-error total with fp32 errors, <= 0.4x with
-bf16 errors. The FSDP2 optimizer's state is what it holds between steps (the shards of ``v``,
+bf16 errors. ``--fsdp-onebit lamb`` measures ``fn.fsdp.OnebitLamb`` against
+``fn.optim.OnebitLamb`` the same way: both add the fresh variance ``v~`` (``4n/W`` and ``4n``)
+and FSDP2 the momentum's fp32 shard (``4n/W``, which 1-bit LAMB's step reads); the same targets
+are shown. The FSDP2 optimizer's state is what it holds between steps (the shards of ``v``,
 each module's packed momentum and this rank's errors); the adapter's is ``state`` above, its
 spare state and gradient buffer printed beside, not in the total.
 
 Run: python3 benchmarks/memory.py [--world-sizes 2,4] [--params 25e6] [--dtype float32]
      [--freeze 3] [--compressed-steps 3] [--optimizers NAME[:KEY=VALUE,...] ...]
      [--optimizer-kwargs KEY=VALUE,...] [--timeout 600] [--json FILE]
-     python3 benchmarks/memory.py --fsdp-onebit [--world-sizes 2,4] [--params 25e6]
+     python3 benchmarks/memory.py --fsdp-onebit [adam|lamb] [--world-sizes 2,4] [--params 25e6]
 """
 
 from __future__ import annotations
@@ -435,6 +438,7 @@ def merge_ranks(results: Sequence[dict]) -> dict:
 
 
 FSDP_TARGETS = {"float32": 0.5, "bfloat16": 0.4}  # x the replicated fp32-error total, W = 4
+FSDP_FAMILIES = {"adam": "OnebitAdam", "lamb": "OnebitLamb"}  # by --fsdp-onebit
 
 
 def _local_storages(tree: Any) -> int:
@@ -447,7 +451,7 @@ def _local_storages(tree: Any) -> int:
 
 def fsdp_onebit_worker(rank: int, world_size: int, send: Any, cfg: dict, dtype: str) -> dict:
     """One gloo rank: params, grads and optimizer-state bytes of FSDP2 + ``fn.fsdp.OnebitAdam``
-    and of replicated params + ``fn.optim.OnebitAdam``, after the compressed steps."""
+    (or ``OnebitLamb``) and of replicated params + ``fn.optim``'s, after the compressed steps."""
     del send
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -467,9 +471,9 @@ def fsdp_onebit_worker(rank: int, world_size: int, send: Any, cfg: dict, dtype: 
                     if isinstance(layer, torch.nn.Linear):
                         fully_shard(layer, mesh=mesh)
                 fully_shard(model, mesh=mesh)
-                opt = fn.fsdp.OnebitAdam(model, **kwargs)
+                opt = getattr(fn.fsdp, FSDP_FAMILIES[cfg["family"]])(model, **kwargs)
             else:
-                opt = fn.optim.OnebitAdam(model.parameters(), **kwargs)
+                opt = getattr(fn.optim, FSDP_FAMILIES[cfg["family"]])(model.parameters(), **kwargs)
             for _ in range(cfg["freeze"] - 1 + cfg["compressed_steps"]):
                 opt.zero_grad()
                 x = torch.randn(8, cfg["width"], generator=generator)
@@ -490,13 +494,15 @@ def fsdp_onebit_worker(rank: int, world_size: int, send: Any, cfg: dict, dtype: 
     return out
 
 
-def fsdp_formula(setup: str, numel: int, world_size: int, dtype: str) -> float:
+def fsdp_formula(setup: str, numel: int, world_size: int, dtype: str, family: str) -> float:
     """Params + grads + optimizer state per rank, compressed phase (module docstring)."""
     e = _DTYPES[dtype].itemsize
     errors = e * numel + e * numel / world_size
+    full = {"adam": 12, "lamb": 16}[family] * numel  # params, grads, v (and LAMB's v~)
     if setup == "fsdp":
-        return 12 * numel / world_size + numel / 8 + errors
-    return 12 * numel + numel / 8 + errors
+        full += 4 * numel if family == "lamb" else 0  # the momentum's fp32 shard
+        return full / world_size + numel / 8 + errors
+    return full + numel / 8 + errors
 
 
 def fsdp_onebit_rows(args: argparse.Namespace, cfg: dict, numel: int) -> list[dict[str, Any]]:
@@ -505,7 +511,8 @@ def fsdp_onebit_rows(args: argparse.Namespace, cfg: dict, numel: int) -> list[di
     for world_size in args.world_sizes:
         measured = {}
         for dtype in ("float32", "bfloat16"):
-            print(f"W={world_size} FSDP2 vs replicated 1-bit Adam, {dtype} errors ...", flush=True)
+            name = FSDP_FAMILIES[cfg["family"]]
+            print(f"W={world_size} FSDP2 vs replicated {name}, {dtype} errors ...", flush=True)
             ranks = spawn_gloo(
                 fsdp_onebit_worker,
                 world_size,
@@ -521,7 +528,7 @@ def fsdp_onebit_rows(args: argparse.Namespace, cfg: dict, numel: int) -> list[di
             for setup in ("replicated", "fsdp"):
                 row = dict(measured[dtype][setup], W=world_size, setup=setup, errors=dtype)
                 row["total"] = row["params"] + row["grads"] + row["state"]
-                row["formula"] = fsdp_formula(setup, numel, world_size, dtype)
+                row["formula"] = fsdp_formula(setup, numel, world_size, dtype, cfg["family"])
                 row["ratio"] = row["total"] / baseline_total
                 target = FSDP_TARGETS[dtype] if setup == "fsdp" else None
                 row["target"] = target if world_size == TARGET_WORLD_SIZE else None
@@ -529,9 +536,10 @@ def fsdp_onebit_rows(args: argparse.Namespace, cfg: dict, numel: int) -> list[di
     return rows
 
 
-def format_fsdp_table(rows: Sequence[dict[str, Any]]) -> str:
+def format_fsdp_table(rows: Sequence[dict[str, Any]], family: str) -> str:
     """The ``--fsdp-onebit`` rows as a markdown table (MiB)."""
-    names = {"fsdp": "FSDP2 + fn.fsdp.OnebitAdam", "replicated": "DDP + fn.optim.OnebitAdam"}
+    name = FSDP_FAMILIES[family]
+    names = {"fsdp": f"FSDP2 + fn.fsdp.{name}", "replicated": f"DDP + fn.optim.{name}"}
     header = (
         "| W | setup | errors | params MiB | grads MiB | state MiB | total MiB | formula MiB "
         "| x DDP fp32 errors | not in total MiB | target |"
@@ -571,8 +579,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", help="also write the rows (bytes) to this file")
     parser.add_argument(
         "--fsdp-onebit",
-        action="store_true",
-        help="params + grads + state of FSDP2 + fn.fsdp.OnebitAdam vs replicated (see above)",
+        nargs="?",
+        const="adam",
+        choices=list(FSDP_FAMILIES),
+        help="params + grads + state of FSDP2 + fn.fsdp.OnebitAdam (or OnebitLamb) vs "
+        "replicated (see above)",
     )
     args = parser.parse_args(argv)
     sizes = args.world_sizes.split(",")
@@ -608,9 +619,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{torch.__version__}; load average {os.getloadavg()[0]:.2f}"
     )
     if args.fsdp_onebit:
+        cfg["family"] = args.fsdp_onebit
         rows = fsdp_onebit_rows(args, cfg, numel)
         print("\nCPU, gloo ranks, compressed phase, fp32 params, per rank (rank 0)\n")
-        print(format_fsdp_table(rows))
+        print(format_fsdp_table(rows, args.fsdp_onebit))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({**cfg, "numel": numel, "fsdp_onebit": rows}, f, indent=1)

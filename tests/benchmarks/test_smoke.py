@@ -515,9 +515,11 @@ def _markdown_rows(text):
 
 
 @pytest.mark.timeout(180)
-def test_memory_fsdp_onebit_rows_match_their_formula(tmp_path):
+@pytest.mark.parametrize("family", ["adam", "lamb"])
+def test_memory_fsdp_onebit_rows_match_their_formula(tmp_path, family):
     report = tmp_path / "rows.json"
-    args = ("--fsdp-onebit", "--params", "2e4", "--world-sizes", "2", "--compressed-steps", "1")
+    args = ("--fsdp-onebit", family, "--params", "2e4", "--world-sizes", "2")
+    args += ("--compressed-steps", "1")
     proc = _cli("memory.py", *args, "--json", str(report), timeout=170)
     assert proc.returncode == 0, proc.stderr
     assert len(_markdown_rows(proc.stdout)) == 4, proc.stdout
