@@ -23,6 +23,9 @@ data and steps (``freeze_step`` ``--freeze-step``):
 
 - ``onebit``: FSDP2 + ``fn.fsdp.OnebitAdam`` (or ``OnebitLamb``: 1-bit momentum inside each
   module's reduce-scatter);
+- ``onebit+qwz``: the same, with FSDP2's parameter all-gathers in 8-bit groups
+  (``fn.fsdp.quantized_all_gather``, ZeRO++ qwZ: forward and backward on the dequantized
+  weights, the shards and their updates exact);
 - ``ddp+onebit``: the unsharded model in ``DistributedDataParallel`` + ``fn.optim.OnebitAdam``
   (or ``OnebitLamb``; ``fn.ddp.register``), the same rule on replicated params.
 
@@ -72,7 +75,7 @@ import fn.optim  # noqa: E402
 from fn.app._launch import spawn_gloo  # noqa: E402
 
 MODES = ("dense", "loco", "qgz", "loco+qwz")
-ONEBIT_MODES = ("onebit", "ddp+onebit")
+ONEBIT_MODES = ("onebit", "onebit+qwz", "ddp+onebit")
 ONEBIT_OPTIMIZERS = {"adam": "OnebitAdam", "lamb": "OnebitLamb"}  # by --onebit
 
 
@@ -189,9 +192,11 @@ def _train_onebit(mode, example, args, table, counter, rank, world_size, config)
     steps, warmup, freeze = config["steps"], config["warmup"], config["freeze_step"]
     hyper = dict(lr=args.lr, freeze_step=freeze, weight_decay=0.01)
     name = ONEBIT_OPTIMIZERS[config["onebit"]]
-    if mode == "onebit":
+    if mode.startswith("onebit"):
         model = example.sharded_transformer(args, world_size)
         optimizer = getattr(fn.fsdp, name)(model, **hyper)
+        if mode.endswith("+qwz"):
+            fn.fsdp.quantized_all_gather(model, bits=8, group_size=args.group_size)
     else:
         torch.manual_seed(args.seed)
         model = DistributedDataParallel(
@@ -294,6 +299,12 @@ def print_onebit(rank0: dict, config: dict) -> None:
         f"{'FSDP2 + fn ' + name:<22} {onebit_grad:>12.0f} {dense_gather:>12.0f} "
         f"{onebit_total:>12.0f} {onebit['fn_bytes_per_step']:>12.0f}"
     )
+    qwz = rank0["onebit+qwz"]
+    qwz_total = sum(qwz["bytes_per_step"].values())
+    print(  # the same optimizer: its gradient bytes are the row above's
+        f"{'  + 8-bit all-gathers':<22} {onebit_grad:>12.0f} {qwz_total - onebit_grad:>12.0f} "
+        f"{qwz_total:>12.0f} {qwz['fn_bytes_per_step']:>12.0f}"
+    )
     ddp_total = sum(ddp["bytes_per_step"].values())
     print(f"{'DDP + fn.optim (1-bit)':<22} {ddp_total:>12.0f} {0:>12} {ddp_total:>12.0f} {'-':>12}")
     print(
@@ -305,10 +316,13 @@ def print_onebit(rank0: dict, config: dict) -> None:
         f"held-out loss after {config['steps']} steps: FSDP2 + fn {name} "
         f"{onebit['held_out_loss']:.4f}, DDP + fn.optim.{name} {ddp['held_out_loss']:.4f}, "
         f"FSDP2 + AdamW {dense['held_out_loss']:.4f}; FSDP2/DDP {loss_vs:+.2%} "
-        f"(target within 1%: {'met' if abs(loss_vs) <= 0.01 else 'NOT met'})"
+        f"(target within 1%: {'met' if abs(loss_vs) <= 0.01 else 'NOT met'}); with 8-bit "
+        f"all-gathers {qwz['held_out_loss']:.4f}"
     )
     print(
-        f"median compressed step: FSDP2 + fn {name} {onebit['step_s']:.3f} s, DDP + "
+        f"median compressed step: FSDP2 + fn {name} {onebit['step_s']:.3f} s "
+        f"({dense['step_s'] / onebit['step_s']:.2f}x FSDP2 + AdamW), with 8-bit all-gathers "
+        f"{qwz['step_s']:.3f} s ({dense['step_s'] / qwz['step_s']:.2f}x), DDP + "
         f"fn.optim.{name} {ddp['step_s']:.3f} s, FSDP2 + AdamW {dense['step_s']:.3f} s"
     )
 

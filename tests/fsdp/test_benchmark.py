@@ -57,6 +57,9 @@ def test_tiny_benchmark_counts_bytes_and_losses(tmp_path):
         )
     )
     assert results["onebit"]["fn_bytes_per_step"] < 0.1 * dense["reduce_scatter"]
+    qwz = results["onebit+qwz"]  # the same 1-bit gradients, the params in 8 bits (+ scales)
+    assert qwz["fn_bytes_per_step"] == results["onebit"]["fn_bytes_per_step"]
+    assert qwz["bytes_per_step"]["all_gather"] < 0.4 * onebit["all_gather"]
     assert results["ddp+onebit"]["fn_bytes_per_step"] is None
     assert 0 < results["ddp+onebit"]["bytes_per_step"]["all_to_all"] < 0.1 * dense["reduce_scatter"]
     assert "gradient bytes, FSDP2 + fn OnebitAdam / FSDP2 + AdamW reduce-scatter" in proc.stdout
