@@ -21,6 +21,7 @@ from tests.fsdp.test_onebit import (
     LR,
     STEPS,
     WORLD,
+    _refusal,
     batch,
     car,
     from_x,
@@ -207,14 +208,6 @@ def _worker_bf16(rank: int, world_size: int) -> dict:
         nn.functional.mse_loss(model(x).float(), y).backward()
         opt.step()
     return dict(start=start, params=full_params(model), count=opt.count)
-
-
-def _refusal(make) -> tuple[str, str] | None:
-    try:
-        make()
-    except (ValueError, NotImplementedError) as error:
-        return type(error).__name__, str(error)
-    return None
 
 
 def _worker_bad_input(rank: int, world_size: int) -> dict:
