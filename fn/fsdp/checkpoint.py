@@ -5,9 +5,9 @@ dicts (``torch.distributed.checkpoint.state_dict.get_state_dict``): every rank w
 shards. fn's error feedback is per rank too; a :class:`~fn.fsdp.LocoReduceScatterHandle` keys it
 by rank, so the same ``dcp.save`` / ``dcp.load`` carries it. Resuming needs the same world size
 and model: the error feedback of one rank means nothing to another. An
-:class:`~fn.fsdp.OnebitAdam` (and :class:`~fn.fsdp.OnebitLamb`) saves its own state dict (its shards, its packed momentum once, each
-rank's errors under that rank's name); its checkpoints load at any update, and at another world
-size with the error feedback reset.
+:class:`~fn.fsdp.OnebitAdam` (or :class:`~fn.fsdp.OnebitLamb`) saves its own state dict (its
+shards, its packed momentum once, each rank's errors under that rank's name); its checkpoints
+load at any update, and at another world size with the error feedback reset.
 """
 
 from __future__ import annotations
@@ -110,14 +110,14 @@ class TrainingCheckpoint:
     def load(self, path: str | os.PathLike) -> None:
         """Restores everything from the checkpoint directory ``path`` (collective).
 
-        For a :class:`~fn.fsdp.ShardedOnebitOptimizer` it reads the optimizer's header first and the rest
-        into new tensors laid out as saved, then restores them: a checkpoint of another model
-        or other settings, or one that cannot be read, raises on every rank with nothing
-        changed.
+        For a :class:`~fn.fsdp.ShardedOnebitOptimizer` it reads the optimizer's header first
+        and the rest into new tensors laid out as saved, then restores them: a checkpoint of
+        another model or other settings, or one that cannot be read, raises on every rank with
+        nothing changed.
 
         Raises:
-            ValueError: (a ``ShardedOnebitOptimizer``) the checkpoint does not match the model or optimizer,
-                or cannot be read.
+            ValueError: (a ``ShardedOnebitOptimizer``) the checkpoint does not match the model or
+                optimizer, or cannot be read.
         """
         if not isinstance(self.optimizer, ShardedOnebitOptimizer):
             dcp.load({"training": self}, checkpoint_id=path)

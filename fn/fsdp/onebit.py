@@ -19,6 +19,7 @@ import math
 import warnings
 import weakref
 import zlib
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -30,6 +31,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import (
 )  # torch exports no public name
 from torch.distributed.tensor import DTensor, Shard
 
+from fn import kernels
 from fn.base import CompressedOptimizer, apply_updates, set_hyperparams
 from fn.collectives import (
     Local,
@@ -183,8 +185,10 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         problem = _problem(model, found, non_freeze, exp_avg_mask, nonfinite, local_world_size)
         if problem is None:
             problem = self._bad_settings(settings, error_dtype)
+        masks = None if problem else exp_avg_mask
+        self._mask_crc = _mask_checksum(masks, [p for _, ps in found for _, p in ps])
         fingerprint = repr(
-            (settings, non_freeze, exp_avg_mask is None, nonfinite, local_world_size,
+            (settings, non_freeze, self._mask_crc, nonfinite, local_world_size,
              str(error_dtype), [(m, [(n, tuple(p.shape)) for n, p in ps]) for m, ps in found])
         )  # fmt: skip
         _agree(self.name, group, problem, fingerprint)
@@ -195,6 +199,10 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         self.rank = dist.get_rank(group)
         self._layouts = [module_layout(name, params, world_size) for name, params in found]
         self._compressed = {layout.name: _Compressed() for layout in self._layouts}
+        self._masks = {  # by module: its exp_avg_mask as bits in the layout of X, or None
+            x.name: None if masks is None else _module_mask(x, masks, world_size)
+            for x in self._layouts
+        }
         self._b1 = float(settings["betas"][0])
         params = [slot.param for layout in self._layouts for slot in layout.slots]
         super().__init__(params, dict(settings))
@@ -387,7 +395,8 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
                         slots = [(s.name, s.param) for s in layout.slots]
                         old = module_layout(layout.name, slots, world_size)
                         world, rank = self.comm.world_size, self.rank
-                        exp_avg.update(_momentum_from_signs(old, held.signs, world, rank))
+                        shards = _momentum_from_signs(old, held.signs, world, rank)
+                        exp_avg.update(self._masked_shards(layout, shards))
                     held.signs = None
             compressed[layout.name] = held
         if not same and any(signed):
@@ -429,7 +438,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         )
         group = self.param_groups[0]
         fixed = {k: group[k] for k in sorted(group) if k not in ("params", "lr")}
-        settings = repr((fixed, str(self.error_dtype)))
+        settings = repr((fixed, str(self.error_dtype), self._mask_crc))
         return zlib.crc32(layout.encode()), zlib.crc32(settings.encode())
 
     def _checked_header(self, header: torch.Tensor) -> tuple[int, int]:
@@ -514,11 +523,35 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
                 rank = slice(self.rank, self.rank + 1)
                 signs = PackedSigns(held.signs.packed[rank], held.signs.scales[rank])
                 row = signs.values(layout.padded_row)
+                row = self._masked_row(layout, row)
             for slot in layout.slots:
                 local = _local(slot.param)
                 piece = None if row is None else row[slot.offset : slot.offset + local.numel()]
                 shards[slot.name] = None if piece is None else piece.view(local.shape)
         return shards
+
+    def _masked_shards(
+        self, layout: ModuleLayout, shards: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """A module's momentum shards (this rank's, by param) times their masks."""
+        mask = self._masks[layout.name]
+        if mask is None:
+            return shards
+        masked = {}
+        for slot in layout.slots:
+            m = shards[slot.name]
+            start = self.rank * layout.padded_row + slot.offset
+            masked[slot.name] = m * _mask_values(mask, start, m.numel()).view(m.shape)
+        return masked
+
+    def _masked_row(self, layout: ModuleLayout, row: torch.Tensor) -> torch.Tensor:
+        """This rank's row of a module's momentum in the layout of ``X``, times the module's
+        mask (``row`` itself without one): a 0/1 mask's product is exact, so the rule gets
+        the values it would compute itself."""
+        mask = self._masks[layout.name]
+        if mask is None:
+            return row
+        return row * _mask_values(mask, self.rank * layout.padded_row, layout.padded_row)
 
     def _check_finite(self, grads: dict[str, torch.Tensor | None]) -> None:
         """Raises ``NonFiniteError`` on every rank if some rank's gradient shard is not
@@ -608,6 +641,9 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         momentum = held.signs.values(world_size * layout.padded_row).clone()
         for start, stop in layout.padding(world_size):
             momentum[start:stop] = 0.0
+        mask = self._masks[layout.name]
+        if mask is not None:  # the rule's momentum: the allreduce's result times the mask
+            momentum.mul_(_mask_values(mask, 0, momentum.numel()))
         return momentum
 
     def _exchange(
@@ -682,7 +718,11 @@ class OnebitAdam(ShardedOnebitOptimizer):
             is read from ``param_groups[0]["lr"]`` at every step (LR schedulers work); the
             others are fixed here.
         non_freeze: must be ``False`` (``NotImplementedError`` otherwise).
-        exp_avg_mask: must be ``None`` (``NotImplementedError`` otherwise).
+        exp_avg_mask: ``{param: mask}`` for some of the model's params (the DTensors), each a
+            plain tensor of 0s and 1s broadcastable to the param's full shape, multiplied into
+            the momentum after every compressed allreduce (as ``fn.onebit_adam``'s); kept as
+            bits in each module's layout (``n / 8`` bytes per rank). Other values, DTensor
+            masks and ``"auto"``: ``NotImplementedError`` / ``TypeError``.
         nonfinite: ``"raise"`` (``"skip"``: ``NotImplementedError``).
         local_world_size: must be ``None`` (``NotImplementedError`` otherwise).
         error_dtype: the storage of the errors, ``torch.float32`` or ``torch.bfloat16``
@@ -888,9 +928,9 @@ def _problem(
         return ValueError, f"the FSDP2 modules {taken} already have an fn.fsdp optimizer"
     unsupported = {
         "non_freeze": (non_freeze, "one module's vector would mix dense and compressed params"),
-        "exp_avg_mask": (
-            exp_avg_mask is not None,
-            "the mask would have to be laid out as each module's FSDP2 vector, full size",
+        'exp_avg_mask="auto"': (
+            isinstance(exp_avg_mask, str),
+            "the warmup's record of zero gradients would have to be all-gathered at the freeze",
         ),
         "nonfinite='skip'": (
             nonfinite == "skip",
@@ -906,7 +946,83 @@ def _problem(
             return NotImplementedError, f"{name} is not supported yet on FSDP2: {why}"
     if nonfinite != "raise":
         return ValueError, f"nonfinite must be 'raise', got {nonfinite!r}"
+    return _mask_problem(found, exp_avg_mask)
+
+
+def _mask_problem(
+    found: list[tuple[str, list[tuple[str, DTensor]]]], exp_avg_mask: Any
+) -> tuple[type[Exception], str] | None:
+    """What is wrong with ``exp_avg_mask`` (``{param: mask}``, full-shape plain tensors of 0
+    and 1, broadcastable to their param's shape), or ``None``."""
+    if exp_avg_mask is None:
+        return None
+    if not isinstance(exp_avg_mask, Mapping):
+        return TypeError, (
+            f"exp_avg_mask must be a mapping {{param: mask}}, got {type(exp_avg_mask).__name__}"
+        )
+    names = {id(p): n for _, ps in found for n, p in ps}
+    for param, mask in exp_avg_mask.items():
+        if id(param) not in names:
+            return ValueError, "exp_avg_mask has a key that is not a trainable param of the model"
+        name = names[id(param)]
+        if not isinstance(mask, torch.Tensor) or isinstance(mask, DTensor):
+            return TypeError, (
+                f"exp_avg_mask[{name}] must be a plain tensor of the param's full shape (for a "
+                "DTensor pass mask.full_tensor())"
+            )
+        try:
+            torch.broadcast_shapes(mask.shape, param.shape)
+        except RuntimeError:
+            return ValueError, (
+                f"exp_avg_mask[{name}] of shape {tuple(mask.shape)} does not broadcast to the "
+                f"param's shape {tuple(param.shape)}"
+            )
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            return NotImplementedError, (
+                f"exp_avg_mask[{name}] holds values other than 0 and 1: on FSDP2 a mask is kept "
+                "as bits in each module's layout"
+            )
     return None
+
+
+def _mask_checksum(exp_avg_mask: Mapping[Any, torch.Tensor] | None, order: list[Any]) -> int:
+    """CRC-32 of the masks' values, broadcast to their params' shapes, in ``order`` (0: none)."""
+    if not exp_avg_mask:
+        return 0
+    crc = 0
+    for param in order:
+        mask = exp_avg_mask.get(param)
+        if mask is not None:
+            full = mask.to("cpu", torch.float32).broadcast_to(param.shape).contiguous()
+            crc = zlib.crc32(
+                full.numpy().tobytes(), zlib.crc32(repr(tuple(param.shape)).encode(), crc)
+            )
+    return crc
+
+
+def _module_mask(
+    layout: ModuleLayout, exp_avg_mask: Mapping[Any, torch.Tensor], world_size: int
+) -> torch.Tensor | None:
+    """A module's masks in the layout of ``X`` as bits (1: kept; padding positions 0), or
+    ``None`` when none of its params has a mask."""
+    masks = [exp_avg_mask.get(slot.param) for slot in layout.slots]
+    if all(m is None for m in masks):
+        return None
+    x = torch.zeros(world_size, layout.padded_row)
+    for slot, mask in zip(layout.slots, masks, strict=True):
+        shape = slot.param.shape
+        full = torch.ones(shape) if mask is None else mask.to("cpu").float().broadcast_to(shape)
+        dim = next(pl.dim for pl in slot.param.placements if isinstance(pl, Shard))
+        for j, chunk in enumerate(full.chunk(world_size, dim)):
+            x[j, slot.offset : slot.offset + chunk.numel()] = chunk.reshape(-1)
+    return kernels.packbits((x - 0.5).view(-1)).to(layout.slots[0].param.device)
+
+
+def _mask_values(bits: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """``count`` values (0. or 1.) of a mask in bits, from position ``start``."""
+    skip = start % 8
+    piece = bits[start // 8 : (start + count + 7) // 8]
+    return (kernels.unpackbits(piece, skip + count)[skip:] > 0).to(torch.float32)
 
 
 def _agree(
@@ -923,7 +1039,7 @@ def _agree(
         if problem is not None:
             raise problem[0](f"{name}: {problem[1]}")
         return
-    kinds = (None, ValueError, NotImplementedError)
+    kinds = (None, ValueError, NotImplementedError, TypeError)
     mine = torch.tensor(
         [kinds.index(problem[0]) if problem else 0, zlib.crc32(fingerprint.encode())],
         dtype=torch.int64,

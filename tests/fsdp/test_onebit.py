@@ -140,8 +140,20 @@ def car(xs: list[torch.Tensor], ews: list[torch.Tensor], ess: list[torch.Tensor]
     return torch.cat(out)
 
 
+# exp_avg_mask: block.weight's middle row (dim-0 padding at W = 2: rank 0's second row) as a
+# broadcast (3, 1) mask, and head.bias's first element
+MASKS = {"block.weight": torch.tensor([[1.0], [0.0], [1.0]]), "head.bias": torch.tensor([0.0, 1.0])}
+
+
+def masks_of(model: nn.Module) -> dict:
+    return {p: MASKS[k] for k, p in model.named_parameters() if k in MASKS}
+
+
 class Reference:
-    def __init__(self, params: dict[str, torch.Tensor], weight_decay: float) -> None:
+    def __init__(
+        self, params: dict[str, torch.Tensor], weight_decay: float, masked: bool = False
+    ) -> None:
+        self.masks = MASKS if masked else {}
         self.p = {k: v.clone() for k, v in params.items()}
         self.m = {k: torch.zeros_like(v) for k, v in params.items()}
         self.v = {k: torch.zeros_like(v) for k, v in params.items()}
@@ -169,6 +181,9 @@ class Reference:
                     )
                 y = car(xs, *self.errors[names[0]])
                 self.m.update(zip(names, from_x(y, like), strict=True))
+                for k in names:
+                    if k in self.masks:
+                        self.m[k] = self.m[k] * self.masks[k]
         lr = torch.tensor(lr_at(t))
         for k in self.p:
             u = self.m[k] / (sqrt_rn(self.v[k]) + EPS)
@@ -194,12 +209,18 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- the workers
 
 
-def _worker_train(rank: int, world_size: int, weight_decay: float) -> dict:
+def _worker_train(rank: int, world_size: int, weight_decay: float, masked: bool) -> dict:
     model = build()
     opt = fn.fsdp.OnebitAdam(
-        model, lr=LR, freeze_step=FREEZE, betas=BETAS, eps=EPS, weight_decay=weight_decay
+        model,
+        lr=LR,
+        freeze_step=FREEZE,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=weight_decay,
+        exp_avg_mask=masks_of(model) if masked else None,
     )
-    reference = Reference(full_params(model), weight_decay)
+    reference = Reference(full_params(model), weight_decay, masked)
     history, mismatches = [], []
     for t in range(1, STEPS + 1):
         grads = [local_grads(reference.p, r, t) for r in range(world_size)]
@@ -276,8 +297,17 @@ def _worker_bad_input(rank: int, world_size: int) -> dict:
 
     out["2-d"] = _refusal(two_dim)
     out["lr differs"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), lr=0.1 * (rank + 1)))
-    mask = {} if rank == 0 else None  # only rank 0 asks for what is not built
-    out["mask on rank 0"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), exp_avg_mask=mask))
+
+    def masked(value: float, rank_only: int | None = None):
+        model = build()
+        mask = {model.head.bias: torch.full((2,), value)}
+        given = mask if rank_only in (None, rank) else None
+        return fn.fsdp.OnebitAdam(model, exp_avg_mask=given)
+
+    out["mask on rank 0"] = _refusal(lambda: masked(0.5, rank_only=0))  # only 0 and 1 are built
+    out["mask differs"] = _refusal(lambda: masked(float(rank)))
+    out["auto mask"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), exp_avg_mask="auto"))
+    out["mask key"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), exp_avg_mask={"w": 1}))
     out["fp16 errors"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), error_dtype=torch.float16))
     auto = "auto" if rank == 0 else 10  # only rank 0 asks for the automatic switch, not built
     out["auto on rank 0"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), freeze_step=auto))
@@ -291,9 +321,14 @@ def _worker_bad_input(rank: int, world_size: int) -> dict:
 # ----------------------------------------------------------------------------- the tests
 
 
+RUNS = {"plain": (0.0, False), "weight decay": (0.1, False), "masked": (0.0, True)}
+
+
 @pytest.fixture(scope="module")
 def trained():
-    return {wd: run_distributed(_worker_train, WORLD, wd, timeout=240) for wd in (0.0, 0.1)}
+    return {
+        name: run_distributed(_worker_train, WORLD, *run, timeout=240) for name, run in RUNS.items()
+    }
 
 
 @pytest.mark.timeout(300)
@@ -305,13 +340,16 @@ def test_bit_for_bit_with_the_reference_and_ranks_agree(trained):
             for t, params in enumerate(result["history"]):
                 for k, value in params.items():
                     assert torch.equal(value, results[0]["history"][t][k]), (rank, t, k)
-    wd_off, wd_on = trained[0.0][0]["history"][-1], trained[0.1][0]["history"][-1]
-    assert not torch.equal(wd_off["block.weight"], wd_on["block.weight"])
+    plain, wd_on = trained["plain"][0]["history"][-1], trained["weight decay"][0]["history"][-1]
+    assert not torch.equal(plain["block.weight"], wd_on["block.weight"])
+    assert not torch.equal(
+        plain["block.weight"], trained["masked"][0]["history"][-1]["block.weight"]
+    )
 
 
 @pytest.mark.timeout(300)
 def test_compressed_traffic_is_counted_and_nonfinite_raises_on_every_rank(trained):
-    for rank, result in enumerate(trained[0.0]):
+    for rank, result in enumerate(trained["plain"]):
         assert result["bytes"] > 0
         message, unchanged, count = result["nonfinite"]
         assert message is not None and "non-finite" in message, rank
@@ -339,7 +377,10 @@ def test_bad_input_is_refused_on_every_rank():
         assert out["lr differs"][0] == "ValueError" and "different" in out["lr differs"][1]
         kind, message = out["mask on rank 0"]
         assert kind == "NotImplementedError"
-        assert ("exp_avg_mask" in message) if rank == 0 else ("rank 0" in message)
+        assert ("0 and 1" in message) if rank == 0 else ("rank 0" in message), message
+        assert out["mask differs"][0] == "ValueError" and "different" in out["mask differs"][1]
+        assert out["auto mask"][0] == "NotImplementedError" and "auto" in out["auto mask"][1]
+        assert out["mask key"][0] == "ValueError" and "not a trainable" in out["mask key"][1]
         assert out["fp16 errors"][0] == "NotImplementedError"
         assert out["auto on rank 0"][0] == "NotImplementedError", out["auto on rank 0"]
         assert out["freeze_step"][0] == "ValueError" and "freeze_step" in out["freeze_step"][1]

@@ -18,7 +18,16 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 import fn.fsdp
 from tests._distributed import run_distributed
 from tests.fsdp import test_onebit, test_onebit_lamb
-from tests.fsdp.test_onebit import FREEZE, STEPS, WORLD, batch, from_x, full_params
+from tests.fsdp.test_onebit import (
+    FREEZE,
+    MASKS,
+    STEPS,
+    WORLD,
+    batch,
+    from_x,
+    full_params,
+    masks_of,
+)
 
 SAVES = (1, FREEZE - 1, FREEZE, FREEZE + 2)  # warmup, before the freeze, after it, compressed
 # per optimizer: its class and the test module whose model it trains
@@ -30,8 +39,13 @@ def build(kind: str, **kwargs) -> nn.Module:
     return KINDS[kind][1].build(**kwargs)
 
 
-def optimizer(kind: str, model: nn.Module, freeze_step: int = FREEZE) -> OPTIMIZER:
-    return KINDS[kind][0](model, lr=1e-2, freeze_step=freeze_step, weight_decay=0.1)
+def optimizer(
+    kind: str, model: nn.Module, freeze_step: int = FREEZE, masked: bool = True
+) -> OPTIMIZER:
+    masks = masks_of(model) if masked else None  # the momentum read back is masked
+    return KINDS[kind][0](
+        model, lr=1e-2, freeze_step=freeze_step, weight_decay=0.1, exp_avg_mask=masks
+    )
 
 
 def train_step(model: nn.Module, opt: OPTIMIZER, rank: int, t: int) -> None:
@@ -44,7 +58,7 @@ def train_step(model: nn.Module, opt: OPTIMIZER, rank: int, t: int) -> None:
 
 def full_momentum(opt: OPTIMIZER) -> dict[str, torch.Tensor]:
     """Every param's full momentum (the same on all ranks): 1-bit LAMB's shards, or 1-bit Adam's
-    from the packed signs of its module."""
+    from the packed signs of its module, times the masks."""
     if opt.keeps_momentum_shards:
         return {k: m.full_tensor() for k, m in opt.state_dict()["exp_avg"].items()}
     out = {}
@@ -53,6 +67,8 @@ def full_momentum(opt: OPTIMIZER) -> dict[str, torch.Tensor]:
         x = signs.values(WORLD * layout.padded_row)
         like = [slot.param for slot in layout.slots]
         out.update(zip([s.name for s in layout.slots], from_x(x, like), strict=True))
+    for k, mask in MASKS.items():
+        out[k] = out[k] * mask
     return out
 
 
@@ -130,7 +146,7 @@ def _worker_resume(rank: int, world_size: int, root: str, history: dict, kind: s
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world_size,))
     torch.distributed.fsdp.fully_shard(wider.block, mesh=mesh)
     torch.distributed.fsdp.fully_shard(wider, mesh=mesh)
-    refusals["model"] = _refused(wider, optimizer(kind, wider), compressed)
+    refusals["model"] = _refused(wider, optimizer(kind, wider, masked=False), compressed)
     model = build(kind, seed=1)
     refusals["settings"] = _refused(model, optimizer(kind, model, freeze_step=4), compressed)
     model = build(kind, seed=1)

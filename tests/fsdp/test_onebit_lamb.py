@@ -19,6 +19,8 @@ from tests.fsdp.test_onebit import (
     BETAS,
     EPS,
     LR,
+    MASKS,
+    RUNS,
     STEPS,
     WORLD,
     _refusal,
@@ -27,6 +29,7 @@ from tests.fsdp.test_onebit import (
     from_x,
     full_params,
     lr_at,
+    masks_of,
     sqrt_rn,
     to_x,
 )
@@ -69,9 +72,17 @@ def build(
     return model
 
 
-def optimizer(model: nn.Module, weight_decay: float = 0.0, freeze_step: int = FREEZE):
+def optimizer(
+    model: nn.Module, weight_decay: float = 0.0, freeze_step: int = FREEZE, masked: bool = False
+):
     return fn.fsdp.OnebitLamb(
-        model, lr=LR, freeze_step=freeze_step, betas=BETAS, eps=EPS, weight_decay=weight_decay
+        model,
+        lr=LR,
+        freeze_step=freeze_step,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=weight_decay,
+        exp_avg_mask=masks_of(model) if masked else None,
     )
 
 
@@ -95,7 +106,10 @@ def trust(p_norm: torch.Tensor, u_norm: torch.Tensor) -> torch.Tensor:
 
 
 class Reference:
-    def __init__(self, params: dict[str, torch.Tensor], weight_decay: float) -> None:
+    def __init__(
+        self, params: dict[str, torch.Tensor], weight_decay: float, masked: bool = False
+    ) -> None:
+        self.masks = MASKS if masked else {}
         self.p = {k: v.clone() for k, v in params.items()}
         zeros = {k: torch.zeros_like(v) for k, v in params.items()}
         self.m, self.v, self.fresh = dict(zeros), dict(zeros), dict(zeros)
@@ -144,6 +158,8 @@ class Reference:
             new.update(zip(names, from_x(y, like), strict=True))
         for k in ORDER:
             m = new[k] / self.s[k]
+            if k in self.masks:
+                m = m * self.masks[k]
             g_hat = (m - b1 * self.m[k]) / (1 - b1)
             self.fresh[k] = b2 * self.fresh[k] + ((1 - b2) * g_hat) * g_hat
             d = sqrt_rn(self.v[k]) + EPS
@@ -173,10 +189,10 @@ def local_grads(params: dict[str, torch.Tensor], rank: int, step: int) -> dict[s
 # ----------------------------------------------------------------------------- the workers
 
 
-def _worker_train(rank: int, world_size: int, weight_decay: float) -> dict:
+def _worker_train(rank: int, world_size: int, weight_decay: float, masked: bool) -> dict:
     model = build()
-    opt = optimizer(model, weight_decay)
-    reference = Reference(full_params(model), weight_decay)
+    opt = optimizer(model, weight_decay, masked=masked)
+    reference = Reference(full_params(model), weight_decay, masked)
     history, mismatches = [], []
     for t in range(1, STEPS + 1):
         grads = [local_grads(reference.p, r, t) for r in range(world_size)]
@@ -229,7 +245,8 @@ def _worker_bad_input(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def trained():
-    return {wd: run_distributed(_worker_train, WORLD, wd, timeout=240) for wd in (0.0, 0.1)}
+    runs = RUNS.items()
+    return {name: run_distributed(_worker_train, WORLD, *run, timeout=240) for name, run in runs}
 
 
 @pytest.mark.timeout(300)
@@ -244,9 +261,11 @@ def test_bit_for_bit_with_the_reference_and_ranks_agree(trained):
                 for k, value in params.items():
                     assert torch.equal(value, results[0]["history"][t][k]), (rank, t, k)
     # the factors moved off 1 (the compressed rule ran) and weight decay changes the result
-    assert any(f != 1.0 for f in trained[0.0][0]["factors"])
-    wd_off, wd_on = trained[0.0][0]["history"][-1], trained[0.1][0]["history"][-1]
-    assert not torch.equal(wd_off["block.weight"], wd_on["block.weight"])
+    assert any(f != 1.0 for f in trained["plain"][0]["factors"])
+    plain, wd_on = trained["plain"][0]["history"][-1], trained["weight decay"][0]["history"][-1]
+    assert not torch.equal(plain["block.weight"], wd_on["block.weight"])
+    masked = trained["masked"][0]["history"][-1]
+    assert not torch.equal(plain["block.weight"], masked["block.weight"])
 
 
 @pytest.mark.timeout(300)
