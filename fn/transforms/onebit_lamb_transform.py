@@ -226,7 +226,7 @@ def onebit_lamb(
         "frozen, which at least one warmup update (t < freeze_step) must estimate"
     )
     schedule = freeze_schedule(freeze_step, why)
-    auto = auto_warmup("onebit_lamb", schedule, exp_avg_mask, None, settings.b2)
+    auto = auto_warmup("onebit_lamb", schedule, exp_avg_mask, None, (settings.b1, settings.b2))
     trust = _TrustSettings(
         min_coeff, max_coeff, coeff_beta, factor_min, factor_max, factor_threshold
     )
