@@ -88,11 +88,11 @@ def onebit_adam(
             ``1 .. freeze_step - 1`` warm up); at least 2, since the compressed phase needs the
             variance that the warmup estimates (``ValueError`` otherwise; DeepSpeed warmed up
             its first real update whatever ``freeze_step`` was). ``"auto"`` (or an
-            ``fn.AutoFreeze`` with its bounds): the warmup ends once the variance has settled,
-            decided in the state from the averaged gradients (the same on every rank, no
-            communication added); then ``opt.plan(t, state)`` and ``opt.is_compressed(t,
-            state)`` need the state (see ``docs/algorithms.md``, "Automatic freeze and momentum
-            mask").
+            ``fn.AutoFreeze`` with its bounds): the warmup ends once the variance, as it would
+            freeze, holds half (``1 - tolerance``) of the gradients' recent energy, decided in
+            the state from the averaged gradients (the same on every rank, no communication
+            added); then ``opt.plan(t, state)`` and ``opt.is_compressed(t, state)`` need the
+            state (see ``docs/algorithms.md``, "Automatic freeze and momentum mask").
         betas: :math:`(\beta_1, \beta_2)`.
         eps: :math:`\epsilon`, added to :math:`\sqrt{v}`.
         weight_decay: :math:`\lambda`, added to the update (L2, as DeepSpeed; not decoupled).

@@ -116,7 +116,7 @@ def onebit_lamb(
         freeze_step: the first compressed update is ``t == freeze_step``; at least 2, since the
             compressed phase needs the variance and trust ratio that the warmup estimates
             (``ValueError`` otherwise). ``"auto"`` or an ``fn.AutoFreeze``: decided in the
-            state once the variance has settled (see ``fn.onebit_adam``).
+            state once the variance has caught up with the gradients (see ``fn.onebit_adam``).
         betas: :math:`(\beta_1, \beta_2)`.
         eps: :math:`\epsilon`.
         weight_decay: :math:`\lambda`, added to the update.
