@@ -12,12 +12,12 @@ with ``freeze_step="auto"`` (the default ``fn.AutoFreeze()``) and once per fixed
 
 Every run of a seed sees the same batches and initial params. The held-out loss of a run is the
 mean over the ranks and over the last 10 % of its updates (evaluated every ``steps // 100``
-updates there: 10 evaluations at 300 updates), so that the noise of the last iterate (a few %
-from one update to the next at these learning rates) does not decide; then it is averaged over
-``--seeds`` (four by default: with two, the fixed settings' order changed from seed pair to seed
-pair). Bytes are what one rank sent (``comm.bytes_sent``, the largest over the ranks), averaged
-over the seeds; the switch is the first compressed update (``opt.next_update_compressed()``
-before each step).
+updates there: 10 evaluations at 300 updates), so that the noise of the last iterate does not
+decide; then it is averaged over ``--seeds`` (four by default: a seed's own ratio to the best
+fixed setting spreads by up to 1 % on the demo and the GPT-2 and by several % on the MLP, see
+docs/algorithms.md). Bytes are what one rank sent (``comm.bytes_sent``, the largest over the
+ranks), averaged over the seeds; the switch is the first compressed update
+(``opt.next_update_compressed()`` before each step).
 
 Printed: a line per run, then a markdown table per task and setting: held-out loss (mean and
 standard deviation over the seeds), its ratio to the best fixed setting's (the ratio of the
