@@ -71,8 +71,19 @@ class OnebitFamily(FunctionalOptimizer):
         """As :meth:`FunctionalOptimizer.load_state_dict`; a checkpoint saved with a fixed
         ``freeze_step`` into a group with ``"auto"`` (or the reverse) raises ``ValueError``,
         nothing loaded: their states differ, and the checkpoint's would switch the group's
-        schedule."""
-        saved_groups, _ = checkpoint_parts(state_dict, len(self.param_groups))
+        schedule; so does one saved by an fn whose automatic switch kept another statistic
+        (``auto.drift``), which this one cannot continue from."""
+        saved_groups, records = checkpoint_parts(state_dict, len(self.param_groups))
+        for index, record in records.items():
+            functional = record.get("functional") if isinstance(record, Mapping) else None
+            if isinstance(functional, Mapping) and ".auto.drift" in functional:
+                raise ValueError(
+                    f"param group {index}: the checkpoint's freeze_step='auto' state holds "
+                    "auto.drift, the statistic of an earlier fn's criterion; this fn decides "
+                    "from auto.recent_energy, which the checkpoint lacks, so the optimizer "
+                    "state cannot continue (the model's weights can: start a fresh optimizer "
+                    "from them). Nothing was loaded"
+                )
         for index, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
             for key in ("freeze_step", "var_freeze_step"):
                 mine, theirs = group.get(key), saved.get(key, group.get(key))

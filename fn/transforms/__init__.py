@@ -15,7 +15,7 @@ Policies shared by every transform here:
 
 import torch
 
-from fn.transforms._onebit_auto import AutoState
+from fn.transforms._onebit_auto import AutoState, gradient_energy
 from fn.transforms._onebit_schedules import (
     AutoFreeze,
     OnebitAdamPlan,
@@ -80,6 +80,7 @@ __all__ = [
     "adam",
     "adamw",
     "add_decayed_weights",
+    "gradient_energy",
     "lamb",
     "masked",
     "momentum_of",

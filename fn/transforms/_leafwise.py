@@ -73,6 +73,7 @@ def compressed_optimizer(
     warmup_phase: str = "warmup",
     fused_apply: bool = False,
     first_compressed: Callable[[Any], int] | None = None,
+    keywords: tuple[str, ...] = (),
 ) -> CompressedOptimizer:
     """A ``CompressedOptimizer`` whose two updates run ``update`` on the plan of the update.
     A compressed update on a state with no update made raises (:func:`check_warmed_up`, after
@@ -104,6 +105,8 @@ def compressed_optimizer(
             other leaves' updates are added by ``apply_updates``). Other updates run
             ``update`` and ``apply_updates``.
         first_compressed: ``CompressedOptimizer.first_compressed``, or ``None``.
+        keywords: the extra keywords of the updates that are passed on to ``update`` (when
+            given); other extra keywords are ignored.
 
     Returns:
         ``CompressedOptimizer(init, warmup_update, compressed_update, is_compressed, plan_for)``.
@@ -116,7 +119,7 @@ def compressed_optimizer(
     def phase_step(compressed: bool):
         phase = "compressed" if compressed else warmup_phase
 
-        def step_fn(grads, state, params, step, plan, donate, apply):
+        def step_fn(grads, state, params, step, plan, donate, apply, **passed):
             plan = _resolve_plan(
                 step, plan, partial(plan_for, state=state), plan_type, compressed, phase
             )
@@ -127,9 +130,9 @@ def compressed_optimizer(
             if compressed and donated is not None:
                 check_warmed_up(name, state.count)  # before any donated buffer is written
                 given = {"donated": donated, "apply": True} if apply else {"donated": donated}
-                updates, new_state = update(grads, state, params, plan, eta, **given)
+                updates, new_state = update(grads, state, params, plan, eta, **given, **passed)
             else:
-                updates, new_state = update(grads, state, params, plan, eta)
+                updates, new_state = update(grads, state, params, plan, eta, **passed)
             if compressed:  # after the update's own checks (of the gradients); nothing is kept
                 check_warmed_up(name, state.count)
                 _announce_compressed(name, partial(is_compressed, state=state), state.count)
@@ -148,8 +151,8 @@ def compressed_optimizer(
             donate: Any = None,
             **extra: Any,
         ) -> tuple[Updates, Any]:
-            del extra
-            return step_fn(grads, state, params, step, plan, donate, apply=False)
+            passed = {k: extra[k] for k in keywords if k in extra}
+            return step_fn(grads, state, params, step, plan, donate, apply=False, **passed)
 
         return update_fn
 

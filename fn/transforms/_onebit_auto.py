@@ -4,11 +4,13 @@ update, read and check it.
 
 At every warmup update the averaged gradient (the same on every rank) gives two things, both
 from one call of ``fn.kernels.sign_compress`` on ``-|g|`` per leaf: the RMS scale of the
-gradient (a fixed-order sum, the same bits on every device and rank), from which the variance
-statistics and then the switch are computed (:func:`observed`), and the packed bits of the
-elements where the gradient is exactly zero (``-0.0 >= 0``), ANDed into the mask's record. The
-rules are in ``docs/algorithms.md``, "Automatic freeze and momentum mask"; the host side reads
-``freeze_at`` (``_onebit_schedules.AutoFreezeSchedule``).
+gradient (a fixed-order sum, the same bits on every device and rank), from which the gradient
+energy, the variance statistics and then the switch are computed (:func:`observed`), and the
+packed bits of the elements where the gradient is exactly zero (``-0.0 >= 0``), ANDed into the
+mask's record. A caller that holds only a shard of the params (``onebit_adam_sharded``) sums its
+shard's :func:`gradient_energy` over the ranks itself and passes it in. The rules are in
+``docs/algorithms.md``, "Automatic freeze and momentum mask"; the host side reads ``freeze_at``
+(``_onebit_schedules.AutoFreezeSchedule``).
 """
 
 from __future__ import annotations
@@ -23,9 +25,6 @@ from fn.transforms._leafwise import gradient_leaves
 from fn.transforms._onebit_schedules import AutoFreeze, AutoFreezeSchedule
 from fn.tree import PyTree, live_leaves, tree_flatten, tree_map
 
-# The smoothing of the variance's relative change per update (about ten updates).
-DRIFT_BETA = 0.9
-
 
 class AutoState(NamedTuple):
     """The state field ``auto`` of 1-bit Adam and 1-bit LAMB (``None`` where neither
@@ -35,7 +34,8 @@ class AutoState(NamedTuple):
     # freeze_step
     freeze_at: torch.Tensor | None
     variance_sum: torch.Tensor | None  # [] fp64, on the CPU: T, the sum of v (up to rounding)
-    drift: torch.Tensor | None  # [] fp64, on the CPU: D, the smoothed relative change of V
+    # [] fp64, on the CPU: E, the gradient energy averaged with the momentum's beta
+    recent_energy: torch.Tensor | None
     # per leaf uint8 [ceil(n / 8)], MSB first: bit 1 where the averaged gradient was exactly 0
     # at every warmup update so far (exp_avg_mask="auto"); None otherwise
     always_zero: PyTree
@@ -43,15 +43,21 @@ class AutoState(NamedTuple):
 
 class AutoWarmup(NamedTuple):
     """What an optimizer decides in its warmup: the switch (``freeze``, ``None`` for a fixed
-    ``freeze_step``) and the mask (``mask``); ``b2`` is its variance's beta."""
+    ``freeze_step``) and the mask (``mask``); ``b1`` and ``b2`` are its momentum's and its
+    variance's betas."""
 
     freeze: AutoFreeze | None
     mask: bool
+    b1: float
     b2: float
 
 
 def auto_warmup(
-    name: str, schedule: Any, exp_avg_mask: Any, non_freeze: PyTree | None, b2: float
+    name: str,
+    schedule: Any,
+    exp_avg_mask: Any,
+    non_freeze: PyTree | None,
+    betas: tuple[float, float],
 ) -> AutoWarmup | None:
     """The optimizer's :class:`AutoWarmup`, ``None`` when nothing is automatic.
 
@@ -74,7 +80,7 @@ def auto_warmup(
     mask = isinstance(exp_avg_mask, str)
     if freeze is None and not mask:
         return None
-    return AutoWarmup(freeze, mask, b2)
+    return AutoWarmup(freeze, mask, *betas)
 
 
 def init_auto(auto: AutoWarmup | None, params: PyTree) -> AutoState | None:
@@ -127,42 +133,101 @@ def averaged_and_observed(
     if auto.mask:
         new = new._replace(always_zero=walk.rebuild(records, fill=3))
     if auto.freeze is not None:
-        new = observed(auto, new, scales, state.count)
+        new = observed(auto, new, _energy(scales), state.count)
     return walk.rebuild(means), new
 
 
-def observed(
-    auto: AutoWarmup, state: AutoState, scales: list[tuple[torch.Tensor, int]], count: Any
-) -> AutoState:
-    """``state`` after the warmup update ``t = count + 1`` whose averaged gradient has the RMS
-    ``scales`` (with each leaf's size) over the leaves that freeze: the statistics of
-    ``docs/algorithms.md`` and, while undecided, the decision ``freeze_at = t + 1``."""
-    settings, b2 = auto.freeze, auto.b2
+def gradient_energy(grads: PyTree) -> torch.Tensor:
+    r"""The gradient energy of ``grads`` as ``freeze_step="auto"`` measures it: over the leaves
+    (``None`` leaves skipped), :math:`Q = \sum_l n_l\, \mathrm{rms}(g_l)^2`, with
+    :math:`\mathrm{rms}` the scale of ``fn.kernels.sign_compress`` (a fixed-order fp64 sum
+    rounded once to fp32: the same bits on every device), squared and summed in fp64, in the
+    leaves' order.
+
+    The automatic switch of :func:`onebit_adam` computes this from the averaged gradients
+    itself. A caller of :func:`onebit_adam_sharded` holds a shard of them: it computes its
+    shard's energy with this function, sums it over the ranks (every rank must get the same
+    bits) and passes the sum to the warmup update as ``gradient_energy=``. Zero padding adds
+    nothing. The sum over shards equals the energy of the whole gradients up to fp64 rounding
+    and the per-leaf fp32 rounding of the RMS (the shards' RMS are rounded, not the leaf's), so
+    a switch decided from it can differ from the unsharded one only where the criterion is
+    within that rounding of its threshold.
+
+    Args:
+        grads: a pytree of gradients (averaged over the ranks), or the local shard of them.
+
+    Returns:
+        A 0-dim fp64 tensor on the CPU.
+
+    Raises:
+        ValueError: a gradient is non-finite.
+
+    Example:
+        >>> import torch
+        >>> import fn
+        >>> grads = {"w": torch.tensor([2.0, -2.0, 2.0, -2.0]), "b": torch.tensor([3.0]), "x": None}
+        >>> fn.transforms.gradient_energy(grads)  # 4 * 2 ** 2 + 1 * 3 ** 2
+        tensor(25., dtype=torch.float64)
+    """
+    scales = []
+    for g in tree_flatten(grads)[0]:
+        if g is None or g.numel() == 0:
+            continue
+        _, scale, _ = kernels.sign_compress(g.float().reshape(-1).abs().neg())
+        scales.append((scale, g.numel()))
+    return _energy(scales)
+
+
+def _energy(scales: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    r""":math:`\sum_l n_l s_l^2` in fp64 on the CPU, in the order given, of the RMS scales
+    ``s_l`` (fp32) of leaves of ``n_l`` elements."""
     f64 = dict(dtype=torch.float64, device="cpu")
     q = torch.zeros((), **f64)
     for scale, n in scales:
         q = q + scale.to(**f64).square() * n
+    return q
+
+
+def given_energy(name: str, energy: Any) -> torch.Tensor:
+    """The ``gradient_energy`` a sharded warmup update was given, checked.
+
+    Raises:
+        TypeError: it is missing or not a 0-dim fp64 tensor on the CPU.
+    """
+    if (
+        not isinstance(energy, torch.Tensor)
+        or energy.dtype != torch.float64
+        or energy.dim() != 0
+        or energy.device.type != "cpu"
+    ):
+        got = "nothing" if energy is None else repr(energy)
+        raise TypeError(
+            f'{name}: with freeze_step="auto" every warmup update needs gradient_energy=, the '
+            "gradient energy of the averaged gradients as a 0-dim fp64 tensor on the CPU, the "
+            "same on every rank (fn.transforms.gradient_energy of each rank's shard, summed "
+            f"over the ranks); got {got}"
+        )
+    return energy
+
+
+def observed(auto: AutoWarmup, state: AutoState, energy: torch.Tensor, count: Any) -> AutoState:
+    """``state`` after the warmup update ``t = count + 1`` whose averaged gradient has the
+    gradient energy ``energy`` (:func:`gradient_energy` over the leaves that freeze): the
+    statistics of ``docs/algorithms.md`` and, while undecided, the decision
+    ``freeze_at = t + 1``."""
+    settings, b1, b2 = auto.freeze, auto.b1, auto.b2
     t = count + 1
-    b2_t = torch.tensor(b2, **f64)
-    total = b2 * state.variance_sum + (1 - b2) * q
-    later = t >= 2
-    one = torch.ones((), **f64)
-    variance = total / (1 - b2_t.pow(t))
-    before = torch.where(later, 1 - b2_t.pow(t - 1), one)
-    previous = state.variance_sum / before
-    change = torch.where(
-        variance > 0, (variance - previous).abs() / variance.clamp(min=1e-300), one
-    )
-    drift = torch.where(later, DRIFT_BETA * state.drift + (1 - DRIFT_BETA) * change, state.drift)
-    unbiased = drift / torch.where(later, 1 - torch.tensor(DRIFT_BETA, **f64).pow(t - 1), one)
-    settled = later & (unbiased < settings.tolerance)
+    total = b2 * state.variance_sum + (1 - b2) * energy
+    recent = b1 * state.recent_energy + (1 - b1) * energy
+    debias = 1 - torch.tensor(b1, dtype=torch.float64).pow(t)
+    settled = total >= (1 - settings.tolerance) * (recent / debias)
     decide = (
         (state.freeze_at == 0)
         & (t >= settings.min_updates)
         & (settled | (t >= settings.max_updates))
     )
     freeze_at = torch.where(decide, t + 1, state.freeze_at)
-    return state._replace(freeze_at=freeze_at, variance_sum=total, drift=drift)
+    return state._replace(freeze_at=freeze_at, variance_sum=total, recent_energy=recent)
 
 
 def checked_auto(name: str, auto: AutoWarmup | None, state: Any) -> AutoState | None:
@@ -197,14 +262,16 @@ def checked_auto(name: str, auto: AutoWarmup | None, state: Any) -> AutoState | 
         forms = (
             ("freeze_at", torch.int64),
             ("variance_sum", torch.float64),
-            ("drift", torch.float64),
+            ("recent_energy", torch.float64),
         )
         for field, dtype in forms:
             x = getattr(have, field)
             if not isinstance(x, torch.Tensor) or x.dtype != dtype or x.dim() != 0:
                 raise ValueError(f"{name}: auto.{field} must be a 0-dim {dtype} tensor")
-        if int(have.freeze_at) < 0 or float(have.variance_sum) < 0 or float(have.drift) < 0:
-            raise ValueError(f"{name}: auto holds a negative freeze_at, variance_sum or drift")
+        if min(int(have.freeze_at), float(have.variance_sum), float(have.recent_energy)) < 0:
+            raise ValueError(
+                f"{name}: auto holds a negative freeze_at, variance_sum or recent_energy"
+            )
         have = have._replace(**{f: getattr(have, f).cpu() for f, _ in forms})
     if want_mask:
         walk = live_leaves(state.exp_avg_sq, have.always_zero)

@@ -93,19 +93,23 @@ class FreezeSchedule(NamedTuple):
 
 
 class AutoFreeze(NamedTuple):
-    r"""``freeze_step="auto"``'s settings: the warmup ends once the variance has settled.
+    r"""``freeze_step="auto"``'s settings: the warmup ends once the variance has caught up with
+    the gradients.
 
     At the end of warmup update ``t`` the next update becomes the first compressed one when
-    ``t >= min_updates`` and either the smoothed relative change of the bias-corrected variance
-    per update, :math:`\hat D_t`, is below ``tolerance`` or ``t >= max_updates`` (the rule and
-    its evidence: ``docs/algorithms.md``, "Automatic freeze and momentum mask"). ``"auto"`` is
-    ``AutoFreeze()``.
+    ``t >= min_updates`` and either the sum of the variance :math:`T_t` (as it would freeze:
+    1-bit Adam has no bias correction) holds at least ``1 - tolerance`` of the gradients' recent
+    energy :math:`\hat E_t` (their squared norm averaged with the momentum's beta), or
+    ``t >= max_updates`` (the rule and its evidence: ``docs/algorithms.md``, "Automatic freeze
+    and momentum mask"). ``"auto"`` is ``AutoFreeze()``.
 
     Attributes:
         min_updates: the fewest warmup updates (at least 1).
         max_updates: the most warmup updates (at least ``min_updates``).
-        tolerance: the relative change per update below which the variance has settled, in
-            ``(0, 1)``.
+        tolerance: the fraction of the recent gradient energy that the variance may still lack
+            at the switch, in ``(0, 1)``: the compressed updates then start at most
+            :math:`1 / \sqrt{1 - \text{tolerance}}` times (1.41 for 0.5) the steps of a
+            variance that matched the gradients.
 
     Example:
         >>> opt = fn.onebit_adam(freeze_step=fn.AutoFreeze(min_updates=20, max_updates=200),
@@ -116,7 +120,7 @@ class AutoFreeze(NamedTuple):
 
     min_updates: int = 10
     max_updates: int = 1000
-    tolerance: float = 0.01
+    tolerance: float = 0.5
 
     def checked(self) -> AutoFreeze:
         """The settings, checked.

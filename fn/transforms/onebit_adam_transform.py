@@ -16,7 +16,9 @@ from fn.transforms._onebit_auto import (
     auto_warmup,
     averaged_and_observed,
     checked_auto,
+    given_energy,
     init_auto,
+    observed,
 )
 from fn.transforms._onebit_schedules import AutoFreeze, OnebitAdamPlan, freeze_schedule
 from fn.transforms.onebit_fast import onebit_adam_step
@@ -86,11 +88,11 @@ def onebit_adam(
             ``1 .. freeze_step - 1`` warm up); at least 2, since the compressed phase needs the
             variance that the warmup estimates (``ValueError`` otherwise; DeepSpeed warmed up
             its first real update whatever ``freeze_step`` was). ``"auto"`` (or an
-            ``fn.AutoFreeze`` with its bounds): the warmup ends once the variance has settled,
-            decided in the state from the averaged gradients (the same on every rank, no
-            communication added); then ``opt.plan(t, state)`` and ``opt.is_compressed(t,
-            state)`` need the state (see ``docs/algorithms.md``, "Automatic freeze and momentum
-            mask").
+            ``fn.AutoFreeze`` with its bounds): the warmup ends once the variance, as it would
+            freeze, holds half (``1 - tolerance``) of the gradients' recent energy, decided in
+            the state from the averaged gradients (the same on every rank, no communication
+            added); then ``opt.plan(t, state)`` and ``opt.is_compressed(t, state)`` need the
+            state (see ``docs/algorithms.md``, "Automatic freeze and momentum mask").
         betas: :math:`(\beta_1, \beta_2)`.
         eps: :math:`\epsilon`, added to :math:`\sqrt{v}`.
         weight_decay: :math:`\lambda`, added to the update (L2, as DeepSpeed; not decoupled).
@@ -218,7 +220,7 @@ def onebit_adam(
 
 def onebit_adam_sharded(
     lr: leafwise.LearningRate = 1e-3,
-    freeze_step: int = 100000,
+    freeze_step: int | str | AutoFreeze = 100000,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
@@ -242,17 +244,27 @@ def onebit_adam_sharded(
     elementwise, so it runs on any shard of the params.
 
     Args:
-        lr, freeze_step, betas, eps, weight_decay, safeguard: as :func:`onebit_adam`.
+        lr, freeze_step, betas, eps, weight_decay, safeguard: as :func:`onebit_adam`. With
+            ``freeze_step="auto"`` (or an ``fn.AutoFreeze``) the switch is decided as there,
+            from the gradient energy of the averaged gradients, which a shard cannot compute
+            alone: every warmup update then takes the keyword ``gradient_energy``, a 0-dim
+            fp64 tensor on the CPU holding the sum over the ranks of
+            :func:`fn.transforms.gradient_energy` of each rank's shard of the mean gradient,
+            the same bits on every rank (the caller sums it, e.g. inside an allreduce it runs
+            anyway). The decision is then the same on every rank.
 
     Returns:
         A ``CompressedOptimizer`` whose ``warmup_update`` takes the mean gradient over the ranks
         and whose ``compressed_update`` takes the new momentum, each in place of the gradient
-        (both ``(grads, state, params=None, *, step=None, plan=None)``). Its state is an
-        ``OnebitAdamState`` whose errors stay ``None``; the momentum a compressed update
-        returns in ``exp_avg`` is the one it was given (the caller keeps it as it likes).
+        (both ``(grads, state, params=None, *, step=None, plan=None)``; the warmup update also
+        ``gradient_energy=`` with ``freeze_step="auto"``). Its state is an ``OnebitAdamState``
+        whose errors stay ``None``; the momentum a compressed update returns in ``exp_avg`` is
+        the one it was given (the caller keeps it as it likes). There is no
+        ``exp_avg_mask``: the caller masks the momentum it passes.
 
     Raises:
         ValueError: as :func:`onebit_adam`.
+        TypeError: a warmup update of an automatic switch without a valid ``gradient_energy``.
 
     Example:
         >>> import torch
@@ -293,18 +305,14 @@ def _onebit_adam(
         "least one warmup update (t < freeze_step) must estimate"
     )
     schedule = freeze_schedule(freeze_step, why)
-    auto = auto_warmup(name, schedule, exp_avg_mask, non_freeze, settings.b2)
-    if averaged and auto is not None:
-        raise NotImplementedError(
-            f"{name}: freeze_step='auto' and exp_avg_mask='auto' are not built for a caller that "
-            "runs the communication itself: on a shard of the params the warmup's variance "
-            "statistics would have to be summed over the ranks first"
-        )
+    auto = auto_warmup(name, schedule, exp_avg_mask, non_freeze, (settings.b1, settings.b2))
 
-    def update(grads, state, params, plan, eta, donated=None, apply=False):
-        h, observed = settings, state.auto
-        if auto is not None and not plan.compressed:  # the warmup observes the averaged grads
-            grads, observed = averaged_and_observed(name, auto, grads, state, h.comm, non_freeze)
+    def update(grads, state, params, plan, eta, donated=None, apply=False, gradient_energy=None):
+        h, seen = settings, state.auto
+        if auto is not None and not plan.compressed and averaged:  # the caller measured it
+            seen = observed(auto, seen, given_energy(name, gradient_energy), state.count)
+        elif auto is not None and not plan.compressed:  # the warmup observes the averaged grads
+            grads, seen = averaged_and_observed(name, auto, grads, state, h.comm, non_freeze)
             h = h._replace(comm=Local())
         mask = onebit_state.masks_of(exp_avg_mask, state) if plan.compressed else None
         if plan.freezes:
@@ -313,7 +321,7 @@ def _onebit_adam(
         inputs = (params, mask, non_freeze)
         if donated is None or averaged:  # averaged: the donated steps run the collective
             updates, new = leafwise.map_leaves(name, rule, grads, state, _Leaf, *inputs)
-            return updates, new._replace(auto=observed)
+            return updates, new._replace(auto=seen)
         leaves = leafwise.leaves_of(name, grads, state, _Leaf, *inputs, donated=donated)
         return leafwise.rebuilt(leaves, onebit_adam_step(h, rule, leaves, eta, apply), state)
 
@@ -329,6 +337,7 @@ def _onebit_adam(
         params_needed_for="weight_decay > 0" if weight_decay > 0 else None,
         fused_apply=not averaged,
         first_compressed=schedule.first_compressed_step,
+        keywords=("gradient_energy",) if averaged else (),
     )
     if averaged:
         return opt

@@ -117,7 +117,7 @@ def onebit_lamb(
         freeze_step: the first compressed update is ``t == freeze_step``; at least 2, since the
             compressed phase needs the variance and trust ratio that the warmup estimates
             (``ValueError`` otherwise). ``"auto"`` or an ``fn.AutoFreeze``: decided in the
-            state once the variance has settled (see ``fn.onebit_adam``).
+            state once the variance has caught up with the gradients (see ``fn.onebit_adam``).
         betas: :math:`(\beta_1, \beta_2)`.
         eps: :math:`\epsilon`.
         weight_decay: :math:`\lambda`, added to the update.
@@ -217,7 +217,7 @@ def onebit_lamb(
         "onebit_lamb", min_coeff, max_coeff, coeff_beta, factor_min, factor_max, factor_threshold
     )
     schedule = freeze_schedule(freeze_step, _FREEZE_NEEDS)
-    auto = auto_warmup("onebit_lamb", schedule, exp_avg_mask, None, settings.b2)
+    auto = auto_warmup("onebit_lamb", schedule, exp_avg_mask, None, (settings.b1, settings.b2))
 
     def update(grads, state, params, plan, eta, donated=None):
         packed = isinstance(state.exp_avg, PackedSigns)
@@ -349,7 +349,7 @@ def onebit_lamb_sharded(
         name, min_coeff, max_coeff, coeff_beta, factor_min, factor_max, factor_threshold
     )
     schedule = freeze_schedule(freeze_step, _FREEZE_NEEDS)
-    if auto_warmup(name, schedule, None, None, settings.b2) is not None:
+    if auto_warmup(name, schedule, None, None, (settings.b1, settings.b2)) is not None:
         raise NotImplementedError(
             f"{name}: freeze_step='auto' is not built on shards: the warmup's variance "
             "statistics would have to be summed over the ranks first"

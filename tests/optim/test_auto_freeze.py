@@ -109,3 +109,18 @@ def test_never_compressed_warning_follows_max_updates():
         assert not opt.warn_if_never_compressed(AUTO.max_updates + 1)
     with pytest.warns(UserWarning, match="max_updates"):
         assert opt.warn_if_never_compressed(AUTO.max_updates)
+
+
+def test_a_checkpoint_of_the_earlier_criterion_is_refused():
+    """A checkpoint whose automatic switch kept ``auto.drift`` (fn's earlier criterion) cannot
+    continue here (it lacks ``auto.recent_energy``): refused by name, nothing loaded."""
+    model = make_model()
+    opt = fn.optim.OnebitAdam(model.parameters(), freeze_step="auto", comm=Local())
+    train(model, opt, 0, range(2))
+    old = save_and_load(opt.state_dict())
+    functional = old["state"][0]["functional"]
+    functional[".auto.drift"] = functional.pop(".auto.recent_energy")
+    before = save_and_load(opt.state_dict())
+    with pytest.raises(ValueError, match="auto.drift"):
+        opt.load_state_dict(old)
+    assert states_equal(opt.state_dict(), before)
