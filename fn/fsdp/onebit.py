@@ -48,7 +48,7 @@ from fn.collectives.onebit import (
 from fn.errors import NonFiniteError
 from fn.fsdp.loco import ROOT
 from fn.fsdp.reduce_scatter import CommCache, reduce_scale
-from fn.transforms import onebit_adam, onebit_adam_sharded
+from fn.transforms import AutoFreeze, gradient_energy, onebit_adam, onebit_adam_sharded
 
 __all__ = ["OnebitAdam", "ShardedOnebitOptimizer"]
 
@@ -204,6 +204,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             for x in self._layouts
         }
         self._b1 = float(settings["betas"][0])
+        self._setting_names = sorted(k for k in settings if k != "lr")
         params = [slot.param for layout in self._layouts for slot in layout.slots]
         super().__init__(params, dict(settings))
         if world_size > 1:
@@ -211,6 +212,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         else:
             self._rule = self._single_rank_rule(settings, error_dtype)
         self._state = self._rule.init(self._shards())
+        self._automatic = self._state.auto is not None  # freeze_step="auto": decided in the state
         for name, module in model.named_modules():
             layout = next((x for x in self._layouts if x.name == (name or ROOT)), None)
             if layout is not None:
@@ -241,9 +243,11 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         the freeze; the same on every rank, so DCP saves them once); and under ``rank<r>``, a
         name of this rank's own, by module its worker and server errors (zeros before the
         first compressed update; DCP would keep one rank's copy of a name every rank saves).
-        A subclass's further per-param fields come by field name: its ``scalar_fields`` (0-dim,
-        the same on every rank) and its ``optional_fields`` (DTensors of the shards, zeros
-        where ``None``, with ``"<field>_held"``: int8 per param, whether it holds a tensor).
+        With ``freeze_step="auto"``, ``auto`` holds the decision and its statistics (0-dim,
+        the same on every rank). A subclass's further per-param fields come by field name: its
+        ``scalar_fields`` (0-dim, the same on every rank) and its ``optional_fields`` (DTensors
+        of the shards, zeros where ``None``, with ``"<field>_held"``: int8 per param, whether
+        it holds a tensor).
         :class:`~fn.fsdp.TrainingCheckpoint` saves it, and loads it at any world size, checked
         before anything changes; ``dcp.load`` straight into it works at the same world size.
 
@@ -280,6 +284,8 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             )
             mine[layout.name] = {"worker": errors[0], "server": errors[1]}
         slots = [slot for layout in self._layouts for slot in layout.slots]
+        if self._automatic:
+            state["auto"] = _auto_scalars(self._state.auto)
         for field in self.scalar_fields:
             state[field] = {slot.name: getattr(self._state, field)[slot.name] for slot in slots}
         for field in self.optional_fields:
@@ -319,6 +325,8 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             fields = ("exp_avg", "exp_avg_sq", *self.scalar_fields, *self.optional_fields)
             needed += [f"{f}.{s.name}" for s in layout.slots for f in fields]
         needed += [f"{field}_held" for field in self.optional_fields]
+        if self._automatic:
+            needed += [f"auto.{k}" for k in _auto_scalars(self._state.auto)]
         missing = [key for key in needed if key not in saved]
         if missing:
             raise ValueError(
@@ -350,6 +358,8 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
                     template.setdefault(field, {})[slot.name] = new(key, torch.float32)
         for field in self.optional_fields:
             template[f"{field}_held"] = new(f"{field}_held", torch.int8)
+        if self._automatic:
+            template["auto"] = {k: v.clone() for k, v in _auto_scalars(self._state.auto).items()}
         if world_size == self.comm.world_size:
             template[own] = {
                 x.name: {
@@ -416,6 +426,9 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             extra[field] = {
                 k: x if kept else None for k, x, kept in zip(names, values, held_by, strict=True)
             }
+        if self._automatic:
+            loaded = {k: state_dict["auto"][k].clone() for k in _auto_scalars(self._state.auto)}
+            extra["auto"] = self._state.auto._replace(**loaded)
         self.param_groups[0]["lr"] = float(state_dict["lr"])
         self._state = self._state._replace(
             count=torch.tensor(count, dtype=torch.int64),
@@ -436,8 +449,8 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         layout = repr(
             [(x.name, [(s.name, tuple(s.param.shape)) for s in x.slots]) for x in self._layouts]
         )
-        group = self.param_groups[0]
-        fixed = {k: group[k] for k in sorted(group) if k not in ("params", "lr")}
+        group = self.param_groups[0]  # the rule's settings (not lr, nor a scheduler's keys)
+        fixed = {k: group[k] for k in self._setting_names}
         settings = repr((fixed, str(self.error_dtype), self._mask_crc))
         return zlib.crc32(layout.encode()), zlib.crc32(settings.encode())
 
@@ -479,7 +492,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         t = self.count + 1
-        compressed = self.comm.world_size > 1 and self._rule.is_compressed(t)
+        compressed = self.comm.world_size > 1 and self._rule.is_compressed(t, self._state)
         params = self._shards()
         if compressed:
             inputs = self._momentum_shards(t)
@@ -489,9 +502,10 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
                 for layout in self._layouts
                 for slot in layout.slots
             }
-            self._check_finite(inputs)
+            energy = self._checked_energy(inputs)
         state = set_hyperparams(self._state, lr=self.param_groups[0]["lr"])
-        updates, state = self._rule.update(inputs, state, params, step=t)
+        extra = {} if compressed or energy is None else {"gradient_energy": energy}
+        updates, state = self._rule.update(inputs, state, params, step=t, **extra)
         apply_updates(params, updates, donate=True)
         if compressed and not self.keeps_momentum_shards:  # it lives in the packed signs
             exp_avg = {k: None if inputs[k] is not None else m for k, m in state.exp_avg.items()}
@@ -553,17 +567,26 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             return row
         return row * _mask_values(mask, self.rank * layout.padded_row, layout.padded_row)
 
-    def _check_finite(self, grads: dict[str, torch.Tensor | None]) -> None:
+    def _checked_energy(self, grads: dict[str, torch.Tensor | None]) -> torch.Tensor | None:
         """Raises ``NonFiniteError`` on every rank if some rank's gradient shard is not
-        finite (one allreduce of one value)."""
+        finite; with ``freeze_step="auto"`` (and several ranks) returns the gradient energy of
+        the mean gradient, the sum of the shards' (``fn.transforms.gradient_energy``), else
+        ``None``. One all-gather of two fp64 values, summed in rank order (the same bits on
+        every rank)."""
         bad = sum(int(not bool(g.isfinite().all())) for g in grads.values() if g is not None)
+        measure = self._automatic and self.comm.world_size > 1
+        energy = (
+            gradient_energy(grads) if measure and not bad else torch.zeros((), dtype=torch.float64)
+        )
+        mine = torch.stack([torch.tensor(float(bad), dtype=torch.float64), energy])
         if self.comm.world_size > 1:
-            bad = int(self.comm.all_reduce(torch.tensor([float(bad)]), "sum").item())
-        if bad:
+            mine = self.comm.all_gather(mine).view(-1, 2).sum(0)
+        if mine[0] > 0:
             raise NonFiniteError(
                 f"{self.name}: non-finite values in the averaged gradient (on some rank); "
                 "nothing was updated"
             )
+        return mine[1] if measure else None
 
     def _reduce_scatter(
         self,
@@ -585,7 +608,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             )
         rows = input_tensor.view(world_size, layout.row)
         t = self.count + 1
-        if not self._rule.is_compressed(t):
+        if not self._rule.is_compressed(t, self._state):
             output.copy_(_dense_reduce_scatter(comm, rows, op))
             return
         held = self._compressed[layout.name]
@@ -676,7 +699,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         try:
             check_error_dtype(self.name, error_dtype)
             self._make_rule(settings, Local())
-        except (ValueError, NotImplementedError) as error:  # e.g. freeze_step="auto", not built
+        except (ValueError, NotImplementedError) as error:
             return type(error), str(error)
         if error_dtype == torch.float16:
             return NotImplementedError, (
@@ -714,7 +737,9 @@ class OnebitAdam(ShardedOnebitOptimizer):
     Args:
         model: the model, with ``fully_shard`` applied to it or its submodules, on one 1-D mesh;
             every trainable param must be in an FSDP2 module.
-        lr, freeze_step, betas, eps, weight_decay, safeguard: as ``fn.onebit_adam``. ``lr``
+        lr, freeze_step, betas, eps, weight_decay, safeguard: as ``fn.onebit_adam``
+            (``freeze_step="auto"`` too: each rank sends its shards' gradient energy with the
+            finite check of every warmup update, and the ranks switch together). ``lr``
             is read from ``param_groups[0]["lr"]`` at every step (LR schedulers work); the
             others are fixed here.
         non_freeze: must be ``False`` (``NotImplementedError`` otherwise).
@@ -763,7 +788,7 @@ class OnebitAdam(ShardedOnebitOptimizer):
         self,
         model: nn.Module,
         lr: float = 1e-3,
-        freeze_step: int = 100000,
+        freeze_step: int | str | AutoFreeze = 100000,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
@@ -810,6 +835,12 @@ class OnebitAdam(ShardedOnebitOptimizer):
         return compressed_allreduce_exchange(
             momentum, *held.errors, comm=comm, grad=grad, beta=self._b1
         )
+
+
+def _auto_scalars(auto: Any) -> dict[str, torch.Tensor]:
+    """The 0-dim fields of a state's ``auto`` (``freeze_step="auto"``'s decision and
+    statistics, the same on every rank), by name."""
+    return {k: v for k, v in auto._asdict().items() if isinstance(v, torch.Tensor)}
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from fn.base import CompressedOptimizer
 from fn.collectives import Local, ProcessGroup
 from fn.collectives.onebit import CompressedExchange, compressed_allreduce_exchange
 from fn.fsdp.onebit import ModuleLayout, ShardedOnebitOptimizer
-from fn.transforms import onebit_lamb, onebit_lamb_sharded
+from fn.transforms import AutoFreeze, onebit_lamb, onebit_lamb_sharded
 
 __all__ = ["OnebitLamb"]
 
@@ -84,7 +84,7 @@ class OnebitLamb(ShardedOnebitOptimizer):
         self,
         model: nn.Module,
         lr: float = 1e-3,
-        freeze_step: int = 100000,
+        freeze_step: int | str | AutoFreeze = 100000,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,

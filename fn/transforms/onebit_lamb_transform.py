@@ -18,7 +18,9 @@ from fn.transforms._onebit_auto import (
     auto_warmup,
     averaged_and_observed,
     checked_auto,
+    given_energy,
     init_auto,
+    observed,
 )
 from fn.transforms._onebit_schedules import AutoFreeze, OnebitLambPlan, freeze_schedule
 from fn.transforms.trust_ratio import trust_ratio_of_norms
@@ -271,7 +273,7 @@ def onebit_lamb(
 
 def onebit_lamb_sharded(
     lr: leafwise.LearningRate = 1e-3,
-    freeze_step: int = 100000,
+    freeze_step: int | str | AutoFreeze = 100000,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
@@ -286,62 +288,63 @@ def onebit_lamb_sharded(
     safeguard: bool = True,
 ) -> CompressedOptimizer:
     r"""1-bit LAMB's rule on one rank's shard of the params, for a caller that runs the
-        momentum's communication itself (``fn.fsdp.OnebitLamb``, inside FSDP2's reduce-scatter).
+    momentum's communication itself (``fn.fsdp.OnebitLamb``, inside FSDP2's reduce-scatter).
 
-        The rule of :func:`onebit_lamb` (the same per-leaf code), with two differences of where
-        things are computed:
+    The rule of :func:`onebit_lamb` (the same per-leaf code), with two differences of where
+    things are computed:
 
-        - every full-tensor reduction of a leaf (:math:`\lVert p
-    Vert`, :math:`\lVert u
-    Vert`,
-          :math:`\lVert u_0
-    Vert`, :math:`\lVert m
-    Vert` and the factor's :math:`\max_i`) is
-          taken over the shards: each rank's sums of squares (fp64) and maxima are all-gathered
-          over ``comm`` in one call per update and reduced in rank order, so every rank gets the
-          same bits; a norm is :math:`\sqrt{\sum_r s_r}` in fp64, rounded once to fp32;
-        - the momentum scaling :math:`s_\ell` is fixed at the last warmup update (from the momentum
-          it leaves, the one :func:`onebit_lamb` reads at the first compressed update), so that it
-          is known before the first compressed reduce-scatter, which scales by it.
+    - every full-tensor reduction of a leaf (:math:`\lVert p\rVert`, :math:`\lVert u\rVert`,
+      :math:`\lVert u_0\rVert`, :math:`\lVert m\rVert` and the factor's :math:`\max_i`) is
+      taken over the shards: each rank's sums of squares (fp64) and maxima are all-gathered
+      over ``comm`` in one call per update and reduced in rank order, so every rank gets the
+      same bits; a norm is :math:`\sqrt{\sum_r s_r}` in fp64, rounded once to fp32;
+    - the momentum scaling :math:`s_\ell` is fixed at the last warmup update (from the momentum
+      it leaves, the one :func:`onebit_lamb` reads at the first compressed update), so that it
+      is known before the first compressed reduce-scatter, which scales by it.
 
-        Inputs: a warmup update takes the mean gradient shards over the ranks; a compressed one
-        takes this rank's shard of the allreduce's result (the scaled momentum
-        :math:`\mathrm{CAR}(s_\ell(eta_1 m_\ell + (1-eta_1) g_{r,\ell}))`), with the state's
-        ``exp_avg`` holding the momentum shards before it (:math:`m_{last}`).
+    Inputs: a warmup update takes the mean gradient shards over the ranks; a compressed one
+    takes this rank's shard of the allreduce's result (the scaled momentum
+    :math:`\mathrm{CAR}(s_\ell(\beta_1 m_\ell + (1-\beta_1) g_{r,\ell}))`, times the mask where
+    the caller has one), with the state's ``exp_avg`` holding the momentum shards before it
+    (:math:`m_{last}`).
 
-        Args:
-            lr, freeze_step, betas, eps, weight_decay, max_coeff, min_coeff, coeff_beta,
-                factor_max, factor_min, factor_threshold, safeguard: as :func:`onebit_lamb`.
-            comm: the ``fn.collectives`` Comm over the ranks that hold the shards (its
-                ``all_gather`` carries the norms; ``Local()`` for unsharded leaves).
+    Args:
+        lr, freeze_step, betas, eps, weight_decay, max_coeff, min_coeff, coeff_beta,
+            factor_max, factor_min, factor_threshold, safeguard: as :func:`onebit_lamb`.
+            With ``freeze_step="auto"`` every warmup update takes ``gradient_energy=`` (as
+            ``fn.transforms.onebit_adam_sharded``'s) and, since any of them may be the last,
+            sets ``v~ = v`` and the scaling coefficients.
+        comm: the ``fn.collectives`` Comm over the ranks that hold the shards (its
+            ``all_gather`` carries the norms; ``Local()`` for unsharded leaves).
 
-        Returns:
-            A ``CompressedOptimizer`` (``params`` required) whose state is an ``OnebitLambState``
-            with the errors ``None``; the momentum a compressed update returns in ``exp_avg`` is
-            the new fp32 shard. Every rank must have ``None`` gradients at the same leaves.
+    Returns:
+        A ``CompressedOptimizer`` (``params`` required) whose state is an ``OnebitLambState``
+        with the errors ``None``; the momentum a compressed update returns in ``exp_avg`` is
+        the new fp32 shard. Every rank must have ``None`` gradients at the same leaves.
 
-        Raises:
-            ValueError: as :func:`onebit_lamb`.
-            NotImplementedError: ``freeze_step="auto"`` (not built on shards).
+    Raises:
+        ValueError: as :func:`onebit_lamb`.
+        TypeError: a warmup update of an automatic switch without a valid
+            ``gradient_energy`` (as ``fn.transforms.onebit_adam_sharded``).
 
-        Example:
-            One rank holding the whole leaf (``Local``): the rule of :func:`onebit_lamb` with one
-            worker, up to how its norms are summed.
+    Example:
+        One rank holding the whole leaf (``Local``): the rule of :func:`onebit_lamb` with one
+        worker, up to how its norms are summed.
 
-            >>> import torch
-            >>> import fn
-            >>> from fn.collectives import Local
-            >>> opt = fn.transforms.onebit_lamb_sharded(lr=0.1, freeze_step=2, comm=Local())
-            >>> params = {"w": torch.tensor([1.0, 2.0])}
-            >>> state = opt.init(params)
-            >>> updates, state = opt.update({"w": torch.tensor([1.0, -1.0])}, state, params, step=1)
-            >>> params = fn.apply_updates(params, updates)
-            >>> state.scaling_coeff["w"]  # fixed at the last warmup update
-            tensor(1.)
-            >>> momentum = {"w": torch.tensor([0.2, -0.1])}  # CAR's result, from the caller
-            >>> updates, state = opt.update(momentum, state, params, step=2)
-            >>> state.exp_avg["w"]
-            tensor([ 0.2000, -0.1000])
+        >>> import torch
+        >>> import fn
+        >>> from fn.collectives import Local
+        >>> opt = fn.transforms.onebit_lamb_sharded(lr=0.1, freeze_step=2, comm=Local())
+        >>> params = {"w": torch.tensor([1.0, 2.0])}
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update({"w": torch.tensor([1.0, -1.0])}, state, params, step=1)
+        >>> params = fn.apply_updates(params, updates)
+        >>> state.scaling_coeff["w"]  # fixed at the last warmup update
+        tensor(1.)
+        >>> momentum = {"w": torch.tensor([0.2, -0.1])}  # CAR's result, from the caller
+        >>> updates, state = opt.update(momentum, state, params, step=2)
+        >>> state.exp_avg["w"]
+        tensor([ 0.2000, -0.1000])
     """
     name = "onebit_lamb_sharded"
     settings = leafwise.onebit_settings(name, lr, betas, eps, weight_decay, Local(), safeguard)
@@ -349,32 +352,34 @@ def onebit_lamb_sharded(
         name, min_coeff, max_coeff, coeff_beta, factor_min, factor_max, factor_threshold
     )
     schedule = freeze_schedule(freeze_step, _FREEZE_NEEDS)
-    if auto_warmup(name, schedule, None, None, (settings.b1, settings.b2)) is not None:
-        raise NotImplementedError(
-            f"{name}: freeze_step='auto' is not built on shards: the warmup's variance "
-            "statistics would have to be summed over the ranks first"
-        )
+    auto = auto_warmup(name, schedule, None, None, (settings.b1, settings.b2))
 
-    def update(grads, state, params, plan, eta, donated=None):
+    def update(grads, state, params, plan, eta, donated=None, gradient_energy=None):
         del donated
         leaves = leafwise.leaves_of(name, grads, state, _Leaf, params)
         if plan.compressed:
             if plan.sets_scaling:
                 leafwise.report_frozen_variance(name, state, settings)
             return _sharded_compressed(settings, trust, comm, leaves, state, eta)
-        return _sharded_warmup(settings, trust, comm, leaves, state, eta, plan.copies_variance)
+        if auto is None:
+            return _sharded_warmup(settings, trust, comm, leaves, state, eta, plan.copies_variance)
+        # any warmup update may be the last: each copies v~ = v and fixes the scaling
+        seen = observed(auto, state.auto, given_energy(name, gradient_energy), state.count)
+        updates, new = _sharded_warmup(settings, trust, comm, leaves, state, eta, True)
+        return updates, new._replace(auto=seen)
 
     return leafwise.compressed_optimizer(
         name,
         lr,
         OnebitLambState,
-        partial(_init_fields, settings, None),
+        partial(_init_fields, settings, auto),
         update,
         schedule.is_compressed,
         schedule.onebit_lamb_plan,
         OnebitLambPlan,
         params_needed_for="1-bit LAMB (trust ratios)",
         first_compressed=schedule.first_compressed_step,
+        keywords=("gradient_energy",),
     )
 
 

@@ -233,7 +233,7 @@ def _worker_bad_input(rank: int, world_size: int) -> dict:
         lambda: fn.fsdp.OnebitLamb(build(), min_coeff=coeff, max_coeff=1.0)
     )
     out["factor differs"] = _refusal(lambda: fn.fsdp.OnebitLamb(build(), factor_max=3.0 + rank))
-    out["auto"] = _refusal(lambda: fn.fsdp.OnebitLamb(build(), freeze_step="auto"))
+    out["auto mask"] = _refusal(lambda: fn.fsdp.OnebitLamb(build(), exp_avg_mask="auto"))
     model = build()
     fn.fsdp.OnebitAdam(model)
     out["after adam"] = _refusal(lambda: fn.fsdp.OnebitLamb(model))
@@ -287,5 +287,5 @@ def test_bad_input_is_refused_on_every_rank():
         assert kind == "ValueError"
         assert ("min_coeff" in message) if rank == 0 else ("rank 0" in message), message
         assert out["factor differs"][0] == "ValueError" and "different" in out["factor differs"][1]
-        assert out["auto"][0] == "NotImplementedError" and "auto" in out["auto"][1]
+        assert out["auto mask"][0] == "NotImplementedError" and "auto" in out["auto mask"][1]
         assert out["after adam"][0] == "ValueError" and "already" in out["after adam"][1]
