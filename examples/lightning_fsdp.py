@@ -56,6 +56,7 @@ def main() -> None:
     trainer = fit(model, strategy, args)
     final = {name: p.full_tensor() for name, p in model.named_parameters()}  # collective
     if trainer.is_global_zero:
+        os.makedirs(args.output_dir, exist_ok=True)
         torch.save(final, os.path.join(args.output_dir, "final.pt"))
         optimizer = trainer.optimizers[0]
         print(f"{optimizer.count} updates, fn bytes sent (rank 0) {optimizer.bytes_sent}")
