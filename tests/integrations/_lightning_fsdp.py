@@ -5,13 +5,14 @@ schedule), on every rank.
     torchrun --nproc-per-node 2 tests/integrations/_lightning_fsdp.py OUT_DIR
 
 - ``full``: an uninterrupted run of ``STEPS`` updates, a checkpoint after every update: per
-  update fn's bytes sent and whether it was compressed, fn's warnings, the final params
-  (all-gathered) and this rank's final optimizer state;
+  update fn's bytes sent, fn's warnings, the final params (all-gathered) and this rank's final
+  optimizer state;
 - ``bare``: the same updates in a plain loop with ``fn.fsdp.OnebitAdam``, no Lightning;
 - ``resumed``: per checkpoint in ``RESUME``, a new model and trainer resumed from it to
   ``STEPS``: the final params and optimizer state;
-- ``refused``: per bad set-up, the error (type and message) and whether the params stayed as
-  built; ``short``: fn's warnings of a run too short to compress.
+- ``refused``: per bad set-up (among them checkpoints of other settings and of a torch
+  optimizer), the error (type and message) and whether the params stayed as built;
+- ``short``: fn's warnings of a run too short to compress.
 
 Writes ``OUT_DIR/rank<r>.pt``.
 """
@@ -46,16 +47,13 @@ RESUME = (1, 2, 3, 5)  # warmup; the last warmup update; the first compressed; c
 
 
 class StepTraffic(lightning.Callback):
-    """Per update: fn's bytes sent by the optimizer and whether the update was compressed."""
+    """Per update: fn's bytes sent by the optimizer."""
 
     def __init__(self) -> None:
         self.sent: list[int] = []
-        self.compressed: list[bool] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        optimizer = trainer.optimizers[0]
-        self.compressed.append(optimizer.count + 1 >= optimizer.param_groups[0]["freeze_step"])
-        self.start = optimizer.bytes_sent
+        self.start = trainer.optimizers[0].bytes_sent
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.sent.append(trainer.optimizers[0].bytes_sent - self.start)
@@ -71,6 +69,7 @@ def fit(
     steps: int = STEPS,
     callbacks: tuple = (),
     ckpt_path: str | None = None,
+    fn_callback: bool = True,
     **options: Any,
 ) -> lightning.Trainer:
     trainer = lightning.Trainer(
@@ -79,7 +78,7 @@ def fit(
         strategy=options.pop("strategy", None) or strategy(),
         max_steps=steps,
         use_distributed_sampler=False,
-        callbacks=[FnCallback(), *callbacks],
+        callbacks=[FnCallback()] * fn_callback + list(callbacks),
         logger=False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         enable_progress_bar=False,
@@ -130,7 +129,6 @@ def full_run(out_dir: Path) -> dict:
         trainer = fit(model, callbacks=(traffic, saving))
     return {
         "sent": traffic.sent,
-        "compressed": traffic.compressed,
         "warnings": fn_warnings(caught),
         "params": full_params(model),
         "state": local_state(trainer.optimizers[0]),
@@ -161,6 +159,18 @@ def resumed_run(checkpoint: Path) -> dict:
     return {"params": full_params(model), "state": local_state(trainer.optimizers[0])}
 
 
+class AdamWClassifier(ShardedClassifier):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def adamw_checkpoint(out_dir: Path) -> Path:
+    """A checkpoint of the sharded model with a torch optimizer, after 1 update."""
+    saving = ModelCheckpoint(dirpath=out_dir, filename="adamw", every_n_train_steps=1)
+    fit(AdamWClassifier(LR, FREEZE), steps=1, callbacks=(saving,), fn_callback=False)
+    return out_dir / "adamw.ckpt"
+
+
 def refused(make_model, checkpoint: Path | None = None, **options: Any) -> tuple[str, bool]:
     """Fits a new model that must fail: the error, and whether its params stayed as built."""
     model = make_model()
@@ -185,6 +195,9 @@ def main() -> None:
     checkpoint = out_dir / "full" / f"checkpoint-{FREEZE}.ckpt"
     results["refused"] = {
         "other settings": refused(lambda: ShardedClassifier(LR, FREEZE + 1), checkpoint),
+        "other optimizer": refused(
+            lambda: ShardedClassifier(LR, FREEZE), adamw_checkpoint(out_dir / "adamw")
+        ),
         "mesh of one rank": refused(  # ModelParallelStrategy's default sizes on one node
             lambda: ShardedClassifier(LR, FREEZE),
             strategy=strategy(data_parallel_size=1, tensor_parallel_size=2),
