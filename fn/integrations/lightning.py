@@ -158,6 +158,13 @@ def _check_sharded_run(trainer: Trainer, optimizer: ShardedOnebitAdam) -> None:
             "accumulated batch, and a compressed update of fn.fsdp.OnebitAdam takes one "
             "reduce-scatter (accumulate inside training_step, or use a larger batch)"
         )
+    if trainer.gradient_clip_val:
+        raise NotImplementedError(
+            "fn.integrations.lightning: gradient_clip_val with fn.fsdp.OnebitAdam: from "
+            "freeze_step on, its update is the momentum that its reduce-scatter compressed in "
+            "the backward pass, before Lightning clips the gradients, so clipping would act in "
+            "the warmup only"
+        )
     if optimizer.comm.world_size != trainer.world_size:
         raise ValueError(
             f"fn.integrations.lightning: fn.fsdp.OnebitAdam runs over {optimizer.comm.world_size}"
@@ -309,9 +316,10 @@ class FnCallback(Callback):
       ``strategy="ddp"`` and its variants) to ``fn.ddp.register`` (DDP then averages in warmup
       and is silent once compressed). For ``fn.fsdp.OnebitAdam`` under
       ``ModelParallelStrategy``: refuses, on every rank, what it cannot run with (another
-      optimizer beside it, ``accumulate_grad_batches > 1``, an FSDP2 mesh smaller than the
-      world, ``save_distributed_checkpoint=False``) and routes the strategy's optimizer
-      checkpoints through the optimizer's own DCP state dict (:class:`_ShardedCheckpoints`).
+      optimizer beside it, ``accumulate_grad_batches > 1``, ``gradient_clip_val``, an FSDP2
+      mesh smaller than the world, ``save_distributed_checkpoint=False``) and routes the
+      strategy's optimizer checkpoints through the optimizer's own DCP state dict
+      (:class:`_ShardedCheckpoints`).
     - On every checkpoint (``on_save_checkpoint``, which Lightning runs on every rank while it
       builds the checkpoint): for ``fn.optim``, gathers every rank's error feedback into rank
       0's optimizer state (``gather_error_feedback``, a collective) and puts that state into

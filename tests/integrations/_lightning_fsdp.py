@@ -203,6 +203,7 @@ def main() -> None:
             strategy=strategy(data_parallel_size=1, tensor_parallel_size=2),
         ),
         "accumulation": refused(lambda: ShardedClassifier(LR, FREEZE), accumulate_grad_batches=2),
+        "clipping": refused(lambda: ShardedClassifier(LR, FREEZE), gradient_clip_val=1.0),
         "full checkpoint": refused(
             lambda: ShardedClassifier(LR, FREEZE),
             strategy=strategy(save_distributed_checkpoint=False),

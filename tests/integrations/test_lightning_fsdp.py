@@ -39,6 +39,7 @@ REFUSED = {
     "mesh of one rank": r"^ValueError: .*runs over 1 rank\(s\).*the trainer has 2.*"
     r"data_parallel_size",
     "accumulation": r"^NotImplementedError: .*accumulate_grad_batches > 1",
+    "clipping": r"^NotImplementedError: .*gradient_clip_val.*the warmup only",
     "full checkpoint": r"^NotImplementedError: .*save_distributed_checkpoint=False",
 }
 
