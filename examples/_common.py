@@ -8,6 +8,7 @@ import hashlib
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 def parse_args(description: str, resume_flag: str) -> argparse.Namespace:
@@ -27,10 +28,12 @@ def parse_args(description: str, resume_flag: str) -> argparse.Namespace:
 
 
 def check_ranks_agree(model: torch.nn.Module) -> str:
-    """The SHA-256 of the params, the same on every rank (else ``RuntimeError``); rank 0 prints
-    it."""
+    """The SHA-256 of the params (sharded ones all-gathered, a collective), the same on every
+    rank (else ``RuntimeError``); rank 0 prints it."""
     digest = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
+        if isinstance(p, DTensor):
+            p = p.full_tensor()
         digest.update(name.encode())
         digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     mine = digest.hexdigest()

@@ -22,7 +22,9 @@ and the resumed run then sees other batches than the uninterrupted one. With a p
 
 from __future__ import annotations
 
+import argparse
 import os
+from typing import Any
 
 import lightning
 import torch
@@ -95,13 +97,16 @@ class ResumableBatches:
         self.epoch, self.position = state["epoch"], state["position"]
 
 
-def main() -> None:
-    args = parse_args("1-bit Adam in a PyTorch Lightning Trainer (DDP)", "--ckpt-path")
+def fit(
+    model: lightning.LightningModule, strategy: Any, args: argparse.Namespace
+) -> lightning.Trainer:
+    """Trains ``model`` under ``strategy`` on 2 ranks (or ``torchrun``'s), with fn's callback
+    and a checkpoint every ``args.save_steps``, from ``args.ckpt_path`` if given."""
     gpu = torch.cuda.is_available()
     trainer = lightning.Trainer(
         accelerator="gpu" if gpu else "cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", 2)),
-        strategy="ddp",
+        strategy=strategy,
         max_steps=args.max_steps,
         use_distributed_sampler=False,  # ResumableBatches deals the batches round the ranks
         callbacks=[
@@ -122,8 +127,14 @@ def main() -> None:
     loader = ResumableBatches(
         *synthetic_data(), args.batch_size, trainer.global_rank, trainer.world_size
     )
-    model = Classifier(args.lr, args.freeze_step)
     trainer.fit(model, loader, ckpt_path=args.ckpt_path)
+    return trainer
+
+
+def main() -> None:
+    args = parse_args("1-bit Adam in a PyTorch Lightning Trainer (DDP)", "--ckpt-path")
+    model = Classifier(args.lr, args.freeze_step)
+    trainer = fit(model, "ddp", args)
     if trainer.is_global_zero:
         os.makedirs(args.output_dir, exist_ok=True)
         torch.save(model.state_dict(), os.path.join(args.output_dir, "final.pt"))

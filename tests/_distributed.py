@@ -67,7 +67,7 @@ def torchrun(script: Path, *args: str, timeout: float = 240) -> str:
 
     Raises:
         AssertionError: it failed (with the ends of its output); ``subprocess.TimeoutExpired``
-            after ``timeout`` seconds.
+            after ``timeout`` seconds, torchrun and its ranks killed.
     """
     env = dict(
         os.environ,
@@ -79,6 +79,19 @@ def torchrun(script: Path, *args: str, timeout: float = 240) -> str:
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         str(script), *args,
     ]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return done.stdout
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as run:
+        try:
+            stdout, stderr = run.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # SIGTERM: torchrun ends its ranks (each in a session of its own), which a SIGKILL
+            # of torchrun alone would leave running
+            run.terminate()
+            try:
+                run.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                run.kill()
+            raise
+    assert run.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    return stdout

@@ -25,7 +25,7 @@ ALLOWED = {
     "optim": {"errors", "tree", "kernels", "base", "collectives", "transforms"},
     "fsdp": {"errors", "tree", "kernels", "base", "collectives", "transforms"},
     "ddp": {"errors", "tree", "kernels", "base", "collectives", "transforms", "optim"},
-    "integrations": {"errors", "tree", "base", "collectives", "transforms", "optim", "ddp"},
+    "integrations": {"errors", "tree", "base", "collectives", "transforms", "optim", "fsdp", "ddp"},
     "app": {"errors", "tree", "base", "collectives", "transforms", "optim", "ddp"},
 }
 

@@ -1,6 +1,7 @@
 """PyTorch Lightning glue: :class:`FnCallback`.
 
-Example (under ``torchrun``; the full script is ``examples/lightning_ddp.py``)::
+Example (under ``torchrun``; the full scripts are ``examples/lightning_ddp.py`` and
+``examples/lightning_fsdp.py``)::
 
     class Model(lightning.LightningModule):
         ...
@@ -9,16 +10,38 @@ Example (under ``torchrun``; the full script is ``examples/lightning_ddp.py``)::
 
     trainer = lightning.Trainer(strategy="ddp", callbacks=[FnCallback()], ...)
     trainer.fit(Model())  # or trainer.fit(Model(), ckpt_path=...): every rank resumes exactly
+
+    class ShardedModel(lightning.LightningModule):
+        ...
+        def configure_model(self):
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+        def configure_optimizers(self):
+            return fn.fsdp.OnebitAdam(self, lr=1e-3, freeze_step=100)
+
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    trainer = lightning.Trainer(strategy=strategy, callbacks=[FnCallback()], ...)
 """
 
 from __future__ import annotations
 
 import math
+import warnings
+from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import (
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    Strategy,
+)
+from torch.distributed.checkpoint.api import CheckpointException
 
+from fn.fsdp import OnebitAdam as ShardedOnebitAdam
 from fn.integrations._common import register_ddp, unwrap_optimizer
 from fn.optim import FunctionalOptimizer, OnebitFamily
 
@@ -39,22 +62,25 @@ _UNSUPPORTED = (
 )
 
 
-def check_strategy(strategy: Any, optimizer: FunctionalOptimizer) -> None:
+def check_strategy(strategy: Any, optimizer: FunctionalOptimizer | ShardedOnebitAdam) -> None:
     """Raises unless ``optimizer`` can run under the Lightning ``strategy``.
 
     fn.optim's 1-bit family communicates the gradients itself, over whole param groups. Under
     ``strategy="ddp"`` (any ``DDPStrategy``) ``fn.ddp.register`` makes DDP step aside in the
     compressed phase; the sharded strategies (FSDP, FSDP2 via ``ModelParallelStrategy``,
     DeepSpeed) hold only a shard of each param and gradient, for which ``fn.optim`` has no
-    1-bit optimizer.
+    1-bit optimizer. ``fn.fsdp.OnebitAdam`` is that optimizer for FSDP2: it runs under
+    ``ModelParallelStrategy`` (the model's ``configure_model`` applies ``fully_shard``) and
+    under no other strategy.
 
     Args:
         strategy: the trainer's strategy (``trainer.strategy``).
-        optimizer: an ``fn.optim`` optimizer of the run.
+        optimizer: an ``fn.optim`` optimizer or an ``fn.fsdp.OnebitAdam`` of the run.
 
     Raises:
-        NotImplementedError: a 1-bit family optimizer under a sharded strategy, naming what to
-            use instead.
+        NotImplementedError: a 1-bit family ``fn.optim`` optimizer under a sharded strategy, or
+            ``fn.fsdp.OnebitAdam`` under another strategy than ``ModelParallelStrategy``,
+            naming what to use instead.
 
     Example:
         >>> import torch
@@ -67,6 +93,16 @@ def check_strategy(strategy: Any, optimizer: FunctionalOptimizer) -> None:
         ...
         NotImplementedError: fn.integrations.lightning: OnebitAdam cannot run under ...
     """
+    if isinstance(optimizer, ShardedOnebitAdam):
+        if not isinstance(strategy, ModelParallelStrategy):
+            raise NotImplementedError(
+                "fn.integrations.lightning: fn.fsdp.OnebitAdam runs on FSDP2 modules under "
+                f"Lightning's ModelParallelStrategy, not under {type(strategy).__name__}: use "
+                "Trainer(strategy=ModelParallelStrategy(data_parallel_size=N, "
+                "tensor_parallel_size=1)) with fully_shard in configure_model, or "
+                "fn.optim.OnebitAdam with strategy='ddp'"
+            )
+        return
     if not isinstance(optimizer, OnebitFamily):
         return
     for kind, why in _UNSUPPORTED:
@@ -75,21 +111,24 @@ def check_strategy(strategy: Any, optimizer: FunctionalOptimizer) -> None:
                 f"fn.integrations.lightning: {type(optimizer).__name__} cannot run under "
                 f"{type(strategy).__name__}: {why}, and fn.optim's 1-bit family needs whole "
                 "params and local gradients. Use Trainer(strategy='ddp') with it; for a sharded "
-                "model, fn.fsdp.OnebitAdam runs 1-bit Adam on FSDP2 in a plain training loop "
-                "(not through Lightning's strategies yet), and a torch optimizer with "
+                "model, fn.fsdp.OnebitAdam runs 1-bit Adam on FSDP2 under ModelParallelStrategy "
+                "(fully_shard in configure_model), and a torch optimizer with "
                 "fn.fsdp.loco_reduce_scatter sends 4-bit gradients under any FSDP2 setup"
             )
 
 
-def _fn_optimizers(trainer: Trainer) -> list[tuple[int, FunctionalOptimizer]]:
-    """``(index in trainer.optimizers, fn.optim optimizer)`` for each of the trainer's
-    ``fn.optim`` optimizers.
+def _fn_optimizers(trainer: Trainer) -> list[tuple[int, FunctionalOptimizer | ShardedOnebitAdam]]:
+    """``(index in trainer.optimizers, optimizer)`` for each of the trainer's ``fn.optim``
+    optimizers and ``fn.fsdp.OnebitAdam`` optimizers.
 
     Raises:
         TypeError: the trainer has none.
     """
     found = []
     for index, optimizer in enumerate(trainer.optimizers):
+        if isinstance(optimizer, ShardedOnebitAdam):
+            found.append((index, optimizer))
+            continue
         try:
             found.append((index, unwrap_optimizer(optimizer)))
         except TypeError:
@@ -98,26 +137,195 @@ def _fn_optimizers(trainer: Trainer) -> list[tuple[int, FunctionalOptimizer]]:
         names = [type(o).__name__ for o in trainer.optimizers] or "no optimizer"
         raise TypeError(
             "fn.integrations.lightning.FnCallback needs an fn.optim optimizer (e.g. "
-            f"fn.optim.OnebitAdam) from configure_optimizers, got {names}"
+            f"fn.optim.OnebitAdam) or fn.fsdp.OnebitAdam from configure_optimizers, got {names}"
         )
     return found
 
 
-class FnCallback(Callback):
-    """Connects the ``fn.optim`` optimizers of a Lightning run to its strategy:
-    ``Trainer(callbacks=[FnCallback()])``.
+def _check_sharded_run(trainer: Trainer, optimizer: ShardedOnebitAdam) -> None:
+    """Raises, the same on every rank (every input is), where ``fn.fsdp.OnebitAdam`` cannot run
+    as this trainer is set up."""
+    if len(trainer.optimizers) > 1:
+        raise NotImplementedError(
+            "fn.integrations.lightning: fn.fsdp.OnebitAdam must be the run's only optimizer "
+            f"(configure_optimizers returned {len(trainer.optimizers)}): it updates every "
+            "trainable param of the FSDP2 model"
+        )
+    if trainer.accumulate_grad_batches > 1:
+        raise NotImplementedError(
+            "fn.integrations.lightning: accumulate_grad_batches > 1 with fn.fsdp.OnebitAdam: "
+            "Lightning's ModelParallelStrategy reduce-scatters the gradients of every "
+            "accumulated batch, and a compressed update of fn.fsdp.OnebitAdam takes one "
+            "reduce-scatter (accumulate inside training_step, or use a larger batch)"
+        )
+    if trainer.gradient_clip_val:
+        raise NotImplementedError(
+            "fn.integrations.lightning: gradient_clip_val with fn.fsdp.OnebitAdam: from "
+            "freeze_step on, its update is the momentum that its reduce-scatter compressed in "
+            "the backward pass, before Lightning clips the gradients, so clipping would act in "
+            "the warmup only"
+        )
+    if optimizer.comm.world_size != trainer.world_size:
+        raise ValueError(
+            f"fn.integrations.lightning: fn.fsdp.OnebitAdam runs over {optimizer.comm.world_size}"
+            f" rank(s) (the FSDP2 mesh of configure_model) but the trainer has "
+            f"{trainer.world_size}: shard the model over every rank with "
+            "ModelParallelStrategy(data_parallel_size=<world size>, tensor_parallel_size=1) "
+            "(its default data_parallel_size is the number of nodes) and fully_shard(..., "
+            'mesh=self.device_mesh["data_parallel"])'
+        )
+    # The strategy has no public accessor for its checkpoint format.
+    if not getattr(trainer.strategy, "_save_distributed_checkpoint", True):
+        raise NotImplementedError(
+            "fn.integrations.lightning: ModelParallelStrategy(save_distributed_checkpoint="
+            "False) with fn.fsdp.OnebitAdam: its state holds every rank's own error feedback "
+            "and its shards, which Lightning's single-file checkpoint (a torch optimizer's "
+            "state gathered on rank 0) cannot hold; keep the default "
+            "save_distributed_checkpoint=True"
+        )
 
-    - At fit start (after the strategy wrapped the model in DDP and built the optimizers,
-      before the first backward pass and before a checkpoint's optimizer state is loaded):
-      checks the strategy (:func:`check_strategy`), passes the DDP model
-      (``trainer.strategy.model``, under ``strategy="ddp"`` and its variants) to
-      ``fn.ddp.register`` (DDP then averages in warmup and is silent once compressed), and
-      warns when no update within the run's ``trainer.estimated_stepping_batches`` would be
-      compressed (``FunctionalOptimizer.warn_if_never_compressed``).
+
+def _warn_if_never_compressed(optimizer: ShardedOnebitAdam, updates: float) -> None:
+    """Warns when none of the run's ``updates`` would be compressed (update ``t`` is from
+    ``t = freeze_step`` on)."""
+    freeze_step = int(optimizer.param_groups[0]["freeze_step"])
+    if math.isfinite(updates) and int(updates) < freeze_step:
+        warnings.warn(
+            "fn.fsdp.OnebitAdam makes no compressed update within the Trainer's "
+            f"estimated_stepping_batches ({int(updates)} updates): every update is a dense "
+            f"reduce-scatter, as plain Adam's, and saves no bandwidth; set freeze_step "
+            f"(now {freeze_step}) below {int(updates)}",
+            stacklevel=3,
+        )
+
+
+class _ShardedCheckpoints:
+    """``ModelParallelStrategy``'s checkpoints of an ``fn.fsdp.OnebitAdam``, installed on the
+    strategy by :class:`FnCallback` (its ``optimizer_state`` and ``load_checkpoint``, replaced
+    on that instance; any other optimizer still goes through the strategy's own methods).
+
+    The strategy saves an optimizer as ``get_optimizer_state_dict`` sees it, torch.optim's
+    ``{"state", "param_groups"}`` layout, which ``fn.fsdp.OnebitAdam`` does not have (its
+    momentum is one packed vector per FSDP2 module, its error feedback is per rank): saving
+    fails with ``KeyError: 'state'``, and loading would first step the optimizer with zero
+    gradients. Here saving hands the strategy the optimizer's own DCP state dict
+    (``OnebitAdam.state_dict()``), which the strategy's ``dcp.save`` writes as it is, every
+    rank its shards and errors, under ``optimizer_<i>``. Loading reads that state as the
+    optimizer lays it out (its header first, then ``checkpoint_template``), so a checkpoint of
+    another model, other settings or another optimizer is refused on every rank before the
+    model changes; then the strategy loads the model and the rest without the optimizer, and
+    ``OnebitAdam.load_state_dict`` restores it.
+    """
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+        self.optimizer_state = strategy.optimizer_state
+        self.load_checkpoint = strategy.load_checkpoint
+
+    @classmethod
+    def install(cls, strategy: Strategy) -> None:
+        """Routes ``strategy``'s optimizer checkpoints through this class (once)."""
+        if isinstance(getattr(strategy.load_checkpoint, "__self__", None), cls):
+            return
+        routes = cls(strategy)
+        strategy.optimizer_state = routes.save_optimizer
+        strategy.load_checkpoint = routes.load
+
+    def save_optimizer(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state for the checkpoint: an ``fn.fsdp.OnebitAdam``'s own."""
+        inner = getattr(optimizer, "optimizer", optimizer)  # inside a LightningOptimizer
+        if isinstance(inner, ShardedOnebitAdam):
+            return inner.state_dict()
+        return self.optimizer_state(optimizer)
+
+    def load(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Loads a checkpoint: the ``fn.fsdp.OnebitAdam``'s state itself, the rest through the
+        strategy."""
+        strategy = self.strategy
+        optimizers = strategy.optimizers
+        sharded = [(i, o) for i, o in enumerate(optimizers) if isinstance(o, ShardedOnebitAdam)]
+        if not sharded:
+            return self.load_checkpoint(checkpoint_path, weights_only=weights_only)
+        ((index, optimizer),) = sharded
+        path = Path(strategy.broadcast(checkpoint_path))
+        if not path.is_dir():
+            raise ValueError(
+                f"fn.integrations.lightning: {path} is not a distributed checkpoint (a "
+                "directory, what ModelParallelStrategy saves by default): fn.fsdp.OnebitAdam's "
+                "state is saved per rank; nothing was loaded"
+            )
+        state = _read_optimizer_state(optimizer, path, f"optimizer_{index}")
+        strategy.optimizers = [o for o in optimizers if o is not optimizer]
+        try:
+            metadata = self.load_checkpoint(checkpoint_path, weights_only=weights_only)
+        finally:
+            strategy.optimizers = optimizers
+        optimizer.load_state_dict(state)
+        return metadata
+
+
+def _read_optimizer_state(optimizer: ShardedOnebitAdam, path: Path, key: str) -> dict[str, Any]:
+    """``optimizer``'s state saved under ``key`` in the DCP checkpoint ``path``, read into new
+    tensors laid out as saved (checked against ``optimizer`` first).
+
+    Raises:
+        ValueError: on every rank: no such state, a state of another model or other settings,
+            or an unreadable checkpoint; nothing was changed.
+    """
+    prefix = f"{key}."
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = {
+        name[len(prefix) :]: getattr(meta, "size", None)
+        for name, meta in metadata.items()
+        if name.startswith(prefix)
+    }
+    if "header" not in saved:
+        raise ValueError(
+            f"fn.integrations.lightning: {path} holds no fn.fsdp.OnebitAdam state under {key!r} "
+            "(saved with another optimizer?); nothing was loaded"
+        )
+    header = torch.zeros(saved["header"], dtype=torch.int64)
+    _dcp_load(path, {key: {"header": header}})
+    state = optimizer.checkpoint_template(header, saved)
+    _dcp_load(path, {key: state})
+    return state
+
+
+def _dcp_load(path: Path, state: dict[str, Any]) -> None:
+    """``dcp.load``, a failure on any rank a ``ValueError`` on every rank (DCP raises a
+    ``BaseException`` on all of them)."""
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as error:
+        rank, (cause, _) = next(iter(error.failures.items()))
+        raise ValueError(
+            f"fn.integrations.lightning: cannot read {path}: rank {rank}: "
+            f"{type(cause).__name__}: {cause}; nothing was loaded"
+        ) from None
+
+
+class FnCallback(Callback):
+    """Connects the ``fn.optim`` optimizers, or the ``fn.fsdp.OnebitAdam``, of a Lightning run to
+    its strategy: ``Trainer(callbacks=[FnCallback()])``.
+
+    - At fit start (after the strategy wrapped the model in DDP, or after ``configure_model``
+      sharded it, and built the optimizers; before the first backward pass and before a
+      checkpoint is loaded): checks the strategy (:func:`check_strategy`) and warns when no
+      update within the run's ``trainer.estimated_stepping_batches`` would be compressed.
+      For ``fn.optim``: passes the DDP model (``trainer.strategy.model``, under
+      ``strategy="ddp"`` and its variants) to ``fn.ddp.register`` (DDP then averages in warmup
+      and is silent once compressed). For ``fn.fsdp.OnebitAdam`` under
+      ``ModelParallelStrategy``: refuses, on every rank, what it cannot run with (another
+      optimizer beside it, ``accumulate_grad_batches > 1``, ``gradient_clip_val``, an FSDP2
+      mesh smaller than the world, ``save_distributed_checkpoint=False``) and routes the
+      strategy's optimizer checkpoints through the optimizer's own DCP state dict
+      (:class:`_ShardedCheckpoints`).
     - On every checkpoint (``on_save_checkpoint``, which Lightning runs on every rank while it
-      builds the checkpoint that rank 0 writes): gathers every rank's error feedback into rank
+      builds the checkpoint): for ``fn.optim``, gathers every rank's error feedback into rank
       0's optimizer state (``gather_error_feedback``, a collective) and puts that state into
-      the checkpoint, so ``trainer.fit(model, ckpt_path=...)`` resumes every rank bit for bit.
+      the checkpoint that rank 0 writes; ``fn.fsdp.OnebitAdam``'s state is written by every
+      rank (DCP). Either way ``trainer.fit(model, ckpt_path=...)`` resumes every rank bit for
+      bit.
 
     Example:
         One process, no DDP (under ``torchrun`` with ``strategy="ddp"`` the same lines register
@@ -143,12 +351,17 @@ class FnCallback(Callback):
     """
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Checks the strategy, registers the DDP model with the optimizer, and warns if no
-        update within the run would be compressed."""
+        """Checks the strategy, connects the optimizers to it, and warns if no update within
+        the run would be compressed."""
         del pl_module
         steps = trainer.estimated_stepping_batches
         for _, optimizer in _fn_optimizers(trainer):
             check_strategy(trainer.strategy, optimizer)
+            if isinstance(optimizer, ShardedOnebitAdam):
+                _check_sharded_run(trainer, optimizer)
+                _ShardedCheckpoints.install(trainer.strategy)
+                _warn_if_never_compressed(optimizer, steps)
+                continue
             register_ddp(trainer.strategy.model, optimizer)
             if math.isfinite(steps):
                 optimizer.warn_if_never_compressed(
@@ -158,9 +371,12 @@ class FnCallback(Callback):
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """Gathers every rank's error feedback and saves rank 0's optimizer state with it."""
+        """Gathers every rank's error feedback of an ``fn.optim`` optimizer and saves rank 0's
+        optimizer state with it."""
         del pl_module
         for index, optimizer in _fn_optimizers(trainer):
+            if isinstance(optimizer, ShardedOnebitAdam):
+                continue  # the strategy saved its own state (_ShardedCheckpoints)
             optimizer.gather_error_feedback()
             # Lightning takes the optimizer states before it calls this hook: take them again.
             states = checkpoint.get("optimizer_states")

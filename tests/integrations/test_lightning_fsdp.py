@@ -1,0 +1,118 @@
+"""fn.integrations.lightning with fn.fsdp.OnebitAdam under Lightning's ModelParallelStrategy on 2
+gloo ranks under ``torchrun`` (tests/integrations/_lightning_fsdp.py and
+examples/lightning_fsdp.py): runs resumed from a checkpoint in the warmup, at the freeze and in
+the compressed phase end bit-identical (params and optimizer state) to the uninterrupted run,
+which equals a plain fn.fsdp loop and sends 1-bit traffic after the freeze; bad set-ups are
+refused on every rank with nothing changed; in one process: the strategies it cannot run
+under."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fn.fsdp
+
+lightning = pytest.importorskip("lightning", reason="lightning is in the 'lightning' extra")
+from lightning.pytorch.strategies import (  # noqa: E402
+    DDPStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+)
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+from fn.integrations.lightning import check_strategy  # noqa: E402
+from tests._distributed import ROOT, torchrun  # noqa: E402
+from tests.integrations._lightning_fsdp import FREEZE, RESUME, STEPS  # noqa: E402
+
+# the optimizer state every rank holds alike (DCP saves one copy of it)
+REPLICATED = ("header", "lr", "signed", "momentum.")
+
+REFUSED = {
+    "other settings": r"^ValueError: fn.fsdp.OnebitAdam: .*other settings.*nothing was loaded",
+    "other optimizer": r"^ValueError: .*holds no fn.fsdp.OnebitAdam state under 'optimizer_0'",
+    "mesh of one rank": r"^ValueError: .*runs over 1 rank\(s\).*the trainer has 2.*"
+    r"data_parallel_size",
+    "accumulation": r"^NotImplementedError: .*accumulate_grad_batches > 1",
+    "clipping": r"^NotImplementedError: .*gradient_clip_val.*the warmup only",
+    "full checkpoint": r"^NotImplementedError: .*save_distributed_checkpoint=False",
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_resumed_at_every_phase_is_bit_identical_and_bad_setups_are_refused(tmp_path):
+    torchrun(ROOT / "tests" / "integrations" / "_lightning_fsdp.py", str(tmp_path), timeout=240)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for rank, result in enumerate(ranks):
+        full = result["full"]
+        assert full["warnings"] == []  # a healthy run is quiet
+        for name, value in full["params"].items():  # Lightning adds nothing to fn's updates
+            assert torch.equal(value, result["bare"][name]), name
+        dense, compressed = full["sent"][: FREEZE - 1], full["sent"][FREEZE:]
+        assert len(compressed) == STEPS - FREEZE and min(dense) > 1000
+        assert max(compressed) < min(dense) / 8, full["sent"]  # 1 bit per element, not 32
+        for step in RESUME:
+            resumed = result["resumed"][step]
+            for name, value in full["params"].items():
+                assert torch.equal(value, resumed["params"][name]), (rank, step, name)
+            assert resumed["state"].keys() == full["state"].keys()
+            assert f"rank{rank}.net.worker" in full["state"]  # this rank's own error feedback
+            for key, value in full["state"].items():
+                assert torch.equal(value, resumed["state"][key]), (rank, step, key)
+        for case, pattern in REFUSED.items():
+            message, unchanged = result["refused"][case]
+            assert unchanged, case
+            assert message == ranks[0]["refused"][case][0]  # the same on every rank
+            assert re.search(pattern, message), message
+        (short,) = result["short"]
+        assert "estimated_stepping_batches (2 updates)" in short and "freeze_step" in short
+    states = [r["full"]["state"] for r in ranks]
+    for key in states[0]:
+        if key.startswith(REPLICATED):
+            assert torch.equal(states[0][key], states[1][key]), key
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_example_resumes_in_new_processes_bit_for_bit(tmp_path):
+    def run(output_dir: Path, *extra: str) -> dict[str, torch.Tensor]:
+        out = torchrun(
+            ROOT / "examples" / "lightning_fsdp.py", "--output-dir", str(output_dir),
+            "--max-steps", "6", "--freeze-step", "3", "--save-steps", "4", "--lr", "1e-2",
+            *extra, timeout=240,
+        )  # fmt: skip
+        assert "the same on every rank" in out and "6 updates" in out
+        return torch.load(output_dir / "final.pt", weights_only=True)
+
+    full = run(tmp_path / "full")
+    checkpoint = tmp_path / "full" / "checkpoint-4.ckpt"  # compressed phase
+    assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in checkpoint.iterdir()}  # each rank
+    resumed = run(tmp_path / "resumed", "--ckpt-path", str(checkpoint))
+    assert full.keys() == resumed.keys() and len(full) == 4
+    for name in full:
+        assert torch.equal(full[name], resumed[name]), name
+
+
+@pytest.fixture
+def one_rank_model():
+    """A model sharded by FSDP2 on a group of one process (this one)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield fully_shard(torch.nn.Linear(2, 1), mesh=init_device_mesh("cpu", (1,)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_onebit_adam_runs_only_under_model_parallel_strategy(one_rank_model):
+    optimizer = fn.fsdp.OnebitAdam(one_rank_model, freeze_step=2)
+    check_strategy(ModelParallelStrategy(), optimizer)
+    for strategy in (DDPStrategy(), FSDPStrategy()):
+        with pytest.raises(NotImplementedError, match="ModelParallelStrategy, not under"):
+            check_strategy(strategy, optimizer)
