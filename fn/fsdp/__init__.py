@@ -13,7 +13,7 @@
 """
 
 from fn.fsdp.all_gather import QuantizedAllGather, quantized_all_gather
-from fn.fsdp.checkpoint import TrainingCheckpoint
+from fn.fsdp.checkpoint import TrainingCheckpoint, read_onebit_state
 from fn.fsdp.loco import LocoReduceScatterHandle, loco_reduce_scatter
 from fn.fsdp.onebit import OnebitAdam, ShardedOnebitOptimizer
 from fn.fsdp.onebit_lamb import OnebitLamb
@@ -28,6 +28,7 @@ __all__ = [
     "QuantizedAllGather",
     "quantized_all_gather",
     "TrainingCheckpoint",
+    "read_onebit_state",
     "OnebitAdam",
     "OnebitLamb",
     "ShardedOnebitOptimizer",

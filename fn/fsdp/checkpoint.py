@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from fn.fsdp.loco import LocoReduceScatterHandle
 from fn.fsdp.onebit import ShardedOnebitOptimizer
 
-__all__ = ["TrainingCheckpoint"]
+__all__ = ["TrainingCheckpoint", "read_onebit_state"]
 
 
 class TrainingCheckpoint:
@@ -122,29 +122,60 @@ class TrainingCheckpoint:
         if not isinstance(self.optimizer, ShardedOnebitOptimizer):
             dcp.load({"training": self}, checkpoint_id=path)
             return
-        prefix = "training.optim."
-        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        saved = {
-            key[len(prefix) :]: getattr(meta, "size", None)
-            for key, meta in metadata.items()
-            if key.startswith(prefix)
-        }
-        if "header" not in saved:
-            raise ValueError(
-                f"{os.fspath(path)} holds no state of {self.optimizer.name} (saved with another "
-                "optimizer?); nothing was loaded"
-            )
-        header = torch.zeros(saved["header"], dtype=torch.int64)
-        _read(path, {"training": {"optim": {"header": header}}})
+        optim = read_onebit_state(self.optimizer, path, "training.optim")
         state = {
             "model": {k: v.detach().clone() for k, v in get_model_state_dict(self.model).items()},
-            "optim": self.optimizer.checkpoint_template(header, saved),
             "step": torch.zeros((), dtype=torch.int64),
         }
         if self.handle is not None:
             state["loco"] = self.handle.state_dict()
         _read(path, {"training": state})
-        self.load_state_dict(state)
+        self.load_state_dict(dict(state, optim=optim))
+
+
+def read_onebit_state(
+    optimizer: ShardedOnebitOptimizer, path: str | os.PathLike, key: str
+) -> dict[str, Any]:
+    """The state of ``optimizer`` saved under ``key`` (dotted: ``"training.optim"``) in the DCP
+    checkpoint directory ``path``, read into new tensors laid out as saved, its header checked
+    against ``optimizer`` first (collective). ``optimizer.load_state_dict`` then restores it.
+
+    Args:
+        optimizer: the :class:`~fn.fsdp.ShardedOnebitOptimizer` to read for.
+        path: the checkpoint directory.
+        key: where the optimizer's ``state_dict()`` was saved in the checkpoint's state dict.
+
+    Returns:
+        The state, of the form of ``optimizer.state_dict()``.
+
+    Raises:
+        ValueError: on every rank: no state under ``key``, a state of another model or other
+            settings, or an unreadable checkpoint; nothing was changed.
+    """
+    prefix = f"{key}."
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = {
+        name[len(prefix) :]: getattr(meta, "size", None)
+        for name, meta in metadata.items()
+        if name.startswith(prefix)
+    }
+    if "header" not in saved:
+        raise ValueError(
+            f"{os.fspath(path)} holds no {optimizer.name} state under {key!r} (saved with "
+            "another optimizer?); nothing was loaded"
+        )
+    header = torch.zeros(saved["header"], dtype=torch.int64)
+    _read(path, _nested(key, {"header": header}))
+    state = optimizer.checkpoint_template(header, saved)
+    _read(path, _nested(key, state))
+    return state
+
+
+def _nested(key: str, value: Any) -> dict[str, Any]:
+    """``{"a": {"b": value}}`` for the key ``"a.b"``."""
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
 
 
 def _read(path: str | os.PathLike, state: dict[str, Any]) -> None:

@@ -230,6 +230,31 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         all-gathers and the checks; FSDP2's parameter all-gathers are not counted)."""
         return self._comms.bytes_sent
 
+    def warn_if_never_compressed(self, updates: int, source: str = "this run") -> bool:
+        """Warns (``UserWarning``) when none of the first ``updates`` updates would be
+        compressed (a ``freeze_step`` beyond the run; with ``freeze_step="auto"``, a
+        ``max_updates`` not below it while the switch is undecided): every update would be a
+        dense reduce-scatter, as plain Adam's. ``fn.integrations`` calls it with the run's
+        length.
+
+        Args:
+            updates: the number of updates the run makes.
+            source: where ``updates`` comes from, for the message.
+
+        Returns:
+            Whether it warned.
+        """
+        if self._rule.first_compressed_update(updates, self._state) is not None:
+            return False
+        warnings.warn(
+            f"{self.name} makes no compressed update within {source} ({updates} updates): "
+            "every update is a dense reduce-scatter, as plain Adam's, and saves no bandwidth; "
+            "set freeze_step, or freeze_step=fn.AutoFreeze(max_updates=...), below "
+            f"{updates}",
+            stacklevel=2,
+        )
+        return True
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's state as a ``torch.distributed.checkpoint`` (DCP) state dict, in one
         layout at every update (DCP loads in place into a layout fixed before it reads).

@@ -26,12 +26,9 @@ Example (under ``torchrun``; the full scripts are ``examples/lightning_ddp.py`` 
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed.checkpoint as dcp
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import (
     DeepSpeedStrategy,
@@ -39,9 +36,8 @@ from lightning.pytorch.strategies import (
     ModelParallelStrategy,
     Strategy,
 )
-from torch.distributed.checkpoint.api import CheckpointException
 
-from fn.fsdp import OnebitAdam as ShardedOnebitAdam
+from fn.fsdp import ShardedOnebitOptimizer, read_onebit_state
 from fn.integrations._common import register_ddp, unwrap_optimizer
 from fn.optim import FunctionalOptimizer, OnebitFamily
 
@@ -62,24 +58,25 @@ _UNSUPPORTED = (
 )
 
 
-def check_strategy(strategy: Any, optimizer: FunctionalOptimizer | ShardedOnebitAdam) -> None:
+def check_strategy(strategy: Any, optimizer: FunctionalOptimizer | ShardedOnebitOptimizer) -> None:
     """Raises unless ``optimizer`` can run under the Lightning ``strategy``.
 
     fn.optim's 1-bit family communicates the gradients itself, over whole param groups. Under
     ``strategy="ddp"`` (any ``DDPStrategy``) ``fn.ddp.register`` makes DDP step aside in the
     compressed phase; the sharded strategies (FSDP, FSDP2 via ``ModelParallelStrategy``,
     DeepSpeed) hold only a shard of each param and gradient, for which ``fn.optim`` has no
-    1-bit optimizer. ``fn.fsdp.OnebitAdam`` is that optimizer for FSDP2: it runs under
+    1-bit optimizer. ``fn.fsdp.OnebitAdam`` and ``fn.fsdp.OnebitLamb`` are those optimizers
+    for FSDP2 (:class:`~fn.fsdp.ShardedOnebitOptimizer`): they run under
     ``ModelParallelStrategy`` (the model's ``configure_model`` applies ``fully_shard``) and
-    under no other strategy.
+    under no other.
 
     Args:
         strategy: the trainer's strategy (``trainer.strategy``).
-        optimizer: an ``fn.optim`` optimizer or an ``fn.fsdp.OnebitAdam`` of the run.
+        optimizer: an ``fn.optim`` optimizer or an ``fn.fsdp`` 1-bit optimizer of the run.
 
     Raises:
         NotImplementedError: a 1-bit family ``fn.optim`` optimizer under a sharded strategy, or
-            ``fn.fsdp.OnebitAdam`` under another strategy than ``ModelParallelStrategy``,
+            an ``fn.fsdp`` one under another strategy than ``ModelParallelStrategy``,
             naming what to use instead.
 
     Example:
@@ -93,10 +90,10 @@ def check_strategy(strategy: Any, optimizer: FunctionalOptimizer | ShardedOnebit
         ...
         NotImplementedError: fn.integrations.lightning: OnebitAdam cannot run under ...
     """
-    if isinstance(optimizer, ShardedOnebitAdam):
+    if isinstance(optimizer, ShardedOnebitOptimizer):
         if not isinstance(strategy, ModelParallelStrategy):
             raise NotImplementedError(
-                "fn.integrations.lightning: fn.fsdp.OnebitAdam runs on FSDP2 modules under "
+                f"fn.integrations.lightning: {optimizer.name} runs on FSDP2 modules under "
                 f"Lightning's ModelParallelStrategy, not under {type(strategy).__name__}: use "
                 "Trainer(strategy=ModelParallelStrategy(data_parallel_size=N, "
                 "tensor_parallel_size=1)) with fully_shard in configure_model, or "
@@ -111,22 +108,25 @@ def check_strategy(strategy: Any, optimizer: FunctionalOptimizer | ShardedOnebit
                 f"fn.integrations.lightning: {type(optimizer).__name__} cannot run under "
                 f"{type(strategy).__name__}: {why}, and fn.optim's 1-bit family needs whole "
                 "params and local gradients. Use Trainer(strategy='ddp') with it; for a sharded "
-                "model, fn.fsdp.OnebitAdam runs 1-bit Adam on FSDP2 under ModelParallelStrategy "
+                "model, fn.fsdp.OnebitAdam and OnebitLamb run on FSDP2 under "
+                "ModelParallelStrategy "
                 "(fully_shard in configure_model), and a torch optimizer with "
                 "fn.fsdp.loco_reduce_scatter sends 4-bit gradients under any FSDP2 setup"
             )
 
 
-def _fn_optimizers(trainer: Trainer) -> list[tuple[int, FunctionalOptimizer | ShardedOnebitAdam]]:
+def _fn_optimizers(
+    trainer: Trainer,
+) -> list[tuple[int, FunctionalOptimizer | ShardedOnebitOptimizer]]:
     """``(index in trainer.optimizers, optimizer)`` for each of the trainer's ``fn.optim``
-    optimizers and ``fn.fsdp.OnebitAdam`` optimizers.
+    optimizers and ``fn.fsdp`` 1-bit optimizers.
 
     Raises:
         TypeError: the trainer has none.
     """
     found = []
     for index, optimizer in enumerate(trainer.optimizers):
-        if isinstance(optimizer, ShardedOnebitAdam):
+        if isinstance(optimizer, ShardedOnebitOptimizer):
             found.append((index, optimizer))
             continue
         try:
@@ -137,37 +137,38 @@ def _fn_optimizers(trainer: Trainer) -> list[tuple[int, FunctionalOptimizer | Sh
         names = [type(o).__name__ for o in trainer.optimizers] or "no optimizer"
         raise TypeError(
             "fn.integrations.lightning.FnCallback needs an fn.optim optimizer (e.g. "
-            f"fn.optim.OnebitAdam) or fn.fsdp.OnebitAdam from configure_optimizers, got {names}"
+            f"fn.optim.OnebitAdam) or an fn.fsdp one (fn.fsdp.OnebitAdam) from "
+            f"configure_optimizers, got {names}"
         )
     return found
 
 
-def _check_sharded_run(trainer: Trainer, optimizer: ShardedOnebitAdam) -> None:
-    """Raises, the same on every rank (every input is), where ``fn.fsdp.OnebitAdam`` cannot run
-    as this trainer is set up."""
+def _check_sharded_run(trainer: Trainer, optimizer: ShardedOnebitOptimizer) -> None:
+    """Raises, the same on every rank (every input is), where an ``fn.fsdp`` 1-bit optimizer
+    cannot run as this trainer is set up."""
     if len(trainer.optimizers) > 1:
         raise NotImplementedError(
-            "fn.integrations.lightning: fn.fsdp.OnebitAdam must be the run's only optimizer "
+            f"fn.integrations.lightning: {optimizer.name} must be the run's only optimizer "
             f"(configure_optimizers returned {len(trainer.optimizers)}): it updates every "
             "trainable param of the FSDP2 model"
         )
     if trainer.accumulate_grad_batches > 1:
         raise NotImplementedError(
-            "fn.integrations.lightning: accumulate_grad_batches > 1 with fn.fsdp.OnebitAdam: "
+            f"fn.integrations.lightning: accumulate_grad_batches > 1 with {optimizer.name}: "
             "Lightning's ModelParallelStrategy reduce-scatters the gradients of every "
-            "accumulated batch, and a compressed update of fn.fsdp.OnebitAdam takes one "
+            "accumulated batch, and a compressed update takes one "
             "reduce-scatter (accumulate inside training_step, or use a larger batch)"
         )
     if trainer.gradient_clip_val:
         raise NotImplementedError(
-            "fn.integrations.lightning: gradient_clip_val with fn.fsdp.OnebitAdam: from "
+            f"fn.integrations.lightning: gradient_clip_val with {optimizer.name}: from "
             "freeze_step on, its update is the momentum that its reduce-scatter compressed in "
             "the backward pass, before Lightning clips the gradients, so clipping would act in "
             "the warmup only"
         )
     if optimizer.comm.world_size != trainer.world_size:
         raise ValueError(
-            f"fn.integrations.lightning: fn.fsdp.OnebitAdam runs over {optimizer.comm.world_size}"
+            f"fn.integrations.lightning: {optimizer.name} runs over {optimizer.comm.world_size}"
             f" rank(s) (the FSDP2 mesh of configure_model) but the trainer has "
             f"{trainer.world_size}: shard the model over every rank with "
             "ModelParallelStrategy(data_parallel_size=<world size>, tensor_parallel_size=1) "
@@ -178,43 +179,29 @@ def _check_sharded_run(trainer: Trainer, optimizer: ShardedOnebitAdam) -> None:
     if not getattr(trainer.strategy, "_save_distributed_checkpoint", True):
         raise NotImplementedError(
             "fn.integrations.lightning: ModelParallelStrategy(save_distributed_checkpoint="
-            "False) with fn.fsdp.OnebitAdam: its state holds every rank's own error feedback "
+            f"False) with {optimizer.name}: its state holds every rank's own error feedback "
             "and its shards, which Lightning's single-file checkpoint (a torch optimizer's "
             "state gathered on rank 0) cannot hold; keep the default "
             "save_distributed_checkpoint=True"
         )
 
 
-def _warn_if_never_compressed(optimizer: ShardedOnebitAdam, updates: float) -> None:
-    """Warns when none of the run's ``updates`` would be compressed (update ``t`` is from
-    ``t = freeze_step`` on)."""
-    freeze_step = int(optimizer.param_groups[0]["freeze_step"])
-    if math.isfinite(updates) and int(updates) < freeze_step:
-        warnings.warn(
-            "fn.fsdp.OnebitAdam makes no compressed update within the Trainer's "
-            f"estimated_stepping_batches ({int(updates)} updates): every update is a dense "
-            f"reduce-scatter, as plain Adam's, and saves no bandwidth; set freeze_step "
-            f"(now {freeze_step}) below {int(updates)}",
-            stacklevel=3,
-        )
-
-
 class _ShardedCheckpoints:
-    """``ModelParallelStrategy``'s checkpoints of an ``fn.fsdp.OnebitAdam``, installed on the
+    """``ModelParallelStrategy``'s checkpoints of an ``fn.fsdp`` 1-bit optimizer, installed on the
     strategy by :class:`FnCallback` (its ``optimizer_state`` and ``load_checkpoint``, replaced
     on that instance; any other optimizer still goes through the strategy's own methods).
 
     The strategy saves an optimizer as ``get_optimizer_state_dict`` sees it, torch.optim's
-    ``{"state", "param_groups"}`` layout, which ``fn.fsdp.OnebitAdam`` does not have (its
+    ``{"state", "param_groups"}`` layout, which an ``fn.fsdp`` 1-bit optimizer does not have (its
     momentum is one packed vector per FSDP2 module, its error feedback is per rank): saving
     fails with ``KeyError: 'state'``, and loading would first step the optimizer with zero
     gradients. Here saving hands the strategy the optimizer's own DCP state dict
-    (``OnebitAdam.state_dict()``), which the strategy's ``dcp.save`` writes as it is, every
-    rank its shards and errors, under ``optimizer_<i>``. Loading reads that state as the
+    (``ShardedOnebitOptimizer.state_dict()``), which the strategy's ``dcp.save`` writes as it
+    is, every rank its shards and errors, under ``optimizer_<i>``. Loading reads that state as the
     optimizer lays it out (its header first, then ``checkpoint_template``), so a checkpoint of
     another model, other settings or another optimizer is refused on every rank before the
     model changes; then the strategy loads the model and the rest without the optimizer, and
-    ``OnebitAdam.load_state_dict`` restores it.
+    its ``load_state_dict`` restores it.
     """
 
     def __init__(self, strategy: Strategy) -> None:
@@ -232,18 +219,20 @@ class _ShardedCheckpoints:
         strategy.load_checkpoint = routes.load
 
     def save_optimizer(self, optimizer: Any) -> dict[str, Any]:
-        """The optimizer's state for the checkpoint: an ``fn.fsdp.OnebitAdam``'s own."""
+        """The optimizer's state for the checkpoint: an ``fn.fsdp`` 1-bit optimizer's own."""
         inner = getattr(optimizer, "optimizer", optimizer)  # inside a LightningOptimizer
-        if isinstance(inner, ShardedOnebitAdam):
+        if isinstance(inner, ShardedOnebitOptimizer):
             return inner.state_dict()
         return self.optimizer_state(optimizer)
 
     def load(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Loads a checkpoint: the ``fn.fsdp.OnebitAdam``'s state itself, the rest through the
+        """Loads a checkpoint: an ``fn.fsdp`` 1-bit optimizer's state itself, the rest through the
         strategy."""
         strategy = self.strategy
         optimizers = strategy.optimizers
-        sharded = [(i, o) for i, o in enumerate(optimizers) if isinstance(o, ShardedOnebitAdam)]
+        sharded = [
+            (i, o) for i, o in enumerate(optimizers) if isinstance(o, ShardedOnebitOptimizer)
+        ]
         if not sharded:
             return self.load_checkpoint(checkpoint_path, weights_only=weights_only)
         ((index, optimizer),) = sharded
@@ -251,10 +240,10 @@ class _ShardedCheckpoints:
         if not path.is_dir():
             raise ValueError(
                 f"fn.integrations.lightning: {path} is not a distributed checkpoint (a "
-                "directory, what ModelParallelStrategy saves by default): fn.fsdp.OnebitAdam's "
+                f"directory, what ModelParallelStrategy saves by default): {optimizer.name}'s "
                 "state is saved per rank; nothing was loaded"
             )
-        state = _read_optimizer_state(optimizer, path, f"optimizer_{index}")
+        state = read_onebit_state(optimizer, path, f"optimizer_{index}")
         strategy.optimizers = [o for o in optimizers if o is not optimizer]
         try:
             metadata = self.load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -264,49 +253,9 @@ class _ShardedCheckpoints:
         return metadata
 
 
-def _read_optimizer_state(optimizer: ShardedOnebitAdam, path: Path, key: str) -> dict[str, Any]:
-    """``optimizer``'s state saved under ``key`` in the DCP checkpoint ``path``, read into new
-    tensors laid out as saved (checked against ``optimizer`` first).
-
-    Raises:
-        ValueError: on every rank: no such state, a state of another model or other settings,
-            or an unreadable checkpoint; nothing was changed.
-    """
-    prefix = f"{key}."
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    saved = {
-        name[len(prefix) :]: getattr(meta, "size", None)
-        for name, meta in metadata.items()
-        if name.startswith(prefix)
-    }
-    if "header" not in saved:
-        raise ValueError(
-            f"fn.integrations.lightning: {path} holds no fn.fsdp.OnebitAdam state under {key!r} "
-            "(saved with another optimizer?); nothing was loaded"
-        )
-    header = torch.zeros(saved["header"], dtype=torch.int64)
-    _dcp_load(path, {key: {"header": header}})
-    state = optimizer.checkpoint_template(header, saved)
-    _dcp_load(path, {key: state})
-    return state
-
-
-def _dcp_load(path: Path, state: dict[str, Any]) -> None:
-    """``dcp.load``, a failure on any rank a ``ValueError`` on every rank (DCP raises a
-    ``BaseException`` on all of them)."""
-    try:
-        dcp.load(state, checkpoint_id=path)
-    except CheckpointException as error:
-        rank, (cause, _) = next(iter(error.failures.items()))
-        raise ValueError(
-            f"fn.integrations.lightning: cannot read {path}: rank {rank}: "
-            f"{type(cause).__name__}: {cause}; nothing was loaded"
-        ) from None
-
-
 class FnCallback(Callback):
-    """Connects the ``fn.optim`` optimizers, or the ``fn.fsdp.OnebitAdam``, of a Lightning run to
-    its strategy: ``Trainer(callbacks=[FnCallback()])``.
+    """Connects the ``fn.optim`` optimizers, or the ``fn.fsdp`` 1-bit optimizer, of a Lightning
+    run to its strategy: ``Trainer(callbacks=[FnCallback()])``.
 
     - At fit start (after the strategy wrapped the model in DDP, or after ``configure_model``
       sharded it, and built the optimizers; before the first backward pass and before a
@@ -314,7 +263,7 @@ class FnCallback(Callback):
       update within the run's ``trainer.estimated_stepping_batches`` would be compressed.
       For ``fn.optim``: passes the DDP model (``trainer.strategy.model``, under
       ``strategy="ddp"`` and its variants) to ``fn.ddp.register`` (DDP then averages in warmup
-      and is silent once compressed). For ``fn.fsdp.OnebitAdam`` under
+      and is silent once compressed). For an ``fn.fsdp`` 1-bit optimizer under
       ``ModelParallelStrategy``: refuses, on every rank, what it cannot run with (another
       optimizer beside it, ``accumulate_grad_batches > 1``, ``gradient_clip_val``, an FSDP2
       mesh smaller than the world, ``save_distributed_checkpoint=False``) and routes the
@@ -323,7 +272,7 @@ class FnCallback(Callback):
     - On every checkpoint (``on_save_checkpoint``, which Lightning runs on every rank while it
       builds the checkpoint): for ``fn.optim``, gathers every rank's error feedback into rank
       0's optimizer state (``gather_error_feedback``, a collective) and puts that state into
-      the checkpoint that rank 0 writes; ``fn.fsdp.OnebitAdam``'s state is written by every
+      the checkpoint that rank 0 writes; an ``fn.fsdp`` 1-bit optimizer's state is written by every
       rank (DCP). Either way ``trainer.fit(model, ckpt_path=...)`` resumes every rank bit for
       bit.
 
@@ -357,12 +306,11 @@ class FnCallback(Callback):
         steps = trainer.estimated_stepping_batches
         for _, optimizer in _fn_optimizers(trainer):
             check_strategy(trainer.strategy, optimizer)
-            if isinstance(optimizer, ShardedOnebitAdam):
+            if isinstance(optimizer, ShardedOnebitOptimizer):
                 _check_sharded_run(trainer, optimizer)
                 _ShardedCheckpoints.install(trainer.strategy)
-                _warn_if_never_compressed(optimizer, steps)
-                continue
-            register_ddp(trainer.strategy.model, optimizer)
+            else:
+                register_ddp(trainer.strategy.model, optimizer)
             if math.isfinite(steps):
                 optimizer.warn_if_never_compressed(
                     int(steps), "the Trainer's estimated_stepping_batches"
@@ -375,7 +323,7 @@ class FnCallback(Callback):
         optimizer state with it."""
         del pl_module
         for index, optimizer in _fn_optimizers(trainer):
-            if isinstance(optimizer, ShardedOnebitAdam):
+            if isinstance(optimizer, ShardedOnebitOptimizer):
                 continue  # the strategy saved its own state (_ShardedCheckpoints)
             optimizer.gather_error_feedback()
             # Lightning takes the optimizer states before it calls this hook: take them again.
