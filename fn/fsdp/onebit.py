@@ -476,7 +476,8 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         )
         group = self.param_groups[0]  # the rule's settings (not lr, nor a scheduler's keys)
         fixed = {k: group[k] for k in self._setting_names}
-        settings = repr((fixed, str(self.error_dtype), self._mask_crc))
+        masks = (self._mask_crc,) if self._mask_crc else ()  # (older checkpoints had none)
+        settings = repr((fixed, str(self.error_dtype), *masks))
         return zlib.crc32(layout.encode()), zlib.crc32(settings.encode())
 
     def _checked_header(self, header: torch.Tensor) -> tuple[int, int]:
