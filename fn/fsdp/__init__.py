@@ -7,7 +7,8 @@
   through :class:`QuantizedAllGather`.
 - :class:`OnebitAdam` and :class:`OnebitLamb` are 1-bit Adam and 1-bit LAMB over FSDP2's
   shards: their 1-bit allreduce of the momentum runs inside every module's reduce-scatter
-  (:class:`ShardedOnebitOptimizer` is what they share).
+  (:class:`ShardedOnebitOptimizer` is what they share); :class:`ZeroOneAdam` raises
+  ``NotImplementedError`` (0/1 Adam's local steps need replicated params).
 - :class:`TrainingCheckpoint` saves and restores model, optimizer and that handle with
   ``torch.distributed.checkpoint``.
 """
@@ -15,7 +16,7 @@
 from fn.fsdp.all_gather import QuantizedAllGather, quantized_all_gather
 from fn.fsdp.checkpoint import TrainingCheckpoint, read_onebit_state
 from fn.fsdp.loco import LocoReduceScatterHandle, loco_reduce_scatter
-from fn.fsdp.onebit import OnebitAdam, ShardedOnebitOptimizer
+from fn.fsdp.onebit import OnebitAdam, ShardedOnebitOptimizer, ZeroOneAdam
 from fn.fsdp.onebit_lamb import OnebitLamb
 from fn.fsdp.reduce_scatter import CommCache, QuantizedReduceScatter, reduce_scale
 
@@ -32,4 +33,5 @@ __all__ = [
     "OnebitAdam",
     "OnebitLamb",
     "ShardedOnebitOptimizer",
+    "ZeroOneAdam",
 ]

@@ -50,7 +50,7 @@ from fn.fsdp.loco import ROOT
 from fn.fsdp.reduce_scatter import CommCache, reduce_scale
 from fn.transforms import AutoFreeze, gradient_energy, onebit_adam, onebit_adam_sharded
 
-__all__ = ["OnebitAdam", "ShardedOnebitOptimizer"]
+__all__ = ["OnebitAdam", "ShardedOnebitOptimizer", "ZeroOneAdam"]
 
 _FORMAT = 1  # the layout of ShardedOnebitOptimizer.state_dict()
 
@@ -860,6 +860,25 @@ class OnebitAdam(ShardedOnebitOptimizer):
         """The momentum ``b1 m + (1 - b1) g_r``, formed inside the exchange."""
         return compressed_allreduce_exchange(
             momentum, *held.errors, comm=comm, grad=grad, beta=self._b1
+        )
+
+
+class ZeroOneAdam:
+    """0/1 Adam on FSDP2: not offered (docs/algorithms.md, "1-bit Adam and 1-bit LAMB on
+    FSDP2").
+
+    Raises:
+        NotImplementedError: always, with the reason.
+    """
+
+    def __init__(self, model: nn.Module, *args: Any, **kwargs: Any) -> None:
+        del model, args, kwargs
+        raise NotImplementedError(
+            "fn.fsdp.ZeroOneAdam: 0/1 Adam's local steps update every rank's full params from "
+            "its own momentum between synchronizations, so the ranks' params differ by "
+            "design, while FSDP2 keeps one copy of each element (a shard) and all-gathers it: "
+            "there is no replica to step locally; use fn.optim.ZeroOneAdam with DDP, or "
+            "fn.fsdp.OnebitAdam"
         )
 
 

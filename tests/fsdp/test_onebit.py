@@ -43,9 +43,10 @@ def build(
     shard: bool = True,
     policy: MixedPrecisionPolicy | None = None,
     world: int = WORLD,
+    net: type[nn.Module] = Net,
 ):
     torch.manual_seed(seed)
-    model = Net()
+    model = net()
     if shard:
         mesh = init_device_mesh("cpu", (world,))
         mp = {} if policy is None else {"mp_policy": policy}
@@ -315,6 +316,7 @@ def _worker_bad_input(rank: int, world_size: int) -> dict:
     model = build()
     fn.fsdp.OnebitAdam(model)
     out["second"] = _refusal(lambda: fn.fsdp.OnebitAdam(model))
+    out["0/1 adam"] = _refusal(lambda: fn.fsdp.ZeroOneAdam(build(), lr=1e-3))
     return out
 
 
@@ -386,3 +388,4 @@ def test_bad_input_is_refused_on_every_rank():
         assert "different" in out["auto on rank 0"][1]
         assert out["freeze_step"][0] == "ValueError" and "freeze_step" in out["freeze_step"][1]
         assert out["second"][0] == "ValueError" and "already" in out["second"][1]
+        assert out["0/1 adam"][0] == "NotImplementedError" and "replica" in out["0/1 adam"][1]

@@ -5,16 +5,17 @@ rank holds no element of; and its bad input."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fn
 import fn.fsdp
 from tests._distributed import run_distributed
+from tests.fsdp import test_onebit
 from tests.fsdp.test_onebit import (
     BETAS,
     EPS,
@@ -56,20 +57,9 @@ MODULES = [["block.weight", "block.bias"], ["head.weight", "head.bias", "scale",
 ORDER = [k for names in MODULES for k in names]
 
 
-def build(
-    seed: int = 0,
-    shard: bool = True,
-    policy: MixedPrecisionPolicy | None = None,
-    world: int = WORLD,
-):
-    torch.manual_seed(seed)
-    model = Net()
-    if shard:
-        mesh = init_device_mesh("cpu", (world,))
-        mp = {} if policy is None else {"mp_policy": policy}
-        fully_shard(model.block, mesh=mesh, **mp)
-        fully_shard(model, mesh=mesh, **mp)
-    return model
+def build(**kwargs: Any) -> nn.Module:
+    """The Adam test's ``build`` of this ``Net``."""
+    return test_onebit.build(net=Net, **kwargs)
 
 
 def optimizer(
