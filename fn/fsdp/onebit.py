@@ -41,7 +41,7 @@ from fn.collectives import (
     init_error_feedback,
 )
 from fn.collectives.onebit import (
-    CompressedExchange,
+    compressed_allreduce,
     compressed_allreduce_exchange,
     write_errors,
 )
@@ -656,21 +656,15 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
                     momentum.numel(), comm=comm, device=momentum.device, dtype=self.error_dtype
                 )
             )
+        x, grad, beta = self._momentum_input(layout, held, comm, momentum, grad)
         try:
-            exchange = self._exchange(layout, held, comm, momentum, grad)
+            held.signs = self._compressed_mean(held, comm, x, grad, beta)
         except NonFiniteError:  # raised on every rank, before anything was written
             held.nonfinite = True
             output.fill_(torch.nan)
             return
-        if exchange is None:  # not on this path's tensors (e.g. under torch.compile)
-            raise NotImplementedError(
-                f"{self.name}: the 1-bit exchange runs eagerly on contiguous fp32 "
-                "tensors with fp32 or bf16 errors only"
-            )
-        write_errors(exchange, *held.errors)
-        held.signs = PackedSigns(exchange.packed, exchange.scales)
         rank = slice(self.rank, self.rank + 1)
-        mine = PackedSigns(exchange.packed[rank], exchange.scales[rank])
+        mine = PackedSigns(held.signs.packed[rank], held.signs.scales[rank])
         shard = mine.values(layout.row).mul_(reduce_scale(op, world_size))
         output.copy_(shard)
 
@@ -695,17 +689,47 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             momentum.mul_(_mask_values(mask, 0, momentum.numel()))
         return momentum
 
-    def _exchange(
+    def _compressed_mean(
+        self,
+        held: _Compressed,
+        comm: ProcessGroup,
+        x: torch.Tensor,
+        grad: torch.Tensor | None,
+        beta: float,
+    ) -> PackedSigns:
+        """The 1-bit allreduce of a module's compressed vector (``beta x + (1 - beta) grad``
+        with ``grad``, else ``x``), its errors written into ``held`` after every rank's check:
+        the in-place exchange for fp32 and bf16 errors, the allocating collective (which
+        rounds the fp16 errors once) for fp16 ones.
+
+        Raises:
+            fn.NonFiniteError: on every rank, with nothing written.
+        """
+        if self.error_dtype == torch.float16:
+            if grad is not None:  # rounded as the rule's moving average
+                x = (beta * x).add_((1 - beta) * grad)
+            mean, *errors = compressed_allreduce(x, *held.errors, comm=comm, packed=True)
+            held.errors = tuple(errors)
+            return mean
+        exchange = compressed_allreduce_exchange(x, *held.errors, comm=comm, grad=grad, beta=beta)
+        if exchange is None:  # not on this path's tensors (e.g. under torch.compile)
+            raise NotImplementedError(
+                f"{self.name}: the 1-bit exchange runs eagerly on contiguous fp32 tensors"
+            )
+        write_errors(exchange, *held.errors)
+        return PackedSigns(exchange.packed, exchange.scales)
+
+    def _momentum_input(
         self,
         layout: ModuleLayout,
         held: _Compressed,
         comm: ProcessGroup,
         momentum: torch.Tensor,
         grad: torch.Tensor,
-    ) -> CompressedExchange | None:
-        """The 1-bit exchange of one module's compressed vector, from its momentum before
-        this update (:meth:`_previous_momentum`) and this rank's gradient, both flat in the
-        layout of ``X`` (``fn.collectives.onebit.compressed_allreduce_exchange``)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """What a module compresses, from its momentum before this update
+        (:meth:`_previous_momentum`) and this rank's gradient, both flat in the layout of
+        ``X``: ``(x, grad, beta)`` for :meth:`_compressed_mean`."""
         raise NotImplementedError
 
     def _make_rule(self, settings: dict[str, Any], comm: Any) -> CompressedOptimizer:
@@ -727,11 +751,6 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             self._make_rule(settings, Local())
         except (ValueError, NotImplementedError) as error:
             return type(error), str(error)
-        if error_dtype == torch.float16:
-            return NotImplementedError, (
-                "error_dtype=torch.float16 is not supported yet on FSDP2: the in-place 1-bit "
-                "exchange takes fp32 and bf16 errors"
-            )
         return None
 
 
@@ -776,8 +795,9 @@ class OnebitAdam(ShardedOnebitOptimizer):
             masks and ``"auto"``: ``NotImplementedError`` / ``TypeError``.
         nonfinite: ``"raise"`` (``"skip"``: ``NotImplementedError``).
         local_world_size: must be ``None`` (``NotImplementedError`` otherwise).
-        error_dtype: the storage of the errors, ``torch.float32`` or ``torch.bfloat16``
-            (``torch.float16``: ``NotImplementedError``).
+        error_dtype: the storage of the errors, ``torch.float32``, ``torch.bfloat16`` or
+            ``torch.float16`` (as ``fn.onebit_adam``'s; fp16 errors take the allocating 1-bit
+            allreduce, the others the in-place exchange).
 
     Raises:
         ValueError: on every rank: no FSDP2 module with trainable params, a trainable param
@@ -849,18 +869,16 @@ class OnebitAdam(ShardedOnebitOptimizer):
     ) -> CompressedOptimizer:
         return onebit_adam(**settings, comm=Local(), error_dtype=error_dtype)
 
-    def _exchange(
+    def _momentum_input(
         self,
         layout: ModuleLayout,
         held: _Compressed,
         comm: ProcessGroup,
         momentum: torch.Tensor,
         grad: torch.Tensor,
-    ) -> CompressedExchange | None:
-        """The momentum ``b1 m + (1 - b1) g_r``, formed inside the exchange."""
-        return compressed_allreduce_exchange(
-            momentum, *held.errors, comm=comm, grad=grad, beta=self._b1
-        )
+    ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """The momentum ``b1 m + (1 - b1) g_r`` (formed inside the exchange)."""
+        return momentum, grad, self._b1
 
 
 class ZeroOneAdam:

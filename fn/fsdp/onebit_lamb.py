@@ -12,7 +12,6 @@ from torch import nn
 
 from fn.base import CompressedOptimizer
 from fn.collectives import Local, ProcessGroup
-from fn.collectives.onebit import CompressedExchange, compressed_allreduce_exchange
 from fn.fsdp.onebit import ModuleLayout, ShardedOnebitOptimizer
 from fn.transforms import AutoFreeze, onebit_lamb, onebit_lamb_sharded
 
@@ -125,14 +124,14 @@ class OnebitLamb(ShardedOnebitOptimizer):
     ) -> CompressedOptimizer:
         return onebit_lamb(**settings, comm=Local(), error_dtype=error_dtype)
 
-    def _exchange(
+    def _momentum_input(
         self,
         layout: ModuleLayout,
         held: Any,
         comm: ProcessGroup,
         momentum: torch.Tensor,
         grad: torch.Tensor,
-    ) -> CompressedExchange | None:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """Every param's scaled momentum ``s (b1 m + (1 - b1) g_r)``, with ``m`` the packed
         result divided by ``s`` (at the freeze: the warmup's momentum, unscaled)."""
         rows = momentum.view(comm.world_size, layout.padded_row)
@@ -144,4 +143,4 @@ class OnebitLamb(ShardedOnebitOptimizer):
             m = rows[:, columns] if held.signs is None else rows[:, columns] / s
             # rounded as fn.transforms' moving average: the two products, then their sum
             rows[:, columns] = (b1 * m + (1 - b1) * grads[:, columns]) * s
-        return compressed_allreduce_exchange(momentum, *held.errors, comm=comm)
+        return momentum, None, 0.0

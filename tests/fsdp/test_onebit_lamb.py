@@ -63,7 +63,11 @@ def build(**kwargs: Any) -> nn.Module:
 
 
 def optimizer(
-    model: nn.Module, weight_decay: float = 0.0, freeze_step: int = FREEZE, masked: bool = False
+    model: nn.Module,
+    weight_decay: float = 0.0,
+    freeze_step: int = FREEZE,
+    masked: bool = False,
+    error_dtype: torch.dtype = torch.float32,
 ):
     return fn.fsdp.OnebitLamb(
         model,
@@ -73,6 +77,7 @@ def optimizer(
         eps=EPS,
         weight_decay=weight_decay,
         exp_avg_mask=masks_of(model) if masked else None,
+        error_dtype=error_dtype,
     )
 
 
@@ -97,9 +102,14 @@ def trust(p_norm: torch.Tensor, u_norm: torch.Tensor) -> torch.Tensor:
 
 class Reference:
     def __init__(
-        self, params: dict[str, torch.Tensor], weight_decay: float, masked: bool = False
+        self,
+        params: dict[str, torch.Tensor],
+        weight_decay: float,
+        masked: bool = False,
+        error_dtype: str = "float32",
     ) -> None:
         self.masks = MASKS if masked else {}
+        self.error_dtype = getattr(torch, error_dtype)
         self.p = {k: v.clone() for k, v in params.items()}
         zeros = {k: torch.zeros_like(v) for k, v in params.items()}
         self.m, self.v, self.fresh = dict(zeros), dict(zeros), dict(zeros)
@@ -140,9 +150,10 @@ class Reference:
                 to_x([(b1 * self.m[k] + (1 - b1) * g[k]) * self.s[k] for k in names]) for g in grads
             ]
             if names[0] not in self.errors:
+                dtype = self.error_dtype
                 self.errors[names[0]] = (
-                    [torch.zeros_like(xs[0]) for _ in range(WORLD)],
-                    [torch.zeros(xs[0].numel() // WORLD) for _ in range(WORLD)],
+                    [torch.zeros_like(xs[0], dtype=dtype) for _ in range(WORLD)],
+                    [torch.zeros(xs[0].numel() // WORLD, dtype=dtype) for _ in range(WORLD)],
                 )
             y = car(xs, *self.errors[names[0]])
             new.update(zip(names, from_x(y, like), strict=True))
@@ -179,10 +190,12 @@ def local_grads(params: dict[str, torch.Tensor], rank: int, step: int) -> dict[s
 # ----------------------------------------------------------------------------- the workers
 
 
-def _worker_train(rank: int, world_size: int, weight_decay: float, masked: bool) -> dict:
+def _worker_train(
+    rank: int, world_size: int, weight_decay: float, masked: bool, error_dtype: str
+) -> dict:
     model = build()
-    opt = optimizer(model, weight_decay, masked=masked)
-    reference = Reference(full_params(model), weight_decay, masked)
+    opt = optimizer(model, weight_decay, masked=masked, error_dtype=getattr(torch, error_dtype))
+    reference = Reference(full_params(model), weight_decay, masked, error_dtype)
     history, mismatches = [], []
     for t in range(1, STEPS + 1):
         grads = [local_grads(reference.p, r, t) for r in range(world_size)]
