@@ -55,6 +55,9 @@ FACTORIES: dict[str, Callable[[], GradientTransformation | CompressedOptimizer]]
     "onebit_adam": _onebit_adam,
     "onebit_adam_sharded": lambda: fn.transforms.onebit_adam_sharded(lr=1e-2, freeze_step=2),
     "onebit_lamb": _onebit_lamb,
+    "onebit_lamb_sharded": lambda: fn.transforms.onebit_lamb_sharded(
+        lr=1e-2, freeze_step=2, comm=Local()
+    ),
     "scale_by_adam": fn.scale_by_adam,
     "scale_by_learning_rate": lambda: fn.scale_by_learning_rate(lambda count: 1e-2 / (1 + count)),
     "scale_by_trust_ratio": fn.scale_by_trust_ratio,
