@@ -12,7 +12,10 @@ schedule), on every rank.
   ``STEPS``: the final params and optimizer state;
 - ``refused``: per bad set-up (among them checkpoints of other settings and of a torch
   optimizer), the error (type and message) and whether the params stayed as built;
-- ``short``: fn's warnings of a run too short to compress.
+- ``short``: fn's warnings of a run too short to compress;
+- ``lamb``: ``fn.fsdp.OnebitLamb`` with ``freeze_step="auto"`` (``LAMB_SWITCH``): an
+  uninterrupted run (as ``full``, and its first compressed update) and runs resumed from
+  ``LAMB_RESUME``.
 
 Writes ``OUT_DIR/rank<r>.pt``.
 """
@@ -44,6 +47,9 @@ from fn.integrations.lightning import FnCallback  # noqa: E402
 
 STEPS, FREEZE, BATCH, LR, GAMMA = 7, 3, 4, 1e-2, 0.98
 RESUME = (1, 2, 3, 5)  # warmup; the last warmup update; the first compressed; compressed
+# 1-bit LAMB's automatic switch, decided by the criterion or at the latest by max_updates
+LAMB_SWITCH = fn.AutoFreeze(min_updates=2, max_updates=3)
+LAMB_RESUME = (2, 3, 5)  # each side of the decision (made at the end of update 2 or 3)
 
 
 class StepTraffic(lightning.Callback):
@@ -95,7 +101,7 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor() for n, p in model.named_parameters()}
 
 
-def local_state(optimizer: fn.fsdp.OnebitAdam) -> dict[str, torch.Tensor]:
+def local_state(optimizer: fn.fsdp.ShardedOnebitOptimizer) -> dict[str, torch.Tensor]:
     """This rank's optimizer state, flat, its shards as local tensors."""
     flat: dict[str, torch.Tensor] = {}
 
@@ -185,6 +191,42 @@ def refused(make_model, checkpoint: Path | None = None, **options: Any) -> tuple
     return message, unchanged
 
 
+class LambClassifier(ShardedClassifier):
+    def configure_optimizers(self) -> dict:
+        optimizer = fn.fsdp.OnebitLamb(self, lr=self.lr, freeze_step=LAMB_SWITCH)
+        schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=GAMMA)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def lamb_runs(out_dir: Path) -> dict:
+    traffic = StepTraffic()
+    saving = ModelCheckpoint(
+        dirpath=out_dir,
+        filename="checkpoint-{step}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=1,
+        save_top_k=-1,
+    )
+    model = LambClassifier(LR, FREEZE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(model, callbacks=(traffic, saving))
+    optimizer = trainer.optimizers[0]
+    full = {
+        "sent": traffic.sent,
+        "warnings": fn_warnings(caught),
+        "params": full_params(model),
+        "state": local_state(optimizer),
+        "switch": int(optimizer._state.auto.freeze_at),
+    }
+    resumed = {}
+    for step in LAMB_RESUME:
+        model = LambClassifier(LR, FREEZE)
+        trainer = fit(model, ckpt_path=str(out_dir / f"checkpoint-{step}.ckpt"))
+        resumed[step] = {"params": full_params(model), "state": local_state(trainer.optimizers[0])}
+    return {"full": full, "resumed": resumed}
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
@@ -213,6 +255,7 @@ def main() -> None:
         warnings.simplefilter("always")
         fit(ShardedClassifier(LR, 100), steps=2)
     results["short"] = fn_warnings(caught)
+    results["lamb"] = lamb_runs(out_dir / "lamb")
     torch.save(results, out_dir / f"rank{rank}.pt")
 
 

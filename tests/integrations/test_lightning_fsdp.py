@@ -1,4 +1,5 @@
-"""fn.integrations.lightning with fn.fsdp.OnebitAdam under Lightning's ModelParallelStrategy on 2
+"""fn.integrations.lightning with fn.fsdp.OnebitAdam (and OnebitLamb with freeze_step="auto")
+under Lightning's ModelParallelStrategy on 2
 gloo ranks under ``torchrun`` (tests/integrations/_lightning_fsdp.py and
 examples/lightning_fsdp.py): runs resumed from a checkpoint in the warmup, at the freeze and in
 the compressed phase end bit-identical (params and optimizer state) to the uninterrupted run,
@@ -28,7 +29,12 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from fn.integrations.lightning import check_strategy  # noqa: E402
 from tests._distributed import ROOT, torchrun  # noqa: E402
-from tests.integrations._lightning_fsdp import FREEZE, RESUME, STEPS  # noqa: E402
+from tests.integrations._lightning_fsdp import (  # noqa: E402
+    FREEZE,
+    LAMB_RESUME,
+    RESUME,
+    STEPS,
+)
 
 # the optimizer state every rank holds alike (DCP saves one copy of it)
 REPLICATED = ("header", "lr", "signed", "momentum.")
@@ -76,6 +82,23 @@ def test_resumed_at_every_phase_is_bit_identical_and_bad_setups_are_refused(tmp_
     for key in states[0]:
         if key.startswith(REPLICATED):
             assert torch.equal(states[0][key], states[1][key]), key
+    for rank, result in enumerate(ranks):  # 1-bit LAMB, freeze_step="auto"
+        lamb = result["lamb"]
+        full = lamb["full"]
+        switch = full["switch"]
+        assert full["warnings"] == [] and switch in (3, 4)
+        assert switch == ranks[0]["lamb"]["full"]["switch"]
+        # after the freeze's one all-gather of the momentum, 1 bit per element
+        dense, compressed = full["sent"][: switch - 1], full["sent"][switch:]
+        assert max(compressed) < min(dense) / 4, full["sent"]
+        for step in LAMB_RESUME:
+            resumed = lamb["resumed"][step]
+            for name, value in full["params"].items():
+                assert torch.equal(value, resumed["params"][name]), (rank, step, name)
+                assert torch.equal(value, ranks[0]["lamb"]["full"]["params"][name]), name
+            assert resumed["state"].keys() == full["state"].keys()
+            for key, value in full["state"].items():
+                assert torch.equal(value, resumed["state"][key]), (rank, step, key)
 
 
 @pytest.mark.distributed
