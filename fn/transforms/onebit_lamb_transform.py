@@ -390,14 +390,14 @@ def _sharded_warmup(h, trust, comm, leaves, state, eta, copies):
     directions = [
         _warmup_direction(h, x.g, x.leaf, x.inputs[0], copies=copies) for x in leaves.with_grad
     ]
-    _, moved = leafwise.rebuilt(leaves, directions, state)
-    walk = live_leaves(moved.exp_avg, moved.scaling_coeff)
     sums = [
         part
         for (u, _), x in zip(directions, leaves.with_grad, strict=True)
         for part in (_count(u), _sum_of_squares(x.inputs[0]), _sum_of_squares(u))
     ]
-    if copies:
+    if copies:  # every leaf's new momentum (a leaf without a gradient keeps its own)
+        _, moved = leafwise.rebuilt(leaves, directions, state)
+        walk = live_leaves(moved.exp_avg, moved.scaling_coeff)
         sums += [part for m in walk.at_live(0) for part in (_count(m), _sum_of_squares(m))]
     total, _ = _over_ranks(comm, sums, [])
     counts = total.tolist()
