@@ -14,7 +14,7 @@ schedule), on every rank.
   optimizer), the error (type and message) and whether the params stayed as built;
 - ``short``: fn's warnings of a run too short to compress;
 - ``lamb``: ``fn.fsdp.OnebitLamb`` with ``freeze_step="auto"`` (``LAMB_SWITCH``): an
-  uninterrupted run (as ``full``, and its first compressed update) and runs resumed from
+  uninterrupted run (as ``full``; its state holds the switch) and runs resumed from
   ``LAMB_RESUME``.
 
 Writes ``OUT_DIR/rank<r>.pt``.
@@ -120,7 +120,7 @@ def fn_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if str(w.message).startswith("fn.")]
 
 
-def full_run(out_dir: Path) -> dict:
+def full_run(out_dir: Path, make_model: type = ShardedClassifier) -> dict:
     traffic = StepTraffic()
     saving = ModelCheckpoint(
         dirpath=out_dir,
@@ -129,7 +129,7 @@ def full_run(out_dir: Path) -> dict:
         every_n_train_steps=1,
         save_top_k=-1,
     )
-    model = ShardedClassifier(LR, FREEZE)
+    model = make_model(LR, FREEZE)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = fit(model, callbacks=(traffic, saving))
@@ -159,8 +159,8 @@ def bare_run(rank: int) -> dict[str, torch.Tensor]:
     return full_params(model)
 
 
-def resumed_run(checkpoint: Path) -> dict:
-    model = ShardedClassifier(LR, FREEZE)
+def resumed_run(checkpoint: Path, make_model: type = ShardedClassifier) -> dict:
+    model = make_model(LR, FREEZE)
     trainer = fit(model, ckpt_path=str(checkpoint))
     return {"params": full_params(model), "state": local_state(trainer.optimizers[0])}
 
@@ -199,31 +199,11 @@ class LambClassifier(ShardedClassifier):
 
 
 def lamb_runs(out_dir: Path) -> dict:
-    traffic = StepTraffic()
-    saving = ModelCheckpoint(
-        dirpath=out_dir,
-        filename="checkpoint-{step}",
-        auto_insert_metric_name=False,
-        every_n_train_steps=1,
-        save_top_k=-1,
-    )
-    model = LambClassifier(LR, FREEZE)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer = fit(model, callbacks=(traffic, saving))
-    optimizer = trainer.optimizers[0]
-    full = {
-        "sent": traffic.sent,
-        "warnings": fn_warnings(caught),
-        "params": full_params(model),
-        "state": local_state(optimizer),
-        "switch": int(optimizer._state.auto.freeze_at),
+    full = full_run(out_dir, LambClassifier)
+    resumed = {
+        step: resumed_run(out_dir / f"checkpoint-{step}.ckpt", LambClassifier)
+        for step in LAMB_RESUME
     }
-    resumed = {}
-    for step in LAMB_RESUME:
-        model = LambClassifier(LR, FREEZE)
-        trainer = fit(model, ckpt_path=str(out_dir / f"checkpoint-{step}.ckpt"))
-        resumed[step] = {"params": full_params(model), "state": local_state(trainer.optimizers[0])}
     return {"full": full, "resumed": resumed}
 
 
