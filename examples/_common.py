@@ -16,7 +16,12 @@ def parse_args(description: str, resume_flag: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--max-steps", type=int, default=40)
-    parser.add_argument("--freeze-step", type=int, default=10, help="1-bit Adam's warmup updates")
+    parser.add_argument(
+        "--freeze-step",
+        type=freeze_step_arg,
+        default=10,
+        help='1-bit Adam\'s warmup updates, or "auto" to let the warmup decide',
+    )
     parser.add_argument("--save-steps", type=int, default=20, help="checkpoint every N steps")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-size", type=int, default=4, help="per rank")
@@ -25,6 +30,11 @@ def parse_args(description: str, resume_flag: str) -> argparse.Namespace:
     else:
         parser.add_argument(resume_flag, default=None, help="the checkpoint to resume from")
     return parser.parse_args()
+
+
+def freeze_step_arg(text: str) -> int | str:
+    """``--freeze-step``'s value: ``"auto"`` or an int."""
+    return text if text == "auto" else int(text)
 
 
 def check_ranks_agree(model: torch.nn.Module) -> str:

@@ -31,6 +31,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from examples._common import freeze_step_arg  # noqa: E402
 from examples.fsdp_loco import parse_training_args, sharded_transformer, train  # noqa: E402
 from fn.collectives import exit_distributed  # noqa: E402
 from fn.fsdp import OnebitAdam, OnebitLamb, TrainingCheckpoint  # noqa: E402
@@ -50,7 +51,9 @@ def params_checksum(model: nn.Module) -> int:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--max-steps", type=int, default=40)
-    p.add_argument("--freeze-step", type=int, default=10, help="first compressed update")
+    p.add_argument(
+        "--freeze-step", type=freeze_step_arg, default=10, help='first compressed update, or "auto"'
+    )
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam")
     return parse_training_args(p, argv)
 

@@ -247,8 +247,9 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         if self._rule.first_compressed_update(updates, self._state) is not None:
             return False
         warnings.warn(
-            f"{self.name} makes no compressed update within {source} ({updates} updates): "
-            "every update is a dense reduce-scatter, as plain Adam's, and saves no bandwidth; "
+            f"{self.name} makes no compressed update within {source} ({updates} updates), or "
+            'with freeze_step="auto" none is certain: until one is, every update is a dense '
+            "reduce-scatter, as plain Adam's, and saves no bandwidth; "
             "set freeze_step, or freeze_step=fn.AutoFreeze(max_updates=...), below "
             f"{updates}",
             stacklevel=2,

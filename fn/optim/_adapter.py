@@ -392,8 +392,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         if idle:
             warnings.warn(
                 f"fn.optim: param groups {idle} make no compressed update within {source} "
-                f"({updates} updates): every update is a dense allreduce, as plain Adam's, and "
-                "saves no bandwidth; set freeze_step (0/1 Adam: var_freeze_step), or "
+                f'({updates} updates), or with freeze_step="auto" none is certain: until one '
+                "is, every update is a dense allreduce, as plain Adam's, and saves no "
+                "bandwidth; set freeze_step (0/1 Adam: var_freeze_step), or "
                 f"freeze_step=fn.AutoFreeze(max_updates=...), below {updates}",
                 stacklevel=2,
             )
