@@ -25,8 +25,13 @@ means, and the standard deviation over the seeds of each seed's own ratio), byte
 ratio to the 25 % setting's, the switch. The targets of ``"auto"``: loss within 1 % of the best
 fixed setting, bytes at most the 25 % setting's.
 
+``--lr mlp=3e-3`` (repeatable) changes a task's learning rate and ``--fractions`` the fixed
+settings (in %; 100 never compresses within the run): docs/algorithms.md uses both to show how
+the MLP's best fixed setting moves with its learning rate.
+
 Run: python3 benchmarks/freeze.py [--tasks demo,gpt2,mlp] [--seeds 0,1,2,3] [--demo-steps 300]
-     [--gpt2-steps 200] [--mlp-steps 300] [--quick]
+     [--gpt2-steps 200] [--mlp-steps 300] [--lr TASK=LR ...] [--fractions 5,10,15,25,40]
+     [--quick]
 """
 
 from __future__ import annotations
@@ -49,8 +54,7 @@ import fn.optim  # noqa: E402
 from fn.app import demo  # noqa: E402
 from fn.app._launch import spawn_gloo  # noqa: E402
 
-FRACTIONS = (0.05, 0.10, 0.15, 0.25, 0.40)
-SETTINGS = ("auto", *(f"{round(100 * f)}%" for f in FRACTIONS))
+PERCENTS = (5, 10, 15, 25, 40)
 LR = {"demo": 3e-3, "gpt2": 1e-2, "mlp": 1e-2}
 
 
@@ -93,6 +97,11 @@ class MlpTask:
 
 
 TASK_TYPES = {"demo": precision.DemoTask, "gpt2": precision.Gpt2Task, "mlp": MlpTask}
+
+
+def settings(percents: list[float]) -> list[str]:
+    """The settings a run compares: ``"auto"``, then a fixed one per percentage."""
+    return ["auto", *(f"{p:g}%" for p in percents)]
 
 
 def freeze_step(setting: str, steps: int) -> Any:
@@ -141,9 +150,9 @@ def worker(rank: int, world_size: int, send: Callable[[Any], None], config: dict
         steps = config["steps"][task_name]
         for seed in config["seeds"]:
             task = TASK_TYPES[task_name](rank, world_size, seed, 512)
-            for setting in SETTINGS:
+            for setting in settings(config["percents"]):
                 run = {"task": task_name, "seed": seed, "setting": setting, "steps": steps}
-                run.update(train(task, setting, steps, LR[task_name]))
+                run.update(train(task, setting, steps, config["lr"][task_name]))
                 runs.append(run)
                 if rank == 0:
                     send(run)
@@ -151,7 +160,8 @@ def worker(rank: int, world_size: int, send: Callable[[Any], None], config: dict
 
 
 def table(runs: list[dict]) -> list[str]:
-    """The markdown table: per task and setting, means over the seeds."""
+    """The markdown table: per task and setting, means over the seeds ("vs 25 %": ``-`` when
+    the 25 % setting did not run)."""
     lines = [
         "| task | freeze_step | held-out loss | vs best fixed | bytes/rank | vs 25 % | switch |",
         "|---|---|---|---|---|---|---|",
@@ -159,24 +169,25 @@ def table(runs: list[dict]) -> list[str]:
     for task in dict.fromkeys(r["task"] for r in runs):
         mine = [r for r in runs if r["task"] == task]
         seeds = list(dict.fromkeys(r["seed"] for r in mine))
+        names = list(dict.fromkeys(r["setting"] for r in mine))
         losses = {(r["setting"], r["seed"]): r["heldout"] for r in mine}
         mean = {
             s: {
                 k: statistics.mean(r[k] for r in mine if r["setting"] == s)
                 for k in ("heldout", "bytes")
             }
-            for s in SETTINGS
+            for s in names
         }
-        best = min((s for s in SETTINGS if s != "auto"), key=lambda s: mean[s]["heldout"])
-        for s in SETTINGS:
+        best = min((s for s in names if s != "auto"), key=lambda s: mean[s]["heldout"])
+        for s in names:
             switches = [r["switch"] for r in mine if r["setting"] == s]
             spread = _stdev([losses[s, seed] for seed in seeds])
             ratios = [losses[s, seed] / losses[best, seed] for seed in seeds]
+            vs_25 = f"{mean[s]['bytes'] / mean['25%']['bytes']:.2f}" if "25%" in mean else "-"
             lines.append(
                 f"| {task} | {s} | {mean[s]['heldout']:.4f} ± {spread:.4f} | "
                 f"{mean[s]['heldout'] / mean[best]['heldout']:.3f} ± {_stdev(ratios):.3f} | "
-                f"{mean[s]['bytes']:,.0f} | {mean[s]['bytes'] / mean['25%']['bytes']:.2f} | "
-                f"{', '.join(map(str, switches))} |"
+                f"{mean[s]['bytes']:,.0f} | {vs_25} | {', '.join(map(str, switches))} |"
             )
     return lines
 
@@ -193,8 +204,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--demo-steps", type=int, default=300)
     parser.add_argument("--gpt2-steps", type=int, default=200)
     parser.add_argument("--mlp-steps", type=int, default=300)
+    parser.add_argument(
+        "--lr",
+        action="append",
+        default=[],
+        metavar="TASK=LR",
+        help="a task's learning rate (repeatable), e.g. mlp=3e-3",
+    )
+    parser.add_argument(
+        "--fractions",
+        default=",".join(map(str, PERCENTS)),
+        help="the fixed settings, in %% of the run (100: never compressed within it)",
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny run (smoke test)")
     args = parser.parse_args(argv)
+    lr = dict(LR)
+    for item in args.lr:
+        task, _, value = item.partition("=")
+        if task not in LR or not value:
+            parser.error(f"--lr takes TASK=LR with TASK one of {sorted(LR)}, got {item!r}")
+        lr[task] = float(value)
+    percents = [float(p) for p in args.fractions.split(",") if p]
+    if not percents or any(not 0 < p <= 100 for p in percents):
+        parser.error(f"--fractions takes percentages in (0, 100], got {args.fractions!r}")
     tasks = [t for t in args.tasks.split(",") if t]
     if "gpt2" in tasks and importlib.util.find_spec("transformers") is None:
         print("gpt2: skipped (transformers is not installed)")
@@ -203,7 +235,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.quick:
         steps, seeds = dict.fromkeys(steps, 24), seeds[:1]
-    config = {"tasks": tasks, "seeds": seeds, "steps": steps}
+    config = {"tasks": tasks, "seeds": seeds, "steps": steps, "lr": lr, "percents": percents}
     results = spawn_gloo(
         worker,
         precision.WORLD_SIZE,
