@@ -53,6 +53,7 @@ from fn.transforms import AutoFreeze, gradient_energy, onebit_adam, onebit_adam_
 __all__ = ["OnebitAdam", "ShardedOnebitOptimizer", "ZeroOneAdam"]
 
 _FORMAT = 1  # the layout of ShardedOnebitOptimizer.state_dict()
+_AUTO_MASK_KEYS = ("always_zero", "exp_avg_mask")  # and with exp_avg_mask="auto"
 
 # The FSDP2 modules that carry an fn.fsdp optimizer's reduce-scatter, and that optimizer.
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
@@ -186,9 +187,12 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         if problem is None:
             problem = self._bad_settings(settings, error_dtype)
         masks = None if problem else exp_avg_mask
-        self._mask_crc = _mask_checksum(masks, [p for _, ps in found for _, p in ps])
+        self._auto_mask = isinstance(masks, str)  # exp_avg_mask="auto"
+        order = [p for _, ps in found for _, p in ps]
+        # in the ranks' agreement and the checkpoints' settings: "auto", or the masks' checksum
+        self._mask_setting = "auto" if self._auto_mask else _mask_checksum(masks, order)
         fingerprint = repr(
-            (settings, non_freeze, self._mask_crc, nonfinite, local_world_size,
+            (settings, non_freeze, self._mask_setting, nonfinite, local_world_size,
              str(error_dtype), [(m, [(n, tuple(p.shape)) for n, p in ps]) for m, ps in found])
         )  # fmt: skip
         _agree(self.name, group, problem, fingerprint)
@@ -200,9 +204,20 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         self._layouts = [module_layout(name, params, world_size) for name, params in found]
         self._compressed = {layout.name: _Compressed() for layout in self._layouts}
         self._masks = {  # by module: its exp_avg_mask as bits in the layout of X, or None
-            x.name: None if masks is None else _module_mask(x, masks, world_size)
+            x.name: None if masks is None or self._auto_mask else _module_mask(x, masks, world_size)
             for x in self._layouts
         }
+        # exp_avg_mask="auto" until the freeze: by module, this rank's row of X as bits, 1 where
+        # the mean gradient was exactly 0 at every warmup update so far (padding positions 1);
+        # None otherwise
+        self._zero_records = None
+        if self._auto_mask:
+            self._zero_records = {
+                x.name: torch.full(
+                    (x.padded_row // 8,), 255, dtype=torch.uint8, device=x.slots[0].param.device
+                )
+                for x in self._layouts
+            }
         self._b1 = float(settings["betas"][0])
         self._setting_names = sorted(k for k in settings if k != "lr")
         params = [slot.param for layout in self._layouts for slot in layout.slots]
@@ -270,10 +285,13 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         name of this rank's own, by module its worker and server errors (zeros before the
         first compressed update; DCP would keep one rank's copy of a name every rank saves).
         With ``freeze_step="auto"``, ``auto`` holds the decision and its statistics (0-dim,
-        the same on every rank). A subclass's further per-param fields come by field name: its
-        ``scalar_fields`` (0-dim, the same on every rank) and its ``optional_fields`` (DTensors
-        of the shards, zeros where ``None``, with ``"<field>_held"``: int8 per param, whether
-        it holds a tensor).
+        the same on every rank). With ``exp_avg_mask="auto"``, by module and as bits in the
+        layout of ``X``, ``always_zero`` holds the warmup's records of zero gradients (a
+        DTensor of the ranks' rows, each rank's its own; zeros after the freeze) and
+        ``exp_avg_mask`` the mask (the same on every rank; zeros before the freeze). A
+        subclass's further per-param fields come by field name: its ``scalar_fields`` (0-dim,
+        the same on every rank) and its ``optional_fields`` (DTensors of the shards, zeros
+        where ``None``, with ``"<field>_held"``: int8 per param, whether it holds a tensor).
         :class:`~fn.fsdp.TrainingCheckpoint` saves it, and loads it at any world size, checked
         before anything changes; ``dcp.load`` straight into it works at the same world size.
 
@@ -312,6 +330,8 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         slots = [slot for layout in self._layouts for slot in layout.slots]
         if self._automatic:
             state["auto"] = _auto_scalars(self._state.auto)
+        if self._auto_mask:
+            state.update(self._auto_mask_state())
         for field in self.scalar_fields:
             state[field] = {slot.name: getattr(self._state, field)[slot.name] for slot in slots}
         for field in self.optional_fields:
@@ -341,7 +361,8 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             ValueError: the header does not match this model or these settings, or a key is
                 missing (nothing was loaded).
         """
-        world_size, _ = self._checked_header(header)
+        auto_saved = any(key.startswith("always_zero.") for key in saved)
+        world_size, _ = self._checked_header(header, auto_saved)
         own = f"rank{self.rank}"
         needed = ["lr", "signed"]
         for layout in self._layouts:
@@ -353,6 +374,8 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         needed += [f"{field}_held" for field in self.optional_fields]
         if self._automatic:
             needed += [f"auto.{k}" for k in _auto_scalars(self._state.auto)]
+        if self._auto_mask:
+            needed += [f"{f}.{x.name}" for f in _AUTO_MASK_KEYS for x in self._layouts]
         missing = [key for key in needed if key not in saved]
         if missing:
             raise ValueError(
@@ -386,6 +409,9 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             template[f"{field}_held"] = new(f"{field}_held", torch.int8)
         if self._automatic:
             template["auto"] = {k: v.clone() for k, v in _auto_scalars(self._state.auto).items()}
+        if self._auto_mask:  # the records as a whole (at another world size too)
+            for f in _AUTO_MASK_KEYS:
+                template[f] = {x.name: new(f"{f}.{x.name}", torch.uint8) for x in self._layouts}
         if world_size == self.comm.world_size:
             template[own] = {
                 x.name: {
@@ -407,11 +433,20 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             ValueError: the checkpoint is of another model or other settings; nothing was
                 changed.
         """
-        world_size, count = self._checked_header(state_dict["header"])
+        auto_saved = "always_zero" in state_dict
+        world_size, count = self._checked_header(state_dict["header"], auto_saved)
         same = world_size == self.comm.world_size
         signed = [bool(x) for x in state_dict["signed"].tolist()]
         if len(signed) != len(self._layouts):
             raise ValueError(f"{self.name}: corrupt checkpoint: signed = {signed}")
+        auto = self._state.auto
+        if self._automatic:
+            loaded = {k: state_dict["auto"][k].clone() for k in _auto_scalars(auto)}
+            auto = auto._replace(**loaded)
+        masks, records = self._masks, self._zero_records
+        if self._auto_mask:
+            frozen = self._rule.is_compressed(count, self._state._replace(auto=auto))
+            masks, records = self._loaded_auto_masks(state_dict, world_size, frozen)
         own = state_dict.get(f"rank{self.rank}", {}) if same else {}
         exp_avg, exp_avg_sq, compressed = {}, {}, {}
         for layout, packed in zip(self._layouts, signed, strict=True):
@@ -432,7 +467,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
                         old = module_layout(layout.name, slots, world_size)
                         world, rank = self.comm.world_size, self.rank
                         shards = _momentum_from_signs(old, held.signs, world, rank)
-                        exp_avg.update(self._masked_shards(layout, shards))
+                        exp_avg.update(self._masked_shards(layout, shards, masks[layout.name]))
                     held.signs = None
             compressed[layout.name] = held
         if not same and any(signed):
@@ -453,8 +488,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
                 k: x if kept else None for k, x, kept in zip(names, values, held_by, strict=True)
             }
         if self._automatic:
-            loaded = {k: state_dict["auto"][k].clone() for k in _auto_scalars(self._state.auto)}
-            extra["auto"] = self._state.auto._replace(**loaded)
+            extra["auto"] = auto
         self.param_groups[0]["lr"] = float(state_dict["lr"])
         self._state = self._state._replace(
             count=torch.tensor(count, dtype=torch.int64),
@@ -464,6 +498,51 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             **extra,
         )
         self._compressed = compressed
+        self._masks, self._zero_records = masks, records
+
+    def _auto_mask_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``exp_avg_mask="auto"``'s part of :meth:`state_dict`, by module: ``always_zero``,
+        the records (a DTensor of the ranks' rows: each rank saves its own; zeros after the
+        freeze), and ``exp_avg_mask``, the masks (the same on every rank; zeros before the
+        freeze), both bits in the layout of ``X``."""
+        world_size = self.comm.world_size
+        records, masks = {}, {}
+        for layout in self._layouts:
+            param = layout.slots[0].param
+            size = layout.padded_row // 8
+            record = torch.zeros(size, dtype=torch.uint8, device=param.device)
+            if self._zero_records is not None:
+                record = self._zero_records[layout.name]
+            records[layout.name] = DTensor.from_local(
+                record, param.device_mesh, [Shard(0)], shape=(world_size * size,), stride=(1,)
+            )
+            mask = self._masks[layout.name]
+            if mask is None:
+                mask = torch.zeros(world_size * size, dtype=torch.uint8, device=param.device)
+            masks[layout.name] = mask
+        return {"always_zero": records, "exp_avg_mask": masks}
+
+    def _loaded_auto_masks(
+        self, state_dict: dict[str, Any], world_size: int, frozen: bool
+    ) -> tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor] | None]:
+        """``exp_avg_mask="auto"``'s masks and records (the optimizer's ``_masks`` and
+        ``_zero_records``) from a :meth:`state_dict` saved at ``world_size``, in this world
+        size's layout: after the freeze (``frozen``) the masks, before it the records."""
+        masks: dict[str, torch.Tensor | None] = {x.name: None for x in self._layouts}
+        records = {}
+        for layout in self._layouts:
+            if frozen:
+                saved = state_dict["exp_avg_mask"][layout.name]
+                masks[layout.name] = _relaid_mask(layout, saved, world_size, self.comm.world_size)
+                continue
+            saved = state_dict["always_zero"][layout.name]
+            if isinstance(saved, DTensor):  # dcp.load into state_dict(): this rank's own row
+                records[layout.name] = saved.to_local().clone()
+                continue
+            seen = _relaid_mask(layout, saved.bitwise_not(), world_size, self.comm.world_size)
+            size = layout.padded_row // 8
+            records[layout.name] = seen[self.rank * size : (self.rank + 1) * size].bitwise_not()
+        return masks, None if frozen else records
 
     def _header(self) -> torch.Tensor:
         """``[format, world size, updates made, crc of the layout, crc of the settings]``."""
@@ -477,13 +556,14 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         )
         group = self.param_groups[0]  # the rule's settings (not lr, nor a scheduler's keys)
         fixed = {k: group[k] for k in self._setting_names}
-        masks = (self._mask_crc,) if self._mask_crc else ()  # (older checkpoints had none)
+        masks = (self._mask_setting,) if self._mask_setting else ()  # (older ones had none)
         settings = repr((fixed, str(self.error_dtype), *masks))
         return zlib.crc32(layout.encode()), zlib.crc32(settings.encode())
 
-    def _checked_header(self, header: torch.Tensor) -> tuple[int, int]:
+    def _checked_header(self, header: torch.Tensor, auto_saved: bool) -> tuple[int, int]:
         """The checkpoint's world size and update count, or ``ValueError`` if it is not a
-        checkpoint of this model and these settings."""
+        checkpoint of this model and these settings (``auto_saved``: whether it holds
+        ``exp_avg_mask="auto"``'s records)."""
         values = header.tolist()
         if len(values) != 5 or values[0] != _FORMAT:
             raise ValueError(
@@ -497,10 +577,18 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
                 f"{self.name}: the checkpoint is of another model (its FSDP2 modules, "
                 "params or shapes differ); nothing was loaded"
             )
+        if auto_saved != self._auto_mask:
+            made, here = ("", "not ") if auto_saved else ("not ", "")
+            raise ValueError(
+                f'{self.name}: the checkpoint was saved with exp_avg_mask {made}"auto", this '
+                f"optimizer's is {here}\"auto\" (the records of the warmup's zero gradients "
+                "are in the state); build the optimizer as the checkpoint's was; nothing was "
+                "loaded"
+            )
         if settings != settings_now:
             raise ValueError(
                 f"{self.name}: the checkpoint was saved with other settings (its "
-                "hyperparameters or error_dtype); nothing was loaded"
+                "hyperparameters, exp_avg_mask or error_dtype); nothing was loaded"
             )
         if world_size < 1 or count < 0:
             raise ValueError(f"{self.name}: corrupt checkpoint header {values}")
@@ -519,8 +607,12 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         t = self.count + 1
-        compressed = self.comm.world_size > 1 and self._rule.is_compressed(t, self._state)
+        warmup = not self._rule.is_compressed(t, self._state)
+        if not warmup and self._zero_records is not None:  # the freeze of exp_avg_mask="auto"
+            self._masks, self._zero_records = self._frozen_masks(), None
+        compressed = self.comm.world_size > 1 and not warmup
         params = self._shards()
+        records = None
         if compressed:
             inputs = self._momentum_shards(t)
         else:
@@ -530,6 +622,8 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
                 for slot in layout.slots
             }
             energy = self._checked_energy(inputs)
+            if self._zero_records is not None:
+                records = self._observed_zeros(inputs)
         state = set_hyperparams(self._state, lr=self.param_groups[0]["lr"])
         extra = {} if compressed or energy is None else {"gradient_energy": energy}
         updates, state = self._rule.update(inputs, state, params, step=t, **extra)
@@ -538,6 +632,8 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             exp_avg = {k: None if inputs[k] is not None else m for k, m in state.exp_avg.items()}
             state = state._replace(exp_avg=exp_avg)
         self._state = state
+        if records is not None:
+            self._zero_records = records
         return loss
 
     def _shards(self) -> dict[str, torch.Tensor]:
@@ -571,11 +667,34 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
                 shards[slot.name] = None if piece is None else piece.view(local.shape)
         return shards
 
+    def _observed_zeros(self, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """``exp_avg_mask="auto"``'s records after a warmup update whose mean gradient shards
+        are ``grads``: each ANDed with the bits of this rank's row of ``X`` where the mean
+        gradient is exactly 0 (``-|g| >= 0``, ``-0.0`` included, as ``fn.onebit_adam``'s
+        record). Padding positions hold 0, so they stay 1; a param without a gradient keeps
+        its bits (as a leaf without one keeps its record)."""
+        records = {}
+        for layout in self._layouts:
+            record = self._zero_records[layout.name]
+            row = _row(layout, grads, record.device)
+            records[layout.name] = record & kernels.packbits(row.abs_().neg_())
+        return records
+
+    def _frozen_masks(self) -> dict[str, torch.Tensor]:
+        """``exp_avg_mask="auto"``'s masks at the freeze, as bits in the layout of ``X`` (1:
+        kept): each module's records all-gathered (``n / (8 W)`` bytes per rank, once) and
+        inverted, 1 where the mean gradient was non-zero at some warmup update, 0 where it was
+        exactly 0 at every one and at the padding positions."""
+        return {
+            name: self.comm.all_gather(record).view(-1).bitwise_not_()
+            for name, record in self._zero_records.items()
+        }
+
     def _masked_shards(
-        self, layout: ModuleLayout, shards: dict[str, torch.Tensor]
+        self, layout: ModuleLayout, shards: dict[str, torch.Tensor], mask: torch.Tensor | None
     ) -> dict[str, torch.Tensor]:
-        """A module's momentum shards (this rank's, by param) times their masks."""
-        mask = self._masks[layout.name]
+        """A module's momentum shards (this rank's, by param) times its mask (bits in the
+        layout of ``X``)."""
         if mask is None:
             return shards
         masked = {}
@@ -677,11 +796,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         shards' warmup momentum."""
         world_size = comm.world_size
         if held.signs is None:
-            row = torch.zeros(layout.padded_row, device=device)
-            for slot in layout.slots:
-                m = self._state.exp_avg[slot.name]
-                row[slot.offset : slot.offset + m.numel()] = m.reshape(-1)
-            return comm.all_gather(row).view(-1)
+            return comm.all_gather(_row(layout, self._state.exp_avg, device)).view(-1)
         momentum = held.signs.values(world_size * layout.padded_row).clone()
         for start, stop in layout.padding(world_size):
             momentum[start:stop] = 0.0
@@ -792,8 +907,12 @@ class OnebitAdam(ShardedOnebitOptimizer):
         exp_avg_mask: ``{param: mask}`` for some of the model's params (the DTensors), each a
             plain tensor of 0s and 1s broadcastable to the param's full shape, multiplied into
             the momentum after every compressed allreduce (as ``fn.onebit_adam``'s); kept as
-            bits in each module's layout (``n / 8`` bytes per rank). Other values, DTensor
-            masks and ``"auto"``: ``NotImplementedError`` / ``TypeError``.
+            bits in each module's layout (``n / 8`` bytes per rank). Or ``"auto"``, as
+            ``fn.onebit_adam``'s: the mask is 0 where the mean gradient was exactly 0 at every
+            warmup update, 1 elsewhere, the same bits as that mask passed by hand. Each rank
+            records its shard's zeros (``n / (8 W)`` bytes), and at the freeze every module
+            all-gathers the records once (``(W - 1) n / (8 W)`` bytes sent per rank) into the
+            mask. Other values and DTensor masks: ``NotImplementedError`` / ``TypeError``.
         nonfinite: ``"raise"`` (``"skip"``: ``NotImplementedError``).
         local_world_size: must be ``None`` (``NotImplementedError`` otherwise).
         error_dtype: the storage of the errors, ``torch.float32``, ``torch.bfloat16`` or
@@ -929,18 +1048,54 @@ def _momentum_from_signs(
     saved_world_size = signs.scales.numel()
     rows = signs.values(saved_world_size * layout.padded_row).view(saved_world_size, -1)
     shards = {}
-    for slot in layout.slots:
+    for slot, full in zip(layout.slots, _params_of_x(layout, rows), strict=True):
         dim = next(pl.dim for pl in slot.param.placements if isinstance(pl, Shard))
-        chunks = torch.empty(slot.param.shape, device="meta").chunk(saved_world_size, dim)
-        pieces = [
-            rows[j, slot.offset : slot.offset + chunk.numel()].view(chunk.shape)
-            for j, chunk in enumerate(chunks)
-        ]
-        full = torch.cat(pieces, dim)
         mine = full.chunk(world_size, dim)
         shard = mine[rank] if rank < len(mine) else full.narrow(dim, 0, 0)
         shards[slot.name] = shard.contiguous()
     return shards
+
+
+def _params_of_x(layout: ModuleLayout, rows: torch.Tensor) -> list[torch.Tensor]:
+    """Every param of a module, full size, from ``rows``, its ``X`` (``[W, S']``) in
+    ``layout`` (that of ``W`` ranks)."""
+    params = []
+    for slot in layout.slots:
+        dim = next(pl.dim for pl in slot.param.placements if isinstance(pl, Shard))
+        chunks = torch.empty(slot.param.shape, device="meta").chunk(rows.shape[0], dim)
+        pieces = [
+            rows[j, slot.offset : slot.offset + chunk.numel()].view(chunk.shape)
+            for j, chunk in enumerate(chunks)
+        ]
+        params.append(torch.cat(pieces, dim))
+    return params
+
+
+def _relaid_mask(
+    layout: ModuleLayout, bits: torch.Tensor, saved_world_size: int, world_size: int
+) -> torch.Tensor:
+    """``bits``, a module's mask (1: kept) in the layout of ``X`` for ``saved_world_size``
+    ranks, in ``layout`` (for ``world_size`` ranks; padding positions 0). At the same world
+    size it is ``bits``."""
+    slots = [(s.name, s.param) for s in layout.slots]
+    old = module_layout(layout.name, slots, saved_world_size)
+    rows = kernels.unpackbits(bits, saved_world_size * old.padded_row)
+    full = _params_of_x(old, rows.view(saved_world_size, -1))
+    masks = {slot.param: x > 0 for slot, x in zip(layout.slots, full, strict=True)}
+    return _module_mask(layout, masks, world_size)
+
+
+def _row(
+    layout: ModuleLayout, shards: Mapping[str, torch.Tensor | None], device: torch.device
+) -> torch.Tensor:
+    """This rank's row of ``X`` (fp32) holding its ``shards`` of the module's params (by
+    FQN; ``None``: zeros), zero at the padding positions."""
+    row = torch.zeros(layout.padded_row, device=device)
+    for slot in layout.slots:
+        x = shards[slot.name]
+        if x is not None:
+            row[slot.offset : slot.offset + x.numel()] = x.reshape(-1)
+    return row
 
 
 def _dense_reduce_scatter(comm: ProcessGroup, rows: torch.Tensor, op: Any) -> torch.Tensor:
@@ -1023,10 +1178,6 @@ def _problem(
         return ValueError, f"the FSDP2 modules {taken} already have an fn.fsdp optimizer"
     unsupported = {
         "non_freeze": (non_freeze, "one module's vector would mix dense and compressed params"),
-        'exp_avg_mask="auto"': (
-            isinstance(exp_avg_mask, str),
-            "the warmup's record of zero gradients would have to be all-gathered at the freeze",
-        ),
         "nonfinite='skip'": (
             nonfinite == "skip",
             "the modules reduce-scattered before a non-finite one have already advanced",
@@ -1047,10 +1198,14 @@ def _problem(
 def _mask_problem(
     found: list[tuple[str, list[tuple[str, DTensor]]]], exp_avg_mask: Any
 ) -> tuple[type[Exception], str] | None:
-    """What is wrong with ``exp_avg_mask`` (``{param: mask}``, full-shape plain tensors of 0
-    and 1, broadcastable to their param's shape), or ``None``."""
-    if exp_avg_mask is None:
+    """What is wrong with ``exp_avg_mask`` (``"auto"``, or ``{param: mask}``, full-shape plain
+    tensors of 0 and 1, broadcastable to their param's shape), or ``None``."""
+    if exp_avg_mask is None or isinstance(exp_avg_mask, str) and exp_avg_mask == "auto":
         return None
+    if isinstance(exp_avg_mask, str):
+        return ValueError, (
+            f'exp_avg_mask must be {{param: mask}}, None or "auto", got {exp_avg_mask!r}'
+        )
     if not isinstance(exp_avg_mask, Mapping):
         return TypeError, (
             f"exp_avg_mask must be a mapping {{param: mask}}, got {type(exp_avg_mask).__name__}"

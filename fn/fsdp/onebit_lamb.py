@@ -53,7 +53,8 @@ class OnebitLamb(ShardedOnebitOptimizer):
             factor_max, factor_min, factor_threshold, safeguard: as ``fn.onebit_lamb``
             (``lr`` read from ``param_groups[0]["lr"]`` at every step).
         exp_avg_mask, nonfinite, local_world_size, error_dtype: as
-            :class:`~fn.fsdp.OnebitAdam` (the same options are not built yet).
+            :class:`~fn.fsdp.OnebitAdam` (``exp_avg_mask="auto"`` too; the same options are
+            not built yet).
 
     Raises:
         ValueError, NotImplementedError: as :class:`~fn.fsdp.OnebitAdam`, on every rank.

@@ -316,7 +316,9 @@ def _worker_bad_input(rank: int, world_size: int) -> dict:
 
     out["mask on rank 0"] = _refusal(lambda: masked(0.5, rank_only=0))  # only 0 and 1 are built
     out["mask differs"] = _refusal(lambda: masked(float(rank)))
-    out["auto mask"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), exp_avg_mask="auto"))
+    auto = "auto" if rank == 0 else None  # only rank 0 asks for the automatic mask
+    out["auto mask on rank 0"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), exp_avg_mask=auto))
+    out["mask string"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), exp_avg_mask="zeros"))
     out["mask key"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), exp_avg_mask={"w": 1}))
     out["int8 errors"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), error_dtype=torch.int8))
     auto = "auto" if rank == 0 else 10  # only rank 0 asks for the automatic switch
@@ -395,7 +397,10 @@ def test_bad_input_is_refused_on_every_rank():
         assert kind == "NotImplementedError"
         assert ("0 and 1" in message) if rank == 0 else ("rank 0" in message), message
         assert out["mask differs"][0] == "ValueError" and "different" in out["mask differs"][1]
-        assert out["auto mask"][0] == "NotImplementedError" and "auto" in out["auto mask"][1]
+        kind, message = out["auto mask on rank 0"]
+        assert kind == "ValueError" and "different" in message, message
+        kind, message = out["mask string"]
+        assert kind == "ValueError" and '"auto"' in message, message
         assert out["mask key"][0] == "ValueError" and "not a trainable" in out["mask key"][1]
         assert out["int8 errors"][0] == "ValueError" and "error_dtype" in out["int8 errors"][1]
         assert out["auto on rank 0"][0] == "ValueError", out["auto on rank 0"]  # differs

@@ -236,7 +236,12 @@ def _worker_bad_input(rank: int, world_size: int) -> dict:
         lambda: fn.fsdp.OnebitLamb(build(), min_coeff=coeff, max_coeff=1.0)
     )
     out["factor differs"] = _refusal(lambda: fn.fsdp.OnebitLamb(build(), factor_max=3.0 + rank))
-    out["auto mask"] = _refusal(lambda: fn.fsdp.OnebitLamb(build(), exp_avg_mask="auto"))
+
+    def masked(model: nn.Module) -> fn.fsdp.OnebitLamb:  # rank 0: "auto", rank 1: by hand
+        mask = "auto" if rank == 0 else masks_of(model)
+        return fn.fsdp.OnebitLamb(model, exp_avg_mask=mask)
+
+    out["auto mask on rank 0"] = _refusal(lambda: masked(build()))
     model = build()
     fn.fsdp.OnebitAdam(model)
     out["after adam"] = _refusal(lambda: fn.fsdp.OnebitLamb(model))
@@ -290,5 +295,6 @@ def test_bad_input_is_refused_on_every_rank():
         assert kind == "ValueError"
         assert ("min_coeff" in message) if rank == 0 else ("rank 0" in message), message
         assert out["factor differs"][0] == "ValueError" and "different" in out["factor differs"][1]
-        assert out["auto mask"][0] == "NotImplementedError" and "auto" in out["auto mask"][1]
+        kind, message = out["auto mask on rank 0"]
+        assert kind == "ValueError" and "different" in message, message
         assert out["after adam"][0] == "ValueError" and "already" in out["after adam"][1]
