@@ -219,13 +219,14 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
                 for x in self._layouts
             }
         self._b1 = float(settings["betas"][0])
+        self._settings = settings
         self._setting_names = sorted(k for k in settings if k != "lr")
         params = [slot.param for layout in self._layouts for slot in layout.slots]
         super().__init__(params, dict(settings))
         if world_size > 1:
             self._rule = self._make_rule(settings, self.comm)
         else:
-            self._rule = self._single_rank_rule(settings, error_dtype)
+            self._rule = self._single_rank_rule(settings, error_dtype, self._momentum_masks())
         self._state = self._rule.init(self._shards())
         self._automatic = self._state.auto is not None  # freeze_step="auto": decided in the state
         for name, module in model.named_modules():
@@ -498,7 +499,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             **extra,
         )
         self._compressed = compressed
-        self._masks, self._zero_records = masks, records
+        self._set_masks(masks, records)
 
     def _auto_mask_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """``exp_avg_mask="auto"``'s part of :meth:`state_dict`, by module: ``always_zero``,
@@ -609,7 +610,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         t = self.count + 1
         warmup = not self._rule.is_compressed(t, self._state)
         if not warmup and self._zero_records is not None:  # the freeze of exp_avg_mask="auto"
-            self._masks, self._zero_records = self._frozen_masks(), None
+            self._set_masks(self._frozen_masks(), None)
         compressed = self.comm.world_size > 1 and not warmup
         params = self._shards()
         records = None
@@ -626,6 +627,8 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
                 records = self._observed_zeros(inputs)
         state = set_hyperparams(self._state, lr=self.param_groups[0]["lr"])
         extra = {} if compressed or energy is None else {"gradient_energy": energy}
+        if compressed and self._rule.first_compressed_update(t, self._state) == t:
+            extra["momentum_mask"] = self._momentum_masks()  # for the frozen variance's report
         updates, state = self._rule.update(inputs, state, params, step=t, **extra)
         apply_updates(params, updates, donate=True)
         if compressed and not self.keeps_momentum_shards:  # it lives in the packed signs
@@ -690,18 +693,48 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             for name, record in self._zero_records.items()
         }
 
+    def _set_masks(
+        self, masks: dict[str, torch.Tensor | None], records: dict[str, torch.Tensor] | None
+    ) -> None:
+        """Sets the masks and ``exp_avg_mask="auto"``'s records. With one rank, where no
+        reduce-scatter runs, the rule itself multiplies the momentum by the masks, so it is
+        built anew with them."""
+        self._masks, self._zero_records = masks, records
+        if self.comm.world_size == 1:
+            self._rule = self._single_rank_rule(
+                self._settings, self.error_dtype, self._momentum_masks()
+            )
+
+    def _momentum_masks(self) -> dict[str, torch.Tensor | None] | None:
+        """Every param's shard of its mask (0. or 1., shaped like the shard; ``None`` for a
+        module without a mask), by FQN; ``None`` when no module has a mask."""
+        if all(mask is None for mask in self._masks.values()):
+            return None
+        masks = {}
+        for layout in self._layouts:
+            shards = {slot.name: _local(slot.param) for slot in layout.slots}
+            mask = self._masks[layout.name]
+            masks.update(self._masked_shards(layout, shards, mask, values_only=True))
+        return masks
+
     def _masked_shards(
-        self, layout: ModuleLayout, shards: dict[str, torch.Tensor], mask: torch.Tensor | None
-    ) -> dict[str, torch.Tensor]:
-        """A module's momentum shards (this rank's, by param) times its mask (bits in the
-        layout of ``X``)."""
+        self,
+        layout: ModuleLayout,
+        shards: dict[str, torch.Tensor],
+        mask: torch.Tensor | None,
+        values_only: bool = False,
+    ) -> dict[str, torch.Tensor | None]:
+        """A module's shards (this rank's, by param) times its mask (bits in the layout of
+        ``X``); ``values_only``: the mask's values shaped like the shards (``None`` without a
+        mask)."""
         if mask is None:
-            return shards
+            return dict.fromkeys(shards) if values_only else shards
         masked = {}
         for slot in layout.slots:
             m = shards[slot.name]
             start = self.rank * layout.padded_row + slot.offset
-            masked[slot.name] = m * _mask_values(mask, start, m.numel()).view(m.shape)
+            values = _mask_values(mask, start, m.numel()).view(m.shape)
+            masked[slot.name] = values if values_only else m * values
         return masked
 
     def _masked_row(self, layout: ModuleLayout, row: torch.Tensor) -> torch.Tensor:
@@ -853,9 +886,13 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _single_rank_rule(
-        self, settings: dict[str, Any], error_dtype: torch.dtype
+        self,
+        settings: dict[str, Any],
+        error_dtype: torch.dtype,
+        masks: dict[str, torch.Tensor | None] | None,
     ) -> CompressedOptimizer:
-        """The rule with one rank (FSDP2 calls no reduce-scatter: nothing to compress)."""
+        """The rule with one rank (FSDP2 calls no reduce-scatter: nothing to compress), with
+        ``masks`` (by FQN, shaped like the params) as its ``exp_avg_mask``."""
         raise NotImplementedError
 
     def _bad_settings(
@@ -985,9 +1022,12 @@ class OnebitAdam(ShardedOnebitOptimizer):
         return onebit_adam_sharded(**settings)
 
     def _single_rank_rule(
-        self, settings: dict[str, Any], error_dtype: torch.dtype
+        self,
+        settings: dict[str, Any],
+        error_dtype: torch.dtype,
+        masks: dict[str, torch.Tensor | None] | None,
     ) -> CompressedOptimizer:
-        return onebit_adam(**settings, comm=Local(), error_dtype=error_dtype)
+        return onebit_adam(**settings, comm=Local(), error_dtype=error_dtype, exp_avg_mask=masks)
 
     def _momentum_input(
         self,

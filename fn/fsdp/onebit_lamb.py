@@ -121,9 +121,12 @@ class OnebitLamb(ShardedOnebitOptimizer):
         return onebit_lamb_sharded(**settings, comm=comm)
 
     def _single_rank_rule(
-        self, settings: dict[str, Any], error_dtype: torch.dtype
+        self,
+        settings: dict[str, Any],
+        error_dtype: torch.dtype,
+        masks: dict[str, torch.Tensor | None] | None,
     ) -> CompressedOptimizer:
-        return onebit_lamb(**settings, comm=Local(), error_dtype=error_dtype)
+        return onebit_lamb(**settings, comm=Local(), error_dtype=error_dtype, exp_avg_mask=masks)
 
     def _momentum_input(
         self,

@@ -251,9 +251,9 @@ def checked_auto(name: str, auto: AutoWarmup | None, state: Any) -> AutoState | 
             "optimizer as the state's was"
         )
     if mask_auto != want_mask:
-        made, here = ('"auto"', "not") if mask_auto else ("not", '"auto"')
+        made, here = ("", " not") if mask_auto else (" not", "")
         raise ValueError(
-            f'{name}: the state was made with exp_avg_mask {made} "auto", this optimizer\'s is '
+            f'{name}: the state was made with exp_avg_mask{made} "auto", this optimizer\'s is'
             f"{here}; build the optimizer as the state's was"
         )
     if have is None:

@@ -260,7 +260,10 @@ def onebit_adam_sharded(
         ``gradient_energy=`` with ``freeze_step="auto"``). Its state is an ``OnebitAdamState``
         whose errors stay ``None``; the momentum a compressed update returns in ``exp_avg`` is
         the one it was given (the caller keeps it as it likes). There is no
-        ``exp_avg_mask``: the caller masks the momentum it passes.
+        ``exp_avg_mask``: the caller masks the momentum it passes, and may pass its masks
+        (a tree like the params of 0/1 values) to the first compressed update as
+        ``momentum_mask=``, which only the report of the frozen variance reads (an element
+        masked to 0 is never updated, so its variance at zero is no risk).
 
     Raises:
         ValueError: as :func:`onebit_adam`.
@@ -307,7 +310,17 @@ def _onebit_adam(
     schedule = freeze_schedule(freeze_step, why)
     auto = auto_warmup(name, schedule, exp_avg_mask, non_freeze, (settings.b1, settings.b2))
 
-    def update(grads, state, params, plan, eta, donated=None, apply=False, gradient_energy=None):
+    def update(
+        grads,
+        state,
+        params,
+        plan,
+        eta,
+        donated=None,
+        apply=False,
+        gradient_energy=None,
+        momentum_mask=None,
+    ):
         h, seen = settings, state.auto
         if auto is not None and not plan.compressed and averaged:  # the caller measured it
             seen = observed(auto, seen, given_energy(name, gradient_energy), state.count)
@@ -316,7 +329,8 @@ def _onebit_adam(
             h = h._replace(comm=Local())
         mask = onebit_state.masks_of(exp_avg_mask, state) if plan.compressed else None
         if plan.freezes:
-            leafwise.report_frozen_variance(name, state, h, skip=non_freeze, mask=mask)
+            reported = momentum_mask if averaged else mask
+            leafwise.report_frozen_variance(name, state, h, skip=non_freeze, mask=reported)
         rule = partial(_rule, h, compressed=plan.compressed, eta=eta, averaged=averaged)
         inputs = (params, mask, non_freeze)
         if donated is None or averaged:  # averaged: the donated steps run the collective
@@ -337,7 +351,7 @@ def _onebit_adam(
         params_needed_for="weight_decay > 0" if weight_decay > 0 else None,
         fused_apply=not averaged,
         first_compressed=schedule.first_compressed_step,
-        keywords=("gradient_energy",) if averaged else (),
+        keywords=("gradient_energy", "momentum_mask") if averaged else (),
     )
     if averaged:
         return opt

@@ -320,7 +320,9 @@ def onebit_lamb_sharded(
     Returns:
         A ``CompressedOptimizer`` (``params`` required) whose state is an ``OnebitLambState``
         with the errors ``None``; the momentum a compressed update returns in ``exp_avg`` is
-        the new fp32 shard. Every rank must have ``None`` gradients at the same leaves.
+        the new fp32 shard. Every rank must have ``None`` gradients at the same leaves. The
+        first compressed update takes the caller's masks as ``momentum_mask=`` (as
+        ``fn.transforms.onebit_adam_sharded``'s: for the report of the frozen variance only).
 
     Raises:
         ValueError: as :func:`onebit_lamb`.
@@ -354,12 +356,14 @@ def onebit_lamb_sharded(
     schedule = freeze_schedule(freeze_step, _FREEZE_NEEDS)
     auto = auto_warmup(name, schedule, None, None, (settings.b1, settings.b2))
 
-    def update(grads, state, params, plan, eta, donated=None, gradient_energy=None):
+    def update(
+        grads, state, params, plan, eta, donated=None, gradient_energy=None, momentum_mask=None
+    ):
         del donated
         leaves = leafwise.leaves_of(name, grads, state, _Leaf, params)
         if plan.compressed:
             if plan.sets_scaling:
-                leafwise.report_frozen_variance(name, state, settings)
+                leafwise.report_frozen_variance(name, state, settings, mask=momentum_mask)
             return _sharded_compressed(settings, trust, comm, leaves, state, eta)
         if auto is None:
             return _sharded_warmup(settings, trust, comm, leaves, state, eta, plan.copies_variance)
@@ -379,7 +383,7 @@ def onebit_lamb_sharded(
         OnebitLambPlan,
         params_needed_for="1-bit LAMB (trust ratios)",
         first_compressed=schedule.first_compressed_step,
-        keywords=("gradient_energy",),
+        keywords=("gradient_energy", "momentum_mask"),
     )
 
 

@@ -75,9 +75,11 @@ def build(seed: int = 0, world: int = WORLD) -> nn.Module:
 def optimizer(
     kind: str, model: nn.Module, mask: str | None = "auto", freeze_step=FREEZE
 ) -> fn.fsdp.ShardedOnebitOptimizer:
-    """``mask``: ``"auto"``, ``"hand"`` (:func:`hand_masks`) or ``None``."""
-    if mask == "hand":
+    """``mask``: ``"auto"``, ``"hand"`` (:func:`hand_masks`), ``"used"`` (those and the used
+    embedding row 0) or ``None``."""
+    if mask in ("hand", "used"):
         masks = hand_masks()
+        masks["embed.weight"][0] = 0.0 if mask == "used" else 1.0
         mask = {p: masks[k] for k, p in model.named_parameters() if k in masks}
     return KINDS[kind][0](
         model,
@@ -116,11 +118,18 @@ def snapshot(opt: fn.fsdp.ShardedOnebitOptimizer) -> dict[str, torch.Tensor]:
 
 
 def run(
-    kind: str, rank: int, mask: str | None, freeze_step=FREEZE, root: str = "", saves=()
+    kind: str,
+    rank: int,
+    mask: str | None,
+    freeze_step=FREEZE,
+    root: str = "",
+    saves=(),
+    world: int = WORLD,
 ) -> dict:
-    """``STEPS`` updates, a checkpoint after each of ``saves`` under ``root``: the params and
-    the state after each, the masks' bits, and the first compressed update."""
-    model = build()
+    """``STEPS`` updates on ``world`` ranks, a checkpoint after each of ``saves`` under
+    ``root``: the params and the state after each, the masks' bits, and the first compressed
+    update."""
+    model = build(world=world)
     opt = optimizer(kind, model, mask, freeze_step)
     params, states = {}, {}
     for t in range(1, STEPS + 1):
@@ -289,3 +298,34 @@ def test_auto_mask_resumes_bit_for_bit_and_mismatches_are_refused(tmp_path, kind
         assert torch.equal(before["trained"][name], bits), name  # the freeze at one rank
         assert torch.equal(after["loaded"][0][name], bits) and after["loaded"][1] is None
         assert torch.equal(after["trained"][name], bits), name
+
+
+def _worker_runs_by_mask(rank: int, world_size: int, kind: str) -> dict:
+    """Per mask (``"auto"``, ``"hand"``, ``"used"``, ``None``): the final params and the
+    run's ``RuntimeWarning``s."""
+    out = {}
+    for mask in ("auto", "hand", "used", None):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            params = run(kind, rank, mask, world=world_size)["params"][STEPS]
+        runtime = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        out[str(mask)] = dict(params=params, warnings=runtime)
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, WORLD])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_masks_apply_at_every_world_size_and_masked_zero_variance_is_no_alarm(kind, world):
+    """At one rank, where no reduce-scatter runs, the rule itself applies the masks: the
+    automatic one equals the hand-made one, and masking a used row changes that row. At the
+    freeze the variance's exact zeros under the mask raise no warning; without it they do."""
+    results = run_distributed(_worker_runs_by_mask, world, kind, timeout=240)
+    for result in results:
+        auto, hand, used, plain = (result[k] for k in ("auto", "hand", "used", "None"))
+        for k, value in hand["params"].items():
+            assert torch.equal(auto["params"][k], value), k
+        rows = hand["params"]["embed.weight"], used["params"]["embed.weight"]
+        assert not torch.equal(rows[0][0], rows[1][0])
+        assert auto["warnings"] == hand["warnings"] == []
+        assert any("elements at zero" in m for m in plain["warnings"]), plain["warnings"]
