@@ -609,8 +609,9 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
                 loss = closure()
         t = self.count + 1
         warmup = not self._rule.is_compressed(t, self._state)
-        if not warmup and self._zero_records is not None:  # the freeze of exp_avg_mask="auto"
-            self._set_masks(self._frozen_masks(), None)
+        freezes_mask = not warmup and self._zero_records is not None  # exp_avg_mask="auto"
+        if freezes_mask:  # the records go once the update is made (a failed one is retried)
+            self._set_masks(self._frozen_masks(), self._zero_records)
         compressed = self.comm.world_size > 1 and not warmup
         params = self._shards()
         records = None
@@ -623,7 +624,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
                 for slot in layout.slots
             }
             energy = self._checked_energy(inputs)
-            if self._zero_records is not None:
+            if warmup and self._zero_records is not None:
                 records = self._observed_zeros(inputs)
         state = set_hyperparams(self._state, lr=self.param_groups[0]["lr"])
         extra = {} if compressed or energy is None else {"gradient_energy": energy}
@@ -635,7 +636,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             exp_avg = {k: None if inputs[k] is not None else m for k, m in state.exp_avg.items()}
             state = state._replace(exp_avg=exp_avg)
         self._state = state
-        if records is not None:
+        if records is not None or freezes_mask:
             self._zero_records = records
         return loss
 

@@ -329,3 +329,42 @@ def test_masks_apply_at_every_world_size_and_masked_zero_variance_is_no_alarm(ki
         assert not torch.equal(rows[0][0], rows[1][0])
         assert auto["warnings"] == hand["warnings"] == []
         assert any("elements at zero" in m for m in plain["warnings"]), plain["warnings"]
+
+
+def _worker_failed_freeze(rank: int, world_size: int, root: str, kind: str) -> dict:
+    """The freeze update refused (a non-finite gradient on rank 0), a checkpoint saved then and
+    loaded into a new optimizer, which trains on: the records it loaded and its mask."""
+    model = build()
+    opt = optimizer(kind, model)
+    for t in range(1, FREEZE):
+        train_step(model, opt, rank, t)
+    records = dict(opt._zero_records)
+    opt.zero_grad()
+    tokens = torch.tensor([USED_ROWS[:3]] * 4)
+    scale = float("inf") if rank == 0 else 1.0
+    (model(tokens).square().mean() * scale).backward()
+    with pytest.raises(fn.NonFiniteError):
+        opt.step()
+    path = os.path.join(root, "failed")
+    fn.fsdp.TrainingCheckpoint(model, opt, step=FREEZE - 1).save(path)
+    resumed = build(seed=1)
+    opt = optimizer(kind, resumed)
+    fn.fsdp.TrainingCheckpoint(resumed, opt).load(path)
+    loaded = dict(opt._zero_records)
+    for t in range(FREEZE, STEPS + 1):
+        train_step(resumed, opt, rank, t)
+    hand = optimizer(kind, build(), "hand")._masks
+    return dict(records=records, loaded=loaded, masks=dict(opt._masks), hand=hand)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_refused_freeze_keeps_the_records(tmp_path, kind):
+    """A freeze update that raises keeps the warmup's records: a checkpoint taken then resumes
+    them, and the freeze after it builds the hand-made mask."""
+    results = run_distributed(_worker_failed_freeze, WORLD, str(tmp_path), kind, timeout=240)
+    for result in results:
+        for name, bits in result["records"].items():
+            assert torch.equal(result["loaded"][name], bits), name
+        for name, bits in result["hand"].items():
+            assert torch.equal(result["masks"][name], bits), name
