@@ -13,9 +13,11 @@ load at any update, and at another world size with the error feedback reset.
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -104,8 +106,28 @@ class TrainingCheckpoint:
         self.step = int(state_dict["step"])
 
     def save(self, path: str | os.PathLike) -> None:
-        """Writes this rank's part of the checkpoint to the directory ``path`` (collective)."""
-        dcp.save({"training": self}, checkpoint_id=path)
+        """Writes this rank's part of the checkpoint to the directory ``path`` (collective).
+
+        Every rank writes into ``<path>.partial``; once the whole checkpoint is there, rank 0
+        puts it in place of ``path``. A save that fails or is killed therefore leaves a
+        checkpoint already at ``path`` as it was (the rename needs the ranks to share the
+        filesystem of ``path``, as loading it does; were the process killed between the two
+        renames, the previous checkpoint is at ``<path>.old``). A URL (``scheme://...``) is
+        written in place by DCP's own storage.
+        """
+        path = os.fspath(path)
+        if "://" in path:
+            dcp.save({"training": self}, checkpoint_id=path)
+            return
+        partial = f"{path}.partial"
+        first = not dist.is_initialized() or dist.get_rank() == 0
+        if first:
+            shutil.rmtree(partial, ignore_errors=True)  # of a save that did not finish
+        _barrier(self.model)
+        dcp.save({"training": self}, checkpoint_id=partial)
+        if first:
+            _put_in_place(partial, path)
+        _barrier(self.model)
 
     def load(self, path: str | os.PathLike) -> None:
         """Restores everything from the checkpoint directory ``path`` (collective).
@@ -189,3 +211,22 @@ def _read(path: str | os.PathLike, state: dict[str, Any]) -> None:
             f"cannot read the checkpoint {os.fspath(path)} (corrupt, or not of this model): "
             f"rank {rank}: {type(cause).__name__}: {cause}; nothing was loaded"
         ) from None
+
+
+def _barrier(model: nn.Module) -> None:
+    """Waits for every rank (nothing without a process group): an allreduce of one element on
+    the model's device, which any backend runs."""
+    if dist.is_initialized():
+        device = next(model.parameters()).device
+        dist.all_reduce(torch.zeros(1, device=device))
+
+
+def _put_in_place(new: str, path: str) -> None:
+    """Renames the directory ``new`` to ``path``, replacing (and then deleting) what was
+    there."""
+    old = f"{path}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(path):
+        os.rename(path, old)
+    os.rename(new, path)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,12 +1,18 @@
-"""loco_reduce_scatter inside FSDP2 (fully_shard on gloo): gradients, layout changes, DCP resume."""
+"""loco_reduce_scatter inside FSDP2 (fully_shard on gloo): gradients, layout changes, DCP resume,
+and a failed save that leaves the previous checkpoint."""
 
 from __future__ import annotations
 
 import logging
+import os
+import warnings
+from unittest import mock
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -211,3 +217,39 @@ def test_dcp_resume_is_bit_identical(tmp_path):
         results[0][0][1]["rank0"]["block0"]["error.0"],
         results[1][0][1]["rank1"]["block0"]["error.0"],
     )
+
+
+def _worker_interrupted_save(rank: int, world_size: int, path: str) -> dict:
+    model = build(world_size, seed=0)
+    handle = loco_reduce_scatter(model, bits=4, group_size=4, err_beta=0.8, reset_T=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer, rank, range(2))
+    TrainingCheckpoint(model, optimizer, handle, step=2).save(path)
+    saved = full_params(model)
+    train(model, optimizer, rank, range(2, 4))
+    # the data written, the metadata not: DCP's last act fails
+    with mock.patch.object(FileSystemWriter, "finish", side_effect=OSError("disk full")):
+        with pytest.raises(CheckpointException):
+            TrainingCheckpoint(model, optimizer, handle, step=4).save(path)
+    checkpoint = TrainingCheckpoint(model, optimizer, handle)
+    checkpoint.load(path)
+    kept = checkpoint.step, full_params(model)
+    train(model, optimizer, rank, range(2, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        TrainingCheckpoint(model, optimizer, handle, step=4).save(path)
+    checkpoint.load(path)
+    return dict(saved=saved, kept=kept, replaced=checkpoint.step, warnings=len(caught))
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "ckpt"
+    results = run_distributed(_worker_interrupted_save, 2, str(path), timeout=240)
+    for result in results:
+        step, params = result["kept"]
+        assert step == 2
+        for name, value in result["saved"].items():
+            assert torch.equal(params[name], value), name
+        assert result["replaced"] == 4 and result["warnings"] == 0
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
