@@ -42,7 +42,7 @@ class Classifier(lightning.LightningModule):
     """A 2-layer MLP (about 1.2k params) with weights drawn from ``seed``, the same on every
     rank, trained by fn's 1-bit Adam."""
 
-    def __init__(self, lr: float, freeze_step: int, seed: int = 0) -> None:
+    def __init__(self, lr: float, freeze_step: int | str, seed: int = 0) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.net = torch.nn.Sequential(
