@@ -715,28 +715,32 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         for layout in self._layouts:
             shards = {slot.name: _local(slot.param) for slot in layout.slots}
             mask = self._masks[layout.name]
-            masks.update(self._masked_shards(layout, shards, mask, values_only=True))
+            masks.update(
+                dict.fromkeys(shards) if mask is None else self._shard_masks(layout, shards, mask)
+            )
         return masks
 
-    def _masked_shards(
-        self,
-        layout: ModuleLayout,
-        shards: dict[str, torch.Tensor],
-        mask: torch.Tensor | None,
-        values_only: bool = False,
-    ) -> dict[str, torch.Tensor | None]:
-        """A module's shards (this rank's, by param) times its mask (bits in the layout of
-        ``X``); ``values_only``: the mask's values shaped like the shards (``None`` without a
-        mask)."""
-        if mask is None:
-            return dict.fromkeys(shards) if values_only else shards
-        masked = {}
+    def _shard_masks(
+        self, layout: ModuleLayout, shards: dict[str, torch.Tensor], mask: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """This rank's values (0. or 1.) of a module's mask (bits in the layout of ``X``),
+        shaped like its ``shards``, by param."""
+        values = {}
         for slot in layout.slots:
-            m = shards[slot.name]
+            shard = shards[slot.name]
             start = self.rank * layout.padded_row + slot.offset
-            values = _mask_values(mask, start, m.numel()).view(m.shape)
-            masked[slot.name] = values if values_only else m * values
-        return masked
+            values[slot.name] = _mask_values(mask, start, shard.numel()).view(shard.shape)
+        return values
+
+    def _masked_shards(
+        self, layout: ModuleLayout, shards: dict[str, torch.Tensor], mask: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """A module's momentum shards (this rank's, by param) times its mask (bits in the
+        layout of ``X``)."""
+        if mask is None:
+            return shards
+        values = self._shard_masks(layout, shards, mask)
+        return {name: shards[name] * value for name, value in values.items()}
 
     def _masked_row(self, layout: ModuleLayout, row: torch.Tensor) -> torch.Tensor:
         """This rank's row of a module's momentum in the layout of ``X``, times the module's
