@@ -27,17 +27,20 @@ fixed setting, bytes at most the 25 % setting's.
 
 ``--lr mlp=3e-3`` (repeatable) changes a task's learning rate and ``--fractions`` the fixed
 settings (in %; 100 never compresses within the run): docs/algorithms.md uses both to show how
-the MLP's best fixed setting moves with its learning rate.
+the MLP's best fixed setting moves with its learning rate. ``--schedule cosine`` decays every
+run's learning rate to 0 over the run (``constant`` by default), and ``--tolerance`` sets
+``"auto"``'s ``fn.AutoFreeze(tolerance=...)`` (0.5 by default).
 
 Run: python3 benchmarks/freeze.py [--tasks demo,gpt2,mlp] [--seeds 0,1,2,3] [--demo-steps 300]
      [--gpt2-steps 200] [--mlp-steps 300] [--lr TASK=LR ...] [--fractions 5,10,15,25,40]
-     [--quick]
+     [--schedule constant|cosine] [--tolerance 0.5] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import statistics
 import sys
@@ -50,6 +53,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import precision  # noqa: E402  (puts the repository and examples/ on the path)
 
+import fn  # noqa: E402
 import fn.optim  # noqa: E402
 from fn.app import demo  # noqa: E402
 from fn.app._launch import spawn_gloo  # noqa: E402
@@ -104,24 +108,29 @@ def settings(percents: list[float]) -> list[str]:
     return ["auto", *(f"{p:g}%" for p in percents)]
 
 
-def freeze_step(setting: str, steps: int) -> Any:
-    """The ``freeze_step`` of a setting: ``"auto"``, or the update at that fraction of the run."""
+def freeze_step(setting: str, steps: int, tolerance: float) -> Any:
+    """The ``freeze_step`` of a setting: ``fn.AutoFreeze(tolerance=tolerance)`` for ``"auto"``,
+    or the update at that fraction of the run."""
     if setting == "auto":
-        return "auto"
+        return fn.AutoFreeze(tolerance=tolerance)
     return max(2, round(float(setting.rstrip("%")) / 100 * steps) + 1)
 
 
-def train(task: Any, setting: str, steps: int, lr: float) -> dict:
+def train(task: Any, setting: str, steps: int, lr: float, config: dict) -> dict:
     """One run on this rank: the held-out loss (mean over the ranks and the last 10 % of the
     updates), bytes sent, the switch."""
     model = task.model()
     opt = fn.optim.OnebitAdam(
         model.parameters(),
         lr=lr,
-        freeze_step=freeze_step(setting, steps),
+        freeze_step=freeze_step(setting, steps, config["tolerance"]),
         betas=demo.BETAS,
         eps=demo.EPS,
     )
+    if config["schedule"] == "cosine":
+        decay = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda t: 0.5 * (1 + math.cos(math.pi * t / steps))
+        )
     next_batch, switch, heldout = task.batches(), None, []
     every = max(1, steps // 100)
     for t in range(1, steps + 1):
@@ -129,6 +138,8 @@ def train(task: Any, setting: str, steps: int, lr: float) -> dict:
             switch = t
         task.loss(model, next_batch()).backward()
         opt.step()
+        if config["schedule"] == "cosine":
+            decay.step()
         model.zero_grad(set_to_none=True)
         if t > steps - max(1, steps // 10) and (steps - t) % every == 0:
             with torch.no_grad():
@@ -152,7 +163,7 @@ def worker(rank: int, world_size: int, send: Callable[[Any], None], config: dict
             task = TASK_TYPES[task_name](rank, world_size, seed, 512)
             for setting in settings(config["percents"]):
                 run = {"task": task_name, "seed": seed, "setting": setting, "steps": steps}
-                run.update(train(task, setting, steps, config["lr"][task_name]))
+                run.update(train(task, setting, steps, config["lr"][task_name], config))
                 runs.append(run)
                 if rank == 0:
                     send(run)
@@ -216,6 +227,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default=",".join(map(str, PERCENTS)),
         help="the fixed settings, in %% of the run (100: never compressed within it)",
     )
+    parser.add_argument("--schedule", choices=("constant", "cosine"), default="constant")
+    parser.add_argument(
+        "--tolerance", type=float, default=fn.AutoFreeze().tolerance, help='"auto"\'s tolerance'
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny run (smoke test)")
     args = parser.parse_args(argv)
     lr = dict(LR)
@@ -235,7 +250,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.quick:
         steps, seeds = dict.fromkeys(steps, 24), seeds[:1]
-    config = {"tasks": tasks, "seeds": seeds, "steps": steps, "lr": lr, "percents": percents}
+    if not 0 < args.tolerance < 1:
+        parser.error(f"--tolerance takes a number in (0, 1), got {args.tolerance!r}")
+    config = {
+        "tasks": tasks,
+        "seeds": seeds,
+        "steps": steps,
+        "lr": lr,
+        "percents": percents,
+        "schedule": args.schedule,
+        "tolerance": args.tolerance,
+    }
     results = spawn_gloo(
         worker,
         precision.WORLD_SIZE,

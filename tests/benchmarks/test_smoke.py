@@ -668,3 +668,29 @@ def test_freeze_quick_run_prints_every_setting():
     assert [row.split("|")[2].strip() for row in rows] == ["auto", "5%", "10%", "15%", "25%", "40%"]
     switches = [row.split("|")[-2].strip() for row in rows]
     assert switches[1:] == ["2", "3", "5", "7", "11"]  # 24 updates: round(f * 24) + 1
+
+
+def _freeze_rows(*args):
+    """The table rows of a tiny benchmarks/freeze.py run on the MLP task, by setting."""
+    proc = _cli("freeze.py", "--quick", "--tasks", "mlp", *args, timeout=170)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| mlp |")]
+    return {row[2].strip(): row for row in rows}
+
+
+@pytest.mark.timeout(180)
+def test_freeze_schedule_and_tolerance_reach_the_runs():
+    """--schedule cosine changes the fixed run's held-out loss; --tolerance 0.99 lets "auto"
+    switch at its first allowed update (min_updates 10: the first compressed update is 11)."""
+    constant = _freeze_rows("--fractions", "25")
+    cosine = _freeze_rows("--fractions", "25", "--schedule", "cosine", "--tolerance", "0.99")
+    assert constant["25%"][-2].strip() == cosine["25%"][-2].strip() == "7"
+    assert constant["25%"][3] != cosine["25%"][3]  # the held-out loss
+    assert cosine["auto"][-2].strip() == "11"
+
+
+@pytest.mark.parametrize("tolerance", ["0", "1", "1.5"])
+def test_freeze_refuses_a_tolerance_outside_the_open_interval(tolerance):
+    proc = _cli("freeze.py", "--tolerance", tolerance)
+    assert proc.returncode == 2
+    assert "--tolerance takes a number in (0, 1)" in proc.stderr
