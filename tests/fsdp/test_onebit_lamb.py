@@ -55,6 +55,9 @@ class Net(AdamNet):
 
 MODULES = [["block.weight", "block.bias"], ["head.weight", "head.bias", "scale", "gate"]]
 ORDER = [k for names in MODULES for k in names]
+# The optimizer's leaf order (its FSDP2 modules as named_modules lists them, the root's group
+# first), in which the scaling's fp32 mean adds the leaves: another order may round otherwise.
+LEAF_ORDER = [k for names in MODULES[::-1] for k in names]
 
 
 def build(**kwargs: Any) -> nn.Module:
@@ -140,7 +143,7 @@ class Reference:
                 self.p[k] = self.p[k] + -(lr * ratio) * u
             if t == FREEZE - 1:  # the scaling, from the momenta the warmup leaves
                 rms = {k: norm(self.m[k]) / self.m[k].numel() ** 0.5 for k in ORDER}
-                mean = torch.stack([rms[k] for k in ORDER]).mean()
+                mean = torch.stack([rms[k] for k in LEAF_ORDER]).mean()
                 self.s = {k: mean / rms[k] if rms[k] > 0 else torch.tensor(1.0) for k in ORDER}
             return
         new = {}
@@ -214,6 +217,7 @@ def _worker_train(
         moved=[not torch.equal(history[0][k], history[-1][k]) for k in history[0]],
         bytes=opt.bytes_sent,
         factors=[float(opt._state.last_factor[k]) for k in ORDER],
+        leaf_order=list(opt._state.scaling_coeff),
     )
 
 
@@ -261,6 +265,7 @@ def trained():
 def test_bit_for_bit_with_the_reference_and_ranks_agree(trained):
     for results in trained.values():
         for rank, result in enumerate(results):
+            assert result["leaf_order"] == LEAF_ORDER
             assert result["mismatches"] == [], rank
             assert all(result["moved"])
             assert result["bytes"] > 0
