@@ -24,10 +24,26 @@ from tests.optim.test_hierarchical import ADAPTERS as HIERARCHICAL
 # - onebit_adam: steps 1-3 warmup, 4-8 compressed;
 # - zero_one_adam: variance steps 1, 2, 3, 5 (5 also zeroes the errors), a 1-bit step 4, then
 #   frozen: synchronizations 6, 7, 9, 11 and local steps 8, 10, 12, 13, 14;
-# - onebit_lamb: steps 1-3 warmup (3 copies the variance), 4 sets the scaling, 4-8 compressed.
+# - onebit_lamb: steps 1-3 warmup (3 copies the variance), 4 sets the scaling, 4-8 compressed;
+# - the "auto" ones: the switch decided at the end of a warmup update (at the latest update 5),
+#   which the hook must know before the next backward pass; 1-bit Adam's momentum masked where
+#   the averaged gradient stayed 0 (the auto mask).
+AUTO = fn.AutoFreeze(min_updates=2, max_updates=5, tolerance=0.05)
 OPTIMIZERS = {
-    name: (CHECKPOINTED[name], steps)
-    for name, steps in (("onebit_adam", 8), ("zero_one_adam", 14), ("onebit_lamb", 8))
+    **{
+        name: (CHECKPOINTED[name], steps)
+        for name, steps in (("onebit_adam", 8), ("zero_one_adam", 14), ("onebit_lamb", 8))
+    },
+    "onebit_adam auto": (
+        lambda ps: fn.optim.OnebitAdam(
+            ps, lr=1e-2, freeze_step=AUTO, exp_avg_mask="auto", weight_decay=0.01
+        ),
+        9,
+    ),
+    "onebit_lamb auto": (
+        lambda ps: fn.optim.OnebitLamb(ps, lr=1e-2, freeze_step=AUTO, weight_decay=0.01),
+        9,
+    ),
 }
 
 # The first step's check that the ranks start in sync: one all_gather of 7 int64 (one group)
@@ -42,6 +58,7 @@ WARMUP_BYTES = {
     "zero_one_adam": all_reduce_bytes(66 * 4, 2),
     "onebit_lamb": sum(all_reduce_bytes(n * 4, 2) for n in (35, 7, 21, 3)),
 }
+WARMUP_BYTES.update({f"{name} auto": WARMUP_BYTES[name] for name in ("onebit_adam", "onebit_lamb")})
 
 
 def _bytes_written() -> int:
@@ -55,6 +72,8 @@ def _run(rank, name, use_ddp, bucket_cap_mb=None):
     """Params after each step, bytes written per step, and which steps were compressed."""
     make, steps = OPTIMIZERS[name]
     model = make_model()
+    if "auto" in name:
+        _kill_unit(model)
     opt = make(model.parameters())
     net = model
     if use_ddp:
@@ -74,6 +93,18 @@ def _run(rank, name, use_ddp, bucket_cap_mb=None):
         fn_sent.append(opt.comm.bytes_sent)
         history.append(flat_params(model))
     return {"history": history, "sent": sent, "fn_sent": fn_sent, "compressed": compressed}
+
+
+# Hidden unit 0 with all its weights 0: its gradients are exactly 0 at every update, so the auto
+# mask masks them and the unit stays 0 (its flat indices: W1 row 0, b1[0], W2 column 0).
+DEAD_UNIT = [*range(5), 35, 42, 49, 56]
+
+
+def _kill_unit(model):
+    with torch.no_grad():
+        model[0].weight[0].zero_()
+        model[0].bias[0].zero_()
+        model[2].weight[:, 0].zero_()
 
 
 def _parity_worker(rank, world_size, names):
@@ -111,6 +142,9 @@ def test_register_equals_bare_fn_bitwise_and_ddp_is_silent_when_compressed():
                         assert run["fn_sent"][t] == vote, (name, t)
                         detection = DETECTION_BYTES if t == 0 else 0
                         assert bare["fn_sent"][t] == vote + WARMUP_BYTES[name] + detection
+        if name == "onebit_adam auto":  # the mask kept the dead unit at 0 in the 1-bit updates
+            for result in results:
+                assert all(not p[DEAD_UNIT].any() for p in result[name]["ddp"]["history"])
         if name != "zero_one_adam":  # (0/1 Adam's ranks differ between synchronizations)
             last = [result[name]["ddp"]["history"][-1] for result in results]
             assert torch.equal(last[0], last[1]), name
