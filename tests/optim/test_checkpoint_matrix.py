@@ -11,7 +11,9 @@ Save paths:
 
 Save points: warmup, the last warmup update, the freeze (the first compressed update), the
 update after it, the compressed phase; with two param groups in different phases (per-group
-``freeze_step``) and with a ``non_freeze`` group, whose error feedback is never allocated.
+``freeze_step``), with a ``non_freeze`` group, whose error feedback is never allocated, and with
+``freeze_step="auto"`` (switching at update 3 or 4; 1-bit Adam with ``exp_avg_mask="auto"``,
+1-bit LAMB beside a group of a fixed ``freeze_step``), saved before, at and after the decision.
 
 0/1 Adam's ranks hold their own momentum and params between synchronizations once its variance
 froze (by design): a checkpoint that one rank saves for all cannot resume them exactly, so the
@@ -37,6 +39,7 @@ pytestmark = pytest.mark.distributed
 STEPS = 8
 SAVED_AFTER = (1, 2, 3, 4, 6)  # warmup, last warmup, the freeze, right after, compressed
 ZERO_ONE = dict(var_freeze_step=3, var_update_scaler=1, local_step_scaler=2, local_step_clipper=2)
+AUTO = fn.AutoFreeze(min_updates=2, max_updates=3, tolerance=0.05)
 
 
 def _two_groups(model: torch.nn.Module, second: dict) -> list[dict]:
@@ -61,6 +64,12 @@ OPTIMIZERS = {
     ),
     "onebit_lamb_mixed": lambda m: fn.optim.OnebitLamb(
         _two_groups(m, {"freeze_step": 5}), lr=1e-2, freeze_step=3
+    ),
+    "onebit_adam_auto": lambda m: fn.optim.OnebitAdam(
+        m.parameters(), lr=1e-2, freeze_step=AUTO, exp_avg_mask="auto"
+    ),
+    "onebit_lamb_auto_mixed": lambda m: fn.optim.OnebitLamb(
+        _two_groups(m, {"freeze_step": 5}), lr=1e-2, freeze_step=AUTO
     ),
 }
 PATHS = ("own", "rank0", "dcp")
