@@ -1,7 +1,8 @@
 """``freeze_step="auto"`` through ``fn.optim``: on 2 gloo ranks the switch is the same on every
 rank and a run resumes bit for bit across it (own ``state_dict()`` and DCP ``PerRankState``);
 checkpoints of a fixed ``freeze_step`` and an automatic one do not load into each other; the
-never-compressed warning follows ``max_updates``."""
+never-compressed warning follows ``max_updates``; ``exp_avg_mask="auto"`` equals the hand-made
+mask bit for bit."""
 
 from __future__ import annotations
 
@@ -124,3 +125,55 @@ def test_a_checkpoint_of_the_earlier_criterion_is_refused():
     with pytest.raises(ValueError, match="auto.drift"):
         opt.load_state_dict(old)
     assert states_equal(opt.state_dict(), before)
+
+
+def _dead_unit(model: torch.nn.Module) -> dict:
+    """Zeroes hidden unit 0's weights (its gradients are then exactly 0 at every update); the
+    hand-made masks of those elements."""
+    with torch.no_grad():
+        model[0].weight[0].zero_()
+        model[0].bias[0].zero_()
+        model[2].weight[:, 0].zero_()
+    masks = {p: torch.ones_like(p) for p in model.parameters()}
+    masks[model[0].weight][0] = 0
+    masks[model[0].bias][0] = 0
+    masks[model[2].weight][:, 0] = 0
+    return masks
+
+
+def _mask_worker(rank: int, world_size: int) -> dict:
+    del world_size
+    warnings.simplefilter("ignore", RuntimeWarning)  # the frozen-variance report
+    out = {}
+    for name, adapter in (("adam", fn.optim.OnebitAdam), ("lamb", fn.optim.OnebitLamb)):
+        for freeze_step in (4, AUTO):
+            for mask in ("auto", "hand", None):
+                model = make_model()
+                masks = _dead_unit(model)
+                exp_avg_mask = masks if mask == "hand" else mask
+                opt = adapter(
+                    model.parameters(), lr=1e-2, freeze_step=freeze_step, exp_avg_mask=exp_avg_mask
+                )
+                train(model, opt, rank, range(STEPS))
+                out[name, str(freeze_step), mask] = (flat_params(model), opt.state_dict())
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_auto_mask_equals_the_hand_made_mask_on_two_ranks():
+    """fn.optim's adapters with exp_avg_mask="auto" equal the same elements masked by hand, bit
+    for bit (params and state, fixed and automatic freeze), and the mask changes the run."""
+    for out in run_distributed(_mask_worker, 2, timeout=180):
+        for name in ("adam", "lamb"):
+            for freeze_step in ("4", str(AUTO)):
+                auto, hand, unmasked = (out[name, freeze_step, m] for m in ("auto", "hand", None))
+                assert torch.equal(auto[0], hand[0]), (name, freeze_step)
+                assert not torch.equal(auto[0], unmasked[0]), (name, freeze_step)
+                # the state both runs keep (the auto run also keeps its zero-gradient records)
+                a, h = (s["state"][0]["functional"] for s in (auto[1], hand[1]))
+                shared = [k for k in h if not k.startswith((".auto", ".exp_avg_mask"))]
+                assert shared and all(k in a for k in shared), (name, sorted(a), sorted(h))
+                for k in shared:
+                    same = torch.equal(a[k], h[k]) if torch.is_tensor(h[k]) else a[k] == h[k]
+                    assert same, (name, freeze_step, k)
