@@ -662,11 +662,9 @@ def test_memory_rows_put_the_targets_on_their_rows_at_four_ranks():
 def test_freeze_quick_run_prints_every_setting():
     """A tiny run of benchmarks/freeze.py on the MLP task: every setting runs on 2 gloo ranks,
     the fixed settings switch where they say, and the table has a row per setting."""
-    proc = _cli("freeze.py", "--quick", "--tasks", "mlp", timeout=170)
-    assert proc.returncode == 0, proc.stderr
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| mlp |")]
-    assert [row.split("|")[2].strip() for row in rows] == ["auto", "5%", "10%", "15%", "25%", "40%"]
-    switches = [row.split("|")[-2].strip() for row in rows]
+    rows = _freeze_rows()
+    assert list(rows) == ["auto", "5%", "10%", "15%", "25%", "40%"]
+    switches = [row[-2].strip() for row in rows.values()]
     assert switches[1:] == ["2", "3", "5", "7", "11"]  # 24 updates: round(f * 24) + 1
 
 

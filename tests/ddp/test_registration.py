@@ -15,7 +15,13 @@ import fn.ddp
 import fn.optim
 from fn.collectives._traffic import all_gather_bytes, all_reduce_bytes
 from tests._distributed import run_distributed
-from tests.optim._problem import backward, flat_params, make_model, states_equal
+from tests.optim._problem import (
+    backward,
+    flat_params,
+    kill_hidden_unit,
+    make_model,
+    states_equal,
+)
 from tests.optim.test_distributed import CHECKPOINTED
 from tests.optim.test_hierarchical import ADAPTERS as HIERARCHICAL
 
@@ -72,8 +78,8 @@ def _run(rank, name, use_ddp, bucket_cap_mb=None):
     """Params after each step, bytes written per step, and which steps were compressed."""
     make, steps = OPTIMIZERS[name]
     model = make_model()
-    if "auto" in name:
-        _kill_unit(model)
+    # the "auto" runs: hidden unit 0 dead, its gradients exactly 0, which the auto mask masks
+    dead = kill_hidden_unit(model) if "auto" in name else {}
     opt = make(model.parameters())
     net = model
     if use_ddp:
@@ -92,19 +98,14 @@ def _run(rank, name, use_ddp, bucket_cap_mb=None):
         sent.append(_bytes_written() - before)
         fn_sent.append(opt.comm.bytes_sent)
         history.append(flat_params(model))
-    return {"history": history, "sent": sent, "fn_sent": fn_sent, "compressed": compressed}
-
-
-# Hidden unit 0 with all its weights 0: its gradients are exactly 0 at every update, so the auto
-# mask masks them and the unit stays 0 (its flat indices: W1 row 0, b1[0], W2 column 0).
-DEAD_UNIT = [*range(5), 35, 42, 49, 56]
-
-
-def _kill_unit(model):
-    with torch.no_grad():
-        model[0].weight[0].zero_()
-        model[0].bias[0].zero_()
-        model[2].weight[:, 0].zero_()
+    flat_mask = torch.cat([m.reshape(-1) for m in dead.values()]) if dead else None
+    return {
+        "history": history,
+        "sent": sent,
+        "fn_sent": fn_sent,
+        "compressed": compressed,
+        "dead": None if flat_mask is None else flat_mask == 0,
+    }
 
 
 def _parity_worker(rank, world_size, names):
@@ -144,7 +145,9 @@ def test_register_equals_bare_fn_bitwise_and_ddp_is_silent_when_compressed():
                         assert bare["fn_sent"][t] == vote + WARMUP_BYTES[name] + detection
         if name == "onebit_adam auto":  # the mask kept the dead unit at 0 in the 1-bit updates
             for result in results:
-                assert all(not p[DEAD_UNIT].any() for p in result[name]["ddp"]["history"])
+                run = result[name]["ddp"]
+                assert int(run["dead"].sum()) == 9  # W1 row 0, b1[0], W2 column 0
+                assert all(not p[run["dead"]].any() for p in run["history"])
         if name != "zero_one_adam":  # (0/1 Adam's ranks differ between synchronizations)
             last = [result[name]["ddp"]["history"][-1] for result in results]
             assert torch.equal(last[0], last[1]), name

@@ -18,6 +18,20 @@ def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Mo
     return model.to(dtype)
 
 
+def kill_hidden_unit(model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
+    """Zeroes hidden unit 0's weights of :func:`make_model`'s model (its gradients are then
+    exactly 0 at every update); returns the 0/1 masks of those elements, by param."""
+    with torch.no_grad():
+        model[0].weight[0].zero_()
+        model[0].bias[0].zero_()
+        model[2].weight[:, 0].zero_()
+    masks = {p: torch.ones_like(p) for p in model.parameters()}
+    masks[model[0].weight][0] = 0
+    masks[model[0].bias][0] = 0
+    masks[model[2].weight][:, 0] = 0
+    return masks
+
+
 def batch(rank: int, t: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     """Rank ``rank``'s data at update ``t`` (different on every rank and step)."""
     gen = torch.Generator().manual_seed(1000 * rank + t)

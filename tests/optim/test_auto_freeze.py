@@ -17,7 +17,14 @@ import torch.distributed.checkpoint as dcp
 import fn.optim
 from fn.collectives import Local
 from tests._distributed import run_distributed
-from tests.optim._problem import flat_params, make_model, save_and_load, states_equal, train
+from tests.optim._problem import (
+    flat_params,
+    kill_hidden_unit,
+    make_model,
+    save_and_load,
+    states_equal,
+    train,
+)
 
 STEPS = 9
 AUTO = fn.AutoFreeze(min_updates=2, max_updates=5, tolerance=0.05)
@@ -127,20 +134,6 @@ def test_a_checkpoint_of_the_earlier_criterion_is_refused():
     assert states_equal(opt.state_dict(), before)
 
 
-def _dead_unit(model: torch.nn.Module) -> dict:
-    """Zeroes hidden unit 0's weights (its gradients are then exactly 0 at every update); the
-    hand-made masks of those elements."""
-    with torch.no_grad():
-        model[0].weight[0].zero_()
-        model[0].bias[0].zero_()
-        model[2].weight[:, 0].zero_()
-    masks = {p: torch.ones_like(p) for p in model.parameters()}
-    masks[model[0].weight][0] = 0
-    masks[model[0].bias][0] = 0
-    masks[model[2].weight][:, 0] = 0
-    return masks
-
-
 def _mask_worker(rank: int, world_size: int) -> dict:
     del world_size
     warnings.simplefilter("ignore", RuntimeWarning)  # the frozen-variance report
@@ -149,7 +142,7 @@ def _mask_worker(rank: int, world_size: int) -> dict:
         for freeze_step in (4, AUTO):
             for mask in ("auto", "hand", None):
                 model = make_model()
-                masks = _dead_unit(model)
+                masks = kill_hidden_unit(model)
                 exp_avg_mask = masks if mask == "hand" else mask
                 opt = adapter(
                     model.parameters(), lr=1e-2, freeze_step=freeze_step, exp_avg_mask=exp_avg_mask
