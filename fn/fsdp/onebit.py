@@ -16,10 +16,11 @@ LAMB on FSDP2".
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 import weakref
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -53,6 +54,7 @@ from fn.transforms import AutoFreeze, gradient_energy, onebit_adam, onebit_adam_
 __all__ = ["OnebitAdam", "ShardedOnebitOptimizer", "ZeroOneAdam"]
 
 _FORMAT = 1  # the layout of ShardedOnebitOptimizer.state_dict()
+_TORCH_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
 _AUTO_MASK_KEYS = ("always_zero", "exp_avg_mask")  # and with exp_avg_mask="auto"
 
 # The FSDP2 modules that carry an fn.fsdp optimizer's reduce-scatter, and that optimizer.
@@ -115,14 +117,13 @@ def module_layout(name: str, params: list[tuple[str, DTensor]], world_size: int)
 
 class _Compressed:
     """One module's compressed state on this rank: the momentum (all ``W`` chunks' packed signs
-    and scales, ``None`` before the freeze), the worker and server errors, and what the last
-    reduce-scatter found."""
+    and scales, ``None`` before the freeze), the worker and server errors, and whether its
+    reduce-scatter has run for the coming update."""
 
     def __init__(self) -> None:
         self.signs: PackedSigns | None = None
         self.errors: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.reduced_at = 0  # the update whose reduce-scatter ran last (0: none)
-        self.nonfinite = False  # whether that reduce-scatter's collective found a NaN or Inf
+        self.pending = False  # its momentum holds this backward's gradient; step() consumes it
 
 
 class OnebitReduceScatter(ReduceScatter):
@@ -146,10 +147,18 @@ class OnebitReduceScatter(ReduceScatter):
         op: Any,
         async_op: bool = False,
     ) -> None:
-        """Writes this rank's shard into ``output_tensor`` (see :class:`OnebitAdam`)."""
-        if async_op:
-            raise NotImplementedError(f"{self.optimizer.name} reduce-scatters synchronously")
-        self.optimizer._reduce_scatter(self.layout, output_tensor, input_tensor, group, op)
+        """Writes this rank's shard into ``output_tensor`` (see :class:`OnebitAdam`).
+
+        It never raises (FSDP2 stops reduce-scattering after an exception in its backward): a
+        problem is recorded, the output filled with NaN, and the next ``step()`` raises it.
+        """
+        try:
+            if async_op:
+                raise NotImplementedError(f"{self.optimizer.name} reduce-scatters synchronously")
+            self.optimizer._reduce_scatter(self.layout, output_tensor, input_tensor, group, op)
+        except Exception as problem:  # noqa: BLE001 (every problem goes to step())
+            self.optimizer._problems.append(problem)
+            output_tensor.fill_(torch.nan)
 
 
 class ShardedOnebitOptimizer(torch.optim.Optimizer):
@@ -181,6 +190,12 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         error_dtype: torch.dtype,
     ) -> None:
         self.name = f"fn.fsdp.{type(self).__name__}"
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"{self.name}: model must be the nn.Module that fully_shard sharded (the "
+                "optimizer installs its reduce-scatter on the model's FSDP2 modules), got "
+                f"{type(model).__name__}: pass the model itself, not model.parameters()"
+            )
         found = _modules(model)
         group = found[0][1][0][1].device_mesh.get_group(0) if found and _one_dim(found) else None
         problem = _problem(model, found, non_freeze, exp_avg_mask, nonfinite, local_world_size)
@@ -229,11 +244,17 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             self._rule = self._single_rank_rule(settings, error_dtype, self._momentum_masks())
         self._state = self._rule.init(self._shards())
         self._automatic = self._state.auto is not None  # freeze_step="auto": decided in the state
+        self._problems: list[Exception] = []  # what the reduce-scatters found, for step()
+        self._delivered = False  # whether a backward delivered gradients since the last step()
         for name, module in model.named_modules():
             layout = next((x for x in self._layouts if x.name == (name or ROOT)), None)
             if layout is not None:
                 module.set_custom_reduce_scatter(OnebitReduceScatter(self, layout))
+                # every trainable param in every reduce-scatter: a missing gradient is a zero
+                module.set_reduce_scatter_unused_params(True, recurse=False)
                 _INSTALLED[module] = self
+        for param in params:  # FSDP2 runs these once it has written a gradient shard
+            param.register_post_accumulate_grad_hook(self._gradient_delivered)
 
     @property
     def count(self) -> int:
@@ -298,7 +319,15 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
 
         Returns:
             A dict of tensors: the state's own where it holds them, zeros where it does not.
+
+        Raises:
+            NotImplementedError: called by ``torch.distributed.checkpoint.state_dict``
+                (``get_state_dict``, ``get_optimizer_state_dict``), which keeps only
+                ``torch.optim``'s per-param form; nothing was changed.
         """
+        # torch's API would drop every key of this form and fail on the missing "state"
+        if sys._getframe(1).f_globals.get("__name__") == _TORCH_STATE_DICT_API:
+            raise NotImplementedError(_not_torch_format(self.name))
         world_size = self.comm.world_size
         signed = [self._compressed[x.name].signs is not None for x in self._layouts]
         mine: dict[str, dict[str, torch.Tensor]] = {}
@@ -433,7 +462,12 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: the checkpoint is of another model or other settings; nothing was
                 changed.
+            NotImplementedError: ``state_dict`` is in ``torch.optim``'s per-param form (as
+                ``torch.distributed.checkpoint.state_dict.set_state_dict`` passes it); nothing
+                was changed.
         """
+        if "header" not in state_dict:
+            raise NotImplementedError(_not_torch_format(self.name))
         auto_saved = "always_zero" in state_dict
         world_size, count = self._checked_header(state_dict["header"], auto_saved)
         same = world_size == self.comm.world_size
@@ -597,16 +631,44 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """One update of every param shard (see the class docstring).
+        """One update of every param shard (see the class docstring), from the gradients that
+        FSDP2's backward delivered since the last ``step()``.
+
+        Without such gradients (``step()`` before any backward, a second ``step()`` after one,
+        gradients set by hand, the zero-gradient step that
+        ``torch.distributed.checkpoint.state_dict`` takes) it is a no-op: nothing changes,
+        ``count`` included. A problem that a reduce-scatter of that backward found is raised
+        here, on every rank, with no param changed; the next backward and ``step()`` train
+        normally.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (run with grad enabled).
+
+        Returns:
+            The closure's loss, or ``None``.
 
         Raises:
             fn.NonFiniteError: on every rank, if a gradient on some rank is not finite;
                 no param and no ``v`` changed.
+            RuntimeError: on every rank, a module was reduce-scattered twice in the compressed
+                phase without a ``step()`` between (accumulate with
+                ``set_requires_gradient_sync(False)``); nothing changed.
+            Exception: what else a reduce-scatter of the last backward raised (a collective's
+                timeout, say), the same on every rank.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        reduced = {x.name: self._compressed[x.name].pending for x in self._layouts}
+        problems, delivered = self._problems, self._delivered
+        self._problems, self._delivered = [], False
+        for held in self._compressed.values():
+            held.pending = False
+        if problems:
+            raise problems[0]
+        if not delivered:
+            return loss
         t = self.count + 1
         warmup = not self._rule.is_compressed(t, self._state)
         freezes_mask = not warmup and self._zero_records is not None  # exp_avg_mask="auto"
@@ -616,7 +678,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         params = self._shards()
         records = None
         if compressed:
-            inputs = self._momentum_shards(t)
+            inputs = self._momentum_shards(reduced)
         else:
             inputs = {
                 slot.name: None if slot.param.grad is None else _local(slot.param.grad)
@@ -644,23 +706,19 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         """This rank's shard of every param, by FQN."""
         return {slot.name: _local(slot.param) for x in self._layouts for slot in x.slots}
 
-    def _momentum_shards(self, t: int) -> dict[str, torch.Tensor | None]:
+    def _gradient_delivered(self, param: torch.Tensor) -> None:
+        del param
+        self._delivered = True
+
+    def _momentum_shards(self, reduced: Mapping[str, bool]) -> dict[str, torch.Tensor | None]:
         """Every param's shard of its module's new momentum, read exactly from the packed signs
-        (``None`` for the params of a module whose reduce-scatter did not run for update
-        ``t``)."""
-        if any(self._compressed[x.name].nonfinite for x in self._layouts):
-            for x in self._layouts:
-                self._compressed[x.name].nonfinite = False
-            raise NonFiniteError(
-                f"{self.name}: non-finite values in the momentum of some rank (its local "
-                "gradient); no param changed (the modules reduce-scattered before it in this "
-                "backward have advanced their momentum and errors)"
-            )
+        (``None`` for the params of a module whose reduce-scatter did not run for this update:
+        ``reduced``, by module)."""
         shards: dict[str, torch.Tensor | None] = {}
         for layout in self._layouts:
             held = self._compressed[layout.name]
             row = None
-            if held.reduced_at == t:
+            if reduced[layout.name]:
                 rank = slice(self.rank, self.rank + 1)
                 signs = PackedSigns(held.signs.packed[rank], held.signs.scales[rank])
                 row = signs.values(layout.padded_row)
@@ -783,25 +841,25 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         """The reduce-scatter of one module (:class:`OnebitReduceScatter`)."""
         comm = self._comms(group)
         world_size = comm.world_size
-        if input_tensor.numel() != world_size * layout.row:
-            raise NotImplementedError(
+        if input_tensor.numel() != world_size * layout.row:  # FSDP2 left a param out
+            raise RuntimeError(
                 f"{self.name}: module {layout.name} reduce-scatters "
                 f"{input_tensor.numel()} values, not the {world_size * layout.row} of all its "
-                "trainable params: a param without a gradient in FSDP2's reduce-scatter is not "
-                "supported yet"
+                "trainable params, though every one is asked for "
+                "(set_reduce_scatter_unused_params); nothing was updated"
             )
         rows = input_tensor.view(world_size, layout.row)
-        t = self.count + 1
-        if not self._rule.is_compressed(t, self._state):
+        if not self._rule.is_compressed(self.count + 1, self._state):
             output.copy_(_dense_reduce_scatter(comm, rows, op))
             return
         held = self._compressed[layout.name]
-        if held.reduced_at == t:
+        if held.pending:
             raise RuntimeError(
                 f"{self.name}: module {layout.name} was reduce-scattered twice before "
-                "step(); accumulate gradients with set_requires_gradient_sync(False)"
+                "step() in the compressed phase (its momentum takes one gradient an update); "
+                "accumulate gradients with set_requires_gradient_sync(False); nothing was "
+                "updated"
             )
-        held.reduced_at = t
         momentum = self._previous_momentum(layout, held, comm, input_tensor.device)
         if layout.padded_row == layout.row and input_tensor.dtype == torch.float32:
             grad = input_tensor.view(-1)
@@ -818,9 +876,13 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         try:
             held.signs = self._compressed_mean(held, comm, x, grad, beta)
         except NonFiniteError:  # raised on every rank, before anything was written
-            held.nonfinite = True
-            output.fill_(torch.nan)
-            return
+            raise NonFiniteError(
+                f"{self.name}: non-finite values in the momentum of some rank (its local "
+                f"gradient) in module {layout.name}; no param changed (the modules "
+                "reduce-scattered before it in this backward have advanced their momentum "
+                "and errors)"
+            ) from None
+        held.pending = True
         rank = slice(self.rank, self.rank + 1)
         mine = PackedSigns(held.signs.packed[rank], held.signs.scales[rank])
         shard = mine.values(layout.row).mul_(reduce_scale(op, world_size))
@@ -907,7 +969,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         try:
             check_error_dtype(self.name, error_dtype)
             self._make_rule(settings, Local())
-        except (ValueError, NotImplementedError) as error:
+        except (ValueError, TypeError, NotImplementedError) as error:
             return type(error), str(error)
         return None
 
@@ -967,13 +1029,20 @@ class OnebitAdam(ShardedOnebitOptimizer):
             settings that differ between ranks, or a bad hyperparameter.
         NotImplementedError: on every rank: HSDP or a 2-D mesh, or an option not built yet.
 
-    Policies: a non-finite gradient makes ``step()`` raise ``fn.NonFiniteError`` on every
-    rank, before any param or ``v`` changes (in the compressed phase the collective found it,
-    and the module whose gradient held it kept its momentum and errors; the modules
-    reduce-scattered before it in the same backward have advanced theirs). A param without a
-    gradient keeps its state and value. Gradient accumulation over several backwards of one
+    Policies (README.md, "Policies"): nothing is raised inside FSDP2's backward; what a
+    reduce-scatter finds is raised by the next ``step()``, on every rank, with no param
+    changed, and the next backward and ``step()`` train normally. A non-finite gradient makes
+    ``step()`` raise ``fn.NonFiniteError`` before any param or ``v`` changes (in the
+    compressed phase the collective found it, and the module whose gradient held it kept its
+    momentum and errors; the modules reduce-scattered before it in the same backward have
+    advanced theirs). A param without a gradient, on one rank or all, counts as a zero
+    gradient, as in ``fn.optim`` (FSDP2 reduce-scatters zeros for it:
+    ``set_reduce_scatter_unused_params``), in both phases. A ``step()`` without a backward
+    since the last one is a no-op. Gradient accumulation over several backwards of one
     compressed update must go through ``set_requires_gradient_sync(False)`` (a second
-    reduce-scatter before ``step()`` raises ``RuntimeError``).
+    reduce-scatter before ``step()`` makes it raise ``RuntimeError``). torch's
+    ``get_state_dict`` / ``set_state_dict`` are refused (``NotImplementedError``) with nothing
+    changed: checkpoints go through :class:`~fn.fsdp.TrainingCheckpoint`.
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -1009,7 +1078,7 @@ class OnebitAdam(ShardedOnebitOptimizer):
         error_dtype: torch.dtype = torch.float32,
     ) -> None:
         settings = dict(
-            lr=lr, freeze_step=freeze_step, betas=tuple(betas), eps=eps,
+            lr=lr, freeze_step=freeze_step, betas=as_pair(betas), eps=eps,
             weight_decay=weight_decay, safeguard=safeguard,
         )  # fmt: skip
         super().__init__(
@@ -1065,10 +1134,28 @@ class ZeroOneAdam:
         )
 
 
+def _not_torch_format(name: str) -> str:
+    return (
+        f"{name}: its state is not torch.optim's per-param form (the packed momentum and "
+        "the error feedback belong to FSDP2 modules and ranks, not params), so "
+        "torch.distributed.checkpoint.state_dict's get_state_dict / set_state_dict (and "
+        "get_/set_optimizer_state_dict) cannot carry it; nothing was changed. Save and load "
+        "with fn.fsdp.TrainingCheckpoint(model, optimizer).save(path) / .load(path), or "
+        "dcp.save({'optim': optimizer.state_dict()}) and fn.fsdp.read_onebit_state"
+    )
+
+
 def _auto_scalars(auto: Any) -> dict[str, torch.Tensor]:
     """The 0-dim fields of a state's ``auto`` (``freeze_step="auto"``'s decision and
     statistics, the same on every rank), by name."""
     return {k: v for k, v in auto._asdict().items() if isinstance(v, torch.Tensor)}
+
+
+def as_pair(betas: Any) -> Any:
+    """``betas`` as a tuple when it is a sequence (a list and a tuple are the same setting);
+    anything else as it is, for the rule's check to name."""
+    is_sequence = isinstance(betas, Sequence) and not isinstance(betas, str)
+    return tuple(betas) if is_sequence else betas
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from torch import nn
 
 from fn.base import CompressedOptimizer
 from fn.collectives import Local, ProcessGroup
-from fn.fsdp.onebit import ModuleLayout, ShardedOnebitOptimizer
+from fn.fsdp.onebit import ModuleLayout, ShardedOnebitOptimizer, as_pair
 from fn.transforms import AutoFreeze, onebit_lamb, onebit_lamb_sharded
 
 __all__ = ["OnebitLamb"]
@@ -102,7 +102,7 @@ class OnebitLamb(ShardedOnebitOptimizer):
         error_dtype: torch.dtype = torch.float32,
     ) -> None:
         settings = dict(
-            lr=lr, freeze_step=freeze_step, betas=tuple(betas), eps=eps,
+            lr=lr, freeze_step=freeze_step, betas=as_pair(betas), eps=eps,
             weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff,
             coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
             factor_threshold=factor_threshold, safeguard=safeguard,

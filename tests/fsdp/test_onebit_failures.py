@@ -1,0 +1,330 @@
+"""fn.fsdp.OnebitAdam and OnebitLamb after a failure, on 2 gloo ranks: a non-finite gradient, a
+param without a gradient (on every rank or one), a second reduce-scatter before ``step()``, a
+``step()`` without backward, torch's state-dict API and bad arguments. Each is raised by
+``step()`` (never inside FSDP2's backward) or refused, the same on every rank, with nothing
+changed; the updates after it train, and the ranks agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint.state_dict as torch_state_dict
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.utils._pytree import tree_leaves
+
+import fn
+import fn.fsdp
+from tests._distributed import run_distributed
+
+WORLD, FREEZE, STEPS = 2, 3, 7
+OPTIMIZERS = {"adam": "OnebitAdam", "lamb": "OnebitLamb"}
+
+
+class _ZeroGradient(torch.autograd.Function):
+    """The identity whose gradient is +0: an explicit zero gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(grad)
+
+
+class Net(nn.Module):
+    """``block`` sharded on its own; ``head`` and ``bias`` in the root's group. ``bias`` is used
+    or not (``"skip"``), or given a zero gradient (``"zero"``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(5, 3)
+        self.head = nn.Linear(3, 2)
+        self.bias = nn.Parameter(torch.full((2,), 0.5))
+
+    def forward(self, x: torch.Tensor, bias: str = "use") -> torch.Tensor:
+        y = self.head(torch.tanh(self.block(x)))
+        if bias == "use":
+            return y + self.bias
+        if bias == "zero":
+            return y + _ZeroGradient.apply(self.bias) * 0.0
+        return y
+
+
+def build(kind: str, **options):
+    torch.manual_seed(0)
+    model = Net()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    fully_shard(model.block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = getattr(fn.fsdp, OPTIMIZERS[kind])(model, lr=1e-2, freeze_step=FREEZE, **options)
+    return model, optimizer
+
+
+def loss(model: nn.Module, rank: int, step: int, bias: str = "use", nan: bool = False):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(4, 5, generator=g)
+    if nan:
+        x[0, 0] = float("nan")
+    return model(x, bias).square().mean()
+
+
+def full(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
+
+
+def state_of(optimizer) -> list[torch.Tensor]:
+    leaves = tree_leaves(optimizer.state_dict())
+    return [x.to_local().clone() if hasattr(x, "to_local") else x.clone() for x in leaves]
+
+
+def same_state(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def attempt(step) -> str:
+    """``"ok"``, or the exception's type and message."""
+    try:
+        step()
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {error}"
+    return "ok"
+
+
+# ----------------------------------------------------------------------------- the workers
+
+
+def _worker_missing_gradients(rank: int, world_size: int, kind: str) -> dict:
+    """``bias`` without a gradient on every rank (updates 1 and 4) and on one rank (2 and 5),
+    in the warmup (updates 1-2) and compressed (4-5), against the same run in which it has an
+    explicit zero gradient there."""
+    del world_size
+    skipped = {1: (0, 1), 2: (1,), 4: (0, 1), 5: (0,)}
+    out = {}
+    for mode in ("skip", "zero"):
+        model, optimizer = build(kind)
+        params = []
+        for t in range(1, STEPS + 1):
+            optimizer.zero_grad()
+            loss(model, rank, t, mode if rank in skipped.get(t, ()) else "use").backward()
+            optimizer.step()
+            params.append(full(model))
+        out[mode] = (torch.stack(params), optimizer.count)
+    return out
+
+
+def _worker_nonfinite(rank: int, world_size: int, kind: str) -> list:
+    """A NaN in rank 1's gradient at update 2 (warmup) and 4 (compressed): ``step()`` raises on
+    every rank with nothing changed; the batch is skipped and training goes on."""
+    del world_size
+    model, optimizer = build(kind)
+    log, t = [], 0
+    for attempt_index in range(STEPS + 2):
+        bad = attempt_index in (2, 5) and rank == 1
+        optimizer.zero_grad()
+        loss(model, rank, attempt_index, nan=bad).backward()  # FSDP2's backward never raises
+        before = full(model)
+        outcome = attempt(optimizer.step)
+        moved = not torch.equal(full(model), before)
+        if outcome == "ok":
+            t += 1
+        log.append((outcome.split(":")[0], moved, optimizer.count == t, full(model)))
+    return log
+
+
+def _worker_second_reduce_scatter(rank: int, world_size: int, kind: str) -> list:
+    """Two backwards before ``step()`` in the compressed phase: ``step()`` raises on every rank
+    (the backward does not), nothing changes, and the next update trains."""
+    del world_size
+    model, optimizer = build(kind)
+    log = []
+    for t in range(1, STEPS + 2):
+        optimizer.zero_grad()
+        loss(model, rank, t).backward()
+        if t == FREEZE + 1:
+            loss(model, rank, 50 + t).backward()
+        before, count = full(model), optimizer.count
+        outcome = attempt(optimizer.step)
+        log.append((outcome, not torch.equal(full(model), before), optimizer.count - count))
+    return log + [full(model)]
+
+
+def _worker_step_without_backward(rank: int, world_size: int, kind: str) -> dict:
+    """``step()`` before any backward, and a second ``step()`` after one, in both phases: a
+    no-op (params, state and ``count`` unchanged); the updates after them train normally."""
+    del world_size
+    model, optimizer = build(kind)
+    out = {"noops": []}
+    state, before = state_of(optimizer), full(model)
+    optimizer.step()  # before any backward
+    out["noops"].append((optimizer.count, same_state(state, state_of(optimizer)),
+                         torch.equal(full(model), before)))  # fmt: skip
+    for t in range(1, STEPS + 1):
+        optimizer.zero_grad()
+        loss(model, rank, t).backward()
+        optimizer.step()
+        if t in (1, FREEZE + 1):  # once in the warmup, once compressed
+            state, before, count = state_of(optimizer), full(model), optimizer.count
+            optimizer.step()
+            out["noops"].append((optimizer.count - count, same_state(state, state_of(optimizer)),
+                                 torch.equal(full(model), before)))  # fmt: skip
+    out["count"], out["params"] = optimizer.count, full(model)
+    reference, ref_optimizer = build(kind)
+    for t in range(1, STEPS + 1):
+        ref_optimizer.zero_grad()
+        loss(reference, rank, t).backward()
+        ref_optimizer.step()
+    out["reference"] = full(reference)
+    return out
+
+
+def _worker_torch_state_dict_api(rank: int, world_size: int, kind: str) -> dict:
+    """torch's state-dict API, before any update and in the compressed phase: refused, naming
+    TrainingCheckpoint, with the optimizer's state unchanged; the updates after it equal an
+    uninterrupted run's."""
+    del world_size
+    model, optimizer = build(kind)
+    out = {"calls": []}
+    calls = {
+        "get_state_dict": lambda: torch_state_dict.get_state_dict(model, optimizer),
+        "get_optimizer_state_dict": lambda: torch_state_dict.get_optimizer_state_dict(
+            model, optimizer
+        ),
+        "set_state_dict": lambda: torch_state_dict.set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=torch_state_dict.get_model_state_dict(model),
+            optim_state_dict={"state": {}, "param_groups": []},
+        ),
+    }
+    for t in range(STEPS + 1):
+        if t in (0, FREEZE + 1):
+            for name, call in calls.items():
+                state, before = state_of(optimizer), full(model)
+                outcome = attempt(call)
+                unchanged = same_state(state, state_of(optimizer))
+                out["calls"].append((name, outcome, unchanged, torch.equal(full(model), before)))
+        if t < STEPS:
+            optimizer.zero_grad()
+            loss(model, rank, t).backward()
+            optimizer.step()
+    reference, ref_optimizer = build(kind)
+    for t in range(STEPS):
+        ref_optimizer.zero_grad()
+        loss(reference, rank, t).backward()
+        ref_optimizer.step()
+    out["params"], out["reference"] = full(model), full(reference)
+    return out
+
+
+def _worker_bad_arguments(rank: int, world_size: int, kind: str) -> dict:
+    del rank, world_size
+    cls = getattr(fn.fsdp, OPTIMIZERS[kind])
+    out = {}
+    torch.manual_seed(0)
+    model = Net()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    fully_shard(model, mesh=mesh)
+    cases = {
+        "params": lambda: cls(model.parameters(), lr=1e-2),
+        "betas": lambda: cls(model, lr=1e-2, betas=(0.9,)),
+        "betas-str": lambda: cls(model, lr=1e-2, betas="0.9"),
+        "lr": lambda: cls(model, lr="fast"),
+        "lr-negative": lambda: cls(model, lr=-1.0),
+        "eps": lambda: cls(model, lr=1e-2, eps=-1e-8),
+    }
+    for name, make in cases.items():
+        out[name] = attempt(make)
+    model.zero_grad()
+    optimizer = cls(model, lr=1e-2, freeze_step=FREEZE)  # the refusals installed nothing
+    loss(model, 0, 0).backward()
+    optimizer.step()
+    out["count"] = optimizer.count
+    return out
+
+
+# ----------------------------------------------------------------------------- the tests
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_a_missing_gradient_counts_as_zero_in_both_phases(kind):
+    results = run_distributed(_worker_missing_gradients, WORLD, kind, timeout=240)
+    for out in results:
+        skipped, zero = out["skip"], out["zero"]
+        assert skipped[1] == zero[1] == STEPS
+        assert torch.equal(skipped[0], zero[0])  # bit for bit, after every update
+    assert torch.equal(results[0]["skip"][0], results[1]["skip"][0])
+    moved = results[0]["skip"][0].diff(dim=0).ne(0).any(dim=1)
+    assert bool(moved.all())  # every update changed the params
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_a_nonfinite_gradient_is_raised_by_step_and_training_goes_on(kind):
+    results = run_distributed(_worker_nonfinite, WORLD, kind, timeout=240)
+    for log in results:
+        outcomes = [entry[0] for entry in log]
+        assert [i for i, o in enumerate(outcomes) if o != "ok"] == [2, 5]
+        assert {outcomes[2], outcomes[5]} == {"NonFiniteError"}
+        for outcome, moved, count_right, _ in log:
+            assert moved == (outcome == "ok") and count_right
+    assert all(torch.equal(a[3], b[3]) for a, b in zip(*results, strict=True))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_a_second_reduce_scatter_is_raised_by_step_and_training_goes_on(kind):
+    results = run_distributed(_worker_second_reduce_scatter, WORLD, kind, timeout=240)
+    for result in results:
+        log = result[:-1]
+        for index, (outcome, moved, counted) in enumerate(log):
+            if index == FREEZE:  # update FREEZE + 1
+                assert outcome.startswith("RuntimeError") and "twice" in outcome
+                assert "set_requires_gradient_sync" in outcome
+                assert not moved and counted == 0
+            else:
+                assert outcome == "ok" and moved and counted == 1
+    assert torch.equal(results[0][-1], results[1][-1])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_step_without_backward_is_a_noop(kind):
+    results = run_distributed(_worker_step_without_backward, WORLD, kind, timeout=240)
+    for out in results:
+        assert out["noops"] == [(0, True, True)] * 3
+        assert out["count"] == STEPS
+        assert torch.equal(out["params"], out["reference"])
+    assert torch.equal(results[0]["params"], results[1]["params"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_torch_state_dict_api_is_refused_with_nothing_changed(kind):
+    results = run_distributed(_worker_torch_state_dict_api, WORLD, kind, timeout=240)
+    for out in results:
+        assert len(out["calls"]) == 6
+        for name, outcome, unchanged, params_unchanged in out["calls"]:
+            assert outcome.startswith("NotImplementedError"), (name, outcome)
+            assert "TrainingCheckpoint" in outcome, (name, outcome)
+            assert unchanged and params_unchanged, name
+        assert torch.equal(out["params"], out["reference"])
+    assert torch.equal(results[0]["params"], results[1]["params"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_bad_arguments_name_the_setting_on_every_rank(kind):
+    results = run_distributed(_worker_bad_arguments, WORLD, kind, timeout=240)
+    assert results[0] == results[1]
+    out = results[0]
+    assert out["params"].startswith("TypeError") and "fully_shard" in out["params"]
+    assert "model.parameters()" in out["params"]
+    for name, setting in [("betas", "betas"), ("betas-str", "betas"), ("lr", "lr"),
+                          ("lr-negative", "lr"), ("eps", "eps")]:  # fmt: skip
+        assert out[name].split(":")[0] in ("ValueError", "TypeError"), out[name]
+        assert setting in out[name].split(":", 1)[1], out[name]
+    assert out["count"] == 1
