@@ -324,10 +324,20 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             NotImplementedError: called by ``torch.distributed.checkpoint.state_dict``
                 (``get_state_dict``, ``get_optimizer_state_dict``), which keeps only
                 ``torch.optim``'s per-param form; nothing was changed.
+            RuntimeError: called between a compressed update's backward and its ``step()``
+                (the momentum already holds that backward's gradient, the update count not
+                yet); nothing was changed.
         """
         # torch's API would drop every key of this form and fail on the missing "state"
         if sys._getframe(1).f_globals.get("__name__") == _TORCH_STATE_DICT_API:
             raise NotImplementedError(_not_torch_format(self.name))
+        if any(held.pending for held in self._compressed.values()):
+            raise RuntimeError(
+                f"{self.name}: state_dict() between a backward and its step() in the "
+                "compressed phase: the packed momentum already holds this backward's "
+                "gradient, and a resumed run would apply it twice; save after step() (or "
+                "after zero_grad() and a step() that raised)"
+            )
         world_size = self.comm.world_size
         signed = [self._compressed[x.name].signs is not None for x in self._layouts]
         mine: dict[str, dict[str, torch.Tensor]] = {}

@@ -136,7 +136,9 @@ def _worker_nonfinite(rank: int, world_size: int, kind: str) -> list:
 
 def _worker_second_reduce_scatter(rank: int, world_size: int, kind: str) -> list:
     """Two backwards before ``step()`` in the compressed phase: ``step()`` raises on every rank
-    (the backward does not), nothing changes, and the next update trains."""
+    (the backward does not), nothing changes, and the next update trains. A state dict taken
+    between a compressed backward and its ``step()`` is refused (the momentum holds the
+    gradient, the count not yet), in the warmup it is not."""
     del world_size
     model, optimizer = build(kind)
     log = []
@@ -145,6 +147,8 @@ def _worker_second_reduce_scatter(rank: int, world_size: int, kind: str) -> list
         loss(model, rank, t).backward()
         if t == FREEZE + 1:
             loss(model, rank, 50 + t).backward()
+        if t in (1, FREEZE + 2):
+            log.append(attempt(optimizer.state_dict).split(":")[0])
         before, count = full(model), optimizer.count
         outcome = attempt(optimizer.step)
         log.append((outcome, not torch.equal(full(model), before), optimizer.count - count))
@@ -279,7 +283,8 @@ def test_a_nonfinite_gradient_is_raised_by_step_and_training_goes_on(kind):
 def test_a_second_reduce_scatter_is_raised_by_step_and_training_goes_on(kind):
     results = run_distributed(_worker_second_reduce_scatter, WORLD, kind, timeout=240)
     for result in results:
-        log = result[:-1]
+        assert result[0] == "ok" and result[FREEZE + 2] == "RuntimeError"
+        log = [entry for entry in result[:-1] if isinstance(entry, tuple)]
         for index, (outcome, moved, counted) in enumerate(log):
             if index == FREEZE:  # update FREEZE + 1
                 assert outcome.startswith("RuntimeError") and "twice" in outcome
