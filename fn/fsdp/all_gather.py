@@ -26,6 +26,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # torch exp
 
 from fn.collectives import quantized_all_gather_into
 from fn.collectives.process_group import all_gather_flat
+from fn.fsdp._agreement import agree, integer, problem_of, shard_group
 from fn.fsdp.loco import ROOT
 from fn.fsdp.reduce_scatter import CommCache
 
@@ -40,6 +41,10 @@ class QuantizedAllGather(AllGather):
         group_size: values per quantization group (even).
         comm_for: maps FSDP2's process group to fn's communicator (default: a
             :class:`~fn.fsdp.CommCache` of this object's own).
+
+    Raises:
+        TypeError: ``bits`` or ``group_size`` is not an int (``8.0``, ``True``, ``"8"``).
+        ValueError: ``bits`` or ``group_size`` out of range.
 
     Example:
         >>> import torch.distributed as dist
@@ -61,6 +66,7 @@ class QuantizedAllGather(AllGather):
         *,
         comm_for: CommCache | None = None,
     ) -> None:
+        bits, group_size = integer("bits", bits), integer("group_size", group_size)
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits}")
         if group_size < 2 or group_size % 2:
@@ -105,6 +111,11 @@ def quantized_all_gather(
     the sharded parameters and their updates stay exact. Use it with
     :func:`~fn.fsdp.loco_reduce_scatter` for ZeRO++'s qwZ + qgZ.
 
+    Call it on every rank after ``fully_shard``: it is collective (one all-gather of 16 bytes
+    a rank over the model's FSDP2 process group), so that arguments one rank refuses, or
+    settings that differ across ranks, raise on every rank here rather than fail in the first
+    forward.
+
     Args:
         module: a model with ``fully_shard`` applied to it or to some of its submodules.
         bits: 8 (qwZ) or 4.
@@ -114,8 +125,11 @@ def quantized_all_gather(
         ``{fqn: QuantizedAllGather}`` (``"<root>"`` for ``module`` itself).
 
     Raises:
-        ValueError: no FSDP2 module under ``module``, or ``bits`` / ``group_size`` out of
-            range (as :class:`QuantizedAllGather`).
+        TypeError: ``bits`` or ``group_size`` is not an int (as :class:`QuantizedAllGather`),
+            on every rank.
+        ValueError: on every rank: no FSDP2 module under ``module``, ``bits`` /
+            ``group_size`` out of range (as :class:`QuantizedAllGather`), or the ranks passed
+            different ``bits`` or ``group_size``. Nothing is installed.
 
     Example:
         ZeRO++'s qwZ and qgZ together:
@@ -131,13 +145,22 @@ def quantized_all_gather(
         (['<root>'], ['<root>'])
         >>> dist.destroy_process_group()
     """
+    modules = [(n, child) for n, child in module.named_modules() if isinstance(child, FSDPModule)]
+    problem, fingerprint = None, ""
+    try:  # the settings' checks, sent to the other ranks
+        checked = QuantizedAllGather(bits, group_size)
+        fingerprint = repr((checked.bits, checked.group_size))
+        if not modules:
+            raise ValueError("module: no FSDP2 module (fully_shard) in it")
+    except (TypeError, ValueError) as error:
+        problem = problem_of(error)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    what = f"bits or group_size (this rank: {fingerprint})"
+    agree("fn.fsdp.quantized_all_gather", shard_group(module), problem, fingerprint, what, device)
     comm_for = CommCache(None)
     gathers = {}
-    for name, child in module.named_modules():
-        if isinstance(child, FSDPModule):
-            gather = QuantizedAllGather(bits, group_size, comm_for=comm_for)
-            child.set_custom_all_gather(gather)
-            gathers[name or ROOT] = gather
-    if not gathers:
-        raise ValueError("module: no FSDP2 module (fully_shard) in it")
+    for name, child in modules:
+        gather = QuantizedAllGather(bits, group_size, comm_for=comm_for)
+        child.set_custom_all_gather(gather)
+        gathers[name or ROOT] = gather
     return gathers

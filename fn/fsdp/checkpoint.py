@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,8 @@ from fn.fsdp.loco import LocoReduceScatterHandle
 from fn.fsdp.onebit import ShardedOnebitOptimizer
 
 __all__ = ["TrainingCheckpoint", "read_onebit_state"]
+
+T = TypeVar("T")
 
 
 class TrainingCheckpoint:
@@ -114,6 +117,15 @@ class TrainingCheckpoint:
         filesystem of ``path``, as loading it does; were the process killed between the two
         renames, the previous checkpoint is at ``<path>.old``). A URL (``scheme://...``) is
         written in place by DCP's own storage.
+
+        Raises:
+            OSError: on rank 0, it could not clear an old ``<path>.partial`` or rename the new
+                checkpoint into place (the previous one is put back).
+            RuntimeError: on every other rank, naming rank 0, when rank 0 failed so: at once
+                (the barrier that ends that step carries each rank's status), not at the process
+                group's timeout. The previous checkpoint at ``path`` is intact.
+            torch.distributed.checkpoint.api.CheckpointException: on every rank, DCP's write
+                failed.
         """
         path = os.fspath(path)
         if "://" in path:
@@ -121,27 +133,35 @@ class TrainingCheckpoint:
             return
         partial = f"{path}.partial"
         first = not dist.is_initialized() or dist.get_rank() == 0
-        if first:
-            shutil.rmtree(partial, ignore_errors=True)  # of a save that did not finish
-        _barrier(self.model)
+        device = _device(self.model)
+        what, intact = "TrainingCheckpoint.save", f"the previous checkpoint at {path} is intact"
+        clear = (lambda: _clear(partial)) if first else None  # of a save that did not finish
+        why = f"could not clear {partial} (see its error): nothing was saved; {intact}"
+        _each_rank(device, clear, RuntimeError, what, why)
         dcp.save({"training": self}, checkpoint_id=partial)
-        if first:
-            _put_in_place(partial, path)
-        _barrier(self.model)
+        put = (lambda: _put_in_place(partial, path)) if first else None
+        why = f"could not move the new checkpoint {partial} to {path} (see its error); {intact}"
+        _each_rank(device, put, RuntimeError, what, why)
 
     def load(self, path: str | os.PathLike) -> None:
         """Restores everything from the checkpoint directory ``path`` (collective).
 
+        Every rank first reads the checkpoint's metadata; when one cannot (no checkpoint at
+        ``path`` on its filesystem, say), every rank raises before anything is read or changed.
         For a :class:`~fn.fsdp.ShardedOnebitOptimizer` it reads the optimizer's header first
         and the rest into new tensors laid out as saved, then restores them: a checkpoint of
         another model or other settings, or one that cannot be read, raises on every rank with
         nothing changed.
 
         Raises:
-            ValueError: (a ``ShardedOnebitOptimizer``) the checkpoint does not match the model or
-                optimizer, or cannot be read.
+            OSError: on a rank that cannot read the checkpoint's metadata, its own error (such as
+                ``FileNotFoundError``); nothing was changed.
+            ValueError: on every other rank then; and (a ``ShardedOnebitOptimizer``) the
+                checkpoint does not match the model or optimizer, or cannot be read.
         """
         if not isinstance(self.optimizer, ShardedOnebitOptimizer):
+            if "://" not in os.fspath(path):  # a URL: DCP's own storage reads it
+                _read_metadata(path, _device(self.model))
             dcp.load({"training": self}, checkpoint_id=path)
             return
         optim = read_onebit_state(self.optimizer, path, "training.optim")
@@ -171,11 +191,15 @@ def read_onebit_state(
         The state, of the form of ``optimizer.state_dict()``.
 
     Raises:
+        OSError: on a rank that cannot read the checkpoint's metadata, its own error (such as
+            ``FileNotFoundError``), and a ``ValueError`` on every other rank; nothing was
+            changed.
         ValueError: on every rank: no state under ``key``, a state of another model or other
             settings, or an unreadable checkpoint; nothing was changed.
     """
     prefix = f"{key}."
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    device = optimizer.param_groups[0]["params"][0].device
+    metadata = _read_metadata(path, device).state_dict_metadata
     saved = {
         name[len(prefix) :]: getattr(meta, "size", None)
         for name, meta in metadata.items()
@@ -213,20 +237,83 @@ def _read(path: str | os.PathLike, state: dict[str, Any]) -> None:
         ) from None
 
 
-def _barrier(model: nn.Module) -> None:
-    """Waits for every rank (nothing without a process group): an allreduce of one element on
-    the model's device, which any backend runs."""
+def _read_metadata(path: str | os.PathLike, device: torch.device) -> Any:
+    """The DCP metadata of the checkpoint directory ``path``, read on every rank, or an error on
+    every rank when one cannot read it (before any rank enters DCP's collective reads)."""
+    what = f"cannot read the checkpoint {os.fspath(path)}"
+    why = "cannot read its metadata (see their errors; no checkpoint there?): nothing was loaded"
+    return _each_rank(
+        device, lambda: dcp.FileSystemReader(path).read_metadata(), ValueError, what, why
+    )
+
+
+def _each_rank(
+    device: torch.device,
+    step: Callable[[], T] | None,
+    error: type[Exception],
+    what: str,
+    why: str,
+) -> T | None:
+    """Runs ``step`` on this rank (``None``: nothing), then waits for every rank, which learns
+    there which ranks' steps raised (an allreduce of one flag per rank on ``device``, which any
+    backend runs; no barrier without a process group).
+
+    Args:
+        device: the device of the flags (the model's).
+        step: this rank's part.
+        error: what a rank whose step succeeded raises when another's failed, with the
+            message ``"<what>: rank(s) [<the ranks that failed>] <why>"``.
+        what: the start of that message.
+        why: its end.
+
+    Returns:
+        What ``step`` returned (``None`` without a step).
+
+    Raises:
+        Exception: a rank whose step raised re-raises that; every other rank raises ``error``.
+    """
+    result, failure = None, None
+    if step is not None:
+        try:
+            result = step()
+        except Exception as caught:  # noqa: BLE001 (every rank learns of it, then it is raised)
+            failure = caught
+    failed = []
     if dist.is_initialized():
-        device = next(model.parameters()).device
-        dist.all_reduce(torch.zeros(1, device=device))
+        flags = torch.zeros(dist.get_world_size(), device=device)
+        flags[dist.get_rank()] = failure is not None
+        dist.all_reduce(flags)
+        failed = flags.nonzero().flatten().tolist()
+    if failure is not None:
+        raise failure
+    if failed:
+        raise error(f"{what}: rank(s) {failed} {why}")
+    return result
+
+
+def _device(model: nn.Module) -> torch.device:
+    """The device of the model's params (where its collectives run)."""
+    return next(model.parameters()).device
+
+
+def _clear(directory: str) -> None:
+    """Deletes ``directory`` (a save's that did not finish) if it exists."""
+    if os.path.lexists(directory):
+        shutil.rmtree(directory)
 
 
 def _put_in_place(new: str, path: str) -> None:
     """Renames the directory ``new`` to ``path``, replacing (and then deleting) what was
-    there."""
+    there; when the rename fails, what was there is put back."""
     old = f"{path}.old"
     shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(path):
+    replaced = os.path.exists(path)
+    if replaced:
         os.rename(path, old)
-    os.rename(new, path)
+    try:
+        os.rename(new, path)
+    except OSError:
+        if replaced:
+            os.rename(old, path)
+        raise
     shutil.rmtree(old, ignore_errors=True)

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from fn.fsdp._agreement import agree, problem_of, shard_group
 from fn.fsdp.reduce_scatter import CommCache, QuantizedReduceScatter
 
 __all__ = ["LocoReduceScatterHandle", "loco_reduce_scatter"]
@@ -116,12 +117,14 @@ def loco_reduce_scatter(
 ) -> LocoReduceScatterHandle:
     """Sends the gradients of every FSDP2 module under ``module`` quantized, with LoCo feedback.
 
-    Call it on every rank after ``fully_shard`` (it is collective when ``local_world_size``
-    is set). Each FSDP2 module gets its own :class:`~fn.fsdp.QuantizedReduceScatter`: its
-    sharded gradients are ``op`` over the ranks of ``DQ(Q(g_i + e_i))`` with ``op`` FSDP2's
-    (mean, sum, or a divide factor's premultiplied sum) and
-    ``e_i' = beta e_i + (1 - beta) (g_i + e_i - DQ(Q(g_i + e_i)))`` this rank's error feedback
-    per quantization hop; ``err_beta=None`` is ZeRO++ qgZ without feedback.
+    Call it on every rank after ``fully_shard``: it is collective (one all-gather of 16 bytes a
+    rank over the model's FSDP2 process group, and the two-hop split with ``local_world_size``),
+    so that arguments one rank refuses, or settings that differ across ranks, raise on every
+    rank here rather than fail in the first backward. Each FSDP2 module gets its own
+    :class:`~fn.fsdp.QuantizedReduceScatter`: its sharded gradients are ``op`` over the ranks
+    of ``DQ(Q(g_i + e_i))`` with ``op`` FSDP2's (mean, sum, or a divide factor's premultiplied
+    sum) and ``e_i' = beta e_i + (1 - beta) (g_i + e_i - DQ(Q(g_i + e_i)))`` this rank's error
+    feedback per quantization hop; ``err_beta=None`` is ZeRO++ qgZ without feedback.
 
     Args:
         module: a model with ``fully_shard`` applied to it or to some of its submodules.
@@ -136,7 +139,10 @@ def loco_reduce_scatter(
         A :class:`LocoReduceScatterHandle` (checkpoint it with the model and optimizer).
 
     Raises:
-        ValueError: no FSDP2 module under ``module``, or a bad argument.
+        TypeError: on every rank, an argument of the wrong type (``bits=8.0``; as
+            :class:`~fn.fsdp.QuantizedReduceScatter`).
+        ValueError: on every rank: no FSDP2 module under ``module``, an argument out of range,
+            or settings that differ across ranks. Nothing is installed.
 
     Example:
         >>> import torch.distributed as dist
@@ -150,15 +156,26 @@ def loco_reduce_scatter(
         (['<root>'], (20, 1))
         >>> dist.destroy_process_group()
     """
+    modules = [  # (name, FSDP2 module, its trainable params)
+        (name or ROOT, child, params)
+        for name, child in module.named_modules()
+        if isinstance(child, FSDPModule) and (params := _own_params(child))
+    ]
+    problem, fingerprint = None, ""
+    try:  # the settings' checks, sent to the other ranks
+        checked = QuantizedReduceScatter(bits, group_size, err_beta, reset_T, local_world_size)
+        settings = ("bits", "group_size", "err_beta", "reset_T", "local_world_size")
+        fingerprint = repr(tuple(getattr(checked, key) for key in settings))
+        if not modules:
+            raise ValueError("module: no FSDP2 module (fully_shard) with trainable parameters")
+    except (TypeError, ValueError) as error:
+        problem = problem_of(error)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    what = f"bits, group_size, err_beta, reset_T or local_world_size (this rank: {fingerprint})"
+    agree("fn.fsdp.loco_reduce_scatter", shard_group(module), problem, fingerprint, what, device)
     comm_for = CommCache(local_world_size)
     reduce_scatters = {}
-    for name, child in module.named_modules():
-        if not isinstance(child, FSDPModule):
-            continue
-        params = _own_params(child)
-        if not params:
-            continue
-        name = name or ROOT
+    for name, child, params in modules:
         rs = QuantizedReduceScatter(
             bits, group_size, err_beta, reset_T, local_world_size, comm_for=comm_for, name=name
         )
@@ -167,6 +184,4 @@ def loco_reduce_scatter(
         rs.reset(numel, dist.get_world_size(group), device=params[0].device)
         child.set_custom_reduce_scatter(rs)
         reduce_scatters[name] = rs
-    if not reduce_scatters:
-        raise ValueError("module: no FSDP2 module (fully_shard) with trainable parameters in it")
     return LocoReduceScatterHandle(reduce_scatters, dist.get_rank(), comm_for)

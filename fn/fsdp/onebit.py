@@ -47,6 +47,7 @@ from fn.collectives.onebit import (
     write_errors,
 )
 from fn.errors import NonFiniteError
+from fn.fsdp._agreement import agree
 from fn.fsdp.loco import ROOT
 from fn.fsdp.reduce_scatter import CommCache, reduce_scale
 from fn.transforms import AutoFreeze, gradient_energy, onebit_adam, onebit_adam_sharded
@@ -210,7 +211,8 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             (settings, non_freeze, self._mask_setting, nonfinite, local_world_size,
              str(error_dtype), [(m, [(n, tuple(p.shape)) for n, p in ps]) for m, ps in found])
         )  # fmt: skip
-        _agree(self.name, group, problem, fingerprint)
+        device = found[0][1][0][1].device if found else "cpu"
+        agree(self.name, group, problem, fingerprint, device=device)
         self._comms = CommCache(None)
         self.comm = self._comms(group)
         world_size = self.comm.world_size
@@ -1415,36 +1417,3 @@ def _mask_values(bits: torch.Tensor, start: int, count: int) -> torch.Tensor:
     skip = start % 8
     piece = bits[start // 8 : (start + count + 7) // 8]
     return (kernels.unpackbits(piece, skip + count)[skip:] > 0).to(torch.float32)
-
-
-def _agree(
-    name: str,
-    group: dist.ProcessGroup | None,
-    problem: tuple[type[Exception], str] | None,
-    fingerprint: str,
-) -> None:
-    """Raises on every rank if some rank found a problem or the ranks' settings differ (one
-    all-gather over ``group``, or ``WORLD`` when the model gave none)."""
-    if group is None and dist.is_initialized():
-        group = dist.group.WORLD
-    if group is None or dist.get_world_size(group) == 1:
-        if problem is not None:
-            raise problem[0](f"{name}: {problem[1]}")
-        return
-    kinds = (None, ValueError, NotImplementedError, TypeError)
-    mine = torch.tensor(
-        [kinds.index(problem[0]) if problem else 0, zlib.crc32(fingerprint.encode())],
-        dtype=torch.int64,
-    )
-    gathered = ProcessGroup(group).all_gather(mine)
-    if problem is not None:
-        raise problem[0](f"{name}: {problem[1]}")
-    failed = [r for r, kind in enumerate(gathered[:, 0].tolist()) if kind]
-    if failed:
-        kind = kinds[int(gathered[failed[0], 0])]
-        raise kind(f"{name}: rank {failed[0]} refused the model or the settings")
-    if bool((gathered[:, 1] != gathered[0, 1]).any()):
-        raise ValueError(
-            f"{name}: the ranks passed different settings or models (fingerprints "
-            f"{gathered[:, 1].tolist()}); every rank must pass the same"
-        )

@@ -41,6 +41,7 @@ References:
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import (
 
 from fn.collectives import ProcessGroup, quantized_reduce_scatter_into
 from fn.errors import NonFiniteError
+from fn.fsdp._agreement import integer
 
 __all__ = ["CommCache", "QuantizedReduceScatter", "reduce_scale"]
 
@@ -138,6 +140,11 @@ class QuantizedReduceScatter(ReduceScatter):
             :class:`CommCache` of this object's own.
         name: how log lines name this module.
 
+    Raises:
+        TypeError: ``bits``, ``group_size``, ``reset_T`` or ``local_world_size`` is not an int
+            (``8.0``, ``True``, ``"8"``), or ``err_beta`` not a real number.
+        ValueError: one of them out of range.
+
     Attributes:
         count: int64[]: calls made since the start (the ``reset_T`` clock).
         errors: the error buffers (fp32; hop 1 ``[W * m]``, hop 2 ``[W * m / L]`` with ``m``
@@ -170,14 +177,25 @@ class QuantizedReduceScatter(ReduceScatter):
         comm_for: Callable[[dist.ProcessGroup], ProcessGroup] | None = None,
         name: str = "",
     ) -> None:
+        bits, group_size = integer("bits", bits), integer("group_size", group_size)
+        reset_T = integer("reset_T", reset_T)
+        if local_world_size is not None:
+            local_world_size = integer("local_world_size", local_world_size)
+        if err_beta is not None:
+            if isinstance(err_beta, bool) or not isinstance(err_beta, numbers.Real):
+                kind = type(err_beta).__name__
+                raise TypeError(f"err_beta must be a float or None, got {err_beta!r} ({kind})")
+            err_beta = float(err_beta)
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits}")
         if group_size < 2 or group_size % 2:
             raise ValueError(f"group_size must be an even number >= 2, got {group_size}")
         if err_beta is not None and not 0.0 <= err_beta < 1.0:
             raise ValueError(f"err_beta must be in [0, 1) or None, got {err_beta}")
-        if not isinstance(reset_T, int) or reset_T < 1:
+        if reset_T < 1:
             raise ValueError(f"reset_T must be a positive int, got {reset_T!r}")
+        if local_world_size is not None and local_world_size < 1:
+            raise ValueError(f"local_world_size must be a positive int, got {local_world_size}")
         self.bits = bits
         self.group_size = group_size
         self.err_beta = err_beta

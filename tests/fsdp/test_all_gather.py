@@ -1,6 +1,9 @@
-"""QuantizedAllGather (ZeRO++ qwZ) called directly and inside FSDP2, on 2 gloo ranks."""
+"""QuantizedAllGather (ZeRO++ qwZ) called directly and inside FSDP2, on 2 gloo ranks; the
+arguments of quantized_all_gather and loco_reduce_scatter checked at install, on every rank."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -76,3 +79,98 @@ def test_fsdp_forward_with_quantized_weights(results):
         trained, count = results[rank]["trained"]
         assert count == 2 and torch.isfinite(trained).all()
         assert torch.equal(trained, results[0]["trained"][0])
+
+
+FAST_S = 30.0  # a refusal on every rank well within this (the gloo timeout: 240 s)
+
+GATHER_DIFFER = "the ranks passed different bits or group_size (this rank: "
+LOCO_DIFFER = "the ranks passed different bits, group_size, err_beta, reset_T or local_world_size"
+# by installer: (its arguments on rank 0, on rank 1, the error every rank raises, what rank 0's
+# message holds, what rank 1's holds)
+REFUSED = {
+    "quantized_all_gather": [
+        (dict(bits=8.0), dict(bits=8.0), TypeError, "bits must be an int, got 8.0 (float)", ""),
+        (dict(bits=8.0), dict(bits=8), TypeError, "bits must be an int", "rank 0 refused"),
+        (dict(bits=True), dict(bits=True), TypeError, "bits must be an int, got True (bool)", ""),
+        (dict(bits="8"), dict(bits="8"), TypeError, "bits must be an int, got '8' (str)", ""),
+        (
+            dict(group_size=128.0),
+            dict(group_size=128.0),
+            TypeError,
+            "group_size must be an int",
+            "",
+        ),
+        (dict(group_size=4), dict(group_size=None), TypeError, "rank 1 refused", "group_size must"),
+        (dict(bits=3), dict(bits=3), ValueError, "bits must be 4 or 8, got 3", ""),
+        (dict(bits=8), dict(bits=4), ValueError, GATHER_DIFFER + "(8, 128))", "(4, 128))"),
+        (dict(group_size=8), dict(group_size=4), ValueError, GATHER_DIFFER + "(8, 8))", "(8, 4))"),
+    ],
+    "loco_reduce_scatter": [
+        (dict(bits=8.0), dict(bits=8.0), TypeError, "bits must be an int, got 8.0 (float)", ""),
+        (dict(bits=4), dict(bits=4.0), TypeError, "rank 1 refused", "bits must be an int"),
+        (dict(group_size="4"), dict(group_size="4"), TypeError, "group_size must be an int", ""),
+        (dict(reset_T=True), dict(reset_T=True), TypeError, "reset_T must be an int", ""),
+        (dict(err_beta="0.8"), dict(err_beta=0.8), TypeError, "err_beta must be a float", "rank 0"),
+        (dict(local_world_size=1.0), dict(local_world_size=1.0), TypeError, "local_world_size", ""),
+        (dict(bits=4), dict(bits=8), ValueError, LOCO_DIFFER, "(8, 128, 0.8, 1024, None)"),
+        (
+            dict(group_size=8),
+            dict(group_size=4),
+            ValueError,
+            LOCO_DIFFER,
+            "(4, 4, 0.8, 1024, None)",
+        ),
+        (dict(err_beta=0.8), dict(err_beta=0.5), ValueError, "(4, 128, 0.8, 1024", "0.5"),
+        (dict(reset_T=3), dict(reset_T=4), ValueError, "(4, 128, 0.8, 3, None)", "4, None)"),
+        (dict(local_world_size=None), dict(local_world_size=2), ValueError, LOCO_DIFFER, "2)"),
+    ],
+}
+INSTALL = {"quantized_all_gather": quantized_all_gather, "loco_reduce_scatter": loco_reduce_scatter}
+
+
+def _worker_refused(rank: int, world_size: int) -> dict:
+    out = {}
+    model = test_fsdp.build(world_size)
+    for name, cases in REFUSED.items():
+        for i, case in enumerate(cases):
+            started = time.monotonic()
+            try:
+                INSTALL[name](model, **case[rank])
+                outcome = "installed"
+            except Exception as error:  # noqa: BLE001 -- the test reports which one
+                outcome = f"{type(error).__name__}: {error}"
+            out[name, i] = outcome, time.monotonic() - started
+    # nothing installed: the forward and the gradients are dense FSDP2's, bit for bit
+    dense = test_fsdp.build(world_size)
+    x, _ = test_fsdp.batch(0, 0)
+    out["dense_forward"] = torch.equal(model(x, True), dense(x, True))
+    got, want = test_fsdp.grads(model, rank), test_fsdp.grads(dense, rank)
+    out["dense_grads"] = got.keys() == want.keys() and all(
+        torch.equal(got[k], want[k]) for k in want
+    )
+    # the right arguments then install, and train with the ranks agreeing
+    quantized_all_gather(model, bits=8, group_size=4)
+    loco_reduce_scatter(model, bits=4, group_size=4)
+    out["quantized_forward"] = not torch.equal(model(x, True), dense(x, True))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    test_fsdp.train(model, optimizer, rank, range(2))
+    out["trained"] = model(x, True).detach()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_bad_or_differing_settings_are_refused_on_every_rank_at_install():
+    results = run_distributed(_worker_refused, 2, timeout=240)
+    for name, cases in REFUSED.items():
+        for i, (*args, kind, words0, words1) in enumerate(cases):
+            for rank, words in enumerate((words0, words1 or words0)):  # "": as rank 0's
+                message, seconds = results[rank][name, i]
+                assert message.startswith(f"{kind.__name__}: fn.fsdp.{name}: "), (args, message)
+                assert words in message, (args, rank, message)
+                assert seconds < FAST_S, (args, rank, seconds)
+            if kind is ValueError and args[0] != args[1]:  # each names its own settings
+                assert "the ranks passed different" in results[1][name, i][0]
+    for result in results:
+        assert result["dense_forward"] and result["dense_grads"] and result["quantized_forward"]
+        assert torch.isfinite(result["trained"]).all()
+        assert torch.equal(result["trained"], results[0]["trained"])

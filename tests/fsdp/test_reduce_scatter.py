@@ -305,14 +305,22 @@ def test_different_sizes_raise_on_every_rank_and_keep_the_state():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        (dict(bits=3), "bits"),
-        (dict(group_size=7), "group_size"),
-        (dict(err_beta=1.0), "err_beta"),
-        (dict(reset_T=0), "reset_T"),
+        (dict(bits=3), ValueError, "bits"),
+        (dict(group_size=7), ValueError, "group_size"),
+        (dict(err_beta=1.0), ValueError, "err_beta"),
+        (dict(reset_T=0), ValueError, "reset_T"),
+        (dict(local_world_size=0), ValueError, "local_world_size"),
+        (dict(bits=8.0), TypeError, r"bits must be an int, got 8\.0 \(float\)"),
+        (dict(bits=True), TypeError, "bits must be an int"),
+        (dict(group_size="8"), TypeError, "group_size must be an int"),
+        (dict(err_beta="0.8"), TypeError, "err_beta must be a float or None"),
+        (dict(err_beta=False), TypeError, "err_beta must be a float or None"),
+        (dict(reset_T=True), TypeError, "reset_T must be an int"),
+        (dict(local_world_size=2.0), TypeError, "local_world_size must be an int"),
     ],
 )
-def test_bad_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
         QuantizedReduceScatter(**kwargs)

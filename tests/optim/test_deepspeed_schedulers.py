@@ -1,19 +1,24 @@
 """``fn.optim.scheduler_from_deepspeed``: DeepSpeed 0.18.9's LR schedules as torch schedulers,
 against DeepSpeed's own scheduler classes (``deepspeed_data/schedulers.pt``, made by
-``deepspeed_data/generate.py``) and against the formulas."""
+``deepspeed_data/generate.py``) and against the formulas; and the resume of an optimizer with
+its scheduler in the order docs/migrating-from-deepspeed.md gives, run from the guide's lines."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fn
 
 DATA = Path(__file__).resolve().parent / "deepspeed_data"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "migrating-from-deepspeed.md"
 REFERENCE = torch.load(DATA / "schedulers.pt", weights_only=True)["schedulers"]
 
 
@@ -110,3 +115,83 @@ def test_torch_scheduler_types_and_errors():
         )
     with pytest.raises(ValueError, match="no scheduler block"):
         fn.optim.scheduler_from_deepspeed(_optimizer(), {"optimizer": {}})
+
+
+CONFIG = {
+    "optimizer": {"type": "OneBitAdam", "params": {"lr": 0.01, "freeze_step": 3}},
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {"total_num_steps": 20, "warmup_num_steps": 4, "warmup_max_lr": 0.01},
+    },
+}
+SCHEDULERS = {
+    "WarmupDecayLR": lambda opt: fn.optim.scheduler_from_deepspeed(opt, "ds_config.json"),
+    "LambdaLR": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step)),
+}
+RESUMED_AT = 5  # updates before the checkpoint: in the compressed phase
+
+
+def _guide_block(marker: str) -> str:
+    """The guide's one Python block that holds ``marker``."""
+    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(encoding="utf-8"), re.DOTALL)
+    (block,) = [block for block in blocks if marker in block]
+    return block
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _train(model, opt, sched, updates: range) -> None:
+    for t in updates:
+        g = torch.Generator().manual_seed(t)
+        x, y = torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        sched.step()
+
+
+@pytest.mark.parametrize("kind", SCHEDULERS)
+def test_the_guide_s_resume_order_continues_bit_for_bit(kind, tmp_path, monkeypatch):
+    save, resume = _guide_block("torch.save("), _guide_block("sched.load_state_dict(")
+    guide_s = 'fn.optim.scheduler_from_deepspeed(opt, "ds_config.json")'
+    assert guide_s in resume
+    if kind != "WarmupDecayLR":  # the guide's lines with another scheduler
+        resume = resume.replace(guide_s, "make_scheduler(opt)")
+    lines = resume.splitlines()
+    at = {
+        key: next(i for i, line in enumerate(lines) if line.startswith(key))
+        for key in ("opt = ", "sched = ", "opt.load_state_dict(", "sched.load_state_dict(")
+    }
+    assert list(at) == sorted(at, key=at.get)  # the order the guide states
+    line = lines.pop(at["sched = "])
+    lines.insert(at["opt.load_state_dict("], line)  # the other order: sched built after the load
+    orders = {"guide": resume, "scheduler built after the load": "\n".join(lines)}
+
+    monkeypatch.chdir(tmp_path)
+    Path("ds_config.json").write_text(json.dumps(CONFIG))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the config's scheduler block, a frozen variance
+            model = _model(0)
+            opt = fn.optim.from_deepspeed(model.parameters(), "ds_config.json")
+            sched = SCHEDULERS[kind](opt)
+            _train(model, opt, sched, range(1, RESUMED_AT + 1))
+            exec(save, {"torch": torch, "model": model, "opt": opt, "sched": sched})
+            _train(model, opt, sched, range(RESUMED_AT + 1, 11))  # uninterrupted
+            resumed = {}
+            for order, code in orders.items():
+                scope = {"torch": torch, "fn": fn, "make_scheduler": SCHEDULERS[kind]}
+                scope["model"] = _model(1)  # other weights: the checkpoint brings them back
+                exec(code, scope)
+                _train(scope["model"], scope["opt"], scope["sched"], range(RESUMED_AT + 1, 11))
+                resumed[order] = all(
+                    torch.equal(a, b)
+                    for a, b in zip(model.parameters(), scope["model"].parameters(), strict=True)
+                )
+    finally:
+        dist.destroy_process_group()
+    assert resumed == {"guide": True, "scheduler built after the load": False}

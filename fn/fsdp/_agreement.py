@@ -1,0 +1,109 @@
+"""What the ``fn.fsdp`` installers check across ranks: that no rank refused its arguments and that
+every rank passed the same settings (one small all-gather), so that a problem on one rank is an
+error on every rank at install rather than a hang or a backend abort at the first collective."""
+
+from __future__ import annotations
+
+import numbers
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from fn.collectives import ProcessGroup
+
+__all__ = ["agree", "integer", "problem_of", "shard_group"]
+
+# the problems a rank can report to the others (their index in the all-gathered tensor)
+KINDS: tuple[type[Exception] | None, ...] = (None, ValueError, NotImplementedError, TypeError)
+
+
+def integer(name: str, value: Any) -> int:
+    """``value`` as a Python int.
+
+    Args:
+        name: the setting's name, for the message.
+        value: its value.
+
+    Returns:
+        ``int(value)``.
+
+    Raises:
+        TypeError: naming ``name``, unless ``value`` is an integer (a bool is not).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def problem_of(error: Exception) -> tuple[type[Exception], str]:
+    """``error`` as :func:`agree`'s ``problem``: its kind (one :func:`agree` can send, else
+    ``ValueError``) and message."""
+    kind = type(error) if type(error) in KINDS else ValueError
+    return kind, str(error)
+
+
+def shard_group(module: nn.Module) -> dist.ProcessGroup | None:
+    """The process group FSDP2 shards ``module``'s first parameter over (its mesh dim of
+    ``Shard`` placement), or ``None`` when no parameter of it is sharded."""
+    for p in module.parameters():
+        if isinstance(p, DTensor):
+            for mesh_dim, placement in enumerate(p.placements):
+                if isinstance(placement, Shard):
+                    return p.device_mesh.get_group(mesh_dim)
+    return None
+
+
+def agree(
+    name: str,
+    group: dist.ProcessGroup | None,
+    problem: tuple[type[Exception], str] | None,
+    fingerprint: str,
+    what: str = "settings or models",
+    device: torch.device | str = "cpu",
+) -> None:
+    """Raises on every rank if some rank found a problem or the ranks' settings differ (one
+    all-gather over ``group``, or ``WORLD`` when the model gave none; nothing without a process
+    group or with one rank).
+
+    Args:
+        name: the installer, which starts every message (``"fn.fsdp.OnebitAdam"``).
+        group: the model's FSDP2 process group, or ``None``.
+        problem: what this rank refused (an exception class of :data:`KINDS` and its message),
+            or ``None``.
+        fingerprint: this rank's settings, as a string every rank must match.
+        what: what the ranks passed, for the message when the fingerprints differ.
+        device: where the all-gather runs: the model's device (a ``nccl`` group has no CPU
+            collectives).
+
+    Raises:
+        ValueError, NotImplementedError, TypeError: on the rank that found ``problem``, it; on
+            every other rank, of the same kind, one naming the first rank that refused.
+        ValueError: on every rank, the fingerprints differ.
+    """
+    if group is None and dist.is_initialized():
+        group = dist.group.WORLD
+    if group is None or dist.get_world_size(group) == 1:
+        if problem is not None:
+            raise problem[0](f"{name}: {problem[1]}")
+        return
+    mine = torch.tensor(
+        [KINDS.index(problem[0]) if problem else 0, zlib.crc32(fingerprint.encode())],
+        dtype=torch.int64,
+        device=device,
+    )
+    gathered = ProcessGroup(group).all_gather(mine).cpu()
+    if problem is not None:
+        raise problem[0](f"{name}: {problem[1]}")
+    failed = [r for r, kind in enumerate(gathered[:, 0].tolist()) if kind]
+    if failed:
+        kind = KINDS[int(gathered[failed[0], 0])]
+        raise kind(f"{name}: rank {failed[0]} refused the model or the settings")
+    if bool((gathered[:, 1] != gathered[0, 1]).any()):
+        raise ValueError(
+            f"{name}: the ranks passed different {what} (fingerprints "
+            f"{gathered[:, 1].tolist()}); every rank must pass the same"
+        )
