@@ -1,7 +1,9 @@
 """What fn refuses, and how it says so: the exceptions fn raises and the checks that raise them.
 
 Arguments: hyperparameters are checked when a transform is built, by name, so the error says
-which argument is wrong; shapes, params and the update count when it is called.
+which argument is wrong; shapes, params and the update count when it is called. A hyperparameter
+of the wrong form (``betas`` that is not a pair, a string, ``None``) is a ``ValueError`` as well as
+one out of range, so that one ``except ValueError`` catches every rejected setting.
 
 Finiteness: a check that can raise from inside ``torch.func.vmap`` and ``torch.compile``. A
 Python ``if`` on a tensor value fails under vmap (``Simulated`` runs every rank under vmap), so
@@ -12,6 +14,8 @@ drop it. On eager plain tensors the check runs directly and returns the input it
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import sys
 from itertools import pairwise
@@ -24,7 +28,9 @@ __all__ = [
     "all_finite",
     "check_betas",
     "check_finite",
+    "check_finite_nonnegative",
     "check_fraction",
+    "check_lr",
     "check_int",
     "check_nonnegative",
     "check_ordered",
@@ -32,6 +38,7 @@ __all__ = [
     "check_step",
     "check_step_or_plan",
     "finite_or_raise",
+    "real_value",
     "require_params",
     "user_stacklevel",
 ]
@@ -56,35 +63,113 @@ class NonFiniteError(ValueError):
     """
 
 
-def check_betas(name: str, betas: tuple[float, float]) -> tuple[float, float]:
-    """``betas`` as floats; raises ``ValueError`` unless both lie in [0, 1)."""
-    b1, b2 = (float(b) for b in betas)
-    for i, b in enumerate((b1, b2)):
+def real_value(value: Any) -> float | None:
+    """``value`` as a Python float if it is a real number, else ``None``.
+
+    Real numbers: Python ``int`` and ``float`` and numpy's real scalars (``numbers.Real``), and
+    one-element tensors of a real dtype; not ``bool`` (``True`` is no learning rate), complex
+    numbers, strings, ``None`` or sequences.
+
+    Example:
+        >>> from fn.errors import real_value
+        >>> real_value(0.5), real_value(torch.tensor(2)), real_value("0.5"), real_value(True)
+        (0.5, 2.0, None, None)
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            return None
+        try:
+            return float(value.item())
+        except (RuntimeError, NotImplementedError):  # a meta tensor holds no value
+            return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+def check_betas(name: str, betas: Any) -> tuple[float, float]:
+    """``betas`` as two Python floats.
+
+    Raises:
+        ValueError: naming ``name`` and ``betas``, unless ``betas`` is a pair ``(b1, b2)`` (any
+            iterable of two items) of real numbers (:func:`real_value`) in [0, 1).
+    """
+    items = None
+    if not isinstance(betas, (str, bytes)):
+        try:
+            items = tuple(betas)
+        except TypeError:  # not iterable
+            items = None
+    values = None if items is None else [real_value(b) for b in items]
+    if values is None or len(values) != 2 or None in values:
+        raise ValueError(
+            f"{name}: betas must be a pair (b1, b2) of real numbers in [0, 1), got {betas!r}"
+        )
+    for i, b in enumerate(values):
         if not 0.0 <= b < 1.0:  # also rejects NaN
             raise ValueError(f"{name}: betas[{i}] must be in [0, 1), got {b}")
-    return b1, b2
+    return values[0], values[1]
 
 
-def check_nonnegative(name: str, **values: float) -> None:
-    """Raises ``ValueError`` unless every value is >= 0."""
+def _real_or_raise(name: str, key: str, value: Any, wanted: str) -> float:
+    """``value`` as a float (:func:`real_value`); raises ``ValueError`` naming ``key`` unless it
+    is a real number (``wanted`` describes the range)."""
+    number = real_value(value)
+    if number is None:
+        wanted = f" {wanted}" if wanted else ""
+        raise ValueError(f"{name}: {key} must be a real number{wanted}, got {value!r}")
+    return number
+
+
+def check_nonnegative(name: str, **values: Any) -> None:
+    """Raises ``ValueError`` naming the argument unless every value is a real number
+    (:func:`real_value`) >= 0."""
     for key, v in values.items():
-        if not v >= 0.0:  # also rejects NaN
+        number = _real_or_raise(name, key, v, ">= 0")
+        if not number >= 0.0:  # also rejects NaN
             raise ValueError(f"{name}: {key} must be >= 0, got {v}")
 
 
-def check_fraction(name: str, **values: float) -> None:
-    """Raises ``ValueError`` unless every value lies in [0, 1) (an EMA coefficient)."""
+def check_finite_nonnegative(name: str, **values: Any) -> None:
+    """Raises ``ValueError`` naming the argument unless every value is a finite real number
+    (:func:`real_value`) >= 0 (an ``lr`` or an ``eps``)."""
+    check_nonnegative(name, **values)
     for key, v in values.items():
-        if not 0.0 <= v < 1.0:  # also rejects NaN
+        if not math.isfinite(real_value(v)):
+            raise ValueError(f"{name}: {key} must be finite (a real number >= 0), got {v}")
+
+
+def check_lr(name: str, lr: Any) -> None:
+    """Raises ``ValueError`` naming ``lr`` unless it is a schedule (a callable, read at update
+    time) or a finite real number >= 0 (:func:`check_finite_nonnegative`)."""
+    if callable(lr):
+        return
+    if real_value(lr) is None:
+        raise ValueError(
+            f"{name}: lr must be a real number >= 0 or a schedule (a function of the update "
+            f"count), got {lr!r}"
+        )
+    check_finite_nonnegative(name, lr=lr)
+
+
+def check_fraction(name: str, **values: Any) -> None:
+    """Raises ``ValueError`` unless every value is a real number in [0, 1) (an EMA
+    coefficient)."""
+    for key, v in values.items():
+        number = _real_or_raise(name, key, v, "in [0, 1)")
+        if not 0.0 <= number < 1.0:  # also rejects NaN
             raise ValueError(f"{name}: {key} must be in [0, 1), got {v}")
 
 
-def check_ordered(name: str, **bounds: float) -> None:
-    """Raises ``ValueError`` unless the values, in the order given, do not decrease (e.g.
-    ``min_coeff=a, max_coeff=b`` needs ``a <= b``)."""
-    for (low_key, low), (high_key, high) in pairwise(bounds.items()):
+def check_ordered(name: str, **bounds: Any) -> None:
+    """Raises ``ValueError`` unless the values, real numbers in the order given, do not decrease
+    (e.g. ``min_coeff=a, max_coeff=b`` needs ``a <= b``)."""
+    reals = {key: _real_or_raise(name, key, v, "") for key, v in bounds.items()}
+    for (low_key, low), (high_key, high) in pairwise(reals.items()):
         if not low <= high:  # also rejects NaN
-            raise ValueError(f"{name}: {low_key} ({low}) must be <= {high_key} ({high})")
+            raise ValueError(
+                f"{name}: {low_key} ({bounds[low_key]}) must be <= {high_key} ({bounds[high_key]})"
+            )
 
 
 def check_int(name: str, value: int, minimum: int = 0, why: str = "") -> int:

@@ -3,6 +3,7 @@ the argument checks, the finiteness test and the check that raises under vmap/co
 
 from __future__ import annotations
 
+import numpy
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,18 +16,21 @@ from fn.errors import (
     all_finite,
     check_betas,
     check_finite,
+    check_finite_nonnegative,
     check_fraction,
     check_int,
+    check_lr,
     check_nonnegative,
     check_ordered,
     check_shapes,
     check_step,
     check_step_or_plan,
     finite_or_raise,
+    real_value,
     require_params,
 )
 
-NAN = float("nan")
+NAN, INF = float("nan"), float("inf")
 
 
 def test_is_a_value_error():
@@ -115,6 +119,61 @@ def test_check_betas_names_the_transform_and_the_beta():
         check_betas("opt", (0.9, 1.0))
     with pytest.raises(ValueError, match=r"betas\[0\]"):
         check_betas("opt", (float("nan"), 0.5))
+
+
+@pytest.mark.parametrize(
+    "betas", [(0.9,), (0.9, 0.9, 0.9), (), None, 0.9, "ab", b"ab", ("a", 0.9), (0.9, None)]
+)
+def test_check_betas_wants_a_pair_of_real_numbers(betas):
+    with pytest.raises(ValueError, match=r"opt: betas must be a pair \(b1, b2\) of real numbers"):
+        check_betas("opt", betas)
+
+
+def test_check_betas_takes_any_pair_of_real_numbers():
+    pair = (0.5, 0.25)
+    assert check_betas("opt", [0.5, 0.25]) == pair
+    assert check_betas("opt", torch.tensor([0.5, 0.25])) == pair
+    assert check_betas("opt", (torch.tensor(0.5), numpy.float32(0.25))) == pair
+    assert check_betas("opt", (b for b in pair)) == pair
+    with pytest.raises(ValueError, match="betas must be a pair"):
+        check_betas("opt", (True, 0.5))  # a bool is no beta
+
+
+def test_real_value_reads_real_numbers_only():
+    assert real_value(3) == 3.0 and real_value(numpy.float32(0.5)) == 0.5
+    assert real_value(torch.tensor([0.25])) == 0.25 and real_value(torch.tensor(2)) == 2.0
+    for value in (True, "1", None, [1.0], 1j, torch.ones(2), torch.tensor(1j), torch.tensor(True)):
+        assert real_value(value) is None, value
+
+
+def test_lr_and_eps_must_be_finite_real_numbers_at_least_zero():
+    check_finite_nonnegative("opt", eps=0.0, other=torch.tensor(1.0))
+    check_lr("opt", 0.1)
+    check_lr("opt", lambda count: 0.1)  # a schedule: read at update time
+    with pytest.raises(ValueError, match="opt: eps must be finite"):
+        check_finite_nonnegative("opt", eps=INF)
+    with pytest.raises(ValueError, match="opt: eps must be >= 0, got nan"):
+        check_finite_nonnegative("opt", eps=NAN)
+    with pytest.raises(ValueError, match="opt: eps must be a real number >= 0, got '1'"):
+        check_finite_nonnegative("opt", eps="1")
+    for bad, message in [
+        (INF, "lr must be finite"),
+        (-1.0, "lr must be >= 0, got -1.0"),
+        (None, "lr must be a real number >= 0 or a schedule"),
+        ("0.1", "lr must be a real number >= 0 or a schedule"),
+    ]:
+        with pytest.raises(ValueError, match=f"opt: {message}"):
+            check_lr("opt", bad)
+
+
+def test_range_checks_reject_what_is_not_a_number_by_name():
+    with pytest.raises(ValueError, match="opt: wd must be a real number >= 0, got None"):
+        check_nonnegative("opt", wd=None)
+    with pytest.raises(ValueError, match=r"opt: beta must be a real number in \[0, 1\), got 'x'"):
+        check_fraction("opt", beta="x")
+    with pytest.raises(ValueError, match="opt: high must be a real number, got None"):
+        check_ordered("opt", low=1.0, high=None)
+    check_ordered("opt", low=1.0, high=INF)
 
 
 def test_range_checks_name_the_argument_and_reject_nan():

@@ -49,13 +49,20 @@ Policies (the same on every rank, so the ranks always issue the same collectives
   Unlike ``torch.optim``, they are not trained once they require a gradient: ``step()`` then
   raises ``RuntimeError`` (nothing changed); unfreeze them before building the optimizer or add
   them with ``add_param_group``. A param whose ``.grad`` is ``None`` at a step
-  counts as a zero gradient (as DDP's ``find_unused_parameters``): a rank cannot know whether
-  another rank had a gradient without an extra collective, and every rank must run the same
-  collectives. Momentum and weight decay therefore still move such params.
-- Non-finite and unusable gradients: the ranks agree on one decision (a 2-element allreduce of the
-  count of non-finite gradient elements and of the ranks holding a gradient the optimizer cannot
-  take, a sparse one: then every rank raises the same ``ValueError``, the rank that holds it
-  naming the param, and nothing changes). Finite gradients whose average over the ranks overflows
+  counts as a zero gradient (as DDP's ``find_unused_parameters``) when some param has a
+  gradient on some rank: every rank must run the same collectives. Momentum and weight decay
+  therefore still move such params.
+- A ``step()`` at which no param of any group has a gradient on any rank (before any backward
+  pass, or again after ``zero_grad()``) is no update: nothing changes (params, state, error
+  feedback, step counts), on every rank alike. The ranks learn it from the allreduce every step
+  makes for its non-finite check (one more int64 in it: no collective of its own), so a rank
+  without gradients never skips a collective that another rank runs. ``last_step_skipped`` is
+  then ``True``; ``skipped_steps`` counts only non-finite steps.
+- Non-finite and unusable gradients: the ranks agree on one decision (a 3-element allreduce of the
+  count of non-finite gradient elements, of the ranks holding a gradient the optimizer cannot
+  take, a sparse one, and of the ranks holding any gradient; for an unusable one every rank
+  raises the same ``ValueError``, the rank that holds it naming the param, and nothing
+  changes). Finite gradients whose average over the ranks overflows
   count as non-finite too (every rank holds the same average, so all decide alike). ``OnebitAdam``
   counts none of its own (no pass over its gradients; the allreduce stays, for a ``GradScaler``'s
   overflow flags): its updates reject a non-finite gradient of any rank on every rank before they

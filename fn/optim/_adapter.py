@@ -105,7 +105,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
 
     Attributes:
         skipped_steps: how many steps were skipped for non-finite gradients.
-        last_step_skipped: whether the last ``step()`` was skipped.
+        last_step_skipped: whether the last ``step()`` made no update: skipped, or a step
+            without any gradient (see :meth:`step`).
 
     Example:
         SGD with momentum, ``u = 0.9 u + g`` and ``p = p - 0.1 u``, on a constant gradient:
@@ -262,6 +263,16 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         last. A step that fails or is skipped at any point leaves every group exactly as it
         was.
 
+        A step at which no param of any group has a gradient (every ``.grad`` is ``None``, after
+        the closure if one is given) on any rank is no update: it returns with nothing changed
+        (params, state, error feedback, step counts; ``last_step_skipped`` becomes ``True``,
+        ``skipped_steps`` is not counted) on every rank, e.g. a ``step()`` before any backward
+        pass, or a second ``step()`` after ``zero_grad()``. The ranks decide this together, in
+        the allreduce that every step makes anyway for its non-finite check (one more int64):
+        where only some ranks lack gradients, theirs count as zero, so every rank still runs the
+        same collectives. Gradients that are zero tensors (``zero_grad(set_to_none=False)``)
+        are gradients: such a step is an update.
+
         Args:
             closure: re-evaluates the model and returns the loss (run with grad enabled).
 
@@ -295,9 +306,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         check_unfrozen(self._groups, self.param_groups)
         for runtime in self._groups:
             runtime.flat.check_params()
-        if not self._start_checked:
+        if not self._start_checked:  # until the first update (a no-op step does not count)
             self.check_consistency()
-            self._start_checked = True
         plans = self._plans()
         grads = [runtime.flat.gather_grads() for runtime in self._groups]
         unusable = [
@@ -305,21 +315,31 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             for index, runtime in enumerate(self._groups)
             if runtime.flat.unusable is not None
         ]
-        if self._averaging_unchecked:
-            self._averaging_unchecked = False
-            warn_if_averaged(self, grads)
+        holding = any(p.grad is not None for runtime in self._groups for p in runtime.flat.params)
         if grad_scale is not None:
             unscale(grads, grad_scale)
         # Transforms that reject non-finite gradients themselves, on every rank and before
         # any write, need no separate pass over their gradients.
         unchecked = [] if self._checks_gradients or unusable else grads
-        vote = vote_on_gradients(self.comm, unchecked, found_inf, bool(unusable))
+        device = grads[0].device if grads else None
+        vote = vote_on_gradients(
+            self.comm, unchecked, found_inf, bool(unusable), holding, device=device
+        )
+        if not vote.holding:
+            # No param of any group has a gradient on any rank (the same decision on every
+            # rank): no update.
+            self.last_step_skipped = True
+            return loss
+        self._start_checked = True
         if vote.unusable:
             mine = unusable[0] if unusable else "that rank's error names the param"
             raise ValueError(
                 f"fn.optim: {vote.unusable} of {self.comm.world_size} ranks hold a gradient that "
                 f"fn.optim cannot take ({mine}); no update was made on any rank"
             )
+        if self._averaging_unchecked:
+            self._averaging_unchecked = False
+            warn_if_averaged(self, grads)
         if vote.nonfinite > 0:
             return self._skip(
                 loss,

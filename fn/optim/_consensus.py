@@ -13,7 +13,7 @@ by all ranks, never read from one rank's local data alone:
   few steps, the ranks compare their step counts, hyperparameters and params (where the
   optimizer declares that the ranks' params agree).
 - :func:`vote_on_gradients`: before each step, the ranks vote on taking it (every rank's
-  gradients usable and finite).
+  gradients usable and finite, and some rank holding a gradient at all).
 
 The comparisons exchange a small fixed-size fingerprint first (one all_gather of a few int64 per
 rank); the full descriptions travel only when fingerprints differ, so that every rank raises the
@@ -369,30 +369,44 @@ class GradientVote(NamedTuple):
 
     nonfinite: int  # non-finite gradient elements over all ranks, plus overflowing scalers
     unusable: int  # ranks with a gradient the optimizer cannot take (e.g. a sparse one)
+    holding: int = 1  # ranks on which some param has a gradient (0: the step is no update)
 
 
 def vote_on_gradients(
-    comm: Any, grads: list[torch.Tensor], found_inf: torch.Tensor | None, unusable: bool
+    comm: Any,
+    grads: list[torch.Tensor],
+    found_inf: torch.Tensor | None,
+    unusable: bool,
+    holding: bool = True,
+    device: torch.device | None = None,
 ) -> GradientVote:
-    """The ranks' vote on a step's gradients: one 2-element allreduce.
+    """The ranks' vote on a step's gradients: one 3-element allreduce.
 
     Args:
         comm: the communicator.
         grads: this rank's gradients to count non-finite elements in (none: not counted here).
         found_inf: this rank's ``GradScaler`` overflow flag, or ``None`` without a scaler.
         unusable: whether this rank holds a gradient the optimizer cannot take.
+        holding: whether some param of this rank has a gradient (``.grad`` not ``None``).
+        device: where the vote travels when ``grads`` is empty (the params' device: NCCL
+            takes only GPU tensors); ``None``: the CPU.
 
     Returns:
-        The same vote on every rank: the step may be taken exactly when both counts are zero.
+        The same vote on every rank: the step is no update when no rank holds a gradient
+        (``holding == 0``), and may be taken exactly when the other two counts are zero.
     """
-    device = grads[0].device if grads else torch.device("cpu")
-    counts = torch.zeros(2, dtype=torch.int64, device=device)
+    if grads:
+        device = grads[0].device
+    elif device is None:
+        device = torch.device("cpu")
+    counts = torch.zeros(3, dtype=torch.int64, device=device)
     for g in grads:
         if not all_finite(g):  # one reduction in the common case; the exact count only here
             counts[0] += (~torch.isfinite(g)).sum().to(device)
     if found_inf is not None:
         counts[0] += (found_inf.to(device) > 0).to(torch.int64)
     counts[1] = int(unusable)
+    counts[2] = int(holding)
     if comm.world_size > 1:
         counts = comm.all_reduce(counts, op="sum")
     return GradientVote(*counts.tolist())

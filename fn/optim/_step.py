@@ -382,7 +382,7 @@ def check_group(index: int, group: Mapping[str, Any], fixed: bool) -> None:
                 f"param group {index} sets {sorted(extra)}, but a fixed transform only takes "
                 "a per-group lr; pass a factory and defaults for per-group hyperparameters"
             )
-    if group.get("lr") is not None:
+    if "lr" in group:
         lr_value(index, group["lr"])
 
 

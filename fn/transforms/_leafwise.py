@@ -39,6 +39,8 @@ from fn.collectives import PackedSigns
 from fn.errors import (
     check_betas,
     check_finite,
+    check_finite_nonnegative,
+    check_lr,
     check_nonnegative,
     check_shapes,
     check_step_or_plan,
@@ -375,16 +377,17 @@ def onebit_settings(
     safeguard's clip is :func:`adam_ratio_bound` of the betas (``None`` without ``safeguard``).
 
     Raises:
-        ValueError: naming the argument: negative ``lr`` (a number), ``eps`` or
-            ``weight_decay``; betas outside [0, 1); an ``error_dtype`` other than fp32, bf16 or
-            fp16; a ``local_world_size`` that is not a positive divisor of the world size (or,
-            on a ``ProcessGroup``, differs between ranks: its node groups are built here, a
-            collective call).
+        ValueError: naming the argument: ``lr`` (unless a schedule) or ``eps`` that is not a
+            finite real number >= 0; ``weight_decay`` that is not a real number >= 0;
+            ``betas`` that is not a pair of real numbers in [0, 1); an ``error_dtype`` other
+            than fp32, bf16 or fp16; a ``local_world_size`` that is not a positive divisor of
+            the world size (or, on a ``ProcessGroup``, differs between ranks: its node groups
+            are built here, a collective call).
     """
     b1, b2 = check_betas(name, betas)
-    check_nonnegative(name, eps=eps, weight_decay=weight_decay)
-    if not callable(lr):
-        check_nonnegative(name, lr=lr)
+    check_finite_nonnegative(name, eps=eps)
+    check_nonnegative(name, weight_decay=weight_decay)
+    check_lr(name, lr)
     collectives.check_error_dtype(name, error_dtype)
     clip = adam_ratio_bound(b1, b2) if safeguard else None
     if local_world_size is not None:

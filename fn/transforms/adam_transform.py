@@ -22,7 +22,7 @@ from fn.base import (
     donated_state,
     split_donated,
 )
-from fn.errors import check_betas, check_nonnegative
+from fn.errors import check_betas, check_finite_nonnegative, check_lr
 from fn.transforms import _adam_steps as steps
 from fn.transforms._learning_rate import learning_rate_now
 from fn.transforms._leaves import device_of, matching
@@ -127,7 +127,7 @@ def scale_by_adam(
         params' shapes and dtypes.
     """
     b1, b2 = check_betas("scale_by_adam", (b1, b2))
-    check_nonnegative("scale_by_adam", eps=eps)
+    check_finite_nonnegative("scale_by_adam", eps=eps)
 
     def init_fn(params):
         count = torch.zeros((), dtype=torch.int64, device=device_of(params))
@@ -209,11 +209,14 @@ def _scale_by_adam_then_lr(
     if implementation not in _IMPLEMENTATIONS:
         choices = ", ".join(repr(c) for c in _IMPLEMENTATIONS)
         raise ValueError(f"{name}: implementation must be one of {choices}, got {implementation!r}")
+    b1, b2 = check_betas(name, betas)
+    check_finite_nonnegative(name, eps=eps)
+    check_lr(name, lr)
     chained = chain(
-        scale_by_adam(*betas, eps),
+        scale_by_adam(b1, b2, eps),
         scale_by_learning_rate(lr, decoupled_weight_decay=decoupled_weight_decay),
     )
-    hyper = (float(betas[0]), float(betas[1]), eps, decoupled_weight_decay)
+    hyper = (b1, b2, eps, decoupled_weight_decay)
     decoupled = decoupled_weight_decay != 0.0
 
     def cannot_run(reason):
@@ -430,7 +433,9 @@ def adam(
         ``(EmptyState(), ScaleByAdamState, ScaleByLearningRateState)``.
 
     Raises:
-        ValueError: for an unknown ``implementation``.
+        ValueError: for an unknown ``implementation``; naming the argument, for ``betas`` that
+            is not a pair of real numbers in [0, 1), ``lr`` (unless a schedule) or ``eps`` that
+            is not a finite real number >= 0, a negative ``weight_decay``.
 
     Example:
         >>> import torch, fn
@@ -524,7 +529,9 @@ def adamw(
         ``(ScaleByAdamState, ScaleByLearningRateState)``; ``update`` needs ``params``.
 
     Raises:
-        ValueError: for an unknown ``implementation``.
+        ValueError: for an unknown ``implementation``; naming the argument, for ``betas`` that
+            is not a pair of real numbers in [0, 1), ``lr`` (unless a schedule) or ``eps`` that
+            is not a finite real number >= 0, a negative ``weight_decay``.
 
     Example:
         >>> import torch, fn

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fn.base import GradientTransformation, chain
+from fn.errors import check_betas, check_finite_nonnegative, check_lr
 from fn.transforms.adam_transform import scale_by_adam
 from fn.transforms.learning_rate import Schedule, scale_by_learning_rate
 from fn.transforms.trust_ratio import scale_by_trust_ratio
@@ -50,6 +51,11 @@ def lamb(
         The chained GradientTransformation; its state is ``(ScaleByAdamState, EmptyState(),
         EmptyState(), ScaleByLearningRateState)``.
 
+    Raises:
+        ValueError: naming the argument: ``betas`` that is not a pair of real numbers in
+            [0, 1), ``lr`` (unless a schedule) or ``eps`` that is not a finite real number
+            >= 0, a negative ``weight_decay``.
+
     Example:
         The trust ratio makes each layer's step ``lr`` times its param norm, whatever the
         gradient's scale:
@@ -63,8 +69,11 @@ def lamb(
         >>> fn.tree.tree_l2_norm(updates)
         tensor(0.5000)
     """
+    b1, b2 = check_betas("lamb", betas)
+    check_finite_nonnegative("lamb", eps=eps)
+    check_lr("lamb", lr)
     return chain(
-        scale_by_adam(*betas, eps, bias_correction=bias_correction),
+        scale_by_adam(b1, b2, eps, bias_correction=bias_correction),
         add_decayed_weights(weight_decay),
         scale_by_trust_ratio(min_coeff=min_coeff, max_coeff=max_coeff),
         scale_by_learning_rate(lr),

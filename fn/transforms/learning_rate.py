@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 
 from fn.base import GradientTransformation, donating
-from fn.errors import check_nonnegative
+from fn.errors import check_lr, check_nonnegative
 from fn.transforms._learning_rate import decoupled_decay, learning_rate_now, scale_leaves
 from fn.transforms._leaves import device_of
 
@@ -46,7 +46,8 @@ def scale_by_learning_rate(
     ``lr`` (so a value set with ``set_hyperparams`` is overwritten at the next update).
 
     Args:
-        lr: a non-negative float, or a schedule ``count -> lr``.
+        lr: a finite real number >= 0, or a schedule ``count -> lr`` (else ``ValueError``,
+            naming ``lr``).
         decoupled_weight_decay: AdamW's ``lambda`` (>= 0); ``update`` then needs ``params``.
 
     Returns:
@@ -72,8 +73,7 @@ def scale_by_learning_rate(
         ({'w': tensor([-0.0250])}, tensor(0.0250))
     """
     schedule = lr if callable(lr) else None
-    if schedule is None:
-        check_nonnegative("scale_by_learning_rate", lr=lr)
+    check_lr("scale_by_learning_rate", lr)
     check_nonnegative("scale_by_learning_rate", decoupled_weight_decay=decoupled_weight_decay)
 
     def init_fn(params):

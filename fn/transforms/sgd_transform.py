@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from fn.base import GradientTransformation, chain, donated_state
-from fn.errors import check_nonnegative
+from fn.errors import check_lr, check_nonnegative
 from fn.transforms._leaves import device_of, matching
 from fn.transforms.learning_rate import Schedule, scale_by_learning_rate
 from fn.transforms.weight_decay import add_decayed_weights
@@ -148,6 +148,11 @@ def sgd(
     Returns:
         The chained GradientTransformation.
 
+    Raises:
+        ValueError: naming the argument: ``lr`` that is neither a schedule nor a finite real
+            number >= 0, a negative ``momentum``, ``weight_decay`` or ``dampening``; Nesterov
+            momentum without a momentum or with dampening.
+
     Example:
         >>> import torch
         >>> import fn
@@ -161,6 +166,8 @@ def sgd(
         >>> updates
         {'w': tensor([-0.0950, -0.0950])}
     """
+    check_lr("sgd", lr)
+    check_nonnegative("sgd", momentum=momentum, dampening=dampening)
     if nesterov and (momentum <= 0.0 or dampening != 0.0):
         raise ValueError("sgd: Nesterov momentum requires a momentum and zero dampening")
     momentum_tx = [trace(momentum, nesterov, dampening=dampening)] if momentum != 0.0 else []

@@ -138,8 +138,8 @@ def test_register_equals_bare_fn_bitwise_and_ddp_is_silent_when_compressed():
                         ddp_bytes, bare_bytes = run["sent"][t], bare["sent"][t]
                         assert ddp_bytes <= 1.05 * bare_bytes + 64, (name, kind, t, run["sent"])
                         assert run["fn_sent"][t] == bare["fn_sent"][t]
-                    else:  # DDP averaged: fn sends its 2-element gradient vote only
-                        vote = all_reduce_bytes(16, 2) + (START_CHECK_BYTES if t == 0 else 0)
+                    else:  # DDP averaged: fn sends its 3-element gradient vote only
+                        vote = all_reduce_bytes(24, 2) + (START_CHECK_BYTES if t == 0 else 0)
                         assert run["fn_sent"][t] == vote, (name, t)
                         detection = DETECTION_BYTES if t == 0 else 0
                         assert bare["fn_sent"][t] == vote + WARMUP_BYTES[name] + detection
