@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numbers
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fn.collectives import ProcessGroup
 
-__all__ = ["agree", "integer", "problem_of", "shard_group"]
+__all__ = ["agree", "agree_on_settings", "integer", "problem_of", "shard_group"]
 
 # the problems a rank can report to the others (their index in the all-gathered tensor)
 KINDS: tuple[type[Exception] | None, ...] = (None, ValueError, NotImplementedError, TypeError)
@@ -107,3 +108,38 @@ def agree(
             f"{name}: the ranks passed different {what} (fingerprints "
             f"{gathered[:, 1].tolist()}); every rank must pass the same"
         )
+
+
+def agree_on_settings(
+    name: str,
+    module: nn.Module,
+    make: Callable[[], Any],
+    keys: tuple[str, ...],
+    missing: str | None,
+) -> None:
+    """An installer's check of its settings, on this rank and then across ranks (:func:`agree`
+    over ``module``'s FSDP2 shard group, on its device).
+
+    Args:
+        name: the installer, which starts every message.
+        module: the model it installs on.
+        make: builds the object that checks the settings (raising ``TypeError`` or
+            ``ValueError``); its attributes ``keys`` are the settings the ranks compare.
+        keys: those attributes' names.
+        missing: what is wrong with ``module`` itself (no FSDP2 module, say), or ``None``.
+
+    Raises:
+        TypeError, ValueError: as :func:`agree`, on every rank.
+    """
+    problem, fingerprint = None, ""
+    try:
+        checked = make()
+        fingerprint = repr(tuple(getattr(checked, key) for key in keys))
+        if missing is not None:
+            raise ValueError(missing)
+    except (TypeError, ValueError) as error:
+        problem = problem_of(error)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    names = ", ".join(keys[:-1]) + " or " + keys[-1] if len(keys) > 1 else keys[0]
+    what = f"{names} (this rank: {fingerprint})"
+    agree(name, shard_group(module), problem, fingerprint, what, device)

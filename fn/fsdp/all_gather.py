@@ -26,7 +26,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # torch exp
 
 from fn.collectives import quantized_all_gather_into
 from fn.collectives.process_group import all_gather_flat
-from fn.fsdp._agreement import agree, integer, problem_of, shard_group
+from fn.fsdp._agreement import agree_on_settings, integer
 from fn.fsdp.loco import ROOT
 from fn.fsdp.reduce_scatter import CommCache
 
@@ -146,17 +146,13 @@ def quantized_all_gather(
         >>> dist.destroy_process_group()
     """
     modules = [(n, child) for n, child in module.named_modules() if isinstance(child, FSDPModule)]
-    problem, fingerprint = None, ""
-    try:  # the settings' checks, sent to the other ranks
-        checked = QuantizedAllGather(bits, group_size)
-        fingerprint = repr((checked.bits, checked.group_size))
-        if not modules:
-            raise ValueError("module: no FSDP2 module (fully_shard) in it")
-    except (TypeError, ValueError) as error:
-        problem = problem_of(error)
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    what = f"bits or group_size (this rank: {fingerprint})"
-    agree("fn.fsdp.quantized_all_gather", shard_group(module), problem, fingerprint, what, device)
+    agree_on_settings(
+        "fn.fsdp.quantized_all_gather",
+        module,
+        lambda: QuantizedAllGather(bits, group_size),
+        ("bits", "group_size"),
+        None if modules else "module: no FSDP2 module (fully_shard) in it",
+    )
     comm_for = CommCache(None)
     gathers = {}
     for name, child in modules:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from fn.fsdp._agreement import agree, problem_of, shard_group
+from fn.fsdp._agreement import agree_on_settings
 from fn.fsdp.reduce_scatter import CommCache, QuantizedReduceScatter
 
 __all__ = ["LocoReduceScatterHandle", "loco_reduce_scatter"]
@@ -161,18 +161,13 @@ def loco_reduce_scatter(
         for name, child in module.named_modules()
         if isinstance(child, FSDPModule) and (params := _own_params(child))
     ]
-    problem, fingerprint = None, ""
-    try:  # the settings' checks, sent to the other ranks
-        checked = QuantizedReduceScatter(bits, group_size, err_beta, reset_T, local_world_size)
-        settings = ("bits", "group_size", "err_beta", "reset_T", "local_world_size")
-        fingerprint = repr(tuple(getattr(checked, key) for key in settings))
-        if not modules:
-            raise ValueError("module: no FSDP2 module (fully_shard) with trainable parameters")
-    except (TypeError, ValueError) as error:
-        problem = problem_of(error)
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    what = f"bits, group_size, err_beta, reset_T or local_world_size (this rank: {fingerprint})"
-    agree("fn.fsdp.loco_reduce_scatter", shard_group(module), problem, fingerprint, what, device)
+    agree_on_settings(
+        "fn.fsdp.loco_reduce_scatter",
+        module,
+        lambda: QuantizedReduceScatter(bits, group_size, err_beta, reset_T, local_world_size),
+        ("bits", "group_size", "err_beta", "reset_T", "local_world_size"),
+        None if modules else "module: no FSDP2 module (fully_shard) with trainable parameters",
+    )
     comm_for = CommCache(local_world_size)
     reduce_scatters = {}
     for name, child, params in modules:
