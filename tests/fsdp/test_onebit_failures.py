@@ -84,6 +84,16 @@ def same_state(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+def uninterrupted(kind: str, rank: int, steps: range) -> torch.Tensor:
+    """The params after a plain run of the updates ``steps`` (each a backward and a step)."""
+    model, optimizer = build(kind)
+    for t in steps:
+        optimizer.zero_grad()
+        loss(model, rank, t).backward()
+        optimizer.step()
+    return full(model)
+
+
 def attempt(step) -> str:
     """``"ok"``, or the exception's type and message."""
     try:
@@ -175,12 +185,7 @@ def _worker_step_without_backward(rank: int, world_size: int, kind: str) -> dict
             out["noops"].append((optimizer.count - count, same_state(state, state_of(optimizer)),
                                  torch.equal(full(model), before)))  # fmt: skip
     out["count"], out["params"] = optimizer.count, full(model)
-    reference, ref_optimizer = build(kind)
-    for t in range(1, STEPS + 1):
-        ref_optimizer.zero_grad()
-        loss(reference, rank, t).backward()
-        ref_optimizer.step()
-    out["reference"] = full(reference)
+    out["reference"] = uninterrupted(kind, rank, range(1, STEPS + 1))
     return out
 
 
@@ -214,12 +219,7 @@ def _worker_torch_state_dict_api(rank: int, world_size: int, kind: str) -> dict:
             optimizer.zero_grad()
             loss(model, rank, t).backward()
             optimizer.step()
-    reference, ref_optimizer = build(kind)
-    for t in range(STEPS):
-        ref_optimizer.zero_grad()
-        loss(reference, rank, t).backward()
-        ref_optimizer.step()
-    out["params"], out["reference"] = full(model), full(reference)
+    out["params"], out["reference"] = full(model), uninterrupted(kind, rank, range(STEPS))
     return out
 
 
