@@ -248,9 +248,11 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         self._automatic = self._state.auto is not None  # freeze_step="auto": decided in the state
         self._problems: list[Exception] = []  # what the reduce-scatters found, for step()
         self._delivered = False  # whether a backward delivered gradients since the last step()
+        self._fsdp_modules: list[nn.Module] = []
         for name, module in model.named_modules():
             layout = next((x for x in self._layouts if x.name == (name or ROOT)), None)
             if layout is not None:
+                self._fsdp_modules.append(module)
                 module.set_custom_reduce_scatter(OnebitReduceScatter(self, layout))
                 # every trainable param in every reduce-scatter: a missing gradient is a zero
                 module.set_reduce_scatter_unused_params(True, recurse=False)
@@ -662,9 +664,10 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         Raises:
             fn.NonFiniteError: on every rank, if a gradient on some rank is not finite;
                 no param and no ``v`` changed.
-            RuntimeError: on every rank, a module was reduce-scattered twice in the compressed
-                phase without a ``step()`` between (accumulate with
-                ``set_requires_gradient_sync(False)``); nothing changed.
+            RuntimeError: FSDP2 stopped reduce-scattering after an exception inside an earlier
+                backward (not fn's: fn raises none there), or, on every rank, a module was
+                reduce-scattered twice in the compressed phase without a ``step()`` between
+                (accumulate with ``set_requires_gradient_sync(False)``); nothing changed.
             Exception: what else a reduce-scatter of the last backward raised (a collective's
                 timeout, say), the same on every rank.
         """
@@ -672,6 +675,14 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if any(_fsdp2_stopped(module) for module in self._fsdp_modules):
+            raise RuntimeError(
+                f"{self.name}: FSDP2 no longer reduce-scatters this model: an exception was "
+                "raised inside an earlier backward (FSDP2 then never runs its end-of-backward "
+                "callback again), so gradients no longer reach the optimizer; nothing was "
+                "updated. Build the model and the optimizer anew (fully_shard, then this "
+                "optimizer) and reload the last checkpoint (fn.fsdp.TrainingCheckpoint.load)"
+            )
         reduced = {x.name: self._compressed[x.name].pending for x in self._layouts}
         problems, delivered = self._problems, self._delivered
         self._problems, self._delivered = [], False
@@ -1161,6 +1172,15 @@ def _auto_scalars(auto: Any) -> dict[str, torch.Tensor]:
     """The 0-dim fields of a state's ``auto`` (``freeze_step="auto"``'s decision and
     statistics, the same on every rank), by name."""
     return {k: v for k, v in auto._asdict().items() if isinstance(v, torch.Tensor)}
+
+
+def _fsdp2_stopped(module: nn.Module) -> bool:
+    """Whether FSDP2's end-of-backward callback of ``module``'s root stayed queued after a
+    backward, as after an exception inside one: FSDP2 then never queues it again, and stops
+    reduce-scattering. torch has no public name for it; without the attribute: ``False``."""
+    state = getattr(module, "_get_fsdp_state", lambda: None)()
+    context = getattr(state, "_state_ctx", None)
+    return bool(getattr(context, "post_backward_final_callback_queued", False))
 
 
 def as_pair(betas: Any) -> Any:

@@ -165,6 +165,37 @@ def _worker_second_reduce_scatter(rank: int, world_size: int, kind: str) -> list
     return log + [full(model)]
 
 
+def _worker_exception_inside_backward(rank: int, world_size: int, kind: str) -> list:
+    """A user's hook raises inside a backward (on every rank): FSDP2 stops reduce-scattering
+    for good, and every later ``step()`` says so, with nothing changed, instead of returning
+    as if it had updated."""
+    del world_size
+    model, optimizer = build(kind)
+    failing = [False]
+
+    def hook(grad: torch.Tensor) -> None:
+        if failing[0]:
+            failing[0] = False
+            raise RuntimeError("a user's hook")
+
+    def on_forward(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(hook)
+
+    model.block.register_forward_hook(on_forward)
+    shards = optimizer.param_groups[0]["params"]  # FSDP2 left the model's params unsharded
+    log = []
+    for t in range(1, 5):
+        optimizer.zero_grad()
+        failing[0] = t == 2
+        backward = attempt(lambda: loss(model, rank, t).backward())  # noqa: B023
+        before, count = [p.full_tensor() for p in shards], optimizer.count
+        outcome = attempt(optimizer.step)
+        after = [p.full_tensor() for p in shards]
+        unchanged = all(torch.equal(x, y) for x, y in zip(after, before, strict=True))
+        log.append((backward.split(":")[0], outcome, unchanged, count))
+    return log
+
+
 def _worker_step_without_backward(rank: int, world_size: int, kind: str) -> dict:
     """``step()`` before any backward, and a second ``step()`` after one, in both phases: a
     no-op (params, state and ``count`` unchanged); the updates after them train normally."""
@@ -333,3 +364,16 @@ def test_bad_arguments_name_the_setting_on_every_rank(kind):
         assert out[name].split(":")[0] in ("ValueError", "TypeError"), out[name]
         assert setting in out[name].split(":", 1)[1], out[name]
     assert out["count"] == 1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_after_an_exception_inside_backward_step_says_fsdp2_stopped(kind):
+    results = run_distributed(_worker_exception_inside_backward, WORLD, kind, timeout=240)
+    for log in results:
+        assert log[0] == ("ok", "ok", False, 0)
+        assert log[1][0] == "RuntimeError"  # the user's hook, raised by backward
+        for _, outcome, unchanged, count in log[1:]:
+            assert outcome.startswith("RuntimeError") and "FSDP2 no longer" in outcome
+            assert "TrainingCheckpoint.load" in outcome
+            assert unchanged and count == 1
