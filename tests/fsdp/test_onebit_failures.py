@@ -196,6 +196,30 @@ def _worker_exception_inside_backward(rank: int, world_size: int, kind: str) -> 
     return log
 
 
+def _worker_resume_after_a_failure(rank: int, world_size: int, kind: str, path: str) -> list:
+    """A checkpoint saved right after a failed compressed update (its batch skipped) resumes
+    bit for bit: the run that goes on and the run loaded from it make the same updates."""
+    del world_size
+    model, optimizer = build(kind)
+    checkpoint = fn.fsdp.TrainingCheckpoint(model, optimizer)
+    for t in range(1, FREEZE + 3):
+        optimizer.zero_grad()
+        loss(model, rank, t, nan=t == FREEZE + 2 and rank == 1).backward()
+        outcome = attempt(optimizer.step)
+    checkpoint.save(path)
+    runs = []
+    for resumed in (False, True):
+        if resumed:
+            model, optimizer = build(kind)
+            fn.fsdp.TrainingCheckpoint(model, optimizer).load(path)
+        for t in range(FREEZE + 3, STEPS + 2):
+            optimizer.zero_grad()
+            loss(model, rank, t).backward()
+            optimizer.step()
+        runs.append((optimizer.count, full(model)))
+    return [outcome.split(":")[0], *runs]
+
+
 def _worker_step_without_backward(rank: int, world_size: int, kind: str) -> dict:
     """``step()`` before any backward, and a second ``step()`` after one, in both phases: a
     no-op (params, state and ``count`` unchanged); the updates after them train normally."""
@@ -377,3 +401,15 @@ def test_after_an_exception_inside_backward_step_says_fsdp2_stopped(kind):
             assert outcome.startswith("RuntimeError") and "FSDP2 no longer" in outcome
             assert "TrainingCheckpoint.load" in outcome
             assert unchanged and count == 1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_a_checkpoint_saved_after_a_failure_resumes_bit_for_bit(kind, tmp_path):
+    path = str(tmp_path / "ckpt")
+    results = run_distributed(_worker_resume_after_a_failure, WORLD, kind, path, timeout=240)
+    for outcome, (count, params), (resumed_count, resumed) in results:
+        assert outcome == "NonFiniteError"
+        assert count == resumed_count == STEPS  # the failed update made none
+        assert torch.equal(params, resumed)
+    assert torch.equal(results[0][1][1], results[1][1][1])
