@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fn.base import CompressedOptimizer
-from fn.collectives import Local, ProcessGroup
-from fn.fsdp.onebit import ModuleLayout, ShardedOnebitOptimizer, as_pair
+from fn.collectives import ProcessGroup
+from fn.fsdp.onebit import ShardedOnebitOptimizer, as_pair
+from fn.fsdp.onebit_layout import ModuleLayout
 from fn.transforms import AutoFreeze, onebit_lamb, onebit_lamb_sharded
 
 __all__ = ["OnebitLamb"]
@@ -60,22 +60,32 @@ class OnebitLamb(ShardedOnebitOptimizer):
         ValueError, NotImplementedError: as :class:`~fn.fsdp.OnebitAdam`, on every rank.
 
     Example:
-        >>> import torch, torch.distributed as dist
+        A run saved and loaded through :class:`~fn.fsdp.TrainingCheckpoint`:
+
+        >>> import tempfile, torch, torch.distributed as dist
         >>> from torch.distributed.device_mesh import init_device_mesh
         >>> from torch.distributed.fsdp import fully_shard
         >>> import fn.fsdp
+        >>> path = tempfile.mkdtemp()
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        >>> model = fully_shard(torch.nn.Linear(2, 1), mesh=init_device_mesh("cpu", (1,)))
+        >>> model = fully_shard(torch.nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1,)))
         >>> opt = fn.fsdp.OnebitLamb(model, lr=1e-2, freeze_step=2)
+        >>> checkpoint = fn.fsdp.TrainingCheckpoint(model, opt)
         >>> for _ in range(3):
         ...     opt.zero_grad()
-        ...     model(torch.ones(1, 2)).sum().backward()
+        ...     model(torch.ones(1, 2)).square().sum().backward()
         ...     opt.step()
-        >>> opt.count
-        3
+        ...     checkpoint.step += 1
+        >>> checkpoint.save(path)
+        >>> checkpoint.load(path)
+        >>> opt.count, checkpoint.step
+        (3, 3)
         >>> dist.destroy_process_group()
     """
 
+    sharded_rule = staticmethod(onebit_lamb_sharded)
+    replicated_rule = staticmethod(onebit_lamb)
+    norms_over_shards = True  # the trust ratios' norms
     keeps_momentum_shards = True
     scalar_fields = ("lamb_coeff_freeze", "last_factor", "scaling_coeff")
     optional_fields = ("exp_avg_sq_fresh",)
@@ -116,17 +126,6 @@ class OnebitLamb(ShardedOnebitOptimizer):
             local_world_size=local_world_size,
             error_dtype=error_dtype,
         )
-
-    def _make_rule(self, settings: dict[str, Any], comm: Any) -> CompressedOptimizer:
-        return onebit_lamb_sharded(**settings, comm=comm)
-
-    def _single_rank_rule(
-        self,
-        settings: dict[str, Any],
-        error_dtype: torch.dtype,
-        masks: dict[str, torch.Tensor | None] | None,
-    ) -> CompressedOptimizer:
-        return onebit_lamb(**settings, comm=Local(), error_dtype=error_dtype, exp_avg_mask=masks)
 
     def _momentum_input(
         self,

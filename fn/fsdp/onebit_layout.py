@@ -1,0 +1,186 @@
+"""The layout of an FSDP2 module's compressed vector ``X`` under the 1-bit optimizers.
+
+``X`` has ``W`` rows, row ``j`` rank ``j``'s reduce-scatter shard: each param's slot in every
+row (FSDP2's dim-0 padding included), then zeros up to a multiple of ``lcm(W, 8)`` values, so
+that chunk ``j`` of ``fn.collectives.compressed_allreduce`` is rank ``j``'s shard. Here too: the
+FSDP2 modules of a model in FSDP2's order, and the moves between ``X``, full params and shards
+(docs/algorithms.md, "1-bit Adam and 1-bit LAMB on FSDP2").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+from fn.collectives import PackedSigns
+from fn.fsdp.loco import ROOT
+
+__all__ = [
+    "ModuleLayout",
+    "ParamSlot",
+    "fsdp_modules",
+    "fsdp_order",
+    "module_layout",
+    "momentum_from_signs",
+    "one_dim",
+    "params_of_x",
+    "row_of",
+    "shard_of",
+    "to_local",
+]
+
+
+class ParamSlot(NamedTuple):
+    """Where one param sits in its module's compressed vector ``X`` (``[W, S']``)."""
+
+    name: str  # the param's FQN in the model
+    param: DTensor
+    offset: int  # its first value in every row
+    width: int  # its values per row, padding included (numel / W after dim-0 padding)
+    real: tuple[int, ...]  # per rank j: how many of row j's ``width`` values are its elements
+
+
+class ModuleLayout(NamedTuple):
+    """One FSDP2 module's compressed vector: ``W`` rows of ``padded_row`` values, of which the
+    first ``row`` are FSDP2's reduce-scatter row and the rest zeros."""
+
+    name: str  # the module's FQN ("<root>" for the model itself)
+    slots: tuple[ParamSlot, ...]  # its params in FSDP2's order
+    row: int  # S: FSDP2's row
+    padded_row: int  # S': S rounded up to a multiple of lcm(W, 8)
+
+    def padding(self, world_size: int) -> list[tuple[int, int]]:
+        """The flat ``[start, stop)`` ranges of ``X`` that hold no element of a param."""
+        ranges = []
+        for j in range(world_size):
+            base = j * self.padded_row
+            for slot in self.slots:
+                if slot.real[j] < slot.width:
+                    start = base + slot.offset
+                    ranges.append((start + slot.real[j], start + slot.width))
+            if self.padded_row > self.row:
+                ranges.append((base + self.row, base + self.padded_row))
+        return ranges
+
+
+def module_layout(name: str, params: list[tuple[str, DTensor]], world_size: int) -> ModuleLayout:
+    """The layout of ``X`` for a module's params (FQN and sharded param, in FSDP2's order)."""
+    slots, offset = [], 0
+    for fqn, p in params:
+        dim = next(pl.dim for pl in p.placements if isinstance(pl, Shard))
+        if dim == 0 and p.dim() > 0:
+            rows = -(-p.shape[0] // world_size)  # FSDP2 pads dim 0 to a multiple of W
+            per_row = math.prod(p.shape[1:])
+            width = rows * per_row
+            real = tuple(
+                max(0, min(rows, p.shape[0] - j * rows)) * per_row for j in range(world_size)
+            )
+        else:  # Shard(d > 0): even chunks, FSDP2 checks it
+            width = p.numel() // world_size
+            real = (width,) * world_size
+        slots.append(ParamSlot(fqn, p, offset, width, real))
+        offset += width
+    unit = math.lcm(world_size, 8)
+    return ModuleLayout(name, tuple(slots), offset, -(-offset // unit) * unit)
+
+
+def to_local(x: torch.Tensor) -> torch.Tensor:
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def shard_of(local: torch.Tensor, param: DTensor) -> DTensor:
+    """``local`` (this rank's shard of a tensor like ``param``; empty: zeros) as a DTensor
+    sharded as ``param``."""
+    if local.numel() == 0:
+        local = torch.zeros_like(to_local(param), dtype=torch.float32)
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+    )
+
+
+def row_of(
+    layout: ModuleLayout, shards: Mapping[str, torch.Tensor | None], device: torch.device
+) -> torch.Tensor:
+    """This rank's row of ``X`` (fp32) holding its ``shards`` of the module's params (by
+    FQN; ``None``: zeros), zero at the padding positions."""
+    row = torch.zeros(layout.padded_row, device=device)
+    for slot in layout.slots:
+        x = shards[slot.name]
+        if x is not None:
+            row[slot.offset : slot.offset + x.numel()] = x.reshape(-1)
+    return row
+
+
+def params_of_x(layout: ModuleLayout, rows: torch.Tensor) -> list[torch.Tensor]:
+    """Every param of a module, full size, from ``rows``, its ``X`` (``[W, S']``) in
+    ``layout`` (that of ``W`` ranks)."""
+    params = []
+    for slot in layout.slots:
+        dim = next(pl.dim for pl in slot.param.placements if isinstance(pl, Shard))
+        chunks = torch.empty(slot.param.shape, device="meta").chunk(rows.shape[0], dim)
+        pieces = [
+            rows[j, slot.offset : slot.offset + chunk.numel()].view(chunk.shape)
+            for j, chunk in enumerate(chunks)
+        ]
+        params.append(torch.cat(pieces, dim))
+    return params
+
+
+def momentum_from_signs(
+    layout: ModuleLayout, signs: PackedSigns, world_size: int, rank: int
+) -> dict[str, torch.Tensor]:
+    """Every param's shard, at ``world_size`` and ``rank``, of a module's momentum packed in
+    ``layout`` (that of the world size it was saved at), read exactly."""
+    saved_world_size = signs.scales.numel()
+    rows = signs.values(saved_world_size * layout.padded_row).view(saved_world_size, -1)
+    shards = {}
+    for slot, full in zip(layout.slots, params_of_x(layout, rows), strict=True):
+        dim = next(pl.dim for pl in slot.param.placements if isinstance(pl, Shard))
+        mine = full.chunk(world_size, dim)
+        shard = mine[rank] if rank < len(mine) else full.narrow(dim, 0, 0)
+        shards[slot.name] = shard.contiguous()
+    return shards
+
+
+def fsdp_modules(model: nn.Module) -> list[tuple[str, list[tuple[str, DTensor]]]]:
+    """The FSDP2 modules under ``model`` with trainable params: ``(fqn, [(param fqn, param)])``
+    in FSDP2's order."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    found = []
+    for name, child in model.named_modules():
+        if isinstance(child, FSDPModule):
+            params = fsdp_order(child)
+            if params:
+                found.append((name or ROOT, [(names[id(p)], p) for p in params]))
+    return found
+
+
+def fsdp_order(module: FSDPModule) -> list[nn.Parameter]:
+    """The trainable params of ``module``'s FSDP2 group in the order of its reduce-scatter:
+    FSDP2 visits the modules depth first, a module after its children (nested FSDP2 modules
+    left out), each module's own params in registration order."""
+    order: list[nn.Parameter] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        if m is not module and isinstance(m, FSDPModule):
+            return
+        for child in m.children():
+            visit(child)
+        for p in m.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                order.append(p)
+
+    visit(module)
+    return [p for p in order if p.requires_grad]
+
+
+def one_dim(found: list[tuple[str, list[tuple[str, DTensor]]]]) -> bool:
+    return all(isinstance(p, DTensor) and p.device_mesh.ndim == 1 for _, ps in found for _, p in ps)

@@ -1,0 +1,394 @@
+"""The DCP state format of the 1-bit optimizers on FSDP2: one layout at every update (DCP
+loads in place into a layout fixed before it reads), a header of the format, world size, update
+count and checksums of the model's layout and the settings, checked before anything changes;
+loaded at the same world size bit for bit, at another with the momentum laid out anew and the
+error feedback reset (docs/algorithms.md, "1-bit Adam and 1-bit LAMB on FSDP2")."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+import zlib
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from fn.collectives import PackedSigns, init_error_feedback
+from fn.fsdp.onebit_layout import module_layout, momentum_from_signs, shard_of, to_local
+from fn.fsdp.onebit_masks import relaid_mask
+from fn.fsdp.onebit_reduce_scatter import CompressedModule
+
+__all__ = ["OnebitStateFormat", "auto_scalars", "not_torch_format"]
+
+_FORMAT = 1  # the layout of ShardedOnebitOptimizer.state_dict()
+_TORCH_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
+_AUTO_MASK_KEYS = ("always_zero", "exp_avg_mask")  # and with exp_avg_mask="auto"
+
+
+class OnebitStateFormat:
+    """The state dict of a :class:`~fn.fsdp.ShardedOnebitOptimizer` (a part of it: it reads
+    the optimizer's layouts, state, compressed modules, masks and settings)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state as a ``torch.distributed.checkpoint`` (DCP) state dict, in one
+        layout at every update (DCP loads in place into a layout fixed before it reads).
+
+        ``{"header", "lr", "signed", "exp_avg", "exp_avg_sq", "momentum", "rank<r>"}``:
+        ``header`` (int64: format, world size, updates made, checksums of the model's layout
+        and of the settings); ``lr`` (``param_groups[0]["lr"]``); ``signed`` (int8 per module:
+        whether its momentum is kept as packed signs); ``exp_avg`` and ``exp_avg_sq`` by param
+        FQN, DTensors of the shards (``exp_avg``: zeros where the momentum is packed);
+        ``momentum`` by module, the packed signs and scales of its full momentum (zeros before
+        the freeze; the same on every rank, so DCP saves them once); and under ``rank<r>``, a
+        name of this rank's own, by module its worker and server errors (zeros before the
+        first compressed update; DCP would keep one rank's copy of a name every rank saves).
+        With ``freeze_step="auto"``, ``auto`` holds the decision and its statistics (0-dim,
+        the same on every rank). With ``exp_avg_mask="auto"``, by module and as bits in the
+        layout of ``X``, ``always_zero`` holds the warmup's records of zero gradients (a
+        DTensor of the ranks' rows, each rank's its own; zeros after the freeze) and
+        ``exp_avg_mask`` the mask (the same on every rank; zeros before the freeze). A
+        subclass's further per-param fields come by field name: its ``scalar_fields`` (0-dim,
+        the same on every rank) and its ``optional_fields`` (DTensors of the shards, zeros
+        where ``None``, with ``"<field>_held"``: int8 per param, whether it holds a tensor).
+        :class:`~fn.fsdp.TrainingCheckpoint` saves it, and loads it at any world size, checked
+        before anything changes; ``dcp.load`` straight into it works at the same world size.
+
+        Returns:
+            A dict of tensors: the state's own where it holds them, zeros where it does not.
+
+        Raises:
+            NotImplementedError: called by ``torch.distributed.checkpoint.state_dict``
+                (``get_state_dict``, ``get_optimizer_state_dict``), which keeps only
+                ``torch.optim``'s per-param form; nothing was changed.
+            RuntimeError: called between a compressed update's backward and its ``step()``
+                (the momentum already holds that backward's gradient, the update count not
+                yet); nothing was changed.
+        """
+        # torch's API would drop every key of this form and fail on the missing "state"
+        if sys._getframe(1).f_globals.get("__name__") == _TORCH_STATE_DICT_API:
+            raise NotImplementedError(not_torch_format(self.name))
+        if any(held.pending for held in self._compressed.values()):
+            raise RuntimeError(
+                f"{self.name}: state_dict() between a backward and its step() in the "
+                "compressed phase: the packed momentum already holds this backward's "
+                "gradient, and a resumed run would apply it twice; save after step() (or "
+                "after zero_grad() and a step() that raised)"
+            )
+        world_size = self.comm.world_size
+        signed = [self._compressed[x.name].signs is not None for x in self._layouts]
+        mine: dict[str, dict[str, torch.Tensor]] = {}
+        state: dict[str, Any] = {
+            "header": self._header(),
+            "lr": torch.tensor(float(self.param_groups[0]["lr"]), dtype=torch.float64),
+            "signed": torch.tensor(signed, dtype=torch.int8),
+            "exp_avg": {},
+            "exp_avg_sq": {},
+            "momentum": {},
+            f"rank{self.rank}": mine,
+        }
+        for layout in self._layouts:
+            for slot in layout.slots:
+                m = self._state.exp_avg[slot.name]
+                m = m if isinstance(m, torch.Tensor) else torch.zeros(0)
+                state["exp_avg"][slot.name] = shard_of(m, slot.param)
+                v = self._state.exp_avg_sq[slot.name]
+                state["exp_avg_sq"][slot.name] = shard_of(v, slot.param)
+            held = self._compressed[layout.name]
+            signs = held.signs or PackedSigns(
+                torch.zeros(world_size, layout.padded_row // 8, dtype=torch.uint8),
+                torch.zeros(world_size),
+            )
+            state["momentum"][layout.name] = {"packed": signs.packed, "scales": signs.scales}
+            errors = held.errors or init_error_feedback(
+                world_size * layout.padded_row, comm=self.comm, dtype=self.error_dtype
+            )
+            mine[layout.name] = {"worker": errors[0], "server": errors[1]}
+        slots = [slot for layout in self._layouts for slot in layout.slots]
+        if self._automatic:
+            state["auto"] = auto_scalars(self._state.auto)
+        if self._auto_mask:
+            state.update(self._auto_mask_state())
+        for field in self.scalar_fields:
+            state[field] = {slot.name: getattr(self._state, field)[slot.name] for slot in slots}
+        for field in self.optional_fields:
+            values = [getattr(self._state, field)[slot.name] for slot in slots]
+            state[f"{field}_held"] = torch.tensor([x is not None for x in values], dtype=torch.int8)
+            state[field] = {
+                slot.name: shard_of(torch.zeros(0) if x is None else x, slot.param)
+                for slot, x in zip(slots, values, strict=True)
+            }
+        return state
+
+    def checkpoint_template(
+        self, header: torch.Tensor, saved: dict[str, torch.Size]
+    ) -> dict[str, Any]:
+        """The state dict that DCP loads a checkpoint of :meth:`state_dict` into: new tensors
+        laid out as saved (this rank's errors only if the world size is the same).
+
+        Args:
+            header: the checkpoint's ``header`` (loaded first).
+            saved: the checkpoint's optimizer keys, flat (``"exp_avg.block.weight"``), and
+                their sizes (from the checkpoint's metadata).
+
+        Returns:
+            A dict of the form of :meth:`state_dict`, to pass to ``dcp.load``.
+
+        Raises:
+            ValueError: the header does not match this model or these settings, or a key is
+                missing (nothing was loaded).
+        """
+        auto_saved = any(key.startswith("always_zero.") for key in saved)
+        world_size, _ = self._checked_header(header, auto_saved)
+        own = f"rank{self.rank}"
+        needed = ["lr", "signed"]
+        for layout in self._layouts:
+            needed += [f"momentum.{layout.name}.{k}" for k in ("packed", "scales")]
+            if world_size == self.comm.world_size:
+                needed += [f"{own}.{layout.name}.{k}" for k in ("worker", "server")]
+            fields = ("exp_avg", "exp_avg_sq", *self.scalar_fields, *self.optional_fields)
+            needed += [f"{f}.{s.name}" for s in layout.slots for f in fields]
+        needed += [f"{field}_held" for field in self.optional_fields]
+        if self._automatic:
+            needed += [f"auto.{k}" for k in auto_scalars(self._state.auto)]
+        if self._auto_mask:
+            needed += [f"{f}.{x.name}" for f in _AUTO_MASK_KEYS for x in self._layouts]
+        missing = [key for key in needed if key not in saved]
+        if missing:
+            raise ValueError(
+                f"{self.name}: the checkpoint has no {missing[:4]}; nothing was loaded"
+            )
+
+        def new(key: str, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(saved[key], dtype=dtype)
+
+        template: dict[str, Any] = {
+            "header": header.clone(),
+            "lr": new("lr", torch.float64),
+            "signed": new("signed", torch.int8),
+            "exp_avg": {},
+            "exp_avg_sq": {},
+            "momentum": {},
+        }
+        for layout in self._layouts:
+            template["momentum"][layout.name] = {
+                k: new(f"momentum.{layout.name}.{k}", dtype)
+                for k, dtype in (("packed", torch.uint8), ("scales", torch.float32))
+            }
+            for slot in layout.slots:
+                for field in ("exp_avg", "exp_avg_sq", *self.optional_fields):
+                    shard = shard_of(torch.zeros(0), slot.param)
+                    template.setdefault(field, {})[slot.name] = shard
+                for field in self.scalar_fields:
+                    key = f"{field}.{slot.name}"
+                    template.setdefault(field, {})[slot.name] = new(key, torch.float32)
+        for field in self.optional_fields:
+            template[f"{field}_held"] = new(f"{field}_held", torch.int8)
+        if self._automatic:
+            template["auto"] = {k: v.clone() for k, v in auto_scalars(self._state.auto).items()}
+        if self._auto_mask:  # the records as a whole (at another world size too)
+            for f in _AUTO_MASK_KEYS:
+                template[f] = {x.name: new(f"{f}.{x.name}", torch.uint8) for x in self._layouts}
+        if world_size == self.comm.world_size:
+            template[own] = {
+                x.name: {
+                    k: new(f"{own}.{x.name}.{k}", self.error_dtype) for k in ("worker", "server")
+                }
+                for x in self._layouts
+            }
+        return template
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores a :meth:`state_dict` (as :meth:`state_dict` or :meth:`checkpoint_template`
+        lays it out).
+
+        Saved at this world size, the state continues bit for bit. Saved at another one, the
+        momentum is read back exactly into this world size's layout, and the error feedback
+        (which compensated the old layout's compression) restarts from zero with a warning.
+
+        Raises:
+            ValueError: the checkpoint is of another model or other settings; nothing was
+                changed.
+            NotImplementedError: ``state_dict`` is in ``torch.optim``'s per-param form (as
+                ``torch.distributed.checkpoint.state_dict.set_state_dict`` passes it); nothing
+                was changed.
+        """
+        if "header" not in state_dict:
+            raise NotImplementedError(not_torch_format(self.name))
+        auto_saved = "always_zero" in state_dict
+        world_size, count = self._checked_header(state_dict["header"], auto_saved)
+        same = world_size == self.comm.world_size
+        signed = [bool(x) for x in state_dict["signed"].tolist()]
+        if len(signed) != len(self._layouts):
+            raise ValueError(f"{self.name}: corrupt checkpoint: signed = {signed}")
+        auto = self._state.auto
+        if self._automatic:
+            loaded = {k: state_dict["auto"][k].clone() for k in auto_scalars(auto)}
+            auto = auto._replace(**loaded)
+        masks, records = self._masks, self._zero_records
+        if self._auto_mask:
+            frozen = self._rule.is_compressed(count, self._state._replace(auto=auto))
+            masks, records = self._loaded_auto_masks(state_dict, world_size, frozen)
+        own = state_dict.get(f"rank{self.rank}", {}) if same else {}
+        exp_avg, exp_avg_sq, compressed = {}, {}, {}
+        for layout, packed in zip(self._layouts, signed, strict=True):
+            held = CompressedModule()
+            for slot in layout.slots:
+                exp_avg_sq[slot.name] = to_local(state_dict["exp_avg_sq"][slot.name]).clone()
+                m = to_local(state_dict["exp_avg"][slot.name]).clone()
+                exp_avg[slot.name] = None if packed and not self.keeps_momentum_shards else m
+            if packed:
+                signs = state_dict["momentum"][layout.name]
+                held.signs = PackedSigns(signs["packed"].clone(), signs["scales"].clone())
+                if same:
+                    errors = own[layout.name]
+                    held.errors = (errors["worker"].clone(), errors["server"].clone())
+                else:  # the shards' momentum, in this world size's layout
+                    if not self.keeps_momentum_shards:  # (else DCP resharded exp_avg)
+                        slots = [(s.name, s.param) for s in layout.slots]
+                        old = module_layout(layout.name, slots, world_size)
+                        world, rank = self.comm.world_size, self.rank
+                        shards = momentum_from_signs(old, held.signs, world, rank)
+                        exp_avg.update(self._masked_shards(layout, shards, masks[layout.name]))
+                    held.signs = None
+            compressed[layout.name] = held
+        if not same and any(signed):
+            warnings.warn(
+                f"{self.name}: checkpoint saved at world size {world_size}, loaded at "
+                f"{self.comm.world_size}: the error feedback restarts from zero (the momentum "
+                "is kept)",
+                stacklevel=2,
+            )
+        names = [slot.name for layout in self._layouts for slot in layout.slots]
+        extra = {
+            field: {k: state_dict[field][k].clone() for k in names} for field in self.scalar_fields
+        }
+        for field in self.optional_fields:
+            held_by = [bool(x) for x in state_dict[f"{field}_held"].tolist()]
+            values = [to_local(state_dict[field][k]).clone() for k in names]
+            extra[field] = {
+                k: x if kept else None for k, x, kept in zip(names, values, held_by, strict=True)
+            }
+        if self._automatic:
+            extra["auto"] = auto
+        self.param_groups[0]["lr"] = float(state_dict["lr"])
+        self._state = self._state._replace(
+            count=torch.tensor(count, dtype=torch.int64),
+            lr=torch.tensor(float(state_dict["lr"]), dtype=torch.float32),
+            exp_avg=exp_avg,
+            exp_avg_sq=exp_avg_sq,
+            **extra,
+        )
+        self._compressed = compressed
+        self._set_masks(masks, records)
+
+    def _auto_mask_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``exp_avg_mask="auto"``'s part of :meth:`state_dict`, by module: ``always_zero``,
+        the records (a DTensor of the ranks' rows: each rank saves its own; zeros after the
+        freeze), and ``exp_avg_mask``, the masks (the same on every rank; zeros before the
+        freeze), both bits in the layout of ``X``."""
+        world_size = self.comm.world_size
+        records, masks = {}, {}
+        for layout in self._layouts:
+            param = layout.slots[0].param
+            size = layout.padded_row // 8
+            record = torch.zeros(size, dtype=torch.uint8, device=param.device)
+            if self._zero_records is not None:
+                record = self._zero_records[layout.name]
+            records[layout.name] = DTensor.from_local(
+                record, param.device_mesh, [Shard(0)], shape=(world_size * size,), stride=(1,)
+            )
+            mask = self._masks[layout.name]
+            if mask is None:
+                mask = torch.zeros(world_size * size, dtype=torch.uint8, device=param.device)
+            masks[layout.name] = mask
+        return {"always_zero": records, "exp_avg_mask": masks}
+
+    def _loaded_auto_masks(
+        self, state_dict: dict[str, Any], world_size: int, frozen: bool
+    ) -> tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor] | None]:
+        """``exp_avg_mask="auto"``'s masks and records (the optimizer's ``_masks`` and
+        ``_zero_records``) from a :meth:`state_dict` saved at ``world_size``, in this world
+        size's layout: after the freeze (``frozen``) the masks, before it the records."""
+        masks: dict[str, torch.Tensor | None] = {x.name: None for x in self._layouts}
+        records = {}
+        for layout in self._layouts:
+            if frozen:
+                saved = state_dict["exp_avg_mask"][layout.name]
+                masks[layout.name] = relaid_mask(layout, saved, world_size, self.comm.world_size)
+                continue
+            saved = state_dict["always_zero"][layout.name]
+            if isinstance(saved, DTensor):  # dcp.load into state_dict(): this rank's own row
+                records[layout.name] = saved.to_local().clone()
+                continue
+            seen = relaid_mask(layout, saved.bitwise_not(), world_size, self.comm.world_size)
+            size = layout.padded_row // 8
+            records[layout.name] = seen[self.rank * size : (self.rank + 1) * size].bitwise_not()
+        return masks, None if frozen else records
+
+    def _header(self) -> torch.Tensor:
+        """``[format, world size, updates made, crc of the layout, crc of the settings]``."""
+        return torch.tensor(
+            [_FORMAT, self.comm.world_size, self.count, *self._fingerprints()], dtype=torch.int64
+        )
+
+    def _fingerprints(self) -> tuple[int, int]:
+        layout = repr(
+            [(x.name, [(s.name, tuple(s.param.shape)) for s in x.slots]) for x in self._layouts]
+        )
+        group = self.param_groups[0]  # the rule's settings (not lr, nor a scheduler's keys)
+        fixed = {k: group[k] for k in self._setting_names}
+        masks = (self._mask_setting,) if self._mask_setting else ()  # (older ones had none)
+        settings = repr((fixed, str(self.error_dtype), *masks))
+        return zlib.crc32(layout.encode()), zlib.crc32(settings.encode())
+
+    def _checked_header(self, header: torch.Tensor, auto_saved: bool) -> tuple[int, int]:
+        """The checkpoint's world size and update count, or ``ValueError`` if it is not a
+        checkpoint of this model and these settings (``auto_saved``: whether it holds
+        ``exp_avg_mask="auto"``'s records)."""
+        values = header.tolist()
+        if len(values) != 5 or values[0] != _FORMAT:
+            raise ValueError(
+                f"{self.name}: not a checkpoint of this format (header {values}); "
+                "nothing was loaded"
+            )
+        _, world_size, count, layout, settings = values
+        layout_now, settings_now = self._fingerprints()
+        if layout != layout_now:
+            raise ValueError(
+                f"{self.name}: the checkpoint is of another model (its FSDP2 modules, "
+                "params or shapes differ); nothing was loaded"
+            )
+        if auto_saved != self._auto_mask:
+            made, here = ("", "not ") if auto_saved else ("not ", "")
+            raise ValueError(
+                f'{self.name}: the checkpoint was saved with exp_avg_mask {made}"auto", this '
+                f"optimizer's is {here}\"auto\" (the records of the warmup's zero gradients "
+                "are in the state); build the optimizer as the checkpoint's was; nothing was "
+                "loaded"
+            )
+        if settings != settings_now:
+            raise ValueError(
+                f"{self.name}: the checkpoint was saved with other settings (its "
+                "hyperparameters, exp_avg_mask or error_dtype); nothing was loaded"
+            )
+        if world_size < 1 or count < 0:
+            raise ValueError(f"{self.name}: corrupt checkpoint header {values}")
+        return world_size, count
+
+
+def not_torch_format(name: str) -> str:
+    return (
+        f"{name}: its state is not torch.optim's per-param form (the packed momentum and "
+        "the error feedback belong to FSDP2 modules and ranks, not params), so "
+        "torch.distributed.checkpoint.state_dict's get_state_dict / set_state_dict (and "
+        "get_/set_optimizer_state_dict) cannot carry it; nothing was changed. Save and load "
+        "with fn.fsdp.TrainingCheckpoint(model, optimizer).save(path) / .load(path), or "
+        "dcp.save({'optim': optimizer.state_dict()}) and fn.fsdp.read_onebit_state"
+    )
+
+
+def auto_scalars(auto: Any) -> dict[str, torch.Tensor]:
+    """The 0-dim fields of a state's ``auto`` (``freeze_step="auto"``'s decision and
+    statistics, the same on every rank), by name."""
+    return {k: v for k, v in auto._asdict().items() if isinstance(v, torch.Tensor)}
