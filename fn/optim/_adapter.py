@@ -6,44 +6,40 @@ The policies (gradient communication, flat buffers, mixed precision, non-finite 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from fn.errors import NonFiniteError, check_int
-from fn.optim._checkpoint import (
-    GatheredErrorFeedback,
-    load,
-    packed_param_groups,
-    plan_load,
-    save_group,
-)
+from fn.optim._checkpoint import GatheredErrorFeedback, load, plan_load, save_state
 from fn.optim._consensus import (
+    SyncCheckSchedule,
     check_in_sync,
     check_same_group,
     group_settings,
     process_comm,
+    refuse_unusable,
     vote_on_gradients,
 )
 from fn.optim._ddp_detection import warn_if_averaged
 from fn.optim._step import (
+    NONFINITE_GRADIENTS,
     AveragedOverflow,
     GroupRuntime,
     Transform,
     check_group,
     check_nonfinite_policy,
-    check_unfrozen,
+    check_params,
     commit_groups,
     compressed_next,
+    gather_step_grads,
     is_fixed,
-    never_compressed,
     plan_groups,
     read_lr,
     split_frozen,
-    unscale,
     update_groups,
+    warn_never_compressed,
 )
 
 _EAGER_STEP = (
@@ -159,10 +155,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.last_step_skipped = False
         self.check_every = check_int("check_every", check_every)
-        self._steps_since_check = 0
-        # Whether the ranks' starting point was compared: at the first step() after building or
-        # load_state_dict, once the weights and the state that the ranks start from are final.
-        self._start_checked = False
+        # When step() compares the ranks: at the first update after building or load_state_dict,
+        # and every check_every updates.
+        self._sync_checks = SyncCheckSchedule()
         # Whether the first step still has to look for gradients averaged before it (DDP that
         # fn was not told about; fn.optim._ddp_detection): once per optimizer.
         self._averaging_unchecked = True
@@ -238,17 +233,6 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         ]
         check_in_sync(self.comm, snapshots)
 
-    def _check_if_due(self) -> None:
-        """:meth:`check_consistency` every ``check_every`` steps taken."""
-        if not self.check_every or self.last_step_skipped:
-            return
-        self._steps_since_check += 1
-        # 0/1 Adam: postponed to the next step after which the ranks' params agree (a sync)
-        due = self._steps_since_check >= self.check_every
-        if due and all(runtime.param_agreement() is not None for runtime in self._groups):
-            self._steps_since_check = 0
-            self.check_consistency()
-
     # ---------------------------------------------------------------- step
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -303,57 +287,36 @@ class FunctionalOptimizer(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        check_unfrozen(self._groups, self.param_groups)
-        for runtime in self._groups:
-            runtime.flat.check_params()
-        if not self._start_checked:  # until the first update (a no-op step does not count)
+        check_params(self._groups, self.param_groups)
+        if self._sync_checks.start_due:  # until the first update (a no-op step does not count)
             self.check_consistency()
         plans = self._plans()
-        grads = [runtime.flat.gather_grads() for runtime in self._groups]
-        unusable = [
-            f"param group {index}: {runtime.flat.unusable}"
-            for index, runtime in enumerate(self._groups)
-            if runtime.flat.unusable is not None
-        ]
-        holding = any(p.grad is not None for runtime in self._groups for p in runtime.flat.params)
-        if grad_scale is not None:
-            unscale(grads, grad_scale)
         # Transforms that reject non-finite gradients themselves, on every rank and before
         # any write, need no separate pass over their gradients.
-        unchecked = [] if self._checks_gradients or unusable else grads
-        device = grads[0].device if grads else None
+        mine = gather_step_grads(self._groups, grad_scale, self._checks_gradients)
         vote = vote_on_gradients(
-            self.comm, unchecked, found_inf, bool(unusable), holding, device=device
+            self.comm, mine.counted, found_inf, bool(mine.unusable), mine.holding, mine.device
         )
         if not vote.holding:
             # No param of any group has a gradient on any rank (the same decision on every
             # rank): no update.
             self.last_step_skipped = True
             return loss
-        self._start_checked = True
-        if vote.unusable:
-            mine = unusable[0] if unusable else "that rank's error names the param"
-            raise ValueError(
-                f"fn.optim: {vote.unusable} of {self.comm.world_size} ranks hold a gradient that "
-                f"fn.optim cannot take ({mine}); no update was made on any rank"
-            )
+        self._sync_checks.start_due = False
+        refuse_unusable(self.comm, vote, mine.unusable)
         if self._averaging_unchecked:
             self._averaging_unchecked = False
-            warn_if_averaged(self, grads)
+            warn_if_averaged(self, mine.grads)
         if vote.nonfinite > 0:
-            return self._skip(
-                loss,
-                found_inf,
-                "fn.optim: non-finite gradients (NaN or Inf) on some rank; no update was made and "
-                "the optimizer state is unchanged (nonfinite='skip' skips such steps)",
-            )
+            return self._skip(loss, found_inf, NONFINITE_GRADIENTS)
         try:
-            results = update_groups(self.comm, self.flatten, self._groups, plans, grads)
+            results = update_groups(self.comm, self.flatten, self._groups, plans, mine.grads)
         except AveragedOverflow as err:
             return self._skip(loss, found_inf, str(err))
         self.last_step_skipped = False
         commit_groups(self._groups, plans, results)
-        self._check_if_due()
+        if self._sync_checks.due_after_update(self.check_every, self._groups):
+            self.check_consistency()
         return loss
 
     def _skip(self, loss: Any, found_inf: torch.Tensor | None, message: str) -> Any:
@@ -408,17 +371,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         Returns:
             Whether it warned.
         """
-        idle = never_compressed(self._groups, updates)
-        if idle:
-            warnings.warn(
-                f"fn.optim: param groups {idle} make no compressed update within {source} "
-                f'({updates} updates), or with freeze_step="auto" none is certain: until one '
-                "is, every update is a dense allreduce, as plain Adam's, and saves no "
-                "bandwidth; set freeze_step (0/1 Adam: var_freeze_step), or "
-                f"freeze_step=fn.AutoFreeze(max_updates=...), below {updates}",
-                stacklevel=2,
-            )
-        return bool(idle)
+        return warn_never_compressed(self._groups, updates, source)
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -440,15 +393,6 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         """
         self._gathered = GatheredErrorFeedback.gather(self.comm, self._groups)
 
-    def _gathered_error_feedback(self, index: int) -> tuple[dict[str, torch.Tensor], ...] | None:
-        """Group ``index``'s gathered error feedback if it was gathered from the current state."""
-        if self._gathered is None:
-            return None
-        if not self._gathered.current(self._groups):
-            self._gathered = None  # stale: free it
-            return None
-        return self._gathered.by_rank[index]
-
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state in ``torch.optim``'s layout.
 
@@ -464,13 +408,11 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             the master is a copy, taken after writes to the params are synced into it as before a
             step (see ``fn.optim._checkpoint.GroupRecord``).
         """
-        state = {
-            index: save_group(
-                runtime, self.comm, self._gathered_error_feedback(index), self.local_world_size
-            )
-            for index, runtime in enumerate(self._groups)
-        }
-        return {"state": state, "param_groups": packed_param_groups(self.param_groups)}
+        if self._gathered is not None and not self._gathered.current(self._groups):
+            self._gathered = None  # stale: free it (it holds every rank's error feedback)
+        return save_state(
+            self._groups, self.param_groups, self.comm, self._gathered, self.local_world_size
+        )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restores a :meth:`state_dict`: the functional state (error feedback included), the step
@@ -503,4 +445,4 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             self.local_world_size,
         )
         load(plans, self.param_groups, self._groups)
-        self._start_checked = False
+        self._sync_checks.start_due = True

@@ -463,36 +463,42 @@ def packed_param_groups(param_groups: Sequence[Mapping[str, Any]]) -> list[dict[
     return packed
 
 
-def save_group(
-    runtime: Any,
+def save_state(
+    groups: Sequence[Any],
+    param_groups: Sequence[Mapping[str, Any]],
     comm: Any,
-    error_feedback_by_rank: tuple[dict[str, torch.Tensor], ...] | None,
+    gathered: GatheredErrorFeedback | None,
     local_world_size: int | None = None,
 ) -> dict[str, Any]:
-    """The stored record of one group (``GroupRecord.to_dict``): its live state tensors and a
-    copy of its master, taken after writes to the params are synced into it as before a step.
-    The tensors handed out are never donated (``GroupRuntime.export``).
+    """An optimizer's ``state_dict()``: every group's stored record (``GroupRecord.to_dict``) and
+    the param groups (:func:`packed_param_groups`). A record holds the group's live state
+    tensors and a copy of its master, taken after writes to the params are synced into it as
+    before a step; the tensors handed out are never donated (``GroupRuntime.export``).
 
     Args:
-        runtime: the group's ``GroupRuntime``.
+        groups: the groups' ``GroupRuntime``.
+        param_groups: the optimizer's param groups.
         comm: the optimizer's communicator.
-        error_feedback_by_rank: every rank's gathered error feedback, or ``None``.
-        local_world_size: the ranks per node of the transform's collectives (``None``: flat).
+        gathered: every rank's error feedback, gathered from the groups' live states, or
+            ``None``.
+        local_world_size: the ranks per node of the transforms' collectives (``None``: flat).
     """
-    runtime.flat.sync_master()
-    master = runtime.flat.master.clone() if runtime.flat.has_master_copy else None
-    record = GroupRecord(
-        step=runtime.step,
-        world_size=comm.world_size,
-        shapes=tuple(runtime.flat.shapes),
-        functional=state_to_dict(runtime.state),
-        master=master,
-        rank=getattr(comm, "rank", 0),
-        error_feedback_by_rank=error_feedback_by_rank,
-        local_world_size=local_world_size,
-    ).to_dict()
-    runtime.export(record)
-    return record
+    state = {}
+    for index, runtime in enumerate(groups):
+        runtime.flat.sync_master()
+        master = runtime.flat.master.clone() if runtime.flat.has_master_copy else None
+        state[index] = GroupRecord(
+            step=runtime.step,
+            world_size=comm.world_size,
+            shapes=tuple(runtime.flat.shapes),
+            functional=state_to_dict(runtime.state),
+            master=master,
+            rank=getattr(comm, "rank", 0),
+            error_feedback_by_rank=None if gathered is None else gathered.by_rank[index],
+            local_world_size=local_world_size,
+        ).to_dict()
+        runtime.export(state[index])
+    return {"state": state, "param_groups": packed_param_groups(param_groups)}
 
 
 class LoadPlan(NamedTuple):

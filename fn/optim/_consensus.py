@@ -10,10 +10,11 @@ by all ranks, never read from one rank's local data alone:
   flat buffers and every collective over them). Not their values: a rank may load its weights
   and its optimizer state after building the optimizer, and 0/1 Adam's ranks differ by design.
 - :func:`check_in_sync`: at the first step (after any ``load_state_dict``), on demand and every
-  few steps, the ranks compare their step counts, hyperparameters and params (where the
-  optimizer declares that the ranks' params agree).
+  few steps (:class:`SyncCheckSchedule`), the ranks compare their step counts, hyperparameters
+  and params (where the optimizer declares that the ranks' params agree).
 - :func:`vote_on_gradients`: before each step, the ranks vote on taking it (every rank's
-  gradients usable and finite, and some rank holding a gradient at all).
+  gradients usable and finite, and some rank holding a gradient at all);
+  :func:`refuse_unusable` then raises alike on every rank for an unusable gradient.
 
 The comparisons exchange a small fixed-size fingerprint first (one all_gather of a few int64 per
 rank); the full descriptions travel only when fingerprints differ, so that every rank raises the
@@ -364,6 +365,30 @@ def check_in_sync(comm: Any, groups: Sequence[GroupSnapshot]) -> None:
         )
 
 
+class SyncCheckSchedule:
+    """When the adapter runs :func:`check_in_sync` on its own: at its first update after it was
+    built or loaded (``start_due``: once the weights and the state that the ranks start from are
+    final; a step that makes no update does not count), and every ``check_every`` updates
+    (:meth:`due_after_update`)."""
+
+    def __init__(self) -> None:
+        self.start_due = True
+        self.updates = 0  # updates since the last periodic check
+
+    def due_after_update(self, check_every: int, groups: Sequence[Any]) -> bool:
+        """Counts an update of the ``groups`` (``GroupRuntime``); whether the periodic check is
+        due now (``check_every=0``: never). 0/1 Adam: postponed to the next update after which
+        the ranks' params agree (a sync), when every group's ``param_agreement()`` is known."""
+        if not check_every:
+            return False
+        self.updates += 1
+        due = self.updates >= check_every
+        if due and all(runtime.param_agreement() is not None for runtime in groups):
+            self.updates = 0
+            return True
+        return False
+
+
 class GradientVote(NamedTuple):
     """What the ranks agreed on about one step's gradients (the same on every rank)."""
 
@@ -410,3 +435,15 @@ def vote_on_gradients(
     if comm.world_size > 1:
         counts = comm.all_reduce(counts, op="sum")
     return GradientVote(*counts.tolist())
+
+
+def refuse_unusable(comm: Any, vote: GradientVote, unusable: Sequence[str]) -> None:
+    """Raises the same ``ValueError`` on every rank when the vote counts ranks holding a gradient
+    the optimizer cannot take, naming this rank's first (``unusable``, described) if it holds
+    one."""
+    if vote.unusable:
+        mine = unusable[0] if unusable else "that rank's error names the param"
+        raise ValueError(
+            f"fn.optim: {vote.unusable} of {comm.world_size} ranks hold a gradient that "
+            f"fn.optim cannot take ({mine}); no update was made on any rank"
+        )

@@ -29,6 +29,33 @@ class OnebitFamily(FunctionalOptimizer):
     but ``params``, ``comm``, ``exp_avg_mask``, ``nonfinite``, ``flatten``,
     ``local_world_size`` and ``error_dtype`` is a default hyperparameter of its param groups,
     in the signature's order.
+
+    Example:
+        Two steps of each on a constant gradient, with one worker (no communication: the 1-bit
+        allreduce is the identity): a warmup step, then a compressed step with the variance
+        frozen (see each class):
+
+        >>> import torch
+        >>> import fn
+        >>> from fn.collectives import Local
+        >>> def two_steps(optimizer, weight, **hyper):
+        ...     model = torch.nn.Linear(2, 1, bias=False)
+        ...     _ = torch.nn.init.constant_(model.weight, weight)
+        ...     opt = optimizer(model.parameters(), lr=1e-2, comm=Local(), **hyper)
+        ...     for _ in range(2):
+        ...         opt.zero_grad()
+        ...         model(torch.ones(1, 2)).sum().backward()  # gradient 1 for every weight
+        ...         opt.step()
+        ...         print(model.weight.detach())
+        >>> two_steps(fn.optim.OnebitAdam, 0.0, freeze_step=2)
+        tensor([[-0.0316, -0.0316]])
+        tensor([[-0.0917, -0.0917]])
+        >>> two_steps(fn.optim.ZeroOneAdam, 0.0, var_freeze_step=2)
+        tensor([[-0.0316, -0.0316]])
+        tensor([[-0.0741, -0.0741]])
+        >>> two_steps(fn.optim.OnebitLamb, 1.0, freeze_step=2)
+        tensor([[0.9900, 0.9900]])
+        tensor([[0.9883, 0.9883]])
     """
 
     _factory: Callable[..., CompressedOptimizer]
@@ -218,21 +245,8 @@ class OnebitAdam(OnebitFamily):
 
     Example:
         One warmup step (Adam, variance estimated), then one compressed step (the variance is
-        frozen; with one worker the 1-bit allreduce is the identity):
-
-        >>> import torch
-        >>> import fn
-        >>> from fn.collectives import Local
-        >>> model = torch.nn.Linear(2, 1, bias=False)
-        >>> _ = torch.nn.init.zeros_(model.weight)
-        >>> opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2, comm=Local())
-        >>> for _ in range(2):
-        ...     opt.zero_grad()
-        ...     model(torch.ones(1, 2)).sum().backward()  # gradient 1 for every weight
-        ...     opt.step()
-        ...     print(model.weight.detach())
-        tensor([[-0.0316, -0.0316]])
-        tensor([[-0.0917, -0.0917]])
+        frozen; with one worker the 1-bit allreduce is the identity): in
+        :class:`OnebitFamily`'s example, ``two_steps(fn.optim.OnebitAdam, 0.0, freeze_step=2)``.
     """
 
     @staticmethod
@@ -289,20 +303,8 @@ class ZeroOneAdam(OnebitFamily):
 
     Example:
         A variance update, then a step with the variance frozen (one worker: no communication):
-
-        >>> import torch
-        >>> import fn
-        >>> from fn.collectives import Local
-        >>> model = torch.nn.Linear(2, 1, bias=False)
-        >>> _ = torch.nn.init.zeros_(model.weight)
-        >>> opt = fn.optim.ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=2, comm=Local())
-        >>> for _ in range(2):
-        ...     opt.zero_grad()
-        ...     model(torch.ones(1, 2)).sum().backward()  # gradient 1 for every weight
-        ...     opt.step()
-        ...     print(model.weight.detach())
-        tensor([[-0.0316, -0.0316]])
-        tensor([[-0.0741, -0.0741]])
+        in :class:`OnebitFamily`'s example,
+        ``two_steps(fn.optim.ZeroOneAdam, 0.0, var_freeze_step=2)``.
     """
 
     _factory = staticmethod(zero_one_adam)
@@ -353,21 +355,8 @@ class OnebitLamb(OnebitFamily):
 
     Example:
         A LAMB warmup step (trust ratio clamped to ``max_coeff``), then a compressed step with
-        the frozen trust ratio (one worker: no communication):
-
-        >>> import torch
-        >>> import fn
-        >>> from fn.collectives import Local
-        >>> model = torch.nn.Linear(2, 1, bias=False)
-        >>> _ = torch.nn.init.ones_(model.weight)
-        >>> opt = fn.optim.OnebitLamb(model.parameters(), lr=1e-2, freeze_step=2, comm=Local())
-        >>> for _ in range(2):
-        ...     opt.zero_grad()
-        ...     model(torch.ones(1, 2)).sum().backward()  # gradient 1 for every weight
-        ...     opt.step()
-        ...     print(model.weight.detach())
-        tensor([[0.9900, 0.9900]])
-        tensor([[0.9883, 0.9883]])
+        the frozen trust ratio (one worker: no communication): in :class:`OnebitFamily`'s
+        example, ``two_steps(fn.optim.OnebitLamb, 1.0, freeze_step=2)``.
     """
 
     _factory = staticmethod(onebit_lamb)

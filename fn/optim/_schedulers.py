@@ -25,17 +25,11 @@ import torch
 # type: (DeepSpeed's constructor arguments after the optimizer, with their defaults;
 # a value of _REQUIRED has no default)
 _REQUIRED = object()
+_WARMUP_LR = dict(warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=1000, warmup_type="log")
 SCHEDULES: dict[str, dict[str, Any]] = {
-    "WarmupLR": dict(
-        warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=1000, warmup_type="log"
-    ),
-    "WarmupDecayLR": dict(
-        total_num_steps=_REQUIRED,
-        warmup_min_lr=0.0,
-        warmup_max_lr=0.001,
-        warmup_num_steps=1000,
-        warmup_type="log",
-    ),
+    "WarmupLR": _WARMUP_LR,
+    # DeepSpeed's WarmupDecayLR is a WarmupLR (with another warmup_max_lr) that then decays
+    "WarmupDecayLR": {"total_num_steps": _REQUIRED, **_WARMUP_LR, "warmup_max_lr": 0.001},
     "WarmupCosineLR": dict(
         total_num_steps=_REQUIRED,
         warmup_min_ratio=0.0,

@@ -1,19 +1,22 @@
 """One param group of the ``torch.optim`` adapter at run time, and its update.
 
 A :class:`GroupRuntime` holds the group's flat buffers, transform, hyperparameters, functional
-state and step count. ``FunctionalOptimizer.step()`` checks everything first, then asks every
-group for its updates and new state (:meth:`GroupRuntime.update`, which writes only the group's
-gradient buffer and spare state), and commits all groups last (:meth:`GroupRuntime.commit`): a
-step that fails or is skipped in any group leaves every group as it was.
+state and step count. ``FunctionalOptimizer.step()`` checks everything first (the params,
+:func:`check_params`; this rank's gradients, :func:`gather_step_grads`, on which the ranks then
+vote), then asks every group for its updates and new state (:meth:`GroupRuntime.update`, which
+writes only the group's gradient buffer and spare state), and commits all groups last
+(:meth:`GroupRuntime.commit`): a step that fails or is skipped in any group leaves every group as
+it was.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy
 import torch
@@ -33,6 +36,11 @@ from fn.tree import storages_of
 
 Transform = GradientTransformation | CompressedOptimizer
 NONFINITE_POLICIES = ("raise", "skip")
+# What a step with a non-finite gradient on some rank raises under nonfinite="raise".
+NONFINITE_GRADIENTS = (
+    "fn.optim: non-finite gradients (NaN or Inf) on some rank; no update was made and the "
+    "optimizer state is unchanged (nonfinite='skip' skips such steps)"
+)
 # Group keys that are not hyperparameters of the transform.
 _GROUP_META = frozenset({"params", "param_names", "initial_lr"})
 
@@ -265,6 +273,39 @@ def unscale(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
         g.mul_(inv_scale.to(g.device))
 
 
+class StepGradients(NamedTuple):
+    """This rank's gradients at a step, as the ranks' vote takes them (``vote_on_gradients``)."""
+
+    grads: list[torch.Tensor]  # every group's gathered (and unscaled) flat gradient
+    counted: list[torch.Tensor]  # those whose non-finite elements the vote counts
+    unusable: list[str]  # the gradients the optimizer cannot take, described by group
+    holding: bool  # whether some param of some group has a gradient (``.grad`` not ``None``)
+    device: torch.device | None  # where the gradients are (``None``: no group)
+
+
+def gather_step_grads(
+    groups: Sequence[GroupRuntime], grad_scale: torch.Tensor | None, checks_gradients: bool
+) -> StepGradients:
+    """Every group's gradient gathered into its buffer (``FlatGroup.gather_grads``) and divided
+    by a ``GradScaler``'s scale (:func:`unscale`; ``grad_scale=None``: no scaler).
+
+    ``checks_gradients``: whether the transforms reject non-finite gradients themselves, on
+    every rank and before any write; then the vote counts none of them (no pass of its own over
+    them), nor does it when some gradient is unusable (the step is refused anyway).
+    """
+    grads = [runtime.flat.gather_grads() for runtime in groups]
+    unusable = [
+        f"param group {index}: {runtime.flat.unusable}"
+        for index, runtime in enumerate(groups)
+        if runtime.flat.unusable is not None
+    ]
+    holding = any(p.grad is not None for runtime in groups for p in runtime.flat.params)
+    if grad_scale is not None:
+        unscale(grads, grad_scale)
+    counted = [] if checks_gradients or unusable else grads
+    return StepGradients(grads, counted, unusable, holding, grads[0].device if grads else None)
+
+
 def update_groups(
     comm: Any,
     flatten: bool,
@@ -335,16 +376,27 @@ def compressed_next(
     ]
 
 
-def never_compressed(groups: Sequence[GroupRuntime], updates: int) -> list[int]:
-    """The groups whose ``CompressedOptimizer`` makes no compressed update among the first
-    ``updates`` updates (with ``freeze_step="auto"``: none decided there, nor bound to be by
-    its ``max_updates``)."""
-    return [
+def warn_never_compressed(groups: Sequence[GroupRuntime], updates: int, source: str) -> bool:
+    """Warns (``UserWarning``, at the caller of ``warn_if_never_compressed``) when some group's
+    ``CompressedOptimizer`` makes no compressed update among the first ``updates`` updates
+    (with ``freeze_step="auto"``: none decided there, nor bound to be by its ``max_updates``);
+    returns whether it warned. ``source``: where ``updates`` comes from, for the message."""
+    idle = [
         index
         for index, runtime in enumerate(groups)
         if isinstance(runtime.transform, CompressedOptimizer)
         and runtime.transform.first_compressed_update(updates, runtime.state) is None
     ]
+    if idle:
+        warnings.warn(
+            f"fn.optim: param groups {idle} make no compressed update within {source} "
+            f'({updates} updates), or with freeze_step="auto" none is certain: until one '
+            "is, every update is a dense allreduce, as plain Adam's, and saves no "
+            "bandwidth; set freeze_step (0/1 Adam: var_freeze_step), or "
+            f"freeze_step=fn.AutoFreeze(max_updates=...), below {updates}",
+            stacklevel=3,
+        )
+    return bool(idle)
 
 
 def check_nonfinite_policy(nonfinite: str) -> None:
@@ -412,8 +464,14 @@ def split_frozen(index: int, group: dict[str, Any]) -> list[torch.Tensor]:
     return frozen
 
 
-def check_unfrozen(groups: Sequence[GroupRuntime], param_groups: Sequence[Mapping]) -> None:
-    """Raises ``RuntimeError`` if a param left out as frozen now requires a gradient."""
+def check_params(groups: Sequence[GroupRuntime], param_groups: Sequence[Mapping]) -> None:
+    """A step's first checks, on this rank: no param left out as frozen now requires a gradient,
+    and every param still lives in its group's flat buffer (``FlatGroup.check_params``).
+
+    Raises:
+        RuntimeError: a param that was frozen when its group was built now requires a gradient,
+            or as ``FlatGroup.check_params``.
+    """
     for index, runtime in enumerate(groups):
         for p in runtime.frozen:
             if p.requires_grad and not any(p is q for g in param_groups for q in g["params"]):
@@ -424,6 +482,8 @@ def check_unfrozen(groups: Sequence[GroupRuntime], param_groups: Sequence[Mappin
                     "gradient: unfreeze params before building the optimizer, or add them "
                     "with add_param_group. No update was made"
                 )
+    for runtime in groups:
+        runtime.flat.check_params()
 
 
 def lr_value(index: int, lr: Any, where: str = "") -> float:
