@@ -35,13 +35,20 @@ ELEMENTWISE = "elementwise"  # vmap: the batch is one call
 
 # kernel name -> its reference, in declaration order (KERNEL_NAMES)
 REFERENCES: dict[str, Callable[..., Any]] = {}
+# (device type, kernel name) -> implementation: the accelerator table's lookup, which the table
+# (built from the declarations, so after them) passes in (dispatch_through)
+_lookup: Callable[[str, str], Callable[..., Any]] | None = None
+
+
+def dispatch_through(lookup: Callable[[str, str], Callable[..., Any]]) -> None:
+    """Makes ``lookup(device type, kernel name)`` the table that :func:`kernel` asks."""
+    global _lookup
+    _lookup = lookup
 
 
 def kernel(name: str, device: torch.device) -> Callable[..., Any]:
     """The implementation of kernel ``name`` that tensors on ``device`` run (the table's)."""
-    from fn.kernels import _table  # the table's records are built from the declarations
-
-    return _table.kernel(device.type, name)
+    return _lookup(device.type, name)
 
 
 def implementations(module: types.ModuleType) -> dict[str, Callable[..., Any]]:

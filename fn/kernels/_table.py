@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fn.kernels import _devices
+from fn.kernels import _devices, _spec
 from fn.kernels._accelerator import REFERENCE, Accelerator
 from fn.kernels._spec import REFERENCES
 
@@ -291,3 +291,6 @@ def kernel(device_type: str, name: str) -> Callable[..., Any]:
     if record is None:
         return REFERENCES[name]
     return record.kernel(name, kernel_set(device_type))
+
+
+_spec.dispatch_through(kernel)  # the ops declared in fn.kernels._ops dispatch here

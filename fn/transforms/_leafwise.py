@@ -48,6 +48,7 @@ from fn.errors import (
 )
 from fn.transforms import _onebit_state as onebit_state
 from fn.transforms._learning_rate import learning_rate_now
+from fn.transforms._onebit_state import OnebitSettings
 from fn.tree import LiveLeaves, PyTree, live_leaves, tree_flatten, tree_map
 
 logger = logging.getLogger("fn.transforms")
@@ -142,27 +143,11 @@ def compressed_optimizer(
 
         return step_fn
 
-    def update_fn_of(step_fn):
-        def update_fn(
-            grads: Updates,
-            state: Any,
-            params: Params | None = None,
-            *,
-            step: int | None = None,
-            plan: Any = None,
-            donate: Any = None,
-            **extra: Any,
-        ) -> tuple[Updates, Any]:
-            passed = {k: extra[k] for k in keywords if k in extra}
-            return step_fn(grads, state, params, step, plan, donate, apply=False, **passed)
-
-        return update_fn
-
     warmup_step, compressed_step = phase_step(False), phase_step(True)
     opt = CompressedOptimizer(
         init_fn,
-        update_fn_of(warmup_step),
-        update_fn_of(compressed_step),
+        _update_fn(warmup_step, keywords),
+        _update_fn(compressed_step, keywords),
         is_compressed,
         plan_for,
         first_compressed=first_compressed,
@@ -173,6 +158,26 @@ def compressed_optimizer(
     return opt._replace(
         fast_step=_fast_step(is_compressed, plan_type, warmup_step, compressed_step)
     )
+
+
+def _update_fn(step_fn: Callable[..., tuple[Updates, Any]], keywords: tuple[str, ...]) -> Any:
+    """An update of :func:`compressed_optimizer`, running the phase's ``step_fn`` with the
+    extra keywords named in ``keywords`` (the others are ignored)."""
+
+    def update_fn(
+        grads: Updates,
+        state: Any,
+        params: Params | None = None,
+        *,
+        step: int | None = None,
+        plan: Any = None,
+        donate: Any = None,
+        **extra: Any,
+    ) -> tuple[Updates, Any]:
+        passed = {k: extra[k] for k in keywords if k in extra}
+        return step_fn(grads, state, params, step, plan, donate, apply=False, **passed)
+
+    return update_fn
 
 
 def _same_forms(donated: Any, state: Any) -> Any:
@@ -349,19 +354,6 @@ def moving_average(
     return (beta * x).add_(new)
 
 
-class OnebitSettings(NamedTuple):
-    """The hyperparameters that the 1-bit family's rules and fast steps share."""
-
-    comm: Any  # the fn.collectives Comm
-    b1: float  # the momentum's beta
-    b2: float  # the variance's beta
-    eps: float  # added to sqrt(v)
-    clip: float | None  # the safeguard's bound on m / (sqrt(v) + eps); None: safeguard off
-    weight_decay: float  # L2, added to the direction
-    local_world_size: int | None = None  # ranks per node of the 1-bit allreduce; None: flat
-    error_dtype: torch.dtype = torch.float32  # the storage of the error feedback
-
-
 def onebit_settings(
     name: str,
     lr: LearningRate,
@@ -451,11 +443,7 @@ def init_error_feedback_per_leaf(params: Params, h: OnebitSettings) -> tuple[PyT
     """The worker and server errors of one compressed allreduce per leaf (trees like the
     params, ``None`` where a param is ``None``), at ``h``'s level, in ``h.error_dtype``."""
     walk = live_leaves(params)
-    level = dict(comm=h.comm, local_world_size=h.local_world_size, dtype=h.error_dtype)
-    pairs = [
-        collectives.init_error_feedback(p.numel(), **level, device=p.device)
-        for p in walk.at_live(0)
-    ]
+    pairs = [h.zero_errors(p.numel(), p.device) for p in walk.at_live(0)]
     return walk.rebuild([pair[0] for pair in pairs]), walk.rebuild([pair[1] for pair in pairs])
 
 
@@ -476,13 +464,7 @@ def error_feedback(
     allreduce compresses (several ranks, ``x`` not empty); else ``None`` stays ``None``."""
     if worker_error is not None or h.comm.world_size == 1 or x.numel() == 0:
         return worker_error, server_error
-    return collectives.init_error_feedback(
-        x.numel(),
-        comm=h.comm,
-        local_world_size=h.local_world_size,
-        device=x.device,
-        dtype=h.error_dtype,
-    )
+    return h.zero_errors(x.numel(), x.device)
 
 
 def compressed_mean(

@@ -15,12 +15,15 @@ shard's :func:`gradient_energy` over the ranks itself and passes it in. The rule
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from fn import kernels
+from fn.collectives import Local
 from fn.errors import check_finite
+from fn.transforms import _onebit_state as onebit_state
 from fn.transforms._leafwise import gradient_leaves
 from fn.transforms._onebit_schedules import AutoFreeze, AutoFreezeSchedule
 from fn.tree import PyTree, live_leaves, tree_flatten, tree_map
@@ -57,9 +60,10 @@ def auto_warmup(
     schedule: Any,
     exp_avg_mask: Any,
     non_freeze: PyTree | None,
-    betas: tuple[float, float],
+    settings: Any,
 ) -> AutoWarmup | None:
-    """The optimizer's :class:`AutoWarmup`, ``None`` when nothing is automatic.
+    """The optimizer's :class:`AutoWarmup` (with the betas of its ``OnebitSettings``), ``None``
+    when nothing is automatic.
 
     Raises:
         ValueError: ``exp_avg_mask`` is a string other than ``"auto"``, or the switch is
@@ -80,7 +84,7 @@ def auto_warmup(
     mask = isinstance(exp_avg_mask, str)
     if freeze is None and not mask:
         return None
-    return AutoWarmup(freeze, mask, *betas)
+    return AutoWarmup(freeze, mask, settings.b1, settings.b2)
 
 
 def init_auto(auto: AutoWarmup | None, params: PyTree) -> AutoState | None:
@@ -100,27 +104,25 @@ def init_auto(auto: AutoWarmup | None, params: PyTree) -> AutoState | None:
     return AutoState(*scalars, record)
 
 
-def averaged_and_observed(
-    name: str,
-    auto: AutoWarmup,
-    grads: PyTree,
-    state: Any,
-    comm: Any,
-    non_freeze: PyTree | None,
-) -> tuple[PyTree, AutoState]:
-    """A warmup update's gradients averaged over the ranks (dense allreduce, checked finite on
-    every rank: what the warmup rule would compute) and the state's ``auto`` after it
-    (:func:`observed`). The rule then runs on the averaged gradients with the allreduce left
-    out.
+def observed_warmup(
+    name: str, auto: AutoWarmup | None, grads: PyTree, state: Any, h: Any, non_freeze: Any = None
+) -> tuple[PyTree, AutoState | None, Any]:
+    """The gradients, the state's ``auto`` and the ``OnebitSettings`` ``h`` that a warmup
+    update of a replicated rule runs with: where the warmup decides something, the gradients
+    averaged over the ranks (dense allreduce, checked finite on every rank: what the warmup
+    rule would compute), ``auto`` after them (:func:`observed`) and ``h`` with the allreduce
+    left out (``Local``); else ``grads``, ``state.auto`` and ``h``.
 
     Raises:
         ValueError: a gradient's shape differs from its state's, or an averaged gradient is
             non-finite (on every rank).
     """
+    if auto is None:
+        return grads, state.auto, h
     walk = gradient_leaves(name, grads, state.exp_avg_sq, non_freeze, state.auto.always_zero)
     means, scales, records = [], [], []
     for g, _, skip, record in zip(*(walk.at_live(k) for k in range(4)), strict=True):
-        mean = check_finite(comm.all_reduce(g.float(), op="mean"), "the averaged gradient")
+        mean = check_finite(h.comm.all_reduce(g.float(), op="mean"), "the averaged gradient")
         means.append(mean)
         if g.numel() == 0:
             records.append(record)
@@ -134,7 +136,7 @@ def averaged_and_observed(
         new = new._replace(always_zero=walk.rebuild(records, fill=3))
     if auto.freeze is not None:
         new = observed(auto, new, _energy(scales), state.count)
-    return walk.rebuild(means), new
+    return walk.rebuild(means), new, h._replace(comm=Local())
 
 
 def gradient_energy(grads: PyTree) -> torch.Tensor:
@@ -188,12 +190,16 @@ def _energy(scales: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
     return q
 
 
-def given_energy(name: str, energy: Any) -> torch.Tensor:
-    """The ``gradient_energy`` a sharded warmup update was given, checked.
+def observed_given(name: str, auto: AutoWarmup | None, state: Any, energy: Any) -> AutoState | None:
+    """The state's ``auto`` after a warmup update of a sharded rule, from the gradient energy
+    its caller summed over the ranks (:func:`observed`); ``state.auto`` where the warmup
+    decides nothing.
 
     Raises:
-        TypeError: it is missing or not a 0-dim fp64 tensor on the CPU.
+        TypeError: ``energy`` is missing or not a 0-dim fp64 tensor on the CPU.
     """
+    if auto is None:
+        return state.auto
     if (
         not isinstance(energy, torch.Tensor)
         or energy.dtype != torch.float64
@@ -207,7 +213,7 @@ def given_energy(name: str, energy: Any) -> torch.Tensor:
             "same on every rank (fn.transforms.gradient_energy of each rank's shard, summed "
             f"over the ranks); got {got}"
         )
-    return energy
+    return observed(auto, state.auto, energy, state.count)
 
 
 def observed(auto: AutoWarmup, state: AutoState, energy: torch.Tensor, count: Any) -> AutoState:
@@ -287,3 +293,21 @@ def checked_auto(name: str, auto: AutoWarmup | None, state: Any) -> AutoState | 
                     f"param of {v.numel()} elements"
                 )
     return have
+
+
+def checks(
+    name: str, settings: Any, auto: AutoWarmup | None, exp_avg_mask: Any, non_freeze: Any = None
+) -> dict[str, Callable[[Any], Any]]:
+    """The ``check_state`` and ``full_state`` of 1-bit Adam and 1-bit LAMB: those of
+    ``fn.transforms._onebit_state`` (with the optimizer's masks; ``non_freeze`` leaves never
+    compressed), the field ``auto`` checked too (:func:`checked_auto`)."""
+
+    def check_state(state):
+        state = onebit_state.checked_state(name, settings, state)
+        return state._replace(auto=checked_auto(name, auto, state))
+
+    def full_state(state):
+        mask = onebit_state.masks_of(exp_avg_mask, state)
+        return onebit_state.full_state(settings, mask, state, never_compressed=non_freeze)
+
+    return dict(check_state=check_state, full_state=full_state)

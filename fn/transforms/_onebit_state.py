@@ -10,12 +10,13 @@ from then on the momentum is kept as the 1-bit allreduce returned it, a
   of a fused slice, of a whole state, read back exactly;
 - :func:`kept_momentum`: the form a compressed mean is kept in;
 - :func:`checked_state` and :func:`full_state`: the optimizers' ``check_state`` (a state from a
-  checkpoint) and ``full_state`` (one layout at every count, for DCP).
+  checkpoint) and ``full_state`` (one layout at every count, for DCP), which read the level and
+  the storage of the error feedback in the family's :class:`OnebitSettings`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,8 +24,24 @@ from fn import collectives, kernels
 from fn.collectives import PackedSigns
 from fn.tree import PyTree, live_leaves
 
-if TYPE_CHECKING:
-    from fn.transforms._leafwise import OnebitSettings
+
+class OnebitSettings(NamedTuple):
+    """The hyperparameters that the 1-bit family's rules and fast steps share."""
+
+    comm: Any  # the fn.collectives Comm
+    b1: float  # the momentum's beta
+    b2: float  # the variance's beta
+    eps: float  # added to sqrt(v)
+    clip: float | None  # the safeguard's bound on m / (sqrt(v) + eps); None: safeguard off
+    weight_decay: float  # L2, added to the direction
+    local_world_size: int | None = None  # ranks per node of the 1-bit allreduce; None: flat
+    error_dtype: torch.dtype = torch.float32  # the storage of the error feedback
+
+    def zero_errors(self, numel: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The worker and server errors, zero, of a 1-bit allreduce of ``numel`` elements at
+        this level, in ``error_dtype`` (``fn.collectives.init_error_feedback``)."""
+        level = dict(comm=self.comm, local_world_size=self.local_world_size, dtype=self.error_dtype)
+        return collectives.init_error_feedback(numel, **level, device=device)
 
 
 def momentum(
@@ -180,17 +197,13 @@ def full_state(
             for v, f in zip(*(fresh.at_live(k) for k in (0, 1)), strict=True)
         ]
         fields["exp_avg_sq_fresh"] = fresh.rebuild(copies, fill=1)
-    level = dict(comm=h.comm, local_world_size=h.local_world_size, dtype=h.error_dtype)
     if state.worker_error is None and not (skipped and all(skipped)):
-        device = variances[0].device if variances else None
-        errors = collectives.init_error_feedback(total, **level, device=device)
+        errors = h.zero_errors(total, variances[0].device if variances else None)
         fields.update(worker_error=errors[0], server_error=errors[1])
     elif state.worker_error is not None and not isinstance(state.worker_error, torch.Tensor):
         pairs = live_leaves(state.exp_avg_sq, state.worker_error, state.server_error)
         allocated = [
-            collectives.init_error_feedback(v.numel(), **level, device=v.device)
-            if ew is None and not skip
-            else (ew, es)
+            h.zero_errors(v.numel(), v.device) if ew is None and not skip else (ew, es)
             for v, ew, es, skip in zip(*(pairs.at_live(k) for k in range(3)), skipped, strict=True)
         ]
         fields.update(

@@ -517,21 +517,15 @@ def adamw(
     Reference: Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
 
     Args:
-        lr: learning rate ``eta`` (float or schedule; in the state as ``lr``).
-        betas: ``(beta1, beta2)``.
-        eps: denominator term ``epsilon``.
+        lr, betas, eps, implementation: as :func:`adam`.
         weight_decay: decoupled decay coefficient ``lambda``.
-        implementation: ``"auto"``, ``"fused"``, ``"foreach"`` or ``"chain"`` (see
-            :func:`adam`).
 
     Returns:
         A GradientTransformation with the chain's state,
         ``(ScaleByAdamState, ScaleByLearningRateState)``; ``update`` needs ``params``.
 
     Raises:
-        ValueError: for an unknown ``implementation``; naming the argument, for ``betas`` that
-            is not a pair of real numbers in [0, 1), ``lr`` (unless a schedule) or ``eps`` that
-            is not a finite real number >= 0, a negative ``weight_decay``.
+        ValueError: as :func:`adam`.
 
     Example:
         >>> import torch, fn

@@ -10,16 +10,8 @@ import torch
 from fn.base import CompressedOptimizer, SecondMomentField
 from fn.collectives import ErrorFeedbackField, Local
 from fn.transforms import _leafwise as leafwise
+from fn.transforms import _onebit_auto as onebit_auto
 from fn.transforms import _onebit_state as onebit_state
-from fn.transforms._onebit_auto import (
-    AutoState,
-    auto_warmup,
-    averaged_and_observed,
-    checked_auto,
-    given_energy,
-    init_auto,
-    observed,
-)
 from fn.transforms._onebit_schedules import AutoFreeze, OnebitAdamPlan, freeze_schedule
 from fn.transforms.onebit_fast import onebit_adam_step
 from fn.tree import PyTree, tree_zeros_like
@@ -36,7 +28,7 @@ class OnebitAdamState(NamedTuple):
     worker_error: ErrorFeedbackField
     server_error: ErrorFeedbackField  # per leaf [N_leaf / W], error_dtype: e_s; None as e_w
     # what freeze_step="auto" and exp_avg_mask="auto" decide from (AutoState); None without them
-    auto: AutoState | None = None
+    auto: onebit_auto.AutoState | None = None
 
 
 _Leaf = leafwise.leaf_type(OnebitAdamState, shared=("auto",))
@@ -230,18 +222,10 @@ def onebit_adam_sharded(
     r"""1-bit Adam's rule on one rank's shard of the params, for a caller that runs the
     communication itself (``fn.fsdp.OnebitAdam``, inside FSDP2's reduce-scatter).
 
-    The rule of :func:`onebit_adam` (the same code), with the collectives' results as inputs:
-
-    .. math::
-        \text{warmup } (t < F):&\quad g = \mathrm{mean}_r\, g_r \text{ (given)},\
-            m \leftarrow \beta_1 m + (1-\beta_1) g,\ v \leftarrow \beta_2 v + (1-\beta_2) g^2 \\
-        \text{compressed } (t \ge F):&\quad m = \mathrm{CAR}(\beta_1 m + (1-\beta_1) g_r)
-            \text{ (given)},\ v \text{ unchanged} \\
-        \text{both}:&\quad u = m / (\sqrt{v} + \epsilon) + \lambda p,\quad
-            p \leftarrow p - \eta\, u
-
-    with the safeguard's clip of :func:`onebit_adam` in the compressed updates. Everything is
-    elementwise, so it runs on any shard of the params.
+    The rule of :func:`onebit_adam` (the same code, the safeguard's clip included), with the
+    collectives' results given as inputs: the mean gradient :math:`g = \mathrm{mean}_r\, g_r`
+    to a warmup update, the new momentum :math:`m = \mathrm{CAR}(\beta_1 m + (1-\beta_1) g_r)`
+    to a compressed one. Everything is elementwise, so it runs on any shard of the params.
 
     Args:
         lr, freeze_step, betas, eps, weight_decay, safeguard: as :func:`onebit_adam`. With
@@ -300,44 +284,17 @@ def _onebit_adam(
     non_freeze: PyTree | None,
     averaged: bool = False,
 ) -> CompressedOptimizer:
-    """1-bit Adam with ``settings``; ``averaged``: the compressed updates are given the new
-    momentum in place of the local gradient (:func:`onebit_adam_sharded`)."""
-    weight_decay = settings.weight_decay
-    why = (
-        "the compressed updates divide by sqrt(v) + eps with the variance v frozen, which at "
-        "least one warmup update (t < freeze_step) must estimate"
-    )
-    schedule = freeze_schedule(freeze_step, why)
-    auto = auto_warmup(name, schedule, exp_avg_mask, non_freeze, (settings.b1, settings.b2))
+    """1-bit Adam with ``settings``, its updates :func:`_update` (``averaged``: those of
+    :func:`_sharded_update`). The settings stay in closures: ``fn.optim``'s cross-rank check
+    reads them there (``settings_of``)."""
+    schedule = freeze_schedule(freeze_step, _FREEZE_NEEDS)
+    auto = onebit_auto.auto_warmup(name, schedule, exp_avg_mask, non_freeze, settings)
 
-    def update(
-        grads,
-        state,
-        params,
-        plan,
-        eta,
-        donated=None,
-        apply=False,
-        gradient_energy=None,
-        momentum_mask=None,
-    ):
-        h, seen = settings, state.auto
-        if auto is not None and not plan.compressed and averaged:  # the caller measured it
-            seen = observed(auto, seen, given_energy(name, gradient_energy), state.count)
-        elif auto is not None and not plan.compressed:  # the warmup observes the averaged grads
-            grads, seen = averaged_and_observed(name, auto, grads, state, h.comm, non_freeze)
-            h = h._replace(comm=Local())
-        mask = onebit_state.masks_of(exp_avg_mask, state) if plan.compressed else None
-        if plan.freezes:
-            reported = momentum_mask if averaged else mask
-            leafwise.report_frozen_variance(name, state, h, skip=non_freeze, mask=reported)
-        rule = partial(_rule, h, compressed=plan.compressed, eta=eta, averaged=averaged)
-        inputs = (params, mask, non_freeze)
-        if donated is None or averaged:  # averaged: the donated steps run the collective
-            updates, new = leafwise.map_leaves(name, rule, grads, state, _Leaf, *inputs)
-            return updates, new._replace(auto=seen)
-        leaves = leafwise.leaves_of(name, grads, state, _Leaf, *inputs, donated=donated)
-        return leafwise.rebuilt(leaves, onebit_adam_step(h, rule, leaves, eta, apply), state)
+    def update(grads, state, params, plan, eta, **given):
+        if averaged:
+            return _sharded_update(settings, auto, grads, state, params, plan, eta, **given)
+        inputs = (grads, state, params, plan, eta)
+        return _update(settings, auto, exp_avg_mask, non_freeze, *inputs, **given)
 
     opt = leafwise.compressed_optimizer(
         name,
@@ -348,23 +305,59 @@ def _onebit_adam(
         schedule.is_compressed,
         schedule.onebit_adam_plan,
         OnebitAdamPlan,
-        params_needed_for="weight_decay > 0" if weight_decay > 0 else None,
+        params_needed_for="weight_decay > 0" if settings.weight_decay > 0 else None,
         fused_apply=not averaged,
         first_compressed=schedule.first_compressed_step,
         keywords=("gradient_energy", "momentum_mask") if averaged else (),
     )
     if averaged:
         return opt
+    return opt._replace(**onebit_auto.checks(name, settings, auto, exp_avg_mask, non_freeze))
 
-    def check_state(state):
-        state = onebit_state.checked_state(name, settings, state)
-        return state._replace(auto=checked_auto(name, auto, state))
 
-    def full_state(state):
-        mask = onebit_state.masks_of(exp_avg_mask, state)
-        return onebit_state.full_state(settings, mask, state, never_compressed=non_freeze)
+_FREEZE_NEEDS = (
+    "the compressed updates divide by sqrt(v) + eps with the variance v frozen, which at "
+    "least one warmup update (t < freeze_step) must estimate"
+)
 
-    return opt._replace(check_state=check_state, full_state=full_state)
+
+def _update(
+    h, auto, exp_avg_mask, non_freeze, grads, state, params, plan, eta, donated=None, apply=False
+):
+    """An update of :func:`onebit_adam`: the warmup observes the averaged gradients where it
+    decides something (``auto``), the freeze reports the frozen variance, then the rule runs
+    on every leaf, or its fast step into the ``donated`` state (``apply``: into the params)."""
+    name, seen = "onebit_adam", state.auto
+    if not plan.compressed:
+        grads, seen, h = onebit_auto.observed_warmup(name, auto, grads, state, h, non_freeze)
+    mask = onebit_state.masks_of(exp_avg_mask, state) if plan.compressed else None
+    if plan.freezes:
+        leafwise.report_frozen_variance(name, state, h, skip=non_freeze, mask=mask)
+    rule = partial(_rule, h, compressed=plan.compressed, eta=eta)
+    inputs = (params, mask, non_freeze)
+    if donated is None:
+        updates, new = leafwise.map_leaves(name, rule, grads, state, _Leaf, *inputs)
+        return updates, new._replace(auto=seen)
+    leaves = leafwise.leaves_of(name, grads, state, _Leaf, *inputs, donated=donated)
+    return leafwise.rebuilt(leaves, onebit_adam_step(h, rule, leaves, eta, apply), state)
+
+
+def _sharded_update(
+    h, auto, grads, state, params, plan, eta, donated=None, gradient_energy=None, momentum_mask=None
+):
+    """An update of :func:`onebit_adam_sharded`: the warmup observes the ``gradient_energy``
+    given, the freeze reports the frozen variance with the ``momentum_mask`` given, then the
+    rule runs on every leaf with ``grads`` the collectives' result; ``donated`` is unused."""
+    del donated
+    name = "onebit_adam_sharded"
+    seen = state.auto
+    if not plan.compressed:  # the caller summed the gradient energy
+        seen = onebit_auto.observed_given(name, auto, state, gradient_energy)
+    if plan.freezes:
+        leafwise.report_frozen_variance(name, state, h, mask=momentum_mask)
+    rule = partial(_rule, h, compressed=plan.compressed, eta=eta, averaged=True)
+    updates, new = leafwise.map_leaves(name, rule, grads, state, _Leaf, params, None, None)
+    return updates, new._replace(auto=seen)
 
 
 def _rule(h: leafwise.OnebitSettings, g, leaf, p, mask, dense, *, compressed, eta, averaged=False):
@@ -401,5 +394,5 @@ def _init_fields(h: leafwise.OnebitSettings, auto: Any, params: PyTree) -> dict[
         exp_avg_sq=tree_zeros_like(params, torch.float32),
         worker_error=leafwise.no_error_feedback(params),
         server_error=leafwise.no_error_feedback(params),
-        auto=init_auto(auto, params),
+        auto=onebit_auto.init_auto(auto, params),
     )

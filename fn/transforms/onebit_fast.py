@@ -29,8 +29,8 @@ from fn.collectives.onebit import (
     write_result,
 )
 from fn.errors import check_finite
-from fn.transforms._leafwise import LeafInputs, Leaves, OnebitSettings, error_feedback
-from fn.transforms._onebit_state import momentum
+from fn.transforms._leafwise import LeafInputs, Leaves, error_feedback
+from fn.transforms._onebit_state import OnebitSettings, momentum
 from fn.tree import eager, fits, fitting
 
 # (g, leaf, *input_leaves) -> (update, new_leaf): the pure rule of the step

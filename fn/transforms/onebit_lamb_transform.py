@@ -12,16 +12,8 @@ from fn.base import CompressedOptimizer, SecondMomentField
 from fn.collectives import ErrorFeedbackField, Local, PackedSigns
 from fn.errors import check_fraction, check_nonnegative, check_ordered
 from fn.transforms import _leafwise as leafwise
+from fn.transforms import _onebit_auto as onebit_auto
 from fn.transforms import _onebit_state as onebit_state
-from fn.transforms._onebit_auto import (
-    AutoState,
-    auto_warmup,
-    averaged_and_observed,
-    checked_auto,
-    given_energy,
-    init_auto,
-    observed,
-)
 from fn.transforms._onebit_schedules import AutoFreeze, OnebitLambPlan, freeze_schedule
 from fn.transforms.trust_ratio import trust_ratio_of_norms
 from fn.tree import LiveLeaves, PyTree, fitting, live_leaves, tree_leaves, tree_map, tree_zeros_like
@@ -43,7 +35,7 @@ class OnebitLambState(NamedTuple):
     worker_error: ErrorFeedbackField
     server_error: ErrorFeedbackField  # [N / W], error_dtype: e_s; None as e_w
     # what freeze_step="auto" and exp_avg_mask="auto" decide from (AutoState); None without them
-    auto: AutoState | None = None
+    auto: onebit_auto.AutoState | None = None
 
 
 _Leaf = leafwise.leaf_type(OnebitLambState, shared=("worker_error", "server_error", "auto"))
@@ -132,12 +124,8 @@ def onebit_lamb(
             every compressed allreduce; ``None`` leaves: no mask; ``"auto"``: 0 where the
             averaged gradient was exactly zero at every warmup update (see
             ``fn.onebit_adam``).
-        safeguard: clip the Adam direction where the variance is frozen to the range dense Adam
-            can reach, :math:`[-B, B]` (see below); ``False`` gives DeepSpeed's exact rule, bit
-            for bit.
-        local_world_size: ranks per node for the hierarchical 1-bit allreduce (dense inside a
-            node, 1 bit across nodes), or ``None`` (flat): see ``fn.onebit_adam``.
-        error_dtype: the storage of the errors (fp32, bf16 or fp16): see ``fn.onebit_adam``.
+        safeguard, local_world_size, error_dtype: as ``fn.onebit_adam``'s (the safeguard: see
+            below).
 
     Memory: the warmup keeps LAMB's state (``m`` and ``v``, fp32, and per-leaf scalars); the
     fresh variance starts as the variance itself at the last warmup update (no copy until the
@@ -219,34 +207,15 @@ def onebit_lamb(
         "onebit_lamb", min_coeff, max_coeff, coeff_beta, factor_min, factor_max, factor_threshold
     )
     schedule = freeze_schedule(freeze_step, _FREEZE_NEEDS)
-    auto = auto_warmup("onebit_lamb", schedule, exp_avg_mask, None, (settings.b1, settings.b2))
+    auto = onebit_auto.auto_warmup("onebit_lamb", schedule, exp_avg_mask, None, settings)
 
-    def update(grads, state, params, plan, eta, donated=None):
+    def update(grads, state, params, plan, eta, donated=None):  # the settings in its closure
         packed = isinstance(state.exp_avg, PackedSigns)
         mask = onebit_state.masks_of(exp_avg_mask, state) if plan.compressed or packed else None
         state = state._replace(exp_avg=onebit_state.momentum_of(state, mask))
         if not plan.compressed:
-            h, observed = settings, state.auto
-            if auto is not None:  # the warmup observes the averaged gradients
-                grads, observed = averaged_and_observed(
-                    "onebit_lamb", auto, grads, state, h.comm, None
-                )
-                h = h._replace(comm=Local())
-            # with an automatic switch any warmup update may be the last: each sets v~ = v
-            copies = plan.copies_variance or (auto is not None and auto.freeze is not None)
-            rule = partial(_warmup_rule, h, trust, eta=eta, copies=copies)
-            updates, new = leafwise.map_leaves("onebit_lamb", rule, grads, state, _Leaf, params)
-            return updates, new._replace(auto=observed)
-        if plan.sets_scaling:
-            leafwise.report_frozen_variance("onebit_lamb", state, settings, mask=mask)
-            state = state._replace(scaling_coeff=_scaling_coefficients(state))
-        mean, momenta, state = _fused_momenta(settings, grads, state, donated)
-        rule = partial(_compressed_rule, settings, trust, eta=eta)
-        inputs = (params, mask)
-        updates, state = leafwise.map_leaves("onebit_lamb", rule, momenta, state, _Leaf, *inputs)
-        if isinstance(mean, PackedSigns) and None not in tree_leaves(momenta, keep_none=True):
-            state = state._replace(exp_avg=mean)  # the momenta, read back by momentum_of
-        return updates, state
+            return _warmup_update(settings, trust, auto, grads, state, params, plan, eta)
+        return _compressed_update(settings, trust, mask, grads, state, params, plan, eta, donated)
 
     opt = leafwise.compressed_optimizer(
         "onebit_lamb",
@@ -260,15 +229,33 @@ def onebit_lamb(
         params_needed_for="1-bit LAMB (trust ratios)",
         first_compressed=schedule.first_compressed_step,
     )
+    return opt._replace(**onebit_auto.checks("onebit_lamb", settings, auto, exp_avg_mask))
 
-    def check_state(state):
-        state = onebit_state.checked_state("onebit_lamb", settings, state)
-        return state._replace(auto=checked_auto("onebit_lamb", auto, state))
 
-    def full_state(state):
-        return onebit_state.full_state(settings, onebit_state.masks_of(exp_avg_mask, state), state)
+def _warmup_update(h, trust, auto, grads, state, params, plan, eta):
+    """A warmup update of :func:`onebit_lamb`: :func:`_warmup_rule` on every leaf, on the
+    gradients averaged first where the warmup decides something (``auto``)."""
+    grads, seen, h = onebit_auto.observed_warmup("onebit_lamb", auto, grads, state, h)
+    # with an automatic switch any warmup update may be the last: each sets v~ = v
+    copies = plan.copies_variance or (auto is not None and auto.freeze is not None)
+    rule = partial(_warmup_rule, h, trust, eta=eta, copies=copies)
+    updates, new = leafwise.map_leaves("onebit_lamb", rule, grads, state, _Leaf, params)
+    return updates, new._replace(auto=seen)
 
-    return opt._replace(check_state=check_state, full_state=full_state)
+
+def _compressed_update(h, trust, mask, grads, state, params, plan, eta, donated):
+    """A compressed update of :func:`onebit_lamb` (the first also reports the frozen variance
+    and sets the momentum scaling): :func:`_fused_momenta`, then :func:`_compressed_rule` on
+    every leaf; the momentum kept as the allreduce's packed signs where every leaf has one."""
+    if plan.sets_scaling:
+        leafwise.report_frozen_variance("onebit_lamb", state, h, mask=mask)
+        state = state._replace(scaling_coeff=_scaling_coefficients(state))
+    mean, momenta, state = _fused_momenta(h, grads, state, donated)
+    rule = partial(_compressed_rule, h, trust, eta=eta)
+    updates, state = leafwise.map_leaves("onebit_lamb", rule, momenta, state, _Leaf, params, mask)
+    if isinstance(mean, PackedSigns) and None not in tree_leaves(momenta, keep_none=True):
+        state = state._replace(exp_avg=mean)  # the momenta, read back by momentum_of
+    return updates, state
 
 
 def onebit_lamb_sharded(
@@ -354,23 +341,11 @@ def onebit_lamb_sharded(
         name, min_coeff, max_coeff, coeff_beta, factor_min, factor_max, factor_threshold
     )
     schedule = freeze_schedule(freeze_step, _FREEZE_NEEDS)
-    auto = auto_warmup(name, schedule, None, None, (settings.b1, settings.b2))
+    auto = onebit_auto.auto_warmup(name, schedule, None, None, settings)
 
-    def update(
-        grads, state, params, plan, eta, donated=None, gradient_energy=None, momentum_mask=None
-    ):
-        del donated
-        leaves = leafwise.leaves_of(name, grads, state, _Leaf, params)
-        if plan.compressed:
-            if plan.sets_scaling:
-                leafwise.report_frozen_variance(name, state, settings, mask=momentum_mask)
-            return _sharded_compressed(settings, trust, comm, leaves, state, eta)
-        if auto is None:
-            return _sharded_warmup(settings, trust, comm, leaves, state, eta, plan.copies_variance)
-        # any warmup update may be the last: each copies v~ = v and fixes the scaling
-        seen = observed(auto, state.auto, given_energy(name, gradient_energy), state.count)
-        updates, new = _sharded_warmup(settings, trust, comm, leaves, state, eta, True)
-        return updates, new._replace(auto=seen)
+    def update(grads, state, params, plan, eta, **given):  # the settings in its closure
+        inputs = (grads, state, params, plan, eta)
+        return _sharded_update(settings, trust, comm, auto, *inputs, **given)
 
     return leafwise.compressed_optimizer(
         name,
@@ -385,6 +360,24 @@ def onebit_lamb_sharded(
         first_compressed=schedule.first_compressed_step,
         keywords=("gradient_energy", "momentum_mask"),
     )
+
+
+def _sharded_update(h, trust, comm, auto, grads, state, params, plan, eta, donated=None, **given):
+    """An update of :func:`onebit_lamb_sharded`: :func:`_sharded_warmup` after observing the
+    ``gradient_energy`` given (with an automatic switch, any warmup update may be the last:
+    each copies ``v~ = v`` and fixes the scaling), or :func:`_sharded_compressed` (the first
+    reports the frozen variance with the ``momentum_mask`` given); ``donated`` is unused."""
+    del donated
+    name = "onebit_lamb_sharded"
+    leaves = leafwise.leaves_of(name, grads, state, _Leaf, params)
+    if plan.compressed:
+        if plan.sets_scaling:
+            leafwise.report_frozen_variance(name, state, h, mask=given.get("momentum_mask"))
+        return _sharded_compressed(h, trust, comm, leaves, state, eta)
+    seen = onebit_auto.observed_given(name, auto, state, given.get("gradient_energy"))
+    copies = plan.copies_variance or auto is not None
+    updates, new = _sharded_warmup(h, trust, comm, leaves, state, eta, copies)
+    return updates, new._replace(auto=seen)
 
 
 def _sharded_warmup(h, trust, comm, leaves, state, eta, copies):
@@ -492,7 +485,7 @@ def _init_fields(h: leafwise.OnebitSettings, auto: Any, params: PyTree) -> dict[
         scaling_coeff=_scalars(params, 1.0),
         worker_error=None,
         server_error=None,
-        auto=init_auto(auto, params),
+        auto=onebit_auto.init_auto(auto, params),
     )
 
 

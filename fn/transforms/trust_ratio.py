@@ -61,15 +61,16 @@ def scale_by_trust_ratio(
     if min_coeff is not None and max_coeff is not None:
         check_ordered("scale_by_trust_ratio", min_coeff=min_coeff, max_coeff=max_coeff)
 
+    def ratio(u, p):
+        p_norm, u_norm = torch.linalg.vector_norm(p.float()), torch.linalg.vector_norm(u.float())
+        settings = (min_norm, trust_coefficient, eps, min_coeff, max_coeff)
+        return trust_ratio_of_norms(p_norm, u_norm, *settings).to(u.dtype)
+
     def scale(u, p):
-        ratio = trust_ratio(p, u, min_norm, trust_coefficient, eps, min_coeff, max_coeff)
-        return u * ratio.to(u.dtype)
+        return u * ratio(u, p)
 
     def scale_in_place(u, p):
-        if not can_donate(u):
-            return scale(u, p)
-        ratio = trust_ratio(p, u, min_norm, trust_coefficient, eps, min_coeff, max_coeff)
-        return u.mul_(ratio.to(u.dtype))
+        return u.mul_(ratio(u, p)) if can_donate(u) else scale(u, p)
 
     def init_fn(params):
         del params
@@ -83,24 +84,6 @@ def scale_by_trust_ratio(
     return GradientTransformation(init_fn, update_fn)
 
 
-def trust_ratio(
-    param: torch.Tensor,
-    update: torch.Tensor,
-    min_norm: float = 0.0,
-    trust_coefficient: float = 1.0,
-    eps: float = 0.0,
-    min_coeff: float | None = None,
-    max_coeff: float | None = None,
-) -> torch.Tensor:
-    """The 0-dim fp32 trust ratio of one leaf, as :func:`scale_by_trust_ratio` defines it: the
-    fallback 1 for a zero norm comes before the clamp, so it is clamped too."""
-    p_norm = torch.linalg.vector_norm(param.float())
-    u_norm = torch.linalg.vector_norm(update.float())
-    return trust_ratio_of_norms(
-        p_norm, u_norm, min_norm, trust_coefficient, eps, min_coeff, max_coeff
-    )
-
-
 def trust_ratio_of_norms(
     p_norm: torch.Tensor,
     u_norm: torch.Tensor,
@@ -110,8 +93,10 @@ def trust_ratio_of_norms(
     min_coeff: float | None = None,
     max_coeff: float | None = None,
 ) -> torch.Tensor:
-    """:func:`trust_ratio` from the two norms (0-dim fp32), however they were summed (a
-    sharded leaf's norms come from the sums of its shards)."""
+    """The 0-dim fp32 trust ratio of one leaf from the norms of its param and update (0-dim
+    fp32, however they were summed: a sharded leaf's come from the sums of its shards), as
+    :func:`scale_by_trust_ratio` defines it: the fallback 1 for a zero norm comes before the
+    clamp, so it is clamped too."""
     p_norm = p_norm.clamp(min=min_norm)
     u_norm = u_norm.clamp(min=min_norm)
     ratio = trust_coefficient * p_norm / (u_norm + eps)

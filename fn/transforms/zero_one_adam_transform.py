@@ -102,12 +102,8 @@ def zero_one_adam(
         comm: the ``fn.collectives`` Comm.
         exp_avg_mask: optional pytree like params of masks, applied after every compressed
             allreduce (of the gradient and of the accumulator); ``None`` leaves: no mask.
-        safeguard: clip the Adam direction where the variance is frozen to the range dense Adam
-            can reach, :math:`[-B, B]` (see below); ``False`` gives DeepSpeed's exact rule, bit
-            for bit.
-        local_world_size: ranks per node for the hierarchical 1-bit allreduce (dense inside a
-            node, 1 bit across nodes), or ``None`` (flat): see ``fn.onebit_adam``.
-        error_dtype: the storage of the errors (fp32, bf16 or fp16): see ``fn.onebit_adam``.
+        safeguard, local_world_size, error_dtype: as ``fn.onebit_adam``'s (the safeguard: see
+            below).
 
     Memory: unlike 1-bit Adam, 0/1 Adam keeps its momentum in fp32 throughout (its local steps
     move it with each rank's own gradient, so it is not the 1-bit allreduce's result that
@@ -182,56 +178,17 @@ def zero_one_adam(
         >>> bool(state.frozen), int(state.count)
         (True, 5)
     """
+    name = "zero_one_adam"
     settings = leafwise.onebit_settings(
-        "zero_one_adam",
-        lr,
-        betas,
-        eps,
-        weight_decay,
-        comm,
-        safeguard,
-        local_world_size,
-        error_dtype,
+        name, lr, betas, eps, weight_decay, comm, safeguard, local_world_size, error_dtype
     )
-    if isinstance(var_freeze_step, (str, AutoFreeze)):
-        raise NotImplementedError(
-            "zero_one_adam: var_freeze_step has no 'auto': the variance refreshes grow rare on "
-            "their own (about 200 dense updates in 100000), so a late freeze costs little "
-            "bandwidth, and when local steps become safe depends on the learning rate, not on "
-            "the variance having settled; pass an int (docs/algorithms.md, 'Automatic freeze "
-            "and momentum mask')"
-        )
-    schedule = ZeroOneAdamSchedule(
-        check_int("var_freeze_step", var_freeze_step),
-        check_int("var_update_scaler", var_update_scaler, 1),
-        check_int("local_step_scaler", local_step_scaler, 1),
-        check_int("local_step_clipper", local_step_clipper, 1),
-    )
+    schedule = _schedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)
 
-    def update(grads, state, params, plan, eta, donated=None):
-        lrs = state.lrs + eta if plan.frozen else state.lrs
-        rule = partial(_rule, settings, plan=plan, eta=eta, lrs=lrs)
-        inputs = (params, exp_avg_mask)
-        if donated is None or plan.sync:
-            updates, state = leafwise.map_leaves(
-                "zero_one_adam", rule, grads, state, _Leaf, *inputs
-            )
-        else:
-            leaves = leafwise.leaves_of(
-                "zero_one_adam", grads, state, _Leaf, *inputs, donated=donated
-            )
-            results = zero_one_adam_step(settings, rule, leaves, plan.frozen, eta)
-            updates, state = leafwise.rebuilt(leaves, results, state)
-        if plan.reset_errors:  # every leaf's errors, gradient or not; the variance freezes
-            leafwise.report_frozen_variance("zero_one_adam", state, settings, mask=exp_avg_mask)
-            state = state._replace(
-                worker_error=tree_map(torch.zeros_like, state.worker_error),
-                server_error=tree_map(torch.zeros_like, state.server_error),
-            )
-        return updates, _advanced(state, plan, lrs, schedule)
+    def update(grads, state, params, plan, eta, donated=None):  # the settings in its closure
+        return _update(settings, schedule, exp_avg_mask, grads, state, params, plan, eta, donated)
 
     return leafwise.compressed_optimizer(
-        "zero_one_adam",
+        name,
         lr,
         ZeroOneAdamState,
         partial(_init_fields, settings, schedule),
@@ -243,9 +200,52 @@ def zero_one_adam(
         warmup_phase="variance (warmup)",
     )._replace(
         param_agreement=schedule.param_agreement,
-        check_state=partial(onebit_state.checked_state, "zero_one_adam", settings),
+        check_state=partial(onebit_state.checked_state, name, settings),
         full_state=partial(onebit_state.full_state, settings, exp_avg_mask),
     )
+
+
+def _schedule(
+    var_freeze_step: Any, var_update_scaler: Any, local_step_scaler: Any, local_step_clipper: Any
+) -> ZeroOneAdamSchedule:
+    """The schedule of :func:`zero_one_adam`, its settings checked (ValueError naming one; no
+    ``"auto"``: NotImplementedError)."""
+    if isinstance(var_freeze_step, (str, AutoFreeze)):
+        raise NotImplementedError(
+            "zero_one_adam: var_freeze_step has no 'auto': the variance refreshes grow rare on "
+            "their own (about 200 dense updates in 100000), so a late freeze costs little "
+            "bandwidth, and when local steps become safe depends on the learning rate, not on "
+            "the variance having settled; pass an int (docs/algorithms.md, 'Automatic freeze "
+            "and momentum mask')"
+        )
+    return ZeroOneAdamSchedule(
+        check_int("var_freeze_step", var_freeze_step),
+        check_int("var_update_scaler", var_update_scaler, 1),
+        check_int("local_step_scaler", local_step_scaler, 1),
+        check_int("local_step_clipper", local_step_clipper, 1),
+    )
+
+
+def _update(h, schedule, exp_avg_mask, grads, state, params, plan, eta, donated=None):
+    """An update of :func:`zero_one_adam`: the rule on every leaf (its fast step into the
+    ``donated`` state, but on a sync); at the freeze, the report of the frozen variance and
+    every leaf's errors reset; the schedule counters advanced."""
+    lrs = state.lrs + eta if plan.frozen else state.lrs
+    rule = partial(_rule, h, plan=plan, eta=eta, lrs=lrs)
+    inputs = (params, exp_avg_mask)
+    if donated is None or plan.sync:
+        updates, state = leafwise.map_leaves("zero_one_adam", rule, grads, state, _Leaf, *inputs)
+    else:
+        leaves = leafwise.leaves_of("zero_one_adam", grads, state, _Leaf, *inputs, donated=donated)
+        results = zero_one_adam_step(h, rule, leaves, plan.frozen, eta)
+        updates, state = leafwise.rebuilt(leaves, results, state)
+    if plan.reset_errors:  # every leaf's errors, gradient or not; the variance freezes
+        leafwise.report_frozen_variance("zero_one_adam", state, h, mask=exp_avg_mask)
+        state = state._replace(
+            worker_error=tree_map(torch.zeros_like, state.worker_error),
+            server_error=tree_map(torch.zeros_like, state.server_error),
+        )
+    return updates, _advanced(state, plan, lrs, schedule)
 
 
 def _rule(h: leafwise.OnebitSettings, g, leaf, p, mask, *, plan, eta, lrs):
