@@ -16,24 +16,22 @@ Reference:
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # torch exports no public name
 
 from fn.collectives import quantized_all_gather_into
 from fn.collectives.process_group import all_gather_flat
 from fn.fsdp._agreement import agree_on_settings, integer
+from fn.fsdp._fsdp2 import AllGather, FreshBuffers
 from fn.fsdp.loco import ROOT
 from fn.fsdp.reduce_scatter import CommCache
 
 __all__ = ["QuantizedAllGather", "quantized_all_gather"]
 
 
-class QuantizedAllGather(AllGather):
+class QuantizedAllGather(FreshBuffers, AllGather):
     """One FSDP2 module's parameter all-gather, sent as ``bits``-bit groups.
 
     Args:
@@ -74,10 +72,6 @@ class QuantizedAllGather(AllGather):
         self.bits = bits
         self.group_size = group_size
         self._comm_for = comm_for or CommCache(None)
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A new uninitialized buffer (FSDP2 asks for the output)."""
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,

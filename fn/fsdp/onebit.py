@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from inspect import Parameter
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from fn.collectives import (
 )
 from fn.errors import NonFiniteError
 from fn.fsdp._agreement import agree
-from fn.fsdp._fsdp2_state import installed_reduce_scatter, reduce_scatters_stopped
+from fn.fsdp._fsdp2 import installed_reduce_scatter, reduce_scatters_stopped
 from fn.fsdp.loco import ROOT
 from fn.fsdp.onebit_layout import fsdp_modules, module_layout, one_dim, to_local
 from fn.fsdp.onebit_masks import MomentumMasks, mask_checksum, mask_problem, module_mask
@@ -43,10 +44,23 @@ from fn.fsdp.onebit_reduce_scatter import (
 )
 from fn.fsdp.onebit_state import OnebitStateFormat
 from fn.fsdp.reduce_scatter import CommCache
-from fn.transforms import AutoFreeze, gradient_energy, onebit_adam, onebit_adam_sharded
+from fn.transforms import gradient_energy, onebit_adam, onebit_adam_sharded
+from fn.transforms.hyperparameters import bind_arguments, signature_with
 
-__all__ = ["OnebitAdam", "ShardedOnebitOptimizer", "ZeroOneAdam"]
+__all__ = ["OPTIONS", "OnebitAdam", "ShardedOnebitOptimizer", "ZeroOneAdam"]
 
+# The optimizers' own options, beside their rule's hyperparameters (exp_avg_mask takes the
+# rule's place; the comm is the FSDP2 modules' mesh's)
+OPTIONS = (
+    Parameter(
+        "exp_avg_mask",
+        Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation="Mapping[torch.Tensor, torch.Tensor] | str | None",
+    ),
+    Parameter("nonfinite", Parameter.KEYWORD_ONLY, default="raise", annotation="str"),
+)
+_OPTION_NAMES = ("exp_avg_mask", "nonfinite", "local_world_size", "error_dtype", "non_freeze")
 _FORMAT = 1  # the layout of ShardedOnebitOptimizer.state_dict()
 _TORCH_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
 _AUTO_MASK_KEYS = ("always_zero", "exp_avg_mask")  # and with exp_avg_mask="auto"
@@ -75,18 +89,24 @@ class ShardedOnebitOptimizer(
     scalar_fields: tuple[str, ...] = ()  # the rule's per-param 0-dim fields (same on all ranks)
     optional_fields: tuple[str, ...] = ()  # the rule's further per-param shards, maybe None
 
-    def __init__(
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.name = f"fn.fsdp.{type(self).__name__}"
+        arguments = bind_arguments(self.name, type(self).__signature__, args, kwargs)
+        options = {k: arguments.pop(k) for k in _OPTION_NAMES if k in arguments}
+        model = arguments.pop("model")
+        self._setup(model, {**arguments, "betas": _as_pair(arguments["betas"])}, **options)
+
+    def _setup(
         self,
         model: nn.Module,
         settings: dict[str, Any],
         *,
-        non_freeze: bool,
         exp_avg_mask: Any,
         nonfinite: str,
         local_world_size: int | None,
         error_dtype: torch.dtype,
+        non_freeze: bool = False,
     ) -> None:
-        self.name = f"fn.fsdp.{type(self).__name__}"
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"{self.name}: model must be the nn.Module that fully_shard sharded (the "
@@ -441,35 +461,13 @@ class OnebitAdam(ShardedOnebitOptimizer):
     sharded_rule = staticmethod(onebit_adam_sharded)
     replicated_rule = staticmethod(onebit_adam)
 
-    def __init__(
-        self,
-        model: nn.Module,
-        lr: float = 1e-3,
-        freeze_step: int | str | AutoFreeze = 100000,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        non_freeze: bool = False,
-        *,
-        exp_avg_mask: Any = None,
-        nonfinite: str = "raise",
-        safeguard: bool = True,
-        local_world_size: int | None = None,
-        error_dtype: torch.dtype = torch.float32,
-    ) -> None:
-        settings = dict(
-            lr=lr, freeze_step=freeze_step, betas=as_pair(betas), eps=eps,
-            weight_decay=weight_decay, safeguard=safeguard,
-        )  # fmt: skip
-        super().__init__(
-            model,
-            settings,
-            non_freeze=non_freeze,
-            exp_avg_mask=exp_avg_mask,
-            nonfinite=nonfinite,
-            local_world_size=local_world_size,
-            error_dtype=error_dtype,
-        )
+    __signature__ = signature_with(
+        onebit_adam,
+        "model",
+        *OPTIONS,
+        Parameter("non_freeze", Parameter.POSITIONAL_OR_KEYWORD, default=False, annotation="bool"),
+        leave_out=("comm",),
+    )
 
 
 class ZeroOneAdam:
@@ -491,7 +489,7 @@ class ZeroOneAdam:
         )
 
 
-def as_pair(betas: Any) -> Any:
+def _as_pair(betas: Any) -> Any:
     """``betas`` as a tuple when it is a sequence (a list and a tuple are the same setting);
     anything else as it is, for the rule's check to name."""
     is_sequence = isinstance(betas, Sequence) and not isinstance(betas, str)

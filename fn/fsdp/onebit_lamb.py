@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from fn.collectives import ProcessGroup
-from fn.fsdp.onebit import ShardedOnebitOptimizer, as_pair
+from fn.fsdp.onebit import OPTIONS, ShardedOnebitOptimizer
 from fn.fsdp.onebit_layout import ModuleLayout
-from fn.transforms import AutoFreeze, onebit_lamb, onebit_lamb_sharded
+from fn.transforms import onebit_lamb, onebit_lamb_sharded
+from fn.transforms.hyperparameters import signature_with
 
 __all__ = ["OnebitLamb"]
 
@@ -90,42 +90,7 @@ class OnebitLamb(ShardedOnebitOptimizer):
     scalar_fields = ("lamb_coeff_freeze", "last_factor", "scaling_coeff")
     optional_fields = ("exp_avg_sq_fresh",)
 
-    def __init__(
-        self,
-        model: nn.Module,
-        lr: float = 1e-3,
-        freeze_step: int | str | AutoFreeze = 100000,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        max_coeff: float = 10.0,
-        min_coeff: float = 0.01,
-        coeff_beta: float = 0.9,
-        factor_max: float = 4.0,
-        factor_min: float = 0.5,
-        factor_threshold: float = 0.1,
-        *,
-        exp_avg_mask: Any = None,
-        nonfinite: str = "raise",
-        safeguard: bool = True,
-        local_world_size: int | None = None,
-        error_dtype: torch.dtype = torch.float32,
-    ) -> None:
-        settings = dict(
-            lr=lr, freeze_step=freeze_step, betas=as_pair(betas), eps=eps,
-            weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff,
-            coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
-            factor_threshold=factor_threshold, safeguard=safeguard,
-        )  # fmt: skip
-        super().__init__(
-            model,
-            settings,
-            non_freeze=False,
-            exp_avg_mask=exp_avg_mask,
-            nonfinite=nonfinite,
-            local_world_size=local_world_size,
-            error_dtype=error_dtype,
-        )
+    __signature__ = signature_with(onebit_lamb, "model", *OPTIONS, leave_out=("comm",))
 
     def _momentum_input(
         self,

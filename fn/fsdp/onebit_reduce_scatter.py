@@ -10,9 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import (
-    ReduceScatter,
-)  # torch exports no public name
+from torch import Tensor
 
 from fn.collectives import PackedSigns, ProcessGroup, init_error_feedback
 from fn.collectives.onebit import (
@@ -21,6 +19,7 @@ from fn.collectives.onebit import (
     write_errors,
 )
 from fn.errors import NonFiniteError
+from fn.fsdp._fsdp2 import SynchronousReduceScatter
 from fn.fsdp.onebit_layout import ModuleLayout, row_of
 from fn.fsdp.onebit_masks import mask_values
 from fn.fsdp.reduce_scatter import reduce_scale
@@ -44,7 +43,7 @@ class CompressedModule:
         self.pending = False  # its momentum holds this backward's gradient; step() consumes it
 
 
-class OnebitReduceScatter(ReduceScatter):
+class OnebitReduceScatter(SynchronousReduceScatter):
     """The reduce-scatter of one FSDP2 module under a :class:`ShardedOnebitOptimizer`
     (installed by it): dense in the warmup, the 1-bit allreduce of the momentum once
     compressed."""
@@ -53,30 +52,17 @@ class OnebitReduceScatter(ReduceScatter):
         self.optimizer = optimizer
         self.layout = layout
 
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A new uninitialized buffer (FSDP2 asks for the input and the output)."""
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: Any,
-        async_op: bool = False,
-    ) -> None:
-        """Writes this rank's shard into ``output_tensor`` (see :class:`OnebitAdam`).
+    def reduce_scatter(self, out: Tensor, x: Tensor, group: dist.ProcessGroup, op: Any) -> None:
+        """Writes this rank's shard into ``out`` (see :class:`OnebitAdam`).
 
         It never raises (FSDP2 stops reduce-scattering after an exception in its backward): a
         problem is recorded, the output filled with NaN, and the next ``step()`` raises it.
         """
         try:
-            if async_op:
-                raise NotImplementedError(f"{self.optimizer.name} reduce-scatters synchronously")
-            self.optimizer._reduce_scatter(self.layout, output_tensor, input_tensor, group, op)
+            self.optimizer._reduce_scatter(self.layout, out, x, group, op)
         except Exception as problem:  # noqa: BLE001 (every problem goes to step())
             self.optimizer._problems.append(problem)
-            output_tensor.fill_(torch.nan)
+            out.fill_(torch.nan)
 
 
 class OnebitReduceScatters:

@@ -47,13 +47,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import (
-    ReduceScatter,
-)  # torch exports no public name
+from torch import Tensor
 
 from fn.collectives import ProcessGroup, quantized_reduce_scatter_into
 from fn.errors import NonFiniteError
 from fn.fsdp._agreement import integer
+from fn.fsdp._fsdp2 import SynchronousReduceScatter
 
 __all__ = ["CommCache", "QuantizedReduceScatter", "reduce_scale"]
 
@@ -127,7 +126,7 @@ class CommCache:
         return sum(comm.bytes_sent for comm in self.comms.values())
 
 
-class QuantizedReduceScatter(ReduceScatter):
+class QuantizedReduceScatter(SynchronousReduceScatter):
     """One FSDP2 module's reduce-scatter: quantized (ZeRO++ qgZ), optionally LoCo-compensated.
 
     Args:
@@ -208,10 +207,6 @@ class QuantizedReduceScatter(ReduceScatter):
         self.layout: tuple[int, int] | None = None
         self._handed_out = False  # whether state_dict() returned the error buffers
 
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A new uninitialized buffer (FSDP2 asks for the input and the output)."""
-        return torch.empty(*size, dtype=dtype, device=device)
-
     def error_sizes(self, numel: int, world_size: int) -> tuple[int, ...]:
         """The sizes of the error buffers for a reduce-scatter input of ``numel`` values."""
         if self.err_beta is None:
@@ -230,32 +225,23 @@ class QuantizedReduceScatter(ReduceScatter):
         self.layout = (numel, world_size)
         self.count = torch.zeros((), dtype=torch.int64)
 
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: Any,
-        async_op: bool = False,
-    ) -> None:
-        """Writes this rank's reduced shard of ``input_tensor`` into ``output_tensor``."""
-        if async_op:
-            raise NotImplementedError("QuantizedReduceScatter runs synchronously (async_op=False)")
+    def reduce_scatter(self, out: Tensor, x: Tensor, group: dist.ProcessGroup, op: Any) -> None:
+        """Writes this rank's reduced shard of ``x`` into ``out``."""
         comm = self._comm_for(group)
         world_size = comm.world_size
         scale = reduce_scale(op, world_size)
-        numel = input_tensor.numel()
-        if numel % world_size or output_tensor.numel() != numel // world_size:
+        numel = x.numel()
+        if numel % world_size or out.numel() != numel // world_size:
             raise ValueError(
                 f"input_tensor ({numel} values) must be world_size={world_size} rows of "
-                f"output_tensor's {output_tensor.numel()} values"
+                f"output_tensor's {out.numel()} values"
             )
         layout = (numel, world_size)
         kept = (self.count, self.errors, self.layout)
         if self.layout != layout:
-            self.reset(*layout, device=input_tensor.device)
+            self.reset(*layout, device=x.device)
         try:
-            self._reduce(output_tensor, input_tensor, comm, scale)
+            self._reduce(out, x, comm, scale)
         except ValueError:  # raised on every rank (their sizes differ): nothing was written
             self.count, self.errors, self.layout = kept
             raise

@@ -1,14 +1,15 @@
 """The 1-bit family as drop-in ``torch.optim`` optimizers: ``OnebitAdam``, ``ZeroOneAdam``,
 ``OnebitLamb``.
 
-Their signatures spell out the hyperparameters of ``fn.onebit_adam``, ``fn.zero_one_adam`` and
-``fn.onebit_lamb`` (DeepSpeed's names, in the factories' order, with the factories' defaults;
-tests/optim/test_signatures.py holds them equal), so IDEs and ``help()`` show them.
+Their signatures are those of ``fn.onebit_adam``, ``fn.zero_one_adam`` and ``fn.onebit_lamb``
+(DeepSpeed's names, in the factories' order, with the factories' defaults), built from the
+factories' own by :mod:`fn.transforms.hyperparameters`, plus the adapter's options.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from inspect import Parameter
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from fn.base import CompressedOptimizer
 from fn.optim._adapter import FunctionalOptimizer, Transform
 from fn.optim._checkpoint import checkpoint_parts
 from fn.transforms import AutoFreeze, onebit_adam, onebit_lamb, zero_one_adam
+from fn.transforms.hyperparameters import bind_arguments, signature_with
 
 
 class OnebitFamily(FunctionalOptimizer):
@@ -24,11 +26,12 @@ class OnebitFamily(FunctionalOptimizer):
     per-group transforms of the class's factory with the group's hyperparameters, the comm,
     and the group's part of ``exp_avg_mask``.
 
-    A subclass names its factory (``_factory``) and spells out the factory's hyperparameters in
-    its constructor's signature, which hands all its arguments on (``locals()``): every argument
-    but ``params``, ``comm``, ``exp_avg_mask``, ``nonfinite``, ``flatten``,
-    ``local_world_size`` and ``error_dtype`` is a default hyperparameter of its param groups,
-    in the signature's order.
+    A subclass names its factory (``_factory``) and its signature (``__signature__``: the
+    factory's hyperparameters and the adapter's options, from
+    :func:`fn.transforms.hyperparameters.signature_with`), to which the constructor binds its
+    arguments: every argument but ``params``, ``comm``,
+    ``exp_avg_mask``, ``nonfinite``, ``flatten``, ``local_world_size`` and ``error_dtype`` is a
+    default hyperparameter of its param groups, in the signature's order.
 
     Example:
         Two steps of each on a constant gradient, with one worker (no communication: the 1-bit
@@ -62,7 +65,12 @@ class OnebitFamily(FunctionalOptimizer):
     # The comm the transforms are built with, when it is not ``self.comm`` (fn.ddp.register).
     _transform_comm: Any = None
 
-    def __init__(
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        name = f"fn.optim.{type(self).__name__}"
+        arguments = bind_arguments(name, type(self).__signature__, args, kwargs)
+        self._setup(**arguments)
+
+    def _setup(
         self,
         params: Any,
         *,
@@ -184,6 +192,23 @@ class OnebitFamily(FunctionalOptimizer):
         )
 
 
+_POSITIONAL = Parameter.POSITIONAL_OR_KEYWORD
+
+
+def _keyword(name: str, default: Any, annotation: str) -> Parameter:
+    return Parameter(name, Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
+# The adapters' own options, beside their factories' hyperparameters (the adapter's comm and
+# exp_avg_mask take the factory's places).
+_OPTIONS = (
+    _keyword("comm", None, "Comm | None"),
+    _keyword("exp_avg_mask", None, "Mapping[torch.Tensor, torch.Tensor] | str | None"),
+    _keyword("nonfinite", "raise", "str"),
+)
+_FLATTEN = _keyword("flatten", True, "bool")  # the elementwise rules' per-param mode
+
+
 def _automatic(freeze_step: Any) -> bool:
     return isinstance(freeze_step, (str, AutoFreeze))
 
@@ -257,26 +282,13 @@ class OnebitAdam(OnebitFamily):
     # before it writes (the warmup checks the averaged gradient, the compressed update the
     # scales its 1-bit allreduce gathers, or the momentum with one worker).
     _checks_gradients = True
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float = 1e-3,
-        freeze_step: int | str | AutoFreeze = 100000,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        non_freeze: bool = False,
-        *,
-        comm: Any = None,
-        exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | str | None = None,
-        nonfinite: str = "raise",
-        safeguard: bool = True,
-        flatten: bool = True,
-        local_world_size: int | None = None,
-        error_dtype: torch.dtype = torch.float32,
-    ) -> None:
-        super().__init__(**_arguments(locals()))
+    __signature__ = signature_with(
+        onebit_adam,
+        "params",
+        *_OPTIONS,
+        _FLATTEN,
+        Parameter("non_freeze", _POSITIONAL, default=False, annotation="bool"),
+    )
 
 
 class ZeroOneAdam(OnebitFamily):
@@ -308,28 +320,7 @@ class ZeroOneAdam(OnebitFamily):
     """
 
     _factory = staticmethod(zero_one_adam)
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        var_freeze_step: int = 100000,
-        var_update_scaler: int = 16,
-        local_step_scaler: int = 32678,
-        local_step_clipper: int = 16,
-        *,
-        comm: Any = None,
-        exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | str | None = None,
-        nonfinite: str = "raise",
-        safeguard: bool = True,
-        flatten: bool = True,
-        local_world_size: int | None = None,
-        error_dtype: torch.dtype = torch.float32,
-    ) -> None:
-        super().__init__(**_arguments(locals()))
+    __signature__ = signature_with(zero_one_adam, "params", *_OPTIONS, _FLATTEN)
 
 
 class OnebitLamb(OnebitFamily):
@@ -360,33 +351,4 @@ class OnebitLamb(OnebitFamily):
     """
 
     _factory = staticmethod(onebit_lamb)
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float = 1e-3,
-        freeze_step: int | str | AutoFreeze = 100000,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        max_coeff: float = 10.0,
-        min_coeff: float = 0.01,
-        coeff_beta: float = 0.9,
-        factor_max: float = 4.0,
-        factor_min: float = 0.5,
-        factor_threshold: float = 0.1,
-        *,
-        comm: Any = None,
-        exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | str | None = None,
-        nonfinite: str = "raise",
-        safeguard: bool = True,
-        local_world_size: int | None = None,
-        error_dtype: torch.dtype = torch.float32,
-    ) -> None:
-        super().__init__(**_arguments(locals()))
-
-
-def _arguments(frame: dict[str, Any]) -> dict[str, Any]:
-    """A constructor's arguments, in its signature's order, from its ``locals()`` (taken before
-    anything else is assigned)."""
-    return {name: value for name, value in frame.items() if name not in ("self", "__class__")}
+    __signature__ = signature_with(onebit_lamb, "params", *_OPTIONS)

@@ -180,25 +180,26 @@ def onebit_lamb(
     The exact rules, step by step, are in ``docs/algorithms.md`` (section "1-bit LAMB").
 
     Example:
-        Two simulated ranks: one warmup update, then compressed ones.
+        One worker (``Local``: the collectives are the identity; ``fn.onebit_adam``'s example
+        runs simulated ranks): a warmup update, which fixes the trust ratio's EMA :math:`R`,
+        then compressed ones.
 
         >>> import torch
         >>> import fn
-        >>> from fn.collectives import Simulated, replicate, simulate
-        >>> comm = Simulated(2)
-        >>> opt = fn.onebit_lamb(lr=1e-2, freeze_step=2, comm=comm)
-        >>> init = {"w": torch.ones(4, 2), "b": torch.ones(3)}
-        >>> params, state = replicate(init, comm), replicate(opt.init(init), comm)
-        >>> update = simulate(opt.update, comm)
+        >>> from fn.collectives import Local
+        >>> opt = fn.onebit_lamb(lr=1e-2, freeze_step=2, comm=Local())
+        >>> params = {"w": torch.ones(4, 2), "b": torch.ones(3)}
+        >>> state = opt.init(params)
         >>> for t in (1, 2, 3):
-        ...     grads = {k: torch.linspace(-1.0, 1.0, 2 * p.numel()).reshape(2, *p.shape)
-        ...              for k, p in init.items()}  # each rank's own gradient
-        ...     updates, state = update(grads, state, params, step=t)
+        ...     grads = {k: torch.full_like(p, 0.5) for k, p in params.items()}
+        ...     updates, state = opt.update(grads, state, params, step=t)
         ...     params = fn.apply_updates(params, updates)
-        >>> state.worker_error.shape  # per rank: all 11 elements fused, padded to 16
-        torch.Size([2, 16])
-        >>> torch.equal(params["w"][0], params["w"][1])  # the ranks agree after each update
-        True
+        >>> [opt.is_compressed(t) for t in (1, 2, 3)]
+        [False, True, True]
+        >>> state.lamb_coeff_freeze["w"]  # R, frozen at the last warmup update
+        tensor(0.0316)
+        >>> params["b"]
+        tensor([0.9864, 0.9864, 0.9864])
     """
     settings = leafwise.onebit_settings(
         "onebit_lamb", lr, betas, eps, weight_decay, comm, safeguard, local_world_size, error_dtype
