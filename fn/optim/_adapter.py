@@ -81,23 +81,17 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             warning), as under another world size.
 
     Building the optimizer and ``add_param_group`` check that every rank built the group the same
-    way (optimizer, transform and its settings, hyperparameters, the params' number, shapes and
-    dtypes), and the first ``step()`` (after any ``load_state_dict``) checks that the ranks hold
-    the same step counts and params (:meth:`check_consistency`), so a mismatch is a
-    ``ValueError`` on every rank naming the fields and the ranks rather than a hang or diverging
-    ranks.
+    way, and the first ``step()`` (after any ``load_state_dict``) runs :meth:`check_consistency`:
+    a mismatch is a ``ValueError`` on every rank, not a hang or diverging ranks.
 
     The learning rate of each group (``group["lr"]``, so ``torch.optim.lr_scheduler`` works) is
     written into the functional state with ``fn.set_hyperparams`` before every step; it defaults
     to the transform's ``lr`` state field. A ``CompressedOptimizer`` gets ``step=t``, the
     1-based count of the group's updates (skipped steps do not count).
 
-    Buffers: each step donates (``update(..., donate=...)``) the group's state from two steps
-    back and the group's gradient buffer, so in steady state a step makes no new full-size
-    tensor, and the live state is never written (a failed or skipped step leaves it as it was).
-    The group therefore keeps two states and one gradient buffer, into which the params'
-    ``.grad`` are copied before every step (the updates are written into it, so it cannot be
-    the ``.grad`` themselves, which a step leaves as they were).
+    Buffers: each step donates the group's state from two steps back and its gradient buffer
+    (into which the ``.grad`` are copied, and the updates written), never the live state, so
+    the group keeps two states and one gradient buffer (README, "Buffer donation").
 
     Attributes:
         skipped_steps: how many steps were skipped for non-finite gradients.
@@ -217,12 +211,10 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         collective: every rank must call it; one pass over the params and one all_gather of seven
         int64 per group).
 
-        Params are compared as closely as the transform declares that the ranks' params agree
-        after the group's last update (``CompressedOptimizer.param_agreement``): bit for bit for
-        every fn optimizer (the ranks apply identical updates), except 0/1 Adam once its variance
-        froze, whose ranks differ by design between synchronizations: its params are compared
-        right after a sync to a relative tolerance of ``1e-4`` of their sums (a sync equalizes
-        them up to fp32 rounding), and not after a local step.
+        Params are compared as closely as the transform declares
+        (``CompressedOptimizer.param_agreement``): bit for bit, except 0/1 Adam once its
+        variance froze: right after a sync to a relative ``1e-4`` of their sums, not after a
+        local step (its ranks differ there by design).
 
         Raises:
             ValueError: on every rank, naming the groups, what differs and the ranks.
@@ -236,26 +228,13 @@ class FunctionalOptimizer(torch.optim.Optimizer):
     # ---------------------------------------------------------------- step
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One update of every group, or none: all or nothing.
+        """One update of every group, or none: all or nothing (the policies of :mod:`fn.optim`).
 
-        Everything is checked first (the params' storage, frozen params made trainable, every
-        group's hyperparameters, the gradients on every rank); then every group's update and new
-        state are computed into the group's gradient buffer and spare state (neither the live
-        state nor the params are written), the last group's update added to its params in the
-        same step (``fn.update_and_apply``) once every other group's exists; the other groups'
-        params, the states, the transforms and the step counts of all groups are committed
-        last. A step that fails or is skipped at any point leaves every group exactly as it
-        was.
-
-        A step at which no param of any group has a gradient (every ``.grad`` is ``None``, after
-        the closure if one is given) on any rank is no update: it returns with nothing changed
-        (params, state, error feedback, step counts; ``last_step_skipped`` becomes ``True``,
-        ``skipped_steps`` is not counted) on every rank, e.g. a ``step()`` before any backward
-        pass, or a second ``step()`` after ``zero_grad()``. The ranks decide this together, in
-        the allreduce that every step makes anyway for its non-finite check (one more int64):
-        where only some ranks lack gradients, theirs count as zero, so every rank still runs the
-        same collectives. Gradients that are zero tensors (``zero_grad(set_to_none=False)``)
-        are gradients: such a step is an update.
+        A step that fails or is skipped at any point leaves every group exactly as it was. A
+        step at which no param of any group has a gradient (every ``.grad`` is ``None``, after
+        the closure if one is given) on any rank is no update: nothing changes on any rank,
+        ``last_step_skipped`` becomes ``True`` and ``skipped_steps`` is not counted. Gradients
+        that are zero tensors (``zero_grad(set_to_none=False)``) are gradients.
 
         Args:
             closure: re-evaluates the model and returns the loss (run with grad enabled).

@@ -1,27 +1,15 @@
-"""The checkpoint of one param group of the ``torch.optim`` adapter.
+"""The checkpoint of the ``torch.optim`` adapter: a :class:`GroupRecord` per param group, as a
+plain dict (its layout: ``FunctionalOptimizer.state_dict``), written by :func:`save_state` and
+checked, all groups before any is loaded, by :func:`plan_load`.
 
-``FunctionalOptimizer.state_dict()["state"][i]`` is a :class:`GroupRecord` as a plain dict (plain
-containers, tensors and numbers only, so ``torch.load(weights_only=True)`` reads it)::
-
-    {"step": int, "world_size": int, "rank": int, "shapes": [[int, ...], ...],
-     "functional": {key path: tensor or number},
-     "local_world_size": int,                                # hierarchical collectives only
-     "master": fp32 tensor,                                  # fp16/bf16 params only
-     "error_feedback_by_rank": [{key path: tensor}, ...]}    # gathered checkpoints only
-
-The functional state is stored flat, keyed by pytree key path (``".exp_avg"``,
-``".worker_error"``), and rebuilt against the structure of a freshly initialized state. Its
-error feedback is found by type (``fn.collectives.error_feedback_leaves``): those buffers are
-sized by the world size and the ranks per node of hierarchical collectives
-(``local_world_size``), so a checkpoint of another world size or level gets them freshly
-initialized.
-
-Error feedback is also the only per-rank part of the state: every rank's moments, step and
-master are the same. A record names the rank it was saved on; a rank that loads another rank's
-record takes its own error feedback from ``error_feedback_by_rank`` when the record holds every
-rank's (see :func:`gather_error_feedback`), and otherwise starts from zero error feedback
-(:func:`own_error_feedback`), never from another rank's. :class:`PerRankState` saves each
-rank's error feedback with ``torch.distributed.checkpoint``.
+The functional state is stored flat, keyed by pytree key path (:func:`state_to_dict`), and
+rebuilt against the structure of a freshly initialized state. Its error feedback, found by type
+(``fn.collectives.error_feedback_leaves``), is sized by the world size and ``local_world_size``,
+so a checkpoint of another layout gets it freshly initialized. It is also the only per-rank part
+of the state: a rank that loads another rank's record takes its own from
+``error_feedback_by_rank`` when the record holds every rank's (:func:`gather_error_feedback`),
+else starts from zero (:func:`own_error_feedback`), never from another rank's.
+:class:`PerRankState` saves each rank's with ``torch.distributed.checkpoint``.
 """
 
 from __future__ import annotations
@@ -29,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -71,22 +59,12 @@ class GroupRecord:
     local_world_size: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The record as stored in ``state_dict()["state"]`` (no ``"master"`` key without one)."""
-        record = {
-            "step": self.step,
-            "world_size": self.world_size,
-            "shapes": [list(s) for s in self.shapes],
-            "functional": dict(self.functional),
-        }
-        if self.master is not None:
-            record["master"] = self.master
-        if self.rank is not None:
-            record["rank"] = self.rank
+        """The record as stored in ``state_dict()["state"]`` (no key for a ``None`` field)."""
+        record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        record.update(shapes=[list(s) for s in self.shapes], functional=dict(self.functional))
         if self.error_feedback_by_rank is not None:
             record["error_feedback_by_rank"] = [dict(e) for e in self.error_feedback_by_rank]
-        if self.local_world_size is not None:
-            record["local_world_size"] = self.local_world_size
-        return record
+        return {k: v for k, v in record.items() if v is not None}
 
     @classmethod
     def from_dict(cls, record: Any, group: int) -> GroupRecord:
@@ -108,12 +86,9 @@ class GroupRecord:
             raise ValueError(f"{where} is a {type(record).__name__}, not a dict")
         missing = [k for k in _REQUIRED if k not in record]
         unknown = sorted(str(k) for k in record if k not in _REQUIRED + _OPTIONAL)
-        if missing or unknown:
-            problems = []
-            if missing:
-                problems.append(f"lacks {missing}")
-            if unknown:
-                problems.append(f"has unknown keys {unknown}")
+        problems = [f"lacks {missing}"] if missing else []
+        problems += [f"has unknown keys {unknown}"] if unknown else []
+        if problems:
             raise ValueError(
                 f"{where} {' and '.join(problems)}; an fn.optim record has {list(_REQUIRED)} "
                 "and, for fp16/bf16 params, 'master'"
@@ -221,11 +196,7 @@ def state_from_dict(
     if forms and set(keys) != set(saved):
         return _in_saved_forms(group, saved, template, reset, device)
     if set(keys) != set(saved):
-        missing, extra = sorted(set(keys) - set(saved)), sorted(set(saved) - set(keys))
-        raise ValueError(
-            f"param group {group}: the checkpoint's optimizer state has another structure "
-            f"(missing {missing[:4]}, unexpected {extra[:4]}); was it saved by another optimizer?"
-        )
+        raise _structure_error(group, set(keys), set(saved))
     out = []
     for (_, leaf), key, error in zip(leaves, keys, marks, strict=True):
         value = saved[key]
@@ -289,13 +260,8 @@ def _in_saved_forms(
             if all(value is not _MISSING for value, _ in read) and taken == theirs:
                 break
         else:
-            mine_keys = {prefix + pytree.keystr(path) for path, _ in _leaf_paths(mine)}
-            missing, extra = sorted(mine_keys - theirs), sorted(theirs - mine_keys)
-            raise ValueError(
-                f"param group {group}: the checkpoint's optimizer state has another structure "
-                f"(missing {missing[:4]}, unexpected {extra[:4]}); was it saved by another "
-                "optimizer?"
-            )
+            leaves = pytree.tree_flatten_with_path(mine, is_leaf=_is_form)[0]
+            raise _structure_error(group, {prefix + pytree.keystr(p) for p, _ in leaves}, theirs)
         values = []
         for (value, keys), (_, like) in zip(read, leaves, strict=True):
             same_form = isinstance(like, torch.Tensor) and isinstance(value, torch.Tensor)
@@ -310,8 +276,12 @@ def _in_saved_forms(
     return type(template)(**fields)
 
 
-def _leaf_paths(tree: Any) -> list[tuple[Any, Any]]:
-    return pytree.tree_flatten_with_path(tree, is_leaf=_is_form)[0]
+def _structure_error(group: int, mine: set[str], saved: set[str]) -> ValueError:
+    missing, extra = sorted(mine - saved), sorted(saved - mine)
+    return ValueError(
+        f"param group {group}: the checkpoint's optimizer state has another structure "
+        f"(missing {missing[:4]}, unexpected {extra[:4]}); was it saved by another optimizer?"
+    )
 
 
 _MISSING = object()
@@ -429,9 +399,14 @@ def _marked_leaves(state: Any, mark: Any) -> list[bool]:
 def per_rank_keys(state: Any) -> list[str]:
     """The key paths (as in :func:`state_to_dict`) of the leaves of ``state`` that may differ
     between ranks: its error feedback and the fields annotated ``fn.base.PerRankField``."""
-    leaves, _ = pytree.tree_flatten_with_path(state)
     marks = zip(error_feedback_leaves(state), _marked_leaves(state, PerRank), strict=True)
-    return [pytree.keystr(path) for (path, _), m in zip(leaves, marks, strict=True) if any(m)]
+    return _keys_where(state, map(any, marks))
+
+
+def _keys_where(state: Any, marks: Iterable[bool]) -> list[str]:
+    """The key paths of the leaves of ``state`` whose mark is true, in pytree leaf order."""
+    leaves = pytree.tree_flatten_with_path(state)[0]
+    return [pytree.keystr(path) for (path, _), m in zip(leaves, marks, strict=True) if m]
 
 
 def check_master(group: int, master: torch.Tensor | None, numel: int) -> None:
@@ -672,9 +647,7 @@ def _by_rank(value: Any, world_size: int, where: str) -> tuple[dict[str, torch.T
 
 def error_feedback_keys(state: Any) -> list[str]:
     """The key paths (as in :func:`state_to_dict`) of the error-feedback leaves of ``state``."""
-    leaves, _ = pytree.tree_flatten_with_path(state)
-    marks = error_feedback_leaves(state)
-    return [pytree.keystr(path) for (path, _), error in zip(leaves, marks, strict=True) if error]
+    return _keys_where(state, error_feedback_leaves(state))
 
 
 def gather_error_feedback(
@@ -832,7 +805,10 @@ class PerRankState:
             if full is not None:  # one layout at every count: DCP loads in place into it
                 functional_state = full(functional_state)
                 record["functional"] = state_to_dict(functional_state)
-            functional = {k: _copy(v) for k, v in record["functional"].items()}
+            functional = {
+                k: v.clone() if isinstance(v, torch.Tensor) else v
+                for k, v in record["functional"].items()
+            }
             mine = {k: functional.pop(k) for k in per_rank_keys(functional_state)}
             record["functional"] = functional
             record["state_of_rank"] = {str(rank): mine}
@@ -850,7 +826,3 @@ class PerRankState:
             record["rank"] = rank
             state[int(index)] = record
         self.optimizer.load_state_dict({**state_dict, "state": state})
-
-
-def _copy(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) else value

@@ -267,15 +267,14 @@ def scheduler_from_deepspeed(
         >>> import torch
         >>> import fn
         >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-        >>> sched = fn.optim.scheduler_from_deepspeed(opt, {"scheduler": {"type": "WarmupDecayLR",
-        ...     "params": {"total_num_steps": 4, "warmup_max_lr": 0.01, "warmup_num_steps": 2}}})
-        >>> lrs = []
-        >>> for _ in range(5):
-        ...     lrs.append(round(opt.param_groups[0]["lr"], 4))
-        ...     opt.step()
-        ...     sched.step()
-        >>> lrs
-        [0.0, 0.01, 0.01, 0.005, 0.0]
+        >>> block = {"type": "WarmupDecayLR", "params": {"total_num_steps": 4,
+        ...     "warmup_max_lr": 0.01, "warmup_num_steps": 2, "last_batch_iteration": 3}}
+        >>> sched = fn.optim.scheduler_from_deepspeed(opt, {"scheduler": block})
+        >>> round(opt.param_groups[0]["lr"], 4)  # iteration 3 of [0, 0.01, 0.01, 0.005, 0]
+        0.005
+        >>> block = {"type": "StepLR", "params": {"step_size": 10}}  # torch's, by name
+        >>> type(fn.optim.scheduler_from_deepspeed(opt, block)).__name__
+        'StepLR'
     """
     config = read_config(config)
     block = config.get("scheduler", config)
