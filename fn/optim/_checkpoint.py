@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -248,8 +248,6 @@ def _in_saved_forms(
         theirs = {k for k in saved if _under(k, prefix)}
         used.update(theirs)
         if reset and field in errors or not theirs and mine is None:
-            # (a field this optimizer leaves unused, absent from a checkpoint saved before fn
-            # had it, stays None)
             fields[field] = mine
             continue
         layouts = [mine, None, *(other for other in template if other is not mine)]
@@ -438,28 +436,18 @@ def packed_param_groups(param_groups: Sequence[Mapping[str, Any]]) -> list[dict[
     return packed
 
 
-def save_state(
-    groups: Sequence[Any],
-    param_groups: Sequence[Mapping[str, Any]],
-    comm: Any,
-    gathered: GatheredErrorFeedback | None,
-    local_world_size: int | None = None,
-) -> dict[str, Any]:
-    """An optimizer's ``state_dict()``: every group's stored record (``GroupRecord.to_dict``) and
-    the param groups (:func:`packed_param_groups`). A record holds the group's live state
-    tensors and a copy of its master, taken after writes to the params are synced into it as
-    before a step; the tensors handed out are never donated (``GroupRuntime.export``).
+def save_state(optimizer: Any, gathered: GatheredErrorFeedback | None) -> dict[str, Any]:
+    """``FunctionalOptimizer.state_dict()``: every group's stored record (``GroupRecord.to_dict``,
+    its tensors never donated: ``GroupRuntime.export``) and the param groups
+    (:func:`packed_param_groups`).
 
     Args:
-        groups: the groups' ``GroupRuntime``.
-        param_groups: the optimizer's param groups.
-        comm: the optimizer's communicator.
+        optimizer: the ``FunctionalOptimizer``.
         gathered: every rank's error feedback, gathered from the groups' live states, or
             ``None``.
-        local_world_size: the ranks per node of the transforms' collectives (``None``: flat).
     """
-    state = {}
-    for index, runtime in enumerate(groups):
+    state, comm = {}, optimizer.comm
+    for index, runtime in enumerate(optimizer._groups):
         runtime.flat.sync_master()
         master = runtime.flat.master.clone() if runtime.flat.has_master_copy else None
         state[index] = GroupRecord(
@@ -470,10 +458,10 @@ def save_state(
             master=master,
             rank=getattr(comm, "rank", 0),
             error_feedback_by_rank=None if gathered is None else gathered.by_rank[index],
-            local_world_size=local_world_size,
+            local_world_size=optimizer.local_world_size,
         ).to_dict()
         runtime.export(state[index])
-    return {"state": state, "param_groups": packed_param_groups(param_groups)}
+    return {"state": state, "param_groups": packed_param_groups(optimizer.param_groups)}
 
 
 class LoadPlan(NamedTuple):
@@ -486,28 +474,13 @@ class LoadPlan(NamedTuple):
     record: GroupRecord
 
 
-def plan_load(
-    state_dict: Any,
-    param_groups: Sequence[Mapping[str, Any]],
-    groups: Sequence[Any],
-    hypers: Sequence[dict[str, Any]],
-    make_transform: Callable[[int, dict[str, Any]], Any],
-    comm: Any,
-    flatten: bool,
-    local_world_size: int | None = None,
-) -> list[LoadPlan]:
+def plan_load(state_dict: Any, optimizer: Any) -> list[LoadPlan]:
     """Reads and checks every group's record of an optimizer ``state_dict`` (all before any is
     loaded) and warns (at ``load_state_dict``'s caller) of the error feedback it resets.
 
     Args:
         state_dict: what ``load_state_dict`` was given.
-        param_groups: the optimizer's param groups.
-        groups: their ``GroupRuntime``.
-        hypers: their hyperparameters.
-        make_transform: ``make_transform(index, hyper)``, group ``index``'s transform.
-        comm: the optimizer's communicator.
-        flatten: whether the transform sees one flat leaf.
-        local_world_size: the ranks per node of the transforms' collectives (``None``: flat).
+        optimizer: the ``FunctionalOptimizer`` loading it.
 
     Returns:
         One plan per group.
@@ -515,24 +488,25 @@ def plan_load(
     Raises:
         ValueError: a checkpoint that does not fit (see ``FunctionalOptimizer.load_state_dict``).
     """
-    saved_groups, records = checkpoint_parts(state_dict, len(param_groups))
+    comm, local_world_size = optimizer.comm, optimizer.local_world_size
+    saved_groups, records = checkpoint_parts(state_dict, len(optimizer.param_groups))
     plans = []
     worlds, foreign = set(), set()
-    for index, (group, saved, runtime, current) in enumerate(
-        zip(param_groups, saved_groups, groups, hypers, strict=True)
+    for index, (group, saved, runtime) in enumerate(
+        zip(optimizer.param_groups, saved_groups, optimizer._groups, strict=True)
     ):
         record = _read_record(index, records, saved, group, runtime)
         if "lr" in saved:
             lr_value(index, saved["lr"], "in the checkpoint")
-        hyper = read_lr({k: saved.get(k, v) for k, v in current.items()})
+        hyper = read_lr({k: saved.get(k, v) for k, v in optimizer._hyper(group).items()})
         try:
-            transform = make_transform(index, hyper)
+            transform = optimizer._make_transform(index, hyper)
         except (TypeError, ValueError) as err:
             raise ValueError(
                 f"param group {index}: the checkpoint's hyperparameters are invalid: {err}"
             ) from err
         layout = (comm, local_world_size)
-        state, reset = _restored_state(index, record, runtime, transform, layout, flatten)
+        state, reset = _restored_state(index, record, runtime, transform, layout, optimizer.flatten)
         if (record.world_size, record.local_world_size) != (comm.world_size, local_world_size):
             worlds.add(_layout_text(record.world_size, record.local_world_size))
         elif reset:
@@ -598,10 +572,8 @@ def _restored_state(
     keys = error_feedback_keys(runtime.state)
     rank = getattr(comm, "rank", 0)
     functional, reset = own_error_feedback(record, rank, comm.world_size, keys, local_world_size)
-    if reset:
-        template = transform.init(runtime.flat.tree(runtime.flat.master, flatten))
-    else:
-        template = runtime.state
+    flat = runtime.flat
+    template = transform.init(flat.tree(flat.master, flatten)) if reset else runtime.state
     check_state = getattr(transform, "check_state", None)
     state = state_from_dict(index, functional, template, reset, forms=check_state is not None)
     if check_state is not None:
@@ -615,12 +587,10 @@ def _restored_state(
     return state, reset
 
 
-def load(
-    plans: Sequence[LoadPlan], param_groups: Sequence[dict[str, Any]], groups: Sequence
-) -> None:
+def load(plans: Sequence[LoadPlan], optimizer: Any) -> None:
     """Sets every group's hyperparameters, transform, state, step count and master from its
     plan (:func:`plan_load`)."""
-    for plan, group, runtime in zip(plans, param_groups, groups, strict=True):
+    for plan, group, runtime in zip(plans, optimizer.param_groups, optimizer._groups, strict=True):
         group.update({k: v for k, v in plan.saved.items() if k != "params"})
         runtime.transform, runtime.hyper = plan.transform, plan.hyper
         runtime.state, runtime.spare, runtime.step = plan.state, None, plan.record.step
@@ -650,28 +620,18 @@ def error_feedback_keys(state: Any) -> list[str]:
     return _keys_where(state, error_feedback_leaves(state))
 
 
-def gather_error_feedback(
-    group: Any, rank: int, functional: dict[str, Any], keys: list[str]
-) -> tuple[dict[str, torch.Tensor], ...] | None:
-    """Every rank's error-feedback tensors, on group rank 0 (a collective call).
-
-    Args:
-        group: the ``torch.distributed`` process group (``None``: the world).
-        rank: this process's rank in ``group``.
-        functional: this rank's :func:`state_to_dict`.
-        keys: the error-feedback entries of ``functional`` (:func:`error_feedback_keys`).
-
-    Returns:
-        On group rank 0, one ``{key: tensor}`` per rank, indexed by rank; ``None`` elsewhere.
-        A buffer not allocated yet (``None``: the 1-bit family before its freeze) is ``None``
-        on every rank alike, since when it is allocated depends on the update count alone; it
-        is recorded as ``None`` for every rank, with nothing sent.
-    """
+def gather_error_feedback(comm: Any, state: Any) -> tuple[dict[str, torch.Tensor], ...] | None:
+    """Every rank's error-feedback entries of ``state`` (:func:`error_feedback_keys`): on rank 0
+    one ``{key: tensor}`` per rank, indexed by rank; ``None`` elsewhere (a collective call). A
+    buffer not allocated yet (``None``: the 1-bit family before its freeze) is ``None`` on every
+    rank alike (when it is allocated depends on the update count alone): it is recorded as
+    ``None`` for every rank, with nothing sent."""
     import torch.distributed as dist
 
+    group, rank, functional = comm.group, comm.rank, state_to_dict(state)
     world_size = dist.get_world_size(group)
     gathered: list[dict[str, torch.Tensor | None]] = [{} for _ in range(world_size)]
-    for key in keys:
+    for key in error_feedback_keys(state):
         if functional[key] is None:
             for entries in gathered:
                 entries[key] = None
@@ -699,10 +659,7 @@ class GatheredErrorFeedback(NamedTuple):
         if comm.world_size == 1:
             return None
         states = [runtime.state for runtime in groups]
-        by_rank = [
-            gather_error_feedback(comm.group, comm.rank, state_to_dict(s), error_feedback_keys(s))
-            for s in states
-        ]
+        by_rank = [gather_error_feedback(comm, s) for s in states]
         return cls(states, by_rank) if comm.rank == 0 else None
 
     def current(self, groups: Sequence[Any]) -> bool:
@@ -753,18 +710,12 @@ class PerRankState:
     """An ``fn.optim`` optimizer as a ``torch.distributed.checkpoint`` (DCP) ``Stateful`` that
     keeps every rank's own state: its error feedback and the fields that differ between ranks.
 
-    DCP saves a tensor that every rank holds under the same name once (it assumes replicas):
-    right for the moments, the step and the master copy, which are the same on every rank, but
-    it would keep one rank's error feedback for all, and one rank's momentum and accumulator
-    of 0/1 Adam, which differ between its synchronizations (state fields annotated
-    ``fn.base.PerRankField``). Here each rank's share of the state gets a name of its own
-    (``state_of_rank.<rank>``), so every rank writes its own shard and reads back its own.
-    DCP checkpoints load at the world size they were saved with (the error feedback's shapes
-    depend on it); to change the world size, go through ``state_dict()``.
-    DCP loads in place into a layout fixed before it reads, so an optimizer whose state changes
-    form with its phase (``CompressedOptimizer.full_state``: the 1-bit family's packed momentum
-    and lazily allocated buffers) is saved and loaded here in its full layout, from which its
-    updates continue bit for bit.
+    DCP saves a tensor that every rank holds under the same name once (it assumes replicas), so
+    it would keep one rank's error feedback and ``fn.base.PerRankField`` fields (0/1 Adam's
+    momentum and accumulator) for all: here each rank's share gets a name of its own
+    (``state_of_rank.<rank>``). DCP checkpoints load at the world size they were saved with (to
+    change it, go through ``state_dict()``), in place into a fixed layout, so a state that
+    changes form with its phase is saved in its full layout (``CompressedOptimizer.full_state``).
 
     Args:
         optimizer: an ``fn.optim`` optimizer.

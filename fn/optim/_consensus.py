@@ -266,10 +266,7 @@ class GroupSnapshot(NamedTuple):
     step: int  # the group's update count
     settings: str  # the group's hyperparameters, described
     params: torch.Tensor  # the group's flat params (fp32 master for fp16/bf16)
-    # How closely the ranks' params agree (CompressedOptimizer.param_agreement): 0.0 bit for
-    # bit, r > 0 to a relative r of their sums (0/1 Adam after a sync), None not compared (0/1
-    # Adam's local steps, where the ranks differ by design).
-    tolerance: float | None
+    tolerance: float | None  # how closely the params agree (GroupRuntime.param_agreement)
 
 
 def _param_stats(x: torch.Tensor) -> torch.Tensor:
@@ -398,10 +395,7 @@ def vote_on_gradients(
         The same vote on every rank: the step is no update when no rank holds a gradient
         (``holding == 0``), and may be taken exactly when the other two counts are zero.
     """
-    if grads:
-        device = grads[0].device
-    elif device is None:
-        device = torch.device("cpu")
+    device = grads[0].device if grads else device or torch.device("cpu")
     counts = torch.zeros(3, dtype=torch.int64, device=device)
     for g in grads:
         if not all_finite(g):  # one reduction in the common case; the exact count only here

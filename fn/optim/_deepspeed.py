@@ -125,11 +125,9 @@ def from_deepspeed(
 
     ``OneBitAdam`` gives :class:`fn.optim.OnebitAdam`, ``ZeroOneAdam``
     :class:`fn.optim.ZeroOneAdam` and ``OneBitLamb`` :class:`fn.optim.OnebitLamb` (type names
-    are case-insensitive, as in DeepSpeed), with every hyperparameter DeepSpeed read (its
-    defaults where absent) and DeepSpeed's numerics: each param tensor is compressed on its own
-    (``flatten=False``). Keys without effect in fn (``cuda_aware``, ``comm_backend_name``, ...)
-    are explained in one warning; a block without ``"params"`` warns that DeepSpeed's defaults
-    (``freeze_step`` 100000: dense updates for 100000 steps) are used.
+    are case-insensitive), with every hyperparameter DeepSpeed read (its defaults where absent)
+    and DeepSpeed's numerics (``flatten=False``: each param compressed on its own). Keys without
+    effect in fn, and a block without ``"params"`` (DeepSpeed's defaults), are warned about.
 
     With ``state_dict`` (what DeepSpeed's engine stored under ``"optimizer"`` in
     ``mp_rank_00_model_states.pt``), the training continues as DeepSpeed's uninterrupted run
@@ -335,8 +333,8 @@ def _group_entries(
     steps = set()
     for j, (entry, p) in enumerate(zip(found, params, strict=True)):
         keys = set(entry)
-        lamb_before_compression = entries - keys == {"scaling_coeff"}
-        missing = sorted(entries - keys - ({"scaling_coeff"} if lamb_before_compression else set()))
+        # (1-bit LAMB has no scaling_coeff before its compression)
+        missing = [] if entries - keys == {"scaling_coeff"} else sorted(entries - keys)
         unknown = sorted(keys - entries - _DROPPED_STATE)
         if missing or unknown or "step" not in keys:
             raise ValueError(

@@ -60,7 +60,8 @@ class FlatGroup:
                 view.copy_(p.detach())
                 p.data = _alias(view)
         self.master = self.model.float() if dtype in _LOW_PRECISION else self.model
-        self._grads: torch.Tensor | None = None  # [n] in the master's dtype: gather_grads
+        # [n] in the master's dtype: the gradient buffer of gather_grads (None before its call)
+        self.grads: torch.Tensor | None = None
         # why the last gather_grads could not take this rank's gradients (a sparse one), or None
         self.unusable: str | None = None
         self._grad_views: list[torch.Tensor] | None = None
@@ -92,11 +93,9 @@ class FlatGroup:
         not dense: :attr:`unusable` then says why (a check on this rank alone, which the adapter
         agrees on with the other ranks before it raises, so that no rank waits in a collective).
         """
-        if self._grads is None:
-            self._grads = torch.empty(
-                self.numel, dtype=self.master.dtype, device=self.master.device
-            )
-            self._grad_views = self.views(self._grads)
+        if self.grads is None:
+            self.grads = torch.empty(self.numel, dtype=self.master.dtype, device=self.master.device)
+            self._grad_views = self.views(self.grads)
         self.unusable = None
         for index, (p, view) in enumerate(zip(self.params, self._grad_views, strict=True)):
             g = p.grad
@@ -110,17 +109,12 @@ class FlatGroup:
                 )
             else:
                 view.copy_(g)
-        return self._grads
-
-    @property
-    def grads(self) -> torch.Tensor | None:
-        """The gradient buffer of :meth:`gather_grads` (``None`` before the first call)."""
-        return self._grads
+        return self.grads
 
     def release_grads(self) -> None:
         """Lets the next :meth:`gather_grads` allocate a new buffer (for when something kept
         the current one, e.g. a transform that keeps its gradient in its state)."""
-        self._grads = self._grad_views = None
+        self.grads = self._grad_views = None
 
     @torch.no_grad()
     def adopt(self) -> None:
