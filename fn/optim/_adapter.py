@@ -7,10 +7,12 @@ The policies (gradient communication, flat buffers, mixed precision, non-finite 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
 
+from fn.base import CompressedOptimizer
 from fn.errors import NonFiniteError, check_int
 from fn.optim._checkpoint import GatheredErrorFeedback, load, plan_load, save_state
 from fn.optim._consensus import (
@@ -29,13 +31,9 @@ from fn.optim._step import (
     GroupRuntime,
     Transform,
     check_group,
-    check_nonfinite_policy,
     check_params,
-    commit_groups,
-    compressed_next,
     gather_step_grads,
     is_fixed,
-    plan_groups,
     read_lr,
     split_frozen,
     update_groups,
@@ -81,23 +79,17 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             warning), as under another world size.
 
     Building the optimizer and ``add_param_group`` check that every rank built the group the same
-    way (optimizer, transform and its settings, hyperparameters, the params' number, shapes and
-    dtypes), and the first ``step()`` (after any ``load_state_dict``) checks that the ranks hold
-    the same step counts and params (:meth:`check_consistency`), so a mismatch is a
-    ``ValueError`` on every rank naming the fields and the ranks rather than a hang or diverging
-    ranks.
+    way, and the first ``step()`` (after any ``load_state_dict``) runs :meth:`check_consistency`:
+    a mismatch is a ``ValueError`` on every rank, not a hang or diverging ranks.
 
     The learning rate of each group (``group["lr"]``, so ``torch.optim.lr_scheduler`` works) is
     written into the functional state with ``fn.set_hyperparams`` before every step; it defaults
     to the transform's ``lr`` state field. A ``CompressedOptimizer`` gets ``step=t``, the
     1-based count of the group's updates (skipped steps do not count).
 
-    Buffers: each step donates (``update(..., donate=...)``) the group's state from two steps
-    back and the group's gradient buffer, so in steady state a step makes no new full-size
-    tensor, and the live state is never written (a failed or skipped step leaves it as it was).
-    The group therefore keeps two states and one gradient buffer, into which the params'
-    ``.grad`` are copied before every step (the updates are written into it, so it cannot be
-    the ``.grad`` themselves, which a step leaves as they were).
+    Buffers: each step donates the group's state from two steps back and its gradient buffer
+    (into which the ``.grad`` are copied, and the updates written), never the live state, so
+    the group keeps two states and one gradient buffer (README, "Buffer donation").
 
     Attributes:
         skipped_steps: how many steps were skipped for non-finite gradients.
@@ -146,7 +138,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         check_every: int = 0,
         local_world_size: int | None = None,
     ) -> None:
-        check_nonfinite_policy(nonfinite)
+        if nonfinite not in ("raise", "skip"):
+            raise ValueError(f"nonfinite must be one of ('raise', 'skip'), got {nonfinite!r}")
         self.comm = process_comm(comm)
         self.local_world_size = local_world_size
         self._fixed = is_fixed(transform, defaults)
@@ -155,8 +148,6 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.last_step_skipped = False
         self.check_every = check_int("check_every", check_every)
-        # When step() compares the ranks: at the first update after building or load_state_dict,
-        # and every check_every updates.
         self._sync_checks = SyncCheckSchedule()
         # Whether the first step still has to look for gradients averaged before it (DDP that
         # fn was not told about; fn.optim._ddp_detection): once per optimizer.
@@ -172,11 +163,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
     # ---------------------------------------------------------------- construction
 
     def _make_transform(self, index: int, hyper: dict[str, Any]) -> Transform:
-        """The transform of group ``index`` built from its hyperparameters."""
-        del index
-        if self._fixed:
-            return self._transform
-        return self._transform(**hyper)
+        """The transform of group ``index`` (for subclasses) built from its hyperparameters."""
+        return self._transform if self._fixed else self._transform(**hyper)
 
     def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
         return read_lr({k: v for k, v in group.items() if k in self.defaults})
@@ -217,12 +205,10 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         collective: every rank must call it; one pass over the params and one all_gather of seven
         int64 per group).
 
-        Params are compared as closely as the transform declares that the ranks' params agree
-        after the group's last update (``CompressedOptimizer.param_agreement``): bit for bit for
-        every fn optimizer (the ranks apply identical updates), except 0/1 Adam once its variance
-        froze, whose ranks differ by design between synchronizations: its params are compared
-        right after a sync to a relative tolerance of ``1e-4`` of their sums (a sync equalizes
-        them up to fp32 rounding), and not after a local step.
+        Params are compared as closely as the transform declares
+        (``CompressedOptimizer.param_agreement``): bit for bit, except 0/1 Adam once its
+        variance froze: right after a sync to a relative ``1e-4`` of their sums, not after a
+        local step (its ranks differ there by design).
 
         Raises:
             ValueError: on every rank, naming the groups, what differs and the ranks.
@@ -236,26 +222,13 @@ class FunctionalOptimizer(torch.optim.Optimizer):
     # ---------------------------------------------------------------- step
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One update of every group, or none: all or nothing.
+        """One update of every group, or none: all or nothing (the policies of :mod:`fn.optim`).
 
-        Everything is checked first (the params' storage, frozen params made trainable, every
-        group's hyperparameters, the gradients on every rank); then every group's update and new
-        state are computed into the group's gradient buffer and spare state (neither the live
-        state nor the params are written), the last group's update added to its params in the
-        same step (``fn.update_and_apply``) once every other group's exists; the other groups'
-        params, the states, the transforms and the step counts of all groups are committed
-        last. A step that fails or is skipped at any point leaves every group exactly as it
-        was.
-
-        A step at which no param of any group has a gradient (every ``.grad`` is ``None``, after
-        the closure if one is given) on any rank is no update: it returns with nothing changed
-        (params, state, error feedback, step counts; ``last_step_skipped`` becomes ``True``,
-        ``skipped_steps`` is not counted) on every rank, e.g. a ``step()`` before any backward
-        pass, or a second ``step()`` after ``zero_grad()``. The ranks decide this together, in
-        the allreduce that every step makes anyway for its non-finite check (one more int64):
-        where only some ranks lack gradients, theirs count as zero, so every rank still runs the
-        same collectives. Gradients that are zero tensors (``zero_grad(set_to_none=False)``)
-        are gradients: such a step is an update.
+        A step that fails or is skipped at any point leaves every group exactly as it was. A
+        step at which no param of any group has a gradient (every ``.grad`` is ``None``, after
+        the closure if one is given) on any rank is no update: nothing changes on any rank,
+        ``last_step_skipped`` becomes ``True`` and ``skipped_steps`` is not counted. Gradients
+        that are zero tensors (``zero_grad(set_to_none=False)``) are gradients.
 
         Args:
             closure: re-evaluates the model and returns the loss (run with grad enabled).
@@ -291,15 +264,12 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         if self._sync_checks.start_due:  # until the first update (a no-op step does not count)
             self.check_consistency()
         plans = self._plans()
-        # Transforms that reject non-finite gradients themselves, on every rank and before
-        # any write, need no separate pass over their gradients.
         mine = gather_step_grads(self._groups, grad_scale, self._checks_gradients)
         vote = vote_on_gradients(
             self.comm, mine.counted, found_inf, bool(mine.unusable), mine.holding, mine.device
         )
         if not vote.holding:
-            # No param of any group has a gradient on any rank (the same decision on every
-            # rank): no update.
+            # no param of any group has a gradient on any rank: no update
             self.last_step_skipped = True
             return loss
         self._sync_checks.start_due = False
@@ -314,7 +284,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         except AveragedOverflow as err:
             return self._skip(loss, found_inf, str(err))
         self.last_step_skipped = False
-        commit_groups(self._groups, plans, results)
+        for runtime, plan, result in zip(self._groups, plans, results, strict=True):
+            runtime.commit(plan, result)
         if self._sync_checks.due_after_update(self.check_every, self._groups):
             self.check_consistency()
         return loss
@@ -337,8 +308,14 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             ValueError: a hyperparameter set through ``param_groups`` is invalid (naming the
                 group).
         """
-        make, hypers = self._make_transform, [self._hyper(g) for g in self.param_groups]
-        return plan_groups(self.param_groups, self._groups, hypers, make, self.flatten)
+        return [
+            runtime.plan(
+                index, group, self._hyper(group), partial(self._make_transform, index), self.flatten
+            )
+            for index, (group, runtime) in enumerate(
+                zip(self.param_groups, self._groups, strict=True)
+            )
+        ]
 
     def next_update_compressed(self) -> list[bool]:
         """Per param group: whether the next ``step()`` runs a compressed update.
@@ -355,7 +332,11 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: an invalid hyperparameter in ``param_groups`` (naming the group).
         """
-        return compressed_next(self._plans(), self._groups)
+        return [
+            isinstance(transform, CompressedOptimizer)
+            and transform.compressed_at(runtime.step + 1, runtime.state)
+            for (transform, _, _), runtime in zip(self._plans(), self._groups, strict=True)
+        ]
 
     def warn_if_never_compressed(self, updates: int, source: str = "this run") -> bool:
         """Warns (``UserWarning``) when a param group's ``CompressedOptimizer`` would make no
@@ -410,22 +391,17 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         """
         if self._gathered is not None and not self._gathered.current(self._groups):
             self._gathered = None  # stale: free it (it holds every rank's error feedback)
-        return save_state(
-            self._groups, self.param_groups, self.comm, self._gathered, self.local_world_size
-        )
+        return save_state(self, self._gathered)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restores a :meth:`state_dict`: the functional state (error feedback included), the step
         counts, the fp32 master copies and the groups' hyperparameters.
 
         ``exp_avg_mask``, the comm and ``local_world_size`` come from the constructor, not the
-        checkpoint. A checkpoint saved with another world size or ``local_world_size`` gets its
-        error-feedback buffers reset for this one (with a warning). A checkpoint saved on
-        another rank gives this rank its own error feedback if it holds every rank's
-        (:meth:`gather_error_feedback`), else zero error feedback (with a warning): never
-        another rank's. All or nothing: every group's record is read and checked
-        (structure, shapes, hyperparameters, finite values, non-negative second moments) before
-        any is loaded.
+        checkpoint. Error feedback saved with another world size or ``local_world_size``, or on
+        another rank without every rank's (:meth:`gather_error_feedback`), is reset to zero
+        with a warning (the "Checkpoints" policy of :mod:`fn.optim`). All or nothing: every
+        group's record is checked before any is loaded.
 
         Raises:
             ValueError: a checkpoint that does not fit: a different number of groups or params,
@@ -433,16 +409,5 @@ class FunctionalOptimizer(torch.optim.Optimizer):
                 optimizer's), an invalid hyperparameter, a non-finite value or a negative second
                 moment; the message names the group and the field. Nothing was changed.
         """
-        hypers = [self._hyper(group) for group in self.param_groups]
-        plans = plan_load(
-            state_dict,
-            self.param_groups,
-            self._groups,
-            hypers,
-            self._make_transform,
-            self.comm,
-            self.flatten,
-            self.local_world_size,
-        )
-        load(plans, self.param_groups, self._groups)
+        load(plan_load(state_dict, self), self)
         self._sync_checks.start_due = True

@@ -1,27 +1,15 @@
-"""The checkpoint of one param group of the ``torch.optim`` adapter.
+"""The checkpoint of the ``torch.optim`` adapter: a :class:`GroupRecord` per param group, as a
+plain dict (its layout: ``FunctionalOptimizer.state_dict``), written by :func:`save_state` and
+checked, all groups before any is loaded, by :func:`plan_load`.
 
-``FunctionalOptimizer.state_dict()["state"][i]`` is a :class:`GroupRecord` as a plain dict (plain
-containers, tensors and numbers only, so ``torch.load(weights_only=True)`` reads it)::
-
-    {"step": int, "world_size": int, "rank": int, "shapes": [[int, ...], ...],
-     "functional": {key path: tensor or number},
-     "local_world_size": int,                                # hierarchical collectives only
-     "master": fp32 tensor,                                  # fp16/bf16 params only
-     "error_feedback_by_rank": [{key path: tensor}, ...]}    # gathered checkpoints only
-
-The functional state is stored flat, keyed by pytree key path (``".exp_avg"``,
-``".worker_error"``), and rebuilt against the structure of a freshly initialized state. Its
-error feedback is found by type (``fn.collectives.error_feedback_leaves``): those buffers are
-sized by the world size and the ranks per node of hierarchical collectives
-(``local_world_size``), so a checkpoint of another world size or level gets them freshly
-initialized.
-
-Error feedback is also the only per-rank part of the state: every rank's moments, step and
-master are the same. A record names the rank it was saved on; a rank that loads another rank's
-record takes its own error feedback from ``error_feedback_by_rank`` when the record holds every
-rank's (see :func:`gather_error_feedback`), and otherwise starts from zero error feedback
-(:func:`own_error_feedback`), never from another rank's. :class:`PerRankState` saves each
-rank's error feedback with ``torch.distributed.checkpoint``.
+The functional state is stored flat, keyed by pytree key path (:func:`state_to_dict`), and
+rebuilt against the structure of a freshly initialized state. Its error feedback, found by type
+(``fn.collectives.error_feedback_leaves``), is sized by the world size and ``local_world_size``,
+so a checkpoint of another layout gets it freshly initialized. It is also the only per-rank part
+of the state: a rank that loads another rank's record takes its own from
+``error_feedback_by_rank`` when the record holds every rank's (:func:`gather_error_feedback`),
+else starts from zero (:func:`own_error_feedback`), never from another rank's.
+:class:`PerRankState` saves each rank's with ``torch.distributed.checkpoint``.
 """
 
 from __future__ import annotations
@@ -29,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -71,22 +59,12 @@ class GroupRecord:
     local_world_size: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The record as stored in ``state_dict()["state"]`` (no ``"master"`` key without one)."""
-        record = {
-            "step": self.step,
-            "world_size": self.world_size,
-            "shapes": [list(s) for s in self.shapes],
-            "functional": dict(self.functional),
-        }
-        if self.master is not None:
-            record["master"] = self.master
-        if self.rank is not None:
-            record["rank"] = self.rank
+        """The record as stored in ``state_dict()["state"]`` (no key for a ``None`` field)."""
+        record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        record.update(shapes=[list(s) for s in self.shapes], functional=dict(self.functional))
         if self.error_feedback_by_rank is not None:
             record["error_feedback_by_rank"] = [dict(e) for e in self.error_feedback_by_rank]
-        if self.local_world_size is not None:
-            record["local_world_size"] = self.local_world_size
-        return record
+        return {k: v for k, v in record.items() if v is not None}
 
     @classmethod
     def from_dict(cls, record: Any, group: int) -> GroupRecord:
@@ -108,12 +86,9 @@ class GroupRecord:
             raise ValueError(f"{where} is a {type(record).__name__}, not a dict")
         missing = [k for k in _REQUIRED if k not in record]
         unknown = sorted(str(k) for k in record if k not in _REQUIRED + _OPTIONAL)
-        if missing or unknown:
-            problems = []
-            if missing:
-                problems.append(f"lacks {missing}")
-            if unknown:
-                problems.append(f"has unknown keys {unknown}")
+        problems = [f"lacks {missing}"] if missing else []
+        problems += [f"has unknown keys {unknown}"] if unknown else []
+        if problems:
             raise ValueError(
                 f"{where} {' and '.join(problems)}; an fn.optim record has {list(_REQUIRED)} "
                 "and, for fp16/bf16 params, 'master'"
@@ -221,11 +196,7 @@ def state_from_dict(
     if forms and set(keys) != set(saved):
         return _in_saved_forms(group, saved, template, reset, device)
     if set(keys) != set(saved):
-        missing, extra = sorted(set(keys) - set(saved)), sorted(set(saved) - set(keys))
-        raise ValueError(
-            f"param group {group}: the checkpoint's optimizer state has another structure "
-            f"(missing {missing[:4]}, unexpected {extra[:4]}); was it saved by another optimizer?"
-        )
+        raise _structure_error(group, set(keys), set(saved))
     out = []
     for (_, leaf), key, error in zip(leaves, keys, marks, strict=True):
         value = saved[key]
@@ -277,8 +248,6 @@ def _in_saved_forms(
         theirs = {k for k in saved if _under(k, prefix)}
         used.update(theirs)
         if reset and field in errors or not theirs and mine is None:
-            # (a field this optimizer leaves unused, absent from a checkpoint saved before fn
-            # had it, stays None)
             fields[field] = mine
             continue
         layouts = [mine, None, *(other for other in template if other is not mine)]
@@ -289,13 +258,8 @@ def _in_saved_forms(
             if all(value is not _MISSING for value, _ in read) and taken == theirs:
                 break
         else:
-            mine_keys = {prefix + pytree.keystr(path) for path, _ in _leaf_paths(mine)}
-            missing, extra = sorted(mine_keys - theirs), sorted(theirs - mine_keys)
-            raise ValueError(
-                f"param group {group}: the checkpoint's optimizer state has another structure "
-                f"(missing {missing[:4]}, unexpected {extra[:4]}); was it saved by another "
-                "optimizer?"
-            )
+            leaves = pytree.tree_flatten_with_path(mine, is_leaf=_is_form)[0]
+            raise _structure_error(group, {prefix + pytree.keystr(p) for p, _ in leaves}, theirs)
         values = []
         for (value, keys), (_, like) in zip(read, leaves, strict=True):
             same_form = isinstance(like, torch.Tensor) and isinstance(value, torch.Tensor)
@@ -310,8 +274,12 @@ def _in_saved_forms(
     return type(template)(**fields)
 
 
-def _leaf_paths(tree: Any) -> list[tuple[Any, Any]]:
-    return pytree.tree_flatten_with_path(tree, is_leaf=_is_form)[0]
+def _structure_error(group: int, mine: set[str], saved: set[str]) -> ValueError:
+    missing, extra = sorted(mine - saved), sorted(saved - mine)
+    return ValueError(
+        f"param group {group}: the checkpoint's optimizer state has another structure "
+        f"(missing {missing[:4]}, unexpected {extra[:4]}); was it saved by another optimizer?"
+    )
 
 
 _MISSING = object()
@@ -429,9 +397,14 @@ def _marked_leaves(state: Any, mark: Any) -> list[bool]:
 def per_rank_keys(state: Any) -> list[str]:
     """The key paths (as in :func:`state_to_dict`) of the leaves of ``state`` that may differ
     between ranks: its error feedback and the fields annotated ``fn.base.PerRankField``."""
-    leaves, _ = pytree.tree_flatten_with_path(state)
     marks = zip(error_feedback_leaves(state), _marked_leaves(state, PerRank), strict=True)
-    return [pytree.keystr(path) for (path, _), m in zip(leaves, marks, strict=True) if any(m)]
+    return _keys_where(state, map(any, marks))
+
+
+def _keys_where(state: Any, marks: Iterable[bool]) -> list[str]:
+    """The key paths of the leaves of ``state`` whose mark is true, in pytree leaf order."""
+    leaves = pytree.tree_flatten_with_path(state)[0]
+    return [pytree.keystr(path) for (path, _), m in zip(leaves, marks, strict=True) if m]
 
 
 def check_master(group: int, master: torch.Tensor | None, numel: int) -> None:
@@ -463,28 +436,18 @@ def packed_param_groups(param_groups: Sequence[Mapping[str, Any]]) -> list[dict[
     return packed
 
 
-def save_state(
-    groups: Sequence[Any],
-    param_groups: Sequence[Mapping[str, Any]],
-    comm: Any,
-    gathered: GatheredErrorFeedback | None,
-    local_world_size: int | None = None,
-) -> dict[str, Any]:
-    """An optimizer's ``state_dict()``: every group's stored record (``GroupRecord.to_dict``) and
-    the param groups (:func:`packed_param_groups`). A record holds the group's live state
-    tensors and a copy of its master, taken after writes to the params are synced into it as
-    before a step; the tensors handed out are never donated (``GroupRuntime.export``).
+def save_state(optimizer: Any, gathered: GatheredErrorFeedback | None) -> dict[str, Any]:
+    """``FunctionalOptimizer.state_dict()``: every group's stored record (``GroupRecord.to_dict``,
+    its tensors never donated: ``GroupRuntime.export``) and the param groups
+    (:func:`packed_param_groups`).
 
     Args:
-        groups: the groups' ``GroupRuntime``.
-        param_groups: the optimizer's param groups.
-        comm: the optimizer's communicator.
+        optimizer: the ``FunctionalOptimizer``.
         gathered: every rank's error feedback, gathered from the groups' live states, or
             ``None``.
-        local_world_size: the ranks per node of the transforms' collectives (``None``: flat).
     """
-    state = {}
-    for index, runtime in enumerate(groups):
+    state, comm = {}, optimizer.comm
+    for index, runtime in enumerate(optimizer._groups):
         runtime.flat.sync_master()
         master = runtime.flat.master.clone() if runtime.flat.has_master_copy else None
         state[index] = GroupRecord(
@@ -495,10 +458,10 @@ def save_state(
             master=master,
             rank=getattr(comm, "rank", 0),
             error_feedback_by_rank=None if gathered is None else gathered.by_rank[index],
-            local_world_size=local_world_size,
+            local_world_size=optimizer.local_world_size,
         ).to_dict()
         runtime.export(state[index])
-    return {"state": state, "param_groups": packed_param_groups(param_groups)}
+    return {"state": state, "param_groups": packed_param_groups(optimizer.param_groups)}
 
 
 class LoadPlan(NamedTuple):
@@ -511,28 +474,13 @@ class LoadPlan(NamedTuple):
     record: GroupRecord
 
 
-def plan_load(
-    state_dict: Any,
-    param_groups: Sequence[Mapping[str, Any]],
-    groups: Sequence[Any],
-    hypers: Sequence[dict[str, Any]],
-    make_transform: Callable[[int, dict[str, Any]], Any],
-    comm: Any,
-    flatten: bool,
-    local_world_size: int | None = None,
-) -> list[LoadPlan]:
+def plan_load(state_dict: Any, optimizer: Any) -> list[LoadPlan]:
     """Reads and checks every group's record of an optimizer ``state_dict`` (all before any is
     loaded) and warns (at ``load_state_dict``'s caller) of the error feedback it resets.
 
     Args:
         state_dict: what ``load_state_dict`` was given.
-        param_groups: the optimizer's param groups.
-        groups: their ``GroupRuntime``.
-        hypers: their hyperparameters.
-        make_transform: ``make_transform(index, hyper)``, group ``index``'s transform.
-        comm: the optimizer's communicator.
-        flatten: whether the transform sees one flat leaf.
-        local_world_size: the ranks per node of the transforms' collectives (``None``: flat).
+        optimizer: the ``FunctionalOptimizer`` loading it.
 
     Returns:
         One plan per group.
@@ -540,24 +488,25 @@ def plan_load(
     Raises:
         ValueError: a checkpoint that does not fit (see ``FunctionalOptimizer.load_state_dict``).
     """
-    saved_groups, records = checkpoint_parts(state_dict, len(param_groups))
+    comm, local_world_size = optimizer.comm, optimizer.local_world_size
+    saved_groups, records = checkpoint_parts(state_dict, len(optimizer.param_groups))
     plans = []
     worlds, foreign = set(), set()
-    for index, (group, saved, runtime, current) in enumerate(
-        zip(param_groups, saved_groups, groups, hypers, strict=True)
+    for index, (group, saved, runtime) in enumerate(
+        zip(optimizer.param_groups, saved_groups, optimizer._groups, strict=True)
     ):
         record = _read_record(index, records, saved, group, runtime)
         if "lr" in saved:
             lr_value(index, saved["lr"], "in the checkpoint")
-        hyper = read_lr({k: saved.get(k, v) for k, v in current.items()})
+        hyper = read_lr({k: saved.get(k, v) for k, v in optimizer._hyper(group).items()})
         try:
-            transform = make_transform(index, hyper)
+            transform = optimizer._make_transform(index, hyper)
         except (TypeError, ValueError) as err:
             raise ValueError(
                 f"param group {index}: the checkpoint's hyperparameters are invalid: {err}"
             ) from err
         layout = (comm, local_world_size)
-        state, reset = _restored_state(index, record, runtime, transform, layout, flatten)
+        state, reset = _restored_state(index, record, runtime, transform, layout, optimizer.flatten)
         if (record.world_size, record.local_world_size) != (comm.world_size, local_world_size):
             worlds.add(_layout_text(record.world_size, record.local_world_size))
         elif reset:
@@ -623,10 +572,8 @@ def _restored_state(
     keys = error_feedback_keys(runtime.state)
     rank = getattr(comm, "rank", 0)
     functional, reset = own_error_feedback(record, rank, comm.world_size, keys, local_world_size)
-    if reset:
-        template = transform.init(runtime.flat.tree(runtime.flat.master, flatten))
-    else:
-        template = runtime.state
+    flat = runtime.flat
+    template = transform.init(flat.tree(flat.master, flatten)) if reset else runtime.state
     check_state = getattr(transform, "check_state", None)
     state = state_from_dict(index, functional, template, reset, forms=check_state is not None)
     if check_state is not None:
@@ -640,12 +587,10 @@ def _restored_state(
     return state, reset
 
 
-def load(
-    plans: Sequence[LoadPlan], param_groups: Sequence[dict[str, Any]], groups: Sequence
-) -> None:
+def load(plans: Sequence[LoadPlan], optimizer: Any) -> None:
     """Sets every group's hyperparameters, transform, state, step count and master from its
     plan (:func:`plan_load`)."""
-    for plan, group, runtime in zip(plans, param_groups, groups, strict=True):
+    for plan, group, runtime in zip(plans, optimizer.param_groups, optimizer._groups, strict=True):
         group.update({k: v for k, v in plan.saved.items() if k != "params"})
         runtime.transform, runtime.hyper = plan.transform, plan.hyper
         runtime.state, runtime.spare, runtime.step = plan.state, None, plan.record.step
@@ -672,33 +617,21 @@ def _by_rank(value: Any, world_size: int, where: str) -> tuple[dict[str, torch.T
 
 def error_feedback_keys(state: Any) -> list[str]:
     """The key paths (as in :func:`state_to_dict`) of the error-feedback leaves of ``state``."""
-    leaves, _ = pytree.tree_flatten_with_path(state)
-    marks = error_feedback_leaves(state)
-    return [pytree.keystr(path) for (path, _), error in zip(leaves, marks, strict=True) if error]
+    return _keys_where(state, error_feedback_leaves(state))
 
 
-def gather_error_feedback(
-    group: Any, rank: int, functional: dict[str, Any], keys: list[str]
-) -> tuple[dict[str, torch.Tensor], ...] | None:
-    """Every rank's error-feedback tensors, on group rank 0 (a collective call).
-
-    Args:
-        group: the ``torch.distributed`` process group (``None``: the world).
-        rank: this process's rank in ``group``.
-        functional: this rank's :func:`state_to_dict`.
-        keys: the error-feedback entries of ``functional`` (:func:`error_feedback_keys`).
-
-    Returns:
-        On group rank 0, one ``{key: tensor}`` per rank, indexed by rank; ``None`` elsewhere.
-        A buffer not allocated yet (``None``: the 1-bit family before its freeze) is ``None``
-        on every rank alike, since when it is allocated depends on the update count alone; it
-        is recorded as ``None`` for every rank, with nothing sent.
-    """
+def gather_error_feedback(comm: Any, state: Any) -> tuple[dict[str, torch.Tensor], ...] | None:
+    """Every rank's error-feedback entries of ``state`` (:func:`error_feedback_keys`): on rank 0
+    one ``{key: tensor}`` per rank, indexed by rank; ``None`` elsewhere (a collective call). A
+    buffer not allocated yet (``None``: the 1-bit family before its freeze) is ``None`` on every
+    rank alike (when it is allocated depends on the update count alone): it is recorded as
+    ``None`` for every rank, with nothing sent."""
     import torch.distributed as dist
 
+    group, rank, functional = comm.group, comm.rank, state_to_dict(state)
     world_size = dist.get_world_size(group)
     gathered: list[dict[str, torch.Tensor | None]] = [{} for _ in range(world_size)]
-    for key in keys:
+    for key in error_feedback_keys(state):
         if functional[key] is None:
             for entries in gathered:
                 entries[key] = None
@@ -726,10 +659,7 @@ class GatheredErrorFeedback(NamedTuple):
         if comm.world_size == 1:
             return None
         states = [runtime.state for runtime in groups]
-        by_rank = [
-            gather_error_feedback(comm.group, comm.rank, state_to_dict(s), error_feedback_keys(s))
-            for s in states
-        ]
+        by_rank = [gather_error_feedback(comm, s) for s in states]
         return cls(states, by_rank) if comm.rank == 0 else None
 
     def current(self, groups: Sequence[Any]) -> bool:
@@ -780,18 +710,12 @@ class PerRankState:
     """An ``fn.optim`` optimizer as a ``torch.distributed.checkpoint`` (DCP) ``Stateful`` that
     keeps every rank's own state: its error feedback and the fields that differ between ranks.
 
-    DCP saves a tensor that every rank holds under the same name once (it assumes replicas):
-    right for the moments, the step and the master copy, which are the same on every rank, but
-    it would keep one rank's error feedback for all, and one rank's momentum and accumulator
-    of 0/1 Adam, which differ between its synchronizations (state fields annotated
-    ``fn.base.PerRankField``). Here each rank's share of the state gets a name of its own
-    (``state_of_rank.<rank>``), so every rank writes its own shard and reads back its own.
-    DCP checkpoints load at the world size they were saved with (the error feedback's shapes
-    depend on it); to change the world size, go through ``state_dict()``.
-    DCP loads in place into a layout fixed before it reads, so an optimizer whose state changes
-    form with its phase (``CompressedOptimizer.full_state``: the 1-bit family's packed momentum
-    and lazily allocated buffers) is saved and loaded here in its full layout, from which its
-    updates continue bit for bit.
+    DCP saves a tensor that every rank holds under the same name once (it assumes replicas), so
+    it would keep one rank's error feedback and ``fn.base.PerRankField`` fields (0/1 Adam's
+    momentum and accumulator) for all: here each rank's share gets a name of its own
+    (``state_of_rank.<rank>``). DCP checkpoints load at the world size they were saved with (to
+    change it, go through ``state_dict()``), in place into a fixed layout, so a state that
+    changes form with its phase is saved in its full layout (``CompressedOptimizer.full_state``).
 
     Args:
         optimizer: an ``fn.optim`` optimizer.
@@ -832,7 +756,10 @@ class PerRankState:
             if full is not None:  # one layout at every count: DCP loads in place into it
                 functional_state = full(functional_state)
                 record["functional"] = state_to_dict(functional_state)
-            functional = {k: _copy(v) for k, v in record["functional"].items()}
+            functional = {
+                k: v.clone() if isinstance(v, torch.Tensor) else v
+                for k, v in record["functional"].items()
+            }
             mine = {k: functional.pop(k) for k in per_rank_keys(functional_state)}
             record["functional"] = functional
             record["state_of_rank"] = {str(rank): mine}
@@ -850,7 +777,3 @@ class PerRankState:
             record["rank"] = rank
             state[int(index)] = record
         self.optimizer.load_state_dict({**state_dict, "state": state})
-
-
-def _copy(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) else value

@@ -1,24 +1,15 @@
-"""Decisions the ranks of the ``torch.optim`` adapter take together.
+"""Decisions the ranks of the ``torch.optim`` adapter take together (the cross-rank checks of
+README's "Policies").
 
 Every rank must issue the same collectives in the same order, so what decides them is agreed on
-by all ranks, never read from one rank's local data alone:
-
-- :func:`default_comm`: whether this process is one of several ranks (``torch.distributed``
-  initialized, or ``WORLD_SIZE`` > 1 without it: an error).
-- :func:`check_same_group`: when a group is built, the ranks compare its settings (optimizer,
-  transform, hyperparameters, schedules) and params (number, shapes and dtypes, which size the
-  flat buffers and every collective over them). Not their values: a rank may load its weights
-  and its optimizer state after building the optimizer, and 0/1 Adam's ranks differ by design.
-- :func:`check_in_sync`: at the first step (after any ``load_state_dict``), on demand and every
-  few steps (:class:`SyncCheckSchedule`), the ranks compare their step counts, hyperparameters
-  and params (where the optimizer declares that the ranks' params agree).
-- :func:`vote_on_gradients`: before each step, the ranks vote on taking it (every rank's
-  gradients usable and finite, and some rank holding a gradient at all);
-  :func:`refuse_unusable` then raises alike on every rank for an unusable gradient.
-
-The comparisons exchange a small fixed-size fingerprint first (one all_gather of a few int64 per
-rank); the full descriptions travel only when fingerprints differ, so that every rank raises the
-same error naming the fields and the ranks, and none waits in a collective the others skipped.
+by all ranks, never read from one rank's local data alone: whether this process is one of several
+(:func:`default_comm`), a new group's settings and param shapes (:func:`check_same_group`; not
+their values, which a rank may load later), the ranks' step counts, hyperparameters and params
+(:func:`check_in_sync`, as :class:`SyncCheckSchedule` says), and each step's gradients
+(:func:`vote_on_gradients`, :func:`refuse_unusable`). The comparisons exchange a small fixed-size
+fingerprint first; the full descriptions travel only when fingerprints differ, so that every
+rank raises the same error naming the fields and the ranks, and none waits in a collective the
+others skipped.
 """
 
 from __future__ import annotations
@@ -275,10 +266,7 @@ class GroupSnapshot(NamedTuple):
     step: int  # the group's update count
     settings: str  # the group's hyperparameters, described
     params: torch.Tensor  # the group's flat params (fp32 master for fp16/bf16)
-    # How closely the ranks' params agree (CompressedOptimizer.param_agreement): 0.0 bit for
-    # bit, r > 0 to a relative r of their sums (0/1 Adam after a sync), None not compared (0/1
-    # Adam's local steps, where the ranks differ by design).
-    tolerance: float | None
+    tolerance: float | None  # how closely the params agree (GroupRuntime.param_agreement)
 
 
 def _param_stats(x: torch.Tensor) -> torch.Tensor:
@@ -316,29 +304,16 @@ def check_in_sync(comm: Any, groups: Sequence[GroupSnapshot]) -> None:
     if comm.world_size == 1 or not groups:
         return
     device = groups[0].params.device
-    rows = torch.stack(
-        [
-            torch.cat(
-                [
-                    torch.tensor(
-                        [g.step, _digest(g.settings), int(g.tolerance is not None)], device=device
-                    ),
-                    _param_stats(g.params).to(device),
-                ]
-            )
-            for g in groups
-        ]
-    )
+    head = [[g.step, _digest(g.settings), int(g.tolerance is not None)] for g in groups]
+    stats = [_param_stats(g.params).to(device) for g in groups]
+    rows = torch.cat([torch.tensor(head, device=device), torch.stack(stats)], dim=1)
     gathered = _gather_fingerprints(comm, rows)
     width = rows.shape[1]
     problems = []
     for index, group in enumerate(groups):
         by_rank = [row[index * width : (index + 1) * width] for row in gathered]
-        fields = {
-            "step count": [r[0] for r in by_rank],
-            "hyperparameters": [r[1] for r in by_rank],
-        }
-        for field, values in fields.items():
+        for column, field in enumerate(("step count", "hyperparameters")):
+            values = [r[column] for r in by_rank]
             if len(set(values)) > 1:
                 ranks = {v: [i for i, w in enumerate(values) if w == v] for v in values}
                 problems.append(
@@ -420,10 +395,7 @@ def vote_on_gradients(
         The same vote on every rank: the step is no update when no rank holds a gradient
         (``holding == 0``), and may be taken exactly when the other two counts are zero.
     """
-    if grads:
-        device = grads[0].device
-    elif device is None:
-        device = torch.device("cpu")
+    device = grads[0].device if grads else device or torch.device("cpu")
     counts = torch.zeros(3, dtype=torch.int64, device=device)
     for g in grads:
         if not all_finite(g):  # one reduction in the common case; the exact count only here

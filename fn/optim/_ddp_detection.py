@@ -1,26 +1,16 @@
-"""Gradients that something averaged before ``step()``: a DDP model that fn was not told about.
+"""Gradients that something averaged before ``step()``: a DDP model that fn was not told about
+(the policy and its cost: :mod:`fn.optim`).
 
-An ``fn.optim`` optimizer that communicates its gradients itself (the 1-bit family, and every
-group whose gradients the adapter averages) expects each rank's ``.grad`` to hold its LOCAL
-gradient. Wrapped in ``DistributedDataParallel`` (directly, or by PyTorch Lightning, Hugging
-Face ``Trainer`` or ``accelerate``) without ``fn.ddp.register``, every gradient is averaged
-densely by DDP too, in every update: a 1-bit optimizer's compressed phase then saves nothing.
-
-The test, once, at the first ``step()`` with more than one rank: each rank fingerprints its
-gathered gradients (per group: int64 sums of the elements' bit patterns over all elements and
-over the odd ones, and whether any element is non-zero) and the ranks all_gather the
-fingerprints (``3 * groups`` int64 per rank, through the optimizer's comm and its timeouts).
-DDP's allreduce leaves the same bits on every rank; local gradients of different batches never
-agree in all of them. So gradients that are bit-identical on every rank (and not all zero) were
-averaged before the optimizer saw them, or every rank trained on the same batch: either way the
-optimizer's own averaging adds nothing, and :func:`warn_if_averaged` says so once, with the
-fix. It rejects nothing and changes nothing; afterwards a step pays one attribute test.
-
-Rejected alternative: finding a DDP module that holds the params from Python (``gc``
-referrers of a param, then of the list that DDP keeps them in) walks every object of the process
-once per level (``gc.get_referrers`` took 42 ms among the 500k objects of a process with torch,
-transformers and Lightning imported), reads DDP's private attributes, and knows only DDP, not
-other wrappers that average gradients.
+An ``fn.optim`` optimizer that communicates its gradients itself expects each rank's ``.grad`` to
+hold its LOCAL gradient; under ``DistributedDataParallel`` (directly, or by Lightning, Hugging
+Face ``Trainer`` or ``accelerate``) without ``fn.ddp.register``, DDP averages every gradient
+densely too, and a 1-bit optimizer's compressed phase saves nothing. DDP's allreduce leaves the
+same bits on every rank, while local gradients of different batches never agree in all of the
+fingerprints of :func:`averaged_already`: bit-identical, non-zero gradients were averaged before
+the optimizer saw them (or every rank trained on the same batch), and :func:`warn_if_averaged`
+says so once, with the fix. (Looking for a DDP module that holds the params through ``gc``
+referrers instead would walk every object of the process, read DDP's private attributes and
+know no other wrapper.)
 """
 
 from __future__ import annotations

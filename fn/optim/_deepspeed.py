@@ -23,10 +23,7 @@ from fn.transforms import ZeroOneAdamSchedule
 
 _ADAM = dict(lr=1e-3, freeze_step=100000, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 _ZERO_ONE = dict(
-    lr=1e-3,
-    betas=(0.9, 0.999),
-    eps=1e-8,
-    weight_decay=0.0,
+    {k: v for k, v in _ADAM.items() if k != "freeze_step"},
     var_freeze_step=100000,
     var_update_scaler=16,
     local_step_scaler=32678,
@@ -41,41 +38,30 @@ _LAMB = dict(
     factor_min=0.5,
     factor_threshold=0.1,
 )
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+# 0/1 Adam's schedule counters: DeepSpeed's per-param entry -> fn's state field (and counter)
+_ZERO_ONE_COUNTERS = {
+    "var_interval": "var_interval",
+    "var_counter": "var_counter",
+    "local_step_interval": "local_interval",
+    "local_step_counter": "local_counter",
+}
+_LAMB_SCALARS = ("lamb_coeff_freeze", "last_factor", "scaling_coeff")
 # DeepSpeed's lower-cased type name: (its spelling, fn's optimizer, the hyperparameters DeepSpeed
 # read with its defaults, the per-param state entries of its optimizer)
 TYPES: dict[str, tuple[str, type, dict[str, Any], frozenset[str]]] = {
-    "onebitadam": ("OneBitAdam", OnebitAdam, _ADAM, frozenset({"exp_avg", "exp_avg_sq"})),
+    "onebitadam": ("OneBitAdam", OnebitAdam, _ADAM, frozenset(_MOMENTS)),
     "zerooneadam": (
         "ZeroOneAdam",
         ZeroOneAdam,
         _ZERO_ONE,
-        frozenset(
-            {
-                "exp_avg",
-                "exp_avg_sq",
-                "momentum_accumulator",
-                "var_interval",
-                "var_counter",
-                "local_step_interval",
-                "local_step_counter",
-                "lrs",
-            }
-        ),
+        frozenset({*_MOMENTS, "momentum_accumulator", *_ZERO_ONE_COUNTERS, "lrs"}),
     ),
     "onebitlamb": (
         "OneBitLamb",
         OnebitLamb,
         _LAMB,
-        frozenset(
-            {
-                "exp_avg",
-                "exp_avg_sq",
-                "exp_avg_sq_fresh",
-                "lamb_coeff_freeze",
-                "last_factor",
-                "scaling_coeff",
-            }
-        ),
+        frozenset({*_MOMENTS, "exp_avg_sq_fresh", *_LAMB_SCALARS}),
     ),
 }
 # What DeepSpeed kept per param besides the state above: the step and its error feedback
@@ -139,21 +125,15 @@ def from_deepspeed(
 
     ``OneBitAdam`` gives :class:`fn.optim.OnebitAdam`, ``ZeroOneAdam``
     :class:`fn.optim.ZeroOneAdam` and ``OneBitLamb`` :class:`fn.optim.OnebitLamb` (type names
-    are case-insensitive, as in DeepSpeed), with every hyperparameter DeepSpeed read (its
-    defaults where absent) and DeepSpeed's numerics: each param tensor is compressed on its own
-    (``flatten=False``). Keys without effect in fn (``cuda_aware``, ``comm_backend_name``, ...)
-    are explained in one warning; a block without ``"params"`` warns that DeepSpeed's defaults
-    (``freeze_step`` 100000: dense updates for 100000 steps) are used.
+    are case-insensitive), with every hyperparameter DeepSpeed read (its defaults where absent)
+    and DeepSpeed's numerics (``flatten=False``: each param compressed on its own). Keys without
+    effect in fn, and a block without ``"params"`` (DeepSpeed's defaults), are warned about.
 
     With ``state_dict`` (what DeepSpeed's engine stored under ``"optimizer"`` in
     ``mp_rank_00_model_states.pt``), the training continues as DeepSpeed's uninterrupted run
-    would with its error feedback zeroed at the checkpoint: the moments, the update count (its
-    step counter less its gradient-dropping init step), 0/1 Adam's accumulator and schedule
-    counters, 1-bit LAMB's ``lamb_coeff_freeze``, ``last_factor`` and ``scaling_coeff`` and each
-    group's lr are taken over; the error feedback starts at zero, as DeepSpeed's own
-    ``load_state_dict`` reset it. A 0/1 Adam checkpoint is rank 0's: taken between two
-    synchronizations, it stands for every rank's local params and accumulator (a rank's own
-    state dict and params, where it kept them, continue its own).
+    would with its error feedback zeroed at the checkpoint: the moments, the update count, the
+    0/1 Adam and 1-bit LAMB state and each group's lr are taken over (the limits, e.g. of a
+    0/1 Adam checkpoint, are in ``docs/migrating-from-deepspeed.md``).
 
     Args:
         params: tensors or param-group dicts, in the order given to DeepSpeed (the checkpoint's
@@ -353,8 +333,8 @@ def _group_entries(
     steps = set()
     for j, (entry, p) in enumerate(zip(found, params, strict=True)):
         keys = set(entry)
-        lamb_before_compression = entries - keys == {"scaling_coeff"}
-        missing = sorted(entries - keys - ({"scaling_coeff"} if lamb_before_compression else set()))
+        # (1-bit LAMB has no scaling_coeff before its compression)
+        missing = [] if entries - keys == {"scaling_coeff"} else sorted(entries - keys)
         unknown = sorted(keys - entries - _DROPPED_STATE)
         if missing or unknown or "step" not in keys:
             raise ValueError(
@@ -398,13 +378,10 @@ def _fields(
     """The functional state fields of one group from DeepSpeed's per-param state."""
     if entries is None:
         return {}
-    fields = {
-        "exp_avg": _tensors(entries, "exp_avg"),
-        "exp_avg_sq": _tensors(entries, "exp_avg_sq"),
-    }
+    fields = {key: _tensors(entries, key) for key in _MOMENTS}
     if kind == "onebitlamb":
         fields["exp_avg_sq_fresh"] = _tensors(entries, "exp_avg_sq_fresh")
-        for key in ("lamb_coeff_freeze", "last_factor", "scaling_coeff"):
+        for key in _LAMB_SCALARS:
             fields[key] = _scalars(entries, key, getattr(fresh, key))
     elif kind == "zerooneadam":
         schedule = ZeroOneAdamSchedule(
@@ -414,13 +391,8 @@ def _fields(
             group["local_step_clipper"],
         )
         counters = schedule.counters(updates + 1)
-        theirs = {
-            "var_interval": counters.var_interval,
-            "var_counter": counters.var_counter,
-            "local_step_interval": counters.local_interval,
-            "local_step_counter": counters.local_counter,
-        }
-        for key, value in theirs.items():
+        for key, field in _ZERO_ONE_COUNTERS.items():
+            value = getattr(counters, field)
             saved = {int(e[key]) for e in entries}
             if saved != {value}:
                 raise ValueError(
@@ -429,15 +401,12 @@ def _fields(
                     "var_update_scaler, local_step_scaler or local_step_clipper differ from the "
                     "run's"
                 )
+            fields[field] = torch.tensor(value)
         lrs = {float(e["lrs"]) for e in entries}
         if len(lrs) > 1:
             raise ValueError(f"0/1 Adam's lrs differ between the params: {sorted(lrs)}")
         fields.update(
             momentum_accumulator=_tensors(entries, "momentum_accumulator"),
-            var_interval=torch.tensor(counters.var_interval),
-            var_counter=torch.tensor(counters.var_counter),
-            local_interval=torch.tensor(counters.local_interval),
-            local_counter=torch.tensor(counters.local_counter),
             lrs=torch.tensor(lrs.pop(), dtype=torch.float32),
             frozen=torch.tensor(counters.frozen),
         )

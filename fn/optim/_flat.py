@@ -1,29 +1,14 @@
-"""Contiguous flat storage for one param group of the ``torch.optim`` adapter (``fn.optim``).
+"""Contiguous flat storage for one param group of the ``torch.optim`` adapter (``fn.optim``;
+its "Flat buffers" and "Mixed precision" policies say what users see).
 
 The group's params are copied, in order, into one 1-D buffer and each param's ``.data`` becomes an
-alias of its slice of it (made by copying and assigning ``.data``; storages are never swapped with
-``set_``), so the optimizer reads and writes all of a group's params as one tensor on any device.
-
-Each alias is a tensor with a storage of its own that covers exactly its param's bytes of the
-buffer (a DLPack round trip of the slice; about a microsecond per param at construction, nothing
-per step, no extra memory). Libraries that look for shared storages therefore see ordinary,
-separate params: ``safetensors.torch.save_model``/``load_model`` and ``accelerate`` save and load
-fn-managed models as any other. (A device without DLPack support gets plain views of the buffer:
-the optimizer works the same, only those libraries then see one shared storage.)
-
-The ecosystem replaces params' storages after the optimizer was built (``model.to("cpu:0")`` in
-Hugging Face ``Trainer`` and ``accelerate``, ``p.data = ...``): before every step and every
-checkpoint read or write, a param whose storage was replaced is re-adopted, its current values
-copied into its slice of the buffer and its ``.data`` aliased to it again. A param moved to
-another device or cast to another dtype cannot be re-adopted (the buffer, the master copy and the
-optimizer state live on the old device, in the old dtype): that is an error naming the fix.
-
-fp16/bf16 params keep an fp32 master copy: the optimizer updates the master and casts it back
-into the params' buffer after every step. Other dtypes (fp32, fp64) are their own master. Writes
-to the params between steps (``p.copy_``, ``load_state_dict``, ``p.data.zero_()``,
-``p.data.clamp_()``, ...) reach the master through one elementwise comparison of the buffer with
-the master cast to its dtype before each step (``sync_master``); PyTorch's version counters are
-not used, since writes through ``.data`` do not bump them.
+alias of its slice (made by copying and assigning ``.data``; storages are never swapped with
+``set_``). Each alias has a storage of its own covering exactly its param's bytes (a DLPack
+round trip of the slice: about a microsecond per param at construction, nothing per step, no
+extra memory), so ``safetensors`` and ``accelerate`` see ordinary, separate params; a device
+without DLPack support gets plain views of the buffer (only those libraries then see one shared
+storage). PyTorch's version counters are not used to find writes to the params, since writes
+through ``.data`` do not bump them: :meth:`FlatGroup.sync_master` compares instead.
 """
 
 from __future__ import annotations
@@ -75,7 +60,8 @@ class FlatGroup:
                 view.copy_(p.detach())
                 p.data = _alias(view)
         self.master = self.model.float() if dtype in _LOW_PRECISION else self.model
-        self._grads: torch.Tensor | None = None  # [n] in the master's dtype: gather_grads
+        # [n] in the master's dtype: the gradient buffer of gather_grads (None before its call)
+        self.grads: torch.Tensor | None = None
         # why the last gather_grads could not take this rank's gradients (a sparse one), or None
         self.unusable: str | None = None
         self._grad_views: list[torch.Tensor] | None = None
@@ -107,11 +93,9 @@ class FlatGroup:
         not dense: :attr:`unusable` then says why (a check on this rank alone, which the adapter
         agrees on with the other ranks before it raises, so that no rank waits in a collective).
         """
-        if self._grads is None:
-            self._grads = torch.empty(
-                self.numel, dtype=self.master.dtype, device=self.master.device
-            )
-            self._grad_views = self.views(self._grads)
+        if self.grads is None:
+            self.grads = torch.empty(self.numel, dtype=self.master.dtype, device=self.master.device)
+            self._grad_views = self.views(self.grads)
         self.unusable = None
         for index, (p, view) in enumerate(zip(self.params, self._grad_views, strict=True)):
             g = p.grad
@@ -125,26 +109,12 @@ class FlatGroup:
                 )
             else:
                 view.copy_(g)
-        return self._grads
-
-    @property
-    def grads(self) -> torch.Tensor | None:
-        """The gradient buffer of :meth:`gather_grads` (``None`` before the first call)."""
-        return self._grads
+        return self.grads
 
     def release_grads(self) -> None:
         """Lets the next :meth:`gather_grads` allocate a new buffer (for when something kept
         the current one, e.g. a transform that keeps its gradient in its state)."""
-        self._grads = self._grad_views = None
-
-    def check_params(self) -> None:
-        """Re-adopts params whose storage was replaced, then :meth:`sync_master` (before a step).
-
-        Raises:
-            RuntimeError: a param was moved to another device, cast to another dtype or
-                reshaped after the optimizer was built.
-        """
-        self.sync_master()
+        self.grads = self._grad_views = None
 
     @torch.no_grad()
     def adopt(self) -> None:
@@ -199,6 +169,8 @@ class FlatGroup:
         if written.any():
             torch.where(written, self.model, self.master, out=self.master)
 
+    check_params = sync_master  # before a step (raises as :meth:`adopt`)
+
     @torch.no_grad()
     def add(self, updates: torch.Tensor | list[torch.Tensor | None] | None) -> None:
         """``master += updates`` in place (a ``[n]`` tensor or per-param tensors; ``None`` leaves
@@ -227,12 +199,7 @@ class FlatGroup:
             return
         if master is None:
             self.master.copy_(self.model)
-        else:
-            if tuple(master.shape) != (self.numel,):
-                raise ValueError(
-                    f"checkpoint master copy has shape {tuple(master.shape)}, expected "
-                    f"({self.numel},)"
-                )
+        else:  # of the checked shape (fn.optim._checkpoint.check_master)
             self.master.copy_(master)
             self.model.copy_(self.master)
 

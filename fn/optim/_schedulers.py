@@ -187,14 +187,8 @@ class DeepSpeedLR(torch.optim.lr_scheduler.LRScheduler):
                 interval = math.floor(interval)
             increase = 1 + v["lr_range_test_step_rate"] * interval
             return [low * increase for low in self.lows]
-        low, high = v["cycle_min_lr"], v["cycle_max_lr"]
-        if i < self.cycle_size:
-            lr = low + (high - low) * self._cycle_scale()
-        elif v["decay_step_size"] == 0 or v["decay_lr_rate"] == 0:
-            lr = low
-        else:
-            lr = low / (1 + v["decay_lr_rate"] * self._decay_interval())
-        return [lr] * len(self.optimizer.param_groups)
+        lr, decay = self._one_cycle(v["cycle_min_lr"], v["cycle_max_lr"], "decay_lr_rate")
+        return [lr / decay] * len(self.optimizer.param_groups)
 
     def step(self, epoch: int | None = None) -> None:
         """Advances one iteration (sets every group's lr, and ``OneCycle``'s momentum)."""
@@ -202,14 +196,20 @@ class DeepSpeedLR(torch.optim.lr_scheduler.LRScheduler):
         if self.kind == "OneCycle" and self.cycle_momentum:
             self._set_momentum()
 
-    def _cycle_scale(self) -> float:
-        """Where ``OneCycle`` is in its triangle: 0 at the ends, 1 at the top."""
-        it = self.last_epoch + 1
-        x = 1.0 + it / self.cycle_size - math.floor(1 + it / self.cycle_size)
-        return x / self.rise if x <= self.rise else (x - 1) / (self.rise - 1)
-
-    def _decay_interval(self) -> float:
-        return (self.last_epoch - self.cycle_size + 1) / self.values["decay_step_size"]
+    def _one_cycle(self, start: float, peak: float, rate: str) -> tuple[float, float]:
+        """``OneCycle``'s value, from ``start`` to ``peak`` and back over its triangle (then
+        ``start``), and its decay factor ``1 + rate * k / decay_step_size`` (1 in the cycle or
+        without decay) at ``k`` iterations after the cycle."""
+        v = self.values
+        if self.last_epoch < self.cycle_size:
+            it = self.last_epoch + 1
+            x = 1.0 + it / self.cycle_size - math.floor(1 + it / self.cycle_size)
+            scale = x / self.rise if x <= self.rise else (x - 1) / (self.rise - 1)
+            return start + (peak - start) * scale, 1.0
+        if v["decay_step_size"] == 0 or v[rate] == 0:
+            return start, 1.0
+        interval = (self.last_epoch - self.cycle_size + 1) / v["decay_step_size"]
+        return start, 1 + v[rate] * interval
 
     def _set(self, lrs: list[float]) -> None:
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
@@ -220,15 +220,9 @@ class DeepSpeedLR(torch.optim.lr_scheduler.LRScheduler):
 
     def _set_momentum(self) -> None:
         v = self.values
-        low, high = v["cycle_min_mom"], v["cycle_max_mom"]
-        if self.last_epoch < self.cycle_size:
-            momentum = high - (high - low) * self._cycle_scale()
-        elif v["decay_step_size"] == 0 or v["decay_mom_rate"] == 0:
-            momentum = high
-        else:
-            momentum = high * (1 + v["decay_mom_rate"] * self._decay_interval())
+        momentum, decay = self._one_cycle(v["cycle_max_mom"], v["cycle_min_mom"], "decay_mom_rate")
         for group in self.optimizer.param_groups:
-            group["betas"] = (momentum, _ONE_CYCLE_BETA2)
+            group["betas"] = (momentum * decay, _ONE_CYCLE_BETA2)
 
 
 def _per_group(value: Any, groups: int, name: str) -> list[float]:
@@ -267,15 +261,14 @@ def scheduler_from_deepspeed(
         >>> import torch
         >>> import fn
         >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-        >>> sched = fn.optim.scheduler_from_deepspeed(opt, {"scheduler": {"type": "WarmupDecayLR",
-        ...     "params": {"total_num_steps": 4, "warmup_max_lr": 0.01, "warmup_num_steps": 2}}})
-        >>> lrs = []
-        >>> for _ in range(5):
-        ...     lrs.append(round(opt.param_groups[0]["lr"], 4))
-        ...     opt.step()
-        ...     sched.step()
-        >>> lrs
-        [0.0, 0.01, 0.01, 0.005, 0.0]
+        >>> block = {"type": "WarmupDecayLR", "params": {"total_num_steps": 4,
+        ...     "warmup_max_lr": 0.01, "warmup_num_steps": 2, "last_batch_iteration": 3}}
+        >>> sched = fn.optim.scheduler_from_deepspeed(opt, {"scheduler": block})
+        >>> round(opt.param_groups[0]["lr"], 4)  # iteration 3 of [0, 0.01, 0.01, 0.005, 0]
+        0.005
+        >>> block = {"type": "StepLR", "params": {"step_size": 10}}  # torch's, by name
+        >>> type(fn.optim.scheduler_from_deepspeed(opt, block)).__name__
+        'StepLR'
     """
     config = read_config(config)
     block = config.get("scheduler", config)

@@ -15,7 +15,6 @@ import math
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from functools import partial
 from typing import Any, NamedTuple
 
 import numpy
@@ -35,7 +34,6 @@ from fn.optim._flat import FlatGroup
 from fn.tree import storages_of
 
 Transform = GradientTransformation | CompressedOptimizer
-NONFINITE_POLICIES = ("raise", "skip")
 # What a step with a non-finite gradient on some rank raises under nonfinite="raise".
 NONFINITE_GRADIENTS = (
     "fn.optim: non-finite gradients (NaN or Inf) on some rank; no update was made and the "
@@ -55,11 +53,9 @@ class GroupRuntime:
     and the params left out because they were frozen (``requires_grad=False``) when it was
     built.
 
-    Double buffering: ``spare`` is the state before ``state`` (or ``None``), which nothing
-    references any more; the next update gets it as its donated state and writes its new state
-    into it, so that the live ``state`` is never written and a failed or skipped step leaves it
-    as it was. ``exported`` holds weak references to the tensors handed out by ``state_dict()``:
-    those are never donated.
+    Double buffering: ``spare``, the state before ``state`` (or ``None``), is the next update's
+    donated state, never the live ``state``; ``exported`` holds weak references to the tensors
+    handed out by ``state_dict()``, which are never donated.
     """
 
     def __init__(self, flat: FlatGroup, transform: Transform, hyper: dict, sync: bool) -> None:
@@ -97,15 +93,12 @@ class GroupRuntime:
         runtime = cls(flat, transform, hyper, sync_grads)
         runtime.state = transform.init(flat.tree(flat.master, flatten))
         try:
-            stored_lr = _shortest_float(get_hyperparam(runtime.state, "lr"))
+            group.setdefault("lr", _shortest_float(get_hyperparam(runtime.state, "lr")))
         except KeyError:
-            stored_lr = None
-        if stored_lr is None and "lr" in group:
-            raise ValueError(
-                f"param group {index} sets lr, but the transform has no lr state field"
-            )
-        if stored_lr is not None:
-            group.setdefault("lr", stored_lr)
+            if "lr" in group:
+                raise ValueError(
+                    f"param group {index} sets lr, but the transform has no lr state field"
+                ) from None
         return runtime
 
     def plan(
@@ -183,10 +176,15 @@ class GroupRuntime:
             weakref.ref(x) for x in pytree.tree_leaves(record) if isinstance(x, torch.Tensor)
         ]
 
-    def commit(self, state: Any) -> None:
-        """Makes ``state`` the live state and the old live state the spare; releases the
-        gradient buffer if the new state kept it."""
+    def commit(self, plan: tuple[Transform, dict[str, Any], Any], result: tuple[Any, Any]) -> None:
+        """Adds the updates of :meth:`update`'s ``result`` to the params and makes its plan's
+        transform and hyperparameters and its new state live (the old live state the spare),
+        counting the update; releases the gradient buffer if the new state kept it."""
+        updates, state = result
+        self.flat.add(updates)  # None (applied already): only cast into the params
+        self.transform, self.hyper, _ = plan
         self.spare, self.state = self.state, state
+        self.step += 1
         if not storages_of(state).isdisjoint(storages_of(self.flat.grads)):
             self.flat.release_grads()
 
@@ -201,12 +199,10 @@ class GroupRuntime:
         *,
         apply: bool = False,
     ) -> tuple[Any, Any]:
-        """The group's updates and new state. Only the gradient buffer ``g`` and the group's
-        spare state are written (donated), and with ``apply`` (once the group has a spare) the
-        params' master: the update is then added to it in the same step
-        (``fn.update_and_apply``, one pass where the transform has a fused step) and the updates
-        returned are ``None`` (``FlatGroup.add`` then only casts the master into the params).
-        The live state is not written.
+        """The group's updates and new state, writing only the gradient buffer ``g`` and the
+        spare state (donated), never the live state; with ``apply`` (once the group has a spare)
+        the update is added to the params' master in the same step (``fn.update_and_apply``) and
+        the updates returned are ``None``.
 
         Args:
             comm: the optimizer's communicator.
@@ -265,14 +261,6 @@ class GroupRuntime:
             ) from err
 
 
-def unscale(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
-    """Divides the gathered gradients by a ``GradScaler``'s scale in place (a power of two:
-    exact)."""
-    inv_scale = grad_scale.double().reciprocal().float()
-    for g in grads:
-        g.mul_(inv_scale.to(g.device))
-
-
 class StepGradients(NamedTuple):
     """This rank's gradients at a step, as the ranks' vote takes them (``vote_on_gradients``)."""
 
@@ -287,7 +275,7 @@ def gather_step_grads(
     groups: Sequence[GroupRuntime], grad_scale: torch.Tensor | None, checks_gradients: bool
 ) -> StepGradients:
     """Every group's gradient gathered into its buffer (``FlatGroup.gather_grads``) and divided
-    by a ``GradScaler``'s scale (:func:`unscale`; ``grad_scale=None``: no scaler).
+    in place by a ``GradScaler``'s scale (a power of two: exact; ``grad_scale=None``: no scaler).
 
     ``checks_gradients``: whether the transforms reject non-finite gradients themselves, on
     every rank and before any write; then the vote counts none of them (no pass of its own over
@@ -301,7 +289,9 @@ def gather_step_grads(
     ]
     holding = any(p.grad is not None for runtime in groups for p in runtime.flat.params)
     if grad_scale is not None:
-        unscale(grads, grad_scale)
+        inv_scale = grad_scale.double().reciprocal().float()
+        for g in grads:
+            g.mul_(inv_scale.to(g.device))
     counted = [] if checks_gradients or unusable else grads
     return StepGradients(grads, counted, unusable, holding, grads[0].device if grads else None)
 
@@ -314,11 +304,8 @@ def update_groups(
     grads: Sequence[torch.Tensor],
 ) -> list[tuple[Any, Any]]:
     """Every group's ``(updates, state)`` for its plan ``(transform, hyper, lr)`` and gradient
-    (:meth:`GroupRuntime.update`).
-
-    Every group but the last computes its update (writing only its spare state and gradient
-    buffer); the last one, after which nothing can reject the step any more, updates its params
-    in the same step (``fn.update_and_apply``); :func:`commit_groups` then adds the others'.
+    (:meth:`GroupRuntime.update`): the last group, after which nothing can reject the step any
+    more, applies its update in the same step, :meth:`GroupRuntime.commit` the others'.
 
     Raises:
         AveragedOverflow: as :meth:`GroupRuntime.update`; no param was written.
@@ -332,55 +319,8 @@ def update_groups(
     ]
 
 
-def commit_groups(
-    groups: Sequence[GroupRuntime],
-    plans: Sequence[tuple[Transform, dict[str, Any], float | None]],
-    results: Sequence[tuple[Any, Any]],
-) -> None:
-    """Adds every group's updates to its params and commits its transform, hyperparameters,
-    state and step count (the results of :func:`update_groups`)."""
-    for runtime, (transform, hyper, _), (updates, state) in zip(
-        groups, plans, results, strict=True
-    ):
-        runtime.flat.add(updates)  # None (applied already): only cast into the params
-        runtime.transform, runtime.hyper = transform, hyper
-        runtime.commit(state)
-        runtime.step += 1
-
-
-def plan_groups(
-    param_groups: Sequence[Mapping[str, Any]],
-    groups: Sequence[GroupRuntime],
-    hypers: Sequence[dict[str, Any]],
-    make_transform: Callable[[int, dict[str, Any]], Any],
-    flatten: bool,
-) -> list[tuple[Any, dict[str, Any], float | None]]:
-    """Every group's next transform, hyperparameters and checked lr (:meth:`GroupRuntime.plan`
-    with ``make_transform(index, hyper)``); nothing is committed."""
-    return [
-        runtime.plan(index, group, hyper, partial(make_transform, index), flatten)
-        for index, (group, runtime, hyper) in enumerate(
-            zip(param_groups, groups, hypers, strict=True)
-        )
-    ]
-
-
-def compressed_next(
-    plans: Sequence[tuple[Any, Any, Any]], groups: Sequence[GroupRuntime]
-) -> list[bool]:
-    """Per group: whether its next update, by the transform of its plan, is compressed."""
-    return [
-        isinstance(transform, CompressedOptimizer)
-        and transform.compressed_at(runtime.step + 1, runtime.state)
-        for (transform, _, _), runtime in zip(plans, groups, strict=True)
-    ]
-
-
 def warn_never_compressed(groups: Sequence[GroupRuntime], updates: int, source: str) -> bool:
-    """Warns (``UserWarning``, at the caller of ``warn_if_never_compressed``) when some group's
-    ``CompressedOptimizer`` makes no compressed update among the first ``updates`` updates
-    (with ``freeze_step="auto"``: none decided there, nor bound to be by its ``max_updates``);
-    returns whether it warned. ``source``: where ``updates`` comes from, for the message."""
+    """``FunctionalOptimizer.warn_if_never_compressed`` (warning at its caller)."""
     idle = [
         index
         for index, runtime in enumerate(groups)
@@ -397,12 +337,6 @@ def warn_never_compressed(groups: Sequence[GroupRuntime], updates: int, source: 
             stacklevel=3,
         )
     return bool(idle)
-
-
-def check_nonfinite_policy(nonfinite: str) -> None:
-    """Raises ``ValueError`` unless ``nonfinite`` is one of :data:`NONFINITE_POLICIES`."""
-    if nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
 
 
 def is_fixed(transform: Any, defaults: Mapping[str, Any] | None) -> bool:
