@@ -40,39 +40,27 @@ from fn.kernels._spec import implementation
 _FLAGS = ("-O3", "-march=native", "-std=c99", "-ffp-contract=off", "-shared", "-fPIC")
 _CHUNK = 1 << 18  # elements per work item of a threaded call
 _HUGE_MIN = 1 << 23  # outputs from 8 MiB on ask for transparent huge pages
-_KERNEL_IDS = {
-    "sign_compress": 0,
-    "apply_error": 1,
-    "packbits": 2,
-    "unpackbits": 3,
-    "quantize": 4,
-    "dequantize": 5,
-    "loco_quantize": 6,
-    "loco_error": 7,
-    "dequantize_sum": 8,
-    "dequantize_into": 9,
-    "feedback_signs": 10,
-    "feedback_error": 11,
-    "unpack_scaled": 12,
-    "adam_direction": 13,
-    "sqrt_rn": 14,
-}
+# The C kernels' enum, in its order: a kernel's id is its index.
+_KERNELS = (
+    "sign_compress apply_error packbits unpackbits quantize dequantize loco_quantize loco_error "
+    "dequantize_sum dequantize_into feedback_signs feedback_error unpack_scaled adam_direction "
+    "sqrt_rn"
+).split()
+
+
+def _fields(ctype: type, *names: str) -> list[tuple[str, type]]:
+    """Fields of a ``ctypes.Structure``: ``names``, in order, each of ``ctype``."""
+    return [(name, ctype) for name in names]
 
 
 class _JobStruct(ctypes.Structure):
     """Mirror of the C ``fn_job``."""
 
     _fields_ = [
-        ("kernel", ctypes.c_int64),
-        ("n", ctypes.c_int64),
-        ("chunk", ctypes.c_int64),
-        ("count", ctypes.c_int64),
-        ("next", ctypes.c_int64),
-        ("left", ctypes.c_int64),
+        *_fields(ctypes.c_int64, "kernel", "n", "chunk", "count", "next", "left"),
         ("p", ctypes.c_void_p * 5),
         ("i", ctypes.c_int64 * 6),
-        ("scale", ctypes.c_float),
-        ("scale2", ctypes.c_float),
+        *_fields(ctypes.c_float, "scale", "scale2"),
     ]
 
 
@@ -183,7 +171,7 @@ def _run(
     ``torch.get_num_threads()`` threads."""
     chunk = max(align, _CHUNK // align * align)
     count = -(-n // chunk)
-    job = _JobStruct(_KERNEL_IDS[kernel], n, chunk, count, 0, count)
+    job = _JobStruct(_KERNELS.index(kernel), n, chunk, count, 0, count)
     job.p[: len(pointers)] = pointers
     job.i[: len(ints)] = ints
     job.scale = scale
@@ -297,19 +285,11 @@ class _FeedbackStruct(ctypes.Structure):
     """Mirror of the C ``fn_feedback``: the source of an error-compensated compression."""
 
     _fields_ = [
-        ("mode", ctypes.c_int64),
-        ("n", ctypes.c_int64),
-        ("x", ctypes.c_void_p),
-        ("g", ctypes.c_void_p),
-        ("e", ctypes.c_void_p),
-        ("beta", ctypes.c_float),
-        ("one_minus_beta", ctypes.c_float),
-        ("signs", ctypes.c_void_p),
-        ("weights", ctypes.c_void_p),
-        ("ranks", ctypes.c_int64),
-        ("row_bytes", ctypes.c_int64),
-        ("ahead", ctypes.c_int64),
-        ("e_bf16", ctypes.c_int64),
+        *_fields(ctypes.c_int64, "mode", "n"),
+        *_fields(ctypes.c_void_p, "x", "g", "e"),
+        *_fields(ctypes.c_float, "beta", "one_minus_beta"),
+        *_fields(ctypes.c_void_p, "signs", "weights"),
+        *_fields(ctypes.c_int64, "ranks", "row_bytes", "ahead", "e_bf16"),
     ]
 
 
@@ -521,10 +501,8 @@ class _SignedMomentum(ctypes.Structure):
     """Mirror of the C ``fn_signed_momentum``."""
 
     _fields_ = [
-        ("packed", ctypes.c_void_p),
-        ("scales", ctypes.c_void_p),
-        ("chunk", ctypes.c_int64),
-        ("stream", ctypes.c_int64),
+        *_fields(ctypes.c_void_p, "packed", "scales"),
+        *_fields(ctypes.c_int64, "chunk", "stream"),
         ("m", ctypes.c_void_p),
     ]
 
@@ -627,7 +605,7 @@ def dequantize_sum(lib, q, scales, bits, pieces, out):
 
 
 @_with_library
-def dequantize_into(lib, q, scales, bits, out, chunks, local_world_size=1):
+def dequantize_into(lib, q, scales, bits, out, chunks=1, local_world_size=1):
     groups = scales.numel()
     values = q.numel() * 8 // bits
     whole = groups and not values % groups and not values % chunks

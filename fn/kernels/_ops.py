@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from fn.kernels import _reference
-from fn.kernels._spec import ELEMENTWISE, Op, declare, eager, kernel
+from fn.kernels._spec import ELEMENTWISE, Op, declare, eager, kernel, signature_from
 
 
 def _check_1d(x: torch.Tensor, name: str) -> None:
@@ -31,7 +31,7 @@ def _check_1d(x: torch.Tensor, name: str) -> None:
     fake=lambda x: x.new_empty((x.numel() + 7) // 8, dtype=torch.uint8),
     reference=_reference.packbits,
 )
-def packbits(x: torch.Tensor) -> torch.Tensor:
+def packbits(x):
     """Packs the signs of ``x`` (bit 1 for ``x >= 0``, ``-0.0`` included), MSB first.
 
     Args:
@@ -109,9 +109,8 @@ _SIGN_COMPRESS_EF = Op(
 )
 
 
-def sign_compress(
-    m: torch.Tensor, error: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+@signature_from(_reference.sign_compress)
+def sign_compress(m, error=None):
     """Error-compensated 1-bit compression (Seide et al. 2014; 1-bit Adam, Tang et al. 2021).
 
     .. math::
@@ -346,9 +345,7 @@ def _check_sign_rows(signs: torch.Tensor, weights: torch.Tensor) -> None:
     fake=lambda signs, weights, error: _signs_and_scale(error),
     reference=_reference.sign_sum_compress,
 )
-def sign_sum_compress(
-    signs: torch.Tensor, weights: torch.Tensor, error: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sign_sum_compress(signs, weights, error):
     """Phase 1 of the 1-bit allreduce's server compression, without unpacked signs.
 
     .. math::
@@ -385,13 +382,7 @@ def sign_sum_compress(
     reference=_reference.sign_sum_apply_error,
     returns="out",
 )
-def sign_sum_apply_error(
-    signs: torch.Tensor,
-    weights: torch.Tensor,
-    error: torch.Tensor,
-    scale: torch.Tensor,
-    out: torch.Tensor,
-) -> torch.Tensor:
+def sign_sum_apply_error(signs, weights, error, scale, out) -> torch.Tensor:
     """Phase 2 of :func:`sign_sum_compress`: writes ``e' = v - a s(v)`` into ``out`` (which
     may be ``error``) and returns it; ``out`` is fp32, bf16 or fp16, ``e'`` computed in fp32 and
     rounded once to its dtype.
@@ -415,7 +406,7 @@ def sign_sum_apply_error(
     reference=_reference.unpack_scaled,
     returns="out",
 )
-def unpack_scaled(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def unpack_scaled(packed, scales, out) -> torch.Tensor:
     """Writes ``scales[r] * s(packed[r])`` of the rows ``r``, concatenated, into ``out`` (its
     first ``out.numel()`` values), without unpacked signs.
 
@@ -664,7 +655,8 @@ _SQRT_RN = Op(
 )
 
 
-def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
+@signature_from(_reference.sqrt_rn)
+def sqrt_rn(v):
     r"""The square root of fp32 ``v`` correctly rounded, as IEEE 754 defines it: the same bits on
     every device and kernel set (where the root is NaN, for negative or NaN ``v``, only NaN is
     promised, not its sign or payload).
@@ -701,7 +693,7 @@ def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
     reference=_reference.quantize,
     finite=1,
 )
-def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x, bits, group_size):
     """Symmetric blockwise ``bits``-bit quantization (ZeRO++ qgZ; Wang et al. 2023).
 
     .. math::
@@ -736,7 +728,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     fake=lambda q, scales, bits, n: q.new_empty(n, dtype=torch.float32),
     reference=_reference.dequantize,
 )
-def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+def dequantize(q, scales, bits, n):
     """Inverse of :func:`quantize`: ``x_i = q_i s_g`` for the first ``n`` values, fp32.
 
     Args:
@@ -818,15 +810,8 @@ _LOCO_QUANTIZE_INTO = Op(
 )
 
 
-def loco_quantize(
-    x: torch.Tensor,
-    error: torch.Tensor | None,
-    bits: int,
-    group_size: int,
-    numel: int,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    rows: tuple[int, int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@signature_from(_reference.loco_quantize)
+def loco_quantize(x, error, bits, group_size, numel, out=None, rows=None):
     """Phase 1 of LoCo's compensated quantization: :func:`quantize` of ``v = pad(x) + e``.
 
     ``x`` is read as if zero-padded to ``numel`` values (no padded copy is made) and the error
@@ -896,16 +881,7 @@ def _check_codes(q: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[int,
         x, error, q, scales, bits, err_beta, out, _rows_tuple(rows)
     ),
 )
-def loco_error(
-    x: torch.Tensor,
-    error: torch.Tensor | None,
-    q: torch.Tensor,
-    scales: torch.Tensor,
-    bits: int,
-    err_beta: float,
-    out: torch.Tensor,
-    rows: tuple[int, int, int] | None = None,
-) -> None:
+def loco_error(x, error, q, scales, bits, err_beta, out, rows=None):
     """Phase 2 of LoCo: the new error, written into ``out`` (which may be ``error`` itself).
 
     .. math::
@@ -946,9 +922,7 @@ def loco_error(
     "dequantize_sum(Tensor q, Tensor scales, int bits, int pieces, Tensor(a!) out) -> ()",
     reference=_reference.dequantize_sum,
 )
-def dequantize_sum(
-    q: torch.Tensor, scales: torch.Tensor, bits: int, pieces: int, out: torch.Tensor
-) -> None:
+def dequantize_sum(q, scales, bits, pieces, out):
     """Sums the ``pieces`` dequantized rows held by ``q``/``scales`` into ``out``.
 
     ``out = sum_ranks(DQ(q).view(pieces, -1))`` bit for bit (the rows added in rank order, see
@@ -980,14 +954,7 @@ def dequantize_sum(
     "int local_world_size) -> ()",
     reference=_reference.dequantize_into,
 )
-def dequantize_into(
-    q: torch.Tensor,
-    scales: torch.Tensor,
-    bits: int,
-    out: torch.Tensor,
-    chunks: int = 1,
-    local_world_size: int = 1,
-) -> None:
+def dequantize_into(q, scales, bits, out, chunks=1, local_world_size=1):
     """Dequantizes the first ``out.numel()`` values into ``out``, chunks reordered.
 
     ``q``/``scales`` hold ``chunks`` equal chunks in rank order ``node * L + local`` (``L =

@@ -90,12 +90,7 @@ def implementation(
 
     def decorate(impl: Callable[..., Any]) -> Callable[..., Any]:
         reference = getattr(_reference, impl.__name__)
-        wanted = inspect.signature(reference).parameters.values()
-        given = list(inspect.signature(impl).parameters.values())[backend is not None :]
-        if [(p.name, p.kind, p.default) for p in given] != [
-            (p.name, p.kind, p.default) for p in wanted
-        ]:
-            raise TypeError(f"{impl.__name__}: the parameters are not the reference's")
+        _check_parameters(impl, reference, skip=backend is not None)
 
         def run(*args: Any, **kwargs: Any) -> Any:
             if backend is None:
@@ -111,6 +106,39 @@ def implementation(
         run.__module__, run.__doc__ = impl.__module__, impl.__doc__
         run.__signature__ = inspect.signature(reference)  # type: ignore[attr-defined]
         return run
+
+    return decorate
+
+
+def _check_parameters(f: Callable[..., Any], reference: Callable[..., Any], skip: int = 0) -> None:
+    """Raises ``TypeError`` unless ``f``'s parameters after the first ``skip`` are
+    ``reference``'s: names, kinds and defaults."""
+
+    def parameters(g: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(g).parameters.values()]
+
+    if parameters(f)[skip:] != parameters(reference):
+        raise TypeError(f"{f.__name__}: the parameters are not the reference's")
+
+
+def signature_from(
+    reference: Callable[..., Any],
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Gives the decorated public function, whose parameters are the kernel's and written
+    without annotations, the signature of its ``reference``: the parameters' names, kinds,
+    defaults (checked against the function's: ``TypeError``) and annotations, and the return
+    annotation of the function where it has one, else the reference's. Each kernel's
+    signature is thus written once, in ``fn.kernels._reference``."""
+
+    def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        _check_parameters(f, reference)
+        signature = inspect.signature(reference)
+        returns = inspect.signature(f).return_annotation
+        if returns is not signature.empty:
+            signature = signature.replace(return_annotation=returns)
+        f.__signature__ = signature  # type: ignore[attr-defined]
+        f.__annotations__ = {**reference.__annotations__, **f.__annotations__}
+        return f
 
     return decorate
 
@@ -135,6 +163,7 @@ class Op:
         finite: int | None = None,
     ) -> None:
         self.name = schema[: schema.index("(")]
+        self.reference = reference
         self.kernel_name = eager(reference)
         self.finite = finite
         self._call = call
@@ -180,12 +209,16 @@ def public(
     op: Op, returns: str | None = None
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The checked public function of ``op`` from its checks: the decorated function has the
-    public signature and docstring, raises for bad arguments and returns ``None`` or a dict of
+    public signature (the reference's, :func:`signature_from`, where its parameters have no
+    annotations) and docstring, raises for bad arguments and returns ``None`` or a dict of
     the op's arguments to pass instead of the public ones (by name). The public function then
     calls the op with its arguments by name and returns the op's result, or the argument named
     ``returns``."""
 
     def decorate(check: Callable[..., Any]) -> Callable[..., Any]:
+        parameters = inspect.signature(check).parameters.values()
+        if all(p.annotation is p.empty for p in parameters):
+            check = signature_from(op.reference)(check)
         signature = inspect.signature(check)
         parameters = signature.parameters.values()
         positional = [p.name for p in parameters if p.kind == p.POSITIONAL_OR_KEYWORD]
