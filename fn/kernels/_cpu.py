@@ -369,7 +369,7 @@ def _feedback(
     return f, keep
 
 
-def _feedback_signs(lib: ctypes.CDLL, f: _FeedbackStruct, length: int, alive: tuple):
+def _feedback_signs(lib: ctypes.CDLL, f: _FeedbackStruct, alive: tuple, length: int):
     """Phase 1 over ``f``'s source; ``alive`` holds the tensors ``f`` points into."""
     packed = _empty(lib, (length + 7) // 8, torch.uint8)
     blocks, sums = _block_sums(length)
@@ -383,10 +383,10 @@ def _feedback_signs(lib: ctypes.CDLL, f: _FeedbackStruct, length: int, alive: tu
 def _feedback_error(
     lib: ctypes.CDLL,
     f: _FeedbackStruct,
+    alive: tuple,
     error: torch.Tensor,
     scale: torch.Tensor,
     out: torch.Tensor,
-    alive: tuple,
 ) -> bool:
     """Phase 2 over ``f``'s source: ``out = v - scale * s(v)`` (``out`` may be ``error``), fp32
     or rounded to bf16; ``alive`` holds the tensors ``f`` points into."""
@@ -397,9 +397,13 @@ def _feedback_error(
     return True
 
 
-def _momentum_source(error, x, grad, beta, signs):
+def _momentum_source(error, x, grad, beta, signs, out=None):
     """:func:`_feedback` of the feedback kernels' source (``x``, or the packed ``signs`` of the
-    previous momentum), or ``None`` for inputs the C kernels do not take."""
+    previous momentum), or ``None`` for inputs the C kernels do not take (with the error written
+    into ``out``, when given)."""
+    buffers = _error_buffer(error) and (out is None or _error_buffer(out))
+    if not buffers or not _plain_fp32(x, grad):
+        return None
     if signs is None:
         return None if x is None else _feedback(_FEEDBACK_X, error, x, grad, beta)
     packed, scales = signs
@@ -417,30 +421,22 @@ def _error_buffer(t: torch.Tensor) -> bool:
 
 @_with_library
 def feedback_sign_compress(lib, x, error, grad=None, beta=0.0, signs=None):
-    plain = _plain_fp32(x, grad) and _error_buffer(error)
-    source = _momentum_source(error, x, grad, beta, signs) if plain else None
-    if source is None:
-        return None
-    f, alive = source
-    return _feedback_signs(lib, f, error.numel(), alive)
+    source = _momentum_source(error, x, grad, beta, signs)
+    return None if source is None else _feedback_signs(lib, *source, error.numel())
 
 
 @_with_library
 def feedback_apply_error(lib, x, error, scale, out, grad=None, beta=0.0, signs=None):
-    plain = _plain_fp32(x, grad) and _error_buffer(error) and _error_buffer(out)
-    source = _momentum_source(error, x, grad, beta, signs) if plain else None
-    if source is None:
-        return None
-    f, alive = source
-    return _feedback_error(lib, f, error, scale, out, alive)
+    source = _momentum_source(error, x, grad, beta, signs, out)
+    return None if source is None else _feedback_error(lib, *source, error, scale, out)
 
 
 @_with_library
 def sign_sum_compress(lib, signs, weights, error):
     if not _plain_fp32(weights) or not _error_buffer(error) or not signs.is_contiguous():
         return None
-    f, alive = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
-    return _feedback_signs(lib, f, error.numel(), alive)
+    source = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
+    return _feedback_signs(lib, *source, error.numel())
 
 
 @_with_library
@@ -448,8 +444,8 @@ def sign_sum_apply_error(lib, signs, weights, error, scale, out):
     buffers = _error_buffer(error) and _error_buffer(out)
     if not _plain_fp32(weights) or not buffers or not signs.is_contiguous():
         return None
-    f, alive = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
-    return _feedback_error(lib, f, error, scale, out, alive)
+    source = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
+    return _feedback_error(lib, *source, error, scale, out)
 
 
 @_with_library

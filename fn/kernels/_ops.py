@@ -1,13 +1,8 @@
 """The public kernels, each declared once (``fn.kernels._spec``): its op's schema, shape rule,
-vmap rule and reference, and its public function.
-
-A function under ``@declare`` is the public function's signature, documentation and argument
-checks: it raises for bad arguments and returns nothing (or the op's arguments that differ from
-the public ones); the op's result is what the public function returns. The ops are
-``torch.library`` custom ops in namespace ``fn``; each runs the implementation the accelerator
-table dispatches to for its input's device type. ``sign_compress`` and ``loco_quantize`` pick
-one of two ops (without / with the error, a fresh / a given output); ``adam_apply`` and
-``adamw_step`` are eager kernels without an op.
+vmap rule and reference, and its public function from the checks under ``@declare``
+(:func:`fn.kernels._spec.public`). ``sign_compress`` and ``loco_quantize`` pick one of two ops
+(without / with the error, a fresh / a given output); ``adam_apply`` and ``adamw_step`` are
+eager kernels without an op.
 """
 
 from __future__ import annotations
@@ -17,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from fn.kernels import _reference
-from fn.kernels._spec import ELEMENTWISE, Op, declare, eager, kernel, signature_from
+from fn.kernels._spec import ELEMENTWISE, Op, annotated_like, declare, eager, kernel
 
 
 def _check_1d(x: torch.Tensor, name: str) -> None:
@@ -109,7 +104,7 @@ _SIGN_COMPRESS_EF = Op(
 )
 
 
-@signature_from(_reference.sign_compress)
+@annotated_like(_reference.sign_compress)
 def sign_compress(m, error=None):
     """Error-compensated 1-bit compression (Seide et al. 2014; 1-bit Adam, Tang et al. 2021).
 
@@ -218,14 +213,7 @@ def _signs(
         x, error, grad, beta, _signs(packed, scales)
     ),
 )
-def feedback_sign_compress(
-    x: torch.Tensor | None,
-    error: torch.Tensor,
-    *,
-    grad: torch.Tensor | None = None,
-    beta: float = 0.0,
-    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def feedback_sign_compress(x, error, *, grad=None, beta=0.0, signs=None):
     """Phase 1 of error-compensated sign compression, without a padded or summed copy.
 
     .. math::
@@ -287,16 +275,7 @@ def feedback_sign_compress(
     ),
     returns="out",
 )
-def feedback_apply_error(
-    x: torch.Tensor | None,
-    error: torch.Tensor,
-    scale: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    grad: torch.Tensor | None = None,
-    beta: float = 0.0,
-    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
+def feedback_apply_error(x, error, scale, out, *, grad=None, beta=0.0, signs=None) -> torch.Tensor:
     """Phase 2 of :func:`feedback_sign_compress`: writes ``e' = v - a s(v)`` into ``out``.
 
     ``v`` is recomputed from the same ``x`` (or ``signs``), ``error``, ``grad`` and ``beta``;
@@ -437,25 +416,14 @@ def unpack_scaled(packed, scales, out) -> torch.Tensor:
     reference=_reference.adam_direction,
     returns="out",
 )
-def adam_direction(
-    m: torch.Tensor,
-    v: torch.Tensor,
-    eta: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    eps: float,
-    bound: float | None = None,
-    weight_decay: float = 0.0,
-    p: torch.Tensor | None = None,
-) -> torch.Tensor:
+def adam_direction(m, v, eta, out, *, eps, bound=None, weight_decay=0.0, p=None) -> torch.Tensor:
     """The update of a compressed Adam step of the 1-bit family, written into ``out``.
 
     .. math::
         u = -\\eta\\,\\big(\\mathrm{clamp}(m / (\\sqrt{v} + \\epsilon), -B, B) + \\lambda p\\big)
 
     rounded as ``fn.onebit_adam`` computes it (no clamp when ``bound`` is ``None``; the decay
-    term only with ``p``; ``sqrt`` correctly rounded, as IEEE 754's square root: torch's fp32
-    ``sqrt`` on the CPU is 1 ulp off for about one input in five).
+    term only with ``p``; ``sqrt`` correctly rounded, :func:`sqrt_rn`).
 
     Args:
         m, v: fp32 momentum and variance (same shape as ``out``).
@@ -487,17 +455,9 @@ def adam_direction(
 _ADAM_APPLY = eager(_reference.adam_apply)
 
 
+@annotated_like(_reference.adam_apply)
 def adam_apply(
-    m: torch.Tensor | None,
-    v: torch.Tensor,
-    eta: torch.Tensor,
-    params: torch.Tensor,
-    *,
-    eps: float,
-    bound: float | None = None,
-    weight_decay: float = 0.0,
-    root: torch.Tensor | None = None,
-    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    m, v, eta, params, *, eps, bound=None, weight_decay=0.0, root=None, signs=None
 ) -> torch.Tensor:
     """The update of :func:`adam_direction` added to the params in place, with the values of
     ``params.add_(adam_direction(m, v, eta, out, ..., p=params))``; with ``signs``, the
@@ -547,16 +507,14 @@ def adam_apply(
     for name, t in (("m", m), ("v", v), ("params", params), ("root", root)):
         if t is not None and (t.shape != params.shape or t.dtype != torch.float32):
             raise ValueError(f"adam_apply: {name} must be fp32 of the params' shape")
+    if signs is None and m is None:
+        raise ValueError("adam_apply: m is required unless the momentum is given as signs")
+    if signs is not None:
+        try:
+            _check_scaled_signs(*signs, params.numel(), "the params'")
+        except ValueError as error:
+            raise ValueError(f"adam_apply: {error}") from None
     constants = (float(eps), None if bound is None else float(bound), float(weight_decay))
-    if signs is None:
-        if m is None:
-            raise ValueError("adam_apply: m is required unless the momentum is given as signs")
-        kernel(_ADAM_APPLY, params.device)(m, v, eta, params, root, *constants)
-        return params
-    try:
-        _check_scaled_signs(*signs, params.numel(), "the params'")
-    except ValueError as error:
-        raise ValueError(f"adam_apply: {error}") from None
     kernel(_ADAM_APPLY, params.device)(m, v, eta, params, root, *constants, signs)
     return params
 
@@ -655,7 +613,7 @@ _SQRT_RN = Op(
 )
 
 
-@signature_from(_reference.sqrt_rn)
+@annotated_like(_reference.sqrt_rn)
 def sqrt_rn(v):
     r"""The square root of fp32 ``v`` correctly rounded, as IEEE 754 defines it: the same bits on
     every device and kernel set (where the root is NaN, for negative or NaN ``v``, only NaN is
@@ -810,7 +768,7 @@ _LOCO_QUANTIZE_INTO = Op(
 )
 
 
-@signature_from(_reference.loco_quantize)
+@annotated_like(_reference.loco_quantize)
 def loco_quantize(x, error, bits, group_size, numel, out=None, rows=None):
     """Phase 1 of LoCo's compensated quantization: :func:`quantize` of ``v = pad(x) + e``.
 

@@ -94,14 +94,18 @@ def sign_compress(
     m: torch.Tensor, error: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Without the check that ``a`` is finite (the op's)."""
+    return sign_compress_with(packbits, m, error)
+
+
+def sign_compress_with(
+    pack: Callable[[torch.Tensor], torch.Tensor], m: torch.Tensor, error: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`sign_compress` with the signs packed by ``pack`` (a bit-exact :func:`packbits`
+    of another kernel set); the scale and the new error come from the reference formulas."""
     v = m.float() if error is None else m.float() + error.float()
-    n = v.numel()
-    scale = rms_from_block_sums(block_sumsq(v), n).to(v.device)
-    packed = packbits(v)
-    new_error = None
-    if error is not None:
-        new_error = v - scale * unpackbits(packed, n)
-    return packed, scale, new_error
+    scale = rms_from_block_sums(block_sumsq(v), v.numel()).to(v.device)
+    new_error = None if error is None else v - torch.where(v >= 0, scale, -scale)
+    return pack(v), scale, new_error
 
 
 def _feedback_input(
@@ -257,17 +261,6 @@ def adam_apply(
     update = torch.empty_like(params) if root is None else root
     adam_direction(m, v, decayed, eta, update, eps, bound, weight_decay)
     params.add_(update)
-
-
-def sign_compress_with(
-    pack: Callable[[torch.Tensor], torch.Tensor], m: torch.Tensor, error: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """:func:`sign_compress` with the signs packed by ``pack`` (a bit-exact :func:`packbits`
-    of another kernel set); the scale and the new error come from the reference formulas."""
-    v = m.float() if error is None else m.float() + error.float()
-    scale = rms_from_block_sums(block_sumsq(v), v.numel()).to(v.device)
-    new_error = None if error is None else v - torch.where(v >= 0, scale, -scale)
-    return pack(v), scale, new_error
 
 
 def check_bits(bits: int) -> None:

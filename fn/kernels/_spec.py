@@ -90,7 +90,12 @@ def implementation(
 
     def decorate(impl: Callable[..., Any]) -> Callable[..., Any]:
         reference = getattr(_reference, impl.__name__)
-        _check_parameters(impl, reference, skip=backend is not None)
+        wanted = inspect.signature(reference).parameters.values()
+        given = list(inspect.signature(impl).parameters.values())[backend is not None :]
+        if [(p.name, p.kind, p.default) for p in given] != [
+            (p.name, p.kind, p.default) for p in wanted
+        ]:
+            raise TypeError(f"{impl.__name__}: the parameters are not the reference's")
 
         def run(*args: Any, **kwargs: Any) -> Any:
             if backend is None:
@@ -110,34 +115,29 @@ def implementation(
     return decorate
 
 
-def _check_parameters(f: Callable[..., Any], reference: Callable[..., Any], skip: int = 0) -> None:
-    """Raises ``TypeError`` unless ``f``'s parameters after the first ``skip`` are
-    ``reference``'s: names, kinds and defaults."""
-
-    def parameters(g: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
-        return [(p.name, p.kind, p.default) for p in inspect.signature(g).parameters.values()]
-
-    if parameters(f)[skip:] != parameters(reference):
-        raise TypeError(f"{f.__name__}: the parameters are not the reference's")
-
-
-def signature_from(
+def annotated_like(
     reference: Callable[..., Any],
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Gives the decorated public function, whose parameters are the kernel's and written
-    without annotations, the signature of its ``reference``: the parameters' names, kinds,
-    defaults (checked against the function's: ``TypeError``) and annotations, and the return
-    annotation of the function where it has one, else the reference's. Each kernel's
-    signature is thus written once, in ``fn.kernels._reference``."""
+    """Gives the decorated public function, whose parameters are written without annotations,
+    the annotations of its kernel's ``reference``: each parameter's is that of the reference's
+    parameter of its name (``TypeError`` for a name the reference lacks), the return annotation
+    the function's own where it has one, else the reference's. The types of a kernel's
+    arguments are thus written once, in ``fn.kernels._reference``."""
 
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
-        _check_parameters(f, reference)
-        signature = inspect.signature(reference)
-        returns = inspect.signature(f).return_annotation
-        if returns is not signature.empty:
-            signature = signature.replace(return_annotation=returns)
+        signature, wanted = inspect.signature(f), inspect.signature(reference).parameters
+        unknown = sorted(set(signature.parameters) - set(wanted))
+        if unknown:
+            raise TypeError(f"{f.__name__}: {unknown} are not parameters of the reference")
+        parameters = [
+            p.replace(annotation=wanted[p.name].annotation) for p in signature.parameters.values()
+        ]
+        returns = signature.return_annotation
+        if returns is signature.empty:
+            returns = inspect.signature(reference).return_annotation
+        signature = signature.replace(parameters=parameters, return_annotation=returns)
         f.__signature__ = signature  # type: ignore[attr-defined]
-        f.__annotations__ = {**reference.__annotations__, **f.__annotations__}
+        f.__annotations__ = {**{p.name: p.annotation for p in parameters}, "return": returns}
         return f
 
     return decorate
@@ -209,8 +209,8 @@ def public(
     op: Op, returns: str | None = None
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The checked public function of ``op`` from its checks: the decorated function has the
-    public signature (the reference's, :func:`signature_from`, where its parameters have no
-    annotations) and docstring, raises for bad arguments and returns ``None`` or a dict of
+    public signature (annotated as the reference, :func:`annotated_like`, where its parameters
+    are not) and docstring, raises for bad arguments and returns ``None`` or a dict of
     the op's arguments to pass instead of the public ones (by name). The public function then
     calls the op with its arguments by name and returns the op's result, or the argument named
     ``returns``."""
@@ -218,7 +218,7 @@ def public(
     def decorate(check: Callable[..., Any]) -> Callable[..., Any]:
         parameters = inspect.signature(check).parameters.values()
         if all(p.annotation is p.empty for p in parameters):
-            check = signature_from(op.reference)(check)
+            check = annotated_like(op.reference)(check)
         signature = inspect.signature(check)
         parameters = signature.parameters.values()
         positional = [p.name for p in parameters if p.kind == p.POSITIONAL_OR_KEYWORD]
