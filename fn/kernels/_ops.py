@@ -1,8 +1,9 @@
 """The public kernels, each declared once (``fn.kernels._spec``): its op's schema, shape rule,
 vmap rule and reference, and its public function from the checks under ``@declare``
-(:func:`fn.kernels._spec.public`). ``sign_compress`` and ``loco_quantize`` pick one of two ops
-(without / with the error, a fresh / a given output); ``adam_apply`` and ``adamw_step`` are
-eager kernels without an op.
+(:func:`fn.kernels._spec.declare`). A public function whose parameters are its reference's
+(by name) is written without types and takes the reference's (``_spec.annotated_like``).
+``sign_compress`` and ``loco_quantize`` pick one of two ops (without / with the error, a fresh /
+a given output); ``adam_apply`` and ``adamw_step`` are eager kernels without an op.
 """
 
 from __future__ import annotations
@@ -460,19 +461,16 @@ def adam_apply(
     m, v, eta, params, *, eps, bound=None, weight_decay=0.0, root=None, signs=None
 ) -> torch.Tensor:
     """The update of :func:`adam_direction` added to the params in place, with the values of
-    ``params.add_(adam_direction(m, v, eta, out, ..., p=params))``; with ``signs``, the
-    momentum ``m`` is first written from the packed signs it arrives as.
+    ``params.add_(adam_direction(m, v, eta, out, ..., p=params))``.
 
     .. math::
         p \\leftarrow p - \\eta\\,\\big(\\mathrm{clamp}(m / (\\sqrt{v} + \\epsilon), -B, B)
             + \\lambda p\\big)
 
-    rounded as ``fn.onebit_adam``'s update followed by ``fn.apply_updates`` (``sqrt``
-    correctly rounded). On the CPU, for contiguous fp32 tensors, a C kernel reads ``m``, ``v``
-    and the params once and writes the params. With ``signs``, it writes ``m`` as
-    :func:`unpack_scaled` does instead of reading it (the new momentum of a 1-bit allreduce, in
-    the pass that uses it), or, with ``m=None``, uses it without writing it anywhere (a state
-    that keeps the momentum as these signs). Eager tensors only (not a custom op).
+    rounded as ``fn.onebit_adam``'s update followed by ``fn.apply_updates``. On the CPU, for
+    contiguous fp32 tensors, a C kernel reads ``m``, ``v`` and the params once and writes the
+    params; given the momentum as the signs of a 1-bit allreduce (docs/algorithms.md#1-bit-adam),
+    it writes ``m`` in that pass, or with ``m=None`` nowhere. Eager tensors only (not a custom op).
 
     Args:
         m, v: fp32 momentum and variance (the params' shape); ``m`` may be ``None`` with
@@ -547,11 +545,10 @@ def adamw_step(
         \\frac{m_t}{\\sqrt{v_t} / \\sqrt{1 - \\beta_2^t} + \\epsilon},
         \\quad p \\leftarrow p + (p' - p)
 
-    where ``p'``, ``m_t`` and ``v_t`` are rounded as ``torch._fused_adamw_`` (the kernel of
-    ``torch.optim.AdamW(fused=True)``) computes them, and ``p + (p' - p)`` as
-    ``apply_updates`` adds the update ``p' - p``: it runs torch's own kernel (bit for bit
-    ``torch.optim.AdamW(fused=True)``), on the CPU a cache-sized batch of the leaves at a time
-    with the copies of the params in one workspace. Eager tensors only (not a custom op).
+    where ``p'``, ``m_t`` and ``v_t`` are those of ``torch._fused_adamw_``, the kernel of
+    ``torch.optim.AdamW(fused=True)``, which it runs (on the CPU a cache-sized batch of the
+    leaves at a time), and ``p + (p' - p)`` is rounded as ``apply_updates`` adds the update
+    ``p' - p``. Eager tensors only (not a custom op).
 
     Reference: Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
 
@@ -623,8 +620,8 @@ def sqrt_rn(v):
         \mathrm{sqrt\_rn}(v) = \mathrm{round}_{\mathrm{fp32}}(\sqrt{v})
 
     torch's fp32 ``sqrt`` on the CPU is 1 ulp off for about one input in five; the 1-bit Adam
-    family divides by this root (docs/algorithms.md#1-bit-adam). Other dtypes take torch's
-    ``sqrt``.
+    family divides by this root (docs/algorithms.md#conventions). Other dtypes, and MPS (which
+    has no fp64), take torch's ``sqrt``.
 
     Args:
         v: a tensor (negative values give NaN).
