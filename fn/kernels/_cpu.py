@@ -539,10 +539,6 @@ def dequantize(lib, q, scales, bits, n):
     return out
 
 
-def _writable_fp32(out: torch.Tensor) -> bool:
-    return out.dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
-
-
 def _rows_layout(
     n: int, numel: int, rows: tuple[int, int, int] | None
 ) -> tuple[int, int, int, int]:
@@ -556,7 +552,7 @@ def _rows_layout(
 
 @_with_library
 def loco_quantize(lib, x, error, bits, group_size, numel, out=None, rows=None):
-    fits = out is None or (out[0].is_contiguous() and _writable_fp32(out[1]))
+    fits = out is None or (out[0].is_contiguous() and _plain_fp32(out[1]))
     if numel % group_size or x.numel() > numel or not fits:
         return None
     x = _fp32(x)
@@ -576,7 +572,7 @@ def loco_quantize(lib, x, error, bits, group_size, numel, out=None, rows=None):
 @_with_library
 def loco_error(lib, x, error, q, scales, bits, err_beta, out, rows=None):
     n = out.numel()
-    if not _writable_fp32(out) or not scales.numel() or n % scales.numel():
+    if not _plain_fp32(out) or not scales.numel() or n % scales.numel():
         return None
     x = _fp32(x)
     e = None if error is None else _fp32(error)
@@ -591,7 +587,7 @@ def loco_error(lib, x, error, q, scales, bits, err_beta, out, rows=None):
 def dequantize_sum(lib, q, scales, bits, pieces, out):
     cols = out.numel()
     groups = scales.numel()
-    if not _writable_fp32(out) or not groups:
+    if not _plain_fp32(out) or not groups:
         return None
     q, scales = _codes(q, scales)
     pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())
@@ -605,7 +601,7 @@ def dequantize_into(lib, q, scales, bits, out, chunks=1, local_world_size=1):
     groups = scales.numel()
     values = q.numel() * 8 // bits
     whole = groups and not values % groups and not values % chunks
-    if not _writable_fp32(out) or not whole or values // chunks % (values // groups):
+    if not _plain_fp32(out) or not whole or values // chunks % (values // groups):
         return None
     q, scales = _codes(q, scales)
     pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())
