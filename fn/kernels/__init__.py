@@ -3,22 +3,15 @@
 Kernels (``torch.library`` custom ops, usable under ``torch.func.vmap`` and ``torch.compile``):
 :func:`packbits`, :func:`unpackbits`, :func:`sign_compress`, :func:`quantize`,
 :func:`dequantize`; the fused LoCo kernels :func:`loco_quantize`, :func:`loco_error`,
-:func:`dequantize_sum`, :func:`dequantize_into` (the last three write into an ``out`` buffer);
-for the 1-bit allreduce without full-size temporaries, the two phases of
-error-compensated compression (:func:`feedback_sign_compress` / :func:`feedback_apply_error`,
-which read the previous momentum as fp32 or as the packed signs :func:`unpack_scaled` decodes,
-:func:`sign_sum_compress` / :func:`sign_sum_apply_error`), :func:`unpack_scaled` and
-:func:`adam_direction`; :func:`sqrt_rn` (IEEE 754's square root); eager only (no custom op),
-:func:`adam_apply`: that direction added to the params in one pass (the momentum read, or
-written from packed signs, or only read from them), and :func:`adamw_step`:
-``fn.adamw``'s step applied to the params (torch's fused AdamW kernel, then ``p + (p' - p)``).
-:func:`sum_ranks` is the sum over ranks in the order every kernel follows: rank by rank, left to
-right. Each kernel is declared once (``fn/kernels/_ops.py``: its op's schema, shape rule, vmap
-rule, reference and public checks). A kernel called on a tensor of device
-type ``D`` runs a kernel set of the accelerator table's record for ``D``: by default fused C
-kernels on the CPU, Triton on CUDA/XPU (CUDA also offers the kernel set ``"cupy"``),
-``torch_npu`` on NPU; every record also offers ``"reference"``, the pure-torch oracle every
-implementation matches bit for bit.
+:func:`dequantize_sum`, :func:`dequantize_into`; for the 1-bit allreduce without full-size
+temporaries, the two phases of error-compensated compression (:func:`feedback_sign_compress` /
+:func:`feedback_apply_error`, :func:`sign_sum_compress` / :func:`sign_sum_apply_error`),
+:func:`unpack_scaled` and :func:`adam_direction`; :func:`sqrt_rn`; eager only (no custom op),
+:func:`adam_apply` and :func:`adamw_step`. :func:`sum_ranks` is the sum over ranks in the order
+every kernel follows. A kernel called on a tensor of device type ``D`` runs a kernel set of the
+accelerator table's record for ``D``: by default fused C kernels on the CPU, Triton on CUDA/XPU
+(CUDA also offers the kernel set ``"cupy"``), ``torch_npu`` on NPU; every record also offers
+``"reference"``, the pure-torch oracle every implementation matches bit for bit.
 
 The table (:func:`get_accelerator`, :func:`set_accelerator`, :func:`register_accelerator`)
 holds one :class:`Accelerator` per device type: its availability, its ``torch.distributed``

@@ -40,39 +40,27 @@ from fn.kernels._spec import implementation
 _FLAGS = ("-O3", "-march=native", "-std=c99", "-ffp-contract=off", "-shared", "-fPIC")
 _CHUNK = 1 << 18  # elements per work item of a threaded call
 _HUGE_MIN = 1 << 23  # outputs from 8 MiB on ask for transparent huge pages
-_KERNEL_IDS = {
-    "sign_compress": 0,
-    "apply_error": 1,
-    "packbits": 2,
-    "unpackbits": 3,
-    "quantize": 4,
-    "dequantize": 5,
-    "loco_quantize": 6,
-    "loco_error": 7,
-    "dequantize_sum": 8,
-    "dequantize_into": 9,
-    "feedback_signs": 10,
-    "feedback_error": 11,
-    "unpack_scaled": 12,
-    "adam_direction": 13,
-    "sqrt_rn": 14,
-}
+# The C kernels' enum, in its order: a kernel's id is its index.
+_KERNELS = (
+    "sign_compress apply_error packbits unpackbits quantize dequantize loco_quantize loco_error "
+    "dequantize_sum dequantize_into feedback_signs feedback_error unpack_scaled adam_direction "
+    "sqrt_rn"
+).split()
+
+
+def _fields(ctype: type, *names: str) -> list[tuple[str, type]]:
+    """Fields of a ``ctypes.Structure``: ``names``, in order, each of ``ctype``."""
+    return [(name, ctype) for name in names]
 
 
 class _JobStruct(ctypes.Structure):
     """Mirror of the C ``fn_job``."""
 
     _fields_ = [
-        ("kernel", ctypes.c_int64),
-        ("n", ctypes.c_int64),
-        ("chunk", ctypes.c_int64),
-        ("count", ctypes.c_int64),
-        ("next", ctypes.c_int64),
-        ("left", ctypes.c_int64),
+        *_fields(ctypes.c_int64, "kernel", "n", "chunk", "count", "next", "left"),
         ("p", ctypes.c_void_p * 5),
         ("i", ctypes.c_int64 * 6),
-        ("scale", ctypes.c_float),
-        ("scale2", ctypes.c_float),
+        *_fields(ctypes.c_float, "scale", "scale2"),
     ]
 
 
@@ -183,7 +171,7 @@ def _run(
     ``torch.get_num_threads()`` threads."""
     chunk = max(align, _CHUNK // align * align)
     count = -(-n // chunk)
-    job = _JobStruct(_KERNEL_IDS[kernel], n, chunk, count, 0, count)
+    job = _JobStruct(_KERNELS.index(kernel), n, chunk, count, 0, count)
     job.p[: len(pointers)] = pointers
     job.i[: len(ints)] = ints
     job.scale = scale
@@ -297,19 +285,11 @@ class _FeedbackStruct(ctypes.Structure):
     """Mirror of the C ``fn_feedback``: the source of an error-compensated compression."""
 
     _fields_ = [
-        ("mode", ctypes.c_int64),
-        ("n", ctypes.c_int64),
-        ("x", ctypes.c_void_p),
-        ("g", ctypes.c_void_p),
-        ("e", ctypes.c_void_p),
-        ("beta", ctypes.c_float),
-        ("one_minus_beta", ctypes.c_float),
-        ("signs", ctypes.c_void_p),
-        ("weights", ctypes.c_void_p),
-        ("ranks", ctypes.c_int64),
-        ("row_bytes", ctypes.c_int64),
-        ("ahead", ctypes.c_int64),
-        ("e_bf16", ctypes.c_int64),
+        *_fields(ctypes.c_int64, "mode", "n"),
+        *_fields(ctypes.c_void_p, "x", "g", "e"),
+        *_fields(ctypes.c_float, "beta", "one_minus_beta"),
+        *_fields(ctypes.c_void_p, "signs", "weights"),
+        *_fields(ctypes.c_int64, "ranks", "row_bytes", "ahead", "e_bf16"),
     ]
 
 
@@ -389,7 +369,7 @@ def _feedback(
     return f, keep
 
 
-def _feedback_signs(lib: ctypes.CDLL, f: _FeedbackStruct, length: int, alive: tuple):
+def _feedback_signs(lib: ctypes.CDLL, f: _FeedbackStruct, alive: tuple, length: int):
     """Phase 1 over ``f``'s source; ``alive`` holds the tensors ``f`` points into."""
     packed = _empty(lib, (length + 7) // 8, torch.uint8)
     blocks, sums = _block_sums(length)
@@ -403,10 +383,10 @@ def _feedback_signs(lib: ctypes.CDLL, f: _FeedbackStruct, length: int, alive: tu
 def _feedback_error(
     lib: ctypes.CDLL,
     f: _FeedbackStruct,
+    alive: tuple,
     error: torch.Tensor,
     scale: torch.Tensor,
     out: torch.Tensor,
-    alive: tuple,
 ) -> bool:
     """Phase 2 over ``f``'s source: ``out = v - scale * s(v)`` (``out`` may be ``error``), fp32
     or rounded to bf16; ``alive`` holds the tensors ``f`` points into."""
@@ -417,9 +397,13 @@ def _feedback_error(
     return True
 
 
-def _momentum_source(error, x, grad, beta, signs):
+def _momentum_source(error, x, grad, beta, signs, out=None):
     """:func:`_feedback` of the feedback kernels' source (``x``, or the packed ``signs`` of the
-    previous momentum), or ``None`` for inputs the C kernels do not take."""
+    previous momentum), or ``None`` for inputs the C kernels do not take (with the error written
+    into ``out``, when given)."""
+    buffers = _error_buffer(error) and (out is None or _error_buffer(out))
+    if not buffers or not _plain_fp32(x, grad):
+        return None
     if signs is None:
         return None if x is None else _feedback(_FEEDBACK_X, error, x, grad, beta)
     packed, scales = signs
@@ -437,30 +421,22 @@ def _error_buffer(t: torch.Tensor) -> bool:
 
 @_with_library
 def feedback_sign_compress(lib, x, error, grad=None, beta=0.0, signs=None):
-    plain = _plain_fp32(x, grad) and _error_buffer(error)
-    source = _momentum_source(error, x, grad, beta, signs) if plain else None
-    if source is None:
-        return None
-    f, alive = source
-    return _feedback_signs(lib, f, error.numel(), alive)
+    source = _momentum_source(error, x, grad, beta, signs)
+    return None if source is None else _feedback_signs(lib, *source, error.numel())
 
 
 @_with_library
 def feedback_apply_error(lib, x, error, scale, out, grad=None, beta=0.0, signs=None):
-    plain = _plain_fp32(x, grad) and _error_buffer(error) and _error_buffer(out)
-    source = _momentum_source(error, x, grad, beta, signs) if plain else None
-    if source is None:
-        return None
-    f, alive = source
-    return _feedback_error(lib, f, error, scale, out, alive)
+    source = _momentum_source(error, x, grad, beta, signs, out)
+    return None if source is None else _feedback_error(lib, *source, error, scale, out)
 
 
 @_with_library
 def sign_sum_compress(lib, signs, weights, error):
     if not _plain_fp32(weights) or not _error_buffer(error) or not signs.is_contiguous():
         return None
-    f, alive = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
-    return _feedback_signs(lib, f, error.numel(), alive)
+    source = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
+    return _feedback_signs(lib, *source, error.numel())
 
 
 @_with_library
@@ -468,8 +444,8 @@ def sign_sum_apply_error(lib, signs, weights, error, scale, out):
     buffers = _error_buffer(error) and _error_buffer(out)
     if not _plain_fp32(weights) or not buffers or not signs.is_contiguous():
         return None
-    f, alive = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
-    return _feedback_error(lib, f, error, scale, out, alive)
+    source = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
+    return _feedback_error(lib, *source, error, scale, out)
 
 
 @_with_library
@@ -521,10 +497,8 @@ class _SignedMomentum(ctypes.Structure):
     """Mirror of the C ``fn_signed_momentum``."""
 
     _fields_ = [
-        ("packed", ctypes.c_void_p),
-        ("scales", ctypes.c_void_p),
-        ("chunk", ctypes.c_int64),
-        ("stream", ctypes.c_int64),
+        *_fields(ctypes.c_void_p, "packed", "scales"),
+        *_fields(ctypes.c_int64, "chunk", "stream"),
         ("m", ctypes.c_void_p),
     ]
 
@@ -565,10 +539,6 @@ def dequantize(lib, q, scales, bits, n):
     return out
 
 
-def _writable_fp32(out: torch.Tensor) -> bool:
-    return out.dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
-
-
 def _rows_layout(
     n: int, numel: int, rows: tuple[int, int, int] | None
 ) -> tuple[int, int, int, int]:
@@ -582,7 +552,7 @@ def _rows_layout(
 
 @_with_library
 def loco_quantize(lib, x, error, bits, group_size, numel, out=None, rows=None):
-    fits = out is None or (out[0].is_contiguous() and _writable_fp32(out[1]))
+    fits = out is None or (out[0].is_contiguous() and _plain_fp32(out[1]))
     if numel % group_size or x.numel() > numel or not fits:
         return None
     x = _fp32(x)
@@ -602,7 +572,7 @@ def loco_quantize(lib, x, error, bits, group_size, numel, out=None, rows=None):
 @_with_library
 def loco_error(lib, x, error, q, scales, bits, err_beta, out, rows=None):
     n = out.numel()
-    if not _writable_fp32(out) or not scales.numel() or n % scales.numel():
+    if not _plain_fp32(out) or not scales.numel() or n % scales.numel():
         return None
     x = _fp32(x)
     e = None if error is None else _fp32(error)
@@ -617,7 +587,7 @@ def loco_error(lib, x, error, q, scales, bits, err_beta, out, rows=None):
 def dequantize_sum(lib, q, scales, bits, pieces, out):
     cols = out.numel()
     groups = scales.numel()
-    if not _writable_fp32(out) or not groups:
+    if not _plain_fp32(out) or not groups:
         return None
     q, scales = _codes(q, scales)
     pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())
@@ -627,11 +597,11 @@ def dequantize_sum(lib, q, scales, bits, pieces, out):
 
 
 @_with_library
-def dequantize_into(lib, q, scales, bits, out, chunks, local_world_size=1):
+def dequantize_into(lib, q, scales, bits, out, chunks=1, local_world_size=1):
     groups = scales.numel()
     values = q.numel() * 8 // bits
     whole = groups and not values % groups and not values % chunks
-    if not _writable_fp32(out) or not whole or values // chunks % (values // groups):
+    if not _plain_fp32(out) or not whole or values // chunks % (values // groups):
         return None
     q, scales = _codes(q, scales)
     pointers = (q.data_ptr(), scales.data_ptr(), out.data_ptr())

@@ -1,13 +1,9 @@
 """The public kernels, each declared once (``fn.kernels._spec``): its op's schema, shape rule,
-vmap rule and reference, and its public function.
-
-A function under ``@declare`` is the public function's signature, documentation and argument
-checks: it raises for bad arguments and returns nothing (or the op's arguments that differ from
-the public ones); the op's result is what the public function returns. The ops are
-``torch.library`` custom ops in namespace ``fn``; each runs the implementation the accelerator
-table dispatches to for its input's device type. ``sign_compress`` and ``loco_quantize`` pick
-one of two ops (without / with the error, a fresh / a given output); ``adam_apply`` and
-``adamw_step`` are eager kernels without an op.
+vmap rule and reference, and its public function from the checks under ``@declare``
+(:func:`fn.kernels._spec.declare`). A public function whose parameters are its reference's
+(by name) is written without types and takes the reference's (``_spec.annotated_like``).
+``sign_compress`` and ``loco_quantize`` pick one of two ops (without / with the error, a fresh /
+a given output); ``adam_apply`` and ``adamw_step`` are eager kernels without an op.
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from fn.kernels import _reference
-from fn.kernels._spec import ELEMENTWISE, Op, declare, eager, kernel
+from fn.kernels._spec import ELEMENTWISE, Op, annotated_like, declare, eager, kernel
 
 
 def _check_1d(x: torch.Tensor, name: str) -> None:
@@ -31,7 +27,7 @@ def _check_1d(x: torch.Tensor, name: str) -> None:
     fake=lambda x: x.new_empty((x.numel() + 7) // 8, dtype=torch.uint8),
     reference=_reference.packbits,
 )
-def packbits(x: torch.Tensor) -> torch.Tensor:
+def packbits(x):
     """Packs the signs of ``x`` (bit 1 for ``x >= 0``, ``-0.0`` included), MSB first.
 
     Args:
@@ -109,9 +105,8 @@ _SIGN_COMPRESS_EF = Op(
 )
 
 
-def sign_compress(
-    m: torch.Tensor, error: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+@annotated_like(_reference.sign_compress)
+def sign_compress(m, error=None):
     """Error-compensated 1-bit compression (Seide et al. 2014; 1-bit Adam, Tang et al. 2021).
 
     .. math::
@@ -219,14 +214,7 @@ def _signs(
         x, error, grad, beta, _signs(packed, scales)
     ),
 )
-def feedback_sign_compress(
-    x: torch.Tensor | None,
-    error: torch.Tensor,
-    *,
-    grad: torch.Tensor | None = None,
-    beta: float = 0.0,
-    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def feedback_sign_compress(x, error, *, grad=None, beta=0.0, signs=None):
     """Phase 1 of error-compensated sign compression, without a padded or summed copy.
 
     .. math::
@@ -288,16 +276,7 @@ def feedback_sign_compress(
     ),
     returns="out",
 )
-def feedback_apply_error(
-    x: torch.Tensor | None,
-    error: torch.Tensor,
-    scale: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    grad: torch.Tensor | None = None,
-    beta: float = 0.0,
-    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
+def feedback_apply_error(x, error, scale, out, *, grad=None, beta=0.0, signs=None) -> torch.Tensor:
     """Phase 2 of :func:`feedback_sign_compress`: writes ``e' = v - a s(v)`` into ``out``.
 
     ``v`` is recomputed from the same ``x`` (or ``signs``), ``error``, ``grad`` and ``beta``;
@@ -346,9 +325,7 @@ def _check_sign_rows(signs: torch.Tensor, weights: torch.Tensor) -> None:
     fake=lambda signs, weights, error: _signs_and_scale(error),
     reference=_reference.sign_sum_compress,
 )
-def sign_sum_compress(
-    signs: torch.Tensor, weights: torch.Tensor, error: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sign_sum_compress(signs, weights, error):
     """Phase 1 of the 1-bit allreduce's server compression, without unpacked signs.
 
     .. math::
@@ -385,13 +362,7 @@ def sign_sum_compress(
     reference=_reference.sign_sum_apply_error,
     returns="out",
 )
-def sign_sum_apply_error(
-    signs: torch.Tensor,
-    weights: torch.Tensor,
-    error: torch.Tensor,
-    scale: torch.Tensor,
-    out: torch.Tensor,
-) -> torch.Tensor:
+def sign_sum_apply_error(signs, weights, error, scale, out) -> torch.Tensor:
     """Phase 2 of :func:`sign_sum_compress`: writes ``e' = v - a s(v)`` into ``out`` (which
     may be ``error``) and returns it; ``out`` is fp32, bf16 or fp16, ``e'`` computed in fp32 and
     rounded once to its dtype.
@@ -415,7 +386,7 @@ def sign_sum_apply_error(
     reference=_reference.unpack_scaled,
     returns="out",
 )
-def unpack_scaled(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def unpack_scaled(packed, scales, out) -> torch.Tensor:
     """Writes ``scales[r] * s(packed[r])`` of the rows ``r``, concatenated, into ``out`` (its
     first ``out.numel()`` values), without unpacked signs.
 
@@ -446,25 +417,14 @@ def unpack_scaled(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor)
     reference=_reference.adam_direction,
     returns="out",
 )
-def adam_direction(
-    m: torch.Tensor,
-    v: torch.Tensor,
-    eta: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    eps: float,
-    bound: float | None = None,
-    weight_decay: float = 0.0,
-    p: torch.Tensor | None = None,
-) -> torch.Tensor:
+def adam_direction(m, v, eta, out, *, eps, bound=None, weight_decay=0.0, p=None) -> torch.Tensor:
     """The update of a compressed Adam step of the 1-bit family, written into ``out``.
 
     .. math::
         u = -\\eta\\,\\big(\\mathrm{clamp}(m / (\\sqrt{v} + \\epsilon), -B, B) + \\lambda p\\big)
 
     rounded as ``fn.onebit_adam`` computes it (no clamp when ``bound`` is ``None``; the decay
-    term only with ``p``; ``sqrt`` correctly rounded, as IEEE 754's square root: torch's fp32
-    ``sqrt`` on the CPU is 1 ulp off for about one input in five).
+    term only with ``p``; ``sqrt`` correctly rounded, :func:`sqrt_rn`).
 
     Args:
         m, v: fp32 momentum and variance (same shape as ``out``).
@@ -496,32 +456,21 @@ def adam_direction(
 _ADAM_APPLY = eager(_reference.adam_apply)
 
 
+@annotated_like(_reference.adam_apply)
 def adam_apply(
-    m: torch.Tensor | None,
-    v: torch.Tensor,
-    eta: torch.Tensor,
-    params: torch.Tensor,
-    *,
-    eps: float,
-    bound: float | None = None,
-    weight_decay: float = 0.0,
-    root: torch.Tensor | None = None,
-    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    m, v, eta, params, *, eps, bound=None, weight_decay=0.0, root=None, signs=None
 ) -> torch.Tensor:
     """The update of :func:`adam_direction` added to the params in place, with the values of
-    ``params.add_(adam_direction(m, v, eta, out, ..., p=params))``; with ``signs``, the
-    momentum ``m`` is first written from the packed signs it arrives as.
+    ``params.add_(adam_direction(m, v, eta, out, ..., p=params))``.
 
     .. math::
         p \\leftarrow p - \\eta\\,\\big(\\mathrm{clamp}(m / (\\sqrt{v} + \\epsilon), -B, B)
             + \\lambda p\\big)
 
-    rounded as ``fn.onebit_adam``'s update followed by ``fn.apply_updates`` (``sqrt``
-    correctly rounded). On the CPU, for contiguous fp32 tensors, a C kernel reads ``m``, ``v``
-    and the params once and writes the params. With ``signs``, it writes ``m`` as
-    :func:`unpack_scaled` does instead of reading it (the new momentum of a 1-bit allreduce, in
-    the pass that uses it), or, with ``m=None``, uses it without writing it anywhere (a state
-    that keeps the momentum as these signs). Eager tensors only (not a custom op).
+    rounded as ``fn.onebit_adam``'s update followed by ``fn.apply_updates``. On the CPU, for
+    contiguous fp32 tensors, a C kernel reads ``m``, ``v`` and the params once and writes the
+    params; given the momentum as the signs of a 1-bit allreduce (docs/algorithms.md#1-bit-adam),
+    it writes ``m`` in that pass, or with ``m=None`` nowhere. Eager tensors only (not a custom op).
 
     Args:
         m, v: fp32 momentum and variance (the params' shape); ``m`` may be ``None`` with
@@ -556,16 +505,14 @@ def adam_apply(
     for name, t in (("m", m), ("v", v), ("params", params), ("root", root)):
         if t is not None and (t.shape != params.shape or t.dtype != torch.float32):
             raise ValueError(f"adam_apply: {name} must be fp32 of the params' shape")
+    if signs is None and m is None:
+        raise ValueError("adam_apply: m is required unless the momentum is given as signs")
+    if signs is not None:
+        try:
+            _check_scaled_signs(*signs, params.numel(), "the params'")
+        except ValueError as error:
+            raise ValueError(f"adam_apply: {error}") from None
     constants = (float(eps), None if bound is None else float(bound), float(weight_decay))
-    if signs is None:
-        if m is None:
-            raise ValueError("adam_apply: m is required unless the momentum is given as signs")
-        kernel(_ADAM_APPLY, params.device)(m, v, eta, params, root, *constants)
-        return params
-    try:
-        _check_scaled_signs(*signs, params.numel(), "the params'")
-    except ValueError as error:
-        raise ValueError(f"adam_apply: {error}") from None
     kernel(_ADAM_APPLY, params.device)(m, v, eta, params, root, *constants, signs)
     return params
 
@@ -598,11 +545,10 @@ def adamw_step(
         \\frac{m_t}{\\sqrt{v_t} / \\sqrt{1 - \\beta_2^t} + \\epsilon},
         \\quad p \\leftarrow p + (p' - p)
 
-    where ``p'``, ``m_t`` and ``v_t`` are rounded as ``torch._fused_adamw_`` (the kernel of
-    ``torch.optim.AdamW(fused=True)``) computes them, and ``p + (p' - p)`` as
-    ``apply_updates`` adds the update ``p' - p``: it runs torch's own kernel (bit for bit
-    ``torch.optim.AdamW(fused=True)``), on the CPU a cache-sized batch of the leaves at a time
-    with the copies of the params in one workspace. Eager tensors only (not a custom op).
+    where ``p'``, ``m_t`` and ``v_t`` are those of ``torch._fused_adamw_``, the kernel of
+    ``torch.optim.AdamW(fused=True)``, which it runs (on the CPU a cache-sized batch of the
+    leaves at a time), and ``p + (p' - p)`` is rounded as ``apply_updates`` adds the update
+    ``p' - p``. Eager tensors only (not a custom op).
 
     Reference: Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
 
@@ -664,7 +610,8 @@ _SQRT_RN = Op(
 )
 
 
-def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
+@annotated_like(_reference.sqrt_rn)
+def sqrt_rn(v):
     r"""The square root of fp32 ``v`` correctly rounded, as IEEE 754 defines it: the same bits on
     every device and kernel set (where the root is NaN, for negative or NaN ``v``, only NaN is
     promised, not its sign or payload).
@@ -673,8 +620,8 @@ def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
         \mathrm{sqrt\_rn}(v) = \mathrm{round}_{\mathrm{fp32}}(\sqrt{v})
 
     torch's fp32 ``sqrt`` on the CPU is 1 ulp off for about one input in five; the 1-bit Adam
-    family divides by this root (docs/algorithms.md#1-bit-adam). Other dtypes take torch's
-    ``sqrt``.
+    family divides by this root (docs/algorithms.md#conventions). Other dtypes, and MPS (which
+    has no fp64), take torch's ``sqrt``.
 
     Args:
         v: a tensor (negative values give NaN).
@@ -701,7 +648,7 @@ def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
     reference=_reference.quantize,
     finite=1,
 )
-def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x, bits, group_size):
     """Symmetric blockwise ``bits``-bit quantization (ZeRO++ qgZ; Wang et al. 2023).
 
     .. math::
@@ -736,7 +683,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     fake=lambda q, scales, bits, n: q.new_empty(n, dtype=torch.float32),
     reference=_reference.dequantize,
 )
-def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+def dequantize(q, scales, bits, n):
     """Inverse of :func:`quantize`: ``x_i = q_i s_g`` for the first ``n`` values, fp32.
 
     Args:
@@ -818,15 +765,8 @@ _LOCO_QUANTIZE_INTO = Op(
 )
 
 
-def loco_quantize(
-    x: torch.Tensor,
-    error: torch.Tensor | None,
-    bits: int,
-    group_size: int,
-    numel: int,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    rows: tuple[int, int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@annotated_like(_reference.loco_quantize)
+def loco_quantize(x, error, bits, group_size, numel, out=None, rows=None):
     """Phase 1 of LoCo's compensated quantization: :func:`quantize` of ``v = pad(x) + e``.
 
     ``x`` is read as if zero-padded to ``numel`` values (no padded copy is made) and the error
@@ -896,16 +836,7 @@ def _check_codes(q: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[int,
         x, error, q, scales, bits, err_beta, out, _rows_tuple(rows)
     ),
 )
-def loco_error(
-    x: torch.Tensor,
-    error: torch.Tensor | None,
-    q: torch.Tensor,
-    scales: torch.Tensor,
-    bits: int,
-    err_beta: float,
-    out: torch.Tensor,
-    rows: tuple[int, int, int] | None = None,
-) -> None:
+def loco_error(x, error, q, scales, bits, err_beta, out, rows=None):
     """Phase 2 of LoCo: the new error, written into ``out`` (which may be ``error`` itself).
 
     .. math::
@@ -946,9 +877,7 @@ def loco_error(
     "dequantize_sum(Tensor q, Tensor scales, int bits, int pieces, Tensor(a!) out) -> ()",
     reference=_reference.dequantize_sum,
 )
-def dequantize_sum(
-    q: torch.Tensor, scales: torch.Tensor, bits: int, pieces: int, out: torch.Tensor
-) -> None:
+def dequantize_sum(q, scales, bits, pieces, out):
     """Sums the ``pieces`` dequantized rows held by ``q``/``scales`` into ``out``.
 
     ``out = sum_ranks(DQ(q).view(pieces, -1))`` bit for bit (the rows added in rank order, see
@@ -980,14 +909,7 @@ def dequantize_sum(
     "int local_world_size) -> ()",
     reference=_reference.dequantize_into,
 )
-def dequantize_into(
-    q: torch.Tensor,
-    scales: torch.Tensor,
-    bits: int,
-    out: torch.Tensor,
-    chunks: int = 1,
-    local_world_size: int = 1,
-) -> None:
+def dequantize_into(q, scales, bits, out, chunks=1, local_world_size=1):
     """Dequantizes the first ``out.numel()`` values into ``out``, chunks reordered.
 
     ``q``/``scales`` hold ``chunks`` equal chunks in rank order ``node * L + local`` (``L =

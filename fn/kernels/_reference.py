@@ -1,10 +1,10 @@
 """Pure-torch reference kernels: readable, run on any device, and the bit-exact oracle for the
 fast implementations.
 
-Conventions (shared by every implementation):
-- Signs: bit 1 means +1; ``v >= 0`` and ``-0.0`` both give bit 1 (NaN gives bit 0). Bits are
-  packed most-significant-bit first, so ``packbits(x)`` equals ``numpy.packbits(x >= 0)`` byte
-  for byte, with the unused tail bits zero.
+Each kernel computes what the public op of its name in ``fn.kernels`` documents (the rule and
+its math); the public op adds the input checks, the non-finite check, vmap and compile support.
+The conventions (docs/algorithms.md#conventions) in the detail every implementation follows:
+- Signs: NaN gives bit 0 (``v >= 0`` is false).
 - Sign-compression scale: ``a = sqrt(S / n)`` rounded once to fp32, where ``S = sum(v_i^2)`` is
   accumulated in fp64 in one fixed order, so that every implementation gets the same bits
   (squares of fp32 values are exact in fp64; only the additions round):
@@ -13,22 +13,12 @@ Conventions (shared by every implementation):
   the lanes are then folded as ``lane[j] += lane[j + h]`` for ``h = 8, 4, 2, 1``; the block
   sums are zero-padded to a power of two and folded the same way (first half plus second half)
   down to one value. See :func:`block_sumsq` and :func:`rms_from_block_sums`.
-- Sums over ranks: the rows of a ``[W, ...]`` tensor are added left to right in rank order,
-  from zero, in the rows' dtype: ``((0 + row 0) + row 1) + row 2 ...`` (:func:`sum_ranks`).
-- Quantization: symmetric, blockwise per group of ``group_size`` elements (the input is
-  zero-padded to whole groups): ``scale = absmax / 2^(bits-1)``,
-  ``q = clamp(round(v / scale), -2^(bits-1), 2^(bits-1) - 1)`` (round half to even), stored as
-  two's-complement bytes; 4-bit values are packed two per byte, the first in the high nibble.
-  A group of zeros has scale 0 and dequantizes to zeros. Error bound (up to fp32 rounding):
-  an element that is not clamped satisfies ``|x - DQ(Q(x))| <= scale / 2``. The largest code
-  is ``2^(bits-1) - 1`` while ``+absmax / scale = 2^(bits-1)``, so elements above
-  ``(2^(bits-1) - 1/2) * scale`` (just below ``+absmax``) are clamped and their error is up to
-  one ``scale`` (4-bit: ``+absmax`` comes back as ``7/8 absmax``). A group whose absmax is
+- Sums over ranks: :func:`sum_ranks`.
+- Quantization error bound (up to fp32 rounding): an element that is not clamped satisfies
+  ``|x - DQ(Q(x))| <= scale / 2``; elements above ``(2^(bits-1) - 1/2) * scale`` (just below
+  ``+absmax``) are clamped and their error is up to one ``scale``. A group whose absmax is
   below ``2^(bits-1)`` times the smallest fp32 subnormal (``2^-149``) gets scale 0 (the
   division underflows) and dequantizes to zeros.
-
-All kernels take 1-D inputs; the public wrappers in ``fn.kernels`` add input checks, the
-non-finite check, vmap and compile support.
 """
 
 from __future__ import annotations
@@ -48,7 +38,6 @@ def _bit_weights(device: torch.device) -> torch.Tensor:
 
 
 def packbits(x: torch.Tensor) -> torch.Tensor:
-    """Packs the signs of 1-D ``x`` (bit 1 for ``x >= 0``) into ``ceil(n / 8)`` uint8 bytes."""
     n = x.numel()
     bits = (x >= 0).to(torch.uint8)
     bits = torch.nn.functional.pad(bits, (0, -n % 8)).view(-1, 8)
@@ -56,7 +45,6 @@ def packbits(x: torch.Tensor) -> torch.Tensor:
 
 
 def unpackbits(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Unpacks the first ``n`` signs of ``packed`` as ``+1`` / ``-1`` values of ``dtype``."""
     bits = (packed.view(-1, 1) & _bit_weights(packed.device)) != 0
     bits = bits.view(-1)[:n]
     one = torch.ones((), dtype=dtype, device=packed.device)
@@ -104,27 +92,19 @@ def rms_from_block_sums(block_sums: torch.Tensor, n: int) -> torch.Tensor:
 def sign_compress(
     m: torch.Tensor, error: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Error-compensated sign compression of 1-D ``m`` (computed in fp32).
+    """Without the check that ``a`` is finite (the op's)."""
+    return sign_compress_with(packbits, m, error)
 
-    .. math::
-        v = m + e, \\quad a = \\lVert v \\rVert_2 / \\sqrt{n}, \\quad e' = v - a\\,\\mathrm{sign}(v)
 
-    Args:
-        m: 1-D tensor of ``n`` elements.
-        error: the error to compensate with, same shape as ``m``, or ``None``.
-
-    Returns:
-        ``(packed signs of v, a as a 0-dim fp32 tensor, e')``; ``e'`` is ``None`` when ``error``
-        is. The caller checks that ``a`` is finite (see ``fn.kernels.sign_compress``).
-    """
+def sign_compress_with(
+    pack: Callable[[torch.Tensor], torch.Tensor], m: torch.Tensor, error: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`sign_compress` with the signs packed by ``pack`` (a bit-exact :func:`packbits`
+    of another kernel set); the scale and the new error come from the reference formulas."""
     v = m.float() if error is None else m.float() + error.float()
-    n = v.numel()
-    scale = rms_from_block_sums(block_sumsq(v), n).to(v.device)
-    packed = packbits(v)
-    new_error = None
-    if error is not None:
-        new_error = v - scale * unpackbits(packed, n)
-    return packed, scale, new_error
+    scale = rms_from_block_sums(block_sumsq(v), v.numel()).to(v.device)
+    new_error = None if error is None else v - torch.where(v >= 0, scale, -scale)
+    return pack(v), scale, new_error
 
 
 def _feedback_input(
@@ -151,19 +131,7 @@ def feedback_sign_compress(
     beta: float = 0.0,
     signs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Phase 1 of error-compensated sign compression without a padded copy of ``x``.
-
-    ``v = x + e`` with 1-D ``x`` of ``n <= N`` elements taken as zero-padded to the length
-    ``N`` of ``error``; with ``grad`` given, ``x`` is the momentum ``m`` and the input is
-    ``beta * m + (1 - beta) * grad`` (``fn.transforms._leafwise.moving_average``'s rounding).
-    With ``signs = (packed, scales)`` (and ``x`` ``None``, ``grad`` given), ``m`` is the first
-    ``grad.numel()`` values of :func:`unpack_scaled` of them.
-
-    Returns:
-        ``(packed signs of v, a)``: ``ceil(N / 8)`` bytes and the 0-dim fp32 scale
-        ``||v|| / sqrt(N)``, the bits of :func:`sign_compress` of the padded input. Not checked
-        to be finite: the caller checks before :func:`feedback_apply_error`.
-    """
+    """With ``grad``, rounded as ``fn.transforms._leafwise.moving_average``."""
     v = _feedback_input(x, error.numel(), grad, beta, signs) + error.float()
     return packbits(v), rms_from_block_sums(block_sumsq(v), v.numel()).to(v.device)
 
@@ -177,9 +145,6 @@ def feedback_apply_error(
     beta: float = 0.0,
     signs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Phase 2: writes ``e' = v - scale * s(v)`` (``v`` as in :func:`feedback_sign_compress`,
-    the error read as fp32) into ``out`` of ``error``'s length, which may be ``error`` itself,
-    computed in fp32 and rounded once to ``out``'s dtype."""
     v = _feedback_input(x, error.numel(), grad, beta, signs) + error.float()
     out.copy_(v - torch.where(v >= 0, scale, -scale))
 
@@ -225,8 +190,6 @@ def sign_sum(signs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 def sign_sum_compress(
     signs: torch.Tensor, weights: torch.Tensor, error: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Phase 1 of the server's compression: :func:`feedback_sign_compress` of
-    ``v = sign_sum(signs, weights) + error``, without the sum as a tensor."""
     v = sign_sum(signs, weights) + error.float()
     return packbits(v), rms_from_block_sums(block_sumsq(v), v.numel()).to(v.device)
 
@@ -238,25 +201,19 @@ def sign_sum_apply_error(
     scale: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
-    """Phase 2 of the server's compression: ``out = v - scale * s(v)`` (``out`` may be
-    ``error``), rounded once to ``out``'s dtype."""
     v = sign_sum(signs, weights) + error.float()
     out.copy_(v - torch.where(v >= 0, scale, -scale))
 
 
 def unpack_scaled(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-    """Writes the first ``n = out.numel()`` values of ``scales[r] * s(packed[r])`` over the
-    rows ``r`` of ``packed`` (uint8 ``[W, chunk / 8]``) into fp32 ``out``."""
     ranks, chunk = packed.shape[0], packed.shape[1] * 8
     values = unpackbits(packed.reshape(-1), ranks * chunk).view(ranks, chunk)
     out.copy_(values.mul_(scales[:, None]).reshape(-1)[: out.numel()])
 
 
 def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
-    """``sqrt(v)`` correctly rounded (IEEE 754) for fp32 ``v``: the same bits on every device.
-    torch's fp32 sqrt on the CPU (MKL's vector math) is 1 ulp off for about one input in five;
-    the fp64 root rounded once to fp32 is exact (fp64 carries more than 2 * 24 + 2 bits, so the
-    double rounding is innocuous). Devices without fp64 (mps) take torch's sqrt."""
+    """The fp64 root rounded once to fp32, which is exact (fp64 carries more than 2 * 24 + 2
+    bits, so the double rounding is innocuous)."""
     if v.dtype != torch.float32 or v.device.type == "mps":
         return v.sqrt()
     return v.double().sqrt().float()
@@ -272,10 +229,6 @@ def adam_direction(
     bound: float | None,
     weight_decay: float,
 ) -> None:
-    """Writes the update of the 1-bit family's compressed Adam step into ``out``:
-    ``-eta * (clamp(m / (sqrt(v) + eps), -bound, bound) + weight_decay * p)``, rounded as
-    ``onebit_adam`` computes it (no clamp when ``bound`` is ``None``, no decay without ``p``;
-    ``sqrt`` correctly rounded, :func:`sqrt_rn`)."""
     u = m / sqrt_rn(v).add_(eps)
     if bound is not None:
         u = u.clamp(-bound, bound)
@@ -295,11 +248,7 @@ def adam_apply(
     weight_decay: float,
     signs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Adds :func:`adam_direction` (with ``p = params`` when ``weight_decay`` is non-zero) to
-    ``params`` in place, as ``params.add_(update)``; ``root`` (like ``params``, or ``None``) is
-    scratch for the update.
-    With ``signs = (packed, scales)``, the momentum is :func:`unpack_scaled` of them, first
-    written into ``m`` (or nowhere when ``m`` is ``None``)."""
+    """``root`` (like ``params``, or ``None``) is scratch for the update."""
     if signs is not None:
         values = torch.empty(params.numel(), dtype=torch.float32, device=params.device)
         unpack_scaled(*signs, values)
@@ -311,17 +260,6 @@ def adam_apply(
     update = torch.empty_like(params) if root is None else root
     adam_direction(m, v, decayed, eta, update, eps, bound, weight_decay)
     params.add_(update)
-
-
-def sign_compress_with(
-    pack: Callable[[torch.Tensor], torch.Tensor], m: torch.Tensor, error: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """:func:`sign_compress` with the signs packed by ``pack`` (a bit-exact :func:`packbits`
-    of another kernel set); the scale and the new error come from the reference formulas."""
-    v = m.float() if error is None else m.float() + error.float()
-    scale = rms_from_block_sums(block_sumsq(v), v.numel()).to(v.device)
-    new_error = None if error is None else v - torch.where(v >= 0, scale, -scale)
-    return pack(v), scale, new_error
 
 
 def check_bits(bits: int) -> None:
@@ -338,12 +276,6 @@ def check_quant_args(bits: int, group_size: int) -> None:
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric blockwise quantization of 1-D ``x``.
-
-    Returns:
-        ``(q, scales)``: ``q`` is uint8, ``ceil(n / group_size) * group_size * bits / 8`` bytes;
-        ``scales`` is fp32, one per group.
-    """
     check_quant_args(bits, group_size)
     n = x.numel()
     v = torch.nn.functional.pad(x.float(), (0, -n % group_size)).view(-1, group_size)
@@ -358,7 +290,6 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`quantize`: the first ``n`` values ``q * scale`` as fp32."""
     check_bits(bits)
     if bits == 4:
         high = (q >> 4).to(torch.int16)
@@ -393,9 +324,7 @@ def loco_quantize(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     rows: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize` of ``v`` (``numel`` values: 1-D ``x`` laid out by :func:`_laid_out`),
-    plus ``error`` (``numel`` values) when given; written into ``out = (q, scales)`` when
-    given. Codes of a group with a non-finite value are unspecified."""
+    """Codes of a group with a non-finite value are unspecified."""
     v = _laid_out(x, numel, rows)
     q, scales = quantize(v if error is None else v + error.float(), bits, group_size)
     if out is None:
@@ -413,9 +342,6 @@ def loco_error(
     out: torch.Tensor,
     rows: tuple[int, int, int] | None = None,
 ) -> None:
-    """LoCo's new error into ``out`` (fp32, ``N`` values; it may be ``error`` itself):
-    ``(v - DQ(q)) * (1 - beta) + beta * e`` with ``v`` as in :func:`loco_quantize` plus ``e``
-    (``e = 0`` when ``error`` is ``None``), rounded after every operation."""
     n = out.numel()
     e = torch.zeros(n, device=out.device) if error is None else error.float()
     residual = (_laid_out(x, n, rows) + e) - dequantize(q, scales, bits, n)
@@ -425,8 +351,6 @@ def loco_error(
 def dequantize_sum(
     q: torch.Tensor, scales: torch.Tensor, bits: int, pieces: int, out: torch.Tensor
 ) -> None:
-    """``out`` (``k`` values) = the sum of the ``pieces`` dequantized rows of ``k`` values held
-    by ``q``/``scales``, added in rank order (:func:`sum_ranks`)."""
     rows = dequantize(q, scales, bits, pieces * out.numel()).view(pieces, -1)
     out.copy_(sum_ranks(rows))
 
@@ -436,12 +360,9 @@ def dequantize_into(
     scales: torch.Tensor,
     bits: int,
     out: torch.Tensor,
-    chunks: int,
+    chunks: int = 1,
     local_world_size: int = 1,
 ) -> None:
-    """The first ``out.numel()`` values of ``DQ(q)`` into ``out``, the ``chunks`` equal chunks
-    (rank order ``node * L + local``, ``L = local_world_size``) taken in the order
-    ``local * (chunks / L) + node``."""
     values = dequantize(q, scales, bits, q.numel() * 8 // bits)
     values = values.view(chunks // local_world_size, local_world_size, -1).transpose(0, 1)
     out.copy_(values.reshape(-1)[: out.numel()])
@@ -475,11 +396,6 @@ def adamw_step(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """One step of ``fn.adamw`` applied to the params: the new moments into ``m_outs``,
-    ``v_outs`` (they may be ``ms``, ``vs``) and every ``p`` updated in place to ``p + (p' - p)``,
-    where ``p'`` is ``torch._fused_adamw_`` (``torch.optim.AdamW(fused=True)``'s kernel) run on
-    a copy of ``p`` at step ``step``: the values of ``fn.adamw``'s update then
-    ``apply_updates``."""
     copy_moments(ms, vs, m_outs, v_outs)
     stepped = [p.clone() for p in ps]
     counts = [torch.tensor(step, dtype=torch.float32, device=p.device) for p in ps]

@@ -6,10 +6,10 @@ shape rule of its outputs (the fake that ``torch.compile`` traces with), its vma
 readable reference (``fn.kernels._reference``, the oracle of every implementation). From it
 come the custom op ``fn::<name>`` (which runs, for a tensor of device type ``D``, the kernel of
 that name from ``D``'s kernel set in the accelerator table), its fake and vmap rule, the
-reference entry of every kernel set (:data:`REFERENCES`) and, through :func:`public`, the
-checked public function. A device implementation is a function of the kernel's name and the
-reference's signature in the module of its kernel set (:func:`implementations`), made by
-:func:`implementation`, which runs the reference for the inputs it does not take.
+reference entry of every kernel set (:data:`REFERENCES`) and the checked public function. A
+device implementation is a function of the kernel's name and the reference's signature in the
+module of its kernel set (:func:`implementations`), made by :func:`implementation`, which runs
+the reference for the inputs it does not take.
 
 The op stays one opaque node under ``torch.compile`` (no graph breaks, no data-dependent
 guards, and a change of kernel set needs no recompilation). Under ``torch.func.vmap`` every row
@@ -115,6 +115,41 @@ def implementation(
     return decorate
 
 
+def annotated_like(
+    reference: Callable[..., Any],
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Gives the decorated public function, whose parameters are written without annotations,
+    the annotations of its kernel's ``reference``: each parameter's is that of the reference's
+    parameter of its name (``TypeError`` for a name the reference lacks), the return annotation
+    the function's own where it has one, else the reference's. The types of a kernel's
+    arguments are thus written once, in ``fn.kernels._reference``.
+
+    Example:
+        >>> def sqrt_rn(v):
+        ...     return v.sqrt()
+        >>> str(inspect.signature(annotated_like(_reference.sqrt_rn)(sqrt_rn)))
+        "(v: 'torch.Tensor') -> 'torch.Tensor'"
+    """
+
+    def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        signature, wanted = inspect.signature(f), inspect.signature(reference).parameters
+        unknown = sorted(set(signature.parameters) - set(wanted))
+        if unknown:
+            raise TypeError(f"{f.__name__}: {unknown} are not parameters of the reference")
+        parameters = [
+            p.replace(annotation=wanted[p.name].annotation) for p in signature.parameters.values()
+        ]
+        returns = signature.return_annotation
+        if returns is signature.empty:
+            returns = inspect.signature(reference).return_annotation
+        signature = signature.replace(parameters=parameters, return_annotation=returns)
+        f.__signature__ = signature  # type: ignore[attr-defined]
+        f.__annotations__ = {**{p.name: p.annotation for p in parameters}, "return": returns}
+        return f
+
+    return decorate
+
+
 def eager(reference: Callable[..., Any]) -> str:
     """Declares a kernel that has no op (eager tensors only), with its reference; its name."""
     REFERENCES.setdefault(reference.__name__, reference)
@@ -135,6 +170,7 @@ class Op:
         finite: int | None = None,
     ) -> None:
         self.name = schema[: schema.index("(")]
+        self.reference = reference
         self.kernel_name = eager(reference)
         self.finite = finite
         self._call = call
@@ -176,16 +212,35 @@ def _returns_nothing(*args: Any) -> None:
     return None
 
 
-def public(
-    op: Op, returns: str | None = None
+def declare(
+    schema: str, *, returns: str | None = None, **options: Any
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """The checked public function of ``op`` from its checks: the decorated function has the
-    public signature and docstring, raises for bad arguments and returns ``None`` or a dict of
-    the op's arguments to pass instead of the public ones (by name). The public function then
-    calls the op with its arguments by name and returns the op's result, or the argument named
-    ``returns``."""
+    """Declares the op of ``schema`` (``"name(args) -> results"``; mutated arguments marked
+    ``(a!)``) and makes the decorated checks its public function.
+
+    The decorated function has the public signature (annotated as the reference,
+    :func:`annotated_like`, where its parameters are not) and docstring, raises for bad
+    arguments and returns ``None`` or a dict of the op's arguments to pass instead of the public
+    ones (by name). The public function then calls the op with its arguments by name and returns
+    the op's result, or the argument named ``returns``.
+
+    Args (``options`` are :class:`Op`'s):
+        schema: the op's name and signature; the kernel of that name takes the same arguments.
+        fake: the shape rule: empty outputs of the right shapes from the arguments (ops that
+            only write into arguments need none).
+        vmap: :data:`ROWS` (one call per row; ops that write into an argument write that
+            argument's row, which must then be batched) or :data:`ELEMENTWISE`.
+        reference: the readable reference, the kernel name's entry in every kernel set.
+        call: how the op calls its kernel, ``call(kernel, *arguments)``, where the kernel takes
+            other arguments (default: ``kernel(*arguments)``).
+        finite: the index of the result that must be finite (a scale), else ``NonFiniteError``.
+        returns: the argument the public function returns (``None``: the op's result).
+    """
+    op = Op(schema, **options)
 
     def decorate(check: Callable[..., Any]) -> Callable[..., Any]:
+        if all(p.annotation is p.empty for p in inspect.signature(check).parameters.values()):
+            check = annotated_like(op.reference)(check)
         signature = inspect.signature(check)
         parameters = signature.parameters.values()
         positional = [p.name for p in parameters if p.kind == p.POSITIONAL_OR_KEYWORD]
@@ -206,27 +261,6 @@ def public(
         return checked
 
     return decorate
-
-
-def declare(
-    schema: str, *, returns: str | None = None, **options: Any
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Declares the op of ``schema`` (``"name(args) -> results"``; mutated arguments marked
-    ``(a!)``) and derives its public function from the decorated checks (:func:`public`).
-
-    Args (``options`` are :class:`Op`'s):
-        schema: the op's name and signature; the kernel of that name takes the same arguments.
-        fake: the shape rule: empty outputs of the right shapes from the arguments (ops that
-            only write into arguments need none).
-        vmap: :data:`ROWS` (one call per row; ops that write into an argument write that
-            argument's row, which must then be batched) or :data:`ELEMENTWISE`.
-        reference: the readable reference, the kernel name's entry in every kernel set.
-        call: how the op calls its kernel, ``call(kernel, *arguments)``, where the kernel takes
-            other arguments (default: ``kernel(*arguments)``).
-        finite: the index of the result that must be finite (a scale), else ``NonFiniteError``.
-        returns: the argument the public function returns (``None``: the op's result).
-    """
-    return public(Op(schema, **options), returns)
 
 
 def _per_row(op: Op) -> Callable[..., Any]:

@@ -1,9 +1,5 @@
-"""The accelerator table: device type -> :class:`Accelerator`, the accelerator in use, and the
-kernel set each device type runs.
-
-The accelerator in use (:func:`get_accelerator`): an explicit :func:`set_accelerator` choice,
-else the ``FN_ACCELERATOR`` environment variable, else the first available of cuda, xpu, npu,
-hpu, mps (then externally registered devices), else cpu.
+"""The accelerator table: device type -> :class:`Accelerator`, the accelerator in use
+(:func:`get_accelerator`), and the kernel set each device type runs.
 
 Dispatch (:func:`kernel`): a kernel called on a tensor of device type ``D`` runs the
 implementation of ``D``'s record (the record chosen by :func:`set_accelerator` when it is of
