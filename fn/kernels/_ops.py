@@ -1,7 +1,6 @@
 """The public kernels, each declared once (``fn.kernels._spec``): its op's schema, shape rule,
 vmap rule and reference, and its public function from the checks under ``@declare``
-(:func:`fn.kernels._spec.declare`). A public function whose parameters are its reference's
-(by name) is written without types and takes the reference's (``_spec.annotated_like``).
+(:func:`fn.kernels._spec.declare`).
 ``sign_compress`` and ``loco_quantize`` pick one of two ops (without / with the error, a fresh /
 a given output); ``adam_apply`` and ``adamw_step`` are eager kernels without an op.
 """
@@ -13,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from fn.kernels import _reference
-from fn.kernels._spec import ELEMENTWISE, Op, annotated_like, declare, eager, kernel
+from fn.kernels._spec import ELEMENTWISE, Op, declare, eager, kernel
 
 
 def _check_1d(x: torch.Tensor, name: str) -> None:
@@ -27,7 +26,7 @@ def _check_1d(x: torch.Tensor, name: str) -> None:
     fake=lambda x: x.new_empty((x.numel() + 7) // 8, dtype=torch.uint8),
     reference=_reference.packbits,
 )
-def packbits(x):
+def packbits(x: torch.Tensor) -> torch.Tensor:
     """Packs the signs of ``x`` (bit 1 for ``x >= 0``, ``-0.0`` included), MSB first.
 
     Args:
@@ -105,8 +104,9 @@ _SIGN_COMPRESS_EF = Op(
 )
 
 
-@annotated_like(_reference.sign_compress)
-def sign_compress(m, error=None):
+def sign_compress(
+    m: torch.Tensor, error: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Error-compensated 1-bit compression (Seide et al. 2014; 1-bit Adam, Tang et al. 2021).
 
     .. math::
@@ -214,7 +214,14 @@ def _signs(
         x, error, grad, beta, _signs(packed, scales)
     ),
 )
-def feedback_sign_compress(x, error, *, grad=None, beta=0.0, signs=None):
+def feedback_sign_compress(
+    x: torch.Tensor | None,
+    error: torch.Tensor,
+    *,
+    grad: torch.Tensor | None = None,
+    beta: float = 0.0,
+    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase 1 of error-compensated sign compression, without a padded or summed copy.
 
     .. math::
@@ -276,7 +283,16 @@ def feedback_sign_compress(x, error, *, grad=None, beta=0.0, signs=None):
     ),
     returns="out",
 )
-def feedback_apply_error(x, error, scale, out, *, grad=None, beta=0.0, signs=None) -> torch.Tensor:
+def feedback_apply_error(
+    x: torch.Tensor | None,
+    error: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    grad: torch.Tensor | None = None,
+    beta: float = 0.0,
+    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Phase 2 of :func:`feedback_sign_compress`: writes ``e' = v - a s(v)`` into ``out``.
 
     ``v`` is recomputed from the same ``x`` (or ``signs``), ``error``, ``grad`` and ``beta``;
@@ -325,7 +341,9 @@ def _check_sign_rows(signs: torch.Tensor, weights: torch.Tensor) -> None:
     fake=lambda signs, weights, error: _signs_and_scale(error),
     reference=_reference.sign_sum_compress,
 )
-def sign_sum_compress(signs, weights, error):
+def sign_sum_compress(
+    signs: torch.Tensor, weights: torch.Tensor, error: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase 1 of the 1-bit allreduce's server compression, without unpacked signs.
 
     .. math::
@@ -362,7 +380,13 @@ def sign_sum_compress(signs, weights, error):
     reference=_reference.sign_sum_apply_error,
     returns="out",
 )
-def sign_sum_apply_error(signs, weights, error, scale, out) -> torch.Tensor:
+def sign_sum_apply_error(
+    signs: torch.Tensor,
+    weights: torch.Tensor,
+    error: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
     """Phase 2 of :func:`sign_sum_compress`: writes ``e' = v - a s(v)`` into ``out`` (which
     may be ``error``) and returns it; ``out`` is fp32, bf16 or fp16, ``e'`` computed in fp32 and
     rounded once to its dtype.
@@ -386,7 +410,7 @@ def sign_sum_apply_error(signs, weights, error, scale, out) -> torch.Tensor:
     reference=_reference.unpack_scaled,
     returns="out",
 )
-def unpack_scaled(packed, scales, out) -> torch.Tensor:
+def unpack_scaled(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Writes ``scales[r] * s(packed[r])`` of the rows ``r``, concatenated, into ``out`` (its
     first ``out.numel()`` values), without unpacked signs.
 
@@ -417,7 +441,17 @@ def unpack_scaled(packed, scales, out) -> torch.Tensor:
     reference=_reference.adam_direction,
     returns="out",
 )
-def adam_direction(m, v, eta, out, *, eps, bound=None, weight_decay=0.0, p=None) -> torch.Tensor:
+def adam_direction(
+    m: torch.Tensor,
+    v: torch.Tensor,
+    eta: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    eps: float,
+    bound: float | None = None,
+    weight_decay: float = 0.0,
+    p: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The update of a compressed Adam step of the 1-bit family, written into ``out``.
 
     .. math::
@@ -456,9 +490,17 @@ def adam_direction(m, v, eta, out, *, eps, bound=None, weight_decay=0.0, p=None)
 _ADAM_APPLY = eager(_reference.adam_apply)
 
 
-@annotated_like(_reference.adam_apply)
 def adam_apply(
-    m, v, eta, params, *, eps, bound=None, weight_decay=0.0, root=None, signs=None
+    m: torch.Tensor | None,
+    v: torch.Tensor,
+    eta: torch.Tensor,
+    params: torch.Tensor,
+    *,
+    eps: float,
+    bound: float | None = None,
+    weight_decay: float = 0.0,
+    root: torch.Tensor | None = None,
+    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The update of :func:`adam_direction` added to the params in place, with the values of
     ``params.add_(adam_direction(m, v, eta, out, ..., p=params))``.
@@ -610,8 +652,7 @@ _SQRT_RN = Op(
 )
 
 
-@annotated_like(_reference.sqrt_rn)
-def sqrt_rn(v):
+def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
     r"""The square root of fp32 ``v`` correctly rounded, as IEEE 754 defines it: the same bits on
     every device and kernel set (where the root is NaN, for negative or NaN ``v``, only NaN is
     promised, not its sign or payload).
@@ -648,7 +689,7 @@ def sqrt_rn(v):
     reference=_reference.quantize,
     finite=1,
 )
-def quantize(x, bits, group_size):
+def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric blockwise ``bits``-bit quantization (ZeRO++ qgZ; Wang et al. 2023).
 
     .. math::
@@ -683,7 +724,7 @@ def quantize(x, bits, group_size):
     fake=lambda q, scales, bits, n: q.new_empty(n, dtype=torch.float32),
     reference=_reference.dequantize,
 )
-def dequantize(q, scales, bits, n):
+def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`quantize`: ``x_i = q_i s_g`` for the first ``n`` values, fp32.
 
     Args:
@@ -765,8 +806,15 @@ _LOCO_QUANTIZE_INTO = Op(
 )
 
 
-@annotated_like(_reference.loco_quantize)
-def loco_quantize(x, error, bits, group_size, numel, out=None, rows=None):
+def loco_quantize(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    numel: int,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rows: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase 1 of LoCo's compensated quantization: :func:`quantize` of ``v = pad(x) + e``.
 
     ``x`` is read as if zero-padded to ``numel`` values (no padded copy is made) and the error
@@ -836,7 +884,16 @@ def _check_codes(q: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[int,
         x, error, q, scales, bits, err_beta, out, _rows_tuple(rows)
     ),
 )
-def loco_error(x, error, q, scales, bits, err_beta, out, rows=None):
+def loco_error(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    err_beta: float,
+    out: torch.Tensor,
+    rows: tuple[int, int, int] | None = None,
+) -> None:
     """Phase 2 of LoCo: the new error, written into ``out`` (which may be ``error`` itself).
 
     .. math::
@@ -877,7 +934,9 @@ def loco_error(x, error, q, scales, bits, err_beta, out, rows=None):
     "dequantize_sum(Tensor q, Tensor scales, int bits, int pieces, Tensor(a!) out) -> ()",
     reference=_reference.dequantize_sum,
 )
-def dequantize_sum(q, scales, bits, pieces, out):
+def dequantize_sum(
+    q: torch.Tensor, scales: torch.Tensor, bits: int, pieces: int, out: torch.Tensor
+) -> None:
     """Sums the ``pieces`` dequantized rows held by ``q``/``scales`` into ``out``.
 
     ``out = sum_ranks(DQ(q).view(pieces, -1))`` bit for bit (the rows added in rank order, see
@@ -909,7 +968,14 @@ def dequantize_sum(q, scales, bits, pieces, out):
     "int local_world_size) -> ()",
     reference=_reference.dequantize_into,
 )
-def dequantize_into(q, scales, bits, out, chunks=1, local_world_size=1):
+def dequantize_into(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    out: torch.Tensor,
+    chunks: int = 1,
+    local_world_size: int = 1,
+) -> None:
     """Dequantizes the first ``out.numel()`` values into ``out``, chunks reordered.
 
     ``q``/``scales`` hold ``chunks`` equal chunks in rank order ``node * L + local`` (``L =

@@ -115,41 +115,6 @@ def implementation(
     return decorate
 
 
-def annotated_like(
-    reference: Callable[..., Any],
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Gives the decorated public function, whose parameters are written without annotations,
-    the annotations of its kernel's ``reference``: each parameter's is that of the reference's
-    parameter of its name (``TypeError`` for a name the reference lacks), the return annotation
-    the function's own where it has one, else the reference's. The types of a kernel's
-    arguments are thus written once, in ``fn.kernels._reference``.
-
-    Example:
-        >>> def sqrt_rn(v):
-        ...     return v.sqrt()
-        >>> str(inspect.signature(annotated_like(_reference.sqrt_rn)(sqrt_rn)))
-        "(v: 'torch.Tensor') -> 'torch.Tensor'"
-    """
-
-    def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
-        signature, wanted = inspect.signature(f), inspect.signature(reference).parameters
-        unknown = sorted(set(signature.parameters) - set(wanted))
-        if unknown:
-            raise TypeError(f"{f.__name__}: {unknown} are not parameters of the reference")
-        parameters = [
-            p.replace(annotation=wanted[p.name].annotation) for p in signature.parameters.values()
-        ]
-        returns = signature.return_annotation
-        if returns is signature.empty:
-            returns = inspect.signature(reference).return_annotation
-        signature = signature.replace(parameters=parameters, return_annotation=returns)
-        f.__signature__ = signature  # type: ignore[attr-defined]
-        f.__annotations__ = {**{p.name: p.annotation for p in parameters}, "return": returns}
-        return f
-
-    return decorate
-
-
 def eager(reference: Callable[..., Any]) -> str:
     """Declares a kernel that has no op (eager tensors only), with its reference; its name."""
     REFERENCES.setdefault(reference.__name__, reference)
@@ -218,8 +183,7 @@ def declare(
     """Declares the op of ``schema`` (``"name(args) -> results"``; mutated arguments marked
     ``(a!)``) and makes the decorated checks its public function.
 
-    The decorated function has the public signature (annotated as the reference,
-    :func:`annotated_like`, where its parameters are not) and docstring, raises for bad
+    The decorated function has the public signature and docstring, raises for bad
     arguments and returns ``None`` or a dict of the op's arguments to pass instead of the public
     ones (by name). The public function then calls the op with its arguments by name and returns
     the op's result, or the argument named ``returns``.
@@ -239,8 +203,6 @@ def declare(
     op = Op(schema, **options)
 
     def decorate(check: Callable[..., Any]) -> Callable[..., Any]:
-        if all(p.annotation is p.empty for p in inspect.signature(check).parameters.values()):
-            check = annotated_like(op.reference)(check)
         signature = inspect.signature(check)
         parameters = signature.parameters.values()
         positional = [p.name for p in parameters if p.kind == p.POSITIONAL_OR_KEYWORD]
