@@ -9,12 +9,9 @@ Backends (the ``Comm`` protocol, see ``comm.py``):
 - ``ProcessGroup(group=None)``: ``torch.distributed`` (gloo, nccl, ...), e.g. under torchrun;
   ``exit_distributed()`` ends such a process without the abort gloo can cause at exit.
 
-``comm.split(L)`` gives the intra-node and inter-node comms of a two-level topology.
-Every comm counts the bytes each rank sends (``bytes_sent``, ``reset_bytes_sent()``) with the
-per-rank formulas of ``_traffic.py``: ring all_reduce ``2 (W-1)/W`` of the payload, all_gather
-``(W-1)/W`` of the output, all_to_all and reduce_scatter ``(W-1)/W`` of the input;
-``bytes_sent_by_hop`` splits the count into the whole group's collectives (``"world"``) and
-those of its two-level split, inside a node (``"intra"``) and across nodes (``"inter"``).
+``comm.split(L)`` gives the intra-node and inter-node comms of a two-level topology. Every
+comm counts the bytes each rank sends (``bytes_sent``, ``bytes_sent_by_hop``; the formulas of
+``_traffic.py``).
 
 Collectives: ``dense_allreduce`` (the fp32 baseline, as a transform), ``compressed_allreduce`` /
 ``onebit_allreduce`` (error-compensated 1-bit, ~1/32 of the fp32 traffic; with

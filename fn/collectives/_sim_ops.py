@@ -85,42 +85,27 @@ def _vmap_rule(
     return register
 
 
-def _simulated_op(kind: str, reduces: bool) -> torch.library.CustomOpDef:
+def _simulated_op(
+    kind: str, reduces: bool, fake: Callable[..., torch.Tensor]
+) -> torch.library.CustomOpDef:
     """The op ``fn::sim_<kind>(x, rank[, op], local_size, hop, group_size)``, which exists only
-    through its vmap rule (called without the rank level, it raises)."""
+    through its vmap rule (called without the rank level, it raises); ``fake(x, group_size)``
+    gives its output's shape."""
 
     def outside(*args: object) -> torch.Tensor:
         raise outside_error(kind)
 
     payload = "Tensor x, Tensor rank, str op" if reduces else "Tensor x, Tensor rank"
     schema = f"({payload}, SymInt local_size, SymInt hop, SymInt group_size) -> Tensor"
-    return torch.library.custom_op(f"fn::sim_{kind}", outside, mutates_args=(), schema=schema)
+    op = torch.library.custom_op(f"fn::sim_{kind}", outside, mutates_args=(), schema=schema)
+    op.register_fake(lambda x, *args: fake(x, args[-1]))
+    return op
 
 
-sim_all_reduce = _simulated_op("all_reduce", reduces=True)
-sim_all_gather = _simulated_op("all_gather", reduces=False)
-sim_all_to_all = _simulated_op("all_to_all", reduces=False)
-sim_reduce_scatter = _simulated_op("reduce_scatter", reduces=True)
-
-
-@sim_all_reduce.register_fake
-def _(x, rank, op, local_size, hop, group_size):
-    return torch.empty_like(x)
-
-
-@sim_all_gather.register_fake
-def _(x, rank, local_size, hop, group_size):
-    return x.new_empty(group_size, *x.shape)
-
-
-@sim_all_to_all.register_fake
-def _(x, rank, local_size, hop, group_size):
-    return torch.empty_like(x)
-
-
-@sim_reduce_scatter.register_fake
-def _(x, rank, op, local_size, hop, group_size):
-    return x.new_empty(x.shape[1:])
+sim_all_reduce = _simulated_op("all_reduce", True, lambda x, size: torch.empty_like(x))
+sim_all_gather = _simulated_op("all_gather", False, lambda x, size: x.new_empty(size, *x.shape))
+sim_all_to_all = _simulated_op("all_to_all", False, lambda x, size: torch.empty_like(x))
+sim_reduce_scatter = _simulated_op("reduce_scatter", True, lambda x, size: x.new_empty(x.shape[1:]))
 
 
 @_vmap_rule(sim_all_reduce, moved_to=0, out_dim=0)

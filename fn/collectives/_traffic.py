@@ -13,13 +13,6 @@ Fractions are rounded up to whole bytes. ``W == 1`` sends nothing.
 
 from __future__ import annotations
 
-import torch
-
-
-def payload_bytes(x: torch.Tensor) -> int:
-    """The bytes of one rank's ``x``."""
-    return x.numel() * x.element_size()
-
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -37,8 +30,7 @@ def all_to_all_bytes(nbytes: int, world_size: int) -> int:
     return _ceil_div((world_size - 1) * nbytes, world_size)
 
 
-def reduce_scatter_bytes(nbytes: int, world_size: int) -> int:
-    return _ceil_div((world_size - 1) * nbytes, world_size)
+reduce_scatter_bytes = all_to_all_bytes  # (W - 1) / W of the input, as all_to_all
 
 
 def send_bytes(nbytes: int, world_size: int) -> int:

@@ -99,9 +99,10 @@ class ByteCounter:
         self._counter._bytes_by_hop.zero_()
         return old
 
-    def _count(self, kind: str, nbytes: int, world_size: int, hop: int | None = None) -> None:
-        nbytes = getattr(_traffic, f"{kind}_bytes")(nbytes, world_size)
-        self._counter._bytes_by_hop[self._hop if hop is None else hop].add_(nbytes)
+    def _count(self, kind: str, x: torch.Tensor) -> None:
+        """Counts what this rank sends in a ``kind`` collective of its ``x`` over this comm."""
+        nbytes = getattr(_traffic, f"{kind}_bytes")(x.numel() * x.element_size(), self.world_size)
+        self._counter._bytes_by_hop[self._hop].add_(nbytes)
 
 
 def check_split(world_size: int, local_world_size: int) -> None:

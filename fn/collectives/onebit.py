@@ -211,21 +211,12 @@ def compressed_allreduce(
     initial minus the final errors.
 
     Hierarchical (``local_world_size=L``, ranks ``node * L + local`` as torchrun lays them out):
-    with ``S = N / L``, every rank splits its padded ``x`` into ``L`` shards of ``S``, and
-
-    1. inside each node, a dense fp32 reduce-scatter: rank ``local`` gets
-       ``x̄ = (x_0[local] + ... + x_{L-1}[local]) / L`` (its node's ranks, summed left to right in
-       rank order), an exact mean;
-    2. across nodes, the 1-bit allreduce above of ``x̄`` among the ``W / L`` ranks of the same
-       local index, with this rank's ``e_w`` (fp32[S]) and ``e_s`` (fp32[N / W]);
-    3. inside each node, an all-gather of the result's packed signs and ``W / L`` scales; ``y``
-       is the ``L`` results in local order, sliced to ``n``.
-
-    Only step 2 crosses nodes: ``1 / L`` of the flat collective's 1-bit traffic, while the
-    dense traffic stays on the fast links inside a node. With one node (``L = W``) step 2 is the
-    identity and ``y`` the exact mean (gathered in fp32, the errors untouched); with ``L = 1``
-    it is the flat collective, bit for bit. Every call first all-gathers ``n`` and ``L`` over
-    the whole group (12 bytes a rank), so ranks that disagree on either raise together.
+    a dense fp32 reduce-scatter inside each node, the 1-bit allreduce above of this rank's shard
+    of its node's exact mean among the ``W / L`` ranks of its local index (the only traffic
+    across nodes: ``1 / L`` of the flat collective's), and an all-gather of the packed results
+    inside each node (docs/algorithms.md, "Hierarchical 1-bit allreduce"). With one node
+    (``L = W``) ``y`` is the exact mean and the errors stay untouched; ``L = 1`` is the flat
+    collective, bit for bit.
 
     Args:
         x: this rank's tensor (any shape, floating point).
@@ -237,21 +228,16 @@ def compressed_allreduce(
         out: optional output buffers ``(y, worker, server)`` (buffer donation), each ``None``
             (a fresh tensor) or a contiguous tensor to write: ``y`` of ``x``'s shape and dtype
             (it may be ``x`` itself), ``worker``/``server`` fp32 of the errors' shapes (they may
-            be ``worker_error``/``server_error`` themselves). With buffers given, eager calls on
-            plain tensors make no full-size temporary: the signs of ``x + e_w`` are packed
-            without a padded copy, the server sums the received signs without unpacking them,
-            the new errors and ``y`` are written straight into the buffers, and nothing is
-            written before every rank's scales and counts have been checked (then also the
-            server's, so a failure leaves every buffer intact). Under ``Simulated`` (vmap) and
+            be ``worker_error``/``server_error`` themselves). Eager calls then make no
+            full-size temporary and write nothing before every rank's checks passed
+            (:func:`compressed_allreduce_exchange`); under ``Simulated`` (vmap) and
             ``torch.compile`` the results are computed as without buffers and copied into them.
-        packed: return ``y`` as the :class:`PackedSigns` it arrives as (the server signs and
-            their ``W`` scales, ``n / 8`` bytes and ``4 W``) instead of unpacking it; where
-            nothing is compressed (``W == 1``, ``n == 0``, one node) ``y`` stays a tensor.
-            ``out``'s ``y`` must then be ``None``.
+        packed: return ``y`` as the :class:`PackedSigns` it arrives as instead of unpacking
+            it (``out``'s ``y`` must then be ``None``); where nothing is compressed (``W == 1``,
+            ``n == 0``, one node) ``y`` stays a tensor.
 
-    The error buffers may also be bf16 or fp16 (:data:`ERROR_DTYPES`): the collective then
-    computes in fp32 as above and rounds the new errors to their dtype once (the in-place path
-    takes fp32 only).
+    The error buffers may also be bf16 or fp16 (:data:`ERROR_DTYPES`), computed in fp32 and
+    rounded once (the in-place path takes fp32 only).
 
     Returns:
         ``(y, worker_error', server_error')``, the buffers of ``out`` where given; ``y`` has
@@ -263,9 +249,7 @@ def compressed_allreduce(
         ValueError: if the error or buffer shapes do not match or ``local_world_size`` does not
             divide ``W``, or (on every rank at once, before any sign is sent) if the ranks' ``x``
             differ in element count or ``local_world_size``, or some rank's ``x +
-            worker_error`` is not finite (hierarchical: a non-finite value on any rank, found
-            by its node's ranks across nodes, is forwarded to every rank before anything is
-            written). Nothing is changed.
+            worker_error`` is not finite. Nothing is changed.
 
     Example:
         One call sends only signs and scales: every rank gets the same coarse estimate.
@@ -303,9 +287,8 @@ def compressed_allreduce(
     if world_size == 1:
         return x, worker_error, server_error
     if n == 0:
-        if out is None:
-            return x, torch.zeros_like(worker_error), torch.zeros_like(server_error)
-        return x, _zeroed(out[1], worker_error), _zeroed(out[2], server_error)
+        _, worker, server = out or (None, None, None)
+        return x, _zeroed(worker, worker_error), _zeroed(server, server_error)
     if not x.is_floating_point():
         raise TypeError(f"compressed_allreduce needs a floating-point x, got {x.dtype}")
     if out is not None and eager(x, worker_error, server_error, *out):
@@ -322,7 +305,9 @@ def compressed_allreduce(
     if local_world_size not in (None, 1):
         y, worker, server = _pure_hierarchical(x, *errors, comm, local_world_size)
     else:
-        y, worker, server = _pure_allreduce(x, *errors, comm)
+        flat = _padded_flat(x, worker_error.numel())
+        signs, scales, worker, server = _pure_exchange(flat, n, *errors, comm)
+        y = PackedSigns(signs, scales)
     if isinstance(y, PackedSigns) and not packed:
         y = y.unpacked(x)
     pure = (y, worker.to(dtype), server.to(dtype))
@@ -352,19 +337,22 @@ def _check_errors(
         )
 
 
-def _pure_allreduce(
-    x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, comm: Comm
-) -> tuple[PackedSigns, torch.Tensor, torch.Tensor]:
-    """The reference path (fresh tensors; also the one under vmap and ``torch.compile``):
-    the result as it arrives, and the new errors."""
-    n, n_padded = x.numel(), worker_error.numel()
+def _padded_flat(x: torch.Tensor, n_padded: int) -> torch.Tensor:
+    """``x`` flattened, in fp32, zero-padded to ``n_padded`` elements."""
     flat = x.reshape(-1).float()
-    if n_padded > n:
-        flat = torch.nn.functional.pad(flat, (0, n_padded - n))
-    all_packed, all_scales, worker, server = _pure_exchange(
-        flat, n, worker_error, server_error, comm
+    if n_padded > flat.numel():
+        flat = torch.nn.functional.pad(flat, (0, n_padded - flat.numel()))
+    return flat
+
+
+def _worker_scales(comm: Comm, scale: torch.Tensor, n: int) -> torch.Tensor:
+    """Every rank's worker scale, ``[W]``. The element count ``n`` travels with the scale:
+    ranks with different sizes raise here, together, as they do for a non-finite scale."""
+    gathered = comm.all_gather(_sizes.with_count(scale.view(1), n))  # [W, 3]
+    return finite_or_raise(
+        _sizes.checked_scales(gathered, n, "compressed_allreduce").view(comm.world_size),
+        "compressed_allreduce: non-finite values in x (or in the worker error)",
     )
-    return PackedSigns(all_packed, all_scales), worker, server
 
 
 def _pure_exchange(
@@ -386,12 +374,7 @@ def _pure_exchange(
         packed, scale, new_worker_error = kernels.sign_compress(flat, worker_error)
     except NonFiniteError:
         packed, scale, new_worker_error = None, flat.new_full((), torch.nan), None
-    # The element count travels with the scale: ranks with different sizes raise here, together.
-    gathered = comm.all_gather(_sizes.with_count(scale.view(1), n))  # [W, 3]
-    scales = finite_or_raise(
-        _sizes.checked_scales(gathered, n, "compressed_allreduce").view(world_size),
-        "compressed_allreduce: non-finite values in x (or in the worker error)",
-    )
+    scales = _worker_scales(comm, scale, n)
 
     received = comm.all_to_all(packed.view(world_size, -1))  # [W, chunk / 8]: chunk r of rank i
     # unpackbits returns fresh tensors: scaling them in place saves a full-size copy each.
@@ -432,15 +415,6 @@ def _node_mean(flat: torch.Tensor, intra: Comm) -> torch.Tensor:
     return kernels.sum_ranks(pieces).div_(local_world_size)
 
 
-def _node_input(x: torch.Tensor, n_padded: int) -> torch.Tensor:
-    flat = x.reshape(-1).float()
-    return (
-        torch.nn.functional.pad(flat, (0, n_padded - flat.numel()))
-        if n_padded > x.numel()
-        else flat
-    )
-
-
 def _pure_hierarchical(
     x: torch.Tensor,
     worker_error: torch.Tensor,
@@ -454,7 +428,7 @@ def _pure_hierarchical(
     _agree(comm, x, local_world_size)  # before split, a collective over groups of that size
     intra, inter = comm.split(local_world_size)
     n_padded = local_world_size * worker_error.numel()
-    mean = _node_mean(_node_input(x, n_padded), intra)
+    mean = _node_mean(_padded_flat(x, n_padded), intra)
     if inter.world_size == 1:  # one node: the exact mean, gathered in fp32
         y = finite_or_raise(intra.all_gather(mean), _NON_FINITE_ON_SOME_RANK).reshape(-1)
         return y[: x.numel()].view(x.shape).to(x.dtype), worker_error, server_error
@@ -492,7 +466,7 @@ def _hierarchical_exchange(
     :func:`write_result` over the node's ``intra`` and the ``inter`` comm of this rank's
     local index. Allocates this rank's shard (and a padded copy where ``flat`` needs one)."""
     local_world_size = intra.world_size
-    mean = _node_mean(_node_input(flat, local_world_size * worker_error.numel()), intra)
+    mean = _node_mean(_padded_flat(flat, local_world_size * worker_error.numel()), intra)
     nodes = inter.world_size
     failure = None
     try:
@@ -548,9 +522,8 @@ def compressed_allreduce_exchange(
 
     It compresses, exchanges and checks everything, on every rank, and writes nothing; then
     :func:`write_errors` writes the new errors and :func:`write_result` (or
-    ``fn.kernels.adam_apply`` with ``signs=(exchange.packed, exchange.scales)``) the result.
-    An optimizer exchanges every leaf before it writes any, so a failure on any leaf leaves
-    every buffer intact.
+    ``fn.kernels.adam_apply`` with ``signs=(exchange.packed, exchange.scales)``) the result
+    (docs/algorithms.md, "Output buffers and fused kernels").
 
     Args:
         x: this rank's tensor (fp32, contiguous); with ``grad``, the previous momentum, which
@@ -562,11 +535,8 @@ def compressed_allreduce_exchange(
         comm: the communicator.
         grad: optional fp32 tensor of ``x``'s shape, contiguous: the gradient of the momentum.
         beta: the momentum's beta (with ``grad``).
-        local_world_size: ranks per node for the hierarchical collective, or ``None`` (see
-            :func:`compressed_allreduce`). Hierarchical, the exchange allocates this rank's
-            shard of its node's mean (``1 / L`` of ``x``), and the momentum when ``grad`` is
-            given; ``exchange.x`` is then that shard, and ``packed``/``scales`` cover all ``W``
-            chunks, in the flat layout.
+        local_world_size: ranks per node for the hierarchical collective, or ``None``;
+            ``exchange.x`` is then this rank's shard of its node's mean (docs/algorithms.md).
 
     Returns:
         The :class:`CompressedExchange`, or ``None`` (nothing done) where this allocation-free
@@ -709,16 +679,10 @@ def _exchange(
         )
     x, signs = _source(flat)
     world_size, n = comm.world_size, flat.numel() if signs is None else grad.numel()
-    what = "compressed_allreduce"
     packed, scale = kernels.feedback_sign_compress(
         x, worker_error, grad=grad, beta=beta, signs=signs
     )
-    # The element count travels with the scale: ranks with different sizes raise here, together.
-    gathered = comm.all_gather(_sizes.with_count(scale.view(1), n))  # [W, 3]
-    scales = finite_or_raise(
-        _sizes.checked_scales(gathered, n, what).view(world_size),
-        f"{what}: non-finite values in x (or in the worker error)",
-    )
+    scales = _worker_scales(comm, scale, n)
     received = comm.all_to_all(packed.view(world_size, -1))  # [W, chunk / 8]
     weights = scales / world_size
     server_packed, server_scale = kernels.sign_sum_compress(received, weights, server_error)
@@ -727,7 +691,7 @@ def _exchange(
     gathered = comm.all_gather(message)  # [W, chunk / 8 + 4]
     all_scales = finite_or_raise(
         gathered[:, -4:].contiguous().view(torch.float32).view(world_size),
-        f"{what}: non-finite values in a server error",
+        "compressed_allreduce: non-finite values in a server error",
     )
     return CompressedExchange(
         flat, grad, beta, worker_error, server_error, scale, received, weights, server_scale,
@@ -751,10 +715,8 @@ def onebit_allreduce(*, comm: Comm, local_world_size: int | None = None) -> Grad
     ``init`` sizes the buffers from one rank's params: with ``Simulated``, call it on unbatched
     params and ``replicate`` the state, or run it under ``simulate``.
 
-    ``update`` takes the extra keyword ``donate`` (``None``, ``True`` or a state like
-    ``state``; the protocol of buffer donation): the new errors are written into the donated
-    state's buffers and each result into its update leaf (:func:`compressed_allreduce` with
-    ``out``), with the same bits as the pure call.
+    ``update(..., donate=...)`` (buffer donation) writes the new errors into the donated
+    state's buffers and each result into its update leaf, with the bits of the pure call.
 
     Args:
         comm: the communicator.
@@ -792,13 +754,12 @@ def onebit_allreduce(*, comm: Comm, local_world_size: int | None = None) -> Grad
     level = dict(comm=comm, local_world_size=local_world_size)
 
     def init_fn(params):
-        def worker(p):
-            return init_error_feedback(p.numel(), **level, device=p.device)[0]
+        def errors(k):
+            return tree_map(
+                lambda p: init_error_feedback(p.numel(), **level, device=p.device)[k], params
+            )
 
-        def server(p):
-            return init_error_feedback(p.numel(), **level, device=p.device)[1]
-
-        return OnebitAllreduceState(tree_map(worker, params), tree_map(server, params))
+        return OnebitAllreduceState(errors(0), errors(1))
 
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         del params, extra

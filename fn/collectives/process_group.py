@@ -7,25 +7,21 @@ sends and receives into given buffers (:class:`Transfers`), which fused callers 
 their compute. The collectives are not vmappable (use ``Simulated`` to batch ranks in one
 process).
 
-Timeout: every collective gives up after ``timeout`` (``ProcessGroup(timeout=...)``, else the
-``FN_TIMEOUT`` environment variable in seconds, else 5 minutes) on host (CPU, gloo) tensors,
-counted from the moment it was started (asynchronously). A collective still waiting when the
-last part of that limit begins (its last half, at most 10 s) makes the rank record its arrival
-in the group's store (the one ``init_process_group`` made) and look for the others there while
-the collective goes on: if it completes in time, nothing happened; otherwise every waiting rank
-raises, at the limit, the same :class:`CollectiveTimeoutError` naming the ranks that never
-arrived (stalled, dead, or in another code path), or, when every rank arrived, what each rank
-called. Point-to-point transfers (:meth:`ProcessGroup.transfers`) are waited for the whole
-limit, as gloo closes the connection when such a wait times out; their ranks look for each
-other after it, for that last part again. A collective that fails before the limit (a peer's
-process ended, closing its connections) is reported as a failure, with the time it failed, once
-the other ranks had that last part of the limit to arrive. Every message states the limit and
-the seconds waited. The group cannot be used after such an error: the abandoned collective
-stays pending in torch, and ``destroy_process_group`` or the process's exit may wait for it
-until the process group's own timeout (``init_process_group(..., timeout=...)``, 30 minutes by
-default for gloo): set that one too. On accelerator tensors (NCCL and the like) a host-side
-limit would synchronize the host with the device at every collective: there the process group's
-own timeout applies (``init_process_group(..., timeout=...)``, 10 minutes by default for NCCL).
+Timeout: every collective gives up after ``timeout`` (:func:`resolve_timeout`) on host (CPU,
+gloo) tensors, counted from its (asynchronous) start. A collective still waiting when the last
+part of that limit begins (its last half, at most 10 s) makes the rank record its arrival in
+the group's store (the one ``init_process_group`` made) and look for the others there while it
+goes on: if it completes in time, nothing happened; otherwise every waiting rank raises, at the
+limit, the same :class:`CollectiveTimeoutError` naming the ranks that never arrived, or, when
+every rank arrived, what each rank called. Point-to-point transfers are waited for the whole
+limit (gloo closes the connection when such a wait times out), then their ranks look for each
+other for that last part. A collective that fails before the limit (a peer's process ended) is
+reported as a failure, with the time it failed, once the other ranks had that last part to
+arrive. The group cannot be used after such an error, and ``destroy_process_group`` or the
+exit may wait for the abandoned collective until the process group's own timeout
+(``init_process_group(..., timeout=...)``): set that one too. On accelerator tensors (NCCL
+and the like) only that own timeout applies: a host-side limit would synchronize the host with
+the device at every collective.
 """
 
 from __future__ import annotations
@@ -41,7 +37,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from fn.collectives import _traffic
 from fn.collectives.comm import HOPS, ByteCounter, ReduceOp, check_chunked, check_op, check_split
 
 __all__ = [
@@ -231,11 +226,7 @@ class ProcessGroup(ByteCounter):
                 raise ValueError(
                     f"ProcessGroup.split: the ranks passed different local_world_size ({shown})"
                 )
-            members = (
-                list(range(self._world_size))
-                if self.group is None
-                else dist.get_process_group_ranks(self.group)
-            )
+            members = self._members()
             nodes = self._world_size // local_world_size
             node, local = divmod(self.rank, local_world_size)
             intra = [
@@ -253,6 +244,12 @@ class ProcessGroup(ByteCounter):
     @property
     def world_size(self) -> int:
         return self._world_size
+
+    def _members(self) -> list[int]:
+        """The global ranks of the group, in group rank order."""
+        if self.group is None:
+            return list(range(self._world_size))
+        return dist.get_process_group_ranks(self.group)
 
     def __repr__(self) -> str:
         return (
@@ -331,23 +328,10 @@ class ProcessGroup(ByteCounter):
         The ranks that got here meet in the store to find the ranks that never arrived: until
         the limit for a running collective, for the last part of the limit after a failure.
         """
-        members = (
-            list(range(self._world_size))
-            if self.group is None
-            else dist.get_process_group_ranks(self.group)
-        )
+        members = self._members()
         me = dist.get_rank()
         call = f"{kind} of {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
-        on_host = x.device.type == "cpu"
-        # gloo's wait gives up but leaves a collective running; a failed one has completed, and
-        # so has a point-to-point transfer at the limit (an expired one)
-        running = work is not None and on_host and not work.is_completed()
-        failed_s = time.monotonic() - started
-        expired = on_host and not running and failed_s >= self.timeout.total_seconds()
-        if running:
-            deadline = started + self.timeout.total_seconds()
-        else:
-            deadline = time.monotonic() + self._grace_s()
+        running, expired, failed_s, deadline = self._status(work, x, started)
         arrived: dict[int, str] = {}
         store_lost = ""
         try:
@@ -368,12 +352,7 @@ class ProcessGroup(ByteCounter):
                     break
                 time.sleep(_POLL_S)
             if len(arrived) == len(members):
-                # The store lives in rank 0's process, which ends once its error is raised: every
-                # rank stays until all have read every call, so none loses a call to that exit.
-                store.set(f"{prefix}read/{me}", "")
-                read = [f"{prefix}read/{rank}" for rank in members]
-                while not store.check(read) and time.monotonic() <= deadline:
-                    time.sleep(_POLL_S)
+                _stay_until_read(store, prefix, me, members, deadline)
         except (RuntimeError, ValueError) as store_err:  # the store's host (rank 0) is gone
             if not arrived:  # never reached it: nothing is known of the others
                 outcome = self._outcome(me, running or expired, failed_s, started, x)
@@ -394,41 +373,30 @@ class ProcessGroup(ByteCounter):
                 if work.is_completed():
                     err, running, failed_s = late, False, time.monotonic() - started
         missing = [rank for rank in members if rank not in arrived]
-        where = f"collective #{seq} on ranks {members}"
-        timed_out = running or expired
-        outcome = self._outcome(me, timed_out, failed_s, started, x)
+        outcome = self._outcome(me, running or expired, failed_s, started, x)
         # torch's own words, unless they are the "timed out" of the wait for the first part
         detail = "" if running else f" ({err})"
-        raise_limit = f"raise the limit with ProcessGroup(timeout=...) or {TIMEOUT_ENV}=<seconds>"
-        if missing and timed_out:
-            return CollectiveTimeoutError(
-                f"fn.collectives: {call} ({where}) {outcome}: rank(s) {missing} never reached it "
-                "(stalled, dead, or in a different code path; see their output). If they are "
-                f"only slow, {raise_limit}.{store_lost}{detail}",
-                missing,
-            )
-        if missing:
-            looked_s = time.monotonic() - started
-            return CollectiveTimeoutError(
-                f"fn.collectives: {call} ({where}) {outcome}: rank(s) {missing} never reached it "
-                f"in {looked_s:.1f} s; a collective that fails before the limit usually means "
-                f"that their process exited or crashed (see their output).{store_lost}{detail}",
-                missing,
-            )
-        calls = "; ".join(f"rank {rank}: {arrived[rank]}" for rank in members)
-        if same_call:
-            cause = f"{raise_limit} if it is only slow" if timed_out else "the backend failed"
-            return CollectiveTimeoutError(
-                f"fn.collectives: {call} ({where}) {outcome}, though every rank reached it "
-                f"({cause}).{detail}",
-                [],
-            )
         return CollectiveTimeoutError(
-            f"fn.collectives: {call} ({where}) {outcome}: every rank reached it, but they "
-            f"called {calls} (every rank must make the same collectives in the same order with "
-            f"the same sizes).{detail}",
-            [],
+            f"fn.collectives: {call} (collective #{seq} on ranks {members}) {outcome}"
+            + _cause(missing, running or expired, arrived, members, started)
+            + (store_lost if missing else "")
+            + detail,
+            missing,
         )
+
+    def _status(
+        self, work: Any, x: torch.Tensor, started: float
+    ) -> tuple[bool, bool, float, float]:
+        """For :meth:`_diagnose`: whether ``work`` still runs, whether it expired at the limit,
+        the seconds it took to fail and how long the ranks look for each other."""
+        on_host = x.device.type == "cpu"
+        # gloo's wait gives up but leaves a collective running; a failed one has completed, and
+        # so has a point-to-point transfer at the limit (an expired one)
+        running = work is not None and on_host and not work.is_completed()
+        failed_s, limit_s = time.monotonic() - started, self.timeout.total_seconds()
+        expired = on_host and not running and failed_s >= limit_s
+        deadline = started + limit_s if running else time.monotonic() + self._grace_s()
+        return running, expired, failed_s, deadline
 
     def _outcome(
         self, me: int, timed_out: bool, failed_s: float, started: float, x: torch.Tensor
@@ -448,12 +416,9 @@ class ProcessGroup(ByteCounter):
             )
         return f"failed on rank {me} after {failed_s:.1f} s, before its limit of {limit_s:g} s"
 
-    def _counted(self, kind: str, x: torch.Tensor) -> None:
-        self._count(kind, _traffic.payload_bytes(x), self._world_size)
-
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         check_op(op)
-        self._counted("all_reduce", x)
+        self._count("all_reduce", x)
         out = x.clone(memory_format=torch.contiguous_format)
         self._run(
             "all_reduce",
@@ -463,7 +428,7 @@ class ProcessGroup(ByteCounter):
         return out / self._world_size if op == "mean" else out
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        self._counted("all_gather", x)
+        self._count("all_gather", x)
         out = x.new_empty(self._world_size * x.numel())
         flat = x.contiguous().view(-1)
         self._run(
@@ -475,7 +440,7 @@ class ProcessGroup(ByteCounter):
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         check_chunked(x, self._world_size, "all_to_all")
-        self._counted("all_to_all", x)
+        self._count("all_to_all", x)
         x = x.contiguous()
         out = torch.empty_like(x)
         self._run(
@@ -488,7 +453,7 @@ class ProcessGroup(ByteCounter):
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         check_op(op)
         check_chunked(x, self._world_size, "reduce_scatter")
-        self._counted("reduce_scatter", x)
+        self._count("reduce_scatter", x)
         out = x.new_empty(x[0].numel())
         flat = x.contiguous().view(-1)
         self._run(
@@ -500,6 +465,41 @@ class ProcessGroup(ByteCounter):
         )
         out = out.view(x.shape[1:])
         return out / self._world_size if op == "mean" else out
+
+
+def _stay_until_read(store: Any, prefix: str, me: int, members: list[int], deadline: float) -> None:
+    """The store lives in rank 0's process, which ends once its error is raised: every rank
+    stays until all have read every call (or the deadline), so none loses a call to that exit."""
+    store.set(f"{prefix}read/{me}", "")
+    read = [f"{prefix}read/{rank}" for rank in members]
+    while not store.check(read) and time.monotonic() <= deadline:
+        time.sleep(_POLL_S)
+
+
+def _cause(
+    missing: list[int], timed_out: bool, arrived: dict[int, str], members: list[int], started: float
+) -> str:
+    """What ``ProcessGroup._diagnose`` found: the ranks ``missing``, or what the ranks called."""
+    raise_limit = f"raise the limit with ProcessGroup(timeout=...) or {TIMEOUT_ENV}=<seconds>"
+    if missing and timed_out:
+        return (
+            f": rank(s) {missing} never reached it (stalled, dead, or in a different code "
+            f"path; see their output). If they are only slow, {raise_limit}."
+        )
+    if missing:
+        return (
+            f": rank(s) {missing} never reached it in {time.monotonic() - started:.1f} s; a "
+            "collective that fails before the limit usually means that their process exited "
+            "or crashed (see their output)."
+        )
+    if len(set(arrived.values())) == 1:
+        cause = f"{raise_limit} if it is only slow" if timed_out else "the backend failed"
+        return f", though every rank reached it ({cause})."
+    calls = "; ".join(f"rank {rank}: {arrived[rank]}" for rank in members)
+    return (
+        f": every rank reached it, but they called {calls} (every rank must make the same "
+        "collectives in the same order with the same sizes)."
+    )
 
 
 class Transfers:
@@ -527,7 +527,7 @@ class Transfers:
     def send(self, x: torch.Tensor, peer: int, tag: int = 0) -> None:
         """Starts sending the contiguous ``x`` to group rank ``peer`` (``x`` must stay
         unchanged until the transfers are waited for)."""
-        self._comm._count("send", _traffic.payload_bytes(x), self._comm.world_size)
+        self._comm._count("send", x)
         group = self._comm.group
         self._sends.append(
             self._start(x, lambda: dist.isend(x, group=group, tag=tag, group_dst=peer))

@@ -2,31 +2,18 @@
 
 Quantization (``fn.kernels.quantize``): symmetric, per group of ``group_size`` values, ``b`` in
 {4, 8} bits, scale ``absmax / 2^(b-1)``, ``Q(v) = clamp(round(v / scale), -2^(b-1), 2^(b-1)-1)``,
-``DQ(q) = q * scale``; the scales travel as fp32 next to the packed values.
-
-The allreduce has two phases. Reduce-scatter: every rank quantizes its (padded) ``x`` as ``W``
-chunks, all_to_all's them (chunk ``r``'s codes and scales in one message to rank ``r``), and
-dequantizes and averages the ``W`` pieces of its own chunk. All-gather: every rank quantizes its
-averaged chunk and all_gathers it; everyone dequantizes the whole. In the hierarchical (two-hop)
-mode with ``L = local_world_size`` ranks per node (rank ``node * L + local``), the reduce-scatter
-runs inside each node first (``L`` chunks, dequantize, sum, requantize) and then across nodes
-between the ranks of the same local index (``W / L`` chunks); rank ``(node, local)`` then holds
-chunk ``local * (W / L) + node``.
-
-Before any of that, every rank sends every rank a record of its call's size, 12 bytes: ``n =
-x.numel()`` as two fp32 digits and a checksum of the call's layout (``fn.collectives._sizes``).
-It is the only message whose size does not depend on ``n``: ranks whose calls differ raise the
-same ``ValueError`` there, before any message that could overflow a peer's receive (with gloo, an
-abort of the process).
-
-All variants return the true MEAN over the ``W`` ranks. (DeepSpeed's hierarchical kernel path
-appears to return ``sum / num_nodes``; this one divides the full sum by ``W``.)
-
-LoCo (error feedback, one buffer per quantization: per hop of the reduce-scatter and one for the
-all-gather), with ``e`` reset to zero every ``reset_T`` updates:
+``DQ(q) = q * scale``; the scales travel as fp32 next to the packed values. The allreduce is a
+quantized reduce-scatter (one hop, or inside each node and then across nodes: rank ``(node,
+local)`` then holds chunk ``local * (W / L) + node``) and a quantized all-gather; it returns the
+true MEAN over the ``W`` ranks. Every call starts with the ranks' size records
+(``fn.collectives._sizes``). LoCo keeps one error buffer per quantization (per hop of the
+reduce-scatter and one for the all-gather), reset to zero every ``reset_T`` updates:
 
 .. math::
     v = x + e, \\quad q = Q(v), \\quad e' = \\beta e + (1 - \\beta) (v - DQ(q))
+
+docs/algorithms.md ("Quantized allreduce with LoCo error feedback") describes the phases, the
+fused in-place paths and the point-to-point one.
 
 References:
     Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant Model
@@ -130,25 +117,26 @@ def _feedback(
     return q, scales, residual.mul_(1 - err_beta).add_(err_beta * error)
 
 
-def _released_scales(plan: _Plan, scales: torch.Tensor, n: int, checksum: int) -> torch.Tensor:
-    """``scales`` (of the first hop), once every rank's size record matched this call's. The
-    records go first, every rank's to every rank, in a message whose size does not depend on
-    ``n`` (an all_to_all, as the chunks: a reduce-scatter uses no other collective)."""
-    world = plan.world
-    mine = _sizes.with_count(scales.new_empty(world.world_size, 0), n, checksum)
-    return _sizes.released(scales, world.all_to_all(mine), n, _WHAT, checksum)
-
-
-def _exchange_chunks(
-    hop: Comm, q: torch.Tensor, scales: torch.Tensor
+def _exchange_hop(
+    plan: _Plan, index: int, q: torch.Tensor, scales: torch.Tensor, n: int, checksum: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sends chunk ``r`` of the codes and of the scales to rank ``r`` of ``hop``, in one
-    message; returns the received codes and scales, flat, the pieces in the hop's rank order."""
-    size = hop.world_size
+    """Hop ``index`` of the reduce-scatter: sends chunk ``r`` of the codes and of the scales to
+    rank ``r`` of the hop, in one message; returns the received codes and scales, flat, the
+    pieces in the hop's rank order. The first hop's chunks go once every rank's size record
+    matched this call's: the records go first, every rank's to every rank, in a message whose
+    size does not depend on ``n`` (an all_to_all, as the chunks). The last hop's scales are
+    checked finite on every rank."""
+    if index == 0:
+        mine = _sizes.with_count(scales.new_empty(plan.world.world_size, 0), n, checksum)
+        scales = _sizes.released(scales, plan.world.all_to_all(mine), n, _WHAT, checksum)
+    size = plan.hops[index].world_size
     q = q.view(size, -1)
-    received = hop.all_to_all(torch.cat([q, scales.view(size, -1).view(torch.uint8)], dim=1))
-    codes = received[:, : q.shape[1]].reshape(-1)
-    return codes, received[:, q.shape[1] :].contiguous().view(torch.float32).view(-1)
+    message = torch.cat([q, scales.view(size, -1).view(torch.uint8)], dim=1)
+    received = plan.hops[index].all_to_all(message)
+    scales = received[:, q.shape[1] :].contiguous().view(torch.float32).view(-1)
+    if index == len(plan.hops) - 1:
+        scales = finite_or_raise(scales, _NON_FINITE)
+    return received[:, : q.shape[1]].reshape(-1), scales
 
 
 def _reduce_scatter(
@@ -164,18 +152,12 @@ def _reduce_scatter(
     if checksum is None:
         checksum = _sizes.layout_checksum([(0, n)])
     new_errors = []
-    last = len(plan.hops) - 1
     for index, (hop, error) in enumerate(zip(plan.hops, errors, strict=True)):
-        size = hop.world_size
         q, scales, new_error = _feedback(v, error, plan, err_beta)
         new_errors.append(new_error)
-        if index == 0:
-            scales = _released_scales(plan, scales, n, checksum)
-        q, scales = _exchange_chunks(hop, q, scales)
-        if index == last:
-            scales = finite_or_raise(scales, _NON_FINITE)
+        q, scales = _exchange_hop(plan, index, q, scales, n, checksum)
         pieces = kernels.dequantize(q, scales, plan.bits, v.numel())
-        v = kernels.sum_ranks(pieces.view(size, -1))
+        v = kernels.sum_ranks(pieces.view(hop.world_size, -1))
     return v / plan.world.world_size, new_errors
 
 
@@ -212,6 +194,17 @@ def _workspace(
     return buffer[:numel]
 
 
+def _codes(
+    name: str, numel: int, plan: _Plan, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The workspaces ``name.q`` and ``name.scales`` for the codes and scales of ``numel``
+    values."""
+    return (
+        _workspace(f"{name}.q", numel * plan.bits // 8, device, torch.uint8),
+        _workspace(f"{name}.scales", numel // plan.group_size, device),
+    )
+
+
 def _into(buffer: object, value: torch.Tensor) -> torch.Tensor:
     """``value`` copied into the donated ``buffer`` when it fits, else ``value`` itself."""
     if fitting(buffer, value) is not None:
@@ -239,10 +232,7 @@ def _quantize_padded(
 ) -> _Pending:
     """Phase 1 into the workspaces ``name``; a non-finite group makes every scale NaN, as in
     :func:`_quantize` (the codes are then never used)."""
-    out = (
-        _workspace(f"{name}.q", numel * plan.bits // 8, source.device, torch.uint8),
-        _workspace(f"{name}.scales", numel // plan.group_size, source.device),
-    )
+    out = _codes(name, numel, plan, source.device)
     q, scales = kernels.loco_quantize(source, error, plan.bits, plan.group_size, numel, out, rows)
     scales = torch.where(torch.isfinite(scales).all(), scales, torch.nan)
     return _Pending(source, error, q, scales, rows)
@@ -272,22 +262,16 @@ def _reduce_scatter_into(
         numel = n // rows[0] * rows[1]
     pending = []
     source = x
-    last = len(plan.hops) - 1
     for index, (hop, error) in enumerate(zip(plan.hops, errors, strict=True)):
-        size = hop.world_size
         quantized = _quantize_padded(
             source, error, numel, plan, f"{tag}hop{index}", rows if index == 0 else None
         )
         pending.append(quantized)
-        scales = quantized.scales
-        if index == 0:
-            scales = _released_scales(plan, scales, n, checksum)
-        q, scales = _exchange_chunks(hop, quantized.q, scales)
-        if index == last:
-            scales = finite_or_raise(scales, _NON_FINITE)
-        numel //= size
-        source = out if index == last else _workspace(f"{tag}sum{index}", numel, x.device)
-        kernels.dequantize_sum(q, scales, plan.bits, size, source)
+        q, scales = _exchange_hop(plan, index, quantized.q, quantized.scales, n, checksum)
+        numel //= hop.world_size
+        last = index == len(plan.hops) - 1
+        source = out if last else _workspace(f"{tag}sum{index}", numel, x.device)
+        kernels.dequantize_sum(q, scales, plan.bits, hop.world_size, source)
     out.div_(plan.world.world_size)
     return pending
 
@@ -323,10 +307,8 @@ def _reduce_scatter_streamed(
     world_size, n, bits = comm.world_size, x.numel(), plan.bits
     numel = quantized_padded_numel(n, world_size, plan.group_size)
     chunk = numel // world_size
-    q = _workspace(f"{tag}hop0.q", numel * bits // 8, x.device, torch.uint8)
-    scales = _workspace(f"{tag}hop0.scales", numel // plan.group_size, x.device)
-    got_q = _workspace("scatter.got.q", numel * bits // 8, x.device, torch.uint8)
-    got_scales = _workspace("scatter.got.scales", numel // plan.group_size, x.device)
+    q, scales = _codes(f"{tag}hop0", numel, plan, x.device)
+    got_q, got_scales = _codes("scatter.got", numel, plan, x.device)
     got_records = _workspace("scatter.got.records", 3 * world_size, x.device).view(world_size, 3)
     q, got_q = q.view(world_size, -1), got_q.view(world_size, -1)
     scales, got_scales = scales.view(world_size, -1), got_scales.view(world_size, -1)
@@ -384,8 +366,7 @@ def _all_gather_streamed(
     comm = plan.world
     assert isinstance(comm, ProcessGroup)
     world_size, chunk = comm.world_size, quantized.q.numel() * 8 // plan.bits
-    got_q = _workspace("gather.got.q", world_size * quantized.q.numel(), y.device, torch.uint8)
-    got_scales = _workspace("gather.got.scales", world_size * quantized.scales.numel(), y.device)
+    got_q, got_scales = _codes("gather.got", world_size * chunk, plan, y.device)
     got_q, got_scales = got_q.view(world_size, -1), got_scales.view(world_size, -1)
     got_q[comm.rank], got_scales[comm.rank] = quantized.q, quantized.scales
 
@@ -475,54 +456,66 @@ def _all_gather_into(
     kernels.dequantize_into(q.reshape(-1), scales.reshape(-1), plan.bits, y, q.shape[0], local)
 
 
-class _Shard(NamedTuple):
-    """A leaf between the two phases of the donated quantized allreduce."""
-
-    update: torch.Tensor  # the leaf, which takes the result
-    shard: torch.Tensor  # fp32[N_padded / W]: this rank's chunk of the mean
-    pending: list[_Pending]  # the reduce-scatter hops' quantizations
-
-
-def _reduce_scatter_leaf(
+def _allreduce_pure(
     u: torch.Tensor,
     errors: tuple[torch.Tensor | None, ...],
     plan: _Plan,
-    tag: str = "",
-    checksum: int | None = None,
-) -> _Shard:
-    """Phase 1 of a leaf's donated allreduce: every rank's checks, nothing written. The shard and
-    the quantizations live in workspaces named after ``tag`` until phase 2 (:func:`_gather_leaf`).
-    The two phases give the bits of :func:`_reduce_scatter` + :func:`_all_gather`."""
+    err_beta: float,
+    checksum: int,
+) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+    """The quantized mean of the leaf ``u`` (its shape and dtype) and the new errors; ``errors``
+    per hop of the reduce-scatter, then the all-gather's (``None``: zero, no new error)."""
+    shard, hop_errors = _reduce_scatter(
+        _flat_padded(u, plan), u.numel(), errors[:-1], plan, err_beta, checksum
+    )
+    y, gather_error = _all_gather(shard, errors[-1], plan, err_beta)
+    return y[: u.numel()].view(u.shape).to(u.dtype), (*hop_errors, gather_error)
+
+
+def _allreduce_into(
+    u: torch.Tensor,
+    errors: tuple[torch.Tensor | None, ...],
+    outs: tuple[torch.Tensor, ...] | None,
+    plan: _Plan,
+    err_beta: float,
+    tag: str,
+    checksum: int,
+) -> Callable[[], torch.Tensor]:
+    """Phase 1 of the donated :func:`_allreduce_pure` of the eager ``u``: every rank's checks,
+    nothing written (the shard and the quantizations wait in workspaces named after ``tag``).
+    Returns phase 2, which writes the new errors into ``outs`` (``None``: none) and then the
+    result into ``u`` when it is contiguous fp32 (else into a fresh tensor), with the same bits."""
+    _flat_padded(u.reshape(-1)[:0], plan)  # the type check
     x = u.detach().reshape(-1).float()
     shard_numel = quantized_padded_numel(x.numel(), plan.world.world_size, plan.group_size)
     shard = _workspace(f"{tag}shard", shard_numel // plan.world.world_size, x.device)
     pending = _reduce_scatter_into(x, errors[:-1], plan, shard, tag=tag, checksum=checksum)
-    return _Shard(u, shard, pending)
+
+    def write() -> torch.Tensor:
+        # u's values are read (by the pending errors) before the all-gather writes the result.
+        in_place = u.dtype == torch.float32 and u.is_contiguous()
+        y = u.detach().view(-1) if in_place else x.new_empty(u.numel())
+        if outs is None:
+            _all_gather_into(shard, errors[-1], None, plan, err_beta, y)
+        else:
+            _all_gather_into(shard, errors[-1], outs[-1], plan, err_beta, y, pending, outs[:-1])
+        return u if in_place else _into(u, y.view(u.shape).to(u.dtype))
+
+    return write
 
 
-def _gather_leaf(
-    reduced: _Shard,
-    errors: tuple[torch.Tensor | None, ...],
-    error_outs: tuple[torch.Tensor, ...] | None,
-    plan: _Plan,
-    err_beta: float,
-) -> torch.Tensor:
-    """Phase 2 of a leaf's donated allreduce: writes the new errors and the result into ``u`` when
-    it is contiguous fp32 (else into a fresh tensor)."""
-    u, shard, pending = reduced
-    # u's values are read (by the pending errors) before the all-gather writes the result.
-    in_place = u.dtype == torch.float32 and u.is_contiguous()
-    y = (
-        u.detach().view(-1)
-        if in_place
-        else torch.empty(u.numel(), device=u.device, dtype=torch.float32)
-    )
-    if error_outs is None:
-        _all_gather_into(shard, errors[-1], None, plan, err_beta, y)
-    else:
-        outs = list(error_outs)
-        _all_gather_into(shard, errors[-1], outs[-1], plan, err_beta, y, pending, outs[:-1])
-    return u if in_place else _into(u, y.view(u.shape).to(u.dtype))
+def _over_live(
+    live: list[int],
+    donated: bool,
+    pure: Callable[[int], _T],
+    phase1: Callable[[int, str], Callable[[], _T]],
+) -> list[_T]:
+    """``pure(i)`` for every live leaf position ``i``; donated, the phase 2 that ``phase1(i,
+    tag)`` returns for every one, run once every leaf's phase 1 (its checks) passed."""
+    if not donated:
+        return [pure(i) for i in live]
+    writes = [phase1(i, _leaf_tag(k, len(live))) for k, i in enumerate(live)]
+    return [write() for write in writes]
 
 
 def _leaf_tag(index: int, leaves: int) -> str:
@@ -567,10 +560,8 @@ def quantized_reduce_scatter(
         group_size: values per quantization group (even).
         local_world_size: ranks per node for the two-hop mode, or ``None`` for one hop.
         out: an fp32[N / W] buffer for the result (written only after every rank's checks
-            passed), or ``None`` for a fresh tensor. With ``out`` (eager, fp32 ``x``) the
-            padding, the dequantized pieces and the hop sums are never materialized: fused
-            kernels and per-size workspaces (``fn.kernels.loco_quantize``,
-            ``fn.kernels.dequantize_sum``).
+            passed), or ``None`` for a fresh tensor; eager, written by the fused kernels of
+            :func:`loco_allreduce`'s donation.
 
     Returns:
         ``out`` or a fresh fp32[N / W]: chunk ``rank`` (one hop) or chunk ``local * (W / L) +
@@ -636,11 +627,9 @@ def quantized_reduce_scatter_into(
     ``e' = err_beta e + (1 - err_beta) (v - DQ(Q(v)))`` are written into them (they may be
     ``errors`` themselves).
 
-    Eager calls allocate no full-size tensor: the rows are quantized where they lie (padding
-    and two-hop order by index, ``fn.kernels.loco_quantize(..., rows=...)``), the sum goes
-    straight into ``output_tensor`` when it is fp32 of whole groups (else through a per-thread
-    workspace) and the errors are written by ``fn.kernels.loco_error``. Otherwise (under
-    ``torch.compile`` or ``vmap``) the padded rows are made; the bits are the same.
+    Eager calls allocate no full-size tensor (docs/algorithms.md, "Inside FSDP2's
+    reduce-scatter"); under ``torch.compile`` or ``vmap`` the padded rows are made, with the
+    same bits.
 
     Args:
         output_tensor: ``[m]`` values of any floating dtype, written last.
@@ -800,11 +789,8 @@ def quantized_allreduce(
 
     ``u -> DQ(Q(mean_i DQ(Q(u_i)))`` chunkwise: quantized reduce-scatter, then quantized
     all-gather (see the module docstring for the two-hop mode). ``None`` leaves pass through;
-    with ``W == 1`` it is the identity. Stateless. ``update(..., donate=True)`` (buffer donation:
-    the caller hands over the ``updates`` tensors) writes each result into its update tensor
-    when that is contiguous fp32, through fused kernels and per-size workspaces (same
-    bits as the pure call); other dtypes are computed in fp32 and copied back. No leaf is
-    written before every leaf's checks passed on every rank (as in :func:`loco_allreduce`).
+    with ``W == 1`` it is the identity. Stateless. ``update(..., donate=True)`` writes each
+    result into its update tensor as :func:`loco_allreduce` does (same bits as the pure call).
 
     Args:
         bits: 4 or 8.
@@ -830,25 +816,13 @@ def quantized_allreduce(
         tensor([-0.4648, -0.3305, -0.1997, -0.0654,  0.0654,  0.1997,  0.3305,  0.4612])
     """
     plan = _plan(comm, bits, group_size, local_world_size)
-
-    def reduce(u, checksum):
-        shard, _ = _reduce_scatter(
-            _flat_padded(u, plan), u.numel(), (None,) * len(plan.hops), plan, 0.0, checksum
-        )
-        y, _ = _all_gather(shard, None, plan, 0.0)
-        return y[: u.numel()].view(u.shape).to(u.dtype)
-
     no_errors = (None,) * (len(plan.hops) + 1)
 
-    def reduce_into(u, tag, checksum):
-        """Phase 1 of the donated reduction of ``u`` (every check, nothing written); returns
-        phase 2, which writes the result into ``u``."""
-        if not eager(u):
-            y = reduce(u, checksum)
-            return lambda: _into(u, y)
-        _flat_padded(u.reshape(-1)[:0], plan)  # the type check
-        reduced = _reduce_scatter_leaf(u, no_errors, plan, tag, checksum)
-        return lambda: _gather_leaf(reduced, no_errors, None, plan, 0.0)
+    def phase1(u, tag, checksum):
+        if eager(u):
+            return _allreduce_into(u, no_errors, None, plan, 0.0, tag, checksum)
+        y, _ = _allreduce_pure(u, no_errors, plan, 0.0, checksum)
+        return lambda: _into(u, y)
 
     def init_fn(params):
         del params
@@ -860,16 +834,14 @@ def quantized_allreduce(
         live, checksum = _live(leaves)
         if comm.world_size == 1 or not live:
             return updates, state
-        if not donating(donate):
-            for i in live:
-                leaves[i] = reduce(leaves[i], checksum)
-            return tree_unflatten(leaves, spec), state
-        # every leaf's checks pass before any leaf is written
-        writes = [
-            reduce_into(leaves[i], _leaf_tag(k, len(live)), checksum) for k, i in enumerate(live)
-        ]
-        for i, write in zip(live, writes, strict=True):
-            leaves[i] = write()
+        results = _over_live(
+            live,
+            donating(donate),
+            lambda i: _allreduce_pure(leaves[i], no_errors, plan, 0.0, checksum)[0],
+            lambda i, tag: phase1(leaves[i], tag, checksum),
+        )
+        for i, result in zip(live, results, strict=True):
+            leaves[i] = result
         return tree_unflatten(leaves, spec), state
 
     return GradientTransformation(init_fn, update_fn)
@@ -887,6 +859,38 @@ class LocoAllreduceState(NamedTuple):
     # per leaf, a tuple of error buffers (fp32, or the error dtype, or QuantizedError):
     # one hop: (e_rs fp32[N], e_ag fp32[N / W]); two hops: (e_intra[N], e_inter[N / L], e_ag[N / W])
     errors: ErrorFeedbackField
+
+
+def _error_sizes(numel: int, plan: _Plan) -> tuple[int, ...]:
+    """The sizes of a leaf's LoCo errors: per hop of the reduce-scatter, then the all-gather's."""
+    world_size = plan.world.world_size
+    n_padded = quantized_padded_numel(numel, world_size, plan.group_size)
+    local = plan.local_world_size
+    hops = (n_padded,) if local is None else (n_padded, n_padded // local)
+    return (*hops, n_padded // world_size)
+
+
+def _store(e: torch.Tensor, dtype: torch.dtype, group_size: int) -> torch.Tensor | QuantizedError:
+    if dtype == torch.int8:
+        return QuantizedError(*kernels.quantize(e, 8, group_size))
+    return e.to(dtype)
+
+
+def _load(stored: torch.Tensor | QuantizedError, numel: int, reset: torch.Tensor) -> torch.Tensor:
+    if isinstance(stored, QuantizedError):
+        e = kernels.dequantize(stored.q, stored.scales, 8, numel)
+    else:
+        e = stored.float()
+    return torch.where(reset, 0.0, e)
+
+
+def _check_loco(err_beta: float, reset_T: int, error_dtype: torch.dtype) -> None:  # noqa: N803
+    if not 0.0 <= err_beta <= 1.0:
+        raise ValueError(f"err_beta must be in [0, 1], got {err_beta}")
+    if not isinstance(reset_T, int) or reset_T < 1:
+        raise ValueError(f"reset_T must be a positive int, got {reset_T!r}")
+    if not (error_dtype.is_floating_point or error_dtype == torch.int8):
+        raise ValueError(f"error_dtype must be a float dtype or torch.int8, got {error_dtype}")
 
 
 def loco_allreduce(
@@ -910,18 +914,12 @@ def loco_allreduce(
     Buffer donation: ``update(updates, state, donate=True)`` updates the fp32 error buffers in
     place (``donate=<a LocoAllreduceState>``: writes them into that state's buffers) and writes
     each result into its update tensor (contiguous fp32; other dtypes are copied back), with the
-    bits of the pure call. The padding, the dequantized pieces and the sums never exist as
-    tensors (fused kernels ``fn.kernels.loco_quantize``, ``loco_error``, ``dequantize_sum``,
-    ``dequantize_into``; per-thread workspaces for the hop sums and the shard), and nothing is
+    bits of the pure call, through fused kernels and per-thread workspaces (docs/algorithms.md;
+    on a :class:`ProcessGroup` with host tensors and one hop, point to point). Nothing is
     written before every rank's checks passed for every leaf: a ``ValueError`` leaves the
-    buffers intact. On a :class:`ProcessGroup` with host tensors and one hop, the chunks go
-    point to point (:meth:`ProcessGroup.transfers`, same bits and bytes): each peer's chunk is
-    sent as soon as it is quantized, the errors are written while the all-gather's chunks
-    travel, and each of those is dequantized into the result as it arrives (the chunks received
-    wait in workspaces too). With several leaves, each leaf's
-    codes and shard wait in workspaces of their own (per thread and leaf position, about
-    ``bits / 32 + 1 / W`` of the leaf's fp32 size) until the last leaf's checks passed.
-    ``error_dtype`` other than fp32 (and ``torch.int8``) still computes in fresh fp32 tensors.
+    buffers intact. With several leaves, each leaf's codes and shard wait in workspaces of
+    their own (per thread and leaf position, about ``bits / 32 + 1 / W`` of the leaf's fp32
+    size). ``error_dtype`` other than fp32 still computes in fresh fp32 tensors.
 
     Args:
         bits: 4 or 8.
@@ -956,64 +954,37 @@ def loco_allreduce(
         tensor([-0.4667, -0.3333, -0.2000, -0.0667,  0.0667,  0.2000,  0.3333,  0.4667])
     """
     plan = _plan(comm, bits, group_size, local_world_size)
-    if not 0.0 <= err_beta <= 1.0:
-        raise ValueError(f"err_beta must be in [0, 1], got {err_beta}")
-    if not isinstance(reset_T, int) or reset_T < 1:
-        raise ValueError(f"reset_T must be a positive int, got {reset_T!r}")
-    if not (error_dtype.is_floating_point or error_dtype == torch.int8):
-        raise ValueError(f"error_dtype must be a float dtype or torch.int8, got {error_dtype}")
-
-    def buffer_sizes(numel):
-        world_size = comm.world_size
-        n_padded = quantized_padded_numel(numel, world_size, group_size)
-        hops = (n_padded,) if local_world_size is None else (n_padded, n_padded // local_world_size)
-        return (*hops, n_padded // world_size)
-
-    def store(e):
-        if error_dtype == torch.int8:
-            return QuantizedError(*kernels.quantize(e, 8, group_size))
-        return e.to(error_dtype)
-
-    def load(stored, numel, reset):
-        if isinstance(stored, QuantizedError):
-            e = kernels.dequantize(stored.q, stored.scales, 8, numel)
-        else:
-            e = stored.float()
-        return torch.where(reset, 0.0, e)
-
-    def init_fn(params):
-        def zeros(p):
-            return tuple(
-                store(torch.zeros(k, dtype=torch.float32, device=p.device))
-                for k in buffer_sizes(p.numel())
-            )
-
-        return LocoAllreduceState(torch.zeros((), dtype=torch.int64), tree_map(zeros, params))
+    _check_loco(err_beta, reset_T, error_dtype)
 
     def leaf_pure(u, buffers, reset, checksum):
-        buffers_numel = buffer_sizes(u.numel())
-        errors = [load(b, k, reset) for b, k in zip(buffers, buffers_numel, strict=True)]
-        shard, hop_errors = _reduce_scatter(
-            _flat_padded(u, plan), u.numel(), errors[:-1], plan, err_beta, checksum
-        )
-        y, gather_error = _all_gather(shard, errors[-1], plan, err_beta)
-        new = tuple(store(e) for e in (*hop_errors, gather_error))
-        return y[: u.numel()].view(u.shape).to(u.dtype), new
+        sizes = _error_sizes(u.numel(), plan)
+        errors = tuple(_load(b, k, reset) for b, k in zip(buffers, sizes, strict=True))
+        y, new = _allreduce_pure(u, errors, plan, err_beta, checksum)
+        return y, tuple(_store(e, error_dtype, group_size) for e in new)
 
     def leaf_donated(u, buffers, given, reset, tag, checksum):
-        """Phase 1 of a donated leaf (every check, nothing written); returns phase 2, which
-        writes the result and the new errors."""
+        """Phase 1 of a donated leaf; returns phase 2, which writes the result and the errors."""
         if error_dtype != torch.float32 or not eager(u):
             y, new = leaf_pure(u, buffers, reset, checksum)
             return lambda: (_into(u, y), tuple(map(_into, given, new)))
-        _flat_padded(u.reshape(-1)[:0], plan)  # the type check
         errors = (None,) * len(buffers) if bool(reset) else tuple(buffers)
         outs = tuple(
             g if fitting(g, b) is not None else torch.empty_like(b)
             for g, b in zip(given, buffers, strict=True)
         )
-        reduced = _reduce_scatter_leaf(u, errors, plan, tag, checksum)
-        return lambda: (_gather_leaf(reduced, errors, outs, plan, err_beta), outs)
+        write = _allreduce_into(u, errors, outs, plan, err_beta, tag, checksum)
+        return lambda: (write(), outs)
+
+    def init_fn(params):
+        def zeros(p):
+            return tuple(
+                _store(
+                    torch.zeros(k, dtype=torch.float32, device=p.device), error_dtype, group_size
+                )
+                for k in _error_sizes(p.numel(), plan)
+            )
+
+        return LocoAllreduceState(torch.zeros((), dtype=torch.int64), tree_map(zeros, params))
 
     def update_fn(updates, state, params=None, *, donate=None, **extra):
         del params, extra
@@ -1024,32 +995,21 @@ def loco_allreduce(
         reset = state.count % reset_T == 0
         leaves, spec = tree_flatten(updates)
         stored = spec.flatten_up_to(state.errors)
-        if donated is None:
-            given = [None] * len(leaves)
-        else:
-            given = spec.flatten_up_to(donated.errors)
+        given = [None] * len(leaves) if donated is None else spec.flatten_up_to(donated.errors)
         live, checksum = _live(leaves)
         if any(stored[i] is None for i in live):
             raise ValueError("loco_allreduce: an update leaf has no error state")
+        results = _over_live(
+            live,
+            donated is not None,
+            lambda i: leaf_pure(leaves[i], stored[i], reset, checksum),
+            lambda i, tag: leaf_donated(
+                leaves[i], stored[i], given[i] or (None,) * len(stored[i]), reset, tag, checksum
+            ),
+        )
         out, new_stored = list(leaves), list(stored)
-        if donated is None:
-            for i in live:
-                out[i], new_stored[i] = leaf_pure(leaves[i], stored[i], reset, checksum)
-        else:
-            # every leaf's checks pass before any leaf is written
-            writes = [
-                leaf_donated(
-                    leaves[i],
-                    stored[i],
-                    given[i] or (None,) * len(stored[i]),
-                    reset,
-                    _leaf_tag(k, len(live)),
-                    checksum,
-                )
-                for k, i in enumerate(live)
-            ]
-            for i, write in zip(live, writes, strict=True):
-                out[i], new_stored[i] = write()
+        for i, (y, new) in zip(live, results, strict=True):
+            out[i], new_stored[i] = y, new
         return tree_unflatten(out, spec), LocoAllreduceState(
             count, tree_unflatten(new_stored, spec)
         )

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from fn.collectives import _sim_ops, _traffic
+from fn.collectives import _sim_ops
 from fn.collectives.comm import ByteCounter, ReduceOp, check_chunked, check_op, check_split
 from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 
@@ -38,42 +38,36 @@ class _SimulatedCollectives:
 
     _root: Simulated
     _local_size: int
-    _hop: int
+    _hop: int  # an index into fn.collectives.comm.HOPS (ByteCounter's level)
     _size: int
 
     @property
     def world_size(self) -> int:
         return self._size
 
-    def _rank_or_raise(self, name: str) -> torch.Tensor:
+    def _call(self, kind: str, x: torch.Tensor, *options: str) -> torch.Tensor:
+        """The op ``fn::sim_<kind>`` on ``x`` over this group, one rank's bytes counted."""
         if self._root._rank is None:
-            raise _sim_ops.outside_error(name)
-        return self._root._rank
-
-    def _layout(self, kind: str, x: torch.Tensor) -> tuple[int, int, int]:
-        """Counts one rank's bytes for the call; returns the ops' group layout arguments."""
-        self._root._count(kind, _traffic.payload_bytes(x), self._size, self._hop)
-        return self._local_size, self._hop, self._size
+            raise _sim_ops.outside_error(kind)
+        if kind in ("all_to_all", "reduce_scatter"):
+            check_chunked(x, self._size, kind)
+        self._count(kind, x)
+        op = getattr(_sim_ops, f"sim_{kind}")
+        return op(x, self._root._rank, *options, self._local_size, self._hop, self._size)
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         check_op(op)
-        rank = self._rank_or_raise("all_reduce")
-        return _sim_ops.sim_all_reduce(x, rank, op, *self._layout("all_reduce", x))
+        return self._call("all_reduce", x, op)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        rank = self._rank_or_raise("all_gather")
-        return _sim_ops.sim_all_gather(x, rank, *self._layout("all_gather", x))
+        return self._call("all_gather", x)
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
-        rank = self._rank_or_raise("all_to_all")
-        check_chunked(x, self._size, "all_to_all")
-        return _sim_ops.sim_all_to_all(x, rank, *self._layout("all_to_all", x))
+        return self._call("all_to_all", x)
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         check_op(op)
-        rank = self._rank_or_raise("reduce_scatter")
-        check_chunked(x, self._size, "reduce_scatter")
-        return _sim_ops.sim_reduce_scatter(x, rank, op, *self._layout("reduce_scatter", x))
+        return self._call("reduce_scatter", x, op)
 
 
 class Simulated(ByteCounter, _SimulatedCollectives):
@@ -101,7 +95,6 @@ class Simulated(ByteCounter, _SimulatedCollectives):
         self._root = self
         self._size = world_size
         self._local_size = world_size
-        self._hop = _sim_ops.WORLD
         self._rank: torch.Tensor | None = None  # batched arange(W) while simulate() runs
 
     def __repr__(self) -> str:
@@ -143,30 +136,19 @@ class Simulated(ByteCounter, _SimulatedCollectives):
             self._rank = None
 
 
-class SimulatedGroup(_SimulatedCollectives):
-    """One hop of :meth:`Simulated.split`; runs inside its root's ``simulate``."""
+class SimulatedGroup(ByteCounter, _SimulatedCollectives):
+    """One hop of :meth:`Simulated.split`; runs inside its root's ``simulate``, counts its bytes
+    into the root's counter."""
 
     def __init__(self, root: Simulated, local_size: int, hop: int) -> None:
+        super().__init__(root, hop)
         self._root = root
         self._local_size = local_size
-        self._hop = hop
-        world_size = root.world_size
-        self._size = local_size if hop == _sim_ops.INTRA else world_size // local_size
+        self._size = local_size if hop == _sim_ops.INTRA else root.world_size // local_size
 
     def __repr__(self) -> str:
         kind = "intra" if self._hop == _sim_ops.INTRA else "inter"
         return f"SimulatedGroup({self._root!r}, {kind}, size={self._size})"
-
-    @property
-    def bytes_sent(self) -> int:
-        return self._root.bytes_sent
-
-    @property
-    def bytes_sent_by_hop(self) -> dict[str, int]:
-        return self._root.bytes_sent_by_hop
-
-    def reset_bytes_sent(self) -> int:
-        return self._root.reset_bytes_sent()
 
 
 def simulate(f: Callable[..., Any], comm: Simulated) -> Callable[..., Any]:

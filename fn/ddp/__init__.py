@@ -11,10 +11,8 @@
   ``state.state_dict()`` / ``state.load_state_dict()``, and compress on the state's background
   thread while autograd computes the next buckets (``overlap=False``: inside the hook).
 - Non-finite gradients: ``register`` follows the optimizer's ``nonfinite`` policy; the hooks'
-  states take ``nonfinite="propagate"`` (default: a bucket with a NaN or an Inf on some rank
-  comes out non-finite on every rank, as from DDP's own allreduce, so ``torch.amp.GradScaler``
-  skips the step) or ``"raise"`` (``fn.NonFiniteError`` on every rank), the same in the dense
-  and the compressed phase; neither keeps error feedback from such an iteration.
+  states take ``nonfinite="propagate"`` (default, for ``torch.amp.GradScaler``) or ``"raise"``
+  (see ``OnebitHookState``).
 """
 
 from fn.ddp.loco import LocoHookState, loco_hook

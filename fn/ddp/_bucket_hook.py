@@ -35,10 +35,8 @@ class BucketHookState:
         comm: the transform's ``fn.collectives.ProcessGroup`` (with ``overlap``, over a group of
             the same ranks made for it, so that its collectives never interleave with DDP's).
         start_iter: dense iterations before compression starts.
-        overlap: whether compressed buckets run on the state's background thread (the hook
-            returns at once) or inside the hook.
-        nonfinite: ``"propagate"`` or ``"raise"``: what a bucket with a NaN or an Inf on some
-            rank gives, in both phases (see :func:`compressing_hook`).
+        overlap: whether compressed buckets run on the state's background thread.
+        nonfinite: ``"propagate"`` or ``"raise"`` (see ``OnebitHookState``).
         local_world_size: ranks per node of the two-level collectives, or ``None`` (flat).
         iter: iterations made so far (one per backward pass that reached DDP's last bucket and
             did not raise).
@@ -240,16 +238,12 @@ class BucketHookState:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restores a :meth:`state_dict` of this rank.
 
-        A state saved by another rank, world size or ``local_world_size`` keeps only the
-        iteration count: its error feedback belongs to another rank or level, so it is dropped
-        (with a warning) and every bucket starts from zero error. (A state saved before
-        ``local_world_size`` was recorded counts as flat.)
-
-        The errors are per bucket: the resumed run continues bit for bit when DDP gives it the
-        buckets it saved. DDP starts with buckets in the params' order and rebuilds them once,
-        after its first iteration, in the order the gradients arrived; a bucket that then holds
-        other params restarts from zero error (logged). ``find_unused_parameters=True`` keeps
-        the first buckets for good, so runs resume exactly.
+        A state saved by another rank, world size or ``local_world_size`` (none recorded:
+        flat) keeps only the iteration count: its error feedback is dropped, with a warning.
+        The resumed run continues bit for bit when DDP gives it the buckets it saved; DDP
+        rebuilds its buckets once, after its first iteration (not with
+        ``find_unused_parameters=True``), and a bucket that then holds other params restarts
+        from zero error (logged).
 
         Raises:
             ValueError: a bucket's saved state does not fit the transform (nothing is changed).
@@ -320,20 +314,10 @@ def compressing_hook(
     """The dense mean of the bucket for ``start_iter`` iterations, then ``state.transform``
     applied to it with the bucket's error feedback: handed to the state's background thread
     with ``state.overlap`` (the future completes when the bucket is reduced, or with its error),
-    else run here (the future is complete).
-
-    A bucket with a NaN or an Inf on some rank gets the same answer on every rank, in both
-    phases, from no collective of its own (the dense mean of such a bucket is non-finite on
-    every rank; the compressed collectives raise ``fn.NonFiniteError`` on every rank):
-
-    - ``state.nonfinite == "propagate"``: the bucket's result is non-finite on every rank: in
-      the dense phase its mean as DDP's own allreduce gives it (NaN or Inf where some rank had
-      them), in the compressed phase all NaN (the collective cannot say where). No error
-      feedback of that iteration is kept;
-    - ``"raise"``: ``fn.NonFiniteError`` on every rank, from the hook or through the bucket's
-      future (the dense phase checks each mean: one pass over the bucket); no error feedback
-      of the iteration is kept and it does not count in ``state.iter``.
-    """
+    else run here (the future is complete). A bucket with a NaN or an Inf on some rank gets the
+    same answer on every rank from no collective of its own (``state.nonfinite``): the dense
+    mean of such a bucket is non-finite on every rank (``"raise"`` checks each mean), the
+    compressed collectives raise ``fn.NonFiniteError`` on every rank."""
     buffer = bucket.buffer()
     last = bucket.is_last()
     index = bucket.index()

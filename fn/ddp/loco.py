@@ -25,15 +25,9 @@ class LocoHookState(BucketHookState):
         err_beta: LoCo's error decay ``beta``.
         reset_T: zero a bucket's errors every ``reset_T`` of its compressed iterations.
         start_iter: iterations averaged densely before compression starts.
-        overlap: quantize on the state's background thread, overlapped with the backward pass
-            (``False``: inside the hook); as :class:`OnebitHookState`'s, a collective call
-            when set. The results are the same.
+        overlap: quantize on the state's background thread, as :class:`OnebitHookState`'s.
         timeout: the limit of each quantized collective, as :class:`OnebitHookState`'s.
-        nonfinite: what a bucket with a NaN or an Inf on some rank gives, in both phases and on
-            every rank: ``"propagate"`` (default; a non-finite result on every rank, as DDP's own
-            allreduce gives, so that ``torch.amp.GradScaler`` skips the step) or ``"raise"``
-            (``fn.NonFiniteError``); either way no bucket keeps error feedback from that
-            iteration. See :class:`OnebitHookState`.
+        nonfinite: ``"propagate"`` (default) or ``"raise"``, as :class:`OnebitHookState`'s.
         local_world_size: ranks per node for LoCo's two-hop reduce-scatter (inside each node,
             then across nodes; ``fn.collectives.loco_allreduce``), or ``None`` for one hop.
             Recorded in :meth:`state_dict`.
@@ -79,15 +73,10 @@ def loco_hook(state: LocoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     (keyed by the bucket's index; a bucket that DDP rebuilt with other params starts again from
     zero error, with a log line). Use it with any optimizer, e.g. ``torch.optim.AdamW``.
 
-    Overlap: as :func:`onebit_hook`, the hook hands the bucket to ``state``'s background thread
-    and returns a future of its result (``LocoHookState(overlap=False)``: inside the hook).
-    Non-finite gradients, as :func:`onebit_hook`: passed on as non-finite on every rank by
-    default (``torch.amp.GradScaler`` then skips the step), ``nonfinite="raise"`` raises.
+    Overlap and non-finite gradients: as :func:`onebit_hook`.
 
-    Buckets of different sizes on different ranks (DDP's own checks rule them out) raise the
-    collective's ``ValueError`` on every rank, naming each rank's size, before any chunk is
-    sent, with the bucket and its error feedback unchanged (with overlap, DDP's backward pass
-    raises it wrapped in a ``RuntimeError``).
+    Buckets of different sizes on different ranks (DDP rules them out) raise the collective's
+    ``ValueError`` on every rank before any chunk is sent, with nothing changed.
 
     Args:
         state: a :class:`LocoHookState`.

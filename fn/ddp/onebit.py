@@ -25,17 +25,13 @@ class OnebitHookState(BucketHookState):
             the hook, over ``process_group``. The results are the same.
         timeout: the limit of each compressed collective (``fn.collectives.ProcessGroup``'s
             ``timeout``: a ``timedelta`` or seconds; ``None``: ``$FN_TIMEOUT``, else 5 minutes).
-        nonfinite: what a bucket with a NaN or an Inf on some rank gives, the same in the dense
-            and the compressed phase and on every rank, found without a collective of its own.
-            ``"propagate"`` (default): a non-finite result on every rank (in the dense phase
-            the mean, as DDP's own allreduce gives it; compressed, all NaN), as DDP without a
-            hook does, so ``torch.amp.GradScaler`` sees the overflow and skips the step
-            (fp16 training overflows by design) and ``clip_grad_norm_`` a non-finite norm.
-            ``"raise"``: ``backward()`` raises ``fn.NonFiniteError`` on every rank (a
-            ``RuntimeError`` naming it where it comes through the bucket's future: overlapped,
-            and in the dense phase); the iteration does not count in ``iter``. Either way no
-            bucket keeps error feedback from that iteration, so the next finite one goes on
-            as if it had not happened. A setting, not part of :meth:`state_dict`.
+        nonfinite: what a bucket with a NaN or an Inf on some rank gives, in both phases and
+            on every rank (found without a collective of its own): ``"propagate"`` (default) a
+            non-finite result (dense, the mean; compressed, all NaN), as DDP without a hook
+            gives, so that ``torch.amp.GradScaler`` skips the step; ``"raise"``
+            ``fn.NonFiniteError`` from ``backward()`` (a ``RuntimeError`` naming it through the
+            bucket's future), the iteration not counted in ``iter``. Either way no bucket keeps
+            error feedback from that iteration. A setting, not part of :meth:`state_dict`.
         local_world_size: ranks per node ``L`` for the hierarchical 1-bit allreduce (a dense
             mean inside each node, 1 bit across nodes; ``fn.collectives.compressed_allreduce``),
             or ``None`` for flat. Use it with several ranks per node and a slow network between
@@ -65,24 +61,18 @@ def onebit_hook(
         \\mathrm{CAR}(g) = \\text{the server-compressed mean of } a_i\\, s(m_i)
 
     with per-bucket error feedback (keyed by the bucket's index; a bucket that DDP rebuilt with
-    other params starts again from zero error, with a log line). The errors telescope: over
-    ``T`` iterations the sum of the outputs is the sum of the true means up to the first minus
-    the last errors. Use it with any optimizer (e.g. ``torch.optim.AdamW``); for 1-bit Adam,
-    0/1 Adam and 1-bit LAMB prefer ``fn.ddp.register`` (they compress the momentum, which
-    converges where compressing Adam's gradients may not).
+    other params starts again from zero error, with a log line). Use it with any optimizer
+    (e.g. ``torch.optim.AdamW``); for 1-bit Adam, 0/1 Adam and 1-bit LAMB prefer
+    ``fn.ddp.register`` (they compress the momentum, which converges where compressing Adam's
+    gradients may not).
 
-    Overlap: the hook hands the bucket to ``state``'s background thread and returns a future
-    of its result, so autograd computes the next buckets' gradients meanwhile; the thread
-    compresses the buckets one at a time in DDP's bucket order (the same on every rank). An
-    error (non-finite gradients on some rank with ``nonfinite="raise"``, a
-    ``CollectiveTimeoutError``) completes the bucket's future with it, so the backward pass
-    raises on every rank; the later buckets of that iteration are not reduced and no bucket
-    keeps error feedback from that iteration, as without overlap.
+    Overlap: the hook hands the bucket to ``state``'s background thread, which compresses the
+    buckets one at a time in DDP's bucket order while autograd goes on, and returns a future of
+    its result. An error (e.g. a ``CollectiveTimeoutError``) completes the bucket's future with
+    it, so the backward pass raises on every rank; the later buckets of that iteration are not
+    reduced and no bucket keeps error feedback from that iteration, as without overlap.
 
-    Non-finite gradients (``state.nonfinite``): by default a bucket with a NaN or an Inf on
-    some rank comes out non-finite on every rank, as from DDP's own allreduce, so that
-    ``torch.amp.GradScaler`` skips the step; ``"raise"`` raises ``fn.NonFiniteError`` on every
-    rank instead, in the dense and the compressed phase alike.
+    Non-finite gradients: as ``state.nonfinite`` says (:class:`OnebitHookState`).
 
     Args:
         state: an :class:`OnebitHookState`.

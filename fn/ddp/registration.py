@@ -5,11 +5,54 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from fn.collectives.comm import Comm, ReduceOp, check_op
 from fn.ddp._futures import completed, dense_mean
-from fn.ddp._preaveraged import PreaveragedComm
 from fn.optim import OnebitAdam, OnebitFamily, OnebitLamb, ZeroOneAdam
 
 __all__ = ["register"]
+
+
+class PreaveragedComm:
+    """``comm`` with ``all_reduce(x, "mean")`` returning ``x`` (no traffic): the tensors it is
+    called on already hold the mean over the ranks (DDP averaged them). Every other collective,
+    the world size and the byte count are ``comm``'s."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+
+    def __repr__(self) -> str:
+        return f"PreaveragedComm({self.comm!r})"
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.comm.bytes_sent
+
+    @property
+    def bytes_sent_by_hop(self) -> dict[str, int]:
+        return self.comm.bytes_sent_by_hop
+
+    def reset_bytes_sent(self) -> int:
+        return self.comm.reset_bytes_sent()
+
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+        check_op(op)
+        return x if op == "mean" else self.comm.all_reduce(x, op)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_gather(x)
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_to_all(x)
+
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+        return self.comm.reduce_scatter(x, op)
+
+    def split(self, local_world_size: int) -> tuple[Comm, Comm]:
+        return self.comm.split(local_world_size)
 
 
 class _Schedule:
@@ -62,28 +105,16 @@ def register(ddp_model: DistributedDataParallel, optimizer: OnebitFamily) -> Non
       local and synchronization updates): DDP sends nothing and each ``.grad`` keeps the local
       gradient; the optimizer's 1-bit collectives are the only gradient traffic.
 
-    The compressed updates' 1-bit allreduce runs in ``optimizer.step()``, after the backward
-    pass, not overlapped with it: the optimizer compresses each param group's momentum as one
-    flat buffer (one scale from the norm of all of it, its signs exchanged in one all-to-all),
-    so no part can go before the group's last gradient exists, and until ``step()`` the
-    gradients may still change (clipping, AMP's unscaling) or the step be skipped; compressing
-    per bucket during the backward pass would change the numerics.
+    The compressed updates' 1-bit allreduce runs in ``optimizer.step()``, not overlapped with
+    the backward pass: it compresses each param group's momentum as one flat buffer (README.md,
+    "With DDP", says why). So the run equals the same run without DDP: bit for bit with fp32/fp64
+    params on two ranks, to rounding with more ranks (DDP's buckets and fn's flat gradient may
+    sum in other orders) or fp16/bf16 params (DDP averages in their dtype, fn in fp32). Param
+    groups in different phases (e.g. per-group ``freeze_step``) are handled per param.
 
-    So the run equals the same run without DDP. Bit for bit with fp32/fp64 params on two ranks
-    (a sum of two terms is the same in either order); with more ranks the sums of the dense
-    warmup means may be associated differently (gloo sums DDP's buckets, fn the group's flat
-    gradient, each in its own ring order) and agree to rounding.
-    With fp16/bf16 params DDP averages in the params' dtype, fn in fp32: they agree to that
-    dtype's rounding. Param groups in different phases (e.g. per-group ``freeze_step``) are
-    handled per param.
-
-    Non-finite gradients: one policy, the optimizer's ``nonfinite``, in both phases. The hook
-    decides nothing: the dense mean of a warmup update is non-finite on every rank where some
-    rank's gradient is (as from DDP's own allreduce), and compressed updates send nothing. Then
-    ``optimizer.step()`` raises ``fn.NonFiniteError`` on every rank (``nonfinite="raise"``) or
-    skips the step on every rank (``"skip"``, and always under ``torch.amp.GradScaler``), with
-    params and optimizer state unchanged either way. (``fn.ddp.onebit_hook`` and ``loco_hook``,
-    which serve optimizers without such a policy, take ``nonfinite=`` in their states.)
+    Non-finite gradients: the hook decides nothing (a warmup update's dense mean is non-finite
+    on every rank where some rank's gradient is; compressed updates send nothing), so the
+    optimizer's ``nonfinite`` policy applies in both phases, the same on every rank.
 
     Gradient accumulation: run the micro-batches but the last under ``ddp_model.no_sync()`` and
     call ``optimizer.step()`` once per accumulated batch: the hook runs (averaging or not) on the
