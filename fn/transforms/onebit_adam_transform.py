@@ -133,24 +133,14 @@ def onebit_adam(
             ``error_dtype`` other than fp32, bf16 or fp16.
 
     Safeguard (``safeguard=True``, a deliberate deviation from DeepSpeed): an element whose
-    gradient was (almost) zero during the warmup (a dead unit, an unused embedding row) freezes
-    with :math:`v \approx 0`, but the 1-bit allreduce gives every element of :math:`m` about its
-    leaf's RMS magnitude, so :math:`m / (\sqrt v + \epsilon)` reaches :math:`10^5` or more and
-    the params blow up. Dense Adam without bias correction never leaves
-    :math:`|m / \sqrt v| \le B = (1-\beta_1) / \sqrt{(1-\beta_2)(1-\beta_1^2/\beta_2)}`
-    (Cauchy-Schwarz on the two moving averages; 7.27 for the default betas; no clip when
-    :math:`\beta_1^2 \ge \beta_2`), so the compressed update's
-    :math:`m / (\sqrt v + \epsilon)` is clipped to :math:`[-B, B]`: where the frozen variance
-    still fits the gradients nothing changes, elsewhere an element moves by at most
-    :math:`\eta B` per update. On a 16-64-64-4 ReLU MLP (2 ranks, default betas and eps, lr
-    1e-3 and 1e-2, ``freeze_step`` 10 and 50, 200 updates) DeepSpeed's rule gave NaN in all four
-    runs; the clipped rule ended at 0.93x, 0.99x, 1.33x and 1.05x dense Adam's held-out MSE.
-    At the freeze the ``fn.transforms`` logger counts, at INFO, the elements whose frozen variance
-    is zero or below the safe range :math:`\sqrt v + \epsilon < \mathrm{rms}(m) / B` of their
-    leaf; a ``RuntimeWarning`` says so instead where training is at risk (an element at zero
-    outside ``exp_avg_mask``, more than half below the range, or no bound); a compressed
-    update on a state with no update made (``count == 0``) raises ``ValueError``. See
-    ``docs/algorithms.md``, "Safeguard against near-zero frozen variance".
+    gradient was (almost) zero during the warmup freezes with :math:`v \approx 0` while the
+    1-bit allreduce gives it a momentum of its leaf's RMS magnitude, so DeepSpeed's
+    :math:`m / (\sqrt v + \epsilon)` blows up. Dense Adam never leaves
+    :math:`|m / \sqrt v| \le B = (1-\beta_1) / \sqrt{(1-\beta_2)(1-\beta_1^2/\beta_2)}` (7.27
+    for the default betas), so the compressed update clips that ratio to :math:`[-B, B]`. The
+    freeze logs (INFO) the elements below the safe range, and warns where training is at risk;
+    a compressed update on a state with no update made raises ``ValueError``. The derivation
+    and the measurements: ``docs/algorithms.md``, "Safeguard against near-zero frozen variance".
 
     Policies: a ``None`` gradient leaf (a frozen param) gets a ``None`` update and its state is
     untouched. Non-finite gradients raise ``ValueError`` and nothing is updated: the warmup update

@@ -140,10 +140,9 @@ def zero_one_adam(
     :math:`m / (\sqrt v + \epsilon)` is clipped to :math:`[-B, B]` (from the first 1-bit step
     on, :math:`m` carries compressed gradients, so the variance steps need it too) and the
     synchronized :math:`a / d` to :math:`[-\ell B, \ell B]`, since :math:`a` sums local steps
-    of at most :math:`\eta B` each. On a 16-64-64-4 ReLU MLP (2 ranks, default betas and eps, lr
-    1e-3 and 1e-2, ``var_freeze_step`` 10 and 50, 200 updates) DeepSpeed's rule gave NaN in all
-    four runs; the clipped rule ended at 0.93x, 0.98x, 1.52x and 1.11x dense Adam's held-out
-    MSE. The freeze reports and a never-warmed-up state raises as in ``onebit_adam``.
+    of at most :math:`\eta B` each (measured in docs/algorithms.md, "Safeguard against
+    near-zero frozen variance"). The freeze reports and a never-warmed-up state raises as in
+    ``onebit_adam``.
 
     Policies: ``None`` gradient leaves get ``None`` updates and keep their state. Non-finite
     gradients raise ``ValueError`` with nothing updated: the variance step checks the averaged
