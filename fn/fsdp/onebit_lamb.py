@@ -102,8 +102,9 @@ class OnebitLamb(ShardedOnebitOptimizer):
     ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """Every param's scaled momentum ``s (b1 m + (1 - b1) g_r)``, with ``m`` the packed
         result divided by ``s`` (at the freeze: the warmup's momentum, unscaled)."""
-        rows = momentum.view(comm.world_size, layout.padded_row)
-        grads = grad.view(comm.world_size, layout.padded_row)
+        del comm
+        rows = momentum.view(-1, layout.padded_row)  # X's rows (on HSDP: this rank's row)
+        grads = grad.view(-1, layout.padded_row)
         b1 = self._b1
         for slot in layout.slots:
             columns = slice(slot.offset, slot.offset + slot.width)
