@@ -457,7 +457,8 @@ class OnebitAdam(ShardedOnebitOptimizer):
     through :class:`~fn.fsdp.TrainingCheckpoint` (DCP), resumed bit for bit after any update.
 
     Args:
-        model: the model, with ``fully_shard`` applied to it or its submodules, on one 1-D mesh;
+        model: the model, with ``fully_shard`` applied to it or its submodules, on one 1-D mesh
+            (with ``replicate``: the shard dimension of the 2-D mesh, ``mesh["shard"]``);
             every trainable param must be in an FSDP2 module.
         lr, freeze_step, betas, eps, weight_decay, safeguard: as ``fn.onebit_adam``
             (``freeze_step="auto"`` too: each rank sends its shards' gradient energy with the
@@ -475,16 +476,33 @@ class OnebitAdam(ShardedOnebitOptimizer):
             all-gathers the records once (``(W - 1) n / (8 W)`` bytes sent per rank) into the
             mask. Other values and DTensor masks: ``NotImplementedError`` / ``TypeError``.
         nonfinite: ``"raise"`` (``"skip"``: ``NotImplementedError``).
-        local_world_size: must be ``None`` (``NotImplementedError`` otherwise).
+        local_world_size: must be ``None`` (``NotImplementedError`` otherwise; across nodes
+            use ``replicate``).
         error_dtype: the storage of the errors, ``torch.float32``, ``torch.bfloat16`` or
             ``torch.float16`` (as ``fn.onebit_adam``'s; fp16 errors take the allocating 1-bit
             allreduce, the others the in-place exchange).
+        replicate: HSDP (docs/algorithms.md, "1-bit Adam and 1-bit LAMB on HSDP"): the
+            replicate dimension of ``mesh = init_device_mesh(device, (N, L),
+            mesh_dim_names=("replicate", "shard"))``, ``mesh["replicate"]``, with every module
+            sharded by ``fully_shard(module, mesh=mesh["shard"])``. Each module's
+            reduce-scatter stays dense inside the node; across the ``N`` nodes the warmup
+            averages the node's gradient shard densely (sum, then ``/ N``) and the compressed
+            phase runs the 1-bit allreduce of this rank's row of the momentum over the
+            replicate group, keeping the row as packed signs (worker error: the row, server
+            error: ``1 / N`` of it; no buffer is full size). ``None`` (default): the shard mesh
+            must hold every rank. With ``N = 1`` it is the 1-D path. Checkpoints resume on the
+            same mesh shape only (another shape: ``ValueError``).
 
     Raises:
         ValueError: on every rank: no FSDP2 module with trainable params, a trainable param
             outside every FSDP2 module, a module already driven by another fn.fsdp optimizer,
-            settings that differ between ranks, or a bad hyperparameter.
-        NotImplementedError: on every rank: HSDP or a 2-D mesh, or an option not built yet.
+            settings that differ between ranks (with ``replicate``: between any ranks of the
+            world), a bad hyperparameter, a 1-D shard mesh that leaves ranks out without
+            ``replicate``, or a ``replicate`` mesh that does not complement the shard mesh.
+        TypeError: on every rank: ``replicate`` is not a 1-D ``DeviceMesh``.
+        NotImplementedError: on every rank: a model sharded on a 2-D mesh (shard it on
+            ``mesh["shard"]`` and pass ``replicate=mesh["replicate"]``), one rank per node
+            with ``replicate``, or an option not built yet.
 
     Policies (README.md, "Policies"): nothing is raised inside FSDP2's backward; what a
     reduce-scatter finds is raised by the next ``step()``, on every rank, with no param

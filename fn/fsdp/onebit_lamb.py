@@ -52,9 +52,11 @@ class OnebitLamb(ShardedOnebitOptimizer):
         lr, freeze_step, betas, eps, weight_decay, max_coeff, min_coeff, coeff_beta,
             factor_max, factor_min, factor_threshold, safeguard: as ``fn.onebit_lamb``
             (``lr`` read from ``param_groups[0]["lr"]`` at every step).
-        exp_avg_mask, nonfinite, local_world_size, error_dtype: as
+        exp_avg_mask, nonfinite, local_world_size, error_dtype, replicate: as
             :class:`~fn.fsdp.OnebitAdam` (``exp_avg_mask="auto"`` too; the same options are
-            not built yet).
+            not built yet). On HSDP (``replicate``) the compressed vector is this rank's row
+            of the scaled momenta, and the norms are reduced over the shard group only (the
+            ``N`` peers of a shard hold the same values).
 
     Raises:
         ValueError, NotImplementedError: as :class:`~fn.fsdp.OnebitAdam`, on every rank.

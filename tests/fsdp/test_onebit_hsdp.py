@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 import fn
 import fn.fsdp
 from tests._distributed import run_distributed
-from tests.fsdp import test_onebit, test_onebit_lamb
+from tests.fsdp import test_onebit, test_onebit_auto_mask, test_onebit_lamb
 from tests.fsdp.test_onebit import BETAS, EPS, FREEZE, LR, batch, full_params, lr_at, masks_of
 
 N, L = 2, 2  # nodes (replicate), ranks per node (shard)
@@ -168,6 +168,23 @@ def _worker_train(rank: int, world_size: int, root: str) -> dict:
                 path = os.path.join(root, f"{kind}-{t}")
                 fn.fsdp.TrainingCheckpoint(model, opt, step=t).save(path)
         out[kind, masked] = dict(history=history, mismatches=mismatches, bytes=opt.bytes_sent)
+    # a problem one row's collective found (on its N ranks: injected on shard rank 1 of both
+    # nodes) is raised on every rank, of its kind, with no param changed; the next update trains
+    before = full_params(model)
+    opt.zero_grad()
+    x, y = batch(rank, 0)
+    nn.functional.mse_loss(model(x), y).backward()
+    if rank % L == 1:
+        opt._problems.append(fn.NonFiniteError("injected"))
+    try:
+        opt.step()
+        raised = None
+    except fn.NonFiniteError as error:
+        raised = str(error)
+    after = full_params(model)
+    unchanged = opt.count == STEPS and all(torch.equal(before[k], after[k]) for k in before)
+    train_step(model, opt, rank, STEPS + 1)
+    out["shared problem"] = (raised, unchanged, opt.count)
     model = build("lamb", mesh=init_device_mesh("cpu", (WORLD,)))  # 1-D: another trajectory
     opt = optimizer("lamb", model, None, weight_decay=0.1)
     for t in range(1, STEPS + 1):
@@ -236,6 +253,39 @@ def _worker_native(rank: int, world_size: int) -> dict:
     return dict(worst=worst, grads_equal=grads_equal)
 
 
+def _worker_auto_mask(rank: int, world_size: int) -> dict:
+    """exp_avg_mask="auto" and the same mask by hand (test_onebit_auto_mask's model), with a
+    fixed freeze and one freeze_step="auto" decides."""
+    out = {}
+    sparse = test_onebit_auto_mask
+    for kind in KINDS:
+        for freeze in (sparse.FREEZE, sparse.AUTO_FREEZE):
+            for mask in ("auto", "hand"):
+                mesh = hsdp_mesh()
+                torch.manual_seed(0)
+                model = sparse.Sparse()
+                fully_shard(model.block, mesh=mesh["shard"])
+                fully_shard(model, mesh=mesh["shard"])
+                hand = sparse.hand_masks()
+                masks = {p: hand[k] for k, p in model.named_parameters() if k in hand}
+                opt = KINDS[kind][0](
+                    model,
+                    lr=1e-2,
+                    freeze_step=freeze,
+                    betas=(0.9, 0.99),
+                    weight_decay=0.1,
+                    exp_avg_mask="auto" if mask == "auto" else masks,
+                    replicate=mesh["replicate"],
+                )
+                params = {}
+                for t in range(1, sparse.STEPS + 1):
+                    sparse.train_step(model, opt, rank, t)
+                    params[t] = full_params(model)
+                switch = int(opt._state.auto.freeze_at) if opt._automatic else freeze
+                out[kind, str(freeze), mask] = dict(params=params, masks=opt._masks, switch=switch)
+    return out
+
+
 def _refusal(make) -> tuple[str, str] | None:
     try:
         make()
@@ -296,6 +346,10 @@ def test_bit_for_bit_with_the_reference_and_all_ranks_agree(trained):
             for t, params in result[case]["history"].items():
                 assert all(torch.equal(v, first[t][k]) for k, v in params.items()), (case, t)
         assert not all(torch.equal(v, first[1][k]) for k, v in first[STEPS].items())
+    for rank, result in enumerate(results):
+        raised, unchanged, count = result["shared problem"]
+        assert raised is not None and unchanged and count == STEPS + 1, (rank, raised)
+        assert ("injected" in raised) == (rank % L == 1), raised
     hsdp = results[0]["lamb", False]["history"][STEPS]
     assert not torch.equal(hsdp["block.weight"], results[0]["lamb 1-d"]["block.weight"])
 
@@ -319,6 +373,25 @@ def test_checkpoints_resume_bit_for_bit_on_the_same_mesh(trained):
 def test_warmup_matches_native_hsdp_and_adam():
     for result in run_distributed(_worker_native, WORLD, timeout=240):
         assert result["worst"] < 1e-6, result
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_auto_mask_equals_the_hand_mask_with_fixed_and_decided_freeze():
+    results = run_distributed(_worker_auto_mask, WORLD, timeout=240)
+    steps = test_onebit_auto_mask.STEPS
+    for rank, out in enumerate(results):
+        for kind in KINDS:
+            for freeze in (test_onebit_auto_mask.FREEZE, test_onebit_auto_mask.AUTO_FREEZE):
+                auto, hand = out[kind, str(freeze), "auto"], out[kind, str(freeze), "hand"]
+                assert auto["switch"] == hand["switch"] < steps, (kind, freeze)
+                for name, bits in hand["masks"].items():
+                    assert torch.equal(auto["masks"][name], bits), (rank, kind, name)
+                for t in range(1, steps + 1):
+                    for k, value in hand["params"][t].items():
+                        assert torch.equal(auto["params"][t][k], value), (rank, kind, t, k)
+                        first = results[0][kind, str(freeze), "auto"]["params"][t][k]
+                        assert torch.equal(auto["params"][t][k], first), (rank, kind, t, k)
 
 
 @pytest.mark.distributed
