@@ -27,6 +27,7 @@ SECTIONS = [
     "Safeguard against near-zero frozen variance",
     "Quantized allreduce with LoCo error feedback",
     "1-bit Adam and 1-bit LAMB on FSDP2",
+    "1-bit Adam and 1-bit LAMB on HSDP",
     "Deviations from DeepSpeed",
 ]
 

@@ -60,6 +60,10 @@ class OnebitStateFormat:
         where ``None``, with ``"<field>_held"``: int8 per param, whether it holds a tensor).
         :class:`~fn.fsdp.TrainingCheckpoint` saves it, and loads it at any world size, checked
         before anything changes; ``dcp.load`` straight into it works at the same world size.
+        On HSDP (``replicate=``) the world size is the shard group's, ``header`` ends with
+        ``N``, ``momentum`` holds this rank's row (a DTensor over the shard mesh, the same on
+        the ``N`` peers), ``rank<r>`` is named by the rank in the world, and a load needs the
+        same mesh shape.
 
         Returns:
             A dict of tensors: the state's own where it holds them, zeros where it does not.
@@ -207,11 +211,12 @@ class OnebitStateFormat:
 
         Saved at this world size, the state continues bit for bit. Saved at another one, the
         momentum is read back exactly into this world size's layout, and the error feedback
-        (which compensated the old layout's compression) restarts from zero with a warning.
+        (which compensated the old layout's compression) restarts from zero with a warning. On
+        HSDP only the same mesh shape loads (another: ``ValueError``, nothing changed).
 
         Raises:
-            ValueError: the checkpoint is of another model or other settings; nothing was
-                changed.
+            ValueError: the checkpoint is of another model or other settings, or (on HSDP, or
+                saved on HSDP) of another mesh shape; nothing was changed.
             NotImplementedError: ``state_dict`` is in ``torch.optim``'s per-param form (as
                 ``torch.distributed.checkpoint.state_dict.set_state_dict`` passes it); nothing
                 was changed.
@@ -261,16 +266,7 @@ class OnebitStateFormat:
                 "is kept)",
                 stacklevel=2,
             )
-        names = [slot.name for layout in self._layouts for slot in layout.slots]
-        extra = {
-            field: {k: state_dict[field][k].clone() for k in names} for field in self.scalar_fields
-        }
-        for field in self.optional_fields:
-            held_by = [bool(x) for x in state_dict[f"{field}_held"].tolist()]
-            values = [to_local(state_dict[field][k]).clone() for k in names]
-            extra[field] = {
-                k: x if kept else None for k, x, kept in zip(names, values, held_by, strict=True)
-            }
+        extra = self._loaded_fields(state_dict)
         if self._automatic:
             extra["auto"] = auto
         self.param_groups[0]["lr"] = float(state_dict["lr"])
@@ -283,6 +279,21 @@ class OnebitStateFormat:
         )
         self._compressed = compressed
         self._set_masks(masks, records)
+
+    def _loaded_fields(self, state_dict: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """A subclass's further per-param fields from a :meth:`state_dict`, by field and FQN
+        (its ``scalar_fields``, and its ``optional_fields`` with ``None`` where not held)."""
+        names = [slot.name for layout in self._layouts for slot in layout.slots]
+        extra = {
+            field: {k: state_dict[field][k].clone() for k in names} for field in self.scalar_fields
+        }
+        for field in self.optional_fields:
+            held_by = [bool(x) for x in state_dict[f"{field}_held"].tolist()]
+            values = [to_local(state_dict[field][k]).clone() for k in names]
+            extra[field] = {
+                k: x if kept else None for k, x, kept in zip(names, values, held_by, strict=True)
+            }
+        return extra
 
     def _own_key(self) -> str:
         """The name of this rank's own entries (its errors): ``rank<r>``, ``r`` its rank in
