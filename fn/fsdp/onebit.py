@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from fn.base import CompressedOptimizer, apply_updates, set_hyperparams
 from fn.collectives import (
@@ -33,10 +33,11 @@ from fn.collectives import (
 )
 from fn.errors import NonFiniteError
 from fn.fsdp._agreement import agree
-from fn.fsdp._fsdp2 import installed_reduce_scatter, reduce_scatters_stopped
+from fn.fsdp._fsdp2 import reduce_scatters_stopped
 from fn.fsdp.loco import ROOT
-from fn.fsdp.onebit_layout import fsdp_modules, module_layout, one_dim, to_local
-from fn.fsdp.onebit_masks import MomentumMasks, mask_checksum, mask_problem, module_mask
+from fn.fsdp.onebit_checks import check_partitions, model_problem, replicate_problem
+from fn.fsdp.onebit_layout import fsdp_modules, module_layout, one_dim, row_multiple, to_local
+from fn.fsdp.onebit_masks import MomentumMasks, mask_checksum, module_mask
 from fn.fsdp.onebit_reduce_scatter import (
     CompressedModule,
     OnebitReduceScatter,
@@ -59,8 +60,11 @@ OPTIONS = (
         annotation="Mapping[torch.Tensor, torch.Tensor] | str | None",
     ),
     Parameter("nonfinite", Parameter.KEYWORD_ONLY, default="raise", annotation="str"),
+    Parameter("replicate", Parameter.KEYWORD_ONLY, default=None, annotation="DeviceMesh | None"),
 )
-_OPTION_NAMES = ("exp_avg_mask", "nonfinite", "local_world_size", "error_dtype", "non_freeze")
+_OPTION_NAMES = (
+    "exp_avg_mask", "nonfinite", "local_world_size", "error_dtype", "replicate", "non_freeze"
+)  # fmt: skip
 _FORMAT = 1  # the layout of ShardedOnebitOptimizer.state_dict()
 _TORCH_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
 _AUTO_MASK_KEYS = ("always_zero", "exp_avg_mask")  # and with exp_avg_mask="auto"
@@ -105,6 +109,7 @@ class ShardedOnebitOptimizer(
         nonfinite: str,
         local_world_size: int | None,
         error_dtype: torch.dtype,
+        replicate: DeviceMesh | None = None,
         non_freeze: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -114,8 +119,13 @@ class ShardedOnebitOptimizer(
                 f"{type(model).__name__}: pass the model itself, not model.parameters()"
             )
         found = fsdp_modules(model)
-        group = found[0][1][0][1].device_mesh.get_group(0) if found and one_dim(found) else None
-        problem = _problem(model, found, non_freeze, exp_avg_mask, nonfinite, local_world_size)
+        flat = bool(found) and one_dim(found)
+        group = found[0][1][0][1].device_mesh.get_group(0) if flat else None
+        problem = model_problem(
+            self.name, model, found, non_freeze, exp_avg_mask, nonfinite, local_world_size
+        )
+        if problem is None:
+            problem = replicate_problem(self.name, replicate, found)
         if problem is None:
             problem = self._bad_settings(settings, error_dtype)
         masks = None if problem else exp_avg_mask
@@ -123,18 +133,41 @@ class ShardedOnebitOptimizer(
         order = [p for _, ps in found for _, p in ps]
         # in the ranks' agreement and the checkpoints' settings: "auto", or the masks' checksum
         self._mask_setting = "auto" if self._auto_mask else mask_checksum(masks, order)
+        hsdp = () if replicate is None else ("replicate", getattr(replicate, "shape", None))
         fingerprint = repr(
             (settings, non_freeze, self._mask_setting, nonfinite, local_world_size,
-             str(error_dtype), [(m, [(n, tuple(p.shape)) for n, p in ps]) for m, ps in found])
+             str(error_dtype), [(m, [(n, tuple(p.shape)) for n, p in ps]) for m, ps in found],
+             *hsdp)
         )  # fmt: skip
         device = found[0][1][0][1].device if found else "cpu"
-        agree(self.name, group, problem, fingerprint, device=device)
+        # over the world where the shard mesh does not hold it (HSDP, or a refused 1-D mesh)
+        agreement = group if flat and replicate is None and _holds_world(group) else None
+        agree(self.name, agreement, problem, fingerprint, device=device)
         self._comms = CommCache(None)
         self.comm = self._comms(group)
-        world_size = self.comm.world_size
+        self._replicas = None  # fn's comm over the replicate group (HSDP, N > 1), or None
+        multiple = None
+        if replicate is not None:
+            check_partitions(self.name, found[0][1][0][1].device_mesh, replicate, device)
+            if replicate.size() > 1:
+                self._replicas = self._comms(replicate.get_group(0))
+                multiple = row_multiple(replicate.size())
         self.error_dtype = error_dtype
         self.rank = dist.get_rank(group)
-        self._layouts = [module_layout(name, params, world_size) for name, params in found]
+        world_size = self.comm.world_size
+        self._layouts = [module_layout(n, ps, world_size, multiple) for n, ps in found]
+        self._install(model, settings, masks, error_dtype)
+
+    def _install(
+        self,
+        model: nn.Module,
+        settings: dict[str, Any],
+        masks: Mapping[torch.Tensor, torch.Tensor] | str | None,
+        error_dtype: torch.dtype,
+    ) -> None:
+        """The state and the reduce-scatters, once every rank agreed on the model and the
+        settings (``self._layouts`` set)."""
+        world_size = self.comm.world_size
         self._compressed = {layout.name: CompressedModule() for layout in self._layouts}
         self._masks = {  # by module: its exp_avg_mask as bits in the layout of X, or None
             x.name: None if masks is None or self._auto_mask else module_mask(x, masks, world_size)
@@ -257,6 +290,8 @@ class ShardedOnebitOptimizer(
         self._problems, self._delivered = [], False
         for held in self._compressed.values():
             held.pending = False
+        if self._replicas is not None:  # each row's collective found its own: share them
+            problems = self._shared_problems(problems)
         if problems:
             raise problems[0]
         if not delivered:
@@ -311,15 +346,40 @@ class ShardedOnebitOptimizer(
             held = self._compressed[layout.name]
             row = None
             if reduced[layout.name]:
-                rank = slice(self.rank, self.rank + 1)
-                signs = PackedSigns(held.signs.packed[rank], held.signs.scales[rank])
-                row = signs.values(layout.padded_row)
+                row = self._own_row(held.signs).values(layout.padded_row)
                 row = self._masked_row(layout, row)
             for slot in layout.slots:
                 local = to_local(slot.param)
                 piece = None if row is None else row[slot.offset : slot.offset + local.numel()]
                 shards[slot.name] = None if piece is None else piece.view(local.shape)
         return shards
+
+    def _own_row(self, signs: PackedSigns) -> PackedSigns:
+        """This rank's row of a module's packed momentum: on a 1-D mesh its chunk of the
+        whole ``X``, on HSDP all of it (the ``N`` chunks of the row)."""
+        if self._replicas is not None:
+            return signs
+        rank = slice(self.rank, self.rank + 1)
+        return PackedSigns(signs.packed[rank], signs.scales[rank])
+
+    def _shared_problems(self, problems: list[Exception]) -> list[Exception]:
+        """HSDP: what the reduce-scatters found, on every rank of the node (one all-gather of
+        two values over the shard group). A row's collective raises on the ``N`` ranks of that
+        row only; the other rows' ranks then raise too, of the same kind when it is
+        ``fn.NonFiniteError``."""
+        mine = [float(bool(problems)), float(bool(problems) and _nonfinite(problems[0]))]
+        rows = self.comm.all_gather(torch.tensor(mine, dtype=torch.float64)).view(-1, 2)
+        failed = rows[:, 0].nonzero().view(-1).tolist()
+        if problems or not failed:
+            return problems
+        kind = NonFiniteError if bool(rows[failed[0], 1]) else RuntimeError
+        return [
+            kind(
+                f"{self.name}: the reduce-scatter of rank {failed[0]} of this node's shard group "
+                "failed (see its error); nothing was updated (this rank's rows of the modules "
+                "reduce-scattered have advanced their momentum and errors)"
+            )
+        ]
 
     def _checked_energy(self, grads: dict[str, torch.Tensor | None]) -> torch.Tensor | None:
         """Raises ``NonFiniteError`` on every rank if some rank's gradient shard is not
@@ -397,7 +457,8 @@ class OnebitAdam(ShardedOnebitOptimizer):
     through :class:`~fn.fsdp.TrainingCheckpoint` (DCP), resumed bit for bit after any update.
 
     Args:
-        model: the model, with ``fully_shard`` applied to it or its submodules, on one 1-D mesh;
+        model: the model, with ``fully_shard`` applied to it or its submodules, on one 1-D mesh
+            (with ``replicate``: the shard dimension of the 2-D mesh, ``mesh["shard"]``);
             every trainable param must be in an FSDP2 module.
         lr, freeze_step, betas, eps, weight_decay, safeguard: as ``fn.onebit_adam``
             (``freeze_step="auto"`` too: each rank sends its shards' gradient energy with the
@@ -415,16 +476,33 @@ class OnebitAdam(ShardedOnebitOptimizer):
             all-gathers the records once (``(W - 1) n / (8 W)`` bytes sent per rank) into the
             mask. Other values and DTensor masks: ``NotImplementedError`` / ``TypeError``.
         nonfinite: ``"raise"`` (``"skip"``: ``NotImplementedError``).
-        local_world_size: must be ``None`` (``NotImplementedError`` otherwise).
+        local_world_size: must be ``None`` (``NotImplementedError`` otherwise; across nodes
+            use ``replicate``).
         error_dtype: the storage of the errors, ``torch.float32``, ``torch.bfloat16`` or
             ``torch.float16`` (as ``fn.onebit_adam``'s; fp16 errors take the allocating 1-bit
             allreduce, the others the in-place exchange).
+        replicate: HSDP (docs/algorithms.md, "1-bit Adam and 1-bit LAMB on HSDP"): the
+            replicate dimension of ``mesh = init_device_mesh(device, (N, L),
+            mesh_dim_names=("replicate", "shard"))``, ``mesh["replicate"]``, with every module
+            sharded by ``fully_shard(module, mesh=mesh["shard"])``. Each module's
+            reduce-scatter stays dense inside the node; across the ``N`` nodes the warmup
+            averages the node's gradient shard densely (sum, then ``/ N``) and the compressed
+            phase runs the 1-bit allreduce of this rank's row of the momentum over the
+            replicate group, keeping the row as packed signs (worker error: the row, server
+            error: ``1 / N`` of it; no buffer is full size). ``None`` (default): the shard mesh
+            must hold every rank. With ``N = 1`` it is the 1-D path. Checkpoints resume on the
+            same mesh shape only (another shape: ``ValueError``).
 
     Raises:
         ValueError: on every rank: no FSDP2 module with trainable params, a trainable param
             outside every FSDP2 module, a module already driven by another fn.fsdp optimizer,
-            settings that differ between ranks, or a bad hyperparameter.
-        NotImplementedError: on every rank: HSDP or a 2-D mesh, or an option not built yet.
+            settings that differ between ranks (with ``replicate``: between any ranks of the
+            world), a bad hyperparameter, a 1-D shard mesh that leaves ranks out without
+            ``replicate``, or a ``replicate`` mesh that does not complement the shard mesh.
+        TypeError: on every rank: ``replicate`` is not a 1-D ``DeviceMesh``.
+        NotImplementedError: on every rank: a model sharded on a 2-D mesh (shard it on
+            ``mesh["shard"]`` and pass ``replicate=mesh["replicate"]``), one rank per node
+            with ``replicate``, or an option not built yet.
 
     Policies (README.md, "Policies"): nothing is raised inside FSDP2's backward; what a
     reduce-scatter finds is raised by the next ``step()``, on every rank, with no param
@@ -479,7 +557,14 @@ class ZeroOneAdam:
     """
 
     def __init__(self, model: nn.Module, *args: Any, **kwargs: Any) -> None:
-        del model, args, kwargs
+        del model, args
+        if kwargs.get("replicate") is not None:
+            raise NotImplementedError(
+                "fn.fsdp.ZeroOneAdam: 0/1 Adam on HSDP (replicate=) is not built yet: it would "
+                "be sound there (a node is one replica, its local steps would run per node, "
+                "its 1-bit allreduces across the replicate group), but it is not offered; use "
+                "fn.fsdp.OnebitAdam(model, ..., replicate=...), or fn.optim.ZeroOneAdam with DDP"
+            )
         raise NotImplementedError(
             "fn.fsdp.ZeroOneAdam: 0/1 Adam's local steps update every rank's full params from "
             "its own momentum between synchronizations, so the ranks' params differ by "
@@ -496,50 +581,9 @@ def _as_pair(betas: Any) -> Any:
     return tuple(betas) if is_sequence else betas
 
 
-def _problem(
-    model: nn.Module,
-    found: list[tuple[str, list[tuple[str, DTensor]]]],
-    non_freeze: bool,
-    exp_avg_mask: Any,
-    nonfinite: str,
-    local_world_size: int | None,
-) -> tuple[type[Exception], str] | None:
-    """What this rank finds wrong with the model or the options, or ``None``."""
-    if not found:
-        return ValueError, "model has no FSDP2 module (fully_shard) with trainable params"
-    inside = {id(p) for _, ps in found for _, p in ps}
-    outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in inside]
-    if outside:
-        return ValueError, f"trainable params outside every FSDP2 module: {outside}"
-    if not one_dim(found):
-        return NotImplementedError, (
-            "HSDP and 2-D meshes are not supported: the 1-bit allreduce runs over one group, "
-            "the params' 1-D shard mesh"
-        )
-    groups = {ps[0][1].device_mesh for _, ps in found}
-    if len(groups) > 1:
-        return NotImplementedError, "FSDP2 modules on different meshes are not supported"
-    taken = [
-        name or ROOT
-        for name, module in model.named_modules()
-        if isinstance(installed_reduce_scatter(module), OnebitReduceScatter)
-    ]
-    if taken:
-        return ValueError, f"the FSDP2 modules {taken} already have an fn.fsdp optimizer"
-    unsupported = {
-        "non_freeze": (non_freeze, "one module's vector would mix dense and compressed params"),
-        "nonfinite='skip'": (
-            nonfinite == "skip",
-            "the modules reduce-scattered before a non-finite one have already advanced",
-        ),
-        "local_world_size": (
-            local_world_size is not None,
-            "the hierarchical collective hands a rank another chunk than its FSDP2 shard",
-        ),
-    }
-    for name, (used, why) in unsupported.items():
-        if used:
-            return NotImplementedError, f"{name} is not supported yet on FSDP2: {why}"
-    if nonfinite != "raise":
-        return ValueError, f"nonfinite must be 'raise', got {nonfinite!r}"
-    return mask_problem(found, exp_avg_mask)
+def _nonfinite(error: Exception) -> bool:
+    return isinstance(error, NonFiniteError)
+
+
+def _holds_world(group: dist.ProcessGroup) -> bool:
+    return dist.get_world_size(group) == dist.get_world_size()

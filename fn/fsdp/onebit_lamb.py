@@ -52,9 +52,11 @@ class OnebitLamb(ShardedOnebitOptimizer):
         lr, freeze_step, betas, eps, weight_decay, max_coeff, min_coeff, coeff_beta,
             factor_max, factor_min, factor_threshold, safeguard: as ``fn.onebit_lamb``
             (``lr`` read from ``param_groups[0]["lr"]`` at every step).
-        exp_avg_mask, nonfinite, local_world_size, error_dtype: as
+        exp_avg_mask, nonfinite, local_world_size, error_dtype, replicate: as
             :class:`~fn.fsdp.OnebitAdam` (``exp_avg_mask="auto"`` too; the same options are
-            not built yet).
+            not built yet). On HSDP (``replicate``) the compressed vector is this rank's row
+            of the scaled momenta, and the norms are reduced over the shard group only (the
+            ``N`` peers of a shard hold the same values).
 
     Raises:
         ValueError, NotImplementedError: as :class:`~fn.fsdp.OnebitAdam`, on every rank.
@@ -102,8 +104,9 @@ class OnebitLamb(ShardedOnebitOptimizer):
     ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """Every param's scaled momentum ``s (b1 m + (1 - b1) g_r)``, with ``m`` the packed
         result divided by ``s`` (at the freeze: the warmup's momentum, unscaled)."""
-        rows = momentum.view(comm.world_size, layout.padded_row)
-        grads = grad.view(comm.world_size, layout.padded_row)
+        del comm
+        rows = momentum.view(-1, layout.padded_row)  # X's rows (on HSDP: this rank's row)
+        grads = grad.view(-1, layout.padded_row)
         b1 = self._b1
         for slot in layout.slots:
             columns = slice(slot.offset, slot.offset + slot.width)

@@ -30,6 +30,7 @@ __all__ = [
     "momentum_from_signs",
     "one_dim",
     "params_of_x",
+    "row_multiple",
     "row_of",
     "shard_of",
     "to_local",
@@ -60,17 +61,27 @@ class ModuleLayout(NamedTuple):
         ranges = []
         for j in range(world_size):
             base = j * self.padded_row
-            for slot in self.slots:
-                if slot.real[j] < slot.width:
-                    start = base + slot.offset
-                    ranges.append((start + slot.real[j], start + slot.width))
-            if self.padded_row > self.row:
-                ranges.append((base + self.row, base + self.padded_row))
+            ranges += [(base + start, base + stop) for start, stop in self.row_padding(j)]
+        return ranges
+
+    def row_padding(self, j: int) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` ranges of row ``j`` that hold no element of a param."""
+        ranges = []
+        for slot in self.slots:
+            if slot.real[j] < slot.width:
+                ranges.append((slot.offset + slot.real[j], slot.offset + slot.width))
+        if self.padded_row > self.row:
+            ranges.append((self.row, self.padded_row))
         return ranges
 
 
-def module_layout(name: str, params: list[tuple[str, DTensor]], world_size: int) -> ModuleLayout:
-    """The layout of ``X`` for a module's params (FQN and sharded param, in FSDP2's order)."""
+def module_layout(
+    name: str, params: list[tuple[str, DTensor]], world_size: int, multiple: int | None = None
+) -> ModuleLayout:
+    """The layout of ``X`` for a module's params (FQN and sharded param, in FSDP2's order), its
+    rows padded to a multiple of ``multiple`` values (default ``lcm(W, 8)``, the 1-bit
+    allreduce over the ``W`` ranks of the shard group; on HSDP ``N lcm(N, 8)``, that over the
+    ``N`` replicas of a row: :func:`row_multiple`)."""
     slots, offset = [], 0
     for fqn, p in params:
         dim = next(pl.dim for pl in p.placements if isinstance(pl, Shard))
@@ -86,8 +97,16 @@ def module_layout(name: str, params: list[tuple[str, DTensor]], world_size: int)
             real = (width,) * world_size
         slots.append(ParamSlot(fqn, p, offset, width, real))
         offset += width
-    unit = math.lcm(world_size, 8)
+    unit = math.lcm(world_size, 8) if multiple is None else multiple
     return ModuleLayout(name, tuple(slots), offset, -(-offset // unit) * unit)
+
+
+def row_multiple(replicas: int) -> int:
+    """What a row of ``X`` is padded to on HSDP with ``replicas`` nodes (``N``): ``N lcm(N,
+    8)``, so that the flat 1-bit allreduce among the ``N`` ranks of the replicate group adds no
+    padding of its own (``fn.collectives.padded_numel(S', N) == S'``) and cuts the row into
+    ``N`` byte-aligned chunks."""
+    return replicas * math.lcm(replicas, 8)
 
 
 def to_local(x: torch.Tensor) -> torch.Tensor:

@@ -67,8 +67,8 @@ class OnebitReduceScatter(SynchronousReduceScatter):
 
 class OnebitReduceScatters:
     """The reduce-scatters of a :class:`~fn.fsdp.ShardedOnebitOptimizer` (a part of it: it
-    reads the optimizer's ``_comms``, ``_rule``, ``_state``, ``_compressed``, ``_masks``,
-    ``rank``, ``error_dtype`` and ``_b1``)."""
+    reads the optimizer's ``_comms``, ``_replicas``, ``_rule``, ``_state``, ``_compressed``,
+    ``_masks``, ``rank``, ``error_dtype`` and ``_b1``, and calls its ``_own_row``)."""
 
     def _reduce_scatter(
         self,
@@ -78,7 +78,10 @@ class OnebitReduceScatters:
         group: dist.ProcessGroup,
         op: Any,
     ) -> None:
-        """The reduce-scatter of one module (:class:`OnebitReduceScatter`)."""
+        """The reduce-scatter of one module (:class:`OnebitReduceScatter`). On HSDP (the
+        optimizer's ``_replicas``, fn's comm over the replicate group) the shard group's
+        dense reduce-scatter is followed by the replicate group's dense mean (warmup) or 1-bit
+        allreduce of this rank's row (compressed)."""
         comm = self._comms(group)
         world_size = comm.world_size
         if input_tensor.numel() != world_size * layout.row:  # FSDP2 left a param out
@@ -89,8 +92,11 @@ class OnebitReduceScatters:
                 "(set_reduce_scatter_unused_params); nothing was updated"
             )
         rows = input_tensor.view(world_size, layout.row)
+        replicas = self._replicas
         if not self._rule.is_compressed(self.count + 1, self._state):
-            output.copy_(dense_reduce_scatter(comm, rows, op))
+            dense = dense_reduce_scatter(comm, rows, op)
+            # across the nodes: the sum, then / N, whatever op FSDP2 asked of the node
+            output.copy_(dense if replicas is None else replicas.all_reduce(dense, "mean"))
             return
         held = self._compressed[layout.name]
         if held.pending:
@@ -101,20 +107,24 @@ class OnebitReduceScatters:
                 "updated"
             )
         momentum = self._previous_momentum(layout, held, comm, input_tensor.device)
-        if layout.padded_row == layout.row and input_tensor.dtype == torch.float32:
-            grad = input_tensor.view(-1)
-        else:
+        if replicas is not None:  # the node's mean gradient, this rank's row (fp32)
+            over = replicas
             grad = torch.zeros_like(momentum)
+            grad[: layout.row] = comm.reduce_scatter(rows, "mean")
+        elif layout.padded_row == layout.row and input_tensor.dtype == torch.float32:
+            over, grad = comm, input_tensor.view(-1)
+        else:
+            over, grad = comm, torch.zeros_like(momentum)
             grad.view(world_size, layout.padded_row)[:, : layout.row] = rows
         if held.errors is None:
             held.errors = tuple(
                 init_error_feedback(
-                    momentum.numel(), comm=comm, device=momentum.device, dtype=self.error_dtype
+                    momentum.numel(), comm=over, device=momentum.device, dtype=self.error_dtype
                 )
             )
-        x, grad, beta = self._momentum_input(layout, held, comm, momentum, grad)
+        x, grad, beta = self._momentum_input(layout, held, over, momentum, grad)
         try:
-            held.signs = self._compressed_mean(held, comm, x, grad, beta)
+            held.signs = self._compressed_mean(held, over, x, grad, beta)
         except NonFiniteError:  # raised on every rank, before anything was written
             raise NonFiniteError(
                 f"{self.name}: non-finite values in the momentum of some rank (its local "
@@ -123,26 +133,29 @@ class OnebitReduceScatters:
                 "and errors)"
             ) from None
         held.pending = True
-        rank = slice(self.rank, self.rank + 1)
-        mine = PackedSigns(held.signs.packed[rank], held.signs.scales[rank])
-        shard = mine.values(layout.row).mul_(reduce_scale(op, world_size))
-        output.copy_(shard)
+        shard = self._own_row(held.signs).values(layout.row)
+        output.copy_(shard.mul_(reduce_scale(op, world_size)))
 
     def _previous_momentum(
         self, layout: ModuleLayout, held: CompressedModule, comm: ProcessGroup, device: torch.device
     ) -> torch.Tensor:
-        """The module's momentum before this update, flat in the layout of ``X``, zero at its
-        padding positions: unpacked from its signs, or at the freeze all-gathered from the
-        shards' warmup momentum."""
-        world_size = comm.world_size
+        """The module's momentum before this update, flat in the layout of ``X`` (on HSDP:
+        this rank's row of it), zero at its padding positions: unpacked from its signs, or at
+        the freeze from the shards' warmup momentum (all-gathered on a 1-D mesh; on HSDP the
+        row is this rank's own)."""
+        hsdp = self._replicas is not None
         if held.signs is None:
-            return comm.all_gather(row_of(layout, self._state.exp_avg, device)).view(-1)
-        momentum = held.signs.values(world_size * layout.padded_row).clone()
-        for start, stop in layout.padding(world_size):
-            momentum[start:stop] = 0.0
+            row = row_of(layout, self._state.exp_avg, device)
+            return row if hsdp else comm.all_gather(row).view(-1)
+        first, count = (self.rank, 1) if hsdp else (0, comm.world_size)
+        momentum = held.signs.values(count * layout.padded_row).clone()
+        for j in range(count):
+            base = j * layout.padded_row
+            for start, stop in layout.row_padding(first + j):
+                momentum[base + start : base + stop] = 0.0
         mask = self._masks[layout.name]
         if mask is not None:  # the rule's momentum: the allreduce's result times the mask
-            momentum.mul_(mask_values(mask, 0, momentum.numel()))
+            momentum.mul_(mask_values(mask, first * layout.padded_row, momentum.numel()))
         return momentum
 
     def _compressed_mean(

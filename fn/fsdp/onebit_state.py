@@ -12,10 +12,17 @@ import zlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from fn.collectives import PackedSigns, init_error_feedback
-from fn.fsdp.onebit_layout import module_layout, momentum_from_signs, shard_of, to_local
+from fn.fsdp.onebit_layout import (
+    ModuleLayout,
+    module_layout,
+    momentum_from_signs,
+    shard_of,
+    to_local,
+)
 from fn.fsdp.onebit_masks import relaid_mask
 from fn.fsdp.onebit_reduce_scatter import CompressedModule
 
@@ -53,6 +60,10 @@ class OnebitStateFormat:
         where ``None``, with ``"<field>_held"``: int8 per param, whether it holds a tensor).
         :class:`~fn.fsdp.TrainingCheckpoint` saves it, and loads it at any world size, checked
         before anything changes; ``dcp.load`` straight into it works at the same world size.
+        On HSDP (``replicate=``) the world size is the shard group's, ``header`` ends with
+        ``N``, ``momentum`` holds this rank's row (a DTensor over the shard mesh, the same on
+        the ``N`` peers), ``rank<r>`` is named by the rank in the world, and a load needs the
+        same mesh shape.
 
         Returns:
             A dict of tensors: the state's own where it holds them, zeros where it does not.
@@ -75,7 +86,6 @@ class OnebitStateFormat:
                 "gradient, and a resumed run would apply it twice; save after step() (or "
                 "after zero_grad() and a step() that raised)"
             )
-        world_size = self.comm.world_size
         signed = [self._compressed[x.name].signs is not None for x in self._layouts]
         mine: dict[str, dict[str, torch.Tensor]] = {}
         state: dict[str, Any] = {
@@ -85,7 +95,7 @@ class OnebitStateFormat:
             "exp_avg": {},
             "exp_avg_sq": {},
             "momentum": {},
-            f"rank{self.rank}": mine,
+            self._own_key(): mine,
         }
         for layout in self._layouts:
             for slot in layout.slots:
@@ -95,14 +105,8 @@ class OnebitStateFormat:
                 v = self._state.exp_avg_sq[slot.name]
                 state["exp_avg_sq"][slot.name] = shard_of(v, slot.param)
             held = self._compressed[layout.name]
-            signs = held.signs or PackedSigns(
-                torch.zeros(world_size, layout.padded_row // 8, dtype=torch.uint8),
-                torch.zeros(world_size),
-            )
-            state["momentum"][layout.name] = {"packed": signs.packed, "scales": signs.scales}
-            errors = held.errors or init_error_feedback(
-                world_size * layout.padded_row, comm=self.comm, dtype=self.error_dtype
-            )
+            state["momentum"][layout.name] = self._momentum_state(layout, held.signs)
+            errors = held.errors or self._zero_errors(layout)
             mine[layout.name] = {"worker": errors[0], "server": errors[1]}
         slots = [slot for layout in self._layouts for slot in layout.slots]
         if self._automatic:
@@ -140,7 +144,7 @@ class OnebitStateFormat:
         """
         auto_saved = any(key.startswith("always_zero.") for key in saved)
         world_size, _ = self._checked_header(header, auto_saved)
-        own = f"rank{self.rank}"
+        own = self._own_key()
         needed = ["lr", "signed"]
         for layout in self._layouts:
             needed += [f"momentum.{layout.name}.{k}" for k in ("packed", "scales")]
@@ -171,10 +175,13 @@ class OnebitStateFormat:
             "momentum": {},
         }
         for layout in self._layouts:
-            template["momentum"][layout.name] = {
-                k: new(f"momentum.{layout.name}.{k}", dtype)
-                for k, dtype in (("packed", torch.uint8), ("scales", torch.float32))
-            }
+            if self._replicas is None:
+                template["momentum"][layout.name] = {
+                    k: new(f"momentum.{layout.name}.{k}", dtype)
+                    for k, dtype in (("packed", torch.uint8), ("scales", torch.float32))
+                }
+            else:  # this rank's row, as saved (the same mesh: the header said so)
+                template["momentum"][layout.name] = self._momentum_state(layout, None)
             for slot in layout.slots:
                 for field in ("exp_avg", "exp_avg_sq", *self.optional_fields):
                     shard = shard_of(torch.zeros(0), slot.param)
@@ -204,11 +211,12 @@ class OnebitStateFormat:
 
         Saved at this world size, the state continues bit for bit. Saved at another one, the
         momentum is read back exactly into this world size's layout, and the error feedback
-        (which compensated the old layout's compression) restarts from zero with a warning.
+        (which compensated the old layout's compression) restarts from zero with a warning. On
+        HSDP only the same mesh shape loads (another: ``ValueError``, nothing changed).
 
         Raises:
-            ValueError: the checkpoint is of another model or other settings; nothing was
-                changed.
+            ValueError: the checkpoint is of another model or other settings, or (on HSDP, or
+                saved on HSDP) of another mesh shape; nothing was changed.
             NotImplementedError: ``state_dict`` is in ``torch.optim``'s per-param form (as
                 ``torch.distributed.checkpoint.state_dict.set_state_dict`` passes it); nothing
                 was changed.
@@ -229,7 +237,7 @@ class OnebitStateFormat:
         if self._auto_mask:
             frozen = self._rule.is_compressed(count, self._state._replace(auto=auto))
             masks, records = self._loaded_auto_masks(state_dict, world_size, frozen)
-        own = state_dict.get(f"rank{self.rank}", {}) if same else {}
+        own = state_dict.get(self._own_key(), {}) if same else {}
         exp_avg, exp_avg_sq, compressed = {}, {}, {}
         for layout, packed in zip(self._layouts, signed, strict=True):
             held = CompressedModule()
@@ -238,8 +246,7 @@ class OnebitStateFormat:
                 m = to_local(state_dict["exp_avg"][slot.name]).clone()
                 exp_avg[slot.name] = None if packed and not self.keeps_momentum_shards else m
             if packed:
-                signs = state_dict["momentum"][layout.name]
-                held.signs = PackedSigns(signs["packed"].clone(), signs["scales"].clone())
+                held.signs = self._loaded_signs(state_dict["momentum"][layout.name])
                 if same:
                     errors = own[layout.name]
                     held.errors = (errors["worker"].clone(), errors["server"].clone())
@@ -259,16 +266,7 @@ class OnebitStateFormat:
                 "is kept)",
                 stacklevel=2,
             )
-        names = [slot.name for layout in self._layouts for slot in layout.slots]
-        extra = {
-            field: {k: state_dict[field][k].clone() for k in names} for field in self.scalar_fields
-        }
-        for field in self.optional_fields:
-            held_by = [bool(x) for x in state_dict[f"{field}_held"].tolist()]
-            values = [to_local(state_dict[field][k]).clone() for k in names]
-            extra[field] = {
-                k: x if kept else None for k, x, kept in zip(names, values, held_by, strict=True)
-            }
+        extra = self._loaded_fields(state_dict)
         if self._automatic:
             extra["auto"] = auto
         self.param_groups[0]["lr"] = float(state_dict["lr"])
@@ -281,6 +279,68 @@ class OnebitStateFormat:
         )
         self._compressed = compressed
         self._set_masks(masks, records)
+
+    def _loaded_fields(self, state_dict: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """A subclass's further per-param fields from a :meth:`state_dict`, by field and FQN
+        (its ``scalar_fields``, and its ``optional_fields`` with ``None`` where not held)."""
+        names = [slot.name for layout in self._layouts for slot in layout.slots]
+        extra = {
+            field: {k: state_dict[field][k].clone() for k in names} for field in self.scalar_fields
+        }
+        for field in self.optional_fields:
+            held_by = [bool(x) for x in state_dict[f"{field}_held"].tolist()]
+            values = [to_local(state_dict[field][k]).clone() for k in names]
+            extra[field] = {
+                k: x if kept else None for k, x, kept in zip(names, values, held_by, strict=True)
+            }
+        return extra
+
+    def _own_key(self) -> str:
+        """The name of this rank's own entries (its errors): ``rank<r>``, ``r`` its rank in
+        the shard group, or on HSDP in the world."""
+        return f"rank{self.rank if self._replicas is None else dist.get_rank()}"
+
+    def _zero_errors(self, layout: ModuleLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """A module's errors before its first compressed update: zeros, worker and server (for
+        ``X`` over the shard group, or on HSDP this rank's row over the replicate group)."""
+        if self._replicas is None:
+            numel, comm = self.comm.world_size * layout.padded_row, self.comm
+        else:
+            numel, comm = layout.padded_row, self._replicas
+        return tuple(init_error_feedback(numel, comm=comm, dtype=self.error_dtype))
+
+    def _momentum_state(
+        self, layout: ModuleLayout, signs: PackedSigns | None
+    ) -> dict[str, torch.Tensor]:
+        """A module's packed momentum in :meth:`state_dict` (zeros for ``None``): all of it,
+        the same on every rank, on a 1-D mesh; on HSDP this rank's row (its ``N`` chunks), a
+        DTensor over the shard mesh (the same on the ``N`` peers: DCP keeps one copy)."""
+        if self._replicas is None:
+            world_size = self.comm.world_size
+            signs = signs or PackedSigns(
+                torch.zeros(world_size, layout.padded_row // 8, dtype=torch.uint8),
+                torch.zeros(world_size),
+            )
+            return {"packed": signs.packed, "scales": signs.scales}
+        param = layout.slots[0].param
+        packed = torch.zeros(layout.padded_row // 8, dtype=torch.uint8, device=param.device)
+        scales = torch.zeros(self._replicas.world_size, device=param.device)
+        if signs is not None:
+            packed, scales = signs.packed.reshape(-1), signs.scales.reshape(-1)
+        return {
+            key: DTensor.from_local(
+                x, param.device_mesh, [Shard(0)], shape=(self.comm.world_size * x.numel(),),
+                stride=(1,),
+            )
+            for key, x in (("packed", packed), ("scales", scales))
+        }  # fmt: skip
+
+    def _loaded_signs(self, saved: dict[str, torch.Tensor]) -> PackedSigns:
+        """A module's packed momentum from :meth:`_momentum_state`'s form."""
+        packed, scales = to_local(saved["packed"]).clone(), to_local(saved["scales"]).clone()
+        if self._replicas is not None:
+            packed = packed.view(scales.numel(), -1)
+        return PackedSigns(packed, scales)
 
     def _auto_mask_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """``exp_avg_mask="auto"``'s part of :meth:`state_dict`, by module: ``always_zero``,
@@ -327,9 +387,12 @@ class OnebitStateFormat:
         return masks, None if frozen else records
 
     def _header(self) -> torch.Tensor:
-        """``[format, world size, updates made, crc of the layout, crc of the settings]``."""
+        """``[format, world size, updates made, crc of the layout, crc of the settings]``, the
+        world size that of the shard group; on HSDP followed by ``N``, the replicas."""
+        hsdp = [] if self._replicas is None else [self._replicas.world_size]
         return torch.tensor(
-            [_FORMAT, self.comm.world_size, self.count, *self._fingerprints()], dtype=torch.int64
+            [_FORMAT, self.comm.world_size, self.count, *self._fingerprints(), *hsdp],
+            dtype=torch.int64,
         )
 
     def _fingerprints(self) -> tuple[int, int]:
@@ -342,17 +405,30 @@ class OnebitStateFormat:
         settings = repr((fixed, str(self.error_dtype), *masks))
         return zlib.crc32(layout.encode()), zlib.crc32(settings.encode())
 
+    def _check_mesh(self, shards: int, replicas: int) -> None:
+        """``ValueError`` unless a checkpoint saved on ``replicas`` x ``shards`` ranks can be
+        loaded here: on the same mesh, or at another world size of a 1-D mesh."""
+        here = (1 if self._replicas is None else self._replicas.world_size, self.comm.world_size)
+        if (replicas, shards) != here and max(replicas, here[0]) > 1:
+            raise ValueError(
+                f"{self.name}: the checkpoint was saved on an HSDP mesh of {replicas} x "
+                f"{shards} ranks (replicate x shard), this optimizer runs on {here[0]} x "
+                f"{here[1]}: loading on another mesh shape is not supported yet with HSDP; "
+                "load it on the mesh it was saved on; nothing was loaded"
+            )
+
     def _checked_header(self, header: torch.Tensor, auto_saved: bool) -> tuple[int, int]:
         """The checkpoint's world size and update count, or ``ValueError`` if it is not a
         checkpoint of this model and these settings (``auto_saved``: whether it holds
         ``exp_avg_mask="auto"``'s records)."""
         values = header.tolist()
-        if len(values) != 5 or values[0] != _FORMAT:
+        if len(values) not in (5, 6) or values[0] != _FORMAT:
             raise ValueError(
                 f"{self.name}: not a checkpoint of this format (header {values}); "
                 "nothing was loaded"
             )
-        _, world_size, count, layout, settings = values
+        _, world_size, count, layout, settings, *hsdp = values
+        self._check_mesh(world_size, hsdp[0] if hsdp else 1)
         layout_now, settings_now = self._fingerprints()
         if layout != layout_now:
             raise ValueError(
