@@ -107,8 +107,11 @@ def replicate_problem(
         if shard.size() < world:
             return ValueError, (
                 f"the model's 1-D shard mesh holds {shard.size()} of the {world} ranks: the "
-                "ranks outside it would drift apart unnoticed. For HSDP pass replicate= "
-                f"(the mesh across the nodes): {hsdp_form(name)}"
+                "ranks outside it would drift apart unnoticed. Shard over every rank (under "
+                "Lightning: ModelParallelStrategy(data_parallel_size=<world size>, "
+                "tensor_parallel_size=1), whose default data_parallel_size is the number of "
+                "nodes), or for HSDP pass replicate= (the mesh across the nodes): "
+                f"{hsdp_form(name)}"
             )
         return None
     if not isinstance(replicate, DeviceMesh) or replicate.ndim != 1:

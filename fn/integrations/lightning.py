@@ -21,6 +21,11 @@ Example (under ``torchrun``; the full scripts are ``examples/lightning_ddp.py`` 
 
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     trainer = lightning.Trainer(strategy=strategy, callbacks=[FnCallback()], ...)
+
+On HSDP (sharded inside the node, 1-bit across nodes; :class:`FnCallback` has the recipe),
+``configure_model`` builds ``mesh = init_device_mesh(..., mesh_dim_names=("replicate",
+"shard"))`` of the strategy's shape, shards on ``mesh["shard"]``, and ``configure_optimizers``
+passes ``replicate=mesh["replicate"]``.
 """
 
 from __future__ import annotations
@@ -166,15 +171,6 @@ def _check_sharded_run(trainer: Trainer, optimizer: ShardedOnebitOptimizer) -> N
             "the backward pass, before Lightning clips the gradients, so clipping would act in "
             "the warmup only"
         )
-    if optimizer.comm.world_size != trainer.world_size:
-        raise ValueError(
-            f"fn.integrations.lightning: {optimizer.name} runs over {optimizer.comm.world_size}"
-            f" rank(s) (the FSDP2 mesh of configure_model) but the trainer has "
-            f"{trainer.world_size}: shard the model over every rank with "
-            "ModelParallelStrategy(data_parallel_size=<world size>, tensor_parallel_size=1) "
-            "(its default data_parallel_size is the number of nodes) and fully_shard(..., "
-            'mesh=self.device_mesh["data_parallel"])'
-        )
     # The strategy has no public accessor for its checkpoint format.
     if not getattr(trainer.strategy, "_save_distributed_checkpoint", True):
         raise NotImplementedError(
@@ -265,16 +261,30 @@ class FnCallback(Callback):
       ``strategy="ddp"`` and its variants) to ``fn.ddp.register`` (DDP then averages in warmup
       and is silent once compressed). For an ``fn.fsdp`` 1-bit optimizer under
       ``ModelParallelStrategy``: refuses, on every rank, what it cannot run with (another
-      optimizer beside it, ``accumulate_grad_batches > 1``, ``gradient_clip_val``, an FSDP2
-      mesh smaller than the world, ``save_distributed_checkpoint=False``) and routes the
-      strategy's optimizer checkpoints through the optimizer's own DCP state dict
-      (:class:`_ShardedCheckpoints`).
+      optimizer beside it, ``accumulate_grad_batches > 1``, ``gradient_clip_val``,
+      ``save_distributed_checkpoint=False``; an FSDP2 mesh smaller than the world without
+      ``replicate=`` is refused by the optimizer itself) and routes the strategy's optimizer
+      checkpoints through the optimizer's own DCP state dict (:class:`_ShardedCheckpoints`).
     - On every checkpoint (``on_save_checkpoint``, which Lightning runs on every rank while it
       builds the checkpoint): for ``fn.optim``, gathers every rank's error feedback into rank
       0's optimizer state (``gather_error_feedback``, a collective) and puts that state into
       the checkpoint that rank 0 writes; an ``fn.fsdp`` 1-bit optimizer's state is written by every
       rank (DCP). Either way ``trainer.fit(model, ckpt_path=...)`` resumes every rank bit for
       bit.
+
+    HSDP (README.md, "1-bit across nodes on HSDP"): under
+    ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=L)`` (its defaults: ``N``
+    the nodes, ``L`` the processes per node) the strategy's ``self.device_mesh`` is ``(N, L)``,
+    node by node, when ``configure_model`` runs. Build the HSDP mesh of that shape there
+    (``init_device_mesh(self.device_mesh.device_type, self.device_mesh.shape,
+    mesh_dim_names=("replicate", "shard"))``, the same groups), ``fully_shard`` every module on
+    ``mesh["shard"]``, and return ``fn.fsdp.OnebitAdam(self, ..., replicate=mesh["replicate"])``
+    from ``configure_optimizers``; checkpoints and resume work as on one mesh (same mesh shape
+    only). Lightning's distributed sampler deals the batches over the ``data_parallel``
+    dimension (``num_replicas=N``, the node's index as rank), so the ``L`` ranks of a node
+    would train on the same batches: pass ``use_distributed_sampler=False`` to the trainer and
+    deal the data by global rank (``DistributedSampler(dataset,
+    num_replicas=trainer.world_size, rank=trainer.global_rank)``).
 
     Example:
         One process, no DDP (under ``torchrun`` with ``strategy="ddp"`` the same lines register

@@ -1,0 +1,207 @@
+"""Run under ``torchrun`` (4 ranks) by test_lightning_hsdp.py: ``fn.fsdp.OnebitAdam`` on HSDP in
+Lightning's ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)`` with
+``FnCallback``: ``configure_model`` builds the ``("replicate", "shard")`` mesh of the strategy's
+shape and shards on ``mesh["shard"]``, ``configure_optimizers`` passes
+``replicate=mesh["replicate"]``, and the loader deals the batches by global rank
+(``use_distributed_sampler=False``: Lightning's sampler would deal them by node).
+
+    torchrun --nproc-per-node 4 tests/integrations/_lightning_hsdp.py OUT_DIR
+
+- ``full``: an uninterrupted run of ``STEPS`` updates, a checkpoint after every update: per
+  update fn's bytes sent, fn's warnings, the final params (all-gathered) and this rank's final
+  optimizer state;
+- ``bare``: the same updates in a plain loop on the same HSDP mesh, no Lightning;
+- ``resumed``: per checkpoint in ``RESUME``, a new model and trainer resumed from it;
+- ``other shape``: the error of a run on the 1 x 4 mesh resumed from a 2 x 2 checkpoint, and
+  whether the params stayed as built;
+- ``sampler``: the first batch of this rank under Lightning's own distributed sampler.
+
+Writes ``OUT_DIR/rank<r>.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from lightning_ddp import Classifier, ResumableBatches, synthetic_data  # noqa: E402
+
+import fn.fsdp  # noqa: E402
+from fn.collectives import exit_distributed  # noqa: E402
+from fn.integrations.lightning import FnCallback  # noqa: E402
+from tests.integrations._lightning_fsdp import (  # noqa: E402
+    StepTraffic,
+    fn_warnings,
+    full_params,
+    local_state,
+)
+
+NODES, PER_NODE = 2, 2
+STEPS, FREEZE, BATCH, LR, GAMMA = 5, 3, 2, 1e-2, 0.98  # 8 batches per epoch
+RESUME = (1, 2, 3)  # warmup; the last warmup update; the first compressed
+
+
+class HsdpClassifier(Classifier):
+    """:class:`lightning_ddp.Classifier` on HSDP: sharded inside the node, 1-bit Adam across."""
+
+    def configure_model(self) -> None:
+        if isinstance(self.net, FSDPModule):  # Lightning may call it again
+            return
+        strategy_mesh = self.device_mesh  # (data_parallel, tensor_parallel): (nodes, per node)
+        self.hsdp = init_device_mesh(
+            strategy_mesh.device_type, strategy_mesh.shape, mesh_dim_names=("replicate", "shard")
+        )
+        fully_shard(self.net[0], mesh=self.hsdp["shard"])
+        fully_shard(self.net, mesh=self.hsdp["shard"])
+
+    def configure_optimizers(self) -> dict:
+        optimizer = fn.fsdp.OnebitAdam(
+            self, lr=self.lr, freeze_step=self.freeze_step, replicate=self.hsdp["replicate"]
+        )
+        schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=GAMMA)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def fit(
+    model: lightning.LightningModule,
+    steps: int = STEPS,
+    callbacks: tuple = (),
+    ckpt_path: str | None = None,
+    nodes: int = NODES,
+) -> lightning.Trainer:
+    strategy = ModelParallelStrategy(
+        data_parallel_size=nodes,
+        tensor_parallel_size=NODES * PER_NODE // nodes,
+        timeout=timedelta(seconds=60),
+    )
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=NODES * PER_NODE,
+        strategy=strategy,
+        max_steps=steps,
+        use_distributed_sampler=False,  # the batches by global rank, not by node
+        callbacks=[FnCallback(), *callbacks],
+        logger=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = ResumableBatches(*synthetic_data(), BATCH, trainer.global_rank, trainer.world_size)
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    return trainer
+
+
+def full_run(out_dir: Path) -> dict:
+    traffic = StepTraffic()
+    saving = ModelCheckpoint(
+        dirpath=out_dir,
+        filename="checkpoint-{step}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=1,
+        save_top_k=-1,
+    )
+    model = HsdpClassifier(LR, FREEZE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(model, callbacks=(traffic, saving))
+    return {
+        "sent": traffic.sent,
+        "warnings": fn_warnings(caught),
+        "params": full_params(model),
+        "state": local_state(trainer.optimizers[0]),
+    }
+
+
+def bare_run(rank: int) -> dict[str, torch.Tensor]:
+    """The full run's updates without Lightning: the same model, mesh, data and schedule."""
+    model = Classifier(LR, FREEZE)
+    mesh = init_device_mesh("cpu", (NODES, PER_NODE), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model.net[0], mesh=mesh["shard"])
+    fully_shard(model.net, mesh=mesh["shard"])
+    optimizer = fn.fsdp.OnebitAdam(model, lr=LR, freeze_step=FREEZE, replicate=mesh["replicate"])
+    schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=GAMMA)
+    batches = iter(ResumableBatches(*synthetic_data(), BATCH, rank, NODES * PER_NODE))
+    for _ in range(STEPS):
+        x, y = next(batches)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model.net(x), y).backward()
+        optimizer.step()
+        schedule.step()
+    return full_params(model)
+
+
+def resumed_run(checkpoint: Path) -> dict:
+    model = HsdpClassifier(LR, FREEZE)
+    trainer = fit(model, ckpt_path=str(checkpoint))
+    return {"params": full_params(model), "state": local_state(trainer.optimizers[0])}
+
+
+def other_shape(checkpoint: Path) -> tuple[str, bool]:
+    """Resumes the 2 x 2 checkpoint on the 1 x 4 mesh: the error, and whether the params
+    stayed as built."""
+    model = HsdpClassifier(LR, FREEZE)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        fit(model, ckpt_path=str(checkpoint), nodes=1)
+        message = "fitted"
+    except Exception as error:  # noqa: BLE001 -- the test checks which one
+        message = f"{type(error).__name__}: {error}"
+    after = full_params(model)
+    return message, all(torch.equal(after[n], before[n]) for n in before)
+
+
+class FirstBatch(lightning.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            self.x = batch[0].clone()
+
+
+def sampler_batch() -> torch.Tensor:
+    """This rank's first batch under Lightning's own distributed sampler (by node)."""
+    first = FirstBatch()
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=NODES * PER_NODE,
+        strategy=ModelParallelStrategy(data_parallel_size=NODES, tensor_parallel_size=PER_NODE),
+        max_steps=1,
+        callbacks=[FnCallback(), first],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    dataset = torch.utils.data.TensorDataset(*synthetic_data())
+    trainer.fit(HsdpClassifier(LR, FREEZE), torch.utils.data.DataLoader(dataset, BATCH))
+    return first.x
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    rank = int(os.environ["RANK"])
+    results: dict[str, Any] = {"full": full_run(out_dir / "full"), "bare": bare_run(rank)}
+    results["resumed"] = {
+        step: resumed_run(out_dir / "full" / f"checkpoint-{step}.ckpt") for step in RESUME
+    }
+    results["other shape"] = other_shape(out_dir / "full" / f"checkpoint-{FREEZE}.ckpt")
+    results["sampler"] = sampler_batch()
+    torch.save(results, out_dir / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("FN_TIMEOUT", "60")
+    main()
+    exit_distributed()

@@ -1,0 +1,64 @@
+"""examples/hsdp_onebit.py under ``torchrun`` on 4 gloo ranks, 2 nodes x 2 (a tiny model): a run
+resumed from checkpoints saved in the warmup (the next update is the freeze) and at the freeze
+(after the first compressed update) ends with the same params, bit for bit, as the
+uninterrupted run, and every rank ends with the same params (the script checks it)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests._distributed import ROOT
+
+MODEL = ["--layers", "1", "--d-model", "16", "--heads", "2", "--context", "8", "--vocab", "16"]
+MODEL += ["--batch", "2", "--log-every", "1", "--freeze-step", "3"]  # updates 1, 2 warm up
+STEPS = 5
+DIGEST = re.compile(r"final params sha256 (\w+) \(the same on every rank\)")
+
+
+def torchrun_4(script: Path, *args: str, timeout: float = 240) -> str:
+    """``script args`` under ``torchrun --standalone --nproc-per-node 4`` (gloo, one intra-op
+    thread per rank, the worktree on ``PYTHONPATH``): its standard output (``AssertionError``
+    with the ends of its output if it fails)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+        + [str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def hsdp_onebit(*args: str) -> str:
+    """examples/hsdp_onebit.py on 2 nodes x 2 ranks: its standard output."""
+    script = ROOT / "examples" / "hsdp_onebit.py"
+    return torchrun_4(script, *MODEL, "--ranks-per-node", "2", *args)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_resumed_in_warmup_and_at_the_freeze_is_bit_identical(tmp_path):
+    straight = hsdp_onebit("--max-steps", str(STEPS))
+    assert "hsdp 2x2: held-out loss" in straight and f"after {STEPS} steps" in straight
+    # one checkpoint directory, resumed and saved again: steps 0-2, 2-3 (the freeze), 3-5
+    checkpoint = str(tmp_path / "ckpt")
+    hsdp_onebit("--max-steps", "2", "--checkpoint", checkpoint)
+    at_freeze = hsdp_onebit("--max-steps", "3", "--checkpoint", checkpoint, "--resume")
+    assert "step 2:" not in at_freeze and "step 3: train loss" in at_freeze
+    resumed = hsdp_onebit("--max-steps", str(STEPS), "--checkpoint", checkpoint, "--resume")
+    assert "step 3:" not in resumed and f"step {STEPS}: train loss" in resumed
+    assert DIGEST.search(resumed).group(1) == DIGEST.search(straight).group(1)
+    held_out = re.compile(r"held-out loss \S+ after \d+ steps")
+    assert held_out.search(resumed).group(0) == held_out.search(straight).group(0)
