@@ -140,9 +140,9 @@ class ShardedOnebitOptimizer(
              *hsdp)
         )  # fmt: skip
         device = found[0][1][0][1].device if found else "cpu"
-        # over the world where the shard mesh does not hold it (HSDP, or a refused 1-D mesh)
-        agreement = group if flat and replicate is None and _holds_world(group) else None
-        agree(self.name, agreement, problem, fingerprint, device=device)
+        # over the world (None), whatever the meshes: ranks that passed different meshes or
+        # replicate= on some ranks only still meet in one collective
+        agree(self.name, None, problem, fingerprint, device=device)
         self._comms = CommCache(None)
         self.comm = self._comms(group)
         self._replicas = None  # fn's comm over the replicate group (HSDP, N > 1), or None
@@ -583,7 +583,3 @@ def _as_pair(betas: Any) -> Any:
 
 def _nonfinite(error: Exception) -> bool:
     return isinstance(error, NonFiniteError)
-
-
-def _holds_world(group: dist.ProcessGroup) -> bool:
-    return dist.get_world_size(group) == dist.get_world_size()

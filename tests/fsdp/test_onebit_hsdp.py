@@ -322,6 +322,13 @@ def _worker_bad_input(rank: int, world_size: int) -> dict:
     )
     optimizer("lamb", model, replicate)  # nothing was installed by the refused one
     out["0/1 adam"] = _refusal(lambda: fn.fsdp.ZeroOneAdam(build("adam"), replicate=replicate))
+    # one node of every rank: the shard mesh holds the world, and only rank 0 passes the
+    # (one-rank) replicate mesh; the ranks still meet in one agreement, over the world
+    whole = init_device_mesh("cpu", (1, N * L), mesh_dim_names=("replicate", "shard"))
+    some = whole["replicate"] if rank == 0 else None
+    out["replicate on one rank"] = _refusal(
+        lambda: optimizer("adam", build("adam", mesh=whole["shard"]), some)
+    )
     return out
 
 
@@ -417,3 +424,5 @@ def test_bad_input_is_refused_on_every_rank():
         assert kind == "ValueError" and "different" in message, message
         kind, message = out["0/1 adam"]
         assert kind == "NotImplementedError" and "HSDP" in message, message
+        kind, message = out["replicate on one rank"]
+        assert kind == "ValueError" and "different" in message, message
