@@ -169,7 +169,7 @@ def state_bytes(opt: torch.optim.Optimizer) -> dict[str, int]:
         if runtime.flat.has_master_copy:
             storages(runtime.flat.master, live)
     spare = storages([runtime.spare for runtime in groups])
-    grads = storages([runtime.flat._grads for runtime in groups if runtime.flat._grads is not None])
+    grads = storages([runtime.flat.grads for runtime in groups if runtime.flat.grads is not None])
     return {
         "state": sum(live.values()),
         "spare": sum(n for ptr, n in spare.items() if ptr not in live),
