@@ -835,3 +835,33 @@ def test_fsdp_hsdp_targets_and_report(capsys):
     assert "across (uplinks)" in out and "bound: forward + backward alone" in out
     assert "load average before the run 0.25" in out
     assert re.search(r"HSDP \+ fn OnebitAdam\s+100\s+0\.0500", out), out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("family", ["adam", "lamb"])
+def test_fsdp_hsdp_tiny_cli_counts_bytes_by_group_and_memory_at_its_formula(tmp_path, family):
+    """4 gloo ranks on loopback as 2 nodes x 2, every mode, 3 steps (freeze_step 2: one
+    compressed step); bf16 errors for LAMB."""
+    out = tmp_path / "hsdp.json"
+    tiny = ["--steps", "3", "--layers", "1", "--d-model", "32", "--batch", "4", "--context", "16"]
+    dtype = "fp32" if family == "adam" else "bf16"
+    argv = ["--nodes", "2", "--ranks-per-node", "2", "--onebit", family, "--error-dtype", dtype]
+    proc = _cli("fsdp.py", *argv, *tiny, "--json", str(out), "--timeout", "150", timeout=170)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "issue #45 targets" in proc.stdout and "load average before the run" in proc.stdout
+    saved = json.loads(out.read_text())
+    config, rank0 = saved["config"], saved["rank0"]
+    adamw, onebit, flat = (rank0[m] for m in ("hsdp+adamw", "hsdp+onebit", "fsdp1d+onebit+qwz"))
+    # native HSDP: all-gathers and reduce-scatters inside the node, the all-reduce across
+    assert set(adamw["by_kind"]) == {"intra", "inter"} and adamw["fn_by_kind"] is None
+    # fn's 1-bit allreduce is all that crosses nodes, and fn counts it as the interface does
+    assert 0 < onebit["by_kind"]["inter"] < adamw["by_kind"]["inter"] / 12
+    assert onebit["fn_by_kind"]["inter"] == onebit["by_kind"]["inter"]
+    assert set(flat["by_kind"]) == {"world"}  # 1-D FSDP2: every collective spans the nodes
+    assert adamw["uplinks"] == onebit["uplinks"] == 0  # no uplinks on loopback
+    hsdp = _load("hsdp.py")
+    n = adamw["params"]
+    for mode in hsdp.MODES:
+        total = sum(rank0[mode]["memory"].values())
+        assert abs(total / hsdp.memory_formula(mode, n, config) - 1) < 0.01, mode
+    assert rank0["bound_s"] > 0
