@@ -40,13 +40,25 @@ Without ``--rate`` the ranks talk over this machine's loopback, so the step time
 through a bridge at that rate in both directions, as ``benchmarks/cluster.py`` builds them (its
 functions, its cleanup: the namespaces go also on errors, timeouts and Ctrl-C; ``sudo python3
 benchmarks/cluster.py --cleanup --prefix fnfsdp`` removes what a killed run left). All ranks share
-this machine's CPUs, so compute-bound steps are pessimistic.
+this machine's CPUs, so compute-bound steps are pessimistic. ``--dry-run`` prints the plan.
+
+HSDP (``--nodes N --ranks-per-node L``, ``N L`` ranks): 1-bit Adam or LAMB across nodes
+(``fn.fsdp.OnebitAdam(..., replicate=mesh["replicate"])``) against native HSDP + AdamW and 1-D
+FSDP2 + 1-bit with 8-bit all-gathers, with ``--rate`` on cluster.py's two-level cluster (each
+node's ranks on a fast bridge, the nodes joined by one uplink at the rate), its bytes across
+nodes read from the uplinks; its modes, rows and targets are in benchmarks/hsdp.py.
+``--error-dtype bf16`` stores the 1-bit errors in bf16 (every 1-bit mode).
 
 Run:  python3 benchmarks/fsdp.py [--ranks 2] [--steps 200] [--onebit adam|lamb] [--json out.json]
       python3 benchmarks/fsdp.py --steps 3 --layers 1 --d-model 32   (a smoke run)
       sudo python3 benchmarks/fsdp.py --rate 1gbit --ranks 4 --d-model 512 --layers 4 \\
           --batch 2 --context 16 --steps 30 --warmup 3   (1 Gbit/s links, 12.6M params: few
           tokens per step, so that the gradients' and parameters' traffic dominates the step)
+      python3 benchmarks/fsdp.py --nodes 2 --ranks-per-node 2 [--onebit lamb] [--error-dtype bf16]
+      python3 benchmarks/fsdp.py --nodes 2 --ranks-per-node 2 --steps 3 --layers 1 --d-model 32
+      sudo python3 benchmarks/fsdp.py --nodes 2 --ranks-per-node 2 --rate 100mbit \\
+          --d-model 512 --layers 4 --batch 2 --context 16 --steps 30 --warmup 3   (HSDP)
+      python3 benchmarks/fsdp.py --nodes 2 --ranks-per-node 2 --rate 100mbit --dry-run
 """
 
 from __future__ import annotations
@@ -77,6 +89,7 @@ from fn.app._launch import spawn_gloo  # noqa: E402
 MODES = ("dense", "loco", "qgz", "loco+qwz")
 ONEBIT_MODES = ("onebit", "onebit+qwz", "ddp+onebit")
 ONEBIT_OPTIMIZERS = {"adam": "OnebitAdam", "lamb": "OnebitLamb"}  # by --onebit
+ERROR_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # by --error-dtype
 
 
 def _load(name: str, path: str):
@@ -93,13 +106,16 @@ class ByteCounter:
     """Wraps ``torch.distributed.ProcessGroup``'s collectives to count each one's bytes.
 
     ``counts[kind]`` is this rank's ideal per-rank volume; ``gloo_counts`` counts a
-    reduce-scatter as the all-reduce gloo runs for it.
+    reduce-scatter as the all-reduce gloo runs for it; with ``kind`` (``group -> str``),
+    ``by_kind`` sums the ideal volume by ``kind(group)`` (benchmarks/hsdp.py).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, kind=None) -> None:
         self.counts: dict[str, float] = defaultdict(float)
         self.gloo_counts: dict[str, float] = defaultdict(float)
+        self.by_kind: dict[str, float] = defaultdict(float)  # ideal volume by kind(group)
         self.active = False
+        group_kind = kind
         pg = dist.ProcessGroup
 
         def wrap(name: str, kind: str, tensor_of, fraction):
@@ -112,6 +128,8 @@ class ByteCounter:
                     self.counts[kind] += fraction(w) * nbytes
                     gloo = 2 * (w - 1) / w if kind == "reduce_scatter" else fraction(w)
                     self.gloo_counts[kind] += gloo * nbytes
+                    if group_kind is not None:
+                        self.by_kind[group_kind(group)] += fraction(w) * nbytes
                 return original(group, *args, **kwargs)
 
             setattr(pg, name, counted)
@@ -127,6 +145,7 @@ class ByteCounter:
     def reset(self) -> None:
         self.counts.clear()
         self.gloo_counts.clear()
+        self.by_kind.clear()
 
 
 def _nbytes(t) -> int:
@@ -191,6 +210,7 @@ def _train_onebit(mode, example, args, table, counter, rank, world_size, config)
     bytes of the compressed steps after the freeze."""
     steps, warmup, freeze = config["steps"], config["warmup"], config["freeze_step"]
     hyper = dict(lr=args.lr, freeze_step=freeze, weight_decay=0.01)
+    hyper["error_dtype"] = ERROR_DTYPES[config.get("error_dtype", "fp32")]
     name = ONEBIT_OPTIMIZERS[config["onebit"]]
     if mode.startswith("onebit"):
         model = example.sharded_transformer(args, world_size)
@@ -329,7 +349,9 @@ def print_onebit(rank0: dict, config: dict) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--ranks", type=int, default=None, help="default 2 (not with --nodes)")
+    p.add_argument("--nodes", type=int, help="HSDP: N nodes (>= 2) of --ranks-per-node ranks")
+    p.add_argument("--ranks-per-node", type=int, help="HSDP: L ranks per node (>= 2)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=1, help="first steps left out of the step time")
     p.add_argument("--layers", type=int, default=2)
@@ -343,13 +365,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--onebit", choices=list(ONEBIT_OPTIMIZERS), default="adam", help="the 1-bit rows' family"
     )
+    p.add_argument(
+        "--error-dtype", choices=list(ERROR_DTYPES), default="fp32", help="the 1-bit errors'"
+    )
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--json", default=None, help="also write rank 0's results here")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     cluster.add_link_arguments(p, prefix="fnfsdp", subnet="10.214.0")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.ranks < 2:
-        p.error("--ranks must be at least 2")
+    _check_layout(p, args)
     if not 0 <= args.warmup < args.steps:
         p.error("--warmup must be within 0..--steps - 1")
     if args.freeze_step is None:
@@ -362,19 +387,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.worker is not None:
-        config = json.loads(args.worker)
-        rank, world_size = config["rank"], config["world_size"]
-        cluster.serve_rank(config, lambda: _worker(rank, world_size, None, config), threads=1)
+def _check_layout(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--ranks``, or HSDP's ``--nodes`` and ``--ranks-per-node`` (then ``args.ranks`` is
+    their product)."""
+    if (args.nodes is None) != (args.ranks_per_node is None):
+        p.error("--nodes and --ranks-per-node go together")
+    if args.nodes is None:
+        args.ranks = 2 if args.ranks is None else args.ranks
+        if args.ranks < 2:
+            p.error("--ranks must be at least 2")
         return
+    if args.ranks is not None:
+        p.error("--ranks: leave it out with --nodes (ranks = nodes x ranks per node)")
+    if args.nodes < 2 or args.ranks_per_node < 2:
+        p.error(
+            "--nodes and --ranks-per-node must be >= 2 (one rank per node is DDP: fn.fsdp "
+            "refuses it; one node is plain FSDP2: run without --nodes)"
+        )
+    args.ranks = args.nodes * args.ranks_per_node
+    if args.ranks > 16:
+        p.error("--nodes x --ranks-per-node must be at most 16")
+
+
+def _config(args: argparse.Namespace) -> dict:
     config = {
         "ranks": args.ranks,
         "steps": args.steps,
         "warmup": args.warmup,
         "freeze_step": args.freeze_step,
         "onebit": args.onebit,
+        "error_dtype": args.error_dtype,
         "rate": args.rate,
         "timeout": args.timeout,
         "example_args": [
@@ -383,6 +425,36 @@ def main(argv: Sequence[str] | None = None) -> None:
             "--batch", str(args.batch), "--context", str(args.context),
         ],
     }  # fmt: skip
+    if args.nodes is not None:
+        config |= {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node}
+    return config
+
+
+def _hsdp():
+    """benchmarks/hsdp.py, the HSDP part (``--nodes``), loaded on first use."""
+    return _load("fn_bench_hsdp", os.path.join("benchmarks", "hsdp.py"))
+
+
+def _hsdp_worker(rank: int, world_size: int, send, config: dict) -> dict:
+    del send
+    return _hsdp().worker(rank, world_size, config)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker is not None:
+        config = json.loads(args.worker)
+        rank, world_size = config["rank"], config["world_size"]
+        work = _hsdp_worker if config.get("nodes") else _worker
+        cluster.serve_rank(config, lambda: work(rank, world_size, None, config), threads=1)
+        return
+    config = _config(args)
+    if args.nodes is not None:
+        _main_hsdp(args, config)
+        return
+    if args.dry_run:
+        _hsdp().print_plan(config, args, MODES + ONEBIT_MODES)
+        return
     if args.rate is None:
         results = spawn_gloo(
             _worker, args.ranks, (config,), timeout=args.timeout, on_message=lambda r, m: None
@@ -390,11 +462,32 @@ def main(argv: Sequence[str] | None = None) -> None:
         rank0 = results[0]
     else:
         cluster.check_host("benchmarks/fsdp.py --rate", hint="; run without --rate for local gloo")
-        links = {**config, "world_size": args.ranks}
+        links = _hsdp().links_config(config, args)
         (rank0,) = cluster.run_on_links(
             args.prefix, args.subnet, [links], args.timeout, __file__, echo=True
         )
     print_results(rank0, config)
+    _write_json(args, config, rank0)
+
+
+def _main_hsdp(args: argparse.Namespace, config: dict) -> None:
+    hsdp = _hsdp()
+    if args.dry_run:
+        hsdp.print_plan(config, args)
+        return
+    load = os.getloadavg()[0]
+    print(
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"{os.cpu_count()} CPUs, load average {load:.2f}",
+        flush=True,
+    )
+    rank0 = hsdp.run(config, args, _hsdp_worker)
+    hsdp.print_results(rank0, config)
+    hsdp.print_summary(rank0, config, load)
+    _write_json(args, {**config, "load": load}, rank0)
+
+
+def _write_json(args: argparse.Namespace, config: dict, rank0: dict) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": config, "rank0": rank0}, f, indent=1)

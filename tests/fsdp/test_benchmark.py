@@ -141,3 +141,24 @@ def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):
         _load_benchmark().parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(600)
+def test_tiny_hsdp_benchmark_reads_the_uplinks_of_the_two_level_cluster(tmp_path):
+    reason = _namespaces_unavailable()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "hsdp.json"
+    tiny = ["--nodes", "2", "--ranks-per-node", "2", "--steps", "4", "--layers", "1"]
+    links = ["--rate", "100mbit", "--prefix", "fntesth", "--subnet", "10.216.0", "--timeout", "400"]
+    proc = _run_benchmark(*tiny, "--d-model", "32", *links, "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "uplinks at 100mbit" in proc.stdout and "across (uplinks)" in proc.stdout
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "fntesth-" not in listed  # the namespaces were removed
+    rank0 = json.loads(out.read_text())["rank0"]
+    adamw, onebit = rank0["hsdp+adamw"], rank0["hsdp+onebit"]
+    # the wire carries the payload counted at the interface, and headers and acknowledgements
+    assert adamw["uplinks"] >= adamw["by_kind"]["inter"] > 0
+    assert 0 < onebit["uplinks"] < adamw["uplinks"]
+    assert rank0["fsdp1d+onebit+qwz"]["uplinks"] > 0
