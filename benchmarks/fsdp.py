@@ -359,6 +359,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--context", type=int, default=32, help="tokens per sequence")
     p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0, help="the model's initialization")
     p.add_argument(
         "--freeze-step", type=int, default=None, help="1-bit Adam's (default: steps // 4, >= 2)"
     )
@@ -423,6 +424,7 @@ def _config(args: argparse.Namespace) -> dict:
             "--layers", str(args.layers), "--d-model", str(args.d_model),
             "--group-size", str(args.group_size), "--bits", "4", "--err-beta", "0.8",
             "--batch", str(args.batch), "--context", str(args.context),
+            "--seed", str(args.seed),
         ],
     }  # fmt: skip
     if args.nodes is not None:

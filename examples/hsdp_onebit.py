@@ -9,7 +9,8 @@ traffic across nodes is the average of each rank's gradient shard over its ``N``
 up to ``--freeze-step``, then the 1-bit allreduce of the shard's momentum with error feedback
 (docs/algorithms.md, "1-bit Adam and 1-bit LAMB on HSDP"). Each rank draws its data from its
 global rank. Checkpoints (``--checkpoint DIR``, ``fn.fsdp.TrainingCheckpoint``) resume on the
-same mesh shape, at any step, bit for bit. At the end the ranks check that they hold the same
+same mesh shape, at any step, bit for bit; on another (``--ranks-per-node``, or the world size)
+they load resharded, the error feedback restarting from zero with a warning. At the end the ranks check that they hold the same
 params.
 
 Run (2 nodes x 2 ranks, on one machine; on a cluster the same with ``--nnodes 2``):
@@ -34,12 +35,11 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from examples._common import check_ranks_agree, freeze_step_arg  # noqa: E402
+from examples._common import check_ranks_agree  # noqa: E402
 from examples.fsdp_loco import Transformer, parse_training_args, train  # noqa: E402
+from examples.fsdp_onebit import OPTIMIZERS, onebit_parser  # noqa: E402
 from fn.collectives import exit_distributed  # noqa: E402
-from fn.fsdp import OnebitAdam, OnebitLamb, TrainingCheckpoint  # noqa: E402
-
-OPTIMIZERS = {"adam": OnebitAdam, "lamb": OnebitLamb}
+from fn.fsdp import TrainingCheckpoint  # noqa: E402
 
 
 def hsdp_transformer(args: argparse.Namespace, mesh: DeviceMesh) -> nn.Module:
@@ -54,12 +54,7 @@ def hsdp_transformer(args: argparse.Namespace, mesh: DeviceMesh) -> nn.Module:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--max-steps", type=int, default=40)
-    p.add_argument(
-        "--freeze-step", type=freeze_step_arg, default=10, help='first compressed update, or "auto"'
-    )
-    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam")
+    p = onebit_parser(__doc__)
     p.add_argument("--ranks-per-node", type=int, default=2, help="L, the shard dimension")
     args = parse_training_args(p, argv)
     if int(os.environ.get("WORLD_SIZE", 1)) % args.ranks_per_node:

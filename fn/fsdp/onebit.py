@@ -155,6 +155,8 @@ class ShardedOnebitOptimizer(
         self.error_dtype = error_dtype
         self.rank = dist.get_rank(group)
         world_size = self.comm.world_size
+        # whether fn's collectives deliver the mean gradient (else one rank: the rule alone)
+        self._communicates = world_size > 1 or self._replicas is not None
         self._layouts = [module_layout(n, ps, world_size, multiple) for n, ps in found]
         self._install(model, settings, masks, error_dtype)
 
@@ -189,7 +191,7 @@ class ShardedOnebitOptimizer(
         self._setting_names = sorted(k for k in settings if k != "lr")
         params = [slot.param for layout in self._layouts for slot in layout.slots]
         super().__init__(params, dict(settings))
-        if world_size > 1:
+        if self._communicates:
             self._rule = self._make_rule(settings, self.comm)
         else:
             self._rule = self._single_rank_rule(settings, error_dtype, self._momentum_masks())
@@ -202,7 +204,10 @@ class ShardedOnebitOptimizer(
             layout = next((x for x in self._layouts if x.name == (name or ROOT)), None)
             if layout is not None:
                 self._fsdp_modules.append(module)
-                module.set_custom_reduce_scatter(OnebitReduceScatter(self, layout))
+                reduce_scatter = OnebitReduceScatter(self, layout)
+                module.set_custom_reduce_scatter(reduce_scatter)
+                if world_size == 1 and self._communicates:  # FSDP2 runs no reduce-scatter
+                    module.set_all_reduce_hook(reduce_scatter.all_reduce_hook)
                 # every trainable param in every reduce-scatter: a missing gradient is a zero
                 module.set_reduce_scatter_unused_params(True, recurse=False)
         for param in params:  # FSDP2 runs these once it has written a gradient shard
@@ -301,7 +306,7 @@ class ShardedOnebitOptimizer(
         freezes_mask = not warmup and self._zero_records is not None  # exp_avg_mask="auto"
         if freezes_mask:  # the records go once the update is made (a failed one is retried)
             self._set_masks(self._frozen_masks(), self._zero_records)
-        compressed = self.comm.world_size > 1 and not warmup
+        compressed = self._communicates and not warmup
         params = self._shards()
         records = None
         if compressed:
@@ -388,7 +393,7 @@ class ShardedOnebitOptimizer(
         ``None``. One all-gather of two fp64 values, summed in rank order (the same bits on
         every rank)."""
         bad = sum(int(not bool(g.isfinite().all())) for g in grads.values() if g is not None)
-        measure = self._automatic and self.comm.world_size > 1
+        measure = self._automatic and self._communicates
         energy = (
             gradient_energy(grads) if measure and not bad else torch.zeros((), dtype=torch.float64)
         )
@@ -490,8 +495,11 @@ class OnebitAdam(ShardedOnebitOptimizer):
             phase runs the 1-bit allreduce of this rank's row of the momentum over the
             replicate group, keeping the row as packed signs (worker error: the row, server
             error: ``1 / N`` of it; no buffer is full size). ``None`` (default): the shard mesh
-            must hold every rank. With ``N = 1`` it is the 1-D path. Checkpoints resume on the
-            same mesh shape only (another shape: ``ValueError``).
+            must hold every rank. With ``N = 1`` it is the 1-D path; with ``L = 1`` (one rank
+            per node) FSDP2 runs no reduce-scatter and the same step runs in FSDP2's all-reduce
+            hook. Checkpoints resume bit for bit on the same mesh shape, and load on any other
+            (another ``N`` x ``L``, or a 1-D mesh, and back): ``v`` and the momentum resharded
+            exactly, the error feedback restarted from zero with a warning.
 
     Raises:
         ValueError: on every rank: no FSDP2 module with trainable params, a trainable param
@@ -501,8 +509,8 @@ class OnebitAdam(ShardedOnebitOptimizer):
             ``replicate``, or a ``replicate`` mesh that does not complement the shard mesh.
         TypeError: on every rank: ``replicate`` is not a 1-D ``DeviceMesh``.
         NotImplementedError: on every rank: a model sharded on a 2-D mesh (shard it on
-            ``mesh["shard"]`` and pass ``replicate=mesh["replicate"]``), one rank per node
-            with ``replicate``, or an option not built yet.
+            ``mesh["shard"]`` and pass ``replicate=mesh["replicate"]``), or an option not
+            built yet.
 
     Policies (README.md, "Policies"): nothing is raised inside FSDP2's backward; what a
     reduce-scatter finds is raised by the next ``step()``, on every rank, with no param

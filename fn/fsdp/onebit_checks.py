@@ -133,12 +133,6 @@ def replicate_problem(
             f"the shard mesh ({len(shards)} ranks) times replicate ({len(replicas)}) is not the "
             f"world size {world}: {hsdp_form(name)}"
         )
-    if len(shards) == 1 and len(replicas) > 1:
-        return NotImplementedError, (
-            "a shard mesh of one rank per node is not supported with replicate=: FSDP2 runs no "
-            "reduce-scatter on it, so the optimizer never sees the gradients; use DDP with "
-            "fn.optim's 1-bit classes"
-        )
     return None
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "ParamSlot",
     "fsdp_modules",
     "fsdp_order",
+    "layout_at",
     "module_layout",
     "momentum_from_signs",
     "one_dim",
@@ -54,15 +55,8 @@ class ModuleLayout(NamedTuple):
     name: str  # the module's FQN ("<root>" for the model itself)
     slots: tuple[ParamSlot, ...]  # its params in FSDP2's order
     row: int  # S: FSDP2's row
-    padded_row: int  # S': S rounded up to a multiple of lcm(W, 8)
-
-    def padding(self, world_size: int) -> list[tuple[int, int]]:
-        """The flat ``[start, stop)`` ranges of ``X`` that hold no element of a param."""
-        ranges = []
-        for j in range(world_size):
-            base = j * self.padded_row
-            ranges += [(base + start, base + stop) for start, stop in self.row_padding(j)]
-        return ranges
+    padded_row: int  # S': S rounded up to a multiple of lcm(W, 8) (on HSDP: of N lcm(N, 8))
+    world_size: int  # W: the ranks of the shard group, one row each
 
     def row_padding(self, j: int) -> list[tuple[int, int]]:
         """The ``[start, stop)`` ranges of row ``j`` that hold no element of a param."""
@@ -98,7 +92,15 @@ def module_layout(
         slots.append(ParamSlot(fqn, p, offset, width, real))
         offset += width
     unit = math.lcm(world_size, 8) if multiple is None else multiple
-    return ModuleLayout(name, tuple(slots), offset, -(-offset // unit) * unit)
+    return ModuleLayout(name, tuple(slots), offset, -(-offset // unit) * unit, world_size)
+
+
+def layout_at(layout: ModuleLayout, world_size: int, replicas: int = 1) -> ModuleLayout:
+    """``layout``'s module laid out for a shard group of ``world_size`` ranks and ``replicas``
+    nodes (``1``: a 1-D mesh), as a checkpoint saved on that mesh holds it."""
+    params = [(slot.name, slot.param) for slot in layout.slots]
+    multiple = row_multiple(replicas) if replicas > 1 else None
+    return module_layout(layout.name, params, world_size, multiple)
 
 
 def row_multiple(replicas: int) -> int:
@@ -155,9 +157,9 @@ def momentum_from_signs(
     layout: ModuleLayout, signs: PackedSigns, world_size: int, rank: int
 ) -> dict[str, torch.Tensor]:
     """Every param's shard, at ``world_size`` and ``rank``, of a module's momentum packed in
-    ``layout`` (that of the world size it was saved at), read exactly."""
-    saved_world_size = signs.scales.numel()
-    rows = signs.values(saved_world_size * layout.padded_row).view(saved_world_size, -1)
+    ``layout`` (that of the mesh it was saved on: one chunk per rank, or on HSDP ``N`` per
+    row, each with its scale), read exactly."""
+    rows = signs.values(layout.world_size * layout.padded_row).view(layout.world_size, -1)
     shards = {}
     for slot, full in zip(layout.slots, params_of_x(layout, rows), strict=True):
         dim = next(pl.dim for pl in slot.param.placements if isinstance(pl, Shard))

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from fn import kernels
-from fn.fsdp.onebit_layout import ModuleLayout, module_layout, params_of_x, row_of, to_local
+from fn.fsdp.onebit_layout import ModuleLayout, params_of_x, row_of, to_local
 
 __all__ = [
     "MomentumMasks",
@@ -47,11 +47,11 @@ class MomentumMasks:
     def _set_masks(
         self, masks: dict[str, torch.Tensor | None], records: dict[str, torch.Tensor] | None
     ) -> None:
-        """Sets the masks and ``exp_avg_mask="auto"``'s records. With one rank, where no
-        reduce-scatter runs, the rule itself multiplies the momentum by the masks, so it is
-        built anew with them."""
+        """Sets the masks and ``exp_avg_mask="auto"``'s records. With one rank and no
+        replicas, where no collective runs, the rule itself multiplies the momentum by the
+        masks, so it is built anew with them."""
         self._masks, self._zero_records = masks, records
-        if self.comm.world_size == 1:
+        if not self._communicates:
             self._rule = self._single_rank_rule(
                 self._settings, self.error_dtype, self._momentum_masks()
             )
@@ -191,15 +191,10 @@ def mask_values(bits: torch.Tensor, start: int, count: int) -> torch.Tensor:
     return (kernels.unpackbits(piece, skip + count)[skip:] > 0).to(torch.float32)
 
 
-def relaid_mask(
-    layout: ModuleLayout, bits: torch.Tensor, saved_world_size: int, world_size: int
-) -> torch.Tensor:
-    """``bits``, a module's mask (1: kept) in the layout of ``X`` for ``saved_world_size``
-    ranks, in ``layout`` (for ``world_size`` ranks; padding positions 0). At the same world
-    size it is ``bits``."""
-    slots = [(s.name, s.param) for s in layout.slots]
-    old = module_layout(layout.name, slots, saved_world_size)
-    rows = kernels.unpackbits(bits, saved_world_size * old.padded_row)
-    full = params_of_x(old, rows.view(saved_world_size, -1))
+def relaid_mask(layout: ModuleLayout, bits: torch.Tensor, saved: ModuleLayout) -> torch.Tensor:
+    """``bits``, a module's mask (1: kept) in ``saved``, the layout of ``X`` on the mesh it was
+    saved on, in ``layout`` (padding positions 0). In the same layout it is ``bits``."""
+    rows = kernels.unpackbits(bits, saved.world_size * saved.padded_row)
+    full = params_of_x(saved, rows.view(saved.world_size, -1))
     masks = {slot.param: x > 0 for slot, x in zip(layout.slots, full, strict=True)}
-    return module_mask(layout, masks, world_size)
+    return module_mask(layout, masks, layout.world_size)

@@ -64,6 +64,14 @@ class OnebitReduceScatter(SynchronousReduceScatter):
             self.optimizer._problems.append(problem)
             out.fill_(torch.nan)
 
+    def all_reduce_hook(self, output: Tensor) -> None:
+        """The same, for HSDP with one rank per node: on a one-rank shard mesh FSDP2 runs no
+        reduce-scatter, and its reduce output (``output``, the module's gradient, all of it)
+        goes to this hook (``set_all_reduce_hook``), which writes the mean over the nodes (or
+        the new momentum) into it."""
+        group = self.layout.slots[0].param.device_mesh.get_group(0)
+        self.reduce_scatter(output, output.clone(), group, dist.ReduceOp.AVG)
+
 
 class OnebitReduceScatters:
     """The reduce-scatters of a :class:`~fn.fsdp.ShardedOnebitOptimizer` (a part of it: it

@@ -1,7 +1,7 @@
 """The DCP state format of the 1-bit optimizers on FSDP2: one layout at every update (DCP
 loads in place into a layout fixed before it reads), a header of the format, world size, update
 count and checksums of the model's layout and the settings, checked before anything changes;
-loaded at the same world size bit for bit, at another with the momentum laid out anew and the
+loaded on the same mesh shape bit for bit, on another with the momentum laid out anew and the
 error feedback reset (docs/algorithms.md, "1-bit Adam and 1-bit LAMB on FSDP2")."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fn.collectives import PackedSigns, init_error_feedback
 from fn.fsdp.onebit_layout import (
     ModuleLayout,
-    module_layout,
+    layout_at,
     momentum_from_signs,
     shard_of,
     to_local,
@@ -58,12 +58,11 @@ class OnebitStateFormat:
         subclass's further per-param fields come by field name: its ``scalar_fields`` (0-dim,
         the same on every rank) and its ``optional_fields`` (DTensors of the shards, zeros
         where ``None``, with ``"<field>_held"``: int8 per param, whether it holds a tensor).
-        :class:`~fn.fsdp.TrainingCheckpoint` saves it, and loads it at any world size, checked
-        before anything changes; ``dcp.load`` straight into it works at the same world size.
+        :class:`~fn.fsdp.TrainingCheckpoint` saves it, and loads it on any mesh shape, checked
+        before anything changes; ``dcp.load`` straight into it works on the same mesh shape.
         On HSDP (``replicate=``) the world size is the shard group's, ``header`` ends with
         ``N``, ``momentum`` holds this rank's row (a DTensor over the shard mesh, the same on
-        the ``N`` peers), ``rank<r>`` is named by the rank in the world, and a load needs the
-        same mesh shape.
+        the ``N`` peers), and ``rank<r>`` is named by the rank in the world.
 
         Returns:
             A dict of tensors: the state's own where it holds them, zeros where it does not.
@@ -128,7 +127,7 @@ class OnebitStateFormat:
         self, header: torch.Tensor, saved: dict[str, torch.Size]
     ) -> dict[str, Any]:
         """The state dict that DCP loads a checkpoint of :meth:`state_dict` into: new tensors
-        laid out as saved (this rank's errors only if the world size is the same).
+        laid out as saved (this rank's errors only if the mesh shape is the same).
 
         Args:
             header: the checkpoint's ``header`` (loaded first).
@@ -143,12 +142,12 @@ class OnebitStateFormat:
                 missing (nothing was loaded).
         """
         auto_saved = any(key.startswith("always_zero.") for key in saved)
-        world_size, _ = self._checked_header(header, auto_saved)
+        same = self._same_mesh(*self._checked_header(header, auto_saved)[:2])
         own = self._own_key()
         needed = ["lr", "signed"]
         for layout in self._layouts:
             needed += [f"momentum.{layout.name}.{k}" for k in ("packed", "scales")]
-            if world_size == self.comm.world_size:
+            if same:
                 needed += [f"{own}.{layout.name}.{k}" for k in ("worker", "server")]
             fields = ("exp_avg", "exp_avg_sq", *self.scalar_fields, *self.optional_fields)
             needed += [f"{f}.{s.name}" for s in layout.slots for f in fields]
@@ -175,13 +174,13 @@ class OnebitStateFormat:
             "momentum": {},
         }
         for layout in self._layouts:
-            if self._replicas is None:
+            if same and self._replicas is not None:  # this rank's row, as saved
+                template["momentum"][layout.name] = self._momentum_state(layout, None)
+            else:  # all of it: saved whole on every rank, or the rows of another mesh
                 template["momentum"][layout.name] = {
                     k: new(f"momentum.{layout.name}.{k}", dtype)
                     for k, dtype in (("packed", torch.uint8), ("scales", torch.float32))
                 }
-            else:  # this rank's row, as saved (the same mesh: the header said so)
-                template["momentum"][layout.name] = self._momentum_state(layout, None)
             for slot in layout.slots:
                 for field in ("exp_avg", "exp_avg_sq", *self.optional_fields):
                     shard = shard_of(torch.zeros(0), slot.param)
@@ -193,10 +192,10 @@ class OnebitStateFormat:
             template[f"{field}_held"] = new(f"{field}_held", torch.int8)
         if self._automatic:
             template["auto"] = {k: v.clone() for k, v in auto_scalars(self._state.auto).items()}
-        if self._auto_mask:  # the records as a whole (at another world size too)
+        if self._auto_mask:  # the records as a whole (on another mesh too)
             for f in _AUTO_MASK_KEYS:
                 template[f] = {x.name: new(f"{f}.{x.name}", torch.uint8) for x in self._layouts}
-        if world_size == self.comm.world_size:
+        if same:
             template[own] = {
                 x.name: {
                     k: new(f"{own}.{x.name}.{k}", self.error_dtype) for k in ("worker", "server")
@@ -209,14 +208,15 @@ class OnebitStateFormat:
         """Restores a :meth:`state_dict` (as :meth:`state_dict` or :meth:`checkpoint_template`
         lays it out).
 
-        Saved at this world size, the state continues bit for bit. Saved at another one, the
-        momentum is read back exactly into this world size's layout, and the error feedback
-        (which compensated the old layout's compression) restarts from zero with a warning. On
-        HSDP only the same mesh shape loads (another: ``ValueError``, nothing changed).
+        Saved on this mesh shape (the world size of a 1-D mesh; on HSDP ``N`` x ``L``), the
+        state continues bit for bit. Saved on another one (another world size, HSDP to a 1-D
+        mesh or back, another ``N`` x ``L``), ``v`` and the shards' momentum are read back
+        exactly into this mesh's layout, and the error feedback (which compensated the old
+        layout's compression) restarts from zero with a warning.
 
         Raises:
-            ValueError: the checkpoint is of another model or other settings, or (on HSDP, or
-                saved on HSDP) of another mesh shape; nothing was changed.
+            ValueError: the checkpoint is of another model or other settings; nothing was
+                changed.
             NotImplementedError: ``state_dict`` is in ``torch.optim``'s per-param form (as
                 ``torch.distributed.checkpoint.state_dict.set_state_dict`` passes it); nothing
                 was changed.
@@ -224,8 +224,8 @@ class OnebitStateFormat:
         if "header" not in state_dict:
             raise NotImplementedError(not_torch_format(self.name))
         auto_saved = "always_zero" in state_dict
-        world_size, count = self._checked_header(state_dict["header"], auto_saved)
-        same = world_size == self.comm.world_size
+        world_size, replicas, count = self._checked_header(state_dict["header"], auto_saved)
+        same = self._same_mesh(world_size, replicas)
         signed = [bool(x) for x in state_dict["signed"].tolist()]
         if len(signed) != len(self._layouts):
             raise ValueError(f"{self.name}: corrupt checkpoint: signed = {signed}")
@@ -236,7 +236,8 @@ class OnebitStateFormat:
         masks, records = self._masks, self._zero_records
         if self._auto_mask:
             frozen = self._rule.is_compressed(count, self._state._replace(auto=auto))
-            masks, records = self._loaded_auto_masks(state_dict, world_size, frozen)
+            saved = [layout_at(x, world_size, replicas) for x in self._layouts]
+            masks, records = self._loaded_auto_masks(state_dict, saved, frozen)
         own = state_dict.get(self._own_key(), {}) if same else {}
         exp_avg, exp_avg_sq, compressed = {}, {}, {}
         for layout, packed in zip(self._layouts, signed, strict=True):
@@ -250,20 +251,19 @@ class OnebitStateFormat:
                 if same:
                     errors = own[layout.name]
                     held.errors = (errors["worker"].clone(), errors["server"].clone())
-                else:  # the shards' momentum, in this world size's layout
+                else:  # the shards' momentum, in this mesh's layout
                     if not self.keeps_momentum_shards:  # (else DCP resharded exp_avg)
-                        slots = [(s.name, s.param) for s in layout.slots]
-                        old = module_layout(layout.name, slots, world_size)
+                        old = layout_at(layout, world_size, replicas)
                         world, rank = self.comm.world_size, self.rank
                         shards = momentum_from_signs(old, held.signs, world, rank)
                         exp_avg.update(self._masked_shards(layout, shards, masks[layout.name]))
                     held.signs = None
             compressed[layout.name] = held
         if not same and any(signed):
+            here = (self.comm.world_size, self._replicas.world_size if self._replicas else 1)
             warnings.warn(
-                f"{self.name}: checkpoint saved at world size {world_size}, loaded at "
-                f"{self.comm.world_size}: the error feedback restarts from zero (the momentum "
-                "is kept)",
+                f"{self.name}: checkpoint saved on {_mesh(world_size, replicas)}, loaded on "
+                f"{_mesh(*here)}: the error feedback restarts from zero (the momentum is kept)",
                 stacklevel=2,
             )
         extra = self._loaded_fields(state_dict)
@@ -336,11 +336,10 @@ class OnebitStateFormat:
         }  # fmt: skip
 
     def _loaded_signs(self, saved: dict[str, torch.Tensor]) -> PackedSigns:
-        """A module's packed momentum from :meth:`_momentum_state`'s form."""
+        """A module's packed momentum from :meth:`_momentum_state`'s form (or, from another
+        mesh, all of it: one chunk per scale)."""
         packed, scales = to_local(saved["packed"]).clone(), to_local(saved["scales"]).clone()
-        if self._replicas is not None:
-            packed = packed.view(scales.numel(), -1)
-        return PackedSigns(packed, scales)
+        return PackedSigns(packed.view(scales.numel(), -1), scales)
 
     def _auto_mask_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """``exp_avg_mask="auto"``'s part of :meth:`state_dict`, by module: ``always_zero``,
@@ -365,23 +364,23 @@ class OnebitStateFormat:
         return {"always_zero": records, "exp_avg_mask": masks}
 
     def _loaded_auto_masks(
-        self, state_dict: dict[str, Any], world_size: int, frozen: bool
+        self, state_dict: dict[str, Any], saved_layouts: list[ModuleLayout], frozen: bool
     ) -> tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor] | None]:
         """``exp_avg_mask="auto"``'s masks and records (the optimizer's ``_masks`` and
-        ``_zero_records``) from a :meth:`state_dict` saved at ``world_size``, in this world
-        size's layout: after the freeze (``frozen``) the masks, before it the records."""
+        ``_zero_records``) from a :meth:`state_dict` saved in ``saved_layouts`` (the modules'
+        layouts on the mesh it was saved on), in this mesh's layout: after the freeze
+        (``frozen``) the masks, before it the records."""
         masks: dict[str, torch.Tensor | None] = {x.name: None for x in self._layouts}
         records = {}
-        for layout in self._layouts:
+        for layout, old in zip(self._layouts, saved_layouts, strict=True):
             if frozen:
-                saved = state_dict["exp_avg_mask"][layout.name]
-                masks[layout.name] = relaid_mask(layout, saved, world_size, self.comm.world_size)
+                masks[layout.name] = relaid_mask(layout, state_dict["exp_avg_mask"][old.name], old)
                 continue
             saved = state_dict["always_zero"][layout.name]
             if isinstance(saved, DTensor):  # dcp.load into state_dict(): this rank's own row
                 records[layout.name] = saved.to_local().clone()
                 continue
-            seen = relaid_mask(layout, saved.bitwise_not(), world_size, self.comm.world_size)
+            seen = relaid_mask(layout, saved.bitwise_not(), old)
             size = layout.padded_row // 8
             records[layout.name] = seen[self.rank * size : (self.rank + 1) * size].bitwise_not()
         return masks, None if frozen else records
@@ -405,22 +404,16 @@ class OnebitStateFormat:
         settings = repr((fixed, str(self.error_dtype), *masks))
         return zlib.crc32(layout.encode()), zlib.crc32(settings.encode())
 
-    def _check_mesh(self, shards: int, replicas: int) -> None:
-        """``ValueError`` unless a checkpoint saved on ``replicas`` x ``shards`` ranks can be
-        loaded here: on the same mesh, or at another world size of a 1-D mesh."""
-        here = (1 if self._replicas is None else self._replicas.world_size, self.comm.world_size)
-        if (replicas, shards) != here and max(replicas, here[0]) > 1:
-            raise ValueError(
-                f"{self.name}: the checkpoint was saved on an HSDP mesh of {replicas} x "
-                f"{shards} ranks (replicate x shard), this optimizer runs on {here[0]} x "
-                f"{here[1]}: loading on another mesh shape is not supported yet with HSDP; "
-                "load it on the mesh it was saved on; nothing was loaded"
-            )
+    def _same_mesh(self, world_size: int, replicas: int) -> bool:
+        """Whether a checkpoint saved on ``replicas`` x ``world_size`` ranks (replicate x
+        shard; ``1`` x ``W`` for a 1-D mesh) was saved on this optimizer's mesh shape."""
+        here = 1 if self._replicas is None else self._replicas.world_size
+        return (world_size, replicas) == (self.comm.world_size, here)
 
-    def _checked_header(self, header: torch.Tensor, auto_saved: bool) -> tuple[int, int]:
-        """The checkpoint's world size and update count, or ``ValueError`` if it is not a
-        checkpoint of this model and these settings (``auto_saved``: whether it holds
-        ``exp_avg_mask="auto"``'s records)."""
+    def _checked_header(self, header: torch.Tensor, auto_saved: bool) -> tuple[int, int, int]:
+        """The checkpoint's shard world size, replicas (``N``; ``1`` for a 1-D mesh) and update
+        count, or ``ValueError`` if it is not a checkpoint of this model and these settings
+        (``auto_saved``: whether it holds ``exp_avg_mask="auto"``'s records)."""
         values = header.tolist()
         if len(values) not in (5, 6) or values[0] != _FORMAT:
             raise ValueError(
@@ -428,7 +421,7 @@ class OnebitStateFormat:
                 "nothing was loaded"
             )
         _, world_size, count, layout, settings, *hsdp = values
-        self._check_mesh(world_size, hsdp[0] if hsdp else 1)
+        replicas = hsdp[0] if hsdp else 1
         layout_now, settings_now = self._fingerprints()
         if layout != layout_now:
             raise ValueError(
@@ -448,9 +441,15 @@ class OnebitStateFormat:
                 f"{self.name}: the checkpoint was saved with other settings (its "
                 "hyperparameters, exp_avg_mask or error_dtype); nothing was loaded"
             )
-        if world_size < 1 or count < 0:
+        if world_size < 1 or replicas < 1 or count < 0:
             raise ValueError(f"{self.name}: corrupt checkpoint header {values}")
-        return world_size, count
+        return world_size, replicas, count
+
+
+def _mesh(world_size: int, replicas: int) -> str:
+    if replicas == 1:
+        return f"world size {world_size}"
+    return f"an HSDP mesh of {replicas} x {world_size} ranks (replicate x shard)"
 
 
 def not_torch_format(name: str) -> str:

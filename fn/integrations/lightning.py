@@ -279,12 +279,13 @@ class FnCallback(Callback):
     (``init_device_mesh(self.device_mesh.device_type, self.device_mesh.shape,
     mesh_dim_names=("replicate", "shard"))``, the same groups), ``fully_shard`` every module on
     ``mesh["shard"]``, and return ``fn.fsdp.OnebitAdam(self, ..., replicate=mesh["replicate"])``
-    from ``configure_optimizers``; checkpoints and resume work as on one mesh (same mesh shape
-    only). Lightning's distributed sampler deals the batches over the ``data_parallel``
-    dimension (``num_replicas=N``, the node's index as rank), so the ``L`` ranks of a node
-    would train on the same batches: pass ``use_distributed_sampler=False`` to the trainer and
-    deal the data by global rank (``DistributedSampler(dataset,
-    num_replicas=trainer.world_size, rank=trainer.global_rank)``).
+    from ``configure_optimizers``; checkpoints resume as on one mesh, and on another mesh shape
+    resharded (the error feedback restarts with a warning). Lightning's distributed sampler
+    deals the batches over the ``data_parallel`` dimension (``num_replicas=N``, the node's index
+    as rank), so the ``L`` ranks of a node would train on the same batches: pass
+    ``use_distributed_sampler=False`` to the trainer and deal the data by global rank
+    (``DistributedSampler(dataset, num_replicas=trainer.world_size,
+    rank=trainer.global_rank)``).
 
     Example:
         One process, no DDP (under ``torchrun`` with ``strategy="ddp"`` the same lines register

@@ -79,37 +79,43 @@ def sign(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x >= 0, 1.0, -1.0)
 
 
-def row_layout(shapes: list[torch.Size]) -> tuple[list[int], int]:
-    """Each param's values per row (dim 0 padded to a multiple of W) and the padded row."""
-    widths = [-(-s[0] // WORLD) * math.prod(s[1:]) for s in shapes]
-    unit = math.lcm(WORLD, 8)
+def row_layout(
+    shapes: list[torch.Size], rows: int = WORLD, unit: int | None = None
+) -> tuple[list[int], int]:
+    """Each param's values per row (dim 0 padded to a multiple of ``rows``, the ranks of the
+    shard group) and the row padded to a multiple of ``unit`` (default ``lcm(rows, 8)``)."""
+    widths = [-(-s[0] // rows) * math.prod(s[1:]) for s in shapes]
+    unit = math.lcm(rows, 8) if unit is None else unit
     return widths, -(-sum(widths) // unit) * unit
 
 
-def to_x(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """FSDP2's layout, flat: row j holds rows [j R, (j + 1) R) of every tensor, zero padded."""
-    widths, padded = row_layout([t.shape for t in tensors])
-    x = torch.zeros(WORLD, padded)
-    for j in range(WORLD):
+def to_x(tensors: list[torch.Tensor], rows: int = WORLD, unit: int | None = None) -> torch.Tensor:
+    """FSDP2's layout, flat: row j holds rows [j R, (j + 1) R) of every tensor, zero padded
+    (``rows`` and ``unit`` as :func:`row_layout`'s)."""
+    widths, padded = row_layout([t.shape for t in tensors], rows, unit)
+    x = torch.zeros(rows, padded)
+    for j in range(rows):
         offset = 0
         for t, width in zip(tensors, widths, strict=True):
-            rows = -(-t.shape[0] // WORLD)
-            piece = t[j * rows : (j + 1) * rows].reshape(-1)
+            per_rank = -(-t.shape[0] // rows)
+            piece = t[j * per_rank : (j + 1) * per_rank].reshape(-1)
             x[j, offset : offset + piece.numel()] = piece
             offset += width
     return x.reshape(-1)
 
 
-def from_x(x: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    widths, padded = row_layout([t.shape for t in like])
-    rows_of = x.view(WORLD, padded)
+def from_x(
+    x: torch.Tensor, like: list[torch.Tensor], rows: int = WORLD, unit: int | None = None
+) -> list[torch.Tensor]:
+    widths, padded = row_layout([t.shape for t in like], rows, unit)
+    rows_of = x.view(rows, padded)
     out, offset = [], 0
     for t, width in zip(like, widths, strict=True):
-        rows = -(-t.shape[0] // WORLD)
+        per_rank = -(-t.shape[0] // rows)
         per_row = math.prod(t.shape[1:])
         pieces = []
-        for j in range(WORLD):
-            real = max(0, min(rows, t.shape[0] - j * rows)) * per_row
+        for j in range(rows):
+            real = max(0, min(per_rank, t.shape[0] - j * per_rank)) * per_row
             pieces.append(rows_of[j, offset : offset + real])
         out.append(torch.cat(pieces).view(t.shape))
         offset += width

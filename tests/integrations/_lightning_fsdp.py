@@ -120,7 +120,10 @@ def fn_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if str(w.message).startswith("fn.")]
 
 
-def full_run(out_dir: Path, make_model: type = ShardedClassifier) -> dict:
+def full_run(out_dir: Path, make_model: type = ShardedClassifier, train: Any = fit) -> dict:
+    """An uninterrupted run of ``make_model`` fitted by ``train`` with a checkpoint after every
+    update: fn's bytes sent per update, fn's warnings, the final params and this rank's final
+    optimizer state."""
     traffic = StepTraffic()
     saving = ModelCheckpoint(
         dirpath=out_dir,
@@ -132,7 +135,7 @@ def full_run(out_dir: Path, make_model: type = ShardedClassifier) -> dict:
     model = make_model(LR, FREEZE)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = fit(model, callbacks=(traffic, saving))
+        trainer = train(model, callbacks=(traffic, saving))
     return {
         "sent": traffic.sent,
         "warnings": fn_warnings(caught),

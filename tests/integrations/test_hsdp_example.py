@@ -1,7 +1,8 @@
 """examples/hsdp_onebit.py under ``torchrun`` on 4 gloo ranks, 2 nodes x 2 (a tiny model): a run
 resumed from checkpoints saved in the warmup (the next update is the freeze) and at the freeze
 (after the first compressed update) ends with the same params, bit for bit, as the
-uninterrupted run, and every rank ends with the same params (the script checks it)."""
+uninterrupted run, and every rank ends with the same params (the script checks it); the last
+checkpoint resumes on 4 nodes x 1 rank, resharded."""
 
 from __future__ import annotations
 
@@ -62,3 +63,10 @@ def test_resumed_in_warmup_and_at_the_freeze_is_bit_identical(tmp_path):
     assert DIGEST.search(resumed).group(1) == DIGEST.search(straight).group(1)
     held_out = re.compile(r"held-out loss \S+ after \d+ steps")
     assert held_out.search(resumed).group(0) == held_out.search(straight).group(0)
+    # on one rank per node (4 x 1): resharded, it trains on, every rank the same (the script)
+    other = hsdp_onebit(
+        "--max-steps", str(STEPS + 2), "--checkpoint", checkpoint, "--resume",
+        "--ranks-per-node", "1",
+    )  # fmt: skip
+    assert "step 5:" not in other and "hsdp 4x1: held-out loss" in other, other[-2000:]
+    assert f"after {STEPS + 2} steps" in other and DIGEST.search(other)
