@@ -15,11 +15,11 @@ import builtins
 import importlib
 import inspect
 import os
-import posixpath
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
@@ -29,13 +29,14 @@ sys.path.insert(0, str(ROOT))
 # one only slow them down on a shared machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import fn  # noqa: E402
-from docutils import nodes  # noqa: E402
 import torch  # noqa: E402
+from docutils import nodes  # noqa: E402
 from sphinx.errors import PycodeError  # noqa: E402
 from sphinx.pycode import ModuleAnalyzer  # noqa: E402
 from sphinx.util.docutils import SphinxDirective  # noqa: E402
 from sphinx.util.typing import stringify_annotation  # noqa: E402
+
+import fn  # noqa: E402
 
 _PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
 
