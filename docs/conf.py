@@ -81,6 +81,8 @@ html_static_path = ["_static"]
 # -- MyST ------------------------------------------------------------------------------------
 myst_enable_extensions = ["amsmath", "dollarmath", "colon_fence", "deflist"]
 myst_heading_anchors = 3
+# ```math fences are display math, as GitHub renders them too.
+myst_fence_as_directive = ["math"]
 
 # -- Notebooks (myst-nb) ---------------------------------------------------------------------
 # Executed on every build, in the notebooks' own directory (their first cell finds this
