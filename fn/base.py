@@ -167,6 +167,11 @@ class GradientTransformation(NamedTuple):
     contract). ``None`` (the default): :func:`update_and_apply` runs ``update`` and
     ``apply_updates``. ``fn.adam`` and ``fn.adamw`` declare one.
 
+    Attributes:
+        init: ``init(params) -> state``, the state of the first update.
+        update: ``update(updates, state, params=None, **extra) -> (updates, state)``.
+        fast_step: ``None``, or the in-place ``update`` plus ``apply_updates`` described above.
+
     Example:
         >>> import torch, fn
         >>> tx = fn.sgd(lr=0.1, momentum=0.9)
@@ -190,7 +195,12 @@ class GradientTransformation(NamedTuple):
 
 
 class EmptyState(NamedTuple):
-    """The state of a stateless transform."""
+    """The state of a stateless transform: a NamedTuple without fields.
+
+    Example:
+        >>> fn.identity().init({"w": torch.ones(2)})
+        EmptyState()
+    """
 
 
 class CompressedOptimizer(NamedTuple):
@@ -262,6 +272,15 @@ class CompressedOptimizer(NamedTuple):
 
     With ``Simulated`` ranks, compile ``simulate(train_step, comm)`` (or call
     ``simulate(opt.update, comm)`` inside the compiled function) the same way.
+
+    Example:
+        >>> opt = fn.onebit_adam(lr=1e-2, freeze_step=2, comm=fn.collectives.Local())
+        >>> params = {"w": torch.ones(3)}
+        >>> state = opt.init(params)
+        >>> for t in (1, 2):  # update 1 warms up, update 2 is compressed
+        ...     updates, state = opt.update({"w": torch.ones(3)}, state, params, step=t)
+        >>> opt.compressed_at(1), opt.compressed_at(2), opt.plan(2).compressed
+        (False, True, True)
     """
 
     init: TransformInitFn
@@ -449,6 +468,9 @@ def stateless_with_tree_map(
 
 def identity() -> GradientTransformation:
     """The transformation that returns its updates unchanged.
+
+    Returns:
+        A stateless GradientTransformation (state :class:`EmptyState`).
 
     Example:
         >>> import torch, fn
@@ -660,7 +682,20 @@ def update_and_apply(
 
 
 class StagedState(NamedTuple):
-    count: torch.Tensor  # [] int64: updates made so far
+    """The state of :func:`staged`.
+
+    Attributes:
+        count: ``[]`` int64 tensor, the number of updates made so far.
+        inner: the compressed optimizer's own state.
+
+    Example:
+        >>> tx = fn.staged(fn.onebit_adam(lr=1e-2, freeze_step=3, comm=fn.collectives.Local()))
+        >>> state = tx.init({"w": torch.zeros(2)})
+        >>> state.count, type(state.inner).__name__
+        (tensor(0), 'OnebitAdamState')
+    """
+
+    count: torch.Tensor
     inner: OptState
 
 

@@ -129,6 +129,11 @@ def check_chunked(x: torch.Tensor, world_size: int, name: str) -> None:
 class Local(ByteCounter):
     """World size 1: every collective returns its input's value; nothing is sent.
 
+    Args:
+        counts_into: the comm whose byte counter this one counts into (``None``, the default:
+            its own).
+        hop: the level it counts under, an index into ``("world", "intra", "inter")``.
+
     Example:
         >>> comm = fn.collectives.Local()
         >>> comm.all_reduce(torch.tensor([1.0, 2.0])), comm.all_gather(torch.tensor([1.0]))

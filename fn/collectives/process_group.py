@@ -99,9 +99,22 @@ def all_gather_flat(
 class CollectiveTimeoutError(RuntimeError):
     """A collective of a :class:`ProcessGroup` did not complete in time, or failed.
 
+    Args:
+        message: what happened: the collective, its ranks and the likely cause.
+        missing_ranks: the global ranks that did not reach the collective.
+
     Attributes:
         missing_ranks: the global ranks that did not reach the collective (empty when every rank
             did; then the ranks called different collectives, or the backend failed).
+
+    Example:
+        A training loop under ``torchrun`` may catch it to log which ranks were lost:
+
+        >>> try:
+        ...     raise fn.collectives.CollectiveTimeoutError("all_reduce timed out", [3])
+        ... except fn.collectives.CollectiveTimeoutError as err:
+        ...     print(f"lost ranks {err.missing_ranks}: {err}")
+        lost ranks [3]: all_reduce timed out
     """
 
     def __init__(self, message: str, missing_ranks: list[int]) -> None:

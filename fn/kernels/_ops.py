@@ -391,6 +391,16 @@ def sign_sum_apply_error(
     may be ``error``) and returns it; ``out`` is fp32, bf16 or fp16, ``e'`` computed in fp32 and
     rounded once to its dtype.
 
+    Args:
+        signs: uint8 ``[W, chunk / 8]``, as given to :func:`sign_sum_compress`.
+        weights: fp32 ``[W]``, as given to it.
+        error: the error it was given (``chunk`` elements).
+        scale: ``a``, the scale it returned.
+        out: 1-D tensor of ``chunk`` elements, the new error's buffer (may be ``error``).
+
+    Returns:
+        ``out``.
+
     Example:
         >>> import torch
         >>> import fn.kernels as K
