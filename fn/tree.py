@@ -67,7 +67,7 @@ def tree_flatten(tree: PyTree) -> tuple[list[Any], pytree.TreeSpec]:
         tree: the pytree.
 
     Returns:
-        ``(leaves, spec)``: the leaves in pytree order and the structure
+        ``(leaves, spec)``, the leaves in pytree order and the structure
         (:func:`tree_unflatten` rebuilds the tree from them).
 
     Example:

@@ -127,12 +127,9 @@ def check_chunked(x: torch.Tensor, world_size: int, name: str) -> None:
 
 
 class Local(ByteCounter):
-    """World size 1: every collective returns its input's value; nothing is sent.
+    """Local()
 
-    Args:
-        counts_into: the comm whose byte counter this one counts into (``None``, the default:
-            its own).
-        hop: the level it counts under, an index into ``("world", "intra", "inter")``.
+    World size 1: every collective returns its input's value; nothing is sent.
 
     Example:
         >>> comm = fn.collectives.Local()

@@ -85,7 +85,7 @@ def error_feedback_leaves(state: PyTree) -> list[bool]:
         state: an optimizer or collective state (a pytree of NamedTuples, tuples, dicts).
 
     Returns:
-        One bool per leaf of ``pytree.tree_leaves(state)``: ``True`` for a leaf inside an
+        One bool per leaf of ``pytree.tree_leaves(state)``, ``True`` for a leaf inside an
         :class:`ErrorFeedback` value or a field annotated :data:`ErrorFeedbackField`.
 
     Example:

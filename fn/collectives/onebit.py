@@ -242,8 +242,9 @@ def compressed_allreduce(
             (it may be ``x`` itself), ``worker``/``server`` fp32 of the errors' shapes (they may
             be ``worker_error``/``server_error`` themselves). Eager calls then make no
             full-size temporary and write nothing before every rank's checks passed
-            (:func:`compressed_allreduce_exchange`); under ``Simulated`` (vmap) and
-            ``torch.compile`` the results are computed as without buffers and copied into them.
+            (``fn.collectives.onebit.compressed_allreduce_exchange``); under ``Simulated``
+            (vmap) and ``torch.compile`` the results are computed as without buffers and copied
+            into them.
         packed: return ``y`` as the :class:`PackedSigns` it arrives as instead of unpacking
             it (``out``'s ``y`` must then be ``None``); where nothing is compressed (``W == 1``,
             ``n == 0``, one node) ``y`` stays a tensor.

@@ -217,7 +217,7 @@ class ProcessGroup(ByteCounter):
             local_world_size: ranks per node ``L``; must divide ``world_size``.
 
         Returns:
-            ``(intra, inter)`` ``ProcessGroup``s that count their bytes into this one.
+            ``(intra, inter)``, two ``ProcessGroup`` comms that count their bytes into this one.
 
         Raises:
             ValueError: ``local_world_size`` does not divide the world size, or the ranks
@@ -321,8 +321,11 @@ class ProcessGroup(ByteCounter):
 
     def transfers(self, kind: str) -> Transfers:
         """Point-to-point transfers between the ranks of this group, started as they are
-        posted and waited for with this group's timeout (see :class:`Transfers`). Every rank
-        must open the same sequence of transfers (they count as one collective each)."""
+        posted and waited for with this group's timeout (see ``Transfers``). Every rank
+        must open the same sequence of transfers (they count as one collective each).
+
+        :meta private: (plumbing of fn's quantized collectives)
+        """
         return Transfers(self, kind)
 
     def _diagnose(

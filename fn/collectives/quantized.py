@@ -572,8 +572,9 @@ def quantized_reduce_scatter(
             :func:`loco_allreduce`'s donation.
 
     Returns:
-        ``out`` or a fresh fp32[N / W]: chunk ``rank`` (one hop) or chunk ``local * (W / L) +
-        node`` (two hops) of ``mean_i DQ(Q(x_i))`` (two hops: requantized after the node sums).
+        ``out`` or a fresh fp32[N / W], holding chunk ``rank`` (one hop) or chunk
+        ``local * (W / L) + node`` (two hops) of ``mean_i DQ(Q(x_i))`` (two hops: requantized
+        after the node sums).
 
     Raises:
         ValueError: on every rank, if the ranks' ``x`` differ in element count (before any

@@ -107,7 +107,7 @@ class Simulated(ByteCounter, _SimulatedCollectives):
             local_world_size: ranks per node ``L``; must divide ``world_size``.
 
         Returns:
-            ``(intra, inter)``: ``intra`` spans the ``L`` ranks of this rank's node, ``inter``
+            ``(intra, inter)``, where ``intra`` spans the ``L`` ranks of this rank's node, ``inter``
             the ``W / L`` ranks with this rank's local index. Their bytes count into this comm.
 
         Example:

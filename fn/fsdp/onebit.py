@@ -475,11 +475,12 @@ class OnebitAdam(ShardedOnebitOptimizer):
         model: the model, with ``fully_shard`` applied to it or its submodules, on one 1-D mesh
             (with ``replicate``: the shard dimension of the 2-D mesh, ``mesh["shard"]``);
             every trainable param must be in an FSDP2 module.
-        lr, freeze_step, betas, eps, weight_decay, safeguard: as ``fn.onebit_adam``
-            (``freeze_step="auto"`` too: each rank sends its shards' gradient energy with the
-            finite check of every warmup update, and the ranks switch together). ``lr``
-            is read from ``param_groups[0]["lr"]`` at every step (LR schedulers work); the
-            others are fixed here.
+        lr: as ``fn.onebit_adam``'s, read from ``param_groups[0]["lr"]`` at every step (LR
+            schedulers work).
+        freeze_step: as ``fn.onebit_adam``'s (``"auto"`` too: each rank sends its shards'
+            gradient energy with the finite check of every warmup update, and the ranks switch
+            together).
+        betas, eps, weight_decay, safeguard: as ``fn.onebit_adam``'s, fixed here.
         non_freeze: must be ``False`` (``NotImplementedError`` otherwise).
         exp_avg_mask: ``{param: mask}`` for some of the model's params (the DTensors), each a
             plain tensor of 0s and 1s broadcastable to the param's full shape, multiplied into

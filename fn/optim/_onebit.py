@@ -28,9 +28,9 @@ class OnebitFamily(FunctionalOptimizer):
 
     A subclass names its factory (``_factory``) and its signature (``__signature__``: the
     factory's hyperparameters and the adapter's options, from
-    :func:`fn.transforms.hyperparameters.signature_with`), to which the constructor binds its
-    arguments: every argument but ``params``, ``comm``,
-    ``exp_avg_mask``, ``nonfinite``, ``flatten``, ``local_world_size`` and ``error_dtype`` is a
+    ``fn.transforms.hyperparameters.signature_with``), to which the constructor binds its
+    arguments: every argument but ``params``, ``comm``, ``exp_avg_mask``, ``nonfinite``,
+    ``flatten``, ``local_world_size`` and ``error_dtype`` is a
     default hyperparameter of its param groups, in the signature's order.
 
     Args:
@@ -151,8 +151,8 @@ class OnebitFamily(FunctionalOptimizer):
 
     @property
     def transform_comm(self) -> Any:
-        """The comm the groups' transforms are built with: ``comm``, or the one
-        :meth:`take_averaged_grads` gave them."""
+        """The comm the groups' transforms are built with (``comm``, or the one
+        :meth:`take_averaged_grads` gave them)."""
         return self.comm if self._transform_comm is None else self._transform_comm
 
     def take_averaged_grads(self, comm: Any) -> None:
@@ -311,8 +311,9 @@ class ZeroOneAdam(OnebitFamily):
     Args:
         params: tensors or param-group dicts; every argument below except ``comm``,
             ``exp_avg_mask`` and ``nonfinite`` can be set per group.
-        lr, betas, eps, weight_decay, var_freeze_step, var_update_scaler, local_step_scaler,
-            local_step_clipper: as ``fn.zero_one_adam``.
+        lr, betas, eps, weight_decay: as ``fn.zero_one_adam``.
+        var_freeze_step, var_update_scaler: as ``fn.zero_one_adam``.
+        local_step_scaler, local_step_clipper: as ``fn.zero_one_adam``.
         comm: ``None`` gives :func:`default_comm`.
         exp_avg_mask: ``{param: mask}`` (see :class:`OnebitAdam`).
         nonfinite: ``"raise"`` or ``"skip"``.
@@ -356,8 +357,9 @@ class OnebitLamb(OnebitFamily):
     Args:
         params: tensors or param-group dicts; every argument below except ``comm``,
             ``exp_avg_mask`` and ``nonfinite`` can be set per group.
-        lr, freeze_step, betas, eps, weight_decay, max_coeff, min_coeff, coeff_beta,
-            factor_max, factor_min, factor_threshold: as ``fn.onebit_lamb``.
+        lr, freeze_step, betas, eps, weight_decay: as ``fn.onebit_lamb``.
+        max_coeff, min_coeff, coeff_beta: as ``fn.onebit_lamb``.
+        factor_max, factor_min, factor_threshold: as ``fn.onebit_lamb``.
         comm: ``None`` gives :func:`default_comm`.
         exp_avg_mask: ``{param: mask}`` (see :class:`OnebitAdam`).
         nonfinite: ``"raise"`` or ``"skip"``.

@@ -326,7 +326,10 @@ class ZeroOneAdamSchedule(NamedTuple):
         return t > self.last_unfrozen_step
 
     def counters(self, t: int) -> ZeroOneAdamCounters:
-        """The counters at the start of update ``t`` (``t = 1`` gives the initial values)."""
+        """The counters at the start of update ``t`` (``t = 1`` gives the initial values).
+
+        :meta private: (DeepSpeed's counters, which the state records)
+        """
         interval, counter = 1, 0
         last_c = min(t - 1, self.last_unfrozen_step) + 1
         c = 1
@@ -366,14 +369,14 @@ class ZeroOneAdamSchedule(NamedTuple):
     def param_agreement(self, t: int) -> float | None:
         """How closely the ranks' params agree after update ``t``: bit for bit until the variance
         freezes (every rank applies the same update); after a synchronization up to fp32
-        rounding (:data:`SYNCED_RTOL` of their sums: each rank replaces its own local updates by
+        rounding (``SYNCED_RTOL = 1e-4`` of their sums: each rank replaces its own local updates by
         the synchronized one); not at all after a local step."""
         if not self.frozen(t):
             return 0.0
         return SYNCED_RTOL if self.is_sync_step(t) else None
 
     def plan(self, t: int, state: Any = None) -> ZeroOneAdamPlan:
-        """The plan of update ``t`` (one :meth:`counters` evaluation; ``state`` is not used)."""
+        """The plan of update ``t`` (one ``counters`` evaluation; ``state`` is not used)."""
         counters = self.counters(t)
         c = t + 1
         return ZeroOneAdamPlan(

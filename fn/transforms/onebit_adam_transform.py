@@ -12,6 +12,7 @@ from fn.collectives import ErrorFeedbackField, Local
 from fn.transforms import _leafwise as leafwise
 from fn.transforms import _onebit_auto as onebit_auto
 from fn.transforms import _onebit_state as onebit_state
+from fn.transforms._onebit_auto import AutoState
 from fn.transforms._onebit_schedules import AutoFreeze, OnebitAdamPlan, freeze_schedule
 from fn.transforms.onebit_fast import onebit_adam_step
 from fn.tree import PyTree, tree_zeros_like
@@ -48,7 +49,7 @@ class OnebitAdamState(NamedTuple):
     exp_avg_sq: SecondMomentField
     worker_error: ErrorFeedbackField
     server_error: ErrorFeedbackField
-    auto: onebit_auto.AutoState | None = None
+    auto: AutoState | None = None
 
 
 _Leaf = leafwise.leaf_type(OnebitAdamState, shared=("auto",))
@@ -238,12 +239,12 @@ def onebit_adam_sharded(
     to a compressed one. Everything is elementwise, so it runs on any shard of the params.
 
     Args:
-        lr, freeze_step, betas, eps, weight_decay, safeguard: as :func:`onebit_adam`. With
-            ``freeze_step="auto"`` (or an ``fn.AutoFreeze``) the switch is decided as there,
-            from the gradient energy of the averaged gradients, which a shard cannot compute
-            alone: every warmup update then takes the keyword ``gradient_energy``, a 0-dim
-            fp64 tensor on the CPU holding the sum over the ranks of
-            :func:`fn.transforms.gradient_energy` of each rank's shard of the mean gradient,
+        lr, betas, eps, weight_decay, safeguard: as :func:`onebit_adam`.
+        freeze_step: as :func:`onebit_adam`. With ``"auto"`` (or an ``fn.AutoFreeze``) the
+            switch is decided as there, from the gradient energy of the averaged gradients,
+            which a shard cannot compute alone: every warmup update then takes the keyword
+            ``gradient_energy``, a 0-dim fp64 tensor on the CPU holding the sum over the ranks
+            of :func:`fn.transforms.gradient_energy` of each rank's shard of the mean gradient,
             the same bits on every rank (the caller sums it, e.g. inside an allreduce it runs
             anyway). The decision is then the same on every rank.
 

@@ -14,6 +14,7 @@ from fn.errors import check_fraction, check_nonnegative, check_ordered
 from fn.transforms import _leafwise as leafwise
 from fn.transforms import _onebit_auto as onebit_auto
 from fn.transforms import _onebit_state as onebit_state
+from fn.transforms._onebit_auto import AutoState
 from fn.transforms._onebit_schedules import AutoFreeze, OnebitLambPlan, freeze_schedule
 from fn.transforms.trust_ratio import trust_ratio_of_norms
 from fn.tree import LiveLeaves, PyTree, fitting, live_leaves, tree_leaves, tree_map, tree_zeros_like
@@ -60,7 +61,7 @@ class OnebitLambState(NamedTuple):
     scaling_coeff: PyTree
     worker_error: ErrorFeedbackField
     server_error: ErrorFeedbackField
-    auto: onebit_auto.AutoState | None = None
+    auto: AutoState | None = None
 
 
 _Leaf = leafwise.leaf_type(OnebitLambState, shared=("worker_error", "server_error", "auto"))
@@ -322,11 +323,12 @@ def onebit_lamb_sharded(
     (:math:`m_{last}`).
 
     Args:
-        lr, freeze_step, betas, eps, weight_decay, max_coeff, min_coeff, coeff_beta,
-            factor_max, factor_min, factor_threshold, safeguard: as :func:`onebit_lamb`.
-            With ``freeze_step="auto"`` every warmup update takes ``gradient_energy=`` (as
-            ``fn.transforms.onebit_adam_sharded``'s) and, since any of them may be the last,
-            sets ``v~ = v`` and the scaling coefficients.
+        lr, betas, eps, weight_decay, safeguard: as :func:`onebit_lamb`.
+        freeze_step: as :func:`onebit_lamb`. With ``freeze_step="auto"`` every warmup update
+            takes ``gradient_energy=`` (as ``fn.transforms.onebit_adam_sharded``'s) and, since
+            any of them may be the last, sets ``v~ = v`` and the scaling coefficients.
+        max_coeff, min_coeff, coeff_beta: as :func:`onebit_lamb`.
+        factor_max, factor_min, factor_threshold: as :func:`onebit_lamb`.
         comm: the ``fn.collectives`` Comm over the ranks that hold the shards (its
             ``all_gather`` carries the norms; ``Local()`` for unsharded leaves).
 
