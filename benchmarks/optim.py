@@ -4,10 +4,10 @@ One process (Local), an MLP of many small tensors (where per-tensor work dominat
 the median of ``--repeats`` runs of ``--steps`` optimizer steps each, the methods taking turns
 in every repeat (gradients are fixed, so only the optimizer is timed). Ratios are against
 ``torch.optim.Adam(foreach=True)``. The adapter rows donate the optimizer's own buffers, as the
-adapter always does (double buffering; README "Buffer donation"). Two rows run the compressed
-1-bit Adam step as on two ranks (``tests/_mirror.py``'s ``Mirror``: a comm of two ranks holding
-this process's tensors, so the donated, fused path of the 1-bit allreduce runs): the
-``OnebitAdam`` adapter and the functional donated step it wraps (``fn.update_and_apply`` of
+adapter always does (double buffering; docs/guides/memory.md, "Buffer donation"). Two rows run
+the compressed 1-bit Adam step as on two ranks (``tests/_mirror.py``'s ``Mirror``: a comm of two
+ranks holding this process's tensors, so the donated, fused path of the 1-bit allreduce runs):
+the ``OnebitAdam`` adapter and the functional donated step it wraps (``fn.update_and_apply`` of
 ``fn.onebit_adam`` on one flat leaf), which first copies the fixed gradients into its gradient
 buffer (the step writes into it), as the adapter copies the params' ``.grad`` into its own.
 Last, for the same model in bf16 (fp32 master copy): the share of a compressed ``OnebitAdam``

@@ -57,12 +57,40 @@ __all__ = [
 ]
 
 Params = PyTree
+"""The params a transform updates, a pytree of tensors (``fn.tree.PyTree``).
+
+Example:
+    >>> params: fn.base.Params = {"w": torch.zeros(2, 3), "b": torch.zeros(3)}
+    >>> fn.tree.tree_numel(params)
+    9
+"""
 Updates = PyTree
+"""Gradients or updates, a pytree like the params (``None`` where a param has none).
+
+Example:
+    >>> tx, params = fn.sgd(0.1), {"w": torch.zeros(2), "b": torch.zeros(1)}
+    >>> grads: fn.base.Updates = {"w": torch.ones(2), "b": None}  # "b" is frozen
+    >>> tx.update(grads, tx.init(params))[0]
+    {'w': tensor([-0.1000, -0.1000]), 'b': None}
+"""
 OptState = Any
+"""A transform's state, the pytree its ``init`` returns and its ``update`` threads (usually
+NamedTuples whose leaves are tensors).
+
+Example:
+    >>> state: fn.base.OptState = fn.trace(decay=0.9).init({"w": torch.zeros(2)})
+    >>> state
+    TraceState(count=tensor(0), trace={'w': tensor([0., 0.])})
+"""
 
 
 class SecondMoment:
-    """The mark of :data:`SecondMomentField` in a state field's annotation."""
+    """The mark of :data:`SecondMomentField` in a state field's annotation.
+
+    Example:
+        >>> fn.base.marked_fields(fn.ScaleByAdamState, fn.base.SecondMoment)
+        frozenset({'nu'})
+    """
 
 
 @functools.cache
@@ -93,33 +121,96 @@ def marked_fields(cls: type, mark: Any) -> frozenset[str]:
 
 
 SecondMomentField = Annotated[PyTree, SecondMoment]
-"""The annotation of a state field whose pytree holds second moments (means of squares: never
+"""The annotation of a state field whose pytree holds second moments (means of squares, never
 negative), e.g. ``nu: SecondMomentField`` in ``fn.transforms.ScaleByAdamState``; ``fn.optim``
-rejects a checkpoint in which one is negative."""
+rejects a checkpoint in which one is negative.
+
+Example:
+    >>> from typing import NamedTuple
+    >>> from fn.base import SecondMoment, SecondMomentField
+    >>> class MyState(NamedTuple):
+    ...     count: torch.Tensor
+    ...     nu: SecondMomentField
+    >>> fn.base.marked_fields(MyState, SecondMoment)
+    frozenset({'nu'})
+"""
 
 
 class PerRank:
-    """The mark of :data:`PerRankField` in a state field's annotation."""
+    """The mark of :data:`PerRankField` in a state field's annotation.
+
+    Example:
+        >>> sorted(fn.base.marked_fields(fn.ZeroOneAdamState, fn.base.PerRank))
+        ['exp_avg', 'momentum_accumulator']
+    """
 
 
 PerRankField = Annotated[PyTree, PerRank]
 """The annotation of a state field whose values may differ between ranks by design, e.g. 0/1
 Adam's momentum and accumulator between its synchronizations: ``fn.optim.PerRankState`` saves
-it under each rank's own name, as it does error feedback, instead of once for all ranks."""
+it under each rank's own name, as it does error feedback, instead of once for all ranks.
+
+Example:
+    >>> from typing import NamedTuple
+    >>> from fn.base import PerRank, PerRankField
+    >>> class MyState(NamedTuple):
+    ...     count: torch.Tensor
+    ...     local: PerRankField
+    >>> fn.base.marked_fields(MyState, PerRank)
+    frozenset({'local'})
+"""
 
 
 class TransformInitFn(Protocol):
+    """A transform's ``init``: ``init(params) -> state``, the state of the first update.
+
+    Any callable of this signature implements it (a function, a lambda); the state it returns
+    is usually built from the params' shapes, dtypes and devices.
+
+    Example:
+        >>> def init(params):  # a buffer like every param
+        ...     return fn.tree.tree_zeros_like(params)
+        >>> tx = fn.GradientTransformation(init, fn.identity().update)
+        >>> tx.init({"w": torch.ones(2)})
+        {'w': tensor([0., 0.])}
+    """
+
     def __call__(self, params: Params) -> OptState: ...
 
 
 class TransformUpdateFn(Protocol):
+    """A transform's ``update``: ``update(updates, state, params=None, **extra) -> (updates,
+    state)``, pure (see :class:`GradientTransformation` for ``donate``).
+
+    Any callable of this signature implements it. It should accept and ignore the keyword
+    arguments it does not know (``step``, ``plan``, ``donate``), as the ``**extra`` below does;
+    ``fn.chain`` passes a member without ``**extra`` only the keywords it names.
+
+    Example:
+        >>> def update(updates, state, params=None, **extra):  # extra keywords: ignored
+        ...     return fn.tree.tree_scale(updates, 2.0), state
+        >>> tx = fn.GradientTransformation(lambda params: fn.EmptyState(), update)
+        >>> tx.update({"w": torch.ones(2)}, tx.init(None), step=3)
+        ({'w': tensor([2., 2.])}, EmptyState())
+    """
+
     def __call__(
         self, updates: Updates, state: OptState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, OptState]: ...
 
 
 class FastStepFn(Protocol):
-    """A transform's fast step: ``update`` then ``apply_updates`` in one in-place step."""
+    """A transform's fast step: ``update`` then ``apply_updates`` in one in-place step.
+
+    A transform implements it by setting the ``fast_step`` field of its
+    :class:`GradientTransformation` to a callable of this signature that returns the params
+    (updated in place) and the new state with the bits of the two calls; :func:`update_and_apply`
+    then runs it.
+
+    Example:
+        >>> fn.adam(lr=0.1).fast_step is not None, fn.sgd(lr=0.1).fast_step
+        (True, None)
+    """
 
     def __call__(
         self, updates: Updates, state: OptState, params: Params, *, donate: Any, **extra: Any
@@ -167,6 +258,11 @@ class GradientTransformation(NamedTuple):
     contract). ``None`` (the default): :func:`update_and_apply` runs ``update`` and
     ``apply_updates``. ``fn.adam`` and ``fn.adamw`` declare one.
 
+    Attributes:
+        init: ``init(params) -> state``, the state of the first update.
+        update: ``update(updates, state, params=None, **extra) -> (updates, state)``.
+        fast_step: ``None``, or the in-place ``update`` plus ``apply_updates`` described above.
+
     Example:
         >>> import torch, fn
         >>> tx = fn.sgd(lr=0.1, momentum=0.9)
@@ -190,7 +286,12 @@ class GradientTransformation(NamedTuple):
 
 
 class EmptyState(NamedTuple):
-    """The state of a stateless transform."""
+    """The state of a stateless transform: a NamedTuple without fields.
+
+    Example:
+        >>> fn.identity().init({"w": torch.ones(2)})
+        EmptyState()
+    """
 
 
 class CompressedOptimizer(NamedTuple):
@@ -262,6 +363,15 @@ class CompressedOptimizer(NamedTuple):
 
     With ``Simulated`` ranks, compile ``simulate(train_step, comm)`` (or call
     ``simulate(opt.update, comm)`` inside the compiled function) the same way.
+
+    Example:
+        >>> opt = fn.onebit_adam(lr=1e-2, freeze_step=2, comm=fn.collectives.Local())
+        >>> params = {"w": torch.ones(3)}
+        >>> state = opt.init(params)
+        >>> for t in (1, 2):  # update 1 warms up, update 2 is compressed
+        ...     updates, state = opt.update({"w": torch.ones(3)}, state, params, step=t)
+        >>> opt.compressed_at(1), opt.compressed_at(2), opt.plan(2).compressed
+        (False, True, True)
     """
 
     init: TransformInitFn
@@ -449,6 +559,9 @@ def stateless_with_tree_map(
 
 def identity() -> GradientTransformation:
     """The transformation that returns its updates unchanged.
+
+    Returns:
+        A stateless GradientTransformation (state :class:`EmptyState`).
 
     Example:
         >>> import torch, fn
@@ -660,7 +773,20 @@ def update_and_apply(
 
 
 class StagedState(NamedTuple):
-    count: torch.Tensor  # [] int64: updates made so far
+    """The state of :func:`staged`.
+
+    Attributes:
+        count: ``[]`` int64 tensor, the number of updates made so far.
+        inner: the compressed optimizer's own state.
+
+    Example:
+        >>> tx = fn.staged(fn.onebit_adam(lr=1e-2, freeze_step=3, comm=fn.collectives.Local()))
+        >>> state = tx.init({"w": torch.zeros(2)})
+        >>> state.count, type(state.inner).__name__
+        (tensor(0), 'OnebitAdamState')
+    """
+
+    count: torch.Tensor
     inner: OptState
 
 
@@ -677,7 +803,7 @@ def staged(opt: CompressedOptimizer) -> GradientTransformation:
         opt: the compressed optimizer.
 
     Returns:
-        A GradientTransformation with state :class:`StagedState` (``count``, ``inner``: the
+        A GradientTransformation with state :class:`StagedState` (``count``, and ``inner``, the
         optimizer's state).
 
     Example:

@@ -6,12 +6,16 @@ frozen): every helper here passes it through untouched, and multi-tree maps take
 their first tree, so ``tree_map(f, grads, mu)`` returns ``None`` wherever ``grads`` has ``None``.
 
 Below the public helpers are the leaf plumbing that fn's packages share and that is not part of
-the API: the walk over the leaves that have an update (:func:`live_leaves`: flatten the trees
+the API: the walk over the leaves that have an update (``live_leaves``: flatten the trees
 against one structure, skip ``None`` updates, check each leaf, rebuild the trees; every
 transform's update goes through it), whether leaves can go through ``torch._foreach_*`` ops
-(:func:`foreach_ok`), and which tensors a step may write in place (:func:`fits`,
-:func:`buffer_like`, :func:`storages_of`: the buffers of buffer donation, see
-:class:`fn.GradientTransformation`).
+(``foreach_ok``), and which tensors a step may write in place (``fits``, ``buffer_like``,
+``storages_of``: the buffers of buffer donation, see :class:`fn.GradientTransformation`).
+
+Example:
+    >>> grads = {"w": torch.tensor([3.0, 4.0]), "b": None}  # "b" has no gradient
+    >>> fn.tree.tree_scale(grads, 0.5), fn.tree.tree_l2_norm(grads)
+    ({'w': tensor([1.5000, 2.0000]), 'b': None}, tensor(5.))
 """
 
 from __future__ import annotations
@@ -43,6 +47,13 @@ __all__ = [
 ]
 
 PyTree = Any
+"""A nested structure of dicts, lists, tuples and NamedTuples whose leaves are tensors or
+``None`` (a param without a gradient); any pytree ``torch.utils._pytree`` flattens.
+
+Example:
+    >>> fn.tree.tree_numel({"w": torch.zeros(2, 3), "state": (torch.zeros(4), None)})
+    10
+"""
 
 
 def _is_none(x: Any) -> bool:
@@ -51,6 +62,13 @@ def _is_none(x: Any) -> bool:
 
 def tree_flatten(tree: PyTree) -> tuple[list[Any], pytree.TreeSpec]:
     """Flattens ``tree`` into its leaves (``None`` leaves included) and a spec.
+
+    Args:
+        tree: the pytree.
+
+    Returns:
+        ``(leaves, spec)``, the leaves in pytree order and the structure
+        (:func:`tree_unflatten` rebuilds the tree from them).
 
     Example:
         >>> leaves, spec = fn.tree.tree_flatten({"w": torch.tensor([1.0, 2.0]), "b": None})
@@ -63,12 +81,32 @@ def tree_flatten(tree: PyTree) -> tuple[list[Any], pytree.TreeSpec]:
 
 
 def tree_unflatten(leaves: list[Any], spec: pytree.TreeSpec) -> PyTree:
-    """Inverse of :func:`tree_flatten`."""
+    """Inverse of :func:`tree_flatten`.
+
+    Args:
+        leaves: one leaf per position of ``spec``, in pytree order.
+        spec: the structure, from :func:`tree_flatten`.
+
+    Returns:
+        The pytree of structure ``spec`` holding ``leaves``.
+
+    Example:
+        >>> _, spec = fn.tree.tree_flatten((torch.zeros(1), {"b": None}))
+        >>> fn.tree.tree_unflatten([torch.ones(1), torch.ones(2)], spec)
+        (tensor([1.]), {'b': tensor([1., 1.])})
+    """
     return pytree.tree_unflatten(leaves, spec)
 
 
 def tree_leaves(tree: PyTree, *, keep_none: bool = False) -> list[Any]:
     """The leaves of ``tree`` in pytree order; ``None`` leaves are dropped unless ``keep_none``.
+
+    Args:
+        tree: the pytree.
+        keep_none: keep the ``None`` leaves.
+
+    Returns:
+        The list of leaves.
 
     Example:
         >>> grads = {"w": torch.tensor([1.0, 2.0]), "b": None}
@@ -111,6 +149,13 @@ def tree_map(f: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
 def tree_zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
     """Zeros shaped like every leaf, optionally in ``dtype``.
 
+    Args:
+        tree: the pytree.
+        dtype: the leaves' dtype, or ``None`` for each leaf's own.
+
+    Returns:
+        A pytree of ``tree``'s structure (``None`` leaves stay ``None``).
+
     Example:
         >>> fn.tree.tree_zeros_like({"w": torch.ones(2, dtype=torch.float16)}, torch.float32)
         {'w': tensor([0., 0.])}
@@ -121,6 +166,14 @@ def tree_zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
 def tree_full_like(tree: PyTree, value: float, dtype: torch.dtype | None = None) -> PyTree:
     """``value`` everywhere, shaped like every leaf, optionally in ``dtype``.
 
+    Args:
+        tree: the pytree.
+        value: the fill value.
+        dtype: the leaves' dtype, or ``None`` for each leaf's own.
+
+    Returns:
+        A pytree of ``tree``'s structure (``None`` leaves stay ``None``).
+
     Example:
         >>> fn.tree.tree_full_like({"w": torch.zeros(2)}, 0.5)
         {'w': tensor([0.5000, 0.5000])}
@@ -130,6 +183,13 @@ def tree_full_like(tree: PyTree, value: float, dtype: torch.dtype | None = None)
 
 def tree_cast(tree: PyTree, dtype: torch.dtype | None) -> PyTree:
     """Casts every floating-point leaf to ``dtype`` (``None`` leaves the tree as it is).
+
+    Args:
+        tree: the pytree.
+        dtype: the floating-point dtype, or ``None``.
+
+    Returns:
+        ``tree`` with its floating-point leaves in ``dtype``; integer and bool leaves are kept.
 
     Example:
         >>> fn.tree.tree_cast({"w": torch.ones(2), "steps": torch.tensor([3])}, torch.bfloat16)
@@ -143,6 +203,13 @@ def tree_cast(tree: PyTree, dtype: torch.dtype | None) -> PyTree:
 def tree_add(a: PyTree, b: PyTree) -> PyTree:
     """``a + b`` leafwise.
 
+    Args:
+        a: the first pytree (its ``None`` leaves stay ``None``).
+        b: a pytree of the same structure.
+
+    Returns:
+        The pytree of sums.
+
     Example:
         >>> fn.tree.tree_add({"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([3.0, 4.0])})
         {'w': tensor([4., 6.])}
@@ -152,6 +219,13 @@ def tree_add(a: PyTree, b: PyTree) -> PyTree:
 
 def tree_sub(a: PyTree, b: PyTree) -> PyTree:
     """``a - b`` leafwise.
+
+    Args:
+        a: the first pytree (its ``None`` leaves stay ``None``).
+        b: a pytree of the same structure.
+
+    Returns:
+        The pytree of differences.
 
     Example:
         >>> fn.tree.tree_sub({"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([3.0, 4.0])})
@@ -163,6 +237,13 @@ def tree_sub(a: PyTree, b: PyTree) -> PyTree:
 def tree_scale(tree: PyTree, scalar: float | torch.Tensor) -> PyTree:
     """``scalar * tree`` leafwise.
 
+    Args:
+        tree: the pytree.
+        scalar: a number or a tensor that broadcasts against every leaf.
+
+    Returns:
+        The scaled pytree.
+
     Example:
         >>> fn.tree.tree_scale({"w": torch.tensor([1.0, 2.0])}, 0.5)
         {'w': tensor([0.5000, 1.0000])}
@@ -172,6 +253,13 @@ def tree_scale(tree: PyTree, scalar: float | torch.Tensor) -> PyTree:
 
 def tree_vdot(a: PyTree, b: PyTree) -> torch.Tensor:
     """``sum_i <a_i, b_i>`` over all leaves, as a 0-dim fp32 tensor.
+
+    Args:
+        a: the first pytree (its ``None`` leaves are skipped).
+        b: a pytree of the same structure.
+
+    Returns:
+        The inner product, computed in fp32 (``0.0`` without leaves).
 
     Example:
         >>> a = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([1.0])}
@@ -185,6 +273,12 @@ def tree_vdot(a: PyTree, b: PyTree) -> torch.Tensor:
 def tree_sum_of_squares(tree: PyTree) -> torch.Tensor:
     """``sum_i ||x_i||_2^2`` over all leaves, as a 0-dim fp32 tensor.
 
+    Args:
+        tree: the pytree (its ``None`` leaves are skipped).
+
+    Returns:
+        The sum of squares, computed in fp32.
+
     Example:
         >>> fn.tree.tree_sum_of_squares({"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([2.0])})
         tensor(9.)
@@ -194,6 +288,12 @@ def tree_sum_of_squares(tree: PyTree) -> torch.Tensor:
 
 def tree_l2_norm(tree: PyTree) -> torch.Tensor:
     """The global L2 norm ``sqrt(sum_i ||x_i||_2^2)`` of all leaves.
+
+    Args:
+        tree: the pytree (its ``None`` leaves are skipped).
+
+    Returns:
+        A 0-dim fp32 tensor.
 
     Example:
         >>> fn.tree.tree_l2_norm({"w": torch.tensor([3.0]), "b": torch.tensor([4.0]), "c": None})
@@ -205,6 +305,12 @@ def tree_l2_norm(tree: PyTree) -> torch.Tensor:
 def tree_numel(tree: PyTree) -> int:
     """The total number of elements over all leaves.
 
+    Args:
+        tree: the pytree (its ``None`` leaves count nothing).
+
+    Returns:
+        The number of elements, a Python ``int``.
+
     Example:
         >>> fn.tree.tree_numel({"w": torch.zeros(2, 3), "b": torch.zeros(3), "frozen": None})
         9
@@ -214,6 +320,12 @@ def tree_numel(tree: PyTree) -> int:
 
 def tree_all_finite(tree: PyTree) -> torch.Tensor:
     """A 0-dim bool tensor: every element of every leaf is finite.
+
+    Args:
+        tree: the pytree (its ``None`` leaves are skipped).
+
+    Returns:
+        ``tensor(True)`` when no leaf holds an inf or a NaN (also for a tree without leaves).
 
     Example:
         >>> fn.tree.tree_all_finite({"w": torch.tensor([1.0, float("inf")])})

@@ -1,4 +1,5 @@
-"""The documentation: docs/algorithms.md and the links to it, and the doctest collection.
+"""The documentation: README.md as the front door, the pages under docs/ and the links between
+them, docs/algorithms.md's sections, the examples the pages show, and the doctest collection.
 
 The doctests themselves are collected by pytest from ``fn`` (``--doctest-modules`` in
 pyproject.toml, see conftest.py); these tests check that this stays so.
@@ -12,8 +13,38 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
-ALGORITHMS = ROOT / "docs" / "algorithms.md"
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+ALGORITHMS = DOCS / "algorithms.md"
+
+# The guide pages: the site's table of contents names them, README.md links to them.
+GUIDES = [
+    "simulated-workers",
+    "compile",
+    "ddp",
+    "hf-trainer",
+    "accelerate",
+    "lightning",
+    "fsdp",
+    "hierarchical",
+    "freeze-step",
+    "memory",
+    "checkpoints",
+    "policies",
+    "kernels",
+]
+# The pages this project writes by hand, each a title, an introduction, then its sections.
+PAGES = [
+    "getting-started.md",
+    *(f"guides/{name}.md" for name in GUIDES),
+    "benchmarks.md",
+    "torch-optim.md",
+    "precision.md",
+    "migrating-from-deepspeed.md",
+]
 
 # Other documents and docstrings link to these sections by name.
 SECTIONS = [
@@ -31,7 +62,11 @@ SECTIONS = [
     "Deviations from DeepSpeed",
 ]
 
-_LINK = re.compile(r"docs/algorithms\.md#([A-Za-z0-9_-]+)")
+# A link to a section of algorithms.md from anywhere: docs/algorithms.md#<section>, or relative
+_LINK = re.compile(r"algorithms\.md#([A-Za-z0-9_-]+)")
+# A Markdown link or image: [text](target), the target without a title
+_MD_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+_FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 
 
 def _anchor(heading: str) -> str:
@@ -39,11 +74,36 @@ def _anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
+def _anchors(path: Path) -> set[str]:
+    """The anchors of a Markdown file's headings (outside code blocks), as GitHub makes them:
+    a repeated heading gets ``-1``, ``-2``, ..."""
+    seen: dict[str, int] = {}
+    out = set()
+    text = _FENCE.sub("", path.read_text(encoding="utf-8"))
+    for heading in re.findall(r"^#{1,6} (.+)$", text, re.MULTILINE):
+        anchor = _anchor(heading)
+        count = seen.get(anchor, 0)
+        seen[anchor] = count + 1
+        out.add(anchor if count == 0 else f"{anchor}-{count}")
+    return out
+
+
+def _markdown() -> list[Path]:
+    """README.md, every page under docs/ and the other folders' READMEs, each once."""
+    paths = [README, *sorted(DOCS.rglob("*.md")), *sorted(ROOT.glob("*/README.md"))]
+    unique = {p.resolve(): None for p in paths if "_build" not in p.relative_to(ROOT).parts}
+    return list(unique)
+
+
 def _documents() -> list[Path]:
-    paths = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("benchmarks/*.md")]
+    paths = [*_markdown(), *ROOT.glob("benchmarks/*.md")]
     for folder in ("fn", "tests", "benchmarks", "notebooks"):
         paths += [p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".md", ".ipynb")]
     return paths
+
+
+def _python_blocks(path: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", path.read_text(encoding="utf-8"), re.M | re.S)
 
 
 def test_algorithms_has_the_linked_sections_in_order():
@@ -75,6 +135,118 @@ def test_no_references_to_documents_outside_the_repository():
     ]
     assert not stale, f"cite docs/algorithms.md or docs/architecture.md instead: {stale}"
     assert "docs/algorithms.md" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_readme_is_a_front_door():
+    """README.md stays short: the details live on the pages it links to."""
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines; move details to docs/"
+
+
+def test_readme_links_every_guide_and_each_exists():
+    text = README.read_text(encoding="utf-8")
+    linked = re.findall(r"\]\(docs/guides/([\w-]+)\.md(?:#[\w-]+)?\)", text)
+    assert sorted(set(linked)) == sorted(GUIDES), "README.md links each guide once or more"
+    missing = [name for name in linked if not (DOCS / "guides" / f"{name}.md").is_file()]
+    assert not missing, f"README.md links missing guides: {missing}"
+
+
+def test_readme_keeps_the_commands_ci_runs():
+    """.ci/run installs and tests as README.md says: README keeps its test command as a line of
+    its own, and its set-up installs the extras that CI installs."""
+    readme = README.read_text(encoding="utf-8")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "python3 -m pytest -q\n" in readme
+    assert re.search(r"^python3 -m pytest -q$", ci, re.MULTILINE)
+    (setup,) = [line for line in readme.splitlines() if line.endswith("&& python3 -m fn demo")]
+    (extras,) = re.findall(r'-e "\.\[([\w,]+)\]"', setup)
+    ci_extras = {e for found in re.findall(r'-e "\.\[([\w,]+)\]"', ci) for e in found.split(",")}
+    assert set(extras.split(",")) == ci_extras, (extras, ci_extras)
+    assert setup.startswith('python3 -c "import torch" 2>/dev/null || python3 -m pip install')
+    assert 'python3 -m pip install "torch==2.13.0"' in setup
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_each_page_has_a_title_and_an_introduction(page):
+    text = _FENCE.sub("", (DOCS / page).read_text(encoding="utf-8"))
+    assert text.startswith("# "), f"docs/{page} starts with its title"
+    intro = text.split("\n", 1)[1].split("\n## ", 1)[0]
+    assert len(intro.split()) >= 15, f"docs/{page}: a short introduction before its sections"
+
+
+def test_relative_links_reach_files_and_headings():
+    """Every relative link in README.md and the pages names a file of the repository, and a
+    heading of it where the link has an anchor (as GitHub makes anchors; the site resolves the
+    same links)."""
+    broken = []
+    for path in _markdown():
+        text = _FENCE.sub("", path.read_text(encoding="utf-8"))
+        for target in _MD_LINK.findall(text):
+            if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            where = f"{path.relative_to(ROOT)}: {target}"
+            if not linked.exists():
+                broken.append(f"{where} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+                broken.append(f"{where} (no such heading)")
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_references_to_readme_sections_name_its_headings():
+    """A document that cites a section of README.md by name (README, "Set-up ...") cites one
+    README.md has; the sections that left README.md are cited by their pages' paths."""
+    cite = re.compile(r"(?<![/\w])README(?:\.md)?(?:'s)?[,:]?\s+\"([^\"]+)\"")
+    headings = re.findall(r"^#+ (.+)$", README.read_text(encoding="utf-8"), re.MULTILINE)
+    paths = [*_markdown()]
+    for folder in ("tests", "benchmarks", "notebooks", "examples"):
+        paths += [p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".ipynb")]
+    stale = [
+        f"{path.relative_to(ROOT)}: {name!r}"
+        for path in paths
+        if path != Path(__file__).resolve()
+        for name in cite.findall(path.read_text(encoding="utf-8"))
+        if not any(h.startswith(" ".join(name.split())) for h in headings)
+    ]
+    assert not stale, f"README.md has no such section: {stale}"
+
+
+def test_the_benchmarks_page_includes_the_benchmarks_readme():
+    """docs/benchmarks.md shows benchmarks/README.md itself (one source for every table)."""
+    text = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    (included,) = re.findall(r"^```\{include\} (\S+)$", text, re.MULTILINE)
+    assert (DOCS / included).resolve() == (ROOT / "benchmarks" / "README.md").resolve()
+
+
+def _run_blocks(blocks: list[str], capsys) -> str:
+    namespace: dict = {"__name__": "__docs__"}
+    exec(compile("\n".join(blocks), "<docs>", "exec"), namespace)  # noqa: S102
+    return capsys.readouterr().out
+
+
+def test_the_readme_example_runs(capsys):
+    """README.md's example: 1-bit Adam on 4 simulated workers, warmup then compressed."""
+    (block,) = _python_blocks(README)
+    out = _run_blocks([block], capsys)
+    sent = int(re.fullmatch(r"(\d+) bytes sent per worker\n", out).group(1))
+    assert sent > 0
+
+
+def test_the_first_custom_loop_runs(capsys):
+    """getting-started.md's pure loop writes nothing it is given; its fast loop, from the same
+    start, ends with the same bits, as the page says."""
+    pure, fast = _python_blocks(DOCS / "getting-started.md")[:2]
+    assert "fn.apply_updates" in pure and "fn.update_and_apply" in fast
+    restart = (
+        "p_pure = params\n"
+        "params = {k: v.detach().clone() for k, v in model.named_parameters()}\n"
+        "print(float(loss_fn(params)), float(loss_fn(p_pure)))\n"
+    )
+    check = "print(all(torch.equal(params[k], p_pure[k]) for k in params))"
+    out = _run_blocks([pure, restart, fast, check], capsys).split()
+    assert float(out[1]) < float(out[0])  # trained
+    assert out[2] == "True"
 
 
 def test_the_test_command_runs_doctests_and_fails_on_a_broken_one(tmp_path):

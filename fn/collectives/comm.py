@@ -127,7 +127,9 @@ def check_chunked(x: torch.Tensor, world_size: int, name: str) -> None:
 
 
 class Local(ByteCounter):
-    """World size 1: every collective returns its input's value; nothing is sent.
+    """Local()
+
+    World size 1: every collective returns its input's value; nothing is sent.
 
     Example:
         >>> comm = fn.collectives.Local()

@@ -38,6 +38,13 @@ class ErrorFeedback(NamedTuple):
     Attributes:
         worker: ``e_w``, fp32[N]: what compressing this rank's input lost.
         server: ``e_s``, fp32[N / W]: what compressing this rank's chunk of the average lost.
+
+    Example:
+        >>> errors = fn.collectives.init_error_feedback(10, comm=fn.collectives.Simulated(2))
+        >>> type(errors).__name__, errors.worker.shape, errors.server.shape
+        ('ErrorFeedback', torch.Size([16]), torch.Size([8]))
+        >>> fn.collectives.error_feedback_leaves(errors)
+        [True, True]
     """
 
     worker: torch.Tensor
@@ -45,7 +52,17 @@ class ErrorFeedback(NamedTuple):
 
 
 ErrorFeedbackField = Annotated[PyTree, ErrorFeedback]
-"""The annotation of a state field whose pytree holds error-feedback buffers."""
+"""The annotation of a state field whose pytree holds error-feedback buffers.
+
+Example:
+    >>> from typing import NamedTuple
+    >>> from fn.collectives import ErrorFeedbackField, error_feedback_leaves
+    >>> class MyState(NamedTuple):
+    ...     count: torch.Tensor
+    ...     residual: ErrorFeedbackField
+    >>> error_feedback_leaves(MyState(torch.zeros(()), {"w": torch.zeros(4)}))
+    [False, True]
+"""
 
 
 def _mark(node: Any, inside: bool) -> Any:
@@ -68,7 +85,7 @@ def error_feedback_leaves(state: PyTree) -> list[bool]:
         state: an optimizer or collective state (a pytree of NamedTuples, tuples, dicts).
 
     Returns:
-        One bool per leaf of ``pytree.tree_leaves(state)``: ``True`` for a leaf inside an
+        One bool per leaf of ``pytree.tree_leaves(state)``, ``True`` for a leaf inside an
         :class:`ErrorFeedback` value or a field annotated :data:`ErrorFeedbackField`.
 
     Example:

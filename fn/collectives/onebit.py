@@ -113,6 +113,14 @@ def init_error_feedback(
 
 # The storage dtypes of the 1-bit allreduce's error feedback: it always computes in fp32.
 ERROR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes that 1-bit error feedback may be stored in (``error_dtype=`` of the 1-bit
+family and :func:`init_error_feedback`): fp32, DeepSpeed's and the default, or bf16 and fp16,
+which halve the buffers' memory.
+
+Example:
+    >>> torch.bfloat16 in fn.collectives.ERROR_DTYPES
+    True
+"""
 
 
 def check_error_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -148,6 +156,10 @@ class PackedSigns(NamedTuple):
     where it is not; a vector of ``n <= R * chunk`` elements is the first ``n`` values. It holds
     ``n / 8`` bytes and ``4 R`` where the vector itself takes ``4 n``.
 
+    Attributes:
+        packed: uint8 ``[R, chunk / 8]``, the signs.
+        scales: fp32 ``[R]``, one scale per chunk.
+
     Example:
         >>> from fn.collectives import PackedSigns
         >>> signs = PackedSigns(
@@ -158,8 +170,8 @@ class PackedSigns(NamedTuple):
         tensor([ 1., -1., -1., -1., -1., -1., -1., -1., -2.,  2.])
     """
 
-    packed: torch.Tensor  # uint8 [R, chunk / 8]: the signs
-    scales: torch.Tensor  # fp32 [R]: one scale per chunk
+    packed: torch.Tensor
+    scales: torch.Tensor
 
     def values(self, numel: int) -> torch.Tensor:
         """The first ``numel`` values, 1-D fp32 (a view of a fresh padded tensor)."""
@@ -230,8 +242,9 @@ def compressed_allreduce(
             (it may be ``x`` itself), ``worker``/``server`` fp32 of the errors' shapes (they may
             be ``worker_error``/``server_error`` themselves). Eager calls then make no
             full-size temporary and write nothing before every rank's checks passed
-            (:func:`compressed_allreduce_exchange`); under ``Simulated`` (vmap) and
-            ``torch.compile`` the results are computed as without buffers and copied into them.
+            (``fn.collectives.onebit.compressed_allreduce_exchange``); under ``Simulated``
+            (vmap) and ``torch.compile`` the results are computed as without buffers and copied
+            into them.
         packed: return ``y`` as the :class:`PackedSigns` it arrives as instead of unpacking
             it (``out``'s ``y`` must then be ``None``); where nothing is compressed (``W == 1``,
             ``n == 0``, one node) ``y`` stays a tensor.
@@ -700,8 +713,23 @@ def _exchange(
 
 
 class OnebitAllreduceState(NamedTuple):
-    worker_error: ErrorFeedbackField  # per leaf: fp32[padded_numel(leaf.numel(), W, L) / L]
-    server_error: ErrorFeedbackField  # per leaf: fp32[padded_numel(leaf.numel(), W, L) / W]
+    """The state of :func:`onebit_allreduce` (``W`` ranks, ``L`` per node, ``L = 1`` flat).
+
+    Attributes:
+        worker_error: per leaf, fp32 ``[padded_numel(leaf.numel(), W, L) / L]``: the worker
+            errors.
+        server_error: per leaf, fp32 ``[padded_numel(leaf.numel(), W, L) / W]``: the server
+            errors.
+
+    Example:
+        >>> tx = fn.collectives.onebit_allreduce(comm=fn.collectives.Simulated(2))
+        >>> state = tx.init({"w": torch.zeros(3)})
+        >>> state.worker_error["w"].shape, state.server_error["w"].shape
+        (torch.Size([16]), torch.Size([8]))
+    """
+
+    worker_error: ErrorFeedbackField
+    server_error: ErrorFeedbackField
 
 
 def onebit_allreduce(*, comm: Comm, local_world_size: int | None = None) -> GradientTransformation:

@@ -99,9 +99,22 @@ def all_gather_flat(
 class CollectiveTimeoutError(RuntimeError):
     """A collective of a :class:`ProcessGroup` did not complete in time, or failed.
 
+    Args:
+        message: what happened: the collective, its ranks and the likely cause.
+        missing_ranks: the global ranks that did not reach the collective.
+
     Attributes:
         missing_ranks: the global ranks that did not reach the collective (empty when every rank
             did; then the ranks called different collectives, or the backend failed).
+
+    Example:
+        A training loop under ``torchrun`` may catch it to log which ranks were lost:
+
+        >>> try:
+        ...     raise fn.collectives.CollectiveTimeoutError("all_reduce timed out", [3])
+        ... except fn.collectives.CollectiveTimeoutError as err:
+        ...     print(f"lost ranks {err.missing_ranks}: {err}")
+        lost ranks [3]: all_reduce timed out
     """
 
     def __init__(self, message: str, missing_ranks: list[int]) -> None:
@@ -204,7 +217,7 @@ class ProcessGroup(ByteCounter):
             local_world_size: ranks per node ``L``; must divide ``world_size``.
 
         Returns:
-            ``(intra, inter)`` ``ProcessGroup``s that count their bytes into this one.
+            ``(intra, inter)``, two ``ProcessGroup`` comms that count their bytes into this one.
 
         Raises:
             ValueError: ``local_world_size`` does not divide the world size, or the ranks
@@ -308,8 +321,11 @@ class ProcessGroup(ByteCounter):
 
     def transfers(self, kind: str) -> Transfers:
         """Point-to-point transfers between the ranks of this group, started as they are
-        posted and waited for with this group's timeout (see :class:`Transfers`). Every rank
-        must open the same sequence of transfers (they count as one collective each)."""
+        posted and waited for with this group's timeout (see ``Transfers``). Every rank
+        must open the same sequence of transfers (they count as one collective each).
+
+        :meta private: (plumbing of fn's quantized collectives)
+        """
         return Transfers(self, kind)
 
     def _diagnose(

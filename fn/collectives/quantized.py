@@ -62,6 +62,14 @@ _NON_FINITE = f"{_WHAT}: non-finite values in x (or in the error feedback)"
 def quantized_padded_numel(numel: int, world_size: int, group_size: int) -> int:
     """``numel`` rounded up to a multiple of ``W * group_size``: every chunk is whole groups.
 
+    Args:
+        numel: the number of elements.
+        world_size: ``W``.
+        group_size: the values per quantization group.
+
+    Returns:
+        The padded element count.
+
     Example:
         >>> fn.collectives.quantized_padded_numel(300, 2, 128)
         512
@@ -564,8 +572,9 @@ def quantized_reduce_scatter(
             :func:`loco_allreduce`'s donation.
 
     Returns:
-        ``out`` or a fresh fp32[N / W]: chunk ``rank`` (one hop) or chunk ``local * (W / L) +
-        node`` (two hops) of ``mean_i DQ(Q(x_i))`` (two hops: requantized after the node sums).
+        ``out`` or a fresh fp32[N / W], holding chunk ``rank`` (one hop) or chunk
+        ``local * (W / L) + node`` (two hops) of ``mean_i DQ(Q(x_i))`` (two hops: requantized
+        after the node sums).
 
     Raises:
         ValueError: on every rank, if the ranks' ``x`` differ in element count (before any
@@ -848,16 +857,43 @@ def quantized_allreduce(
 
 
 class QuantizedError(NamedTuple):
-    """An error-feedback buffer kept in 8-bit blockwise form (``error_dtype=torch.int8``)."""
+    """An error-feedback buffer kept in 8-bit blockwise form (``error_dtype=torch.int8``).
 
-    q: torch.Tensor  # uint8[k]
-    scales: torch.Tensor  # fp32[k / group_size]
+    Attributes:
+        q: uint8 ``[k]``, the quantized values (``fn.kernels.quantize``'s codes).
+        scales: fp32 ``[k / group_size]``, one scale per group.
+
+    Example:
+        >>> tx = fn.collectives.loco_allreduce(
+        ...     bits=4, group_size=8, comm=fn.collectives.Simulated(2), error_dtype=torch.int8)
+        >>> e_rs, e_ag = tx.init({"w": torch.zeros(10)}).errors["w"]
+        >>> e_rs.q.shape, e_rs.scales.shape
+        (torch.Size([16]), torch.Size([2]))
+    """
+
+    q: torch.Tensor
+    scales: torch.Tensor
 
 
 class LocoAllreduceState(NamedTuple):
-    count: torch.Tensor  # [] int64: updates made so far
-    # per leaf, a tuple of error buffers (fp32, or the error dtype, or QuantizedError):
-    # one hop: (e_rs fp32[N], e_ag fp32[N / W]); two hops: (e_intra[N], e_inter[N / L], e_ag[N / W])
+    """The state of :func:`loco_allreduce` (``N`` a leaf's padded size, ``W`` ranks, ``L`` per
+    node).
+
+    Attributes:
+        count: ``[]`` int64 tensor, the number of updates made so far.
+        errors: per leaf, a tuple of error buffers (fp32, the ``error_dtype``, or
+            :class:`QuantizedError`): one hop, ``(e_rs [N], e_ag [N / W])``; two hops,
+            ``(e_intra [N], e_inter [N / L], e_ag [N / W])``.
+
+    Example:
+        >>> tx = fn.collectives.loco_allreduce(bits=4, group_size=8,
+        ...                                    comm=fn.collectives.Simulated(2))
+        >>> state = tx.init({"w": torch.zeros(10)})
+        >>> state.count, [e.shape for e in state.errors["w"]]
+        (tensor(0), [torch.Size([16]), torch.Size([8])])
+    """
+
+    count: torch.Tensor
     errors: ErrorFeedbackField
 
 

@@ -107,7 +107,7 @@ class Simulated(ByteCounter, _SimulatedCollectives):
             local_world_size: ranks per node ``L``; must divide ``world_size``.
 
         Returns:
-            ``(intra, inter)``: ``intra`` spans the ``L`` ranks of this rank's node, ``inter``
+            ``(intra, inter)``, where ``intra`` spans the ``L`` ranks of this rank's node, ``inter``
             the ``W / L`` ranks with this rank's local index. Their bytes count into this comm.
 
         Example:
@@ -138,7 +138,23 @@ class Simulated(ByteCounter, _SimulatedCollectives):
 
 class SimulatedGroup(ByteCounter, _SimulatedCollectives):
     """One hop of :meth:`Simulated.split`; runs inside its root's ``simulate``, counts its bytes
-    into the root's counter."""
+    into the root's counter. ``split`` builds it.
+
+    Args:
+        root: the ``Simulated`` comm it is a part of.
+        local_size: ranks per node ``L``.
+        hop: ``1`` for the group inside a node (``L`` ranks), ``2`` for the group across nodes
+            (``W / L`` ranks).
+
+    Example:
+        >>> comm = fn.collectives.Simulated(4)
+        >>> intra, inter = comm.split(2)
+        >>> intra
+        SimulatedGroup(Simulated(4), intra, size=2)
+        >>> _ = fn.collectives.simulate(lambda x: intra.all_reduce(x), comm)(torch.ones(4))
+        >>> comm.bytes_sent_by_hop  # counted into the root, under the group's level
+        {'world': 0, 'intra': 4, 'inter': 0}
+    """
 
     def __init__(self, root: Simulated, local_size: int, hop: int) -> None:
         super().__init__(root, hop)

@@ -13,6 +13,23 @@
 - Non-finite gradients: ``register`` follows the optimizer's ``nonfinite`` policy; the hooks'
   states take ``nonfinite="propagate"`` (default, for ``torch.amp.GradScaler``) or ``"raise"``
   (see ``OnebitHookState``).
+
+Example:
+    One rank here (under ``torchrun`` every rank runs the same lines): DDP averages the warmup
+    update, the compressed ones communicate through the optimizer alone.
+
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    >>> opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=2)
+    >>> fn.ddp.register(model, opt)
+    >>> for _ in range(2):
+    ...     opt.zero_grad()
+    ...     model(torch.ones(2, 4)).sum().backward()
+    ...     opt.step()
+    >>> opt.next_update_compressed()
+    [True]
+    >>> dist.destroy_process_group()
 """
 
 from fn.ddp.loco import LocoHookState, loco_hook

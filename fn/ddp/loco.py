@@ -35,6 +35,17 @@ class LocoHookState(BucketHookState):
     Raises:
         ValueError: ``nonfinite`` is neither ``"propagate"`` nor ``"raise"``;
             ``local_world_size`` does not divide the world size.
+
+    Example:
+        One rank here (under ``torchrun`` every rank runs this; :func:`loco_hook` shows it in a
+        DDP model):
+
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> state = fn.ddp.LocoHookState(bits=8, group_size=64, start_iter=0, overlap=False)
+        >>> state.state_dict()  # no bucket compressed yet
+        {'iter': 0, 'rank': 0, 'world_size': 1, 'local_world_size': None, 'buckets': {}}
+        >>> dist.destroy_process_group()
     """
 
     def __init__(

@@ -40,6 +40,23 @@ class OnebitHookState(BucketHookState):
     Raises:
         ValueError: ``nonfinite`` is neither ``"propagate"`` nor ``"raise"``;
             ``local_world_size`` does not divide the world size.
+
+    Example:
+        One rank here (under ``torchrun`` every rank runs this): a state loaded from another's
+        ``state_dict()`` resumes its schedule and error feedback:
+
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> state = fn.ddp.OnebitHookState(start_iter=1)
+        >>> model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+        >>> model.register_comm_hook(state, fn.ddp.onebit_hook)
+        >>> for _ in range(2):  # one dense iteration, one compressed
+        ...     model(torch.ones(2, 4)).sum().backward()
+        >>> resumed = fn.ddp.OnebitHookState(start_iter=1)
+        >>> resumed.load_state_dict(state.state_dict())
+        >>> resumed.iter
+        2
+        >>> dist.destroy_process_group()
     """
 
     def _make_transform(self, comm: ProcessGroup) -> GradientTransformation:

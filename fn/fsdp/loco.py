@@ -63,8 +63,31 @@ class LocoReduceScatterHandle:
     ``{"rank<r>": {fqn: module_state}}`` with this rank's buffers only (``"<root>"`` names the
     module passed in); ``load_state_dict`` restores this rank's entry.
 
+    :func:`loco_reduce_scatter` builds it.
+
+    Args:
+        reduce_scatters: ``{fqn: QuantizedReduceScatter}``, the installed reduce-scatters.
+        rank: this rank.
+        comms: the comms the reduce-scatters send through (for :attr:`bytes_sent`).
+
     Attributes:
         reduce_scatters: ``{fqn: QuantizedReduceScatter}``.
+
+    Example:
+        One rank here (under ``torchrun`` every rank runs this and checkpoints its own entry):
+
+        >>> import torch.distributed as dist
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,)))
+        >>> handle = fn.fsdp.loco_reduce_scatter(model, bits=4, group_size=8)
+        >>> model(torch.ones(2, 4)).sum().backward()
+        >>> saved = handle.state_dict()
+        >>> sorted(saved["rank0"]["<root>"])
+        ['count', 'error.0', 'numel', 'world_size']
+        >>> handle.load_state_dict(saved)
+        >>> dist.destroy_process_group()
     """
 
     def __init__(

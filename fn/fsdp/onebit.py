@@ -80,8 +80,23 @@ class ShardedOnebitOptimizer(
 
     A subclass names the rule (``sharded_rule``, ``fn.transforms``' rule on the shards, and
     ``replicated_rule``, the rule with one rank), what each module's compressed vector is
-    (:meth:`_momentum_input`; 1-bit Adam's by default) and its further state fields. It is
+    (``_momentum_input``; 1-bit Adam's by default) and its further state fields. It is
     constructed through a subclass, whose arguments are those of :class:`OnebitAdam`.
+
+    Args:
+        *args: the subclass's arguments, bound to its ``__signature__``.
+        **kwargs: the same, by name.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = fully_shard(torch.nn.Linear(2, 1), mesh=init_device_mesh("cpu", (1,)))
+        >>> opt = fn.fsdp.OnebitLamb(model, lr=1e-2, freeze_step=2)
+        >>> isinstance(opt, fn.fsdp.ShardedOnebitOptimizer), opt.count
+        (True, 0)
+        >>> dist.destroy_process_group()
     """
 
     sharded_rule: Callable[..., CompressedOptimizer]  # fn.transforms' rule on the shards
@@ -465,11 +480,12 @@ class OnebitAdam(ShardedOnebitOptimizer):
         model: the model, with ``fully_shard`` applied to it or its submodules, on one 1-D mesh
             (with ``replicate``: the shard dimension of the 2-D mesh, ``mesh["shard"]``);
             every trainable param must be in an FSDP2 module.
-        lr, freeze_step, betas, eps, weight_decay, safeguard: as ``fn.onebit_adam``
-            (``freeze_step="auto"`` too: each rank sends its shards' gradient energy with the
-            finite check of every warmup update, and the ranks switch together). ``lr``
-            is read from ``param_groups[0]["lr"]`` at every step (LR schedulers work); the
-            others are fixed here.
+        lr: as ``fn.onebit_adam``'s, read from ``param_groups[0]["lr"]`` at every step (LR
+            schedulers work).
+        freeze_step: as ``fn.onebit_adam``'s (``"auto"`` too: each rank sends its shards'
+            gradient energy with the finite check of every warmup update, and the ranks switch
+            together).
+        betas, eps, weight_decay, safeguard: as ``fn.onebit_adam``'s, fixed here.
         non_freeze: must be ``False`` (``NotImplementedError`` otherwise).
         exp_avg_mask: ``{param: mask}`` for some of the model's params (the DTensors), each a
             plain tensor of 0s and 1s broadcastable to the param's full shape, multiplied into
@@ -558,10 +574,21 @@ class OnebitAdam(ShardedOnebitOptimizer):
 
 class ZeroOneAdam:
     """0/1 Adam on FSDP2: not offered (docs/algorithms.md, "1-bit Adam and 1-bit LAMB on
-    FSDP2").
+    FSDP2"); use ``fn.optim.ZeroOneAdam`` with DDP, or :class:`OnebitAdam`.
+
+    Args:
+        model: the model.
+        *args: ignored.
+        **kwargs: ignored, but for ``replicate`` (HSDP), which changes the message.
 
     Raises:
         NotImplementedError: always, with the reason.
+
+    Example:
+        >>> fn.fsdp.ZeroOneAdam(torch.nn.Linear(2, 1), lr=1e-3)
+        Traceback (most recent call last):
+        ...
+        NotImplementedError: fn.fsdp.ZeroOneAdam: 0/1 Adam's local steps update every rank's ...
     """
 
     def __init__(self, model: nn.Module, *args: Any, **kwargs: Any) -> None:

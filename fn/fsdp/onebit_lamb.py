@@ -49,14 +49,16 @@ class OnebitLamb(ShardedOnebitOptimizer):
 
     Args:
         model: as :class:`~fn.fsdp.OnebitAdam`.
-        lr, freeze_step, betas, eps, weight_decay, max_coeff, min_coeff, coeff_beta,
-            factor_max, factor_min, factor_threshold, safeguard: as ``fn.onebit_lamb``
-            (``lr`` read from ``param_groups[0]["lr"]`` at every step).
-        exp_avg_mask, nonfinite, local_world_size, error_dtype, replicate: as
-            :class:`~fn.fsdp.OnebitAdam` (``exp_avg_mask="auto"`` too; the same options are
-            not built yet). On HSDP (``replicate``) the compressed vector is this rank's row
-            of the scaled momenta, and the norms are reduced over the shard group only (the
-            ``N`` peers of a shard hold the same values).
+        lr: as ``fn.onebit_lamb``'s, read from ``param_groups[0]["lr"]`` at every step.
+        freeze_step, betas, eps, weight_decay, safeguard: as ``fn.onebit_lamb``'s.
+        max_coeff, min_coeff, coeff_beta: as ``fn.onebit_lamb``'s.
+        factor_max, factor_min, factor_threshold: as ``fn.onebit_lamb``'s.
+        exp_avg_mask: as :class:`~fn.fsdp.OnebitAdam`'s (``"auto"`` too).
+        nonfinite, local_world_size, error_dtype: as :class:`~fn.fsdp.OnebitAdam`'s (the same
+            options are not built yet).
+        replicate: as :class:`~fn.fsdp.OnebitAdam`'s. On HSDP the compressed vector is this
+            rank's row of the scaled momenta, and the norms are reduced over the shard group
+            only (the ``N`` peers of a shard hold the same values).
 
     Raises:
         ValueError, NotImplementedError: as :class:`~fn.fsdp.OnebitAdam`, on every rank.

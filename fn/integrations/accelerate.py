@@ -46,6 +46,21 @@ def attach(
 
     Raises:
         TypeError: ``optimizer`` does not hold an ``fn.optim`` optimizer.
+
+    Example:
+        One process (under ``accelerate launch`` the same lines register the DDP model):
+
+        >>> import tempfile, accelerate
+        >>> from fn.integrations.accelerate import attach
+        >>> accelerator = accelerate.Accelerator(cpu=True)
+        >>> model = torch.nn.Linear(3, 2)
+        >>> opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+        >>> model, opt = accelerator.prepare(model, opt)
+        >>> handle = attach(accelerator, model, opt, max_steps=10)
+        >>> model(torch.ones(1, 3)).sum().backward()
+        >>> opt.step()
+        >>> _ = accelerator.save_state(tempfile.mkdtemp())  # every rank's error feedback in it
+        >>> handle.remove()
     """
     fn_optimizer = unwrap_optimizer(optimizer)
     register_ddp(model, fn_optimizer)

@@ -264,7 +264,7 @@ class FnCallback(Callback):
       optimizer beside it, ``accumulate_grad_batches > 1``, ``gradient_clip_val``,
       ``save_distributed_checkpoint=False``; an FSDP2 mesh smaller than the world without
       ``replicate=`` is refused by the optimizer itself) and routes the strategy's optimizer
-      checkpoints through the optimizer's own DCP state dict (:class:`_ShardedCheckpoints`).
+      checkpoints through the optimizer's own DCP state dict (``_ShardedCheckpoints``).
     - On every checkpoint (``on_save_checkpoint``, which Lightning runs on every rank while it
       builds the checkpoint): for ``fn.optim``, gathers every rank's error feedback into rank
       0's optimizer state (``gather_error_feedback``, a collective) and puts that state into

@@ -33,6 +33,17 @@ class FnTrainerCallback(TrainerCallback):
 
     Args:
         trainer: the ``Trainer`` (its optimizer must be an ``fn.optim`` optimizer).
+
+    Example:
+        :func:`attach` adds it; by hand:
+
+        >>> import tempfile, transformers
+        >>> from fn.integrations.transformers import FnTrainerCallback
+        >>> model = torch.nn.Linear(2, 1)
+        >>> args = transformers.TrainingArguments(tempfile.mkdtemp(), use_cpu=True, report_to=[])
+        >>> opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=100)
+        >>> trainer = transformers.Trainer(model=model, args=args, optimizers=(opt, None))
+        >>> trainer.add_callback(FnTrainerCallback(trainer))
     """
 
     def __init__(self, trainer: Trainer) -> None:
@@ -63,6 +74,28 @@ def attach(trainer: Trainer) -> FnTrainerCallback:
 
     Raises:
         TypeError: the trainer's optimizer is not an ``fn.optim`` optimizer.
+
+    Example:
+        One process, no DDP (under ``torchrun`` the same lines register the DDP model):
+
+        >>> import tempfile, transformers
+        >>> from fn.integrations.transformers import attach
+        >>> class Model(torch.nn.Module):  # a Trainer model: its forward returns the loss
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.net = torch.nn.Linear(4, 1)
+        ...     def forward(self, x):
+        ...         return {"loss": self.net(x).pow(2).mean()}
+        >>> model, data = Model(), [{"x": torch.randn(4)} for _ in range(8)]
+        >>> args = transformers.TrainingArguments(
+        ...     tempfile.mkdtemp(), max_steps=4, use_cpu=True, report_to=[], disable_tqdm=True)
+        >>> opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+        >>> trainer = transformers.Trainer(model, args, train_dataset=data, optimizers=(opt, None))
+        >>> callback = attach(trainer)
+        >>> trainer.remove_callback(transformers.PrinterCallback)  # no log lines here
+        >>> _ = trainer.train()
+        >>> trainer.state.global_step, opt.next_update_compressed()
+        (4, [True])
     """
     unwrap_optimizer(trainer.optimizer)
     callback = FnTrainerCallback(trainer)

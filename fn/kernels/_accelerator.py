@@ -18,6 +18,13 @@ from fn.kernels import _ops  # noqa: F401  (declares the kernels)
 from fn.kernels._spec import REFERENCES
 
 KERNEL_NAMES = tuple(REFERENCES)  # in declaration order (fn.kernels._ops)
+"""The names of the kernels, the keys of a kernel set (:class:`Accelerator`'s ``kernel_sets``,
+:func:`register_kernels`): a kernel set maps some of them to implementations.
+
+Example:
+    >>> fn.kernels.KERNEL_NAMES[:3]
+    ('packbits', 'unpackbits', 'sign_compress')
+"""
 REFERENCE = "reference"
 
 

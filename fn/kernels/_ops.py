@@ -118,7 +118,7 @@ def sign_compress(
         error: the error to compensate with (same shape), or ``None`` for plain compression.
 
     Returns:
-        ``(packed, scale, new_error)``: the packed signs of ``v`` (uint8, ``ceil(n / 8)``), ``a``
+        ``(packed, scale, new_error)``, the packed signs of ``v`` (uint8, ``ceil(n / 8)``), ``a``
         as a 0-dim fp32 tensor (0 for ``n == 0``), and ``e'`` (fp32) or ``None`` without error.
 
     Raises:
@@ -250,7 +250,7 @@ def feedback_sign_compress(
             ``scales[i // chunk]`` signed by bit ``i``; ``None``: ``x``.
 
     Returns:
-        ``(packed, scale)``: the packed signs of ``v`` (``ceil(N / 8)`` bytes) and ``a`` (0-dim
+        ``(packed, scale)``, the packed signs of ``v`` (``ceil(N / 8)`` bytes) and ``a`` (0-dim
         fp32; NaN or Inf when ``v`` is not finite).
 
     Raises:
@@ -390,6 +390,16 @@ def sign_sum_apply_error(
     """Phase 2 of :func:`sign_sum_compress`: writes ``e' = v - a s(v)`` into ``out`` (which
     may be ``error``) and returns it; ``out`` is fp32, bf16 or fp16, ``e'`` computed in fp32 and
     rounded once to its dtype.
+
+    Args:
+        signs: uint8 ``[W, chunk / 8]``, as given to :func:`sign_sum_compress`.
+        weights: fp32 ``[W]``, as given to it.
+        error: the error it was given (``chunk`` elements).
+        scale: ``a``, the scale it returned.
+        out: 1-D tensor of ``chunk`` elements, the new error's buffer (may be ``error``).
+
+    Returns:
+        ``out``.
 
     Example:
         >>> import torch
@@ -702,7 +712,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
         group_size: elements per scale; even, >= 2.
 
     Returns:
-        ``(q, scales)``: uint8 ``q`` of ``ceil(n / group_size) * group_size * bits / 8`` bytes
+        ``(q, scales)``, uint8 ``q`` of ``ceil(n / group_size) * group_size * bits / 8`` bytes
         and fp32 ``scales``, one per group.
 
     Raises:
@@ -835,7 +845,7 @@ def loco_quantize(
             R * padded_row``); ``L = 1`` keeps the order. ``None``: one row, padded to ``numel``.
 
     Returns:
-        ``(q, scales)``: uint8 ``q`` of ``N * bits / 8`` bytes, fp32 ``scales`` of ``N /
+        ``(q, scales)``, uint8 ``q`` of ``N * bits / 8`` bytes, fp32 ``scales`` of ``N /
         group_size`` (``out``'s tensors when given).
 
     Example:

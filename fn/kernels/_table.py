@@ -151,6 +151,9 @@ def get_accelerator(device_type: str | None = None) -> Accelerator:
             mps, then externally registered ones), else cpu. A device type for the record
             whose kernels tensors of that type run.
 
+    Returns:
+        The :class:`Accelerator` record.
+
     Raises:
         ValueError: for an unknown or unavailable ``FN_ACCELERATOR``, or an unknown
             ``device_type``.
@@ -260,6 +263,13 @@ def _env_kernel_set(device_type: str, record: Accelerator) -> str | None:
 
 def kernel_set(device_type: str) -> str:
     """The name of the kernel set tensors of ``device_type`` run (module doc).
+
+    Args:
+        device_type: a torch device type, e.g. ``"cpu"``.
+
+    Returns:
+        The :func:`select_kernels` choice, else the ``FN_KERNELS`` one, else the record's
+        default (its first kernel set); ``"reference"`` for a device type without a record.
 
     Example:
         >>> import fn.kernels as K

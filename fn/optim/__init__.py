@@ -14,6 +14,17 @@
 The adapter's policies (gradient communication, flat buffers, mixed precision, frozen params,
 steps without gradients, non-finite gradients, all-or-nothing steps, ``GradScaler``,
 ``torch.compile``, learning rates, DeepSpeed imports, checkpoints) are in docs/torch-optim.md.
+
+Example:
+    Any transform, here on one worker (``comm=Local()``; under ``torchrun`` leave it out):
+
+    >>> model = torch.nn.Linear(2, 1)
+    >>> opt = fn.optim.FunctionalOptimizer(model.parameters(), fn.adamw(lr=1e-3),
+    ...                                    comm=fn.collectives.Local())
+    >>> model(torch.ones(1, 2)).sum().backward()
+    >>> opt.step()
+    >>> opt.state_dict()["state"][0]["step"]
+    1
 """
 
 from fn.optim._adapter import FunctionalOptimizer

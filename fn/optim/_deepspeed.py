@@ -454,6 +454,21 @@ def convert_checkpoint(
         FileNotFoundError: no model states file.
         ValueError: a ZeRO or model-parallel checkpoint, no usable config, or a checkpoint that
             ``from_deepspeed`` cannot import (the message says why).
+
+    Example:
+        A checkpoint of DeepSpeed's layout, saved before the first step:
+
+        >>> import pathlib, tempfile
+        >>> model = torch.nn.Linear(2, 1)
+        >>> tag = pathlib.Path(tempfile.mkdtemp(), "global_step0")
+        >>> tag.mkdir()
+        >>> config = {"optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 400}}}
+        >>> optimizer = {"state": {}, "param_groups": [{"freeze_step": 400, "params": [0, 1]}]}
+        >>> torch.save({"module": model.state_dict(), "optimizer": optimizer,
+        ...             "ds_config": config}, tag / "mp_rank_00_model_states.pt")
+        >>> ckpt, summary = fn.optim.convert_checkpoint(tag)
+        >>> ckpt["param_names"], ckpt["step"], summary[1].split(" (")[0]
+        (['weight', 'bias'], 0, 'optimizer: OneBitAdam -> fn.optim.OnebitAdam')
     """
     path = _model_states(os.fspath(folder))
     saved = _load_model_states(path, trust)

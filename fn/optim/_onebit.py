@@ -28,10 +28,14 @@ class OnebitFamily(FunctionalOptimizer):
 
     A subclass names its factory (``_factory``) and its signature (``__signature__``: the
     factory's hyperparameters and the adapter's options, from
-    :func:`fn.transforms.hyperparameters.signature_with`), to which the constructor binds its
-    arguments: every argument but ``params``, ``comm``,
-    ``exp_avg_mask``, ``nonfinite``, ``flatten``, ``local_world_size`` and ``error_dtype`` is a
+    ``fn.transforms.hyperparameters.signature_with``), to which the constructor binds its
+    arguments: every argument but ``params``, ``comm``, ``exp_avg_mask``, ``nonfinite``,
+    ``flatten``, ``local_world_size`` and ``error_dtype`` is a
     default hyperparameter of its param groups, in the signature's order.
+
+    Args:
+        *args: the subclass's arguments, bound to its ``__signature__``.
+        **kwargs: the same, by name.
 
     Example:
         Two steps of each on a constant gradient, with one worker (no communication: the 1-bit
@@ -147,8 +151,8 @@ class OnebitFamily(FunctionalOptimizer):
 
     @property
     def transform_comm(self) -> Any:
-        """The comm the groups' transforms are built with: ``comm``, or the one
-        :meth:`take_averaged_grads` gave them."""
+        """The comm the groups' transforms are built with (``comm``, or the one
+        :meth:`take_averaged_grads` gave them)."""
         return self.comm if self._transform_comm is None else self._transform_comm
 
     def take_averaged_grads(self, comm: Any) -> None:
@@ -269,9 +273,18 @@ class OnebitAdam(OnebitFamily):
             converted (rounded where narrower).
 
     Example:
-        One warmup step (Adam, variance estimated), then one compressed step (the variance is
-        frozen; with one worker the 1-bit allreduce is the identity): in
-        :class:`OnebitFamily`'s example, ``two_steps(fn.optim.OnebitAdam, 0.0, freeze_step=2)``.
+        One worker (``comm=Local()``; under ``torchrun`` leave ``comm`` out): a warmup update,
+        then compressed ones with the variance frozen (the weights: :class:`OnebitFamily`):
+
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2,
+        ...                           comm=fn.collectives.Local())
+        >>> for _ in range(3):
+        ...     print(opt.next_update_compressed(), end=" ")
+        ...     opt.zero_grad()
+        ...     model(torch.ones(1, 2)).sum().backward()
+        ...     opt.step()
+        [False] [True] [True]
     """
 
     @staticmethod
@@ -298,8 +311,9 @@ class ZeroOneAdam(OnebitFamily):
     Args:
         params: tensors or param-group dicts; every argument below except ``comm``,
             ``exp_avg_mask`` and ``nonfinite`` can be set per group.
-        lr, betas, eps, weight_decay, var_freeze_step, var_update_scaler, local_step_scaler,
-            local_step_clipper: as ``fn.zero_one_adam``.
+        lr, betas, eps, weight_decay: as ``fn.zero_one_adam``.
+        var_freeze_step, var_update_scaler: as ``fn.zero_one_adam``.
+        local_step_scaler, local_step_clipper: as ``fn.zero_one_adam``.
         comm: ``None`` gives :func:`default_comm`.
         exp_avg_mask: ``{param: mask}`` (see :class:`OnebitAdam`).
         nonfinite: ``"raise"`` or ``"skip"``.
@@ -314,9 +328,19 @@ class ZeroOneAdam(OnebitFamily):
     Between synchronizations the ranks' params differ by design (local steps).
 
     Example:
-        A variance update, then a step with the variance frozen (one worker: no communication):
-        in :class:`OnebitFamily`'s example,
-        ``two_steps(fn.optim.ZeroOneAdam, 0.0, var_freeze_step=2)``.
+        One worker (``comm=Local()``; under ``torchrun`` leave ``comm`` out): variance updates
+        (dense) until ``var_freeze_step``, then local steps (the weights:
+        :class:`OnebitFamily`):
+
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = fn.optim.ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=2,
+        ...                            comm=fn.collectives.Local())
+        >>> for _ in range(3):
+        ...     print(opt.next_update_compressed(), end=" ")
+        ...     opt.zero_grad()
+        ...     model(torch.ones(1, 2)).sum().backward()
+        ...     opt.step()
+        [False] [False] [True]
     """
 
     _factory = staticmethod(zero_one_adam)
@@ -333,8 +357,9 @@ class OnebitLamb(OnebitFamily):
     Args:
         params: tensors or param-group dicts; every argument below except ``comm``,
             ``exp_avg_mask`` and ``nonfinite`` can be set per group.
-        lr, freeze_step, betas, eps, weight_decay, max_coeff, min_coeff, coeff_beta,
-            factor_max, factor_min, factor_threshold: as ``fn.onebit_lamb``.
+        lr, freeze_step, betas, eps, weight_decay: as ``fn.onebit_lamb``.
+        max_coeff, min_coeff, coeff_beta: as ``fn.onebit_lamb``.
+        factor_max, factor_min, factor_threshold: as ``fn.onebit_lamb``.
         comm: ``None`` gives :func:`default_comm`.
         exp_avg_mask: ``{param: mask}`` (see :class:`OnebitAdam`).
         nonfinite: ``"raise"`` or ``"skip"``.
@@ -345,9 +370,19 @@ class OnebitLamb(OnebitFamily):
         error_dtype: the storage of the error feedback (see :class:`OnebitAdam`).
 
     Example:
-        A LAMB warmup step (trust ratio clamped to ``max_coeff``), then a compressed step with
-        the frozen trust ratio (one worker: no communication): in :class:`OnebitFamily`'s
-        example, ``two_steps(fn.optim.OnebitLamb, 1.0, freeze_step=2)``.
+        One worker (``comm=Local()``; under ``torchrun`` leave ``comm`` out): a LAMB warmup
+        update, then compressed ones with the frozen trust ratio (the weights:
+        :class:`OnebitFamily`):
+
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = fn.optim.OnebitLamb(model.parameters(), lr=1e-2, freeze_step=2,
+        ...                           comm=fn.collectives.Local())
+        >>> for _ in range(3):
+        ...     print(opt.next_update_compressed(), end=" ")
+        ...     opt.zero_grad()
+        ...     model(torch.ones(1, 2)).sum().backward()
+        ...     opt.step()
+        [False] [True] [True]
     """
 
     _factory = staticmethod(onebit_lamb)

@@ -30,17 +30,30 @@ from fn.tree import PyTree, live_leaves, tree_flatten, tree_map
 
 
 class AutoState(NamedTuple):
-    """The state field ``auto`` of 1-bit Adam and 1-bit LAMB (``None`` where neither
-    ``freeze_step`` nor ``exp_avg_mask`` is ``"auto"``); every value is the same on every rank."""
+    r"""The state field ``auto`` of 1-bit Adam and 1-bit LAMB (``None`` where neither
+    ``freeze_step`` nor ``exp_avg_mask`` is ``"auto"``); every value is the same on every rank.
 
-    # [] int64, on the CPU: the first compressed update once decided, 0 before; None: a fixed
-    # freeze_step
+    Attributes:
+        freeze_at: ``[]`` int64 on the CPU, the first compressed update once decided, 0 before;
+            ``None`` with a fixed ``freeze_step``.
+        variance_sum: ``[]`` fp64 on the CPU, :math:`T`, the sum of the variance (up to
+            rounding); ``None`` with a fixed ``freeze_step``.
+        recent_energy: ``[]`` fp64 on the CPU, :math:`\hat E`, the gradient energy averaged
+            with the momentum's beta; ``None`` with a fixed ``freeze_step``.
+        always_zero: per leaf, uint8 ``[ceil(n / 8)]``, MSB first: bit 1 where the averaged
+            gradient was exactly 0 at every warmup update so far (``exp_avg_mask="auto"``);
+            ``None`` otherwise.
+
+    Example:
+        >>> opt = fn.onebit_adam(freeze_step="auto", comm=fn.collectives.Local())
+        >>> opt.init({"w": torch.zeros(3)}).auto
+        AutoState(freeze_at=tensor(0), variance_sum=tensor(0., dtype=torch.float64),
+                  recent_energy=tensor(0., dtype=torch.float64), always_zero=None)
+    """
+
     freeze_at: torch.Tensor | None
-    variance_sum: torch.Tensor | None  # [] fp64, on the CPU: T, the sum of v (up to rounding)
-    # [] fp64, on the CPU: E, the gradient energy averaged with the momentum's beta
+    variance_sum: torch.Tensor | None
     recent_energy: torch.Tensor | None
-    # per leaf uint8 [ceil(n / 8)], MSB first: bit 1 where the averaged gradient was exactly 0
-    # at every warmup update so far (exp_avg_mask="auto"); None otherwise
     always_zero: PyTree
 
 

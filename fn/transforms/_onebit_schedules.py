@@ -26,29 +26,64 @@ from fn.errors import check_int
 
 
 class OnebitAdamPlan(NamedTuple):
-    """The host-side decisions of a 1-bit Adam update."""
+    """The host-side decisions of a 1-bit Adam update (``fn.onebit_adam``'s ``plan(t)``).
 
-    compressed: bool  # the compressed rule (1-bit allreduce of m, v frozen), else warmup
-    # the first compressed update: the variance freezes, the error feedback is allocated and the
-    # fp32 momentum of the warmup becomes the packed signs the allreduce returns
+    Attributes:
+        compressed: the compressed rule (1-bit allreduce of the momentum, variance frozen),
+            else the warmup.
+        freezes: the first compressed update: the variance freezes, the error feedback is
+            allocated and the fp32 momentum of the warmup becomes the packed signs the
+            allreduce returns.
+
+    Example:
+        >>> opt = fn.onebit_adam(lr=1e-3, freeze_step=3, comm=fn.collectives.Local())
+        >>> opt.plan(3)
+        OnebitAdamPlan(compressed=True, freezes=True)
+    """
+
+    compressed: bool
     freezes: bool
 
 
 class OnebitLambPlan(NamedTuple):
-    """The host-side decisions of a 1-bit LAMB update."""
+    """The host-side decisions of a 1-bit LAMB update (``fn.onebit_lamb``'s ``plan(t)``).
 
-    compressed: bool  # the compressed rule, else warmup (LAMB on the averaged gradient)
-    copies_variance: bool  # the last warmup update: the fresh variance starts as a copy of v
-    sets_scaling: bool  # the first compressed update: the momentum scaling is computed
+    Attributes:
+        compressed: the compressed rule, else the warmup (LAMB on the averaged gradient).
+        copies_variance: the last warmup update: the fresh variance starts as a copy of the
+            variance.
+        sets_scaling: the first compressed update: the momentum scaling is computed.
+
+    Example:
+        >>> opt = fn.onebit_lamb(lr=1e-3, freeze_step=3, comm=fn.collectives.Local())
+        >>> opt.plan(2)
+        OnebitLambPlan(compressed=False, copies_variance=True, sets_scaling=False)
+    """
+
+    compressed: bool
+    copies_variance: bool
+    sets_scaling: bool
 
 
 class ZeroOneAdamPlan(NamedTuple):
-    """The host-side decisions of a 0/1 Adam update."""
+    """The host-side decisions of a 0/1 Adam update (``fn.zero_one_adam``'s ``plan(t)``).
 
-    variance: bool  # a variance refresh on the dense-allreduced gradient (``warmup_update``)
-    frozen: bool  # a local step (the variance is frozen)
-    sync: bool  # a frozen step that ends with the 1-bit synchronization of the accumulator
-    reset_errors: bool  # the last unfrozen update: the error buffers are zeroed after it
+    Attributes:
+        variance: a variance refresh on the dense-allreduced gradient (``warmup_update``).
+        frozen: a local step (the variance is frozen).
+        sync: a frozen step that ends with the 1-bit synchronization of the accumulator.
+        reset_errors: the last unfrozen update: the error buffers are zeroed after it.
+
+    Example:
+        >>> opt = fn.zero_one_adam(lr=1e-3, var_freeze_step=3, comm=fn.collectives.Local())
+        >>> opt.plan(4), opt.plan(4).compressed
+        (ZeroOneAdamPlan(variance=False, frozen=True, sync=True, reset_errors=False), True)
+    """
+
+    variance: bool
+    frozen: bool
+    sync: bool
+    reset_errors: bool
 
     @property
     def compressed(self) -> bool:
@@ -259,6 +294,22 @@ class ZeroOneAdamSchedule(NamedTuple):
       ``min(local_step_clipper, 2 * local_interval)`` after every ``local_step_scaler`` frozen
       updates.
     - The error buffers are zeroed at the end of update ``t0`` (:meth:`resets_errors`).
+
+    Attributes:
+        var_freeze_step: the last update before the variance freezes (``t0``, at least 1).
+        var_update_scaler: variance refreshes per interval before ``var_interval`` doubles.
+        local_step_scaler: frozen updates per local interval before it doubles.
+        local_step_clipper: the largest local interval.
+
+    Example:
+        Variance refreshes (v), 1-bit updates (1), local steps (l) and syncs (s):
+
+        >>> s = fn.ZeroOneAdamSchedule(var_freeze_step=4, var_update_scaler=1,
+        ...                            local_step_scaler=2, local_step_clipper=4)
+        >>> kinds = [("v" if s.is_variance_step(t) else "s" if s.is_sync_step(t)
+        ...           else "l" if s.frozen(t) else "1") for t in range(1, 13)]
+        >>> "".join(kinds)
+        'v1v1ssslllsl'
     """
 
     var_freeze_step: int
@@ -275,7 +326,10 @@ class ZeroOneAdamSchedule(NamedTuple):
         return t > self.last_unfrozen_step
 
     def counters(self, t: int) -> ZeroOneAdamCounters:
-        """The counters at the start of update ``t`` (``t = 1`` gives the initial values)."""
+        """The counters at the start of update ``t`` (``t = 1`` gives the initial values).
+
+        :meta private: (DeepSpeed's counters, which the state records)
+        """
         interval, counter = 1, 0
         last_c = min(t - 1, self.last_unfrozen_step) + 1
         c = 1
@@ -315,14 +369,14 @@ class ZeroOneAdamSchedule(NamedTuple):
     def param_agreement(self, t: int) -> float | None:
         """How closely the ranks' params agree after update ``t``: bit for bit until the variance
         freezes (every rank applies the same update); after a synchronization up to fp32
-        rounding (:data:`SYNCED_RTOL` of their sums: each rank replaces its own local updates by
+        rounding (``SYNCED_RTOL = 1e-4`` of their sums: each rank replaces its own local updates by
         the synchronized one); not at all after a local step."""
         if not self.frozen(t):
             return 0.0
         return SYNCED_RTOL if self.is_sync_step(t) else None
 
     def plan(self, t: int, state: Any = None) -> ZeroOneAdamPlan:
-        """The plan of update ``t`` (one :meth:`counters` evaluation; ``state`` is not used)."""
+        """The plan of update ``t`` (one ``counters`` evaluation; ``state`` is not used)."""
         counters = self.counters(t)
         c = t + 1
         return ZeroOneAdamPlan(

@@ -48,9 +48,22 @@ __all__ = ["ScaleByAdamState", "scale_by_adam", "adam", "adamw"]
 
 
 class ScaleByAdamState(NamedTuple):
-    count: torch.Tensor  # [] int64: updates made so far
-    mu: PyTree  # like params: first moment m
-    nu: SecondMomentField  # like params: second moment v
+    """The state of :func:`scale_by_adam` (and of ``fn.adam``, ``fn.adamw``: their ``state[1]``).
+
+    Attributes:
+        count: ``[]`` int64 tensor, the number of updates made so far.
+        mu: like params, the first moment :math:`m`.
+        nu: like params, the second moment :math:`v`.
+
+    Example:
+        >>> state = fn.adam(1e-3).init({"w": torch.zeros(2)})
+        >>> state[1]
+        ScaleByAdamState(count=tensor(0), mu={'w': tensor([0., 0.])}, nu={'w': tensor([0., 0.])})
+    """
+
+    count: torch.Tensor
+    mu: PyTree
+    nu: SecondMomentField
 
 
 def adam_leaf(m, v, g, b1, b2, eps, bc1=None, bc2_sqrt=None):
@@ -125,6 +138,14 @@ def scale_by_adam(
     Returns:
         A GradientTransformation with state :class:`ScaleByAdamState`; moments have the
         params' shapes and dtypes.
+
+    Example:
+        The first update without bias correction is ``m / sqrt(v) = 0.2 / sqrt(0.004)``:
+
+        >>> tx = fn.scale_by_adam(bias_correction=False, eps=0.0)
+        >>> updates, state = tx.update({"w": torch.tensor([2.0])}, tx.init({"w": torch.zeros(1)}))
+        >>> updates["w"], state.count
+        (tensor([3.1623]), tensor(1))
     """
     b1, b2 = check_betas("scale_by_adam", (b1, b2))
     check_finite_nonnegative("scale_by_adam", eps=eps)

@@ -15,13 +15,37 @@ from fn.transforms._leaves import device_of
 __all__ = ["Schedule", "ScaleByLearningRateState", "scale_by_learning_rate"]
 
 Schedule = Callable[[torch.Tensor], "torch.Tensor | float"]
-"""``schedule(count) -> lr``: a torch-traceable function of the 0-dim int64 update count
-(0 at the first update), returning a 0-dim tensor or a float."""
+"""A learning-rate schedule ``schedule(count) -> lr``, a torch-traceable function of the 0-dim
+int64 update count (0 at the first update) returning a 0-dim tensor or a float; every ``lr``
+argument of the transforms takes one.
+
+Example:
+    >>> halving = lambda count: 0.1 * 0.5**count
+    >>> tx, params = fn.sgd(lr=halving), {"w": torch.zeros(1)}
+    >>> state = tx.init(params)
+    >>> for _ in range(2):
+    ...     updates, state = tx.update({"w": torch.ones(1)}, state, params)
+    ...     print(updates["w"])
+    tensor([-0.1000])
+    tensor([-0.0500])
+"""
 
 
 class ScaleByLearningRateState(NamedTuple):
-    count: torch.Tensor  # [] int64: updates made so far
-    lr: torch.Tensor  # [] fp32: the learning rate (with a schedule: the last value used)
+    """The state of :func:`scale_by_learning_rate` (the last member of ``fn.sgd``, ``fn.adam``,
+    ...); ``fn.set_hyperparams`` sets its ``lr``.
+
+    Attributes:
+        count: ``[]`` int64 tensor, the number of updates made so far.
+        lr: ``[]`` fp32 tensor, the learning rate (with a schedule: the last value used).
+
+    Example:
+        >>> fn.sgd(0.1).init({"w": torch.zeros(2)})[-1]
+        ScaleByLearningRateState(count=tensor(0), lr=tensor(0.1000))
+    """
+
+    count: torch.Tensor
+    lr: torch.Tensor
 
 
 def scale_by_learning_rate(

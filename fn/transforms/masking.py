@@ -14,7 +14,19 @@ __all__ = ["MaskedState", "masked", "set_to_zero"]
 
 
 class MaskedState(NamedTuple):
-    inner_state: OptState  # the inner transform's state, None at every masked-out leaf
+    """The state of :func:`masked`.
+
+    Attributes:
+        inner_state: the inner transform's state, ``None`` at every masked-out leaf.
+
+    Example:
+        >>> tx = fn.masked(fn.sgd(0.1, momentum=0.9), {"w": True, "b": False})
+        >>> state = tx.init({"w": torch.zeros(2), "b": torch.zeros(1)})
+        >>> state.inner_state[1].trace  # the momentum of "w" only
+        {'w': tensor([0., 0.]), 'b': None}
+    """
+
+    inner_state: OptState
 
 
 def _select(tree: PyTree, mask_leaves: list[bool]) -> PyTree:

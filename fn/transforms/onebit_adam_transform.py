@@ -12,23 +12,44 @@ from fn.collectives import ErrorFeedbackField, Local
 from fn.transforms import _leafwise as leafwise
 from fn.transforms import _onebit_auto as onebit_auto
 from fn.transforms import _onebit_state as onebit_state
+from fn.transforms._onebit_auto import AutoState
 from fn.transforms._onebit_schedules import AutoFreeze, OnebitAdamPlan, freeze_schedule
 from fn.transforms.onebit_fast import onebit_adam_step
 from fn.tree import PyTree, tree_zeros_like
 
 
 class OnebitAdamState(NamedTuple):
-    count: torch.Tensor  # [] int64: updates made so far
-    lr: torch.Tensor  # [] fp32: the learning rate of the last update (or the one to use next)
-    # like params: the momentum m, fp32 (warmup), or once compressed the PackedSigns the 1-bit
-    # allreduce returned it as (m = signs * scales * exp_avg_mask): n / 8 bytes instead of 4 n
+    """The state of :func:`onebit_adam` (``N_leaf`` a leaf's padded size, ``W`` ranks, ``L``
+    ranks per node).
+
+    Attributes:
+        count: ``[]`` int64 tensor, the number of updates made so far.
+        lr: ``[]`` fp32 tensor, the learning rate of the last update (or the one to use next).
+        exp_avg: like params, the momentum :math:`m` in fp32 (warmup), or once compressed the
+            ``fn.collectives.PackedSigns`` the 1-bit allreduce returned it as (``m = signs *
+            scales * exp_avg_mask``): ``n / 8`` bytes instead of ``4 n``.
+        exp_avg_sq: like params, fp32: the variance :math:`v` (frozen once compressed).
+        worker_error: per leaf ``[N_leaf / L]`` (``L = 1`` flat) in ``error_dtype``: the
+            worker error :math:`e_w`; ``None`` until the first compressed update.
+        server_error: per leaf ``[N_leaf / W]`` in ``error_dtype``: the server error
+            :math:`e_s`; ``None`` until the first compressed update.
+        auto: the :class:`AutoState` that ``freeze_step="auto"`` and ``exp_avg_mask="auto"``
+            decide from; ``None`` without them.
+
+    Example:
+        >>> opt = fn.onebit_adam(lr=1e-3, freeze_step=2, comm=fn.collectives.Local())
+        >>> state = opt.init({"w": torch.zeros(2)})
+        >>> state.exp_avg, state.worker_error  # error feedback from the first compressed update
+        ({'w': tensor([0., 0.])}, {'w': None})
+    """
+
+    count: torch.Tensor
+    lr: torch.Tensor
     exp_avg: PyTree
-    exp_avg_sq: SecondMomentField  # like params, fp32: the variance v (frozen once compressed)
-    # per leaf [N_leaf / L] (L = 1 flat), error_dtype: e_w; None until the first compressed update
+    exp_avg_sq: SecondMomentField
     worker_error: ErrorFeedbackField
-    server_error: ErrorFeedbackField  # per leaf [N_leaf / W], error_dtype: e_s; None as e_w
-    # what freeze_step="auto" and exp_avg_mask="auto" decide from (AutoState); None without them
-    auto: onebit_auto.AutoState | None = None
+    server_error: ErrorFeedbackField
+    auto: AutoState | None = None
 
 
 _Leaf = leafwise.leaf_type(OnebitAdamState, shared=("auto",))
@@ -218,12 +239,12 @@ def onebit_adam_sharded(
     to a compressed one. Everything is elementwise, so it runs on any shard of the params.
 
     Args:
-        lr, freeze_step, betas, eps, weight_decay, safeguard: as :func:`onebit_adam`. With
-            ``freeze_step="auto"`` (or an ``fn.AutoFreeze``) the switch is decided as there,
-            from the gradient energy of the averaged gradients, which a shard cannot compute
-            alone: every warmup update then takes the keyword ``gradient_energy``, a 0-dim
-            fp64 tensor on the CPU holding the sum over the ranks of
-            :func:`fn.transforms.gradient_energy` of each rank's shard of the mean gradient,
+        lr, betas, eps, weight_decay, safeguard: as :func:`onebit_adam`.
+        freeze_step: as :func:`onebit_adam`. With ``"auto"`` (or an ``fn.AutoFreeze``) the
+            switch is decided as there, from the gradient energy of the averaged gradients,
+            which a shard cannot compute alone: every warmup update then takes the keyword
+            ``gradient_energy``, a 0-dim fp64 tensor on the CPU holding the sum over the ranks
+            of :func:`fn.transforms.gradient_energy` of each rank's shard of the mean gradient,
             the same bits on every rank (the caller sums it, e.g. inside an allreduce it runs
             anyway). The decision is then the same on every rank.
 

@@ -14,28 +14,54 @@ from fn.errors import check_fraction, check_nonnegative, check_ordered
 from fn.transforms import _leafwise as leafwise
 from fn.transforms import _onebit_auto as onebit_auto
 from fn.transforms import _onebit_state as onebit_state
+from fn.transforms._onebit_auto import AutoState
 from fn.transforms._onebit_schedules import AutoFreeze, OnebitLambPlan, freeze_schedule
 from fn.transforms.trust_ratio import trust_ratio_of_norms
 from fn.tree import LiveLeaves, PyTree, fitting, live_leaves, tree_leaves, tree_map, tree_zeros_like
 
 
 class OnebitLambState(NamedTuple):
-    count: torch.Tensor  # [] int64: updates made so far
-    lr: torch.Tensor  # [] fp32: the learning rate of the last update (or the one to use next)
-    # like params, fp32: the momentum m; once compressed, the one PackedSigns of the fused
-    # allreduce's result (m_l = its slice of leaf l / scaling_coeff_l * exp_avg_mask_l)
+    """The state of :func:`onebit_lamb` (``N`` the padded size of all leaves together, ``W``
+    ranks, ``L`` ranks per node).
+
+    Attributes:
+        count: ``[]`` int64 tensor, the number of updates made so far.
+        lr: ``[]`` fp32 tensor, the learning rate of the last update (or the one to use next).
+        exp_avg: like params, fp32: the momentum :math:`m`; once compressed, the one
+            ``fn.collectives.PackedSigns`` of the fused allreduce's result (``m_l`` = its slice
+            of leaf ``l`` / ``scaling_coeff_l`` * ``exp_avg_mask_l``).
+        exp_avg_sq: like params, fp32: the variance :math:`v` (frozen once compressed).
+        exp_avg_sq_fresh: like params, fp32: the variance tracked while compressed; ``None``
+            until the last warmup update.
+        lamb_coeff_freeze: per leaf, ``[]`` fp32: :math:`R`, the EMA of the warmup trust ratios.
+        last_factor: per leaf, ``[]`` fp32: the last scaling factor of :math:`R` (starts at 1).
+        scaling_coeff: per leaf, ``[]`` fp32: the momentum scaling, set at the first compressed
+            update.
+        worker_error: ``[N / L]`` (``L = 1`` flat) in ``error_dtype``: the worker error
+            :math:`e_w` of the fused allreduce; ``None`` until it first runs.
+        server_error: ``[N / W]`` in ``error_dtype``: the server error :math:`e_s`; ``None``
+            until the fused allreduce first runs.
+        auto: the :class:`AutoState` that ``freeze_step="auto"`` and ``exp_avg_mask="auto"``
+            decide from; ``None`` without them.
+
+    Example:
+        >>> opt = fn.onebit_lamb(lr=1e-3, freeze_step=2, comm=fn.collectives.Local())
+        >>> state = opt.init({"w": torch.zeros(2)})
+        >>> state.lamb_coeff_freeze, state.scaling_coeff, state.worker_error
+        ({'w': tensor(0.)}, {'w': tensor(1.)}, None)
+    """
+
+    count: torch.Tensor
+    lr: torch.Tensor
     exp_avg: PyTree
-    exp_avg_sq: SecondMomentField  # like params, fp32: the variance v (frozen once compressed)
-    # like params, fp32: the variance tracked while compressed; None until the last warmup update
+    exp_avg_sq: SecondMomentField
     exp_avg_sq_fresh: SecondMomentField
-    lamb_coeff_freeze: PyTree  # per leaf [] fp32: R, the EMA of the warmup trust ratios
-    last_factor: PyTree  # per leaf [] fp32: the last scaling factor of R (starts at 1)
-    scaling_coeff: PyTree  # per leaf [] fp32: momentum scaling, set at the first compressed update
-    # [N / L] (L = 1 flat), error_dtype: e_w of the fused allreduce; None until it first runs
+    lamb_coeff_freeze: PyTree
+    last_factor: PyTree
+    scaling_coeff: PyTree
     worker_error: ErrorFeedbackField
-    server_error: ErrorFeedbackField  # [N / W], error_dtype: e_s; None as e_w
-    # what freeze_step="auto" and exp_avg_mask="auto" decide from (AutoState); None without them
-    auto: onebit_auto.AutoState | None = None
+    server_error: ErrorFeedbackField
+    auto: AutoState | None = None
 
 
 _Leaf = leafwise.leaf_type(OnebitLambState, shared=("worker_error", "server_error", "auto"))
@@ -297,11 +323,12 @@ def onebit_lamb_sharded(
     (:math:`m_{last}`).
 
     Args:
-        lr, freeze_step, betas, eps, weight_decay, max_coeff, min_coeff, coeff_beta,
-            factor_max, factor_min, factor_threshold, safeguard: as :func:`onebit_lamb`.
-            With ``freeze_step="auto"`` every warmup update takes ``gradient_energy=`` (as
-            ``fn.transforms.onebit_adam_sharded``'s) and, since any of them may be the last,
-            sets ``v~ = v`` and the scaling coefficients.
+        lr, betas, eps, weight_decay, safeguard: as :func:`onebit_lamb`.
+        freeze_step: as :func:`onebit_lamb`. With ``freeze_step="auto"`` every warmup update
+            takes ``gradient_energy=`` (as ``fn.transforms.onebit_adam_sharded``'s) and, since
+            any of them may be the last, sets ``v~ = v`` and the scaling coefficients.
+        max_coeff, min_coeff, coeff_beta: as :func:`onebit_lamb`.
+        factor_max, factor_min, factor_threshold: as :func:`onebit_lamb`.
         comm: the ``fn.collectives`` Comm over the ranks that hold the shards (its
             ``all_gather`` carries the norms; ``Local()`` for unsharded leaves).
 

@@ -25,8 +25,19 @@ __all__ = ["TraceState", "trace", "sgd"]
 
 
 class TraceState(NamedTuple):
-    count: torch.Tensor  # [] int64: updates made so far
-    trace: PyTree  # like params: the momentum buffer b
+    """The state of :func:`trace` (and of ``fn.sgd`` with momentum: its ``state[1]``).
+
+    Attributes:
+        count: ``[]`` int64 tensor, the number of updates made so far.
+        trace: like params, the momentum buffer :math:`b`.
+
+    Example:
+        >>> fn.trace(decay=0.9).init({"w": torch.zeros(2)})
+        TraceState(count=tensor(0), trace={'w': tensor([0., 0.])})
+    """
+
+    count: torch.Tensor
+    trace: PyTree
 
 
 def trace(

@@ -19,19 +19,46 @@ from fn.tree import PyTree, tree_map, tree_zeros_like
 
 
 class ZeroOneAdamState(NamedTuple):
-    count: torch.Tensor  # [] int64: updates made so far
-    lr: torch.Tensor  # [] fp32: the learning rate of the last update (or the one to use next)
-    exp_avg: PerRankField  # like params, fp32: the momentum m (each rank's own when frozen)
-    exp_avg_sq: SecondMomentField  # like params, fp32: the variance v
-    momentum_accumulator: PerRankField  # like params, fp32: a, the local updates since a sync
-    worker_error: ErrorFeedbackField  # per leaf [N_leaf / L] (L = 1 flat), error_dtype: e_w
-    server_error: ErrorFeedbackField  # per leaf [N_leaf / W], error_dtype: e_s
-    var_interval: torch.Tensor  # [] int64: equals ZeroOneAdamSchedule.counters(count + 1)
-    var_counter: torch.Tensor  # [] int64
-    local_interval: torch.Tensor  # [] int64
-    local_counter: torch.Tensor  # [] int64
-    lrs: torch.Tensor  # [] fp32: sum of the learning rates of the local steps since a sync
-    frozen: torch.Tensor  # [] bool: the variance is frozen (local steps and syncs)
+    """The state of :func:`zero_one_adam` (``N_leaf`` a leaf's padded size, ``W`` ranks, ``L``
+    ranks per node).
+
+    Attributes:
+        count: ``[]`` int64 tensor, the number of updates made so far.
+        lr: ``[]`` fp32 tensor, the learning rate of the last update (or the one to use next).
+        exp_avg: like params, fp32: the momentum :math:`m` (each rank's own when frozen).
+        exp_avg_sq: like params, fp32: the variance :math:`v`.
+        momentum_accumulator: like params, fp32: :math:`a`, the local updates since a sync.
+        worker_error: per leaf ``[N_leaf / L]`` (``L = 1`` flat) in ``error_dtype``: the worker
+            error :math:`e_w`.
+        server_error: per leaf ``[N_leaf / W]`` in ``error_dtype``: the server error :math:`e_s`.
+        var_interval: ``[]`` int64 tensor, the variance refreshes' interval; with the three
+            counters below, ``ZeroOneAdamSchedule.counters(count + 1)``.
+        var_counter: ``[]`` int64 tensor, the refreshes counted toward its next doubling.
+        local_interval: ``[]`` int64 tensor, the updates from one sync to the next.
+        local_counter: ``[]`` int64 tensor, the frozen updates counted toward its next doubling.
+        lrs: ``[]`` fp32 tensor, the sum of the learning rates of the local steps since a sync.
+        frozen: ``[]`` bool tensor, whether the variance is frozen (local steps and syncs).
+
+    Example:
+        >>> opt = fn.zero_one_adam(lr=1e-3, var_freeze_step=2, comm=fn.collectives.Local())
+        >>> state = opt.init({"w": torch.zeros(2)})
+        >>> state.frozen, state.var_interval, state.local_interval
+        (tensor(False), tensor(1), tensor(1))
+    """
+
+    count: torch.Tensor
+    lr: torch.Tensor
+    exp_avg: PerRankField
+    exp_avg_sq: SecondMomentField
+    momentum_accumulator: PerRankField
+    worker_error: ErrorFeedbackField
+    server_error: ErrorFeedbackField
+    var_interval: torch.Tensor
+    var_counter: torch.Tensor
+    local_interval: torch.Tensor
+    local_counter: torch.Tensor
+    lrs: torch.Tensor
+    frozen: torch.Tensor
 
 
 # The fields with one value for all leaves: the schedule counters and the sum of learning rates.

@@ -60,8 +60,8 @@ def test_compiled_simulate_matches_eager():
 
 @pytest.mark.timeout(300)
 def test_compiled_allreduce_with_output_buffers_computes_purely_and_copies_into_them():
-    """README, Buffer donation: under torch.compile ``out=`` gives the compiled pure call's
-    results, written into the buffers."""
+    """docs/guides/memory.md, "Buffer donation": under torch.compile ``out=`` gives the compiled
+    pure call's results, written into the buffers."""
     w, n = 2, 300
     comm = Simulated(w)
     x = torch.randn(w, n, generator=torch.Generator().manual_seed(0))

@@ -248,7 +248,8 @@ def test_compiled_step_given_t_matches_eager_within_the_recompile_limit(name, wo
     """``step=t`` passed into a compiled step: dynamo specializes the first ``t``, then makes it
     a dynamic int guarded by the plan's decisions, and the results are the eager ones, bit for
     bit (under ``Simulated`` too). 1-bit Adam and 1-bit LAMB compile one graph more than their
-    plans; 0/1 Adam's doubling intervals keep adding guards (README: pass ``plan=`` there)."""
+    plans; 0/1 Adam's doubling intervals keep adding guards (docs/guides/compile.md: pass
+    ``plan=`` there)."""
     steps = OPTIMIZERS[name][1]
     _, _, params, state, grads, step = set_up(name, world)
     torch._dynamo.reset()
