@@ -200,6 +200,18 @@ def _value_doc(module_name: str, name: str, obj: object) -> list[str]:
     return []
 
 
+def _private_bases(cls: type) -> list[type]:
+    """The classes ``cls`` inherits from that are fn's but not documented, themselves or as the
+    base of a documented base (whose entry shows their members)."""
+    documented = [base for base in cls.__mro__[1:] if id(base) in _HOME_BY_ID]
+    covered = {c for base in documented for c in base.__mro__}
+    return [
+        base
+        for base in cls.__mro__[1:]
+        if base.__module__.split(".")[0] == "fn" and base not in covered
+    ]
+
+
 def _value_repr(obj: object) -> str:
     if isinstance(obj, (tuple, list, str, int, float, torch.dtype)):
         return repr(obj)
@@ -227,7 +239,12 @@ class AutoPackage(SphinxDirective):
                 lines += [f"   {line}" if line else "" for line in doc] + [""]
             elif inspect.isclass(obj):
                 kind = "autoexception" if issubclass(obj, BaseException) else "autoclass"
-                lines += [f".. {kind}:: {full_name}", "   :members:", ""]
+                lines += [f".. {kind}:: {full_name}", "   :members:"]
+                if private := _private_bases(obj):
+                    # What the class inherits from fn's private bases is part of its own API.
+                    others = [c.__name__ for c in obj.__mro__[1:] if c not in private]
+                    lines.append(f"   :inherited-members: {', '.join(others)}")
+                lines.append("")
             else:
                 lines += [f".. autofunction:: {full_name}", ""]
         return self.parse_text_to_nodes("\n".join(lines))
