@@ -77,6 +77,7 @@ exclude_patterns = ["_build", "jupyter_execute", "**/.ipynb_checkpoints"]
 html_theme = "furo"
 html_title = f"fn {release}"
 html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 
 # -- MyST ------------------------------------------------------------------------------------
 myst_enable_extensions = ["amsmath", "dollarmath", "colon_fence", "deflist"]
