@@ -19,8 +19,6 @@ import re
 import sys
 from pathlib import Path
 
-import tomllib
-
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 # This checkout's fn, also when another fn is installed.
@@ -31,14 +29,31 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 from docutils import nodes  # noqa: E402
+from sphinx import addnodes  # noqa: E402
 from sphinx.errors import PycodeError  # noqa: E402
 from sphinx.pycode import ModuleAnalyzer  # noqa: E402
+from sphinx.transforms.post_transforms import SphinxPostTransform  # noqa: E402
 from sphinx.util.docutils import SphinxDirective  # noqa: E402
 from sphinx.util.typing import stringify_annotation  # noqa: E402
 
 import fn  # noqa: E402
 
-_PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+
+def _repository_url() -> str | None:
+    """The GitHub repository named in pyproject.toml's [project.urls], if any."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        return None
+    project_table = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    for key in ("Repository", "Source", "Source Code", "Homepage"):
+        url = project_table.get("urls", {}).get(key, "")
+        if url.startswith("https://github.com/"):
+            return url.rstrip("/").removesuffix(".git")
+    return None
+
+
+REPOSITORY = _repository_url()
 
 project = "fn"
 author = "fn contributors"
@@ -56,7 +71,7 @@ extensions = [
 
 source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
 root_doc = "index"
-exclude_patterns = ["_build", "notebooks/README.md", "**/.ipynb_checkpoints"]
+exclude_patterns = ["_build", "jupyter_execute", "**/.ipynb_checkpoints"]
 
 # -- HTML --------------------------------------------------------------------------------------
 html_theme = "furo"
@@ -66,6 +81,8 @@ html_static_path = ["_static"]
 # -- MyST ------------------------------------------------------------------------------------
 myst_enable_extensions = ["amsmath", "dollarmath", "colon_fence", "deflist"]
 myst_heading_anchors = 3
+# ```math fences are display math, as GitHub renders them too.
+myst_fence_as_directive = ["math"]
 
 # -- Notebooks (myst-nb) ---------------------------------------------------------------------
 # Executed on every build, in the notebooks' own directory (their first cell finds this
@@ -183,6 +200,18 @@ def _value_doc(module_name: str, name: str, obj: object) -> list[str]:
     return []
 
 
+def _private_bases(cls: type) -> list[type]:
+    """The classes ``cls`` inherits from that are fn's but not documented, themselves or as the
+    base of a documented base (whose entry shows their members)."""
+    documented = [base for base in cls.__mro__[1:] if id(base) in _HOME_BY_ID]
+    covered = {c for base in documented for c in base.__mro__}
+    return [
+        base
+        for base in cls.__mro__[1:]
+        if base.__module__.split(".")[0] == "fn" and base not in covered
+    ]
+
+
 def _value_repr(obj: object) -> str:
     if isinstance(obj, (tuple, list, str, int, float, torch.dtype)):
         return repr(obj)
@@ -210,7 +239,12 @@ class AutoPackage(SphinxDirective):
                 lines += [f"   {line}" if line else "" for line in doc] + [""]
             elif inspect.isclass(obj):
                 kind = "autoexception" if issubclass(obj, BaseException) else "autoclass"
-                lines += [f".. {kind}:: {full_name}", "   :members:", ""]
+                lines += [f".. {kind}:: {full_name}", "   :members:"]
+                if private := _private_bases(obj):
+                    # What the class inherits from fn's private bases is part of its own API.
+                    others = [c.__name__ for c in obj.__mro__[1:] if c not in private]
+                    lines.append(f"   :inherited-members: {', '.join(others)}")
+                lines.append("")
             else:
                 lines += [f".. autofunction:: {full_name}", ""]
         return self.parse_text_to_nodes("\n".join(lines))
@@ -323,10 +357,70 @@ def _skip_member(app, what, name, obj, skip, options):
     return None
 
 
+class RepositoryLinks(SphinxPostTransform):
+    """Links from the pages to files of the repository outside docs/.
+
+    The pages are written to be read on GitHub too, so they link to repository paths:
+    ``../notebooks/README.md``, ``../../examples/fsdp_onebit.py``. A link to a file that the site
+    shows as a page (a notebook through ``docs/notebooks``, ``benchmarks/README.md`` included by
+    ``benchmarks.md``) goes to that page. Other files: on GitHub when pyproject.toml names the
+    repository; otherwise Markdown files get a relative link to the file in the checkout
+    (Sphinx does not check it), and other files (examples/*.py) are copied as downloads.
+    """
+
+    default_priority = 5  # before MyST resolves its links (and warns about missing documents)
+
+    def run(self, **kwargs) -> None:
+        env = self.env
+        srcdir = Path(env.srcdir)
+        pages: dict[Path, str] = {}
+        for docname in env.found_docs:
+            pages.setdefault(Path(env.doc2path(docname)).resolve(), docname)
+        for docname, dependencies in env.dependencies.items():
+            for dependency in dependencies:
+                if str(dependency).endswith(".md"):
+                    pages.setdefault((srcdir / dependency).resolve(), docname)
+        for node in list(self.document.findall(addnodes.pending_xref)):
+            if node.get("reftype") != "myst" or node.get("refdomain") != "doc":
+                continue
+            target = node["reftarget"]
+            if target in env.all_docs:
+                continue
+            found = [
+                path.resolve()
+                for suffix in (".md", ".ipynb")
+                if (path := srcdir / (target + suffix)).is_file()
+            ]
+            if not found:
+                continue
+            if found[0] in pages:
+                node["reftarget"] = pages[found[0]]
+            else:
+                node.replace_self(self._external(found[0], node))
+        if REPOSITORY:
+            for node in list(self.document.findall(addnodes.download_reference)):
+                docdir = Path(env.doc2path(node["refdoc"])).parent
+                path = (docdir / node["reftarget"]).resolve()
+                if not path.is_relative_to(DOCS):
+                    node.replace_self(self._external(path, node))
+
+    def _external(self, path: Path, node: nodes.Element) -> nodes.reference:
+        relative = path.relative_to(ROOT).as_posix()
+        if REPOSITORY:
+            uri = f"{REPOSITORY}/blob/main/{relative}"
+        else:
+            page = Path(self.app.outdir, self.env.docname).parent
+            uri = Path(os.path.relpath(path, page)).as_posix()
+        reference = nodes.reference("", "", refuri=uri, internal=False)
+        reference += node.children or [nodes.literal(relative, relative)]
+        return reference
+
+
 def setup(app):
     app.add_directive("fn-autopackage", AutoPackage)
     app.add_directive("fn-reexports", ReExports)
     app.connect("missing-reference", _resolve_fn_reference)
+    app.add_post_transform(RepositoryLinks)
     app.connect("autodoc-skip-member", _skip_member)
     app.connect("autodoc-process-signature", _alias_signature)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

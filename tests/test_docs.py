@@ -194,6 +194,24 @@ def test_relative_links_reach_files_and_headings():
     assert not broken, "broken links:\n" + "\n".join(broken)
 
 
+def test_references_to_readme_sections_name_its_headings():
+    """A document that cites a section of README.md by name (README, "Set-up ...") cites one
+    README.md has; the sections that left README.md are cited by their pages' paths."""
+    cite = re.compile(r"(?<![/\w])README(?:\.md)?(?:'s)?[,:]?\s+\"([^\"]+)\"")
+    headings = re.findall(r"^#+ (.+)$", README.read_text(encoding="utf-8"), re.MULTILINE)
+    paths = [*_markdown()]
+    for folder in ("tests", "benchmarks", "notebooks", "examples"):
+        paths += [p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".ipynb")]
+    stale = [
+        f"{path.relative_to(ROOT)}: {name!r}"
+        for path in paths
+        if path != Path(__file__).resolve()
+        for name in cite.findall(path.read_text(encoding="utf-8"))
+        if not any(h.startswith(" ".join(name.split())) for h in headings)
+    ]
+    assert not stale, f"README.md has no such section: {stale}"
+
+
 def test_the_benchmarks_page_includes_the_benchmarks_readme():
     """docs/benchmarks.md shows benchmarks/README.md itself (one source for every table)."""
     text = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
