@@ -181,16 +181,19 @@ def test_the_examples_of_constants_and_aliases_run(name, obj, kind, doc):
     assert runner.failures == 0, "".join(report)
 
 
-def _members(obj: object) -> list[tuple[str, object]]:
-    """The public functions and properties of a class that autodoc documents."""
-    out = []
-    for attr, value in vars(obj).items():
-        value = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
-        if attr.startswith("_") or not (inspect.isfunction(value) or isinstance(value, property)):
+def _members(cls: type) -> dict[str, object]:
+    """The public functions and properties of a class and of its bases in fn (the site shows
+    what a class inherits from fn's private bases)."""
+    out: dict[str, object] = {}
+    for owner in cls.__mro__:
+        if owner.__module__.split(".")[0] != "fn":
             continue
-        doc = inspect.getdoc(value) or ""
-        if doc and ":meta private:" not in doc:
-            out.append((attr, value))
+        for attr, value in vars(owner).items():
+            value = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+            member = inspect.isfunction(value) or isinstance(value, property)
+            doc = inspect.getdoc(value) or "" if member else ""
+            if not attr.startswith("_") and doc and ":meta private:" not in doc:
+                out.setdefault(attr, value)
     return out
 
 
@@ -204,7 +207,7 @@ def test_napoleon_reads_no_text_as_a_type():
         entries = [(name, "data" if kind == "value" else "function", doc)]
         if inspect.isclass(obj):
             entries = [(name, "class", doc)]
-            for attr, value in _members(obj):
+            for attr, value in _members(obj).items():
                 what = "property" if isinstance(value, property) else "method"
                 entries.append((f"{name}.{attr}", what, inspect.getdoc(value) or ""))
         for qualified, what, text in entries:
