@@ -66,7 +66,7 @@ class OnebitStateFormat:
         same mesh shape.
 
         Returns:
-            A dict of tensors: the state's own where it holds them, zeros where it does not.
+            A dict of tensors, the state's own where it holds them, zeros where it does not.
 
         Raises:
             NotImplementedError: called by ``torch.distributed.checkpoint.state_dict``
