@@ -87,7 +87,8 @@ myst_fence_as_directive = ["math"]
 
 # -- Notebooks (myst-nb) ---------------------------------------------------------------------
 # Executed on every build, in the notebooks' own directory (their first cell finds this
-# checkout's fn from there); a failing cell fails the build.
+# checkout's fn from there); a failing cell fails the build. For a quick look at the other
+# pages, ``-D nb_execution_mode=off`` builds the notebooks without running them.
 nb_execution_mode = "force"
 nb_execution_timeout = 180
 nb_execution_raise_on_error = True
