@@ -77,6 +77,7 @@ exclude_patterns = ["_build", "jupyter_execute", "**/.ipynb_checkpoints"]
 html_theme = "furo"
 html_title = f"fn {release}"
 html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 
 # -- MyST ------------------------------------------------------------------------------------
 myst_enable_extensions = ["amsmath", "dollarmath", "colon_fence", "deflist"]
@@ -86,7 +87,8 @@ myst_fence_as_directive = ["math"]
 
 # -- Notebooks (myst-nb) ---------------------------------------------------------------------
 # Executed on every build, in the notebooks' own directory (their first cell finds this
-# checkout's fn from there); a failing cell fails the build.
+# checkout's fn from there); a failing cell fails the build. For a quick look at the other
+# pages, ``-D nb_execution_mode=off`` builds the notebooks without running them.
 nb_execution_mode = "force"
 nb_execution_timeout = 180
 nb_execution_raise_on_error = True
@@ -200,6 +202,18 @@ def _value_doc(module_name: str, name: str, obj: object) -> list[str]:
     return []
 
 
+def _private_bases(cls: type) -> list[type]:
+    """The classes ``cls`` inherits from that are fn's but not documented, themselves or as the
+    base of a documented base (whose entry shows their members)."""
+    documented = [base for base in cls.__mro__[1:] if id(base) in _HOME_BY_ID]
+    covered = {c for base in documented for c in base.__mro__}
+    return [
+        base
+        for base in cls.__mro__[1:]
+        if base.__module__.split(".")[0] == "fn" and base not in covered
+    ]
+
+
 def _value_repr(obj: object) -> str:
     if isinstance(obj, (tuple, list, str, int, float, torch.dtype)):
         return repr(obj)
@@ -227,7 +241,12 @@ class AutoPackage(SphinxDirective):
                 lines += [f"   {line}" if line else "" for line in doc] + [""]
             elif inspect.isclass(obj):
                 kind = "autoexception" if issubclass(obj, BaseException) else "autoclass"
-                lines += [f".. {kind}:: {full_name}", "   :members:", ""]
+                lines += [f".. {kind}:: {full_name}", "   :members:"]
+                if private := _private_bases(obj):
+                    # What the class inherits from fn's private bases is part of its own API.
+                    others = [c.__name__ for c in obj.__mro__[1:] if c not in private]
+                    lines.append(f"   :inherited-members: {', '.join(others)}")
+                lines.append("")
             else:
                 lines += [f".. autofunction:: {full_name}", ""]
         return self.parse_text_to_nodes("\n".join(lines))

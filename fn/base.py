@@ -390,6 +390,13 @@ class CompressedOptimizer(NamedTuple):
         """Whether update ``t`` is compressed: ``is_compressed(t)``, or ``is_compressed(t,
         state)`` for a schedule that reads the state (``reads_state``).
 
+        Args:
+            t: the 1-based update count.
+            state: the optimizer's state (needed where the schedule reads it).
+
+        Returns:
+            ``True`` for a compressed update, ``False`` for a warmup update.
+
         Example:
             >>> opt = fn.onebit_adam(1e-3, freeze_step=3, comm=fn.collectives.Local())
             >>> [opt.compressed_at(t) for t in (1, 2, 3)]
@@ -402,6 +409,13 @@ class CompressedOptimizer(NamedTuple):
         when updates ``1..last`` all run the full-precision warmup. With
         ``freeze_step="auto"``: the switch decided in ``state``, or, while undecided or without
         a state, the latest it can be (``max_updates + 1``).
+
+        Args:
+            last: the last update count to look at.
+            state: the optimizer's state (read by ``freeze_step="auto"``).
+
+        Returns:
+            The update count, or ``None``.
 
         Example:
             >>> opt = fn.onebit_adam(1e-3, freeze_step=100, comm=fn.collectives.Local())
@@ -425,6 +439,17 @@ class CompressedOptimizer(NamedTuple):
     ) -> tuple[Updates, OptState]:
         """Runs the update that the schedule picks for the 1-based update count ``step``, or the
         one ``plan = self.plan(step)`` says (``plan.compressed``). Give exactly one of them.
+
+        Args:
+            grads: this rank's local gradients.
+            state: the optimizer's state.
+            params: the params (needed for weight decay and by some rules).
+            step: the 1-based count of the update being made.
+            plan: ``self.plan(step)``, in place of ``step`` (for ``torch.compile``).
+            **extra: passed on to the update (e.g. ``donate``).
+
+        Returns:
+            ``(updates, new_state)``.
 
         Raises:
             TypeError: if neither or both are given, ``step`` is a tensor, or a plan is given to

@@ -90,7 +90,7 @@ class ByteCounter:
 
     @property
     def bytes_sent_by_hop(self) -> dict[str, int]:
-        """``bytes_sent`` by level: ``{"world": ..., "intra": ..., "inter": ...}``."""
+        """The ``bytes_sent`` by level, ``{"world": ..., "intra": ..., "inter": ...}``."""
         return dict(zip(HOPS, self._counter._bytes_by_hop.tolist(), strict=True))
 
     def reset_bytes_sent(self) -> int:

@@ -174,7 +174,14 @@ class PackedSigns(NamedTuple):
     scales: torch.Tensor
 
     def values(self, numel: int) -> torch.Tensor:
-        """The first ``numel`` values, 1-D fp32 (a view of a fresh padded tensor)."""
+        """The first ``numel`` values, 1-D fp32 (a view of a fresh padded tensor).
+
+        Args:
+            numel: how many values, at most ``R * chunk``.
+
+        Returns:
+            The values.
+        """
         rows = self.scales.numel()
         n_padded = self.packed.numel() * 8
         y = kernels.unpackbits(self.packed.reshape(-1), n_padded).view(rows, n_padded // rows)
@@ -184,7 +191,14 @@ class PackedSigns(NamedTuple):
         return y[:numel]
 
     def unpacked(self, like: torch.Tensor) -> torch.Tensor:
-        """The first ``like.numel()`` values in ``like``'s shape and dtype (fresh)."""
+        """The first ``like.numel()`` values in ``like``'s shape and dtype (fresh).
+
+        Args:
+            like: a tensor of the vector's shape and dtype.
+
+        Returns:
+            The values, a new tensor.
+        """
         return self.values(like.numel()).view(like.shape).to(like.dtype)
 
 

@@ -217,11 +217,10 @@ class BucketHookState:
         """The iteration count and every bucket's error feedback, for a checkpoint.
 
         Returns:
-            ``{"iter": int, "rank": int, "world_size": int, "local_world_size": int | None,
-            "buckets": {index: {"layout":
-            [[shape], ...], "state": [tensor, ...]}}}``: plain containers and tensors
-            (``torch.load(weights_only=True)`` reads it). The error feedback is this rank's:
-            save one per rank.
+            The state as plain containers and tensors (``torch.load(weights_only=True)``
+            reads it), ``{"iter": int, "rank": int, "world_size": int, "local_world_size":
+            int | None, "buckets": {index: {"layout": [[shape], ...], "state": [tensor,
+            ...]}}}``. The error feedback is this rank's: save one per rank.
         """
         self._worker.drain()
         return {

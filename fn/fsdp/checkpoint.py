@@ -118,6 +118,9 @@ class TrainingCheckpoint:
         renames, the previous checkpoint is at ``<path>.old``). A URL (``scheme://...``) is
         written in place by DCP's own storage.
 
+        Args:
+            path: the checkpoint directory (or a URL DCP's storage writes).
+
         Raises:
             OSError: on rank 0, it could not clear an old ``<path>.partial`` or rename the new
                 checkpoint into place (the previous one is put back).
@@ -152,6 +155,9 @@ class TrainingCheckpoint:
         and the rest into new tensors laid out as saved, then restores them: a checkpoint of
         another model or other settings, or one that cannot be read, raises on every rank with
         nothing changed.
+
+        Args:
+            path: the checkpoint directory (or a URL DCP's storage reads).
 
         Raises:
             OSError: on a rank that cannot read the checkpoint's metadata, its own error (such as

@@ -65,7 +65,7 @@ class OnebitStateFormat:
         the ``N`` peers), and ``rank<r>`` is named by the rank in the world.
 
         Returns:
-            A dict of tensors: the state's own where it holds them, zeros where it does not.
+            A dict of tensors, the state's own where it holds them, zeros where it does not.
 
         Raises:
             NotImplementedError: called by ``torch.distributed.checkpoint.state_dict``

@@ -98,6 +98,13 @@ class Accelerator:
     def kernel(self, name: str, kernel_set: str | None = None) -> Callable[..., Any]:
         """The implementation of kernel ``name`` in ``kernel_set`` (``None``: the default set).
 
+        Args:
+            name: one of :data:`KERNEL_NAMES`.
+            kernel_set: one of :meth:`kernel_set_names`, or ``None``.
+
+        Returns:
+            The set's implementation of the kernel, or the reference where the set has none.
+
         Raises:
             ValueError: for an unknown kernel or kernel-set name.
         """

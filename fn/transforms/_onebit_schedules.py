@@ -376,7 +376,15 @@ class ZeroOneAdamSchedule(NamedTuple):
         return SYNCED_RTOL if self.is_sync_step(t) else None
 
     def plan(self, t: int, state: Any = None) -> ZeroOneAdamPlan:
-        """The plan of update ``t`` (one ``counters`` evaluation; ``state`` is not used)."""
+        """The plan of update ``t`` (one ``counters`` evaluation; ``state`` is not used).
+
+        Args:
+            t: the 1-based update count.
+            state: ignored (the schedules of the 1-bit family share this signature).
+
+        Returns:
+            The :class:`ZeroOneAdamPlan`.
+        """
         counters = self.counters(t)
         c = t + 1
         return ZeroOneAdamPlan(
