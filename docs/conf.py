@@ -356,6 +356,10 @@ def _skip_member(app, what, name, obj, skip, options):
     # Attributes section describes the fields.
     if what in ("class", "exception") and (obj.__doc__ or "").startswith("Alias for field number"):
         return True
+    # A class attribute that holds a function documented elsewhere (fn.fsdp.OnebitAdam's
+    # sharded_rule is fn.transforms.onebit_adam_sharded): its page is the function's own.
+    if what == "class" and callable(obj) and getattr(obj, "__name__", name) != name:
+        return True
     return None
 
 
