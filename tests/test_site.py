@@ -17,23 +17,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_api_docstrings import PACKAGES as DOCUMENTED
+
 ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / "docs" / "_build" / "html"
 BUILD = "python3 -m sphinx -W --keep-going -n -b html docs docs/_build/html"
 
-# The packages with an API page, and the submodules that fn.integrations' page documents.
-PACKAGES = [
-    "fn",
-    "fn.transforms",
-    "fn.collectives",
-    "fn.kernels",
-    "fn.optim",
-    "fn.ddp",
-    "fn.fsdp",
-    "fn.integrations.transformers",
-    "fn.integrations.accelerate",
-    "fn.integrations.lightning",
-]
+# The packages with an API page, and the submodules that fn.integrations' page documents (the
+# fn page also documents fn.base and fn.tree).
+PACKAGES = [name for name in DOCUMENTED if name not in ("fn.base", "fn.tree")]
 
 
 @pytest.fixture(scope="module")
