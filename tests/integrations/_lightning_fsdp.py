@@ -76,11 +76,13 @@ def fit(
     callbacks: tuple = (),
     ckpt_path: str | None = None,
     fn_callback: bool = True,
+    devices: int = 2,
+    batch: int = BATCH,
     **options: Any,
 ) -> lightning.Trainer:
     trainer = lightning.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=devices,
         strategy=options.pop("strategy", None) or strategy(),
         max_steps=steps,
         use_distributed_sampler=False,
@@ -91,7 +93,7 @@ def fit(
         enable_model_summary=False,
         **options,
     )
-    loader = ResumableBatches(*synthetic_data(), BATCH, trainer.global_rank, trainer.world_size)
+    loader = ResumableBatches(*synthetic_data(), batch, trainer.global_rank, trainer.world_size)
     trainer.fit(model, loader, ckpt_path=ckpt_path)
     return trainer
 

@@ -30,7 +30,6 @@ from typing import Any
 
 import lightning
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -83,21 +82,9 @@ def fit(
         tensor_parallel_size=NODES * PER_NODE // nodes,
         timeout=timedelta(seconds=60),
     )
-    trainer = lightning.Trainer(
-        accelerator="cpu",
-        devices=NODES * PER_NODE,
-        strategy=strategy,
-        max_steps=steps,
-        use_distributed_sampler=False,  # the batches by global rank, not by node
-        callbacks=[FnCallback(), *callbacks],
-        logger=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    return lightning_fsdp.fit(
+        model, steps, callbacks, ckpt_path, devices=NODES * PER_NODE, batch=BATCH, strategy=strategy
     )
-    loader = ResumableBatches(*synthetic_data(), BATCH, trainer.global_rank, trainer.world_size)
-    trainer.fit(model, loader, ckpt_path=ckpt_path)
-    return trainer
 
 
 def full_run(out_dir: Path) -> dict:
