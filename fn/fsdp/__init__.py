@@ -6,8 +6,10 @@
 - :func:`quantized_all_gather` sends the parameter all-gathers in 8-bit groups (ZeRO++ qwZ)
   through :class:`QuantizedAllGather`.
 - :class:`OnebitAdam` and :class:`OnebitLamb` are 1-bit Adam and 1-bit LAMB over FSDP2's
-  shards: their 1-bit allreduce of the momentum runs inside every module's reduce-scatter
-  (:class:`ShardedOnebitOptimizer` is what they share); :class:`ZeroOneAdam` raises
+  shards: every module's reduce-scatter accumulates its micro-batches' gradients, and
+  ``step()`` makes the update's 1-bit allreduce of the momentum (dense in the warmup), with
+  ``max_grad_norm`` clipping in every phase (:class:`ShardedOnebitOptimizer` is what they
+  share); :class:`ZeroOneAdam` raises
   ``NotImplementedError`` (0/1 Adam's local steps need replicated params).
 - :class:`TrainingCheckpoint` saves and restores model, optimizer and that handle with
   ``torch.distributed.checkpoint``.

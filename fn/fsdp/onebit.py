@@ -1,16 +1,17 @@
-"""1-bit Adam and 1-bit LAMB on a model sharded by FSDP2, the 1-bit allreduce of the momentum
-inside the reduce-scatter of every FSDP2 module: :class:`ShardedOnebitOptimizer` (the
+"""1-bit Adam and 1-bit LAMB on a model sharded by FSDP2, the 1-bit allreduce of every FSDP2
+module's momentum made once per update in ``step()``: :class:`ShardedOnebitOptimizer` (the
 machinery) and :class:`OnebitAdam` (``fn.fsdp.onebit_lamb`` has :class:`~fn.fsdp.OnebitLamb`).
 
 Each FSDP2 module's gradients are one vector ``X`` in FSDP2's layout (``W`` rows, row ``j`` rank
 ``j``'s shard, each padded to a multiple of ``lcm(W, 8)``), so that chunk ``j`` of
-``fn.collectives.compressed_allreduce`` is rank ``j``'s shard. Warmup updates reduce-scatter
-densely; compressed ones run the collective's phases on the momentum inside the reduce-scatter
-and keep it, full size, as its packed signs. ``step()`` then runs the per-leaf rule of
-``fn.onebit_adam`` (or ``fn.onebit_lamb``) on every shard
-(``fn.transforms.onebit_adam_sharded``, ``onebit_lamb_sharded``). The rule, the
-buffers each rank holds and the bytes it sends are in docs/algorithms.md, "1-bit Adam and 1-bit
-LAMB on FSDP2".
+``fn.collectives.compressed_allreduce`` is rank ``j``'s shard. Every micro-batch's
+reduce-scatter hands its gradient to the module's :class:`~fn.fsdp.onebit_module.OnebitModule`,
+which accumulates it; ``step()`` averages it densely (warmup) or runs the collective's phases
+on the momentum and keeps it, full size, as its packed signs (compressed), then runs the
+per-leaf rule of ``fn.onebit_adam`` (or ``fn.onebit_lamb``) on every shard
+(``fn.transforms.onebit_adam_sharded``, ``onebit_lamb_sharded``). The rule, the buffers each
+rank holds and the bytes it sends are in docs/algorithms.md, "1-bit Adam and 1-bit LAMB on
+FSDP2", and its accumulation and clipping in "Accumulation and clipping on FSDP2 and HSDP".
 """
 
 from __future__ import annotations
@@ -28,21 +29,26 @@ from torch.distributed.device_mesh import DeviceMesh
 from fn.base import CompressedOptimizer, apply_updates, set_hyperparams
 from fn.collectives import (
     Local,
-    PackedSigns,
     check_error_dtype,
 )
+from fn.collectives.comm import HOPS
 from fn.errors import NonFiniteError
 from fn.fsdp._agreement import agree
 from fn.fsdp._fsdp2 import reduce_scatters_stopped
 from fn.fsdp.loco import ROOT
 from fn.fsdp.onebit_checks import check_partitions, model_problem, replicate_problem
-from fn.fsdp.onebit_layout import fsdp_modules, module_layout, one_dim, row_multiple, to_local
-from fn.fsdp.onebit_masks import MomentumMasks, mask_checksum, module_mask
-from fn.fsdp.onebit_reduce_scatter import (
-    CompressedModule,
-    OnebitReduceScatter,
-    OnebitReduceScatters,
+from fn.fsdp.onebit_layout import (
+    ModuleLayout,
+    fsdp_modules,
+    module_layout,
+    one_dim,
+    row_multiple,
+    shard_of,
+    to_local,
 )
+from fn.fsdp.onebit_masks import MomentumMasks, mask_checksum, module_mask
+from fn.fsdp.onebit_module import OnebitModule
+from fn.fsdp.onebit_reduce_scatter import OnebitReduceScatter
 from fn.fsdp.onebit_state import OnebitStateFormat
 from fn.fsdp.reduce_scatter import CommCache
 from fn.transforms import gradient_energy, onebit_adam, onebit_adam_sharded
@@ -61,22 +67,30 @@ OPTIONS = (
     ),
     Parameter("nonfinite", Parameter.KEYWORD_ONLY, default="raise", annotation="str"),
     Parameter("replicate", Parameter.KEYWORD_ONLY, default=None, annotation="DeviceMesh | None"),
+    Parameter("max_grad_norm", Parameter.KEYWORD_ONLY, default=None, annotation="float | None"),
+    Parameter(
+        "accumulate_dtype",
+        Parameter.KEYWORD_ONLY,
+        default=torch.float32,
+        annotation="torch.dtype",
+    ),
 )
 _OPTION_NAMES = (
-    "exp_avg_mask", "nonfinite", "local_world_size", "error_dtype", "replicate", "non_freeze"
+    "exp_avg_mask", "nonfinite", "local_world_size", "error_dtype", "replicate", "non_freeze",
+    "max_grad_norm", "accumulate_dtype",
 )  # fmt: skip
+_CLIP_EPS = 1e-6  # in the clipping factor's denominator, as torch.nn.utils.clip_grad_norm_'s
 _FORMAT = 1  # the layout of ShardedOnebitOptimizer.state_dict()
 _TORCH_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
 _AUTO_MASK_KEYS = ("always_zero", "exp_avg_mask")  # and with exp_avg_mask="auto"
 
 
-class ShardedOnebitOptimizer(
-    OnebitStateFormat, MomentumMasks, OnebitReduceScatters, torch.optim.Optimizer
-):
+class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optimizer):
     """What the 1-bit optimizers on FSDP2 share (:class:`OnebitAdam`,
-    :class:`~fn.fsdp.OnebitLamb`): the model's FSDP2 modules and their layouts, the
-    reduce-scatter installed on each (dense in the warmup, the 1-bit allreduce of the momentum
-    once compressed), ``step()`` on the shards, the checks across ranks and the DCP state dict.
+    :class:`~fn.fsdp.OnebitLamb`): the model's FSDP2 modules, each with its state and
+    accumulated gradient (:class:`~fn.fsdp.onebit_module.OnebitModule`) and the reduce-scatter
+    installed on it, ``step()`` (the update's exchange across the ranks, then the rule on the
+    shards), the checks across ranks and the DCP state dict.
 
     A subclass names the rule (``sharded_rule``, ``fn.transforms``' rule on the shards, and
     ``replicated_rule``, the rule with one rank), what each module's compressed vector is
@@ -126,6 +140,8 @@ class ShardedOnebitOptimizer(
         error_dtype: torch.dtype,
         replicate: DeviceMesh | None = None,
         non_freeze: bool = False,
+        max_grad_norm: float | None = None,
+        accumulate_dtype: torch.dtype = torch.float32,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -143,6 +159,8 @@ class ShardedOnebitOptimizer(
             problem = replicate_problem(self.name, replicate, found)
         if problem is None:
             problem = self._bad_settings(settings, error_dtype)
+        if problem is None:
+            problem = _gradient_problem(max_grad_norm, accumulate_dtype)
         masks = None if problem else exp_avg_mask
         self._auto_mask = isinstance(masks, str)  # exp_avg_mask="auto"
         order = [p for _, ps in found for _, p in ps]
@@ -151,8 +169,8 @@ class ShardedOnebitOptimizer(
         hsdp = () if replicate is None else ("replicate", getattr(replicate, "shape", None))
         fingerprint = repr(
             (settings, non_freeze, self._mask_setting, nonfinite, local_world_size,
-             str(error_dtype), [(m, [(n, tuple(p.shape)) for n, p in ps]) for m, ps in found],
-             *hsdp)
+             str(error_dtype), max_grad_norm, str(accumulate_dtype),
+             [(m, [(n, tuple(p.shape)) for n, p in ps]) for m, ps in found], *hsdp)
         )  # fmt: skip
         device = found[0][1][0][1].device if found else "cpu"
         # over the world (None), whatever the meshes: ranks that passed different meshes or
@@ -161,18 +179,29 @@ class ShardedOnebitOptimizer(
         self._comms = CommCache(None)
         self.comm = self._comms(group)
         self._replicas = None  # fn's comm over the replicate group (HSDP, N > 1), or None
+        self._hops: dict[tuple[int, ...], str] = {}  # HSDP: the level of a group, by its ranks
         multiple = None
         if replicate is not None:
             check_partitions(self.name, found[0][1][0][1].device_mesh, replicate, device)
             if replicate.size() > 1:
                 self._replicas = self._comms(replicate.get_group(0))
                 multiple = row_multiple(replicate.size())
+                for hop, mesh in (("intra", found[0][1][0][1].device_mesh), ("inter", replicate)):
+                    self._hops[tuple(dist.get_process_group_ranks(mesh.get_group(0)))] = hop
         self.error_dtype = error_dtype
+        self.max_grad_norm = max_grad_norm
         self.rank = dist.get_rank(group)
         world_size = self.comm.world_size
         # whether fn's collectives deliver the mean gradient (else one rank: the rule alone)
         self._communicates = world_size > 1 or self._replicas is not None
         self._layouts = [module_layout(n, ps, world_size, multiple) for n, ps in found]
+        hsdp_rows = self._replicas is not None
+        self._modules = {
+            x.name: OnebitModule(
+                x, rank=self.rank, hsdp=hsdp_rows, accumulate_dtype=accumulate_dtype
+            )
+            for x in self._layouts
+        }
         self._install(model, settings, masks, error_dtype)
 
     def _install(
@@ -185,7 +214,6 @@ class ShardedOnebitOptimizer(
         """The state and the reduce-scatters, once every rank agreed on the model and the
         settings (``self._layouts`` set)."""
         world_size = self.comm.world_size
-        self._compressed = {layout.name: CompressedModule() for layout in self._layouts}
         self._masks = {  # by module: its exp_avg_mask as bits in the layout of X, or None
             x.name: None if masks is None or self._auto_mask else module_mask(x, masks, world_size)
             for x in self._layouts
@@ -214,12 +242,15 @@ class ShardedOnebitOptimizer(
         self._automatic = self._state.auto is not None  # freeze_step="auto": decided in the state
         self._problems: list[Exception] = []  # what the reduce-scatters found, for step()
         self._delivered = False  # whether a backward delivered gradients since the last step()
+        self._grad_change_warned = False
         self._fsdp_modules: list[nn.Module] = []
         for name, module in model.named_modules():
             layout = next((x for x in self._layouts if x.name == (name or ROOT)), None)
             if layout is not None:
                 self._fsdp_modules.append(module)
-                reduce_scatter = OnebitReduceScatter(self, layout)
+                reduce_scatter = OnebitReduceScatter(
+                    self._modules[layout.name], self._comms, self._compresses, self._problems
+                )
                 module.set_custom_reduce_scatter(reduce_scatter)
                 if world_size == 1 and self._communicates:  # FSDP2 runs no reduce-scatter
                     module.set_all_reduce_hook(reduce_scatter.all_reduce_hook)
@@ -238,6 +269,18 @@ class ShardedOnebitOptimizer(
         """Bytes this rank has sent through fn's communicators (reduce-scatters, the freeze's
         all-gathers and the checks; FSDP2's parameter all-gathers are not counted)."""
         return self._comms.bytes_sent
+
+    @property
+    def bytes_sent_by_hop(self) -> dict[str, int]:
+        """The bytes this rank has sent, by level (a dict from ``"world"``, ``"intra"`` and
+        ``"inter"`` to bytes): on HSDP ``"intra"`` is the shard group (inside a node), ``"inter"`` the replicate group
+        (across the nodes) and ``"world"`` the checks over every rank (a few bytes an
+        update); on a 1-D mesh every byte counts under ``"world"``."""
+        counts = dict.fromkeys(HOPS, 0)
+        for group, comm in self._comms.comms.items():
+            ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+            counts[self._hops.get(ranks, "world")] += comm.bytes_sent
+        return counts
 
     def warn_if_never_compressed(self, updates: int, source: str = "this run") -> bool:
         """Warns (``UserWarning``) when none of the first ``updates`` updates would be
@@ -287,9 +330,7 @@ class ShardedOnebitOptimizer(
             fn.NonFiniteError: on every rank, if a gradient on some rank is not finite;
                 no param and no ``v`` changed.
             RuntimeError: FSDP2 stopped reduce-scattering after an exception inside an earlier
-                backward (not fn's: fn raises none there), or, on every rank, a module was
-                reduce-scattered twice in the compressed phase without a ``step()`` between
-                (accumulate with ``set_requires_gradient_sync(False)``); nothing changed.
+                backward (not fn's: fn raises none there); nothing changed.
             Exception: what else a reduce-scatter of the last backward raised (a collective's
                 timeout, say), the same on every rank.
         """
@@ -305,34 +346,58 @@ class ShardedOnebitOptimizer(
                 "updated. Build the model and the optimizer anew (fully_shard, then this "
                 "optimizer) and reload the last checkpoint (fn.fsdp.TrainingCheckpoint.load)"
             )
-        reduced = {x.name: self._compressed[x.name].pending for x in self._layouts}
-        problems, delivered = self._problems, self._delivered
-        self._problems, self._delivered = [], False
-        for held in self._compressed.values():
-            held.pending = False
-        if self._replicas is not None:  # each row's collective found its own: share them
-            problems = self._shared_problems(problems)
-        if problems:
-            raise problems[0]
-        if not delivered:
-            return loss
+        received = {name: module.received for name, module in self._modules.items()}
+        problems, delivered = list(self._problems), self._delivered
+        self._problems.clear()
+        self._delivered = False
+        try:
+            if self._replicas is not None:  # each row's collective found its own: share them
+                problems = self._shared_problems(problems)
+            if problems:
+                raise problems[0]
+            if delivered:
+                self._update(received)
+        finally:  # what the backwards delivered is used once, or dropped with the error
+            for module in self._modules.values():
+                module.discard()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim.Optimizer.zero_grad``, which also drops the gradient accumulated
+        outside ``.grad`` since the last ``step()`` (a 1-D mesh's compressed phase).
+
+        Args:
+            set_to_none: as ``torch.optim.Optimizer.zero_grad``'s.
+        """
+        super().zero_grad(set_to_none)
+        for module in self._modules.values():
+            module.discard()
+
+    def _update(self, received: Mapping[str, bool]) -> None:
+        """The update from the gradients the backwards since the last ``step()`` delivered
+        (``received``: by module, whether its reduce-scatter ran)."""
         t = self.count + 1
         warmup = not self._rule.is_compressed(t, self._state)
         freezes_mask = not warmup and self._zero_records is not None  # exp_avg_mask="auto"
         if freezes_mask:  # the records go once the update is made (a failed one is retried)
             self._set_masks(self._frozen_masks(), self._zero_records)
         compressed = self._communicates and not warmup
+        if warmup and self._replicas is not None:
+            self._average_over_nodes(received)
         params = self._shards()
-        records = None
+        records, energy = None, None
         if compressed:
-            inputs = self._momentum_shards(reduced)
+            inputs = self._exchanged_momentum(received)
         else:
             inputs = {
                 slot.name: None if slot.param.grad is None else to_local(slot.param.grad)
                 for layout in self._layouts
                 for slot in layout.slots
             }
-            energy = self._checked_energy(inputs)
+            energy, square_norm = self._checked_energy(inputs)
+            factor = self._clip_factor(square_norm)
+            if factor != 1.0:  # .grad stays as the backward left it
+                inputs = {k: None if g is None else g * factor for k, g in inputs.items()}
             if warmup and self._zero_records is not None:
                 records = self._observed_zeros(inputs)
         state = set_hyperparams(self._state, lr=self.param_groups[0]["lr"])
@@ -347,80 +412,202 @@ class ShardedOnebitOptimizer(
         self._state = state
         if records is not None or freezes_mask:
             self._zero_records = records
-        return loss
+
+    def _compresses(self) -> bool:
+        """Whether the coming update is compressed (the reduce-scatters ask)."""
+        return self._communicates and self._rule.is_compressed(self.count + 1, self._state)
 
     def _shards(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every param, by FQN."""
         return {slot.name: to_local(slot.param) for x in self._layouts for slot in x.slots}
 
+    def _grad_shards(self, layout: ModuleLayout) -> dict[str, torch.Tensor | None]:
+        """This rank's ``.grad`` shard of every param of a module, by FQN."""
+        return {
+            slot.name: None if slot.param.grad is None else to_local(slot.param.grad)
+            for slot in layout.slots
+        }
+
     def _gradient_delivered(self, param: torch.Tensor) -> None:
         del param
         self._delivered = True
 
-    def _momentum_shards(self, reduced: Mapping[str, bool]) -> dict[str, torch.Tensor | None]:
-        """Every param's shard of its module's new momentum, read exactly from the packed signs
-        (``None`` for the params of a module whose reduce-scatter did not run for this update:
-        ``reduced``, by module)."""
+    def _average_over_nodes(self, received: Mapping[str, bool]) -> None:
+        """HSDP's warmup: every module's accumulated node gradient (this rank's row, in
+        ``.grad``) replaced by its mean over the nodes, one dense all-reduce per module."""
+        for layout in self._layouts:
+            if not received[layout.name]:
+                continue
+            row = self._modules[layout.name].node_row(self._grad_shards(layout))
+            mean = self._replicas.all_reduce(row, "mean")
+            for slot in layout.slots:
+                local = to_local(slot.param)
+                values = mean[slot.offset : slot.offset + local.numel()].view(local.shape)
+                if slot.param.grad is None:
+                    slot.param.grad = shard_of(values.clone(), slot.param)
+                else:
+                    to_local(slot.param.grad).copy_(values)
+
+    def _exchanged_momentum(self, received: Mapping[str, bool]) -> dict[str, torch.Tensor | None]:
+        """The compressed phase's exchange: every module's accumulated gradient (the local
+        one on a 1-D mesh, this rank's row of the node's on HSDP) checked and clipped
+        (:meth:`_compressed_gradients`), then its momentum's 1-bit allreduce; returns every
+        param's shard of the new momentum, read exactly from the packed signs (``None`` for
+        the params of a module that no backward reduce-scattered)."""
+        gradients = self._compressed_gradients(received)
+        over = self.comm if self._replicas is None else self._replicas
         shards: dict[str, torch.Tensor | None] = {}
         for layout in self._layouts:
-            held = self._compressed[layout.name]
+            module = self._modules[layout.name]
             row = None
-            if reduced[layout.name]:
-                row = self._own_row(held.signs).values(layout.padded_row)
-                row = self._masked_row(layout, row)
+            if layout.name in gradients:
+                momentum = module.previous_momentum(
+                    self._state.exp_avg, self._masks[layout.name], self.comm
+                )
+                x, grad, beta = self._momentum_input(
+                    layout, module, over, momentum, gradients[layout.name]
+                )
+                try:
+                    module.exchange(over, x, grad, beta, self.error_dtype)
+                except NonFiniteError:  # raised on every rank, before anything was written
+                    raise NonFiniteError(
+                        f"{self.name}: non-finite values in the momentum of some rank in "
+                        f"module {layout.name}; no param changed (the modules exchanged "
+                        "before it have advanced their momentum and errors)"
+                    ) from None
+                row = self._masked_row(layout, module.own_row().values(layout.padded_row))
             for slot in layout.slots:
                 local = to_local(slot.param)
                 piece = None if row is None else row[slot.offset : slot.offset + local.numel()]
                 shards[slot.name] = None if piece is None else piece.view(local.shape)
         return shards
 
-    def _own_row(self, signs: PackedSigns) -> PackedSigns:
-        """This rank's row of a module's packed momentum: on a 1-D mesh its chunk of the
-        whole ``X``, on HSDP all of it (the ``N`` chunks of the row)."""
-        if self._replicas is not None:
-            return signs
-        rank = slice(self.rank, self.rank + 1)
-        return PackedSigns(signs.packed[rank], signs.scales[rank])
+    def _compressed_gradients(self, received: Mapping[str, bool]) -> dict[str, torch.Tensor]:
+        """By module (those reduce-scattered), the gradient that enters its momentum, flat
+        fp32 in the layout of ``X``: on a 1-D mesh this rank's accumulated local gradient, on
+        HSDP its row of the node's (from ``.grad``), times the clipping factor of
+        ``max_grad_norm``. One all-gather over the ranks holding different gradients (the
+        world) of two fp64 values checks that all are finite and sums their squared norms.
+
+        Raises:
+            fn.NonFiniteError: on every rank, some rank's gradient is not finite; nothing
+                changed.
+        """
+        gradients = {}
+        for layout in self._layouts:
+            if received[layout.name]:
+                module = self._modules[layout.name]
+                if module.hsdp:
+                    gradients[layout.name] = module.node_row(self._grad_shards(layout))
+                else:
+                    gradients[layout.name] = module.local_gradient.view(-1).float()
+                    self._warn_if_grad_changed(layout, module)
+        bad = sum(int(not bool(g.isfinite().all())) for g in gradients.values())
+        square = sum((float(g.double().square().sum()) for g in gradients.values()), 0.0)
+        mine = torch.tensor([float(bad), 0.0 if bad else square], dtype=torch.float64)
+        everyone = self._comms(None)
+        totals = everyone.all_gather(mine).view(-1, 2).sum(0)
+        if totals[0] > 0:
+            raise NonFiniteError(
+                f"{self.name}: non-finite values in the accumulated gradient of some rank; "
+                "nothing was updated"
+            )
+        replicas = self.comm.world_size if self._replicas is None else self._replicas.world_size
+        factor = self._clip_factor(totals[1] / replicas)
+        if factor != 1.0:
+            gradients = {name: g * factor for name, g in gradients.items()}
+        return gradients
+
+    def _warn_if_grad_changed(self, layout: ModuleLayout, module: OnebitModule) -> None:
+        """On a 1-D mesh in the compressed phase ``.grad`` holds this rank's row of its own
+        gradient, and the update reads the local gradient fn accumulated: warns once when
+        ``.grad`` was changed since the backward (``clip_grad_norm_``, say), which then
+        changes nothing."""
+        if self._grad_change_warned:
+            return
+        for slot in layout.slots:
+            grad = slot.param.grad
+            written = module.written_row()[slot.offset : slot.offset + to_local(slot.param).numel()]
+            if grad is None or not torch.equal(to_local(grad).reshape(-1), written):
+                self._grad_change_warned = True
+                warnings.warn(
+                    f"{self.name}: .grad was changed between the backward and step() (by "
+                    "torch.nn.utils.clip_grad_norm_, say) in the compressed phase on a 1-D "
+                    "mesh, where the update reads the local gradient that fn accumulated, not "
+                    ".grad: the change has no effect. Clip with max_grad_norm= (every phase), "
+                    "or use HSDP (replicate=), where .grad is what the update reads",
+                    stacklevel=4,
+                )
+                return
+
+    def _clip_factor(self, square_norm: torch.Tensor) -> float:
+        """``max_grad_norm``'s factor for a squared gradient norm (the same on every rank):
+        ``min(1, max_grad_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``'s;
+        ``1.0`` without ``max_grad_norm``."""
+        if self.max_grad_norm is None:
+            return 1.0
+        norm = float(square_norm) ** 0.5
+        return min(1.0, self.max_grad_norm / (norm + _CLIP_EPS))
 
     def _shared_problems(self, problems: list[Exception]) -> list[Exception]:
         """HSDP: what the reduce-scatters found, on every rank of the node (one all-gather of
-        two values over the shard group). A row's collective raises on the ``N`` ranks of that
-        row only; the other rows' ranks then raise too, of the same kind when it is
+        two values over the shard group). A reduce-scatter raises on the ranks of one shard
+        group; the other groups' ranks then raise too, of the same kind when it is
         ``fn.NonFiniteError``."""
         mine = [float(bool(problems)), float(bool(problems) and _nonfinite(problems[0]))]
-        rows = self.comm.all_gather(torch.tensor(mine, dtype=torch.float64)).view(-1, 2)
+        rows = self._comms(None).all_gather(torch.tensor(mine, dtype=torch.float64)).view(-1, 2)
         failed = rows[:, 0].nonzero().view(-1).tolist()
         if problems or not failed:
             return problems
         kind = NonFiniteError if bool(rows[failed[0], 1]) else RuntimeError
         return [
             kind(
-                f"{self.name}: the reduce-scatter of rank {failed[0]} of this node's shard group "
-                "failed (see its error); nothing was updated (this rank's rows of the modules "
-                "reduce-scattered have advanced their momentum and errors)"
+                f"{self.name}: the reduce-scatter of rank {failed[0]} failed (see its error); "
+                "nothing was updated"
             )
         ]
 
-    def _checked_energy(self, grads: dict[str, torch.Tensor | None]) -> torch.Tensor | None:
+    def _checked_energy(
+        self, grads: dict[str, torch.Tensor | None]
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Raises ``NonFiniteError`` on every rank if some rank's gradient shard is not
-        finite; with ``freeze_step="auto"`` (and several ranks) returns the gradient energy of
-        the mean gradient, the sum of the shards' (``fn.transforms.gradient_energy``), else
-        ``None``. One all-gather of two fp64 values, summed in rank order (the same bits on
-        every rank)."""
-        bad = sum(int(not bool(g.isfinite().all())) for g in grads.values() if g is not None)
+        finite; returns, with ``freeze_step="auto"`` (and several ranks), the gradient energy
+        of the mean gradient, the sum of the shards' (``fn.transforms.gradient_energy``), else
+        ``None``, and the mean gradient's squared norm. One all-gather of three fp64 values,
+        summed in rank order (the same bits on every rank)."""
+        present = [g for g in grads.values() if g is not None]
+        bad = sum(int(not bool(g.isfinite().all())) for g in present)
         measure = self._automatic and self._communicates
         energy = (
             gradient_energy(grads) if measure and not bad else torch.zeros((), dtype=torch.float64)
         )
-        mine = torch.stack([torch.tensor(float(bad), dtype=torch.float64), energy])
+        square = 0.0
+        if self.max_grad_norm is not None and not bad:
+            square = sum((float(g.double().square().sum()) for g in present), 0.0)
+        mine = torch.tensor([float(bad), float(energy), square], dtype=torch.float64)
         if self.comm.world_size > 1:
-            mine = self.comm.all_gather(mine).view(-1, 2).sum(0)
+            mine = self.comm.all_gather(mine).view(-1, 3).sum(0)
         if mine[0] > 0:
             raise NonFiniteError(
                 f"{self.name}: non-finite values in the averaged gradient (on some rank); "
                 "nothing was updated"
             )
-        return mine[1] if measure else None
+        return (mine[1] if measure else None), mine[2]
+
+    def _momentum_input(
+        self,
+        layout: ModuleLayout,
+        module: OnebitModule,
+        comm: Any,
+        momentum: torch.Tensor,
+        grad: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """What a module compresses, from its momentum before this update and the gradient
+        that enters it, both flat in the layout of ``X``: ``(x, grad, beta)`` for
+        :meth:`OnebitModule.exchange`. 1-bit Adam's: the momentum ``b1 m + (1 - b1) g``,
+        formed inside the exchange."""
+        del layout, module, comm
+        return momentum, grad, self._b1
 
     def _make_rule(self, settings: dict[str, Any], comm: Any) -> CompressedOptimizer:
         """The rule on the shards, its norms (if any) over ``comm``."""
@@ -458,11 +645,12 @@ class OnebitAdam(ShardedOnebitOptimizer):
     group): it installs its own reduce-scatter on every FSDP2 module of ``model``
     (``set_custom_reduce_scatter``). Warmup updates (``t < freeze_step``) reduce-scatter the
     gradients densely and run Adam's warmup rule on the shards (``m`` and ``v`` sharded). At the
-    freeze each module all-gathers its momentum shards once; from then on the reduce-scatter
-    compresses the momentum ``b1 m + (1 - b1) g_r`` of this rank's local gradient with the
-    error-compensated 1-bit allreduce (chunk ``j`` is rank ``j``'s shard), keeps the new
-    momentum full size as packed signs (``n / 8`` bytes) and its errors (worker: full size,
-    server: shard size), and ``step()`` applies the frozen-variance rule on the shards:
+    freeze each module all-gathers its momentum shards once; from then on each micro-batch's
+    reduce-scatter adds this rank's local gradient ``g_r`` to the module's accumulator, and
+    ``step()`` compresses the momentum ``b1 m + (1 - b1) g_r`` with the error-compensated 1-bit
+    allreduce (chunk ``j`` is rank ``j``'s shard), keeps the new momentum full size as packed
+    signs (``n / 8`` bytes) and its errors (worker: full size, server: shard size), and
+    applies the frozen-variance rule on the shards:
 
     .. math::
         u = \\mathrm{clip}(m / (\\sqrt{v} + \\epsilon), -B, B) + \\lambda p,\\quad
@@ -471,6 +659,13 @@ class OnebitAdam(ShardedOnebitOptimizer):
     (``fn.transforms.onebit_adam_sharded``, the rule of ``fn.onebit_adam``). Where each buffer
     lives and the bytes sent: docs/algorithms.md, "1-bit Adam and 1-bit LAMB on FSDP2". The
     ranks' params stay identical (each rank steps its own shard).
+
+    Gradient accumulation needs nothing beyond a backward per micro-batch (each reduce-scatters,
+    as trainers do; ``set_requires_gradient_sync(False)`` works too): the exchange across the
+    ranks (on HSDP: the nodes) runs once per update, in ``step()``, whatever the number of
+    micro-batches. ``max_grad_norm`` clips the gradient before it enters the momentum, in both
+    phases, by one factor every rank shares (docs/algorithms.md, "Accumulation and clipping on
+    FSDP2 and HSDP").
 
     Construct it on every rank, after ``fully_shard``: it checks on every rank together that
     the model and the settings agree (a collective call). Checkpoints: its ``state_dict()``
@@ -516,6 +711,17 @@ class OnebitAdam(ShardedOnebitOptimizer):
             hook. Checkpoints resume bit for bit on the same mesh shape, and load on any other
             (another ``N`` x ``L``, or a 1-D mesh, and back): ``v`` and the momentum resharded
             exactly, the error feedback restarted from zero with a warning.
+        max_grad_norm: clip the gradient that enters the momentum to this norm (``None``: no
+            clipping), by ``min(1, max_grad_norm / (norm + 1e-6))`` as
+            ``torch.nn.utils.clip_grad_norm_``: in the warmup the norm of the averaged
+            gradient; in the compressed phase the root mean square over the ranks (on HSDP: the
+            nodes) of the norms of their accumulated local (node) gradients. One fp64 value per
+            rank rides the finite check's all-gather; ``.grad`` is left as it is.
+        accumulate_dtype: the dtype in which a 1-D mesh's compressed phase accumulates each
+            rank's full local gradient between the backward and ``step()``,
+            ``torch.float32`` (``4 n`` bytes per rank while it is held) or ``torch.bfloat16``
+            (``2 n``, its sum rounded at every micro-batch). HSDP accumulates in FSDP2's
+            ``.grad`` shards and needs no such buffer.
 
     Raises:
         ValueError: on every rank: no FSDP2 module with trainable params, a trainable param
@@ -531,16 +737,16 @@ class OnebitAdam(ShardedOnebitOptimizer):
     Policies (README.md, "Policies"): nothing is raised inside FSDP2's backward; what a
     reduce-scatter finds is raised by the next ``step()``, on every rank, with no param
     changed, and the next backward and ``step()`` train normally. A non-finite gradient makes
-    ``step()`` raise ``fn.NonFiniteError`` before any param or ``v`` changes (in the
-    compressed phase the collective found it, and the module whose gradient held it kept its
-    momentum and errors; the modules reduce-scattered before it in the same backward have
-    advanced theirs). A param without a gradient, on one rank or all, counts as a zero
-    gradient, as in ``fn.optim`` (FSDP2 reduce-scatters zeros for it:
-    ``set_reduce_scatter_unused_params``), in both phases. A ``step()`` without a backward
-    since the last one is a no-op. Gradient accumulation over several backwards of one
-    compressed update must go through ``set_requires_gradient_sync(False)`` (a second
-    reduce-scatter before ``step()`` makes it raise ``RuntimeError``). torch's
-    ``get_state_dict`` / ``set_state_dict`` are refused (``NotImplementedError``) with nothing
+    ``step()`` raise ``fn.NonFiniteError`` on every rank with nothing changed (no param, ``v``,
+    momentum or error), and the accumulated gradient is dropped. A param without a gradient,
+    on one rank or all, counts as a zero gradient, as in ``fn.optim`` (FSDP2 reduce-scatters
+    zeros for it: ``set_reduce_scatter_unused_params``), in both phases. A ``step()`` without
+    a backward since the last one is a no-op. A ``state_dict()`` between a backward and its
+    ``step()`` is refused (``RuntimeError``: the accumulated gradient is not saved). On a 1-D
+    mesh in the compressed phase ``.grad`` holds this rank's row of its own local gradient,
+    which the update does not read: a change to it (``clip_grad_norm_``) warns once, naming
+    ``max_grad_norm``. torch's ``get_state_dict`` / ``set_state_dict`` are refused
+    (``NotImplementedError``) with nothing
     changed: checkpoints go through :class:`~fn.fsdp.TrainingCheckpoint`.
 
     Example:
@@ -614,6 +820,23 @@ def _as_pair(betas: Any) -> Any:
     anything else as it is, for the rule's check to name."""
     is_sequence = isinstance(betas, Sequence) and not isinstance(betas, str)
     return tuple(betas) if is_sequence else betas
+
+
+def _gradient_problem(
+    max_grad_norm: Any, accumulate_dtype: Any
+) -> tuple[type[Exception], str] | None:
+    """The checks of ``max_grad_norm`` and ``accumulate_dtype``, as a problem."""
+    if max_grad_norm is not None:
+        number = isinstance(max_grad_norm, (int, float)) and not isinstance(max_grad_norm, bool)
+        if not number or not 0 < max_grad_norm < float("inf"):
+            return ValueError, (
+                f"max_grad_norm must be a positive, finite number or None, got {max_grad_norm!r}"
+            )
+    if accumulate_dtype not in (torch.float32, torch.bfloat16):
+        return ValueError, (
+            f"accumulate_dtype must be torch.float32 or torch.bfloat16, got {accumulate_dtype!r}"
+        )
+    return None
 
 
 def _nonfinite(error: Exception) -> bool:

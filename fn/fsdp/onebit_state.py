@@ -24,7 +24,6 @@ from fn.fsdp.onebit_layout import (
     to_local,
 )
 from fn.fsdp.onebit_masks import relaid_mask
-from fn.fsdp.onebit_reduce_scatter import CompressedModule
 
 __all__ = ["OnebitStateFormat", "auto_scalars", "not_torch_format"]
 
@@ -78,14 +77,13 @@ class OnebitStateFormat:
         # torch's API would drop every key of this form and fail on the missing "state"
         if sys._getframe(1).f_globals.get("__name__") == _TORCH_STATE_DICT_API:
             raise NotImplementedError(not_torch_format(self.name))
-        if any(held.pending for held in self._compressed.values()):
+        if any(module.received for module in self._modules.values()):
             raise RuntimeError(
-                f"{self.name}: state_dict() between a backward and its step() in the "
-                "compressed phase: the packed momentum already holds this backward's "
-                "gradient, and a resumed run would apply it twice; save after step() (or "
-                "after zero_grad() and a step() that raised)"
+                f"{self.name}: state_dict() between a backward and its step(): the gradient "
+                "accumulated since the last step() is not part of a checkpoint, and a resumed "
+                "run would lose it; save after step() (or after zero_grad())"
             )
-        signed = [self._compressed[x.name].signs is not None for x in self._layouts]
+        signed = [self._modules[x.name].signs is not None for x in self._layouts]
         mine: dict[str, dict[str, torch.Tensor]] = {}
         state: dict[str, Any] = {
             "header": self._header(),
@@ -103,9 +101,9 @@ class OnebitStateFormat:
                 state["exp_avg"][slot.name] = shard_of(m, slot.param)
                 v = self._state.exp_avg_sq[slot.name]
                 state["exp_avg_sq"][slot.name] = shard_of(v, slot.param)
-            held = self._compressed[layout.name]
-            state["momentum"][layout.name] = self._momentum_state(layout, held.signs)
-            errors = held.errors or self._zero_errors(layout)
+            module = self._modules[layout.name]
+            state["momentum"][layout.name] = self._momentum_state(layout, module.signs)
+            errors = module.errors or self._zero_errors(layout)
             mine[layout.name] = {"worker": errors[0], "server": errors[1]}
         slots = [slot for layout in self._layouts for slot in layout.slots]
         if self._automatic:
@@ -241,24 +239,24 @@ class OnebitStateFormat:
         own = state_dict.get(self._own_key(), {}) if same else {}
         exp_avg, exp_avg_sq, compressed = {}, {}, {}
         for layout, packed in zip(self._layouts, signed, strict=True):
-            held = CompressedModule()
+            signs, errors = None, None
             for slot in layout.slots:
                 exp_avg_sq[slot.name] = to_local(state_dict["exp_avg_sq"][slot.name]).clone()
                 m = to_local(state_dict["exp_avg"][slot.name]).clone()
                 exp_avg[slot.name] = None if packed and not self.keeps_momentum_shards else m
             if packed:
-                held.signs = self._loaded_signs(state_dict["momentum"][layout.name])
+                signs = self._loaded_signs(state_dict["momentum"][layout.name])
                 if same:
-                    errors = own[layout.name]
-                    held.errors = (errors["worker"].clone(), errors["server"].clone())
+                    saved = own[layout.name]
+                    errors = (saved["worker"].clone(), saved["server"].clone())
                 else:  # the shards' momentum, in this mesh's layout
                     if not self.keeps_momentum_shards:  # (else DCP resharded exp_avg)
                         old = layout_at(layout, world_size, replicas)
                         world, rank = self.comm.world_size, self.rank
-                        shards = momentum_from_signs(old, held.signs, world, rank)
+                        shards = momentum_from_signs(old, signs, world, rank)
                         exp_avg.update(self._masked_shards(layout, shards, masks[layout.name]))
-                    held.signs = None
-            compressed[layout.name] = held
+                    signs = None
+            compressed[layout.name] = signs, errors
         if not same and any(signed):
             here = (self.comm.world_size, self._replicas.world_size if self._replicas else 1)
             warnings.warn(
@@ -277,7 +275,10 @@ class OnebitStateFormat:
             exp_avg_sq=exp_avg_sq,
             **extra,
         )
-        self._compressed = compressed
+        for name, (signs, errors) in compressed.items():
+            module = self._modules[name]
+            module.discard()
+            module.signs, module.errors = signs, errors
         self._set_masks(masks, records)
 
     def _loaded_fields(self, state_dict: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -63,7 +63,7 @@ def full_momentum(opt: OPTIMIZER) -> dict[str, torch.Tensor]:
         return {k: m.full_tensor() for k, m in opt.state_dict()["exp_avg"].items()}
     out = {}
     for layout in opt._layouts:
-        signs = opt._compressed[layout.name].signs
+        signs = opt._modules[layout.name].signs
         x = signs.values(WORLD * layout.padded_row)
         like = [slot.param for slot in layout.slots]
         out.update(zip([s.name for s in layout.slots], from_x(x, like), strict=True))

@@ -272,7 +272,7 @@ def _worker_precision(rank: int, world_size: int) -> dict:
                 x, y = batch(rank, t)
                 nn.functional.mse_loss(model(x).float(), y).backward()
                 opt.step()
-            errors = {e.dtype for held in opt._compressed.values() for e in held.errors}
+            errors = {e.dtype for held in opt._modules.values() for e in held.errors}
             out[kind, case] = dict(start=start, params=full_params(model), errors=errors)
     return out
 

@@ -53,12 +53,12 @@ def full_state(opt) -> dict[str, dict[str, torch.Tensor]]:
         "mask": {},
     }
     for layout in opt._layouts:
-        held, bits = opt._compressed[layout.name], opt._masks[layout.name]
+        held, bits = opt._modules[layout.name], opt._masks[layout.name]
         names = [slot.name for slot in layout.slots]
         if held.signs is None or opt.keeps_momentum_shards:  # (LAMB's signs: scaled momenta)
             m = [shard_of(opt._state.exp_avg[k], params[k]).full_tensor() for k in names]
         else:
-            row = opt._own_row(held.signs).values(layout.padded_row)
+            row = held.own_row().values(layout.padded_row)
             m = params_of_x(layout, opt.comm.all_gather(row).view(opt.comm.world_size, -1))
         if bits is not None:
             rows = fn.kernels.unpackbits(bits, layout.world_size * layout.padded_row)
@@ -100,7 +100,7 @@ def _worker_load(rank: int, world_size: int, root: str, saved: dict) -> dict:
             for field in ("v", "m", "mask"):
                 got, want = state[field], expected["state"][field]
                 mismatches += [(field, k) for k in want if not torch.equal(got.get(k), want[k])]
-            errors = [held.errors for held in opt._compressed.values()]
+            errors = [held.errors for held in opt._modules.values()]
             hsdp.train_step(model, opt, rank, t + 1)
             out[kind, shape, t, other] = dict(
                 count=opt.count,

@@ -1,0 +1,263 @@
+"""One FSDP2 module under a 1-bit optimizer, on this rank: its compressed state (the packed
+momentum and the errors) and the gradient its micro-batches accumulate until ``step()``, as
+FSDP2 keeps an ``FSDPParamGroup`` per module (docs/algorithms.md, "1-bit Adam and 1-bit LAMB
+on FSDP2", and its section on accumulation).
+
+Each backward of a micro-batch calls :meth:`OnebitModule.reduce_scatter`; ``step()`` then makes
+the update's one exchange across the ranks that hold different gradients (the 1-D mesh's
+ranks, or on HSDP the nodes): :meth:`OnebitModule.exchange`. So the bytes an update sends
+across nodes do not depend on how many micro-batches it accumulates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fn.collectives import PackedSigns, ProcessGroup, init_error_feedback
+from fn.collectives.onebit import (
+    compressed_allreduce,
+    compressed_allreduce_exchange,
+    write_errors,
+)
+from fn.fsdp.onebit_layout import ModuleLayout, row_of
+from fn.fsdp.onebit_masks import mask_values
+from fn.fsdp.reduce_scatter import reduce_scale
+
+__all__ = ["OnebitModule", "dense_reduce_scatter"]
+
+
+class OnebitModule:
+    """One FSDP2 module's state under a 1-bit optimizer, on this rank.
+
+    The gradient of an update accumulates over its micro-batches where it is linear to do so:
+
+    - in the warmup, and on HSDP in both phases, the reduce-scatter inside the shard group is
+      dense, and its output accumulates in FSDP2's own ``.grad`` shards (on HSDP: the node's
+      gradient, this rank's row of it);
+    - on a 1-D mesh in the compressed phase, the 1-bit allreduce needs this rank's whole local
+      gradient: it accumulates here, full size (``W S'`` values of ``accumulate_dtype``), and
+      ``.grad`` receives this rank's row of it.
+
+    Args:
+        layout: the module's layout of ``X``.
+        rank: this rank in the shard group.
+        hsdp: whether a replicate group (``N > 1`` nodes) holds the other gradients.
+        accumulate_dtype: the dtype of the 1-D local gradient (``torch.float32`` or
+            ``torch.bfloat16``).
+
+    Attributes:
+        signs: the momentum, all of ``X`` (on HSDP: this rank's row) as packed signs and
+            scales; ``None`` before the freeze.
+        errors: the worker and server errors of its 1-bit allreduce, ``None`` until the first.
+        received: whether a backward reduce-scattered it since the last ``step()``.
+        local_gradient: the 1-D compressed phase's accumulated local gradient, ``[W, S']``, or
+            ``None``.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> from fn.fsdp.onebit_layout import fsdp_modules, module_layout
+        >>> from fn.fsdp.onebit_module import OnebitModule
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = fully_shard(torch.nn.Linear(2, 1), mesh=init_device_mesh("cpu", (1,)))
+        >>> (name, params), = fsdp_modules(model)
+        >>> module = OnebitModule(module_layout(name, params, 1), rank=0, hsdp=False)
+        >>> module.received, module.signs is None
+        (False, True)
+        >>> dist.destroy_process_group()
+    """
+
+    def __init__(
+        self,
+        layout: ModuleLayout,
+        *,
+        rank: int,
+        hsdp: bool,
+        accumulate_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.hsdp = hsdp
+        self.accumulate_dtype = accumulate_dtype
+        self.signs: PackedSigns | None = None
+        self.errors: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.received = False
+        self.local_gradient: torch.Tensor | None = None
+        self._written: torch.Tensor | None = None  # bf16 accumulation: what .grad got, fp32
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input_tensor: torch.Tensor,
+        comm: ProcessGroup,
+        op: Any,
+        compressed: bool,
+    ) -> None:
+        """One micro-batch's reduce-scatter of the module (FSDP2 adds ``output`` to
+        ``.grad``): dense inside the shard group, or, on a 1-D mesh in the compressed phase,
+        this rank's local gradient added to :attr:`local_gradient` and its own row written.
+
+        Args:
+            output: this rank's shard, ``S`` values.
+            input_tensor: this rank's gradient of the module, ``W S`` values in FSDP2's layout.
+            comm: fn's comm over the shard group.
+            op: FSDP2's reduce op (``AVG``, ``SUM`` or ``PREMUL_SUM(f)``): in the compressed
+                phase the local gradient is scaled to it, so the momentum follows the gradient
+                ``op`` defines in both phases.
+            compressed: whether the coming update is compressed.
+
+        Raises:
+            RuntimeError: FSDP2 left a param out of the reduce-scatter.
+        """
+        layout, world_size = self.layout, comm.world_size
+        if input_tensor.numel() != world_size * layout.row:
+            raise RuntimeError(
+                f"module {layout.name} reduce-scatters {input_tensor.numel()} values, not the "
+                f"{world_size * layout.row} of all its trainable params, though every one is "
+                "asked for (set_reduce_scatter_unused_params); nothing was updated"
+            )
+        rows = input_tensor.view(world_size, layout.row)
+        if compressed and not self.hsdp:
+            scale = reduce_scale(op, world_size)
+            contribution = rows if scale == 1.0 else rows * scale
+            self._accumulate(contribution)
+            output.copy_(contribution[self.rank])
+            if self.accumulate_dtype != torch.float32:
+                mine = contribution[self.rank].float()
+                self._written = mine if self._written is None else self._written.add_(mine)
+        else:
+            output.copy_(dense_reduce_scatter(comm, rows, op))
+        self.received = True
+
+    def _accumulate(self, rows: torch.Tensor) -> None:
+        layout = self.layout
+        if self.local_gradient is not None:
+            self.local_gradient[:, : layout.row] += rows
+        elif rows.dtype == self.accumulate_dtype and layout.padded_row == layout.row:
+            self.local_gradient = rows  # FSDP2's fresh buffer, not used again
+        else:
+            self.local_gradient = rows.new_zeros(
+                (rows.shape[0], layout.padded_row), dtype=self.accumulate_dtype
+            )
+            self.local_gradient[:, : layout.row] = rows
+
+    def discard(self) -> None:
+        """Forgets what the backwards since the last ``step()`` delivered (``zero_grad``)."""
+        self.received = False
+        self.local_gradient = None
+        self._written = None
+
+    def written_row(self) -> torch.Tensor:
+        """What the 1-D compressed phase's reduce-scatters wrote into ``.grad`` since the last
+        ``step()``, accumulated as FSDP2 accumulates it (fp32): this rank's row of
+        :attr:`local_gradient`, ``S`` values and the padding."""
+        if self._written is not None:
+            return self._written
+        return self.local_gradient[self.rank].float()
+
+    def node_row(self, grads: dict[str, torch.Tensor | None]) -> torch.Tensor:
+        """This rank's row of ``X`` (fp32) from the ``.grad`` shards ``grads`` (by FQN), zero
+        at the padding positions: on HSDP the node's accumulated gradient."""
+        return row_of(self.layout, grads, self._device())
+
+    def previous_momentum(
+        self,
+        exp_avg: dict[str, torch.Tensor | None],
+        mask: torch.Tensor | None,
+        comm: ProcessGroup,
+    ) -> torch.Tensor:
+        """The momentum before this update, flat in the layout of ``X`` (on HSDP: this rank's
+        row of it), zero at its padding positions: unpacked from :attr:`signs` times ``mask``
+        (the bits of ``exp_avg_mask``, or ``None``), or at the freeze the shards' warmup
+        momentum ``exp_avg`` (all-gathered over ``comm`` on a 1-D mesh)."""
+        layout = self.layout
+        if self.signs is None:
+            row = row_of(layout, exp_avg, self._device())
+            return row if self.hsdp else comm.all_gather(row).view(-1)
+        first, count = (self.rank, 1) if self.hsdp else (0, comm.world_size)
+        momentum = self.signs.values(count * layout.padded_row).clone()
+        for j in range(count):
+            base = j * layout.padded_row
+            for start, stop in layout.row_padding(first + j):
+                momentum[base + start : base + stop] = 0.0
+        if mask is not None:  # the rule's momentum: the allreduce's result times the mask
+            momentum.mul_(mask_values(mask, first * layout.padded_row, momentum.numel()))
+        return momentum
+
+    def exchange(
+        self,
+        comm: ProcessGroup,
+        x: torch.Tensor,
+        grad: torch.Tensor | None,
+        beta: float,
+        error_dtype: torch.dtype,
+    ) -> None:
+        """The update's 1-bit allreduce of the module's compressed vector over ``comm`` (the
+        ranks, or on HSDP the nodes): ``beta x + (1 - beta) grad`` with ``grad``, else ``x``.
+        The result becomes :attr:`signs`; the errors are written after every rank's check
+        (the in-place exchange for fp32 and bf16 errors; the allocating collective, which
+        rounds fp16 errors once, for fp16 ones).
+
+        Raises:
+            fn.NonFiniteError: on every rank, with nothing written.
+        """
+        if self.errors is None:
+            self.errors = tuple(
+                init_error_feedback(x.numel(), comm=comm, device=x.device, dtype=error_dtype)
+            )
+        if error_dtype == torch.float16:
+            if grad is not None:  # rounded as the rule's moving average
+                x = (beta * x).add_((1 - beta) * grad)
+            self.signs, *errors = compressed_allreduce(x, *self.errors, comm=comm, packed=True)
+            self.errors = tuple(errors)
+        else:
+            exchange = compressed_allreduce_exchange(
+                x, *self.errors, comm=comm, grad=grad, beta=beta
+            )
+            if exchange is None:  # not on this path's tensors (e.g. under torch.compile)
+                raise NotImplementedError(
+                    "the 1-bit exchange runs eagerly on contiguous fp32 tensors"
+                )
+            write_errors(exchange, *self.errors)
+            self.signs = PackedSigns(exchange.packed, exchange.scales)
+
+    def own_row(self) -> PackedSigns:
+        """This rank's row of the packed momentum: on a 1-D mesh its chunk of the whole ``X``,
+        on HSDP all of :attr:`signs` (the ``N`` chunks of the row)."""
+        if self.hsdp:
+            return self.signs
+        rank = slice(self.rank, self.rank + 1)
+        return PackedSigns(self.signs.packed[rank], self.signs.scales[rank])
+
+    def _device(self) -> torch.device:
+        return self.layout.slots[0].param.device
+
+
+def dense_reduce_scatter(comm: ProcessGroup, rows: torch.Tensor, op: Any) -> torch.Tensor:
+    """``dist.reduce_scatter_tensor``'s result for ``op``: the sum of the ranks' rows (fn's
+    ``ProcessGroup``), divided by ``W`` for ``AVG``, times ``f`` for ``PREMUL_SUM(f)``.
+
+    Args:
+        comm: fn's comm over the group.
+        rows: this rank's ``[W, S]`` input.
+        op: the reduce op.
+
+    Returns:
+        This rank's ``S`` values.
+
+    Raises:
+        ValueError: an op other than ``AVG``, ``SUM`` or ``PREMUL_SUM``.
+    """
+    total = comm.reduce_scatter(rows, "sum")
+    kind = getattr(op, "op", op)
+    if kind == dist.ReduceOp.AVG:
+        return total / comm.world_size
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        return total * op.factor
+    if kind == dist.ReduceOp.SUM:
+        return total
+    raise ValueError(f"op must be ReduceOp.AVG, SUM or PREMUL_SUM, got {kind}")
