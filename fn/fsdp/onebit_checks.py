@@ -3,10 +3,15 @@ agreement: the model and the options (:func:`model_problem`), and on HSDP, where
 every module inside the node (``fully_shard(..., mesh=mesh["shard"])``, ``L`` ranks) and the
 optimizer owns the replicate dimension (``replicate=mesh["replicate"]``, ``N`` nodes), the two
 meshes (:func:`replicate_problem`; then :func:`check_partitions`, one all-gather over the
-world). Docs/algorithms.md, "1-bit Adam and 1-bit LAMB on FSDP2" and "... on HSDP"."""
+world, which also compares the meshes with the ranks' nodes). Docs/algorithms.md, "1-bit Adam
+and 1-bit LAMB on FSDP2" and "... on HSDP"."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import socket
+import warnings
 from typing import Any
 
 import torch
@@ -22,7 +27,9 @@ from fn.fsdp.onebit_layout import one_dim
 from fn.fsdp.onebit_masks import mask_problem
 from fn.fsdp.onebit_reduce_scatter import OnebitReduceScatter
 
-__all__ = ["check_partitions", "hsdp_form", "mesh_ranks", "model_problem", "replicate_problem"]
+__all__ = [
+    "check_partitions", "hsdp_form", "mesh_ranks", "model_problem", "node_keys", "replicate_problem"
+]  # fmt: skip
 
 Found = list[tuple[str, list[tuple[str, DTensor]]]]
 
@@ -136,17 +143,81 @@ def replicate_problem(
     return None
 
 
+def node_keys(rank: int) -> tuple[int, int]:
+    """What tells this rank's node from the others: a 64-bit hash of its hostname, and its node
+    by torchrun's environment (``GROUP_RANK``, the node's index, else ``rank //
+    LOCAL_WORLD_SIZE``, torchrun numbering the ranks node by node), ``-1`` when neither is
+    set."""
+    digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=8).digest()
+    host = int.from_bytes(digest, "little", signed=True)
+    group_rank, local_world = os.environ.get("GROUP_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
+    if group_rank is not None and group_rank.isdigit():
+        return host, int(group_rank)
+    if local_world is not None and local_world.isdigit() and int(local_world) > 0:
+        return host, rank // int(local_world)
+    return host, -1
+
+
+def _nodes(keys: list[list[int]]) -> tuple[list[int], str] | None:
+    """Every rank's node from the ranks' :func:`node_keys` (by rank), and where it comes from:
+    the hostnames where they differ, else torchrun's environment where every rank has it, else
+    ``None`` (one host, no environment: nothing is known)."""
+    hosts, env = [k[0] for k in keys], [k[1] for k in keys]
+    if len(set(hosts)) > 1:
+        return hosts, "their hostnames"
+    if min(env) >= 0:
+        return env, "torchrun's GROUP_RANK or LOCAL_WORLD_SIZE"
+    return None
+
+
+def _check_nodes(
+    name: str, shards: list[list[int]], replicas: list[list[int]], keys: list[list[int]]
+) -> None:
+    """Raises ``ValueError`` when the mesh's dimensions are swapped (every shard group spans
+    nodes while every replicate group lies inside one); warns when a shard group spans nodes
+    otherwise while replicate groups have several ranks. The same on every rank: every input
+    is."""
+    found = _nodes(keys)
+    if found is None:
+        return
+    node, source = found
+    spanning = [g for g in shards if len({node[r] for r in g}) > 1]
+    if not spanning or len(replicas[0]) == 1:  # no replicate dimension: 1-D FSDP2 across nodes
+        return
+    where = f"ranks {spanning[0]} are on {len({node[r] for r in spanning[0]})} nodes, by {source}"
+    if all(len({node[r] for r in g}) == 1 for g in replicas):
+        raise ValueError(
+            f"{name}: the shard mesh spans nodes ({where}) while every replicate group lies "
+            f"inside one node (ranks {replicas[0]}): the mesh's dimension names look swapped, so "
+            "FSDP2 would shard across the nodes and the 1-bit allreduce would run inside them. "
+            'The nodes\' dimension comes first and is "replicate" (N nodes of L ranks): '
+            f"{hsdp_form(name)}"
+        )
+    warnings.warn(
+        f"{name}: the shard mesh spans nodes ({where}): FSDP2's all-gathers and "
+        "reduce-scatters cross nodes, where HSDP keeps them inside one and sends only the "
+        f"1-bit allreduce across: {hsdp_form(name)}",
+        UserWarning,
+        stacklevel=5,  # the optimizer's caller
+    )
+
+
 def check_partitions(
     name: str, shard: DeviceMesh, replicate: DeviceMesh, device: torch.device | str
 ) -> None:
     """Raises ``ValueError`` on every rank unless every rank's shard ranks and replicate ranks
-    each form a partition of the world (one all-gather over the world of every rank's two sets
-    as 0/1 rows; every rank reaches the same verdict)."""
+    each form a partition of the world, or where the ranks' nodes show the mesh's dimensions
+    swapped (the shard groups across the nodes, the replicate groups inside them); warns on
+    every rank where a shard group spans nodes otherwise (:func:`_check_nodes`). One all-gather
+    over the world of every rank's two sets as 0/1 rows and its :func:`node_keys`; every rank
+    reaches the same verdict."""
     world = dist.get_world_size()
-    mine = torch.zeros(2, world, dtype=torch.uint8)
-    mine[0, mesh_ranks(shard)] = 1
-    mine[1, mesh_ranks(replicate)] = 1
-    rows = ProcessGroup(None).all_gather(mine.to(device)).cpu().bool()  # [world, 2, world]
+    mine = torch.zeros(2 * world + 16, dtype=torch.uint8)
+    mine[mesh_ranks(shard)] = 1
+    mine[[world + r for r in mesh_ranks(replicate)]] = 1
+    mine[2 * world :] = torch.tensor(node_keys(dist.get_rank())).view(torch.uint8)
+    gathered = ProcessGroup(None).all_gather(mine.to(device)).cpu()  # [world, 2 world + 16]
+    rows = gathered[:, : 2 * world].bool().view(world, 2, world)
     for kind, sets in (("shard", rows[:, 0]), ("replicate", rows[:, 1])):
         for r in range(world):
             same = bool((sets[sets[r]] == sets[r]).all())
@@ -156,3 +227,9 @@ def check_partitions(
                     f"holds {sets[r].nonzero().view(-1).tolist()}): every rank must pass the "
                     f"dimensions of one 2-D mesh: {hsdp_form(name)}"
                 )
+    groups = [
+        sorted({tuple(sets[r].nonzero().view(-1).tolist()) for r in range(world)})
+        for sets in (rows[:, 0], rows[:, 1])
+    ]
+    keys = gathered[:, 2 * world :].contiguous().view(torch.int64).tolist()
+    _check_nodes(name, [list(g) for g in groups[0]], [list(g) for g in groups[1]], keys)

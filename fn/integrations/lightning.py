@@ -22,15 +22,16 @@ Example (under ``torchrun``; the full scripts are ``examples/lightning_ddp.py`` 
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     trainer = lightning.Trainer(strategy=strategy, callbacks=[FnCallback()], ...)
 
-On HSDP (sharded inside the node, 1-bit across nodes; :class:`FnCallback` has the recipe),
-``configure_model`` builds ``mesh = init_device_mesh(..., mesh_dim_names=("replicate",
-"shard"))`` of the strategy's shape, shards on ``mesh["shard"]``, and ``configure_optimizers``
-passes ``replicate=mesh["replicate"]``.
+On HSDP (sharded inside the node, 1-bit across nodes; :class:`FnCallback` has the recipe), the
+strategy is the same, ``data_parallel_size`` the world size; ``configure_model`` builds ``mesh =
+init_device_mesh(..., (nodes, ranks per node), mesh_dim_names=("replicate", "shard"))``, shards
+on ``mesh["shard"]``, and ``configure_optimizers`` passes ``replicate=mesh["replicate"]``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from lightning.pytorch.strategies import (
     ModelParallelStrategy,
     Strategy,
 )
+from torch.utils.data import DistributedSampler
 
 from fn.fsdp import ShardedOnebitOptimizer, read_onebit_state
 from fn.integrations._common import register_ddp, unwrap_optimizer
@@ -182,6 +184,41 @@ def _check_sharded_run(trainer: Trainer, optimizer: ShardedOnebitOptimizer) -> N
         )
 
 
+def _loaders(iterables: Any) -> Iterator[Any]:
+    """The loaders of ``trainer.train_dataloader``: one, or a nest of mappings and sequences."""
+    if isinstance(iterables, Mapping):
+        iterables = list(iterables.values())
+    if not isinstance(iterables, (list, tuple)):
+        yield iterables
+        return
+    for item in iterables:
+        yield from _loaders(item)
+
+
+def _check_sampler(trainer: Trainer, optimizer: ShardedOnebitOptimizer) -> None:
+    """Raises ``ValueError``, the same on every rank (every rank's loaders are built alike),
+    where a training loader's ``DistributedSampler`` deals the data over another number of
+    ranks than the world's: each rank of an ``fn.fsdp`` 1-bit optimizer computes its own
+    gradient, so the ranks that drew the same slice would train on the same batches."""
+    world = trainer.world_size
+    for loader in _loaders(trainer.train_dataloader):
+        batches = getattr(loader, "batch_sampler", None)
+        for sampler in (getattr(loader, "sampler", None), getattr(batches, "sampler", None)):
+            if isinstance(sampler, DistributedSampler) and sampler.num_replicas != world:
+                raise ValueError(
+                    "fn.integrations.lightning: the training loader's DistributedSampler deals "
+                    f"the data over {sampler.num_replicas} replicas, not the {world} ranks: "
+                    f"with {optimizer.name} every rank computes its own gradient, so the ranks "
+                    "of a replica would train on the same batches (ModelParallelStrategy's "
+                    "sampler deals over its data_parallel dimension). Use "
+                    f"ModelParallelStrategy(data_parallel_size={world}, tensor_parallel_size=1) "
+                    "(on HSDP, configure_model builds the mesh of shape (trainer.num_nodes, "
+                    "trainer.num_devices)), or use_distributed_sampler=False with "
+                    "DistributedSampler(dataset, num_replicas=trainer.world_size, "
+                    "rank=trainer.global_rank)"
+                )
+
+
 class _ShardedCheckpoints:
     """``ModelParallelStrategy``'s checkpoints of an ``fn.fsdp`` 1-bit optimizer, installed on the
     strategy by :class:`FnCallback` (its ``optimizer_state`` and ``load_checkpoint``, replaced
@@ -265,6 +302,11 @@ class FnCallback(Callback):
       ``save_distributed_checkpoint=False``; an FSDP2 mesh smaller than the world without
       ``replicate=`` is refused by the optimizer itself) and routes the strategy's optimizer
       checkpoints through the optimizer's own DCP state dict (``_ShardedCheckpoints``).
+    - At the start of training (``on_train_start``: the loaders are built, before the first
+      batch), for an ``fn.fsdp`` 1-bit optimizer: refuses, on every rank, a training loader
+      whose ``DistributedSampler`` deals the data over another number of ranks than the world
+      (``ModelParallelStrategy``'s own sampler deals over its ``data_parallel`` dimension):
+      every rank computes its own gradient and must train on its own batches.
     - On every checkpoint (``on_save_checkpoint``, which Lightning runs on every rank while it
       builds the checkpoint): for ``fn.optim``, gathers every rank's error feedback into rank
       0's optimizer state (``gather_error_feedback``, a collective) and puts that state into
@@ -272,20 +314,18 @@ class FnCallback(Callback):
       rank (DCP). Either way ``trainer.fit(model, ckpt_path=...)`` resumes every rank bit for
       bit.
 
-    HSDP (README.md, "1-bit across nodes on HSDP"): under
-    ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=L)`` (its defaults: ``N``
-    the nodes, ``L`` the processes per node) the strategy's ``self.device_mesh`` is ``(N, L)``,
-    node by node, when ``configure_model`` runs. Build the HSDP mesh of that shape there
-    (``init_device_mesh(self.device_mesh.device_type, self.device_mesh.shape,
-    mesh_dim_names=("replicate", "shard"))``, the same groups), ``fully_shard`` every module on
+    HSDP (README.md, "1-bit across nodes on HSDP"): every rank trains on its own batches, so
+    every rank is a data-parallel rank to Lightning:
+    ``ModelParallelStrategy(data_parallel_size=<world size>, tensor_parallel_size=1)``, whose
+    distributed sampler then deals the batches over the world. Build the HSDP mesh of the
+    ``N`` nodes of ``L`` ranks in ``configure_model`` (``init_device_mesh(
+    self.device_mesh.device_type, (self.trainer.num_nodes, self.trainer.num_devices),
+    mesh_dim_names=("replicate", "shard"))``), ``fully_shard`` every module on
     ``mesh["shard"]``, and return ``fn.fsdp.OnebitAdam(self, ..., replicate=mesh["replicate"])``
     from ``configure_optimizers``; checkpoints resume as on one mesh, and on another mesh shape
-    resharded (the error feedback restarts with a warning). Lightning's distributed sampler
-    deals the batches over the ``data_parallel`` dimension (``num_replicas=N``, the node's index
-    as rank), so the ``L`` ranks of a node would train on the same batches: pass
-    ``use_distributed_sampler=False`` to the trainer and deal the data by global rank
-    (``DistributedSampler(dataset, num_replicas=trainer.world_size,
-    rank=trainer.global_rank)``).
+    resharded (the error feedback restarts with a warning). The strategy's default sizes
+    (``data_parallel_size`` the nodes) would deal the batches by node, the ``L`` ranks of a node
+    drawing the same: refused at the start of training, as above.
 
     Example:
         One process, no DDP (under ``torchrun`` with ``strategy="ddp"`` the same lines register
@@ -326,6 +366,14 @@ class FnCallback(Callback):
                 optimizer.warn_if_never_compressed(
                     int(steps), "the Trainer's estimated_stepping_batches"
                 )
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Refuses a training loader that would deal the same batches to several ranks of an
+        ``fn.fsdp`` 1-bit optimizer."""
+        del pl_module
+        for _, optimizer in _fn_optimizers(trainer):
+            if isinstance(optimizer, ShardedOnebitOptimizer):
+                _check_sampler(trainer, optimizer)
 
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]

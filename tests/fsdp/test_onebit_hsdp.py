@@ -12,6 +12,8 @@ import contextlib
 import functools
 import math
 import os
+import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -323,6 +325,66 @@ def _worker_bad_input(rank: int, world_size: int) -> dict:
     return out
 
 
+# torchrun's node variables, which the node cases set or clear
+NODE_VARIABLES = ("GROUP_RANK", "LOCAL_WORLD_SIZE")
+RIGHT, SWAPPED = ("replicate", "shard"), ("shard", "replicate")
+
+
+def _on_nodes(rank: int, shape, names, env: dict, host: str | None = None, model=None) -> dict:
+    """fn.fsdp.OnebitAdam on the mesh of ``shape`` and dimension ``names``, the model sharded on
+    its "shard" dimension (or ``model``, built on another), with ``env`` as this rank's node
+    variables and ``host`` as its hostname: the refusal's message or None, fn's warnings, and
+    the model."""
+    variables = {k: v for k, v in os.environ.items() if k not in NODE_VARIABLES}
+    hostname = (
+        mock.patch("socket.gethostname", return_value=host) if host else contextlib.nullcontext()
+    )
+    with mock.patch.dict(os.environ, {**variables, **env}, clear=True), hostname:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            model = build("adam", mesh=mesh["shard"]) if model is None else model
+            try:
+                optimizer("adam", model, mesh["replicate"])
+                refused = None
+            except ValueError as error:
+                refused = str(error)
+    said = [str(w.message) for w in caught if str(w.message).startswith("fn.")]
+    return dict(refused=refused, warnings=said, model=model)
+
+
+def _worker_nodes(rank: int, world_size: int) -> dict:
+    """The mesh's dimensions against the ranks' nodes, told by torchrun's variables or by the
+    hostnames (2 nodes x 2 unless named)."""
+    out = {}
+    two, four = {"LOCAL_WORLD_SIZE": "2"}, {"LOCAL_WORLD_SIZE": "4"}
+    node = f"node{rank // L}"
+    cases = {
+        "swapped, LOCAL_WORLD_SIZE": ((N, L), SWAPPED, two, None),
+        "right, LOCAL_WORLD_SIZE": ((N, L), RIGHT, two, None),
+        "swapped, GROUP_RANK": ((N, L), SWAPPED, {"GROUP_RANK": str(rank // L)}, None),
+        "swapped, hostnames": ((N, L), SWAPPED, {}, node),
+        "right, hostnames": ((N, L), RIGHT, {}, node),
+        # the hostnames show 2 nodes where torchrun's variables say one: they decide
+        "swapped, hostnames over LOCAL_WORLD_SIZE": ((N, L), SWAPPED, four, node),
+        # one node (torchrun --nproc-per-node 4 on one machine): nothing is said
+        "swapped, one node": ((N, L), SWAPPED, four, None),
+        "swapped, nothing known": ((N, L), SWAPPED, {}, None),
+        # 1 x 4 over 2 nodes: no replicate dimension, 1-D FSDP2 across nodes
+        "1 x 4 on 2 nodes": ((1, WORLD), RIGHT, two, None),
+        # a shard group across nodes, the replicate groups too: warned
+        "a rank per node": ((N, L), RIGHT, {"LOCAL_WORLD_SIZE": "1"}, None),
+        # nodes of 3 ranks and 1: shard group [2, 3] across them, replicate [0, 2] inside one
+        "uneven nodes": ((N, L), RIGHT, {"GROUP_RANK": str(int(rank == 3))}, None),
+    }
+    for case, (shape, names, env, host) in cases.items():
+        out[case] = _on_nodes(rank, shape, names, env, host)
+        model = out[case].pop("model")
+        if out[case]["refused"]:  # nothing was installed: the model takes an optimizer again
+            out[case]["again"] = _on_nodes(rank, shape, names, {}, None, model)["refused"]
+    return out
+
+
 # ----------------------------------------------------------------------------- the tests
 
 
@@ -429,3 +491,35 @@ def test_bad_input_is_refused_on_every_rank():
         assert kind == "NotImplementedError" and "HSDP" in message, message
         kind, message = out["replicate on one rank"]
         assert kind == "ValueError" and "different" in message, message
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_mesh_dimensions_against_the_nodes():
+    results = run_distributed(_worker_nodes, WORLD, timeout=240)
+    refused = {
+        "swapped, LOCAL_WORLD_SIZE", "swapped, GROUP_RANK", "swapped, hostnames",
+        "swapped, hostnames over LOCAL_WORLD_SIZE",
+    }  # fmt: skip
+    warned = {"a rank per node", "uneven nodes"}
+    for case, first in results[0].items():
+        for rank, out in enumerate(results):
+            got = out[case]
+            if case in refused:
+                assert got["refused"] == first["refused"], (case, rank, got["refused"])
+                assert "swapped" in got["refused"], (case, got["refused"])
+                assert 'mesh_dim_names=("replicate", "shard")' in got["refused"]
+                assert got["again"] is None, (case, rank, got["again"])
+            else:
+                assert got["refused"] is None, (case, rank, got["refused"])
+            if case in warned:
+                assert len(got["warnings"]) == 1, (case, rank, got["warnings"])
+                assert "spans nodes" in got["warnings"][0], got["warnings"]
+            else:
+                assert got["warnings"] == [], (case, rank, got["warnings"])
+    by = {case: results[0][case]["refused"] for case in refused}
+    assert (
+        "[0, 2]" in by["swapped, LOCAL_WORLD_SIZE"]
+        and "LOCAL_WORLD_SIZE" in by["swapped, LOCAL_WORLD_SIZE"]
+    )
+    assert "hostnames" in by["swapped, hostnames over LOCAL_WORLD_SIZE"]

@@ -1,9 +1,9 @@
 """Run under ``torchrun`` (4 ranks) by test_lightning_hsdp.py: ``fn.fsdp.OnebitAdam`` on HSDP in
-Lightning's ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)`` with
-``FnCallback``: ``configure_model`` builds the ``("replicate", "shard")`` mesh of the strategy's
-shape and shards on ``mesh["shard"]``, ``configure_optimizers`` passes
-``replicate=mesh["replicate"]``, and the loader deals the batches by global rank
-(``use_distributed_sampler=False``: Lightning's sampler would deal them by node).
+Lightning's ``ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1)`` with
+``FnCallback``: ``configure_model`` builds the ``("replicate", "shard")`` mesh of 2 nodes x 2
+(one machine standing for 2 nodes) and shards on ``mesh["shard"]``, ``configure_optimizers``
+passes ``replicate=mesh["replicate"]``, and the loader deals the batches by global rank
+(``use_distributed_sampler=False``: a loader Lightning can resume in the middle of an epoch).
 
     torchrun --nproc-per-node 4 tests/integrations/_lightning_hsdp.py OUT_DIR
 
@@ -14,7 +14,10 @@ shape and shards on ``mesh["shard"]``, ``configure_optimizers`` passes
 - ``resumed``: per checkpoint in ``RESUME``, a new model and trainer resumed from it;
 - ``other shape``: a run on the 1 x 4 mesh resumed from a 2 x 2 checkpoint (resharded): whether
   it fitted, fn's warnings and the final params;
-- ``sampler``: the first batch of this rank under Lightning's own distributed sampler.
+- ``sampler``: under Lightning's own distributed sampler, the rows this rank trained on in one
+  epoch with the recipe's strategy (``"world"``), and the refusal with the strategy's default
+  sizes, ``data_parallel_size=2`` (``"by node"``: the error, and whether the params stayed as
+  built).
 
 Writes ``OUT_DIR/rank<r>.pt``.
 """
@@ -50,14 +53,20 @@ RESUME = (1, 2, 3)  # warmup; the last warmup update; the first compressed
 
 
 class HsdpClassifier(Classifier):
-    """:class:`lightning_ddp.Classifier` on HSDP: sharded inside the node, 1-bit Adam across."""
+    """:class:`lightning_ddp.Classifier` on HSDP: sharded inside the node, 1-bit Adam across,
+    on ``nodes`` nodes of the 4 ranks."""
+
+    def __init__(self, lr: float, freeze_step: int, nodes: int = NODES) -> None:
+        super().__init__(lr, freeze_step)
+        self.nodes = nodes
 
     def configure_model(self) -> None:
         if isinstance(self.net, FSDPModule):  # Lightning may call it again
             return
-        strategy_mesh = self.device_mesh  # (data_parallel, tensor_parallel): (nodes, per node)
+        # on a cluster: (self.trainer.num_nodes, self.trainer.num_devices)
+        shape = (self.nodes, NODES * PER_NODE // self.nodes)
         self.hsdp = init_device_mesh(
-            strategy_mesh.device_type, strategy_mesh.shape, mesh_dim_names=("replicate", "shard")
+            self.device_mesh.device_type, shape, mesh_dim_names=("replicate", "shard")
         )
         fully_shard(self.net[0], mesh=self.hsdp["shard"])
         fully_shard(self.net, mesh=self.hsdp["shard"])
@@ -70,20 +79,29 @@ class HsdpClassifier(Classifier):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+def strategy(data_parallel_size: int = NODES * PER_NODE) -> ModelParallelStrategy:
+    """The recipe's strategy: every rank a data-parallel rank (or ``data_parallel_size``)."""
+    return ModelParallelStrategy(
+        data_parallel_size=data_parallel_size,
+        tensor_parallel_size=NODES * PER_NODE // data_parallel_size,
+        timeout=timedelta(seconds=60),
+    )
+
+
 def fit(
     model: lightning.LightningModule,
     steps: int = STEPS,
     callbacks: tuple = (),
     ckpt_path: str | None = None,
-    nodes: int = NODES,
 ) -> lightning.Trainer:
-    strategy = ModelParallelStrategy(
-        data_parallel_size=nodes,
-        tensor_parallel_size=NODES * PER_NODE // nodes,
-        timeout=timedelta(seconds=60),
-    )
     return lightning_fsdp.fit(
-        model, steps, callbacks, ckpt_path, devices=NODES * PER_NODE, batch=BATCH, strategy=strategy
+        model,
+        steps,
+        callbacks,
+        ckpt_path,
+        devices=NODES * PER_NODE,
+        batch=BATCH,
+        strategy=strategy(),
     )
 
 
@@ -117,10 +135,10 @@ def resumed_run(checkpoint: Path) -> dict:
 
 def other_shape(checkpoint: Path) -> dict:
     """Resumes the 2 x 2 checkpoint on the 1 x 4 mesh: fn's warnings and the final params."""
-    model = HsdpClassifier(LR, FREEZE)
+    model = HsdpClassifier(LR, FREEZE, nodes=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = fit(model, ckpt_path=str(checkpoint), nodes=1)
+        trainer = fit(model, ckpt_path=str(checkpoint))
     return {
         "warnings": fn_warnings(caught),
         "params": full_params(model),
@@ -128,29 +146,54 @@ def other_shape(checkpoint: Path) -> dict:
     }
 
 
-class FirstBatch(lightning.Callback):
+class Batches(lightning.Callback):
+    """The inputs of every batch this rank trains on."""
+
+    def __init__(self) -> None:
+        self.x: list[torch.Tensor] = []
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if batch_idx == 0:
-            self.x = batch[0].clone()
+        self.x.append(batch[0].clone())
 
 
-def sampler_batch() -> torch.Tensor:
-    """This rank's first batch under Lightning's own distributed sampler (by node)."""
-    first = FirstBatch()
-    trainer = lightning.Trainer(
-        accelerator="cpu",
-        devices=NODES * PER_NODE,
-        strategy=ModelParallelStrategy(data_parallel_size=NODES, tensor_parallel_size=PER_NODE),
-        max_steps=1,
-        callbacks=[FnCallback(), first],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    dataset = torch.utils.data.TensorDataset(*synthetic_data())
-    trainer.fit(HsdpClassifier(LR, FREEZE), torch.utils.data.DataLoader(dataset, BATCH))
-    return first.x
+def sampler_runs() -> dict:
+    """Fits under Lightning's own distributed sampler for one epoch: with the recipe's strategy,
+    the rows of the data this rank trained on; with the strategy's default sizes (by node), the
+    error and whether the params stayed as built."""
+    x, y = synthetic_data()
+    out: dict[str, Any] = {}
+    for case, data_parallel_size in (("world", NODES * PER_NODE), ("by node", NODES)):
+        seen = Batches()
+        trainer = lightning.Trainer(
+            accelerator="cpu",
+            devices=NODES * PER_NODE,
+            strategy=strategy(data_parallel_size),
+            max_epochs=1,
+            callbacks=[FnCallback(), seen],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        model = HsdpClassifier(LR, FREEZE)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        loader = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x, y), BATCH, shuffle=True
+        )
+        try:
+            trainer.fit(model, loader)
+            error = None
+        except ValueError as refused:
+            error = str(refused)
+        after = full_params(model)
+        rows = torch.cat(seen.x) if seen.x else x[:0]
+        out[case] = {
+            "rows": (rows[:, None] == x[None]).all(dim=-1).nonzero()[:, 1],  # index per row seen
+            "batches": len(seen.x),
+            "error": error,
+            "unchanged": all(torch.equal(after[n], before[n]) for n in before),
+        }
+    return out
 
 
 def main() -> None:
@@ -161,7 +204,7 @@ def main() -> None:
         step: resumed_run(out_dir / "full" / f"checkpoint-{step}.ckpt") for step in RESUME
     }
     results["other shape"] = other_shape(out_dir / "full" / f"checkpoint-{FREEZE}.ckpt")
-    results["sampler"] = sampler_batch()
+    results["sampler"] = sampler_runs()
     torch.save(results, out_dir / f"rank{rank}.pt")
 
 

@@ -1,12 +1,14 @@
-"""fn.integrations.lightning with fn.fsdp.OnebitAdam on HSDP (``replicate=``) under Lightning's
-ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2) on 4 gloo ranks under
-``torchrun`` (tests/integrations/_lightning_hsdp.py): FnCallback accepts it; the run equals a
-plain fn.fsdp HSDP loop, every rank ends with the same params, and the compressed updates send
-less; runs resumed from a checkpoint in the warmup, before the freeze and at it end
+"""fn.integrations.lightning with fn.fsdp.OnebitAdam on HSDP (``replicate=``, 2 nodes x 2) under
+Lightning's ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1) on 4 gloo ranks
+under ``torchrun`` (tests/integrations/_lightning_hsdp.py): FnCallback accepts it; the run
+equals a plain fn.fsdp HSDP loop, every rank ends with the same params, and the compressed
+updates send less; runs resumed from a checkpoint in the warmup, before the freeze and at it end
 bit-identical (params and optimizer state) to the uninterrupted run; a checkpoint of the
 2 x 2 mesh resumes on 1 x 4 (resharded, the error feedback restarted with one warning), every
-rank ending with the same params; Lightning's own sampler deals the batches
-by node (why the recipe deals them by global rank)."""
+rank ending with the same params. Under Lightning's own sampler the ranks' batches of one epoch
+cover the data without a repeat; with the strategy's default sizes (data_parallel_size = the
+nodes, which would deal the batches by node) FnCallback refuses on every rank before the first
+batch."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ pytest.importorskip("lightning", reason="lightning is in the 'lightning' extra")
 from tests._distributed import ROOT  # noqa: E402
 from tests.integrations.test_hsdp_example import torchrun_4  # noqa: E402
 
-FREEZE, RESUME, STEPS = 3, (1, 2, 3), 5  # _lightning_hsdp.py's
-WORLD = 4
+FREEZE, RESUME, STEPS, BATCH = 3, (1, 2, 3), 5, 2  # _lightning_hsdp.py's
+WORLD, SAMPLES = 4, 64  # examples/lightning_ddp.py's data
 
 
 @pytest.mark.distributed
@@ -51,7 +53,16 @@ def test_hsdp_under_model_parallel_strategy_resumes_bit_for_bit(tmp_path):
         for name, value in other["params"].items():
             assert torch.equal(value, ranks[0]["other shape"]["params"][name]), (rank, name)
             assert bool(value.isfinite().all()), name
-    # Lightning's sampler: num_replicas = the nodes, rank = the node's index
-    batches = [r["sampler"] for r in ranks]
-    assert torch.equal(batches[0], batches[1]) and torch.equal(batches[2], batches[3])
-    assert not torch.equal(batches[0], batches[2])
+    # Lightning's own sampler: every row once in the epoch, over the 4 ranks
+    world = [r["sampler"]["world"] for r in ranks]
+    seen = torch.cat([w["rows"] for w in world])
+    assert torch.equal(seen.sort().values, torch.arange(SAMPLES)), seen
+    assert all(w["error"] is None and w["batches"] == SAMPLES // (WORLD * BATCH) for w in world)
+    # by node (num_replicas = the nodes): refused on every rank, with the fix, nothing trained
+    by_node = [r["sampler"]["by node"] for r in ranks]
+    message = by_node[0]["error"]
+    assert message is not None and "2 replicas, not the 4 ranks" in message, message
+    assert "data_parallel_size=4, tensor_parallel_size=1" in message, message
+    for rank, result in enumerate(by_node):
+        assert result["error"] == message and result["batches"] == 0, (rank, result)
+        assert result["unchanged"], rank
