@@ -40,6 +40,7 @@ from fn.fsdp.onebit_layout import fsdp_modules, module_layout, one_dim, row_mult
 from fn.fsdp.onebit_masks import MomentumMasks, mask_checksum, module_mask
 from fn.fsdp.onebit_reduce_scatter import (
     CompressedModule,
+    FailedCollectives,
     OnebitReduceScatter,
     OnebitReduceScatters,
 )
@@ -213,6 +214,7 @@ class ShardedOnebitOptimizer(
         self._state = self._rule.init(self._shards())
         self._automatic = self._state.auto is not None  # freeze_step="auto": decided in the state
         self._problems: list[Exception] = []  # what the reduce-scatters found, for step()
+        self._failed = FailedCollectives()  # the collectives of this update that failed
         self._delivered = False  # whether a backward delivered gradients since the last step()
         self._fsdp_modules: list[nn.Module] = []
         for name, module in model.named_modules():
@@ -306,14 +308,16 @@ class ShardedOnebitOptimizer(
                 "optimizer) and reload the last checkpoint (fn.fsdp.TrainingCheckpoint.load)"
             )
         reduced = {x.name: self._compressed[x.name].pending for x in self._layouts}
-        problems, delivered = self._problems, self._delivered
-        self._problems, self._delivered = [], False
+        problems, delivered, failed = self._problems, self._delivered, self._failed
+        self._problems, self._delivered, self._failed = [], False, FailedCollectives()
         for held in self._compressed.values():
             held.pending = False
-        if self._replicas is not None:  # each row's collective found its own: share them
+        # each row's collective found its own: share them over the node's group, unless that
+        # group failed (this rank then has its own problem to raise)
+        if self._replicas is not None and not failed.failed(self.comm):
             problems = self._shared_problems(problems)
         if problems:
-            raise problems[0]
+            raise failed.dated(problems[0])
         if not delivered:
             return loss
         t = self.count + 1

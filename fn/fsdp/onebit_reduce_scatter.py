@@ -2,17 +2,19 @@
 error-compensated 1-bit allreduce of the module's momentum once compressed (chunk ``j`` rank
 ``j``'s shard), its result kept full size as packed signs. It never raises inside FSDP2's
 backward: what it finds waits for ``step()`` (docs/algorithms.md, "1-bit Adam and 1-bit LAMB
-on FSDP2")."""
+on FSDP2"). Once a collective has failed, the later modules of that backward send nothing over
+its group (docs/guides/policies.md, "Failures inside FSDP2's backward")."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fn.collectives import PackedSigns, ProcessGroup, init_error_feedback
+from fn.collectives import CollectiveTimeoutError, PackedSigns, ProcessGroup, init_error_feedback
 from fn.collectives.onebit import (
     compressed_allreduce,
     compressed_allreduce_exchange,
@@ -26,6 +28,7 @@ from fn.fsdp.reduce_scatter import reduce_scale
 
 __all__ = [
     "CompressedModule",
+    "FailedCollectives",
     "OnebitReduceScatter",
     "OnebitReduceScatters",
     "dense_reduce_scatter",
@@ -58,10 +61,11 @@ class OnebitReduceScatter(SynchronousReduceScatter):
         It never raises (FSDP2 stops reduce-scattering after an exception in its backward): a
         problem is recorded, the output filled with NaN, and the next ``step()`` raises it.
         """
+        started = time.monotonic()
         try:
             self.optimizer._reduce_scatter(self.layout, out, x, group, op)
         except Exception as problem:  # noqa: BLE001 (every problem goes to step())
-            self.optimizer._problems.append(problem)
+            self.optimizer._record(problem, self.layout, started)
             out.fill_(torch.nan)
 
     def all_reduce_hook(self, output: Tensor) -> None:
@@ -73,10 +77,53 @@ class OnebitReduceScatter(SynchronousReduceScatter):
         self.reduce_scatter(output, output.clone(), group, dist.ReduceOp.AVG)
 
 
+class FailedCollectives:
+    """The collectives of one update (a backward and its ``step()``) that failed on this rank:
+    their process groups, unusable from then on, and the first one's module and start."""
+
+    def __init__(self) -> None:
+        self.groups: list[dist.ProcessGroup | None] = []
+        self.first: tuple[str, float] | None = None  # (module, time.monotonic() at its start)
+        self.skipped = 0  # the later modules that sent nothing over a failed group
+
+    def add(self, error: CollectiveTimeoutError, module: str, started: float) -> None:
+        """Records ``error``, raised by the reduce-scatter of ``module`` started at
+        ``started`` (``time.monotonic()``)."""
+        self.groups.append(error.group)
+        if self.first is None:
+            self.first = (module, started)
+
+    def failed(self, comm: ProcessGroup | None) -> bool:
+        """Whether a collective over ``comm`` (``None``: no comm) failed in this update."""
+        return comm is not None and any(group is comm.group for group in self.groups)
+
+    def dated(self, error: Exception) -> Exception:
+        """``error``, the first a module recorded: a failed collective's message then ends
+        with the seconds since that module's reduce-scatter started (its own count stops at
+        its diagnosis) and the modules that sent nothing after it."""
+        if self.first is None or not isinstance(error, CollectiveTimeoutError):
+            return error
+        module, started = self.first
+        error.args = (
+            f"{error.args[0]}; step() raises it {time.monotonic() - started:.1f} s after the "
+            f"reduce-scatter of module {module} started (the {self.skipped} later module(s) of "
+            "that backward sent nothing over the failed group; nothing was updated)",
+        )
+        return error
+
+
 class OnebitReduceScatters:
     """The reduce-scatters of a :class:`~fn.fsdp.ShardedOnebitOptimizer` (a part of it: it
     reads the optimizer's ``_comms``, ``_replicas``, ``_rule``, ``_state``, ``_compressed``,
-    ``_masks``, ``rank``, ``error_dtype`` and ``_b1``, and calls its ``_own_row``)."""
+    ``_masks``, ``_problems``, ``_failed``, ``rank``, ``error_dtype`` and ``_b1``, and calls
+    its ``_own_row``)."""
+
+    def _record(self, problem: Exception, layout: ModuleLayout, started: float) -> None:
+        """Keeps what module ``layout``'s reduce-scatter (started at ``started``) raised for
+        ``step()``; a failed collective marks its group as failed for the rest of the update."""
+        self._problems.append(problem)
+        if isinstance(problem, CollectiveTimeoutError):
+            self._failed.add(problem, layout.name, started)
 
     def _reduce_scatter(
         self,
@@ -101,6 +148,16 @@ class OnebitReduceScatters:
             )
         rows = input_tensor.view(world_size, layout.row)
         replicas = self._replicas
+        if self._failed.failed(comm) or self._failed.failed(replicas):
+            # A collective of this backward failed on a group, which is unusable after that:
+            # each later module would wait out the failure's diagnosis again. On HSDP with the
+            # node's group intact its ranks still make the same collectives there, so that
+            # step() meets them whichever of them saw the replicate group fail.
+            if not self._failed.failed(comm):
+                comm.reduce_scatter(rows, "sum")
+            self._failed.skipped += 1
+            output.fill_(torch.nan)
+            return
         if not self._rule.is_compressed(self.count + 1, self._state):
             dense = dense_reduce_scatter(comm, rows, op)
             # across the nodes: the sum, then / N, whatever op FSDP2 asked of the node

@@ -1,0 +1,106 @@
+"""fn.fsdp.OnebitAdam when peers die mid-run, on gloo ranks: on HSDP 2 x 2 with the second node
+(ranks 2 and 3) gone at the start of an update, and on a 1-D mesh of 2 ranks with rank 1 gone
+after its forward, every survivor's ``step()`` raises ``CollectiveTimeoutError`` within
+``FN_TIMEOUT`` plus a few seconds, however many modules the model has (12 here: one failure's
+diagnosis, not one per module), its message states the seconds since the failed module's
+reduce-scatter started, and nothing was updated."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import fn.fsdp
+from fn.app._launch import WorkerError
+from fn.collectives import CollectiveTimeoutError
+from fn.collectives.process_group import TIMEOUT_ENV
+from tests._distributed import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+DEPTH, FREEZE = 12, 2
+LIMIT_S = 4.0
+# Without the bound, each of the 12 modules would wait out its own diagnosis (LIMIT_S / 2).
+BOUND_S = LIMIT_S + 6.0
+CASES = {  # (HSDP, the update whose start the peers do not survive, the dead ranks)
+    "hsdp-warmup": (True, 1, (2, 3)),
+    "hsdp-compressed": (True, FREEZE + 1, (2, 3)),
+    "1d-compressed": (False, FREEZE + 1, (1,)),
+}
+
+
+def _full(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.to_local().reshape(-1) for p in model.parameters()])
+
+
+def _worker(rank: int, world_size: int, case: str, folder: str) -> None:
+    """Trains until the update ``CASES[case]`` names, at whose start the dead ranks end (on
+    the 1-D mesh after their forward: FSDP2's own parameter all-gathers would fail first, and
+    with ``reshard_after_forward=False`` its backward makes none); each survivor saves how and
+    when that update failed, then every rank ends at once (gloo would wait for the abandoned
+    collectives until the process group's own timeout)."""
+    hsdp, fatal, dead = CASES[case]
+    os.environ[TIMEOUT_ENV] = f"{LIMIT_S:g}"
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(DEPTH)])
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+        shard, replicate = mesh["shard"], mesh["replicate"]
+    else:
+        shard, replicate = init_device_mesh("cpu", (world_size,)), None
+    for layer in model:
+        fully_shard(layer, mesh=shard, reshard_after_forward=hsdp)
+    fully_shard(model, mesh=shard)
+    optimizer = fn.fsdp.OnebitAdam(model, lr=1e-2, freeze_step=FREEZE, replicate=replicate)
+    for t in range(1, fatal + 1):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * t + rank))
+        if t == fatal and hsdp and rank in dead:
+            os._exit(0)
+        started = time.monotonic()
+        optimizer.zero_grad()
+        loss = model(x).square().mean()
+        if t == fatal and rank in dead:
+            os._exit(0)
+        loss.backward()  # never raises: step() does
+        before, count = _full(model), optimizer.count
+        try:
+            optimizer.step()
+        except CollectiveTimeoutError as error:
+            out = {"t": t, "s": time.monotonic() - started, "message": str(error)}
+            out["missing"] = error.missing_ranks
+            out["unchanged"] = torch.equal(_full(model), before) and optimizer.count == count
+            break
+    else:
+        out = {"t": None}
+    torch.save(out, os.path.join(folder, f"{rank}.pt"))
+    os._exit(0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_survivors_raise_within_the_timeout_whatever_the_depth(case, tmp_path):
+    hsdp, fatal, dead = CASES[case]
+    world_size = 4 if hsdp else 2
+    with pytest.raises(WorkerError, match="exited without a result"):
+        run_distributed(_worker, world_size, case, str(tmp_path), timeout=100)
+    for rank in sorted(set(range(world_size)) - set(dead)):
+        out = torch.load(tmp_path / f"{rank}.pt")
+        assert out["t"] == fatal, (rank, out)
+        peer = rank + 2 if hsdp else 1  # the dead peer of this rank's failed group
+        assert out["missing"] == [peer], (rank, out)
+        assert f"rank(s) [{peer}] never reached it" in out["message"], out["message"]
+        assert out["s"] < BOUND_S, (rank, out["s"])
+        stated = re.search(r"step\(\) raises it ([\d.]+) s after the reduce-scatter of module "
+                           r"\d+ started \(the (\d+) later module", out["message"])  # fmt: skip
+        assert stated, out["message"]
+        # the message's count starts at the failed module, the measured one at the forward
+        assert out["s"] - 1.5 < float(stated[1]) <= out["s"] + 0.1, (out["s"], out["message"])
+        assert int(stated[2]) == DEPTH - 1  # the first module reduce-scattered failed
+        assert out["unchanged"], rank
