@@ -103,7 +103,7 @@ class CollectiveTimeoutError(RuntimeError):
         message: what happened: the collective, its ranks and the likely cause.
         missing_ranks: the global ranks that did not reach the collective.
         group: the ``torch.distributed`` process group of the collective (``None``: the
-            default group).
+            default group, or none of this rank's when the error reports another rank's).
 
     Attributes:
         missing_ranks: the global ranks that did not reach the collective (empty when every rank

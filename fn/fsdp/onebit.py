@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fn.base import CompressedOptimizer, apply_updates, set_hyperparams
 from fn.collectives import (
+    CollectiveTimeoutError,
     Local,
     PackedSigns,
     check_error_dtype,
@@ -292,8 +293,13 @@ class ShardedOnebitOptimizer(
                 backward (not fn's: fn raises none there), or, on every rank, a module was
                 reduce-scattered twice in the compressed phase without a ``step()`` between
                 (accumulate with ``set_requires_gradient_sync(False)``); nothing changed.
-            Exception: what else a reduce-scatter of the last backward raised (a collective's
-                timeout, say), the same on every rank.
+            fn.collectives.CollectiveTimeoutError: a collective of the last backward failed
+                or timed out (a peer lost), on every rank that saw it, within the limit
+                (``FN_TIMEOUT``) plus a few seconds, whatever the number of modules: the later
+                modules sent nothing over the failed group. Its message ends with the seconds
+                since the failed module's reduce-scatter started.
+            Exception: what else a reduce-scatter of the last backward raised, the same on
+                every rank.
         """
         loss = None
         if closure is not None:
@@ -388,22 +394,31 @@ class ShardedOnebitOptimizer(
 
     def _shared_problems(self, problems: list[Exception]) -> list[Exception]:
         """HSDP: what the reduce-scatters found, on every rank of the node (one all-gather of
-        two values over the shard group). A row's collective raises on the ``N`` ranks of that
-        row only; the other rows' ranks then raise too, of the same kind when it is
-        ``fn.NonFiniteError``."""
-        mine = [float(bool(problems)), float(bool(problems) and _nonfinite(problems[0]))]
-        rows = self.comm.all_gather(torch.tensor(mine, dtype=torch.float64)).view(-1, 2)
+        three values over the shard group). A row's collective raises on the ``N`` ranks of
+        that row only; the other rows' ranks then raise too, of the same kind when it is
+        ``fn.NonFiniteError`` or ``CollectiveTimeoutError`` (naming the first rank that the
+        failed collective missed)."""
+        first = problems[0] if problems else None
+        lost = -1.0
+        if isinstance(first, CollectiveTimeoutError) and first.missing_ranks:
+            lost = float(min(first.missing_ranks))
+        mine = [float(first is not None), float(_nonfinite(first)), lost]
+        rows = self.comm.all_gather(torch.tensor(mine, dtype=torch.float64)).view(-1, 3)
         failed = rows[:, 0].nonzero().view(-1).tolist()
         if problems or not failed:
             return problems
-        kind = NonFiniteError if bool(rows[failed[0], 1]) else RuntimeError
-        return [
-            kind(
-                f"{self.name}: the reduce-scatter of rank {failed[0]} of this node's shard group "
-                "failed (see its error); nothing was updated (this rank's rows of the modules "
-                "reduce-scattered have advanced their momentum and errors)"
-            )
-        ]
+        nonfinite, lost = bool(rows[failed[0], 1]), int(rows[failed[0], 2])
+        cause = f": rank {lost} never reached one of its collectives" if lost >= 0 else ""
+        message = (
+            f"{self.name}: the reduce-scatter of rank {failed[0]} of this node's shard group "
+            f"failed{cause} (see its error); nothing was updated (this rank's rows of the "
+            "modules reduce-scattered have advanced their momentum and errors)"
+        )
+        if nonfinite:
+            return [NonFiniteError(message)]
+        if lost >= 0:
+            return [CollectiveTimeoutError(message, [lost])]
+        return [RuntimeError(message)]
 
     def _checked_energy(self, grads: dict[str, torch.Tensor | None]) -> torch.Tensor | None:
         """Raises ``NonFiniteError`` on every rank if some rank's gradient shard is not
@@ -534,7 +549,9 @@ class OnebitAdam(ShardedOnebitOptimizer):
 
     Policies (README.md, "Policies"): nothing is raised inside FSDP2's backward; what a
     reduce-scatter finds is raised by the next ``step()``, on every rank, with no param
-    changed, and the next backward and ``step()`` train normally. A non-finite gradient makes
+    changed, and the next backward and ``step()`` train normally; a collective that failed (a
+    peer lost) is raised after one failure's diagnosis, not one per module (the later modules
+    send nothing over its group). A non-finite gradient makes
     ``step()`` raise ``fn.NonFiniteError`` before any param or ``v`` changes (in the
     compressed phase the collective found it, and the module whose gradient held it kept its
     momentum and errors; the modules reduce-scattered before it in the same backward have
@@ -620,5 +637,5 @@ def _as_pair(betas: Any) -> Any:
     return tuple(betas) if is_sequence else betas
 
 
-def _nonfinite(error: Exception) -> bool:
+def _nonfinite(error: Exception | None) -> bool:
     return isinstance(error, NonFiniteError)

@@ -3,7 +3,8 @@
 after its forward, every survivor's ``step()`` raises ``CollectiveTimeoutError`` within
 ``FN_TIMEOUT`` plus a few seconds, however many modules the model has (12 here: one failure's
 diagnosis, not one per module), its message states the seconds since the failed module's
-reduce-scatter started, and nothing was updated."""
+reduce-scatter started, and nothing was updated. On HSDP a collective failure that one rank of
+a node found is raised as one on its node's other ranks too."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def _worker(rank: int, world_size: int, case: str, folder: str) -> None:
         fully_shard(layer, mesh=shard, reshard_after_forward=hsdp)
     fully_shard(model, mesh=shard)
     optimizer = fn.fsdp.OnebitAdam(model, lr=1e-2, freeze_step=FREEZE, replicate=replicate)
+    shared = None
     for t in range(1, fatal + 1):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * t + rank))
         if t == fatal and hsdp and rank in dead:
@@ -69,6 +71,14 @@ def _worker(rank: int, world_size: int, case: str, folder: str) -> None:
         if t == fatal and rank in dead:
             os._exit(0)
         loss.backward()  # never raises: step() does
+        if hsdp and t == fatal - 1:  # as if shard rank 1's collective across the nodes failed
+            if rank % 2 == 1:
+                optimizer._problems.append(CollectiveTimeoutError("injected", [rank + 2]))
+            try:
+                optimizer.step()
+            except CollectiveTimeoutError as error:
+                shared = (str(error), error.missing_ranks, optimizer.count)
+            continue
         before, count = _full(model), optimizer.count
         try:
             optimizer.step()
@@ -79,6 +89,7 @@ def _worker(rank: int, world_size: int, case: str, folder: str) -> None:
             break
     else:
         out = {"t": None}
+    out["shared"] = shared
     torch.save(out, os.path.join(folder, f"{rank}.pt"))
     os._exit(0)
 
@@ -104,3 +115,8 @@ def test_survivors_raise_within_the_timeout_whatever_the_depth(case, tmp_path):
         assert out["s"] - 1.5 < float(stated[1]) <= out["s"] + 0.1, (out["s"], out["message"])
         assert int(stated[2]) == DEPTH - 1  # the first module reduce-scattered failed
         assert out["unchanged"], rank
+        if case == "hsdp-compressed":
+            message, missing, count = out["shared"]
+            assert count == fatal - 2  # that update was not made
+            assert missing == [3], message
+            assert (message == "injected") if rank == 1 else ("rank 3 never reached" in message)
