@@ -28,7 +28,7 @@ pytestmark = pytest.mark.distributed
 
 DEPTH, FREEZE = 12, 2
 LIMIT_S = 4.0
-# Without the bound, each of the 12 modules would wait out its own diagnosis (LIMIT_S / 2).
+# were each module to wait out its own diagnosis (LIMIT_S / 2), the 12 would take 24 s
 BOUND_S = LIMIT_S + 6.0
 CASES = {  # (HSDP, the update whose start the peers do not survive, the dead ranks)
     "hsdp-warmup": (True, 1, (2, 3)),
