@@ -102,10 +102,14 @@ class CollectiveTimeoutError(RuntimeError):
     Args:
         message: what happened: the collective, its ranks and the likely cause.
         missing_ranks: the global ranks that did not reach the collective.
+        group: the ``torch.distributed`` process group of the collective (``None``: the
+            default group, or none of this rank's when the error reports another rank's).
 
     Attributes:
         missing_ranks: the global ranks that did not reach the collective (empty when every rank
             did; then the ranks called different collectives, or the backend failed).
+        group: the process group it ran on, which is unusable after a failure (a caller that
+            drives several groups tells by it which one failed).
 
     Example:
         A training loop under ``torchrun`` may catch it to log which ranks were lost:
@@ -117,9 +121,12 @@ class CollectiveTimeoutError(RuntimeError):
         lost ranks [3]: all_reduce timed out
     """
 
-    def __init__(self, message: str, missing_ranks: list[int]) -> None:
+    def __init__(
+        self, message: str, missing_ranks: list[int], group: dist.ProcessGroup | None = None
+    ) -> None:
         super().__init__(message)
         self.missing_ranks = missing_ranks
+        self.group = group
 
 
 def resolve_timeout(timeout: datetime.timedelta | float | None) -> datetime.timedelta:
@@ -376,6 +383,7 @@ class ProcessGroup(ByteCounter):
                     f"fn.collectives: {call} (collective #{seq} on ranks {members}) {outcome}: "
                     f"{err}; the store is unreachable ({store_err}), so rank 0 likely died",
                     [0],
+                    self.group,
                 )
             # Rank 0 ended while this rank was looking (its own failure raised there too):
             # the ranks seen so far stand.
@@ -398,6 +406,7 @@ class ProcessGroup(ByteCounter):
             + (store_lost if missing else "")
             + detail,
             missing,
+            self.group,
         )
 
     def _status(

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fn.base import CompressedOptimizer, apply_updates, set_hyperparams
 from fn.collectives import (
+    CollectiveTimeoutError,
     Local,
     check_error_dtype,
 )
@@ -48,7 +49,7 @@ from fn.fsdp.onebit_layout import (
 )
 from fn.fsdp.onebit_masks import MomentumMasks, mask_checksum, module_mask
 from fn.fsdp.onebit_module import OnebitModule
-from fn.fsdp.onebit_reduce_scatter import OnebitReduceScatter
+from fn.fsdp.onebit_reduce_scatter import FailedCollectives, OnebitReduceScatter
 from fn.fsdp.onebit_state import OnebitStateFormat
 from fn.fsdp.reduce_scatter import CommCache
 from fn.transforms import gradient_energy, onebit_adam, onebit_adam_sharded
@@ -241,6 +242,7 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         self._state = self._rule.init(self._shards())
         self._automatic = self._state.auto is not None  # freeze_step="auto": decided in the state
         self._problems: list[Exception] = []  # what the reduce-scatters found, for step()
+        self._failed = FailedCollectives()  # the collectives of this backward that failed
         self._delivered = False  # whether a backward delivered gradients since the last step()
         self._grad_change_warned = False
         self._fsdp_modules: list[nn.Module] = []
@@ -249,7 +251,11 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
             if layout is not None:
                 self._fsdp_modules.append(module)
                 reduce_scatter = OnebitReduceScatter(
-                    self._modules[layout.name], self._comms, self._compresses, self._problems
+                    self._modules[layout.name],
+                    self._comms,
+                    self._compresses,
+                    self._problems,
+                    self._failed,
                 )
                 module.set_custom_reduce_scatter(reduce_scatter)
                 if world_size == 1 and self._communicates:  # FSDP2 runs no reduce-scatter
@@ -273,9 +279,10 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
     @property
     def bytes_sent_by_hop(self) -> dict[str, int]:
         """The bytes this rank has sent, by level (a dict from ``"world"``, ``"intra"`` and
-        ``"inter"`` to bytes): on HSDP ``"intra"`` is the shard group (inside a node), ``"inter"`` the replicate group
-        (across the nodes) and ``"world"`` the checks over every rank (a few bytes an
-        update); on a 1-D mesh every byte counts under ``"world"``."""
+        ``"inter"`` to bytes): on HSDP ``"intra"`` is the shard group (inside a node),
+        ``"inter"`` the replicate group (across the nodes) and ``"world"`` the checks over
+        every rank (a few bytes an update); on a 1-D mesh every byte counts under
+        ``"world"``."""
         counts = dict.fromkeys(HOPS, 0)
         for group, comm in self._comms.comms.items():
             ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
@@ -347,14 +354,16 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
                 "optimizer) and reload the last checkpoint (fn.fsdp.TrainingCheckpoint.load)"
             )
         received = {name: module.received for name, module in self._modules.items()}
-        problems, delivered = list(self._problems), self._delivered
+        problems, delivered, failed = list(self._problems), self._delivered, self._failed.take()
         self._problems.clear()
         self._delivered = False
         try:
-            if self._replicas is not None:  # each row's collective found its own: share them
+            # each node's reduce-scatters found their own: share them over the world, unless a
+            # group failed (this rank then has its own failure to raise at once)
+            if self._replicas is not None and not failed.groups:
                 problems = self._shared_problems(problems)
             if problems:
-                raise problems[0]
+                raise failed.dated(problems[0])
             if delivered:
                 self._update(received)
         finally:  # what the backwards delivered is used once, or dropped with the error
@@ -550,22 +559,31 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         return min(1.0, self.max_grad_norm / (norm + _CLIP_EPS))
 
     def _shared_problems(self, problems: list[Exception]) -> list[Exception]:
-        """HSDP: what the reduce-scatters found, on every rank of the node (one all-gather of
-        two values over the shard group). A reduce-scatter raises on the ranks of one shard
-        group; the other groups' ranks then raise too, of the same kind when it is
-        ``fn.NonFiniteError``."""
-        mine = [float(bool(problems)), float(bool(problems) and _nonfinite(problems[0]))]
-        rows = self._comms(None).all_gather(torch.tensor(mine, dtype=torch.float64)).view(-1, 2)
+        """HSDP: what the reduce-scatters found, on every rank (one all-gather of three values
+        over the world). A reduce-scatter raises on the ranks of one node's shard group; the
+        other ranks then raise too, of the same kind when it is ``fn.NonFiniteError`` or
+        ``CollectiveTimeoutError`` (naming the first rank that the failed collective
+        missed)."""
+        first = problems[0] if problems else None
+        lost = -1.0
+        if isinstance(first, CollectiveTimeoutError) and first.missing_ranks:
+            lost = float(min(first.missing_ranks))
+        mine = torch.tensor([float(first is not None), float(_nonfinite(first)), lost])
+        rows = self._comms(None).all_gather(mine.double()).view(-1, 3)
         failed = rows[:, 0].nonzero().view(-1).tolist()
         if problems or not failed:
             return problems
-        kind = NonFiniteError if bool(rows[failed[0], 1]) else RuntimeError
-        return [
-            kind(
-                f"{self.name}: the reduce-scatter of rank {failed[0]} failed (see its error); "
-                "nothing was updated"
-            )
-        ]
+        nonfinite, lost = bool(rows[failed[0], 1]), int(rows[failed[0], 2])
+        cause = f": rank {lost} never reached one of its collectives" if lost >= 0 else ""
+        message = (
+            f"{self.name}: the reduce-scatter of rank {failed[0]} failed{cause} (see its "
+            "error); nothing was updated"
+        )
+        if nonfinite:
+            return [NonFiniteError(message)]
+        if lost >= 0:
+            return [CollectiveTimeoutError(message, [lost])]
+        return [RuntimeError(message)]
 
     def _checked_energy(
         self, grads: dict[str, torch.Tensor | None]
@@ -839,5 +857,5 @@ def _gradient_problem(
     return None
 
 
-def _nonfinite(error: Exception) -> bool:
+def _nonfinite(error: Exception | None) -> bool:
     return isinstance(error, NonFiniteError)
