@@ -59,6 +59,7 @@ SECTIONS = [
     "Quantized allreduce with LoCo error feedback",
     "1-bit Adam and 1-bit LAMB on FSDP2",
     "1-bit Adam and 1-bit LAMB on HSDP",
+    "Accumulation and clipping on FSDP2 and HSDP",
     "Deviations from DeepSpeed",
 ]
 
@@ -247,6 +248,13 @@ def test_the_first_custom_loop_runs(capsys):
     out = _run_blocks([pure, restart, fast, check], capsys).split()
     assert float(out[1]) < float(out[0])  # trained
     assert out[2] == "True"
+
+
+def test_the_fsdp_accumulation_block_runs(capsys):
+    """guides/fsdp.md's accumulation and clipping block, as copied (one gloo rank)."""
+    (block,) = [b for b in _python_blocks(DOCS / "guides" / "fsdp.md") if "max_grad_norm" in b]
+    exec(compile(block, "<guides/fsdp.md>", "exec"), {"__name__": "__docs__"})  # noqa: S102
+    assert capsys.readouterr().out.strip() == "8"
 
 
 def test_the_test_command_runs_doctests_and_fails_on_a_broken_one(tmp_path):
