@@ -65,9 +65,6 @@ OPTIONS = (
 _OPTION_NAMES = (
     "exp_avg_mask", "nonfinite", "local_world_size", "error_dtype", "replicate", "non_freeze"
 )  # fmt: skip
-_FORMAT = 1  # the layout of ShardedOnebitOptimizer.state_dict()
-_TORCH_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
-_AUTO_MASK_KEYS = ("always_zero", "exp_avg_mask")  # and with exp_avg_mask="auto"
 
 
 class ShardedOnebitOptimizer(
@@ -442,12 +439,17 @@ class ShardedOnebitOptimizer(
     def _bad_settings(
         self, settings: dict[str, Any], error_dtype: torch.dtype
     ) -> tuple[type[Exception], str] | None:
-        """The rule's own checks of the hyperparameters, as a problem."""
+        """The rule's own checks of the hyperparameters, as a problem (its message without the
+        name of the check that raised it: :func:`~fn.fsdp._agreement.agree` starts it with
+        this optimizer's)."""
         try:
             check_error_dtype(self.name, error_dtype)
             self._make_rule(settings, Local())
         except (ValueError, TypeError, NotImplementedError) as error:
-            return type(error), str(error)
+            message = str(error)
+            for who in (self.name, self.sharded_rule.__name__):
+                message = message.removeprefix(f"{who}: ")
+            return type(error), message
         return None
 
 

@@ -315,6 +315,7 @@ def _worker_bad_arguments(rank: int, world_size: int, kind: str) -> dict:
         "lr": lambda: cls(model, lr="fast"),
         "lr-negative": lambda: cls(model, lr=-1.0),
         "eps": lambda: cls(model, lr=1e-2, eps=-1e-8),
+        "error_dtype": lambda: cls(model, lr=1e-2, error_dtype=torch.int8),
     }
     for name, make in cases.items():
         out[name] = attempt(make)
@@ -324,6 +325,17 @@ def _worker_bad_arguments(rank: int, world_size: int, kind: str) -> dict:
     optimizer.step()
     out["count"] = optimizer.count
     return out
+
+
+def _worker_one_rank_refusals(rank: int, world_size: int) -> dict:
+    """The refusals with one rank (no agreement across ranks)."""
+    del rank
+    model = fully_shard(nn.Linear(2, 1), mesh=init_device_mesh("cpu", (world_size,)))
+    return {
+        (kind, key): attempt(lambda: getattr(fn.fsdp, name)(model, lr=1e-2, **{key: value}))  # noqa: B023
+        for kind, name in OPTIMIZERS.items()
+        for key, value in (("eps", -1e-8), ("error_dtype", torch.int8))
+    }
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -413,7 +425,24 @@ def test_bad_arguments_name_the_setting_on_every_rank(kind):
                           ("lr-negative", "lr"), ("eps", "eps")]:  # fmt: skip
         assert out[name].split(":")[0] in ("ValueError", "TypeError"), out[name]
         assert setting in out[name].split(":", 1)[1], out[name]
+    refused = f"ValueError: fn.fsdp.{OPTIMIZERS[kind]}: rank(s) [0, 1] refused the model or the "
+    assert out["eps"] == f"{refused}settings: eps must be >= 0, got -1e-08"
+    assert out["error_dtype"] == (
+        f"{refused}settings: error_dtype must be one of torch.float32, torch.bfloat16, "
+        "torch.float16, got torch.int8"
+    )
     assert out["count"] == 1
+
+
+@pytest.mark.distributed
+def test_bad_arguments_on_one_rank_carry_one_prefix():
+    (out,) = run_distributed(_worker_one_rank_refusals, 1, timeout=240)
+    for kind, name in OPTIMIZERS.items():
+        assert out[kind, "eps"] == f"ValueError: fn.fsdp.{name}: eps must be >= 0, got -1e-08"
+        assert out[kind, "error_dtype"] == (
+            f"ValueError: fn.fsdp.{name}: error_dtype must be one of torch.float32, "
+            "torch.bfloat16, torch.float16, got torch.int8"
+        )
 
 
 @pytest.mark.distributed
