@@ -268,11 +268,9 @@ class ShardedOnebitOptimizer(
         FSDP2's backward delivered since the last ``step()``.
 
         Without such gradients (``step()`` before any backward, a second ``step()`` after one,
-        gradients set by hand, the zero-gradient step that
-        ``torch.distributed.checkpoint.state_dict`` takes) it is a no-op: nothing changes,
-        ``count`` included. A problem that a reduce-scatter of that backward found is raised
-        here, on every rank, with no param changed; the next backward and ``step()`` train
-        normally.
+        gradients set by hand) it is a no-op: nothing changes, ``count`` included. A problem
+        that a reduce-scatter of that backward found is raised here, on every rank, with no
+        param changed; the next backward and ``step()`` train normally.
 
         Args:
             closure: re-evaluates the model and returns the loss (run with grad enabled).
@@ -538,12 +536,19 @@ class OnebitAdam(ShardedOnebitOptimizer):
     momentum and errors; the modules reduce-scattered before it in the same backward have
     advanced theirs). A param without a gradient, on one rank or all, counts as a zero
     gradient, as in ``fn.optim`` (FSDP2 reduce-scatters zeros for it:
-    ``set_reduce_scatter_unused_params``), in both phases. A ``step()`` without a backward
+    ``set_reduce_scatter_unused_params``), in both phases, provided its FSDP2 module runs on
+    every rank: a module run on some ranks only cannot be its own FSDP2 unit (FSDP2's own
+    all-gather and reduce-scatter of it would run on those ranks only, and the ranks'
+    collectives mismatch: gloo aborts, other backends time out, as with native FSDP2 and HSDP),
+    so params that may lack a gradient must be in a module that every rank runs. A ``step()``
+    without a backward
     since the last one is a no-op. Gradient accumulation over several backwards of one
     compressed update must go through ``set_requires_gradient_sync(False)`` (a second
     reduce-scatter before ``step()`` makes it raise ``RuntimeError``). torch's
-    ``get_state_dict`` / ``set_state_dict`` are refused (``NotImplementedError``) with nothing
-    changed: checkpoints go through :class:`~fn.fsdp.TrainingCheckpoint`.
+    ``get_state_dict`` / ``set_state_dict`` (and ``get_``/``set_optimizer_state_dict``), given
+    any state dict, are refused on every rank (``NotImplementedError``) with nothing changed:
+    checkpoints go through :class:`~fn.fsdp.TrainingCheckpoint`, or
+    :func:`~fn.fsdp.read_onebit_state` for a DCP state dict of your own.
 
     Example:
         >>> import torch, torch.distributed as dist
