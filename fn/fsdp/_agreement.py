@@ -88,14 +88,15 @@ def gather_texts(
     return [bytes(rows[r, :n].tolist()).decode() for r, n in enumerate(sizes)]
 
 
-def shared(texts: list[str], verb: str) -> str:
+def shared(texts: list[str], verb: str, ranks: list[int] | None = None) -> str:
     """The ranks' non-empty ``texts`` as one message: ``"rank(s) [r, ...] <verb>: <text>"`` for
-    each distinct text, in the order of their first ranks, joined by ``"; "``."""
-    ranks: dict[str, list[int]] = {}
-    for rank, text in enumerate(texts):
+    each distinct text, in the order of their first ranks, joined by ``"; "``; ``ranks``: the
+    ranks in the world of the texts' senders (default: their index)."""
+    found: dict[str, list[int]] = {}
+    for index, text in enumerate(texts):
         if text:
-            ranks.setdefault(text, []).append(rank)
-    return "; ".join(f"rank(s) {found} {verb}: {text}" for text, found in ranks.items())
+            found.setdefault(text, []).append(index if ranks is None else ranks[index])
+    return "; ".join(f"rank(s) {senders} {verb}: {text}" for text, senders in found.items())
 
 
 def agree(
@@ -123,8 +124,9 @@ def agree(
 
     Raises:
         ValueError, NotImplementedError, TypeError: on every rank, the same: the kind of the
-            first rank that found a problem, with every distinct problem and the ranks that
-            found it (``"<name>: rank(s) [2, 3] refused the model or the settings: <why>"``).
+            first rank that found a problem, with every distinct problem and the ranks (in the
+            world) that found it (``"<name>: rank(s) [2, 3] refused the model or the settings:
+            <why>"``).
         ValueError: on every rank, the fingerprints differ.
     """
     if group is None and dist.is_initialized():
@@ -148,7 +150,8 @@ def agree(
     if failed:
         texts = gather_texts(group, text, gathered[:, 2].tolist(), device)
         kind = KINDS[int(gathered[failed[0], 0])]
-        raise kind(f"{name}: {shared(texts, 'refused the model or the settings')}")
+        ranks = dist.get_process_group_ranks(group)
+        raise kind(f"{name}: {shared(texts, 'refused the model or the settings', ranks)}")
     if bool((gathered[:, 1] != gathered[0, 1]).any()):
         raise ValueError(
             f"{name}: the ranks passed different {what} (fingerprints "

@@ -327,6 +327,11 @@ def _worker_bad_input(rank: int, world_size: int) -> dict:
         out["replicate on node", passing] = _refusal(
             lambda: optimizer("adam", build("adam"), some)  # noqa: B023 (called at once)
         )
+    # an installer that agrees over the shard group names the refusing rank in the world
+    bits = 8.0 if rank == WORLD - 1 else 8
+    out["bits on the last rank"] = _refusal(
+        lambda: fn.fsdp.quantized_all_gather(build("adam"), bits=bits)
+    )
     return out
 
 
@@ -436,6 +441,15 @@ def test_bad_input_is_refused_on_every_rank():
         assert kind == "NotImplementedError" and "HSDP" in message, message
         kind, message = out["replicate on one rank"]
         assert kind == "ValueError" and "different" in message, message
+    for rank, out in enumerate(results):
+        if rank // L == N - 1:
+            assert out["bits on the last rank"] == (
+                "TypeError",
+                f"fn.fsdp.quantized_all_gather: rank(s) [{WORLD - 1}] refused the model or the "
+                "settings: bits must be an int, got 8.0 (float)",
+            )
+        else:  # the other nodes' shard groups installed it
+            assert out["bits on the last rank"] is None
     for passing in range(N):  # the same error on every rank, with the reason
         refusing = [r for r in range(WORLD) if r // L != passing]
         kind, message = results[0]["replicate on node", passing]
