@@ -15,8 +15,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from fn.collectives import ProcessGroup
+from fn.collectives.process_group import all_gather_flat
 
-__all__ = ["agree", "agree_on_settings", "integer", "problem_of", "shard_group"]
+__all__ = [
+    "agree", "agree_on_settings", "gather_texts", "integer", "problem_of", "shard_group", "shared"
+]  # fmt: skip
 
 # the problems a rank can report to the others (their index in the all-gathered tensor)
 KINDS: tuple[type[Exception] | None, ...] = (None, ValueError, NotImplementedError, TypeError)
@@ -58,6 +61,44 @@ def shard_group(module: nn.Module) -> dist.ProcessGroup | None:
     return None
 
 
+def gather_texts(
+    group: dist.ProcessGroup | None, text: str, sizes: list[int], device: torch.device | str
+) -> list[str]:
+    """Every rank's ``text``, in group rank order: one all-gather of their UTF-8 bytes, padded to
+    the longest (a collective over ``group``, ``None``: the world).
+
+    Args:
+        group: the process group.
+        text: this rank's text.
+        sizes: every rank's byte count of its text (all-gathered just before, so that every
+            rank knows whether to call this).
+        device: where the all-gather runs (a ``nccl`` group has no CPU collectives).
+
+    Returns:
+        The ranks' texts.
+    """
+    width = max(max(sizes), 1)
+    mine = torch.zeros(width, dtype=torch.uint8)
+    data = text.encode()
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = torch.empty(len(sizes) * width, dtype=torch.uint8, device=device)
+    all_gather_flat(out, mine.to(device), group=group)
+    rows = out.cpu().view(len(sizes), width)
+    return [bytes(rows[r, :n].tolist()).decode() for r, n in enumerate(sizes)]
+
+
+def shared(texts: list[str], verb: str, ranks: list[int] | None = None) -> str:
+    """The ranks' non-empty ``texts`` as one message: ``"rank(s) [r, ...] <verb>: <text>"`` for
+    each distinct text, in the order of their first ranks, joined by ``"; "``; ``ranks``: the
+    ranks in the world of the texts' senders (default: their index)."""
+    found: dict[str, list[int]] = {}
+    for index, text in enumerate(texts):
+        if text:
+            found.setdefault(text, []).append(index if ranks is None else ranks[index])
+    return "; ".join(f"rank(s) {senders} {verb}: {text}" for text, senders in found.items())
+
+
 def agree(
     name: str,
     group: dist.ProcessGroup | None,
@@ -67,22 +108,25 @@ def agree(
     device: torch.device | str = "cpu",
 ) -> None:
     """Raises on every rank if some rank found a problem or the ranks' settings differ (one
-    all-gather over ``group``, or ``WORLD`` when the model gave none; nothing without a process
-    group or with one rank).
+    all-gather over ``group``, or ``WORLD`` when the model gave none, and a second one of the
+    problems' messages when some rank found one; nothing without a process group or with one
+    rank).
 
     Args:
         name: the installer, which starts every message (``"fn.fsdp.OnebitAdam"``).
         group: the model's FSDP2 process group, or ``None``.
-        problem: what this rank refused (an exception class of :data:`KINDS` and its message),
-            or ``None``.
+        problem: what this rank refused (an exception class of :data:`KINDS` and its message,
+            without ``name``), or ``None``.
         fingerprint: this rank's settings, as a string every rank must match.
         what: what the ranks passed, for the message when the fingerprints differ.
-        device: where the all-gather runs: the model's device (a ``nccl`` group has no CPU
+        device: where the all-gathers run: the model's device (a ``nccl`` group has no CPU
             collectives).
 
     Raises:
-        ValueError, NotImplementedError, TypeError: on the rank that found ``problem``, it; on
-            every other rank, of the same kind, one naming the first rank that refused.
+        ValueError, NotImplementedError, TypeError: on every rank, the same: the kind of the
+            first rank that found a problem, with every distinct problem and the ranks (in the
+            world) that found it (``"<name>: rank(s) [2, 3] refused the model or the settings:
+            <why>"``).
         ValueError: on every rank, the fingerprints differ.
     """
     if group is None and dist.is_initialized():
@@ -91,18 +135,23 @@ def agree(
         if problem is not None:
             raise problem[0](f"{name}: {problem[1]}")
         return
+    text = "" if problem is None else problem[1] or problem[0].__name__
     mine = torch.tensor(
-        [KINDS.index(problem[0]) if problem else 0, zlib.crc32(fingerprint.encode())],
+        [
+            KINDS.index(problem[0]) if problem else 0,
+            zlib.crc32(fingerprint.encode()),
+            len(text.encode()),
+        ],
         dtype=torch.int64,
         device=device,
     )
     gathered = ProcessGroup(group).all_gather(mine).cpu()
-    if problem is not None:
-        raise problem[0](f"{name}: {problem[1]}")
     failed = [r for r, kind in enumerate(gathered[:, 0].tolist()) if kind]
     if failed:
+        texts = gather_texts(group, text, gathered[:, 2].tolist(), device)
         kind = KINDS[int(gathered[failed[0], 0])]
-        raise kind(f"{name}: rank {failed[0]} refused the model or the settings")
+        ranks = dist.get_process_group_ranks(group)
+        raise kind(f"{name}: {shared(texts, 'refused the model or the settings', ranks)}")
     if bool((gathered[:, 1] != gathered[0, 1]).any()):
         raise ValueError(
             f"{name}: the ranks passed different {what} (fingerprints "

@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from fn.collectives.process_group import all_gather_flat
+from fn.fsdp._agreement import gather_texts, shared
 from fn.fsdp.loco import LocoReduceScatterHandle
 from fn.fsdp.onebit import ShardedOnebitOptimizer
 
@@ -112,39 +114,56 @@ class TrainingCheckpoint:
         """Writes this rank's part of the checkpoint to the directory ``path`` (collective).
 
         Every rank writes into ``<path>.partial``; once the whole checkpoint is there, rank 0
-        puts it in place of ``path``. A save that fails or is killed therefore leaves a
-        checkpoint already at ``path`` as it was (the rename needs the ranks to share the
-        filesystem of ``path``, as loading it does; were the process killed between the two
-        renames, the previous checkpoint is at ``<path>.old``). A URL (``scheme://...``) is
-        written in place by DCP's own storage.
+        puts it in place of ``path``. A save that fails therefore leaves a checkpoint already
+        at ``path`` as it was, and no ``<path>.partial`` (the rename needs the ranks to share
+        the filesystem of ``path``, as loading it does; were the process killed between the
+        two renames, the previous checkpoint is at ``<path>.old``, and a killed save's
+        ``<path>.partial`` is cleared by the next). A local ``path`` may be relative, end in a
+        separator (``"ckpt/"``) or start with ``~``: it is taken as the absolute path it
+        names, whose siblings ``<path>.partial`` and ``<path>.old`` are. A URL
+        (``scheme://...``) is written in place by DCP's own storage.
 
         Args:
-            path: the checkpoint directory (or a URL DCP's storage writes).
+            path: the checkpoint directory (a ``str`` or ``os.PathLike``), or a URL DCP's
+                storage writes.
 
         Raises:
             OSError: on rank 0, it could not clear an old ``<path>.partial`` or rename the new
-                checkpoint into place (the previous one is put back).
-            RuntimeError: on every other rank, naming rank 0, when rank 0 failed so: at once
-                (the barrier that ends that step carries each rank's status), not at the process
-                group's timeout. The previous checkpoint at ``path`` is intact.
+                checkpoint into place (the previous one, if any, is put back).
+            RuntimeError: on every other rank, when rank 0 failed so: at once (the collective
+                that ends that step carries each rank's status and message), not at the
+                process group's timeout. Its message holds rank 0's error and says whether a
+                previous checkpoint at ``path`` is intact or none was there.
             torch.distributed.checkpoint.api.CheckpointException: on every rank, DCP's write
-                failed.
+                failed (rank 0 has removed ``<path>.partial``).
         """
-        path = os.fspath(path)
+        path = _normalised(path)
         if "://" in path:
             dcp.save({"training": self}, checkpoint_id=path)
             return
         partial = f"{path}.partial"
         first = not dist.is_initialized() or dist.get_rank() == 0
         device = _device(self.model)
-        what, intact = "TrainingCheckpoint.save", f"the previous checkpoint at {path} is intact"
+        # before any rank's step: rank 0 moves a checkpoint at path only after DCP's collectives
+        before = (
+            f"the previous checkpoint at {path} is intact"
+            if os.path.isdir(path)
+            else f"no checkpoint was at {path} before"
+        )
+        what = "TrainingCheckpoint.save"
         clear = (lambda: _clear(partial)) if first else None  # of a save that did not finish
-        why = f"could not clear {partial} (see its error): nothing was saved; {intact}"
-        _each_rank(device, clear, RuntimeError, what, why)
-        dcp.save({"training": self}, checkpoint_id=partial)
+        outcome = f"nothing was saved; {before}"
+        _each_rank(device, clear, RuntimeError, what, f"could not clear {partial}", outcome)
+        try:
+            dcp.save({"training": self}, checkpoint_id=partial)
+        except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+            if first:
+                shutil.rmtree(partial, ignore_errors=True)
+            error.add_note(f"{what}: {outcome}")
+            raise
         put = (lambda: _put_in_place(partial, path)) if first else None
-        why = f"could not move the new checkpoint {partial} to {path} (see its error); {intact}"
-        _each_rank(device, put, RuntimeError, what, why)
+        failed = f"could not move the new checkpoint {partial} to {path}"
+        _each_rank(device, put, RuntimeError, what, failed, outcome)
 
     def load(self, path: str | os.PathLike) -> None:
         """Restores everything from the checkpoint directory ``path`` (collective).
@@ -157,7 +176,8 @@ class TrainingCheckpoint:
         nothing changed.
 
         Args:
-            path: the checkpoint directory (or a URL DCP's storage reads).
+            path: the checkpoint directory, in any form :meth:`save` takes, or a URL DCP's
+                storage reads.
 
         Raises:
             OSError: on a rank that cannot read the checkpoint's metadata, its own error (such as
@@ -165,8 +185,9 @@ class TrainingCheckpoint:
             ValueError: on every other rank then; and (a ``ShardedOnebitOptimizer``) the
                 checkpoint does not match the model or optimizer, or cannot be read.
         """
+        path = _normalised(path)
         if not isinstance(self.optimizer, ShardedOnebitOptimizer):
-            if "://" not in os.fspath(path):  # a URL: DCP's own storage reads it
+            if "://" not in path:  # a URL: DCP's own storage reads it
                 _read_metadata(path, _device(self.model))
             dcp.load({"training": self}, checkpoint_id=path)
             return
@@ -190,7 +211,7 @@ def read_onebit_state(
 
     Args:
         optimizer: the :class:`~fn.fsdp.ShardedOnebitOptimizer` to read for.
-        path: the checkpoint directory.
+        path: the checkpoint directory, in any form :meth:`TrainingCheckpoint.save` takes.
         key: where the optimizer's ``state_dict()`` was saved in the checkpoint's state dict.
 
     Returns:
@@ -218,6 +239,7 @@ def read_onebit_state(
         >>> opt.load_state_dict(fn.fsdp.read_onebit_state(opt, path, "training.optim"))
         >>> dist.destroy_process_group()
     """
+    path = _normalised(path)
     prefix = f"{key}."
     device = optimizer.param_groups[0]["params"][0].device
     metadata = _read_metadata(path, device).state_dict_metadata
@@ -228,7 +250,7 @@ def read_onebit_state(
     }
     if "header" not in saved:
         raise ValueError(
-            f"{os.fspath(path)} holds no {optimizer.name} state under {key!r} (saved with "
+            f"{path} holds no {optimizer.name} state under {key!r} (saved with "
             "another optimizer?); nothing was loaded"
         )
     header = torch.zeros(saved["header"], dtype=torch.int64)
@@ -245,7 +267,7 @@ def _nested(key: str, value: Any) -> dict[str, Any]:
     return value
 
 
-def _read(path: str | os.PathLike, state: dict[str, Any]) -> None:
+def _read(path: str, state: dict[str, Any]) -> None:
     """``dcp.load`` into new tensors, its failure on any rank a ``ValueError`` on every rank (DCP
     raises a ``BaseException``)."""
     try:
@@ -253,18 +275,23 @@ def _read(path: str | os.PathLike, state: dict[str, Any]) -> None:
     except CheckpointException as error:
         rank, (cause, _) = next(iter(error.failures.items()))
         raise ValueError(
-            f"cannot read the checkpoint {os.fspath(path)} (corrupt, or not of this model): "
+            f"cannot read the checkpoint {path} (corrupt, or not of this model): "
             f"rank {rank}: {type(cause).__name__}: {cause}; nothing was loaded"
         ) from None
 
 
-def _read_metadata(path: str | os.PathLike, device: torch.device) -> Any:
+def _read_metadata(path: str, device: torch.device) -> Any:
     """The DCP metadata of the checkpoint directory ``path``, read on every rank, or an error on
     every rank when one cannot read it (before any rank enters DCP's collective reads)."""
-    what = f"cannot read the checkpoint {os.fspath(path)}"
-    why = "cannot read its metadata (see their errors; no checkpoint there?): nothing was loaded"
+    what = f"cannot read the checkpoint {path}"
+    failed, outcome = "cannot read its metadata", "nothing was loaded (no checkpoint there?)"
     return _each_rank(
-        device, lambda: dcp.FileSystemReader(path).read_metadata(), ValueError, what, why
+        device,
+        lambda: dcp.FileSystemReader(path).read_metadata(),
+        ValueError,
+        what,
+        failed,
+        outcome,
     )
 
 
@@ -273,19 +300,22 @@ def _each_rank(
     step: Callable[[], T] | None,
     error: type[Exception],
     what: str,
-    why: str,
+    failed: str,
+    outcome: str,
 ) -> T | None:
     """Runs ``step`` on this rank (``None``: nothing), then waits for every rank, which learns
-    there which ranks' steps raised (an allreduce of one flag per rank on ``device``, which any
-    backend runs; no barrier without a process group).
+    there which ranks' steps raised and their errors (an all-gather of each rank's message
+    length on ``device``, which any backend runs, then one of the messages when some step
+    raised; no collective without a process group).
 
     Args:
-        device: the device of the flags (the model's).
+        device: the device of the all-gathers (the model's).
         step: this rank's part.
         error: what a rank whose step succeeded raises when another's failed, with the
-            message ``"<what>: rank(s) [<the ranks that failed>] <why>"``.
+            message ``"<what>: rank(s) [<r>, ...] <failed>: <their error>; <outcome>"``.
         what: the start of that message.
-        why: its end.
+        failed: what those ranks could not do.
+        outcome: what that left.
 
     Returns:
         What ``step`` returned (``None`` without a step).
@@ -293,28 +323,39 @@ def _each_rank(
     Raises:
         Exception: a rank whose step raised re-raises that; every other rank raises ``error``.
     """
-    result, failure = None, None
+    result, failure, text = None, None, ""
     if step is not None:
         try:
             result = step()
         except Exception as caught:  # noqa: BLE001 (every rank learns of it, then it is raised)
-            failure = caught
-    failed = []
+            failure, text = caught, f"{type(caught).__name__}: {caught}"
+    texts = []
     if dist.is_initialized():
-        flags = torch.zeros(dist.get_world_size(), device=device)
-        flags[dist.get_rank()] = failure is not None
-        dist.all_reduce(flags)
-        failed = flags.nonzero().flatten().tolist()
+        size = torch.tensor([len(text.encode())], dtype=torch.int64, device=device)
+        sizes = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
+        all_gather_flat(sizes, size)
+        if bool(sizes.any()):
+            texts = gather_texts(None, text, sizes.tolist(), device)
     if failure is not None:
         raise failure
-    if failed:
-        raise error(f"{what}: rank(s) {failed} {why}")
+    if any(texts):
+        raise error(f"{what}: {shared(texts, failed)}; {outcome}")
     return result
 
 
 def _device(model: nn.Module) -> torch.device:
     """The device of the model's params (where its collectives run)."""
     return next(model.parameters()).device
+
+
+def _normalised(path: str | os.PathLike) -> str:
+    """``path`` as a string: a URL (``scheme://...``) as given; a local path absolute, with
+    ``~`` expanded and no trailing separator (``"ckpt/"`` is ``"<cwd>/ckpt"``), so that
+    ``<path>.partial`` and ``<path>.old`` are its siblings."""
+    path = os.fspath(path)
+    if "://" in path:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
 
 
 def _clear(directory: str) -> None:
@@ -325,16 +366,20 @@ def _clear(directory: str) -> None:
 
 def _put_in_place(new: str, path: str) -> None:
     """Renames the directory ``new`` to ``path``, replacing (and then deleting) what was
-    there; when the rename fails, what was there is put back."""
+    there; when the rename fails, what was there is put back and ``new`` is deleted."""
     old = f"{path}.old"
     shutil.rmtree(old, ignore_errors=True)
     replaced = os.path.exists(path)
-    if replaced:
-        os.rename(path, old)
     try:
-        os.rename(new, path)
-    except OSError:
         if replaced:
-            os.rename(old, path)
+            os.rename(path, old)
+        try:
+            os.rename(new, path)
+        except OSError:
+            if replaced:
+                os.rename(old, path)
+            raise
+    except OSError:
+        shutil.rmtree(new, ignore_errors=True)
         raise
     shutil.rmtree(old, ignore_errors=True)

@@ -81,9 +81,6 @@ _OPTION_NAMES = (
     "max_grad_norm", "accumulate_dtype",
 )  # fmt: skip
 _CLIP_EPS = 1e-6  # in the clipping factor's denominator, as torch.nn.utils.clip_grad_norm_'s
-_FORMAT = 1  # the layout of ShardedOnebitOptimizer.state_dict()
-_TORCH_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
-_AUTO_MASK_KEYS = ("always_zero", "exp_avg_mask")  # and with exp_avg_mask="auto"
 
 
 class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optimizer):
@@ -321,11 +318,9 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         FSDP2's backward delivered since the last ``step()``.
 
         Without such gradients (``step()`` before any backward, a second ``step()`` after one,
-        gradients set by hand, the zero-gradient step that
-        ``torch.distributed.checkpoint.state_dict`` takes) it is a no-op: nothing changes,
-        ``count`` included. A problem that a reduce-scatter of that backward found is raised
-        here, on every rank, with no param changed; the next backward and ``step()`` train
-        normally.
+        gradients set by hand) it is a no-op: nothing changes, ``count`` included. A problem
+        that a reduce-scatter of that backward found is raised here, on every rank, with no
+        param changed; the next backward and ``step()`` train normally.
 
         Args:
             closure: re-evaluates the model and returns the loss (run with grad enabled).
@@ -647,12 +642,17 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
     def _bad_settings(
         self, settings: dict[str, Any], error_dtype: torch.dtype
     ) -> tuple[type[Exception], str] | None:
-        """The rule's own checks of the hyperparameters, as a problem."""
+        """The rule's own checks of the hyperparameters, as a problem (its message without the
+        name of the check that raised it: :func:`~fn.fsdp._agreement.agree` starts it with
+        this optimizer's)."""
         try:
             check_error_dtype(self.name, error_dtype)
             self._make_rule(settings, Local())
         except (ValueError, TypeError, NotImplementedError) as error:
-            return type(error), str(error)
+            message = str(error)
+            for who in (self.name, self.sharded_rule.__name__):
+                message = message.removeprefix(f"{who}: ")
+            return type(error), message
         return None
 
 
@@ -758,14 +758,20 @@ class OnebitAdam(ShardedOnebitOptimizer):
     ``step()`` raise ``fn.NonFiniteError`` on every rank with nothing changed (no param, ``v``,
     momentum or error), and the accumulated gradient is dropped. A param without a gradient,
     on one rank or all, counts as a zero gradient, as in ``fn.optim`` (FSDP2 reduce-scatters
-    zeros for it: ``set_reduce_scatter_unused_params``), in both phases. A ``step()`` without
-    a backward since the last one is a no-op. A ``state_dict()`` between a backward and its
-    ``step()`` is refused (``RuntimeError``: the accumulated gradient is not saved). On a 1-D
-    mesh in the compressed phase ``.grad`` holds this rank's row of its own local gradient,
-    which the update does not read: a change to it (``clip_grad_norm_``) warns once, naming
-    ``max_grad_norm``. torch's ``get_state_dict`` / ``set_state_dict`` are refused
-    (``NotImplementedError``) with nothing
-    changed: checkpoints go through :class:`~fn.fsdp.TrainingCheckpoint`.
+    zeros for it: ``set_reduce_scatter_unused_params``), in both phases, provided its FSDP2
+    module runs on every rank: a module run on some ranks only cannot be its own FSDP2 unit
+    (FSDP2's own all-gather and reduce-scatter of it would run on those ranks only, and the
+    ranks' collectives mismatch: gloo aborts, other backends time out, as with native FSDP2 and
+    HSDP), so params that may lack a gradient must be in a module that every rank runs. A
+    ``step()`` without a backward since the last one is a no-op. A ``state_dict()`` between a
+    backward and its ``step()`` is refused (``RuntimeError``: the accumulated gradient is not
+    saved). On a 1-D mesh in the compressed phase ``.grad`` holds this rank's row of its own
+    local gradient, which the update does not read: a change to it (``clip_grad_norm_``) warns
+    once, naming ``max_grad_norm``. torch's ``get_state_dict`` / ``set_state_dict`` (and
+    ``get_``/``set_optimizer_state_dict``), given any state dict, are refused on every rank
+    (``NotImplementedError``) with nothing changed: checkpoints go through
+    :class:`~fn.fsdp.TrainingCheckpoint`, or :func:`~fn.fsdp.read_onebit_state` for a DCP
+    state dict of your own.
 
     Example:
         >>> import torch, torch.distributed as dist

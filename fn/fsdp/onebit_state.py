@@ -36,6 +36,27 @@ class OnebitStateFormat:
     """The state dict of a :class:`~fn.fsdp.ShardedOnebitOptimizer` (a part of it: it reads
     the optimizer's layouts, state, compressed modules, masks and settings)."""
 
+    @property
+    def state(self) -> Any:
+        """``torch.optim``'s per-param state, which stays empty (the state is in the rule's
+        fields and the compressed modules: :meth:`state_dict`).
+
+        Raises:
+            NotImplementedError: read by ``torch.distributed.checkpoint.state_dict``
+                (``get_state_dict``, ``get_optimizer_state_dict``, ``set_state_dict``,
+                ``set_optimizer_state_dict``, each of which reads it before anything else of
+                the optimizer), which keeps only ``torch.optim``'s per-param form; nothing was
+                changed.
+        """
+        # torch's API reads this first, then takes the optimizer for one of torch.optim's form
+        if sys._getframe(1).f_globals.get("__name__") == _TORCH_STATE_DICT_API:
+            raise NotImplementedError(not_torch_format(self.name))
+        return self._per_param_state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._per_param_state = value
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's state as a ``torch.distributed.checkpoint`` (DCP) state dict, in one
         layout at every update (DCP loads in place into a layout fixed before it reads).
@@ -67,16 +88,10 @@ class OnebitStateFormat:
             A dict of tensors, the state's own where it holds them, zeros where it does not.
 
         Raises:
-            NotImplementedError: called by ``torch.distributed.checkpoint.state_dict``
-                (``get_state_dict``, ``get_optimizer_state_dict``), which keeps only
-                ``torch.optim``'s per-param form; nothing was changed.
-            RuntimeError: called between a compressed update's backward and its ``step()``
-                (the momentum already holds that backward's gradient, the update count not
-                yet); nothing was changed.
+            RuntimeError: called between a backward and its ``step()`` (the gradient
+                accumulated since the last ``step()`` is not part of a checkpoint); nothing was
+                changed.
         """
-        # torch's API would drop every key of this form and fail on the missing "state"
-        if sys._getframe(1).f_globals.get("__name__") == _TORCH_STATE_DICT_API:
-            raise NotImplementedError(not_torch_format(self.name))
         if any(module.received for module in self._modules.values()):
             raise RuntimeError(
                 f"{self.name}: state_dict() between a backward and its step(): the gradient "

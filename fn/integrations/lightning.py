@@ -226,15 +226,14 @@ class _ShardedCheckpoints:
 
     The strategy saves an optimizer as ``get_optimizer_state_dict`` sees it, torch.optim's
     ``{"state", "param_groups"}`` layout, which an ``fn.fsdp`` 1-bit optimizer does not have (its
-    momentum is one packed vector per FSDP2 module, its error feedback is per rank): saving
-    fails with ``KeyError: 'state'``, and loading would first step the optimizer with zero
-    gradients. Here saving hands the strategy the optimizer's own DCP state dict
-    (``ShardedOnebitOptimizer.state_dict()``), which the strategy's ``dcp.save`` writes as it
-    is, every rank its shards and errors, under ``optimizer_<i>``. Loading reads that state as the
-    optimizer lays it out (its header first, then ``checkpoint_template``), so a checkpoint of
-    another model, other settings or another optimizer is refused on every rank before the
-    model changes; then the strategy loads the model and the rest without the optimizer, and
-    its ``load_state_dict`` restores it.
+    momentum is one packed vector per FSDP2 module, its error feedback is per rank): torch's
+    API refuses it (``NotImplementedError``), to save and to load. Here saving hands the
+    strategy the optimizer's own DCP state dict (``ShardedOnebitOptimizer.state_dict()``),
+    which the strategy's ``dcp.save`` writes as it is, every rank its shards and errors, under
+    ``optimizer_<i>``. Loading reads that state as the optimizer lays it out (its header first,
+    then ``checkpoint_template``), so a checkpoint of another model, other settings or another
+    optimizer is refused on every rank before the model changes; then the strategy loads the
+    model and the rest without the optimizer, and its ``load_state_dict`` restores it.
     """
 
     def __init__(self, strategy: Strategy) -> None:

@@ -442,7 +442,8 @@ def convert_checkpoint(
         sched = fn.optim.scheduler_from_deepspeed(opt, ckpt["config"])  # if there is one
 
     Args:
-        folder: DeepSpeed's ``save_dir`` (its ``latest`` tag is used) or one tag's folder.
+        folder: DeepSpeed's ``save_dir`` (its ``latest`` tag is used) or one tag's folder
+            (relative or absolute, a ``str`` or ``os.PathLike``; ``~`` is expanded).
         config: the DeepSpeed config, when the checkpoint's ``ds_config`` is not a dict.
         trust: unpickle arbitrary objects (``torch.load(weights_only=False)``); only for
             checkpoints from a trusted source.
@@ -470,7 +471,7 @@ def convert_checkpoint(
         >>> ckpt["param_names"], ckpt["step"], summary[1].split(" (")[0]
         (['weight', 'bias'], 0, 'optimizer: OneBitAdam -> fn.optim.OnebitAdam')
     """
-    path = _model_states(os.fspath(folder))
+    path = _model_states(os.path.abspath(os.path.expanduser(os.fspath(folder))))
     saved = _load_model_states(path, trust)
     ds_config = _checkpoint_config(path, saved, config)
     block = ds_config.get("optimizer", ds_config)

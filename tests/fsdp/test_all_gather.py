@@ -86,11 +86,17 @@ FAST_S = 30.0  # a refusal on every rank well within this (the gloo timeout: 240
 GATHER_DIFFER = "the ranks passed different bits or group_size (this rank: "
 LOCO_DIFFER = "the ranks passed different bits, group_size, err_beta, reset_T or local_world_size"
 # by installer: (its arguments on rank 0, on rank 1, the error every rank raises, what rank 0's
-# message holds, what rank 1's holds)
+# message holds, what rank 1's holds: "", the same); a refusal is the same message on every rank
 REFUSED = {
     "quantized_all_gather": [
         (dict(bits=8.0), dict(bits=8.0), TypeError, "bits must be an int, got 8.0 (float)", ""),
-        (dict(bits=8.0), dict(bits=8), TypeError, "bits must be an int", "rank 0 refused"),
+        (
+            dict(bits=8.0),
+            dict(bits=8),
+            TypeError,
+            "rank(s) [0] refused the model or the settings: bits must be an int",
+            "",
+        ),
         (dict(bits=True), dict(bits=True), TypeError, "bits must be an int, got True (bool)", ""),
         (dict(bits="8"), dict(bits="8"), TypeError, "bits must be an int, got '8' (str)", ""),
         (
@@ -100,17 +106,35 @@ REFUSED = {
             "group_size must be an int",
             "",
         ),
-        (dict(group_size=4), dict(group_size=None), TypeError, "rank 1 refused", "group_size must"),
+        (
+            dict(group_size=4),
+            dict(group_size=None),
+            TypeError,
+            "rank(s) [1] refused the model or the settings: group_size",
+            "",
+        ),
         (dict(bits=3), dict(bits=3), ValueError, "bits must be 4 or 8, got 3", ""),
         (dict(bits=8), dict(bits=4), ValueError, GATHER_DIFFER + "(8, 128))", "(4, 128))"),
         (dict(group_size=8), dict(group_size=4), ValueError, GATHER_DIFFER + "(8, 8))", "(8, 4))"),
     ],
     "loco_reduce_scatter": [
         (dict(bits=8.0), dict(bits=8.0), TypeError, "bits must be an int, got 8.0 (float)", ""),
-        (dict(bits=4), dict(bits=4.0), TypeError, "rank 1 refused", "bits must be an int"),
+        (
+            dict(bits=4),
+            dict(bits=4.0),
+            TypeError,
+            "rank(s) [1] refused the model or the settings: bits must be an int",
+            "",
+        ),
         (dict(group_size="4"), dict(group_size="4"), TypeError, "group_size must be an int", ""),
         (dict(reset_T=True), dict(reset_T=True), TypeError, "reset_T must be an int", ""),
-        (dict(err_beta="0.8"), dict(err_beta=0.8), TypeError, "err_beta must be a float", "rank 0"),
+        (
+            dict(err_beta="0.8"),
+            dict(err_beta=0.8),
+            TypeError,
+            "rank(s) [0] refused the model or the settings: err_beta must",
+            "",
+        ),
         (dict(local_world_size=1.0), dict(local_world_size=1.0), TypeError, "local_world_size", ""),
         (dict(bits=4), dict(bits=8), ValueError, LOCO_DIFFER, "(8, 128, 0.8, 1024, None)"),
         (
@@ -170,6 +194,8 @@ def test_bad_or_differing_settings_are_refused_on_every_rank_at_install():
                 assert seconds < FAST_S, (args, rank, seconds)
             if kind is ValueError and args[0] != args[1]:  # each names its own settings
                 assert "the ranks passed different" in results[1][name, i][0]
+            else:
+                assert results[0][name, i][0] == results[1][name, i][0], args
     for result in results:
         assert result["dense_forward"] and result["dense_grads"] and result["quantized_forward"]
         assert torch.isfinite(result["trained"]).all()

@@ -1,23 +1,30 @@
-"""fn.fsdp.TrainingCheckpoint on 2 gloo ranks when one rank fails: rank 0 cannot move the new
-checkpoint into place (a mount point, or the second rename) or clear an old ``.partial``, and a
-rank cannot read the checkpoint it loads (with torch's AdamW and with fn.fsdp.OnebitAdam). Every
-rank raises at once (not at the process group's timeout), the failing rank its own error and the
-others one that names it; the previous checkpoint stays intact and loadable, nothing is loaded,
+"""fn.fsdp.TrainingCheckpoint on 2 gloo ranks: every form of a path (a trailing separator,
+``pathlib.Path``, relative, absolute, ``~``) saves, overwrites and loads, with torch's AdamW and
+with fn.fsdp.OnebitAdam. When one rank fails: rank 0 cannot move the new checkpoint into place
+(a mount point, or the second rename; on a first save too) or clear an old ``.partial``, DCP's
+write fails on a rank, and a rank cannot read the checkpoint it loads. Every rank raises at once
+(not at the process group's timeout), the failing rank its own error and the others one that
+names it and holds that error, saying whether a previous checkpoint is intact or none was there;
+no ``.partial`` is left, the previous checkpoint stays intact and loadable, nothing is loaded,
 and the next save and load work."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
-import shutil
 import time
+from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 import fn.fsdp
 from fn.fsdp import TrainingCheckpoint
@@ -82,7 +89,6 @@ def _worker_save(rank: int, world_size: int, root: str) -> dict:
     out["listing"] = sorted(os.listdir(root))
     dist.barrier()
     if rank == 0:  # an old .partial that rank 0 cannot delete
-        shutil.rmtree(f"{path}.partial")
         os.symlink(root, f"{path}.partial")
     dist.barrier()
     out["clear"] = _outcome(lambda: TrainingCheckpoint(model, optimizer, step=4).save(path))
@@ -153,21 +159,23 @@ def test_a_failed_save_raises_on_every_rank_at_once_and_keeps_the_checkpoint(tmp
     results = run_distributed(_worker_save, 2, str(tmp_path), timeout=240)
     path = str(tmp_path / "ckpt")
     for case, words in (
-        ("mount", f"could not move the new checkpoint {path}.partial to {path}"),
-        ("rename", f"could not move the new checkpoint {path}.partial to {path}"),
-        ("clear", f"could not clear {path}.partial"),
+        ("mount", f"could not move the new checkpoint {path}.partial to {path}: "),
+        ("rename", f"could not move the new checkpoint {path}.partial to {path}: "),
+        ("clear", f"could not clear {path}.partial: "),
     ):
-        kind, message, seconds = results[0][case]
-        assert kind in ("OSError", "IsADirectoryError", "NotADirectoryError"), (case, message)
+        kind0, mine, seconds = results[0][case]
+        assert kind0 in ("OSError", "IsADirectoryError", "NotADirectoryError"), (case, mine)
         assert seconds < FAST_S, case
         kind, message, seconds = results[1][case]
         assert kind == "RuntimeError" and seconds < FAST_S, (case, kind, message, seconds)
-        assert message.startswith("TrainingCheckpoint.save: rank(s) [0] "), message
-        assert words in message and f"the previous checkpoint at {path} is intact" in message
+        assert message == (
+            f"TrainingCheckpoint.save: rank(s) [0] {words}{kind0}: {mine}; nothing was saved; "
+            f"the previous checkpoint at {path} is intact"
+        ), message
     assert "Device or resource busy" in results[0]["mount"][1]
     for result in results:
-        # the new checkpoint left in .partial after a failed rename (the next save clears it)
-        assert result["listing"] == ["ckpt", "ckpt.partial"]
+        # the new checkpoint deleted after a failed rename
+        assert result["listing"] == ["ckpt"]
         assert result["kept"] == (2, True) and result["moved"]
         assert result["later"] == (4, True)
         assert result["final_listing"] == ["ckpt"]
@@ -188,3 +196,214 @@ def test_a_rank_that_cannot_read_the_checkpoint_stops_every_rank_with_nothing_lo
     for result in results:
         assert result["adamw_loaded"] == 2
         assert result["onebit_count"] == 4 and result["onebit_loaded"] == (3, 3)
+
+
+# ------------------------------------------------------------------ path forms, first saves
+
+
+def _build(kind: str, world_size: int):
+    if kind == "adamw":
+        model = test_fsdp.build(world_size)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model = test_onebit.build()
+    return model, fn.fsdp.OnebitAdam(model, lr=1e-2, freeze_step=2)
+
+
+def _train(kind: str, model: nn.Module, optimizer, rank: int, steps: range) -> None:
+    if kind == "adamw":
+        test_fsdp.train(model, optimizer, rank, steps)
+        return
+    for t in steps:
+        optimizer.zero_grad()
+        x, y = test_onebit.batch(rank, t)
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+
+def _leaves(tree, prefix: str = ""):
+    """``(key, local tensor copy)`` of every tensor in a nested dict."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            local = value.to_local() if isinstance(value, DTensor) else value
+            yield f"{prefix}{key}", local.detach().clone()
+
+
+def _everything(model: nn.Module, optimizer) -> dict:
+    """The full params and every tensor of the optimizer's state (copies)."""
+    state = {f"param.{k}": v.clone() for k, v in test_fsdp.full_params(model).items()}
+    if isinstance(optimizer, fn.fsdp.ShardedOnebitOptimizer):
+        state.update(_leaves(optimizer.state_dict(), "optim."))
+    else:
+        for i, s in enumerate(optimizer.state.values()):
+            state.update(_leaves(s, f"optim.{i}."))
+    return state
+
+
+def _forms(root: str, home: str) -> dict:
+    """By name: the path as passed, and the directory it names (relative: from ``root``; ``~``:
+    ``home``)."""
+    return {
+        "relative/": ("slash/", os.path.join(root, "slash")),
+        "relative": ("plain", os.path.join(root, "plain")),
+        "./a/../dots": ("./a/../dots", os.path.join(root, "dots")),
+        "Path": (Path("path"), os.path.join(root, "path")),
+        "absolute/": (os.path.join(root, "absolute") + os.sep, os.path.join(root, "absolute")),
+        "Path absolute": (Path(root) / "pabs", os.path.join(root, "pabs")),
+        "~/": ("~/home/", os.path.join(home, "home")),
+    }
+
+
+def _worker_forms(rank: int, world_size: int, root: str) -> dict:
+    """Each form: a first save, an overwrite, then a load (and, for fn.fsdp.OnebitAdam,
+    read_onebit_state) after more updates; relative paths from the working directory, ``~``
+    from ``HOME``."""
+    out = {}
+    for kind in ("adamw", "onebit"):
+        here = os.path.join(root, kind)
+        os.makedirs(here, exist_ok=True)
+        dist.barrier()
+        os.chdir(here)
+        os.environ["HOME"] = home = os.path.join(root, f"{kind}-home")
+        model, optimizer = _build(kind, world_size)
+        t = 0
+        for name, (path, directory) in _forms(here, home).items():
+            _train(kind, model, optimizer, rank, range(t, t + 2))
+            TrainingCheckpoint(model, optimizer, step=t + 2).save(path)  # first save
+            first = os.path.isdir(directory)
+            _train(kind, model, optimizer, rank, range(t + 2, t + 3))
+            TrainingCheckpoint(model, optimizer, step=t + 3).save(path)  # overwrite
+            saved = _everything(model, optimizer)
+            _train(kind, model, optimizer, rank, range(t + 3, t + 4))
+            moved = not _same(saved, _everything(model, optimizer))
+            checkpoint = TrainingCheckpoint(model, optimizer)
+            checkpoint.load(path)
+            loaded = checkpoint.step == t + 3 and _same(saved, _everything(model, optimizer))
+            if kind == "onebit":
+                _train(kind, model, optimizer, rank, range(t + 3, t + 4))
+                state = fn.fsdp.read_onebit_state(optimizer, path, "training.optim")
+                optimizer.load_state_dict(state)
+                loaded = loaded and _same(
+                    {k: v for k, v in saved.items() if k.startswith("optim.")},
+                    {
+                        k: v
+                        for k, v in _everything(model, optimizer).items()
+                        if k.startswith("optim.")
+                    },
+                )
+                checkpoint.load(path)
+            out[kind, name] = first, moved, loaded
+            t += 3
+        dist.barrier()
+        out[kind, "listing"] = sorted(os.listdir(here)), sorted(os.listdir(home))
+        dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_every_form_of_a_path_saves_overwrites_and_loads(tmp_path):
+    results = run_distributed(_worker_forms, 2, str(tmp_path), timeout=240)
+    for result in results:
+        for kind in ("adamw", "onebit"):
+            here, home = str(tmp_path / kind), str(tmp_path / f"{kind}-home")
+            forms = _forms(here, home)
+            for name in forms:
+                assert result[kind, name] == (True, True, True), (kind, name)
+            listing, home_listing = result[kind, "listing"]
+            made = sorted(os.path.basename(d) for n, (_, d) in forms.items() if n != "~/")
+            assert listing == made, (kind, listing)  # no .partial, no .old
+            assert "home" in home_listing and not any(
+                n.startswith("home.") for n in home_listing
+            ), (kind, home_listing)
+
+
+def _write_fails(rank: int):
+    """On rank 1: DCP's file writes raising ``OSError(ENOSPC)``; elsewhere nothing patched."""
+
+    def write_data(self, plan, planner):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if rank != 1:
+        return contextlib.nullcontext()
+    return mock.patch.object(dcp.FileSystemWriter, "write_data", write_data)
+
+
+def _dcp_outcome(call) -> tuple[str, str]:
+    """``call()``'s exception, a ``BaseException`` (DCP's): type name and notes."""
+    try:
+        call()
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 -- the test reports it
+        return type(error).__name__, " ".join(getattr(error, "__notes__", []))
+    return "ok", ""
+
+
+def _worker_first_save(rank: int, world_size: int, root: str) -> dict:
+    """A first save whose rename fails, a first save whose DCP write fails, and an overwrite
+    whose DCP write fails (relative paths with a trailing separator)."""
+    out = {}
+    for kind in ("adamw", "onebit"):
+        here = os.path.join(root, kind)
+        os.makedirs(here, exist_ok=True)
+        dist.barrier()
+        os.chdir(here)
+        model, optimizer = _build(kind, world_size)
+        _train(kind, model, optimizer, rank, range(3))
+        with _failing_rename(rank, os.path.join(here, "new.partial")):
+            out[kind, "rename"] = _outcome(
+                functools.partial(TrainingCheckpoint(model, optimizer).save, "new/")
+            )
+        dist.barrier()
+        out[kind, "rename listing"] = sorted(os.listdir(here))
+        dist.barrier()
+        with _write_fails(rank):
+            out[kind, "write"] = _dcp_outcome(
+                functools.partial(TrainingCheckpoint(model, optimizer).save, "new/")
+            )
+        dist.barrier()
+        out[kind, "write listing"] = sorted(os.listdir(here))
+        dist.barrier()
+        TrainingCheckpoint(model, optimizer, step=3).save("old/")
+        saved = _everything(model, optimizer)
+        _train(kind, model, optimizer, rank, range(3, 4))
+        with _write_fails(rank):
+            out[kind, "overwrite"] = _dcp_outcome(
+                functools.partial(TrainingCheckpoint(model, optimizer).save, "old/")
+            )
+        dist.barrier()
+        out[kind, "overwrite listing"] = sorted(os.listdir(here))
+        dist.barrier()
+        checkpoint = TrainingCheckpoint(model, optimizer)
+        checkpoint.load("old")
+        out[kind, "kept"] = checkpoint.step == 3 and _same(saved, _everything(model, optimizer))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_first_save_says_so_and_leaves_nothing(tmp_path):
+    results = run_distributed(_worker_first_save, 2, str(tmp_path), timeout=240)
+    for kind in ("adamw", "onebit"):
+        new, old = (str(tmp_path / kind / name) for name in ("new", "old"))
+        kind0, mine, seconds = results[0][kind, "rename"]
+        assert kind0 == "OSError" and "Device or resource busy" in mine and seconds < FAST_S
+        kind1, message, seconds = results[1][kind, "rename"]
+        assert kind1 == "RuntimeError" and seconds < FAST_S, (kind1, message)
+        assert message == (
+            f"TrainingCheckpoint.save: rank(s) [0] could not move the new checkpoint "
+            f"{new}.partial to {new}: {kind0}: {mine}; nothing was saved; no checkpoint was at "
+            f"{new} before"
+        ), message
+        for result in results:
+            assert result[kind, "rename listing"] == [], kind
+            assert result[kind, "write"] == (
+                "CheckpointException",
+                f"TrainingCheckpoint.save: nothing was saved; no checkpoint was at {new} before",
+            )
+            assert result[kind, "write listing"] == [], kind
+            assert result[kind, "overwrite"] == (
+                "CheckpointException",
+                f"TrainingCheckpoint.save: nothing was saved; the previous checkpoint at {old} "
+                "is intact",
+            )
+            assert result[kind, "overwrite listing"] == ["old"], kind
+            assert result[kind, "kept"], kind

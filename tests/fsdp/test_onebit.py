@@ -394,14 +394,17 @@ def test_bf16_policy_keeps_fp32_masters_and_ranks_agree():
 @pytest.mark.timeout(300)
 def test_bad_input_is_refused_on_every_rank():
     results = run_distributed(_worker_bad_input, WORLD, timeout=240)
-    for rank, out in enumerate(results):
+    for out in results:
         assert out["no fsdp"][0] == "ValueError" and "no FSDP2 module" in out["no fsdp"][1]
         assert out["outside"][0] == "ValueError" and "head.weight" in out["outside"][1]
         assert out["2-d"][0] == "NotImplementedError" and "2-D" in out["2-d"][1]
         assert out["lr differs"][0] == "ValueError" and "different" in out["lr differs"][1]
         kind, message = out["mask on rank 0"]
         assert kind == "NotImplementedError"
-        assert ("0 and 1" in message) if rank == 0 else ("rank 0" in message), message
+        assert message.startswith(
+            "fn.fsdp.OnebitAdam: rank(s) [0] refused the model or the settings: exp_avg_mask"
+        ), message  # on every rank, with rank 0's reason
+        assert "0 and 1" in message and message == results[0]["mask on rank 0"][1], message
         assert out["mask differs"][0] == "ValueError" and "different" in out["mask differs"][1]
         kind, message = out["auto mask on rank 0"]
         assert kind == "ValueError" and "different" in message, message

@@ -245,32 +245,54 @@ def _worker_step_without_backward(rank: int, world_size: int, kind: str) -> dict
     return out
 
 
+def _grads(model: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.to_local().clone() for p in model.parameters()]
+
+
 def _worker_torch_state_dict_api(rank: int, world_size: int, kind: str) -> dict:
-    """torch's state-dict API, before any update and in the compressed phase: refused, naming
-    TrainingCheckpoint, with the optimizer's state unchanged; the updates after it equal an
-    uninterrupted run's."""
+    """torch's state-dict API (the four functions, with fn's own state dict, torch's form and
+    a flattened one), before any update and in the compressed phase: refused, naming
+    TrainingCheckpoint and read_onebit_state, with the optimizer's state, the params and the
+    gradients unchanged; the updates after it equal an uninterrupted run's."""
     del world_size
     model, optimizer = build(kind)
     out = {"calls": []}
-    calls = {
-        "get_state_dict": lambda: torch_state_dict.get_state_dict(model, optimizer),
-        "get_optimizer_state_dict": lambda: torch_state_dict.get_optimizer_state_dict(
-            model, optimizer
-        ),
-        "set_state_dict": lambda: torch_state_dict.set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=torch_state_dict.get_model_state_dict(model),
-            optim_state_dict={"state": {}, "param_groups": []},
-        ),
+    options = torch_state_dict.StateDictOptions(flatten_optimizer_state_dict=True)
+    forms = {
+        "own": optimizer.state_dict,
+        "torch": lambda: {"state": {}, "param_groups": [{"lr": 1e-2, "params": ["head.bias"]}]},
+        "flat": lambda: {"param_groups.head.bias.lr": 1e-2},
     }
+
+    def calls(form):
+        return {
+            "get_state_dict": lambda: torch_state_dict.get_state_dict(model, optimizer),
+            "get_optimizer_state_dict": lambda: torch_state_dict.get_optimizer_state_dict(
+                model, optimizer, options=options if form == "flat" else None
+            ),
+            "set_state_dict": lambda: torch_state_dict.set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=torch_state_dict.get_model_state_dict(model),
+                optim_state_dict=forms[form](),
+            ),
+            "set_optimizer_state_dict": lambda: torch_state_dict.set_optimizer_state_dict(
+                model, optimizer, forms[form]()
+            ),
+        }
+
     for t in range(STEPS + 1):
         if t in (0, FREEZE + 1):
-            for name, call in calls.items():
-                state, before = state_of(optimizer), full(model)
-                outcome = attempt(call)
-                unchanged = same_state(state, state_of(optimizer))
-                out["calls"].append((name, outcome, unchanged, torch.equal(full(model), before)))
+            for form in forms:
+                for name, call in calls(form).items():
+                    state, before, grads = state_of(optimizer), full(model), _grads(model)
+                    outcome = attempt(call)
+                    unchanged = same_state(state, state_of(optimizer)) and all(
+                        a is b or (a is not None and b is not None and torch.equal(a, b))
+                        for a, b in zip(grads, _grads(model), strict=True)
+                    )
+                    params = torch.equal(full(model), before)
+                    out["calls"].append((f"{name}({form})", outcome, unchanged, params))
         if t < STEPS:
             optimizer.zero_grad()
             loss(model, rank, t).backward()
@@ -294,6 +316,7 @@ def _worker_bad_arguments(rank: int, world_size: int, kind: str) -> dict:
         "lr": lambda: cls(model, lr="fast"),
         "lr-negative": lambda: cls(model, lr=-1.0),
         "eps": lambda: cls(model, lr=1e-2, eps=-1e-8),
+        "error_dtype": lambda: cls(model, lr=1e-2, error_dtype=torch.int8),
     }
     for name, make in cases.items():
         out[name] = attempt(make)
@@ -303,6 +326,17 @@ def _worker_bad_arguments(rank: int, world_size: int, kind: str) -> dict:
     optimizer.step()
     out["count"] = optimizer.count
     return out
+
+
+def _worker_one_rank_refusals(rank: int, world_size: int) -> dict:
+    """The refusals with one rank (no agreement across ranks)."""
+    del rank
+    model = fully_shard(nn.Linear(2, 1), mesh=init_device_mesh("cpu", (world_size,)))
+    return {
+        (kind, key): attempt(lambda: getattr(fn.fsdp, name)(model, lr=1e-2, **{key: value}))  # noqa: B023
+        for kind, name in OPTIMIZERS.items()
+        for key, value in (("eps", -1e-8), ("error_dtype", torch.int8))
+    }
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -362,10 +396,14 @@ def test_step_without_backward_is_a_noop(kind):
 def test_torch_state_dict_api_is_refused_with_nothing_changed(kind):
     results = run_distributed(_worker_torch_state_dict_api, WORLD, kind, timeout=240)
     for out in results:
-        assert len(out["calls"]) == 6
+        assert len(out["calls"]) == 2 * 3 * 4
         for name, outcome, unchanged, params_unchanged in out["calls"]:
-            assert outcome.startswith("NotImplementedError"), (name, outcome)
-            assert "TrainingCheckpoint" in outcome, (name, outcome)
+            assert outcome.startswith(f"NotImplementedError: fn.fsdp.{OPTIMIZERS[kind]}: its "), (
+                name,
+                outcome,
+            )
+            assert "fn.fsdp.TrainingCheckpoint" in outcome, (name, outcome)
+            assert "fn.fsdp.read_onebit_state" in outcome, (name, outcome)
             assert unchanged and params_unchanged, name
         assert torch.equal(out["params"], out["reference"])
     assert torch.equal(results[0]["params"], results[1]["params"])
@@ -383,7 +421,24 @@ def test_bad_arguments_name_the_setting_on_every_rank(kind):
                           ("lr-negative", "lr"), ("eps", "eps")]:  # fmt: skip
         assert out[name].split(":")[0] in ("ValueError", "TypeError"), out[name]
         assert setting in out[name].split(":", 1)[1], out[name]
+    refused = f"ValueError: fn.fsdp.{OPTIMIZERS[kind]}: rank(s) [0, 1] refused the model or the "
+    assert out["eps"] == f"{refused}settings: eps must be >= 0, got -1e-08"
+    assert out["error_dtype"] == (
+        f"{refused}settings: error_dtype must be one of torch.float32, torch.bfloat16, "
+        "torch.float16, got torch.int8"
+    )
     assert out["count"] == 1
+
+
+@pytest.mark.distributed
+def test_bad_arguments_on_one_rank_carry_one_prefix():
+    (out,) = run_distributed(_worker_one_rank_refusals, 1, timeout=240)
+    for kind, name in OPTIMIZERS.items():
+        assert out[kind, "eps"] == f"ValueError: fn.fsdp.{name}: eps must be >= 0, got -1e-08"
+        assert out[kind, "error_dtype"] == (
+            f"ValueError: fn.fsdp.{name}: error_dtype must be one of torch.float32, "
+            "torch.bfloat16, torch.float16, got torch.int8"
+        )
 
 
 @pytest.mark.distributed

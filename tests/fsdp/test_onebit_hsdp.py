@@ -322,6 +322,18 @@ def _worker_bad_input(rank: int, world_size: int) -> dict:
     out["replicate on one rank"] = _refusal(
         lambda: optimizer("adam", build("adam", mesh=whole["shard"]), some)
     )
+    # replicate= passed on one node only: the other node's ranks refuse their shard mesh alone,
+    # and every rank reads why
+    for passing in range(N):
+        some = replicate if node == passing else None
+        out["replicate on node", passing] = _refusal(
+            lambda: optimizer("adam", build("adam"), some)  # noqa: B023 (called at once)
+        )
+    # an installer that agrees over the shard group names the refusing rank in the world
+    bits = 8.0 if rank == WORLD - 1 else 8
+    out["bits on the last rank"] = _refusal(
+        lambda: fn.fsdp.quantized_all_gather(build("adam"), bits=bits)
+    )
     return out
 
 
@@ -491,6 +503,26 @@ def test_bad_input_is_refused_on_every_rank():
         assert kind == "NotImplementedError" and "HSDP" in message, message
         kind, message = out["replicate on one rank"]
         assert kind == "ValueError" and "different" in message, message
+    for rank, out in enumerate(results):
+        if rank // L == N - 1:
+            assert out["bits on the last rank"] == (
+                "TypeError",
+                f"fn.fsdp.quantized_all_gather: rank(s) [{WORLD - 1}] refused the model or the "
+                "settings: bits must be an int, got 8.0 (float)",
+            )
+        else:  # the other nodes' shard groups installed it
+            assert out["bits on the last rank"] is None
+    for passing in range(N):  # the same error on every rank, with the reason
+        refusing = [r for r in range(WORLD) if r // L != passing]
+        kind, message = results[0]["replicate on node", passing]
+        assert kind == "ValueError" and message.startswith(
+            f"fn.fsdp.OnebitAdam: rank(s) {refusing} refused the model or the settings: the "
+            "model's 1-D shard mesh holds 2 of the 4 ranks: the ranks outside it would drift "
+            "apart unnoticed. "
+        ), message
+        assert 'replicate=mesh["replicate"]' in message, message
+        for out in results:
+            assert out["replicate on node", passing] == (kind, message)
 
 
 @pytest.mark.distributed

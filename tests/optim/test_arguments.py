@@ -65,6 +65,17 @@ def test_constructor_names_the_malformed_setting_and_changes_nothing(name, key, 
     assert untouched
 
 
+@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
+def test_error_dtype_is_refused_with_one_prefix(name):
+    message, untouched = _message(CONSTRUCTORS[name], Local(), "error_dtype", torch.int8)
+    factory = {"OnebitAdam": "onebit_adam", "OnebitLamb": "onebit_lamb"}.get(name, "zero_one_adam")
+    assert message == (
+        f"{factory}: error_dtype must be one of torch.float32, torch.bfloat16, torch.float16, "
+        "got torch.int8"
+    )
+    assert untouched
+
+
 def test_short_betas_no_longer_fail_to_unpack():
     model = make_model()
     with pytest.raises(ValueError, match=r"betas must be a pair \(b1, b2\).*got \(0\.9,\)"):

@@ -95,3 +95,17 @@ def test_unusable_folders_are_clear_errors(tmp_path, capsys):
     (zero / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
     assert main(["from-deepspeed", str(zero), out]) == 1
     assert "ZeRO" in capsys.readouterr().err
+
+
+def test_every_form_of_a_folder_converts(tmp_path, monkeypatch):
+    save_dir = _save_dir(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    forms = [
+        save_dir, str(save_dir), f"{save_dir}/", "ckpt", "ckpt/", Path("ckpt"), "./ckpt/",
+        "~/ckpt/", save_dir / "global_step10", "ckpt/global_step10/",
+    ]  # fmt: skip
+    for form in forms:
+        ckpt, summary = fn.optim.convert_checkpoint(form)
+        assert ckpt["step"] == 9 and ckpt["param_names"][0] == "encoder.weight", form
+        assert summary[0].startswith(f"read {save_dir / 'global_step10'}"), (form, summary[0])
