@@ -259,7 +259,7 @@ def _memory(model, optimizer) -> dict[str, int]:
     if isinstance(optimizer, torch.optim.AdamW):
         state = _local_bytes(list(optimizer.state.values()))
     else:
-        held = [(x.signs, x.errors) for x in optimizer._compressed.values()]
+        held = [(x.signs, x.errors) for x in optimizer._modules.values()]
         state = _local_bytes([optimizer._state, held])
     grads = _local_bytes([p.grad for p in params if p.grad is not None])
     return {"params": _local_bytes(params), "grads": grads, "state": state}

@@ -86,7 +86,8 @@ def model_problem(
         "non_freeze": (non_freeze, "one module's vector would mix dense and compressed params"),
         "nonfinite='skip'": (
             nonfinite == "skip",
-            "the modules reduce-scattered before a non-finite one have already advanced",
+            "not built yet on FSDP2: step() raises fn.NonFiniteError with nothing changed; "
+            "skip the batch with zero_grad()",
         ),
         "local_world_size": (
             local_world_size is not None,
