@@ -752,7 +752,7 @@ class OnebitAdam(ShardedOnebitOptimizer):
             ``mesh["shard"]`` and pass ``replicate=mesh["replicate"]``), or an option not
             built yet.
 
-    Policies (README.md, "Policies"): nothing is raised inside FSDP2's backward; what a
+    Policies (docs/guides/policies.md): nothing is raised inside FSDP2's backward; what a
     reduce-scatter finds is raised by the next ``step()``, on every rank, with no param
     changed, and the next backward and ``step()`` train normally. A non-finite gradient makes
     ``step()`` raise ``fn.NonFiniteError`` on every rank with nothing changed (no param, ``v``,
