@@ -382,10 +382,21 @@ class FnCallback(Callback):
       ``strategy="ddp"`` and its variants) to ``fn.ddp.register`` (DDP then averages in warmup
       and is silent once compressed). For an ``fn.fsdp`` 1-bit optimizer under
       ``ModelParallelStrategy``: refuses, on every rank, what it cannot run with (another
-      optimizer beside it, ``accumulate_grad_batches > 1``, ``gradient_clip_val``,
-      ``save_distributed_checkpoint=False``; an FSDP2 mesh smaller than the world without
-      ``replicate=`` is refused by the optimizer itself) and routes the strategy's optimizer
-      checkpoints through the optimizer's own DCP state dict (``_ShardedCheckpoints``).
+      optimizer beside it, ``save_distributed_checkpoint=False``; an FSDP2 mesh smaller than
+      the world without ``replicate=`` is refused by the optimizer itself); hands the
+      Trainer's ``gradient_clip_val`` to the optimizer as its ``max_grad_norm``, which clips
+      the gradient entering the momentum in every phase, and makes Lightning's own clipping
+      of ``.grad`` step aside for it (``gradient_clip_algorithm="value"``, or a
+      ``gradient_clip_val`` other than the ``max_grad_norm`` the optimizer was built with, is
+      refused on every rank); and routes the strategy's optimizer checkpoints through the
+      optimizer's own DCP state dict (``_ShardedCheckpoints``).
+      ``accumulate_grad_batches=k`` needs nothing: the strategy reduce-scatters every
+      micro-batch's gradient (Lightning divides each loss by ``k``), the optimizer accumulates
+      them (on HSDP in FSDP2's ``.grad`` shards; on a 1-D mesh, once compressed, each rank's
+      whole local gradient, ``accumulate_dtype``) and makes the update's one exchange across
+      the ranks or nodes in ``step()``. Lightning's checkpoints (``ModelCheckpoint`` by steps
+      or epochs) come after an update; one between the micro-batches of an update
+      (``train_time_interval``, say) is refused by the optimizer (``RuntimeError``).
     - At the start of training (``on_train_start``: the loaders are built, before the first
       batch), for an ``fn.fsdp`` 1-bit optimizer: refuses, on every rank, a training loader
       whose ``DistributedSampler`` deals the data over another number of ranks than the world
@@ -409,7 +420,9 @@ class FnCallback(Callback):
     from ``configure_optimizers``; checkpoints resume as on one mesh, and on another mesh shape
     resharded (the error feedback restarts with a warning). The strategy's default sizes
     (``data_parallel_size`` the nodes) would deal the batches by node, the ``L`` ranks of a node
-    drawing the same: refused at the start of training, as above.
+    drawing the same: refused at the start of training, as above. Accumulation and clipping run
+    as on one mesh; with accumulation HSDP holds no more than FSDP2's ``.grad`` shards, where a
+    1-D mesh's compressed phase holds each rank's whole local gradient.
 
     Example:
         One process, no DDP (under ``torchrun`` with ``strategy="ddp"`` the same lines register

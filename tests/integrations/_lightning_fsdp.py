@@ -288,6 +288,17 @@ class HookClipping(SteepClassifier):
         self.clip_gradients(optimizer, gradient_clip_val=CLIP / 2, gradient_clip_algorithm="norm")
 
 
+class SaveAfterBatch(lightning.Callback):
+    """``trainer.save_checkpoint(path)`` after the batch ``batch_idx``."""
+
+    def __init__(self, path: Path, batch_idx: int) -> None:
+        self.path, self.batch_idx = path, batch_idx
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == self.batch_idx:
+            trainer.save_checkpoint(self.path)
+
+
 class UpdateParams(lightning.Callback):
     """The model's params (all-gathered) after each update."""
 
@@ -310,7 +321,7 @@ def accumulation_runs(
     a new run; ``"compressed"``, the final params of a run resumed from the full run's
     checkpoint at the end of its warmup) and ``refused`` (clipping by value; a
     ``gradient_clip_val`` other than the optimizer's ``max_grad_norm``; another norm in
-    ``configure_gradient_clipping``)."""
+    ``configure_gradient_clipping``; a checkpoint between the micro-batches of an update)."""
     rank = int(os.environ["RANK"])
     options = dict(steps=ACC_STEPS, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP)
     unclipped = {**options, "gradient_clip_val": None}
@@ -328,6 +339,7 @@ def accumulation_runs(
         checkpoints / f"checkpoint-{FREEZE - 1}.ckpt", make_model, train, **unclipped
     )
     value = {**options, "gradient_clip_algorithm": "value"}
+    midway = SaveAfterBatch(out_dir / "midway.ckpt", batch_idx=1)  # in the first update
     return {
         "full": full,
         "bare": bare(rank, steps=ACC_STEPS, accumulate=ACCUMULATE, steep=STEEP, max_grad_norm=CLIP),
@@ -337,6 +349,9 @@ def accumulation_runs(
             "by value": refused(lambda: make_model(LR, FREEZE), train=train, **value),
             "other norm": refused(lambda: ClippedClassifier(LR, FREEZE), train=train, **options),
             "hook's norm": refused(lambda: HookClipping(LR, FREEZE), train=train, **unclipped),
+            "between micro-batches": refused(
+                lambda: make_model(LR, FREEZE), train=train, callbacks=(midway,), **options
+            ),
         },
     }
 

@@ -4,8 +4,10 @@ gloo ranks under ``torchrun`` (tests/integrations/_lightning_fsdp.py and
 examples/lightning_fsdp.py): runs resumed from a checkpoint in the warmup, at the freeze and in
 the compressed phase end bit-identical (params and optimizer state) to the uninterrupted run,
 which equals a plain fn.fsdp loop and sends 1-bit traffic after the freeze; bad set-ups are
-refused on every rank with nothing changed; in one process: the strategies it cannot run
-under."""
+refused on every rank with nothing changed; with accumulate_grad_batches=4 and
+gradient_clip_val=1.0 the same, the clip acting in both phases, and clipping that fn cannot
+make, or a checkpoint between micro-batches, refused on every rank; in one process: the
+strategies it cannot run under."""
 
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ ACC_REFUSED = {
     "by value": r"^NotImplementedError: .*gradient_clip_algorithm='value' with fn.fsdp.OnebitAdam",
     "other norm": r"^ValueError: .*gradient_clip_val=1.0 and .*\(max_grad_norm=0.5\) differ",
     "hook's norm": r"^ValueError: .*clipping to the norm 0.5 .* whose max_grad_norm is None",
+    "between micro-batches": r"^RuntimeError: .*state_dict\(\) between a backward and its step",
 }
 
 

@@ -8,7 +8,8 @@ bit-identical (params and optimizer state) to the uninterrupted run; a checkpoin
 rank ending with the same params. Under Lightning's own sampler the ranks' batches of one epoch
 cover the data without a repeat; with the strategy's default sizes (data_parallel_size = the
 nodes, which would deal the batches by node) FnCallback refuses on every rank before the first
-batch."""
+batch. With accumulate_grad_batches=4 and gradient_clip_val=1.0: the same, bytes across the
+nodes once per update, the clip acting in both phases."""
 
 from __future__ import annotations
 
