@@ -181,13 +181,15 @@ def _map_clipping(trainer: Trainer, optimizer: ShardedOnebitOptimizer) -> None:
     late (a 1-D mesh's compressed update does not read ``.grad``). Lightning's own clipping then
     steps aside (:class:`_ShardedClipping`).
 
-    Raises, on every rank (one all-gather over the world, so that ranks whose Trainers differ
-    raise too), with ``optimizer`` unchanged:
-        NotImplementedError: ``gradient_clip_algorithm="value"``, which fn has no equivalent
-            of.
-        ValueError: a ``gradient_clip_val`` that is not finite, or one that differs from the
-            ``max_grad_norm`` the optimizer was built with; the ranks' Trainers or optimizers
-            differ in these settings.
+    The ranks check these settings in one all-gather over the world, so that ranks whose
+    Trainers differ raise too; a refusal leaves ``optimizer`` unchanged.
+
+    Raises:
+        NotImplementedError: on every rank, ``gradient_clip_algorithm="value"``, which fn has
+            no equivalent of.
+        ValueError: on every rank, a ``gradient_clip_val`` that is not finite, or one that
+            differs from the ``max_grad_norm`` the optimizer was built with; or the ranks'
+            Trainers or optimizers differ in these settings.
     """
     clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
     clips = clip is not None and clip > 0  # Lightning clips nothing at 0 or below
