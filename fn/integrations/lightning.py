@@ -42,13 +42,17 @@ from lightning.pytorch.strategies import (
     ModelParallelStrategy,
     Strategy,
 )
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.utils.data import DistributedSampler
 
 from fn.fsdp import ShardedOnebitOptimizer, read_onebit_state
+from fn.fsdp._agreement import agree
 from fn.integrations._common import register_ddp, unwrap_optimizer
 from fn.optim import FunctionalOptimizer, OnebitFamily
 
 __all__ = ["FnCallback", "check_strategy"]
+
+_NAME = "fn.integrations.lightning"
 
 # Strategies that shard or average the gradients themselves, with what to use instead.
 _UNSUPPORTED = (
@@ -159,20 +163,6 @@ def _check_sharded_run(trainer: Trainer, optimizer: ShardedOnebitOptimizer) -> N
             f"(configure_optimizers returned {len(trainer.optimizers)}): it updates every "
             "trainable param of the FSDP2 model"
         )
-    if trainer.accumulate_grad_batches > 1:
-        raise NotImplementedError(
-            f"fn.integrations.lightning: accumulate_grad_batches > 1 with {optimizer.name}: "
-            "Lightning's ModelParallelStrategy reduce-scatters the gradients of every "
-            "accumulated batch, and a compressed update takes one "
-            "reduce-scatter (accumulate inside training_step, or use a larger batch)"
-        )
-    if trainer.gradient_clip_val:
-        raise NotImplementedError(
-            f"fn.integrations.lightning: gradient_clip_val with {optimizer.name}: from "
-            "freeze_step on, its update is the momentum that its reduce-scatter compressed in "
-            "the backward pass, before Lightning clips the gradients, so clipping would act in "
-            "the warmup only"
-        )
     # The strategy has no public accessor for its checkpoint format.
     if not getattr(trainer.strategy, "_save_distributed_checkpoint", True):
         raise NotImplementedError(
@@ -182,6 +172,102 @@ def _check_sharded_run(trainer: Trainer, optimizer: ShardedOnebitOptimizer) -> N
             "state gathered on rank 0) cannot hold; keep the default "
             "save_distributed_checkpoint=True"
         )
+
+
+def _map_clipping(trainer: Trainer, optimizer: ShardedOnebitOptimizer) -> None:
+    """Hands the Trainer's ``gradient_clip_val`` to ``optimizer`` as its ``max_grad_norm``, which
+    its ``step()`` reads at every update: it clips the gradient that enters the momentum, in the
+    warmup and in the compressed phase, where Lightning's clipping of ``.grad`` would come too
+    late (a 1-D mesh's compressed update does not read ``.grad``). Lightning's own clipping then
+    steps aside (:class:`_ShardedClipping`).
+
+    The ranks check these settings in one all-gather over the world, so that ranks whose
+    Trainers differ raise too; a refusal leaves ``optimizer`` unchanged.
+
+    Raises:
+        NotImplementedError: on every rank, ``gradient_clip_algorithm="value"``, which fn has
+            no equivalent of.
+        ValueError: on every rank, a ``gradient_clip_val`` that is not finite, or one that
+            differs from the ``max_grad_norm`` the optimizer was built with; or the ranks'
+            Trainers or optimizers differ in these settings.
+    """
+    clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+    clips = clip is not None and clip > 0  # Lightning clips nothing at 0 or below
+    problem = None
+    if clips and algorithm == GradClipAlgorithmType.VALUE:
+        problem = (
+            NotImplementedError,
+            f"gradient_clip_algorithm='value' with {optimizer.name}: fn clips the gradient's "
+            "norm (max_grad_norm), not its values; use gradient_clip_algorithm='norm' (the "
+            "default)",
+        )
+    elif clips and not math.isfinite(clip):
+        problem = (ValueError, f"gradient_clip_val must be finite, got {clip!r}")
+    elif clips and optimizer.max_grad_norm not in (None, clip):
+        problem = (
+            ValueError,
+            f"gradient_clip_val={clip!r} and {optimizer.name}(max_grad_norm="
+            f"{optimizer.max_grad_norm!r}) differ: fn clips once, inside step(); set one of "
+            "them, or both to the same value",
+        )
+    settings = repr((clip, str(algorithm), optimizer.max_grad_norm))
+    what = f"gradient_clip_val, gradient_clip_algorithm or max_grad_norm (this rank: {settings})"
+    agree(_NAME, None, problem, settings, what, device=trainer.strategy.root_device)
+    if clips:
+        optimizer.max_grad_norm = float(clip)
+
+
+class _ShardedClipping:
+    """The strategy's precision plugin's ``clip_gradients`` (which Lightning runs after the
+    closure, before ``optimizer.step()`` updates, for ``gradient_clip_val`` or a module's
+    ``configure_gradient_clipping``), replaced on that instance by :class:`FnCallback`. For an
+    ``fn.fsdp`` 1-bit optimizer it clips nothing: the optimizer clips inside ``step()`` with its
+    ``max_grad_norm`` (:func:`_map_clipping`), and clipping ``.grad`` as well would clip twice in
+    the warmup and warn in a 1-D mesh's compressed phase, where ``step()`` does not read
+    ``.grad``. Any other optimizer goes through the plugin's own method."""
+
+    def __init__(self, plugin: Any) -> None:
+        self.clip_gradients = plugin.clip_gradients
+
+    @classmethod
+    def install(cls, plugin: Any) -> None:
+        """Routes ``plugin``'s clipping through this class (once)."""
+        if isinstance(getattr(plugin.clip_gradients, "__self__", None), cls):
+            return
+        plugin.clip_gradients = cls(plugin).clip
+
+    def clip(
+        self,
+        optimizer: Any,
+        clip_val: float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Nothing for an ``fn.fsdp`` 1-bit optimizer that clips to ``clip_val`` itself; the
+        plugin's clipping for any other optimizer.
+
+        Raises:
+            NotImplementedError: clipping by value of an ``fn.fsdp`` 1-bit optimizer.
+            ValueError: clipping an ``fn.fsdp`` 1-bit optimizer to another norm than its
+                ``max_grad_norm`` (``clip_gradients`` in ``configure_gradient_clipping``).
+        """
+        inner = getattr(optimizer, "optimizer", optimizer)  # inside a LightningOptimizer
+        if not isinstance(inner, ShardedOnebitOptimizer):
+            self.clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+            return
+        if clip_val is None or clip_val <= 0:
+            return
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            raise NotImplementedError(
+                f"{_NAME}: clipping by value with {inner.name}: fn clips the gradient's norm "
+                "inside step() (max_grad_norm); clip with gradient_clip_algorithm='norm'"
+            )
+        if clip_val != inner.max_grad_norm:
+            raise ValueError(
+                f"{_NAME}: clipping to the norm {clip_val!r} with {inner.name}, whose "
+                f"max_grad_norm is {inner.max_grad_norm!r}: it clips inside step(), to "
+                "max_grad_norm, which the Trainer's gradient_clip_val sets at fit start; clip "
+                "to that value, or build the optimizer with max_grad_norm="
+            )
 
 
 def _loaders(iterables: Any) -> Iterator[Any]:
@@ -297,10 +383,21 @@ class FnCallback(Callback):
       ``strategy="ddp"`` and its variants) to ``fn.ddp.register`` (DDP then averages in warmup
       and is silent once compressed). For an ``fn.fsdp`` 1-bit optimizer under
       ``ModelParallelStrategy``: refuses, on every rank, what it cannot run with (another
-      optimizer beside it, ``accumulate_grad_batches > 1``, ``gradient_clip_val``,
-      ``save_distributed_checkpoint=False``; an FSDP2 mesh smaller than the world without
-      ``replicate=`` is refused by the optimizer itself) and routes the strategy's optimizer
-      checkpoints through the optimizer's own DCP state dict (``_ShardedCheckpoints``).
+      optimizer beside it, ``save_distributed_checkpoint=False``; an FSDP2 mesh smaller than
+      the world without ``replicate=`` is refused by the optimizer itself); hands the
+      Trainer's ``gradient_clip_val`` to the optimizer as its ``max_grad_norm``, which clips
+      the gradient entering the momentum in every phase, and makes Lightning's own clipping
+      of ``.grad`` step aside for it (``gradient_clip_algorithm="value"``, or a
+      ``gradient_clip_val`` other than the ``max_grad_norm`` the optimizer was built with, is
+      refused on every rank); and routes the strategy's optimizer checkpoints through the
+      optimizer's own DCP state dict (``_ShardedCheckpoints``).
+      ``accumulate_grad_batches=k`` needs nothing: the strategy reduce-scatters every
+      micro-batch's gradient (Lightning divides each loss by ``k``), the optimizer accumulates
+      them (on HSDP in FSDP2's ``.grad`` shards; on a 1-D mesh, once compressed, each rank's
+      whole local gradient, ``accumulate_dtype``) and makes the update's one exchange across
+      the ranks or nodes in ``step()``. Lightning's checkpoints (``ModelCheckpoint`` by steps
+      or epochs) come after an update; one between the micro-batches of an update
+      (``train_time_interval``, say) is refused by the optimizer (``RuntimeError``).
     - At the start of training (``on_train_start``: the loaders are built, before the first
       batch), for an ``fn.fsdp`` 1-bit optimizer: refuses, on every rank, a training loader
       whose ``DistributedSampler`` deals the data over another number of ranks than the world
@@ -324,7 +421,9 @@ class FnCallback(Callback):
     from ``configure_optimizers``; checkpoints resume as on one mesh, and on another mesh shape
     resharded (the error feedback restarts with a warning). The strategy's default sizes
     (``data_parallel_size`` the nodes) would deal the batches by node, the ``L`` ranks of a node
-    drawing the same: refused at the start of training, as above.
+    drawing the same: refused at the start of training, as above. Accumulation and clipping run
+    as on one mesh; with accumulation HSDP holds no more than FSDP2's ``.grad`` shards, where a
+    1-D mesh's compressed phase holds each rank's whole local gradient.
 
     Example:
         One process, no DDP (under ``torchrun`` with ``strategy="ddp"`` the same lines register
@@ -358,7 +457,9 @@ class FnCallback(Callback):
             check_strategy(trainer.strategy, optimizer)
             if isinstance(optimizer, ShardedOnebitOptimizer):
                 _check_sharded_run(trainer, optimizer)
+                _map_clipping(trainer, optimizer)
                 _ShardedCheckpoints.install(trainer.strategy)
+                _ShardedClipping.install(trainer.strategy.precision_plugin)
             else:
                 register_ddp(trainer.strategy.model, optimizer)
             if math.isfinite(steps):

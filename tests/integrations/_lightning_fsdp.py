@@ -2,7 +2,7 @@
 ``ModelParallelStrategy`` with ``FnCallback`` (examples/lightning_fsdp.py's model, loader and LR
 schedule), on every rank.
 
-    torchrun --nproc-per-node 2 tests/integrations/_lightning_fsdp.py OUT_DIR
+    torchrun --nproc-per-node 2 tests/integrations/_lightning_fsdp.py OUT_DIR [accumulation]
 
 - ``full``: an uninterrupted run of ``STEPS`` updates, a checkpoint after every update: per
   update fn's bytes sent, fn's warnings, the final params (all-gathered) and this rank's final
@@ -17,11 +17,15 @@ schedule), on every rank.
   uninterrupted run (as ``full``; its state holds the switch) and runs resumed from
   ``LAMB_RESUME``.
 
+With ``accumulation``, instead, :func:`accumulation_runs`: ``accumulate_grad_batches=4`` and
+``gradient_clip_val=1.0`` (``ACCUMULATE``, ``CLIP``).
+
 Writes ``OUT_DIR/rank<r>.pt``.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import warnings
@@ -50,19 +54,27 @@ RESUME = (1, 2, 3, 5)  # warmup; the last warmup update; the first compressed; c
 # 1-bit LAMB's automatic switch, decided by the criterion or at the latest by max_updates
 LAMB_SWITCH = fn.AutoFreeze(min_updates=2, max_updates=3)
 LAMB_RESUME = (2, 3, 5)  # each side of the decision (made at the end of update 2 or 3)
+# accumulation and clipping: 8 micro-batches an epoch, so 2 updates; the updates after FREEZE - 1
+# are compressed
+ACCUMULATE, CLIP, ACC_STEPS = 4, 1.0, 5
+ACC_RESUME = (2, 3)  # the last warmup update (an epoch's end); the first compressed (mid-epoch)
+STEEP = 4.0  # the loss's factor in those runs: the gradient norms then exceed CLIP
 
 
 class StepTraffic(lightning.Callback):
-    """Per update: fn's bytes sent by the optimizer."""
+    """Per batch: fn's bytes sent by the optimizer, all and across the nodes."""
 
     def __init__(self) -> None:
         self.sent: list[int] = []
+        self.inter: list[int] = []  # across the nodes (HSDP)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.start = trainer.optimizers[0].bytes_sent
+        self.start_inter = trainer.optimizers[0].bytes_sent_by_hop["inter"]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.sent.append(trainer.optimizers[0].bytes_sent - self.start)
+        self.inter.append(trainer.optimizers[0].bytes_sent_by_hop["inter"] - self.start_inter)
 
 
 def strategy(**options: Any) -> ModelParallelStrategy:
@@ -122,10 +134,17 @@ def fn_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if str(w.message).startswith("fn.")]
 
 
-def full_run(out_dir: Path, make_model: type = ShardedClassifier, train: Any = fit) -> dict:
-    """An uninterrupted run of ``make_model`` fitted by ``train`` with a checkpoint after every
-    update: fn's bytes sent per update, fn's warnings, the final params and this rank's final
-    optimizer state."""
+def full_run(
+    out_dir: Path,
+    make_model: type = ShardedClassifier,
+    train: Any = fit,
+    callbacks: tuple = (),
+    **options: Any,
+) -> dict:
+    """An uninterrupted run of ``make_model`` fitted by ``train`` (with ``callbacks`` and
+    ``options``) with a checkpoint after every update: fn's bytes sent per batch (all and across
+    the nodes), fn's warnings, the final params, this rank's final optimizer state, the optimizer's
+    ``max_grad_norm`` and the checkpoints saved."""
     traffic = StepTraffic()
     saving = ModelCheckpoint(
         dirpath=out_dir,
@@ -137,36 +156,64 @@ def full_run(out_dir: Path, make_model: type = ShardedClassifier, train: Any = f
     model = make_model(LR, FREEZE)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = train(model, callbacks=(traffic, saving))
+        trainer = train(model, callbacks=(traffic, saving, *callbacks), **options)
     return {
         "sent": traffic.sent,
+        "inter": traffic.inter,
         "warnings": fn_warnings(caught),
         "params": full_params(model),
         "state": local_state(trainer.optimizers[0]),
+        "max_grad_norm": trainer.optimizers[0].max_grad_norm,
+        "saved": sorted(p.name for p in out_dir.iterdir()),
     }
 
 
-def bare_run(rank: int) -> dict[str, torch.Tensor]:
-    """The full run's updates without Lightning: the same model, shards, data and schedule."""
+def bare_loop(
+    model: torch.nn.Module,
+    optimizer: fn.fsdp.ShardedOnebitOptimizer,
+    rank: int,
+    ranks: int,
+    batch: int = BATCH,
+    steps: int = STEPS,
+    accumulate: int = 1,
+    steep: float = 1.0,
+) -> None:
+    """``steps`` updates of ``optimizer`` without Lightning, as ``fit`` makes them: the same
+    batches (epoch after epoch), the loss (times ``steep``) of each of the ``accumulate``
+    micro-batches of an update divided by ``accumulate`` (as Lightning's), and the LR
+    schedule."""
+    schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=GAMMA)
+    loader = ResumableBatches(*synthetic_data(), batch, rank, ranks)
+    batches = itertools.chain.from_iterable(itertools.repeat(loader))  # an epoch per pass
+    for _ in range(steps):
+        optimizer.zero_grad()
+        for _ in range(accumulate):
+            x, y = next(batches)
+            loss = steep * torch.nn.functional.cross_entropy(model.net(x), y)
+            (loss / accumulate).backward()
+        optimizer.step()
+        schedule.step()
+
+
+def bare_run(
+    rank: int, steps: int = STEPS, accumulate: int = 1, steep: float = 1.0, **options: Any
+) -> dict:
+    """The full run's updates without Lightning: the same model, shards, data and schedule
+    (``options``: the optimizer's further options)."""
     model = Classifier(LR, FREEZE)
     mesh = init_device_mesh("cpu", (2,))
     fully_shard(model.net[0], mesh=mesh)
     fully_shard(model.net, mesh=mesh)
-    optimizer = fn.fsdp.OnebitAdam(model, lr=LR, freeze_step=FREEZE)
-    schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=GAMMA)
-    batches = iter(ResumableBatches(*synthetic_data(), BATCH, rank, 2))
-    for _ in range(STEPS):
-        x, y = next(batches)
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model.net(x), y).backward()
-        optimizer.step()
-        schedule.step()
+    optimizer = fn.fsdp.OnebitAdam(model, lr=LR, freeze_step=FREEZE, **options)
+    bare_loop(model, optimizer, rank, 2, steps=steps, accumulate=accumulate, steep=steep)
     return full_params(model)
 
 
-def resumed_run(checkpoint: Path, make_model: type = ShardedClassifier) -> dict:
+def resumed_run(
+    checkpoint: Path, make_model: type = ShardedClassifier, train: Any = fit, **options: Any
+) -> dict:
     model = make_model(LR, FREEZE)
-    trainer = fit(model, ckpt_path=str(checkpoint))
+    trainer = train(model, ckpt_path=str(checkpoint), **options)
     return {"params": full_params(model), "state": local_state(trainer.optimizers[0])}
 
 
@@ -182,12 +229,14 @@ def adamw_checkpoint(out_dir: Path) -> Path:
     return out_dir / "adamw.ckpt"
 
 
-def refused(make_model, checkpoint: Path | None = None, **options: Any) -> tuple[str, bool]:
+def refused(
+    make_model, checkpoint: Path | None = None, train: Any = fit, **options: Any
+) -> tuple[str, bool]:
     """Fits a new model that must fail: the error, and whether its params stayed as built."""
     model = make_model()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     try:
-        fit(model, ckpt_path=None if checkpoint is None else str(checkpoint), **options)
+        train(model, ckpt_path=None if checkpoint is None else str(checkpoint), **options)
         message = "fitted"
     except Exception as error:  # noqa: BLE001 -- the test checks which one
         message = f"{type(error).__name__}: {error}"
@@ -212,9 +261,107 @@ def lamb_runs(out_dir: Path) -> dict:
     return {"full": full, "resumed": resumed}
 
 
+class Steep:
+    """A ``Classifier`` mixin: the loss times ``STEEP``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return STEEP * super().training_step(batch, batch_idx)
+
+
+class SteepClassifier(Steep, ShardedClassifier):
+    pass
+
+
+class ClippedClassifier(SteepClassifier):
+    """Its optimizer built with ``max_grad_norm=CLIP / 2``."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return fn.fsdp.OnebitAdam(
+            self, lr=self.lr, freeze_step=self.freeze_step, max_grad_norm=CLIP / 2
+        )
+
+
+class HookClipping(SteepClassifier):
+    """Clips to ``CLIP / 2`` in its ``configure_gradient_clipping``."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, **_: Any) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val=CLIP / 2, gradient_clip_algorithm="norm")
+
+
+class SaveAfterBatch(lightning.Callback):
+    """``trainer.save_checkpoint(path)`` after the batch ``batch_idx``."""
+
+    def __init__(self, path: Path, batch_idx: int) -> None:
+        self.path, self.batch_idx = path, batch_idx
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == self.batch_idx:
+            trainer.save_checkpoint(self.path)
+
+
+class UpdateParams(lightning.Callback):
+    """The model's params (all-gathered) after each update."""
+
+    def __init__(self) -> None:
+        self.params: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step > len(self.params):
+            self.params.append(full_params(pl_module))
+
+
+def accumulation_runs(
+    out_dir: Path, make_model: type = SteepClassifier, train: Any = fit, bare: Any = bare_run
+) -> dict:
+    """``accumulate_grad_batches=ACCUMULATE`` and ``gradient_clip_val=CLIP`` for ``ACC_STEPS``
+    updates of ``make_model`` (a :class:`Steep` one): ``full`` (as :func:`full_run`, with
+    ``"warmed"``, the params after the last warmup update), ``bare`` (the same updates in a
+    plain loop with ``max_grad_norm=CLIP``), ``resumed`` (per checkpoint in ``ACC_RESUME``),
+    ``unclipped`` (without ``gradient_clip_val``: ``"warmup"``, the params after the warmup of
+    a new run; ``"compressed"``, the final params of a run resumed from the full run's
+    checkpoint at the end of its warmup) and ``refused`` (clipping by value; a
+    ``gradient_clip_val`` other than the optimizer's ``max_grad_norm``; another norm in
+    ``configure_gradient_clipping``; a checkpoint between the micro-batches of an update)."""
+    rank = int(os.environ["RANK"])
+    options = dict(steps=ACC_STEPS, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP)
+    unclipped = {**options, "gradient_clip_val": None}
+    updates = UpdateParams()
+    full = full_run(out_dir / "full", make_model, train, callbacks=(updates,), **options)
+    full["warmed"] = updates.params[FREEZE - 2]
+    checkpoints = out_dir / "full"
+    warmup = make_model(LR, FREEZE)
+    train(warmup, **{**unclipped, "steps": FREEZE - 1})
+    resumed = {
+        step: resumed_run(checkpoints / f"checkpoint-{step}.ckpt", make_model, train, **options)
+        for step in ACC_RESUME
+    }
+    compressed = resumed_run(
+        checkpoints / f"checkpoint-{FREEZE - 1}.ckpt", make_model, train, **unclipped
+    )
+    value = {**options, "gradient_clip_algorithm": "value"}
+    midway = SaveAfterBatch(out_dir / "midway.ckpt", batch_idx=1)  # in the first update
+    return {
+        "full": full,
+        "bare": bare(rank, steps=ACC_STEPS, accumulate=ACCUMULATE, steep=STEEP, max_grad_norm=CLIP),
+        "resumed": resumed,
+        "unclipped": {"warmup": full_params(warmup), "compressed": compressed["params"]},
+        "refused": {
+            "by value": refused(lambda: make_model(LR, FREEZE), train=train, **value),
+            "other norm": refused(lambda: ClippedClassifier(LR, FREEZE), train=train, **options),
+            "hook's norm": refused(lambda: HookClipping(LR, FREEZE), train=train, **unclipped),
+            "between micro-batches": refused(
+                lambda: make_model(LR, FREEZE), train=train, callbacks=(midway,), **options
+            ),
+        },
+    }
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
+    if sys.argv[2:] == ["accumulation"]:
+        torch.save(accumulation_runs(out_dir), out_dir / f"rank{rank}.pt")
+        return
     results = {"full": full_run(out_dir / "full"), "bare": bare_run(rank)}
     results["resumed"] = {
         step: resumed_run(out_dir / "full" / f"checkpoint-{step}.ckpt") for step in RESUME
@@ -229,8 +376,6 @@ def main() -> None:
             lambda: ShardedClassifier(LR, FREEZE),
             strategy=strategy(data_parallel_size=1, tensor_parallel_size=2),
         ),
-        "accumulation": refused(lambda: ShardedClassifier(LR, FREEZE), accumulate_grad_batches=2),
-        "clipping": refused(lambda: ShardedClassifier(LR, FREEZE), gradient_clip_val=1.0),
         "full checkpoint": refused(
             lambda: ShardedClassifier(LR, FREEZE),
             strategy=strategy(save_distributed_checkpoint=False),

@@ -5,7 +5,7 @@ Lightning's ``ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1
 passes ``replicate=mesh["replicate"]``, and the loader deals the batches by global rank
 (``use_distributed_sampler=False``: a loader Lightning can resume in the middle of an epoch).
 
-    torchrun --nproc-per-node 4 tests/integrations/_lightning_hsdp.py OUT_DIR
+    torchrun --nproc-per-node 4 tests/integrations/_lightning_hsdp.py OUT_DIR [accumulation]
 
 - ``full``: an uninterrupted run of ``STEPS`` updates, a checkpoint after every update: per
   update fn's bytes sent, fn's warnings, the final params (all-gathered) and this rank's final
@@ -18,6 +18,9 @@ passes ``replicate=mesh["replicate"]``, and the loader deals the batches by glob
   epoch with the recipe's strategy (``"world"``), and the refusal with the strategy's default
   sizes, ``data_parallel_size=2`` (``"by node"``: the error, and whether the params stayed as
   built).
+
+With ``accumulation``, instead, ``_lightning_fsdp.accumulation_runs`` on this HSDP model and
+strategy (``accumulate_grad_batches=4``, ``gradient_clip_val=1.0``).
 
 Writes ``OUT_DIR/rank<r>.pt``.
 """
@@ -39,7 +42,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from lightning_ddp import Classifier, ResumableBatches, synthetic_data  # noqa: E402
+from lightning_ddp import Classifier, synthetic_data  # noqa: E402
 
 import fn.fsdp  # noqa: E402
 from fn.collectives import exit_distributed  # noqa: E402
@@ -79,6 +82,10 @@ class HsdpClassifier(Classifier):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+class SteepHsdpClassifier(lightning_fsdp.Steep, HsdpClassifier):
+    pass
+
+
 def strategy(data_parallel_size: int = NODES * PER_NODE) -> ModelParallelStrategy:
     """The recipe's strategy: every rank a data-parallel rank (or ``data_parallel_size``)."""
     return ModelParallelStrategy(
@@ -93,6 +100,7 @@ def fit(
     steps: int = STEPS,
     callbacks: tuple = (),
     ckpt_path: str | None = None,
+    **options: Any,
 ) -> lightning.Trainer:
     return lightning_fsdp.fit(
         model,
@@ -102,6 +110,7 @@ def fit(
         devices=NODES * PER_NODE,
         batch=BATCH,
         strategy=strategy(),
+        **options,
     )
 
 
@@ -109,21 +118,20 @@ def full_run(out_dir: Path) -> dict:
     return lightning_fsdp.full_run(out_dir, HsdpClassifier, fit)
 
 
-def bare_run(rank: int) -> dict[str, torch.Tensor]:
-    """The full run's updates without Lightning: the same model, mesh, data and schedule."""
+def bare_run(
+    rank: int, steps: int = STEPS, accumulate: int = 1, steep: float = 1.0, **options: Any
+) -> dict:
+    """The full run's updates without Lightning: the same model, mesh, data and schedule
+    (``options``: the optimizer's further options)."""
     model = Classifier(LR, FREEZE)
     mesh = init_device_mesh("cpu", (NODES, PER_NODE), mesh_dim_names=("replicate", "shard"))
     fully_shard(model.net[0], mesh=mesh["shard"])
     fully_shard(model.net, mesh=mesh["shard"])
-    optimizer = fn.fsdp.OnebitAdam(model, lr=LR, freeze_step=FREEZE, replicate=mesh["replicate"])
-    schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=GAMMA)
-    batches = iter(ResumableBatches(*synthetic_data(), BATCH, rank, NODES * PER_NODE))
-    for _ in range(STEPS):
-        x, y = next(batches)
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model.net(x), y).backward()
-        optimizer.step()
-        schedule.step()
+    optimizer = fn.fsdp.OnebitAdam(
+        model, lr=LR, freeze_step=FREEZE, replicate=mesh["replicate"], **options
+    )
+    ranks = NODES * PER_NODE
+    lightning_fsdp.bare_loop(model, optimizer, rank, ranks, BATCH, steps, accumulate, steep)
     return full_params(model)
 
 
@@ -199,6 +207,10 @@ def sampler_runs() -> dict:
 def main() -> None:
     out_dir = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
+    if sys.argv[2:] == ["accumulation"]:
+        runs = lightning_fsdp.accumulation_runs(out_dir, SteepHsdpClassifier, fit, bare_run)
+        torch.save(runs, out_dir / f"rank{rank}.pt")
+        return
     results: dict[str, Any] = {"full": full_run(out_dir / "full"), "bare": bare_run(rank)}
     results["resumed"] = {
         step: resumed_run(out_dir / "full" / f"checkpoint-{step}.ckpt") for step in RESUME

@@ -4,8 +4,10 @@ gloo ranks under ``torchrun`` (tests/integrations/_lightning_fsdp.py and
 examples/lightning_fsdp.py): runs resumed from a checkpoint in the warmup, at the freeze and in
 the compressed phase end bit-identical (params and optimizer state) to the uninterrupted run,
 which equals a plain fn.fsdp loop and sends 1-bit traffic after the freeze; bad set-ups are
-refused on every rank with nothing changed; in one process: the strategies it cannot run
-under."""
+refused on every rank with nothing changed; with accumulate_grad_batches=4 and
+gradient_clip_val=1.0 the same, the clip acting in both phases, and clipping that fn cannot
+make, or a checkpoint between micro-batches, refused on every rank; in one process: the
+strategies it cannot run under."""
 
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from fn.integrations.lightning import check_strategy  # noqa: E402
 from tests._distributed import ROOT, torchrun  # noqa: E402
 from tests.integrations._lightning_fsdp import (  # noqa: E402
+    ACC_RESUME,
+    ACC_STEPS,
+    ACCUMULATE,
+    CLIP,
     FREEZE,
     LAMB_RESUME,
     RESUME,
@@ -43,10 +49,75 @@ REFUSED = {
     "other settings": r"^ValueError: fn.fsdp.OnebitAdam: .*other settings.*nothing was loaded",
     "other optimizer": r"^ValueError: .*holds no fn.fsdp.OnebitAdam state under 'optimizer_0'",
     "mesh of one rank": r"^ValueError: .*shard mesh holds 1 of the 2 ranks.*replicate=",
-    "accumulation": r"^NotImplementedError: .*accumulate_grad_batches > 1",
-    "clipping": r"^NotImplementedError: .*gradient_clip_val.*the warmup only",
     "full checkpoint": r"^NotImplementedError: .*save_distributed_checkpoint=False",
 }
+
+
+ACC_REFUSED = {
+    "by value": r"^NotImplementedError: .*gradient_clip_algorithm='value' with fn.fsdp.OnebitAdam",
+    "other norm": r"^ValueError: .*gradient_clip_val=1.0 and .*\(max_grad_norm=0.5\) differ",
+    "hook's norm": r"^ValueError: .*clipping to the norm 0.5 .* whose max_grad_norm is None",
+    "between micro-batches": r"^RuntimeError: .*state_dict\(\) between a backward and its step",
+}
+
+
+def check_accumulation_runs(ranks: list[dict], hsdp: bool) -> None:
+    """The assertions on ``_lightning_fsdp.accumulation_runs``'s results, one per rank."""
+    warmup = (FREEZE - 1) * ACCUMULATE  # the batches of the warmup updates
+    last = [b % ACCUMULATE == ACCUMULATE - 1 for b in range(ACC_STEPS * ACCUMULATE)]
+    for rank, result in enumerate(ranks):
+        full = result["full"]
+        # Lightning's own clipping stepped aside: on .grad, in a 1-D compressed phase, fn warns
+        assert full["warnings"] == [] and full["max_grad_norm"] == CLIP
+        # a checkpoint per update, none between the micro-batches (fn.fsdp refuses those)
+        assert full["saved"] == [f"checkpoint-{s}.ckpt" for s in range(1, ACC_STEPS + 1)]
+        for name, value in full["params"].items():
+            # Lightning's loss / ACCUMULATE per micro-batch, and one clipping, by fn
+            assert torch.equal(value, result["bare"][name]), (rank, name)
+            assert torch.equal(value, ranks[0]["full"]["params"][name]), (rank, name)
+        # the clip acts in the warmup, and in the compressed phase (from the same checkpoint)
+        unclipped = result["unclipped"]
+        assert any(not torch.equal(v, unclipped["warmup"][n]) for n, v in full["warmed"].items())
+        assert any(
+            not torch.equal(v, unclipped["compressed"][n]) for n, v in full["params"].items()
+        )
+        for step in ACC_RESUME:
+            resumed = result["resumed"][step]
+            for name, value in full["params"].items():
+                assert torch.equal(value, resumed["params"][name]), (rank, step, name)
+            assert resumed["state"].keys() == full["state"].keys()
+            for key, value in full["state"].items():
+                assert torch.equal(value, resumed["state"][key]), (rank, step, key)
+        sent, inter = full["sent"], full["inter"]
+        assert len(sent) == len(inter) == ACC_STEPS * ACCUMULATE
+        after = warmup + ACCUMULATE  # the batches after the freeze's update
+        if hsdp:  # across the nodes: once per update, 1 bit per element once compressed
+            assert all(b > 0 if end else b == 0 for b, end in zip(inter, last, strict=True))
+            dense = inter[ACCUMULATE - 1 : warmup : ACCUMULATE]
+            assert max(inter[after:]) < min(dense) / 8, inter
+        else:  # the compressed phase accumulates locally, then sends 1 bit per element
+            assert not any(inter) and min(sent[:warmup]) > 1000
+            steps = zip(sent[after:], last[after:], strict=True)
+            assert all(b > 0 if end else b == 0 for b, end in steps), sent
+            assert max(sent[after:]) < min(sent[:warmup]) / 8, sent
+        for case, pattern in ACC_REFUSED.items():
+            message, unchanged = result["refused"][case]
+            assert unchanged, case
+            assert message == ranks[0]["refused"][case][0]  # the same on every rank
+            assert re.search(pattern, message), message
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_accumulation_and_clipping_train_and_resume_bit_for_bit(tmp_path):
+    """accumulate_grad_batches=4 and gradient_clip_val=1.0 on 2 ranks: the run equals a plain
+    fn.fsdp loop (loss / 4 per micro-batch, max_grad_norm=1.0), the clip acts in both phases,
+    runs resumed in the warmup and compressed phase are bit-identical; clipping by value or to
+    another norm than max_grad_norm is refused on every rank."""
+    script = ROOT / "tests" / "integrations" / "_lightning_fsdp.py"
+    torchrun(script, str(tmp_path), "accumulation", timeout=100)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    check_accumulation_runs(ranks, hsdp=False)
 
 
 @pytest.mark.distributed

@@ -8,7 +8,8 @@ bit-identical (params and optimizer state) to the uninterrupted run; a checkpoin
 rank ending with the same params. Under Lightning's own sampler the ranks' batches of one epoch
 cover the data without a repeat; with the strategy's default sizes (data_parallel_size = the
 nodes, which would deal the batches by node) FnCallback refuses on every rank before the first
-batch."""
+batch. With accumulate_grad_batches=4 and gradient_clip_val=1.0: the same, bytes across the
+nodes once per update, the clip acting in both phases."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 pytest.importorskip("lightning", reason="lightning is in the 'lightning' extra")
 from tests._distributed import ROOT  # noqa: E402
 from tests.integrations.test_hsdp_example import torchrun_4  # noqa: E402
+from tests.integrations.test_lightning_fsdp import check_accumulation_runs  # noqa: E402
 
 FREEZE, RESUME, STEPS, BATCH = 3, (1, 2, 3), 5, 2  # _lightning_hsdp.py's
 WORLD, SAMPLES = 4, 64  # examples/lightning_ddp.py's data
@@ -66,3 +68,15 @@ def test_hsdp_under_model_parallel_strategy_resumes_bit_for_bit(tmp_path):
     for rank, result in enumerate(by_node):
         assert result["error"] == message and result["batches"] == 0, (rank, result)
         assert result["unchanged"], rank
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_hsdp_accumulation_and_clipping_train_and_resume_bit_for_bit(tmp_path):
+    """accumulate_grad_batches=4 and gradient_clip_val=1.0 on HSDP (2 nodes x 2): the run equals
+    a plain fn.fsdp HSDP loop, sends across the nodes once per update, the clip acts in both
+    phases, resumed runs are bit-identical; bad clipping is refused on every rank."""
+    script = ROOT / "tests" / "integrations" / "_lightning_hsdp.py"
+    torchrun_4(script, str(tmp_path), "accumulation", timeout=100)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    check_accumulation_runs(ranks, hsdp=True)
