@@ -172,18 +172,18 @@ class OnebitFamily(FunctionalOptimizer):
 
     @property
     def transform_comm(self) -> Any:
-        """The comm the groups' transforms are built with: ``comm``, or one whose dense mean
-        is the identity (:class:`PreaveragedComm`) when the warmup gradients reach the
-        transforms averaged (:meth:`take_averaged_grads`, or ``max_grad_norm``: the adapter
-        averages them before it clips)."""
+        """The comm the groups' transforms are built with. It is ``comm``, or one whose dense
+        mean is the identity (:class:`PreaveragedComm`) when the warmup gradients reach the
+        transforms averaged (after :meth:`take_averaged_grads`, or with ``max_grad_norm``,
+        where the adapter averages them before it clips)."""
         if self._takes_averaged or self._max_grad_norm is not None:
             return PreaveragedComm(self.comm)
         return self.comm
 
     @property
     def takes_averaged_grads(self) -> bool:
-        """Whether the gradients of warmup updates arrive averaged (:meth:`take_averaged_grads`
-        was called: ``fn.ddp.register``)."""
+        """Whether the gradients of warmup updates arrive averaged, as after
+        :meth:`take_averaged_grads` (``fn.ddp.register`` calls it)."""
         return self._takes_averaged
 
     def take_averaged_grads(self) -> None:
@@ -195,9 +195,9 @@ class OnebitFamily(FunctionalOptimizer):
 
     @property
     def max_grad_norm(self) -> float | None:
-        """The norm the gradient is clipped to before it enters the momentum (``None``: no
-        clipping; see :class:`OnebitFamily`). Set it on every rank alike (the ranks compare
-        it at the next ``step()``, with the other settings).
+        """The norm the gradient is clipped to before it enters the momentum, or ``None`` for
+        no clipping (see :class:`OnebitFamily`). Set it on every rank alike; the ranks compare
+        it at the next ``step()``, with the other settings.
 
         Raises:
             ValueError: (on setting) not a positive, finite number or ``None``; nothing
