@@ -5,54 +5,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from fn.collectives.comm import Comm, ReduceOp, check_op
 from fn.ddp._futures import completed, dense_mean
 from fn.optim import OnebitAdam, OnebitFamily, OnebitLamb, ZeroOneAdam
 
 __all__ = ["register"]
-
-
-class PreaveragedComm:
-    """``comm`` with ``all_reduce(x, "mean")`` returning ``x`` (no traffic): the tensors it is
-    called on already hold the mean over the ranks (DDP averaged them). Every other collective,
-    the world size and the byte count are ``comm``'s."""
-
-    def __init__(self, comm: Comm) -> None:
-        self.comm = comm
-
-    def __repr__(self) -> str:
-        return f"PreaveragedComm({self.comm!r})"
-
-    @property
-    def world_size(self) -> int:
-        return self.comm.world_size
-
-    @property
-    def bytes_sent(self) -> int:
-        return self.comm.bytes_sent
-
-    @property
-    def bytes_sent_by_hop(self) -> dict[str, int]:
-        return self.comm.bytes_sent_by_hop
-
-    def reset_bytes_sent(self) -> int:
-        return self.comm.reset_bytes_sent()
-
-    def all_reduce(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
-        check_op(op)
-        return x if op == "mean" else self.comm.all_reduce(x, op)
-
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_gather(x)
-
-    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_to_all(x)
-
-    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
-        return self.comm.reduce_scatter(x, op)
-
-    def split(self, local_world_size: int) -> tuple[Comm, Comm]:
-        return self.comm.split(local_world_size)
 
 
 class _Schedule:
@@ -166,7 +122,7 @@ def register(ddp_model: DistributedDataParallel, optimizer: OnebitFamily) -> Non
             f"{type(optimizer).__name__} (other optimizers: register fn.ddp.onebit_hook or "
             "fn.ddp.loco_hook with ddp_model.register_comm_hook)"
         )
-    if optimizer.transform_comm is not optimizer.comm:
+    if optimizer.takes_averaged_grads:
         raise RuntimeError("fn.ddp.register: this optimizer is registered with a DDP model already")
     if ddp_model._comm_hooks:
         raise RuntimeError(
@@ -189,4 +145,4 @@ def register(ddp_model: DistributedDataParallel, optimizer: OnebitFamily) -> Non
         )
     schedule = _Schedule(optimizer, ddp_model.process_group)
     ddp_model.register_comm_hook(schedule, _onebit_family_hook)
-    optimizer.take_averaged_grads(PreaveragedComm(optimizer.comm))
+    optimizer.take_averaged_grads()

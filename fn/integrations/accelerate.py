@@ -33,6 +33,10 @@ def attach(
     - With ``max_steps``, a warning when no update within it would be compressed
       (``FunctionalOptimizer.warn_if_never_compressed``).
 
+    ``accelerator.clip_grad_norm_`` acts on the averaged gradient in the warmup and on each
+    rank's local gradient, with that rank's own factor, once compressed; the optimizer's
+    ``max_grad_norm=`` clips by one factor on every rank (docs/guides/accelerate.md).
+
     Args:
         accelerator: the ``accelerate.Accelerator``.
         model: the model returned by ``accelerator.prepare``.

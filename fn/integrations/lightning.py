@@ -48,7 +48,7 @@ from torch.utils.data import DistributedSampler
 from fn.fsdp import ShardedOnebitOptimizer, read_onebit_state
 from fn.fsdp._agreement import agree
 from fn.integrations._common import register_ddp, unwrap_optimizer
-from fn.optim import FunctionalOptimizer, OnebitFamily
+from fn.optim import FunctionalOptimizer, OnebitAdam, OnebitFamily, OnebitLamb
 
 __all__ = ["FnCallback", "check_strategy"]
 
@@ -371,6 +371,35 @@ class _ShardedCheckpoints:
         return metadata
 
 
+def _clip_on_optimizers(trainer: Trainer, optimizers: list[Any]) -> float | None:
+    """Under DDP with ``fn.optim``: ``trainer.gradient_clip_val`` (by norm) set as the
+    ``max_grad_norm`` of every optimizer, which are all ``fn.optim.OnebitAdam`` or
+    ``OnebitLamb``; returns the value, which Lightning must then no longer apply itself, or
+    ``None`` where nothing was mapped (no clipping, clipping by value, or another optimizer
+    among them: Lightning's clipping of ``.grad`` stays, see :class:`FnCallback`).
+
+    Raises:
+        ValueError: an optimizer has another ``max_grad_norm`` already (the same on every
+            rank).
+    """
+    value = trainer.gradient_clip_val
+    by_norm = trainer.gradient_clip_algorithm in (None, "norm")
+    if not value or not by_norm or len(optimizers) != len(trainer.optimizers):
+        return None
+    if not all(isinstance(o, (OnebitAdam, OnebitLamb)) for o in optimizers):
+        return None
+    for optimizer in optimizers:
+        if optimizer.max_grad_norm not in (None, float(value)):
+            raise ValueError(
+                f"fn.integrations.lightning: Trainer(gradient_clip_val={value!r}) and "
+                f"{type(optimizer).__name__}(max_grad_norm={optimizer.max_grad_norm!r}) "
+                "disagree: set one of them"
+            )
+    for optimizer in optimizers:
+        optimizer.max_grad_norm = float(value)
+    return float(value)
+
+
 class FnCallback(Callback):
     """Connects the ``fn.optim`` optimizers, or the ``fn.fsdp`` 1-bit optimizer, of a Lightning
     run to its strategy: ``Trainer(callbacks=[FnCallback()])``.
@@ -381,7 +410,15 @@ class FnCallback(Callback):
       update within the run's ``trainer.estimated_stepping_batches`` would be compressed.
       For ``fn.optim``: passes the DDP model (``trainer.strategy.model``, under
       ``strategy="ddp"`` and its variants) to ``fn.ddp.register`` (DDP then averages in warmup
-      and is silent once compressed). For an ``fn.fsdp`` 1-bit optimizer under
+      and is silent once compressed); ``gradient_clip_val`` (by norm, every optimizer an
+      ``fn.optim.OnebitAdam`` or ``OnebitLamb``) becomes the optimizers' ``max_grad_norm``,
+      which clips by one factor on every rank in both phases, and Lightning's own clipping is
+      turned off for the fit (``trainer.gradient_clip_val`` is ``None`` until the fit ends),
+      so that it is not applied twice. Otherwise Lightning clips ``.grad`` as usual, which
+      the update reads: the averaged gradient in the warmup, each rank's local gradient with
+      its own factor once compressed. ``accumulate_grad_batches`` needs nothing: Lightning
+      runs the micro-batches but the last under DDP's ``no_sync()``, and the hook averages (or
+      not) the accumulated gradient of the last. For an ``fn.fsdp`` 1-bit optimizer under
       ``ModelParallelStrategy``: refuses, on every rank, what it cannot run with (another
       optimizer beside it, ``save_distributed_checkpoint=False``; an FSDP2 mesh smaller than
       the world without ``replicate=`` is refused by the optimizer itself); hands the
@@ -448,12 +485,16 @@ class FnCallback(Callback):
         4
     """
 
+    # Trainer.gradient_clip_val while the fit runs with it as the optimizers' max_grad_norm
+    _lightning_clip: float | None = None
+
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Checks the strategy, connects the optimizers to it, and warns if no update within
         the run would be compressed."""
         del pl_module
         steps = trainer.estimated_stepping_batches
-        for _, optimizer in _fn_optimizers(trainer):
+        found = _fn_optimizers(trainer)
+        for _, optimizer in found:
             check_strategy(trainer.strategy, optimizer)
             if isinstance(optimizer, ShardedOnebitOptimizer):
                 _check_sharded_run(trainer, optimizer)
@@ -466,6 +507,27 @@ class FnCallback(Callback):
                 optimizer.warn_if_never_compressed(
                     int(steps), "the Trainer's estimated_stepping_batches"
                 )
+        if not any(isinstance(o, ShardedOnebitOptimizer) for _, o in found):
+            mapped = _clip_on_optimizers(trainer, [o for _, o in found])
+            if mapped is not None:
+                self._lightning_clip = trainer.gradient_clip_val
+                trainer.gradient_clip_val = None
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Gives the trainer back its ``gradient_clip_val``."""
+        del pl_module
+        self._restore_clip(trainer)
+
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        """Gives the trainer back its ``gradient_clip_val``."""
+        del pl_module, exception
+        self._restore_clip(trainer)
+
+    def _restore_clip(self, trainer: Trainer) -> None:
+        if self._lightning_clip is not None:
+            trainer.gradient_clip_val, self._lightning_clip = self._lightning_clip, None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Refuses a training loader that would deal the same batches to several ranks of an

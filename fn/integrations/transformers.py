@@ -31,6 +31,12 @@ class FnTrainerCallback(TrainerCallback):
       rank's error feedback is gathered on rank 0 (``gather_error_feedback``), so the optimizer
       state that rank 0 saves alone resumes every rank bit for bit.
 
+    The Trainer's ``max_grad_norm`` (``clip_grad_norm_`` on ``.grad`` before every step) is left
+    as it is: it acts on the averaged gradient in the warmup and on each rank's local gradient,
+    with that rank's own factor, once compressed. For one factor on every rank, build the
+    optimizer with ``max_grad_norm=`` and set ``TrainingArguments(max_grad_norm=0)``
+    (docs/guides/hf-trainer.md).
+
     Args:
         trainer: the ``Trainer`` (its optimizer must be an ``fn.optim`` optimizer).
 

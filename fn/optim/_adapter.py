@@ -279,8 +279,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             warn_if_averaged(self, mine.grads)
         if vote.nonfinite > 0:
             return self._skip(loss, found_inf, NONFINITE_GRADIENTS)
+        grads = self._step_gradients(plans, mine.grads)
         try:
-            results = update_groups(self.comm, self.flatten, self._groups, plans, mine.grads)
+            results = update_groups(self.comm, self.flatten, self._groups, plans, grads)
         except AveragedOverflow as err:
             return self._skip(loss, found_inf, str(err))
         self.last_step_skipped = False
@@ -289,6 +290,14 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         if self._sync_checks.due_after_update(self.check_every, self._groups):
             self.check_consistency()
         return loss
+
+    def _step_gradients(
+        self, plans: list[tuple[Transform, dict[str, Any], float | None]], grads: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The gradients the groups' updates take, from every group's gathered gradient, once
+        the ranks' vote passed (here ``grads`` themselves; a subclass may clip them)."""
+        del plans
+        return grads
 
     def _skip(self, loss: Any, found_inf: torch.Tensor | None, message: str) -> Any:
         """Records a skipped step (``nonfinite="skip"`` or a ``GradScaler`` overflow), or raises

@@ -43,7 +43,7 @@ def communicates_gradients(optimizer: Any) -> bool:
     the ranks itself: some group's gradients are averaged by the adapter (``sync_grads``) or go
     to a ``CompressedOptimizer`` that was not told that they arrive averaged
     (``fn.ddp.register``)."""
-    registered = getattr(optimizer, "transform_comm", optimizer.comm) is not optimizer.comm
+    registered = getattr(optimizer, "takes_averaged_grads", False)
     return any(
         runtime.sync or (isinstance(runtime.transform, CompressedOptimizer) and not registered)
         for runtime in optimizer._groups

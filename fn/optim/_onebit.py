@@ -8,6 +8,7 @@ factories' own by :mod:`fn.transforms.hyperparameters`, plus the adapter's optio
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from inspect import Parameter
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from fn.base import CompressedOptimizer
+from fn.collectives.comm import Comm, ReduceOp, check_op
 from fn.optim._adapter import FunctionalOptimizer, Transform
 from fn.optim._checkpoint import checkpoint_parts
 from fn.transforms import AutoFreeze, onebit_adam, onebit_lamb, zero_one_adam
@@ -30,8 +32,18 @@ class OnebitFamily(FunctionalOptimizer):
     factory's hyperparameters and the adapter's options, from
     ``fn.transforms.hyperparameters.signature_with``), to which the constructor binds its
     arguments: every argument but ``params``, ``comm``, ``exp_avg_mask``, ``nonfinite``,
-    ``flatten``, ``local_world_size`` and ``error_dtype`` is a
+    ``max_grad_norm``, ``flatten``, ``local_world_size`` and ``error_dtype`` is a
     default hyperparameter of its param groups, in the signature's order.
+
+    ``max_grad_norm`` (an option of the optimizer, not of a group) clips the gradient before
+    it enters the momentum, by one factor ``min(1, max_grad_norm / (norm + 1e-6))`` that every
+    rank shares, as ``torch.nn.utils.clip_grad_norm_`` over all the optimizer's params: in a
+    warmup update ``norm`` is the norm of the averaged gradient, in a compressed update
+    ``sqrt(mean over ranks of ||local gradient||^2)`` (a param group in its warmup counts its
+    averaged gradient, one in its compressed phase its local ones). ``.grad`` is left as it
+    is. It costs one all-gather of two fp64 values per compressed update; without
+    ``fn.ddp.register`` the adapter averages the warmup gradients itself (the same one dense
+    allreduce, made before the update instead of inside it).
 
     Args:
         *args: the subclass's arguments, bound to its ``__signature__``.
@@ -66,8 +78,9 @@ class OnebitFamily(FunctionalOptimizer):
     """
 
     _factory: Callable[..., CompressedOptimizer]
-    # The comm the transforms are built with, when it is not ``self.comm`` (fn.ddp.register).
-    _transform_comm: Any = None
+    # Whether the gradients of warmup updates arrive averaged over the ranks (fn.ddp.register).
+    _takes_averaged = False
+    _max_grad_norm: float | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         name = f"fn.optim.{type(self).__name__}"
@@ -81,6 +94,7 @@ class OnebitFamily(FunctionalOptimizer):
         comm: Any,
         exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | str | None,
         nonfinite: str,
+        max_grad_norm: float | None = None,
         flatten: bool = False,
         local_world_size: int | None = None,
         error_dtype: torch.dtype = torch.float32,
@@ -89,6 +103,8 @@ class OnebitFamily(FunctionalOptimizer):
         self._auto_mask = isinstance(exp_avg_mask, str)
         self._masks = _masks_by_param(None if self._auto_mask else exp_avg_mask)
         self.error_dtype = error_dtype
+        # in the groups' settings, which the ranks agree on before it is checked here
+        self._max_grad_norm = max_grad_norm
         super().__init__(
             params,
             type(self)._factory,
@@ -99,6 +115,7 @@ class OnebitFamily(FunctionalOptimizer):
             nonfinite=nonfinite,
             local_world_size=local_world_size,
         )
+        self._check_max_grad_norm(max_grad_norm)
         unused = [tuple(m.shape) for p, m in self._masks.items() if not self._has_param(p)]
         if unused:
             raise ValueError(
@@ -147,25 +164,103 @@ class OnebitFamily(FunctionalOptimizer):
         )
 
     def _settings(self, group: dict[str, Any]) -> dict[str, str]:
-        return {**super()._settings(group), "error_dtype": str(self.error_dtype)}
+        return {
+            **super()._settings(group),
+            "error_dtype": str(self.error_dtype),
+            "max_grad_norm": repr(self._max_grad_norm),
+        }
 
     @property
     def transform_comm(self) -> Any:
-        """The comm the groups' transforms are built with (``comm``, or the one
-        :meth:`take_averaged_grads` gave them)."""
-        return self.comm if self._transform_comm is None else self._transform_comm
+        """The comm the groups' transforms are built with. It is ``comm``, or one whose dense
+        mean is the identity (:class:`PreaveragedComm`) when the warmup gradients reach the
+        transforms averaged (after :meth:`take_averaged_grads`, or with ``max_grad_norm``,
+        where the adapter averages them before it clips)."""
+        if self._takes_averaged or self._max_grad_norm is not None:
+            return PreaveragedComm(self.comm)
+        return self.comm
 
-    def take_averaged_grads(self, comm: Any) -> None:
-        """Rebuilds every group's transform with ``comm`` (the state is kept): a comm whose
-        dense mean is the identity, as the gradients of warmup updates arrive averaged over the
-        ranks (``fn.ddp.register``: DDP averaged them).
+    @property
+    def takes_averaged_grads(self) -> bool:
+        """Whether the gradients of warmup updates arrive averaged, as after
+        :meth:`take_averaged_grads` (``fn.ddp.register`` calls it)."""
+        return self._takes_averaged
 
-        Args:
-            comm: the comm the transforms are built with from now on.
+    def take_averaged_grads(self) -> None:
+        """From now on the gradients of warmup updates arrive averaged over the ranks
+        (``fn.ddp.register``: DDP averaged them): every group's transform is rebuilt with a
+        comm whose dense mean is the identity (the state is kept)."""
+        self._takes_averaged = True
+        self._rebuild_transforms()
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The norm the gradient is clipped to before it enters the momentum, or ``None`` for
+        no clipping (see :class:`OnebitFamily`). Set it on every rank alike; the ranks compare
+        it at the next ``step()``, with the other settings.
+
+        Raises:
+            ValueError: (on setting) not a positive, finite number or ``None``; nothing
+                changed.
         """
-        self._transform_comm = comm
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float | None) -> None:
+        self._check_max_grad_norm(value)
+        self._max_grad_norm = value
+        self._rebuild_transforms()
+        self._sync_checks.start_due = True
+
+    def _check_max_grad_norm(self, value: Any) -> None:
+        """Raises ``ValueError`` unless ``value`` is a positive, finite number or ``None``."""
+        if value is None:
+            return
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not 0 < value < math.inf:
+            raise ValueError(
+                f"fn.optim.{type(self).__name__}: max_grad_norm must be a positive, finite "
+                f"number or None, got {value!r}"
+            )
+
+    def _rebuild_transforms(self) -> None:
         for index, runtime in enumerate(self._groups):
             runtime.transform = self._make_transform(index, runtime.hyper)
+
+    def _step_gradients(
+        self, plans: list[tuple[Transform, dict[str, Any], float | None]], grads: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The gradients the groups' updates take: with ``max_grad_norm``, a warmup group's
+        averaged over the ranks (unless they arrived averaged), then all of them times the
+        clipping factor (:class:`OnebitFamily`)."""
+        if self._max_grad_norm is None:
+            return grads
+        comm, out = self.comm, []
+        local = averaged = 0.0  # squared norms: of the compressed groups' local gradients, of
+        compressing = False  # the warmup groups' averaged ones (the same on every rank)
+        for runtime, (transform, _, _), g in zip(self._groups, plans, grads, strict=True):
+            compressed = transform.compressed_at(runtime.step + 1, runtime.state)
+            if not compressed and not self._takes_averaged and comm.world_size > 1 and g.numel():
+                g = comm.all_reduce(g, op="mean")
+            square = float(g.double().square().sum())
+            if compressed:
+                local, compressing = local + square, True
+            else:
+                averaged += square
+            out.append(g)
+        square_norm = local + averaged
+        if compressing and comm.world_size > 1:
+            mine = torch.tensor([local, averaged], dtype=torch.float64, device=out[0].device)
+            rows = comm.all_gather(mine).view(-1, 2).cpu()
+            square_norm = float(rows[:, 0].sum()) / comm.world_size + float(rows[0, 1])
+        norm = math.sqrt(square_norm)
+        if not math.isfinite(norm):  # left to the updates, which reject it on every rank
+            return out
+        factor = min(1.0, self._max_grad_norm / (norm + _CLIP_EPS))
+        if factor != 1.0:
+            for g in out:
+                g.mul_(factor)
+        return out
 
     def _group_mask(self, params: list[torch.Tensor]) -> Any:
         """The group's masks as the transform's pytree: one flat mask, or per-param masks;
@@ -196,7 +291,51 @@ class OnebitFamily(FunctionalOptimizer):
         )
 
 
+class PreaveragedComm:
+    """``comm`` with ``all_reduce(x, "mean")`` returning ``x`` (no traffic): the tensors it is
+    called on already hold the mean over the ranks (DDP, or the adapter, averaged them). Every
+    other collective, the world size and the byte count are ``comm``'s."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+
+    def __repr__(self) -> str:
+        return f"PreaveragedComm({self.comm!r})"
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.comm.bytes_sent
+
+    @property
+    def bytes_sent_by_hop(self) -> dict[str, int]:
+        return self.comm.bytes_sent_by_hop
+
+    def reset_bytes_sent(self) -> int:
+        return self.comm.reset_bytes_sent()
+
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+        check_op(op)
+        return x if op == "mean" else self.comm.all_reduce(x, op)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_gather(x)
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_to_all(x)
+
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+        return self.comm.reduce_scatter(x, op)
+
+    def split(self, local_world_size: int) -> tuple[Comm, Comm]:
+        return self.comm.split(local_world_size)
+
+
 _POSITIONAL = Parameter.POSITIONAL_OR_KEYWORD
+_CLIP_EPS = 1e-6  # in the clipping factor's denominator, as torch.nn.utils.clip_grad_norm_'s
 
 
 def _keyword(name: str, default: Any, annotation: str) -> Parameter:
@@ -209,6 +348,7 @@ _OPTIONS = (
     _keyword("comm", None, "Comm | None"),
     _keyword("exp_avg_mask", None, "Mapping[torch.Tensor, torch.Tensor] | str | None"),
     _keyword("nonfinite", "raise", "str"),
+    _keyword("max_grad_norm", None, "float | None"),
 )
 _FLATTEN = _keyword("flatten", True, "bool")  # the elementwise rules' per-param mode
 
@@ -256,6 +396,12 @@ class OnebitAdam(OnebitFamily):
             themselves; another form is a ``TypeError``), or ``"auto"``: 0 where the averaged
             gradient was exactly zero at every warmup update (``fn.onebit_adam``).
         nonfinite: ``"raise"`` or ``"skip"`` (see :class:`FunctionalOptimizer`).
+        max_grad_norm: clip the gradient that enters the momentum to this norm, by one
+            factor ``min(1, max_grad_norm / (norm + 1e-6))`` on every rank, as
+            ``torch.nn.utils.clip_grad_norm_``: in the warmup ``norm`` is the norm of the
+            averaged gradient, once compressed ``sqrt(mean over ranks of ||local
+            gradient||^2)`` (see :class:`OnebitFamily`); ``None`` (default): no clipping.
+            The same on every rank; not per group.
         safeguard: bound the compressed updates (``fn.onebit_adam``); ``False`` gives
             DeepSpeed's exact rule. Can be set per group.
         flatten: ``True``: the group's params are compressed as one flat leaf (one collective
@@ -317,6 +463,13 @@ class ZeroOneAdam(OnebitFamily):
         comm: ``None`` gives :func:`default_comm`.
         exp_avg_mask: ``{param: mask}`` (see :class:`OnebitAdam`).
         nonfinite: ``"raise"`` or ``"skip"``.
+        max_grad_norm: ``None`` only: another value raises ``NotImplementedError`` (0/1
+            Adam's local steps apply each rank's own gradient without any exchange, and a
+            synchronization folds several local steps into one momentum, so a factor shared
+            by the ranks would take a collective at every local step, the traffic that they
+            exist to save). ``torch.nn.utils.clip_grad_norm_`` on ``.grad`` acts: on the
+            averaged gradient in the warmup with ``fn.ddp.register``, else on each rank's
+            local gradient with its own factor.
         safeguard: as the factory's; ``False`` gives DeepSpeed's exact rule. Can be set per
             group.
         flatten: one flat leaf per group (``True``) or one per param (``False``, DeepSpeed's
@@ -346,6 +499,19 @@ class ZeroOneAdam(OnebitFamily):
     _factory = staticmethod(zero_one_adam)
     __signature__ = signature_with(zero_one_adam, "params", *_OPTIONS, _FLATTEN)
 
+    def _check_max_grad_norm(self, value: Any) -> None:
+        """Raises ``NotImplementedError`` for a ``max_grad_norm`` (see the class's Args)."""
+        super()._check_max_grad_norm(value)
+        if value is not None:
+            raise NotImplementedError(
+                "fn.optim.ZeroOneAdam: max_grad_norm is not supported: 0/1 Adam's local steps "
+                "apply each rank's own gradient without any exchange, so a clipping factor "
+                "shared by the ranks would add a collective to every local step (the traffic "
+                "they exist to save). Clip .grad with torch.nn.utils.clip_grad_norm_ (each "
+                "rank by its own gradient's norm where the gradients are local), or use "
+                "fn.optim.OnebitAdam(max_grad_norm=...)"
+            )
+
 
 class OnebitLamb(OnebitFamily):
     """1-bit LAMB (``fn.onebit_lamb``) as a ``torch.optim.Optimizer``.
@@ -363,6 +529,9 @@ class OnebitLamb(OnebitFamily):
         comm: ``None`` gives :func:`default_comm`.
         exp_avg_mask: ``{param: mask}`` (see :class:`OnebitAdam`).
         nonfinite: ``"raise"`` or ``"skip"``.
+        max_grad_norm: clip the gradient that enters the momentum (see :class:`OnebitAdam`);
+            1-bit LAMB's compressed updates read their fresh variance from the momentum, so
+            the clipped gradient is all they see.
         safeguard: as the factory's; ``False`` gives DeepSpeed's exact rule. Can be set per
             group.
         local_world_size: ranks per node for the hierarchical 1-bit allreduce (see

@@ -16,10 +16,10 @@ PAIRS = {
     "onebit_lamb": (fn.optim.OnebitLamb, fn.onebit_lamb),
 }
 # keyword-only in both: the factory takes the comm and a mask pytree; the adapter takes the comm,
-# masks keyed by param, and its non-finite policy
+# masks keyed by param, its non-finite policy and max_grad_norm
 LEVEL = {"local_world_size", "error_dtype"}
 FACTORY_KEYWORDS = {"comm", "exp_avg_mask", "non_freeze", "safeguard", *LEVEL}
-ADAPTER_KEYWORDS = {"comm", "exp_avg_mask", "nonfinite", "safeguard", *LEVEL}
+ADAPTER_KEYWORDS = {"comm", "exp_avg_mask", "nonfinite", "max_grad_norm", "safeguard", *LEVEL}
 
 
 def _positional(signature: inspect.Signature) -> list[tuple[str, object]]:
