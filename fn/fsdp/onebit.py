@@ -491,13 +491,15 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         fp32 in the layout of ``X``: on a 1-D mesh this rank's accumulated local gradient, on
         HSDP its row of the node's (from ``.grad``), times the clipping factor of
         ``max_grad_norm``. One all-gather over the ranks holding different gradients (the
-        world) of two fp64 values checks that all are finite and sums their squared norms.
+        world) of three fp64 values checks that all are finite, sums their squared norms and
+        tells every rank whether some rank's ``.grad`` was changed where the update does not
+        read it (:meth:`_grad_changed`: then every rank warns, once).
 
         Raises:
             fn.NonFiniteError: on every rank, some rank's gradient is not finite; nothing
                 changed.
         """
-        gradients = {}
+        gradients, changed = {}, False
         for layout in self._layouts:
             if received[layout.name]:
                 module = self._modules[layout.name]
@@ -505,12 +507,22 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
                     gradients[layout.name] = module.node_row(self._grad_shards(layout))
                 else:
                     gradients[layout.name] = module.local_gradient.view(-1).float()
-                    self._warn_if_grad_changed(layout, module)
+                    changed = changed or self._grad_changed(layout, module)
         bad = sum(int(not bool(g.isfinite().all())) for g in gradients.values())
         square = sum((float(g.double().square().sum()) for g in gradients.values()), 0.0)
-        mine = torch.tensor([float(bad), 0.0 if bad else square], dtype=torch.float64)
+        mine = torch.tensor([float(bad), 0.0 if bad else square, changed], dtype=torch.float64)
         everyone = self._comms(None)
-        totals = everyone.all_gather(mine).view(-1, 2).sum(0)
+        totals = everyone.all_gather(mine).view(-1, 3).sum(0)
+        if totals[2] > 0 and not self._grad_change_warned:
+            self._grad_change_warned = True
+            warnings.warn(
+                f"{self.name}: .grad was changed between the backward and step() (by "
+                "torch.nn.utils.clip_grad_norm_, say) in the compressed phase on a 1-D mesh, "
+                "where the update reads the local gradient that fn accumulated, not .grad: the "
+                "change has no effect. Clip with max_grad_norm= (every phase), or use HSDP "
+                "(replicate=), where .grad is what the update reads",
+                stacklevel=4,
+            )
         if totals[0] > 0:
             raise NonFiniteError(
                 f"{self.name}: non-finite values in the accumulated gradient of some rank; "
@@ -522,27 +534,19 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
             gradients = {name: g * factor for name, g in gradients.items()}
         return gradients
 
-    def _warn_if_grad_changed(self, layout: ModuleLayout, module: OnebitModule) -> None:
+    def _grad_changed(self, layout: ModuleLayout, module: OnebitModule) -> bool:
         """On a 1-D mesh in the compressed phase ``.grad`` holds this rank's row of its own
-        gradient, and the update reads the local gradient fn accumulated: warns once when
-        ``.grad`` was changed since the backward (``clip_grad_norm_``, say), which then
-        changes nothing."""
+        gradient, and the update reads the local gradient fn accumulated: whether ``.grad``
+        was changed since the backward (``clip_grad_norm_``, say), which then changes
+        nothing."""
         if self._grad_change_warned:
-            return
+            return False
         for slot in layout.slots:
             grad = slot.param.grad
             written = module.written_row()[slot.offset : slot.offset + to_local(slot.param).numel()]
             if grad is None or not torch.equal(to_local(grad).reshape(-1), written):
-                self._grad_change_warned = True
-                warnings.warn(
-                    f"{self.name}: .grad was changed between the backward and step() (by "
-                    "torch.nn.utils.clip_grad_norm_, say) in the compressed phase on a 1-D "
-                    "mesh, where the update reads the local gradient that fn accumulated, not "
-                    ".grad: the change has no effect. Clip with max_grad_norm= (every phase), "
-                    "or use HSDP (replicate=), where .grad is what the update reads",
-                    stacklevel=4,
-                )
-                return
+                return True
+        return False
 
     def _clip_factor(self, square_norm: torch.Tensor) -> float:
         """``max_grad_norm``'s factor for a squared gradient norm (the same on every rank):

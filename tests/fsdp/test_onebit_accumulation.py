@@ -91,7 +91,7 @@ def factor_of(per_rank: list[float], replicas: int) -> float:
 
 
 def factor_compressed(per_rank: list[float], replicas: int) -> float:
-    rows = torch.tensor([[0.0, s] for s in per_rank], dtype=torch.float64)
+    rows = torch.tensor([[0.0, s, 0.0] for s in per_rank], dtype=torch.float64)
     total = rows.sum(0)[1] / replicas
     return min(1.0, MAX_NORM / (float(total) ** 0.5 + 1e-6))
 
@@ -219,15 +219,21 @@ def _worker_hsdp(rank: int, world_size: int) -> dict:
 
 
 def _worker_concatenated(rank: int, world_size: int) -> dict:
-    """The warmup with k = 4 micro-batches against one backward on their concatenation."""
+    """The warmup with k = 4 micro-batches against one backward on their concatenation, on a
+    1-D mesh of every rank and on HSDP (N nodes of 2) where there are 4."""
     out = {}
-    for kind in KINDS:
+    for kind, hsdp in [(kind, hsdp) for kind in KINDS for hsdp in (False, world_size == 4)]:
         cls, module = KINDS[kind]
         models, opts = [], []
         for _ in range(2):
-            model = module.build()
+            if hsdp:
+                mesh = test_onebit_hsdp.hsdp_mesh()
+                model = test_onebit_hsdp.build(kind, mesh=mesh["shard"])
+                options = {"replicate": mesh["replicate"]}
+            else:
+                model, options = module.build(world=world_size), {}
             models.append(model)
-            opts.append(cls(model, lr=LR, freeze_step=FREEZE, betas=BETAS, eps=EPS))
+            opts.append(cls(model, lr=LR, freeze_step=FREEZE, betas=BETAS, eps=EPS, **options))
         worst = 0.0
         for t in range(1, FREEZE):
             train(models[0], opts[0], rank, t, 4, spike=False)
@@ -240,29 +246,44 @@ def _worker_concatenated(rank: int, world_size: int) -> dict:
             for n in a:
                 torch.testing.assert_close(a[n], b[n], rtol=1e-6, atol=1e-7)
                 worst = max(worst, float((a[n] - b[n]).abs().max()))
-        out[kind] = worst
+        out[kind, hsdp] = worst
     return out
 
 
 def _worker_clip_grad_norm(rank: int, world_size: int) -> dict:
     """torch's clip_grad_norm_ on .grad in the compressed phase: it acts on HSDP (the
-    nodes' gradients are in .grad); on a 1-D mesh, where .grad holds each rank's row of its
-    own gradient, fn warns once and names max_grad_norm."""
+    nodes' gradients are in .grad), silently; on a 1-D mesh, where .grad holds each rank's
+    row of its own gradient, fn warns once and names max_grad_norm."""
     import warnings
 
-    model = test_onebit.build()
-    opt = fn.fsdp.OnebitAdam(model, lr=LR, freeze_step=FREEZE)
-    caught = []
-    for t in range(1, STEPS + 1):
-        opt.zero_grad()
-        x, y = batch(rank, t)
-        nn.functional.mse_loss(model(x) * 100, y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            opt.step()
-        caught.append([str(w.message) for w in seen if "clip_grad_norm_" in str(w.message)])
-    return dict(caught=caught)
+    out = {}
+    for hsdp in (False, True):
+        params = []
+        for clip in (False, True):
+            if hsdp:
+                mesh = test_onebit_hsdp.hsdp_mesh()
+                model = test_onebit_hsdp.build("adam", mesh=mesh["shard"])
+                opt = fn.fsdp.OnebitAdam(
+                    model, lr=LR, freeze_step=FREEZE, replicate=mesh["replicate"]
+                )
+            else:
+                model = test_onebit.build(world=world_size)
+                opt = fn.fsdp.OnebitAdam(model, lr=LR, freeze_step=FREEZE)
+            caught = []
+            for t in range(1, STEPS + 1):
+                opt.zero_grad()
+                x, y = batch(rank, t)
+                nn.functional.mse_loss(model(x) * 100, y).backward()
+                if clip and t >= FREEZE:  # the compressed phase only
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    opt.step()
+                caught.append([str(w.message) for w in seen if "clip_grad_norm_" in str(w.message)])
+            params.append(full_params(model))
+        changed = any(not torch.equal(params[0][n], params[1][n]) for n in params[0])
+        out["hsdp" if hsdp else "1-d"] = dict(caught=caught, changed=changed)
+    return out
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -304,9 +325,10 @@ def test_bytes_across_nodes_do_not_depend_on_the_micro_batches(hsdp_runs):
 
 @pytest.mark.timeout(300)
 def test_warmup_accumulation_matches_one_backward_on_the_concatenated_batch():
-    for out in run_distributed(_worker_concatenated, test_onebit.WORLD, timeout=240):
-        for kind, worst in out.items():
-            assert worst < 1e-6, kind
+    for out in run_distributed(_worker_concatenated, N * test_onebit_hsdp.L, timeout=240):
+        assert len(out) == 2 * len(KINDS)
+        for case, worst in out.items():
+            assert worst < 1e-6, case
 
 
 @pytest.mark.timeout(300)
@@ -324,9 +346,11 @@ def test_clipping_is_one_factor_on_every_rank(hsdp_runs):
 
 
 @pytest.mark.timeout(300)
-def test_clip_grad_norm_on_grad_warns_in_the_compressed_phase_of_a_1d_mesh():
-    for out in run_distributed(_worker_clip_grad_norm, test_onebit.WORLD, timeout=240):
-        caught = out["caught"]
-        assert all(not c for c in caught[: FREEZE - 1]), caught  # the warmup: it acts
+def test_clip_grad_norm_on_grad_acts_on_hsdp_and_warns_on_a_1d_mesh():
+    for out in run_distributed(_worker_clip_grad_norm, N * test_onebit_hsdp.L, timeout=240):
+        caught = out["1-d"]["caught"]
+        assert all(not c for c in caught[: FREEZE - 1]), caught
         assert len(caught[FREEZE - 1]) == 1 and "max_grad_norm" in caught[FREEZE - 1][0]
         assert all(not c for c in caught[FREEZE:]), caught  # once
+        assert not out["1-d"]["changed"]  # the 1-D compressed update does not read .grad
+        assert out["hsdp"]["changed"] and not any(out["hsdp"]["caught"])
