@@ -694,6 +694,18 @@ def test_freeze_refuses_a_tolerance_outside_the_open_interval(tolerance):
     assert "--tolerance takes a number in (0, 1)" in proc.stderr
 
 
+@pytest.mark.timeout(180)
+def test_clipping_quick_run_prints_every_run():
+    """A tiny run of benchmarks/clipping.py: the four runs train on 2 gloo ranks with a spike,
+    and the table compares each clipped run with its unclipped one."""
+    proc = _cli("clipping.py", "--quick", "--seeds", "0", timeout=170)
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if "|" in line}
+    for mode in ("adamw", "adamw+clip", "onebit", "onebit+clip"):
+        assert mode in rows, proc.stdout
+    assert "x onebit," in rows["onebit+clip"] and "x adamw+clip" in rows["onebit+clip"]
+
+
 # benchmarks/fsdp.py's HSDP part (--nodes, benchmarks/hsdp.py): plans, arguments, report.
 
 
