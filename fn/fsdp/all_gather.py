@@ -23,8 +23,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from fn.collectives import quantized_all_gather_into
 from fn.collectives.process_group import all_gather_flat
-from fn.fsdp._agreement import agree_on_settings, integer
 from fn.fsdp._fsdp2 import AllGather, FreshBuffers
+from fn.fsdp.agreement import agree_on_settings, integer
 from fn.fsdp.loco import ROOT
 from fn.fsdp.reduce_scatter import CommCache
 

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fn.collectives.process_group import all_gather_flat
-from fn.fsdp._agreement import gather_texts, shared
+from fn.fsdp.agreement import gather_texts, shared
 from fn.fsdp.loco import LocoReduceScatterHandle
 from fn.fsdp.onebit import ShardedOnebitOptimizer
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from fn.fsdp._agreement import agree_on_settings
+from fn.fsdp.agreement import agree_on_settings
 from fn.fsdp.reduce_scatter import CommCache, QuantizedReduceScatter
 
 __all__ = ["LocoReduceScatterHandle", "loco_reduce_scatter"]

@@ -5,7 +5,7 @@ machinery) and :class:`OnebitAdam` (``fn.fsdp.onebit_lamb`` has :class:`~fn.fsdp
 Each FSDP2 module's gradients are one vector ``X`` in FSDP2's layout (``W`` rows, row ``j`` rank
 ``j``'s shard, each padded to a multiple of ``lcm(W, 8)``), so that chunk ``j`` of
 ``fn.collectives.compressed_allreduce`` is rank ``j``'s shard. Every micro-batch's
-reduce-scatter hands its gradient to the module's :class:`~fn.fsdp.onebit_module.OnebitModule`,
+reduce-scatter hands its gradient to the module's ``OnebitModule`` (``fn/fsdp/onebit_module.py``),
 which accumulates it; ``step()`` averages it densely (warmup) or runs the collective's phases
 on the momentum and keeps it, full size, as its packed signs (compressed), then runs the
 per-leaf rule of ``fn.onebit_adam`` (or ``fn.onebit_lamb``) on every shard
@@ -34,8 +34,8 @@ from fn.collectives import (
 )
 from fn.collectives.comm import HOPS
 from fn.errors import NonFiniteError
-from fn.fsdp._agreement import agree
 from fn.fsdp._fsdp2 import reduce_scatters_stopped
+from fn.fsdp.agreement import agree
 from fn.fsdp.loco import ROOT
 from fn.fsdp.onebit_checks import check_partitions, model_problem, replicate_problem
 from fn.fsdp.onebit_layout import (
@@ -86,7 +86,7 @@ _CLIP_EPS = 1e-6  # in the clipping factor's denominator, as torch.nn.utils.clip
 class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optimizer):
     """What the 1-bit optimizers on FSDP2 share (:class:`OnebitAdam`,
     :class:`~fn.fsdp.OnebitLamb`): the model's FSDP2 modules, each with its state and
-    accumulated gradient (:class:`~fn.fsdp.onebit_module.OnebitModule`) and the reduce-scatter
+    accumulated gradient (``OnebitModule``, ``fn/fsdp/onebit_module.py``) and the reduce-scatter
     installed on it, ``step()`` (the update's exchange across the ranks, then the rule on the
     shards), the checks across ranks and the DCP state dict.
 
@@ -621,7 +621,7 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
     ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """What a module compresses, from its momentum before this update and the gradient
         that enters it, both flat in the layout of ``X``: ``(x, grad, beta)`` for
-        :meth:`OnebitModule.exchange`. 1-bit Adam's: the momentum ``b1 m + (1 - b1) g``,
+        ``OnebitModule.exchange``. 1-bit Adam's: the momentum ``b1 m + (1 - b1) g``,
         formed inside the exchange."""
         del layout, module, comm
         return momentum, grad, self._b1
@@ -647,7 +647,7 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         self, settings: dict[str, Any], error_dtype: torch.dtype
     ) -> tuple[type[Exception], str] | None:
         """The rule's own checks of the hyperparameters, as a problem (its message without the
-        name of the check that raised it: :func:`~fn.fsdp._agreement.agree` starts it with
+        name of the check that raised it: :func:`~fn.fsdp.agreement.agree` starts it with
         this optimizer's)."""
         try:
             check_error_dtype(self.name, error_dtype)

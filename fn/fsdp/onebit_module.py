@@ -3,9 +3,9 @@ momentum and the errors) and the gradient its micro-batches accumulate until ``s
 FSDP2 keeps an ``FSDPParamGroup`` per module (docs/algorithms.md, "1-bit Adam and 1-bit LAMB
 on FSDP2", and its section on accumulation).
 
-Each backward of a micro-batch calls :meth:`OnebitModule.reduce_scatter`; ``step()`` then makes
+Each backward of a micro-batch calls ``OnebitModule.reduce_scatter``; ``step()`` then makes
 the update's one exchange across the ranks that hold different gradients (the 1-D mesh's
-ranks, or on HSDP the nodes): :meth:`OnebitModule.exchange`. So the bytes an update sends
+ranks, or on HSDP the nodes): ``OnebitModule.exchange``. So the bytes an update sends
 across nodes do not depend on how many micro-batches it accumulates.
 """
 

@@ -1,5 +1,5 @@
 """The reduce-scatter that a 1-bit optimizer installs on an FSDP2 module: each micro-batch's
-gradient goes to the module's :class:`~fn.fsdp.onebit_module.OnebitModule`, which accumulates
+gradient goes to the module's ``OnebitModule`` (``fn/fsdp/onebit_module.py``), which accumulates
 it until ``step()``. It never raises inside FSDP2's backward: what it finds waits for
 ``step()`` (docs/algorithms.md, "1-bit Adam and 1-bit LAMB on FSDP2"). Once a collective has
 failed, the later modules of that backward send nothing over its group
@@ -97,7 +97,7 @@ class OnebitReduceScatter(SynchronousReduceScatter):
         self.failed = failed
 
     def reduce_scatter(self, out: Tensor, x: Tensor, group: dist.ProcessGroup, op: Any) -> None:
-        """Writes this rank's shard into ``out`` (:meth:`OnebitModule.reduce_scatter`).
+        """Writes this rank's shard into ``out`` (``OnebitModule.reduce_scatter``).
 
         It never raises (FSDP2 stops reduce-scattering after an exception in its backward): a
         problem is recorded, the output filled with NaN, and the next ``step()`` raises it.

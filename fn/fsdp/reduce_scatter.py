@@ -51,8 +51,8 @@ from torch import Tensor
 
 from fn.collectives import ProcessGroup, quantized_reduce_scatter_into
 from fn.errors import NonFiniteError
-from fn.fsdp._agreement import integer
 from fn.fsdp._fsdp2 import SynchronousReduceScatter
+from fn.fsdp.agreement import integer
 
 __all__ = ["CommCache", "QuantizedReduceScatter", "reduce_scale"]
 

@@ -46,7 +46,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.utils.data import DistributedSampler
 
 from fn.fsdp import ShardedOnebitOptimizer, read_onebit_state
-from fn.fsdp._agreement import agree
+from fn.fsdp.agreement import agree
 from fn.integrations._common import register_ddp, unwrap_optimizer
 from fn.optim import FunctionalOptimizer, OnebitAdam, OnebitFamily, OnebitLamb
 

@@ -173,7 +173,7 @@ class OnebitFamily(FunctionalOptimizer):
     @property
     def transform_comm(self) -> Any:
         """The comm the groups' transforms are built with. It is ``comm``, or one whose dense
-        mean is the identity (:class:`PreaveragedComm`) when the warmup gradients reach the
+        mean is the identity (``PreaveragedComm``) when the warmup gradients reach the
         transforms averaged (after :meth:`take_averaged_grads`, or with ``max_grad_norm``,
         where the adapter averages them before it clips)."""
         if self._takes_averaged or self._max_grad_norm is not None:
