@@ -127,7 +127,7 @@ class OnebitModule:
             self._accumulate(contribution)
             output.copy_(contribution[self.rank])
             if self.accumulate_dtype != torch.float32:
-                mine = contribution[self.rank].float()
+                mine = contribution[self.rank].to(torch.float32, copy=True)  # not a view
                 self._written = mine if self._written is None else self._written.add_(mine)
         else:
             output.copy_(dense_reduce_scatter(comm, rows, op))
