@@ -354,3 +354,45 @@ def test_clip_grad_norm_on_grad_acts_on_hsdp_and_warns_on_a_1d_mesh():
         assert all(not c for c in caught[FREEZE:]), caught  # once
         assert not out["1-d"]["changed"]  # the 1-D compressed update does not read .grad
         assert out["hsdp"]["changed"] and not any(out["hsdp"]["caught"])
+
+
+def _worker_bf16_accumulator(rank: int, world_size: int) -> dict:
+    """accumulate_dtype=torch.bfloat16 on a 1-D mesh: the compressed phase's local gradient in
+    bf16 (half the bytes), its record of .grad a buffer of its own (no view that would keep a
+    micro-batch's whole fp32 input alive), the run close to the fp32 accumulator's."""
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = test_onebit.build()
+        opt = fn.fsdp.OnebitAdam(model, lr=LR, freeze_step=FREEZE, accumulate_dtype=dtype)
+        for t in range(1, STEPS + 1):
+            opt.zero_grad()
+            for i in range(2):
+                x, y = micro_batch(rank, t, i, False)
+                (nn.functional.mse_loss(model(x), y) / 2).backward()
+            if t == STEPS:  # before the last step(): what the accumulation holds
+                held = {}
+                for name, module in opt._modules.items():
+                    written = module.written_row()
+                    held[name] = (
+                        module.local_gradient.dtype,
+                        module.local_gradient.untyped_storage().nbytes(),
+                        written.untyped_storage().nbytes() == 4 * written.numel(),
+                        module.local_gradient.numel(),
+                    )
+            opt.step()
+        out[str(dtype)] = dict(params=full_params(model), held=held)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_bf16_accumulator_holds_half_the_bytes_and_trains_alike():
+    results = run_distributed(_worker_bf16_accumulator, test_onebit.WORLD, timeout=240)
+    for out in results:
+        fp32, bf16 = out["torch.float32"], out["torch.bfloat16"]
+        for name, (dtype, nbytes, own, numel) in bf16["held"].items():
+            assert dtype == torch.bfloat16 and nbytes == 2 * numel and own, name
+        for name, (dtype, nbytes, _, numel) in fp32["held"].items():
+            assert dtype == torch.float32 and nbytes >= 4 * numel, name
+        for n, value in bf16["params"].items():
+            assert torch.equal(value, results[0]["torch.bfloat16"]["params"][n])  # ranks agree
+            torch.testing.assert_close(value, fp32["params"][n], rtol=0.05, atol=2e-3)
