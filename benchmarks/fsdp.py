@@ -47,7 +47,9 @@ HSDP (``--nodes N --ranks-per-node L``, ``N L`` ranks): 1-bit Adam or LAMB acros
 FSDP2 + 1-bit with 8-bit all-gathers, with ``--rate`` on cluster.py's two-level cluster (each
 node's ranks on a fast bridge, the nodes joined by one uplink at the rate), its bytes across
 nodes read from the uplinks; its modes, rows and targets are in benchmarks/hsdp.py.
-``--error-dtype bf16`` stores the 1-bit errors in bf16 (every 1-bit mode).
+``--error-dtype bf16`` stores the 1-bit errors in bf16 (every 1-bit mode). ``--accumulate K``
+(HSDP) makes each update K micro-batches of ``--batch`` sequences, each its own forward and
+backward; ``--modes`` picks HSDP's modes (benchmarks/hsdp.py lists them).
 
 Run:  python3 benchmarks/fsdp.py [--ranks 2] [--steps 200] [--onebit adam|lamb] [--json out.json]
       python3 benchmarks/fsdp.py --steps 3 --layers 1 --d-model 32   (a smoke run)
@@ -59,6 +61,8 @@ Run:  python3 benchmarks/fsdp.py [--ranks 2] [--steps 200] [--onebit adam|lamb] 
       sudo python3 benchmarks/fsdp.py --nodes 2 --ranks-per-node 2 --rate 100mbit \\
           --d-model 512 --layers 4 --batch 2 --context 16 --steps 30 --warmup 3   (HSDP)
       python3 benchmarks/fsdp.py --nodes 2 --ranks-per-node 2 --rate 100mbit --dry-run
+      python3 benchmarks/fsdp.py --nodes 2 --ranks-per-node 2 --accumulate 4 --steps 200 \\
+          --modes hsdp+onebit hsdp+onebit+whole   (accumulation: benchmarks/hsdp.py)
 """
 
 from __future__ import annotations
@@ -193,16 +197,43 @@ def _worker(rank: int, world_size: int, send, config: dict) -> dict:
     return results
 
 
-def _timed_step(example, model, optimizer, batch, counter: ByteCounter) -> float:
-    """One training step after a barrier, its collectives counted; its seconds."""
+def _timed_step(
+    example,
+    model,
+    optimizer,
+    batch,
+    counter: ByteCounter,
+    accumulate: int = 1,
+    all_reduce_once: bool = False,
+    before_step=None,
+) -> float:
+    """One update after a barrier, its collectives counted; its seconds.
+
+    ``batch`` is split into ``accumulate`` micro-batches, each its own forward and backward
+    (the loss divided by ``accumulate``), then one ``optimizer.step()``. ``all_reduce_once``:
+    native HSDP's ``set_requires_all_reduce`` off on all but the last micro-batch (the
+    all-reduce across nodes once per update). ``before_step()`` runs after the last backward,
+    untimed and uncounted."""
     dist.barrier()
     start = time.perf_counter()
     counter.active = True
     optimizer.zero_grad()
-    example.lm_loss(model, batch).backward()
+    micro = batch.chunk(accumulate) if accumulate > 1 else (batch,)
+    for j, part in enumerate(micro):
+        if all_reduce_once:
+            model.set_requires_all_reduce(j == len(micro) - 1)
+        loss = example.lm_loss(model, part)
+        (loss / accumulate if accumulate > 1 else loss).backward()
+    paused = 0.0
+    if before_step is not None:
+        counter.active = False
+        mark = time.perf_counter()
+        before_step()
+        paused = time.perf_counter() - mark
+        counter.active = True
     optimizer.step()
     counter.active = False
-    return time.perf_counter() - start
+    return time.perf_counter() - start - paused
 
 
 def _train_onebit(mode, example, args, table, counter, rank, world_size, config) -> dict:
@@ -369,6 +400,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--error-dtype", choices=list(ERROR_DTYPES), default="fp32", help="the 1-bit errors'"
     )
+    p.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        help="HSDP: micro-batches per update (each --batch sequences, its own backward)",
+    )
+    p.add_argument(
+        "--accumulate-dtype",
+        choices=list(ERROR_DTYPES),
+        default="fp32",
+        help="HSDP: the 1-D 1-bit modes' local gradient accumulator (accumulate_dtype=)",
+    )
+    p.add_argument(
+        "--modes", nargs="+", default=None, help="HSDP: the modes to run (benchmarks/hsdp.py)"
+    )
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--json", default=None, help="also write rank 0's results here")
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
@@ -397,7 +443,16 @@ def _check_layout(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.ranks = 2 if args.ranks is None else args.ranks
         if args.ranks < 2:
             p.error("--ranks must be at least 2")
+        if args.accumulate != 1 or args.accumulate_dtype != "fp32" or args.modes is not None:
+            p.error("--accumulate, --accumulate-dtype and --modes go with --nodes (HSDP's modes)")
         return
+    if args.accumulate < 1:
+        p.error("--accumulate must be at least 1")
+    hsdp = _hsdp()
+    args.modes = list(hsdp.MODES) if args.modes is None else args.modes
+    unknown = sorted(set(args.modes) - set(hsdp.ALL_MODES))
+    if unknown or len(set(args.modes)) != len(args.modes):
+        p.error(f"--modes: each of {', '.join(hsdp.ALL_MODES)} at most once, got {args.modes}")
     if args.ranks is not None:
         p.error("--ranks: leave it out with --nodes (ranks = nodes x ranks per node)")
     if args.nodes < 2 or args.ranks_per_node < 2:
@@ -428,7 +483,14 @@ def _config(args: argparse.Namespace) -> dict:
         ],
     }  # fmt: skip
     if args.nodes is not None:
-        config |= {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node}
+        config |= {
+            "nodes": args.nodes,
+            "ranks_per_node": args.ranks_per_node,
+            "batch": args.batch,
+            "accumulate": args.accumulate,
+            "accumulate_dtype": args.accumulate_dtype,
+            "modes": args.modes,
+        }
     return config
 
 
@@ -475,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _main_hsdp(args: argparse.Namespace, config: dict) -> None:
     hsdp = _hsdp()
     if args.dry_run:
-        hsdp.print_plan(config, args)
+        hsdp.print_plan(config, args, tuple(config["modes"]))
         return
     load = os.getloadavg()[0]
     print(

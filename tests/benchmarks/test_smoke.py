@@ -797,8 +797,9 @@ def _hsdp_results(adamw_s=3.0, onebit_s=1.0, onebit_loss=2.03, n=1000, rate="100
 
     def mode(across, step_s, loss, memory):
         by_kind = {"intra": 7.0, "inter": across}
-        return {"by_kind": by_kind, "fn_by_kind": None, "uplinks": across, "step_s": step_s,
-                "held_out_loss": loss, "params": n, "memory": memory}  # fmt: skip
+        return {"by_kind": by_kind, "fn_by_kind": None, "fn_by_hop": None, "uplinks": across,
+                "step_s": step_s, "held_out_loss": loss, "params": n,
+                "memory": {**memory, "accumulator": 0}}  # fmt: skip
 
     half = 2 * n  # 4n / L bytes at L = 2
     rank0 = {
@@ -813,7 +814,8 @@ def _hsdp_results(adamw_s=3.0, onebit_s=1.0, onebit_loss=2.03, n=1000, rate="100
         "fsdp1d+onebit+qwz": mode(1500.0, 1.5, 2.1, {"params": n, "grads": n, "state": n}),
     }
     config = {"nodes": 2, "ranks_per_node": 2, "onebit": "adam", "error_dtype": "fp32",
-              "rate": rate, "steps": 8, "freeze_step": 2, "warmup": 1}  # fmt: skip
+              "rate": rate, "steps": 8, "freeze_step": 2, "warmup": 1, "batch": 8,
+              "accumulate": 1, "accumulate_dtype": "fp32", "modes": list(rank0)[1:]}  # fmt: skip
     return rank0, config
 
 
@@ -827,7 +829,14 @@ def test_fsdp_hsdp_memory_formula_is_the_docs():
     assert hsdp.memory_formula("hsdp+onebit", n, {**config, "error_dtype": "bf16"}) == (
         15.125 * n / 2
     )
-    assert hsdp.memory_formula("fsdp1d+onebit+qwz", n, config) == 12 * n / 4 + n / 8 + 4 * n + n
+    # right before step(), 1-D: the local gradient, a n (bf16: and the fp32 sum of its row)
+    assert hsdp.memory_formula("fsdp1d+onebit+qwz", n, config) == (
+        12 * n / 4 + n / 8 + 4 * n + n + 4 * n
+    )
+    assert hsdp.memory_formula("fsdp1d+onebit", n, {**config, "accumulate_dtype": "bf16"}) == (
+        12 * n / 4 + n / 8 + 4 * n + n + 2 * n + n
+    )
+    assert hsdp.memory_formula("fsdp1d+adamw", n, config) == 16 * n / 4
 
 
 def test_fsdp_hsdp_targets_and_report(capsys):
@@ -845,7 +854,7 @@ def test_fsdp_hsdp_targets_and_report(capsys):
     hsdp.print_results(rank0, config)
     hsdp.print_summary(rank0, config, load=0.25)
     out = capsys.readouterr().out
-    assert "across (uplinks)" in out and "bound: forward + backward alone" in out
+    assert "across (uplinks)" in out and "bound: forwards + backwards alone" in out
     assert "load average before the run 0.25" in out
     assert re.search(r"HSDP \+ fn OnebitAdam\s+100\s+0\.0500", out), out
 
@@ -861,7 +870,8 @@ def test_fsdp_hsdp_tiny_cli_counts_bytes_by_group_and_memory_at_its_formula(tmp_
     argv = ["--nodes", "2", "--ranks-per-node", "2", "--onebit", family, "--error-dtype", dtype]
     proc = _cli("fsdp.py", *argv, *tiny, "--json", str(out), "--timeout", "150", timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "issue #45 targets" in proc.stdout and "load average before the run" in proc.stdout
+    assert "issue #45 and #52 targets" in proc.stdout
+    assert "load average before the run" in proc.stdout
     saved = json.loads(out.read_text())
     config, rank0 = saved["config"], saved["rank0"]
     adamw, onebit, flat = (rank0[m] for m in ("hsdp+adamw", "hsdp+onebit", "fsdp1d+onebit+qwz"))
@@ -870,6 +880,7 @@ def test_fsdp_hsdp_tiny_cli_counts_bytes_by_group_and_memory_at_its_formula(tmp_
     # fn's 1-bit allreduce is all that crosses nodes, and fn counts it as the interface does
     assert 0 < onebit["by_kind"]["inter"] < adamw["by_kind"]["inter"] / 12
     assert onebit["fn_by_kind"]["inter"] == onebit["by_kind"]["inter"]
+    assert onebit["fn_by_hop"]["inter"] == onebit["by_kind"]["inter"]
     assert set(flat["by_kind"]) == {"world"}  # 1-D FSDP2: every collective spans the nodes
     assert set(rank0["fsdp1d+onebit"]["by_kind"]) == {"world"}
     assert adamw["uplinks"] == onebit["uplinks"] == 0  # no uplinks on loopback
@@ -879,3 +890,48 @@ def test_fsdp_hsdp_tiny_cli_counts_bytes_by_group_and_memory_at_its_formula(tmp_
         total = sum(rank0[mode]["memory"].values())
         assert abs(total / hsdp.memory_formula(mode, n, config) - 1) < 0.01, mode
     assert rank0["bound_s"] > 0
+
+
+@pytest.mark.timeout(180)
+def test_fsdp_hsdp_accumulation_sends_the_same_bytes_across_nodes_per_update(tmp_path):
+    """2 x 2 on loopback, 2 micro-batches per update against one backward on both."""
+    out = tmp_path / "hsdp.json"
+    tiny = ["--steps", "3", "--layers", "1", "--d-model", "32", "--batch", "4", "--context", "16"]
+    modes = ["hsdp+adamw", "hsdp+onebit", "hsdp+onebit+whole", "fsdp1d+adamw", "fsdp1d+onebit"]
+    argv = ["--nodes", "2", "--ranks-per-node", "2", "--accumulate", "2", "--modes", *modes]
+    proc = _cli("fsdp.py", *argv, *tiny, "--json", str(out), "--timeout", "150", timeout=170)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 micro-batch(es) per update" in proc.stdout
+    saved = json.loads(out.read_text())
+    config, rank0 = saved["config"], saved["rank0"]
+    assert list(rank0) == ["bound_s", *modes]
+    onebit, whole, adamw = rank0["hsdp+onebit"], rank0["hsdp+onebit+whole"], rank0["hsdp+adamw"]
+    # across nodes once per update; inside the node one dense reduce-scatter per micro-batch
+    assert onebit["fn_by_hop"]["inter"] == whole["fn_by_hop"]["inter"] > 0
+    assert onebit["fn_by_hop"]["intra"] == 2 * whole["fn_by_hop"]["intra"] > 0
+    n = adamw["params"]  # AdamW's all-reduce across nodes (set_requires_all_reduce) once: 2n
+    assert abs(adamw["by_kind"]["inter"] / (2 * n) - 1) < 0.01
+    assert abs(onebit["held_out_loss"] / whole["held_out_loss"] - 1) < 1e-3
+    hsdp = _load("hsdp.py")
+    for mode in modes:
+        total = sum(rank0[mode]["memory"].values())
+        assert abs(total / hsdp.memory_formula(mode, n, config) - 1) < 0.01, mode
+    assert rank0["fsdp1d+onebit"]["memory"]["accumulator"] >= 4 * n  # the whole local gradient
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--accumulate", "2"], "go with --nodes"),
+        (["--nodes", "2", "--ranks-per-node", "2", "--accumulate", "0"], "at least 1"),
+        (["--nodes", "2", "--ranks-per-node", "2", "--modes", "hsdp+sgd"], "--modes"),
+        (
+            ["--nodes", "2", "--ranks-per-node", "2", "--modes", "hsdp+onebit", "hsdp+onebit"],
+            "at most once",
+        ),
+    ],
+)
+def test_fsdp_rejects_bad_accumulation_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        _load("fsdp.py").parse_args(argv)
+    assert message in capsys.readouterr().err
