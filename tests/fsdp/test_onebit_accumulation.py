@@ -33,14 +33,8 @@ def micro_batch(rank: int, t: int, i: int, spike: bool) -> tuple[torch.Tensor, t
 def local_sums(kind, params, rank, t, k, spike) -> dict[str, torch.Tensor]:
     """One rank's gradient of an update: its k micro-batches' gradients of ``loss / k`` (a power
     of two: exact), summed in order."""
-    module = KINDS[kind][1]
     total = None
-    for i in range(k):
-        x, y = micro_batch(rank, t, i, spike)
-        model = module.build(shard=False)
-        model.load_state_dict(params)
-        (nn.functional.mse_loss(model(x), y) / k).backward()
-        g = {name: p.grad for name, p in model.named_parameters()}
+    for g in micro_grads(kind, params, rank, t, k, spike):
         total = g if total is None else {n: total[n] + g[n] for n in g}
     return total
 
