@@ -1,0 +1,202 @@
+"""Every code block on the pages runs as copied: README.md and the pages under docs/.
+
+A test reads the blocks out of the Markdown, so a page and its test cannot drift. A block is
+run as it stands unless an HTML comment on the line above its fence says otherwise (GitHub and
+the site show nothing of it):
+
+- no comment: a complete program, run with ``python3`` in an empty folder;
+- ``<!-- test: continues -->``: the next part of the page's previous Python block; the two
+  (and what that one continues) run as one program, the way a reader pastes them in turn;
+- ``<!-- test: file=train.py -->``: the program is saved as ``train.py`` in the folder, and the
+  page's shell block marked ``<!-- test: run -->`` runs it, with the command the page shows
+  (``torchrun --standalone --nproc-per-node 2 train.py``);
+- ``<!-- test: fragment-of=NAME -->``: an excerpt. Its lines, but for ``...`` lines, appear in
+  the same order in NAME: a ``file=`` block of the same page, or a file of the repository
+  (``examples/lightning_ddp.py``), which its own tests run;
+- ``<!-- test: run -->`` above a shell block: bash runs it, line by line and stopping at the
+  first failure, in the folder where the page's ``file=`` blocks were written.
+
+Other shell blocks (installs, launches on several hosts) are not run. Every run gets
+``FN_DOC_BLOCK_TIMEOUT`` seconds (300 by default) on CPU, multi-rank blocks on gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = float(os.environ.get("FN_DOC_BLOCK_TIMEOUT", "300"))
+
+_FENCE = re.compile(r"^(`{3,})(\w*)[^\n]*\n(.*?)^\1[ \t]*$", re.MULTILINE | re.DOTALL)
+_MARKER = re.compile(r"<!--\s*test:\s*(.*?)\s*-->")
+_SHELL = {"bash", "sh", "shell", "console"}
+
+
+class Block(NamedTuple):
+    """A fenced code block: its page, first line, language, text and marker."""
+
+    page: Path
+    line: int
+    language: str
+    text: str
+    marker: str  # "", "continues", "run", "file=NAME" or "fragment-of=NAME"
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def pages() -> list[Path]:
+    """README.md and every Markdown page of the site."""
+    docs = ROOT / "docs"
+    return [ROOT / "README.md"] + sorted(
+        p for p in docs.rglob("*.md") if "_build" not in p.relative_to(docs).parts
+    )
+
+
+def blocks(page: Path) -> list[Block]:
+    """The page's Python and shell blocks, each with the marker on the line above its fence."""
+    text = page.read_text(encoding="utf-8")
+    found = []
+    for match in _FENCE.finditer(text):
+        language = match.group(2).lower()
+        if language not in _SHELL and language not in ("python", "py"):
+            continue
+        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        marker = _MARKER.fullmatch(before.strip())
+        line = text.count("\n", 0, match.start()) + 1
+        language = "python" if language == "py" else "bash" if language in _SHELL else language
+        found.append(Block(page, line, language, match.group(3), marker[1] if marker else ""))
+    return found
+
+
+def _marked(marker: str, key: str) -> str | None:
+    return marker.split("=", 1)[1] if marker.startswith(key + "=") else None
+
+
+def _programs() -> list[tuple[str, list[Block]]]:
+    """The Python programs to run: each block that no later block continues, with the blocks
+    it continues before it."""
+    out = []
+    for page in pages():
+        chain: list[Block] = []
+        python = [b for b in blocks(page) if b.language == "python"]
+        for i, block in enumerate(python):
+            if block.marker == "continues":
+                if not chain:
+                    raise ValueError(f"{block.where}: `continues` with no program before it")
+                chain = [*chain, block]
+            elif block.marker == "":
+                chain = [block]
+            else:
+                chain = []
+                continue
+            ends = i + 1 == len(python) or python[i + 1].marker != "continues"
+            if ends:
+                out.append((block.where, chain))
+    return out
+
+
+def _pages_with_files() -> list[Path]:
+    return [p for p in pages() if any(_marked(b.marker, "file") for b in blocks(p))]
+
+
+def _fragments() -> list[Block]:
+    return [b for p in pages() for b in blocks(p) if _marked(b.marker, "fragment-of")]
+
+
+def _run(command: list[str], cwd: Path) -> str:
+    """Run ``command`` in ``cwd`` on CPU with the timeout; its output, or a failed test."""
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env.setdefault("OMP_NUM_THREADS", "1")
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # torchrun's workers too are stopped on a timeout
+    )
+    try:
+        out, _ = process.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, _ = process.communicate()
+        pytest.fail(f"timed out after {TIMEOUT:.0f} s:\n{out[-6000:]}")
+    if process.returncode != 0:
+        pytest.fail(f"exit status {process.returncode}:\n{out[-6000:]}")
+    return out
+
+
+def test_every_block_is_run_or_a_marked_excerpt():
+    """The markers are ones this file knows; a saved program is run by a shell block of its
+    page, and a shell block marked ``run`` names only programs the page saves or shell
+    commands."""
+    known = re.compile(r"(|continues|run|file=[\w.-]+\.py|fragment-of=[\w./-]+)")
+    problems = []
+    for page in pages():
+        page_blocks = blocks(page)
+        files = {_marked(b.marker, "file") for b in page_blocks} - {None}
+        runs = " ".join(b.text for b in page_blocks if b.marker == "run")
+        for block in page_blocks:
+            if not known.fullmatch(block.marker):
+                problems.append(f"{block.where}: unknown marker {block.marker!r}")
+            elif block.marker == "run" and block.language != "bash":
+                problems.append(f"{block.where}: `run` marks a shell block")
+            elif block.marker not in ("", "run") and block.language != "python":
+                problems.append(f"{block.where}: {block.marker!r} marks a Python block")
+        for name in sorted(files):
+            if not re.search(rf"(?<![\w/.-]){re.escape(name)}\b", runs):
+                problems.append(f"{page.relative_to(ROOT)}: no `run` shell block runs {name}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("where, chain", _programs(), ids=[w for w, _ in _programs()])
+def test_python_block_runs_as_copied(where, chain, tmp_path):
+    program = "\n".join(block.text for block in chain)
+    (tmp_path / "block.py").write_text(program, encoding="utf-8")
+    _run([sys.executable, "block.py"], tmp_path)
+
+
+@pytest.mark.parametrize(
+    "page", _pages_with_files(), ids=[str(p.relative_to(ROOT)) for p in _pages_with_files()]
+)
+def test_shell_blocks_run_the_pages_programs(page, tmp_path):
+    page_blocks = blocks(page)
+    for block in page_blocks:
+        if name := _marked(block.marker, "file"):
+            (tmp_path / name).write_text(block.text, encoding="utf-8")
+    for block in page_blocks:
+        if block.marker == "run":
+            _run(["bash", "-e", "-o", "pipefail", "-c", block.text], tmp_path)
+
+
+@pytest.mark.parametrize("fragment", _fragments(), ids=[b.where for b in _fragments()])
+def test_fragment_is_an_excerpt_of_its_program(fragment):
+    name = _marked(fragment.marker, "fragment-of")
+    sources = [b.text for b in blocks(fragment.page) if _marked(b.marker, "file") == name]
+    if not sources and (ROOT / name).is_file():
+        sources = [(ROOT / name).read_text(encoding="utf-8")]
+    assert sources, f"{fragment.where}: no block file={name} on the page and no file {name}"
+    program = [line.strip() for line in sources[0].splitlines()]
+    position = 0
+    for line in fragment.text.splitlines():
+        line = line.strip()
+        if not line or line == "..." or line.startswith("# ..."):
+            continue
+        try:
+            position = program.index(line, position) + 1
+        except ValueError:
+            pytest.fail(f"{fragment.where}: {line!r} is not in {name} (in this order)")
