@@ -149,6 +149,7 @@ API: dict[str, list[str]] = {
     "fn.optim": _exports("fn.optim"),
     "fn.ddp": _exports("fn.ddp"),
     "fn.fsdp": _exports("fn.fsdp"),
+    "fn.diloco": _exports("fn.diloco"),
     "fn.integrations.transformers": _exports("fn.integrations.transformers"),
     "fn.integrations.accelerate": _exports("fn.integrations.accelerate"),
     "fn.integrations.lightning": _exports("fn.integrations.lightning"),
