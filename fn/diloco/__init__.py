@@ -13,15 +13,17 @@ inner optimizer for ``H`` steps; then :func:`outer_step` averages the pseudo-gra
 
 The rules are transforms over the pseudo-gradient pytree with their state explicit; the
 compressors are ``fn.collectives`` transforms that thread their error feedback. They run on
-``Local``, ``Simulated`` and ``ProcessGroup``. docs/algorithms.md ("DiLoCo: local steps and a
-compressed outer step") specifies them, and also the stateful wrapper that hooks an inner
-optimizer, the streaming fragments and the checkpoints, which are not built.
+``Local``, ``Simulated`` and ``ProcessGroup``. :class:`DiLoCo` hooks the outer step onto any
+inner optimizer's ``step()`` and keeps the anchor, the outer state and the counters for
+checkpoints. docs/algorithms.md ("DiLoCo: local steps and a compressed outer step") specifies
+them, and also the streaming fragments, the delay and sharded workers, which are not built.
 """
 
 from fn.diloco.compressors import COMPRESSIONS, compression
 from fn.diloco.nesterov_rule import nesterov
 from fn.diloco.sparseloco_rule import sparseloco
 from fn.diloco.step import OuterStep, outer_step, pseudo_gradient
+from fn.diloco.wrapper import OUTER_RULES, DiLoCo
 
 __all__ = [
     "COMPRESSIONS",
@@ -31,4 +33,6 @@ __all__ = [
     "OuterStep",
     "outer_step",
     "pseudo_gradient",
+    "OUTER_RULES",
+    "DiLoCo",
 ]
