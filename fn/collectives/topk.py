@@ -6,8 +6,8 @@ magnitude are kept, each as its position and 2 bits (a sign, and whether it exce
 chunk's absmax ``M``), and decode to ``+-M/4`` or ``+-3M/4``. What was not sent stays in the
 error feedback, ``e' = decay * e + x - c``. Sparse pairs cannot be summed on the way as a ring
 allreduce sums dense values, so every rank all-gathers every rank's message and adds the decoded
-vectors in rank order: every rank gets the same mean, bit for bit. docs/algorithms.md ("DiLoCo:
-local steps and a compressed outer step") gives the code, the message and its bytes.
+vectors in rank order: every rank gets the same mean, bit for bit. docs/algorithms.md, "DiLoCo:
+local steps and a compressed outer step" gives the code, the message and its bytes.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def compression(kind: str, *, comm: Comm, **options: Any) -> GradientTransformat
     - ``"topk"``: ``fn.collectives.topk_allreduce``, chunk-wise top-``k`` in 2 bits with error
       feedback (SparseLoCo's compressor); options ``k``, ``chunk_size``.
 
-    docs/algorithms.md ("DiLoCo: local steps and a compressed outer step") gives each one's
+    docs/algorithms.md, "DiLoCo: local steps and a compressed outer step" gives each one's
     bytes and error-feedback memory.
 
     Args:

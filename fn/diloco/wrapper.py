@@ -76,8 +76,8 @@ class DiLoCo:
     ``torch.optim``'s, ``fn.optim``'s): after every ``sync_every``-th ``step()``, the model's
     parameters (those that require grad, in ``model.parameters()`` order) go through
     :func:`fn.diloco.outer_step` with the outer rule, and every rank continues from the new
-    anchor. The training loop does not change. docs/algorithms.md ("DiLoCo: local steps and a
-    compressed outer step") specifies the step, the bytes and the memory.
+    anchor. The training loop does not change. docs/algorithms.md, "DiLoCo: local steps and a
+    compressed outer step" specifies the step, the bytes and the memory.
 
     At construction every rank checks with the others (one small all-gather) that they passed
     the same settings and hold the same parameters; a difference is the same ``ValueError`` on
