@@ -12,6 +12,7 @@ the docstrings by autodoc and napoleon (Google style).
 from __future__ import annotations
 
 import builtins
+import functools
 import importlib
 import inspect
 import os
@@ -492,6 +493,7 @@ def _lookup(target: str) -> object | None:
     return None
 
 
+@functools.cache  # the docstrings name the same objects many times
 def _public_name(target: str) -> str | None:
     """The documented name of the fn object that ``target`` names, or None.
 
