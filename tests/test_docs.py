@@ -250,13 +250,6 @@ def test_the_first_custom_loop_runs(capsys):
     assert out[2] == "True"
 
 
-def test_the_fsdp_accumulation_block_runs(capsys):
-    """guides/fsdp.md's accumulation and clipping block, as copied (one gloo rank)."""
-    (block,) = [b for b in _python_blocks(DOCS / "guides" / "fsdp.md") if "max_grad_norm" in b]
-    exec(compile(block, "<guides/fsdp.md>", "exec"), {"__name__": "__docs__"})  # noqa: S102
-    assert capsys.readouterr().out.strip() == "8"
-
-
 def test_the_test_command_runs_doctests_and_fails_on_a_broken_one(tmp_path):
     """With the repository's pytest settings, fn's examples are collected and a wrong output
     fails the run."""

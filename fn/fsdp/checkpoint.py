@@ -46,7 +46,9 @@ class TrainingCheckpoint:
         model: the FSDP2 model.
         optimizer: its ``torch.optim`` optimizer.
         handle: the :func:`~fn.fsdp.loco_reduce_scatter` handle, or ``None``.
-        step: the number of optimizer steps taken (saved, and set again by a load).
+        step: the training loop's step count, kept in ``self.step``: the loop sets it as it
+            trains (the optimizer's steps do not change it), :meth:`save` writes it and
+            :meth:`load` restores it, so that a resumed loop starts at ``self.step``.
 
     Example:
         >>> import tempfile, torch.distributed as dist
