@@ -42,7 +42,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(5.6, 3.4), dpi=150)
+    fig = Figure(figsize=(5.6, 3.2), dpi=150)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     rows = {row["optimizer"]: row for row in results["results"]}
