@@ -81,8 +81,9 @@ html_static_path = ["_static"]
 html_css_files = ["custom.css"]
 
 # The copy button copies the commands without their prompts ("$ ", ">>> ", "... ") and
-# without the output lines that follow a prompt.
-copybutton_prompt_text = r"\$ |>>> |\.\.\. "
+# without the output lines that follow a prompt. A "..." that stands for omitted code in an
+# excerpt (followed by a comment, or alone) is not a prompt.
+copybutton_prompt_text = r"\$ |>>> |\.\.\. (?!\s*#)"
 copybutton_prompt_is_regexp = True
 copybutton_only_copy_prompt_lines = True
 
