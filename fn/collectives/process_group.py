@@ -175,8 +175,8 @@ class ProcessGroup(ByteCounter):
             the longest time one rank may spend between two collectives (e.g. evaluation or
             checkpointing on one rank only).
         counts_into: count the bytes sent into this comm's counter (used by :meth:`split`).
-        hop: the level this comm's bytes count under in ``bytes_sent_by_hop``, an index into
-            ``fn.collectives.comm.HOPS`` (used by :meth:`split`).
+        hop: the level this comm's bytes count under in ``bytes_sent_by_hop``: 0 ``"world"``,
+            1 ``"intra"``, 2 ``"inter"`` (used by :meth:`split`).
 
     Example:
         Under ``torchrun`` the launcher sets up the group; here a one-rank gloo group in this

@@ -205,9 +205,10 @@ class TrainingCheckpoint:
 def read_onebit_state(
     optimizer: ShardedOnebitOptimizer, path: str | os.PathLike, key: str
 ) -> dict[str, Any]:
-    """The state of ``optimizer`` saved under ``key`` (dotted: ``"training.optim"``) in the DCP
-    checkpoint directory ``path``, read into new tensors laid out as saved, its header checked
-    against ``optimizer`` first (collective). ``optimizer.load_state_dict`` then restores it.
+    """The state of ``optimizer`` saved under ``key`` in the DCP checkpoint directory ``path``,
+    read into new tensors laid out as saved. ``key`` is dotted (``"training.optim"``); the
+    header is checked against ``optimizer`` first (collective). ``optimizer.load_state_dict``
+    then restores it.
 
     Args:
         optimizer: the :class:`~fn.fsdp.ShardedOnebitOptimizer` to read for.
