@@ -72,6 +72,7 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
     "sphinx-mathjax-offline",  # MathJax served with the site: the pages render math offline
+    "sphinx_copybutton",  # a copy button on every code block
 ]
 
 source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
@@ -83,6 +84,13 @@ html_theme = "furo"
 html_title = f"fn {release}"
 html_static_path = ["_static"]
 html_css_files = ["custom.css"]
+
+# The copy button copies the commands without their prompts ("$ ", ">>> ", "... ") and
+# without the output lines that follow a prompt. A "..." that stands for omitted code in an
+# excerpt (followed by a comment, or alone) is not a prompt.
+copybutton_prompt_text = r"\$ |>>> |\.\.\. (?!\s*#)"
+copybutton_prompt_is_regexp = True
+copybutton_only_copy_prompt_lines = True
 
 # -- MyST ------------------------------------------------------------------------------------
 myst_enable_extensions = ["amsmath", "dollarmath", "colon_fence", "deflist"]

@@ -330,3 +330,55 @@ def test_algorithms_page_renders_math(site):
     # The headings other pages link to keep their anchors.
     for anchor in ("conventions", "01-adam", "deviations-from-deepspeed"):
         assert f'id="{anchor}"' in page
+
+
+def _code_blocks(page: str) -> list[str]:
+    """The text of the page's code blocks, as a reader copies it."""
+    return [
+        html.unescape(re.sub(r"<[^>]+>", "", block))
+        for block in re.findall(r"<pre\b[^>]*>(.*?)</pre>", page, flags=re.S)
+    ]
+
+
+def test_front_page_shows_an_example_the_figure_the_install_and_when_to_use_fn(site):
+    page = _page(site, "index.html")
+    text = _text(page)
+    code = _code_blocks(page)
+    # A complete example (tests/test_doc_blocks.py runs it) and the install, as code blocks.
+    assert any("fn.onebit_adam(" in block and "print(" in block for block in code), code
+    (install,) = [block for block in code if "pip install" in block]
+    for line in (
+        "python3 -m venv .venv && . .venv/bin/activate",
+        'python3 -m pip install "torch==2.13.0"',
+        "python3 -m pip install .",
+        '".[test,notebooks,integrations,lightning,docs]"',
+        "python3 -m pytest -q",
+    ):
+        assert line in install, install
+    # The loss-against-bytes figure, served with the site, and the command that draws it.
+    (image,) = re.findall(r'<img [^>]*src="([\w/]+/loss-vs-bytes\.png)"', page)
+    assert (site / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "python3 benchmarks/loss_vs_bytes.py" in text
+    # When fn helps, when it does not, and where the figures come from.
+    for phrase in ("fn helps", "slow links", "does not help", "NVLink", "CPU VMs with gloo"):
+        assert phrase in text, phrase
+    assert "not yet measured on hardware" in text
+    assert 'href="troubleshooting.html"' in page
+
+
+def test_troubleshooting_page_is_in_the_site(site):
+    page = _page(site, "troubleshooting.html")
+    text = _text(page)
+    for phrase in ("CollectiveTimeoutError", "FN_TIMEOUT", "the variance froze", "FAQ"):
+        assert phrase in text, phrase
+    # It is in the table of contents, so every page's navigation links it.
+    assert 'href="troubleshooting.html"' in _page(site, "getting-started.html")
+    assert 'href="../troubleshooting.html"' in _page(site, "guides/fsdp.html")
+
+
+def test_code_blocks_have_a_copy_button(site):
+    page = _page(site, "getting-started.html")
+    assert re.search(r'<script [^>]*src="_static/copybutton\.js', page)
+    # It copies commands without their prompts ("$ ", ">>> ", "... ").
+    script = (site / "_static" / "copybutton.js").read_text(encoding="utf-8")
+    assert r"formatCopyText(text, '\\$ |>>> |\\.\\.\\. (?!\\s*#)', true" in script
