@@ -44,6 +44,7 @@ PAGES = [
     "torch-optim.md",
     "precision.md",
     "migrating-from-deepspeed.md",
+    "examples.md",
 ]
 
 # Other documents and docstrings link to these sections by name.
