@@ -72,7 +72,7 @@ __all__ = [
 GPT2_VOCAB = 128
 """The vocabulary of :func:`tiny_gpt2` and :class:`SyntheticTokens`."""
 GPT2_CONTEXT = 16
-"""The positions of :func:`tiny_gpt2`: the length of a :class:`SyntheticTokens` sequence."""
+"""The positions of :func:`tiny_gpt2`, the length of a :class:`SyntheticTokens` sequence."""
 TOKEN_SEQUENCES = 512
 """The sequences of a :class:`SyntheticTokens` data set."""
 FEATURES = 16
