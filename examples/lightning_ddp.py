@@ -18,8 +18,8 @@ Resuming in the middle of an epoch needs a resumable data loader, one with ``sta
 batch (it warns so), and the resumed run then sees other batches than the uninterrupted one.
 With a plain ``DataLoader`` resume from checkpoints at the end of an epoch.
 
-Needs fn with the ``lightning`` extra. The network, the data, the arguments, the Trainer's
-settings and the final check come from ``fn.app.examples``, so the script runs alone,
+Needs fn with the ``lightning`` extra. The network and its loss, the data, the arguments, the
+Trainer's settings and the final check come from ``fn.app.examples``, so the script runs alone,
 downloaded into an empty folder.
 """
 
@@ -33,10 +33,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import fn.optim
 from fn.app.examples import (
+    ClassifierMixin,
     ResumableBatches,
     check_ranks_agree,
     checkpoint_settings,
-    classifier_net,
     parse_stack_args,
     synthetic_data,
     trainer_settings,
@@ -45,20 +45,9 @@ from fn.collectives import exit_distributed
 from fn.integrations.lightning import FnCallback
 
 
-class Classifier(lightning.LightningModule):
-    """A 2-layer MLP with weights drawn from ``seed``, the same on every rank, trained by fn's
-    1-bit Adam."""
-
-    def __init__(self, lr: float, freeze_step: int | str, seed: int = 0) -> None:
-        super().__init__()
-        self.net = classifier_net(seed)
-        self.lr, self.freeze_step = lr, freeze_step
-
-    def training_step(
-        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
-    ) -> torch.Tensor:
-        x, y = batch
-        return torch.nn.functional.cross_entropy(self.net(x), y)
+class Classifier(ClassifierMixin, lightning.LightningModule):
+    """A 2-layer MLP (``self.net``) with weights drawn from ``seed``, the same on every rank,
+    and its training step (``ClassifierMixin``), trained by fn's 1-bit Adam."""
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return fn.optim.OnebitAdam(self.parameters(), lr=self.lr, freeze_step=self.freeze_step)

@@ -15,8 +15,8 @@ feedback; a run resumed from one (``--ckpt-path``) ends with the same params, bi
 uninterrupted run. At the end rank 0 saves the all-gathered params to ``DIR/final.pt``, and the
 ranks check that they agree. The only fn-specific lines are the optimizer and ``FnCallback()``.
 
-Needs fn with the ``lightning`` extra. The network, the data, the arguments, the Trainer's
-settings and the final check come from ``fn.app.examples``, so the script runs alone,
+Needs fn with the ``lightning`` extra. The network and its loss, the data, the arguments, the
+Trainer's settings and the final check come from ``fn.app.examples``, so the script runs alone,
 downloaded into an empty folder.
 """
 
@@ -32,10 +32,10 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import fn.fsdp
 from fn.app.examples import (
+    ClassifierMixin,
     ResumableBatches,
     check_ranks_agree,
     checkpoint_settings,
-    classifier_net,
     parse_stack_args,
     synthetic_data,
     trainer_settings,
@@ -44,20 +44,10 @@ from fn.collectives import exit_distributed
 from fn.integrations.lightning import FnCallback
 
 
-class ShardedClassifier(lightning.LightningModule):
-    """A 2-layer MLP with weights drawn from ``seed``, sharded by FSDP2 (its first layer, then
-    the rest) and trained by ``fn.fsdp.OnebitAdam``."""
-
-    def __init__(self, lr: float, freeze_step: int | str, seed: int = 0) -> None:
-        super().__init__()
-        self.net = classifier_net(seed)
-        self.lr, self.freeze_step = lr, freeze_step
-
-    def training_step(
-        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
-    ) -> torch.Tensor:
-        x, y = batch
-        return torch.nn.functional.cross_entropy(self.net(x), y)
+class ShardedClassifier(ClassifierMixin, lightning.LightningModule):
+    """A 2-layer MLP (``self.net``) with weights drawn from ``seed`` and its training step
+    (``ClassifierMixin``), sharded by FSDP2 (its first layer, then the rest) and trained by
+    ``fn.fsdp.OnebitAdam``."""
 
     def configure_model(self) -> None:
         if isinstance(self.net, FSDPModule):  # Lightning may call it again

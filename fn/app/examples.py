@@ -11,7 +11,8 @@ the command that runs each.
 - Hugging Face Trainer, Accelerate and Lightning scripts: :func:`parse_stack_args`;
 - Trainer and Accelerate: :func:`tiny_gpt2` (it imports transformers, the ``integrations``
   extra) and :class:`SyntheticTokens`;
-- Lightning: :func:`classifier_net`, :func:`synthetic_data`, :class:`ResumableBatches`,
+- Lightning: :class:`ClassifierMixin` (:func:`classifier_net`), :func:`synthetic_data`,
+  :class:`ResumableBatches`,
   :func:`trainer_settings` and :func:`checkpoint_settings` (plain values: this module never
   imports lightning);
 - FSDP2 and HSDP: :class:`Transformer` on a bigram chain (:func:`bigram_table`,
@@ -52,6 +53,7 @@ __all__ = [
     "tiny_gpt2",
     "SyntheticTokens",
     "classifier_net",
+    "ClassifierMixin",
     "synthetic_data",
     "ResumableBatches",
     "trainer_settings",
@@ -266,6 +268,38 @@ def classifier_net(seed: int = 0) -> nn.Sequential:
     """
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(FEATURES, 64), nn.Tanh(), nn.Linear(64, CLASSES))
+
+
+class ClassifierMixin:
+    """The Lightning scripts' classifier, mixed into a ``lightning.LightningModule`` (this module
+    never imports lightning): the :func:`classifier_net` as ``self.net`` and the training step's
+    loss, the cross-entropy on a batch of :func:`synthetic_data`. The script adds the optimizer
+    (``configure_optimizers``) and, with FSDP2, the sharding (``configure_model``).
+
+    Args:
+        lr: the learning rate, kept as ``self.lr`` for ``configure_optimizers``.
+        freeze_step: the 1-bit optimizers' ``freeze_step``, kept as ``self.freeze_step``.
+        seed: the seed of the weights, the same on every rank.
+
+    Example:
+        >>> class Classifier(ClassifierMixin, torch.nn.Module):  # lightning.LightningModule
+        ...     pass
+        >>> model = Classifier(lr=1e-3, freeze_step=10)
+        >>> model.training_step(synthetic_data(), batch_idx=0).shape
+        torch.Size([])
+    """
+
+    def __init__(self, lr: float, freeze_step: int | str, seed: int = 0) -> None:
+        super().__init__()
+        self.net = classifier_net(seed)
+        self.lr, self.freeze_step = lr, freeze_step
+
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
+        """The loss of ``self.net`` on ``batch``, ``(x, y)``."""
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
 
 
 def synthetic_data(samples: int = SAMPLES, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
