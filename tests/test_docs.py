@@ -45,6 +45,7 @@ PAGES = [
     "precision.md",
     "migrating-from-deepspeed.md",
     "troubleshooting.md",
+    "examples.md",
 ]
 
 # Other documents and docstrings link to these sections by name.
