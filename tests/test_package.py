@@ -27,7 +27,7 @@ ALLOWED = {
     "diloco": {"errors", "tree", "kernels", "base", "collectives", "transforms"},
     "ddp": {"errors", "tree", "kernels", "base", "collectives", "transforms", "optim"},
     "integrations": {"errors", "tree", "base", "collectives", "transforms", "optim", "fsdp", "ddp"},
-    "app": {"errors", "tree", "base", "collectives", "transforms", "optim", "ddp"},
+    "app": {"errors", "tree", "base", "collectives", "transforms", "optim", "ddp", "fsdp"},
 }
 
 
