@@ -162,6 +162,7 @@ API: dict[str, list[str]] = {
     "fn.optim": _exports("fn.optim"),
     "fn.ddp": _exports("fn.ddp"),
     "fn.fsdp": _exports("fn.fsdp"),
+    "fn.diloco": _exports("fn.diloco"),
     "fn.integrations.transformers": _exports("fn.integrations.transformers"),
     "fn.integrations.accelerate": _exports("fn.integrations.accelerate"),
     "fn.integrations.lightning": _exports("fn.integrations.lightning"),
@@ -228,16 +229,18 @@ API_GROUPS: dict[str, list[tuple[str, str]]] = {
         ("Communicators", "Local Simulated ProcessGroup simulate replicate Comm"),
         (
             "Compressed allreduces",
-            "onebit_allreduce loco_allreduce quantized_allreduce dense_allreduce",
+            "onebit_allreduce loco_allreduce quantized_allreduce dense_allreduce"
+            " topk_allreduce cast_allreduce",
         ),
-        ("States", "OnebitAllreduceState LocoAllreduceState"),
+        ("States", "OnebitAllreduceState LocoAllreduceState TopkAllreduceState"),
         ("Errors and exit", "CollectiveTimeoutError exit_distributed"),
         (
             "Building blocks",
             "compressed_allreduce quantized_reduce_scatter quantized_reduce_scatter_into"
             " quantized_all_gather_into ErrorFeedback QuantizedError PackedSigns"
             " init_error_feedback padded_numel quantized_padded_numel error_feedback_leaves"
-            " ErrorFeedbackField ERROR_DTYPES check_error_dtype SimulatedGroup",
+            " ErrorFeedbackField ERROR_DTYPES check_error_dtype SimulatedGroup"
+            " topk_message_bytes CAST_DTYPES",
         ),
     ],
     "fn.kernels": [
@@ -282,6 +285,11 @@ API_GROUPS: dict[str, list[tuple[str, str]]] = {
             "ShardedOnebitOptimizer QuantizedReduceScatter QuantizedAllGather CommCache"
             " reduce_scale",
         ),
+    ],
+    "fn.diloco": [
+        ("Training with DiLoCo", "DiLoCo OUTER_RULES"),
+        ("Outer rules", "nesterov sparseloco compression COMPRESSIONS"),
+        ("Building blocks", "outer_step OuterStep pseudo_gradient"),
     ],
     "fn.integrations.transformers": [("Hugging Face Trainer", "attach FnTrainerCallback")],
     "fn.integrations.accelerate": [("Accelerate", "attach")],

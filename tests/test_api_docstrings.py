@@ -39,6 +39,7 @@ PACKAGES = [
     "fn.optim",
     "fn.ddp",
     "fn.fsdp",
+    "fn.diloco",
     "fn.integrations.transformers",
     "fn.integrations.accelerate",
     "fn.integrations.lightning",

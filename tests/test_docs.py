@@ -62,6 +62,7 @@ SECTIONS = [
     "1-bit Adam and 1-bit LAMB on FSDP2",
     "1-bit Adam and 1-bit LAMB on HSDP",
     "Accumulation and clipping on FSDP2 and HSDP",
+    "DiLoCo: local steps and a compressed outer step",
     "Deviations from DeepSpeed",
 ]
 
