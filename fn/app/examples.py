@@ -20,7 +20,7 @@ the command that runs each.
   :func:`onebit_parser`, :func:`parse_fsdp_args` and :func:`train`;
 - every script: :func:`check_ranks_agree`.
 
-The library (``fn`` outside ``fn.app``) never imports this module.
+The library (every package of fn but the demo application) never imports this module.
 """
 
 from __future__ import annotations
