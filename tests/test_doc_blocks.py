@@ -17,7 +17,8 @@ the site show nothing of it):
   first failure, in the folder where the page's ``file=`` blocks were written.
 
 Other shell blocks (installs, launches on several hosts) are not run. Every run gets
-``FN_DOC_BLOCK_TIMEOUT`` seconds (300 by default) on CPU, multi-rank blocks on gloo.
+``FN_DOC_BLOCK_TIMEOUT`` seconds (300 by default) on CPU, multi-rank blocks on gloo; up to
+``min(4, cores)`` runs go at once.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import re
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -34,6 +36,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = float(os.environ.get("FN_DOC_BLOCK_TIMEOUT", "300"))
+WORKERS = min(4, os.cpu_count() or 1)
 
 _FENCE = re.compile(r"^(`{3,})(\w*)[^\n]*\n(.*?)^\1[ \t]*$", re.MULTILINE | re.DOTALL)
 _MARKER = re.compile(r"<!--\s*test:\s*(.*?)\s*-->")
@@ -163,24 +166,52 @@ def test_every_block_is_run_or_a_marked_excerpt():
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("where, chain", _programs(), ids=[w for w, _ in _programs()])
-def test_python_block_runs_as_copied(where, chain, tmp_path):
+def _run_program(chain: list[Block], folder: Path) -> str:
     program = "\n".join(block.text for block in chain)
-    (tmp_path / "block.py").write_text(program, encoding="utf-8")
-    _run([sys.executable, "block.py"], tmp_path)
+    (folder / "block.py").write_text(program, encoding="utf-8")
+    return _run([sys.executable, "block.py"], folder)
 
 
-@pytest.mark.parametrize(
-    "page", _pages_with_files(), ids=[str(p.relative_to(ROOT)) for p in _pages_with_files()]
-)
-def test_shell_blocks_run_the_pages_programs(page, tmp_path):
+def _run_page(page: Path, folder: Path) -> str:
     page_blocks = blocks(page)
     for block in page_blocks:
         if name := _marked(block.marker, "file"):
-            (tmp_path / name).write_text(block.text, encoding="utf-8")
-    for block in page_blocks:
-        if block.marker == "run":
-            _run(["bash", "-e", "-o", "pipefail", "-c", block.text], tmp_path)
+            (folder / name).write_text(block.text, encoding="utf-8")
+    return "".join(
+        _run(["bash", "-e", "-o", "pipefail", "-c", block.text], folder)
+        for block in page_blocks
+        if block.marker == "run"
+    )
+
+
+@pytest.fixture(scope="module")
+def started(request, tmp_path_factory):
+    """The selected runs of this file, started together on a pool of ``WORKERS`` threads (a run
+    spends most of its time starting Python processes, one core each): the test of a run waits
+    for its result."""
+    selected = {
+        item.callspec.id
+        for item in request.session.items
+        if item.module is sys.modules[__name__] and hasattr(item, "callspec")
+    }
+    jobs = [(where, _run_program, chain) for where, chain in _programs()]
+    jobs += [(str(page.relative_to(ROOT)), _run_page, page) for page in _pages_with_files()]
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        yield {
+            key: pool.submit(run, what, tmp_path_factory.mktemp("block"))
+            for key, run, what in jobs
+            if key in selected
+        }
+
+
+@pytest.mark.parametrize("where", [w for w, _ in _programs()])
+def test_python_block_runs_as_copied(where, started):
+    started[where].result()
+
+
+@pytest.mark.parametrize("page", [str(p.relative_to(ROOT)) for p in _pages_with_files()])
+def test_shell_blocks_run_the_pages_programs(page, started):
+    started[page].result()
 
 
 @pytest.mark.parametrize("fragment", _fragments(), ids=[b.where for b in _fragments()])
