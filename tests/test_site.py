@@ -156,6 +156,7 @@ def test_notebook_page_offers_the_notebook_and_shows_no_set_up(site, name):
     # output shows a path of the machine that built the site or a warning.
     assert "sys.path" not in _text(page)
     assert str(ROOT) not in page and "site-packages" not in page
+    assert not re.search(r" at 0x[0-9a-f]+>", html.unescape(page)), "an object's repr is shown"
     stderr = re.findall(r'<div class="output stderr[^"]*">(.*?)</div>\s*</div>', page, re.S)
     assert not [_text(block) for block in stderr if "Warning" in block]
 
