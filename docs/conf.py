@@ -139,7 +139,7 @@ class NotebookDownload(SphinxTransform):
             "", "", reftarget=source.name, refdoc=self.env.docname, refexplicit=True
         )
         link += nodes.literal(source.name, source.name, classes=["xref", "download"])
-        paragraph = nodes.paragraph("", "Download this notebook: ", link, classes=["fn-download"])
+        paragraph = nodes.paragraph("", "Download this notebook: ", link)
         title.parent.insert(title.parent.index(title) + 1, paragraph)
 
 
