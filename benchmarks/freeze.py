@@ -6,7 +6,7 @@ with ``freeze_step="auto"`` (the default ``fn.AutoFreeze()``) and once per fixed
 
 - ``demo``: the next-character model and stdlib text of ``python -m fn demo`` (as
   ``benchmarks/precision.py``'s task);
-- ``gpt2``: the tiny GPT-2 of ``examples/_tiny_gpt2.py`` on its synthetic tokens (needs
+- ``gpt2``: the examples' tiny GPT-2 on their synthetic tokens (``fn.app.examples``; needs
   transformers);
 - ``mlp``: a 16-64-64-4 ReLU MLP regressing a fixed random teacher network (MSE).
 
@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import precision  # noqa: E402  (puts the repository and examples/ on the path)
+import precision  # noqa: E402  (puts the repository on the path)
 
 import fn  # noqa: E402
 import fn.optim  # noqa: E402

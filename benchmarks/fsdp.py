@@ -80,6 +80,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,6 +89,7 @@ sys.path.insert(0, REPO)
 import fn.ddp  # noqa: E402
 import fn.fsdp  # noqa: E402
 import fn.optim  # noqa: E402
+from fn.app import examples  # noqa: E402  (examples/fsdp_loco.py's model, data and loss)
 from fn.app._launch import spawn_gloo  # noqa: E402
 
 MODES = ("dense", "loco", "qgz", "loco+qwz")
@@ -163,7 +165,7 @@ def _worker(rank: int, world_size: int, send, config: dict) -> dict:
     example = _load("fsdp_loco_example", os.path.join("examples", "fsdp_loco.py"))
     args = example.parse_args(config["example_args"])
     counter = ByteCounter()
-    table = example.bigram_table(args.vocab)
+    table = examples.bigram_table(args.vocab)
     results = {}
     steps, warmup = config["steps"], config["warmup"]
     every = max(1, steps // 4)
@@ -174,15 +176,15 @@ def _worker(rank: int, world_size: int, send, config: dict) -> dict:
         counter.reset()
         times = []
         for step in range(steps):
-            batch = example.train_batch(table, args, step, rank)
-            times.append(_timed_step(example, model, optimizer, batch, counter))
+            batch = examples.train_batch(table, args, step, rank)
+            times.append(_timed_step(model, optimizer, batch, counter))
             if rank == 0 and (step + 1) % every == 0 and step + 1 < steps:
                 print(f"{mode}: step {step + 1}/{steps}, {times[-1]:.3f} s", flush=True)
         results[mode] = {
             "bytes_per_step": {k: v / steps for k, v in counter.counts.items()},
             "gloo_bytes_per_step": {k: v / steps for k, v in counter.gloo_counts.items()},
             "fn_bytes_per_step": handle.bytes_sent / steps if handle else None,
-            "held_out_loss": example.held_out_loss(model, table, args),
+            "held_out_loss": examples.held_out_loss(model, table, args),
             "step_s": statistics.median(times[warmup:]),
             "params": sum(p.numel() for p in model.parameters()),
         }
@@ -193,12 +195,11 @@ def _worker(rank: int, world_size: int, send, config: dict) -> dict:
                 flush=True,
             )
     for mode in ONEBIT_MODES:
-        results[mode] = _train_onebit(mode, example, args, table, counter, rank, world_size, config)
+        results[mode] = _train_onebit(mode, args, table, counter, rank, world_size, config)
     return results
 
 
 def _timed_step(
-    example,
     model,
     optimizer,
     batch,
@@ -222,7 +223,7 @@ def _timed_step(
     for j, part in enumerate(micro):
         if all_reduce_once:
             model.set_requires_all_reduce(j == len(micro) - 1)
-        loss = example.lm_loss(model, part)
+        loss = examples.lm_loss(model, part)
         (loss / accumulate if accumulate > 1 else loss).backward()
     paused = 0.0
     if before_step is not None:
@@ -236,7 +237,7 @@ def _timed_step(
     return time.perf_counter() - start - paused
 
 
-def _train_onebit(mode, example, args, table, counter, rank, world_size, config) -> dict:
+def _train_onebit(mode, args, table, counter, rank, world_size, config) -> dict:
     """Trains with 1-bit Adam or LAMB (``onebit``: FSDP2; ``ddp+onebit``: DDP), counting the
     bytes of the compressed steps after the freeze."""
     steps, warmup, freeze = config["steps"], config["warmup"], config["freeze_step"]
@@ -244,14 +245,14 @@ def _train_onebit(mode, example, args, table, counter, rank, world_size, config)
     hyper["error_dtype"] = ERROR_DTYPES[config.get("error_dtype", "fp32")]
     name = ONEBIT_OPTIMIZERS[config["onebit"]]
     if mode.startswith("onebit"):
-        model = example.sharded_transformer(args, world_size)
+        model = examples.sharded_transformer(args, init_device_mesh("cpu", (world_size,)))
         optimizer = getattr(fn.fsdp, name)(model, **hyper)
         if mode.endswith("+qwz"):
             fn.fsdp.quantized_all_gather(model, bits=8, group_size=args.group_size)
     else:
         torch.manual_seed(args.seed)
         model = DistributedDataParallel(
-            example.Transformer(args.vocab, args.d_model, args.heads, args.layers, args.context)
+            examples.Transformer(args.vocab, args.d_model, args.heads, args.layers, args.context)
         )
         optimizer = getattr(fn.optim, name)(model.parameters(), **hyper)
         fn.ddp.register(model, optimizer)
@@ -261,15 +262,15 @@ def _train_onebit(mode, example, args, table, counter, rank, world_size, config)
         if step + 1 == freeze + 1:  # from here on: compressed steps after the freeze
             counter.reset()
             fn_before = getattr(optimizer, "bytes_sent", 0)
-        batch = example.train_batch(table, args, step, rank)
-        times.append(_timed_step(example, model, optimizer, batch, counter))
+        batch = examples.train_batch(table, args, step, rank)
+        times.append(_timed_step(model, optimizer, batch, counter))
     compressed = max(1, steps - freeze)
     fn_sent = getattr(optimizer, "bytes_sent", None)
     result = {
         "bytes_per_step": {k: v / compressed for k, v in counter.counts.items()},
         "gloo_bytes_per_step": {k: v / compressed for k, v in counter.gloo_counts.items()},
         "fn_bytes_per_step": None if fn_sent is None else (fn_sent - fn_before) / compressed,
-        "held_out_loss": example.held_out_loss(model, table, args),
+        "held_out_loss": examples.held_out_loss(model, table, args),
         "step_s": statistics.median(times[max(warmup, freeze) :] or times),
         "params": sum(p.numel() for p in model.parameters()),
     }

@@ -107,6 +107,8 @@ def _load(name: str, path: str):
 fsdp = _load("fn_bench_fsdp", FSDP_SCRIPT)  # puts this checkout first on the path
 cluster = fsdp.cluster
 
+from fn.app import examples  # noqa: E402  (examples/fsdp_loco.py's model, data and loss)
+
 
 def group_kind(ranks: list[int], local: int) -> str:
     """``intra``, ``inter`` or ``world`` for a group of these global ranks, ``local`` a node."""
@@ -142,14 +144,14 @@ def worker(rank: int, world_size: int, config: dict) -> dict:
     example = fsdp._load("fsdp_loco_example", os.path.join("examples", "fsdp_loco.py"))
     args = example.parse_args(config["example_args"])
     kind = kind_of_group(config["ranks_per_node"])
-    table = example.bigram_table(args.vocab)
-    ctx = SimpleNamespace(example=example, args=args, table=table, config=config, kind=kind)
+    table = examples.bigram_table(args.vocab)
+    ctx = SimpleNamespace(args=args, table=table, config=config, kind=kind)
     ctx.counter = fsdp.ByteCounter(kind)
-    results = {"bound_s": _forward_backward(example, args, table, rank, config)}
+    results = {"bound_s": _forward_backward(args, table, rank, config)}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "[a-z_.A-Z]+: the variance froze", RuntimeWarning)
         for mode in config["modes"]:
-            model, optimizer = _build(mode, example, args, config)
+            model, optimizer = _build(mode, args, config)
             results[mode] = _train(mode, model, optimizer, ctx)
             if rank == 0:
                 r = results[mode]
@@ -161,21 +163,21 @@ def worker(rank: int, world_size: int, config: dict) -> dict:
     return results
 
 
-def _forward_backward(example, args, table, rank: int, config: dict) -> float:
+def _forward_backward(args, table, rank: int, config: dict) -> float:
     """Median seconds of an update's forwards + backwards (its ``--accumulate`` micro-batches)
     on an unsharded copy, no communication (the bound), over the steps that the modes' medians
     take."""
     torch.manual_seed(args.seed)
-    model = example.Transformer(args.vocab, args.d_model, args.heads, args.layers, args.context)
+    model = examples.Transformer(args.vocab, args.d_model, args.heads, args.layers, args.context)
     k = config["accumulate"]
     times = []
     for step in range(config["steps"]):
-        batch = update_batch(example, table, args, step, rank, k)
+        batch = update_batch(table, args, step, rank, k)
         dist.barrier()
         start = time.perf_counter()
         model.zero_grad()
         for part in batch.chunk(k):
-            (example.lm_loss(model, part) / k).backward()
+            (examples.lm_loss(model, part) / k).backward()
         times.append(time.perf_counter() - start)
     return statistics.median(times[_first_timed(config) :])
 
@@ -184,20 +186,20 @@ def _first_timed(config: dict) -> int:
     return max(config["warmup"], config["freeze_step"])
 
 
-def update_batch(example, table, args, step: int, rank: int, k: int) -> torch.Tensor:
-    """The ``k --batch`` sequences of an update on ``rank`` (with ``k`` 1: example.py's batch)."""
-    return example.train_batch(table, argparse.Namespace(**{**vars(args), "batch": k * args.batch}),
-                               step, rank)  # fmt: skip
+def update_batch(table, args, step: int, rank: int, k: int) -> torch.Tensor:
+    """The ``k --batch`` sequences of an update on ``rank`` (with ``k`` 1: the example's batch)."""
+    update_args = argparse.Namespace(**{**vars(args), "batch": k * args.batch})
+    return examples.train_batch(table, update_args, step, rank)
 
 
-def _build(mode: str, example, args, config: dict):
+def _build(mode: str, args, config: dict):
     """The model (the same random weights in every mode) and optimizer of ``mode``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     nodes, local = config["nodes"], config["ranks_per_node"]
     torch.manual_seed(args.seed)
-    model = example.Transformer(args.vocab, args.d_model, args.heads, args.layers, args.context)
+    model = examples.Transformer(args.vocab, args.d_model, args.heads, args.layers, args.context)
     if mode.startswith("fsdp1d"):
         mesh = init_device_mesh("cpu", (nodes * local,))
     else:
@@ -248,7 +250,7 @@ def _fn_by_hop(optimizer) -> dict[str, int] | None:
 def _train(mode: str, model, optimizer, ctx: SimpleNamespace) -> dict:
     """``--steps`` updates; the bytes of the updates after the freeze, by kind and on the
     uplinks; the memory right before the last update's ``step()``."""
-    example, args, config, counter, kind = ctx.example, ctx.args, ctx.config, ctx.counter, ctx.kind
+    args, config, counter, kind = ctx.args, ctx.config, ctx.counter, ctx.kind
     steps, first = config["steps"], config["freeze_step"]
     k = config["accumulate"]
     micro = 1 if mode.endswith("+whole") else k  # +whole: the update's batch in one backward
@@ -266,10 +268,10 @@ def _train(mode: str, model, optimizer, ctx: SimpleNamespace) -> dict:
             wire.append(_uplinks(config))  # the two readings bracket one barrier's traffic
             counter.reset()
             fn_before, hop_before = _fn_by_kind(optimizer, kind), _fn_by_hop(optimizer)
-        batch = update_batch(example, ctx.table, args, step, dist.get_rank(), k)
+        batch = update_batch(ctx.table, args, step, dist.get_rank(), k)
         times.append(
             fsdp._timed_step(
-                example, model, optimizer, batch, counter, accumulate=micro,
+                model, optimizer, batch, counter, accumulate=micro,
                 all_reduce_once=mode == "hsdp+adamw" and micro > 1,
                 before_step=measure if step == steps - 1 else None,
             )
@@ -290,7 +292,7 @@ def _train(mode: str, model, optimizer, ctx: SimpleNamespace) -> dict:
         "uplinks": max(0, wire[2] - wire[1] - barriers) / world / compressed,
         "step_s": statistics.median(times[_first_timed(config) :]),
         "memory": memory,
-        "held_out_loss": example.held_out_loss(model, ctx.table, args),
+        "held_out_loss": examples.held_out_loss(model, ctx.table, args),
         "params": sum(p.numel() for p in model.parameters()),
     }
 

@@ -13,9 +13,9 @@ Two gloo ranks (one process each, CPU) train two small tasks with ``fn.optim.One
   skip overflow steps themselves).
 
 Tasks: ``demo``, the next-character model and stdlib text of ``python -m fn demo``
-(:mod:`fn.app.demo`, :mod:`fn.app._data`; held out: ``fractions.py``); ``gpt2``, the tiny GPT-2
-of ``examples/_tiny_gpt2.py`` on its synthetic tokens (held out: 512 sequences of another seed;
-needs transformers). AdamW averages the gradients over the ranks as DDP does (one fp32
+(:mod:`fn.app.demo`, :mod:`fn.app._data`; held out: ``fractions.py``); ``gpt2``, the examples'
+tiny GPT-2 on their synthetic tokens (``fn.app.examples``; held out: 512 sequences of another
+seed; needs transformers). AdamW averages the gradients over the ranks as DDP does (one fp32
 allreduce per step); the fn optimizers communicate themselves (dense warmup over the first 15 %
 of the updates, as the demo, then compressed). Every optimizer gets the same lr (per task:
 ``--demo-lr``, the demo's 3e-3; ``--gpt2-lr``, 1e-2, where 1-bit LAMB's trust ratios still
@@ -56,11 +56,11 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "examples"))
 
 import fn.optim  # noqa: E402
 from fn.app import _data, demo  # noqa: E402
 from fn.app._launch import spawn_gloo  # noqa: E402
+from fn.app.examples import SyntheticTokens, tiny_gpt2  # noqa: E402  (transformers: when called)
 
 WORLD_SIZE = 2
 TASKS = ("demo", "gpt2")
@@ -118,15 +118,13 @@ class Gpt2Task:
     ``heldout`` sequences of another seed held out."""
 
     def __init__(self, rank: int, world_size: int, seed: int, heldout: int) -> None:
-        import _tiny_gpt2  # imports transformers: only when this task runs
-
-        self.tiny, self.seed = _tiny_gpt2, seed
-        self.shard = _tiny_gpt2.SyntheticTokens().tokens[rank::world_size]
-        self.heldout = _tiny_gpt2.SyntheticTokens(seed=2).tokens[:heldout]
+        self.seed = seed
+        self.shard = SyntheticTokens().tokens[rank::world_size]
+        self.heldout = SyntheticTokens(seed=2).tokens[:heldout]
         self.data_seed = seed * 100_003 + rank
 
     def model(self) -> torch.nn.Module:
-        return self.tiny.tiny_gpt2(self.seed)
+        return tiny_gpt2(self.seed)
 
     def batches(self) -> Callable[[], torch.Tensor]:
         """A function returning the next batch: the same sequence in every run."""

@@ -18,6 +18,7 @@ the build. ``-D nb_execution_mode=off`` builds the notebooks without running the
 from __future__ import annotations
 
 import builtins
+import functools
 import hashlib
 import importlib
 import inspect
@@ -37,15 +38,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 from docutils import nodes  # noqa: E402
+from myst_parser.slugs import github_slugify  # noqa: E402
 from sphinx import addnodes  # noqa: E402
 from sphinx.errors import PycodeError  # noqa: E402
 from sphinx.pycode import ModuleAnalyzer  # noqa: E402
 from sphinx.transforms import SphinxTransform  # noqa: E402
 from sphinx.transforms.post_transforms import SphinxPostTransform  # noqa: E402
+from sphinx.util import logging  # noqa: E402
 from sphinx.util.docutils import SphinxDirective  # noqa: E402
 from sphinx.util.typing import stringify_annotation  # noqa: E402
 
 import fn  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 
 def _repository_url() -> str | None:
@@ -76,6 +81,7 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
     "sphinx-mathjax-offline",  # MathJax served with the site: the pages render math offline
+    "sphinx_copybutton",  # a copy button on every code block
 ]
 
 source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
@@ -87,6 +93,13 @@ html_theme = "furo"
 html_title = f"fn {release}"
 html_static_path = ["_static"]
 html_css_files = ["custom.css"]
+
+# The copy button copies the commands without their prompts ("$ ", ">>> ", "... ") and
+# without the output lines that follow a prompt. A "..." that stands for omitted code in an
+# excerpt (followed by a comment, or alone) is not a prompt.
+copybutton_prompt_text = r"\$ |>>> |\.\.\. (?!\s*#)"
+copybutton_prompt_is_regexp = True
+copybutton_only_copy_prompt_lines = True
 
 # -- MyST ------------------------------------------------------------------------------------
 myst_enable_extensions = ["amsmath", "dollarmath", "colon_fence", "deflist"]
@@ -198,9 +211,138 @@ API: dict[str, list[str]] = {
     "fn.optim": _exports("fn.optim"),
     "fn.ddp": _exports("fn.ddp"),
     "fn.fsdp": _exports("fn.fsdp"),
+    "fn.diloco": _exports("fn.diloco"),
     "fn.integrations.transformers": _exports("fn.integrations.transformers"),
     "fn.integrations.accelerate": _exports("fn.integrations.accelerate"),
     "fn.integrations.lightning": _exports("fn.integrations.lightning"),
+}
+# The groups of each package's summary table (``fn-summary``), in the order its page shows them;
+# its entries (``fn-autopackage``) follow the same order. What a newcomer reaches for comes
+# first; what fn's own optimizers and integrations are built from comes last, under "Building
+# blocks". A group may name a re-export documented on another page (fn's optimizers): the table
+# links to its entry there. Every name a page documents is in exactly one group: the build
+# warns about one that is not, and lists it last.
+API_GROUPS: dict[str, list[tuple[str, str]]] = {
+    "fn": [
+        ("Optimizers", "onebit_adam zero_one_adam onebit_lamb adam adamw lamb sgd"),
+        (
+            "Running an optimizer",
+            "apply_updates update_and_apply chain set_hyperparams get_hyperparam"
+            " GradientTransformation",
+        ),
+        ("Errors", "NonFiniteError"),
+        (
+            "Building blocks",
+            "CompressedOptimizer staged StagedState identity stateless stateless_with_tree_map"
+            " EmptyState",
+        ),
+    ],
+    "fn.base": [
+        ("Type aliases", "Params Updates OptState"),
+        ("Protocols", "TransformInitFn TransformUpdateFn FastStepFn"),
+        (
+            "State field marks",
+            "SecondMomentField SecondMoment PerRankField PerRank marked_fields",
+        ),
+    ],
+    "fn.tree": [
+        ("Structure", "PyTree tree_leaves tree_flatten tree_unflatten tree_map"),
+        ("New trees", "tree_zeros_like tree_full_like tree_cast"),
+        (
+            "Arithmetic",
+            "tree_add tree_sub tree_scale tree_vdot tree_sum_of_squares tree_l2_norm"
+            " tree_numel tree_all_finite",
+        ),
+    ],
+    "fn.transforms": [
+        ("Optimizers", "onebit_adam zero_one_adam onebit_lamb adam adamw lamb sgd"),
+        ("Freeze and local-step schedules", "AutoFreeze ZeroOneAdamSchedule Schedule"),
+        (
+            "Composable transforms",
+            "scale_by_adam scale_by_learning_rate scale_by_trust_ratio trace"
+            " add_decayed_weights masked set_to_zero",
+        ),
+        ("Reading a state", "momentum_of"),
+        (
+            "States",
+            "OnebitAdamState ZeroOneAdamState OnebitLambState AutoState ScaleByAdamState"
+            " ScaleByLearningRateState TraceState MaskedState",
+        ),
+        (
+            "Building blocks",
+            "onebit_adam_sharded onebit_lamb_sharded OnebitAdamPlan ZeroOneAdamPlan"
+            " OnebitLambPlan gradient_energy",
+        ),
+    ],
+    "fn.collectives": [
+        ("Communicators", "Local Simulated ProcessGroup simulate replicate Comm"),
+        (
+            "Compressed allreduces",
+            "onebit_allreduce loco_allreduce quantized_allreduce dense_allreduce"
+            " topk_allreduce cast_allreduce",
+        ),
+        ("States", "OnebitAllreduceState LocoAllreduceState TopkAllreduceState"),
+        ("Errors and exit", "CollectiveTimeoutError exit_distributed"),
+        (
+            "Building blocks",
+            "compressed_allreduce quantized_reduce_scatter quantized_reduce_scatter_into"
+            " quantized_all_gather_into ErrorFeedback QuantizedError PackedSigns"
+            " init_error_feedback padded_numel quantized_padded_numel error_feedback_leaves"
+            " ErrorFeedbackField ERROR_DTYPES check_error_dtype SimulatedGroup"
+            " topk_message_bytes CAST_DTYPES",
+        ),
+    ],
+    "fn.kernels": [
+        (
+            "Kernel sets and accelerators",
+            "kernel_set select_kernels KERNEL_NAMES get_accelerator set_accelerator"
+            " Accelerator register_accelerator register_kernels tuning_pending",
+        ),
+        (
+            "Building blocks: 1-bit compression",
+            "packbits unpackbits sign_compress feedback_sign_compress feedback_apply_error"
+            " sign_sum_compress sign_sum_apply_error unpack_scaled",
+        ),
+        ("Building blocks: Adam steps", "adam_direction adam_apply adamw_step sqrt_rn"),
+        (
+            "Building blocks: quantization",
+            "quantize dequantize loco_quantize loco_error dequantize_sum dequantize_into sum_ranks",
+        ),
+    ],
+    "fn.optim": [
+        ("Optimizers", "OnebitAdam ZeroOneAdam OnebitLamb FunctionalOptimizer"),
+        ("Checkpoints", "PerRankState"),
+        (
+            "From DeepSpeed",
+            "from_deepspeed convert_checkpoint scheduler_from_deepspeed DeepSpeedLR",
+        ),
+        ("Building blocks", "OnebitFamily default_comm"),
+    ],
+    "fn.ddp": [
+        ("fn.optim optimizers on DDP", "register"),
+        ("Comm hooks", "onebit_hook OnebitHookState loco_hook LocoHookState"),
+    ],
+    "fn.fsdp": [
+        ("Optimizers", "OnebitAdam OnebitLamb ZeroOneAdam"),
+        ("Checkpoints", "TrainingCheckpoint read_onebit_state"),
+        (
+            "Compressed collectives",
+            "loco_reduce_scatter LocoReduceScatterHandle quantized_all_gather",
+        ),
+        (
+            "Building blocks",
+            "ShardedOnebitOptimizer QuantizedReduceScatter QuantizedAllGather CommCache"
+            " reduce_scale",
+        ),
+    ],
+    "fn.diloco": [
+        ("Training with DiLoCo", "DiLoCo OUTER_RULES"),
+        ("Outer rules", "nesterov sparseloco compression COMPRESSIONS"),
+        ("Building blocks", "outer_step OuterStep pseudo_gradient"),
+    ],
+    "fn.integrations.transformers": [("Hugging Face Trainer", "attach FnTrainerCallback")],
+    "fn.integrations.accelerate": [("Accelerate", "attach")],
+    "fn.integrations.lightning": [("PyTorch Lightning", "FnCallback check_strategy")],
 }
 # Where each public object is documented, by identity (functions and classes) or by the names
 # under which the packages export it.
@@ -220,6 +362,34 @@ for _module_name in ("fn", "fn.base", "fn.transforms"):
         _HOME_BY_NAME.setdefault(
             f"{_module_name}.{_name}", _HOME_BY_ID.get(id(_obj), f"fn.transforms.{_name}")
         )
+
+
+def _groups(module_name: str, warn: bool, location: object = None) -> list[tuple[str, list[str]]]:
+    """The groups of ``module_name``'s page (``API_GROUPS``), each name checked against the
+    package's ``__all__`` (``warn``: a warning for each mistake); the documented names no group
+    places come last, in a group of their own."""
+    exported = set(importlib.import_module(module_name).__all__)
+    groups = [(title, names.split()) for title, names in API_GROUPS[module_name]]
+    placed = [name for _, names in groups for name in names]
+    unknown = [name for name in placed if name not in exported]
+    repeated = sorted({name for name in placed if placed.count(name) > 1})
+    unplaced = [name for name in API[module_name] if name not in placed]
+    for problem, names in (
+        ("not in its __all__", unknown),
+        ("in more than one group", repeated),
+        ("in no group", unplaced),
+    ):
+        if names and warn:
+            logger.warning(
+                "API_GROUPS (docs/conf.py) of %s: %s %s",
+                module_name,
+                ", ".join(names),
+                problem,
+                location=location,
+            )
+    if unplaced:
+        groups.append(("Not yet placed in API_GROUPS", unplaced))
+    return groups
 
 
 def _is_alias(module_name: str, name: str, obj: object) -> bool:
@@ -269,9 +439,61 @@ def _value_repr(obj: object) -> str:
     return stringify_annotation(obj, "fully-qualified-except-typing")
 
 
+def _docstring(module_name: str, name: str, obj: object) -> list[str]:
+    """The lines of the docstring that the entry of ``module_name.name`` shows."""
+    if _is_alias(module_name, name, obj):
+        return _value_doc(module_name, name, obj)
+    doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else obj.__doc__
+    return inspect.cleandoc(doc or "").splitlines()
+
+
+# A full stop that ends a sentence: before a capital, a literal or the end, not after an
+# abbreviation ("e.g. a", "Lu et al. 2022").
+_SENTENCE_END = re.compile(r"(?<!\be\.g)(?<!\bi\.e)(?<!\bal)(?<!\betc)\.(?=\s+[A-Z`(:]|$)")
+
+
+def _first_sentence(doc: list[str]) -> str:
+    """The first sentence of a docstring, on one line (a first line that only overrides the
+    signature, ``Local()``, skipped)."""
+    paragraphs = [" ".join(p.split()) for p in "\n".join(doc).split("\n\n") if p.strip()]
+    if paragraphs and re.fullmatch(r"\w+\(.*\)", paragraphs[0]):
+        paragraphs = paragraphs[1:]
+    text = paragraphs[0] if paragraphs else ""
+    literals = [m.span() for m in re.finditer(r"``.+?``|`[^`]+`", text)]
+    for end in _SENTENCE_END.finditer(text):
+        if not any(start < end.start() < stop for start, stop in literals):
+            return text[: end.end()]
+    return text
+
+
+class Summary(SphinxDirective):
+    """``.. fn-summary:: fn.fsdp [more packages]``: a table per group of ``API_GROUPS``, each
+    name linked to its entry beside the first sentence of its docstring."""
+
+    required_arguments = 1
+    optional_arguments = 8
+
+    def run(self) -> list[nodes.Node]:
+        lines = []
+        for module_name in self.arguments:
+            module = importlib.import_module(module_name)
+            # Short names in the summaries resolve as in the entries, in the package.
+            lines += [f".. py:currentmodule:: {module_name}", ""]
+            for title, names in _groups(module_name, warn=False):
+                lines += [f".. rubric:: {title}", "   :class: fn-summary-group", ""]
+                lines += [".. list-table::", "   :class: fn-summary", "   :widths: 3 5", ""]
+                for name in names:
+                    obj = getattr(module, name)
+                    summary = _link_mentions_in(_first_sentence(_docstring(module_name, name, obj)))
+                    lines += [f"   * - :py:obj:`{name} <{module_name}.{name}>`"]
+                    lines += [f"     - {summary}" if summary else "     -"]
+                lines.append("")
+        return self.parse_text_to_nodes("\n".join(lines))
+
+
 class AutoPackage(SphinxDirective):
-    """``.. fn-autopackage:: fn.fsdp``: the package's docstring, then an entry per public name
-    in ``__all__``'s order (``API`` says which names a package's page documents)."""
+    """``.. fn-autopackage:: fn.fsdp``: the package's docstring, then an entry per name that its
+    page documents (``API``), group by group in ``API_GROUPS``' order."""
 
     required_arguments = 1
 
@@ -279,26 +501,32 @@ class AutoPackage(SphinxDirective):
         module_name = self.arguments[0]
         module = importlib.import_module(module_name)
         lines = [f".. automodule:: {module_name}", ""]
-        for name in API[module_name]:
-            obj = getattr(module, name)
-            full_name = f"{module_name}.{name}"
-            if _is_alias(module_name, name, obj):
-                doc = _value_doc(module_name, name, obj)
-                self.env.events.emit("autodoc-process-docstring", "data", full_name, obj, {}, doc)
-                lines += [f".. py:data:: {name}", f"   :module: {module_name}"]
-                lines += [f"   :value: {_value_repr(obj)}", ""]
-                lines += [f"   {line}" if line else "" for line in doc] + [""]
-            elif inspect.isclass(obj):
-                kind = "autoexception" if issubclass(obj, BaseException) else "autoclass"
-                lines += [f".. {kind}:: {full_name}", "   :members:"]
-                if private := _private_bases(obj):
-                    # What the class inherits from fn's private bases is part of its own API.
-                    others = [c.__name__ for c in obj.__mro__[1:] if c not in private]
-                    lines.append(f"   :inherited-members: {', '.join(others)}")
-                lines.append("")
-            else:
-                lines += [f".. autofunction:: {full_name}", ""]
+        groups = _groups(module_name, warn=True, location=self.get_location())
+        for title, names in groups:
+            names = [name for name in names if name in API[module_name]]
+            if names and len(groups) > 1:
+                lines += [f".. rubric:: {title}", "   :class: fn-entry-group", ""]
+            for name in names:
+                lines += self._entry(module_name, name, getattr(module, name))
         return self.parse_text_to_nodes("\n".join(lines))
+
+    def _entry(self, module_name: str, name: str, obj: object) -> list[str]:
+        full_name = f"{module_name}.{name}"
+        if _is_alias(module_name, name, obj):
+            doc = _value_doc(module_name, name, obj)
+            self.env.events.emit("autodoc-process-docstring", "data", full_name, obj, {}, doc)
+            lines = [f".. py:data:: {name}", f"   :module: {module_name}"]
+            lines += [f"   :value: {_value_repr(obj)}", ""]
+            return lines + [f"   {line}" if line else "" for line in doc] + [""]
+        if inspect.isclass(obj):
+            kind = "autoexception" if issubclass(obj, BaseException) else "autoclass"
+            lines = [f".. {kind}:: {full_name}", "   :members:"]
+            if private := _private_bases(obj):
+                # What the class inherits from fn's private bases is part of its own API.
+                others = [c.__name__ for c in obj.__mro__[1:] if c not in private]
+                lines.append(f"   :inherited-members: {', '.join(others)}")
+            return lines + [""]
+        return [f".. autofunction:: {full_name}", ""]
 
 
 class ReExports(SphinxDirective):
@@ -330,6 +558,7 @@ def _lookup(target: str) -> object | None:
     return None
 
 
+@functools.cache  # the docstrings name the same objects many times
 def _public_name(target: str) -> str | None:
     """The documented name of the fn object that ``target`` names, or None.
 
@@ -381,6 +610,81 @@ def _resolve_fn_reference(app, env, node, contnode):
         if found is not None:
             return found
     return None
+
+
+# -- Links inside the docstrings ---------------------------------------------------------------
+# Docstrings are read as plain text too (help(), doctest, an editor's hover), so they name fn's
+# objects as literals (``fn.fsdp.OnebitAdam``, ``fn.adam(lr=1e-3)``) and the site's pages by
+# their path in the repository (docs/algorithms.md, "1-bit Adam"). On the site, each becomes a
+# link: a literal that starts with a dotted ``fn.`` name (a call's arguments may follow) is a
+# ``:py:obj:`` reference to that name, and a page mention is a link to the page and section. The
+# build is nitpicky (-n), so a literal naming no documented object, a page that does not exist
+# or a section title that is not one of its headings fails it.
+_FN_LITERAL = re.compile(
+    r"(?<![`:\w])(?P<quote>``?)(?P<name>fn(?:\.\w+)+)(?P<call>\([^`\n]*\))?(?P=quote)(?![`\w])"
+)
+_DOCS_MENTION = re.compile(
+    r'(?P<quote>``)?docs/(?P<path>[\w/.-]+?)\.md(?(quote)``)(?:,\s+"(?P<title>[^"]+)")?'
+)
+# A section named in another way than ``docs/page.md, "Title"``: only the page would be linked.
+_DOCS_MENTION_ELSE = re.compile(r'docs/[\w/.-]+\.md(#|`{0,2}\s*\((section\s+)?")')
+
+
+def _link_mentions_in(text: str) -> str:
+    """``text`` (reStructuredText) with its fn literals and page mentions as references."""
+
+    def fn_reference(match: re.Match) -> str:
+        shown = match["name"] + (match["call"] or "")
+        if shown == match["name"]:
+            return f":py:obj:`{shown}`"
+        return f":py:obj:`{shown} <{match['name']}>`"
+
+    def docs_reference(match: re.Match) -> str:
+        section = f', "{" ".join(match["title"].split())}"' if match["title"] else ""
+        return f":fn-docs:`docs/{match['path']}.md{section}`"
+
+    return _DOCS_MENTION.sub(docs_reference, _FN_LITERAL.sub(fn_reference, text))
+
+
+def _link_mentions(app, what, name, obj, options, lines: list[str]) -> None:
+    text = "\n".join(lines)
+    for mention in _DOCS_MENTION_ELSE.finditer(text):
+        logger.warning(
+            '%s names a section as %r: write docs/page.md, "Section title"', name, mention.group()
+        )
+    lines[:] = _link_mentions_in(text).split("\n")
+
+
+def _docs_role(name, rawtext, text, lineno, inliner, options=None, content=()):
+    """``:fn-docs:`docs/algorithms.md, "1-bit Adam"```: a link to the page, titled as the page,
+    and one to its section (``, "Title"`` optional), titled as the section. MyST resolves both
+    and warns about a page or section it does not find."""
+    mention = _DOCS_MENTION.fullmatch(" ".join(text.split()))
+    if mention is None:
+        message = inliner.reporter.error(f"not a docs/ page mention: {text!r}", line=lineno)
+        return [inliner.problematic(rawtext, rawtext, message)], [message]
+    env = inliner.document.settings.env
+    anchor = github_slugify(mention["title"]) if mention["title"] else ""
+    source, line = inliner.reporter.get_source_and_line(lineno)
+
+    def reference(target_id: str) -> addnodes.pending_xref:
+        shown = f"docs/{mention['path']}.md" + (f"#{target_id}" if target_id else "")
+        node = addnodes.pending_xref(
+            "",
+            nodes.inline(shown, shown),
+            refdomain="doc",
+            reftype="myst",
+            reftarget=mention["path"],
+            reftargetid=target_id or None,
+            refexplicit=False,
+            refdoc=env.docname,
+        )
+        node.source, node.line = source, line
+        return node
+
+    if not anchor:
+        return [reference("")], []
+    return [reference(""), nodes.Text(", “"), reference(anchor), nodes.Text("”")], []
 
 
 def _alias_signature(app, what, name, obj, options, signature, return_annotation):
@@ -474,7 +778,10 @@ class RepositoryLinks(SphinxPostTransform):
 
 
 def setup(app):
+    app.add_directive("fn-summary", Summary)
     app.add_directive("fn-autopackage", AutoPackage)
+    app.add_role("fn-docs", _docs_role)
+    app.connect("autodoc-process-docstring", _link_mentions)
     app.add_directive("fn-reexports", ReExports)
     app.connect("missing-reference", _resolve_fn_reference)
     app.add_post_transform(RepositoryLinks)

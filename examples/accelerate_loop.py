@@ -1,6 +1,6 @@
 """fn's 1-bit Adam in an ``accelerate`` loop under ``torchrun``, with checkpoints and resume.
 
-    torchrun --nproc-per-node 2 examples/accelerate_loop.py --output-dir DIR --max-steps 40 \
+    torchrun --standalone --nproc-per-node 2 accelerate_loop.py --output-dir DIR --max-steps 40 \
         --freeze-step 10 --save-steps 20 [--resume]
 
 Trains a tiny random-weight GPT-2 on synthetic tokens (no downloads), checkpoints every
@@ -10,6 +10,9 @@ DIR/final)``. ``--resume`` continues from the newest ``DIR/checkpoint-S`` with
 ``accelerator.load_state``; the run then ends with the same params, bit for bit, as the
 uninterrupted run, and every rank ends with the same params (checked). The only fn-specific lines
 are the optimizer and ``fn.integrations.accelerate.attach``.
+
+Needs fn with the ``integrations`` extra. The model, the data, the arguments and the final check
+come from ``fn.app.examples``, so the script runs alone, downloaded into an empty folder.
 """
 
 from __future__ import annotations
@@ -18,11 +21,10 @@ import os
 import re
 
 import torch
-from _common import check_ranks_agree, parse_args
-from _tiny_gpt2 import SyntheticTokens, tiny_gpt2
 from accelerate import Accelerator
 
 import fn.optim
+from fn.app.examples import SyntheticTokens, check_ranks_agree, parse_stack_args, tiny_gpt2
 from fn.collectives import exit_distributed
 from fn.integrations.accelerate import attach
 
@@ -40,7 +42,7 @@ def newest_checkpoint(output_dir: str) -> tuple[str, int]:
 
 
 def main() -> None:
-    args = parse_args("1-bit Adam in an accelerate loop", "--resume")
+    args = parse_stack_args("1-bit Adam in an accelerate loop", "--resume")
     # cpu=True on a machine without GPUs: gloo ranks (accelerate then still wraps the model in DDP)
     accelerator = Accelerator(cpu=not torch.accelerator.is_available())
     model = tiny_gpt2()

@@ -5,62 +5,48 @@ Every transformer block and the root are FSDP2 modules; ``fn.fsdp.OnebitAdam`` (
 the gradients are reduce-scattered densely (the warmup, ``m`` and ``v`` sharded); from then on
 each module's reduce-scatter sends its momentum as 1 bit per element with error feedback, and
 every rank keeps the full momentum as packed signs. The model and the data are those of
-examples/fsdp_loco.py (a random bigram chain, each rank its own stream). Checkpoints
-(``--checkpoint DIR``) are ``torch.distributed.checkpoint`` directories with the model, the
-optimizer (its shards, its packed momentum, every rank's error feedback) and the step;
-``--resume`` continues one, at any step, and the resumed run equals the uninterrupted one bit
-for bit. At the end the ranks check that their all-gathered params are identical.
+fsdp_loco.py (a random bigram chain, each rank its own stream). Checkpoints (``--checkpoint
+DIR``) are ``torch.distributed.checkpoint`` directories with the model, the optimizer (its
+shards, its packed momentum, every rank's error feedback) and the step; ``--resume`` continues
+one, at any step, and the resumed run equals the uninterrupted one bit for bit. At the end the
+ranks check that their all-gathered params are identical.
 
 Run:
-    torchrun --nproc-per-node 2 examples/fsdp_onebit.py --max-steps 40 --freeze-step 10
-    torchrun --nproc-per-node 2 examples/fsdp_onebit.py --max-steps 40 --optimizer lamb
-    torchrun --nproc-per-node 2 examples/fsdp_onebit.py --max-steps 12 --checkpoint /tmp/ck
-    torchrun --nproc-per-node 2 examples/fsdp_onebit.py --max-steps 40 --checkpoint /tmp/ck --resume
+    torchrun --standalone --nproc-per-node 2 fsdp_onebit.py --max-steps 40 --freeze-step 10
+    torchrun --standalone --nproc-per-node 2 fsdp_onebit.py --max-steps 40 --optimizer lamb
+    torchrun --standalone --nproc-per-node 2 fsdp_onebit.py --max-steps 12 --checkpoint ck
+    torchrun --standalone --nproc-per-node 2 fsdp_onebit.py --max-steps 40 --checkpoint ck --resume
+
+The transformer, the data, the arguments, the training loop and the final check come from
+``fn.app.examples``, so the script runs alone, downloaded into an empty folder.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 from collections.abc import Sequence
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from examples._common import check_ranks_agree, freeze_step_arg  # noqa: E402
-from examples.fsdp_loco import parse_training_args, sharded_transformer, train  # noqa: E402
-from fn.collectives import exit_distributed  # noqa: E402
-from fn.fsdp import OnebitAdam, OnebitLamb, TrainingCheckpoint  # noqa: E402
-
-OPTIMIZERS = {"adam": OnebitAdam, "lamb": OnebitLamb}
-
-
-def onebit_parser(description: str) -> argparse.ArgumentParser:
-    """The 1-bit examples' own arguments (examples/fsdp_loco.py's training ones come after)."""
-    p = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.RawTextHelpFormatter
-    )
-    p.add_argument("--max-steps", type=int, default=40)
-    p.add_argument(
-        "--freeze-step", type=freeze_step_arg, default=10, help='first compressed update, or "auto"'
-    )
-    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam")
-    return p
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    return parse_training_args(onebit_parser(__doc__), argv)
+from fn.app.examples import (
+    check_ranks_agree,
+    onebit_parser,
+    parse_fsdp_args,
+    sharded_transformer,
+    train,
+)
+from fn.collectives import exit_distributed
+from fn.fsdp import OnebitAdam, OnebitLamb, TrainingCheckpoint
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = parse_fsdp_args(onebit_parser(__doc__), argv)
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     try:
-        model = sharded_transformer(args, world_size)
-        optimizer = OPTIMIZERS[args.optimizer](
+        model = sharded_transformer(args, init_device_mesh("cpu", (world_size,)))
+        optimizer_class = OnebitLamb if args.optimizer == "lamb" else OnebitAdam
+        optimizer = optimizer_class(
             model, lr=args.lr, freeze_step=args.freeze_step, weight_decay=0.01
         )
         checkpoint = TrainingCheckpoint(model, optimizer)

@@ -1,6 +1,6 @@
 """fn's 1-bit Adam in a Hugging Face ``Trainer`` under ``torchrun``, with checkpoints and resume.
 
-    torchrun --nproc-per-node 2 examples/hf_trainer.py --output-dir DIR --max-steps 40 \
+    torchrun --standalone --nproc-per-node 2 hf_trainer.py --output-dir DIR --max-steps 40 \
         --freeze-step 10 --save-steps 20 [--resume-from-checkpoint DIR/checkpoint-20]
 
 Trains a tiny random-weight GPT-2 on synthetic tokens (no downloads), checkpoints every
@@ -8,6 +8,9 @@ Trains a tiny random-weight GPT-2 on synthetic tokens (no downloads), checkpoint
 ``trainer.save_model(DIR/final)``. A run resumed from ``DIR/checkpoint-S`` ends with the same
 params, bit for bit, as the uninterrupted run; every rank ends with the same params (checked).
 The only fn-specific lines are the optimizer and ``fn.integrations.transformers.attach``.
+
+Needs fn with the ``integrations`` extra. The model, the data, the arguments and the final check
+come from ``fn.app.examples``, so the script runs alone, downloaded into an empty folder.
 """
 
 from __future__ import annotations
@@ -15,17 +18,16 @@ from __future__ import annotations
 import os
 
 import torch
-from _common import check_ranks_agree, parse_args
-from _tiny_gpt2 import SyntheticTokens, tiny_gpt2
 from transformers import Trainer, TrainingArguments
 
 import fn.optim
+from fn.app.examples import SyntheticTokens, check_ranks_agree, parse_stack_args, tiny_gpt2
 from fn.collectives import exit_distributed
 from fn.integrations.transformers import attach
 
 
 def main() -> None:
-    args = parse_args("1-bit Adam in a Hugging Face Trainer", "--resume-from-checkpoint")
+    args = parse_stack_args("1-bit Adam in a Hugging Face Trainer", "--resume-from-checkpoint")
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.max_steps,

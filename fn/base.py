@@ -122,8 +122,8 @@ def marked_fields(cls: type, mark: Any) -> frozenset[str]:
 
 SecondMomentField = Annotated[PyTree, SecondMoment]
 """The annotation of a state field whose pytree holds second moments (means of squares, never
-negative), e.g. ``nu: SecondMomentField`` in ``fn.transforms.ScaleByAdamState``; ``fn.optim``
-rejects a checkpoint in which one is negative.
+negative). An example is ``nu: SecondMomentField`` in ``fn.transforms.ScaleByAdamState``;
+``fn.optim`` rejects a checkpoint in which one is negative.
 
 Example:
     >>> from typing import NamedTuple
@@ -146,9 +146,10 @@ class PerRank:
 
 
 PerRankField = Annotated[PyTree, PerRank]
-"""The annotation of a state field whose values may differ between ranks by design, e.g. 0/1
-Adam's momentum and accumulator between its synchronizations: ``fn.optim.PerRankState`` saves
-it under each rank's own name, as it does error feedback, instead of once for all ranks.
+"""The annotation of a state field whose values may differ between ranks by design (e.g. 0/1
+Adam's momentum and accumulator between its synchronizations). ``fn.optim.PerRankState`` saves
+such a field under each rank's own name, as it does error feedback, instead of once for all
+ranks.
 
 Example:
     >>> from typing import NamedTuple
@@ -728,7 +729,9 @@ def update_and_apply(
     donate: Any = True,
     **extra: Any,
 ) -> tuple[Params, OptState]:
-    """One optimizer step that updates the params in place, the same as::
+    """One optimizer step that updates the params in place.
+
+    It is the same as::
 
         updates, state = tx.update(updates, state, params, donate=donate, **extra)
         params = fn.apply_updates(params, updates, donate=True)

@@ -39,6 +39,7 @@ PACKAGES = [
     "fn.optim",
     "fn.ddp",
     "fn.fsdp",
+    "fn.diloco",
     "fn.integrations.transformers",
     "fn.integrations.accelerate",
     "fn.integrations.lightning",
@@ -216,6 +217,36 @@ def test_napoleon_reads_no_text_as_a_type():
                 if re.match(r"\s*:(rtype|type):", line):
                     misread.append(f"{qualified}: {line.strip()}")
     assert misread == []
+
+
+# How a docstring points to a page of the site, and to a section (a heading of level 1 to 3,
+# which MyST gives an anchor): docs/algorithms.md, "1-bit Adam". The site links both (docs/conf.py).
+_PAGE_MENTION = re.compile(r'(``)?docs/([\w/.-]+\.md)\1?(,\s+"([^"]+)")?')
+_OTHER_MENTION = re.compile(r'docs/[\w/.-]+\.md(#|`{0,2}\s*\((section\s+)?")')
+
+
+def _headings(path: Path) -> set[str]:
+    text = re.sub(r"^(```|~~~).*?^\1", "", path.read_text(encoding="utf-8"), flags=re.S | re.M)
+    return {h.replace("`", "").strip() for h in re.findall(r"^#{1,3} (.+)$", text, re.M)}
+
+
+def test_page_mentions_name_a_page_and_a_heading():
+    docs = _ROOT.parent / "docs"
+    texts = [(name, doc) for name, _, _, doc in PUBLIC]
+    texts += [(p, inspect.getdoc(importlib.import_module(p)) or "") for p in _packages()]
+    for name, obj, _, _ in PUBLIC:
+        if inspect.isclass(obj):
+            texts += [(f"{name}.{a}", inspect.getdoc(v) or "") for a, v in _members(obj).items()]
+    wrong = []
+    for name, doc in texts:
+        wrong += [f"{name}: {m.group()!r}" for m in _OTHER_MENTION.finditer(doc)]
+        for mention in _PAGE_MENTION.finditer(doc):
+            page, title = docs / mention.group(2), mention.group(4)
+            if not page.is_file():
+                wrong.append(f"{name}: no page {mention.group(2)}")
+            elif title and " ".join(title.split()) not in _headings(page):
+                wrong.append(f"{name}: no heading {title!r} in {mention.group(2)}")
+    assert not wrong, 'write docs/page.md, "Heading" (a heading of the page):\n' + "\n".join(wrong)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ PAGES = [
     "torch-optim.md",
     "precision.md",
     "migrating-from-deepspeed.md",
+    "troubleshooting.md",
+    "examples.md",
 ]
 
 # Other documents and docstrings link to these sections by name.
@@ -60,6 +62,7 @@ SECTIONS = [
     "1-bit Adam and 1-bit LAMB on FSDP2",
     "1-bit Adam and 1-bit LAMB on HSDP",
     "Accumulation and clipping on FSDP2 and HSDP",
+    "DiLoCo: local steps and a compressed outer step",
     "Deviations from DeepSpeed",
 ]
 
@@ -154,17 +157,19 @@ def test_readme_links_every_guide_and_each_exists():
 
 def test_readme_keeps_the_commands_ci_runs():
     """.ci/run installs and tests as README.md says: README keeps its test command as a line of
-    its own, and its set-up installs the extras that CI installs."""
+    its own, pins the torch that CI installs on a fresh machine, and installs for development
+    the extras that CI installs."""
     readme = README.read_text(encoding="utf-8")
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert "python3 -m pytest -q\n" in readme
     assert re.search(r"^python3 -m pytest -q$", ci, re.MULTILINE)
-    (setup,) = [line for line in readme.splitlines() if line.endswith("&& python3 -m fn demo")]
-    (extras,) = re.findall(r'-e "\.\[([\w,]+)\]"', setup)
+    torch_pin = 'pip install "torch==2.13.0"'
+    assert f"python3 -m {torch_pin}\n" in readme
+    assert torch_pin in ci.replace("pip install -q ", "pip install ")
+    (extras,) = re.findall(r'^\s*"\.\[([\w,]+)\]"$', readme, re.MULTILINE)
     ci_extras = {e for found in re.findall(r'-e "\.\[([\w,]+)\]"', ci) for e in found.split(",")}
     assert set(extras.split(",")) == ci_extras, (extras, ci_extras)
-    assert setup.startswith('python3 -c "import torch" 2>/dev/null || python3 -m pip install')
-    assert 'python3 -m pip install "torch==2.13.0"' in setup
+    assert 'python3 -m pip install -e \\\n    ".[' + extras + ']"' in readme
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -226,14 +231,6 @@ def _run_blocks(blocks: list[str], capsys) -> str:
     return capsys.readouterr().out
 
 
-def test_the_readme_example_runs(capsys):
-    """README.md's example: 1-bit Adam on 4 simulated workers, warmup then compressed."""
-    (block,) = _python_blocks(README)
-    out = _run_blocks([block], capsys)
-    sent = int(re.fullmatch(r"(\d+) bytes sent per worker\n", out).group(1))
-    assert sent > 0
-
-
 def test_the_first_custom_loop_runs(capsys):
     """getting-started.md's pure loop writes nothing it is given; its fast loop, from the same
     start, ends with the same bits, as the page says."""
@@ -248,13 +245,6 @@ def test_the_first_custom_loop_runs(capsys):
     out = _run_blocks([pure, restart, fast, check], capsys).split()
     assert float(out[1]) < float(out[0])  # trained
     assert out[2] == "True"
-
-
-def test_the_fsdp_accumulation_block_runs(capsys):
-    """guides/fsdp.md's accumulation and clipping block, as copied (one gloo rank)."""
-    (block,) = [b for b in _python_blocks(DOCS / "guides" / "fsdp.md") if "max_grad_norm" in b]
-    exec(compile(block, "<guides/fsdp.md>", "exec"), {"__name__": "__docs__"})  # noqa: S102
-    assert capsys.readouterr().out.strip() == "8"
 
 
 def test_the_test_command_runs_doctests_and_fails_on_a_broken_one(tmp_path):

@@ -24,9 +24,10 @@ ALLOWED = {
     "transforms": {"errors", "tree", "kernels", "base", "collectives"},
     "optim": {"errors", "tree", "kernels", "base", "collectives", "transforms"},
     "fsdp": {"errors", "tree", "kernels", "base", "collectives", "transforms"},
+    "diloco": {"errors", "tree", "kernels", "base", "collectives", "transforms"},
     "ddp": {"errors", "tree", "kernels", "base", "collectives", "transforms", "optim"},
     "integrations": {"errors", "tree", "base", "collectives", "transforms", "optim", "fsdp", "ddp"},
-    "app": {"errors", "tree", "base", "collectives", "transforms", "optim", "ddp"},
+    "app": {"errors", "tree", "base", "collectives", "transforms", "optim", "ddp", "fsdp"},
 }
 
 

@@ -18,13 +18,16 @@ import torch
 from torch.utils import _pytree as pytree
 
 import fn
+import fn.diloco
 from fn.base import CompressedOptimizer, GradientTransformation
 from fn.collectives import (
     Local,
+    cast_allreduce,
     dense_allreduce,
     loco_allreduce,
     onebit_allreduce,
     quantized_allreduce,
+    topk_allreduce,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,6 +75,11 @@ FACTORIES: dict[str, Callable[[], GradientTransformation | CompressedOptimizer]]
     "loco_allreduce": lambda: loco_allreduce(comm=Local(), error_dtype=torch.int8),
     "onebit_allreduce": lambda: onebit_allreduce(comm=Local()),
     "quantized_allreduce": lambda: quantized_allreduce(comm=Local()),
+    "cast_allreduce": lambda: cast_allreduce(torch.bfloat16, comm=Local()),
+    "topk_allreduce": lambda: topk_allreduce(4, 16, comm=Local(), decay=0.9),
+    "compression": lambda: fn.diloco.compression("loco4", comm=Local()),
+    "nesterov": lambda: fn.diloco.nesterov(fn.diloco.compression("onebit", comm=Local())),
+    "sparseloco": lambda: fn.diloco.sparseloco(k=4, chunk_size=16, comm=Local()),
     # staged() of each compressed optimizer: its counter drives the schedule
     "staged(onebit_lamb)": lambda: fn.staged(_onebit_lamb()),
     "staged(zero_one_adam)": lambda: fn.staged(_zero_one_adam()),

@@ -14,6 +14,7 @@ import json
 import os
 import re
 from collections import Counter
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,183 @@ def test_every_public_name_has_one_entry(site):
     assert 'href="fn.transforms.html#fn.transforms.onebit_adam"' in fn_page
 
 
+def _api_pages(site: Path) -> list[Path]:
+    pages = sorted((site / "api").glob("*.html"))
+    assert pages, "no API pages in the build"
+    return pages
+
+
+def _summary_rows(page: str) -> list[tuple[str, str, str]]:
+    """``(group, href, summary)`` of each row of a page's summary tables, in order."""
+    rows = []
+    tables = re.findall(
+        r'<p class="[^"]*\bfn-summary-group\b[^"]*">(.*?)</p>\s*<div[^>]*>\s*'
+        r'<table class="fn-summary[^"]*">(.*?)</table>',
+        page,
+        flags=re.S,
+    )
+    for group, table in tables:
+        for name, summary in re.findall(
+            r"<tr[^>]*>\s*<td>(.*?)</td>\s*<td>(.*?)</td>", table, re.S
+        ):
+            href = re.search(r'<a class="reference internal" href="([^"]+)"', name)
+            assert href, f"a row of {_text(group)!r} links nowhere: {_text(name)}"
+            rows.append((_text(group), href.group(1), _text(summary)))
+    return rows
+
+
+def test_api_pages_open_with_the_summary_table(site):
+    for path in _api_pages(site):
+        page = path.read_text(encoding="utf-8")
+        title_end = page.index("</h1>")
+        first_group = re.search(r'<p class="[^"]*\bfn-summary-group\b', page)
+        assert first_group, f"{path.name} has no summary table"
+        # Nothing between the page's title and its first group: the table opens the page.
+        assert _text(page[title_end + len("</h1>") : first_group.start()]) == "", path.name
+        assert first_group.start() < page.index('<dl class="py'), path.name
+        rows = _summary_rows(page)
+        empty = [href for _, href, summary in rows if not summary]
+        assert rows and not empty, f"{path.name}: rows without a summary: {empty}"
+
+
+def test_api_tables_list_every_name_and_the_entries_follow_them(site):
+    transforms = importlib.import_module("fn.transforms").__all__
+    rows_by_page = {path.name: _summary_rows(path.read_text()) for path in _api_pages(site)}
+    for package in PACKAGES:
+        page_name = "fn.integrations.html" if ".integrations." in package else f"{package}.html"
+        if package in ("fn.base", "fn.tree"):
+            page_name = "fn.html"
+        targets = {href.rsplit("#", 1)[-1] for _, href, _ in rows_by_page[page_name]}
+        module = importlib.import_module(package)
+        for name in module.__all__:
+            # fn's re-exports of fn.transforms have their rows there (the optimizers on both).
+            if inspect.ismodule(getattr(module, name)) or (package == "fn" and name in transforms):
+                continue
+            assert f"{package}.{name}" in targets, f"{page_name}'s table has no row for {name}"
+    for path in _api_pages(site):
+        page = path.read_text(encoding="utf-8")
+        rows = [href[1:] for _, href, _ in _summary_rows(page) if href.startswith("#")]
+        entries = [
+            anchor
+            for anchor in re.findall(r'<dt class="sig sig-object py" id="([\w.]+)"', page)
+            if anchor in rows
+        ]
+        assert entries == rows, f"{path.name}: the entries are not in the table's order"
+
+
+def test_api_pages_put_the_building_blocks_last(site):
+    fsdp = _summary_rows(_page(site, "api/fn.fsdp.html"))
+    names = [href.rsplit(".", 1)[-1] for _, href, _ in fsdp]
+    assert names[:2] == ["OnebitAdam", "OnebitLamb"]
+    assert fsdp[0][2].startswith("1-bit Adam")
+    last_user_facing = max(
+        names.index(n) for n in ("OnebitAdam", "OnebitLamb", "TrainingCheckpoint")
+    )
+    first_plumbing = min(
+        names.index(n) for n in ("CommCache", "QuantizedReduceScatter", "reduce_scale")
+    )
+    assert last_user_facing < first_plumbing
+    for page_name in ("fn.fsdp", "fn.optim", "fn.transforms", "fn.collectives"):
+        groups = list(
+            dict.fromkeys(g for g, _, _ in _summary_rows(_page(site, f"api/{page_name}.html")))
+        )
+        assert groups[-1] == "Building blocks" and groups.count("Building blocks") == 1, groups
+    # The fn page starts with the optimizers, documented under fn.transforms.
+    first = _summary_rows(_page(site, "api/fn.html"))[0]
+    assert first[:2] == ("Optimizers", "fn.transforms.html#fn.transforms.onebit_adam")
+
+
+class _PlainMentions(HTMLParser):
+    """The literals and the text inside the entries' descriptions (``<dd>``) and the summary
+    tables of an API page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0  # how many <dd> or summary tables the parser is in
+        self.stack: list[bool] = []  # per open dd/table/code: whether it counts
+        self.literal: list[str] | None = None
+        self.literals: list[str] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        classes = (dict(attrs).get("class") or "").split()
+        if tag in ("dd", "table"):
+            counts = tag == "dd" or "fn-summary" in classes
+            self.stack.append(counts)
+            self.depth += counts
+        elif tag == "code" and self.depth and "literal" in classes and "xref" not in classes:
+            self.literal = []
+
+    def handle_endtag(self, tag):
+        if tag in ("dd", "table") and self.stack:
+            self.depth -= self.stack.pop()
+        elif tag == "code" and self.literal is not None:
+            self.literals.append("".join(self.literal))
+            self.literal = None
+
+    def handle_data(self, data):
+        if self.literal is not None:
+            self.literal.append(data)
+        elif self.depth:
+            self.text.append(data)
+
+
+def _links(page: str) -> set[tuple[str, str]]:
+    """``(href, text)`` of every link in ``page``."""
+    return {
+        (href, _text(inner))
+        for href, inner in re.findall(r'<a [^>]*href="([^"]*)"[^>]*>(.*?)</a>', page, re.S)
+    }
+
+
+def test_docstring_mentions_are_links(site):
+    # A sample: fn names on the same page and others (re-exports resolved), pages and sections.
+    samples = {
+        ("api/fn.fsdp.html", "fn.fsdp.OnebitAdam"): [
+            (
+                "fn.transforms.html#fn.transforms.onebit_adam_sharded",
+                "fn.transforms.onebit_adam_sharded",
+            ),
+            ("fn.transforms.html#fn.transforms.onebit_adam", "fn.onebit_adam"),
+            ("#fn.fsdp.TrainingCheckpoint", "TrainingCheckpoint"),
+            ("../algorithms.html", "Algorithms"),
+            ("../algorithms.html#", "1-bit Adam and 1-bit LAMB on FSDP2"),
+        ],
+        ("api/fn.transforms.html", "fn.transforms.onebit_adam"): [
+            ("../algorithms.html#", "1-bit Adam"),
+            ("../algorithms.html#", "Automatic freeze and momentum mask"),
+        ],
+        ("api/fn.ddp.html", "fn.ddp.loco_hook"): [
+            ("fn.collectives.html#fn.collectives.loco_allreduce", "fn.collectives.loco_allreduce")
+        ],
+        ("api/fn.integrations.html", "fn.integrations.transformers.FnTrainerCallback"): [
+            ("../guides/hf-trainer.html", "Hugging Face Trainer")
+        ],
+        ("api/fn.kernels.html", "fn.kernels.sqrt_rn"): [("../algorithms.html#", "Conventions")],
+    }
+    algorithms = _page(site, "algorithms.html")
+    for (page_name, anchor), expected in samples.items():
+        links = _links(_entry(_page(site, page_name), anchor))
+        for href, text in expected:
+            found = [
+                h
+                for h, t in links
+                if t == text and (h == href or h.startswith(href) and href.endswith("#"))
+            ]
+            assert found, f"{anchor}'s entry has no link {text!r} to {href}: {sorted(links)}"
+            if href.endswith("#"):  # a section: its anchor is on the page
+                assert f'id="{found[0].split("#")[1]}"' in algorithms, found
+    # No fn name or page mention is left as plain text in an entry or a summary table.
+    name = re.compile(r"fn(\.\w+)+(\(.*\))?")
+    for path in _api_pages(site):
+        parser = _PlainMentions()
+        parser.feed(path.read_text(encoding="utf-8"))
+        plain = [literal for literal in parser.literals if name.fullmatch(literal.strip())]
+        assert not plain, f"{path.name}: fn names not linked: {plain}"
+        pages = re.findall(r"docs/[\w/.-]+\.md", "".join(parser.text + parser.literals))
+        assert not pages, f"{path.name}: page mentions not linked: {pages}"
+
+
 def test_notebook_page_shows_its_outputs_and_plots(site):
     page = _page(site, "notebooks/01_quickstart.html")
     assert re.search(r'<img [^>]*src="[^"]+\.png"', page), "no plot in the notebook's page"
@@ -172,3 +350,55 @@ def test_algorithms_page_renders_math(site):
     # The headings other pages link to keep their anchors.
     for anchor in ("conventions", "01-adam", "deviations-from-deepspeed"):
         assert f'id="{anchor}"' in page
+
+
+def _code_blocks(page: str) -> list[str]:
+    """The text of the page's code blocks, as a reader copies it."""
+    return [
+        html.unescape(re.sub(r"<[^>]+>", "", block))
+        for block in re.findall(r"<pre\b[^>]*>(.*?)</pre>", page, flags=re.S)
+    ]
+
+
+def test_front_page_shows_an_example_the_figure_the_install_and_when_to_use_fn(site):
+    page = _page(site, "index.html")
+    text = _text(page)
+    code = _code_blocks(page)
+    # A complete example (tests/test_doc_blocks.py runs it) and the install, as code blocks.
+    assert any("fn.onebit_adam(" in block and "print(" in block for block in code), code
+    (install,) = [block for block in code if "pip install" in block]
+    for line in (
+        "python3 -m venv .venv && . .venv/bin/activate",
+        'python3 -m pip install "torch==2.13.0"',
+        "python3 -m pip install .",
+        '".[test,notebooks,integrations,lightning,docs]"',
+        "python3 -m pytest -q",
+    ):
+        assert line in install, install
+    # The loss-against-bytes figure, served with the site, and the command that draws it.
+    (image,) = re.findall(r'<img [^>]*src="([\w/]+/loss-vs-bytes\.png)"', page)
+    assert (site / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "python3 benchmarks/loss_vs_bytes.py" in text
+    # When fn helps, when it does not, and where the figures come from.
+    for phrase in ("fn helps", "slow links", "does not help", "NVLink", "CPU VMs with gloo"):
+        assert phrase in text, phrase
+    assert "not yet measured on hardware" in text
+    assert 'href="troubleshooting.html"' in page
+
+
+def test_troubleshooting_page_is_in_the_site(site):
+    page = _page(site, "troubleshooting.html")
+    text = _text(page)
+    for phrase in ("CollectiveTimeoutError", "FN_TIMEOUT", "the variance froze", "FAQ"):
+        assert phrase in text, phrase
+    # It is in the table of contents, so every page's navigation links it.
+    assert 'href="troubleshooting.html"' in _page(site, "getting-started.html")
+    assert 'href="../troubleshooting.html"' in _page(site, "guides/fsdp.html")
+
+
+def test_code_blocks_have_a_copy_button(site):
+    page = _page(site, "getting-started.html")
+    assert re.search(r'<script [^>]*src="_static/copybutton\.js', page)
+    # It copies commands without their prompts ("$ ", ">>> ", "... ").
+    script = (site / "_static" / "copybutton.js").read_text(encoding="utf-8")
+    assert r"formatCopyText(text, '\\$ |>>> |\\.\\.\\. (?!\\s*#)', true" in script

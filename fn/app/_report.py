@@ -110,7 +110,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def write_results(
     out: Path, rows: list[dict[str, Any]], results: list[OptimizerResult], meta: dict[str, Any]
 ) -> list[Path]:
-    """Writes ``results.csv`` (the table) and ``results.json`` (settings, table, loss curves).
+    """Writes ``results.csv`` (the table) and ``results.json`` (settings, table, loss curves,
+    and the bytes each rank had sent at each held-out point).
 
     Returns:
         The paths written.
@@ -122,7 +123,11 @@ def write_results(
         writer.writerows(rows)
     json_path = out / OUTPUTS[1]
     curves = {
-        r.name: {"train_loss": r.train_loss, "heldout_loss": [list(p) for p in r.heldout]}
+        r.name: {
+            "train_loss": r.train_loss,
+            "heldout_loss": [list(p) for p in r.heldout],
+            "heldout_bytes": list(r.heldout_bytes),
+        }
         for r in results
     }
     json_path.write_text(json.dumps({**meta, "results": rows, "curves": curves}, indent=1) + "\n")

@@ -98,6 +98,8 @@ class OptimizerResult(NamedTuple):
     wall_s: float  # seconds spent in the training steps (evaluation excluded)
     identical: bool  # every rank ended with bit-identical params
     max_param_diff: float  # the largest |p_rank - p_0| over ranks and elements
+    # bytes sent per rank (the largest over ranks) up to each point of ``heldout``
+    heldout_bytes: tuple[int, ...] = ()
 
 
 class CharMLP(torch.nn.Module):
@@ -338,6 +340,7 @@ def _flat(params: PyTree, rank_axis: bool) -> torch.Tensor:
 class _Trace(NamedTuple):
     train_loss: list[torch.Tensor]  # per update: [R] losses of the local ranks
     heldout: list[tuple[int, torch.Tensor]]  # (update, [R] held-out losses)
+    heldout_bytes: list[int]  # bytes this process's comm had sent at each held-out point
     bytes_sent: int
     wall_s: float
     flat_params: torch.Tensor  # [R, P] final params of the local ranks
@@ -355,7 +358,7 @@ def _fit(
 ) -> _Trace:
     """The training loop shared by both modes (the ranks axis ``R`` is W or 1)."""
     evals = _eval_steps(cfg.steps)
-    train, heldout, wall = [], [], 0.0
+    train, heldout, heldout_bytes, wall = [], [], [], 0.0
     for t in range(1, cfg.steps + 1):
         x, y = next_batch()
         start = time.perf_counter()
@@ -365,9 +368,11 @@ def _fit(
         if t in evals:
             with torch.no_grad():
                 heldout.append((t, eval_fn(params).reshape(-1)))
+                heldout_bytes.append(comm.bytes_sent)
         on_step(t)
     flat = _flat(params, cfg.simulate)
-    return _Trace(train, heldout, comm.bytes_sent, wall, flat if cfg.simulate else flat[None])
+    flat = flat if cfg.simulate else flat[None]
+    return _Trace(train, heldout, heldout_bytes, comm.bytes_sent, wall, flat)
 
 
 def run_simulated(
@@ -497,4 +502,5 @@ def _summarize(name: str, traces: list[_Trace]) -> OptimizerResult:
         wall_s=max(tr.wall_s for tr in traces),
         identical=all(torch.equal(flat[0], row) for row in flat[1:]),
         max_param_diff=diff,
+        heldout_bytes=tuple(map(max, zip(*(tr.heldout_bytes for tr in traces), strict=True))),
     )

@@ -22,11 +22,14 @@ LoCo error feedback, optional two-hop mode). Their error-feedback buffers are ma
 (``ErrorFeedback``, ``ErrorFeedbackField``; see ``error_feedback.py``). In-place forms, as plain
 functions in ``torch.distributed``'s flat layout: ``quantized_reduce_scatter_into`` (with LoCo
 error buffers the caller keeps) and ``quantized_all_gather_into`` (what ``fn.fsdp`` installs in
-FSDP2).
+FSDP2). The outer compressors of ``fn.diloco``: ``cast_allreduce`` (the mean sent in fp32, bf16
+or fp16, summed in rank order) and ``topk_allreduce`` (chunk-wise top-k in 2 bits with error
+feedback, averaged by an all-gather).
 """
 
 import torch
 
+from fn.collectives.cast import CAST_DTYPES, cast_allreduce
 from fn.collectives.comm import Comm, Local
 from fn.collectives.dense import dense_allreduce
 from fn.collectives.error_feedback import (
@@ -50,10 +53,18 @@ from fn.collectives.quantized import *  # noqa: F403
 from fn.collectives.quantized import LocoAllreduceState, QuantizedError
 from fn.collectives.quantized import __all__ as _quantized_all
 from fn.collectives.simulated import Simulated, SimulatedGroup, replicate, simulate
+from fn.collectives.topk import TopkAllreduceState, topk_allreduce, topk_message_bytes
 
 # The state classes, for torch.load's default weights_only=True (see fn/__init__.py).
 torch.serialization.add_safe_globals(
-    [ErrorFeedback, LocoAllreduceState, OnebitAllreduceState, PackedSigns, QuantizedError]
+    [
+        ErrorFeedback,
+        LocoAllreduceState,
+        OnebitAllreduceState,
+        PackedSigns,
+        QuantizedError,
+        TopkAllreduceState,
+    ]
 )
 
 __all__ = [
@@ -67,6 +78,8 @@ __all__ = [
     "simulate",
     "replicate",
     "dense_allreduce",
+    "CAST_DTYPES",
+    "cast_allreduce",
     "ErrorFeedback",
     "ErrorFeedbackField",
     "error_feedback_leaves",
@@ -79,4 +92,7 @@ __all__ = [
     "OnebitAllreduceState",
     "onebit_allreduce",
     *_quantized_all,
+    "TopkAllreduceState",
+    "topk_allreduce",
+    "topk_message_bytes",
 ]

@@ -114,8 +114,8 @@ def init_error_feedback(
 # The storage dtypes of the 1-bit allreduce's error feedback: it always computes in fp32.
 ERROR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The dtypes that 1-bit error feedback may be stored in (``error_dtype=`` of the 1-bit
-family and :func:`init_error_feedback`): fp32, DeepSpeed's and the default, or bf16 and fp16,
-which halve the buffers' memory.
+family and :func:`init_error_feedback`). fp32 is DeepSpeed's and the default; bf16 and fp16
+halve the buffers' memory.
 
 Example:
     >>> torch.bfloat16 in fn.collectives.ERROR_DTYPES
@@ -255,10 +255,9 @@ def compressed_allreduce(
             (a fresh tensor) or a contiguous tensor to write: ``y`` of ``x``'s shape and dtype
             (it may be ``x`` itself), ``worker``/``server`` fp32 of the errors' shapes (they may
             be ``worker_error``/``server_error`` themselves). Eager calls then make no
-            full-size temporary and write nothing before every rank's checks passed
-            (``fn.collectives.onebit.compressed_allreduce_exchange``); under ``Simulated``
-            (vmap) and ``torch.compile`` the results are computed as without buffers and copied
-            into them.
+            full-size temporary and write nothing before every rank's checks passed; under
+            ``Simulated`` (vmap) and ``torch.compile`` the results are computed as without
+            buffers and copied into them.
         packed: return ``y`` as the :class:`PackedSigns` it arrives as instead of unpacking
             it (``out``'s ``y`` must then be ``None``); where nothing is compressed (``W == 1``,
             ``n == 0``, one node) ``y`` stays a tensor.
@@ -550,7 +549,8 @@ def compressed_allreduce_exchange(
     It compresses, exchanges and checks everything, on every rank, and writes nothing; then
     :func:`write_errors` writes the new errors and :func:`write_result` (or
     ``fn.kernels.adam_apply`` with ``signs=(exchange.packed, exchange.scales)``) the result
-    (docs/algorithms.md, "Output buffers and fused kernels").
+    (docs/algorithms.md, "Error-compensated 1-bit allreduce", its output buffers and fused
+    kernels).
 
     Args:
         x: this rank's tensor (fp32, contiguous); with ``grad``, the previous momentum, which
@@ -563,7 +563,8 @@ def compressed_allreduce_exchange(
         grad: optional fp32 tensor of ``x``'s shape, contiguous: the gradient of the momentum.
         beta: the momentum's beta (with ``grad``).
         local_world_size: ranks per node for the hierarchical collective, or ``None``;
-            ``exchange.x`` is then this rank's shard of its node's mean (docs/algorithms.md).
+            ``exchange.x`` is then this rank's shard of its node's mean (docs/algorithms.md,
+            "Hierarchical 1-bit allreduce").
 
     Returns:
         The :class:`CompressedExchange`, or ``None`` (nothing done) where this allocation-free

@@ -27,7 +27,7 @@ __all__ = ["exit_distributed"]
 
 def exit_distributed(exit_code: int = 0) -> NoReturn:
     """Ends this process: destroys its process groups (if any), runs the :mod:`atexit` handlers,
-    flushes ``sys.stdout`` / ``sys.stderr`` and exits with ``exit_code`` without interpreter
+    flushes ``sys.stdout`` / ``sys.stderr`` and exits with ``exit_code``. It skips interpreter
     finalization (objects still alive are not destroyed one by one; the OS reclaims them).
 
     Call it as the last line of a training script after ``main()`` returned normally; let an

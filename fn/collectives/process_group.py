@@ -175,8 +175,8 @@ class ProcessGroup(ByteCounter):
             the longest time one rank may spend between two collectives (e.g. evaluation or
             checkpointing on one rank only).
         counts_into: count the bytes sent into this comm's counter (used by :meth:`split`).
-        hop: the level this comm's bytes count under in ``bytes_sent_by_hop``, an index into
-            ``fn.collectives.comm.HOPS`` (used by :meth:`split`).
+        hop: the level this comm's bytes count under in ``bytes_sent_by_hop``: 0 ``"world"``,
+            1 ``"intra"``, 2 ``"inter"`` (used by :meth:`split`).
 
     Example:
         Under ``torchrun`` the launcher sets up the group; here a one-rank gloo group in this
@@ -233,7 +233,7 @@ class ProcessGroup(ByteCounter):
         check_split(self._world_size, local_world_size)
         if local_world_size not in self._splits:
             # uncounted, as the group creation itself: bytes_sent counts the collectives
-            mine = torch.tensor([local_world_size])
+            mine = torch.tensor([local_world_size], device=self._control_device())
             levels = mine.new_empty(self._world_size)
             self._run(
                 "all_gather",
@@ -264,6 +264,16 @@ class ProcessGroup(ByteCounter):
     @property
     def world_size(self) -> int:
         return self._world_size
+
+    def _control_device(self) -> torch.device:
+        """Where this comm's own small messages travel: the host when the group has a host
+        backend (gloo, or ``"cpu:gloo,cuda:nccl"``), else the backend's device (NCCL, XCCL and
+        HCCL take only their device's tensors)."""
+        backend = dist.get_backend(self.group)
+        if "gloo" in backend or "mpi" in backend:
+            return torch.device("cpu")
+        device_type = {"nccl": "cuda", "xccl": "xpu", "hccl": "npu"}.get(backend, "cpu")
+        return torch.device(device_type)
 
     def _members(self) -> list[int]:
         """The global ranks of the group, in group rank order."""

@@ -12,7 +12,7 @@ reduce-scatter and one for the all-gather), reset to zero every ``reset_T`` upda
 .. math::
     v = x + e, \\quad q = Q(v), \\quad e' = \\beta e + (1 - \\beta) (v - DQ(q))
 
-docs/algorithms.md ("Quantized allreduce with LoCo error feedback") describes the phases, the
+docs/algorithms.md, "Quantized allreduce with LoCo error feedback", describes the phases, the
 fused in-place paths and the point-to-point one.
 
 References:
@@ -950,8 +950,9 @@ def loco_allreduce(
     Buffer donation: ``update(updates, state, donate=True)`` updates the fp32 error buffers in
     place (``donate=<a LocoAllreduceState>``: writes them into that state's buffers) and writes
     each result into its update tensor (contiguous fp32; other dtypes are copied back), with the
-    bits of the pure call, through fused kernels and per-thread workspaces (docs/algorithms.md;
-    on a :class:`ProcessGroup` with host tensors and one hop, point to point). Nothing is
+    bits of the pure call, through fused kernels and per-thread workspaces
+    (docs/algorithms.md, "Quantized allreduce with LoCo error feedback"; on a
+    :class:`ProcessGroup` with host tensors and one hop, point to point). Nothing is
     written before every rank's checks passed for every leaf: a ``ValueError`` leaves the
     buffers intact. With several leaves, each leaf's codes and shard wait in workspaces of
     their own (per thread and leaf position, about ``bits / 32 + 1 / W`` of the leaf's fp32

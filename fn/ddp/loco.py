@@ -72,8 +72,8 @@ class LocoHookState(BucketHookState):
 
 def loco_hook(state: LocoHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A DDP comm hook: the blockwise-quantized mean of each gradient bucket with LoCo error
-    feedback (``fn.collectives.loco_allreduce``: quantized reduce-scatter, then quantized
-    all-gather; 4 bits send about 1/8 of the fp32 traffic).
+    feedback. It communicates as ``fn.collectives.loco_allreduce`` does (quantized
+    reduce-scatter, then quantized all-gather; 4 bits send about 1/8 of the fp32 traffic).
 
     For the first ``state.start_iter`` iterations the bucket is averaged densely (sum, then
     ``/ W``). Then each quantization compensates with its own error buffer of the bucket:

@@ -46,7 +46,9 @@ class TrainingCheckpoint:
         model: the FSDP2 model.
         optimizer: its ``torch.optim`` optimizer.
         handle: the :func:`~fn.fsdp.loco_reduce_scatter` handle, or ``None``.
-        step: the number of optimizer steps taken (saved, and set again by a load).
+        step: the training loop's step count, kept in ``self.step``: the loop sets it as it
+            trains (the optimizer's steps do not change it), :meth:`save` writes it and
+            :meth:`load` restores it, so that a resumed loop starts at ``self.step``.
 
     Example:
         >>> import tempfile, torch.distributed as dist
@@ -205,9 +207,10 @@ class TrainingCheckpoint:
 def read_onebit_state(
     optimizer: ShardedOnebitOptimizer, path: str | os.PathLike, key: str
 ) -> dict[str, Any]:
-    """The state of ``optimizer`` saved under ``key`` (dotted: ``"training.optim"``) in the DCP
-    checkpoint directory ``path``, read into new tensors laid out as saved, its header checked
-    against ``optimizer`` first (collective). ``optimizer.load_state_dict`` then restores it.
+    """The state of ``optimizer`` saved under ``key`` in the DCP checkpoint directory ``path``,
+    read into new tensors laid out as saved. ``key`` is dotted (``"training.optim"``); the
+    header is checked against ``optimizer`` first (collective). ``optimizer.load_state_dict``
+    then restores it.
 
     Args:
         optimizer: the :class:`~fn.fsdp.ShardedOnebitOptimizer` to read for.

@@ -85,7 +85,7 @@ _CLIP_EPS = 1e-6  # in the clipping factor's denominator, as torch.nn.utils.clip
 
 class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optimizer):
     """What the 1-bit optimizers on FSDP2 share (:class:`OnebitAdam`,
-    :class:`~fn.fsdp.OnebitLamb`): the model's FSDP2 modules, each with its state and
+    :class:`~fn.fsdp.OnebitLamb`). That is the model's FSDP2 modules, each with its state and
     accumulated gradient (``OnebitModule``, ``fn/fsdp/onebit_module.py``) and the reduce-scatter
     installed on it, ``step()`` (the update's exchange across the ranks, then the rule on the
     shards), the checks across ranks and the DCP state dict.
@@ -747,7 +747,7 @@ class OnebitAdam(ShardedOnebitOptimizer):
 
     Raises:
         ValueError: on every rank: no FSDP2 module with trainable params, a trainable param
-            outside every FSDP2 module, a module already driven by another fn.fsdp optimizer,
+            outside every FSDP2 module, a module already driven by another ``fn.fsdp`` optimizer,
             settings that differ between ranks (with ``replicate``: between any ranks of the
             world), a bad hyperparameter, a 1-D shard mesh that leaves ranks out without
             ``replicate``, or a ``replicate`` mesh that does not complement the shard mesh.

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fn.collectives import ProcessGroup
@@ -32,6 +33,14 @@ __all__ = [
 ]  # fmt: skip
 
 Found = list[tuple[str, list[tuple[str, DTensor]]]]
+
+
+# What fn.fsdp's 1-bit optimizers call on every FSDP2 module they drive.
+_FSDP2_METHODS = (
+    "set_custom_reduce_scatter",
+    "set_reduce_scatter_unused_params",
+    "set_all_reduce_hook",
+)
 
 
 def hsdp_form(name: str) -> str:
@@ -60,6 +69,13 @@ def model_problem(
 ) -> tuple[type[Exception], str] | None:
     """What this rank finds wrong with the model or the options of the optimizer ``name``,
     or ``None``."""
+    missing = [m for m in _FSDP2_METHODS if not hasattr(FSDPModule, m)]
+    if missing:
+        return NotImplementedError, (
+            f"torch {torch.__version__}'s FSDP2 lacks {', '.join(missing)}, which the 1-bit "
+            "optimizers drive; install a torch whose FSDPModule has them (fn is tested with "
+            "torch 2.13.0)"
+        )
     if not found:
         return ValueError, "model has no FSDP2 module (fully_shard) with trainable params"
     inside = {id(p) for _, ps in found for _, p in ps}

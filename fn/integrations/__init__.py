@@ -27,5 +27,5 @@ What they do, and why:
 - Without the glue, fn notices a DDP model it was not told about at the optimizer's first step
   and warns once with the fix (:mod:`fn.optim`, "A DDP model fn was not told about").
 - ``model.to(device)`` and safetensors saving need no glue: ``fn.optim`` re-adopts replaced
-  param storages and gives every param a storage of its own (``fn.optim._flat``).
+  param storages and gives every param a storage of its own.
 """

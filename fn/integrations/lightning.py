@@ -72,7 +72,7 @@ _UNSUPPORTED = (
 def check_strategy(strategy: Any, optimizer: FunctionalOptimizer | ShardedOnebitOptimizer) -> None:
     """Raises unless ``optimizer`` can run under the Lightning ``strategy``.
 
-    fn.optim's 1-bit family communicates the gradients itself, over whole param groups. Under
+    ``fn.optim``'s 1-bit family communicates the gradients itself, over whole param groups. Under
     ``strategy="ddp"`` (any ``DDPStrategy``) ``fn.ddp.register`` makes DDP step aside in the
     compressed phase; the sharded strategies (FSDP, FSDP2 via ``ModelParallelStrategy``,
     DeepSpeed) hold only a shard of each param and gradient, for which ``fn.optim`` has no

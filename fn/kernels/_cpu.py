@@ -304,7 +304,7 @@ _PREFETCH = _tuning.Tuner((0, 256, 1024), min_elements=max(1 << 22, _last_level_
 
 def tuning_pending() -> bool:
     """Whether a CPU kernel is still timing its candidate prefetch distances (on the first large
-    calls of each kind, see ``fn.kernels._tuning``): a benchmark's warm-up lasts until it is not.
+    calls of each kind): a benchmark's warm-up lasts until it is not.
 
     Returns:
         ``True`` while some kernel has begun timing and not yet chosen; the results of the

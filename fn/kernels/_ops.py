@@ -521,7 +521,7 @@ def adam_apply(
 
     rounded as ``fn.onebit_adam``'s update followed by ``fn.apply_updates``. On the CPU, for
     contiguous fp32 tensors, a C kernel reads ``m``, ``v`` and the params once and writes the
-    params; given the momentum as the signs of a 1-bit allreduce (docs/algorithms.md#1-bit-adam),
+    params; given the momentum as the signs of a 1-bit allreduce (docs/algorithms.md, "1-bit Adam"),
     it writes ``m`` in that pass, or with ``m=None`` nowhere. Eager tensors only (not a custom op).
 
     Args:
@@ -663,15 +663,15 @@ _SQRT_RN = Op(
 
 
 def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
-    r"""The square root of fp32 ``v`` correctly rounded, as IEEE 754 defines it: the same bits on
-    every device and kernel set (where the root is NaN, for negative or NaN ``v``, only NaN is
-    promised, not its sign or payload).
+    r"""The square root of fp32 ``v`` correctly rounded, as IEEE 754 defines it. It gives the
+    same bits on every device and kernel set (where the root is NaN, for negative or NaN ``v``,
+    only NaN is promised, not its sign or payload).
 
     .. math::
         \mathrm{sqrt\_rn}(v) = \mathrm{round}_{\mathrm{fp32}}(\sqrt{v})
 
     torch's fp32 ``sqrt`` on the CPU is 1 ulp off for about one input in five; the 1-bit Adam
-    family divides by this root (docs/algorithms.md#conventions). Other dtypes, and MPS (which
+    family divides by this root (docs/algorithms.md, "Conventions"). Other dtypes, and MPS (which
     has no fp64), take torch's ``sqrt``.
 
     Args:

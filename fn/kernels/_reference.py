@@ -3,7 +3,7 @@ fast implementations.
 
 Each kernel computes what the public op of its name in ``fn.kernels`` documents (the rule and
 its math); the public op adds the input checks, the non-finite check, vmap and compile support.
-The conventions (docs/algorithms.md#conventions) in the detail every implementation follows:
+The conventions (docs/algorithms.md, "Conventions") in the detail every implementation follows:
 - Signs: NaN gives bit 0 (``v >= 0`` is false).
 - Sign-compression scale: ``a = sqrt(S / n)`` rounded once to fp32, where ``S = sum(v_i^2)`` is
   accumulated in fp64 in one fixed order, so that every implementation gets the same bits

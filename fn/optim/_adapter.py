@@ -396,7 +396,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             ``functional`` is the functional state flattened by pytree key path
             (e.g. ``".worker_error"``). The tensors are the live (never mutated) state tensors,
             the master is a copy, taken after writes to the params are synced into it as before a
-            step (see ``fn.optim._checkpoint.GroupRecord``).
+            step.
         """
         if self._gathered is not None and not self._gathered.current(self._groups):
             self._gathered = None  # stale: free it (it holds every rank's error feedback)

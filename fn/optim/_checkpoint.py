@@ -743,7 +743,8 @@ class PerRankState:
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's ``state_dict()`` with its tensors copied (DCP loads in place into the
         dict this returns; the master is a copy already) and each record's per-rank entries
-        (``fn.optim._checkpoint.per_rank_keys``) under this rank's own name."""
+        (its error feedback and the fields that differ between ranks) under this rank's own
+        name."""
         saved = self.optimizer.state_dict()
         rank = getattr(self.optimizer.comm, "rank", 0)
         groups = self.optimizer._groups

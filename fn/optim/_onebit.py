@@ -24,13 +24,12 @@ from fn.transforms.hyperparameters import bind_arguments, signature_with
 
 
 class OnebitFamily(FunctionalOptimizer):
-    """The 1-bit family adapters' shared part (``OnebitAdam``, ``ZeroOneAdam``, ``OnebitLamb``):
-    per-group transforms of the class's factory with the group's hyperparameters, the comm,
-    and the group's part of ``exp_avg_mask``.
+    """The 1-bit family adapters' shared part (``OnebitAdam``, ``ZeroOneAdam``, ``OnebitLamb``).
+    It builds per-group transforms of the class's factory with the group's hyperparameters, the
+    comm, and the group's part of ``exp_avg_mask``.
 
     A subclass names its factory (``_factory``) and its signature (``__signature__``: the
-    factory's hyperparameters and the adapter's options, from
-    ``fn.transforms.hyperparameters.signature_with``), to which the constructor binds its
+    factory's hyperparameters and the adapter's options), to which the constructor binds its
     arguments: every argument but ``params``, ``comm``, ``exp_avg_mask``, ``nonfinite``,
     ``max_grad_norm``, ``flatten``, ``local_world_size`` and ``error_dtype`` is a
     default hyperparameter of its param groups, in the signature's order.

@@ -153,8 +153,8 @@ def observed_warmup(
 
 
 def gradient_energy(grads: PyTree) -> torch.Tensor:
-    r"""The gradient energy of ``grads`` as ``freeze_step="auto"`` measures it: over the leaves
-    (``None`` leaves skipped), :math:`Q = \sum_l n_l\, \mathrm{rms}(g_l)^2`, with
+    r"""The gradient energy of ``grads`` as ``freeze_step="auto"`` measures it. Over the leaves
+    (``None`` leaves skipped), it is :math:`Q = \sum_l n_l\, \mathrm{rms}(g_l)^2`, with
     :math:`\mathrm{rms}` the scale of ``fn.kernels.sign_compress`` (a fixed-order fp64 sum
     rounded once to fp32: the same bits on every device), squared and summed in fp64, in the
     leaves' order.

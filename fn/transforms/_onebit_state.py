@@ -91,7 +91,7 @@ def momentum_of(state: Any, exp_avg_mask: PyTree | None = None) -> PyTree:
     Args:
         state: a state of ``fn.onebit_adam``, ``fn.zero_one_adam`` or ``fn.onebit_lamb``.
         exp_avg_mask: the optimizer's ``exp_avg_mask`` (``None``: none; ``"auto"``: the mask
-            recorded in the state, ``fn.transforms._onebit_state.masks_of``).
+            recorded in the state).
 
     Returns:
         A tree like the params of fp32 tensors (``None`` where a param is ``None``).

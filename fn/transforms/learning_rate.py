@@ -15,9 +15,9 @@ from fn.transforms._leaves import device_of
 __all__ = ["Schedule", "ScaleByLearningRateState", "scale_by_learning_rate"]
 
 Schedule = Callable[[torch.Tensor], "torch.Tensor | float"]
-"""A learning-rate schedule ``schedule(count) -> lr``, a torch-traceable function of the 0-dim
-int64 update count (0 at the first update) returning a 0-dim tensor or a float; every ``lr``
-argument of the transforms takes one.
+"""A learning-rate schedule ``schedule(count) -> lr``, which every ``lr`` argument of the
+transforms takes. It is a torch-traceable function of the 0-dim int64 update count (0 at the
+first update) returning a 0-dim tensor or a float.
 
 Example:
     >>> halving = lambda count: 0.1 * 0.5**count

@@ -189,7 +189,7 @@ def onebit_adam(
     ``sqrt(v)`` is correctly rounded (IEEE 754's square root, the same bits on every device;
     torch's fp32 ``sqrt`` on the CPU is 1 ulp off for about one input in five).
 
-    The exact rules, step by step, are in ``docs/algorithms.md`` (section "1-bit Adam").
+    The exact rules, step by step, are in docs/algorithms.md, "1-bit Adam".
 
     Example:
         Two simulated ranks: one warmup update, then compressed ones.

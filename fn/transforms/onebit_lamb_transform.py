@@ -203,7 +203,7 @@ def onebit_lamb(
     ``sqrt(v)`` and ``sqrt(v~)`` are correctly rounded (``fn.kernels.sqrt_rn``, as in
     ``onebit_adam``).
 
-    The exact rules, step by step, are in ``docs/algorithms.md`` (section "1-bit LAMB").
+    The exact rules, step by step, are in docs/algorithms.md, "1-bit LAMB".
 
     Example:
         One worker (``Local``: the collectives are the identity; ``fn.onebit_adam``'s example

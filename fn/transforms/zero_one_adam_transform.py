@@ -184,7 +184,7 @@ def zero_one_adam(
     update; every check runs before the first write. Variance steps, sync steps and one
     worker's 1-bit steps stay pure (they allocate).
 
-    The exact rules, step by step, are in ``docs/algorithms.md`` (section "0/1 Adam").
+    The exact rules, step by step, are in docs/algorithms.md, "0/1 Adam".
 
     Example:
         One worker: the variance is refreshed at updates 1 and 2, then frozen (local steps).

@@ -112,6 +112,11 @@ def test_demo_learns(runs, mode):
         assert heldout[0][1] == pytest.approx(uniform, abs=0.7)
         assert heldout[-1][1] < heldout[0][1] - 0.2, name
         assert len(curves["train_loss"]) == STEPS
+        # The bytes sent by each held-out point grow to the table's bytes/rank.
+        sent = curves["heldout_bytes"]
+        assert len(sent) == len(heldout) and sent == sorted(sent) and sent[0] > 0
+        row = next(r for r in results["results"] if r["optimizer"] == name)
+        assert sent[-1] == row["bytes_per_rank"]
 
 
 @pytest.mark.timeout(120)

@@ -935,3 +935,21 @@ def test_fsdp_rejects_bad_accumulation_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
         _load("fsdp.py").parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(180)
+def test_loss_vs_bytes_plots_a_demo_run(tmp_path):
+    demo = subprocess.run(
+        [sys.executable, "-m", "fn", "demo", "--simulate", "2", "--steps", "20"]
+        + ["--optimizers", "adam,onebit_adam", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=ROOT,
+        env=_env(),
+    )
+    assert demo.returncode == 0, demo.stderr
+    plot = tmp_path / "plot.png"
+    proc = _cli("loss_vs_bytes.py", "--results", str(tmp_path / "results.json"), "--out", str(plot))
+    assert proc.returncode == 0, proc.stderr
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

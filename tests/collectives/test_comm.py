@@ -220,3 +220,26 @@ def test_errors():
         simulate(lambda x: x, Local())
     with pytest.raises(ValueError, match="positive"):
         Simulated(0)
+
+
+@pytest.mark.parametrize(
+    "backend, device_type",
+    [("gloo", "cpu"), ("cpu:gloo,cuda:nccl", "cpu"), ("nccl", "cuda"), ("xccl", "xpu")],
+)
+def test_process_group_sends_its_own_messages_where_the_backend_takes_them(
+    backend, device_type, monkeypatch
+):
+    """split()'s agreement on local_world_size travels on the host under gloo, on the GPU under
+    NCCL alone (which refuses host tensors)."""
+    import torch.distributed as dist
+
+    from fn.collectives import ProcessGroup
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        comm = ProcessGroup()
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+        assert comm._control_device().type == device_type
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()

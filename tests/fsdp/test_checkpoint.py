@@ -6,7 +6,8 @@ write fails on a rank, and a rank cannot read the checkpoint it loads. Every ran
 (not at the process group's timeout), the failing rank its own error and the others one that
 names it and holds that error, saying whether a previous checkpoint is intact or none was there;
 no ``.partial`` is left, the previous checkpoint stays intact and loadable, nothing is loaded,
-and the next save and load work."""
+and the next save and load work. ``step`` is the count the training loop sets (the optimizer's
+steps leave it), saved and restored."""
 
 from __future__ import annotations
 
@@ -131,11 +132,13 @@ def _worker_load(rank: int, world_size: int, root: str) -> dict:
 
     model = test_onebit.build()
     opt = fn.fsdp.OnebitAdam(model, lr=1e-2, freeze_step=2)
+    unset = TrainingCheckpoint(model, opt)  # its step is the loop's to set
     for t in range(1, 4):  # into the compressed phase
         opt.zero_grad()
         x, y = test_onebit.batch(rank, t)
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+    out["onebit_unset_step"] = unset.step
     path = os.path.join(root, "onebit")
     TrainingCheckpoint(model, opt, step=3).save(path)
     opt.zero_grad()
@@ -196,6 +199,7 @@ def test_a_rank_that_cannot_read_the_checkpoint_stops_every_rank_with_nothing_lo
     for result in results:
         assert result["adamw_loaded"] == 2
         assert result["onebit_count"] == 4 and result["onebit_loaded"] == (3, 3)
+        assert result["onebit_unset_step"] == 0  # the optimizer's steps leave it (the guides)
 
 
 # ------------------------------------------------------------------ path forms, first saves

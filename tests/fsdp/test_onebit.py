@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import fn
 import fn.fsdp
@@ -312,6 +312,16 @@ def _worker_bad_input(rank: int, world_size: int) -> dict:
         return fn.fsdp.OnebitAdam(model)
 
     out["2-d"] = _refusal(two_dim)
+
+    def old_torch():  # a torch whose FSDP2 lacks a method fn drives
+        saved = FSDPModule.set_reduce_scatter_unused_params
+        del FSDPModule.set_reduce_scatter_unused_params
+        try:
+            return fn.fsdp.OnebitAdam(build())
+        finally:
+            FSDPModule.set_reduce_scatter_unused_params = saved
+
+    out["old torch"] = _refusal(old_torch)
     out["lr differs"] = _refusal(lambda: fn.fsdp.OnebitAdam(build(), lr=0.1 * (rank + 1)))
 
     def masked(value: float, rank_only: int | None = None):
@@ -398,6 +408,8 @@ def test_bad_input_is_refused_on_every_rank():
         assert out["no fsdp"][0] == "ValueError" and "no FSDP2 module" in out["no fsdp"][1]
         assert out["outside"][0] == "ValueError" and "head.weight" in out["outside"][1]
         assert out["2-d"][0] == "NotImplementedError" and "2-D" in out["2-d"][1]
+        kind, message = out["old torch"]
+        assert kind == "NotImplementedError" and "set_reduce_scatter_unused_params" in message
         assert out["lr differs"][0] == "ValueError" and "different" in out["lr differs"][1]
         kind, message = out["mask on rank 0"]
         assert kind == "NotImplementedError"

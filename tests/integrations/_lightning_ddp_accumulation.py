@@ -29,10 +29,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from lightning_ddp import Classifier, ResumableBatches, synthetic_data  # noqa: E402
+from lightning_ddp import Classifier  # noqa: E402
 
 import fn.ddp  # noqa: E402
 import fn.optim  # noqa: E402
+from fn.app.examples import ResumableBatches, synthetic_data  # noqa: E402
 from fn.collectives import exit_distributed  # noqa: E402
 from fn.integrations.lightning import FnCallback  # noqa: E402
 

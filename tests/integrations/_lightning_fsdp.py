@@ -42,10 +42,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from lightning_ddp import Classifier, ResumableBatches, synthetic_data  # noqa: E402
+from lightning_ddp import Classifier  # noqa: E402
 from lightning_fsdp import ShardedClassifier  # noqa: E402
 
 import fn.fsdp  # noqa: E402
+from fn.app.examples import ResumableBatches, synthetic_data  # noqa: E402
 from fn.collectives import exit_distributed  # noqa: E402
 from fn.integrations.lightning import FnCallback  # noqa: E402
 

@@ -42,9 +42,10 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from lightning_ddp import Classifier, synthetic_data  # noqa: E402
+from lightning_ddp import Classifier  # noqa: E402
 
 import fn.fsdp  # noqa: E402
+from fn.app.examples import synthetic_data  # noqa: E402
 from fn.collectives import exit_distributed  # noqa: E402
 from fn.integrations.lightning import FnCallback  # noqa: E402
 from tests.integrations import _lightning_fsdp as lightning_fsdp  # noqa: E402

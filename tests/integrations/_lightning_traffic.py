@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from lightning_ddp import Classifier, ResumableBatches, synthetic_data  # noqa: E402
+from lightning_ddp import Classifier  # noqa: E402
 
 import fn.optim  # noqa: E402
+from fn.app.examples import ResumableBatches, synthetic_data  # noqa: E402
 from fn.collectives import exit_distributed  # noqa: E402
 from fn.integrations.lightning import FnCallback  # noqa: E402
 

@@ -1,12 +1,12 @@
-"""The two example scripts under ``torchrun`` (2 gloo ranks, a tiny GPT-2): a run resumed from a
-checkpoint of the stack's own, saved in warmup or at the freeze, ends with the same params, bit
-for bit, as the uninterrupted run (the scripts also check that every rank ends with the same
-params)."""
+"""The Trainer and Accelerate example scripts under ``torchrun`` (2 gloo ranks, a tiny GPT-2),
+each run from a copy of the file alone in an empty folder: docs/examples.md's command trains,
+and a run resumed from a checkpoint of the stack's own, saved in warmup or at the freeze, ends
+with the same params, bit for bit, as the uninterrupted run (the scripts also check that every
+rank ends with the same params)."""
 
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,18 +14,15 @@ import torch
 pytest.importorskip("transformers", reason="transformers is in the 'integrations' extra")
 pytest.importorskip("accelerate", reason="accelerate is in the 'integrations' extra")
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="in the 'integrations' extra")
-from tests._distributed import ROOT, torchrun  # noqa: E402
+from tests._examples import (  # noqa: E402
+    documented,
+    download,
+    option,
+    run_downloaded,
+    with_option,
+)
 
-STEPS, FREEZE, SAVE = 6, 4, 2  # checkpoints after updates 2 (warmup) and 4 (the freeze)
 RESUME = {"hf_trainer.py": "--resume-from-checkpoint", "accelerate_loop.py": "--resume"}
-
-
-def _torchrun(script: str, output_dir: Path, *extra: str) -> str:
-    return torchrun(
-        ROOT / "examples" / script, "--output-dir", str(output_dir),
-        "--max-steps", str(STEPS), "--freeze-step", str(FREEZE), "--save-steps", str(SAVE),
-        *extra, timeout=420,
-    )  # fmt: skip
 
 
 @pytest.mark.distributed
@@ -33,17 +30,21 @@ def _torchrun(script: str, output_dir: Path, *extra: str) -> str:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("script", list(RESUME))
 def test_resumed_run_is_bit_identical(script, tmp_path):
-    full = tmp_path / "full"
-    out = _torchrun(script, full)
+    command = documented(script)  # e.g. --max-steps 6 --freeze-step 4 --save-steps 2
+    steps, save = int(option(command, "--max-steps")), int(option(command, "--save-steps"))
+    assert int(option(command, "--freeze-step")) < steps and save < steps
+    folder = download(script, tmp_path / "download")
+    out = run_downloaded(command, folder, timeout=420)
     assert "the same on every rank" in out
+    full = folder / option(command, "--output-dir")
     final = safetensors_torch.load_file(full / "final" / "model.safetensors")
     assert len(final) > 10
-    for step in range(SAVE, STEPS, SAVE):
+    for step in range(save, steps, save):
         checkpoint, resumed = f"checkpoint-{step}", tmp_path / f"resumed-{step}"
         shutil.copytree(full / checkpoint, resumed / checkpoint)
         flag = RESUME[script]
-        extra = (flag,) if flag == "--resume" else (flag, str(resumed / checkpoint))
-        _torchrun(script, resumed, *extra)
+        extra = [flag] if flag == "--resume" else [flag, str(resumed / checkpoint)]
+        run_downloaded(with_option(command, "--output-dir", str(resumed)) + extra, folder, 420)
         got = safetensors_torch.load_file(resumed / "final" / "model.safetensors")
         assert got.keys() == final.keys()
         for name in final:

@@ -23,29 +23,39 @@ from lightning.pytorch.strategies import (  # noqa: E402
     ModelParallelStrategy,
 )
 
+from fn.app.examples import SAMPLES  # noqa: E402
 from fn.integrations.lightning import FnCallback, check_strategy  # noqa: E402
 from tests._distributed import ROOT, torchrun  # noqa: E402
+from tests._examples import (  # noqa: E402
+    documented,
+    download,
+    option,
+    run_downloaded,
+    with_option,
+)
 
-# 64 samples, 2 ranks, batch 4: 8 steps per epoch, so the checkpoint at 4 falls in the middle of
-# an epoch (the example's loader is resumable) and the one at 8 at its end
-STEPS, SAVE, BATCH = 10, 4, 4
 
-
-def _example(output_dir: Path, freeze: int, *extra: str) -> dict[str, torch.Tensor]:
-    out = torchrun(
-        ROOT / "examples" / "lightning_ddp.py",
-        "--output-dir", str(output_dir), "--max-steps", str(STEPS), "--freeze-step", str(freeze),
-        "--save-steps", str(SAVE), "--batch-size", str(BATCH), *extra,
-    )  # fmt: skip
+def _example(folder: Path, output_dir: Path, *extra: str) -> dict[str, torch.Tensor]:
+    """docs/examples.md's command, its output in ``output_dir``, with ``extra``, run from a copy
+    of the script alone in ``folder``."""
+    command = with_option(documented("lightning_ddp.py"), "--output-dir", str(output_dir))
+    out = run_downloaded(command + list(extra), download("lightning_ddp.py", folder))
     assert "the same on every rank" in out
     return torch.load(output_dir / "final.pt", weights_only=True)
 
 
-def _resumed_runs_equal_the_full_run(tmp_path: Path, freeze: int) -> None:
-    full = _example(tmp_path / "full", freeze)
-    for step in range(SAVE, STEPS, SAVE):
+def _resumed_runs_equal_the_full_run(tmp_path: Path) -> None:
+    command = documented("lightning_ddp.py")  # --max-steps 10 --freeze-step 6 --save-steps 4
+    steps, save = int(option(command, "--max-steps")), int(option(command, "--save-steps"))
+    epoch = SAMPLES // (2 * int(option(command, "--batch-size")))  # 2 ranks: 8 steps
+    # the first checkpoint in the warmup and in the middle of an epoch (the example's loader is
+    # resumable), the second in the compressed phase
+    assert save < int(option(command, "--freeze-step")) <= 2 * save < steps and save % epoch
+    folder = tmp_path / "download"
+    full = _example(folder, tmp_path / "full")
+    for step in range(save, steps, save):
         checkpoint = tmp_path / "full" / f"checkpoint-{step}.ckpt"
-        resumed = _example(tmp_path / f"resumed-{step}", freeze, "--ckpt-path", str(checkpoint))
+        resumed = _example(folder, tmp_path / f"resumed-{step}", "--ckpt-path", str(checkpoint))
         assert full.keys() == resumed.keys() and len(full) == 4
         for name in full:
             assert torch.equal(full[name], resumed[name]), (step, name)
@@ -59,7 +69,7 @@ def _resumed_runs_equal_the_full_run(tmp_path: Path, freeze: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_resumed_in_warmup_and_in_the_compressed_phase_is_bit_identical(tmp_path):
-    _resumed_runs_equal_the_full_run(tmp_path, freeze=6)  # checkpoint 4: warmup; 8: compressed
+    _resumed_runs_equal_the_full_run(tmp_path)
 
 
 @pytest.mark.distributed

@@ -31,6 +31,13 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from fn.integrations.lightning import check_strategy  # noqa: E402
 from tests._distributed import ROOT, torchrun  # noqa: E402
+from tests._examples import (  # noqa: E402
+    documented,
+    download,
+    option,
+    run_downloaded,
+    with_option,
+)
 from tests.integrations._lightning_fsdp import (  # noqa: E402
     ACC_RESUME,
     ACC_STEPS,
@@ -175,12 +182,17 @@ def test_resumed_at_every_phase_is_bit_identical_and_bad_setups_are_refused(tmp_
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_example_resumes_in_new_processes_bit_for_bit(tmp_path):
+    """docs/examples.md's command (6 updates, the freeze at 3, a checkpoint at 4), run from a
+    copy of the script alone in an empty folder, and resumed from its checkpoint."""
+    command = documented("lightning_fsdp.py")
+    assert [option(command, f"--{k}") for k in ("max-steps", "freeze-step", "save-steps")] == [
+        "6", "3", "4"
+    ]  # fmt: skip
+    folder = download("lightning_fsdp.py", tmp_path / "download")
+
     def run(output_dir: Path, *extra: str) -> dict[str, torch.Tensor]:
-        out = torchrun(
-            ROOT / "examples" / "lightning_fsdp.py", "--output-dir", str(output_dir),
-            "--max-steps", "6", "--freeze-step", "3", "--save-steps", "4", "--lr", "1e-2",
-            *extra, timeout=240,
-        )  # fmt: skip
+        words = with_option(command, "--output-dir", str(output_dir)) + list(extra)
+        out = run_downloaded(words, folder, timeout=240)
         assert "the same on every rank" in out and "6 updates" in out
         return torch.load(output_dir / "final.pt", weights_only=True)
 

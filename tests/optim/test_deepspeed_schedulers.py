@@ -1,11 +1,12 @@
 """``fn.optim.scheduler_from_deepspeed``: DeepSpeed 0.18.9's LR schedules as torch schedulers,
 against DeepSpeed's own scheduler classes (``deepspeed_data/schedulers.pt``, made by
 ``deepspeed_data/generate.py``) and against the formulas; and the resume of an optimizer with
-its scheduler in the order docs/migrating-from-deepspeed.md gives, run from the guide's lines."""
+its scheduler in the order docs/migrating-from-deepspeed.md gives, run from the guide's lines,
+and the guide's constant schedule for a config without a scheduler block."""
 
 from __future__ import annotations
 
-import json
+import ast
 import math
 import re
 import warnings
@@ -125,17 +126,39 @@ CONFIG = {
     },
 }
 SCHEDULERS = {
-    "WarmupDecayLR": lambda opt: fn.optim.scheduler_from_deepspeed(opt, "ds_config.json"),
+    "WarmupDecayLR": lambda opt: fn.optim.scheduler_from_deepspeed(opt, CONFIG),
     "LambdaLR": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step)),
 }
 RESUMED_AT = 5  # updates before the checkpoint: in the compressed phase
 
 
-def _guide_block(marker: str) -> str:
-    """The guide's one Python block that holds ``marker``."""
-    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(encoding="utf-8"), re.DOTALL)
-    (block,) = [block for block in blocks if marker in block]
-    return block
+class _GuideProgram:
+    """The guide's training program (its block that resumes: ``sched.load_state_dict(``), as
+    the source of its statements: building ``opt`` and ``sched``, the resume under
+    ``if os.path.exists(path):`` and the save from ``state = ...`` to ``torch.save(...)``."""
+
+    def __init__(self) -> None:
+        blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(encoding="utf-8"), re.DOTALL)
+        (self.source,) = [block for block in blocks if "sched.load_state_dict(" in block]
+        body = ast.parse(self.source).body
+        at = {self._assigned(node): i for i, node in enumerate(body) if self._assigned(node)}
+        resume = next(
+            i for i, n in enumerate(body) if isinstance(n, ast.If) and "exists" in self._src(n.test)
+        )
+        self.order = [at["opt"], at["sched"], resume]  # statement indices, in the guide's order
+        self.opt, self.sched = self._src(body[at["opt"]]), self._src(body[at["sched"]])
+        self.resume = [self._src(node) for node in body[resume].body]
+        saved = next(i for i, n in enumerate(body) if "torch.save(" in self._src(n))
+        self.save = "\n".join(self._src(node) for node in body[at["state"] : saved + 1])
+
+    def _src(self, node: ast.AST) -> str:
+        return ast.get_source_segment(self.source, node)
+
+    @staticmethod
+    def _assigned(node: ast.stmt) -> str | None:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            return node.targets[0].id
+        return None
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -154,39 +177,37 @@ def _train(model, opt, sched, updates: range) -> None:
 
 
 @pytest.mark.parametrize("kind", SCHEDULERS)
-def test_the_guide_s_resume_order_continues_bit_for_bit(kind, tmp_path, monkeypatch):
-    save, resume = _guide_block("torch.save("), _guide_block("sched.load_state_dict(")
-    guide_s = 'fn.optim.scheduler_from_deepspeed(opt, "ds_config.json")'
-    assert guide_s in resume
-    if kind != "WarmupDecayLR":  # the guide's lines with another scheduler
-        resume = resume.replace(guide_s, "make_scheduler(opt)")
-    lines = resume.splitlines()
-    at = {
-        key: next(i for i, line in enumerate(lines) if line.startswith(key))
-        for key in ("opt = ", "sched = ", "opt.load_state_dict(", "sched.load_state_dict(")
-    }
-    assert list(at) == sorted(at, key=at.get)  # the order the guide states
-    line = lines.pop(at["sched = "])
-    lines.insert(at["opt.load_state_dict("], line)  # the other order: sched built after the load
-    orders = {"guide": resume, "scheduler built after the load": "\n".join(lines)}
-
-    monkeypatch.chdir(tmp_path)
-    Path("ds_config.json").write_text(json.dumps(CONFIG))
+def test_the_guide_s_resume_order_continues_bit_for_bit(kind, tmp_path):
+    guide = _GuideProgram()
+    assert guide.order == sorted(guide.order)  # opt, then sched, then the loads
+    assert "fn.optim.scheduler_from_deepspeed(opt, config)" in guide.sched
+    sched_line = guide.sched if kind == "WarmupDecayLR" else "sched = make_scheduler(opt)"
+    loads = [i for i, line in enumerate(guide.resume) if ".load_state_dict(" in line]
+    assert [guide.resume[i].split(".")[0] for i in loads] == ["model", "opt", "sched"]
+    after_opt = loads[1] + 1  # the other order: the scheduler built after the optimizer's load
+    orders = {
+        "guide": [guide.opt, sched_line, *guide.resume],
+        "scheduler built after the load": [
+            guide.opt, *guide.resume[:after_opt], sched_line, *guide.resume[after_opt:]
+        ],
+    }  # fmt: skip
+    path = str(tmp_path / "checkpoint.rank0.pt")
+    names = {"torch": torch, "fn": fn, "config": CONFIG, "path": path, "device": "cpu"}
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the config's scheduler block, a frozen variance
             model = _model(0)
-            opt = fn.optim.from_deepspeed(model.parameters(), "ds_config.json")
+            opt = fn.optim.from_deepspeed(model.parameters(), CONFIG)
             sched = SCHEDULERS[kind](opt)
             _train(model, opt, sched, range(1, RESUMED_AT + 1))
-            exec(save, {"torch": torch, "model": model, "opt": opt, "sched": sched})
+            exec(guide.save, {**names, "model": model, "opt": opt, "sched": sched, "start": 0})
             _train(model, opt, sched, range(RESUMED_AT + 1, 11))  # uninterrupted
             resumed = {}
-            for order, code in orders.items():
-                scope = {"torch": torch, "fn": fn, "make_scheduler": SCHEDULERS[kind]}
+            for order, lines in orders.items():
+                scope = {**names, "make_scheduler": SCHEDULERS[kind]}
                 scope["model"] = _model(1)  # other weights: the checkpoint brings them back
-                exec(code, scope)
+                exec("\n".join(lines), scope)
                 _train(scope["model"], scope["opt"], scope["sched"], range(RESUMED_AT + 1, 11))
                 resumed[order] = all(
                     torch.equal(a, b)
@@ -195,3 +216,17 @@ def test_the_guide_s_resume_order_continues_bit_for_bit(kind, tmp_path, monkeypa
     finally:
         dist.destroy_process_group()
     assert resumed == {"guide": True, "scheduler built after the load": False}
+
+
+def test_the_guide_s_schedule_without_a_scheduler_block_is_constant():
+    """The guide builds a constant schedule for a config without a scheduler block (for which
+    ``scheduler_from_deepspeed`` raises), so its loop and checkpoints are the same."""
+    guide = _GuideProgram()
+    opt = _optimizer(lr=0.01)
+    scope = {"torch": torch, "fn": fn, "opt": opt, "config": {"optimizer": CONFIG["optimizer"]}}
+    exec(guide.sched, scope)
+    for _ in range(3):
+        opt.step()
+        scope["sched"].step()
+    assert opt.param_groups[0]["lr"] == 0.01
+    assert scope["sched"].state_dict()["last_epoch"] == 3

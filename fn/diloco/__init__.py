@@ -1,0 +1,38 @@
+"""DiLoCo: workers take local steps and meet for an outer step, with a compressed, error-fed
+exchange.
+
+Every worker (a rank of ``comm``, or one per shard position of a sharded worker) runs its own
+inner optimizer for ``H`` steps; then :func:`outer_step` averages the pseudo-gradients ``anchor
+- params`` through an outer compressor and moves the shared anchor with an outer rule:
+
+- :func:`nesterov`: DiLoCo's Nesterov SGD (lr 0.7, momentum 0.9) after any compressor;
+- :func:`sparseloco`: SparseLoCo's error-feedback accumulator in place of momentum, sent as
+  chunk-wise top-k in 2 bits;
+- :func:`compression`: the compressors by name (:data:`COMPRESSIONS`): dense fp32 and bf16,
+  int8 without error feedback, 4-bit LoCo and 1-bit with error feedback, and top-k.
+
+The rules are transforms over the pseudo-gradient pytree with their state explicit; the
+compressors are ``fn.collectives`` transforms that thread their error feedback. They run on
+``Local``, ``Simulated`` and ``ProcessGroup``. :class:`DiLoCo` hooks the outer step onto any
+inner optimizer's ``step()`` and keeps the anchor, the outer state and the counters for
+checkpoints. docs/algorithms.md, "DiLoCo: local steps and a compressed outer step" specifies
+them, and also the streaming fragments, the delay and sharded workers, which are not built.
+"""
+
+from fn.diloco.compressors import COMPRESSIONS, compression
+from fn.diloco.nesterov_rule import nesterov
+from fn.diloco.sparseloco_rule import sparseloco
+from fn.diloco.step import OuterStep, outer_step, pseudo_gradient
+from fn.diloco.wrapper import OUTER_RULES, DiLoCo
+
+__all__ = [
+    "COMPRESSIONS",
+    "compression",
+    "nesterov",
+    "sparseloco",
+    "OuterStep",
+    "outer_step",
+    "pseudo_gradient",
+    "OUTER_RULES",
+    "DiLoCo",
+]

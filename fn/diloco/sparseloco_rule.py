@@ -1,0 +1,57 @@
+"""SparseLoCo's outer rule: an error-feedback accumulator in place of the outer momentum, sent as
+chunk-wise top-k in 2 bits."""
+
+from __future__ import annotations
+
+from fn.base import GradientTransformation, chain
+from fn.collectives import Comm, topk_allreduce
+from fn.errors import check_lr
+from fn.transforms import scale_by_learning_rate
+
+__all__ = ["sparseloco"]
+
+
+def sparseloco(
+    lr: float = 1.0, beta: float = 0.95, k: int = 64, chunk_size: int = 4096, *, comm: Comm
+) -> GradientTransformation:
+    """SparseLoCo's outer rule (Sarfi et al. 2025, arXiv:2508.15706): no outer momentum; each
+    rank's accumulator takes the pseudo-gradient, sends its chunk-wise top-``k`` and keeps the
+    rest.
+
+    .. math::
+        v_r = \\beta e_r + \\delta_r, \\qquad c_r = T(v_r), \\qquad e_r' = v_r - c_r, \\qquad
+        u = -\\eta \\frac{1}{W} \\sum_r c_r
+
+    ``chain(fn.collectives.topk_allreduce(k, chunk_size, comm=comm, decay=beta),
+    fn.scale_by_learning_rate(lr))``: the accumulator ``e_r`` is the compressor's error
+    feedback, ``state[0].error`` (per rank, fp32, like the params).
+
+    Args:
+        lr: the outer learning rate ``eta`` (1: the step is the mean of the compressed
+            accumulators).
+        beta: the accumulator's decay, in [0, 1].
+        k: values kept per chunk.
+        chunk_size: values per chunk, a power of two from 2 to 2^16.
+        comm: the group of workers.
+
+    Returns:
+        A GradientTransformation from this rank's pseudo-gradient to the anchor's update; its
+        state is ``(TopkAllreduceState, ScaleByLearningRateState)``.
+
+    Raises:
+        ValueError: for settings out of range.
+
+    Example:
+        >>> from fn.collectives import Local
+        >>> outer = fn.diloco.sparseloco(beta=0.5, k=1, chunk_size=2, comm=Local())
+        >>> delta = {"w": torch.tensor([4.0, 1.0])}
+        >>> state = outer.init(delta)
+        >>> updates, state = outer.update(delta, state)
+        >>> updates["w"], state[0].error["w"]  # 4 sent as 3 M / 4; the rest kept
+        (tensor([-3., -0.]), tensor([1., 1.]))
+        >>> updates, state = outer.update(delta, state)  # v = 0.5 e + delta = [4.5, 1.5]
+        >>> updates["w"], state[0].error["w"]
+        (tensor([-3.3750, -0.0000]), tensor([1.1250, 1.5000]))
+    """
+    check_lr("sparseloco", lr)
+    return chain(topk_allreduce(k, chunk_size, comm=comm, decay=beta), scale_by_learning_rate(lr))

@@ -1,0 +1,137 @@
+"""The outer rules and the outer step: DiLoCo's Nesterov SGD and SparseLoCo against the plain
+loop over workers of _reference.py, bit for bit; torch.optim.SGD; the skip of a non-finite
+pseudo-gradient on every rank with nothing changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fn
+import fn.diloco
+from fn.collectives import Local, Simulated, error_feedback_leaves, replicate, simulate
+from fn.tree import tree_leaves
+from tests.diloco import _cases, _reference
+from tests.diloco._cases import KINDS, outer_rule
+
+W = 3
+
+
+def _workers(anchor: torch.Tensor, steps: int, seed: int) -> list[torch.Tensor]:
+    return _cases.drifts(tuple(anchor.shape), W, steps, seed)
+
+
+def _run(outer, comm, anchor, moves):
+    """Outer steps under ``Simulated``: before step ``s`` each rank's params are the current
+    anchor plus its drift ``moves[s][r]``. Returns the anchors after each step (every rank's)
+    and the last state."""
+    anchors = replicate({"w": anchor}, comm)
+    state = simulate(outer.init, comm)(anchors)
+    step = simulate(lambda a, p, s: fn.diloco.outer_step(outer, a, p, s, comm=comm), comm)
+    out = []
+    for move in moves:
+        result = step(anchors, {"w": anchors["w"] + move}, state)
+        assert bool(result.applied.all())
+        anchors, state = result.anchor, result.state
+        out.append(anchors["w"])
+    return out, state
+
+
+def test_nesterov_is_diloco_with_the_plain_mean_bit_for_bit():
+    comm = Simulated(W)
+    anchor = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
+    drifts = _workers(anchor, steps=4, seed=1)
+    outer = fn.diloco.nesterov(fn.diloco.compression("fp32", comm=comm))
+    got, _ = _run(outer, comm, anchor, drifts)
+    # the reference sees the same params: the anchor it reaches plus the same drifts
+    expected, current = [], anchor
+    b = torch.zeros_like(anchor)
+    for drift in drifts:
+        params = [current + drift[r] for r in range(W)]
+        mean = _reference.cast_mean([current - p for p in params], torch.float32)
+        b = b * 0.9 + mean
+        current = current + torch.add(mean, b, alpha=0.9) * torch.tensor(-0.7)
+        expected.append(current)
+    for s, (g, e) in enumerate(zip(got, expected, strict=True)):
+        for r in range(W):
+            assert torch.equal(g[r], e), (s, r)
+
+
+def test_nesterov_steps_the_anchor_as_torch_optim_sgd_does():
+    """torch.optim.SGD(nesterov=True) on the anchor with the mean pseudo-gradient as its
+    gradient: the same up to its fused ``p - lr u`` (one rounding where fn adds ``-lr u``)."""
+    anchor = torch.randn(50, generator=torch.Generator().manual_seed(2))
+    workers = [[anchor + d for d in drift] for drift in _workers(anchor, steps=5, seed=3)]
+    param = anchor.clone()
+    sgd = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)
+    outer = fn.diloco.nesterov(fn.diloco.compression("fp32", comm=Local()))
+    ours, state = {"w": anchor.clone()}, outer.init({"w": anchor})
+    for params in workers:
+        mean = _reference.cast_mean([param - p for p in params], torch.float32)
+        param.grad = mean
+        sgd.step()
+        updates, state = outer.update({"w": mean}, state, ours)
+        ours = fn.apply_updates(ours, updates)
+        torch.testing.assert_close(ours["w"], param, rtol=0, atol=4e-7)
+
+
+def test_sparseloco_is_the_papers_rule_bit_for_bit():
+    comm = Simulated(W)
+    anchor = torch.randn(37, generator=torch.Generator().manual_seed(4))
+    drifts = _workers(anchor, steps=4, seed=5)
+    outer = fn.diloco.sparseloco(lr=0.8, beta=0.9, k=3, chunk_size=16, comm=comm)
+    got, state = _run(outer, comm, anchor, drifts)
+    expected, current = [], anchor
+    errors = [torch.zeros_like(anchor) for _ in range(W)]
+    for drift in drifts:
+        deltas = [current - (current + drift[r]) for r in range(W)]
+        mean, errors = _reference.topk_allreduce(deltas, errors, 3, 16, 0.9)
+        current = current + mean * torch.tensor(-0.8)
+        expected.append(current)
+    for s, (g, e) in enumerate(zip(got, expected, strict=True)):
+        for r in range(W):
+            assert torch.equal(g[r], e), (s, r)
+    for r in range(W):  # the accumulator is the compressor's error feedback, per rank
+        assert torch.equal(state[0].error["w"][r], errors[r])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_non_finite_pseudo_gradient_skips_the_step_on_every_rank(kind):
+    comm = Simulated(W)
+    outer = outer_rule(kind, comm)
+    anchor = torch.randn(3, 7, generator=torch.Generator().manual_seed(6))
+    drifts = _workers(anchor, steps=2, seed=7)
+    _, state = _run(outer, comm, anchor, drifts)  # two steps: momentum and errors non-zero
+    anchors = replicate({"w": anchor}, comm)
+    params = {"w": anchors["w"] + drifts[0]}
+    params["w"][1, 0, 2] = float("nan")
+    step = simulate(lambda a, p, s: fn.diloco.outer_step(outer, a, p, s, comm=comm), comm)
+    result = step(anchors, params, state)
+    assert not bool(result.applied.any())
+    assert torch.equal(result.anchor["w"], anchors["w"])
+    old, new = tree_leaves(state), tree_leaves(result.state)
+    assert len(old) == len(new) and all(torch.equal(a, b) for a, b in zip(old, new, strict=True))
+    assert any(bool(t.ne(0).any()) for t in old if t.is_floating_point())  # a state to keep
+    if kind in ("loco4", "onebit", "topk", "sparseloco"):  # the error feedback among it
+        assert any(error_feedback_leaves(state))
+
+
+@pytest.mark.parametrize("kind", fn.diloco.COMPRESSIONS)
+def test_after_every_outer_step_the_ranks_hold_the_same_anchor_and_momentum(kind):
+    comm = Simulated(W)
+    anchor = torch.randn(2, 9, generator=torch.Generator().manual_seed(8))
+    got, state = _run(outer_rule(kind, comm), comm, anchor, _workers(anchor, steps=3, seed=9))
+    for anchors in got:
+        assert all(torch.equal(anchors[r], anchors[0]) for r in range(W))
+    momentum = state[1][1].trace["w"]
+    assert all(torch.equal(momentum[r], momentum[0]) for r in range(W))
+
+
+def test_outer_step_keeps_the_params_dtype_and_skips_none_leaves():
+    outer = fn.diloco.nesterov(fn.diloco.compression("fp32", comm=Local()), lr=1.0, momentum=0.0)
+    anchor = {"w": torch.ones(3, dtype=torch.bfloat16), "frozen": None}
+    params = {"w": torch.tensor([1.5, 0.5, 1.0], dtype=torch.bfloat16), "frozen": None}
+    result = fn.diloco.outer_step(outer, anchor, params, outer.init(anchor), comm=Local())
+    assert result.anchor["frozen"] is None
+    assert result.anchor["w"].dtype == torch.bfloat16
+    assert result.anchor["w"].tolist() == [1.5, 0.5, 1.0]  # lr 1, no momentum: the mean

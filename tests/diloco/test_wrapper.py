@@ -1,0 +1,75 @@
+"""fn.diloco.DiLoCo on one process: the hook on torch.optim and fn.optim optimizers, and the
+settings it refuses. The distributed behaviour is in test_gloo.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fn
+import fn.diloco
+import fn.optim
+from fn.collectives import Local, Simulated
+from tests.diloco import _reference
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 2)
+
+
+def _step(model, inner, step):
+    g = torch.Generator().manual_seed(step)
+    model(torch.randn(4, 3, generator=g)).square().mean().backward()
+    inner.step()
+    inner.zero_grad()
+
+
+def _inner(kind, model):
+    if kind == "torch":
+        return torch.optim.Adam(model.parameters(), lr=0.05)
+    return fn.optim.FunctionalOptimizer(model.parameters(), fn.adam(lr=0.05))
+
+
+@pytest.mark.parametrize("kind", ["torch", "fn.optim"])
+def test_every_sync_every_inner_steps_the_anchor_takes_the_outer_step(kind):
+    """Against the same model and optimizer without the hook, with DiLoCo's outer step written
+    out (one worker: the mean pseudo-gradient is its own; Nesterov, lr 0.7, momentum 0.9)."""
+    model, plain = _model(), _model()
+    inner, plain_inner = _inner(kind, model), _inner(kind, plain)
+    diloco = fn.diloco.DiLoCo(model, inner, sync_every=3)
+    anchor = [p.detach().clone() for p in plain.parameters()]
+    momentum = [torch.zeros_like(a) for a in anchor]
+    for step in range(7):
+        _step(model, inner, step)
+        _step(plain, plain_inner, step)
+        if step % 3 == 2:
+            with torch.no_grad():
+                for j, p in enumerate(plain.parameters()):
+                    delta = _reference.cast_mean([anchor[j] - p], torch.float32)
+                    momentum[j] = momentum[j] * 0.9 + delta
+                    anchor[j] = anchor[j] + torch.add(delta, momentum[j], alpha=0.9) * -0.7
+                    p.copy_(anchor[j])
+        for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+            assert torch.equal(p, q), step
+    assert (diloco.inner_steps, diloco.outer_steps, diloco.skipped_steps) == (7, 2, 0)
+
+
+def test_refusals():
+    model, inner = _model(), torch.optim.SGD(_model().parameters(), lr=0.1)
+    with pytest.raises(NotImplementedError, match="streaming fragments"):
+        fn.diloco.DiLoCo(model, inner, sync_every=4, fragments=2)
+    with pytest.raises(NotImplementedError, match="not built"):
+        fn.diloco.DiLoCo(model, inner, sync_every=4, delay=1)
+    with pytest.raises(ValueError, match="outer must be one of"):
+        fn.diloco.DiLoCo(model, inner, sync_every=4, outer="adam")
+    with pytest.raises(ValueError, match="compression must be None or 'topk'"):
+        fn.diloco.DiLoCo(model, inner, sync_every=4, outer="sparseloco", compression="int8")
+    with pytest.raises(ValueError, match="sync_every"):
+        fn.diloco.DiLoCo(model, inner, sync_every=0)
+    with pytest.raises(TypeError, match="not Simulated"):
+        fn.diloco.DiLoCo(model, inner, sync_every=4, group=Simulated(2))
+    saved = fn.diloco.DiLoCo(model, inner, sync_every=4, group=Local()).state_dict()
+    other = fn.diloco.DiLoCo(model, inner, sync_every=5)
+    with pytest.raises(ValueError, match="settings"):
+        other.load_state_dict(saved)
