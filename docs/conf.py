@@ -7,16 +7,24 @@ Build it from the repository root (the ``docs`` extra installs what it needs):
 The Markdown pages are read by MyST, the notebooks (``docs/notebooks`` links to the repository's
 ``notebooks/``) are executed during the build by myst-nb, and the API pages are generated from
 the docstrings by autodoc and napoleon (Google style).
+
+The notebooks' outputs are cached (jupyter-cache) in ``docs/_build/.jupyter_cache``, keyed on each
+notebook and on a hash of fn's sources, so a build runs only the notebooks whose code or fn has
+changed since the last one. A notebook cell that runs longer than ``FN_NOTEBOOK_TIMEOUT``
+seconds (an environment variable; default 1200, enough for a machine under heavy load) fails
+the build. ``-D nb_execution_mode=off`` builds the notebooks without running them.
 """
 
 from __future__ import annotations
 
 import builtins
 import functools
+import hashlib
 import importlib
 import inspect
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -34,6 +42,7 @@ from myst_parser.slugs import github_slugify  # noqa: E402
 from sphinx import addnodes  # noqa: E402
 from sphinx.errors import PycodeError  # noqa: E402
 from sphinx.pycode import ModuleAnalyzer  # noqa: E402
+from sphinx.transforms import SphinxTransform  # noqa: E402
 from sphinx.transforms.post_transforms import SphinxPostTransform  # noqa: E402
 from sphinx.util import logging  # noqa: E402
 from sphinx.util.docutils import SphinxDirective  # noqa: E402
@@ -99,13 +108,53 @@ myst_heading_anchors = 3
 myst_fence_as_directive = ["math"]
 
 # -- Notebooks (myst-nb) ---------------------------------------------------------------------
-# Executed on every build, in the notebooks' own directory (their first cell finds this
-# checkout's fn from there); a failing cell fails the build. For a quick look at the other
-# pages, ``-D nb_execution_mode=off`` builds the notebooks without running them.
-nb_execution_mode = "force"
-nb_execution_timeout = 180
+# Executed in the notebooks' own directory by kernels that import this checkout's fn (first on
+# their PYTHONPATH); a failing cell fails the build. The executed notebooks are cached in a
+# folder named after fn's sources: jupyter-cache matches a notebook by its code cells only, so
+# a changed fn needs a new folder, and since the folder is part of the configuration, Sphinx
+# then reads every page again. The folders of other sources are removed.
+
+
+def _fn_sources_key() -> str:
+    """A hash of fn's Python and C sources and of torch's version."""
+    digest = hashlib.sha256(torch.__version__.encode())
+    for path in sorted([*(ROOT / "fn").rglob("*.py"), *(ROOT / "fn").rglob("*.c")]):
+        data = path.read_bytes()
+        digest.update(f"\0{path.relative_to(ROOT).as_posix()}\0{len(data)}\0".encode() + data)
+    return digest.hexdigest()[:16]
+
+
+_NOTEBOOK_CACHES = DOCS / "_build" / ".jupyter_cache"
+nb_execution_mode = "cache"
+nb_execution_cache_path = str(_NOTEBOOK_CACHES / _fn_sources_key())
+for _stale in _NOTEBOOK_CACHES.glob("*"):
+    if str(_stale) != nb_execution_cache_path:
+        shutil.rmtree(_stale)
+nb_execution_timeout = int(os.environ.get("FN_NOTEBOOK_TIMEOUT", "1200"))
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+class NotebookDownload(SphinxTransform):
+    """A link under a notebook page's title that downloads the notebook, as committed (without
+    outputs). It is added here rather than written in the notebooks, where Jupyter and GitHub
+    would show MyST's role syntax."""
+
+    default_priority = 500
+
+    def apply(self, **kwargs) -> None:
+        source = Path(self.env.doc2path(self.env.docname))
+        title = next(self.document.findall(nodes.title), None)
+        if source.suffix != ".ipynb" or title is None:
+            return
+        link = addnodes.download_reference(
+            "", "", reftarget=source.name, refdoc=self.env.docname, refexplicit=True
+        )
+        link += nodes.literal(source.name, source.name, classes=["xref", "download"])
+        paragraph = nodes.paragraph("", "Download this notebook: ", link)
+        title.parent.insert(title.parent.index(title) + 1, paragraph)
+
 
 # -- autodoc and napoleon --------------------------------------------------------------------
 autodoc_default_options = {"member-order": "bysource"}
@@ -676,6 +725,7 @@ class RepositoryLinks(SphinxPostTransform):
     ``benchmarks.md``) goes to that page. Other files: on GitHub when pyproject.toml names the
     repository; otherwise Markdown files get a relative link to the file in the checkout
     (Sphinx does not check it), and other files (examples/*.py) are copied as downloads.
+    Downloads of files under docs/, such as the notebooks, stay downloads.
     """
 
     default_priority = 5  # before MyST resolves its links (and warns about missing documents)
@@ -709,8 +759,9 @@ class RepositoryLinks(SphinxPostTransform):
                 node.replace_self(self._external(found[0], node))
         if REPOSITORY:
             for node in list(self.document.findall(addnodes.download_reference)):
-                docdir = Path(env.doc2path(node["refdoc"])).parent
-                path = (docdir / node["reftarget"]).resolve()
+                # Through docs/notebooks, a notebook's download is a file under docs/.
+                docdir = (Path(env.srcdir).resolve() / node["refdoc"]).parent
+                path = Path(os.path.normpath(docdir / node["reftarget"]))
                 if not path.is_relative_to(DOCS):
                     node.replace_self(self._external(path, node))
 
@@ -734,6 +785,7 @@ def setup(app):
     app.add_directive("fn-reexports", ReExports)
     app.connect("missing-reference", _resolve_fn_reference)
     app.add_post_transform(RepositoryLinks)
+    app.add_transform(NotebookDownload)
     app.connect("autodoc-skip-member", _skip_member)
     app.connect("autodoc-process-signature", _alias_signature)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

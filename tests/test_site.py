@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import importlib
 import inspect
+import json
 import os
 import re
 from collections import Counter
@@ -317,6 +318,25 @@ def test_notebook_page_shows_its_outputs_and_plots(site):
     assert re.search(r'<img [^>]*src="[^"]+\.png"', page), "no plot in the notebook's page"
     assert 'class="cell_output' in page
     assert "fn quickstart" in _text(page)
+
+
+@pytest.mark.parametrize("name", ["01_quickstart", "02_error_feedback", "03_convergence"])
+def test_notebook_page_offers_the_notebook_and_shows_no_set_up(site, name):
+    page = _page(site, f"notebooks/{name}.html")
+    link = re.search(
+        rf'<a class="reference download internal" download="" href="([^"]+/{name}\.ipynb)"', page
+    )
+    assert link, f"notebooks/{name}.html has no download link for {name}.ipynb"
+    downloaded = site / "notebooks" / html.unescape(link.group(1))
+    committed = ROOT / "notebooks" / f"{name}.ipynb"
+    assert json.loads(downloaded.read_text()) == json.loads(committed.read_text())
+    # The kernels get fn from the build's environment: no cell sets up sys.path, and no
+    # output shows a path of the machine that built the site or a warning.
+    assert "sys.path" not in _text(page)
+    assert str(ROOT) not in page and "site-packages" not in page
+    assert not re.search(r" at 0x[0-9a-f]+>", html.unescape(page)), "an object's repr is shown"
+    stderr = re.findall(r'<div class="output stderr[^"]*">(.*?)</div>\s*</div>', page, re.S)
+    assert not [_text(block) for block in stderr if "Warning" in block]
 
 
 def test_algorithms_page_renders_math(site):
