@@ -161,12 +161,14 @@ def main(argv=None) -> None:
 
 
 def table(results: dict, args: argparse.Namespace) -> str:
-    """The markdown table of ``results``, by H, each run against dense DiLoCo at that H."""
+    """The markdown table of ``results``, by H, each run against dense DiLoCo at that H (the
+    mean over the seeds, then each seed's own)."""
     seeds = len(args.seeds)
     lines = [
         f"| run | H | held-out loss (mean of {seeds} seed{'s' * (seeds > 1)}) | vs dense DiLoCo "
-        "| outer bytes / worker / token | fewer bytes than dense DiLoCo |",
-        "|---|---|---|---|---|---|",
+        "| outer bytes / worker / token | fewer bytes than dense DiLoCo "
+        f"| per seed ({', '.join(map(str, args.seeds))}): loss, vs dense DiLoCo |",
+        "|---|---|---|---|---|---|---|",
     ]
     for (name, h), runs in results.items():
         loss = statistics.fmean(r["loss"] for r in runs)
@@ -175,7 +177,13 @@ def table(results: dict, args: argparse.Namespace) -> str:
         dense_loss = statistics.fmean(r["loss"] for r in dense)
         ratio = f"{100 * (loss / dense_loss - 1):+.2f}%"
         fewer = f"{dense[0]['per_token'] / per_token:.1f}x"
-        lines.append(f"| {name} | {h or 1} | {loss:.4f} | {ratio} | {per_token:.4g} | {fewer} |")
+        each = " / ".join(
+            f"{r['loss']:.4f} ({100 * (r['loss'] / d['loss'] - 1):+.2f}%)"
+            for r, d in zip(runs, dense, strict=True)
+        )
+        lines.append(
+            f"| {name} | {h or 1} | {loss:.4f} | {ratio} | {per_token:.4g} | {fewer} | {each} |"
+        )
     return "\n".join(lines)
 
 
