@@ -30,6 +30,7 @@ GUIDES = [
     "lightning",
     "fsdp",
     "hierarchical",
+    "diloco",
     "freeze-step",
     "memory",
     "checkpoints",

@@ -953,3 +953,19 @@ def test_loss_vs_bytes_plots_a_demo_run(tmp_path):
     proc = _cli("loss_vs_bytes.py", "--results", str(tmp_path / "results.json"), "--out", str(plot))
     assert proc.returncode == 0, proc.stderr
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(180)
+def test_diloco_quick_run_prints_every_run_and_orders_the_bytes():
+    """A tiny run of benchmarks/diloco.py: every run trains on 4 simulated workers, each
+    compressor sends fewer outer bytes per token than the one before it, and every loss is
+    finite."""
+    proc = _cli("diloco.py", "--quick", timeout=170)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ")]
+    table = {row[0].strip(): row for row in rows[1:]}  # after the header
+    assert list(table) == ["ddp-adamw", "fp32", "int8", "loco4", "onebit", "sparseloco-1/64"]
+    per_token = [float(row[4]) for row in table.values()]
+    assert per_token == sorted(per_token, reverse=True), per_token
+    assert all(0 < float(row[2]) < 5 for row in table.values())
+    assert table["fp32"][3].strip() == "+0.00%"
