@@ -194,8 +194,14 @@ def started(request, tmp_path_factory):
         for item in request.session.items
         if item.module is sys.modules[__name__] and hasattr(item, "callspec")
     }
-    jobs = [(where, _run_program, chain) for where, chain in _programs()]
-    jobs += [(str(page.relative_to(ROOT)), _run_page, page) for page in _pages_with_files()]
+    # The pages that launch the most processes first: the runs of a page follow one another,
+    # so the longest page bounds the wall time unless it starts at once.
+    launches = {
+        page: sum(b.text.count("torchrun") + 1 for b in blocks(page) if b.marker == "run")
+        for page in _pages_with_files()
+    }
+    jobs = [(str(p.relative_to(ROOT)), _run_page, p) for p in sorted(launches, key=launches.get)]
+    jobs = jobs[::-1] + [(where, _run_program, chain) for where, chain in _programs()]
     with ThreadPoolExecutor(max_workers=WORKERS) as pool:
         yield {
             key: pool.submit(run, what, tmp_path_factory.mktemp("block"))
