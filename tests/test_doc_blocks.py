@@ -192,7 +192,7 @@ def started(request, tmp_path_factory):
     selected = {
         item.callspec.id
         for item in request.session.items
-        if item.module is sys.modules[__name__] and hasattr(item, "callspec")
+        if getattr(item, "module", None) is sys.modules[__name__] and hasattr(item, "callspec")
     }
     # The pages that launch the most processes first: the runs of a page follow one another,
     # so the longest page bounds the wall time unless it starts at once.
