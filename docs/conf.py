@@ -152,6 +152,7 @@ API: dict[str, list[str]] = {
     "fn.integrations.transformers": _exports("fn.integrations.transformers"),
     "fn.integrations.accelerate": _exports("fn.integrations.accelerate"),
     "fn.integrations.lightning": _exports("fn.integrations.lightning"),
+    "fn.integrations.torchtitan": _exports("fn.integrations.torchtitan"),
 }
 # Where each public object is documented, by identity (functions and classes) or by the names
 # under which the packages export it.

@@ -29,6 +29,7 @@ GUIDES = [
     "accelerate",
     "lightning",
     "fsdp",
+    "torchtitan",
     "hierarchical",
     "freeze-step",
     "memory",
