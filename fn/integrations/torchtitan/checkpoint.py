@@ -30,9 +30,9 @@ class OnebitCheckpointManager(CheckpointManager):
       anything changes; the same mesh shape resumes bit for bit, another (another world size,
       HSDP to FSDP or back) reshards ``v`` and the momentum and restarts the error feedback;
     - torchtitan's AdamW (or Adam) state (``state.<param>.exp_avg``, ...): the optimizer starts
-      from it (:meth:`fn.fsdp.OnebitAdam.load_adam_state`: ``m``, ``v`` and the step count
-      carried over, the error feedback from zero, one warning), so a job trained with AdamW
-      goes on with 1-bit Adam. DCP reshards the moments from whatever mesh saved them.
+      from it (:meth:`fn.fsdp.ShardedOnebitOptimizer.load_adam_state`: ``m``, ``v`` and the step
+      count carried over, the error feedback from zero, one warning), so a job trained with
+      AdamW goes on with 1-bit Adam. DCP reshards the moments from whatever mesh saved them.
 
     The model, the data loader, the LR schedulers and the train state load as torchtitan
     loads them. Checkpoints on the local filesystem.
@@ -51,6 +51,9 @@ class OnebitCheckpointManager(CheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
         """torchtitan's ``CheckpointManager.Config``."""
+
+    def __init__(self, config: OnebitCheckpointManager.Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)  # the base's, with fn's Config in the signature
 
     def dcp_load(
         self,

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
 
 import torch
+import torch.distributed.device_mesh
 import tyro
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import TORCH_DTYPE_MAP, Configurable
@@ -26,8 +26,6 @@ _OPTIMIZERS: dict[str, type[ShardedOnebitOptimizer]] = {
     "OnebitLamb": OnebitLamb,
 }
 _DEFAULTS = {k: p.default for k, p in inspect.signature(OnebitAdam).parameters.items()}
-
-MaskFunction = Callable[[str, nn.Parameter], "torch.Tensor | None"]
 
 
 class OnebitOptimizersContainer(OptimizersContainer):
@@ -73,7 +71,7 @@ class OnebitOptimizersContainer(OptimizersContainer):
         ``--training.max_norm`` and the data-parallel degrees."""
 
         name: Literal["OnebitAdam", "OnebitLamb"] = "OnebitAdam"
-        """The optimizer: ``fn.fsdp.OnebitAdam`` or ``fn.fsdp.OnebitLamb``."""
+        """Which optimizer, ``fn.fsdp.OnebitAdam`` or ``fn.fsdp.OnebitLamb``."""
 
         lr: float = _DEFAULTS["lr"]
         """The peak learning rate (torchtitan's LR schedulers scale it)."""
@@ -95,8 +93,10 @@ class OnebitOptimizersContainer(OptimizersContainer):
         """``"auto"``: mask the momentum where the averaged gradient was exactly 0 at every
         warmup update (``fn.fsdp.OnebitAdam``'s ``exp_avg_mask="auto"``)."""
 
-        exp_avg_mask_fn: Annotated[MaskFunction | None, tyro.conf.Suppress] = None
-        """Masks by hand, set in a Python config function: called with each trainable
+        exp_avg_mask_fn: Annotated[
+            Callable[[str, torch.nn.Parameter], torch.Tensor | None] | None, tyro.conf.Suppress
+        ] = None
+        """Masks by hand, set in a Python config function. Called with each trainable
         param's name (as in torchtitan's checkpoints, ``layers.0.attention.wqkv.weight``) and
         the param, it returns the param's mask (0s and 1s, broadcastable
         to the param's full shape) or ``None`` (no mask)."""
@@ -111,10 +111,12 @@ class OnebitOptimizersContainer(OptimizersContainer):
         ``factor_threshold``)."""
 
         max_grad_norm: Annotated[float | None, tyro.conf.Suppress] = None
-        """Set by the trainer from ``--training.max_norm``."""
+        """The clipping norm, which the trainer sets from ``--training.max_norm``."""
 
-        replicate: Annotated[DeviceMesh | None, tyro.conf.Suppress] = None
-        """Set by the trainer: the replicate mesh of HSDP, or ``None``."""
+        replicate: Annotated[
+            torch.distributed.device_mesh.DeviceMesh | None, tyro.conf.Suppress
+        ] = None
+        """The replicate mesh of HSDP, or ``None``, which the trainer sets."""
 
         def to_dict(self) -> dict[str, Any]:
             """The settings as a dict, without the mesh (which has no serial form).
@@ -128,7 +130,9 @@ class OnebitOptimizersContainer(OptimizersContainer):
 
     optimizers: list[ShardedOnebitOptimizer]
 
-    def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
+    def __init__(
+        self, config: OnebitOptimizersContainer.Config, *, model_parts: list[torch.nn.Module]
+    ) -> None:
         if len(model_parts) != 1:
             raise NotImplementedError(
                 "fn.integrations.torchtitan: one model part is supported, got "
@@ -184,7 +188,9 @@ class OnebitOptimizersContainer(OptimizersContainer):
         self.optimizer.load_state_dict(dict(state_dict))
 
 
-def _hand_masks(model: nn.Module, mask_fn: MaskFunction) -> dict[nn.Parameter, torch.Tensor]:
+def _hand_masks(
+    model: nn.Module, mask_fn: Callable[[str, nn.Parameter], torch.Tensor | None]
+) -> dict[nn.Parameter, torch.Tensor]:
     """``exp_avg_mask`` by param from ``mask_fn(name, param)`` over the trainable params (by
     their names in torchtitan's checkpoints, without activation checkpointing's wrapper)."""
     masks = {}

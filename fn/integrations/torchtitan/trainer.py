@@ -79,7 +79,7 @@ class OnebitTrainer(Trainer):
             default_factory=lambda: TrainingConfig(disable_cuda_graphs=True)
         )
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: OnebitTrainer.Config) -> None:
         check_supported(config)
         spec = config.model_spec
         if spec is not None and not isinstance(spec.parallelize_fn, ShardMeshParallelize):
@@ -119,7 +119,8 @@ def onebit_config(config: Trainer.Config, **settings: Any) -> OnebitTrainer.Conf
     ``--training.disable_cuda_graphs``; everything else as it is.
 
     Args:
-        config: a torchtitan ``Trainer.Config`` (not a subclass's: another trainer).
+        config: a torchtitan ``Trainer.Config`` (not a subclass's: another trainer), or an
+            :class:`OnebitTrainer.Config`, whose optimizer then takes ``settings``.
         **settings: :class:`OnebitOptimizersContainer.Config`'s fields (``freeze_step``,
             ``name="OnebitLamb"``, ``error_dtype``, ...).
 
@@ -139,16 +140,15 @@ def onebit_config(config: Trainer.Config, **settings: Any) -> OnebitTrainer.Conf
         >>> config.optimizer.name, config.optimizer.lr, config.optimizer.freeze_step
         ('OnebitAdam', 0.0008, 100)
     """
+    if type(config) is OnebitTrainer.Config:
+        return replace(config, optimizer=replace(config.optimizer, **settings))
     if type(config) is not Trainer.Config:
         raise NotImplementedError(
-            f"{_NAME}: a {type(config).__qualname__} belongs to another trainer; fn's is "
-            "torchtitan's Trainer (its Trainer.Config)"
+            f"{_NAME}: {type(config).__qualname__} is another trainer's config; fn's trainer "
+            "is torchtitan's Trainer (its Trainer.Config)"
         )
-    optimizer = config.optimizer
-    if isinstance(optimizer, OnebitOptimizersContainer.Config):
-        optimizer = replace(optimizer, **settings)
-    else:
-        optimizer = OnebitOptimizersContainer.Config(**{**_adam_settings(optimizer), **settings})
+    adam = _adam_settings(config.optimizer)
+    optimizer = OnebitOptimizersContainer.Config(**{**adam, **settings})
     checkpoint = config.checkpoint
     if type(checkpoint) is CheckpointManager.Config:
         values = {f.name: getattr(checkpoint, f.name) for f in fields(checkpoint) if f.init}
