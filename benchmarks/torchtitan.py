@@ -3,7 +3,7 @@ torchtitan + fn's 1-bit Adam (``--module fn.integrations.torchtitan``), tokens p
 the loss after the last step.
 
 Each run is torchtitan's own trainer (its ``ConfigManager``, ``Trainer``, data loader and LR
-schedule) training ``llama3_debugmodel`` (6.5M params) on ``--nodes`` x ``--ranks-per-node``
+schedule) training ``llama3_debugmodel`` (6.2M params) on ``--nodes`` x ``--ranks-per-node``
 gloo ranks, HSDP (``--parallelism.data_parallel_replicate_degree`` the nodes,
 ``data_parallel_shard_degree`` the ranks per node), from the same seed on the same data (the
 tests' tokenizer and made-up text), in one mode:
@@ -49,6 +49,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Python puts this script's folder first on the path, where "import torchtitan" finds this file
+# (named as the package it measures): the package is meant
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 MODES = ("adamw", "onebit")
 LAST = 10  # the loss reported beside the last step's: the mean of the last LAST steps
 
