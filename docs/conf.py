@@ -168,16 +168,29 @@ napoleon_use_ivar = True
 # Nitpicky (-n): every reference must resolve. The site has no network access to fetch other
 # projects' inventories, so references to the names of Python itself and of the packages fn
 # builds on are left as plain text; a reference to a missing fn name still fails.
-_THIRD_PARTY = {"torch", "numpy", "transformers", "accelerate", "lightning", "pytorch_lightning"}
+_THIRD_PARTY = {
+    "torch",
+    "numpy",
+    "transformers",
+    "accelerate",
+    "lightning",
+    "pytorch_lightning",
+    "torchtitan",
+    "tyro",
+}
 _EXTERNAL = "|".join(sorted(re.escape(m) for m in _THIRD_PARTY | set(sys.stdlib_module_names)))
 _BUILTINS = "|".join(
     sorted(n for n, v in vars(builtins).items() if isinstance(v, type) and not n.startswith("_"))
     + ["None", "True", "False", "Ellipsis", "NotImplemented"]
 )
+# The annotations of torchtitan's config fields that fn's subclasses inherit (strings in
+# torchtitan's modules) and tyro's CLI marker name these without their package.
+_UNQUALIFIED = r"Literal\[.*|Suppress"
 nitpick_ignore_regex = [
     (r"py:.*", rf"({_EXTERNAL})\..+"),  # a name in another package: torch.Tensor, os.PathLike
     (r"py:mod", rf"({_EXTERNAL})"),
     (r"py:.*", rf"(builtins\.)?({_BUILTINS})"),
+    (r"py:class", _UNQUALIFIED),
 ]
 # Annotations that name a private alias (strings under ``from __future__ import annotations``):
 # shown as what they stand for.
@@ -215,6 +228,7 @@ API: dict[str, list[str]] = {
     "fn.integrations.transformers": _exports("fn.integrations.transformers"),
     "fn.integrations.accelerate": _exports("fn.integrations.accelerate"),
     "fn.integrations.lightning": _exports("fn.integrations.lightning"),
+    "fn.integrations.torchtitan": _exports("fn.integrations.torchtitan"),
 }
 # The groups of each package's summary table (``fn-summary``), in the order its page shows them;
 # its entries (``fn-autopackage``) follow the same order. What a newcomer reaches for comes

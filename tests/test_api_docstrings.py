@@ -43,9 +43,13 @@ PACKAGES = [
     "fn.integrations.transformers",
     "fn.integrations.accelerate",
     "fn.integrations.lightning",
+    "fn.integrations.torchtitan",
 ]
 # the optional package each integration module imports
-_NEEDS = {f"fn.integrations.{name}": name for name in ("transformers", "accelerate", "lightning")}
+_NEEDS = {
+    f"fn.integrations.{name}": name
+    for name in ("transformers", "accelerate", "lightning", "torchtitan")
+}
 _SECTION = re.compile(r"^\s*([A-Z][A-Za-z ]*):\s*$", re.M)
 _ROOT = Path(fn.__file__).parent
 

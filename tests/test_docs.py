@@ -29,6 +29,7 @@ GUIDES = [
     "accelerate",
     "lightning",
     "fsdp",
+    "torchtitan",
     "hierarchical",
     "diloco",
     "freeze-step",

@@ -17,6 +17,7 @@ __all__ = [
     "AllGather",
     "FreshBuffers",
     "SynchronousReduceScatter",
+    "group_members",
     "installed_reduce_scatter",
     "reduce_scatters_stopped",
 ]
@@ -49,6 +50,14 @@ class SynchronousReduceScatter(FreshBuffers, ReduceScatter):
         if async_op:
             raise NotImplementedError(f"{type(self).__name__} runs synchronously (async_op=False)")
         self.reduce_scatter(output_tensor, input_tensor, group, op)  # type: ignore[attr-defined]
+
+
+def group_members(module: nn.Module) -> tuple[nn.Module, ...]:
+    """The modules of ``module``'s FSDP2 group, in the order given to ``fully_shard``
+    (``fully_shard([a, b])`` makes one group of ``a`` and ``b``, which share their state and
+    their reduce-scatter), or ``(module,)`` where they cannot be read."""
+    members = getattr(_state(module), "_modules", None)
+    return tuple(members) if members else (module,)
 
 
 def installed_reduce_scatter(module: nn.Module) -> Any:

@@ -36,10 +36,10 @@ from fn.collectives.comm import HOPS
 from fn.errors import NonFiniteError
 from fn.fsdp._fsdp2 import reduce_scatters_stopped
 from fn.fsdp.agreement import agree
-from fn.fsdp.loco import ROOT
 from fn.fsdp.onebit_checks import check_partitions, model_problem, replicate_problem
 from fn.fsdp.onebit_layout import (
     ModuleLayout,
+    fsdp_groups,
     fsdp_modules,
     module_layout,
     one_dim,
@@ -243,22 +243,22 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         self._delivered = False  # whether a backward delivered gradients since the last step()
         self._grad_change_warned = False
         self._fsdp_modules: list[nn.Module] = []
-        for name, module in model.named_modules():
-            layout = next((x for x in self._layouts if x.name == (name or ROOT)), None)
-            if layout is not None:
-                self._fsdp_modules.append(module)
-                reduce_scatter = OnebitReduceScatter(
-                    self._modules[layout.name],
-                    self._comms,
-                    self._compresses,
-                    self._problems,
-                    self._failed,
-                )
-                module.set_custom_reduce_scatter(reduce_scatter)
-                if world_size == 1 and self._communicates:  # FSDP2 runs no reduce-scatter
-                    module.set_all_reduce_hook(reduce_scatter.all_reduce_hook)
-                # every trainable param in every reduce-scatter: a missing gradient is a zero
-                module.set_reduce_scatter_unused_params(True, recurse=False)
+        members = {name: member for name, member, _ in fsdp_groups(model)}
+        for layout in self._layouts:
+            module = members[layout.name]  # its group's settings and reduce-scatter
+            self._fsdp_modules.append(module)
+            reduce_scatter = OnebitReduceScatter(
+                self._modules[layout.name],
+                self._comms,
+                self._compresses,
+                self._problems,
+                self._failed,
+            )
+            module.set_custom_reduce_scatter(reduce_scatter)
+            if world_size == 1 and self._communicates:  # FSDP2 runs no reduce-scatter
+                module.set_all_reduce_hook(reduce_scatter.all_reduce_hook)
+            # every trainable param in every reduce-scatter: a missing gradient is a zero
+            module.set_reduce_scatter_unused_params(True, recurse=False)
         for param in params:  # FSDP2 runs these once it has written a gradient shard
             param.register_post_accumulate_grad_hook(self._gradient_delivered)
 

@@ -5,6 +5,7 @@ and 1-bit LAMB on FSDP2")."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -95,6 +96,37 @@ class OnebitLamb(ShardedOnebitOptimizer):
     optional_fields = ("exp_avg_sq_fresh",)
 
     __signature__ = signature_with(onebit_lamb, "model", *OPTIONS, leave_out=("comm",))
+
+    def load_adam_state(
+        self,
+        count: int,
+        exp_avg: Mapping[torch.Tensor, torch.Tensor],
+        exp_avg_sq: Mapping[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """Not built for 1-bit LAMB: its frozen trust ratios are an average over its own
+        warmup updates, which Adam never computed.
+
+        Args:
+            count: Adam's update count.
+            exp_avg: Adam's ``exp_avg`` by param.
+            exp_avg_sq: Adam's ``exp_avg_sq`` by param.
+
+        Raises:
+            NotImplementedError: always; nothing was changed.
+
+        Example:
+            >>> fn.fsdp.OnebitLamb.load_adam_state(None, 0, {}, {})
+            Traceback (most recent call last):
+            ...
+            NotImplementedError: fn.fsdp.OnebitLamb: a start from Adam's state is not built: ...
+        """
+        del count, exp_avg, exp_avg_sq
+        raise NotImplementedError(
+            "fn.fsdp.OnebitLamb: a start from Adam's state is not built: 1-bit LAMB's frozen "
+            "trust ratios (lamb_coeff_freeze) average the ratios of its own warmup updates, "
+            "which Adam never computed; start 1-bit LAMB from its own warmup, or switch to "
+            "fn.fsdp.OnebitAdam; nothing was changed"
+        )
 
     def _momentum_input(
         self,

@@ -19,11 +19,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from fn.collectives import PackedSigns
+from fn.fsdp._fsdp2 import group_members
 from fn.fsdp.loco import ROOT
 
 __all__ = [
     "ModuleLayout",
     "ParamSlot",
+    "fsdp_groups",
     "fsdp_modules",
     "fsdp_order",
     "layout_at",
@@ -170,36 +172,58 @@ def momentum_from_signs(
 
 
 def fsdp_modules(model: nn.Module) -> list[tuple[str, list[tuple[str, DTensor]]]]:
-    """The FSDP2 modules under ``model`` with trainable params: ``(fqn, [(param fqn, param)])``
-    in FSDP2's order."""
+    """The FSDP2 groups under ``model`` with trainable params: ``(name, [(param fqn, param)])``
+    in FSDP2's order (:func:`fsdp_groups`)."""
+    return [(name, params) for name, _, params in fsdp_groups(model)]
+
+
+def fsdp_groups(model: nn.Module) -> list[tuple[str, nn.Module, list[tuple[str, DTensor]]]]:
+    """The FSDP2 groups under ``model`` with trainable params, in ``named_modules()`` order:
+    ``(name, member, [(param fqn, param)])``. A group is what one ``fully_shard`` call made,
+    one module or several (``fully_shard([a, b])``, whose members share one reduce-scatter);
+    its name is its module's FQN (``"<root>"`` for the model itself), for several the members'
+    FQNs joined by ``"+"``; ``member`` is its first member (its settings are the group's);
+    the params are in the order of its reduce-scatter."""
     names = {id(p): n for n, p in model.named_parameters()}
-    found = []
-    for name, child in model.named_modules():
-        if isinstance(child, FSDPModule):
-            params = fsdp_order(child)
-            if params:
-                found.append((name or ROOT, [(names[id(p)], p) for p in params]))
+    module_names = {id(m): n or ROOT for n, m in model.named_modules()}
+    found, seen = [], set()
+    for child in model.modules():
+        if not isinstance(child, FSDPModule):
+            continue
+        members = group_members(child)
+        if id(members[0]) in seen:
+            continue
+        seen.add(id(members[0]))
+        params = fsdp_order(members)
+        if params:
+            name = "+".join(module_names[id(m)] for m in members)
+            found.append((name, members[0], [(names[id(p)], p) for p in params]))
     return found
 
 
-def fsdp_order(module: FSDPModule) -> list[nn.Parameter]:
-    """The trainable params of ``module``'s FSDP2 group in the order of its reduce-scatter:
-    FSDP2 visits the modules depth first, a module after its children (nested FSDP2 modules
-    left out), each module's own params in registration order."""
+def fsdp_order(members: tuple[nn.Module, ...]) -> list[nn.Parameter]:
+    """The trainable params of an FSDP2 group (its ``members``) in the order of its
+    reduce-scatter: FSDP2 visits each member in turn depth first, a module after its children
+    (nested FSDP2 modules and modules visited already left out), each module's own params in
+    registration order, each param once."""
     order: list[nn.Parameter] = []
     seen: set[int] = set()
+    visited: set[int] = set()
 
     def visit(m: nn.Module) -> None:
-        if m is not module and isinstance(m, FSDPModule):
+        if m not in members and isinstance(m, FSDPModule):
             return
+        visited.add(id(m))
         for child in m.children():
-            visit(child)
+            if id(child) not in visited:
+                visit(child)
         for p in m.parameters(recurse=False):
             if id(p) not in seen:
                 seen.add(id(p))
                 order.append(p)
 
-    visit(module)
+    for member in members:
+        visit(member)
     return [p for p in order if p.requires_grad]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import warnings
 import zlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -295,6 +296,103 @@ class OnebitStateFormat:
             module.discard()
             module.signs, module.errors = signs, errors
         self._set_masks(masks, records)
+
+    def load_adam_state(
+        self,
+        count: int,
+        exp_avg: Mapping[torch.Tensor, torch.Tensor],
+        exp_avg_sq: Mapping[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """Starts from the state of Adam or AdamW (``torch.optim``'s ``exp_avg`` and
+        ``exp_avg_sq`` of every param, and its step count), so that a job trained with AdamW
+        switches to 1-bit Adam: ``m`` and ``v`` carry over and the update count becomes
+        ``count``. The next update is a warmup one for ``count + 1 < freeze_step``, otherwise
+        the freeze (its momentum all-gathered from the carried ``m``). The error feedback of the
+        1-bit allreduce starts at zero, with a warning. ``param_groups[0]["lr"]`` is left as it
+        is (an LR scheduler sets it).
+
+        Args:
+            count: the updates Adam made (``state["step"]``).
+            exp_avg: Adam's ``exp_avg``, by param (the model's DTensor params), each a DTensor
+                sharded as its param or this rank's shard of it.
+            exp_avg_sq: Adam's ``exp_avg_sq``, likewise.
+
+        Raises:
+            ValueError: a param missing from ``exp_avg`` or ``exp_avg_sq``, a shard of another
+                shape, a value not finite, a negative ``exp_avg_sq`` or ``count``; nothing was
+                changed.
+            NotImplementedError: ``exp_avg_mask="auto"`` (its mask is the record of the
+                warmup's zero gradients, which Adam did not keep), or 1-bit LAMB (its frozen
+                trust ratios average its own warmup updates); nothing was changed.
+
+        Example:
+            >>> import torch, torch.distributed as dist
+            >>> from torch.distributed.device_mesh import init_device_mesh
+            >>> from torch.distributed.fsdp import fully_shard
+            >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            >>> model = fully_shard(torch.nn.Linear(2, 1), mesh=init_device_mesh("cpu", (1,)))
+            >>> adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            >>> model(torch.ones(1, 2)).sum().backward()
+            >>> adamw.step()
+            >>> opt = fn.fsdp.OnebitAdam(model, lr=1e-2, freeze_step=2)
+            >>> params = list(model.parameters())
+            >>> import warnings
+            >>> with warnings.catch_warnings(record=True) as caught:
+            ...     warnings.simplefilter("always")
+            ...     opt.load_adam_state(
+            ...         1,
+            ...         {p: adamw.state[p]["exp_avg"] for p in params},
+            ...         {p: adamw.state[p]["exp_avg_sq"] for p in params},
+            ...     )
+            >>> opt.count, len(caught)
+            (1, 1)
+            >>> dist.destroy_process_group()
+        """
+        if self._auto_mask:
+            raise NotImplementedError(
+                f'{self.name}: a start from Adam\'s state with exp_avg_mask="auto" is not '
+                "built: the mask is decided from the warmup's zero gradients, which Adam did "
+                "not record; pass the mask by hand, or none; nothing was changed"
+            )
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"{self.name}: count must be an int >= 0, got {count!r}")
+        moments: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+        for field, given in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            current = getattr(self._state, field)
+            for layout in self._layouts:
+                for slot in layout.slots:
+                    value = given.get(slot.param)
+                    if value is None:
+                        raise ValueError(
+                            f"{self.name}: no {field} for param {slot.name}; nothing was changed"
+                        )
+                    local = to_local(value)
+                    shard = to_local(slot.param)
+                    if local.shape != shard.shape:
+                        raise ValueError(
+                            f"{self.name}: {field} of {slot.name} has the shard shape "
+                            f"{tuple(local.shape)}, the param's is {tuple(shard.shape)}; "
+                            "nothing was changed"
+                        )
+                    if not bool(local.isfinite().all()) or (
+                        field == "exp_avg_sq" and bool((local < 0).any())
+                    ):
+                        bad = "negative or non-finite" if field == "exp_avg_sq" else "non-finite"
+                        raise ValueError(
+                            f"{self.name}: {bad} values in {field} of {slot.name}; nothing "
+                            "was changed"
+                        )
+                    dtype = current[slot.name].dtype
+                    moments[field][slot.name] = local.to(dtype=dtype, copy=True)
+        self._state = self._state._replace(count=torch.tensor(count, dtype=torch.int64), **moments)
+        for module in self._modules.values():
+            module.discard()
+            module.signs, module.errors = None, None
+        warnings.warn(
+            f"{self.name}: started from Adam's state at update {count} (m and v carried over); "
+            "the error feedback of the 1-bit allreduce starts at zero",
+            stacklevel=2,
+        )
 
     def _loaded_fields(self, state_dict: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """A subclass's further per-param fields from a :meth:`state_dict`, by field and FQN

@@ -1,8 +1,10 @@
-"""Glue for the training stacks: Hugging Face ``Trainer``, ``accelerate`` and PyTorch Lightning.
+"""Glue for the training stacks: Hugging Face ``Trainer``, ``accelerate``, PyTorch Lightning and
+torchtitan.
 
 Each stack has its own module, imported on demand (``import fn`` never imports them, nor the
-stacks; they need the ``integrations`` extra, ``pip install "fn-optim[integrations]"``, and
-Lightning the ``lightning`` extra, ``pip install "fn-optim[lightning]"``):
+stacks; they need the ``integrations`` extra, ``pip install "fn-optim[integrations]"``,
+Lightning the ``lightning`` extra, ``pip install "fn-optim[lightning]"``, and torchtitan the
+``torchtitan`` extra):
 
 - ``fn.integrations.transformers.attach(trainer)``: a ``Trainer`` with an ``fn.optim`` 1-bit
   optimizer keeps DDP silent in the compressed phase and saves checkpoints that resume every rank
@@ -14,6 +16,10 @@ Lightning the ``lightning`` extra, ``pip install "fn-optim[lightning]"``):
   (``trainer.fit(model, ckpt_path=...)`` resumes every rank bit for bit); Lightning's sharded
   strategies (FSDP, FSDP2, DeepSpeed) raise ``NotImplementedError`` there
   (``fn.integrations.lightning.check_strategy``).
+- ``torchrun ... -m torchtitan.train --module fn.integrations.torchtitan --config llama3_8b``:
+  torchtitan's own trainer with ``fn.fsdp``'s 1-bit Adam (or 1-bit LAMB) over FSDP2 or HSDP,
+  its settings ``--optimizer.<name>``; its checkpoints resume every rank bit for bit, and start
+  1-bit Adam from an AdamW checkpoint.
 
 What they do, and why:
 

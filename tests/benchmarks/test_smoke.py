@@ -969,3 +969,36 @@ def test_diloco_quick_run_prints_every_run_and_orders_the_bytes():
     assert per_token == sorted(per_token, reverse=True), per_token
     assert all(0 < float(row[2]) < 5 for row in table.values())
     assert table["fp32"][3].strip() == "+0.00%"
+
+
+def test_torchtitan_plan_runs_both_modes_on_hsdp_and_shapes_only_the_uplinks():
+    proc = _cli("torchtitan.py", "--rate", "100mbit", "--dry-run", "--runs", "2")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "2 run(s) of adamw, onebit, alternating, on 2 nodes x 2 ranks" in lines[0]
+    adamw, onebit = (line for line in lines if line.startswith("  torchtitan"))
+    assert "--module llama3 " in adamw and "--optimizer" not in adamw
+    assert "--module fn.integrations.torchtitan " in onebit
+    assert "--optimizer.freeze_step 20" in onebit
+    for run in (adamw, onebit):
+        assert "--parallelism.data_parallel_replicate_degree 2" in run
+        assert "--parallelism.data_parallel_shard_degree 2" in run
+    commands = [line for line in lines if line.startswith(("ip ", "tc "))]
+    assert all(" -n fntitan-" in c or c.startswith("ip netns add fntitan-") for c in commands)
+    shaped = [c for c in commands if " tbf " in c]
+    assert len(shaped) == 4 and all("rate 100mbit" in c for c in shaped)  # 2 uplinks, 2 ends
+    assert all(" dev uplink " in c or " dev n0 " in c or " dev n1 " in c for c in shaped)
+
+
+def test_torchtitan_summary_times_the_steps_after_warmup_and_freeze():
+    titan = _load("torchtitan.py")
+    config = {"mode": "onebit", "warmup": 1, "freeze_step": 3, "nodes": 2,
+              "ranks_per_node": 2, "batch": 1, "seq_len": 64}  # fmt: skip
+    # step s ends at times[s - 1]: steps 2-4 take 5 s, steps 5 and 6 1 s; the freeze is step 3
+    times = [0.0, 5.0, 10.0, 15.0, 16.0, 17.0]
+    rank0 = {"times": times, "losses": [9.0, 8.0, 7.0, 6.0, 5.0, 4.0], "inter_bytes": 7}
+    run = titan.summarize(config, rank0)
+    assert run["step_s"] == 1.0 and run["timed_steps"] == 3 and run["tokens_per_s"] == 256.0
+    assert run["loss"] == 4.0 and run["loss_last"] == 6.5
+    adamw = titan.summarize({**config, "mode": "adamw"}, rank0)
+    assert adamw["timed_steps"] == 5 and adamw["step_s"] == 5.0  # after the warmup only

@@ -1,5 +1,6 @@
 """fn.fsdp.OnebitAdam on 2 gloo ranks: bit for bit against a loop-over-ranks reference of the rule
-in docs/algorithms.md ("1-bit Adam and 1-bit LAMB on FSDP2"), written here, and bad input."""
+in docs/algorithms.md ("1-bit Adam and 1-bit LAMB on FSDP2"), written here, also with two modules
+in one FSDP2 group (``fully_shard([block, head])``, one vector X), and bad input."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ class Net(nn.Module):
 
 
 MODULES = [["block.weight", "block.bias"], ["head.weight", "head.bias", "scale"]]  # FSDP2's order
+# fully_shard([block, head]): one group (one X, block's params, then head's), the root's scale
+GROUPED = [["block.weight", "block.bias", "head.weight", "head.bias"], ["scale"]]
 
 
 def build(
@@ -44,13 +47,14 @@ def build(
     policy: MixedPrecisionPolicy | None = None,
     world: int = WORLD,
     net: type[nn.Module] = Net,
+    grouped: bool = False,
 ):
     torch.manual_seed(seed)
     model = net()
     if shard:
         mesh = init_device_mesh("cpu", (world,))
         mp = {} if policy is None else {"mp_policy": policy}
-        fully_shard(model.block, mesh=mesh, **mp)
+        fully_shard([model.block, model.head] if grouped else model.block, mesh=mesh, **mp)
         fully_shard(model, mesh=mesh, **mp)
     return model
 
@@ -163,7 +167,9 @@ class Reference:
         weight_decay: float,
         masked: bool = False,
         error_dtype: str = "float32",
+        modules: list[list[str]] = MODULES,
     ) -> None:
+        self.modules = modules
         self.masks = MASKS if masked else {}
         self.error_dtype = getattr(torch, error_dtype)
         self.p = {k: v.clone() for k, v in params.items()}
@@ -182,7 +188,7 @@ class Reference:
                 self.m[k] = b1 * self.m[k] + (1 - b1) * g
                 self.v[k] = b2 * self.v[k] + ((1 - b2) * g) * g
         else:
-            for names in MODULES:
+            for names in self.modules:
                 like = [self.p[k] for k in names]
                 previous = to_x([self.m[k] for k in names])  # zero at the padding
                 xs = [b1 * previous + (1 - b1) * to_x([g[k] for k in names]) for g in grads]
@@ -223,9 +229,14 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _worker_train(
-    rank: int, world_size: int, weight_decay: float, masked: bool, error_dtype: str
+    rank: int,
+    world_size: int,
+    weight_decay: float,
+    masked: bool,
+    error_dtype: str,
+    grouped: bool = False,
 ) -> dict:
-    model = build()
+    model = build(grouped=grouped)
     opt = fn.fsdp.OnebitAdam(
         model,
         lr=LR,
@@ -236,7 +247,8 @@ def _worker_train(
         exp_avg_mask=masks_of(model) if masked else None,
         error_dtype=getattr(torch, error_dtype),
     )
-    reference = Reference(full_params(model), weight_decay, masked, error_dtype)
+    modules = GROUPED if grouped else MODULES
+    reference = Reference(full_params(model), weight_decay, masked, error_dtype, modules)
     history, mismatches = [], []
     for t in range(1, STEPS + 1):
         grads = [local_grads(reference.p, r, t) for r in range(world_size)]
@@ -356,12 +368,15 @@ RUNS = {
     "weight decay": (0.1, False, "float32"),
     "masked": (0.0, True, "float16"),  # with fp16 errors (the allocating collective)
 }
+# the same, and fully_shard([block, head]): two modules in one FSDP2 group
+GROUPED_RUNS = {"grouped": (0.0, True, "float32", True)}
 
 
 @pytest.fixture(scope="module")
 def trained():
+    runs = {**RUNS, **GROUPED_RUNS}
     return {
-        name: run_distributed(_worker_train, WORLD, *run, timeout=240) for name, run in RUNS.items()
+        name: run_distributed(_worker_train, WORLD, *run, timeout=240) for name, run in runs.items()
     }
 
 
