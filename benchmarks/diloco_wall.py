@@ -479,6 +479,8 @@ def train(config: dict) -> dict:
     return {
         "method": method.name,
         "run": config["run"],
+        "fragments": method.fragments,
+        "delay": method.delay,
         "evals": evals,
         "step_s": step_s,
         "iter_s": iter_s,
@@ -500,6 +502,8 @@ def summarize(result: dict, target: float, sync_every: int) -> dict:
     return {
         "method": result["method"],
         "run": result["run"],
+        "fragments": result.get("fragments", 1),
+        "delay": result.get("delay", 0),
         "reached": hit is not None,
         "steps": hit[0] if hit else steps,
         "time_s": hit[1] if hit else evals[-1][1],
@@ -544,9 +548,8 @@ def table(rows: list[dict], skipped: dict[str, str]) -> str:
         outer = row["method"] != "ddp"
         lines.append(
             f"| {row['run'] + 1} | {row['method']} | {'yes' if row['reached'] else 'NO'} "
-            f"| {row['steps']} | {row['time_s']:.1f} | {row['s_per_step']:.4f} "
-            f"| {row['s_per_outer']:.2f} | "
-            + (f"{row['blocked_per_outer']:.3f}" if outer else "-")
+            f"| {row['steps']} | {row['time_s']:.1f} | {row['s_per_step']:.4f} | "
+            + (f"{row['s_per_outer']:.2f} | {row['blocked_per_outer']:.3f}" if outer else "- | -")
             + f" | {row['wire_bytes'] / 1e6:.3f} | "
             + (f"{row['fn_bytes'] / 1e6:.3f}" if outer else "-")
             + f" | {ratio} | {bound} |"
@@ -556,21 +559,38 @@ def table(rows: list[dict], skipped: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def hideable(delayed: dict, undelayed: dict) -> float:
+    """The most of the exchange a delay can hide: its ``delay`` inner steps (at the delayed
+    run's median step) against one fragment's blocked time without the delay, at most 1."""
+    per_fragment = undelayed["blocked_per_outer"] / undelayed["fragments"]
+    return min(1.0, delayed["delay"] * delayed["s_per_step"] / per_fragment)
+
+
 def streaming_lines(rows: list[dict]) -> list[str]:
     """A line per delayed streaming run with its undelayed run of the same repeat: the blocked
-    time per H steps of each and the fraction the delay hid."""
+    time per H steps of each, the fraction the delay hid, and the most it could
+    (:func:`hideable`)."""
     out = []
     for row in rows:
-        m = re.fullmatch(r"(stream-.*)-d\d+", row["method"])
-        base = m and next(
-            (r for r in rows if r["method"] == m.group(1) and r["run"] == row["run"]), None
+        base = next(
+            (
+                r
+                for r in rows
+                if r["run"] == row["run"]
+                and r["fragments"] == row["fragments"] > 1
+                and r["delay"] == 0 < row["delay"]
+            ),
+            None,
         )
         if base:
             hidden = hidden_fraction(row, base)
             text = "-" if hidden is None else f"{100 * hidden:.0f}%"
             out.append(
                 f"run {row['run'] + 1} {row['method']}: blocked {row['blocked_per_outer']:.3f} s "
-                f"per H steps, {base['blocked_per_outer']:.3f} s without the delay: {text} hidden"
+                f"per H steps, {base['blocked_per_outer']:.3f} s without the delay: {text} hidden "
+                f"(bound {100 * hideable(row, base):.0f}%: {row['delay']} steps of "
+                f"{row['s_per_step']:.4f} s against "
+                f"{base['blocked_per_outer'] / base['fragments']:.3f} s per fragment)"
             )
     return out
 
@@ -683,11 +703,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     report(results, skipped, args, loads)
 
 
+def unbuilt_streaming_bound(rows: list[dict], args: argparse.Namespace) -> list[str]:
+    """Where no streaming pair ran, a line per dense DiLoCo run: the most a delay of
+    ``--delay-steps`` could hide with ``--fragments`` fragments, taking a fragment's exchange as
+    ``1 / P`` of the whole model's blocked time (its round trips do not shrink, so the true
+    share is smaller)."""
+    out = []
+    for row in rows:
+        if row["method"] == "diloco-fp32":
+            as_if = {**row, "fragments": args.fragments, "delay": args.delay_steps}
+            out.append(
+                f"run {row['run'] + 1}, bound of stream-fp32-P{args.fragments}-"
+                f"d{args.delay_steps} from diloco-fp32: "
+                f"{100 * hideable(as_if, as_if):.0f}% of the exchange at most can hide "
+                f"({args.delay_steps} steps of {row['s_per_step']:.4f} s against "
+                f"{row['blocked_per_outer'] / args.fragments:.3f} s per fragment)"
+            )
+    return out
+
+
 def report(results: list[dict], skipped: dict[str, str], args, loads) -> None:
     rows = [summarize(r, args.target, args.sync_every) for r in results]
     print()
     print(table(rows, skipped))
-    for line in streaming_lines(rows):
+    for line in streaming_lines(rows) or unbuilt_streaming_bound(rows, args):
         print(line)
     if results:
         floor = ddp_floor(
