@@ -87,6 +87,7 @@ CHUNK = 4096
 TUNSETIFF = 0x400454CA
 IFF_TUN, IFF_NO_PI = 0x0001, 0x1000
 CLONE_NEWNET = 0x40000000
+PR_SET_PDEATHSIG = 1
 
 
 def _load(name: str, path: str):
@@ -208,6 +209,7 @@ def switch_config(args: argparse.Namespace) -> dict:
         "addresses": [cluster.address(args.subnet, i) for i in range(WORKERS)],
         "rate_bits": cluster.parse_rate(args.rate),
         "delay_s": parse_delay(args.delay),
+        "parent": os.getpid(),
     }
 
 
@@ -328,7 +330,10 @@ class Link:
 
 def run_switch(config: dict) -> None:
     """Makes the TUN devices, says ``ready`` on stdout, then forwards IPv4 packets between them
-    until SIGTERM."""
+    until SIGTERM, which it also gets when the benchmark that started it dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != config["parent"]:  # it died before prctl
+        return
     fds = open_tuns(config["namespaces"])
     by_address = {
         bytes(map(int, a.split("."))): fd for a, fd in zip(config["addresses"], fds, strict=True)
