@@ -88,6 +88,7 @@ TUNSETIFF = 0x400454CA
 IFF_TUN, IFF_NO_PI = 0x0001, 0x1000
 CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
+QUICK = {"target": 3.0, "ddp_steps": 20, "diloco_steps": 60, "eval_every": 5}
 
 
 def _load(name: str, path: str):
@@ -154,7 +155,7 @@ def not_built(method: Method, sync_every: int) -> str | None:
 
     import fn.diloco
 
-    model = torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(method.fragments)))
     try:
         fn.diloco.DiLoCo(
             model,
@@ -633,8 +634,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--switch", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.quick:
-        args.target, args.ddp_steps, args.diloco_steps, args.eval_every = 3.0, 20, 60, 5
+    if args.quick:  # its settings, where the command line left the defaults
+        for name, value in QUICK.items():
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
     if args.delay_steps is None:
         args.delay_steps = max(0, args.sync_every // args.fragments - 1)
     if args.methods is not None:

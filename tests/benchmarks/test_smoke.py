@@ -1100,6 +1100,13 @@ def test_diloco_wall_ddp_floor_is_the_ring_bytes_plus_its_delays():
     assert wall.tbf_burst(1e7, 1500) == 3000 and wall.tbf_burst(1e9, 1500) == 250_000
 
 
+def test_diloco_wall_quick_keeps_what_the_command_line_sets():
+    wall = _load("diloco_wall.py")
+    quick = wall.parse_args(["--quick", "--target", "0"])
+    assert quick.target == 0 and quick.ddp_steps == 20 and quick.diloco_steps == 60
+    assert wall.parse_args([]).target == 2.3
+
+
 def test_diloco_wall_rejects_unknown_methods_and_bad_delays(capsys):
     wall = _load("diloco_wall.py")
     for argv, message in ((["--methods", "ddp,nope"], "unknown nope"),
