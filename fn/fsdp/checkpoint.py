@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
 from fn.collectives.process_group import all_gather_flat
 from fn.fsdp.agreement import gather_texts, shared
@@ -49,6 +50,12 @@ class TrainingCheckpoint:
         step: the training loop's step count, kept in ``self.step``: the loop sets it as it
             trains (the optimizer's steps do not change it), :meth:`save` writes it and
             :meth:`load` restores it, so that a resumed loop starts at ``self.step``.
+        extra: further DCP ``Stateful`` s by name (e.g. ``{"diloco": fn.diloco.DiLoCo(...)}``),
+            saved under their names. :meth:`load` reads and restores them first, so that one
+            that refuses its state (raising in ``load_state_dict`` before it changes anything)
+            leaves everything as it was. The entries of a Stateful's ``state_dict()["per_rank"]``
+            (by convention, one per rank, named by the rank) that the checkpoint lacks (it was
+            saved on fewer ranks) are left out of its read, for it to restart.
 
     Example:
         >>> import tempfile, torch.distributed as dist
@@ -74,15 +81,33 @@ class TrainingCheckpoint:
         handle: LocoReduceScatterHandle | None = None,
         *,
         step: int = 0,
+        extra: Mapping[str, Stateful] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.handle = handle
         self.step = step
+        self.extra = dict(extra or {})
+        taken = {"model", "optim", "step", "loco"} & set(self.extra)
+        if taken:
+            raise ValueError(f"TrainingCheckpoint: extra names {sorted(taken)} are taken")
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"model", "optim", "step"[, "loco"]}``: sharded model and optimizer state dicts
-        (a :class:`~fn.fsdp.ShardedOnebitOptimizer`'s own ``state_dict()``)."""
+        """``{"model", "optim", "step"[, "loco"], *extra}``: sharded model and optimizer state
+        dicts (a :class:`~fn.fsdp.ShardedOnebitOptimizer`'s own ``state_dict()``), and each
+        extra Stateful's ``state_dict()`` under its name."""
+        state = self._own_state_dict()
+        state.update((name, x.state_dict()) for name, x in self.extra.items())
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`'s output: the extra Statefuls first, then the model,
+        optimizer and handle."""
+        for name, x in self.extra.items():
+            x.load_state_dict(state_dict[name])
+        self._load_own(state_dict)
+
+    def _own_state_dict(self) -> dict[str, Any]:
         if isinstance(self.optimizer, ShardedOnebitOptimizer):
             model_state, optim_state = get_model_state_dict(self.model), self.optimizer.state_dict()
         else:
@@ -96,8 +121,7 @@ class TrainingCheckpoint:
             state["loco"] = self.handle.state_dict()
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores :meth:`state_dict`'s output into the model, optimizer and handle."""
+    def _load_own(self, state_dict: dict[str, Any]) -> None:
         if isinstance(self.optimizer, ShardedOnebitOptimizer):
             self.optimizer.load_state_dict(state_dict["optim"])  # checks before it changes
             set_model_state_dict(self.model, state_dict["model"])
@@ -189,11 +213,16 @@ class TrainingCheckpoint:
         """
         path = _normalised(path)
         if not isinstance(self.optimizer, ShardedOnebitOptimizer):
+            keys = None
             if "://" not in path:  # a URL: DCP's own storage reads it
-                _read_metadata(path, _device(self.model))
-            dcp.load({"training": self}, checkpoint_id=path)
+                keys = _read_metadata(path, _device(self.model)).state_dict_metadata
+            self._load_extra(path, keys)
+            state = self._own_state_dict()
+            dcp.load({"training": state}, checkpoint_id=path)
+            self._load_own(state)
             return
         optim = read_onebit_state(self.optimizer, path, "training.optim")
+        self._load_extra(path, _read_metadata(path, _device(self.model)).state_dict_metadata)
         state = {
             "model": {k: v.detach().clone() for k, v in get_model_state_dict(self.model).items()},
             "step": torch.zeros((), dtype=torch.int64),
@@ -201,7 +230,26 @@ class TrainingCheckpoint:
         if self.handle is not None:
             state["loco"] = self.handle.state_dict()
         _read(path, {"training": state})
-        self.load_state_dict(dict(state, optim=optim))
+        self._load_own(dict(state, optim=optim))
+
+    def _load_extra(self, path: str, keys: Any) -> None:
+        """Reads the extra Statefuls' states (``keys``: the checkpoint's, to leave out the
+        per-rank entries it lacks; ``None``: all) and restores them."""
+        if not self.extra:
+            return
+        states = {name: x.state_dict() for name, x in self.extra.items()}
+        for name, state in states.items():
+            per_rank = state.get("per_rank") if isinstance(state, dict) else None
+            if keys is not None and isinstance(per_rank, dict):
+                prefix = f"training.{name}.per_rank."
+                state["per_rank"] = {
+                    k: v
+                    for k, v in per_rank.items()
+                    if any(key.startswith(f"{prefix}{k}.") for key in keys)
+                }
+        _read(path, {"training": states})
+        for name, x in self.extra.items():
+            x.load_state_dict(states[name])
 
 
 def read_onebit_state(
