@@ -9,6 +9,7 @@ workers. What differs per rank (the error feedback) sits under ``state["per_rank
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -23,10 +24,39 @@ from fn.diloco.sharding import as_sharded_like, local_shard
 from fn.errors import user_stacklevel
 from fn.tree import tree_flatten, tree_unflatten
 
-__all__ = ["PER_RANK", "own_key", "diloco_state_dict", "Restored", "restored"]
+__all__ = [
+    "PER_RANK",
+    "own_key",
+    "diloco_state_dict",
+    "Restored",
+    "restored",
+    "initializing_optimizer_state",
+]
 
 PER_RANK = "per_rank"
 """The key of the per-rank entries of a DiLoCo state dict, each under :func:`own_key`."""
+
+
+def initializing_optimizer_state() -> bool:
+    """Whether this call comes from ``torch.distributed.checkpoint.state_dict``'s
+    ``_init_optim_state``, which runs one ``step()`` of a fresh optimizer with zero gradients and
+    learning rate 0 to create its state before a checkpoint is saved or loaded: not a training
+    step, so DiLoCo does not count it.
+
+    Example:
+        >>> from fn.diloco.checkpoint import initializing_optimizer_state
+        >>> initializing_optimizer_state()
+        False
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (
+            frame.f_code.co_name == "_init_optim_state"
+            and frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict"
+        ):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def own_key() -> str:

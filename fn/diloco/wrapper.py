@@ -15,7 +15,7 @@ from torch import nn
 from fn.base import GradientTransformation
 from fn.collectives import Comm, Local, ProcessGroup, Simulated
 from fn.diloco.agreement import agree_on_settings
-from fn.diloco.checkpoint import diloco_state_dict, restored
+from fn.diloco.checkpoint import diloco_state_dict, initializing_optimizer_state, restored
 from fn.diloco.compressors import compression as build_compression
 from fn.diloco.nesterov_rule import nesterov
 from fn.diloco.sharding import local_shard, worker_mesh_comms
@@ -191,6 +191,8 @@ class DiLoCo:
 
     def _after_inner_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         del optimizer, args, kwargs
+        if initializing_optimizer_state():  # DCP's state_dict API creating a fresh state
+            return
         self.inner_steps += 1
         if self.inner_steps % self.sync_every == 0:
             self.sync()

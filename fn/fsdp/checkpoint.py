@@ -56,6 +56,9 @@ class TrainingCheckpoint:
             leaves everything as it was. The entries of a Stateful's ``state_dict()["per_rank"]``
             (by convention, one per rank, named by the rank) that the checkpoint lacks (it was
             saved on fewer ranks) are left out of its read, for it to restart.
+        key: the name of this state in the checkpoint. DCP keeps one copy of a name for all
+            ranks, so ranks whose model or optimizer state differ, as DiLoCo's workers' do,
+            save under names of their own (e.g. ``f"worker{w}"``) into one checkpoint.
 
     Example:
         >>> import tempfile, torch.distributed as dist
@@ -82,12 +85,14 @@ class TrainingCheckpoint:
         *,
         step: int = 0,
         extra: Mapping[str, Stateful] | None = None,
+        key: str = "training",
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.handle = handle
         self.step = step
         self.extra = dict(extra or {})
+        self.key = key
         taken = {"model", "optim", "step", "loco"} & set(self.extra)
         if taken:
             raise ValueError(f"TrainingCheckpoint: extra names {sorted(taken)} are taken")
@@ -165,7 +170,7 @@ class TrainingCheckpoint:
         """
         path = _normalised(path)
         if "://" in path:
-            dcp.save({"training": self}, checkpoint_id=path)
+            dcp.save({self.key: self}, checkpoint_id=path)
             return
         partial = f"{path}.partial"
         first = not dist.is_initialized() or dist.get_rank() == 0
@@ -181,7 +186,7 @@ class TrainingCheckpoint:
         outcome = f"nothing was saved; {before}"
         _each_rank(device, clear, RuntimeError, what, f"could not clear {partial}", outcome)
         try:
-            dcp.save({"training": self}, checkpoint_id=partial)
+            dcp.save({self.key: self}, checkpoint_id=partial)
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException
             if first:
                 shutil.rmtree(partial, ignore_errors=True)
@@ -218,10 +223,10 @@ class TrainingCheckpoint:
                 keys = _read_metadata(path, _device(self.model)).state_dict_metadata
             self._load_extra(path, keys)
             state = self._own_state_dict()
-            dcp.load({"training": state}, checkpoint_id=path)
+            dcp.load({self.key: state}, checkpoint_id=path)
             self._load_own(state)
             return
-        optim = read_onebit_state(self.optimizer, path, "training.optim")
+        optim = read_onebit_state(self.optimizer, path, f"{self.key}.optim")
         self._load_extra(path, _read_metadata(path, _device(self.model)).state_dict_metadata)
         state = {
             "model": {k: v.detach().clone() for k, v in get_model_state_dict(self.model).items()},
@@ -229,7 +234,7 @@ class TrainingCheckpoint:
         }
         if self.handle is not None:
             state["loco"] = self.handle.state_dict()
-        _read(path, {"training": state})
+        _read(path, {self.key: state})
         self._load_own(dict(state, optim=optim))
 
     def _load_extra(self, path: str, keys: Any) -> None:
@@ -241,13 +246,13 @@ class TrainingCheckpoint:
         for name, state in states.items():
             per_rank = state.get("per_rank") if isinstance(state, dict) else None
             if keys is not None and isinstance(per_rank, dict):
-                prefix = f"training.{name}.per_rank."
+                prefix = f"{self.key}.{name}.per_rank."
                 state["per_rank"] = {
                     k: v
                     for k, v in per_rank.items()
                     if any(key.startswith(f"{prefix}{k}.") for key in keys)
                 }
-        _read(path, {"training": states})
+        _read(path, {self.key: states})
         for name, x in self.extra.items():
             x.load_state_dict(states[name])
 
