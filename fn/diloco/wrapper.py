@@ -86,12 +86,22 @@ class DiLoCo:
     warns. A rank that stops answering makes the others raise
     ``fn.collectives.CollectiveTimeoutError`` after ``timeout`` (``$FN_TIMEOUT``).
 
+    A worker may span several ranks, its model sharded by FSDP2 (``fully_shard``, on a 1-D mesh
+    or HSDP; the parameters ``DTensor`` s, on one device mesh): ``group`` is then the workers'
+    ranks at one shard position (``mesh["worker"].get_group()`` for a mesh ``("worker",
+    "shard")``), each rank syncs its own local shard, the anchor is per local shard, and the
+    agreement that the pseudo-gradients are finite is also summed over the parameters' mesh, so
+    that every rank of every worker applies or skips a step together. ``"fp32"`` and ``"bf16"``
+    then give the unsharded model's outer step bit for bit; the compressors with groups or
+    chunks cut them from the shards.
+
     Args:
-        model: the worker's model (unsharded; buffers are not synchronized).
+        model: the worker's model, unsharded or sharded by FSDP2 (buffers are not
+            synchronized).
         inner_optimizer: the optimizer of ``model``'s parameters, stepped by the training loop.
         group: the workers: a ``torch.distributed`` group (``None``: the world, or one rank
             where ``torch.distributed`` is not initialized), or a ``fn.collectives.Local`` or
-            ``ProcessGroup``.
+            ``ProcessGroup``; with sharded workers, the workers' ranks at this shard position.
         sync_every: ``H``, inner steps per outer step.
         outer: the outer rule, one of :data:`OUTER_RULES`.
         outer_options: its options (``lr``, ``momentum`` for ``"nesterov"``; ``lr``, ``beta``
@@ -109,8 +119,9 @@ class DiLoCo:
     Raises:
         ValueError: a setting out of range, or (on every rank) settings or parameters that
             differ across ranks.
-        NotImplementedError: ``fragments > 1``, ``delay > 0`` or sharded (``DTensor``)
-            parameters, which are specified in docs/algorithms.md and not built.
+        NotImplementedError: ``fragments > 1`` or ``delay > 0``, which are specified in
+            docs/algorithms.md and not built; ``DTensor`` parameters mixed with plain ones or on
+            several device meshes.
 
     Example:
         >>> model = torch.nn.Linear(2, 1)
