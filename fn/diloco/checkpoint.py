@@ -129,7 +129,13 @@ def diloco_state_dict(
     feedback = error_feedback_leaves(outer_state)
     shared = [x for x, f in zip(leaves, feedback, strict=True) if not f]
     return {
-        "anchor": [as_sharded_like(a.clone(), p) for a, p in zip(anchor, params, strict=True)],
+        # sharded: on the mesh's device, as DCP reads a DTensor; else where it is kept
+        "anchor": [
+            as_sharded_like(a.to(local_shard(p).device, copy=True), p)
+            if isinstance(p, DTensor)
+            else a.clone()
+            for a, p in zip(anchor, params, strict=True)
+        ],
         "outer_state": [
             as_sharded_like(_copied(x), p)
             for x, p in zip(shared, _laid_out_like(shared, params), strict=True)

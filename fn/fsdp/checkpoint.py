@@ -214,7 +214,8 @@ class TrainingCheckpoint:
             OSError: on a rank that cannot read the checkpoint's metadata, its own error (such as
                 ``FileNotFoundError``); nothing was changed.
             ValueError: on every other rank then; and (a ``ShardedOnebitOptimizer``) the
-                checkpoint does not match the model or optimizer, or cannot be read.
+                checkpoint does not match the model or optimizer, or cannot be read; or an
+                extra Stateful's state cannot be read or is refused by it (nothing changed).
         """
         path = _normalised(path)
         if not isinstance(self.optimizer, ShardedOnebitOptimizer):
@@ -227,7 +228,8 @@ class TrainingCheckpoint:
             self._load_own(state)
             return
         optim = read_onebit_state(self.optimizer, path, f"{self.key}.optim")
-        self._load_extra(path, _read_metadata(path, _device(self.model)).state_dict_metadata)
+        if self.extra:
+            self._load_extra(path, _read_metadata(path, _device(self.model)).state_dict_metadata)
         state = {
             "model": {k: v.detach().clone() for k, v in get_model_state_dict(self.model).items()},
             "step": torch.zeros((), dtype=torch.int64),
