@@ -5,7 +5,8 @@ group ``mesh["worker"]``: the workers' ranks at one shard position).
 - With ``torch.optim.AdamW`` inside a worker: the same bits as the unsharded 2-worker run (the
   nesterov rule with fp32 is elementwise), every outer step the reference outer step on the
   workers' full params, and every rank of a shard position holds the same params after every
-  outer step. (``fn.fsdp.OnebitAdam`` refuses a shard mesh that does not hold every rank.)
+  outer step; the same bits with HSDP inside each worker (a mesh ``("worker", "replicate",
+  "shard")`` of 2 x 2 x 1). (``fn.fsdp.OnebitAdam`` refuses a shard mesh that does not hold every rank.)
 - A NaN on one rank skips the outer step on every rank of every shard position.
 - Checkpoints through ``fn.fsdp.TrainingCheckpoint`` (DCP, one name per worker, DiLoCo as an
   extra Stateful): a resumed run is the uninterrupted one bit for bit, with the error feedback
@@ -56,18 +57,19 @@ def _model(shard_mesh=None) -> nn.Module:
 
 def _full(model) -> list[torch.Tensor]:
     return [
-        p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+        (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()  # (may alias)
         for p in model.parameters()
     ]
 
 
 class Worker:
     """One worker's model, inner optimizer and DiLoCo on this rank, with the full params before
-    and after every outer step."""
+    and after every outer step (``shards``: the mesh dimensions a worker's model is sharded on;
+    none: unsharded)."""
 
-    def __init__(self, mesh, sharded=True, poison=None, **kwargs) -> None:
+    def __init__(self, mesh, shards=("shard",), poison=None, **kwargs) -> None:
         self.worker = mesh.get_coordinate()[0]
-        self.model = _model(mesh["shard"] if sharded else None)
+        self.model = _model(mesh[shards] if shards else None)
         self.inner = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.before, self.after, self.step = [], [], 0
         self.poison = poison
@@ -103,10 +105,15 @@ def _sharded(rank, world_size, path):
     del world_size
     mesh = init_device_mesh("cpu", (WORKERS, SHARDS), mesh_dim_names=("worker", "shard"))
     results = {}
-    for name, sharded in [("adamw", True), ("unsharded", False)]:
-        run = Worker(mesh, sharded)
+    for name, shards in [("adamw", ("shard",)), ("unsharded", ())]:
+        run = Worker(mesh, shards)
         run.train(H * OUTER_STEPS)
         results[name] = (run.before, run.after)
+    # HSDP inside each worker: 2 replicas of 1 shard (a 2-D mesh of DTensor params)
+    hsdp = init_device_mesh("cpu", (WORKERS, 2, 1), mesh_dim_names=("worker", "replicate", "shard"))
+    run = Worker(hsdp, ("replicate", "shard"))
+    run.train(H * OUTER_STEPS)
+    results["hsdp"] = (run.before, run.after)
     # a NaN on rank 3 (worker 1, shard 1): every rank of every shard position skips
     run = Worker(mesh, poison=3)
     start = _full(run.model)
@@ -163,6 +170,7 @@ def test_sharded_workers_step_as_unsharded_ones(ranks):
         _, unsharded = result["unsharded"]
         for s in range(OUTER_STEPS):
             assert _equal(sharded[s], unsharded[s]), (rank, s)
+            assert _equal(result["hsdp"][1][s], unsharded[s]), (rank, s)
             assert _equal(sharded[s], ranks[0]["adamw"][1][s]), (rank, s)
     # the outer step on the workers' full params (the ranks of worker w: 2w, 2w + 1)
     for name in ("adamw",):
