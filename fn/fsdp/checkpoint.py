@@ -7,7 +7,9 @@ by rank, so the same ``dcp.save`` / ``dcp.load`` carries it. Resuming needs the 
 and model: the error feedback of one rank means nothing to another. An
 :class:`~fn.fsdp.OnebitAdam` (or :class:`~fn.fsdp.OnebitLamb`) saves its own state dict (its
 shards, its packed momentum once, each rank's errors under that rank's name); its checkpoints
-load at any update, and at another world size with the error feedback reset.
+load at any update, and at another world size with the error feedback reset. Further DCP
+Statefuls (``extra=``, such as a :class:`fn.diloco.DiLoCo`) are saved beside them, and ranks
+whose model state differs (DiLoCo's workers) save under names of their own (``key=``).
 """
 
 from __future__ import annotations

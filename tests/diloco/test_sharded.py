@@ -6,7 +6,8 @@ group ``mesh["worker"]``: the workers' ranks at one shard position).
   nesterov rule with fp32 is elementwise), every outer step the reference outer step on the
   workers' full params, and every rank of a shard position holds the same params after every
   outer step; the same bits with HSDP inside each worker (a mesh ``("worker", "replicate",
-  "shard")`` of 2 x 2 x 1). (``fn.fsdp.OnebitAdam`` refuses a shard mesh that does not hold every rank.)
+  "shard")`` of 2 x 2 x 1). (``fn.fsdp.OnebitAdam`` refuses a shard mesh that does not hold
+  every rank, so it is not an inner optimizer here.)
 - A NaN on one rank skips the outer step on every rank of every shard position.
 - Checkpoints through ``fn.fsdp.TrainingCheckpoint`` (DCP, one name per worker, DiLoCo as an
   extra Stateful): a resumed run is the uninterrupted one bit for bit, with the error feedback
