@@ -15,8 +15,9 @@ The rules are transforms over the pseudo-gradient pytree with their state explic
 compressors are ``fn.collectives`` transforms that thread their error feedback. They run on
 ``Local``, ``Simulated`` and ``ProcessGroup``. :class:`DiLoCo` hooks the outer step onto any
 inner optimizer's ``step()`` and keeps the anchor, the outer state and the counters for
-checkpoints. docs/algorithms.md, "DiLoCo: local steps and a compressed outer step" specifies
-them, and also the streaming fragments, the delay and sharded workers, which are not built.
+checkpoints (``torch.save`` per rank, or ``torch.distributed.checkpoint``), for workers of one
+rank or sharded by FSDP2. docs/algorithms.md, "DiLoCo: local steps and a compressed outer step"
+specifies them, and also the streaming fragments and the delay, which are not built.
 """
 
 from fn.diloco.compressors import COMPRESSIONS, compression

@@ -11,17 +11,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from fn.base import GradientTransformation
-from fn.collectives import Comm, Local, ProcessGroup, Simulated, error_feedback_leaves
+from fn.collectives import Comm, Local, ProcessGroup, Simulated
 from fn.diloco.agreement import agree_on_settings
+from fn.diloco.checkpoint import diloco_state_dict, initializing_optimizer_state, restored
 from fn.diloco.compressors import compression as build_compression
 from fn.diloco.nesterov_rule import nesterov
+from fn.diloco.sharding import local_shard, worker_mesh_comms
 from fn.diloco.sparseloco_rule import sparseloco
 from fn.diloco.step import outer_step
 from fn.errors import check_int, user_stacklevel
-from fn.tree import tree_flatten, tree_unflatten
 
 __all__ = ["OUTER_RULES", "DiLoCo"]
 
@@ -86,12 +86,22 @@ class DiLoCo:
     warns. A rank that stops answering makes the others raise
     ``fn.collectives.CollectiveTimeoutError`` after ``timeout`` (``$FN_TIMEOUT``).
 
+    A worker may span several ranks, its model sharded by FSDP2 (``fully_shard``, on a 1-D mesh
+    or HSDP; the parameters ``DTensor`` s, on one device mesh): ``group`` is then the workers'
+    ranks at one shard position (``mesh["worker"].get_group()`` for a mesh ``("worker",
+    "shard")``), each rank syncs its own local shard, the anchor is per local shard, and the
+    agreement that the pseudo-gradients are finite is also summed over the parameters' mesh, so
+    that every rank of every worker applies or skips a step together. ``"fp32"`` and ``"bf16"``
+    then give the unsharded model's outer step bit for bit; the compressors with groups or
+    chunks cut them from the shards.
+
     Args:
-        model: the worker's model (unsharded; buffers are not synchronized).
+        model: the worker's model, unsharded or sharded by FSDP2 (buffers are not
+            synchronized).
         inner_optimizer: the optimizer of ``model``'s parameters, stepped by the training loop.
         group: the workers: a ``torch.distributed`` group (``None``: the world, or one rank
             where ``torch.distributed`` is not initialized), or a ``fn.collectives.Local`` or
-            ``ProcessGroup``.
+            ``ProcessGroup``; with sharded workers, the workers' ranks at this shard position.
         sync_every: ``H``, inner steps per outer step.
         outer: the outer rule, one of :data:`OUTER_RULES`.
         outer_options: its options (``lr``, ``momentum`` for ``"nesterov"``; ``lr``, ``beta``
@@ -109,8 +119,9 @@ class DiLoCo:
     Raises:
         ValueError: a setting out of range, or (on every rank) settings or parameters that
             differ across ranks.
-        NotImplementedError: ``fragments > 1``, ``delay > 0`` or sharded (``DTensor``)
-            parameters, which are specified in docs/algorithms.md and not built.
+        NotImplementedError: ``fragments > 1`` or ``delay > 0``, which are specified in
+            docs/algorithms.md and not built; ``DTensor`` parameters mixed with plain ones or on
+            several device meshes.
 
     Example:
         >>> model = torch.nn.Linear(2, 1)
@@ -149,11 +160,7 @@ class DiLoCo:
                 "are specified in docs/algorithms.md and not built; use fragments=1, delay=0"
             )
         self._params = [p for p in model.parameters() if p.requires_grad]
-        if any(isinstance(p, DTensor) for p in self._params):
-            raise NotImplementedError(
-                "DiLoCo: sharded (DTensor) parameters, one group per shard position, are "
-                "specified in docs/algorithms.md and not built"
-            )
+        self._within = worker_mesh_comms(self._params, timeout)  # sharded: the worker's ranks
         self.comm = _comm(group, timeout)
         outer_options, options = dict(outer_options or {}), dict(compression_options or {})
         self._rule = _rule(outer, outer_options, compression, options, self.comm)
@@ -166,12 +173,13 @@ class DiLoCo:
             "compression": (compression, sorted(options.items())),
             "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._params],
         }
-        values = {"parameter values": _params_digest(self._params)}
+        shards = [local_shard(p.detach()) for p in self._params]
+        values = {
+            "local shapes": [tuple(x.shape) for x in shards],
+            "parameter values": _params_digest(shards),
+        }
         agree_on_settings(self.comm, {**self._settings, **values}, "DiLoCo")
-        with torch.no_grad():
-            self._anchor = [
-                p.detach().to(anchor_device or p.device, copy=True) for p in self._params
-            ]
+        self._anchor = [x.to(anchor_device or x.device, copy=True) for x in shards]
         self._state = self._rule.init(self._anchor)
         self.inner_steps = 0
         self.outer_steps = 0
@@ -194,6 +202,8 @@ class DiLoCo:
 
     def _after_inner_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         del optimizer, args, kwargs
+        if initializing_optimizer_state():  # DCP's state_dict API creating a fresh state
+            return
         self.inner_steps += 1
         if self.inner_steps % self.sync_every == 0:
             self.sync()
@@ -216,10 +226,12 @@ class DiLoCo:
             >>> diloco.sync(), diloco.outer_steps
             (True, 1)
         """
-        anchor = [a.to(p.device) for a, p in zip(self._anchor, self._params, strict=True)]
-        params = [p.detach() for p in self._params]
-        result = outer_step(self._rule, anchor, params, self._state, comm=self.comm)
-        for p, a, new in zip(self._params, self._anchor, result.anchor, strict=True):
+        params = [local_shard(p.detach()) for p in self._params]
+        anchor = [a.to(p.device) for a, p in zip(self._anchor, params, strict=True)]
+        result = outer_step(
+            self._rule, anchor, params, self._state, comm=self.comm, within=self._within
+        )
+        for p, a, new in zip(params, self._anchor, result.anchor, strict=True):
             p.copy_(new)
             a.copy_(new)
         self._state = result.state
@@ -237,45 +249,52 @@ class DiLoCo:
         return applied
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's DiLoCo state: the anchor, the outer rule's state (its error feedback is
-        this rank's own), the counters and the settings.
+        """This rank's DiLoCo state: the anchor, the outer rule's state, the counters and the
+        settings under keys shared by the ranks, and this rank's error feedback under
+        ``state["per_rank"]["rank<r>"]`` (``r`` its rank in the world).
 
-        Save it per rank (e.g. ``torch.save`` to one file per rank), with the model's and the
-        inner optimizer's state: together they resume bit for bit.
+        Save it per rank (``torch.save`` to one file per rank), or through
+        ``torch.distributed.checkpoint`` (``fn.fsdp.TrainingCheckpoint(..., extra={"diloco":
+        diloco})``), which keeps one copy of each shared key, of each shard where the workers
+        are sharded (the anchor and the momentum are then ``DTensor`` s laid out as the
+        parameters). With the model's and the inner optimizer's state, it resumes bit for bit.
 
         Returns:
-            A dict of tensors, pytrees of tensors and Python values (fresh copies).
+            A dict of tensors, lists of tensors and Python values (fresh copies).
 
         Example:
             >>> model = torch.nn.Linear(2, 1)
             >>> inner = torch.optim.SGD(model.parameters(), lr=0.1)
             >>> sorted(fn.diloco.DiLoCo(model, inner, sync_every=2).state_dict())
-            ['anchor', 'counts', 'outer_state', 'settings', 'world_size']
+            ['anchor', 'counts', 'outer_state', 'per_rank', 'settings', 'world_size']
         """
-        leaves, spec = tree_flatten(self._state)
-        return {
-            "anchor": [a.clone() for a in self._anchor],
-            "outer_state": tree_unflatten([_copied(x) for x in leaves], spec),
-            "counts": {
-                "inner_steps": self.inner_steps,
-                "outer_steps": self.outer_steps,
-                "skipped_steps": self.skipped_steps,
-            },
-            "settings": repr(self._settings),
-            "world_size": self.comm.world_size,
+        counts = {
+            "inner_steps": self.inner_steps,
+            "outer_steps": self.outer_steps,
+            "skipped_steps": self.skipped_steps,
         }
+        return diloco_state_dict(
+            self._anchor,
+            self._state,
+            self._params,
+            counts=counts,
+            settings=repr(self._settings),
+            world_size=self.comm.world_size,
+        )
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores a :meth:`state_dict`. Under another world size the error feedback restarts
-        from zero, with one warning; the rest (the anchor, the momentum, the counters) loads.
+        """Restores a :meth:`state_dict`. Under another number of workers (or from another
+        rank's file) the error feedback restarts from zero, with one warning; the rest (the
+        anchor, the momentum, the counters) loads.
 
         Args:
-            state: what :meth:`state_dict` returned on this rank (or, under another world
-                size, on some rank).
+            state: what :meth:`state_dict` returned on this rank (or, under another number of
+                workers, on some rank), or what ``torch.distributed.checkpoint`` loaded into it.
 
         Raises:
-            ValueError: settings other than this object's, or tensors of other shapes.
+            ValueError: settings other than this object's, or tensors of other shapes; nothing
+                was changed.
 
         Example:
             >>> model = torch.nn.Linear(2, 1)
@@ -288,44 +307,16 @@ class DiLoCo:
             >>> diloco.outer_steps
             0
         """
-        if state["settings"] != repr(self._settings):
-            raise ValueError(
-                f"DiLoCo.load_state_dict: the checkpoint's settings {state['settings']} differ "
-                f"from this object's {self._settings!r}"
-            )
-        saved, spec = tree_flatten(state["outer_state"])
-        fresh, fresh_spec = tree_flatten(self._rule.init(self._anchor))
-        if spec != fresh_spec:
-            raise ValueError("DiLoCo.load_state_dict: the outer state has another structure")
-        same_world = state["world_size"] == self.comm.world_size
-        feedback = error_feedback_leaves(tree_unflatten(fresh, fresh_spec))
-        if not same_world and any(feedback):
-            warnings.warn(
-                f"DiLoCo.load_state_dict: the checkpoint was taken on {state['world_size']} "
-                f"ranks, this run has {self.comm.world_size}: the error feedback restarts from "
-                "zero",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
-        leaves = []
-        for old, new, is_feedback in zip(saved, fresh, feedback, strict=True):
-            keep = new if is_feedback and not same_world else old
-            if isinstance(new, torch.Tensor) and keep.shape != new.shape:
-                raise ValueError(
-                    f"DiLoCo.load_state_dict: a state tensor of shape {tuple(keep.shape)} where "
-                    f"this run has {tuple(new.shape)}"
-                )
-            leaves.append(_copied(keep).to(new.device) if isinstance(new, torch.Tensor) else keep)
-        for a, saved_anchor in zip(self._anchor, state["anchor"], strict=True):
-            if a.shape != saved_anchor.shape:
-                raise ValueError("DiLoCo.load_state_dict: the anchor has other shapes")
-            a.copy_(saved_anchor)
-        self._state = tree_unflatten(leaves, fresh_spec)
-        counts = state["counts"]
-        self.inner_steps = counts["inner_steps"]
-        self.outer_steps = counts["outer_steps"]
-        self.skipped_steps = counts["skipped_steps"]
-
-
-def _copied(x: Any) -> Any:
-    return x.clone() if isinstance(x, torch.Tensor) else x
+        loaded = restored(
+            state,
+            anchor=self._anchor,
+            fresh_state=self._rule.init(self._anchor),
+            settings=repr(self._settings),
+            world_size=self.comm.world_size,
+        )
+        for a, saved in zip(self._anchor, loaded.anchor, strict=True):
+            a.copy_(saved)
+        self._state = loaded.outer_state
+        self.inner_steps = loaded.counts["inner_steps"]
+        self.outer_steps = loaded.counts["outer_steps"]
+        self.skipped_steps = loaded.counts["skipped_steps"]
