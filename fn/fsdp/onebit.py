@@ -36,7 +36,12 @@ from fn.collectives.comm import HOPS
 from fn.errors import NonFiniteError
 from fn.fsdp._fsdp2 import reduce_scatters_stopped
 from fn.fsdp.agreement import agree
-from fn.fsdp.onebit_checks import check_partitions, model_problem, replicate_problem
+from fn.fsdp.onebit_checks import (
+    check_partitions,
+    model_problem,
+    replicate_problem,
+    spanned_ranks,
+)
 from fn.fsdp.onebit_layout import (
     ModuleLayout,
     fsdp_groups,
@@ -75,10 +80,11 @@ OPTIONS = (
         default=torch.float32,
         annotation="torch.dtype",
     ),
+    Parameter("world", Parameter.KEYWORD_ONLY, default=None, annotation="dist.ProcessGroup | None"),
 )
 _OPTION_NAMES = (
     "exp_avg_mask", "nonfinite", "local_world_size", "error_dtype", "replicate", "non_freeze",
-    "max_grad_norm", "accumulate_dtype",
+    "max_grad_norm", "accumulate_dtype", "world",
 )  # fmt: skip
 _CLIP_EPS = 1e-6  # in the clipping factor's denominator, as torch.nn.utils.clip_grad_norm_'s
 
@@ -140,7 +146,9 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         non_freeze: bool = False,
         max_grad_norm: float | None = None,
         accumulate_dtype: torch.dtype = torch.float32,
+        world: dist.ProcessGroup | None = None,
     ) -> None:
+        world_ranks = spanned_ranks(self.name, world)
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"{self.name}: model must be the nn.Module that fully_shard sharded (the "
@@ -154,7 +162,7 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
             self.name, model, found, non_freeze, exp_avg_mask, nonfinite, local_world_size
         )
         if problem is None:
-            problem = replicate_problem(self.name, replicate, found)
+            problem = replicate_problem(self.name, replicate, found, world_ranks, world is None)
         if problem is None:
             problem = self._bad_settings(settings, error_dtype)
         if problem is None:
@@ -171,16 +179,18 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
              [(m, [(n, tuple(p.shape)) for n, p in ps]) for m, ps in found], *hsdp)
         )  # fmt: skip
         device = found[0][1][0][1].device if found else "cpu"
-        # over the world (None), whatever the meshes: ranks that passed different meshes or
-        # replicate= on some ranks only still meet in one collective
-        agree(self.name, None, problem, fingerprint, device=device)
+        # over world (None: the default group), whatever the meshes: ranks that passed
+        # different meshes or replicate= on some ranks only still meet in one collective
+        agree(self.name, world, problem, fingerprint, device=device)
+        self._world = world  # the group of the checks over every rank (None: the default)
         self._comms = CommCache(None)
         self.comm = self._comms(group)
         self._replicas = None  # fn's comm over the replicate group (HSDP, N > 1), or None
         self._hops: dict[tuple[int, ...], str] = {}  # HSDP: the level of a group, by its ranks
         multiple = None
         if replicate is not None:
-            check_partitions(self.name, found[0][1][0][1].device_mesh, replicate, device)
+            shard_mesh = found[0][1][0][1].device_mesh
+            check_partitions(self.name, shard_mesh, replicate, device, world, world_ranks)
             if replicate.size() > 1:
                 self._replicas = self._comms(replicate.get_group(0))
                 multiple = row_multiple(replicate.size())
@@ -278,7 +288,7 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         """The bytes this rank has sent, by level (a dict from ``"world"``, ``"intra"`` and
         ``"inter"`` to bytes): on HSDP ``"intra"`` is the shard group (inside a node),
         ``"inter"`` the replicate group (across the nodes) and ``"world"`` the checks over
-        every rank (a few bytes an update); on a 1-D mesh every byte counts under
+        every rank of ``world`` (a few bytes an update); on a 1-D mesh every byte counts under
         ``"world"``."""
         counts = dict.fromkeys(HOPS, 0)
         for group, comm in self._comms.comms.items():
@@ -353,7 +363,7 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         self._problems.clear()
         self._delivered = False
         try:
-            # each node's reduce-scatters found their own: share them over the world, unless a
+            # each node's reduce-scatters found their own: share them over world, unless a
             # group failed (this rank then has its own failure to raise at once)
             if self._replicas is not None and not failed.groups:
                 problems = self._shared_problems(problems)
@@ -490,8 +500,8 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         """By module (those reduce-scattered), the gradient that enters its momentum, flat
         fp32 in the layout of ``X``: on a 1-D mesh this rank's accumulated local gradient, on
         HSDP its row of the node's (from ``.grad``), times the clipping factor of
-        ``max_grad_norm``. One all-gather over the ranks holding different gradients (the
-        world) of three fp64 values checks that all are finite, sums their squared norms and
+        ``max_grad_norm``. One all-gather over the ranks holding different gradients
+        (``world``) of three fp64 values checks that all are finite, sums their squared norms and
         tells every rank whether some rank's ``.grad`` was changed where the update does not
         read it (:meth:`_grad_changed`: then every rank warns, once).
 
@@ -511,8 +521,13 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         bad = sum(int(not bool(g.isfinite().all())) for g in gradients.values())
         square = sum((float(g.double().square().sum()) for g in gradients.values()), 0.0)
         mine = torch.tensor([float(bad), 0.0 if bad else square, changed], dtype=torch.float64)
-        everyone = self._comms(None)
+        everyone = self._comms(self._world)
         totals = everyone.all_gather(mine).view(-1, 3).sum(0)
+        if totals[0] > 0:  # (a NaN differs from itself: no word of a changed .grad then)
+            raise NonFiniteError(
+                f"{self.name}: non-finite values in the accumulated gradient of some rank; "
+                "nothing was updated"
+            )
         if totals[2] > 0 and not self._grad_change_warned:
             self._grad_change_warned = True
             warnings.warn(
@@ -522,11 +537,6 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
                 "change has no effect. Clip with max_grad_norm= (every phase), or use HSDP "
                 "(replicate=), where .grad is what the update reads",
                 stacklevel=4,
-            )
-        if totals[0] > 0:
-            raise NonFiniteError(
-                f"{self.name}: non-finite values in the accumulated gradient of some rank; "
-                "nothing was updated"
             )
         replicas = self.comm.world_size if self._replicas is None else self._replicas.world_size
         factor = self._clip_factor(totals[1] / replicas)
@@ -559,7 +569,7 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
 
     def _shared_problems(self, problems: list[Exception]) -> list[Exception]:
         """HSDP: what the reduce-scatters found, on every rank (one all-gather of three values
-        over the world). A reduce-scatter raises on the ranks of one node's shard group; the
+        over ``world``). A reduce-scatter raises on the ranks of one node's shard group; the
         other ranks then raise too, of the same kind when it is ``fn.NonFiniteError`` or
         ``CollectiveTimeoutError`` (naming the first rank that the failed collective
         missed)."""
@@ -568,7 +578,7 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         if isinstance(first, CollectiveTimeoutError) and first.missing_ranks:
             lost = float(min(first.missing_ranks))
         mine = torch.tensor([float(first is not None), float(_nonfinite(first)), lost])
-        rows = self._comms(None).all_gather(mine.double()).view(-1, 3)
+        rows = self._comms(self._world).all_gather(mine.double()).view(-1, 3)
         failed = rows[:, 0].nonzero().view(-1).tolist()
         if problems or not failed:
             return problems
@@ -728,11 +738,21 @@ class OnebitAdam(ShardedOnebitOptimizer):
             phase runs the 1-bit allreduce of this rank's row of the momentum over the
             replicate group, keeping the row as packed signs (worker error: the row, server
             error: ``1 / N`` of it; no buffer is full size). ``None`` (default): the shard mesh
-            must hold every rank. With ``N = 1`` it is the 1-D path; with ``L = 1`` (one rank
-            per node) FSDP2 runs no reduce-scatter and the same step runs in FSDP2's all-reduce
-            hook. Checkpoints resume bit for bit on the same mesh shape, and load on any other
-            (another ``N`` x ``L``, or a 1-D mesh, and back): ``v`` and the momentum resharded
-            exactly, the error feedback restarted from zero with a warning.
+            must hold every rank of ``world``. With ``N = 1`` it is the 1-D path; with
+            ``L = 1`` (one rank per node) FSDP2 runs no reduce-scatter and the same step runs in
+            FSDP2's all-reduce hook. Checkpoints resume bit for bit on the same mesh shape, and
+            load on any other (another ``N`` x ``L``, or a 1-D mesh, and back): ``v`` and the
+            momentum resharded exactly, the error feedback restarted from zero with a warning.
+        world: the process group of the ranks the optimizer spans (``None``: the default
+            group), over which it agrees on the settings at construction and checks every
+            update (non-finite values, the clipping norm; on HSDP the reduce-scatters'
+            failures). The shard mesh must hold every rank of ``world``, or with ``replicate``
+            the shard and replicate meshes must each partition it. Another group lets several
+            independent runs share one ``torch.distributed`` world, each on its own ranks: a
+            DiLoCo worker of ``L`` ranks passes its shard mesh's group,
+            ``mesh["shard"].get_group()`` (docs/guides/diloco.md), and an HSDP worker a group of
+            its ``N L`` ranks (``dist.new_group``, which every rank of the default group calls
+            for every worker). Every rank of ``world`` passes the same group.
         max_grad_norm: clip the gradient that enters the momentum to this norm (``None``: no
             clipping), by ``min(1, max_grad_norm / (norm + 1e-6))`` as
             ``torch.nn.utils.clip_grad_norm_``: in the warmup the norm of the averaged
@@ -748,10 +768,13 @@ class OnebitAdam(ShardedOnebitOptimizer):
     Raises:
         ValueError: on every rank: no FSDP2 module with trainable params, a trainable param
             outside every FSDP2 module, a module already driven by another ``fn.fsdp`` optimizer,
-            settings that differ between ranks (with ``replicate``: between any ranks of the
-            world), a bad hyperparameter, a 1-D shard mesh that leaves ranks out without
-            ``replicate``, or a ``replicate`` mesh that does not complement the shard mesh.
-        TypeError: on every rank: ``replicate`` is not a 1-D ``DeviceMesh``.
+            settings that differ between ranks (with ``replicate``: between any ranks of
+            ``world``), a bad hyperparameter, a 1-D shard mesh that leaves ranks of ``world`` out
+            without ``replicate``, a mesh rank outside ``world``, or a ``replicate`` mesh that
+            does not complement the shard mesh; on this rank alone: this rank is not in
+            ``world``.
+        TypeError: on every rank: ``replicate`` is not a 1-D ``DeviceMesh``; on this rank
+            alone: ``world`` is not a ``torch.distributed.ProcessGroup``.
         NotImplementedError: on every rank: a model sharded on a 2-D mesh (shard it on
             ``mesh["shard"]`` and pass ``replicate=mesh["replicate"]``), or an option not
             built yet.

@@ -29,7 +29,8 @@ from fn.fsdp.onebit_masks import mask_problem
 from fn.fsdp.onebit_reduce_scatter import OnebitReduceScatter
 
 __all__ = [
-    "check_partitions", "hsdp_form", "mesh_ranks", "model_problem", "node_keys", "replicate_problem"
+    "check_partitions", "hsdp_form", "mesh_ranks", "model_problem", "node_keys",
+    "replicate_problem", "spanned_ranks",
 ]  # fmt: skip
 
 Found = list[tuple[str, list[tuple[str, DTensor]]]]
@@ -119,23 +120,81 @@ def model_problem(
     return mask_problem(found, exp_avg_mask)
 
 
+def spanned_ranks(name: str, world: Any) -> list[int]:
+    """The global ranks of ``world``, the process group a 1-bit optimizer spans (``None``: the
+    default group), in its order.
+
+    Args:
+        name: the optimizer, which starts the messages.
+        world: its ``world`` argument.
+
+    Returns:
+        The ranks.
+
+    Raises:
+        TypeError: ``world`` is neither ``None`` nor a ``torch.distributed.ProcessGroup``.
+        ValueError: this rank is not in ``world``.
+
+        Both on this rank alone (the ranks cannot agree over a group this rank is not in).
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> from fn.fsdp.onebit_checks import spanned_ranks
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> spanned_ranks("fn.fsdp.OnebitAdam", None)
+        [0]
+        >>> dist.destroy_process_group()
+    """
+    if world is None:
+        return list(range(dist.get_world_size()))
+    if world is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"{name}: rank {dist.get_rank()} is not in world= (dist.new_group hands a rank "
+            "outside the group a placeholder): pass the group of the ranks this rank trains with"
+        )
+    if not isinstance(world, dist.ProcessGroup):
+        raise TypeError(
+            f"{name}: world must be a torch.distributed.ProcessGroup (such as "
+            f'mesh["shard"].get_group()) or None, got {type(world).__name__}'
+        )
+    return dist.get_process_group_ranks(world)
+
+
+def _spanned(default: bool, ranks: list[int]) -> str:
+    """How the messages name the ranks an optimizer spans."""
+    return "the world" if default else f"world= (ranks {ranks})"
+
+
 def replicate_problem(
-    name: str, replicate: Any, found: Found
+    name: str, replicate: Any, found: Found, world: list[int] | None = None, default: bool = True
 ) -> tuple[type[Exception], str] | None:
     """What this rank finds wrong with ``replicate`` and the model's 1-D shard mesh (``found``,
     the FSDP2 modules, all on that mesh), or ``None``. Without ``replicate``, the shard mesh
-    must hold every rank of the default group."""
+    must hold every rank of ``world`` (the global ranks the optimizer spans; ``None``: the
+    default group's, and ``default`` says whether they are); with it, the shard and replicate
+    meshes must lie inside ``world`` and their product be its size."""
     shard = found[0][1][0][1].device_mesh
-    world, rank = dist.get_world_size(), dist.get_rank()
+    rank = dist.get_rank()
+    world = list(range(dist.get_world_size())) if world is None else world
+    size, where = len(world), _spanned(default, world)
+    outside = sorted(set(mesh_ranks(shard)) - set(world))
+    if isinstance(replicate, DeviceMesh) and replicate.ndim == 1:
+        outside = sorted(set(outside) | (set(mesh_ranks(replicate)) - set(world)))
+    if outside:
+        return ValueError, (
+            f"ranks {outside} of the model's shard mesh or of replicate lie outside {where}: "
+            "world must hold every rank of the shard mesh (with replicate=, of both meshes)"
+        )
     if replicate is None:
-        if shard.size() < world:
+        if shard.size() < size:
             return ValueError, (
-                f"the model's 1-D shard mesh holds {shard.size()} of the {world} ranks: the "
-                "ranks outside it would drift apart unnoticed. Shard over every rank (under "
-                "Lightning: ModelParallelStrategy(data_parallel_size=<world size>, "
-                "tensor_parallel_size=1), whose default data_parallel_size is the number of "
-                "nodes), or for HSDP pass replicate= (the mesh across the nodes): "
-                f"{hsdp_form(name)}"
+                f"the model's 1-D shard mesh holds {shard.size()} of the {size} ranks"
+                f"{'' if default else ' of world='}: the ranks outside it would drift apart "
+                "unnoticed. Shard over every rank (under Lightning: ModelParallelStrategy("
+                "data_parallel_size=<world size>, tensor_parallel_size=1), whose default "
+                "data_parallel_size is the number of nodes), or for HSDP pass replicate= (the "
+                f"mesh across the nodes): {hsdp_form(name)}"
+                + ("" if default else "; or pass the shard mesh's group as world=")
             )
         return None
     if not isinstance(replicate, DeviceMesh) or replicate.ndim != 1:
@@ -152,10 +211,11 @@ def replicate_problem(
             f"the shard mesh {shards} and replicate {replicas} share more ranks than this one "
             f"({rank}): replicate must be the other dimension of the shard mesh's 2-D mesh"
         )
-    if len(shards) * len(replicas) != world:
+    if len(shards) * len(replicas) != size:
+        size_of = "world size" if default else "size of world="
         return ValueError, (
             f"the shard mesh ({len(shards)} ranks) times replicate ({len(replicas)}) is not the "
-            f"world size {world}: {hsdp_form(name)}"
+            f"{size_of} {size}: {hsdp_form(name)}"
         )
     return None
 
@@ -188,16 +248,22 @@ def _nodes(keys: list[list[int]]) -> tuple[list[int], str] | None:
 
 
 def _check_nodes(
-    name: str, shards: list[list[int]], replicas: list[list[int]], keys: list[list[int]]
+    name: str,
+    shards: list[list[int]],
+    replicas: list[list[int]],
+    keys: list[list[int]],
+    ranks: list[int],
 ) -> None:
     """Raises ``ValueError`` when the mesh's dimensions are swapped (every shard group spans
     nodes while every replicate group lies inside one); warns when a shard group spans nodes
-    otherwise while replicate groups have several ranks. The same on every rank: every input
-    is."""
+    otherwise while replicate groups have several ranks. The groups hold global ranks,
+    ``keys`` are the :func:`node_keys` of ``ranks`` (the ranks the optimizer spans), in
+    order. The same on every rank: every input is."""
     found = _nodes(keys)
     if found is None:
         return
-    node, source = found
+    nodes, source = found
+    node = dict(zip(ranks, nodes, strict=True))
     spanning = [g for g in shards if len({node[r] for r in g}) > 1]
     if not spanning or len(replicas[0]) == 1:  # no replicate dimension: 1-D FSDP2 across nodes
         return
@@ -220,33 +286,43 @@ def _check_nodes(
 
 
 def check_partitions(
-    name: str, shard: DeviceMesh, replicate: DeviceMesh, device: torch.device | str
+    name: str,
+    shard: DeviceMesh,
+    replicate: DeviceMesh,
+    device: torch.device | str,
+    world: dist.ProcessGroup | None = None,
+    ranks: list[int] | None = None,
 ) -> None:
     """Raises ``ValueError`` on every rank unless every rank's shard ranks and replicate ranks
-    each form a partition of the world, or where the ranks' nodes show the mesh's dimensions
-    swapped (the shard groups across the nodes, the replicate groups inside them); warns on
-    every rank where a shard group spans nodes otherwise (:func:`_check_nodes`). One all-gather
-    over the world of every rank's two sets as 0/1 rows and its :func:`node_keys`; every rank
-    reaches the same verdict."""
-    world = dist.get_world_size()
-    mine = torch.zeros(2 * world + 16, dtype=torch.uint8)
-    mine[mesh_ranks(shard)] = 1
-    mine[[world + r for r in mesh_ranks(replicate)]] = 1
-    mine[2 * world :] = torch.tensor(node_keys(dist.get_rank())).view(torch.uint8)
-    gathered = ProcessGroup(None).all_gather(mine.to(device)).cpu()  # [world, 2 world + 16]
-    rows = gathered[:, : 2 * world].bool().view(world, 2, world)
+    each form a partition of ``world`` (the group the optimizer spans, ``None``: the default
+    group; ``ranks``: its global ranks, in order), or where the ranks' nodes show the mesh's
+    dimensions swapped (the shard groups across the nodes, the replicate groups inside them);
+    warns on every rank where a shard group spans nodes otherwise (:func:`_check_nodes`). One
+    all-gather over ``world`` of every rank's two sets as 0/1 rows and its :func:`node_keys`;
+    every rank reaches the same verdict. Every mesh rank lies in ``world``
+    (:func:`replicate_problem` checked it)."""
+    ranks = list(range(dist.get_world_size(world))) if ranks is None else ranks
+    where = _spanned(world is None, ranks)
+    size, index = len(ranks), {r: i for i, r in enumerate(ranks)}
+    mine = torch.zeros(2 * size + 16, dtype=torch.uint8)
+    mine[[index[r] for r in mesh_ranks(shard)]] = 1
+    mine[[size + index[r] for r in mesh_ranks(replicate)]] = 1
+    mine[2 * size :] = torch.tensor(node_keys(dist.get_rank())).view(torch.uint8)
+    gathered = ProcessGroup(world).all_gather(mine.to(device)).cpu()  # [size, 2 size + 16]
+    rows = gathered[:, : 2 * size].bool().view(size, 2, size)
     for kind, sets in (("shard", rows[:, 0]), ("replicate", rows[:, 1])):
-        for r in range(world):
+        for r in range(size):
             same = bool((sets[sets[r]] == sets[r]).all())
             if not bool(sets[r, r]) or not same:
+                held = [ranks[i] for i in sets[r].nonzero().view(-1).tolist()]
                 raise ValueError(
-                    f"{name}: the ranks' {kind} meshes do not partition the world (rank {r}'s "
-                    f"holds {sets[r].nonzero().view(-1).tolist()}): every rank must pass the "
-                    f"dimensions of one 2-D mesh: {hsdp_form(name)}"
+                    f"{name}: the ranks' {kind} meshes do not partition {where} (rank "
+                    f"{ranks[r]}'s holds {held}): every rank must pass the dimensions of one 2-D "
+                    f"mesh: {hsdp_form(name)}"
                 )
     groups = [
-        sorted({tuple(sets[r].nonzero().view(-1).tolist()) for r in range(world)})
+        sorted({tuple(ranks[i] for i in sets[r].nonzero().view(-1).tolist()) for r in range(size)})
         for sets in (rows[:, 0], rows[:, 1])
     ]
-    keys = gathered[:, 2 * world :].contiguous().view(torch.int64).tolist()
-    _check_nodes(name, [list(g) for g in groups[0]], [list(g) for g in groups[1]], keys)
+    keys = gathered[:, 2 * size :].contiguous().view(torch.int64).tolist()
+    _check_nodes(name, [list(g) for g in groups[0]], [list(g) for g in groups[1]], keys, ranks)

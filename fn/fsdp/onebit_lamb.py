@@ -57,7 +57,7 @@ class OnebitLamb(ShardedOnebitOptimizer):
         exp_avg_mask: as :class:`~fn.fsdp.OnebitAdam`'s (``"auto"`` too).
         nonfinite, local_world_size, error_dtype: as :class:`~fn.fsdp.OnebitAdam`'s (the same
             options are not built yet).
-        replicate: as :class:`~fn.fsdp.OnebitAdam`'s. On HSDP the compressed vector is this
+        replicate, world: as :class:`~fn.fsdp.OnebitAdam`'s. On HSDP the compressed vector is this
             rank's row of the scaled momenta, and the norms are reduced over the shard group
             only (the ``N`` peers of a shard hold the same values).
 

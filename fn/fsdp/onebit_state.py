@@ -83,7 +83,8 @@ class OnebitStateFormat:
         before anything changes; ``dcp.load`` straight into it works on the same mesh shape.
         On HSDP (``replicate=``) the world size is the shard group's, ``header`` ends with
         ``N``, ``momentum`` holds this rank's row (a DTensor over the shard mesh, the same on
-        the ``N`` peers), and ``rank<r>`` is named by the rank in the world.
+        the ``N`` peers), and ``rank<r>`` is named by the rank in ``world`` (the default group
+        unless the optimizer was given another).
 
         Returns:
             A dict of tensors, the state's own where it holds them, zeros where it does not.
@@ -411,8 +412,8 @@ class OnebitStateFormat:
 
     def _own_key(self) -> str:
         """The name of this rank's own entries (its errors): ``rank<r>``, ``r`` its rank in
-        the shard group, or on HSDP in the world."""
-        return f"rank{self.rank if self._replicas is None else dist.get_rank()}"
+        the shard group, or on HSDP in the group the optimizer spans (``world``)."""
+        return f"rank{self.rank if self._replicas is None else dist.get_rank(self._world)}"
 
     def _zero_errors(self, layout: ModuleLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """A module's errors before its first compressed update: zeros, worker and server (for

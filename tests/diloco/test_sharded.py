@@ -6,9 +6,14 @@ group ``mesh["worker"]``: the workers' ranks at one shard position).
   nesterov rule with fp32 is elementwise), every outer step the reference outer step on the
   workers' full params, and every rank of a shard position holds the same params after every
   outer step; the same bits with HSDP inside each worker (a mesh ``("worker", "replicate",
-  "shard")`` of 2 x 2 x 1). (``fn.fsdp.OnebitAdam`` refuses a shard mesh that does not hold
-  every rank, so it is not an inner optimizer here.)
-- A NaN on one rank skips the outer step on every rank of every shard position.
+  "shard")`` of 2 x 2 x 1).
+- With ``fn.fsdp.OnebitAdam`` inside a worker (``world=`` the worker's shard group, both phases,
+  clipped): between outer steps each worker's inner steps are a standalone 2-rank
+  ``fn.fsdp.OnebitAdam`` run's bit for bit (a second launch of 2 ranks replays them from the
+  anchors), and every outer step is the reference outer step on the workers' full params.
+- A NaN on one rank skips the outer step on every rank of every shard position, also with
+  ``fn.fsdp.OnebitAdam``, whose non-finite gradient on one rank raises on that worker's ranks
+  only.
 - Checkpoints through ``fn.fsdp.TrainingCheckpoint`` (DCP, one name per worker, DiLoCo as an
   extra Stateful): a resumed run is the uninterrupted one bit for bit, with the error feedback
   of the top-k compressor; a checkpoint of other settings is refused with nothing changed.
@@ -23,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 import fn.diloco
 import fn.fsdp
@@ -32,6 +37,7 @@ from tests.diloco import _reference
 
 WORKERS, SHARDS = 2, 2
 H, OUTER_STEPS = 2, 3
+ONEBIT = {"lr": 1e-2, "freeze_step": 2, "max_grad_norm": 0.5}  # t = 1 warmup, then compressed
 TOPK = {"compression": "topk", "compression_options": {"k": 2, "chunk_size": 4}}
 
 
@@ -58,7 +64,7 @@ def _model(shard_mesh=None) -> nn.Module:
 
 def _full(model) -> list[torch.Tensor]:
     return [
-        (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()  # (may alias)
+        (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()  # (may alias)
         for p in model.parameters()
     ]
 
@@ -71,7 +77,7 @@ class Worker:
     def __init__(self, mesh, shards=("shard",), poison=None, **kwargs) -> None:
         self.worker = mesh.get_coordinate()[0]
         self.model = _model(mesh[shards] if shards else None)
-        self.inner = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.inner = self._inner(mesh)
         self.before, self.after, self.step = [], [], 0
         self.poison = poison
         self.inner.register_step_post_hook(self._before_outer_step)  # runs before DiLoCo's
@@ -85,10 +91,17 @@ class Worker:
                     next(self.model.parameters()).to_local()[0, 0] = float("nan")
             self.before.append(_full(self.model))
 
+    def _inner(self, mesh) -> torch.optim.Optimizer:
+        del mesh
+        return torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * self.worker + self.step)
+        return torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+
     def train(self, steps: int) -> None:
         for _ in range(steps):
-            g = torch.Generator().manual_seed(1000 * self.worker + self.step)
-            x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+            x, y = self.batch()
             torch.nn.functional.mse_loss(self.model(x), y).backward()
             self.inner.step()
             self.inner.zero_grad()
@@ -100,6 +113,80 @@ class Worker:
         return fn.fsdp.TrainingCheckpoint(
             self.model, self.inner, extra={"diloco": self.diloco}, key=f"worker{self.worker}"
         )
+
+
+class OnebitWorker(Worker):
+    """A worker whose inner optimizer is ``fn.fsdp.OnebitAdam`` on its shard mesh, spanning the
+    worker's ranks (``world=``); each rank of a worker its own data."""
+
+    def _inner(self, mesh) -> torch.optim.Optimizer:
+        return fn.fsdp.OnebitAdam(self.model, **ONEBIT, world=mesh["shard"].get_group())
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return _onebit_batch(self.worker, torch.distributed.get_rank() % SHARDS, self.step)
+
+
+def _onebit_batch(worker: int, shard: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * worker + 100 * shard + step)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _onebit_workers(rank, mesh):
+    """DiLoCo around fn.fsdp.OnebitAdam: the full params before and after every outer step; and
+    a NaN gradient on rank 3 (worker 1) in the compressed phase, then a NaN param there at the
+    outer step: which ranks raised, and the skipped outer step."""
+    run = OnebitWorker(mesh)
+    run.train(H * OUTER_STEPS)
+    result = {"onebit": (run.before, run.after)}
+    run = OnebitWorker(mesh, poison=3)
+    start = _full(run.model)
+    raised = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.train(1)  # t = 1, the warmup
+        x, y = run.batch()  # t = 2 (H): compressed, then the outer step
+        if rank == 3:
+            x[0, 0] = float("nan")
+        for inputs in (x, run.batch()[0]):
+            torch.nn.functional.mse_loss(run.model(inputs), y).backward()
+            try:
+                run.inner.step()
+                break
+            except fn.NonFiniteError:  # worker 1 drops the batch and steps on a good one
+                raised.append(rank)
+            finally:
+                run.inner.zero_grad()
+    messages = [str(w.message) for w in caught]
+    result["onebit nan"] = (start, _full(run.model), run.diloco.skipped_steps, messages, raised)
+    return result
+
+
+def _onebit_standalone(rank, afters, path):
+    """This rank's worker's inner steps as a standalone fn.fsdp.OnebitAdam run: the 4-rank world
+    ended, the worker's 2 ranks form a default group of their own, and the params are set to
+    the DiLoCo run's anchor (``afters``) after every outer step; the full params before every
+    outer step. The 2-rank group is left for the launcher to end."""
+    worker, shard = divmod(rank, SHARDS)
+    torch.distributed.destroy_process_group()
+    store = torch.distributed.FileStore(f"{path}/standalone{worker}", SHARDS)
+    torch.distributed.init_process_group("gloo", store=store, rank=shard, world_size=SHARDS)
+    mesh = init_device_mesh("cpu", (SHARDS,))
+    model = _model(mesh)
+    inner = fn.fsdp.OnebitAdam(model, **ONEBIT)
+    before = []
+    for s in range(OUTER_STEPS):
+        if s > 0:
+            with torch.no_grad():
+                for p, full in zip(model.parameters(), afters[s - 1], strict=True):
+                    local = distribute_tensor(full, mesh, p.placements, src_data_rank=None)
+                    p.to_local().copy_(local.to_local())
+        for t in range(H):
+            x, y = _onebit_batch(worker, shard, H * s + t)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            inner.step()
+            inner.zero_grad()
+        before.append(_full(model))
+    return before
 
 
 def _sharded(rank, world_size, path):
@@ -122,6 +209,7 @@ def _sharded(rank, world_size, path):
         warnings.simplefilter("always")
         run.train(H)
     results["nan"] = (start, run.after[0], run.diloco.skipped_steps, len(caught))
+    results.update(_onebit_workers(rank, mesh))
     # DCP: saved after 2 outer steps, resumed for 1, against the uninterrupted run
     full = Worker(mesh, **TOPK)
     full.train(H * OUTER_STEPS)
@@ -150,6 +238,7 @@ def _sharded(rank, world_size, path):
     unchanged = all(torch.equal(a, b) for a, b in zip(params, _full(other.model), strict=True))
     unchanged &= other.diloco.state_dict()["counts"] == state["counts"]
     results["refused"] = (refused, unchanged)
+    results["standalone"] = _onebit_standalone(rank, results["onebit"][1], path)  # the last
     return results
 
 
@@ -174,7 +263,7 @@ def test_sharded_workers_step_as_unsharded_ones(ranks):
             assert _equal(result["hsdp"][1][s], unsharded[s]), (rank, s)
             assert _equal(sharded[s], ranks[0]["adamw"][1][s]), (rank, s)
     # the outer step on the workers' full params (the ranks of worker w: 2w, 2w + 1)
-    for name in ("adamw",):
+    for name in ("adamw", "onebit"):
         before = [ranks[SHARDS * w][name][0] for w in range(WORKERS)]
         anchor = _model().parameters()
         for j, a in enumerate(anchor):
@@ -187,10 +276,26 @@ def test_sharded_workers_step_as_unsharded_ones(ranks):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
+def test_onebit_adam_inside_workers_steps_as_a_standalone_run(ranks):
+    for rank, result in enumerate(ranks):
+        before, after = result["onebit"]
+        for s in range(OUTER_STEPS):
+            assert _equal(before[s], result["standalone"][s]), (rank, s)
+            assert _equal(after[s], ranks[0]["onebit"][1][s]), (rank, s)
+    # the workers' data differ, and so do their inner steps
+    assert not _equal(ranks[0]["onebit"][0][0], ranks[SHARDS]["onebit"][0][0])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
 def test_a_nan_on_one_rank_skips_every_rank(ranks):
     for result in ranks:
         start, after, skipped, warned = result["nan"]
         assert _equal(start, after) and skipped == 1 and warned == 1
+        start, after, skipped, warned, raised = result["onebit nan"]
+        assert _equal(start, after) and skipped == 1 and len(warned) == 1, warned
+    # fn.fsdp.OnebitAdam's non-finite check spans its worker only
+    assert [r for result in ranks for r in result["onebit nan"][4]] == [2, 3]
 
 
 @pytest.mark.distributed
