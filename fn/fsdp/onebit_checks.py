@@ -177,13 +177,13 @@ def replicate_problem(
     rank = dist.get_rank()
     world = list(range(dist.get_world_size())) if world is None else world
     size, where = len(world), _spanned(default, world)
-    outside = sorted(set(mesh_ranks(shard)) - set(world))
+    meshes = [shard]
     if isinstance(replicate, DeviceMesh) and replicate.ndim == 1:
-        outside = sorted(set(outside) | (set(mesh_ranks(replicate)) - set(world)))
-    if outside:
+        meshes.append(replicate)
+    if any(set(mesh_ranks(mesh)) - set(world) for mesh in meshes):
         return ValueError, (
-            f"ranks {outside} of the model's shard mesh or of replicate lie outside {where}: "
-            "world must hold every rank of the shard mesh (with replicate=, of both meshes)"
+            f"the model's shard mesh or replicate holds ranks outside {where}: world must hold "
+            "every rank of the shard mesh (with replicate=, of both meshes)"
         )
     if replicate is None:
         if shard.size() < size:

@@ -329,6 +329,22 @@ def _worker_bad_input(rank: int, world_size: int) -> dict:
         out["replicate on node", passing] = _refusal(
             lambda: optimizer("adam", build("adam"), some)  # noqa: B023 (called at once)
         )
+    # world=: the node's ranks (each rank creates both nodes' groups), which the meshes leave;
+    # every rank (a group of all 4, not the default one) with mixed meshes; not a group
+    nodes = [torch.distributed.new_group(list(range(n * L, (n + 1) * L))) for n in range(N)]
+    out["world is the node"] = _refusal(
+        lambda: optimizer("adam", build("adam"), replicate, world=nodes[node])
+    )
+    out["world is the node, 1-d"] = _refusal(
+        lambda: optimizer("adam", build("adam", mesh=whole["shard"]), None, world=nodes[node])
+    )
+    everyone = torch.distributed.new_group(list(range(WORLD)))
+    out["not a partition of world"] = _refusal(
+        lambda: optimizer("adam", build("adam"), mixed, world=everyone)
+    )
+    out["world not a group"] = _refusal(
+        lambda: optimizer("adam", build("adam"), replicate, world=[0, 1])
+    )
     # an installer that agrees over the shard group names the refusing rank in the world
     bits = 8.0 if rank == WORLD - 1 else 8
     out["bits on the last rank"] = _refusal(
@@ -503,6 +519,15 @@ def test_bad_input_is_refused_on_every_rank():
         assert kind == "NotImplementedError" and "HSDP" in message, message
         kind, message = out["replicate on one rank"]
         assert kind == "ValueError" and "different" in message, message
+        node = list(range(rank // L * L, rank // L * L + L))
+        for case in ("world is the node", "world is the node, 1-d"):
+            kind, message = out[case]
+            assert kind == "ValueError" and f"ranks outside world= (ranks {node})" in message
+            assert message.startswith(f"fn.fsdp.OnebitAdam: rank(s) {node} refused"), message
+        kind, message = out["not a partition of world"]
+        assert kind == "ValueError" and "do not partition world= (ranks [0, 1, 2, 3])" in message
+        kind, message = out["world not a group"]
+        assert kind == "TypeError" and "ProcessGroup" in message, message
     for rank, out in enumerate(results):
         if rank // L == N - 1:
             assert out["bits on the last rank"] == (
