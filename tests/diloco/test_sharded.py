@@ -117,10 +117,16 @@ class Worker:
 
 class OnebitWorker(Worker):
     """A worker whose inner optimizer is ``fn.fsdp.OnebitAdam`` on its shard mesh, spanning the
-    worker's ranks (``world=``); each rank of a worker its own data."""
+    worker's ranks (``world``; on HSDP with ``replicate=mesh["replicate"]``); each rank of a
+    worker its own data."""
+
+    def __init__(self, mesh, world, hsdp=False, **kwargs) -> None:
+        self.world, self.hsdp = world, hsdp
+        super().__init__(mesh, **kwargs)
 
     def _inner(self, mesh) -> torch.optim.Optimizer:
-        return fn.fsdp.OnebitAdam(self.model, **ONEBIT, world=mesh["shard"].get_group())
+        hsdp = {"replicate": mesh["replicate"]} if self.hsdp else {}
+        return fn.fsdp.OnebitAdam(self.model, **ONEBIT, **hsdp, world=self.world)
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         return _onebit_batch(self.worker, torch.distributed.get_rank() % SHARDS, self.step)
@@ -132,13 +138,21 @@ def _onebit_batch(worker: int, shard: int, step: int) -> tuple[torch.Tensor, tor
 
 
 def _onebit_workers(rank, mesh):
-    """DiLoCo around fn.fsdp.OnebitAdam: the full params before and after every outer step; and
-    a NaN gradient on rank 3 (worker 1) in the compressed phase, then a NaN param there at the
-    outer step: which ranks raised, and the skipped outer step."""
-    run = OnebitWorker(mesh)
+    """DiLoCo around fn.fsdp.OnebitAdam, on the worker's 1-D shard mesh and on HSDP inside the
+    worker (2 replicas of 1 shard, ``world=`` a ``dist.new_group`` of the worker's ranks): the
+    full params before and after every outer step; and a NaN gradient on rank 3 (worker 1) in
+    the compressed phase, then a NaN param there at the outer step: which ranks raised, and the
+    skipped outer step."""
+    world = mesh["shard"].get_group()
+    run = OnebitWorker(mesh, world)
     run.train(H * OUTER_STEPS)
     result = {"onebit": (run.before, run.after)}
-    run = OnebitWorker(mesh, poison=3)
+    hsdp = init_device_mesh("cpu", (WORKERS, 2, 1), mesh_dim_names=("worker", "replicate", "shard"))
+    groups = [torch.distributed.new_group([SHARDS * w, SHARDS * w + 1]) for w in range(WORKERS)]
+    run = OnebitWorker(hsdp, groups[rank // SHARDS], hsdp=True)
+    run.train(H * OUTER_STEPS)
+    result["onebit hsdp"] = (run.before, run.after)
+    run = OnebitWorker(mesh, world, poison=3)
     start = _full(run.model)
     raised = []
     with warnings.catch_warnings(record=True) as caught:
@@ -162,31 +176,40 @@ def _onebit_workers(rank, mesh):
 
 
 def _onebit_standalone(rank, afters, path):
-    """This rank's worker's inner steps as a standalone fn.fsdp.OnebitAdam run: the 4-rank world
-    ended, the worker's 2 ranks form a default group of their own, and the params are set to
-    the DiLoCo run's anchor (``afters``) after every outer step; the full params before every
-    outer step. The 2-rank group is left for the launcher to end."""
+    """This rank's worker's inner steps as standalone fn.fsdp.OnebitAdam runs, on a 1-D mesh and
+    on HSDP (2 x 1): the 4-rank world ended, the worker's 2 ranks form a default group of their
+    own, and the params are set to the DiLoCo run's anchor (``afters``, by run) after every
+    outer step; the full params before every outer step, by run. The 2-rank group is left for
+    the launcher to end."""
     worker, shard = divmod(rank, SHARDS)
     torch.distributed.destroy_process_group()
     store = torch.distributed.FileStore(f"{path}/standalone{worker}", SHARDS)
     torch.distributed.init_process_group("gloo", store=store, rank=shard, world_size=SHARDS)
-    mesh = init_device_mesh("cpu", (SHARDS,))
-    model = _model(mesh)
-    inner = fn.fsdp.OnebitAdam(model, **ONEBIT)
-    before = []
-    for s in range(OUTER_STEPS):
-        if s > 0:
-            with torch.no_grad():
-                for p, full in zip(model.parameters(), afters[s - 1], strict=True):
-                    local = distribute_tensor(full, mesh, p.placements, src_data_rank=None)
-                    p.to_local().copy_(local.to_local())
-        for t in range(H):
-            x, y = _onebit_batch(worker, shard, H * s + t)
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            inner.step()
-            inner.zero_grad()
-        before.append(_full(model))
-    return before
+    befores = {}
+    for name, hsdp in (("onebit", False), ("onebit hsdp", True)):
+        if hsdp:
+            mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+            model = _model(mesh["shard"])
+            inner = fn.fsdp.OnebitAdam(model, **ONEBIT, replicate=mesh["replicate"])
+        else:
+            model = _model(init_device_mesh("cpu", (SHARDS,)))
+            inner = fn.fsdp.OnebitAdam(model, **ONEBIT)
+        befores[name] = []
+        for s in range(OUTER_STEPS):
+            if s > 0:
+                with torch.no_grad():
+                    for p, full in zip(model.parameters(), afters[name][s - 1], strict=True):
+                        local = distribute_tensor(
+                            full, p.device_mesh, p.placements, src_data_rank=None
+                        )
+                        p.to_local().copy_(local.to_local())
+            for t in range(H):
+                x, y = _onebit_batch(worker, shard, H * s + t)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                inner.step()
+                inner.zero_grad()
+            befores[name].append(_full(model))
+    return befores
 
 
 def _sharded(rank, world_size, path):
@@ -238,7 +261,8 @@ def _sharded(rank, world_size, path):
     unchanged = all(torch.equal(a, b) for a, b in zip(params, _full(other.model), strict=True))
     unchanged &= other.diloco.state_dict()["counts"] == state["counts"]
     results["refused"] = (refused, unchanged)
-    results["standalone"] = _onebit_standalone(rank, results["onebit"][1], path)  # the last
+    afters = {name: results[name][1] for name in ("onebit", "onebit hsdp")}
+    results["standalone"] = _onebit_standalone(rank, afters, path)  # the last
     return results
 
 
@@ -263,7 +287,7 @@ def test_sharded_workers_step_as_unsharded_ones(ranks):
             assert _equal(result["hsdp"][1][s], unsharded[s]), (rank, s)
             assert _equal(sharded[s], ranks[0]["adamw"][1][s]), (rank, s)
     # the outer step on the workers' full params (the ranks of worker w: 2w, 2w + 1)
-    for name in ("adamw", "onebit"):
+    for name in ("adamw", "onebit", "onebit hsdp"):
         before = [ranks[SHARDS * w][name][0] for w in range(WORKERS)]
         anchor = _model().parameters()
         for j, a in enumerate(anchor):
@@ -277,13 +301,14 @@ def test_sharded_workers_step_as_unsharded_ones(ranks):
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_onebit_adam_inside_workers_steps_as_a_standalone_run(ranks):
-    for rank, result in enumerate(ranks):
-        before, after = result["onebit"]
-        for s in range(OUTER_STEPS):
-            assert _equal(before[s], result["standalone"][s]), (rank, s)
-            assert _equal(after[s], ranks[0]["onebit"][1][s]), (rank, s)
-    # the workers' data differ, and so do their inner steps
-    assert not _equal(ranks[0]["onebit"][0][0], ranks[SHARDS]["onebit"][0][0])
+    for name in ("onebit", "onebit hsdp"):
+        for rank, result in enumerate(ranks):
+            before, after = result[name]
+            for s in range(OUTER_STEPS):
+                assert _equal(before[s], result["standalone"][name][s]), (name, rank, s)
+                assert _equal(after[s], ranks[0][name][1][s]), (name, rank, s)
+        # the workers' data differ, and so do their inner steps
+        assert not _equal(ranks[0][name][0][0], ranks[SHARDS][name][0][0])
 
 
 @pytest.mark.distributed
