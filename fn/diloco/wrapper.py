@@ -93,7 +93,9 @@ class DiLoCo:
     agreement that the pseudo-gradients are finite is also summed over the parameters' mesh, so
     that every rank of every worker applies or skips a step together. ``"fp32"`` and ``"bf16"``
     then give the unsharded model's outer step bit for bit; the compressors with groups or
-    chunks cut them from the shards.
+    chunks cut them from the shards. ``fn.fsdp.OnebitAdam`` and ``OnebitLamb`` serve as a
+    sharded worker's inner optimizer given the worker's ranks as ``world=``
+    (``mesh["shard"].get_group()``), so that their checks span that worker only.
 
     Args:
         model: the worker's model, unsharded or sharded by FSDP2 (buffers are not
