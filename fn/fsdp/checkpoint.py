@@ -61,6 +61,9 @@ class TrainingCheckpoint:
         key: the name of this state in the checkpoint. DCP keeps one copy of a name for all
             ranks, so ranks whose model or optimizer state differ, as DiLoCo's workers' do,
             save under names of their own (e.g. ``f"worker{w}"``) into one checkpoint.
+        group: the ranks that save and load the checkpoint together (a process group;
+            ``None``: every rank), its rank 0 the one that puts it in place: e.g. each DiLoCo
+            worker into a checkpoint of its own, over its shard mesh's group.
 
     Example:
         >>> import tempfile, torch.distributed as dist
@@ -88,6 +91,7 @@ class TrainingCheckpoint:
         step: int = 0,
         extra: Mapping[str, Stateful] | None = None,
         key: str = "training",
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -95,6 +99,7 @@ class TrainingCheckpoint:
         self.step = step
         self.extra = dict(extra or {})
         self.key = key
+        self.group = group
         taken = {"model", "optim", "step", "loco"} & set(self.extra)
         if taken:
             raise ValueError(f"TrainingCheckpoint: extra names {sorted(taken)} are taken")
@@ -146,9 +151,10 @@ class TrainingCheckpoint:
     def save(self, path: str | os.PathLike) -> None:
         """Writes this rank's part of the checkpoint to the directory ``path`` (collective).
 
-        Every rank writes into ``<path>.partial``; once the whole checkpoint is there, rank 0
-        puts it in place of ``path``. A save that fails therefore leaves a checkpoint already
-        at ``path`` as it was, and no ``<path>.partial`` (the rename needs the ranks to share
+        Every rank (of ``group``) writes into ``<path>.partial``; once the whole checkpoint is
+        there, rank 0 (of ``group``) puts it in place of ``path``. A save that fails therefore
+        leaves a checkpoint already at ``path`` as it was, and no ``<path>.partial`` (the
+        rename needs the ranks to share
         the filesystem of ``path``, as loading it does; were the process killed between the
         two renames, the previous checkpoint is at ``<path>.old``, and a killed save's
         ``<path>.partial`` is cleared by the next). A local ``path`` may be relative, end in a
@@ -171,11 +177,12 @@ class TrainingCheckpoint:
                 failed (rank 0 has removed ``<path>.partial``).
         """
         path = _normalised(path)
+        group = self.group
         if "://" in path:
-            dcp.save({self.key: self}, checkpoint_id=path)
+            dcp.save({self.key: self}, checkpoint_id=path, process_group=group)
             return
         partial = f"{path}.partial"
-        first = not dist.is_initialized() or dist.get_rank() == 0
+        first = not dist.is_initialized() or dist.get_rank(group) == 0
         device = _device(self.model)
         # before any rank's step: rank 0 moves a checkpoint at path only after DCP's collectives
         before = (
@@ -186,9 +193,9 @@ class TrainingCheckpoint:
         what = "TrainingCheckpoint.save"
         clear = (lambda: _clear(partial)) if first else None  # of a save that did not finish
         outcome = f"nothing was saved; {before}"
-        _each_rank(device, clear, RuntimeError, what, f"could not clear {partial}", outcome)
+        _each_rank(device, clear, RuntimeError, what, f"could not clear {partial}", outcome, group)
         try:
-            dcp.save({self.key: self}, checkpoint_id=partial)
+            dcp.save({self.key: self}, checkpoint_id=partial, process_group=group)
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException
             if first:
                 shutil.rmtree(partial, ignore_errors=True)
@@ -196,7 +203,7 @@ class TrainingCheckpoint:
             raise
         put = (lambda: _put_in_place(partial, path)) if first else None
         failed = f"could not move the new checkpoint {partial} to {path}"
-        _each_rank(device, put, RuntimeError, what, failed, outcome)
+        _each_rank(device, put, RuntimeError, what, failed, outcome, group)
 
     def load(self, path: str | os.PathLike) -> None:
         """Restores everything from the checkpoint directory ``path`` (collective).
@@ -219,26 +226,27 @@ class TrainingCheckpoint:
                 checkpoint does not match the model or optimizer, or cannot be read; or an
                 extra Stateful's state cannot be read or is refused by it (nothing changed).
         """
-        path = _normalised(path)
+        path, group = _normalised(path), self.group
         if not isinstance(self.optimizer, ShardedOnebitOptimizer):
             keys = None
             if "://" not in path:  # a URL: DCP's own storage reads it
-                keys = _read_metadata(path, _device(self.model)).state_dict_metadata
+                keys = _read_metadata(path, _device(self.model), group).state_dict_metadata
             self._load_extra(path, keys)
             state = self._own_state_dict()
-            dcp.load({self.key: state}, checkpoint_id=path)
+            dcp.load({self.key: state}, checkpoint_id=path, process_group=group)
             self._load_own(state)
             return
-        optim = read_onebit_state(self.optimizer, path, f"{self.key}.optim")
+        optim = read_onebit_state(self.optimizer, path, f"{self.key}.optim", group)
         if self.extra:
-            self._load_extra(path, _read_metadata(path, _device(self.model)).state_dict_metadata)
+            metadata = _read_metadata(path, _device(self.model), group)
+            self._load_extra(path, metadata.state_dict_metadata)
         state = {
             "model": {k: v.detach().clone() for k, v in get_model_state_dict(self.model).items()},
             "step": torch.zeros((), dtype=torch.int64),
         }
         if self.handle is not None:
             state["loco"] = self.handle.state_dict()
-        _read(path, {self.key: state})
+        _read(path, {self.key: state}, group)
         self._load_own(dict(state, optim=optim))
 
     def _load_extra(self, path: str, keys: Any) -> None:
@@ -256,13 +264,16 @@ class TrainingCheckpoint:
                     for k, v in per_rank.items()
                     if any(key.startswith(f"{prefix}{k}.") for key in keys)
                 }
-        _read(path, {self.key: states})
+        _read(path, {self.key: states}, self.group)
         for name, x in self.extra.items():
             x.load_state_dict(states[name])
 
 
 def read_onebit_state(
-    optimizer: ShardedOnebitOptimizer, path: str | os.PathLike, key: str
+    optimizer: ShardedOnebitOptimizer,
+    path: str | os.PathLike,
+    key: str,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     """The state of ``optimizer`` saved under ``key`` in the DCP checkpoint directory ``path``,
     read into new tensors laid out as saved. ``key`` is dotted (``"training.optim"``); the
@@ -273,6 +284,8 @@ def read_onebit_state(
         optimizer: the :class:`~fn.fsdp.ShardedOnebitOptimizer` to read for.
         path: the checkpoint directory, in any form :meth:`TrainingCheckpoint.save` takes.
         key: where the optimizer's ``state_dict()`` was saved in the checkpoint's state dict.
+        group: the ranks that read the checkpoint together (``None``: every rank), as
+            :class:`TrainingCheckpoint`'s ``group``.
 
     Returns:
         The state, of the form of ``optimizer.state_dict()``.
@@ -302,7 +315,7 @@ def read_onebit_state(
     path = _normalised(path)
     prefix = f"{key}."
     device = optimizer.param_groups[0]["params"][0].device
-    metadata = _read_metadata(path, device).state_dict_metadata
+    metadata = _read_metadata(path, device, group).state_dict_metadata
     saved = {
         name[len(prefix) :]: getattr(meta, "size", None)
         for name, meta in metadata.items()
@@ -314,9 +327,9 @@ def read_onebit_state(
             "another optimizer?); nothing was loaded"
         )
     header = torch.zeros(saved["header"], dtype=torch.int64)
-    _read(path, _nested(key, {"header": header}))
+    _read(path, _nested(key, {"header": header}), group)
     state = optimizer.checkpoint_template(header, saved)
-    _read(path, _nested(key, state))
+    _read(path, _nested(key, state), group)
     return state
 
 
@@ -327,11 +340,11 @@ def _nested(key: str, value: Any) -> dict[str, Any]:
     return value
 
 
-def _read(path: str, state: dict[str, Any]) -> None:
-    """``dcp.load`` into new tensors, its failure on any rank a ``ValueError`` on every rank (DCP
-    raises a ``BaseException``)."""
+def _read(path: str, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+    """``dcp.load`` into new tensors over ``group``, its failure on any rank a ``ValueError`` on
+    every rank (DCP raises a ``BaseException``)."""
     try:
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=path, process_group=group)
     except CheckpointException as error:
         rank, (cause, _) = next(iter(error.failures.items()))
         raise ValueError(
@@ -340,9 +353,10 @@ def _read(path: str, state: dict[str, Any]) -> None:
         ) from None
 
 
-def _read_metadata(path: str, device: torch.device) -> Any:
-    """The DCP metadata of the checkpoint directory ``path``, read on every rank, or an error on
-    every rank when one cannot read it (before any rank enters DCP's collective reads)."""
+def _read_metadata(path: str, device: torch.device, group: dist.ProcessGroup | None) -> Any:
+    """The DCP metadata of the checkpoint directory ``path``, read on every rank of ``group``, or
+    an error on every rank when one cannot read it (before any rank enters DCP's collective
+    reads)."""
     what = f"cannot read the checkpoint {path}"
     failed, outcome = "cannot read its metadata", "nothing was loaded (no checkpoint there?)"
     return _each_rank(
@@ -352,6 +366,7 @@ def _read_metadata(path: str, device: torch.device) -> Any:
         what,
         failed,
         outcome,
+        group,
     )
 
 
@@ -362,11 +377,12 @@ def _each_rank(
     what: str,
     failed: str,
     outcome: str,
+    group: dist.ProcessGroup | None = None,
 ) -> T | None:
-    """Runs ``step`` on this rank (``None``: nothing), then waits for every rank, which learns
-    there which ranks' steps raised and their errors (an all-gather of each rank's message
-    length on ``device``, which any backend runs, then one of the messages when some step
-    raised; no collective without a process group).
+    """Runs ``step`` on this rank (``None``: nothing), then waits for every rank of ``group``
+    (``None``: the world), which learns there which ranks' steps raised and their errors (an
+    all-gather of each rank's message length on ``device``, which any backend runs, then one of
+    the messages when some step raised; no collective without a process group).
 
     Args:
         device: the device of the all-gathers (the model's).
@@ -376,6 +392,7 @@ def _each_rank(
         what: the start of that message.
         failed: what those ranks could not do.
         outcome: what that left.
+        group: the ranks.
 
     Returns:
         What ``step`` returned (``None`` without a step).
@@ -392,14 +409,15 @@ def _each_rank(
     texts = []
     if dist.is_initialized():
         size = torch.tensor([len(text.encode())], dtype=torch.int64, device=device)
-        sizes = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
-        all_gather_flat(sizes, size)
+        sizes = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+        all_gather_flat(sizes, size, group=group)
         if bool(sizes.any()):
-            texts = gather_texts(None, text, sizes.tolist(), device)
+            texts = gather_texts(group, text, sizes.tolist(), device)
     if failure is not None:
         raise failure
     if any(texts):
-        raise error(f"{what}: {shared(texts, failed)}; {outcome}")
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        raise error(f"{what}: {shared(texts, failed, ranks)}; {outcome}")
     return result
 
 

@@ -16,7 +16,9 @@ group ``mesh["worker"]``: the workers' ranks at one shard position).
   only.
 - Checkpoints through ``fn.fsdp.TrainingCheckpoint`` (DCP, one name per worker, DiLoCo as an
   extra Stateful): a resumed run is the uninterrupted one bit for bit, with the error feedback
-  of the top-k compressor; a checkpoint of other settings is refused with nothing changed.
+  of the top-k compressor; a checkpoint of other settings is refused with nothing changed. With
+  ``fn.fsdp.OnebitAdam`` inside, each worker saves and loads a checkpoint of its own over its
+  ranks (``group=``), resumed bit for bit.
 """
 
 from __future__ import annotations
@@ -109,9 +111,13 @@ class Worker:
             if self.step % H == 0:
                 self.after.append(_full(self.model))
 
-    def checkpoint(self) -> fn.fsdp.TrainingCheckpoint:
+    def checkpoint(self, group=None) -> fn.fsdp.TrainingCheckpoint:
         return fn.fsdp.TrainingCheckpoint(
-            self.model, self.inner, extra={"diloco": self.diloco}, key=f"worker{self.worker}"
+            self.model,
+            self.inner,
+            extra={"diloco": self.diloco},
+            key=f"worker{self.worker}",
+            group=group,
         )
 
 
@@ -137,12 +143,13 @@ def _onebit_batch(worker: int, shard: int, step: int) -> tuple[torch.Tensor, tor
     return torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
 
 
-def _onebit_workers(rank, mesh):
+def _onebit_workers(rank, mesh, path):
     """DiLoCo around fn.fsdp.OnebitAdam, on the worker's 1-D shard mesh and on HSDP inside the
     worker (2 replicas of 1 shard, ``world=`` a ``dist.new_group`` of the worker's ranks): the
     full params before and after every outer step; and a NaN gradient on rank 3 (worker 1) in
     the compressed phase, then a NaN param there at the outer step: which ranks raised, and the
-    skipped outer step."""
+    skipped outer step. A checkpoint per worker (``group=`` its ranks): saved after an outer
+    step, resumed for one, against the uninterrupted run."""
     world = mesh["shard"].get_group()
     run = OnebitWorker(mesh, world)
     run.train(H * OUTER_STEPS)
@@ -152,6 +159,16 @@ def _onebit_workers(rank, mesh):
     run = OnebitWorker(hsdp, groups[rank // SHARDS], hsdp=True)
     run.train(H * OUTER_STEPS)
     result["onebit hsdp"] = (run.before, run.after)
+    full, part = OnebitWorker(mesh, world), OnebitWorker(mesh, world)
+    full.train(2 * H)
+    part.train(H)
+    own = f"{path}/worker{rank // SHARDS}"
+    part.checkpoint(world).save(own)
+    resumed = OnebitWorker(mesh, world)
+    resumed.checkpoint(world).load(own)
+    resumed.step = H
+    resumed.train(H)
+    result["onebit checkpoint"] = (full.after[-1], resumed.after[-1])
     run = OnebitWorker(mesh, world, poison=3)
     start = _full(run.model)
     raised = []
@@ -232,7 +249,7 @@ def _sharded(rank, world_size, path):
         warnings.simplefilter("always")
         run.train(H)
     results["nan"] = (start, run.after[0], run.diloco.skipped_steps, len(caught))
-    results.update(_onebit_workers(rank, mesh))
+    results.update(_onebit_workers(rank, mesh, path))
     # DCP: saved after 2 outer steps, resumed for 1, against the uninterrupted run
     full = Worker(mesh, **TOPK)
     full.train(H * OUTER_STEPS)
@@ -333,3 +350,5 @@ def test_sharded_checkpoint_resumes_bit_for_bit_through_dcp(ranks):
         refused, unchanged = result["refused"]
         assert "settings" in refused and "nothing was loaded" in refused, refused
         assert unchanged, rank
+        full, resumed = result["onebit checkpoint"]  # a checkpoint per worker, group=
+        assert _equal(full, resumed), rank
