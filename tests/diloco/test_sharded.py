@@ -266,6 +266,14 @@ def _sharded(rank, world_size, path):
         resumed.after[-1],
         any(bool(e.ne(0).any()) for e in saved_feedback),
     )
+    # a checkpoint per worker (group=: the worker's ranks save and load it alone)
+    own, group = f"{path}/adamw{rank // SHARDS}", mesh["shard"].get_group()
+    part.checkpoint(group).save(own)
+    resumed = Worker(mesh, **TOPK)
+    resumed.checkpoint(group).load(own)
+    resumed.step = H * 2
+    resumed.train(H)
+    results["own checkpoint"] = (full.after[-1], resumed.after[-1])
     # other settings: refused on every rank, the model and DiLoCo unchanged
     other = Worker(mesh, **{**TOPK, "compression_options": {"k": 1, "chunk_size": 4}})
     other.train(1)
@@ -350,5 +358,7 @@ def test_sharded_checkpoint_resumes_bit_for_bit_through_dcp(ranks):
         refused, unchanged = result["refused"]
         assert "settings" in refused and "nothing was loaded" in refused, refused
         assert unchanged, rank
-        full, resumed = result["onebit checkpoint"]  # a checkpoint per worker, group=
+        full, resumed = result["own checkpoint"]  # a checkpoint per worker, group=
+        assert _equal(full, resumed), rank
+        full, resumed = result["onebit checkpoint"]
         assert _equal(full, resumed), rank
