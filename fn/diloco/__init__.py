@@ -22,7 +22,7 @@ them, and also the streaming fragments, the delay and sharded workers, which are
 from fn.diloco.compressors import COMPRESSIONS, compression
 from fn.diloco.nesterov_rule import nesterov
 from fn.diloco.sparseloco_rule import sparseloco
-from fn.diloco.step import OuterStep, outer_step, pseudo_gradient
+from fn.diloco.step import OuterStep, outer_step, outer_update, pseudo_gradient
 from fn.diloco.wrapper import OUTER_RULES, DiLoCo
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "sparseloco",
     "OuterStep",
     "outer_step",
+    "outer_update",
     "pseudo_gradient",
     "OUTER_RULES",
     "DiLoCo",

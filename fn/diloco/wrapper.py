@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import warnings
 import zlib
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -17,10 +17,12 @@ from fn.base import GradientTransformation
 from fn.collectives import Comm, Local, ProcessGroup, Simulated, error_feedback_leaves
 from fn.diloco.agreement import agree_on_settings
 from fn.diloco.compressors import compression as build_compression
+from fn.diloco.exchange import BackgroundExchange, exchange_comm
 from fn.diloco.nesterov_rule import nesterov
 from fn.diloco.sparseloco_rule import sparseloco
-from fn.diloco.step import outer_step
-from fn.errors import check_int, user_stacklevel
+from fn.diloco.step import OuterStep, outer_update, pseudo_gradient
+from fn.diloco.streaming import StreamSchedule, fragment_indices
+from fn.errors import check_fraction, check_int, user_stacklevel
 from fn.tree import tree_flatten, tree_unflatten
 
 __all__ = ["OUTER_RULES", "DiLoCo"]
@@ -69,8 +71,18 @@ def _params_digest(params: list[torch.Tensor]) -> int:
     return digest
 
 
+class _Flight(NamedTuple):
+    """A fragment's exchange, started and not yet applied."""
+
+    fragment: int
+    started_at: int  # the inner step it started after
+    delta: list[torch.Tensor]  # this rank's pseudo-gradient of the fragment
+    exchange: BackgroundExchange[OuterStep]
+
+
 class DiLoCo:
-    """DiLoCo around any inner optimizer: every ``sync_every`` inner steps, one outer step.
+    """DiLoCo around any inner optimizer: every ``sync_every`` inner steps, one outer step, or
+    with streaming, one fragment's outer step every ``sync_every / fragments`` inner steps.
 
     Registers a post-step hook on ``inner_optimizer`` (any ``torch.optim.Optimizer``:
     ``torch.optim``'s, ``fn.optim``'s): after every ``sync_every``-th ``step()``, the model's
@@ -78,6 +90,14 @@ class DiLoCo:
     :func:`fn.diloco.outer_step` with the outer rule, and every rank continues from the new
     anchor. The training loop does not change. docs/algorithms.md, "DiLoCo: local steps and a
     compressed outer step" specifies the step, the bytes and the memory.
+
+    Streaming DiLoCo (``fragments=P``): the parameters form ``P`` fragments, each with its own
+    anchor, outer state and compressor state; fragment ``p`` takes its outer step after the
+    inner steps ``t = (p + 1) H / P (mod H)``. With ``delay=tau`` its pseudo-gradient is taken
+    ``tau`` inner steps earlier and its exchange runs on a background thread (over a process
+    group of its own) during those ``tau`` steps; the ``step()`` that applies it waits for it,
+    and raises ``RuntimeError`` (the thread's exception chained) where it failed. The results
+    do not depend on the thread's timing.
 
     At construction every rank checks with the others (one small all-gather) that they passed
     the same settings and hold the same parameters; a difference is the same ``ValueError`` on
@@ -99,18 +119,25 @@ class DiLoCo:
         compression: the compressor, one of ``fn.diloco.COMPRESSIONS`` (``None``: ``"fp32"``;
             ``"sparseloco"`` takes only ``"topk"``).
         compression_options: its options (e.g. ``k``, ``chunk_size`` for ``"topk"``).
-        fragments: ``P``; only 1 is built.
-        delay: ``tau``; only 0 is built.
+        fragments: ``P``, the number of fragments (contiguous runs of the parameters,
+            balanced by element count; ``sync_every`` a multiple of it), or the fragments as
+            lists of parameters (each trainable parameter in exactly one).
+        delay: ``tau``, in ``[0, sync_every / P)``: inner steps between taking a fragment's
+            pseudo-gradient and applying its outer step, which overlap its exchange.
+        mix: ``alpha`` in ``[0, 1)``: a fragment's parameters continue from ``(1 - alpha)`` times
+            the new anchor plus ``alpha`` times their own (0: the anchor; the ``tau`` inner
+            steps' changes to the fragment are then dropped).
         anchor_device: where the anchor lives: ``None`` (each parameter's device) or a device
             such as ``"cpu"``.
         timeout: the collectives' timeout (a ``timedelta`` or seconds; ``None``:
             ``$FN_TIMEOUT``, else 5 minutes), where ``group`` is a ``torch.distributed`` group.
 
     Raises:
-        ValueError: a setting out of range, or (on every rank) settings or parameters that
-            differ across ranks.
-        NotImplementedError: ``fragments > 1``, ``delay > 0`` or sharded (``DTensor``)
-            parameters, which are specified in docs/algorithms.md and not built.
+        ValueError: a setting out of range (also ``sync_every`` not a multiple of ``P``, or
+            fragment lists that miss a parameter, repeat one or name another tensor), or (on
+            every rank) settings or parameters that differ across ranks.
+        NotImplementedError: sharded (``DTensor``) parameters, which are specified in
+            docs/algorithms.md and not built.
 
     Example:
         >>> model = torch.nn.Linear(2, 1)
@@ -135,47 +162,51 @@ class DiLoCo:
         outer_options: Mapping[str, Any] | None = None,
         compression: str | None = None,
         compression_options: Mapping[str, Any] | None = None,
-        fragments: int = 1,
+        fragments: int | Sequence[Sequence[torch.Tensor]] = 1,
         delay: int = 0,
+        mix: float = 0.0,
         anchor_device: torch.device | str | None = None,
         timeout: Any = None,
     ) -> None:
         check_int("DiLoCo: sync_every", sync_every, minimum=1)
-        check_int("DiLoCo: fragments", fragments, minimum=1)
-        check_int("DiLoCo: delay", delay, minimum=0)
-        if fragments > 1 or delay > 0:
-            raise NotImplementedError(
-                "DiLoCo: streaming fragments and a delayed outer step (fragments > 1, delay > 0) "
-                "are specified in docs/algorithms.md and not built; use fragments=1, delay=0"
-            )
+        check_fraction("DiLoCo", mix=mix)
         self._params = [p for p in model.parameters() if p.requires_grad]
         if any(isinstance(p, DTensor) for p in self._params):
             raise NotImplementedError(
                 "DiLoCo: sharded (DTensor) parameters, one group per shard position, are "
                 "specified in docs/algorithms.md and not built"
             )
+        self._fragments = fragment_indices(self._params, fragments)
+        self._schedule = StreamSchedule(sync_every, len(self._fragments), delay).checked()
         self.comm = _comm(group, timeout)
         outer_options, options = dict(outer_options or {}), dict(compression_options or {})
         self._rule = _rule(outer, outer_options, compression, options, self.comm)
         self.sync_every = sync_every
+        self._mix = float(mix)
         self._settings = {
             "sync_every": sync_every,
-            "fragments": fragments,
+            "fragments": self._fragments,
             "delay": delay,
+            "mix": self._mix,
             "outer": (outer, sorted(outer_options.items())),
             "compression": (compression, sorted(options.items())),
             "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._params],
         }
         values = {"parameter values": _params_digest(self._params)}
         agree_on_settings(self.comm, {**self._settings, **values}, "DiLoCo")
+        # a delayed exchange runs on a thread, over a process group of its own
+        self._exchange_comm = exchange_comm(self.comm) if delay > 0 else self.comm
+        self._rule = _rule(outer, outer_options, compression, options, self._exchange_comm)
         with torch.no_grad():
             self._anchor = [
                 p.detach().to(anchor_device or p.device, copy=True) for p in self._params
             ]
-        self._state = self._rule.init(self._anchor)
+        self._states = [self._rule.init(self._part(self._anchor, p)) for p in self._fragment_ids]
+        self._flight: _Flight | None = None
         self.inner_steps = 0
         self.outer_steps = 0
         self.skipped_steps = 0
+        self.fragment_steps = [0] * len(self._fragments)
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
 
     def remove(self) -> None:
@@ -192,22 +223,91 @@ class DiLoCo:
         """
         self._hook.remove()
 
+    @property
+    def _fragment_ids(self) -> range:
+        return range(len(self._fragments))
+
+    def _part(self, tensors: list[torch.Tensor], p: int) -> list[torch.Tensor]:
+        """Fragment ``p``'s entries of a list over the parameters."""
+        return [tensors[i] for i in self._fragments[p]]
+
     def _after_inner_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         del optimizer, args, kwargs
         self.inner_steps += 1
-        if self.inner_steps % self.sync_every == 0:
-            self.sync()
+        plan = self._schedule.plan(self.inner_steps)
+        if plan.starts is not None:
+            self._start(plan.starts, background=self._schedule.delay > 0)
+        if plan.applies is not None and self._flight is not None:
+            self._apply()
 
     @torch.no_grad()
-    def sync(self) -> bool:
-        """Runs one outer step now (the hook calls it after every ``sync_every``-th inner step).
+    def _start(
+        self,
+        p: int,
+        *,
+        background: bool,
+        started_at: int | None = None,
+        delta: list[torch.Tensor] | None = None,
+    ) -> None:
+        """Takes fragment ``p``'s pseudo-gradient (or resumes with ``delta``) and starts its
+        exchange."""
+        params = self._part(self._params, p)
+        anchor = [a.to(q.device) for a, q in zip(self._part(self._anchor, p), params, strict=True)]
+        if delta is None:
+            delta = pseudo_gradient(anchor, [q.detach() for q in params])
+        started_at = self.inner_steps if started_at is None else started_at
+        rule, state, comm = self._rule, self._states[p], self._exchange_comm
+        exchange = BackgroundExchange(
+            lambda: outer_update(rule, anchor, delta, state, comm=comm),
+            background=background,
+            device=params[0].device,
+            what=f"DiLoCo: the outer exchange of fragment {p} (started after inner step "
+            f"{started_at})",
+        )
+        self._flight = _Flight(p, started_at, delta, exchange)
 
-        Every rank must call it at the same point. The parameters of every rank are set to the
-        new anchor.
+    @torch.no_grad()
+    def _apply(self) -> bool:
+        """Waits for the exchange in flight and applies it: the fragment's new anchor, its
+        parameters (mixed with their own by ``mix``), its outer state."""
+        flight, self._flight = self._flight, None
+        result = flight.exchange.result()
+        applied = bool(result.applied)
+        p = flight.fragment
+        for i, new in zip(self._fragments[p], result.anchor, strict=True):
+            param = self._params[i]
+            self._anchor[i].copy_(new)
+            if applied and self._mix > 0:
+                mixed = new.float() * (1.0 - self._mix) + param.float() * self._mix
+                param.copy_(mixed)
+            else:
+                param.copy_(new)
+        self._states[p] = result.state
+        self.outer_steps += 1
+        self.fragment_steps[p] += 1
+        if not applied:
+            self.skipped_steps += 1
+            many = len(self._fragments) > 1
+            which = f"fragment {p}'s pseudo-gradient" if many else "a pseudo-gradient"
+            warnings.warn(
+                f"DiLoCo: {which} held NaN or Inf at inner step {flight.started_at}; the outer "
+                "step was skipped on every rank and every rank's parameters were reset to the "
+                "anchor (check the inner learning rate and the data)",
+                RuntimeWarning,
+                stacklevel=user_stacklevel(),
+            )
+        return applied
+
+    def sync(self) -> bool:
+        """Runs the outer step of every fragment now (the hook runs them on its schedule).
+
+        Every rank must call it at the same point. An exchange in flight is waited for and
+        applied first; then every fragment's outer step runs on this thread, in order. Each
+        rank's parameters are set to the new anchor (mixed with their own by ``mix``).
 
         Returns:
-            Whether the step was applied; ``False`` where some rank's pseudo-gradient was not
-            finite, the step then skipped on every rank and the parameters reset to the anchor.
+            Whether every step was applied; ``False`` where some rank's pseudo-gradient was not
+            finite, that step then skipped on every rank and the parameters reset to the anchor.
 
         Example:
             >>> model = torch.nn.Linear(2, 1)
@@ -216,66 +316,69 @@ class DiLoCo:
             >>> diloco.sync(), diloco.outer_steps
             (True, 1)
         """
-        anchor = [a.to(p.device) for a, p in zip(self._anchor, self._params, strict=True)]
-        params = [p.detach() for p in self._params]
-        result = outer_step(self._rule, anchor, params, self._state, comm=self.comm)
-        for p, a, new in zip(self._params, self._anchor, result.anchor, strict=True):
-            p.copy_(new)
-            a.copy_(new)
-        self._state = result.state
-        self.outer_steps += 1
-        applied = bool(result.applied)
-        if not applied:
-            self.skipped_steps += 1
-            warnings.warn(
-                f"DiLoCo: a pseudo-gradient held NaN or Inf at inner step {self.inner_steps}; "
-                "the outer step was skipped on every rank and every rank's parameters were reset "
-                "to the anchor (check the inner learning rate and the data)",
-                RuntimeWarning,
-                stacklevel=user_stacklevel(),
-            )
+        applied = True
+        if self._flight is not None:
+            applied = self._apply()
+        for p in self._fragment_ids:
+            self._start(p, background=False)
+            applied = self._apply() and applied
         return applied
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's DiLoCo state: the anchor, the outer rule's state (its error feedback is
-        this rank's own), the counters and the settings.
+        """This rank's DiLoCo state: the anchor, each fragment's outer state (its error feedback
+        is this rank's own), the counters, the settings, and an exchange in flight.
 
         Save it per rank (e.g. ``torch.save`` to one file per rank), with the model's and the
-        inner optimizer's state: together they resume bit for bit.
+        inner optimizer's state: together they resume bit for bit. Taken while a fragment's
+        exchange is in flight (``delay > 0``), it holds that fragment (``"in_flight"``: the
+        fragment and the inner step its exchange started after), its anchor and outer state
+        from before the exchange, and this rank's pseudo-gradient
+        (``"per_rank"]["in_flight_delta"]``): a run resumed from it sends the same exchange
+        again and applies it at the same step.
 
         Returns:
-            A dict of tensors, pytrees of tensors and Python values (fresh copies).
+            A dict of tensors, pytrees of tensors and Python values (fresh copies); what differs
+            across ranks by design is under ``"per_rank"``.
 
         Example:
             >>> model = torch.nn.Linear(2, 1)
             >>> inner = torch.optim.SGD(model.parameters(), lr=0.1)
             >>> sorted(fn.diloco.DiLoCo(model, inner, sync_every=2).state_dict())
-            ['anchor', 'counts', 'outer_state', 'settings', 'world_size']
+            ['anchor', 'counts', 'in_flight', 'outer_state', 'per_rank', 'settings', 'world_size']
         """
-        leaves, spec = tree_flatten(self._state)
+        leaves, spec = tree_flatten(self._states)
+        flight = self._flight
         return {
-            "anchor": [a.clone() for a in self._anchor],
+            "anchor": _copies(self._anchor),
             "outer_state": tree_unflatten([_copied(x) for x in leaves], spec),
             "counts": {
                 "inner_steps": self.inner_steps,
                 "outer_steps": self.outer_steps,
                 "skipped_steps": self.skipped_steps,
+                "fragment_steps": list(self.fragment_steps),
             },
+            "in_flight": None
+            if flight is None
+            else {"fragment": flight.fragment, "started_at": flight.started_at},
             "settings": repr(self._settings),
             "world_size": self.comm.world_size,
+            "per_rank": {"in_flight_delta": [] if flight is None else _copies(flight.delta)},
         }
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores a :meth:`state_dict`. Under another world size the error feedback restarts
         from zero, with one warning; the rest (the anchor, the momentum, the counters) loads.
+        A checkpoint taken while an exchange was in flight restarts that exchange (every rank
+        must then load at the same point, as it is a collective).
 
         Args:
             state: what :meth:`state_dict` returned on this rank (or, under another world
                 size, on some rank).
 
         Raises:
-            ValueError: settings other than this object's, or tensors of other shapes.
+            ValueError: settings other than this object's, tensors of other shapes, or a
+                checkpoint taken with an exchange in flight under another world size.
 
         Example:
             >>> model = torch.nn.Linear(2, 1)
@@ -293,11 +396,21 @@ class DiLoCo:
                 f"DiLoCo.load_state_dict: the checkpoint's settings {state['settings']} differ "
                 f"from this object's {self._settings!r}"
             )
+        same_world = state["world_size"] == self.comm.world_size
+        in_flight = state["in_flight"]
+        if in_flight is not None and not same_world:
+            raise ValueError(
+                f"DiLoCo.load_state_dict: the checkpoint was taken on {state['world_size']} "
+                f"ranks while fragment {in_flight['fragment']}'s exchange was in flight; that "
+                f"exchange belongs to those ranks and cannot resume on {self.comm.world_size}. "
+                "Resume on the same number of ranks, or from a checkpoint taken outside an "
+                "exchange (not in the delay steps before a fragment's outer step)"
+            )
+        fresh_states = [self._rule.init(self._part(self._anchor, p)) for p in self._fragment_ids]
         saved, spec = tree_flatten(state["outer_state"])
-        fresh, fresh_spec = tree_flatten(self._rule.init(self._anchor))
+        fresh, fresh_spec = tree_flatten(fresh_states)
         if spec != fresh_spec:
             raise ValueError("DiLoCo.load_state_dict: the outer state has another structure")
-        same_world = state["world_size"] == self.comm.world_size
         feedback = error_feedback_leaves(tree_unflatten(fresh, fresh_spec))
         if not same_world and any(feedback):
             warnings.warn(
@@ -310,22 +423,50 @@ class DiLoCo:
         leaves = []
         for old, new, is_feedback in zip(saved, fresh, feedback, strict=True):
             keep = new if is_feedback and not same_world else old
-            if isinstance(new, torch.Tensor) and keep.shape != new.shape:
-                raise ValueError(
-                    f"DiLoCo.load_state_dict: a state tensor of shape {tuple(keep.shape)} where "
-                    f"this run has {tuple(new.shape)}"
-                )
+            if isinstance(new, torch.Tensor):
+                _check_shape("a state tensor", keep, new)
             leaves.append(_copied(keep).to(new.device) if isinstance(new, torch.Tensor) else keep)
         for a, saved_anchor in zip(self._anchor, state["anchor"], strict=True):
-            if a.shape != saved_anchor.shape:
-                raise ValueError("DiLoCo.load_state_dict: the anchor has other shapes")
+            _check_shape("the anchor", saved_anchor, a)
+        delta = state["per_rank"]["in_flight_delta"]
+        if in_flight is not None:
+            params = self._part(self._params, in_flight["fragment"])
+            for d, q in zip(delta, params, strict=True):
+                _check_shape("the in-flight pseudo-gradient", d, q)
+            delta = [
+                d.to(q.device, torch.float32, copy=True) for d, q in zip(delta, params, strict=True)
+            ]
+        if self._flight is not None:  # this object's own exchange: ended before replacing it
+            self._flight.exchange.result()
+            self._flight = None
+        for a, saved_anchor in zip(self._anchor, state["anchor"], strict=True):
             a.copy_(saved_anchor)
-        self._state = tree_unflatten(leaves, fresh_spec)
+        self._states = list(tree_unflatten(leaves, fresh_spec))
         counts = state["counts"]
         self.inner_steps = counts["inner_steps"]
         self.outer_steps = counts["outer_steps"]
         self.skipped_steps = counts["skipped_steps"]
+        self.fragment_steps = list(counts["fragment_steps"])
+        if in_flight is not None:
+            self._start(
+                in_flight["fragment"],
+                background=self._schedule.delay > 0,
+                started_at=in_flight["started_at"],
+                delta=delta,
+            )
 
 
 def _copied(x: Any) -> Any:
     return x.clone() if isinstance(x, torch.Tensor) else x
+
+
+def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.clone() for t in tensors]
+
+
+def _check_shape(what: str, saved: torch.Tensor, like: torch.Tensor) -> None:
+    if saved.shape != like.shape:
+        raise ValueError(
+            f"DiLoCo.load_state_dict: {what} has shape {tuple(saved.shape)} where this run has "
+            f"{tuple(like.shape)}"
+        )
