@@ -1,0 +1,150 @@
+"""Streaming DiLoCo on 2 gloo ranks, in one launch: every case of ``_streaming_cases`` against
+the loop over the workers (bit for bit, after every inner step), a checkpoint taken while an
+exchange is in flight (resumed bit for bit; refused under another world size), a fragment's
+non-finite pseudo-gradient (that fragment's step skipped on every rank), and an exchange that
+fails on one rank's thread (both ranks raise from ``step()`` within the timeout)."""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+
+import pytest
+import torch
+
+import fn.diloco
+import fn.diloco.wrapper
+from tests._distributed import run_distributed
+from tests.diloco import _streaming_cases as cases
+
+W = 2
+RESUMED = "P2 tau1 mix"  # fragment 0's exchange starts after step 5 and is applied after step 6
+
+
+def _train(rank, kwargs, start, stop, state=None, timeout=60):
+    m = cases.model()
+    inner = cases.inner_optimizer(m)
+    d = cases.diloco(m, inner, timeout=timeout, **kwargs)
+    if state is not None:
+        m.load_state_dict(state[0])
+        inner.load_state_dict(state[1])
+        d.load_state_dict(state[2])
+    for step in range(start, stop):
+        cases.inner_step(m, inner, rank, step)
+    return m, inner, d
+
+
+def _skip(rank):
+    """Rank 1's fragment 1 turns NaN after inner step 4, just before its outer step."""
+    m = cases.model()
+    inner = cases.inner_optimizer(m)
+
+    steps = [0]
+
+    def poison(optimizer, args, kwargs):  # registered first: runs before DiLoCo's hook
+        steps[0] += 1
+        if rank == 1 and steps[0] == 4:
+            with torch.no_grad():
+                m[2].bias[0] = float("nan")
+
+    inner.register_step_post_hook(poison)
+    d = fn.diloco.DiLoCo(m, inner, sync_every=4, fragments=2)
+    after = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(6):
+            cases.inner_step(m, inner, rank, step)
+            after.append(cases.params(m))
+    anchor = [a.clone() for a in d.state_dict()["anchor"]]
+    return after, anchor, (d.outer_steps, d.skipped_steps), [str(w.message) for w in caught]
+
+
+def _fails(rank):
+    """Rank 1's exchange raises on its thread; rank 0's waits for it until the timeout."""
+    m = cases.model()
+    inner = cases.inner_optimizer(m)
+    fn.diloco.DiLoCo(m, inner, sync_every=4, fragments=2, delay=1, timeout=3)
+    if rank == 1:
+
+        def fails(*args, **kwargs):
+            raise ZeroDivisionError("injected")
+
+        fn.diloco.wrapper.outer_update = fails
+    cases.inner_step(m, inner, rank, 0)
+    started = time.monotonic()
+    try:
+        cases.inner_step(m, inner, rank, 1)
+    except RuntimeError as err:
+        return str(err), type(err.__cause__).__name__, time.monotonic() - started
+    return "no error", "", 0.0
+
+
+def _streaming(rank, world_size):
+    results = {
+        name: cases.run(rank, kwargs, steps) for name, (kwargs, steps) in cases.CASES.items()
+    }
+    kwargs, steps = cases.CASES[RESUMED]
+    full = cases.params(_train(rank, kwargs, 0, steps)[0])
+    saved = copy.deepcopy(tuple(x.state_dict() for x in _train(rank, kwargs, 0, 5)))
+    resumed = cases.params(_train(rank, kwargs, 5, steps, state=saved)[0])
+    results["resume"] = (full, resumed, saved[2])
+    results["skip"] = _skip(rank)
+    results["fails"] = _fails(rank)  # last: rank 0's exchange group is unusable after it
+    return results
+
+
+@pytest.fixture(scope="module")
+def gloo_ranks():
+    return run_distributed(_streaming, W, timeout=200)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_streaming_matches_the_loop_over_workers_bit_for_bit(gloo_ranks):
+    for name, (kwargs, steps) in cases.CASES.items():
+        expected = cases.reference(W, kwargs, steps)
+        for rank, result in enumerate(gloo_ranks):
+            for t in range(steps):
+                got, want = result[name][t], expected[t][rank]
+                assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (name, t)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_checkpoint_with_an_exchange_in_flight(gloo_ranks):
+    for result in gloo_ranks:
+        full, resumed, saved = result["resume"]
+        assert saved["in_flight"] == {"fragment": 0, "started_at": 5}
+        assert all(torch.equal(a, b) for a, b in zip(resumed, full, strict=True))
+    deltas = [result["resume"][2]["per_rank"]["in_flight_delta"][0] for result in gloo_ranks]
+    assert not torch.equal(*deltas)  # each rank's own
+    m = cases.model()
+    kwargs = cases.CASES[RESUMED][0]
+    d = fn.diloco.DiLoCo(m, cases.inner_optimizer(m), **kwargs)
+    with pytest.raises(ValueError, match="taken on 2 ranks while fragment 0's exchange was in"):
+        d.load_state_dict(gloo_ranks[0]["resume"][2])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_non_finite_fragment_is_skipped_on_every_rank(gloo_ranks):
+    (after0, anchor, counts, caught), (after1, anchor1, counts1, caught1) = (
+        result["skip"] for result in gloo_ranks
+    )
+    assert counts == counts1 == (3, 1)  # fragment 0 after steps 2 and 6, fragment 1 skipped
+    assert all(torch.equal(a, b) for a, b in zip(anchor, anchor1, strict=True))
+    for after in (after0, after1):
+        assert all(torch.equal(a, b) for a, b in zip(after[3][1:], anchor[1:], strict=True))
+        assert all(bool(p.isfinite().all()) for p in after[5])
+    for messages in (caught, caught1):
+        assert len(messages) == 1 and "fragment 1's pseudo-gradient held NaN" in messages[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_an_exchange_that_fails_on_one_rank_raises_from_step_on_every_rank(gloo_ranks):
+    (message0, cause0, waited0), (message1, cause1, _) = (r["fails"] for r in gloo_ranks)
+    assert "fragment 0 (started after inner step 1) failed" in message0, message0
+    assert cause0 == "CollectiveTimeoutError" and waited0 < 10, (cause0, waited0)
+    assert "ZeroDivisionError: injected" in message1 and cause1 == "ZeroDivisionError"
