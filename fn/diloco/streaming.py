@@ -114,8 +114,8 @@ def balanced_fragments(sizes: Sequence[int], fragments: int) -> list[list[int]]:
 
     Example:
         >>> from fn.diloco.streaming import balanced_fragments
-        >>> balanced_fragments([12, 3, 12, 3, 6, 6], 3)
-        [[0, 1], [2, 3], [4, 5]]
+        >>> balanced_fragments([12, 3, 3, 6, 6, 6], 3)  # 12 values each
+        [[0], [1, 2, 3], [4, 5]]
     """
     n = len(sizes)
     if fragments > n:

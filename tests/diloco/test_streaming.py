@@ -5,6 +5,7 @@ an exchange is in flight, and an exchange that fails on its thread. Two ranks: t
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -90,6 +91,22 @@ def test_one_worker_matches_the_reference_bit_for_bit(name):
     kwargs, steps = cases.CASES[name]
     got = cases.run(0, kwargs, steps)
     expected = cases.reference(1, kwargs, steps)
+    for t in range(steps):
+        assert all(torch.equal(a, b) for a, b in zip(got[t], expected[t][0], strict=True)), t
+
+
+def test_a_slow_exchange_gives_the_same_bits(monkeypatch):
+    """The exchange's thread outlasts the inner steps it overlaps: the step that applies it
+    waits, and the parameters are the reference's."""
+    exchange = fn.diloco.wrapper.outer_update
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)
+        return exchange(*args, **kwargs)
+
+    monkeypatch.setattr(fn.diloco.wrapper, "outer_update", slow)
+    kwargs, steps = cases.CASES["P4 tau1 mix"]
+    got, expected = cases.run(0, kwargs, steps), cases.reference(1, kwargs, steps)
     for t in range(steps):
         assert all(torch.equal(a, b) for a, b in zip(got[t], expected[t][0], strict=True)), t
 
