@@ -3,6 +3,7 @@ group of its own, so that it overlaps the inner steps that follow it."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -53,13 +54,20 @@ def exchange_comm(comm: Comm) -> Comm:
     return ProcessGroup(group, timeout=timeout, counts_into=comm)
 
 
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One stream per device for the exchanges (their tensors return to one allocator pool)."""
+    return torch.cuda.Stream(device)
+
+
 class BackgroundExchange(Generic[T]):
     """Runs ``run()`` now, on this thread or on a background thread; :meth:`result` returns its
     value.
 
-    On CUDA tensors the thread works on a stream of its own, which first waits for the work the
+    On CUDA tensors the thread works on a side stream, which first waits for the work the
     caller's stream had queued (the inputs); :meth:`result` makes the caller's stream wait for
-    the thread's. A thread's collectives end at their comm's timeout, so the thread does too.
+    the thread's, so that the collectives' waits never hold up the caller's kernels. A thread's
+    collectives end at their comm's timeout (on host tensors), so the thread does too.
 
     Args:
         run: the exchange, a function of no arguments.
@@ -91,7 +99,7 @@ class BackgroundExchange(Generic[T]):
             return
         stream = None
         if device is not None and device.type == "cuda":
-            stream = torch.cuda.Stream(device)
+            stream = _side_stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
 
         def target() -> None:
