@@ -15,8 +15,10 @@ The rules are transforms over the pseudo-gradient pytree with their state explic
 compressors are ``fn.collectives`` transforms that thread their error feedback. They run on
 ``Local``, ``Simulated`` and ``ProcessGroup``. :class:`DiLoCo` hooks the outer step onto any
 inner optimizer's ``step()`` and keeps the anchor, the outer state and the counters for
-checkpoints. docs/algorithms.md, "DiLoCo: local steps and a compressed outer step" specifies
-them, and also the streaming fragments, the delay and sharded workers, which are not built.
+checkpoints; with Streaming DiLoCo's ``fragments`` it syncs one fragment at a time, and with
+its ``delay`` it overlaps each fragment's exchange with the next inner steps on a background
+thread (``fn.diloco.streaming`` plans which, when). docs/algorithms.md, "DiLoCo: local steps
+and a compressed outer step" specifies them, and also sharded workers, which are not built.
 """
 
 from fn.diloco.compressors import COMPRESSIONS, compression

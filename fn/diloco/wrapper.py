@@ -238,7 +238,7 @@ class DiLoCo:
         if plan.starts is not None:
             self._start(plan.starts, background=self._schedule.delay > 0)
         if plan.applies is not None and self._flight is not None:
-            self._apply()
+            self._apply(self._mix)
 
     @torch.no_grad()
     def _start(
@@ -267,7 +267,7 @@ class DiLoCo:
         self._flight = _Flight(p, started_at, delta, exchange)
 
     @torch.no_grad()
-    def _apply(self) -> bool:
+    def _apply(self, mix: float) -> bool:
         """Waits for the exchange in flight and applies it: the fragment's new anchor, its
         parameters (mixed with their own by ``mix``), its outer state."""
         flight, self._flight = self._flight, None
@@ -277,8 +277,8 @@ class DiLoCo:
         for i, new in zip(self._fragments[p], result.anchor, strict=True):
             param = self._params[i]
             self._anchor[i].copy_(new)
-            if applied and self._mix > 0:
-                mixed = new.float() * (1.0 - self._mix) + param.float() * self._mix
+            if applied and mix > 0:
+                mixed = new.float() * (1.0 - mix) + param.float() * mix
                 param.copy_(mixed)
             else:
                 param.copy_(new)
@@ -302,8 +302,9 @@ class DiLoCo:
         """Runs the outer step of every fragment now (the hook runs them on its schedule).
 
         Every rank must call it at the same point. An exchange in flight is waited for and
-        applied first; then every fragment's outer step runs on this thread, in order. Each
-        rank's parameters are set to the new anchor (mixed with their own by ``mix``).
+        applied first; then every fragment's outer step runs on this thread, in order. Every
+        rank's parameters are set to the new anchor (``mix`` applies to the scheduled steps
+        only), e.g. at the end of training.
 
         Returns:
             Whether every step was applied; ``False`` where some rank's pseudo-gradient was not
@@ -318,10 +319,10 @@ class DiLoCo:
         """
         applied = True
         if self._flight is not None:
-            applied = self._apply()
+            applied = self._apply(0.0)
         for p in self._fragment_ids:
             self._start(p, background=False)
-            applied = self._apply() and applied
+            applied = self._apply(0.0) and applied
         return applied
 
     def state_dict(self) -> dict[str, Any]:
