@@ -58,6 +58,23 @@ def diloco(m: torch.nn.Module, inner: torch.optim.Optimizer, **kwargs: Any) -> f
     return fn.diloco.DiLoCo(m, inner, **kwargs)
 
 
+def train(
+    rank: int, kwargs: dict[str, Any], start: int, stop: int, state: tuple | None = None
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, fn.diloco.DiLoCo]:
+    """A worker after inner steps ``start`` to ``stop - 1``, having loaded ``state`` (the model's,
+    the inner optimizer's and DiLoCo's state dicts) first."""
+    m = model()
+    inner = inner_optimizer(m)
+    d = diloco(m, inner, **kwargs)
+    if state is not None:
+        m.load_state_dict(state[0])
+        inner.load_state_dict(state[1])
+        d.load_state_dict(state[2])
+    for step in range(start, stop):
+        inner_step(m, inner, rank, step)
+    return m, inner, d
+
+
 def run(rank: int, kwargs: dict[str, Any], steps: int) -> list[list[torch.Tensor]]:
     """This rank's parameters after every inner step, under ``fn.diloco.DiLoCo``."""
     m = model()

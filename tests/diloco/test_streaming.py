@@ -111,27 +111,14 @@ def test_a_slow_exchange_gives_the_same_bits(monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(got[t], expected[t][0], strict=True)), t
 
 
-def _train(kwargs, start, stop, state=None):
-    m = cases.model()
-    inner = cases.inner_optimizer(m)
-    d = cases.diloco(m, inner, **kwargs)
-    if state is not None:
-        m.load_state_dict(state[0])
-        inner.load_state_dict(state[1])
-        d.load_state_dict(state[2])
-    for step in range(start, stop):
-        cases.inner_step(m, inner, 0, step)
-    return m, inner, d
-
-
 def test_checkpoint_in_flight_resumes_bit_for_bit():
     kwargs, steps = cases.CASES["P2 tau1 mix"]  # fragment 0 starts after step 5, applies after 6
-    full = cases.params(_train(kwargs, 0, steps)[0])
-    part = _train(kwargs, 0, 5)
+    full = cases.params(cases.train(0, kwargs, 0, steps)[0])
+    part = cases.train(0, kwargs, 0, 5)
     saved = copy.deepcopy(tuple(x.state_dict() for x in part))
     assert saved[2]["in_flight"] == {"fragment": 0, "started_at": 5}
     assert [d.shape for d in saved[2]["per_rank"]["in_flight_delta"]] == [(3, 4)]
-    resumed = cases.params(_train(kwargs, 5, steps, state=saved)[0])
+    resumed = cases.params(cases.train(0, kwargs, 5, steps, state=saved)[0])
     assert all(torch.equal(a, b) for a, b in zip(resumed, full, strict=True))
 
 

@@ -22,19 +22,6 @@ W = 2
 RESUMED = "P2 tau1 mix"  # fragment 0's exchange starts after step 5 and is applied after step 6
 
 
-def _train(rank, kwargs, start, stop, state=None, timeout=60):
-    m = cases.model()
-    inner = cases.inner_optimizer(m)
-    d = cases.diloco(m, inner, timeout=timeout, **kwargs)
-    if state is not None:
-        m.load_state_dict(state[0])
-        inner.load_state_dict(state[1])
-        d.load_state_dict(state[2])
-    for step in range(start, stop):
-        cases.inner_step(m, inner, rank, step)
-    return m, inner, d
-
-
 def _skip(rank):
     """Rank 1's fragment 1 turns NaN after inner step 4, just before its outer step."""
     m = cases.model()
@@ -85,9 +72,9 @@ def _streaming(rank, world_size):
         name: cases.run(rank, kwargs, steps) for name, (kwargs, steps) in cases.CASES.items()
     }
     kwargs, steps = cases.CASES[RESUMED]
-    full = cases.params(_train(rank, kwargs, 0, steps)[0])
-    saved = copy.deepcopy(tuple(x.state_dict() for x in _train(rank, kwargs, 0, 5)))
-    resumed = cases.params(_train(rank, kwargs, 5, steps, state=saved)[0])
+    full = cases.params(cases.train(rank, kwargs, 0, steps)[0])
+    saved = copy.deepcopy(tuple(x.state_dict() for x in cases.train(rank, kwargs, 0, 5)))
+    resumed = cases.params(cases.train(rank, kwargs, 5, steps, state=saved)[0])
     results["resume"] = (full, resumed, saved[2])
     results["skip"] = _skip(rank)
     results["fails"] = _fails(rank)  # last: rank 0's exchange group is unusable after it
