@@ -17,8 +17,8 @@ compressors are ``fn.collectives`` transforms that thread their error feedback. 
 inner optimizer's ``step()`` and keeps the anchor, the outer state and the counters for
 checkpoints; with Streaming DiLoCo's ``fragments`` it syncs one fragment at a time, and with
 its ``delay`` it overlaps each fragment's exchange with the next inner steps on a background
-thread (``fn.diloco.streaming`` plans which, when). docs/algorithms.md, "DiLoCo: local steps
-and a compressed outer step" specifies them, and also sharded workers, which are not built.
+thread. docs/algorithms.md, "DiLoCo: local steps and a compressed outer step" specifies them,
+and also sharded workers, which are not built.
 """
 
 from fn.diloco.compressors import COMPRESSIONS, compression
