@@ -1002,3 +1002,17 @@ def test_torchtitan_summary_times_the_steps_after_warmup_and_freeze():
     assert run["loss"] == 4.0 and run["loss_last"] == 6.5
     adamw = titan.summarize({**config, "mode": "adamw"}, rank0)
     assert adamw["timed_steps"] == 5 and adamw["step_s"] == 5.0  # after the warmup only
+
+
+@pytest.mark.timeout(180)
+def test_diloco_blocking_tiny_cli_prints_every_setting():
+    proc = _cli(
+        "diloco_blocking.py", "--params", "2e4", "--sync-every", "4", "--fragments", "2",
+        "--delays", "1", "--rounds", "1", "--batch", "4", timeout=150,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")][1:]
+    names = [row.split(" | ")[0].removeprefix("| ") for row in rows]
+    assert names == [
+        "no outer step", "DiLoCo (P=1, tau=0)", "streaming (P=2, tau=0)", "streaming (P=2, tau=1)",
+    ], proc.stdout  # fmt: skip
