@@ -75,11 +75,14 @@ def train(
     return m, inner, d
 
 
-def run(rank: int, kwargs: dict[str, Any], steps: int) -> list[list[torch.Tensor]]:
-    """This rank's parameters after every inner step, under ``fn.diloco.DiLoCo``."""
+def run(
+    rank: int, kwargs: dict[str, Any], steps: int, group: Any = None
+) -> list[list[torch.Tensor]]:
+    """This rank's parameters after every inner step, under ``fn.diloco.DiLoCo`` over
+    ``group``."""
     m = model()
     inner = inner_optimizer(m)
-    d = diloco(m, inner, **kwargs)
+    d = diloco(m, inner, group=group, **kwargs)
     out = []
     for step in range(steps):
         inner_step(m, inner, rank, step)

@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 
+import fn.collectives
 import fn.diloco
 import fn.diloco.wrapper
 from tests._distributed import run_distributed
@@ -77,6 +78,9 @@ def _streaming(rank, world_size):
     resumed = cases.params(cases.train(rank, kwargs, 5, steps, state=saved)[0])
     results["resume"] = (full, resumed, saved[2])
     results["skip"] = _skip(rank)
+    # one worker per rank (a subgroup each): every rank creates every exchange group
+    groups = [torch.distributed.new_group([r]) for r in range(world_size)]
+    results["subgroup"] = cases.run(rank, kwargs, steps, group=groups[rank])
     results["fails"] = _fails(rank)  # last: rank 0's exchange group is unusable after it
     return results
 
@@ -111,6 +115,18 @@ def test_checkpoint_with_an_exchange_in_flight(gloo_ranks):
     d = fn.diloco.DiLoCo(m, cases.inner_optimizer(m), **kwargs)
     with pytest.raises(ValueError, match="taken on 2 ranks while fragment 0's exchange was in"):
         d.load_state_dict(gloo_ranks[0]["resume"][2])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_worker_on_a_subgroup_runs_alone(gloo_ranks):
+    kwargs, steps = cases.CASES[RESUMED]
+    for rank, result in enumerate(gloo_ranks):
+        alone = cases.run(rank, kwargs, steps, group=fn.collectives.Local())
+        for t in range(steps):
+            assert all(
+                torch.equal(a, b) for a, b in zip(result["subgroup"][t], alone[t], strict=True)
+            )
 
 
 @pytest.mark.distributed
