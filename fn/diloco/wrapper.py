@@ -139,6 +139,12 @@ class DiLoCo:
         NotImplementedError: sharded (``DTensor``) parameters, which are specified in
             docs/algorithms.md and not built.
 
+    Attributes:
+        inner_steps: the inner steps counted so far.
+        outer_steps: the outer steps taken (one per fragment's step; skipped ones included).
+        skipped_steps: the outer steps skipped for a non-finite pseudo-gradient.
+        fragment_steps: the outer steps of each fragment.
+
     Example:
         >>> model = torch.nn.Linear(2, 1)
         >>> inner = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -149,6 +155,19 @@ class DiLoCo:
         ...     inner.zero_grad()
         >>> diloco.inner_steps, diloco.outer_steps
         (4, 2)
+
+        Streaming: 2 fragments, one synced every 2 inner steps, each exchange on a thread
+        during the inner step before it:
+
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> diloco = fn.diloco.DiLoCo(model, inner, sync_every=4, fragments=2, delay=1)
+        >>> for _ in range(8):
+        ...     model(torch.ones(1, 2)).sum().backward()
+        ...     inner.step()
+        ...     inner.zero_grad()
+        >>> diloco.outer_steps, diloco.fragment_steps
+        (4, [2, 2])
     """
 
     def __init__(
