@@ -199,6 +199,7 @@ class DiLoCo:
         self._schedule = StreamSchedule(sync_every, len(self._fragments), delay).checked()
         self.comm = _comm(group, timeout)
         outer_options, options = dict(outer_options or {}), dict(compression_options or {})
+        # built here to refuse bad options before the ranks compare their settings
         self._rule = _rule(outer, outer_options, compression, options, self.comm)
         self.sync_every = sync_every
         self._mix = float(mix)
@@ -215,7 +216,8 @@ class DiLoCo:
         agree_on_settings(self.comm, {**self._settings, **values}, "DiLoCo")
         # a delayed exchange runs on a thread, over a process group of its own
         self._exchange_comm = exchange_comm(self.comm) if delay > 0 else self.comm
-        self._rule = _rule(outer, outer_options, compression, options, self._exchange_comm)
+        if delay > 0:
+            self._rule = _rule(outer, outer_options, compression, options, self._exchange_comm)
         with torch.no_grad():
             self._anchor = [
                 p.detach().to(anchor_device or p.device, copy=True) for p in self._params
