@@ -34,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -73,6 +74,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def make_model(seed: int) -> torch.nn.Module:
+    """The demo's next-character model, initialized from ``seed``."""
+    torch.manual_seed(seed)
+    return demo.CharMLP(_data.VOCAB_SIZE, CONTEXT, EMBED, HIDDEN)
+
+
+def worker_batches(
+    corpus, rank: int, seed: int, batch: int
+) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """Worker ``rank``'s batches of ``batch`` windows ``(x, y)`` from its shard of the training
+    text, drawn by its own generator (the same sequence in every run of ``seed``)."""
+    ids = _data.shard(corpus.train, rank, WORKERS)
+    generator = torch.Generator().manual_seed(seed * 100_003 + rank)
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        starts = _data.batch_starts(ids.numel(), CONTEXT, batch, generator)
+        return _data.windows(ids, starts, CONTEXT)
+
+    return next_batch
+
+
+def heldout_windows(corpus) -> tuple[torch.Tensor, torch.Tensor]:
+    """The held-out windows ``(x, y)``: ``HELDOUT_WINDOWS`` evenly spaced over the held-out
+    text."""
+    starts = _data.heldout_starts(corpus.heldout.numel(), CONTEXT, HELDOUT_WINDOWS)
+    return _data.windows(corpus.heldout, starts, CONTEXT)
+
+
 def _outer(name: str, comm: Simulated):
     """The outer rule of run ``name`` on ``comm``."""
     if name.startswith("sparseloco-1/"):
@@ -83,8 +112,7 @@ def _outer(name: str, comm: Simulated):
 
 def run(name: str, sync_every: int, seed: int, args: argparse.Namespace, corpus) -> dict:
     """One run: its held-out loss and the bytes one worker sent."""
-    torch.manual_seed(seed)
-    model = demo.CharMLP(_data.VOCAB_SIZE, CONTEXT, EMBED, HIDDEN)
+    model = make_model(seed)
     params0 = {k: v.detach().clone() for k, v in model.named_parameters()}
 
     def loss_fn(params, x, y):
@@ -92,14 +120,10 @@ def run(name: str, sync_every: int, seed: int, args: argparse.Namespace, corpus)
         return torch.nn.functional.cross_entropy(logits, y)
 
     grads_fn = torch.func.vmap(torch.func.grad(loss_fn))
-    shards = [_data.shard(corpus.train, r, WORKERS) for r in range(WORKERS)]
-    gens = [torch.Generator().manual_seed(seed * 100_003 + r) for r in range(WORKERS)]
+    batches = [worker_batches(corpus, r, seed, args.batch) for r in range(WORKERS)]
 
     def next_batch():
-        pairs = [
-            _data.windows(s, _data.batch_starts(s.numel(), CONTEXT, args.batch, g), CONTEXT)
-            for s, g in zip(shards, gens, strict=True)
-        ]
+        pairs = [batch() for batch in batches]
         return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
 
     comm = Simulated(WORKERS)
@@ -125,8 +149,7 @@ def run(name: str, sync_every: int, seed: int, args: argparse.Namespace, corpus)
             params = {k: v.clone() for k, v in anchor.items()}
     with torch.no_grad():
         evaluate = torch.func.vmap(loss_fn, in_dims=(0, None, None))
-        starts = _data.heldout_starts(corpus.heldout.numel(), CONTEXT, HELDOUT_WINDOWS)
-        heldout = evaluate(params, *_data.windows(corpus.heldout, starts, CONTEXT))
+        heldout = evaluate(params, *heldout_windows(corpus))
     tokens = args.steps * args.batch
     return {
         "loss": float(heldout.mean()),

@@ -357,6 +357,13 @@ API_GROUPS: dict[str, list[tuple[str, str]]] = {
     "fn.integrations.transformers": [("Hugging Face Trainer", "attach FnTrainerCallback")],
     "fn.integrations.accelerate": [("Accelerate", "attach")],
     "fn.integrations.lightning": [("PyTorch Lightning", "FnCallback check_strategy")],
+    "fn.integrations.torchtitan": [
+        ("Configs", "onebit_config check_supported"),
+        (
+            "torchtitan's components",
+            "OnebitTrainer OnebitOptimizersContainer OnebitCheckpointManager ShardMeshParallelize",
+        ),
+    ],
 }
 # Where each public object is documented, by identity (functions and classes) or by the names
 # under which the packages export it.

@@ -15,10 +15,11 @@ The rules are transforms over the pseudo-gradient pytree with their state explic
 compressors are ``fn.collectives`` transforms that thread their error feedback. They run on
 ``Local``, ``Simulated`` and ``ProcessGroup``. :class:`DiLoCo` hooks the outer step onto any
 inner optimizer's ``step()`` and keeps the anchor, the outer state and the counters for
-checkpoints; with Streaming DiLoCo's ``fragments`` it syncs one fragment at a time, and with
-its ``delay`` it overlaps each fragment's exchange with the next inner steps on a background
-thread. docs/algorithms.md, "DiLoCo: local steps and a compressed outer step" specifies them,
-and also sharded workers, which are not built.
+checkpoints (``torch.save`` per rank, or ``torch.distributed.checkpoint``), for workers of one
+rank or sharded by FSDP2; with Streaming DiLoCo's ``fragments`` it syncs one fragment at a
+time, and with its ``delay`` it overlaps each fragment's exchange with the next inner steps on a
+background thread. docs/algorithms.md, "DiLoCo: local steps and a compressed outer step"
+specifies them.
 """
 
 from fn.diloco.compressors import COMPRESSIONS, compression

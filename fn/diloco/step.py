@@ -3,6 +3,7 @@ outer rule, and the new anchor."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -63,12 +64,13 @@ def outer_step(
     state: OptState,
     *,
     comm: Comm,
+    within: Sequence[Comm] = (),
 ) -> OuterStep:
     """One outer step of DiLoCo on this rank: the new anchor from every rank's pseudo-gradient.
 
     1. ``delta = anchor - params`` in fp32 (:func:`pseudo_gradient`).
     2. The ranks agree on whether every ``delta`` is finite: an allreduce of this rank's count
-       of non-finite values (one fp32 value).
+       of non-finite values (one fp32 value) over ``comm``, then over each group of ``within``.
     3. ``updates, state = outer.update(delta, state, anchor)``: the outer rule, which
        communicates through its compressor; ``updates`` are the same on every rank.
     4. ``anchor + updates`` (``fn.apply_updates``), each leaf rounded to its dtype.
@@ -86,6 +88,10 @@ def outer_step(
         params: this rank's params after its inner steps (the anchor's structure).
         state: ``outer``'s state.
         comm: the group of workers (the one ``outer``'s compressor uses).
+        within: where each worker is sharded over several ranks, the groups inside a worker
+            (one per dimension of its device mesh): the count of non-finite values is summed
+            over them too, so that every rank of every worker, at every shard position, applies
+            or skips the step together. Empty: one rank per worker.
 
     Returns:
         An :class:`OuterStep`, with the new anchor, the new state and whether the step was
@@ -108,7 +114,8 @@ def outer_step(
         tensor([[2., 3.],
                 [2., 3.]])
     """
-    return outer_update(outer, anchor, pseudo_gradient(anchor, params), state, comm=comm)
+    delta = pseudo_gradient(anchor, params)
+    return outer_update(outer, anchor, delta, state, comm=comm, within=within)
 
 
 def outer_update(
@@ -118,14 +125,16 @@ def outer_update(
     state: OptState,
     *,
     comm: Comm,
+    within: Sequence[Comm] = (),
 ) -> OuterStep:
     """Steps 2 to 4 of :func:`outer_step` on a pseudo-gradient taken earlier: the ranks'
     agreement that it is finite, the outer rule and the new anchor.
 
     Streaming DiLoCo takes a fragment's ``delta`` after one inner step and runs this exchange
     while later inner steps go on (``DiLoCo(..., delay=tau)``).
-    ``outer_step(outer, anchor, params, state, comm=comm)`` is
-    ``outer_update(outer, anchor, pseudo_gradient(anchor, params), state, comm=comm)``.
+    ``outer_step(outer, anchor, params, state, comm=comm, within=within)`` is
+    ``outer_update(outer, anchor, pseudo_gradient(anchor, params), state, comm=comm,
+    within=within)``.
 
     Args:
         outer: the outer rule.
@@ -133,6 +142,7 @@ def outer_update(
         delta: this rank's pseudo-gradient (:func:`pseudo_gradient`), fp32.
         state: ``outer``'s state.
         comm: the group of workers.
+        within: the groups inside a sharded worker (:func:`outer_step`).
 
     Returns:
         An :class:`OuterStep`.
@@ -148,6 +158,8 @@ def outer_update(
     counts = [(~torch.isfinite(d)).sum() for d in tree_leaves(delta)]
     count = torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64)
     total = comm.all_reduce(count.float().reshape(1), op="sum")
+    for group in within:
+        total = group.all_reduce(total, op="sum")
     applied = total[0] == 0
     safe = tree_map(lambda d: torch.where(applied, d, 0.0), delta)
     updates, new_state = outer.update(safe, state, anchor)

@@ -11,19 +11,25 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from fn.base import GradientTransformation
-from fn.collectives import Comm, Local, ProcessGroup, Simulated, error_feedback_leaves
+from fn.collectives import Comm, Local, ProcessGroup, Simulated
 from fn.diloco.agreement import agree_on_settings
+from fn.diloco.checkpoint import (
+    PER_RANK,
+    diloco_state_dict,
+    initializing_optimizer_state,
+    own_key,
+    restored,
+)
 from fn.diloco.compressors import compression as build_compression
 from fn.diloco.exchange import BackgroundExchange, exchange_comm
 from fn.diloco.nesterov_rule import nesterov
+from fn.diloco.sharding import local_shard, worker_mesh_comms
 from fn.diloco.sparseloco_rule import sparseloco
 from fn.diloco.step import OuterStep, outer_update, pseudo_gradient
 from fn.diloco.streaming import StreamSchedule, fragment_indices
 from fn.errors import check_fraction, check_int, user_stacklevel
-from fn.tree import tree_flatten, tree_unflatten
 
 __all__ = ["OUTER_RULES", "DiLoCo"]
 
@@ -106,12 +112,22 @@ class DiLoCo:
     warns. A rank that stops answering makes the others raise
     ``fn.collectives.CollectiveTimeoutError`` after ``timeout`` (``$FN_TIMEOUT``).
 
+    A worker may span several ranks, its model sharded by FSDP2 (``fully_shard``, on a 1-D mesh
+    or HSDP; the parameters ``DTensor`` s, on one device mesh): ``group`` is then the workers'
+    ranks at one shard position (``mesh["worker"].get_group()`` for a mesh ``("worker",
+    "shard")``), each rank syncs its own local shard, the anchor is per local shard, and the
+    agreement that the pseudo-gradients are finite is also summed over the parameters' mesh, so
+    that every rank of every worker applies or skips a step together. ``"fp32"`` and ``"bf16"``
+    then give the unsharded model's outer step bit for bit; the compressors with groups or
+    chunks cut them from the shards.
+
     Args:
-        model: the worker's model (unsharded; buffers are not synchronized).
+        model: the worker's model, unsharded or sharded by FSDP2 (buffers are not
+            synchronized).
         inner_optimizer: the optimizer of ``model``'s parameters, stepped by the training loop.
         group: the workers: a ``torch.distributed`` group (``None``: the world, or one rank
             where ``torch.distributed`` is not initialized), or a ``fn.collectives.Local`` or
-            ``ProcessGroup``.
+            ``ProcessGroup``; with sharded workers, the workers' ranks at this shard position.
         sync_every: ``H``, inner steps per outer step.
         outer: the outer rule, one of :data:`OUTER_RULES`.
         outer_options: its options (``lr``, ``momentum`` for ``"nesterov"``; ``lr``, ``beta``
@@ -136,8 +152,9 @@ class DiLoCo:
         ValueError: a setting out of range (also ``sync_every`` not a multiple of ``P``, or
             fragment lists that miss a parameter, repeat one or name another tensor), or (on
             every rank) settings or parameters that differ across ranks.
-        NotImplementedError: sharded (``DTensor``) parameters, which are specified in
-            docs/algorithms.md and not built.
+        NotImplementedError: ``DTensor`` parameters mixed with plain ones or on several device
+            meshes, or with ``delay > 0`` (the exchange's thread would share the worker mesh's
+            groups with FSDP2's collectives).
 
     Attributes:
         inner_steps: the inner steps counted so far.
@@ -190,10 +207,12 @@ class DiLoCo:
         check_int("DiLoCo: sync_every", sync_every, minimum=1)
         check_fraction("DiLoCo", mix=mix)
         self._params = [p for p in model.parameters() if p.requires_grad]
-        if any(isinstance(p, DTensor) for p in self._params):
+        self._within = worker_mesh_comms(self._params, timeout)  # sharded: the worker's ranks
+        if self._within and delay > 0:
             raise NotImplementedError(
-                "DiLoCo: sharded (DTensor) parameters, one group per shard position, are "
-                "specified in docs/algorithms.md and not built"
+                "DiLoCo: delay > 0 with sharded workers is not built: the exchange's thread "
+                "would agree on finiteness over the worker mesh's groups while FSDP2's "
+                "collectives use them; use delay=0 (fragments work)"
             )
         self._fragments = fragment_indices(self._params, fragments)
         self._schedule = StreamSchedule(sync_every, len(self._fragments), delay).checked()
@@ -212,16 +231,17 @@ class DiLoCo:
             "compression": (compression, sorted(options.items())),
             "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._params],
         }
-        values = {"parameter values": _params_digest(self._params)}
+        shards = [local_shard(p.detach()) for p in self._params]
+        values = {
+            "local shapes": [tuple(x.shape) for x in shards],
+            "parameter values": _params_digest(shards),
+        }
         agree_on_settings(self.comm, {**self._settings, **values}, "DiLoCo")
         # a delayed exchange runs on a thread, over a process group of its own
         self._exchange_comm = exchange_comm(self.comm) if delay > 0 else self.comm
         if delay > 0:
             self._rule = _rule(outer, outer_options, compression, options, self._exchange_comm)
-        with torch.no_grad():
-            self._anchor = [
-                p.detach().to(anchor_device or p.device, copy=True) for p in self._params
-            ]
+        self._anchor = [x.to(anchor_device or x.device, copy=True) for x in shards]
         self._states = [self._rule.init(self._part(self._anchor, p)) for p in self._fragment_ids]
         self._flight: _Flight | None = None
         self.inner_steps = 0
@@ -252,8 +272,15 @@ class DiLoCo:
         """Fragment ``p``'s entries of a list over the parameters."""
         return [tensors[i] for i in self._fragments[p]]
 
+    def _shards(self, p: int) -> list[torch.Tensor]:
+        """This rank's part of fragment ``p``'s parameters (views: writing them writes the
+        parameters)."""
+        return [local_shard(q.detach()) for q in self._part(self._params, p)]
+
     def _after_inner_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         del optimizer, args, kwargs
+        if initializing_optimizer_state():  # DCP's state_dict API creating a fresh state
+            return
         self.inner_steps += 1
         plan = self._schedule.plan(self.inner_steps)
         if plan.starts is not None:
@@ -272,14 +299,14 @@ class DiLoCo:
     ) -> None:
         """Takes fragment ``p``'s pseudo-gradient (or resumes with ``delta``) and starts its
         exchange."""
-        params = self._part(self._params, p)
+        params = self._shards(p)
         anchor = [a.to(q.device) for a, q in zip(self._part(self._anchor, p), params, strict=True)]
         if delta is None:
-            delta = pseudo_gradient(anchor, [q.detach() for q in params])
+            delta = pseudo_gradient(anchor, params)
         started_at = self.inner_steps if started_at is None else started_at
-        rule, state, comm = self._rule, self._states[p], self._exchange_comm
+        rule, state, comm, within = self._rule, self._states[p], self._exchange_comm, self._within
         exchange = BackgroundExchange(
-            lambda: outer_update(rule, anchor, delta, state, comm=comm),
+            lambda: outer_update(rule, anchor, delta, state, comm=comm, within=within),
             background=background,
             device=params[0].device,
             what=f"DiLoCo: the outer exchange of fragment {p} (started after inner step "
@@ -295,8 +322,8 @@ class DiLoCo:
         result = flight.exchange.result()
         applied = bool(result.applied)
         p = flight.fragment
-        for i, new in zip(self._fragments[p], result.anchor, strict=True):
-            param = self._params[i]
+        shards = self._shards(p)
+        for i, param, new in zip(self._fragments[p], shards, result.anchor, strict=True):
             self._anchor[i].copy_(new)
             if applied and mix > 0:
                 mixed = new.float() * (1.0 - mix) + param.float() * mix
@@ -347,20 +374,24 @@ class DiLoCo:
         return applied
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's DiLoCo state: the anchor, each fragment's outer state (its error feedback
-        is this rank's own), the counters, the settings, and an exchange in flight.
+        """This rank's DiLoCo state: the anchor, each fragment's outer state, the counters, the
+        settings and an exchange in flight under keys shared by the ranks, and what is this
+        rank's own (its error feedback, an in-flight pseudo-gradient) under
+        ``state["per_rank"]["rank<r>"]`` (``r`` its rank in the world).
 
-        Save it per rank (e.g. ``torch.save`` to one file per rank), with the model's and the
-        inner optimizer's state: together they resume bit for bit. Taken while a fragment's
-        exchange is in flight (``delay > 0``), it holds that fragment (``"in_flight"``: the
-        fragment and the inner step its exchange started after), its anchor and outer state
-        from before the exchange, and this rank's pseudo-gradient
-        (``"per_rank"]["in_flight_delta"]``): a run resumed from it sends the same exchange
-        again and applies it at the same step.
+        Save it per rank (``torch.save`` to one file per rank), or through
+        ``torch.distributed.checkpoint`` (``fn.fsdp.TrainingCheckpoint(..., extra={"diloco":
+        diloco})``), which keeps one copy of each shared key, of each shard where the workers
+        are sharded (the anchor and the momentum are then ``DTensor`` s laid out as the
+        parameters). With the model's and the inner optimizer's state, it resumes bit for bit.
+        Taken while a fragment's exchange is in flight (``delay > 0``), it holds that fragment
+        and the inner step its exchange started after (``"in_flight"``), its anchor and outer
+        state from before the exchange, and this rank's pseudo-gradient (``"in_flight_delta"``
+        of this rank's entries): a run resumed from it sends the same exchange again and
+        applies it at the same step.
 
         Returns:
-            A dict of tensors, pytrees of tensors and Python values (fresh copies); what differs
-            across ranks by design is under ``"per_rank"``.
+            A dict of tensors, lists of tensors and Python values (fresh copies).
 
         Example:
             >>> model = torch.nn.Linear(2, 1)
@@ -368,39 +399,48 @@ class DiLoCo:
             >>> sorted(fn.diloco.DiLoCo(model, inner, sync_every=2).state_dict())
             ['anchor', 'counts', 'in_flight', 'outer_state', 'per_rank', 'settings', 'world_size']
         """
-        leaves, spec = tree_flatten(self._states)
-        flight = self._flight
-        return {
-            "anchor": _copies(self._anchor),
-            "outer_state": tree_unflatten([_copied(x) for x in leaves], spec),
-            "counts": {
-                "inner_steps": self.inner_steps,
-                "outer_steps": self.outer_steps,
-                "skipped_steps": self.skipped_steps,
-                "fragment_steps": list(self.fragment_steps),
-            },
-            "in_flight": None
-            if flight is None
-            else {"fragment": flight.fragment, "started_at": flight.started_at},
-            "settings": repr(self._settings),
-            "world_size": self.comm.world_size,
-            "per_rank": {"in_flight_delta": [] if flight is None else _copies(flight.delta)},
+        counts = {
+            "inner_steps": self.inner_steps,
+            "outer_steps": self.outer_steps,
+            "skipped_steps": self.skipped_steps,
+            "fragment_steps": list(self.fragment_steps),
         }
+        state = diloco_state_dict(
+            self._anchor,
+            self._states,
+            self._params,
+            self._fragments,
+            counts=counts,
+            settings=repr(self._settings),
+            world_size=self.comm.world_size,
+        )
+        flight = self._flight
+        state["in_flight"] = (
+            None
+            if flight is None
+            else {"fragment": flight.fragment, "started_at": flight.started_at}
+        )
+        own = state[PER_RANK][own_key()]
+        own["in_flight_delta"] = [] if flight is None else [d.clone() for d in flight.delta]
+        return state
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores a :meth:`state_dict`. Under another world size the error feedback restarts
-        from zero, with one warning; the rest (the anchor, the momentum, the counters) loads.
-        A checkpoint taken while an exchange was in flight restarts that exchange (every rank
-        must then load at the same point, as it is a collective).
+        """Restores a :meth:`state_dict`. Under another number of workers (or from another
+        rank's file) the error feedback restarts from zero, with one warning; the rest (the
+        anchor, the momentum, the counters) loads. A checkpoint taken while an exchange was in
+        flight starts that exchange again (every rank must then load at the same point, as it
+        is a collective); it loads only on the same number of workers, from this rank's own
+        entries.
 
         Args:
-            state: what :meth:`state_dict` returned on this rank (or, under another world
-                size, on some rank).
+            state: what :meth:`state_dict` returned on this rank (or, under another number of
+                workers, on some rank), or what ``torch.distributed.checkpoint`` loaded into it.
 
         Raises:
-            ValueError: settings other than this object's, tensors of other shapes, or a
-                checkpoint taken with an exchange in flight under another world size.
+            ValueError: settings other than this object's, tensors of other shapes, or an
+                exchange in flight under another number of workers or without this rank's
+                entries; nothing was changed.
 
         Example:
             >>> model = torch.nn.Linear(2, 1)
@@ -413,62 +453,27 @@ class DiLoCo:
             >>> diloco.outer_steps
             0
         """
-        if state["settings"] != repr(self._settings):
-            raise ValueError(
-                f"DiLoCo.load_state_dict: the checkpoint's settings {state['settings']} differ "
-                f"from this object's {self._settings!r}"
-            )
-        same_world = state["world_size"] == self.comm.world_size
         in_flight = state["in_flight"]
-        if in_flight is not None and not same_world:
-            raise ValueError(
-                f"DiLoCo.load_state_dict: the checkpoint was taken on {state['world_size']} "
-                f"ranks while fragment {in_flight['fragment']}'s exchange was in flight; that "
-                f"exchange belongs to those ranks and cannot resume on {self.comm.world_size}. "
-                "Resume on the same number of ranks, or from a checkpoint taken outside an "
-                "exchange (not in the delay steps before a fragment's outer step)"
-            )
-        fresh_states = [self._rule.init(self._part(self._anchor, p)) for p in self._fragment_ids]
-        saved, spec = tree_flatten(state["outer_state"])
-        fresh, fresh_spec = tree_flatten(fresh_states)
-        if spec != fresh_spec:
-            raise ValueError("DiLoCo.load_state_dict: the outer state has another structure")
-        feedback = error_feedback_leaves(tree_unflatten(fresh, fresh_spec))
-        if not same_world and any(feedback):
-            warnings.warn(
-                f"DiLoCo.load_state_dict: the checkpoint was taken on {state['world_size']} "
-                f"ranks, this run has {self.comm.world_size}: the error feedback restarts from "
-                "zero",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
-        leaves = []
-        for old, new, is_feedback in zip(saved, fresh, feedback, strict=True):
-            keep = new if is_feedback and not same_world else old
-            if isinstance(new, torch.Tensor):
-                _check_shape("a state tensor", keep, new)
-            leaves.append(_copied(keep).to(new.device) if isinstance(new, torch.Tensor) else keep)
-        for a, saved_anchor in zip(self._anchor, state["anchor"], strict=True):
-            _check_shape("the anchor", saved_anchor, a)
-        delta = state["per_rank"]["in_flight_delta"]
-        if in_flight is not None:
-            params = self._part(self._params, in_flight["fragment"])
-            for d, q in zip(delta, params, strict=True):
-                _check_shape("the in-flight pseudo-gradient", d, q)
-            delta = [
-                d.to(q.device, torch.float32, copy=True) for d, q in zip(delta, params, strict=True)
-            ]
+        delta = None
+        if in_flight is not None and state["settings"] == repr(self._settings):
+            delta = self._in_flight_delta(state, in_flight)  # refused before any warning
+        loaded = restored(
+            state,
+            anchor=self._anchor,
+            fresh_state=[self._rule.init(self._part(self._anchor, p)) for p in self._fragment_ids],
+            settings=repr(self._settings),
+            world_size=self.comm.world_size,
+        )
         if self._flight is not None:  # this object's own exchange: ended before replacing it
             self._flight.exchange.result()
             self._flight = None
-        for a, saved_anchor in zip(self._anchor, state["anchor"], strict=True):
-            a.copy_(saved_anchor)
-        self._states = list(tree_unflatten(leaves, fresh_spec))
-        counts = state["counts"]
-        self.inner_steps = counts["inner_steps"]
-        self.outer_steps = counts["outer_steps"]
-        self.skipped_steps = counts["skipped_steps"]
-        self.fragment_steps = list(counts["fragment_steps"])
+        for a, saved in zip(self._anchor, loaded.anchor, strict=True):
+            a.copy_(saved)
+        self._states = list(loaded.outer_state)
+        self.inner_steps = loaded.counts["inner_steps"]
+        self.outer_steps = loaded.counts["outer_steps"]
+        self.skipped_steps = loaded.counts["skipped_steps"]
+        self.fragment_steps = list(loaded.counts["fragment_steps"])
         if in_flight is not None:
             self._start(
                 in_flight["fragment"],
@@ -477,18 +482,28 @@ class DiLoCo:
                 delta=delta,
             )
 
-
-def _copied(x: Any) -> Any:
-    return x.clone() if isinstance(x, torch.Tensor) else x
-
-
-def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [t.clone() for t in tensors]
-
-
-def _check_shape(what: str, saved: torch.Tensor, like: torch.Tensor) -> None:
-    if saved.shape != like.shape:
-        raise ValueError(
-            f"DiLoCo.load_state_dict: {what} has shape {tuple(saved.shape)} where this run has "
-            f"{tuple(like.shape)}"
-        )
+    def _in_flight_delta(
+        self, state: Mapping[str, Any], in_flight: Mapping[str, int]
+    ) -> list[torch.Tensor]:
+        """This rank's in-flight pseudo-gradient from ``state``, checked, on the parameters'
+        devices."""
+        own = state.get(PER_RANK, {}).get(own_key())
+        if state["world_size"] != self.comm.world_size or own is None:
+            raise ValueError(
+                f"DiLoCo.load_state_dict: the checkpoint was taken on {state['world_size']} "
+                f"workers while fragment {in_flight['fragment']}'s exchange was in flight; "
+                f"that exchange belongs to those ranks and cannot resume on "
+                f"{self.comm.world_size} workers or from another rank's entries. Resume on the "
+                "same ranks, or from a checkpoint taken outside an exchange (not in the delay "
+                "steps before a fragment's outer step); nothing was loaded"
+            )
+        params = self._shards(in_flight["fragment"])
+        delta = [local_shard(d) for d in own["in_flight_delta"]]
+        if [d.shape for d in delta] != [q.shape for q in params]:
+            raise ValueError(
+                "DiLoCo.load_state_dict: the in-flight pseudo-gradient has other shapes than "
+                "this run's fragment; nothing was loaded"
+            )
+        return [
+            d.to(q.device, torch.float32, copy=True) for d, q in zip(delta, params, strict=True)
+        ]

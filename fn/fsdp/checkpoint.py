@@ -7,14 +7,16 @@ by rank, so the same ``dcp.save`` / ``dcp.load`` carries it. Resuming needs the 
 and model: the error feedback of one rank means nothing to another. An
 :class:`~fn.fsdp.OnebitAdam` (or :class:`~fn.fsdp.OnebitLamb`) saves its own state dict (its
 shards, its packed momentum once, each rank's errors under that rank's name); its checkpoints
-load at any update, and at another world size with the error feedback reset.
+load at any update, and at another world size with the error feedback reset. Further DCP
+Statefuls (``extra=``, such as a :class:`fn.diloco.DiLoCo`) are saved beside them, and ranks
+whose model state differs (DiLoCo's workers) save under names of their own (``key=``).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -28,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
 from fn.collectives.process_group import all_gather_flat
 from fn.fsdp.agreement import gather_texts, shared
@@ -49,6 +52,15 @@ class TrainingCheckpoint:
         step: the training loop's step count, kept in ``self.step``: the loop sets it as it
             trains (the optimizer's steps do not change it), :meth:`save` writes it and
             :meth:`load` restores it, so that a resumed loop starts at ``self.step``.
+        extra: further DCP ``Stateful`` s by name (e.g. ``{"diloco": fn.diloco.DiLoCo(...)}``),
+            saved under their names. :meth:`load` reads and restores them first, so that one
+            that refuses its state (raising in ``load_state_dict`` before it changes anything)
+            leaves everything as it was. The entries of a Stateful's ``state_dict()["per_rank"]``
+            (by convention, one per rank, named by the rank) that the checkpoint lacks (it was
+            saved on fewer ranks) are left out of its read, for it to restart.
+        key: the name of this state in the checkpoint. DCP keeps one copy of a name for all
+            ranks, so ranks whose model or optimizer state differ, as DiLoCo's workers' do,
+            save under names of their own (e.g. ``f"worker{w}"``) into one checkpoint.
 
     Example:
         >>> import tempfile, torch.distributed as dist
@@ -74,15 +86,35 @@ class TrainingCheckpoint:
         handle: LocoReduceScatterHandle | None = None,
         *,
         step: int = 0,
+        extra: Mapping[str, Stateful] | None = None,
+        key: str = "training",
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.handle = handle
         self.step = step
+        self.extra = dict(extra or {})
+        self.key = key
+        taken = {"model", "optim", "step", "loco"} & set(self.extra)
+        if taken:
+            raise ValueError(f"TrainingCheckpoint: extra names {sorted(taken)} are taken")
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"model", "optim", "step"[, "loco"]}``: sharded model and optimizer state dicts
-        (a :class:`~fn.fsdp.ShardedOnebitOptimizer`'s own ``state_dict()``)."""
+        """``{"model", "optim", "step"[, "loco"], *extra}``: sharded model and optimizer state
+        dicts (a :class:`~fn.fsdp.ShardedOnebitOptimizer`'s own ``state_dict()``), and each
+        extra Stateful's ``state_dict()`` under its name."""
+        state = self._own_state_dict()
+        state.update((name, x.state_dict()) for name, x in self.extra.items())
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`'s output: the extra Statefuls first, then the model,
+        optimizer and handle."""
+        for name, x in self.extra.items():
+            x.load_state_dict(state_dict[name])
+        self._load_own(state_dict)
+
+    def _own_state_dict(self) -> dict[str, Any]:
         if isinstance(self.optimizer, ShardedOnebitOptimizer):
             model_state, optim_state = get_model_state_dict(self.model), self.optimizer.state_dict()
         else:
@@ -96,8 +128,7 @@ class TrainingCheckpoint:
             state["loco"] = self.handle.state_dict()
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores :meth:`state_dict`'s output into the model, optimizer and handle."""
+    def _load_own(self, state_dict: dict[str, Any]) -> None:
         if isinstance(self.optimizer, ShardedOnebitOptimizer):
             self.optimizer.load_state_dict(state_dict["optim"])  # checks before it changes
             set_model_state_dict(self.model, state_dict["model"])
@@ -141,7 +172,7 @@ class TrainingCheckpoint:
         """
         path = _normalised(path)
         if "://" in path:
-            dcp.save({"training": self}, checkpoint_id=path)
+            dcp.save({self.key: self}, checkpoint_id=path)
             return
         partial = f"{path}.partial"
         first = not dist.is_initialized() or dist.get_rank() == 0
@@ -157,7 +188,7 @@ class TrainingCheckpoint:
         outcome = f"nothing was saved; {before}"
         _each_rank(device, clear, RuntimeError, what, f"could not clear {partial}", outcome)
         try:
-            dcp.save({"training": self}, checkpoint_id=partial)
+            dcp.save({self.key: self}, checkpoint_id=partial)
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException
             if first:
                 shutil.rmtree(partial, ignore_errors=True)
@@ -185,23 +216,49 @@ class TrainingCheckpoint:
             OSError: on a rank that cannot read the checkpoint's metadata, its own error (such as
                 ``FileNotFoundError``); nothing was changed.
             ValueError: on every other rank then; and (a ``ShardedOnebitOptimizer``) the
-                checkpoint does not match the model or optimizer, or cannot be read.
+                checkpoint does not match the model or optimizer, or cannot be read; or an
+                extra Stateful's state cannot be read or is refused by it (nothing changed).
         """
         path = _normalised(path)
         if not isinstance(self.optimizer, ShardedOnebitOptimizer):
+            keys = None
             if "://" not in path:  # a URL: DCP's own storage reads it
-                _read_metadata(path, _device(self.model))
-            dcp.load({"training": self}, checkpoint_id=path)
+                keys = _read_metadata(path, _device(self.model)).state_dict_metadata
+            self._load_extra(path, keys)
+            state = self._own_state_dict()
+            dcp.load({self.key: state}, checkpoint_id=path)
+            self._load_own(state)
             return
-        optim = read_onebit_state(self.optimizer, path, "training.optim")
+        optim = read_onebit_state(self.optimizer, path, f"{self.key}.optim")
+        if self.extra:
+            self._load_extra(path, _read_metadata(path, _device(self.model)).state_dict_metadata)
         state = {
             "model": {k: v.detach().clone() for k, v in get_model_state_dict(self.model).items()},
             "step": torch.zeros((), dtype=torch.int64),
         }
         if self.handle is not None:
             state["loco"] = self.handle.state_dict()
-        _read(path, {"training": state})
-        self.load_state_dict(dict(state, optim=optim))
+        _read(path, {self.key: state})
+        self._load_own(dict(state, optim=optim))
+
+    def _load_extra(self, path: str, keys: Any) -> None:
+        """Reads the extra Statefuls' states (``keys``: the checkpoint's, to leave out the
+        per-rank entries it lacks; ``None``: all) and restores them."""
+        if not self.extra:
+            return
+        states = {name: x.state_dict() for name, x in self.extra.items()}
+        for name, state in states.items():
+            per_rank = state.get("per_rank") if isinstance(state, dict) else None
+            if keys is not None and isinstance(per_rank, dict):
+                prefix = f"{self.key}.{name}.per_rank."
+                state["per_rank"] = {
+                    k: v
+                    for k, v in per_rank.items()
+                    if any(key.startswith(f"{prefix}{k}.") for key in keys)
+                }
+        _read(path, {self.key: states})
+        for name, x in self.extra.items():
+            x.load_state_dict(states[name])
 
 
 def read_onebit_state(

@@ -1004,6 +1004,119 @@ def test_torchtitan_summary_times_the_steps_after_warmup_and_freeze():
     assert adamw["timed_steps"] == 5 and adamw["step_s"] == 5.0  # after the warmup only
 
 
+def test_diloco_wall_plan_shapes_every_worker_and_stays_inside_its_namespaces():
+    proc = _cli("diloco_wall.py", "--dry-run", "--runs", "2", timeout=170)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if not line.startswith("#")]
+    switch = [line for line in lines if " --switch " in line]
+    assert len(switch) == 1
+    config = json.loads(switch[0].split("--switch ", 1)[1].strip("'"))
+    assert config["rate_bits"] == 1e7 and config["delay_s"] == 0.05
+    assert config["namespaces"] == [f"fnwall-r{i}" for i in range(4)]
+    lines.remove(switch[0])
+    _assert_inside(lines, {f"fnwall-r{i}" for i in range(4)})
+    shaped = [line for line in lines if " tbf " in line]
+    assert len(shaped) == 4  # every worker's eth0, queue of one round trip (2 x 50 ms)
+    assert all("rate 10mbit burst 3000 latency 100ms" in line for line in shaped)
+    workers = [json.loads(line.split("--worker ", 1)[1].strip("'")) for line in lines
+               if line.startswith("ip netns exec")]  # fmt: skip
+    names = [w["method"]["name"] for w in workers if w["rank"] == 0]
+    assert names[:3] == ["ddp", "diloco-fp32", "diloco-sparseloco-1/32"]
+    assert names == names[: len(names) // 2] * 2  # every method in both runs, in order
+    for name in ("stream-fp32-P3", "stream-fp32-P3-d9"):  # built, or reported as not built
+        assert name in names or f"#   {name}: not built (" in proc.stdout
+    ddp, fp32 = workers[0], workers[4]
+    assert ddp["max_steps"] == 300 and ddp["eval_every"] == 10
+    assert fp32["max_steps"] == 900 and fp32["eval_every"] == fp32["sync_every"] == 30
+    assert {w["target"] for w in workers} == {2.3}
+
+
+def _wall_result(method, run, evals, step_s, iter_s):
+    return {"method": method, "run": run, "evals": evals, "step_s": step_s, "iter_s": iter_s,
+            "params": 1000}  # fmt: skip
+
+
+def test_diloco_wall_summary_times_the_target_and_the_blocked_exchange():
+    wall = _load("diloco_wall.py")
+    # DDP: 1 s a step, evaluated every 2 steps, the target 2.0 first met at step 4
+    ddp = _wall_result("ddp", 0, [[2, 2.0, 2.5, 200, 0], [4, 4.0, 1.9, 400, 0],
+                                  [6, 6.0, 1.8, 600, 0]], [0.01] * 6, [1.0] * 6)  # fmt: skip
+    # DiLoCo, H = 3: steps of 0.1 s, step() 0.01 s except the outer step's 0.31 s
+    step = [0.01, 0.01, 0.31] * 2
+    iters = [0.1, 0.1, 0.4] * 2
+    fp32 = _wall_result("diloco-fp32", 0, [[3, 0.6, 2.2, 50, 40], [6, 1.2, 2.0, 90, 80]],
+                        step, iters)  # fmt: skip
+    rows = [wall.summarize(r, target=2.0, sync_every=3) for r in (ddp, fp32)]
+    assert rows[0]["reached"] and rows[0]["steps"] == 4 and rows[0]["time_s"] == 4.0
+    assert rows[0]["wire_bytes"] == 400
+    assert rows[1]["steps"] == 6 and rows[1]["time_s"] == 1.2 and rows[1]["fn_bytes"] == 80
+    assert rows[1]["blocked_per_outer"] == pytest.approx(0.3)
+    assert rows[1]["s_per_outer"] == pytest.approx(0.6)
+    assert rows[1]["compute_s"] == pytest.approx(0.6)  # 6 steps x the median 0.1 s
+    text = wall.table(rows, {"stream-fp32-P3": "not built here"})
+    fp32_row = next(line for line in text.splitlines() if "| diloco-fp32 |" in line)
+    assert "| 3.3x | 6.7x |" in fp32_row  # DDP's 4.0 s / 1.2 s; bound 4.0 s / 0.6 s
+    assert "| stream-fp32-P3 | not built: not built here |" in text
+    missed = wall.summarize(fp32, target=1.0, sync_every=3)
+    assert not missed["reached"] and missed["time_s"] == 1.2  # the last evaluation's
+
+
+def test_diloco_wall_hidden_fraction_pairs_each_delayed_run_with_its_undelayed_one():
+    wall = _load("diloco_wall.py")
+    evals = [[3, 1.0, 1.0, 0, 0]]
+    # P = 3, H = 3: the undelayed run blocks 0.4 s per H steps, the delayed one 0.1 s
+    runs = [
+        {**_wall_result(name, 0, evals, step, [0.1] * 3), "fragments": 3, "delay": delay}
+        for name, delay, step in (
+            ("stream-fp32-P3", 0, [0.01, 0.01, 0.41]),
+            ("stream-fp32-P3-d1", 1, [0.01, 0.01, 0.11]),
+        )
+    ]
+    base, delayed = (wall.summarize(r, 2.0, 3) for r in runs)
+    assert wall.hidden_fraction(delayed, base) == pytest.approx(0.75)
+    # 1 step of 0.1 s against 0.4 / 3 s of exchange per fragment
+    assert wall.hideable(delayed, base) == pytest.approx(0.75)
+    dense = wall.summarize(_wall_result("diloco-fp32", 0, evals, [0.01] * 3, [0.1] * 3), 2.0, 3)
+    (line,) = wall.streaming_lines([dense, base, delayed])
+    assert "0.400 s without the delay: 75% hidden (bound 75%: 1 steps of 0.1000 s" in line
+
+
+def test_diloco_wall_switch_delays_then_paces_each_destination():
+    wall = _load("diloco_wall.py")
+    link = wall.Link(rate_bits=8000.0, delay_s=0.05)  # 1 byte a millisecond
+    link.push(0.0, 1, b"x" * 10)  # due at 0.05 + 0.01
+    link.push(0.0, 1, b"y" * 10)  # behind it on the same port: 0.07
+    link.push(0.0, 2, b"z" * 10)  # another port: 0.06
+    assert link.wait(0.0) == pytest.approx(0.06)
+    assert list(link.due(0.065)) == [(1, b"x" * 10), (2, b"z" * 10)]
+    assert list(link.due(0.069)) == []
+    assert list(link.due(0.07)) == [(1, b"y" * 10)] and link.wait(1.0) is None
+
+
+def test_diloco_wall_ddp_floor_is_the_ring_bytes_plus_its_delays():
+    wall = _load("diloco_wall.py")
+    # 4 workers: 1.5 x 4 bytes a param at 10 Mbit/s, and 6 one-way delays
+    assert wall.ddp_floor(1_000_000, 1e7, 0.05) == pytest.approx(6e6 * 8 / 1e7 + 0.3)
+    assert wall.tbf_burst(1e7, 1500) == 3000 and wall.tbf_burst(1e9, 1500) == 250_000
+
+
+def test_diloco_wall_quick_keeps_what_the_command_line_sets():
+    wall = _load("diloco_wall.py")
+    quick = wall.parse_args(["--quick", "--target", "0"])
+    assert quick.target == 0 and quick.ddp_steps == 20 and quick.diloco_steps == 60
+    assert wall.parse_args([]).target == 2.3
+
+
+def test_diloco_wall_rejects_unknown_methods_and_bad_delays(capsys):
+    wall = _load("diloco_wall.py")
+    for argv, message in ((["--methods", "ddp,nope"], "unknown nope"),
+                          (["--delay", "50"], "expected e.g. 50ms"),
+                          (["--diloco-steps", "100"], "not a multiple")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            wall.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
 @pytest.mark.timeout(180)
 def test_diloco_blocking_tiny_cli_prints_every_setting():
     proc = _cli(

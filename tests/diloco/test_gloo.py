@@ -21,12 +21,12 @@ import pytest
 import torch
 
 import fn.diloco
+import fn.fsdp
 from fn.collectives import (
     CollectiveTimeoutError,
     ProcessGroup,
     Simulated,
     cast_allreduce,
-    error_feedback_leaves,
     replicate,
     simulate,
     topk_allreduce,
@@ -91,14 +91,22 @@ def _outer_steps(rank, world_size):
     return results
 
 
-def _gloo(rank, world_size):
+def _gloo(rank, world_size, path):
     # the wrapper's part ends with rank 1 leaving: it goes last
-    return {"outer": _outer_steps(rank, world_size), "wrapper": _wrapper(rank, world_size)}
+    return {
+        "outer": _outer_steps(rank, world_size),
+        "wrapper": _wrapper(rank, world_size, path),
+    }
 
 
 @pytest.fixture(scope="module")
-def gloo_ranks():
-    return run_distributed(_gloo, W, timeout=200)
+def checkpoints(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("diloco"))
+
+
+@pytest.fixture(scope="module")
+def gloo_ranks(checkpoints):
+    return run_distributed(_gloo, W, checkpoints, timeout=200)
 
 
 @pytest.mark.distributed
@@ -174,14 +182,24 @@ def _train(rank, kwargs, steps, start=0, state=None):
     return model, inner, diloco, after
 
 
-def _wrapper(rank, world_size):
+def _checkpoint(model, inner, diloco, rank) -> fn.fsdp.TrainingCheckpoint:
+    """Through DCP: one name per worker (their models and inner optimizers differ)."""
+    return fn.fsdp.TrainingCheckpoint(model, inner, extra={"diloco": diloco}, key=f"worker{rank}")
+
+
+def _wrapper(rank, world_size, path):
     results = {}
     for name, kwargs in SETTINGS.items():
         full = _train(rank, kwargs, H * OUTER_STEPS)[3]
         part = _train(rank, kwargs, H * 2)
         saved = tuple(copy.deepcopy(x.state_dict()) for x in part[:3])
         resumed = _train(rank, kwargs, H, start=2 * H, state=saved)[3]
-        results[name] = (full, resumed, saved[2])
+        _checkpoint(*part[:3], rank).save(f"{path}/{name}")
+        model, inner, diloco, _ = _train(rank, kwargs, 0)
+        _checkpoint(model, inner, diloco, rank).load(f"{path}/{name}")
+        for step in range(2 * H, 3 * H):
+            _inner_step(model, inner, rank, step)
+        results[name] = (full, resumed, saved[2], _params(model))
     # a non-finite pseudo-gradient: skipped everywhere, every rank back at the anchor
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -256,12 +274,13 @@ def test_diloco_on_gloo_ranks(gloo_ranks):
     for name, kwargs in SETTINGS.items():
         expected = _reference_run(kwargs)
         for rank, result in enumerate(ranks):
-            full, resumed, _ = result[name]
+            full, resumed, _, through_dcp = result[name]
             for s in range(OUTER_STEPS):
                 assert all(
                     torch.equal(got, e) for got, e in zip(full[s], expected[s], strict=True)
                 ), (name, rank, s)
             assert all(torch.equal(a, b) for a, b in zip(resumed[0], full[2], strict=True))
+            assert all(torch.equal(a, b) for a, b in zip(through_dcp, full[2], strict=True))
     for at_anchor, skipped, caught in (result["skip"] for result in ranks):
         assert at_anchor and skipped == 1
         assert len(caught) == 1 and "skipped on every rank" in caught[0]
@@ -273,17 +292,46 @@ def test_diloco_on_gloo_ranks(gloo_ranks):
 
     # the sparseloco checkpoint of rank 0, loaded on one rank: the error feedback restarts
     saved = ranks[0]["sparseloco"][2]
-    assert any(bool(t.ne(0).any()) for t, f in _marked(saved["outer_state"]) if f)
+    assert any(bool(t.ne(0).any()) for t in saved["per_rank"]["rank0"]["error_feedback"])
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     diloco = fn.diloco.DiLoCo(model, inner, sync_every=H, **SETTINGS["sparseloco"])
     with pytest.warns(UserWarning, match="error feedback restarts from zero"):
         diloco.load_state_dict(saved)
     loaded = diloco.state_dict()
-    assert all(not bool(t.ne(0).any()) for t, f in _marked(loaded["outer_state"]) if f)
+    assert all(not bool(t.ne(0).any()) for t in loaded["per_rank"]["rank0"]["error_feedback"])
     assert all(torch.equal(a, b) for a, b in zip(loaded["anchor"], saved["anchor"], strict=True))
     assert loaded["counts"] == saved["counts"]
 
 
-def _marked(state):
-    return list(zip(tree_leaves(state), error_feedback_leaves(state), strict=True))
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
+def test_a_dcp_checkpoint_loads_on_another_worker_count_or_is_refused(gloo_ranks, checkpoints):
+    """Worker 0's part of the 2-worker checkpoint, loaded by one worker (no process group)."""
+    path = f"{checkpoints}/sparseloco"
+    kwargs = SETTINGS["sparseloco"]
+    saved = gloo_ranks[0]["wrapper"]["sparseloco"][2]
+    model, inner, diloco, _ = _train(0, kwargs, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _checkpoint(model, inner, diloco, 0).load(path)
+    assert [str(w.message) for w in caught if "error feedback" in str(w.message)] == [
+        "DiLoCo.load_state_dict: the checkpoint was taken on 2 workers with another layout or "
+        "rank, this run has 1: the error feedback restarts from zero"
+    ]
+    loaded = diloco.state_dict()
+    assert all(not bool(t.ne(0).any()) for t in loaded["per_rank"]["rank0"]["error_feedback"])
+    assert all(torch.equal(a, b) for a, b in zip(loaded["anchor"], saved["anchor"], strict=True))
+    assert loaded["counts"] == saved["counts"] and diloco.inner_steps == 2 * H
+    # another model, or other settings: refused, nothing changed
+    for other, options in ((torch.nn.Linear(4, 2), kwargs), (_model(), SETTINGS["nesterov"])):
+        inner = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+        diloco = fn.diloco.DiLoCo(other, inner, sync_every=H, **options)
+        before, state = _params(other), diloco.state_dict()
+        with pytest.raises(ValueError, match="nothing was loaded"):
+            _checkpoint(other, inner, diloco, 0).load(path)
+        assert all(torch.equal(a, b) for a, b in zip(before, _params(other), strict=True))
+        after = diloco.state_dict()
+        assert after["counts"] == state["counts"] and not inner.state
+        assert all(torch.equal(a, b) for a, b in zip(after["anchor"], state["anchor"], strict=True))

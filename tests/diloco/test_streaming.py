@@ -117,7 +117,7 @@ def test_checkpoint_in_flight_resumes_bit_for_bit():
     part = cases.train(0, kwargs, 0, 5)
     saved = copy.deepcopy(tuple(x.state_dict() for x in part))
     assert saved[2]["in_flight"] == {"fragment": 0, "started_at": 5}
-    assert [d.shape for d in saved[2]["per_rank"]["in_flight_delta"]] == [(3, 4)]
+    assert [d.shape for d in saved[2]["per_rank"]["rank0"]["in_flight_delta"]] == [(3, 4)]
     resumed = cases.params(cases.train(0, kwargs, 5, steps, state=saved)[0])
     assert all(torch.equal(a, b) for a, b in zip(resumed, full, strict=True))
 

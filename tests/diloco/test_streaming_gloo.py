@@ -108,12 +108,15 @@ def test_checkpoint_with_an_exchange_in_flight(gloo_ranks):
         full, resumed, saved = result["resume"]
         assert saved["in_flight"] == {"fragment": 0, "started_at": 5}
         assert all(torch.equal(a, b) for a, b in zip(resumed, full, strict=True))
-    deltas = [result["resume"][2]["per_rank"]["in_flight_delta"][0] for result in gloo_ranks]
+    deltas = [
+        result["resume"][2]["per_rank"][f"rank{r}"]["in_flight_delta"][0]
+        for r, result in enumerate(gloo_ranks)
+    ]
     assert not torch.equal(*deltas)  # each rank's own
     m = cases.model()
     kwargs = cases.CASES[RESUMED][0]
     d = fn.diloco.DiLoCo(m, cases.inner_optimizer(m), **kwargs)
-    with pytest.raises(ValueError, match="taken on 2 ranks while fragment 0's exchange was in"):
+    with pytest.raises(ValueError, match="taken on 2 workers while fragment 0's exchange was in"):
         d.load_state_dict(gloo_ranks[0]["resume"][2])
 
 

@@ -1,0 +1,262 @@
+"""``DiLoCo``'s state dict: one form for ``torch.save`` per rank and for
+``torch.distributed.checkpoint`` (DCP), which keeps one copy of a key for all ranks.
+
+What is the same on every rank of the group sits under shared keys: the anchor and the outer
+state's other leaves (``DTensor`` s laid out as the parameters where the workers are sharded, so
+that DCP keeps one copy per shard and can reshard), the counts, the settings and the number of
+workers. What differs per rank (the error feedback) sits under ``state["per_rank"]["rank<r>"]``,
+``r`` the rank in the world, a key of this rank's own."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from fn.base import OptState
+from fn.collectives import error_feedback_leaves
+from fn.diloco.sharding import as_sharded_like, local_shard
+from fn.errors import user_stacklevel
+from fn.tree import tree_flatten, tree_unflatten
+
+__all__ = [
+    "PER_RANK",
+    "own_key",
+    "diloco_state_dict",
+    "Restored",
+    "restored",
+    "initializing_optimizer_state",
+]
+
+PER_RANK = "per_rank"
+"""The key of the per-rank entries of a DiLoCo state dict, each under :func:`own_key`."""
+
+
+def initializing_optimizer_state() -> bool:
+    """Whether this call comes from ``torch.distributed.checkpoint.state_dict``'s
+    ``_init_optim_state``, which runs one ``step()`` of a fresh optimizer with zero gradients and
+    learning rate 0 to create its state before a checkpoint is saved or loaded: not a training
+    step, so DiLoCo does not count it.
+
+    Example:
+        >>> from fn.diloco.checkpoint import initializing_optimizer_state
+        >>> initializing_optimizer_state()
+        False
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (
+            frame.f_code.co_name == "_init_optim_state"
+            and frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict"
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def own_key() -> str:
+    """``"rank<r>"``, ``r`` this process's rank in the world (0 without ``torch.distributed``):
+    the name of its own entries under ``state["per_rank"]``.
+
+    Example:
+        >>> from fn.diloco.checkpoint import own_key
+        >>> own_key()
+        'rank0'
+    """
+    return f"rank{dist.get_rank() if dist.is_available() and dist.is_initialized() else 0}"
+
+
+def _laid_out_like(leaves: Sequence[Any], params: Sequence[torch.Tensor]) -> list[Any]:
+    """The parameter each leaf is laid out like (``None``: a scalar, a non-tensor, or not a
+    parameter's shape): the ``i``-th tensor leaf of one dimension or more that of parameter
+    ``i mod n``, where its shape is that parameter's local shape (the outer rules keep one such
+    leaf per parameter, in parameter order, for each of their per-parameter fields)."""
+    out, i = [], 0
+    for x in leaves:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            out.append(None)
+            continue
+        p = params[i % len(params)]
+        i += 1
+        if x.shape != local_shard(p).shape:
+            if isinstance(p, DTensor):
+                raise NotImplementedError(
+                    "DiLoCo: an outer state tensor of shape "
+                    f"{tuple(x.shape)} is not laid out as the parameters' shards, so it cannot "
+                    "be saved per shard; this outer rule is not built for sharded workers"
+                )
+            p = None
+        out.append(p)
+    return out
+
+
+def diloco_state_dict(
+    anchor: Sequence[torch.Tensor],
+    outer_states: Sequence[OptState],
+    params: Sequence[torch.Tensor],
+    fragments: Sequence[Sequence[int]],
+    *,
+    counts: Mapping[str, int],
+    settings: str,
+    world_size: int,
+) -> dict[str, Any]:
+    """The state dict of :class:`fn.diloco.DiLoCo` (fresh copies).
+
+    Args:
+        anchor: the anchor, one local tensor per parameter.
+        outer_states: the outer rule's state of each fragment.
+        params: the parameters (``DTensor`` s where the workers are sharded).
+        fragments: each fragment's parameters, as indices into ``params``.
+        counts: the step counts.
+        settings: the settings, as text.
+        world_size: the number of workers.
+
+    Returns:
+        ``{"anchor", "outer_state", "counts", "settings", "world_size", "per_rank"}``:
+        ``outer_state`` the rules' leaves other than the error feedback, in leaf order (the
+        fragments' in turn), and ``per_rank`` ``{"rank<r>": {"error_feedback": [...]}}``, this
+        rank's error feedback leaves in the same order.
+
+    Example:
+        >>> from fn.diloco.checkpoint import diloco_state_dict
+        >>> sorted(diloco_state_dict([], [()], [], [[]], counts={}, settings="", world_size=1))
+        ['anchor', 'counts', 'outer_state', 'per_rank', 'settings', 'world_size']
+    """
+    shared, own = [], []
+    for state, fragment in zip(outer_states, fragments, strict=True):
+        leaves, _ = tree_flatten(state)
+        feedback = error_feedback_leaves(state)
+        kept = [x for x, f in zip(leaves, feedback, strict=True) if not f]
+        layout = _laid_out_like(kept, [params[i] for i in fragment])
+        shared += [as_sharded_like(_copied(x), p) for x, p in zip(kept, layout, strict=True)]
+        own += [_copied(x) for x, f in zip(leaves, feedback, strict=True) if f]
+    return {
+        # sharded: on the mesh's device, as DCP reads a DTensor; else where it is kept
+        "anchor": [
+            as_sharded_like(a.to(local_shard(p).device, copy=True), p)
+            if isinstance(p, DTensor)
+            else a.clone()
+            for a, p in zip(anchor, params, strict=True)
+        ],
+        "outer_state": shared,
+        "counts": dict(counts),
+        "settings": settings,
+        "world_size": world_size,
+        PER_RANK: {own_key(): {"error_feedback": own}},
+    }
+
+
+class Restored(NamedTuple):
+    """What :func:`restored` reads from a state dict (new tensors, checked).
+
+    Attributes:
+        anchor: one local tensor per parameter, on the anchor's devices.
+        outer_state: the outer rule's state.
+        counts: the step counts.
+    """
+
+    anchor: list[torch.Tensor]
+    outer_state: OptState
+    counts: dict[str, int]
+
+
+def restored(
+    state: Mapping[str, Any],
+    *,
+    anchor: Sequence[torch.Tensor],
+    fresh_state: OptState,
+    settings: str,
+    world_size: int,
+) -> Restored:
+    """Reads a :func:`diloco_state_dict` and checks it against this run, changing nothing.
+
+    Under another number of workers, or without this rank's own entries (saved by another rank
+    or on another layout), the error feedback restarts from zero, with one warning.
+
+    Args:
+        state: the state dict (from ``torch.load`` of one rank's file, or filled by DCP).
+        anchor: this run's anchor (the shapes, dtypes and devices to read into).
+        fresh_state: the outer rules' initial state, a pytree (e.g. a list of the fragments'
+            states: the structure, and the error feedback to restart from).
+        settings: this run's settings, as text.
+        world_size: this run's number of workers.
+
+    Returns:
+        A :class:`Restored`.
+
+    Raises:
+        ValueError: other settings, or tensors of other shapes; nothing was read.
+
+    Example:
+        >>> from fn.diloco.checkpoint import diloco_state_dict, restored
+        >>> saved = diloco_state_dict([torch.ones(2)], [()], [torch.ones(2)], [[0]],
+        ...                           counts={"outer": 1}, settings="s", world_size=1)
+        >>> restored(saved, anchor=[torch.zeros(2)], fresh_state=(), settings="s", world_size=1)
+        Restored(anchor=[tensor([1., 1.])], outer_state=(), counts={'outer': 1})
+    """
+    where = "DiLoCo.load_state_dict"
+    if state["settings"] != settings:
+        raise ValueError(
+            f"{where}: the checkpoint's settings {state['settings']} differ from this run's "
+            f"{settings}; nothing was loaded"
+        )
+    fresh, spec = tree_flatten(fresh_state)
+    feedback = error_feedback_leaves(fresh_state)
+    shared_fresh = [x for x, f in zip(fresh, feedback, strict=True) if not f]
+    saved_shared = [local_shard(x) for x in state["outer_state"]]
+    saved_anchor = [local_shard(x) for x in state["anchor"]]
+    if len(saved_shared) != len(shared_fresh) or len(saved_anchor) != len(anchor):
+        raise ValueError(f"{where}: the checkpoint's state has another structure")
+    _check_shapes(where, saved_anchor, anchor)
+    _check_shapes(where, saved_shared, shared_fresh)
+    own = state.get(PER_RANK, {}).get(own_key())
+    saved_feedback = None if own is None else [local_shard(x) for x in own["error_feedback"]]
+    restart = state["world_size"] != world_size or saved_feedback is None
+    if not restart:
+        fresh_feedback = [x for x, f in zip(fresh, feedback, strict=True) if f]
+        restart = not _same_shapes(saved_feedback, fresh_feedback)
+    if restart and any(feedback):
+        warnings.warn(
+            f"{where}: the checkpoint was taken on {state['world_size']} workers with another "
+            f"layout or rank, this run has {world_size}: the error feedback restarts from zero",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+    shared_iter = iter(saved_shared)
+    feedback_iter = iter(saved_feedback or [])
+    leaves = []
+    for new, is_feedback in zip(fresh, feedback, strict=True):
+        if is_feedback:
+            old = new if restart else next(feedback_iter)
+        else:
+            old = next(shared_iter)
+        leaves.append(_copied(old).to(new.device) if isinstance(new, torch.Tensor) else old)
+    return Restored(
+        [x.to(a.device, a.dtype, copy=True) for x, a in zip(saved_anchor, anchor, strict=True)],
+        tree_unflatten(leaves, spec),
+        dict(state["counts"]),
+    )
+
+
+def _same_shapes(saved: Sequence[Any], fresh: Sequence[Any]) -> bool:
+    return len(saved) == len(fresh) and all(
+        not isinstance(b, torch.Tensor) or (isinstance(a, torch.Tensor) and a.shape == b.shape)
+        for a, b in zip(saved, fresh, strict=True)
+    )
+
+
+def _check_shapes(where: str, saved: Sequence[Any], fresh: Sequence[Any]) -> None:
+    if not _same_shapes(saved, fresh):
+        raise ValueError(
+            f"{where}: the checkpoint's tensors have other shapes than this run's "
+            "(another model?); nothing was loaded"
+        )
+
+
+def _copied(x: Any) -> Any:
+    return x.clone() if isinstance(x, torch.Tensor) else x
