@@ -387,8 +387,9 @@ class DiLoCo:
         Taken while a fragment's exchange is in flight (``delay > 0``), it holds that fragment
         and the inner step its exchange started after (``"in_flight"``), its anchor and outer
         state from before the exchange, and this rank's pseudo-gradient (``"in_flight_delta"``
-        of this rank's entries): a run resumed from it sends the same exchange again and
-        applies it at the same step.
+        of this rank's entries: one fp32 vector of the largest fragment's size, the fragment's
+        tensors flattened in turn, zero outside an exchange): a run resumed from it sends the
+        same exchange again and applies it at the same step.
 
         Returns:
             A dict of tensors, lists of tensors and Python values (fresh copies).
@@ -415,13 +416,18 @@ class DiLoCo:
             world_size=self.comm.world_size,
         )
         flight = self._flight
-        state["in_flight"] = (
-            None
-            if flight is None
-            else {"fragment": flight.fragment, "started_at": flight.started_at}
-        )
-        own = state[PER_RANK][own_key()]
-        own["in_flight_delta"] = [] if flight is None else [d.clone() for d in flight.delta]
+        # the same keys with an exchange in flight or not (None values outside one)
+        state["in_flight"] = {
+            "fragment": None if flight is None else flight.fragment,
+            "started_at": None if flight is None else flight.started_at,
+        }
+        # one fp32 vector of the largest fragment's size, whether or not an exchange is in
+        # flight, so that the state has the same keys and shapes to load into (as DCP needs)
+        buffer = torch.zeros(max(self._fragment_sizes()), device=self._shards(0)[0].device)
+        if flight is not None:
+            flat = torch.cat([d.reshape(-1) for d in flight.delta])
+            buffer[: flat.numel()] = flat
+        state[PER_RANK][own_key()]["in_flight_delta"] = buffer
         return state
 
     @torch.no_grad()
@@ -453,7 +459,7 @@ class DiLoCo:
             >>> diloco.outer_steps
             0
         """
-        in_flight = state["in_flight"]
+        in_flight = state["in_flight"] if state["in_flight"]["fragment"] is not None else None
         delta = None
         if in_flight is not None and state["settings"] == repr(self._settings):
             delta = self._in_flight_delta(state, in_flight)  # refused before any warning
@@ -498,12 +504,18 @@ class DiLoCo:
                 "steps before a fragment's outer step); nothing was loaded"
             )
         params = self._shards(in_flight["fragment"])
-        delta = [local_shard(d) for d in own["in_flight_delta"]]
-        if [d.shape for d in delta] != [q.shape for q in params]:
+        buffer = local_shard(own["in_flight_delta"])
+        if buffer.shape != (max(self._fragment_sizes()),):
             raise ValueError(
-                "DiLoCo.load_state_dict: the in-flight pseudo-gradient has other shapes than "
-                "this run's fragment; nothing was loaded"
+                "DiLoCo.load_state_dict: the in-flight pseudo-gradient has another size than "
+                "this run's fragments; nothing was loaded"
             )
+        pieces = buffer[: sum(q.numel() for q in params)].split([q.numel() for q in params])
         return [
-            d.to(q.device, torch.float32, copy=True) for d, q in zip(delta, params, strict=True)
+            x.reshape(q.shape).to(q.device, torch.float32, copy=True)
+            for x, q in zip(pieces, params, strict=True)
         ]
+
+    def _fragment_sizes(self) -> list[int]:
+        """The elements of this rank's part of each fragment."""
+        return [sum(x.numel() for x in self._shards(p)) for p in self._fragment_ids]

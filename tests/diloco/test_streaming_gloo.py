@@ -1,6 +1,7 @@
 """Streaming DiLoCo on 2 gloo ranks, in one launch: every case of ``_streaming_cases`` against
 the loop over the workers (bit for bit, after every inner step), a checkpoint taken while an
-exchange is in flight (resumed bit for bit; refused under another world size), a fragment's
+exchange is in flight (resumed bit for bit from ``torch.save`` and through DCP; refused under
+another world size), a fragment's
 non-finite pseudo-gradient (that fragment's step skipped on every rank), and an exchange that
 fails on one rank's thread (both ranks raise from ``step()`` within the timeout)."""
 
@@ -16,6 +17,7 @@ import torch
 import fn.collectives
 import fn.diloco
 import fn.diloco.wrapper
+import fn.fsdp
 from tests._distributed import run_distributed
 from tests.diloco import _streaming_cases as cases
 
@@ -68,7 +70,19 @@ def _fails(rank):
     return "no error", "", 0.0
 
 
-def _streaming(rank, world_size):
+def _through_dcp(rank, kwargs, steps, path):
+    """Saved through ``fn.fsdp.TrainingCheckpoint`` (DCP) after step 5, mid-flight, and resumed
+    in a fresh run: its parameters at the end."""
+    part = cases.train(rank, kwargs, 0, 5)
+    fn.fsdp.TrainingCheckpoint(*part[:2], extra={"diloco": part[2]}, key=f"w{rank}").save(path)
+    m, inner, d = cases.train(rank, kwargs, 0, 0)
+    fn.fsdp.TrainingCheckpoint(m, inner, extra={"diloco": d}, key=f"w{rank}").load(path)
+    for step in range(5, steps):
+        cases.inner_step(m, inner, rank, step)
+    return cases.params(m)
+
+
+def _streaming(rank, world_size, path):
     results = {
         name: cases.run(rank, kwargs, steps) for name, (kwargs, steps) in cases.CASES.items()
     }
@@ -76,7 +90,7 @@ def _streaming(rank, world_size):
     full = cases.params(cases.train(rank, kwargs, 0, steps)[0])
     saved = copy.deepcopy(tuple(x.state_dict() for x in cases.train(rank, kwargs, 0, 5)))
     resumed = cases.params(cases.train(rank, kwargs, 5, steps, state=saved)[0])
-    results["resume"] = (full, resumed, saved[2])
+    results["resume"] = (full, resumed, saved[2], _through_dcp(rank, kwargs, steps, path))
     results["skip"] = _skip(rank)
     # one worker per rank (a subgroup each): every rank creates every exchange group
     groups = [torch.distributed.new_group([r]) for r in range(world_size)]
@@ -86,8 +100,9 @@ def _streaming(rank, world_size):
 
 
 @pytest.fixture(scope="module")
-def gloo_ranks():
-    return run_distributed(_streaming, W, timeout=200)
+def gloo_ranks(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("streaming") / "mid-flight")
+    return run_distributed(_streaming, W, path, timeout=200)
 
 
 @pytest.mark.distributed
@@ -105,11 +120,12 @@ def test_streaming_matches_the_loop_over_workers_bit_for_bit(gloo_ranks):
 @pytest.mark.timeout(240)
 def test_checkpoint_with_an_exchange_in_flight(gloo_ranks):
     for result in gloo_ranks:
-        full, resumed, saved = result["resume"]
+        full, resumed, saved, through_dcp = result["resume"]
         assert saved["in_flight"] == {"fragment": 0, "started_at": 5}
         assert all(torch.equal(a, b) for a, b in zip(resumed, full, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(through_dcp, full, strict=True))
     deltas = [
-        result["resume"][2]["per_rank"][f"rank{r}"]["in_flight_delta"][0]
+        result["resume"][2]["per_rank"][f"rank{r}"]["in_flight_delta"]
         for r, result in enumerate(gloo_ranks)
     ]
     assert not torch.equal(*deltas)  # each rank's own
