@@ -16,14 +16,16 @@ compressors are ``fn.collectives`` transforms that thread their error feedback. 
 ``Local``, ``Simulated`` and ``ProcessGroup``. :class:`DiLoCo` hooks the outer step onto any
 inner optimizer's ``step()`` and keeps the anchor, the outer state and the counters for
 checkpoints (``torch.save`` per rank, or ``torch.distributed.checkpoint``), for workers of one
-rank or sharded by FSDP2. docs/algorithms.md, "DiLoCo: local steps and a compressed outer step"
-specifies them, and also the streaming fragments and the delay, which are not built.
+rank or sharded by FSDP2; with Streaming DiLoCo's ``fragments`` it syncs one fragment at a
+time, and with its ``delay`` it overlaps each fragment's exchange with the next inner steps on a
+background thread. docs/algorithms.md, "DiLoCo: local steps and a compressed outer step"
+specifies them.
 """
 
 from fn.diloco.compressors import COMPRESSIONS, compression
 from fn.diloco.nesterov_rule import nesterov
 from fn.diloco.sparseloco_rule import sparseloco
-from fn.diloco.step import OuterStep, outer_step, pseudo_gradient
+from fn.diloco.step import OuterStep, outer_step, outer_update, pseudo_gradient
 from fn.diloco.wrapper import OUTER_RULES, DiLoCo
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "sparseloco",
     "OuterStep",
     "outer_step",
+    "outer_update",
     "pseudo_gradient",
     "OUTER_RULES",
     "DiLoCo",

@@ -97,8 +97,9 @@ def _laid_out_like(leaves: Sequence[Any], params: Sequence[torch.Tensor]) -> lis
 
 def diloco_state_dict(
     anchor: Sequence[torch.Tensor],
-    outer_state: OptState,
+    outer_states: Sequence[OptState],
     params: Sequence[torch.Tensor],
+    fragments: Sequence[Sequence[int]],
     *,
     counts: Mapping[str, int],
     settings: str,
@@ -108,26 +109,32 @@ def diloco_state_dict(
 
     Args:
         anchor: the anchor, one local tensor per parameter.
-        outer_state: the outer rule's state.
+        outer_states: the outer rule's state of each fragment.
         params: the parameters (``DTensor`` s where the workers are sharded).
+        fragments: each fragment's parameters, as indices into ``params``.
         counts: the step counts.
         settings: the settings, as text.
         world_size: the number of workers.
 
     Returns:
         ``{"anchor", "outer_state", "counts", "settings", "world_size", "per_rank"}``:
-        ``outer_state`` the rule's leaves other than the error feedback, in leaf order, and
-        ``per_rank`` ``{"rank<r>": {"error_feedback": [...]}}``, this rank's error feedback
-        leaves in leaf order.
+        ``outer_state`` the rules' leaves other than the error feedback, in leaf order (the
+        fragments' in turn), and ``per_rank`` ``{"rank<r>": {"error_feedback": [...]}}``, this
+        rank's error feedback leaves in the same order.
 
     Example:
         >>> from fn.diloco.checkpoint import diloco_state_dict
-        >>> sorted(diloco_state_dict([], (), [], counts={}, settings="", world_size=1))
+        >>> sorted(diloco_state_dict([], [()], [], [[]], counts={}, settings="", world_size=1))
         ['anchor', 'counts', 'outer_state', 'per_rank', 'settings', 'world_size']
     """
-    leaves, _ = tree_flatten(outer_state)
-    feedback = error_feedback_leaves(outer_state)
-    shared = [x for x, f in zip(leaves, feedback, strict=True) if not f]
+    shared, own = [], []
+    for state, fragment in zip(outer_states, fragments, strict=True):
+        leaves, _ = tree_flatten(state)
+        feedback = error_feedback_leaves(state)
+        kept = [x for x, f in zip(leaves, feedback, strict=True) if not f]
+        layout = _laid_out_like(kept, [params[i] for i in fragment])
+        shared += [as_sharded_like(_copied(x), p) for x, p in zip(kept, layout, strict=True)]
+        own += [_copied(x) for x, f in zip(leaves, feedback, strict=True) if f]
     return {
         # sharded: on the mesh's device, as DCP reads a DTensor; else where it is kept
         "anchor": [
@@ -136,18 +143,11 @@ def diloco_state_dict(
             else a.clone()
             for a, p in zip(anchor, params, strict=True)
         ],
-        "outer_state": [
-            as_sharded_like(_copied(x), p)
-            for x, p in zip(shared, _laid_out_like(shared, params), strict=True)
-        ],
+        "outer_state": shared,
         "counts": dict(counts),
         "settings": settings,
         "world_size": world_size,
-        PER_RANK: {
-            own_key(): {
-                "error_feedback": [_copied(x) for x, f in zip(leaves, feedback, strict=True) if f]
-            }
-        },
+        PER_RANK: {own_key(): {"error_feedback": own}},
     }
 
 
@@ -181,8 +181,8 @@ def restored(
     Args:
         state: the state dict (from ``torch.load`` of one rank's file, or filled by DCP).
         anchor: this run's anchor (the shapes, dtypes and devices to read into).
-        fresh_state: the outer rule's initial state (the structure, and the error feedback to
-            restart from).
+        fresh_state: the outer rules' initial state, a pytree (e.g. a list of the fragments'
+            states: the structure, and the error feedback to restart from).
         settings: this run's settings, as text.
         world_size: this run's number of workers.
 
@@ -194,8 +194,8 @@ def restored(
 
     Example:
         >>> from fn.diloco.checkpoint import diloco_state_dict, restored
-        >>> saved = diloco_state_dict([torch.ones(2)], (), [torch.ones(2)], counts={"outer": 1},
-        ...                           settings="s", world_size=1)
+        >>> saved = diloco_state_dict([torch.ones(2)], [()], [torch.ones(2)], [[0]],
+        ...                           counts={"outer": 1}, settings="s", world_size=1)
         >>> restored(saved, anchor=[torch.zeros(2)], fresh_state=(), settings="s", world_size=1)
         Restored(anchor=[tensor([1., 1.])], outer_state=(), counts={'outer': 1})
     """

@@ -12,7 +12,7 @@ from fn.base import GradientTransformation, OptState, Params, apply_updates
 from fn.collectives import Comm
 from fn.tree import tree_leaves, tree_map
 
-__all__ = ["OuterStep", "pseudo_gradient", "outer_step"]
+__all__ = ["OuterStep", "pseudo_gradient", "outer_step", "outer_update"]
 
 
 class OuterStep(NamedTuple):
@@ -115,6 +115,46 @@ def outer_step(
                 [2., 3.]])
     """
     delta = pseudo_gradient(anchor, params)
+    return outer_update(outer, anchor, delta, state, comm=comm, within=within)
+
+
+def outer_update(
+    outer: GradientTransformation,
+    anchor: Params,
+    delta: Params,
+    state: OptState,
+    *,
+    comm: Comm,
+    within: Sequence[Comm] = (),
+) -> OuterStep:
+    """Steps 2 to 4 of :func:`outer_step` on a pseudo-gradient taken earlier: the ranks'
+    agreement that it is finite, the outer rule and the new anchor.
+
+    Streaming DiLoCo takes a fragment's ``delta`` after one inner step and runs this exchange
+    while later inner steps go on (``DiLoCo(..., delay=tau)``).
+    ``outer_step(outer, anchor, params, state, comm=comm, within=within)`` is
+    ``outer_update(outer, anchor, pseudo_gradient(anchor, params), state, comm=comm,
+    within=within)``.
+
+    Args:
+        outer: the outer rule.
+        anchor: the anchor, the same on every rank.
+        delta: this rank's pseudo-gradient (:func:`pseudo_gradient`), fp32.
+        state: ``outer``'s state.
+        comm: the group of workers.
+        within: the groups inside a sharded worker (:func:`outer_step`).
+
+    Returns:
+        An :class:`OuterStep`.
+
+    Example:
+        >>> from fn.collectives import Local
+        >>> outer = fn.diloco.nesterov(fn.diloco.compression("fp32", comm=Local()), 1.0, 0.0)
+        >>> anchor = {"w": torch.zeros(2)}
+        >>> delta = fn.diloco.pseudo_gradient(anchor, {"w": torch.tensor([1.0, 2.0])})
+        >>> fn.diloco.outer_update(outer, anchor, delta, outer.init(anchor), comm=Local()).anchor
+        {'w': tensor([1., 2.])}
+    """
     counts = [(~torch.isfinite(d)).sum() for d in tree_leaves(delta)]
     count = torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64)
     total = comm.all_reduce(count.float().reshape(1), op="sum")

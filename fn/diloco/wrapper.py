@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import warnings
 import zlib
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -15,13 +15,21 @@ from torch import nn
 from fn.base import GradientTransformation
 from fn.collectives import Comm, Local, ProcessGroup, Simulated
 from fn.diloco.agreement import agree_on_settings
-from fn.diloco.checkpoint import diloco_state_dict, initializing_optimizer_state, restored
+from fn.diloco.checkpoint import (
+    PER_RANK,
+    diloco_state_dict,
+    initializing_optimizer_state,
+    own_key,
+    restored,
+)
 from fn.diloco.compressors import compression as build_compression
+from fn.diloco.exchange import BackgroundExchange, exchange_comm
 from fn.diloco.nesterov_rule import nesterov
 from fn.diloco.sharding import local_shard, worker_mesh_comms
 from fn.diloco.sparseloco_rule import sparseloco
-from fn.diloco.step import outer_step
-from fn.errors import check_int, user_stacklevel
+from fn.diloco.step import OuterStep, outer_update, pseudo_gradient
+from fn.diloco.streaming import StreamSchedule, fragment_indices
+from fn.errors import check_fraction, check_int, user_stacklevel
 
 __all__ = ["OUTER_RULES", "DiLoCo"]
 
@@ -69,8 +77,18 @@ def _params_digest(params: list[torch.Tensor]) -> int:
     return digest
 
 
+class _Flight(NamedTuple):
+    """A fragment's exchange, started and not yet applied."""
+
+    fragment: int
+    started_at: int  # the inner step it started after
+    delta: list[torch.Tensor]  # this rank's pseudo-gradient of the fragment
+    exchange: BackgroundExchange[OuterStep]
+
+
 class DiLoCo:
-    """DiLoCo around any inner optimizer: every ``sync_every`` inner steps, one outer step.
+    """DiLoCo around any inner optimizer: every ``sync_every`` inner steps, one outer step, or
+    with streaming, one fragment's outer step every ``sync_every / fragments`` inner steps.
 
     Registers a post-step hook on ``inner_optimizer`` (any ``torch.optim.Optimizer``:
     ``torch.optim``'s, ``fn.optim``'s): after every ``sync_every``-th ``step()``, the model's
@@ -78,6 +96,14 @@ class DiLoCo:
     :func:`fn.diloco.outer_step` with the outer rule, and every rank continues from the new
     anchor. The training loop does not change. docs/algorithms.md, "DiLoCo: local steps and a
     compressed outer step" specifies the step, the bytes and the memory.
+
+    Streaming DiLoCo (``fragments=P``): the parameters form ``P`` fragments, each with its own
+    anchor, outer state and compressor state; fragment ``p`` takes its outer step after the
+    inner steps ``t = (p + 1) H / P (mod H)``. With ``delay=tau`` its pseudo-gradient is taken
+    ``tau`` inner steps earlier and its exchange runs on a background thread (over a process
+    group of its own) during those ``tau`` steps; the ``step()`` that applies it waits for it,
+    and raises ``RuntimeError`` (the thread's exception chained) where it failed. The results
+    do not depend on the thread's timing.
 
     At construction every rank checks with the others (one small all-gather) that they passed
     the same settings and hold the same parameters; a difference is the same ``ValueError`` on
@@ -111,19 +137,32 @@ class DiLoCo:
         compression: the compressor, one of ``fn.diloco.COMPRESSIONS`` (``None``: ``"fp32"``;
             ``"sparseloco"`` takes only ``"topk"``).
         compression_options: its options (e.g. ``k``, ``chunk_size`` for ``"topk"``).
-        fragments: ``P``; only 1 is built.
-        delay: ``tau``; only 0 is built.
+        fragments: ``P``, the number of fragments (contiguous runs of the parameters,
+            balanced by element count; ``sync_every`` a multiple of it), or the fragments as
+            lists of parameters (each trainable parameter in exactly one).
+        delay: ``tau``, in ``[0, sync_every / P)``: inner steps between taking a fragment's
+            pseudo-gradient and applying its outer step, which overlap its exchange.
+        mix: ``alpha`` in ``[0, 1)``: a fragment's parameters continue from ``(1 - alpha)`` times
+            the new anchor plus ``alpha`` times their own (0: the anchor; the ``tau`` inner
+            steps' changes to the fragment are then dropped).
         anchor_device: where the anchor lives: ``None`` (each parameter's device) or a device
             such as ``"cpu"``.
         timeout: the collectives' timeout (a ``timedelta`` or seconds; ``None``:
             ``$FN_TIMEOUT``, else 5 minutes), where ``group`` is a ``torch.distributed`` group.
 
     Raises:
-        ValueError: a setting out of range, or (on every rank) settings or parameters that
-            differ across ranks.
-        NotImplementedError: ``fragments > 1`` or ``delay > 0``, which are specified in
-            docs/algorithms.md and not built; ``DTensor`` parameters mixed with plain ones or on
-            several device meshes.
+        ValueError: a setting out of range (also ``sync_every`` not a multiple of ``P``, or
+            fragment lists that miss a parameter, repeat one or name another tensor), or (on
+            every rank) settings or parameters that differ across ranks.
+        NotImplementedError: ``DTensor`` parameters mixed with plain ones or on several device
+            meshes, or with ``delay > 0`` (the exchange's thread would share the worker mesh's
+            groups with FSDP2's collectives).
+
+    Attributes:
+        inner_steps: the inner steps counted so far.
+        outer_steps: the outer steps taken (one per fragment's step; skipped ones included).
+        skipped_steps: the outer steps skipped for a non-finite pseudo-gradient.
+        fragment_steps: the outer steps of each fragment.
 
     Example:
         >>> model = torch.nn.Linear(2, 1)
@@ -135,6 +174,19 @@ class DiLoCo:
         ...     inner.zero_grad()
         >>> diloco.inner_steps, diloco.outer_steps
         (4, 2)
+
+        Streaming: 2 fragments, one synced every 2 inner steps, each exchange on a thread
+        during the inner step before it:
+
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> diloco = fn.diloco.DiLoCo(model, inner, sync_every=4, fragments=2, delay=1)
+        >>> for _ in range(8):
+        ...     model(torch.ones(1, 2)).sum().backward()
+        ...     inner.step()
+        ...     inner.zero_grad()
+        >>> diloco.outer_steps, diloco.fragment_steps
+        (4, [2, 2])
     """
 
     def __init__(
@@ -148,29 +200,35 @@ class DiLoCo:
         outer_options: Mapping[str, Any] | None = None,
         compression: str | None = None,
         compression_options: Mapping[str, Any] | None = None,
-        fragments: int = 1,
+        fragments: int | Sequence[Sequence[torch.Tensor]] = 1,
         delay: int = 0,
+        mix: float = 0.0,
         anchor_device: torch.device | str | None = None,
         timeout: Any = None,
     ) -> None:
         check_int("DiLoCo: sync_every", sync_every, minimum=1)
-        check_int("DiLoCo: fragments", fragments, minimum=1)
-        check_int("DiLoCo: delay", delay, minimum=0)
-        if fragments > 1 or delay > 0:
-            raise NotImplementedError(
-                "DiLoCo: streaming fragments and a delayed outer step (fragments > 1, delay > 0) "
-                "are specified in docs/algorithms.md and not built; use fragments=1, delay=0"
-            )
+        check_fraction("DiLoCo", mix=mix)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._within = worker_mesh_comms(self._params, timeout)  # sharded: the worker's ranks
+        if self._within and delay > 0:
+            raise NotImplementedError(
+                "DiLoCo: delay > 0 with sharded workers is not built: the exchange's thread "
+                "would agree on finiteness over the worker mesh's groups while FSDP2's "
+                "collectives use them; use delay=0 (fragments work)"
+            )
+        self._fragments = fragment_indices(self._params, fragments)
+        self._schedule = StreamSchedule(sync_every, len(self._fragments), delay).checked()
         self.comm = _comm(group, timeout)
         outer_options, options = dict(outer_options or {}), dict(compression_options or {})
+        # built here to refuse bad options before the ranks compare their settings
         self._rule = _rule(outer, outer_options, compression, options, self.comm)
         self.sync_every = sync_every
+        self._mix = float(mix)
         self._settings = {
             "sync_every": sync_every,
-            "fragments": fragments,
+            "fragments": self._fragments,
             "delay": delay,
+            "mix": self._mix,
             "outer": (outer, sorted(outer_options.items())),
             "compression": (compression, sorted(options.items())),
             "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._params],
@@ -181,11 +239,17 @@ class DiLoCo:
             "parameter values": _params_digest(shards),
         }
         agree_on_settings(self.comm, {**self._settings, **values}, "DiLoCo")
+        # a delayed exchange runs on a thread, over a process group of its own
+        self._exchange_comm = exchange_comm(self.comm) if delay > 0 else self.comm
+        if delay > 0:
+            self._rule = _rule(outer, outer_options, compression, options, self._exchange_comm)
         self._anchor = [x.to(anchor_device or x.device, copy=True) for x in shards]
-        self._state = self._rule.init(self._anchor)
+        self._states = [self._rule.init(self._part(self._anchor, p)) for p in self._fragment_ids]
+        self._flight: _Flight | None = None
         self.inner_steps = 0
         self.outer_steps = 0
         self.skipped_steps = 0
+        self.fragment_steps = [0] * len(self._fragments)
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
 
     def remove(self) -> None:
@@ -202,24 +266,99 @@ class DiLoCo:
         """
         self._hook.remove()
 
+    @property
+    def _fragment_ids(self) -> range:
+        return range(len(self._fragments))
+
+    def _part(self, tensors: list[torch.Tensor], p: int) -> list[torch.Tensor]:
+        """Fragment ``p``'s entries of a list over the parameters."""
+        return [tensors[i] for i in self._fragments[p]]
+
+    def _shards(self, p: int) -> list[torch.Tensor]:
+        """This rank's part of fragment ``p``'s parameters (views: writing them writes the
+        parameters)."""
+        return [local_shard(q.detach()) for q in self._part(self._params, p)]
+
     def _after_inner_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         del optimizer, args, kwargs
         if initializing_optimizer_state():  # DCP's state_dict API creating a fresh state
             return
         self.inner_steps += 1
-        if self.inner_steps % self.sync_every == 0:
-            self.sync()
+        plan = self._schedule.plan(self.inner_steps)
+        if plan.starts is not None:
+            self._start(plan.starts, background=self._schedule.delay > 0)
+        if plan.applies is not None and self._flight is not None:
+            self._apply(self._mix)
 
     @torch.no_grad()
-    def sync(self) -> bool:
-        """Runs one outer step now (the hook calls it after every ``sync_every``-th inner step).
+    def _start(
+        self,
+        p: int,
+        *,
+        background: bool,
+        started_at: int | None = None,
+        delta: list[torch.Tensor] | None = None,
+    ) -> None:
+        """Takes fragment ``p``'s pseudo-gradient (or resumes with ``delta``) and starts its
+        exchange."""
+        params = self._shards(p)
+        anchor = [a.to(q.device) for a, q in zip(self._part(self._anchor, p), params, strict=True)]
+        if delta is None:
+            delta = pseudo_gradient(anchor, params)
+        started_at = self.inner_steps if started_at is None else started_at
+        rule, state, comm, within = self._rule, self._states[p], self._exchange_comm, self._within
+        exchange = BackgroundExchange(
+            lambda: outer_update(rule, anchor, delta, state, comm=comm, within=within),
+            background=background,
+            device=params[0].device,
+            what=f"DiLoCo: the outer exchange of fragment {p} (started after inner step "
+            f"{started_at})",
+        )
+        self._flight = _Flight(p, started_at, delta, exchange)
 
-        Every rank must call it at the same point. The parameters of every rank are set to the
-        new anchor.
+    @torch.no_grad()
+    def _apply(self, mix: float) -> bool:
+        """Waits for the exchange in flight and applies it: the fragment's new anchor, its
+        parameters (mixed with their own by ``mix``), its outer state."""
+        flight, self._flight = self._flight, None
+        result = flight.exchange.result()
+        applied = bool(result.applied)
+        p = flight.fragment
+        shards = self._shards(p)
+        for i, param, new in zip(self._fragments[p], shards, result.anchor, strict=True):
+            self._anchor[i].copy_(new)
+            if applied and mix > 0:
+                mixed = new.float() * (1.0 - mix) + param.float() * mix
+                param.copy_(mixed)
+            else:
+                param.copy_(new)
+        self._states[p] = result.state
+        self.outer_steps += 1
+        self.fragment_steps[p] += 1
+        if not applied:
+            self.skipped_steps += 1
+            many = len(self._fragments) > 1
+            which = f"fragment {p}'s pseudo-gradient" if many else "a pseudo-gradient"
+            warnings.warn(
+                f"DiLoCo: {which} held NaN or Inf at inner step {flight.started_at}; the outer "
+                "step was skipped on every rank and every rank's parameters were reset to the "
+                "anchor (check the inner learning rate and the data)",
+                RuntimeWarning,
+                stacklevel=user_stacklevel(),
+            )
+        return applied
+
+    def sync(self) -> bool:
+        """Runs the outer step of every fragment now (the hook runs them on its schedule).
+
+        Every rank must call it at the same point. An exchange in flight is waited for and
+        applied first; then every fragment's outer step runs on this thread, in order. Every
+        rank's parameters are set to the new anchor (``mix`` applies to the scheduled steps
+        only), e.g. at the end of training.
 
         Returns:
-            Whether the step was applied; ``False`` where some rank's pseudo-gradient was not
-            finite, the step then skipped on every rank and the parameters reset to the anchor.
+            Whether every step was applied; ``False`` where some rank's pseudo-gradient was not
+            finite, that step then skipped on every rank and the parameters reset to the anchor.
 
         Example:
             >>> model = torch.nn.Linear(2, 1)
@@ -228,31 +367,18 @@ class DiLoCo:
             >>> diloco.sync(), diloco.outer_steps
             (True, 1)
         """
-        params = [local_shard(p.detach()) for p in self._params]
-        anchor = [a.to(p.device) for a, p in zip(self._anchor, params, strict=True)]
-        result = outer_step(
-            self._rule, anchor, params, self._state, comm=self.comm, within=self._within
-        )
-        for p, a, new in zip(params, self._anchor, result.anchor, strict=True):
-            p.copy_(new)
-            a.copy_(new)
-        self._state = result.state
-        self.outer_steps += 1
-        applied = bool(result.applied)
-        if not applied:
-            self.skipped_steps += 1
-            warnings.warn(
-                f"DiLoCo: a pseudo-gradient held NaN or Inf at inner step {self.inner_steps}; "
-                "the outer step was skipped on every rank and every rank's parameters were reset "
-                "to the anchor (check the inner learning rate and the data)",
-                RuntimeWarning,
-                stacklevel=user_stacklevel(),
-            )
+        applied = True
+        if self._flight is not None:
+            applied = self._apply(0.0)
+        for p in self._fragment_ids:
+            self._start(p, background=False)
+            applied = self._apply(0.0) and applied
         return applied
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's DiLoCo state: the anchor, the outer rule's state, the counters and the
-        settings under keys shared by the ranks, and this rank's error feedback under
+        """This rank's DiLoCo state: the anchor, each fragment's outer state, the counters, the
+        settings and an exchange in flight under keys shared by the ranks, and what is this
+        rank's own (its error feedback, an in-flight pseudo-gradient) under
         ``state["per_rank"]["rank<r>"]`` (``r`` its rank in the world).
 
         Save it per rank (``torch.save`` to one file per rank), or through
@@ -260,6 +386,12 @@ class DiLoCo:
         diloco})``), which keeps one copy of each shared key, of each shard where the workers
         are sharded (the anchor and the momentum are then ``DTensor`` s laid out as the
         parameters). With the model's and the inner optimizer's state, it resumes bit for bit.
+        Taken while a fragment's exchange is in flight (``delay > 0``), it holds that fragment
+        and the inner step its exchange started after (``"in_flight"``), its anchor and outer
+        state from before the exchange, and this rank's pseudo-gradient (``"in_flight_delta"``
+        of this rank's entries: one fp32 vector of the largest fragment's size, the fragment's
+        tensors flattened in turn, zero outside an exchange): a run resumed from it sends the
+        same exchange again and applies it at the same step.
 
         Returns:
             A dict of tensors, lists of tensors and Python values (fresh copies).
@@ -268,35 +400,55 @@ class DiLoCo:
             >>> model = torch.nn.Linear(2, 1)
             >>> inner = torch.optim.SGD(model.parameters(), lr=0.1)
             >>> sorted(fn.diloco.DiLoCo(model, inner, sync_every=2).state_dict())
-            ['anchor', 'counts', 'outer_state', 'per_rank', 'settings', 'world_size']
+            ['anchor', 'counts', 'in_flight', 'outer_state', 'per_rank', 'settings', 'world_size']
         """
         counts = {
             "inner_steps": self.inner_steps,
             "outer_steps": self.outer_steps,
             "skipped_steps": self.skipped_steps,
+            "fragment_steps": list(self.fragment_steps),
         }
-        return diloco_state_dict(
+        state = diloco_state_dict(
             self._anchor,
-            self._state,
+            self._states,
             self._params,
+            self._fragments,
             counts=counts,
             settings=repr(self._settings),
             world_size=self.comm.world_size,
         )
+        flight = self._flight
+        # the same keys with an exchange in flight or not (None values outside one)
+        state["in_flight"] = {
+            "fragment": None if flight is None else flight.fragment,
+            "started_at": None if flight is None else flight.started_at,
+        }
+        # one fp32 vector of the largest fragment's size, whether or not an exchange is in
+        # flight, so that the state has the same keys and shapes to load into (as DCP needs)
+        buffer = torch.zeros(max(self._fragment_sizes()), device=self._shards(0)[0].device)
+        if flight is not None:
+            flat = torch.cat([d.reshape(-1) for d in flight.delta])
+            buffer[: flat.numel()] = flat
+        state[PER_RANK][own_key()]["in_flight_delta"] = buffer
+        return state
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores a :meth:`state_dict`. Under another number of workers (or from another
         rank's file) the error feedback restarts from zero, with one warning; the rest (the
-        anchor, the momentum, the counters) loads.
+        anchor, the momentum, the counters) loads. A checkpoint taken while an exchange was in
+        flight starts that exchange again (every rank must then load at the same point, as it
+        is a collective); it loads only on the same number of workers, from this rank's own
+        entries.
 
         Args:
             state: what :meth:`state_dict` returned on this rank (or, under another number of
                 workers, on some rank), or what ``torch.distributed.checkpoint`` loaded into it.
 
         Raises:
-            ValueError: settings other than this object's, or tensors of other shapes; nothing
-                was changed.
+            ValueError: settings other than this object's, tensors of other shapes, or an
+                exchange in flight under another number of workers or without this rank's
+                entries; nothing was changed.
 
         Example:
             >>> model = torch.nn.Linear(2, 1)
@@ -309,16 +461,63 @@ class DiLoCo:
             >>> diloco.outer_steps
             0
         """
+        in_flight = state["in_flight"] if state["in_flight"]["fragment"] is not None else None
+        delta = None
+        if in_flight is not None and state["settings"] == repr(self._settings):
+            delta = self._in_flight_delta(state, in_flight)  # refused before any warning
         loaded = restored(
             state,
             anchor=self._anchor,
-            fresh_state=self._rule.init(self._anchor),
+            fresh_state=[self._rule.init(self._part(self._anchor, p)) for p in self._fragment_ids],
             settings=repr(self._settings),
             world_size=self.comm.world_size,
         )
+        if self._flight is not None:  # this object's own exchange: ended before replacing it
+            self._flight.exchange.result()
+            self._flight = None
         for a, saved in zip(self._anchor, loaded.anchor, strict=True):
             a.copy_(saved)
-        self._state = loaded.outer_state
+        self._states = list(loaded.outer_state)
         self.inner_steps = loaded.counts["inner_steps"]
         self.outer_steps = loaded.counts["outer_steps"]
         self.skipped_steps = loaded.counts["skipped_steps"]
+        self.fragment_steps = list(loaded.counts["fragment_steps"])
+        if in_flight is not None:
+            self._start(
+                in_flight["fragment"],
+                background=self._schedule.delay > 0,
+                started_at=in_flight["started_at"],
+                delta=delta,
+            )
+
+    def _in_flight_delta(
+        self, state: Mapping[str, Any], in_flight: Mapping[str, int]
+    ) -> list[torch.Tensor]:
+        """This rank's in-flight pseudo-gradient from ``state``, checked, on the parameters'
+        devices."""
+        own = state.get(PER_RANK, {}).get(own_key())
+        if state["world_size"] != self.comm.world_size or own is None:
+            raise ValueError(
+                f"DiLoCo.load_state_dict: the checkpoint was taken on {state['world_size']} "
+                f"workers while fragment {in_flight['fragment']}'s exchange was in flight; "
+                f"that exchange belongs to those ranks and cannot resume on "
+                f"{self.comm.world_size} workers or from another rank's entries. Resume on the "
+                "same ranks, or from a checkpoint taken outside an exchange (not in the delay "
+                "steps before a fragment's outer step); nothing was loaded"
+            )
+        params = self._shards(in_flight["fragment"])
+        buffer = local_shard(own["in_flight_delta"])
+        if buffer.shape != (max(self._fragment_sizes()),):
+            raise ValueError(
+                "DiLoCo.load_state_dict: the in-flight pseudo-gradient has another size than "
+                "this run's fragments; nothing was loaded"
+            )
+        pieces = buffer[: sum(q.numel() for q in params)].split([q.numel() for q in params])
+        return [
+            x.reshape(q.shape).to(q.device, torch.float32, copy=True)
+            for x, q in zip(pieces, params, strict=True)
+        ]
+
+    def _fragment_sizes(self) -> list[int]:
+        """The elements of this rank's part of each fragment."""
+        return [sum(x.numel() for x in self._shards(p)) for p in self._fragment_ids]

@@ -1115,3 +1115,17 @@ def test_diloco_wall_rejects_unknown_methods_and_bad_delays(capsys):
         with pytest.raises(SystemExit):
             wall.parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(180)
+def test_diloco_blocking_tiny_cli_prints_every_setting():
+    proc = _cli(
+        "diloco_blocking.py", "--params", "2e4", "--sync-every", "4", "--fragments", "2",
+        "--delays", "1", "--rounds", "1", "--batch", "4", timeout=150,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")][1:]
+    names = [row.split(" | ")[0].removeprefix("| ") for row in rows]
+    assert names == [
+        "no outer step", "DiLoCo (P=1, tau=0)", "streaming (P=2, tau=0)", "streaming (P=2, tau=1)",
+    ], proc.stdout  # fmt: skip

@@ -10,6 +10,8 @@ CPU (one rounding where ``mu * b`` then ``+ g`` round twice), and the reference 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -89,3 +91,84 @@ def sparseloco_steps(
         anchor = anchor + mean * torch.tensor(-lr)
         out.append(anchor)
     return out
+
+
+def streaming_run(
+    workers: list[list[torch.Tensor]],
+    inner_step: Callable[[int, int], None],
+    *,
+    steps: int,
+    sync_every: int,
+    fragments: list[list[int]],
+    delay: int,
+    mix: float,
+    outer: Callable[[int, list[torch.Tensor]], torch.Tensor],
+) -> list[list[list[torch.Tensor]]]:
+    """Streaming DiLoCo over a loop of workers, from the section's "Streaming fragments and
+    delay": ``workers[r]`` are worker ``r``'s parameters (changed in place), ``inner_step(r, t)``
+    takes worker ``r``'s inner step ``t`` (from 0), and ``outer(j, deltas)`` is the anchor's
+    update of parameter ``j`` from the workers' pseudo-gradients (it keeps its own outer state).
+
+    After inner step ``t`` (from 1), fragment ``p`` with ``t + delay = (p + 1) H / P (mod H)``
+    takes its pseudo-gradients; fragment ``p`` with ``t = (p + 1) H / P (mod H)`` applies its
+    outer step from them: the anchor moves, and every worker continues from
+    ``(1 - mix) * anchor + mix * its own``, in fp32, unless some pseudo-gradient of the fragment
+    is not finite: then the step is skipped (the outer state unchanged) and every worker
+    continues from the anchor. Returns every worker's parameters after every inner step."""
+    stride = sync_every // len(fragments)
+    anchor = [x.detach().clone() for x in workers[0]]
+    taken: dict[int, list[list[torch.Tensor]]] = {}
+    out = []
+    for t in range(1, steps + 1):
+        for r in range(len(workers)):
+            inner_step(r, t - 1)
+        for p, fragment in enumerate(fragments):
+            due = (p + 1) * stride % sync_every
+            if (t + delay) % sync_every == due:
+                taken[p] = [
+                    [anchor[j].float() - w[j].detach().float() for j in fragment] for w in workers
+                ]
+            if t % sync_every != due:
+                continue
+            deltas = taken.pop(p)
+            finite = all(bool(d.isfinite().all()) for per_worker in deltas for d in per_worker)
+            for k, j in enumerate(fragment):
+                if finite:
+                    update = outer(j, [per_worker[k] for per_worker in deltas])
+                    anchor[j] = (anchor[j] + update).to(anchor[j].dtype)
+                for w in workers:
+                    with torch.no_grad():
+                        if finite and mix > 0:
+                            w[j].copy_(anchor[j].float() * (1.0 - mix) + w[j].float() * mix)
+                        else:
+                            w[j].copy_(anchor[j])
+        out.append([[x.detach().clone() for x in w] for w in workers])
+    return out
+
+
+def nesterov_outer(lr: float, momentum: float) -> Callable[[int, list[torch.Tensor]], torch.Tensor]:
+    """``outer`` for :func:`streaming_run`: Nesterov SGD on the exact mean, a momentum per
+    parameter."""
+    b: dict[int, torch.Tensor] = {}
+
+    def update(j: int, deltas: list[torch.Tensor]) -> torch.Tensor:
+        mean = cast_mean(deltas, torch.float32)
+        b[j] = b.get(j, torch.zeros_like(mean)) * momentum + mean
+        return torch.add(mean, b[j], alpha=momentum) * torch.tensor(-lr)
+
+    return update
+
+
+def sparseloco_outer(
+    lr: float, beta: float, k: int, chunk_size: int
+) -> Callable[[int, list[torch.Tensor]], torch.Tensor]:
+    """``outer`` for :func:`streaming_run`: SparseLoCo, an accumulator per worker and
+    parameter."""
+    errors: dict[int, list[torch.Tensor]] = {}
+
+    def update(j: int, deltas: list[torch.Tensor]) -> torch.Tensor:
+        kept = errors.get(j, [torch.zeros_like(d) for d in deltas])
+        mean, errors[j] = topk_allreduce(deltas, kept, k, chunk_size, beta)
+        return mean * torch.tensor(-lr)
+
+    return update

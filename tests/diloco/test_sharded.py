@@ -7,10 +7,13 @@ group ``mesh["worker"]``: the workers' ranks at one shard position).
   workers' full params, and every rank of a shard position holds the same params after every
   outer step; the same bits with HSDP inside each worker (a mesh ``("worker", "replicate",
   "shard")`` of 2 x 2 x 1).
-- With ``fn.fsdp.OnebitAdam`` inside a worker (``world=`` the worker's shard group, both phases,
-  clipped): between outer steps each worker's inner steps are a standalone 2-rank
-  ``fn.fsdp.OnebitAdam`` run's bit for bit (a second launch of 2 ranks replays them from the
-  anchors), and every outer step is the reference outer step on the workers' full params.
+- Streaming DiLoCo's fragments (``delay=0``): the same bits as unsharded; a delay is refused.
+- With ``fn.fsdp.OnebitAdam`` inside a worker (``world=`` the worker's ranks, both phases,
+  clipped; on the worker's 1-D shard mesh and on HSDP of 2 x 1): between outer steps each
+  worker's inner steps are a standalone 2-rank ``fn.fsdp.OnebitAdam`` run's bit for bit (at
+  the end of the launch the worker's ranks form a default group of their own and replay them
+  from the anchors), and every outer step is the reference outer step on the workers' full
+  params.
 - A NaN on one rank skips the outer step on every rank of every shard position, also with
   ``fn.fsdp.OnebitAdam``, whose non-finite gradient on one rank raises on that worker's ranks
   only.
@@ -233,10 +236,21 @@ def _sharded(rank, world_size, path):
     del world_size
     mesh = init_device_mesh("cpu", (WORKERS, SHARDS), mesh_dim_names=("worker", "shard"))
     results = {}
-    for name, shards in [("adamw", ("shard",)), ("unsharded", ())]:
-        run = Worker(mesh, shards)
+    streaming = {"fragments": 2}  # Streaming DiLoCo: one fragment per inner step (H = 2)
+    for name, shards, kwargs in [
+        ("adamw", ("shard",), {}),
+        ("unsharded", (), {}),
+        ("fragments", ("shard",), streaming),
+        ("fragments unsharded", (), streaming),
+    ]:
+        run = Worker(mesh, shards, **kwargs)
         run.train(H * OUTER_STEPS)
         results[name] = (run.before, run.after)
+    try:
+        Worker(mesh, delay=1, **streaming)
+        results["delay"] = "not refused"
+    except NotImplementedError as err:
+        results["delay"] = str(err)
     # HSDP inside each worker: 2 replicas of 1 shard (a 2-D mesh of DTensor params)
     hsdp = init_device_mesh("cpu", (WORKERS, 2, 1), mesh_dim_names=("worker", "replicate", "shard"))
     run = Worker(hsdp, ("replicate", "shard"))
@@ -309,8 +323,11 @@ def test_sharded_workers_step_as_unsharded_ones(ranks):
         _, unsharded = result["unsharded"]
         for s in range(OUTER_STEPS):
             assert _equal(sharded[s], unsharded[s]), (rank, s)
+            assert _equal(result["fragments"][1][s], result["fragments unsharded"][1][s]), s
+            assert not _equal(result["fragments"][1][s], unsharded[s]), s  # another schedule
             assert _equal(result["hsdp"][1][s], unsharded[s]), (rank, s)
             assert _equal(sharded[s], ranks[0]["adamw"][1][s]), (rank, s)
+        assert "delay > 0 with sharded workers is not built" in result["delay"], result["delay"]
     # the outer step on the workers' full params (the ranks of worker w: 2w, 2w + 1)
     for name in ("adamw", "onebit", "onebit hsdp"):
         before = [ranks[SHARDS * w][name][0] for w in range(WORKERS)]

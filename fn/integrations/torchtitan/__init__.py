@@ -4,8 +4,8 @@ config change (the ``torchtitan`` extra, ``pip install "fn-optim[torchtitan]"``)
     torchrun --nproc-per-node 8 -m torchtitan.train \\
         --module fn.integrations.torchtitan --config llama3_8b --optimizer.freeze_step 1000
 
-``--module fn.integrations.torchtitan`` reads ``fn.integrations.torchtitan.config_registry``,
-which has every config of torchtitan's llama3 registry under its own name, turned by
+``--module fn.integrations.torchtitan`` reads this package's ``config_registry`` module, which
+has every config of torchtitan's llama3 registry under its own name, turned by
 :func:`onebit_config` into a config for :class:`OnebitTrainer`: torchtitan's ``Trainer`` with
 
 - :class:`OnebitOptimizersContainer`: one :class:`~fn.fsdp.OnebitAdam` (or

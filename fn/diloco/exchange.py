@@ -1,0 +1,137 @@
+"""A delayed outer exchange: one fragment's outer step on a background thread, over a process
+group of its own, so that it overlaps the inner steps that follow it."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from fn.collectives import Comm, ProcessGroup
+
+__all__ = ["BackgroundExchange", "exchange_comm"]
+
+T = TypeVar("T")
+
+
+def exchange_comm(comm: Comm) -> Comm:
+    """The comm a background exchange runs on: over a ``torch.distributed`` group, a new process
+    group over the same ranks (collectives of two threads on one group could interleave
+    differently on different ranks); otherwise ``comm`` itself.
+
+    A collective call over the whole world: every rank calls it, in the same order.
+    ``dist.new_group`` needs every rank of the world, so where ``comm`` is a subgroup (one
+    group per shard position), each rank learns every rank's members (one
+    ``all_gather_object``) and every rank creates every distinct group, keeping its own.
+
+    Args:
+        comm: the workers' comm.
+
+    Returns:
+        A comm over the same ranks, with ``comm``'s timeout, counting its bytes into ``comm``.
+
+    Example:
+        >>> from fn.diloco.exchange import exchange_comm
+        >>> exchange_comm(fn.collectives.Local())
+        Local()
+    """
+    if not isinstance(comm, ProcessGroup):
+        return comm
+    members = dist.get_process_group_ranks(comm.group or dist.group.WORLD)
+    timeout = comm.timeout
+    if len(members) == dist.get_world_size():
+        group = dist.new_group(members, timeout=timeout)
+    else:
+        every: list[list[int] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, members)
+        distinct = sorted({tuple(m) for m in every if m is not None})
+        created = {m: dist.new_group(list(m), timeout=timeout) for m in distinct}
+        group = created[tuple(members)]
+    return ProcessGroup(group, timeout=timeout, counts_into=comm)
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One stream per device for the exchanges (their tensors return to one allocator pool)."""
+    return torch.cuda.Stream(device)
+
+
+class BackgroundExchange(Generic[T]):
+    """Runs ``run()`` now, on this thread or on a background thread; :meth:`result` returns its
+    value.
+
+    On CUDA tensors the thread works on a side stream, which first waits for the work the
+    caller's stream had queued (the inputs); :meth:`result` makes the caller's stream wait for
+    the thread's, so that the collectives' waits never hold up the caller's kernels. A thread's
+    collectives end at their comm's timeout (on host tensors), so the thread does too.
+
+    Args:
+        run: the exchange, a function of no arguments.
+        background: run it on a daemon thread (else now, in this call).
+        device: the device of its tensors.
+        what: the exchange's name, for the error message.
+
+    Example:
+        >>> from fn.diloco.exchange import BackgroundExchange
+        >>> BackgroundExchange(lambda: 6 * 7, background=True).result()
+        42
+    """
+
+    def __init__(
+        self,
+        run: Callable[[], T],
+        *,
+        background: bool,
+        device: torch.device | None = None,
+        what: str = "the exchange",
+    ) -> None:
+        self._what = what
+        self._device = device
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._done: torch.cuda.Event | None = None
+        if not background:
+            self._value = run()
+            return
+        stream = None
+        if device is not None and device.type == "cuda":
+            stream = _side_stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+
+        def target() -> None:
+            try:
+                if stream is None:
+                    self._value = run()
+                    return
+                with torch.cuda.stream(stream):
+                    self._value = run()
+                    self._done = torch.cuda.Event()
+                    self._done.record(stream)
+            except BaseException as err:  # handed to result(), on the caller's thread
+                self._error = err
+
+        self._thread = threading.Thread(target=target, name="fn.diloco exchange", daemon=True)
+        self._thread.start()
+
+    def result(self) -> T:
+        """Waits for the exchange and returns its value.
+
+        Raises:
+            RuntimeError: the exchange raised on its thread (the original exception chained,
+                as ``__cause__``).
+        """
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(
+                f"{self._what} failed on its background thread: {type(error).__name__}: {error}"
+            ) from error
+        if self._done is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._done)
+        return self._value

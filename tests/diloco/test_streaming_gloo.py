@@ -1,0 +1,172 @@
+"""Streaming DiLoCo on 2 gloo ranks, in one launch: every case of ``_streaming_cases`` against
+the loop over the workers (bit for bit, after every inner step), a checkpoint taken while an
+exchange is in flight (resumed bit for bit from ``torch.save`` and through DCP; refused under
+another world size), a fragment's
+non-finite pseudo-gradient (that fragment's step skipped on every rank), and an exchange that
+fails on one rank's thread (both ranks raise from ``step()`` within the timeout)."""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+
+import pytest
+import torch
+
+import fn.collectives
+import fn.diloco
+import fn.diloco.wrapper
+import fn.fsdp
+from tests._distributed import run_distributed
+from tests.diloco import _streaming_cases as cases
+
+W = 2
+RESUMED = "P2 tau1 mix"  # fragment 0's exchange starts after step 5 and is applied after step 6
+
+
+def _skip(rank):
+    """Rank 1's fragment 1 turns NaN after inner step 4, just before its outer step."""
+    m = cases.model()
+    inner = cases.inner_optimizer(m)
+
+    steps = [0]
+
+    def poison(optimizer, args, kwargs):  # registered first: runs before DiLoCo's hook
+        steps[0] += 1
+        if rank == 1 and steps[0] == 4:
+            with torch.no_grad():
+                m[2].bias[0] = float("nan")
+
+    inner.register_step_post_hook(poison)
+    d = fn.diloco.DiLoCo(m, inner, sync_every=4, fragments=2)
+    after = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(6):
+            cases.inner_step(m, inner, rank, step)
+            after.append(cases.params(m))
+    anchor = [a.clone() for a in d.state_dict()["anchor"]]
+    return after, anchor, (d.outer_steps, d.skipped_steps), [str(w.message) for w in caught]
+
+
+def _fails(rank):
+    """Rank 1's exchange raises on its thread; rank 0's waits for it until the timeout."""
+    m = cases.model()
+    inner = cases.inner_optimizer(m)
+    fn.diloco.DiLoCo(m, inner, sync_every=4, fragments=2, delay=1, timeout=3)
+    if rank == 1:
+
+        def fails(*args, **kwargs):
+            raise ZeroDivisionError("injected")
+
+        fn.diloco.wrapper.outer_update = fails
+    cases.inner_step(m, inner, rank, 0)
+    started = time.monotonic()
+    try:
+        cases.inner_step(m, inner, rank, 1)
+    except RuntimeError as err:
+        return str(err), type(err.__cause__).__name__, time.monotonic() - started
+    return "no error", "", 0.0
+
+
+def _through_dcp(rank, kwargs, steps, path):
+    """Saved through ``fn.fsdp.TrainingCheckpoint`` (DCP) after step 5, mid-flight, and resumed
+    in a fresh run: its parameters at the end."""
+    part = cases.train(rank, kwargs, 0, 5)
+    fn.fsdp.TrainingCheckpoint(*part[:2], extra={"diloco": part[2]}, key=f"w{rank}").save(path)
+    m, inner, d = cases.train(rank, kwargs, 0, 0)
+    fn.fsdp.TrainingCheckpoint(m, inner, extra={"diloco": d}, key=f"w{rank}").load(path)
+    for step in range(5, steps):
+        cases.inner_step(m, inner, rank, step)
+    return cases.params(m)
+
+
+def _streaming(rank, world_size, path):
+    results = {
+        name: cases.run(rank, kwargs, steps) for name, (kwargs, steps) in cases.CASES.items()
+    }
+    kwargs, steps = cases.CASES[RESUMED]
+    full = cases.params(cases.train(rank, kwargs, 0, steps)[0])
+    saved = copy.deepcopy(tuple(x.state_dict() for x in cases.train(rank, kwargs, 0, 5)))
+    resumed = cases.params(cases.train(rank, kwargs, 5, steps, state=saved)[0])
+    results["resume"] = (full, resumed, saved[2], _through_dcp(rank, kwargs, steps, path))
+    results["skip"] = _skip(rank)
+    # one worker per rank (a subgroup each): every rank creates every exchange group
+    groups = [torch.distributed.new_group([r]) for r in range(world_size)]
+    results["subgroup"] = cases.run(rank, kwargs, steps, group=groups[rank])
+    results["fails"] = _fails(rank)  # last: rank 0's exchange group is unusable after it
+    return results
+
+
+@pytest.fixture(scope="module")
+def gloo_ranks(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("streaming") / "mid-flight")
+    return run_distributed(_streaming, W, path, timeout=200)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_streaming_matches_the_loop_over_workers_bit_for_bit(gloo_ranks):
+    for name, (kwargs, steps) in cases.CASES.items():
+        expected = cases.reference(W, kwargs, steps)
+        for rank, result in enumerate(gloo_ranks):
+            for t in range(steps):
+                got, want = result[name][t], expected[t][rank]
+                assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (name, t)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_checkpoint_with_an_exchange_in_flight(gloo_ranks):
+    for result in gloo_ranks:
+        full, resumed, saved, through_dcp = result["resume"]
+        assert saved["in_flight"] == {"fragment": 0, "started_at": 5}
+        assert all(torch.equal(a, b) for a, b in zip(resumed, full, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(through_dcp, full, strict=True))
+    deltas = [
+        result["resume"][2]["per_rank"][f"rank{r}"]["in_flight_delta"]
+        for r, result in enumerate(gloo_ranks)
+    ]
+    assert not torch.equal(*deltas)  # each rank's own
+    m = cases.model()
+    kwargs = cases.CASES[RESUMED][0]
+    d = fn.diloco.DiLoCo(m, cases.inner_optimizer(m), **kwargs)
+    with pytest.raises(ValueError, match="taken on 2 workers while fragment 0's exchange was in"):
+        d.load_state_dict(gloo_ranks[0]["resume"][2])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_worker_on_a_subgroup_runs_alone(gloo_ranks):
+    kwargs, steps = cases.CASES[RESUMED]
+    for rank, result in enumerate(gloo_ranks):
+        alone = cases.run(rank, kwargs, steps, group=fn.collectives.Local())
+        for t in range(steps):
+            assert all(
+                torch.equal(a, b) for a, b in zip(result["subgroup"][t], alone[t], strict=True)
+            )
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_non_finite_fragment_is_skipped_on_every_rank(gloo_ranks):
+    (after0, anchor, counts, caught), (after1, anchor1, counts1, caught1) = (
+        result["skip"] for result in gloo_ranks
+    )
+    assert counts == counts1 == (3, 1)  # fragment 0 after steps 2 and 6, fragment 1 skipped
+    assert all(torch.equal(a, b) for a, b in zip(anchor, anchor1, strict=True))
+    for after in (after0, after1):
+        assert all(torch.equal(a, b) for a, b in zip(after[3][1:], anchor[1:], strict=True))
+        assert all(bool(p.isfinite().all()) for p in after[5])
+    for messages in (caught, caught1):
+        assert len(messages) == 1 and "fragment 1's pseudo-gradient held NaN" in messages[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_an_exchange_that_fails_on_one_rank_raises_from_step_on_every_rank(gloo_ranks):
+    (message0, cause0, waited0), (message1, cause1, _) = (r["fails"] for r in gloo_ranks)
+    assert "fragment 0 (started after inner step 1) failed" in message0, message0
+    assert cause0 == "CollectiveTimeoutError" and waited0 < 10, (cause0, waited0)
+    assert "ZeroDivisionError: injected" in message1 and cause1 == "ZeroDivisionError"
