@@ -80,7 +80,12 @@ OPTIONS = (
         default=torch.float32,
         annotation="torch.dtype",
     ),
-    Parameter("world", Parameter.KEYWORD_ONLY, default=None, annotation="dist.ProcessGroup | None"),
+    Parameter(
+        "world",
+        Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation="torch.distributed.ProcessGroup | None",
+    ),
 )
 _OPTION_NAMES = (
     "exp_avg_mask", "nonfinite", "local_world_size", "error_dtype", "replicate", "non_freeze",
