@@ -9,11 +9,11 @@ group ``mesh["worker"]``: the workers' ranks at one shard position).
   "shard")`` of 2 x 2 x 1).
 - Streaming DiLoCo's fragments (``delay=0``): the same bits as unsharded; a delay is refused.
 - With ``fn.fsdp.OnebitAdam`` inside a worker (``world=`` the worker's ranks, both phases,
-  clipped; on the worker's 1-D shard mesh and on HSDP of 2 x 1): between outer steps each
-  worker's inner steps are a standalone 2-rank ``fn.fsdp.OnebitAdam`` run's bit for bit (at
-  the end of the launch the worker's ranks form a default group of their own and replay them
-  from the anchors), and every outer step is the reference outer step on the workers' full
-  params.
+  clipped; on the worker's 1-D shard mesh and on HSDP of 2 x 1), and ``OnebitLamb`` on the 1-D
+  mesh: between outer steps each worker's inner steps are a standalone 2-rank run's bit for
+  bit (at the end of the launch the worker's ranks form a default group of their own and
+  replay them from the anchors), and every outer step is the reference outer step on the
+  workers' full params.
 - A NaN on one rank skips the outer step on every rank of every shard position, also with
   ``fn.fsdp.OnebitAdam``, whose non-finite gradient on one rank raises on that worker's ranks
   only.
@@ -43,6 +43,12 @@ from tests.diloco import _reference
 WORKERS, SHARDS = 2, 2
 H, OUTER_STEPS = 2, 3
 ONEBIT = {"lr": 1e-2, "freeze_step": 2, "max_grad_norm": 0.5}  # t = 1 warmup, then compressed
+# the runs with fn.fsdp's 1-bit optimizers inside the workers: (optimizer, HSDP inside)
+ONEBIT_RUNS = {
+    "onebit": (fn.fsdp.OnebitAdam, False),
+    "onebit hsdp": (fn.fsdp.OnebitAdam, True),
+    "onebit lamb": (fn.fsdp.OnebitLamb, False),
+}
 TOPK = {"compression": "topk", "compression_options": {"k": 2, "chunk_size": 4}}
 
 
@@ -125,17 +131,17 @@ class Worker:
 
 
 class OnebitWorker(Worker):
-    """A worker whose inner optimizer is ``fn.fsdp.OnebitAdam`` on its shard mesh, spanning the
-    worker's ranks (``world``; on HSDP with ``replicate=mesh["replicate"]``); each rank of a
-    worker its own data."""
+    """A worker whose inner optimizer is ``fn.fsdp.OnebitAdam`` (or ``kind``) on its shard mesh,
+    spanning the worker's ranks (``world``; on HSDP with ``replicate=mesh["replicate"]``); each
+    rank of a worker its own data."""
 
-    def __init__(self, mesh, world, hsdp=False, **kwargs) -> None:
-        self.world, self.hsdp = world, hsdp
+    def __init__(self, mesh, world, hsdp=False, kind=fn.fsdp.OnebitAdam, **kwargs) -> None:
+        self.world, self.hsdp, self.kind = world, hsdp, kind
         super().__init__(mesh, **kwargs)
 
     def _inner(self, mesh) -> torch.optim.Optimizer:
         hsdp = {"replicate": mesh["replicate"]} if self.hsdp else {}
-        return fn.fsdp.OnebitAdam(self.model, **ONEBIT, **hsdp, world=self.world)
+        return self.kind(self.model, **ONEBIT, **hsdp, world=self.world)
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         return _onebit_batch(self.worker, torch.distributed.get_rank() % SHARDS, self.step)
@@ -154,14 +160,16 @@ def _onebit_workers(rank, mesh, path):
     skipped outer step. A checkpoint per worker (``group=`` its ranks): saved after an outer
     step, resumed for one, against the uninterrupted run."""
     world = mesh["shard"].get_group()
-    run = OnebitWorker(mesh, world)
-    run.train(H * OUTER_STEPS)
-    result = {"onebit": (run.before, run.after)}
     hsdp = init_device_mesh("cpu", (WORKERS, 2, 1), mesh_dim_names=("worker", "replicate", "shard"))
     groups = [torch.distributed.new_group([SHARDS * w, SHARDS * w + 1]) for w in range(WORKERS)]
-    run = OnebitWorker(hsdp, groups[rank // SHARDS], hsdp=True)
-    run.train(H * OUTER_STEPS)
-    result["onebit hsdp"] = (run.before, run.after)
+    result = {}
+    for name, (kind, on_hsdp) in ONEBIT_RUNS.items():
+        if on_hsdp:
+            run = OnebitWorker(hsdp, groups[rank // SHARDS], hsdp=True, kind=kind)
+        else:
+            run = OnebitWorker(mesh, world, kind=kind)
+        run.train(H * OUTER_STEPS)
+        result[name] = (run.before, run.after)
     full, part = OnebitWorker(mesh, world), OnebitWorker(mesh, world)
     full.train(2 * H)
     part.train(H)
@@ -206,14 +214,14 @@ def _onebit_standalone(rank, afters, path):
     store = torch.distributed.FileStore(f"{path}/standalone{worker}", SHARDS)
     torch.distributed.init_process_group("gloo", store=store, rank=shard, world_size=SHARDS)
     befores = {}
-    for name, hsdp in (("onebit", False), ("onebit hsdp", True)):
+    for name, (kind, hsdp) in ONEBIT_RUNS.items():
         if hsdp:
             mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
             model = _model(mesh["shard"])
-            inner = fn.fsdp.OnebitAdam(model, **ONEBIT, replicate=mesh["replicate"])
+            inner = kind(model, **ONEBIT, replicate=mesh["replicate"])
         else:
             model = _model(init_device_mesh("cpu", (SHARDS,)))
-            inner = fn.fsdp.OnebitAdam(model, **ONEBIT)
+            inner = kind(model, **ONEBIT)
         befores[name] = []
         for s in range(OUTER_STEPS):
             if s > 0:
@@ -300,7 +308,7 @@ def _sharded(rank, world_size, path):
     unchanged = all(torch.equal(a, b) for a, b in zip(params, _full(other.model), strict=True))
     unchanged &= other.diloco.state_dict()["counts"] == state["counts"]
     results["refused"] = (refused, unchanged)
-    afters = {name: results[name][1] for name in ("onebit", "onebit hsdp")}
+    afters = {name: results[name][1] for name in ONEBIT_RUNS}
     results["standalone"] = _onebit_standalone(rank, afters, path)  # the last
     return results
 
@@ -329,7 +337,7 @@ def test_sharded_workers_step_as_unsharded_ones(ranks):
             assert _equal(sharded[s], ranks[0]["adamw"][1][s]), (rank, s)
         assert "delay > 0 with sharded workers is not built" in result["delay"], result["delay"]
     # the outer step on the workers' full params (the ranks of worker w: 2w, 2w + 1)
-    for name in ("adamw", "onebit", "onebit hsdp"):
+    for name in ("adamw", *ONEBIT_RUNS):
         before = [ranks[SHARDS * w][name][0] for w in range(WORKERS)]
         anchor = _model().parameters()
         for j, a in enumerate(anchor):
@@ -343,7 +351,7 @@ def test_sharded_workers_step_as_unsharded_ones(ranks):
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_onebit_adam_inside_workers_steps_as_a_standalone_run(ranks):
-    for name in ("onebit", "onebit hsdp"):
+    for name in ONEBIT_RUNS:
         for rank, result in enumerate(ranks):
             before, after = result[name]
             for s in range(OUTER_STEPS):
