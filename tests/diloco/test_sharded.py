@@ -8,7 +8,7 @@ group ``mesh["worker"]``: the workers' ranks at one shard position).
   outer step; the same bits with HSDP inside each worker (a mesh ``("worker", "replicate",
   "shard")`` of 2 x 2 x 1).
 - Streaming DiLoCo's fragments (``delay=0``): the same bits as unsharded. With a delay and
-  ``mix``, after every inner step: with AdamW inside, the loop over unsharded workers
+  ``mix``, after every inner step: with AdamW inside (also on HSDP), the loop over unsharded workers
   (``_reference.streaming_run``) bit for bit; with ``fn.fsdp.OnebitAdam`` inside, that loop
   given each worker's params before every outer step (its inner steps replayed); and a
   checkpoint through ``fn.fsdp.TrainingCheckpoint`` taken while an exchange is in flight
@@ -251,14 +251,17 @@ def _onebit_standalone(rank, afters, path):
     return befores
 
 
-def _delayed(mesh, path):
+def _delayed(mesh, hsdp, path):
     """Streaming DiLoCo with a delay and mix (``DELAYED``), the full params before and after
-    every inner step's outer step: with AdamW inside, and with ``fn.fsdp.OnebitAdam`` (``world=``
-    the worker's ranks); a checkpoint through DCP after step 5 (fragment 0's exchange in
-    flight), resumed in a fresh run: its params and in-flight entry."""
+    every inner step's outer step: with AdamW inside (on the 1-D shard mesh and on HSDP), and
+    with ``fn.fsdp.OnebitAdam`` (``world=`` the worker's ranks); a checkpoint through DCP after
+    step 5 (fragment 0's exchange in flight), resumed in a fresh run: its params and in-flight
+    entry."""
     world = mesh["shard"].get_group()
     adamw = Worker(mesh, every=1, **DELAYED)
     adamw.train(DELAYED_STEPS)
+    on_hsdp = Worker(hsdp, ("replicate", "shard"), every=1, **DELAYED)
+    on_hsdp.train(DELAYED_STEPS)
     onebit = OnebitWorker(mesh, world, every=1, **DELAYED)
     onebit.train(DELAYED_STEPS)
     part = Worker(mesh, **DELAYED)
@@ -271,6 +274,7 @@ def _delayed(mesh, path):
     checkpoint = (_full(resumed.model), part.diloco.state_dict()["in_flight"])
     return {
         "delayed": (adamw.before, adamw.after),
+        "delayed hsdp": (on_hsdp.before, on_hsdp.after),
         "delayed onebit": (onebit.before, onebit.after),
         "delayed checkpoint": checkpoint,
     }
@@ -290,12 +294,12 @@ def _sharded(rank, world_size, path):
         run = Worker(mesh, shards, **kwargs)
         run.train(H * OUTER_STEPS)
         results[name] = (run.before, run.after)
-    results.update(_delayed(mesh, path))
     # HSDP inside each worker: 2 replicas of 1 shard (a 2-D mesh of DTensor params)
     hsdp = init_device_mesh("cpu", (WORKERS, 2, 1), mesh_dim_names=("worker", "replicate", "shard"))
     run = Worker(hsdp, ("replicate", "shard"))
     run.train(H * OUTER_STEPS)
     results["hsdp"] = (run.before, run.after)
+    results.update(_delayed(mesh, hsdp, path))
     # a NaN on rank 3 (worker 1, shard 1): every rank of every shard position skips
     run = Worker(mesh, poison=3)
     start = _full(run.model)
@@ -419,6 +423,7 @@ def test_sharded_streaming_with_a_delay_is_the_loop_over_workers(ranks):
     for rank, result in enumerate(ranks):
         for t in range(DELAYED_STEPS):
             assert _equal(result["delayed"][1][t], expected[t][rank // SHARDS]), (rank, t)
+            assert _equal(result["delayed hsdp"][1][t], expected[t][rank // SHARDS]), (rank, t)
             got = result["delayed onebit"][1][t]
             assert _equal(got, expected_onebit[t][rank // SHARDS]), (rank, t)
         resumed, in_flight = result["delayed checkpoint"]
