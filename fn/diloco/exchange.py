@@ -1,11 +1,11 @@
-"""A delayed outer exchange: one fragment's outer step on a background thread, over a process
-group of its own, so that it overlaps the inner steps that follow it."""
+"""A delayed outer exchange: one fragment's outer step on a background thread, over process
+groups of its own, so that it overlaps the inner steps that follow it."""
 
 from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 import torch
@@ -13,45 +13,54 @@ import torch.distributed as dist
 
 from fn.collectives import Comm, ProcessGroup
 
-__all__ = ["BackgroundExchange", "exchange_comm"]
+__all__ = ["BackgroundExchange", "exchange_comms"]
 
 T = TypeVar("T")
 
 
-def exchange_comm(comm: Comm) -> Comm:
-    """The comm a background exchange runs on: over a ``torch.distributed`` group, a new process
-    group over the same ranks (collectives of two threads on one group could interleave
-    differently on different ranks); otherwise ``comm`` itself.
+def exchange_comms(comms: Sequence[Comm]) -> list[Comm]:
+    """The comms a background exchange runs on: for each of ``comms`` over a
+    ``torch.distributed`` group, a new process group over the same ranks (collectives of two
+    threads on one group could interleave differently on different ranks); the others
+    themselves.
 
-    A collective call over the whole world: every rank calls it, in the same order.
-    ``dist.new_group`` needs every rank of the world, so where ``comm`` is a subgroup (one
-    group per shard position), each rank learns every rank's members (one
-    ``all_gather_object``) and every rank creates every distinct group, keeping its own.
+    A collective call over the whole world: every rank calls it, in the same order, with its own
+    comms of the same roles (e.g. the workers' group, then each dimension of a sharded worker's
+    mesh). ``dist.new_group`` needs every rank of the world, so where some group is a subgroup
+    (one group per shard position, or the ranks inside one worker), each rank learns every
+    rank's members (one ``all_gather_object``) and every rank creates every distinct group of
+    each role, role by role, keeping its own.
 
     Args:
-        comm: the workers' comm.
+        comms: this rank's comms.
 
     Returns:
-        A comm over the same ranks, with ``comm``'s timeout, counting its bytes into ``comm``.
+        One comm per entry of ``comms``, over the same ranks, with its timeout, counting its
+        bytes into it.
 
     Example:
-        >>> from fn.diloco.exchange import exchange_comm
-        >>> exchange_comm(fn.collectives.Local())
-        Local()
+        >>> from fn.diloco.exchange import exchange_comms
+        >>> exchange_comms([fn.collectives.Local()])
+        [Local()]
     """
-    if not isinstance(comm, ProcessGroup):
-        return comm
-    members = dist.get_process_group_ranks(comm.group or dist.group.WORLD)
-    timeout = comm.timeout
-    if len(members) == dist.get_world_size():
-        group = dist.new_group(members, timeout=timeout)
-    else:
-        every: list[list[int] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, members)
-        distinct = sorted({tuple(m) for m in every if m is not None})
-        created = {m: dist.new_group(list(m), timeout=timeout) for m in distinct}
-        group = created[tuple(members)]
-    return ProcessGroup(group, timeout=timeout, counts_into=comm)
+    groups = [c for c in comms if isinstance(c, ProcessGroup)]
+    if not groups:
+        return list(comms)
+    own = [dist.get_process_group_ranks(c.group or dist.group.WORLD) for c in groups]
+    every: list[list[list[int]] | None] = [own]
+    if any(len(members) != dist.get_world_size() for members in own):
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, own)
+    created = {}
+    for role, comm in enumerate(groups):
+        distinct = sorted({tuple(ranks[role]) for ranks in every if ranks is not None})
+        for members in distinct:
+            created[role, members] = dist.new_group(list(members), timeout=comm.timeout)
+    copies = iter(
+        ProcessGroup(created[role, tuple(members)], timeout=comm.timeout, counts_into=comm)
+        for role, (comm, members) in enumerate(zip(groups, own, strict=True))
+    )
+    return [next(copies) if isinstance(c, ProcessGroup) else c for c in comms]
 
 
 @functools.cache

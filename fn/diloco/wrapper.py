@@ -23,7 +23,7 @@ from fn.diloco.checkpoint import (
     restored,
 )
 from fn.diloco.compressors import compression as build_compression
-from fn.diloco.exchange import BackgroundExchange, exchange_comm
+from fn.diloco.exchange import BackgroundExchange, exchange_comms
 from fn.diloco.nesterov_rule import nesterov
 from fn.diloco.sharding import local_shard, worker_mesh_comms
 from fn.diloco.sparseloco_rule import sparseloco
@@ -100,8 +100,8 @@ class DiLoCo:
     Streaming DiLoCo (``fragments=P``): the parameters form ``P`` fragments, each with its own
     anchor, outer state and compressor state; fragment ``p`` takes its outer step after the
     inner steps ``t = (p + 1) H / P (mod H)``. With ``delay=tau`` its pseudo-gradient is taken
-    ``tau`` inner steps earlier and its exchange runs on a background thread (over a process
-    group of its own) during those ``tau`` steps; the ``step()`` that applies it waits for it,
+    ``tau`` inner steps earlier and its exchange runs on a background thread (over process
+    groups of its own) during those ``tau`` steps; the ``step()`` that applies it waits for it,
     and raises ``RuntimeError`` (the thread's exception chained) where it failed. The results
     do not depend on the thread's timing.
 
@@ -117,9 +117,11 @@ class DiLoCo:
     ranks at one shard position (``mesh["worker"].get_group()`` for a mesh ``("worker",
     "shard")``), each rank syncs its own local shard, the anchor is per local shard, and the
     agreement that the pseudo-gradients are finite is also summed over the parameters' mesh, so
-    that every rank of every worker applies or skips a step together. ``"fp32"`` and ``"bf16"``
-    then give the unsharded model's outer step bit for bit; the compressors with groups or
-    chunks cut them from the shards. ``fn.fsdp.OnebitAdam`` and ``OnebitLamb`` serve as a
+    that every rank of every worker applies or skips a step together; with ``delay > 0`` the
+    exchange's thread sums it over copies of those groups of its own, as FSDP2 uses them on the
+    training loop's thread meanwhile. ``"fp32"`` and ``"bf16"`` then give the unsharded model's
+    outer step bit for bit; the compressors with groups or chunks cut them from the shards.
+    ``fn.fsdp.OnebitAdam`` and ``OnebitLamb`` serve as a
     sharded worker's inner optimizer given the worker's ranks as ``world=``
     (``mesh["shard"].get_group()``), so that their checks span that worker only.
 
@@ -155,8 +157,7 @@ class DiLoCo:
             fragment lists that miss a parameter, repeat one or name another tensor), or (on
             every rank) settings or parameters that differ across ranks.
         NotImplementedError: ``DTensor`` parameters mixed with plain ones or on several device
-            meshes, or with ``delay > 0`` (the exchange's thread would share the worker mesh's
-            groups with FSDP2's collectives).
+            meshes.
 
     Attributes:
         inner_steps: the inner steps counted so far.
@@ -209,13 +210,7 @@ class DiLoCo:
         check_int("DiLoCo: sync_every", sync_every, minimum=1)
         check_fraction("DiLoCo", mix=mix)
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self._within = worker_mesh_comms(self._params, timeout)  # sharded: the worker's ranks
-        if self._within and delay > 0:
-            raise NotImplementedError(
-                "DiLoCo: delay > 0 with sharded workers is not built: the exchange's thread "
-                "would agree on finiteness over the worker mesh's groups while FSDP2's "
-                "collectives use them; use delay=0 (fragments work)"
-            )
+        within = worker_mesh_comms(self._params, timeout)  # sharded: the worker's ranks
         self._fragments = fragment_indices(self._params, fragments)
         self._schedule = StreamSchedule(sync_every, len(self._fragments), delay).checked()
         self.comm = _comm(group, timeout)
@@ -239,10 +234,13 @@ class DiLoCo:
             "parameter values": _params_digest(shards),
         }
         agree_on_settings(self.comm, {**self._settings, **values}, "DiLoCo")
-        # a delayed exchange runs on a thread, over a process group of its own
-        self._exchange_comm = exchange_comm(self.comm) if delay > 0 else self.comm
+        # a delayed exchange runs on a thread, over process groups of its own (copies of the
+        # workers' group and of the worker mesh's, which FSDP2 uses on this thread meanwhile)
+        comms = [self.comm, *within]
         if delay > 0:
-            self._rule = _rule(outer, outer_options, compression, options, self._exchange_comm)
+            comms = exchange_comms(comms)
+            self._rule = _rule(outer, outer_options, compression, options, comms[0])
+        self._exchange_comms = comms  # the workers' group, then the worker mesh's
         self._anchor = [x.to(anchor_device or x.device, copy=True) for x in shards]
         self._states = [self._rule.init(self._part(self._anchor, p)) for p in self._fragment_ids]
         self._flight: _Flight | None = None
@@ -306,7 +304,7 @@ class DiLoCo:
         if delta is None:
             delta = pseudo_gradient(anchor, params)
         started_at = self.inner_steps if started_at is None else started_at
-        rule, state, comm, within = self._rule, self._states[p], self._exchange_comm, self._within
+        rule, state, (comm, *within) = self._rule, self._states[p], self._exchange_comms
         exchange = BackgroundExchange(
             lambda: outer_update(rule, anchor, delta, state, comm=comm, within=within),
             background=background,

@@ -7,7 +7,12 @@ group ``mesh["worker"]``: the workers' ranks at one shard position).
   workers' full params, and every rank of a shard position holds the same params after every
   outer step; the same bits with HSDP inside each worker (a mesh ``("worker", "replicate",
   "shard")`` of 2 x 2 x 1).
-- Streaming DiLoCo's fragments (``delay=0``): the same bits as unsharded; a delay is refused.
+- Streaming DiLoCo's fragments (``delay=0``): the same bits as unsharded. With a delay and
+  ``mix``, after every inner step: with AdamW inside (also on HSDP), the loop over unsharded workers
+  (``_reference.streaming_run``) bit for bit; with ``fn.fsdp.OnebitAdam`` inside, that loop
+  given each worker's params before every outer step (its inner steps replayed); and a
+  checkpoint through ``fn.fsdp.TrainingCheckpoint`` taken while an exchange is in flight
+  resumes bit for bit.
 - With ``fn.fsdp.OnebitAdam`` inside a worker (``world=`` the worker's ranks, both phases,
   clipped; on the worker's 1-D shard mesh and on HSDP of 2 x 1), and ``OnebitLamb`` on the 1-D
   mesh: between outer steps each worker's inner steps are a standalone 2-rank run's bit for
@@ -50,6 +55,10 @@ ONEBIT_RUNS = {
     "onebit lamb": (fn.fsdp.OnebitLamb, False),
 }
 TOPK = {"compression": "topk", "compression_options": {"k": 2, "chunk_size": 4}}
+# Streaming with a delay: fragment 0 (block.weight) starts after steps 1, 5 and is applied after
+# 2, 6; fragment 1 (the rest) after 3, 7 and 4, 8
+DELAYED = {"sync_every": 4, "fragments": 2, "delay": 1, "mix": 0.5}
+DELAYED_FRAGMENTS, DELAYED_STEPS = [[0], [1, 2, 3]], 8
 
 
 class Net(nn.Module):
@@ -82,24 +91,26 @@ def _full(model) -> list[torch.Tensor]:
 
 class Worker:
     """One worker's model, inner optimizer and DiLoCo on this rank, with the full params before
-    and after every outer step (``shards``: the mesh dimensions a worker's model is sharded on;
-    none: unsharded)."""
+    and after every ``every``-th inner step's outer step (``shards``: the mesh dimensions a
+    worker's model is sharded on; none: unsharded)."""
 
-    def __init__(self, mesh, shards=("shard",), poison=None, **kwargs) -> None:
+    def __init__(self, mesh, shards=("shard",), poison=None, every=H, **kwargs) -> None:
         self.worker = mesh.get_coordinate()[0]
         self.model = _model(mesh[shards] if shards else None)
         self.inner = self._inner(mesh)
-        self.before, self.after, self.step = [], [], 0
+        self.before, self.after, self.step, self.every = [], [], 0, every
         self.poison = poison
         self.inner.register_step_post_hook(self._before_outer_step)  # runs before DiLoCo's
         group = mesh["worker"].get_group()
-        self.diloco = fn.diloco.DiLoCo(self.model, self.inner, group=group, sync_every=H, **kwargs)
+        kwargs = {"sync_every": H, **kwargs}
+        self.diloco = fn.diloco.DiLoCo(self.model, self.inner, group=group, **kwargs)
 
     def _before_outer_step(self, *_) -> None:
         if (self.step + 1) % H == 0:
             if self.poison is not None and torch.distributed.get_rank() == self.poison:
                 with torch.no_grad():
                     next(self.model.parameters()).to_local()[0, 0] = float("nan")
+        if (self.step + 1) % self.every == 0:
             self.before.append(_full(self.model))
 
     def _inner(self, mesh) -> torch.optim.Optimizer:
@@ -107,8 +118,7 @@ class Worker:
         return torch.optim.AdamW(self.model.parameters(), lr=1e-2)
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(1000 * self.worker + self.step)
-        return torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+        return _batch(self.worker, 0, self.step)  # the same on the worker's ranks
 
     def train(self, steps: int) -> None:
         for _ in range(steps):
@@ -117,7 +127,7 @@ class Worker:
             self.inner.step()
             self.inner.zero_grad()
             self.step += 1
-            if self.step % H == 0:
+            if self.step % self.every == 0:
                 self.after.append(_full(self.model))
 
     def checkpoint(self, group=None) -> fn.fsdp.TrainingCheckpoint:
@@ -144,10 +154,11 @@ class OnebitWorker(Worker):
         return self.kind(self.model, **ONEBIT, **hsdp, world=self.world)
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return _onebit_batch(self.worker, torch.distributed.get_rank() % SHARDS, self.step)
+        return _batch(self.worker, torch.distributed.get_rank() % SHARDS, self.step)
 
 
-def _onebit_batch(worker: int, shard: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(worker: int, shard: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Worker ``worker``'s batch of inner step ``step`` on its rank ``shard``."""
     g = torch.Generator().manual_seed(1000 * worker + 100 * shard + step)
     return torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
 
@@ -232,12 +243,41 @@ def _onebit_standalone(rank, afters, path):
                         )
                         p.to_local().copy_(local.to_local())
             for t in range(H):
-                x, y = _onebit_batch(worker, shard, H * s + t)
+                x, y = _batch(worker, shard, H * s + t)
                 torch.nn.functional.mse_loss(model(x), y).backward()
                 inner.step()
                 inner.zero_grad()
             befores[name].append(_full(model))
     return befores
+
+
+def _delayed(mesh, hsdp, path):
+    """Streaming DiLoCo with a delay and mix (``DELAYED``), the full params before and after
+    every inner step's outer step: with AdamW inside (on the 1-D shard mesh and on HSDP), and
+    with ``fn.fsdp.OnebitAdam`` (``world=`` the worker's ranks); a checkpoint through DCP after
+    step 5 (fragment 0's exchange in flight), resumed in a fresh run: its params and in-flight
+    entry."""
+    world = mesh["shard"].get_group()
+    adamw = Worker(mesh, every=1, **DELAYED)
+    adamw.train(DELAYED_STEPS)
+    on_hsdp = Worker(hsdp, ("replicate", "shard"), every=1, **DELAYED)
+    on_hsdp.train(DELAYED_STEPS)
+    onebit = OnebitWorker(mesh, world, every=1, **DELAYED)
+    onebit.train(DELAYED_STEPS)
+    part = Worker(mesh, **DELAYED)
+    part.train(5)
+    part.checkpoint().save(f"{path}/delayed")
+    resumed = Worker(mesh, **DELAYED)
+    resumed.checkpoint().load(f"{path}/delayed")
+    resumed.step = 5
+    resumed.train(DELAYED_STEPS - 5)
+    checkpoint = (_full(resumed.model), part.diloco.state_dict()["in_flight"])
+    return {
+        "delayed": (adamw.before, adamw.after),
+        "delayed hsdp": (on_hsdp.before, on_hsdp.after),
+        "delayed onebit": (onebit.before, onebit.after),
+        "delayed checkpoint": checkpoint,
+    }
 
 
 def _sharded(rank, world_size, path):
@@ -254,16 +294,12 @@ def _sharded(rank, world_size, path):
         run = Worker(mesh, shards, **kwargs)
         run.train(H * OUTER_STEPS)
         results[name] = (run.before, run.after)
-    try:
-        Worker(mesh, delay=1, **streaming)
-        results["delay"] = "not refused"
-    except NotImplementedError as err:
-        results["delay"] = str(err)
     # HSDP inside each worker: 2 replicas of 1 shard (a 2-D mesh of DTensor params)
     hsdp = init_device_mesh("cpu", (WORKERS, 2, 1), mesh_dim_names=("worker", "replicate", "shard"))
     run = Worker(hsdp, ("replicate", "shard"))
     run.train(H * OUTER_STEPS)
     results["hsdp"] = (run.before, run.after)
+    results.update(_delayed(mesh, hsdp, path))
     # a NaN on rank 3 (worker 1, shard 1): every rank of every shard position skips
     run = Worker(mesh, poison=3)
     start = _full(run.model)
@@ -335,7 +371,6 @@ def test_sharded_workers_step_as_unsharded_ones(ranks):
             assert not _equal(result["fragments"][1][s], unsharded[s]), s  # another schedule
             assert _equal(result["hsdp"][1][s], unsharded[s]), (rank, s)
             assert _equal(sharded[s], ranks[0]["adamw"][1][s]), (rank, s)
-        assert "delay > 0 with sharded workers is not built" in result["delay"], result["delay"]
     # the outer step on the workers' full params (the ranks of worker w: 2w, 2w + 1)
     for name in ("adamw", *ONEBIT_RUNS):
         before = [ranks[SHARDS * w][name][0] for w in range(WORKERS)]
@@ -346,6 +381,56 @@ def test_sharded_workers_step_as_unsharded_ones(ranks):
             for rank, result in enumerate(ranks):
                 for s in range(OUTER_STEPS):
                     assert torch.equal(result[name][1][s][j], expected[s]), (name, rank, j, s)
+
+
+def _delayed_reference(models, inner_step) -> list[list[list[torch.Tensor]]]:
+    """Every worker's params after every inner step of ``DELAYED``, from the loop over the
+    unsharded ``models`` (one per worker), ``inner_step(r, t)`` worker ``r``'s step ``t``."""
+    return _reference.streaming_run(
+        [list(m.parameters()) for m in models],
+        inner_step,
+        steps=DELAYED_STEPS,
+        sync_every=DELAYED["sync_every"],
+        fragments=DELAYED_FRAGMENTS,
+        delay=DELAYED["delay"],
+        mix=DELAYED["mix"],
+        outer=_reference.nesterov_outer(lr=0.7, momentum=0.9),
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_sharded_streaming_with_a_delay_is_the_loop_over_workers(ranks):
+    models = [_model() for _ in range(WORKERS)]
+    inners = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+
+    def adamw_step(r: int, t: int) -> None:
+        x, y = _batch(r, 0, t)
+        torch.nn.functional.mse_loss(models[r](x), y).backward()
+        inners[r].step()
+        inners[r].zero_grad()
+
+    replayed = [_model() for _ in range(WORKERS)]
+
+    def onebit_step(r: int, t: int) -> None:  # the worker's params before step t's outer step
+        with torch.no_grad():
+            before = ranks[SHARDS * r]["delayed onebit"][0][t]
+            for p, x in zip(replayed[r].parameters(), before, strict=True):
+                p.copy_(x)
+
+    expected = _delayed_reference(models, adamw_step)
+    expected_onebit = _delayed_reference(replayed, onebit_step)
+    for rank, result in enumerate(ranks):
+        for t in range(DELAYED_STEPS):
+            assert _equal(result["delayed"][1][t], expected[t][rank // SHARDS]), (rank, t)
+            assert _equal(result["delayed hsdp"][1][t], expected[t][rank // SHARDS]), (rank, t)
+            got = result["delayed onebit"][1][t]
+            assert _equal(got, expected_onebit[t][rank // SHARDS]), (rank, t)
+        resumed, in_flight = result["delayed checkpoint"]
+        assert in_flight == {"fragment": 0, "started_at": 5}, in_flight
+        assert _equal(resumed, result["delayed"][1][-1]), rank
+    # mix keeps a share of each worker's own params: the workers differ after an outer step
+    assert not _equal(ranks[0]["delayed"][1][1], ranks[SHARDS]["delayed"][1][1])
 
 
 @pytest.mark.distributed
