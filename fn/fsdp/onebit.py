@@ -33,7 +33,7 @@ from fn.collectives import (
     check_error_dtype,
 )
 from fn.collectives.comm import HOPS
-from fn.errors import NonFiniteError
+from fn.errors import NonFiniteError, user_stacklevel
 from fn.fsdp._fsdp2 import reduce_scatters_stopped
 from fn.fsdp.agreement import agree
 from fn.fsdp.onebit_checks import (
@@ -187,9 +187,13 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         # over world (None: the default group), whatever the meshes: ranks that passed
         # different meshes or replicate= on some ranks only still meet in one collective
         agree(self.name, world, problem, fingerprint, device=device)
-        self._world = world  # the group of the checks over every rank (None: the default)
+        self._world = world  # the group the optimizer spans (None: the default)
         self._comms = CommCache(None)
         self.comm = self._comms(group)
+        # step()'s checks over world's ranks, on a group of their own: a rank still in its
+        # micro-batches (FSDP2's all-gathers, the user's collectives) never meets them in one
+        # collective, which gloo aborts on when the sizes differ
+        self._checks = self._comms(dist.new_group(world_ranks, use_local_synchronization=True))
         self._replicas = None  # fn's comm over the replicate group (HSDP, N > 1), or None
         self._hops: dict[tuple[int, ...], str] = {}  # HSDP: the level of a group, by its ranks
         multiple = None
@@ -255,7 +259,6 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         self._automatic = self._state.auto is not None  # freeze_step="auto": decided in the state
         self._problems: list[Exception] = []  # what the reduce-scatters found, for step()
         self._failed = FailedCollectives()  # the collectives of this backward that failed
-        self._delivered = False  # whether a backward delivered gradients since the last step()
         self._grad_change_warned = False
         self._fsdp_modules: list[nn.Module] = []
         members = {name: member for name, member, _ in fsdp_groups(model)}
@@ -270,12 +273,10 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
                 self._failed,
             )
             module.set_custom_reduce_scatter(reduce_scatter)
-            if world_size == 1 and self._communicates:  # FSDP2 runs no reduce-scatter
+            if world_size == 1:  # FSDP2 runs no reduce-scatter: its hook counts
                 module.set_all_reduce_hook(reduce_scatter.all_reduce_hook)
             # every trainable param in every reduce-scatter: a missing gradient is a zero
             module.set_reduce_scatter_unused_params(True, recurse=False)
-        for param in params:  # FSDP2 runs these once it has written a gradient shard
-            param.register_post_accumulate_grad_hook(self._gradient_delivered)
 
     @property
     def count(self) -> int:
@@ -332,10 +333,12 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         """One update of every param shard (see the class docstring), from the gradients that
         FSDP2's backward delivered since the last ``step()``.
 
-        Without such gradients (``step()`` before any backward, a second ``step()`` after one,
-        gradients set by hand) it is a no-op: nothing changes, ``count`` included. A problem
-        that a reduce-scatter of that backward found is raised here, on every rank, with no
-        param changed; the next backward and ``step()`` train normally.
+        Without such gradients on every rank (``step()`` before any backward, a second
+        ``step()`` after one, gradients set by hand) it is a no-op: nothing changes, ``count``
+        included. Every rank calls it (its first exchange compares the ranks' micro-batch
+        counts, the backwards since the last ``step()``). A problem that a reduce-scatter of
+        that backward found is raised here, on every rank, with no param changed; the next
+        backward and ``step()`` train normally.
 
         Args:
             closure: re-evaluates the model and returns the loss (run with grad enabled).
@@ -347,7 +350,11 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
             fn.NonFiniteError: on every rank, if a gradient on some rank is not finite;
                 no param and no ``v`` changed.
             RuntimeError: FSDP2 stopped reduce-scattering after an exception inside an earlier
-                backward (not fn's: fn raises none there); nothing changed.
+                backward (not fn's: fn raises none there); or, on every rank, the ranks ran
+                different numbers of micro-batches (the accumulated gradients are dropped);
+                nothing changed.
+            fn.collectives.CollectiveTimeoutError: some rank never called ``step()`` (on a 1-D
+                mesh, one that runs more micro-batches waits in FSDP2's next all-gather).
             Exception: what else a reduce-scatter of the last backward raised (a collective's
                 timeout, say), the same on every rank.
         """
@@ -364,18 +371,13 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
                 "optimizer) and reload the last checkpoint (fn.fsdp.TrainingCheckpoint.load)"
             )
         received = {name: module.received for name, module in self._modules.items()}
-        problems, delivered, failed = list(self._problems), self._delivered, self._failed.take()
+        batches = max(module.backwards for module in self._modules.values())
+        problems, failed = list(self._problems), self._failed.take()
         self._problems.clear()
-        self._delivered = False
         try:
-            # each node's reduce-scatters found their own: share them over world, unless a
-            # group failed (this rank then has its own failure to raise at once)
-            if self._replicas is not None and not failed.groups:
-                problems = self._shared_problems(problems)
-            if problems:
+            if failed.groups:  # this rank's collective failed: its group is unusable
                 raise failed.dated(problems[0])
-            if delivered:
-                self._update(received)
+            self._update(received, batches, problems)
         finally:  # what the backwards delivered is used once, or dropped with the error
             for module in self._modules.values():
                 module.discard()
@@ -392,28 +394,37 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         for module in self._modules.values():
             module.discard()
 
-    def _update(self, received: Mapping[str, bool]) -> None:
+    def _update(self, received: Mapping[str, bool], batches: int, problems: list) -> None:
         """The update from the gradients the backwards since the last ``step()`` delivered
-        (``received``: by module, whether its reduce-scatter ran)."""
+        (``received``: by module, whether its reduce-scatter ran; ``batches``: how many
+        backwards ran; ``problems``: what their reduce-scatters found), after the ranks'
+        first exchange (:meth:`_first_exchange`)."""
         t = self.count + 1
         warmup = not self._rule.is_compressed(t, self._state)
+        compressed = self._communicates and not warmup
+        if compressed:
+            gradients, stats = self._compressed_gradients(received)
+        elif self._replicas is None:
+            stats = self._gradient_stats(self._grad_inputs())
+        else:  # HSDP: the warmup's checks come once the nodes have averaged the gradient
+            stats = [0.0] * 4
+        totals = self._first_exchange(batches, problems, stats)
+        if not batches:  # no backward since the last step() on any rank: a no-op
+            return
         freezes_mask = not warmup and self._zero_records is not None  # exp_avg_mask="auto"
         if freezes_mask:  # the records go once the update is made (a failed one is retried)
             self._set_masks(self._frozen_masks(), self._zero_records)
-        compressed = self._communicates and not warmup
-        if warmup and self._replicas is not None:
-            self._average_over_nodes(received)
         params = self._shards()
         records, energy = None, None
         if compressed:
-            inputs = self._exchanged_momentum(received)
+            inputs = self._exchanged_momentum(self._clipped(gradients, totals))
         else:
-            inputs = {
-                slot.name: None if slot.param.grad is None else to_local(slot.param.grad)
-                for layout in self._layouts
-                for slot in layout.slots
-            }
-            energy, square_norm = self._checked_energy(inputs)
+            if self._replicas is not None:
+                self._average_over_nodes(received)
+            inputs = self._grad_inputs()
+            if self._replicas is not None:
+                totals = self._summed(self.comm, self._gradient_stats(inputs))
+            energy, square_norm = self._checked_energy(totals)
             factor = self._clip_factor(square_norm)
             if factor != 1.0:  # .grad stays as the backward left it
                 inputs = {k: None if g is None else g * factor for k, g in inputs.items()}
@@ -440,16 +451,16 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         """This rank's shard of every param, by FQN."""
         return {slot.name: to_local(slot.param) for x in self._layouts for slot in x.slots}
 
+    def _grad_inputs(self) -> dict[str, torch.Tensor | None]:
+        """This rank's ``.grad`` shard of every param, by FQN."""
+        return {k: v for x in self._layouts for k, v in self._grad_shards(x).items()}
+
     def _grad_shards(self, layout: ModuleLayout) -> dict[str, torch.Tensor | None]:
         """This rank's ``.grad`` shard of every param of a module, by FQN."""
         return {
             slot.name: None if slot.param.grad is None else to_local(slot.param.grad)
             for slot in layout.slots
         }
-
-    def _gradient_delivered(self, param: torch.Tensor) -> None:
-        del param
-        self._delivered = True
 
     def _average_over_nodes(self, received: Mapping[str, bool]) -> None:
         """HSDP's warmup: every module's accumulated node gradient (this rank's row, in
@@ -467,13 +478,13 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
                 else:
                     to_local(slot.param.grad).copy_(values)
 
-    def _exchanged_momentum(self, received: Mapping[str, bool]) -> dict[str, torch.Tensor | None]:
-        """The compressed phase's exchange: every module's accumulated gradient (the local
-        one on a 1-D mesh, this rank's row of the node's on HSDP) checked and clipped
-        (:meth:`_compressed_gradients`), then its momentum's 1-bit allreduce; returns every
-        param's shard of the new momentum, read exactly from the packed signs (``None`` for
-        the params of a module that no backward reduce-scattered)."""
-        gradients = self._compressed_gradients(received)
+    def _exchanged_momentum(
+        self, gradients: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor | None]:
+        """The compressed phase's exchange: every module's momentum's 1-bit allreduce with its
+        checked and clipped gradient (``gradients``, by module: those reduce-scattered);
+        returns every param's shard of the new momentum, read exactly from the packed signs
+        (``None`` for the params of a module that no backward reduce-scattered)."""
         over = self.comm if self._replicas is None else self._replicas
         shards: dict[str, torch.Tensor | None] = {}
         for layout in self._layouts:
@@ -501,19 +512,15 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
                 shards[slot.name] = None if piece is None else piece.view(local.shape)
         return shards
 
-    def _compressed_gradients(self, received: Mapping[str, bool]) -> dict[str, torch.Tensor]:
+    def _compressed_gradients(
+        self, received: Mapping[str, bool]
+    ) -> tuple[dict[str, torch.Tensor], list[float]]:
         """By module (those reduce-scattered), the gradient that enters its momentum, flat
         fp32 in the layout of ``X``: on a 1-D mesh this rank's accumulated local gradient, on
-        HSDP its row of the node's (from ``.grad``), times the clipping factor of
-        ``max_grad_norm``. One all-gather over the ranks holding different gradients
-        (``world``) of three fp64 values checks that all are finite, sums their squared norms and
-        tells every rank whether some rank's ``.grad`` was changed where the update does not
-        read it (:meth:`_grad_changed`: then every rank warns, once).
-
-        Raises:
-            fn.NonFiniteError: on every rank, some rank's gradient is not finite; nothing
-                changed.
-        """
+        HSDP its row of the node's (from ``.grad``); and this rank's part of the first
+        exchange (:meth:`_first_exchange`): whether some gradient is not finite, their squared
+        norm, and whether ``.grad`` was changed where the update does not read it
+        (:meth:`_grad_changed`)."""
         gradients, changed = {}, False
         for layout in self._layouts:
             if received[layout.name]:
@@ -525,15 +532,26 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
                     changed = changed or self._grad_changed(layout, module)
         bad = sum(int(not bool(g.isfinite().all())) for g in gradients.values())
         square = sum((float(g.double().square().sum()) for g in gradients.values()), 0.0)
-        mine = torch.tensor([float(bad), 0.0 if bad else square, changed], dtype=torch.float64)
-        everyone = self._comms(self._world)
-        totals = everyone.all_gather(mine).view(-1, 3).sum(0)
+        return gradients, [float(bad), 0.0, 0.0 if bad else square, float(changed)]
+
+    def _clipped(
+        self, gradients: dict[str, torch.Tensor], totals: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """The compressed phase's ``gradients`` (:meth:`_compressed_gradients`) times the
+        clipping factor of ``max_grad_norm``, from the first exchange's ``totals`` (summed over
+        the ranks: non-finite gradients, the squared norms, changed ``.grad``; every rank warns
+        once of a changed ``.grad``).
+
+        Raises:
+            fn.NonFiniteError: on every rank, some rank's gradient is not finite; nothing
+                changed.
+        """
         if totals[0] > 0:  # (a NaN differs from itself: no word of a changed .grad then)
             raise NonFiniteError(
                 f"{self.name}: non-finite values in the accumulated gradient of some rank; "
                 "nothing was updated"
             )
-        if totals[2] > 0 and not self._grad_change_warned:
+        if totals[3] > 0 and not self._grad_change_warned:
             self._grad_change_warned = True
             warnings.warn(
                 f"{self.name}: .grad was changed between the backward and step() (by "
@@ -541,10 +559,10 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
                 "where the update reads the local gradient that fn accumulated, not .grad: the "
                 "change has no effect. Clip with max_grad_norm= (every phase), or use HSDP "
                 "(replicate=), where .grad is what the update reads",
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         replicas = self.comm.world_size if self._replicas is None else self._replicas.world_size
-        factor = self._clip_factor(totals[1] / replicas)
+        factor = self._clip_factor(totals[2] / replicas)
         if factor != 1.0:
             gradients = {name: g * factor for name, g in gradients.items()}
         return gradients
@@ -572,59 +590,89 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         norm = float(square_norm) ** 0.5
         return min(1.0, self.max_grad_norm / (norm + _CLIP_EPS))
 
-    def _shared_problems(self, problems: list[Exception]) -> list[Exception]:
-        """HSDP: what the reduce-scatters found, on every rank (one all-gather of three values
-        over ``world``). A reduce-scatter raises on the ranks of one node's shard group; the
-        other ranks then raise too, of the same kind when it is ``fn.NonFiniteError`` or
-        ``CollectiveTimeoutError`` (naming the first rank that the failed collective
-        missed)."""
+    def _first_exchange(
+        self, batches: int, problems: list[Exception], stats: list[float]
+    ) -> torch.Tensor:
+        """``step()``'s first collective, before any other: one all-gather over the ranks of
+        ``world`` (on a group of the optimizer's own) of this rank's micro-batch count
+        (``batches``), whether its reduce-scatters found a problem (of which kind, and the first
+        rank a failed collective missed) and its gradient statistics (``stats``: non-finite
+        gradients, gradient energy, squared norm, changed ``.grad``), which it returns summed
+        over the ranks in rank order (the same bits on every rank).
+
+        Raises:
+            RuntimeError: on every rank, the ranks ran different numbers of micro-batches.
+            Exception: the first problem of this rank's reduce-scatters, or on every other rank
+                one of the same kind (``fn.NonFiniteError``, ``CollectiveTimeoutError``) naming
+                the first rank that found one.
+            CollectiveTimeoutError: some rank never called ``step()`` (see the message).
+        """
         first = problems[0] if problems else None
         lost = -1.0
         if isinstance(first, CollectiveTimeoutError) and first.missing_ranks:
             lost = float(min(first.missing_ranks))
-        mine = torch.tensor([float(first is not None), float(_nonfinite(first)), lost])
-        rows = self._comms(self._world).all_gather(mine.double()).view(-1, 3)
-        failed = rows[:, 0].nonzero().view(-1).tolist()
-        if problems or not failed:
-            return problems
-        nonfinite, lost = bool(rows[failed[0], 1]), int(rows[failed[0], 2])
-        cause = f": rank {lost} never reached one of its collectives" if lost >= 0 else ""
-        message = (
-            f"{self.name}: the reduce-scatter of rank {failed[0]} failed{cause} (see its "
-            "error); nothing was updated"
-        )
-        if nonfinite:
-            return [NonFiniteError(message)]
-        if lost >= 0:
-            return [CollectiveTimeoutError(message, [lost])]
-        return [RuntimeError(message)]
+        head = [float(batches), float(first is not None), float(_nonfinite(first)), lost]
+        mine = torch.tensor(head + stats, dtype=torch.float64)
+        rows = mine.view(1, -1)
+        if self._checks.world_size > 1:
+            try:
+                rows = self._checks.all_gather(mine).view(-1, mine.numel())
+            except CollectiveTimeoutError as error:
+                error.args = (f"{error.args[0]}; {_STEP_MISSED.format(name=self.name)}",)
+                raise
+        counts = [int(c) for c in rows[:, 0].tolist()]
+        if len(set(counts)) > 1:
+            by_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+            raise RuntimeError(
+                f"{self.name}: the ranks ran different numbers of micro-batches (backwards "
+                f"that reduce-scattered) since the last step() ({by_rank}): every rank must run "
+                "the same number before each step(); nothing was updated, and the accumulated "
+                "gradients were dropped (zero_grad, then train on)"
+            )
+        failed = rows[:, 1].nonzero().view(-1).tolist()
+        if problems:
+            raise problems[0]
+        if failed:
+            raise _shared_problem(self.name, failed[0], rows[failed[0]])
+        return rows[:, 4:].sum(0)
 
-    def _checked_energy(
-        self, grads: dict[str, torch.Tensor | None]
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Raises ``NonFiniteError`` on every rank if some rank's gradient shard is not
-        finite; returns, with ``freeze_step="auto"`` (and several ranks), the gradient energy
-        of the mean gradient, the sum of the shards' (``fn.transforms.gradient_energy``), else
-        ``None``, and the mean gradient's squared norm. One all-gather of three fp64 values,
-        summed in rank order (the same bits on every rank)."""
+    def _gradient_stats(self, grads: dict[str, torch.Tensor | None]) -> list[float]:
+        """This rank's statistics of the averaged gradient's shards ``grads`` for the checks:
+        whether some value is not finite, with ``freeze_step="auto"`` (and several ranks) the
+        gradient energy (``fn.transforms.gradient_energy``), with ``max_grad_norm`` the squared
+        norm, and ``0.0`` (no changed ``.grad`` to report)."""
         present = [g for g in grads.values() if g is not None]
         bad = sum(int(not bool(g.isfinite().all())) for g in present)
-        measure = self._automatic and self._communicates
-        energy = (
-            gradient_energy(grads) if measure and not bad else torch.zeros((), dtype=torch.float64)
-        )
+        energy = 0.0
+        if self._automatic and self._communicates and not bad:
+            energy = float(gradient_energy(grads))
         square = 0.0
         if self.max_grad_norm is not None and not bad:
             square = sum((float(g.double().square().sum()) for g in present), 0.0)
-        mine = torch.tensor([float(bad), float(energy), square], dtype=torch.float64)
-        if self.comm.world_size > 1:
-            mine = self.comm.all_gather(mine).view(-1, 3).sum(0)
-        if mine[0] > 0:
+        return [float(bad), energy, square, 0.0]
+
+    def _summed(self, comm: Any, stats: list[float]) -> torch.Tensor:
+        """``stats`` summed over ``comm``'s ranks in rank order (one all-gather)."""
+        mine = torch.tensor(stats, dtype=torch.float64)
+        if comm.world_size == 1:
+            return mine
+        return comm.all_gather(mine).view(-1, mine.numel()).sum(0)
+
+    def _checked_energy(self, totals: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """From the averaged gradient's statistics summed over the shards (``totals``):
+        with ``freeze_step="auto"`` (and several ranks) the gradient energy, else ``None``, and
+        the squared norm.
+
+        Raises:
+            fn.NonFiniteError: on every rank, some rank's gradient shard is not finite.
+        """
+        if totals[0] > 0:
             raise NonFiniteError(
                 f"{self.name}: non-finite values in the averaged gradient (on some rank); "
                 "nothing was updated"
             )
-        return (mine[1] if measure else None), mine[2]
+        measure = self._automatic and self._communicates
+        return (totals[1] if measure else None), totals[2]
 
     def _momentum_input(
         self,
@@ -794,8 +842,14 @@ class OnebitAdam(ShardedOnebitOptimizer):
     module runs on every rank: a module run on some ranks only cannot be its own FSDP2 unit
     (FSDP2's own all-gather and reduce-scatter of it would run on those ranks only, and the
     ranks' collectives mismatch: gloo aborts, other backends time out, as with native FSDP2 and
-    HSDP), so params that may lack a gradient must be in a module that every rank runs. A
-    ``step()`` without a backward since the last one is a no-op. A ``state_dict()`` between a
+    HSDP), so params that may lack a gradient must be in a module that every rank runs. Every
+    rank must run the same number of micro-batches before each ``step()``: ``step()`` compares
+    the counts first and raises ``RuntimeError`` on every rank with nothing changed where they
+    differ; where the extra micro-batch's FSDP2 all-gather already waits for the others (a 1-D
+    mesh, ranks of one node), the ranks in ``step()`` raise
+    ``fn.collectives.CollectiveTimeoutError`` at ``FN_TIMEOUT`` instead (docs/guides/fsdp.md,
+    "Accumulation and clipping"). A ``step()`` without a backward since the last one (on every
+    rank) is a no-op. A ``state_dict()`` between a
     backward and its ``step()`` is refused (``RuntimeError``: the accumulated gradient is not
     saved). On a 1-D mesh in the compressed phase ``.grad`` holds this rank's row of its own
     local gradient, which the update does not read: a change to it (``clip_grad_norm_``) warns
@@ -897,3 +951,31 @@ def _gradient_problem(
 
 def _nonfinite(error: Exception | None) -> bool:
     return isinstance(error, NonFiniteError)
+
+
+# What step() adds to a timeout of its first exchange: the likely cause
+_STEP_MISSED = (
+    "{name}: the ranks named never reached step()'s first exchange, where the ranks compare "
+    "their micro-batch counts: a rank that runs more micro-batches than the others waits in "
+    "FSDP2's all-gather of its next forward (a collective of FSDP2's, which fn does not see) "
+    "while the others wait in step(). Every rank must run the same number of micro-batches "
+    "before each step() (docs/guides/fsdp.md); the process groups cannot be used after this "
+    "error: restart from the last checkpoint"
+)
+
+
+def _shared_problem(name: str, rank: int, row: torch.Tensor) -> Exception:
+    """What every other rank raises when the reduce-scatters of ``rank`` found a problem
+    (``row``: its first exchange): of the same kind when it is ``fn.NonFiniteError`` or
+    ``CollectiveTimeoutError`` (naming the first rank that the failed collective missed)."""
+    nonfinite, lost = bool(row[2]), int(row[3])
+    cause = f": rank {lost} never reached one of its collectives" if lost >= 0 else ""
+    message = (
+        f"{name}: the reduce-scatter of rank {rank} failed{cause} (see its error); nothing was "
+        "updated"
+    )
+    if nonfinite:
+        return NonFiniteError(message)
+    if lost >= 0:
+        return CollectiveTimeoutError(message, [lost])
+    return RuntimeError(message)

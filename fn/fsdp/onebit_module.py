@@ -52,7 +52,8 @@ class OnebitModule:
         signs: the momentum, all of ``X`` (on HSDP: this rank's row) as packed signs and
             scales; ``None`` before the freeze.
         errors: the worker and server errors of its 1-bit allreduce, ``None`` until the first.
-        received: whether a backward reduce-scattered it since the last ``step()``.
+        backwards: the backwards that reduce-scattered it since the last ``step()`` (its
+            micro-batches; with ``set_requires_gradient_sync(False)`` only the synchronized ones).
         local_gradient: the 1-D compressed phase's accumulated local gradient, ``[W, S']``, or
             ``None``.
 
@@ -85,7 +86,7 @@ class OnebitModule:
         self.accumulate_dtype = accumulate_dtype
         self.signs: PackedSigns | None = None
         self.errors: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.received = False
+        self.backwards = 0
         self.local_gradient: torch.Tensor | None = None
         self._written: torch.Tensor | None = None  # bf16 accumulation: what .grad got, fp32
 
@@ -131,7 +132,6 @@ class OnebitModule:
                 self._written = mine if self._written is None else self._written.add_(mine)
         else:
             output.copy_(dense_reduce_scatter(comm, rows, op))
-        self.received = True
 
     def _accumulate(self, rows: torch.Tensor) -> None:
         layout = self.layout
@@ -145,9 +145,19 @@ class OnebitModule:
             )
             self.local_gradient[:, : layout.row] = rows
 
+    @property
+    def received(self) -> bool:
+        """Whether a backward reduce-scattered it since the last ``step()``."""
+        return self.backwards > 0
+
+    def count_backward(self) -> None:
+        """Counts a backward's reduce-scatter of the module (or, with one rank per node, its
+        all-reduce hook), whatever it delivers."""
+        self.backwards += 1
+
     def discard(self) -> None:
         """Forgets what the backwards since the last ``step()`` delivered (``zero_grad``)."""
-        self.received = False
+        self.backwards = 0
         self.local_gradient = None
         self._written = None
 
