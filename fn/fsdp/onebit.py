@@ -58,6 +58,7 @@ from fn.fsdp.onebit_reduce_scatter import FailedCollectives, OnebitReduceScatter
 from fn.fsdp.onebit_state import OnebitStateFormat
 from fn.fsdp.reduce_scatter import CommCache
 from fn.transforms import gradient_energy, onebit_adam, onebit_adam_sharded
+from fn.transforms.clipping import check_max_norm, clip_factor, squared_norm
 from fn.transforms.hyperparameters import bind_arguments, signature_with
 
 __all__ = ["OPTIONS", "OnebitAdam", "ShardedOnebitOptimizer", "ZeroOneAdam"]
@@ -91,7 +92,6 @@ _OPTION_NAMES = (
     "exp_avg_mask", "nonfinite", "local_world_size", "error_dtype", "replicate", "non_freeze",
     "max_grad_norm", "accumulate_dtype", "world",
 )  # fmt: skip
-_CLIP_EPS = 1e-6  # in the clipping factor's denominator, as torch.nn.utils.clip_grad_norm_'s
 
 
 class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optimizer):
@@ -169,9 +169,7 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         if problem is None:
             problem = replicate_problem(self.name, replicate, found, world_ranks, world is None)
         if problem is None:
-            problem = self._bad_settings(settings, error_dtype)
-        if problem is None:
-            problem = _gradient_problem(max_grad_norm, accumulate_dtype)
+            problem = self._bad_settings(settings, error_dtype, max_grad_norm, accumulate_dtype)
         masks = None if problem else exp_avg_mask
         self._auto_mask = isinstance(masks, str)  # exp_avg_mask="auto"
         order = [p for _, ps in found for _, p in ps]
@@ -206,7 +204,7 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
                 for hop, mesh in (("intra", found[0][1][0][1].device_mesh), ("inter", replicate)):
                     self._hops[tuple(dist.get_process_group_ranks(mesh.get_group(0)))] = hop
         self.error_dtype = error_dtype
-        self.max_grad_norm = max_grad_norm
+        self._max_grad_norm = max_grad_norm
         self.rank = dist.get_rank(group)
         world_size = self.comm.world_size
         # whether fn's collectives deliver the mean gradient (else one rank: the rule alone)
@@ -301,6 +299,22 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
             ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
             counts[self._hops.get(ranks, "world")] += comm.bytes_sent
         return counts
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The norm the gradient is clipped to before it enters the momentum, or ``None`` for
+        no clipping (see the class's Args). Set it on every rank alike: the ranks compare it
+        in the next ``step()``'s first exchange.
+
+        Raises:
+            ValueError: (on setting) not a positive, finite number or ``None``; nothing
+                changed.
+        """
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float | None) -> None:
+        self._max_grad_norm = check_max_norm(self.name, value)
 
     def warn_if_never_compressed(self, updates: int, source: str = "this run") -> bool:
         """Warns (``UserWarning``) when none of the first ``updates`` updates would be
@@ -425,7 +439,7 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
             if self._replicas is not None:
                 totals = self._summed(self.comm, self._gradient_stats(inputs))
             energy, square_norm = self._checked_energy(totals)
-            factor = self._clip_factor(square_norm)
+            factor = clip_factor(square_norm, self._max_grad_norm)
             if factor != 1.0:  # .grad stays as the backward left it
                 inputs = {k: None if g is None else g * factor for k, g in inputs.items()}
             if warmup and self._zero_records is not None:
@@ -531,7 +545,7 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
                     gradients[layout.name] = module.local_gradient.view(-1).float()
                     changed = changed or self._grad_changed(layout, module)
         bad = sum(int(not bool(g.isfinite().all())) for g in gradients.values())
-        square = sum((float(g.double().square().sum()) for g in gradients.values()), 0.0)
+        square = squared_norm(gradients.values())
         return gradients, [float(bad), 0.0, 0.0 if bad else square, float(changed)]
 
     def _clipped(
@@ -562,7 +576,7 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
                 stacklevel=user_stacklevel(),
             )
         replicas = self.comm.world_size if self._replicas is None else self._replicas.world_size
-        factor = self._clip_factor(totals[2] / replicas)
+        factor = clip_factor(totals[2] / replicas, self._max_grad_norm)
         if factor != 1.0:
             gradients = {name: g * factor for name, g in gradients.items()}
         return gradients
@@ -581,27 +595,19 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
                 return True
         return False
 
-    def _clip_factor(self, square_norm: torch.Tensor) -> float:
-        """``max_grad_norm``'s factor for a squared gradient norm (the same on every rank):
-        ``min(1, max_grad_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``'s;
-        ``1.0`` without ``max_grad_norm``."""
-        if self.max_grad_norm is None:
-            return 1.0
-        norm = float(square_norm) ** 0.5
-        return min(1.0, self.max_grad_norm / (norm + _CLIP_EPS))
-
     def _first_exchange(
         self, batches: int, problems: list[Exception], stats: list[float]
     ) -> torch.Tensor:
         """``step()``'s first collective, before any other: one all-gather over the ranks of
         ``world`` (on a group of the optimizer's own) of this rank's micro-batch count
-        (``batches``), whether its reduce-scatters found a problem (of which kind, and the first
-        rank a failed collective missed) and its gradient statistics (``stats``: non-finite
-        gradients, gradient energy, squared norm, changed ``.grad``), which it returns summed
-        over the ranks in rank order (the same bits on every rank).
+        (``batches``), its ``max_grad_norm``, whether its reduce-scatters found a problem (of
+        which kind, and the first rank a failed collective missed) and its gradient statistics
+        (``stats``: non-finite gradients, gradient energy, squared norm, changed ``.grad``),
+        which it returns summed over the ranks in rank order (the same bits on every rank).
 
         Raises:
             RuntimeError: on every rank, the ranks ran different numbers of micro-batches.
+            ValueError: on every rank, the ranks' ``max_grad_norm`` differ.
             Exception: the first problem of this rank's reduce-scatters, or on every other rank
                 one of the same kind (``fn.NonFiniteError``, ``CollectiveTimeoutError``) naming
                 the first rank that found one.
@@ -611,7 +617,8 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         lost = -1.0
         if isinstance(first, CollectiveTimeoutError) and first.missing_ranks:
             lost = float(min(first.missing_ranks))
-        head = [float(batches), float(first is not None), float(_nonfinite(first)), lost]
+        clip = self._max_grad_norm or 0.0
+        head = [float(batches), clip, float(first is not None), float(_nonfinite(first)), lost]
         mine = torch.tensor(head + stats, dtype=torch.float64)
         rows = mine.view(1, -1)
         if self._checks.world_size > 1:
@@ -629,12 +636,19 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
                 "the same number before each step(); nothing was updated, and the accumulated "
                 "gradients were dropped (zero_grad, then train on)"
             )
-        failed = rows[:, 1].nonzero().view(-1).tolist()
+        clips = rows[:, 1].tolist()
+        if len(set(clips)) > 1:
+            by_rank = ", ".join(f"rank {r}: {c or None}" for r, c in enumerate(clips))
+            raise ValueError(
+                f"{self.name}: the ranks' max_grad_norm differ ({by_rank}): set it on every rank "
+                "alike; nothing was updated"
+            )
+        failed = rows[:, 2].nonzero().view(-1).tolist()
         if problems:
             raise problems[0]
         if failed:
-            raise _shared_problem(self.name, failed[0], rows[failed[0]])
-        return rows[:, 4:].sum(0)
+            raise _shared_problem(self.name, failed[0], rows[failed[0], 3:5])
+        return rows[:, 5:].sum(0)
 
     def _gradient_stats(self, grads: dict[str, torch.Tensor | None]) -> list[float]:
         """This rank's statistics of the averaged gradient's shards ``grads`` for the checks:
@@ -647,8 +661,8 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         if self._automatic and self._communicates and not bad:
             energy = float(gradient_energy(grads))
         square = 0.0
-        if self.max_grad_norm is not None and not bad:
-            square = sum((float(g.double().square().sum()) for g in present), 0.0)
+        if self._max_grad_norm is not None and not bad:
+            square = squared_norm(present)
         return [float(bad), energy, square, 0.0]
 
     def _summed(self, comm: Any, stats: list[float]) -> torch.Tensor:
@@ -707,13 +721,23 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         )
 
     def _bad_settings(
-        self, settings: dict[str, Any], error_dtype: torch.dtype
+        self,
+        settings: dict[str, Any],
+        error_dtype: torch.dtype,
+        max_grad_norm: Any,
+        accumulate_dtype: Any,
     ) -> tuple[type[Exception], str] | None:
-        """The rule's own checks of the hyperparameters, as a problem (its message without the
-        name of the check that raised it: :func:`~fn.fsdp.agreement.agree` starts it with
-        this optimizer's)."""
+        """The checks of the settings (the rule's of its hyperparameters among them), as a
+        problem (its message without the name of the check that raised it:
+        :func:`~fn.fsdp.agreement.agree` starts it with this optimizer's)."""
         try:
             check_error_dtype(self.name, error_dtype)
+            check_max_norm(self.name, max_grad_norm)
+            if accumulate_dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(
+                    "accumulate_dtype must be torch.float32 or torch.bfloat16, got "
+                    f"{accumulate_dtype!r}"
+                )
             self._make_rule(settings, Local())
         except (ValueError, TypeError, NotImplementedError) as error:
             message = str(error)
@@ -932,23 +956,6 @@ def _as_pair(betas: Any) -> Any:
     return tuple(betas) if is_sequence else betas
 
 
-def _gradient_problem(
-    max_grad_norm: Any, accumulate_dtype: Any
-) -> tuple[type[Exception], str] | None:
-    """The checks of ``max_grad_norm`` and ``accumulate_dtype``, as a problem."""
-    if max_grad_norm is not None:
-        number = isinstance(max_grad_norm, (int, float)) and not isinstance(max_grad_norm, bool)
-        if not number or not 0 < max_grad_norm < float("inf"):
-            return ValueError, (
-                f"max_grad_norm must be a positive, finite number or None, got {max_grad_norm!r}"
-            )
-    if accumulate_dtype not in (torch.float32, torch.bfloat16):
-        return ValueError, (
-            f"accumulate_dtype must be torch.float32 or torch.bfloat16, got {accumulate_dtype!r}"
-        )
-    return None
-
-
 def _nonfinite(error: Exception | None) -> bool:
     return isinstance(error, NonFiniteError)
 
@@ -966,9 +973,10 @@ _STEP_MISSED = (
 
 def _shared_problem(name: str, rank: int, row: torch.Tensor) -> Exception:
     """What every other rank raises when the reduce-scatters of ``rank`` found a problem
-    (``row``: its first exchange): of the same kind when it is ``fn.NonFiniteError`` or
+    (``row``: whether it is ``fn.NonFiniteError``, and the rank a failed collective missed or
+    ``-1``): of the same kind when it is ``fn.NonFiniteError`` or
     ``CollectiveTimeoutError`` (naming the first rank that the failed collective missed)."""
-    nonfinite, lost = bool(row[2]), int(row[3])
+    nonfinite, lost = bool(row[0]), int(row[1])
     cause = f": rank {lost} never reached one of its collectives" if lost >= 0 else ""
     message = (
         f"{name}: the reduce-scatter of rank {rank} failed{cause} (see its error); nothing was "

@@ -8,7 +8,6 @@ factories' own by :mod:`fn.transforms.hyperparameters`, plus the adapter's optio
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from inspect import Parameter
 from typing import Any
@@ -20,6 +19,7 @@ from fn.collectives.comm import Comm, ReduceOp, check_op
 from fn.optim._adapter import FunctionalOptimizer, Transform
 from fn.optim._checkpoint import checkpoint_parts
 from fn.transforms import AutoFreeze, onebit_adam, onebit_lamb, zero_one_adam
+from fn.transforms.clipping import check_max_norm, clip_factor, squared_norm
 from fn.transforms.hyperparameters import bind_arguments, signature_with
 
 
@@ -213,14 +213,7 @@ class OnebitFamily(FunctionalOptimizer):
 
     def _check_max_grad_norm(self, value: Any) -> None:
         """Raises ``ValueError`` unless ``value`` is a positive, finite number or ``None``."""
-        if value is None:
-            return
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not number or not 0 < value < math.inf:
-            raise ValueError(
-                f"fn.optim.{type(self).__name__}: max_grad_norm must be a positive, finite "
-                f"number or None, got {value!r}"
-            )
+        check_max_norm(f"fn.optim.{type(self).__name__}", value)
 
     def _rebuild_transforms(self) -> None:
         for index, runtime in enumerate(self._groups):
@@ -241,7 +234,7 @@ class OnebitFamily(FunctionalOptimizer):
             compressed = transform.compressed_at(runtime.step + 1, runtime.state)
             if not compressed and not self._takes_averaged and comm.world_size > 1 and g.numel():
                 g = comm.all_reduce(g, op="mean")
-            square = float(g.double().square().sum())
+            square = squared_norm([g])
             if compressed:
                 local, compressing = local + square, True
             else:
@@ -252,10 +245,8 @@ class OnebitFamily(FunctionalOptimizer):
             mine = torch.tensor([local, averaged], dtype=torch.float64, device=out[0].device)
             rows = comm.all_gather(mine).view(-1, 2).cpu()
             square_norm = float(rows[:, 0].sum()) / comm.world_size + float(rows[0, 1])
-        norm = math.sqrt(square_norm)
-        if not math.isfinite(norm):  # left to the updates, which reject it on every rank
-            return out
-        factor = min(1.0, self._max_grad_norm / (norm + _CLIP_EPS))
+        # (a norm that is not finite leaves them as they are: the updates reject them)
+        factor = clip_factor(square_norm, self._max_grad_norm)
         if factor != 1.0:
             for g in out:
                 g.mul_(factor)
@@ -334,7 +325,6 @@ class PreaveragedComm:
 
 
 _POSITIONAL = Parameter.POSITIONAL_OR_KEYWORD
-_CLIP_EPS = 1e-6  # in the clipping factor's denominator, as torch.nn.utils.clip_grad_norm_'s
 
 
 def _keyword(name: str, default: Any, annotation: str) -> Parameter:
