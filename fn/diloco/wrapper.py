@@ -4,7 +4,6 @@ does not change; the anchor, the outer state and the counters in a ``state_dict`
 from __future__ import annotations
 
 import warnings
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -14,6 +13,7 @@ from torch import nn
 
 from fn.base import GradientTransformation
 from fn.collectives import Comm, Local, ProcessGroup, Simulated
+from fn.collectives.agreement import bit_checksum
 from fn.diloco.agreement import agree_on_settings
 from fn.diloco.checkpoint import (
     PER_RANK,
@@ -66,15 +66,6 @@ def _rule(
             )
         return sparseloco(comm=comm, **outer_options, **options)
     raise ValueError(f"DiLoCo: outer must be one of {', '.join(OUTER_RULES)}, got {outer!r}")
-
-
-def _params_digest(params: list[torch.Tensor]) -> int:
-    """A CRC-32 of the parameters' bytes, to check that every rank starts from the same ones."""
-    digest = 0
-    for p in params:
-        data = p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        digest = zlib.crc32(data, digest)
-    return digest
 
 
 class _Flight(NamedTuple):
@@ -231,7 +222,7 @@ class DiLoCo:
         shards = [local_shard(p.detach()) for p in self._params]
         values = {
             "local shapes": [tuple(x.shape) for x in shards],
-            "parameter values": _params_digest(shards),
+            "parameter values": [int(bit_checksum(x)) for x in shards],
         }
         agree_on_settings(self.comm, {**self._settings, **values}, "DiLoCo")
         # a delayed exchange runs on a thread, over process groups of its own (copies of the

@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from fn.collectives.process_group import all_gather_flat
-from fn.fsdp.agreement import gather_texts, shared
+from fn.collectives import ProcessGroup
+from fn.collectives.agreement import gather_texts, shared
 from fn.fsdp.loco import LocoReduceScatterHandle
 from fn.fsdp.onebit import ShardedOnebitOptimizer
 
@@ -408,11 +408,11 @@ def _each_rank(
             failure, text = caught, f"{type(caught).__name__}: {caught}"
     texts = []
     if dist.is_initialized():
+        comm = ProcessGroup(group)
         size = torch.tensor([len(text.encode())], dtype=torch.int64, device=device)
-        sizes = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
-        all_gather_flat(sizes, size, group=group)
-        if bool(sizes.any()):
-            texts = gather_texts(group, text, sizes.tolist(), device)
+        sizes = comm.all_gather(size).view(-1).tolist()
+        if any(sizes):
+            texts = gather_texts(comm, text, sizes, device)
     if failure is not None:
         raise failure
     if any(texts):

@@ -30,12 +30,13 @@ from fn.base import CompressedOptimizer, apply_updates, set_hyperparams
 from fn.collectives import (
     CollectiveTimeoutError,
     Local,
+    ProcessGroup,
     check_error_dtype,
 )
+from fn.collectives.agreement import agree
 from fn.collectives.comm import HOPS
 from fn.errors import NonFiniteError, user_stacklevel
 from fn.fsdp._fsdp2 import reduce_scatters_stopped
-from fn.fsdp.agreement import agree
 from fn.fsdp.onebit_checks import (
     check_partitions,
     model_problem,
@@ -175,16 +176,19 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         order = [p for _, ps in found for _, p in ps]
         # in the ranks' agreement and the checkpoints' settings: "auto", or the masks' checksum
         self._mask_setting = "auto" if self._auto_mask else mask_checksum(masks, order)
-        hsdp = () if replicate is None else ("replicate", getattr(replicate, "shape", None))
-        fingerprint = repr(
-            (settings, non_freeze, self._mask_setting, nonfinite, local_world_size,
-             str(error_dtype), max_grad_norm, str(accumulate_dtype),
-             [(m, [(n, tuple(p.shape)) for n, p in ps]) for m, ps in found], *hsdp)
-        )  # fmt: skip
+        compared = {
+            "hyperparameters": settings, "non_freeze": non_freeze,
+            "exp_avg_mask": self._mask_setting, "nonfinite": nonfinite,
+            "local_world_size": local_world_size, "error_dtype": str(error_dtype),
+            "max_grad_norm": max_grad_norm, "accumulate_dtype": str(accumulate_dtype),
+            "model": [(m, [(n, tuple(p.shape)) for n, p in ps]) for m, ps in found],
+            "replicate": getattr(replicate, "shape", replicate),
+        }  # fmt: skip
         device = found[0][1][0][1].device if found else "cpu"
         # over world (None: the default group), whatever the meshes: ranks that passed
         # different meshes or replicate= on some ranks only still meet in one collective
-        agree(self.name, world, problem, fingerprint, device=device)
+        agree(ProcessGroup(world), self.name, compared, problem, what="settings or models",
+              ranks=world_ranks, device=device)  # fmt: skip
         self._world = world  # the group the optimizer spans (None: the default)
         self._comms = CommCache(None)
         self.comm = self._comms(group)
@@ -729,7 +733,7 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
     ) -> tuple[type[Exception], str] | None:
         """The checks of the settings (the rule's of its hyperparameters among them), as a
         problem (its message without the name of the check that raised it:
-        :func:`~fn.fsdp.agreement.agree` starts it with this optimizer's)."""
+        :func:`fn.collectives.agreement.agree` starts it with this optimizer's)."""
         try:
             check_error_dtype(self.name, error_dtype)
             check_max_norm(self.name, max_grad_norm)

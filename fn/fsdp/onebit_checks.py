@@ -8,7 +8,6 @@ and 1-bit LAMB on FSDP2" and "... on HSDP"."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import warnings
@@ -22,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fn.collectives import ProcessGroup
+from fn.collectives.agreement import digest
 from fn.fsdp._fsdp2 import installed_reduce_scatter
 from fn.fsdp.loco import ROOT
 from fn.fsdp.onebit_layout import one_dim
@@ -221,12 +221,11 @@ def replicate_problem(
 
 
 def node_keys(rank: int) -> tuple[int, int]:
-    """What tells this rank's node from the others: a 64-bit hash of its hostname, and its node
+    """What tells this rank's node from the others: the digest of its hostname, and its node
     by torchrun's environment (``GROUP_RANK``, the node's index, else ``rank //
     LOCAL_WORLD_SIZE``, torchrun numbering the ranks node by node), ``-1`` when neither is
     set."""
-    digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=8).digest()
-    host = int.from_bytes(digest, "little", signed=True)
+    host = digest(socket.gethostname())
     group_rank, local_world = os.environ.get("GROUP_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
     if group_rank is not None and group_rank.isdigit():
         return host, int(group_rank)

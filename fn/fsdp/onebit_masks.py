@@ -5,7 +5,6 @@ shards (docs/algorithms.md, "1-bit Adam and 1-bit LAMB on FSDP2")."""
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,6 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from fn import kernels
+from fn.collectives.agreement import digest
 from fn.fsdp.onebit_layout import ModuleLayout, params_of_x, row_of, to_local
 
 __all__ = [
@@ -160,9 +160,7 @@ def mask_checksum(exp_avg_mask: Mapping[Any, torch.Tensor] | None, order: list[A
         mask = exp_avg_mask.get(param)
         if mask is not None:
             full = mask.to("cpu", torch.float32).broadcast_to(param.shape).contiguous()
-            crc = zlib.crc32(
-                full.numpy().tobytes(), zlib.crc32(repr(tuple(param.shape)).encode(), crc)
-            )
+            crc = digest(full.numpy().tobytes(), digest(repr(tuple(param.shape)), crc))
     return crc
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 import warnings
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from fn.collectives import PackedSigns, init_error_feedback
+from fn.collectives.agreement import digest
 from fn.fsdp.onebit_layout import (
     ModuleLayout,
     layout_at,
@@ -517,7 +517,7 @@ class OnebitStateFormat:
         fixed = {k: group[k] for k in self._setting_names}
         masks = (self._mask_setting,) if self._mask_setting else ()  # (older ones had none)
         settings = repr((fixed, str(self.error_dtype), *masks))
-        return zlib.crc32(layout.encode()), zlib.crc32(settings.encode())
+        return digest(layout), digest(settings)
 
     def _same_mesh(self, world_size: int, replicas: int) -> bool:
         """Whether a checkpoint saved on ``replicas`` x ``world_size`` ranks (replicate x

@@ -35,6 +35,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import (
     DeepSpeedStrategy,
@@ -45,8 +46,9 @@ from lightning.pytorch.strategies import (
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.utils.data import DistributedSampler
 
+from fn.collectives import Local, ProcessGroup
+from fn.collectives.agreement import agree
 from fn.fsdp import ShardedOnebitOptimizer, read_onebit_state
-from fn.fsdp.agreement import agree
 from fn.integrations._common import register_ddp, unwrap_optimizer
 from fn.optim import FunctionalOptimizer, OnebitAdam, OnebitFamily, OnebitLamb
 
@@ -220,9 +222,13 @@ def _map_clipping(trainer: Trainer, optimizers: list[Any]) -> bool:
             f"max_grad_norm={other.max_grad_norm!r}) differ: fn clips once, inside step(); set "
             "one of them, or both to the same value",
         )
-    settings = repr((clip, str(algorithm), [getattr(o, "max_grad_norm", None) for o in optimizers]))
-    what = f"gradient_clip_val, gradient_clip_algorithm or max_grad_norm (this rank: {settings})"
-    agree(_NAME, None, problem, settings, what, device=trainer.strategy.root_device)
+    settings = {
+        "gradient_clip_val": clip,
+        "gradient_clip_algorithm": str(algorithm),
+        "max_grad_norm": [getattr(o, "max_grad_norm", None) for o in optimizers],
+    }
+    comm = ProcessGroup() if dist.is_initialized() else Local()
+    agree(comm, _NAME, settings, problem, device=trainer.strategy.root_device)
     if takes:
         for optimizer in optimizers:
             optimizer.max_grad_norm = float(clip)
