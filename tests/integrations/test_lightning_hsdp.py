@@ -17,8 +17,7 @@ import pytest
 import torch
 
 pytest.importorskip("lightning", reason="lightning is in the 'lightning' extra")
-from tests._distributed import ROOT  # noqa: E402
-from tests.integrations.test_hsdp_example import torchrun_4  # noqa: E402
+from tests._distributed import ROOT, torchrun  # noqa: E402
 from tests.integrations.test_lightning_fsdp import check_accumulation_runs  # noqa: E402
 
 FREEZE, RESUME, STEPS, BATCH = 3, (1, 2, 3), 5, 2  # _lightning_hsdp.py's
@@ -29,7 +28,9 @@ WORLD, SAMPLES = 4, 64  # examples/lightning_ddp.py's data
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_hsdp_under_model_parallel_strategy_resumes_bit_for_bit(tmp_path):
-    torchrun_4(ROOT / "tests" / "integrations" / "_lightning_hsdp.py", str(tmp_path), timeout=300)
+    torchrun(
+        ROOT / "tests" / "integrations" / "_lightning_hsdp.py", str(tmp_path), nproc=4, timeout=300
+    )
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for rank, result in enumerate(ranks):
         full = result["full"]
@@ -77,6 +78,6 @@ def test_hsdp_accumulation_and_clipping_train_and_resume_bit_for_bit(tmp_path):
     a plain fn.fsdp HSDP loop, sends across the nodes once per update, the clip acts in both
     phases, resumed runs are bit-identical; bad clipping is refused on every rank."""
     script = ROOT / "tests" / "integrations" / "_lightning_hsdp.py"
-    torchrun_4(script, str(tmp_path), "accumulation", timeout=100)
+    torchrun(script, str(tmp_path), "accumulation", nproc=4, timeout=100)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     check_accumulation_runs(ranks, hsdp=True)
