@@ -59,7 +59,11 @@ def _call(rank: int, world_size: int, send: Any, worker_fn: Callable[..., Any], 
 
 
 def run_distributed(
-    worker_fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120
+    worker_fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120,
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Runs ``worker_fn(rank, world_size, *args)`` on ``world_size`` gloo processes.
 
@@ -68,6 +72,10 @@ def run_distributed(
         world_size: the number of processes.
         *args: picklable arguments, the same for every rank.
         timeout: seconds for the whole run (process start included).
+        start_method: ``"forkserver"`` (ranks forked from the preloaded server), or
+            ``"spawn"``: each rank a fresh interpreter, for what a fork would change: page
+            faults counted in a process whose heap is its own, glibc's ``MALLOC_*`` settings
+            (read when a process starts).
 
     Returns:
         The results, indexed by rank.
@@ -82,8 +90,39 @@ def run_distributed(
         timeout=timeout,
         on_message=lambda rank, message: None,
         threads=1,
-        start_method="forkserver",
+        start_method=start_method,
     )
+
+
+def _in_turn(rank: int, world_size: int, parts: dict[str, tuple[Callable[..., Any], tuple]]):
+    return {name: fn(rank, world_size, *args) for name, (fn, args) in parts.items()}
+
+
+def run_together(
+    parts: dict[str, tuple[Callable[..., Any], tuple]], world_size: int, *, timeout: float
+) -> dict[str, list[Any]]:
+    """One launch for several workers that leave the group usable: the ranks run each
+    ``worker_fn(rank, world_size, *args)`` of ``parts`` (``{name: (worker_fn, args)}``) in turn.
+
+    Returns:
+        ``{name: results by rank}``, for each test of a module-scoped fixture to assert on its
+        part.
+
+    Raises:
+        RuntimeError: as :func:`run_distributed`; a part that raised is named by its worker in
+            the traceback (the parts after it did not run).
+    """
+    by_rank = run_distributed(_in_turn, world_size, parts, timeout=timeout)
+    return {name: [result[name] for result in by_rank] for name in parts}
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie has ended), from ``/proc`` (Linux)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def rank_env(pythonpath: str) -> dict[str, str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._distributed import ROOT, rank_env, run_distributed
+from tests._distributed import ROOT, alive, rank_env, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -63,14 +63,6 @@ def _write_pid_and_sleep(rank, world_size, folder):
     time.sleep(600)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.timeout(120)
 def test_the_ranks_die_with_a_killed_launcher(tmp_path):
@@ -90,11 +82,11 @@ def test_the_ranks_die_with_a_killed_launcher(tmp_path):
         launcher.send_signal(signal.SIGKILL)  # no cleanup runs in it: the kernel ends the ranks
         launcher.wait(timeout=30)
         deadline = time.monotonic() + 30
-        while [p for p in pids if _alive(p)] and time.monotonic() < deadline:
+        while [p for p in pids if alive(p)] and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not [p for p in pids if _alive(p)]
+        assert not [p for p in pids if alive(p)]
     finally:
         launcher.kill()
         for pid in pids:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)

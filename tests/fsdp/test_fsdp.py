@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -17,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from fn.fsdp import TrainingCheckpoint, loco_reduce_scatter
-from tests._distributed import run_distributed
+from tests._distributed import run_together
 
 
 class Net(nn.Module):
@@ -128,8 +129,26 @@ def _worker_grads(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def grad_results():
-    return run_distributed(_worker_grads, 2, timeout=240)
+def two_ranks(tmp_path_factory) -> dict[str, tuple[list, Path]]:
+    """The workers of this file on the same 2 ranks, in one launch, each with a folder of its
+    own: ``{name: (results by rank, folder)}``."""
+    workers = {
+        "grads": (_worker_grads, False),
+        "resume": (_worker_resume, True),
+        "interrupted save": (_worker_interrupted_save, True),
+    }
+    folders = {name: tmp_path_factory.mktemp(name.replace(" ", "_")) for name in workers}
+    parts = {
+        name: (worker, (str(folders[name] / "ckpt"),) if takes_path else ())
+        for name, (worker, takes_path) in workers.items()
+    }
+    results = run_together(parts, 2, timeout=500)
+    return {name: (results[name], folders[name]) for name in workers}
+
+
+@pytest.fixture(scope="module")
+def grad_results(two_ranks):
+    return two_ranks["grads"][0]
 
 
 @pytest.mark.timeout(300)
@@ -201,9 +220,9 @@ def _worker_resume(rank: int, world_size: int, path: str) -> dict:
     return straight, (full_params(model), handle.state_dict()), checkpoint.step
 
 
-@pytest.mark.timeout(300)
-def test_dcp_resume_is_bit_identical(tmp_path):
-    results = run_distributed(_worker_resume, 2, str(tmp_path / "ckpt"), timeout=240)
+@pytest.mark.timeout(600)
+def test_dcp_resume_is_bit_identical(two_ranks):
+    results, _ = two_ranks["resume"]
     for rank, ((params, loco), (resumed_params, resumed_loco), step) in enumerate(results):
         assert step == 2
         assert list(loco) == [f"rank{rank}"]
@@ -242,10 +261,9 @@ def _worker_interrupted_save(rank: int, world_size: int, path: str) -> dict:
     return dict(saved=saved, kept=kept, replaced=checkpoint.step, warnings=len(caught))
 
 
-@pytest.mark.timeout(300)
-def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path):
-    path = tmp_path / "ckpt"
-    results = run_distributed(_worker_interrupted_save, 2, str(path), timeout=240)
+@pytest.mark.timeout(600)
+def test_a_failed_save_keeps_the_previous_checkpoint(two_ranks):
+    results, tmp_path = two_ranks["interrupted save"]
     for result in results:
         step, params = result["kept"]
         assert step == 2
