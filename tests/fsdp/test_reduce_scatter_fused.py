@@ -104,7 +104,7 @@ def _worker_faults(rank, world_size, local_world_size, padded_path):
     return min(windows)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(800)  # three launches of fresh ranks, 250 s each at most
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the malloc tuning needs glibc")
 def test_fused_path_allocates_no_full_size_buffer(monkeypatch):
     count_full_size_faults_only(monkeypatch)
