@@ -213,7 +213,7 @@ def assert_steady_state_faults(monkeypatch, worker, n: int) -> None:
     assert max(donated) < limit, f"minor page faults per rank {donated} (limit {limit})"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(540)  # two launches of fresh ranks, 240 s each at most
 def test_gloo_steady_state_allocates_no_full_size_tensor(monkeypatch):
     assert_steady_state_faults(monkeypatch, _fault_worker, 1 << 22)
 

@@ -243,7 +243,7 @@ def _gloo_page_faults(rank, world_size, donate):
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(560)  # two launches of fresh ranks, 250 s each at most
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the malloc tuning needs glibc")
 def test_donated_loco_steady_state_allocates_no_full_size_buffer(monkeypatch):
     count_full_size_faults_only(monkeypatch)

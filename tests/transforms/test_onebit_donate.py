@@ -203,7 +203,7 @@ def _fault_worker(rank, world_size, n, donated):
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(540)  # two launches of fresh ranks, 240 s each at most
 def test_gloo_donated_compressed_update_allocates_no_full_size_tensor(monkeypatch):
     assert_steady_state_faults(monkeypatch, _fault_worker, 1 << 22)
 
