@@ -338,7 +338,7 @@ API_GROUPS: dict[str, list[tuple[str, str]]] = {
     ],
     "fn.fsdp": [
         ("Optimizers", "OnebitAdam OnebitLamb ZeroOneAdam"),
-        ("Checkpoints", "TrainingCheckpoint read_onebit_state"),
+        ("Checkpoints", "TrainingCheckpoint read_onebit_state CheckpointWriteError"),
         (
             "Compressed collectives",
             "loco_reduce_scatter LocoReduceScatterHandle quantized_all_gather",
