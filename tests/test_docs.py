@@ -197,6 +197,12 @@ def test_readme_keeps_the_torchtitan_set_up_that_ci_runs():
     ):
         assert f"python3 -m {command}" in readme and command in ci, command
     assert "bash .ci/torch-2.14" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    # Getting started installs the same two environments
+    started = commands((DOCS / "getting-started.md").read_text(encoding="utf-8"))
+    (develop,) = re.findall(r'^\s*"\.\[[\w,]+\]"$', README.read_text(encoding="utf-8"), re.M)
+    assert f"python3 -m pip install -e {develop.strip()}" in started
+    assert 'python3 -m pip install "torch==2.14.1"' in started
+    assert 'python3 -m pip install -e ".[test,torchtitan]"' in started
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     extras = project["optional-dependencies"]
     assert "torch>=2.14" in extras["torchtitan"]
