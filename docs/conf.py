@@ -22,6 +22,7 @@ import builtins
 import functools
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import os
 import re
@@ -47,6 +48,7 @@ from sphinx.transforms import SphinxTransform  # noqa: E402
 from sphinx.transforms.post_transforms import SphinxPostTransform  # noqa: E402
 from sphinx.util import logging  # noqa: E402
 from sphinx.util.docutils import SphinxDirective  # noqa: E402
+from sphinx.util.inspect import stringify_signature  # noqa: E402
 from sphinx.util.typing import stringify_annotation  # noqa: E402
 
 import fn  # noqa: E402
@@ -55,16 +57,29 @@ logger = logging.getLogger(__name__)
 
 # torchtitan 0.3.0 needs torch 2.14 (the torchtitan extra), which the development install (torch
 # 2.13.0) goes without: there fn.integrations.torchtitan is documented with torchtitan's modules
-# mocked (fn's classes, their signatures, docstrings and own members, as with torchtitan; the
-# members they inherit from torchtitan's classes are left out).
-try:
-    import torchtitan  # noqa: E402, F401
-except ImportError:
+# mocked: fn's classes with their docstrings, their own members and the signatures of their own
+# __init__ (_mocked_signature), as with torchtitan; what they inherit from torchtitan's classes
+# (the fields of its configs) is left out, and annotations name torchtitan's classes in full.
+TORCHTITAN_MOCKED = importlib.util.find_spec("torchtitan") is None
+if TORCHTITAN_MOCKED:
     from sphinx.ext.autodoc.mock import mock  # noqa: E402
 
     autodoc_mock_imports = ["torchtitan"]
     with mock(autodoc_mock_imports):
         import fn.integrations.torchtitan.config_registry  # noqa: E402, F401
+
+
+def _mocked_signature(app, what, name, obj, options, signature, return_annotation):
+    """With torchtitan mocked, a class of fn.integrations.torchtitan whose base is a mock (whose
+    ``__new__`` takes anything) shows its own ``__init__``'s signature."""
+    mocked = "(*args: Any, **kwargs: Any)"
+    if not (TORCHTITAN_MOCKED and what == "class" and signature == mocked):
+        return None
+    if not name.startswith("fn.integrations.torchtitan."):
+        return None
+    init = inspect.signature(obj.__init__)
+    init = init.replace(parameters=list(init.parameters.values())[1:])
+    return stringify_signature(init, show_return_annotation=False), return_annotation
 
 
 def _repository_url() -> str | None:
@@ -820,6 +835,7 @@ class RepositoryLinks(SphinxPostTransform):
 
 def setup(app):
     app.connect("config-inited", _notebook_cache)
+    app.connect("autodoc-process-signature", _mocked_signature, priority=400)  # before aliases
     app.add_directive("fn-summary", Summary)
     app.add_directive("fn-autopackage", AutoPackage)
     app.add_role("fn-docs", _docs_role)
