@@ -57,7 +57,7 @@ def results(two_ranks):
     return two_ranks["gather"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)
 def test_every_rank_gets_every_dequantized_shard(results):
     for dtype in (torch.float32, torch.bfloat16):
         want = shards(2, dtype).double()
@@ -74,7 +74,7 @@ def test_every_rank_gets_every_dequantized_shard(results):
     )
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)
 def test_fsdp_forward_with_quantized_weights(results):
     for rank in range(2):
         dense, quantized, names = results[rank]["forward"]
