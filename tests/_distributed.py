@@ -26,6 +26,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,15 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def still_running(pids: list[int], within_s: float) -> list[int]:
+    """The processes of ``pids`` still running after waiting up to ``within_s`` seconds for them
+    to end."""
+    deadline = time.monotonic() + within_s
+    while (running := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return running
 
 
 def rank_env(pythonpath: str) -> dict[str, str]:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed
 
 from fn.app._launch import WorkerError, spawn_gloo
-from tests._distributed import alive
+from tests._distributed import alive, still_running
 from tests.app import ROOT, cli
 
 
@@ -180,11 +180,7 @@ def test_workers_die_with_a_killed_demo(tmp_path):
     try:
         proc.kill()  # no cleanup runs in the parent: the kernel must end the workers
         proc.wait(timeout=30)
-        deadline = time.monotonic() + 20
-        while [p for p in workers if alive(p)] and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in workers if alive(p)]
+        assert not still_running(workers, 20)
     finally:
-        for p in workers:
-            if alive(p):
-                os.kill(p, signal.SIGKILL)
+        for p in still_running(workers, 0):
+            os.kill(p, signal.SIGKILL)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._distributed import ROOT, alive, rank_env, run_distributed
+from tests._distributed import ROOT, rank_env, run_distributed, still_running
 
 pytestmark = pytest.mark.distributed
 
@@ -81,12 +81,8 @@ def test_the_ranks_die_with_a_killed_launcher(tmp_path):
         assert len(pids) == 2, launcher.poll()
         launcher.send_signal(signal.SIGKILL)  # no cleanup runs in it: the kernel ends the ranks
         launcher.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while [p for p in pids if alive(p)] and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in pids if alive(p)]
+        assert not still_running(pids, 30)
     finally:
         launcher.kill()
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        for pid in still_running(pids, 0):
+            os.kill(pid, signal.SIGKILL)
