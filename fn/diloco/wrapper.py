@@ -101,7 +101,7 @@ class DiLoCo:
     their anchor, and join that step's fragment, their outer state fresh (logged). Parameters
     frozen after construction stay synced. Buffers (``buffers="mean"``): the floating ones are
     averaged over the workers that take part at every outer step, the others taken from the
-    first (:class:`~fn.diloco.buffers.Buffers`); ``"local"`` keeps each worker's own.
+    first (fn/diloco/buffers.py); ``"local"`` keeps each worker's own.
 
     Refused at construction, the same ``ValueError`` on every rank: an inner optimizer, a
     ``DistributedDataParallel`` model or a device mesh that communicates across the workers
