@@ -41,6 +41,15 @@ class _UpdateCounter:
     """Counts a grad scaler's ``update()`` calls: the scaler's ``update`` wrapped on the
     instance (the class's is untouched); :meth:`remove` restores it."""
 
+    @staticmethod
+    def check(scaler: Any) -> None:
+        """Raises ``TypeError`` for a ``scaler`` (not ``None``) without ``update()``."""
+        if scaler is not None and not callable(getattr(scaler, "update", None)):
+            raise TypeError(
+                "DiLoCo: grad_scaler must be a torch.amp.GradScaler (its update() counts the "
+                f"inner steps), got {type(scaler).__name__}"
+            )
+
     def __init__(self, scaler: Any, count: Callable[[], None]) -> None:
         self._scaler = scaler
         update = scaler.update
@@ -247,11 +256,7 @@ class DiLoCo:
     ) -> None:
         check_int("DiLoCo: sync_every", sync_every, minimum=1)
         check_fraction("DiLoCo", mix=mix)
-        if grad_scaler is not None and not callable(getattr(grad_scaler, "update", None)):
-            raise TypeError(
-                f"DiLoCo: grad_scaler must be a torch.amp.GradScaler (its update() counts the "
-                f"inner steps), got {type(grad_scaler).__name__}"
-            )
+        _UpdateCounter.check(grad_scaler)
         self._model = model
         self._buffers = Buffers(model, buffers)
         self._inner = InnerOptimizer(inner_optimizer)
@@ -274,26 +279,14 @@ class DiLoCo:
             "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._params],
         }
         shards = [local_shard(p.detach()) for p in self._params]
-        problem = isolation_problem(model, self._inner, within, self.comm)
-        described = self._inner.description(list(model.parameters()))
-        if problem is None and any(-1 in p for p in described["inner optimizer's parameters"]):
-            problem = (
-                "DiLoCo: the inner optimizer steps tensors that are not parameters of the model: "
-                "DiLoCo never syncs them, so the workers would drift apart; make them the "
-                "model's parameters; nothing was changed"
-            )
         values = {  # agreed on, not saved (a checkpoint's settings stay as they were)
             "local shapes": [tuple(x.shape) for x in shards],
             "parameter values": _params_digest(shards),
             "max_sit_outs": max_sit_outs,
             "inner steps counted": "optimizer.step()" if grad_scaler is None else "update()",
             "buffers": (buffers, self._buffers.layout()),
-            **described,
-            "refused": problem,
         }
-        agree_on_settings(self.comm, {**self._settings, **values}, "DiLoCo")
-        if problem is not None:  # the same on every rank
-            raise ValueError(problem)
+        self._agree(values, within)
         # with a delay, each exchange on a thread over process groups of its own (copies of the
         # workers' group and of the worker mesh's, which FSDP2 uses on this thread meanwhile)
         self._exchanger = Exchanger([self.comm, *within], background=delay > 0)
@@ -313,6 +306,22 @@ class DiLoCo:
             self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
         else:
             self._hook = _UpdateCounter(grad_scaler, self.count_inner_step)
+
+    def _agree(self, values: Mapping[str, Any], within: Sequence[Comm]) -> None:
+        """The ranks' agreement on the settings, ``values``, the inner optimizer and the
+        workers' isolation (one all-gather); raises the same ``ValueError`` on every rank."""
+        problem = isolation_problem(self._model, self._inner, within, self.comm)
+        described = self._inner.description(list(self._model.parameters()))
+        if problem is None and any(-1 in p for p in described["inner optimizer's parameters"]):
+            problem = (
+                "DiLoCo: the inner optimizer steps tensors that are not parameters of the model: "
+                "DiLoCo never syncs them, so the workers would drift apart; make them the "
+                "model's parameters; nothing was changed"
+            )
+        agreed = {**self._settings, **values, **described, "refused": problem}
+        agree_on_settings(self.comm, agreed, "DiLoCo")
+        if problem is not None:  # the same on every rank
+            raise ValueError(problem)
 
     def _fragment(self, p: int, indices: list[int]) -> Fragment:
         """Fragment ``p`` of the parameters ``indices``, its outer state fresh."""
