@@ -28,6 +28,7 @@ from torch.distributed.fsdp import fully_shard
 import fn
 import fn.fsdp
 from tests._distributed import run_distributed
+from tests.fsdp.test_onebit_failures import attempt
 
 FREEZE = 3
 
@@ -53,14 +54,6 @@ def backwards(model: nn.Module, rank: int, t: int, count: int) -> None:
 
 def full(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
-
-
-def attempt(step) -> str:
-    try:
-        step()
-    except Exception as error:  # noqa: BLE001
-        return f"{type(error).__name__}: {error}"
-    return "ok"
 
 
 def _hsdp(rank: int) -> dict:
