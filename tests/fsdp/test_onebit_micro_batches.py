@@ -21,6 +21,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -43,6 +44,9 @@ def build(hsdp: bool) -> tuple[nn.Module, fn.fsdp.OnebitAdam]:
         shard, replicate = init_device_mesh("cpu", (2,)), None
     fully_shard(model[0], mesh=shard)
     fully_shard(model, mesh=shard)
+    # the ranks meet first: under load one may start seconds late, past _one_dim's FN_TIMEOUT,
+    # which the constructor's agreement runs under too
+    dist.barrier()
     return model, fn.fsdp.OnebitAdam(model, lr=1e-2, freeze_step=FREEZE, replicate=replicate)
 
 
