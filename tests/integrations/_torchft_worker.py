@@ -1,0 +1,209 @@
+"""One torchft replica group of one rank for tests/integrations/test_torchft.py, and the same
+training on fn.diloco's own gloo ranks (:func:`plain`), with the same model, data and settings.
+
+``python _torchft_worker.py REPLICA LIGHTHOUSE OUT CONFIG`` (``CONFIG`` a JSON object) builds a
+Manager over its own store and ``torchft.ProcessGroupGloo``, then trains every case of
+``CONFIG["cases"]`` in turn with :class:`fn.integrations.torchft.ElasticDiLoCo`, a tiny linear
+model and plain SGD, worker ``r``'s batch of inner step ``t`` drawn from seed ``1000 r + t``.
+After every outer step it appends a line to ``OUT/records-REPLICA.jsonl`` (the Manager's step,
+whether it committed, its quorum rank and size, the participants, a CRC-32 of the anchor) and at
+the end saves the parameters of every case to ``OUT/params-REPLICA.pt``.
+
+- ``CONFIG["deaths"]``: ``{"<replica>": {"after": t}}``: that replica SIGKILLs itself before
+  inner step ``t`` (of the first case), unless ``CONFIG["restarted"]``; ``{"in_exchange": t}``:
+  inside the outer exchange after inner step ``t`` instead (a collective that fails on the
+  others). ``CONFIG["starters"]`` (default ``replicas``) first workers wait for each other;
+  ``CONFIG["pause"]`` seconds before each inner step while the quorum has fewer workers.
+- ``CONFIG["until_full"]``: instead of ``outer_steps`` steps, train until, after a step with
+  fewer than ``CONFIG["replicas"]`` workers past inner step ``CONFIG["watch_after"]``, the last
+  ``until_full`` committed steps had that many workers, all taking part (every worker decides
+  alike: the quorum and the participants are the same on all).
+- ``CONFIG["nan_at"]``: this replica's parameters become NaN before that outer step
+  (``{"replica": r, "step": s}``): it sits the step out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import zlib
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+import fn.diloco
+
+H = 2
+LR = 0.1
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 3)
+
+
+def inner_step(net: torch.nn.Module, inner: torch.optim.Optimizer, worker: int, t: int) -> None:
+    g = torch.Generator().manual_seed(1000 * worker + t)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+    torch.nn.functional.mse_loss(net(x), y).backward()
+    inner.step()
+    inner.zero_grad()
+
+
+def crc(tensors: list[torch.Tensor]) -> int:
+    digest = 0
+    for x in tensors:
+        digest = zlib.crc32(x.detach().contiguous().reshape(-1).view(torch.uint8).numpy(), digest)
+    return digest
+
+
+def plain(rank: int, world_size: int, cases: list[dict], outer_steps: int) -> list:
+    """fn.diloco.DiLoCo on gloo ranks (``run_distributed``): every case's parameters and the
+    bytes its outer steps sent."""
+    torch.set_num_threads(1)
+    out = []
+    for case in cases:
+        net = model()
+        inner = torch.optim.SGD(net.parameters(), lr=LR)
+        diloco = fn.diloco.DiLoCo(net, inner, sync_every=H, **case)
+        diloco.comm.reset_bytes_sent()  # the settings' agreement at construction
+        for t in range(H * outer_steps):
+            inner_step(net, inner, rank, t)
+        out.append(([p.detach().clone() for p in net.parameters()], diloco.comm.bytes_sent))
+    return out
+
+
+class Worker:
+    """A replica group of one rank: its store, Manager and process group."""
+
+    def __init__(self, replica: int, lighthouse: str, out: Path, config: dict) -> None:
+        from torchft import Manager, ProcessGroupGloo
+
+        self.replica, self.out, self.config = replica, out, config
+        self.store = torch.distributed.TCPStore("localhost", 0, is_master=True)
+        self.pg = ProcessGroupGloo(timeout=timedelta(seconds=config.get("pg_timeout", 10)))
+        self.manager = Manager(
+            pg=self.pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=config.get("min_replicas", 1),
+            use_async_quorum=False,
+            init_sync=False,  # every worker starts from model(), seeded
+            replica_id=str(replica),
+            store_addr="localhost",
+            store_port=self.store.port,
+            rank=0,
+            world_size=1,
+            lighthouse_addr=lighthouse,
+            timeout=timedelta(seconds=config.get("timeout", 10)),
+            quorum_timeout=timedelta(seconds=60),
+            connect_timeout=timedelta(seconds=30),
+        )
+        self.records = open(out / f"records-{replica}.jsonl", "a", buffering=1)  # noqa: SIM115
+        if not config.get("restarted"):
+            self.wait_for_all()
+
+    def wait_for_all(self) -> None:
+        """Every first worker's Manager is up (heartbeating) before any asks for a quorum, so
+        that the lighthouse waits for all of them (``join_timeout_ms``) in the first one."""
+        (self.out / f"ready-{self.replica}").touch()
+        starters = self.config.get("starters", self.config["replicas"])
+        while len(list(self.out.glob("ready-*"))) < starters:
+            time.sleep(0.05)
+
+    def run(self) -> None:
+        from fn.integrations.torchft import ElasticDiLoCo
+
+        params = []
+        for index, case in enumerate(self.config["cases"]):
+            net = model()
+            inner = torch.optim.SGD(net.parameters(), lr=LR)
+            diloco = ElasticDiLoCo(
+                net, inner, manager=self.manager, process_group=self.pg, sync_every=H,
+                name=f"case{index}", **case,
+            )  # fmt: skip
+            self.train(index, net, inner, diloco)
+            params.append([p.detach().clone() for p in net.parameters()])
+        torch.save(params, self.out / f"params-{self.replica}.pt")
+        self.manager.shutdown(wait=False)
+
+    def train(self, case: int, net, inner, diloco) -> None:
+        config, full = self.config, 0
+        degraded = bool(config.get("restarted"))  # restarted: the others lost it
+        while True:
+            t = diloco.inner_steps
+            self.maybe_die(case, t, diloco)
+            if t % H == H - 1:
+                self.maybe_nan(net)
+            before = (diloco.outer_steps, diloco.failed_commits)
+            if diloco.participants and len(diloco.participants) < config["replicas"]:
+                time.sleep(config.get("pause", 0.0))  # fewer steps to replay while one is away
+            inner_step(net, inner, self.replica, t)
+            if (diloco.outer_steps, diloco.failed_commits) == before:
+                continue  # no outer step after this inner step
+            committed = diloco.outer_steps != before[0]
+            self.record(case, diloco, committed)
+            if "until_full" not in config:
+                if diloco.outer_steps >= config["outer_steps"]:
+                    return
+                continue
+            # after inner step watch_after: a step with fewer workers, then until_full steps
+            # with every one of them taking part (the same decision on every worker)
+            watched = diloco.inner_steps > config["watch_after"]
+            degraded = degraded or (watched and diloco.comm.world_size < config["replicas"])
+            every = committed and diloco.participants == [True] * config["replicas"]
+            full = full + 1 if every else 0
+            if degraded and full >= config["until_full"]:
+                return
+
+    def maybe_die(self, case: int, t: int, diloco) -> None:
+        death = self.config.get("deaths", {}).get(str(self.replica))
+        if case or self.config.get("restarted") or death is None:
+            return
+        if t == death.get("after"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if t == death.get("in_exchange"):
+            comm, all_gather = diloco.comm, diloco.comm.all_gather
+
+            def dying(x):  # the participation's all-gather has run: die in the next one
+                comm.all_gather = lambda y: os.kill(os.getpid(), signal.SIGKILL)
+                return all_gather(x)
+
+            comm.all_gather = dying
+
+    def maybe_nan(self, net) -> None:
+        nan = self.config.get("nan_at")
+        if nan and nan["replica"] == self.replica and self.manager.current_step() == nan["step"]:
+            with torch.no_grad():
+                net.weight[0, 0] = float("nan")
+
+    def record(self, case: int, diloco, committed: bool) -> None:
+        line = {
+            "case": case,
+            "committed": committed,
+            "step": self.manager.current_step(),
+            "inner_steps": diloco.inner_steps,
+            "failed_commits": diloco.failed_commits,
+            "outer_steps": diloco.outer_steps,
+            "world": diloco.comm.world_size,
+            "rank": diloco.comm.rank,
+            "participants": diloco.participants,
+            "anchor": crc(diloco.state_dict()["anchor"]),
+            "sat_out": diloco.sat_out_steps,
+            "bytes": diloco.comm.bytes_sent,
+        }
+        self.records.write(json.dumps(line) + "\n")
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    replica, lighthouse, out, config = sys.argv[1:5]
+    Worker(int(replica), lighthouse, Path(out), json.loads(config)).run()
+
+
+if __name__ == "__main__":
+    main()
