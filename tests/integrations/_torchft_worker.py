@@ -34,6 +34,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed.device_mesh
+import torch.distributed.tensor
 
 import fn.diloco
 
@@ -61,6 +63,11 @@ def crc(tensors: list[torch.Tensor]) -> int:
     return digest
 
 
+def full(x: torch.Tensor) -> torch.Tensor:
+    """``x`` whole: a ``DTensor`` gathered over its mesh (a collective), a tensor itself."""
+    return x.full_tensor() if isinstance(x, torch.distributed.tensor.DTensor) else x
+
+
 def plain(rank: int, world_size: int, cases: list[dict], outer_steps: int) -> list:
     """fn.diloco.DiLoCo on gloo ranks (``run_distributed``): every case's parameters and the
     bytes its outer steps sent."""
@@ -78,40 +85,57 @@ def plain(rank: int, world_size: int, cases: list[dict], outer_steps: int) -> li
 
 
 class Worker:
-    """A replica group of one rank: its store, Manager and process group."""
+    """A replica group: its store, Manager and process group. One rank (its own store), or with
+    ``CONFIG["sharded"]`` the ranks of a ``torchrun`` launch, each model sharded by FSDP2 on
+    their 1-D mesh (every rank of a worker draws the worker's batch)."""
 
     def __init__(self, replica: int, lighthouse: str, out: Path, config: dict) -> None:
         from torchft import Manager, ProcessGroupGloo
 
         self.replica, self.out, self.config = replica, out, config
-        self.store = torch.distributed.TCPStore("localhost", 0, is_master=True)
+        self.mesh, store = None, {"rank": 0, "world_size": 1}
+        if config.get("sharded"):  # torchrun's store and ranks
+            torch.distributed.init_process_group("gloo")
+            self.mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,))
+            store = {}
+        else:
+            self.store = torch.distributed.TCPStore("localhost", 0, is_master=True)
+            store.update(store_addr="localhost", store_port=self.store.port)
         self.pg = ProcessGroupGloo(timeout=timedelta(seconds=config.get("pg_timeout", 10)))
         self.manager = Manager(
             pg=self.pg,
             load_state_dict=None,
             state_dict=None,
-            min_replica_size=config.get("min_replicas", 1),
+            min_replica_size=1,
             use_async_quorum=False,
-            init_sync=False,  # every worker starts from model(), seeded
+            init_sync=config.get("init_sync", False),  # else every worker starts from model()
             replica_id=str(replica),
-            store_addr="localhost",
-            store_port=self.store.port,
-            rank=0,
-            world_size=1,
             lighthouse_addr=lighthouse,
-            timeout=timedelta(seconds=config.get("timeout", 10)),
+            timeout=timedelta(seconds=10),
             quorum_timeout=timedelta(seconds=60),
             connect_timeout=timedelta(seconds=30),
+            **store,
         )
-        self.records = open(out / f"records-{replica}.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.writes = self.mesh is None or self.mesh.get_local_rank() == 0
+        name = f"records-{replica}.jsonl" if self.writes else os.devnull
+        self.records = open(out / name, "a", buffering=1)  # noqa: SIM115
         if not config.get("restarted"):
             self.wait_for_all()
+
+    def model(self) -> torch.nn.Module:
+        net = model()
+        if self.mesh is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(net, mesh=self.mesh)
+        return net
 
     def wait_for_all(self) -> None:
         """Every first worker's Manager is up (heartbeating) before any asks for a quorum, so
         that the lighthouse waits for all of them (``join_timeout_ms``) in the first one."""
-        (self.out / f"ready-{self.replica}").touch()
+        (self.out / f"ready-{self.replica}-{os.environ.get('RANK', 0)}").touch()
         starters = self.config.get("starters", self.config["replicas"])
+        starters *= 2 if self.mesh is not None else 1
         while len(list(self.out.glob("ready-*"))) < starters:
             time.sleep(0.05)
 
@@ -120,19 +144,22 @@ class Worker:
 
         params = []
         for index, case in enumerate(self.config["cases"]):
-            net = model()
+            net = self.model()
             inner = torch.optim.SGD(net.parameters(), lr=LR)
             diloco = ElasticDiLoCo(
                 net, inner, manager=self.manager, process_group=self.pg, sync_every=H,
                 name=f"case{index}", **case,
             )  # fmt: skip
             self.train(index, net, inner, diloco)
-            params.append([p.detach().clone() for p in net.parameters()])
-        torch.save(params, self.out / f"params-{self.replica}.pt")
+            params.append([full(p).detach().clone() for p in net.parameters()])
+        if self.writes:
+            torch.save(params, self.out / f"params-{self.replica}.pt")
         self.manager.shutdown(wait=False)
+        if self.mesh is not None:
+            torch.distributed.destroy_process_group()
 
     def train(self, case: int, net, inner, diloco) -> None:
-        config, full = self.config, 0
+        config, streak = self.config, 0
         degraded = bool(config.get("restarted"))  # restarted: the others lost it
         while True:
             t = diloco.inner_steps
@@ -156,8 +183,8 @@ class Worker:
             watched = diloco.inner_steps > config["watch_after"]
             degraded = degraded or (watched and diloco.comm.world_size < config["replicas"])
             every = committed and diloco.participants == [True] * config["replicas"]
-            full = full + 1 if every else 0
-            if degraded and full >= config["until_full"]:
+            streak = streak + 1 if every else 0
+            if degraded and streak >= config["until_full"]:
                 return
 
     def maybe_die(self, case: int, t: int, diloco) -> None:
@@ -192,7 +219,7 @@ class Worker:
             "world": diloco.comm.world_size,
             "rank": diloco.comm.rank,
             "participants": diloco.participants,
-            "anchor": crc(diloco.state_dict()["anchor"]),
+            "anchor": crc([full(a) for a in diloco.state_dict()["anchor"]]),
             "sat_out": diloco.sat_out_steps,
             "bytes": diloco.comm.bytes_sent,
         }

@@ -72,10 +72,15 @@ class Cluster:
         self.processes: list[subprocess.Popen] = []
 
     def launch(self, replica: int, config: dict, tag: str = "") -> subprocess.Popen:
+        """Starts a worker: one process, or with ``config["sharded"]`` a ``torchrun`` of 2."""
         env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="warn")
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        env.pop("WORLD_SIZE", None)
         log = open(self.out / f"log-{replica}{tag}.txt", "w")  # noqa: SIM115
         command = [sys.executable, str(SCRIPT), str(replica), self.lighthouse.address()]
+        if config.get("sharded"):
+            run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            command = [*run, "--nproc-per-node", "2", *command[1:]]
         process = subprocess.Popen(
             [*command, str(self.out), json.dumps(config)],
             env=env,
@@ -99,10 +104,16 @@ class Cluster:
         )
 
     def close(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
+        # SIGTERM first: torchrun then ends its ranks, each in a session of its own
+        running = [p for p in self.processes if p.poll() is None]
+        for process in running:
+            os.killpg(process.pid, signal.SIGTERM)
+        for process in running:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+                process.wait()
         self.lighthouse.shutdown()
 
 
@@ -237,7 +248,7 @@ def _replay(records: dict[int, list[dict]], case: dict) -> dict[int, list[torch.
             errors[r] = [torch.zeros_like(a) for a in anchor]
         taking_part = [r for r, m in zip(order, next(iter(masks)), strict=True) if m]
         deltas = [_deltas(anchor, r, last.get(r, 0), t) for r in taking_part]
-        for j, a in enumerate(anchor):
+        for j, a in enumerate(anchor if taking_part else []):  # none: the anchor stays
             pieces = [d[j] for d in deltas]
             if case == TOPK:
                 mean, kept = _reference.topk_allreduce(
@@ -266,3 +277,37 @@ def _deltas(anchor: list[torch.Tensor], replica: int, first: int, last: int) -> 
     for t in range(first, last):
         worker.inner_step(net, inner, replica, t)
     return [a - p.detach() for a, p in zip(anchor, net.parameters(), strict=True)]
+
+
+SHARDED = {"cases": [{}], "outer_steps": 3, "replicas": 2, "sharded": True, "init_sync": True}
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """2 workers of 2 ranks each (torchrun), FSDP2 on each worker's 1-D mesh."""
+    out = tmp_path_factory.mktemp("torchft")
+    deadline = time.monotonic() + 400
+    with cluster(out, min_replicas=2) as running:
+        processes = [running.launch(r, SHARDED) for r in range(2)]
+        codes = [running.wait(p, deadline) for p in processes]
+        assert codes == [0, 0], running.logs()
+    return _records(out), {r: torch.load(out / f"params-{r}.pt")[0] for r in range(2)}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(480)
+def test_fsdp2_workers_recover_their_shards_and_match_the_loop(sharded):
+    """``init_sync``: at the first quorum each shard position recovers from one primary (torchft
+    picks it per position: replica 0's for rank 0, replica 1's for rank 1), so every worker has
+    a rank that recovered and sits that step out; the later steps are the unsharded loop's."""
+    records, final = sharded
+    first = [lines[0] for lines in records.values()]
+    assert all(line["committed"] and line["participants"] == [False, False] for line in first)
+    expected = _replay(records, {})
+    for lines in records.values():
+        assert [line["participants"] for line in lines[1:]] == [[True, True]] * 2
+        for line in lines:
+            assert line["anchor"] == worker.crc(expected[line["inner_steps"]]), line
+    last = expected[max(expected)]
+    for params in final.values():
+        assert all(torch.equal(a, b) for a, b in zip(params, last, strict=True))
