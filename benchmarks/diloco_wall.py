@@ -186,10 +186,10 @@ def tbf_burst(rate_bits: float, mtu: int) -> int:
     return max(2 * mtu, int(rate_bits / 8 * 0.002))
 
 
-def link_commands(args: argparse.Namespace) -> list[list[str]]:
-    """What configures every rank's ``eth0`` once the switch has made it: address, MTU, up, and
-    the sending token bucket."""
-    _, rank_ns = cluster.namespaces(args.prefix, WORKERS)
+def link_commands(args: argparse.Namespace, nodes: int = WORKERS) -> list[list[str]]:
+    """What configures every node's ``eth0`` once the switch has made it (``nodes`` of them, the
+    ranks by default): address, MTU, up, and the sending token bucket."""
+    _, rank_ns = cluster.namespaces(args.prefix, nodes)
     burst = tbf_burst(cluster.parse_rate(args.rate), args.mtu)
     queue_ms = max(1, round(2000 * parse_delay(args.delay)))
     cmds = []
@@ -204,10 +204,10 @@ def link_commands(args: argparse.Namespace) -> list[list[str]]:
     return cmds
 
 
-def switch_config(args: argparse.Namespace) -> dict:
+def switch_config(args: argparse.Namespace, nodes: int = WORKERS) -> dict:
     return {
-        "namespaces": cluster.namespaces(args.prefix, WORKERS)[1],
-        "addresses": [cluster.address(args.subnet, i) for i in range(WORKERS)],
+        "namespaces": cluster.namespaces(args.prefix, nodes)[1],
+        "addresses": [cluster.address(args.subnet, i) for i in range(nodes)],
         "rate_bits": cluster.parse_rate(args.rate),
         "delay_s": parse_delay(args.delay),
         "parent": os.getpid(),
@@ -361,12 +361,12 @@ def run_switch(config: dict) -> None:
 
 
 @contextlib.contextmanager
-def delayed_cluster(args: argparse.Namespace) -> Iterator[str]:
-    """The namespaces, the switch and the shaped links for the duration; yields a log folder.
-    Removes everything on leaving, also on errors and on SIGINT / SIGTERM / SIGHUP (raised
-    inside as ``cluster.Interrupted``)."""
+def delayed_cluster(args: argparse.Namespace, nodes: int = WORKERS) -> Iterator[str]:
+    """The namespaces, the switch and the shaped links of ``nodes`` nodes (the ranks by default)
+    for the duration; yields a log folder. Removes everything on leaving, also on errors and on
+    SIGINT / SIGTERM / SIGHUP (raised inside as ``cluster.Interrupted``)."""
     cluster.check_no_leftovers(args.prefix)
-    _, rank_ns = cluster.namespaces(args.prefix, WORKERS)
+    _, rank_ns = cluster.namespaces(args.prefix, nodes)
     switch, logdir = None, None
 
     def interrupted(signum, frame):
@@ -377,12 +377,12 @@ def delayed_cluster(args: argparse.Namespace) -> Iterator[str]:
         for sig in signals:
             signal.signal(sig, interrupted)
         logdir = tempfile.mkdtemp(prefix=f"{args.prefix}-logs-")
-        print(f"building {WORKERS} namespaces ({args.prefix}-*), subnet {args.subnet}.0/24")
+        print(f"building {nodes} namespaces ({args.prefix}-*), subnet {args.subnet}.0/24")
         for ns in rank_ns:
             cluster.run(["ip", "netns", "add", ns])
         switch = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--switch"]
-            + [json.dumps(switch_config(args))],
+            + [json.dumps(switch_config(args, nodes))],
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,
@@ -390,7 +390,7 @@ def delayed_cluster(args: argparse.Namespace) -> Iterator[str]:
         ready, _, _ = select.select([switch.stdout], [], [], 30)
         if not ready or switch.stdout.readline().strip() != "ready":
             raise RuntimeError("the switch did not start (see its error above)")
-        for cmd in link_commands(args):
+        for cmd in link_commands(args, nodes):
             cluster.run(cmd)
         yield logdir
     finally:
