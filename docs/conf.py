@@ -229,6 +229,7 @@ API: dict[str, list[str]] = {
     "fn.integrations.accelerate": _exports("fn.integrations.accelerate"),
     "fn.integrations.lightning": _exports("fn.integrations.lightning"),
     "fn.integrations.torchtitan": _exports("fn.integrations.torchtitan"),
+    "fn.integrations.torchft": _exports("fn.integrations.torchft"),
 }
 # The groups of each package's summary table (``fn-summary``), in the order its page shows them;
 # its entries (``fn-autopackage``) follow the same order. What a newcomer reaches for comes
@@ -363,6 +364,10 @@ API_GROUPS: dict[str, list[tuple[str, str]]] = {
             "torchtitan's components",
             "OnebitTrainer OnebitOptimizersContainer OnebitCheckpointManager ShardMeshParallelize",
         ),
+    ],
+    "fn.integrations.torchft": [
+        ("Elastic DiLoCo", "ElasticDiLoCo POSITIONAL_COMPRESSIONS"),
+        ("Building blocks", "ManagerComm"),
     ],
 }
 # Where each public object is documented, by identity (functions and classes) or by the names
