@@ -24,6 +24,7 @@ from fn.diloco.checkpoint import (
 )
 from fn.diloco.compressors import compression as build_compression
 from fn.diloco.exchange import BackgroundExchange, exchange_comms
+from fn.diloco.inner import InnerOptimizer
 from fn.diloco.nesterov_rule import nesterov
 from fn.diloco.sharding import local_shard, worker_mesh_comms
 from fn.diloco.sparseloco_rule import sparseloco
@@ -107,10 +108,23 @@ class DiLoCo:
 
     At construction every rank checks with the others (one small all-gather) that they passed
     the same settings and hold the same parameters; a difference is the same ``ValueError`` on
-    every rank. A non-finite pseudo-gradient on any rank skips the outer step on every rank with
-    the anchor and the outer state unchanged, resets every rank's parameters to the anchor, and
-    warns. A rank that stops answering makes the others raise
+    every rank. A rank that stops answering makes the others raise
     ``fn.collectives.CollectiveTimeoutError`` after ``timeout`` (``$FN_TIMEOUT``).
+
+    Faults: a worker whose pseudo-gradient (of the fragment), or whose inner optimizer's state
+    of the fragment's parameters (``torch.optim``'s, one pass over it), holds NaN or Inf sits
+    that outer step out (:func:`fn.diloco.outer_update`): the others' mean is applied, and
+    every worker continues from the new anchor. The sitter loses its inner steps since its
+    last outer step: all its parameters (every fragment's) are reset to their anchors and its
+    inner optimizer's state is reset (``torch.optim``: its per-param state cleared, so AdamW
+    starts its moments afresh; ``fn.optim``: ``reset_state()``; ``fn.fsdp``'s 1-bit
+    optimizers, finite by construction, keep theirs); its error feedback is kept as it was.
+    Every rank warns (``RuntimeWarning``, the same text) naming the sitters, the fragment and
+    the inner step; ``sat_out`` counts each worker's sit-outs. Where every worker sits out, the
+    step is skipped (the anchor and the outer state unchanged). A worker that sits out
+    ``max_sit_outs`` outer steps in a row makes every rank raise the same ``RuntimeError``
+    once that step is applied. This policy (participation) is stable: ``fn.diloco``'s elastic
+    and sparse exchanges build on it.
 
     A worker may span several ranks, its model sharded by FSDP2 (``fully_shard``, on a 1-D mesh
     or HSDP; the parameters ``DTensor`` s, on one device mesh): ``group`` is then the workers'
@@ -151,6 +165,8 @@ class DiLoCo:
             such as ``"cpu"``.
         timeout: the collectives' timeout (a ``timedelta`` or seconds; ``None``:
             ``$FN_TIMEOUT``, else 5 minutes), where ``group`` is a ``torch.distributed`` group.
+        max_sit_outs: the outer steps in a row a worker may sit out before every rank raises
+            ``RuntimeError`` (``None``: never).
 
     Raises:
         ValueError: a setting out of range (also ``sync_every`` not a multiple of ``P``, or
@@ -162,8 +178,9 @@ class DiLoCo:
     Attributes:
         inner_steps: the inner steps counted so far.
         outer_steps: the outer steps taken (one per fragment's step; skipped ones included).
-        skipped_steps: the outer steps skipped for a non-finite pseudo-gradient.
+        skipped_steps: the outer steps skipped because every worker sat out.
         fragment_steps: the outer steps of each fragment.
+        sat_out: per worker (rank of ``group``), the outer steps it sat out.
 
     Example:
         >>> model = torch.nn.Linear(2, 1)
@@ -206,9 +223,13 @@ class DiLoCo:
         mix: float = 0.0,
         anchor_device: torch.device | str | None = None,
         timeout: Any = None,
+        max_sit_outs: int | None = 3,
     ) -> None:
         check_int("DiLoCo: sync_every", sync_every, minimum=1)
         check_fraction("DiLoCo", mix=mix)
+        if max_sit_outs is not None:
+            check_int("DiLoCo: max_sit_outs", max_sit_outs, minimum=1)
+        self.max_sit_outs = max_sit_outs
         self._params = [p for p in model.parameters() if p.requires_grad]
         within = worker_mesh_comms(self._params, timeout)  # sharded: the worker's ranks
         self._fragments = fragment_indices(self._params, fragments)
@@ -229,9 +250,10 @@ class DiLoCo:
             "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._params],
         }
         shards = [local_shard(p.detach()) for p in self._params]
-        values = {
+        values = {  # agreed on, not saved (a checkpoint's settings stay as they were)
             "local shapes": [tuple(x.shape) for x in shards],
             "parameter values": _params_digest(shards),
+            "max_sit_outs": max_sit_outs,
         }
         agree_on_settings(self.comm, {**self._settings, **values}, "DiLoCo")
         # a delayed exchange runs on a thread, over process groups of its own (copies of the
@@ -244,10 +266,14 @@ class DiLoCo:
         self._anchor = [x.to(anchor_device or x.device, copy=True) for x in shards]
         self._states = [self._rule.init(self._part(self._anchor, p)) for p in self._fragment_ids]
         self._flight: _Flight | None = None
+        self._inner = InnerOptimizer(inner_optimizer)
+        self._worker = getattr(self.comm, "rank", 0)  # this worker's index in the mask
         self.inner_steps = 0
         self.outer_steps = 0
         self.skipped_steps = 0
         self.fragment_steps = [0] * len(self._fragments)
+        self.sat_out = [0] * self.comm.world_size
+        self._in_a_row = [0] * self.comm.world_size  # each worker's sit-outs in a row
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
 
     def remove(self) -> None:
@@ -305,8 +331,19 @@ class DiLoCo:
             delta = pseudo_gradient(anchor, params)
         started_at = self.inner_steps if started_at is None else started_at
         rule, state, (comm, *within) = self._rule, self._states[p], self._exchange_comms
+        takes_part = self._inner.finite(self._part(self._params, p))
+        header = {"inner step": started_at, "fragment": p}
         exchange = BackgroundExchange(
-            lambda: outer_update(rule, anchor, delta, state, comm=comm, within=within),
+            lambda: outer_update(
+                rule,
+                anchor,
+                delta,
+                state,
+                comm=comm,
+                within=within,
+                takes_part=takes_part,
+                header=header,
+            ),  # fmt: skip
             background=background,
             device=params[0].device,
             what=f"DiLoCo: the outer exchange of fragment {p} (started after inner step "
@@ -317,15 +354,17 @@ class DiLoCo:
     @torch.no_grad()
     def _apply(self, mix: float) -> bool:
         """Waits for the exchange in flight and applies it: the fragment's new anchor, its
-        parameters (mixed with their own by ``mix``), its outer state."""
+        parameters (a participant's mixed with their own by ``mix``; a sitter's whole model
+        reset to the anchors, its inner optimizer's state reset), its outer state. Returns
+        whether every worker took part."""
         flight, self._flight = self._flight, None
         result = flight.exchange.result()
-        applied = bool(result.applied)
-        p = flight.fragment
+        participants = [bool(x) for x in result.participants.tolist()]
+        mine, p = participants[self._worker], flight.fragment
         shards = self._shards(p)
         for i, param, new in zip(self._fragments[p], shards, result.anchor, strict=True):
             self._anchor[i].copy_(new)
-            if applied and mix > 0:
+            if mine and mix > 0:
                 mixed = new.float() * (1.0 - mix) + param.float() * mix
                 param.copy_(mixed)
             else:
@@ -333,18 +372,54 @@ class DiLoCo:
         self._states[p] = result.state
         self.outer_steps += 1
         self.fragment_steps[p] += 1
-        if not applied:
-            self.skipped_steps += 1
-            many = len(self._fragments) > 1
-            which = f"fragment {p}'s pseudo-gradient" if many else "a pseudo-gradient"
-            warnings.warn(
-                f"DiLoCo: {which} held NaN or Inf at inner step {flight.started_at}; the outer "
-                "step was skipped on every rank and every rank's parameters were reset to the "
-                "anchor (check the inner learning rate and the data)",
-                RuntimeWarning,
-                stacklevel=user_stacklevel(),
+        self.skipped_steps += not any(participants)
+        if not mine:  # the whole worker continues from the anchors, its optimizer afresh
+            for q in self._fragment_ids:
+                for i, param in zip(self._fragments[q], self._shards(q), strict=True):
+                    param.copy_(self._anchor[i])
+            self._inner.reset()
+        self._count_sit_outs(participants, p, flight.started_at)
+        return all(participants)
+
+    def _count_sit_outs(self, participants: list[bool], p: int, started_at: int) -> None:
+        """Counts each worker's sit-outs, warns where some worker sat out (the same text on
+        every rank), and raises where one sat out ``max_sit_outs`` steps in a row."""
+        sitters = [w for w, taking in enumerate(participants) if not taking]
+        for w, taking in enumerate(participants):
+            self.sat_out[w] += not taking
+            self._in_a_row[w] = 0 if taking else self._in_a_row[w] + 1
+        if not sitters:
+            return
+        step = f"the outer step of fragment {p}" if len(self._fragments) > 1 else "the outer step"
+        step += f" started after inner step {started_at}"
+        if len(sitters) == len(participants):
+            message = (
+                f"DiLoCo: every worker sat out {step} (each one's pseudo-gradient or inner "
+                "optimizer's state held NaN or Inf): the step was skipped, the anchor and the "
+                "outer state unchanged; every worker lost its inner steps since its last outer "
+                f"step (its parameters were reset to the anchors), and {self._inner.what_reset()}"
             )
-        return applied
+        else:
+            names = ", ".join(map(str, sitters))
+            message = (
+                f"DiLoCo: worker(s) {names} sat out {step} (its pseudo-gradient or its inner "
+                "optimizer's state held NaN or Inf): the mean of the other "
+                f"{len(participants) - len(sitters)} worker(s) was applied. Worker(s) {names} "
+                "lost the inner steps since the last outer step (the parameters were reset to "
+                f"the anchors), {self._inner.what_reset()}, and the error feedback was kept"
+            )
+        warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
+        limit = self.max_sit_outs
+        over = [w for w in sitters if limit is not None and self._in_a_row[w] >= limit]
+        if over:
+            raise RuntimeError(
+                f"DiLoCo: worker(s) {', '.join(map(str, over))} sat out {limit} outer steps in "
+                f"a row (max_sit_outs={limit}): each time its pseudo-gradient or its inner "
+                "optimizer's state held NaN or Inf, so it no longer trains with the others. "
+                "Every rank raises this once the step is applied: the anchor and the parameters "
+                "are consistent. Check that worker's data, inner learning rate and loss scale, "
+                "or pass max_sit_outs=None to go on"
+            )
 
     def sync(self) -> bool:
         """Runs the outer step of every fragment now (the hook runs them on its schedule).
@@ -355,8 +430,8 @@ class DiLoCo:
         only), e.g. at the end of training.
 
         Returns:
-            Whether every step was applied; ``False`` where some rank's pseudo-gradient was not
-            finite, that step then skipped on every rank and the parameters reset to the anchor.
+            Whether every worker took part in every step; ``False`` where some worker sat out
+            one (see the class docstring).
 
         Example:
             >>> model = torch.nn.Linear(2, 1)
@@ -405,6 +480,8 @@ class DiLoCo:
             "outer_steps": self.outer_steps,
             "skipped_steps": self.skipped_steps,
             "fragment_steps": list(self.fragment_steps),
+            "sat_out": list(self.sat_out),
+            "sit_outs_in_a_row": list(self._in_a_row),
         }
         state = diloco_state_dict(
             self._anchor,
@@ -480,6 +557,10 @@ class DiLoCo:
         self.outer_steps = loaded.counts["outer_steps"]
         self.skipped_steps = loaded.counts["skipped_steps"]
         self.fragment_steps = list(loaded.counts["fragment_steps"])
+        workers = self.comm.world_size  # (counts of another number of workers restart)
+        for name, attribute in (("sat_out", "sat_out"), ("sit_outs_in_a_row", "_in_a_row")):
+            saved = loaded.counts.get(name)  # (absent from a checkpoint of an older fn)
+            setattr(self, attribute, list(saved) if len(saved or ()) == workers else [0] * workers)
         if in_flight is not None:
             self._start(
                 in_flight["fragment"],
