@@ -353,7 +353,7 @@ API_GROUPS: dict[str, list[tuple[str, str]]] = {
     ],
     "fn.diloco": [
         ("Training with DiLoCo", "DiLoCo OUTER_RULES"),
-        ("Outer rules", "nesterov sparseloco compression COMPRESSIONS"),
+        ("Outer rules", "nesterov sparseloco compression COMPRESSIONS outer_rule"),
         ("Building blocks", "outer_step outer_update OuterStep pseudo_gradient"),
     ],
     "fn.integrations.transformers": [("Hugging Face Trainer", "attach FnTrainerCallback")],

@@ -26,7 +26,7 @@ from fn.diloco.compressors import COMPRESSIONS, compression
 from fn.diloco.nesterov_rule import nesterov
 from fn.diloco.sparseloco_rule import sparseloco
 from fn.diloco.step import OuterStep, outer_step, outer_update, pseudo_gradient
-from fn.diloco.wrapper import OUTER_RULES, DiLoCo
+from fn.diloco.wrapper import OUTER_RULES, DiLoCo, outer_rule
 
 __all__ = [
     "COMPRESSIONS",
@@ -38,5 +38,6 @@ __all__ = [
     "outer_update",
     "pseudo_gradient",
     "OUTER_RULES",
+    "outer_rule",
     "DiLoCo",
 ]

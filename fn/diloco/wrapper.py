@@ -32,7 +32,7 @@ from fn.diloco.step import OuterStep, outer_update, pseudo_gradient
 from fn.diloco.streaming import StreamSchedule, fragment_indices
 from fn.errors import check_fraction, check_int, user_stacklevel
 
-__all__ = ["OUTER_RULES", "DiLoCo"]
+__all__ = ["OUTER_RULES", "outer_rule", "DiLoCo"]
 
 OUTER_RULES = ("nesterov", "sparseloco")
 """The outer rules :class:`DiLoCo` takes by name, ``"nesterov"`` (:func:`fn.diloco.nesterov`,
@@ -54,16 +54,49 @@ def _comm(group: Any, timeout: Any) -> Comm:
     return ProcessGroup(group, timeout=timeout)
 
 
-def _rule(
-    outer: str, outer_options: Mapping, kind: str | None, options: Mapping, comm: Comm
+def outer_rule(
+    outer: str,
+    *,
+    comm: Comm,
+    outer_options: Mapping[str, Any] | None = None,
+    compression: str | None = None,
+    compression_options: Mapping[str, Any] | None = None,
 ) -> GradientTransformation:
+    """The outer rule :class:`DiLoCo` builds from its settings: ``"nesterov"`` after the
+    compressor ``compression``, or ``"sparseloco"`` with its top-k built in.
+
+    Args:
+        outer: one of :data:`OUTER_RULES`.
+        comm: the group of workers.
+        outer_options: the rule's options (:func:`fn.diloco.nesterov`'s ``lr``, ``momentum``;
+            :func:`fn.diloco.sparseloco`'s ``lr``, ``beta``).
+        compression: one of ``fn.diloco.COMPRESSIONS`` (``None``: ``"fp32"``; ``"sparseloco"``
+            takes only ``"topk"``).
+        compression_options: its options (``"sparseloco"``: ``k``, ``chunk_size``).
+
+    Returns:
+        The rule, a GradientTransformation from this rank's pseudo-gradient to the anchor's
+        update.
+
+    Raises:
+        ValueError: an unknown rule or compressor, an option they do not take, or a value out
+            of range.
+
+    Example:
+        >>> from fn.collectives import Local
+        >>> rule = fn.diloco.outer_rule("nesterov", comm=Local(), compression="bf16")
+        >>> rule.update({"w": torch.tensor([1.0])}, rule.init({"w": torch.zeros(1)}))[0]
+        {'w': tensor([-1.3300])}
+    """
+    outer_options, options = dict(outer_options or {}), dict(compression_options or {})
     if outer == "nesterov":
-        return nesterov(build_compression(kind or "fp32", comm=comm, **options), **outer_options)
+        kind = compression or "fp32"
+        return nesterov(build_compression(kind, comm=comm, **options), **outer_options)
     if outer == "sparseloco":
-        if kind not in (None, "topk"):
+        if compression not in (None, "topk"):
             raise ValueError(
                 f"DiLoCo: outer='sparseloco' sends its own top-k; compression must be None or "
-                f"'topk' (its k and chunk_size go in compression_options), got {kind!r}"
+                f"'topk' (its k and chunk_size go in compression_options), got {compression!r}"
             )
         return sparseloco(comm=comm, **outer_options, **options)
     raise ValueError(f"DiLoCo: outer must be one of {', '.join(OUTER_RULES)}, got {outer!r}")
@@ -237,7 +270,8 @@ class DiLoCo:
         self.comm = _comm(group, timeout)
         outer_options, options = dict(outer_options or {}), dict(compression_options or {})
         # built here to refuse bad options before the ranks compare their settings
-        self._rule = _rule(outer, outer_options, compression, options, self.comm)
+        rule = dict(outer_options=outer_options, compression=compression)
+        self._rule = outer_rule(outer, comm=self.comm, compression_options=options, **rule)
         self.sync_every = sync_every
         self._mix = float(mix)
         self._settings = {
@@ -261,7 +295,7 @@ class DiLoCo:
         comms = [self.comm, *within]
         if delay > 0:
             comms = exchange_comms(comms)
-            self._rule = _rule(outer, outer_options, compression, options, comms[0])
+            self._rule = outer_rule(outer, comm=comms[0], compression_options=options, **rule)
         self._exchange_comms = comms  # the workers' group, then the worker mesh's
         self._anchor = [x.to(anchor_device or x.device, copy=True) for x in shards]
         self._states = [self._rule.init(self._part(self._anchor, p)) for p in self._fragment_ids]
