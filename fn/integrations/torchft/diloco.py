@@ -6,6 +6,7 @@ live peer through torchft's recovery."""
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,10 +14,9 @@ import torch
 from torch import nn
 from torchft import Manager
 
-from fn.base import GradientTransformation, OptState
-from fn.collectives import Comm, Local, error_feedback_leaves
-from fn.diloco import OuterStep, nesterov, outer_update, pseudo_gradient, sparseloco
-from fn.diloco import compression as build_compression
+from fn.base import OptState
+from fn.collectives import Local, error_feedback_leaves
+from fn.diloco import OuterStep, outer_rule, outer_update, pseudo_gradient
 from fn.diloco.checkpoint import (
     PER_RANK,
     diloco_state_dict,
@@ -24,8 +24,9 @@ from fn.diloco.checkpoint import (
     own_key,
     restored,
 )
+from fn.diloco.inner import InnerOptimizer
 from fn.diloco.sharding import local_shard, worker_mesh_comms
-from fn.errors import check_int
+from fn.errors import check_int, user_stacklevel
 from fn.integrations.torchft.comm import ManagerComm
 from fn.tree import tree_flatten, tree_unflatten
 
@@ -46,21 +47,6 @@ Example:
     >>> POSITIONAL_COMPRESSIONS
     ('onebit', 'loco4')
 """
-
-
-def _rule(
-    outer: str, outer_options: Mapping, kind: str | None, options: Mapping, comm: Comm
-) -> GradientTransformation:
-    if outer == "nesterov":
-        return nesterov(build_compression(kind or "fp32", comm=comm, **options), **outer_options)
-    if outer == "sparseloco":
-        if kind not in (None, "topk"):
-            raise ValueError(
-                f"ElasticDiLoCo: outer='sparseloco' sends its own top-k; compression must be None "
-                f"or 'topk', got {kind!r}"
-            )
-        return sparseloco(comm=comm, **outer_options, **options)
-    raise ValueError(f"ElasticDiLoCo: outer must be 'nesterov' or 'sparseloco', got {outer!r}")
 
 
 def _merged(shared: list[Any], fresh: OptState) -> OptState:
@@ -94,10 +80,14 @@ class ElasticDiLoCo:
        out. Where the quorum's number of workers or this worker's rank changed, the error
        feedback of :data:`POSITIONAL_COMPRESSIONS` restarts from zero (logged).
     2. :func:`fn.diloco.outer_update` over :class:`ManagerComm`, the quorum's process group:
-       the mean over this step's participants (a worker sits out where it is recovering or its
-       pseudo-gradient is not finite), the same compressors and rules, bit for bit, as
-       ``fn.diloco.DiLoCo``. A collective that fails or outlasts the Manager's timeout is
-       reported to the Manager, not raised.
+       the mean over this step's participants, the same compressors and rules, bit for bit, as
+       ``fn.diloco.DiLoCo``. A worker sits out where it is recovering, or, as in
+       ``fn.diloco.DiLoCo``, where its pseudo-gradient or its inner optimizer's state holds NaN
+       or Inf: then it continues from the new anchor with its inner optimizer's state reset, and
+       warns (``RuntimeWarning``, on that worker); one that sits out ``max_sit_outs`` steps in a
+       row for that reason raises ``RuntimeError`` (it leaves the job, the others go on). A
+       collective that fails or outlasts the Manager's timeout is reported to the Manager, not
+       raised.
     3. ``manager.should_commit()``: where the vote passes, the anchor, the outer state and the
        error feedback take their new values and the parameters continue from the new anchor;
        where it fails, all stay as they were, and the parameters too (this worker's inner
@@ -126,6 +116,8 @@ class ElasticDiLoCo:
         anchor_device: where the anchor lives (``None``: each parameter's device).
         timeout: the timeout of the collectives inside a sharded worker (``None``:
             ``$FN_TIMEOUT``); those between the workers take the Manager's.
+        max_sit_outs: the outer steps in a row this worker may sit out for NaN or Inf before it
+            raises (``None``: never).
         name: the key of this object's state among the Manager's state dict functions.
 
     Raises:
@@ -136,7 +128,8 @@ class ElasticDiLoCo:
         inner_steps: the inner steps counted (recovered from a peer on joining).
         outer_steps: the committed outer steps (those without participants included).
         skipped_steps: the committed outer steps in which no worker took part.
-        sat_out_steps: the committed outer steps this worker sat out.
+        sat_out_steps: the committed outer steps this worker sat out (recovering or not
+            finite).
         failed_commits: the outer steps whose commit vote failed on this worker.
         participants: the workers that took part in the last outer step, by quorum rank.
 
@@ -184,9 +177,12 @@ class ElasticDiLoCo:
         delay: int = 0,
         anchor_device: torch.device | str | None = None,
         timeout: Any = None,
+        max_sit_outs: int | None = 3,
         name: str = "fn.diloco",
     ) -> None:
         check_int("ElasticDiLoCo: sync_every", sync_every, minimum=1)
+        if max_sit_outs is not None:
+            check_int("ElasticDiLoCo: max_sit_outs", max_sit_outs, minimum=1)
         if fragments != 1 or delay != 0:
             raise NotImplementedError(
                 "ElasticDiLoCo: Streaming DiLoCo (fragments, delay) is not built under torchft: "
@@ -200,10 +196,11 @@ class ElasticDiLoCo:
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._within = worker_mesh_comms(self._params, timeout)
         outer_options, options = dict(outer_options or {}), dict(compression_options or {})
-        self._rule = _rule(outer, outer_options, compression, options, self.comm)
+        rule = dict(outer_options=outer_options, compression=compression)
+        self._rule = outer_rule(outer, comm=self.comm, compression_options=options, **rule)
         self._positional = compression in POSITIONAL_COMPRESSIONS
         # sized for one worker until the first quorum gives the number of workers
-        self._local_rule = _rule(outer, outer_options, compression, options, Local())
+        self._local_rule = outer_rule(outer, comm=Local(), compression_options=options, **rule)
         self.sync_every = sync_every
         self._settings = {
             "sync_every": sync_every,
@@ -219,6 +216,9 @@ class ElasticDiLoCo:
         self._position: tuple[int, int] | None = None  # (W, rank) of the quorum the state fits
         self._state = self._local_rule.init(self._anchor)
         self._recovered = False
+        self._inner = InnerOptimizer(inner_optimizer)
+        self.max_sit_outs = max_sit_outs
+        self._faulty_in_a_row = 0
         self.inner_steps = 0
         self.outer_steps = 0
         self.skipped_steps = 0
@@ -263,7 +263,8 @@ class ElasticDiLoCo:
             params = self._shards()
             anchor = [a.to(q.device) for a, q in zip(self._anchor, params, strict=True)]
             delta = pseudo_gradient(anchor, params)
-            result = self._exchange(anchor, delta, takes_part=not self._recovered)
+            takes_part = self._inner.finite(self._params) & (not self._recovered)
+            result = self._exchange(anchor, delta, takes_part=takes_part)
         committed = self.manager.should_commit()
         if not committed or result is None:
             self.failed_commits += 1
@@ -283,9 +284,34 @@ class ElasticDiLoCo:
         self.participants = [bool(x) for x in result.participants.tolist()]
         self.outer_steps += 1
         self.skipped_steps += int(not bool(result.applied))
-        if not self.participants[self.comm.rank]:
-            self.sat_out_steps += 1
+        mine = self.participants[self.comm.rank]
+        self.sat_out_steps += not mine
+        self._faulty_in_a_row = 0 if mine or self._recovered else self._faulty_in_a_row + 1
+        if self._faulty_in_a_row:
+            self._sat_out_for_a_fault()
         return True
+
+    def _sat_out_for_a_fault(self) -> None:
+        """This worker sat out for NaN or Inf: its inner optimizer starts afresh; it warns, and
+        raises after ``max_sit_outs`` such steps in a row."""
+        self._inner.reset()
+        warnings.warn(
+            "ElasticDiLoCo: this worker's pseudo-gradient or its inner optimizer's state held "
+            f"NaN or Inf at inner step {self.inner_steps}: it sat the outer step out (the others' "
+            f"mean was applied), lost its inner steps since the last outer step (its parameters "
+            f"were reset to the anchor), {self._inner.what_reset()}, and its error feedback was "
+            "kept (check its data, inner learning rate and loss scale)",
+            RuntimeWarning,
+            stacklevel=user_stacklevel(),
+        )
+        limit = self.max_sit_outs
+        if limit is not None and self._faulty_in_a_row >= limit:
+            raise RuntimeError(
+                f"ElasticDiLoCo: this worker sat out {limit} outer steps in a row for NaN or Inf "
+                f"(max_sit_outs={limit}), so it no longer trains with the others; it raises, and "
+                "the others go on without it at their next quorum. Check its data, inner "
+                "learning rate and loss scale, or pass max_sit_outs=None to go on"
+            )
 
     def _exchange(
         self, anchor: list[torch.Tensor], delta: list[torch.Tensor], *, takes_part: bool
