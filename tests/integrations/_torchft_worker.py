@@ -69,8 +69,8 @@ def full(x: torch.Tensor) -> torch.Tensor:
 
 
 def plain(rank: int, world_size: int, cases: list[dict], outer_steps: int) -> list:
-    """fn.diloco.DiLoCo on gloo ranks (``run_distributed``): every case's parameters and the
-    bytes its outer steps sent."""
+    """fn.diloco.DiLoCo on gloo ranks (``run_distributed``): every case's parameters, the bytes
+    its outer steps sent and its state dict."""
     torch.set_num_threads(1)
     out = []
     for case in cases:
@@ -80,7 +80,8 @@ def plain(rank: int, world_size: int, cases: list[dict], outer_steps: int) -> li
         diloco.comm.reset_bytes_sent()  # the settings' agreement at construction
         for t in range(H * outer_steps):
             inner_step(net, inner, rank, t)
-        out.append(([p.detach().clone() for p in net.parameters()], diloco.comm.bytes_sent))
+        params = [p.detach().clone() for p in net.parameters()]
+        out.append((params, diloco.comm.bytes_sent, diloco.state_dict()))
     return out
 
 
@@ -142,7 +143,7 @@ class Worker:
     def run(self) -> None:
         from fn.integrations.torchft import ElasticDiLoCo
 
-        params = []
+        params, states = [], []
         for index, case in enumerate(self.config["cases"]):
             net = self.model()
             inner = torch.optim.SGD(net.parameters(), lr=LR)
@@ -152,11 +153,34 @@ class Worker:
             )  # fmt: skip
             self.train(index, net, inner, diloco)
             params.append([full(p).detach().clone() for p in net.parameters()])
+            sharded = self.mesh is not None
+            states.append(self.through_dcp(net, inner, diloco) if sharded else diloco.state_dict())
         if self.writes:
             torch.save(params, self.out / f"params-{self.replica}.pt")
+            torch.save(states, self.out / f"states-{self.replica}.pt")
         self.manager.shutdown(wait=False)
         if self.mesh is not None:
             torch.distributed.destroy_process_group()
+
+    def through_dcp(self, net, inner, diloco) -> bool:
+        """Saves the run through DCP (``fn.fsdp.TrainingCheckpoint``) and loads it into a fresh
+        one: whether the parameters, the anchor and the counts came back."""
+        import fn.fsdp
+        from fn.integrations.torchft import ElasticDiLoCo
+
+        path = str(self.out / f"dcp-{self.replica}")
+        fn.fsdp.TrainingCheckpoint(net, inner, extra={"diloco": diloco}).save(path)
+        net2 = self.model()
+        inner2 = torch.optim.SGD(net2.parameters(), lr=LR)
+        fresh = ElasticDiLoCo(
+            net2, inner2, manager=self.manager, process_group=self.pg, sync_every=H, name="dcp"
+        )
+        fn.fsdp.TrainingCheckpoint(net2, inner2, extra={"diloco": fresh}).load(path)
+        before, after = diloco.state_dict(), fresh.state_dict()
+        anchors = zip(before["anchor"], after["anchor"], strict=True)
+        pairs = [*anchors, *zip(net.parameters(), net2.parameters(), strict=True)]
+        same = all(torch.equal(full(a), full(b)) for a, b in pairs)
+        return same and before["counts"] == after["counts"]
 
     def train(self, case: int, net, inner, diloco) -> None:
         config, streak = self.config, 0

@@ -1,19 +1,23 @@
 """fn.integrations.torchft: fn.diloco under torchft's Manager, on CPU gloo, each test with its
 own lighthouse (torchft's ``LighthouseServer`` on a free port, shut down after) and worker
-processes of tests/integrations/_torchft_worker.py (one replica group of one rank each):
+processes of tests/integrations/_torchft_worker.py (one replica group each):
 
 - without faults, 3 workers train every outer rule and compressor (fp32, bf16, int8, loco4,
   1-bit, top-k with error feedback, sparseloco) and end where ``fn.diloco.DiLoCo`` on 3 gloo
-  ranks ends, bit for bit, sending the same bytes;
+  ranks ends, bit for bit, sending the same bytes but for fn.diloco's header, and with its
+  checkpoint: the same state dict, which ``DiLoCo`` on one worker and ``ElasticDiLoCo`` load;
 - with faults, 4 workers with top-k and error feedback: one's pseudo-gradient turns NaN (it
   sits that step out, the others commit), one is SIGKILLed inside an outer exchange (that step
   fails on the others, who go on with 3 at the next quorum), one is SIGKILLed between outer
   steps and restarted (the others go on with 2; it rejoins, recovers the anchor from a live
   peer and sits one step out). Every committed anchor is the same on every worker and equals a
   loop over the participants (tests/diloco/_reference.py), and every worker ends with the same
-  parameters.
+  parameters;
+- FSDP2 inside the workers: 2 workers of 2 ranks (``torchrun``), each rank recovering its
+  shard at the first quorum (``init_sync``), then matching the loop; their checkpoint through
+  ``fn.fsdp.TrainingCheckpoint`` loads into a fresh run.
 
-No test hangs: every process runs in a session of its own and is killed with the lighthouse
+No test hangs: every process runs in a session of its own and is stopped with the lighthouse
 when a test ends or times out.
 """
 
@@ -36,8 +40,11 @@ os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse in this proces
 pytest.importorskip("torchft", reason="torchft is in the 'torchft' extra")
 from torchft.coordination import LighthouseServer  # noqa: E402
 
+import fn.diloco  # noqa: E402
+from fn.integrations.torchft import ElasticDiLoCo  # noqa: E402
 from tests._distributed import ROOT, run_distributed  # noqa: E402
 from tests.diloco import _reference  # noqa: E402
+from tests.integrations import _torchft_fakes as fakes  # noqa: E402
 from tests.integrations import _torchft_worker as worker  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "integrations" / "_torchft_worker.py"
@@ -145,13 +152,14 @@ def without_faults(tmp_path_factory):
         codes = [running.wait(p, deadline) for p in processes]
         assert codes == [0, 0, 0], running.logs()
     elastic = [torch.load(out / f"params-{r}.pt") for r in range(3)]
-    return elastic, plain, _records(out)
+    states = [torch.load(out / f"states-{r}.pt") for r in range(3)]
+    return elastic, plain, _records(out), states
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(480)
 def test_without_faults_the_run_is_fn_diloco_bit_for_bit(without_faults):
-    elastic, plain, records = without_faults
+    elastic, plain, records, _ = without_faults
     for case, kwargs in enumerate(CASES):
         for r in range(3):
             got, expected = elastic[r][case], plain[r][case][0]
@@ -167,6 +175,57 @@ def test_without_faults_the_run_is_fn_diloco_bit_for_bit(without_faults):
         for case in range(len(CASES)):
             sent = [line["bytes"] for line in lines if line["case"] == case][-1]
             assert sent + header == plain[r][case][1], (CASES[case], r)
+
+
+def _equal(a, b) -> bool:
+    """Two state dicts' tensors, lists and values all equal."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return a == b
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(480)
+def test_its_checkpoint_is_fn_diloco_s_and_restarts_on_any_number_of_workers(without_faults):
+    """``ElasticDiLoCo.state_dict()`` is ``fn.diloco.DiLoCo``'s of the same run (its own error
+    feedback under its own key; no count of each worker's sit-outs, as its workers come and
+    go); a ``DiLoCo`` on one worker loads it (the error feedback restarts, with a warning), and
+    an ``ElasticDiLoCo`` loads a ``DiLoCo``'s: top-k's error feedback with it, 1-bit's
+    restarting from zero."""
+    _, plain, _, states = without_faults
+    for case, kwargs in enumerate(CASES):
+        for r in range(3):
+            mine, theirs = dict(states[r][case]), dict(plain[r][case][2])
+            assert _equal(mine.pop("per_rank")["rank0"], theirs.pop("per_rank")[f"rank{r}"])
+            counts = theirs.pop("counts")
+            assert counts.pop("sat_out") == [0] * 3 and counts.pop("sit_outs_in_a_row") == [0] * 3
+            assert mine.pop("counts") == counts
+            assert _equal(mine, theirs), (kwargs, r)
+    topk, onebit = CASES.index(TOPK), CASES.index({"compression": "onebit"})
+    model = worker.model()
+    inner = torch.optim.SGD(model.parameters(), lr=worker.LR)
+    diloco = fn.diloco.DiLoCo(model, inner, sync_every=worker.H, **TOPK)
+    with pytest.warns(UserWarning, match="error feedback restarts from zero"):
+        diloco.load_state_dict(states[1][topk])
+    assert _equal(diloco.state_dict()["anchor"], states[1][topk]["anchor"])
+    for case in (topk, onebit):
+        elastic = ElasticDiLoCo(
+            model, inner, manager=fakes.Manager(), process_group=fakes.ProcessGroup(),
+            sync_every=worker.H, **CASES[case],
+        )  # fmt: skip
+        saved = plain[0][case][2]
+        elastic.load_state_dict(saved)
+        loaded = elastic.state_dict()
+        assert _equal(loaded["anchor"], saved["anchor"]) and loaded["counts"] == saved["counts"]
+        feedback = loaded["per_rank"]["rank0"]["error_feedback"]
+        if case == topk:
+            assert _equal(feedback, saved["per_rank"]["rank0"]["error_feedback"])
+        else:  # laid out by the quorum's rank and size: restarts
+            assert all(not bool(e.ne(0).any()) for e in feedback)
 
 
 FAULTS = {
@@ -295,7 +354,8 @@ def sharded(tmp_path_factory):
         processes = [running.launch(r, SHARDED) for r in range(2)]
         codes = [running.wait(p, deadline) for p in processes]
         assert codes == [0, 0], running.logs()
-    return _records(out), {r: torch.load(out / f"params-{r}.pt")[0] for r in range(2)}
+    final = {r: torch.load(out / f"params-{r}.pt")[0] for r in range(2)}
+    return _records(out), final, {r: torch.load(out / f"states-{r}.pt")[0] for r in range(2)}
 
 
 @pytest.mark.distributed
@@ -304,7 +364,8 @@ def test_fsdp2_workers_recover_their_shards_and_match_the_loop(sharded):
     """``init_sync``: at the first quorum each shard position recovers from one primary (torchft
     picks it per position: replica 0's for rank 0, replica 1's for rank 1), so every worker has
     a rank that recovered and sits that step out; the later steps are the unsharded loop's."""
-    records, final = sharded
+    records, final, through_dcp = sharded
+    assert through_dcp == {0: True, 1: True}  # fn.fsdp.TrainingCheckpoint saved and loaded it
     first = [lines[0] for lines in records.values()]
     assert all(line["committed"] and line["participants"] == [False, False] for line in first)
     expected = _replay(records, {})
