@@ -166,7 +166,12 @@ def environment(args: argparse.Namespace) -> dict:
 
 
 def print_plan(args: argparse.Namespace) -> None:
-    print(f"# {NODES} namespaces ({args.prefix}-r0 .. r{NODES - 1}) behind diloco_wall.py's switch")
+    _, nodes = cluster.namespaces(args.prefix, NODES)
+    print(f"# set up: {NODES} namespaces, one TUN eth0 each, held by diloco_wall.py's switch")
+    for ns in nodes:
+        print(f"ip netns add {ns}")
+    switch = json.dumps(wall.switch_config(args, NODES))
+    print(f"{sys.executable} {os.path.abspath(wall.__file__)} --switch '{switch}'")
     for cmd in wall.link_commands(args, NODES):
         print(" ".join(cmd))
     print(f"# torchft runs: the lighthouse in {node(args, WORKERS)}")
@@ -179,6 +184,9 @@ def print_plan(args: argparse.Namespace) -> None:
             for rank in range(WORKERS):
                 cmd = worker_command(args, worker_config(args, method, run, rank))
                 print(" ".join(cmd[:-1]), f"'{cmd[-1]}'")
+    print("# clean up: stop the switch (its TUN devices go with it), then")
+    for ns in nodes:
+        print(f"ip netns delete {ns}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,7 +231,8 @@ class Run:
         self.start(f"worker{rank}", worker_command(self.args, config))
 
     def tail(self, name: str) -> str:
-        return cluster._tail(os.path.join(self.folder, f"{name}.log"))
+        with open(os.path.join(self.folder, f"{name}.log")) as f:
+            return "".join(f.readlines()[-30:])
 
     def stop(self) -> None:
         cluster.stop(list(self.procs.values()))
@@ -331,13 +340,23 @@ class Trainer:
             logits = self.model(self.heldout[0])
             return float(self.torch.nn.functional.cross_entropy(logits, self.heldout[1]))
 
+    def wait_for_all(self) -> None:
+        """The first workers start training together, once every one is set up (the lighthouse
+        waits ``--join_timeout_ms`` for a late worker's first quorum, not for its start-up)."""
+        folder = os.path.dirname(self.config["events"])
+        open(os.path.join(folder, f"ready-{self.config['rank']}"), "w").close()
+        while sum(os.path.exists(os.path.join(folder, f"ready-{r}")) for r in range(WORKERS)) < 4:
+            time.sleep(0.05)
+
     def tx_bytes(self) -> int:
         with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
             return int(f.read())
 
-    def train(self, step, outer_steps, sent, after_outer=None) -> None:
+    def train(self, step, outer_steps, sent, after_outer=None, participants=None) -> None:
         """Inner steps until the cap; after each outer step, worker 0 evaluates."""
         config, torch = self.config, self.torch
+        if not (config.get("restarted") or config.get("resume")):
+            self.wait_for_all()
         self.emit("train_start", step=step())
         seen = outer_steps()
         while step() < config["max_steps"]:
@@ -361,7 +380,7 @@ class Trainer:
             loss = self.evaluate()
             self.emit(
                 "eval", step=step(), outer=seen, loss=loss, eval_s=time.time() - started,
-                fn_bytes=sent(), tx=self.tx_bytes(),
+                fn_bytes=sent(), tx=self.tx_bytes(), took_part=participants and participants(),
             )  # fmt: skip
             if loss <= config["target"]:
                 self.emit("target", step=step(), outer=seen)
@@ -397,7 +416,10 @@ def fn_torchft(trainer: Trainer) -> None:
         compression_options={"k": config["k"], "chunk_size": CHUNK},
     )  # fmt: skip
     trainer.train(
-        lambda: diloco.inner_steps, lambda: diloco.outer_steps, lambda: diloco.comm.bytes_sent
+        lambda: diloco.inner_steps,
+        lambda: diloco.outer_steps,
+        lambda: diloco.comm.bytes_sent,
+        participants=lambda: sum(diloco.participants),
     )
 
 
@@ -464,6 +486,7 @@ def torchft_diloco(trainer: Trainer) -> None:
             lambda: manager.current_step() * h + counted["inner"] % h,
             manager.current_step,
             lambda: 0,
+            participants=manager.num_participants,
         )
 
 
@@ -580,27 +603,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--rate", default="10mbit", help="tc rate of every node's link")
-    p.add_argument("--delay", default="50ms", help="one-way delay between two nodes")
-    p.add_argument("--mtu", type=int, default=1500)
-    p.add_argument("--target", type=float, default=2.3, help="held-out loss to reach (nats)")
-    p.add_argument("--sync-every", type=int, default=30, help="H, inner steps per outer step")
-    p.add_argument("--density", type=int, default=32, help="top-k density 1/D")
+    wall.add_run_arguments(p, "fnelastic", "10.217.0")
     p.add_argument("--kill-at", type=int, help="worker 3's last inner step (default: a third)")
     p.add_argument("--max-steps", type=int, default=1500, help="inner steps cap")
     p.add_argument("--fn-timeout", type=float, default=30, help="FN_TIMEOUT, torchft timeout s")
-    p.add_argument("--runs", type=int, default=1, help="repeats of every method")
-    p.add_argument("--methods", help="comma list of run names (default: all)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW's lr")
-    p.add_argument("--batch", type=int, default=32, help="windows per worker per step")
-    p.add_argument("--prefix", default="fnelastic", help="name prefix of the namespaces")
-    p.add_argument("--subnet", default="10.217.0", help="first three octets of the /24")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per run")
-    p.add_argument("--json", help="also write every run's record here")
-    p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
-    p.add_argument("--cleanup", action="store_true", help="remove PREFIX-* leftovers")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.methods is not None:
         args.methods = args.methods.split(",")

@@ -604,34 +604,40 @@ def streaming_lines(rows: list[dict]) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--rate", default="10mbit", help="tc rate of every worker's link")
-    p.add_argument("--delay", default="50ms", help="one-way delay between two workers")
+def add_run_arguments(p: argparse.ArgumentParser, prefix: str, subnet: str) -> None:
+    """The options this script and ``diloco_elastic.py`` share: the links, the task, the runs,
+    the namespaces' names and the modes (``--dry-run``, ``--cleanup``)."""
+    p.add_argument("--rate", default="10mbit", help="tc rate of every node's link")
+    p.add_argument("--delay", default="50ms", help="one-way delay between two nodes")
     p.add_argument("--mtu", type=int, default=1500)
     p.add_argument("--target", type=float, default=2.3, help="held-out loss to reach (nats)")
     p.add_argument("--sync-every", type=int, default=30, help="H, inner steps per outer step")
     p.add_argument("--density", type=int, default=32, help="SparseLoCo's top-k density 1/D")
-    p.add_argument("--fragments", type=int, default=3, help="P of the streaming runs")
-    p.add_argument("--delay-steps", type=int, help="tau of the delayed streaming run (H/P - 1)")
-    p.add_argument("--ddp-steps", type=int, default=300, help="DDP's step cap")
-    p.add_argument("--diloco-steps", type=int, default=900, help="DiLoCo's step cap")
-    p.add_argument("--eval-every", type=int, default=10, help="DDP's steps between evaluations")
     p.add_argument("--runs", type=int, default=1, help="repeats of every method")
     p.add_argument("--methods", help="comma list of run names (default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW's lr (DDP and inner)")
     p.add_argument("--batch", type=int, default=32, help="windows per worker per step")
-    p.add_argument("--quick", action="store_true", help="smoke run: target 3.0, 60 / 20 steps")
-    p.add_argument("--prefix", default="fnwall", help="name prefix of the namespaces")
-    p.add_argument("--subnet", default="10.216.0", help="first three octets of the /24")
+    p.add_argument("--prefix", default=prefix, help="name prefix of the namespaces")
+    p.add_argument("--subnet", default=subnet, help="first three octets of the /24")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run (all ranks)")
     p.add_argument("--json", help="also write every run's record here")
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     p.add_argument("--cleanup", action="store_true", help="remove PREFIX-* leftovers")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_run_arguments(p, "fnwall", "10.216.0")
+    p.add_argument("--fragments", type=int, default=3, help="P of the streaming runs")
+    p.add_argument("--delay-steps", type=int, help="tau of the delayed streaming run (H/P - 1)")
+    p.add_argument("--ddp-steps", type=int, default=300, help="DDP's step cap")
+    p.add_argument("--diloco-steps", type=int, default=900, help="DiLoCo's step cap")
+    p.add_argument("--eval-every", type=int, default=10, help="DDP's steps between evaluations")
+    p.add_argument("--quick", action="store_true", help="smoke run: target 3.0, 60 / 20 steps")
     p.add_argument("--switch", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:  # its settings, where the command line left the defaults
