@@ -469,7 +469,12 @@ class ElasticDiLoCo:
         counters load; this rank's error feedback loads where the checkpoint holds it in this
         layout (``"topk"``'s and ``"sparseloco"``'s), else restarts from zero with one warning;
         that of :data:`POSITIONAL_COMPRESSIONS` restarts from zero (logged), as at a change of
-        the quorum.
+        the quorum. Each worker loads the file it saved: the error feedback under this rank's
+        key is that worker's own (a replica group of one rank saves it as ``"rank0"``).
+
+        Args:
+            state: what :meth:`state_dict` returned (``torch.load`` of this worker's file, or
+                filled by ``torch.distributed.checkpoint``).
 
         Raises:
             ValueError: other settings, tensors of other shapes, or a checkpoint taken while
