@@ -74,6 +74,7 @@ NODES = WORKERS + 1  # the lighthouse's node is the last
 VICTIM = 3
 CHUNK = 4096
 LIGHTHOUSE_PORT = 29510
+AFTER_S = 180  # how long a run goes on after the target, for its restarted worker to rejoin
 
 
 def _load(name: str, path: str):
@@ -239,11 +240,12 @@ class Run:
 
 
 def run_one(args: argparse.Namespace, method: Method, run: int, logdir: str) -> dict:
-    """Runs ``method`` until worker 0 reaches the target (or ``--timeout``); returns its events,
-    the restart times and the interfaces' byte counts."""
+    """Runs ``method`` until worker 0 reaches the target (or ``--timeout``), and, where a
+    worker was restarted alone, until it took part in an outer step (at most ``AFTER_S`` more
+    seconds); returns worker 0's and worker 3's events, the restart's time and the lighthouse's
+    byte counts, sampled every second."""
     job = Run(args, method, run, logdir)
-    before = [interface_bytes(args, i) for i in range(NODES)]
-    restarted_at = None
+    restarted_at, reached_at, samples = None, None, []
     try:
         if method.kind != "fn-diloco":
             job.start("lighthouse", lighthouse_command(args))
@@ -251,34 +253,32 @@ def run_one(args: argparse.Namespace, method: Method, run: int, logdir: str) -> 
             job.start_worker(rank)
         deadline = time.monotonic() + args.timeout
         while time.monotonic() < deadline:
-            if any(e["event"] in ("target", "cap") for e in events(_events(job, 0))):
+            samples.append((time.time(), *interface_bytes(args, WORKERS)))
+            if reached_at is None and any(
+                e["event"] in ("target", "cap") for e in events(_events(job, 0))
+            ):
+                reached_at = time.monotonic()
+            if reached_at is not None and (
+                time.monotonic() > reached_at + AFTER_S
+                or not _awaiting_rejoin(job, method, restarted_at)
+            ):
                 break
             codes = {name: p.poll() for name, p in job.procs.items()}
-            victim = f"worker{VICTIM}"
-            if method.fault and restarted_at is None and codes[victim] == -signal.SIGKILL:
-                if method.kind == "fn-diloco":  # every worker raises, then all start again
-                    if any(codes[f"worker{r}"] is None for r in range(WORKERS)):
-                        time.sleep(0.2)
-                        continue
-                    restarted_at = time.time()
-                    for rank in range(WORKERS):
-                        job.start_worker(rank, resume=True)
-                else:
-                    restarted_at = time.time()
-                    job.start_worker(VICTIM, restarted=True)
+            if method.fault and restarted_at is None and codes[f"worker{VICTIM}"] == -9:
+                restarted_at = _restart(job, method, codes)
                 continue
             failed = [n for n, c in codes.items() if c not in (None, 0)]
-            failed = [n for n in failed if not (method.fault and restarted_at is None)]
+            if method.fault and restarted_at is None:  # the victim died: fn.diloco's others too
+                failed = [n for n in failed if n != f"worker{VICTIM}" and not _all_fail(method)]
             if failed:
                 raise RuntimeError(f"{method.name}: {failed[0]} failed:\n{job.tail(failed[0])}")
-            time.sleep(0.2)
+            time.sleep(0.5)
         else:
             raise RuntimeError(
                 f"{method.name}: no result in {args.timeout} s:\n{job.tail('worker0')}"
             )
     finally:
         job.stop()
-    after = [interface_bytes(args, i) for i in range(NODES)]
     return {
         "method": method.name,
         "run": run,
@@ -286,9 +286,38 @@ def run_one(args: argparse.Namespace, method: Method, run: int, logdir: str) -> 
         "events": events(_events(job, 0)),
         "victim_events": events(_events(job, VICTIM)),
         "restarted_at": restarted_at,
-        "lighthouse_bytes": sum(after[WORKERS]) - sum(before[WORKERS]),
-        "worker0_tx": after[0][0] - before[0][0],
+        "lighthouse": samples,  # (wall, tx, rx) of the lighthouse's eth0
     }
+
+
+def _all_fail(method: Method) -> bool:
+    """Whether every worker ends when one dies (fn.diloco without torchft)."""
+    return method.kind == "fn-diloco"
+
+
+def _restart(job: Run, method: Method, codes: dict) -> float | None:
+    """Starts worker 3 again after its death (fn.diloco: all 4, once every worker has ended);
+    the time it did, or ``None`` where fn.diloco's others still run."""
+    if method.kind != "fn-diloco":
+        job.start_worker(VICTIM, restarted=True)
+        return time.time()
+    if any(codes[f"worker{r}"] is None for r in range(WORKERS)):
+        return None
+    started = time.time()
+    for rank in range(WORKERS):
+        job.start_worker(rank, resume=True)
+    return started
+
+
+def _awaiting_rejoin(job: Run, method: Method, restarted_at: float | None) -> bool:
+    """Whether worker 3, restarted alone, has yet to take part in an outer step."""
+    if not method.fault or method.kind == "fn-diloco":
+        return False
+    if restarted_at is None:
+        return True
+    return not any(
+        e["event"] == "outer" and e["wall"] >= restarted_at for e in events(_events(job, VICTIM))
+    )
 
 
 def _events(job: Run, rank: int) -> str:
@@ -500,31 +529,58 @@ def worker_main(config: dict) -> None:
 # Summary (pure).
 
 
+def _sample_at(samples: list, wall: float) -> list:
+    """The last sample of the lighthouse's counters at or before ``wall`` (else the first)."""
+    before = [x for x in samples if x[0] <= wall]
+    return before[-1] if before else samples[0]
+
+
+def per_outer_step(result: dict, evals: list[dict]) -> dict:
+    """Medians over worker 0's consecutive outer steps: seconds (its evaluations left out),
+    fn's bytes, its ``eth0``'s bytes, torchft's control traffic per worker (the lighthouse's
+    interface, both ways, over ``WORKERS``) and what worker 0 sent less its share of what the
+    lighthouse received (the data, as fn.diloco's runs send it)."""
+    samples, out = result.get("lighthouse") or [], {}
+    rows = []
+    for a, b in itertools.pairwise(evals):
+        row = {"s": b["wall"] - a["wall"] - b["eval_s"], "fn": b["fn_bytes"] - a["fn_bytes"]}
+        row["wire"] = b["tx"] - a["tx"]
+        if samples:
+            (_, tx0, rx0), (_, tx1, rx1) = (
+                _sample_at(samples, a["wall"]),
+                _sample_at(samples, b["wall"]),
+            )
+            row["control"] = (tx1 - tx0 + rx1 - rx0) / WORKERS
+            row["data"] = row["wire"] - (rx1 - rx0) / WORKERS
+        rows.append(row)
+    for key in ("s", "fn", "wire", "control", "data"):
+        values = [r[key] for r in rows if key in r and (key == "s" or r[key] > 0)]
+        out[key] = statistics.median(values) if values else None
+    return out
+
+
 def summarize(result: dict) -> dict:
-    """One run's figures from worker 0's events (see the module docstring)."""
+    """One run's figures from worker 0's and worker 3's events (see the module docstring)."""
     evs = result["events"]
     first = next(e for e in evs if e["event"] == "train_start")
     evals = [e for e in evs if e["event"] == "eval"]
     hit = next((e for e in evals if e["loss"] <= result["target"]), None)
     end = hit or evals[-1]
     eval_s = sum(e["eval_s"] for e in evals if e["wall"] <= end["wall"])
-    pairs = list(itertools.pairwise(evals))
-    gaps = [b["wall"] - a["wall"] - b["eval_s"] for a, b in pairs]
-    per_outer = [b["fn_bytes"] - a["fn_bytes"] for a, b in pairs if b["fn_bytes"] > a["fn_bytes"]]
-    wire = [b["tx"] - a["tx"] for a, b in pairs if b["tx"] > a["tx"]]
-    outer_steps = end["outer"]
+    medians = per_outer_step(result, evals)
     row = {
         "method": result["method"],
         "run": result["run"],
         "reached": hit is not None,
         "steps": end["step"],
-        "outer_steps": outer_steps,
+        "outer_steps": end["outer"],
         "loss": end["loss"],
         "time_s": end["wall"] - first["wall"] - eval_s,
-        "s_per_outer": statistics.median(gaps) if gaps else None,
-        "fn_bytes_per_outer": statistics.median(per_outer) if per_outer else None,
-        "wire_per_outer": statistics.median(wire) if wire else None,
-        "control_per_outer": result["lighthouse_bytes"] / WORKERS / max(outer_steps, 1),
+        "s_per_outer": medians["s"],
+        "fn_bytes_per_outer": medians["fn"],
+        "wire_per_outer": medians["wire"],
+        "control_per_outer": medians["control"],
+        "data_per_outer": medians["data"],
         "startup_s": None,
         "rejoin_s": None,
     }
@@ -547,8 +603,9 @@ def table(rows: list[dict]) -> str:
     lines = [
         "| run | method | reached | inner steps | outer steps | time to target s "
         "| s / outer step | restart: start-up s | restart: rejoined after s "
-        "| fn B / outer step | wire B / outer step | torchft control B / outer step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fn B / outer step | wire B / outer step | torchft control B / outer step "
+        "| wire less control B / outer step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -556,9 +613,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['steps']} | {r['outer_steps']} | {r['time_s']:.1f} "
             f"| {_f(r['s_per_outer'], '.2f')} | {_f(r['startup_s'], '.1f')} "
             f"| {_f(r['rejoin_s'], '.1f')} | {_f(r['fn_bytes_per_outer'] or None, ',.0f')} "
-            f"| {_f(r['wire_per_outer'], ',.0f')} | "
-            + ("-" if r["method"] == "fn-diloco-restart" else f"{r['control_per_outer']:,.0f}")
-            + " |"
+            f"| {_f(r['wire_per_outer'], ',.0f')} | {_f(r['control_per_outer'], ',.0f')} "
+            f"| {_f(r['data_per_outer'], ',.0f')} |"
         )
     return "\n".join(lines)
 
@@ -580,10 +636,10 @@ def targets(rows: list[dict]) -> list[str]:
             )
         if clean and plain and plain["fn_bytes_per_outer"]:
             ratio = clean["fn_bytes_per_outer"] / plain["fn_bytes_per_outer"]
-            wire = (clean["wire_per_outer"] - clean["control_per_outer"]) / plain["wire_per_outer"]
+            wire = clean["data_per_outer"] / plain["wire_per_outer"]
             out.append(
                 f"run {run + 1}: bytes per outer step against fn.diloco: fn's count {ratio:.3f}x, "
-                f"the wire less torchft's control traffic {wire:.3f}x: "
+                f"worker 0's wire less what it sent the lighthouse {wire:.3f}x: "
                 f"{'met' if abs(wire - 1) <= 0.05 and abs(ratio - 1) <= 0.05 else 'NOT met'}"
             )
         if fault and theirs:

@@ -1167,14 +1167,17 @@ def _elastic_events(evals, restart=None):
 def test_diloco_elastic_summary_times_the_target_and_the_restart():
     elastic = _load("diloco_elastic.py")
     # an outer step every 3 inner steps, 2.5 s apart of which 0.5 s evaluating
+    # the lighthouse's eth0 (wall, tx, rx): 200 B to and 160 B from the 4 workers a step
+    lighthouse = [(100.0 + 2.5 * i, 200 * i, 160 * i) for i in range(5)]
     clean = {"method": "fn-torchft-topk-nofault", "run": 0, "target": 2.0, "restarted_at": None,
-             "lighthouse_bytes": 4 * 3 * 90, "worker0_tx": 0, "victim_events": [],
+             "lighthouse": lighthouse, "victim_events": [],
              "events": _elastic_events([(3, 2.5, 2.4, 100, 1000), (6, 5.0, 2.2, 200, 1400),
                                         (9, 7.5, 1.9, 300, 1800)])}  # fmt: skip
     row = elastic.summarize(clean)
     assert row["reached"] and row["outer_steps"] == 3 and row["time_s"] == pytest.approx(6.0)
     assert row["s_per_outer"] == pytest.approx(2.0) and row["fn_bytes_per_outer"] == 100
     assert row["wire_per_outer"] == 400 and row["control_per_outer"] == 90
+    assert row["data_per_outer"] == 360  # 400 B less its share of what the lighthouse got
     victim = [{"event": "start", "wall": 102.0}, {"event": "train_start", "wall": 104.5},
               {"event": "outer", "wall": 107.0}]  # fmt: skip
     fault = {**clean, "method": "fn-torchft-topk", "restarted_at": 102.0, "victim_events": victim,
@@ -1185,4 +1188,6 @@ def test_diloco_elastic_summary_times_the_target_and_the_restart():
     assert slow["startup_s"] == pytest.approx(2.5) and slow["rejoin_s"] == pytest.approx(5.0)
     (cost,) = elastic.targets([row, slow])
     assert "costs 2.0 s (bound: start-up 2.5 s + one outer step 2.00 s = 4.5 s): met" in cost
-    assert "| fn-torchft-topk | yes | 9 | 3 | 8.0 | 3.00 | 2.5 | 5.0 |" in elastic.table([slow])
+    assert "| fn-torchft-topk | yes | 9 | 3 | 8.0 | 3.00 | 2.5 | 5.0 | 100 | 400 |" in (
+        elastic.table([slow])
+    )
