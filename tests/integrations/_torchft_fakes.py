@@ -20,37 +20,43 @@ class Work:
 
 
 class ProcessGroup:
-    """Two ranks whose peer sends twice what this one sends; ``fail`` makes the next call's
+    """A quorum of ``size`` ranks that all send what this one sends (``Manager.rank`` is this
+    one's), so that every collective's result is consistent; ``fail`` makes the next call's
     work fail."""
 
-    def __init__(self) -> None:
+    def __init__(self, manager: Manager, size: int = 2) -> None:
+        self.manager, self.ranks = manager, size
         self.calls, self.fail = 0, False
 
     def size(self) -> int:
-        return 2
+        return self.ranks
 
     def _work(self) -> Work:
         self.calls += 1
         return Work(RuntimeError("Connection closed by peer") if self.fail else None)
 
     def allreduce(self, tensors, options):
-        tensors[0].mul_(3)  # this rank's x plus the peer's 2 x
+        tensors[0].mul_(self.ranks)  # the sum of every rank's copy
         return self._work()
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, options):
-        outputs[0].copy_(torch.cat([inputs[0], 2 * inputs[0]]))
+        outputs[0].copy_(inputs[0].repeat(self.ranks))
         return self._work()
 
     def alltoall_base(self, output, input, output_split, input_split, options):
-        output.copy_(input)
+        mine = input.view(self.ranks, -1)[self.manager.rank]  # every rank's chunk for this one
+        output.view(self.ranks, -1).copy_(mine.expand(self.ranks, -1))
         return self._work()
 
 
 class Manager:
-    """What ManagerComm reads of torchft's Manager: its error, as the Manager keeps it."""
+    """What ManagerComm and ElasticDiLoCo read of torchft's Manager: its error, as the Manager
+    keeps it, this rank (``rank``), a quorum that changes nothing and a vote that passes unless
+    a collective failed."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 0) -> None:
         self.error: Exception | None = None
+        self.rank, self.step, self.registered = rank, 0, []
 
     def errored(self) -> Exception | None:
         return self.error
@@ -59,10 +65,20 @@ class Manager:
         self.error = error
 
     def participating_rank(self) -> int:
-        return 0
+        return self.rank
 
     def register_state_dict_fn(self, key, load_state_dict, state_dict) -> None:
-        self.registered = key
+        self.registered.append(key)
+
+    def start_quorum(self) -> None:
+        self.error = None
+
+    def current_step(self) -> int:
+        return self.step
+
+    def should_commit(self) -> bool:
+        self.step += self.error is None
+        return self.error is None
 
     def wrap_future(self, future: torch.futures.Future, default):
         def swallowed(done: torch.futures.Future):
