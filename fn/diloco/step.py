@@ -86,7 +86,7 @@ def outer_step(
     2. Participation: this rank takes part where ``takes_part`` and every value of ``delta``
        is finite; a worker takes part where all its ranks do (summed over ``within``); the
        workers agree on the mask ``m`` in one all-gather over ``comm``
-       (``fn.diloco.participation.agree_on_participation``; with ``header``, the same
+       (``agree_on_participation`` of fn/diloco/participation.py; with ``header``, the same
        all-gather checks that every worker is at the same exchange). ``n = sum(m)``.
     3. ``updates, state = outer.update(delta', state, anchor, participation=...)``: the outer
        rule, whose compressor averages over the ``n`` participants (``delta' = delta`` where

@@ -16,7 +16,7 @@ import torch
 
 import fn.collectives
 import fn.diloco
-import fn.diloco.wrapper
+import fn.diloco.fragment
 import fn.fsdp
 from tests._distributed import run_distributed
 from tests.diloco import _streaming_cases as cases
@@ -61,7 +61,7 @@ def _fails(rank):
         def fails(*args, **kwargs):
             raise ZeroDivisionError("injected")
 
-        fn.diloco.wrapper.outer_update = fails
+        fn.diloco.fragment.outer_update = fails
     cases.inner_step(m, inner, rank, 0)
     started = time.monotonic()
     try:

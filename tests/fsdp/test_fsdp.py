@@ -12,11 +12,10 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from fn.fsdp import TrainingCheckpoint, loco_reduce_scatter
+from fn.fsdp import CheckpointWriteError, TrainingCheckpoint, loco_reduce_scatter
 from tests._distributed import run_distributed
 
 
@@ -229,7 +228,9 @@ def _worker_interrupted_save(rank: int, world_size: int, path: str) -> dict:
     train(model, optimizer, rank, range(2, 4))
     # the data written, the metadata not: DCP's last act fails
     with mock.patch.object(FileSystemWriter, "finish", side_effect=OSError("disk full")):
-        with pytest.raises(CheckpointException):
+        with pytest.raises(
+            CheckpointWriteError, match=r"rank\(s\) \[0\] failed: OSError: disk full"
+        ):
             TrainingCheckpoint(model, optimizer, handle, step=4).save(path)
     checkpoint = TrainingCheckpoint(model, optimizer, handle)
     checkpoint.load(path)
