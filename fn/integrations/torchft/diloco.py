@@ -16,15 +16,11 @@ from torchft import Manager
 
 from fn.base import OptState
 from fn.collectives import Local, error_feedback_leaves
-from fn.diloco import OuterStep, outer_rule, outer_update, pseudo_gradient
-from fn.diloco.checkpoint import (
-    PER_RANK,
-    diloco_state_dict,
-    initializing_optimizer_state,
-    own_key,
-    restored,
-)
+from fn.diloco import OuterStep, outer_update, pseudo_gradient
+from fn.diloco.buffers import Buffers, CapturedBuffers
+from fn.diloco.checkpoint import diloco_state_dict, initializing_optimizer_state, restored
 from fn.diloco.inner import InnerOptimizer
+from fn.diloco.rules import outer_rule
 from fn.diloco.sharding import local_shard, worker_mesh_comms
 from fn.errors import check_int, user_stacklevel
 from fn.integrations.torchft.comm import ManagerComm
@@ -118,6 +114,9 @@ class ElasticDiLoCo:
             ``$FN_TIMEOUT``); those between the workers take the Manager's.
         max_sit_outs: the outer steps in a row this worker may sit out for NaN or Inf before it
             raises (``None``: never).
+        buffers: the model's buffers at a committed outer step, as ``fn.diloco.DiLoCo``'s:
+            ``"mean"`` averaged over the step's participants (the others from the first one),
+            ``"local"`` each worker's own.
         name: the key of this object's state among the Manager's state dict functions.
 
     Raises:
@@ -178,6 +177,7 @@ class ElasticDiLoCo:
         anchor_device: torch.device | str | None = None,
         timeout: Any = None,
         max_sit_outs: int | None = 3,
+        buffers: str = "mean",
         name: str = "fn.diloco",
     ) -> None:
         check_int("ElasticDiLoCo: sync_every", sync_every, minimum=1)
@@ -196,11 +196,11 @@ class ElasticDiLoCo:
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._within = worker_mesh_comms(self._params, timeout)
         outer_options, options = dict(outer_options or {}), dict(compression_options or {})
-        rule = dict(outer_options=outer_options, compression=compression)
-        self._rule = outer_rule(outer, comm=self.comm, compression_options=options, **rule)
+        self._rule = outer_rule(outer, outer_options, compression, options, self.comm)
         self._positional = compression in POSITIONAL_COMPRESSIONS
         # sized for one worker until the first quorum gives the number of workers
-        self._local_rule = outer_rule(outer, comm=Local(), compression_options=options, **rule)
+        self._local_rule = outer_rule(outer, outer_options, compression, options, Local())
+        self._buffers = Buffers(model, buffers)
         self.sync_every = sync_every
         self._settings = {
             "sync_every": sync_every,
@@ -264,7 +264,7 @@ class ElasticDiLoCo:
             anchor = [a.to(q.device) for a, q in zip(self._anchor, params, strict=True)]
             delta = pseudo_gradient(anchor, params)
             takes_part = self._inner.finite(self._params) & (not self._recovered)
-            result = self._exchange(anchor, delta, takes_part=takes_part)
+            result, buffers = self._exchange(anchor, delta, takes_part=takes_part)
         committed = self.manager.should_commit()
         if not committed or result is None:
             self.failed_commits += 1
@@ -280,6 +280,8 @@ class ElasticDiLoCo:
         for a, q, new in zip(self._anchor, self._shards(), result.anchor, strict=True):
             a.copy_(new)
             q.copy_(new)
+        if buffers is not None:
+            Buffers.write(*buffers)
         self._state = result.state
         self.participants = [bool(x) for x in result.participants.tolist()]
         self.outer_steps += 1
@@ -314,12 +316,14 @@ class ElasticDiLoCo:
             )
 
     def _exchange(
-        self, anchor: list[torch.Tensor], delta: list[torch.Tensor], *, takes_part: bool
-    ) -> OuterStep | None:
-        """The outer update over the quorum, or ``None`` where a collective failed (reported
-        to the Manager, whose commit vote then fails)."""
+        self, anchor: list[torch.Tensor], delta: list[torch.Tensor], *, takes_part: Any
+    ) -> tuple[OuterStep | None, tuple[CapturedBuffers, Any] | None]:
+        """The outer update over the quorum and the buffers the workers continue with, or
+        ``(None, None)`` where a collective failed (reported to the Manager, whose commit vote
+        then fails)."""
+        captured = self._buffers.capture()
         try:
-            return outer_update(
+            result = outer_update(
                 self._rule,
                 anchor,
                 delta,
@@ -328,12 +332,17 @@ class ElasticDiLoCo:
                 within=self._within,
                 takes_part=takes_part,
             )
+            if captured is None:
+                return result, None
+            rank = self.comm.rank
+            values = Buffers.exchange(captured, self.comm, self._within, result.participants, rank)
+            return result, (captured, values)
         except Exception as err:
             if self.manager.errored() is None:
                 raise
             # a consequence of the failed collective (zeros where a message was expected)
             logger.info("fn.integrations.torchft: the outer exchange failed: %s", err)
-            return None
+            return None, None
 
     def _fit_state_to_quorum(self) -> None:
         """Lays the error feedback out for this quorum: that of the positional compressions
@@ -446,7 +455,7 @@ class ElasticDiLoCo:
         Returns:
             A dict of tensors, lists of tensors and Python values (fresh copies).
         """
-        state = diloco_state_dict(
+        return diloco_state_dict(
             self._anchor,
             [self._state],
             self._params,
@@ -454,13 +463,8 @@ class ElasticDiLoCo:
             counts=self._counts(),
             settings=repr(self._settings),
             world_size=self._position[0] if self._position else 1,
+            delta_size=sum(x.numel() for x in self._shards()),
         )
-        state["in_flight"] = {"fragment": None, "started_at": None}
-        size = sum(x.numel() for x in self._shards())
-        state[PER_RANK][own_key()]["in_flight_delta"] = torch.zeros(
-            size, device=self._shards()[0].device
-        )
-        return state
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
