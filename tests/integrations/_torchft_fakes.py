@@ -21,8 +21,8 @@ class Work:
 
 class ProcessGroup:
     """A quorum of ``size`` ranks that all send what this one sends (``Manager.rank`` is this
-    one's), so that every collective's result is consistent; ``fail`` makes the next call's
-    work fail."""
+    one's): every size record agrees and every collective completes, though a mean gathered
+    chunk by chunk is this rank's chunk repeated; ``fail`` makes the next call's work fail."""
 
     def __init__(self, manager: Manager, size: int = 2) -> None:
         self.manager, self.ranks = manager, size

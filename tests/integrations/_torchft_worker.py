@@ -43,9 +43,18 @@ H = 2
 LR = 0.1
 
 
-def model() -> torch.nn.Module:
+def model(batchnorm: bool = False) -> torch.nn.Module:
+    """The tiny model every worker starts from (with ``batchnorm``: buffers to average)."""
     torch.manual_seed(0)
+    if batchnorm:
+        return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     return torch.nn.Linear(4, 3)
+
+
+def settings(case: dict) -> tuple[bool, dict]:
+    """A case's model (``"batchnorm"``) and its DiLoCo settings."""
+    case = dict(case)
+    return bool(case.pop("batchnorm", False)), case
 
 
 def inner_step(net: torch.nn.Module, inner: torch.optim.Optimizer, worker: int, t: int) -> None:
@@ -74,13 +83,14 @@ def plain(rank: int, world_size: int, cases: list[dict], outer_steps: int) -> li
     torch.set_num_threads(1)
     out = []
     for case in cases:
-        net = model()
+        batchnorm, kwargs = settings(case)
+        net = model(batchnorm)
         inner = torch.optim.SGD(net.parameters(), lr=LR)
-        diloco = fn.diloco.DiLoCo(net, inner, sync_every=H, **case)
+        diloco = fn.diloco.DiLoCo(net, inner, sync_every=H, **kwargs)
         diloco.comm.reset_bytes_sent()  # the settings' agreement at construction
         for t in range(H * outer_steps):
             inner_step(net, inner, rank, t)
-        params = [p.detach().clone() for p in net.parameters()]
+        params = [p.detach().clone() for p in net.state_dict().values()]
         out.append((params, diloco.comm.bytes_sent, diloco.state_dict()))
     return out
 
@@ -123,8 +133,8 @@ class Worker:
         if not config.get("restarted"):
             self.wait_for_all()
 
-    def model(self) -> torch.nn.Module:
-        net = model()
+    def model(self, batchnorm: bool = False) -> torch.nn.Module:
+        net = model(batchnorm)
         if self.mesh is not None:
             from torch.distributed.fsdp import fully_shard
 
@@ -145,14 +155,15 @@ class Worker:
 
         params, states = [], []
         for index, case in enumerate(self.config["cases"]):
-            net = self.model()
+            batchnorm, kwargs = settings(case)
+            net = self.model(batchnorm)
             inner = torch.optim.SGD(net.parameters(), lr=LR)
             diloco = ElasticDiLoCo(
                 net, inner, manager=self.manager, process_group=self.pg, sync_every=H,
-                name=f"case{index}", **case,
+                name=f"case{index}", **kwargs,
             )  # fmt: skip
             self.train(index, net, inner, diloco)
-            params.append([full(p).detach().clone() for p in net.parameters()])
+            params.append([full(p).detach().clone() for p in net.state_dict().values()])
             sharded = self.mesh is not None
             states.append(self.through_dcp(net, inner, diloco) if sharded else diloco.state_dict())
         if self.writes:

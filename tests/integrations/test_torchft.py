@@ -3,8 +3,9 @@ own lighthouse (torchft's ``LighthouseServer`` on a free port, shut down after) 
 processes of tests/integrations/_torchft_worker.py (one replica group each):
 
 - without faults, 3 workers train every outer rule and compressor (fp32, bf16, int8, loco4,
-  1-bit, top-k with error feedback, sparseloco) and end where ``fn.diloco.DiLoCo`` on 3 gloo
-  ranks ends, bit for bit, sending the same bytes but for fn.diloco's header, and with its
+  1-bit, top-k with error feedback, sparseloco; with bf16 a BatchNorm, whose buffers are
+  averaged) and end where ``fn.diloco.DiLoCo`` on 3 gloo ranks ends (parameters and buffers),
+  bit for bit, sending the same bytes but for fn.diloco's header, and with its
   checkpoint: the same state dict, which ``DiLoCo`` on one worker and ``ElasticDiLoCo`` load;
 - with faults, 4 workers with top-k and error feedback: one's pseudo-gradient turns NaN (it
   sits that step out, the others commit), one is SIGKILLed inside an outer exchange (that step
@@ -51,7 +52,7 @@ SCRIPT = ROOT / "tests" / "integrations" / "_torchft_worker.py"
 TOPK = {"compression": "topk", "compression_options": {"k": 2, "chunk_size": 4}}
 CASES = [
     {},
-    {"compression": "bf16"},
+    {"compression": "bf16", "batchnorm": True},  # its buffers averaged, as fn.diloco's
     {"compression": "int8"},
     {"compression": "loco4"},
     {"compression": "onebit"},
