@@ -689,52 +689,32 @@ def main(argv: Sequence[str] | None = None) -> None:
         removed = cluster.cleanup(args.prefix)
         print(f"removed {len(removed)} namespaces: {' '.join(removed) or '-'}")
         return
-    print(
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} "
-        f"CPUs; {WORKERS} workers at {args.rate}, {args.delay} one way; target {args.target}",
-        flush=True,
-    )
-    rows, results, loads = [], [], []
-    try:
-        with wall.delayed_cluster(args, NODES) as logdir:
-            for run in range(args.runs):
-                loads.append(os.getloadavg())
-                print(f"run {run + 1}: load average {' '.join(f'{x:.2f}' for x in loads[-1])}")
-                for method in plan(args):
-                    if method.fault and args.kill_at is None:
-                        clean = next(
-                            (r for r in rows if r["method"] == "fn-torchft-topk-nofault"), None
-                        )
-                        steps = clean["steps"] if clean else 330
-                        args.kill_at = mid_interval(steps // 3, args.sync_every)
-                        print(f"  worker {VICTIM} is killed at inner step {args.kill_at}")
-                    result = run_one(args, method, run, logdir)
-                    results.append(result)
-                    rows.append(summarize(result))
-                    row = rows[-1]
-                    print(
-                        f"  {method.name}: {'reached' if row['reached'] else 'NOT reached'} "
-                        f"{row['loss']:.4f} after {row['outer_steps']} outer steps, "
-                        f"{row['time_s']:.1f} s",
-                        flush=True,
-                    )
-    except cluster.Interrupted as err:
-        print(f"interrupted by {err}: cleaned up", file=sys.stderr)
-        raise SystemExit(130) from None
-    except RuntimeError as err:
-        print(f"diloco_elastic.py failed: {err}", file=sys.stderr)
-        raise SystemExit(1) from None
+    rows, results = [], []
+
+    def repeat(run: int, logdir: str) -> None:
+        for method in plan(args):
+            if method.fault and args.kill_at is None:  # a third of the no-fault run's steps
+                clean = [r for r in rows if r["method"] == "fn-torchft-topk-nofault"]
+                args.kill_at = mid_interval(
+                    (clean[0]["steps"] if clean else 330) // 3, args.sync_every
+                )
+                print(f"  worker {VICTIM} is killed at inner step {args.kill_at}")
+            result = run_one(args, method, run, logdir)
+            results.append(result)
+            rows.append(summarize(result))
+            print(
+                f"  {method.name}: {'reached' if rows[-1]['reached'] else 'NOT reached'} "
+                f"{rows[-1]['loss']:.4f} after {rows[-1]['outer_steps']} outer steps, "
+                f"{rows[-1]['time_s']:.1f} s",
+                flush=True,
+            )
+
+    loads = wall.run_repeats(args, "diloco_elastic.py", NODES, repeat)
     print()
     print(table(rows))
     for line in targets(rows):
         print(line)
-    print(
-        "load average (1, 5, 15 min) before each run:",
-        "; ".join(" ".join(f"{x:.2f}" for x in load) for load in loads),
-    )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "loads": loads, "results": results}, f)
+    wall.save_runs(args, loads, results)
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -685,36 +685,67 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     skipped = {m.name: r for m in plan if (r := not_built(m, args.sync_every)) is not None}
     built = [m for m in plan if m.name not in skipped]
+    results = []
+
+    def repeat(run: int, logdir: str) -> None:
+        for method in built:
+            started = time.monotonic()
+            config = worker_config(args, method, run)
+            result = cluster.run_ranks(args.prefix, config, logdir, args.timeout, __file__)
+            results.append(result)
+            row = summarize(result, args.target, args.sync_every)
+            print(
+                f"  {method.name}: {'reached' if row['reached'] else 'NOT reached'} "
+                f"{row['loss']:.4f} at step {row['steps']}, {row['time_s']:.1f} s "
+                f"({time.monotonic() - started:.0f} s with start and evaluations)",
+                flush=True,
+            )
+
+    loads = run_repeats(args, "diloco_wall.py", WORKERS, repeat)
+    report(results, skipped, args, loads)
+
+
+def run_repeats(
+    args: argparse.Namespace, script: str, nodes: int, repeat: Callable[[int, str], None]
+) -> list[tuple[float, float, float]]:
+    """Prints the start line, builds the cluster of ``nodes`` nodes and calls ``repeat(run,
+    logdir)`` for each of ``--runs`` repeats, the load average printed before each; removes
+    everything at the end. Exits with status 130 where interrupted, 1 where a run failed.
+
+    Returns:
+        The load averages (1, 5, 15 min) taken before each repeat.
+    """
     print(
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} "
         f"CPUs; {WORKERS} workers at {args.rate}, {args.delay} one way; target {args.target}",
         flush=True,
     )
-    results, loads = [], []
+    loads = []
     try:
-        with delayed_cluster(args) as logdir:
+        with delayed_cluster(args, nodes) as logdir:
             for run in range(args.runs):
                 loads.append(os.getloadavg())
                 print(f"run {run + 1}: load average {' '.join(f'{x:.2f}' for x in loads[-1])}")
-                for method in built:
-                    started = time.monotonic()
-                    config = worker_config(args, method, run)
-                    result = cluster.run_ranks(args.prefix, config, logdir, args.timeout, __file__)
-                    results.append(result)
-                    row = summarize(result, args.target, args.sync_every)
-                    print(
-                        f"  {method.name}: {'reached' if row['reached'] else 'NOT reached'} "
-                        f"{row['loss']:.4f} at step {row['steps']}, {row['time_s']:.1f} s "
-                        f"({time.monotonic() - started:.0f} s with start and evaluations)",
-                        flush=True,
-                    )
+                repeat(run, logdir)
     except cluster.Interrupted as err:
         print(f"interrupted by {err}: cleaned up", file=sys.stderr)
         raise SystemExit(130) from None
     except RuntimeError as err:
-        print(f"diloco_wall.py failed: {err}", file=sys.stderr)
+        print(f"{script} failed: {err}", file=sys.stderr)
         raise SystemExit(1) from None
-    report(results, skipped, args, loads)
+    return loads
+
+
+def save_runs(args: argparse.Namespace, loads: list, results: list[dict]) -> None:
+    """Prints the load averages before each repeat and, with ``--json``, writes every run's
+    record there."""
+    print(
+        "load average (1, 5, 15 min) before each run:",
+        "; ".join(" ".join(f"{x:.2f}" for x in load) for load in loads),
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "loads": loads, "results": results}, f)
 
 
 def unbuilt_streaming_bound(rows: list[dict], args: argparse.Namespace) -> list[str]:
@@ -749,13 +780,7 @@ def report(results: list[dict], skipped: dict[str, str], args, loads) -> None:
         print(
             f"DDP's floor per step from the link: {floor:.3f} s ({results[0]['params']:,} params)"
         )
-    print(
-        "load average (1, 5, 15 min) before each run:",
-        "; ".join(" ".join(f"{x:.2f}" for x in load) for load in loads),
-    )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "loads": loads, "results": results}, f)
+    save_runs(args, loads, results)
 
 
 if __name__ == "__main__":
