@@ -68,6 +68,15 @@ if TORCHTITAN_MOCKED:
     with mock(autodoc_mock_imports):
         import fn.integrations.torchtitan.config_registry  # noqa: E402, F401
 
+# fn.integrations.torchft imports torchft (its extra, not the docs extra) for its annotations
+# only: where torchft is missing, it is documented with torchft mocked.
+if importlib.util.find_spec("torchft") is None:
+    from sphinx.ext.autodoc.mock import mock  # noqa: E402
+
+    autodoc_mock_imports = [*globals().get("autodoc_mock_imports", []), "torchft"]
+    with mock(["torchft"]):
+        import fn.integrations.torchft  # noqa: E402, F401
+
 
 def _mocked_signature(app, what, name, obj, options, signature, return_annotation):
     """With torchtitan mocked, a class of fn.integrations.torchtitan whose base is a mock (whose
@@ -211,6 +220,7 @@ _THIRD_PARTY = {
     "lightning",
     "pytorch_lightning",
     "torchtitan",
+    "torchft",
     "tyro",
 }
 _EXTERNAL = "|".join(sorted(re.escape(m) for m in _THIRD_PARTY | set(sys.stdlib_module_names)))

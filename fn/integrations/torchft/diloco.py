@@ -31,7 +31,7 @@ __all__ = ["POSITIONAL_COMPRESSIONS", "ElasticDiLoCo"]
 logger = logging.getLogger(__name__)
 
 POSITIONAL_COMPRESSIONS = ("onebit", "loco4")
-"""The compressions whose error feedback belongs to this worker's position in the quorum: the
+"""The compressions whose error feedback belongs to this worker's position in the quorum. The
 1-bit allreduce's server error is rank ``r``'s chunk of the mean and both its errors are padded
 to a multiple of the number of workers ``W``; LoCo's all-gather error is rank ``r``'s chunk, and
 its errors are padded to ``W`` groups. Where the quorum's ``W`` or this worker's rank changes,
