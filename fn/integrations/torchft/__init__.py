@@ -7,9 +7,21 @@
 - :class:`ManagerComm`: fn's ``Comm`` over the Manager's process group, whose failures are
   reported to the Manager instead of raised.
 
-This package imports nothing of torchft: the caller builds the ``Manager`` and its process
-group. The guide is docs/guides/diloco.md, "Elastic DiLoCo with torchft".
+The caller builds the ``Manager`` and its process group. Without torchft, importing this
+package raises ``ModuleNotFoundError`` naming the extra (``import fn`` never imports it). The
+guide is docs/guides/diloco.md, "Elastic DiLoCo with torchft".
 """
+
+try:
+    import torchft  # noqa: F401
+except ModuleNotFoundError as err:
+    if err.name != "torchft":
+        raise
+    raise ModuleNotFoundError(
+        'fn.integrations.torchft needs torchft 0.2.0, the "torchft" extra: '
+        'pip install "fn-optim[torchft]"',
+        name="torchft",
+    ) from err
 
 from fn.integrations.torchft.comm import ManagerComm
 from fn.integrations.torchft.diloco import POSITIONAL_COMPRESSIONS, ElasticDiLoCo
