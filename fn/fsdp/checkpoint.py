@@ -365,14 +365,13 @@ def read_onebit_state(
     Example:
         One rank here (under ``torchrun`` every rank runs this):
 
-        >>> import tempfile, torch.distributed as dist
-        >>> import torch.distributed.checkpoint as dcp
+        >>> import tempfile, torch.distributed as dist, torch.distributed.checkpoint as dcp
         >>> from torch.distributed.device_mesh import init_device_mesh
         >>> from torch.distributed.fsdp import fully_shard
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> path = tempfile.mkdtemp()
         >>> model = fully_shard(torch.nn.Linear(2, 1), mesh=init_device_mesh("cpu", (1,)))
         >>> opt = fn.fsdp.OnebitAdam(model, lr=1e-2, freeze_step=2)
-        >>> path = tempfile.mkdtemp()
         >>> _ = dcp.save({"training": {"optim": opt.state_dict()}}, checkpoint_id=path)
         >>> opt.load_state_dict(fn.fsdp.read_onebit_state(opt, path, "training.optim"))
         >>> dist.destroy_process_group()
