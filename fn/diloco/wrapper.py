@@ -265,7 +265,9 @@ class DiLoCo:
         indices = fragment_indices(self._params, fragments)
         self._schedule = StreamSchedule(sync_every, len(indices), delay).checked()
         self.comm = _comm(group, timeout)
-        self._sit_outs = SitOuts(self.comm.world_size, max_sit_outs)
+        self._sit_outs = SitOuts(
+            self.comm.world_size, max_sit_outs, buffers=self._buffers.checked()
+        )
         self.sync_every = sync_every
         self._mix = float(mix)
         outer_options, options = dict(outer_options or {}), dict(compression_options or {})
@@ -417,7 +419,8 @@ class DiLoCo:
             self._exchanger,
             self._rule,
             started_at=started_at,
-            takes_part=self._inner.finite(fragment.params),
+            takes_part=self._inner.finite(fragment.params)
+            & Buffers.finite(captured, local_shard(fragment.params[0]).device),
             header=header,
             delta=None if in_flight is None else in_flight.delta,
             background=False if inline else None,

@@ -10,10 +10,14 @@
 - a layer unfrozen (and added to the inner optimizer) after construction: it joins at the next
   outer step with the workers' mean and stays synced; unfrozen on one worker only: refused;
 - BatchNorm's running statistics: averaged at every outer step (``num_batches_tracked`` equal),
-  or kept per worker with ``buffers="local"``.
+  or kept per worker with ``buffers="local"``; a bad batch (a NaN sample) whose step the
+  ``GradScaler`` skips leaves the parameters finite but the statistics NaN: that worker sits out,
+  so the NaN never reaches the others;
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -146,6 +150,33 @@ def _batchnorm(rank: int, policy: str):
     return [before[t] for t in range(H - 1, 2 * H, H)], after
 
 
+def _bad_batch(rank: int):
+    """A NaN sample in rank 1's batch at iteration 4 under a real GradScaler (which skips the
+    step): per iteration the outer steps and whether the buffers are finite; at the end the
+    sit-outs, the buffers and an eval output."""
+    model = _net()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    diloco = fn.diloco.DiLoCo(model, inner, sync_every=H, grad_scaler=scaler, timeout=60)
+    finite = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(2 * H):
+            x, y = _batch(rank, t)
+            if (rank, t) == INF_AT:
+                x[0, 0] = float("nan")
+            scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+            scaler.step(inner)
+            scaler.update()
+            inner.zero_grad()
+            finite.append(all(bool(torch.isfinite(b).all()) for b in model.buffers()))
+    model.eval()
+    with torch.no_grad():
+        out = model(_batch(0, 99)[0])
+    messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    return finite, diloco.sat_out, [b.clone() for b in model.buffers()], out, messages
+
+
 def _faults(rank, world_size):
     del world_size
     results = {
@@ -155,6 +186,7 @@ def _faults(rank, world_size):
         "unfrozen on one": _unfrozen(rank, 1),
         "batchnorm": _batchnorm(rank, "mean"),
         "batchnorm local": _batchnorm(rank, "local"),
+        "bad batch": _bad_batch(rank),
     }
     results["mismatch"] = _scaled(rank, counted=False)  # last: leaves a rank's exchange behind
     return results
@@ -245,3 +277,19 @@ def test_batchnorm_statistics_are_averaged_at_every_outer_step(ranks):
         assert not torch.equal(before0[s][0], before1[s][0])  # the workers' data differ
     (before0, after0), (before1, after1) = (r["batchnorm local"] for r in ranks)
     assert _equal(before0[1], after0[1]) and not _equal(after0[1][:2], after1[1][:2])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_bad_batch_under_a_grad_scaler_never_spreads_nan_statistics(ranks):
+    (finite0, sat0, buffers0, out0, messages0), (finite1, sat1, buffers1, out1, messages1) = (
+        r["bad batch"] for r in ranks
+    )
+    _, t = INF_AT  # the bad batch at iteration 4, the outer step after iteration 5
+    assert finite1 == [True] * t + [False, True], finite1  # its statistics NaN until then
+    assert all(finite0)  # the NaN statistics never reached worker 0
+    assert sat0 == sat1 == [0, 1]  # worker 1 sat out the outer step after its bad batch
+    assert messages0 == messages1 and "worker(s) 1 sat out" in messages0[0], messages0
+    assert "its buffers" in messages0[0]
+    assert _equal(buffers0, buffers1)
+    assert torch.isfinite(out0).all() and torch.equal(out0, out1)
