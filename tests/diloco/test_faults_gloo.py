@@ -13,10 +13,13 @@
   or kept per worker with ``buffers="local"``; a bad batch (a NaN sample) whose step the
   ``GradScaler`` skips leaves the parameters finite but the statistics NaN: that worker sits out,
   so the NaN never reaches the others;
+- a checkpoint taken after a layer that is not the last joined, resumed into a ``DiLoCo`` built
+  with it trainable: the run goes on bit for bit.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -177,6 +180,50 @@ def _bad_batch(rank: int):
     return finite, diloco.sat_out, [b.clone() for b in model.buffers()], out, messages
 
 
+def _resumed_after_a_join(rank: int):
+    """The first layer frozen, unfrozen after iteration 1 and added to AdamW as a group of its
+    own; saved after the 2nd outer step; resumed into a DiLoCo built with it trainable (and
+    AdamW with the two groups, as its state holds them): the parameters at the end of both."""
+
+    def build(trainable: bool):
+        model = _net()
+        model[0].requires_grad_(trainable)
+        rest = [
+            p for p in model.parameters() if p.requires_grad and p not in set(model[0].parameters())
+        ]
+        groups = [{"params": rest}] + (
+            [{"params": list(model[0].parameters())}] if trainable else []
+        )
+        inner = torch.optim.AdamW(groups, lr=1e-2)
+        return model, inner, fn.diloco.DiLoCo(model, inner, sync_every=H, timeout=60)
+
+    def train(model, inner, first, last):
+        for t in range(first, last):
+            if t == 1 and not model[0].weight.requires_grad:
+                model[0].requires_grad_(True)
+                inner.add_param_group({"params": list(model[0].parameters())})
+            x, y = _batch(rank, t)
+            nn.functional.mse_loss(model(x), y).backward()
+            inner.step()
+            inner.zero_grad()
+
+    model, inner, diloco = build(False)
+    train(model, inner, 0, 2 * H)
+    saved = copy.deepcopy(  # as a file would: the optimizer's state_dict() shares its tensors
+        {"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()}
+    )
+    train(model, inner, 2 * H, STEPS)
+    model2, inner2, diloco2 = build(True)
+    model2.load_state_dict(saved["model"])
+    inner2.load_state_dict(saved["inner"])
+    try:
+        diloco2.load_state_dict(saved["diloco"])
+    except ValueError as err:
+        return str(err)
+    train(model2, inner2, 2 * H, STEPS)
+    return _params(model), _params(model2)
+
+
 def _faults(rank, world_size):
     del world_size
     results = {
@@ -187,6 +234,7 @@ def _faults(rank, world_size):
         "batchnorm": _batchnorm(rank, "mean"),
         "batchnorm local": _batchnorm(rank, "local"),
         "bad batch": _bad_batch(rank),
+        "resumed after a join": _resumed_after_a_join(rank),
     }
     results["mismatch"] = _scaled(rank, counted=False)  # last: leaves a rank's exchange behind
     return results
@@ -293,3 +341,12 @@ def test_a_bad_batch_under_a_grad_scaler_never_spreads_nan_statistics(ranks):
     assert "its buffers" in messages0[0]
     assert _equal(buffers0, buffers1)
     assert torch.isfinite(out0).all() and torch.equal(out0, out1)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_checkpoint_after_a_join_resumes_into_a_diloco_built_with_it_trainable(ranks):
+    for result in (r["resumed after a join"] for r in ranks):
+        assert not isinstance(result, str), result
+        uninterrupted, resumed = result
+        assert _equal(uninterrupted, resumed)
