@@ -14,7 +14,10 @@
   ``GradScaler`` skips leaves the parameters finite but the statistics NaN: that worker sits out,
   so the NaN never reaches the others;
 - a checkpoint taken after a layer that is not the last joined, resumed into a ``DiLoCo`` built
-  with it trainable: the run goes on bit for bit.
+  with it trainable: the run goes on bit for bit;
+- a checkpoint taken just after a worker sat out (a NaN loss under AdamW) and just before it
+  sits out again: the resumed run goes on bit for bit, with the sit-outs counted in a row across
+  the resume (``max_sit_outs`` raises at the same step).
 """
 
 from __future__ import annotations
@@ -224,6 +227,44 @@ def _resumed_after_a_join(rank: int):
     return _params(model), _params(model2)
 
 
+def _resumed_after_a_sit_out(rank: int):
+    """Rank 1's loss NaN at iterations 4 and 7 (it sits out the outer steps after 5 and 8,
+    ``max_sit_outs=2``), saved after iteration 5: the uninterrupted run and the resumed one,
+    each as the iteration that raised, its error and the parameters; and the sit-outs loaded."""
+
+    def build():
+        model = _net()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, inner, fn.diloco.DiLoCo(model, inner, sync_every=H, max_sit_outs=2)
+
+    def train(model, inner, first, last):
+        error = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the sit-outs'
+            for t in range(first, last):
+                x, y = _batch(rank, t)
+                nan = float("nan") if (rank, t) in ((1, 4), (1, 7)) else 1.0
+                (nn.functional.mse_loss(model(x), y) * nan).backward()
+                try:
+                    inner.step()
+                except RuntimeError as err:
+                    error = (t, str(err))
+                inner.zero_grad()
+        return error, _params(model)
+
+    model, inner, diloco = build()
+    train(model, inner, 0, 2 * H)
+    saved = copy.deepcopy(
+        {"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()}
+    )
+    uninterrupted = train(model, inner, 2 * H, STEPS)
+    model, inner, diloco = build()
+    model.load_state_dict(saved["model"])
+    inner.load_state_dict(saved["inner"])
+    diloco.load_state_dict(saved["diloco"])
+    return uninterrupted, diloco.sat_out, train(model, inner, 2 * H, STEPS)
+
+
 def _faults(rank, world_size):
     del world_size
     results = {
@@ -235,6 +276,7 @@ def _faults(rank, world_size):
         "batchnorm local": _batchnorm(rank, "local"),
         "bad batch": _bad_batch(rank),
         "resumed after a join": _resumed_after_a_join(rank),
+        "resumed after a sit-out": _resumed_after_a_sit_out(rank),
     }
     results["mismatch"] = _scaled(rank, counted=False)  # last: leaves a rank's exchange behind
     return results
@@ -350,3 +392,15 @@ def test_a_checkpoint_after_a_join_resumes_into_a_diloco_built_with_it_trainable
         assert not isinstance(result, str), result
         uninterrupted, resumed = result
         assert _equal(uninterrupted, resumed)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_checkpoint_after_a_sit_out_resumes_bit_for_bit_with_the_sit_outs_in_a_row(ranks):
+    results = [r["resumed after a sit-out"] for r in ranks]
+    for (error, params), sat_out, (resumed_error, resumed_params) in results:
+        assert sat_out == [0, 1]
+        assert error == resumed_error and error[0] == STEPS - 1, error  # the 2nd in a row
+        assert "worker(s) 1 sat out 2 outer steps in a row (max_sit_outs=2)" in error[1]
+        assert _equal(params, resumed_params)
+    assert _equal(results[0][0][1], results[1][0][1])  # every rank the same parameters
