@@ -221,8 +221,11 @@ _BUILTINS = "|".join(
     + ["None", "True", "False", "Ellipsis", "NotImplemented"]
 )
 # The annotations of torchtitan's config fields that fn's subclasses inherit (strings in
-# torchtitan's modules) and tyro's CLI marker name these without their package.
+# torchtitan's modules) and tyro's CLI marker name these without their package; so do the
+# fields fn's configs annotate with torchtitan's config classes while torchtitan is mocked.
 _UNQUALIFIED = r"Literal\[.*|Suppress"
+if TORCHTITAN_MOCKED:
+    _UNQUALIFIED += r"|ParallelismConfig|TrainingConfig"
 nitpick_ignore_regex = [
     (r"py:.*", rf"({_EXTERNAL})\..+"),  # a name in another package: torch.Tensor, os.PathLike
     (r"py:mod", rf"({_EXTERNAL})"),
