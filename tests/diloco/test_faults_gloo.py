@@ -55,6 +55,19 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _step(model: nn.Module, inner: torch.optim.Optimizer, rank: int, t: int) -> None:
+    x, y = _batch(rank, t)
+    nn.functional.mse_loss(model(x), y).backward()
+    inner.step()
+    inner.zero_grad()
+
+
+def _unfreeze(model: nn.Module, inner: torch.optim.Optimizer, layer: int) -> None:
+    """Layer ``layer`` trainable, as a param group of its own."""
+    model[layer].requires_grad_(True)
+    inner.add_param_group({"params": list(model[layer].parameters())})
+
+
 def _scaled(rank: int, counted: bool):
     """A loop with a real GradScaler; rank 1's gradient overflows once. Per iteration: the outer
     steps so far; at the end the parameters after ``sync()``, or its error."""
@@ -126,12 +139,8 @@ def _unfrozen(rank: int, only: int | None):
     try:
         for t in range(STEPS):
             if t == 4 and only in (None, rank):
-                model[3].requires_grad_(True)
-                inner.add_param_group({"params": list(model[3].parameters())})
-            x, y = _batch(rank, t)
-            nn.functional.mse_loss(model(x), y).backward()
-            inner.step()
-            inner.zero_grad()
+                _unfreeze(model, inner, 3)
+            _step(model, inner, rank, t)
             if (t + 1) % H == 0:
                 after.append(_params(model))
     except ValueError as err:
@@ -203,12 +212,8 @@ def _resumed_after_a_join(rank: int):
     def train(model, inner, first, last):
         for t in range(first, last):
             if t == 1 and not model[0].weight.requires_grad:
-                model[0].requires_grad_(True)
-                inner.add_param_group({"params": list(model[0].parameters())})
-            x, y = _batch(rank, t)
-            nn.functional.mse_loss(model(x), y).backward()
-            inner.step()
-            inner.zero_grad()
+                _unfreeze(model, inner, 0)
+            _step(model, inner, rank, t)
 
     model, inner, diloco = build(False)
     train(model, inner, 0, 2 * H)
