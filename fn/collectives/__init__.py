@@ -24,7 +24,9 @@ functions in ``torch.distributed``'s flat layout: ``quantized_reduce_scatter_int
 error buffers the caller keeps) and ``quantized_all_gather_into`` (what ``fn.fsdp`` installs in
 FSDP2). The outer compressors of ``fn.diloco``: ``cast_allreduce`` (the mean sent in fp32, bf16
 or fp16, summed in rank order) and ``topk_allreduce`` (chunk-wise top-k in 2 bits with error
-feedback, averaged by an all-gather).
+feedback, averaged by an all-gather or reduced on owners: ``exchange=``). ``Compressor``: a
+transform that can also exchange with its flag and size record in a header on its messages
+(``header.py``), as ``fn.diloco``'s outer step does.
 """
 
 import torch
@@ -37,6 +39,7 @@ from fn.collectives.error_feedback import (
     ErrorFeedbackField,
     error_feedback_leaves,
 )
+from fn.collectives.header import HEADER_BYTES, Compressor, Exchanged
 from fn.collectives.onebit import (
     ERROR_DTYPES,
     OnebitAllreduceState,
@@ -53,7 +56,14 @@ from fn.collectives.quantized import *  # noqa: F403
 from fn.collectives.quantized import LocoAllreduceState, QuantizedError
 from fn.collectives.quantized import __all__ as _quantized_all
 from fn.collectives.simulated import Simulated, SimulatedGroup, replicate, simulate
-from fn.collectives.topk import TopkAllreduceState, topk_allreduce, topk_message_bytes
+from fn.collectives.topk import (
+    TOPK_EXCHANGES,
+    TopkAllreduceState,
+    TopkOwnerState,
+    topk_allreduce,
+    topk_exchange_form,
+    topk_message_bytes,
+)
 
 # The state classes, for torch.load's default weights_only=True (see fn/__init__.py).
 torch.serialization.add_safe_globals(
@@ -64,6 +74,7 @@ torch.serialization.add_safe_globals(
         PackedSigns,
         QuantizedError,
         TopkAllreduceState,
+        TopkOwnerState,
     ]
 )
 
@@ -93,6 +104,12 @@ __all__ = [
     "onebit_allreduce",
     *_quantized_all,
     "TopkAllreduceState",
+    "TopkOwnerState",
+    "TOPK_EXCHANGES",
     "topk_allreduce",
+    "topk_exchange_form",
     "topk_message_bytes",
+    "HEADER_BYTES",
+    "Compressor",
+    "Exchanged",
 ]

@@ -95,6 +95,27 @@ def test_sparseloco_is_the_papers_rule_bit_for_bit():
         assert torch.equal(state[0].error["w"][r], errors[r])
 
 
+def test_sparseloco_with_the_owner_exchange_is_its_reference_bit_for_bit():
+    """Owners reduce and compress again (a server error each): the loop over workers and
+    owners of _reference.py."""
+    comm = Simulated(W)
+    anchor = torch.randn(100, generator=torch.Generator().manual_seed(4))
+    drifts = _workers(anchor, steps=3, seed=5)
+    outer = fn.diloco.sparseloco(0.8, 0.9, k=3, chunk_size=16, comm=comm, exchange="owner")
+    got, state = _run(outer, comm, anchor, drifts)
+    current = anchor
+    errors = [[torch.zeros_like(anchor)] for _ in range(W)]
+    server = [torch.zeros(3 * 16) for _ in range(W)]  # 7 chunks: 3 per owner
+    for s, drift in enumerate(drifts):
+        deltas = [[current - (current + drift[r])] for r in range(W)]
+        mean, errors, server = _reference.topk_owner_allreduce(deltas, errors, server, 3, 16, 0.9)
+        current = current + mean[0] * torch.tensor(-0.8)
+        assert all(torch.equal(got[s][r], current) for r in range(W)), s
+    for r in range(W):
+        assert torch.equal(state[0].error["w"][r], errors[r][0])
+        assert torch.equal(state[0].server_error[r], server[r])
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_non_finite_pseudo_gradient_skips_the_step_on_every_rank(kind):
     comm = Simulated(W)
