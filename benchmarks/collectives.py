@@ -186,6 +186,8 @@ def main() -> None:
     world = args.world or (torch.cuda.device_count() if args.backend == "nccl" else WORLD)
     if args.backend == "nccl" and not 1 <= world <= torch.cuda.device_count():
         parser.error(f"--backend nccl needs one GPU per rank; {torch.cuda.device_count()} here")
+    if world < 2:
+        parser.error(f"the collectives need at least 2 ranks to move bytes; got {world}")
     n = 2**args.log2n
     mib = 4 * n / 2**20
     print(

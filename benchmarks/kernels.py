@@ -152,7 +152,10 @@ def main() -> None:
     device = torch.device(args.device)
     K.set_accelerator(device.type)
     if device.type != "cpu":
-        torch.get_device_module(device.type).set_device(device)
+        module = torch.get_device_module(device.type)
+        if device.index is None:  # "cuda": the current device, as torch places tensors
+            device = torch.device(device.type, module.current_device())
+        module.set_device(device)
     if args.kernels:
         K.select_kernels(device.type, args.kernels)
     sync = K.get_accelerator().synchronize
