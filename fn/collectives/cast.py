@@ -17,7 +17,15 @@ from fn import kernels
 from fn.base import EmptyState
 from fn.collectives import _sizes
 from fn.collectives.comm import Comm
-from fn.collectives.header import HEADER_BYTES, Compressor, Exchanged, flag_of, opened, sealed
+from fn.collectives.header import (
+    HEADER_BYTES,
+    Compressor,
+    Exchanged,
+    flag_of,
+    gathered,
+    opened,
+    sealed,
+)
 from fn.tree import tree_flatten, tree_unflatten
 
 __all__ = ["CAST_DTYPES", "cast_allreduce", "cast_exchange_form"]
@@ -142,14 +150,14 @@ def cast_allreduce(dtype: torch.dtype = torch.float32, *, comm: Comm) -> Compres
         flat = torch.where(flag, flat, 0).to(dtype)
         if form == "gather":
             message = sealed(_bytes(flat, 1), flag, n, checksum).view(-1)
-            got = opened(comm.all_gather(message), n, _WHAT, checksum)
+            got = opened(gathered(comm, message), n, _WHAT, checksum)
             mean = (kernels.sum_ranks(_values(got.payload, dtype)) / world_size).to(dtype)
         else:
             padded = torch.nn.functional.pad(flat, (0, -n % world_size))
             rows = sealed(_bytes(padded, world_size), flag, n, checksum, slots=True)
             got = opened(comm.all_to_all(rows), n, _WHAT, checksum)
             shard = (kernels.sum_ranks(_values(got.payload, dtype)) / world_size).to(dtype)
-            mean = comm.all_gather(shard).reshape(-1)[:n]
+            mean = gathered(comm, shard).reshape(-1)[:n]
         return Exchanged(_unflattened(mean, leaves, spec, live), state, got.flags)
 
     return Compressor(init_fn, update_fn, exchange_fn)

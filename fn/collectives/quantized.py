@@ -39,7 +39,7 @@ from fn.collectives import _sizes
 from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
-from fn.collectives.header import Compressor, Exchanged, flag_of, opened, sealed
+from fn.collectives.header import Compressor, Exchanged, flag_of, gathered, opened, sealed
 from fn.collectives.process_group import ProcessGroup
 from fn.errors import NonFiniteError, finite_or_raise
 from fn.tree import eager, fitting, tree_flatten, tree_map, tree_unflatten
@@ -828,10 +828,11 @@ def _exchanged(
         for (q, s), v in zip(pieces, padded, strict=True)
     ]
     second = [_feedback(x, e[1], plan, err_beta) for x, e in zip(shards, errors, strict=True)]
-    gathered = world.all_gather(_rows([q for q, _, _ in second], [s for _, s, _ in second], 1)[0])
+    rows = _rows([q for q, _, _ in second], [s for _, s, _ in second], 1)[0]
+    received = gathered(world, rows)
     ys = [
         fusion_barrier(kernels.dequantize(q, s, plan.bits, world_size * x.numel()))
-        for (q, s), x in zip(_split(gathered, second, 1), shards, strict=True)
+        for (q, s), x in zip(_split(received, second, 1), shards, strict=True)
     ]
     out = [y[: leaves[i].numel()].view(leaves[i].shape).to(leaves[i].dtype)
            for y, i in zip(ys, live, strict=True)]  # fmt: skip

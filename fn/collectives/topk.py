@@ -31,7 +31,15 @@ from fn.collectives._topk_code import (
 )
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
-from fn.collectives.header import HEADER_BYTES, Compressor, Exchanged, flag_of, opened, sealed
+from fn.collectives.header import (
+    HEADER_BYTES,
+    Compressor,
+    Exchanged,
+    flag_of,
+    gathered,
+    opened,
+    sealed,
+)
 from fn.collectives.topk_owner import TopkOwnerState, owner_form
 from fn.errors import finite_or_raise
 from fn.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
@@ -264,7 +272,7 @@ def _gather_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compresso
         n = sum(leaves[i].numel() for i in live)
         checksum = exchange_checksum(leaves, live, k, chunk_size, 0)
         message = sealed(torch.where(flag, layout.encode(worked.mine), 0), flag, n, checksum)
-        got = opened(comm.all_gather(message.view(-1)), n, WHAT, checksum)
+        got = opened(gathered(comm, message.view(-1)), n, WHAT, checksum)
         mean = mean_of(got.payload, layout, chunk_size, comm.world_size)
         out, new_errors = finished(worked, flag, mean, leaves, errors, live, chunk_size)
         new_state = TopkAllreduceState(tree_unflatten(new_errors, spec))

@@ -34,7 +34,7 @@ from fn.collectives._topk_code import (
 )
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
-from fn.collectives.header import Compressor, Exchanged, flag_of, opened, sealed
+from fn.collectives.header import Compressor, Exchanged, flag_of, gathered, opened, sealed
 from fn.errors import finite_or_raise
 from fn.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
@@ -107,7 +107,7 @@ def owner_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compressor:
         server_flag = torch.isfinite(server.scales).all()
         message = torch.where(server_flag, layout.encode(server), 0)
         message = sealed(message, server_flag, n, checksum).view(-1)
-        slices = opened(comm.all_gather(message), n, WHAT, checksum)
+        slices = opened(gathered(comm, message), n, WHAT, checksum)
         result = torch.cat(
             [dense(layout.decode(slices.payload[r]), chunk_size) for r in range(world_size)]
         )
