@@ -296,6 +296,7 @@ API_GROUPS: dict[str, list[tuple[str, str]]] = {
             " topk_allreduce cast_allreduce",
         ),
         ("States", "OnebitAllreduceState LocoAllreduceState TopkAllreduceState"),
+        ("Participation", "Participation participants_mean"),
         ("Errors and exit", "CollectiveTimeoutError exit_distributed"),
         (
             "Building blocks",

@@ -24,9 +24,10 @@ specifies them.
 
 from fn.diloco.compressors import COMPRESSIONS, compression
 from fn.diloco.nesterov_rule import nesterov
+from fn.diloco.rules import OUTER_RULES
 from fn.diloco.sparseloco_rule import sparseloco
 from fn.diloco.step import OuterStep, outer_step, outer_update, pseudo_gradient
-from fn.diloco.wrapper import OUTER_RULES, DiLoCo
+from fn.diloco.wrapper import DiLoCo
 
 __all__ = [
     "COMPRESSIONS",

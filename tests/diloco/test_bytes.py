@@ -46,8 +46,8 @@ def _documented(kind: str, w: int) -> int:
         b = 8 if kind == "int8" else 4
         r = sum(quantized_padded_numel(m, w, GROUP) // w * (b / 8 + 4 / GROUP) for m in SIZES)
         return (w - 1) * (H + int(r)) + (w - 1) * int(r)
-    if kind == "onebit":
-        agreement = math.ceil(8 * (w - 1) / w)
+    if kind == "onebit":  # no header: the agreement is an all-gather of one int64 each
+        agreement = 8 * (w - 1)
         per_leaf = 0
         for m in SIZES:
             big_n = padded_numel(m, w)  # scale + record, signs to owners, their signs and scale

@@ -71,3 +71,34 @@ def test_refusals():
     other = fn.diloco.DiLoCo(model, inner, sync_every=5)
     with pytest.raises(ValueError, match="settings"):
         other.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("kind", ["torch", "fn.optim"])
+def test_a_worker_alone_that_sits_out_is_reset(kind):
+    """One worker (Local) with a NaN parameter before the outer step: no participant, the step
+    is skipped, the parameters return to the anchor and the inner optimizer's state restarts;
+    the next outer step trains."""
+    model = _model()
+    inner = _inner(kind, model)
+    steps = []
+
+    def poison(*_):  # registered first: runs before DiLoCo's hook, after the inner step
+        steps.append(1)
+        if len(steps) == 2:
+            with torch.no_grad():
+                model.weight[0, 0] = float("nan")
+
+    inner.register_step_post_hook(poison)
+    diloco = fn.diloco.DiLoCo(model, inner, sync_every=2)
+    anchor = [p.detach().clone() for p in model.parameters()]
+    _step(model, inner, 0)
+    with pytest.warns(RuntimeWarning, match="every worker sat out the outer step started after"):
+        _step(model, inner, 1)
+    assert all(torch.equal(a, p) for a, p in zip(anchor, model.parameters(), strict=True))
+    fresh = not inner.state if kind == "torch" else inner.state_dict()["state"][0]["step"] == 0
+    assert fresh and diloco.sat_out == [1] and diloco.skipped_steps == 1
+    for step in (2, 3):
+        _step(model, inner, step)
+    assert diloco.sat_out == [1] and diloco.outer_steps == 2
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
+    assert not all(torch.equal(a, p) for a, p in zip(anchor, model.parameters(), strict=True))
