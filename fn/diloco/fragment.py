@@ -3,12 +3,14 @@ outer state and its exchange in flight (docs/algorithms.md, "Streaming fragments
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
+from torch.utils import _pytree as pytree
 
 from fn.base import GradientTransformation, OptState
+from fn.collectives import Comm
 from fn.diloco.exchange import BackgroundExchange, Exchanger
 from fn.diloco.sharding import local_shard
 from fn.diloco.step import OuterStep, outer_update, pseudo_gradient
@@ -22,12 +24,13 @@ class Flight(NamedTuple):
     Attributes:
         started_at: the inner step it started after.
         delta: this rank's pseudo-gradient of the fragment (fp32 local tensors).
-        exchange: the exchange, whose result is an :class:`~fn.diloco.OuterStep`.
+        exchange: the exchange, whose result is an :class:`~fn.diloco.OuterStep` and what the
+            exchange's ``then`` returned.
     """
 
     started_at: int
     delta: list[torch.Tensor]
-    exchange: BackgroundExchange[OuterStep]
+    exchange: BackgroundExchange[tuple[OuterStep, Any]]
 
 
 class Fragment:
@@ -96,19 +99,22 @@ class Fragment:
         header: Mapping[str, int],
         delta: list[torch.Tensor] | None = None,
         background: bool | None = None,
+        then: Callable[[OuterStep, Comm, Sequence[Comm]], Any] | None = None,
     ) -> None:
         """Takes the pseudo-gradient (or resumes with ``delta``) and starts the exchange
-        (:func:`fn.diloco.outer_update`) through ``exchanger``."""
+        (:func:`fn.diloco.outer_update`) through ``exchanger``; ``then(result, comm, within)``
+        runs after it, on its thread (further collectives of the same step)."""
         shards = self.shards()
         anchor = self._anchor_on(shards)
         delta = pseudo_gradient(anchor, shards) if delta is None else delta
         state = self.state
 
         def run(comm, within):
-            return outer_update(
+            result = outer_update(
                 rule, anchor, delta, state, comm=comm, within=within, takes_part=takes_part,
                 header=header,
             )  # fmt: skip
+            return result, None if then is None else then(result, comm, within)
 
         what = f"DiLoCo: the outer exchange of fragment {self.index} (started after inner step "
         exchange = exchanger.start(
@@ -116,11 +122,29 @@ class Fragment:
         )
         self.flight = Flight(started_at, delta, exchange)
 
-    def finish(self) -> tuple[OuterStep, int]:
-        """Waits for the exchange in flight; returns its result and the inner step it started
-        after. The fragment has no exchange in flight afterwards, also where it raised."""
+    def finish(self) -> tuple[OuterStep, Any, int]:
+        """Waits for the exchange in flight; returns its result, what its ``then`` returned
+        and the inner step it started after. The fragment has no exchange in flight
+        afterwards, also where it raised."""
         flight, self.flight = self.flight, None
-        return flight.exchange.result(), flight.started_at
+        return (*flight.exchange.result(), flight.started_at)
+
+    def extend(
+        self,
+        indices: list[int],
+        params: list[torch.Tensor],
+        anchor: list[torch.Tensor],
+        rule: GradientTransformation,
+    ) -> None:
+        """Adds parameters (after the fragment's own): their anchor, and their part of the outer
+        state fresh, the rest of the state as it was (leaf by leaf, by its path)."""
+        fresh = rule.init(self.anchor + anchor)
+        kept = {pytree.keystr(k): x for k, x in pytree.tree_flatten_with_path(self.state)[0]}
+        leaves, spec = pytree.tree_flatten_with_path(fresh)
+        self.state = pytree.tree_unflatten([kept.get(pytree.keystr(k), x) for k, x in leaves], spec)
+        self.indices.extend(indices)
+        self.params.extend(params)
+        self.anchor.extend(anchor)
 
     @torch.no_grad()
     def commit(self, result: OuterStep, *, mix: float, takes_part: bool) -> None:

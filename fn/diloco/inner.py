@@ -14,18 +14,33 @@ Three kinds, told apart through their public API:
 - ``fn.fsdp``'s 1-bit optimizers: finite by construction as ``fn.optim``'s, and kept: they have
   no reset through their public API (their state's layout is being restructured), so a worker
   that sat out continues from the anchor with its moments.
+
+It also says which groups the optimizer communicates over (``fn.optim``'s ``comm``,
+``fn.fsdp``'s ``world``, a ``process_group`` such as ``ZeroRedundancyOptimizer``'s) and
+describes its param groups, for the workers' agreement.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fn.diloco.sharding import local_shard
 
 __all__ = ["InnerOptimizer"]
+
+
+def _plain(value: Any) -> str:
+    """A hyperparameter's value as text that does not depend on the rank (a tensor's values,
+    not its device; no memory addresses)."""
+    if isinstance(value, torch.Tensor):
+        return repr(value.tolist())
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
 
 
 class InnerOptimizer:
@@ -84,6 +99,34 @@ class InnerOptimizer:
             self.optimizer.reset_state()
         elif not self._sharded_onebit:
             self.optimizer.state.clear()
+
+    def groups(self) -> list[tuple[str, Any]]:
+        """The groups the optimizer communicates over, as ``(what, group)``: a
+        ``fn.collectives`` comm or a ``torch.distributed`` group."""
+        optimizer, out = self.optimizer, []
+        if self._sharded_onebit:
+            out.append(("its world= (every update's checks)", optimizer.world or dist.group.WORLD))
+        elif getattr(optimizer, "comm", None) is not None:
+            out.append(("its comm", optimizer.comm))
+        if getattr(optimizer, "process_group", None) is not None:
+            out.append(("its process_group", optimizer.process_group))
+        return out
+
+    def description(self, params: Sequence[torch.Tensor]) -> dict[str, Any]:
+        """The optimizer's kind, its param groups' hyperparameters and which of ``params``
+        (by index; ``-1``: another tensor) each holds, for the workers' agreement."""
+        index = {id(p): i for i, p in enumerate(params)}
+        groups = self.optimizer.param_groups
+        return {
+            "inner optimizer": type(self.optimizer).__qualname__,
+            "inner optimizer's hyperparameters": [
+                sorted((k, _plain(v)) for k, v in group.items() if k != "params")
+                for group in groups
+            ],
+            "inner optimizer's parameters": [
+                [index.get(id(p), -1) for p in group["params"]] for group in groups
+            ],
+        }
 
     def what_reset(self) -> str:
         """What :meth:`reset` does, for the messages."""

@@ -88,10 +88,10 @@ def outer_step(
        ``outer`` is a ``fn.collectives.Compressor`` (every compressor of
        ``fn.diloco.compression`` but ``"onebit"``), the worker's flag and ``header``'s values
        ride in the header of the compressor's first message, and every rank reads the mask
-       ``m`` there (``fn.collectives.header``: no collective of its own); else the workers agree
-       on it first, in one all-gather over ``comm``
-       (``fn.diloco.participation.agree_on_participation``). Either way, with ``header``, every
-       rank checks that every worker is at the same exchange. ``n = sum(m)``.
+       ``m`` there (fn/collectives/header.py: no collective of its own); else the workers agree
+       on it first, in one all-gather over ``comm`` (``agree_on_participation`` of
+       fn/diloco/participation.py). Either way, with ``header``, every rank checks that every
+       worker is at the same exchange. ``n = sum(m)``.
     3. ``updates, state = outer.update(delta', state, anchor, participation=...)``: the outer
        rule, whose compressor averages over the ``n`` participants (``delta' = delta`` where
        this worker takes part, zeros where it sits out: a sitter's message is zero, its error

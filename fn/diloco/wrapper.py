@@ -3,16 +3,19 @@ does not change; the anchor, the outer state and the counters in a ``state_dict`
 
 from __future__ import annotations
 
+import logging
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fn.collectives import Comm, Local, ProcessGroup, Simulated
+from fn.base import EmptyState
+from fn.collectives import Comm, Local, Participation, ProcessGroup, Simulated, cast_allreduce
 from fn.diloco.agreement import agree_on_settings
+from fn.diloco.buffers import Buffers
 from fn.diloco.checkpoint import (
     InFlight,
     diloco_state_dict,
@@ -22,6 +25,7 @@ from fn.diloco.checkpoint import (
 from fn.diloco.exchange import Exchanger
 from fn.diloco.fragment import Fragment
 from fn.diloco.inner import InnerOptimizer
+from fn.diloco.isolation import isolation_problem
 from fn.diloco.rules import outer_rule
 from fn.diloco.sharding import local_shard, worker_mesh_comms
 from fn.diloco.sit_outs import SitOuts
@@ -29,6 +33,36 @@ from fn.diloco.streaming import StreamSchedule, fragment_indices
 from fn.errors import check_fraction, check_int
 
 __all__ = ["DiLoCo"]
+
+logger = logging.getLogger(__name__)
+
+
+class _UpdateCounter:
+    """Counts a grad scaler's ``update()`` calls: the scaler's ``update`` wrapped on the
+    instance (the class's is untouched); :meth:`remove` restores it."""
+
+    @staticmethod
+    def check(scaler: Any) -> None:
+        """Raises ``TypeError`` for a ``scaler`` (not ``None``) without ``update()``."""
+        if scaler is not None and not callable(getattr(scaler, "update", None)):
+            raise TypeError(
+                "DiLoCo: grad_scaler must be a torch.amp.GradScaler (its update() counts the "
+                f"inner steps), got {type(scaler).__name__}"
+            )
+
+    def __init__(self, scaler: Any, count: Callable[[], None]) -> None:
+        self._scaler = scaler
+        update = scaler.update
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            result = update(*args, **kwargs)
+            count()
+            return result
+
+        scaler.update = counted
+
+    def remove(self) -> None:
+        vars(self._scaler).pop("update", None)
 
 
 def _comm(group: Any, timeout: Any) -> Comm:
@@ -60,6 +94,29 @@ class DiLoCo:
     :func:`fn.diloco.outer_step` with the outer rule, and every rank continues from the new
     anchor. The training loop does not change. docs/algorithms.md, "DiLoCo: local steps and a
     compressed outer step" specifies the step, the bytes and the memory.
+
+    What the schedule counts: the inner optimizer's ``step()`` calls that ran (not those
+    ``torch.amp.GradScaler`` skipped on an overflow, nor one that raised), plus
+    :meth:`count_inner_step`'s; with ``grad_scaler=``, instead the scaler's ``update()`` calls
+    (one per loop iteration, whether or not the optimizer stepped) plus
+    :meth:`count_inner_step`'s. Every worker must count alike: each exchange checks that every
+    worker started it after the same inner step, with the same fragment, size and trainable
+    parameters (and whether from :meth:`sync`), else every rank raises the same ``ValueError``
+    naming every worker's values.
+
+    Parameters that start to require grad after construction (unfrozen, or added to the
+    model) join DiLoCo at the next outer step (the same on every worker, else the exchange
+    raises): they take the mean of the participating workers' values (fp32), which becomes
+    their anchor, and join that step's fragment, their outer state fresh (logged). Parameters
+    frozen after construction stay synced. Buffers (``buffers="mean"``): the floating ones are
+    averaged over the workers that take part at every outer step, the others taken from the
+    first (fn/diloco/buffers.py); ``"local"`` keeps each worker's own.
+
+    Refused at construction, the same ``ValueError`` on every rank: an inner optimizer, a
+    ``DistributedDataParallel`` model or a device mesh that communicates across the workers
+    (``fn.optim``'s default comm, ``fn.fsdp``'s ``world=`` spanning other workers); inner
+    optimizers whose kind, param groups' hyperparameters or parameters differ across workers,
+    or that step a tensor that is not one of the model's parameters.
 
     Streaming DiLoCo (``fragments=P``): the parameters form ``P`` fragments, each with its own
     anchor, outer state and compressor state; fragment ``p`` takes its outer step after the
@@ -130,13 +187,20 @@ class DiLoCo:
             ``$FN_TIMEOUT``, else 5 minutes), where ``group`` is a ``torch.distributed`` group.
         max_sit_outs: the outer steps in a row a worker may sit out before every rank raises
             ``RuntimeError`` (``None``: never).
+        grad_scaler: a ``torch.amp.GradScaler`` whose ``update()`` calls count the inner steps
+            in place of the optimizer's ``step()`` (DiLoCo wraps the scaler's ``update``;
+            :meth:`remove` restores it), so that a step the scaler skips still counts.
+        buffers: ``"mean"`` (every worker's buffers made equal at every outer step) or
+            ``"local"`` (each worker keeps its own).
 
     Raises:
         ValueError: a setting out of range (also ``sync_every`` not a multiple of ``P``, or
             fragment lists that miss a parameter, repeat one or name another tensor), or (on
-            every rank) settings or parameters that differ across ranks.
+            every rank) settings, parameters or inner optimizers that differ across ranks, or
+            communication across the workers outside DiLoCo (see above).
         NotImplementedError: ``DTensor`` parameters mixed with plain ones or on several device
-            meshes.
+            meshes; complex buffers with ``buffers="mean"``.
+        TypeError: a ``grad_scaler`` without ``update()``.
 
     Attributes:
         inner_steps: the inner steps counted so far.
@@ -187,9 +251,15 @@ class DiLoCo:
         anchor_device: torch.device | str | None = None,
         timeout: Any = None,
         max_sit_outs: int | None = 3,
+        grad_scaler: Any = None,
+        buffers: str = "mean",
     ) -> None:
         check_int("DiLoCo: sync_every", sync_every, minimum=1)
         check_fraction("DiLoCo", mix=mix)
+        _UpdateCounter.check(grad_scaler)
+        self._model = model
+        self._buffers = Buffers(model, buffers)
+        self._inner = InnerOptimizer(inner_optimizer)
         self._params = [p for p in model.parameters() if p.requires_grad]
         within = worker_mesh_comms(self._params, timeout)  # sharded: the worker's ranks
         indices = fragment_indices(self._params, fragments)
@@ -213,8 +283,10 @@ class DiLoCo:
             "local shapes": [tuple(x.shape) for x in shards],
             "parameter values": _params_digest(shards),
             "max_sit_outs": max_sit_outs,
+            "inner steps counted": "optimizer.step()" if grad_scaler is None else "update()",
+            "buffers": (buffers, self._buffers.layout()),
         }
-        agree_on_settings(self.comm, {**self._settings, **values}, "DiLoCo")
+        self._agree(values, within)
         # with a delay, each exchange on a thread over process groups of its own (copies of the
         # workers' group and of the worker mesh's, which FSDP2 uses on this thread meanwhile)
         self._exchanger = Exchanger([self.comm, *within], background=delay > 0)
@@ -223,12 +295,33 @@ class DiLoCo:
         )
         self._anchor = [x.to(anchor_device or x.device, copy=True) for x in shards]
         self._fragments = [self._fragment(p, f) for p, f in enumerate(indices)]
-        self._inner = InnerOptimizer(inner_optimizer)
+        self._anchor_device = anchor_device
+        self._synced = {id(q) for q in self._params}  # the parameters DiLoCo syncs
+        self._joining: dict[int, list[torch.Tensor]] = {}  # by fragment: trainable, not synced
         self._worker = getattr(self.comm, "rank", 0)  # this worker's index in the mask
         self.inner_steps = 0
         self.outer_steps = 0
         self.skipped_steps = 0
-        self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
+        if grad_scaler is None:
+            self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
+        else:
+            self._hook = _UpdateCounter(grad_scaler, self.count_inner_step)
+
+    def _agree(self, values: Mapping[str, Any], within: Sequence[Comm]) -> None:
+        """The ranks' agreement on the settings, ``values``, the inner optimizer and the
+        workers' isolation (one all-gather); raises the same ``ValueError`` on every rank."""
+        problem = isolation_problem(self._model, self._inner, within, self.comm)
+        described = self._inner.description(list(self._model.parameters()))
+        if problem is None and any(-1 in p for p in described["inner optimizer's parameters"]):
+            problem = (
+                "DiLoCo: the inner optimizer steps tensors that are not parameters of the model: "
+                "DiLoCo never syncs them, so the workers would drift apart; make them the "
+                "model's parameters; nothing was changed"
+            )
+        agreed = {**self._settings, **values, **described, "refused": problem}
+        agree_on_settings(self.comm, agreed, "DiLoCo")
+        if problem is not None:  # the same on every rank
+            raise ValueError(problem)
 
     def _fragment(self, p: int, indices: list[int]) -> Fragment:
         """Fragment ``p`` of the parameters ``indices``, its outer state fresh."""
@@ -253,7 +346,8 @@ class DiLoCo:
         return self._sit_outs.max_sit_outs
 
     def remove(self) -> None:
-        """Detaches the hook from the inner optimizer: its ``step()`` no longer counts.
+        """Detaches the hook from the inner optimizer (or the grad scaler): its ``step()``
+        (``update()``) no longer counts.
 
         Example:
             >>> model = torch.nn.Linear(2, 1)
@@ -266,10 +360,22 @@ class DiLoCo:
         """
         self._hook.remove()
 
-    def _after_inner_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        del optimizer, args, kwargs
-        if initializing_optimizer_state():  # DCP's state_dict API creating a fresh state
-            return
+    def count_inner_step(self) -> None:
+        """Counts one inner step that the counter did not see, and runs the schedule as after
+        it: call it once for a loop iteration whose ``step()`` did not run (it raised, e.g.
+        ``fn.NonFiniteError``, and the loop caught it and went on), or with ``grad_scaler=``
+        whose ``update()`` did not run, so that every worker starts each outer step after the
+        same loop iteration.
+
+        Example:
+            >>> model = torch.nn.Linear(2, 1)
+            >>> inner = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> diloco = fn.diloco.DiLoCo(model, inner, sync_every=2)
+            >>> diloco.count_inner_step()
+            >>> diloco.count_inner_step()  # the 2nd: the outer step
+            >>> diloco.inner_steps, diloco.outer_steps
+            (2, 1)
+        """
         self.inner_steps += 1
         plan = self._schedule.plan(self.inner_steps)
         if plan.starts is not None:
@@ -277,20 +383,45 @@ class DiLoCo:
         if plan.applies is not None and self._fragments[plan.applies].flight is not None:
             self._apply(self._fragments[plan.applies], self._mix)
 
+    def _after_inner_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        del optimizer, args, kwargs
+        if initializing_optimizer_state():  # DCP's state_dict API creating a fresh state
+            return
+        self.count_inner_step()
+
     def _start(
         self, fragment: Fragment, *, in_flight: InFlight | None = None, inline: bool = False
     ) -> None:
         """Starts ``fragment``'s exchange: its pseudo-gradient now, or ``in_flight``'s (a
         checkpoint's); on this thread where ``inline`` (``sync()``)."""
         started_at = self.inner_steps if in_flight is None else in_flight.started_at
+        trainable = [(i, q) for i, q in enumerate(self._model.parameters()) if q.requires_grad]
+        self._joining[fragment.index] = [q for _, q in trainable if id(q) not in self._synced]
+        shapes = repr([(i, tuple(q.shape)) for i, q in trainable]).encode()
+        header = {
+            "inner step": started_at,
+            "fragment": fragment.index,
+            "values": fragment.size(),
+            "from sync()": int(inline),
+            "trainable tensors": len(trainable),
+            "their checksum": zlib.crc32(shapes),
+        }
+        captured, worker = self._buffers.capture(), self._worker
+
+        def buffers(result, comm, within):
+            if captured is None:
+                return None
+            return captured, Buffers.exchange(captured, comm, within, result.participants, worker)
+
         fragment.start(
             self._exchanger,
             self._rule,
             started_at=started_at,
             takes_part=self._inner.finite(fragment.params),
-            header={"inner step": started_at, "fragment": fragment.index},
+            header=header,
             delta=None if in_flight is None else in_flight.delta,
             background=False if inline else None,
+            then=buffers,
         )
 
     def _apply(self, fragment: Fragment, mix: float) -> bool:
@@ -298,16 +429,21 @@ class DiLoCo:
         a participant's parameters mixed with their own by ``mix``, a sitter's whole model
         reset to the anchors and its inner optimizer's state reset. Returns whether every
         worker took part."""
-        result, started_at = fragment.finish()
+        result, buffers, started_at = fragment.finish()
         participants = [bool(x) for x in result.participants.tolist()]
         mine = participants[self._worker]
         fragment.commit(result, mix=mix, takes_part=mine)
+        if buffers is not None:
+            Buffers.write(*buffers)
         self.outer_steps += 1
         self.skipped_steps += not any(participants)
         if not mine:  # the whole worker continues from the anchors, its optimizer afresh
             for other in self._fragments:
                 other.reset()
             self._inner.reset()
+        joining = self._joining.pop(fragment.index, [])
+        if joining and any(participants):
+            self._join(fragment, joining, participants)
         step = (
             "the outer step"
             if len(self._fragments) == 1
@@ -317,6 +453,37 @@ class DiLoCo:
             participants, f"{step} started after inner step {started_at}", self._inner.what_reset()
         )
         return all(participants)
+
+    @torch.no_grad()
+    def _join(
+        self, fragment: Fragment, params: list[torch.Tensor], participants: list[bool]
+    ) -> None:
+        """Parameters that started to require grad join ``fragment``: every worker's take the
+        participants' mean (fp32, ``cast_allreduce`` over the workers), which is their anchor;
+        their outer state starts fresh. A collective: every worker joins the same ones."""
+        shards = [local_shard(q.detach()) for q in params]
+        device = shards[0].device
+        count = torch.tensor(sum(participants), device=device)
+        part = Participation(torch.tensor(participants[self._worker], device=device), count)
+        means = cast_allreduce(comm=self.comm).update(
+            [x.float() for x in shards], EmptyState(), participation=part
+        )[0]
+        for shard, mean in zip(shards, means, strict=True):
+            shard.copy_(mean)
+        start = len(self._params)
+        self._params.extend(params)
+        self._synced.update(id(q) for q in params)
+        self._settings["parameters"].extend((tuple(q.shape), str(q.dtype)) for q in params)
+        anchor = [x.to(self._anchor_device or x.device, copy=True) for x in shards]
+        self._anchor.extend(anchor)
+        fragment.extend(list(range(start, start + len(params))), params, anchor, self._rule)
+        names = {id(q): name for name, q in self._model.named_parameters()}
+        logger.info(
+            "DiLoCo: %s started to require grad; synced from now on in fragment %d (their "
+            "anchor: the mean of the participating workers' values)",
+            ", ".join(names.get(id(q), "a parameter") for q in params),
+            fragment.index,
+        )
 
     def sync(self) -> bool:
         """Runs the outer step of every fragment now (the hook runs them on its schedule).

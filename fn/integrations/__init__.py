@@ -4,7 +4,7 @@ torchtitan.
 Each stack has its own module, imported on demand (``import fn`` never imports them, nor the
 stacks; they need the ``integrations`` extra, ``pip install "fn-optim[integrations]"``,
 Lightning the ``lightning`` extra, ``pip install "fn-optim[lightning]"``, and torchtitan the
-``torchtitan`` extra):
+``torchtitan`` extra, on torch 2.14 or later):
 
 - ``fn.integrations.transformers.attach(trainer)``: a ``Trainer`` with an ``fn.optim`` 1-bit
   optimizer keeps DDP silent in the compressed phase and saves checkpoints that resume every rank

@@ -112,29 +112,34 @@ def quantized_allreduce(
             new_rs.append(None if entered is None else entered[r][0])
             continue
         v = torch.nn.functional.pad(x.reshape(-1).float(), (0, padded - n))
-        if entered is not None:
-            v = v + entered[r][0]
-        q, scales = K.quantize(v, bits, group_size)
-        d = K.dequantize(q, scales, bits, padded)
+        error = None if entered is None else entered[r][0]
+        d, new_error = _quantized(v, error, bits, group_size, err_beta)
         pieces.append(d)
-        if entered is not None:
-            new_rs.append(err_beta * entered[r][0] + (1 - err_beta) * (v - d))
+        new_rs.append(new_error)
     out, new_ag = [], []
     for j in range(world_size):
         total = torch.zeros(chunk)
         for r in range(world_size):
             if taking[r]:
                 total = total + pieces[r][j * chunk : (j + 1) * chunk]
-        v = total / sum(taking)
-        if entered is not None:
-            v = v + entered[j][1]
-        q, scales = K.quantize(v, bits, group_size)
-        d = K.dequantize(q, scales, bits, chunk)
+        error = None if entered is None else entered[j][1]
+        d, new_error = _quantized(total / sum(taking), error, bits, group_size, err_beta)
         out.append(d)
-        if entered is not None:
-            new_ag.append(err_beta * entered[j][1] + (1 - err_beta) * (v - d))
+        new_ag.append(new_error)
     mean = torch.cat(out)[:n].view(xs[0].shape)
     return mean, None if errors is None else list(zip(new_rs, new_ag, strict=True))
+
+
+def _quantized(
+    v: torch.Tensor, error: torch.Tensor | None, bits: int, group_size: int, err_beta: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``DQ(Q(v + e))`` and LoCo's new error ``beta e + (1 - beta) (v + e - DQ(Q(v + e)))`` (no
+    error: ``DQ(Q(v))``, ``None``)."""
+    if error is not None:
+        v = v + error
+    q, scales = K.quantize(v, bits, group_size)
+    d = K.dequantize(q, scales, bits, v.numel())
+    return d, None if error is None else err_beta * error + (1 - err_beta) * (v - d)
 
 
 def onebit_allreduce(

@@ -218,10 +218,10 @@ def _wrapper(rank, world_size, path):
     # settings or parameters that differ: the same error on every rank
     results["refused"] = [
         _refused(lambda: fn.diloco.DiLoCo(model, inner, sync_every=H + rank)),
-        _refused(lambda: fn.diloco.DiLoCo(_model(seed=rank), inner, sync_every=H)),
+        _refused(lambda: fn.diloco.DiLoCo(*_with_sgd(_model(seed=rank)), sync_every=H)),
     ]
     # a worker that leaves: the other raises within its timeout
-    diloco = fn.diloco.DiLoCo(_model(), inner, sync_every=H, timeout=5)
+    diloco = fn.diloco.DiLoCo(*_with_sgd(_model()), sync_every=H, timeout=5)
     if rank == 0:
         try:
             diloco.sync()
@@ -229,6 +229,10 @@ def _wrapper(rank, world_size, path):
         except CollectiveTimeoutError as err:
             results["left"] = str(err)
     return results
+
+
+def _with_sgd(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
 def _reference_run(kwargs) -> list[list[torch.Tensor]]:

@@ -281,6 +281,35 @@ def _delayed(mesh, hsdp, path):
     }
 
 
+def _batchnorm(mesh):
+    """BatchNorm inside sharded workers, each rank its own data: its statistics before and
+    after the outer step; and HSDP whose replicate dimension is the workers' (FSDP2 averaging
+    the gradients across the workers): refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3))
+    fully_shard(model, mesh=mesh["shard"])
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = []
+    inner.register_step_post_hook(lambda *_: before.append([b.clone() for b in model[1].buffers()]))
+    group = mesh["worker"].get_group()
+    fn.diloco.DiLoCo(model, inner, group=group, sync_every=H)
+    for step in range(H):
+        x, y = _batch(mesh.get_coordinate()[0], torch.distributed.get_rank() % SHARDS, step)
+        torch.nn.functional.mse_loss(model(x + torch.distributed.get_rank()), y).backward()
+        inner.step()
+        inner.zero_grad()
+    across = init_device_mesh("cpu", (WORKERS, SHARDS), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    hsdp = fully_shard(Net(), mesh=across)
+    try:
+        adamw = torch.optim.AdamW(hsdp.parameters(), lr=1e-2)
+        fn.diloco.DiLoCo(hsdp, adamw, group=across["replicate"].get_group(), sync_every=H)
+        refused = "not refused"
+    except ValueError as err:
+        refused = str(err)
+    return before[-1], [b.clone() for b in model[1].buffers()], refused
+
+
 def _sharded(rank, world_size, path):
     del world_size
     mesh = init_device_mesh("cpu", (WORKERS, SHARDS), mesh_dim_names=("worker", "shard"))
@@ -308,6 +337,7 @@ def _sharded(rank, world_size, path):
         run.train(H)
     counts = (run.diloco.skipped_steps, run.diloco.sat_out)
     results["nan"] = (run.before[0], run.after[0], counts, [str(w.message) for w in caught])
+    results["batchnorm"] = _batchnorm(mesh)
     results.update(_onebit_workers(rank, mesh, path))
     # DCP: saved after 2 outer steps, resumed for 1, against the uninterrupted run
     full = Worker(mesh, **TOPK)
@@ -468,6 +498,29 @@ def test_a_nan_on_one_rank_makes_its_worker_sit_out(ranks):
         assert "its inner optimizer's state was kept (OnebitAdam refuses" in warned[0]
     # fn.fsdp.OnebitAdam's non-finite check spans its worker only
     assert [r for result in ranks for r in result["onebit nan"][4]] == [2, 3]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_batchnorm_statistics_are_averaged_over_every_rank_of_every_worker(ranks):
+    """Over the workers at each shard position (ranks 0, 2 and 1, 3), then over a worker's
+    shard positions, in rank order: every rank holds the same buffers."""
+    before = [result["batchnorm"][0] for result in ranks]
+    for k in range(2):  # running_mean, running_var
+        per_position = [
+            _reference.cast_mean([before[p][k], before[p + SHARDS][k]], torch.float32)
+            for p in range(SHARDS)
+        ]
+        expected = _reference.cast_mean(per_position, torch.float32)
+        assert not torch.equal(before[0][k], before[1][k])  # each rank's data
+        for result in ranks:
+            assert torch.equal(result["batchnorm"][1][k], expected), k
+    for result in ranks:
+        assert int(result["batchnorm"][1][2]) == H
+        refused = result["batchnorm"][2]
+        assert "the parameters' device mesh (FSDP2's collectives) spans a group, which holds 2" in (
+            refused
+        ), refused
 
 
 @pytest.mark.distributed
