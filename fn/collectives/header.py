@@ -200,6 +200,9 @@ def sealed(
     Returns:
         uint8 ``[rows, HEADER_BYTES + 8 len(extra) + bytes]``.
 
+    Raises:
+        ValueError: a value of ``extra`` outside ``[0, 2^48)`` (it would not travel exactly).
+
     Example:
         >>> from fn.collectives.header import sealed
         >>> sealed(torch.zeros(2, 1, dtype=torch.uint8), torch.tensor(True), 3, 7).shape
@@ -208,6 +211,9 @@ def sealed(
     rows = payload.shape[0]
     record = _sizes.with_count(payload.new_empty(rows, 0, dtype=torch.float32), n, checksum)
     slot = torch.arange(rows, device=payload.device) if slots else payload.new_zeros(rows)
+    outside = [int(v) for v in extra if not 0 <= int(v) < _DIGIT**2]
+    if outside:
+        raise ValueError(f"the exchange's header holds integers in [0, 2^48), got {outside}")
     digits = [float(d) for value in extra for d in divmod(int(value), _DIGIT)]
     more = torch.tensor(digits, dtype=torch.float32, device=payload.device).expand(rows, -1)
     head = [flag.float().expand(rows, 1), slot.float().view(rows, 1), record, more]

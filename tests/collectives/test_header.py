@@ -58,6 +58,15 @@ def test_a_header_carries_the_flag_the_slot_and_the_size_record():
         opened(rows, 70, "the exchange", 0x123456)
 
 
+def test_the_header_carries_integers_below_2_to_the_48_exactly_and_refuses_others():
+    extra = [0, 2**24 - 1, 2**24, 2**48 - 1]
+    rows = sealed(torch.zeros(1, 0, dtype=torch.uint8), torch.tensor(True), 0, 5, extra=extra)
+    assert opened(rows, 0, "x", 5, extra=len(extra)).extra.tolist() == [extra]
+    for value in (-1, 2**48):
+        with pytest.raises(ValueError, match=rf"integers in \[0, 2\^48\), got \[{value}\]"):
+            sealed(torch.zeros(1, 0, dtype=torch.uint8), torch.tensor(True), 0, 5, extra=[value])
+
+
 def _check_exchange(tx, comm, world_size, steps=3):
     """``exchange`` against ``update`` for ``steps`` calls, every rank taking part, then one with
     rank 1 sitting out (against ``update`` with its ``participation``) and one with rank 1's
