@@ -171,10 +171,10 @@ def topk_allreduce(
     order, divides by ``W``, compresses the mean again with ``T`` and an error feedback of its
     own (the server error, :class:`TopkOwnerState`), and the owners' messages are all-gathered:
     each rank moves about two messages' bytes whatever ``W``, at the cost of a second
-    compression (``fn.collectives.topk_owner``). ``exchange="auto"`` picks one of the two at
+    compression (fn/collectives/topk_owner.py). ``exchange="auto"`` picks one of the two at
     ``init``, by their bytes (:func:`topk_exchange_form`). The :class:`Compressor`'s
     ``exchange`` is the same estimate with this rank's flag and the size record in a header on
-    its messages (``fn.collectives.header``), no collective of their own.
+    its messages (fn/collectives/header.py), no collective of their own.
 
     Args:
         k: values kept per chunk, from 1 to ``chunk_size``.
