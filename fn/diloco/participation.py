@@ -3,8 +3,10 @@ fixed-size record per worker, its flag and the header of the exchange (where eac
 its schedule), so that every rank learns the same participants and a worker that reached
 another exchange is the same error on every rank.
 
-The interface is stable (``fn.diloco``'s elastic and sparse exchanges build on it): the flag
-may later travel in a fixed-size header of the exchange's own message.
+The interface is stable (``fn.diloco``'s elastic and sparse exchanges build on it). Where the
+outer rule is a ``fn.collectives.Compressor`` the flag and the header travel in the header of
+the compressor's own message instead (fn/diloco/step.py), with :func:`check_headers`'s check;
+this all-gather serves the other rules (the 1-bit compressor's).
 """
 
 from __future__ import annotations
