@@ -325,7 +325,7 @@ def _memory(model, optimizer) -> dict[str, int]:
                   if isinstance(m, FSDPModule)]  # fmt: skip
         accumulator = _local_bytes([g._partial_reduce_output for g in groups if g is not None])
     else:
-        modules = list(optimizer._modules.values())  # fn.fsdp's OnebitModule, by module
+        modules = list(optimizer._modules)  # fn.fsdp's OnebitModule, one per module
         state = _local_bytes([optimizer._state, [(x.signs, x.errors) for x in modules]])
         accumulator = _local_bytes([(x.local_gradient, x._written) for x in modules])
     grads = _local_bytes([p.grad for p in params if p.grad is not None])

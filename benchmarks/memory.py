@@ -485,7 +485,7 @@ def fsdp_onebit_worker(rank: int, world_size: int, send: Any, cfg: dict, dtype: 
                 "grads": _local_storages([p.grad for p in params]),
             }
             if setup == "fsdp":  # its live state: the shards' moments, each module's packed
-                held = [(x.signs, x.errors) for x in opt._modules.values()]  # m and errors
+                held = [(x.signs, x.errors) for x in opt._modules]  # m and errors
                 row.update(state=_local_storages([opt._state, held]), extra=0)
             else:
                 measured = state_bytes(opt)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import shlex
 import signal
 import subprocess
@@ -54,9 +55,9 @@ _PRELOAD = [
 multiprocessing.set_forkserver_preload(_PRELOAD)
 
 
-def _call(rank: int, world_size: int, send: Any, worker_fn: Callable[..., Any], args: tuple) -> Any:
+def _call(rank: int, world_size: int, send: Any, worker_fn: Callable[..., Any], args: bytes) -> Any:
     del send
-    return worker_fn(rank, world_size, *args)
+    return worker_fn(rank, world_size, *pickle.loads(args))
 
 
 def run_distributed(
@@ -84,10 +85,12 @@ def run_distributed(
     Raises:
         RuntimeError: a child raised (its traceback is in the message), died, or timed out.
     """
+    # the arguments as plain pickled bytes: torch's pickler would send each tensor's storage as
+    # a file descriptor, and a forkserver takes at most 256 in one start
     return spawn_gloo(
         _call,
         world_size,
-        (worker_fn, args),
+        (worker_fn, pickle.dumps(args)),
         timeout=timeout,
         on_message=lambda rank, message: None,
         threads=1,

@@ -4,7 +4,6 @@ does not change; the anchor, the outer state and the counters in a ``state_dict`
 from __future__ import annotations
 
 import logging
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -14,6 +13,7 @@ from torch import nn
 
 from fn.base import EmptyState
 from fn.collectives import Comm, Local, Participation, ProcessGroup, Simulated, cast_allreduce
+from fn.collectives.agreement import bit_checksum, digest
 from fn.diloco.agreement import agree_on_settings
 from fn.diloco.buffers import Buffers
 from fn.diloco.checkpoint import (
@@ -73,15 +73,6 @@ def _comm(group: Any, timeout: Any) -> Comm:
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return Local()
     return ProcessGroup(group, timeout=timeout)
-
-
-def _params_digest(params: list[torch.Tensor]) -> int:
-    """A CRC-32 of the parameters' bytes, to check that every rank starts from the same ones."""
-    digest = 0
-    for p in params:
-        data = p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        digest = zlib.crc32(data, digest)
-    return digest
 
 
 class DiLoCo:
@@ -283,7 +274,7 @@ class DiLoCo:
         shards = [local_shard(p.detach()) for p in self._params]
         values = {  # agreed on, not saved (a checkpoint's settings stay as they were)
             "local shapes": [tuple(x.shape) for x in shards],
-            "parameter values": _params_digest(shards),
+            "parameter values": [int(bit_checksum(x)) for x in shards],
             "max_sit_outs": max_sit_outs,
             "inner steps counted": "optimizer.step()" if grad_scaler is None else "update()",
             "buffers": (buffers, self._buffers.layout()),
@@ -406,7 +397,7 @@ class DiLoCo:
             "values": fragment.size(),
             "from sync()": int(inline),
             "trainable tensors": len(trainable),
-            "their checksum": zlib.crc32(shapes),
+            "their checksum": digest(shapes),
         }
         captured, worker = self._buffers.capture(), self._worker
 

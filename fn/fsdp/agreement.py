@@ -1,11 +1,11 @@
-"""What the ``fn.fsdp`` installers check across ranks: that no rank refused its arguments and that
-every rank passed the same settings (one small all-gather), so that a problem on one rank is an
+"""What the ``fn.fsdp`` installers check across ranks (:func:`agree_on_settings`): that no rank
+refused its arguments and that every rank passed the same settings, through
+``fn.collectives.agreement`` over the model's shard group, so that a problem on one rank is an
 error on every rank at install rather than a hang or a backend abort at the first collective."""
 
 from __future__ import annotations
 
 import numbers
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -14,15 +14,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from fn.collectives import ProcessGroup
-from fn.collectives.process_group import all_gather_flat
+from fn.collectives import Local, ProcessGroup
+from fn.collectives.agreement import agree, problem_of
 
-__all__ = [
-    "agree", "agree_on_settings", "gather_texts", "integer", "problem_of", "shard_group", "shared"
-]  # fmt: skip
-
-# the problems a rank can report to the others (their index in the all-gathered tensor)
-KINDS: tuple[type[Exception] | None, ...] = (None, ValueError, NotImplementedError, TypeError)
+__all__ = ["agree_on_settings", "integer", "shard_group"]
 
 
 def integer(name: str, value: Any) -> int:
@@ -43,13 +38,6 @@ def integer(name: str, value: Any) -> int:
     return int(value)
 
 
-def problem_of(error: Exception) -> tuple[type[Exception], str]:
-    """``error`` as :func:`agree`'s ``problem``: its kind (one :func:`agree` can send, else
-    ``ValueError``) and message."""
-    kind = type(error) if type(error) in KINDS else ValueError
-    return kind, str(error)
-
-
 def shard_group(module: nn.Module) -> dist.ProcessGroup | None:
     """The process group FSDP2 shards ``module``'s first parameter over (its mesh dim of
     ``Shard`` placement), or ``None`` when no parameter of it is sharded."""
@@ -61,104 +49,6 @@ def shard_group(module: nn.Module) -> dist.ProcessGroup | None:
     return None
 
 
-def gather_texts(
-    group: dist.ProcessGroup | None, text: str, sizes: list[int], device: torch.device | str
-) -> list[str]:
-    """Every rank's ``text``, in group rank order: one all-gather of their UTF-8 bytes, padded to
-    the longest (a collective over ``group``, ``None``: the world).
-
-    Args:
-        group: the process group.
-        text: this rank's text.
-        sizes: every rank's byte count of its text (all-gathered just before, so that every
-            rank knows whether to call this).
-        device: where the all-gather runs (a ``nccl`` group has no CPU collectives).
-
-    Returns:
-        The ranks' texts.
-    """
-    width = max(max(sizes), 1)
-    mine = torch.zeros(width, dtype=torch.uint8)
-    data = text.encode()
-    if data:
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    out = torch.empty(len(sizes) * width, dtype=torch.uint8, device=device)
-    all_gather_flat(out, mine.to(device), group=group)
-    rows = out.cpu().view(len(sizes), width)
-    return [bytes(rows[r, :n].tolist()).decode() for r, n in enumerate(sizes)]
-
-
-def shared(texts: list[str], verb: str, ranks: list[int] | None = None) -> str:
-    """The ranks' non-empty ``texts`` as one message: ``"rank(s) [r, ...] <verb>: <text>"`` for
-    each distinct text, in the order of their first ranks, joined by ``"; "``; ``ranks``: the
-    ranks in the world of the texts' senders (default: their index)."""
-    found: dict[str, list[int]] = {}
-    for index, text in enumerate(texts):
-        if text:
-            found.setdefault(text, []).append(index if ranks is None else ranks[index])
-    return "; ".join(f"rank(s) {senders} {verb}: {text}" for text, senders in found.items())
-
-
-def agree(
-    name: str,
-    group: dist.ProcessGroup | None,
-    problem: tuple[type[Exception], str] | None,
-    fingerprint: str,
-    what: str = "settings or models",
-    device: torch.device | str = "cpu",
-) -> None:
-    """Raises on every rank if some rank found a problem or the ranks' settings differ (one
-    all-gather over ``group``, or ``WORLD`` when the model gave none, and a second one of the
-    problems' messages when some rank found one; nothing without a process group or with one
-    rank).
-
-    Args:
-        name: the installer, which starts every message (``"fn.fsdp.OnebitAdam"``).
-        group: the model's FSDP2 process group, or ``None``.
-        problem: what this rank refused (an exception class of :data:`KINDS` and its message,
-            without ``name``), or ``None``.
-        fingerprint: this rank's settings, as a string every rank must match.
-        what: what the ranks passed, for the message when the fingerprints differ.
-        device: where the all-gathers run: the model's device (a ``nccl`` group has no CPU
-            collectives).
-
-    Raises:
-        ValueError, NotImplementedError, TypeError: on every rank, the same: the kind of the
-            first rank that found a problem, with every distinct problem and the ranks (in the
-            world) that found it (``"<name>: rank(s) [2, 3] refused the model or the settings:
-            <why>"``).
-        ValueError: on every rank, the fingerprints differ.
-    """
-    if group is None and dist.is_initialized():
-        group = dist.group.WORLD
-    if group is None or dist.get_world_size(group) == 1:
-        if problem is not None:
-            raise problem[0](f"{name}: {problem[1]}")
-        return
-    text = "" if problem is None else problem[1] or problem[0].__name__
-    mine = torch.tensor(
-        [
-            KINDS.index(problem[0]) if problem else 0,
-            zlib.crc32(fingerprint.encode()),
-            len(text.encode()),
-        ],
-        dtype=torch.int64,
-        device=device,
-    )
-    gathered = ProcessGroup(group).all_gather(mine).cpu()
-    failed = [r for r, kind in enumerate(gathered[:, 0].tolist()) if kind]
-    if failed:
-        texts = gather_texts(group, text, gathered[:, 2].tolist(), device)
-        kind = KINDS[int(gathered[failed[0], 0])]
-        ranks = dist.get_process_group_ranks(group)
-        raise kind(f"{name}: {shared(texts, 'refused the model or the settings', ranks)}")
-    if bool((gathered[:, 1] != gathered[0, 1]).any()):
-        raise ValueError(
-            f"{name}: the ranks passed different {what} (fingerprints "
-            f"{gathered[:, 1].tolist()}); every rank must pass the same"
-        )
-
-
 def agree_on_settings(
     name: str,
     module: nn.Module,
@@ -166,8 +56,9 @@ def agree_on_settings(
     keys: tuple[str, ...],
     missing: str | None,
 ) -> None:
-    """An installer's check of its settings, on this rank and then across ranks (:func:`agree`
-    over ``module``'s FSDP2 shard group, on its device).
+    """An installer's check of its settings, on this rank and then across ranks
+    (``fn.collectives.agreement.agree`` over ``module``'s FSDP2 shard group, on its device; the
+    world where no parameter is sharded).
 
     Args:
         name: the installer, which starts every message.
@@ -178,17 +69,20 @@ def agree_on_settings(
         missing: what is wrong with ``module`` itself (no FSDP2 module, say), or ``None``.
 
     Raises:
-        TypeError, ValueError: as :func:`agree`, on every rank.
+        TypeError, ValueError: as ``agree``, on every rank.
     """
-    problem, fingerprint = None, ""
+    problem, settings = None, dict.fromkeys(keys)
     try:
         checked = make()
-        fingerprint = repr(tuple(getattr(checked, key) for key in keys))
+        settings = {key: getattr(checked, key) for key in keys}
         if missing is not None:
             raise ValueError(missing)
     except (TypeError, ValueError) as error:
         problem = problem_of(error)
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    names = ", ".join(keys[:-1]) + " or " + keys[-1] if len(keys) > 1 else keys[0]
-    what = f"{names} (this rank: {fingerprint})"
-    agree(name, shard_group(module), problem, fingerprint, what, device)
+    if not dist.is_initialized():  # one process: its own refusal only
+        agree(Local(), name, settings, problem)
+        return
+    group = shard_group(module)
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    agree(ProcessGroup(group), name, settings, problem, ranks=ranks, device=device)

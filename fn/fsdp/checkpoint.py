@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from fn.collectives.process_group import all_gather_flat
-from fn.fsdp.agreement import gather_texts, shared
+from fn.collectives import ProcessGroup
+from fn.collectives.agreement import gather_texts, shared
 from fn.fsdp.loco import LocoReduceScatterHandle
 from fn.fsdp.onebit import ShardedOnebitOptimizer
 
@@ -365,14 +365,13 @@ def read_onebit_state(
     Example:
         One rank here (under ``torchrun`` every rank runs this):
 
-        >>> import tempfile, torch.distributed as dist
-        >>> import torch.distributed.checkpoint as dcp
+        >>> import tempfile, torch.distributed as dist, torch.distributed.checkpoint as dcp
         >>> from torch.distributed.device_mesh import init_device_mesh
         >>> from torch.distributed.fsdp import fully_shard
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> path = tempfile.mkdtemp()
         >>> model = fully_shard(torch.nn.Linear(2, 1), mesh=init_device_mesh("cpu", (1,)))
         >>> opt = fn.fsdp.OnebitAdam(model, lr=1e-2, freeze_step=2)
-        >>> path = tempfile.mkdtemp()
         >>> _ = dcp.save({"training": {"optim": opt.state_dict()}}, checkpoint_id=path)
         >>> opt.load_state_dict(fn.fsdp.read_onebit_state(opt, path, "training.optim"))
         >>> dist.destroy_process_group()
@@ -485,12 +484,12 @@ def _every_rank_text(text: str, device: torch.device, group: dist.ProcessGroup |
     without a process group, ``[text]``)."""
     if not dist.is_initialized():
         return [text]
+    comm = ProcessGroup(group)
     size = torch.tensor([len(text.encode())], dtype=torch.int64, device=device)
-    sizes = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
-    all_gather_flat(sizes, size, group=group)
-    if not bool(sizes.any()):
+    sizes = comm.all_gather(size).view(-1).tolist()
+    if not any(sizes):
         return [""] * len(sizes)
-    return gather_texts(group, text, sizes.tolist(), device)
+    return gather_texts(comm, text, sizes, device)
 
 
 def _ranks(group: dist.ProcessGroup | None) -> list[int] | None:

@@ -18,88 +18,68 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from inspect import Parameter
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fn.base import CompressedOptimizer, apply_updates, set_hyperparams
-from fn.collectives import (
-    CollectiveTimeoutError,
-    Local,
-    check_error_dtype,
-)
+from fn.collectives import Local
 from fn.collectives.comm import HOPS
-from fn.errors import NonFiniteError
-from fn.fsdp._fsdp2 import reduce_scatters_stopped
-from fn.fsdp.agreement import agree
-from fn.fsdp.onebit_checks import (
-    check_partitions,
-    model_problem,
-    replicate_problem,
-    spanned_ranks,
+from fn.errors import NonFiniteError, user_stacklevel
+from fn.fsdp._fsdp2 import called_by_state_dict_api, reduce_scatters_stopped
+from fn.fsdp.onebit_checks import Options, agreed_setup
+from fn.fsdp.onebit_gradients import (
+    GRAD_CHANGED,
+    checked_totals,
+    first_exchange,
+    gradient_stats,
 )
-from fn.fsdp.onebit_layout import (
-    ModuleLayout,
-    fsdp_groups,
-    fsdp_modules,
-    module_layout,
-    one_dim,
-    row_multiple,
-    shard_of,
-    to_local,
-)
-from fn.fsdp.onebit_masks import MomentumMasks, mask_checksum, module_mask
+from fn.fsdp.onebit_layout import ModuleLayout, fsdp_groups, module_layout, to_local
+from fn.fsdp.onebit_masks import module_mask
+from fn.fsdp.onebit_mesh import HsdpMesh, ShardMesh
 from fn.fsdp.onebit_module import OnebitModule
 from fn.fsdp.onebit_reduce_scatter import FailedCollectives, OnebitReduceScatter
-from fn.fsdp.onebit_state import OnebitStateFormat
+from fn.fsdp.onebit_state import (
+    StateFormat,
+    adam_started,
+    checkpoint_template,
+    fingerprints,
+    not_torch_format,
+    onebit_state_dict,
+    restored,
+)
 from fn.fsdp.reduce_scatter import CommCache
-from fn.transforms import gradient_energy, onebit_adam, onebit_adam_sharded
-from fn.transforms.hyperparameters import bind_arguments, signature_with
+from fn.transforms import onebit_adam, onebit_adam_sharded
+from fn.transforms.clipping import check_max_norm, clip_factor
+from fn.transforms.hyperparameters import bind_arguments, option, signature_with
 
-__all__ = ["OPTIONS", "OnebitAdam", "ShardedOnebitOptimizer", "ZeroOneAdam"]
+__all__ = ["OPTIONS", "Input", "OnebitAdam", "ShardedOnebitOptimizer", "ZeroOneAdam"]
+
+Input = tuple[Tensor, Tensor | None, float]  # what a module compresses: (x, grad, beta)
 
 # The optimizers' own options, beside their rule's hyperparameters (exp_avg_mask takes the
 # rule's place; the comm is the FSDP2 modules' mesh's)
 OPTIONS = (
-    Parameter(
-        "exp_avg_mask",
-        Parameter.KEYWORD_ONLY,
-        default=None,
-        annotation="Mapping[torch.Tensor, torch.Tensor] | str | None",
-    ),
-    Parameter("nonfinite", Parameter.KEYWORD_ONLY, default="raise", annotation="str"),
-    Parameter("replicate", Parameter.KEYWORD_ONLY, default=None, annotation="DeviceMesh | None"),
-    Parameter("max_grad_norm", Parameter.KEYWORD_ONLY, default=None, annotation="float | None"),
-    Parameter(
-        "accumulate_dtype",
-        Parameter.KEYWORD_ONLY,
-        default=torch.float32,
-        annotation="torch.dtype",
-    ),
-    Parameter(
-        "world",
-        Parameter.KEYWORD_ONLY,
-        default=None,
-        annotation="torch.distributed.ProcessGroup | None",
-    ),
+    option("exp_avg_mask", None, "Mapping[torch.Tensor, torch.Tensor] | str | None"),
+    option("nonfinite", "raise", "str"),
+    option("replicate", None, "DeviceMesh | None"),
+    option("max_grad_norm", None, "float | None"),
+    option("accumulate_dtype", torch.float32, "torch.dtype"),
+    option("world", None, "torch.distributed.ProcessGroup | None"),
 )
-_OPTION_NAMES = (
-    "exp_avg_mask", "nonfinite", "local_world_size", "error_dtype", "replicate", "non_freeze",
-    "max_grad_norm", "accumulate_dtype", "world",
-)  # fmt: skip
-_CLIP_EPS = 1e-6  # in the clipping factor's denominator, as torch.nn.utils.clip_grad_norm_'s
 
 
-class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optimizer):
+class ShardedOnebitOptimizer(torch.optim.Optimizer):
     """What the 1-bit optimizers on FSDP2 share (:class:`OnebitAdam`,
-    :class:`~fn.fsdp.OnebitLamb`). That is the model's FSDP2 modules, each with its state and
-    accumulated gradient (``OnebitModule``, ``fn/fsdp/onebit_module.py``) and the reduce-scatter
-    installed on it, ``step()`` (the update's exchange across the ranks, then the rule on the
-    shards), the checks across ranks and the DCP state dict.
+    :class:`~fn.fsdp.OnebitLamb`): what spans the model's FSDP2 modules. Each module's state is
+    an ``OnebitModule`` (``fn/fsdp/onebit_module.py``: its layout, packed momentum and errors,
+    mask and accumulated gradient), with the reduce-scatter installed on it; the mesh (1-D or
+    HSDP) is an object of ``fn/fsdp/onebit_mesh.py``. Here: the rule, the comms, ``step()``
+    (the checks of ``fn/fsdp/onebit_gradients.py``, the update's exchange across the ranks,
+    then the rule on the shards) and the DCP state dict (``fn/fsdp/onebit_state.py``).
 
     A subclass names the rule (``sharded_rule``, ``fn.transforms``' rule on the shards, and
     ``replicated_rule``, the rule with one rank), what each module's compressed vector is
@@ -130,155 +110,86 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
     keeps_momentum_shards = False
     scalar_fields: tuple[str, ...] = ()  # the rule's per-param 0-dim fields (same on all ranks)
     optional_fields: tuple[str, ...] = ()  # the rule's further per-param shards, maybe None
+    adam_start: str | None = None  # why load_adam_state is not built for the rule, or None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.name = f"fn.fsdp.{type(self).__name__}"
         arguments = bind_arguments(self.name, type(self).__signature__, args, kwargs)
-        options = {k: arguments.pop(k) for k in _OPTION_NAMES if k in arguments}
+        options = Options(**{k: arguments.pop(k) for k in Options._fields if k in arguments})
         model = arguments.pop("model")
-        self._setup(model, {**arguments, "betas": _as_pair(arguments["betas"])}, **options)
+        self._setup(model, {**arguments, "betas": _as_pair(arguments["betas"])}, options)
 
-    def _setup(
-        self,
-        model: nn.Module,
-        settings: dict[str, Any],
-        *,
-        exp_avg_mask: Any,
-        nonfinite: str,
-        local_world_size: int | None,
-        error_dtype: torch.dtype,
-        replicate: DeviceMesh | None = None,
-        non_freeze: bool = False,
-        max_grad_norm: float | None = None,
-        accumulate_dtype: torch.dtype = torch.float32,
-        world: dist.ProcessGroup | None = None,
-    ) -> None:
-        world_ranks = spanned_ranks(self.name, world)
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"{self.name}: model must be the nn.Module that fully_shard sharded (the "
-                "optimizer installs its reduce-scatter on the model's FSDP2 modules), got "
-                f"{type(model).__name__}: pass the model itself, not model.parameters()"
-            )
-        found = fsdp_modules(model)
-        flat = bool(found) and one_dim(found)
-        group = found[0][1][0][1].device_mesh.get_group(0) if flat else None
-        problem = model_problem(
-            self.name, model, found, non_freeze, exp_avg_mask, nonfinite, local_world_size
-        )
-        if problem is None:
-            problem = replicate_problem(self.name, replicate, found, world_ranks, world is None)
-        if problem is None:
-            problem = self._bad_settings(settings, error_dtype)
-        if problem is None:
-            problem = _gradient_problem(max_grad_norm, accumulate_dtype)
-        masks = None if problem else exp_avg_mask
-        self._auto_mask = isinstance(masks, str)  # exp_avg_mask="auto"
-        order = [p for _, ps in found for _, p in ps]
-        # in the ranks' agreement and the checkpoints' settings: "auto", or the masks' checksum
-        self._mask_setting = "auto" if self._auto_mask else mask_checksum(masks, order)
-        hsdp = () if replicate is None else ("replicate", getattr(replicate, "shape", None))
-        fingerprint = repr(
-            (settings, non_freeze, self._mask_setting, nonfinite, local_world_size,
-             str(error_dtype), max_grad_norm, str(accumulate_dtype),
-             [(m, [(n, tuple(p.shape)) for n, p in ps]) for m, ps in found], *hsdp)
-        )  # fmt: skip
-        device = found[0][1][0][1].device if found else "cpu"
-        # over world (None: the default group), whatever the meshes: ranks that passed
-        # different meshes or replicate= on some ranks only still meet in one collective
-        agree(self.name, world, problem, fingerprint, device=device)
-        self._world = world  # the group of the checks over every rank (None: the default)
+    def _setup(self, model: nn.Module, settings: dict[str, Any], options: Options) -> None:
+        rule_name = self.sharded_rule.__name__
+        agreed = agreed_setup(self.name, model, settings, options, self._make_rule, rule_name)
+        self._auto_mask = isinstance(agreed.masks, str)  # exp_avg_mask="auto"
+        self._mask_setting = agreed.mask_setting  # in the checkpoints' settings
+        self._world = options.world  # the group the optimizer spans (None: the default)
         self._comms = CommCache(None)
-        self.comm = self._comms(group)
-        self._replicas = None  # fn's comm over the replicate group (HSDP, N > 1), or None
-        self._hops: dict[tuple[int, ...], str] = {}  # HSDP: the level of a group, by its ranks
-        multiple = None
-        if replicate is not None:
-            shard_mesh = found[0][1][0][1].device_mesh
-            check_partitions(self.name, shard_mesh, replicate, device, world, world_ranks)
-            if replicate.size() > 1:
-                self._replicas = self._comms(replicate.get_group(0))
-                multiple = row_multiple(replicate.size())
-                for hop, mesh in (("intra", found[0][1][0][1].device_mesh), ("inter", replicate)):
-                    self._hops[tuple(dist.get_process_group_ranks(mesh.get_group(0)))] = hop
-        self.error_dtype = error_dtype
-        self.max_grad_norm = max_grad_norm
-        self.rank = dist.get_rank(group)
-        world_size = self.comm.world_size
-        # whether fn's collectives deliver the mean gradient (else one rank: the rule alone)
-        self._communicates = world_size > 1 or self._replicas is not None
-        self._layouts = [module_layout(n, ps, world_size, multiple) for n, ps in found]
-        hsdp_rows = self._replicas is not None
-        self._modules = {
-            x.name: OnebitModule(
-                x, rank=self.rank, hsdp=hsdp_rows, accumulate_dtype=accumulate_dtype
-            )
-            for x in self._layouts
-        }
-        self._install(model, settings, masks, error_dtype)
-
-    def _install(
-        self,
-        model: nn.Module,
-        settings: dict[str, Any],
-        masks: Mapping[torch.Tensor, torch.Tensor] | str | None,
-        error_dtype: torch.dtype,
-    ) -> None:
-        """The state and the reduce-scatters, once every rank agreed on the model and the
-        settings (``self._layouts`` set)."""
-        world_size = self.comm.world_size
-        self._masks = {  # by module: its exp_avg_mask as bits in the layout of X, or None
-            x.name: None if masks is None or self._auto_mask else module_mask(x, masks, world_size)
-            for x in self._layouts
-        }
-        # exp_avg_mask="auto" until the freeze: by module, this rank's row of X as bits, 1 where
-        # the mean gradient was exactly 0 at every warmup update so far (padding positions 1);
-        # None otherwise
-        self._zero_records = None
+        self.comm = self._comms(agreed.found[0][1][0][1].device_mesh.get_group(0))
+        self._mesh = self._mesh_of(options.replicate)
+        # step()'s checks over world's ranks, on a group of their own: a rank still in its
+        # micro-batches (FSDP2's all-gathers, the user's collectives) never meets them in one
+        # collective, which gloo aborts on when the sizes differ
+        group = dist.new_group(agreed.world_ranks, use_local_synchronization=True)
+        self._checks = self._comms(group)
+        self.error_dtype, self._max_grad_norm = options.error_dtype, options.max_grad_norm
         # the next update freezes the variance though past freeze_step: a start from Adam's
         # state (load_adam_state) at a count past it
         self._freeze_due = False
+        self.rank = self.comm.rank
+        world_size, multiple = self.comm.world_size, self._mesh.multiple
+        layouts = [module_layout(n, ps, world_size, multiple) for n, ps in agreed.found]
+        self._modules = [
+            OnebitModule(layout, self._mesh, rank=self.rank,
+                         accumulate_dtype=options.accumulate_dtype,
+                         **self._initial_mask(layout, agreed.masks))
+            for layout in layouts
+        ]  # fmt: skip
+        self._install(model, settings)
+
+    def _mesh_of(self, replicate: DeviceMesh | None) -> ShardMesh:
+        """The mesh: HSDP with ``N > 1`` nodes, else the 1-D one (``N = 1``: its shard mesh)."""
+        if replicate is None or replicate.size() == 1:
+            return ShardMesh(self.comm)
+        return HsdpMesh(self.comm, self._comms(replicate.get_group(0)))
+
+    def _initial_mask(self, layout: ModuleLayout, masks: Any) -> dict[str, Any]:
+        """A module's ``exp_avg_mask`` as bits in the layout of ``X``, or ``"auto"``'s record
+        (all ones: no warmup update seen)."""
         if self._auto_mask:
-            self._zero_records = {
-                x.name: torch.full(
-                    (x.padded_row // 8,), 255, dtype=torch.uint8, device=x.slots[0].param.device
-                )
-                for x in self._layouts
-            }
+            device = layout.slots[0].param.device
+            size = (layout.padded_row // 8,)
+            return {"record": torch.full(size, 255, dtype=torch.uint8, device=device)}
+        if masks is None:
+            return {}
+        return {"mask": module_mask(layout, masks, self.comm.world_size)}
+
+    def _install(self, model: nn.Module, settings: dict[str, Any]) -> None:
+        """The state and the reduce-scatters, once every rank agreed on the model and the
+        settings (the modules built)."""
         self._b1 = float(settings["betas"][0])
         self._settings = settings
         self._setting_names = sorted(k for k in settings if k != "lr")
-        params = [slot.param for layout in self._layouts for slot in layout.slots]
-        super().__init__(params, dict(settings))
-        if self._communicates:
-            self._rule = self._make_rule(settings, self.comm)
-        else:
-            self._rule = self._single_rank_rule(settings, error_dtype, self._momentum_masks())
+        super().__init__([slot.param for slot in self._slots()], dict(settings))
+        self._rule = self._rule_for(self._momentum_masks())
         self._state = self._rule.init(self._shards())
-        self._automatic = self._state.auto is not None  # freeze_step="auto": decided in the state
         self._problems: list[Exception] = []  # what the reduce-scatters found, for step()
         self._failed = FailedCollectives()  # the collectives of this backward that failed
-        self._delivered = False  # whether a backward delivered gradients since the last step()
         self._grad_change_warned = False
         self._fsdp_modules: list[nn.Module] = []
         members = {name: member for name, member, _ in fsdp_groups(model)}
-        for layout in self._layouts:
-            module = members[layout.name]  # its group's settings and reduce-scatter
-            self._fsdp_modules.append(module)
+        for module in self._modules:
+            member = members[module.layout.name]  # its group's settings and reduce-scatter
+            self._fsdp_modules.append(member)
             reduce_scatter = OnebitReduceScatter(
-                self._modules[layout.name],
-                self._comms,
-                self._compresses,
-                self._problems,
-                self._failed,
+                module, self._comms, self._compresses, self._problems, self._failed
             )
-            module.set_custom_reduce_scatter(reduce_scatter)
-            if world_size == 1 and self._communicates:  # FSDP2 runs no reduce-scatter
-                module.set_all_reduce_hook(reduce_scatter.all_reduce_hook)
+            member.set_custom_reduce_scatter(reduce_scatter)
+            if self.comm.world_size == 1:  # FSDP2 runs no reduce-scatter: its hook counts
+                member.set_all_reduce_hook(reduce_scatter.all_reduce_hook)
             # every trainable param in every reduce-scatter: a missing gradient is a zero
-            module.set_reduce_scatter_unused_params(True, recurse=False)
-        for param in params:  # FSDP2 runs these once it has written a gradient shard
-            param.register_post_accumulate_grad_hook(self._gradient_delivered)
+            member.set_reduce_scatter_unused_params(True, recurse=False)
 
     @property
     def count(self) -> int:
@@ -307,8 +218,44 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         counts = dict.fromkeys(HOPS, 0)
         for group, comm in self._comms.comms.items():
             ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-            counts[self._hops.get(ranks, "world")] += comm.bytes_sent
+            counts[self._mesh.hops.get(ranks, "world")] += comm.bytes_sent
         return counts
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """As ``fn.optim.OnebitFamily.max_grad_norm`` (the same check,
+        ``fn.transforms.clipping.check_max_norm``; see the class's Args), compared across the
+        ranks in the next ``step()``'s first exchange.
+
+        Raises:
+            ValueError: (on setting) as there; nothing changed.
+        """
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float | None) -> None:
+        self._max_grad_norm = check_max_norm(self.name, value)
+
+    @property
+    def state(self) -> Any:
+        """``torch.optim``'s per-param state, which stays empty (the state is in the rule's
+        fields and the compressed modules: :meth:`state_dict`).
+
+        Raises:
+            NotImplementedError: read by ``torch.distributed.checkpoint.state_dict``
+                (``get_state_dict``, ``get_optimizer_state_dict``, ``set_state_dict``,
+                ``set_optimizer_state_dict``, each of which reads it before anything else of
+                the optimizer), which keeps only ``torch.optim``'s per-param form; nothing was
+                changed.
+        """
+        # torch's API reads this first, then takes the optimizer for one of torch.optim's form
+        if called_by_state_dict_api():
+            raise NotImplementedError(not_torch_format(self.name))
+        return self._per_param_state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._per_param_state = value
 
     def warn_if_never_compressed(self, updates: int, source: str = "this run") -> bool:
         """Warns (``UserWarning``) when none of the first ``updates`` updates would be
@@ -341,10 +288,12 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         """One update of every param shard (see the class docstring), from the gradients that
         FSDP2's backward delivered since the last ``step()``.
 
-        Without such gradients (``step()`` before any backward, a second ``step()`` after one,
-        gradients set by hand) it is a no-op: nothing changes, ``count`` included. A problem
-        that a reduce-scatter of that backward found is raised here, on every rank, with no
-        param changed; the next backward and ``step()`` train normally.
+        Without such gradients on every rank (``step()`` before any backward, a second
+        ``step()`` after one, gradients set by hand) it is a no-op: nothing changes, ``count``
+        included. Every rank calls it (its first exchange compares the ranks' micro-batch
+        counts, the backwards since the last ``step()``). A problem that a reduce-scatter of
+        that backward found is raised here, on every rank, with no param changed; the next
+        backward and ``step()`` train normally.
 
         Args:
             closure: re-evaluates the model and returns the loss (run with grad enabled).
@@ -356,7 +305,12 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
             fn.NonFiniteError: on every rank, if a gradient on some rank is not finite;
                 no param and no ``v`` changed.
             RuntimeError: FSDP2 stopped reduce-scattering after an exception inside an earlier
-                backward (not fn's: fn raises none there); nothing changed.
+                backward (not fn's: fn raises none there); or, on every rank, the ranks ran
+                different numbers of micro-batches (the accumulated gradients are dropped);
+                nothing changed.
+            ValueError: on every rank, the ranks' ``max_grad_norm`` differ; nothing changed.
+            fn.collectives.CollectiveTimeoutError: some rank never called ``step()`` (on a 1-D
+                mesh, one that runs more micro-batches waits in FSDP2's next all-gather).
             Exception: what else a reduce-scatter of the last backward raised (a collective's
                 timeout, say), the same on every rank.
         """
@@ -372,21 +326,15 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
                 "updated. Build the model and the optimizer anew (fully_shard, then this "
                 "optimizer) and reload the last checkpoint (fn.fsdp.TrainingCheckpoint.load)"
             )
-        received = {name: module.received for name, module in self._modules.items()}
-        problems, delivered, failed = list(self._problems), self._delivered, self._failed.take()
+        batches = max(module.backwards for module in self._modules)
+        problems, failed = list(self._problems), self._failed.take()
         self._problems.clear()
-        self._delivered = False
         try:
-            # each node's reduce-scatters found their own: share them over world, unless a
-            # group failed (this rank then has its own failure to raise at once)
-            if self._replicas is not None and not failed.groups:
-                problems = self._shared_problems(problems)
-            if problems:
+            if failed.groups:  # this rank's collective failed: its group is unusable
                 raise failed.dated(problems[0])
-            if delivered:
-                self._update(received)
+            self._update(batches, problems)
         finally:  # what the backwards delivered is used once, or dropped with the error
-            for module in self._modules.values():
+            for module in self._modules:
                 module.discard()
         return loss
 
@@ -398,294 +346,360 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
             set_to_none: as ``torch.optim.Optimizer.zero_grad``'s.
         """
         super().zero_grad(set_to_none)
-        for module in self._modules.values():
+        for module in self._modules:
             module.discard()
 
-    def _update(self, received: Mapping[str, bool]) -> None:
+    def _update(self, batches: int, problems: list[Exception]) -> None:
         """The update from the gradients the backwards since the last ``step()`` delivered
-        (``received``: by module, whether its reduce-scatter ran)."""
+        (``batches``: how many backwards ran; ``problems``: what their reduce-scatters found),
+        after the ranks' first exchange (``fn/fsdp/onebit_gradients.py``)."""
         t = self.count + 1
         warmup = not self._rule.is_compressed(t, self._state)
-        freezes_mask = not warmup and self._zero_records is not None  # exp_avg_mask="auto"
-        if freezes_mask:  # the records go once the update is made (a failed one is retried)
-            self._set_masks(self._frozen_masks(), self._zero_records)
-        compressed = self._communicates and not warmup
-        if warmup and self._replicas is not None:
-            self._average_over_nodes(received)
-        params = self._shards()
-        records, energy = None, None
-        if compressed:
-            inputs = self._exchanged_momentum(received)
+        exchanged = self._mesh.communicates and not warmup  # the 1-bit exchange
+        if exchanged:
+            gradients, stats = self._compressed_gradients()
         else:
-            inputs = {
-                slot.name: None if slot.param.grad is None else to_local(slot.param.grad)
-                for layout in self._layouts
-                for slot in layout.slots
-            }
-            energy, square_norm = self._checked_energy(inputs)
-            factor = self._clip_factor(square_norm)
-            if factor != 1.0:  # .grad stays as the backward left it
-                inputs = {k: None if g is None else g * factor for k, g in inputs.items()}
-            if warmup and self._zero_records is not None:
-                records = self._observed_zeros(inputs)
+            stats = self._mesh.warmup_stats(self._warmup_stats)
+        totals = first_exchange(
+            self._checks, self.name, batches, self._max_grad_norm, problems, stats
+        )
+        if not batches:  # no backward since the last step() on any rank: a no-op
+            return
+        freezes = not warmup and any(m.record is not None for m in self._modules)
+        if freezes:  # exp_avg_mask="auto": the records go once the update is made
+            self._set_masks([(m.frozen_mask(), m.record) for m in self._modules])
+        extra: dict[str, Any] = {}
+        records = None
+        if exchanged:
+            inputs = self._exchanged_momentum(self._clipped(gradients, totals))
+        else:
+            inputs, extra = self._dense_inputs(totals)
+            if warmup and self._auto_mask:
+                records = [m.observe_zeros(inputs) for m in self._modules]
         state = set_hyperparams(self._state, lr=self.param_groups[0]["lr"])
-        extra = {} if compressed or energy is None else {"gradient_energy": energy}
-        if compressed and (self._freeze_due or self._rule.first_compressed_update(t, state) == t):
-            extra["momentum_mask"] = self._momentum_masks()  # for the frozen variance's report
+        params = self._shards()
+        if exchanged and (self._freeze_due or self._rule.first_compressed_update(t, state) == t):
+            extra["momentum_mask"] = self._momentum_masks()  # the frozen variance's report
         if not warmup and self._freeze_due:  # the plan of a freeze: its report and its log
             extra["plan"] = self._rule.plan(t, state)._replace(freezes=True)
         else:
             extra["step"] = t
         updates, state = self._rule.update(inputs, state, params, **extra)
         apply_updates(params, updates, donate=True)
-        if compressed and not self.keeps_momentum_shards:  # it lives in the packed signs
+        if exchanged and not self.keeps_momentum_shards:  # it lives in the packed signs
             exp_avg = {k: None if inputs[k] is not None else m for k, m in state.exp_avg.items()}
             state = state._replace(exp_avg=exp_avg)
         self._state, self._freeze_due = state, False
-        if records is not None or freezes_mask:
-            self._zero_records = records
+        if records is not None or freezes:
+            records = records or [None] * len(self._modules)
+            self._set_masks([(m.mask, r) for m, r in zip(self._modules, records, strict=True)])
+
+    def _dense_inputs(self, totals: torch.Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The gradients of an update without the 1-bit exchange (the warmup; every update of
+        one rank alone): this rank's shards of the averaged gradient, clipped, and the rule's
+        further arguments (the gradient energy of ``freeze_step="auto"``), once every rank's
+        are known finite."""
+        totals = self._mesh.warmup_totals(totals, self._modules, self._warmup_stats)
+        totals = checked_totals(self.name, totals, compressed=False)
+        factor = clip_factor(totals[2], self._max_grad_norm)
+        inputs = self._grad_inputs()
+        if factor != 1.0:  # .grad stays as the backward left it
+            inputs = {k: None if g is None else g * factor for k, g in inputs.items()}
+        measured = self._state.auto is not None and self._mesh.communicates
+        return inputs, {"gradient_energy": totals[1]} if measured else {}
+
+    def _warmup_stats(self) -> list[float]:
+        """This rank's statistics of the averaged gradient's shards (``.grad``)."""
+        energy = self._state.auto is not None and self._mesh.communicates
+        norm = self._max_grad_norm is not None
+        return gradient_stats(self._grad_inputs(), energy=energy, norm=norm)
 
     def _compresses(self) -> bool:
         """Whether the coming update is compressed (the reduce-scatters ask)."""
-        return self._communicates and self._rule.is_compressed(self.count + 1, self._state)
+        return self._mesh.communicates and self._rule.is_compressed(self.count + 1, self._state)
+
+    def _slots(self) -> list[Any]:
+        return [slot for module in self._modules for slot in module.layout.slots]
 
     def _shards(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every param, by FQN."""
-        return {slot.name: to_local(slot.param) for x in self._layouts for slot in x.slots}
+        return {slot.name: to_local(slot.param) for slot in self._slots()}
 
-    def _grad_shards(self, layout: ModuleLayout) -> dict[str, torch.Tensor | None]:
-        """This rank's ``.grad`` shard of every param of a module, by FQN."""
-        return {
-            slot.name: None if slot.param.grad is None else to_local(slot.param.grad)
-            for slot in layout.slots
-        }
+    def _grad_inputs(self) -> dict[str, torch.Tensor | None]:
+        """This rank's ``.grad`` shard of every param, by FQN."""
+        return {k: v for module in self._modules for k, v in module.grad_shards().items()}
 
-    def _gradient_delivered(self, param: torch.Tensor) -> None:
-        del param
-        self._delivered = True
+    def _compressed_gradients(self) -> tuple[dict[str, torch.Tensor], list[float]]:
+        """By module (those reduce-scattered), the gradient that enters its momentum
+        (``mesh.compressed_gradient``), and this rank's statistics of them for the first
+        exchange."""
+        gradients, changed = {}, False
+        for module in self._modules:
+            if module.received:
+                check = not self._grad_change_warned and not changed
+                gradient, moved = self._mesh.compressed_gradient(
+                    module, module.grad_shards(), check
+                )
+                gradients[module.layout.name], changed = gradient, changed or moved
+        return gradients, gradient_stats(gradients, changed=changed)
 
-    def _average_over_nodes(self, received: Mapping[str, bool]) -> None:
-        """HSDP's warmup: every module's accumulated node gradient (this rank's row, in
-        ``.grad``) replaced by its mean over the nodes, one dense all-reduce per module."""
-        for layout in self._layouts:
-            if not received[layout.name]:
-                continue
-            row = self._modules[layout.name].node_row(self._grad_shards(layout))
-            mean = self._replicas.all_reduce(row, "mean")
-            for slot in layout.slots:
-                local = to_local(slot.param)
-                values = mean[slot.offset : slot.offset + local.numel()].view(local.shape)
-                if slot.param.grad is None:
-                    slot.param.grad = shard_of(values.clone(), slot.param)
-                else:
-                    to_local(slot.param.grad).copy_(values)
+    def _clipped(
+        self, gradients: dict[str, torch.Tensor], totals: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """The compressed phase's ``gradients`` times the clipping factor of ``max_grad_norm``,
+        from the first exchange's ``totals``: the root mean square of the ranks' (on HSDP the
+        nodes') norms. Every rank warns once of a changed ``.grad``.
 
-    def _exchanged_momentum(self, received: Mapping[str, bool]) -> dict[str, torch.Tensor | None]:
-        """The compressed phase's exchange: every module's accumulated gradient (the local
-        one on a 1-D mesh, this rank's row of the node's on HSDP) checked and clipped
-        (:meth:`_compressed_gradients`), then its momentum's 1-bit allreduce; returns every
-        param's shard of the new momentum, read exactly from the packed signs (``None`` for
-        the params of a module that no backward reduce-scattered)."""
-        gradients = self._compressed_gradients(received)
-        over = self.comm if self._replicas is None else self._replicas
+        Raises:
+            fn.NonFiniteError: on every rank, some rank's gradient is not finite.
+        """
+        totals = checked_totals(self.name, totals, compressed=True)
+        if totals[3] > 0 and not self._grad_change_warned:
+            self._grad_change_warned = True
+            warnings.warn(GRAD_CHANGED.format(name=self.name), stacklevel=user_stacklevel())
+        factor = clip_factor(totals[2] / self._mesh.exchange.world_size, self._max_grad_norm)
+        if factor != 1.0:
+            gradients = {name: g * factor for name, g in gradients.items()}
+        return gradients
+
+    def _exchanged_momentum(
+        self, gradients: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor | None]:
+        """The compressed phase's exchange: every module's momentum's 1-bit allreduce with its
+        checked and clipped gradient (``gradients``, by module: those reduce-scattered);
+        returns every param's shard of the new momentum, read exactly from the packed signs
+        (``None`` for the params of a module that no backward reduce-scattered)."""
         shards: dict[str, torch.Tensor | None] = {}
-        for layout in self._layouts:
-            module = self._modules[layout.name]
-            row = None
+        for module in self._modules:
+            layout, row = module.layout, None
             if layout.name in gradients:
-                momentum = module.previous_momentum(
-                    self._state.exp_avg, self._masks[layout.name], self.comm
-                )
-                x, grad, beta = self._momentum_input(
-                    layout, module, over, momentum, gradients[layout.name]
-                )
+                momentum = module.previous_momentum(self._state.exp_avg)
+                x, grad, beta = self._momentum_input(module, momentum, gradients[layout.name])
                 try:
-                    module.exchange(over, x, grad, beta, self.error_dtype)
+                    row = module.exchange(x, grad, beta, self.error_dtype)
                 except NonFiniteError:  # raised on every rank, before anything was written
                     raise NonFiniteError(
                         f"{self.name}: non-finite values in the momentum of some rank in "
                         f"module {layout.name}; no param changed (the modules exchanged "
                         "before it have advanced their momentum and errors)"
                     ) from None
-                row = self._masked_row(layout, module.own_row().values(layout.padded_row))
             for slot in layout.slots:
                 local = to_local(slot.param)
                 piece = None if row is None else row[slot.offset : slot.offset + local.numel()]
                 shards[slot.name] = None if piece is None else piece.view(local.shape)
         return shards
 
-    def _compressed_gradients(self, received: Mapping[str, bool]) -> dict[str, torch.Tensor]:
-        """By module (those reduce-scattered), the gradient that enters its momentum, flat
-        fp32 in the layout of ``X``: on a 1-D mesh this rank's accumulated local gradient, on
-        HSDP its row of the node's (from ``.grad``), times the clipping factor of
-        ``max_grad_norm``. One all-gather over the ranks holding different gradients
-        (``world``) of three fp64 values checks that all are finite, sums their squared norms and
-        tells every rank whether some rank's ``.grad`` was changed where the update does not
-        read it (:meth:`_grad_changed`: then every rank warns, once).
-
-        Raises:
-            fn.NonFiniteError: on every rank, some rank's gradient is not finite; nothing
-                changed.
-        """
-        gradients, changed = {}, False
-        for layout in self._layouts:
-            if received[layout.name]:
-                module = self._modules[layout.name]
-                if module.hsdp:
-                    gradients[layout.name] = module.node_row(self._grad_shards(layout))
-                else:
-                    gradients[layout.name] = module.local_gradient.view(-1).float()
-                    changed = changed or self._grad_changed(layout, module)
-        bad = sum(int(not bool(g.isfinite().all())) for g in gradients.values())
-        square = sum((float(g.double().square().sum()) for g in gradients.values()), 0.0)
-        mine = torch.tensor([float(bad), 0.0 if bad else square, changed], dtype=torch.float64)
-        everyone = self._comms(self._world)
-        totals = everyone.all_gather(mine).view(-1, 3).sum(0)
-        if totals[0] > 0:  # (a NaN differs from itself: no word of a changed .grad then)
-            raise NonFiniteError(
-                f"{self.name}: non-finite values in the accumulated gradient of some rank; "
-                "nothing was updated"
-            )
-        if totals[2] > 0 and not self._grad_change_warned:
-            self._grad_change_warned = True
-            warnings.warn(
-                f"{self.name}: .grad was changed between the backward and step() (by "
-                "torch.nn.utils.clip_grad_norm_, say) in the compressed phase on a 1-D mesh, "
-                "where the update reads the local gradient that fn accumulated, not .grad: the "
-                "change has no effect. Clip with max_grad_norm= (every phase), or use HSDP "
-                "(replicate=), where .grad is what the update reads",
-                stacklevel=4,
-            )
-        replicas = self.comm.world_size if self._replicas is None else self._replicas.world_size
-        factor = self._clip_factor(totals[1] / replicas)
-        if factor != 1.0:
-            gradients = {name: g * factor for name, g in gradients.items()}
-        return gradients
-
-    def _grad_changed(self, layout: ModuleLayout, module: OnebitModule) -> bool:
-        """On a 1-D mesh in the compressed phase ``.grad`` holds this rank's row of its own
-        gradient, and the update reads the local gradient fn accumulated: whether ``.grad``
-        was changed since the backward (``clip_grad_norm_``, say), which then changes
-        nothing."""
-        if self._grad_change_warned:
-            return False
-        for slot in layout.slots:
-            grad = slot.param.grad
-            written = module.written_row()[slot.offset : slot.offset + to_local(slot.param).numel()]
-            if grad is None or not torch.equal(to_local(grad).reshape(-1), written):
-                return True
-        return False
-
-    def _clip_factor(self, square_norm: torch.Tensor) -> float:
-        """``max_grad_norm``'s factor for a squared gradient norm (the same on every rank):
-        ``min(1, max_grad_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``'s;
-        ``1.0`` without ``max_grad_norm``."""
-        if self.max_grad_norm is None:
-            return 1.0
-        norm = float(square_norm) ** 0.5
-        return min(1.0, self.max_grad_norm / (norm + _CLIP_EPS))
-
-    def _shared_problems(self, problems: list[Exception]) -> list[Exception]:
-        """HSDP: what the reduce-scatters found, on every rank (one all-gather of three values
-        over ``world``). A reduce-scatter raises on the ranks of one node's shard group; the
-        other ranks then raise too, of the same kind when it is ``fn.NonFiniteError`` or
-        ``CollectiveTimeoutError`` (naming the first rank that the failed collective
-        missed)."""
-        first = problems[0] if problems else None
-        lost = -1.0
-        if isinstance(first, CollectiveTimeoutError) and first.missing_ranks:
-            lost = float(min(first.missing_ranks))
-        mine = torch.tensor([float(first is not None), float(_nonfinite(first)), lost])
-        rows = self._comms(self._world).all_gather(mine.double()).view(-1, 3)
-        failed = rows[:, 0].nonzero().view(-1).tolist()
-        if problems or not failed:
-            return problems
-        nonfinite, lost = bool(rows[failed[0], 1]), int(rows[failed[0], 2])
-        cause = f": rank {lost} never reached one of its collectives" if lost >= 0 else ""
-        message = (
-            f"{self.name}: the reduce-scatter of rank {failed[0]} failed{cause} (see its "
-            "error); nothing was updated"
-        )
-        if nonfinite:
-            return [NonFiniteError(message)]
-        if lost >= 0:
-            return [CollectiveTimeoutError(message, [lost])]
-        return [RuntimeError(message)]
-
-    def _checked_energy(
-        self, grads: dict[str, torch.Tensor | None]
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Raises ``NonFiniteError`` on every rank if some rank's gradient shard is not
-        finite; returns, with ``freeze_step="auto"`` (and several ranks), the gradient energy
-        of the mean gradient, the sum of the shards' (``fn.transforms.gradient_energy``), else
-        ``None``, and the mean gradient's squared norm. One all-gather of three fp64 values,
-        summed in rank order (the same bits on every rank)."""
-        present = [g for g in grads.values() if g is not None]
-        bad = sum(int(not bool(g.isfinite().all())) for g in present)
-        measure = self._automatic and self._communicates
-        energy = (
-            gradient_energy(grads) if measure and not bad else torch.zeros((), dtype=torch.float64)
-        )
-        square = 0.0
-        if self.max_grad_norm is not None and not bad:
-            square = sum((float(g.double().square().sum()) for g in present), 0.0)
-        mine = torch.tensor([float(bad), float(energy), square], dtype=torch.float64)
-        if self.comm.world_size > 1:
-            mine = self.comm.all_gather(mine).view(-1, 3).sum(0)
-        if mine[0] > 0:
-            raise NonFiniteError(
-                f"{self.name}: non-finite values in the averaged gradient (on some rank); "
-                "nothing was updated"
-            )
-        return (mine[1] if measure else None), mine[2]
-
-    def _momentum_input(
-        self,
-        layout: ModuleLayout,
-        module: OnebitModule,
-        comm: Any,
-        momentum: torch.Tensor,
-        grad: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    def _momentum_input(self, module: OnebitModule, momentum: Tensor, grad: Tensor) -> Input:
         """What a module compresses, from its momentum before this update and the gradient
         that enters it, both flat in the layout of ``X``: ``(x, grad, beta)`` for
         ``OnebitModule.exchange``. 1-bit Adam's: the momentum ``b1 m + (1 - b1) g``,
         formed inside the exchange."""
-        del layout, module, comm
+        del module
         return momentum, grad, self._b1
+
+    def _momentum_masks(self) -> dict[str, torch.Tensor | None] | None:
+        """Every param's shard of its mask (0. or 1., shaped like the shard; ``None`` for a
+        module without a mask), by FQN; ``None`` when no module has a mask."""
+        if all(module.mask is None for module in self._modules):
+            return None
+        shards = self._shards()
+        return {k: v for module in self._modules for k, v in module.shard_masks(shards).items()}
+
+    def _set_masks(self, masks: list[tuple[Any, Any]]) -> None:
+        """Sets every module's mask and ``exp_avg_mask="auto"``'s record. With one rank and no
+        replicas, where no collective runs, the rule itself multiplies the momentum by the
+        masks, so it is built anew with them."""
+        changed = False
+        for module, (mask, record) in zip(self._modules, masks, strict=True):
+            changed = changed or mask is not module.mask
+            module.set_mask(mask, record)
+        if changed and not self._mesh.communicates:
+            self._rule = self._rule_for(self._momentum_masks())
+
+    def _rule_for(self, masks: dict[str, torch.Tensor | None] | None) -> CompressedOptimizer:
+        """The rule on the shards, its norms (if any) over the shard group; with one rank and no
+        replicas (FSDP2 calls no reduce-scatter: nothing to compress) the rule with one rank,
+        ``masks`` (by FQN, shaped like the params) its ``exp_avg_mask``."""
+        if self._mesh.communicates:
+            return self._make_rule(self._settings, self.comm)
+        return self.replicated_rule(
+            **self._settings, comm=Local(), error_dtype=self.error_dtype, exp_avg_mask=masks
+        )
 
     def _make_rule(self, settings: dict[str, Any], comm: Any) -> CompressedOptimizer:
         """The rule on the shards, its norms (if any) over ``comm``."""
         over = {"comm": comm} if self.norms_over_shards else {}
         return self.sharded_rule(**settings, **over)
 
-    def _single_rank_rule(
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state as a ``torch.distributed.checkpoint`` (DCP) state dict, in one
+        layout at every update (DCP loads in place into a layout fixed before it reads).
+
+        ``{"header", "lr", "signed", "exp_avg", "exp_avg_sq", "momentum", "rank<r>"}``:
+        ``header`` (int64: format, world size, updates made, checksums of the model's layout
+        and of the settings); ``lr`` (``param_groups[0]["lr"]``); ``signed`` (int8 per module:
+        whether its momentum is kept as packed signs); ``exp_avg`` and ``exp_avg_sq`` by param
+        FQN, DTensors of the shards (``exp_avg``: zeros where the momentum is packed);
+        ``momentum`` by module, the packed signs and scales of its full momentum (zeros before
+        the freeze; the same on every rank, so DCP saves them once); and under ``rank<r>``, a
+        name of this rank's own, by module its worker and server errors (zeros before the
+        first compressed update; DCP would keep one rank's copy of a name every rank saves).
+        With ``freeze_step="auto"``, ``auto`` holds the decision and its statistics (0-dim,
+        the same on every rank). With ``exp_avg_mask="auto"``, by module and as bits in the
+        layout of ``X``, ``always_zero`` holds the warmup's records of zero gradients (a
+        DTensor of the ranks' rows, each rank's its own; zeros after the freeze) and
+        ``exp_avg_mask`` the mask (the same on every rank; zeros before the freeze). A
+        subclass's further per-param fields come by field name: its ``scalar_fields`` (0-dim,
+        the same on every rank) and its ``optional_fields`` (DTensors of the shards, zeros
+        where ``None``, with ``"<field>_held"``: int8 per param, whether it holds a tensor).
+        :class:`~fn.fsdp.TrainingCheckpoint` saves it, and loads it on any mesh shape, checked
+        before anything changes; ``dcp.load`` straight into it works on the same mesh shape.
+        ``r`` is the rank in ``world`` (the default group unless the optimizer was given
+        another). On HSDP (``replicate=``) the world size is the shard group's, ``header`` ends
+        with ``N``, and ``momentum`` holds this rank's row (a DTensor over the shard mesh, the
+        same on the ``N`` peers).
+
+        Returns:
+            A dict of tensors, the state's own where it holds them, zeros where it does not.
+
+        Raises:
+            RuntimeError: called between a backward and its ``step()`` (the gradient
+                accumulated since the last ``step()`` is not part of a checkpoint); nothing was
+                changed.
+        """
+        if any(module.received for module in self._modules):
+            raise RuntimeError(
+                f"{self.name}: state_dict() between a backward and its step(): the gradient "
+                "accumulated since the last step() is not part of a checkpoint, and a resumed "
+                "run would lose it; save after step() (or after zero_grad())"
+            )
+        return onebit_state_dict(self._format(), self._state, self.param_groups[0]["lr"])
+
+    def checkpoint_template(
+        self, header: torch.Tensor, saved: dict[str, torch.Size]
+    ) -> dict[str, Any]:
+        """The state dict that DCP loads a checkpoint of :meth:`state_dict` into: new tensors
+        laid out as saved (this rank's errors only if the mesh shape is the same).
+
+        Args:
+            header: the checkpoint's ``header`` (loaded first).
+            saved: the checkpoint's optimizer keys, flat (``"exp_avg.block.weight"``), and
+                their sizes (from the checkpoint's metadata).
+
+        Returns:
+            A dict of the form of :meth:`state_dict`, to pass to ``dcp.load``.
+
+        Raises:
+            ValueError: the header does not match this model or these settings, or a key is
+                missing (nothing was loaded).
+        """
+        return checkpoint_template(self._format(), self._state, header, saved)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores a :meth:`state_dict` (as :meth:`state_dict` or :meth:`checkpoint_template`
+        lays it out).
+
+        Saved on this mesh shape (the world size of a 1-D mesh; on HSDP ``N`` x ``L``), the
+        state continues bit for bit. Saved on another one (another world size, HSDP to a 1-D
+        mesh or back, another ``N`` x ``L``), ``v`` and the shards' momentum are read back
+        exactly into this mesh's layout, and the error feedback (which compensated the old
+        layout's compression) restarts from zero with a warning.
+
+        Raises:
+            ValueError: the checkpoint is of another model or other settings; nothing was
+                changed.
+            NotImplementedError: ``state_dict`` is in ``torch.optim``'s per-param form (as
+                ``torch.distributed.checkpoint.state_dict.set_state_dict`` passes it); nothing
+                was changed.
+        """
+        loaded = restored(self._format(), state_dict, self._state, self._rule)
+        if loaded.warning is not None:
+            warnings.warn(loaded.warning, stacklevel=2)
+        self.param_groups[0]["lr"] = float(state_dict["lr"])
+        self._state, self._freeze_due = loaded.state, False
+        for module, (signs, errors) in zip(self._modules, loaded.momenta, strict=True):
+            module.restore(signs, errors)
+        self._set_masks(loaded.masks)
+
+    def load_adam_state(
         self,
-        settings: dict[str, Any],
-        error_dtype: torch.dtype,
-        masks: dict[str, torch.Tensor | None] | None,
-    ) -> CompressedOptimizer:
-        """The rule with one rank (FSDP2 calls no reduce-scatter: nothing to compress), with
-        ``masks`` (by FQN, shaped like the params) as its ``exp_avg_mask``."""
-        return self.replicated_rule(
-            **settings, comm=Local(), error_dtype=error_dtype, exp_avg_mask=masks
+        count: int,
+        exp_avg: Mapping[torch.Tensor, torch.Tensor],
+        exp_avg_sq: Mapping[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """Starts from the state of Adam or AdamW (``torch.optim``'s ``exp_avg`` and
+        ``exp_avg_sq`` of every param, and its step count), so that a job trained with AdamW
+        switches to 1-bit Adam: ``m`` and ``v`` carry over and the update count becomes
+        ``count``. The next update is a warmup one for ``count + 1 < freeze_step``, otherwise
+        the freeze (its momentum all-gathered from the carried ``m``), also past
+        ``freeze_step``: it reports the frozen variance (the warning where training is at risk)
+        and logs that the compressed updates start. The error feedback of the
+        1-bit allreduce starts at zero, with a warning. ``param_groups[0]["lr"]`` is left as it
+        is (an LR scheduler sets it).
+
+        Args:
+            count: the updates Adam made (``state["step"]``).
+            exp_avg: Adam's ``exp_avg``, by param (the model's DTensor params), each a DTensor
+                sharded as its param or this rank's shard of it.
+            exp_avg_sq: Adam's ``exp_avg_sq``, likewise.
+
+        Raises:
+            ValueError: a param missing from ``exp_avg`` or ``exp_avg_sq``, a shard of another
+                shape, a value not finite, a negative ``exp_avg_sq`` or ``count``; nothing was
+                changed.
+            NotImplementedError: ``exp_avg_mask="auto"`` (its mask is the record of the
+                warmup's zero gradients, which Adam did not keep), or 1-bit LAMB (its frozen
+                trust ratios average its own warmup updates); nothing was changed.
+
+        Example:
+            >>> import torch, torch.distributed as dist
+            >>> from torch.distributed.device_mesh import init_device_mesh
+            >>> from torch.distributed.fsdp import fully_shard
+            >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            >>> model = fully_shard(torch.nn.Linear(2, 1), mesh=init_device_mesh("cpu", (1,)))
+            >>> adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            >>> model(torch.ones(1, 2)).sum().backward()
+            >>> adamw.step()
+            >>> opt = fn.fsdp.OnebitAdam(model, lr=1e-2, freeze_step=2)
+            >>> params = list(model.parameters())
+            >>> import warnings
+            >>> with warnings.catch_warnings(record=True) as caught:
+            ...     warnings.simplefilter("always")
+            ...     opt.load_adam_state(
+            ...         1,
+            ...         {p: adamw.state[p]["exp_avg"] for p in params},
+            ...         {p: adamw.state[p]["exp_avg_sq"] for p in params},
+            ...     )
+            >>> opt.count, len(caught)
+            (1, 1)
+            >>> dist.destroy_process_group()
+        """
+        if self.adam_start is not None:
+            raise NotImplementedError(
+                f"{self.name}: a start from Adam's state is not built: {self.adam_start}; "
+                "nothing was changed"
+            )
+        self._state = adam_started(self._format(), self._state, count, exp_avg, exp_avg_sq)
+        self._freeze_due = count > 0 and self._rule.is_compressed(count, self._state)
+        for module in self._modules:
+            module.restore(None, None)
+        warnings.warn(
+            f"{self.name}: started from Adam's state at update {count} (m and v carried "
+            "over); the error feedback of the 1-bit allreduce starts at zero",
+            stacklevel=2,
         )
 
-    def _bad_settings(
-        self, settings: dict[str, Any], error_dtype: torch.dtype
-    ) -> tuple[type[Exception], str] | None:
-        """The rule's own checks of the hyperparameters, as a problem (its message without the
-        name of the check that raised it: :func:`~fn.fsdp.agreement.agree` starts it with
-        this optimizer's)."""
-        try:
-            check_error_dtype(self.name, error_dtype)
-            self._make_rule(settings, Local())
-        except (ValueError, TypeError, NotImplementedError) as error:
-            message = str(error)
-            for who in (self.name, self.sharded_rule.__name__):
-                message = message.removeprefix(f"{who}: ")
-            return type(error), message
-        return None
+    def _format(self) -> StateFormat:
+        """What the state format (``fn/fsdp/onebit_state.py``) reads of this optimizer."""
+        group = self.param_groups[0]  # the rule's settings (not lr, nor a scheduler's keys)
+        layouts = [module.layout for module in self._modules]
+        settings = {k: group[k] for k in self._setting_names}
+        return StateFormat(
+            self.name, self._modules, self._mesh, self.error_dtype, self._auto_mask,
+            fingerprints(layouts, settings, self.error_dtype, self._mask_setting),
+            f"rank{dist.get_rank(self._world)}", self.scalar_fields, self.optional_fields,
+            self.keeps_momentum_shards,
+        )  # fmt: skip
 
 
 class OnebitAdam(ShardedOnebitOptimizer):
@@ -807,8 +821,14 @@ class OnebitAdam(ShardedOnebitOptimizer):
     module runs on every rank: a module run on some ranks only cannot be its own FSDP2 unit
     (FSDP2's own all-gather and reduce-scatter of it would run on those ranks only, and the
     ranks' collectives mismatch: gloo aborts, other backends time out, as with native FSDP2 and
-    HSDP), so params that may lack a gradient must be in a module that every rank runs. A
-    ``step()`` without a backward since the last one is a no-op. A ``state_dict()`` between a
+    HSDP), so params that may lack a gradient must be in a module that every rank runs. Every
+    rank must run the same number of micro-batches before each ``step()``: ``step()`` compares
+    the counts first and raises ``RuntimeError`` on every rank with nothing changed where they
+    differ; where the extra micro-batch's FSDP2 all-gather already waits for the others (a 1-D
+    mesh, ranks of one node), the ranks in ``step()`` raise
+    ``fn.collectives.CollectiveTimeoutError`` at ``FN_TIMEOUT`` instead (docs/guides/fsdp.md,
+    "Accumulation and clipping"). A ``step()`` without a backward since the last one (on every
+    rank) is a no-op. A ``state_dict()`` between a
     backward and its ``step()`` is refused (``RuntimeError``: the accumulated gradient is not
     saved). On a 1-D mesh in the compressed phase ``.grad`` holds this rank's row of its own
     local gradient, which the update does not read: a change to it (``clip_grad_norm_``) warns
@@ -842,7 +862,7 @@ class OnebitAdam(ShardedOnebitOptimizer):
         onebit_adam,
         "model",
         *OPTIONS,
-        Parameter("non_freeze", Parameter.POSITIONAL_OR_KEYWORD, default=False, annotation="bool"),
+        option("non_freeze", False, "bool", keyword=False),
         leave_out=("comm",),
     )
 
@@ -889,24 +909,3 @@ def _as_pair(betas: Any) -> Any:
     anything else as it is, for the rule's check to name."""
     is_sequence = isinstance(betas, Sequence) and not isinstance(betas, str)
     return tuple(betas) if is_sequence else betas
-
-
-def _gradient_problem(
-    max_grad_norm: Any, accumulate_dtype: Any
-) -> tuple[type[Exception], str] | None:
-    """The checks of ``max_grad_norm`` and ``accumulate_dtype``, as a problem."""
-    if max_grad_norm is not None:
-        number = isinstance(max_grad_norm, (int, float)) and not isinstance(max_grad_norm, bool)
-        if not number or not 0 < max_grad_norm < float("inf"):
-            return ValueError, (
-                f"max_grad_norm must be a positive, finite number or None, got {max_grad_norm!r}"
-            )
-    if accumulate_dtype not in (torch.float32, torch.bfloat16):
-        return ValueError, (
-            f"accumulate_dtype must be torch.float32 or torch.bfloat16, got {accumulate_dtype!r}"
-        )
-    return None
-
-
-def _nonfinite(error: Exception | None) -> bool:
-    return isinstance(error, NonFiniteError)

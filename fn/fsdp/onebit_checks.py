@@ -1,18 +1,19 @@
-"""What the constructor of a 1-bit optimizer on FSDP2 checks on this rank before the ranks'
-agreement: the model and the options (:func:`model_problem`), and on HSDP, where FSDP2 shards
-every module inside the node (``fully_shard(..., mesh=mesh["shard"])``, ``L`` ranks) and the
-optimizer owns the replicate dimension (``replicate=mesh["replicate"]``, ``N`` nodes), the two
-meshes (:func:`replicate_problem`; then :func:`check_partitions`, one all-gather over the
-world, which also compares the meshes with the ranks' nodes). Docs/algorithms.md, "1-bit Adam
-and 1-bit LAMB on FSDP2" and "... on HSDP"."""
+"""What the constructor of a 1-bit optimizer on FSDP2 checks (:func:`agreed_setup`): on this
+rank, the model and the options (:func:`model_problem`, :func:`settings_problem`), and on HSDP,
+where FSDP2 shards every module inside the node (``fully_shard(..., mesh=mesh["shard"])``, ``L``
+ranks) and the optimizer owns the replicate dimension (``replicate=mesh["replicate"]``, ``N``
+nodes), the two meshes (:func:`replicate_problem`); then the ranks' agreement on all of it, and
+on HSDP :func:`check_partitions` (one all-gather over the world, which also compares the meshes
+with the ranks' nodes). Docs/algorithms.md, "1-bit Adam and 1-bit LAMB on FSDP2" and "... on
+HSDP"."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -21,19 +22,139 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fn.collectives import ProcessGroup
+from fn.collectives import Local, ProcessGroup, check_error_dtype
+from fn.collectives.agreement import agree, digest
 from fn.fsdp._fsdp2 import installed_reduce_scatter
 from fn.fsdp.loco import ROOT
-from fn.fsdp.onebit_layout import one_dim
-from fn.fsdp.onebit_masks import mask_problem
+from fn.fsdp.onebit_layout import fsdp_modules, one_dim
+from fn.fsdp.onebit_masks import mask_checksum, mask_problem
 from fn.fsdp.onebit_reduce_scatter import OnebitReduceScatter
+from fn.transforms.clipping import check_max_norm
 
 __all__ = [
-    "check_partitions", "hsdp_form", "mesh_ranks", "model_problem", "node_keys",
-    "replicate_problem", "spanned_ranks",
+    "Agreed", "Options", "agreed_setup", "check_partitions", "hsdp_form", "mesh_ranks",
+    "model_problem", "node_keys", "replicate_problem", "settings_problem", "spanned_ranks",
 ]  # fmt: skip
 
 Found = list[tuple[str, list[tuple[str, DTensor]]]]
+Problem = tuple[type[Exception], str] | None
+
+
+class Options(NamedTuple):
+    """A 1-bit optimizer's options on FSDP2, beside its rule's hyperparameters (the Args of
+    ``fn.fsdp.OnebitAdam``)."""
+
+    exp_avg_mask: Any = None
+    nonfinite: str = "raise"
+    local_world_size: int | None = None
+    error_dtype: torch.dtype = torch.float32
+    replicate: DeviceMesh | None = None
+    non_freeze: bool = False
+    max_grad_norm: float | None = None
+    accumulate_dtype: torch.dtype = torch.float32
+    world: dist.ProcessGroup | None = None
+
+
+class Agreed(NamedTuple):
+    """What every rank agreed on at construction.
+
+    Attributes:
+        found: the model's FSDP2 modules with trainable params, ``(name, [(fqn, param)])``.
+        masks: ``exp_avg_mask`` (``{param: mask}``, ``"auto"`` or ``None``).
+        mask_setting: ``"auto"``, or the masks' checksum (``0``: none), which checkpoints hold.
+        world_ranks: the global ranks of ``world``, in order.
+    """
+
+    found: Found
+    masks: Any
+    mask_setting: Any
+    world_ranks: list[int]
+
+
+def agreed_setup(
+    name: str,
+    model: Any,
+    settings: dict[str, Any],
+    options: Options,
+    make_rule: Callable[[dict[str, Any], Any], Any],
+    rule_name: str,
+) -> Agreed:
+    """The constructor's checks: this rank's of the model and the options, then every rank's
+    agreement on them over ``options.world`` (the same error on every rank), and on HSDP the
+    meshes' partition of the world.
+
+    Args:
+        name: the optimizer, which starts the messages.
+        model: its ``model`` argument.
+        settings: the rule's hyperparameters.
+        options: the optimizer's options.
+        make_rule: builds the rule from hyperparameters and a comm (it checks them).
+        rule_name: the rule's name, which starts the messages of its checks.
+
+    Returns:
+        What the ranks agreed on.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` (on this rank).
+        ValueError, NotImplementedError, TypeError: as ``fn.fsdp.OnebitAdam`` says.
+    """
+    world_ranks = spanned_ranks(name, options.world)
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{name}: model must be the nn.Module that fully_shard sharded (the optimizer "
+            "installs its reduce-scatter on the model's FSDP2 modules), got "
+            f"{type(model).__name__}: pass the model itself, not model.parameters()"
+        )
+    o, found = options, fsdp_modules(model)
+    problem = (
+        model_problem(name, model, found, o.non_freeze, o.exp_avg_mask, o.nonfinite,
+                      o.local_world_size)
+        or replicate_problem(name, o.replicate, found, world_ranks, o.world is None)
+        or settings_problem(name, o, lambda: make_rule(settings, Local()), rule_name)
+    )  # fmt: skip
+    masks = None if problem else o.exp_avg_mask
+    order = [p for _, ps in found for _, p in ps]
+    mask_setting = "auto" if isinstance(masks, str) else mask_checksum(masks, order)
+    compared = {
+        "hyperparameters": settings, "non_freeze": o.non_freeze, "exp_avg_mask": mask_setting,
+        "nonfinite": o.nonfinite, "local_world_size": o.local_world_size,
+        "error_dtype": str(o.error_dtype), "max_grad_norm": o.max_grad_norm,
+        "accumulate_dtype": str(o.accumulate_dtype),
+        "model": [(m, [(n, tuple(p.shape)) for n, p in ps]) for m, ps in found],
+        "replicate": getattr(o.replicate, "shape", o.replicate),
+    }  # fmt: skip
+    device = found[0][1][0][1].device if found else "cpu"
+    # over world (None: the default group), whatever the meshes: ranks that passed
+    # different meshes or replicate= on some ranks only still meet in one collective
+    agree(ProcessGroup(o.world), name, compared, problem, what="settings or models",
+          ranks=world_ranks, device=device)  # fmt: skip
+    if o.replicate is not None:
+        shard = found[0][1][0][1].device_mesh
+        check_partitions(name, shard, o.replicate, device, o.world, world_ranks)
+    return Agreed(found, masks, mask_setting, world_ranks)
+
+
+def settings_problem(
+    name: str, options: Options, check_rule: Callable[[], Any], rule_name: str
+) -> Problem:
+    """What this rank finds wrong with the options and, by ``check_rule`` (which builds the
+    rule ``rule_name``), the hyperparameters, as a problem (its message without the name of the
+    check that raised it: ``agree`` starts it with the optimizer's)."""
+    try:
+        check_error_dtype(name, options.error_dtype)
+        check_max_norm(name, options.max_grad_norm)
+        if options.accumulate_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                "accumulate_dtype must be torch.float32 or torch.bfloat16, got "
+                f"{options.accumulate_dtype!r}"
+            )
+        check_rule()
+    except (ValueError, TypeError, NotImplementedError) as error:
+        message = str(error)
+        for who in (name, rule_name):
+            message = message.removeprefix(f"{who}: ")
+        return type(error), message
+    return None
 
 
 # What fn.fsdp's 1-bit optimizers call on every FSDP2 module they drive.
@@ -221,12 +342,11 @@ def replicate_problem(
 
 
 def node_keys(rank: int) -> tuple[int, int]:
-    """What tells this rank's node from the others: a 64-bit hash of its hostname, and its node
+    """What tells this rank's node from the others: the digest of its hostname, and its node
     by torchrun's environment (``GROUP_RANK``, the node's index, else ``rank //
     LOCAL_WORLD_SIZE``, torchrun numbering the ranks node by node), ``-1`` when neither is
     set."""
-    digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=8).digest()
-    host = int.from_bytes(digest, "little", signed=True)
+    host = digest(socket.gethostname())
     group_rank, local_world = os.environ.get("GROUP_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
     if group_rank is not None and group_rank.isdigit():
         return host, int(group_rank)

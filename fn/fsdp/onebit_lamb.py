@@ -5,14 +5,10 @@ and 1-bit LAMB on FSDP2")."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from torch import Tensor
 
-import torch
-
-from fn.collectives import ProcessGroup
-from fn.fsdp.onebit import OPTIONS, ShardedOnebitOptimizer
-from fn.fsdp.onebit_layout import ModuleLayout
+from fn.fsdp.onebit import OPTIONS, Input, ShardedOnebitOptimizer
+from fn.fsdp.onebit_module import OnebitModule
 from fn.transforms import onebit_lamb, onebit_lamb_sharded
 from fn.transforms.hyperparameters import signature_with
 
@@ -94,58 +90,25 @@ class OnebitLamb(ShardedOnebitOptimizer):
     keeps_momentum_shards = True
     scalar_fields = ("lamb_coeff_freeze", "last_factor", "scaling_coeff")
     optional_fields = ("exp_avg_sq_fresh",)
+    adam_start = (  # load_adam_state refuses
+        "1-bit LAMB's frozen trust ratios (lamb_coeff_freeze) average the ratios of its own "
+        "warmup updates, which Adam never computed; start 1-bit LAMB from its own warmup, or "
+        "switch to fn.fsdp.OnebitAdam"
+    )
 
     __signature__ = signature_with(onebit_lamb, "model", *OPTIONS, leave_out=("comm",))
 
-    def load_adam_state(
-        self,
-        count: int,
-        exp_avg: Mapping[torch.Tensor, torch.Tensor],
-        exp_avg_sq: Mapping[torch.Tensor, torch.Tensor],
-    ) -> None:
-        """Not built for 1-bit LAMB: its frozen trust ratios are an average over its own
-        warmup updates, which Adam never computed.
-
-        Args:
-            count: Adam's update count.
-            exp_avg: Adam's ``exp_avg`` by param.
-            exp_avg_sq: Adam's ``exp_avg_sq`` by param.
-
-        Raises:
-            NotImplementedError: always; nothing was changed.
-
-        Example:
-            >>> fn.fsdp.OnebitLamb.load_adam_state(None, 0, {}, {})
-            Traceback (most recent call last):
-            ...
-            NotImplementedError: fn.fsdp.OnebitLamb: a start from Adam's state is not built: ...
-        """
-        del count, exp_avg, exp_avg_sq
-        raise NotImplementedError(
-            "fn.fsdp.OnebitLamb: a start from Adam's state is not built: 1-bit LAMB's frozen "
-            "trust ratios (lamb_coeff_freeze) average the ratios of its own warmup updates, "
-            "which Adam never computed; start 1-bit LAMB from its own warmup, or switch to "
-            "fn.fsdp.OnebitAdam; nothing was changed"
-        )
-
-    def _momentum_input(
-        self,
-        layout: ModuleLayout,
-        held: Any,
-        comm: ProcessGroup,
-        momentum: torch.Tensor,
-        grad: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    def _momentum_input(self, module: OnebitModule, momentum: Tensor, grad: Tensor) -> Input:
         """Every param's scaled momentum ``s (b1 m + (1 - b1) g_r)``, with ``m`` the packed
         result divided by ``s`` (at the freeze: the warmup's momentum, unscaled)."""
-        del comm
+        layout = module.layout
         rows = momentum.view(-1, layout.padded_row)  # X's rows (on HSDP: this rank's row)
         grads = grad.view(-1, layout.padded_row)
         b1 = self._b1
         for slot in layout.slots:
             columns = slice(slot.offset, slot.offset + slot.width)
             s = self._state.scaling_coeff[slot.name]
-            m = rows[:, columns] if held.signs is None else rows[:, columns] / s
+            m = rows[:, columns] / s if module.signed else rows[:, columns]
             # rounded as fn.transforms' moving average: the two products, then their sum
             rows[:, columns] = (b1 * m + (1 - b1) * grads[:, columns]) * s
         return momentum, None, 0.0

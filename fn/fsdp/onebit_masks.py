@@ -5,7 +5,6 @@ shards (docs/algorithms.md, "1-bit Adam and 1-bit LAMB on FSDP2")."""
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,102 +12,18 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from fn import kernels
-from fn.fsdp.onebit_layout import ModuleLayout, params_of_x, row_of, to_local
+from fn.collectives.agreement import digest
+from fn.fsdp.onebit_layout import ModuleLayout, params_of_x
 
 __all__ = [
-    "MomentumMasks",
     "mask_checksum",
     "mask_problem",
     "mask_values",
+    "masked_shards",
     "module_mask",
     "relaid_mask",
+    "shard_masks",
 ]
-
-
-class MomentumMasks:
-    """The masks of a :class:`~fn.fsdp.ShardedOnebitOptimizer` (a part of it: it reads the
-    optimizer's ``_layouts``, ``_masks`` (by module: bits in the layout of ``X``, or ``None``),
-    ``_zero_records`` (``exp_avg_mask="auto"``'s, until the freeze), ``rank`` and ``comm``)."""
-
-    def _momentum_masks(self) -> dict[str, torch.Tensor | None] | None:
-        """Every param's shard of its mask (0. or 1., shaped like the shard; ``None`` for a
-        module without a mask), by FQN; ``None`` when no module has a mask."""
-        if all(mask is None for mask in self._masks.values()):
-            return None
-        masks = {}
-        for layout in self._layouts:
-            shards = {slot.name: to_local(slot.param) for slot in layout.slots}
-            mask = self._masks[layout.name]
-            masks.update(
-                dict.fromkeys(shards) if mask is None else self._shard_masks(layout, shards, mask)
-            )
-        return masks
-
-    def _set_masks(
-        self, masks: dict[str, torch.Tensor | None], records: dict[str, torch.Tensor] | None
-    ) -> None:
-        """Sets the masks and ``exp_avg_mask="auto"``'s records. With one rank and no
-        replicas, where no collective runs, the rule itself multiplies the momentum by the
-        masks, so it is built anew with them."""
-        self._masks, self._zero_records = masks, records
-        if not self._communicates:
-            self._rule = self._single_rank_rule(
-                self._settings, self.error_dtype, self._momentum_masks()
-            )
-
-    def _shard_masks(
-        self, layout: ModuleLayout, shards: dict[str, torch.Tensor], mask: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
-        """This rank's values (0. or 1.) of a module's mask (bits in the layout of ``X``),
-        shaped like its ``shards``, by param."""
-        values = {}
-        for slot in layout.slots:
-            shard = shards[slot.name]
-            start = self.rank * layout.padded_row + slot.offset
-            values[slot.name] = mask_values(mask, start, shard.numel()).view(shard.shape)
-        return values
-
-    def _masked_shards(
-        self, layout: ModuleLayout, shards: dict[str, torch.Tensor], mask: torch.Tensor | None
-    ) -> dict[str, torch.Tensor]:
-        """A module's momentum shards (this rank's, by param) times its mask (bits in the
-        layout of ``X``)."""
-        if mask is None:
-            return shards
-        values = self._shard_masks(layout, shards, mask)
-        return {name: shards[name] * value for name, value in values.items()}
-
-    def _masked_row(self, layout: ModuleLayout, row: torch.Tensor) -> torch.Tensor:
-        """This rank's row of a module's momentum in the layout of ``X``, times the module's
-        mask (``row`` itself without one): a 0/1 mask's product is exact, so the rule gets
-        the values it would compute itself."""
-        mask = self._masks[layout.name]
-        if mask is None:
-            return row
-        return row * mask_values(mask, self.rank * layout.padded_row, layout.padded_row)
-
-    def _observed_zeros(self, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
-        """``exp_avg_mask="auto"``'s records after a warmup update whose mean gradient shards
-        are ``grads``: each ANDed with the bits of this rank's row of ``X`` where the mean
-        gradient is exactly 0 (``-|g| >= 0``, ``-0.0`` included, as ``fn.onebit_adam``'s
-        record). Padding positions hold 0, so they stay 1; a param without a gradient keeps
-        its bits (as a leaf without one keeps its record)."""
-        records = {}
-        for layout in self._layouts:
-            record = self._zero_records[layout.name]
-            row = row_of(layout, grads, record.device)
-            records[layout.name] = record & kernels.packbits(row.abs_().neg_())
-        return records
-
-    def _frozen_masks(self) -> dict[str, torch.Tensor]:
-        """``exp_avg_mask="auto"``'s masks at the freeze, as bits in the layout of ``X`` (1:
-        kept): each module's records all-gathered (``n / (8 W)`` bytes per rank, once) and
-        inverted, 1 where the mean gradient was non-zero at some warmup update, 0 where it was
-        exactly 0 at every one and at the padding positions."""
-        return {
-            name: self.comm.all_gather(record).view(-1).bitwise_not_()
-            for name, record in self._zero_records.items()
-        }
 
 
 def mask_problem(
@@ -160,9 +75,7 @@ def mask_checksum(exp_avg_mask: Mapping[Any, torch.Tensor] | None, order: list[A
         mask = exp_avg_mask.get(param)
         if mask is not None:
             full = mask.to("cpu", torch.float32).broadcast_to(param.shape).contiguous()
-            crc = zlib.crc32(
-                full.numpy().tobytes(), zlib.crc32(repr(tuple(param.shape)).encode(), crc)
-            )
+            crc = digest(full.numpy().tobytes(), digest(repr(tuple(param.shape)), crc))
     return crc
 
 
@@ -182,6 +95,31 @@ def module_mask(
         for j, chunk in enumerate(full.chunk(world_size, dim)):
             x[j, slot.offset : slot.offset + chunk.numel()] = chunk.reshape(-1)
     return kernels.packbits((x - 0.5).view(-1)).to(layout.slots[0].param.device)
+
+
+def shard_masks(
+    layout: ModuleLayout, rank: int, shards: Mapping[str, torch.Tensor], mask: torch.Tensor | None
+) -> dict[str, torch.Tensor | None]:
+    """Rank ``rank``'s values (0. or 1.) of a module's ``mask`` (bits in the layout of ``X``),
+    shaped like its params' ``shards`` (by FQN); ``None`` for each without a mask."""
+    if mask is None:
+        return dict.fromkeys(slot.name for slot in layout.slots)
+    values = {}
+    for slot in layout.slots:
+        shard = shards[slot.name]
+        start = rank * layout.padded_row + slot.offset
+        values[slot.name] = mask_values(mask, start, shard.numel()).view(shard.shape)
+    return values
+
+
+def masked_shards(
+    layout: ModuleLayout, rank: int, shards: dict[str, torch.Tensor], mask: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """A module's momentum ``shards`` (rank ``rank``'s, by param) times its ``mask``."""
+    if mask is None:
+        return shards
+    values = shard_masks(layout, rank, shards, mask)
+    return {name: shards[name] * value for name, value in values.items()}
 
 
 def mask_values(bits: torch.Tensor, start: int, count: int) -> torch.Tensor:

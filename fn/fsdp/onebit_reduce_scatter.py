@@ -105,6 +105,7 @@ class OnebitReduceScatter(SynchronousReduceScatter):
         would otherwise wait out the failure's diagnosis again).
         """
         comm = self.comms(group)
+        self.module.count_backward()
         if self.failed.failed(comm):
             self.failed.skipped += 1
             out.fill_(torch.nan)
@@ -119,9 +120,10 @@ class OnebitReduceScatter(SynchronousReduceScatter):
             out.fill_(torch.nan)
 
     def all_reduce_hook(self, output: Tensor) -> None:
-        """HSDP with one rank per node: on a one-rank shard mesh FSDP2 runs no reduce-scatter,
-        and its reduce output (``output``, the module's whole gradient: the node's) goes to
-        this hook (``set_all_reduce_hook``) and then to ``.grad``, where it accumulates until
-        ``step()`` averages it over the nodes."""
+        """A one-rank shard mesh (one rank alone, or HSDP with one rank per node): FSDP2 runs no
+        reduce-scatter, and its reduce output (``output``, the module's whole gradient: on
+        HSDP the node's) goes to this hook (``set_all_reduce_hook``) and then to ``.grad``,
+        where it accumulates until ``step()`` (which on HSDP averages it over the nodes); the
+        hook counts the backward."""
         del output
-        self.module.received = True
+        self.module.count_backward()

@@ -1,568 +1,447 @@
-"""The DCP state format of the 1-bit optimizers on FSDP2: one layout at every update (DCP
-loads in place into a layout fixed before it reads), a header of the format, world size, update
-count and checksums of the model's layout and the settings, checked before anything changes;
-loaded on the same mesh shape bit for bit, on another with the momentum laid out anew and the
-error feedback reset (docs/algorithms.md, "1-bit Adam and 1-bit LAMB on FSDP2")."""
+"""The DCP state format of the 1-bit optimizers on FSDP2, as functions of what they read
+(:class:`StateFormat`: the modules, the mesh, the rule's fields) and the rule's state: one layout
+at every update (DCP loads in place into a layout fixed before it reads), a header of the format,
+world size, update count and checksums of the model's layout and the settings, checked before
+anything changes; loaded on the same mesh shape bit for bit, on another with the momentum laid
+out anew and the error feedback reset (docs/algorithms.md, "1-bit Adam and 1-bit LAMB on
+FSDP2"). :func:`onebit_state_dict` writes it, :func:`checkpoint_template` lays out what DCP
+reads it into, :func:`restored` reads it back and :func:`adam_started` starts from Adam's."""
 
 from __future__ import annotations
 
-import sys
-import warnings
-import zlib
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from fn.collectives import PackedSigns, init_error_feedback
-from fn.fsdp.onebit_layout import (
-    ModuleLayout,
-    layout_at,
-    momentum_from_signs,
-    shard_of,
-    to_local,
-)
-from fn.fsdp.onebit_masks import relaid_mask
+from fn.collectives import PackedSigns
+from fn.collectives.agreement import digest
+from fn.fsdp.onebit_layout import ModuleLayout, layout_at, momentum_from_signs, shard_of, to_local
+from fn.fsdp.onebit_masks import masked_shards, relaid_mask
+from fn.fsdp.onebit_mesh import ShardMesh
+from fn.fsdp.onebit_module import OnebitModule
 
-__all__ = ["OnebitStateFormat", "auto_scalars", "not_torch_format"]
+__all__ = [
+    "Restored",
+    "StateFormat",
+    "adam_started",
+    "auto_scalars",
+    "checkpoint_template",
+    "fingerprints",
+    "not_torch_format",
+    "onebit_state_dict",
+    "restored",
+]
 
 _FORMAT = 1  # the layout of ShardedOnebitOptimizer.state_dict()
-_TORCH_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
 _AUTO_MASK_KEYS = ("always_zero", "exp_avg_mask")  # and with exp_avg_mask="auto"
 
 
-class OnebitStateFormat:
-    """The state dict of a :class:`~fn.fsdp.ShardedOnebitOptimizer` (a part of it: it reads
-    the optimizer's layouts, state, compressed modules, masks and settings)."""
+class StateFormat(NamedTuple):
+    """What the state format reads of a :class:`~fn.fsdp.ShardedOnebitOptimizer`.
 
-    @property
-    def state(self) -> Any:
-        """``torch.optim``'s per-param state, which stays empty (the state is in the rule's
-        fields and the compressed modules: :meth:`state_dict`).
+    Attributes:
+        name: the optimizer, which starts the messages.
+        modules: its FSDP2 modules' state, in FSDP2's order.
+        mesh: its mesh (``fn/fsdp/onebit_mesh.py``).
+        error_dtype: the errors' dtype.
+        auto_mask: whether ``exp_avg_mask="auto"``.
+        fingerprints: the checksums of the model's layout and of the settings
+            (:func:`fingerprints`).
+        own_key: the name of this rank's own entries (its errors).
+        scalar_fields: the rule's further per-param 0-dim fields (the same on every rank).
+        optional_fields: the rule's further per-param shards, maybe ``None``.
+        keeps_momentum_shards: whether the compressed phase keeps the momentum's shards in the
+            rule's state (else only the packed signs hold it).
+    """
 
-        Raises:
-            NotImplementedError: read by ``torch.distributed.checkpoint.state_dict``
-                (``get_state_dict``, ``get_optimizer_state_dict``, ``set_state_dict``,
-                ``set_optimizer_state_dict``, each of which reads it before anything else of
-                the optimizer), which keeps only ``torch.optim``'s per-param form; nothing was
-                changed.
-        """
-        # torch's API reads this first, then takes the optimizer for one of torch.optim's form
-        if sys._getframe(1).f_globals.get("__name__") == _TORCH_STATE_DICT_API:
-            raise NotImplementedError(not_torch_format(self.name))
-        return self._per_param_state
+    name: str
+    modules: Sequence[OnebitModule]
+    mesh: ShardMesh
+    error_dtype: torch.dtype
+    auto_mask: bool
+    fingerprints: tuple[int, int]
+    own_key: str
+    scalar_fields: tuple[str, ...]
+    optional_fields: tuple[str, ...]
+    keeps_momentum_shards: bool
 
-    @state.setter
-    def state(self, value: Any) -> None:
-        self._per_param_state = value
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's state as a ``torch.distributed.checkpoint`` (DCP) state dict, in one
-        layout at every update (DCP loads in place into a layout fixed before it reads).
+class Restored(NamedTuple):
+    """A state read back by :func:`restored`, in this mesh's layout.
 
-        ``{"header", "lr", "signed", "exp_avg", "exp_avg_sq", "momentum", "rank<r>"}``:
-        ``header`` (int64: format, world size, updates made, checksums of the model's layout
-        and of the settings); ``lr`` (``param_groups[0]["lr"]``); ``signed`` (int8 per module:
-        whether its momentum is kept as packed signs); ``exp_avg`` and ``exp_avg_sq`` by param
-        FQN, DTensors of the shards (``exp_avg``: zeros where the momentum is packed);
-        ``momentum`` by module, the packed signs and scales of its full momentum (zeros before
-        the freeze; the same on every rank, so DCP saves them once); and under ``rank<r>``, a
-        name of this rank's own, by module its worker and server errors (zeros before the
-        first compressed update; DCP would keep one rank's copy of a name every rank saves).
-        With ``freeze_step="auto"``, ``auto`` holds the decision and its statistics (0-dim,
-        the same on every rank). With ``exp_avg_mask="auto"``, by module and as bits in the
-        layout of ``X``, ``always_zero`` holds the warmup's records of zero gradients (a
-        DTensor of the ranks' rows, each rank's its own; zeros after the freeze) and
-        ``exp_avg_mask`` the mask (the same on every rank; zeros before the freeze). A
-        subclass's further per-param fields come by field name: its ``scalar_fields`` (0-dim,
-        the same on every rank) and its ``optional_fields`` (DTensors of the shards, zeros
-        where ``None``, with ``"<field>_held"``: int8 per param, whether it holds a tensor).
-        :class:`~fn.fsdp.TrainingCheckpoint` saves it, and loads it on any mesh shape, checked
-        before anything changes; ``dcp.load`` straight into it works on the same mesh shape.
-        On HSDP (``replicate=``) the world size is the shard group's, ``header`` ends with
-        ``N``, ``momentum`` holds this rank's row (a DTensor over the shard mesh, the same on
-        the ``N`` peers), and ``rank<r>`` is named by the rank in ``world`` (the default group
-        unless the optimizer was given another).
+    Attributes:
+        state: the rule's state.
+        momenta: by module, its packed signs and errors (``None``: before the freeze, or
+            restarted).
+        masks: by module, its mask and ``exp_avg_mask="auto"``'s record.
+        warning: what the load restarted, to warn of, or ``None``.
+    """
 
-        Returns:
-            A dict of tensors, the state's own where it holds them, zeros where it does not.
+    state: Any
+    momenta: list[tuple[PackedSigns | None, tuple[torch.Tensor, torch.Tensor] | None]]
+    masks: list[tuple[torch.Tensor | None, torch.Tensor | None]]
+    warning: str | None
 
-        Raises:
-            RuntimeError: called between a backward and its ``step()`` (the gradient
-                accumulated since the last ``step()`` is not part of a checkpoint); nothing was
-                changed.
-        """
-        if any(module.received for module in self._modules.values()):
-            raise RuntimeError(
-                f"{self.name}: state_dict() between a backward and its step(): the gradient "
-                "accumulated since the last step() is not part of a checkpoint, and a resumed "
-                "run would lose it; save after step() (or after zero_grad())"
-            )
-        signed = [self._modules[x.name].signs is not None for x in self._layouts]
-        mine: dict[str, dict[str, torch.Tensor]] = {}
-        state: dict[str, Any] = {
-            "header": self._header(),
-            "lr": torch.tensor(float(self.param_groups[0]["lr"]), dtype=torch.float64),
-            "signed": torch.tensor(signed, dtype=torch.int8),
-            "exp_avg": {},
-            "exp_avg_sq": {},
-            "momentum": {},
-            self._own_key(): mine,
-        }
-        for layout in self._layouts:
-            for slot in layout.slots:
-                m = self._state.exp_avg[slot.name]
-                m = m if isinstance(m, torch.Tensor) else torch.zeros(0)
-                state["exp_avg"][slot.name] = shard_of(m, slot.param)
-                v = self._state.exp_avg_sq[slot.name]
-                state["exp_avg_sq"][slot.name] = shard_of(v, slot.param)
-            module = self._modules[layout.name]
-            state["momentum"][layout.name] = self._momentum_state(layout, module.signs)
-            errors = module.errors or self._zero_errors(layout)
-            mine[layout.name] = {"worker": errors[0], "server": errors[1]}
-        slots = [slot for layout in self._layouts for slot in layout.slots]
-        if self._automatic:
-            state["auto"] = auto_scalars(self._state.auto)
-        if self._auto_mask:
-            state.update(self._auto_mask_state())
-        for field in self.scalar_fields:
-            state[field] = {slot.name: getattr(self._state, field)[slot.name] for slot in slots}
-        for field in self.optional_fields:
-            values = [getattr(self._state, field)[slot.name] for slot in slots]
-            state[f"{field}_held"] = torch.tensor([x is not None for x in values], dtype=torch.int8)
-            state[field] = {
-                slot.name: shard_of(torch.zeros(0) if x is None else x, slot.param)
-                for slot, x in zip(slots, values, strict=True)
-            }
-        return state
 
-    def checkpoint_template(
-        self, header: torch.Tensor, saved: dict[str, torch.Size]
-    ) -> dict[str, Any]:
-        """The state dict that DCP loads a checkpoint of :meth:`state_dict` into: new tensors
-        laid out as saved (this rank's errors only if the mesh shape is the same).
+def fingerprints(
+    layouts: Sequence[ModuleLayout], settings: Mapping[str, Any], error_dtype: torch.dtype,
+    mask_setting: Any,
+) -> tuple[int, int]:  # fmt: skip
+    """The digests of the model's layout (its modules, params and shapes) and of the settings
+    (``settings``: the rule's, not ``lr``; ``mask_setting``: ``"auto"``, the masks' checksum,
+    or ``0``), which a checkpoint's header holds."""
+    layout = repr([(x.name, [(s.name, tuple(s.param.shape)) for s in x.slots]) for x in layouts])
+    masks = (mask_setting,) if mask_setting else ()  # (older ones had none)
+    return digest(layout), digest(repr((dict(settings), str(error_dtype), *masks)))
 
-        Args:
-            header: the checkpoint's ``header`` (loaded first).
-            saved: the checkpoint's optimizer keys, flat (``"exp_avg.block.weight"``), and
-                their sizes (from the checkpoint's metadata).
 
-        Returns:
-            A dict of the form of :meth:`state_dict`, to pass to ``dcp.load``.
-
-        Raises:
-            ValueError: the header does not match this model or these settings, or a key is
-                missing (nothing was loaded).
-        """
-        auto_saved = any(key.startswith("always_zero.") for key in saved)
-        same = self._same_mesh(*self._checked_header(header, auto_saved)[:2])
-        own = self._own_key()
-        needed = ["lr", "signed"]
-        for layout in self._layouts:
-            needed += [f"momentum.{layout.name}.{k}" for k in ("packed", "scales")]
-            if same:
-                needed += [f"{own}.{layout.name}.{k}" for k in ("worker", "server")]
-            fields = ("exp_avg", "exp_avg_sq", *self.scalar_fields, *self.optional_fields)
-            needed += [f"{f}.{s.name}" for s in layout.slots for f in fields]
-        needed += [f"{field}_held" for field in self.optional_fields]
-        if self._automatic:
-            needed += [f"auto.{k}" for k in auto_scalars(self._state.auto)]
-        if self._auto_mask:
-            needed += [f"{f}.{x.name}" for f in _AUTO_MASK_KEYS for x in self._layouts]
-        missing = [key for key in needed if key not in saved]
-        if missing:
-            raise ValueError(
-                f"{self.name}: the checkpoint has no {missing[:4]}; nothing was loaded"
-            )
-
-        def new(key: str, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(saved[key], dtype=dtype)
-
-        template: dict[str, Any] = {
-            "header": header.clone(),
-            "lr": new("lr", torch.float64),
-            "signed": new("signed", torch.int8),
-            "exp_avg": {},
-            "exp_avg_sq": {},
-            "momentum": {},
-        }
-        for layout in self._layouts:
-            if same and self._replicas is not None:  # this rank's row, as saved
-                template["momentum"][layout.name] = self._momentum_state(layout, None)
-            else:  # all of it: saved whole on every rank, or the rows of another mesh
-                template["momentum"][layout.name] = {
-                    k: new(f"momentum.{layout.name}.{k}", dtype)
-                    for k, dtype in (("packed", torch.uint8), ("scales", torch.float32))
-                }
-            for slot in layout.slots:
-                for field in ("exp_avg", "exp_avg_sq", *self.optional_fields):
-                    shard = shard_of(torch.zeros(0), slot.param)
-                    template.setdefault(field, {})[slot.name] = shard
-                for field in self.scalar_fields:
-                    key = f"{field}.{slot.name}"
-                    template.setdefault(field, {})[slot.name] = new(key, torch.float32)
-        for field in self.optional_fields:
-            template[f"{field}_held"] = new(f"{field}_held", torch.int8)
-        if self._automatic:
-            template["auto"] = {k: v.clone() for k, v in auto_scalars(self._state.auto).items()}
-        if self._auto_mask:  # the records as a whole (on another mesh too)
-            for f in _AUTO_MASK_KEYS:
-                template[f] = {x.name: new(f"{f}.{x.name}", torch.uint8) for x in self._layouts}
-        if same:
-            template[own] = {
-                x.name: {
-                    k: new(f"{own}.{x.name}.{k}", self.error_dtype) for k in ("worker", "server")
-                }
-                for x in self._layouts
-            }
-        return template
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores a :meth:`state_dict` (as :meth:`state_dict` or :meth:`checkpoint_template`
-        lays it out).
-
-        Saved on this mesh shape (the world size of a 1-D mesh; on HSDP ``N`` x ``L``), the
-        state continues bit for bit. Saved on another one (another world size, HSDP to a 1-D
-        mesh or back, another ``N`` x ``L``), ``v`` and the shards' momentum are read back
-        exactly into this mesh's layout, and the error feedback (which compensated the old
-        layout's compression) restarts from zero with a warning.
-
-        Raises:
-            ValueError: the checkpoint is of another model or other settings; nothing was
-                changed.
-            NotImplementedError: ``state_dict`` is in ``torch.optim``'s per-param form (as
-                ``torch.distributed.checkpoint.state_dict.set_state_dict`` passes it); nothing
-                was changed.
-        """
-        if "header" not in state_dict:
-            raise NotImplementedError(not_torch_format(self.name))
-        auto_saved = "always_zero" in state_dict
-        world_size, replicas, count = self._checked_header(state_dict["header"], auto_saved)
-        same = self._same_mesh(world_size, replicas)
-        signed = [bool(x) for x in state_dict["signed"].tolist()]
-        if len(signed) != len(self._layouts):
-            raise ValueError(f"{self.name}: corrupt checkpoint: signed = {signed}")
-        auto = self._state.auto
-        if self._automatic:
-            loaded = {k: state_dict["auto"][k].clone() for k in auto_scalars(auto)}
-            auto = auto._replace(**loaded)
-        masks, records = self._masks, self._zero_records
-        if self._auto_mask:
-            frozen = self._rule.is_compressed(count, self._state._replace(auto=auto))
-            saved = [layout_at(x, world_size, replicas) for x in self._layouts]
-            masks, records = self._loaded_auto_masks(state_dict, saved, frozen)
-        own = state_dict.get(self._own_key(), {}) if same else {}
-        exp_avg, exp_avg_sq, compressed = {}, {}, {}
-        for layout, packed in zip(self._layouts, signed, strict=True):
-            signs, errors = None, None
-            for slot in layout.slots:
-                exp_avg_sq[slot.name] = to_local(state_dict["exp_avg_sq"][slot.name]).clone()
-                m = to_local(state_dict["exp_avg"][slot.name]).clone()
-                exp_avg[slot.name] = None if packed and not self.keeps_momentum_shards else m
-            if packed:
-                signs = self._loaded_signs(state_dict["momentum"][layout.name])
-                if same:
-                    saved = own[layout.name]
-                    errors = (saved["worker"].clone(), saved["server"].clone())
-                else:  # the shards' momentum, in this mesh's layout
-                    if not self.keeps_momentum_shards:  # (else DCP resharded exp_avg)
-                        old = layout_at(layout, world_size, replicas)
-                        world, rank = self.comm.world_size, self.rank
-                        shards = momentum_from_signs(old, signs, world, rank)
-                        exp_avg.update(self._masked_shards(layout, shards, masks[layout.name]))
-                    signs = None
-            compressed[layout.name] = signs, errors
-        if not same and any(signed):
-            here = (self.comm.world_size, self._replicas.world_size if self._replicas else 1)
-            warnings.warn(
-                f"{self.name}: checkpoint saved on {_mesh(world_size, replicas)}, loaded on "
-                f"{_mesh(*here)}: the error feedback restarts from zero (the momentum is kept)",
-                stacklevel=2,
-            )
-        extra = self._loaded_fields(state_dict)
-        if self._automatic:
-            extra["auto"] = auto
-        self.param_groups[0]["lr"] = float(state_dict["lr"])
-        self._freeze_due = False
-        self._state = self._state._replace(
-            count=torch.tensor(count, dtype=torch.int64),
-            lr=torch.tensor(float(state_dict["lr"]), dtype=torch.float32),
-            exp_avg=exp_avg,
-            exp_avg_sq=exp_avg_sq,
-            **extra,
-        )
-        for name, (signs, errors) in compressed.items():
-            module = self._modules[name]
-            module.discard()
-            module.signs, module.errors = signs, errors
-        self._set_masks(masks, records)
-
-    def load_adam_state(
-        self,
-        count: int,
-        exp_avg: Mapping[torch.Tensor, torch.Tensor],
-        exp_avg_sq: Mapping[torch.Tensor, torch.Tensor],
-    ) -> None:
-        """Starts from the state of Adam or AdamW (``torch.optim``'s ``exp_avg`` and
-        ``exp_avg_sq`` of every param, and its step count), so that a job trained with AdamW
-        switches to 1-bit Adam: ``m`` and ``v`` carry over and the update count becomes
-        ``count``. The next update is a warmup one for ``count + 1 < freeze_step``, otherwise
-        the freeze (its momentum all-gathered from the carried ``m``), also past
-        ``freeze_step``: it reports the frozen variance (the warning where training is at risk)
-        and logs that the compressed updates start. The error feedback of the
-        1-bit allreduce starts at zero, with a warning. ``param_groups[0]["lr"]`` is left as it
-        is (an LR scheduler sets it).
-
-        Args:
-            count: the updates Adam made (``state["step"]``).
-            exp_avg: Adam's ``exp_avg``, by param (the model's DTensor params), each a DTensor
-                sharded as its param or this rank's shard of it.
-            exp_avg_sq: Adam's ``exp_avg_sq``, likewise.
-
-        Raises:
-            ValueError: a param missing from ``exp_avg`` or ``exp_avg_sq``, a shard of another
-                shape, a value not finite, a negative ``exp_avg_sq`` or ``count``; nothing was
-                changed.
-            NotImplementedError: ``exp_avg_mask="auto"`` (its mask is the record of the
-                warmup's zero gradients, which Adam did not keep), or 1-bit LAMB (its frozen
-                trust ratios average its own warmup updates); nothing was changed.
-
-        Example:
-            >>> import torch, torch.distributed as dist
-            >>> from torch.distributed.device_mesh import init_device_mesh
-            >>> from torch.distributed.fsdp import fully_shard
-            >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            >>> model = fully_shard(torch.nn.Linear(2, 1), mesh=init_device_mesh("cpu", (1,)))
-            >>> adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            >>> model(torch.ones(1, 2)).sum().backward()
-            >>> adamw.step()
-            >>> opt = fn.fsdp.OnebitAdam(model, lr=1e-2, freeze_step=2)
-            >>> params = list(model.parameters())
-            >>> import warnings
-            >>> with warnings.catch_warnings(record=True) as caught:
-            ...     warnings.simplefilter("always")
-            ...     opt.load_adam_state(
-            ...         1,
-            ...         {p: adamw.state[p]["exp_avg"] for p in params},
-            ...         {p: adamw.state[p]["exp_avg_sq"] for p in params},
-            ...     )
-            >>> opt.count, len(caught)
-            (1, 1)
-            >>> dist.destroy_process_group()
-        """
-        if self._auto_mask:
-            raise NotImplementedError(
-                f'{self.name}: a start from Adam\'s state with exp_avg_mask="auto" is not '
-                "built: the mask is decided from the warmup's zero gradients, which Adam did "
-                "not record; pass the mask by hand, or none; nothing was changed"
-            )
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"{self.name}: count must be an int >= 0, got {count!r}")
-        moments: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
-        for field, given in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-            current = getattr(self._state, field)
-            for layout in self._layouts:
-                for slot in layout.slots:
-                    value = given.get(slot.param)
-                    if value is None:
-                        raise ValueError(
-                            f"{self.name}: no {field} for param {slot.name}; nothing was changed"
-                        )
-                    local = to_local(value)
-                    shard = to_local(slot.param)
-                    if local.shape != shard.shape:
-                        raise ValueError(
-                            f"{self.name}: {field} of {slot.name} has the shard shape "
-                            f"{tuple(local.shape)}, the param's is {tuple(shard.shape)}; "
-                            "nothing was changed"
-                        )
-                    if not bool(local.isfinite().all()) or (
-                        field == "exp_avg_sq" and bool((local < 0).any())
-                    ):
-                        bad = "negative or non-finite" if field == "exp_avg_sq" else "non-finite"
-                        raise ValueError(
-                            f"{self.name}: {bad} values in {field} of {slot.name}; nothing "
-                            "was changed"
-                        )
-                    dtype = current[slot.name].dtype
-                    moments[field][slot.name] = local.to(dtype=dtype, copy=True)
-        self._state = self._state._replace(count=torch.tensor(count, dtype=torch.int64), **moments)
-        self._freeze_due = count > 0 and self._rule.is_compressed(count, self._state)
-        for module in self._modules.values():
-            module.discard()
-            module.signs, module.errors = None, None
-        warnings.warn(
-            f"{self.name}: started from Adam's state at update {count} (m and v carried over); "
-            "the error feedback of the 1-bit allreduce starts at zero",
-            stacklevel=2,
-        )
-
-    def _loaded_fields(self, state_dict: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        """A subclass's further per-param fields from a :meth:`state_dict`, by field and FQN
-        (its ``scalar_fields``, and its ``optional_fields`` with ``None`` where not held)."""
-        names = [slot.name for layout in self._layouts for slot in layout.slots]
-        extra = {
-            field: {k: state_dict[field][k].clone() for k in names} for field in self.scalar_fields
-        }
-        for field in self.optional_fields:
-            held_by = [bool(x) for x in state_dict[f"{field}_held"].tolist()]
-            values = [to_local(state_dict[field][k]).clone() for k in names]
-            extra[field] = {
-                k: x if kept else None for k, x, kept in zip(names, values, held_by, strict=True)
-            }
-        return extra
-
-    def _own_key(self) -> str:
-        """The name of this rank's own entries (its errors): ``rank<r>``, ``r`` its rank in
-        the shard group, or on HSDP in the group the optimizer spans (``world``)."""
-        return f"rank{self.rank if self._replicas is None else dist.get_rank(self._world)}"
-
-    def _zero_errors(self, layout: ModuleLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """A module's errors before its first compressed update: zeros, worker and server (for
-        ``X`` over the shard group, or on HSDP this rank's row over the replicate group)."""
-        if self._replicas is None:
-            numel, comm = self.comm.world_size * layout.padded_row, self.comm
-        else:
-            numel, comm = layout.padded_row, self._replicas
-        return tuple(init_error_feedback(numel, comm=comm, dtype=self.error_dtype))
-
-    def _momentum_state(
-        self, layout: ModuleLayout, signs: PackedSigns | None
-    ) -> dict[str, torch.Tensor]:
-        """A module's packed momentum in :meth:`state_dict` (zeros for ``None``): all of it,
-        the same on every rank, on a 1-D mesh; on HSDP this rank's row (its ``N`` chunks), a
-        DTensor over the shard mesh (the same on the ``N`` peers: DCP keeps one copy)."""
-        if self._replicas is None:
-            world_size = self.comm.world_size
-            signs = signs or PackedSigns(
-                torch.zeros(world_size, layout.padded_row // 8, dtype=torch.uint8),
-                torch.zeros(world_size),
-            )
-            return {"packed": signs.packed, "scales": signs.scales}
-        param = layout.slots[0].param
-        packed = torch.zeros(layout.padded_row // 8, dtype=torch.uint8, device=param.device)
-        scales = torch.zeros(self._replicas.world_size, device=param.device)
-        if signs is not None:
-            packed, scales = signs.packed.reshape(-1), signs.scales.reshape(-1)
-        return {
-            key: DTensor.from_local(
-                x, param.device_mesh, [Shard(0)], shape=(self.comm.world_size * x.numel(),),
-                stride=(1,),
-            )
-            for key, x in (("packed", packed), ("scales", scales))
-        }  # fmt: skip
-
-    def _loaded_signs(self, saved: dict[str, torch.Tensor]) -> PackedSigns:
-        """A module's packed momentum from :meth:`_momentum_state`'s form (or, from another
-        mesh, all of it: one chunk per scale)."""
-        packed, scales = to_local(saved["packed"]).clone(), to_local(saved["scales"]).clone()
-        return PackedSigns(packed.view(scales.numel(), -1), scales)
-
-    def _auto_mask_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """``exp_avg_mask="auto"``'s part of :meth:`state_dict`, by module: ``always_zero``,
-        the records (a DTensor of the ranks' rows: each rank saves its own; zeros after the
-        freeze), and ``exp_avg_mask``, the masks (the same on every rank; zeros before the
-        freeze), both bits in the layout of ``X``."""
-        world_size = self.comm.world_size
-        records, masks = {}, {}
-        for layout in self._layouts:
-            param = layout.slots[0].param
-            size = layout.padded_row // 8
-            record = torch.zeros(size, dtype=torch.uint8, device=param.device)
-            if self._zero_records is not None:
-                record = self._zero_records[layout.name]
-            records[layout.name] = DTensor.from_local(
-                record, param.device_mesh, [Shard(0)], shape=(world_size * size,), stride=(1,)
-            )
-            mask = self._masks[layout.name]
-            if mask is None:
-                mask = torch.zeros(world_size * size, dtype=torch.uint8, device=param.device)
-            masks[layout.name] = mask
-        return {"always_zero": records, "exp_avg_mask": masks}
-
-    def _loaded_auto_masks(
-        self, state_dict: dict[str, Any], saved_layouts: list[ModuleLayout], frozen: bool
-    ) -> tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor] | None]:
-        """``exp_avg_mask="auto"``'s masks and records (the optimizer's ``_masks`` and
-        ``_zero_records``) from a :meth:`state_dict` saved in ``saved_layouts`` (the modules'
-        layouts on the mesh it was saved on), in this mesh's layout: after the freeze
-        (``frozen``) the masks, before it the records."""
-        masks: dict[str, torch.Tensor | None] = {x.name: None for x in self._layouts}
-        records = {}
-        for layout, old in zip(self._layouts, saved_layouts, strict=True):
-            if frozen:
-                masks[layout.name] = relaid_mask(layout, state_dict["exp_avg_mask"][old.name], old)
-                continue
-            saved = state_dict["always_zero"][layout.name]
-            if isinstance(saved, DTensor):  # dcp.load into state_dict(): this rank's own row
-                records[layout.name] = saved.to_local().clone()
-                continue
-            seen = relaid_mask(layout, saved.bitwise_not(), old)
-            size = layout.padded_row // 8
-            records[layout.name] = seen[self.rank * size : (self.rank + 1) * size].bitwise_not()
-        return masks, None if frozen else records
-
-    def _header(self) -> torch.Tensor:
-        """``[format, world size, updates made, crc of the layout, crc of the settings]``, the
-        world size that of the shard group; on HSDP followed by ``N``, the replicas."""
-        hsdp = [] if self._replicas is None else [self._replicas.world_size]
-        return torch.tensor(
-            [_FORMAT, self.comm.world_size, self.count, *self._fingerprints(), *hsdp],
+def onebit_state_dict(fmt: StateFormat, state: Any, lr: float) -> dict[str, Any]:
+    """The state dict of :meth:`~fn.fsdp.ShardedOnebitOptimizer.state_dict` (its docstring
+    lays it out), of the rule's ``state`` and the learning rate ``lr``."""
+    slots = [slot for module in fmt.modules for slot in module.layout.slots]
+    count = int(state.count)
+    out: dict[str, Any] = {
+        "header": torch.tensor(
+            [_FORMAT, fmt.mesh.shape[0], count, *fmt.fingerprints, *fmt.mesh.header],
             dtype=torch.int64,
+        ),  # fmt: skip
+        "lr": torch.tensor(float(lr), dtype=torch.float64),
+        "signed": torch.tensor([m.signed for m in fmt.modules], dtype=torch.int8),
+        "exp_avg": {},
+        "exp_avg_sq": {},
+        "momentum": {
+            m.layout.name: fmt.mesh.momentum_state(m.layout, m.signs) for m in fmt.modules
+        },
+        fmt.own_key: {m.layout.name: _errors(m, fmt.error_dtype) for m in fmt.modules},
+    }
+    for slot in slots:
+        m = state.exp_avg[slot.name]
+        out["exp_avg"][slot.name] = shard_of(m if m is not None else torch.zeros(0), slot.param)
+        out["exp_avg_sq"][slot.name] = shard_of(state.exp_avg_sq[slot.name], slot.param)
+    if state.auto is not None:
+        out["auto"] = auto_scalars(state.auto)
+    if fmt.auto_mask:
+        out.update(_auto_mask_state(fmt))
+    for field in fmt.scalar_fields:
+        out[field] = {slot.name: getattr(state, field)[slot.name] for slot in slots}
+    for field in fmt.optional_fields:
+        values = [getattr(state, field)[slot.name] for slot in slots]
+        out[f"{field}_held"] = torch.tensor([x is not None for x in values], dtype=torch.int8)
+        out[field] = {
+            slot.name: shard_of(torch.zeros(0) if x is None else x, slot.param)
+            for slot, x in zip(slots, values, strict=True)
+        }
+    return out
+
+
+def _errors(module: OnebitModule, error_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A module's errors as a checkpoint holds them (zeros before its first compressed update)."""
+    worker, server = module.errors or module.zero_errors(error_dtype)
+    return {"worker": worker, "server": server}
+
+
+def checkpoint_template(
+    fmt: StateFormat, state: Any, header: torch.Tensor, saved: Mapping[str, torch.Size]
+) -> dict[str, Any]:
+    """The state dict that DCP loads a checkpoint of :func:`onebit_state_dict` into: new
+    tensors laid out as saved (this rank's errors only if the mesh shape is the same).
+
+    Args:
+        fmt: what the format reads of the optimizer.
+        state: the rule's state.
+        header: the checkpoint's ``header`` (loaded first).
+        saved: the checkpoint's optimizer keys, flat (``"exp_avg.block.weight"``), and their
+            sizes (from the checkpoint's metadata).
+
+    Returns:
+        A dict of the form of :func:`onebit_state_dict`, to pass to ``dcp.load``.
+
+    Raises:
+        ValueError: the header does not match this model or these settings, or a key is
+            missing (nothing was loaded).
+    """
+    auto_saved = any(key.startswith("always_zero.") for key in saved)
+    same = fmt.mesh.shape == _checked_header(fmt, header, auto_saved)[:2]
+
+    def new(key: str, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(saved.get(key, ()), dtype=dtype)
+
+    fields = ("exp_avg", "exp_avg_sq", *fmt.optional_fields)
+    template: dict[str, Any] = {
+        "header": header.clone(),
+        "lr": new("lr", torch.float64),
+        "signed": new("signed", torch.int8),
+        **{f: {} for f in (*fields, *fmt.scalar_fields)},
+        "momentum": {},
+    }
+    for module in fmt.modules:
+        name = module.layout.name
+        mine = fmt.mesh.momentum_template(module.layout) if same else None
+        template["momentum"][name] = mine or {
+            k: new(f"momentum.{name}.{k}", dtype)
+            for k, dtype in (("packed", torch.uint8), ("scales", torch.float32))
+        }  # all of it: saved whole on every rank, or the rows of another mesh
+        for slot in module.layout.slots:
+            for field in fields:
+                template[field][slot.name] = shard_of(torch.zeros(0), slot.param)
+            for field in fmt.scalar_fields:
+                template[field][slot.name] = new(f"{field}.{slot.name}", torch.float32)
+    for field in fmt.optional_fields:
+        template[f"{field}_held"] = new(f"{field}_held", torch.int8)
+    if state.auto is not None:
+        template["auto"] = {k: v.clone() for k, v in auto_scalars(state.auto).items()}
+    names = [m.layout.name for m in fmt.modules]
+    if fmt.auto_mask:  # the records as a whole (on another mesh too)
+        for f in _AUTO_MASK_KEYS:
+            template[f] = {x: new(f"{f}.{x}", torch.uint8) for x in names}
+    if same:
+        own = fmt.own_key
+        template[own] = {
+            x: {k: new(f"{own}.{x}.{k}", fmt.error_dtype) for k in ("worker", "server")}
+            for x in names
+        }
+    missing = [key for key in _keys(template) if key not in saved]
+    if missing:
+        raise ValueError(f"{fmt.name}: the checkpoint has no {missing[:4]}; nothing was loaded")
+    return template
+
+
+def _keys(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys of the tensors of a nest of dicts, as DCP names them."""
+    keys = []
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        keys += _keys(value, f"{name}.") if isinstance(value, Mapping) else [name]
+    return keys
+
+
+def restored(fmt: StateFormat, state_dict: Mapping[str, Any], state: Any, rule: Any) -> Restored:
+    """A state dict of :func:`onebit_state_dict` (as it or :func:`checkpoint_template` lays it
+    out) read back into this mesh's layout: saved on this mesh shape, exactly; saved on another
+    one, ``v`` and the shards' momentum read back exactly, the error feedback restarted from
+    zero (with a warning: :attr:`Restored.warning`).
+
+    Args:
+        fmt: what the format reads of the optimizer.
+        state_dict: the state dict.
+        state: the rule's current state (its form).
+        rule: the rule (its ``is_compressed``).
+
+    Returns:
+        The state, the modules' momenta and masks.
+
+    Raises:
+        ValueError: the checkpoint is of another model or other settings.
+        NotImplementedError: ``state_dict`` is in ``torch.optim``'s per-param form (as
+            ``torch.distributed.checkpoint.state_dict.set_state_dict`` passes it).
+    """
+    if "header" not in state_dict:
+        raise NotImplementedError(not_torch_format(fmt.name))
+    auto_saved = "always_zero" in state_dict
+    world_size, replicas, count = _checked_header(fmt, state_dict["header"], auto_saved)
+    same = fmt.mesh.shape == (world_size, replicas)
+    signed = [bool(x) for x in state_dict["signed"].tolist()]
+    if len(signed) != len(fmt.modules):
+        raise ValueError(f"{fmt.name}: corrupt checkpoint: signed = {signed}")
+    auto = state.auto
+    if auto is not None:
+        auto = auto._replace(**{k: state_dict["auto"][k].clone() for k in auto_scalars(auto)})
+    saved_layouts = [layout_at(m.layout, world_size, replicas) for m in fmt.modules]
+    masks = [(m.mask, m.record) for m in fmt.modules]
+    if fmt.auto_mask:
+        frozen = rule.is_compressed(count, state._replace(auto=auto))
+        masks = _loaded_auto_masks(fmt, state_dict, saved_layouts, frozen)
+    own = state_dict.get(fmt.own_key, {}) if same else {}
+    exp_avg, exp_avg_sq, momenta = {}, {}, []
+    for module, old, packed, (mask, _) in zip(fmt.modules, saved_layouts, signed, masks,
+                                               strict=True):  # fmt: skip
+        name, signs, errors = module.layout.name, None, None
+        for slot in module.layout.slots:
+            exp_avg_sq[slot.name] = to_local(state_dict["exp_avg_sq"][slot.name]).clone()
+            m = to_local(state_dict["exp_avg"][slot.name]).clone()
+            exp_avg[slot.name] = None if packed and not fmt.keeps_momentum_shards else m
+        if packed:
+            signs = _loaded_signs(state_dict["momentum"][name])
+            if same:
+                errors = (own[name]["worker"].clone(), own[name]["server"].clone())
+            else:  # the shards' momentum, in this mesh's layout
+                if not fmt.keeps_momentum_shards:  # (else DCP resharded exp_avg)
+                    world = module.mesh.shard.world_size
+                    shards = momentum_from_signs(old, signs, world, module.rank)
+                    exp_avg.update(masked_shards(module.layout, module.rank, shards, mask))
+                signs = None
+        momenta.append((signs, errors))
+    warning = None
+    if not same and any(signed):
+        warning = (
+            f"{fmt.name}: checkpoint saved on {_mesh(world_size, replicas)}, loaded on "
+            f"{_mesh(*fmt.mesh.shape)}: the error feedback restarts from zero (the momentum is "
+            "kept)"
         )
+    extra = _loaded_fields(fmt, state_dict)
+    if auto is not None:
+        extra["auto"] = auto
+    new = state._replace(
+        count=torch.tensor(count, dtype=torch.int64),
+        lr=torch.tensor(float(state_dict["lr"]), dtype=torch.float32),
+        exp_avg=exp_avg,
+        exp_avg_sq=exp_avg_sq,
+        **extra,
+    )
+    return Restored(new, momenta, masks, warning)
 
-    def _fingerprints(self) -> tuple[int, int]:
-        layout = repr(
-            [(x.name, [(s.name, tuple(s.param.shape)) for s in x.slots]) for x in self._layouts]
+
+def adam_started(
+    fmt: StateFormat,
+    state: Any,
+    count: int,
+    exp_avg: Mapping[torch.Tensor, torch.Tensor],
+    exp_avg_sq: Mapping[torch.Tensor, torch.Tensor],
+) -> Any:
+    """The rule's ``state`` with Adam's moments (by param) and update count: see
+    :meth:`~fn.fsdp.ShardedOnebitOptimizer.load_adam_state`.
+
+    Raises:
+        ValueError, NotImplementedError: as ``load_adam_state``; nothing was changed.
+    """
+    if fmt.auto_mask:
+        raise NotImplementedError(
+            f'{fmt.name}: a start from Adam\'s state with exp_avg_mask="auto" is not built: the '
+            "mask is decided from the warmup's zero gradients, which Adam did not record; pass "
+            "the mask by hand, or none; nothing was changed"
         )
-        group = self.param_groups[0]  # the rule's settings (not lr, nor a scheduler's keys)
-        fixed = {k: group[k] for k in self._setting_names}
-        masks = (self._mask_setting,) if self._mask_setting else ()  # (older ones had none)
-        settings = repr((fixed, str(self.error_dtype), *masks))
-        return zlib.crc32(layout.encode()), zlib.crc32(settings.encode())
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"{fmt.name}: count must be an int >= 0, got {count!r}")
+    moments: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+    for field, given in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        current = getattr(state, field)
+        for slot in (slot for module in fmt.modules for slot in module.layout.slots):
+            local = _adam_moment(fmt.name, field, slot, given.get(slot.param))
+            moments[field][slot.name] = local.to(dtype=current[slot.name].dtype, copy=True)
+    return state._replace(count=torch.tensor(count, dtype=torch.int64), **moments)
 
-    def _same_mesh(self, world_size: int, replicas: int) -> bool:
-        """Whether a checkpoint saved on ``replicas`` x ``world_size`` ranks (replicate x
-        shard; ``1`` x ``W`` for a 1-D mesh) was saved on this optimizer's mesh shape."""
-        here = 1 if self._replicas is None else self._replicas.world_size
-        return (world_size, replicas) == (self.comm.world_size, here)
 
-    def _checked_header(self, header: torch.Tensor, auto_saved: bool) -> tuple[int, int, int]:
-        """The checkpoint's shard world size, replicas (``N``; ``1`` for a 1-D mesh) and update
-        count, or ``ValueError`` if it is not a checkpoint of this model and these settings
-        (``auto_saved``: whether it holds ``exp_avg_mask="auto"``'s records)."""
-        values = header.tolist()
-        if len(values) not in (5, 6) or values[0] != _FORMAT:
-            raise ValueError(
-                f"{self.name}: not a checkpoint of this format (header {values}); "
-                "nothing was loaded"
-            )
-        _, world_size, count, layout, settings, *hsdp = values
-        replicas = hsdp[0] if hsdp else 1
-        layout_now, settings_now = self._fingerprints()
-        if layout != layout_now:
-            raise ValueError(
-                f"{self.name}: the checkpoint is of another model (its FSDP2 modules, "
-                "params or shapes differ); nothing was loaded"
-            )
-        if auto_saved != self._auto_mask:
-            made, here = ("", "not ") if auto_saved else ("not ", "")
-            raise ValueError(
-                f'{self.name}: the checkpoint was saved with exp_avg_mask {made}"auto", this '
-                f"optimizer's is {here}\"auto\" (the records of the warmup's zero gradients "
-                "are in the state); build the optimizer as the checkpoint's was; nothing was "
-                "loaded"
-            )
-        if settings != settings_now:
-            raise ValueError(
-                f"{self.name}: the checkpoint was saved with other settings (its "
-                "hyperparameters, exp_avg_mask or error_dtype); nothing was loaded"
-            )
-        if world_size < 1 or replicas < 1 or count < 0:
-            raise ValueError(f"{self.name}: corrupt checkpoint header {values}")
-        return world_size, replicas, count
+def _adam_moment(name: str, field: str, slot: Any, value: torch.Tensor | None) -> torch.Tensor:
+    """This rank's shard of Adam's ``field`` of a param, checked."""
+    if value is None:
+        raise ValueError(f"{name}: no {field} for param {slot.name}; nothing was changed")
+    local, shard = to_local(value), to_local(slot.param)
+    if local.shape != shard.shape:
+        raise ValueError(
+            f"{name}: {field} of {slot.name} has the shard shape {tuple(local.shape)}, the "
+            f"param's is {tuple(shard.shape)}; nothing was changed"
+        )
+    negative = field == "exp_avg_sq" and bool((local < 0).any())
+    if not bool(local.isfinite().all()) or negative:
+        bad = "negative or non-finite" if field == "exp_avg_sq" else "non-finite"
+        raise ValueError(f"{name}: {bad} values in {field} of {slot.name}; nothing was changed")
+    return local
+
+
+def _loaded_fields(fmt: StateFormat, state_dict: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The rule's further per-param fields from a state dict, by field and FQN (its
+    ``scalar_fields``, and its ``optional_fields`` with ``None`` where not held)."""
+    names = [slot.name for module in fmt.modules for slot in module.layout.slots]
+    extra = {f: {k: state_dict[f][k].clone() for k in names} for f in fmt.scalar_fields}
+    for field in fmt.optional_fields:
+        held_by = [bool(x) for x in state_dict[f"{field}_held"].tolist()]
+        values = [to_local(state_dict[field][k]).clone() for k in names]
+        extra[field] = {
+            k: x if kept else None for k, x, kept in zip(names, values, held_by, strict=True)
+        }
+    return extra
+
+
+def _loaded_signs(saved: Mapping[str, torch.Tensor]) -> PackedSigns:
+    """A module's packed momentum from its checkpoint form (or, from another mesh, all of it:
+    one chunk per scale)."""
+    packed, scales = to_local(saved["packed"]).clone(), to_local(saved["scales"]).clone()
+    return PackedSigns(packed.view(scales.numel(), -1), scales)
+
+
+def _auto_mask_state(fmt: StateFormat) -> dict[str, dict[str, Any]]:
+    """``exp_avg_mask="auto"``'s part of the state dict, by module: ``always_zero``, the
+    records (a DTensor of the ranks' rows: each rank saves its own; zeros after the freeze),
+    and ``exp_avg_mask``, the masks (the same on every rank; zeros before the freeze), both
+    bits in the layout of ``X``."""
+    world_size = fmt.mesh.shape[0]
+    records, masks = {}, {}
+    for module in fmt.modules:
+        layout = module.layout
+        param, size = layout.slots[0].param, layout.padded_row // 8
+        record = module.record
+        if record is None:
+            record = torch.zeros(size, dtype=torch.uint8, device=param.device)
+        records[layout.name] = DTensor.from_local(
+            record, param.device_mesh, [Shard(0)], shape=(world_size * size,), stride=(1,)
+        )
+        mask = module.mask
+        if mask is None:
+            mask = torch.zeros(world_size * size, dtype=torch.uint8, device=param.device)
+        masks[layout.name] = mask
+    return {"always_zero": records, "exp_avg_mask": masks}
+
+
+def _loaded_auto_masks(
+    fmt: StateFormat,
+    state_dict: Mapping[str, Any],
+    saved_layouts: Sequence[ModuleLayout],
+    frozen: bool,
+) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """``exp_avg_mask="auto"``'s mask and record of every module from a state dict saved in
+    ``saved_layouts`` (the modules' layouts on the mesh it was saved on), in this mesh's
+    layout: after the freeze (``frozen``) the masks, before it the records."""
+    out = []
+    for module, old in zip(fmt.modules, saved_layouts, strict=True):
+        layout = module.layout
+        if frozen:
+            out.append((relaid_mask(layout, state_dict["exp_avg_mask"][old.name], old), None))
+            continue
+        saved = state_dict["always_zero"][layout.name]
+        if isinstance(saved, DTensor):  # dcp.load into state_dict(): this rank's own row
+            out.append((None, saved.to_local().clone()))
+            continue
+        seen = relaid_mask(layout, saved.bitwise_not(), old)
+        size = layout.padded_row // 8
+        out.append((None, seen[module.rank * size : (module.rank + 1) * size].bitwise_not()))
+    return out
+
+
+def _checked_header(
+    fmt: StateFormat, header: torch.Tensor, auto_saved: bool
+) -> tuple[int, int, int]:
+    """The checkpoint's shard world size, replicas (``N``; ``1`` for a 1-D mesh) and update
+    count, or ``ValueError`` if it is not a checkpoint of this model and these settings
+    (``auto_saved``: whether it holds ``exp_avg_mask="auto"``'s records)."""
+    values = header.tolist()
+    if len(values) not in (5, 6) or values[0] != _FORMAT:
+        raise ValueError(
+            f"{fmt.name}: not a checkpoint of this format (header {values}); nothing was loaded"
+        )
+    _, world_size, count, layout, settings, *hsdp = values
+    replicas = hsdp[0] if hsdp else 1
+    if layout != fmt.fingerprints[0]:
+        raise ValueError(
+            f"{fmt.name}: the checkpoint is of another model (its FSDP2 modules, params or "
+            "shapes differ); nothing was loaded"
+        )
+    if auto_saved != fmt.auto_mask:
+        made, here = ("", "not ") if auto_saved else ("not ", "")
+        raise ValueError(
+            f'{fmt.name}: the checkpoint was saved with exp_avg_mask {made}"auto", this '
+            f"optimizer's is {here}\"auto\" (the records of the warmup's zero gradients are in "
+            "the state); build the optimizer as the checkpoint's was; nothing was loaded"
+        )
+    if settings != fmt.fingerprints[1]:
+        raise ValueError(
+            f"{fmt.name}: the checkpoint was saved with other settings (its hyperparameters, "
+            "exp_avg_mask or error_dtype); nothing was loaded"
+        )
+    if world_size < 1 or replicas < 1 or count < 0:
+        raise ValueError(f"{fmt.name}: corrupt checkpoint header {values}")
+    return world_size, replicas, count
 
 
 def _mesh(world_size: int, replicas: int) -> str:
@@ -572,6 +451,7 @@ def _mesh(world_size: int, replicas: int) -> str:
 
 
 def not_torch_format(name: str) -> str:
+    """Why the optimizer ``name`` refuses ``torch.distributed.checkpoint.state_dict``'s API."""
     return (
         f"{name}: its state is not torch.optim's per-param form (the packed momentum and "
         "the error feedback belong to FSDP2 modules and ranks, not params), so "

@@ -35,6 +35,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import (
     DeepSpeedStrategy,
@@ -45,8 +46,9 @@ from lightning.pytorch.strategies import (
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.utils.data import DistributedSampler
 
+from fn.collectives import Local, ProcessGroup
+from fn.collectives.agreement import agree
 from fn.fsdp import ShardedOnebitOptimizer, read_onebit_state
-from fn.fsdp.agreement import agree
 from fn.integrations._common import register_ddp, unwrap_optimizer
 from fn.optim import FunctionalOptimizer, OnebitAdam, OnebitFamily, OnebitLamb
 
@@ -174,47 +176,63 @@ def _check_sharded_run(trainer: Trainer, optimizer: ShardedOnebitOptimizer) -> N
         )
 
 
-def _map_clipping(trainer: Trainer, optimizer: ShardedOnebitOptimizer) -> None:
-    """Hands the Trainer's ``gradient_clip_val`` to ``optimizer`` as its ``max_grad_norm``, which
-    its ``step()`` reads at every update: it clips the gradient that enters the momentum, in the
-    warmup and in the compressed phase, where Lightning's clipping of ``.grad`` would come too
-    late (a 1-D mesh's compressed update does not read ``.grad``). Lightning's own clipping then
-    steps aside (:class:`_ShardedClipping`).
+def _map_clipping(trainer: Trainer, optimizers: list[Any]) -> bool:
+    """Hands the Trainer's ``gradient_clip_val`` to the optimizers as their ``max_grad_norm``,
+    which clips the gradient that enters the momentum by one factor on every rank, in the
+    warmup and in the compressed phase (where Lightning's clipping of ``.grad`` would come too
+    late, or clip each rank's local gradient by its own factor): for an ``fn.fsdp`` 1-bit
+    optimizer always (it then clips by norm or refuses), for ``fn.optim`` where every optimizer
+    is an ``fn.optim.OnebitAdam`` or ``OnebitLamb`` and the Trainer clips by norm (otherwise
+    Lightning clips ``.grad`` as usual). Lightning's own clipping then steps aside.
 
     The ranks check these settings in one all-gather over the world, so that ranks whose
-    Trainers differ raise too; a refusal leaves ``optimizer`` unchanged.
+    Trainers or optimizers differ raise together; a refusal leaves the optimizers unchanged.
+
+    Returns:
+        Whether the optimizers took ``gradient_clip_val``.
 
     Raises:
-        NotImplementedError: on every rank, ``gradient_clip_algorithm="value"``, which fn has
-            no equivalent of.
+        NotImplementedError: on every rank, ``gradient_clip_algorithm="value"`` with an
+            ``fn.fsdp`` 1-bit optimizer, which fn has no equivalent of.
         ValueError: on every rank, a ``gradient_clip_val`` that is not finite, or one that
-            differs from the ``max_grad_norm`` the optimizer was built with; or the ranks'
+            differs from the ``max_grad_norm`` an optimizer was built with; or the ranks'
             Trainers or optimizers differ in these settings.
     """
     clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
     clips = clip is not None and clip > 0  # Lightning clips nothing at 0 or below
-    problem = None
-    if clips and algorithm == GradClipAlgorithmType.VALUE:
+    by_norm = algorithm in (None, GradClipAlgorithmType.NORM)
+    sharded = [o for o in optimizers if isinstance(o, ShardedOnebitOptimizer)]
+    every = len(optimizers) == len(trainer.optimizers)
+    clipping = all(isinstance(o, (OnebitAdam, OnebitLamb)) for o in optimizers)
+    takes = clips and (bool(sharded) or (by_norm and every and clipping))
+    problem, names = None, [getattr(o, "name", type(o).__name__) for o in optimizers]
+    if clips and sharded and not by_norm:
         problem = (
             NotImplementedError,
-            f"gradient_clip_algorithm='value' with {optimizer.name}: fn clips the gradient's "
-            "norm (max_grad_norm), not its values; use gradient_clip_algorithm='norm' (the "
-            "default)",
+            f"gradient_clip_algorithm='value' with {names[0]}: fn clips the gradient's norm "
+            "(max_grad_norm), not its values; use gradient_clip_algorithm='norm' (the default)",
         )
-    elif clips and not math.isfinite(clip):
+    elif takes and not math.isfinite(clip):
         problem = (ValueError, f"gradient_clip_val must be finite, got {clip!r}")
-    elif clips and optimizer.max_grad_norm not in (None, clip):
+    elif takes and any(o.max_grad_norm not in (None, clip) for o in optimizers):
+        other = next(o for o in optimizers if o.max_grad_norm not in (None, clip))
         problem = (
             ValueError,
-            f"gradient_clip_val={clip!r} and {optimizer.name}(max_grad_norm="
-            f"{optimizer.max_grad_norm!r}) differ: fn clips once, inside step(); set one of "
-            "them, or both to the same value",
+            f"gradient_clip_val={clip!r} and {getattr(other, 'name', type(other).__name__)}("
+            f"max_grad_norm={other.max_grad_norm!r}) differ: fn clips once, inside step(); set "
+            "one of them, or both to the same value",
         )
-    settings = repr((clip, str(algorithm), optimizer.max_grad_norm))
-    what = f"gradient_clip_val, gradient_clip_algorithm or max_grad_norm (this rank: {settings})"
-    agree(_NAME, None, problem, settings, what, device=trainer.strategy.root_device)
-    if clips:
-        optimizer.max_grad_norm = float(clip)
+    settings = {
+        "gradient_clip_val": clip,
+        "gradient_clip_algorithm": str(algorithm),
+        "max_grad_norm": [getattr(o, "max_grad_norm", None) for o in optimizers],
+    }
+    comm = ProcessGroup() if dist.is_initialized() else Local()
+    agree(comm, _NAME, settings, problem, device=trainer.strategy.root_device)
+    if takes:
+        for optimizer in optimizers:
+            optimizer.max_grad_norm = float(clip)
+    return takes
 
 
 class _ShardedClipping:
@@ -371,35 +389,6 @@ class _ShardedCheckpoints:
         return metadata
 
 
-def _clip_on_optimizers(trainer: Trainer, optimizers: list[Any]) -> float | None:
-    """Under DDP with ``fn.optim``: ``trainer.gradient_clip_val`` (by norm) set as the
-    ``max_grad_norm`` of every optimizer, which are all ``fn.optim.OnebitAdam`` or
-    ``OnebitLamb``; returns the value, which Lightning must then no longer apply itself, or
-    ``None`` where nothing was mapped (no clipping, clipping by value, or another optimizer
-    among them: Lightning's clipping of ``.grad`` stays, see :class:`FnCallback`).
-
-    Raises:
-        ValueError: an optimizer has another ``max_grad_norm`` already (the same on every
-            rank).
-    """
-    value = trainer.gradient_clip_val
-    by_norm = trainer.gradient_clip_algorithm in (None, "norm")
-    if not value or not by_norm or len(optimizers) != len(trainer.optimizers):
-        return None
-    if not all(isinstance(o, (OnebitAdam, OnebitLamb)) for o in optimizers):
-        return None
-    for optimizer in optimizers:
-        if optimizer.max_grad_norm not in (None, float(value)):
-            raise ValueError(
-                f"fn.integrations.lightning: Trainer(gradient_clip_val={value!r}) and "
-                f"{type(optimizer).__name__}(max_grad_norm={optimizer.max_grad_norm!r}) "
-                "disagree: set one of them"
-            )
-    for optimizer in optimizers:
-        optimizer.max_grad_norm = float(value)
-    return float(value)
-
-
 class FnCallback(Callback):
     """Connects the ``fn.optim`` optimizers, or the ``fn.fsdp`` 1-bit optimizer, of a Lightning
     run to its strategy: ``Trainer(callbacks=[FnCallback()])``.
@@ -498,7 +487,6 @@ class FnCallback(Callback):
             check_strategy(trainer.strategy, optimizer)
             if isinstance(optimizer, ShardedOnebitOptimizer):
                 _check_sharded_run(trainer, optimizer)
-                _map_clipping(trainer, optimizer)
                 _ShardedCheckpoints.install(trainer.strategy)
                 _ShardedClipping.install(trainer.strategy.precision_plugin)
             else:
@@ -507,11 +495,11 @@ class FnCallback(Callback):
                 optimizer.warn_if_never_compressed(
                     int(steps), "the Trainer's estimated_stepping_batches"
                 )
-        if not any(isinstance(o, ShardedOnebitOptimizer) for _, o in found):
-            mapped = _clip_on_optimizers(trainer, [o for _, o in found])
-            if mapped is not None:
-                self._lightning_clip = trainer.gradient_clip_val
-                trainer.gradient_clip_val = None
+        optimizers = [o for _, o in found]
+        mapped = _map_clipping(trainer, optimizers)
+        if mapped and not any(isinstance(o, ShardedOnebitOptimizer) for o in optimizers):
+            self._lightning_clip = trainer.gradient_clip_val
+            trainer.gradient_clip_val = None
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Gives the trainer back its ``gradient_clip_val``."""

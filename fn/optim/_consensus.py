@@ -14,7 +14,6 @@ others skipped.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import math
 import os
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from fn.collectives import Local, ProcessGroup, Simulated, SimulatedGroup
+from fn.collectives.agreement import bit_checksum, differences, digest, gather_texts
 from fn.errors import all_finite
 
 _MAX_SHOWN = 5  # differing fields named in one message
@@ -34,29 +34,6 @@ _SCALARS = (bool, int, float, str, type(None))
 
 def _describe(p: torch.Tensor) -> str:
     return f"shape {tuple(p.shape)} ({p.dtype})"
-
-
-def _all_gather_text(comm: Any, text: str, device: torch.device) -> list[str]:
-    """Every rank's ``text`` (two small all_gathers: the lengths, then the padded UTF-8 bytes)."""
-    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
-    lengths = comm.all_gather(torch.tensor([data.numel()], device=device)).view(-1).tolist()
-    width = max(lengths)
-    if width == 0:
-        return [""] * len(lengths)
-    padded = torch.zeros(width, dtype=torch.uint8)
-    padded[: data.numel()] = data
-    rows = comm.all_gather(padded.to(device)).cpu()  # [W, width]
-    return [bytes(row[:n].tolist()).decode() for row, n in zip(rows, lengths, strict=True)]
-
-
-def bit_checksum(x: torch.Tensor) -> torch.Tensor:
-    """The sum of ``x``'s elements' bit patterns as integers (int64, wrapping): equal exactly when
-    the values are (up to collisions), and independent of the summation order."""
-    flat = x.detach().contiguous().view(-1)
-    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(
-        flat.element_size(), torch.uint8
-    )
-    return flat.view(as_int).sum(dtype=torch.int64)
 
 
 def settings_of(obj: Any, path: str = "transform") -> dict[str, str]:
@@ -180,26 +157,6 @@ def _gather_fingerprints(comm: Any, rows: torch.Tensor) -> list[list[int]]:
     return comm.all_gather(rows.reshape(-1)).view(comm.world_size, -1).tolist()
 
 
-def _digest(text: str) -> int:
-    """A signed 63-bit hash of ``text`` (the same in every process, unlike ``hash``)."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
-
-
-def _differences(described: list[dict[str, str]]) -> list[str]:
-    """``"field: value on ranks [..]; value on ranks [..]"`` for each field the ranks disagree on
-    (a field missing on a rank shows as ``<none>``), in rank 0's order."""
-    fields = list(dict.fromkeys(field for d in described for field in d))
-    out = []
-    for field in fields:
-        by_value: dict[str, list[int]] = {}
-        for rank, d in enumerate(described):
-            by_value.setdefault(d.get(field, "<none>"), []).append(rank)
-        if len(by_value) > 1:
-            shown = "; ".join(f"{value} on ranks {ranks}" for value, ranks in by_value.items())
-            out.append(f"{field}: {shown}")
-    return out
-
-
 def check_same_group(
     comm: Any, index: int, settings: Mapping[str, str], params: list[torch.Tensor]
 ) -> None:
@@ -227,7 +184,7 @@ def check_same_group(
     lines = [f"param {i}: {_describe(p)}" for i, p in enumerate(params)]
     lines += [f"{field}: {value}" for field, value in settings.items()]
     text = "\n".join(lines)
-    fingerprint = torch.tensor([len(params), _digest(text)], dtype=torch.int64, device=device)
+    fingerprint = torch.tensor([len(params), digest(text)], dtype=torch.int64, device=device)
     gathered = _gather_fingerprints(comm, fingerprint)
     if all(row == gathered[0] for row in gathered):
         return
@@ -241,7 +198,7 @@ def check_same_group(
             )
     described = [
         dict(line.split(": ", 1) for line in t.splitlines())
-        for t in _all_gather_text(comm, text, device)
+        for t in gather_texts(comm, text, device=device)
     ]
     for i in range(len(params)):
         for rank, theirs in enumerate(described):
@@ -251,11 +208,11 @@ def check_same_group(
                     f"{described[0][f'param {i}']} on rank 0 but {theirs[f'param {i}']} on "
                     f"rank {rank}"
                 )
-    differences = _differences(described)
+    differing = differences(described)
     raise ValueError(
         f"fn.optim: the ranks built param group {index} differently: "
-        + "; ".join(differences[:_MAX_SHOWN])
-        + ("; ..." if len(differences) > _MAX_SHOWN else "")
+        + "; ".join(differing[:_MAX_SHOWN])
+        + ("; ..." if len(differing) > _MAX_SHOWN else "")
         + " (every rank must build the optimizer with the same arguments)"
     )
 
@@ -304,7 +261,7 @@ def check_in_sync(comm: Any, groups: Sequence[GroupSnapshot]) -> None:
     if comm.world_size == 1 or not groups:
         return
     device = groups[0].params.device
-    head = [[g.step, _digest(g.settings), int(g.tolerance is not None)] for g in groups]
+    head = [[g.step, digest(g.settings), int(g.tolerance is not None)] for g in groups]
     stats = [_param_stats(g.params).to(device) for g in groups]
     rows = torch.cat([torch.tensor(head, device=device), torch.stack(stats)], dim=1)
     gathered = _gather_fingerprints(comm, rows)

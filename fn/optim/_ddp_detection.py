@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from fn.base import CompressedOptimizer
+from fn.collectives.agreement import bit_checksum
 from fn.errors import user_stacklevel
-from fn.optim._consensus import bit_checksum
 
 _REGISTER_FIX = (
     "hand the DDP model to fn.ddp.register(ddp_model, opt) before the first backward pass (DDP "

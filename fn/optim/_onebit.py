@@ -8,9 +8,7 @@ factories' own by :mod:`fn.transforms.hyperparameters`, plus the adapter's optio
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
-from inspect import Parameter
 from typing import Any
 
 import torch
@@ -20,7 +18,8 @@ from fn.collectives.comm import Comm, ReduceOp, check_op
 from fn.optim._adapter import FunctionalOptimizer, Transform
 from fn.optim._checkpoint import checkpoint_parts
 from fn.transforms import AutoFreeze, onebit_adam, onebit_lamb, zero_one_adam
-from fn.transforms.hyperparameters import bind_arguments, signature_with
+from fn.transforms.clipping import check_max_norm, clip_factor, squared_norm
+from fn.transforms.hyperparameters import bind_arguments, option, signature_with
 
 
 class OnebitFamily(FunctionalOptimizer):
@@ -213,14 +212,7 @@ class OnebitFamily(FunctionalOptimizer):
 
     def _check_max_grad_norm(self, value: Any) -> None:
         """Raises ``ValueError`` unless ``value`` is a positive, finite number or ``None``."""
-        if value is None:
-            return
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not number or not 0 < value < math.inf:
-            raise ValueError(
-                f"fn.optim.{type(self).__name__}: max_grad_norm must be a positive, finite "
-                f"number or None, got {value!r}"
-            )
+        check_max_norm(f"fn.optim.{type(self).__name__}", value)
 
     def _rebuild_transforms(self) -> None:
         for index, runtime in enumerate(self._groups):
@@ -241,7 +233,7 @@ class OnebitFamily(FunctionalOptimizer):
             compressed = transform.compressed_at(runtime.step + 1, runtime.state)
             if not compressed and not self._takes_averaged and comm.world_size > 1 and g.numel():
                 g = comm.all_reduce(g, op="mean")
-            square = float(g.double().square().sum())
+            square = squared_norm([g])
             if compressed:
                 local, compressing = local + square, True
             else:
@@ -252,10 +244,8 @@ class OnebitFamily(FunctionalOptimizer):
             mine = torch.tensor([local, averaged], dtype=torch.float64, device=out[0].device)
             rows = comm.all_gather(mine).view(-1, 2).cpu()
             square_norm = float(rows[:, 0].sum()) / comm.world_size + float(rows[0, 1])
-        norm = math.sqrt(square_norm)
-        if not math.isfinite(norm):  # left to the updates, which reject it on every rank
-            return out
-        factor = min(1.0, self._max_grad_norm / (norm + _CLIP_EPS))
+        # (a norm that is not finite leaves them as they are: the updates reject them)
+        factor = clip_factor(square_norm, self._max_grad_norm)
         if factor != 1.0:
             for g in out:
                 g.mul_(factor)
@@ -333,23 +323,15 @@ class PreaveragedComm:
         return self.comm.split(local_world_size)
 
 
-_POSITIONAL = Parameter.POSITIONAL_OR_KEYWORD
-_CLIP_EPS = 1e-6  # in the clipping factor's denominator, as torch.nn.utils.clip_grad_norm_'s
-
-
-def _keyword(name: str, default: Any, annotation: str) -> Parameter:
-    return Parameter(name, Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
-
-
 # The adapters' own options, beside their factories' hyperparameters (the adapter's comm and
 # exp_avg_mask take the factory's places).
 _OPTIONS = (
-    _keyword("comm", None, "Comm | None"),
-    _keyword("exp_avg_mask", None, "Mapping[torch.Tensor, torch.Tensor] | str | None"),
-    _keyword("nonfinite", "raise", "str"),
-    _keyword("max_grad_norm", None, "float | None"),
+    option("comm", None, "Comm | None"),
+    option("exp_avg_mask", None, "Mapping[torch.Tensor, torch.Tensor] | str | None"),
+    option("nonfinite", "raise", "str"),
+    option("max_grad_norm", None, "float | None"),
 )
-_FLATTEN = _keyword("flatten", True, "bool")  # the elementwise rules' per-param mode
+_FLATTEN = option("flatten", True, "bool")  # the elementwise rules' per-param mode
 
 
 def _automatic(freeze_step: Any) -> bool:
@@ -445,7 +427,7 @@ class OnebitAdam(OnebitFamily):
         "params",
         *_OPTIONS,
         _FLATTEN,
-        Parameter("non_freeze", _POSITIONAL, default=False, annotation="bool"),
+        option("non_freeze", False, "bool", keyword=False),
     )
 
 
@@ -482,17 +464,16 @@ class ZeroOneAdam(OnebitFamily):
     Example:
         One worker (``comm=Local()``; under ``torchrun`` leave ``comm`` out): variance updates
         (dense) until ``var_freeze_step``, then local steps (the weights:
-        :class:`OnebitFamily`):
+        :class:`OnebitFamily`); no ``max_grad_norm``:
 
-        >>> model = torch.nn.Linear(2, 1)
-        >>> opt = fn.optim.ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=2,
-        ...                            comm=fn.collectives.Local())
-        >>> for _ in range(3):
-        ...     print(opt.next_update_compressed(), end=" ")
-        ...     opt.zero_grad()
-        ...     model(torch.ones(1, 2)).sum().backward()
-        ...     opt.step()
-        [False] [False] [True]
+        >>> params = torch.nn.Linear(2, 1).parameters()
+        >>> opt = fn.optim.ZeroOneAdam(params, var_freeze_step=2, comm=fn.collectives.Local())
+        >>> opt.next_update_compressed(), opt.max_grad_norm
+        ([False], None)
+        >>> opt.max_grad_norm = 1.0
+        Traceback (most recent call last):
+        ...
+        NotImplementedError: fn.optim.ZeroOneAdam: max_grad_norm is not supported: ...
     """
 
     _factory = staticmethod(zero_one_adam)
@@ -539,18 +520,15 @@ class OnebitLamb(OnebitFamily):
 
     Example:
         One worker (``comm=Local()``; under ``torchrun`` leave ``comm`` out): a LAMB warmup
-        update, then compressed ones with the frozen trust ratio (the weights:
-        :class:`OnebitFamily`):
+        update, then compressed ones (the weights: :class:`OnebitFamily`):
 
         >>> model = torch.nn.Linear(2, 1)
         >>> opt = fn.optim.OnebitLamb(model.parameters(), lr=1e-2, freeze_step=2,
         ...                           comm=fn.collectives.Local())
-        >>> for _ in range(3):
-        ...     print(opt.next_update_compressed(), end=" ")
-        ...     opt.zero_grad()
-        ...     model(torch.ones(1, 2)).sum().backward()
-        ...     opt.step()
-        [False] [True] [True]
+        >>> model(torch.ones(1, 2)).sum().backward()
+        >>> opt.step()  # the warmup's one update
+        >>> opt.next_update_compressed()  # from freeze_step on, with the frozen trust ratio
+        [True]
     """
 
     _factory = staticmethod(onebit_lamb)

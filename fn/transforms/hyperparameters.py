@@ -29,7 +29,19 @@ import inspect
 from collections.abc import Callable, Collection
 from typing import Any
 
-__all__ = ["bind_arguments", "signature_with"]
+__all__ = ["bind_arguments", "option", "signature_with"]
+
+
+def option(name: str, default: Any, annotation: str, keyword: bool = True) -> inspect.Parameter:
+    """One of a class's own options, for :func:`signature_with`: keyword-only (``keyword``),
+    else positional or keyword.
+
+    Example:
+        >>> option("flatten", True, "bool")
+        <Parameter "flatten: 'bool' = True">
+    """
+    kind = inspect.Parameter.KEYWORD_ONLY if keyword else inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Parameter(name, kind, default=default, annotation=annotation)
 
 
 def signature_with(

@@ -225,6 +225,23 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: p.full_tensor().detach().clone() for k, p in model.named_parameters()}
 
 
+def held(opt) -> dict:
+    """An ``fn.fsdp`` optimizer's per-module state (``OnebitModule``), by module."""
+    return {module.layout.name: module for module in opt._modules}
+
+
+def mask_bits(opt) -> dict:
+    """Every module's mask as bits in the layout of ``X`` (or ``None``), by module."""
+    return {name: module.mask for name, module in held(opt).items()}
+
+
+def records(opt) -> dict | None:
+    """``exp_avg_mask="auto"``'s records of zero gradients by module, ``None`` after the freeze
+    (or without ``"auto"``)."""
+    found = {name: module.record for name, module in held(opt).items()}
+    return None if all(r is None for r in found.values()) else found
+
+
 # ----------------------------------------------------------------------------- the workers
 
 

@@ -365,7 +365,7 @@ def _worker_bf16_accumulator(rank: int, world_size: int) -> dict:
                 (nn.functional.mse_loss(model(x), y) / 2).backward()
             if t == STEPS:  # before the last step(): what the accumulation holds
                 held = {}
-                for name, module in opt._modules.items():
+                for name, module in test_onebit.held(opt).items():
                     written = module.written_row()
                     held[name] = (
                         module.local_gradient.dtype,

@@ -35,7 +35,7 @@ def run(kind: str, rank: int, freeze_step, root: str | None = None) -> tuple[dic
         history[t] = full_params(model)
         if root is not None:
             fn.fsdp.TrainingCheckpoint(model, opt, step=t).save(os.path.join(root, str(t)))
-    switch = int(opt._state.auto.freeze_at) if opt._automatic else freeze_step
+    switch = int(opt._state.auto.freeze_at) if opt._state.auto is not None else freeze_step
     return history, switch
 
 

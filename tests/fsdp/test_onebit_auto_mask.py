@@ -24,7 +24,7 @@ from fn import kernels
 from fn.fsdp.loco import ROOT
 from tests._distributed import run_distributed
 from tests.fsdp import test_onebit
-from tests.fsdp.test_onebit import WORLD, full_params
+from tests.fsdp.test_onebit import WORLD, full_params, mask_bits, records
 from tests.fsdp.test_onebit_checkpoint import KINDS, _refused
 
 FREEZE, STEPS = 4, 7
@@ -137,8 +137,8 @@ def run(
         params[t], states[t] = full_params(model), snapshot(opt)
         if t in saves:
             fn.fsdp.TrainingCheckpoint(model, opt, step=t).save(os.path.join(root, str(t)))
-    switch = int(opt._state.auto.freeze_at) if opt._automatic else freeze_step
-    return dict(params=params, states=states, masks=dict(opt._masks), switch=switch)
+    switch = int(opt._state.auto.freeze_at) if opt._state.auto is not None else freeze_step
+    return dict(params=params, states=states, masks=mask_bits(opt), switch=switch)
 
 
 def kept(masks: dict[str, torch.Tensor]) -> int:
@@ -251,15 +251,15 @@ def _worker_resume(rank: int, world_size: int, root: str, kind: str, saved: list
     for made, into in (("fixed", None), ("fixed", "hand"), ("plain", "auto"), ("hand", "auto")):
         model = build(seed=1)
         opt = optimizer(kind, model, into)
-        records = None if opt._zero_records is None else dict(opt._zero_records)
+        saved = records(opt)
         refusals[(made, into)] = _refused(model, opt, os.path.join(root, made, "1"))
-        if records is not None:  # nothing loaded into the records either
-            assert all(torch.equal(opt._zero_records[k], x) for k, x in records.items())
+        if saved is not None:  # nothing loaded into the records either
+            assert all(torch.equal(records(opt)[k], x) for k, x in saved.items())
     return dict(mismatches=mismatches, refusals=refusals)
 
 
 def _worker_other_world_size(rank: int, world_size: int, root: str, kind: str) -> dict:
-    hand = optimizer(kind, build(world=world_size), "hand")._masks
+    hand = mask_bits(optimizer(kind, build(world=world_size), "hand"))
     out = {}
     for start in (FREEZE - 1, FREEZE + 2):
         model = build(seed=1, world=world_size)
@@ -267,10 +267,10 @@ def _worker_other_world_size(rank: int, world_size: int, root: str, kind: str) -
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the error feedback restarts
             fn.fsdp.TrainingCheckpoint(model, opt).load(os.path.join(root, "fixed", str(start)))
-            loaded = (dict(opt._masks), opt._zero_records)
+            loaded = (mask_bits(opt), records(opt))
             for t in range(start + 1, STEPS + 1):
                 train_step(model, opt, rank, t)
-        out[start] = dict(loaded=loaded, trained=dict(opt._masks))
+        out[start] = dict(loaded=loaded, trained=mask_bits(opt))
     return dict(out=out, hand=hand)
 
 
@@ -338,7 +338,7 @@ def _worker_failed_freeze(rank: int, world_size: int, root: str, kind: str) -> d
     opt = optimizer(kind, model)
     for t in range(1, FREEZE):
         train_step(model, opt, rank, t)
-    records = dict(opt._zero_records)
+    before = records(opt)
     opt.zero_grad()
     tokens = torch.tensor([USED_ROWS[:3]] * 4)
     scale = float("inf") if rank == 0 else 1.0
@@ -350,11 +350,11 @@ def _worker_failed_freeze(rank: int, world_size: int, root: str, kind: str) -> d
     resumed = build(seed=1)
     opt = optimizer(kind, resumed)
     fn.fsdp.TrainingCheckpoint(resumed, opt).load(path)
-    loaded = dict(opt._zero_records)
+    loaded = records(opt)
     for t in range(FREEZE, STEPS + 1):
         train_step(resumed, opt, rank, t)
-    hand = optimizer(kind, build(), "hand")._masks
-    return dict(records=records, loaded=loaded, masks=dict(opt._masks), hand=hand)
+    hand = mask_bits(optimizer(kind, build(), "hand"))
+    return dict(records=before, loaded=loaded, masks=mask_bits(opt), hand=hand)
 
 
 @pytest.mark.timeout(300)

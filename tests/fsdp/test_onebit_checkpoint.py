@@ -62,8 +62,8 @@ def full_momentum(opt: OPTIMIZER) -> dict[str, torch.Tensor]:
     if opt.keeps_momentum_shards:
         return {k: m.full_tensor() for k, m in opt.state_dict()["exp_avg"].items()}
     out = {}
-    for layout in opt._layouts:
-        signs = opt._modules[layout.name].signs
+    for module in opt._modules:
+        layout, signs = module.layout, module.signs
         x = signs.values(WORLD * layout.padded_row)
         like = [slot.param for slot in layout.slots]
         out.update(zip([s.name for s in layout.slots], from_x(x, like), strict=True))
@@ -110,18 +110,19 @@ def _refused(model: nn.Module, opt: OPTIMIZER, path: str) -> tuple[str, bool]:
 
 def _worker_resume(rank: int, world_size: int, root: str, history: dict, kind: str) -> dict:
     mismatches, counts = [], {}
-    for start in SAVES:
+    starts = [(os.path.join(root, str(t)), t) for t in SAVES]
+    for path, start in starts:
         model = build(kind, seed=1)  # other weights: the load must overwrite them
         opt = optimizer(kind, model)
         ckpt = fn.fsdp.TrainingCheckpoint(model, opt)
-        ckpt.load(os.path.join(root, str(start)))
+        ckpt.load(path)
         counts[start] = (opt.count, ckpt.step, opt.param_groups[0]["lr"])
         got = full_params(model)
-        mismatches += [(start, k) for k in got if not torch.equal(got[k], history[start][k])]
+        mismatches += [(path, k) for k in got if not torch.equal(got[k], history[start][k])]
         for t in range(start + 1, STEPS + 1):
             train_step(model, opt, rank, t)
             got = full_params(model)
-            mismatches += [(t, k) for k in got if not torch.equal(got[k], history[t][k])]
+            mismatches += [(path, t, k) for k in got if not torch.equal(got[k], history[t][k])]
     model = build(kind, seed=1)
     opt = optimizer(kind, model)
     state = {"model": get_model_state_dict(model), "optim": opt}

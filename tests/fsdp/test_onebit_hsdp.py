@@ -25,7 +25,17 @@ import fn
 import fn.fsdp
 from tests._distributed import run_distributed
 from tests.fsdp import test_onebit, test_onebit_auto_mask, test_onebit_lamb
-from tests.fsdp.test_onebit import BETAS, EPS, FREEZE, LR, batch, full_params, lr_at, masks_of
+from tests.fsdp.test_onebit import (
+    BETAS,
+    EPS,
+    FREEZE,
+    LR,
+    batch,
+    full_params,
+    lr_at,
+    mask_bits,
+    masks_of,
+)
 
 N, L = 2, 2  # nodes (replicate), ranks per node (shard)
 WORLD = N * L
@@ -244,8 +254,9 @@ def _worker_auto_mask(rank: int, world_size: int) -> dict:
                 for t in range(1, sparse.STEPS + 1):
                     sparse.train_step(model, opt, rank, t)
                     params[t] = full_params(model)
-                switch = int(opt._state.auto.freeze_at) if opt._automatic else freeze
-                out[kind, str(freeze), mask] = dict(params=params, masks=opt._masks, switch=switch)
+                switch = int(opt._state.auto.freeze_at) if opt._state.auto is not None else freeze
+                held = mask_bits(opt)
+                out[kind, str(freeze), mask] = dict(params=params, masks=held, switch=switch)
     return out
 
 
@@ -274,7 +285,7 @@ def _worker_precision(rank: int, world_size: int) -> dict:
                 x, y = batch(rank, t)
                 nn.functional.mse_loss(model(x).float(), y).backward()
                 opt.step()
-            errors = {e.dtype for held in opt._modules.values() for e in held.errors}
+            errors = {e.dtype for module in opt._modules for e in module.errors}
             out[kind, case] = dict(start=start, params=full_params(model), errors=errors)
     return out
 

@@ -46,14 +46,14 @@ def full_state(opt) -> dict[str, dict[str, torch.Tensor]]:
     """``v``, the momentum the next update starts from (the packed signs' values times the
     mask, or the shards' ``m``: before the freeze, and LAMB's) and the masks, full size,
     gathered over the shard group."""
-    params = {slot.name: slot.param for x in opt._layouts for slot in x.slots}
+    params = {slot.name: slot.param for m in opt._modules for slot in m.layout.slots}
     state = {
         "v": {k: shard_of(v, params[k]).full_tensor() for k, v in opt._state.exp_avg_sq.items()},
         "m": {},
         "mask": {},
     }
-    for layout in opt._layouts:
-        held, bits = opt._modules[layout.name], opt._masks[layout.name]
+    for held in opt._modules:
+        layout, bits = held.layout, held.mask
         names = [slot.name for slot in layout.slots]
         if held.signs is None or opt.keeps_momentum_shards:  # (LAMB's signs: scaled momenta)
             m = [shard_of(opt._state.exp_avg[k], params[k]).full_tensor() for k in names]
@@ -100,7 +100,7 @@ def _worker_load(rank: int, world_size: int, root: str, saved: dict) -> dict:
             for field in ("v", "m", "mask"):
                 got, want = state[field], expected["state"][field]
                 mismatches += [(field, k) for k in want if not torch.equal(got.get(k), want[k])]
-            errors = [held.errors for held in opt._modules.values()]
+            errors = [held.errors for held in opt._modules]
             hsdp.train_step(model, opt, rank, t + 1)
             out[kind, shape, t, other] = dict(
                 count=opt.count,
