@@ -82,7 +82,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKERS = 4
+WORKERS = 4  # the default of --workers
 CHUNK = 4096
 TUNSETIFF = 0x400454CA
 IFF_TUN, IFF_NO_PI = 0x0001, 0x1000
@@ -117,6 +117,7 @@ def methods(args: argparse.Namespace) -> list[Method]:
     k = CHUNK // args.density
     stream = f"stream-fp32-P{args.fragments}"
     every = [
+        Method("probe"),
         Method("ddp"),
         Method("diloco-fp32", "nesterov", "fp32"),
         Method(
@@ -124,6 +125,18 @@ def methods(args: argparse.Namespace) -> list[Method]:
             "sparseloco",
             None,
             {"k": k, "chunk_size": CHUNK},
+        ),
+        Method(
+            f"diloco-sparseloco-1/{args.density}-gather",
+            "sparseloco",
+            None,
+            {"k": k, "chunk_size": CHUNK, "exchange": "gather"},
+        ),
+        Method(
+            f"diloco-sparseloco-1/{args.density}-owners",
+            "sparseloco",
+            None,
+            {"k": k, "chunk_size": CHUNK, "exchange": "owner"},
         ),
         Method(stream, "nesterov", "fp32", fragments=args.fragments),
         Method(
@@ -218,7 +231,7 @@ def worker_config(args: argparse.Namespace, method: Method, run: int) -> dict:
     """One run's config for its ranks (``cluster.run_ranks`` adds rank and output path)."""
     diloco = method.outer is not None
     return {
-        "world_size": WORKERS,
+        "world_size": args.workers,
         "rate": args.rate,
         "master_addr": cluster.address(args.subnet, 0),
         "timeout": args.timeout,
@@ -235,19 +248,18 @@ def worker_config(args: argparse.Namespace, method: Method, run: int) -> dict:
 
 
 def print_plan(args: argparse.Namespace, plan: list[Method]) -> None:
-    _, rank_ns = cluster.namespaces(args.prefix, WORKERS)
+    _, rank_ns = cluster.namespaces(args.prefix, args.workers)
     delay = parse_delay(args.delay)
-    print(f"# set up: {WORKERS} namespaces, one TUN eth0 each, held by the switch")
+    print(f"# set up: {args.workers} namespaces, one TUN eth0 each, held by the switch")
     for ns in rank_ns:
         print(f"ip netns add {ns}")
-    print(
-        f"{sys.executable} {os.path.abspath(__file__)} --switch '{json.dumps(switch_config(args))}'"
-    )
+    switch = json.dumps(switch_config(args, args.workers))
+    print(f"{sys.executable} {os.path.abspath(__file__)} --switch '{switch}'")
     print(
         f"#   (holds every packet {delay * 1000:g} ms one way, delivers at most {args.rate} to "
         "each eth0)"
     )
-    for cmd in link_commands(args):
+    for cmd in link_commands(args, args.workers):
         print(" ".join(cmd))
     for run in range(args.runs):
         print(f"# run {run + 1} of {args.runs} (load average noted before it)")
@@ -261,7 +273,7 @@ def print_plan(args: argparse.Namespace, plan: list[Method]) -> None:
                 f"#   {method.name}: up to {config['max_steps']} steps, evaluated every "
                 f"{config['eval_every']}, target {args.target}"
             )
-            for rank in range(WORKERS):
+            for rank in range(args.workers):
                 cmd = cluster.worker_command(args.prefix, rank, config, __file__)
                 print(" ".join(cmd[:-1]), f"'{cmd[-1]}'")
     print("# clean up: stop the switch (its TUN devices go with it), then")
@@ -433,6 +445,8 @@ def train(config: dict) -> dict:
     from fn.app import _data
 
     method = Method(**config["method"])
+    if method.name == "probe":
+        return {"method": "probe", "run": config["run"], "probe": probe(dist)}
     rank = dist.get_rank()
     corpus = _data.load_corpus()
     model = bench.make_model(config["seed"])
@@ -458,6 +472,7 @@ def train(config: dict) -> dict:
             timeout=config["timeout"],
         )
         diloco.comm.reset_bytes_sent()
+    exchange = None if method.outer is None else outer_collectives(method, model, dist)
     tx0 = _tx_bytes()
     clock, evals, step_s, iter_s = 0.0, [], [], []
     flag = torch.zeros(1)
@@ -491,7 +506,52 @@ def train(config: dict) -> dict:
         "step_s": step_s,
         "iter_s": iter_s,
         "params": sum(p.numel() for p in model.parameters()),
+        "exchange": exchange,
     }
+
+
+def outer_collectives(method: Method, model, dist) -> list[str]:
+    """The collectives of one outer step, in order, as ``fn.collectives`` chooses the
+    exchange's form for this model and group: one all-gather, or an all_to_all to the owners
+    and an all-gather."""
+    from fn.collectives import cast_exchange_form, topk_exchange_form
+
+    sizes = [p.numel() for p in model.parameters()]
+    options, world = method.options or {}, dist.get_world_size()
+    if method.outer == "sparseloco":
+        chunks = sum(-(-n // CHUNK) for n in sizes)
+        form = options.get("exchange", "auto")
+        if form == "auto":
+            form = topk_exchange_form(chunks, options["k"], CHUNK, world)
+    else:
+        form = cast_exchange_form(sum(sizes) // method.fragments, 4, world)
+    return ["all_gather"] if form == "gather" else ["all_to_all", "all_gather"]
+
+
+def probe(dist, repeats: int = 5) -> dict[str, float]:
+    """The median seconds of a collective of a few bytes on this link, per kind (after one
+    untimed call each): what one collective costs in delays alone."""
+    import torch
+
+    world = dist.get_world_size()
+    calls = {
+        "all_gather": lambda: dist.all_gather_single(torch.empty(world * 25), torch.ones(25)),
+        "all_to_all": lambda: dist.all_to_all_single(
+            torch.empty(world * 25), torch.ones(world * 25)
+        ),  # fmt: skip
+        "all_reduce": lambda: dist.all_reduce(torch.ones(1)),
+    }
+    out = {}
+    for kind, call in calls.items():
+        call()
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        out[kind] = statistics.median(times)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -520,7 +580,35 @@ def summarize(result: dict, target: float, sync_every: int) -> dict:
         "s_per_outer": sum(result["iter_s"]) / steps * sync_every,
         "blocked_per_outer": (sum(result["step_s"]) - steps * step_med) / steps * sync_every,
         "compute_s": (hit[0] if hit else steps) * statistics.median(result["iter_s"]),
+        "exchange": result.get("exchange"),
+        "outer_bytes": (hit[4] if hit else evals[-1][4])
+        / max(1, (hit[0] if hit else steps) // sync_every),  # fmt: skip
     }
+
+
+def outer_model(row: dict, rate_bits: float, latency: dict[str, float]) -> float:
+    """The link's time for one outer step: the probed time of each of its collectives (their
+    delays) and its bytes (each worker's, sent while it receives as much) at ``rate_bits``."""
+    return sum(latency[kind] for kind in row["exchange"]) + row["outer_bytes"] * 8 / rate_bits
+
+
+def model_lines(rows: list[dict], probes: list[dict], rate_bits: float) -> list[str]:
+    """A line per DiLoCo run without fragments: its blocked time per outer step against
+    :func:`outer_model` (with the probe of the same repeat), and whether it is within 10%."""
+    out = []
+    for row in rows:
+        latency = next((p["probe"] for p in probes if p["run"] == row["run"]), None)
+        if latency is None or row["exchange"] is None or row["fragments"] > 1:
+            continue
+        model = outer_model(row, rate_bits, latency)
+        within = abs(row["blocked_per_outer"] / model - 1) <= 0.10
+        out.append(
+            f"run {row['run'] + 1} {row['method']}: blocked {row['blocked_per_outer']:.3f} s per "
+            f"outer step; link model {model:.3f} s ({' + '.join(row['exchange'])} + "
+            f"{row['outer_bytes'] / 1e3:.1f} KB): {row['blocked_per_outer'] / model:.2f}x, "
+            f"{'within' if within else 'not within'} 10%"
+        )
+    return out
 
 
 def ddp_floor(params: int, rate_bits: float, delay_s: float, world: int = WORKERS) -> float:
@@ -632,6 +720,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_run_arguments(p, "fnwall", "10.216.0")
+    p.add_argument("--workers", type=int, default=WORKERS, help="gloo ranks, one per namespace")
     p.add_argument("--fragments", type=int, default=3, help="P of the streaming runs")
     p.add_argument("--delay-steps", type=int, help="tau of the delayed streaming run (H/P - 1)")
     p.add_argument("--ddp-steps", type=int, default=300, help="DDP's step cap")
@@ -656,6 +745,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(str(err))
     if problem := cluster.naming_error(args.prefix, args.subnet):
         p.error(problem)
+    if args.workers < 2:
+        p.error("--workers must be >= 2")
     if min(args.sync_every, args.fragments, args.runs, args.eval_every, args.density) < 1:
         p.error("--sync-every, --fragments, --runs, --eval-every and --density must be >= 1")
     if args.diloco_steps % args.sync_every:
@@ -693,6 +784,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             config = worker_config(args, method, run)
             result = cluster.run_ranks(args.prefix, config, logdir, args.timeout, __file__)
             results.append(result)
+            if method.name == "probe":
+                print(f"  probe: {result['probe']}", flush=True)
+                continue
             row = summarize(result, args.target, args.sync_every)
             print(
                 f"  {method.name}: {'reached' if row['reached'] else 'NOT reached'} "
@@ -701,7 +795,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 flush=True,
             )
 
-    loads = run_repeats(args, "diloco_wall.py", WORKERS, repeat)
+    loads = run_repeats(args, "diloco_wall.py", args.workers, repeat)
     report(results, skipped, args, loads)
 
 
@@ -717,7 +811,8 @@ def run_repeats(
     """
     print(
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} "
-        f"CPUs; {WORKERS} workers at {args.rate}, {args.delay} one way; target {args.target}",
+        f"CPUs; {getattr(args, 'workers', WORKERS)} workers at {args.rate}, {args.delay} one "
+        f"way; target {args.target}",
         flush=True,
     )
     loads = []
@@ -768,15 +863,25 @@ def unbuilt_streaming_bound(rows: list[dict], args: argparse.Namespace) -> list[
 
 
 def report(results: list[dict], skipped: dict[str, str], args, loads) -> None:
+    probes = [r for r in results if r["method"] == "probe"]
+    results = [r for r in results if r["method"] != "probe"]
     rows = [summarize(r, args.target, args.sync_every) for r in results]
     print()
     print(table(rows, skipped))
     for line in streaming_lines(rows) or unbuilt_streaming_bound(rows, args):
         print(line)
+    for p in probes:
+        print(
+            f"run {p['run'] + 1}, gloo's collectives of a few bytes on this link: "
+            + ", ".join(f"{kind} {s:.3f} s" for kind, s in p["probe"].items())
+        )
+    for line in model_lines(rows, probes, cluster.parse_rate(args.rate)):
+        print(line)
     if results:
         floor = ddp_floor(
-            results[0]["params"], cluster.parse_rate(args.rate), parse_delay(args.delay)
-        )
+            results[0]["params"], cluster.parse_rate(args.rate), parse_delay(args.delay),
+            args.workers,
+        )  # fmt: skip
         print(
             f"DDP's floor per step from the link: {floor:.3f} s ({results[0]['params']:,} params)"
         )

@@ -24,14 +24,16 @@ functions in ``torch.distributed``'s flat layout: ``quantized_reduce_scatter_int
 error buffers the caller keeps) and ``quantized_all_gather_into`` (what ``fn.fsdp`` installs in
 FSDP2). The outer compressors of ``fn.diloco``: ``cast_allreduce`` (the mean sent in fp32, bf16
 or fp16, summed in rank order) and ``topk_allreduce`` (chunk-wise top-k in 2 bits with error
-feedback, averaged by an all-gather). Their ``update(..., participation=Participation(...))``
-averages over the ranks that take part (``participation.py``): a sitter sends zeros and keeps
-its error feedback.
+feedback, averaged by an all-gather or reduced on owners: ``exchange=``). Their
+``update(..., participation=Participation(...))`` averages over the ranks that take part
+(``participation.py``): a sitter sends zeros and keeps its error feedback. ``Compressor``: a
+transform that can also exchange with its flag (whether it takes part) and size record in a
+header on its messages (``header.py``), as ``fn.diloco``'s outer step does.
 """
 
 import torch
 
-from fn.collectives.cast import CAST_DTYPES, cast_allreduce
+from fn.collectives.cast import CAST_DTYPES, cast_allreduce, cast_exchange_form
 from fn.collectives.comm import Comm, Local
 from fn.collectives.dense import dense_allreduce
 from fn.collectives.error_feedback import (
@@ -39,6 +41,7 @@ from fn.collectives.error_feedback import (
     ErrorFeedbackField,
     error_feedback_leaves,
 )
+from fn.collectives.header import HEADER_BYTES, Compressor, Exchanged
 from fn.collectives.onebit import (
     ERROR_DTYPES,
     OnebitAllreduceState,
@@ -56,7 +59,14 @@ from fn.collectives.quantized import *  # noqa: F403
 from fn.collectives.quantized import LocoAllreduceState, QuantizedError
 from fn.collectives.quantized import __all__ as _quantized_all
 from fn.collectives.simulated import Simulated, SimulatedGroup, replicate, simulate
-from fn.collectives.topk import TopkAllreduceState, topk_allreduce, topk_message_bytes
+from fn.collectives.topk import (
+    TOPK_EXCHANGES,
+    TopkAllreduceState,
+    TopkOwnerState,
+    topk_allreduce,
+    topk_exchange_form,
+    topk_message_bytes,
+)
 
 # The state classes, for torch.load's default weights_only=True (see fn/__init__.py).
 torch.serialization.add_safe_globals(
@@ -67,6 +77,7 @@ torch.serialization.add_safe_globals(
         PackedSigns,
         QuantizedError,
         TopkAllreduceState,
+        TopkOwnerState,
     ]
 )
 
@@ -83,6 +94,7 @@ __all__ = [
     "dense_allreduce",
     "CAST_DTYPES",
     "cast_allreduce",
+    "cast_exchange_form",
     "ErrorFeedback",
     "ErrorFeedbackField",
     "error_feedback_leaves",
@@ -96,8 +108,14 @@ __all__ = [
     "onebit_allreduce",
     *_quantized_all,
     "TopkAllreduceState",
+    "TopkOwnerState",
+    "TOPK_EXCHANGES",
     "topk_allreduce",
+    "topk_exchange_form",
     "topk_message_bytes",
+    "HEADER_BYTES",
+    "Compressor",
+    "Exchanged",
     "Participation",
     "participants_mean",
 ]

@@ -2,7 +2,8 @@
 
 A ``Comm`` is handed to a transform when it is built (like optax's ``axis_name``); the transform
 calls its collectives on each rank's local tensors. Results are new tensors (out of place).
-Every backend counts the bytes each rank sends with the formulas in ``fn.collectives._traffic``.
+Every backend counts the bytes each rank sends and receives with the formulas in
+``fn.collectives._traffic``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ class Comm(Protocol):
     fn's comms (``Local``, ``Simulated``, ``ProcessGroup``) also break ``bytes_sent`` down by
     level: ``bytes_sent_by_hop`` is ``{"world": ..., "intra": ..., "inter": ...}``, the bytes
     sent by collectives of the whole group, of its ``intra`` split (inside a node) and of its
-    ``inter`` split (across nodes). Other comms need not.
+    ``inter`` split (across nodes); and they count what each rank receives the same way
+    (``bytes_received``, ``bytes_received_by_hop``, ``reset_bytes_received()``: a collective
+    receives what it sends, a point-to-point receive its message). Other comms need not.
 
     Example:
         >>> from fn.collectives import Comm, Local, Simulated
@@ -77,32 +80,53 @@ class ByteCounter:
     """
 
     def __init__(self, counts_into: ByteCounter | None = None, hop: int = 0) -> None:
-        # 0-dim tensors updated in place, not Python ints: torch.compile guards an int it reads
-        # by value (a recompile for every new count, eager fall-back with dynamic=False), while
-        # an in-place add on a tensor is traced into the graph and runs at every call.
-        self._bytes_by_hop = torch.zeros(len(HOPS), dtype=torch.int64)
+        # Tensors updated in place, not Python ints: torch.compile guards an int it reads by
+        # value (a recompile for every new count, eager fall-back with dynamic=False), while an
+        # in-place add on a tensor is traced into the graph and runs at every call. Row 0: the
+        # bytes sent, row 1: the bytes received; one column per level.
+        self._bytes_by_hop = torch.zeros(2, len(HOPS), dtype=torch.int64)
         self._counter = self if counts_into is None else counts_into._counter
         self._hop = hop
 
     @property
     def bytes_sent(self) -> int:
-        return int(self._counter._bytes_by_hop.sum())
+        return int(self._counter._bytes_by_hop[0].sum())
 
     @property
     def bytes_sent_by_hop(self) -> dict[str, int]:
         """The ``bytes_sent`` by level, ``{"world": ..., "intra": ..., "inter": ...}``."""
-        return dict(zip(HOPS, self._counter._bytes_by_hop.tolist(), strict=True))
+        return dict(zip(HOPS, self._counter._bytes_by_hop[0].tolist(), strict=True))
+
+    @property
+    def bytes_received(self) -> int:
+        """The bytes this rank has received: a collective's are what it sends, a
+        point-to-point receive's its message."""
+        return int(self._counter._bytes_by_hop[1].sum())
+
+    @property
+    def bytes_received_by_hop(self) -> dict[str, int]:
+        """The ``bytes_received`` by level, ``{"world": ..., "intra": ..., "inter": ...}``."""
+        return dict(zip(HOPS, self._counter._bytes_by_hop[1].tolist(), strict=True))
 
     def reset_bytes_sent(self) -> int:
-        """Zeroes the counter (every level) and returns the count it had."""
+        """Zeroes the count of bytes sent (every level) and returns the count it had."""
         old = self.bytes_sent
-        self._counter._bytes_by_hop.zero_()
+        self._counter._bytes_by_hop[0].zero_()
+        return old
+
+    def reset_bytes_received(self) -> int:
+        """Zeroes the count of bytes received (every level) and returns the count it had."""
+        old = self.bytes_received
+        self._counter._bytes_by_hop[1].zero_()
         return old
 
     def _count(self, kind: str, x: torch.Tensor) -> None:
-        """Counts what this rank sends in a ``kind`` collective of its ``x`` over this comm."""
-        nbytes = getattr(_traffic, f"{kind}_bytes")(x.numel() * x.element_size(), self.world_size)
-        self._counter._bytes_by_hop[self._hop].add_(nbytes)
+        """Counts what this rank sends and receives in a ``kind`` collective (or ``send``,
+        ``recv``) of its ``x`` over this comm."""
+        nbytes, size = x.numel() * x.element_size(), self.world_size
+        counts = self._counter._bytes_by_hop
+        counts[0, self._hop].add_(getattr(_traffic, f"{kind}_bytes")(nbytes, size))
+        counts[1, self._hop].add_(_traffic.received_bytes(kind, nbytes, size))
 
 
 def check_split(world_size: int, local_world_size: int) -> None:

@@ -571,6 +571,7 @@ class Transfers:
     def recv(self, x: torch.Tensor, peer: int, tag: int = 0) -> None:
         """Starts receiving the next message with ``tag`` from group rank ``peer`` into the
         contiguous ``x``; :meth:`wait_from` waits for it."""
+        self._comm._count("recv", x)
         group = self._comm.group
         self._recvs.setdefault(peer, []).append(
             self._start(x, lambda: dist.irecv(x, group=group, tag=tag, group_src=peer))

@@ -1,13 +1,15 @@
-"""Chunk-wise top-k with a 2-bit code and error feedback, averaged by an all-gather: the
-compressor of SparseLoCo (Sarfi et al. 2025, arXiv:2508.15706).
+"""Chunk-wise top-k with a 2-bit code and error feedback: the compressor of SparseLoCo (Sarfi et
+al. 2025, arXiv:2508.15706), averaged by an all-gather or reduced on owners.
 
 Each leaf is cut into chunks of ``C`` values; in every chunk the ``k`` values of largest
 magnitude are kept, each as its position and 2 bits (a sign, and whether it exceeds half the
 chunk's absmax ``M``), and decode to ``+-M/4`` or ``+-3M/4``. What was not sent stays in the
 error feedback, ``e' = decay * e + x - c``. Sparse pairs cannot be summed on the way as a ring
 allreduce sums dense values, so every rank all-gathers every rank's message and adds the decoded
-vectors in rank order: every rank gets the same mean, bit for bit. docs/algorithms.md, "DiLoCo:
-local steps and a compressed outer step" gives the code, the message and its bytes.
+vectors in rank order: every rank gets the same mean, bit for bit. That costs each rank ``W - 1``
+messages; the owner-partitioned exchange (``fn.collectives.topk_owner``) about two, whatever
+``W``. docs/algorithms.md, "DiLoCo: local steps and a compressed outer step" gives the code, the
+messages and their bytes.
 """
 
 from __future__ import annotations
@@ -16,22 +18,56 @@ from typing import NamedTuple
 
 import torch
 
-from fn.base import GradientTransformation
-from fn.collectives import _sizes
+from fn.collectives._topk_code import (
+    WHAT,
+    Layout,
+    check,
+    compress,
+    exchange_checksum,
+    finished,
+    mean_of,
+    message_bytes,
+    size_checked,
+)
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
-from fn.collectives.participation import Participation, kept, participants_mean, sent
-from fn.errors import check_nonnegative, finite_or_raise
-from fn.tree import tree_flatten, tree_map, tree_unflatten
+from fn.collectives.header import (
+    HEADER_BYTES,
+    Compressor,
+    Exchanged,
+    flag_of,
+    gathered,
+    opened,
+    participation_of,
+    sealed,
+)
+from fn.collectives.topk_owner import TopkOwnerState, owner_form
+from fn.errors import finite_or_raise
+from fn.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
-__all__ = ["TopkAllreduceState", "topk_allreduce", "topk_message_bytes"]
+__all__ = [
+    "TopkAllreduceState",
+    "TopkOwnerState",
+    "TOPK_EXCHANGES",
+    "topk_allreduce",
+    "topk_exchange_form",
+    "topk_message_bytes",
+]
 
-_WHAT = "topk_allreduce"
-_MAX_CHUNK = 2**16  # a position and the magnitude's 31 bits share one int64 key
+TOPK_EXCHANGES = ("gather", "owner", "auto")
+"""How :func:`topk_allreduce` exchanges its messages: ``"gather"`` (every rank all-gathers every
+rank's message), ``"owner"`` (each rank reduces the chunks it owns and the owners' results are
+all-gathered, :class:`TopkOwnerState`), ``"auto"`` (:func:`topk_exchange_form` chooses, at
+``init``).
+
+Example:
+    >>> fn.collectives.TOPK_EXCHANGES
+    ('gather', 'owner', 'auto')
+"""
 
 
 class TopkAllreduceState(NamedTuple):
-    """The state of :func:`topk_allreduce`.
+    """The state of :func:`topk_allreduce` with ``exchange="gather"``.
 
     Attributes:
         error: per leaf, fp32 of the leaf's shape: what this rank has not sent yet (SparseLoCo's
@@ -46,21 +82,14 @@ class TopkAllreduceState(NamedTuple):
     error: ErrorFeedbackField
 
 
-class _Sparse(NamedTuple):
-    """One rank's compressed chunks: ``c`` chunks of ``k`` kept values."""
-
-    positions: torch.Tensor  # int64 [c, k], each kept value's position in its chunk
-    codes: torch.Tensor  # int64 [c, k], 2 bits: sign (MSB), level
-    scales: torch.Tensor  # fp32 [c], the chunk's absmax M
-
-
 def topk_message_bytes(chunks: int, k: int, chunk_size: int) -> int:
     """The bytes of one rank's message in :func:`topk_allreduce`: ``log2(chunk_size)`` bits per
     position and 2 bits per code, each stream packed to whole bytes, and one fp32 scale per
     chunk.
 
     Args:
-        chunks: the number of chunks, ``sum(ceil(leaf.numel() / chunk_size))`` over the leaves.
+        chunks: the number of chunks, ``sum(ceil(leaf.numel() / chunk_size))`` over the leaves
+            (an owner's share, ``ceil(chunks / W)``, in the ``"owner"`` exchange).
         k: the values kept per chunk.
         chunk_size: the values per chunk.
 
@@ -71,97 +100,49 @@ def topk_message_bytes(chunks: int, k: int, chunk_size: int) -> int:
         >>> fn.collectives.topk_message_bytes(chunks=1, k=32, chunk_size=4096)  # 48 + 8 + 4
         60
     """
-    width = chunk_size.bit_length() - 1
-    return -(-chunks * k * width // 8) + -(-chunks * k // 4) + 4 * chunks
+    return message_bytes(chunks, k, chunk_size)
 
 
-def _check(k: int, chunk_size: int, decay: float) -> None:
-    if not isinstance(chunk_size, int) or not 2 <= chunk_size <= _MAX_CHUNK:
-        raise ValueError(f"{_WHAT}: chunk_size must be an int from 2 to 2^16, got {chunk_size!r}")
-    if chunk_size & (chunk_size - 1):
-        raise ValueError(f"{_WHAT}: chunk_size must be a power of two, got {chunk_size}")
-    if not isinstance(k, int) or not 1 <= k <= chunk_size:
-        raise ValueError(f"{_WHAT}: k must be an int from 1 to chunk_size={chunk_size}, got {k!r}")
-    check_nonnegative(_WHAT, decay=decay)
-    if decay > 1.0:
-        raise ValueError(f"{_WHAT}: decay must be in [0, 1], got {decay}")
+def topk_exchange_form(chunks: int, k: int, chunk_size: int, world_size: int) -> str:
+    """The exchange ``"auto"`` chooses: ``"owner"`` where it sends fewer bytes per rank than
+    ``"gather"``, else ``"gather"``. With ``H`` = ``HEADER_BYTES`` and ``B(c)`` =
+    :func:`topk_message_bytes` of ``c`` chunks, an outer exchange sends (and receives) per rank
 
+    .. math::
+        \\text{gather: } (W - 1)\\,(H + B(c)), \\qquad
+        \\text{owner: } 2 (W - 1)\\,(H + B(\\lceil c / W \\rceil)),
 
-def _select(chunks: torch.Tensor, k: int) -> _Sparse:
-    """The ``k`` values of largest magnitude of every row of ``chunks`` (fp32 ``[c, C]``), ties
-    to the lower position, in the 2-bit code."""
-    size = chunks.shape[-1]
-    magnitude = chunks.abs()
-    # distinct keys: the magnitude's bits (ordered as the values for non-negative floats), then
-    # the position reversed, so that topk's choice among equal magnitudes is defined
-    reversed_position = size - 1 - torch.arange(size, device=chunks.device)
-    keys = (magnitude.view(torch.int32).long() << 16) | reversed_position
-    positions = keys.topk(k, dim=-1).indices
-    kept = chunks.gather(-1, positions)
-    scales = magnitude.amax(dim=-1)
-    level = kept.abs() > (scales * 0.5).unsqueeze(-1)
-    return _Sparse(positions, (kept < 0).long() * 2 + level.long(), scales)
+    so ``"owner"`` wins from ``W = 3`` on, once the messages outweigh their headers.
 
+    Args:
+        chunks: the chunks of the live leaves, ``c``.
+        k: values kept per chunk.
+        chunk_size: values per chunk.
+        world_size: ``W``.
 
-def _values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The decoded kept values, fp32 ``[c, k]``: ``+-M/4`` or ``+-3M/4``."""
-    scale = scales.unsqueeze(-1)
-    magnitude = torch.where((codes & 1) == 1, scale * 0.75, scale * 0.25)
-    return torch.where(codes >= 2, -magnitude, magnitude)
+    Returns:
+        ``"owner"`` or ``"gather"``.
 
-
-def _pack(fields: torch.Tensor, width: int) -> torch.Tensor:
-    """``width`` bits of every element of the int64 ``fields``, MSB first, packed into bytes
-    (the last byte zero-padded)."""
-    shifts = torch.arange(width - 1, -1, -1, device=fields.device)
-    bits = ((fields.reshape(-1, 1) >> shifts) & 1).reshape(-1)
-    bits = torch.nn.functional.pad(bits, (0, -bits.numel() % 8)).view(-1, 8)
-    return (bits << torch.arange(7, -1, -1, device=fields.device)).sum(-1).to(torch.uint8)
-
-
-def _unpack(packed: torch.Tensor, count: int, width: int) -> torch.Tensor:
-    """The first ``count`` fields of ``width`` bits that :func:`_pack` packed, int64."""
-    bits = (packed.long().unsqueeze(-1) >> torch.arange(7, -1, -1, device=packed.device)) & 1
-    bits = bits.reshape(-1)[: count * width].view(count, width)
-    return (bits << torch.arange(width - 1, -1, -1, device=packed.device)).sum(-1)
-
-
-class _Layout(NamedTuple):
-    """Where the parts of one message lie: ``c`` chunks of ``k`` values, positions of ``width``
-    bits."""
-
-    chunks: int
-    k: int
-    width: int
-
-    @property
-    def position_bytes(self) -> int:
-        return -(-self.chunks * self.k * self.width // 8)
-
-    @property
-    def code_bytes(self) -> int:
-        return -(-self.chunks * self.k // 4)
-
-    def encode(self, sparse: _Sparse) -> torch.Tensor:
-        scales = sparse.scales.contiguous().view(torch.uint8)
-        positions = _pack(sparse.positions, self.width)
-        return torch.cat([positions, _pack(sparse.codes, 2), scales])
-
-    def scales(self, message: torch.Tensor) -> torch.Tensor:
-        start = self.position_bytes + self.code_bytes
-        scales = message[..., start:].clone(memory_format=torch.contiguous_format)
-        return scales.view(torch.float32)  # a copy: 4-byte aligned
-
-    def decode(self, message: torch.Tensor) -> _Sparse:
-        count, shape = self.chunks * self.k, (self.chunks, self.k)
-        positions = _unpack(message[: self.position_bytes], count, self.width).view(shape)
-        codes = message[self.position_bytes : self.position_bytes + self.code_bytes]
-        return _Sparse(positions, _unpack(codes, count, 2).view(shape), self.scales(message))
+    Example:
+        >>> from fn.collectives import topk_exchange_form
+        >>> [topk_exchange_form(256, 32, 4096, w) for w in (2, 3, 64)]
+        ['gather', 'owner', 'owner']
+        >>> topk_exchange_form(3, 3, 16, 3)  # 3 chunks: the headers weigh more
+        'gather'
+    """
+    gather = HEADER_BYTES + message_bytes(chunks, k, chunk_size)
+    owner = 2 * (HEADER_BYTES + message_bytes(-(-chunks // world_size), k, chunk_size))
+    return "owner" if owner < gather else "gather"
 
 
 def topk_allreduce(
-    k: int = 64, chunk_size: int = 4096, *, comm: Comm, decay: float = 1.0
-) -> GradientTransformation:
+    k: int = 64,
+    chunk_size: int = 4096,
+    *,
+    comm: Comm,
+    decay: float = 1.0,
+    exchange: str = "gather",
+) -> Compressor:
     """The mean over the ranks of every rank's chunk-wise top-``k`` in a 2-bit code, with error
     feedback: SparseLoCo's compressor.
 
@@ -185,15 +166,26 @@ def topk_allreduce(
     sits out sends an all-zero message (scales 0; its input is not read) and keeps its error
     as it was (``e' = e``, not decayed); the sum is divided by ``n``.
 
+    ``exchange="owner"`` partitions the chunks over the ranks instead: each rank sends each
+    owner that owner's chunks of its message (an all_to_all), the owner adds them in rank
+    order, divides by ``W``, compresses the mean again with ``T`` and an error feedback of its
+    own (the server error, :class:`TopkOwnerState`), and the owners' messages are all-gathered:
+    each rank moves about two messages' bytes whatever ``W``, at the cost of a second
+    compression (fn/collectives/topk_owner.py). ``exchange="auto"`` picks one of the two at
+    ``init``, by their bytes (:func:`topk_exchange_form`). The :class:`Compressor`'s
+    ``exchange`` is the same estimate with this rank's flag and the size record in a header on
+    its messages (fn/collectives/header.py), no collective of their own.
+
     Args:
         k: values kept per chunk, from 1 to ``chunk_size``.
         chunk_size: values per chunk, a power of two from 2 to 2^16.
         comm: the communicator.
         decay: the error's factor before the new input is added, in [0, 1].
+        exchange: one of :data:`TOPK_EXCHANGES`.
 
     Returns:
-        A GradientTransformation with state :class:`TopkAllreduceState`; the results are fp32
-        values cast to each leaf's dtype.
+        A :class:`Compressor` with state :class:`TopkAllreduceState` (or
+        :class:`TopkOwnerState`); the results are fp32 values cast to each leaf's dtype.
 
     Raises:
         ValueError: for settings out of range; from ``update``, on every rank and with the
@@ -214,7 +206,37 @@ def topk_allreduce(
         tensor([[ 1.0000, -1.0000,  0.5000,  0.0000],
                 [ 0.0000,  1.0000, -1.0000,  2.0000]])
     """
-    _check(k, chunk_size, decay)
+    check(k, chunk_size, decay)
+    if exchange not in TOPK_EXCHANGES:
+        raise ValueError(
+            f"{WHAT}: exchange must be one of {', '.join(TOPK_EXCHANGES)}, got {exchange!r}"
+        )
+    gather = _gather_form(k, chunk_size, comm, decay)
+    if exchange == "gather":
+        return gather
+    owner = owner_form(k, chunk_size, comm, decay)
+    if exchange == "owner":
+        return owner
+
+    def init_fn(params):
+        chunks = sum(-(-x.numel() // chunk_size) for x in tree_leaves(params) if x is not None)
+        form = topk_exchange_form(chunks, k, chunk_size, comm.world_size)
+        return (owner if form == "owner" else gather).init(params)
+
+    def form_of(state):
+        return owner if isinstance(state, TopkOwnerState) else gather
+
+    def update_fn(updates, state, *args, **extra):
+        return form_of(state).update(updates, state, *args, **extra)
+
+    def exchange_fn(updates, state, *args, **extra):
+        return form_of(state).exchange(updates, state, *args, **extra)
+
+    return Compressor(init_fn, update_fn, exchange_fn)
+
+
+def _gather_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compressor:
+    """``topk_allreduce``'s all-gather exchange."""
     width = chunk_size.bit_length() - 1
 
     def init_fn(params):
@@ -222,77 +244,47 @@ def topk_allreduce(
             tree_map(lambda p: torch.zeros(p.shape, dtype=torch.float32, device=p.device), params)
         )
 
+    def parts(updates, state):
+        leaves, spec = tree_flatten(updates)
+        live = [i for i, u in enumerate(leaves) if u is not None and u.numel() > 0]
+        return leaves, spec, spec.flatten_up_to(state.error), live
+
     def update_fn(updates, state, params=None, *, participation=None, **extra):
         del params, extra
-        leaves, spec = tree_flatten(updates)
-        errors = spec.flatten_up_to(state.error)
-        live = [i for i, u in enumerate(leaves) if u is not None and u.numel() > 0]
+        leaves, spec, errors, live = parts(updates, state)
         if not live:
             return updates, state
-        if any(errors[i] is None for i in live):
-            raise ValueError(f"{_WHAT}: an update leaf has no error state")
-        v = {i: errors[i] * decay + sent(leaves[i], participation).float() for i in live}
-        per_leaf = [_select(_chunked(v[i], chunk_size), k) for i in live]
-        mine = _Sparse(*(torch.cat(parts) for parts in zip(*per_leaf, strict=True)))
-        mine = _silenced(mine, participation)
-        layout = _Layout(mine.scales.numel(), k, width)
-        received = _exchange(comm, layout.encode(mine), leaves, live, k, chunk_size)
+        takes_part = None if participation is None else participation.takes_part
+        worked = compress(leaves, errors, live, k, chunk_size, decay, takes_part)
+        layout = Layout(worked.mine.scales.numel(), k, width)
+        message = layout.encode(worked.mine).view(-1)
+        received = comm.all_gather(size_checked(comm, message, leaves, live, k, chunk_size))
         finite_or_raise(
             layout.scales(received),
-            f"{_WHAT}: non-finite values in some rank's input (or its error feedback); the "
+            f"{WHAT}: non-finite values in some rank's input (or its error feedback); the "
             "state is unchanged",
         )
-        own_chunks = _dense(mine, layout, chunk_size)
-        total = torch.zeros_like(own_chunks)
-        for rank in range(comm.world_size):
-            total = total + _dense(layout.decode(received[rank]), layout, chunk_size)
-        mean = participants_mean(total, comm.world_size, participation)
-        out, new_errors, chunk = list(leaves), list(errors), 0
-        for i in live:
-            numel, shape = leaves[i].numel(), leaves[i].shape
-            rows = -(-numel // chunk_size)
-            own = own_chunks[chunk : chunk + rows].reshape(-1)[:numel].view(shape)
-            new_errors[i] = kept(v[i] - own, errors[i], participation)
-            out[i] = mean[chunk : chunk + rows].reshape(-1)[:numel].view(shape).to(leaves[i].dtype)
-            chunk += rows
+        mean = mean_of(received, layout, chunk_size, comm.world_size, participation)
+        taking = torch.ones((), dtype=torch.bool) if takes_part is None else takes_part
+        out, new_errors = finished(worked, taking, mean, leaves, errors, live, chunk_size)
         return tree_unflatten(out, spec), TopkAllreduceState(tree_unflatten(new_errors, spec))
 
-    return GradientTransformation(init_fn, update_fn)
+    def exchange_fn(updates, state, flag=None, params=None, *, extra=()):
+        del params
+        leaves, spec, errors, live = parts(updates, state)
+        offered = flag_of(flag)
+        worked = compress(leaves, errors, live, k, chunk_size, decay, offered)
+        flag = offered & torch.isfinite(worked.mine.scales).all()
+        layout = Layout(worked.mine.scales.numel(), k, width)
+        n = sum(leaves[i].numel() for i in live)
+        checksum = exchange_checksum(leaves, live, k, chunk_size, 0)
+        message = torch.where(flag, layout.encode(worked.mine), 0)
+        message = sealed(message, flag, n, checksum, extra=extra).view(-1)
+        got = opened(gathered(comm, message), n, WHAT, checksum, len(extra))
+        part = participation_of(flag, got)
+        mean = mean_of(got.payload, layout, chunk_size, comm.world_size, part)
+        out, new_errors = finished(worked, flag, mean, leaves, errors, live, chunk_size)
+        new_state = TopkAllreduceState(tree_unflatten(new_errors, spec))
+        return Exchanged(tree_unflatten(out, spec), new_state, got.flags, got.extra)
 
-
-def _silenced(mine: _Sparse, participation: Participation | None) -> _Sparse:
-    """This rank's message, or where it sits out, an all-zero one (scales 0: it decodes to
-    zeros)."""
-    if participation is None:
-        return mine
-    return _Sparse(*(torch.where(participation.takes_part, x, 0) for x in mine))
-
-
-def _chunked(v: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    flat = v.reshape(-1)
-    return torch.nn.functional.pad(flat, (0, -flat.numel() % chunk_size)).view(-1, chunk_size)
-
-
-def _dense(sparse: _Sparse, layout: _Layout, chunk_size: int) -> torch.Tensor:
-    """The decoded chunks, fp32 ``[c, C]``, zero where nothing was kept."""
-    values = _values(sparse.codes, sparse.scales)
-    zeros = values.new_zeros(layout.chunks, chunk_size)
-    return zeros.scatter(-1, sparse.positions, values)
-
-
-def _exchange(
-    comm: Comm,
-    message: torch.Tensor,
-    leaves: list,
-    live: list[int],
-    k: int,
-    chunk_size: int,
-) -> torch.Tensor:
-    """Every rank's message, ``[W, bytes]``, once every rank's size record (the live leaves'
-    sizes, ``k`` and ``chunk_size``) matched this rank's."""
-    n = sum(leaves[i].numel() for i in live)
-    layout = [(i, leaves[i].numel()) for i in live] + [(-1, k), (-2, chunk_size)]
-    checksum = _sizes.layout_checksum(layout)
-    record = _sizes.with_count(message.new_empty(0, dtype=torch.float32), n, checksum)
-    message = _sizes.released(message, comm.all_gather(record), n, _WHAT, checksum)
-    return comm.all_gather(message)
+    return Compressor(init_fn, update_fn, exchange_fn)

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from fn.base import EmptyState
-from fn.collectives import Comm, Participation, cast_allreduce
+from fn.collectives import Comm, cast_allreduce
 
-__all__ = ["BUFFER_POLICIES", "Buffers", "CapturedBuffers"]
+__all__ = ["BUFFER_POLICIES", "HEADER_INTS", "Buffers", "CapturedBuffers"]
 
 BUFFER_POLICIES = ("mean", "local")
 """What ``DiLoCo(buffers=...)`` does with the model's buffers at an outer step: ``"mean"`` (the
@@ -33,11 +33,12 @@ class Buffers:
     """The buffers of ``model`` under ``policy`` (one of :data:`BUFFER_POLICIES`).
 
     With ``"mean"``, each outer step's exchange averages the floating buffers over the workers
-    that take part, in fp32 (one ``fn.collectives.cast_allreduce`` of all of them over the
-    workers, then one over each dimension of a sharded worker's mesh: every rank of every
+    that take part, in fp32 (one ``fn.collectives.cast_allreduce`` exchange of all of them over
+    the workers, then one over each dimension of a sharded worker's mesh: every rank of every
     worker ends with the same values; identical buffers may move by a rounding), and takes the
     other buffers (integer, bool) from the first worker that takes part (then from the first
-    rank of each mesh dimension); every worker, a sitter too, continues with them. The values
+    rank of each mesh dimension), in the same exchange's header; every worker, a sitter too,
+    continues with them. The values
     are the ones taken with the pseudo-gradient (with a delay, what the ``tau`` steps changed
     in them is dropped, as in the parameters with ``mix=0``); where no worker takes part they
     stay as they are. A worker whose floating buffers hold NaN or Inf (a bad batch in a forward
@@ -100,31 +101,35 @@ class Buffers:
         worker: int,
     ) -> list[torch.Tensor] | None:
         """The buffers every worker continues with (a collective over ``comm`` and ``within``,
-        on the exchange's thread), or ``None`` where no worker took part."""
+        on the exchange's thread), or ``None`` where no worker took part.
+
+        One ``fn.collectives.cast_allreduce`` exchange over ``comm`` (one collective, or two
+        from 3 workers on), then one over each group of ``within``: the floating buffers as its
+        values, this worker's participation as its flag, and the other buffers' int64 values
+        in its header (two 32-bit halves each; more than ``HEADER_INTS`` of them go in an
+        all-gather of their own). A worker whose floating buffers are not finite is left out of
+        their mean; where every participant's are, they stay as they are."""
         taking = [bool(x) for x in participants.tolist()]
         if not any(taking):
             return None
-        floats = [i for i, b in enumerate(captured.values) if b.is_floating_point()]
-        others = [i for i, b in enumerate(captured.values) if not b.is_floating_point()]
-        out = list(captured.values)
-        if floats:
-            device = captured.values[floats[0]].device
-            count = torch.tensor(sum(taking), device=device)
-            part = Participation(torch.tensor(taking[worker], device=device), count)
-            means = [captured.values[i].float() for i in floats]
-            means = cast_allreduce(comm=comm).update(means, EmptyState(), participation=part)[0]
-            for group in within:
-                means = cast_allreduce(comm=group).update(means, EmptyState())[0]
-            for i, mean in zip(floats, means, strict=True):
-                out[i] = mean.to(captured.values[i].dtype)
-        if others:
-            flat = torch.cat([captured.values[i].reshape(-1).to(torch.int64) for i in others])
-            chosen = comm.all_gather(flat)[taking.index(True)]
-            for group in within:
-                chosen = group.all_gather(chosen)[0]
-            pieces = chosen.split([captured.values[i].numel() for i in others])
-            for i, piece in zip(others, pieces, strict=True):
-                out[i] = piece.view(captured.values[i].shape).to(captured.values[i].dtype)
+        values = captured.values
+        floats = [i for i, b in enumerate(values) if b.is_floating_point()]
+        others = [i for i, b in enumerate(values) if not b.is_floating_point()]
+        device = values[0].device
+        ints = torch.cat(
+            [values[i].reshape(-1).to(torch.int64) for i in others]
+            or [torch.zeros(0, dtype=torch.int64, device=device)]
+        )
+        means = [values[i].float() for i in floats] or [torch.zeros(1, device=device)]
+        flag = torch.tensor(taking[worker], device=device)
+        means, ints = _exchanged(comm, means, ints, flag, taking.index(True))
+        for group in within:
+            means, ints = _exchanged(group, means, ints, torch.tensor(True, device=device), 0)
+        out = list(values)
+        for i, mean in zip(floats, means, strict=False):  # none: the placeholder dropped
+            out[i] = mean.to(values[i].dtype)
+        for i, piece in zip(others, ints.split([values[i].numel() for i in others]), strict=True):
+            out[i] = piece.view(values[i].shape).to(values[i].dtype)
         return out
 
     @staticmethod
@@ -135,3 +140,28 @@ class Buffers:
             return
         for target, value in zip(captured.targets, values, strict=True):
             target.copy_(value)
+
+
+HEADER_INTS = 64
+"""The most integer buffer values that ride in the header of the buffers' exchange; more go
+in an all-gather of their own (the buffers' layout, which every worker shares, decides)."""
+
+
+def _exchanged(
+    comm: Comm, means: list[torch.Tensor], ints: torch.Tensor, flag: torch.Tensor, source: int
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``means`` averaged over the ranks of ``comm`` whose ``flag`` is set (kept where none
+    with finite values is), and rank ``source``'s ``ints``."""
+    riding = ints.numel() <= HEADER_INTS
+    halves = ints.view(torch.int32).to(torch.int64) & 0xFFFFFFFF if riding else ints[:0]
+    tx = cast_allreduce(comm=comm)
+    exchanged = tx.exchange(means, EmptyState(), flag, extra=halves.tolist())
+    if bool(exchanged.participants.any()):
+        means = exchanged.updates
+    if riding:
+        halves = exchanged.extra[source]
+        chosen = torch.where(halves >= 2**31, halves - 2**32, halves).to(torch.int32)
+        chosen = chosen.view(torch.int64)
+    else:
+        chosen = comm.all_gather(ints)[source]
+    return means, chosen.to(ints.device)

@@ -30,7 +30,7 @@ _FACTORIES: dict[str, tuple[Any, tuple[str, ...]]] = {
         ("group_size", "err_beta", "reset_T", "error_dtype"),
     ),
     "onebit": (onebit_allreduce, ()),
-    "topk": (topk_allreduce, ("k", "chunk_size")),
+    "topk": (functools.partial(topk_allreduce, exchange="auto"), ("k", "chunk_size", "exchange")),
 }
 
 COMPRESSIONS = tuple(_FACTORIES)
@@ -55,7 +55,9 @@ def compression(kind: str, *, comm: Comm, **options: Any) -> GradientTransformat
       ``group_size``, ``err_beta``, ``reset_T``, ``error_dtype``.
     - ``"onebit"``: ``fn.collectives.onebit_allreduce``, the error-compensated 1-bit allreduce.
     - ``"topk"``: ``fn.collectives.topk_allreduce``, chunk-wise top-``k`` in 2 bits with error
-      feedback (SparseLoCo's compressor); options ``k``, ``chunk_size``.
+      feedback (SparseLoCo's compressor); options ``k``, ``chunk_size`` and ``exchange``
+      (``"gather"``, ``"owner"``, or ``"auto"``, the default: the one with fewer bytes,
+      ``fn.collectives.topk_exchange_form``).
 
     docs/algorithms.md, "DiLoCo: local steps and a compressed outer step" gives each one's
     bytes and error-feedback memory.

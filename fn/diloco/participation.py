@@ -3,8 +3,10 @@ fixed-size record per worker, its flag and the header of the exchange (where eac
 its schedule), so that every rank learns the same participants and a worker that reached
 another exchange is the same error on every rank.
 
-The interface is stable (``fn.diloco``'s elastic and sparse exchanges build on it): the flag
-may later travel in a fixed-size header of the exchange's own message.
+The interface is stable (``fn.diloco``'s elastic and sparse exchanges build on it). Where the
+outer rule is a ``fn.collectives.Compressor`` the flag and the header travel in the header of
+the compressor's own message instead (fn/diloco/step.py), with :func:`check_headers`'s check;
+this all-gather serves the other rules (the 1-bit compressor's).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from fn.collectives import Comm
 from fn.tree import eager
 
-__all__ = ["agree_on_participation"]
+__all__ = ["agree_on_participation", "check_headers"]
 
 
 def agree_on_participation(
@@ -69,11 +71,21 @@ def agree_on_participation(
     )
     rows = comm.all_gather(record)  # [W, 1 + len(header)]
     if header and eager(rows):
-        _check_headers(list(header), rows[:, 1:].tolist())
+        check_headers(list(header), rows[:, 1:].tolist())
     return rows[:, 0] == 1, mine
 
 
-def _check_headers(names: list[str], rows: list[list[int]]) -> None:
+def check_headers(names: list[str], rows: list[list[int]]) -> None:
+    """Raises, the same on every rank that read the same ``rows`` (one per worker, the values
+    of ``names`` in order), unless every worker's are the same.
+
+    Raises:
+        ValueError: naming every worker's values.
+
+    Example:
+        >>> from fn.diloco.participation import check_headers
+        >>> check_headers(["inner step"], [[30], [30]])
+    """
     if all(row == rows[0] for row in rows):
         return
     workers = "; ".join(

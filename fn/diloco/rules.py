@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from fn.base import GradientTransformation
-from fn.collectives import Comm
+from fn.collectives import Comm, Compressor
 from fn.diloco.compressors import compression as build_compression
 from fn.diloco.nesterov_rule import nesterov
 from fn.diloco.sparseloco_rule import sparseloco
@@ -51,7 +51,7 @@ def outer_rule(
     compression: str | None,
     compression_options: Mapping[str, Any],
     comm: Comm,
-) -> GradientTransformation:
+) -> GradientTransformation | Compressor:
     """The outer rule ``outer`` with its compressor, as :class:`fn.diloco.DiLoCo` builds it.
 
     Args:
@@ -63,7 +63,9 @@ def outer_rule(
         comm: the workers.
 
     Returns:
-        The rule.
+        The rule: a ``fn.collectives.Compressor`` (its ``exchange`` carries the outer step's
+        flag in its messages' headers) where its compressor is one, else a
+        ``GradientTransformation``.
 
     Raises:
         ValueError: an unknown rule or compressor, or options they refuse.
@@ -72,7 +74,7 @@ def outer_rule(
         >>> from fn.diloco.rules import outer_rule
         >>> rule = outer_rule("nesterov", {"lr": 1.0}, "bf16", {}, fn.collectives.Local())
         >>> type(rule).__name__
-        'GradientTransformation'
+        'Compressor'
     """
     if outer not in _RULES:
         raise ValueError(f"DiLoCo: outer must be one of {', '.join(OUTER_RULES)}, got {outer!r}")

@@ -3,8 +3,9 @@ chunk-wise top-k in 2 bits."""
 
 from __future__ import annotations
 
-from fn.base import GradientTransformation, chain
+from fn.base import GradientTransformation
 from fn.collectives import Comm, topk_allreduce
+from fn.collectives.header import compressor_chain
 from fn.errors import check_lr
 from fn.transforms import scale_by_learning_rate
 
@@ -12,7 +13,13 @@ __all__ = ["sparseloco"]
 
 
 def sparseloco(
-    lr: float = 1.0, beta: float = 0.95, k: int = 64, chunk_size: int = 4096, *, comm: Comm
+    lr: float = 1.0,
+    beta: float = 0.95,
+    k: int = 64,
+    chunk_size: int = 4096,
+    *,
+    comm: Comm,
+    exchange: str = "auto",
 ) -> GradientTransformation:
     """SparseLoCo's outer rule (Sarfi et al. 2025, arXiv:2508.15706): no outer momentum; each
     rank's accumulator takes the pseudo-gradient, sends its chunk-wise top-``k`` and keeps the
@@ -22,9 +29,13 @@ def sparseloco(
         v_r = \\beta e_r + \\delta_r, \\qquad c_r = T(v_r), \\qquad e_r' = v_r - c_r, \\qquad
         u = -\\eta \\frac{1}{W} \\sum_r c_r
 
-    ``chain(fn.collectives.topk_allreduce(k, chunk_size, comm=comm, decay=beta),
-    fn.scale_by_learning_rate(lr))``: the accumulator ``e_r`` is the compressor's error
-    feedback, ``state[0].error`` (per rank, fp32, like the params).
+    ``chain(fn.collectives.topk_allreduce(k, chunk_size, comm=comm, decay=beta,
+    exchange=exchange), fn.scale_by_learning_rate(lr))``: the accumulator ``e_r`` is the
+    compressor's error feedback, ``state[0].error`` (per rank, fp32, like the params). With the
+    owner-partitioned exchange (``exchange="owner"``, or ``"auto"`` where it sends fewer bytes:
+    ``fn.collectives.topk_exchange_form``), each owner compresses the mean of its chunks again
+    with an error feedback of its own, ``state[0].server_error``, and ``u`` is ``-eta`` times
+    that second compression.
 
     Args:
         lr: the outer learning rate ``eta`` (1: the step is the mean of the compressed
@@ -33,10 +44,11 @@ def sparseloco(
         k: values kept per chunk.
         chunk_size: values per chunk, a power of two from 2 to 2^16.
         comm: the group of workers.
+        exchange: how the messages are averaged, one of ``fn.collectives.TOPK_EXCHANGES``.
 
     Returns:
         A GradientTransformation from this rank's pseudo-gradient to the anchor's update; its
-        state is ``(TopkAllreduceState, ScaleByLearningRateState)``.
+        state is ``(TopkAllreduceState or TopkOwnerState, ScaleByLearningRateState)``.
 
     Raises:
         ValueError: for settings out of range.
@@ -54,4 +66,5 @@ def sparseloco(
         (tensor([-3.3750, -0.0000]), tensor([1.1250, 1.5000]))
     """
     check_lr("sparseloco", lr)
-    return chain(topk_allreduce(k, chunk_size, comm=comm, decay=beta), scale_by_learning_rate(lr))
+    compressor = topk_allreduce(k, chunk_size, comm=comm, decay=beta, exchange=exchange)
+    return compressor_chain(compressor, scale_by_learning_rate(lr))

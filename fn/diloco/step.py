@@ -12,10 +12,10 @@ from typing import NamedTuple
 import torch
 
 from fn.base import GradientTransformation, OptState, Params, apply_updates
-from fn.collectives import Comm, Participation
+from fn.collectives import Comm, Compressor, Participation
 from fn.collectives.participation import sent
-from fn.diloco.participation import agree_on_participation
-from fn.tree import tree_leaves, tree_map
+from fn.diloco.participation import agree_on_participation, check_headers
+from fn.tree import eager, tree_leaves, tree_map
 
 __all__ = ["OuterStep", "pseudo_gradient", "outer_step", "outer_update"]
 
@@ -84,10 +84,14 @@ def outer_step(
 
     1. ``delta = anchor - params`` in fp32 (:func:`pseudo_gradient`).
     2. Participation: this rank takes part where ``takes_part`` and every value of ``delta``
-       is finite; a worker takes part where all its ranks do (summed over ``within``); the
-       workers agree on the mask ``m`` in one all-gather over ``comm``
-       (``agree_on_participation`` of fn/diloco/participation.py; with ``header``, the same
-       all-gather checks that every worker is at the same exchange). ``n = sum(m)``.
+       is finite; a worker takes part where all its ranks do (summed over ``within``). Where
+       ``outer`` is a ``fn.collectives.Compressor`` (every compressor of
+       ``fn.diloco.compression`` but ``"onebit"``), the worker's flag and ``header``'s values
+       ride in the header of the compressor's first message, and every rank reads the mask
+       ``m`` there (fn/collectives/header.py: no collective of its own); else the workers agree
+       on it first, in one all-gather over ``comm`` (``agree_on_participation`` of
+       fn/diloco/participation.py). Either way, with ``header``, every rank checks that every
+       worker is at the same exchange. ``n = sum(m)``.
     3. ``updates, state = outer.update(delta', state, anchor, participation=...)``: the outer
        rule, whose compressor averages over the ``n`` participants (``delta' = delta`` where
        this worker takes part, zeros where it sits out: a sitter's message is zero, its error
@@ -207,16 +211,49 @@ def outer_update(
     finite = torch.stack([torch.isfinite(d).all() for d in leaves]).all() if leaves else None
     offered = torch.as_tensor(takes_part, dtype=torch.bool, device=device)
     offered = offered if finite is None else offered & finite
-    participants, mine = agree_on_participation(comm, offered, within=within, header=header)
-    count = participants.sum()
-    applied = count > 0
-    participation = Participation(mine, count)
-    safe = sent(delta, participation)
-    updates, new_state = outer.update(safe, state, anchor, participation=participation)
+    if isinstance(outer, Compressor):  # the agreement rides in the messages' headers
+        updates, new_state, participants = _exchanged(
+            outer, anchor, delta, state, offered, within, header
+        )
+    else:  # a rule without headers: the agreement is a collective of its own, first
+        participants, mine = agree_on_participation(comm, offered, within=within, header=header)
+        participation = Participation(mine, participants.sum())
+        safe = sent(delta, participation)
+        updates, new_state = outer.update(safe, state, anchor, participation=participation)
+    applied = participants.sum() > 0
     new_anchor = apply_updates(anchor, updates)
     return OuterStep(
         _kept(applied, new_anchor, anchor), _kept(applied, new_state, state), applied, participants
     )
+
+
+def _exchanged(
+    outer: Compressor,
+    anchor: Params,
+    delta: Params,
+    state: OptState,
+    offered: torch.Tensor,
+    within: Sequence[Comm],
+    header: Mapping[str, int] | None,
+) -> tuple[Params, OptState, torch.Tensor]:
+    """The rule's exchange with this worker's flag and ``header``'s values in its messages'
+    headers (summed over a sharded worker's ranks first, so that every shard position sends the
+    same flag); returns the updates, the new state and the participants, the same at every
+    shard position (an owner's non-finite result, seen at one position, counts at all)."""
+    sitting = (~offered).to(torch.float32).reshape(1)
+    for group in within:
+        sitting = group.all_reduce(sitting, op="sum")
+    mine = sitting[0] == 0
+    values = list((header or {}).values())
+    safe = tree_map(lambda d: torch.where(mine, d, 0.0), delta)
+    updates, new_state, participants, extra = outer.exchange(
+        safe, state, mine, anchor, extra=values
+    )
+    if values and eager(extra):
+        check_headers(list(header), extra.tolist())
+    for group in within:
+        participants = group.all_reduce((~participants).to(torch.float32), op="sum") == 0
+    return updates, new_state, participants
 
 
 def _kept(applied: torch.Tensor, new: object, old: object) -> object:

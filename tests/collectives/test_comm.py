@@ -89,6 +89,8 @@ def test_simulated_collectives_match_reference_and_count_bytes(w):
     check_against_reference(out, reference(inputs))
     assert comm.bytes_sent == expected_bytes(w, w)
     assert comm.reset_bytes_sent() == expected_bytes(w, w) and comm.bytes_sent == 0
+    assert comm.bytes_received == expected_bytes(w, w)  # a collective receives what it sends
+    assert comm.reset_bytes_received() == expected_bytes(w, w) and comm.bytes_received == 0
 
 
 @pytest.mark.parametrize(("w", "local"), [(4, 2), (8, 2), (8, 4), (6, 3)])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fn.base import EmptyState
 from fn.collectives import (
     ProcessGroup,
     Simulated,
@@ -62,12 +63,15 @@ def _worker(rank, world_size):
             comm, inputs["vec"][rank], inputs["chunked"][rank], inputs["bytes"][rank]
         )
         out["collectives", w] = res, comm.reset_bytes_sent()
+        out["received", w] = comm.reset_bytes_received()
     for hop in (0, 1):
         sub = world.split(2)[hop]
         inputs = test_comm.per_rank_inputs(WORLD, seed=hop)
         c, b = inputs["chunked"][rank][: sub.world_size], inputs["bytes"][rank][: sub.world_size]
         res = test_comm.collectives(sub, inputs["vec"][rank], c, b)
         out["split", hop] = res, world.reset_bytes_sent()
+        out["received by hop", hop] = world.bytes_received_by_hop
+        world.reset_bytes_received()
     for w, comm in comms.items():
         for n in test_onebit.SIZES:
             x = test_onebit.make_inputs(w, n, test_onebit.STEPS)
@@ -92,6 +96,12 @@ def _worker(rank, world_size):
                 (torch.stack(ys), state),
                 comms[w].reset_bytes_sent(),
             )
+    # point to point (the donated quantized allreduce on one hop): each rank receives from
+    # every peer what it sends to it
+    world.reset_bytes_received()
+    tx = quantized_allreduce(4, test_quantized.GROUP, comm=world)
+    tx.update({"x": torch.randn(1000)}, EmptyState(), donate=True)
+    out["point to point"] = world.reset_bytes_sent(), world.reset_bytes_received()
     # Non-finite values on rank 1 only: every rank must raise (nobody may wait forever).
     bad = torch.randn(300)
     if rank == 1:
@@ -152,6 +162,26 @@ def test_plain_collectives_and_bytes(results):
             for key, want in expected.items():
                 torch.testing.assert_close(got[key], torch.as_tensor(want[r]), msg=key)
             assert nbytes == test_comm.expected_bytes(w, w)
+
+
+@pytest.mark.timeout(180)
+def test_every_rank_counts_what_it_receives(results):
+    """A collective receives what it sends (the count of Simulated, by level); point to point,
+    each message once, at its receiver."""
+    for w in (4, 3, 2):
+        for r in range(w):
+            assert results[r]["received", w] == test_comm.expected_bytes(w, w)
+    for hop in (0, 1):
+        level = ("intra", "inter")[hop]
+        expected = {"world": 0, "intra": 0, "inter": 0, level: test_comm.expected_bytes(WORLD, 2)}
+        assert all(results[r]["received by hop", hop] == expected for r in range(WORLD))
+    comm = Simulated(WORLD)
+    tx = quantized_allreduce(4, test_quantized.GROUP, comm=comm)
+    x = {"x": torch.randn(WORLD, 1000)}
+    simulate(tx.update, comm)(x, tx.init(x))
+    for r in range(WORLD):
+        sent, received = results[r]["point to point"]
+        assert sent == received == comm.bytes_received == comm.bytes_sent, (r, sent, received)
 
 
 @pytest.mark.timeout(180)

@@ -177,6 +177,74 @@ def onebit_allreduce(
     return result, list(zip(new_worker, new_server, strict=True))
 
 
+def _rows(leaves: list[torch.Tensor], chunk_size: int, chunks: int) -> torch.Tensor:
+    """The leaves flattened, each zero-padded to whole chunks, one after the other, with zero
+    chunks appended up to ``chunks``: ``[chunks, C]``."""
+    flat = []
+    for x in leaves:
+        x = x.reshape(-1)
+        flat.append(torch.cat([x, x.new_zeros(-x.numel() % chunk_size)]))
+    flat = torch.cat(flat)
+    return torch.cat([flat, flat.new_zeros(chunks * chunk_size - flat.numel())]).view(
+        -1, chunk_size
+    )
+
+
+def topk_owner_allreduce(
+    xs: list[list[torch.Tensor]],
+    errors: list[list[torch.Tensor]],
+    server_errors: list[torch.Tensor],
+    k: int,
+    chunk_size: int,
+    decay: float,
+    takes_part: Sequence[bool] | None = None,
+) -> tuple[list[torch.Tensor], list[list[torch.Tensor]], list[torch.Tensor]]:
+    """One call of the owner-partitioned top-k allreduce on every worker: ``xs[r]`` and
+    ``errors[r]`` are worker ``r``'s leaves and errors, ``server_errors[j]`` owner ``j``'s
+    (``[m C]``). Returns the result's leaves (the same for all), every worker's new errors (a
+    sitter's as they were) and every owner's new server error.
+
+    Each worker that takes part sends ``T(v_r)``; their mean (in worker order, over the
+    participants) is cut into the chunks of the leaves (each leaf padded to whole chunks, then
+    empty chunks up to ``W m``); owner ``j`` (a sitter too) takes chunks ``j m .. (j + 1) m -
+    1``, adds its server error, sends ``T`` of that and keeps the rest (zero where a position is
+    a leaf's padding or an appended chunk)."""
+    world_size = len(xs)
+    taking = _taking(takes_part, world_size)
+    vs = [
+        [e * decay + x.float() for x, e in zip(xr, er, strict=True)]
+        for xr, er in zip(xs, errors, strict=True)
+    ]
+    cs = [[topk_code(v, k, chunk_size) for v in vr] for vr in vs]
+    means = []
+    for leaf in range(len(xs[0])):
+        total = torch.zeros(xs[0][leaf].shape, dtype=torch.float32)
+        for r in range(world_size):
+            if taking[r]:
+                total = total + cs[r][leaf]
+        means.append(total / sum(taking))
+    share = server_errors[0].numel() // chunk_size
+    rows = _rows(means, chunk_size, world_size * share)
+    valid = _rows([torch.ones(x.shape) for x in xs[0]], chunk_size, world_size * share) > 0
+    sent, new_server = [], []
+    for j in range(world_size):
+        mine = slice(j * share, (j + 1) * share)
+        s = rows[mine] + server_errors[j].view(share, chunk_size)
+        c = topk_code(s.reshape(-1), k, chunk_size).view(share, chunk_size)
+        sent.append(c)
+        new_server.append(torch.where(valid[mine], s - c, 0.0).reshape(-1))
+    result = torch.cat(sent).reshape(-1)
+    out, start = [], 0
+    for x in xs[0]:
+        out.append(result[start : start + x.numel()].view(x.shape))
+        start += -(-x.numel() // chunk_size) * chunk_size
+    new_errors = [
+        [v - c for v, c in zip(vr, cr, strict=True)] if taken else er
+        for vr, cr, er, taken in zip(vs, cs, errors, taking, strict=True)
+    ]
+    return out, new_errors, new_server
+
+
 def nesterov_steps(
     anchor: torch.Tensor, workers: list[list[torch.Tensor]], lr: float, momentum: float
 ) -> list[torch.Tensor]:

@@ -12,7 +12,9 @@
 - BatchNorm's running statistics: averaged at every outer step (``num_batches_tracked`` equal),
   or kept per worker with ``buffers="local"``; a bad batch (a NaN sample) whose step the
   ``GradScaler`` skips leaves the parameters finite but the statistics NaN: that worker sits out,
-  so the NaN never reaches the others;
+  so the NaN never reaches the others; the buffers' exchange itself (one ``cast_allreduce``
+  exchange, the integer values in its header or, past ``HEADER_INTS``, in an all-gather)
+  against the mean over the participants and the first participant's integers;
 - a checkpoint taken after a layer that is not the last joined, resumed into a ``DiLoCo`` built
   with it trainable: the run goes on bit for bit;
 - a checkpoint taken just after a worker sat out (a NaN loss under AdamW) and just before it
@@ -32,6 +34,7 @@ from torch import nn
 import fn.collectives
 import fn.diloco
 import fn.optim
+from fn.diloco.buffers import HEADER_INTS, Buffers, CapturedBuffers
 from tests._distributed import run_distributed
 from tests.diloco import _reference
 
@@ -165,6 +168,34 @@ def _batchnorm(rank: int, policy: str):
     return [before[t] for t in range(H - 1, 2 * H, H)], after
 
 
+def _buffer_values(rank: int, large: bool) -> list[torch.Tensor]:
+    """Rank ``rank``'s buffers: two floating, one int64 with extreme values and, with ``large``,
+    an int32 one that takes the integers past ``HEADER_INTS`` (into an all-gather)."""
+    g = torch.Generator().manual_seed(rank)
+    extreme = torch.tensor([-(2**63), 2**63 - 1, -1, 2**40 + rank], dtype=torch.int64)
+    values = [torch.randn(3, generator=g), torch.randn(2, 2, generator=g).double(), extreme]
+    if large:
+        values.append(torch.arange(HEADER_INTS, dtype=torch.int32) * (rank + 1) - 7)
+    return values
+
+
+BUFFER_CASES = ((False, [True, True]), (False, [False, True]), (True, [False, True]))
+
+
+def _buffer_exchange(rank: int):
+    """Buffers.exchange in each of BUFFER_CASES (large, participants): the results and the
+    bytes this rank sent."""
+    comm = fn.collectives.ProcessGroup(timeout=60)
+    out = []
+    for large, participants in BUFFER_CASES:
+        values = _buffer_values(rank, large)
+        captured = CapturedBuffers([v.clone() for v in values], values)
+        comm.reset_bytes_sent()
+        got = Buffers.exchange(captured, comm, (), torch.tensor(participants), rank)
+        out.append((got, comm.bytes_sent))
+    return out
+
+
 def _bad_batch(rank: int):
     """A NaN sample in rank 1's batch at iteration 4 under a real GradScaler (which skips the
     step): per iteration the outer steps and whether the buffers are finite; at the end the
@@ -273,6 +304,7 @@ def _resumed_after_a_sit_out(rank: int):
 def _faults(rank, world_size):
     del world_size
     results = {
+        "buffer exchange": _buffer_exchange(rank),
         "scaler": _scaled(rank, counted=True),
         "refusals": _refusals(rank),
         "unfrozen": _unfrozen(rank, None),
@@ -372,6 +404,30 @@ def test_batchnorm_statistics_are_averaged_at_every_outer_step(ranks):
         assert not torch.equal(before0[s][0], before1[s][0])  # the workers' data differ
     (before0, after0), (before1, after1) = (r["batchnorm local"] for r in ranks)
     assert _equal(before0[1], after0[1]) and not _equal(after0[1][:2], after1[1][:2])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_the_buffers_exchange_is_the_participants_mean_and_the_first_ones_integers(ranks):
+    """Bit for bit: the floating buffers' fp32 mean over the participants, rounded to each
+    dtype; the integer ones (int64 extremes) the first participant's, in the header (two 32-bit
+    halves each) or, past ``HEADER_INTS`` values, in an all-gather; the same on both ranks; one
+    exchange (at W = 2 one all-gather: its header, the fp32 values) plus that all-gather."""
+    for case, (large, participants) in enumerate(BUFFER_CASES):
+        every = [_buffer_values(r, large) for r in range(W)]
+        taking = [r for r in range(W) if participants[r]]
+        got = [r["buffer exchange"][case][0] for r in ranks]
+        assert _equal(got[0], got[1])
+        for i in (0, 1):
+            total = sum((every[r][i].float() for r in taking), torch.zeros(every[0][i].shape))
+            assert torch.equal(got[0][i], (total / len(taking)).to(every[0][i].dtype)), (case, i)
+        assert _equal(got[0][2:], every[taking[0]][2:])
+        assert [x.dtype for x in got[0]] == [x.dtype for x in every[0]]
+        ints = sum(x.numel() for x in every[0][2:])
+        in_header = 0 if large else 2 * ints
+        expected = (W - 1) * (fn.collectives.HEADER_BYTES + 8 * in_header + 4 * (3 + 4))
+        expected += (W - 1) * 8 * ints if large else 0
+        assert [r["buffer exchange"][case][1] for r in ranks] == [expected] * W, case
 
 
 @pytest.mark.distributed

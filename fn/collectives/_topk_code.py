@@ -1,0 +1,247 @@
+"""The chunk-wise top-k 2-bit code of ``fn.collectives.topk``: selection, packing, the message
+layout, and the worker side shared by its two exchanges (docs/algorithms.md, "DiLoCo: local
+steps and a compressed outer step")."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from fn.collectives import _sizes
+from fn.collectives.comm import Comm
+from fn.collectives.participation import Participation, participants_mean, sent
+from fn.errors import check_nonnegative
+
+WHAT = "topk_allreduce"
+_MAX_CHUNK = 2**16  # a position and the magnitude's 31 bits share one int64 key
+
+
+class Sparse(NamedTuple):
+    """Compressed chunks: ``c`` chunks of ``k`` kept values."""
+
+    positions: torch.Tensor  # int64 [c, k], each kept value's position in its chunk
+    codes: torch.Tensor  # int64 [c, k], 2 bits: sign (MSB), level
+    scales: torch.Tensor  # fp32 [c], the chunk's absmax M
+
+
+def message_bytes(chunks: int, k: int, chunk_size: int) -> int:
+    """``ceil(c k log2(C) / 8) + ceil(c k / 4) + 4 c``: one message of ``c`` chunks."""
+    width = chunk_size.bit_length() - 1
+    return -(-chunks * k * width // 8) + -(-chunks * k // 4) + 4 * chunks
+
+
+def check(k: int, chunk_size: int, decay: float) -> None:
+    if not isinstance(chunk_size, int) or not 2 <= chunk_size <= _MAX_CHUNK:
+        raise ValueError(f"{WHAT}: chunk_size must be an int from 2 to 2^16, got {chunk_size!r}")
+    if chunk_size & (chunk_size - 1):
+        raise ValueError(f"{WHAT}: chunk_size must be a power of two, got {chunk_size}")
+    if not isinstance(k, int) or not 1 <= k <= chunk_size:
+        raise ValueError(f"{WHAT}: k must be an int from 1 to chunk_size={chunk_size}, got {k!r}")
+    check_nonnegative(WHAT, decay=decay)
+    if decay > 1.0:
+        raise ValueError(f"{WHAT}: decay must be in [0, 1], got {decay}")
+
+
+def select(chunks: torch.Tensor, k: int) -> Sparse:
+    """The ``k`` values of largest magnitude of every row of ``chunks`` (fp32 ``[c, C]``), ties
+    to the lower position, in the 2-bit code."""
+    size = chunks.shape[-1]
+    magnitude = chunks.abs()
+    # distinct keys: the magnitude's bits (ordered as the values for non-negative floats), then
+    # the position reversed, so that topk's choice among equal magnitudes is defined
+    reversed_position = size - 1 - torch.arange(size, device=chunks.device)
+    keys = (magnitude.view(torch.int32).long() << 16) | reversed_position
+    positions = keys.topk(k, dim=-1).indices
+    kept = chunks.gather(-1, positions)
+    scales = magnitude.amax(dim=-1)
+    level = kept.abs() > (scales * 0.5).unsqueeze(-1)
+    return Sparse(positions, (kept < 0).long() * 2 + level.long(), scales)
+
+
+def _values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The decoded kept values, fp32 ``[c, k]``: ``+-M/4`` or ``+-3M/4``."""
+    scale = scales.unsqueeze(-1)
+    magnitude = torch.where((codes & 1) == 1, scale * 0.75, scale * 0.25)
+    return torch.where(codes >= 2, -magnitude, magnitude)
+
+
+def _pack(fields: torch.Tensor, width: int) -> torch.Tensor:
+    """``width`` bits of every element of each row of the int64 ``fields`` (``[rows, count]``),
+    MSB first, packed into bytes per row (each row's last byte zero-padded)."""
+    shifts = torch.arange(width - 1, -1, -1, device=fields.device)
+    bits = ((fields.unsqueeze(-1) >> shifts) & 1).flatten(-2)
+    bits = torch.nn.functional.pad(bits, (0, -bits.shape[-1] % 8)).unflatten(-1, (-1, 8))
+    return (bits << torch.arange(7, -1, -1, device=fields.device)).sum(-1).to(torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, count: int, width: int) -> torch.Tensor:
+    """The first ``count`` fields of ``width`` bits that :func:`_pack` packed into one row,
+    int64."""
+    bits = (packed.long().unsqueeze(-1) >> torch.arange(7, -1, -1, device=packed.device)) & 1
+    bits = bits.reshape(-1)[: count * width].view(count, width)
+    return (bits << torch.arange(width - 1, -1, -1, device=packed.device)).sum(-1)
+
+
+class Layout(NamedTuple):
+    """Where the parts of one message lie: ``c`` chunks of ``k`` values, positions of ``width``
+    bits, then the codes, then the fp32 scales."""
+
+    chunks: int
+    k: int
+    width: int
+
+    @property
+    def position_bytes(self) -> int:
+        return -(-self.chunks * self.k * self.width // 8)
+
+    @property
+    def code_bytes(self) -> int:
+        return -(-self.chunks * self.k // 4)
+
+    def encode(self, sparse: Sparse, rows: int = 1) -> torch.Tensor:
+        """``rows`` messages of :attr:`chunks` chunks each (``sparse`` holds ``rows`` times as
+        many), uint8 ``[rows, bytes]``."""
+        scales = sparse.scales.contiguous().view(torch.uint8).view(rows, -1)
+        positions = _pack(sparse.positions.reshape(rows, -1), self.width)
+        return torch.cat([positions, _pack(sparse.codes.reshape(rows, -1), 2), scales], dim=1)
+
+    def scales(self, message: torch.Tensor) -> torch.Tensor:
+        start = self.position_bytes + self.code_bytes
+        scales = message[..., start:].clone(memory_format=torch.contiguous_format)
+        return scales.view(torch.float32)  # a copy: 4-byte aligned
+
+    def decode(self, message: torch.Tensor) -> Sparse:
+        count, shape = self.chunks * self.k, (self.chunks, self.k)
+        positions = _unpack(message[: self.position_bytes], count, self.width).view(shape)
+        codes = message[self.position_bytes : self.position_bytes + self.code_bytes]
+        return Sparse(positions, _unpack(codes, count, 2).view(shape), self.scales(message))
+
+
+def chunked(v: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    flat = v.reshape(-1)
+    return torch.nn.functional.pad(flat, (0, -flat.numel() % chunk_size)).view(-1, chunk_size)
+
+
+def dense(sparse: Sparse, chunk_size: int) -> torch.Tensor:
+    """The decoded chunks, fp32 ``[c, C]``, zero where nothing was kept."""
+    values = _values(sparse.codes, sparse.scales)
+    zeros = values.new_zeros(sparse.scales.numel(), chunk_size)
+    return zeros.scatter(-1, sparse.positions, values)
+
+
+def padded(sparse: Sparse, chunks: int) -> Sparse:
+    """``sparse`` with all-zero chunks appended up to ``chunks`` (positions 0, codes 0, scales
+    0: they decode to zeros)."""
+    extra = chunks - sparse.scales.numel()
+    pad = torch.nn.functional.pad
+    return Sparse(*(pad(x, (0, 0) * (x.dim() - 1) + (0, extra)) for x in sparse))
+
+
+class Compressed(NamedTuple):
+    """The worker side on one rank: ``v = decay e + u`` per live leaf and its chunks' code."""
+
+    v: dict[int, torch.Tensor]
+    mine: Sparse
+
+
+def compress(
+    leaves: list,
+    errors: list,
+    live: list[int],
+    k: int,
+    chunk_size: int,
+    decay: float,
+    takes_part: torch.Tensor | None = None,
+) -> Compressed:
+    """``v`` and the chunk-wise top-``k`` of every live leaf (its chunks in leaf order). Where
+    ``takes_part`` is ``False`` the input is not read (``v = decay e``) and the message is
+    all zeros (scales 0: it decodes to zeros)."""
+    if any(errors[i] is None for i in live):
+        raise ValueError(f"{WHAT}: an update leaf has no error state")
+    if not live:  # nothing to send: a message of no chunks
+        positions = torch.zeros(0, k, dtype=torch.int64)
+        return Compressed({}, Sparse(positions, positions, torch.zeros(0)))
+    part = None if takes_part is None else Participation(takes_part, takes_part.long())
+    v = {i: errors[i] * decay + sent(leaves[i], part).float() for i in live}
+    per_leaf = [select(chunked(v[i], chunk_size), k) for i in live]
+    mine = Sparse(*(torch.cat(parts) for parts in zip(*per_leaf, strict=True)))
+    return Compressed(v, mine if part is None else Sparse(*sent(tuple(mine), part)))
+
+
+def cut(rows: torch.Tensor, leaves: list, live: list[int], chunk_size: int) -> list[torch.Tensor]:
+    """The decoded chunks ``rows`` (fp32 ``[>= c, C]``) cut back to each live leaf's shape."""
+    out, chunk = [], 0
+    for i in live:
+        numel = leaves[i].numel()
+        count = -(-numel // chunk_size)
+        out.append(rows[chunk : chunk + count].reshape(-1)[:numel].view(leaves[i].shape))
+        chunk += count
+    return out
+
+
+def valid_positions(leaves: list, live: list[int], chunk_size: int, chunks: int) -> torch.Tensor:
+    """Bool ``[chunks, C]``: ``True`` where a position of the padded chunks holds a value of a
+    live leaf (``False`` in each leaf's last chunk's padding and in appended chunks)."""
+    sizes = [leaves[i].numel() for i in live]
+    device = leaves[live[0]].device
+    mask = [torch.ones(-(-n // chunk_size) * chunk_size, dtype=torch.bool, device=device)
+            for n in sizes]  # fmt: skip
+    for m, n in zip(mask, sizes, strict=True):
+        m[n:] = False
+    flat = torch.cat(mask)
+    flat = torch.nn.functional.pad(flat, (0, chunks * chunk_size - flat.numel()))
+    return flat.view(chunks, chunk_size)
+
+
+def exchange_checksum(leaves: list, live: list[int], k: int, chunk_size: int, form: int) -> int:
+    """The checksum an exchange's header carries: the live leaves' sizes, ``k``, ``chunk_size``
+    and the form (0 gather, 1 owner)."""
+    layout = [(i, leaves[i].numel()) for i in live] + [(-1, k), (-2, chunk_size), (-3, form)]
+    return _sizes.layout_checksum(layout)
+
+
+def mean_of(
+    received: torch.Tensor,
+    layout: Layout,
+    chunk_size: int,
+    world_size: int,
+    participation: Participation | None = None,
+) -> torch.Tensor:
+    """The decoded messages ``received`` (``[W, bytes]``) added into zeros in rank order, over
+    ``W`` (or over the ``n`` ranks that take part): fp32 ``[c, C]``."""
+    total = torch.zeros(layout.chunks, chunk_size, device=received.device)
+    for rank in range(world_size):
+        total = total + dense(layout.decode(received[rank]), chunk_size)
+    return participants_mean(total, world_size, participation)
+
+
+def size_checked(
+    comm: Comm, x: torch.Tensor, leaves: list, live: list[int], k: int, chunk_size: int
+) -> torch.Tensor:
+    """``x`` (or a copy, under vmap or ``torch.compile``), once every rank's size record (the
+    live leaves' sizes, ``k`` and ``chunk_size``: 12 bytes, all-gathered) matched this rank's."""
+    n = sum(leaves[i].numel() for i in live)
+    layout = [(i, leaves[i].numel()) for i in live] + [(-1, k), (-2, chunk_size)]
+    checksum = _sizes.layout_checksum(layout)
+    record = _sizes.with_count(torch.zeros(0, device=x.device), n, checksum)
+    return _sizes.released(x, comm.all_gather(record), n, WHAT, checksum)
+
+
+def finished(
+    worked: Compressed,
+    flag: torch.Tensor,
+    result: torch.Tensor,
+    leaves: list,
+    errors: list,
+    live: list[int],
+    chunk_size: int,
+) -> tuple[list, list]:
+    """Every leaf's result (the decoded chunks ``result``, in its dtype) and its new error
+    (``v - c`` where ``flag``, else the old one), ``None`` and empty leaves as they were."""
+    sent = cut(dense(worked.mine, chunk_size), leaves, live, chunk_size)
+    out, new_errors = list(leaves), list(errors)
+    for i, mean, own in zip(live, cut(result, leaves, live, chunk_size), sent, strict=True):
+        new_errors[i] = torch.where(flag, worked.v[i] - own, errors[i])
+        out[i] = mean.to(leaves[i].dtype)
+    return out, new_errors

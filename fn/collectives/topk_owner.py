@@ -1,0 +1,170 @@
+"""``topk_allreduce(exchange="owner")``: the top-k messages reduced on owners, so that each rank
+moves about two messages' bytes whatever the number of ranks.
+
+The chunks of the live leaves (``c`` of them) are partitioned over the ``W`` ranks: rank ``j``
+owns chunks ``j m`` to ``(j + 1) m - 1``, ``m = ceil(c / W)`` (the last owners' shares padded
+with empty chunks). Each rank compresses as in the all-gather exchange (chunk-wise top-k in 2
+bits, its error feedback ``e``), sends each owner that owner's chunks of its message (one
+all_to_all), each owner adds the ``W`` decoded pieces in rank order and divides by ``W``,
+compresses the mean again with a server error feedback ``e_s`` of its own, and the owners'
+messages are all-gathered. DeepSpeed's compressed allreduce does the same for 1-bit signs
+(Tang et al. 2021, arXiv:2102.02888); gTop-k and Ok-Topk (PPoPP 2022) for sparse values.
+docs/algorithms.md, "DiLoCo: local steps and a compressed outer step", gives the rule and its
+bytes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from fn.collectives._topk_code import (
+    WHAT,
+    Layout,
+    compress,
+    dense,
+    exchange_checksum,
+    finished,
+    mean_of,
+    padded,
+    select,
+    size_checked,
+    valid_positions,
+)
+from fn.collectives.comm import Comm
+from fn.collectives.error_feedback import ErrorFeedbackField
+from fn.collectives.header import (
+    Compressor,
+    Exchanged,
+    flag_of,
+    gathered,
+    opened,
+    participation_of,
+    sealed,
+)
+from fn.errors import finite_or_raise
+from fn.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+
+__all__ = ["TopkOwnerState", "owner_form"]
+
+
+class TopkOwnerState(NamedTuple):
+    """The state of ``topk_allreduce(exchange="owner")`` on one rank.
+
+    Attributes:
+        error: per leaf, fp32 of the leaf's shape: what this rank has not sent yet (as
+            :class:`~fn.collectives.TopkAllreduceState`'s).
+        server_error: fp32 ``[ceil(c / W) * chunk_size]``: what this rank, as an owner, has not
+            sent of the mean of the chunks it owns (``c`` the chunks of the live leaves); zero
+            in the chunks' padding.
+
+    Example:
+        >>> tx = fn.collectives.topk_allreduce(2, 8, comm=fn.collectives.Simulated(2),
+        ...                                    exchange="owner")
+        >>> state = tx.init({"w": torch.zeros(20)})  # 3 chunks of 8: 2 per owner
+        >>> state.error["w"].shape, state.server_error.shape
+        (torch.Size([20]), torch.Size([16]))
+    """
+
+    error: ErrorFeedbackField
+    server_error: ErrorFeedbackField
+
+
+def _live(leaves: list) -> list[int]:
+    return [i for i, u in enumerate(leaves) if u is not None and u.numel() > 0]
+
+
+def owner_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compressor:
+    """``topk_allreduce``'s owner-partitioned exchange (module docstring); the settings are
+    checked by the caller."""
+    width = chunk_size.bit_length() - 1
+
+    def init_fn(params):
+        live = [x for x in tree_leaves(params) if x is not None and x.numel() > 0]
+        chunks = sum(-(-x.numel() // chunk_size) for x in live)
+        share = -(-chunks // comm.world_size)
+        device = live[0].device if live else None
+        return TopkOwnerState(
+            tree_map(lambda p: torch.zeros(p.shape, dtype=torch.float32, device=p.device), params),
+            torch.zeros(share * chunk_size, dtype=torch.float32, device=device),
+        )
+
+    def exchange_fn(updates, state, flag=None, params=None, *, extra=()):
+        del params
+        world_size = comm.world_size
+        leaves, spec = tree_flatten(updates)
+        errors = spec.flatten_up_to(state.error)
+        live = _live(leaves)
+        offered = flag_of(flag)
+        worked = compress(leaves, errors, live, k, chunk_size, decay, offered)
+        share = -(-worked.mine.scales.numel() // world_size)
+        if state.server_error.shape != (share * chunk_size,):
+            raise ValueError(
+                f"{WHAT}: the server error has shape {tuple(state.server_error.shape)}, the "
+                f"owner of {share} chunk(s) of {chunk_size} needs ({share * chunk_size},) "
+                "(a state from init on these leaves and ranks)"
+            )
+        flag = offered & torch.isfinite(worked.mine.scales).all()
+        n = sum(leaves[i].numel() for i in live)
+        checksum = exchange_checksum(leaves, live, k, chunk_size, 1)
+        layout = Layout(share, k, width)
+        rows = layout.encode(padded(worked.mine, world_size * share), rows=world_size)
+        rows = sealed(torch.where(flag, rows, 0), flag, n, checksum, slots=True, extra=extra)
+        got = opened(comm.all_to_all(rows), n, WHAT, checksum, len(extra))
+        part = participation_of(flag, got)
+        server, server_error = _server_step(got, layout, state.server_error, leaves, live, part)
+        server_flag = torch.isfinite(server.scales).all()
+        message = torch.where(server_flag, layout.encode(server), 0)
+        message = sealed(message, server_flag, n, checksum).view(-1)
+        slices = opened(gathered(comm, message), n, WHAT, checksum)
+        result = torch.cat(
+            [dense(layout.decode(slices.payload[r]), chunk_size) for r in range(world_size)]
+        )
+        out, new_errors = finished(worked, flag, result, leaves, errors, live, chunk_size)
+        new_state = TopkOwnerState(
+            tree_unflatten(new_errors, spec),
+            torch.where(server_flag, server_error, state.server_error),
+        )
+        # an owner's non-finite result (an overflow) spoils every worker's: none took part
+        participants = got.flags & slices.flags.all()
+        return Exchanged(tree_unflatten(out, spec), new_state, participants, got.extra)
+
+    def _server_step(got, layout, server_error, leaves, live, part):
+        """The owner's part: the mean of its chunks over the ranks that take part (zero in
+        their padding) plus its server error, compressed; the new server error."""
+        share, world_size = layout.chunks, comm.world_size
+        if live:
+            valid = valid_positions(leaves, live, chunk_size, world_size * share)
+            mine = torch.index_select(valid.view(world_size, -1), 0, got.slot.view(1))
+            valid = mine.view(share, chunk_size)
+        else:
+            valid = torch.zeros(share, chunk_size, dtype=torch.bool)
+        mean = mean_of(got.payload, layout, chunk_size, world_size, part)
+        s = torch.where(valid, mean, 0.0) + server_error.view(share, chunk_size)
+        server = select(s, k)
+        return server, torch.where(valid, s - dense(server, chunk_size), 0.0).view(-1)
+
+    def update_fn(updates, state, params=None, *, participation=None, **extra):
+        del params, extra
+        leaves, _ = tree_flatten(updates)
+        live = _live(leaves)
+        if not live:
+            return updates, state
+        # the size record first, in a collective of its own: the messages' sizes depend on it
+        taking = torch.ones((), dtype=torch.bool, device=leaves[live[0]].device)
+        if participation is not None:
+            taking = participation.takes_part
+        flag = size_checked(comm, taking, leaves, live, k, chunk_size)
+        out, new_state, participants, _ = exchange_fn(updates, state, flag)
+        # a rank that takes part but whose flag came back unset is not finite: every rank
+        # sees the count fall short
+        expected = comm.world_size if participation is None else participation.count
+        finite_or_raise(
+            torch.where(participants.sum() == expected, 0.0, torch.nan),
+            f"{WHAT}: non-finite values in some rank's input (or its error feedback); the "
+            "state is unchanged",
+        )
+        return out, new_state
+
+    return Compressor(init_fn, update_fn, exchange_fn)
