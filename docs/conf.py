@@ -60,11 +60,13 @@ logger = logging.getLogger(__name__)
 # mocked: fn's classes with their docstrings, their own members and the signatures of their own
 # __init__ (_mocked_signature), as with torchtitan; what they inherit from torchtitan's classes
 # (the fields of its configs) is left out, and annotations name torchtitan's classes in full.
+# tyro (torchtitan's command-line parser, which fn's config annotations name) comes with
+# torchtitan, so it is mocked with it.
 TORCHTITAN_MOCKED = importlib.util.find_spec("torchtitan") is None
 if TORCHTITAN_MOCKED:
     from sphinx.ext.autodoc.mock import mock  # noqa: E402
 
-    autodoc_mock_imports = ["torchtitan"]
+    autodoc_mock_imports = ["torchtitan", "tyro"]
     with mock(autodoc_mock_imports):
         import fn.integrations.torchtitan.config_registry  # noqa: E402, F401
 
@@ -331,6 +333,7 @@ API_GROUPS: dict[str, list[tuple[str, str]]] = {
             " topk_allreduce cast_allreduce",
         ),
         ("States", "OnebitAllreduceState LocoAllreduceState TopkAllreduceState"),
+        ("Participation", "Participation participants_mean"),
         ("Errors and exit", "CollectiveTimeoutError exit_distributed"),
         (
             "Building blocks",

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+
+from tests._distributed import rank_env, run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = float(os.environ.get("FN_DOC_BLOCK_TIMEOUT", "300"))
@@ -118,29 +118,11 @@ def _fragments() -> list[Block]:
 
 def _run(command: list[str], cwd: Path) -> str:
     """Run ``command`` in ``cwd`` on CPU with the timeout; its output, or a failed test."""
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env.setdefault("OMP_NUM_THREADS", "1")
-    process = subprocess.Popen(
-        command,
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # torchrun's workers too are stopped on a timeout
-    )
-    try:
-        out, _ = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, _ = process.communicate()
-        pytest.fail(f"timed out after {TIMEOUT:.0f} s:\n{out[-6000:]}")
-    if process.returncode != 0:
-        pytest.fail(f"exit status {process.returncode}:\n{out[-6000:]}")
-    return out
+    env = rank_env(os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = run_command(command, env=env, timeout=TIMEOUT, cwd=cwd, merge_stderr=True)
+    if done.returncode != 0:
+        pytest.fail(f"exit status {done.returncode}:\n{done.stdout[-6000:]}")
+    return done.stdout
 
 
 def test_every_block_is_run_or_a_marked_excerpt():

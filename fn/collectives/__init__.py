@@ -24,7 +24,9 @@ functions in ``torch.distributed``'s flat layout: ``quantized_reduce_scatter_int
 error buffers the caller keeps) and ``quantized_all_gather_into`` (what ``fn.fsdp`` installs in
 FSDP2). The outer compressors of ``fn.diloco``: ``cast_allreduce`` (the mean sent in fp32, bf16
 or fp16, summed in rank order) and ``topk_allreduce`` (chunk-wise top-k in 2 bits with error
-feedback, averaged by an all-gather).
+feedback, averaged by an all-gather). Their ``update(..., participation=Participation(...))``
+averages over the ranks that take part (``participation.py``): a sitter sends zeros and keeps
+its error feedback.
 """
 
 import torch
@@ -47,6 +49,7 @@ from fn.collectives.onebit import (
     onebit_allreduce,
     padded_numel,
 )
+from fn.collectives.participation import Participation, participants_mean
 from fn.collectives.process_exit import exit_distributed
 from fn.collectives.process_group import CollectiveTimeoutError, ProcessGroup
 from fn.collectives.quantized import *  # noqa: F403
@@ -95,4 +98,6 @@ __all__ = [
     "TopkAllreduceState",
     "topk_allreduce",
     "topk_message_bytes",
+    "Participation",
+    "participants_mean",
 ]

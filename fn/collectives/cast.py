@@ -17,6 +17,7 @@ from fn import kernels
 from fn.base import EmptyState, GradientTransformation
 from fn.collectives import _sizes
 from fn.collectives.comm import Comm
+from fn.collectives.participation import participants_mean, sent
 from fn.tree import tree_flatten, tree_unflatten
 
 __all__ = ["CAST_DTYPES", "cast_allreduce"]
@@ -47,6 +48,10 @@ def cast_allreduce(dtype: torch.dtype = torch.float32, *, comm: Comm) -> Gradien
     an all_gather of the means, ``2 (W - 1) / W`` of the padded vector in ``dtype``. Each result
     has its leaf's shape and dtype. Stateless. With ``W == 1`` the updates pass through
     unchanged. Non-finite values propagate into the mean.
+
+    ``update(..., participation=fn.collectives.Participation(takes_part, n))``: a rank that
+    sits out sends zeros (its input is not read) and the sums are divided by ``n``, the mean
+    over the participants (``fn.collectives.participants_mean``).
 
     Args:
         dtype: what the values travel as, one of :data:`CAST_DTYPES`.
@@ -79,7 +84,7 @@ def cast_allreduce(dtype: torch.dtype = torch.float32, *, comm: Comm) -> Gradien
         del params
         return EmptyState()
 
-    def update_fn(updates, state, params=None, **extra):
+    def update_fn(updates, state, params=None, *, participation=None, **extra):
         del params, extra
         world_size = comm.world_size
         leaves, spec = tree_flatten(updates)
@@ -89,14 +94,15 @@ def cast_allreduce(dtype: torch.dtype = torch.float32, *, comm: Comm) -> Gradien
         for i in live:
             if not leaves[i].is_floating_point():
                 raise TypeError(f"{_WHAT} needs floating-point leaves, got {leaves[i].dtype}")
-        flat = torch.cat([leaves[i].reshape(-1).to(dtype) for i in live])
+        flat = torch.cat([sent(leaves[i], participation).reshape(-1).to(dtype) for i in live])
         n = flat.numel()
         checksum = _sizes.layout_checksum((i, leaves[i].numel()) for i in live)
         records = _sizes.with_count(flat.new_empty(world_size, 0, dtype=torch.float32), n, checksum)
         flat = _sizes.released(flat, comm.all_to_all(records), n, _WHAT, checksum)
         padded = torch.nn.functional.pad(flat, (0, -n % world_size))
         pieces = comm.all_to_all(padded.view(world_size, -1))  # row i: rank i's copy of my chunk
-        shard = (kernels.sum_ranks(pieces.float()) / world_size).to(dtype)
+        total = kernels.sum_ranks(pieces.float())
+        shard = participants_mean(total, world_size, participation).to(dtype)
         mean = comm.all_gather(shard).reshape(-1)[:n]
         offset = 0
         for i in live:

@@ -39,6 +39,7 @@ from fn.collectives import _sizes
 from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
+from fn.collectives.participation import Participation, kept, participants_mean, sent
 from fn.collectives.process_group import ProcessGroup
 from fn.errors import NonFiniteError, finite_or_raise
 from fn.tree import eager, fitting, tree_flatten, tree_map, tree_unflatten
@@ -154,19 +155,26 @@ def _reduce_scatter(
     plan: _Plan,
     err_beta: float,
     checksum: int | None = None,
+    participation: Participation | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Mean over the world of this rank's chunk of the padded fp32 ``v`` (``n`` elements before
-    padding; ``checksum``: of the call's layout, by default of ``v`` alone); new hop errors."""
+    padding; ``checksum``: of the call's layout, by default of ``v`` alone); new hop errors.
+    With ``participation``, a rank that sits out sends zero codes and scales at the first hop
+    (its first hop's new error is then meaningless: the caller keeps the old one) and the sum
+    is divided by the participants."""
     if checksum is None:
         checksum = _sizes.layout_checksum([(0, n)])
     new_errors = []
+    v = sent(v, participation)
     for index, (hop, error) in enumerate(zip(plan.hops, errors, strict=True)):
         q, scales, new_error = _feedback(v, error, plan, err_beta)
+        if index == 0 and participation is not None:  # the sitter's own message: zero
+            q, scales = (torch.where(participation.takes_part, x, 0) for x in (q, scales))
         new_errors.append(new_error)
         q, scales = _exchange_hop(plan, index, q, scales, n, checksum)
         pieces = kernels.dequantize(q, scales, plan.bits, v.numel())
         v = kernels.sum_ranks(pieces.view(hop.world_size, -1))
-    return v / plan.world.world_size, new_errors
+    return participants_mean(v, plan.world.world_size, participation), new_errors
 
 
 def _all_gather(
@@ -470,11 +478,13 @@ def _allreduce_pure(
     plan: _Plan,
     err_beta: float,
     checksum: int,
+    participation: Participation | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
     """The quantized mean of the leaf ``u`` (its shape and dtype) and the new errors; ``errors``
-    per hop of the reduce-scatter, then the all-gather's (``None``: zero, no new error)."""
+    per hop of the reduce-scatter, then the all-gather's (``None``: zero, no new error); with
+    ``participation``, over the ranks that take part (:func:`_reduce_scatter`)."""
     shard, hop_errors = _reduce_scatter(
-        _flat_padded(u, plan), u.numel(), errors[:-1], plan, err_beta, checksum
+        _flat_padded(u, plan), u.numel(), errors[:-1], plan, err_beta, checksum, participation
     )
     y, gather_error = _all_gather(shard, errors[-1], plan, err_beta)
     return y[: u.numel()].view(u.shape).to(u.dtype), (*hop_errors, gather_error)
@@ -800,6 +810,9 @@ def quantized_allreduce(
     all-gather (see the module docstring for the two-hop mode). ``None`` leaves pass through;
     with ``W == 1`` it is the identity. Stateless. ``update(..., donate=True)`` writes each
     result into its update tensor as :func:`loco_allreduce` does (same bits as the pure call).
+    ``update(..., participation=fn.collectives.Participation(takes_part, n))``: a rank that sits
+    out sends zero codes and scales in the reduce-scatter (its input is not read; it still
+    reduces and all-gathers its chunk) and the sums are divided by ``n``; computed purely.
 
     Args:
         bits: 4 or 8.
@@ -837,7 +850,7 @@ def quantized_allreduce(
         del params
         return EmptyState()
 
-    def update_fn(updates, state, params=None, *, donate=None, **extra):
+    def update_fn(updates, state, params=None, *, donate=None, participation=None, **extra):
         del params, extra
         leaves, spec = tree_flatten(updates)
         live, checksum = _live(leaves)
@@ -845,8 +858,8 @@ def quantized_allreduce(
             return updates, state
         results = _over_live(
             live,
-            donating(donate),
-            lambda i: _allreduce_pure(leaves[i], no_errors, plan, 0.0, checksum)[0],
+            donating(donate) and participation is None,
+            lambda i: _allreduce_pure(leaves[i], no_errors, plan, 0.0, checksum, participation)[0],
             lambda i, tag: phase1(leaves[i], tag, checksum),
         )
         for i, result in zip(live, results, strict=True):
@@ -920,6 +933,17 @@ def _load(stored: torch.Tensor | QuantizedError, numel: int, reset: torch.Tensor
     return torch.where(reset, 0.0, e)
 
 
+def _sitters_first_hop(
+    stored: tuple, entered: tuple, reset: torch.Tensor, participation: Participation | None
+) -> tuple:
+    """A leaf's new stored LoCo errors, where this rank sits out with the first hop's as it
+    entered the call (zero where the reset is due, else its stored bits)."""
+    if participation is None:
+        return stored
+    first = tree_map(lambda b: torch.where(reset, torch.zeros_like(b), b), entered[0])
+    return (kept(stored[0], first, participation), *stored[1:])
+
+
 def _check_loco(err_beta: float, reset_T: int, error_dtype: torch.dtype) -> None:  # noqa: N803
     if not 0.0 <= err_beta <= 1.0:
         raise ValueError(f"err_beta must be in [0, 1], got {err_beta}")
@@ -958,6 +982,12 @@ def loco_allreduce(
     their own (per thread and leaf position, about ``bits / 32 + 1 / W`` of the leaf's fp32
     size). ``error_dtype`` other than fp32 still computes in fresh fp32 tensors.
 
+    ``update(..., participation=fn.collectives.Participation(takes_part, n))``: a rank that sits
+    out sends zero codes and scales in the first hop of the reduce-scatter (its input is not
+    read) and keeps that hop's error as it entered the call (zero where the reset is due, else
+    its stored bits); its later hops and its all-gather, which carry the others' values,
+    update their errors as usual; the sums are divided by ``n``; computed purely.
+
     Args:
         bits: 4 or 8.
         group_size: values per quantization group (even).
@@ -993,11 +1023,12 @@ def loco_allreduce(
     plan = _plan(comm, bits, group_size, local_world_size)
     _check_loco(err_beta, reset_T, error_dtype)
 
-    def leaf_pure(u, buffers, reset, checksum):
+    def leaf_pure(u, buffers, reset, checksum, participation=None):
         sizes = _error_sizes(u.numel(), plan)
         errors = tuple(_load(b, k, reset) for b, k in zip(buffers, sizes, strict=True))
-        y, new = _allreduce_pure(u, errors, plan, err_beta, checksum)
-        return y, tuple(_store(e, error_dtype, group_size) for e in new)
+        y, new = _allreduce_pure(u, errors, plan, err_beta, checksum, participation)
+        stored = tuple(_store(e, error_dtype, group_size) for e in new)
+        return y, _sitters_first_hop(stored, buffers, reset, participation)
 
     def leaf_donated(u, buffers, given, reset, tag, checksum):
         """Phase 1 of a donated leaf; returns phase 2, which writes the result and the errors."""
@@ -1023,10 +1054,10 @@ def loco_allreduce(
 
         return LocoAllreduceState(torch.zeros((), dtype=torch.int64), tree_map(zeros, params))
 
-    def update_fn(updates, state, params=None, *, donate=None, **extra):
+    def update_fn(updates, state, params=None, *, donate=None, participation=None, **extra):
         del params, extra
         count = state.count + 1
-        donated = donated_state(donate, state)
+        donated = donated_state(donate, state) if participation is None else None
         if comm.world_size == 1:
             return updates, state._replace(count=count)
         reset = state.count % reset_T == 0
@@ -1039,7 +1070,7 @@ def loco_allreduce(
         results = _over_live(
             live,
             donated is not None,
-            lambda i: leaf_pure(leaves[i], stored[i], reset, checksum),
+            lambda i: leaf_pure(leaves[i], stored[i], reset, checksum, participation),
             lambda i, tag: leaf_donated(
                 leaves[i], stored[i], given[i] or (None,) * len(stored[i]), reset, tag, checksum
             ),

@@ -20,6 +20,7 @@ from fn.base import GradientTransformation
 from fn.collectives import _sizes
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
+from fn.collectives.participation import Participation, kept, participants_mean, sent
 from fn.errors import check_nonnegative, finite_or_raise
 from fn.tree import tree_flatten, tree_map, tree_unflatten
 
@@ -180,6 +181,10 @@ def topk_allreduce(
     delta``. ``None`` and empty leaves pass through with their errors unchanged; with ``W == 1``
     the result is this rank's ``c`` (nothing is sent).
 
+    ``update(..., participation=fn.collectives.Participation(takes_part, n))``: a rank that
+    sits out sends an all-zero message (scales 0; its input is not read) and keeps its error
+    as it was (``e' = e``, not decayed); the sum is divided by ``n``.
+
     Args:
         k: values kept per chunk, from 1 to ``chunk_size``.
         chunk_size: values per chunk, a power of two from 2 to 2^16.
@@ -217,7 +222,7 @@ def topk_allreduce(
             tree_map(lambda p: torch.zeros(p.shape, dtype=torch.float32, device=p.device), params)
         )
 
-    def update_fn(updates, state, params=None, **extra):
+    def update_fn(updates, state, params=None, *, participation=None, **extra):
         del params, extra
         leaves, spec = tree_flatten(updates)
         errors = spec.flatten_up_to(state.error)
@@ -226,9 +231,10 @@ def topk_allreduce(
             return updates, state
         if any(errors[i] is None for i in live):
             raise ValueError(f"{_WHAT}: an update leaf has no error state")
-        v = {i: errors[i] * decay + leaves[i].float() for i in live}
+        v = {i: errors[i] * decay + sent(leaves[i], participation).float() for i in live}
         per_leaf = [_select(_chunked(v[i], chunk_size), k) for i in live]
         mine = _Sparse(*(torch.cat(parts) for parts in zip(*per_leaf, strict=True)))
+        mine = _silenced(mine, participation)
         layout = _Layout(mine.scales.numel(), k, width)
         received = _exchange(comm, layout.encode(mine), leaves, live, k, chunk_size)
         finite_or_raise(
@@ -236,22 +242,30 @@ def topk_allreduce(
             f"{_WHAT}: non-finite values in some rank's input (or its error feedback); the "
             "state is unchanged",
         )
-        sent = _dense(mine, layout, chunk_size)
-        total = torch.zeros_like(sent)
+        own_chunks = _dense(mine, layout, chunk_size)
+        total = torch.zeros_like(own_chunks)
         for rank in range(comm.world_size):
             total = total + _dense(layout.decode(received[rank]), layout, chunk_size)
-        mean = total / comm.world_size
+        mean = participants_mean(total, comm.world_size, participation)
         out, new_errors, chunk = list(leaves), list(errors), 0
         for i in live:
             numel, shape = leaves[i].numel(), leaves[i].shape
             rows = -(-numel // chunk_size)
-            own = sent[chunk : chunk + rows].reshape(-1)[:numel].view(shape)
-            new_errors[i] = v[i] - own
+            own = own_chunks[chunk : chunk + rows].reshape(-1)[:numel].view(shape)
+            new_errors[i] = kept(v[i] - own, errors[i], participation)
             out[i] = mean[chunk : chunk + rows].reshape(-1)[:numel].view(shape).to(leaves[i].dtype)
             chunk += rows
         return tree_unflatten(out, spec), TopkAllreduceState(tree_unflatten(new_errors, spec))
 
     return GradientTransformation(init_fn, update_fn)
+
+
+def _silenced(mine: _Sparse, participation: Participation | None) -> _Sparse:
+    """This rank's message, or where it sits out, an all-zero one (scales 0: it decodes to
+    zeros)."""
+    if participation is None:
+        return mine
+    return _Sparse(*(torch.where(participation.takes_part, x, 0) for x in mine))
 
 
 def _chunked(v: torch.Tensor, chunk_size: int) -> torch.Tensor:

@@ -286,6 +286,12 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         return int(self._state.count)
 
     @property
+    def world(self) -> dist.ProcessGroup | None:
+        """The group that the agreement and the checks of every update span (``world=``;
+        ``None``: the default group): the ranks this optimizer communicates with."""
+        return self._world
+
+    @property
     def bytes_sent(self) -> int:
         """Bytes this rank has sent through fn's communicators (reduce-scatters, the freeze's
         all-gathers and the checks; FSDP2's parameter all-gathers are not counted)."""

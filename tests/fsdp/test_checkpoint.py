@@ -36,10 +36,10 @@ import fn.diloco
 import fn.fsdp
 from fn.fsdp import TrainingCheckpoint
 from tests._disk import file_size_limit, filled, small_tmpfs
-from tests._distributed import run_distributed
+from tests._distributed import run_distributed, run_together
 from tests.fsdp import test_fsdp, test_onebit
 
-FAST_S = 30.0  # a rank learns of another's failure well within this (the gloo timeout: 240 s)
+FAST_S = 30.0  # a rank learns of another's failure well within this (the gloo timeout: 600 s)
 
 
 def _outcome(call) -> tuple[str, str, float]:
@@ -191,9 +191,26 @@ def _worker_load(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
-@pytest.mark.timeout(300)
-def test_a_failed_save_raises_on_every_rank_at_once_and_keeps_the_checkpoint(tmp_path):
-    results = run_distributed(_worker_save, 2, str(tmp_path), timeout=240)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[str, tuple[list, Path]]:
+    """Every worker of this file on the same 2 ranks, in one launch, each in a folder of its
+    own: ``{name: (results by rank, folder)}``. The workers that change the working directory
+    (and ``HOME``) come last."""
+    workers = {
+        "save": _worker_save,
+        "load": _worker_load,
+        "first save": _worker_first_save,
+        "forms": _worker_forms,
+    }
+    folders = {name: tmp_path_factory.mktemp(name.replace(" ", "_")) for name in workers}
+    parts = {name: (worker, (str(folders[name]),)) for name, worker in workers.items()}
+    results = run_together(parts, 2, timeout=600)
+    return {name: (results[name], folders[name]) for name in workers}
+
+
+@pytest.mark.timeout(700)
+def test_a_failed_save_raises_on_every_rank_at_once_and_keeps_the_checkpoint(two_ranks):
+    results, tmp_path = two_ranks["save"]
     path = str(tmp_path / "ckpt")
     for case, words in (
         ("mount", f"could not move the new checkpoint {path}.partial to {path}: "),
@@ -218,9 +235,9 @@ def test_a_failed_save_raises_on_every_rank_at_once_and_keeps_the_checkpoint(tmp
         assert result["final_listing"] == ["ckpt"]
 
 
-@pytest.mark.timeout(300)
-def test_a_rank_that_cannot_read_the_checkpoint_stops_every_rank_with_nothing_loaded(tmp_path):
-    results = run_distributed(_worker_load, 2, str(tmp_path), timeout=240)
+@pytest.mark.timeout(700)
+def test_a_rank_that_cannot_read_the_checkpoint_stops_every_rank_with_nothing_loaded(two_ranks):
+    results, tmp_path = two_ranks["load"]
     for key in ("adamw", "onebit"):
         kind, message, seconds = results[1][key]
         assert kind == "FileNotFoundError" and seconds < FAST_S, (key, kind, message)
@@ -349,9 +366,9 @@ def _worker_forms(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
-@pytest.mark.timeout(300)
-def test_every_form_of_a_path_saves_overwrites_and_loads(tmp_path):
-    results = run_distributed(_worker_forms, 2, str(tmp_path), timeout=240)
+@pytest.mark.timeout(700)
+def test_every_form_of_a_path_saves_overwrites_and_loads(two_ranks):
+    results, tmp_path = two_ranks["forms"]
     for result in results:
         for kind in ("adamw", "onebit"):
             here, home = str(tmp_path / kind), str(tmp_path / f"{kind}-home")
@@ -377,6 +394,19 @@ def _write_fails(rank: int):
     return mock.patch.object(dcp.FileSystemWriter, "write_data", write_data)
 
 
+def _failed_save(
+    failing, outcome, checkpoint: TrainingCheckpoint, path: str, folder: str
+) -> tuple[tuple, list[str]]:
+    """``outcome`` of ``checkpoint.save(path)`` made to fail by the context ``failing``, and the
+    names in ``folder`` after it, once every rank is past it."""
+    with failing:
+        result = outcome(functools.partial(checkpoint.save, path))
+    dist.barrier()
+    listing = sorted(os.listdir(folder))
+    dist.barrier()
+    return result, listing
+
+
 def _worker_first_save(rank: int, world_size: int, root: str) -> dict:
     """A first save whose rename fails, a first save whose DCP write fails, and an overwrite
     whose DCP write fails (relative paths with a trailing separator)."""
@@ -388,47 +418,34 @@ def _worker_first_save(rank: int, world_size: int, root: str) -> dict:
         os.chdir(here)
         model, optimizer = _build(kind, world_size)
         _train(kind, model, optimizer, rank, range(3))
-        with _failing_rename(rank, os.path.join(here, "new.partial")):
-            out[kind, "rename"] = _outcome(
-                functools.partial(TrainingCheckpoint(model, optimizer).save, "new/")
+        first_saves = {  # each fails on one rank
+            "rename": (_failing_rename(rank, os.path.join(here, "new.partial")), _outcome),
+            "write": (_write_fails(rank), _raised),
+            # rank 1's file stops inside torch.save
+            "too large": (
+                file_size_limit(20_000) if rank == 1 else contextlib.nullcontext(),
+                _raised,
+            ),
+        }
+        for case, (failing, outcome) in first_saves.items():
+            out[kind, case], out[kind, f"{case} listing"] = _failed_save(
+                failing, outcome, TrainingCheckpoint(model, optimizer), "new/", here
             )
-        dist.barrier()
-        out[kind, "rename listing"] = sorted(os.listdir(here))
-        dist.barrier()
-        with _write_fails(rank):
-            out[kind, "write"] = _raised(
-                functools.partial(TrainingCheckpoint(model, optimizer).save, "new/")
-            )
-        dist.barrier()
-        out[kind, "write listing"] = sorted(os.listdir(here))
-        dist.barrier()
-        # rank 1's file stops inside torch.save
-        with file_size_limit(20_000) if rank == 1 else contextlib.nullcontext():
-            out[kind, "too large"] = _raised(
-                functools.partial(TrainingCheckpoint(model, optimizer).save, "new/")
-            )
-        dist.barrier()
-        out[kind, "too large listing"] = sorted(os.listdir(here))
-        dist.barrier()
         TrainingCheckpoint(model, optimizer, step=3).save("old/")
         saved = _everything(model, optimizer)
         _train(kind, model, optimizer, rank, range(3, 4))
-        with _write_fails(rank):
-            out[kind, "overwrite"] = _raised(
-                functools.partial(TrainingCheckpoint(model, optimizer).save, "old/")
-            )
-        dist.barrier()
-        out[kind, "overwrite listing"] = sorted(os.listdir(here))
-        dist.barrier()
+        out[kind, "overwrite"], out[kind, "overwrite listing"] = _failed_save(
+            _write_fails(rank), _raised, TrainingCheckpoint(model, optimizer), "old/", here
+        )
         checkpoint = TrainingCheckpoint(model, optimizer)
         checkpoint.load("old")
         out[kind, "kept"] = checkpoint.step == 3 and _same(saved, _everything(model, optimizer))
     return out
 
 
-@pytest.mark.timeout(300)
-def test_a_failed_first_save_says_so_and_leaves_nothing(tmp_path):
-    results = run_distributed(_worker_first_save, 2, str(tmp_path), timeout=240)
+@pytest.mark.timeout(700)
+def test_a_failed_first_save_says_so_and_leaves_nothing(two_ranks):
+    results, tmp_path = two_ranks["first save"]
     for kind in ("adamw", "onebit"):
         new, old = (str(tmp_path / kind / name) for name in ("new", "old"))
         kind0, mine, seconds = results[0][kind, "rename"]
