@@ -78,7 +78,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -186,10 +186,10 @@ def tbf_burst(rate_bits: float, mtu: int) -> int:
     return max(2 * mtu, int(rate_bits / 8 * 0.002))
 
 
-def link_commands(args: argparse.Namespace) -> list[list[str]]:
-    """What configures every rank's ``eth0`` once the switch has made it: address, MTU, up, and
-    the sending token bucket."""
-    _, rank_ns = cluster.namespaces(args.prefix, WORKERS)
+def link_commands(args: argparse.Namespace, nodes: int = WORKERS) -> list[list[str]]:
+    """What configures every node's ``eth0`` once the switch has made it (``nodes`` of them, the
+    ranks by default): address, MTU, up, and the sending token bucket."""
+    _, rank_ns = cluster.namespaces(args.prefix, nodes)
     burst = tbf_burst(cluster.parse_rate(args.rate), args.mtu)
     queue_ms = max(1, round(2000 * parse_delay(args.delay)))
     cmds = []
@@ -204,10 +204,10 @@ def link_commands(args: argparse.Namespace) -> list[list[str]]:
     return cmds
 
 
-def switch_config(args: argparse.Namespace) -> dict:
+def switch_config(args: argparse.Namespace, nodes: int = WORKERS) -> dict:
     return {
-        "namespaces": cluster.namespaces(args.prefix, WORKERS)[1],
-        "addresses": [cluster.address(args.subnet, i) for i in range(WORKERS)],
+        "namespaces": cluster.namespaces(args.prefix, nodes)[1],
+        "addresses": [cluster.address(args.subnet, i) for i in range(nodes)],
         "rate_bits": cluster.parse_rate(args.rate),
         "delay_s": parse_delay(args.delay),
         "parent": os.getpid(),
@@ -361,12 +361,12 @@ def run_switch(config: dict) -> None:
 
 
 @contextlib.contextmanager
-def delayed_cluster(args: argparse.Namespace) -> Iterator[str]:
-    """The namespaces, the switch and the shaped links for the duration; yields a log folder.
-    Removes everything on leaving, also on errors and on SIGINT / SIGTERM / SIGHUP (raised
-    inside as ``cluster.Interrupted``)."""
+def delayed_cluster(args: argparse.Namespace, nodes: int = WORKERS) -> Iterator[str]:
+    """The namespaces, the switch and the shaped links of ``nodes`` nodes (the ranks by default)
+    for the duration; yields a log folder. Removes everything on leaving, also on errors and on
+    SIGINT / SIGTERM / SIGHUP (raised inside as ``cluster.Interrupted``)."""
     cluster.check_no_leftovers(args.prefix)
-    _, rank_ns = cluster.namespaces(args.prefix, WORKERS)
+    _, rank_ns = cluster.namespaces(args.prefix, nodes)
     switch, logdir = None, None
 
     def interrupted(signum, frame):
@@ -377,12 +377,12 @@ def delayed_cluster(args: argparse.Namespace) -> Iterator[str]:
         for sig in signals:
             signal.signal(sig, interrupted)
         logdir = tempfile.mkdtemp(prefix=f"{args.prefix}-logs-")
-        print(f"building {WORKERS} namespaces ({args.prefix}-*), subnet {args.subnet}.0/24")
+        print(f"building {nodes} namespaces ({args.prefix}-*), subnet {args.subnet}.0/24")
         for ns in rank_ns:
             cluster.run(["ip", "netns", "add", ns])
         switch = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--switch"]
-            + [json.dumps(switch_config(args))],
+            + [json.dumps(switch_config(args, nodes))],
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,
@@ -390,7 +390,7 @@ def delayed_cluster(args: argparse.Namespace) -> Iterator[str]:
         ready, _, _ = select.select([switch.stdout], [], [], 30)
         if not ready or switch.stdout.readline().strip() != "ready":
             raise RuntimeError("the switch did not start (see its error above)")
-        for cmd in link_commands(args):
+        for cmd in link_commands(args, nodes):
             cluster.run(cmd)
         yield logdir
     finally:
@@ -604,34 +604,40 @@ def streaming_lines(rows: list[dict]) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--rate", default="10mbit", help="tc rate of every worker's link")
-    p.add_argument("--delay", default="50ms", help="one-way delay between two workers")
+def add_run_arguments(p: argparse.ArgumentParser, prefix: str, subnet: str) -> None:
+    """The options this script and ``diloco_elastic.py`` share: the links, the task, the runs,
+    the namespaces' names and the modes (``--dry-run``, ``--cleanup``)."""
+    p.add_argument("--rate", default="10mbit", help="tc rate of every node's link")
+    p.add_argument("--delay", default="50ms", help="one-way delay between two nodes")
     p.add_argument("--mtu", type=int, default=1500)
     p.add_argument("--target", type=float, default=2.3, help="held-out loss to reach (nats)")
     p.add_argument("--sync-every", type=int, default=30, help="H, inner steps per outer step")
     p.add_argument("--density", type=int, default=32, help="SparseLoCo's top-k density 1/D")
-    p.add_argument("--fragments", type=int, default=3, help="P of the streaming runs")
-    p.add_argument("--delay-steps", type=int, help="tau of the delayed streaming run (H/P - 1)")
-    p.add_argument("--ddp-steps", type=int, default=300, help="DDP's step cap")
-    p.add_argument("--diloco-steps", type=int, default=900, help="DiLoCo's step cap")
-    p.add_argument("--eval-every", type=int, default=10, help="DDP's steps between evaluations")
     p.add_argument("--runs", type=int, default=1, help="repeats of every method")
     p.add_argument("--methods", help="comma list of run names (default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW's lr (DDP and inner)")
     p.add_argument("--batch", type=int, default=32, help="windows per worker per step")
-    p.add_argument("--quick", action="store_true", help="smoke run: target 3.0, 60 / 20 steps")
-    p.add_argument("--prefix", default="fnwall", help="name prefix of the namespaces")
-    p.add_argument("--subnet", default="10.216.0", help="first three octets of the /24")
+    p.add_argument("--prefix", default=prefix, help="name prefix of the namespaces")
+    p.add_argument("--subnet", default=subnet, help="first three octets of the /24")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run (all ranks)")
     p.add_argument("--json", help="also write every run's record here")
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     p.add_argument("--cleanup", action="store_true", help="remove PREFIX-* leftovers")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_run_arguments(p, "fnwall", "10.216.0")
+    p.add_argument("--fragments", type=int, default=3, help="P of the streaming runs")
+    p.add_argument("--delay-steps", type=int, help="tau of the delayed streaming run (H/P - 1)")
+    p.add_argument("--ddp-steps", type=int, default=300, help="DDP's step cap")
+    p.add_argument("--diloco-steps", type=int, default=900, help="DiLoCo's step cap")
+    p.add_argument("--eval-every", type=int, default=10, help="DDP's steps between evaluations")
+    p.add_argument("--quick", action="store_true", help="smoke run: target 3.0, 60 / 20 steps")
     p.add_argument("--switch", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:  # its settings, where the command line left the defaults
@@ -679,36 +685,67 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     skipped = {m.name: r for m in plan if (r := not_built(m, args.sync_every)) is not None}
     built = [m for m in plan if m.name not in skipped]
+    results = []
+
+    def repeat(run: int, logdir: str) -> None:
+        for method in built:
+            started = time.monotonic()
+            config = worker_config(args, method, run)
+            result = cluster.run_ranks(args.prefix, config, logdir, args.timeout, __file__)
+            results.append(result)
+            row = summarize(result, args.target, args.sync_every)
+            print(
+                f"  {method.name}: {'reached' if row['reached'] else 'NOT reached'} "
+                f"{row['loss']:.4f} at step {row['steps']}, {row['time_s']:.1f} s "
+                f"({time.monotonic() - started:.0f} s with start and evaluations)",
+                flush=True,
+            )
+
+    loads = run_repeats(args, "diloco_wall.py", WORKERS, repeat)
+    report(results, skipped, args, loads)
+
+
+def run_repeats(
+    args: argparse.Namespace, script: str, nodes: int, repeat: Callable[[int, str], None]
+) -> list[tuple[float, float, float]]:
+    """Prints the start line, builds the cluster of ``nodes`` nodes and calls ``repeat(run,
+    logdir)`` for each of ``--runs`` repeats, the load average printed before each; removes
+    everything at the end. Exits with status 130 where interrupted, 1 where a run failed.
+
+    Returns:
+        The load averages (1, 5, 15 min) taken before each repeat.
+    """
     print(
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} "
         f"CPUs; {WORKERS} workers at {args.rate}, {args.delay} one way; target {args.target}",
         flush=True,
     )
-    results, loads = [], []
+    loads = []
     try:
-        with delayed_cluster(args) as logdir:
+        with delayed_cluster(args, nodes) as logdir:
             for run in range(args.runs):
                 loads.append(os.getloadavg())
                 print(f"run {run + 1}: load average {' '.join(f'{x:.2f}' for x in loads[-1])}")
-                for method in built:
-                    started = time.monotonic()
-                    config = worker_config(args, method, run)
-                    result = cluster.run_ranks(args.prefix, config, logdir, args.timeout, __file__)
-                    results.append(result)
-                    row = summarize(result, args.target, args.sync_every)
-                    print(
-                        f"  {method.name}: {'reached' if row['reached'] else 'NOT reached'} "
-                        f"{row['loss']:.4f} at step {row['steps']}, {row['time_s']:.1f} s "
-                        f"({time.monotonic() - started:.0f} s with start and evaluations)",
-                        flush=True,
-                    )
+                repeat(run, logdir)
     except cluster.Interrupted as err:
         print(f"interrupted by {err}: cleaned up", file=sys.stderr)
         raise SystemExit(130) from None
     except RuntimeError as err:
-        print(f"diloco_wall.py failed: {err}", file=sys.stderr)
+        print(f"{script} failed: {err}", file=sys.stderr)
         raise SystemExit(1) from None
-    report(results, skipped, args, loads)
+    return loads
+
+
+def save_runs(args: argparse.Namespace, loads: list, results: list[dict]) -> None:
+    """Prints the load averages before each repeat and, with ``--json``, writes every run's
+    record there."""
+    print(
+        "load average (1, 5, 15 min) before each run:",
+        "; ".join(" ".join(f"{x:.2f}" for x in load) for load in loads),
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "loads": loads, "results": results}, f)
 
 
 def unbuilt_streaming_bound(rows: list[dict], args: argparse.Namespace) -> list[str]:
@@ -743,13 +780,7 @@ def report(results: list[dict], skipped: dict[str, str], args, loads) -> None:
         print(
             f"DDP's floor per step from the link: {floor:.3f} s ({results[0]['params']:,} params)"
         )
-    print(
-        "load average (1, 5, 15 min) before each run:",
-        "; ".join(" ".join(f"{x:.2f}" for x in load) for load in loads),
-    )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "loads": loads, "results": results}, f)
+    save_runs(args, loads, results)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,15 @@ if TORCHTITAN_MOCKED:
     with mock(autodoc_mock_imports):
         import fn.integrations.torchtitan.config_registry  # noqa: E402, F401
 
+# fn.integrations.torchft imports torchft (its extra, not the docs extra) for its annotations
+# only: where torchft is missing, it is documented with torchft mocked.
+if importlib.util.find_spec("torchft") is None:
+    from sphinx.ext.autodoc.mock import mock  # noqa: E402
+
+    autodoc_mock_imports = [*globals().get("autodoc_mock_imports", []), "torchft"]
+    with mock(["torchft"]):
+        import fn.integrations.torchft  # noqa: E402, F401
+
 
 def _mocked_signature(app, what, name, obj, options, signature, return_annotation):
     """With torchtitan mocked, a class of fn.integrations.torchtitan whose base is a mock (whose
@@ -213,6 +222,7 @@ _THIRD_PARTY = {
     "lightning",
     "pytorch_lightning",
     "torchtitan",
+    "torchft",
     "tyro",
 }
 _EXTERNAL = "|".join(sorted(re.escape(m) for m in _THIRD_PARTY | set(sys.stdlib_module_names)))
@@ -221,8 +231,11 @@ _BUILTINS = "|".join(
     + ["None", "True", "False", "Ellipsis", "NotImplemented"]
 )
 # The annotations of torchtitan's config fields that fn's subclasses inherit (strings in
-# torchtitan's modules) and tyro's CLI marker name these without their package.
+# torchtitan's modules) and tyro's CLI marker name these without their package; so do the
+# fields fn's configs annotate with torchtitan's config classes while torchtitan is mocked.
 _UNQUALIFIED = r"Literal\[.*|Suppress"
+if TORCHTITAN_MOCKED:
+    _UNQUALIFIED += r"|ParallelismConfig|TrainingConfig"
 nitpick_ignore_regex = [
     (r"py:.*", rf"({_EXTERNAL})\..+"),  # a name in another package: torch.Tensor, os.PathLike
     (r"py:mod", rf"({_EXTERNAL})"),
@@ -266,6 +279,7 @@ API: dict[str, list[str]] = {
     "fn.integrations.accelerate": _exports("fn.integrations.accelerate"),
     "fn.integrations.lightning": _exports("fn.integrations.lightning"),
     "fn.integrations.torchtitan": _exports("fn.integrations.torchtitan"),
+    "fn.integrations.torchft": _exports("fn.integrations.torchft"),
 }
 # The groups of each package's summary table (``fn-summary``), in the order its page shows them;
 # its entries (``fn-autopackage``) follow the same order. What a newcomer reaches for comes
@@ -401,6 +415,10 @@ API_GROUPS: dict[str, list[tuple[str, str]]] = {
             "torchtitan's components",
             "OnebitTrainer OnebitOptimizersContainer OnebitCheckpointManager ShardMeshParallelize",
         ),
+    ],
+    "fn.integrations.torchft": [
+        ("Elastic DiLoCo", "ElasticDiLoCo POSITIONAL_COMPRESSIONS"),
+        ("Building blocks", "ManagerComm"),
     ],
 }
 # Where each public object is documented, by identity (functions and classes) or by the names
