@@ -10,10 +10,15 @@ Python ``if`` on a tensor value fails under vmap (``Simulated`` runs every rank 
 there the check is a custom op: its vmap rule sees the whole batch as a plain tensor and checks
 it. The op returns a copy of its input that the caller goes on with, so a compiled graph cannot
 drop it. On eager plain tensors the check runs directly and returns the input itself (no copy).
+
+Writes: torch's zip writer (``torch.save``, DCP's files) reports a write that failed (a full disk)
+as ``unexpected pos ...``, naming neither the disk's error nor the file. fn writes its files
+through a :class:`RecordingFile`, which keeps the ``OSError``, and raises that.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import numbers
 import os
@@ -25,6 +30,7 @@ import torch
 
 __all__ = [
     "NonFiniteError",
+    "RecordingFile",
     "all_finite",
     "check_betas",
     "check_finite",
@@ -61,6 +67,51 @@ class NonFiniteError(ValueError):
         ...     print(type(err).__name__, isinstance(err, ValueError))
         NonFiniteError True
     """
+
+
+class RecordingFile(io.FileIO):
+    """A file opened for writing that keeps each ``OSError`` of opening it or writing to it in
+    ``failures`` (its ``filename`` set to the file's) before raising it.
+
+    torch's zip writer reports a failed write as a ``RuntimeError`` (``unexpected pos ...``);
+    code that writes through this file raises ``failures[0]`` instead, which says what the disk
+    said (``errno.ENOSPC``, "No space left on device") and names the file.
+
+    Args:
+        path: the file.
+        mode: an ``io.FileIO`` mode that writes (``"wb"``).
+        failures: the list the errors are appended to (shared, e.g., by a checkpoint's files).
+
+    Example:
+        ``/dev/full`` fails every write as a full disk does:
+
+        >>> import errno
+        >>> failures = []
+        >>> try:
+        ...     with fn.errors.RecordingFile("/dev/full", "wb", failures) as file:
+        ...         torch.save(torch.zeros(4), file)
+        ... except (OSError, RuntimeError):  # what torch raises depends on where the write fails
+        ...     pass
+        >>> failures[0].errno == errno.ENOSPC, failures[0].strerror, failures[0].filename
+        (True, 'No space left on device', '/dev/full')
+    """
+
+    def __init__(self, path: str | os.PathLike, mode: str, failures: list[OSError]) -> None:
+        self.failures = failures
+        try:
+            super().__init__(path, mode)
+        except OSError as error:
+            failures.append(error)
+            raise
+
+    def write(self, data: Any) -> int | None:
+        try:
+            return super().write(data)
+        except OSError as error:
+            if error.filename is None:
+                error.filename = os.fspath(self.name)
+            self.failures.append(error)
+            raise
 
 
 def real_value(value: Any) -> float | None:

@@ -7,6 +7,7 @@ pyproject.toml, see conftest.py); these tests check that this stays so.
 
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 import sys
@@ -175,38 +176,53 @@ def test_readme_keeps_the_commands_ci_runs():
 
 
 def test_readme_keeps_the_torchtitan_set_up_that_ci_runs():
-    """torchtitan's environment (torch 2.14.1 first, then the test and torchtitan extras, then
-    the FSDP2 and torchtitan tests) is README.md's, and CI's second script runs it; the
-    development install that CI runs on torch 2.13.0 goes without torchtitan, whose extra asks
-    for the torch it needs."""
+    """torchtitan's environment (torch 2.14.1 first, then the pytest and torchtitan extras, then
+    the tests) is README.md's and Getting started's, and CI's second script runs it: the same
+    test paths in all three; the development install that CI runs on torch 2.13.0 goes without
+    torchtitan, whose extra asks for the torch it needs."""
     tomllib = pytest.importorskip("tomllib", reason="tomllib is in Python 3.11 and later")
 
     def commands(text: str) -> str:
-        """The text's lines but comments, continuations joined, without pip's and pytest's -q
-        and the script's torch pin."""
+        """The text's lines but comments, continuations joined, without pip's and pytest's -q,
+        pip's --no-compile and the script's torch pin."""
         lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
         joined = " ".join(" ".join(lines).replace("\\", " ").split())
-        return joined.replace(" -q", "").replace(' -c "$tmp/torch-pin"', "")
+        for option in (" -q", " --no-compile", ' -c "$tmp/torch-pin"'):
+            joined = joined.replace(option, "")
+        return joined
+
+    def tested(text: str) -> list[list[str]]:
+        """The paths (of this checkout) that each ``-m pytest`` command of ``text`` names, for
+        those that name some."""
+        found = []
+        for command in text.split("-m pytest ")[1:]:
+            words = command.split()
+            paths = list(itertools.takewhile(lambda word: (ROOT / word).exists(), words))
+            found += [paths] if paths else []
+        return found
 
     readme = commands(README.read_text(encoding="utf-8"))
     ci = commands((ROOT / ".ci" / "torch-2.14").read_text(encoding="utf-8"))
-    for command in (
-        'pip install "torch==2.14.1"',
-        'pip install -e ".[test,torchtitan]"',
-        "pytest tests/fsdp tests/integrations/test_torchtitan.py",
-    ):
+    for command in ('pip install "torch==2.14.1"', 'pip install -e ".[pytest,torchtitan]"'):
         assert f"python3 -m {command}" in readme and command in ci, command
     assert "bash .ci/torch-2.14" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    # Getting started installs the same two environments
+    (on_torch_2_14,) = tested(ci)
+    assert "tests/integrations/test_torchtitan.py" in on_torch_2_14, on_torch_2_14
+    assert tested(readme) == [on_torch_2_14], tested(readme)
+    # Getting started installs the same two environments and runs the same tests
     started = commands((DOCS / "getting-started.md").read_text(encoding="utf-8"))
     (develop,) = re.findall(r'^\s*"\.\[[\w,]+\]"$', README.read_text(encoding="utf-8"), re.M)
     assert f"python3 -m pip install -e {develop.strip()}" in started
     assert 'python3 -m pip install "torch==2.14.1"' in started
-    assert 'python3 -m pip install -e ".[test,torchtitan]"' in started
+    assert 'python3 -m pip install -e ".[pytest,torchtitan]"' in started
+    assert tested(started) == [on_torch_2_14], tested(started)
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     extras = project["optional-dependencies"]
     assert "torch>=2.14" in extras["torchtitan"]
     assert not any("torchtitan" in requirement for requirement in extras["docs"])
+    # the pytest extra, the torch 2.14.1 environment's runner, is the test extra's too
+    assert any(requirement.startswith("pytest>=") for requirement in extras["pytest"])
+    assert "fn-optim[pytest]" in extras["test"]
 
 
 @pytest.mark.parametrize("page", PAGES)

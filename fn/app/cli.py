@@ -12,7 +12,10 @@ optimizer run into a file fn resumes from (:func:`fn.optim.convert_checkpoint`).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,7 @@ import torch
 from fn.app import _report, demo
 from fn.app._launch import WorkerError
 from fn.app._progress import make_progress
+from fn.errors import RecordingFile
 
 DEFAULT_STEPS = 400
 DEFAULT_WORKERS = 2
@@ -184,9 +188,15 @@ def _from_deepspeed(args: argparse.Namespace) -> int:
 
     try:
         converted, summary = convert_checkpoint(args.checkpoint, args.config, trust=args.trust)
-        torch.save(converted, args.out)
     except (OSError, ValueError, NotImplementedError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return 1
+    existed = args.out.exists()
+    try:
+        _save_whole(converted, args.out)
+    except OSError as err:
+        kept = f"{args.out} is as it was" if existed else "nothing was written"
+        print(f"error: cannot write {args.out}: {err}; {kept}", file=sys.stderr)
         return 1
     for line in summary:
         print(line)
@@ -200,6 +210,24 @@ def _from_deepspeed(args: argparse.Namespace) -> int:
     if "scheduler" in converted["config"]:
         print('    sched = fn.optim.scheduler_from_deepspeed(opt, ckpt["config"])')
     return 0
+
+
+def _save_whole(obj: Any, out: Path) -> None:
+    """``torch.save(obj, out)``, whole or not at all: into ``<out>.partial`` beside it, then
+    renamed to ``out``. A failed write (a full disk) raises its ``OSError`` (torch's own error
+    says only ``unexpected pos ...``), with no ``.partial`` left and ``out`` as it was."""
+    partial = out.with_name(f"{out.name}.partial")
+    failures: list[OSError] = []
+    try:
+        with io.BufferedWriter(RecordingFile(partial, "wb", failures)) as file:
+            torch.save(obj, file)
+        os.replace(partial, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        if failures:
+            raise failures[0] from None
+        raise
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -38,8 +38,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from fn.collectives import ProcessGroup
 from fn.collectives.agreement import gather_texts, shared
+from fn.errors import RecordingFile
 from fn.fsdp.loco import LocoReduceScatterHandle
 from fn.fsdp.onebit import ShardedOnebitOptimizer
+from fn.tree import tree_map
 
 __all__ = ["CheckpointWriteError", "TrainingCheckpoint", "read_onebit_state"]
 
@@ -96,11 +98,12 @@ class TrainingCheckpoint:
             trains (the optimizer's steps do not change it), :meth:`save` writes it and
             :meth:`load` restores it, so that a resumed loop starts at ``self.step``.
         extra: further DCP ``Stateful`` s by name (e.g. ``{"diloco": fn.diloco.DiLoCo(...)}``),
-            saved under their names. :meth:`load` reads and restores them first, so that one
-            that refuses its state (raising in ``load_state_dict`` before it changes anything)
-            leaves everything as it was. The entries of a Stateful's ``state_dict()["per_rank"]``
-            (by convention, one per rank, named by the rank) that the checkpoint lacks (it was
-            saved on fewer ranks) are left out of its read, for it to restart.
+            saved under their names. :meth:`load` reads everything, then restores them first,
+            so that one that refuses its state (raising in ``load_state_dict`` before it
+            changes anything) leaves everything as it was. The entries of a Stateful's
+            ``state_dict()["per_rank"]`` (by convention, one per rank, named by the rank) that
+            the checkpoint lacks (it was saved on fewer ranks) are left out of its read, for it
+            to restart.
         key: the name of this state in the checkpoint. DCP keeps one copy of a name for all
             ranks, so ranks whose model or optimizer state differ, as DiLoCo's workers' do,
             save under names of their own (e.g. ``f"worker{w}"``) into one checkpoint.
@@ -278,7 +281,9 @@ class TrainingCheckpoint:
         For a :class:`~fn.fsdp.ShardedOnebitOptimizer` it reads the optimizer's header first
         and the rest into new tensors laid out as saved, then restores them: a checkpoint of
         another model or other settings, or one that cannot be read, raises on every rank with
-        nothing changed.
+        nothing changed. Everything is read into copies (memory for a second copy of this rank's
+        model, optimizer and extra states while it loads), then restored: a read that fails on
+        any rank, with any optimizer, changes nothing on any rank.
 
         Args:
             path: the checkpoint directory, in any form :meth:`save` takes, or a URL DCP's
@@ -287,39 +292,39 @@ class TrainingCheckpoint:
         Raises:
             OSError: on a rank that cannot read the checkpoint's metadata, its own error (such as
                 ``FileNotFoundError``); nothing was changed.
-            ValueError: on every other rank then; and (a ``ShardedOnebitOptimizer``) the
-                checkpoint does not match the model or optimizer, or cannot be read; or an
-                extra Stateful's state cannot be read or is refused by it (nothing changed).
+            ValueError: on every other rank then; and on every rank, when the checkpoint does
+                not match the model or optimizer or cannot be read (a file cut short, say), or
+                an extra Stateful's state cannot be read or is refused by it (nothing changed).
         """
         path, group = _normalised(path), self.group
-        if not isinstance(self.optimizer, ShardedOnebitOptimizer):
-            keys = None
-            if "://" not in path:  # a URL: DCP's own storage reads it
-                keys = _read_metadata(path, _device(self.model), group).state_dict_metadata
-            self._load_extra(path, keys)
+        onebit = isinstance(self.optimizer, ShardedOnebitOptimizer)
+        optim, keys = None, None
+        if onebit:  # its header, checked against the optimizer, then its state
+            optim = read_onebit_state(self.optimizer, path, f"{self.key}.optim", group)
+        if (self.extra or not onebit) and "://" not in path:  # a URL: DCP's storage reads it
+            keys = _read_metadata(path, _device(self.model), group).state_dict_metadata
+        extra = self._read_extra(path, keys)
+        if onebit:
+            state = {
+                "model": get_model_state_dict(self.model),
+                "step": torch.zeros((), dtype=torch.int64),
+            }
+            if self.handle is not None:
+                state["loco"] = self.handle.state_dict()
+        else:
             state = self._own_state_dict()
-            dcp.load({self.key: state}, checkpoint_id=path, process_group=group)
-            self._load_own(state)
-            return
-        optim = read_onebit_state(self.optimizer, path, f"{self.key}.optim", group)
-        if self.extra:
-            metadata = _read_metadata(path, _device(self.model), group)
-            self._load_extra(path, metadata.state_dict_metadata)
-        state = {
-            "model": {k: v.detach().clone() for k, v in get_model_state_dict(self.model).items()},
-            "step": torch.zeros((), dtype=torch.int64),
-        }
-        if self.handle is not None:
-            state["loco"] = self.handle.state_dict()
+        state = _copies(state)  # the state dicts share the live tensors: a failed read changes none
         _read(path, {self.key: state}, group)
-        self._load_own(dict(state, optim=optim))
+        for name, x in self.extra.items():
+            x.load_state_dict(extra[name])
+        self._load_own(dict(state, optim=optim) if onebit else state)
 
-    def _load_extra(self, path: str, keys: Any) -> None:
-        """Reads the extra Statefuls' states (``keys``: the checkpoint's, to leave out the
-        per-rank entries it lacks; ``None``: all) and restores them."""
+    def _read_extra(self, path: str, keys: Any) -> dict[str, Any]:
+        """The extra Statefuls' states, read into copies (``keys``: the checkpoint's, to leave
+        out the per-rank entries it lacks; ``None``: all)."""
         if not self.extra:
-            return
-        states = {name: x.state_dict() for name, x in self.extra.items()}
+            return {}
+        states = _copies({name: x.state_dict() for name, x in self.extra.items()})
         for name, state in states.items():
             per_rank = state.get("per_rank") if isinstance(state, dict) else None
             if keys is not None and isinstance(per_rank, dict):
@@ -330,8 +335,7 @@ class TrainingCheckpoint:
                     if any(key.startswith(f"{prefix}{k}.") for key in keys)
                 }
         _read(path, {self.key: states}, self.group)
-        for name, x in self.extra.items():
-            x.load_state_dict(states[name])
+        return states
 
 
 def read_onebit_state(
@@ -395,6 +399,11 @@ def read_onebit_state(
     state = optimizer.checkpoint_template(header, saved)
     _read(path, _nested(key, state), group)
     return state
+
+
+def _copies(state: Any) -> Any:
+    """``state`` with each tensor (a ``DTensor`` too) replaced by a copy of it."""
+    return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, state)
 
 
 def _nested(key: str, value: Any) -> dict[str, Any]:
@@ -534,27 +543,9 @@ def _write_error(
     return CheckpointWriteError(message, first["errno"], first["strerror"], filename)
 
 
-class _RecordedFile(io.FileIO):
-    """A file open for writing that keeps the ``OSError`` of a failed write (in ``failures``,
-    with the file's name) before raising it."""
-
-    def __init__(self, path: str | os.PathLike, mode: str, failures: list[OSError]) -> None:
-        super().__init__(path, mode)
-        self._failures = failures
-
-    def write(self, data: Any) -> int | None:
-        try:
-            return super().write(data)
-        except OSError as error:
-            if error.filename is None:
-                error.filename = os.fspath(self.name)
-            self._failures.append(error)
-            raise
-
-
 class _RecordingFileSystem(FileSystem):
     """DCP's local file system, keeping this rank's ``OSError`` s of creating and writing files
-    in ``failures``."""
+    in ``failures`` (through :class:`fn.errors.RecordingFile`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -566,12 +557,7 @@ class _RecordingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        try:
-            raw = _RecordedFile(path, mode, self.failures)
-        except OSError as error:
-            self.failures.append(error)
-            raise
-        with io.BufferedWriter(raw) as stream:
+        with io.BufferedWriter(RecordingFile(path, mode, self.failures)) as stream:
             yield stream
 
 

@@ -3,14 +3,15 @@
 with fn.fsdp.OnebitAdam. When one rank fails: rank 0 cannot move the new checkpoint into place
 (a mount point, or the second rename; on a first save too) or clear an old ``.partial``, DCP's
 write fails on a rank (an ``OSError``, or a file over the size limit, which torch's zip writer
-reports as "unexpected pos"; a real full disk as root), and a rank cannot read the checkpoint it
-loads. A failed write raises the same ``CheckpointWriteError`` on every rank, naming the
-``OSError``. Every rank raises at once
-(not at the process group's timeout), the failing rank its own error and the others one that
-names it and holds that error, saying whether a previous checkpoint is intact or none was there;
-no ``.partial`` is left, the previous checkpoint stays intact and loadable, nothing is loaded,
-and the next save and load work. ``step`` is the count the training loop sets (the optimizer's
-steps leave it), saved and restored."""
+reports as "unexpected pos"; a real full disk as root), a rank cannot read the checkpoint it
+loads, and DCP cannot load a checkpoint whose metadata every rank reads (a data file cut short,
+another model's: the same ``ValueError`` on every rank, nothing changed on any). A failed write
+raises the same ``CheckpointWriteError`` on every rank, naming the ``OSError``. Every rank raises
+at once (not at the process group's timeout), the failing rank its own error and the others one
+that names it and holds that error, saying whether a previous checkpoint is intact or none was
+there; no ``.partial`` is left, the previous checkpoint stays intact and loadable, nothing is
+loaded, and the next save and load work. ``step`` is the count the training loop sets (the
+optimizer's steps leave it), saved and restored."""
 
 from __future__ import annotations
 
@@ -18,10 +19,6 @@ import contextlib
 import errno
 import functools
 import os
-import resource
-import shutil
-import signal
-import subprocess
 import time
 from pathlib import Path
 from unittest import mock
@@ -31,11 +28,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import fn.diloco
 import fn.fsdp
 from fn.fsdp import TrainingCheckpoint
+from tests._disk import file_size_limit, filled, small_tmpfs
 from tests._distributed import run_distributed, run_together
 from tests.fsdp import test_fsdp, test_onebit
 
@@ -51,6 +51,18 @@ def _outcome(call) -> tuple[str, str, float]:
     except Exception as error:  # noqa: BLE001 -- the test reports which one
         kind, message = type(error).__name__, str(error)
     return kind, message, time.monotonic() - started
+
+
+def _raised(call) -> tuple:
+    """``call()``'s exception: whether an ``Exception``, its type name, message, errno and file
+    (``"ok"``: none)."""
+    try:
+        call()
+    except BaseException as error:  # noqa: BLE001 -- DCP's own is a BaseException
+        kind = type(error).__name__
+        where = getattr(error, "errno", None), getattr(error, "filename", None)
+        return (isinstance(error, Exception), kind, str(error), *where)
+    return (True, "ok", "", None, None)
 
 
 def _failing_rename(rank: int, src_of: str):
@@ -136,6 +148,21 @@ def _worker_load(rank: int, world_size: int, root: str) -> dict:
     out["adamw_unchanged"] = checkpoint.step == 3 and _same(before, after)
     checkpoint.load(path)
     out["adamw_loaded"] = checkpoint.step
+    # checkpoints whose metadata every rank reads but DCP cannot load: rank 1's data file cut
+    # short (the ranks read their own whole first), and one of another model
+    cut, other = os.path.join(root, "cut"), os.path.join(root, "other")
+    TrainingCheckpoint(model, optimizer, step=5).save(cut)
+    if rank == 1:
+        data = os.path.join(cut, "__1_0.distcp")
+        os.truncate(data, os.path.getsize(data) // 2)
+    small = fully_shard(nn.Linear(12, 3), mesh=init_device_mesh("cpu", (world_size,)))
+    TrainingCheckpoint(small, torch.optim.AdamW(small.parameters()), step=7).save(other)
+    dist.barrier()
+    test_fsdp.train(model, optimizer, rank, range(3, 4))
+    before = _state(model, optimizer)
+    out["adamw_cut"] = _raised(lambda: checkpoint.load(cut))
+    out["adamw_other"] = _raised(lambda: checkpoint.load(other))
+    out["adamw_cut_unchanged"] = checkpoint.step == 2 and _same(before, _state(model, optimizer))
 
     model = test_onebit.build()
     opt = fn.fsdp.OnebitAdam(model, lr=1e-2, freeze_step=2)
@@ -221,9 +248,19 @@ def test_a_rank_that_cannot_read_the_checkpoint_stops_every_rank_with_nothing_lo
         for result in results:
             assert result[f"{key}_unchanged"], key
     for result in results:
+        assert result["adamw_cut_unchanged"]
         assert result["adamw_loaded"] == 2
         assert result["onebit_count"] == 4 and result["onebit_loaded"] == (3, 3)
         assert result["onebit_unset_step"] == 0  # the optimizer's steps leave it (the guides)
+    for key, path in (("adamw_cut", tmp_path / "cut"), ("adamw_other", tmp_path / "other")):
+        outcome = results[0][key]
+        assert all(result[key] == outcome for result in results), key
+        is_exception, kind, message, _, _ = outcome
+        assert is_exception and kind == "ValueError", outcome
+        assert message.startswith(
+            f"cannot read the checkpoint {path} (corrupt, or not of this model): rank "
+        ), message
+        assert message.endswith("; nothing was loaded"), message
 
 
 # ------------------------------------------------------------------ path forms, first saves
@@ -357,35 +394,6 @@ def _write_fails(rank: int):
     return mock.patch.object(dcp.FileSystemWriter, "write_data", write_data)
 
 
-@contextlib.contextmanager
-def _file_size_limit(rank: int, size: int):
-    """On rank 1: files past ``size`` bytes cannot be written (``RLIMIT_FSIZE``: ``EFBIG``, the
-    signal ignored); elsewhere nothing changed."""
-    if rank != 1:
-        yield
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, handler)
-
-
-def _write_outcome(call) -> tuple:
-    """``call()``'s exception: whether an ``Exception``, its type name, message, errno and file
-    (``"ok"``: none)."""
-    try:
-        call()
-    except BaseException as error:  # noqa: BLE001 -- DCP's own is a BaseException
-        kind = type(error).__name__
-        where = getattr(error, "errno", None), getattr(error, "filename", None)
-        return (isinstance(error, Exception), kind, str(error), *where)
-    return (True, "ok", "", None, None)
-
-
 def _failed_save(
     failing, outcome, checkpoint: TrainingCheckpoint, path: str, folder: str
 ) -> tuple[tuple, list[str]]:
@@ -412,9 +420,12 @@ def _worker_first_save(rank: int, world_size: int, root: str) -> dict:
         _train(kind, model, optimizer, rank, range(3))
         first_saves = {  # each fails on one rank
             "rename": (_failing_rename(rank, os.path.join(here, "new.partial")), _outcome),
-            "write": (_write_fails(rank), _write_outcome),
+            "write": (_write_fails(rank), _raised),
             # rank 1's file stops inside torch.save
-            "too large": (_file_size_limit(rank, 20_000), _write_outcome),
+            "too large": (
+                file_size_limit(20_000) if rank == 1 else contextlib.nullcontext(),
+                _raised,
+            ),
         }
         for case, (failing, outcome) in first_saves.items():
             out[kind, case], out[kind, f"{case} listing"] = _failed_save(
@@ -424,7 +435,7 @@ def _worker_first_save(rank: int, world_size: int, root: str) -> dict:
         saved = _everything(model, optimizer)
         _train(kind, model, optimizer, rank, range(3, 4))
         out[kind, "overwrite"], out[kind, "overwrite listing"] = _failed_save(
-            _write_fails(rank), _write_outcome, TrainingCheckpoint(model, optimizer), "old/", here
+            _write_fails(rank), _raised, TrainingCheckpoint(model, optimizer), "old/", here
         )
         checkpoint = TrainingCheckpoint(model, optimizer)
         checkpoint.load("old")
@@ -484,19 +495,6 @@ def test_a_failed_first_save_says_so_and_leaves_nothing(two_ranks):
 # ------------------------------------------------------------------------ a real full disk
 
 
-def _fill(folder: str) -> None:
-    """Writes ``folder/filler`` until the filesystem of ``folder`` (a small tmpfs) is full."""
-    assert os.path.ismount(folder), folder  # never fill another filesystem
-    with open(os.path.join(folder, "filler"), "wb", buffering=0) as filler:
-        for _ in range(1 << 14):  # at most 64 MiB
-            try:
-                filler.write(bytes(4096))
-            except OSError as error:
-                assert error.errno == errno.ENOSPC, error
-                return
-    raise AssertionError(f"{folder} did not fill up")
-
-
 def _full_disk_case(kind: str, rank: int, world_size: int):
     """``(model, optimizer, checkpoint_of, train)`` of one kind: FSDP2 with AdamW, FSDP2 with
     fn.fsdp.OnebitAdam, or a DiLoCo worker (its state saved as ``extra=``, a name per worker)."""
@@ -543,26 +541,25 @@ def _worker_full_disk(rank: int, world_size: int, full: str, good: str) -> dict:
         train(range(3))
         checkpoint_of(step=3).save(f"{full}/{kind}")
         saved = _snapshot(kind, model, optimizer)
-        if rank == 0:
-            _fill(full)
-        dist.barrier()
-        train(range(3, 4))
-        for name in ("overwrite", "first"):
-            where = f"{full}/{kind}" if name == "overwrite" else f"{full}/new"
-            out[kind, name] = _write_outcome(functools.partial(checkpoint_of(step=4).save, where))
-            out[kind, name, "listing"] = sorted(os.listdir(full))
-        checkpoint = checkpoint_of()
-        checkpoint.load(f"{full}/{kind}")
-        out[kind, "kept"] = checkpoint.step == 3 and _same(saved, _snapshot(kind, model, optimizer))
-        train(range(3, 4))
-        checkpoint_of(step=4).save(f"{good}/{kind}")
-        later = _snapshot(kind, model, optimizer)
-        train(range(4, 5))
-        checkpoint.load(f"{good}/{kind}")
-        out[kind, "good"] = checkpoint.step == 4 and _same(later, _snapshot(kind, model, optimizer))
-        dist.barrier()
-        if rank == 0:
-            os.remove(f"{full}/filler")
+        with filled(full) if rank == 0 else contextlib.nullcontext():
+            dist.barrier()
+            train(range(3, 4))
+            for name in ("overwrite", "first"):
+                where = f"{full}/{kind}" if name == "overwrite" else f"{full}/new"
+                out[kind, name] = _raised(functools.partial(checkpoint_of(step=4).save, where))
+                out[kind, name, "listing"] = sorted(os.listdir(full))
+            checkpoint = checkpoint_of()
+            checkpoint.load(f"{full}/{kind}")
+            kept = _same(saved, _snapshot(kind, model, optimizer))
+            out[kind, "kept"] = checkpoint.step == 3 and kept
+            train(range(3, 4))
+            checkpoint_of(step=4).save(f"{good}/{kind}")
+            later = _snapshot(kind, model, optimizer)
+            train(range(4, 5))
+            checkpoint.load(f"{good}/{kind}")
+            loaded = _same(later, _snapshot(kind, model, optimizer))
+            out[kind, "good"] = checkpoint.step == 4 and loaded
+            dist.barrier()
         dist.barrier()
         checkpoint_of(step=4).save(f"{full}/{kind}")
         checkpoint.load(f"{full}/{kind}")
@@ -574,19 +571,9 @@ def _worker_full_disk(rank: int, world_size: int, full: str, good: str) -> dict:
 @pytest.mark.timeout(300)
 def test_a_save_on_a_full_disk_raises_the_same_oserror_on_every_rank_and_leaves_nothing(tmp_path):
     """A real full filesystem: a 1 MiB tmpfs that rank 0 fills (mounting one needs root)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs to fill needs root")
     full, good = tmp_path / "full", tmp_path / "good"
-    full.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(full)]
-    mounted = subprocess.run(mount, capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with small_tmpfs(full, "1m"):
         results = run_distributed(_worker_full_disk, 2, str(full), str(good), timeout=240)
-    finally:
-        subprocess.run(["umount", str(full)], check=True)
-        shutil.rmtree(full, ignore_errors=True)
     for kind in ("adamw", "onebit", "diloco"):
         for name, target in (("overwrite", full / kind), ("first", full / "new")):
             outcome = results[0][kind, name]

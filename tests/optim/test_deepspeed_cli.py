@@ -4,6 +4,8 @@ DeepSpeed 0.18.9's ``engine._save_checkpoint``), filled with a reference run's s
 
 from __future__ import annotations
 
+import functools
+import os
 import warnings
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import torch
 import fn
 from fn.app.cli import main
 from fn.collectives import Local
+from tests._disk import file_size_limit, filled, small_tmpfs
 
 DATA = Path(__file__).resolve().parent / "deepspeed_data"
 RUN = next(
@@ -109,3 +112,56 @@ def test_every_form_of_a_folder_converts(tmp_path, monkeypatch):
         ckpt, summary = fn.optim.convert_checkpoint(form)
         assert ckpt["step"] == 9 and ckpt["param_names"][0] == "encoder.weight", form
         assert summary[0].startswith(f"read {save_dir / 'global_step10'}"), (form, summary[0])
+
+
+def _failed_writes(tmp_path: Path, out: Path, failing, capsys) -> dict:
+    """Converts into ``out``, then, within ``failing()``, an overwrite of ``out`` and a first
+    write beside it: by case, the exit code, the error output and the files in ``out``'s
+    folder; and whether ``out`` is intact."""
+    save_dir = _save_dir(tmp_path)
+    assert main(["from-deepspeed", str(save_dir), str(out)]) == 0
+    written = out.read_bytes()
+    capsys.readouterr()
+    found = {}
+    with failing():
+        for name, target in (("overwrite", out), ("first", out.with_name("new.pt"))):
+            code = main(["from-deepspeed", str(save_dir), str(target)])
+            found[name] = code, capsys.readouterr().err, sorted(os.listdir(out.parent))
+    found["intact"] = out.read_bytes() == written
+    return found
+
+
+def _expected(out: Path, error: str, files: list[str]) -> dict:
+    new = out.with_name("new.pt")
+    return {
+        "overwrite": (
+            1,
+            f"error: cannot write {out}: {error}: '{out}.partial'; {out} is as it was\n",
+            files,
+        ),
+        "first": (
+            1,
+            f"error: cannot write {new}: {error}: '{new}.partial'; nothing was written\n",
+            files,
+        ),
+        "intact": True,
+    }
+
+
+def test_a_failed_write_names_the_error_and_leaves_nothing(tmp_path, capsys):
+    """A file over the size limit (``RLIMIT_FSIZE``), which torch.save reports as "unexpected
+    pos": the error names the ``OSError`` and the file; no ``.partial`` is left and a file
+    already there is as it was."""
+    (tmp_path / "out").mkdir()
+    out = tmp_path / "out" / "fn.pt"
+    limit = functools.partial(file_size_limit, 100_000)  # the checkpoint is over 200 kB
+    found = _failed_writes(tmp_path, out, limit, capsys)
+    assert found == _expected(out, "[Errno 27] File too large", ["fn.pt"])
+
+
+def test_a_full_disk_names_the_error_and_leaves_nothing(tmp_path, capsys):
+    """A real full filesystem: a 1 MiB tmpfs, filled after the first write (root only)."""
+    with small_tmpfs(tmp_path / "small", "1m") as small:
+        out = small / "fn.pt"
+        found = _failed_writes(tmp_path, out, functools.partial(filled, small), capsys)
+    assert found == _expected(out, "[Errno 28] No space left on device", ["filler", "fn.pt"])
