@@ -95,6 +95,25 @@ def test_sparseloco_is_the_papers_rule_bit_for_bit():
         assert torch.equal(state[0].error["w"][r], errors[r])
 
 
+def test_sparseloco_steps_twice_the_mean_by_default():
+    """The default outer learning rate is 2 (the paper's 1 is ``lr=1.0``): the reference's
+    steps at lr 2, bit for bit."""
+    comm = Simulated(W)
+    anchor = torch.randn(40, generator=torch.Generator().manual_seed(10))
+    drifts = _workers(anchor, steps=3, seed=11)
+    outer = fn.diloco.sparseloco(k=2, chunk_size=8, comm=comm, exchange="gather")
+    got, _ = _run(outer, comm, anchor, drifts)
+    expected, current = [], anchor
+    errors = [torch.zeros_like(anchor) for _ in range(W)]
+    for drift in drifts:
+        deltas = [current - (current + drift[r]) for r in range(W)]
+        mean, errors = _reference.topk_allreduce(deltas, errors, 2, 8, 0.95)
+        current = current + mean * torch.tensor(-2.0)
+        expected.append(current)
+    for s, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert all(torch.equal(g[r], e) for r in range(W)), s
+
+
 def test_sparseloco_with_the_owner_exchange_is_its_reference_bit_for_bit():
     """Owners reduce and compress again (a server error each): the loop over workers and
     owners of _reference.py."""
