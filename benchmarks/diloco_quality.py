@@ -266,7 +266,7 @@ def schedule(method: Method, comm: Simulated) -> Callable[[int], tuple[str, Any]
 
     def sparse(k: int) -> Any:
         if k not in rules and method.kind == "topk":
-            top = fn.diloco.compression("topk", comm=comm, k=k, chunk_size=chunk)
+            top = fn.diloco.compression("topk", comm=comm, k=k, chunk_size=chunk, exchange=exchange)
             rules[k] = fn.diloco.nesterov(top, **nesterov)
         elif k not in rules:
             rules[k] = fn.diloco.sparseloco(k=k, chunk_size=chunk, comm=comm, **sparseloco)
