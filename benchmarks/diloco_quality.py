@@ -354,8 +354,10 @@ def heldout_loss(task: Any, model: torch.nn.Module, params: dict[str, torch.Tens
 
 
 TASK_NAMES = ("lm", "mlp", "regress")
-METHODS = "fp32,int8,sparseloco-1/32:exchange=gather,sparseloco-1/64:exchange=gather"
-METHODS += ",sparseloco-1/32:exchange=owner,sparseloco-1/64:exchange=owner"
+METHODS = (
+    "fp32,int8,sparseloco-1/32:exchange=gather:lr=1,sparseloco-1/32:exchange=gather,"
+    "sparseloco-1/64:exchange=gather,sparseloco-1/32:exchange=owner"
+)
 BATCH = {"lm": 16, "mlp": 64, "regress": 128}  # samples per step over all the workers
 
 

@@ -1150,11 +1150,7 @@ def test_diloco_quality_quick_run_tables_every_task_and_orders_the_bytes():
         }
         topk = [v for name, v in sent.items() if name.startswith("sparseloco")]
         assert max(topk) < sent["int8"] < sent["fp32"]
-        for density in (32, 64):
-            owner, gather = (
-                sent[f"sparseloco-1/{density}:exchange={x}"] for x in ("owner", "gather")
-            )
-            assert owner < gather
+        assert sent["sparseloco-1/32:exchange=owner"] < sent["sparseloco-1/32:exchange=gather"]
         losses = [float(row[3].split(" (")[0]) for row in table.values()]
         assert all(0 < loss < 5 for loss in losses)
     assert out.count("Within 1% of dense DiLoCo after 2 outer steps everywhere:") == 5
