@@ -44,12 +44,13 @@ loss after each evaluated outer step (the mean over ``--seeds``), its change fro
 DiLoCo's at the same inner lr, each seed's change, and the bytes one worker sent and received
 per outer step; last, each compressed method's change from dense DiLoCo on every task and
 ``W``, and whether it is within 1% after the last outer step everywhere (issue #63's target).
-``--jobs N`` runs N runs at a time (processes); ``--json FILE`` saves every run.
+``--jobs N`` runs N runs at a time (processes); ``--json FILE`` saves every run and ``--reuse
+FILE`` takes the runs of the same settings from such a file instead of running them again.
 
 Run: python3 benchmarks/diloco_quality.py [--tasks lm,mlp,regress] [--workers 4,16]
      [--seeds 0,1] [--evals 20,100] [--sync-every 30] [--lr-scales 1]
      [--methods fp32,int8,sparseloco-1/32:exchange=gather,...] [--jobs 1] [--json FILE]
-     [--quick]"""
+     [--reuse FILE] [--quick]"""
 
 from __future__ import annotations
 
@@ -372,6 +373,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-scales", default="1", help="factors of every task's inner lr")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (processes)")
     p.add_argument("--json", help="write every run's numbers to this file")
+    p.add_argument("--reuse", help="a --json file: its runs of these settings are not run again")
     p.add_argument("--quick", action="store_true", help="a smoke test: W 4, H 5, 2 outer steps")
     args = p.parse_args(argv)
     if args.quick:
@@ -405,7 +407,7 @@ def one_run(job: tuple[str, int, int, str, float, argparse.Namespace]) -> dict:
     lr = task.lr * scale
     result = run(task, parse_method(label), workers, seed, lr, args)
     return {"task": name, "workers": workers, "seed": seed, "method": label, "scale": scale,
-            "lr": lr, **result}  # fmt: skip
+            "lr": lr, "sync_every": args.sync_every, **result}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -416,18 +418,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for t in args.tasks for w in args.workers for scale in args.lr_scales
         for m in args.methods for seed in args.seeds
     ]  # fmt: skip
+    reused = _reused(args.reuse, jobs) if args.reuse else {}
+    todo = [job for job in jobs if _key(job) not in reused]
     load = os.getloadavg()[0]
-    print(f"{len(jobs)} runs of {max(args.evals)} outer steps, H = {args.sync_every}; "
+    more = f" ({len(jobs) - len(todo)} more from {args.reuse})" if args.reuse else ""
+    print(f"{len(todo)} runs of {max(args.evals)} outer steps, H = {args.sync_every}{more}; "
           f"1-minute load average before: {load:.2f}", flush=True)  # fmt: skip
-    records = []
     if args.jobs > 1:
         import multiprocessing
 
         with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
-            for record in pool.imap(one_run, jobs):
-                records.append(_printed(record))
+            done = [_printed(record) for record in pool.imap(one_run, todo)]
     else:
-        records = [_printed(one_run(job)) for job in jobs]
+        done = [_printed(one_run(job)) for job in todo]
+    fresh = iter(done)
+    records = [reused[_key(job)] if _key(job) in reused else next(fresh) for job in jobs]
     print(f"1-minute load average after: {os.getloadavg()[0]:.2f}\n")
     for t in args.tasks:
         for w in args.workers:
@@ -437,6 +442,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
     return records
+
+
+def _key(job: tuple) -> tuple:
+    """What makes two runs the same: task, ``W``, seed, method, inner lr and ``H``."""
+    name, workers, seed, label, scale, args = job
+    return name, workers, seed, label, scale, args.sync_every
+
+
+def _reused(path: str, jobs: list[tuple]) -> dict[tuple, dict]:
+    """The records of ``path`` (a ``--json`` file) of the same runs as ``jobs`` that were
+    evaluated after every outer step of ``args.evals``, by :func:`_key`."""
+    with open(path) as f:
+        records = json.load(f)
+    wanted = {_key(job) for job in jobs}
+    evals = jobs[0][-1].evals if jobs else []
+    out = {}
+    for r in records:
+        r["losses"] = {int(s): v for s, v in r["losses"].items()}
+        key = (r["task"], r["workers"], r["seed"], r["method"], r["scale"], r["sync_every"])
+        if key in wanted and all(e in r["losses"] for e in evals):
+            out[key] = r
+    return out
 
 
 def _printed(record: dict) -> dict:
