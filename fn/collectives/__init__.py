@@ -31,7 +31,7 @@ transform that can also exchange with its flag and size record in a header on it
 
 import torch
 
-from fn.collectives.cast import CAST_DTYPES, cast_allreduce
+from fn.collectives.cast import CAST_DTYPES, cast_allreduce, cast_exchange_form
 from fn.collectives.comm import Comm, Local
 from fn.collectives.dense import dense_allreduce
 from fn.collectives.error_feedback import (
@@ -91,6 +91,7 @@ __all__ = [
     "dense_allreduce",
     "CAST_DTYPES",
     "cast_allreduce",
+    "cast_exchange_form",
     "ErrorFeedback",
     "ErrorFeedbackField",
     "error_feedback_leaves",

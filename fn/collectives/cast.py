@@ -14,12 +14,13 @@ from __future__ import annotations
 import torch
 
 from fn import kernels
-from fn.base import EmptyState, GradientTransformation
+from fn.base import EmptyState
 from fn.collectives import _sizes
 from fn.collectives.comm import Comm
+from fn.collectives.header import HEADER_BYTES, Compressor, Exchanged, flag_of, opened, sealed
 from fn.tree import tree_flatten, tree_unflatten
 
-__all__ = ["CAST_DTYPES", "cast_allreduce"]
+__all__ = ["CAST_DTYPES", "cast_allreduce", "cast_exchange_form"]
 
 CAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The dtypes :func:`cast_allreduce` sends, fp32 (the exact mean in rank order), bf16 and fp16.
@@ -32,7 +33,31 @@ Example:
 _WHAT = "cast_allreduce"
 
 
-def cast_allreduce(dtype: torch.dtype = torch.float32, *, comm: Comm) -> GradientTransformation:
+def cast_exchange_form(n: int, itemsize: int, world_size: int) -> str:
+    """The form of :func:`cast_allreduce`'s ``exchange``: ``"gather"`` (one all-gather of every
+    rank's values, each rank sums them all) where it sends no more bytes per rank than
+    ``"owner"`` (the all_to_all to the owners of the chunks, then the all-gather of their
+    means), else ``"owner"``. With ``H`` = ``HEADER_BYTES``, ``s`` = ``itemsize`` and ``N_W`` =
+    ``n`` rounded up to a multiple of ``W``, per rank:
+
+    .. math::
+        \\text{gather: } (W - 1)(H + s n), \\qquad
+        \\text{owner: } (W - 1)(H + s N_W / W) + (W - 1)\\, s N_W / W,
+
+    so ``"gather"`` (one collective instead of two) at ``W = 2``, ``"owner"`` from ``W = 3`` on
+    but for a few values. Both give the same bits.
+
+    Example:
+        >>> from fn.collectives import cast_exchange_form
+        >>> [cast_exchange_form(1000, 4, w) for w in (2, 3, 8)]
+        ['gather', 'owner', 'owner']
+    """
+    share = -(-n // world_size) * itemsize
+    gather = HEADER_BYTES + itemsize * n
+    return "gather" if gather <= HEADER_BYTES + 2 * share else "owner"
+
+
+def cast_allreduce(dtype: torch.dtype = torch.float32, *, comm: Comm) -> Compressor:
     """Replaces every update leaf by the mean over the ranks of its values rounded to ``dtype``.
 
     .. math::
@@ -52,8 +77,15 @@ def cast_allreduce(dtype: torch.dtype = torch.float32, *, comm: Comm) -> Gradien
         dtype: what the values travel as, one of :data:`CAST_DTYPES`.
         comm: the communicator.
 
+    ``exchange(updates, state, flag)`` (:class:`~fn.collectives.Compressor`) gives the same
+    bits with this rank's flag and the size record in a header in front of its values, no
+    collective of their own: the all_to_all and the all-gather, or, where that sends no more
+    bytes (``W = 2``), one all-gather of every rank's values, every rank adding all ``W`` in
+    rank order (:func:`cast_exchange_form`). A rank whose flag is ``False`` (or whose values
+    are not finite in ``dtype``) sends zeros.
+
     Returns:
-        A GradientTransformation with an ``EmptyState``.
+        A :class:`~fn.collectives.Compressor` with an ``EmptyState``.
 
     Raises:
         ValueError: for a ``dtype`` outside :data:`CAST_DTYPES`; from ``update``, on every rank
@@ -82,13 +114,9 @@ def cast_allreduce(dtype: torch.dtype = torch.float32, *, comm: Comm) -> Gradien
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         world_size = comm.world_size
-        leaves, spec = tree_flatten(updates)
-        live = [i for i, u in enumerate(leaves) if u is not None and u.numel() > 0]
+        leaves, spec, live = _live(updates)
         if world_size == 1 or not live:
             return updates, state
-        for i in live:
-            if not leaves[i].is_floating_point():
-                raise TypeError(f"{_WHAT} needs floating-point leaves, got {leaves[i].dtype}")
         flat = torch.cat([leaves[i].reshape(-1).to(dtype) for i in live])
         n = flat.numel()
         checksum = _sizes.layout_checksum((i, leaves[i].numel()) for i in live)
@@ -97,12 +125,63 @@ def cast_allreduce(dtype: torch.dtype = torch.float32, *, comm: Comm) -> Gradien
         padded = torch.nn.functional.pad(flat, (0, -n % world_size))
         pieces = comm.all_to_all(padded.view(world_size, -1))  # row i: rank i's copy of my chunk
         shard = (kernels.sum_ranks(pieces.float()) / world_size).to(dtype)
-        mean = comm.all_gather(shard).reshape(-1)[:n]
-        offset = 0
-        for i in live:
-            numel = leaves[i].numel()
-            leaves[i] = mean[offset : offset + numel].view(leaves[i].shape).to(leaves[i].dtype)
-            offset += numel
-        return tree_unflatten(leaves, spec), state
+        return _unflattened(comm.all_gather(shard).reshape(-1)[:n], leaves, spec, live), state
 
-    return GradientTransformation(init_fn, update_fn)
+    def exchange_fn(updates, state, flag=None, params=None, **extra):
+        del params, extra
+        world_size = comm.world_size
+        leaves, spec, live = _live(updates)
+        flat = torch.cat([leaves[i].reshape(-1).to(dtype) for i in live] or [torch.zeros(0)])
+        flag = flag_of(flag) & torch.isfinite(flat).all()
+        if world_size == 1:
+            return Exchanged(updates, state, flag.reshape(1))
+        n, size = flat.numel(), flat.element_size()
+        form = cast_exchange_form(n, size, world_size)
+        layout = [(i, leaves[i].numel()) for i in live] + [(-1, size), (-3, form == "owner")]
+        checksum = _sizes.layout_checksum(layout)
+        flat = torch.where(flag, flat, 0).to(dtype)
+        if form == "gather":
+            message = sealed(_bytes(flat, 1), flag, n, checksum).view(-1)
+            got = opened(comm.all_gather(message), n, _WHAT, checksum)
+            mean = (kernels.sum_ranks(_values(got.payload, dtype)) / world_size).to(dtype)
+        else:
+            padded = torch.nn.functional.pad(flat, (0, -n % world_size))
+            rows = sealed(_bytes(padded, world_size), flag, n, checksum, slots=True)
+            got = opened(comm.all_to_all(rows), n, _WHAT, checksum)
+            shard = (kernels.sum_ranks(_values(got.payload, dtype)) / world_size).to(dtype)
+            mean = comm.all_gather(shard).reshape(-1)[:n]
+        return Exchanged(_unflattened(mean, leaves, spec, live), state, got.flags)
+
+    return Compressor(init_fn, update_fn, exchange_fn)
+
+
+def _live(updates) -> tuple[list, object, list[int]]:
+    """The leaves, their spec and the positions of the floating-point leaves that communicate
+    (not ``None``, not empty)."""
+    leaves, spec = tree_flatten(updates)
+    live = [i for i, u in enumerate(leaves) if u is not None and u.numel() > 0]
+    for i in live:
+        if not leaves[i].is_floating_point():
+            raise TypeError(f"{_WHAT} needs floating-point leaves, got {leaves[i].dtype}")
+    return leaves, spec, live
+
+
+def _bytes(values: torch.Tensor, rows: int) -> torch.Tensor:
+    """``values`` as ``rows`` rows of bytes."""
+    return values.view(rows, -1).view(torch.uint8)
+
+
+def _values(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The received rows of bytes as fp32 ``[W, values]`` (each value rounded to ``dtype``)."""
+    return payload.clone(memory_format=torch.contiguous_format).view(dtype).float()
+
+
+def _unflattened(mean: torch.Tensor, leaves: list, spec, live: list[int]):
+    """``mean`` (the live leaves' values, one after the other) back into the tree, each leaf
+    in its shape and dtype."""
+    leaves, offset = list(leaves), 0
+    for i in live:
+        numel = leaves[i].numel()
+        leaves[i] = mean[offset : offset + numel].view(leaves[i].shape).to(leaves[i].dtype)
+        offset += numel
+    return tree_unflatten(leaves, spec)

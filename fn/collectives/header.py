@@ -31,9 +31,19 @@ from typing import Any, NamedTuple
 
 import torch
 
+from fn.base import GradientTransformation, chain
 from fn.collectives import _sizes
 
-__all__ = ["HEADER_BYTES", "Exchanged", "Compressor", "flag_of", "sealed", "Opened", "opened"]
+__all__ = [
+    "HEADER_BYTES",
+    "Exchanged",
+    "Compressor",
+    "compressor_chain",
+    "flag_of",
+    "sealed",
+    "Opened",
+    "opened",
+]
 
 HEADER_BYTES = 20
 """The bytes of the header in front of every row of an exchange's message: five fp32 values.
@@ -87,6 +97,36 @@ class Compressor(NamedTuple):
     init: Callable[..., Any]
     update: Callable[..., Any]
     exchange: Callable[..., Exchanged]
+
+
+def compressor_chain(
+    compressor: Compressor | GradientTransformation, *rest: GradientTransformation
+) -> Compressor | GradientTransformation:
+    """``fn.chain(compressor, *rest)``, and, where ``compressor`` is a :class:`Compressor`, a
+    :class:`Compressor` whose ``exchange`` is ``compressor``'s followed by ``rest``'s
+    ``update`` s (an outer rule whose messages carry the header).
+
+    Example:
+        >>> from fn.collectives import Local, cast_allreduce
+        >>> from fn.collectives.header import compressor_chain
+        >>> rule = compressor_chain(cast_allreduce(comm=Local()), fn.scale_by_learning_rate(1.0))
+        >>> rule.exchange({"w": torch.ones(1)}, rule.init({"w": torch.ones(1)})).updates
+        {'w': tensor([-1.])}
+    """
+    chained = chain(compressor, *rest)
+    if not isinstance(compressor, Compressor):
+        return chained
+
+    def exchange_fn(updates, state, flag=None, params=None, **extra):
+        del extra
+        updates, first, flags = compressor.exchange(updates, state[0], flag, params)
+        states = [first]
+        for tx, s in zip(rest, state[1:], strict=True):
+            updates, s = tx.update(updates, s, params)
+            states.append(s)
+        return Exchanged(updates, tuple(states), flags)
+
+    return Compressor(chained.init, chained.update, exchange_fn)
 
 
 def flag_of(flag: torch.Tensor | bool | None) -> torch.Tensor:

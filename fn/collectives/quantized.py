@@ -34,11 +34,12 @@ from typing import NamedTuple, TypeVar
 import torch
 
 from fn import kernels
-from fn.base import EmptyState, GradientTransformation, donated_state, donating
+from fn.base import EmptyState, donated_state, donating
 from fn.collectives import _sizes
 from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
+from fn.collectives.header import Compressor, Exchanged, flag_of, opened, sealed
 from fn.collectives.process_group import ProcessGroup
 from fn.errors import NonFiniteError, finite_or_raise
 from fn.tree import eager, fitting, tree_flatten, tree_map, tree_unflatten
@@ -787,13 +788,88 @@ def quantized_all_gather_into(
     return None
 
 
+def _exchanged(
+    leaves: list,
+    live: list[int],
+    errors: list[tuple[torch.Tensor | None, torch.Tensor | None]],
+    plan: _Plan,
+    err_beta: float,
+    flag: torch.Tensor,
+) -> tuple[list[torch.Tensor], list[tuple], torch.Tensor, torch.Tensor]:
+    """:func:`_allreduce_pure` of every live leaf at once, one hop, with ``flag`` and the size
+    record in a header: one all_to_all of every leaf's chunks (each leaf padded and quantized
+    as on its own, so the same bits) and one all-gather of every leaf's shard. Returns every
+    live leaf's result, its new errors ``(e_rs, e_ag)``, this rank's flag (``flag`` and its
+    scales finite) and every rank's."""
+    world = plan.world
+    world_size = world.world_size
+    n = sum(leaves[i].numel() for i in live)
+    layout = [(i, leaves[i].numel()) for i in live] + [(-1, plan.bits), (-2, plan.group_size)]
+    checksum = _sizes.layout_checksum(layout)
+    padded = [_flat_padded(leaves[i], plan) for i in live]
+    for x in padded + [e for pair in errors for e in pair if e is not None]:
+        flag = flag & torch.isfinite(x).all()
+    # a rank that sits out sends zeros (and no non-finite value reaches the kernels, which may
+    # refuse one for the whole batch of simulated ranks)
+    padded = [torch.where(flag, v, 0.0) for v in padded]
+    errors = [tuple(e if e is None else torch.where(flag, e, 0.0) for e in pair) for pair in errors]
+    first = [_feedback(v, e[0], plan, err_beta) for v, e in zip(padded, errors, strict=True)]
+    for _, scales, _ in first:
+        flag = flag & torch.isfinite(scales).all()
+    rows = _rows([q for q, _, _ in first], [s for _, s, _ in first], world_size)
+    rows = sealed(torch.where(flag, rows, 0), flag, n, checksum, slots=True)
+    got = opened(world.all_to_all(rows), n, _WHAT, checksum)
+    if not live:
+        return [], [], flag, got.flags
+    pieces = _split(got.payload, first, world_size)
+    shards = [
+        kernels.sum_ranks(kernels.dequantize(q, s, plan.bits, v.numel()).view(world_size, -1))
+        / world_size
+        for (q, s), v in zip(pieces, padded, strict=True)
+    ]
+    second = [_feedback(x, e[1], plan, err_beta) for x, e in zip(shards, errors, strict=True)]
+    gathered = world.all_gather(_rows([q for q, _, _ in second], [s for _, s, _ in second], 1)[0])
+    ys = [
+        fusion_barrier(kernels.dequantize(q, s, plan.bits, world_size * x.numel()))
+        for (q, s), x in zip(_split(gathered, second, 1), shards, strict=True)
+    ]
+    out = [y[: leaves[i].numel()].view(leaves[i].shape).to(leaves[i].dtype)
+           for y, i in zip(ys, live, strict=True)]  # fmt: skip
+    new_errors = [(a[2], b[2]) for a, b in zip(first, second, strict=True)]
+    return out, new_errors, flag, got.flags
+
+
+def _rows(qs: list[torch.Tensor], scales: list[torch.Tensor], rows: int) -> torch.Tensor:
+    """Every leaf's codes, then every leaf's scales as bytes, cut into ``rows`` rows (row ``r``:
+    each leaf's chunk ``r``): uint8 ``[rows, bytes]``."""
+    parts = [q.view(rows, -1) for q in qs] + [s.view(rows, -1).view(torch.uint8) for s in scales]
+    return torch.cat(parts, dim=1) if parts else torch.zeros(rows, 0, dtype=torch.uint8)
+
+
+def _split(
+    received: torch.Tensor, quantized: list[tuple], rows: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The received rows (one per rank, ``[W, bytes]``) of the :func:`_rows` of ``quantized``
+    (``(q, scales, _)`` per leaf, cut into ``rows`` rows) back into each leaf's codes and
+    scales, flat and in rank order."""
+    widths = [q.numel() // rows for q, _, _ in quantized]
+    widths += [4 * s.numel() // rows for _, s, _ in quantized]
+    parts = received.split(widths, dim=1)
+    count = len(quantized)
+    return [
+        (parts[k].reshape(-1), parts[count + k].clone(memory_format=torch.contiguous_format)
+         .view(torch.float32).reshape(-1))
+        for k in range(count)
+    ]  # fmt: skip
+
+
 def quantized_allreduce(
     bits: int = 4,
     group_size: int = 128,
     *,
     comm: Comm,
     local_world_size: int | None = None,
-) -> GradientTransformation:
+) -> Compressor:
     """Replaces every update leaf by its quantized mean over the ranks (no error feedback).
 
     ``u -> DQ(Q(mean_i DQ(Q(u_i)))`` chunkwise: quantized reduce-scatter, then quantized
@@ -807,8 +883,12 @@ def quantized_allreduce(
         comm: the communicator.
         local_world_size: ranks per node for the two-hop mode, or ``None``.
 
+    ``exchange(updates, state, flag)`` (:class:`~fn.collectives.Compressor`, one hop) gives the
+    same bits with this rank's flag and the size record in a header, every leaf at once: one
+    all_to_all of every leaf's chunks and one all-gather of every leaf's shard.
+
     Returns:
-        A GradientTransformation with an ``EmptyState``.
+        A :class:`~fn.collectives.Compressor` with an ``EmptyState``.
 
     Raises:
         ValueError: from ``update``, on every rank, if the ranks' update leaves differ in size
@@ -853,7 +933,36 @@ def quantized_allreduce(
             leaves[i] = result
         return tree_unflatten(leaves, spec), state
 
-    return GradientTransformation(init_fn, update_fn)
+    def exchange_fn(updates, state, flag=None, params=None, **extra):
+        del params, extra
+        leaves, spec = tree_flatten(updates)
+        live, _ = _live(leaves)
+        if comm.world_size == 1:
+            return Exchanged(updates, state, _finite_flag(flag, leaves, live).reshape(1))
+        _one_hop(plan)
+        no = [no_errors] * len(live)
+        out, _, _, flags = _exchanged(leaves, live, no, plan, 0.0, flag_of(flag))
+        for i, result in zip(live, out, strict=True):
+            leaves[i] = result
+        return Exchanged(tree_unflatten(leaves, spec), state, flags)
+
+    return Compressor(init_fn, update_fn, exchange_fn)
+
+
+def _finite_flag(flag: torch.Tensor | None, leaves: list, live: list[int]) -> torch.Tensor:
+    """``flag`` and whether every live leaf is finite (where nothing is sent)."""
+    flag = flag_of(flag)
+    for i in live:
+        flag = flag & torch.isfinite(leaves[i]).all()
+    return flag
+
+
+def _one_hop(plan: _Plan) -> None:
+    if plan.local_world_size is not None:
+        raise NotImplementedError(
+            "quantized allreduce: the exchange with a header runs on one hop; the two-hop mode "
+            "(local_world_size) has only update (fn.diloco's compressors use one hop)"
+        )
 
 
 class QuantizedError(NamedTuple):
@@ -938,7 +1047,7 @@ def loco_allreduce(
     comm: Comm,
     error_dtype: torch.dtype = torch.float32,
     local_world_size: int | None = None,
-) -> GradientTransformation:
+) -> Compressor:
     """Quantized mean allreduce of every update leaf with LoCo error feedback.
 
     Each quantization (each reduce-scatter hop and the all-gather) compensates with its own
@@ -968,8 +1077,12 @@ def loco_allreduce(
             blockwise form (:class:`QuantizedError`, groups of ``group_size``).
         local_world_size: ranks per node for the two-hop mode, or ``None``.
 
+    ``exchange(updates, state, flag)`` (:class:`~fn.collectives.Compressor`, one hop): the same
+    bits with this rank's flag and the size record in a header, every leaf at once (as
+    :func:`quantized_allreduce`'s); a rank whose flag is ``False`` keeps its errors.
+
     Returns:
-        A GradientTransformation with state :class:`LocoAllreduceState`.
+        A :class:`~fn.collectives.Compressor` with state :class:`LocoAllreduceState`.
 
     Raises:
         ValueError: from ``update``, on every rank, if the ranks' update leaves differ in size
@@ -1051,4 +1164,31 @@ def loco_allreduce(
             count, tree_unflatten(new_stored, spec)
         )
 
-    return GradientTransformation(init_fn, update_fn)
+    def exchange_fn(updates, state, flag=None, params=None, **extra):
+        del params, extra
+        leaves, spec = tree_flatten(updates)
+        live, _ = _live(leaves)
+        count = state.count + 1
+        if comm.world_size == 1:
+            flags = _finite_flag(flag, leaves, live).reshape(1)
+            return Exchanged(updates, state._replace(count=count), flags)
+        _one_hop(plan)
+        stored = list(spec.flatten_up_to(state.errors))
+        reset = state.count % reset_T == 0
+        loaded = [
+            tuple(
+                _load(b, m, reset)
+                for b, m in zip(stored[i], _error_sizes(leaves[i].numel(), plan), strict=True)
+            )
+            for i in live
+        ]
+        out, new, flag, flags = _exchanged(leaves, live, loaded, plan, err_beta, flag_of(flag))
+        leaves = list(leaves)
+        for i, y, errors in zip(live, out, new, strict=True):
+            kept = tuple(_store(e, error_dtype, group_size) for e in errors)
+            stored[i] = tree_map(lambda a, b: torch.where(flag, a, b), kept, stored[i])
+            leaves[i] = y
+        new_state = LocoAllreduceState(count, tree_unflatten(stored, spec))
+        return Exchanged(tree_unflatten(leaves, spec), new_state, flags)
+
+    return Compressor(init_fn, update_fn, exchange_fn)

@@ -4,7 +4,9 @@ groups of its own, so that it overlaps the inner steps that follow it."""
 from __future__ import annotations
 
 import functools
+import queue
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
@@ -13,7 +15,7 @@ import torch.distributed as dist
 
 from fn.collectives import Comm, ProcessGroup
 
-__all__ = ["BackgroundExchange", "exchange_comms"]
+__all__ = ["BackgroundExchange", "ExchangeThread", "exchange_comms"]
 
 T = TypeVar("T")
 
@@ -69,6 +71,42 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
+class ExchangeThread:
+    """One daemon thread that runs the background exchanges handed to it, in order.
+
+    Starting a thread makes the caller wait until the new thread has been scheduled, which, on
+    cores that the training loop keeps busy, is most of what a delayed exchange cost the loop
+    (``benchmarks/diloco_blocking.py``); this thread is started once, and each exchange is only
+    put in its queue. It ends once this object is garbage collected (after the exchange it
+    runs, if any).
+
+    Example:
+        >>> from fn.diloco.exchange import BackgroundExchange, ExchangeThread
+        >>> worker = ExchangeThread()
+        >>> [BackgroundExchange(lambda: n * n, background=True, worker=worker).result()
+        ...  for n in (2, 3)]
+        [4, 9]
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        thread = threading.Thread(
+            target=_serve, args=(self._jobs,), name="fn.diloco exchange", daemon=True
+        )
+        thread.start()
+        weakref.finalize(self, self._jobs.put, None)  # the thread's stop, once this is gone
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Queues ``job`` (a function of no arguments that raises nothing) to run after the
+        jobs queued before it."""
+        self._jobs.put(job)
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while (job := jobs.get()) is not None:
+        job()
+
+
 class BackgroundExchange(Generic[T]):
     """Runs ``run()`` now, on this thread or on a background thread; :meth:`result` returns its
     value.
@@ -80,9 +118,11 @@ class BackgroundExchange(Generic[T]):
 
     Args:
         run: the exchange, a function of no arguments.
-        background: run it on a daemon thread (else now, in this call).
+        background: run it on a background thread (else now, in this call).
         device: the device of its tensors.
         what: the exchange's name, for the error message.
+        worker: the :class:`ExchangeThread` to run it on (``None``: a daemon thread of its own,
+            whose start the caller waits for).
 
     Example:
         >>> from fn.diloco.exchange import BackgroundExchange
@@ -97,11 +137,12 @@ class BackgroundExchange(Generic[T]):
         background: bool,
         device: torch.device | None = None,
         what: str = "the exchange",
+        worker: ExchangeThread | None = None,
     ) -> None:
         self._what = what
         self._device = device
         self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._finished: threading.Event | None = None
         self._done: torch.cuda.Event | None = None
         if not background:
             self._value = run()
@@ -110,6 +151,7 @@ class BackgroundExchange(Generic[T]):
         if device is not None and device.type == "cuda":
             stream = _side_stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
+        self._finished = finished = threading.Event()
 
         def target() -> None:
             try:
@@ -122,9 +164,13 @@ class BackgroundExchange(Generic[T]):
                     self._done.record(stream)
             except BaseException as err:  # handed to result(), on the caller's thread
                 self._error = err
+            finally:
+                finished.set()
 
-        self._thread = threading.Thread(target=target, name="fn.diloco exchange", daemon=True)
-        self._thread.start()
+        if worker is None:
+            threading.Thread(target=target, name="fn.diloco exchange", daemon=True).start()
+        else:
+            worker.submit(target)
 
     def result(self) -> T:
         """Waits for the exchange and returns its value.
@@ -133,9 +179,9 @@ class BackgroundExchange(Generic[T]):
             RuntimeError: the exchange raised on its thread (the original exception chained,
                 as ``__cause__``).
         """
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._finished is not None:
+            self._finished.wait()
+            self._finished = None
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(

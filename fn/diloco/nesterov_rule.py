@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from fn.base import GradientTransformation, chain
+from fn.base import GradientTransformation
+from fn.collectives.header import compressor_chain
 from fn.transforms import sgd
 
 __all__ = ["nesterov"]
@@ -21,7 +22,10 @@ def nesterov(
     Nesterov momentum stepping the anchor, with the mean pseudo-gradient as its gradient. The
     defaults are DiLoCo's (Douillard et al. 2023, arXiv:2311.08105). ``momentum=0`` is plain
     outer SGD; with ``lr=1`` and an exact compressor the new anchor is the mean of the ranks'
-    parameters. The momentum is the same on every rank.
+    parameters. The momentum is the same on every rank. Where the compressor is a
+    ``fn.collectives.Compressor`` (every kind but ``"onebit"``), so is the rule: its
+    ``exchange`` sends the compressor's messages with the outer step's flag in their header
+    (:func:`fn.diloco.outer_update`).
 
     Args:
         compression: the outer compressor (``fn.diloco.compression(...)``).
@@ -40,4 +44,4 @@ def nesterov(
         >>> outer.update(delta, state)[0]["w"]  # -0.7 (1 + 0.9 * 1)
         tensor([-1.3300])
     """
-    return chain(compression, sgd(lr, momentum, nesterov=momentum > 0))
+    return compressor_chain(compression, sgd(lr, momentum, nesterov=momentum > 0))

@@ -3,8 +3,9 @@ chunk-wise top-k in 2 bits."""
 
 from __future__ import annotations
 
-from fn.base import GradientTransformation, chain
+from fn.base import GradientTransformation
 from fn.collectives import Comm, topk_allreduce
+from fn.collectives.header import compressor_chain
 from fn.errors import check_lr
 from fn.transforms import scale_by_learning_rate
 
@@ -75,4 +76,4 @@ def sparseloco(
     """
     check_lr("sparseloco", lr)
     compressor = topk_allreduce(k, chunk_size, comm=comm, decay=beta, exchange=exchange)
-    return chain(compressor, scale_by_learning_rate(lr))
+    return compressor_chain(compressor, scale_by_learning_rate(lr))

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from fn.base import GradientTransformation, OptState, Params, apply_updates
-from fn.collectives import Comm
+from fn.collectives import Comm, Compressor
 from fn.tree import tree_leaves, tree_map
 
 __all__ = ["OuterStep", "pseudo_gradient", "outer_step", "outer_update"]
@@ -157,12 +157,22 @@ def outer_update(
     """
     counts = [(~torch.isfinite(d)).sum() for d in tree_leaves(delta)]
     count = torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64)
-    total = comm.all_reduce(count.float().reshape(1), op="sum")
-    for group in within:
-        total = group.all_reduce(total, op="sum")
-    applied = total[0] == 0
-    safe = tree_map(lambda d: torch.where(applied, d, 0.0), delta)
-    updates, new_state = outer.update(safe, state, anchor)
+    count = count.float().reshape(1)
+    if isinstance(outer, Compressor):  # the agreement rides in the messages' headers
+        for group in within:  # the worker's ranks first: its flag is the same at every shard
+            count = group.all_reduce(count, op="sum")
+        flag = count[0] == 0
+        safe = tree_map(lambda d: torch.where(flag, d, 0.0), delta)
+        updates, new_state, flags = outer.exchange(safe, state, flag, anchor)
+        applied = flags.all()
+        for group in within:  # a step applied at one shard position is applied at all
+            applied = group.all_reduce((~applied).float().reshape(1), op="sum")[0] == 0
+    else:
+        for group in (comm, *within):
+            count = group.all_reduce(count, op="sum")
+        applied = count[0] == 0
+        safe = tree_map(lambda d: torch.where(applied, d, 0.0), delta)
+        updates, new_state = outer.update(safe, state, anchor)
     new_anchor = apply_updates(anchor, updates)
     return OuterStep(_kept(applied, new_anchor, anchor), _kept(applied, new_state, state), applied)
 

@@ -23,7 +23,7 @@ from fn.diloco.checkpoint import (
     restored,
 )
 from fn.diloco.compressors import compression as build_compression
-from fn.diloco.exchange import BackgroundExchange, exchange_comms
+from fn.diloco.exchange import BackgroundExchange, ExchangeThread, exchange_comms
 from fn.diloco.nesterov_rule import nesterov
 from fn.diloco.sharding import local_shard, worker_mesh_comms
 from fn.diloco.sparseloco_rule import sparseloco
@@ -237,6 +237,8 @@ class DiLoCo:
         # a delayed exchange runs on a thread, over process groups of its own (copies of the
         # workers' group and of the worker mesh's, which FSDP2 uses on this thread meanwhile)
         comms = [self.comm, *within]
+        # the thread starts now: starting one per exchange made the loop wait for it
+        self._worker = ExchangeThread() if delay > 0 else None
         if delay > 0:
             comms = exchange_comms(comms)
             self._rule = _rule(outer, outer_options, compression, options, comms[0])
@@ -309,6 +311,7 @@ class DiLoCo:
             lambda: outer_update(rule, anchor, delta, state, comm=comm, within=within),
             background=background,
             device=params[0].device,
+            worker=self._worker,
             what=f"DiLoCo: the outer exchange of fragment {p} (started after inner step "
             f"{started_at})",
         )
@@ -324,7 +327,9 @@ class DiLoCo:
         p = flight.fragment
         shards = self._shards(p)
         for i, param, new in zip(self._fragments[p], shards, result.anchor, strict=True):
-            self._anchor[i].copy_(new)
+            anchor = self._anchor[i]  # the exchange's new tensor where it fits, else a copy
+            fits = (new.device, new.dtype) == (anchor.device, anchor.dtype)
+            self._anchor[i] = new if fits else anchor.copy_(new)
             if applied and mix > 0:
                 mixed = new.float() * (1.0 - mix) + param.float() * mix
                 param.copy_(mixed)

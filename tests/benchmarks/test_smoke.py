@@ -1129,6 +1129,38 @@ def test_diloco_blocking_tiny_cli_prints_every_setting():
     assert names == [
         "no outer step", "DiLoCo (P=1, tau=0)", "streaming (P=2, tau=0)", "streaming (P=2, tau=1)",
     ], proc.stdout  # fmt: skip
+    assert "tau=1: hid " in proc.stdout and "of the exchange; " in proc.stdout, proc.stdout
+
+
+def test_diloco_blocking_hidden_share_against_the_cover_of_the_delay():
+    blocking = _load("diloco_blocking.py")
+    args = blocking.parse_args(["--fragments", "2", "--delays", "1,3"])
+    first = {  # tau=0 blocks 0.4 s per round: 0.2 s per fragment's exchange
+        "streaming (P=2, tau=0)": {"blocked": 0.4, "step": 0.1},
+        "streaming (P=2, tau=1)": {"blocked": 0.3, "step": 0.1},  # covers half of it
+        "streaming (P=2, tau=3)": {"blocked": 0.1, "step": 0.1},  # covers 1.5x
+    }
+    assert blocking.hidden(first, args).splitlines() == [
+        "tau=1: hid 25% of the exchange; not covered: at most 50% can hide",
+        "tau=3: hid 75% of the exchange; covered (1.5x): target 80%, not met",
+    ]
+
+
+@pytest.mark.timeout(180)
+def test_diloco_bytes_owners_stay_flat_in_w_in_fewer_round_trips_than_before():
+    proc = _cli("diloco_bytes.py", "--numel", "65536", "--workers", "4,8", "--densities", "32",
+                timeout=170)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| 1/")]
+    table = {(int(r[1]), r[2]): r for r in rows}
+    for w in (4, 8):
+        assert [table[w, m][5] for m in ("all-gather, before", "all-gather", "owners")] == [
+            "3", "1", "2"
+        ]  # fmt: skip
+        assert all(table[w, m][3] == table[w, m][4] for m in ("dense fp32 ring", "owners"))
+    sent = {(w, m): int(table[w, m][3].replace(",", "")) for w, m in table}
+    assert sent[8, "owners"] < sent[8, "all-gather"] < sent[8, "all-gather, before"] + 200
+    assert sent[8, "owners"] < 1.5 * sent[4, "owners"] < sent[8, "all-gather"]
 
 
 @pytest.mark.timeout(180)

@@ -4,6 +4,8 @@ pseudo-gradient on every rank with nothing changed."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -165,6 +167,44 @@ def test_after_every_outer_step_the_ranks_hold_the_same_anchor_and_momentum(kind
         assert all(torch.equal(anchors[r], anchors[0]) for r in range(W))
     momentum = state[1][1].trace["w"]
     assert all(torch.equal(momentum[r], momentum[0]) for r in range(W))
+
+
+class _Counting(Simulated):
+    """``Simulated`` that counts the collectives it runs (one per call, as a round trip)."""
+
+    calls = 0
+
+    def _call(self, kind, x, *options):
+        _Counting.calls += 1
+        return super()._call(kind, x, *options)
+
+
+# the sequential collectives of one outer step over two leaves; before the headers: fp32 and bf16
+# 4 (the agreement, a size record, an all_to_all, an all_gather), int8 and loco4 1 + 4 per leaf,
+# topk and sparseloco 3 (the agreement, a size record, the all-gather)
+ROUND_TRIPS = {
+    2: {"fp32": 1, "bf16": 1, "int8": 2, "loco4": 2, "onebit": 9, "topk": 1, "owner": 2},
+    4: {"fp32": 2, "bf16": 2, "int8": 2, "loco4": 2, "onebit": 9, "topk": 1, "owner": 2},
+}
+
+
+@pytest.mark.parametrize("world_size", sorted(ROUND_TRIPS))
+def test_one_outer_step_makes_the_collectives_it_documents(world_size):
+    """The agreement and the sizes ride in the messages' headers: one collective for the
+    all-gather forms, two where owners reduce; 1-bit keeps its own (1 + 4 per leaf)."""
+    for kind, expected in ROUND_TRIPS[world_size].items():
+        comm = _Counting(world_size)
+        if kind == "owner":
+            outer = fn.diloco.sparseloco(k=2, chunk_size=8, comm=comm, exchange="owner")
+        else:
+            outer = outer_rule(kind, comm)
+        anchor = replicate({"w": torch.zeros(4, 5), "b": torch.zeros(3)}, comm)
+        params = {name: a + 0.1 for name, a in anchor.items()}
+        state = simulate(outer.init, comm)(anchor)
+        _Counting.calls = 0
+        step = simulate(functools.partial(fn.diloco.outer_step, outer, comm=comm), comm)
+        assert bool(step(anchor, params, state).applied.all())
+        assert _Counting.calls == expected, (kind, world_size, _Counting.calls)
 
 
 def test_outer_step_keeps_the_params_dtype_and_skips_none_leaves():

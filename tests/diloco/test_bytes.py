@@ -1,0 +1,82 @@
+"""The bytes of one outer step, per rank, as docs/algorithms.md's table gives them ("Bytes per
+rank per outer step"), against fn's counters (sent and received) at several W."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+import fn.diloco
+from fn.collectives import (
+    HEADER_BYTES,
+    Simulated,
+    padded_numel,
+    quantized_padded_numel,
+    replicate,
+    simulate,
+    topk_exchange_form,
+    topk_message_bytes,
+)
+
+H = HEADER_BYTES
+SIZES = (300, 37)  # two leaves
+K, C, GROUP = 3, 16, 8
+
+
+def _rule(kind, comm):
+    if kind in ("gather", "owner"):
+        return fn.diloco.sparseloco(k=K, chunk_size=C, comm=comm, exchange=kind)
+    options = {"int8": {"group_size": GROUP}, "loco4": {"group_size": GROUP}}.get(kind, {})
+    return fn.diloco.nesterov(fn.diloco.compression(kind, comm=comm, **options))
+
+
+def _documented(kind: str, w: int) -> int:
+    """docs/algorithms.md's table."""
+    n = sum(SIZES)
+    if kind in ("fp32", "bf16"):
+        s = 4 if kind == "fp32" else 2
+        if w <= 2:
+            return (w - 1) * (H + s * n)
+        n_w = -(-n // w) * w
+        return (w - 1) * (H + s * n_w // w) + (w - 1) * s * n_w // w
+    if kind in ("int8", "loco4"):
+        b = 8 if kind == "int8" else 4
+        r = sum(quantized_padded_numel(m, w, GROUP) // w * (b / 8 + 4 / GROUP) for m in SIZES)
+        return (w - 1) * (H + int(r)) + (w - 1) * int(r)
+    if kind == "onebit":
+        agreement = math.ceil(8 * (w - 1) / w)
+        per_leaf = 0
+        for m in SIZES:
+            big_n = padded_numel(m, w)  # scale + record, signs to owners, their signs and scale
+            per_leaf += 12 * (w - 1) + math.ceil((w - 1) * big_n // 8 / w)
+            per_leaf += (w - 1) * big_n // 8 // w + 4 * (w - 1)
+        return agreement + per_leaf
+    chunks = sum(-(-m // C) for m in SIZES)
+    if kind == "gather":
+        return (w - 1) * (H + topk_message_bytes(chunks, K, C))
+    return 2 * (w - 1) * (H + topk_message_bytes(-(-chunks // w), K, C))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "loco4", "onebit", "gather", "owner"])
+def test_one_outer_step_sends_and_receives_the_documented_bytes(kind, world_size):
+    comm = Simulated(world_size)
+    outer = _rule(kind, comm)
+    anchor = replicate({"a": torch.zeros(SIZES[0]), "b": torch.zeros(SIZES[1])}, comm)
+    params = {name: a + torch.randn(a.shape) for name, a in anchor.items()}
+    state = simulate(outer.init, comm)(anchor)
+    step = simulate(functools.partial(fn.diloco.outer_step, outer, comm=comm), comm)
+    assert bool(step(anchor, params, state).applied.all())
+    expected = _documented(kind, world_size)
+    assert comm.bytes_sent == comm.bytes_received == expected, (comm.bytes_sent, expected)
+
+
+def test_auto_picks_the_form_with_fewer_bytes():
+    chunks = sum(-(-m // C) for m in SIZES)
+    for w in (2, 3, 4, 8):
+        form = topk_exchange_form(chunks, K, C, w)
+        fewer = min(("gather", "owner"), key=lambda f: (_documented(f, w), f != "gather"))
+        assert form == fewer, w
