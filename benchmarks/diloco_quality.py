@@ -39,7 +39,9 @@ Options: ``lr``, ``momentum`` (Nesterov's), ``beta`` (SparseLoCo's), ``chunk`` (
 steps as the exact fp32 mean (the rule's lr, no momentum; the accumulator stays empty) and
 ``ramp=1`` keeps ``max(k, C / 2^(s - 1))`` values per chunk at sparse outer step ``s``.
 
-Printed: a line per run, then per task and ``W`` a markdown table: each method's held-out
+Printed: a line per run (with, for the error-fed compressors, the norm of what their error
+feedback holds after the last outer step, the workers' mean and the owners', in norms of that
+step's mean pseudo-gradient), then per task and ``W`` a markdown table: each method's held-out
 loss after each evaluated outer step (the mean over ``--seeds``), its change from dense
 DiLoCo's at the same inner lr, each seed's change, and the bytes one worker sent and received
 per outer step; last, each compressed method's change from dense DiLoCo on every task and
@@ -73,6 +75,7 @@ sys.path.insert(0, REPO)
 
 import fn  # noqa: E402
 import fn.diloco  # noqa: E402
+import fn.tree  # noqa: E402
 from fn.app import _data, demo  # noqa: E402
 from fn.collectives import Simulated, replicate, simulate  # noqa: E402
 
@@ -322,7 +325,7 @@ def run(task: Any, method: Method, workers: int, seed: int, lr: float, args) -> 
     params = {"p": flat.flatten(anchor)}
     inner = fn.adamw(lr=lr)  # elementwise: the [W, n] leaf steps every worker's own AdamW
     inner_state = inner.init(params)
-    rule_of, states, losses = schedule(method, comm), {}, {}
+    rule_of, states, losses, held = schedule(method, comm), {}, {}, {}
     start = time.perf_counter()
     for s in range(1, max(args.evals) + 1):
         for _ in range(args.sync_every):
@@ -334,18 +337,36 @@ def run(task: Any, method: Method, workers: int, seed: int, lr: float, args) -> 
         if name not in states:
             states[name] = simulate(rule.init, comm)(anchor)
         step = simulate(lambda a, p, st, r=rule: fn.diloco.outer_step(r, a, p, st, comm=comm), comm)
+        delta = flat.flatten(anchor) - params["p"]  # every worker's pseudo-gradient
         result = step(anchor, flat.views(params["p"]), states[name])
         anchor, states[name] = result.anchor, result.state
         params["p"].copy_(flat.flatten(anchor))  # every worker continues from the anchor
         if s in args.evals:
             losses[s] = heldout_loss(task, model, {n: a[0] for n, a in anchor.items()})
+            held[s] = held_back(states[name], delta)
     outer_steps = max(args.evals)
     return {
         "losses": losses,
+        "held": held,
         "sent": comm.bytes_sent / outer_steps,
         "received": comm.bytes_received / outer_steps,
         "seconds": time.perf_counter() - start,
     }
+
+
+def held_back(state: Any, delta: torch.Tensor) -> dict[str, float]:
+    """What the error feedback of ``state`` holds, in steps of the mean pseudo-gradient
+    ``delta`` (``[W, n]``): ``||mean_r e_r|| / ||mean_r delta_r||`` for the workers'
+    accumulators and, reduced on owners, ``||e_s|| / ||mean_r delta_r||`` for the owners' error
+    feedback (``e_s`` all owners' pieces); empty without error feedback."""
+    compressor, scale = state[0], float(delta.mean(0).norm())
+    if not hasattr(compressor, "error"):
+        return {}
+    leaves = [e.reshape(e.shape[0], -1) for e in fn.tree.tree_leaves(compressor.error)]
+    out = {"workers": float(torch.cat(leaves, 1).mean(0).norm()) / scale}
+    if hasattr(compressor, "server_error"):
+        out["owners"] = float(compressor.server_error.norm()) / scale
+    return out
 
 
 @torch.no_grad()
@@ -468,9 +489,13 @@ def _reused(path: str, jobs: list[tuple]) -> dict[tuple, dict]:
 
 def _printed(record: dict) -> dict:
     losses = ", ".join(f"{s}: {v:.4f}" for s, v in record["losses"].items())
+    held = " ".join(
+        f"{where} {steps:.1f}" for where, steps in record["held"][max(record["held"])].items()
+    )
+    held = f"; error feedback holds (in mean pseudo-gradients) {held}" if held else ""
     print(f"{record['task']} W={record['workers']} seed={record['seed']} {record['method']} "
           f"lr={record['lr']:g}: held-out after outer step {losses}; {record['sent']:.0f} B "
-          f"sent, {record['received']:.0f} B received per outer step; "
+          f"sent, {record['received']:.0f} B received per outer step{held}; "
           f"{record['seconds']:.0f} s", flush=True)  # fmt: skip
     return record
 
