@@ -49,6 +49,10 @@ per outer step; last, each compressed method's change from dense DiLoCo on every
 ``--jobs N`` runs N runs at a time (processes); ``--json FILE`` saves every run and ``--reuse
 FILE`` takes the runs of the same settings from such a file instead of running them again.
 
+Results, and the settings they decided: docs/guides/diloco.md, "When sparse compression pays",
+and benchmarks/README.md; the records and the commands that made them:
+benchmarks/results/diloco_quality/.
+
 Run: python3 benchmarks/diloco_quality.py [--tasks lm,mlp,regress] [--workers 4,16]
      [--seeds 0,1] [--evals 20,100] [--sync-every 30] [--lr-scales 1]
      [--methods fp32,int8,sparseloco-1/32:exchange=gather,...] [--jobs 1] [--json FILE]
