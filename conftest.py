@@ -4,42 +4,29 @@
 ``Example:`` blocks of every module in ``fn`` run with the test suite. fn's only hard
 dependencies are torch and numpy; a module that imports anything else outside the standard
 library at module level (an optional package: Triton, CuPy, torch_npu, an extra) cannot be
-imported where that package is missing. Such a module is left out of the collection, and only
-then (the pytest header names it); modules that import optional packages inside functions are
-collected as usual.
+imported where that package is missing, nor can a package whose ``__init__`` imports such a
+module (tests/_imports.py follows the imports). Such a module is left out of the collection,
+and only then (the pytest header names it); modules that import optional packages inside
+functions are collected as usual.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import fn
+from tests._imports import missing_packages
 
 _ROOT = Path(__file__).parent
-_REQUIRED = frozenset({"fn", "torch", "numpy", "__future__"}) | frozenset(sys.stdlib_module_names)
-
-
-def _top_level_imports(path: Path) -> set[str]:
-    """The top-level package names that ``path`` imports at module level."""
-    names = set()
-    for node in ast.parse(path.read_text(encoding="utf-8")).body:
-        if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
-    return names
 
 
 def _missing_optional(path: Path) -> list[str]:
-    """The optional packages that ``path`` imports at module level and that are not installed."""
-    optional = _top_level_imports(path) - _REQUIRED
-    return sorted(name for name in optional if importlib.util.find_spec(name) is None)
+    """The optional packages that importing ``path`` imports at module level (itself or through
+    the ``fn`` modules it imports) and that are not installed."""
+    return missing_packages(path.read_text(encoding="utf-8"))
 
 
 def _left_out() -> dict[Path, list[str]]:

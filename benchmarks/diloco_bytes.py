@@ -9,8 +9,9 @@ One ``fn.diloco.outer_step`` of ``fn.diloco.sparseloco`` on ``Simulated(W)`` ove
 
 - ``dense fp32 ring``: one ``comm.all_reduce`` of the fp32 vector (a ring allreduce's bytes);
 - ``all-gather, before``: the all-gather exchange as it ran before the headers: the outer step's
-  agreement (an allreduce), the size record, then every worker's message (the rule given to
-  ``outer_step`` as a plain ``GradientTransformation``, which takes that path);
+  agreement (an all-gather of each worker's flag), the size record, then every worker's message
+  (the rule given to ``outer_step`` as a plain ``GradientTransformation``, which takes that
+  path);
 - ``all-gather``: ``exchange="gather"``, its agreement and sizes in the message's header;
 - ``owners``: ``exchange="owner"``, each worker reducing ``1 / W`` of the chunks.
 

@@ -78,11 +78,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKERS = 4
+WORKERS = 4  # the default of --workers
 CHUNK = 4096
 TUNSETIFF = 0x400454CA
 IFF_TUN, IFF_NO_PI = 0x0001, 0x1000
@@ -117,6 +117,7 @@ def methods(args: argparse.Namespace) -> list[Method]:
     k = CHUNK // args.density
     stream = f"stream-fp32-P{args.fragments}"
     every = [
+        Method("probe"),
         Method("ddp"),
         Method("diloco-fp32", "nesterov", "fp32"),
         Method(
@@ -124,6 +125,18 @@ def methods(args: argparse.Namespace) -> list[Method]:
             "sparseloco",
             None,
             {"k": k, "chunk_size": CHUNK},
+        ),
+        Method(
+            f"diloco-sparseloco-1/{args.density}-gather",
+            "sparseloco",
+            None,
+            {"k": k, "chunk_size": CHUNK, "exchange": "gather"},
+        ),
+        Method(
+            f"diloco-sparseloco-1/{args.density}-owners",
+            "sparseloco",
+            None,
+            {"k": k, "chunk_size": CHUNK, "exchange": "owner"},
         ),
         Method(stream, "nesterov", "fp32", fragments=args.fragments),
         Method(
@@ -186,10 +199,10 @@ def tbf_burst(rate_bits: float, mtu: int) -> int:
     return max(2 * mtu, int(rate_bits / 8 * 0.002))
 
 
-def link_commands(args: argparse.Namespace) -> list[list[str]]:
-    """What configures every rank's ``eth0`` once the switch has made it: address, MTU, up, and
-    the sending token bucket."""
-    _, rank_ns = cluster.namespaces(args.prefix, WORKERS)
+def link_commands(args: argparse.Namespace, nodes: int = WORKERS) -> list[list[str]]:
+    """What configures every node's ``eth0`` once the switch has made it (``nodes`` of them, the
+    ranks by default): address, MTU, up, and the sending token bucket."""
+    _, rank_ns = cluster.namespaces(args.prefix, nodes)
     burst = tbf_burst(cluster.parse_rate(args.rate), args.mtu)
     queue_ms = max(1, round(2000 * parse_delay(args.delay)))
     cmds = []
@@ -204,10 +217,10 @@ def link_commands(args: argparse.Namespace) -> list[list[str]]:
     return cmds
 
 
-def switch_config(args: argparse.Namespace) -> dict:
+def switch_config(args: argparse.Namespace, nodes: int = WORKERS) -> dict:
     return {
-        "namespaces": cluster.namespaces(args.prefix, WORKERS)[1],
-        "addresses": [cluster.address(args.subnet, i) for i in range(WORKERS)],
+        "namespaces": cluster.namespaces(args.prefix, nodes)[1],
+        "addresses": [cluster.address(args.subnet, i) for i in range(nodes)],
         "rate_bits": cluster.parse_rate(args.rate),
         "delay_s": parse_delay(args.delay),
         "parent": os.getpid(),
@@ -218,7 +231,7 @@ def worker_config(args: argparse.Namespace, method: Method, run: int) -> dict:
     """One run's config for its ranks (``cluster.run_ranks`` adds rank and output path)."""
     diloco = method.outer is not None
     return {
-        "world_size": WORKERS,
+        "world_size": args.workers,
         "rate": args.rate,
         "master_addr": cluster.address(args.subnet, 0),
         "timeout": args.timeout,
@@ -235,19 +248,18 @@ def worker_config(args: argparse.Namespace, method: Method, run: int) -> dict:
 
 
 def print_plan(args: argparse.Namespace, plan: list[Method]) -> None:
-    _, rank_ns = cluster.namespaces(args.prefix, WORKERS)
+    _, rank_ns = cluster.namespaces(args.prefix, args.workers)
     delay = parse_delay(args.delay)
-    print(f"# set up: {WORKERS} namespaces, one TUN eth0 each, held by the switch")
+    print(f"# set up: {args.workers} namespaces, one TUN eth0 each, held by the switch")
     for ns in rank_ns:
         print(f"ip netns add {ns}")
-    print(
-        f"{sys.executable} {os.path.abspath(__file__)} --switch '{json.dumps(switch_config(args))}'"
-    )
+    switch = json.dumps(switch_config(args, args.workers))
+    print(f"{sys.executable} {os.path.abspath(__file__)} --switch '{switch}'")
     print(
         f"#   (holds every packet {delay * 1000:g} ms one way, delivers at most {args.rate} to "
         "each eth0)"
     )
-    for cmd in link_commands(args):
+    for cmd in link_commands(args, args.workers):
         print(" ".join(cmd))
     for run in range(args.runs):
         print(f"# run {run + 1} of {args.runs} (load average noted before it)")
@@ -261,7 +273,7 @@ def print_plan(args: argparse.Namespace, plan: list[Method]) -> None:
                 f"#   {method.name}: up to {config['max_steps']} steps, evaluated every "
                 f"{config['eval_every']}, target {args.target}"
             )
-            for rank in range(WORKERS):
+            for rank in range(args.workers):
                 cmd = cluster.worker_command(args.prefix, rank, config, __file__)
                 print(" ".join(cmd[:-1]), f"'{cmd[-1]}'")
     print("# clean up: stop the switch (its TUN devices go with it), then")
@@ -361,12 +373,12 @@ def run_switch(config: dict) -> None:
 
 
 @contextlib.contextmanager
-def delayed_cluster(args: argparse.Namespace) -> Iterator[str]:
-    """The namespaces, the switch and the shaped links for the duration; yields a log folder.
-    Removes everything on leaving, also on errors and on SIGINT / SIGTERM / SIGHUP (raised
-    inside as ``cluster.Interrupted``)."""
+def delayed_cluster(args: argparse.Namespace, nodes: int = WORKERS) -> Iterator[str]:
+    """The namespaces, the switch and the shaped links of ``nodes`` nodes (the ranks by default)
+    for the duration; yields a log folder. Removes everything on leaving, also on errors and on
+    SIGINT / SIGTERM / SIGHUP (raised inside as ``cluster.Interrupted``)."""
     cluster.check_no_leftovers(args.prefix)
-    _, rank_ns = cluster.namespaces(args.prefix, WORKERS)
+    _, rank_ns = cluster.namespaces(args.prefix, nodes)
     switch, logdir = None, None
 
     def interrupted(signum, frame):
@@ -377,12 +389,12 @@ def delayed_cluster(args: argparse.Namespace) -> Iterator[str]:
         for sig in signals:
             signal.signal(sig, interrupted)
         logdir = tempfile.mkdtemp(prefix=f"{args.prefix}-logs-")
-        print(f"building {WORKERS} namespaces ({args.prefix}-*), subnet {args.subnet}.0/24")
+        print(f"building {nodes} namespaces ({args.prefix}-*), subnet {args.subnet}.0/24")
         for ns in rank_ns:
             cluster.run(["ip", "netns", "add", ns])
         switch = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--switch"]
-            + [json.dumps(switch_config(args))],
+            + [json.dumps(switch_config(args, nodes))],
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,
@@ -390,7 +402,7 @@ def delayed_cluster(args: argparse.Namespace) -> Iterator[str]:
         ready, _, _ = select.select([switch.stdout], [], [], 30)
         if not ready or switch.stdout.readline().strip() != "ready":
             raise RuntimeError("the switch did not start (see its error above)")
-        for cmd in link_commands(args):
+        for cmd in link_commands(args, nodes):
             cluster.run(cmd)
         yield logdir
     finally:
@@ -433,6 +445,8 @@ def train(config: dict) -> dict:
     from fn.app import _data
 
     method = Method(**config["method"])
+    if method.name == "probe":
+        return {"method": "probe", "run": config["run"], "probe": probe(dist)}
     rank = dist.get_rank()
     corpus = _data.load_corpus()
     model = bench.make_model(config["seed"])
@@ -458,6 +472,7 @@ def train(config: dict) -> dict:
             timeout=config["timeout"],
         )
         diloco.comm.reset_bytes_sent()
+    exchange = None if method.outer is None else outer_collectives(method, model, dist)
     tx0 = _tx_bytes()
     clock, evals, step_s, iter_s = 0.0, [], [], []
     flag = torch.zeros(1)
@@ -491,7 +506,52 @@ def train(config: dict) -> dict:
         "step_s": step_s,
         "iter_s": iter_s,
         "params": sum(p.numel() for p in model.parameters()),
+        "exchange": exchange,
     }
+
+
+def outer_collectives(method: Method, model, dist) -> list[str]:
+    """The collectives of one outer step, in order, as ``fn.collectives`` chooses the
+    exchange's form for this model and group: one all-gather, or an all_to_all to the owners
+    and an all-gather."""
+    from fn.collectives import cast_exchange_form, topk_exchange_form
+
+    sizes = [p.numel() for p in model.parameters()]
+    options, world = method.options or {}, dist.get_world_size()
+    if method.outer == "sparseloco":
+        chunks = sum(-(-n // CHUNK) for n in sizes)
+        form = options.get("exchange", "auto")
+        if form == "auto":
+            form = topk_exchange_form(chunks, options["k"], CHUNK, world)
+    else:
+        form = cast_exchange_form(sum(sizes) // method.fragments, 4, world)
+    return ["all_gather"] if form == "gather" else ["all_to_all", "all_gather"]
+
+
+def probe(dist, repeats: int = 5) -> dict[str, float]:
+    """The median seconds of a collective of a few bytes on this link, per kind (after one
+    untimed call each): what one collective costs in delays alone."""
+    import torch
+
+    world = dist.get_world_size()
+    calls = {
+        "all_gather": lambda: dist.all_gather_single(torch.empty(world * 25), torch.ones(25)),
+        "all_to_all": lambda: dist.all_to_all_single(
+            torch.empty(world * 25), torch.ones(world * 25)
+        ),  # fmt: skip
+        "all_reduce": lambda: dist.all_reduce(torch.ones(1)),
+    }
+    out = {}
+    for kind, call in calls.items():
+        call()
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        out[kind] = statistics.median(times)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -520,7 +580,35 @@ def summarize(result: dict, target: float, sync_every: int) -> dict:
         "s_per_outer": sum(result["iter_s"]) / steps * sync_every,
         "blocked_per_outer": (sum(result["step_s"]) - steps * step_med) / steps * sync_every,
         "compute_s": (hit[0] if hit else steps) * statistics.median(result["iter_s"]),
+        "exchange": result.get("exchange"),
+        "outer_bytes": (hit[4] if hit else evals[-1][4])
+        / max(1, (hit[0] if hit else steps) // sync_every),  # fmt: skip
     }
+
+
+def outer_model(row: dict, rate_bits: float, latency: dict[str, float]) -> float:
+    """The link's time for one outer step: the probed time of each of its collectives (their
+    delays) and its bytes (each worker's, sent while it receives as much) at ``rate_bits``."""
+    return sum(latency[kind] for kind in row["exchange"]) + row["outer_bytes"] * 8 / rate_bits
+
+
+def model_lines(rows: list[dict], probes: list[dict], rate_bits: float) -> list[str]:
+    """A line per DiLoCo run without fragments: its blocked time per outer step against
+    :func:`outer_model` (with the probe of the same repeat), and whether it is within 10%."""
+    out = []
+    for row in rows:
+        latency = next((p["probe"] for p in probes if p["run"] == row["run"]), None)
+        if latency is None or row["exchange"] is None or row["fragments"] > 1:
+            continue
+        model = outer_model(row, rate_bits, latency)
+        within = abs(row["blocked_per_outer"] / model - 1) <= 0.10
+        out.append(
+            f"run {row['run'] + 1} {row['method']}: blocked {row['blocked_per_outer']:.3f} s per "
+            f"outer step; link model {model:.3f} s ({' + '.join(row['exchange'])} + "
+            f"{row['outer_bytes'] / 1e3:.1f} KB): {row['blocked_per_outer'] / model:.2f}x, "
+            f"{'within' if within else 'not within'} 10%"
+        )
+    return out
 
 
 def ddp_floor(params: int, rate_bits: float, delay_s: float, world: int = WORKERS) -> float:
@@ -604,34 +692,41 @@ def streaming_lines(rows: list[dict]) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--rate", default="10mbit", help="tc rate of every worker's link")
-    p.add_argument("--delay", default="50ms", help="one-way delay between two workers")
+def add_run_arguments(p: argparse.ArgumentParser, prefix: str, subnet: str) -> None:
+    """The options this script and ``diloco_elastic.py`` share: the links, the task, the runs,
+    the namespaces' names and the modes (``--dry-run``, ``--cleanup``)."""
+    p.add_argument("--rate", default="10mbit", help="tc rate of every node's link")
+    p.add_argument("--delay", default="50ms", help="one-way delay between two nodes")
     p.add_argument("--mtu", type=int, default=1500)
     p.add_argument("--target", type=float, default=2.3, help="held-out loss to reach (nats)")
     p.add_argument("--sync-every", type=int, default=30, help="H, inner steps per outer step")
     p.add_argument("--density", type=int, default=32, help="SparseLoCo's top-k density 1/D")
-    p.add_argument("--fragments", type=int, default=3, help="P of the streaming runs")
-    p.add_argument("--delay-steps", type=int, help="tau of the delayed streaming run (H/P - 1)")
-    p.add_argument("--ddp-steps", type=int, default=300, help="DDP's step cap")
-    p.add_argument("--diloco-steps", type=int, default=900, help="DiLoCo's step cap")
-    p.add_argument("--eval-every", type=int, default=10, help="DDP's steps between evaluations")
     p.add_argument("--runs", type=int, default=1, help="repeats of every method")
     p.add_argument("--methods", help="comma list of run names (default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW's lr (DDP and inner)")
     p.add_argument("--batch", type=int, default=32, help="windows per worker per step")
-    p.add_argument("--quick", action="store_true", help="smoke run: target 3.0, 60 / 20 steps")
-    p.add_argument("--prefix", default="fnwall", help="name prefix of the namespaces")
-    p.add_argument("--subnet", default="10.216.0", help="first three octets of the /24")
+    p.add_argument("--prefix", default=prefix, help="name prefix of the namespaces")
+    p.add_argument("--subnet", default=subnet, help="first three octets of the /24")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run (all ranks)")
     p.add_argument("--json", help="also write every run's record here")
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     p.add_argument("--cleanup", action="store_true", help="remove PREFIX-* leftovers")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_run_arguments(p, "fnwall", "10.216.0")
+    p.add_argument("--workers", type=int, default=WORKERS, help="gloo ranks, one per namespace")
+    p.add_argument("--fragments", type=int, default=3, help="P of the streaming runs")
+    p.add_argument("--delay-steps", type=int, help="tau of the delayed streaming run (H/P - 1)")
+    p.add_argument("--ddp-steps", type=int, default=300, help="DDP's step cap")
+    p.add_argument("--diloco-steps", type=int, default=900, help="DiLoCo's step cap")
+    p.add_argument("--eval-every", type=int, default=10, help="DDP's steps between evaluations")
+    p.add_argument("--quick", action="store_true", help="smoke run: target 3.0, 60 / 20 steps")
     p.add_argument("--switch", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:  # its settings, where the command line left the defaults
@@ -650,6 +745,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(str(err))
     if problem := cluster.naming_error(args.prefix, args.subnet):
         p.error(problem)
+    if args.workers < 2:
+        p.error("--workers must be >= 2")
     if min(args.sync_every, args.fragments, args.runs, args.eval_every, args.density) < 1:
         p.error("--sync-every, --fragments, --runs, --eval-every and --density must be >= 1")
     if args.diloco_steps % args.sync_every:
@@ -679,36 +776,71 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     skipped = {m.name: r for m in plan if (r := not_built(m, args.sync_every)) is not None}
     built = [m for m in plan if m.name not in skipped]
+    results = []
+
+    def repeat(run: int, logdir: str) -> None:
+        for method in built:
+            started = time.monotonic()
+            config = worker_config(args, method, run)
+            result = cluster.run_ranks(args.prefix, config, logdir, args.timeout, __file__)
+            results.append(result)
+            if method.name == "probe":
+                print(f"  probe: {result['probe']}", flush=True)
+                continue
+            row = summarize(result, args.target, args.sync_every)
+            print(
+                f"  {method.name}: {'reached' if row['reached'] else 'NOT reached'} "
+                f"{row['loss']:.4f} at step {row['steps']}, {row['time_s']:.1f} s "
+                f"({time.monotonic() - started:.0f} s with start and evaluations)",
+                flush=True,
+            )
+
+    loads = run_repeats(args, "diloco_wall.py", args.workers, repeat)
+    report(results, skipped, args, loads)
+
+
+def run_repeats(
+    args: argparse.Namespace, script: str, nodes: int, repeat: Callable[[int, str], None]
+) -> list[tuple[float, float, float]]:
+    """Prints the start line, builds the cluster of ``nodes`` nodes and calls ``repeat(run,
+    logdir)`` for each of ``--runs`` repeats, the load average printed before each; removes
+    everything at the end. Exits with status 130 where interrupted, 1 where a run failed.
+
+    Returns:
+        The load averages (1, 5, 15 min) taken before each repeat.
+    """
     print(
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} "
-        f"CPUs; {WORKERS} workers at {args.rate}, {args.delay} one way; target {args.target}",
+        f"CPUs; {getattr(args, 'workers', WORKERS)} workers at {args.rate}, {args.delay} one "
+        f"way; target {args.target}",
         flush=True,
     )
-    results, loads = [], []
+    loads = []
     try:
-        with delayed_cluster(args) as logdir:
+        with delayed_cluster(args, nodes) as logdir:
             for run in range(args.runs):
                 loads.append(os.getloadavg())
                 print(f"run {run + 1}: load average {' '.join(f'{x:.2f}' for x in loads[-1])}")
-                for method in built:
-                    started = time.monotonic()
-                    config = worker_config(args, method, run)
-                    result = cluster.run_ranks(args.prefix, config, logdir, args.timeout, __file__)
-                    results.append(result)
-                    row = summarize(result, args.target, args.sync_every)
-                    print(
-                        f"  {method.name}: {'reached' if row['reached'] else 'NOT reached'} "
-                        f"{row['loss']:.4f} at step {row['steps']}, {row['time_s']:.1f} s "
-                        f"({time.monotonic() - started:.0f} s with start and evaluations)",
-                        flush=True,
-                    )
+                repeat(run, logdir)
     except cluster.Interrupted as err:
         print(f"interrupted by {err}: cleaned up", file=sys.stderr)
         raise SystemExit(130) from None
     except RuntimeError as err:
-        print(f"diloco_wall.py failed: {err}", file=sys.stderr)
+        print(f"{script} failed: {err}", file=sys.stderr)
         raise SystemExit(1) from None
-    report(results, skipped, args, loads)
+    return loads
+
+
+def save_runs(args: argparse.Namespace, loads: list, results: list[dict]) -> None:
+    """Prints the load averages before each repeat and, with ``--json``, writes every run's
+    record there."""
+    print(
+        "load average (1, 5, 15 min) before each run:",
+        "; ".join(" ".join(f"{x:.2f}" for x in load) for load in loads),
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "loads": loads, "results": results}, f)
 
 
 def unbuilt_streaming_bound(rows: list[dict], args: argparse.Namespace) -> list[str]:
@@ -731,25 +863,29 @@ def unbuilt_streaming_bound(rows: list[dict], args: argparse.Namespace) -> list[
 
 
 def report(results: list[dict], skipped: dict[str, str], args, loads) -> None:
+    probes = [r for r in results if r["method"] == "probe"]
+    results = [r for r in results if r["method"] != "probe"]
     rows = [summarize(r, args.target, args.sync_every) for r in results]
     print()
     print(table(rows, skipped))
     for line in streaming_lines(rows) or unbuilt_streaming_bound(rows, args):
         print(line)
+    for p in probes:
+        print(
+            f"run {p['run'] + 1}, gloo's collectives of a few bytes on this link: "
+            + ", ".join(f"{kind} {s:.3f} s" for kind, s in p["probe"].items())
+        )
+    for line in model_lines(rows, probes, cluster.parse_rate(args.rate)):
+        print(line)
     if results:
         floor = ddp_floor(
-            results[0]["params"], cluster.parse_rate(args.rate), parse_delay(args.delay)
-        )
+            results[0]["params"], cluster.parse_rate(args.rate), parse_delay(args.delay),
+            args.workers,
+        )  # fmt: skip
         print(
             f"DDP's floor per step from the link: {floor:.3f} s ({results[0]['params']:,} params)"
         )
-    print(
-        "load average (1, 5, 15 min) before each run:",
-        "; ".join(" ".join(f"{x:.2f}" for x in load) for load in loads),
-    )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "loads": loads, "results": results}, f)
+    save_runs(args, loads, results)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@ The Markdown pages are read by MyST, the notebooks (``docs/notebooks`` links to 
 ``notebooks/``) are executed during the build by myst-nb, and the API pages are generated from
 the docstrings by autodoc and napoleon (Google style).
 
-The notebooks' outputs are cached (jupyter-cache) in ``docs/_build/.jupyter_cache``, keyed on each
-notebook and on a hash of fn's sources, so a build runs only the notebooks whose code or fn has
-changed since the last one. A notebook cell that runs longer than ``FN_NOTEBOOK_TIMEOUT``
+The notebooks' outputs are cached (jupyter-cache) in ``.jupyter_cache`` under the output folder
+(``docs/_build/html/.jupyter_cache`` here), keyed on each notebook and on a hash of fn's sources,
+so a build runs only the notebooks whose code or fn has changed since the last one into that
+folder. A notebook cell that runs longer than ``FN_NOTEBOOK_TIMEOUT``
 seconds (an environment variable; default 1200, enough for a machine under heavy load) fails
 the build. ``-D nb_execution_mode=off`` builds the notebooks without running them.
 """
@@ -21,6 +22,7 @@ import builtins
 import functools
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import os
 import re
@@ -46,11 +48,49 @@ from sphinx.transforms import SphinxTransform  # noqa: E402
 from sphinx.transforms.post_transforms import SphinxPostTransform  # noqa: E402
 from sphinx.util import logging  # noqa: E402
 from sphinx.util.docutils import SphinxDirective  # noqa: E402
+from sphinx.util.inspect import stringify_signature  # noqa: E402
 from sphinx.util.typing import stringify_annotation  # noqa: E402
 
 import fn  # noqa: E402
 
 logger = logging.getLogger(__name__)
+
+# torchtitan 0.3.0 needs torch 2.14 (the torchtitan extra), which the development install (torch
+# 2.13.0) goes without: there fn.integrations.torchtitan is documented with torchtitan's modules
+# mocked: fn's classes with their docstrings, their own members and the signatures of their own
+# __init__ (_mocked_signature), as with torchtitan; what they inherit from torchtitan's classes
+# (the fields of its configs) is left out, and annotations name torchtitan's classes in full.
+# tyro (torchtitan's command-line parser, which fn's config annotations name) comes with
+# torchtitan, so it is mocked with it.
+TORCHTITAN_MOCKED = importlib.util.find_spec("torchtitan") is None
+if TORCHTITAN_MOCKED:
+    from sphinx.ext.autodoc.mock import mock  # noqa: E402
+
+    autodoc_mock_imports = ["torchtitan", "tyro"]
+    with mock(autodoc_mock_imports):
+        import fn.integrations.torchtitan.config_registry  # noqa: E402, F401
+
+# fn.integrations.torchft imports torchft (its extra, not the docs extra) for its annotations
+# only: where torchft is missing, it is documented with torchft mocked.
+if importlib.util.find_spec("torchft") is None:
+    from sphinx.ext.autodoc.mock import mock  # noqa: E402
+
+    autodoc_mock_imports = [*globals().get("autodoc_mock_imports", []), "torchft"]
+    with mock(["torchft"]):
+        import fn.integrations.torchft  # noqa: E402, F401
+
+
+def _mocked_signature(app, what, name, obj, options, signature, return_annotation):
+    """With torchtitan mocked, a class of fn.integrations.torchtitan whose base is a mock (whose
+    ``__new__`` takes anything) shows its own ``__init__``'s signature."""
+    mocked = "(*args: Any, **kwargs: Any)"
+    if not (TORCHTITAN_MOCKED and what == "class" and signature == mocked):
+        return None
+    if not name.startswith("fn.integrations.torchtitan."):
+        return None
+    init = inspect.signature(obj.__init__)
+    init = init.replace(parameters=list(init.parameters.values())[1:])
+    return stringify_signature(init, show_return_annotation=False), return_annotation
 
 
 def _repository_url() -> str | None:
@@ -124,12 +164,18 @@ def _fn_sources_key() -> str:
     return digest.hexdigest()[:16]
 
 
-_NOTEBOOK_CACHES = DOCS / "_build" / ".jupyter_cache"
+def _notebook_cache(app, config) -> None:
+    """Sets ``nb_execution_cache_path`` under the build's output folder (a build into another
+    folder writes nothing into the source tree), in a folder named after fn's sources, and
+    removes the folders of other sources."""
+    caches = Path(app.outdir) / ".jupyter_cache"
+    config.nb_execution_cache_path = str(caches / _fn_sources_key())
+    for stale in caches.glob("*"):
+        if str(stale) != config.nb_execution_cache_path:
+            shutil.rmtree(stale)
+
+
 nb_execution_mode = "cache"
-nb_execution_cache_path = str(_NOTEBOOK_CACHES / _fn_sources_key())
-for _stale in _NOTEBOOK_CACHES.glob("*"):
-    if str(_stale) != nb_execution_cache_path:
-        shutil.rmtree(_stale)
 nb_execution_timeout = int(os.environ.get("FN_NOTEBOOK_TIMEOUT", "1200"))
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True
@@ -176,6 +222,7 @@ _THIRD_PARTY = {
     "lightning",
     "pytorch_lightning",
     "torchtitan",
+    "torchft",
     "tyro",
 }
 _EXTERNAL = "|".join(sorted(re.escape(m) for m in _THIRD_PARTY | set(sys.stdlib_module_names)))
@@ -184,8 +231,11 @@ _BUILTINS = "|".join(
     + ["None", "True", "False", "Ellipsis", "NotImplemented"]
 )
 # The annotations of torchtitan's config fields that fn's subclasses inherit (strings in
-# torchtitan's modules) and tyro's CLI marker name these without their package.
+# torchtitan's modules) and tyro's CLI marker name these without their package; so do the
+# fields fn's configs annotate with torchtitan's config classes while torchtitan is mocked.
 _UNQUALIFIED = r"Literal\[.*|Suppress"
+if TORCHTITAN_MOCKED:
+    _UNQUALIFIED += r"|ParallelismConfig|TrainingConfig"
 nitpick_ignore_regex = [
     (r"py:.*", rf"({_EXTERNAL})\..+"),  # a name in another package: torch.Tensor, os.PathLike
     (r"py:mod", rf"({_EXTERNAL})"),
@@ -229,6 +279,7 @@ API: dict[str, list[str]] = {
     "fn.integrations.accelerate": _exports("fn.integrations.accelerate"),
     "fn.integrations.lightning": _exports("fn.integrations.lightning"),
     "fn.integrations.torchtitan": _exports("fn.integrations.torchtitan"),
+    "fn.integrations.torchft": _exports("fn.integrations.torchft"),
 }
 # The groups of each package's summary table (``fn-summary``), in the order its page shows them;
 # its entries (``fn-autopackage``) follow the same order. What a newcomer reaches for comes
@@ -296,6 +347,7 @@ API_GROUPS: dict[str, list[tuple[str, str]]] = {
             " topk_allreduce cast_allreduce",
         ),
         ("States", "OnebitAllreduceState LocoAllreduceState TopkAllreduceState"),
+        ("Participation", "Participation participants_mean"),
         ("Errors and exit", "CollectiveTimeoutError exit_distributed"),
         (
             "Building blocks",
@@ -338,7 +390,7 @@ API_GROUPS: dict[str, list[tuple[str, str]]] = {
     ],
     "fn.fsdp": [
         ("Optimizers", "OnebitAdam OnebitLamb ZeroOneAdam"),
-        ("Checkpoints", "TrainingCheckpoint read_onebit_state"),
+        ("Checkpoints", "TrainingCheckpoint read_onebit_state CheckpointWriteError"),
         (
             "Compressed collectives",
             "loco_reduce_scatter LocoReduceScatterHandle quantized_all_gather",
@@ -363,6 +415,10 @@ API_GROUPS: dict[str, list[tuple[str, str]]] = {
             "torchtitan's components",
             "OnebitTrainer OnebitOptimizersContainer OnebitCheckpointManager ShardMeshParallelize",
         ),
+    ],
+    "fn.integrations.torchft": [
+        ("Elastic DiLoCo", "ElasticDiLoCo POSITIONAL_COMPRESSIONS"),
+        ("Building blocks", "ManagerComm"),
     ],
 }
 # Where each public object is documented, by identity (functions and classes) or by the names
@@ -799,6 +855,8 @@ class RepositoryLinks(SphinxPostTransform):
 
 
 def setup(app):
+    app.connect("config-inited", _notebook_cache)
+    app.connect("autodoc-process-signature", _mocked_signature, priority=400)  # before aliases
     app.add_directive("fn-summary", Summary)
     app.add_directive("fn-autopackage", AutoPackage)
     app.add_role("fn-docs", _docs_role)

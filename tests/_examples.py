@@ -14,12 +14,11 @@ import os
 import re
 import shlex
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+
+from tests._distributed import rank_env, run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -87,34 +86,8 @@ def run_downloaded(command: Sequence[str], folder: Path, timeout: float = 300) -
         AssertionError: it failed or ran past ``timeout`` seconds (its process group is then
             killed), with the ends of its output.
     """
-    bin_dir = str(Path(sys.executable).parent)
-    env = dict(
-        os.environ,
-        PATH=os.pathsep.join([bin_dir, os.environ.get("PATH", "")]),
-        PYTHONPATH=_fn_only(),
-        CUDA_VISIBLE_DEVICES="",
-        OMP_NUM_THREADS="1",
+    done = run_command(command, env=rank_env(_fn_only()), timeout=timeout, cwd=folder)
+    assert done.returncode == 0, (
+        f"{shlex.join(command)}:\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
     )
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-        env.pop(name, None)
-    words = list(command)
-    if words[0] in ("python", "python3"):
-        words[0] = sys.executable
-    process = subprocess.Popen(
-        words,
-        cwd=folder,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # a timeout stops torchrun's ranks too
-    )
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate()
-        message = f"{shlex.join(command)}: timed out\n{out[-2000:]}{err[-4000:]}"
-        raise AssertionError(message) from None
-    assert process.returncode == 0, f"{shlex.join(command)}:\n{out[-2000:]}{err[-4000:]}"
-    return out
+    return done.stdout

@@ -44,11 +44,12 @@ PACKAGES = [
     "fn.integrations.accelerate",
     "fn.integrations.lightning",
     "fn.integrations.torchtitan",
+    "fn.integrations.torchft",
 ]
 # the optional package each integration module imports
 _NEEDS = {
     f"fn.integrations.{name}": name
-    for name in ("transformers", "accelerate", "lightning", "torchtitan")
+    for name in ("transformers", "accelerate", "lightning", "torchtitan", "torchft")
 }
 _SECTION = re.compile(r"^\s*([A-Z][A-Za-z ]*):\s*$", re.M)
 _ROOT = Path(fn.__file__).parent

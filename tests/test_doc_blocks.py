@@ -16,7 +16,9 @@ the site show nothing of it):
 - ``<!-- test: run -->`` above a shell block: bash runs it, line by line and stopping at the
   first failure, in the folder where the page's ``file=`` blocks were written.
 
-Other shell blocks (installs, launches on several hosts) are not run. Every run gets
+Other shell blocks (installs, launches on several hosts) are not run. A program that imports
+a package outside fn's dependencies that is not installed (an extra: torchft, torchtitan) is
+not run: its test skips, naming it (tests/_imports.py). Every run gets
 ``FN_DOC_BLOCK_TIMEOUT`` seconds (300 by default) on CPU, multi-rank blocks on gloo; up to
 ``min(4, cores)`` runs go at once.
 """
@@ -25,14 +27,15 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+
+from tests._distributed import rank_env, run_command
+from tests._imports import missing_packages
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = float(os.environ.get("FN_DOC_BLOCK_TIMEOUT", "300"))
@@ -118,29 +121,11 @@ def _fragments() -> list[Block]:
 
 def _run(command: list[str], cwd: Path) -> str:
     """Run ``command`` in ``cwd`` on CPU with the timeout; its output, or a failed test."""
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env.setdefault("OMP_NUM_THREADS", "1")
-    process = subprocess.Popen(
-        command,
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # torchrun's workers too are stopped on a timeout
-    )
-    try:
-        out, _ = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, _ = process.communicate()
-        pytest.fail(f"timed out after {TIMEOUT:.0f} s:\n{out[-6000:]}")
-    if process.returncode != 0:
-        pytest.fail(f"exit status {process.returncode}:\n{out[-6000:]}")
-    return out
+    env = rank_env(os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = run_command(command, env=env, timeout=TIMEOUT, cwd=cwd, merge_stderr=True)
+    if done.returncode != 0:
+        pytest.fail(f"exit status {done.returncode}:\n{done.stdout[-6000:]}")
+    return done.stdout
 
 
 def test_every_block_is_run_or_a_marked_excerpt():
@@ -161,27 +146,44 @@ def test_every_block_is_run_or_a_marked_excerpt():
             elif block.marker not in ("", "run") and block.language != "python":
                 problems.append(f"{block.where}: {block.marker!r} marks a Python block")
         for name in sorted(files):
-            if not re.search(rf"(?<![\w/.-]){re.escape(name)}\b", runs):
+            if not _names(name, runs):
                 problems.append(f"{page.relative_to(ROOT)}: no `run` shell block runs {name}")
     assert not problems, "\n".join(problems)
 
 
+def _names(name: str, command: str) -> bool:
+    """Whether the shell ``command`` names the file ``name``."""
+    return re.search(rf"(?<![\w/.-]){re.escape(name)}\b", command) is not None
+
+
 def _run_program(chain: list[Block], folder: Path) -> str:
     program = "\n".join(block.text for block in chain)
+    if missing := missing_packages(program):
+        pytest.skip(f"{chain[-1].where} needs {', '.join(missing)} (an extra), not installed")
     (folder / "block.py").write_text(program, encoding="utf-8")
     return _run([sys.executable, "block.py"], folder)
 
 
 def _run_page(page: Path, folder: Path) -> str:
+    """Runs the page's ``run`` blocks in turn; one that runs a saved program needing an extra
+    that is not installed is left out, and the test then skips, naming it, once the others
+    passed."""
     page_blocks = blocks(page)
+    saved = {}
     for block in page_blocks:
         if name := _marked(block.marker, "file"):
             (folder / name).write_text(block.text, encoding="utf-8")
-    return "".join(
-        _run(["bash", "-e", "-o", "pipefail", "-c", block.text], folder)
-        for block in page_blocks
-        if block.marker == "run"
-    )
+            saved[name] = missing_packages(block.text)
+    out, left_out = [], []
+    for block in (b for b in page_blocks if b.marker == "run"):
+        missing = sorted({m for name in saved if _names(name, block.text) for m in saved[name]})
+        if missing:
+            left_out.append(f"{block.where} (needs {', '.join(missing)}, an extra)")
+            continue
+        out.append(_run(["bash", "-e", "-o", "pipefail", "-c", block.text], folder))
+    if left_out:
+        pytest.skip(f"the other run blocks passed; not run here: {'; '.join(left_out)}")
+    return "".join(out)
 
 
 @pytest.fixture(scope="module")

@@ -174,6 +174,41 @@ def test_readme_keeps_the_commands_ci_runs():
     assert 'python3 -m pip install -e \\\n    ".[' + extras + ']"' in readme
 
 
+def test_readme_keeps_the_torchtitan_set_up_that_ci_runs():
+    """torchtitan's environment (torch 2.14.1 first, then the test and torchtitan extras, then
+    the FSDP2 and torchtitan tests) is README.md's, and CI's second script runs it; the
+    development install that CI runs on torch 2.13.0 goes without torchtitan, whose extra asks
+    for the torch it needs."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in Python 3.11 and later")
+
+    def commands(text: str) -> str:
+        """The text's lines but comments, continuations joined, without pip's and pytest's -q
+        and the script's torch pin."""
+        lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+        joined = " ".join(" ".join(lines).replace("\\", " ").split())
+        return joined.replace(" -q", "").replace(' -c "$tmp/torch-pin"', "")
+
+    readme = commands(README.read_text(encoding="utf-8"))
+    ci = commands((ROOT / ".ci" / "torch-2.14").read_text(encoding="utf-8"))
+    for command in (
+        'pip install "torch==2.14.1"',
+        'pip install -e ".[test,torchtitan]"',
+        "pytest tests/fsdp tests/integrations/test_torchtitan.py",
+    ):
+        assert f"python3 -m {command}" in readme and command in ci, command
+    assert "bash .ci/torch-2.14" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    # Getting started installs the same two environments
+    started = commands((DOCS / "getting-started.md").read_text(encoding="utf-8"))
+    (develop,) = re.findall(r'^\s*"\.\[[\w,]+\]"$', README.read_text(encoding="utf-8"), re.M)
+    assert f"python3 -m pip install -e {develop.strip()}" in started
+    assert 'python3 -m pip install "torch==2.14.1"' in started
+    assert 'python3 -m pip install -e ".[test,torchtitan]"' in started
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    extras = project["optional-dependencies"]
+    assert "torch>=2.14" in extras["torchtitan"]
+    assert not any("torchtitan" in requirement for requirement in extras["docs"])
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_each_page_has_a_title_and_an_introduction(page):
     text = _FENCE.sub("", (DOCS / page).read_text(encoding="utf-8"))

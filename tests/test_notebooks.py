@@ -3,11 +3,11 @@
 Each notebook is executed with nbclient in a fresh ``python3`` kernel, from the notebooks/
 directory, with this checkout first on the kernel's ``PYTHONPATH``. The documentation site's
 build (docs/conf.py) executes them too, the same way, and caches the executed notebooks with
-jupyter-cache in ``docs/_build/.jupyter_cache``: a cached run of the notebook's code made after
-the last change to ``fn`` is checked in place of a second run (CI builds the site just before
-the tests). ``FN_NOTEBOOK_TIMEOUT`` (seconds, default 1200) limits a notebook's run here, as it
-limits a cell's in the site build. The notebooks are committed without outputs; that is checked
-too.
+jupyter-cache under its output folder (README.md's build: ``docs/_build/html/.jupyter_cache``):
+a cached run of the notebook's code made after the last change to ``fn`` is checked in place of
+a second run (CI builds the site just before the tests). ``FN_NOTEBOOK_TIMEOUT`` (seconds,
+default 1200) limits a notebook's run here, as it limits a cell's in the site build. The
+notebooks are committed without outputs; that is checked too.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 EXPECTED = ("01_quickstart.ipynb", "02_error_feedback.ipynb", "03_convergence.ipynb")
 NOTEBOOK_TIMEOUT_S = int(os.environ.get("FN_NOTEBOOK_TIMEOUT", "1200"))  # kernel start included
-SITE_CACHES = ROOT / "docs" / "_build" / ".jupyter_cache"
+SITE_CACHES = ROOT / "docs" / "_build" / "html" / ".jupyter_cache"  # README.md's build
 
 
 def code_cells(nb):

@@ -26,7 +26,8 @@ ALLOWED = {
     "fsdp": {"errors", "tree", "kernels", "base", "collectives", "transforms"},
     "diloco": {"errors", "tree", "kernels", "base", "collectives", "transforms"},
     "ddp": {"errors", "tree", "kernels", "base", "collectives", "transforms", "optim"},
-    "integrations": {"errors", "tree", "base", "collectives", "transforms", "optim", "fsdp", "ddp"},
+    "integrations": {"errors", "tree", "base", "collectives", "transforms", "optim", "fsdp"}
+    | {"diloco", "ddp"},
     "app": {"errors", "tree", "base", "collectives", "transforms", "optim", "ddp", "fsdp"},
 }
 

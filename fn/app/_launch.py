@@ -1,8 +1,9 @@
 """Runs a function on real ``torch.distributed`` gloo processes on this machine.
 
 ``spawn_gloo(worker_fn, world_size, args, timeout=..., on_message=...)`` starts ``world_size``
-processes with :func:`torch.multiprocessing.start_processes` (the ``spawn`` start method); each
-joins a gloo group on a free local port and runs ``worker_fn(rank, world_size, send, *args)``.
+processes with :func:`torch.multiprocessing.start_processes` (the ``spawn`` start method, or
+``forkserver`` for many short launches: see ``spawn_gloo``); each joins a gloo group on a free
+local port and runs ``worker_fn(rank, world_size, send, *args)``.
 ``send(payload)`` passes a picklable message to the parent's ``on_message`` while the workers run
 (the demo's progress). torch collects the traceback of a child that raises and ends the other
 children when one fails; this module adds the free port, the gloo group, the results, one
@@ -31,10 +32,12 @@ import faulthandler
 import os
 import pickle
 import queue
+import select
 import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -87,18 +90,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def _die_with_parent(launcher_pid: int) -> None:
     """Linux: has the kernel SIGKILL this process when the thread that started it ends (the
-    parent's main thread), even when the parent is killed with SIGKILL."""
+    launcher's main thread, or the fork server's), even when the launcher is killed with
+    SIGKILL."""
     if not sys.platform.startswith("linux"):
         return
+    parent = os.getppid()  # the launcher, or under ``forkserver`` the fork server
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent_pid:  # the parent was gone before prctl took effect
+    # the parent, or the launcher, was gone before prctl took effect
+    if os.getppid() != parent or not _alive(launcher_pid):
         os._exit(1)
+
+
+def _die_with_launcher(launcher_pid: int) -> None:
+    """Under ``forkserver``: a thread that SIGKILLs this process when the launcher ends. The
+    parent-death signal is not enough there: the parent is the fork server, which its children
+    keep running (they hold its "alive" pipe) after the launcher died."""
+    try:
+        launcher = os.pidfd_open(launcher_pid)  # Linux 5.3: readable once the launcher ended
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):  # no pidfd here: look every POLL_S
+        launcher = None
+
+    def watch() -> None:
+        if launcher is not None:
+            select.select([launcher], [], [])
+        else:
+            while _alive(launcher_pid):
+                time.sleep(POLL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="fn-watch-launcher", daemon=True).start()
 
 
 def _child(
@@ -109,18 +147,24 @@ def _child(
     timeout: float,
     threads: int,
     messages: Any,
-    parent_pid: int,
+    launcher_pid: int,
     stacks: str,
+    environ: dict[str, str] | None,
     args: tuple[Any, ...],
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if environ is not None:  # forked from a server started earlier: the launcher's variables
+        os.environ.clear()
+        os.environ.update(environ)
     if _STACK_SIGNAL is not None:
         # kept open for the process's life: faulthandler writes to its file descriptor
         stack_file = open(Path(stacks) / f"rank{rank}.txt", "w")  # noqa: SIM115
         faulthandler.register(_STACK_SIGNAL, file=stack_file, all_threads=False)
     # torch's parent-death signal is SIGINT, which is ignored here and which a rank blocked in a
     # gloo call would not act on: SIGKILL instead.
-    _die_with_parent(parent_pid)
+    _die_with_parent(launcher_pid)
+    if environ is not None:
+        _die_with_launcher(launcher_pid)
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
@@ -223,6 +267,7 @@ def spawn_gloo(
     timeout: float,
     on_message: Callable[[int, Any], None],
     threads: int | None = None,
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Runs ``worker_fn(rank, world_size, send, *args)`` on ``world_size`` gloo processes.
 
@@ -234,6 +279,12 @@ def spawn_gloo(
         on_message: called in the parent as ``on_message(rank, payload)`` for every ``send``.
         threads: torch intra-op threads per worker (default: this machine's cores shared
             out, at least 1).
+        start_method: ``"spawn"``, a fresh interpreter per worker that imports torch (a few
+            seconds), or ``"forkserver"``: workers forked from a server process started at the
+            first such launch, which imports the modules named by
+            :func:`multiprocessing.set_forkserver_preload` once (a launch then takes a fraction
+            of a second: for many short runs, as the tests make). The workers get the
+            launcher's environment variables as they are at the launch either way.
 
     Returns:
         The workers' return values, indexed by rank.
@@ -243,7 +294,9 @@ def spawn_gloo(
             message and ``ranks`` name the rank(s) that caused it.
         KeyboardInterrupt: Ctrl-C in the parent (the children are killed first).
     """
-    messages = mp.get_context("spawn").Queue()
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', not {start_method!r}")
+    messages = mp.get_context(start_method).Queue()
     stacks = tempfile.TemporaryDirectory(prefix="fn-stacks-")
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
@@ -256,6 +309,7 @@ def spawn_gloo(
         messages,
         os.getpid(),
         stacks.name,
+        dict(os.environ) if start_method == "forkserver" else None,
         args,
     )
     started = time.monotonic()
@@ -265,7 +319,12 @@ def spawn_gloo(
     context = None
     try:
         context = mp.start_processes(
-            _child, child_args, nprocs=world_size, join=False, daemon=True, start_method="spawn"
+            _child,
+            child_args,
+            nprocs=world_size,
+            join=False,
+            daemon=True,
+            start_method=start_method,
         )
         while True:
             for rank, process in enumerate(context.processes):

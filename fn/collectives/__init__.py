@@ -24,9 +24,11 @@ functions in ``torch.distributed``'s flat layout: ``quantized_reduce_scatter_int
 error buffers the caller keeps) and ``quantized_all_gather_into`` (what ``fn.fsdp`` installs in
 FSDP2). The outer compressors of ``fn.diloco``: ``cast_allreduce`` (the mean sent in fp32, bf16
 or fp16, summed in rank order) and ``topk_allreduce`` (chunk-wise top-k in 2 bits with error
-feedback, averaged by an all-gather or reduced on owners: ``exchange=``). ``Compressor``: a
-transform that can also exchange with its flag and size record in a header on its messages
-(``header.py``), as ``fn.diloco``'s outer step does.
+feedback, averaged by an all-gather or reduced on owners: ``exchange=``). Their
+``update(..., participation=Participation(...))`` averages over the ranks that take part
+(``participation.py``): a sitter sends zeros and keeps its error feedback. ``Compressor``: a
+transform that can also exchange with its flag (whether it takes part) and size record in a
+header on its messages (``header.py``), as ``fn.diloco``'s outer step does.
 """
 
 import torch
@@ -50,6 +52,7 @@ from fn.collectives.onebit import (
     onebit_allreduce,
     padded_numel,
 )
+from fn.collectives.participation import Participation, participants_mean
 from fn.collectives.process_exit import exit_distributed
 from fn.collectives.process_group import CollectiveTimeoutError, ProcessGroup
 from fn.collectives.quantized import *  # noqa: F403
@@ -113,4 +116,6 @@ __all__ = [
     "HEADER_BYTES",
     "Compressor",
     "Exchanged",
+    "Participation",
+    "participants_mean",
 ]

@@ -10,6 +10,7 @@ import torch
 
 from fn.collectives import _sizes
 from fn.collectives.comm import Comm
+from fn.collectives.participation import Participation, participants_mean, sent
 from fn.errors import check_nonnegative
 
 WHAT = "topk_allreduce"
@@ -145,17 +146,27 @@ class Compressed(NamedTuple):
 
 
 def compress(
-    leaves: list, errors: list, live: list[int], k: int, chunk_size: int, decay: float
+    leaves: list,
+    errors: list,
+    live: list[int],
+    k: int,
+    chunk_size: int,
+    decay: float,
+    takes_part: torch.Tensor | None = None,
 ) -> Compressed:
-    """``v`` and the chunk-wise top-``k`` of every live leaf (its chunks in leaf order)."""
+    """``v`` and the chunk-wise top-``k`` of every live leaf (its chunks in leaf order). Where
+    ``takes_part`` is ``False`` the input is not read (``v = decay e``) and the message is
+    all zeros (scales 0: it decodes to zeros)."""
     if any(errors[i] is None for i in live):
         raise ValueError(f"{WHAT}: an update leaf has no error state")
     if not live:  # nothing to send: a message of no chunks
         positions = torch.zeros(0, k, dtype=torch.int64)
         return Compressed({}, Sparse(positions, positions, torch.zeros(0)))
-    v = {i: errors[i] * decay + leaves[i].float() for i in live}
+    part = None if takes_part is None else Participation(takes_part, takes_part.long())
+    v = {i: errors[i] * decay + sent(leaves[i], part).float() for i in live}
     per_leaf = [select(chunked(v[i], chunk_size), k) for i in live]
-    return Compressed(v, Sparse(*(torch.cat(parts) for parts in zip(*per_leaf, strict=True))))
+    mine = Sparse(*(torch.cat(parts) for parts in zip(*per_leaf, strict=True)))
+    return Compressed(v, mine if part is None else Sparse(*sent(tuple(mine), part)))
 
 
 def cut(rows: torch.Tensor, leaves: list, live: list[int], chunk_size: int) -> list[torch.Tensor]:
@@ -191,14 +202,18 @@ def exchange_checksum(leaves: list, live: list[int], k: int, chunk_size: int, fo
 
 
 def mean_of(
-    received: torch.Tensor, layout: Layout, chunk_size: int, world_size: int
+    received: torch.Tensor,
+    layout: Layout,
+    chunk_size: int,
+    world_size: int,
+    participation: Participation | None = None,
 ) -> torch.Tensor:
     """The decoded messages ``received`` (``[W, bytes]``) added into zeros in rank order, over
-    ``W``: fp32 ``[c, C]``."""
+    ``W`` (or over the ``n`` ranks that take part): fp32 ``[c, C]``."""
     total = torch.zeros(layout.chunks, chunk_size, device=received.device)
     for rank in range(world_size):
         total = total + dense(layout.decode(received[rank]), chunk_size)
-    return total / world_size
+    return participants_mean(total, world_size, participation)
 
 
 def size_checked(

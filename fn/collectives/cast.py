@@ -17,7 +17,17 @@ from fn import kernels
 from fn.base import EmptyState
 from fn.collectives import _sizes
 from fn.collectives.comm import Comm
-from fn.collectives.header import HEADER_BYTES, Compressor, Exchanged, flag_of, opened, sealed
+from fn.collectives.header import (
+    HEADER_BYTES,
+    Compressor,
+    Exchanged,
+    flag_of,
+    gathered,
+    opened,
+    participation_of,
+    sealed,
+)
+from fn.collectives.participation import participants_mean, sent
 from fn.tree import tree_flatten, tree_unflatten
 
 __all__ = ["CAST_DTYPES", "cast_allreduce", "cast_exchange_form"]
@@ -73,6 +83,10 @@ def cast_allreduce(dtype: torch.dtype = torch.float32, *, comm: Comm) -> Compres
     has its leaf's shape and dtype. Stateless. With ``W == 1`` the updates pass through
     unchanged. Non-finite values propagate into the mean.
 
+    ``update(..., participation=fn.collectives.Participation(takes_part, n))``: a rank that
+    sits out sends zeros (its input is not read) and the sums are divided by ``n``, the mean
+    over the participants (``fn.collectives.participants_mean``).
+
     Args:
         dtype: what the values travel as, one of :data:`CAST_DTYPES`.
         comm: the communicator.
@@ -111,46 +125,50 @@ def cast_allreduce(dtype: torch.dtype = torch.float32, *, comm: Comm) -> Compres
         del params
         return EmptyState()
 
-    def update_fn(updates, state, params=None, **extra):
+    def update_fn(updates, state, params=None, *, participation=None, **extra):
         del params, extra
         world_size = comm.world_size
         leaves, spec, live = _live(updates)
         if world_size == 1 or not live:
             return updates, state
-        flat = torch.cat([leaves[i].reshape(-1).to(dtype) for i in live])
+        flat = torch.cat([sent(leaves[i], participation).reshape(-1).to(dtype) for i in live])
         n = flat.numel()
         checksum = _sizes.layout_checksum((i, leaves[i].numel()) for i in live)
         records = _sizes.with_count(flat.new_empty(world_size, 0, dtype=torch.float32), n, checksum)
         flat = _sizes.released(flat, comm.all_to_all(records), n, _WHAT, checksum)
         padded = torch.nn.functional.pad(flat, (0, -n % world_size))
         pieces = comm.all_to_all(padded.view(world_size, -1))  # row i: rank i's copy of my chunk
-        shard = (kernels.sum_ranks(pieces.float()) / world_size).to(dtype)
+        total = kernels.sum_ranks(pieces.float())
+        shard = participants_mean(total, world_size, participation).to(dtype)
         return _unflattened(comm.all_gather(shard).reshape(-1)[:n], leaves, spec, live), state
 
-    def exchange_fn(updates, state, flag=None, params=None, **extra):
-        del params, extra
+    def exchange_fn(updates, state, flag=None, params=None, *, extra=()):
+        del params
         world_size = comm.world_size
         leaves, spec, live = _live(updates)
         flat = torch.cat([leaves[i].reshape(-1).to(dtype) for i in live] or [torch.zeros(0)])
         flag = flag_of(flag) & torch.isfinite(flat).all()
         if world_size == 1:
-            return Exchanged(updates, state, flag.reshape(1))
+            values = torch.tensor([list(extra)], dtype=torch.int64)
+            return Exchanged(updates, state, flag.reshape(1), values)
         n, size = flat.numel(), flat.element_size()
         form = cast_exchange_form(n, size, world_size)
         layout = [(i, leaves[i].numel()) for i in live] + [(-1, size), (-3, form == "owner")]
         checksum = _sizes.layout_checksum(layout)
         flat = torch.where(flag, flat, 0).to(dtype)
         if form == "gather":
-            message = sealed(_bytes(flat, 1), flag, n, checksum).view(-1)
-            got = opened(comm.all_gather(message), n, _WHAT, checksum)
-            mean = (kernels.sum_ranks(_values(got.payload, dtype)) / world_size).to(dtype)
+            message = sealed(_bytes(flat, 1), flag, n, checksum, extra=extra).view(-1)
+            got = opened(gathered(comm, message), n, _WHAT, checksum, len(extra))
+            total = kernels.sum_ranks(_values(got.payload, dtype))
+            mean = participants_mean(total, world_size, participation_of(flag, got)).to(dtype)
         else:
             padded = torch.nn.functional.pad(flat, (0, -n % world_size))
-            rows = sealed(_bytes(padded, world_size), flag, n, checksum, slots=True)
-            got = opened(comm.all_to_all(rows), n, _WHAT, checksum)
-            shard = (kernels.sum_ranks(_values(got.payload, dtype)) / world_size).to(dtype)
-            mean = comm.all_gather(shard).reshape(-1)[:n]
-        return Exchanged(_unflattened(mean, leaves, spec, live), state, got.flags)
+            rows = sealed(_bytes(padded, world_size), flag, n, checksum, True, extra)
+            got = opened(comm.all_to_all(rows), n, _WHAT, checksum, len(extra))
+            total = kernels.sum_ranks(_values(got.payload, dtype))
+            shard = participants_mean(total, world_size, participation_of(flag, got)).to(dtype)
+            mean = gathered(comm, shard).reshape(-1)[:n]
+        return Exchanged(_unflattened(mean, leaves, spec, live), state, got.flags, got.extra)
 
     return Compressor(init_fn, update_fn, exchange_fn)
 

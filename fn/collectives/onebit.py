@@ -18,6 +18,7 @@ from fn.collectives import _sizes
 from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm, check_split
 from fn.collectives.error_feedback import ErrorFeedback, ErrorFeedbackField
+from fn.collectives.participation import Participation, kept, participants_mean, sent
 from fn.errors import NonFiniteError, finite_or_raise
 from fn.tree import donated_leaves, eager, fitting, live_leaves, tree_map
 
@@ -214,6 +215,7 @@ def compressed_allreduce(
     local_world_size: int | None = None,
     out: AllreduceOut | None = None,
     packed: bool = False,
+    participation: Participation | None = None,
 ) -> tuple[torch.Tensor | PackedSigns, torch.Tensor, torch.Tensor]:
     """Error-compensated 1-bit allreduce: an estimate of the mean of ``x`` over the ranks.
 
@@ -261,6 +263,12 @@ def compressed_allreduce(
         packed: return ``y`` as the :class:`PackedSigns` it arrives as instead of unpacking
             it (``out``'s ``y`` must then be ``None``); where nothing is compressed (``W == 1``,
             ``n == 0``, one node) ``y`` stays a tensor.
+        participation: which ranks take part (:class:`~fn.collectives.Participation`), or
+            ``None`` (every rank): a rank that sits out sends worker scale ``a_i = 0`` (its
+            ``x`` is not read) and keeps its worker error as it was; the server's sum weighs
+            the scales by ``1 / n`` in place of ``1 / W`` (``participants_mean``), and every
+            rank's server part (and server error) runs as usual. Flat only, on the reference
+            path (``out`` is then filled by copies).
 
     The error buffers may also be bf16 or fp16 (:data:`ERROR_DTYPES`), computed in fp32 and
     rounded once (the in-place path takes fp32 only).
@@ -276,6 +284,7 @@ def compressed_allreduce(
             divide ``W``, or (on every rank at once, before any sign is sent) if the ranks' ``x``
             differ in element count or ``local_world_size``, or some rank's ``x +
             worker_error`` is not finite. Nothing is changed.
+        NotImplementedError: ``participation`` with ``local_world_size`` (hierarchical).
 
     Example:
         One call sends only signs and scales: every rank gets the same coarse estimate.
@@ -306,6 +315,11 @@ def compressed_allreduce(
     world_size = comm.world_size
     n = x.numel()
     _check_errors(n, worker_error, server_error, world_size, local_world_size)
+    if participation is not None and local_world_size not in (None, 1):
+        raise NotImplementedError(
+            "compressed_allreduce: participation= is built for the flat collective only "
+            "(hierarchical, a node's dense mean would need its own participants)"
+        )
     if out is not None:
         _check_out(out, x, worker_error, server_error)
         if packed and out[0] is not None:
@@ -317,7 +331,7 @@ def compressed_allreduce(
         return x, _zeroed(worker, worker_error), _zeroed(server, server_error)
     if not x.is_floating_point():
         raise TypeError(f"compressed_allreduce needs a floating-point x, got {x.dtype}")
-    if out is not None and eager(x, worker_error, server_error, *out):
+    if out is not None and participation is None and eager(x, worker_error, server_error, *out):
         errors = (worker_error, server_error)
         exchange = _exchange(x.reshape(-1), None, 0.0, *errors, comm, local_world_size)
         if exchange is not None:
@@ -331,8 +345,8 @@ def compressed_allreduce(
     if local_world_size not in (None, 1):
         y, worker, server = _pure_hierarchical(x, *errors, comm, local_world_size)
     else:
-        flat = _padded_flat(x, worker_error.numel())
-        signs, scales, worker, server = _pure_exchange(flat, n, *errors, comm)
+        flat = _padded_flat(sent(x, participation), worker_error.numel())
+        signs, scales, worker, server = _pure_exchange(flat, n, *errors, comm, participation)
         y = PackedSigns(signs, scales)
     if isinstance(y, PackedSigns) and not packed:
         y = y.unpacked(x)
@@ -387,10 +401,12 @@ def _pure_exchange(
     worker_error: torch.Tensor,
     server_error: torch.Tensor,
     comm: Comm,
+    participation: Participation | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exchanges of the reference path for the padded ``flat`` of a call of ``n``
     elements: every rank's packed server signs ``[W, chunk / 8]`` and scales ``[W]``, and this
-    rank's new errors."""
+    rank's new errors. A rank that sits out (``participation``) sends scale 0 and keeps its
+    worker error; the server weighs the scales by ``1 / n``."""
     world_size, n_padded = comm.world_size, flat.numel()
     chunk = n_padded // world_size
     # Non-finite values make the scale non-finite (or the kernel raise); the rank then sends a
@@ -400,12 +416,16 @@ def _pure_exchange(
         packed, scale, new_worker_error = kernels.sign_compress(flat, worker_error)
     except NonFiniteError:
         packed, scale, new_worker_error = None, flat.new_full((), torch.nan), None
+    if participation is not None:
+        scale = torch.where(participation.takes_part, scale, 0.0)
+        new_worker_error = kept(new_worker_error, worker_error, participation)
     scales = _worker_scales(comm, scale, n)
 
     received = comm.all_to_all(packed.view(world_size, -1))  # [W, chunk / 8]: chunk r of rank i
     # unpackbits returns fresh tensors: scaling them in place saves a full-size copy each.
     signs = kernels.unpackbits(received.reshape(-1), n_padded).view(world_size, chunk)
-    server_m = kernels.sum_ranks(signs.mul_((scales / world_size)[:, None]))  # [chunk]
+    weights = participants_mean(scales, world_size, participation)  # [W]
+    server_m = kernels.sum_ranks(signs.mul_(weights[:, None]))  # [chunk]
     server_packed, server_scale, new_server_error = kernels.sign_compress(server_m, server_error)
 
     all_packed = comm.all_gather(server_packed)  # [W, chunk / 8]
@@ -760,6 +780,9 @@ def onebit_allreduce(*, comm: Comm, local_world_size: int | None = None) -> Grad
 
     ``update(..., donate=...)`` (buffer donation) writes the new errors into the donated
     state's buffers and each result into its update leaf, with the bits of the pure call.
+    ``update(..., participation=...)`` (:class:`~fn.collectives.Participation`, flat only)
+    averages over the ranks that take part (see :func:`compressed_allreduce`); it computes
+    purely, whatever ``donate`` says.
 
     Args:
         comm: the communicator.
@@ -804,13 +827,16 @@ def onebit_allreduce(*, comm: Comm, local_world_size: int | None = None) -> Grad
 
         return OnebitAllreduceState(errors(0), errors(1))
 
-    def update_fn(updates, state, params=None, *, donate=None, **extra):
+    def update_fn(updates, state, params=None, *, donate=None, participation=None, **extra):
         del params, extra
         walk = live_leaves(updates, state.worker_error, state.server_error, check=_has_errors)
-        donated = donated_state(donate, state)
+        donated = donated_state(donate, state) if participation is None else None
         live = zip(*(walk.at_live(k) for k in range(3)), strict=True)
         if donated is None:
-            results = [compressed_allreduce(u, we, se, **level) for u, we, se in live]
+            results = [
+                compressed_allreduce(u, we, se, **level, participation=participation)
+                for u, we, se in live
+            ]
         else:
             spares = [donated_leaves(tree, walk.spec) for tree in donated]
             spare = zip(*([leaves[i] for i in walk.live] for leaves in spares), strict=True)

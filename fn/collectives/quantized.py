@@ -39,7 +39,16 @@ from fn.collectives import _sizes
 from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
-from fn.collectives.header import Compressor, Exchanged, flag_of, opened, sealed
+from fn.collectives.header import (
+    Compressor,
+    Exchanged,
+    flag_of,
+    gathered,
+    opened,
+    participation_of,
+    sealed,
+)
+from fn.collectives.participation import Participation, kept, participants_mean, sent
 from fn.collectives.process_group import ProcessGroup
 from fn.errors import NonFiniteError, finite_or_raise
 from fn.tree import eager, fitting, tree_flatten, tree_map, tree_unflatten
@@ -155,19 +164,26 @@ def _reduce_scatter(
     plan: _Plan,
     err_beta: float,
     checksum: int | None = None,
+    participation: Participation | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Mean over the world of this rank's chunk of the padded fp32 ``v`` (``n`` elements before
-    padding; ``checksum``: of the call's layout, by default of ``v`` alone); new hop errors."""
+    padding; ``checksum``: of the call's layout, by default of ``v`` alone); new hop errors.
+    With ``participation``, a rank that sits out sends zero codes and scales at the first hop
+    (its first hop's new error is then meaningless: the caller keeps the old one) and the sum
+    is divided by the participants."""
     if checksum is None:
         checksum = _sizes.layout_checksum([(0, n)])
     new_errors = []
+    v = sent(v, participation)
     for index, (hop, error) in enumerate(zip(plan.hops, errors, strict=True)):
         q, scales, new_error = _feedback(v, error, plan, err_beta)
+        if index == 0 and participation is not None:  # the sitter's own message: zero
+            q, scales = (torch.where(participation.takes_part, x, 0) for x in (q, scales))
         new_errors.append(new_error)
         q, scales = _exchange_hop(plan, index, q, scales, n, checksum)
         pieces = kernels.dequantize(q, scales, plan.bits, v.numel())
         v = kernels.sum_ranks(pieces.view(hop.world_size, -1))
-    return v / plan.world.world_size, new_errors
+    return participants_mean(v, plan.world.world_size, participation), new_errors
 
 
 def _all_gather(
@@ -471,11 +487,13 @@ def _allreduce_pure(
     plan: _Plan,
     err_beta: float,
     checksum: int,
+    participation: Participation | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
     """The quantized mean of the leaf ``u`` (its shape and dtype) and the new errors; ``errors``
-    per hop of the reduce-scatter, then the all-gather's (``None``: zero, no new error)."""
+    per hop of the reduce-scatter, then the all-gather's (``None``: zero, no new error); with
+    ``participation``, over the ranks that take part (:func:`_reduce_scatter`)."""
     shard, hop_errors = _reduce_scatter(
-        _flat_padded(u, plan), u.numel(), errors[:-1], plan, err_beta, checksum
+        _flat_padded(u, plan), u.numel(), errors[:-1], plan, err_beta, checksum, participation
     )
     y, gather_error = _all_gather(shard, errors[-1], plan, err_beta)
     return y[: u.numel()].view(u.shape).to(u.dtype), (*hop_errors, gather_error)
@@ -794,49 +812,53 @@ def _exchanged(
     errors: list[tuple[torch.Tensor | None, torch.Tensor | None]],
     plan: _Plan,
     err_beta: float,
-    flag: torch.Tensor,
-) -> tuple[list[torch.Tensor], list[tuple], torch.Tensor, torch.Tensor]:
-    """:func:`_allreduce_pure` of every live leaf at once, one hop, with ``flag`` and the size
-    record in a header: one all_to_all of every leaf's chunks (each leaf padded and quantized
-    as on its own, so the same bits) and one all-gather of every leaf's shard. Returns every
-    live leaf's result, its new errors ``(e_rs, e_ag)``, this rank's flag (``flag`` and its
-    scales finite) and every rank's."""
+    offered: torch.Tensor,
+    extra: Sequence[int] = (),
+) -> tuple[list[torch.Tensor], list[tuple], Participation, object]:
+    """:func:`_allreduce_pure` of every live leaf at once, one hop, with this rank's flag, the
+    size record and ``extra`` in a header: one all_to_all of every leaf's chunks (each leaf
+    padded and quantized as on its own, so the same bits) and one all-gather of every leaf's
+    shard. A rank whose flag is unset (``offered`` ``False``, or a value or an error not
+    finite) sends zeros; the sums are divided by the ranks whose flags are set. Returns every
+    live leaf's result, its new errors ``(e_rs, e_ag)``, this rank's participation and what
+    :func:`~fn.collectives.header.opened` read."""
     world = plan.world
     world_size = world.world_size
     n = sum(leaves[i].numel() for i in live)
     layout = [(i, leaves[i].numel()) for i in live] + [(-1, plan.bits), (-2, plan.group_size)]
     checksum = _sizes.layout_checksum(layout)
     padded = [_flat_padded(leaves[i], plan) for i in live]
+    flag = offered
     for x in padded + [e for pair in errors for e in pair if e is not None]:
         flag = flag & torch.isfinite(x).all()
-    # a rank that sits out sends zeros (and no non-finite value reaches the kernels, which may
-    # refuse one for the whole batch of simulated ranks)
+    # a rank that sits out is not read (no non-finite value reaches the kernels, which may
+    # refuse one for the whole batch of simulated ranks) and sends zeros
     padded = [torch.where(flag, v, 0.0) for v in padded]
-    errors = [tuple(e if e is None else torch.where(flag, e, 0.0) for e in pair) for pair in errors]
     first = [_feedback(v, e[0], plan, err_beta) for v, e in zip(padded, errors, strict=True)]
-    for _, scales, _ in first:
-        flag = flag & torch.isfinite(scales).all()
     rows = _rows([q for q, _, _ in first], [s for _, s, _ in first], world_size)
-    rows = sealed(torch.where(flag, rows, 0), flag, n, checksum, slots=True)
-    got = opened(world.all_to_all(rows), n, _WHAT, checksum)
+    rows = sealed(torch.where(flag, rows, 0), flag, n, checksum, True, extra)
+    got = opened(world.all_to_all(rows), n, _WHAT, checksum, len(extra))
+    part = participation_of(flag, got)
     if not live:
-        return [], [], flag, got.flags
+        return [], [], part, got
     pieces = _split(got.payload, first, world_size)
     shards = [
-        kernels.sum_ranks(kernels.dequantize(q, s, plan.bits, v.numel()).view(world_size, -1))
-        / world_size
+        participants_mean(
+            kernels.sum_ranks(kernels.dequantize(q, s, plan.bits, v.numel()).view(world_size, -1)),
+            world_size,
+            part,
+        )
         for (q, s), v in zip(pieces, padded, strict=True)
     ]
     second = [_feedback(x, e[1], plan, err_beta) for x, e in zip(shards, errors, strict=True)]
-    gathered = world.all_gather(_rows([q for q, _, _ in second], [s for _, s, _ in second], 1)[0])
+    received = gathered(world, _rows([q for q, _, _ in second], [s for _, s, _ in second], 1)[0])
     ys = [
         fusion_barrier(kernels.dequantize(q, s, plan.bits, world_size * x.numel()))
-        for (q, s), x in zip(_split(gathered, second, 1), shards, strict=True)
+        for (q, s), x in zip(_split(received, second, 1), shards, strict=True)
     ]
     out = [y[: leaves[i].numel()].view(leaves[i].shape).to(leaves[i].dtype)
            for y, i in zip(ys, live, strict=True)]  # fmt: skip
-    new_errors = [(a[2], b[2]) for a, b in zip(first, second, strict=True)]
-    return out, new_errors, flag, got.flags
+    return out, [(a[2], b[2]) for a, b in zip(first, second, strict=True)], part, got
 
 
 def _rows(qs: list[torch.Tensor], scales: list[torch.Tensor], rows: int) -> torch.Tensor:
@@ -876,6 +898,9 @@ def quantized_allreduce(
     all-gather (see the module docstring for the two-hop mode). ``None`` leaves pass through;
     with ``W == 1`` it is the identity. Stateless. ``update(..., donate=True)`` writes each
     result into its update tensor as :func:`loco_allreduce` does (same bits as the pure call).
+    ``update(..., participation=fn.collectives.Participation(takes_part, n))``: a rank that sits
+    out sends zero codes and scales in the reduce-scatter (its input is not read; it still
+    reduces and all-gathers its chunk) and the sums are divided by ``n``; computed purely.
 
     Args:
         bits: 4 or 8.
@@ -917,7 +942,7 @@ def quantized_allreduce(
         del params
         return EmptyState()
 
-    def update_fn(updates, state, params=None, *, donate=None, **extra):
+    def update_fn(updates, state, params=None, *, donate=None, participation=None, **extra):
         del params, extra
         leaves, spec = tree_flatten(updates)
         live, checksum = _live(leaves)
@@ -925,28 +950,34 @@ def quantized_allreduce(
             return updates, state
         results = _over_live(
             live,
-            donating(donate),
-            lambda i: _allreduce_pure(leaves[i], no_errors, plan, 0.0, checksum)[0],
+            donating(donate) and participation is None,
+            lambda i: _allreduce_pure(leaves[i], no_errors, plan, 0.0, checksum, participation)[0],
             lambda i, tag: phase1(leaves[i], tag, checksum),
         )
         for i, result in zip(live, results, strict=True):
             leaves[i] = result
         return tree_unflatten(leaves, spec), state
 
-    def exchange_fn(updates, state, flag=None, params=None, **extra):
-        del params, extra
+    def exchange_fn(updates, state, flag=None, params=None, *, extra=()):
+        del params
         leaves, spec = tree_flatten(updates)
         live, _ = _live(leaves)
         if comm.world_size == 1:
-            return Exchanged(updates, state, _finite_flag(flag, leaves, live).reshape(1))
+            return _alone(updates, state, flag, leaves, live, extra)
         _one_hop(plan)
         no = [no_errors] * len(live)
-        out, _, _, flags = _exchanged(leaves, live, no, plan, 0.0, flag_of(flag))
+        out, _, _, got = _exchanged(leaves, live, no, plan, 0.0, flag_of(flag), extra)
         for i, result in zip(live, out, strict=True):
             leaves[i] = result
-        return Exchanged(tree_unflatten(leaves, spec), state, flags)
+        return Exchanged(tree_unflatten(leaves, spec), state, got.flags, got.extra)
 
     return Compressor(init_fn, update_fn, exchange_fn)
+
+
+def _alone(updates, state, flag, leaves: list, live: list[int], extra) -> Exchanged:
+    """The exchange of one rank: the updates as they are, its flag (and the leaves finite)."""
+    flags = _finite_flag(flag, leaves, live).reshape(1)
+    return Exchanged(updates, state, flags, torch.tensor([list(extra)], dtype=torch.int64))
 
 
 def _finite_flag(flag: torch.Tensor | None, leaves: list, live: list[int]) -> torch.Tensor:
@@ -1029,6 +1060,17 @@ def _load(stored: torch.Tensor | QuantizedError, numel: int, reset: torch.Tensor
     return torch.where(reset, 0.0, e)
 
 
+def _sitters_first_hop(
+    stored: tuple, entered: tuple, reset: torch.Tensor, participation: Participation | None
+) -> tuple:
+    """A leaf's new stored LoCo errors, where this rank sits out with the first hop's as it
+    entered the call (zero where the reset is due, else its stored bits)."""
+    if participation is None:
+        return stored
+    first = tree_map(lambda b: torch.where(reset, torch.zeros_like(b), b), entered[0])
+    return (kept(stored[0], first, participation), *stored[1:])
+
+
 def _check_loco(err_beta: float, reset_T: int, error_dtype: torch.dtype) -> None:  # noqa: N803
     if not 0.0 <= err_beta <= 1.0:
         raise ValueError(f"err_beta must be in [0, 1], got {err_beta}")
@@ -1066,6 +1108,12 @@ def loco_allreduce(
     buffers intact. With several leaves, each leaf's codes and shard wait in workspaces of
     their own (per thread and leaf position, about ``bits / 32 + 1 / W`` of the leaf's fp32
     size). ``error_dtype`` other than fp32 still computes in fresh fp32 tensors.
+
+    ``update(..., participation=fn.collectives.Participation(takes_part, n))``: a rank that sits
+    out sends zero codes and scales in the first hop of the reduce-scatter (its input is not
+    read) and keeps that hop's error as it entered the call (zero where the reset is due, else
+    its stored bits); its later hops and its all-gather, which carry the others' values,
+    update their errors as usual; the sums are divided by ``n``; computed purely.
 
     Args:
         bits: 4 or 8.
@@ -1106,11 +1154,12 @@ def loco_allreduce(
     plan = _plan(comm, bits, group_size, local_world_size)
     _check_loco(err_beta, reset_T, error_dtype)
 
-    def leaf_pure(u, buffers, reset, checksum):
+    def leaf_pure(u, buffers, reset, checksum, participation=None):
         sizes = _error_sizes(u.numel(), plan)
         errors = tuple(_load(b, k, reset) for b, k in zip(buffers, sizes, strict=True))
-        y, new = _allreduce_pure(u, errors, plan, err_beta, checksum)
-        return y, tuple(_store(e, error_dtype, group_size) for e in new)
+        y, new = _allreduce_pure(u, errors, plan, err_beta, checksum, participation)
+        stored = tuple(_store(e, error_dtype, group_size) for e in new)
+        return y, _sitters_first_hop(stored, buffers, reset, participation)
 
     def leaf_donated(u, buffers, given, reset, tag, checksum):
         """Phase 1 of a donated leaf; returns phase 2, which writes the result and the errors."""
@@ -1136,10 +1185,10 @@ def loco_allreduce(
 
         return LocoAllreduceState(torch.zeros((), dtype=torch.int64), tree_map(zeros, params))
 
-    def update_fn(updates, state, params=None, *, donate=None, **extra):
+    def update_fn(updates, state, params=None, *, donate=None, participation=None, **extra):
         del params, extra
         count = state.count + 1
-        donated = donated_state(donate, state)
+        donated = donated_state(donate, state) if participation is None else None
         if comm.world_size == 1:
             return updates, state._replace(count=count)
         reset = state.count % reset_T == 0
@@ -1152,7 +1201,7 @@ def loco_allreduce(
         results = _over_live(
             live,
             donated is not None,
-            lambda i: leaf_pure(leaves[i], stored[i], reset, checksum),
+            lambda i: leaf_pure(leaves[i], stored[i], reset, checksum, participation),
             lambda i, tag: leaf_donated(
                 leaves[i], stored[i], given[i] or (None,) * len(stored[i]), reset, tag, checksum
             ),
@@ -1164,14 +1213,13 @@ def loco_allreduce(
             count, tree_unflatten(new_stored, spec)
         )
 
-    def exchange_fn(updates, state, flag=None, params=None, **extra):
-        del params, extra
+    def exchange_fn(updates, state, flag=None, params=None, *, extra=()):
+        del params
         leaves, spec = tree_flatten(updates)
         live, _ = _live(leaves)
         count = state.count + 1
         if comm.world_size == 1:
-            flags = _finite_flag(flag, leaves, live).reshape(1)
-            return Exchanged(updates, state._replace(count=count), flags)
+            return _alone(updates, state._replace(count=count), flag, leaves, live, extra)
         _one_hop(plan)
         stored = list(spec.flatten_up_to(state.errors))
         reset = state.count % reset_T == 0
@@ -1182,13 +1230,13 @@ def loco_allreduce(
             )
             for i in live
         ]
-        out, new, flag, flags = _exchanged(leaves, live, loaded, plan, err_beta, flag_of(flag))
+        out, new, part, got = _exchanged(leaves, live, loaded, plan, err_beta, flag_of(flag), extra)
         leaves = list(leaves)
         for i, y, errors in zip(live, out, new, strict=True):
-            kept = tuple(_store(e, error_dtype, group_size) for e in errors)
-            stored[i] = tree_map(lambda a, b: torch.where(flag, a, b), kept, stored[i])
+            kept_errors = tuple(_store(e, error_dtype, group_size) for e in errors)
+            stored[i] = _sitters_first_hop(kept_errors, stored[i], reset, part)
             leaves[i] = y
         new_state = LocoAllreduceState(count, tree_unflatten(stored, spec))
-        return Exchanged(tree_unflatten(leaves, spec), new_state, flags)
+        return Exchanged(tree_unflatten(leaves, spec), new_state, got.flags, got.extra)
 
     return Compressor(init_fn, update_fn, exchange_fn)

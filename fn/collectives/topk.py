@@ -31,7 +31,16 @@ from fn.collectives._topk_code import (
 )
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
-from fn.collectives.header import HEADER_BYTES, Compressor, Exchanged, flag_of, opened, sealed
+from fn.collectives.header import (
+    HEADER_BYTES,
+    Compressor,
+    Exchanged,
+    flag_of,
+    gathered,
+    opened,
+    participation_of,
+    sealed,
+)
 from fn.collectives.topk_owner import TopkOwnerState, owner_form
 from fn.errors import finite_or_raise
 from fn.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
@@ -153,15 +162,19 @@ def topk_allreduce(
     delta``. ``None`` and empty leaves pass through with their errors unchanged; with ``W == 1``
     the result is this rank's ``c`` (nothing is sent).
 
+    ``update(..., participation=fn.collectives.Participation(takes_part, n))``: a rank that
+    sits out sends an all-zero message (scales 0; its input is not read) and keeps its error
+    as it was (``e' = e``, not decayed); the sum is divided by ``n``.
+
     ``exchange="owner"`` partitions the chunks over the ranks instead: each rank sends each
     owner that owner's chunks of its message (an all_to_all), the owner adds them in rank
     order, divides by ``W``, compresses the mean again with ``T`` and an error feedback of its
     own (the server error, :class:`TopkOwnerState`), and the owners' messages are all-gathered:
     each rank moves about two messages' bytes whatever ``W``, at the cost of a second
-    compression (``fn.collectives.topk_owner``). ``exchange="auto"`` picks one of the two at
+    compression (fn/collectives/topk_owner.py). ``exchange="auto"`` picks one of the two at
     ``init``, by their bytes (:func:`topk_exchange_form`). The :class:`Compressor`'s
     ``exchange`` is the same estimate with this rank's flag and the size record in a header on
-    its messages (``fn.collectives.header``), no collective of their own.
+    its messages (fn/collectives/header.py), no collective of their own.
 
     Args:
         k: values kept per chunk, from 1 to ``chunk_size``.
@@ -236,12 +249,13 @@ def _gather_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compresso
         live = [i for i, u in enumerate(leaves) if u is not None and u.numel() > 0]
         return leaves, spec, spec.flatten_up_to(state.error), live
 
-    def update_fn(updates, state, params=None, **extra):
+    def update_fn(updates, state, params=None, *, participation=None, **extra):
         del params, extra
         leaves, spec, errors, live = parts(updates, state)
         if not live:
             return updates, state
-        worked = compress(leaves, errors, live, k, chunk_size, decay)
+        takes_part = None if participation is None else participation.takes_part
+        worked = compress(leaves, errors, live, k, chunk_size, decay, takes_part)
         layout = Layout(worked.mine.scales.numel(), k, width)
         message = layout.encode(worked.mine).view(-1)
         received = comm.all_gather(size_checked(comm, message, leaves, live, k, chunk_size))
@@ -250,24 +264,27 @@ def _gather_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compresso
             f"{WHAT}: non-finite values in some rank's input (or its error feedback); the "
             "state is unchanged",
         )
-        mean = mean_of(received, layout, chunk_size, comm.world_size)
-        sent = torch.ones((), dtype=torch.bool)
-        out, new_errors = finished(worked, sent, mean, leaves, errors, live, chunk_size)
+        mean = mean_of(received, layout, chunk_size, comm.world_size, participation)
+        taking = torch.ones((), dtype=torch.bool) if takes_part is None else takes_part
+        out, new_errors = finished(worked, taking, mean, leaves, errors, live, chunk_size)
         return tree_unflatten(out, spec), TopkAllreduceState(tree_unflatten(new_errors, spec))
 
-    def exchange_fn(updates, state, flag=None, params=None, **extra):
-        del params, extra
+    def exchange_fn(updates, state, flag=None, params=None, *, extra=()):
+        del params
         leaves, spec, errors, live = parts(updates, state)
-        worked = compress(leaves, errors, live, k, chunk_size, decay)
-        flag = flag_of(flag) & torch.isfinite(worked.mine.scales).all()
+        offered = flag_of(flag)
+        worked = compress(leaves, errors, live, k, chunk_size, decay, offered)
+        flag = offered & torch.isfinite(worked.mine.scales).all()
         layout = Layout(worked.mine.scales.numel(), k, width)
         n = sum(leaves[i].numel() for i in live)
         checksum = exchange_checksum(leaves, live, k, chunk_size, 0)
-        message = sealed(torch.where(flag, layout.encode(worked.mine), 0), flag, n, checksum)
-        got = opened(comm.all_gather(message.view(-1)), n, WHAT, checksum)
-        mean = mean_of(got.payload, layout, chunk_size, comm.world_size)
+        message = torch.where(flag, layout.encode(worked.mine), 0)
+        message = sealed(message, flag, n, checksum, extra=extra).view(-1)
+        got = opened(gathered(comm, message), n, WHAT, checksum, len(extra))
+        part = participation_of(flag, got)
+        mean = mean_of(got.payload, layout, chunk_size, comm.world_size, part)
         out, new_errors = finished(worked, flag, mean, leaves, errors, live, chunk_size)
         new_state = TopkAllreduceState(tree_unflatten(new_errors, spec))
-        return Exchanged(tree_unflatten(out, spec), new_state, got.flags)
+        return Exchanged(tree_unflatten(out, spec), new_state, got.flags, got.extra)
 
     return Compressor(init_fn, update_fn, exchange_fn)

@@ -34,7 +34,15 @@ from fn.collectives._topk_code import (
 )
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
-from fn.collectives.header import Compressor, Exchanged, flag_of, opened, sealed
+from fn.collectives.header import (
+    Compressor,
+    Exchanged,
+    flag_of,
+    gathered,
+    opened,
+    participation_of,
+    sealed,
+)
 from fn.errors import finite_or_raise
 from fn.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
@@ -82,13 +90,14 @@ def owner_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compressor:
             torch.zeros(share * chunk_size, dtype=torch.float32, device=device),
         )
 
-    def exchange_fn(updates, state, flag=None, params=None, **extra):
-        del params, extra
+    def exchange_fn(updates, state, flag=None, params=None, *, extra=()):
+        del params
         world_size = comm.world_size
         leaves, spec = tree_flatten(updates)
         errors = spec.flatten_up_to(state.error)
         live = _live(leaves)
-        worked = compress(leaves, errors, live, k, chunk_size, decay)
+        offered = flag_of(flag)
+        worked = compress(leaves, errors, live, k, chunk_size, decay, offered)
         share = -(-worked.mine.scales.numel() // world_size)
         if state.server_error.shape != (share * chunk_size,):
             raise ValueError(
@@ -96,18 +105,19 @@ def owner_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compressor:
                 f"owner of {share} chunk(s) of {chunk_size} needs ({share * chunk_size},) "
                 "(a state from init on these leaves and ranks)"
             )
-        flag = flag_of(flag) & torch.isfinite(worked.mine.scales).all()
+        flag = offered & torch.isfinite(worked.mine.scales).all()
         n = sum(leaves[i].numel() for i in live)
         checksum = exchange_checksum(leaves, live, k, chunk_size, 1)
         layout = Layout(share, k, width)
         rows = layout.encode(padded(worked.mine, world_size * share), rows=world_size)
-        rows = sealed(torch.where(flag, rows, 0), flag, n, checksum, slots=True)
-        got = opened(comm.all_to_all(rows), n, WHAT, checksum)
-        server, server_error = _server_step(got, layout, state.server_error, leaves, live, comm)
+        rows = sealed(torch.where(flag, rows, 0), flag, n, checksum, slots=True, extra=extra)
+        got = opened(comm.all_to_all(rows), n, WHAT, checksum, len(extra))
+        part = participation_of(flag, got)
+        server, server_error = _server_step(got, layout, state.server_error, leaves, live, part)
         server_flag = torch.isfinite(server.scales).all()
         message = torch.where(server_flag, layout.encode(server), 0)
         message = sealed(message, server_flag, n, checksum).view(-1)
-        slices = opened(comm.all_gather(message), n, WHAT, checksum)
+        slices = opened(gathered(comm, message), n, WHAT, checksum)
         result = torch.cat(
             [dense(layout.decode(slices.payload[r]), chunk_size) for r in range(world_size)]
         )
@@ -116,11 +126,13 @@ def owner_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compressor:
             tree_unflatten(new_errors, spec),
             torch.where(server_flag, server_error, state.server_error),
         )
-        return Exchanged(tree_unflatten(out, spec), new_state, got.flags & slices.flags)
+        # an owner's non-finite result (an overflow) spoils every worker's: none took part
+        participants = got.flags & slices.flags.all()
+        return Exchanged(tree_unflatten(out, spec), new_state, participants, got.extra)
 
-    def _server_step(got, layout, server_error, leaves, live, comm):
-        """The owner's part: the mean of its chunks (zero in their padding) plus its server
-        error, compressed; the new server error."""
+    def _server_step(got, layout, server_error, leaves, live, part):
+        """The owner's part: the mean of its chunks over the ranks that take part (zero in
+        their padding) plus its server error, compressed; the new server error."""
         share, world_size = layout.chunks, comm.world_size
         if live:
             valid = valid_positions(leaves, live, chunk_size, world_size * share)
@@ -128,23 +140,28 @@ def owner_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compressor:
             valid = mine.view(share, chunk_size)
         else:
             valid = torch.zeros(share, chunk_size, dtype=torch.bool)
-        mean = mean_of(got.payload, layout, chunk_size, world_size)
+        mean = mean_of(got.payload, layout, chunk_size, world_size, part)
         s = torch.where(valid, mean, 0.0) + server_error.view(share, chunk_size)
         server = select(s, k)
         return server, torch.where(valid, s - dense(server, chunk_size), 0.0).view(-1)
 
-    def update_fn(updates, state, params=None, **extra):
+    def update_fn(updates, state, params=None, *, participation=None, **extra):
         del params, extra
         leaves, _ = tree_flatten(updates)
         live = _live(leaves)
         if not live:
             return updates, state
         # the size record first, in a collective of its own: the messages' sizes depend on it
-        taking_part = torch.ones((), dtype=torch.bool, device=leaves[live[0]].device)
-        flag = size_checked(comm, taking_part, leaves, live, k, chunk_size)
-        out, new_state, flags = exchange_fn(updates, state, flag)
+        taking = torch.ones((), dtype=torch.bool, device=leaves[live[0]].device)
+        if participation is not None:
+            taking = participation.takes_part
+        flag = size_checked(comm, taking, leaves, live, k, chunk_size)
+        out, new_state, participants, _ = exchange_fn(updates, state, flag)
+        # a rank that takes part but whose flag came back unset is not finite: every rank
+        # sees the count fall short
+        expected = comm.world_size if participation is None else participation.count
         finite_or_raise(
-            torch.where(flags.all(), 0.0, torch.nan),
+            torch.where(participants.sum() == expected, 0.0, torch.nan),
             f"{WHAT}: non-finite values in some rank's input (or its error feedback); the "
             "state is unchanged",
         )

@@ -18,15 +18,18 @@ inner optimizer's ``step()`` and keeps the anchor, the outer state and the count
 checkpoints (``torch.save`` per rank, or ``torch.distributed.checkpoint``), for workers of one
 rank or sharded by FSDP2; with Streaming DiLoCo's ``fragments`` it syncs one fragment at a
 time, and with its ``delay`` it overlaps each fragment's exchange with the next inner steps on a
-background thread. docs/algorithms.md, "DiLoCo: local steps and a compressed outer step"
+background thread. A worker whose step holds NaN or Inf sits an outer step out while the
+others commit (participation: ``outer_update``'s ``takes_part``, ``fn.collectives.Participation``
+in the compressors). docs/algorithms.md, "DiLoCo: local steps and a compressed outer step"
 specifies them.
 """
 
 from fn.diloco.compressors import COMPRESSIONS, compression
 from fn.diloco.nesterov_rule import nesterov
+from fn.diloco.rules import OUTER_RULES
 from fn.diloco.sparseloco_rule import sparseloco
 from fn.diloco.step import OuterStep, outer_step, outer_update, pseudo_gradient
-from fn.diloco.wrapper import OUTER_RULES, DiLoCo
+from fn.diloco.wrapper import DiLoCo
 
 __all__ = [
     "COMPRESSIONS",

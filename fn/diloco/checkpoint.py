@@ -5,7 +5,10 @@ What is the same on every rank of the group sits under shared keys: the anchor a
 state's other leaves (``DTensor`` s laid out as the parameters where the workers are sharded, so
 that DCP keeps one copy per shard and can reshard), the counts, the settings and the number of
 workers. What differs per rank (the error feedback) sits under ``state["per_rank"]["rank<r>"]``,
-``r`` the rank in the world, a key of this rank's own."""
+``r`` the rank in the world, a key of this rank's own. An exchange in flight is the shared
+``state["in_flight"]`` (its fragment and the inner step it started after, ``None`` values
+outside one) and this rank's pseudo-gradient, ``in_flight_delta`` among its own entries: the
+same keys and shapes in and outside an exchange, as DCP needs."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from fn.tree import tree_flatten, tree_unflatten
 __all__ = [
     "PER_RANK",
     "own_key",
+    "InFlight",
     "diloco_state_dict",
     "Restored",
     "restored",
@@ -95,15 +99,31 @@ def _laid_out_like(leaves: Sequence[Any], params: Sequence[torch.Tensor]) -> lis
     return out
 
 
+class InFlight(NamedTuple):
+    """A fragment's exchange in flight, as a checkpoint holds it.
+
+    Attributes:
+        fragment: the fragment.
+        started_at: the inner step its exchange started after.
+        delta: this rank's pseudo-gradient of the fragment, fp32 local tensors.
+    """
+
+    fragment: int
+    started_at: int
+    delta: list[torch.Tensor]
+
+
 def diloco_state_dict(
     anchor: Sequence[torch.Tensor],
     outer_states: Sequence[OptState],
     params: Sequence[torch.Tensor],
     fragments: Sequence[Sequence[int]],
     *,
-    counts: Mapping[str, int],
+    counts: Mapping[str, Any],
     settings: str,
     world_size: int,
+    in_flight: InFlight | None = None,
+    delta_size: int = 0,
 ) -> dict[str, Any]:
     """The state dict of :class:`fn.diloco.DiLoCo` (fresh copies).
 
@@ -115,17 +135,22 @@ def diloco_state_dict(
         counts: the step counts.
         settings: the settings, as text.
         world_size: the number of workers.
+        in_flight: the exchange in flight, or ``None``.
+        delta_size: the largest fragment's local size: ``in_flight_delta``'s.
 
     Returns:
-        ``{"anchor", "outer_state", "counts", "settings", "world_size", "per_rank"}``:
-        ``outer_state`` the rules' leaves other than the error feedback, in leaf order (the
-        fragments' in turn), and ``per_rank`` ``{"rank<r>": {"error_feedback": [...]}}``, this
-        rank's error feedback leaves in the same order.
+        ``{"anchor", "outer_state", "counts", "settings", "world_size", "in_flight",
+        "per_rank"}``: ``outer_state`` the rules' leaves other than the error feedback, in
+        leaf order (the fragments' in turn), ``in_flight`` ``{"fragment", "started_at"}``
+        (``None`` values outside an exchange), and ``per_rank`` ``{"rank<r>":
+        {"error_feedback": [...], "in_flight_delta": ...}}``: this rank's error feedback
+        leaves in the same order, and one fp32 vector of ``delta_size`` values, the in-flight
+        pseudo-gradient's tensors flattened in turn (zero outside an exchange).
 
     Example:
         >>> from fn.diloco.checkpoint import diloco_state_dict
         >>> sorted(diloco_state_dict([], [()], [], [[]], counts={}, settings="", world_size=1))
-        ['anchor', 'counts', 'outer_state', 'per_rank', 'settings', 'world_size']
+        ['anchor', 'counts', 'in_flight', 'outer_state', 'per_rank', 'settings', 'world_size']
     """
     shared, own = [], []
     for state, fragment in zip(outer_states, fragments, strict=True):
@@ -147,8 +172,30 @@ def diloco_state_dict(
         "counts": dict(counts),
         "settings": settings,
         "world_size": world_size,
-        PER_RANK: {own_key(): {"error_feedback": own}},
+        "in_flight": {
+            "fragment": None if in_flight is None else in_flight.fragment,
+            "started_at": None if in_flight is None else in_flight.started_at,
+        },
+        PER_RANK: {
+            own_key(): {
+                "error_feedback": own,
+                "in_flight_delta": _delta_vector(in_flight, delta_size, params),
+            }
+        },
     }
+
+
+def _delta_vector(
+    in_flight: InFlight | None, size: int, params: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """One fp32 vector of ``size`` values, whether or not an exchange is in flight, so that
+    the state has the same keys and shapes to load into (as DCP needs)."""
+    device = local_shard(params[0]).device if params else None
+    vector = torch.zeros(size, device=device)
+    if in_flight is not None:
+        flat = torch.cat([d.reshape(-1) for d in in_flight.delta])
+        vector[: flat.numel()] = flat
+    return vector
 
 
 class Restored(NamedTuple):
@@ -158,11 +205,13 @@ class Restored(NamedTuple):
         anchor: one local tensor per parameter, on the anchor's devices.
         outer_state: the outer rule's state.
         counts: the step counts.
+        in_flight: the exchange in flight, to start again, or ``None``.
     """
 
     anchor: list[torch.Tensor]
     outer_state: OptState
-    counts: dict[str, int]
+    counts: dict[str, Any]
+    in_flight: InFlight | None = None
 
 
 def restored(
@@ -172,11 +221,13 @@ def restored(
     fresh_state: OptState,
     settings: str,
     world_size: int,
+    fragment_shards: Sequence[Sequence[torch.Tensor]] = (),
 ) -> Restored:
     """Reads a :func:`diloco_state_dict` and checks it against this run, changing nothing.
 
     Under another number of workers, or without this rank's own entries (saved by another rank
-    or on another layout), the error feedback restarts from zero, with one warning.
+    or on another layout), the error feedback restarts from zero, with one warning. An
+    exchange in flight loads only on the same number of workers, from this rank's own entries.
 
     Args:
         state: the state dict (from ``torch.load`` of one rank's file, or filled by DCP).
@@ -185,19 +236,22 @@ def restored(
             states: the structure, and the error feedback to restart from).
         settings: this run's settings, as text.
         world_size: this run's number of workers.
+        fragment_shards: each fragment's local parameters (the shapes and devices of an
+            in-flight pseudo-gradient).
 
     Returns:
         A :class:`Restored`.
 
     Raises:
-        ValueError: other settings, or tensors of other shapes; nothing was read.
+        ValueError: other settings, tensors of other shapes, or an exchange in flight under
+            another number of workers or without this rank's entries; nothing was read.
 
     Example:
         >>> from fn.diloco.checkpoint import diloco_state_dict, restored
         >>> saved = diloco_state_dict([torch.ones(2)], [()], [torch.ones(2)], [[0]],
         ...                           counts={"outer": 1}, settings="s", world_size=1)
         >>> restored(saved, anchor=[torch.zeros(2)], fresh_state=(), settings="s", world_size=1)
-        Restored(anchor=[tensor([1., 1.])], outer_state=(), counts={'outer': 1})
+        Restored(anchor=[tensor([1., 1.])], outer_state=(), counts={'outer': 1}, in_flight=None)
     """
     where = "DiLoCo.load_state_dict"
     if state["settings"] != settings:
@@ -205,6 +259,7 @@ def restored(
             f"{where}: the checkpoint's settings {state['settings']} differ from this run's "
             f"{settings}; nothing was loaded"
         )
+    in_flight = _in_flight(state, world_size, fragment_shards)  # refused before any warning
     fresh, spec = tree_flatten(fresh_state)
     feedback = error_feedback_leaves(fresh_state)
     shared_fresh = [x for x, f in zip(fresh, feedback, strict=True) if not f]
@@ -240,7 +295,41 @@ def restored(
         [x.to(a.device, a.dtype, copy=True) for x, a in zip(saved_anchor, anchor, strict=True)],
         tree_unflatten(leaves, spec),
         dict(state["counts"]),
+        in_flight,
     )
+
+
+def _in_flight(
+    state: Mapping[str, Any], world_size: int, fragment_shards: Sequence[Sequence[torch.Tensor]]
+) -> InFlight | None:
+    """The checkpoint's exchange in flight, checked, its pseudo-gradient on the parameters'
+    devices; ``None`` outside one."""
+    entry = state.get("in_flight") or {"fragment": None}
+    if entry["fragment"] is None:
+        return None
+    own = state.get(PER_RANK, {}).get(own_key())
+    if state["world_size"] != world_size or own is None:
+        raise ValueError(
+            f"DiLoCo.load_state_dict: the checkpoint was taken on {state['world_size']} "
+            f"workers while fragment {entry['fragment']}'s exchange was in flight; "
+            f"that exchange belongs to those ranks and cannot resume on "
+            f"{world_size} workers or from another rank's entries. Resume on the "
+            "same ranks, or from a checkpoint taken outside an exchange (not in the delay "
+            "steps before a fragment's outer step); nothing was loaded"
+        )
+    vector = local_shard(own["in_flight_delta"])
+    if vector.shape != (max(sum(x.numel() for x in f) for f in fragment_shards),):
+        raise ValueError(
+            "DiLoCo.load_state_dict: the in-flight pseudo-gradient has another size than "
+            "this run's fragments; nothing was loaded"
+        )
+    params = fragment_shards[entry["fragment"]]
+    pieces = vector[: sum(q.numel() for q in params)].split([q.numel() for q in params])
+    delta = [
+        x.reshape(q.shape).to(q.device, torch.float32, copy=True)
+        for x, q in zip(pieces, params, strict=True)
+    ]
+    return InFlight(entry["fragment"], entry["started_at"], delta)
 
 
 def _same_shapes(saved: Sequence[Any], fresh: Sequence[Any]) -> bool:

@@ -1,5 +1,6 @@
-"""A delayed outer exchange: one fragment's outer step on a background thread, over process
-groups of its own, so that it overlaps the inner steps that follow it."""
+"""Where DiLoCo's outer exchanges run: inline on the caller's thread, or (``delay > 0``) each
+fragment's on a background thread, over process groups of its own, so that it overlaps the
+inner steps that follow it (:class:`Exchanger`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from fn.collectives import Comm, ProcessGroup
 
-__all__ = ["BackgroundExchange", "ExchangeThread", "exchange_comms"]
+__all__ = ["BackgroundExchange", "ExchangeThread", "Exchanger", "exchange_comms"]
 
 T = TypeVar("T")
 
@@ -190,3 +191,62 @@ class BackgroundExchange(Generic[T]):
         if self._done is not None:
             torch.cuda.current_stream(self._device).wait_event(self._done)
         return self._value
+
+
+class Exchanger:
+    """Starts the outer exchanges, where ``background`` says: inline over ``comms``, or each on
+    a background thread over copies of them (:func:`exchange_comms`, a collective call over the
+    world at construction: every rank builds it, in the same order). The one place where
+    ``DiLoCo``'s ``delay > 0`` chooses the thread and the groups.
+
+    Args:
+        comms: the workers' comm, then the groups inside a sharded worker.
+        background: run the exchanges on a background thread.
+
+    Attributes:
+        comms: the comms the exchanges run over (copies where ``background``).
+        background: whether they run on a background thread (one :class:`ExchangeThread`,
+            started here).
+
+    Example:
+        >>> from fn.diloco.exchange import Exchanger
+        >>> exchanger = Exchanger([fn.collectives.Local()], background=True)
+        >>> exchanger.start(lambda comm, within: comm.world_size).result()
+        1
+    """
+
+    def __init__(self, comms: Sequence[Comm], *, background: bool) -> None:
+        self.background = background
+        self.comms = exchange_comms(comms) if background else list(comms)
+        # started now: starting a thread per exchange made the loop wait for the scheduler
+        self._worker = ExchangeThread() if background else None
+
+    def start(
+        self,
+        run: Callable[[Comm, Sequence[Comm]], T],
+        *,
+        background: bool | None = None,
+        device: torch.device | None = None,
+        what: str = "the exchange",
+    ) -> BackgroundExchange[T]:
+        """Starts ``run(comm, within)`` over the exchange's comms.
+
+        Args:
+            run: the exchange, of the workers' comm and the groups inside a worker.
+            background: run it on a background thread (``None``: as built; ``False``: now,
+                on this thread, over the same comms).
+            device: the device of its tensors.
+            what: its name, for the error message.
+
+        Returns:
+            The exchange, whose ``result()`` waits for it.
+        """
+        comm, *within = self.comms
+        background = self.background if background is None else background
+        return BackgroundExchange(
+            lambda: run(comm, within),
+            background=background,
+            device=device,
+            what=what,
+            worker=self._worker,
+        )

@@ -1,16 +1,21 @@
-"""One outer step on one rank: the pseudo-gradient, the ranks' agreement that it is finite, the
-outer rule, and the new anchor."""
+"""One outer step on one rank: the pseudo-gradient, the workers' agreement on who takes part,
+the outer rule over the participants, and the new anchor.
+
+The interface (``outer_update``'s ``takes_part`` and ``header``, ``OuterStep.participants``) is
+stable: ``fn.diloco``'s elastic and sparse exchanges build on it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
 
 from fn.base import GradientTransformation, OptState, Params, apply_updates
-from fn.collectives import Comm, Compressor
-from fn.tree import tree_leaves, tree_map
+from fn.collectives import Comm, Compressor, Participation
+from fn.collectives.participation import sent
+from fn.diloco.participation import agree_on_participation, check_headers
+from fn.tree import eager, tree_leaves, tree_map
 
 __all__ = ["OuterStep", "pseudo_gradient", "outer_step", "outer_update"]
 
@@ -22,9 +27,12 @@ class OuterStep(NamedTuple):
         anchor: the new anchor (the params every rank continues from), each leaf in its
             param's dtype.
         state: the outer rule's new state.
-        applied: ``[]`` bool tensor, ``False`` where some rank's pseudo-gradient was not finite
-            and the step was skipped (the anchor and the state then come back unchanged); the
-            same on every rank.
+        applied: ``[]`` bool tensor, ``False`` where no worker took part and the step was
+            skipped (the anchor and the state then come back unchanged); the same on every
+            rank.
+        participants: ``[W]`` bool tensor, the workers that took part (a worker sits out where
+            its pseudo-gradient was not finite or it said it does not take part); the same on
+            every rank.
 
     Example:
         >>> from fn.collectives import Local
@@ -33,11 +41,14 @@ class OuterStep(NamedTuple):
         >>> step = fn.diloco.outer_step(outer, anchor, params, outer.init(anchor), comm=Local())
         >>> step.anchor["w"], bool(step.applied)  # 0 - 0.7 (d + 0.9 d) with d = 0 - 1
         (tensor([1.3300, 1.3300]), True)
+        >>> step.participants
+        tensor([True])
     """
 
     anchor: Params
     state: OptState
     applied: torch.Tensor
+    participants: torch.Tensor
 
 
 def pseudo_gradient(anchor: Params, params: Params) -> Params:
@@ -65,20 +76,34 @@ def outer_step(
     *,
     comm: Comm,
     within: Sequence[Comm] = (),
+    takes_part: bool | torch.Tensor = True,
+    header: Mapping[str, int] | None = None,
 ) -> OuterStep:
-    """One outer step of DiLoCo on this rank: the new anchor from every rank's pseudo-gradient.
+    """One outer step of DiLoCo on this rank: the new anchor from the pseudo-gradients of the
+    workers that take part.
 
     1. ``delta = anchor - params`` in fp32 (:func:`pseudo_gradient`).
-    2. The ranks agree on whether every ``delta`` is finite: an allreduce of this rank's count
-       of non-finite values (one fp32 value) over ``comm``, then over each group of ``within``.
-    3. ``updates, state = outer.update(delta, state, anchor)``: the outer rule, which
-       communicates through its compressor; ``updates`` are the same on every rank.
+    2. Participation: this rank takes part where ``takes_part`` and every value of ``delta``
+       is finite; a worker takes part where all its ranks do (summed over ``within``). Where
+       ``outer`` is a ``fn.collectives.Compressor`` (every compressor of
+       ``fn.diloco.compression`` but ``"onebit"``), the worker's flag and ``header``'s values
+       ride in the header of the compressor's first message, and every rank reads the mask
+       ``m`` there (fn/collectives/header.py: no collective of its own); else the workers agree
+       on it first, in one all-gather over ``comm`` (``agree_on_participation`` of
+       fn/diloco/participation.py). Either way, with ``header``, every rank checks that every
+       worker is at the same exchange. ``n = sum(m)``.
+    3. ``updates, state = outer.update(delta', state, anchor, participation=...)``: the outer
+       rule, whose compressor averages over the ``n`` participants (``delta' = delta`` where
+       this worker takes part, zeros where it sits out: a sitter's message is zero, its error
+       feedback kept; ``fn.collectives.Participation``); ``updates`` are the same on every
+       rank.
     4. ``anchor + updates`` (``fn.apply_updates``), each leaf rounded to its dtype.
 
-    Where some rank's ``delta`` is not finite, every rank skips the step: the rule runs on zeros
-    (every rank sends the same messages) and its results are dropped, so the anchor and the
-    state come back unchanged, bit for bit, and ``applied`` is ``False``. The caller then
-    continues every rank from the returned anchor (``params <- anchor``). Pure; runs under
+    Where ``n = 0`` every rank skips the step: the rule runs on zeros (every rank sends the
+    same messages) and its results are dropped, so the anchor and the state come back
+    unchanged, bit for bit, and ``applied`` is ``False``. Where every worker takes part the
+    bits are those of the plain mean over ``W``. The caller then continues every rank from the
+    returned anchor (``params <- anchor``; a sitter's own progress is lost). Pure; runs under
     ``Simulated`` (``simulate``) as on ``Local`` and ``ProcessGroup``.
 
     Args:
@@ -89,13 +114,21 @@ def outer_step(
         state: ``outer``'s state.
         comm: the group of workers (the one ``outer``'s compressor uses).
         within: where each worker is sharded over several ranks, the groups inside a worker
-            (one per dimension of its device mesh): the count of non-finite values is summed
-            over them too, so that every rank of every worker, at every shard position, applies
-            or skips the step together. Empty: one rank per worker.
+            (one per dimension of its device mesh): the flag is agreed over them too, so that
+            every rank of every worker, at every shard position, sees the same participants.
+            Empty: one rank per worker.
+        takes_part: whether this rank offers its pseudo-gradient (a bool, or a ``[]`` bool
+            tensor: per rank under ``Simulated``); ``False`` makes its worker sit out whatever
+            its values (e.g. a worker that is recovering).
+        header: what every worker must agree on about this exchange (name -> int, e.g. the
+            inner step and the fragment), checked in the participation's all-gather.
 
     Returns:
-        An :class:`OuterStep`, with the new anchor, the new state and whether the step was
-        applied.
+        An :class:`OuterStep`, with the new anchor, the new state, whether the step was
+        applied and the participants.
+
+    Raises:
+        ValueError: (on every rank) the workers' headers differ; nothing was changed.
 
     Example:
         >>> from fn.collectives import Simulated, replicate, simulate
@@ -105,17 +138,19 @@ def outer_step(
         >>> params = {"w": torch.tensor([[1.0, 2.0], [3.0, float("nan")]])}  # rank 1 diverged
         >>> state = simulate(outer.init, comm)(anchor)
         >>> step = simulate(lambda *a: fn.diloco.outer_step(outer, *a, comm=comm), comm)
-        >>> skipped = step(anchor, params, state)
-        >>> skipped.anchor["w"], skipped.applied
-        (tensor([[0., 0.],
-                [0., 0.]]), tensor([False, False]))
+        >>> result = step(anchor, params, state)  # rank 1 sits out: the mean of rank 0's
+        >>> result.anchor["w"], result.participants[0]
+        (tensor([[1., 2.],
+                [1., 2.]]), tensor([ True, False]))
         >>> params["w"][1, 1] = 4.0
         >>> step(anchor, params, state).anchor["w"]  # lr 1, no momentum: the mean
         tensor([[2., 3.],
                 [2., 3.]])
     """
     delta = pseudo_gradient(anchor, params)
-    return outer_update(outer, anchor, delta, state, comm=comm, within=within)
+    return outer_update(
+        outer, anchor, delta, state, comm=comm, within=within, takes_part=takes_part, header=header
+    )
 
 
 def outer_update(
@@ -126,15 +161,26 @@ def outer_update(
     *,
     comm: Comm,
     within: Sequence[Comm] = (),
+    takes_part: bool | torch.Tensor = True,
+    header: Mapping[str, int] | None = None,
 ) -> OuterStep:
-    """Steps 2 to 4 of :func:`outer_step` on a pseudo-gradient taken earlier: the ranks'
-    agreement that it is finite, the outer rule and the new anchor.
+    """Steps 2 to 4 of :func:`outer_step` on a pseudo-gradient taken earlier: the workers'
+    agreement on who takes part, the outer rule over the participants and the new anchor.
 
+    .. math::
+        m_r = [t_r \\wedge \\delta_r \\text{ finite}], \\quad
+        n = \\textstyle\\sum_r m_r, \\quad
+        \\bar\\theta' = \\bar\\theta
+            + U\\big(\\tfrac{1}{n} \\textstyle\\sum_{r: m_r} \\delta_r\\big)
+        \\text{ if } n > 0 \\text{ else } \\bar\\theta
+
+    (``t_r``: rank ``r``'s ``takes_part``; ``U`` the rule after its compressor),
+    the mean taken by the rule's compressor (each sitter's message zero, its error
+    feedback kept; docs/algorithms.md, "DiLoCo: local steps and a compressed outer step").
     Streaming DiLoCo takes a fragment's ``delta`` after one inner step and runs this exchange
-    while later inner steps go on (``DiLoCo(..., delay=tau)``).
-    ``outer_step(outer, anchor, params, state, comm=comm, within=within)`` is
-    ``outer_update(outer, anchor, pseudo_gradient(anchor, params), state, comm=comm,
-    within=within)``.
+    while later inner steps go on (``DiLoCo(..., delay=tau)``). ``outer_step(outer, anchor,
+    params, state, comm=comm)`` is ``outer_update(outer, anchor, pseudo_gradient(anchor,
+    params), state, comm=comm)``.
 
     Args:
         outer: the outer rule.
@@ -143,9 +189,14 @@ def outer_update(
         state: ``outer``'s state.
         comm: the group of workers.
         within: the groups inside a sharded worker (:func:`outer_step`).
+        takes_part: whether this rank offers its pseudo-gradient (:func:`outer_step`).
+        header: what every worker must agree on about this exchange (:func:`outer_step`).
 
     Returns:
         An :class:`OuterStep`.
+
+    Raises:
+        ValueError: (on every rank) the workers' headers differ; nothing was changed.
 
     Example:
         >>> from fn.collectives import Local
@@ -155,26 +206,54 @@ def outer_update(
         >>> fn.diloco.outer_update(outer, anchor, delta, outer.init(anchor), comm=Local()).anchor
         {'w': tensor([1., 2.])}
     """
-    counts = [(~torch.isfinite(d)).sum() for d in tree_leaves(delta)]
-    count = torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64)
-    count = count.float().reshape(1)
+    leaves = tree_leaves(delta)
+    device = leaves[0].device if leaves else None
+    finite = torch.stack([torch.isfinite(d).all() for d in leaves]).all() if leaves else None
+    offered = torch.as_tensor(takes_part, dtype=torch.bool, device=device)
+    offered = offered if finite is None else offered & finite
     if isinstance(outer, Compressor):  # the agreement rides in the messages' headers
-        for group in within:  # the worker's ranks first: its flag is the same at every shard
-            count = group.all_reduce(count, op="sum")
-        flag = count[0] == 0
-        safe = tree_map(lambda d: torch.where(flag, d, 0.0), delta)
-        updates, new_state, flags = outer.exchange(safe, state, flag, anchor)
-        applied = flags.all()
-        for group in within:  # a step applied at one shard position is applied at all
-            applied = group.all_reduce((~applied).float().reshape(1), op="sum")[0] == 0
-    else:
-        for group in (comm, *within):
-            count = group.all_reduce(count, op="sum")
-        applied = count[0] == 0
-        safe = tree_map(lambda d: torch.where(applied, d, 0.0), delta)
-        updates, new_state = outer.update(safe, state, anchor)
+        updates, new_state, participants = _exchanged(
+            outer, anchor, delta, state, offered, within, header
+        )
+    else:  # a rule without headers: the agreement is a collective of its own, first
+        participants, mine = agree_on_participation(comm, offered, within=within, header=header)
+        participation = Participation(mine, participants.sum())
+        safe = sent(delta, participation)
+        updates, new_state = outer.update(safe, state, anchor, participation=participation)
+    applied = participants.sum() > 0
     new_anchor = apply_updates(anchor, updates)
-    return OuterStep(_kept(applied, new_anchor, anchor), _kept(applied, new_state, state), applied)
+    return OuterStep(
+        _kept(applied, new_anchor, anchor), _kept(applied, new_state, state), applied, participants
+    )
+
+
+def _exchanged(
+    outer: Compressor,
+    anchor: Params,
+    delta: Params,
+    state: OptState,
+    offered: torch.Tensor,
+    within: Sequence[Comm],
+    header: Mapping[str, int] | None,
+) -> tuple[Params, OptState, torch.Tensor]:
+    """The rule's exchange with this worker's flag and ``header``'s values in its messages'
+    headers (summed over a sharded worker's ranks first, so that every shard position sends the
+    same flag); returns the updates, the new state and the participants, the same at every
+    shard position (an owner's non-finite result, seen at one position, counts at all)."""
+    sitting = (~offered).to(torch.float32).reshape(1)
+    for group in within:
+        sitting = group.all_reduce(sitting, op="sum")
+    mine = sitting[0] == 0
+    values = list((header or {}).values())
+    safe = tree_map(lambda d: torch.where(mine, d, 0.0), delta)
+    updates, new_state, participants, extra = outer.exchange(
+        safe, state, mine, anchor, extra=values
+    )
+    if values and eager(extra):
+        check_headers(list(header), extra.tolist())
+    for group in within:
+        participants = group.all_reduce((~participants).to(torch.float32), op="sum") == 0
+    return updates, new_state, participants
 
 
 def _kept(applied: torch.Tensor, new: object, old: object) -> object:

@@ -3,44 +3,66 @@ does not change; the anchor, the outer state and the counters in a ``state_dict`
 
 from __future__ import annotations
 
-import warnings
+import logging
 import zlib
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fn.base import GradientTransformation
-from fn.collectives import Comm, Local, ProcessGroup, Simulated
+from fn.base import EmptyState
+from fn.collectives import Comm, Local, Participation, ProcessGroup, Simulated, cast_allreduce
 from fn.diloco.agreement import agree_on_settings
+from fn.diloco.buffers import Buffers
 from fn.diloco.checkpoint import (
-    PER_RANK,
+    InFlight,
     diloco_state_dict,
     initializing_optimizer_state,
-    own_key,
     restored,
 )
-from fn.diloco.compressors import compression as build_compression
-from fn.diloco.exchange import BackgroundExchange, ExchangeThread, exchange_comms
-from fn.diloco.nesterov_rule import nesterov
+from fn.diloco.exchange import Exchanger
+from fn.diloco.fragment import Fragment
+from fn.diloco.inner import InnerOptimizer
+from fn.diloco.isolation import isolation_problem
+from fn.diloco.rules import outer_rule
 from fn.diloco.sharding import local_shard, worker_mesh_comms
-from fn.diloco.sparseloco_rule import sparseloco
-from fn.diloco.step import OuterStep, outer_update, pseudo_gradient
+from fn.diloco.sit_outs import SitOuts
 from fn.diloco.streaming import StreamSchedule, fragment_indices
-from fn.errors import check_fraction, check_int, user_stacklevel
+from fn.errors import check_fraction, check_int
 
-__all__ = ["OUTER_RULES", "DiLoCo"]
+__all__ = ["DiLoCo"]
 
-OUTER_RULES = ("nesterov", "sparseloco")
-"""The outer rules :class:`DiLoCo` takes by name, ``"nesterov"`` (:func:`fn.diloco.nesterov`,
-after any compressor) and ``"sparseloco"`` (:func:`fn.diloco.sparseloco`, its top-k built in).
+logger = logging.getLogger(__name__)
 
-Example:
-    >>> fn.diloco.OUTER_RULES
-    ('nesterov', 'sparseloco')
-"""
+
+class _UpdateCounter:
+    """Counts a grad scaler's ``update()`` calls: the scaler's ``update`` wrapped on the
+    instance (the class's is untouched); :meth:`remove` restores it."""
+
+    @staticmethod
+    def check(scaler: Any) -> None:
+        """Raises ``TypeError`` for a ``scaler`` (not ``None``) without ``update()``."""
+        if scaler is not None and not callable(getattr(scaler, "update", None)):
+            raise TypeError(
+                "DiLoCo: grad_scaler must be a torch.amp.GradScaler (its update() counts the "
+                f"inner steps), got {type(scaler).__name__}"
+            )
+
+    def __init__(self, scaler: Any, count: Callable[[], None]) -> None:
+        self._scaler = scaler
+        update = scaler.update
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            result = update(*args, **kwargs)
+            count()
+            return result
+
+        scaler.update = counted
+
+    def remove(self) -> None:
+        vars(self._scaler).pop("update", None)
 
 
 def _comm(group: Any, timeout: Any) -> Comm:
@@ -53,21 +75,6 @@ def _comm(group: Any, timeout: Any) -> Comm:
     return ProcessGroup(group, timeout=timeout)
 
 
-def _rule(
-    outer: str, outer_options: Mapping, kind: str | None, options: Mapping, comm: Comm
-) -> GradientTransformation:
-    if outer == "nesterov":
-        return nesterov(build_compression(kind or "fp32", comm=comm, **options), **outer_options)
-    if outer == "sparseloco":
-        if kind not in (None, "topk"):
-            raise ValueError(
-                f"DiLoCo: outer='sparseloco' sends its own top-k; compression must be None or "
-                f"'topk' (its k and chunk_size go in compression_options), got {kind!r}"
-            )
-        return sparseloco(comm=comm, **outer_options, **options)
-    raise ValueError(f"DiLoCo: outer must be one of {', '.join(OUTER_RULES)}, got {outer!r}")
-
-
 def _params_digest(params: list[torch.Tensor]) -> int:
     """A CRC-32 of the parameters' bytes, to check that every rank starts from the same ones."""
     digest = 0
@@ -75,15 +82,6 @@ def _params_digest(params: list[torch.Tensor]) -> int:
         data = p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
         digest = zlib.crc32(data, digest)
     return digest
-
-
-class _Flight(NamedTuple):
-    """A fragment's exchange, started and not yet applied."""
-
-    fragment: int
-    started_at: int  # the inner step it started after
-    delta: list[torch.Tensor]  # this rank's pseudo-gradient of the fragment
-    exchange: BackgroundExchange[OuterStep]
 
 
 class DiLoCo:
@@ -97,6 +95,29 @@ class DiLoCo:
     anchor. The training loop does not change. docs/algorithms.md, "DiLoCo: local steps and a
     compressed outer step" specifies the step, the bytes and the memory.
 
+    What the schedule counts: the inner optimizer's ``step()`` calls that ran (not those
+    ``torch.amp.GradScaler`` skipped on an overflow, nor one that raised), plus
+    :meth:`count_inner_step`'s; with ``grad_scaler=``, instead the scaler's ``update()`` calls
+    (one per loop iteration, whether or not the optimizer stepped) plus
+    :meth:`count_inner_step`'s. Every worker must count alike: each exchange checks that every
+    worker started it after the same inner step, with the same fragment, size and trainable
+    parameters (and whether from :meth:`sync`), else every rank raises the same ``ValueError``
+    naming every worker's values.
+
+    Parameters that start to require grad after construction (unfrozen, or added to the
+    model) join DiLoCo at the next outer step (the same on every worker, else the exchange
+    raises): they take the mean of the participating workers' values (fp32), which becomes
+    their anchor, and join that step's fragment, their outer state fresh (logged). Parameters
+    frozen after construction stay synced. Buffers (``buffers="mean"``): the floating ones are
+    averaged over the workers that take part at every outer step, the others taken from the
+    first (fn/diloco/buffers.py); ``"local"`` keeps each worker's own.
+
+    Refused at construction, the same ``ValueError`` on every rank: an inner optimizer, a
+    ``DistributedDataParallel`` model or a device mesh that communicates across the workers
+    (``fn.optim``'s default comm, ``fn.fsdp``'s ``world=`` spanning other workers); inner
+    optimizers whose kind, param groups' hyperparameters or parameters differ across workers,
+    or that step a tensor that is not one of the model's parameters.
+
     Streaming DiLoCo (``fragments=P``): the parameters form ``P`` fragments, each with its own
     anchor, outer state and compressor state; fragment ``p`` takes its outer step after the
     inner steps ``t = (p + 1) H / P (mod H)``. With ``delay=tau`` its pseudo-gradient is taken
@@ -107,10 +128,23 @@ class DiLoCo:
 
     At construction every rank checks with the others (one small all-gather) that they passed
     the same settings and hold the same parameters; a difference is the same ``ValueError`` on
-    every rank. A non-finite pseudo-gradient on any rank skips the outer step on every rank with
-    the anchor and the outer state unchanged, resets every rank's parameters to the anchor, and
-    warns. A rank that stops answering makes the others raise
+    every rank. A rank that stops answering makes the others raise
     ``fn.collectives.CollectiveTimeoutError`` after ``timeout`` (``$FN_TIMEOUT``).
+
+    Faults: a worker whose pseudo-gradient (of the fragment), or whose inner optimizer's state
+    of the fragment's parameters (``torch.optim``'s, one pass over it), holds NaN or Inf sits
+    that outer step out (:func:`fn.diloco.outer_update`): the others' mean is applied, and
+    every worker continues from the new anchor. The sitter loses its inner steps since its
+    last outer step: all its parameters (every fragment's) are reset to their anchors and its
+    inner optimizer's state is reset (``torch.optim``: its per-param state cleared, so AdamW
+    starts its moments afresh; ``fn.optim``: ``reset_state()``; ``fn.fsdp``'s 1-bit
+    optimizers, finite by construction, keep theirs); its error feedback is kept as it was.
+    Every rank warns (``RuntimeWarning``, the same text) naming the sitters, the fragment and
+    the inner step; ``sat_out`` counts each worker's sit-outs. Where every worker sits out, the
+    step is skipped (the anchor and the outer state unchanged). A worker that sits out
+    ``max_sit_outs`` outer steps in a row makes every rank raise the same ``RuntimeError``
+    once that step is applied. This policy (participation) is stable: ``fn.diloco``'s elastic
+    and sparse exchanges build on it.
 
     A worker may span several ranks, its model sharded by FSDP2 (``fully_shard``, on a 1-D mesh
     or HSDP; the parameters ``DTensor`` s, on one device mesh): ``group`` is then the workers'
@@ -151,19 +185,29 @@ class DiLoCo:
             such as ``"cpu"``.
         timeout: the collectives' timeout (a ``timedelta`` or seconds; ``None``:
             ``$FN_TIMEOUT``, else 5 minutes), where ``group`` is a ``torch.distributed`` group.
+        max_sit_outs: the outer steps in a row a worker may sit out before every rank raises
+            ``RuntimeError`` (``None``: never).
+        grad_scaler: a ``torch.amp.GradScaler`` whose ``update()`` calls count the inner steps
+            in place of the optimizer's ``step()`` (DiLoCo wraps the scaler's ``update``;
+            :meth:`remove` restores it), so that a step the scaler skips still counts.
+        buffers: ``"mean"`` (every worker's buffers made equal at every outer step) or
+            ``"local"`` (each worker keeps its own).
 
     Raises:
         ValueError: a setting out of range (also ``sync_every`` not a multiple of ``P``, or
             fragment lists that miss a parameter, repeat one or name another tensor), or (on
-            every rank) settings or parameters that differ across ranks.
+            every rank) settings, parameters or inner optimizers that differ across ranks, or
+            communication across the workers outside DiLoCo (see above).
         NotImplementedError: ``DTensor`` parameters mixed with plain ones or on several device
-            meshes.
+            meshes; complex buffers with ``buffers="mean"``.
+        TypeError: a ``grad_scaler`` without ``update()``.
 
     Attributes:
         inner_steps: the inner steps counted so far.
         outer_steps: the outer steps taken (one per fragment's step; skipped ones included).
-        skipped_steps: the outer steps skipped for a non-finite pseudo-gradient.
+        skipped_steps: the outer steps skipped because every worker sat out.
         fragment_steps: the outer steps of each fragment.
+        sat_out: per worker (rank of ``group``), the outer steps it sat out.
 
     Example:
         >>> model = torch.nn.Linear(2, 1)
@@ -206,22 +250,28 @@ class DiLoCo:
         mix: float = 0.0,
         anchor_device: torch.device | str | None = None,
         timeout: Any = None,
+        max_sit_outs: int | None = 3,
+        grad_scaler: Any = None,
+        buffers: str = "mean",
     ) -> None:
         check_int("DiLoCo: sync_every", sync_every, minimum=1)
         check_fraction("DiLoCo", mix=mix)
+        _UpdateCounter.check(grad_scaler)
+        self._model = model
+        self._buffers = Buffers(model, buffers)
+        self._inner = InnerOptimizer(inner_optimizer)
         self._params = [p for p in model.parameters() if p.requires_grad]
         within = worker_mesh_comms(self._params, timeout)  # sharded: the worker's ranks
-        self._fragments = fragment_indices(self._params, fragments)
-        self._schedule = StreamSchedule(sync_every, len(self._fragments), delay).checked()
+        indices = fragment_indices(self._params, fragments)
+        self._schedule = StreamSchedule(sync_every, len(indices), delay).checked()
         self.comm = _comm(group, timeout)
-        outer_options, options = dict(outer_options or {}), dict(compression_options or {})
-        # built here to refuse bad options before the ranks compare their settings
-        self._rule = _rule(outer, outer_options, compression, options, self.comm)
+        self._sit_outs = SitOuts(self.comm.world_size, max_sit_outs)
         self.sync_every = sync_every
         self._mix = float(mix)
+        outer_options, options = dict(outer_options or {}), dict(compression_options or {})
         self._settings = {
             "sync_every": sync_every,
-            "fragments": self._fragments,
+            "fragments": indices,
             "delay": delay,
             "mix": self._mix,
             "outer": (outer, sorted(outer_options.items())),
@@ -229,31 +279,75 @@ class DiLoCo:
             "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._params],
         }
         shards = [local_shard(p.detach()) for p in self._params]
-        values = {
+        values = {  # agreed on, not saved (a checkpoint's settings stay as they were)
             "local shapes": [tuple(x.shape) for x in shards],
             "parameter values": _params_digest(shards),
+            "max_sit_outs": max_sit_outs,
+            "inner steps counted": "optimizer.step()" if grad_scaler is None else "update()",
+            "buffers": (buffers, self._buffers.layout()),
         }
-        agree_on_settings(self.comm, {**self._settings, **values}, "DiLoCo")
-        # a delayed exchange runs on a thread, over process groups of its own (copies of the
+        self._agree(values, within)
+        # with a delay, each exchange on a thread over process groups of its own (copies of the
         # workers' group and of the worker mesh's, which FSDP2 uses on this thread meanwhile)
-        comms = [self.comm, *within]
-        # the thread starts now: starting one per exchange made the loop wait for it
-        self._worker = ExchangeThread() if delay > 0 else None
-        if delay > 0:
-            comms = exchange_comms(comms)
-            self._rule = _rule(outer, outer_options, compression, options, comms[0])
-        self._exchange_comms = comms  # the workers' group, then the worker mesh's
+        self._exchanger = Exchanger([self.comm, *within], background=delay > 0)
+        self._rule = outer_rule(
+            outer, outer_options, compression, options, self._exchanger.comms[0]
+        )
         self._anchor = [x.to(anchor_device or x.device, copy=True) for x in shards]
-        self._states = [self._rule.init(self._part(self._anchor, p)) for p in self._fragment_ids]
-        self._flight: _Flight | None = None
+        self._fragments = [self._fragment(p, f) for p, f in enumerate(indices)]
+        self._anchor_device = anchor_device
+        self._synced = {id(q) for q in self._params}  # the parameters DiLoCo syncs
+        self._joining: dict[int, list[torch.Tensor]] = {}  # by fragment: trainable, not synced
+        self._worker = getattr(self.comm, "rank", 0)  # this worker's index in the mask
         self.inner_steps = 0
         self.outer_steps = 0
         self.skipped_steps = 0
-        self.fragment_steps = [0] * len(self._fragments)
-        self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
+        if grad_scaler is None:
+            self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
+        else:
+            self._hook = _UpdateCounter(grad_scaler, self.count_inner_step)
+
+    def _agree(self, values: Mapping[str, Any], within: Sequence[Comm]) -> None:
+        """The ranks' agreement on the settings, ``values``, the inner optimizer and the
+        workers' isolation (one all-gather); raises the same ``ValueError`` on every rank."""
+        problem = isolation_problem(self._model, self._inner, within, self.comm)
+        described = self._inner.description(list(self._model.parameters()))
+        if problem is None and any(-1 in p for p in described["inner optimizer's parameters"]):
+            problem = (
+                "DiLoCo: the inner optimizer steps tensors that are not parameters of the model: "
+                "DiLoCo never syncs them, so the workers would drift apart; make them the "
+                "model's parameters; nothing was changed"
+            )
+        agreed = {**self._settings, **values, **described, "refused": problem}
+        agree_on_settings(self.comm, agreed, "DiLoCo")
+        if problem is not None:  # the same on every rank
+            raise ValueError(problem)
+
+    def _fragment(self, p: int, indices: list[int]) -> Fragment:
+        """Fragment ``p`` of the parameters ``indices``, its outer state fresh."""
+        anchor = [self._anchor[i] for i in indices]
+        return Fragment(
+            p, indices, [self._params[i] for i in indices], anchor, self._rule.init(anchor)
+        )
+
+    @property
+    def fragment_steps(self) -> list[int]:
+        """The outer steps of each fragment."""
+        return [f.steps for f in self._fragments]
+
+    @property
+    def sat_out(self) -> list[int]:
+        """Per worker (rank of ``group``), the outer steps it sat out."""
+        return list(self._sit_outs.total)
+
+    @property
+    def max_sit_outs(self) -> int | None:
+        """The outer steps in a row a worker may sit out before every rank raises."""
+        return self._sit_outs.max_sit_outs
 
     def remove(self) -> None:
-        """Detaches the hook from the inner optimizer: its ``step()`` no longer counts.
+        """Detaches the hook from the inner optimizer (or the grad scaler): its ``step()``
+        (``update()``) no longer counts.
 
         Example:
             >>> model = torch.nn.Linear(2, 1)
@@ -266,90 +360,130 @@ class DiLoCo:
         """
         self._hook.remove()
 
-    @property
-    def _fragment_ids(self) -> range:
-        return range(len(self._fragments))
+    def count_inner_step(self) -> None:
+        """Counts one inner step that the counter did not see, and runs the schedule as after
+        it: call it once for a loop iteration whose ``step()`` did not run (it raised, e.g.
+        ``fn.NonFiniteError``, and the loop caught it and went on), or with ``grad_scaler=``
+        whose ``update()`` did not run, so that every worker starts each outer step after the
+        same loop iteration.
 
-    def _part(self, tensors: list[torch.Tensor], p: int) -> list[torch.Tensor]:
-        """Fragment ``p``'s entries of a list over the parameters."""
-        return [tensors[i] for i in self._fragments[p]]
-
-    def _shards(self, p: int) -> list[torch.Tensor]:
-        """This rank's part of fragment ``p``'s parameters (views: writing them writes the
-        parameters)."""
-        return [local_shard(q.detach()) for q in self._part(self._params, p)]
+        Example:
+            >>> model = torch.nn.Linear(2, 1)
+            >>> inner = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> diloco = fn.diloco.DiLoCo(model, inner, sync_every=2)
+            >>> diloco.count_inner_step()
+            >>> diloco.count_inner_step()  # the 2nd: the outer step
+            >>> diloco.inner_steps, diloco.outer_steps
+            (2, 1)
+        """
+        self.inner_steps += 1
+        plan = self._schedule.plan(self.inner_steps)
+        if plan.starts is not None:
+            self._start(self._fragments[plan.starts])
+        if plan.applies is not None and self._fragments[plan.applies].flight is not None:
+            self._apply(self._fragments[plan.applies], self._mix)
 
     def _after_inner_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         del optimizer, args, kwargs
         if initializing_optimizer_state():  # DCP's state_dict API creating a fresh state
             return
-        self.inner_steps += 1
-        plan = self._schedule.plan(self.inner_steps)
-        if plan.starts is not None:
-            self._start(plan.starts, background=self._schedule.delay > 0)
-        if plan.applies is not None and self._flight is not None:
-            self._apply(self._mix)
+        self.count_inner_step()
 
-    @torch.no_grad()
     def _start(
-        self,
-        p: int,
-        *,
-        background: bool,
-        started_at: int | None = None,
-        delta: list[torch.Tensor] | None = None,
+        self, fragment: Fragment, *, in_flight: InFlight | None = None, inline: bool = False
     ) -> None:
-        """Takes fragment ``p``'s pseudo-gradient (or resumes with ``delta``) and starts its
-        exchange."""
-        params = self._shards(p)
-        anchor = [a.to(q.device) for a, q in zip(self._part(self._anchor, p), params, strict=True)]
-        if delta is None:
-            delta = pseudo_gradient(anchor, params)
-        started_at = self.inner_steps if started_at is None else started_at
-        rule, state, (comm, *within) = self._rule, self._states[p], self._exchange_comms
-        exchange = BackgroundExchange(
-            lambda: outer_update(rule, anchor, delta, state, comm=comm, within=within),
-            background=background,
-            device=params[0].device,
-            worker=self._worker,
-            what=f"DiLoCo: the outer exchange of fragment {p} (started after inner step "
-            f"{started_at})",
+        """Starts ``fragment``'s exchange: its pseudo-gradient now, or ``in_flight``'s (a
+        checkpoint's); on this thread where ``inline`` (``sync()``)."""
+        started_at = self.inner_steps if in_flight is None else in_flight.started_at
+        trainable = [(i, q) for i, q in enumerate(self._model.parameters()) if q.requires_grad]
+        self._joining[fragment.index] = [q for _, q in trainable if id(q) not in self._synced]
+        shapes = repr([(i, tuple(q.shape)) for i, q in trainable]).encode()
+        header = {
+            "inner step": started_at,
+            "fragment": fragment.index,
+            "values": fragment.size(),
+            "from sync()": int(inline),
+            "trainable tensors": len(trainable),
+            "their checksum": zlib.crc32(shapes),
+        }
+        captured, worker = self._buffers.capture(), self._worker
+
+        def buffers(result, comm, within):
+            if captured is None:
+                return None
+            return captured, Buffers.exchange(captured, comm, within, result.participants, worker)
+
+        fragment.start(
+            self._exchanger,
+            self._rule,
+            started_at=started_at,
+            takes_part=self._inner.finite(fragment.params),
+            header=header,
+            delta=None if in_flight is None else in_flight.delta,
+            background=False if inline else None,
+            then=buffers,
         )
-        self._flight = _Flight(p, started_at, delta, exchange)
+
+    def _apply(self, fragment: Fragment, mix: float) -> bool:
+        """Waits for ``fragment``'s exchange and applies it: the new anchor and outer state,
+        a participant's parameters mixed with their own by ``mix``, a sitter's whole model
+        reset to the anchors and its inner optimizer's state reset. Returns whether every
+        worker took part."""
+        result, buffers, started_at = fragment.finish()
+        participants = [bool(x) for x in result.participants.tolist()]
+        mine = participants[self._worker]
+        fragment.commit(result, mix=mix, takes_part=mine)
+        if buffers is not None:
+            Buffers.write(*buffers)
+        self.outer_steps += 1
+        self.skipped_steps += not any(participants)
+        if not mine:  # the whole worker continues from the anchors, its optimizer afresh
+            for other in self._fragments:
+                other.reset()
+            self._inner.reset()
+        joining = self._joining.pop(fragment.index, [])
+        if joining and any(participants):
+            self._join(fragment, joining, participants)
+        step = (
+            "the outer step"
+            if len(self._fragments) == 1
+            else f"the outer step of fragment {fragment.index}"
+        )
+        self._sit_outs.record(
+            participants, f"{step} started after inner step {started_at}", self._inner.what_reset()
+        )
+        return all(participants)
 
     @torch.no_grad()
-    def _apply(self, mix: float) -> bool:
-        """Waits for the exchange in flight and applies it: the fragment's new anchor, its
-        parameters (mixed with their own by ``mix``), its outer state."""
-        flight, self._flight = self._flight, None
-        result = flight.exchange.result()
-        applied = bool(result.applied)
-        p = flight.fragment
-        shards = self._shards(p)
-        for i, param, new in zip(self._fragments[p], shards, result.anchor, strict=True):
-            anchor = self._anchor[i]  # the exchange's new tensor where it fits, else a copy
-            fits = (new.device, new.dtype) == (anchor.device, anchor.dtype)
-            self._anchor[i] = new if fits else anchor.copy_(new)
-            if applied and mix > 0:
-                mixed = new.float() * (1.0 - mix) + param.float() * mix
-                param.copy_(mixed)
-            else:
-                param.copy_(new)
-        self._states[p] = result.state
-        self.outer_steps += 1
-        self.fragment_steps[p] += 1
-        if not applied:
-            self.skipped_steps += 1
-            many = len(self._fragments) > 1
-            which = f"fragment {p}'s pseudo-gradient" if many else "a pseudo-gradient"
-            warnings.warn(
-                f"DiLoCo: {which} held NaN or Inf at inner step {flight.started_at}; the outer "
-                "step was skipped on every rank and every rank's parameters were reset to the "
-                "anchor (check the inner learning rate and the data)",
-                RuntimeWarning,
-                stacklevel=user_stacklevel(),
-            )
-        return applied
+    def _join(
+        self, fragment: Fragment, params: list[torch.Tensor], participants: list[bool]
+    ) -> None:
+        """Parameters that started to require grad join ``fragment``: every worker's take the
+        participants' mean (fp32, ``cast_allreduce`` over the workers), which is their anchor;
+        their outer state starts fresh. A collective: every worker joins the same ones."""
+        shards = [local_shard(q.detach()) for q in params]
+        device = shards[0].device
+        count = torch.tensor(sum(participants), device=device)
+        part = Participation(torch.tensor(participants[self._worker], device=device), count)
+        means = cast_allreduce(comm=self.comm).update(
+            [x.float() for x in shards], EmptyState(), participation=part
+        )[0]
+        for shard, mean in zip(shards, means, strict=True):
+            shard.copy_(mean)
+        start = len(self._params)
+        self._params.extend(params)
+        self._synced.update(id(q) for q in params)
+        self._settings["parameters"].extend((tuple(q.shape), str(q.dtype)) for q in params)
+        anchor = [x.to(self._anchor_device or x.device, copy=True) for x in shards]
+        self._anchor.extend(anchor)
+        fragment.extend(list(range(start, start + len(params))), params, anchor, self._rule)
+        names = {id(q): name for name, q in self._model.named_parameters()}
+        logger.info(
+            "DiLoCo: %s started to require grad; synced from now on in fragment %d (their "
+            "anchor: the mean of the participating workers' values)",
+            ", ".join(names.get(id(q), "a parameter") for q in params),
+            fragment.index,
+        )
 
     def sync(self) -> bool:
         """Runs the outer step of every fragment now (the hook runs them on its schedule).
@@ -360,8 +494,8 @@ class DiLoCo:
         only), e.g. at the end of training.
 
         Returns:
-            Whether every step was applied; ``False`` where some rank's pseudo-gradient was not
-            finite, that step then skipped on every rank and the parameters reset to the anchor.
+            Whether every worker took part in every step; ``False`` where some worker sat out
+            one (see the class docstring).
 
         Example:
             >>> model = torch.nn.Linear(2, 1)
@@ -371,11 +505,12 @@ class DiLoCo:
             (True, 1)
         """
         applied = True
-        if self._flight is not None:
-            applied = self._apply(0.0)
-        for p in self._fragment_ids:
-            self._start(p, background=False)
-            applied = self._apply(0.0) and applied
+        pending = [f for f in self._fragments if f.flight is not None]
+        for fragment in pending:
+            applied = self._apply(fragment, 0.0) and applied
+        for fragment in self._fragments:
+            self._start(fragment, inline=True)
+            applied = self._apply(fragment, 0.0) and applied
         return applied
 
     def state_dict(self) -> dict[str, Any]:
@@ -409,31 +544,24 @@ class DiLoCo:
             "inner_steps": self.inner_steps,
             "outer_steps": self.outer_steps,
             "skipped_steps": self.skipped_steps,
-            "fragment_steps": list(self.fragment_steps),
+            "fragment_steps": self.fragment_steps,
+            **self._sit_outs.counts(),
         }
-        state = diloco_state_dict(
+        flying = next((f for f in self._fragments if f.flight is not None), None)
+        in_flight = None
+        if flying is not None:
+            in_flight = InFlight(flying.index, flying.flight.started_at, flying.flight.delta)
+        return diloco_state_dict(
             self._anchor,
-            self._states,
+            [f.state for f in self._fragments],
             self._params,
-            self._fragments,
+            [f.indices for f in self._fragments],
             counts=counts,
             settings=repr(self._settings),
             world_size=self.comm.world_size,
+            in_flight=in_flight,
+            delta_size=max(f.size() for f in self._fragments),
         )
-        flight = self._flight
-        # the same keys with an exchange in flight or not (None values outside one)
-        state["in_flight"] = {
-            "fragment": None if flight is None else flight.fragment,
-            "started_at": None if flight is None else flight.started_at,
-        }
-        # one fp32 vector of the largest fragment's size, whether or not an exchange is in
-        # flight, so that the state has the same keys and shapes to load into (as DCP needs)
-        buffer = torch.zeros(max(self._fragment_sizes()), device=self._shards(0)[0].device)
-        if flight is not None:
-            flat = torch.cat([d.reshape(-1) for d in flight.delta])
-            buffer[: flat.numel()] = flat
-        state[PER_RANK][own_key()]["in_flight_delta"] = buffer
-        return state
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -464,63 +592,26 @@ class DiLoCo:
             >>> diloco.outer_steps
             0
         """
-        in_flight = state["in_flight"] if state["in_flight"]["fragment"] is not None else None
-        delta = None
-        if in_flight is not None and state["settings"] == repr(self._settings):
-            delta = self._in_flight_delta(state, in_flight)  # refused before any warning
         loaded = restored(
             state,
             anchor=self._anchor,
-            fresh_state=[self._rule.init(self._part(self._anchor, p)) for p in self._fragment_ids],
+            fresh_state=[self._rule.init(f.anchor) for f in self._fragments],
             settings=repr(self._settings),
             world_size=self.comm.world_size,
+            fragment_shards=[f.shards() for f in self._fragments],
         )
-        if self._flight is not None:  # this object's own exchange: ended before replacing it
-            self._flight.exchange.result()
-            self._flight = None
+        for fragment in self._fragments:  # this object's own exchange: ended before replacing it
+            if fragment.flight is not None:
+                fragment.finish()
         for a, saved in zip(self._anchor, loaded.anchor, strict=True):
             a.copy_(saved)
-        self._states = list(loaded.outer_state)
+        for fragment, outer_state, steps in zip(
+            self._fragments, loaded.outer_state, loaded.counts["fragment_steps"], strict=True
+        ):
+            fragment.state, fragment.steps = outer_state, steps
         self.inner_steps = loaded.counts["inner_steps"]
         self.outer_steps = loaded.counts["outer_steps"]
         self.skipped_steps = loaded.counts["skipped_steps"]
-        self.fragment_steps = list(loaded.counts["fragment_steps"])
-        if in_flight is not None:
-            self._start(
-                in_flight["fragment"],
-                background=self._schedule.delay > 0,
-                started_at=in_flight["started_at"],
-                delta=delta,
-            )
-
-    def _in_flight_delta(
-        self, state: Mapping[str, Any], in_flight: Mapping[str, int]
-    ) -> list[torch.Tensor]:
-        """This rank's in-flight pseudo-gradient from ``state``, checked, on the parameters'
-        devices."""
-        own = state.get(PER_RANK, {}).get(own_key())
-        if state["world_size"] != self.comm.world_size or own is None:
-            raise ValueError(
-                f"DiLoCo.load_state_dict: the checkpoint was taken on {state['world_size']} "
-                f"workers while fragment {in_flight['fragment']}'s exchange was in flight; "
-                f"that exchange belongs to those ranks and cannot resume on "
-                f"{self.comm.world_size} workers or from another rank's entries. Resume on the "
-                "same ranks, or from a checkpoint taken outside an exchange (not in the delay "
-                "steps before a fragment's outer step); nothing was loaded"
-            )
-        params = self._shards(in_flight["fragment"])
-        buffer = local_shard(own["in_flight_delta"])
-        if buffer.shape != (max(self._fragment_sizes()),):
-            raise ValueError(
-                "DiLoCo.load_state_dict: the in-flight pseudo-gradient has another size than "
-                "this run's fragments; nothing was loaded"
-            )
-        pieces = buffer[: sum(q.numel() for q in params)].split([q.numel() for q in params])
-        return [
-            x.reshape(q.shape).to(q.device, torch.float32, copy=True)
-            for x, q in zip(pieces, params, strict=True)
-        ]
-
-    def _fragment_sizes(self) -> list[int]:
-        """The elements of this rank's part of each fragment."""
-        return [sum(x.numel() for x in self._shards(p)) for p in self._fragment_ids]
+        self._sit_outs.load(loaded.counts)
+        if loaded.in_flight is not None:
+            self._start(self._fragments[loaded.in_flight.fragment], in_flight=loaded.in_flight)

@@ -16,7 +16,7 @@
 """
 
 from fn.fsdp.all_gather import QuantizedAllGather, quantized_all_gather
-from fn.fsdp.checkpoint import TrainingCheckpoint, read_onebit_state
+from fn.fsdp.checkpoint import CheckpointWriteError, TrainingCheckpoint, read_onebit_state
 from fn.fsdp.loco import LocoReduceScatterHandle, loco_reduce_scatter
 from fn.fsdp.onebit import OnebitAdam, ShardedOnebitOptimizer, ZeroOneAdam
 from fn.fsdp.onebit_lamb import OnebitLamb
@@ -30,6 +30,7 @@ __all__ = [
     "loco_reduce_scatter",
     "QuantizedAllGather",
     "quantized_all_gather",
+    "CheckpointWriteError",
     "TrainingCheckpoint",
     "read_onebit_state",
     "OnebitAdam",

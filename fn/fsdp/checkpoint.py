@@ -14,9 +14,12 @@ whose model state differs (DiLoCo's workers) save under names of their own (``ke
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -24,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -37,9 +41,48 @@ from fn.fsdp.agreement import gather_texts, shared
 from fn.fsdp.loco import LocoReduceScatterHandle
 from fn.fsdp.onebit import ShardedOnebitOptimizer
 
-__all__ = ["TrainingCheckpoint", "read_onebit_state"]
+__all__ = ["CheckpointWriteError", "TrainingCheckpoint", "read_onebit_state"]
 
 T = TypeVar("T")
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint's files could not be written on some rank (a full disk, say): raised by
+    :meth:`TrainingCheckpoint.save` on every rank with the same message, which names each
+    failing rank and its ``OSError`` (errno, reason, file). Its ``errno``, ``strerror`` and
+    ``filename`` are the first failing rank's (``errno.ENOSPC``, ``"No space left on device"``
+    for a full disk). An ``OSError``: code that catches ``OSError`` (or ``Exception``) catches it,
+    unlike DCP's own ``CheckpointException``, a ``BaseException``.
+
+    Args:
+        message: the whole message, what ``str()`` gives.
+        errno: the underlying error's number, or ``None``.
+        strerror: its reason, or ``None``.
+        filename: the file it concerns, or ``None``.
+
+    Example:
+        >>> import errno
+        >>> from fn.fsdp import CheckpointWriteError
+        >>> err = CheckpointWriteError("could not write", errno.ENOSPC, "No space left on device")
+        >>> isinstance(err, OSError), err.errno == errno.ENOSPC, err.strerror, str(err)
+        (True, True, 'No space left on device', 'could not write')
+    """
+
+    def __init__(
+        self,
+        message: str,
+        errno: int | None = None,
+        strerror: str | None = None,
+        filename: str | None = None,
+    ) -> None:
+        super().__init__(errno, strerror, filename)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
+        return type(self), (self.message, self.errno, self.strerror, self.filename)
 
 
 class TrainingCheckpoint:
@@ -173,13 +216,17 @@ class TrainingCheckpoint:
                 that ends that step carries each rank's status and message), not at the
                 process group's timeout. Its message holds rank 0's error and says whether a
                 previous checkpoint at ``path`` is intact or none was there.
-            torch.distributed.checkpoint.api.CheckpointException: on every rank, DCP's write
-                failed (rank 0 has removed ``<path>.partial``).
+            CheckpointWriteError: on every rank, the same: a rank could not write its files (a
+                full disk: ``errno.ENOSPC``), once rank 0 has removed ``<path>.partial``. The
+                message names each failing rank and its ``OSError`` with the file, and says
+                whether a previous checkpoint at ``path`` is intact or none was there.
+            RuntimeError: on every rank, the same: DCP's save failed otherwise (no rank's
+                ``OSError``), with each failing rank's error, ``<path>.partial`` removed.
         """
         path = _normalised(path)
         group = self.group
         if "://" in path:
-            dcp.save({self.key: self}, checkpoint_id=path, process_group=group)
+            self._write(path, None, "")
             return
         partial = f"{path}.partial"
         first = not dist.is_initialized() or dist.get_rank(group) == 0
@@ -194,16 +241,34 @@ class TrainingCheckpoint:
         clear = (lambda: _clear(partial)) if first else None  # of a save that did not finish
         outcome = f"nothing was saved; {before}"
         _each_rank(device, clear, RuntimeError, what, f"could not clear {partial}", outcome, group)
-        try:
-            dcp.save({self.key: self}, checkpoint_id=partial, process_group=group)
-        except (Exception, CheckpointException) as error:  # DCP's is a BaseException
-            if first:
-                shutil.rmtree(partial, ignore_errors=True)
-            error.add_note(f"{what}: {outcome}")
-            raise
+        self._write(partial, _RecordingWriter(partial), outcome, first)
         put = (lambda: _put_in_place(partial, path)) if first else None
         failed = f"could not move the new checkpoint {partial} to {path}"
         _each_rank(device, put, RuntimeError, what, failed, outcome, group)
+
+    def _write(
+        self, target: str, writer: _RecordingWriter | None, outcome: str, first: bool = False
+    ) -> None:
+        """``dcp.save`` of this state into ``target``: a directory through ``writer``, or a URL
+        through DCP's own storage (``writer`` ``None``). When it fails, rank 0 (``first``)
+        deletes the directory, and DCP's failure, which every rank holds, is raised as
+        :func:`_write_error`'s, the same on every rank (``outcome``: what that left)."""
+        group, what = self.group, f"TrainingCheckpoint.save: could not write {target}"
+        remove = (lambda: shutil.rmtree(target, ignore_errors=True)) if first else None
+        try:
+            if writer is None:
+                dcp.save({self.key: self}, checkpoint_id=target, process_group=group)
+            else:
+                dcp.save({self.key: self}, storage_writer=writer, process_group=group)
+        except CheckpointException as error:  # a BaseException, which every rank holds alike
+            device = _device(self.model)
+            raise _write_error(error, writer, remove, what, outcome, device, group) from None
+        except Exception as error:  # before DCP's collectives: this rank's own
+            if remove is not None:
+                remove()
+            if outcome:
+                error.add_note(f"TrainingCheckpoint.save: {outcome}")
+            raise
 
     def load(self, path: str | os.PathLike) -> None:
         """Restores everything from the checkpoint directory ``path`` (collective).
@@ -406,19 +471,118 @@ def _each_rank(
             result = step()
         except Exception as caught:  # noqa: BLE001 (every rank learns of it, then it is raised)
             failure, text = caught, f"{type(caught).__name__}: {caught}"
-    texts = []
-    if dist.is_initialized():
-        size = torch.tensor([len(text.encode())], dtype=torch.int64, device=device)
-        sizes = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
-        all_gather_flat(sizes, size, group=group)
-        if bool(sizes.any()):
-            texts = gather_texts(group, text, sizes.tolist(), device)
+    texts = _every_rank_text(text, device, group)
     if failure is not None:
         raise failure
     if any(texts):
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        raise error(f"{what}: {shared(texts, failed, ranks)}; {outcome}")
+        raise error(f"{what}: {shared(texts, failed, _ranks(group))}; {outcome}")
     return result
+
+
+def _every_rank_text(text: str, device: torch.device, group: dist.ProcessGroup | None) -> list[str]:
+    """Every rank's ``text`` (of ``group``, ``None``: the world), in rank order; ``""`` where
+    none has one (an all-gather of the lengths, then one of the texts when some rank has one;
+    without a process group, ``[text]``)."""
+    if not dist.is_initialized():
+        return [text]
+    size = torch.tensor([len(text.encode())], dtype=torch.int64, device=device)
+    sizes = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+    all_gather_flat(sizes, size, group=group)
+    if not bool(sizes.any()):
+        return [""] * len(sizes)
+    return gather_texts(group, text, sizes.tolist(), device)
+
+
+def _ranks(group: dist.ProcessGroup | None) -> list[int] | None:
+    """The world ranks of ``group``'s ranks (``None`` for the world: the same)."""
+    return None if group is None else dist.get_process_group_ranks(group)
+
+
+def _write_error(
+    error: CheckpointException,
+    writer: _RecordingWriter | None,
+    clear: Callable[[], None] | None,
+    what: str,
+    outcome: str,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+) -> Exception:
+    """The error that every rank of ``group`` raises when DCP's save failed (``error``, which
+    every rank holds alike): after ``clear`` (rank 0: the partial checkpoint's removal), the
+    ranks' errors are gathered, each rank's first ``OSError`` of a file (``writer`` kept it:
+    torch's zip writer reports a failed write as ``unexpected pos ...``) or else its own in
+    ``error``, into one :class:`CheckpointWriteError` when some is an ``OSError``, else one
+    ``RuntimeError``."""
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    kept = writer.fs.failures if writer is not None else []
+    own = kept[0] if kept else error.failures.get(rank, (None,))[0]
+    if clear is not None:
+        clear()
+    found = {"text": f"{type(own).__name__}: {own}"} if own is not None else None
+    if isinstance(own, OSError):
+        found |= {"errno": own.errno, "strerror": own.strerror, "filename": own.filename}
+    texts = _every_rank_text(json.dumps(found) if found else "", device, group)
+    everyone = [json.loads(text) if text else None for text in texts]
+    reasons = [x["text"] if x else "" for x in everyone]
+    if not any(reasons):  # no rank's own (DCP's coordinator failed for a rank, say)
+        reasons = [f"{type(e).__name__}: {e}" for e, _ in error.failures.values()][:1]
+    message = f"{what}: {shared(reasons, 'failed', _ranks(group))}"
+    message += f"; {outcome}" if outcome else ""
+    first = next((x for x in everyone if x and "errno" in x), None)
+    if first is None:
+        return RuntimeError(message)
+    filename = None if first["filename"] is None else str(first["filename"])
+    return CheckpointWriteError(message, first["errno"], first["strerror"], filename)
+
+
+class _RecordedFile(io.FileIO):
+    """A file open for writing that keeps the ``OSError`` of a failed write (in ``failures``,
+    with the file's name) before raising it."""
+
+    def __init__(self, path: str | os.PathLike, mode: str, failures: list[OSError]) -> None:
+        super().__init__(path, mode)
+        self._failures = failures
+
+    def write(self, data: Any) -> int | None:
+        try:
+            return super().write(data)
+        except OSError as error:
+            if error.filename is None:
+                error.filename = os.fspath(self.name)
+            self._failures.append(error)
+            raise
+
+
+class _RecordingFileSystem(FileSystem):
+    """DCP's local file system, keeping this rank's ``OSError`` s of creating and writing files
+    in ``failures``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures: list[OSError] = []
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        try:
+            raw = _RecordedFile(path, mode, self.failures)
+        except OSError as error:
+            self.failures.append(error)
+            raise
+        with io.BufferedWriter(raw) as stream:
+            yield stream
+
+
+class _RecordingWriter(dcp.FileSystemWriter):
+    """DCP's ``FileSystemWriter`` (its defaults) into ``path``, through a
+    :class:`_RecordingFileSystem` (``self.fs``)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.fs = _RecordingFileSystem()
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -235,6 +235,9 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
         # the mean gradient was exactly 0 at every warmup update so far (padding positions 1);
         # None otherwise
         self._zero_records = None
+        # the next update freezes the variance though past freeze_step: a start from Adam's
+        # state (load_adam_state) at a count past it
+        self._freeze_due = False
         if self._auto_mask:
             self._zero_records = {
                 x.name: torch.full(
@@ -281,6 +284,12 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
     def count(self) -> int:
         """The number of updates made."""
         return int(self._state.count)
+
+    @property
+    def world(self) -> dist.ProcessGroup | None:
+        """The group that the agreement and the checks of every update span (``world=``;
+        ``None``: the default group): the ranks this optimizer communicates with."""
+        return self._world
 
     @property
     def bytes_sent(self) -> int:
@@ -421,14 +430,18 @@ class ShardedOnebitOptimizer(OnebitStateFormat, MomentumMasks, torch.optim.Optim
                 records = self._observed_zeros(inputs)
         state = set_hyperparams(self._state, lr=self.param_groups[0]["lr"])
         extra = {} if compressed or energy is None else {"gradient_energy": energy}
-        if compressed and self._rule.first_compressed_update(t, self._state) == t:
+        if compressed and (self._freeze_due or self._rule.first_compressed_update(t, state) == t):
             extra["momentum_mask"] = self._momentum_masks()  # for the frozen variance's report
-        updates, state = self._rule.update(inputs, state, params, step=t, **extra)
+        if not warmup and self._freeze_due:  # the plan of a freeze: its report and its log
+            extra["plan"] = self._rule.plan(t, state)._replace(freezes=True)
+        else:
+            extra["step"] = t
+        updates, state = self._rule.update(inputs, state, params, **extra)
         apply_updates(params, updates, donate=True)
         if compressed and not self.keeps_momentum_shards:  # it lives in the packed signs
             exp_avg = {k: None if inputs[k] is not None else m for k, m in state.exp_avg.items()}
             state = state._replace(exp_avg=exp_avg)
-        self._state = state
+        self._state, self._freeze_due = state, False
         if records is not None or freezes_mask:
             self._zero_records = records
 

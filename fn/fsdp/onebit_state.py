@@ -285,6 +285,7 @@ class OnebitStateFormat:
         if self._automatic:
             extra["auto"] = auto
         self.param_groups[0]["lr"] = float(state_dict["lr"])
+        self._freeze_due = False
         self._state = self._state._replace(
             count=torch.tensor(count, dtype=torch.int64),
             lr=torch.tensor(float(state_dict["lr"]), dtype=torch.float32),
@@ -308,7 +309,9 @@ class OnebitStateFormat:
         ``exp_avg_sq`` of every param, and its step count), so that a job trained with AdamW
         switches to 1-bit Adam: ``m`` and ``v`` carry over and the update count becomes
         ``count``. The next update is a warmup one for ``count + 1 < freeze_step``, otherwise
-        the freeze (its momentum all-gathered from the carried ``m``). The error feedback of the
+        the freeze (its momentum all-gathered from the carried ``m``), also past
+        ``freeze_step``: it reports the frozen variance (the warning where training is at risk)
+        and logs that the compressed updates start. The error feedback of the
         1-bit allreduce starts at zero, with a warning. ``param_groups[0]["lr"]`` is left as it
         is (an LR scheduler sets it).
 
@@ -386,6 +389,7 @@ class OnebitStateFormat:
                     dtype = current[slot.name].dtype
                     moments[field][slot.name] = local.to(dtype=dtype, copy=True)
         self._state = self._state._replace(count=torch.tensor(count, dtype=torch.int64), **moments)
+        self._freeze_due = count > 0 and self._rule.is_compressed(count, self._state)
         for module in self._modules.values():
             module.discard()
             module.signs, module.errors = None, None

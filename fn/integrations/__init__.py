@@ -1,10 +1,10 @@
-"""Glue for the training stacks: Hugging Face ``Trainer``, ``accelerate``, PyTorch Lightning and
-torchtitan.
+"""Glue for the training stacks: Hugging Face ``Trainer``, ``accelerate``, PyTorch Lightning,
+torchtitan and torchft.
 
 Each stack has its own module, imported on demand (``import fn`` never imports them, nor the
 stacks; they need the ``integrations`` extra, ``pip install "fn-optim[integrations]"``,
 Lightning the ``lightning`` extra, ``pip install "fn-optim[lightning]"``, and torchtitan the
-``torchtitan`` extra):
+``torchtitan`` extra, on torch 2.14 or later):
 
 - ``fn.integrations.transformers.attach(trainer)``: a ``Trainer`` with an ``fn.optim`` 1-bit
   optimizer keeps DDP silent in the compressed phase and saves checkpoints that resume every rank
@@ -20,6 +20,9 @@ Lightning the ``lightning`` extra, ``pip install "fn-optim[lightning]"``, and to
   torchtitan's own trainer with ``fn.fsdp``'s 1-bit Adam (or 1-bit LAMB) over FSDP2 or HSDP,
   its settings ``--optimizer.<name>``; its checkpoints resume every rank bit for bit, and start
   1-bit Adam from an AdamW checkpoint.
+- ``fn.integrations.torchft.ElasticDiLoCo(model, inner, manager=..., process_group=...,
+  sync_every=H)``: ``fn.diloco``'s outer step under torchft's ``Manager`` (the ``torchft``
+  extra), so that workers leave and join without stopping the job.
 
 What they do, and why:
 

@@ -363,6 +363,32 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         """
         return warn_never_compressed(self._groups, updates, source)
 
+    def reset_state(self) -> None:
+        """Restarts every group's state as a fresh optimizer's: the transform's initial state
+        (moments, error feedback), step count 0. The params, their fp32 masters and the groups'
+        hyperparameters are kept, and the first ``step()`` after it checks the ranks'
+        consistency again. No collective: every rank of ``comm`` resets alike, or that check
+        fails (``fn.diloco.DiLoCo`` resets a worker's inner optimizer, of one rank, when the
+        worker sat out an outer step).
+
+        Example:
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = fn.optim.FunctionalOptimizer(model.parameters(), fn.adam(lr=1e-3),
+            ...                                    comm=fn.collectives.Local())
+            >>> model(torch.ones(1, 2)).sum().backward()
+            >>> opt.step()
+            >>> opt.reset_state()
+            >>> opt.state_dict()["state"][0]["step"]
+            0
+        """
+        for runtime in self._groups:
+            runtime.state = runtime.transform.init(
+                runtime.flat.tree(runtime.flat.master, self.flatten)
+            )
+            runtime.spare, runtime.step = None, 0
+        self._gathered = None
+        self._sync_checks.start_due = True
+
     # ---------------------------------------------------------------- checkpoints
 
     def gather_error_feedback(self) -> None:

@@ -138,7 +138,10 @@ def compressed_optimizer(
                 updates, new_state = update(grads, state, params, plan, eta, **passed)
             if compressed:  # after the update's own checks (of the gradients); nothing is kept
                 check_warmed_up(name, state.count)
-                _announce_compressed(name, partial(is_compressed, state=state), state.count)
+                freezes = bool(getattr(plan, "freezes", False))
+                _announce_compressed(
+                    name, partial(is_compressed, state=state), state.count, freezes
+                )
             return updates, new_state._replace(count=state.count + 1, lr=eta)
 
         return step_fn
@@ -195,14 +198,18 @@ def _same_forms(donated: Any, state: Any) -> Any:
 
 
 def _announce_compressed(
-    name: str, is_compressed: Callable[[int], bool], count: torch.Tensor
+    name: str, is_compressed: Callable[[int], bool], count: torch.Tensor, freezes: bool
 ) -> None:
     """Logs the run's first compressed update (where the count is on the host), so that a run
-    whose compressed phase starts late, or never, can be told from the log."""
+    whose compressed phase starts late, or never, can be told from the log: the update after
+    the warmup's last, or one whose plan ``freezes`` (a state carried over from Adam's past
+    ``freeze_step``, as ``fn.fsdp.OnebitAdam.load_adam_state`` makes)."""
     made = host_count(count)  # the updates made before this one
-    if made is None or (made > 0 and is_compressed(made)):
+    if made is None:
+        return
+    if not freezes and made > 0 and is_compressed(made):
         return  # not a switch from the warmup (rare, so the scan below is too)
-    if next(t for t in range(1, made + 2) if is_compressed(t)) == made + 1:
+    if freezes or next(t for t in range(1, made + 2) if is_compressed(t)) == made + 1:
         logger.info("%s: compressed updates start at update %d", name, made + 1)
 
 

@@ -1021,11 +1021,11 @@ def test_diloco_wall_plan_shapes_every_worker_and_stays_inside_its_namespaces():
     workers = [json.loads(line.split("--worker ", 1)[1].strip("'")) for line in lines
                if line.startswith("ip netns exec")]  # fmt: skip
     names = [w["method"]["name"] for w in workers if w["rank"] == 0]
-    assert names[:3] == ["ddp", "diloco-fp32", "diloco-sparseloco-1/32"]
+    assert names[:4] == ["probe", "ddp", "diloco-fp32", "diloco-sparseloco-1/32"]
     assert names == names[: len(names) // 2] * 2  # every method in both runs, in order
     for name in ("stream-fp32-P3", "stream-fp32-P3-d9"):  # built, or reported as not built
         assert name in names or f"#   {name}: not built (" in proc.stdout
-    ddp, fp32 = workers[0], workers[4]
+    ddp, fp32 = (next(w for w in workers if w["method"]["name"] == n) for n in names[1:3])
     assert ddp["max_steps"] == 300 and ddp["eval_every"] == 10
     assert fp32["max_steps"] == 900 and fp32["eval_every"] == fp32["sync_every"] == 30
     assert {w["target"] for w in workers} == {2.3}
@@ -1198,3 +1198,65 @@ def test_diloco_quality_parses_methods_and_refuses_unknown_ones():
                          ("topk-1/8:nope=1", "unknown option")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             quality.parse_method(bad)
+
+
+def test_diloco_elastic_plan_puts_the_lighthouse_on_a_node_of_its_own():
+    proc = _cli("diloco_elastic.py", "--dry-run", "--runs", "2", "--kill-at", "45", timeout=170)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if not line.startswith("#")]
+    switch = [line for line in lines if " --switch " in line]
+    assert len(switch) == 1 and "diloco_wall.py --switch" in switch[0]
+    config = json.loads(switch[0].split("--switch ", 1)[1].strip("'"))
+    nodes = [f"fnelastic-r{i}" for i in range(5)]
+    assert config["namespaces"] == nodes and config["rate_bits"] == 1e7
+    lines.remove(switch[0])
+    _assert_inside(lines, set(nodes))
+    assert len([line for line in lines if " tbf " in line]) == 5  # the lighthouse's link too
+    (lighthouse,) = [line for line in lines if "torchft_lighthouse" in line]
+    assert lighthouse.startswith("ip netns exec fnelastic-r4 ") and "--min_replicas 2" in lighthouse
+    workers = [json.loads(line.split("--worker ", 1)[1].strip("'")) for line in lines
+               if "--worker" in line]  # fmt: skip
+    assert len(workers) == 2 * 4 * 4  # 2 runs of 4 methods on 4 workers
+    killed = {(w["method"]["name"], w["rank"]) for w in workers if w["kill_at"] is not None}
+    assert killed == {
+        (m, 3) for m in ("fn-torchft-topk", "fn-diloco-restart", "torchft-diloco-dense")
+    }
+    assert {w["kill_at"] for w in workers} == {None, 45}
+    assert {w["lighthouse"] for w in workers} == {"http://10.217.0.5:29510"}
+
+
+def _elastic_events(evals, restart=None):
+    events = [{"event": "train_start", "wall": 100.0}]
+    for step, wall_s, loss, fn_bytes, tx in evals:
+        events.append({"event": "eval", "wall": 100.0 + wall_s, "step": step, "outer": step // 3,
+                       "loss": loss, "eval_s": 0.5, "fn_bytes": fn_bytes, "tx": tx})  # fmt: skip
+    return events
+
+
+def test_diloco_elastic_summary_times_the_target_and_the_restart():
+    elastic = _load("diloco_elastic.py")
+    # an outer step every 3 inner steps, 2.5 s apart of which 0.5 s evaluating
+    # the lighthouse's eth0 (wall, tx, rx): 200 B to and 160 B from the 4 workers a step
+    lighthouse = [(100.0 + 2.5 * i, 200 * i, 160 * i) for i in range(5)]
+    clean = {"method": "fn-torchft-topk-nofault", "run": 0, "target": 2.0, "restarted_at": None,
+             "lighthouse": lighthouse, "victim_events": [],
+             "events": _elastic_events([(3, 2.5, 2.4, 100, 1000), (6, 5.0, 2.2, 200, 1400),
+                                        (9, 7.5, 1.9, 300, 1800)])}  # fmt: skip
+    row = elastic.summarize(clean)
+    assert row["reached"] and row["outer_steps"] == 3 and row["time_s"] == pytest.approx(6.0)
+    assert row["s_per_outer"] == pytest.approx(2.0) and row["fn_bytes_per_outer"] == 100
+    assert row["wire_per_outer"] == 400 and row["control_per_outer"] == 90
+    assert row["data_per_outer"] == 360  # 400 B less its share of what the lighthouse got
+    victim = [{"event": "start", "wall": 102.0}, {"event": "train_start", "wall": 104.5},
+              {"event": "outer", "wall": 107.0}]  # fmt: skip
+    fault = {**clean, "method": "fn-torchft-topk", "restarted_at": 102.0, "victim_events": victim,
+             "events": _elastic_events([(3, 2.5, 2.4, 100, 1000), (6, 6.0, 2.2, 200, 1400),
+                                        (9, 9.5, 1.9, 300, 1800)])}  # fmt: skip
+    slow = elastic.summarize(fault)
+    assert slow["time_s"] == pytest.approx(8.0)
+    assert slow["startup_s"] == pytest.approx(2.5) and slow["rejoin_s"] == pytest.approx(5.0)
+    (cost,) = elastic.targets([row, slow])
+    assert "costs 2.0 s (bound: start-up 2.5 s + one outer step 2.00 s = 4.5 s): met" in cost
+    assert "| fn-torchft-topk | yes | 9 | 3 | 8.0 | 3.00 | 2.5 | 5.0 | 100 | 400 |" in (
+        elastic.table([slow])
+    )

@@ -1,9 +1,12 @@
 """The header of an exchange (fn.collectives.header), and the exchanges of the outer compressors
-that carry it: the same bits as their ``update``, one message for all leaves, the flags of
-every rank on every rank, a sitter's state kept, and their bytes (sent and received) against
+that carry it: the same bits as their ``update``, one message for all leaves, the flags and the
+caller's values of every rank on every rank, a rank that sits out (or whose input is not finite)
+as ``update`` with its ``participation`` gives it, and their bytes (sent and received) against
 their formulas."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ import torch
 import fn
 from fn.collectives import (
     HEADER_BYTES,
+    Participation,
     Simulated,
     cast_allreduce,
     cast_exchange_form,
@@ -23,6 +27,7 @@ from fn.collectives.header import opened, sealed
 from fn.tree import tree_leaves
 
 SHAPES = {"w": (5, 7), "b": (3,), "none": None, "empty": (0,)}
+HEAD = HEADER_BYTES + 16  # the first collective's header, with two values of the caller's
 
 
 def _inputs(world_size: int, seed: int) -> dict:
@@ -53,40 +58,56 @@ def test_a_header_carries_the_flag_the_slot_and_the_size_record():
         opened(rows, 70, "the exchange", 0x123456)
 
 
-def _check_exchange(tx, world_size, steps=3):
-    """``exchange`` against ``update`` for ``steps`` calls; the bytes of the last exchange."""
-    comm = tx.comm
+def test_the_header_carries_integers_below_2_to_the_48_exactly_and_refuses_others():
+    extra = [0, 2**24 - 1, 2**24, 2**48 - 1]
+    rows = sealed(torch.zeros(1, 0, dtype=torch.uint8), torch.tensor(True), 0, 5, extra=extra)
+    assert opened(rows, 0, "x", 5, extra=len(extra)).extra.tolist() == [extra]
+    for value in (-1, 2**48):
+        with pytest.raises(ValueError, match=rf"integers in \[0, 2\^48\), got \[{value}\]"):
+            sealed(torch.zeros(1, 0, dtype=torch.uint8), torch.tensor(True), 0, 5, extra=[value])
+
+
+def _check_exchange(tx, comm, world_size, steps=3):
+    """``exchange`` against ``update`` for ``steps`` calls, every rank taking part, then one with
+    rank 1 sitting out (against ``update`` with its ``participation``) and one with rank 1's
+    input not finite (it sits out too); the bytes of the last exchange where all took part."""
     x = _inputs(world_size, seed=world_size)
-    state = simulate(tx.tx.init, comm)(x)
+    state = simulate(tx.init, comm)(x)
     for step in range(steps):
         x = _inputs(world_size, seed=10 * world_size + step)
-        want = simulate(tx.tx.update, comm)(x, state)
+        want = simulate(tx.update, comm)(x, state)
         comm.reset_bytes_sent()
         comm.reset_bytes_received()
-        got = simulate(tx.tx.exchange, comm)(x, state)
+        got = simulate(functools.partial(tx.exchange, extra=(7, step)), comm)(x, state)
         assert _same(tuple(got[:2]), want), step
-        assert got.flags.tolist() == [[True] * world_size] * world_size
+        assert got.participants.tolist() == [[True] * world_size] * world_size
+        assert got.extra.tolist() == [[[7, step]] * world_size] * world_size
         state = want[1]
-    assert comm.bytes_sent == comm.bytes_received
-    return comm.bytes_sent
-
-
-class _Tx:
-    def __init__(self, tx, comm):
-        self.tx, self.comm = tx, comm
+    sent = comm.bytes_sent
+    assert sent == comm.bytes_received
+    takes_part = torch.tensor([r != 1 for r in range(world_size)])
+    part = Participation(takes_part, torch.full((world_size,), world_size - 1))
+    want = simulate(lambda x, s, p: tx.update(x, s, participation=p), comm)(x, state, part)
+    for flag in (takes_part, torch.ones(world_size, dtype=torch.bool)):
+        if bool(flag.all()):  # rank 1 offers a NaN: it sits out all the same
+            x["w"][1, 0, 0] = float("nan")
+        got = simulate(tx.exchange, comm)(x, state, flag)
+        assert got.participants.tolist() == [takes_part.tolist()] * world_size
+        assert _same(tuple(got[:2]), want)
+    return sent
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_the_cast_exchange_has_the_bits_of_its_update_in_one_message(dtype, world_size):
     comm = Simulated(world_size)
-    sent = _check_exchange(_Tx(cast_allreduce(dtype, comm=comm), comm), world_size, steps=1)
+    sent = _check_exchange(cast_allreduce(dtype, comm=comm), comm, world_size, steps=1)
     n, size = 38, torch.finfo(dtype).bits // 8
     share = -(-n // world_size) * size
     if cast_exchange_form(n, size, world_size) == "gather":  # W = 2: one all-gather
-        assert world_size == 2 and sent == (world_size - 1) * (HEADER_BYTES + size * n)
+        assert world_size == 2 and sent == (world_size - 1) * (HEAD + size * n)
     else:  # the all_to_all to the owners, then the all-gather of their means
-        assert sent == (world_size - 1) * (HEADER_BYTES + share) + (world_size - 1) * share
+        assert sent == (world_size - 1) * (HEAD + share) + (world_size - 1) * share
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -97,30 +118,19 @@ def test_the_quantized_exchange_has_the_bits_of_its_update_in_one_message(world_
         tx = loco_allreduce(4, 8, 0.8, 2, comm=comm)
     else:
         tx = quantized_allreduce(8, 8, comm=comm)
-    sent = _check_exchange(_Tx(tx, comm), world_size)
+    sent = _check_exchange(tx, comm, world_size)
     bits = 4 if loco else 8
     per_rank = 0  # one chunk of each leaf: codes, then the fp32 scales
     for numel in (35, 3):
         chunk = quantized_padded_numel(numel, world_size, 8) // world_size
         per_rank += chunk * bits // 8 + 4 * chunk // 8
-    assert sent == (world_size - 1) * (HEADER_BYTES + per_rank) + (world_size - 1) * per_rank
+    assert sent == (world_size - 1) * (HEAD + per_rank) + (world_size - 1) * per_rank
 
 
-def test_a_rank_that_sits_out_keeps_its_errors_and_every_rank_sees_its_flag():
-    comm = Simulated(3)
-    tx = loco_allreduce(4, 8, comm=comm)
-    x = _inputs(3, seed=0)
-    state = simulate(tx.init, comm)(x)
-    _, state = simulate(tx.update, comm)(x, state)
-    x["w"][2, 0, 0] = float("inf")
-    _, new, flags = simulate(tx.exchange, comm)(x, state)
-    assert flags.tolist() == [[True, True, False]] * 3
-    for old_e, new_e in zip(state.errors["w"], new.errors["w"], strict=True):
-        assert torch.equal(old_e[2], new_e[2]) and not torch.equal(old_e[0], new_e[0])
-    assert new.count.tolist() == [2, 2, 2]
+def test_the_two_hop_mode_has_no_exchange():
     comm = Simulated(4)
     two_hops = loco_allreduce(4, 8, comm=comm, local_world_size=2)
     y = _inputs(4, seed=1)
     with pytest.raises(NotImplementedError, match="runs on one hop"):
         simulate(two_hops.exchange, comm)(y, simulate(two_hops.init, comm)(y))
-    assert isinstance(tx, fn.collectives.Compressor)
+    assert isinstance(two_hops, fn.collectives.Compressor)

@@ -20,7 +20,7 @@ from fn.collectives import (
 )
 from fn.collectives.onebit import compressed_allreduce_exchange, write_errors, write_result
 from fn.tree import tree_map
-from tests._distributed import run_distributed
+from tests._distributed import run_distributed, run_together
 from tests._mirror import Mirror, same_bits
 
 SIZES = (1, 7, 8, 1000, 4099, 70001)
@@ -87,10 +87,22 @@ def _donated_worker(rank: int, world_size: int) -> bool:
     return True
 
 
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, list]:
+    """The 2-rank workers of this file but the page-fault counts, in one launch."""
+    return run_together(
+        {"donated": (_donated_worker, ()), "nan": (_nan_worker, ())}, 2, timeout=400
+    )
+
+
+@pytest.mark.timeout(500)
+def test_gloo_donated_matches_pure_on_two_ranks(two_ranks):
+    assert two_ranks["donated"] == [True] * 2
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_gloo_donated_matches_pure(world_size):
-    assert run_distributed(_donated_worker, world_size, timeout=240) == [True] * world_size
+def test_gloo_donated_matches_pure_on_three_ranks():
+    assert run_distributed(_donated_worker, 3, timeout=240) == [True] * 3
 
 
 def test_simulated_donated_matches_pure():
@@ -155,9 +167,9 @@ def _nan_worker(rank: int, world_size: int) -> bool:
     return True
 
 
-@pytest.mark.timeout(300)
-def test_gloo_nonfinite_on_one_rank_leaves_buffers_intact():
-    assert run_distributed(_nan_worker, 2, timeout=240) == [True, True]
+@pytest.mark.timeout(500)
+def test_gloo_nonfinite_on_one_rank_leaves_buffers_intact(two_ranks):
+    assert two_ranks["nan"] == [True, True]
 
 
 def _minor_faults() -> int:
@@ -191,16 +203,17 @@ def assert_steady_state_faults(monkeypatch, worker, n: int) -> None:
     about 300 and 1,300 pages at n = 2^22."""
     # glibc serves a 16 MiB tensor from its heap once its adaptive mmap threshold has grown
     # (then a fresh tensor may not fault); a fixed threshold makes every one a fresh mmap, as
-    # tensors from 32 MiB on always are. Donated buffers are unaffected.
+    # tensors from 32 MiB on always are. Donated buffers are unaffected. The ranks are fresh
+    # interpreters (spawned): glibc reads the setting at a process's start.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     limit = n * 4 // resource.getpagesize() // 2
-    pure = run_distributed(worker, 2, n, False, timeout=240)
+    pure = run_distributed(worker, 2, n, False, timeout=240, start_method="spawn")
     assert min(pure) > limit, f"the measurement cannot see fresh tensors: {pure}"
-    donated = run_distributed(worker, 2, n, True, timeout=240)
+    donated = run_distributed(worker, 2, n, True, timeout=240, start_method="spawn")
     assert max(donated) < limit, f"minor page faults per rank {donated} (limit {limit})"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(540)  # two launches of fresh ranks, 240 s each at most
 def test_gloo_steady_state_allocates_no_full_size_tensor(monkeypatch):
     assert_steady_state_faults(monkeypatch, _fault_worker, 1 << 22)
 

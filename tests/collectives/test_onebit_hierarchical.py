@@ -20,7 +20,7 @@ from fn.collectives import (
 )
 from fn.collectives.onebit import compressed_allreduce_exchange, write_errors, write_result
 from fn.errors import NonFiniteError
-from tests._distributed import run_distributed
+from tests._distributed import run_distributed, run_together
 from tests.collectives import _reference as ref
 
 # numpy and torch accumulate fp32 norms in different orders: the scales differ in the last bits.
@@ -234,10 +234,30 @@ def _gloo_worker(rank: int, world_size: int, local: int) -> bool:
     return True
 
 
+NONFINITE = [(2, 3), (2, 0), (4, 1)]  # (local_world_size, the rank with the NaN)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> dict[str, list]:
+    """The 4-rank workers of this file, in one launch; the ranks that disagree on the level
+    (and may build different groups) last."""
+    parts = {
+        "reference": (_gloo_worker, (2,)),
+        **{f"nonfinite {case}": (_nonfinite_worker, case) for case in NONFINITE},
+        "disagree": (_disagree_worker, ()),
+        "split disagree": (_split_disagree_worker, ()),
+    }
+    return run_together(parts, 4, timeout=600)
+
+
+@pytest.mark.timeout(700)
+def test_gloo_matches_reference_at_two_ranks_per_node(four_ranks):
+    assert four_ranks["reference"] == [True] * 4
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("world_size", "local"), [(4, 2), (2, 2)])
-def test_gloo_matches_reference(world_size, local):
-    assert run_distributed(_gloo_worker, world_size, local, timeout=240) == [True] * world_size
+def test_gloo_matches_reference_on_one_node():
+    assert run_distributed(_gloo_worker, 2, 2, timeout=240) == [True] * 2
 
 
 def _disagree_worker(rank: int, world_size: int) -> str:
@@ -249,9 +269,9 @@ def _disagree_worker(rank: int, world_size: int) -> str:
     return str(raised.value)
 
 
-@pytest.mark.timeout(300)
-def test_gloo_ranks_that_disagree_on_the_level_raise_together():
-    messages = run_distributed(_disagree_worker, 4, timeout=240)
+@pytest.mark.timeout(700)
+def test_gloo_ranks_that_disagree_on_the_level_raise_together(four_ranks):
+    messages = four_ranks["disagree"]
     assert len(set(messages)) == 1 and "rank 0: 2, rank 1: 4" in messages[0]
 
 
@@ -284,10 +304,12 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(("local", "bad_rank"), [(2, 3), (2, 0), (4, 1)])
-def test_gloo_nonfinite_on_one_rank_raises_on_every_rank_and_writes_nothing(local, bad_rank):
-    assert run_distributed(_nonfinite_worker, 4, local, bad_rank, timeout=240) == [True] * 4
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize(("local", "bad_rank"), NONFINITE)
+def test_gloo_nonfinite_on_one_rank_raises_on_every_rank_and_writes_nothing(
+    local, bad_rank, four_ranks
+):
+    assert four_ranks[f"nonfinite {(local, bad_rank)}"] == [True] * 4
 
 
 def _split_disagree_worker(rank: int, world_size: int) -> str:
@@ -297,7 +319,7 @@ def _split_disagree_worker(rank: int, world_size: int) -> str:
     return str(raised.value)
 
 
-@pytest.mark.timeout(300)
-def test_gloo_transforms_built_with_different_levels_raise_together():
-    messages = run_distributed(_split_disagree_worker, 4, timeout=240)
+@pytest.mark.timeout(700)
+def test_gloo_transforms_built_with_different_levels_raise_together(four_ranks):
+    messages = four_ranks["split disagree"]
     assert len(set(messages)) == 1 and "rank 1: 1, rank 2: 2" in messages[0]

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from fn.collectives import exit_distributed
+from tests._distributed import rank_env, run_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -44,14 +45,8 @@ SCRIPT = textwrap.dedent(
 
 
 def _torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        + [script, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"},
-    )
+    command = ["torchrun", "--standalone", "--nproc-per-node", "2", script, *args]
+    return run_command(command, env=rank_env(ROOT), timeout=120)
 
 
 @pytest.mark.distributed

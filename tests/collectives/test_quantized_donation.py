@@ -21,7 +21,7 @@ from fn.collectives import (
     simulate,
 )
 from fn.tree import tree_map
-from tests._distributed import run_distributed
+from tests._distributed import run_distributed, run_together
 from tests._mirror import Mirror, same_bits
 from tests.collectives.test_onebit_donate import _tree_mirror_case
 
@@ -128,13 +128,35 @@ def _gloo_compare(rank, world_size, local, n):
     return True
 
 
+@pytest.fixture(scope="module")
+def gloo() -> dict[str, list]:
+    """The workers of this file but the page-fault counts, in one launch on 2 ranks and one on
+    4 (n = 1000 pads to whole chunks; 4096 ranks' chunks are whole vectors of 32 values)."""
+    two = {
+        f"{case} {local}": (worker, args)
+        for local in (None, 1)
+        for case, worker, args in (
+            ("compare", _gloo_compare, (local, 1000)),
+            ("non-finite", _gloo_non_finite, (local,)),
+        )
+    }
+    four = {
+        "compare 2": (_gloo_compare, (2, 4096)),
+        "streamed": (_gloo_compare_streamed, ()),
+        "non-finite None": (_gloo_non_finite, (None,)),
+    }
+    return {
+        **{f"2 {name}": r for name, r in run_together(two, 2, timeout=300).items()},
+        **{f"4 {name}": r for name, r in run_together(four, 4, timeout=400).items()},
+    }
+
+
 @pytest.mark.distributed
-@pytest.mark.timeout(240)
-def test_donated_matches_pure_on_gloo():
-    # n = 1000 pads to whole chunks; 4096 ranks' chunks are whole vectors of 32 values
-    for w, local in ((2, None), (2, 1)):
-        assert run_distributed(_gloo_compare, w, local, 1000, timeout=200) == [True] * w
-    assert run_distributed(_gloo_compare, 4, 2, 4096, timeout=200) == [True] * 4
+@pytest.mark.timeout(800)
+def test_donated_matches_pure_on_gloo(gloo):
+    for local in (None, 1):
+        assert gloo[f"2 compare {local}"] == [True] * 2
+    assert gloo["4 compare 2"] == [True] * 4
 
 
 def _gloo_compare_streamed(rank, world_size):
@@ -145,9 +167,9 @@ def _gloo_compare_streamed(rank, world_size):
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(240)
-def test_donated_streamed_matches_pure_on_four_gloo_ranks():
-    assert run_distributed(_gloo_compare_streamed, 4, timeout=200) == [True] * 4
+@pytest.mark.timeout(800)
+def test_donated_streamed_matches_pure_on_four_gloo_ranks(gloo):
+    assert gloo["4 streamed"] == [True] * 4
 
 
 def _gloo_non_finite(rank, world_size, local):
@@ -176,16 +198,17 @@ def _gloo_non_finite(rank, world_size, local):
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(240)
-def test_non_finite_on_one_rank_raises_everywhere_buffers_intact():
+@pytest.mark.timeout(800)
+def test_non_finite_on_one_rank_raises_everywhere_buffers_intact(gloo):
     for local in (None, 1):
-        assert run_distributed(_gloo_non_finite, 2, local, timeout=200) == [True, True]
+        assert gloo[f"2 non-finite {local}"] == [True, True]
     # rank 1's NaN is in the chunk it sends to rank 0 only: ranks 2 and 3 learn it from the
     # flag that follows the chunks
-    assert run_distributed(_gloo_non_finite, 4, None, timeout=200) == [True] * 4
+    assert gloo["4 non-finite None"] == [True] * 4
 
 
 WINDOWS = 4  # of 3 calls each, after 2 warm-up calls
+FRESH = "spawn"  # ranks that read the MALLOC_* settings at their start and own their whole heap
 
 
 def count_full_size_faults_only(monkeypatch) -> None:
@@ -220,15 +243,15 @@ def _gloo_page_faults(rank, world_size, donate):
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(560)  # two launches of fresh ranks, 250 s each at most
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the malloc tuning needs glibc")
 def test_donated_loco_steady_state_allocates_no_full_size_buffer(monkeypatch):
     count_full_size_faults_only(monkeypatch)
     pages_of_one_buffer = (1 << 22) * 4 // resource.getpagesize()
-    faults = run_distributed(_gloo_page_faults, 2, True, timeout=250)
+    faults = run_distributed(_gloo_page_faults, 2, True, timeout=250, start_method=FRESH)
     assert max(faults) < pages_of_one_buffer // 4, faults
     # The measure can fail: the pure path faults in several full-size buffers per call.
-    faults = run_distributed(_gloo_page_faults, 2, False, timeout=250)
+    faults = run_distributed(_gloo_page_faults, 2, False, timeout=250, start_method=FRESH)
     assert min(faults) >= pages_of_one_buffer // 4, faults
 
 

@@ -44,8 +44,8 @@ def _run_owner(world_size, shapes, k, chunk_size, decay, steps, seed, through="u
         if through == "update":
             out, state = simulate(tx.update, comm)(x, state)
         else:
-            out, state, flags = simulate(tx.exchange, comm)(x, state)
-            assert bool(flags.all())
+            out, state, participants, _ = simulate(tx.exchange, comm)(x, state)
+            assert bool(participants.all())
         per_worker = [[x[name][r] for name in names] for r in range(world_size)]
         mean, errors, server = _reference.topk_owner_allreduce(
             per_worker, errors, server, k, chunk_size, decay
@@ -100,8 +100,8 @@ def test_the_gather_forms_exchange_is_its_update_with_a_header(world_size):
     for _ in range(2):
         want, want_state = simulate(tx.update, comm)(x, state)
         comm.reset_bytes_sent()
-        got, got_state, flags = simulate(tx.exchange, comm)(x, state)
-        assert bool(flags.all()) and flags.shape == (world_size, world_size)
+        got, got_state, participants, _ = simulate(tx.exchange, comm)(x, state)
+        assert bool(participants.all()) and participants.shape == (world_size, world_size)
         assert all(torch.equal(a, b) for a, b in zip(fn.tree.tree_leaves((got, got_state)),
                                                       fn.tree.tree_leaves((want, want_state)),
                                                       strict=True))  # fmt: skip
@@ -110,24 +110,34 @@ def test_the_gather_forms_exchange_is_its_update_with_a_header(world_size):
         state = got_state
 
 
-def test_a_rank_that_does_not_take_part_is_flagged_on_every_rank_and_keeps_its_state():
-    for exchange in ("gather", "owner"):
-        comm = Simulated(3)
-        tx = topk_allreduce(2, 8, comm=comm, exchange=exchange)
-        x = _inputs(3, {"w": (20,)}, seed=4)
-        state = simulate(tx.init, comm)(x)
-        _, state = simulate(tx.update, comm)(x, state)
-        x["w"][1, 3] = float("nan")
-        out, new_state, flags = simulate(tx.exchange, comm)(x, state)
-        assert flags.tolist() == [[True, False, True]] * 3
-        assert torch.equal(new_state.error["w"][1], state.error["w"][1])
-        with pytest.raises(fn.NonFiniteError, match="non-finite values in some rank's input"):
-            simulate(tx.update, comm)(x, state)
-        flag = torch.tensor([True, True, False])  # rank 2 sits out: it sends zeros
-        out, new_state, flags = simulate(tx.exchange, comm)(_inputs(3, {"w": (20,)}, 5), state,
-                                                            flag)  # fmt: skip
-        assert flags.tolist() == [[True, True, False]] * 3
-        assert torch.equal(new_state.error["w"][2], state.error["w"][2])
+def test_a_rank_that_sits_out_is_the_reference_over_the_others_and_keeps_its_error():
+    """Rank 1 sits out (its message zero, its error kept, the mean over the 3 others): the
+    reference over the participants; its NaN input the same; ``update`` raises on a NaN."""
+    world_size, shapes, k, chunk_size = 4, {"w": (70,)}, 3, 16
+    comm = Simulated(world_size)
+    tx = topk_allreduce(k, chunk_size, comm=comm, decay=0.9, exchange="owner")
+    x = _inputs(world_size, shapes, seed=4)
+    state = simulate(tx.init, comm)(x)
+    per_worker = [[x["w"][r]] for r in range(world_size)]
+    errors = [[state.error["w"][r]] for r in range(world_size)]
+    server = list(state.server_error)
+    mask = [r != 1 for r in range(world_size)]
+    mean, new_errors, new_server = _reference.topk_owner_allreduce(
+        per_worker, errors, server, k, chunk_size, 0.9, mask
+    )
+    flag = torch.tensor(mask)
+    for offered, poisoned in ((flag, False), (torch.ones(world_size, dtype=torch.bool), True)):
+        y = {"w": x["w"].clone()}
+        if poisoned:
+            y["w"][1, 3] = float("nan")
+        out, new_state, participants, _ = simulate(tx.exchange, comm)(y, state, offered)
+        assert participants.tolist() == [mask] * world_size
+        for r in range(world_size):
+            assert torch.equal(out["w"][r], mean[0])
+            assert torch.equal(new_state.error["w"][r], new_errors[r][0])
+            assert torch.equal(new_state.server_error[r], new_server[r])
+    with pytest.raises(fn.NonFiniteError, match="non-finite values in some rank's input"):
+        simulate(tx.update, comm)(y, state)
 
 
 def test_auto_chooses_the_form_with_fewer_bytes_at_init():

@@ -14,7 +14,7 @@ import fn
 import fn.ddp
 import fn.optim
 from fn.collectives._traffic import all_gather_bytes, all_reduce_bytes
-from tests._distributed import run_distributed
+from tests._distributed import run_distributed, run_together
 from tests.optim._problem import (
     backward,
     flat_params,
@@ -121,9 +121,20 @@ def _parity_worker(rank, world_size, names):
     return out
 
 
-@pytest.mark.timeout(300)
-def test_register_equals_bare_fn_bitwise_and_ddp_is_silent_when_compressed():
-    results = run_distributed(_parity_worker, 2, list(OPTIMIZERS), timeout=280)
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, list]:
+    """The 2-rank workers of this file, in one launch."""
+    parts = {
+        "parity": (_parity_worker, (list(OPTIMIZERS),)),
+        "nan": (_nan_worker, ()),
+        "misuse": (_misuse_worker, ()),
+    }
+    return run_together(parts, 2, timeout=620)
+
+
+@pytest.mark.timeout(700)
+def test_register_equals_bare_fn_bitwise_and_ddp_is_silent_when_compressed(two_ranks):
+    results = two_ranks["parity"]
     for name in OPTIMIZERS:
         for rank, result in enumerate(results):
             bare = result[name]["bare"]
@@ -213,9 +224,9 @@ def _nan_worker(rank, world_size):
     return out
 
 
-@pytest.mark.timeout(200)
-def test_a_nan_on_one_rank_meets_the_optimizers_policy_in_both_phases():
-    results = run_distributed(_nan_worker, 2, timeout=180)
+@pytest.mark.timeout(700)
+def test_a_nan_on_one_rank_meets_the_optimizers_policy_in_both_phases(two_ranks):
+    results = two_ranks["nan"]
     for result in results:
         for bad in (1, 4):
             raised, skipped = result["raise", bad], result["skip", bad]
@@ -342,9 +353,9 @@ def _misuse_worker(rank, world_size):
     }
 
 
-@pytest.mark.timeout(200)
-def test_misuse_accumulation_and_mixed_phases():
-    results = run_distributed(_misuse_worker, 2, timeout=180)
+@pytest.mark.timeout(700)
+def test_misuse_accumulation_and_mixed_phases(two_ranks):
+    results = two_ranks["misuse"]
     expected = {
         "plain model": ("TypeError", "must be a DistributedDataParallel"),
         "torch optimizer": ("TypeError", "got AdamW"),

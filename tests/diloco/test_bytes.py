@@ -1,5 +1,6 @@
 """The bytes of one outer step, per rank, as docs/algorithms.md's table gives them ("Bytes per
-rank per outer step"), against fn's counters (sent and received) at several W."""
+rank per outer step"), against fn's counters (sent and received) at several W, without an
+exchange header and with one of DiLoCo's six values."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from fn.collectives import (
 H = HEADER_BYTES
 SIZES = (300, 37)  # two leaves
 K, C, GROUP = 3, 16, 8
+# DiLoCo's header (fn/diloco/wrapper.py): inner step, fragment, size, from sync(), trainable
+# tensors and their checksum
+DILOCO_HEADER = {"step": 30, "fragment": 0, "size": 337, "sync": 0, "tensors": 2, "crc": 2**31}
 
 
 def _rule(kind, comm):
@@ -33,21 +37,21 @@ def _rule(kind, comm):
     return fn.diloco.nesterov(fn.diloco.compression(kind, comm=comm, **options))
 
 
-def _documented(kind: str, w: int) -> int:
-    """docs/algorithms.md's table."""
-    n = sum(SIZES)
+def _documented(kind: str, w: int, h: int) -> int:
+    """docs/algorithms.md's table, for an exchange header of ``h`` values."""
+    n, hh = sum(SIZES), H + 8 * h
     if kind in ("fp32", "bf16"):
         s = 4 if kind == "fp32" else 2
         if w <= 2:
-            return (w - 1) * (H + s * n)
+            return (w - 1) * (hh + s * n)
         n_w = -(-n // w) * w
-        return (w - 1) * (H + s * n_w // w) + (w - 1) * s * n_w // w
+        return (w - 1) * (hh + s * n_w // w) + (w - 1) * s * n_w // w
     if kind in ("int8", "loco4"):
         b = 8 if kind == "int8" else 4
         r = sum(quantized_padded_numel(m, w, GROUP) // w * (b / 8 + 4 / GROUP) for m in SIZES)
-        return (w - 1) * (H + int(r)) + (w - 1) * int(r)
-    if kind == "onebit":
-        agreement = math.ceil(8 * (w - 1) / w)
+        return (w - 1) * (hh + int(r)) + (w - 1) * int(r)
+    if kind == "onebit":  # no header: the agreement is an all-gather of 1 + h int64 each
+        agreement = 8 * (1 + h) * (w - 1)
         per_leaf = 0
         for m in SIZES:
             big_n = padded_numel(m, w)  # scale + record, signs to owners, their signs and scale
@@ -56,21 +60,26 @@ def _documented(kind: str, w: int) -> int:
         return agreement + per_leaf
     chunks = sum(-(-m // C) for m in SIZES)
     if kind == "gather":
-        return (w - 1) * (H + topk_message_bytes(chunks, K, C))
-    return 2 * (w - 1) * (H + topk_message_bytes(-(-chunks // w), K, C))
+        return (w - 1) * (hh + topk_message_bytes(chunks, K, C))
+    m = topk_message_bytes(-(-chunks // w), K, C)
+    return (w - 1) * (hh + m) + (w - 1) * (H + m)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+# every W without a header, DiLoCo's header at 2 and 3 (the gather and owner forms of each)
+@pytest.mark.parametrize(
+    ("world_size", "header"),
+    [(2, None), (3, None), (4, None), (8, None), (2, DILOCO_HEADER), (3, DILOCO_HEADER)],
+)
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "loco4", "onebit", "gather", "owner"])
-def test_one_outer_step_sends_and_receives_the_documented_bytes(kind, world_size):
+def test_one_outer_step_sends_and_receives_the_documented_bytes(kind, world_size, header):
     comm = Simulated(world_size)
     outer = _rule(kind, comm)
     anchor = replicate({"a": torch.zeros(SIZES[0]), "b": torch.zeros(SIZES[1])}, comm)
     params = {name: a + torch.randn(a.shape) for name, a in anchor.items()}
     state = simulate(outer.init, comm)(anchor)
-    step = simulate(functools.partial(fn.diloco.outer_step, outer, comm=comm), comm)
+    step = simulate(functools.partial(fn.diloco.outer_step, outer, comm=comm, header=header), comm)
     assert bool(step(anchor, params, state).applied.all())
-    expected = _documented(kind, world_size)
+    expected = _documented(kind, world_size, len(header or ()))
     assert comm.bytes_sent == comm.bytes_received == expected, (comm.bytes_sent, expected)
 
 
@@ -78,5 +87,5 @@ def test_auto_picks_the_form_with_fewer_bytes():
     chunks = sum(-(-m // C) for m in SIZES)
     for w in (2, 3, 4, 8):
         form = topk_exchange_form(chunks, K, C, w)
-        fewer = min(("gather", "owner"), key=lambda f: (_documented(f, w), f != "gather"))
+        fewer = min(("gather", "owner"), key=lambda f: (_documented(f, w, 0), f != "gather"))
         assert form == fewer, w

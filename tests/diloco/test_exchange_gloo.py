@@ -1,7 +1,7 @@
 """The outer step's exchanges on 4 gloo ranks, in one launch: every compressor with a header
 (the owner forms among them: fp32 and bf16 from W = 3, int8, loco4, top-k reduced on owners)
-gives the bits of ``Simulated(4)``, sends and receives its bytes and makes its collectives;
-a non-finite pseudo-gradient on one rank skips the step on every rank; a rank whose sizes differ
+gives the bits of ``Simulated(4)``, sends and receives its bytes and makes its collectives,
+also where a worker's non-finite pseudo-gradient makes it sit out; a rank whose sizes differ
 from the others' (its message of the same size) raises the same error on every rank;
 ``DiLoCo`` with SparseLoCo reduced on owners matches the loop over workers and owners of
 _reference.py bit for bit, and resumes mid-run from its state dicts (both error feedbacks)."""
@@ -73,7 +73,7 @@ def _steps(kind, comm, rank, moves):
         params = {name: anchor[name] + mine[name] for name in anchor}
         result = step(anchor, params, state)
         anchor, state = result.anchor, result.state
-        out.append((anchor, tree_leaves(state), bool(result.applied.all())))
+        out.append((anchor, tree_leaves(state), result.participants.tolist()))
         counts = counts or (comm.bytes_sent, comm.bytes_received, _Counting.calls)
     return out, counts
 
@@ -136,7 +136,7 @@ def _gloo(rank, world_size):
     results = {kind: _steps(kind, comm, rank, moves) for kind in KINDS}
     bad = copy.deepcopy(moves)
     bad[1]["w"][2, 0, 0] = float("nan")
-    results["skip"] = _steps("owner", comm, rank, bad)[0]
+    results["skip"] = _steps("owner", comm, rank, bad)
     results["sizes"] = _sizes_differ(comm, rank)
     full = _train(rank, 3 * H)[3]
     part = _train(rank, 2 * H)
@@ -154,26 +154,29 @@ def gloo_ranks():
 @pytest.mark.timeout(320)
 def test_every_exchange_has_the_bits_bytes_and_collectives_of_simulated(gloo_ranks):
     comm = Simulated(W)
-    for kind in KINDS:
+    everyone = [True] * W
+    cases = [(kind, kind, _moves(2), [everyone] * 2) for kind in KINDS]
+    bad = copy.deepcopy(_moves(2))
+    bad[1]["w"][2, 0, 0] = float("nan")  # worker 2 sits the second step out
+    cases.append(("skip", "owner", bad, [everyone, [True, True, False, True]]))
+    for name, kind, moves, participants in cases:
         _Counting.calls = 0
-        expected, (sent, received, _) = _steps(kind, comm, None, _moves(2))
+        expected, (sent, received, _) = _steps(kind, comm, None, moves)
         for r, result in enumerate(gloo_ranks):
-            got, (got_sent, got_received, calls) = result[kind]
+            got, (got_sent, got_received, calls) = result[name]
             assert (got_sent, got_received) == (sent, received), (kind, r)
             assert calls == (1 if kind == "topk" else 2), (kind, calls)
-            for (a, leaves, applied), (ea, eleaves, eapplied) in zip(got, expected, strict=True):
-                assert applied and eapplied
+            for s, ((a, leaves, part), (ea, eleaves, epart)) in enumerate(
+                zip(got, expected, strict=True)
+            ):
+                assert part == participants[s] and epart == [participants[s]] * W
                 assert all(torch.equal(a[n], ea[n][r]) for n in ANCHOR), (kind, r)
                 assert all(torch.equal(x, e[r]) for x, e in zip(leaves, eleaves, strict=True))
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(320)
-def test_a_non_finite_step_is_skipped_and_different_sizes_refused_on_every_rank(gloo_ranks):
-    for result in gloo_ranks:
-        steps = result["skip"]
-        assert [applied for _, _, applied in steps] == [True, False]
-        assert all(torch.equal(steps[1][0][n], steps[0][0][n]) for n in ANCHOR)
+def test_different_sizes_are_refused_on_every_rank(gloo_ranks):
     messages = {result["sizes"] for result in gloo_ranks}
     assert len(messages) == 1, messages  # the same message on every rank
     (message,) = messages

@@ -8,8 +8,8 @@
   20 s on a loaded machine).
 - ``DiLoCo``, the outer step hooked onto an inner optimizer: against a loop over the workers
   written plainly (bit for bit); a checkpoint that resumes bit for bit and restarts the error
-  feedback under another world size; a non-finite pseudo-gradient, settings that differ, and a
-  worker that leaves.
+  feedback under another world size; a non-finite pseudo-gradient (its worker sits out),
+  settings that differ, and a worker that leaves.
 """
 
 from __future__ import annotations
@@ -125,9 +125,9 @@ def test_gloo_ranks_match_simulated_bit_for_bit_and_refuse_together(gloo_ranks):
             assert len(got_leaves) == len(leaves)
             for got, expected in zip(got_leaves, leaves, strict=True):
                 assert torch.equal(got, expected[r]), (kind, r)
-    skipped = [result["skip"] for result in ranks]
-    assert all(applied == [True, False, True] for _, _, applied in skipped)
-    assert all(torch.equal(anchor, skipped[0][0]) for anchor, _, _ in skipped)
+    sat_out = [result["skip"] for result in ranks]  # rank 1's Inf: rank 0's step applied
+    assert all(applied == [True] * 3 for _, _, applied in sat_out)
+    assert all(torch.equal(anchor, sat_out[0][0]) for anchor, _, _ in sat_out)
     for result in ranks:
         sizes, settings, cast = result["refused"]
         assert "different sizes" in sizes and "rank 0: 10 elements, rank 1: 11" in sizes, sizes
@@ -200,7 +200,7 @@ def _wrapper(rank, world_size, path):
         for step in range(2 * H, 3 * H):
             _inner_step(model, inner, rank, step)
         results[name] = (full, resumed, saved[2], _params(model))
-    # a non-finite pseudo-gradient: skipped everywhere, every rank back at the anchor
+    # a non-finite pseudo-gradient on rank 1: it sits out, rank 0's step is applied
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     diloco = fn.diloco.DiLoCo(model, inner, sync_every=H)
@@ -212,15 +212,16 @@ def _wrapper(rank, world_size, path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _inner_step(model, inner, rank, 1)
-    at_anchor = all(torch.equal(a, b) for a, b in zip(_params(model), anchor, strict=True))
-    results["skip"] = (at_anchor, diloco.skipped_steps, [str(w.message) for w in caught])
+    moved = not any(torch.equal(a, b) for a, b in zip(_params(model), anchor, strict=True))
+    counts = (diloco.skipped_steps, diloco.sat_out)
+    results["skip"] = (_params(model), moved, counts, [str(w.message) for w in caught])
     # settings or parameters that differ: the same error on every rank
     results["refused"] = [
         _refused(lambda: fn.diloco.DiLoCo(model, inner, sync_every=H + rank)),
-        _refused(lambda: fn.diloco.DiLoCo(_model(seed=rank), inner, sync_every=H)),
+        _refused(lambda: fn.diloco.DiLoCo(*_with_sgd(_model(seed=rank)), sync_every=H)),
     ]
     # a worker that leaves: the other raises within its timeout
-    diloco = fn.diloco.DiLoCo(_model(), inner, sync_every=H, timeout=5)
+    diloco = fn.diloco.DiLoCo(*_with_sgd(_model()), sync_every=H, timeout=5)
     if rank == 0:
         try:
             diloco.sync()
@@ -228,6 +229,10 @@ def _wrapper(rank, world_size, path):
         except CollectiveTimeoutError as err:
             results["left"] = str(err)
     return results
+
+
+def _with_sgd(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
 def _reference_run(kwargs) -> list[list[torch.Tensor]]:
@@ -281,9 +286,11 @@ def test_diloco_on_gloo_ranks(gloo_ranks):
                 ), (name, rank, s)
             assert all(torch.equal(a, b) for a, b in zip(resumed[0], full[2], strict=True))
             assert all(torch.equal(a, b) for a, b in zip(through_dcp, full[2], strict=True))
-    for at_anchor, skipped, caught in (result["skip"] for result in ranks):
-        assert at_anchor and skipped == 1
-        assert len(caught) == 1 and "skipped on every rank" in caught[0]
+    for params, moved, counts, caught in (result["skip"] for result in ranks):
+        assert moved and counts == (0, [0, 1])
+        assert all(torch.equal(a, b) for a, b in zip(params, ranks[0]["skip"][0], strict=True))
+        assert caught == ranks[0]["skip"][3] and len(caught) == 1, caught
+        assert "worker(s) 1 sat out the outer step started after inner step 2" in caught[0]
     assert ranks[0]["refused"] == ranks[1]["refused"]  # the same message on every rank
     settings, values = ranks[0]["refused"]
     assert "sync_every (ranks 0 | 1)" in settings, settings
@@ -301,7 +308,17 @@ def test_diloco_on_gloo_ranks(gloo_ranks):
     loaded = diloco.state_dict()
     assert all(not bool(t.ne(0).any()) for t in loaded["per_rank"]["rank0"]["error_feedback"])
     assert all(torch.equal(a, b) for a, b in zip(loaded["anchor"], saved["anchor"], strict=True))
-    assert loaded["counts"] == saved["counts"]
+    _same_counts(loaded["counts"], saved["counts"])
+
+
+def _same_counts(loaded: dict, saved: dict) -> None:
+    """The counts of a 2-worker checkpoint loaded by one worker: the same, but for the
+    per-worker ones, which restart."""
+    per_worker = ("sat_out", "sit_outs_in_a_row")
+    assert {k: v for k, v in loaded.items() if k not in per_worker} == {
+        k: v for k, v in saved.items() if k not in per_worker
+    }
+    assert [loaded[k] for k in per_worker] == [[0], [0]]
 
 
 @pytest.mark.distributed
@@ -323,7 +340,8 @@ def test_a_dcp_checkpoint_loads_on_another_worker_count_or_is_refused(gloo_ranks
     loaded = diloco.state_dict()
     assert all(not bool(t.ne(0).any()) for t in loaded["per_rank"]["rank0"]["error_feedback"])
     assert all(torch.equal(a, b) for a, b in zip(loaded["anchor"], saved["anchor"], strict=True))
-    assert loaded["counts"] == saved["counts"] and diloco.inner_steps == 2 * H
+    _same_counts(loaded["counts"], saved["counts"])
+    assert diloco.inner_steps == 2 * H
     # another model, or other settings: refused, nothing changed
     for other, options in ((torch.nn.Linear(4, 2), kwargs), (_model(), SETTINGS["nesterov"])):
         inner = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)

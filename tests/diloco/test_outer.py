@@ -1,6 +1,6 @@
 """The outer rules and the outer step: DiLoCo's Nesterov SGD and SparseLoCo against the plain
-loop over workers of _reference.py, bit for bit; torch.optim.SGD; the skip of a non-finite
-pseudo-gradient on every rank with nothing changed."""
+loop over workers of _reference.py, bit for bit; torch.optim.SGD; the skip of a step that no
+worker takes part in, on every rank with nothing changed."""
 
 from __future__ import annotations
 
@@ -139,7 +139,9 @@ def test_sparseloco_with_the_owner_exchange_is_its_reference_bit_for_bit():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_non_finite_pseudo_gradient_skips_the_step_on_every_rank(kind):
+def test_no_worker_taking_part_skips_the_step_on_every_rank(kind):
+    """Every worker's pseudo-gradient non-finite, or offered by none: nothing changes. (One
+    sitter, all but one: test_participation.py.)"""
     comm = Simulated(W)
     outer = outer_rule(kind, comm)
     anchor = torch.randn(3, 7, generator=torch.Generator().manual_seed(6))
@@ -147,10 +149,14 @@ def test_a_non_finite_pseudo_gradient_skips_the_step_on_every_rank(kind):
     _, state = _run(outer, comm, anchor, drifts)  # two steps: momentum and errors non-zero
     anchors = replicate({"w": anchor}, comm)
     params = {"w": anchors["w"] + drifts[0]}
-    params["w"][1, 0, 2] = float("nan")
-    step = simulate(lambda a, p, s: fn.diloco.outer_step(outer, a, p, s, comm=comm), comm)
-    result = step(anchors, params, state)
-    assert not bool(result.applied.any())
+    params["w"][1:, 0, 2] = float("nan")  # ranks 1 and 2; rank 0 does not take part
+    takes_part = torch.tensor([False, True, True])
+
+    def outer_step(a, p, s, t):
+        return fn.diloco.outer_step(outer, a, p, s, comm=comm, takes_part=t)
+
+    result = simulate(outer_step, comm)(anchors, params, state, takes_part)
+    assert not bool(result.applied.any()) and not bool(result.participants.any())
     assert torch.equal(result.anchor["w"], anchors["w"])
     old, new = tree_leaves(state), tree_leaves(result.state)
     assert len(old) == len(new) and all(torch.equal(a, b) for a, b in zip(old, new, strict=True))

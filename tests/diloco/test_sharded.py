@@ -19,9 +19,9 @@ group ``mesh["worker"]``: the workers' ranks at one shard position).
   bit (at the end of the launch the worker's ranks form a default group of their own and
   replay them from the anchors), and every outer step is the reference outer step on the
   workers' full params.
-- A NaN on one rank skips the outer step on every rank of every shard position, also with
-  ``fn.fsdp.OnebitAdam``, whose non-finite gradient on one rank raises on that worker's ranks
-  only.
+- A NaN on one rank makes its worker sit out the outer step at every shard position (the
+  other worker's step applied on every rank), also with ``fn.fsdp.OnebitAdam``, whose
+  non-finite gradient on one rank raises on that worker's ranks only.
 - Checkpoints through ``fn.fsdp.TrainingCheckpoint`` (DCP, one name per worker, DiLoCo as an
   extra Stateful): a resumed run is the uninterrupted one bit for bit, with the error feedback
   of the top-k compressor; a checkpoint of other settings is refused with nothing changed. With
@@ -210,7 +210,8 @@ def _onebit_workers(rank, mesh, path):
             finally:
                 run.inner.zero_grad()
     messages = [str(w.message) for w in caught]
-    result["onebit nan"] = (start, _full(run.model), run.diloco.skipped_steps, messages, raised)
+    counts = (run.diloco.skipped_steps, run.diloco.sat_out)
+    result["onebit nan"] = (start, _full(run.model), counts, messages, raised)
     return result
 
 
@@ -280,6 +281,35 @@ def _delayed(mesh, hsdp, path):
     }
 
 
+def _batchnorm(mesh):
+    """BatchNorm inside sharded workers, each rank its own data: its statistics before and
+    after the outer step; and HSDP whose replicate dimension is the workers' (FSDP2 averaging
+    the gradients across the workers): refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3))
+    fully_shard(model, mesh=mesh["shard"])
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = []
+    inner.register_step_post_hook(lambda *_: before.append([b.clone() for b in model[1].buffers()]))
+    group = mesh["worker"].get_group()
+    fn.diloco.DiLoCo(model, inner, group=group, sync_every=H)
+    for step in range(H):
+        x, y = _batch(mesh.get_coordinate()[0], torch.distributed.get_rank() % SHARDS, step)
+        torch.nn.functional.mse_loss(model(x + torch.distributed.get_rank()), y).backward()
+        inner.step()
+        inner.zero_grad()
+    across = init_device_mesh("cpu", (WORKERS, SHARDS), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    hsdp = fully_shard(Net(), mesh=across)
+    try:
+        adamw = torch.optim.AdamW(hsdp.parameters(), lr=1e-2)
+        fn.diloco.DiLoCo(hsdp, adamw, group=across["replicate"].get_group(), sync_every=H)
+        refused = "not refused"
+    except ValueError as err:
+        refused = str(err)
+    return before[-1], [b.clone() for b in model[1].buffers()], refused
+
+
 def _sharded(rank, world_size, path):
     del world_size
     mesh = init_device_mesh("cpu", (WORKERS, SHARDS), mesh_dim_names=("worker", "shard"))
@@ -300,13 +330,14 @@ def _sharded(rank, world_size, path):
     run.train(H * OUTER_STEPS)
     results["hsdp"] = (run.before, run.after)
     results.update(_delayed(mesh, hsdp, path))
-    # a NaN on rank 3 (worker 1, shard 1): every rank of every shard position skips
+    # a NaN on rank 3 (worker 1, shard 1): worker 1 sits out at every shard position
     run = Worker(mesh, poison=3)
-    start = _full(run.model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run.train(H)
-    results["nan"] = (start, run.after[0], run.diloco.skipped_steps, len(caught))
+    counts = (run.diloco.skipped_steps, run.diloco.sat_out)
+    results["nan"] = (run.before[0], run.after[0], counts, [str(w.message) for w in caught])
+    results["batchnorm"] = _batchnorm(mesh)
     results.update(_onebit_workers(rank, mesh, path))
     # DCP: saved after 2 outer steps, resumed for 1, against the uninterrupted run
     full = Worker(mesh, **TOPK)
@@ -448,14 +479,48 @@ def test_onebit_adam_inside_workers_steps_as_a_standalone_run(ranks):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-def test_a_nan_on_one_rank_skips_every_rank(ranks):
+def test_a_nan_on_one_rank_makes_its_worker_sit_out(ranks):
+    """Worker 1 (ranks 2, 3) sits out at both shard positions: worker 0's outer step alone is
+    applied, on every rank."""
+    before = ranks[0]["nan"][0]  # worker 0's full params
+    expected = [
+        _reference.nesterov_steps(a.detach(), [[before[j]]], lr=0.7, momentum=0.9)[0]
+        for j, a in enumerate(_model().parameters())
+    ]
     for result in ranks:
-        start, after, skipped, warned = result["nan"]
-        assert _equal(start, after) and skipped == 1 and warned == 1
-        start, after, skipped, warned, raised = result["onebit nan"]
-        assert _equal(start, after) and skipped == 1 and len(warned) == 1, warned
+        _, after, counts, warned = result["nan"]
+        assert _equal(after, expected) and counts == (0, [0, 1]), counts
+        assert warned == ranks[0]["nan"][3] and len(warned) == 1, warned
+        assert "worker(s) 1 sat out the outer step" in warned[0]
+        start, after, counts, warned, raised = result["onebit nan"]
+        assert _equal(after, ranks[0]["onebit nan"][1]) and not _equal(start, after)
+        assert counts == (0, [0, 1]) and len(warned) == 1, warned
+        assert "its inner optimizer's state was kept (OnebitAdam refuses" in warned[0]
     # fn.fsdp.OnebitAdam's non-finite check spans its worker only
     assert [r for result in ranks for r in result["onebit nan"][4]] == [2, 3]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_batchnorm_statistics_are_averaged_over_every_rank_of_every_worker(ranks):
+    """Over the workers at each shard position (ranks 0, 2 and 1, 3), then over a worker's
+    shard positions, in rank order: every rank holds the same buffers."""
+    before = [result["batchnorm"][0] for result in ranks]
+    for k in range(2):  # running_mean, running_var
+        per_position = [
+            _reference.cast_mean([before[p][k], before[p + SHARDS][k]], torch.float32)
+            for p in range(SHARDS)
+        ]
+        expected = _reference.cast_mean(per_position, torch.float32)
+        assert not torch.equal(before[0][k], before[1][k])  # each rank's data
+        for result in ranks:
+            assert torch.equal(result["batchnorm"][1][k], expected), k
+    for result in ranks:
+        assert int(result["batchnorm"][1][2]) == H
+        refused = result["batchnorm"][2]
+        assert "the parameters' device mesh (FSDP2's collectives) spans a group, which holds 2" in (
+            refused
+        ), refused
 
 
 @pytest.mark.distributed

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fn.diloco
-import fn.diloco.wrapper
+import fn.diloco.fragment
 from fn.diloco.streaming import StreamPlan, StreamSchedule, balanced_fragments, fragment_indices
 from tests.diloco import _streaming_cases as cases
 
@@ -98,13 +98,13 @@ def test_one_worker_matches_the_reference_bit_for_bit(name):
 def test_a_slow_exchange_gives_the_same_bits(monkeypatch):
     """The exchange's thread outlasts the inner steps it overlaps: the step that applies it
     waits, and the parameters are the reference's."""
-    exchange = fn.diloco.wrapper.outer_update
+    exchange = fn.diloco.fragment.outer_update
 
     def slow(*args, **kwargs):
         time.sleep(0.05)
         return exchange(*args, **kwargs)
 
-    monkeypatch.setattr(fn.diloco.wrapper, "outer_update", slow)
+    monkeypatch.setattr(fn.diloco.fragment, "outer_update", slow)
     kwargs, steps = cases.CASES["P4 tau1 mix"]
     got, expected = cases.run(0, kwargs, steps), cases.reference(1, kwargs, steps)
     for t in range(steps):
@@ -126,7 +126,7 @@ def test_an_exception_on_the_exchange_thread_surfaces_from_step(monkeypatch):
     def fails(*args, **kwargs):
         raise ZeroDivisionError("injected")
 
-    monkeypatch.setattr(fn.diloco.wrapper, "outer_update", fails)
+    monkeypatch.setattr(fn.diloco.fragment, "outer_update", fails)
     m = cases.model()
     inner = cases.inner_optimizer(m)
     d = fn.diloco.DiLoCo(m, inner, sync_every=4, fragments=2, delay=1)

@@ -56,7 +56,16 @@ def test_every_sync_every_inner_steps_the_anchor_takes_the_outer_step(kind):
 
 
 def test_refusals():
-    model, inner = _model(), torch.optim.SGD(_model().parameters(), lr=0.1)
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="steps tensors that are not parameters of the model"):
+        fn.diloco.DiLoCo(model, torch.optim.SGD(_model().parameters(), lr=0.1), sync_every=4)
+    with pytest.raises(ValueError, match="buffers must be one of mean, local"):
+        fn.diloco.DiLoCo(model, inner, sync_every=4, buffers="sum")
+    with pytest.raises(TypeError, match="grad_scaler must be a torch.amp.GradScaler"):
+        fn.diloco.DiLoCo(model, inner, sync_every=4, grad_scaler=object())
+    with pytest.raises(ValueError, match="max_sit_outs"):
+        fn.diloco.DiLoCo(model, inner, sync_every=4, max_sit_outs=0)
     with pytest.raises(ValueError, match="delay"):  # below sync_every / fragments
         fn.diloco.DiLoCo(model, inner, sync_every=4, delay=4)
     with pytest.raises(ValueError, match="outer must be one of"):
@@ -71,3 +80,69 @@ def test_refusals():
     other = fn.diloco.DiLoCo(model, inner, sync_every=5)
     with pytest.raises(ValueError, match="settings"):
         other.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("kind", ["torch", "fn.optim"])
+def test_a_worker_alone_that_sits_out_is_reset(kind):
+    """One worker (Local) with a NaN parameter before the outer step: no participant, the step
+    is skipped, the parameters return to the anchor and the inner optimizer's state restarts;
+    the next outer step trains."""
+    model = _model()
+    inner = _inner(kind, model)
+    steps = []
+
+    def poison(*_):  # registered first: runs before DiLoCo's hook, after the inner step
+        steps.append(1)
+        if len(steps) == 2:
+            with torch.no_grad():
+                model.weight[0, 0] = float("nan")
+
+    inner.register_step_post_hook(poison)
+    diloco = fn.diloco.DiLoCo(model, inner, sync_every=2)
+    anchor = [p.detach().clone() for p in model.parameters()]
+    _step(model, inner, 0)
+    with pytest.warns(RuntimeWarning, match="every worker sat out the outer step started after"):
+        _step(model, inner, 1)
+    assert all(torch.equal(a, p) for a, p in zip(anchor, model.parameters(), strict=True))
+    fresh = not inner.state if kind == "torch" else inner.state_dict()["state"][0]["step"] == 0
+    assert fresh and diloco.sat_out == [1] and diloco.skipped_steps == 1
+    for step in (2, 3):
+        _step(model, inner, step)
+    assert diloco.sat_out == [1] and diloco.outer_steps == 2
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
+    assert not all(torch.equal(a, p) for a, p in zip(anchor, model.parameters(), strict=True))
+
+
+def test_a_caught_step_counts_with_count_inner_step_and_a_grad_scaler_counts_updates():
+    """fn.optim raises NonFiniteError on a NaN gradient (nothing changes); the loop catches it
+    and counts the iteration. A GradScaler's skipped step counts through its update()."""
+    model = _model()
+    inner = _inner("fn.optim", model)
+    diloco = fn.diloco.DiLoCo(model, inner, sync_every=2)
+    for step in range(4):
+        model(torch.randn(4, 3)).square().mean().backward()
+        if step == 1:
+            model.weight.grad[0, 0] = float("nan")
+        try:
+            inner.step()
+        except fn.NonFiniteError:
+            diloco.count_inner_step()
+        inner.zero_grad()
+    assert (diloco.inner_steps, diloco.outer_steps) == (4, 2)
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    diloco = fn.diloco.DiLoCo(model, inner, sync_every=2, grad_scaler=scaler)
+    for step in range(4):
+        scaler.scale(model(torch.randn(4, 3)).square().mean()).backward()
+        if step == 1:
+            model.weight.grad[0, 0] = float("inf")
+        scaler.step(inner)  # skipped at step 1
+        scaler.update()
+        inner.zero_grad()
+    assert (diloco.inner_steps, diloco.outer_steps) == (4, 2)
+    diloco.remove()  # the class's own update() again: no longer counted
+    scaler.scale(model(torch.randn(4, 3)).square().mean()).backward()
+    scaler.step(inner)
+    scaler.update()
+    assert "update" not in vars(scaler) and diloco.inner_steps == 4

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fn.fsdp import QuantizedAllGather, loco_reduce_scatter, quantized_all_gather
-from tests._distributed import run_distributed
+from tests._distributed import run_together
 from tests.fsdp import test_fsdp
 
 N = 37  # values per rank's shard: not a multiple of the group
@@ -47,11 +47,17 @@ def _worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_distributed(_worker, 2, timeout=240)
+def two_ranks() -> dict[str, list]:
+    """The workers of this file on the same 2 ranks, in one launch."""
+    return run_together({"gather": (_worker, ()), "refused": (_worker_refused, ())}, 2, timeout=400)
 
 
-@pytest.mark.timeout(300)
+@pytest.fixture(scope="module")
+def results(two_ranks):
+    return two_ranks["gather"]
+
+
+@pytest.mark.timeout(500)
 def test_every_rank_gets_every_dequantized_shard(results):
     for dtype in (torch.float32, torch.bfloat16):
         want = shards(2, dtype).double()
@@ -68,7 +74,7 @@ def test_every_rank_gets_every_dequantized_shard(results):
     )
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)
 def test_fsdp_forward_with_quantized_weights(results):
     for rank in range(2):
         dense, quantized, names = results[rank]["forward"]
@@ -182,9 +188,9 @@ def _worker_refused(rank: int, world_size: int) -> dict:
     return out
 
 
-@pytest.mark.timeout(300)
-def test_bad_or_differing_settings_are_refused_on_every_rank_at_install():
-    results = run_distributed(_worker_refused, 2, timeout=240)
+@pytest.mark.timeout(500)
+def test_bad_or_differing_settings_are_refused_on_every_rank_at_install(two_ranks):
+    results = two_ranks["refused"]
     for name, cases in REFUSED.items():
         for i, (*args, kind, words0, words1) in enumerate(cases):
             for rank, words in enumerate((words0, words1 or words0)):  # "": as rank 0's

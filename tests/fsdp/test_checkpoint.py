@@ -2,7 +2,10 @@
 ``pathlib.Path``, relative, absolute, ``~``) saves, overwrites and loads, with torch's AdamW and
 with fn.fsdp.OnebitAdam. When one rank fails: rank 0 cannot move the new checkpoint into place
 (a mount point, or the second rename; on a first save too) or clear an old ``.partial``, DCP's
-write fails on a rank, and a rank cannot read the checkpoint it loads. Every rank raises at once
+write fails on a rank (an ``OSError``, or a file over the size limit, which torch's zip writer
+reports as "unexpected pos"; a real full disk as root), and a rank cannot read the checkpoint it
+loads. A failed write raises the same ``CheckpointWriteError`` on every rank, naming the
+``OSError``. Every rank raises at once
 (not at the process group's timeout), the failing rank its own error and the others one that
 names it and holds that error, saying whether a previous checkpoint is intact or none was there;
 no ``.partial`` is left, the previous checkpoint stays intact and loadable, nothing is loaded,
@@ -15,6 +18,10 @@ import contextlib
 import errno
 import functools
 import os
+import resource
+import shutil
+import signal
+import subprocess
 import time
 from pathlib import Path
 from unittest import mock
@@ -24,15 +31,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+import fn.diloco
 import fn.fsdp
 from fn.fsdp import TrainingCheckpoint
-from tests._distributed import run_distributed
+from tests._distributed import run_distributed, run_together
 from tests.fsdp import test_fsdp, test_onebit
 
-FAST_S = 30.0  # a rank learns of another's failure well within this (the gloo timeout: 240 s)
+FAST_S = 30.0  # a rank learns of another's failure well within this (the gloo timeout: 600 s)
 
 
 def _outcome(call) -> tuple[str, str, float]:
@@ -157,9 +164,26 @@ def _worker_load(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
-@pytest.mark.timeout(300)
-def test_a_failed_save_raises_on_every_rank_at_once_and_keeps_the_checkpoint(tmp_path):
-    results = run_distributed(_worker_save, 2, str(tmp_path), timeout=240)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[str, tuple[list, Path]]:
+    """Every worker of this file on the same 2 ranks, in one launch, each in a folder of its
+    own: ``{name: (results by rank, folder)}``. The workers that change the working directory
+    (and ``HOME``) come last."""
+    workers = {
+        "save": _worker_save,
+        "load": _worker_load,
+        "first save": _worker_first_save,
+        "forms": _worker_forms,
+    }
+    folders = {name: tmp_path_factory.mktemp(name.replace(" ", "_")) for name in workers}
+    parts = {name: (worker, (str(folders[name]),)) for name, worker in workers.items()}
+    results = run_together(parts, 2, timeout=600)
+    return {name: (results[name], folders[name]) for name in workers}
+
+
+@pytest.mark.timeout(700)
+def test_a_failed_save_raises_on_every_rank_at_once_and_keeps_the_checkpoint(two_ranks):
+    results, tmp_path = two_ranks["save"]
     path = str(tmp_path / "ckpt")
     for case, words in (
         ("mount", f"could not move the new checkpoint {path}.partial to {path}: "),
@@ -184,9 +208,9 @@ def test_a_failed_save_raises_on_every_rank_at_once_and_keeps_the_checkpoint(tmp
         assert result["final_listing"] == ["ckpt"]
 
 
-@pytest.mark.timeout(300)
-def test_a_rank_that_cannot_read_the_checkpoint_stops_every_rank_with_nothing_loaded(tmp_path):
-    results = run_distributed(_worker_load, 2, str(tmp_path), timeout=240)
+@pytest.mark.timeout(700)
+def test_a_rank_that_cannot_read_the_checkpoint_stops_every_rank_with_nothing_loaded(two_ranks):
+    results, tmp_path = two_ranks["load"]
     for key in ("adamw", "onebit"):
         kind, message, seconds = results[1][key]
         assert kind == "FileNotFoundError" and seconds < FAST_S, (key, kind, message)
@@ -305,9 +329,9 @@ def _worker_forms(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
-@pytest.mark.timeout(300)
-def test_every_form_of_a_path_saves_overwrites_and_loads(tmp_path):
-    results = run_distributed(_worker_forms, 2, str(tmp_path), timeout=240)
+@pytest.mark.timeout(700)
+def test_every_form_of_a_path_saves_overwrites_and_loads(two_ranks):
+    results, tmp_path = two_ranks["forms"]
     for result in results:
         for kind in ("adamw", "onebit"):
             here, home = str(tmp_path / kind), str(tmp_path / f"{kind}-home")
@@ -333,13 +357,46 @@ def _write_fails(rank: int):
     return mock.patch.object(dcp.FileSystemWriter, "write_data", write_data)
 
 
-def _dcp_outcome(call) -> tuple[str, str]:
-    """``call()``'s exception, a ``BaseException`` (DCP's): type name and notes."""
+@contextlib.contextmanager
+def _file_size_limit(rank: int, size: int):
+    """On rank 1: files past ``size`` bytes cannot be written (``RLIMIT_FSIZE``: ``EFBIG``, the
+    signal ignored); elsewhere nothing changed."""
+    if rank != 1:
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def _write_outcome(call) -> tuple:
+    """``call()``'s exception: whether an ``Exception``, its type name, message, errno and file
+    (``"ok"``: none)."""
     try:
         call()
-    except (Exception, CheckpointException) as error:  # noqa: BLE001 -- the test reports it
-        return type(error).__name__, " ".join(getattr(error, "__notes__", []))
-    return "ok", ""
+    except BaseException as error:  # noqa: BLE001 -- DCP's own is a BaseException
+        kind = type(error).__name__
+        where = getattr(error, "errno", None), getattr(error, "filename", None)
+        return (isinstance(error, Exception), kind, str(error), *where)
+    return (True, "ok", "", None, None)
+
+
+def _failed_save(
+    failing, outcome, checkpoint: TrainingCheckpoint, path: str, folder: str
+) -> tuple[tuple, list[str]]:
+    """``outcome`` of ``checkpoint.save(path)`` made to fail by the context ``failing``, and the
+    names in ``folder`` after it, once every rank is past it."""
+    with failing:
+        result = outcome(functools.partial(checkpoint.save, path))
+    dist.barrier()
+    listing = sorted(os.listdir(folder))
+    dist.barrier()
+    return result, listing
 
 
 def _worker_first_save(rank: int, world_size: int, root: str) -> dict:
@@ -353,39 +410,31 @@ def _worker_first_save(rank: int, world_size: int, root: str) -> dict:
         os.chdir(here)
         model, optimizer = _build(kind, world_size)
         _train(kind, model, optimizer, rank, range(3))
-        with _failing_rename(rank, os.path.join(here, "new.partial")):
-            out[kind, "rename"] = _outcome(
-                functools.partial(TrainingCheckpoint(model, optimizer).save, "new/")
+        first_saves = {  # each fails on one rank
+            "rename": (_failing_rename(rank, os.path.join(here, "new.partial")), _outcome),
+            "write": (_write_fails(rank), _write_outcome),
+            # rank 1's file stops inside torch.save
+            "too large": (_file_size_limit(rank, 20_000), _write_outcome),
+        }
+        for case, (failing, outcome) in first_saves.items():
+            out[kind, case], out[kind, f"{case} listing"] = _failed_save(
+                failing, outcome, TrainingCheckpoint(model, optimizer), "new/", here
             )
-        dist.barrier()
-        out[kind, "rename listing"] = sorted(os.listdir(here))
-        dist.barrier()
-        with _write_fails(rank):
-            out[kind, "write"] = _dcp_outcome(
-                functools.partial(TrainingCheckpoint(model, optimizer).save, "new/")
-            )
-        dist.barrier()
-        out[kind, "write listing"] = sorted(os.listdir(here))
-        dist.barrier()
         TrainingCheckpoint(model, optimizer, step=3).save("old/")
         saved = _everything(model, optimizer)
         _train(kind, model, optimizer, rank, range(3, 4))
-        with _write_fails(rank):
-            out[kind, "overwrite"] = _dcp_outcome(
-                functools.partial(TrainingCheckpoint(model, optimizer).save, "old/")
-            )
-        dist.barrier()
-        out[kind, "overwrite listing"] = sorted(os.listdir(here))
-        dist.barrier()
+        out[kind, "overwrite"], out[kind, "overwrite listing"] = _failed_save(
+            _write_fails(rank), _write_outcome, TrainingCheckpoint(model, optimizer), "old/", here
+        )
         checkpoint = TrainingCheckpoint(model, optimizer)
         checkpoint.load("old")
         out[kind, "kept"] = checkpoint.step == 3 and _same(saved, _everything(model, optimizer))
     return out
 
 
-@pytest.mark.timeout(300)
-def test_a_failed_first_save_says_so_and_leaves_nothing(tmp_path):
-    results = run_distributed(_worker_first_save, 2, str(tmp_path), timeout=240)
+@pytest.mark.timeout(700)
+def test_a_failed_first_save_says_so_and_leaves_nothing(two_ranks):
+    results, tmp_path = two_ranks["first save"]
     for kind in ("adamw", "onebit"):
         new, old = (str(tmp_path / kind / name) for name in ("new", "old"))
         kind0, mine, seconds = results[0][kind, "rename"]
@@ -399,15 +448,170 @@ def test_a_failed_first_save_says_so_and_leaves_nothing(tmp_path):
         ), message
         for result in results:
             assert result[kind, "rename listing"] == [], kind
+            full = "OSError: [Errno 28] No space left on device"
             assert result[kind, "write"] == (
-                "CheckpointException",
-                f"TrainingCheckpoint.save: nothing was saved; no checkpoint was at {new} before",
+                True,
+                "CheckpointWriteError",
+                f"TrainingCheckpoint.save: could not write {new}.partial: rank(s) [1] failed: "
+                f"{full}; nothing was saved; no checkpoint was at {new} before",
+                errno.ENOSPC,
+                None,
             )
             assert result[kind, "write listing"] == [], kind
+            file = f"{new}.partial/__1_0.distcp"
+            assert result[kind, "too large"] == (
+                True,
+                "CheckpointWriteError",
+                f"TrainingCheckpoint.save: could not write {new}.partial: rank(s) [1] failed: "
+                f"OSError: [Errno 27] File too large: {file!r}; nothing was saved; no "
+                f"checkpoint was at {new} before",
+                errno.EFBIG,
+                file,
+            )
+            assert result[kind, "too large listing"] == [], kind
             assert result[kind, "overwrite"] == (
-                "CheckpointException",
-                f"TrainingCheckpoint.save: nothing was saved; the previous checkpoint at {old} "
-                "is intact",
+                True,
+                "CheckpointWriteError",
+                f"TrainingCheckpoint.save: could not write {old}.partial: rank(s) [1] failed: "
+                f"{full}; nothing was saved; the previous checkpoint at {old} is intact",
+                errno.ENOSPC,
+                None,
             )
             assert result[kind, "overwrite listing"] == ["old"], kind
             assert result[kind, "kept"], kind
+
+
+# ------------------------------------------------------------------------ a real full disk
+
+
+def _fill(folder: str) -> None:
+    """Writes ``folder/filler`` until the filesystem of ``folder`` (a small tmpfs) is full."""
+    assert os.path.ismount(folder), folder  # never fill another filesystem
+    with open(os.path.join(folder, "filler"), "wb", buffering=0) as filler:
+        for _ in range(1 << 14):  # at most 64 MiB
+            try:
+                filler.write(bytes(4096))
+            except OSError as error:
+                assert error.errno == errno.ENOSPC, error
+                return
+    raise AssertionError(f"{folder} did not fill up")
+
+
+def _full_disk_case(kind: str, rank: int, world_size: int):
+    """``(model, optimizer, checkpoint_of, train)`` of one kind: FSDP2 with AdamW, FSDP2 with
+    fn.fsdp.OnebitAdam, or a DiLoCo worker (its state saved as ``extra=``, a name per worker)."""
+    if kind != "diloco":
+        model, optimizer = _build(kind, world_size)
+        return (
+            model,
+            optimizer,
+            functools.partial(TrainingCheckpoint, model, optimizer),
+            functools.partial(_train, kind, model, optimizer, rank),
+        )
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    diloco = fn.diloco.DiLoCo(model, inner, sync_every=2)
+
+    def train(steps: range) -> None:
+        for t in steps:
+            g = torch.Generator().manual_seed(1000 * rank + t)
+            x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+            nn.functional.mse_loss(model(x), y).backward()
+            inner.step()
+            inner.zero_grad()
+
+    extra = {"diloco": diloco}
+    checkpoint = functools.partial(TrainingCheckpoint, model, inner, extra=extra, key=f"w{rank}")
+    return model, inner, checkpoint, train
+
+
+def _snapshot(kind: str, model: nn.Module, optimizer) -> dict:
+    if kind != "diloco":
+        return _everything(model, optimizer)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _worker_full_disk(rank: int, world_size: int, full: str, good: str) -> dict:
+    """Per kind: a checkpoint saved on the tmpfs ``full``, which rank 0 then fills; an overwrite
+    and a first save there fail (each rank lists ``full`` as soon as it has the error); the
+    previous checkpoint loads; a save to ``good`` then works; with the space back, so does one
+    to ``full``."""
+    out = {}
+    for kind in ("adamw", "onebit", "diloco"):
+        model, optimizer, checkpoint_of, train = _full_disk_case(kind, rank, world_size)
+        train(range(3))
+        checkpoint_of(step=3).save(f"{full}/{kind}")
+        saved = _snapshot(kind, model, optimizer)
+        if rank == 0:
+            _fill(full)
+        dist.barrier()
+        train(range(3, 4))
+        for name in ("overwrite", "first"):
+            where = f"{full}/{kind}" if name == "overwrite" else f"{full}/new"
+            out[kind, name] = _write_outcome(functools.partial(checkpoint_of(step=4).save, where))
+            out[kind, name, "listing"] = sorted(os.listdir(full))
+        checkpoint = checkpoint_of()
+        checkpoint.load(f"{full}/{kind}")
+        out[kind, "kept"] = checkpoint.step == 3 and _same(saved, _snapshot(kind, model, optimizer))
+        train(range(3, 4))
+        checkpoint_of(step=4).save(f"{good}/{kind}")
+        later = _snapshot(kind, model, optimizer)
+        train(range(4, 5))
+        checkpoint.load(f"{good}/{kind}")
+        out[kind, "good"] = checkpoint.step == 4 and _same(later, _snapshot(kind, model, optimizer))
+        dist.barrier()
+        if rank == 0:
+            os.remove(f"{full}/filler")
+        dist.barrier()
+        checkpoint_of(step=4).save(f"{full}/{kind}")
+        checkpoint.load(f"{full}/{kind}")
+        out[kind, "space back"] = _same(later, _snapshot(kind, model, optimizer))
+        dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_save_on_a_full_disk_raises_the_same_oserror_on_every_rank_and_leaves_nothing(tmp_path):
+    """A real full filesystem: a 1 MiB tmpfs that rank 0 fills (mounting one needs root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs to fill needs root")
+    full, good = tmp_path / "full", tmp_path / "good"
+    full.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(full)]
+    mounted = subprocess.run(mount, capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        results = run_distributed(_worker_full_disk, 2, str(full), str(good), timeout=240)
+    finally:
+        subprocess.run(["umount", str(full)], check=True)
+        shutil.rmtree(full, ignore_errors=True)
+    for kind in ("adamw", "onebit", "diloco"):
+        for name, target in (("overwrite", full / kind), ("first", full / "new")):
+            outcome = results[0][kind, name]
+            assert all(result[kind, name] == outcome for result in results), (kind, name)
+            is_exception, error, message, number, file = outcome
+            assert is_exception and error == "CheckpointWriteError", (kind, name, outcome)
+            assert number == errno.ENOSPC and file.startswith(f"{target}.partial/"), outcome
+            assert message.startswith(
+                f"TrainingCheckpoint.save: could not write {target}.partial: rank(s) "
+            ), message
+            assert "OSError: [Errno 28] No space left on device: " in message, message
+            before = (
+                f"the previous checkpoint at {target} is intact"
+                if name == "overwrite"
+                else f"no checkpoint was at {target} before"
+            )
+            assert message.endswith(f"; nothing was saved; {before}"), message
+            for result in results:  # no .partial, even on the rank that raised first
+                assert result[kind, name, "listing"] == sorted(["filler", *_saved(kind)])
+        for result in results:
+            assert result[kind, "kept"] and result[kind, "good"], kind
+            assert result[kind, "space back"], kind
+
+
+def _saved(kind: str) -> list[str]:
+    """The checkpoints on the tmpfs when ``kind``'s saves fail: each kind's so far."""
+    kinds = ["adamw", "onebit", "diloco"]
+    return kinds[: kinds.index(kind) + 1]

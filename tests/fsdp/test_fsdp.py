@@ -6,18 +6,18 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from fn.fsdp import TrainingCheckpoint, loco_reduce_scatter
-from tests._distributed import run_distributed
+from fn.fsdp import CheckpointWriteError, TrainingCheckpoint, loco_reduce_scatter
+from tests._distributed import run_together
 
 
 class Net(nn.Module):
@@ -128,11 +128,29 @@ def _worker_grads(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def grad_results():
-    return run_distributed(_worker_grads, 2, timeout=240)
+def two_ranks(tmp_path_factory) -> dict[str, tuple[list, Path]]:
+    """The workers of this file on the same 2 ranks, in one launch, each with a folder of its
+    own: ``{name: (results by rank, folder)}``."""
+    workers = {
+        "grads": (_worker_grads, False),
+        "resume": (_worker_resume, True),
+        "interrupted save": (_worker_interrupted_save, True),
+    }
+    folders = {name: tmp_path_factory.mktemp(name.replace(" ", "_")) for name in workers}
+    parts = {
+        name: (worker, (str(folders[name] / "ckpt"),) if takes_path else ())
+        for name, (worker, takes_path) in workers.items()
+    }
+    results = run_together(parts, 2, timeout=500)
+    return {name: (results[name], folders[name]) for name in workers}
 
 
-@pytest.mark.timeout(300)
+@pytest.fixture(scope="module")
+def grad_results(two_ranks):
+    return two_ranks["grads"][0]
+
+
+@pytest.mark.timeout(600)
 def test_qgz_gradients_within_quantization_error_of_dense(grad_results):
     for factor, force_sum in CASES:
         for rank in range(2):
@@ -151,7 +169,7 @@ def test_qgz_gradients_within_quantization_error_of_dense(grad_results):
                 torch.testing.assert_close(dense["head.bias"], mean * 2 / 3)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_equal_modules_keep_their_own_error_and_ranks_agree(grad_results):
     for rank in range(2):
         errors = grad_results[rank]["separate"]
@@ -164,7 +182,7 @@ def test_equal_modules_keep_their_own_error_and_ranks_agree(grad_results):
     )
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_load_state_dict_refuses_other_ranks_models_and_shapes(grad_results):
     for rank in range(2):
         refused, unchanged = grad_results[rank]["refused"]
@@ -172,7 +190,7 @@ def test_load_state_dict_refuses_other_ranks_models_and_shapes(grad_results):
         assert f"rank{rank}" in refused[0] and "block1" in refused[1] and "error.0" in refused[2]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_layout_change_in_fsdp_logs_and_continues(grad_results):
     for rank in range(2):
         messages = grad_results[rank]["layout_log"]
@@ -201,9 +219,9 @@ def _worker_resume(rank: int, world_size: int, path: str) -> dict:
     return straight, (full_params(model), handle.state_dict()), checkpoint.step
 
 
-@pytest.mark.timeout(300)
-def test_dcp_resume_is_bit_identical(tmp_path):
-    results = run_distributed(_worker_resume, 2, str(tmp_path / "ckpt"), timeout=240)
+@pytest.mark.timeout(600)
+def test_dcp_resume_is_bit_identical(two_ranks):
+    results, _ = two_ranks["resume"]
     for rank, ((params, loco), (resumed_params, resumed_loco), step) in enumerate(results):
         assert step == 2
         assert list(loco) == [f"rank{rank}"]
@@ -229,7 +247,9 @@ def _worker_interrupted_save(rank: int, world_size: int, path: str) -> dict:
     train(model, optimizer, rank, range(2, 4))
     # the data written, the metadata not: DCP's last act fails
     with mock.patch.object(FileSystemWriter, "finish", side_effect=OSError("disk full")):
-        with pytest.raises(CheckpointException):
+        with pytest.raises(
+            CheckpointWriteError, match=r"rank\(s\) \[0\] failed: OSError: disk full"
+        ):
             TrainingCheckpoint(model, optimizer, handle, step=4).save(path)
     checkpoint = TrainingCheckpoint(model, optimizer, handle)
     checkpoint.load(path)
@@ -242,10 +262,9 @@ def _worker_interrupted_save(rank: int, world_size: int, path: str) -> dict:
     return dict(saved=saved, kept=kept, replaced=checkpoint.step, warnings=len(caught))
 
 
-@pytest.mark.timeout(300)
-def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path):
-    path = tmp_path / "ckpt"
-    results = run_distributed(_worker_interrupted_save, 2, str(path), timeout=240)
+@pytest.mark.timeout(600)
+def test_a_failed_save_keeps_the_previous_checkpoint(two_ranks):
+    results, tmp_path = two_ranks["interrupted save"]
     for result in results:
         step, params = result["kept"]
         assert step == 2

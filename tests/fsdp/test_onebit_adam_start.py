@@ -1,9 +1,12 @@
 """fn.fsdp.OnebitAdam.load_adam_state on 2 gloo ranks: started from torch.optim.AdamW's state
 (m, v and the step carried over, the error feedback zero, one warning), its next update is the
-freeze, every rank ending with the same params; what it refuses, with nothing changed."""
+freeze, past freeze_step too: it reports the frozen variance (an element of v at zero: the
+warning) and logs that the compressed updates start, once; every rank ends with the same params;
+what it refuses, with nothing changed."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import torch
@@ -75,9 +78,11 @@ def _worker(rank: int, world_size: int) -> dict:
     out: dict = {"refused": {}}
     for case, (kind, count, exp_avg, exp_avg_sq, options) in cases.items():
         out["refused"][case] = started(kind, count, exp_avg, exp_avg_sq, **options)[2]
+    zeroed = v[first].to_local().clone()
+    zeroed.view(-1)[0] = 0  # an element whose variance froze at zero: the safeguard's warning
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        opt, model, error = started(fn.fsdp.OnebitAdam, ADAM_STEPS, m, v)
+        opt, model, error = started(fn.fsdp.OnebitAdam, ADAM_STEPS, m, {**v, first: zeroed})
     assert error is None, error
     state = opt.state_dict()
     out["started"] = {
@@ -85,13 +90,26 @@ def _worker(rank: int, world_size: int) -> dict:
         "warnings": [str(w.message) for w in caught if "Adam's state" in str(w.message)],
         "signed": state["signed"].tolist(),
         "m": [torch.equal(_local(state["exp_avg"][n]), _local(m[n])) for n in names],
-        "v": [torch.equal(_local(state["exp_avg_sq"][n]), _local(v[n])) for n in names],
+        "v": [torch.equal(_local(state["exp_avg_sq"][n]), _local(v[n])) for n in names[1:]],
         "errors": [bool(x.any()) for e in state[f"rank{rank}"].values() for x in e.values()],
     }
+    out["told"] = []  # by update: what was logged and warned about the freeze
+    records: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("fn")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     for step in range(ADAM_STEPS, ADAM_STEPS + 2):
         opt.zero_grad()
         _backward(model, rank, step)
-        opt.step()
+        records.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        out["told"].append(([r for r in records if "froze" in r or "start" in r], warned))
+    logger.removeHandler(handler)
     state = opt.state_dict()
     out["trained"] = {
         "count": opt.count,
@@ -120,6 +138,14 @@ def test_onebit_adam_starts_from_adamw_and_refuses_what_it_cannot_take():
         assert started["count"] == ADAM_STEPS and all(started["m"]) and all(started["v"])
         assert started["signed"] == [0, 0] and started["errors"] == [False] * 4
         assert len(started["warnings"]) == 1 and "starts at zero" in started["warnings"][0]
+        (logged, warned), (logged_after, warned_after) = result["told"]
+        name = "onebit_adam_sharded"
+        assert logged == [f"{name}: compressed updates start at update {ADAM_STEPS + 1}"], logged
+        assert len(warned) == 1 and warned[0].startswith(f"{name}: the variance froze with "), (
+            warned
+        )
+        assert " 0 of " not in warned[0] and " at zero" in warned[0], warned
+        assert logged_after == [] and warned_after == [], (logged_after, warned_after)
         trained = result["trained"]
         assert trained["count"] == ADAM_STEPS + 2 and trained["signed"] == [1, 1], rank
         for name, value in trained["params"].items():

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import fn.collectives.quantized as quantized
 from fn.collectives import Simulated, quantized_reduce_scatter, simulate
 from fn.fsdp import QuantizedReduceScatter, loco_reduce_scatter, reduce_scale
-from tests._distributed import run_distributed
+from tests._distributed import run_distributed, run_together
 from tests.fsdp import test_fsdp
 
 ROW = 37  # values per rank's row: not a multiple of the quantization group
@@ -231,9 +231,17 @@ def _worker_two_hop(rank: int, world_size: int) -> dict:
     return out
 
 
-@pytest.mark.timeout(300)
-def test_two_hop_four_ranks():
-    results = run_distributed(_worker_two_hop, 4, timeout=240)
+@pytest.fixture(scope="module")
+def four_ranks() -> dict[str, list]:
+    """The 4-rank workers of this file, in one launch."""
+    return run_together(
+        {"two hop": (_worker_two_hop, ()), "sizes": (_worker_sizes, ())}, 4, timeout=400
+    )
+
+
+@pytest.mark.timeout(500)
+def test_two_hop_four_ranks(four_ranks):
+    results = four_ranks["two hop"]
     for op_name in ("avg", "premul"):
         x = inputs(4, ROW, seed=6)
         for rank in range(4):  # rank r gets row r, through the intra-node and inter-node hops
@@ -288,9 +296,9 @@ def _worker_sizes(rank: int, world_size: int) -> dict:
     return out
 
 
-@pytest.mark.timeout(300)
-def test_different_sizes_raise_on_every_rank_and_keep_the_state():
-    results = run_distributed(_worker_sizes, 4, timeout=240)
+@pytest.mark.timeout(500)
+def test_different_sizes_raise_on_every_rank_and_keep_the_state(four_ranks):
+    results = four_ranks["sizes"]
     counts = ", ".join(f"rank {r}: {4 * ROW} elements" for r in range(3))
     expected = (
         f"quantized allreduce: the ranks passed tensors of different sizes ({counts}, "

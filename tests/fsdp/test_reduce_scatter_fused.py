@@ -16,7 +16,7 @@ from fn.collectives import ProcessGroup
 from fn.collectives.quantized import _plan, _reduce_scatter
 from fn.fsdp import QuantizedReduceScatter, reduce_scale
 from tests._distributed import run_distributed
-from tests.collectives.test_quantized_donation import count_full_size_faults_only
+from tests.collectives.test_quantized_donation import FRESH, count_full_size_faults_only
 from tests.fsdp.test_reduce_scatter import OPS, call, inputs
 
 pytestmark = pytest.mark.distributed
@@ -104,14 +104,16 @@ def _worker_faults(rank, world_size, local_world_size, padded_path):
     return min(windows)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(800)  # three launches of fresh ranks, 250 s each at most
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the malloc tuning needs glibc")
 def test_fused_path_allocates_no_full_size_buffer(monkeypatch):
     count_full_size_faults_only(monkeypatch)
     pages_of_one_buffer = (1 << 22) * 4 // resource.getpagesize()
     for local_world_size in (None, 1):
-        faults = run_distributed(_worker_faults, 2, local_world_size, False, timeout=250)
+        faults = run_distributed(
+            _worker_faults, 2, local_world_size, False, timeout=250, start_method=FRESH
+        )
         assert max(faults) < pages_of_one_buffer // 4, (local_world_size, faults)
     # The measure can fail: the padded path allocates full-size buffers.
-    faults = run_distributed(_worker_faults, 2, None, True, timeout=250)
+    faults = run_distributed(_worker_faults, 2, None, True, timeout=250, start_method=FRESH)
     assert min(faults) >= pages_of_one_buffer // 4, faults

@@ -2,7 +2,9 @@
 ``ModelParallelStrategy`` with ``FnCallback`` (examples/lightning_fsdp.py's model, loader and LR
 schedule), on every rank.
 
-    torchrun --nproc-per-node 2 tests/integrations/_lightning_fsdp.py OUT_DIR [accumulation]
+    torchrun --nproc-per-node 2 tests/integrations/_lightning_fsdp.py OUT_DIR [SCENARIO ...]
+
+The scenarios (both, in one launch, unless named): ``main``:
 
 - ``full``: an uninterrupted run of ``STEPS`` updates, a checkpoint after every update: per
   update fn's bytes sent, fn's warnings, the final params (all-gathered) and this rank's final
@@ -17,10 +19,10 @@ schedule), on every rank.
   uninterrupted run (as ``full``; its state holds the switch) and runs resumed from
   ``LAMB_RESUME``.
 
-With ``accumulation``, instead, :func:`accumulation_runs`: ``accumulate_grad_batches=4`` and
+``accumulation``: :func:`accumulation_runs`, ``accumulate_grad_batches=4`` and
 ``gradient_clip_val=1.0`` (``ACCUMULATE``, ``CLIP``).
 
-Writes ``OUT_DIR/rank<r>.pt``.
+Writes ``OUT_DIR/<scenario>/rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -357,12 +359,8 @@ def accumulation_runs(
     }
 
 
-def main() -> None:
-    out_dir = Path(sys.argv[1])
-    rank = int(os.environ["RANK"])
-    if sys.argv[2:] == ["accumulation"]:
-        torch.save(accumulation_runs(out_dir), out_dir / f"rank{rank}.pt")
-        return
+def main_runs(out_dir: Path, rank: int) -> dict:
+    """The ``main`` scenario (the module's docstring), its files in ``out_dir``."""
     results = {"full": full_run(out_dir / "full"), "bare": bare_run(rank)}
     results["resumed"] = {
         step: resumed_run(out_dir / "full" / f"checkpoint-{step}.ckpt") for step in RESUME
@@ -387,7 +385,17 @@ def main() -> None:
         fit(ShardedClassifier(LR, 100), steps=2)
     results["short"] = fn_warnings(caught)
     results["lamb"] = lamb_runs(out_dir / "lamb")
-    torch.save(results, out_dir / f"rank{rank}.pt")
+    return results
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    rank = int(os.environ["RANK"])
+    scenarios = {"main": main_runs, "accumulation": lambda folder, _: accumulation_runs(folder)}
+    for name in sys.argv[2:] or scenarios:
+        folder = out_dir / name
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(scenarios[name](folder, rank), folder / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ Lightning's ``ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1
 passes ``replicate=mesh["replicate"]``, and the loader deals the batches by global rank
 (``use_distributed_sampler=False``: a loader Lightning can resume in the middle of an epoch).
 
-    torchrun --nproc-per-node 4 tests/integrations/_lightning_hsdp.py OUT_DIR [accumulation]
+    torchrun --nproc-per-node 4 tests/integrations/_lightning_hsdp.py OUT_DIR [SCENARIO ...]
+
+The scenarios (both, in one launch, unless named): ``main``:
 
 - ``full``: an uninterrupted run of ``STEPS`` updates, a checkpoint after every update: per
   update fn's bytes sent, fn's warnings, the final params (all-gathered) and this rank's final
@@ -19,10 +21,10 @@ passes ``replicate=mesh["replicate"]``, and the loader deals the batches by glob
   sizes, ``data_parallel_size=2`` (``"by node"``: the error, and whether the params stayed as
   built).
 
-With ``accumulation``, instead, ``_lightning_fsdp.accumulation_runs`` on this HSDP model and
-strategy (``accumulate_grad_batches=4``, ``gradient_clip_val=1.0``).
+``accumulation``: ``_lightning_fsdp.accumulation_runs`` on this HSDP model and strategy
+(``accumulate_grad_batches=4``, ``gradient_clip_val=1.0``).
 
-Writes ``OUT_DIR/rank<r>.pt``.
+Writes ``OUT_DIR/<scenario>/rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -205,20 +207,31 @@ def sampler_runs() -> dict:
     return out
 
 
-def main() -> None:
-    out_dir = Path(sys.argv[1])
-    rank = int(os.environ["RANK"])
-    if sys.argv[2:] == ["accumulation"]:
-        runs = lightning_fsdp.accumulation_runs(out_dir, SteepHsdpClassifier, fit, bare_run)
-        torch.save(runs, out_dir / f"rank{rank}.pt")
-        return
+def main_runs(out_dir: Path, rank: int) -> dict[str, Any]:
+    """The ``main`` scenario (the module's docstring), its files in ``out_dir``."""
     results: dict[str, Any] = {"full": full_run(out_dir / "full"), "bare": bare_run(rank)}
     results["resumed"] = {
         step: resumed_run(out_dir / "full" / f"checkpoint-{step}.ckpt") for step in RESUME
     }
     results["other shape"] = other_shape(out_dir / "full" / f"checkpoint-{FREEZE}.ckpt")
     results["sampler"] = sampler_runs()
-    torch.save(results, out_dir / f"rank{rank}.pt")
+    return results
+
+
+def accumulation_runs(out_dir: Path, rank: int) -> dict[str, Any]:
+    """The ``accumulation`` scenario, its files in ``out_dir``."""
+    del rank
+    return lightning_fsdp.accumulation_runs(out_dir, SteepHsdpClassifier, fit, bare_run)
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    rank = int(os.environ["RANK"])
+    scenarios = {"main": main_runs, "accumulation": accumulation_runs}
+    for name in sys.argv[2:] or scenarios:
+        folder = out_dir / name
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(scenarios[name](folder, rank), folder / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -7,37 +7,13 @@ nodes x 1 rank, resharded."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests._distributed import ROOT
 from tests._examples import documented, download, option, run_downloaded, with_option
 
 DIGEST = re.compile(r"final params sha256 (\w+) \(the same on every rank\)")
-
-
-def torchrun_4(script: Path, *args: str, timeout: float = 240) -> str:
-    """``script args`` under ``torchrun --standalone --nproc-per-node 4`` (gloo, one intra-op
-    thread per rank, the worktree on ``PYTHONPATH``): its standard output (``AssertionError``
-    with the ends of its output if it fails)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-        + [str(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc.stdout
 
 
 @pytest.mark.distributed

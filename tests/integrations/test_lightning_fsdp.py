@@ -68,6 +68,16 @@ ACC_REFUSED = {
 }
 
 
+def assert_resumed_bit_for_bit(full: dict, resumed: dict, *where: object) -> None:
+    """A run resumed from a checkpoint ends with the uninterrupted run's params and optimizer
+    state (``{"params": ..., "state": ...}`` of tensors by name), bit for bit."""
+    for name, value in full["params"].items():
+        assert torch.equal(value, resumed["params"][name]), (*where, name)
+    assert resumed["state"].keys() == full["state"].keys()
+    for key, value in full["state"].items():
+        assert torch.equal(value, resumed["state"][key]), (*where, key)
+
+
 def check_accumulation_runs(ranks: list[dict], hsdp: bool) -> None:
     """The assertions on ``_lightning_fsdp.accumulation_runs``'s results, one per rank."""
     warmup = (FREEZE - 1) * ACCUMULATE  # the batches of the warmup updates
@@ -89,12 +99,7 @@ def check_accumulation_runs(ranks: list[dict], hsdp: bool) -> None:
             not torch.equal(v, unclipped["compressed"][n]) for n, v in full["params"].items()
         )
         for step in ACC_RESUME:
-            resumed = result["resumed"][step]
-            for name, value in full["params"].items():
-                assert torch.equal(value, resumed["params"][name]), (rank, step, name)
-            assert resumed["state"].keys() == full["state"].keys()
-            for key, value in full["state"].items():
-                assert torch.equal(value, resumed["state"][key]), (rank, step, key)
+            assert_resumed_bit_for_bit(full, result["resumed"][step], rank, step)
         sent, inter = full["sent"], full["inter"]
         assert len(sent) == len(inter) == ACC_STEPS * ACCUMULATE
         after = warmup + ACCUMULATE  # the batches after the freeze's update
@@ -114,24 +119,35 @@ def check_accumulation_runs(ranks: list[dict], hsdp: bool) -> None:
             assert re.search(pattern, message), message
 
 
+def scenarios(script: str, world: int, out: Path, timeout: float) -> dict[str, list[dict]]:
+    """``tests/integrations/<script>``'s scenarios in one ``torchrun`` of ``world`` ranks:
+    ``{scenario: each rank's results}``."""
+    torchrun(ROOT / "tests" / "integrations" / script, str(out), nproc=world, timeout=timeout)
+    return {
+        name: [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(world)]
+        for name in ("main", "accumulation")
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    return scenarios("_lightning_fsdp.py", 2, tmp_path_factory.mktemp("lightning_fsdp"), 340)
+
+
 @pytest.mark.distributed
-@pytest.mark.timeout(120)
-def test_accumulation_and_clipping_train_and_resume_bit_for_bit(tmp_path):
+@pytest.mark.timeout(400)
+def test_accumulation_and_clipping_train_and_resume_bit_for_bit(runs):
     """accumulate_grad_batches=4 and gradient_clip_val=1.0 on 2 ranks: the run equals a plain
     fn.fsdp loop (loss / 4 per micro-batch, max_grad_norm=1.0), the clip acts in both phases,
     runs resumed in the warmup and compressed phase are bit-identical; clipping by value or to
     another norm than max_grad_norm is refused on every rank."""
-    script = ROOT / "tests" / "integrations" / "_lightning_fsdp.py"
-    torchrun(script, str(tmp_path), "accumulation", timeout=100)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    check_accumulation_runs(ranks, hsdp=False)
+    check_accumulation_runs(runs["accumulation"], hsdp=False)
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_resumed_at_every_phase_is_bit_identical_and_bad_setups_are_refused(tmp_path):
-    torchrun(ROOT / "tests" / "integrations" / "_lightning_fsdp.py", str(tmp_path), timeout=240)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+@pytest.mark.timeout(400)
+def test_resumed_at_every_phase_is_bit_identical_and_bad_setups_are_refused(runs):
+    ranks = runs["main"]
     for rank, result in enumerate(ranks):
         full = result["full"]
         assert full["warnings"] == []  # a healthy run is quiet
@@ -140,14 +156,9 @@ def test_resumed_at_every_phase_is_bit_identical_and_bad_setups_are_refused(tmp_
         dense, compressed = full["sent"][: FREEZE - 1], full["sent"][FREEZE:]
         assert len(compressed) == STEPS - FREEZE and min(dense) > 1000
         assert max(compressed) < min(dense) / 8, full["sent"]  # 1 bit per element, not 32
+        assert f"rank{rank}.net.worker" in full["state"]  # this rank's own error feedback
         for step in RESUME:
-            resumed = result["resumed"][step]
-            for name, value in full["params"].items():
-                assert torch.equal(value, resumed["params"][name]), (rank, step, name)
-            assert resumed["state"].keys() == full["state"].keys()
-            assert f"rank{rank}.net.worker" in full["state"]  # this rank's own error feedback
-            for key, value in full["state"].items():
-                assert torch.equal(value, resumed["state"][key]), (rank, step, key)
+            assert_resumed_bit_for_bit(full, result["resumed"][step], rank, step)
         for case, pattern in REFUSED.items():
             message, unchanged = result["refused"][case]
             assert unchanged, case
@@ -168,14 +179,10 @@ def test_resumed_at_every_phase_is_bit_identical_and_bad_setups_are_refused(tmp_
         # after the freeze's one all-gather of the momentum, 1 bit per element
         dense, compressed = full["sent"][: switch - 1], full["sent"][switch:]
         assert max(compressed) < min(dense) / 4, full["sent"]
+        for name, value in full["params"].items():
+            assert torch.equal(value, ranks[0]["lamb"]["full"]["params"][name]), name
         for step in LAMB_RESUME:
-            resumed = lamb["resumed"][step]
-            for name, value in full["params"].items():
-                assert torch.equal(value, resumed["params"][name]), (rank, step, name)
-                assert torch.equal(value, ranks[0]["lamb"]["full"]["params"][name]), name
-            assert resumed["state"].keys() == full["state"].keys()
-            for key, value in full["state"].items():
-                assert torch.equal(value, resumed["state"][key]), (rank, step, key)
+            assert_resumed_bit_for_bit(full, lamb["resumed"][step], rank, step)
 
 
 @pytest.mark.distributed

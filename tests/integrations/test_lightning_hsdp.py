@@ -17,20 +17,26 @@ import pytest
 import torch
 
 pytest.importorskip("lightning", reason="lightning is in the 'lightning' extra")
-from tests._distributed import ROOT  # noqa: E402
-from tests.integrations.test_hsdp_example import torchrun_4  # noqa: E402
-from tests.integrations.test_lightning_fsdp import check_accumulation_runs  # noqa: E402
+from tests.integrations.test_lightning_fsdp import (  # noqa: E402
+    assert_resumed_bit_for_bit,
+    check_accumulation_runs,
+    scenarios,
+)
 
 FREEZE, RESUME, STEPS, BATCH = 3, (1, 2, 3), 5, 2  # _lightning_hsdp.py's
 WORLD, SAMPLES = 4, 64  # examples/lightning_ddp.py's data
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    return scenarios("_lightning_hsdp.py", WORLD, tmp_path_factory.mktemp("lightning_hsdp"), 400)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_hsdp_under_model_parallel_strategy_resumes_bit_for_bit(tmp_path):
-    torchrun_4(ROOT / "tests" / "integrations" / "_lightning_hsdp.py", str(tmp_path), timeout=300)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+@pytest.mark.timeout(500)
+def test_hsdp_under_model_parallel_strategy_resumes_bit_for_bit(runs):
+    ranks = runs["main"]
     for rank, result in enumerate(ranks):
         full = result["full"]
         assert full["warnings"] == []
@@ -42,12 +48,7 @@ def test_hsdp_under_model_parallel_strategy_resumes_bit_for_bit(tmp_path):
         assert max(compressed) < min(dense), full["sent"]
         assert f"rank{rank}.net.worker" in full["state"]  # its error feedback, by global rank
         for step in RESUME:
-            resumed = result["resumed"][step]
-            for name, value in full["params"].items():
-                assert torch.equal(value, resumed["params"][name]), (rank, step, name)
-            assert resumed["state"].keys() == full["state"].keys()
-            for key, value in full["state"].items():
-                assert torch.equal(value, resumed["state"][key]), (rank, step, key)
+            assert_resumed_bit_for_bit(full, result["resumed"][step], rank, step)
         other = result["other shape"]  # resharded: the error feedback restarts, once
         assert other["step"] == STEPS, other["step"]
         restarted = [w for w in other["warnings"] if "error feedback restarts" in w]
@@ -71,12 +72,9 @@ def test_hsdp_under_model_parallel_strategy_resumes_bit_for_bit(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(120)
-def test_hsdp_accumulation_and_clipping_train_and_resume_bit_for_bit(tmp_path):
+@pytest.mark.timeout(500)
+def test_hsdp_accumulation_and_clipping_train_and_resume_bit_for_bit(runs):
     """accumulate_grad_batches=4 and gradient_clip_val=1.0 on HSDP (2 nodes x 2): the run equals
     a plain fn.fsdp HSDP loop, sends across the nodes once per update, the clip acts in both
     phases, resumed runs are bit-identical; bad clipping is refused on every rank."""
-    script = ROOT / "tests" / "integrations" / "_lightning_hsdp.py"
-    torchrun_4(script, str(tmp_path), "accumulation", timeout=100)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    check_accumulation_runs(ranks, hsdp=True)
+    check_accumulation_runs(runs["accumulation"], hsdp=True)

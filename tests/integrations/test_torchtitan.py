@@ -33,15 +33,13 @@ from tests.integrations._torchtitan_runs import (  # noqa: E402
     STEPS,
     WARM_STEPS,
 )
-from tests.integrations.test_hsdp_example import torchrun_4  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "integrations" / "_torchtitan_runs.py"
 STARTED = "started from Adam's state at update"
 
 
 def _launch(scenario: str, world: int, work: Path) -> list[dict[str, Any]]:
-    launch = torchrun if world == 2 else torchrun_4
-    launch(SCRIPT, scenario, str(work), timeout=480)
+    torchrun(SCRIPT, scenario, str(work), nproc=world, timeout=480)
     return [torch.load(work / scenario / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

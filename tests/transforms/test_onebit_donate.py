@@ -13,7 +13,7 @@ import torch
 import fn
 from fn.collectives import PackedSigns, ProcessGroup, Simulated, replicate, simulate
 from fn.tree import tree_flatten, tree_map
-from tests._distributed import run_distributed
+from tests._distributed import run_together
 from tests._mirror import Mirror, same_bits
 from tests.collectives.test_onebit_donate import assert_steady_state_faults
 from tests.transforms._onebit_harness import make_grads, make_params
@@ -113,9 +113,20 @@ def _donated_worker(rank, world_size):
     return True
 
 
-@pytest.mark.timeout(300)
-def test_gloo_donated_updates_match_pure():
-    assert run_distributed(_donated_worker, 2, timeout=240) == [True, True]
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, list]:
+    """The 2-rank workers of this file but the page-fault count, in one launch."""
+    parts = {
+        "donated": (_donated_worker, ()),
+        "nan": (_nan_worker, ()),
+        "nan in a later leaf": (_nan_in_a_later_leaf_worker, ()),
+    }
+    return run_together(parts, 2, timeout=500)
+
+
+@pytest.mark.timeout(600)
+def test_gloo_donated_updates_match_pure(two_ranks):
+    assert two_ranks["donated"] == [True, True]
 
 
 def test_simulated_donated_updates_match_pure():
@@ -164,9 +175,9 @@ def _nan_worker(rank, world_size):
     return True
 
 
-@pytest.mark.timeout(300)
-def test_gloo_nonfinite_on_one_rank_leaves_donated_state_intact():
-    assert run_distributed(_nan_worker, 2, timeout=240) == [True, True]
+@pytest.mark.timeout(600)
+def test_gloo_nonfinite_on_one_rank_leaves_donated_state_intact(two_ranks):
+    assert two_ranks["nan"] == [True, True]
 
 
 def _fault_worker(rank, world_size, n, donated):
@@ -192,7 +203,7 @@ def _fault_worker(rank, world_size, n, donated):
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(540)  # two launches of fresh ranks, 240 s each at most
 def test_gloo_donated_compressed_update_allocates_no_full_size_tensor(monkeypatch):
     assert_steady_state_faults(monkeypatch, _fault_worker, 1 << 22)
 
@@ -272,9 +283,9 @@ def _nan_in_a_later_leaf_worker(rank, world_size):
     return intact
 
 
-@pytest.mark.timeout(300)
-def test_gloo_nonfinite_later_leaf_on_one_rank_leaves_every_buffer_intact():
-    for rank, intact in enumerate(run_distributed(_nan_in_a_later_leaf_worker, 2, timeout=240)):
+@pytest.mark.timeout(600)
+def test_gloo_nonfinite_later_leaf_on_one_rank_leaves_every_buffer_intact(two_ranks):
+    for rank, intact in enumerate(two_ranks["nan in a later leaf"]):
         assert all(v is True for v in intact.values()), f"rank {rank}: {intact}"
 
 

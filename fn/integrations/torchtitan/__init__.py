@@ -1,5 +1,5 @@
 """torchtitan glue: ``fn.fsdp``'s 1-bit Adam and 1-bit LAMB in torchtitan's trainer by a
-config change (the ``torchtitan`` extra, ``pip install "fn-optim[torchtitan]"``)::
+config change (the ``torchtitan`` extra, on torch 2.14 or later, which torchtitan 0.3.0 needs)::
 
     torchrun --nproc-per-node 8 -m torchtitan.train \\
         --module fn.integrations.torchtitan --config llama3_8b --optimizer.freeze_step 1000

@@ -1,0 +1,167 @@
+"""One fragment of Streaming DiLoCo's parameters: its parameters, its slice of the anchor, its
+outer state and its exchange in flight (docs/algorithms.md, "Streaming fragments and delay")."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+from fn.base import GradientTransformation, OptState
+from fn.collectives import Comm
+from fn.diloco.exchange import BackgroundExchange, Exchanger
+from fn.diloco.sharding import local_shard
+from fn.diloco.step import OuterStep, outer_update, pseudo_gradient
+
+__all__ = ["Flight", "Fragment"]
+
+
+class Flight(NamedTuple):
+    """A fragment's exchange, started and not yet applied.
+
+    Attributes:
+        started_at: the inner step it started after.
+        delta: this rank's pseudo-gradient of the fragment (fp32 local tensors).
+        exchange: the exchange, whose result is an :class:`~fn.diloco.OuterStep` and what the
+            exchange's ``then`` returned.
+    """
+
+    started_at: int
+    delta: list[torch.Tensor]
+    exchange: BackgroundExchange[tuple[OuterStep, Any]]
+
+
+class Fragment:
+    """Fragment ``index`` of the parameters.
+
+    Args:
+        index: ``p``, its place in the schedule.
+        indices: its parameters' indices into the synced parameters (sorted).
+        params: its parameters (``DTensor`` s where the workers are sharded).
+        anchor: its slice of the anchor, one local tensor per parameter (the anchor list's own
+            tensors: written in place).
+        state: its outer rule's state.
+
+    Attributes:
+        index, indices, params, anchor, state: as given (``state`` replaced at every step).
+        flight: its exchange in flight, or ``None``.
+        steps: its outer steps so far.
+
+    Example:
+        >>> from fn.diloco.fragment import Fragment
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> fragment = Fragment(0, [0], [w], [torch.zeros(2)], ())
+        >>> fragment.size(), fragment.pseudo_gradient()
+        (2, [tensor([-1., -1.])])
+    """
+
+    def __init__(
+        self,
+        index: int,
+        indices: list[int],
+        params: list[torch.Tensor],
+        anchor: list[torch.Tensor],
+        state: OptState,
+    ) -> None:
+        self.index = index
+        self.indices = indices
+        self.params = params
+        self.anchor = anchor
+        self.state = state
+        self.flight: Flight | None = None
+        self.steps = 0
+
+    def shards(self) -> list[torch.Tensor]:
+        """This rank's part of the parameters (views: writing them writes the parameters)."""
+        return [local_shard(q.detach()) for q in self.params]
+
+    def size(self) -> int:
+        """The elements of this rank's part of the fragment."""
+        return sum(x.numel() for x in self.shards())
+
+    def pseudo_gradient(self) -> list[torch.Tensor]:
+        """``anchor - params`` of this rank's part, fp32, on the parameters' devices."""
+        shards = self.shards()
+        return pseudo_gradient(self._anchor_on(shards), shards)
+
+    def _anchor_on(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [a.to(q.device) for a, q in zip(self.anchor, shards, strict=True)]
+
+    def start(
+        self,
+        exchanger: Exchanger,
+        rule: GradientTransformation,
+        *,
+        started_at: int,
+        takes_part: torch.Tensor,
+        header: Mapping[str, int],
+        delta: list[torch.Tensor] | None = None,
+        background: bool | None = None,
+        then: Callable[[OuterStep, Comm, Sequence[Comm]], Any] | None = None,
+    ) -> None:
+        """Takes the pseudo-gradient (or resumes with ``delta``) and starts the exchange
+        (:func:`fn.diloco.outer_update`) through ``exchanger``; ``then(result, comm, within)``
+        runs after it, on its thread (further collectives of the same step)."""
+        shards = self.shards()
+        anchor = self._anchor_on(shards)
+        delta = pseudo_gradient(anchor, shards) if delta is None else delta
+        state = self.state
+
+        def run(comm, within):
+            result = outer_update(
+                rule, anchor, delta, state, comm=comm, within=within, takes_part=takes_part,
+                header=header,
+            )  # fmt: skip
+            return result, None if then is None else then(result, comm, within)
+
+        what = f"DiLoCo: the outer exchange of fragment {self.index} (started after inner step "
+        exchange = exchanger.start(
+            run, background=background, device=shards[0].device, what=f"{what}{started_at})"
+        )
+        self.flight = Flight(started_at, delta, exchange)
+
+    def finish(self) -> tuple[OuterStep, Any, int]:
+        """Waits for the exchange in flight; returns its result, what its ``then`` returned
+        and the inner step it started after. The fragment has no exchange in flight
+        afterwards, also where it raised."""
+        flight, self.flight = self.flight, None
+        return (*flight.exchange.result(), flight.started_at)
+
+    def extend(
+        self,
+        indices: list[int],
+        params: list[torch.Tensor],
+        anchor: list[torch.Tensor],
+        rule: GradientTransformation,
+    ) -> None:
+        """Adds parameters (after the fragment's own): their anchor, and their part of the outer
+        state fresh, the rest of the state as it was (leaf by leaf, by its path)."""
+        fresh = rule.init(self.anchor + anchor)
+        kept = {pytree.keystr(k): x for k, x in pytree.tree_flatten_with_path(self.state)[0]}
+        leaves, spec = pytree.tree_flatten_with_path(fresh)
+        self.state = pytree.tree_unflatten([kept.get(pytree.keystr(k), x) for k, x in leaves], spec)
+        self.indices.extend(indices)
+        self.params.extend(params)
+        self.anchor.extend(anchor)
+
+    @torch.no_grad()
+    def commit(self, result: OuterStep, *, mix: float, takes_part: bool) -> None:
+        """Applies ``result``: the new anchor and outer state, and the parameters: a
+        participant's ``(1 - mix) anchor + mix params`` in fp32 (the anchor where ``mix`` is
+        0), a sitter's the anchor."""
+        for anchor, param, new in zip(self.anchor, self.shards(), result.anchor, strict=True):
+            anchor.copy_(new)
+            if takes_part and mix > 0:
+                param.copy_(new.float() * (1.0 - mix) + param.float() * mix)
+            else:
+                param.copy_(new)
+        self.state = result.state
+        self.steps += 1
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Sets this rank's parameters to the anchor."""
+        for anchor, param in zip(self.anchor, self.shards(), strict=True):
+            param.copy_(anchor)

@@ -1,0 +1,78 @@
+"""fn.integrations.torchft in one process, over stand-ins for torchft's Manager and process
+group (tests/integrations/_torchft_fakes.py): a failed collective is reported to the Manager and
+returns zeros, and the collectives after it send nothing; what is not built is refused with its
+reason; a change of the quorum restarts 1-bit's and LoCo's error feedback, not top-k's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("torchft", reason="torchft is in the 'torchft' extra")
+from fn.integrations.torchft import ElasticDiLoCo, ManagerComm  # noqa: E402
+from tests.integrations._torchft_fakes import Manager, ProcessGroup  # noqa: E402
+
+
+def test_a_failed_collective_is_reported_not_raised_and_silences_the_step():
+    manager = Manager()
+    group = ProcessGroup(manager)
+    comm = ManagerComm(manager, group)
+    x = torch.tensor([1.0, 2.0])
+    assert torch.equal(comm.all_reduce(x, op="sum"), torch.tensor([2.0, 4.0]))
+    assert torch.equal(comm.all_gather(x), torch.tensor([[1.0, 2.0], [1.0, 2.0]]))
+    assert comm.world_size == 2 and comm.rank == 0 and comm.bytes_sent == 8 + 8
+    group.fail = True
+    assert torch.equal(comm.all_gather(x), torch.zeros(2, 2))
+    assert "Connection closed" in str(manager.errored())
+    calls, sent = group.calls, comm.bytes_sent
+    group.fail = False
+    assert torch.equal(comm.all_to_all(torch.ones(2, 3)), torch.zeros(2, 3))
+    assert torch.equal(comm.reduce_scatter(torch.ones(2, 3), op="sum"), torch.zeros(3))
+    assert group.calls == calls and comm.bytes_sent == sent  # nothing more was sent
+    manager.start_quorum()  # the next quorum
+    assert torch.equal(comm.reduce_scatter(torch.ones(2, 3), op="sum"), torch.full((3,), 2.0))
+
+
+def test_what_is_not_built_is_refused_with_its_reason():
+    manager = Manager()
+    comm = ManagerComm(manager, ProcessGroup(manager))
+    with pytest.raises(NotImplementedError, match="not built under torchft"):
+        comm.split(1)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    for streaming in ({"fragments": 2}, {"delay": 1}):
+        with pytest.raises(NotImplementedError, match="Streaming DiLoCo"):
+            ElasticDiLoCo(
+                model, inner, manager=manager, process_group=None, sync_every=4, **streaming
+            )
+
+
+def _feedback(diloco: ElasticDiLoCo) -> list[torch.Tensor]:
+    return diloco.state_dict()["per_rank"]["rank0"]["error_feedback"]
+
+
+def test_a_change_of_the_quorum_restarts_only_the_positional_error_feedback(caplog):
+    """1-bit's error feedback (and LoCo's) is laid out by the worker's rank and the number of
+    workers: it restarts from zero, with a log line, where the quorum changes; top-k's carries
+    over."""
+    for kind, restarts in (("onebit", True), ("loco4", True), ("topk", False)):
+        manager = Manager(rank=0)
+        group = ProcessGroup(manager, size=2)
+        model = torch.nn.Linear(4, 3)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        diloco = ElasticDiLoCo(
+            model, inner, manager=manager, process_group=group, sync_every=1, compression=kind
+        )
+        model(torch.ones(2, 4)).sum().backward()
+        inner.step()  # an outer step among 2 workers: error feedback of its compression
+        assert diloco.outer_steps == 1 and any(bool(e.ne(0).any()) for e in _feedback(diloco))
+        model.zero_grad()  # no more inner progress: the next pseudo-gradient is zero
+        group.ranks, manager.rank = 3, 1  # a worker joined, before this one
+        with caplog.at_level("INFO", logger="fn.integrations.torchft.diloco"):
+            caplog.clear()
+            diloco.sync()  # sends the error feedback alone, where it was kept
+        assert diloco.outer_steps == 2 and diloco.participants == [True] * 3
+        message = "the quorum changed (2 workers, rank 0 -> 3 workers, rank 1)"
+        assert (message in caplog.text) == restarts, kind
+        kept = any(bool(e.ne(0).any()) for e in _feedback(diloco))
+        assert kept != restarts, kind
