@@ -41,7 +41,8 @@ class Buffers:
     continues with them. The values
     are the ones taken with the pseudo-gradient (with a delay, what the ``tau`` steps changed
     in them is dropped, as in the parameters with ``mix=0``); where no worker takes part they
-    stay as they are.
+    stay as they are. A worker whose floating buffers hold NaN or Inf (a bad batch in a forward
+    whose step was skipped) sits the step out (:meth:`finite`) and takes the others' mean.
 
     Example:
         >>> from fn.diloco.buffers import Buffers
@@ -73,6 +74,22 @@ class Buffers:
         if self.policy == "local" or not targets:
             return None
         return CapturedBuffers(targets, [b.detach().clone() for b in targets])
+
+    def checked(self) -> bool:
+        """Whether a worker's buffers can make it sit out (:meth:`finite`): ``"mean"`` and
+        floating buffers."""
+        return self.policy == "mean" and any(b.is_floating_point() for b in self.model.buffers())
+
+    @staticmethod
+    def finite(captured: CapturedBuffers | None, device: torch.device | None) -> torch.Tensor:
+        """``[]`` bool on ``device``: whether the captured floating buffers hold only finite
+        values (``True`` where none were captured). A worker whose buffers do not sits out,
+        so that a bad batch's NaN statistics never reach the others' mean."""
+        ok = torch.ones((), dtype=torch.bool, device=device)
+        for value in [] if captured is None else captured.values:
+            if value.is_floating_point():
+                ok = ok & torch.isfinite(value).all().to(device)
+        return ok
 
     @staticmethod
     @torch.no_grad()

@@ -136,15 +136,15 @@ class Fragment:
         anchor: list[torch.Tensor],
         rule: GradientTransformation,
     ) -> None:
-        """Adds parameters (after the fragment's own): their anchor, and their part of the outer
-        state fresh, the rest of the state as it was (leaf by leaf, by its path)."""
-        fresh = rule.init(self.anchor + anchor)
-        kept = {pytree.keystr(k): x for k, x in pytree.tree_flatten_with_path(self.state)[0]}
-        leaves, spec = pytree.tree_flatten_with_path(fresh)
-        self.state = pytree.tree_unflatten([kept.get(pytree.keystr(k), x) for k, x in leaves], spec)
-        self.indices.extend(indices)
-        self.params.extend(params)
-        self.anchor.extend(anchor)
+        """Adds parameters, each at its place by ``indices`` (into the synced parameters, as
+        this fragment's own ``indices``, which stay sorted): their anchor, and their part of
+        the outer state fresh; the rest of the state moves with its parameter (leaf by leaf)."""
+        before = len(self.params)
+        joined = (self.indices + indices, self.params + params, self.anchor + anchor)
+        order = sorted(range(len(joined[0])), key=joined[0].__getitem__)
+        self.indices, self.params, self.anchor = ([xs[k] for k in order] for xs in joined)
+        sources = [k if k < before else None for k in order]
+        self.state = _moved(self.state, rule.init(self.anchor), sources)
 
     @torch.no_grad()
     def commit(self, result: OuterStep, *, mix: float, takes_part: bool) -> None:
@@ -165,3 +165,31 @@ class Fragment:
         """Sets this rank's parameters to the anchor."""
         for anchor, param in zip(self.anchor, self.shards(), strict=True):
             param.copy_(anchor)
+
+
+def _moved(old: OptState, fresh: OptState, sources: list[int | None]) -> OptState:
+    """``fresh``, a rule's state of the parameters after :meth:`Fragment.extend`, with each leaf
+    that ``old`` holds taken from it: the new parameter ``j``'s leaves from the old parameter
+    ``sources[j]`` (none where ``sources[j]`` is ``None``: a parameter that joined), the
+    others (step counts) from the same path."""
+    kept = dict(pytree.tree_flatten_with_path(old)[0])
+    leaves, spec = pytree.tree_flatten_with_path(fresh)
+    return pytree.tree_unflatten(
+        [kept.get(_old_path(path, fresh, sources), leaf) for path, leaf in leaves], spec
+    )
+
+
+def _old_path(path: tuple, fresh: OptState, sources: list[int | None]) -> tuple | None:
+    """Where the leaf at ``path`` in ``fresh`` sits in the old state: a rule keeps a per
+    parameter leaf in a list with one entry per parameter (``tree_map`` over the anchor list),
+    whose entry ``j`` was entry ``sources[j]``; ``None`` where it is a joined parameter's."""
+    out, node = [], fresh
+    for key in path:
+        per_parameter = type(node) is list and len(node) == len(sources)
+        node = key.get(node)
+        if per_parameter:
+            if sources[key.idx] is None:
+                return None
+            key = pytree.SequenceKey(sources[key.idx])
+        out.append(key)
+    return tuple(out)

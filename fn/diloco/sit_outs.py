@@ -18,6 +18,8 @@ class SitOuts:
     Args:
         workers: ``W``.
         max_sit_outs: the sit-outs in a row that raise (``None``: never).
+        buffers: whether a worker's buffers can make it sit out too (``DiLoCo(buffers="mean")``
+            with floating buffers), for the messages.
 
     Attributes:
         total: per worker, the outer steps it sat out.
@@ -34,10 +36,15 @@ class SitOuts:
         ([0, 1], 1)
     """
 
-    def __init__(self, workers: int, max_sit_outs: int | None) -> None:
+    def __init__(self, workers: int, max_sit_outs: int | None, *, buffers: bool = False) -> None:
         if max_sit_outs is not None:
             check_int("DiLoCo: max_sit_outs", max_sit_outs, minimum=1)
         self.max_sit_outs = max_sit_outs
+        self._checked = (
+            "its pseudo-gradient, its inner optimizer's state or its buffers"
+            if buffers
+            else "its pseudo-gradient or its inner optimizer's state"
+        )
         self.total = [0] * workers
         self.in_a_row = [0] * workers
 
@@ -57,7 +64,7 @@ class SitOuts:
         if not sitters:
             return
         warnings.warn(
-            _message(sitters, len(participants), step, reset),
+            _message(sitters, len(participants), step, reset, self._checked),
             RuntimeWarning,
             stacklevel=user_stacklevel(),
         )
@@ -66,8 +73,8 @@ class SitOuts:
         if over:
             raise RuntimeError(
                 f"DiLoCo: worker(s) {', '.join(map(str, over))} sat out {limit} outer steps in "
-                f"a row (max_sit_outs={limit}): each time its pseudo-gradient or its inner "
-                "optimizer's state held NaN or Inf, so it no longer trains with the others. "
+                f"a row (max_sit_outs={limit}): each time {self._checked} held NaN or Inf, so "
+                "it no longer trains with the others. "
                 "Every rank raises this once the step is applied: the anchor and the parameters "
                 "are consistent. Check that worker's data, inner learning rate and loss scale, "
                 "or pass max_sit_outs=None to go on"
@@ -86,19 +93,18 @@ class SitOuts:
             setattr(self, attribute, list(saved) if len(saved or ()) == workers else [0] * workers)
 
 
-def _message(sitters: list[int], workers: int, step: str, reset: str) -> str:
+def _message(sitters: list[int], workers: int, step: str, reset: str, checked: str) -> str:
     if len(sitters) == workers:
         return (
-            f"DiLoCo: every worker sat out {step} (each one's pseudo-gradient or inner "
-            "optimizer's state held NaN or Inf): the step was skipped, the anchor and the outer "
-            "state unchanged; every worker lost its inner steps since its last outer step (its "
-            f"parameters were reset to the anchors), and {reset}"
+            f"DiLoCo: every worker sat out {step} (on each one, {checked} held NaN or Inf): the "
+            "step was skipped, the anchor and the outer state unchanged; every worker lost its "
+            "inner steps since its last outer step (its parameters were reset to the anchors), "
+            f"and {reset}"
         )
     names = ", ".join(map(str, sitters))
     return (
-        f"DiLoCo: worker(s) {names} sat out {step} (its pseudo-gradient or its inner "
-        f"optimizer's state held NaN or Inf): the mean of the other {workers - len(sitters)} "
-        f"worker(s) was applied. Worker(s) {names} lost the inner steps since the last outer "
-        f"step (the parameters were reset to the anchors), {reset}, and the error feedback was "
-        "kept"
+        f"DiLoCo: worker(s) {names} sat out {step} ({checked} held NaN or Inf): the mean of "
+        f"the other {workers - len(sitters)} worker(s) was applied. Worker(s) {names} lost the "
+        "inner steps since the last outer step (the parameters were reset to the anchors), "
+        f"{reset}, and the error feedback was kept"
     )

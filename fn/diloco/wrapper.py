@@ -265,7 +265,9 @@ class DiLoCo:
         indices = fragment_indices(self._params, fragments)
         self._schedule = StreamSchedule(sync_every, len(indices), delay).checked()
         self.comm = _comm(group, timeout)
-        self._sit_outs = SitOuts(self.comm.world_size, max_sit_outs)
+        self._sit_outs = SitOuts(
+            self.comm.world_size, max_sit_outs, buffers=self._buffers.checked()
+        )
         self.sync_every = sync_every
         self._mix = float(mix)
         outer_options, options = dict(outer_options or {}), dict(compression_options or {})
@@ -417,7 +419,8 @@ class DiLoCo:
             self._exchanger,
             self._rule,
             started_at=started_at,
-            takes_part=self._inner.finite(fragment.params),
+            takes_part=self._inner.finite(fragment.params)
+            & Buffers.finite(captured, local_shard(fragment.params[0]).device),
             header=header,
             delta=None if in_flight is None else in_flight.delta,
             background=False if inline else None,
@@ -460,7 +463,9 @@ class DiLoCo:
     ) -> None:
         """Parameters that started to require grad join ``fragment``: every worker's take the
         participants' mean (fp32, ``cast_allreduce`` over the workers), which is their anchor;
-        their outer state starts fresh. A collective: every worker joins the same ones."""
+        their outer state starts fresh. The synced parameters stay in ``model.parameters()``
+        order (the fragments' indices renumbered). A collective: every worker joins the same
+        ones."""
         shards = [local_shard(q.detach()) for q in params]
         device = shards[0].device
         count = torch.tensor(sum(participants), device=device)
@@ -470,13 +475,21 @@ class DiLoCo:
         )[0]
         for shard, mean in zip(shards, means, strict=True):
             shard.copy_(mean)
-        start = len(self._params)
-        self._params.extend(params)
-        self._synced.update(id(q) for q in params)
-        self._settings["parameters"].extend((tuple(q.shape), str(q.dtype)) for q in params)
         anchor = [x.to(self._anchor_device or x.device, copy=True) for x in shards]
-        self._anchor.extend(anchor)
-        fragment.extend(list(range(start, start + len(params))), params, anchor, self._rule)
+        anchors = {
+            id(q): a for q, a in zip(self._params + params, self._anchor + anchor, strict=True)
+        }
+        self._synced.update(id(q) for q in params)
+        # in model.parameters() order, as a DiLoCo built with them trainable lists them, so
+        # that a checkpoint taken from now on resumes into one
+        self._params = [q for q in self._model.parameters() if id(q) in self._synced]
+        self._anchor = [anchors[id(q)] for q in self._params]
+        position = {id(q): i for i, q in enumerate(self._params)}
+        for other in self._fragments:
+            other.indices = [position[id(q)] for q in other.params]
+        fragment.extend([position[id(q)] for q in params], params, anchor, self._rule)
+        self._settings["parameters"] = [(tuple(q.shape), str(q.dtype)) for q in self._params]
+        self._settings["fragments"] = [f.indices for f in self._fragments]
         names = {id(q): name for name, q in self._model.named_parameters()}
         logger.info(
             "DiLoCo: %s started to require grad; synced from now on in fragment %d (their "

@@ -12,10 +12,21 @@
 - BatchNorm's running statistics: averaged at every outer step (``num_batches_tracked`` equal),
   or kept per worker with ``buffers="local"``; the buffers' exchange itself (one
   ``cast_allreduce`` exchange, the integer values in its header or, past ``HEADER_INTS``, in an
-  all-gather) against the mean over the participants and the first participant's integers.
+  all-gather) against the mean over the participants and the first participant's integers;
+  a bad batch (a NaN sample) whose step the
+  ``GradScaler`` skips leaves the parameters finite but the statistics NaN: that worker sits out,
+  so the NaN never reaches the others;
+- a checkpoint taken after a layer that is not the last joined, resumed into a ``DiLoCo`` built
+  with it trainable: the run goes on bit for bit;
+- a checkpoint taken just after a worker sat out (a NaN loss under AdamW) and just before it
+  sits out again: the resumed run goes on bit for bit, with the sit-outs counted in a row across
+  the resume (``max_sit_outs`` raises at the same step).
 """
 
 from __future__ import annotations
+
+import copy
+import warnings
 
 import pytest
 import torch
@@ -46,6 +57,19 @@ def _batch(rank: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
+
+
+def _step(model: nn.Module, inner: torch.optim.Optimizer, rank: int, t: int) -> None:
+    x, y = _batch(rank, t)
+    nn.functional.mse_loss(model(x), y).backward()
+    inner.step()
+    inner.zero_grad()
+
+
+def _unfreeze(model: nn.Module, inner: torch.optim.Optimizer, layer: int) -> None:
+    """Layer ``layer`` trainable, as a param group of its own."""
+    model[layer].requires_grad_(True)
+    inner.add_param_group({"params": list(model[layer].parameters())})
 
 
 def _scaled(rank: int, counted: bool):
@@ -119,12 +143,8 @@ def _unfrozen(rank: int, only: int | None):
     try:
         for t in range(STEPS):
             if t == 4 and only in (None, rank):
-                model[3].requires_grad_(True)
-                inner.add_param_group({"params": list(model[3].parameters())})
-            x, y = _batch(rank, t)
-            nn.functional.mse_loss(model(x), y).backward()
-            inner.step()
-            inner.zero_grad()
+                _unfreeze(model, inner, 3)
+            _step(model, inner, rank, t)
             if (t + 1) % H == 0:
                 after.append(_params(model))
     except ValueError as err:
@@ -177,6 +197,111 @@ def _buffer_exchange(rank: int):
     return out
 
 
+def _bad_batch(rank: int):
+    """A NaN sample in rank 1's batch at iteration 4 under a real GradScaler (which skips the
+    step): per iteration the outer steps and whether the buffers are finite; at the end the
+    sit-outs, the buffers and an eval output."""
+    model = _net()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    diloco = fn.diloco.DiLoCo(model, inner, sync_every=H, grad_scaler=scaler, timeout=60)
+    finite = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(2 * H):
+            x, y = _batch(rank, t)
+            if (rank, t) == INF_AT:
+                x[0, 0] = float("nan")
+            scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+            scaler.step(inner)
+            scaler.update()
+            inner.zero_grad()
+            finite.append(all(bool(torch.isfinite(b).all()) for b in model.buffers()))
+    model.eval()
+    with torch.no_grad():
+        out = model(_batch(0, 99)[0])
+    messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    return finite, diloco.sat_out, [b.clone() for b in model.buffers()], out, messages
+
+
+def _resumed_after_a_join(rank: int):
+    """The first layer frozen, unfrozen after iteration 1 and added to AdamW as a group of its
+    own; saved after the 2nd outer step; resumed into a DiLoCo built with it trainable (and
+    AdamW with the two groups, as its state holds them): the parameters at the end of both."""
+
+    def build(trainable: bool):
+        model = _net()
+        model[0].requires_grad_(trainable)
+        rest = [
+            p for p in model.parameters() if p.requires_grad and p not in set(model[0].parameters())
+        ]
+        groups = [{"params": rest}] + (
+            [{"params": list(model[0].parameters())}] if trainable else []
+        )
+        inner = torch.optim.AdamW(groups, lr=1e-2)
+        return model, inner, fn.diloco.DiLoCo(model, inner, sync_every=H, timeout=60)
+
+    def train(model, inner, first, last):
+        for t in range(first, last):
+            if t == 1 and not model[0].weight.requires_grad:
+                _unfreeze(model, inner, 0)
+            _step(model, inner, rank, t)
+
+    model, inner, diloco = build(False)
+    train(model, inner, 0, 2 * H)
+    saved = copy.deepcopy(  # as a file would: the optimizer's state_dict() shares its tensors
+        {"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()}
+    )
+    train(model, inner, 2 * H, STEPS)
+    model2, inner2, diloco2 = build(True)
+    model2.load_state_dict(saved["model"])
+    inner2.load_state_dict(saved["inner"])
+    try:
+        diloco2.load_state_dict(saved["diloco"])
+    except ValueError as err:
+        return str(err)
+    train(model2, inner2, 2 * H, STEPS)
+    return _params(model), _params(model2)
+
+
+def _resumed_after_a_sit_out(rank: int):
+    """Rank 1's loss NaN at iterations 4 and 7 (it sits out the outer steps after 5 and 8,
+    ``max_sit_outs=2``), saved after iteration 5: the uninterrupted run and the resumed one,
+    each as the iteration that raised, its error and the parameters; and the sit-outs loaded."""
+
+    def build():
+        model = _net()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, inner, fn.diloco.DiLoCo(model, inner, sync_every=H, max_sit_outs=2)
+
+    def train(model, inner, first, last):
+        error = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the sit-outs'
+            for t in range(first, last):
+                x, y = _batch(rank, t)
+                nan = float("nan") if (rank, t) in ((1, 4), (1, 7)) else 1.0
+                (nn.functional.mse_loss(model(x), y) * nan).backward()
+                try:
+                    inner.step()
+                except RuntimeError as err:
+                    error = (t, str(err))
+                inner.zero_grad()
+        return error, _params(model)
+
+    model, inner, diloco = build()
+    train(model, inner, 0, 2 * H)
+    saved = copy.deepcopy(
+        {"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()}
+    )
+    uninterrupted = train(model, inner, 2 * H, STEPS)
+    model, inner, diloco = build()
+    model.load_state_dict(saved["model"])
+    inner.load_state_dict(saved["inner"])
+    diloco.load_state_dict(saved["diloco"])
+    return uninterrupted, diloco.sat_out, train(model, inner, 2 * H, STEPS)
+
+
 def _faults(rank, world_size):
     del world_size
     results = {
@@ -187,6 +312,9 @@ def _faults(rank, world_size):
         "unfrozen on one": _unfrozen(rank, 1),
         "batchnorm": _batchnorm(rank, "mean"),
         "batchnorm local": _batchnorm(rank, "local"),
+        "bad batch": _bad_batch(rank),
+        "resumed after a join": _resumed_after_a_join(rank),
+        "resumed after a sit-out": _resumed_after_a_sit_out(rank),
     }
     results["mismatch"] = _scaled(rank, counted=False)  # last: leaves a rank's exchange behind
     return results
@@ -301,3 +429,40 @@ def test_the_buffers_exchange_is_the_participants_mean_and_the_first_ones_intege
         expected = (W - 1) * (fn.collectives.HEADER_BYTES + 8 * in_header + 4 * (3 + 4))
         expected += (W - 1) * 8 * ints if large else 0
         assert [r["buffer exchange"][case][1] for r in ranks] == [expected] * W, case
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_bad_batch_under_a_grad_scaler_never_spreads_nan_statistics(ranks):
+    (finite0, sat0, buffers0, out0, messages0), (finite1, sat1, buffers1, out1, messages1) = (
+        r["bad batch"] for r in ranks
+    )
+    _, t = INF_AT  # the bad batch at iteration 4, the outer step after iteration 5
+    assert finite1 == [True] * t + [False, True], finite1  # its statistics NaN until then
+    assert all(finite0)  # the NaN statistics never reached worker 0
+    assert sat0 == sat1 == [0, 1]  # worker 1 sat out the outer step after its bad batch
+    assert messages0 == messages1 and "worker(s) 1 sat out" in messages0[0], messages0
+    assert "its buffers" in messages0[0]
+    assert _equal(buffers0, buffers1)
+    assert torch.isfinite(out0).all() and torch.equal(out0, out1)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_checkpoint_after_a_join_resumes_into_a_diloco_built_with_it_trainable(ranks):
+    for result in (r["resumed after a join"] for r in ranks):
+        assert not isinstance(result, str), result
+        uninterrupted, resumed = result
+        assert _equal(uninterrupted, resumed)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_checkpoint_after_a_sit_out_resumes_bit_for_bit_with_the_sit_outs_in_a_row(ranks):
+    results = [r["resumed after a sit-out"] for r in ranks]
+    for (error, params), sat_out, (resumed_error, resumed_params) in results:
+        assert sat_out == [0, 1]
+        assert error == resumed_error and error[0] == STEPS - 1, error  # the 2nd in a row
+        assert "worker(s) 1 sat out 2 outer steps in a row (max_sit_outs=2)" in error[1]
+        assert _equal(params, resumed_params)
+    assert _equal(results[0][0][1], results[1][0][1])  # every rank the same parameters

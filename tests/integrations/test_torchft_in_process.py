@@ -76,3 +76,19 @@ def test_a_change_of_the_quorum_restarts_only_the_positional_error_feedback(capl
         assert (message in caplog.text) == restarts, kind
         kept = any(bool(e.ne(0).any()) for e in _feedback(diloco))
         assert kept != restarts, kind
+
+
+def test_a_worker_whose_batchnorm_statistics_hold_nan_sits_out():
+    """A NaN sample in a forward pass whose step was skipped (a GradScaler's): the parameters
+    stay finite, BatchNorm's running statistics NaN; the worker sits out (as fn.diloco.DiLoCo's
+    workers do), so that they never reach the others' mean, and says that its buffers may be
+    why."""
+    manager = Manager()
+    group = ProcessGroup(manager, size=2)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = ElasticDiLoCo(model, inner, manager=manager, process_group=group, sync_every=1)
+    model(torch.tensor([[float("nan"), 1.0], [0.0, 1.0]]))  # no backward: the step skipped
+    with pytest.warns(RuntimeWarning, match="its buffers held NaN or Inf"):
+        inner.step()
+    assert diloco.sat_out_steps == 1 and diloco.participants == [False, False]

@@ -115,8 +115,9 @@ class ElasticDiLoCo:
         max_sit_outs: the outer steps in a row this worker may sit out for NaN or Inf before it
             raises (``None``: never).
         buffers: the model's buffers at a committed outer step, as ``fn.diloco.DiLoCo``'s:
-            ``"mean"`` averaged over the step's participants (the others from the first one),
-            ``"local"`` each worker's own.
+            ``"mean"`` averaged over the step's participants (the others from the first one;
+            a worker whose floating buffers hold NaN or Inf sits the step out), ``"local"``
+            each worker's own.
         name: the key of this object's state among the Manager's state dict functions.
 
     Raises:
@@ -297,9 +298,14 @@ class ElasticDiLoCo:
         """This worker sat out for NaN or Inf: its inner optimizer starts afresh; it warns, and
         raises after ``max_sit_outs`` such steps in a row."""
         self._inner.reset()
+        checked = (
+            "pseudo-gradient, its inner optimizer's state or its buffers"
+            if self._buffers.checked()
+            else "pseudo-gradient or its inner optimizer's state"
+        )
         warnings.warn(
-            "ElasticDiLoCo: this worker's pseudo-gradient or its inner optimizer's state held "
-            f"NaN or Inf at inner step {self.inner_steps}: it sat the outer step out (the others' "
+            f"ElasticDiLoCo: this worker's {checked} held NaN or Inf at inner step "
+            f"{self.inner_steps}: it sat the outer step out (the others' "
             f"mean was applied), lost its inner steps since the last outer step (its parameters "
             f"were reset to the anchor), {self._inner.what_reset()}, and its error feedback was "
             "kept (check its data, inner learning rate and loss scale)",
@@ -322,6 +328,7 @@ class ElasticDiLoCo:
         ``(None, None)`` where a collective failed (reported to the Manager, whose commit vote
         then fails)."""
         captured = self._buffers.capture()
+        takes_part = takes_part & Buffers.finite(captured, delta[0].device if delta else None)
         try:
             result = outer_update(
                 self._rule,
