@@ -106,7 +106,7 @@ def _outer(name: str, comm: Simulated):
     """The outer rule of run ``name`` on ``comm``."""
     if name.startswith("sparseloco-1/"):
         k = CHUNK // int(name.split("/")[1])
-        return fn.diloco.sparseloco(k=k, chunk_size=CHUNK, comm=comm)
+        return fn.diloco.sparseloco(lr=1.0, k=k, chunk_size=CHUNK, comm=comm)  # the paper's lr
     return fn.diloco.nesterov(fn.diloco.compression(name, comm=comm))
 
 

@@ -1163,6 +1163,43 @@ def test_diloco_bytes_owners_stay_flat_in_w_in_fewer_round_trips_than_before():
     assert sent[8, "owners"] < 1.5 * sent[4, "owners"] < sent[8, "all-gather"]
 
 
+@pytest.mark.timeout(180)
+def test_diloco_quality_quick_run_tables_every_task_and_orders_the_bytes():
+    """A tiny run of benchmarks/diloco_quality.py: a table per task, dense DiLoCo at +0.00%,
+    int8 sending fewer bytes than dense and every top-k fewer than int8, the owner exchange
+    fewer than the all-gather at 4 workers, and the target line of every compressed method."""
+    proc = _cli("diloco_quality.py", "--quick", timeout=170)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for task in ("lm", "mlp", "regress"):
+        block = out.split(f"### {task}, W = 4")[1].split("###")[0]
+        rows = [line.split(" | ") for line in block.splitlines() if line.startswith("| ")][1:]
+        table = {row[0].removeprefix("| "): row for row in rows}
+        assert list(table) == _load("diloco_quality.py").METHODS.split(",")
+        assert "(+0.00%)" in table["fp32"][2]
+        sent = {
+            name: float(row[-2].split(" / ")[0].replace(",", "")) for name, row in table.items()
+        }
+        topk = [v for name, v in sent.items() if name.startswith("sparseloco")]
+        assert max(topk) < sent["int8"] < sent["fp32"]
+        assert sent["sparseloco-1/32:exchange=owner"] < sent["sparseloco-1/32:exchange=gather"]
+        losses = [float(row[3].split(" (")[0]) for row in table.values()]
+        assert all(0 < loss < 5 for loss in losses)
+    assert out.count("Within 1% of dense DiLoCo after 2 outer steps everywhere:") == 5
+
+
+def test_diloco_quality_parses_methods_and_refuses_unknown_ones():
+    quality = _load("diloco_quality.py")
+    method = quality.parse_method("sparseloco-1/32:lr=2:exchange=owner:chunk=1024")
+    assert (method.kind, method.density) == ("sparseloco", 32)
+    assert method.options == {"lr": 2.0, "exchange": "owner", "chunk": 1024}
+    for bad, message in (("sparseloco", "unknown method"), ("fp32-1/2", "unknown method"),
+                         ("int8:beta=0.9", "takes lr and momentum only"),
+                         ("topk-1/8:nope=1", "unknown option")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            quality.parse_method(bad)
+
+
 def test_diloco_elastic_plan_puts_the_lighthouse_on_a_node_of_its_own():
     proc = _cli("diloco_elastic.py", "--dry-run", "--runs", "2", "--kill-at", "45", timeout=170)
     assert proc.returncode == 0, proc.stderr

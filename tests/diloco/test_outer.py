@@ -77,24 +77,44 @@ def test_nesterov_steps_the_anchor_as_torch_optim_sgd_does():
         torch.testing.assert_close(ours["w"], param, rtol=0, atol=4e-7)
 
 
+def _sparseloco_reference(anchor, drifts, lr, beta, k, chunk_size):
+    """The paper's rule as a loop over workers (_reference.py's top-k all-gathered): the anchor
+    after every outer step, and each worker's accumulator after the last."""
+    expected, current = [], anchor
+    errors = [torch.zeros_like(anchor) for _ in range(W)]
+    for drift in drifts:
+        deltas = [current - (current + drift[r]) for r in range(W)]
+        mean, errors = _reference.topk_allreduce(deltas, errors, k, chunk_size, beta)
+        current = current + mean * torch.tensor(-lr)
+        expected.append(current)
+    return expected, errors
+
+
 def test_sparseloco_is_the_papers_rule_bit_for_bit():
     comm = Simulated(W)
     anchor = torch.randn(37, generator=torch.Generator().manual_seed(4))
     drifts = _workers(anchor, steps=4, seed=5)
     outer = fn.diloco.sparseloco(lr=0.8, beta=0.9, k=3, chunk_size=16, comm=comm)
     got, state = _run(outer, comm, anchor, drifts)
-    expected, current = [], anchor
-    errors = [torch.zeros_like(anchor) for _ in range(W)]
-    for drift in drifts:
-        deltas = [current - (current + drift[r]) for r in range(W)]
-        mean, errors = _reference.topk_allreduce(deltas, errors, 3, 16, 0.9)
-        current = current + mean * torch.tensor(-0.8)
-        expected.append(current)
+    expected, errors = _sparseloco_reference(anchor, drifts, 0.8, 0.9, 3, 16)
     for s, (g, e) in enumerate(zip(got, expected, strict=True)):
         for r in range(W):
             assert torch.equal(g[r], e), (s, r)
     for r in range(W):  # the accumulator is the compressor's error feedback, per rank
         assert torch.equal(state[0].error["w"][r], errors[r])
+
+
+def test_sparseloco_steps_twice_the_mean_by_default():
+    """The default outer learning rate is 2 (the paper's 1 is ``lr=1.0``): the reference's
+    steps at lr 2, bit for bit."""
+    comm = Simulated(W)
+    anchor = torch.randn(40, generator=torch.Generator().manual_seed(10))
+    drifts = _workers(anchor, steps=3, seed=11)
+    outer = fn.diloco.sparseloco(k=2, chunk_size=8, comm=comm, exchange="gather")
+    got, _ = _run(outer, comm, anchor, drifts)
+    expected, _ = _sparseloco_reference(anchor, drifts, 2.0, 0.95, 2, 8)
+    for s, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert all(torch.equal(g[r], e) for r in range(W)), s
 
 
 def test_sparseloco_with_the_owner_exchange_is_its_reference_bit_for_bit():
