@@ -228,14 +228,13 @@ class Worker:
             return
         if t == death.get("after"):
             os.kill(os.getpid(), signal.SIGKILL)
-        if t == death.get("in_exchange"):
-            comm, all_gather = diloco.comm, diloco.comm.all_gather
+        if t == death.get("in_exchange"):  # the outer step's first collective: its message
 
-            def dying(x):  # the participation's all-gather has run: die in the next one
-                comm.all_gather = lambda y: os.kill(os.getpid(), signal.SIGKILL)
-                return all_gather(x)
+            def dying(*args, **kwargs):
+                os.kill(os.getpid(), signal.SIGKILL)
 
-            comm.all_gather = dying
+            for collective in ("all_reduce", "all_gather", "all_to_all", "reduce_scatter"):
+                setattr(diloco.comm, collective, dying)
 
     def maybe_nan(self, net) -> None:
         nan = self.config.get("nan_at")
