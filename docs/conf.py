@@ -346,7 +346,15 @@ API_GROUPS: dict[str, list[tuple[str, str]]] = {
             "onebit_allreduce loco_allreduce quantized_allreduce dense_allreduce"
             " topk_allreduce cast_allreduce",
         ),
-        ("States", "OnebitAllreduceState LocoAllreduceState TopkAllreduceState"),
+        (
+            "States",
+            "OnebitAllreduceState LocoAllreduceState TopkAllreduceState TopkOwnerState",
+        ),
+        (
+            "Exchanges and their header",
+            "Compressor Exchanged HEADER_BYTES topk_exchange_form TOPK_EXCHANGES"
+            " cast_exchange_form",
+        ),
         ("Participation", "Participation participants_mean"),
         ("Errors and exit", "CollectiveTimeoutError exit_distributed"),
         (

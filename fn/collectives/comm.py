@@ -99,7 +99,7 @@ class ByteCounter:
 
     @property
     def bytes_received(self) -> int:
-        """The bytes this rank has received: a collective's are what it sends, a
+        """The bytes this rank has received; a collective's are what it sends, a
         point-to-point receive's its message."""
         return int(self._counter._bytes_by_hop[1].sum())
 

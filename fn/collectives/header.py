@@ -54,8 +54,8 @@ __all__ = [
 _DIGIT = 2**24  # every integer below 2^24 is exact in fp32
 
 HEADER_BYTES = 20
-"""The bytes of the header in front of every row of an exchange's message: five fp32 values
-(and 8 bytes for each value the caller adds, :func:`sealed`'s ``extra``).
+"""The bytes of the header in front of every row of an exchange's message, five fp32 values
+(and 8 bytes for each value the caller adds, ``sealed``'s ``extra``).
 
 Example:
     >>> fn.collectives.HEADER_BYTES

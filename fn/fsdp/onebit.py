@@ -223,8 +223,8 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
 
     @property
     def max_grad_norm(self) -> float | None:
-        """As ``fn.optim.OnebitFamily.max_grad_norm`` (the same check,
-        ``fn.transforms.clipping.check_max_norm``; see the class's Args), compared across the
+        """As ``fn.optim.OnebitFamily.max_grad_norm`` (the same check, fn's one clipping
+        definition; see the class's Args), compared across the
         ranks in the next ``step()``'s first exchange.
 
         Raises:
