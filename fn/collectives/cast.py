@@ -57,6 +57,14 @@ def cast_exchange_form(n: int, itemsize: int, world_size: int) -> str:
     so ``"gather"`` (one collective instead of two) at ``W = 2``, ``"owner"`` from ``W = 3`` on
     but for a few values. Both give the same bits.
 
+    Args:
+        n: the values exchanged.
+        itemsize: the bytes of one value in the message (4 for fp32, 2 for bf16).
+        world_size: ``W``, the ranks.
+
+    Returns:
+        ``"gather"`` or ``"owner"``.
+
     Example:
         >>> from fn.collectives import cast_exchange_form
         >>> [cast_exchange_form(1000, 4, w) for w in (2, 3, 8)]

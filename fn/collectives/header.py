@@ -106,6 +106,11 @@ class Compressor(NamedTuple):
       ``W`` where every rank takes part, and of ``update``). The sizes and settings must
       already be agreed (module docstring).
 
+    Attributes:
+        init: ``init(params)``, the state, as a GradientTransformation's.
+        update: the transform on its own, as above.
+        exchange: the outer exchange, as above.
+
     Example:
         >>> tx = fn.collectives.topk_allreduce(2, 8, comm=fn.collectives.Local())
         >>> isinstance(tx, fn.collectives.Compressor), sorted(tx._fields)

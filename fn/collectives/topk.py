@@ -55,10 +55,10 @@ __all__ = [
 ]
 
 TOPK_EXCHANGES = ("gather", "owner", "auto")
-"""How :func:`topk_allreduce` exchanges its messages: ``"gather"`` (every rank all-gathers every
-rank's message), ``"owner"`` (each rank reduces the chunks it owns and the owners' results are
-all-gathered, :class:`TopkOwnerState`), ``"auto"`` (:func:`topk_exchange_form` chooses, at
-``init``).
+"""How :func:`topk_allreduce` exchanges its messages, one of ``"gather"`` (every rank
+all-gathers every rank's message), ``"owner"`` (each rank reduces the chunks it owns and the
+owners' results are all-gathered, :class:`TopkOwnerState`), ``"auto"``
+(:func:`topk_exchange_form` chooses, at ``init``).
 
 Example:
     >>> fn.collectives.TOPK_EXCHANGES

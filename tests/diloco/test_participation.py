@@ -146,8 +146,8 @@ def test_the_outer_rules_step_over_the_participants(kind):
         if any(mask):
             deltas = [anchor - params[r] for r in range(W)]
             mean = reference.mean(deltas, mask)
-            if kind == "sparseloco":  # lr 1: the mean itself
-                anchor = anchor + mean * torch.tensor(-1.0)
+            if kind == "sparseloco":  # its default lr 2: twice the mean
+                anchor = anchor + mean * torch.tensor(-2.0)
             else:
                 momentum = momentum * 0.9 + mean
                 anchor = anchor + torch.add(mean, momentum, alpha=0.9) * torch.tensor(-0.7)
