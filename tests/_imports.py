@@ -66,3 +66,10 @@ def optional_imports(source: str) -> set[str]:
 def missing_packages(source: str) -> list[str]:
     """The packages of :func:`optional_imports` that are not installed here."""
     return sorted(n for n in optional_imports(source) if importlib.util.find_spec(n) is None)
+
+
+def missing_for_module(name: str) -> list[str]:
+    """The packages of :func:`missing_packages` that importing ``fn``'s module ``name`` needs
+    (``fn.integrations.torchtitan`` where torchtitan is not installed)."""
+    path = _fn_file(name)
+    return [] if path is None else missing_packages(path.read_text(encoding="utf-8"))
