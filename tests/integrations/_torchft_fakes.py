@@ -57,6 +57,7 @@ class Manager:
     def __init__(self, rank: int = 0) -> None:
         self.error: Exception | None = None
         self.rank, self.step, self.registered = rank, 0, []
+        self.state_fns: dict[str, tuple] = {}
 
     def errored(self) -> Exception | None:
         return self.error
@@ -69,6 +70,7 @@ class Manager:
 
     def register_state_dict_fn(self, key, load_state_dict, state_dict) -> None:
         self.registered.append(key)
+        self.state_fns[key] = (load_state_dict, state_dict)
 
     def start_quorum(self) -> None:
         self.error = None

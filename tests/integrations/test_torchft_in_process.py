@@ -1,7 +1,8 @@
 """fn.integrations.torchft in one process, over stand-ins for torchft's Manager and process
 group (tests/integrations/_torchft_fakes.py): a failed collective is reported to the Manager and
 returns zeros, and the collectives after it send nothing; what is not built is refused with its
-reason; a change of the quorum restarts 1-bit's and LoCo's error feedback, not top-k's."""
+reason; a change of the quorum restarts 1-bit's and LoCo's error feedback, not top-k's; a
+recovering worker lays its state out as its peers do."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("torchft", reason="torchft is in the 'torchft' extra")
+from fn.collectives import topk_exchange_form  # noqa: E402
 from fn.integrations.torchft import ElasticDiLoCo, ManagerComm  # noqa: E402
 from tests.integrations._torchft_fakes import Manager, ProcessGroup  # noqa: E402
 
@@ -92,3 +94,39 @@ def test_a_worker_whose_batchnorm_statistics_hold_nan_sits_out():
     with pytest.warns(RuntimeWarning, match="its buffers held NaN or Inf"):
         inner.step()
     assert diloco.sat_out_steps == 1 and diloco.participants == [False, False]
+
+
+def test_a_recovering_worker_lays_top_k_out_as_its_peers_do():
+    """At 3 workers top-k's ``"auto"`` exchange is the owner-partitioned one here: the first
+    quorum lays a worker's state out for it (as ``fn.diloco.DiLoCo`` on 3 workers does), and a
+    worker that recovers from that peer holds the same layout (it held the owner's error
+    feedback while its peers did not: their exchange's layouts differed, and every worker
+    failed)."""
+    assert topk_exchange_form(chunks=3, k=16, chunk_size=128, world_size=3) == "owner"
+    workers = []
+    for rank in (0, 1):
+        manager = Manager(rank=rank)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        diloco = ElasticDiLoCo(
+            model,
+            inner,
+            manager=manager,
+            process_group=ProcessGroup(manager, size=3),
+            sync_every=1,
+            compression="topk",
+            compression_options={"k": 16, "chunk_size": 128},
+        )
+        workers.append((model, inner, manager, diloco))
+    model, inner, manager, peer = workers[0]
+    model(torch.ones(2, 8)).sum().backward()
+    inner.step()  # the peer's first outer step, among 3 workers
+    _, _, joining_manager, joining = workers[1]
+    load, _ = joining_manager.state_fns["fn.diloco"]
+    _, save = manager.state_fns["fn.diloco"]
+    load(save())  # torchft's recovery, inside the joining worker's start_quorum
+    assert joining.outer_steps == peer.outer_steps == 1
+    shapes = [[e.shape for e in _feedback(d)] for d in (peer, joining)]
+    assert shapes[0] == shapes[1]
+    assert len(shapes[0]) == len(list(model.parameters())) + 1  # with the owner's error

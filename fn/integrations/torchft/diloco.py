@@ -11,11 +11,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torchft import Manager
 
 from fn.base import OptState
-from fn.collectives import Local, error_feedback_leaves
+from fn.collectives import Local, TopkOwnerState, error_feedback_leaves
 from fn.diloco import OuterStep, outer_update, pseudo_gradient
 from fn.diloco.buffers import Buffers, CapturedBuffers
 from fn.diloco.checkpoint import diloco_state_dict, initializing_optimizer_state, restored
@@ -36,7 +37,10 @@ POSITIONAL_COMPRESSIONS = ("onebit", "loco4")
 to a multiple of the number of workers ``W``; LoCo's all-gather error is rank ``r``'s chunk, and
 its errors are padded to ``W`` groups. Where the quorum's ``W`` or this worker's rank changes,
 their error feedback restarts from zero (logged). ``"topk"``'s (and ``"sparseloco"``'s
-accumulator) is laid out as the parameters and carries over.
+accumulator) is laid out as the parameters and carries over, but for the owner's error of its
+owner-partitioned exchange (:class:`~fn.collectives.TopkOwnerState`'s ``server_error``, the
+chunks this rank owns), which restarts; and where the quorum's ``W`` changes the exchange
+``"auto"`` chooses (:func:`~fn.collectives.topk_exchange_form`), all of it restarts.
 
 Example:
     >>> from fn.integrations.torchft import POSITIONAL_COMPRESSIONS
@@ -59,6 +63,23 @@ def _merged(shared: list[Any], fresh: OptState) -> OptState:
         value = next(kept)
         out.append(value.to(leaf.device, copy=True) if isinstance(leaf, torch.Tensor) else value)
     return tree_unflatten(out, spec)
+
+
+def _laid_out_by_position(state: OptState) -> list[bool]:
+    """Which leaves of ``state`` (in :func:`fn.tree.tree_flatten` order) belong to this worker's
+    place in the quorum: those of a :class:`~fn.collectives.TopkOwnerState`'s ``server_error``
+    (the chunks this rank owns)."""
+
+    def marked(x: Any) -> Any:
+        if isinstance(x, TopkOwnerState):
+            return TopkOwnerState(
+                pytree.tree_map(lambda _: False, x.error),
+                pytree.tree_map(lambda _: True, x.server_error),
+            )
+        return False
+
+    owner_or_leaf = lambda x: x is None or isinstance(x, TopkOwnerState)  # noqa: E731
+    return tree_flatten(pytree.tree_map(marked, state, is_leaf=owner_or_leaf))[0]
 
 
 class ElasticDiLoCo:
@@ -352,22 +373,38 @@ class ElasticDiLoCo:
             return None, None
 
     def _fit_state_to_quorum(self) -> None:
-        """Lays the error feedback out for this quorum: that of the positional compressions
-        restarts from zero where ``W`` or this worker's rank changed."""
+        """Lays the state out for this quorum, as the rule initializes it for its ``W`` and this
+        worker's rank: the error feedback laid out by position restarts from zero where ``W``
+        or this rank changed (all of it where the state's structure changed: top-k's
+        ``"auto"`` exchange choosing the other form); the rest carries over."""
         position = (self.comm.world_size, self.comm.rank)
         if self._position == position:
             return
-        if self._positional:
-            shared = self._shared_leaves(self._state)
-            had = self._position is not None
-            self._state = _merged(shared, self._rule.init(self._anchor))
-            if had:
-                logger.info(
-                    "fn.integrations.torchft: the quorum changed (%d workers, rank %d -> %d "
-                    "workers, rank %d); the error feedback of this compression restarts from zero",
-                    *self._position,
-                    *position,
-                )
+        fresh = self._rule.init(self._anchor)
+        old_leaves, old_spec = tree_flatten(self._state)
+        fresh_leaves, spec = tree_flatten(fresh)
+        if self._positional or old_spec != spec:
+            keep = [False] * len(fresh_leaves)
+        else:
+            keep = [not p for p in _laid_out_by_position(fresh)]
+        feedback = error_feedback_leaves(fresh)
+        shared = iter(self._shared_leaves(self._state))
+        out = []
+        for i, (leaf, is_feedback) in enumerate(zip(fresh_leaves, feedback, strict=True)):
+            if not is_feedback:
+                out.append(next(shared))
+            else:
+                out.append(old_leaves[i] if keep[i] else leaf)
+        self._state = tree_unflatten(out, spec)
+        if self._position is not None and not all(
+            k for k, f in zip(keep, feedback, strict=True) if f
+        ):
+            logger.info(
+                "fn.integrations.torchft: the quorum changed (%d workers, rank %d -> %d "
+                "workers, rank %d); the error feedback laid out by position restarts from zero",
+                *self._position,
+                *position,
+            )
         self._position = position
 
     def _shared_leaves(self, state: OptState) -> list[Any]:
