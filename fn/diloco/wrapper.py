@@ -353,6 +353,35 @@ class DiLoCo:
         """
         self._hook.remove()
 
+    def close(self) -> None:
+        """Ends this DiLoCo: detaches its hook (as :meth:`remove`) and waits for an exchange in
+        flight (``delay > 0``) to end, without applying it (the anchor, the outer state and the
+        error feedback stay as before that exchange, on every rank). Afterwards none of its
+        collectives runs, so the process group may be destroyed, or another DiLoCo built on it,
+        without a collective left running on the exchange's thread. To apply that exchange and
+        end on one anchor instead, call :meth:`sync` first. Every rank must call it at the same
+        point.
+
+        Raises:
+            RuntimeError: the exchange in flight failed on its thread (chained).
+
+        Example:
+            >>> model = torch.nn.Linear(2, 1)
+            >>> inner = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> diloco = fn.diloco.DiLoCo(model, inner, sync_every=2, delay=1)
+            >>> model(torch.ones(1, 2)).sum().backward()
+            >>> inner.step()  # starts an exchange, to be applied at the next step
+            >>> diloco.state_dict()["in_flight"]["fragment"]
+            0
+            >>> diloco.close()
+            >>> diloco.state_dict()["in_flight"]["fragment"], diloco.outer_steps
+            (None, 0)
+        """
+        self.remove()
+        for fragment in self._fragments:
+            if fragment.flight is not None:
+                fragment.finish()
+
     def count_inner_step(self) -> None:
         """Counts one inner step that the counter did not see, and runs the schedule as after
         it: call it once for a loop iteration whose ``step()`` did not run (it raised, e.g.

@@ -146,3 +146,23 @@ def test_a_caught_step_counts_with_count_inner_step_and_a_grad_scaler_counts_upd
     scaler.step(inner)
     scaler.update()
     assert "update" not in vars(scaler) and diloco.inner_steps == 4
+
+
+def test_close_waits_for_the_exchange_in_flight_and_applies_nothing():
+    model = _model()
+    start = [p.detach().clone() for p in model.parameters()]
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = fn.diloco.DiLoCo(model, inner, sync_every=4, fragments=2, delay=1)
+    for step in range(3):
+        _step(model, inner, step)  # fragment 1's exchange starts after step 2 (of 4 per H)
+    assert diloco.state_dict()["in_flight"]["fragment"] is not None
+    trained = [p.detach().clone() for p in model.parameters()]
+    diloco.close()
+    state = diloco.state_dict()
+    assert state["in_flight"]["fragment"] is None and diloco.outer_steps == 1
+    _step(model, inner, 3)  # no longer counted, and no outer step lands
+    assert diloco.inner_steps == 3 and diloco.outer_steps == 1
+    moved = [p.detach() for p in model.parameters()]
+    assert not any(torch.equal(a, b) for a, b in zip(trained, moved, strict=True))
+    anchors = state["anchor"]
+    assert any(torch.equal(a, s) for a, s in zip(anchors, start, strict=True))  # fragment 1's
