@@ -59,14 +59,9 @@ from fn.collectives.quantized import *  # noqa: F403
 from fn.collectives.quantized import LocoAllreduceState, QuantizedError
 from fn.collectives.quantized import __all__ as _quantized_all
 from fn.collectives.simulated import Simulated, SimulatedGroup, replicate, simulate
-from fn.collectives.topk import (
-    TOPK_EXCHANGES,
-    TopkAllreduceState,
-    TopkOwnerState,
-    topk_allreduce,
-    topk_exchange_form,
-    topk_message_bytes,
-)
+from fn.collectives.topk import *  # noqa: F403
+from fn.collectives.topk import TopkAllreduceState, TopkOwnerState
+from fn.collectives.topk import __all__ as _topk_all
 
 # The state classes, for torch.load's default weights_only=True (see fn/__init__.py).
 torch.serialization.add_safe_globals(
@@ -107,12 +102,7 @@ __all__ = [
     "OnebitAllreduceState",
     "onebit_allreduce",
     *_quantized_all,
-    "TopkAllreduceState",
-    "TopkOwnerState",
-    "TOPK_EXCHANGES",
-    "topk_allreduce",
-    "topk_exchange_form",
-    "topk_message_bytes",
+    *_topk_all,
     "HEADER_BYTES",
     "Compressor",
     "Exchanged",

@@ -21,11 +21,9 @@ from fn.collectives.header import (
     HEADER_BYTES,
     Compressor,
     Exchanged,
+    exchange_rows,
     flag_of,
     gathered,
-    opened,
-    participation_of,
-    sealed,
 )
 from fn.collectives.participation import participants_mean, sent
 from fn.tree import tree_flatten, tree_unflatten
@@ -164,18 +162,16 @@ def cast_allreduce(dtype: torch.dtype = torch.float32, *, comm: Comm) -> Compres
         layout = [(i, leaves[i].numel()) for i in live] + [(-1, size), (-3, form == "owner")]
         checksum = _sizes.layout_checksum(layout)
         flat = torch.where(flag, flat, 0).to(dtype)
-        if form == "gather":
-            message = sealed(_bytes(flat, 1), flag, n, checksum, extra=extra).view(-1)
-            got = opened(gathered(comm, message), n, _WHAT, checksum, len(extra))
-            total = kernels.sum_ranks(_values(got.payload, dtype))
-            mean = participants_mean(total, world_size, participation_of(flag, got)).to(dtype)
-        else:
-            padded = torch.nn.functional.pad(flat, (0, -n % world_size))
-            rows = sealed(_bytes(padded, world_size), flag, n, checksum, True, extra)
-            got = opened(comm.all_to_all(rows), n, _WHAT, checksum, len(extra))
-            total = kernels.sum_ranks(_values(got.payload, dtype))
-            shard = participants_mean(total, world_size, participation_of(flag, got)).to(dtype)
-            mean = gathered(comm, shard).reshape(-1)[:n]
+        owner = form == "owner"
+        sent = torch.nn.functional.pad(flat, (0, -n % world_size)) if owner else flat
+        payload = _bytes(sent, world_size if owner else 1)
+        got, part = exchange_rows(
+            comm, payload, flag, n, _WHAT, checksum, to_each=owner, extra=extra
+        )
+        total = kernels.sum_ranks(_values(got.payload, dtype))
+        mean = participants_mean(total, world_size, part).to(dtype)
+        if owner:
+            mean = gathered(comm, mean).reshape(-1)[:n]
         return Exchanged(_unflattened(mean, leaves, spec, live), state, got.flags, got.extra)
 
     return Compressor(init_fn, update_fn, exchange_fn)

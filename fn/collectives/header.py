@@ -49,6 +49,7 @@ __all__ = [
     "sealed",
     "Opened",
     "opened",
+    "exchange_rows",
 ]
 
 _DIGIT = 2**24  # every integer below 2^24 is exact in fp32
@@ -276,3 +277,56 @@ def participation_of(flag: torch.Tensor, got: Opened) -> Participation:
         tensor(1)
     """
     return Participation(flag, got.flags.sum())
+
+
+def exchange_rows(
+    comm: Any,
+    payload: torch.Tensor,
+    flag: torch.Tensor,
+    n: int,
+    what: str,
+    checksum: int,
+    *,
+    to_each: bool = False,
+    extra: Sequence[int] = (),
+) -> tuple[Opened, Participation]:
+    """One collective of an exchange: ``payload`` with the header in front of every row
+    (:func:`sealed`), sent, and every rank's row opened (:func:`opened`), with this rank's
+    participation read from their flags (:func:`participation_of`).
+
+    Args:
+        comm: the ranks.
+        payload: uint8, one row that every rank receives (``[1, bytes]``, all-gathered by
+            :func:`gathered`), or with ``to_each`` one row per rank (``[W, bytes]``, an
+            all_to_all: row ``i`` to rank ``i``).
+        flag: [] bool, whether this rank takes part.
+        n: the call's element count.
+        what: the caller's name, which starts a mismatch's message.
+        checksum: the 24-bit checksum of the call's layout and settings.
+        to_each: an all_to_all of ``W`` rows, each sealed with its slot.
+        extra: integers the ranks compare (:func:`sealed`).
+
+    Returns:
+        ``(got, participation)``: the received rows, row ``i`` from rank ``i``
+        (:class:`Opened`), and this rank's participation.
+
+    Raises:
+        ValueError: a size record differs (the same on every rank), or ``extra`` holds a value
+            outside ``[0, 2^48)``.
+
+    Example:
+        >>> from fn.collectives import Simulated, simulate
+        >>> from fn.collectives.header import exchange_rows
+        >>> comm = Simulated(2)
+        >>> def rows(x, flag):
+        ...     got, part = exchange_rows(comm, x.view(1, 1), flag, 1, "example", 0)
+        ...     return got.payload, part.count
+        >>> x, flags = torch.tensor([[3], [5]], dtype=torch.uint8), torch.tensor([True, False])
+        >>> payload, count = simulate(rows, comm)(x, flags)
+        >>> payload[0].view(-1), count[0]
+        (tensor([3, 5], dtype=torch.uint8), tensor(1))
+    """
+    rows = sealed(payload, flag, n, checksum, slots=to_each, extra=extra)
+    received = comm.all_to_all(rows) if to_each else gathered(comm, rows.view(-1))
+    got = opened(received, n, what, checksum, len(extra))
+    return got, participation_of(flag, got)

@@ -39,15 +39,7 @@ from fn.collectives import _sizes
 from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
-from fn.collectives.header import (
-    Compressor,
-    Exchanged,
-    flag_of,
-    gathered,
-    opened,
-    participation_of,
-    sealed,
-)
+from fn.collectives.header import Compressor, Exchanged, exchange_rows, flag_of, gathered
 from fn.collectives.participation import Participation, kept, participants_mean, sent
 from fn.collectives.process_group import ProcessGroup
 from fn.errors import NonFiniteError, finite_or_raise
@@ -836,9 +828,8 @@ def _exchanged(
     padded = [torch.where(flag, v, 0.0) for v in padded]
     first = [_feedback(v, e[0], plan, err_beta) for v, e in zip(padded, errors, strict=True)]
     rows = _rows([q for q, _, _ in first], [s for _, s, _ in first], world_size)
-    rows = sealed(torch.where(flag, rows, 0), flag, n, checksum, True, extra)
-    got = opened(world.all_to_all(rows), n, _WHAT, checksum, len(extra))
-    part = participation_of(flag, got)
+    rows = torch.where(flag, rows, 0)
+    got, part = exchange_rows(world, rows, flag, n, _WHAT, checksum, to_each=True, extra=extra)
     if not live:
         return [], [], part, got
     pieces = _split(got.payload, first, world_size)

@@ -31,16 +31,7 @@ from fn.collectives._topk_code import (
 )
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
-from fn.collectives.header import (
-    HEADER_BYTES,
-    Compressor,
-    Exchanged,
-    flag_of,
-    gathered,
-    opened,
-    participation_of,
-    sealed,
-)
+from fn.collectives.header import HEADER_BYTES, Compressor, Exchanged, exchange_rows, flag_of
 from fn.collectives.topk_owner import TopkOwnerState, owner_form
 from fn.errors import finite_or_raise
 from fn.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
@@ -279,9 +270,7 @@ def _gather_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compresso
         n = sum(leaves[i].numel() for i in live)
         checksum = exchange_checksum(leaves, live, k, chunk_size, 0)
         message = torch.where(flag, layout.encode(worked.mine), 0)
-        message = sealed(message, flag, n, checksum, extra=extra).view(-1)
-        got = opened(gathered(comm, message), n, WHAT, checksum, len(extra))
-        part = participation_of(flag, got)
+        got, part = exchange_rows(comm, message, flag, n, WHAT, checksum, extra=extra)
         mean = mean_of(got.payload, layout, chunk_size, comm.world_size, part)
         out, new_errors = finished(worked, flag, mean, leaves, errors, live, chunk_size)
         new_state = TopkAllreduceState(tree_unflatten(new_errors, spec))

@@ -34,15 +34,7 @@ from fn.collectives._topk_code import (
 )
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
-from fn.collectives.header import (
-    Compressor,
-    Exchanged,
-    flag_of,
-    gathered,
-    opened,
-    participation_of,
-    sealed,
-)
+from fn.collectives.header import Compressor, Exchanged, exchange_rows, flag_of
 from fn.errors import finite_or_raise
 from fn.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
@@ -110,14 +102,12 @@ def owner_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compressor:
         checksum = exchange_checksum(leaves, live, k, chunk_size, 1)
         layout = Layout(share, k, width)
         rows = layout.encode(padded(worked.mine, world_size * share), rows=world_size)
-        rows = sealed(torch.where(flag, rows, 0), flag, n, checksum, slots=True, extra=extra)
-        got = opened(comm.all_to_all(rows), n, WHAT, checksum, len(extra))
-        part = participation_of(flag, got)
+        rows = torch.where(flag, rows, 0)
+        got, part = exchange_rows(comm, rows, flag, n, WHAT, checksum, to_each=True, extra=extra)
         server, server_error = _server_step(got, layout, state.server_error, leaves, live, part)
         server_flag = torch.isfinite(server.scales).all()
         message = torch.where(server_flag, layout.encode(server), 0)
-        message = sealed(message, server_flag, n, checksum).view(-1)
-        slices = opened(gathered(comm, message), n, WHAT, checksum)
+        slices, _ = exchange_rows(comm, message, server_flag, n, WHAT, checksum)
         result = torch.cat(
             [dense(layout.decode(slices.payload[r]), chunk_size) for r in range(world_size)]
         )
