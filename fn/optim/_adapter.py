@@ -162,6 +162,21 @@ class FunctionalOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- construction
 
+    @property
+    def group_runtimes(self) -> list[GroupRuntime]:
+        """Each param group's runtime, in ``param_groups`` order, with its transform,
+        hyperparameters, functional state and flat layout (what fn.optim's checkpoints, the
+        DeepSpeed import and the DDP detection read; change them through the optimizer's
+        methods).
+
+        Example:
+            >>> params = [torch.nn.Parameter(torch.zeros(2))]
+            >>> opt = fn.optim.FunctionalOptimizer(params, fn.sgd(0.1))
+            >>> [runtime.step for runtime in opt.group_runtimes]
+            [0]
+        """
+        return self._groups
+
     def _make_transform(self, index: int, hyper: dict[str, Any]) -> Transform:
         """The transform of group ``index`` (for subclasses) built from its hyperparameters."""
         return self._transform if self._fixed else self._transform(**hyper)
@@ -444,5 +459,5 @@ class FunctionalOptimizer(torch.optim.Optimizer):
                 optimizer's), an invalid hyperparameter, a non-finite value or a negative second
                 moment; the message names the group and the field. Nothing was changed.
         """
-        load(plan_load(state_dict, self), self)
+        load(plan_load(state_dict, self, self._hyper, self._make_transform), self)
         self._sync_checks.start_due = True

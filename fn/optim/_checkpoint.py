@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -447,7 +447,7 @@ def save_state(optimizer: Any, gathered: GatheredErrorFeedback | None) -> dict[s
             ``None``.
     """
     state, comm = {}, optimizer.comm
-    for index, runtime in enumerate(optimizer._groups):
+    for index, runtime in enumerate(optimizer.group_runtimes):
         runtime.flat.sync_master()
         master = runtime.flat.master.clone() if runtime.flat.has_master_copy else None
         state[index] = GroupRecord(
@@ -474,13 +474,20 @@ class LoadPlan(NamedTuple):
     record: GroupRecord
 
 
-def plan_load(state_dict: Any, optimizer: Any) -> list[LoadPlan]:
+def plan_load(
+    state_dict: Any,
+    optimizer: Any,
+    hyperparameters: Callable[[dict[str, Any]], dict[str, Any]],
+    make_transform: Callable[[int, dict[str, Any]], Any],
+) -> list[LoadPlan]:
     """Reads and checks every group's record of an optimizer ``state_dict`` (all before any is
     loaded) and warns (at ``load_state_dict``'s caller) of the error feedback it resets.
 
     Args:
         state_dict: what ``load_state_dict`` was given.
         optimizer: the ``FunctionalOptimizer`` loading it.
+        hyperparameters: a param group's hyperparameters, from the group's dict.
+        make_transform: group ``index``'s transform built from hyperparameters.
 
     Returns:
         One plan per group.
@@ -493,14 +500,14 @@ def plan_load(state_dict: Any, optimizer: Any) -> list[LoadPlan]:
     plans = []
     worlds, foreign = set(), set()
     for index, (group, saved, runtime) in enumerate(
-        zip(optimizer.param_groups, saved_groups, optimizer._groups, strict=True)
+        zip(optimizer.param_groups, saved_groups, optimizer.group_runtimes, strict=True)
     ):
         record = _read_record(index, records, saved, group, runtime)
         if "lr" in saved:
             lr_value(index, saved["lr"], "in the checkpoint")
-        hyper = read_lr({k: saved.get(k, v) for k, v in optimizer._hyper(group).items()})
+        hyper = read_lr({k: saved.get(k, v) for k, v in hyperparameters(group).items()})
         try:
-            transform = optimizer._make_transform(index, hyper)
+            transform = make_transform(index, hyper)
         except (TypeError, ValueError) as err:
             raise ValueError(
                 f"param group {index}: the checkpoint's hyperparameters are invalid: {err}"
@@ -590,7 +597,9 @@ def _restored_state(
 def load(plans: Sequence[LoadPlan], optimizer: Any) -> None:
     """Sets every group's hyperparameters, transform, state, step count and master from its
     plan (:func:`plan_load`)."""
-    for plan, group, runtime in zip(plans, optimizer.param_groups, optimizer._groups, strict=True):
+    for plan, group, runtime in zip(
+        plans, optimizer.param_groups, optimizer.group_runtimes, strict=True
+    ):
         group.update({k: v for k, v in plan.saved.items() if k != "params"})
         runtime.transform, runtime.hyper = plan.transform, plan.hyper
         runtime.state, runtime.spare, runtime.step = plan.state, None, plan.record.step
@@ -747,7 +756,7 @@ class PerRankState:
         name."""
         saved = self.optimizer.state_dict()
         rank = getattr(self.optimizer.comm, "rank", 0)
-        groups = self.optimizer._groups
+        groups = self.optimizer.group_runtimes
         state = {}
         for index, record in saved["state"].items():
             record.pop("rank", None)

@@ -46,7 +46,7 @@ def communicates_gradients(optimizer: Any) -> bool:
     registered = getattr(optimizer, "takes_averaged_grads", False)
     return any(
         runtime.sync or (isinstance(runtime.transform, CompressedOptimizer) and not registered)
-        for runtime in optimizer._groups
+        for runtime in optimizer.group_runtimes
     )
 
 
@@ -97,7 +97,7 @@ def warn_if_averaged(optimizer: Any, grads: Sequence[torch.Tensor]) -> bool:
         return False
     if not averaged_already(comm, grads):
         return False
-    onebit = any(isinstance(r.transform, CompressedOptimizer) for r in optimizer._groups)
+    onebit = any(isinstance(r.transform, CompressedOptimizer) for r in optimizer.group_runtimes)
     cost = (
         "DDP averages every gradient densely, in the compressed phase too, so the 1-bit "
         "compression saves no traffic"

@@ -290,7 +290,7 @@ def _import_state(optimizer: Any, kind: str, state_dict: Mapping[str, Any]) -> N
     updates = max(next(iter(steps), 1) - 1, 0)
     saved = optimizer.state_dict()
     for index, ((per_param, step), ds_group) in enumerate(zip(records, ds_groups, strict=True)):
-        runtime = optimizer._groups[index]
+        runtime = optimizer.group_runtimes[index]
         fields = _fields(kind, per_param, runtime.state, updates, optimizer.param_groups[index])
         if optimizer.flatten:  # fn's one-leaf compression: the group's moments as one leaf
             fields = {
