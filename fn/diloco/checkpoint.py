@@ -29,6 +29,7 @@ from fn.tree import tree_flatten, tree_unflatten
 
 __all__ = [
     "PER_RANK",
+    "settings_record",
     "own_key",
     "InFlight",
     "diloco_state_dict",
@@ -39,6 +40,49 @@ __all__ = [
 
 PER_RANK = "per_rank"
 """The key of the per-rank entries of a DiLoCo state dict, each under :func:`own_key`."""
+
+
+def settings_record(
+    *,
+    sync_every: int,
+    fragments: list[list[int]],
+    delay: int,
+    mix: float,
+    outer: tuple[str, Mapping[str, Any]],
+    compression: tuple[str | None, Mapping[str, Any]],
+    params: Sequence[torch.Tensor],
+) -> dict[str, Any]:
+    """The settings a DiLoCo state dict records (``state["settings"]``, as their ``repr``) and
+    that every worker must share: a checkpoint loads only under the same.
+
+    Args:
+        sync_every: ``H``.
+        fragments: the trainable parameters' indices of each fragment.
+        delay: the streaming delay.
+        mix: the share of a worker's own parameters kept at a delayed outer step.
+        outer: the outer rule's name and options.
+        compression: the compression's name (or ``None``) and options.
+        params: the trainable parameters.
+
+    Returns:
+        A dict of plain values (the options sorted, the parameters' shapes and dtypes).
+
+    Example:
+        >>> from fn.diloco.checkpoint import settings_record
+        >>> settings_record(sync_every=4, fragments=[[0]], delay=0, mix=0.0,
+        ...                 outer=("nesterov", {}), compression=(None, {}),
+        ...                 params=[torch.zeros(2)])["parameters"]
+        [((2,), 'torch.float32')]
+    """
+    return {
+        "sync_every": sync_every,
+        "fragments": fragments,
+        "delay": delay,
+        "mix": float(mix),
+        "outer": (outer[0], sorted(outer[1].items())),
+        "compression": (compression[0], sorted(compression[1].items())),
+        "parameters": [(tuple(p.shape), str(p.dtype)) for p in params],
+    }
 
 
 def initializing_optimizer_state() -> bool:

@@ -21,6 +21,7 @@ from fn.diloco.checkpoint import (
     diloco_state_dict,
     initializing_optimizer_state,
     restored,
+    settings_record,
 )
 from fn.diloco.exchange import Exchanger
 from fn.diloco.fragment import Fragment
@@ -262,24 +263,17 @@ class DiLoCo:
         self.sync_every = sync_every
         self._mix = float(mix)
         outer_options, options = dict(outer_options or {}), dict(compression_options or {})
-        self._settings = {
-            "sync_every": sync_every,
-            "fragments": indices,
-            "delay": delay,
-            "mix": self._mix,
-            "outer": (outer, sorted(outer_options.items())),
-            "compression": (compression, sorted(options.items())),
-            "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._params],
-        }
+        self._settings = settings_record(
+            sync_every=sync_every,
+            fragments=indices,
+            delay=delay,
+            mix=self._mix,
+            outer=(outer, outer_options),
+            compression=(compression, options),
+            params=self._params,
+        )
         shards = [local_shard(p.detach()) for p in self._params]
-        values = {  # agreed on, not saved (a checkpoint's settings stay as they were)
-            "local shapes": [tuple(x.shape) for x in shards],
-            "parameter values": [int(bit_checksum(x)) for x in shards],
-            "max_sit_outs": max_sit_outs,
-            "inner steps counted": "optimizer.step()" if grad_scaler is None else "update()",
-            "buffers": (buffers, self._buffers.layout()),
-        }
-        self._agree(values, within)
+        self._agree(shards, within, max_sit_outs=max_sit_outs, counted_by=grad_scaler)
         # with a delay, each exchange on a thread over process groups of its own (copies of the
         # workers' group and of the worker mesh's, which FSDP2 uses on this thread meanwhile)
         self._exchanger = Exchanger([self.comm, *within], background=delay > 0)
@@ -300,9 +294,24 @@ class DiLoCo:
         else:
             self._hook = _UpdateCounter(grad_scaler, self.count_inner_step)
 
-    def _agree(self, values: Mapping[str, Any], within: Sequence[Comm]) -> None:
-        """The ranks' agreement on the settings, ``values``, the inner optimizer and the
-        workers' isolation (one all-gather); raises the same ``ValueError`` on every rank."""
+    def _agree(
+        self,
+        shards: Sequence[torch.Tensor],
+        within: Sequence[Comm],
+        *,
+        max_sit_outs: int | None,
+        counted_by: Any,
+    ) -> None:
+        """The ranks' agreement on the settings, the parameters' ``shards``, the other options,
+        the inner optimizer and the workers' isolation (one all-gather); raises the same
+        ``ValueError`` on every rank."""
+        values = {  # agreed on, not saved (a checkpoint's settings stay as they were)
+            "local shapes": [tuple(x.shape) for x in shards],
+            "parameter values": [int(bit_checksum(x)) for x in shards],
+            "max_sit_outs": max_sit_outs,
+            "inner steps counted": "optimizer.step()" if counted_by is None else "update()",
+            "buffers": (self._buffers.policy, self._buffers.layout()),
+        }
         problem = isolation_problem(self._model, self._inner, within, self.comm)
         described = self._inner.description(list(self._model.parameters()))
         if problem is None and any(-1 in p for p in described["inner optimizer's parameters"]):

@@ -19,7 +19,12 @@ from fn.base import OptState
 from fn.collectives import Local, TopkOwnerState, error_feedback_leaves
 from fn.diloco import OuterStep, outer_update, pseudo_gradient
 from fn.diloco.buffers import Buffers, CapturedBuffers
-from fn.diloco.checkpoint import diloco_state_dict, initializing_optimizer_state, restored
+from fn.diloco.checkpoint import (
+    diloco_state_dict,
+    initializing_optimizer_state,
+    restored,
+    settings_record,
+)
 from fn.diloco.inner import InnerOptimizer
 from fn.diloco.rules import outer_rule
 from fn.diloco.sharding import local_shard, worker_mesh_comms
@@ -224,15 +229,15 @@ class ElasticDiLoCo:
         self._local_rule = outer_rule(outer, outer_options, compression, options, Local())
         self._buffers = Buffers(model, buffers)
         self.sync_every = sync_every
-        self._settings = {
-            "sync_every": sync_every,
-            "fragments": [list(range(len(self._params)))],
-            "delay": 0,
-            "mix": 0.0,
-            "outer": (outer, sorted(outer_options.items())),
-            "compression": (compression, sorted(options.items())),
-            "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._params],
-        }
+        self._settings = settings_record(
+            sync_every=sync_every,
+            fragments=[list(range(len(self._params)))],
+            delay=0,
+            mix=0.0,
+            outer=(outer, outer_options),
+            compression=(compression, options),
+            params=self._params,
+        )
         shards = self._shards()
         self._anchor = [x.to(anchor_device or x.device, copy=True) for x in shards]
         self._position: tuple[int, int] | None = None  # (W, rank) of the quorum the state fits
