@@ -313,7 +313,6 @@ def spawn_gloo(
         args,
     )
     started = time.monotonic()
-    deadline = started + timeout
     results: dict[int, Any] = {}
     exits: dict[int, int] = {}  # exit codes as first seen, before torch ends the other ranks
     context = None
@@ -326,29 +325,7 @@ def spawn_gloo(
             daemon=True,
             start_method=start_method,
         )
-        while True:
-            for rank, process in enumerate(context.processes):
-                if rank not in exits and process.exitcode is not None:
-                    exits[rank] = process.exitcode
-            # Raises when a child failed, once the others had ERROR_GRACE_S to fail too.
-            exited = context.join(timeout=0, grace_period=ERROR_GRACE_S)
-            if exited and len(results) == world_size:
-                break
-            if time.monotonic() > deadline:
-                raise _timed_out(context, set(results), Path(stacks.name), timeout, started)
-            try:
-                kind, rank, payload = messages.get(timeout=POLL_S)
-            except queue.Empty:
-                if exited:  # every child has exited and flushed its messages
-                    missing = sorted(set(range(world_size)) - set(results))
-                    raise WorkerError(
-                        f"worker ranks {missing} exited without a result", missing
-                    ) from None
-                continue
-            if kind == "message":
-                on_message(rank, payload)
-            else:
-                results[rank] = pickle.loads(payload)
+        _collect(context, messages, on_message, results, exits, (started, timeout, stacks.name))
     except mp.ProcessExitedException as err:
         # torch saw this rank's exit first, maybe between our look at the exit codes and its own
         exits.setdefault(err.error_index, err.exit_code)
@@ -357,14 +334,57 @@ def spawn_gloo(
         raise _failure(context, exits) from None
     finally:
         if context is not None:
-            # A timeout or Ctrl-C leaves the children running: torch ends them only on a failure.
-            for p in context.processes:
-                if p.is_alive():
-                    p.kill()
-                p.join(timeout=5)
-            for path in context.error_files:  # torch leaves the tracebacks' files behind
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+            _stop(context)
         messages.close()
         stacks.cleanup()
     return [results[r] for r in range(world_size)]
+
+
+def _collect(
+    context: Any,
+    messages: Any,
+    on_message: Callable[[int, Any], None],
+    results: dict[int, Any],
+    exits: dict[int, int],
+    clock: tuple[float, float, str],
+) -> None:
+    """Hands the children's messages to ``on_message`` and their results to ``results`` until
+    every child has returned one; records each exit code as first seen in ``exits`` (before
+    torch ends the other ranks). ``clock``: the start, the timeout and the stacks' folder."""
+    started, timeout, stacks = clock
+    world_size = len(context.processes)
+    while True:
+        for rank, process in enumerate(context.processes):
+            if rank not in exits and process.exitcode is not None:
+                exits[rank] = process.exitcode
+        # Raises when a child failed, once the others had ERROR_GRACE_S to fail too.
+        exited = context.join(timeout=0, grace_period=ERROR_GRACE_S)
+        if exited and len(results) == world_size:
+            return
+        if time.monotonic() > started + timeout:
+            raise _timed_out(context, set(results), Path(stacks), timeout, started)
+        try:
+            kind, rank, payload = messages.get(timeout=POLL_S)
+        except queue.Empty:
+            if exited:  # every child has exited and flushed its messages
+                missing = sorted(set(range(world_size)) - set(results))
+                raise WorkerError(
+                    f"worker ranks {missing} exited without a result", missing
+                ) from None
+            continue
+        if kind == "message":
+            on_message(rank, payload)
+        else:
+            results[rank] = pickle.loads(payload)
+
+
+def _stop(context: Any) -> None:
+    """Kills the children still running (a timeout or Ctrl-C leaves them: torch ends them only
+    on a failure) and removes the traceback files torch leaves behind."""
+    for p in context.processes:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=5)
+    for path in context.error_files:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
