@@ -15,13 +15,14 @@ bytes.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from fn.collectives._topk_code import (
     WHAT,
     Layout,
+    Sparse,
     compress,
     dense,
     exchange_checksum,
@@ -34,7 +35,8 @@ from fn.collectives._topk_code import (
 )
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
-from fn.collectives.header import Compressor, Exchanged, exchange_rows, flag_of
+from fn.collectives.header import Compressor, Exchanged, Opened, exchange_rows, flag_of
+from fn.collectives.participation import Participation
 from fn.errors import finite_or_raise
 from fn.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
@@ -67,20 +69,59 @@ def _live(leaves: list) -> list[int]:
     return [i for i, u in enumerate(leaves) if u is not None and u.numel() > 0]
 
 
+def _share(chunks: int, world_size: int, server_error: torch.Tensor, chunk_size: int) -> int:
+    """The chunks each owner holds (``ceil(chunks / W)``), once ``server_error`` is an owner's
+    of that many."""
+    share = -(-chunks // world_size)
+    if server_error.shape != (share * chunk_size,):
+        raise ValueError(
+            f"{WHAT}: the server error has shape {tuple(server_error.shape)}, the "
+            f"owner of {share} chunk(s) of {chunk_size} needs ({share * chunk_size},) "
+            "(a state from init on these leaves and ranks)"
+        )
+    return share
+
+
+def _server_step(
+    got: Opened, layout: Layout, server_error: torch.Tensor, call: tuple, part: Participation
+) -> tuple[Sparse, torch.Tensor]:
+    """The owner's part: the mean of its chunks over the ranks that take part (zero in their
+    padding) plus its server error, compressed; the new server error. ``call``: the leaves,
+    the positions of the live ones, ``k``, ``chunk_size`` and ``W``."""
+    leaves, live, k, chunk_size, world_size = call
+    share = layout.chunks
+    if live:
+        valid = valid_positions(leaves, live, chunk_size, world_size * share)
+        mine = torch.index_select(valid.view(world_size, -1), 0, got.slot.view(1))
+        valid = mine.view(share, chunk_size)
+    else:
+        valid = torch.zeros(share, chunk_size, dtype=torch.bool)
+    mean = mean_of(got.payload, layout, chunk_size, world_size, part)
+    s = torch.where(valid, mean, 0.0) + server_error.view(share, chunk_size)
+    server = select(s, k)
+    return server, torch.where(valid, s - dense(server, chunk_size), 0.0).view(-1)
+
+
+def _owner_state(params: Any, chunk_size: int, world_size: int) -> TopkOwnerState:
+    """The initial state: zero error feedback, a worker's per leaf and an owner's of
+    ``ceil(c / W)`` chunks."""
+    live = [x for x in tree_leaves(params) if x is not None and x.numel() > 0]
+    chunks = sum(-(-x.numel() // chunk_size) for x in live)
+    share = -(-chunks // world_size)
+    device = live[0].device if live else None
+    return TopkOwnerState(
+        tree_map(lambda p: torch.zeros(p.shape, dtype=torch.float32, device=p.device), params),
+        torch.zeros(share * chunk_size, dtype=torch.float32, device=device),
+    )
+
+
 def owner_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compressor:
     """``topk_allreduce``'s owner-partitioned exchange (module docstring); the settings are
     checked by the caller."""
     width = chunk_size.bit_length() - 1
 
     def init_fn(params):
-        live = [x for x in tree_leaves(params) if x is not None and x.numel() > 0]
-        chunks = sum(-(-x.numel() // chunk_size) for x in live)
-        share = -(-chunks // comm.world_size)
-        device = live[0].device if live else None
-        return TopkOwnerState(
-            tree_map(lambda p: torch.zeros(p.shape, dtype=torch.float32, device=p.device), params),
-            torch.zeros(share * chunk_size, dtype=torch.float32, device=device),
-        )
+        return _owner_state(params, chunk_size, comm.world_size)
 
     def exchange_fn(updates, state, flag=None, params=None, *, extra=()):
         del params
@@ -90,13 +131,7 @@ def owner_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compressor:
         live = _live(leaves)
         offered = flag_of(flag)
         worked = compress(leaves, errors, live, k, chunk_size, decay, offered)
-        share = -(-worked.mine.scales.numel() // world_size)
-        if state.server_error.shape != (share * chunk_size,):
-            raise ValueError(
-                f"{WHAT}: the server error has shape {tuple(state.server_error.shape)}, the "
-                f"owner of {share} chunk(s) of {chunk_size} needs ({share * chunk_size},) "
-                "(a state from init on these leaves and ranks)"
-            )
+        share = _share(worked.mine.scales.numel(), world_size, state.server_error, chunk_size)
         flag = offered & torch.isfinite(worked.mine.scales).all()
         n = sum(leaves[i].numel() for i in live)
         checksum = exchange_checksum(leaves, live, k, chunk_size, 1)
@@ -104,7 +139,9 @@ def owner_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compressor:
         rows = layout.encode(padded(worked.mine, world_size * share), rows=world_size)
         rows = torch.where(flag, rows, 0)
         got, part = exchange_rows(comm, rows, flag, n, WHAT, checksum, to_each=True, extra=extra)
-        server, server_error = _server_step(got, layout, state.server_error, leaves, live, part)
+        server, server_error = _server_step(
+            got, layout, state.server_error, (leaves, live, k, chunk_size, world_size), part
+        )
         server_flag = torch.isfinite(server.scales).all()
         message = torch.where(server_flag, layout.encode(server), 0)
         slices, _ = exchange_rows(comm, message, server_flag, n, WHAT, checksum)
@@ -119,21 +156,6 @@ def owner_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compressor:
         # an owner's non-finite result (an overflow) spoils every worker's: none took part
         participants = got.flags & slices.flags.all()
         return Exchanged(tree_unflatten(out, spec), new_state, participants, got.extra)
-
-    def _server_step(got, layout, server_error, leaves, live, part):
-        """The owner's part: the mean of its chunks over the ranks that take part (zero in
-        their padding) plus its server error, compressed; the new server error."""
-        share, world_size = layout.chunks, comm.world_size
-        if live:
-            valid = valid_positions(leaves, live, chunk_size, world_size * share)
-            mine = torch.index_select(valid.view(world_size, -1), 0, got.slot.view(1))
-            valid = mine.view(share, chunk_size)
-        else:
-            valid = torch.zeros(share, chunk_size, dtype=torch.bool)
-        mean = mean_of(got.payload, layout, chunk_size, world_size, part)
-        s = torch.where(valid, mean, 0.0) + server_error.view(share, chunk_size)
-        server = select(s, k)
-        return server, torch.where(valid, s - dense(server, chunk_size), 0.0).view(-1)
 
     def update_fn(updates, state, params=None, *, participation=None, **extra):
         del params, extra

@@ -286,13 +286,15 @@ class DiLoCo:
         self._synced = {id(q) for q in self._params}  # the parameters DiLoCo syncs
         self._joining: dict[int, list[torch.Tensor]] = {}  # by fragment: trainable, not synced
         self._worker = getattr(self.comm, "rank", 0)  # this worker's index in the mask
-        self.inner_steps = 0
-        self.outer_steps = 0
-        self.skipped_steps = 0
+        self.inner_steps = self.outer_steps = self.skipped_steps = 0
+        self._hook = self._counting_hook(inner_optimizer, grad_scaler)
+
+    def _counting_hook(self, inner_optimizer: torch.optim.Optimizer, grad_scaler: Any) -> Any:
+        """The hook that counts the inner steps: after ``inner_optimizer.step()``, or after
+        ``grad_scaler.update()`` (which runs also where the scaler skipped the step)."""
         if grad_scaler is None:
-            self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
-        else:
-            self._hook = _UpdateCounter(grad_scaler, self.count_inner_step)
+            return inner_optimizer.register_step_post_hook(self._after_inner_step)
+        return _UpdateCounter(grad_scaler, self.count_inner_step)
 
     def _agree(
         self,

@@ -87,6 +87,22 @@ def _laid_out_by_position(state: OptState) -> list[bool]:
     return tree_flatten(pytree.tree_map(marked, state, is_leaf=owner_or_leaf))[0]
 
 
+def _check_options(sync_every: int, max_sit_outs: int | None, fragments: Any, delay: int) -> None:
+    """Raises for an invalid ``sync_every`` or ``max_sit_outs``, and ``NotImplementedError``
+    for Streaming DiLoCo, with the reason."""
+    check_int("ElasticDiLoCo: sync_every", sync_every, minimum=1)
+    if max_sit_outs is not None:
+        check_int("ElasticDiLoCo: max_sit_outs", max_sit_outs, minimum=1)
+    if fragments != 1 or delay != 0:
+        raise NotImplementedError(
+            "ElasticDiLoCo: Streaming DiLoCo (fragments, delay) is not built under torchft: "
+            "each fragment's outer step would need a quorum and a commit vote of its own, a "
+            "worker joining between them would recover fragments of different ages, and a "
+            "delayed exchange would run on the Manager's process group while the next "
+            "quorum may reconfigure it; use fragments=1, delay=0"
+        )
+
+
 class ElasticDiLoCo:
     """DiLoCo whose workers are torchft replica groups that may leave and join without stopping
     the job.
@@ -207,17 +223,7 @@ class ElasticDiLoCo:
         buffers: str = "mean",
         name: str = "fn.diloco",
     ) -> None:
-        check_int("ElasticDiLoCo: sync_every", sync_every, minimum=1)
-        if max_sit_outs is not None:
-            check_int("ElasticDiLoCo: max_sit_outs", max_sit_outs, minimum=1)
-        if fragments != 1 or delay != 0:
-            raise NotImplementedError(
-                "ElasticDiLoCo: Streaming DiLoCo (fragments, delay) is not built under torchft: "
-                "each fragment's outer step would need a quorum and a commit vote of its own, a "
-                "worker joining between them would recover fragments of different ages, and a "
-                "delayed exchange would run on the Manager's process group while the next "
-                "quorum may reconfigure it; use fragments=1, delay=0"
-            )
+        _check_options(sync_every, max_sit_outs, fragments, delay)
         self.manager = manager
         self.comm = ManagerComm(manager, process_group)
         self._params = [p for p in model.parameters() if p.requires_grad]
