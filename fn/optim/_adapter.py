@@ -163,7 +163,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
     # ---------------------------------------------------------------- construction
 
     @property
-    def group_runtimes(self) -> list[GroupRuntime]:
+    def group_runtimes(self) -> list[Any]:
         """Each param group's runtime, in ``param_groups`` order, with its transform,
         hyperparameters, functional state and flat layout (what fn.optim's checkpoints, the
         DeepSpeed import and the DDP detection read; change them through the optimizer's
