@@ -29,7 +29,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -1071,6 +1071,101 @@ def _check_loco(err_beta: float, reset_T: int, error_dtype: torch.dtype) -> None
         raise ValueError(f"error_dtype must be a float dtype or torch.int8, got {error_dtype}")
 
 
+class _Loco(NamedTuple):
+    """``loco_allreduce``'s settings that its leaves' steps take."""
+
+    plan: _Plan
+    err_beta: float
+    error_dtype: torch.dtype
+
+
+def _loaded(stored: tuple, numel: int, plan: _Plan, reset: torch.Tensor) -> tuple:
+    """A leaf's stored errors as fp32 (zeros at a reset)."""
+    sizes = _error_sizes(numel, plan)
+    return tuple(_load(b, m, reset) for b, m in zip(stored, sizes, strict=True))
+
+
+def _loco_state(params: Any, loco: _Loco) -> LocoAllreduceState:
+    """The initial state: zero errors for every quantization of every leaf."""
+
+    def zeros(p):
+        return tuple(
+            _store(torch.zeros(k, dtype=torch.float32, device=p.device), loco.error_dtype,
+                   loco.plan.group_size)
+            for k in _error_sizes(p.numel(), loco.plan)
+        )  # fmt: skip
+
+    return LocoAllreduceState(torch.zeros((), dtype=torch.int64), tree_map(zeros, params))
+
+
+def _loco_leaf(
+    u: torch.Tensor,
+    buffers: tuple,
+    reset: torch.Tensor,
+    checksum: int,
+    loco: _Loco,
+    participation: Participation | None = None,
+) -> tuple[torch.Tensor, tuple]:
+    """One leaf's mean and its new stored errors (a sitter's first hop's kept)."""
+    errors = _loaded(buffers, u.numel(), loco.plan, reset)
+    y, new = _allreduce_pure(u, errors, loco.plan, loco.err_beta, checksum, participation)
+    stored = tuple(_store(e, loco.error_dtype, loco.plan.group_size) for e in new)
+    return y, _sitters_first_hop(stored, buffers, reset, participation)
+
+
+def _loco_leaf_donated(
+    u: torch.Tensor, buffers: tuple, given: tuple, call: tuple, loco: _Loco
+) -> Callable[[], tuple]:
+    """Phase 1 of a donated leaf; returns phase 2, which writes the result and the errors.
+    ``call``: the reset flag, the leaf's tag and the call's checksum."""
+    reset, tag, checksum = call
+    if loco.error_dtype != torch.float32 or not eager(u):
+        y, new = _loco_leaf(u, buffers, reset, checksum, loco)
+        return lambda: (_into(u, y), tuple(map(_into, given, new)))
+    errors = (None,) * len(buffers) if bool(reset) else tuple(buffers)
+    outs = tuple(
+        g if fitting(g, b) is not None else torch.empty_like(b)
+        for g, b in zip(given, buffers, strict=True)
+    )
+    write = _allreduce_into(u, errors, outs, loco.plan, loco.err_beta, tag, checksum)
+    return lambda: (write(), outs)
+
+
+def _loco_update(
+    updates: Any,
+    state: LocoAllreduceState,
+    donated: LocoAllreduceState | None,
+    participation: Participation | None,
+    step: tuple[_Loco, torch.Tensor, torch.Tensor],
+) -> tuple[Any, LocoAllreduceState]:
+    """``loco_allreduce``'s update on more than one rank: every live leaf's mean and errors
+    (into ``donated``'s buffers where given). ``step``: the settings, the reset flag and the
+    new count."""
+    loco, reset, count = step
+    leaves, spec = tree_flatten(updates)
+    stored = spec.flatten_up_to(state.errors)
+    given = [None] * len(leaves) if donated is None else spec.flatten_up_to(donated.errors)
+    live, checksum = _live(leaves)
+    if any(stored[i] is None for i in live):
+        raise ValueError("loco_allreduce: an update leaf has no error state")
+    results = _over_live(
+        live,
+        donated is not None,
+        lambda i: _loco_leaf(leaves[i], stored[i], reset, checksum, loco, participation),
+        lambda i, tag: _loco_leaf_donated(
+            leaves[i],
+            stored[i],
+            given[i] or (None,) * len(stored[i]),
+            (reset, tag, checksum),
+            loco,
+        ),
+    )
+    out, new_stored = list(leaves), list(stored)
+    for i, (y, new) in zip(live, results, strict=True):
+        out[i], new_stored[i] = y, new
+    return tree_unflatten(out, spec), LocoAllreduceState(count, tree_unflatten(new_stored, spec))
+
+
 def loco_allreduce(
     bits: int = 4,
     group_size: int = 128,
@@ -1145,36 +1240,10 @@ def loco_allreduce(
     plan = _plan(comm, bits, group_size, local_world_size)
     _check_loco(err_beta, reset_T, error_dtype)
 
-    def leaf_pure(u, buffers, reset, checksum, participation=None):
-        sizes = _error_sizes(u.numel(), plan)
-        errors = tuple(_load(b, k, reset) for b, k in zip(buffers, sizes, strict=True))
-        y, new = _allreduce_pure(u, errors, plan, err_beta, checksum, participation)
-        stored = tuple(_store(e, error_dtype, group_size) for e in new)
-        return y, _sitters_first_hop(stored, buffers, reset, participation)
-
-    def leaf_donated(u, buffers, given, reset, tag, checksum):
-        """Phase 1 of a donated leaf; returns phase 2, which writes the result and the errors."""
-        if error_dtype != torch.float32 or not eager(u):
-            y, new = leaf_pure(u, buffers, reset, checksum)
-            return lambda: (_into(u, y), tuple(map(_into, given, new)))
-        errors = (None,) * len(buffers) if bool(reset) else tuple(buffers)
-        outs = tuple(
-            g if fitting(g, b) is not None else torch.empty_like(b)
-            for g, b in zip(given, buffers, strict=True)
-        )
-        write = _allreduce_into(u, errors, outs, plan, err_beta, tag, checksum)
-        return lambda: (write(), outs)
+    loco = _Loco(plan, err_beta, error_dtype)
 
     def init_fn(params):
-        def zeros(p):
-            return tuple(
-                _store(
-                    torch.zeros(k, dtype=torch.float32, device=p.device), error_dtype, group_size
-                )
-                for k in _error_sizes(p.numel(), plan)
-            )
-
-        return LocoAllreduceState(torch.zeros((), dtype=torch.int64), tree_map(zeros, params))
+        return _loco_state(params, loco)
 
     def update_fn(updates, state, params=None, *, donate=None, participation=None, **extra):
         del params, extra
@@ -1183,26 +1252,7 @@ def loco_allreduce(
         if comm.world_size == 1:
             return updates, state._replace(count=count)
         reset = state.count % reset_T == 0
-        leaves, spec = tree_flatten(updates)
-        stored = spec.flatten_up_to(state.errors)
-        given = [None] * len(leaves) if donated is None else spec.flatten_up_to(donated.errors)
-        live, checksum = _live(leaves)
-        if any(stored[i] is None for i in live):
-            raise ValueError("loco_allreduce: an update leaf has no error state")
-        results = _over_live(
-            live,
-            donated is not None,
-            lambda i: leaf_pure(leaves[i], stored[i], reset, checksum, participation),
-            lambda i, tag: leaf_donated(
-                leaves[i], stored[i], given[i] or (None,) * len(stored[i]), reset, tag, checksum
-            ),
-        )
-        out, new_stored = list(leaves), list(stored)
-        for i, (y, new) in zip(live, results, strict=True):
-            out[i], new_stored[i] = y, new
-        return tree_unflatten(out, spec), LocoAllreduceState(
-            count, tree_unflatten(new_stored, spec)
-        )
+        return _loco_update(updates, state, donated, participation, (loco, reset, count))
 
     def exchange_fn(updates, state, flag=None, params=None, *, extra=()):
         del params
@@ -1214,13 +1264,7 @@ def loco_allreduce(
         _one_hop(plan)
         stored = list(spec.flatten_up_to(state.errors))
         reset = state.count % reset_T == 0
-        loaded = [
-            tuple(
-                _load(b, m, reset)
-                for b, m in zip(stored[i], _error_sizes(leaves[i].numel(), plan), strict=True)
-            )
-            for i in live
-        ]
+        loaded = [_loaded(stored[i], leaves[i].numel(), plan, reset) for i in live]
         out, new, part, got = _exchanged(leaves, live, loaded, plan, err_beta, flag_of(flag), extra)
         leaves = list(leaves)
         for i, y, errors in zip(live, out, new, strict=True):
