@@ -513,7 +513,9 @@ def train(config: dict) -> dict:
 def outer_collectives(method: Method, model, dist) -> list[str]:
     """The collectives of one outer step, in order, as ``fn.collectives`` chooses the
     exchange's form for this model and group: one all-gather, or an all_to_all to the owners
-    and an all-gather."""
+    and an all-gather of their results; fn sends each all-gather of an exchange as an
+    all_to_all of the same message to every rank (``fn.collectives.header.gathered``), so each
+    is an all_to_all on the link."""
     from fn.collectives import cast_exchange_form, topk_exchange_form
 
     sizes = [p.numel() for p in model.parameters()]
@@ -525,7 +527,7 @@ def outer_collectives(method: Method, model, dist) -> list[str]:
             form = topk_exchange_form(chunks, options["k"], CHUNK, world)
     else:
         form = cast_exchange_form(sum(sizes) // method.fragments, 4, world)
-    return ["all_gather"] if form == "gather" else ["all_to_all", "all_gather"]
+    return ["all_to_all"] if form == "gather" else ["all_to_all", "all_to_all"]
 
 
 def probe(dist, repeats: int = 5) -> dict[str, float]:
