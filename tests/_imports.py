@@ -14,17 +14,23 @@ import ast
 import functools
 import importlib.util
 import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRED = frozenset({"fn", "torch", "numpy", "__future__"}) | frozenset(sys.stdlib_module_names)
+# CPython 3.11 may raise "SystemError: AST constructor recursion depth mismatch" where threads
+# parse at once (tests/test_doc_blocks.py reads the pages' programs on a pool of threads)
+_PARSING = threading.Lock()
 
 
 def module_level_imports(source: str) -> frozenset[str]:
     """The dotted names ``source`` imports at module level (``from a.b import c``: ``a.b`` and
     ``a.b.c``, which may be a module)."""
     names = set()
-    for node in ast.parse(source).body:
+    with _PARSING:
+        tree = ast.parse(source)
+    for node in tree.body:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
