@@ -4,6 +4,7 @@ inner steps that follow it (:class:`Exchanger`)."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import queue
 import threading
@@ -78,8 +79,10 @@ class ExchangeThread:
     Starting a thread makes the caller wait until the new thread has been scheduled, which, on
     cores that the training loop keeps busy, is most of what a delayed exchange cost the loop
     (``benchmarks/diloco_blocking.py``); this thread is started once, and each exchange is only
-    put in its queue. It ends once this object is garbage collected (after the exchange it
-    runs, if any).
+    put in its queue. It ends at :meth:`stop`, once this object is garbage collected, or at the
+    interpreter's exit, each time after the exchange it runs, if any: a thread still waiting at
+    the exit, when the process groups are torn down, made processes abort ("terminate called
+    without an active exception") after the program's last line.
 
     Example:
         >>> from fn.diloco.exchange import BackgroundExchange, ExchangeThread
@@ -87,20 +90,38 @@ class ExchangeThread:
         >>> [BackgroundExchange(lambda: n * n, background=True, worker=worker).result()
         ...  for n in (2, 3)]
         [4, 9]
+        >>> worker.stop()
     """
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        thread = threading.Thread(
+        self._thread = threading.Thread(
             target=_serve, args=(self._jobs,), name="fn.diloco exchange", daemon=True
         )
-        thread.start()
+        self._thread.start()
         weakref.finalize(self, self._jobs.put, None)  # the thread's stop, once this is gone
+        _RUNNING.add(self)
 
     def submit(self, job: Callable[[], None]) -> None:
         """Queues ``job`` (a function of no arguments that raises nothing) to run after the
         jobs queued before it."""
         self._jobs.put(job)
+
+    def stop(self) -> None:
+        """Ends the thread after the jobs queued before, and waits for it (each job is an
+        exchange over fn's collectives, which end by their timeout)."""
+        self._jobs.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+_RUNNING: weakref.WeakSet[ExchangeThread] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    for worker in list(_RUNNING):
+        worker.stop()
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:
@@ -220,6 +241,13 @@ class Exchanger:
         self.comms = exchange_comms(comms) if background else list(comms)
         # started now: starting a thread per exchange made the loop wait for the scheduler
         self._worker = ExchangeThread() if background else None
+
+    def close(self) -> None:
+        """Stops the background thread (after the exchange it runs, if any); later exchanges
+        run on the caller's thread."""
+        if self._worker is not None:
+            self._worker.stop()
+        self._worker, self.background = None, False
 
     def start(
         self,

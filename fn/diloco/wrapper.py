@@ -365,9 +365,10 @@ class DiLoCo:
         self._hook.remove()
 
     def close(self) -> None:
-        """Ends this DiLoCo: detaches its hook (as :meth:`remove`) and waits for an exchange in
+        """Ends this DiLoCo: detaches its hook (as :meth:`remove`), waits for an exchange in
         flight (``delay > 0``) to end, without applying it (the anchor, the outer state and the
-        error feedback stay as before that exchange, on every rank). Afterwards none of its
+        error feedback stay as before that exchange, on every rank), and stops the exchange's
+        thread (a later :meth:`sync` runs on the caller's). Afterwards none of its
         collectives runs, so the process group may be destroyed, or another DiLoCo built on it,
         without a collective left running on the exchange's thread. To apply that exchange and
         end on one anchor instead, call :meth:`sync` first. Every rank must call it at the same
@@ -392,6 +393,7 @@ class DiLoCo:
         for fragment in self._fragments:
             if fragment.flight is not None:
                 fragment.finish()
+        self._exchanger.close()
 
     def count_inner_step(self) -> None:
         """Counts one inner step that the counter did not see, and runs the schedule as after
