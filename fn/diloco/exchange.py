@@ -107,21 +107,24 @@ class ExchangeThread:
         jobs queued before it."""
         self._jobs.put(job)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
         """Ends the thread after the jobs queued before, and waits for it (each job is an
-        exchange over fn's collectives, which end by their timeout)."""
+        exchange over fn's collectives, which end by their timeout), or ``timeout`` seconds."""
         self._jobs.put(None)
         if self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(timeout)
 
 
 _RUNNING: weakref.WeakSet[ExchangeThread] = weakref.WeakSet()
+# At exit an exchange still in flight ends once the other workers reach it too; one whose peers
+# are gone would hold the exit until fn's collective timeout, so the exit waits this long only.
+_EXIT_WAIT_S = 30.0
 
 
 @atexit.register
 def _stop_at_exit() -> None:
     for worker in list(_RUNNING):
-        worker.stop()
+        worker.stop(_EXIT_WAIT_S)
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:
