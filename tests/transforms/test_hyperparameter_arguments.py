@@ -71,14 +71,21 @@ GOOD = [
     dict(lr=0),
     dict(lr=torch.tensor(0.02)),
     dict(lr=numpy.float64(0.02)),
-    dict(lr=lambda count: 0.02),
+    dict(lr=lambda count: 0.02),  # a schedule
     dict(eps=0.0),
     dict(eps=numpy.float32(1e-6)),
     dict(eps=torch.tensor(1e-6)),
 ]
 
 
-@pytest.mark.parametrize("kwargs", GOOD, ids=repr)
+def _id(kwargs: dict) -> str:
+    """The case's id, the same in every process (pytest-xdist's workers compare their ids): a
+    schedule by its name, not its address."""
+    words = (f"{k}={v.__name__ if callable(v) else repr(v)}" for k, v in kwargs.items())
+    return ", ".join(words)
+
+
+@pytest.mark.parametrize("kwargs", GOOD, ids=_id)
 @pytest.mark.parametrize("name", FACTORIES)
 def test_well_formed_settings_are_still_accepted(name, kwargs):
     tx = FACTORIES[name](**kwargs)
