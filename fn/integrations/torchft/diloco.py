@@ -54,16 +54,18 @@ Example:
 """
 
 
-def _merged(shared: list[Any], fresh: OptState) -> OptState:
+def _merged(shared: list[Any], fresh: OptState, carried: list[Any] | None = None) -> OptState:
     """``fresh`` (the rule's initial state) with its leaves other than the error feedback taken
-    from ``shared``, in leaf order (copies on ``fresh``'s devices)."""
+    from ``shared``, in leaf order (copies on ``fresh``'s devices), and its error feedback
+    from ``carried`` (one entry a leaf of ``fresh``) where that holds one, not ``None``."""
     leaves, spec = tree_flatten(fresh)
     feedback = error_feedback_leaves(fresh)
+    carried = carried or [None] * len(leaves)
     kept = iter(shared)
     out = []
-    for leaf, is_feedback in zip(leaves, feedback, strict=True):
+    for leaf, is_feedback, old in zip(leaves, feedback, carried, strict=True):
         if is_feedback:
-            out.append(leaf)
+            out.append(leaf if old is None else old)
             continue
         value = next(kept)
         out.append(value.to(leaf.device, copy=True) if isinstance(leaf, torch.Tensor) else value)
@@ -398,15 +400,9 @@ class ElasticDiLoCo:
             keep = [False] * len(fresh_leaves)
         else:
             keep = [not p for p in _laid_out_by_position(fresh)]
+        carried = [old_leaves[i] if k else None for i, k in enumerate(keep)]
+        self._state = _merged(self._shared_leaves(self._state), fresh, carried)
         feedback = error_feedback_leaves(fresh)
-        shared = iter(self._shared_leaves(self._state))
-        out = []
-        for i, (leaf, is_feedback) in enumerate(zip(fresh_leaves, feedback, strict=True)):
-            if not is_feedback:
-                out.append(next(shared))
-            else:
-                out.append(old_leaves[i] if keep[i] else leaf)
-        self._state = tree_unflatten(out, spec)
         if self._position is not None and not all(
             k for k, f in zip(keep, feedback, strict=True) if f
         ):
