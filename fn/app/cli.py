@@ -242,27 +242,9 @@ def _demo(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         ranks_per_node=args.ranks_per_node,
     )
-    if cfg.ranks_per_node is not None and cfg.world_size % cfg.ranks_per_node:
-        print(
-            f"error: --ranks-per-node {cfg.ranks_per_node} does not divide the "
-            f"{cfg.world_size} ranks",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        _report.check_writable(args.out)  # fail now, not after the training
-    except OSError as err:
-        where = f" ({err.filename})" if err.filename and err.strerror else ""
-        print(
-            f"error: cannot write to --out {args.out}: {err.strerror or err}{where}",
-            file=sys.stderr,
-        )
-        return 1
-    try:
-        header = demo.describe(cfg)
-    except RuntimeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    header = _demo_header(cfg, args.out)
+    if isinstance(header, int):
+        return header
     print("\n".join(header), flush=True)
     # The model is tiny: more intra-op threads only add synchronization (and, on a busy machine,
     # spinning threads that make every step many times slower).
@@ -295,6 +277,30 @@ def _demo(args: argparse.Namespace) -> int:
         print("error: a loss is not finite", file=sys.stderr)
         return 1
     return 0
+
+
+def _demo_header(cfg: demo.DemoConfig, out: Path) -> list[str] | int:
+    """The demo's header lines, or the exit status after an error printed: ranks that do not
+    fill whole nodes (2), an ``--out`` that cannot be written or a setting ``describe``
+    refuses (1). Checked before the training, so that none of it fails after."""
+    if cfg.ranks_per_node is not None and cfg.world_size % cfg.ranks_per_node:
+        print(
+            f"error: --ranks-per-node {cfg.ranks_per_node} does not divide the "
+            f"{cfg.world_size} ranks",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        _report.check_writable(out)
+    except OSError as err:
+        where = f" ({err.filename})" if err.filename and err.strerror else ""
+        print(f"error: cannot write to --out {out}: {err.strerror or err}{where}", file=sys.stderr)
+        return 1
+    try:
+        return demo.describe(cfg)
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
 
 
 def _write_outputs(
