@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 import fn
 import fn.fsdp
-from tests._distributed import run_distributed
+from tests._distributed import run_distributed, run_together
 
 WORLD, FREEZE, STEPS = 2, 3, 7
 OPTIMIZERS = {"adam": "OnebitAdam", "lamb": "OnebitLamb"}
@@ -341,11 +341,38 @@ def _worker_one_rank_refusals(rank: int, world_size: int) -> dict:
 
 # ----------------------------------------------------------------------------- the tests
 
+# Every worker builds its own model and leaves the process group usable, so one launch runs them
+# all in turn; the hook that raises inside a backward goes last (FSDP2 stops for that model).
+_WORKERS = {
+    "missing_gradients": _worker_missing_gradients,
+    "nonfinite": _worker_nonfinite,
+    "second_reduce_scatter": _worker_second_reduce_scatter,
+    "step_without_backward": _worker_step_without_backward,
+    "torch_state_dict_api": _worker_torch_state_dict_api,
+    "bad_arguments": _worker_bad_arguments,
+    "resume_after_a_failure": _worker_resume_after_a_failure,
+    "exception_inside_backward": _worker_exception_inside_backward,
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """``{(worker, kind): results by rank}`` of every worker above, for both optimizers."""
+    parts = {}
+    for name, worker in _WORKERS.items():
+        for kind in sorted(OPTIMIZERS):
+            args = (kind,)
+            if name == "resume_after_a_failure":
+                args += (str(tmp_path_factory.mktemp("ckpt") / "ckpt"),)
+            parts[f"{name} {kind}"] = (worker, args)
+    ran = run_together(parts, WORLD, timeout=600)
+    return {tuple(key.split()): results for key, results in ran.items()}
+
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-def test_a_missing_gradient_counts_as_zero_in_both_phases(kind):
-    results = run_distributed(_worker_missing_gradients, WORLD, kind, timeout=240)
+def test_a_missing_gradient_counts_as_zero_in_both_phases(kind, outcomes):
+    results = outcomes["missing_gradients", kind]
     for out in results:
         skipped, zero = out["skip"], out["zero"]
         assert skipped[1] == zero[1] == STEPS
@@ -357,12 +384,12 @@ def test_a_missing_gradient_counts_as_zero_in_both_phases(kind):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-def test_a_nonfinite_gradient_is_raised_by_step_and_training_goes_on(kind):
-    results = run_distributed(_worker_nonfinite, WORLD, kind, timeout=240)
+def test_a_nonfinite_gradient_is_raised_by_step_and_training_goes_on(kind, outcomes):
+    results = outcomes["nonfinite", kind]
     for log in results:
-        outcomes = [entry[0] for entry in log]
-        assert [i for i, o in enumerate(outcomes) if o != "ok"] == [2, 5]
-        assert {outcomes[2], outcomes[5]} == {"NonFiniteError"}
+        seen = [entry[0] for entry in log]
+        assert [i for i, o in enumerate(seen) if o != "ok"] == [2, 5]
+        assert {seen[2], seen[5]} == {"NonFiniteError"}
         for outcome, moved, count_right, _ in log:
             assert moved == (outcome == "ok") and count_right
     assert all(torch.equal(a[3], b[3]) for a, b in zip(*results, strict=True))
@@ -370,8 +397,8 @@ def test_a_nonfinite_gradient_is_raised_by_step_and_training_goes_on(kind):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-def test_backwards_accumulate_and_a_state_dict_between_them_is_refused(kind):
-    results = run_distributed(_worker_second_reduce_scatter, WORLD, kind, timeout=240)
+def test_backwards_accumulate_and_a_state_dict_between_them_is_refused(kind, outcomes):
+    results = outcomes["second_reduce_scatter", kind]
     for result in results:
         assert result[0] == "RuntimeError" and result[FREEZE + 2] == "RuntimeError"
         assert result[-2] == "ok"  # after step()
@@ -382,8 +409,8 @@ def test_backwards_accumulate_and_a_state_dict_between_them_is_refused(kind):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-def test_step_without_backward_is_a_noop(kind):
-    results = run_distributed(_worker_step_without_backward, WORLD, kind, timeout=240)
+def test_step_without_backward_is_a_noop(kind, outcomes):
+    results = outcomes["step_without_backward", kind]
     for out in results:
         assert out["noops"] == [(0, True, True)] * 3
         assert out["count"] == STEPS
@@ -393,8 +420,8 @@ def test_step_without_backward_is_a_noop(kind):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-def test_torch_state_dict_api_is_refused_with_nothing_changed(kind):
-    results = run_distributed(_worker_torch_state_dict_api, WORLD, kind, timeout=240)
+def test_torch_state_dict_api_is_refused_with_nothing_changed(kind, outcomes):
+    results = outcomes["torch_state_dict_api", kind]
     for out in results:
         assert len(out["calls"]) == 2 * 3 * 4
         for name, outcome, unchanged, params_unchanged in out["calls"]:
@@ -411,8 +438,8 @@ def test_torch_state_dict_api_is_refused_with_nothing_changed(kind):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-def test_bad_arguments_name_the_setting_on_every_rank(kind):
-    results = run_distributed(_worker_bad_arguments, WORLD, kind, timeout=240)
+def test_bad_arguments_name_the_setting_on_every_rank(kind, outcomes):
+    results = outcomes["bad_arguments", kind]
     assert results[0] == results[1]
     out = results[0]
     assert out["params"].startswith("TypeError") and "fully_shard" in out["params"]
@@ -443,8 +470,8 @@ def test_bad_arguments_on_one_rank_carry_one_prefix():
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-def test_after_an_exception_inside_backward_step_says_fsdp2_stopped(kind):
-    results = run_distributed(_worker_exception_inside_backward, WORLD, kind, timeout=240)
+def test_after_an_exception_inside_backward_step_says_fsdp2_stopped(kind, outcomes):
+    results = outcomes["exception_inside_backward", kind]
     for log in results:
         assert log[0] == ("ok", "ok", False, 0)
         assert log[1][0] == "RuntimeError"  # the user's hook, raised by backward
@@ -456,9 +483,8 @@ def test_after_an_exception_inside_backward_step_says_fsdp2_stopped(kind):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-def test_a_checkpoint_saved_after_a_failure_resumes_bit_for_bit(kind, tmp_path):
-    path = str(tmp_path / "ckpt")
-    results = run_distributed(_worker_resume_after_a_failure, WORLD, kind, path, timeout=240)
+def test_a_checkpoint_saved_after_a_failure_resumes_bit_for_bit(kind, outcomes):
+    results = outcomes["resume_after_a_failure", kind]
     for outcome, (count, params), (resumed_count, resumed) in results:
         assert outcome == "NonFiniteError"
         assert count == resumed_count == STEPS  # the failed update made none
