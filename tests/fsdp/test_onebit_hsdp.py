@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fn
 import fn.fsdp
-from tests._distributed import run_distributed
+from tests._distributed import run_distributed, run_together
 from tests.fsdp import test_onebit, test_onebit_auto_mask, test_onebit_lamb
 from tests.fsdp.test_onebit import (
     BETAS,
@@ -428,15 +428,25 @@ def _worker_nodes(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def launched(tmp_path_factory):
+    """``(root, {worker: results by rank})``: the training run, which saves under ``root``, and
+    the other workers (each builds its own model and leaves the group usable), in one launch."""
     root = str(tmp_path_factory.mktemp("hsdp"))
-    return root, run_distributed(_worker_train, WORLD, root, timeout=240)
+    parts = {
+        "train": (_worker_train, (root,)),
+        "native": (_worker_native, ()),
+        "auto_mask": (_worker_auto_mask, ()),
+        "precision": (_worker_precision, ()),
+        "bad_input": (_worker_bad_input, ()),
+        "nodes": (_worker_nodes, ()),
+    }
+    return root, run_together(parts, WORLD, timeout=600)
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_bit_for_bit_with_the_reference_and_all_ranks_agree(trained):
-    _, results = trained
+@pytest.mark.timeout(660)
+def test_bit_for_bit_with_the_reference_and_all_ranks_agree(launched):
+    results = launched[1]["train"]
     for case in (("adam", False), ("adam", True), ("lamb", False), ("lamb", True)):
         first = results[0][case]["history"]
         for rank, result in enumerate(results):
@@ -454,9 +464,9 @@ def test_bit_for_bit_with_the_reference_and_all_ranks_agree(trained):
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_checkpoints_resume_bit_for_bit_on_the_same_mesh(trained):
-    root, results = trained
+@pytest.mark.timeout(660)
+def test_checkpoints_resume_bit_for_bit_on_the_same_mesh(launched):
+    root, results = launched[0], launched[1]["train"]
     history = results[0]
     history = {case: history[case] for case in (("adam", True), ("lamb", True))}
     resumed = run_distributed(_worker_resume, WORLD, root, history, timeout=240)
@@ -466,16 +476,16 @@ def test_checkpoints_resume_bit_for_bit_on_the_same_mesh(trained):
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_warmup_matches_native_hsdp_and_adam():
-    for result in run_distributed(_worker_native, WORLD, timeout=240):
+@pytest.mark.timeout(660)
+def test_warmup_matches_native_hsdp_and_adam(launched):
+    for result in launched[1]["native"]:
         assert result["worst"] < 1e-6, result
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_auto_mask_equals_the_hand_mask_with_fixed_and_decided_freeze():
-    results = run_distributed(_worker_auto_mask, WORLD, timeout=240)
+@pytest.mark.timeout(660)
+def test_auto_mask_equals_the_hand_mask_with_fixed_and_decided_freeze(launched):
+    results = launched[1]["auto_mask"]
     steps = test_onebit_auto_mask.STEPS
     for rank, out in enumerate(results):
         for kind in KINDS:
@@ -492,9 +502,9 @@ def test_auto_mask_equals_the_hand_mask_with_fixed_and_decided_freeze():
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_low_precision_errors_and_bf16_params_train_with_every_rank_equal():
-    results = run_distributed(_worker_precision, WORLD, timeout=240)
+@pytest.mark.timeout(660)
+def test_low_precision_errors_and_bf16_params_train_with_every_rank_equal(launched):
+    results = launched[1]["precision"]
     for case, first in results[0].items():
         expected = {"bf16 errors": torch.bfloat16, "fp16 errors": torch.float16}
         assert first["errors"] == {expected.get(case[1], torch.float32)}, case
@@ -506,9 +516,9 @@ def test_low_precision_errors_and_bf16_params_train_with_every_rank_equal():
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_bad_input_is_refused_on_every_rank():
-    results = run_distributed(_worker_bad_input, WORLD, timeout=240)
+@pytest.mark.timeout(660)
+def test_bad_input_is_refused_on_every_rank(launched):
+    results = launched[1]["bad_input"]
     form = 'fully_shard(..., mesh=mesh["shard"])'
     for rank, out in enumerate(results):
         for case in ("2-d", "2-d, no replicate"):
@@ -562,9 +572,9 @@ def test_bad_input_is_refused_on_every_rank():
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_mesh_dimensions_against_the_nodes():
-    results = run_distributed(_worker_nodes, WORLD, timeout=240)
+@pytest.mark.timeout(660)
+def test_mesh_dimensions_against_the_nodes(launched):
+    results = launched[1]["nodes"]
     refused = {
         "swapped, LOCAL_WORLD_SIZE", "swapped, GROUP_RANK", "swapped, hostnames",
         "swapped, hostnames over LOCAL_WORLD_SIZE",
