@@ -14,7 +14,7 @@ from torch import nn
 
 import fn
 import fn.fsdp
-from tests._distributed import run_distributed
+from tests._distributed import run_together
 from tests.fsdp import test_onebit, test_onebit_hsdp
 from tests.fsdp.test_onebit import BETAS, EPS, FREEZE, LR, batch, full_params, lr_at
 from tests.fsdp.test_onebit_hsdp import KINDS, N, hsdp_layout
@@ -292,22 +292,41 @@ def _check_runs(results: list[dict]) -> None:
                     assert torch.equal(value, results[0][case]["history"][t][n]), (rank, case, t)
 
 
-@pytest.mark.timeout(600)
-def test_accumulation_on_a_1d_mesh_is_bit_for_bit_with_the_reference():
-    _check_runs(run_distributed(_worker_1d, test_onebit.WORLD, timeout=540))
+# One launch for each world size: every worker builds its own models and leaves the group usable.
+@pytest.fixture(scope="module")
+def two_ranks():
+    """``{worker: results by rank}`` of the 1-D workers on 2 ranks."""
+    parts = {"1d": (_worker_1d, ()), "bf16_accumulator": (_worker_bf16_accumulator, ())}
+    return run_together(parts, test_onebit.WORLD, timeout=600)
 
 
 @pytest.fixture(scope="module")
-def hsdp_runs():
-    return run_distributed(_worker_hsdp, N * test_onebit_hsdp.L, timeout=540)
+def four_ranks():
+    """``{worker: results by rank}`` of the workers on 4 ranks (HSDP: N nodes of L)."""
+    parts = {
+        "hsdp": (_worker_hsdp, ()),
+        "concatenated": (_worker_concatenated, ()),
+        "clip_grad_norm": (_worker_clip_grad_norm, ()),
+    }
+    return run_together(parts, N * test_onebit_hsdp.L, timeout=600)
 
 
-@pytest.mark.timeout(600)
+@pytest.fixture(scope="module")
+def hsdp_runs(four_ranks):
+    return four_ranks["hsdp"]
+
+
+@pytest.mark.timeout(660)
+def test_accumulation_on_a_1d_mesh_is_bit_for_bit_with_the_reference(two_ranks):
+    _check_runs(two_ranks["1d"])
+
+
+@pytest.mark.timeout(660)
 def test_accumulation_on_hsdp_is_bit_for_bit_with_the_reference(hsdp_runs):
     _check_runs(hsdp_runs)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(660)
 def test_bytes_across_nodes_do_not_depend_on_the_micro_batches(hsdp_runs):
     for out in hsdp_runs:
         for kind in KINDS:
@@ -317,15 +336,15 @@ def test_bytes_across_nodes_do_not_depend_on_the_micro_batches(hsdp_runs):
                 assert one[t]["world"] == four[t]["world"], (kind, t)
 
 
-@pytest.mark.timeout(300)
-def test_warmup_accumulation_matches_one_backward_on_the_concatenated_batch():
-    for out in run_distributed(_worker_concatenated, N * test_onebit_hsdp.L, timeout=240):
+@pytest.mark.timeout(660)
+def test_warmup_accumulation_matches_one_backward_on_the_concatenated_batch(four_ranks):
+    for out in four_ranks["concatenated"]:
         assert len(out) == 2 * len(KINDS)
         for case, worst in out.items():
             assert worst < 1e-6, case
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(660)
 def test_clipping_is_one_factor_on_every_rank(hsdp_runs):
     """The clipped runs (a spike on one rank at a compressed update) equal the references,
     whose factor is computed from every rank's gradient, bit for bit on every rank
@@ -339,9 +358,9 @@ def test_clipping_is_one_factor_on_every_rank(hsdp_runs):
                 assert any(not torch.equal(clipped[t][n], plain[t][n]) for n in plain[t]), kind
 
 
-@pytest.mark.timeout(300)
-def test_clip_grad_norm_on_grad_acts_on_hsdp_and_warns_on_a_1d_mesh():
-    for out in run_distributed(_worker_clip_grad_norm, N * test_onebit_hsdp.L, timeout=240):
+@pytest.mark.timeout(660)
+def test_clip_grad_norm_on_grad_acts_on_hsdp_and_warns_on_a_1d_mesh(four_ranks):
+    for out in four_ranks["clip_grad_norm"]:
         caught = out["1-d"]["caught"]
         assert all(not c for c in caught[: FREEZE - 1]), caught
         assert len(caught[FREEZE - 1]) == 1 and "max_grad_norm" in caught[FREEZE - 1][0]
@@ -378,9 +397,9 @@ def _worker_bf16_accumulator(rank: int, world_size: int) -> dict:
     return out
 
 
-@pytest.mark.timeout(300)
-def test_a_bf16_accumulator_holds_half_the_bytes_and_trains_alike():
-    results = run_distributed(_worker_bf16_accumulator, test_onebit.WORLD, timeout=240)
+@pytest.mark.timeout(660)
+def test_a_bf16_accumulator_holds_half_the_bytes_and_trains_alike(two_ranks):
+    results = two_ranks["bf16_accumulator"]
     for out in results:
         fp32, bf16 = out["torch.float32"], out["torch.bfloat16"]
         for name, (dtype, nbytes, own, numel) in bf16["held"].items():
