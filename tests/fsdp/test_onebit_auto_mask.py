@@ -22,7 +22,7 @@ import fn
 import fn.fsdp
 from fn import kernels
 from fn.fsdp.loco import ROOT
-from tests._distributed import run_distributed
+from tests._distributed import run_together
 from tests.fsdp import test_onebit
 from tests.fsdp.test_onebit import WORLD, full_params, mask_bits, records
 from tests.fsdp.test_onebit_checkpoint import KINDS, _refused
@@ -155,10 +155,10 @@ def _worker_equal(rank: int, world_size: int, kind: str) -> dict:
     return dict(runs=runs, plain=run(kind, rank, None)["params"][STEPS])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(660)
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_auto_mask_equals_the_hand_mask_bit_for_bit(kind):
-    results = run_distributed(_worker_equal, WORLD, kind, timeout=240)
+def test_auto_mask_equals_the_hand_mask_bit_for_bit(kind, launched):
+    results = launched[f"equal {kind}"]
     shapes = {k: p.shape for k, p in Sparse().named_parameters()}
     masks = hand_masks()
     masked = sum(int((m.broadcast_to(shapes[k]) == 0).sum()) for k, m in masks.items())
@@ -274,21 +274,20 @@ def _worker_other_world_size(rank: int, world_size: int, root: str, kind: str) -
     return dict(out=out, hand=hand)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(660)
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_auto_mask_resumes_bit_for_bit_and_mismatches_are_refused(tmp_path, kind):
-    root = str(tmp_path)
-    saved = run_distributed(_worker_save, WORLD, root, kind, timeout=240)
+def test_auto_mask_resumes_bit_for_bit_and_mismatches_are_refused(kind, launched):
+    saved = launched[f"save {kind}"]
     switch = saved[0]["decided"]["switch"]
     assert 3 <= switch < STEPS and all(r["decided"]["switch"] == switch for r in saved)
-    results = run_distributed(_worker_resume, WORLD, root, kind, saved, timeout=240)
+    results = launched[f"resume {kind}"]
     for rank, result in enumerate(results):
         assert result["mismatches"] == [], (rank, result["mismatches"][:5])
         for case, (message, unchanged) in result["refusals"].items():
             assert message.startswith("ValueError") and "exp_avg_mask" in message, (case, message)
             assert '"auto"' in message and "nothing was loaded" in message, message
             assert unchanged, case
-    (one,) = run_distributed(_worker_other_world_size, 1, root, kind, timeout=240)
+    (one,) = launched[f"other_world_size {kind}"]
     hand = one["hand"]
     before, after = one["out"][FREEZE - 1], one["out"][FREEZE + 2]
     assert set(hand) == set(after["loaded"][0])
@@ -313,14 +312,16 @@ def _worker_runs_by_mask(rank: int, world_size: int, kind: str) -> dict:
     return out
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(660)
 @pytest.mark.parametrize("world", [1, WORLD])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_masks_apply_at_every_world_size_and_masked_zero_variance_is_no_alarm(kind, world):
+def test_masks_apply_at_every_world_size_and_masked_zero_variance_is_no_alarm(
+    kind, world, launched
+):
     """At one rank, where no reduce-scatter runs, the rule itself applies the masks: the
     automatic one equals the hand-made one, and masking a used row changes that row. At the
     freeze the variance's exact zeros under the mask raise no warning; without it they do."""
-    results = run_distributed(_worker_runs_by_mask, world, kind, timeout=240)
+    results = launched[f"runs_by_mask {kind} {world}"]
     for result in results:
         auto, hand, used, plain = (result[k] for k in ("auto", "hand", "used", "None"))
         for k, value in hand["params"].items():
@@ -357,14 +358,42 @@ def _worker_failed_freeze(rank: int, world_size: int, root: str, kind: str) -> d
     return dict(records=before, loaded=loaded, masks=mask_bits(opt), hand=hand)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(660)
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_a_refused_freeze_keeps_the_records(tmp_path, kind):
+def test_a_refused_freeze_keeps_the_records(kind, launched):
     """A freeze update that raises keeps the warmup's records: a checkpoint taken then resumes
     them, and the freeze after it builds the hand-made mask."""
-    results = run_distributed(_worker_failed_freeze, WORLD, str(tmp_path), kind, timeout=240)
+    results = launched[f"failed_freeze {kind}"]
     for result in results:
         for name, bits in result["records"].items():
             assert torch.equal(result["loaded"][name], bits), name
         for name, bits in result["hand"].items():
             assert torch.equal(result["masks"][name], bits), name
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """``{"WORKER KIND[ WORLD]": results by rank}`` of every worker above, in three launches
+    (each worker builds its own model and leaves the group usable): the runs on WORLD ranks
+    (the refused freeze last), the resumes of their checkpoints, and the runs on one rank."""
+    saves = {kind: str(tmp_path_factory.mktemp(f"saves-{kind}")) for kind in KINDS}
+    first = {}
+    for kind in KINDS:
+        first[f"equal {kind}"] = (_worker_equal, (kind,))
+        first[f"save {kind}"] = (_worker_save, (saves[kind], kind))
+        first[f"runs_by_mask {kind} {WORLD}"] = (_worker_runs_by_mask, (kind,))
+    for kind in KINDS:
+        failed = str(tmp_path_factory.mktemp(f"failed-{kind}"))
+        first[f"failed_freeze {kind}"] = (_worker_failed_freeze, (failed, kind))
+    out = run_together(first, WORLD, timeout=600)
+    resumes = {
+        f"resume {kind}": (_worker_resume, (saves[kind], kind, out[f"save {kind}"]))
+        for kind in KINDS
+    }
+    out.update(run_together(resumes, WORLD, timeout=600))
+    one = {}
+    for kind in KINDS:
+        one[f"other_world_size {kind}"] = (_worker_other_world_size, (saves[kind], kind))
+        one[f"runs_by_mask {kind} 1"] = (_worker_runs_by_mask, (kind,))
+    out.update(run_together(one, 1, timeout=600))
+    return out
