@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import fn
 import fn.fsdp
-from tests._distributed import run_distributed
+from tests._distributed import run_together
 
 WORLD = 2
 LR, FREEZE, BETAS, EPS = 1e-2, 3, (0.9, 0.999), 1e-8
@@ -390,14 +390,20 @@ GROUPED_RUNS = {"grouped": (0.0, True, "float32", True)}
 
 
 @pytest.fixture(scope="module")
-def trained():
-    runs = {**RUNS, **GROUPED_RUNS}
-    return {
-        name: run_distributed(_worker_train, WORLD, *run, timeout=240) for name, run in runs.items()
-    }
+def launched():
+    """``{name: results by rank}`` of the training runs, the bf16 run and the refusals (last),
+    in one launch: each builds its own model and leaves the group usable."""
+    parts = {name: (_worker_train, run) for name, run in {**RUNS, **GROUPED_RUNS}.items()}
+    parts.update(bf16=(_worker_bf16, ()), bad_input=(_worker_bad_input, ()))
+    return run_together(parts, WORLD, timeout=600)
 
 
-@pytest.mark.timeout(300)
+@pytest.fixture(scope="module")
+def trained(launched):
+    return {name: launched[name] for name in {**RUNS, **GROUPED_RUNS}}
+
+
+@pytest.mark.timeout(660)
 def test_bit_for_bit_with_the_reference_and_ranks_agree(trained):
     for results in trained.values():
         for rank, result in enumerate(results):
@@ -413,7 +419,7 @@ def test_bit_for_bit_with_the_reference_and_ranks_agree(trained):
     )
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(660)
 def test_compressed_traffic_is_counted_and_nonfinite_raises_on_every_rank(trained):
     for rank, result in enumerate(trained["plain"]):
         assert result["bytes"] > 0
@@ -422,9 +428,9 @@ def test_compressed_traffic_is_counted_and_nonfinite_raises_on_every_rank(traine
         assert unchanged and count == STEPS
 
 
-@pytest.mark.timeout(300)
-def test_bf16_policy_keeps_fp32_masters_and_ranks_agree():
-    results = run_distributed(_worker_bf16, WORLD, timeout=240)
+@pytest.mark.timeout(660)
+def test_bf16_policy_keeps_fp32_masters_and_ranks_agree(launched):
+    results = launched["bf16"]
     for result in results:
         assert result["count"] == STEPS
         for k, value in result["params"].items():
@@ -433,9 +439,9 @@ def test_bf16_policy_keeps_fp32_masters_and_ranks_agree():
             assert not torch.equal(value, result["start"][k]), k
 
 
-@pytest.mark.timeout(300)
-def test_bad_input_is_refused_on_every_rank():
-    results = run_distributed(_worker_bad_input, WORLD, timeout=240)
+@pytest.mark.timeout(660)
+def test_bad_input_is_refused_on_every_rank(launched):
+    results = launched["bad_input"]
     for out in results:
         assert out["no fsdp"][0] == "ValueError" and "no FSDP2 module" in out["no fsdp"][1]
         assert out["outside"][0] == "ValueError" and "head.weight" in out["outside"][1]
