@@ -725,10 +725,11 @@ def test_freeze_schedule_and_tolerance_reach_the_runs():
 
 
 @pytest.mark.parametrize("tolerance", ["0", "1", "1.5"])
-def test_freeze_refuses_a_tolerance_outside_the_open_interval(tolerance):
-    proc = _cli("freeze.py", "--tolerance", tolerance)
-    assert proc.returncode == 2
-    assert "--tolerance takes a number in (0, 1)" in proc.stderr
+def test_freeze_refuses_a_tolerance_outside_the_open_interval(tolerance, capsys):
+    with pytest.raises(SystemExit) as stop:
+        _load("freeze.py").main(["--tolerance", tolerance])
+    assert stop.value.code == 2
+    assert "--tolerance takes a number in (0, 1)" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(180)
