@@ -20,15 +20,16 @@ _MAX_CHUNK = 2**16  # a position and the magnitude's 31 bits share one int64 key
 class Sparse(NamedTuple):
     """Compressed chunks: ``c`` chunks of ``k`` kept values."""
 
-    positions: torch.Tensor  # int64 [c, k], each kept value's position in its chunk
+    positions: torch.Tensor  # int64 [c, k], the kept values' positions in their chunk, ascending
     codes: torch.Tensor  # int64 [c, k], 2 bits: sign (MSB), level
     scales: torch.Tensor  # fp32 [c], the chunk's absmax M
 
 
 def message_bytes(chunks: int, k: int, chunk_size: int) -> int:
-    """``ceil(c k log2(C) / 8) + ceil(c k / 4) + 4 c``: one message of ``c`` chunks."""
-    width = chunk_size.bit_length() - 1
-    return -(-chunks * k * width // 8) + -(-chunks * k // 4) + 4 * chunks
+    """One message of ``c`` chunks, with ``L = floor(log2(C / k))``:
+    ``ceil(c k L / 8) + ceil(c (k + floor(C / 2^L)) / 8) + ceil(c k / 4) + 4 c``."""
+    layout = Layout(chunks, k, chunk_size)
+    return layout.position_bytes + layout.code_bytes + 4 * chunks
 
 
 def check(k: int, chunk_size: int, decay: float) -> None:
@@ -45,14 +46,14 @@ def check(k: int, chunk_size: int, decay: float) -> None:
 
 def select(chunks: torch.Tensor, k: int) -> Sparse:
     """The ``k`` values of largest magnitude of every row of ``chunks`` (fp32 ``[c, C]``), ties
-    to the lower position, in the 2-bit code."""
+    to the lower position, in the 2-bit code, their positions ascending in each row."""
     size = chunks.shape[-1]
     magnitude = chunks.abs()
     # distinct keys: the magnitude's bits (ordered as the values for non-negative floats), then
     # the position reversed, so that topk's choice among equal magnitudes is defined
     reversed_position = size - 1 - torch.arange(size, device=chunks.device)
     keys = (magnitude.view(torch.int32).long() << 16) | reversed_position
-    positions = keys.topk(k, dim=-1).indices
+    positions = keys.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
     kept = chunks.gather(-1, positions)
     scales = magnitude.amax(dim=-1)
     level = kept.abs() > (scales * 0.5).unsqueeze(-1)
@@ -84,16 +85,37 @@ def _unpack(packed: torch.Tensor, count: int, width: int) -> torch.Tensor:
 
 
 class Layout(NamedTuple):
-    """Where the parts of one message lie: ``c`` chunks of ``k`` values, positions of ``width``
-    bits, then the codes, then the fp32 scales."""
+    """Where the parts of one message lie: ``c`` chunks of ``k`` values, each chunk's positions
+    in the Elias-Fano code, then the codes, then the fp32 scales.
+
+    With ``L = floor(log2(C / k))`` and ``p_0 < ... < p_{k-1}`` a chunk's positions, the chunk's
+    low part is ``p_i mod 2^L`` in ``L`` bits each and its high part a vector of
+    ``k + floor(C / 2^L)`` bits, bit ``floor(p_i / 2^L) + i`` set for every ``i``: ``k L + k +
+    floor(C / 2^L)`` bits a chunk, whatever the positions. All chunks' low parts are one stream
+    of whole bytes, their high parts the next.
+    """
 
     chunks: int
     k: int
-    width: int
+    chunk_size: int
+
+    @property
+    def low(self) -> int:
+        """``L``, the bits of a position kept as they are."""
+        return (self.chunk_size // self.k).bit_length() - 1
+
+    @property
+    def high_bits(self) -> int:
+        """The bits of a chunk's high part, ``k + floor(C / 2^L)``."""
+        return self.k + (self.chunk_size >> self.low)
+
+    @property
+    def low_bytes(self) -> int:
+        return -(-self.chunks * self.k * self.low // 8)
 
     @property
     def position_bytes(self) -> int:
-        return -(-self.chunks * self.k * self.width // 8)
+        return self.low_bytes + -(-self.chunks * self.high_bits // 8)
 
     @property
     def code_bytes(self) -> int:
@@ -101,10 +123,20 @@ class Layout(NamedTuple):
 
     def encode(self, sparse: Sparse, rows: int = 1) -> torch.Tensor:
         """``rows`` messages of :attr:`chunks` chunks each (``sparse`` holds ``rows`` times as
-        many), uint8 ``[rows, bytes]``."""
+        many, their positions ascending in each chunk), uint8 ``[rows, bytes]``."""
+        positions = sparse.positions
+        rank = torch.arange(self.k, device=positions.device)
+        high = positions.new_zeros(positions.shape[0], self.high_bits)
+        high = high.scatter(-1, (positions >> self.low) + rank, 1)
+        low = positions & ((1 << self.low) - 1)
         scales = sparse.scales.contiguous().view(torch.uint8).view(rows, -1)
-        positions = _pack(sparse.positions.reshape(rows, -1), self.width)
-        return torch.cat([positions, _pack(sparse.codes.reshape(rows, -1), 2), scales], dim=1)
+        parts = [
+            _pack(low.reshape(rows, -1), self.low),
+            _pack(high.reshape(rows, -1), 1),
+            _pack(sparse.codes.reshape(rows, -1), 2),
+            scales,
+        ]
+        return torch.cat(parts, dim=1)
 
     def scales(self, message: torch.Tensor) -> torch.Tensor:
         start = self.position_bytes + self.code_bytes
@@ -112,8 +144,16 @@ class Layout(NamedTuple):
         return scales.view(torch.float32)  # a copy: 4-byte aligned
 
     def decode(self, message: torch.Tensor) -> Sparse:
+        """The chunks of one message, uint8 ``[bytes]``; their positions ascending."""
         count, shape = self.chunks * self.k, (self.chunks, self.k)
-        positions = _unpack(message[: self.position_bytes], count, self.width).view(shape)
+        low = _unpack(message[: self.low_bytes], count, self.low).view(shape)
+        high = message[self.low_bytes : self.position_bytes]
+        high = _unpack(high, self.chunks * self.high_bits, 1).view(self.chunks, self.high_bits)
+        # a stable sort puts the k set bits first, in their order; an all-zero message (a rank
+        # that sat out) yields positions 0, with scales 0
+        ones = high.sort(dim=-1, descending=True, stable=True).indices[:, : self.k]
+        rank = torch.arange(self.k, device=message.device)
+        positions = ((ones - rank) << self.low) | low
         codes = message[self.position_bytes : self.position_bytes + self.code_bytes]
         return Sparse(positions, _unpack(codes, count, 2).view(shape), self.scales(message))
 

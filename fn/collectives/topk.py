@@ -74,9 +74,10 @@ class TopkAllreduceState(NamedTuple):
 
 
 def topk_message_bytes(chunks: int, k: int, chunk_size: int) -> int:
-    """The bytes of one rank's message in :func:`topk_allreduce`: ``log2(chunk_size)`` bits per
-    position and 2 bits per code, each stream packed to whole bytes, and one fp32 scale per
-    chunk.
+    """The bytes of one rank's message in :func:`topk_allreduce`: each chunk's positions in the
+    Elias-Fano code (with ``L = floor(log2(chunk_size / k))``, the low ``L`` bits of every
+    position, then a vector of ``k + floor(chunk_size / 2^L)`` bits that holds the rest), 2 bits
+    per code, each of the three streams packed to whole bytes, and one fp32 scale per chunk.
 
     Args:
         chunks: the number of chunks, ``sum(ceil(leaf.numel() / chunk_size))`` over the leaves
@@ -85,11 +86,12 @@ def topk_message_bytes(chunks: int, k: int, chunk_size: int) -> int:
         chunk_size: the values per chunk.
 
     Returns:
-        ``ceil(chunks * k * log2(chunk_size) / 8) + ceil(chunks * k / 4) + 4 * chunks``.
+        ``ceil(chunks * k * L / 8) + ceil(chunks * (k + floor(chunk_size / 2^L)) / 8)
+        + ceil(chunks * k / 4) + 4 * chunks``.
 
     Example:
-        >>> fn.collectives.topk_message_bytes(chunks=1, k=32, chunk_size=4096)  # 48 + 8 + 4
-        60
+        >>> fn.collectives.topk_message_bytes(chunks=1, k=32, chunk_size=4096)  # 28 + 8 + 8 + 4
+        48
     """
     return message_bytes(chunks, k, chunk_size)
 
@@ -228,7 +230,6 @@ def topk_allreduce(
 
 def _gather_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compressor:
     """``topk_allreduce``'s all-gather exchange."""
-    width = chunk_size.bit_length() - 1
 
     def init_fn(params):
         return TopkAllreduceState(
@@ -247,7 +248,7 @@ def _gather_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compresso
             return updates, state
         takes_part = None if participation is None else participation.takes_part
         worked = compress(leaves, errors, live, k, chunk_size, decay, takes_part)
-        layout = Layout(worked.mine.scales.numel(), k, width)
+        layout = Layout(worked.mine.scales.numel(), k, chunk_size)
         message = layout.encode(worked.mine).view(-1)
         received = comm.all_gather(size_checked(comm, message, leaves, live, k, chunk_size))
         finite_or_raise(
@@ -266,7 +267,7 @@ def _gather_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compresso
         offered = flag_of(flag)
         worked = compress(leaves, errors, live, k, chunk_size, decay, offered)
         flag = offered & torch.isfinite(worked.mine.scales).all()
-        layout = Layout(worked.mine.scales.numel(), k, width)
+        layout = Layout(worked.mine.scales.numel(), k, chunk_size)
         n = sum(leaves[i].numel() for i in live)
         checksum = exchange_checksum(leaves, live, k, chunk_size, 0)
         message = torch.where(flag, layout.encode(worked.mine), 0)

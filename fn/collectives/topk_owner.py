@@ -118,7 +118,6 @@ def _owner_state(params: Any, chunk_size: int, world_size: int) -> TopkOwnerStat
 def owner_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compressor:
     """``topk_allreduce``'s owner-partitioned exchange (module docstring); the settings are
     checked by the caller."""
-    width = chunk_size.bit_length() - 1
 
     def init_fn(params):
         return _owner_state(params, chunk_size, comm.world_size)
@@ -135,7 +134,7 @@ def owner_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compressor:
         flag = offered & torch.isfinite(worked.mine.scales).all()
         n = sum(leaves[i].numel() for i in live)
         checksum = exchange_checksum(leaves, live, k, chunk_size, 1)
-        layout = Layout(share, k, width)
+        layout = Layout(share, k, chunk_size)
         rows = layout.encode(padded(worked.mine, world_size * share), rows=world_size)
         rows = torch.where(flag, rows, 0)
         got, part = exchange_rows(comm, rows, flag, n, WHAT, checksum, to_each=True, extra=extra)

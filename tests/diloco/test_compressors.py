@@ -99,7 +99,10 @@ def test_topk_allreduce_sends_its_formula_bytes():
     shapes = {"w": (70,), "m": (4, 9)}  # 3 + 2 chunks of 32
     comm = _run_topk(3, shapes, k=5, chunk_size=32, decay=1.0, steps=2, seed=1)
     per_call = 2 * 12 + 2 * topk_message_bytes(5, 5, 32)  # all-gathers to W - 1 = 2 peers
-    assert topk_message_bytes(5, 5, 32) == math.ceil(25 * 5 / 8) + math.ceil(25 / 4) + 20
+    # L = floor(log2(32 / 5)) = 2 low bits a position, k + 32 / 2^L = 13 high bits a chunk
+    assert topk_message_bytes(5, 5, 32) == (
+        math.ceil(25 * 2 / 8) + math.ceil(5 * 13 / 8) + math.ceil(25 / 4) + 20
+    )
     assert comm.bytes_sent == 2 * per_call
 
 
