@@ -102,12 +102,15 @@ def test_a_recovering_worker_lays_top_k_out_as_its_peers_do():
     worker that recovers from that peer holds the same layout (it held the owner's error
     feedback while its peers did not: their exchange's layouts differed, and every worker
     failed)."""
-    assert topk_exchange_form(chunks=3, k=16, chunk_size=128, world_size=3) == "owner"
+    # the model's leaves in chunks of 128: 1,024 weights -> 8, then 128, 128 and 1 -> 1 each
+    assert topk_exchange_form(chunks=11, k=16, chunk_size=128, world_size=3) == "owner"
     workers = []
     for rank in (0, 1):
         manager = Manager(rank=rank)
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 128), torch.nn.Tanh(), torch.nn.Linear(128, 1)
+        )
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
         diloco = ElasticDiLoCo(
             model,
