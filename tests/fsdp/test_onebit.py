@@ -387,20 +387,21 @@ RUNS = {
 }
 # the same, and fully_shard([block, head]): two modules in one FSDP2 group
 GROUPED_RUNS = {"grouped": (0.0, True, "float32", True)}
+ALL_RUNS = {**RUNS, **GROUPED_RUNS}
 
 
 @pytest.fixture(scope="module")
 def launched():
     """``{name: results by rank}`` of the training runs, the bf16 run and the refusals (last),
     in one launch: each builds its own model and leaves the group usable."""
-    parts = {name: (_worker_train, run) for name, run in {**RUNS, **GROUPED_RUNS}.items()}
+    parts = {name: (_worker_train, run) for name, run in ALL_RUNS.items()}
     parts.update(bf16=(_worker_bf16, ()), bad_input=(_worker_bad_input, ()))
     return run_together(parts, WORLD, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def trained(launched):
-    return {name: launched[name] for name in {**RUNS, **GROUPED_RUNS}}
+    return {name: launched[name] for name in ALL_RUNS}
 
 
 @pytest.mark.timeout(660)
