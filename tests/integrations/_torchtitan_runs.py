@@ -7,7 +7,10 @@ nothing). Every run is torchtitan's own: its config parsed by its ``ConfigManage
 trainer built by ``config.build()``, trained by ``train()``, checkpointed by its
 ``CheckpointManager``; several runs share one launch (a launch costs tens of seconds of
 imports). Each rank writes what it saw to ``WORKDIR/<scenario>/rank<r>.pt``; the runs' folders
-are under ``WORKDIR/<scenario>``.
+are under ``WORKDIR/<scenario>``. The checkpoints that no test reads go as soon as they are
+written (one of this model is 143 MB, and a scenario writes more than ten): a resumed run
+keeps its last, the full run keeps those the resumes start from until they have started, and
+the others keep none.
 
 - ``fsdp`` (2 ranks): TP, PP, CP and EP refused at start; a run with micro-batches (2 per step)
   and clipping, checkpointed every 2 steps, resumed from its warmup, its freeze and its
@@ -124,10 +127,12 @@ def adam_state(trainer: Any) -> dict[str, Any]:
     return {**moments, "params": params}
 
 
-def train(args: list[str], folder: Path, inspect: Any = fn_state) -> dict[str, Any]:
+def train(
+    args: list[str], folder: Path, inspect: Any = fn_state, grads: bool = False
+) -> dict[str, Any]:
     """One torchtitan run (``torchtitan.train``'s steps): its losses by step, the warnings it
-    raised, this rank's ``.grad`` shards after the first step and ``inspect(trainer)`` after
-    training."""
+    raised, ``inspect(trainer)`` after training and, with ``grads``, this rank's ``.grad``
+    shards after the first step."""
     from torchtitan.components.checkpointer.utils import canonical_fqn
     from torchtitan.config import ConfigManager
 
@@ -141,9 +146,9 @@ def train(args: list[str], folder: Path, inspect: Any = fn_state) -> dict[str, A
 
         def logged(step: int, loss: float, max_loss: float, *rest: Any, **kwargs: Any) -> None:
             record["losses"][step] = loss
-            if "grads" not in record:  # after step(): on HSDP the sum over the replicas
-                grads = {canonical_fqn(n): p.grad for n, p in model.named_parameters()}
-                record["grads"] = {n: local(g) for n, g in grads.items() if g is not None}
+            if grads and "grads" not in record:  # after step(): on HSDP the sum over the replicas
+                shards = {canonical_fqn(n): p.grad for n, p in model.named_parameters()}
+                record["grads"] = {n: local(g) for n, g in shards.items() if g is not None}
             log(step, loss, max_loss, *rest, **kwargs)
 
         trainer.metrics_processor.log = logged
@@ -177,6 +182,17 @@ def resume(runs: Path, args: list[str], step: int) -> dict[str, Any]:
     return train(args, folder)
 
 
+def prune(folder: Path, keep: int | None) -> None:
+    """Removes a run's checkpoints but the one at step ``keep`` (all of them with ``None``),
+    once every rank has finished writing them."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for saved in (folder / "checkpoint").glob("step-*"):
+            if saved.name != f"step-{keep}":
+                shutil.rmtree(saved)
+    dist.barrier()
+
+
 def main(scenario: str, work: Path) -> None:
     install()  # before torchtitan's first import
     from torchtitan.tools.logging import init_logger, logger
@@ -197,12 +213,15 @@ def main(scenario: str, work: Path) -> None:
             name: refusal([*args, f"--parallelism.{name}", "2"], runs / "refused")
             for name in REFUSED
         }
-    results["full"] = train(args, runs / "full")
+    steps = STEPS[scenario]
+    results["full"] = train(args, runs / "full", grads=True)
     for step in RESUMES[scenario]:
         results[f"resumed-{step}"] = resume(runs, args, step)
+        prune(runs / f"resumed-{step}", keep=steps)
+    prune(runs / "full", keep=steps)
     if scenario == "fsdp":
         adam = [*titan_args(work, world), "--training.steps", str(ADAM_STEPS)]
-        results["adamw"] = train(adam, runs / "adamw", inspect=adam_state)
+        results["adamw"] = train(adam, runs / "adamw", inspect=adam_state, grads=True)
         start = ["--checkpoint.initial_load_path",
                  str(runs / "adamw" / "checkpoint" / f"step-{ADAM_STEPS}"),
                  "--checkpoint.no-initial_load_model_only"]  # fmt: skip
@@ -212,9 +231,13 @@ def main(scenario: str, work: Path) -> None:
             [*warm, "--training.steps", str(ADAM_STEPS)], runs / "warm-loaded"
         )
         results["warm"] = train([*warm, "--training.steps", str(WARM_STEPS)], runs / "warm")
+        prune(runs / "adamw", keep=None)
+        prune(runs / "warm-loaded", keep=None)
+        prune(runs / "warm", keep=None)
     if scenario == "hsdp":  # torchtitan's own HSDP, one step: its summed gradient
         native = [*titan_args(work, world), *HSDP, "--training.steps", "1"]
-        results["native"] = train(native, runs / "native", inspect=adam_state)
+        results["native"] = train(native, runs / "native", inspect=adam_state, grads=True)
+        prune(runs / "native", keep=None)
     torch.save(results, runs / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

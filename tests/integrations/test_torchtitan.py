@@ -17,8 +17,9 @@ with the test-only CPU shim of _torchtitan_cpu.py), two micro-batches per step a
 from __future__ import annotations
 
 import pickle
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -38,21 +39,40 @@ SCRIPT = ROOT / "tests" / "integrations" / "_torchtitan_runs.py"
 STARTED = "started from Adam's state at update"
 
 
-def _launch(scenario: str, world: int, work: Path) -> list[dict[str, Any]]:
-    torchrun(SCRIPT, scenario, str(work), nproc=world, timeout=480)
-    return [torch.load(work / scenario / f"rank{r}.pt", weights_only=False) for r in range(world)]
+class Scenario(NamedTuple):
+    """What a scenario's launch left: each rank's record, and the last checkpoint of the full
+    run and of each resumed run (``"full"``, ``"resumed-<step>"``), flattened."""
+
+    ranks: list[dict[str, Any]]
+    last_checkpoints: dict[str, dict[str, Any]]
+
+
+def _launch(scenario: str, world: int, factory: pytest.TempPathFactory) -> Scenario:
+    """Runs a scenario and reads what the tests need into memory; its folder goes at once (its
+    checkpoints and records take GBs, and the next scenario needs the disk)."""
+    work = factory.mktemp("torchtitan")
+    try:
+        torchrun(SCRIPT, scenario, str(work), nproc=world, timeout=480)
+        runs = work / scenario
+        ranks = [torch.load(runs / f"rank{r}.pt", weights_only=False) for r in range(world)]
+        last = f"step-{STEPS[scenario]}"
+        names = ["full", *(f"resumed-{step}" for step in RESUMES[scenario])]
+        checkpoints = {
+            name: _checkpoint(runs / name / "checkpoint" / last, work / "flat.pt") for name in names
+        }
+        return Scenario(ranks, checkpoints)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
-    work = tmp_path_factory.mktemp("torchtitan")
-    return _launch("fsdp", 2, work), work / "fsdp"
+def fsdp(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
+    return _launch("fsdp", 2, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def hsdp(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
-    work = tmp_path_factory.mktemp("torchtitan")
-    return _launch("hsdp", 4, work), work / "hsdp"
+def hsdp(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
+    return _launch("hsdp", 4, tmp_path_factory)
 
 
 def _checkpoint(folder: Path, cache: Path) -> dict[str, Any]:
@@ -70,6 +90,7 @@ def _checkpoint(folder: Path, cache: Path) -> dict[str, Any]:
                 flat[prefix + key] = value
 
     walk(torch.load(cache, weights_only=False), "")
+    cache.unlink()
     return flat
 
 
@@ -97,19 +118,17 @@ def _same_stream(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return all(b[k][: len(a[k])] == a[k] and len(b[k]) > len(a[k]) for k in buffers)
 
 
-def _check_resumed(ranks: list[dict[str, Any]], runs: Path, scenario: str, tmp: Path) -> None:
+def _check_resumed(scenario: Scenario, name: str) -> None:
     """Every resumed run logs the full run's losses after its start, and its last checkpoint
     equals the full run's, entry for entry (the model, fn's state with every rank's error
     feedback, the LR scheduler, the step; the data loaders at the same place)."""
-    steps = STEPS[scenario]
-    full = _checkpoint(runs / "full" / "checkpoint" / f"step-{steps}", tmp / "full.pt")
+    full = scenario.last_checkpoints["full"]
     assert any(key.startswith("optimizer.rank1.") for key in full), sorted(full)[:20]
-    for start in RESUMES[scenario]:
-        for rank in ranks:
+    for start in RESUMES[name]:
+        for rank in scenario.ranks:
             resumed, straight = rank[f"resumed-{start}"]["losses"], rank["full"]["losses"]
             assert resumed == {s: v for s, v in straight.items() if s > start}, (start, resumed)
-        folder = runs / f"resumed-{start}" / "checkpoint" / f"step-{steps}"
-        last = _checkpoint(folder, tmp / "last.pt")
+        last = scenario.last_checkpoints[f"resumed-{start}"]
         assert last.keys() == full.keys()
         different = [key for key in full if not _same(key, full[key], last[key])]
         assert different == [], (start, different[:10])
@@ -138,7 +157,7 @@ def _check_trains(ranks: list[dict[str, Any]]) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fsdp_refuses_other_parallelisms_at_start_on_every_rank(fsdp):
-    ranks, _ = fsdp
+    ranks = fsdp.ranks
     for name in REFUSED:
         message = ranks[0]["refused"][name]
         assert message is not None and message.startswith("NotImplementedError: "), message
@@ -150,7 +169,7 @@ def test_fsdp_refuses_other_parallelisms_at_start_on_every_rank(fsdp):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fsdp_trains_with_torchtitans_summed_gradient(fsdp):
-    ranks, _ = fsdp
+    ranks = fsdp.ranks
     _check_trains(ranks)
     for rank in ranks:
         # step 1, warmup, 2 micro-batches: the same .grad as torchtitan's AdamW run (same
@@ -167,16 +186,15 @@ def test_fsdp_trains_with_torchtitans_summed_gradient(fsdp):
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_fsdp_resumes_bit_for_bit_in_warmup_at_freeze_and_compressed(fsdp, tmp_path):
-    ranks, runs = fsdp
-    _check_resumed(ranks, runs, "fsdp", tmp_path)
+def test_fsdp_resumes_bit_for_bit_in_warmup_at_freeze_and_compressed(fsdp):
+    _check_resumed(fsdp, "fsdp")
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_adamw_checkpoint_starts_onebit_adam(fsdp):
-    ranks, _ = fsdp
+    ranks = fsdp.ranks
     for rank in ranks:
         adam, loaded = rank["adamw"]["state"], rank["warm loaded"]
         state = loaded["state"]
@@ -204,8 +222,8 @@ def test_adamw_checkpoint_starts_onebit_adam(fsdp):
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_hsdp_trains_replicas_agree_and_resumes_bit_for_bit(hsdp, tmp_path):
-    ranks, runs = hsdp
+def test_hsdp_trains_replicas_agree_and_resumes_bit_for_bit(hsdp):
+    ranks = hsdp.ranks
     _check_trains(ranks)
     for shard, peer in ((0, 2), (1, 3)):  # the 2 replicas of each shard: the same bits
         for run in ("full", *(f"resumed-{s}" for s in RESUMES["hsdp"])):
@@ -222,4 +240,4 @@ def test_hsdp_trains_replicas_agree_and_resumes_bit_for_bit(hsdp, tmp_path):
             torch.cat([ranks[r][run]["grads"][name] for r in (0, 1)]) for run in ("full", "native")
         )
         torch.testing.assert_close(fn_grad, titan_grad, rtol=1e-5, atol=1e-9)
-    _check_resumed(ranks, runs, "hsdp", tmp_path)
+    _check_resumed(hsdp, "hsdp")
