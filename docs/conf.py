@@ -362,7 +362,8 @@ API_GROUPS: dict[str, list[tuple[str, str]]] = {
             "compressed_allreduce quantized_reduce_scatter quantized_reduce_scatter_into"
             " quantized_all_gather_into ErrorFeedback QuantizedError PackedSigns"
             " init_error_feedback padded_numel quantized_padded_numel error_feedback_leaves"
-            " ErrorFeedbackField ERROR_DTYPES check_error_dtype SimulatedGroup"
+            " ErrorFeedbackField ParamShapedErrorFeedbackField LaidOutAsParams positional_leaves"
+            " ERROR_DTYPES check_error_dtype SimulatedGroup"
             " topk_message_bytes CAST_DTYPES",
         ),
     ],

@@ -39,7 +39,10 @@ from fn.collectives.dense import dense_allreduce
 from fn.collectives.error_feedback import (
     ErrorFeedback,
     ErrorFeedbackField,
+    LaidOutAsParams,
+    ParamShapedErrorFeedbackField,
     error_feedback_leaves,
+    positional_leaves,
 )
 from fn.collectives.header import HEADER_BYTES, Compressor, Exchanged
 from fn.collectives.onebit import (
@@ -92,7 +95,10 @@ __all__ = [
     "cast_exchange_form",
     "ErrorFeedback",
     "ErrorFeedbackField",
+    "ParamShapedErrorFeedbackField",
+    "LaidOutAsParams",
     "error_feedback_leaves",
+    "positional_leaves",
     "padded_numel",
     "init_error_feedback",
     "compressed_allreduce",

@@ -17,6 +17,13 @@ Two ways mark a part of a state as error feedback, and both are read from types,
           residual: ErrorFeedbackField  # any pytree of buffers
 
 :func:`error_feedback_leaves` finds both.
+
+Most error feedback is laid out by the rank's place among ``W`` ranks: padded to a multiple of
+``W``, or the chunk of the mean that rank ``r`` owns. It is meaningless once ``W`` or the rank
+changes. Error feedback laid out as the params instead (top-k's accumulator: what this rank has
+not sent of each value) is annotated :data:`ParamShapedErrorFeedbackField` and may carry over;
+:func:`positional_leaves` finds the rest, for whoever re-lays a state out for other workers
+(``fn.integrations.torchft.ElasticDiLoCo`` at a change of its quorum).
 """
 
 from __future__ import annotations
@@ -29,7 +36,14 @@ from torch.utils import _pytree as pytree
 from fn.base import marked_fields
 from fn.tree import PyTree
 
-__all__ = ["ErrorFeedback", "ErrorFeedbackField", "error_feedback_leaves"]
+__all__ = [
+    "ErrorFeedback",
+    "ErrorFeedbackField",
+    "LaidOutAsParams",
+    "ParamShapedErrorFeedbackField",
+    "error_feedback_leaves",
+    "positional_leaves",
+]
 
 
 class ErrorFeedback(NamedTuple):
@@ -65,17 +79,47 @@ Example:
 """
 
 
-def _mark(node: Any, inside: bool) -> Any:
-    """``node`` with every leaf replaced by whether it lies in error feedback."""
-    if isinstance(node, ErrorFeedback):
+class LaidOutAsParams:
+    """The mark of error feedback laid out as the params: see
+    :data:`ParamShapedErrorFeedbackField`.
+
+    Example:
+        >>> field = fn.collectives.ParamShapedErrorFeedbackField
+        >>> fn.collectives.LaidOutAsParams in field.__metadata__
+        True
+    """
+
+
+ParamShapedErrorFeedbackField = Annotated[PyTree, ErrorFeedback, LaidOutAsParams]
+"""The annotation of a state field of error feedback laid out as the params, the same whatever
+the number of ranks and this rank's place among them: error feedback (found by
+:func:`error_feedback_leaves`) that :func:`positional_leaves` leaves out.
+
+Example:
+    >>> from typing import NamedTuple
+    >>> from fn.collectives import ParamShapedErrorFeedbackField, positional_leaves
+    >>> class MyState(NamedTuple):
+    ...     accumulator: ParamShapedErrorFeedbackField
+    ...     owned: ErrorFeedbackField
+    >>> positional_leaves(MyState({"w": torch.zeros(4)}, torch.zeros(2)))
+    [False, True]
+"""
+
+
+def _mark(node: Any, inside: bool, mark: type) -> Any:
+    """``node`` with every leaf replaced by whether it lies in a part marked ``mark``: a field
+    annotated with it, or (for :class:`ErrorFeedback`) a value of that type."""
+    if isinstance(node, mark):
         inside = True
     if isinstance(node, tuple) and hasattr(node, "_fields"):
-        marked = marked_fields(type(node), ErrorFeedback)
-        return type(node)(*(_mark(getattr(node, f), inside or f in marked) for f in node._fields))
+        marked = marked_fields(type(node), mark)
+        return type(node)(
+            *(_mark(getattr(node, f), inside or f in marked, mark) for f in node._fields)
+        )
     if pytree.tree_is_leaf(node):
         return inside
     children, spec = pytree.tree_flatten(node, is_leaf=lambda x: x is not node)
-    return pytree.tree_unflatten([_mark(c, inside) for c in children], spec)
+    return pytree.tree_unflatten([_mark(c, inside, mark) for c in children], spec)
 
 
 def error_feedback_leaves(state: PyTree) -> list[bool]:
@@ -95,4 +139,31 @@ def error_feedback_leaves(state: PyTree) -> list[bool]:
         >>> fn.collectives.error_feedback_leaves(state)  # count, lr, m, v, the errors, auto
         [False, False, False, False, True, True, False]
     """
-    return pytree.tree_leaves(_mark(state, False))
+    return pytree.tree_leaves(_mark(state, False, ErrorFeedback))
+
+
+def positional_leaves(state: PyTree) -> list[bool]:
+    r"""Which leaves of ``state`` are error feedback laid out by this rank's place among the
+    ranks: all of it but the fields annotated :data:`ParamShapedErrorFeedbackField`.
+
+    .. math::
+        \text{positional}_i = \text{feedback}_i \wedge \neg\,\text{param-shaped}_i
+
+    Args:
+        state: an optimizer or collective state.
+
+    Returns:
+        One bool per leaf of ``pytree.tree_leaves(state)``.
+
+    Example:
+        >>> comm = fn.collectives.Simulated(2)
+        >>> owner = fn.collectives.topk_allreduce(2, 8, comm=comm, exchange="owner")
+        >>> fn.collectives.positional_leaves(owner.init({"w": torch.zeros(20)}))
+        [False, True]
+        >>> fn.collectives.positional_leaves(fn.collectives.onebit_allreduce(comm=comm).init(
+        ...     {"w": torch.zeros(3)}))
+        [True, True]
+    """
+    feedback = error_feedback_leaves(state)
+    shaped = pytree.tree_leaves(_mark(state, False, LaidOutAsParams))
+    return [f and not s for f, s in zip(feedback, shaped, strict=True)]

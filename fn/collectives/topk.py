@@ -30,7 +30,7 @@ from fn.collectives._topk_code import (
     size_checked,
 )
 from fn.collectives.comm import Comm
-from fn.collectives.error_feedback import ErrorFeedbackField
+from fn.collectives.error_feedback import ParamShapedErrorFeedbackField
 from fn.collectives.header import HEADER_BYTES, Compressor, Exchanged, exchange_rows, flag_of
 from fn.collectives.topk_owner import TopkOwnerState, owner_form
 from fn.errors import finite_or_raise
@@ -70,7 +70,7 @@ class TopkAllreduceState(NamedTuple):
         TopkAllreduceState(error={'w': tensor([0., 0., 0.])})
     """
 
-    error: ErrorFeedbackField
+    error: ParamShapedErrorFeedbackField
 
 
 def topk_message_bytes(chunks: int, k: int, chunk_size: int) -> int:

@@ -34,7 +34,7 @@ from fn.collectives._topk_code import (
     valid_positions,
 )
 from fn.collectives.comm import Comm
-from fn.collectives.error_feedback import ErrorFeedbackField
+from fn.collectives.error_feedback import ErrorFeedbackField, ParamShapedErrorFeedbackField
 from fn.collectives.header import Compressor, Exchanged, Opened, exchange_rows, flag_of
 from fn.collectives.participation import Participation
 from fn.errors import finite_or_raise
@@ -61,7 +61,7 @@ class TopkOwnerState(NamedTuple):
         (torch.Size([20]), torch.Size([16]))
     """
 
-    error: ErrorFeedbackField
+    error: ParamShapedErrorFeedbackField
     server_error: ErrorFeedbackField
 
 

@@ -1,11 +1,18 @@
-"""Error feedback is recognized by type: ErrorFeedback values and ErrorFeedbackField fields."""
+"""Error feedback is recognized by type: ErrorFeedback values and ErrorFeedbackField fields;
+what of it is laid out by position, by the ParamShapedErrorFeedbackField fields it leaves out."""
 
 from typing import NamedTuple
 
 import torch
 
 import fn
-from fn.collectives import ErrorFeedback, ErrorFeedbackField, Local, error_feedback_leaves
+from fn.collectives import (
+    ErrorFeedback,
+    ErrorFeedbackField,
+    Local,
+    error_feedback_leaves,
+    positional_leaves,
+)
 
 
 class _Renamed(NamedTuple):
@@ -41,3 +48,21 @@ def test_optimizer_states_mark_their_buffers_and_nothing_else():
         errors = fn.tree.tree_leaves((state.worker_error, state.server_error), keep_none=True)
         assert len(marks) == len(leaves)
         assert [leaf for leaf, m in zip(leaves, marks, strict=True) if m] == errors
+
+
+def test_positional_leaves_leave_out_only_error_feedback_laid_out_as_the_params():
+    comm = fn.collectives.Simulated(4)
+    params = {"w": torch.zeros(40), "b": torch.zeros(3)}
+    gather = fn.collectives.topk_allreduce(2, 8, comm=comm, exchange="gather").init(params)
+    owner = fn.collectives.topk_allreduce(2, 8, comm=comm, exchange="owner").init(params)
+    onebit = fn.collectives.onebit_allreduce(comm=comm).init(params)
+    loco = fn.collectives.loco_allreduce(4, 8, comm=comm).init(params)
+    assert positional_leaves(gather) == [False, False]
+    assert error_feedback_leaves(gather) == [True, True]
+    assert positional_leaves(owner) == [False, False, True]  # the server error: owned chunks
+    assert positional_leaves(onebit) == error_feedback_leaves(onebit) == [True] * 4
+    assert positional_leaves(loco) == error_feedback_leaves(loco)
+    assert any(positional_leaves(loco))
+    pair = fn.collectives.init_error_feedback(10, comm=comm)  # padded to W: by position
+    assert positional_leaves((pair, torch.zeros(2))) == [True, True, False]
+    assert positional_leaves(_Renamed(torch.zeros(()), torch.ones(2), {})) == [False, True]

@@ -133,3 +133,18 @@ def test_a_recovering_worker_lays_top_k_out_as_its_peers_do():
     shapes = [[e.shape for e in _feedback(d)] for d in (peer, joining)]
     assert shapes[0] == shapes[1]
     assert len(shapes[0]) == len(list(model.parameters())) + 1  # with the owner's error
+
+
+def test_the_positional_compressions_are_those_whose_error_feedback_is_all_by_position():
+    from fn.collectives import Simulated, error_feedback_leaves, positional_leaves
+    from fn.diloco import COMPRESSIONS, compression
+    from fn.integrations.torchft import POSITIONAL_COMPRESSIONS
+
+    params = {"w": torch.zeros(5000), "b": torch.zeros(3)}
+    for kind in COMPRESSIONS:
+        for exchange in ("gather", "owner") if kind == "topk" else (None,):
+            options = {"exchange": exchange} if exchange else {}
+            state = compression(kind, comm=Simulated(4), **options).init(params)
+            feedback, positional = error_feedback_leaves(state), positional_leaves(state)
+            all_by_position = any(feedback) and positional == feedback
+            assert all_by_position == (kind in POSITIONAL_COMPRESSIONS), (kind, exchange)

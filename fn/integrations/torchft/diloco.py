@@ -11,12 +11,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from torchft import Manager
 
 from fn.base import OptState
-from fn.collectives import Local, TopkOwnerState, error_feedback_leaves
+from fn.collectives import Local, error_feedback_leaves, positional_leaves
 from fn.diloco import OuterStep, outer_update, pseudo_gradient
 from fn.diloco.buffers import Buffers, CapturedBuffers
 from fn.diloco.checkpoint import (
@@ -37,15 +36,17 @@ __all__ = ["POSITIONAL_COMPRESSIONS", "ElasticDiLoCo"]
 logger = logging.getLogger(__name__)
 
 POSITIONAL_COMPRESSIONS = ("onebit", "loco4")
-"""The compressions whose error feedback belongs to this worker's position in the quorum. The
-1-bit allreduce's server error is rank ``r``'s chunk of the mean and both its errors are padded
-to a multiple of the number of workers ``W``; LoCo's all-gather error is rank ``r``'s chunk, and
-its errors are padded to ``W`` groups. Where the quorum's ``W`` or this worker's rank changes,
-their error feedback restarts from zero (logged). ``"topk"``'s (and ``"sparseloco"``'s
-accumulator) is laid out as the parameters and carries over, but for the owner's error of its
-owner-partitioned exchange (:class:`~fn.collectives.TopkOwnerState`'s ``server_error``, the
-chunks this rank owns), which restarts; and where the quorum's ``W`` changes the exchange
-``"auto"`` chooses (:func:`~fn.collectives.topk_exchange_form`), all of it restarts.
+"""The compressions all of whose error feedback belongs to this worker's position in the quorum
+(:func:`fn.collectives.positional_leaves` of their state). The 1-bit allreduce's server error
+is rank ``r``'s chunk of the mean and both its errors are padded to a multiple of the number of
+workers ``W``; LoCo's all-gather error is rank ``r``'s chunk, and its errors are padded to ``W``
+groups. Where the quorum's ``W`` or this worker's rank changes, their error feedback restarts
+from zero (logged), and a loaded checkpoint's does too. ``"topk"``'s (and ``"sparseloco"``'s
+accumulator) is laid out as the parameters (:data:`fn.collectives.ParamShapedErrorFeedbackField`)
+and carries over, but for the owner's error of its owner-partitioned exchange
+(:class:`~fn.collectives.TopkOwnerState`'s ``server_error``, the chunks this rank owns), which
+restarts; and where the quorum's ``W`` changes the exchange ``"auto"`` chooses
+(:func:`~fn.collectives.topk_exchange_form`), all of it restarts.
 
 Example:
     >>> from fn.integrations.torchft import POSITIONAL_COMPRESSIONS
@@ -70,23 +71,6 @@ def _merged(shared: list[Any], fresh: OptState, carried: list[Any] | None = None
         value = next(kept)
         out.append(value.to(leaf.device, copy=True) if isinstance(leaf, torch.Tensor) else value)
     return tree_unflatten(out, spec)
-
-
-def _laid_out_by_position(state: OptState) -> list[bool]:
-    """Which leaves of ``state`` (in :func:`fn.tree.tree_flatten` order) belong to this worker's
-    place in the quorum: those of a :class:`~fn.collectives.TopkOwnerState`'s ``server_error``
-    (the chunks this rank owns)."""
-
-    def marked(x: Any) -> Any:
-        if isinstance(x, TopkOwnerState):
-            return TopkOwnerState(
-                pytree.tree_map(lambda _: False, x.error),
-                pytree.tree_map(lambda _: True, x.server_error),
-            )
-        return False
-
-    owner_or_leaf = lambda x: x is None or isinstance(x, TopkOwnerState)  # noqa: E731
-    return tree_flatten(pytree.tree_map(marked, state, is_leaf=owner_or_leaf))[0]
 
 
 def _check_options(sync_every: int, max_sit_outs: int | None, fragments: Any, delay: int) -> None:
@@ -399,7 +383,7 @@ class ElasticDiLoCo:
         if self._positional or old_spec != spec:
             keep = [False] * len(fresh_leaves)
         else:
-            keep = [not p for p in _laid_out_by_position(fresh)]
+            keep = [not p for p in positional_leaves(fresh)]
         carried = [old_leaves[i] if k else None for i, k in enumerate(keep)]
         self._state = _merged(self._shared_leaves(self._state), fresh, carried)
         feedback = error_feedback_leaves(fresh)
