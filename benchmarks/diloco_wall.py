@@ -9,7 +9,11 @@ is a TUN device held by a switch process on the host side (``--switch``):
   round trip long (``latency`` twice ``--delay``, one bandwidth-delay product);
 - the switch reads every packet a rank sends, holds it ``--delay`` (one way, so the round trip
   between two workers is twice that), then hands it to the destination's ``eth0`` at most at
-  ``--rate`` (each worker also receives at most that, as through a full-duplex port).
+  ``--rate`` (each worker also receives at most that, as through a full-duplex port);
+- with ``--keep-cwnd``, ``net.ipv4.tcp_slow_start_after_idle=0`` in every namespace: Linux
+  otherwise shrinks a connection's congestion window back to its initial 10 segments after an
+  idle round-trip timeout, and gloo's connections idle for the H inner steps between two outer
+  steps, so every outer exchange would start in slow start again.
 
 The switch stands where ``tc ... netem delay`` would (kernels without ``sch_netem``, as this
 machine's, cannot delay packets in a qdisc). Everything it creates is removed at the end, also on
@@ -52,7 +56,7 @@ All ranks share this machine's CPUs; the DiLoCo runs are compute-bound between e
 their times are pessimistic where ranks would have their own cores.
 
 Run:  sudo python3 benchmarks/diloco_wall.py [--runs 3] [--target 2.3] [--rate 10mbit]
-      [--delay 50ms] [--sync-every 30] [--methods ddp,diloco-fp32,...]
+      [--delay 50ms] [--sync-every 30] [--methods ddp,diloco-fp32,...] [--keep-cwnd]
       sudo python3 benchmarks/diloco_wall.py --quick      (a smoke run: high target, few steps)
       python3 benchmarks/diloco_wall.py --dry-run         (print the plan; needs nothing)
       sudo python3 benchmarks/diloco_wall.py --cleanup
@@ -201,7 +205,8 @@ def tbf_burst(rate_bits: float, mtu: int) -> int:
 
 def link_commands(args: argparse.Namespace, nodes: int = WORKERS) -> list[list[str]]:
     """What configures every node's ``eth0`` once the switch has made it (``nodes`` of them, the
-    ranks by default): address, MTU, up, and the sending token bucket."""
+    ranks by default): address, MTU, up, the sending token bucket and, with ``--keep-cwnd``, no
+    slow start after idle in the node's namespace."""
     _, rank_ns = cluster.namespaces(args.prefix, nodes)
     burst = tbf_burst(cluster.parse_rate(args.rate), args.mtu)
     queue_ms = max(1, round(2000 * parse_delay(args.delay)))
@@ -214,6 +219,10 @@ def link_commands(args: argparse.Namespace, nodes: int = WORKERS) -> list[list[s
             ["tc", "-n", ns, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", args.rate]
             + ["burst", str(burst), "latency", f"{queue_ms}ms"],
         ]
+        if args.keep_cwnd:
+            cmds.append(
+                ["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"]
+            )
     return cmds
 
 
@@ -700,6 +709,11 @@ def add_run_arguments(p: argparse.ArgumentParser, prefix: str, subnet: str) -> N
     p.add_argument("--rate", default="10mbit", help="tc rate of every node's link")
     p.add_argument("--delay", default="50ms", help="one-way delay between two nodes")
     p.add_argument("--mtu", type=int, default=1500)
+    p.add_argument(
+        "--keep-cwnd",
+        action="store_true",
+        help="net.ipv4.tcp_slow_start_after_idle=0 in every namespace",
+    )
     p.add_argument("--target", type=float, default=2.3, help="held-out loss to reach (nats)")
     p.add_argument("--sync-every", type=int, default=30, help="H, inner steps per outer step")
     p.add_argument("--density", type=int, default=32, help="SparseLoCo's top-k density 1/D")

@@ -1069,6 +1069,20 @@ def test_diloco_wall_plan_shapes_every_worker_and_stays_inside_its_namespaces():
     assert {w["target"] for w in workers} == {2.3}
 
 
+def test_diloco_wall_keep_cwnd_turns_off_slow_start_after_idle_in_every_namespace_only():
+    wall = _load("diloco_wall.py")
+    plain = wall.link_commands(wall.parse_args([]))
+    kept = wall.link_commands(wall.parse_args(["--keep-cwnd"]))
+    assert not any("sysctl" in cmd for cmd in plain)
+    added = [cmd for cmd in kept if cmd not in plain]
+    assert added == [
+        ["ip", "netns", "exec", f"fnwall-r{i}", "sysctl", "-qw",
+         "net.ipv4.tcp_slow_start_after_idle=0"]
+        for i in range(4)
+    ]  # fmt: skip
+    _assert_inside([" ".join(cmd) for cmd in kept], {f"fnwall-r{i}" for i in range(4)})
+
+
 def _wall_result(method, run, evals, step_s, iter_s):
     return {"method": method, "run": run, "evals": evals, "step_s": step_s, "iter_s": iter_s,
             "params": 1000}  # fmt: skip
