@@ -97,7 +97,8 @@ the number of ranks and this rank's place among them: error feedback (found by
 
 Example:
     >>> from typing import NamedTuple
-    >>> from fn.collectives import ParamShapedErrorFeedbackField, positional_leaves
+    >>> from fn.collectives import (
+    ...     ErrorFeedbackField, ParamShapedErrorFeedbackField, positional_leaves)
     >>> class MyState(NamedTuple):
     ...     accumulator: ParamShapedErrorFeedbackField
     ...     owned: ErrorFeedbackField
