@@ -81,11 +81,13 @@ def make_model(seed: int) -> torch.nn.Module:
 
 
 def worker_batches(
-    corpus, rank: int, seed: int, batch: int
+    corpus, rank: int, seed: int, batch: int, workers: int = WORKERS
 ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-    """Worker ``rank``'s batches of ``batch`` windows ``(x, y)`` from its shard of the training
-    text, drawn by its own generator (the same sequence in every run of ``seed``)."""
-    ids = _data.shard(corpus.train, rank, WORKERS)
+    """Worker ``rank``'s batches of ``batch`` windows ``(x, y)`` from its ``1 / workers`` shard of
+    the training text, drawn by its own generator (the same sequence in every run of ``seed``)."""
+    if not 0 <= rank < workers:
+        raise ValueError(f"rank {rank} is not one of {workers} workers")
+    ids = _data.shard(corpus.train, rank, workers)
     generator = torch.Generator().manual_seed(seed * 100_003 + rank)
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -459,7 +459,9 @@ def train(config: dict) -> dict:
     rank = dist.get_rank()
     corpus = _data.load_corpus()
     model = bench.make_model(config["seed"])
-    next_batch = bench.worker_batches(corpus, rank, config["seed"], config["batch"])
+    next_batch = bench.worker_batches(
+        corpus, rank, config["seed"], config["batch"], dist.get_world_size()
+    )
     heldout_x, heldout_y = bench.heldout_windows(corpus)
     trained = model
     diloco = None

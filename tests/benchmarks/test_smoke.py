@@ -993,6 +993,26 @@ def test_loss_vs_bytes_plots_a_demo_run(tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_diloco_worker_batches_shard_the_text_over_the_given_workers():
+    """diloco_wall.py --workers 8 shares diloco.py's batches: each of 8 workers draws from its own
+    eighth of the text (a fixed 4 ran rank 5 past the end of the text)."""
+    from fn.app import _data
+
+    bench = _load("diloco.py")
+    corpus = _data.load_corpus()
+    eighth = corpus.train.numel() // 8
+    for rank in (0, 5, 7):
+        x, y = bench.worker_batches(corpus, rank, 0, 16, workers=8)()
+        shard = corpus.train[rank * eighth : (rank + 1) * eighth]
+        assert x.shape == (16, bench.CONTEXT) and y.shape == (16,)
+        for row, target in zip(x, y, strict=True):
+            window = torch.cat([row, target[None]])
+            found = shard.unfold(0, bench.CONTEXT + 1, 1).eq(window).all(1).any()
+            assert found, f"rank {rank}: a window outside its shard"
+    with pytest.raises(ValueError, match="rank 5 is not one of 4 workers"):
+        bench.worker_batches(corpus, 5, 0, 16)
+
+
 @pytest.mark.timeout(180)
 def test_diloco_quick_run_prints_every_run_and_orders_the_bytes():
     """A tiny run of benchmarks/diloco.py: every run trains on 4 simulated workers, each
