@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -65,6 +66,9 @@ def _worker(rank: int, world_size: int, case: str, folder: str) -> None:
     for layer in model:
         fully_shard(layer, mesh=shard, reshard_after_forward=False)
     fully_shard(model, mesh=shard)
+    # FN_TIMEOUT bounds the collectives, not a set-up slowed by other tests on the cores: the
+    # ranks start the optimizer's agreement together
+    dist.barrier()
     optimizer = fn.fsdp.OnebitAdam(model, lr=1e-2, freeze_step=FREEZE, replicate=replicate)
     shared = None
     for t in range(1, fatal + 1):
