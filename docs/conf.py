@@ -364,7 +364,7 @@ API_GROUPS: dict[str, list[tuple[str, str]]] = {
             " init_error_feedback padded_numel quantized_padded_numel error_feedback_leaves"
             " ErrorFeedbackField ParamShapedErrorFeedbackField LaidOutAsParams positional_leaves"
             " ERROR_DTYPES check_error_dtype SimulatedGroup"
-            " topk_message_bytes CAST_DTYPES",
+            " topk_message_bytes CAST_DTYPES local_shard as_sharded_like",
         ),
     ],
     "fn.kernels": [

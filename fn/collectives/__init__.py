@@ -36,6 +36,7 @@ import torch
 from fn.collectives.cast import CAST_DTYPES, cast_allreduce, cast_exchange_form
 from fn.collectives.comm import Comm, Local
 from fn.collectives.dense import dense_allreduce
+from fn.collectives.dtensor import as_sharded_like, local_shard
 from fn.collectives.error_feedback import (
     ErrorFeedback,
     ErrorFeedbackField,
@@ -90,6 +91,8 @@ __all__ = [
     "simulate",
     "replicate",
     "dense_allreduce",
+    "as_sharded_like",
+    "local_shard",
     "CAST_DTYPES",
     "cast_allreduce",
     "cast_exchange_form",

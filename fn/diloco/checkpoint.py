@@ -22,8 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fn.base import OptState
-from fn.collectives import error_feedback_leaves
-from fn.diloco.sharding import as_sharded_like, local_shard
+from fn.collectives import as_sharded_like, error_feedback_leaves, local_shard
 from fn.errors import user_stacklevel
 from fn.tree import tree_flatten, tree_unflatten
 

@@ -10,9 +10,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fn.base import GradientTransformation, OptState
-from fn.collectives import Comm
+from fn.collectives import Comm, local_shard
 from fn.diloco.exchange import BackgroundExchange, Exchanger
-from fn.diloco.sharding import local_shard
 from fn.diloco.step import OuterStep, outer_update, pseudo_gradient
 
 __all__ = ["Flight", "Fragment"]

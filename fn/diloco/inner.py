@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fn.diloco.sharding import local_shard
+from fn.collectives import local_shard
 
 __all__ = ["InnerOptimizer"]
 

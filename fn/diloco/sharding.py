@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from fn.collectives import Comm, ProcessGroup
 
-__all__ = ["worker_mesh_comms", "local_shard", "as_sharded_like"]
+__all__ = ["worker_mesh_comms"]
 
 
 def worker_mesh_comms(params: Sequence[torch.Tensor], timeout: Any) -> list[Comm]:
@@ -50,32 +50,3 @@ def worker_mesh_comms(params: Sequence[torch.Tensor], timeout: Any) -> list[Comm
         )
     (mesh,) = meshes
     return [ProcessGroup(mesh.get_group(dim), timeout=timeout) for dim in range(mesh.ndim)]
-
-
-def local_shard(x: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``x``: a ``DTensor``'s local tensor (a view: writing it in place
-    writes the parameter), or ``x`` itself.
-
-    Example:
-        >>> from fn.diloco.sharding import local_shard
-        >>> local_shard(torch.ones(2))
-        tensor([1., 1.])
-    """
-    return x.to_local() if isinstance(x, DTensor) else x
-
-
-def as_sharded_like(local: Any, param: torch.Tensor) -> Any:
-    """``local`` (this rank's shard of a tensor shaped like ``param``) as a ``DTensor`` laid out
-    as ``param``, so that ``torch.distributed.checkpoint`` saves one copy of each shard and can
-    reshard it; ``local`` itself where ``param`` is a plain tensor or ``local`` no tensor.
-
-    Example:
-        >>> from fn.diloco.sharding import as_sharded_like
-        >>> as_sharded_like(torch.zeros(2), torch.ones(2))
-        tensor([0., 0.])
-    """
-    if not isinstance(param, DTensor) or not isinstance(local, torch.Tensor):
-        return local
-    return DTensor.from_local(
-        local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
-    )

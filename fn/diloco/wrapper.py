@@ -12,7 +12,15 @@ import torch.distributed as dist
 from torch import nn
 
 from fn.base import EmptyState
-from fn.collectives import Comm, Local, Participation, ProcessGroup, Simulated, cast_allreduce
+from fn.collectives import (
+    Comm,
+    Local,
+    Participation,
+    ProcessGroup,
+    Simulated,
+    cast_allreduce,
+    local_shard,
+)
 from fn.collectives.agreement import bit_checksum, digest
 from fn.diloco.agreement import agree_on_settings
 from fn.diloco.buffers import Buffers
@@ -28,7 +36,7 @@ from fn.diloco.fragment import Fragment
 from fn.diloco.inner import InnerOptimizer
 from fn.diloco.isolation import isolation_problem
 from fn.diloco.rules import outer_rule
-from fn.diloco.sharding import local_shard, worker_mesh_comms
+from fn.diloco.sharding import worker_mesh_comms
 from fn.diloco.sit_outs import SitOuts
 from fn.diloco.streaming import StreamSchedule, fragment_indices
 from fn.errors import check_fraction, check_int

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fn.base import CompressedOptimizer, apply_updates, set_hyperparams
-from fn.collectives import Local
+from fn.collectives import Local, local_shard
 from fn.collectives.comm import HOPS
 from fn.errors import NonFiniteError, user_stacklevel
 from fn.fsdp._fsdp2 import called_by_state_dict_api, reduce_scatters_stopped
@@ -37,7 +37,7 @@ from fn.fsdp.onebit_gradients import (
     first_exchange,
     gradient_stats,
 )
-from fn.fsdp.onebit_layout import ModuleLayout, fsdp_groups, module_layout, to_local
+from fn.fsdp.onebit_layout import ModuleLayout, fsdp_groups, module_layout
 from fn.fsdp.onebit_masks import module_mask
 from fn.fsdp.onebit_mesh import HsdpMesh, ShardMesh
 from fn.fsdp.onebit_module import OnebitModule
@@ -423,7 +423,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
 
     def _shards(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every param, by FQN."""
-        return {slot.name: to_local(slot.param) for slot in self._slots()}
+        return {slot.name: local_shard(slot.param) for slot in self._slots()}
 
     def _grad_inputs(self) -> dict[str, torch.Tensor | None]:
         """This rank's ``.grad`` shard of every param, by FQN."""
@@ -484,7 +484,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
                         "before it have advanced their momentum and errors)"
                     ) from None
             for slot in layout.slots:
-                local = to_local(slot.param)
+                local = local_shard(slot.param)
                 piece = None if row is None else row[slot.offset : slot.offset + local.numel()]
                 shards[slot.name] = None if piece is None else piece.view(local.shape)
         return shards

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from fn.collectives import PackedSigns
+from fn.collectives import PackedSigns, as_sharded_like, local_shard
 from fn.fsdp._fsdp2 import group_members
 from fn.fsdp.loco import ROOT
 
@@ -36,7 +36,6 @@ __all__ = [
     "row_multiple",
     "row_of",
     "shard_of",
-    "to_local",
 ]
 
 
@@ -113,18 +112,12 @@ def row_multiple(replicas: int) -> int:
     return replicas * math.lcm(replicas, 8)
 
 
-def to_local(x: torch.Tensor) -> torch.Tensor:
-    return x.to_local() if isinstance(x, DTensor) else x
-
-
 def shard_of(local: torch.Tensor, param: DTensor) -> DTensor:
     """``local`` (this rank's shard of a tensor like ``param``; empty: zeros) as a DTensor
     sharded as ``param``."""
     if local.numel() == 0:
-        local = torch.zeros_like(to_local(param), dtype=torch.float32)
-    return DTensor.from_local(
-        local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
-    )
+        local = torch.zeros_like(local_shard(param), dtype=torch.float32)
+    return as_sharded_like(local, param)
 
 
 def row_of(

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from fn.collectives import PackedSigns, ProcessGroup
-from fn.fsdp.onebit_layout import ModuleLayout, row_multiple, shard_of, to_local
+from fn.collectives import PackedSigns, ProcessGroup, local_shard
+from fn.fsdp.onebit_layout import ModuleLayout, row_multiple, shard_of
 
 __all__ = ["HsdpMesh", "ShardMesh"]
 
@@ -191,12 +191,12 @@ class HsdpMesh(ShardMesh):
         layout = module.layout
         mean = self.exchange.all_reduce(module.node_row(module.grad_shards()), "mean")
         for slot in layout.slots:
-            local = to_local(slot.param)
+            local = local_shard(slot.param)
             values = mean[slot.offset : slot.offset + local.numel()].view(local.shape)
             if slot.param.grad is None:
                 slot.param.grad = shard_of(values.clone(), slot.param)
             else:
-                to_local(slot.param.grad).copy_(values)
+                local_shard(slot.param.grad).copy_(values)
 
     def momentum_state(self, layout: ModuleLayout, signs: PackedSigns | None) -> dict[str, Any]:
         """This rank's row (its ``N`` chunks), a DTensor over the shard mesh (the same on the

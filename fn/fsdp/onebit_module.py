@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 
 from fn import kernels
-from fn.collectives import PackedSigns, ProcessGroup, init_error_feedback
+from fn.collectives import PackedSigns, ProcessGroup, init_error_feedback, local_shard
 from fn.collectives.onebit import (
     compressed_allreduce,
     compressed_allreduce_exchange,
     write_errors,
 )
-from fn.fsdp.onebit_layout import ModuleLayout, row_of, to_local
+from fn.fsdp.onebit_layout import ModuleLayout, row_of
 from fn.fsdp.onebit_masks import mask_values, shard_masks
 from fn.fsdp.onebit_mesh import ShardMesh
 from fn.fsdp.reduce_scatter import reduce_scale
@@ -178,7 +178,7 @@ class OnebitModule:
     def grad_shards(self) -> dict[str, torch.Tensor | None]:
         """This rank's ``.grad`` shard of every param of the module, by FQN."""
         return {
-            slot.name: None if slot.param.grad is None else to_local(slot.param.grad)
+            slot.name: None if slot.param.grad is None else local_shard(slot.param.grad)
             for slot in self.layout.slots
         }
 
@@ -203,8 +203,8 @@ class OnebitModule:
         written = self.written_row()
         for slot in self.layout.slots:
             grad = slot.param.grad
-            mine = written[slot.offset : slot.offset + to_local(slot.param).numel()]
-            if grad is None or not torch.equal(to_local(grad).reshape(-1), mine):
+            mine = written[slot.offset : slot.offset + local_shard(slot.param).numel()]
+            if grad is None or not torch.equal(local_shard(grad).reshape(-1), mine):
                 return True
         return False
 

@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from fn.collectives import PackedSigns
+from fn.collectives import PackedSigns, local_shard
 from fn.collectives.agreement import digest
-from fn.fsdp.onebit_layout import ModuleLayout, layout_at, momentum_from_signs, shard_of, to_local
+from fn.fsdp.onebit_layout import ModuleLayout, layout_at, momentum_from_signs, shard_of
 from fn.fsdp.onebit_masks import masked_shards, relaid_mask
 from fn.fsdp.onebit_mesh import ShardMesh
 from fn.fsdp.onebit_module import OnebitModule
@@ -259,8 +259,8 @@ def restored(fmt: StateFormat, state_dict: Mapping[str, Any], state: Any, rule: 
                                                strict=True):  # fmt: skip
         name, signs, errors = module.layout.name, None, None
         for slot in module.layout.slots:
-            exp_avg_sq[slot.name] = to_local(state_dict["exp_avg_sq"][slot.name]).clone()
-            m = to_local(state_dict["exp_avg"][slot.name]).clone()
+            exp_avg_sq[slot.name] = local_shard(state_dict["exp_avg_sq"][slot.name]).clone()
+            m = local_shard(state_dict["exp_avg"][slot.name]).clone()
             exp_avg[slot.name] = None if packed and not fmt.keeps_momentum_shards else m
         if packed:
             signs = _loaded_signs(state_dict["momentum"][name])
@@ -327,7 +327,7 @@ def _adam_moment(name: str, field: str, slot: Any, value: torch.Tensor | None) -
     """This rank's shard of Adam's ``field`` of a param, checked."""
     if value is None:
         raise ValueError(f"{name}: no {field} for param {slot.name}; nothing was changed")
-    local, shard = to_local(value), to_local(slot.param)
+    local, shard = local_shard(value), local_shard(slot.param)
     if local.shape != shard.shape:
         raise ValueError(
             f"{name}: {field} of {slot.name} has the shard shape {tuple(local.shape)}, the "
@@ -347,7 +347,7 @@ def _loaded_fields(fmt: StateFormat, state_dict: Mapping[str, Any]) -> dict[str,
     extra = {f: {k: state_dict[f][k].clone() for k in names} for f in fmt.scalar_fields}
     for field in fmt.optional_fields:
         held_by = [bool(x) for x in state_dict[f"{field}_held"].tolist()]
-        values = [to_local(state_dict[field][k]).clone() for k in names]
+        values = [local_shard(state_dict[field][k]).clone() for k in names]
         extra[field] = {
             k: x if kept else None for k, x, kept in zip(names, values, held_by, strict=True)
         }
@@ -357,7 +357,7 @@ def _loaded_fields(fmt: StateFormat, state_dict: Mapping[str, Any]) -> dict[str,
 def _loaded_signs(saved: Mapping[str, torch.Tensor]) -> PackedSigns:
     """A module's packed momentum from its checkpoint form (or, from another mesh, all of it:
     one chunk per scale)."""
-    packed, scales = to_local(saved["packed"]).clone(), to_local(saved["scales"]).clone()
+    packed, scales = local_shard(saved["packed"]).clone(), local_shard(saved["scales"]).clone()
     return PackedSigns(packed.view(scales.numel(), -1), scales)
 
 

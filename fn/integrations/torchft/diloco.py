@@ -15,7 +15,7 @@ from torch import nn
 from torchft import Manager
 
 from fn.base import OptState
-from fn.collectives import Local, error_feedback_leaves, positional_leaves
+from fn.collectives import Local, error_feedback_leaves, local_shard, positional_leaves
 from fn.diloco import OuterStep, outer_update, pseudo_gradient
 from fn.diloco.buffers import Buffers, CapturedBuffers
 from fn.diloco.checkpoint import (
@@ -26,7 +26,7 @@ from fn.diloco.checkpoint import (
 )
 from fn.diloco.inner import InnerOptimizer
 from fn.diloco.rules import outer_rule
-from fn.diloco.sharding import local_shard, worker_mesh_comms
+from fn.diloco.sharding import worker_mesh_comms
 from fn.errors import check_int, user_stacklevel
 from fn.integrations.torchft.comm import ManagerComm
 from fn.tree import tree_flatten, tree_unflatten
