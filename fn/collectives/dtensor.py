@@ -62,3 +62,34 @@ def as_sharded_like(local: Any, param: torch.Tensor) -> Any:
     return sys.modules[_DTENSOR_MODULE].DTensor.from_local(
         local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
     )
+
+
+def rows_of_ranks(row: torch.Tensor, param: torch.Tensor) -> Any:
+    """``row``, this rank's 1-D row, as its part of a ``DTensor`` of every rank's row over
+    ``param``'s mesh (its ``W`` ranks' rows end to end, ``W * len(row)`` values), so that
+    ``torch.distributed.checkpoint`` saves each rank's row under one name.
+
+    Args:
+        row: this rank's row, 1-D, the same length on every rank.
+        param: a ``DTensor`` param on the 1-D mesh whose ranks hold the rows.
+
+    Returns:
+        The ``DTensor``, sharded along its only dimension.
+
+    Example:
+        One rank here (under ``torchrun`` every rank holds its own row):
+
+        >>> import torch.distributed as dist
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.tensor import distribute_tensor
+        >>> from fn.collectives.dtensor import rows_of_ranks
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> param = distribute_tensor(torch.zeros(4), init_device_mesh("cpu", (1,)))
+        >>> rows_of_ranks(torch.arange(3.0), param).full_tensor()
+        tensor([0., 1., 2.])
+        >>> dist.destroy_process_group()
+    """
+    tensor = sys.modules[_DTENSOR_MODULE]
+    mesh = param.device_mesh
+    shape = (mesh.size() * row.numel(),)
+    return tensor.DTensor.from_local(row, mesh, [tensor.Shard(0)], shape=shape, stride=(1,))

@@ -5,40 +5,34 @@ What is the same on every rank of the group sits under shared keys: the anchor a
 state's other leaves (``DTensor`` s laid out as the parameters where the workers are sharded, so
 that DCP keeps one copy per shard and can reshard), the counts, the settings and the number of
 workers. What differs per rank (the error feedback) sits under ``state["per_rank"]["rank<r>"]``,
-``r`` the rank in the world, a key of this rank's own. An exchange in flight is the shared
-``state["in_flight"]`` (its fragment and the inner step it started after, ``None`` values
-outside one) and this rank's pseudo-gradient, ``in_flight_delta`` among its own entries: the
-same keys and shapes in and outside an exchange, as DCP needs."""
+``r`` the rank in the world, a key of this rank's own (fn's convention, in
+fn/collectives/dcp.py). An exchange in flight is the shared ``state["in_flight"]`` (its
+fragment and the inner step it started after, ``None`` values outside one) and this rank's
+pseudo-gradient, ``in_flight_delta`` among its own entries: the same keys and shapes in and
+outside an exchange, as DCP needs."""
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fn.base import OptState
 from fn.collectives import as_sharded_like, error_feedback_leaves, local_shard
+from fn.collectives.dcp import PER_RANK, own_entries, rank_key
 from fn.errors import user_stacklevel
 from fn.tree import tree_flatten, tree_unflatten
 
 __all__ = [
-    "PER_RANK",
     "settings_record",
-    "own_key",
     "InFlight",
     "diloco_state_dict",
     "Restored",
     "restored",
-    "initializing_optimizer_state",
 ]
-
-PER_RANK = "per_rank"
-"""The key of the per-rank entries of a DiLoCo state dict, each under :func:`own_key`."""
 
 
 def settings_record(
@@ -82,40 +76,6 @@ def settings_record(
         "compression": (compression[0], sorted(compression[1].items())),
         "parameters": [(tuple(p.shape), str(p.dtype)) for p in params],
     }
-
-
-def initializing_optimizer_state() -> bool:
-    """Whether this call comes from ``torch.distributed.checkpoint.state_dict``'s
-    ``_init_optim_state``, which runs one ``step()`` of a fresh optimizer with zero gradients and
-    learning rate 0 to create its state before a checkpoint is saved or loaded: not a training
-    step, so DiLoCo does not count it.
-
-    Example:
-        >>> from fn.diloco.checkpoint import initializing_optimizer_state
-        >>> initializing_optimizer_state()
-        False
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        if (
-            frame.f_code.co_name == "_init_optim_state"
-            and frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict"
-        ):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def own_key() -> str:
-    """``"rank<r>"``, ``r`` this process's rank in the world (0 without ``torch.distributed``):
-    the name of its own entries under ``state["per_rank"]``.
-
-    Example:
-        >>> from fn.diloco.checkpoint import own_key
-        >>> own_key()
-        'rank0'
-    """
-    return f"rank{dist.get_rank() if dist.is_available() and dist.is_initialized() else 0}"
 
 
 def _laid_out_like(leaves: Sequence[Any], params: Sequence[torch.Tensor]) -> list[Any]:
@@ -220,7 +180,7 @@ def diloco_state_dict(
             "started_at": None if in_flight is None else in_flight.started_at,
         },
         PER_RANK: {
-            own_key(): {
+            rank_key(): {
                 "error_feedback": own,
                 "in_flight_delta": _delta_vector(in_flight, delta_size, params),
             }
@@ -312,7 +272,7 @@ def restored(
         raise ValueError(f"{where}: the checkpoint's state has another structure")
     _check_shapes(where, saved_anchor, anchor)
     _check_shapes(where, saved_shared, shared_fresh)
-    own = state.get(PER_RANK, {}).get(own_key())
+    own = own_entries(state)
     saved_feedback = None if own is None else [local_shard(x) for x in own["error_feedback"]]
     restart = state["world_size"] != world_size or saved_feedback is None
     if not restart:
@@ -350,7 +310,7 @@ def _in_flight(
     entry = state.get("in_flight") or {"fragment": None}
     if entry["fragment"] is None:
         return None
-    own = state.get(PER_RANK, {}).get(own_key())
+    own = own_entries(state)
     if state["world_size"] != world_size or own is None:
         raise ValueError(
             f"DiLoCo.load_state_dict: the checkpoint was taken on {state['world_size']} "

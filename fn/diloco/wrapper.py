@@ -22,12 +22,12 @@ from fn.collectives import (
     local_shard,
 )
 from fn.collectives.agreement import bit_checksum, digest
+from fn.collectives.dcp import initializing_optimizer_state
 from fn.diloco.agreement import agree_on_settings
 from fn.diloco.buffers import Buffers
 from fn.diloco.checkpoint import (
     InFlight,
     diloco_state_dict,
-    initializing_optimizer_state,
     restored,
     settings_record,
 )

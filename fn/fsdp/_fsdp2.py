@@ -1,13 +1,11 @@
 """fn's side of FSDP2's private surface, for which torch exports no public name: the base classes
 of the comms that ``set_custom_all_gather`` and ``set_custom_reduce_scatter`` take, what fn
 reads of FSDP2's state (the custom reduce-scatter a module runs, and whether FSDP2 stopped after
-an exception in a backward), and whether a call comes from FSDP2's state-dict API
-(``torch.distributed.checkpoint.state_dict``, which reads frames fn cannot otherwise tell from
-a user's call). Each reader degrades to "nothing known" where torch's attributes are missing."""
+an exception in a backward). Each reader degrades to "nothing known" where torch's attributes
+are missing. (What fn reads of DCP's state-dict API is in fn/collectives/dcp.py.)"""
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -19,13 +17,10 @@ __all__ = [
     "AllGather",
     "FreshBuffers",
     "SynchronousReduceScatter",
-    "called_by_state_dict_api",
     "group_members",
     "installed_reduce_scatter",
     "reduce_scatters_stopped",
 ]
-
-_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
 
 
 class FreshBuffers:
@@ -78,13 +73,6 @@ def reduce_scatters_stopped(module: nn.Module) -> bool:
     reduce-scattering. ``False`` where it cannot be read."""
     context = getattr(_state(module), "_state_ctx", None)
     return bool(getattr(context, "post_backward_final_callback_queued", False))
-
-
-def called_by_state_dict_api() -> bool:
-    """Whether the caller of the function that asks was called by
-    ``torch.distributed.checkpoint.state_dict`` (``get_state_dict``, ``set_state_dict`` and
-    their ``_optimizer_`` forms read ``optimizer.state`` before anything else of it)."""
-    return sys._getframe(2).f_globals.get("__name__") == _STATE_DICT_API
 
 
 def _state(module: nn.Module) -> Any:

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from fn.collectives import ProcessGroup
 from fn.collectives.agreement import gather_texts, shared
+from fn.collectives.dcp import PER_RANK
 from fn.errors import RecordingFile
 from fn.fsdp.loco import LocoReduceScatterHandle
 from fn.fsdp.onebit import ShardedOnebitOptimizer
@@ -101,9 +102,9 @@ class TrainingCheckpoint:
             saved under their names. :meth:`load` reads everything, then restores them first,
             so that one that refuses its state (raising in ``load_state_dict`` before it
             changes anything) leaves everything as it was. The entries of a Stateful's
-            ``state_dict()["per_rank"]`` (by convention, one per rank, named by the rank) that
-            the checkpoint lacks (it was saved on fewer ranks) are left out of its read, for it
-            to restart.
+            ``state_dict()["per_rank"]`` (fn's convention, fn/collectives/dcp.py: one per rank,
+            named by the rank) that the checkpoint lacks (it was saved on fewer ranks) are left
+            out of its read, for it to restart.
         key: the name of this state in the checkpoint. DCP keeps one copy of a name for all
             ranks, so ranks whose model or optimizer state differ, as DiLoCo's workers' do,
             save under names of their own (e.g. ``f"worker{w}"``) into one checkpoint.
@@ -326,10 +327,10 @@ class TrainingCheckpoint:
             return {}
         states = _copies({name: x.state_dict() for name, x in self.extra.items()})
         for name, state in states.items():
-            per_rank = state.get("per_rank") if isinstance(state, dict) else None
+            per_rank = state.get(PER_RANK) if isinstance(state, dict) else None
             if keys is not None and isinstance(per_rank, dict):
-                prefix = f"{self.key}.{name}.per_rank."
-                state["per_rank"] = {
+                prefix = f"{self.key}.{name}.{PER_RANK}."
+                state[PER_RANK] = {
                     k: v
                     for k, v in per_rank.items()
                     if any(key.startswith(f"{prefix}{k}.") for key in keys)

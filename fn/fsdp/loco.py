@@ -5,7 +5,8 @@ on its own, with the reduce-scatter that module was given by ``set_custom_reduce
 :func:`loco_reduce_scatter` gives every FSDP2 module under a model its own
 :class:`~fn.fsdp.QuantizedReduceScatter` (equal-sized modules never share error feedback) and
 returns a :class:`LocoReduceScatterHandle` that checkpoints them: its ``state_dict()`` holds this
-rank's buffers under ``rank<r>``, so ``torch.distributed.checkpoint`` saves every rank's own.
+rank's buffers under ``per_rank["rank<r>"]``, so ``torch.distributed.checkpoint`` saves every
+rank's own.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from fn.collectives.dcp import PER_RANK, own_entries, rank_key
 from fn.fsdp.agreement import agree_on_settings
 from fn.fsdp.reduce_scatter import CommCache, QuantizedReduceScatter
 
@@ -60,8 +62,9 @@ class LocoReduceScatterHandle:
     """The quantized reduce-scatters installed on a model's FSDP2 modules, by module FQN.
 
     A ``torch.distributed.checkpoint`` ``Stateful``: ``state_dict()`` is
-    ``{"rank<r>": {fqn: module_state}}`` with this rank's buffers only (``"<root>"`` names the
-    module passed in); ``load_state_dict`` restores this rank's entry.
+    ``{"per_rank": {"rank<r>": {fqn: module_state}}}`` with this rank's buffers only, under a
+    name of its own (fn/collectives/dcp.py; ``"<root>"`` names the module passed in);
+    ``load_state_dict`` restores this rank's entry.
 
     :func:`loco_reduce_scatter` builds it.
 
@@ -84,7 +87,7 @@ class LocoReduceScatterHandle:
         >>> handle = fn.fsdp.loco_reduce_scatter(model, bits=4, group_size=8)
         >>> model(torch.ones(2, 4)).sum().backward()
         >>> saved = handle.state_dict()
-        >>> sorted(saved["rank0"]["<root>"])
+        >>> sorted(saved["per_rank"]["rank0"]["<root>"])
         ['count', 'error.0', 'numel', 'world_size']
         >>> handle.load_state_dict(saved)
         >>> dist.destroy_process_group()
@@ -102,12 +105,12 @@ class LocoReduceScatterHandle:
         """Bytes this rank's quantized reduce-scatters have sent (fn's own count)."""
         return self._comms.bytes_sent
 
-    def state_dict(self) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
-        """This rank's error feedback: ``{"rank<r>": {fqn: {count, numel, world_size,
-        error.<hop>}}}`` (the live tensors, which a checkpoint load fills in place)."""
-        return {
-            f"rank{self.rank}": {name: rs.state_dict() for name, rs in self.reduce_scatters.items()}
-        }
+    def state_dict(self) -> dict[str, dict[str, dict[str, dict[str, torch.Tensor]]]]:
+        """This rank's error feedback: ``{"per_rank": {"rank<r>": {fqn: {count, numel,
+        world_size, error.<hop>}}}}`` (the live tensors, which a checkpoint load fills in
+        place)."""
+        own = {name: rs.state_dict() for name, rs in self.reduce_scatters.items()}
+        return {PER_RANK: {rank_key(self.rank): own}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores this rank's entry of a :meth:`state_dict`.
@@ -117,13 +120,18 @@ class LocoReduceScatterHandle:
                 from another world size or model); nothing is changed.
             ValueError: a buffer has the wrong size; nothing is changed.
         """
-        key = f"rank{self.rank}"
-        if key not in state_dict:
-            raise KeyError(f"state_dict has no error feedback for {key} (keys: {list(state_dict)})")
-        own = state_dict[key]
+        key = rank_key(self.rank)
+        own = own_entries(state_dict, self.rank)
+        if own is None:
+            raise KeyError(
+                f"state_dict has no error feedback for {key} under {PER_RANK!r} (keys: "
+                f"{list(state_dict)}, per rank: {list(state_dict.get(PER_RANK) or [])})"
+            )
         missing = set(self.reduce_scatters) - set(own)
         if missing:
-            raise KeyError(f"state_dict[{key!r}] has no entry for the modules {sorted(missing)}")
+            raise KeyError(
+                f"state_dict[{PER_RANK!r}][{key!r}] has no entry for the modules {sorted(missing)}"
+            )
         parsed = {name: rs.parse_state_dict(own[name]) for name, rs in self.reduce_scatters.items()}
         for name, rs in self.reduce_scatters.items():
             rs._assign(*parsed[name])

@@ -28,8 +28,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from fn.base import CompressedOptimizer, apply_updates, set_hyperparams
 from fn.collectives import Local, local_shard
 from fn.collectives.comm import HOPS
+from fn.collectives.dcp import called_by_state_dict_api
 from fn.errors import NonFiniteError, user_stacklevel
-from fn.fsdp._fsdp2 import called_by_state_dict_api, reduce_scatters_stopped
+from fn.fsdp._fsdp2 import reduce_scatters_stopped
 from fn.fsdp.onebit_checks import Options, agreed_setup
 from fn.fsdp.onebit_gradients import (
     GRAD_CHANGED,
@@ -535,14 +536,15 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         """This rank's state as a ``torch.distributed.checkpoint`` (DCP) state dict, in one
         layout at every update (DCP loads in place into a layout fixed before it reads).
 
-        ``{"header", "lr", "signed", "exp_avg", "exp_avg_sq", "momentum", "rank<r>"}``:
+        ``{"header", "lr", "signed", "exp_avg", "exp_avg_sq", "momentum", "per_rank"}``:
         ``header`` (int64: format, world size, updates made, checksums of the model's layout
         and of the settings); ``lr`` (``param_groups[0]["lr"]``); ``signed`` (int8 per module:
         whether its momentum is kept as packed signs); ``exp_avg`` and ``exp_avg_sq`` by param
         FQN, DTensors of the shards (``exp_avg``: zeros where the momentum is packed);
         ``momentum`` by module, the packed signs and scales of its full momentum (zeros before
-        the freeze; the same on every rank, so DCP saves them once); and under ``rank<r>``, a
-        name of this rank's own, by module its worker and server errors (zeros before the
+        the freeze; the same on every rank, so DCP saves them once); and under
+        ``per_rank["rank<r>"]``, a name of this rank's own (fn/collectives/dcp.py), by module
+        its worker and server errors (zeros before the
         first compressed update; DCP would keep one rank's copy of a name every rank saves).
         With ``freeze_step="auto"``, ``auto`` holds the decision and its statistics (0-dim,
         the same on every rank). With ``exp_avg_mask="auto"``, by module and as bits in the
@@ -697,7 +699,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         return StateFormat(
             self.name, self._modules, self._mesh, self.error_dtype, self._auto_mask,
             fingerprints(layouts, settings, self.error_dtype, self._mask_setting),
-            f"rank{dist.get_rank(self._world)}", self.scalar_fields, self.optional_fields,
+            dist.get_rank(self._world), self.scalar_fields, self.optional_fields,
             self.keeps_momentum_shards,
         )  # fmt: skip
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
 
 from fn.collectives import PackedSigns, ProcessGroup, local_shard
+from fn.collectives.dtensor import rows_of_ranks
 from fn.fsdp.onebit_layout import ModuleLayout, row_multiple, shard_of
 
 __all__ = ["HsdpMesh", "ShardMesh"]
@@ -206,13 +206,7 @@ class HsdpMesh(ShardMesh):
         scales = torch.zeros(self.exchange.world_size, device=param.device)
         if signs is not None:
             packed, scales = signs.packed.reshape(-1), signs.scales.reshape(-1)
-        return {
-            key: DTensor.from_local(
-                x, param.device_mesh, [Shard(0)], shape=(self.shard.world_size * x.numel(),),
-                stride=(1,),
-            )
-            for key, x in (("packed", packed), ("scales", scales))
-        }  # fmt: skip
+        return {"packed": rows_of_ranks(packed, param), "scales": rows_of_ranks(scales, param)}
 
     def momentum_template(self, layout: ModuleLayout) -> dict[str, Any] | None:
         return self.momentum_state(layout, None)

@@ -13,10 +13,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from fn.collectives import PackedSigns, local_shard
 from fn.collectives.agreement import digest
+from fn.collectives.dcp import PER_RANK, own_entries, rank_key
+from fn.collectives.dtensor import rows_of_ranks
 from fn.fsdp.onebit_layout import ModuleLayout, layout_at, momentum_from_signs, shard_of
 from fn.fsdp.onebit_masks import masked_shards, relaid_mask
 from fn.fsdp.onebit_mesh import ShardMesh
@@ -34,7 +36,7 @@ __all__ = [
     "restored",
 ]
 
-_FORMAT = 1  # the layout of ShardedOnebitOptimizer.state_dict()
+_FORMAT = 2  # the layout of ShardedOnebitOptimizer.state_dict() (1: errors under "rank<r>")
 _AUTO_MASK_KEYS = ("always_zero", "exp_avg_mask")  # and with exp_avg_mask="auto"
 
 
@@ -49,7 +51,8 @@ class StateFormat(NamedTuple):
         auto_mask: whether ``exp_avg_mask="auto"``.
         fingerprints: the checksums of the model's layout and of the settings
             (:func:`fingerprints`).
-        own_key: the name of this rank's own entries (its errors).
+        rank: this rank in the optimizer's world, which names its own entries (its errors:
+            ``per_rank["rank<r>"]``, fn/collectives/dcp.py).
         scalar_fields: the rule's further per-param 0-dim fields (the same on every rank).
         optional_fields: the rule's further per-param shards, maybe ``None``.
         keeps_momentum_shards: whether the compressed phase keeps the momentum's shards in the
@@ -62,7 +65,7 @@ class StateFormat(NamedTuple):
     error_dtype: torch.dtype
     auto_mask: bool
     fingerprints: tuple[int, int]
-    own_key: str
+    rank: int
     scalar_fields: tuple[str, ...]
     optional_fields: tuple[str, ...]
     keeps_momentum_shards: bool
@@ -114,7 +117,9 @@ def onebit_state_dict(fmt: StateFormat, state: Any, lr: float) -> dict[str, Any]
         "momentum": {
             m.layout.name: fmt.mesh.momentum_state(m.layout, m.signs) for m in fmt.modules
         },
-        fmt.own_key: {m.layout.name: _errors(m, fmt.error_dtype) for m in fmt.modules},
+        PER_RANK: {
+            rank_key(fmt.rank): {m.layout.name: _errors(m, fmt.error_dtype) for m in fmt.modules}
+        },
     }
     for slot in slots:
         m = state.exp_avg[slot.name]
@@ -197,10 +202,12 @@ def checkpoint_template(
         for f in _AUTO_MASK_KEYS:
             template[f] = {x: new(f"{f}.{x}", torch.uint8) for x in names}
     if same:
-        own = fmt.own_key
-        template[own] = {
-            x: {k: new(f"{own}.{x}.{k}", fmt.error_dtype) for k in ("worker", "server")}
-            for x in names
+        own = f"{PER_RANK}.{rank_key(fmt.rank)}"
+        template[PER_RANK] = {
+            rank_key(fmt.rank): {
+                x: {k: new(f"{own}.{x}.{k}", fmt.error_dtype) for k in ("worker", "server")}
+                for x in names
+            }
         }
     missing = [key for key in _keys(template) if key not in saved]
     if missing:
@@ -253,7 +260,7 @@ def restored(fmt: StateFormat, state_dict: Mapping[str, Any], state: Any, rule: 
     if fmt.auto_mask:
         frozen = rule.is_compressed(count, state._replace(auto=auto))
         masks = _loaded_auto_masks(fmt, state_dict, saved_layouts, frozen)
-    own = state_dict.get(fmt.own_key, {}) if same else {}
+    own = (own_entries(state_dict, fmt.rank) or {}) if same else {}
     exp_avg, exp_avg_sq, momenta = {}, {}, []
     for module, old, packed, (mask, _) in zip(fmt.modules, saved_layouts, signed, masks,
                                                strict=True):  # fmt: skip
@@ -374,9 +381,7 @@ def _auto_mask_state(fmt: StateFormat) -> dict[str, dict[str, Any]]:
         record = module.record
         if record is None:
             record = torch.zeros(size, dtype=torch.uint8, device=param.device)
-        records[layout.name] = DTensor.from_local(
-            record, param.device_mesh, [Shard(0)], shape=(world_size * size,), stride=(1,)
-        )
+        records[layout.name] = rows_of_ranks(record, param)
         mask = module.mask
         if mask is None:
             mask = torch.zeros(world_size * size, dtype=torch.uint8, device=param.device)
@@ -418,7 +423,8 @@ def _checked_header(
     values = header.tolist()
     if len(values) not in (5, 6) or values[0] != _FORMAT:
         raise ValueError(
-            f"{fmt.name}: not a checkpoint of this format (header {values}); nothing was loaded"
+            f"{fmt.name}: not a checkpoint of this format (header {values}: format "
+            f"{values[0] if values else None}, this fn reads {_FORMAT}); nothing was loaded"
         )
     _, world_size, count, layout, settings, *hsdp = values
     replicas = hsdp[0] if hsdp else 1

@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 
 from fn.base import PerRank, SecondMoment, marked_fields
 from fn.collectives import ErrorFeedback, PackedSigns, error_feedback_leaves
+from fn.collectives.dcp import PER_RANK, rank_key
 from fn.optim._step import lr_value, read_lr
 
 _REQUIRED = ("step", "world_size", "shapes", "functional")
@@ -722,9 +723,11 @@ class PerRankState:
     DCP saves a tensor that every rank holds under the same name once (it assumes replicas), so
     it would keep one rank's error feedback and ``fn.base.PerRankField`` fields (0/1 Adam's
     momentum and accumulator) for all: here each rank's share gets a name of its own
-    (``state_of_rank.<rank>``). DCP checkpoints load at the world size they were saved with (to
-    change it, go through ``state_dict()``), in place into a fixed layout, so a state that
-    changes form with its phase is saved in its full layout (``CompressedOptimizer.full_state``).
+    (``per_rank.rank<r>`` in each record, ``r`` the rank in the optimizer's comm; fn's
+    convention, fn/collectives/dcp.py). DCP checkpoints load at the world size they were saved
+    with (to change it, go through ``state_dict()``), in place into a fixed layout, so a state
+    that changes form with its phase is saved in its full layout
+    (``CompressedOptimizer.full_state``).
 
     Args:
         optimizer: an ``fn.optim`` optimizer.
@@ -772,7 +775,7 @@ class PerRankState:
             }
             mine = {k: functional.pop(k) for k in per_rank_keys(functional_state)}
             record["functional"] = functional
-            record["state_of_rank"] = {str(rank): mine}
+            record[PER_RANK] = {rank_key(rank): mine}
             state[str(index)] = record  # DCP keys are strings
         return {**saved, "state": state}
 
@@ -782,7 +785,7 @@ class PerRankState:
         state = {}
         for index, record in state_dict["state"].items():
             record = dict(record)
-            mine = record.pop("state_of_rank")[str(rank)]
+            mine = record.pop(PER_RANK)[rank_key(rank)]
             record["functional"] = {**record["functional"], **mine}
             record["rank"] = rank
             state[int(index)] = record

@@ -104,15 +104,19 @@ def _worker_grads(rank: int, world_size: int) -> dict:
 
     saved = {k: v.clone() for k, v in handle.reduce_scatters["block1"].state_dict().items()}
     state = handle.state_dict()
+    own = state["per_rank"][f"rank{rank}"]
     refused = []
     for broken, kind in (
-        ({"rank9": state[f"rank{rank}"]}, KeyError),
-        ({f"rank{rank}": {"block0": state[f"rank{rank}"]["block0"]}}, KeyError),
+        ({"per_rank": {"rank9": own}}, KeyError),
+        ({f"rank{rank}": own}, KeyError),  # not under "per_rank"
+        ({"per_rank": {f"rank{rank}": {"block0": own["block0"]}}}, KeyError),
         (
             {
-                f"rank{rank}": {
-                    **state[f"rank{rank}"],
-                    "<root>": {**state[f"rank{rank}"]["<root>"], "error.0": torch.zeros(3)},
+                "per_rank": {
+                    f"rank{rank}": {
+                        **own,
+                        "<root>": {**own["<root>"], "error.0": torch.zeros(3)},
+                    }
                 }
             },
             ValueError,
@@ -186,8 +190,9 @@ def test_equal_modules_keep_their_own_error_and_ranks_agree(grad_results):
 def test_load_state_dict_refuses_other_ranks_models_and_shapes(grad_results):
     for rank in range(2):
         refused, unchanged = grad_results[rank]["refused"]
-        assert len(refused) == 3 and unchanged
-        assert f"rank{rank}" in refused[0] and "block1" in refused[1] and "error.0" in refused[2]
+        assert len(refused) == 4 and unchanged
+        assert all(f"rank{rank}" in message for message in refused[:2]), refused
+        assert "block1" in refused[2] and "error.0" in refused[3]
 
 
 @pytest.mark.timeout(600)
@@ -224,16 +229,17 @@ def test_dcp_resume_is_bit_identical(two_ranks):
     results, _ = two_ranks["resume"]
     for rank, ((params, loco), (resumed_params, resumed_loco), step) in enumerate(results):
         assert step == 2
-        assert list(loco) == [f"rank{rank}"]
+        assert list(loco) == ["per_rank"] and list(loco["per_rank"]) == [f"rank{rank}"]
+        own, resumed_own = loco["per_rank"][f"rank{rank}"], resumed_loco["per_rank"][f"rank{rank}"]
         for name, value in params.items():
             assert torch.equal(value, resumed_params[name]), name
-        for module, state in loco[f"rank{rank}"].items():
+        for module, state in own.items():
             for key, value in state.items():
-                assert torch.equal(value, resumed_loco[f"rank{rank}"][module][key]), (module, key)
-        assert int(loco[f"rank{rank}"]["block0"]["count"]) == 5
+                assert torch.equal(value, resumed_own[module][key]), (module, key)
+        assert int(own["block0"]["count"]) == 5
     assert not torch.equal(
-        results[0][0][1]["rank0"]["block0"]["error.0"],
-        results[1][0][1]["rank1"]["block0"]["error.0"],
+        results[0][0][1]["per_rank"]["rank0"]["block0"]["error.0"],
+        results[1][0][1]["per_rank"]["rank1"]["block0"]["error.0"],
     )
 
 

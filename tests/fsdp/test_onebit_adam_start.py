@@ -91,7 +91,9 @@ def _worker(rank: int, world_size: int) -> dict:
         "signed": state["signed"].tolist(),
         "m": [torch.equal(_local(state["exp_avg"][n]), _local(m[n])) for n in names],
         "v": [torch.equal(_local(state["exp_avg_sq"][n]), _local(v[n])) for n in names[1:]],
-        "errors": [bool(x.any()) for e in state[f"rank{rank}"].values() for x in e.values()],
+        "errors": [
+            bool(x.any()) for e in state["per_rank"][f"rank{rank}"].values() for x in e.values()
+        ],
     }
     out["told"] = []  # by update: what was logged and warned about the freeze
     records: list[str] = []

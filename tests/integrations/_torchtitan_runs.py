@@ -96,7 +96,7 @@ def fn_state(trainer: Any) -> dict[str, Any]:
     optimizer = trainer.optimizers.optimizer
     state = optimizer.state_dict()
     (model,) = trainer.model_parts
-    own = f"rank{dist.get_rank()}"
+    own = state["per_rank"][f"rank{dist.get_rank()}"]
     from torchtitan.components.checkpointer.utils import canonical_fqn
 
     return {
@@ -107,7 +107,7 @@ def fn_state(trainer: Any) -> dict[str, Any]:
         "momentum": {k: {n: local(x) for n, x in v.items()} for k, v in state["momentum"].items()},
         "exp_avg": {k: local(v) for k, v in state["exp_avg"].items()},
         "exp_avg_sq": {k: local(v) for k, v in state["exp_avg_sq"].items()},
-        "errors": {k: {n: local(x) for n, x in v.items()} for k, v in state[own].items()},
+        "errors": {k: {n: local(x) for n, x in v.items()} for k, v in own.items()},
         "params": {canonical_fqn(n): local(p) for n, p in model.named_parameters()},
         "sent": optimizer.bytes_sent_by_hop,
     }

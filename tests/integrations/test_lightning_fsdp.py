@@ -156,7 +156,7 @@ def test_resumed_at_every_phase_is_bit_identical_and_bad_setups_are_refused(runs
         dense, compressed = full["sent"][: FREEZE - 1], full["sent"][FREEZE:]
         assert len(compressed) == STEPS - FREEZE and min(dense) > 1000
         assert max(compressed) < min(dense) / 8, full["sent"]  # 1 bit per element, not 32
-        assert f"rank{rank}.net.worker" in full["state"]  # this rank's own error feedback
+        assert f"per_rank.rank{rank}.net.worker" in full["state"]  # this rank's own error feedback
         for step in RESUME:
             assert_resumed_bit_for_bit(full, result["resumed"][step], rank, step)
         for case, pattern in REFUSED.items():

@@ -46,7 +46,7 @@ def test_hsdp_under_model_parallel_strategy_resumes_bit_for_bit(runs):
         # the reduce-scatter inside the node stays dense; across the nodes 1 bit per element
         dense, compressed = full["sent"][: FREEZE - 1], full["sent"][FREEZE:]
         assert max(compressed) < min(dense), full["sent"]
-        assert f"rank{rank}.net.worker" in full["state"]  # its error feedback, by global rank
+        assert f"per_rank.rank{rank}.net.worker" in full["state"]  # its errors, by global rank
         for step in RESUME:
             assert_resumed_bit_for_bit(full, result["resumed"][step], rank, step)
         other = result["other shape"]  # resharded: the error feedback restarts, once

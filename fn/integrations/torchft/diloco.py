@@ -16,11 +16,11 @@ from torchft import Manager
 
 from fn.base import OptState
 from fn.collectives import Local, error_feedback_leaves, local_shard, positional_leaves
+from fn.collectives.dcp import initializing_optimizer_state
 from fn.diloco import OuterStep, outer_update, pseudo_gradient
 from fn.diloco.buffers import Buffers, CapturedBuffers
 from fn.diloco.checkpoint import (
     diloco_state_dict,
-    initializing_optimizer_state,
     restored,
     settings_record,
 )
