@@ -206,16 +206,9 @@ def tiny_gpt2(seed: int = 0) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(
-        vocab_size=GPT2_VOCAB,
-        n_positions=GPT2_CONTEXT,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
+    no_dropout = {f"{part}_pdrop": 0.0 for part in ("resid", "embd", "attn")}  # runs repeat
+    shape = {"n_embd": 32, "n_layer": 2, "n_head": 2}
+    config = GPT2Config(vocab_size=GPT2_VOCAB, n_positions=GPT2_CONTEXT, **shape, **no_dropout)
     return GPT2LMHeadModel(config)
 
 
