@@ -32,12 +32,7 @@ from fn.collectives.dcp import called_by_state_dict_api
 from fn.errors import NonFiniteError, user_stacklevel
 from fn.fsdp._fsdp2 import reduce_scatters_stopped
 from fn.fsdp.onebit_checks import Options, agreed_setup
-from fn.fsdp.onebit_gradients import (
-    GRAD_CHANGED,
-    checked_totals,
-    first_exchange,
-    gradient_stats,
-)
+from fn.fsdp.onebit_gradients import GRAD_CHANGED, checked_totals, first_exchange, gradient_stats
 from fn.fsdp.onebit_layout import ModuleLayout, fsdp_groups, module_layout
 from fn.fsdp.onebit_masks import module_mask
 from fn.fsdp.onebit_mesh import HsdpMesh, ShardMesh
