@@ -123,7 +123,7 @@ def _check_resumed(scenario: Scenario, name: str) -> None:
     equals the full run's, entry for entry (the model, fn's state with every rank's error
     feedback, the LR scheduler, the step; the data loaders at the same place)."""
     full = scenario.last_checkpoints["full"]
-    assert any(key.startswith("optimizer.rank1.") for key in full), sorted(full)[:20]
+    assert any(key.startswith("optimizer.per_rank.rank1.") for key in full), sorted(full)[:20]
     for start in RESUMES[name]:
         for rank in scenario.ranks:
             resumed, straight = rank[f"resumed-{start}"]["losses"], rank["full"]["losses"]
