@@ -33,13 +33,21 @@ from fn.tree import PyTree, tree_flatten, tree_map, tree_unflatten
 __all__ = ["Simulated", "SimulatedGroup", "simulate", "replicate"]
 
 
-class _SimulatedCollectives:
-    """The collectives of a group of simulated ranks (the world, or one hop of a split)."""
+class _SimulatedCollectives(ByteCounter):
+    """The collectives of a group of simulated ranks (the world, or one hop of a split).
 
-    _root: Simulated
-    _local_size: int
-    _hop: int  # an index into fn.collectives.comm.HOPS (ByteCounter's level)
-    _size: int
+    Args:
+        root: the ``Simulated`` comm whose ``simulate`` the group runs in (``None``: itself).
+        size: the group's ranks.
+        local_size: ranks per node ``L`` (the world's size for the world).
+        hop: an index into ``fn.collectives.comm.HOPS``, the level its bytes count under.
+    """
+
+    def __init__(self, root: Simulated | None, size: int, local_size: int, hop: int) -> None:
+        super().__init__(root, hop)
+        self._root = self if root is None else root
+        self._size = size
+        self._local_size = local_size
 
     @property
     def world_size(self) -> int:
@@ -47,13 +55,14 @@ class _SimulatedCollectives:
 
     def _call(self, kind: str, x: torch.Tensor, *options: str) -> torch.Tensor:
         """The op ``fn::sim_<kind>`` on ``x`` over this group, one rank's bytes counted."""
-        if self._root._rank is None:
+        rank = self._root.simulated_rank
+        if rank is None:
             raise _sim_ops.outside_error(kind)
         if kind in ("all_to_all", "reduce_scatter"):
             check_chunked(x, self._size, kind)
         self._count(kind, x)
         op = getattr(_sim_ops, f"sim_{kind}")
-        return op(x, self._root._rank, *options, self._local_size, self._hop, self._size)
+        return op(x, rank, *options, self._local_size, self._hop, self._size)
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         check_op(op)
@@ -70,7 +79,7 @@ class _SimulatedCollectives:
         return self._call("reduce_scatter", x, op)
 
 
-class Simulated(ByteCounter, _SimulatedCollectives):
+class Simulated(_SimulatedCollectives):
     """``world_size`` ranks simulated in one process; use through :func:`simulate`.
 
     ``bytes_sent`` counts one rank's share (the same number a ``ProcessGroup`` rank counts).
@@ -89,16 +98,19 @@ class Simulated(ByteCounter, _SimulatedCollectives):
     """
 
     def __init__(self, world_size: int) -> None:
-        super().__init__()
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        self._root = self
-        self._size = world_size
-        self._local_size = world_size
-        self._rank: torch.Tensor | None = None  # batched arange(W) while simulate() runs
+        super().__init__(None, world_size, world_size, 0)
+        self._rank: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return f"Simulated({self._size})"
+
+    @property
+    def simulated_rank(self) -> torch.Tensor | None:
+        """The rank index, batched over the rank axis (``arange(W)`` under ``vmap``), while
+        :func:`simulate` runs; else ``None``."""
+        return self._rank
 
     def split(self, local_world_size: int) -> tuple[SimulatedGroup, SimulatedGroup]:
         """The intra-node and inter-node groups of this rank, ranks ``node * L + local``.
@@ -136,7 +148,7 @@ class Simulated(ByteCounter, _SimulatedCollectives):
             self._rank = None
 
 
-class SimulatedGroup(ByteCounter, _SimulatedCollectives):
+class SimulatedGroup(_SimulatedCollectives):
     """One hop of :meth:`Simulated.split`; runs inside its root's ``simulate``, counts its bytes
     into the root's counter. ``split`` builds it.
 
@@ -157,10 +169,8 @@ class SimulatedGroup(ByteCounter, _SimulatedCollectives):
     """
 
     def __init__(self, root: Simulated, local_size: int, hop: int) -> None:
-        super().__init__(root, hop)
-        self._root = root
-        self._local_size = local_size
-        self._size = local_size if hop == _sim_ops.INTRA else root.world_size // local_size
+        size = local_size if hop == _sim_ops.INTRA else root.world_size // local_size
+        super().__init__(root, size, local_size, hop)
 
     def __repr__(self) -> str:
         kind = "intra" if self._hop == _sim_ops.INTRA else "inter"
