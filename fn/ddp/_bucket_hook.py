@@ -106,6 +106,34 @@ class BucketHookState:
         self._worker.drain()
         return self._buckets
 
+    def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The hook's work on one bucket: its dense mean for ``start_iter`` iterations, then
+        ``transform`` applied to it with the bucket's error feedback: handed to the state's
+        background thread with ``overlap`` (the future completes when the bucket is reduced,
+        or with its error), else run here (the future is complete). A bucket with a NaN or an
+        Inf on some rank gets the same answer on every rank from no collective of its own
+        (``nonfinite``): the dense mean of such a bucket is non-finite on every rank
+        (``"raise"`` checks each mean), the compressed collectives raise
+        ``fn.NonFiniteError`` on every rank.
+
+        Args:
+            bucket: DDP's gradient bucket.
+
+        Returns:
+            The future of the bucket's reduced gradients.
+        """
+        buffer = bucket.buffer()
+        last = bucket.is_last()
+        index = bucket.index()
+        if self._iter < self.start_iter:
+            return self._dense(index, buffer, last)
+        layout = tuple(tuple(p.shape) for p in bucket.parameters())
+        self._note_layout(index, layout, buffer.numel())
+        compress = functools.partial(self._compress, index, layout, buffer, last)
+        if not self.overlap:
+            return completed(compress())
+        return self._worker.submit(functools.partial(self._in_order, index, compress, last))
+
     def _note_layout(self, index: int, layout: Layout, numel: int) -> None:
         """Records bucket ``index``'s layout; logs when DDP rebuilt the bucket."""
         known = self._layouts.get(index)
@@ -305,26 +333,3 @@ def _finite_mean(index: int, mean: torch.futures.Future[torch.Tensor]) -> torch.
             "their sum overflows",
         )
     return value
-
-
-def compressing_hook(
-    state: BucketHookState, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """The dense mean of the bucket for ``start_iter`` iterations, then ``state.transform``
-    applied to it with the bucket's error feedback: handed to the state's background thread
-    with ``state.overlap`` (the future completes when the bucket is reduced, or with its error),
-    else run here (the future is complete). A bucket with a NaN or an Inf on some rank gets the
-    same answer on every rank from no collective of its own (``state.nonfinite``): the dense
-    mean of such a bucket is non-finite on every rank (``"raise"`` checks each mean), the
-    compressed collectives raise ``fn.NonFiniteError`` on every rank."""
-    buffer = bucket.buffer()
-    last = bucket.is_last()
-    index = bucket.index()
-    if state._iter < state.start_iter:
-        return state._dense(index, buffer, last)
-    layout = tuple(tuple(p.shape) for p in bucket.parameters())
-    state._note_layout(index, layout, buffer.numel())
-    compress = functools.partial(state._compress, index, layout, buffer, last)
-    if not state.overlap:
-        return completed(compress())
-    return state._worker.submit(functools.partial(state._in_order, index, compress, last))

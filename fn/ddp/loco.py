@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from fn.base import GradientTransformation
 from fn.collectives import ProcessGroup, loco_allreduce
-from fn.ddp._bucket_hook import BucketHookState, compressing_hook
+from fn.ddp._bucket_hook import BucketHookState
 
 __all__ = ["LocoHookState", "loco_hook"]
 
@@ -116,4 +116,4 @@ def loco_hook(state: LocoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         (1, 0, [3])
         >>> dist.destroy_process_group()
     """
-    return compressing_hook(state, bucket)
+    return state.reduce_bucket(bucket)

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from fn.base import GradientTransformation
 from fn.collectives import ProcessGroup, onebit_allreduce
-from fn.ddp._bucket_hook import BucketHookState, compressing_hook
+from fn.ddp._bucket_hook import BucketHookState
 
 __all__ = ["OnebitHookState", "onebit_hook"]
 
@@ -120,4 +120,4 @@ def onebit_hook(
         (2, [0])
         >>> dist.destroy_process_group()
     """
-    return compressing_hook(state, bucket)
+    return state.reduce_bucket(bucket)
