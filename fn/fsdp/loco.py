@@ -134,7 +134,7 @@ class LocoReduceScatterHandle:
             )
         parsed = {name: rs.parse_state_dict(own[name]) for name, rs in self.reduce_scatters.items()}
         for name, rs in self.reduce_scatters.items():
-            rs._assign(*parsed[name])
+            rs.load_parsed(parsed[name])
 
 
 def loco_reduce_scatter(

@@ -308,7 +308,7 @@ class QuantizedReduceScatter(SynchronousReduceScatter):
         Raises:
             ValueError: an error buffer is missing or has the wrong size (nothing is changed).
         """
-        self._assign(*self.parse_state_dict(state))
+        self.load_parsed(self.parse_state_dict(state))
 
     def parse_state_dict(
         self, state: dict[str, torch.Tensor]
@@ -329,13 +329,12 @@ class QuantizedReduceScatter(SynchronousReduceScatter):
         count = state["count"].detach().to(torch.int64).clone()
         return count, tuple(errors), (numel, world_size) if world_size else None
 
-    def _assign(
-        self,
-        count: torch.Tensor,
-        errors: tuple[torch.Tensor, ...],
-        layout: tuple[int, int] | None,
+    def load_parsed(
+        self, parsed: tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[int, int] | None]
     ) -> None:
-        self.count, self.errors, self.layout = count, errors, layout
+        """Takes the state :meth:`parse_state_dict` returned (a caller that loads several
+        reduce-scatters parses them all first, so that a bad entry changes none)."""
+        self.count, self.errors, self.layout = parsed
 
     def _padded_row(self, row: int) -> int:
         return -(-row // self.group_size) * self.group_size
