@@ -2,7 +2,8 @@
 gloo ranks: saved in the warmup, just before the freeze, just after it and in the compressed
 phase, and resumed in fresh processes, a run continues bit for bit (also with the optimizer as a
 plain DCP Stateful); at another world size the momentum is kept and the error feedback restarts
-with a warning; checkpoints that do not match are refused with nothing loaded."""
+with a warning; checkpoints that do not match (or are in the format before fn's per-rank keys)
+are refused with nothing loaded."""
 
 from __future__ import annotations
 
@@ -90,6 +91,12 @@ def _worker_save(rank: int, world_size: int, root: str, kind: str) -> dict:
                 momentum=full_momentum(opt),
                 variance={k: v.full_tensor() for k, v in state["exp_avg_sq"].items()},
             )
+            # the format before fn's per-rank convention: format 1, the errors under rank<r>
+            old = dict(state, header=state["header"].clone())
+            old["header"][0] = 1
+            old.update(old.pop("per_rank"))
+            training = {"model": get_model_state_dict(model), "optim": old, "step": torch.tensor(t)}
+            dcp.save({"training": training}, checkpoint_id=os.path.join(root, "format1"))
     other = build(kind)
     adamw = torch.optim.AdamW(other.parameters())
     fn.fsdp.TrainingCheckpoint(other, adamw).save(os.path.join(root, "adamw"))
@@ -154,6 +161,8 @@ def _worker_resume(rank: int, world_size: int, root: str, history: dict, kind: s
     refusals["adamw"] = _refused(model, optimizer(kind, model), os.path.join(root, "adamw"))
     model = build(kind, seed=1)
     refusals["corrupt"] = _refused(model, optimizer(kind, model), os.path.join(root, "corrupt"))
+    model = build(kind, seed=1)
+    refusals["format 1"] = _refused(model, optimizer(kind, model), os.path.join(root, "format1"))
     return dict(mismatches=mismatches, counts=counts, refusals=refusals)
 
 
@@ -209,6 +218,9 @@ def test_resumes_bit_for_bit_at_every_phase_and_refuses_mismatches(tmp_path, kin
             and KINDS[kind][0].__name__ in (refusals["adamw"][0])
         )
         assert refusals["corrupt"][0].startswith("ValueError: cannot read the checkpoint")
+        assert refusals["format 1"][0].startswith("ValueError") and (
+            "format 1, this fn reads 2" in refusals["format 1"][0]
+        ), refusals["format 1"]
         assert all(unchanged for _, unchanged in refusals.values()), refusals
 
     (one,) = run_distributed(_worker_other_world_size, 1, root, kind, timeout=240)
