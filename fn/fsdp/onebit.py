@@ -539,8 +539,8 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         ``momentum`` by module, the packed signs and scales of its full momentum (zeros before
         the freeze; the same on every rank, so DCP saves them once); and under
         ``per_rank["rank<r>"]``, a name of this rank's own (fn/collectives/dcp.py), by module
-        its worker and server errors (zeros before the
-        first compressed update; DCP would keep one rank's copy of a name every rank saves).
+        its worker and server errors (zeros before the first compressed update; DCP would keep
+        one rank's copy of a name every rank saves).
         With ``freeze_step="auto"``, ``auto`` holds the decision and its statistics (0-dim,
         the same on every rank). With ``exp_avg_mask="auto"``, by module and as bits in the
         layout of ``X``, ``always_zero`` holds the warmup's records of zero gradients (a
