@@ -8,10 +8,17 @@ imported where that package is missing, nor can a package whose ``__init__`` imp
 module (tests/_imports.py follows the imports). Such a module is left out of the collection,
 and only then (the pytest header names it); modules that import optional packages inside
 functions are collected as usual.
+
+Under pytest-xdist (CI runs ``-n 2``) each worker process gets its share of the cores for
+torch's intra-op threads: two workers each running as many threads as the machine has cores
+oversubscribe it, and torch's OpenMP threads spin while they wait for a core (the suite's
+in-process files ran about 5% slower so on 2 cores). A test that needs other threads sets them
+itself; the processes the tests launch choose their own.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -41,6 +48,12 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
         if _missing_optional(collection_path):
             return True
     return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
