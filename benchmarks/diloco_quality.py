@@ -570,6 +570,8 @@ def targets(records: list[dict], args: argparse.Namespace) -> str:
     every task and ``W`` (each at its better inner lr where there are several), and whether it is
     within 1% of dense DiLoCo after the last one everywhere (the issue's target)."""
     lines, last = [], max(args.evals)
+    if not any(r["method"] == "fp32" for r in records):
+        return "Within 1% of dense DiLoCo: not judged, fp32 (dense DiLoCo) is not among --methods"
     for method in dict.fromkeys(r["method"] for r in records):
         if parse_method(method).kind in ("fp32", "bf16"):
             continue

@@ -1260,6 +1260,19 @@ def test_diloco_quality_quick_run_tables_every_task_and_orders_the_bytes():
     assert out.count("Within 1% of dense DiLoCo after 2 outer steps everywhere:") == 5
 
 
+def test_diloco_quality_without_dense_diloco_tables_against_the_first_method():
+    """Without ``fp32`` among the methods, the table compares with the first one and the target
+    is said to be not judged (no traceback)."""
+    proc = _cli(
+        "diloco_quality.py", "--quick", "--tasks", "regress", "--methods", "int8,loco4",
+        timeout=170,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| int8 ")]
+    assert len(rows) == 1 and "(+0.00%)" in rows[0]
+    assert "not judged, fp32 (dense DiLoCo) is not among --methods" in proc.stdout
+
+
 def test_diloco_quality_parses_methods_and_refuses_unknown_ones():
     quality = _load("diloco_quality.py")
     method = quality.parse_method("sparseloco-1/32:lr=2:exchange=owner:chunk=1024")
