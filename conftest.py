@@ -11,9 +11,10 @@ functions are collected as usual.
 
 Under pytest-xdist (CI runs ``-n 2``) each worker process gets its share of the cores for
 torch's intra-op threads: two workers each running as many threads as the machine has cores
-oversubscribe it, and torch's OpenMP threads spin while they wait for a core (the suite's
-in-process files ran about 5% slower so on 2 cores). A test that needs other threads sets them
-itself; the processes the tests launch choose their own.
+oversubscribe it, and torch's OpenMP threads spin while they wait for a core (three of the
+heaviest in-process files ran about 5% slower so on 2 cores; the whole suite, mostly launched
+processes, about 1%). A test that needs other threads sets them itself; the processes the tests
+launch choose their own.
 """
 
 from __future__ import annotations
