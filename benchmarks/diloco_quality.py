@@ -31,13 +31,14 @@ The outer rules (``--methods``, each ``NAME[:OPTION=VALUE]...``):
 - ``sparseloco-1/D``: ``fn.diloco.sparseloco`` (its defaults), chunk-wise top-k at density
   ``1/D`` (``k = chunk / D``) in 2 bits with its error-feedback accumulator; option
   ``exchange=gather`` all-gathers every worker's message, ``exchange=owner`` reduces the
-  chunks on their owners and re-compresses them (``auto``, fn's default, picks by bytes);
+  chunks on their owners and re-compresses them (``auto``, fn's default, picks by bytes), and
+  ``server=M`` has the owners keep ``M`` times as many values per chunk (``server_k = M k``);
 - ``topk-1/D``: the same top-k compressor (error feedback, no decay) under Nesterov.
 
 Options: ``lr``, ``momentum`` (Nesterov's), ``beta`` (SparseLoCo's), ``chunk`` (the top-k's
-``chunk_size``, 4096), ``exchange``; and two schedules: ``dense=N`` takes the first ``N`` outer
-steps as the exact fp32 mean (the rule's lr, no momentum; the accumulator stays empty) and
-``ramp=1`` keeps ``max(k, C / 2^(s - 1))`` values per chunk at sparse outer step ``s``.
+``chunk_size``, 4096), ``exchange``, ``server``; and two schedules: ``dense=N`` takes the first
+``N`` outer steps as the exact fp32 mean (the rule's lr, no momentum; the accumulator stays
+empty) and ``ramp=1`` keeps ``max(k, C / 2^(s - 1))`` values per chunk at sparse outer step ``s``.
 
 Printed: a line per run (with, for the error-fed compressors, the norm of what their error
 feedback holds after the last outer step, the workers' mean and the owners', in norms of that
@@ -226,7 +227,7 @@ class Method(NamedTuple):
 
 KINDS = ("fp32", "bf16", "int8", "loco4", "topk", "sparseloco")
 OPTIONS = {"lr": float, "momentum": float, "beta": float, "chunk": int, "exchange": str,
-           "dense": int, "ramp": int}  # fmt: skip
+           "server": int, "dense": int, "ramp": int}  # fmt: skip
 
 
 def parse_method(label: str) -> Method:
@@ -273,11 +274,16 @@ def schedule(method: Method, comm: Simulated) -> Callable[[int], tuple[str, Any]
     rules: dict[int, Any] = {}
 
     def sparse(k: int) -> Any:
+        owners = {"server_k": min(chunk, opts["server"] * k)} if "server" in opts else {}
         if k not in rules and method.kind == "topk":
-            top = fn.diloco.compression("topk", comm=comm, k=k, chunk_size=chunk, exchange=exchange)
+            top = fn.diloco.compression(
+                "topk", comm=comm, k=k, chunk_size=chunk, exchange=exchange, **owners
+            )
             rules[k] = fn.diloco.nesterov(top, **nesterov)
         elif k not in rules:
-            rules[k] = fn.diloco.sparseloco(k=k, chunk_size=chunk, comm=comm, **sparseloco)
+            rules[k] = fn.diloco.sparseloco(
+                k=k, chunk_size=chunk, comm=comm, **sparseloco, **owners
+            )
         return rules[k]
 
     def rule(s: int) -> tuple[str, Any]:

@@ -32,13 +32,15 @@ def message_bytes(chunks: int, k: int, chunk_size: int) -> int:
     return layout.position_bytes + layout.code_bytes + 4 * chunks
 
 
-def check(k: int, chunk_size: int, decay: float) -> None:
+def check(k: int, chunk_size: int, decay: float, name: str = "k") -> None:
     if not isinstance(chunk_size, int) or not 2 <= chunk_size <= _MAX_CHUNK:
         raise ValueError(f"{WHAT}: chunk_size must be an int from 2 to 2^16, got {chunk_size!r}")
     if chunk_size & (chunk_size - 1):
         raise ValueError(f"{WHAT}: chunk_size must be a power of two, got {chunk_size}")
     if not isinstance(k, int) or not 1 <= k <= chunk_size:
-        raise ValueError(f"{WHAT}: k must be an int from 1 to chunk_size={chunk_size}, got {k!r}")
+        raise ValueError(
+            f"{WHAT}: {name} must be an int from 1 to chunk_size={chunk_size}, got {k!r}"
+        )
     check_nonnegative(WHAT, decay=decay)
     if decay > 1.0:
         raise ValueError(f"{WHAT}: decay must be in [0, 1], got {decay}")
@@ -234,11 +236,13 @@ def valid_positions(leaves: list, live: list[int], chunk_size: int, chunks: int)
     return flat.view(chunks, chunk_size)
 
 
-def exchange_checksum(leaves: list, live: list[int], k: int, chunk_size: int, form: int) -> int:
+def exchange_checksum(
+    leaves: list, live: list[int], k: int, chunk_size: int, server_k: int = 0
+) -> int:
     """The checksum an exchange's header carries: the live leaves' sizes, ``k``, ``chunk_size``
-    and the form (0 gather, 1 owner)."""
-    layout = [(i, leaves[i].numel()) for i in live] + [(-1, k), (-2, chunk_size), (-3, form)]
-    return _sizes.layout_checksum(layout)
+    and the owners' ``server_k`` (0 for the all-gather)."""
+    settings = [(-1, k), (-2, chunk_size), (-3, 1 if server_k else 0), (-4, server_k)]
+    return _sizes.layout_checksum([(i, leaves[i].numel()) for i in live] + settings)
 
 
 def mean_of(

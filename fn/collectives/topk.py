@@ -96,22 +96,27 @@ def topk_message_bytes(chunks: int, k: int, chunk_size: int) -> int:
     return message_bytes(chunks, k, chunk_size)
 
 
-def topk_exchange_form(chunks: int, k: int, chunk_size: int, world_size: int) -> str:
+def topk_exchange_form(
+    chunks: int, k: int, chunk_size: int, world_size: int, server_k: int | None = None
+) -> str:
     """The exchange ``"auto"`` chooses: ``"owner"`` where it sends fewer bytes per rank than
-    ``"gather"``, else ``"gather"``. With ``H`` = ``HEADER_BYTES`` and ``B(c)`` =
-    :func:`topk_message_bytes` of ``c`` chunks, an outer exchange sends (and receives) per rank
+    ``"gather"``, else ``"gather"``. With ``H`` = ``HEADER_BYTES``, ``B_k(c)`` =
+    :func:`topk_message_bytes` of ``c`` chunks at ``k`` values each and ``m = ceil(c / W)``,
+    an outer exchange sends (and receives) per rank
 
     .. math::
-        \\text{gather: } (W - 1)\\,(H + B(c)), \\qquad
-        \\text{owner: } 2 (W - 1)\\,(H + B(\\lceil c / W \\rceil)),
+        \\text{gather: } (W - 1)\\,(H + B_k(c)), \\qquad
+        \\text{owner: } (W - 1)\\,(2 H + B_k(m) + B_{k_s}(m)),
 
-    so ``"owner"`` wins from ``W = 3`` on, once the messages outweigh their headers.
+    so, with ``server_k = k``, ``"owner"`` wins from ``W = 3`` on, once the messages outweigh
+    their headers (with ``server_k = 4 k``, from ``W = 5``).
 
     Args:
         chunks: the chunks of the live leaves, ``c``.
         k: values kept per chunk.
         chunk_size: values per chunk.
         world_size: ``W``.
+        server_k: ``k_s``, the values an owner keeps per chunk (``None``: ``k``).
 
     Returns:
         ``"owner"`` or ``"gather"``.
@@ -122,9 +127,13 @@ def topk_exchange_form(chunks: int, k: int, chunk_size: int, world_size: int) ->
         ['gather', 'owner', 'owner']
         >>> topk_exchange_form(3, 3, 16, 3)  # 3 chunks: the headers weigh more
         'gather'
+        >>> [topk_exchange_form(256, 32, 4096, w, server_k=128) for w in (4, 5)]
+        ['gather', 'owner']
     """
+    share = -(-chunks // world_size)
     gather = HEADER_BYTES + message_bytes(chunks, k, chunk_size)
-    owner = 2 * (HEADER_BYTES + message_bytes(-(-chunks // world_size), k, chunk_size))
+    owner = 2 * HEADER_BYTES + message_bytes(share, k, chunk_size)
+    owner += message_bytes(share, k if server_k is None else server_k, chunk_size)
     return "owner" if owner < gather else "gather"
 
 
@@ -135,6 +144,7 @@ def topk_allreduce(
     comm: Comm,
     decay: float = 1.0,
     exchange: str = "gather",
+    server_k: int | None = None,
 ) -> Compressor:
     """The mean over the ranks of every rank's chunk-wise top-``k`` in a 2-bit code, with error
     feedback: SparseLoCo's compressor.
@@ -161,10 +171,12 @@ def topk_allreduce(
 
     ``exchange="owner"`` partitions the chunks over the ranks instead: each rank sends each
     owner that owner's chunks of its message (an all_to_all), the owner adds them in rank
-    order, divides by ``W``, compresses the mean again with ``T`` and an error feedback of its
-    own (the server error, :class:`TopkOwnerState`), and the owners' messages are all-gathered:
-    each rank moves about two messages' bytes whatever ``W``, at the cost of a second
-    compression (fn/collectives/topk_owner.py). ``exchange="auto"`` picks one of the two at
+    order, divides by ``W``, compresses the mean again with ``T`` (keeping ``server_k`` values
+    per chunk) and an error feedback of its own (the server error, :class:`TopkOwnerState`),
+    and the owners' messages are all-gathered: each rank moves about two messages' bytes
+    whatever ``W``, at the cost of a second compression (fn/collectives/topk_owner.py). A
+    ``server_k`` above ``k`` makes that second compression lose less, for ``server_k / k``
+    times the bytes of the owners' messages. ``exchange="auto"`` picks one of the two at
     ``init``, by their bytes (:func:`topk_exchange_form`). The :class:`Compressor`'s
     ``exchange`` is the same estimate with this rank's flag and the size record in a header on
     its messages (fn/collectives/header.py), no collective of their own.
@@ -175,6 +187,8 @@ def topk_allreduce(
         comm: the communicator.
         decay: the error's factor before the new input is added, in [0, 1].
         exchange: one of :data:`TOPK_EXCHANGES`.
+        server_k: the values an owner keeps per chunk, from 1 to ``chunk_size`` (``None``:
+            ``k``); only with ``exchange`` ``"owner"`` or ``"auto"``.
 
     Returns:
         A :class:`Compressor` with state :class:`TopkAllreduceState` (or
@@ -204,16 +218,20 @@ def topk_allreduce(
         raise ValueError(
             f"{WHAT}: exchange must be one of {', '.join(TOPK_EXCHANGES)}, got {exchange!r}"
         )
+    if server_k is not None and exchange == "gather":
+        raise ValueError(f"{WHAT}: server_k is the owners' k; exchange='gather' has no owners")
+    server_k = k if server_k is None else server_k
+    check(server_k, chunk_size, decay, name="server_k")
     gather = _gather_form(k, chunk_size, comm, decay)
     if exchange == "gather":
         return gather
-    owner = owner_form(k, chunk_size, comm, decay)
+    owner = owner_form(k, chunk_size, comm, decay, server_k)
     if exchange == "owner":
         return owner
 
     def init_fn(params):
         chunks = sum(-(-x.numel() // chunk_size) for x in tree_leaves(params) if x is not None)
-        form = topk_exchange_form(chunks, k, chunk_size, comm.world_size)
+        form = topk_exchange_form(chunks, k, chunk_size, comm.world_size, server_k)
         return (owner if form == "owner" else gather).init(params)
 
     def form_of(state):
@@ -269,7 +287,7 @@ def _gather_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compresso
         flag = offered & torch.isfinite(worked.mine.scales).all()
         layout = Layout(worked.mine.scales.numel(), k, chunk_size)
         n = sum(leaves[i].numel() for i in live)
-        checksum = exchange_checksum(leaves, live, k, chunk_size, 0)
+        checksum = exchange_checksum(leaves, live, k, chunk_size)
         message = torch.where(flag, layout.encode(worked.mine), 0)
         got, part = exchange_rows(comm, message, flag, n, WHAT, checksum, extra=extra)
         mean = mean_of(got.payload, layout, chunk_size, comm.world_size, part)

@@ -6,9 +6,10 @@ owns chunks ``j m`` to ``(j + 1) m - 1``, ``m = ceil(c / W)`` (the last owners' 
 with empty chunks). Each rank compresses as in the all-gather exchange (chunk-wise top-k in 2
 bits, its error feedback ``e``), sends each owner that owner's chunks of its message (one
 all_to_all), each owner adds the ``W`` decoded pieces in rank order and divides by ``W``,
-compresses the mean again with a server error feedback ``e_s`` of its own, and the owners'
-messages are all-gathered. DeepSpeed's compressed allreduce does the same for 1-bit signs
-(Tang et al. 2021, arXiv:2102.02888); gTop-k and Ok-Topk (PPoPP 2022) for sparse values.
+compresses the mean again (keeping ``server_k`` values per chunk) with a server error feedback
+``e_s`` of its own, and the owners' messages are all-gathered. DeepSpeed's compressed allreduce
+does the same for 1-bit signs (Tang et al. 2021, arXiv:2102.02888); gTop-k and Ok-Topk (PPoPP
+2022) for sparse values.
 docs/algorithms.md, "DiLoCo: local steps and a compressed outer step", gives the rule and its
 bytes.
 """
@@ -86,9 +87,10 @@ def _server_step(
     got: Opened, layout: Layout, server_error: torch.Tensor, call: tuple, part: Participation
 ) -> tuple[Sparse, torch.Tensor]:
     """The owner's part: the mean of its chunks over the ranks that take part (zero in their
-    padding) plus its server error, compressed; the new server error. ``call``: the leaves,
-    the positions of the live ones, ``k``, ``chunk_size`` and ``W``."""
-    leaves, live, k, chunk_size, world_size = call
+    padding) plus its server error, compressed to ``server_k`` values a chunk; the new server
+    error. ``call``: the leaves, the positions of the live ones, ``server_k``, ``chunk_size``
+    and ``W``."""
+    leaves, live, server_k, chunk_size, world_size = call
     share = layout.chunks
     if live:
         valid = valid_positions(leaves, live, chunk_size, world_size * share)
@@ -98,7 +100,7 @@ def _server_step(
         valid = torch.zeros(share, chunk_size, dtype=torch.bool)
     mean = mean_of(got.payload, layout, chunk_size, world_size, part)
     s = torch.where(valid, mean, 0.0) + server_error.view(share, chunk_size)
-    server = select(s, k)
+    server = select(s, server_k)
     return server, torch.where(valid, s - dense(server, chunk_size), 0.0).view(-1)
 
 
@@ -115,7 +117,7 @@ def _owner_state(params: Any, chunk_size: int, world_size: int) -> TopkOwnerStat
     )
 
 
-def owner_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compressor:
+def owner_form(k: int, chunk_size: int, comm: Comm, decay: float, server_k: int) -> Compressor:
     """``topk_allreduce``'s owner-partitioned exchange (module docstring); the settings are
     checked by the caller."""
 
@@ -133,19 +135,19 @@ def owner_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compressor:
         share = _share(worked.mine.scales.numel(), world_size, state.server_error, chunk_size)
         flag = offered & torch.isfinite(worked.mine.scales).all()
         n = sum(leaves[i].numel() for i in live)
-        checksum = exchange_checksum(leaves, live, k, chunk_size, 1)
-        layout = Layout(share, k, chunk_size)
+        checksum = exchange_checksum(leaves, live, k, chunk_size, server_k)
+        layout, server_layout = Layout(share, k, chunk_size), Layout(share, server_k, chunk_size)
         rows = layout.encode(padded(worked.mine, world_size * share), rows=world_size)
         rows = torch.where(flag, rows, 0)
         got, part = exchange_rows(comm, rows, flag, n, WHAT, checksum, to_each=True, extra=extra)
         server, server_error = _server_step(
-            got, layout, state.server_error, (leaves, live, k, chunk_size, world_size), part
+            got, layout, state.server_error, (leaves, live, server_k, chunk_size, world_size), part
         )
         server_flag = torch.isfinite(server.scales).all()
-        message = torch.where(server_flag, layout.encode(server), 0)
+        message = torch.where(server_flag, server_layout.encode(server), 0)
         slices, _ = exchange_rows(comm, message, server_flag, n, WHAT, checksum)
         result = torch.cat(
-            [dense(layout.decode(slices.payload[r]), chunk_size) for r in range(world_size)]
+            [dense(server_layout.decode(slices.payload[r]), chunk_size) for r in range(world_size)]
         )
         out, new_errors = finished(worked, flag, result, leaves, errors, live, chunk_size)
         new_state = TopkOwnerState(

@@ -30,7 +30,10 @@ _FACTORIES: dict[str, tuple[Any, tuple[str, ...]]] = {
         ("group_size", "err_beta", "reset_T", "error_dtype"),
     ),
     "onebit": (onebit_allreduce, ()),
-    "topk": (functools.partial(topk_allreduce, exchange="auto"), ("k", "chunk_size", "exchange")),
+    "topk": (
+        functools.partial(topk_allreduce, exchange="auto"),
+        ("k", "chunk_size", "exchange", "server_k"),
+    ),
 }
 
 COMPRESSIONS = tuple(_FACTORIES)
@@ -55,9 +58,9 @@ def compression(kind: str, *, comm: Comm, **options: Any) -> GradientTransformat
       ``group_size``, ``err_beta``, ``reset_T``, ``error_dtype``.
     - ``"onebit"``: ``fn.collectives.onebit_allreduce``, the error-compensated 1-bit allreduce.
     - ``"topk"``: ``fn.collectives.topk_allreduce``, chunk-wise top-``k`` in 2 bits with error
-      feedback (SparseLoCo's compressor); options ``k``, ``chunk_size`` and ``exchange``
+      feedback (SparseLoCo's compressor); options ``k``, ``chunk_size``, ``exchange``
       (``"gather"``, ``"owner"``, or ``"auto"``, the default: the one with fewer bytes,
-      ``fn.collectives.topk_exchange_form``).
+      ``fn.collectives.topk_exchange_form``) and ``server_k`` (the owners' ``k``).
 
     docs/algorithms.md, "DiLoCo: local steps and a compressed outer step" gives each one's
     bytes and error-feedback memory.

@@ -20,6 +20,7 @@ def sparseloco(
     *,
     comm: Comm,
     exchange: str = "auto",
+    server_k: int | None = None,
 ) -> GradientTransformation:
     """SparseLoCo's outer rule (Sarfi et al. 2025, arXiv:2508.15706): no outer momentum; each
     rank's accumulator takes the pseudo-gradient, sends its chunk-wise top-``k`` and keeps the
@@ -30,12 +31,12 @@ def sparseloco(
         u = -\\eta \\frac{1}{W} \\sum_r c_r
 
     ``chain(fn.collectives.topk_allreduce(k, chunk_size, comm=comm, decay=beta,
-    exchange=exchange), fn.scale_by_learning_rate(lr))``: the accumulator ``e_r`` is the
-    compressor's error feedback, ``state[0].error`` (per rank, fp32, like the params). With the
-    owner-partitioned exchange (``exchange="owner"``, or ``"auto"`` where it sends fewer bytes:
-    ``fn.collectives.topk_exchange_form``), each owner compresses the mean of its chunks again
-    with an error feedback of its own, ``state[0].server_error``, and ``u`` is ``-eta`` times
-    that second compression.
+    exchange=exchange, server_k=server_k), fn.scale_by_learning_rate(lr))``: the accumulator
+    ``e_r`` is the compressor's error feedback, ``state[0].error`` (per rank, fp32, like the
+    params). With the owner-partitioned exchange (``exchange="owner"``, or ``"auto"`` where it
+    sends fewer bytes: ``fn.collectives.topk_exchange_form``), each owner compresses the mean of
+    its chunks again, to ``server_k`` values per chunk, with an error feedback of its own,
+    ``state[0].server_error``, and ``u`` is ``-eta`` times that second compression.
 
     The outer learning rate defaults to 2, where the paper takes 1: at 1/32 and 1/64 of the
     values the accumulator holds back most of each pseudo-gradient and delivers it over many
@@ -54,6 +55,8 @@ def sparseloco(
         chunk_size: values per chunk, a power of two from 2 to 2^16.
         comm: the group of workers.
         exchange: how the messages are averaged, one of ``fn.collectives.TOPK_EXCHANGES``.
+        server_k: the values an owner keeps per chunk (``None``: ``k``); not with
+            ``exchange="gather"``.
 
     Returns:
         A GradientTransformation from this rank's pseudo-gradient to the anchor's update; its
@@ -75,5 +78,7 @@ def sparseloco(
         (tensor([-6.7500, -0.0000]), tensor([1.1250, 1.5000]))
     """
     check_lr("sparseloco", lr)
-    compressor = topk_allreduce(k, chunk_size, comm=comm, decay=beta, exchange=exchange)
+    compressor = topk_allreduce(
+        k, chunk_size, comm=comm, decay=beta, exchange=exchange, server_k=server_k
+    )
     return compressor_chain(compressor, scale_by_learning_rate(lr))

@@ -1275,9 +1275,9 @@ def test_diloco_quality_without_dense_diloco_tables_against_the_first_method():
 
 def test_diloco_quality_parses_methods_and_refuses_unknown_ones():
     quality = _load("diloco_quality.py")
-    method = quality.parse_method("sparseloco-1/32:lr=2:exchange=owner:chunk=1024")
+    method = quality.parse_method("sparseloco-1/32:lr=2:exchange=owner:chunk=1024:server=4")
     assert (method.kind, method.density) == ("sparseloco", 32)
-    assert method.options == {"lr": 2.0, "exchange": "owner", "chunk": 1024}
+    assert method.options == {"lr": 2.0, "exchange": "owner", "chunk": 1024, "server": 4}
     for bad, message in (("sparseloco", "unknown method"), ("fp32-1/2", "unknown method"),
                          ("int8:beta=0.9", "takes lr and momentum only"),
                          ("topk-1/8:nope=1", "unknown option")):  # fmt: skip

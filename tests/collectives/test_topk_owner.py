@@ -29,11 +29,13 @@ def _inputs(world_size: int, shapes: dict, seed: int) -> dict:
     return {name: torch.randn(world_size, *shape, generator=g) for name, shape in shapes.items()}
 
 
-def _run_owner(world_size, shapes, k, chunk_size, decay, steps, seed, through="update"):
+def _run_owner(
+    world_size, shapes, k, chunk_size, decay, steps, seed, through="update", server_k=None
+):
     """``steps`` calls on ``Simulated(world_size)``, each checked against the reference;
     returns the comm."""
     comm = Simulated(world_size)
-    tx = topk_allreduce(k, chunk_size, comm=comm, decay=decay, exchange="owner")
+    tx = topk_allreduce(k, chunk_size, comm=comm, decay=decay, exchange="owner", server_k=server_k)
     xs = [_inputs(world_size, shapes, seed + s) for s in range(steps)]
     state = simulate(tx.init, comm)(xs[0])
     assert isinstance(state, TopkOwnerState)
@@ -48,7 +50,7 @@ def _run_owner(world_size, shapes, k, chunk_size, decay, steps, seed, through="u
             assert bool(participants.all())
         per_worker = [[x[name][r] for name in names] for r in range(world_size)]
         mean, errors, server = _reference.topk_owner_allreduce(
-            per_worker, errors, server, k, chunk_size, decay
+            per_worker, errors, server, k, chunk_size, decay, server_k=server_k
         )
         for r in range(world_size):
             for j, name in enumerate(names):
@@ -64,16 +66,18 @@ def _run_owner(world_size, shapes, k, chunk_size, decay, steps, seed, through="u
     numel=st.integers(1, 70),
     log_chunk=st.integers(1, 4),
     k_fraction=st.floats(0.0, 1.0),
+    server_fraction=st.none() | st.floats(0.0, 1.0),
     decay=st.sampled_from([1.0, 0.9, 0.0]),
     seed=st.integers(0, 2**16),
 )
 def test_the_owner_exchange_matches_the_reference(
-    world_size, numel, log_chunk, k_fraction, decay, seed
+    world_size, numel, log_chunk, k_fraction, server_fraction, decay, seed
 ):
     chunk_size = 2**log_chunk
     k = max(1, round(k_fraction * chunk_size))
+    server_k = None if server_fraction is None else max(1, round(server_fraction * chunk_size))
     shapes = {"w": (numel,), "m": (3, 5)}
-    _run_owner(world_size, shapes, k, chunk_size, decay, steps=3, seed=seed)
+    _run_owner(world_size, shapes, k, chunk_size, decay, steps=3, seed=seed, server_k=server_k)
 
 
 def test_its_exchange_with_a_header_has_the_same_bits():
@@ -81,13 +85,16 @@ def test_its_exchange_with_a_header_has_the_same_bits():
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8, 16])
-def test_bytes_sent_and_received_follow_their_formula(world_size):
+@pytest.mark.parametrize("server_k", [None, 20])
+def test_bytes_sent_and_received_follow_their_formula(world_size, server_k):
     shapes = {"w": (70,), "m": (4, 9)}  # 3 + 2 chunks of 32
     k, chunk_size, chunks = 5, 32, 5
     share = -(-chunks // world_size)
-    comm = _run_owner(world_size, shapes, k, chunk_size, 1.0, steps=2, seed=2)
+    comm = _run_owner(world_size, shapes, k, chunk_size, 1.0, 2, seed=2, server_k=server_k)
     record = 12 * (world_size - 1)  # the standalone update's size record
-    exchange = 2 * (world_size - 1) * (HEADER_BYTES + topk_message_bytes(share, k, chunk_size))
+    to_owners = HEADER_BYTES + topk_message_bytes(share, k, chunk_size)
+    from_owners = HEADER_BYTES + topk_message_bytes(share, server_k or k, chunk_size)
+    exchange = (world_size - 1) * (to_owners + from_owners)
     assert comm.bytes_sent == comm.bytes_received == 2 * (record + exchange)
 
 
@@ -149,3 +156,27 @@ def test_auto_chooses_the_form_with_fewer_bytes_at_init():
     assert topk_exchange_form(8, 32, 4096, 4) == "owner"
     with pytest.raises(ValueError, match="exchange must be one of gather, owner, auto"):
         topk_allreduce(2, 8, comm=Simulated(2), exchange="ring")
+
+
+def test_auto_counts_the_owners_server_k_in_their_bytes():
+    """The owners' messages at ``server_k = 4 k`` weigh ``(1 + 4) / 2`` times more: at 4
+    workers, the all-gather; at 8, the owners."""
+    params = {"w": torch.zeros(256 * 4096)}
+    for world_size, state_type in ((4, TopkAllreduceState), (8, TopkOwnerState)):
+        tx = topk_allreduce(32, 4096, comm=Simulated(world_size), exchange="auto", server_k=128)
+        assert isinstance(tx.init(params), state_type)
+    assert topk_exchange_form(256, 32, 4096, 4) == "owner"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"exchange": "gather", "server_k": 4}, "server_k is the owners' k"),
+        ({"exchange": "owner", "server_k": 0}, "server_k must be an int from 1 to chunk_size=8"),
+        ({"exchange": "auto", "server_k": 9}, "server_k must be an int from 1 to chunk_size=8"),
+        ({"exchange": "owner", "server_k": 2.0}, "server_k must be an int"),
+    ],
+)
+def test_a_server_k_it_cannot_use_is_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        topk_allreduce(2, 8, comm=Simulated(2), **options)

@@ -198,6 +198,7 @@ def topk_owner_allreduce(
     chunk_size: int,
     decay: float,
     takes_part: Sequence[bool] | None = None,
+    server_k: int | None = None,
 ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]], list[torch.Tensor]]:
     """One call of the owner-partitioned top-k allreduce on every worker: ``xs[r]`` and
     ``errors[r]`` are worker ``r``'s leaves and errors, ``server_errors[j]`` owner ``j``'s
@@ -207,7 +208,8 @@ def topk_owner_allreduce(
     Each worker that takes part sends ``T(v_r)``; their mean (in worker order, over the
     participants) is cut into the chunks of the leaves (each leaf padded to whole chunks, then
     empty chunks up to ``W m``); owner ``j`` (a sitter too) takes chunks ``j m .. (j + 1) m -
-    1``, adds its server error, sends ``T`` of that and keeps the rest (zero where a position is
+    1``, adds its server error, sends ``T`` of that (``server_k`` values a chunk, ``None``:
+    ``k``) and keeps the rest (zero where a position is
     a leaf's padding or an appended chunk)."""
     world_size = len(xs)
     taking = _taking(takes_part, world_size)
@@ -230,7 +232,7 @@ def topk_owner_allreduce(
     for j in range(world_size):
         mine = slice(j * share, (j + 1) * share)
         s = rows[mine] + server_errors[j].view(share, chunk_size)
-        c = topk_code(s.reshape(-1), k, chunk_size).view(share, chunk_size)
+        c = topk_code(s.reshape(-1), server_k or k, chunk_size).view(share, chunk_size)
         sent.append(c)
         new_server.append(torch.where(valid[mine], s - c, 0.0).reshape(-1))
     result = torch.cat(sent).reshape(-1)

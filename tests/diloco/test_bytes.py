@@ -25,14 +25,18 @@ from fn.collectives import (
 H = HEADER_BYTES
 SIZES = (300, 37)  # two leaves
 K, C, GROUP = 3, 16, 8
+SERVER_K = {"gather": None, "owner": None, "owner4": 4 * K}  # the owners' k (None: K)
 # DiLoCo's header (fn/diloco/wrapper.py): inner step, fragment, size, from sync(), trainable
 # tensors and their checksum
 DILOCO_HEADER = {"step": 30, "fragment": 0, "size": 337, "sync": 0, "tensors": 2, "crc": 2**31}
 
 
 def _rule(kind, comm):
-    if kind in ("gather", "owner"):
-        return fn.diloco.sparseloco(k=K, chunk_size=C, comm=comm, exchange=kind)
+    if kind in SERVER_K:
+        exchange, server_k = kind.rstrip("4"), SERVER_K[kind]
+        return fn.diloco.sparseloco(
+            k=K, chunk_size=C, comm=comm, exchange=exchange, server_k=server_k
+        )
     options = {"int8": {"group_size": GROUP}, "loco4": {"group_size": GROUP}}.get(kind, {})
     return fn.diloco.nesterov(fn.diloco.compression(kind, comm=comm, **options))
 
@@ -61,8 +65,10 @@ def _documented(kind: str, w: int, h: int) -> int:
     chunks = sum(-(-m // C) for m in SIZES)
     if kind == "gather":
         return (w - 1) * (hh + topk_message_bytes(chunks, K, C))
-    m = topk_message_bytes(-(-chunks // w), K, C)
-    return (w - 1) * (hh + m) + (w - 1) * (H + m)
+    share = -(-chunks // w)
+    to_owners = topk_message_bytes(share, K, C)
+    from_owners = topk_message_bytes(share, SERVER_K[kind] or K, C)
+    return (w - 1) * (hh + to_owners) + (w - 1) * (H + from_owners)
 
 
 # every W without a header, DiLoCo's header at 2 and 3 (the gather and owner forms of each)
@@ -70,7 +76,9 @@ def _documented(kind: str, w: int, h: int) -> int:
     ("world_size", "header"),
     [(2, None), (3, None), (4, None), (8, None), (2, DILOCO_HEADER), (3, DILOCO_HEADER)],
 )
-@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "loco4", "onebit", "gather", "owner"])
+@pytest.mark.parametrize(
+    "kind", ["fp32", "bf16", "int8", "loco4", "onebit", "gather", "owner", "owner4"]
+)
 def test_one_outer_step_sends_and_receives_the_documented_bytes(kind, world_size, header):
     comm = Simulated(world_size)
     outer = _rule(kind, comm)
@@ -83,9 +91,12 @@ def test_one_outer_step_sends_and_receives_the_documented_bytes(kind, world_size
     assert comm.bytes_sent == comm.bytes_received == expected, (comm.bytes_sent, expected)
 
 
-def test_auto_picks_the_form_with_fewer_bytes():
+@pytest.mark.parametrize("owner", ["owner", "owner4"])
+def test_auto_picks_the_form_with_fewer_bytes(owner):
     chunks = sum(-(-m // C) for m in SIZES)
-    for w in (2, 3, 4, 8):
-        form = topk_exchange_form(chunks, K, C, w)
-        fewer = min(("gather", "owner"), key=lambda f: (_documented(f, w, 0), f != "gather"))
-        assert form == fewer, w
+    forms = []
+    for w in (2, 3, 4, 8, 16):
+        forms.append(topk_exchange_form(chunks, K, C, w, SERVER_K[owner]))
+        fewer = min(("gather", owner), key=lambda f: (_documented(f, w, 0), f != "gather"))
+        assert forms[-1] == fewer.rstrip("4"), w
+    assert forms[0] == "gather" and forms[-1] == "owner", forms

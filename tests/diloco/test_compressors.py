@@ -175,5 +175,5 @@ def test_compression_refuses_unknown_kinds_and_options():
         fn.diloco.compression("fp8", comm=Local())
     with pytest.raises(ValueError, match="'onebit' takes no options; got k"):
         fn.diloco.compression("onebit", comm=Local(), k=3)
-    with pytest.raises(ValueError, match="takes k, chunk_size, exchange; got group_size"):
+    with pytest.raises(ValueError, match="takes k, chunk_size, exchange, server_k; got group_size"):
         fn.diloco.compression("topk", comm=Local(), group_size=8)

@@ -3,8 +3,9 @@
 gives the bits of ``Simulated(4)``, sends and receives its bytes and makes its collectives,
 also where a worker's non-finite pseudo-gradient makes it sit out; a rank whose sizes differ
 from the others' (its message of the same size) raises the same error on every rank;
-``DiLoCo`` with SparseLoCo reduced on owners matches the loop over workers and owners of
-_reference.py bit for bit, and resumes mid-run from its state dicts (both error feedbacks)."""
+``DiLoCo`` with SparseLoCo reduced on owners (its owners keeping twice its k) matches the loop
+over workers and owners of _reference.py bit for bit, and resumes mid-run from its state dicts
+(both error feedbacks)."""
 
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def _inner_step(model, inner, rank, step):
 SPARSELOCO = {
     "outer": "sparseloco",
     "outer_options": {"lr": 0.9, "beta": 0.9},
-    "compression_options": {"k": 3, "chunk_size": 16, "exchange": "owner"},
+    "compression_options": {"k": 3, "chunk_size": 16, "exchange": "owner", "server_k": 6},
 }
 
 
@@ -184,8 +185,8 @@ def test_different_sizes_are_refused_on_every_rank(gloo_ranks):
 
 
 def _reference_run() -> list[list[torch.Tensor]]:
-    """DiLoCo with SparseLoCo reduced on owners, over a loop of workers: the anchor after every
-    outer step."""
+    """DiLoCo with SparseLoCo reduced on owners (``server_k = 2 k``), over a loop of workers:
+    the anchor after every outer step."""
     models = [_model() for _ in range(W)]
     inners = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
     anchor = [p.detach().clone() for p in models[0].parameters()]
@@ -199,7 +200,9 @@ def _reference_run() -> list[list[torch.Tensor]]:
                 _inner_step(models[r], inners[r], r, step)
         deltas = [[a - p.detach() for a, p in zip(anchor, m.parameters(), strict=True)]
                   for m in models]  # fmt: skip
-        mean, errors, server = _reference.topk_owner_allreduce(deltas, errors, server, 3, 16, 0.9)
+        mean, errors, server = _reference.topk_owner_allreduce(
+            deltas, errors, server, 3, 16, 0.9, server_k=6
+        )
         anchor = [a + u * torch.tensor(-0.9) for a, u in zip(anchor, mean, strict=True)]
         with torch.no_grad():
             for m in models:

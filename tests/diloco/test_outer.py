@@ -117,20 +117,25 @@ def test_sparseloco_steps_twice_the_mean_by_default():
         assert all(torch.equal(g[r], e) for r in range(W)), s
 
 
-def test_sparseloco_with_the_owner_exchange_is_its_reference_bit_for_bit():
-    """Owners reduce and compress again (a server error each): the loop over workers and
-    owners of _reference.py."""
+@pytest.mark.parametrize("server_k", [None, 12])
+def test_sparseloco_with_the_owner_exchange_is_its_reference_bit_for_bit(server_k):
+    """Owners reduce and compress again (a server error each, ``server_k`` values a chunk):
+    the loop over workers and owners of _reference.py."""
     comm = Simulated(W)
     anchor = torch.randn(100, generator=torch.Generator().manual_seed(4))
     drifts = _workers(anchor, steps=3, seed=5)
-    outer = fn.diloco.sparseloco(0.8, 0.9, k=3, chunk_size=16, comm=comm, exchange="owner")
+    outer = fn.diloco.sparseloco(
+        0.8, 0.9, k=3, chunk_size=16, comm=comm, exchange="owner", server_k=server_k
+    )
     got, state = _run(outer, comm, anchor, drifts)
     current = anchor
     errors = [[torch.zeros_like(anchor)] for _ in range(W)]
     server = [torch.zeros(3 * 16) for _ in range(W)]  # 7 chunks: 3 per owner
     for s, drift in enumerate(drifts):
         deltas = [[current - (current + drift[r])] for r in range(W)]
-        mean, errors, server = _reference.topk_owner_allreduce(deltas, errors, server, 3, 16, 0.9)
+        mean, errors, server = _reference.topk_owner_allreduce(
+            deltas, errors, server, 3, 16, 0.9, server_k=server_k
+        )
         current = current + mean[0] * torch.tensor(-0.8)
         assert all(torch.equal(got[s][r], current) for r in range(W)), s
     for r in range(W):
