@@ -13,13 +13,16 @@ One ``fn.diloco.outer_step`` of ``fn.diloco.sparseloco`` on ``Simulated(W)`` ove
   (the rule given to ``outer_step`` as a plain ``GradientTransformation``, which takes that
   path);
 - ``all-gather``: ``exchange="gather"``, its agreement and sizes in the message's header;
-- ``owners``: ``exchange="owner"``, each worker reducing ``1 / W`` of the chunks.
+- ``owners``: ``exchange="owner"``, each worker reducing ``1 / W`` of the chunks;
+- ``owners, server_k = M k``: the same, the owners keeping ``M`` times ``k`` values per chunk
+  in their second compression, for each ``M`` of ``--server`` (more bytes from the owners, less
+  lost in their compression: docs/guides/diloco.md, "Owners that keep more").
 
 Columns: the bytes each worker sends and receives (the same, for these collectives), the
 collectives of one outer step, and the dense ring's bytes (sent + received) over the method's.
 
 Run:  python3 benchmarks/diloco_bytes.py [--numel 1048576] [--chunk 4096]
-      [--densities 32,128] [--workers 4,16,64]
+      [--densities 32,128] [--workers 4,16,64] [--server 4]
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def measure(comm: Counting, run) -> tuple[int, int, int]:
     return comm.bytes_sent, comm.bytes_received, comm.calls
 
 
-def rows(world_size: int, numel: int, chunk: int, density: int) -> dict:
+def rows(world_size: int, numel: int, chunk: int, density: int, server: tuple = ()) -> dict:
     comm = Counting(world_size)
     g = torch.Generator().manual_seed(0)
     anchor = replicate({"w": torch.zeros(numel)}, comm)
@@ -70,12 +73,16 @@ def rows(world_size: int, numel: int, chunk: int, density: int) -> dict:
         )
     }
     k = chunk // density
-    for name, exchange, plain in (
-        ("all-gather, before", "gather", True),
-        ("all-gather", "gather", False),
-        ("owners", "owner", False),
-    ):
-        outer = fn.diloco.sparseloco(k=k, chunk_size=chunk, comm=comm, exchange=exchange)
+    forms = [
+        ("all-gather, before", "gather", True, None),
+        ("all-gather", "gather", False, None),
+        ("owners", "owner", False, None),
+    ]
+    forms += [(f"owners, server_k = {m} k", "owner", False, min(chunk, m * k)) for m in server]
+    for name, exchange, plain, server_k in forms:
+        outer = fn.diloco.sparseloco(
+            k=k, chunk_size=chunk, comm=comm, exchange=exchange, server_k=server_k
+        )
         if plain:  # no exchange with a header: the outer step agrees and sizes on its own
             outer = GradientTransformation(outer.init, outer.update)
         state = simulate(outer.init, comm)(anchor)
@@ -91,7 +98,9 @@ def main(argv=None) -> None:
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--densities", default="32,128", help="1/d of the values kept, d per entry")
     p.add_argument("--workers", default="4,16,64")
+    p.add_argument("--server", default="4", help="M of the owners keeping M k values (or '')")
     args = p.parse_args(argv)
+    server = tuple(int(m) for m in args.server.split(",") if m)
     torch.set_num_threads(1)
     print(f"{args.numel} fp32 values, chunks of {args.chunk}; bytes per worker per outer step")
     print(
@@ -101,7 +110,7 @@ def main(argv=None) -> None:
     owners = {}
     for density in (int(d) for d in args.densities.split(",")):
         for w in (int(x) for x in args.workers.split(",")):
-            result = rows(w, args.numel, args.chunk, density)
+            result = rows(w, args.numel, args.chunk, density, server)
             dense = sum(result["dense fp32 ring"][:2])
             for name, (sent, received, calls) in result.items():
                 print(

@@ -1233,6 +1233,7 @@ def test_diloco_bytes_owners_stay_flat_in_w_in_fewer_round_trips_than_before():
     sent = {(w, m): int(table[w, m][3].replace(",", "")) for w, m in table}
     assert sent[8, "owners"] < sent[8, "all-gather"] < sent[8, "all-gather, before"] + 200
     assert sent[8, "owners"] < 1.5 * sent[4, "owners"] < sent[8, "all-gather"]
+    assert sent[8, "owners"] < sent[8, "owners, server_k = 4 k"] < sent[8, "all-gather"]
 
 
 @pytest.mark.timeout(180)
