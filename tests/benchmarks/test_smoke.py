@@ -12,6 +12,7 @@ import re
 import socket
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -1106,6 +1107,18 @@ def test_diloco_wall_keep_cwnd_turns_off_slow_start_after_idle_in_every_namespac
 def _wall_result(method, run, evals, step_s, iter_s):
     return {"method": method, "run": run, "evals": evals, "step_s": step_s, "iter_s": iter_s,
             "params": 1000}  # fmt: skip
+
+
+def test_diloco_wall_counts_the_collectives_of_the_form_auto_picks_with_server_k():
+    """The link model's collectives follow ``"auto"``: on diloco.py's model (38 chunks) at 4
+    workers, owners keeping ``k`` (two all_to_alls), the all-gather once owners keep ``4 k``."""
+    wall = _load("diloco_wall.py")
+    model = _load("diloco.py").make_model(0)
+    group = types.SimpleNamespace(get_world_size=lambda: 4)
+    options = {"k": 128, "chunk_size": wall.CHUNK}
+    for extra, expected in (({}, 2), ({"server_k": 512}, 1)):
+        method = wall.Method("m", "sparseloco", None, {**options, **extra})
+        assert wall.outer_collectives(method, model, group) == ["all_to_all"] * expected, extra
 
 
 def test_diloco_wall_summary_times_the_target_and_the_blocked_exchange():
