@@ -32,18 +32,23 @@ def message_bytes(chunks: int, k: int, chunk_size: int) -> int:
     return layout.position_bytes + layout.code_bytes + 4 * chunks
 
 
-def check(k: int, chunk_size: int, decay: float, name: str = "k") -> None:
+def check(k: int, chunk_size: int, decay: float) -> None:
     if not isinstance(chunk_size, int) or not 2 <= chunk_size <= _MAX_CHUNK:
         raise ValueError(f"{WHAT}: chunk_size must be an int from 2 to 2^16, got {chunk_size!r}")
     if chunk_size & (chunk_size - 1):
         raise ValueError(f"{WHAT}: chunk_size must be a power of two, got {chunk_size}")
-    if not isinstance(k, int) or not 1 <= k <= chunk_size:
-        raise ValueError(
-            f"{WHAT}: {name} must be an int from 1 to chunk_size={chunk_size}, got {k!r}"
-        )
+    check_kept("k", k, chunk_size)
     check_nonnegative(WHAT, decay=decay)
     if decay > 1.0:
         raise ValueError(f"{WHAT}: decay must be in [0, 1], got {decay}")
+
+
+def check_kept(name: str, value: int, chunk_size: int) -> None:
+    """``value`` (``k``, or the owners' ``server_k``) is a count of values kept per chunk."""
+    if not isinstance(value, int) or not 1 <= value <= chunk_size:
+        raise ValueError(
+            f"{WHAT}: {name} must be an int from 1 to chunk_size={chunk_size}, got {value!r}"
+        )
 
 
 def select(chunks: torch.Tensor, k: int) -> Sparse:
@@ -240,8 +245,8 @@ def exchange_checksum(
     leaves: list, live: list[int], k: int, chunk_size: int, server_k: int = 0
 ) -> int:
     """The checksum an exchange's header carries: the live leaves' sizes, ``k``, ``chunk_size``
-    and the owners' ``server_k`` (0 for the all-gather)."""
-    settings = [(-1, k), (-2, chunk_size), (-3, 1 if server_k else 0), (-4, server_k)]
+    and the owners' ``server_k`` (0 for the all-gather, which has no owners)."""
+    settings = [(-1, k), (-2, chunk_size), (-3, server_k)]
     return _sizes.layout_checksum([(i, leaves[i].numel()) for i in live] + settings)
 
 

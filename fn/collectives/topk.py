@@ -22,6 +22,7 @@ from fn.collectives._topk_code import (
     WHAT,
     Layout,
     check,
+    check_kept,
     compress,
     exchange_checksum,
     finished,
@@ -221,7 +222,7 @@ def topk_allreduce(
     if server_k is not None and exchange == "gather":
         raise ValueError(f"{WHAT}: server_k is the owners' k; exchange='gather' has no owners")
     server_k = k if server_k is None else server_k
-    check(server_k, chunk_size, decay, name="server_k")
+    check_kept("server_k", server_k, chunk_size)
     gather = _gather_form(k, chunk_size, comm, decay)
     if exchange == "gather":
         return gather
