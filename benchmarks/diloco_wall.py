@@ -33,6 +33,9 @@ inside every worker, until rank 0's held-out loss is at most ``--target`` or ``-
 - ``diloco-sparseloco-1/32``: SparseLoCo's rule (lr 1, beta 0.95), chunk-wise top-k of 4096 at
   density 1/32 in 2 bits with error feedback: the lowest held-out loss of the error-compensated
   compressors at H = 30 in benchmarks/README.md's quality table (``--density`` sets it);
+  ``exchange="auto"`` picks its form; ``...-gather``, ``...-owners`` and ``...-owners4`` set
+  it: all-gathered, reduced on owners, and on owners that keep ``server_k = 4 k`` values a
+  chunk;
 - ``stream-fp32-P<P>`` and ``stream-fp32-P<P>-d<tau>``: Streaming DiLoCo, ``fragments=P``
   (``--fragments``, 3) without and with ``delay=tau`` (``--delay-steps``, H / P - 1): the
   exchange of each fragment on a thread, overlapped with tau inner steps. Where ``DiLoCo``
@@ -141,6 +144,12 @@ def methods(args: argparse.Namespace) -> list[Method]:
             "sparseloco",
             None,
             {"k": k, "chunk_size": CHUNK, "exchange": "owner"},
+        ),
+        Method(
+            f"diloco-sparseloco-1/{args.density}-owners4",
+            "sparseloco",
+            None,
+            {"k": k, "chunk_size": CHUNK, "exchange": "owner", "server_k": 4 * k},
         ),
         Method(stream, "nesterov", "fp32", fragments=args.fragments),
         Method(
