@@ -544,7 +544,14 @@ def outer_collectives(method: Method, model, dist) -> list[str]:
         chunks = sum(-(-n // CHUNK) for n in sizes)
         form = options.get("exchange", "auto")
         if form == "auto":
-            form = topk_exchange_form(chunks, options["k"], CHUNK, world, options.get("server_k"))
+            form = topk_exchange_form(
+                chunks,
+                options["k"],
+                CHUNK,
+                world,
+                options.get("server_k"),
+                options.get("round_trip_bytes", 0),
+            )
     else:
         form = cast_exchange_form(sum(sizes) // method.fragments, 4, world)
     return ["all_to_all"] if form == "gather" else ["all_to_all", "all_to_all"]

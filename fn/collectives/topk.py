@@ -34,7 +34,7 @@ from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ParamShapedErrorFeedbackField
 from fn.collectives.header import HEADER_BYTES, Compressor, Exchanged, exchange_rows, flag_of
 from fn.collectives.topk_owner import TopkOwnerState, owner_form
-from fn.errors import finite_or_raise
+from fn.errors import check_int, finite_or_raise
 from fn.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 __all__ = [
@@ -98,10 +98,16 @@ def topk_message_bytes(chunks: int, k: int, chunk_size: int) -> int:
 
 
 def topk_exchange_form(
-    chunks: int, k: int, chunk_size: int, world_size: int, server_k: int | None = None
+    chunks: int,
+    k: int,
+    chunk_size: int,
+    world_size: int,
+    server_k: int | None = None,
+    round_trip_bytes: int = 0,
 ) -> str:
     """The exchange ``"auto"`` chooses: ``"owner"`` where it sends fewer bytes per rank than
-    ``"gather"``, else ``"gather"``. With ``H`` = ``HEADER_BYTES``, ``B_k(c)`` =
+    ``"gather"`` by more than ``round_trip_bytes`` (the owners' exchange takes one round trip
+    more), else ``"gather"``. With ``H`` = ``HEADER_BYTES``, ``B_k(c)`` =
     :func:`topk_message_bytes` of ``c`` chunks at ``k`` values each and ``m = ceil(c / W)``,
     an outer exchange sends (and receives) per rank
 
@@ -109,8 +115,11 @@ def topk_exchange_form(
         \\text{gather: } (W - 1)\\,(H + B_k(c)), \\qquad
         \\text{owner: } (W - 1)\\,(2 H + B_k(m) + B_{k_s}(m)),
 
-    so, with ``server_k = k``, ``"owner"`` wins from ``W = 3`` on, once the messages outweigh
-    their headers (with ``server_k = 4 k``, from ``W = 5``).
+    so, with ``server_k = k`` and ``round_trip_bytes = 0``, ``"owner"`` wins from ``W = 3`` on,
+    once the messages outweigh their headers (with ``server_k = 4 k``, from ``W = 5``). On a
+    link where a round trip costs more than its bytes (bandwidth times latency: 10 Mbit/s and
+    a 0.1 s collective are 125,000 bytes), ``round_trip_bytes`` keeps the all-gather until the
+    owners save more than that.
 
     Args:
         chunks: the chunks of the live leaves, ``c``.
@@ -118,6 +127,7 @@ def topk_exchange_form(
         chunk_size: values per chunk.
         world_size: ``W``.
         server_k: ``k_s``, the values an owner keeps per chunk (``None``: ``k``).
+        round_trip_bytes: the bytes per rank that the owners' second round trip is worth.
 
     Returns:
         ``"owner"`` or ``"gather"``.
@@ -130,12 +140,14 @@ def topk_exchange_form(
         'gather'
         >>> [topk_exchange_form(256, 32, 4096, w, server_k=128) for w in (4, 5)]
         ['gather', 'owner']
+        >>> [topk_exchange_form(38, 128, 4096, w, round_trip_bytes=125_000) for w in (8, 64)]
+        ['gather', 'owner']
     """
     share = -(-chunks // world_size)
     gather = HEADER_BYTES + message_bytes(chunks, k, chunk_size)
     owner = 2 * HEADER_BYTES + message_bytes(share, k, chunk_size)
     owner += message_bytes(share, k if server_k is None else server_k, chunk_size)
-    return "owner" if owner < gather else "gather"
+    return "owner" if (world_size - 1) * (gather - owner) > round_trip_bytes else "gather"
 
 
 def topk_allreduce(
@@ -146,6 +158,7 @@ def topk_allreduce(
     decay: float = 1.0,
     exchange: str = "gather",
     server_k: int | None = None,
+    round_trip_bytes: int = 0,
 ) -> Compressor:
     """The mean over the ranks of every rank's chunk-wise top-``k`` in a 2-bit code, with error
     feedback: SparseLoCo's compressor.
@@ -178,9 +191,9 @@ def topk_allreduce(
     whatever ``W``, at the cost of a second compression (fn/collectives/topk_owner.py). A
     ``server_k`` above ``k`` makes that second compression lose less, for ``server_k / k``
     times the bytes of the owners' messages. ``exchange="auto"`` picks one of the two at
-    ``init``, by their bytes (:func:`topk_exchange_form`). The :class:`Compressor`'s
-    ``exchange`` is the same estimate with this rank's flag and the size record in a header on
-    its messages (fn/collectives/header.py), no collective of their own.
+    ``init``, by their bytes and the worth of a round trip (:func:`topk_exchange_form`). The
+    :class:`Compressor`'s ``exchange`` is the same estimate with this rank's flag and the size
+    record in a header on its messages (fn/collectives/header.py), no collective of their own.
 
     Args:
         k: values kept per chunk, from 1 to ``chunk_size``.
@@ -190,6 +203,8 @@ def topk_allreduce(
         exchange: one of :data:`TOPK_EXCHANGES`.
         server_k: the values an owner keeps per chunk, from 1 to ``chunk_size`` (``None``:
             ``k``); only with ``exchange`` ``"owner"`` or ``"auto"``.
+        round_trip_bytes: with ``exchange="auto"``, the bytes per rank that the owners' second
+            round trip is worth on the link (an int >= 0; 0: bytes alone decide).
 
     Returns:
         A :class:`Compressor` with state :class:`TopkAllreduceState` (or
@@ -223,6 +238,9 @@ def topk_allreduce(
         raise ValueError(f"{WHAT}: server_k is the owners' k; exchange='gather' has no owners")
     server_k = k if server_k is None else server_k
     check_kept("server_k", server_k, chunk_size)
+    check_int(f"{WHAT}: round_trip_bytes", round_trip_bytes)
+    if round_trip_bytes and exchange != "auto":
+        raise ValueError(f"{WHAT}: round_trip_bytes weighs the forms of exchange='auto' only")
     gather = _gather_form(k, chunk_size, comm, decay)
     if exchange == "gather":
         return gather
@@ -232,7 +250,9 @@ def topk_allreduce(
 
     def init_fn(params):
         chunks = sum(-(-x.numel() // chunk_size) for x in tree_leaves(params) if x is not None)
-        form = topk_exchange_form(chunks, k, chunk_size, comm.world_size, server_k)
+        form = topk_exchange_form(
+            chunks, k, chunk_size, comm.world_size, server_k, round_trip_bytes
+        )
         return (owner if form == "owner" else gather).init(params)
 
     def form_of(state):

@@ -32,7 +32,7 @@ _FACTORIES: dict[str, tuple[Any, tuple[str, ...]]] = {
     "onebit": (onebit_allreduce, ()),
     "topk": (
         functools.partial(topk_allreduce, exchange="auto"),
-        ("k", "chunk_size", "exchange", "server_k"),
+        ("k", "chunk_size", "exchange", "server_k", "round_trip_bytes"),
     ),
 }
 
@@ -60,7 +60,8 @@ def compression(kind: str, *, comm: Comm, **options: Any) -> GradientTransformat
     - ``"topk"``: ``fn.collectives.topk_allreduce``, chunk-wise top-``k`` in 2 bits with error
       feedback (SparseLoCo's compressor); options ``k``, ``chunk_size``, ``exchange``
       (``"gather"``, ``"owner"``, or ``"auto"``, the default: the one with fewer bytes,
-      ``fn.collectives.topk_exchange_form``) and ``server_k`` (the owners' ``k``).
+      ``fn.collectives.topk_exchange_form``), ``server_k`` (the owners' ``k``) and
+      ``round_trip_bytes`` (what ``"auto"`` counts a second round trip worth on the link).
 
     docs/algorithms.md, "DiLoCo: local steps and a compressed outer step" gives each one's
     bytes and error-feedback memory.

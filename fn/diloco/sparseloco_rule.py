@@ -21,6 +21,7 @@ def sparseloco(
     comm: Comm,
     exchange: str = "auto",
     server_k: int | None = None,
+    round_trip_bytes: int = 0,
 ) -> GradientTransformation:
     """SparseLoCo's outer rule (Sarfi et al. 2025, arXiv:2508.15706): no outer momentum; each
     rank's accumulator takes the pseudo-gradient, sends its chunk-wise top-``k`` and keeps the
@@ -31,7 +32,8 @@ def sparseloco(
         u = -\\eta \\frac{1}{W} \\sum_r c_r
 
     ``chain(fn.collectives.topk_allreduce(k, chunk_size, comm=comm, decay=beta,
-    exchange=exchange, server_k=server_k), fn.scale_by_learning_rate(lr))``: the accumulator
+    exchange=exchange, server_k=server_k, round_trip_bytes=round_trip_bytes),
+    fn.scale_by_learning_rate(lr))``: the accumulator
     ``e_r`` is the compressor's error feedback, ``state[0].error`` (per rank, fp32, like the
     params). With the owner-partitioned exchange (``exchange="owner"``, or ``"auto"`` where it
     sends fewer bytes: ``fn.collectives.topk_exchange_form``), each owner compresses the mean of
@@ -57,6 +59,8 @@ def sparseloco(
         exchange: how the messages are averaged, one of ``fn.collectives.TOPK_EXCHANGES``.
         server_k: the values an owner keeps per chunk (``None``: ``k``); not with
             ``exchange="gather"``.
+        round_trip_bytes: with ``exchange="auto"``, the bytes per worker that the owners'
+            second round trip is worth on the link (``fn.collectives.topk_exchange_form``).
 
     Returns:
         A GradientTransformation from this rank's pseudo-gradient to the anchor's update; its
@@ -79,6 +83,12 @@ def sparseloco(
     """
     check_lr("sparseloco", lr)
     compressor = topk_allreduce(
-        k, chunk_size, comm=comm, decay=beta, exchange=exchange, server_k=server_k
+        k,
+        chunk_size,
+        comm=comm,
+        decay=beta,
+        exchange=exchange,
+        server_k=server_k,
+        round_trip_bytes=round_trip_bytes,
     )
     return compressor_chain(compressor, scale_by_learning_rate(lr))

@@ -1111,13 +1111,14 @@ def _wall_result(method, run, evals, step_s, iter_s):
 
 def test_diloco_wall_counts_the_collectives_of_the_form_auto_picks_with_server_k():
     """The link model's collectives follow ``"auto"``: on diloco.py's model (38 chunks) at 4
-    workers, owners keeping ``k`` (two all_to_alls), the all-gather once owners keep ``4 k``;
-    the ``-owners4`` run keeps the owners with ``server_k = 4 k``."""
+    workers, owners keeping ``k`` (two all_to_alls), the all-gather once owners keep ``4 k`` or
+    a round trip is worth 125,000 bytes; the ``-owners4`` run keeps the owners with
+    ``server_k = 4 k``."""
     wall = _load("diloco_wall.py")
     model = _load("diloco.py").make_model(0)
     group = types.SimpleNamespace(get_world_size=lambda: 4)
     options = {"k": 128, "chunk_size": wall.CHUNK}
-    for extra, expected in (({}, 2), ({"server_k": 512}, 1)):
+    for extra, expected in (({}, 2), ({"server_k": 512}, 1), ({"round_trip_bytes": 125_000}, 1)):
         method = wall.Method("m", "sparseloco", None, {**options, **extra})
         assert wall.outer_collectives(method, model, group) == ["all_to_all"] * expected, extra
     # the owners4 run sets the form: the owners keep 4 k and still take two all_to_alls

@@ -168,6 +168,46 @@ def test_auto_counts_the_owners_server_k_in_their_bytes():
     assert topk_exchange_form(256, 32, 4096, 4) == "owner"
 
 
+def test_auto_weighs_the_owners_second_round_trip_at_round_trip_bytes():
+    """The owners win only where the bytes per rank they save, ``(W - 1)`` times the difference
+    of the two messages, exceed what the round trip is worth: on the 38 chunks of
+    benchmarks/diloco.py's model, at 8 workers the all-gather stays; at 26, the owners."""
+    chunks, k, chunk_size, world_size = 38, 128, 4096, 8
+    share = -(-chunks // world_size)
+    gather = HEADER_BYTES + topk_message_bytes(chunks, k, chunk_size)
+    owner = 2 * HEADER_BYTES + 2 * topk_message_bytes(share, k, chunk_size)
+    saved = (world_size - 1) * (gather - owner)
+    assert 0 < saved < 125_000
+    forms = [
+        topk_exchange_form(chunks, k, chunk_size, world_size, round_trip_bytes=worth)
+        for worth in (0, saved - 1, saved)
+    ]
+    assert forms == ["owner", "owner", "gather"]
+    # docs/guides/diloco.md: at 125,000 bytes, the all-gather up to 25 workers, owners from 26
+    assert [
+        topk_exchange_form(chunks, k, chunk_size, w, round_trip_bytes=125_000) for w in (25, 26)
+    ] == ["gather", "owner"]
+    params = {"w": torch.zeros(chunks * chunk_size)}
+    for worth, state_type in ((saved - 1, TopkOwnerState), (saved, TopkAllreduceState)):
+        tx = topk_allreduce(
+            k, chunk_size, comm=Simulated(world_size), exchange="auto", round_trip_bytes=worth
+        )
+        assert isinstance(tx.init(params), state_type)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"exchange": "owner", "round_trip_bytes": 8}, "exchange='auto' only"),
+        ({"exchange": "auto", "round_trip_bytes": -1}, "round_trip_bytes must be an int >= 0"),
+        ({"exchange": "auto", "round_trip_bytes": 1.5}, "round_trip_bytes must be an int >= 0"),
+    ],
+)
+def test_a_round_trip_worth_it_cannot_use_is_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        topk_allreduce(2, 8, comm=Simulated(2), **options)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

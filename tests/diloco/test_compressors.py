@@ -16,6 +16,7 @@ from fn.collectives import (
     Local,
     Simulated,
     TopkAllreduceState,
+    TopkOwnerState,
     cast_allreduce,
     simulate,
     topk_allreduce,
@@ -175,5 +176,18 @@ def test_compression_refuses_unknown_kinds_and_options():
         fn.diloco.compression("fp8", comm=Local())
     with pytest.raises(ValueError, match="'onebit' takes no options; got k"):
         fn.diloco.compression("onebit", comm=Local(), k=3)
-    with pytest.raises(ValueError, match="takes k, chunk_size, exchange, server_k; got group_size"):
+    takes = "takes k, chunk_size, exchange, server_k, round_trip_bytes; got group_size"
+    with pytest.raises(ValueError, match=takes):
         fn.diloco.compression("topk", comm=Local(), group_size=8)
+
+
+def test_topk_and_sparseloco_pass_the_round_trips_worth_to_auto():
+    """``round_trip_bytes`` reaches ``"auto"`` through ``compression("topk")`` and
+    ``sparseloco``: at 8 workers of 38 chunks, owners below what they save, the all-gather at
+    125,000 bytes (fn.collectives.topk_exchange_form)."""
+    params, comm = {"w": torch.zeros(38 * 4096)}, Simulated(8)
+    for worth, state_type in ((0, TopkOwnerState), (125_000, TopkAllreduceState)):
+        topk = fn.diloco.compression("topk", comm=comm, k=128, round_trip_bytes=worth)
+        outer = fn.diloco.sparseloco(k=128, comm=comm, round_trip_bytes=worth)
+        assert isinstance(topk.init(params), state_type)
+        assert isinstance(outer.init(params)[0], state_type)
