@@ -535,25 +535,18 @@ def outer_collectives(method: Method, model, dist) -> list[str]:
     exchange's form for this model and group: one all-gather, or an all_to_all to the owners
     and an all-gather of their results; fn sends each all-gather of an exchange as an
     all_to_all of the same message to every rank (``fn.collectives.header.gathered``), so each
-    is an all_to_all on the link."""
-    from fn.collectives import cast_exchange_form, topk_exchange_form
+    is an all_to_all on the link. SparseLoCo's form is the one its rule picks at ``init`` with
+    the run's options (on simulated workers of the group's size)."""
+    import fn.diloco
+    from fn.collectives import Simulated, TopkOwnerState, cast_exchange_form
 
-    sizes = [p.numel() for p in model.parameters()]
+    params = [p.detach() for p in model.parameters()]
     options, world = method.options or {}, dist.get_world_size()
     if method.outer == "sparseloco":
-        chunks = sum(-(-n // CHUNK) for n in sizes)
-        form = options.get("exchange", "auto")
-        if form == "auto":
-            form = topk_exchange_form(
-                chunks,
-                options["k"],
-                CHUNK,
-                world,
-                options.get("server_k"),
-                options.get("round_trip_bytes", 0),
-            )
+        state = fn.diloco.sparseloco(comm=Simulated(world), **options).init(params)
+        form = "owner" if isinstance(state[0], TopkOwnerState) else "gather"
     else:
-        form = cast_exchange_form(sum(sizes) // method.fragments, 4, world)
+        form = cast_exchange_form(sum(p.numel() for p in params) // method.fragments, 4, world)
     return ["all_to_all"] if form == "gather" else ["all_to_all", "all_to_all"]
 
 
