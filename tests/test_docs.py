@@ -218,6 +218,10 @@ def test_readme_keeps_the_torchtitan_set_up_that_ci_runs():
     assert tested(started) == [on_torch_2_14], tested(started)
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     extras = project["optional-dependencies"]
+    # the floor is the torch that the README's set-up installs first, and the page says so
+    floor = re.search(r'install "torch==(2\.\d+)\.\d+"', README.read_text(encoding="utf-8"))[1]
+    assert f"torch>={floor}" in project["dependencies"]
+    assert f"`torch>={floor}`" in (DOCS / "getting-started.md").read_text(encoding="utf-8")
     assert "torch>=2.14" in extras["torchtitan"]
     assert not any("torchtitan" in requirement for requirement in extras["docs"])
     # the pytest extra, the torch 2.14.1 environment's runner, is the test extra's too

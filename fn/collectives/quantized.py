@@ -1048,7 +1048,8 @@ def _load(stored: torch.Tensor | QuantizedError, numel: int, reset: torch.Tensor
         e = kernels.dequantize(stored.q, stored.scales, 8, numel)
     else:
         e = stored.float()
-    return torch.where(reset, 0.0, e)
+    # the count lives on the host; batched by vmap, it is no scalar that a GPU tensor takes
+    return torch.where(reset.to(e.device), 0.0, e)
 
 
 def _sitters_first_hop(
@@ -1058,7 +1059,7 @@ def _sitters_first_hop(
     entered the call (zero where the reset is due, else its stored bits)."""
     if participation is None:
         return stored
-    first = tree_map(lambda b: torch.where(reset, torch.zeros_like(b), b), entered[0])
+    first = tree_map(lambda b: torch.where(reset.to(b.device), torch.zeros_like(b), b), entered[0])
     return (kept(stored[0], first, participation), *stored[1:])
 
 

@@ -85,6 +85,11 @@ class Fragment:
         shards = self.shards()
         return pseudo_gradient(self._anchor_on(shards), shards)
 
+    def fresh_state(self, rule: GradientTransformation) -> OptState:
+        """``rule``'s initial state for this fragment, on the parameters' devices, where the
+        outer step runs (also where the anchor lives on another device)."""
+        return rule.init(self._anchor_on(self.shards()))
+
     def _anchor_on(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [a.to(q.device) for a, q in zip(self.anchor, shards, strict=True)]
 
@@ -143,7 +148,7 @@ class Fragment:
         order = sorted(range(len(joined[0])), key=joined[0].__getitem__)
         self.indices, self.params, self.anchor = ([xs[k] for k in order] for xs in joined)
         sources = [k if k < before else None for k in order]
-        self.state = _moved(self.state, rule.init(self.anchor), sources)
+        self.state = _moved(self.state, self.fresh_state(rule), sources)
 
     @torch.no_grad()
     def commit(self, result: OuterStep, *, mix: float, takes_part: bool) -> None:

@@ -182,7 +182,8 @@ class DiLoCo:
             the new anchor plus ``alpha`` times their own (0: the anchor; the ``tau`` inner
             steps' changes to the fragment are then dropped).
         anchor_device: where the anchor lives: ``None`` (each parameter's device) or a device
-            such as ``"cpu"``.
+            such as ``"cpu"`` (the outer state stays on the parameters' devices, where the
+            outer step runs).
         timeout: the collectives' timeout (a ``timedelta`` or seconds; ``None``:
             ``$FN_TIMEOUT``, else 5 minutes), where ``group`` is a ``torch.distributed`` group.
         max_sit_outs: the outer steps in a row a worker may sit out before every rank raises
@@ -338,9 +339,9 @@ class DiLoCo:
     def _fragment(self, p: int, indices: list[int]) -> Fragment:
         """Fragment ``p`` of the parameters ``indices``, its outer state fresh."""
         anchor = [self._anchor[i] for i in indices]
-        return Fragment(
-            p, indices, [self._params[i] for i in indices], anchor, self._rule.init(anchor)
-        )
+        fragment = Fragment(p, indices, [self._params[i] for i in indices], anchor, ())
+        fragment.state = fragment.fresh_state(self._rule)
+        return fragment
 
     @property
     def fragment_steps(self) -> list[int]:
@@ -649,7 +650,7 @@ class DiLoCo:
         loaded = restored(
             state,
             anchor=self._anchor,
-            fresh_state=[self._rule.init(f.anchor) for f in self._fragments],
+            fresh_state=[f.fresh_state(self._rule) for f in self._fragments],
             settings=repr(self._settings),
             world_size=self.comm.world_size,
             fragment_shards=[f.shards() for f in self._fragments],

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torchft import Manager
 
-from fn.base import OptState
+from fn.base import GradientTransformation, OptState
 from fn.collectives import Local, error_feedback_leaves, local_shard, positional_leaves
 from fn.collectives.dcp import initializing_optimizer_state
 from fn.diloco import OuterStep, outer_update, pseudo_gradient
@@ -137,7 +137,8 @@ class ElasticDiLoCo:
         compression_options: its options.
         fragments: 1 (Streaming DiLoCo's fragments are not built under torchft).
         delay: 0 (nor its delayed exchange).
-        anchor_device: where the anchor lives (``None``: each parameter's device).
+        anchor_device: where the anchor lives (``None``: each parameter's device); the outer
+            state stays on the parameters' devices, where the outer step runs.
         timeout: the timeout of the collectives inside a sharded worker (``None``:
             ``$FN_TIMEOUT``); those between the workers take the Manager's.
         max_sit_outs: the outer steps in a row this worker may sit out for NaN or Inf before it
@@ -233,7 +234,7 @@ class ElasticDiLoCo:
         shards = self._shards()
         self._anchor = [x.to(anchor_device or x.device, copy=True) for x in shards]
         self._position: tuple[int, int] | None = None  # (W, rank) of the quorum the state fits
-        self._state = self._local_rule.init(self._anchor)
+        self._state = self._fresh_state(self._local_rule)
         self._recovered = False
         self._inner = InnerOptimizer(inner_optimizer)
         self.max_sit_outs = max_sit_outs
@@ -280,7 +281,7 @@ class ElasticDiLoCo:
         if self.manager.errored() is None:  # else the quorum failed: the vote fails too
             self._fit_state_to_quorum()
             params = self._shards()
-            anchor = [a.to(q.device) for a, q in zip(self._anchor, params, strict=True)]
+            anchor = self._anchor_on(params)
             delta = pseudo_gradient(anchor, params)
             takes_part = self._inner.finite(self._params) & (not self._recovered)
             result, buffers = self._exchange(anchor, delta, takes_part=takes_part)
@@ -369,6 +370,14 @@ class ElasticDiLoCo:
             logger.info("fn.integrations.torchft: the outer exchange failed: %s", err)
             return None, None
 
+    def _anchor_on(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [a.to(q.device) for a, q in zip(self._anchor, params, strict=True)]
+
+    def _fresh_state(self, rule: GradientTransformation) -> OptState:
+        """``rule``'s initial state on the parameters' devices, where the outer step runs (also
+        where the anchor lives on another device)."""
+        return rule.init(self._anchor_on(self._shards()))
+
     def _fit_state_to_quorum(self) -> None:
         """Lays the state out for this quorum, as the rule initializes it for its ``W`` and this
         worker's rank: the error feedback laid out by position restarts from zero where ``W``
@@ -377,7 +386,7 @@ class ElasticDiLoCo:
         position = (self.comm.world_size, self.comm.rank)
         if self._position == position:
             return
-        fresh = self._rule.init(self._anchor)
+        fresh = self._fresh_state(self._rule)
         old_leaves, old_spec = tree_flatten(self._state)
         fresh_leaves, spec = tree_flatten(fresh)
         if self._positional or old_spec != spec:
@@ -430,7 +439,7 @@ class ElasticDiLoCo:
     def _load_recovered(self, state: Mapping[str, Any]) -> None:
         """Takes a live peer's :meth:`_recovery_state`: the parameters and the anchor its
         anchor, its outer state with this worker's error feedback at zero, its counters."""
-        self._load_shared(state, self._rule.init(self._anchor), "torchft's recovery")
+        self._load_shared(state, self._fresh_state(self._rule), "torchft's recovery")
         self._position = (self.comm.world_size, self.comm.rank)
         for q, a in zip(self._shards(), self._anchor, strict=True):
             q.copy_(a)
@@ -526,7 +535,7 @@ class ElasticDiLoCo:
                 "nothing was loaded"
             )
         if self._positional:
-            self._load_shared(state, self._local_rule.init(self._anchor), "the checkpoint")
+            self._load_shared(state, self._fresh_state(self._local_rule), "the checkpoint")
             self._position = None
             logger.info(
                 "fn.integrations.torchft: loaded a checkpoint; the error feedback of this "
