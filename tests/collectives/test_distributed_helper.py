@@ -39,7 +39,9 @@ def test_results_failures_and_hangs():
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="timed out"):
         run_distributed(_echo_or_fail, 2, "hang", timeout=10)
-    assert time.monotonic() - start < 40
+    # the timeout ends the run, not the hang's 600 s: the margin is for a loaded machine's
+    # process starts and kills (above 40 s seen under load)
+    assert time.monotonic() - start < 90
 
 
 def _environment(rank, world_size, name):
