@@ -212,11 +212,19 @@ def started(request, tmp_path_factory):
         }
 
 
+# A test waits for its run and for the pool's runs before it (all of them, for the first test):
+# more than pyproject's 600 s on a slow machine (torch 2.14.1's CUDA build imports slowly).
+# Each run ends within TIMEOUT, killed with its processes, so no test here waits unbounded.
+POOL_WAIT = pytest.mark.timeout(0)
+
+
+@POOL_WAIT
 @pytest.mark.parametrize("where", [w for w, _ in _programs()])
 def test_python_block_runs_as_copied(where, started):
     started[where].result()
 
 
+@POOL_WAIT
 @pytest.mark.parametrize("page", [str(p.relative_to(ROOT)) for p in _pages_with_files()])
 def test_shell_blocks_run_the_pages_programs(page, started):
     started[page].result()
