@@ -14,7 +14,7 @@ from fn.collectives import Comm, local_shard
 from fn.diloco.exchange import BackgroundExchange, Exchanger
 from fn.diloco.step import OuterStep, outer_update, pseudo_gradient
 
-__all__ = ["Flight", "Fragment"]
+__all__ = ["Flight", "Fragment", "anchor_on"]
 
 
 class Flight(NamedTuple):
@@ -32,6 +32,24 @@ class Flight(NamedTuple):
     exchange: BackgroundExchange[tuple[OuterStep, Any]]
 
 
+def anchor_on(anchor: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The anchor on its parameters' devices, where the outer step runs (the anchor may live on
+    another device, e.g. in CPU memory).
+
+    Args:
+        anchor: one tensor per parameter shard.
+        shards: this rank's parameter shards.
+
+    Returns:
+        Each anchor tensor on its shard's device (itself where it is there already).
+
+    Example:
+        >>> anchor_on([torch.zeros(2)], [torch.ones(2)])
+        [tensor([0., 0.])]
+    """
+    return [a.to(q.device) for a, q in zip(anchor, shards, strict=True)]
+
+
 class Fragment:
     """Fragment ``index`` of the parameters.
 
@@ -41,17 +59,20 @@ class Fragment:
         params: its parameters (``DTensor`` s where the workers are sharded).
         anchor: its slice of the anchor, one local tensor per parameter (the anchor list's own
             tensors: written in place).
-        state: its outer rule's state.
+        rule: its outer rule, whose initial state it starts from (:meth:`fresh_state`).
 
     Attributes:
-        index, indices, params, anchor, state: as given (``state`` replaced at every step).
+        index, indices, params, anchor: as given.
+        state: its outer rule's state (replaced at every step).
         flight: its exchange in flight, or ``None``.
         steps: its outer steps so far.
 
     Example:
+        >>> from fn.collectives import Local
         >>> from fn.diloco.fragment import Fragment
+        >>> rule = fn.diloco.nesterov(fn.diloco.compression("fp32", comm=Local()))
         >>> w = torch.nn.Parameter(torch.ones(2))
-        >>> fragment = Fragment(0, [0], [w], [torch.zeros(2)], ())
+        >>> fragment = Fragment(0, [0], [w], [torch.zeros(2)], rule)
         >>> fragment.size(), fragment.pseudo_gradient()
         (2, [tensor([-1., -1.])])
     """
@@ -62,13 +83,13 @@ class Fragment:
         indices: list[int],
         params: list[torch.Tensor],
         anchor: list[torch.Tensor],
-        state: OptState,
+        rule: GradientTransformation,
     ) -> None:
         self.index = index
         self.indices = indices
         self.params = params
         self.anchor = anchor
-        self.state = state
+        self.state = self.fresh_state(rule)
         self.flight: Flight | None = None
         self.steps = 0
 
@@ -83,15 +104,12 @@ class Fragment:
     def pseudo_gradient(self) -> list[torch.Tensor]:
         """``anchor - params`` of this rank's part, fp32, on the parameters' devices."""
         shards = self.shards()
-        return pseudo_gradient(self._anchor_on(shards), shards)
+        return pseudo_gradient(anchor_on(self.anchor, shards), shards)
 
     def fresh_state(self, rule: GradientTransformation) -> OptState:
         """``rule``'s initial state for this fragment, on the parameters' devices, where the
         outer step runs (also where the anchor lives on another device)."""
-        return rule.init(self._anchor_on(self.shards()))
-
-    def _anchor_on(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return [a.to(q.device) for a, q in zip(self.anchor, shards, strict=True)]
+        return rule.init(anchor_on(self.anchor, self.shards()))
 
     def start(
         self,
@@ -109,7 +127,7 @@ class Fragment:
         (:func:`fn.diloco.outer_update`) through ``exchanger``; ``then(result, comm, within)``
         runs after it, on its thread (further collectives of the same step)."""
         shards = self.shards()
-        anchor = self._anchor_on(shards)
+        anchor = anchor_on(self.anchor, shards)
         delta = pseudo_gradient(anchor, shards) if delta is None else delta
         state = self.state
 

@@ -339,9 +339,7 @@ class DiLoCo:
     def _fragment(self, p: int, indices: list[int]) -> Fragment:
         """Fragment ``p`` of the parameters ``indices``, its outer state fresh."""
         anchor = [self._anchor[i] for i in indices]
-        fragment = Fragment(p, indices, [self._params[i] for i in indices], anchor, ())
-        fragment.state = fragment.fresh_state(self._rule)
-        return fragment
+        return Fragment(p, indices, [self._params[i] for i in indices], anchor, self._rule)
 
     @property
     def fragment_steps(self) -> list[int]:

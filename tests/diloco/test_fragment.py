@@ -38,7 +38,7 @@ def test_a_parameter_that_joins_between_two_takes_its_place_and_the_state_moves(
     rule = outer_rule(outer, {}, compression, options, Local())
     a, b, c = (torch.nn.Parameter(torch.zeros(n)) for n in (4, 3, 2))
     anchor = [torch.zeros(4), torch.zeros(2)]
-    fragment = Fragment(0, [0, 2], [a, c], anchor, rule.init(anchor))
+    fragment = Fragment(0, [0, 2], [a, c], anchor, rule)
     g = torch.Generator().manual_seed(0)
     fragment.state = tree_map(  # a state whose every value can be told apart
         lambda x: torch.randn(x.shape, generator=g) if x.is_floating_point() else x + 5,

@@ -24,6 +24,7 @@ from fn.diloco.checkpoint import (
     restored,
     settings_record,
 )
+from fn.diloco.fragment import anchor_on
 from fn.diloco.inner import InnerOptimizer
 from fn.diloco.rules import outer_rule
 from fn.diloco.sharding import worker_mesh_comms
@@ -281,7 +282,7 @@ class ElasticDiLoCo:
         if self.manager.errored() is None:  # else the quorum failed: the vote fails too
             self._fit_state_to_quorum()
             params = self._shards()
-            anchor = self._anchor_on(params)
+            anchor = anchor_on(self._anchor, params)
             delta = pseudo_gradient(anchor, params)
             takes_part = self._inner.finite(self._params) & (not self._recovered)
             result, buffers = self._exchange(anchor, delta, takes_part=takes_part)
@@ -370,13 +371,10 @@ class ElasticDiLoCo:
             logger.info("fn.integrations.torchft: the outer exchange failed: %s", err)
             return None, None
 
-    def _anchor_on(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [a.to(q.device) for a, q in zip(self._anchor, params, strict=True)]
-
     def _fresh_state(self, rule: GradientTransformation) -> OptState:
         """``rule``'s initial state on the parameters' devices, where the outer step runs (also
         where the anchor lives on another device)."""
-        return rule.init(self._anchor_on(self._shards()))
+        return rule.init(anchor_on(self._anchor, self._shards()))
 
     def _fit_state_to_quorum(self) -> None:
         """Lays the state out for this quorum, as the rule initializes it for its ``W`` and this
