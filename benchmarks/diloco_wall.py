@@ -60,6 +60,7 @@ their times are pessimistic where ranks would have their own cores.
 
 Run:  sudo python3 benchmarks/diloco_wall.py [--runs 3] [--target 2.3] [--rate 10mbit]
       [--delay 50ms] [--sync-every 30] [--methods ddp,diloco-fp32,...] [--keep-cwnd]
+      [--probe-bytes 433404,...]
       sudo python3 benchmarks/diloco_wall.py --quick      (a smoke run: high target, few steps)
       python3 benchmarks/diloco_wall.py --dry-run         (print the plan; needs nothing)
       sudo python3 benchmarks/diloco_wall.py --cleanup
@@ -207,6 +208,13 @@ def parse_delay(text: str) -> float:
     return float(m.group(1)) / (1000 if m.group(2) == "ms" else 1)
 
 
+def parse_byte_counts(text: str) -> list[int]:
+    """``"433404,72000"`` -> ``[433404, 72000]`` (positive byte counts)."""
+    if not re.fullmatch(r"\d+(,\d+)*", text) or 0 in (counts := [int(b) for b in text.split(",")]):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of positive byte counts")
+    return counts
+
+
 def tbf_burst(rate_bits: float, mtu: int) -> int:
     """The token bucket's burst: 2 ms of traffic, at least two packets."""
     return max(2 * mtu, int(rate_bits / 8 * 0.002))
@@ -262,6 +270,7 @@ def worker_config(args: argparse.Namespace, method: Method, run: int) -> dict:
         "target": args.target,
         "max_steps": args.diloco_steps if diloco else args.ddp_steps,
         "eval_every": args.sync_every if diloco else args.eval_every,
+        "probe_bytes": args.probe_bytes,
     }
 
 
@@ -464,7 +473,8 @@ def train(config: dict) -> dict:
 
     method = Method(**config["method"])
     if method.name == "probe":
-        return {"method": "probe", "run": config["run"], "probe": probe(dist)}
+        probed = probe(dist, sizes=config.get("probe_bytes") or ())
+        return {"method": "probe", "run": config["run"], "probe": probed}
     rank = dist.get_rank()
     corpus = _data.load_corpus()
     model = bench.make_model(config["seed"])
@@ -550,19 +560,30 @@ def outer_collectives(method: Method, model, dist) -> list[str]:
     return ["all_to_all"] if form == "gather" else ["all_to_all", "all_to_all"]
 
 
-def probe(dist, repeats: int = 5) -> dict[str, float]:
+def probe(dist, repeats: int = 5, sizes: Sequence[int] = ()) -> dict[str, float]:
     """The median seconds of a collective of a few bytes on this link, per kind (after one
-    untimed call each): what one collective costs in delays alone."""
+    untimed call each): what one collective costs in delays alone. For each of ``sizes``, also
+    an all_to_all in which every rank sends that many bytes (fp32, split evenly over the other
+    ranks), alone (``"all_to_all N B"``) and twice back to back (``"2 x all_to_all N B"``): what
+    gloo itself takes for an outer step's transfers on this link."""
     import torch
 
     world = dist.get_world_size()
+
+    def all_to_all(values_per_rank: int) -> None:
+        dist.all_to_all_single(
+            torch.empty(world * values_per_rank), torch.ones(world * values_per_rank)
+        )  # fmt: skip
+
     calls = {
         "all_gather": lambda: dist.all_gather_single(torch.empty(world * 25), torch.ones(25)),
-        "all_to_all": lambda: dist.all_to_all_single(
-            torch.empty(world * 25), torch.ones(world * 25)
-        ),  # fmt: skip
+        "all_to_all": lambda: all_to_all(25),
         "all_reduce": lambda: dist.all_reduce(torch.ones(1)),
     }
+    for size in sizes:
+        per_rank = max(1, size // 4 // max(1, world - 1))
+        calls[f"all_to_all {size} B"] = lambda n=per_rank: all_to_all(n)
+        calls[f"2 x all_to_all {size} B"] = lambda n=per_rank: (all_to_all(n), all_to_all(n))
     out = {}
     for kind, call in calls.items():
         call()
@@ -724,6 +745,13 @@ def add_run_arguments(p: argparse.ArgumentParser, prefix: str, subnet: str) -> N
         "--keep-cwnd",
         action="store_true",
         help="net.ipv4.tcp_slow_start_after_idle=0 in every namespace",
+    )
+    p.add_argument(
+        "--probe-bytes",
+        type=parse_byte_counts,
+        default=[],
+        help="the probe also times an all_to_all of each of these bytes per rank, alone and "
+        "twice back to back (comma list, e.g. 433404: dense fp32's per collective here)",
     )
     p.add_argument("--target", type=float, default=2.3, help="held-out loss to reach (nats)")
     p.add_argument("--sync-every", type=int, default=30, help="H, inner steps per outer step")
@@ -899,7 +927,7 @@ def report(results: list[dict], skipped: dict[str, str], args, loads) -> None:
         print(line)
     for p in probes:
         print(
-            f"run {p['run'] + 1}, gloo's collectives of a few bytes on this link: "
+            f"run {p['run'] + 1}, gloo's collectives on this link (a few bytes where no size): "
             + ", ".join(f"{kind} {s:.3f} s" for kind, s in p["probe"].items())
         )
     for line in model_lines(rows, probes, cluster.parse_rate(args.rate)):

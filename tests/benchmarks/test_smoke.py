@@ -1202,10 +1202,43 @@ def test_diloco_wall_rejects_unknown_methods_and_bad_delays(capsys):
     wall = _load("diloco_wall.py")
     for argv, message in ((["--methods", "ddp,nope"], "unknown nope"),
                           (["--delay", "50"], "expected e.g. 50ms"),
-                          (["--diloco-steps", "100"], "not a multiple")):  # fmt: skip
+                          (["--diloco-steps", "100"], "not a multiple"),
+                          (["--probe-bytes", "433404,0"], "positive byte counts")):  # fmt: skip
         with pytest.raises(SystemExit):
             wall.parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+def test_diloco_wall_probe_sends_each_size_per_rank_alone_and_twice():
+    """The probe's sized all_to_alls send the given bytes from every rank (fp32, split over the
+    other ranks): timed alone and as two calls back to back."""
+    wall = _load("diloco_wall.py")
+    sent: list[tuple[str, int]] = []
+
+    class FourRanks:
+        def get_world_size(self):
+            return 4
+
+        def barrier(self):
+            pass
+
+        def all_to_all_single(self, out, x):
+            sent.append(("all_to_all", x.numel() * 4 * 3 // 4))  # bytes to the 3 other ranks
+
+        def all_gather_single(self, out, x):
+            sent.append(("all_gather", x.numel() * 4))
+
+        def all_reduce(self, x):
+            sent.append(("all_reduce", x.numel() * 4))
+
+    times = wall.probe(FourRanks(), repeats=2, sizes=[433404])
+    assert list(times) == [
+        "all_gather", "all_to_all", "all_reduce", "all_to_all 433404 B", "2 x all_to_all 433404 B",
+    ]  # fmt: skip
+    assert sent[-2:] == [("all_to_all", 433404)] * 2  # the last repeat of the pair
+    assert sent.count(("all_to_all", 433404)) == 3 + 3 * 2  # 1 untimed + 2 timed, alone and paired
+    assert all(t >= 0 for t in times.values())
+    assert wall.parse_args(["--probe-bytes", "8,433404"]).probe_bytes == [8, 433404]
 
 
 @pytest.mark.timeout(180)
