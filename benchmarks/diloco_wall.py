@@ -473,7 +473,7 @@ def train(config: dict) -> dict:
 
     method = Method(**config["method"])
     if method.name == "probe":
-        probed = probe(dist, sizes=config.get("probe_bytes") or ())
+        probed = probe(dist, sizes=config["probe_bytes"])
         return {"method": "probe", "run": config["run"], "probe": probed}
     rank = dist.get_rank()
     corpus = _data.load_corpus()
