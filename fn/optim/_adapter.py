@@ -36,7 +36,6 @@ from fn.optim._step import (
     is_fixed,
     read_lr,
     split_frozen,
-    update_groups,
     warn_never_compressed,
 )
 
@@ -209,9 +208,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         hyper = self._hyper(group)
         transform = self._make_transform(index, hyper)
         self._groups.append(
-            GroupRuntime.build(index, group, transform, hyper, self._sync_grads, self.flatten)
+            GroupRuntime(index, group, transform, hyper, self._sync_grads, self.flatten, frozen)
         )
-        self._groups[-1].frozen = frozen
 
     # ---------------------------------------------------------------- consistency
 
@@ -295,8 +293,18 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         if vote.nonfinite > 0:
             return self._skip(loss, found_inf, NONFINITE_GRADIENTS)
         grads = self._step_gradients(plans, mine.grads)
+        # the last group, after which nothing can reject the step any more, applies its update
+        # in the same step; commit() the others'
+        last = len(self._groups) - 1
         try:
-            results = update_groups(self.comm, self.flatten, self._groups, plans, grads)
+            results = [
+                runtime.update(
+                    self.comm, self.flatten, index, transform, lr, g, apply=index == last
+                )
+                for index, (runtime, (transform, _, lr), g) in enumerate(
+                    zip(self._groups, plans, grads, strict=True)
+                )
+            ]
         except AveragedOverflow as err:
             return self._skip(loss, found_inf, str(err))
         self.last_step_skipped = False
@@ -397,9 +405,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             0
         """
         for runtime in self._groups:
-            runtime.state = runtime.transform.init(
-                runtime.flat.tree(runtime.flat.master, self.flatten)
-            )
+            runtime.state = runtime.initial_state(runtime.transform, self.flatten)
             runtime.spare, runtime.step = None, 0
         self._gathered = None
         self._sync_checks.start_due = True

@@ -580,8 +580,7 @@ def _restored_state(
     keys = error_feedback_keys(runtime.state)
     rank = getattr(comm, "rank", 0)
     functional, reset = own_error_feedback(record, rank, comm.world_size, keys, local_world_size)
-    flat = runtime.flat
-    template = transform.init(flat.tree(flat.master, flatten)) if reset else runtime.state
+    template = runtime.initial_state(transform, flatten) if reset else runtime.state
     check_state = getattr(transform, "check_state", None)
     state = state_from_dict(index, functional, template, reset, forms=check_state is not None)
     if check_state is not None:

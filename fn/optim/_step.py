@@ -58,48 +58,46 @@ class GroupRuntime:
     handed out by ``state_dict()``, which are never donated.
     """
 
-    def __init__(self, flat: FlatGroup, transform: Transform, hyper: dict, sync: bool) -> None:
-        self.flat = flat
-        self.frozen: list[torch.Tensor] = []
-        self.transform = transform
-        self.hyper = hyper
-        self.sync = sync
-        self.state: Any = None
-        self.spare: Any = None
-        self.exported: list[weakref.ref] = []
-        self.step = 0
-
-    @classmethod
-    def build(
-        cls,
+    def __init__(
+        self,
         index: int,
         group: dict[str, Any],
         transform: Transform,
         hyper: dict[str, Any],
         sync_grads: bool | None,
         flatten: bool,
-    ) -> GroupRuntime:
-        """The runtime of param group ``index`` (its trainable params, checked already), with
-        the transform's initial state; sets ``group["lr"]`` to the state's lr if it has none.
-        ``sync_grads``: the optimizer's (``None``: only a ``GradientTransformation``'s
-        gradients are averaged by the adapter).
+        frozen: list[torch.Tensor],
+    ) -> None:
+        """The runtime of param group ``index`` (its trainable params, checked already; the
+        ``frozen`` ones left out), with the transform's initial state; sets ``group["lr"]`` to
+        the state's lr if it has none. ``sync_grads``: the optimizer's (``None``: only a
+        ``GradientTransformation``'s gradients are averaged by the adapter).
 
         Raises:
             ValueError: the group sets an lr, but the transform has no lr state field.
         """
         if sync_grads is None:
             sync_grads = not isinstance(transform, CompressedOptimizer)
-        flat = FlatGroup(group["params"])
-        runtime = cls(flat, transform, hyper, sync_grads)
-        runtime.state = transform.init(flat.tree(flat.master, flatten))
+        self.flat = FlatGroup(group["params"])
+        self.frozen = frozen
+        self.transform = transform
+        self.hyper = hyper
+        self.sync = sync_grads
+        self.state: Any = self.initial_state(transform, flatten)
+        self.spare: Any = None
+        self.exported: list[weakref.ref] = []
+        self.step = 0
         try:
-            group.setdefault("lr", _shortest_float(get_hyperparam(runtime.state, "lr")))
+            group.setdefault("lr", _shortest_float(get_hyperparam(self.state, "lr")))
         except KeyError:
             if "lr" in group:
                 raise ValueError(
                     f"param group {index} sets lr, but the transform has no lr state field"
                 ) from None
-        return runtime
+
+    def initial_state(self, transform: Transform, flatten: bool) -> Any:
+        """``transform``'s initial state for the group's params (its master)."""
+        return transform.init(self.flat.tree(self.flat.master, flatten))
 
     def plan(
         self,
@@ -124,7 +122,7 @@ class GroupRuntime:
         values = ", ".join(f"{k}={hyper[k]!r}" for k in sorted(changed))
         try:
             transform = make_transform(hyper)
-            fresh = transform.init(self.flat.tree(self.flat.master, flatten))
+            fresh = self.initial_state(transform, flatten)
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(
                 f"fn.optim: param group {index} sets {values}: {err}; no update was made"
@@ -294,29 +292,6 @@ def gather_step_grads(
             g.mul_(inv_scale.to(g.device))
     counted = [] if checks_gradients or unusable else grads
     return StepGradients(grads, counted, unusable, holding, grads[0].device if grads else None)
-
-
-def update_groups(
-    comm: Any,
-    flatten: bool,
-    groups: Sequence[GroupRuntime],
-    plans: Sequence[tuple[Transform, dict[str, Any], float | None]],
-    grads: Sequence[torch.Tensor],
-) -> list[tuple[Any, Any]]:
-    """Every group's ``(updates, state)`` for its plan ``(transform, hyper, lr)`` and gradient
-    (:meth:`GroupRuntime.update`): the last group, after which nothing can reject the step any
-    more, applies its update in the same step, :meth:`GroupRuntime.commit` the others'.
-
-    Raises:
-        AveragedOverflow: as :meth:`GroupRuntime.update`; no param was written.
-    """
-    last = len(groups) - 1
-    return [
-        runtime.update(comm, flatten, index, transform, lr, g, apply=index == last)
-        for index, (runtime, (transform, _, lr), g) in enumerate(
-            zip(groups, plans, grads, strict=True)
-        )
-    ]
 
 
 def warn_never_compressed(groups: Sequence[GroupRuntime], updates: int, source: str) -> bool:
