@@ -6,6 +6,7 @@ The policies (gradient communication, flat buffers, mixed precision, non-finite 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import Any
@@ -36,7 +37,6 @@ from fn.optim._step import (
     is_fixed,
     read_lr,
     split_frozen,
-    warn_never_compressed,
 )
 
 _EAGER_STEP = (
@@ -384,7 +384,22 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         Returns:
             Whether it warned.
         """
-        return warn_never_compressed(self._groups, updates, source)
+        idle = [
+            index
+            for index, runtime in enumerate(self._groups)
+            if isinstance(runtime.transform, CompressedOptimizer)
+            and runtime.transform.first_compressed_update(updates, runtime.state) is None
+        ]
+        if idle:
+            warnings.warn(
+                f"fn.optim: param groups {idle} make no compressed update within {source} "
+                f'({updates} updates), or with freeze_step="auto" none is certain: until one '
+                "is, every update is a dense allreduce, as plain Adam's, and saves no "
+                "bandwidth; set freeze_step (0/1 Adam: var_freeze_step), or "
+                f"freeze_step=fn.AutoFreeze(max_updates=...), below {updates}",
+                stacklevel=2,
+            )
+        return bool(idle)
 
     def reset_state(self) -> None:
         """Restarts every group's state as a fresh optimizer's: the transform's initial state

@@ -12,7 +12,6 @@ it was.
 from __future__ import annotations
 
 import math
-import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -292,26 +291,6 @@ def gather_step_grads(
             g.mul_(inv_scale.to(g.device))
     counted = [] if checks_gradients or unusable else grads
     return StepGradients(grads, counted, unusable, holding, grads[0].device if grads else None)
-
-
-def warn_never_compressed(groups: Sequence[GroupRuntime], updates: int, source: str) -> bool:
-    """``FunctionalOptimizer.warn_if_never_compressed`` (warning at its caller)."""
-    idle = [
-        index
-        for index, runtime in enumerate(groups)
-        if isinstance(runtime.transform, CompressedOptimizer)
-        and runtime.transform.first_compressed_update(updates, runtime.state) is None
-    ]
-    if idle:
-        warnings.warn(
-            f"fn.optim: param groups {idle} make no compressed update within {source} "
-            f'({updates} updates), or with freeze_step="auto" none is certain: until one '
-            "is, every update is a dense allreduce, as plain Adam's, and saves no "
-            "bandwidth; set freeze_step (0/1 Adam: var_freeze_step), or "
-            f"freeze_step=fn.AutoFreeze(max_updates=...), below {updates}",
-            stacklevel=3,
-        )
-    return bool(idle)
 
 
 def is_fixed(transform: Any, defaults: Mapping[str, Any] | None) -> bool:
