@@ -294,7 +294,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             return self._skip(loss, found_inf, NONFINITE_GRADIENTS)
         grads = self._step_gradients(plans, mine.grads)
         # the last group, after which nothing can reject the step any more, applies its update
-        # in the same step; commit() the others'
+        # in the same step (GroupRuntime.update's apply); the others' are added by commit()
         last = len(self._groups) - 1
         try:
             results = [
