@@ -298,9 +298,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         last = len(self._groups) - 1
         try:
             results = [
-                runtime.update(
-                    self.comm, self.flatten, index, transform, lr, g, apply=index == last
-                )
+                runtime.update(self.comm, index, transform, lr, g, apply=index == last)
                 for index, (runtime, (transform, _, lr), g) in enumerate(
                     zip(self._groups, plans, grads, strict=True)
                 )
@@ -341,9 +339,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
                 group).
         """
         return [
-            runtime.plan(
-                index, group, self._hyper(group), partial(self._make_transform, index), self.flatten
-            )
+            runtime.plan(index, group, self._hyper(group), partial(self._make_transform, index))
             for index, (group, runtime) in enumerate(
                 zip(self.param_groups, self._groups, strict=True)
             )
@@ -420,7 +416,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             0
         """
         for runtime in self._groups:
-            runtime.state = runtime.initial_state(runtime.transform, self.flatten)
+            runtime.state = runtime.initial_state(runtime.transform)
             runtime.spare, runtime.step = None, 0
         self._gathered = None
         self._sync_checks.start_due = True

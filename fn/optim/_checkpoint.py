@@ -571,8 +571,8 @@ def _restored_state(
     starts from the ``transform``'s initial error feedback."""
     comm, keys = optimizer.comm, error_feedback_keys(runtime.state)
     rank, local_world_size = getattr(comm, "rank", 0), optimizer.local_world_size
-    functional, reset = own_error_feedback(record, rank, comm.world_size, keys, local_world_size)
-    template = runtime.initial_state(transform, optimizer.flatten) if reset else runtime.state
+    functional, reset = own_error_feedback(record, rank, comm.world_size, local_world_size, keys)
+    template = runtime.initial_state(transform) if reset else runtime.state
     check_state = getattr(transform, "check_state", None)
     state = state_from_dict(index, functional, template, reset, forms=check_state is not None)
     if check_state is not None:
@@ -667,11 +667,7 @@ class GatheredErrorFeedback(NamedTuple):
 
 
 def own_error_feedback(
-    record: GroupRecord,
-    rank: int,
-    world_size: int,
-    keys: list[str],
-    local_world_size: int | None = None,
+    record: GroupRecord, rank: int, world_size: int, local_world_size: int | None, keys: list[str]
 ) -> tuple[dict[str, Any], bool]:
     """The functional state a rank loads from ``record``, and whether its error feedback must be
     reset (a checkpoint of another world size or local_world_size, or another rank's without

@@ -50,7 +50,8 @@ class AveragedOverflow(NonFiniteError):
 class GroupRuntime:
     """The runtime of one param group: flat buffers, transform, functional state, step count,
     and the params left out because they were frozen (``requires_grad=False``) when it was
-    built.
+    built. ``flatten`` (the optimizer's): whether the transform sees one flat leaf (else
+    per-param views).
 
     Double buffering: ``spare``, the state before ``state`` (or ``None``), is the next update's
     donated state, never the live ``state``; ``exported`` holds weak references to the tensors
@@ -78,11 +79,12 @@ class GroupRuntime:
         if sync_grads is None:
             sync_grads = not isinstance(transform, CompressedOptimizer)
         self.flat = FlatGroup(group["params"])
+        self.flatten = flatten
         self.frozen = frozen
         self.transform = transform
         self.hyper = hyper
         self.sync = sync_grads
-        self.state: Any = self.initial_state(transform, flatten)
+        self.state: Any = self.initial_state(transform)
         self.spare: Any = None
         self.exported: list[weakref.ref] = []
         self.step = 0
@@ -94,9 +96,9 @@ class GroupRuntime:
                     f"param group {index} sets lr, but the transform has no lr state field"
                 ) from None
 
-    def initial_state(self, transform: Transform, flatten: bool) -> Any:
+    def initial_state(self, transform: Transform) -> Any:
         """``transform``'s initial state for the group's params (its master)."""
-        return transform.init(self.flat.tree(self.flat.master, flatten))
+        return transform.init(self.flat.tree(self.flat.master, self.flatten))
 
     def plan(
         self,
@@ -104,7 +106,6 @@ class GroupRuntime:
         group: Mapping[str, Any],
         hyper: dict[str, Any],
         make_transform: Callable[[dict[str, Any]], Transform],
-        flatten: bool,
     ) -> tuple[Transform, dict[str, Any], float | None]:
         """The group's next transform (rebuilt with ``make_transform`` when a hyperparameter
         other than lr changed), its hyperparameters ``hyper`` (as ``group`` sets them) and its
@@ -121,7 +122,7 @@ class GroupRuntime:
         values = ", ".join(f"{k}={hyper[k]!r}" for k in sorted(changed))
         try:
             transform = make_transform(hyper)
-            fresh = self.initial_state(transform, flatten)
+            fresh = self.initial_state(transform)
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(
                 f"fn.optim: param group {index} sets {values}: {err}; no update was made"
@@ -188,7 +189,6 @@ class GroupRuntime:
     def update(
         self,
         comm: Any,
-        flatten: bool,
         index: int,
         transform: Transform,
         lr: float | None,
@@ -203,7 +203,6 @@ class GroupRuntime:
 
         Args:
             comm: the optimizer's communicator.
-            flatten: whether the transform sees one flat leaf (else per-param views).
             index: the group's index (for the messages).
             transform: the transform of this update (rebuilt if a hyperparameter changed).
             lr: the group's learning rate, written into the state; ``None``: the state's own.
@@ -238,8 +237,8 @@ class GroupRuntime:
                     "field; no update was made"
                 ) from err
         flat = self.flat
-        params = flat.tree(flat.master, flatten)
-        grads = flat.tree(g, flatten)
+        params = flat.tree(flat.master, self.flatten)
+        grads = flat.tree(g, self.flatten)
         donated = self.donation()
         try:
             if (
