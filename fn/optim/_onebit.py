@@ -152,8 +152,7 @@ class OnebitFamily(FunctionalOptimizer):
         super().load_state_dict(state_dict)
 
     def _make_transform(self, index: int, hyper: dict[str, Any]) -> Transform:
-        params = self.param_groups[index]["params"]
-        mask = self._group_mask(params)
+        mask = self._group_mask(self.param_groups[index]["params"])
         level = dict(comm=self.transform_comm, local_world_size=self.local_world_size)
         return type(self)._factory(
             **hyper, **level, error_dtype=self.error_dtype, exp_avg_mask=mask
