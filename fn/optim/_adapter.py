@@ -6,6 +6,7 @@ The policies (gradient communication, flat buffers, mixed precision, non-finite 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import Any
@@ -36,8 +37,6 @@ from fn.optim._step import (
     is_fixed,
     read_lr,
     split_frozen,
-    update_groups,
-    warn_never_compressed,
 )
 
 _EAGER_STEP = (
@@ -209,9 +208,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         hyper = self._hyper(group)
         transform = self._make_transform(index, hyper)
         self._groups.append(
-            GroupRuntime.build(index, group, transform, hyper, self._sync_grads, self.flatten)
+            GroupRuntime(index, group, transform, hyper, self._sync_grads, self.flatten, frozen)
         )
-        self._groups[-1].frozen = frozen
 
     # ---------------------------------------------------------------- consistency
 
@@ -295,8 +293,16 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         if vote.nonfinite > 0:
             return self._skip(loss, found_inf, NONFINITE_GRADIENTS)
         grads = self._step_gradients(plans, mine.grads)
+        # the last group, after which nothing can reject the step any more, applies its update
+        # in the same step (GroupRuntime.update's apply); the others' are added by commit()
+        last = len(self._groups) - 1
         try:
-            results = update_groups(self.comm, self.flatten, self._groups, plans, grads)
+            results = [
+                runtime.update(self.comm, index, transform, lr, g, apply=index == last)
+                for index, (runtime, (transform, _, lr), g) in enumerate(
+                    zip(self._groups, plans, grads, strict=True)
+                )
+            ]
         except AveragedOverflow as err:
             return self._skip(loss, found_inf, str(err))
         self.last_step_skipped = False
@@ -333,9 +339,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
                 group).
         """
         return [
-            runtime.plan(
-                index, group, self._hyper(group), partial(self._make_transform, index), self.flatten
-            )
+            runtime.plan(index, group, self._hyper(group), partial(self._make_transform, index))
             for index, (group, runtime) in enumerate(
                 zip(self.param_groups, self._groups, strict=True)
             )
@@ -376,7 +380,22 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         Returns:
             Whether it warned.
         """
-        return warn_never_compressed(self._groups, updates, source)
+        idle = [
+            index
+            for index, runtime in enumerate(self._groups)
+            if isinstance(runtime.transform, CompressedOptimizer)
+            and runtime.transform.first_compressed_update(updates, runtime.state) is None
+        ]
+        if idle:
+            warnings.warn(
+                f"fn.optim: param groups {idle} make no compressed update within {source} "
+                f'({updates} updates), or with freeze_step="auto" none is certain: until one '
+                "is, every update is a dense allreduce, as plain Adam's, and saves no "
+                "bandwidth; set freeze_step (0/1 Adam: var_freeze_step), or "
+                f"freeze_step=fn.AutoFreeze(max_updates=...), below {updates}",
+                stacklevel=2,
+            )
+        return bool(idle)
 
     def reset_state(self) -> None:
         """Restarts every group's state as a fresh optimizer's: the transform's initial state
@@ -397,9 +416,7 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             0
         """
         for runtime in self._groups:
-            runtime.state = runtime.transform.init(
-                runtime.flat.tree(runtime.flat.master, self.flatten)
-            )
+            runtime.state = runtime.initial_state(runtime.transform)
             runtime.spare, runtime.step = None, 0
         self._gathered = None
         self._sync_checks.start_due = True

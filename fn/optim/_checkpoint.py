@@ -251,8 +251,7 @@ def _in_saved_forms(
         if reset and field in errors or not theirs and mine is None:
             fields[field] = mine
             continue
-        layouts = [mine, None, *(other for other in template if other is not mine)]
-        for layout in layouts:
+        for layout in [mine, None, *(other for other in template if other is not mine)]:
             leaves, spec = pytree.tree_flatten_with_path(layout, is_leaf=_is_form)
             read = [_read_form(saved, prefix + pytree.keystr(path)) for path, _ in leaves]
             taken = {k for _, keys in read for k in keys}
@@ -513,8 +512,7 @@ def plan_load(
             raise ValueError(
                 f"param group {index}: the checkpoint's hyperparameters are invalid: {err}"
             ) from err
-        layout = (comm, local_world_size)
-        state, reset = _restored_state(index, record, runtime, transform, layout, optimizer.flatten)
+        state, reset = _restored_state(index, record, runtime, transform, optimizer)
         if (record.world_size, record.local_world_size) != (comm.world_size, local_world_size):
             worlds.add(_layout_text(record.world_size, record.local_world_size))
         elif reset:
@@ -566,22 +564,15 @@ def _read_record(
 
 
 def _restored_state(
-    index: int,
-    record: GroupRecord,
-    runtime: Any,
-    transform: Any,
-    layout: tuple[Any, int | None],
-    flatten: bool,
+    index: int, record: GroupRecord, runtime: Any, transform: Any, optimizer: Any
 ) -> tuple[Any, bool]:
-    """The checked functional state this rank loads from group ``index``'s record, and whether
-    its error feedback was reset (:func:`own_error_feedback`): then it starts from the
-    ``transform``'s initial error feedback. ``layout``: the comm and ``local_world_size``."""
-    comm, local_world_size = layout
-    keys = error_feedback_keys(runtime.state)
-    rank = getattr(comm, "rank", 0)
-    functional, reset = own_error_feedback(record, rank, comm.world_size, keys, local_world_size)
-    flat = runtime.flat
-    template = transform.init(flat.tree(flat.master, flatten)) if reset else runtime.state
+    """The checked functional state that ``optimizer``'s rank loads from group ``index``'s
+    record, and whether its error feedback was reset (:func:`own_error_feedback`): then it
+    starts from the ``transform``'s initial error feedback."""
+    comm, keys = optimizer.comm, error_feedback_keys(runtime.state)
+    rank, local_world_size = getattr(comm, "rank", 0), optimizer.local_world_size
+    functional, reset = own_error_feedback(record, rank, comm.world_size, local_world_size, keys)
+    template = runtime.initial_state(transform) if reset else runtime.state
     check_state = getattr(transform, "check_state", None)
     state = state_from_dict(index, functional, template, reset, forms=check_state is not None)
     if check_state is not None:
@@ -642,16 +633,14 @@ def gather_error_feedback(comm: Any, state: Any) -> tuple[dict[str, torch.Tensor
     world_size = dist.get_world_size(group)
     gathered: list[dict[str, torch.Tensor | None]] = [{} for _ in range(world_size)]
     for key in error_feedback_keys(state):
-        if functional[key] is None:
-            for entries in gathered:
-                entries[key] = None
-            continue
-        local = functional[key].contiguous()
-        pieces = [torch.empty_like(local) for _ in range(world_size)] if rank == 0 else None
-        dist.gather(local, pieces, group=group, group_dst=0)
-        if rank == 0:
-            for r, piece in enumerate(pieces):
-                gathered[r][key] = piece
+        pieces = [None] * world_size
+        if functional[key] is not None:
+            local = functional[key].contiguous()
+            pieces = [torch.empty_like(local) for _ in range(world_size)] if rank == 0 else None
+            dist.gather(local, pieces, group=group, group_dst=0)
+        if pieces is not None:  # rank 0's, or a buffer not allocated yet (on no rank)
+            for entries, piece in zip(gathered, pieces, strict=True):
+                entries[key] = piece
     return tuple(gathered) if rank == 0 else None
 
 
@@ -678,11 +667,7 @@ class GatheredErrorFeedback(NamedTuple):
 
 
 def own_error_feedback(
-    record: GroupRecord,
-    rank: int,
-    world_size: int,
-    keys: list[str],
-    local_world_size: int | None = None,
+    record: GroupRecord, rank: int, world_size: int, local_world_size: int | None, keys: list[str]
 ) -> tuple[dict[str, Any], bool]:
     """The functional state a rank loads from ``record``, and whether its error feedback must be
     reset (a checkpoint of another world size or local_world_size, or another rank's without

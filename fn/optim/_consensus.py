@@ -32,10 +32,6 @@ _MAX_DEPTH = 12  # how deep settings_of follows closures and NamedTuples
 _SCALARS = (bool, int, float, str, type(None))
 
 
-def _describe(p: torch.Tensor) -> str:
-    return f"shape {tuple(p.shape)} ({p.dtype})"
-
-
 def settings_of(obj: Any, path: str = "transform") -> dict[str, str]:
     """The scalar settings inside a transform (``{path: repr}``): the NamedTuple fields and the
     closure variables of its functions, followed a few levels deep (chains, schedules), each
@@ -181,18 +177,17 @@ def check_same_group(
         return
     # on the params' device, like all of the optimizer's traffic (NCCL takes only GPU tensors)
     device = params[0].device if params else torch.device("cpu")
-    lines = [f"param {i}: {_describe(p)}" for i, p in enumerate(params)]
+    lines = [f"param {i}: shape {tuple(p.shape)} ({p.dtype})" for i, p in enumerate(params)]
     lines += [f"{field}: {value}" for field, value in settings.items()]
     text = "\n".join(lines)
     fingerprint = torch.tensor([len(params), digest(text)], dtype=torch.int64, device=device)
     gathered = _gather_fingerprints(comm, fingerprint)
     if all(row == gathered[0] for row in gathered):
         return
-    counts = [row[0] for row in gathered]
-    for rank, count in enumerate(counts):
-        if count != counts[0]:
+    for rank, (count, _) in enumerate(gathered):
+        if count != gathered[0][0]:
             raise ValueError(
-                f"fn.optim: param group {index} has {counts[0]} trainable params on rank 0 "
+                f"fn.optim: param group {index} has {gathered[0][0]} trainable params on rank 0 "
                 f"but {count} on rank {rank}; every rank must build the optimizer "
                 "over the same model"
             )

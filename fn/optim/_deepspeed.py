@@ -294,7 +294,7 @@ def _import_state(optimizer: Any, kind: str, state_dict: Mapping[str, Any]) -> N
         fields = _fields(kind, per_param, runtime.state, updates, optimizer.param_groups[index])
         if optimizer.flatten:  # fn's one-leaf compression: the group's moments as one leaf
             fields = {
-                k: torch.cat([x.reshape(-1) for x in v]) if _is_tensor_list(v) else v
+                k: torch.cat([x.reshape(-1) for x in v]) if isinstance(v, list) else v
                 for k, v in fields.items()
             }
         made = updates if step is not None else 0
@@ -353,10 +353,6 @@ def _group_entries(
     return found, steps.pop()
 
 
-def _is_tensor_list(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(x, torch.Tensor) for x in value)
-
-
 def _tensors(entries: list[dict[str, Any]], key: str) -> list[torch.Tensor]:
     return [e[key].detach().to(torch.float32, copy=True) for e in entries]
 
@@ -384,12 +380,7 @@ def _fields(
         for key in _LAMB_SCALARS:
             fields[key] = _scalars(entries, key, getattr(fresh, key))
     elif kind == "zerooneadam":
-        schedule = ZeroOneAdamSchedule(
-            group["var_freeze_step"],
-            group["var_update_scaler"],
-            group["local_step_scaler"],
-            group["local_step_clipper"],
-        )
+        schedule = ZeroOneAdamSchedule(*(group[key] for key in ZeroOneAdamSchedule._fields))
         counters = schedule.counters(updates + 1)
         for key, field in _ZERO_ONE_COUNTERS.items():
             value = getattr(counters, field)
@@ -502,15 +493,14 @@ def convert_checkpoint(
     ignored = sorted(set(ds_config) - {"optimizer", "scheduler"})
     if ignored:
         summary.append(f"config keys not converted (see the migration guide): {ignored}")
-    converted = {
+    return {
         "model": saved["module"],
         "optimizer": optimizer_state,
         "config": converted_config,
         "step": updates,
         "param_names": names,
         "deepspeed_version": str(saved.get("ds_version", "")),
-    }
-    return converted, summary
+    }, summary
 
 
 def _load_model_states(path: str, trust: bool) -> dict[str, Any]:

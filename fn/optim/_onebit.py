@@ -114,7 +114,8 @@ class OnebitFamily(FunctionalOptimizer):
             local_world_size=local_world_size,
         )
         self._check_max_grad_norm(max_grad_norm)
-        unused = [tuple(m.shape) for p, m in self._masks.items() if not self._has_param(p)]
+        params = [p for group in self.param_groups for p in group["params"]]
+        unused = [tuple(m.shape) for p, m in self._masks.items() if not any(p is q for q in params)]
         if unused:
             raise ValueError(
                 f"exp_avg_mask has masks (shapes {unused}) for tensors that are not trainable "
@@ -150,12 +151,8 @@ class OnebitFamily(FunctionalOptimizer):
                     )
         super().load_state_dict(state_dict)
 
-    def _has_param(self, p: torch.Tensor) -> bool:
-        return any(p is q for group in self.param_groups for q in group["params"])
-
     def _make_transform(self, index: int, hyper: dict[str, Any]) -> Transform:
-        params = self.param_groups[index]["params"]
-        mask = self._group_mask(params)
+        mask = self._group_mask(self.param_groups[index]["params"])
         level = dict(comm=self.transform_comm, local_world_size=self.local_world_size)
         return type(self)._factory(
             **hyper, **level, error_dtype=self.error_dtype, exp_avg_mask=mask

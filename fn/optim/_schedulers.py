@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from fn.errors import check_int
+
 # type: (DeepSpeed's constructor arguments after the optimizer, with their defaults;
 # a value of _REQUIRED has no default)
 _REQUIRED = object()
@@ -130,8 +132,7 @@ class DeepSpeedLR(torch.optim.lr_scheduler.LRScheduler):
         missing = sorted(k for k, v in values.items() if v is _REQUIRED)
         if missing:
             raise ValueError(f"scheduler {kind}: the params {missing} are required")
-        if not isinstance(resume, int) or isinstance(resume, bool) or resume < -1:
-            raise ValueError(f"last_batch_iteration must be an int >= -1, got {resume!r}")
+        check_int("last_batch_iteration", resume, minimum=-1)
         self.kind = kind
         self.values = values
         groups = len(optimizer.param_groups)
@@ -156,7 +157,10 @@ class DeepSpeedLR(torch.optim.lr_scheduler.LRScheduler):
         super().__init__(optimizer)
         if resume >= 0:
             self.last_epoch = resume
-            self._set(self.get_lr())
+            self._last_lr = self.get_lr()
+            for group, lr in zip(optimizer.param_groups, self._last_lr, strict=True):
+                group["lr"] = lr
+            self._set_momentum()
 
     def get_lr(self) -> list[float]:
         """The lr of every group at iteration ``last_epoch``."""
@@ -193,8 +197,7 @@ class DeepSpeedLR(torch.optim.lr_scheduler.LRScheduler):
     def step(self, epoch: int | None = None) -> None:
         """Advances one iteration (sets every group's lr, and ``OneCycle``'s momentum)."""
         super().step(epoch)
-        if self.kind == "OneCycle" and self.cycle_momentum:
-            self._set_momentum()
+        self._set_momentum()
 
     def _one_cycle(self, start: float, peak: float, rate: str) -> tuple[float, float]:
         """``OneCycle``'s value, from ``start`` to ``peak`` and back over its triangle (then
@@ -211,14 +214,10 @@ class DeepSpeedLR(torch.optim.lr_scheduler.LRScheduler):
         interval = (self.last_epoch - self.cycle_size + 1) / v["decay_step_size"]
         return start, 1 + v[rate] * interval
 
-    def _set(self, lrs: list[float]) -> None:
-        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr
-        self._last_lr = list(lrs)
-        if self.kind == "OneCycle" and self.cycle_momentum:
-            self._set_momentum()
-
     def _set_momentum(self) -> None:
+        """Sets ``OneCycle``'s momentum of iteration ``last_epoch`` (with ``cycle_momentum``)."""
+        if self.kind != "OneCycle" or not self.cycle_momentum:
+            return
         v = self.values
         momentum, decay = self._one_cycle(v["cycle_max_mom"], v["cycle_min_mom"], "decay_mom_rate")
         for group in self.optimizer.param_groups:

@@ -12,7 +12,6 @@ it was.
 from __future__ import annotations
 
 import math
-import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -51,55 +50,55 @@ class AveragedOverflow(NonFiniteError):
 class GroupRuntime:
     """The runtime of one param group: flat buffers, transform, functional state, step count,
     and the params left out because they were frozen (``requires_grad=False``) when it was
-    built.
+    built. ``flatten`` (the optimizer's): whether the transform sees one flat leaf (else
+    per-param views).
 
     Double buffering: ``spare``, the state before ``state`` (or ``None``), is the next update's
     donated state, never the live ``state``; ``exported`` holds weak references to the tensors
     handed out by ``state_dict()``, which are never donated.
     """
 
-    def __init__(self, flat: FlatGroup, transform: Transform, hyper: dict, sync: bool) -> None:
-        self.flat = flat
-        self.frozen: list[torch.Tensor] = []
-        self.transform = transform
-        self.hyper = hyper
-        self.sync = sync
-        self.state: Any = None
-        self.spare: Any = None
-        self.exported: list[weakref.ref] = []
-        self.step = 0
-
-    @classmethod
-    def build(
-        cls,
+    def __init__(
+        self,
         index: int,
         group: dict[str, Any],
         transform: Transform,
         hyper: dict[str, Any],
         sync_grads: bool | None,
         flatten: bool,
-    ) -> GroupRuntime:
-        """The runtime of param group ``index`` (its trainable params, checked already), with
-        the transform's initial state; sets ``group["lr"]`` to the state's lr if it has none.
-        ``sync_grads``: the optimizer's (``None``: only a ``GradientTransformation``'s
-        gradients are averaged by the adapter).
+        frozen: list[torch.Tensor],
+    ) -> None:
+        """The runtime of param group ``index`` (its trainable params, checked already; the
+        ``frozen`` ones left out), with the transform's initial state; sets ``group["lr"]`` to
+        the state's lr if it has none. ``sync_grads``: the optimizer's (``None``: only a
+        ``GradientTransformation``'s gradients are averaged by the adapter).
 
         Raises:
             ValueError: the group sets an lr, but the transform has no lr state field.
         """
         if sync_grads is None:
             sync_grads = not isinstance(transform, CompressedOptimizer)
-        flat = FlatGroup(group["params"])
-        runtime = cls(flat, transform, hyper, sync_grads)
-        runtime.state = transform.init(flat.tree(flat.master, flatten))
+        self.flat = FlatGroup(group["params"])
+        self.flatten = flatten
+        self.frozen = frozen
+        self.transform = transform
+        self.hyper = hyper
+        self.sync = sync_grads
+        self.state: Any = self.initial_state(transform)
+        self.spare: Any = None
+        self.exported: list[weakref.ref] = []
+        self.step = 0
         try:
-            group.setdefault("lr", _shortest_float(get_hyperparam(runtime.state, "lr")))
+            group.setdefault("lr", _shortest_float(get_hyperparam(self.state, "lr")))
         except KeyError:
             if "lr" in group:
                 raise ValueError(
                     f"param group {index} sets lr, but the transform has no lr state field"
                 ) from None
-        return runtime
+
+    def initial_state(self, transform: Transform) -> Any:
+        """``transform``'s initial state for the group's params (its master)."""
+        return transform.init(self.flat.tree(self.flat.master, self.flatten))
 
     def plan(
         self,
@@ -107,7 +106,6 @@ class GroupRuntime:
         group: Mapping[str, Any],
         hyper: dict[str, Any],
         make_transform: Callable[[dict[str, Any]], Transform],
-        flatten: bool,
     ) -> tuple[Transform, dict[str, Any], float | None]:
         """The group's next transform (rebuilt with ``make_transform`` when a hyperparameter
         other than lr changed), its hyperparameters ``hyper`` (as ``group`` sets them) and its
@@ -124,7 +122,7 @@ class GroupRuntime:
         values = ", ".join(f"{k}={hyper[k]!r}" for k in sorted(changed))
         try:
             transform = make_transform(hyper)
-            fresh = transform.init(self.flat.tree(self.flat.master, flatten))
+            fresh = self.initial_state(transform)
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(
                 f"fn.optim: param group {index} sets {values}: {err}; no update was made"
@@ -191,7 +189,6 @@ class GroupRuntime:
     def update(
         self,
         comm: Any,
-        flatten: bool,
         index: int,
         transform: Transform,
         lr: float | None,
@@ -206,7 +203,6 @@ class GroupRuntime:
 
         Args:
             comm: the optimizer's communicator.
-            flatten: whether the transform sees one flat leaf (else per-param views).
             index: the group's index (for the messages).
             transform: the transform of this update (rebuilt if a hyperparameter changed).
             lr: the group's learning rate, written into the state; ``None``: the state's own.
@@ -241,8 +237,8 @@ class GroupRuntime:
                     "field; no update was made"
                 ) from err
         flat = self.flat
-        params = flat.tree(flat.master, flatten)
-        grads = flat.tree(g, flatten)
+        params = flat.tree(flat.master, self.flatten)
+        grads = flat.tree(g, self.flatten)
         donated = self.donation()
         try:
             if (
@@ -294,49 +290,6 @@ def gather_step_grads(
             g.mul_(inv_scale.to(g.device))
     counted = [] if checks_gradients or unusable else grads
     return StepGradients(grads, counted, unusable, holding, grads[0].device if grads else None)
-
-
-def update_groups(
-    comm: Any,
-    flatten: bool,
-    groups: Sequence[GroupRuntime],
-    plans: Sequence[tuple[Transform, dict[str, Any], float | None]],
-    grads: Sequence[torch.Tensor],
-) -> list[tuple[Any, Any]]:
-    """Every group's ``(updates, state)`` for its plan ``(transform, hyper, lr)`` and gradient
-    (:meth:`GroupRuntime.update`): the last group, after which nothing can reject the step any
-    more, applies its update in the same step, :meth:`GroupRuntime.commit` the others'.
-
-    Raises:
-        AveragedOverflow: as :meth:`GroupRuntime.update`; no param was written.
-    """
-    last = len(groups) - 1
-    return [
-        runtime.update(comm, flatten, index, transform, lr, g, apply=index == last)
-        for index, (runtime, (transform, _, lr), g) in enumerate(
-            zip(groups, plans, grads, strict=True)
-        )
-    ]
-
-
-def warn_never_compressed(groups: Sequence[GroupRuntime], updates: int, source: str) -> bool:
-    """``FunctionalOptimizer.warn_if_never_compressed`` (warning at its caller)."""
-    idle = [
-        index
-        for index, runtime in enumerate(groups)
-        if isinstance(runtime.transform, CompressedOptimizer)
-        and runtime.transform.first_compressed_update(updates, runtime.state) is None
-    ]
-    if idle:
-        warnings.warn(
-            f"fn.optim: param groups {idle} make no compressed update within {source} "
-            f'({updates} updates), or with freeze_step="auto" none is certain: until one '
-            "is, every update is a dense allreduce, as plain Adam's, and saves no "
-            "bandwidth; set freeze_step (0/1 Adam: var_freeze_step), or "
-            f"freeze_step=fn.AutoFreeze(max_updates=...), below {updates}",
-            stacklevel=3,
-        )
-    return bool(idle)
 
 
 def is_fixed(transform: Any, defaults: Mapping[str, Any] | None) -> bool:
