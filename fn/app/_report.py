@@ -49,8 +49,7 @@ def check_writable(out: Path) -> None:
     for name in OUTPUTS:
         path = out / name
         if path.exists() or path.is_symlink():
-            with path.open("ab"):
-                pass
+            path.open("ab").close()
 
 
 def table_rows(results: list[OptimizerResult]) -> list[dict[str, Any]]:
@@ -58,9 +57,8 @@ def table_rows(results: list[OptimizerResult]) -> list[dict[str, Any]]:
     adam = next((r for r in results if r.name == "adam"), None)
     rows = []
     for r in results:
-        reduction = None
-        if adam is not None and r.bytes_sent > 0:
-            reduction = adam.bytes_sent / r.bytes_sent
+        measured = adam is not None and r.bytes_sent > 0
+        reduction = adam.bytes_sent / r.bytes_sent if measured else None
         rows.append(
             {
                 "optimizer": r.name,

@@ -32,7 +32,7 @@ DEFAULT_WORKERS = 2
 MAX_WORLD_SIZE = 64
 
 
-def _int_at_least(low: int):
+def _int_at_least(low: int, high: int | None = None):
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -40,16 +40,11 @@ def _int_at_least(low: int):
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
         return value
 
     return parse
-
-
-def _world_size(text: str) -> int:
-    value = _int_at_least(1)(text)
-    if value > MAX_WORLD_SIZE:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_WORLD_SIZE}, got {value}")
-    return value
 
 
 def _positive_float(text: str) -> float:
@@ -102,13 +97,13 @@ def _parser() -> argparse.ArgumentParser:
     mode = d.add_mutually_exclusive_group()
     mode.add_argument(
         "--workers",
-        type=_world_size,
+        type=_int_at_least(1, MAX_WORLD_SIZE),
         metavar="N",
         help=f"real gloo worker processes on this machine (default: {DEFAULT_WORKERS})",
     )
     mode.add_argument(
         "--simulate",
-        type=_world_size,
+        type=_int_at_least(1, MAX_WORLD_SIZE),
         metavar="N",
         help="instead of processes, N ranks simulated in this process (fn.collectives.Simulated)",
     )
@@ -254,16 +249,14 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"starting {cfg.world_size} gloo worker processes ...", file=sys.stderr, flush=True)
     run = demo.run_simulated if simulate else demo.run_workers
     try:
-        results = run(cfg, progress.update)
+        with contextlib.closing(progress):
+            results = run(cfg, progress.update)
     except KeyboardInterrupt:
-        progress.close()
         print("interrupted: the workers were stopped", file=sys.stderr)
         return 130
     except (ValueError, WorkerError) as err:
-        progress.close()
         print(f"error: training failed: {err}{_lr_hint(err)}", file=sys.stderr)
         return 1
-    progress.close()
 
     rows = _report.table_rows(results)
     print()
