@@ -283,12 +283,11 @@ class QuantizedReduceScatter(SynchronousReduceScatter):
             )
         except NonFiniteError:  # every rank raises, before anything was written
             output_tensor.fill_(torch.nan)
-            return None
+            return
         if self.err_beta is not None:
             self.errors = tuple(outs)
             self._handed_out = False
         self.count += 1
-        return None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """``count``, the layout's ``numel`` and ``world_size``, and ``error.<hop>`` buffers."""
