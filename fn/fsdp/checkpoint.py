@@ -490,9 +490,7 @@ def _every_rank_text(text: str, device: torch.device, group: dist.ProcessGroup |
     comm = ProcessGroup(group)
     size = torch.tensor([len(text.encode())], dtype=torch.int64, device=device)
     sizes = comm.all_gather(size).view(-1).tolist()
-    if not any(sizes):
-        return [""] * len(sizes)
-    return gather_texts(comm, text, sizes, device)
+    return gather_texts(comm, text, sizes, device) if any(sizes) else [""] * len(sizes)
 
 
 def _ranks(group: dist.ProcessGroup | None) -> list[int] | None:
@@ -574,9 +572,7 @@ def _normalised(path: str | os.PathLike) -> str:
     ``~`` expanded and no trailing separator (``"ckpt/"`` is ``"<cwd>/ckpt"``), so that
     ``<path>.partial`` and ``<path>.old`` are its siblings."""
     path = os.fspath(path)
-    if "://" in path:
-        return path
-    return os.path.abspath(os.path.expanduser(path))
+    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
 
 
 def _clear(directory: str) -> None:

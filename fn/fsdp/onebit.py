@@ -157,9 +157,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             device = layout.slots[0].param.device
             size = (layout.padded_row // 8,)
             return {"record": torch.full(size, 255, dtype=torch.uint8, device=device)}
-        if masks is None:
-            return {}
-        return {"mask": module_mask(layout, masks, self.comm.world_size)}
+        return {} if masks is None else {"mask": module_mask(layout, masks, self.comm.world_size)}
 
     def _install(self, model: nn.Module, settings: dict[str, Any]) -> None:
         """The state and the reduce-scatters, once every rank agreed on the model and the

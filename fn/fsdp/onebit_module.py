@@ -191,9 +191,7 @@ class OnebitModule:
         """What the 1-D compressed phase's reduce-scatters wrote into ``.grad`` since the last
         ``step()``, accumulated as FSDP2 accumulates it (fp32): this rank's row of
         :attr:`local_gradient`, ``S`` values and the padding."""
-        if self._written is not None:
-            return self._written
-        return self.local_gradient[self.rank].float()
+        return self.local_gradient[self.rank].float() if self._written is None else self._written
 
     def grad_changed(self) -> bool:
         """On a 1-D mesh in the compressed phase ``.grad`` holds this rank's row of its own

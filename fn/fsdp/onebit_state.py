@@ -287,15 +287,13 @@ def restored(fmt: StateFormat, state_dict: Mapping[str, Any], state: Any, rule: 
             f"{_mesh(*fmt.mesh.shape)}: the error feedback restarts from zero (the momentum is "
             "kept)"
         )
-    extra = _loaded_fields(fmt, state_dict)
-    if auto is not None:
-        extra["auto"] = auto
     new = state._replace(
         count=torch.tensor(count, dtype=torch.int64),
         lr=torch.tensor(float(state_dict["lr"]), dtype=torch.float32),
         exp_avg=exp_avg,
         exp_avg_sq=exp_avg_sq,
-        **extra,
+        auto=auto,
+        **_loaded_fields(fmt, state_dict),
     )
     return Restored(new, momenta, masks, warning)
 
