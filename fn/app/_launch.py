@@ -219,10 +219,9 @@ def _failure(context: mp.ProcessContext, exits: dict[int, int]) -> WorkerError:
     if died and tracebacks:
         lines.append("the other ranks failed after it (probably as a consequence):")
     lines += [f"worker rank {r} failed:\n{tb}" for r, tb in sorted(tracebacks.items())]
-    if not lines:
-        lines = ["the workers failed without a traceback"]
+    message = "\n".join(lines) or "the workers failed without a traceback"
     causes = list(died) or sorted(tracebacks)
-    return WorkerError("\n".join(lines), causes, died=bool(died), tracebacks=tracebacks)
+    return WorkerError(message, causes, died=bool(died), tracebacks=tracebacks)
 
 
 def _timed_out(

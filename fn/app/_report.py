@@ -79,9 +79,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = []
     for row in rows:
         reduction = row["wire_reduction_vs_adam"]
-        identical = (
-            "yes" if row["ranks_identical"] else f"no (max |dp| {row['max_param_diff']:.1e})"
-        )
         lines.append(
             (
                 row["optimizer"],
@@ -89,7 +86,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 f"{row['bytes_per_rank']:,}",
                 "-" if reduction is None else f"{reduction:.1f}x",
                 f"{row['wall_s']:.1f}",
-                identical,
+                "yes" if row["ranks_identical"] else f"no (max |dp| {row['max_param_diff']:.1e})",
             )
         )
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]

@@ -184,15 +184,13 @@ def _from_deepspeed(args: argparse.Namespace) -> int:
     try:
         converted, summary = convert_checkpoint(args.checkpoint, args.config, trust=args.trust)
     except (OSError, ValueError, NotImplementedError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        return _failed(str(err))
     existed = args.out.exists()
     try:
         _save_whole(converted, args.out)
     except OSError as err:
         kept = f"{args.out} is as it was" if existed else "nothing was written"
-        print(f"error: cannot write {args.out}: {err}; {kept}", file=sys.stderr)
-        return 1
+        return _failed(f"cannot write {args.out}: {err}; {kept}")
     for line in summary:
         print(line)
     print(f"wrote {args.out}; resume with:")
@@ -255,8 +253,7 @@ def _demo(args: argparse.Namespace) -> int:
         print("interrupted: the workers were stopped", file=sys.stderr)
         return 130
     except (ValueError, WorkerError) as err:
-        print(f"error: training failed: {err}{_lr_hint(err)}", file=sys.stderr)
-        return 1
+        return _failed(f"training failed: {err}{_lr_hint(err)}")
 
     rows = _report.table_rows(results)
     print()
@@ -267,8 +264,7 @@ def _demo(args: argparse.Namespace) -> int:
     if not _write_outputs(args.out, cfg, header, rows, results):
         return 1
     if not all(math.isfinite(r.final_loss) for r in results):
-        print("error: a loss is not finite", file=sys.stderr)
-        return 1
+        return _failed("a loss is not finite")
     return 0
 
 
@@ -277,23 +273,23 @@ def _demo_header(cfg: demo.DemoConfig, out: Path) -> list[str] | int:
     fill whole nodes (2), an ``--out`` that cannot be written or a setting ``describe``
     refuses (1). Checked before the training, so that none of it fails after."""
     if cfg.ranks_per_node is not None and cfg.world_size % cfg.ranks_per_node:
-        print(
-            f"error: --ranks-per-node {cfg.ranks_per_node} does not divide the "
-            f"{cfg.world_size} ranks",
-            file=sys.stderr,
-        )
-        return 2
+        nodes = f"--ranks-per-node {cfg.ranks_per_node} does not divide the {cfg.world_size} ranks"
+        return _failed(nodes, status=2)
     try:
         _report.check_writable(out)
     except OSError as err:
         where = f" ({err.filename})" if err.filename and err.strerror else ""
-        print(f"error: cannot write to --out {out}: {err.strerror or err}{where}", file=sys.stderr)
-        return 1
+        return _failed(f"cannot write to --out {out}: {err.strerror or err}{where}")
     try:
         return demo.describe(cfg)
     except RuntimeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        return _failed(str(err))
+
+
+def _failed(message: str, status: int = 1) -> int:
+    """Prints ``error: <message>`` to stderr; returns the exit status ``status``."""
+    print(f"error: {message}", file=sys.stderr)
+    return status
 
 
 def _write_outputs(
@@ -341,6 +337,4 @@ def _lr_hint(err: ValueError | WorkerError) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     args = _parser().parse_args(argv)
-    if args.command == "from-deepspeed":
-        return _from_deepspeed(args)
-    return _demo(args)
+    return _from_deepspeed(args) if args.command == "from-deepspeed" else _demo(args)
