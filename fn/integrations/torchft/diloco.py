@@ -386,11 +386,8 @@ class ElasticDiLoCo:
             return
         fresh = self._fresh_state(self._rule)
         old_leaves, old_spec = tree_flatten(self._state)
-        fresh_leaves, spec = tree_flatten(fresh)
-        if self._positional or old_spec != spec:
-            keep = [False] * len(fresh_leaves)
-        else:
-            keep = [not p for p in positional_leaves(fresh)]
+        restarts = self._positional or old_spec != tree_flatten(fresh)[1]  # nothing carries over
+        keep = [not (restarts or positional) for positional in positional_leaves(fresh)]
         carried = [old_leaves[i] if k else None for i, k in enumerate(keep)]
         self._state = _merged(self._shared_leaves(self._state), fresh, carried)
         feedback = error_feedback_leaves(fresh)
@@ -476,10 +473,13 @@ class ElasticDiLoCo:
                 f"ElasticDiLoCo: the state from {where} has tensors of other shapes (another "
                 "model?); nothing was loaded"
             )
+        self._restore(anchor, _merged(shared, fresh), state["counts"])
+
+    def _restore(self, anchor: list[Any], outer_state: OptState, counts: Mapping[str, Any]) -> None:
+        """Sets the anchor, the outer state and the counters, once checked."""
         for a, saved in zip(self._anchor, anchor, strict=True):
             a.copy_(saved)
-        self._state = _merged(shared, fresh)
-        counts = state["counts"]
+        self._state = outer_state
         self.inner_steps = counts["inner_steps"]
         self.outer_steps = counts["outer_steps"]
         self.skipped_steps = counts["skipped_steps"]
@@ -547,9 +547,4 @@ class ElasticDiLoCo:
             settings=repr(self._settings),
             world_size=state["world_size"],
         )
-        for a, saved in zip(self._anchor, loaded.anchor, strict=True):
-            a.copy_(saved)
-        self._state = loaded.outer_state
-        self.inner_steps = loaded.counts["inner_steps"]
-        self.outer_steps = loaded.counts["outer_steps"]
-        self.skipped_steps = loaded.counts["skipped_steps"]
+        self._restore(loaded.anchor, loaded.outer_state, loaded.counts)
