@@ -171,11 +171,10 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         self._problems: list[Exception] = []  # what the reduce-scatters found, for step()
         self._failed = FailedCollectives()  # the collectives of this backward that failed
         self._grad_change_warned = False
-        self._fsdp_modules: list[nn.Module] = []
         members = {name: member for name, member, _ in fsdp_groups(model)}
-        for module in self._modules:
-            member = members[module.layout.name]  # its group's settings and reduce-scatter
-            self._fsdp_modules.append(member)
+        # each module's FSDP2 group: its settings and reduce-scatter
+        self._fsdp_modules = [members[module.layout.name] for module in self._modules]
+        for module, member in zip(self._modules, self._fsdp_modules, strict=True):
             reduce_scatter = OnebitReduceScatter(
                 module, self._comms, self._compresses, self._problems, self._failed
             )
@@ -506,7 +505,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         changed = False
         for module, (mask, record) in zip(self._modules, masks, strict=True):
             changed = changed or mask is not module.mask
-            module.set_mask(mask, record)
+            module.mask, module.record = mask, record
         if changed and not self._mesh.communicates:
             self._rule = self._rule_for(self._momentum_masks())
 
