@@ -210,8 +210,7 @@ def model_problem(
             "all-reduce across the replicate dimension, the traffic 1-bit replaces); for HSDP "
             f"shard inside the node and pass the replicate dimension: {hsdp_form(name)}"
         )
-    groups = {ps[0][1].device_mesh for _, ps in found}
-    if len(groups) > 1:
+    if len({ps[0][1].device_mesh for _, ps in found}) > 1:
         return NotImplementedError, "FSDP2 modules on different meshes are not supported"
     taken = [
         fqn or ROOT

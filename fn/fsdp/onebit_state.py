@@ -104,10 +104,9 @@ def onebit_state_dict(fmt: StateFormat, state: Any, lr: float) -> dict[str, Any]
     """The state dict of :meth:`~fn.fsdp.ShardedOnebitOptimizer.state_dict` (its docstring
     lays it out), of the rule's ``state`` and the learning rate ``lr``."""
     slots = [slot for module in fmt.modules for slot in module.layout.slots]
-    count = int(state.count)
     out: dict[str, Any] = {
         "header": torch.tensor(
-            [_FORMAT, fmt.mesh.shape[0], count, *fmt.fingerprints, *fmt.mesh.header],
+            [_FORMAT, fmt.mesh.shape[0], int(state.count), *fmt.fingerprints, *fmt.mesh.header],
             dtype=torch.int64,
         ),  # fmt: skip
         "lr": torch.tensor(float(lr), dtype=torch.float64),
