@@ -290,8 +290,7 @@ def _prepare_data(cfg: DemoConfig, ranks: range) -> _Data:
     corpus = _data.load_corpus()
     shards = [_data.shard(corpus.train, r, cfg.world_size) for r in ranks]
     starts = _data.heldout_starts(corpus.heldout.numel(), cfg.context, HELDOUT_WINDOWS)
-    x, y = _data.windows(corpus.heldout, starts, cfg.context)
-    return _Data(shards, x, y)
+    return _Data(shards, *_data.windows(corpus.heldout, starts, cfg.context))
 
 
 def _batches(cfg: DemoConfig, data: _Data, ranks: range) -> Callable[[], tuple[torch.Tensor, ...]]:
@@ -468,7 +467,6 @@ def _summarize(name: str, traces: list[_Trace]) -> OptimizerResult:
     ]
     last = heldout[-min(LAST_STEPS, len(heldout)) :]
     flat = torch.cat([tr.flat_params for tr in traces])
-    diff = (flat - flat[0]).abs().max().item()
     return OptimizerResult(
         name=name,
         train_loss=train,
@@ -477,6 +475,6 @@ def _summarize(name: str, traces: list[_Trace]) -> OptimizerResult:
         bytes_sent=max(tr.bytes_sent for tr in traces),
         wall_s=max(tr.wall_s for tr in traces),
         identical=all(torch.equal(flat[0], row) for row in flat[1:]),
-        max_param_diff=diff,
+        max_param_diff=(flat - flat[0]).abs().max().item(),
         heldout_bytes=tuple(map(max, zip(*(tr.heldout_bytes for tr in traces), strict=True))),
     )
