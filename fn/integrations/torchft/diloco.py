@@ -232,8 +232,7 @@ class ElasticDiLoCo:
             compression=(compression, options),
             params=self._params,
         )
-        shards = self._shards()
-        self._anchor = [x.to(anchor_device or x.device, copy=True) for x in shards]
+        self._anchor = [x.to(anchor_device or x.device, copy=True) for x in self._shards()]
         self._position: tuple[int, int] | None = None  # (W, rank) of the quorum the state fits
         self._state = self._fresh_state(self._local_rule)
         self._recovered = False
@@ -390,9 +389,8 @@ class ElasticDiLoCo:
         keep = [not (restarts or positional) for positional in positional_leaves(fresh)]
         carried = [old_leaves[i] if k else None for i, k in enumerate(keep)]
         self._state = _merged(self._shared_leaves(self._state), fresh, carried)
-        feedback = error_feedback_leaves(fresh)
         if self._position is not None and not all(
-            k for k, f in zip(keep, feedback, strict=True) if f
+            k for k, f in zip(keep, error_feedback_leaves(fresh), strict=True) if f
         ):
             logger.info(
                 "fn.integrations.torchft: the quorum changed (%d workers, rank %d -> %d "
