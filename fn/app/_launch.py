@@ -219,10 +219,9 @@ def _failure(context: mp.ProcessContext, exits: dict[int, int]) -> WorkerError:
     if died and tracebacks:
         lines.append("the other ranks failed after it (probably as a consequence):")
     lines += [f"worker rank {r} failed:\n{tb}" for r, tb in sorted(tracebacks.items())]
-    if not lines:
-        lines = ["the workers failed without a traceback"]
+    message = "\n".join(lines) or "the workers failed without a traceback"
     causes = list(died) or sorted(tracebacks)
-    return WorkerError("\n".join(lines), causes, died=bool(died), tracebacks=tracebacks)
+    return WorkerError(message, causes, died=bool(died), tracebacks=tracebacks)
 
 
 def _timed_out(
@@ -243,10 +242,9 @@ def _timed_out(
             frames[r] = (stacks / f"rank{r}.txt").read_text()
     waiting = [r for r in running if _COLLECTIVE_FRAME in frames.get(r, "")]
     stalled = [r for r in running if r in frames and frames[r] and r not in waiting]
-    elapsed = time.monotonic() - started
     message = (
         f"the workers timed out: not finished within {timeout:g} s (stopped after "
-        f"{elapsed:.1f} s); "
+        f"{time.monotonic() - started:.1f} s); "
     )
     if waiting and stalled:
         where = frames[stalled[0]].strip().splitlines()
@@ -386,5 +384,4 @@ def _stop(context: Any) -> None:
             p.kill()
         p.join(timeout=5)
     for path in context.error_files:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        Path(path).unlink(missing_ok=True)

@@ -49,8 +49,7 @@ def check_writable(out: Path) -> None:
     for name in OUTPUTS:
         path = out / name
         if path.exists() or path.is_symlink():
-            with path.open("ab"):
-                pass
+            path.open("ab").close()
 
 
 def table_rows(results: list[OptimizerResult]) -> list[dict[str, Any]]:
@@ -58,9 +57,8 @@ def table_rows(results: list[OptimizerResult]) -> list[dict[str, Any]]:
     adam = next((r for r in results if r.name == "adam"), None)
     rows = []
     for r in results:
-        reduction = None
-        if adam is not None and r.bytes_sent > 0:
-            reduction = adam.bytes_sent / r.bytes_sent
+        measured = adam is not None and r.bytes_sent > 0
+        reduction = adam.bytes_sent / r.bytes_sent if measured else None
         rows.append(
             {
                 "optimizer": r.name,
@@ -81,9 +79,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = []
     for row in rows:
         reduction = row["wire_reduction_vs_adam"]
-        identical = (
-            "yes" if row["ranks_identical"] else f"no (max |dp| {row['max_param_diff']:.1e})"
-        )
         lines.append(
             (
                 row["optimizer"],
@@ -91,7 +86,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 f"{row['bytes_per_rank']:,}",
                 "-" if reduction is None else f"{reduction:.1f}x",
                 f"{row['wall_s']:.1f}",
-                identical,
+                "yes" if row["ranks_identical"] else f"no (max |dp| {row['max_param_diff']:.1e})",
             )
         )
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]

@@ -32,7 +32,7 @@ DEFAULT_WORKERS = 2
 MAX_WORLD_SIZE = 64
 
 
-def _int_at_least(low: int):
+def _int_at_least(low: int, high: int | None = None):
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -40,16 +40,11 @@ def _int_at_least(low: int):
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
         return value
 
     return parse
-
-
-def _world_size(text: str) -> int:
-    value = _int_at_least(1)(text)
-    if value > MAX_WORLD_SIZE:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_WORLD_SIZE}, got {value}")
-    return value
 
 
 def _positive_float(text: str) -> float:
@@ -102,13 +97,13 @@ def _parser() -> argparse.ArgumentParser:
     mode = d.add_mutually_exclusive_group()
     mode.add_argument(
         "--workers",
-        type=_world_size,
+        type=_int_at_least(1, MAX_WORLD_SIZE),
         metavar="N",
         help=f"real gloo worker processes on this machine (default: {DEFAULT_WORKERS})",
     )
     mode.add_argument(
         "--simulate",
-        type=_world_size,
+        type=_int_at_least(1, MAX_WORLD_SIZE),
         metavar="N",
         help="instead of processes, N ranks simulated in this process (fn.collectives.Simulated)",
     )
@@ -189,15 +184,13 @@ def _from_deepspeed(args: argparse.Namespace) -> int:
     try:
         converted, summary = convert_checkpoint(args.checkpoint, args.config, trust=args.trust)
     except (OSError, ValueError, NotImplementedError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        return _failed(str(err))
     existed = args.out.exists()
     try:
         _save_whole(converted, args.out)
     except OSError as err:
         kept = f"{args.out} is as it was" if existed else "nothing was written"
-        print(f"error: cannot write {args.out}: {err}; {kept}", file=sys.stderr)
-        return 1
+        return _failed(f"cannot write {args.out}: {err}; {kept}")
     for line in summary:
         print(line)
     print(f"wrote {args.out}; resume with:")
@@ -254,16 +247,13 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"starting {cfg.world_size} gloo worker processes ...", file=sys.stderr, flush=True)
     run = demo.run_simulated if simulate else demo.run_workers
     try:
-        results = run(cfg, progress.update)
+        with contextlib.closing(progress):
+            results = run(cfg, progress.update)
     except KeyboardInterrupt:
-        progress.close()
         print("interrupted: the workers were stopped", file=sys.stderr)
         return 130
     except (ValueError, WorkerError) as err:
-        progress.close()
-        print(f"error: training failed: {err}{_lr_hint(err)}", file=sys.stderr)
-        return 1
-    progress.close()
+        return _failed(f"training failed: {err}{_lr_hint(err)}")
 
     rows = _report.table_rows(results)
     print()
@@ -274,8 +264,7 @@ def _demo(args: argparse.Namespace) -> int:
     if not _write_outputs(args.out, cfg, header, rows, results):
         return 1
     if not all(math.isfinite(r.final_loss) for r in results):
-        print("error: a loss is not finite", file=sys.stderr)
-        return 1
+        return _failed("a loss is not finite")
     return 0
 
 
@@ -284,23 +273,23 @@ def _demo_header(cfg: demo.DemoConfig, out: Path) -> list[str] | int:
     fill whole nodes (2), an ``--out`` that cannot be written or a setting ``describe``
     refuses (1). Checked before the training, so that none of it fails after."""
     if cfg.ranks_per_node is not None and cfg.world_size % cfg.ranks_per_node:
-        print(
-            f"error: --ranks-per-node {cfg.ranks_per_node} does not divide the "
-            f"{cfg.world_size} ranks",
-            file=sys.stderr,
-        )
-        return 2
+        nodes = f"--ranks-per-node {cfg.ranks_per_node} does not divide the {cfg.world_size} ranks"
+        return _failed(nodes, status=2)
     try:
         _report.check_writable(out)
     except OSError as err:
         where = f" ({err.filename})" if err.filename and err.strerror else ""
-        print(f"error: cannot write to --out {out}: {err.strerror or err}{where}", file=sys.stderr)
-        return 1
+        return _failed(f"cannot write to --out {out}: {err.strerror or err}{where}")
     try:
         return demo.describe(cfg)
     except RuntimeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        return _failed(str(err))
+
+
+def _failed(message: str, status: int = 1) -> int:
+    """Prints ``error: <message>`` to stderr; returns the exit status ``status``."""
+    print(f"error: {message}", file=sys.stderr)
+    return status
 
 
 def _write_outputs(
@@ -348,6 +337,4 @@ def _lr_hint(err: ValueError | WorkerError) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     args = _parser().parse_args(argv)
-    if args.command == "from-deepspeed":
-        return _from_deepspeed(args)
-    return _demo(args)
+    return _from_deepspeed(args) if args.command == "from-deepspeed" else _demo(args)

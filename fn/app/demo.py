@@ -144,27 +144,24 @@ def make_optimizer(
         both are called as ``opt.update(grads, state, params, step=t)`` with LOCAL gradients.
     """
     warm = warmup_steps(steps)
+    settings = dict(lr=lr, betas=BETAS, eps=EPS)
     level = dict(comm=comm, local_world_size=local_world_size)
     if name == "adam":
-        return fn.chain(dense_allreduce(comm=comm), fn.adam(lr=lr, betas=BETAS, eps=EPS))
+        return fn.chain(dense_allreduce(comm=comm), fn.adam(**settings))
     if name == "onebit_adam":
-        return fn.onebit_adam(lr=lr, freeze_step=warm + 1, betas=BETAS, eps=EPS, **level)
+        return fn.onebit_adam(freeze_step=warm + 1, **settings, **level)
     if name == "zero_one_adam":
         return fn.zero_one_adam(
-            lr=lr,
-            betas=BETAS,
-            eps=EPS,
             var_freeze_step=warm,
             local_step_scaler=_zero_one_local_scaler(steps),
             local_step_clipper=ZERO_ONE_MAX_LOCAL,
+            **settings,
             **level,
         )
     if name == "onebit_lamb":
-        return fn.onebit_lamb(lr=lr, freeze_step=warm + 1, betas=BETAS, eps=EPS, **level)
+        return fn.onebit_lamb(freeze_step=warm + 1, **settings, **level)
     if name == "loco_adam":
-        return fn.chain(
-            collectives.loco_allreduce(bits=4, **level), fn.adam(lr=lr, betas=BETAS, eps=EPS)
-        )
+        return fn.chain(collectives.loco_allreduce(bits=4, **level), fn.adam(**settings))
     raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
 
 
@@ -190,10 +187,6 @@ def describe_schedule(name: str, steps: int) -> str:
     raise ValueError(f"unknown optimizer {name!r}")
 
 
-def _param_count(cfg: DemoConfig, vocab_size: int) -> int:
-    return sum(p.numel() for p in _build_model(cfg, vocab_size)[1].values())
-
-
 def _mode(cfg: DemoConfig) -> str:
     if cfg.simulate:
         mode = f"{cfg.world_size} simulated ranks (fn.collectives.Simulated) in this process"
@@ -217,8 +210,9 @@ def describe(cfg: DemoConfig) -> list[str]:
     corpus = _data.load_corpus()
     n_train = len(_data.TRAIN_MODULES)
     warm = warmup_steps(cfg.steps)
+    params = sum(p.numel() for p in _build_model(cfg, _data.VOCAB_SIZE)[1].values())
     lines = [
-        f"fn demo: next-character model, {_param_count(cfg, _data.VOCAB_SIZE):,} params "
+        f"fn demo: next-character model, {params:,} params "
         f"(embedding {cfg.embed} x {cfg.context} chars -> {cfg.hidden} GELU -> "
         f"{_data.VOCAB_SIZE} logits: the {_data.VOCAB_CHARS} most frequent characters and "
         f"'other')",
@@ -280,17 +274,6 @@ def _train_step(model, opt, params, state, x, y, t):
     return fn.apply_updates(params, updates), state, loss
 
 
-def _untimed_warmup(grad_fn: Callable[..., Any], params: PyTree, x: torch.Tensor, y: torch.Tensor):
-    # The first gradient in a process pays one-time setup costs (torch.func, kernels); pay them
-    # here so that they do not count in the first optimizer's wall time.
-    grad_fn(params, x, y)
-
-
-def _eval_steps(steps: int) -> set[int]:
-    every = max(1, steps // CURVE_POINTS)
-    return {1, *range(every, steps + 1, every), *range(max(1, steps - LAST_STEPS + 1), steps + 1)}
-
-
 def _build_model(cfg: DemoConfig, vocab_size: int) -> tuple[torch.nn.Module, dict]:
     torch.manual_seed(cfg.seed)  # the same initial params on every rank: no broadcast needed
     model = CharMLP(vocab_size, cfg.context, cfg.embed, cfg.hidden)
@@ -303,11 +286,11 @@ class _Data(NamedTuple):
     heldout_y: torch.Tensor  # [HELDOUT_WINDOWS]
 
 
-def _prepare_data(cfg: DemoConfig, corpus: _data.Corpus, ranks: range) -> _Data:
+def _prepare_data(cfg: DemoConfig, ranks: range) -> _Data:
+    corpus = _data.load_corpus()
     shards = [_data.shard(corpus.train, r, cfg.world_size) for r in ranks]
     starts = _data.heldout_starts(corpus.heldout.numel(), cfg.context, HELDOUT_WINDOWS)
-    x, y = _data.windows(corpus.heldout, starts, cfg.context)
-    return _Data(shards, x, y)
+    return _Data(shards, *_data.windows(corpus.heldout, starts, cfg.context))
 
 
 def _batches(cfg: DemoConfig, data: _Data, ranks: range) -> Callable[[], tuple[torch.Tensor, ...]]:
@@ -319,22 +302,14 @@ def _batches(cfg: DemoConfig, data: _Data, ranks: range) -> Callable[[], tuple[t
     gens = [torch.Generator().manual_seed(cfg.seed * 100_003 + r) for r in ranks]
 
     def next_batch():
-        xs, ys = [], []
+        pairs = []
         for shard, gen in zip(data.shards, gens, strict=True):
             starts = _data.batch_starts(shard.numel(), cfg.context, cfg.batch_size, gen)
-            x, y = _data.windows(shard, starts, cfg.context)
-            xs.append(x)
-            ys.append(y)
+            pairs.append(_data.windows(shard, starts, cfg.context))
+        xs, ys = zip(*pairs, strict=True)
         return torch.stack(xs), torch.stack(ys)
 
     return next_batch
-
-
-def _flat(params: PyTree, rank_axis: bool) -> torch.Tensor:
-    leaves = tree_leaves(params)
-    if rank_axis:
-        return torch.cat([p.reshape(p.shape[0], -1) for p in leaves], dim=1)
-    return torch.cat([p.reshape(-1) for p in leaves])
 
 
 class _Trace(NamedTuple):
@@ -357,7 +332,9 @@ def _fit(
     on_step: Callable[[int], None],
 ) -> _Trace:
     """The training loop shared by both modes (the ranks axis ``R`` is W or 1)."""
-    evals = _eval_steps(cfg.steps)
+    every = max(1, cfg.steps // CURVE_POINTS)
+    last = range(max(1, cfg.steps - LAST_STEPS + 1), cfg.steps + 1)
+    evals = {1, *range(every, cfg.steps + 1, every), *last}
     train, heldout, heldout_bytes, wall = [], [], [], 0.0
     for t in range(1, cfg.steps + 1):
         x, y = next_batch()
@@ -370,8 +347,8 @@ def _fit(
                 heldout.append((t, eval_fn(params).reshape(-1)))
                 heldout_bytes.append(comm.bytes_sent)
         on_step(t)
-    flat = _flat(params, cfg.simulate)
-    flat = flat if cfg.simulate else flat[None]
+    leaves = tree_leaves(params) if cfg.simulate else [p[None] for p in tree_leaves(params)]
+    flat = torch.cat([p.reshape(p.shape[0], -1) for p in leaves], dim=1)  # [R, P]
     return _Trace(train, heldout, heldout_bytes, comm.bytes_sent, wall, flat)
 
 
@@ -387,16 +364,14 @@ def run_simulated(
     Returns:
         One :class:`OptimizerResult` per optimizer.
     """
-    corpus = _data.load_corpus()
     ranks = range(cfg.world_size)
-    data = _prepare_data(cfg, corpus, ranks)
+    data = _prepare_data(cfg, ranks)
     model, params0 = _build_model(cfg, _data.VOCAB_SIZE)
+    # The first gradient in a process pays one-time setup costs (torch.func, kernels); pay them
+    # here so that they do not count in the first optimizer's wall time.
     grad_fn = torch.func.vmap(torch.func.grad(functools.partial(_loss, model)))
-    _untimed_warmup(
-        grad_fn,
-        collectives.replicate(params0, collectives.Simulated(cfg.world_size)),
-        *_batches(cfg, data, ranks)(),
-    )
+    replicas = collectives.replicate(params0, collectives.Simulated(cfg.world_size))
+    grad_fn(replicas, *_batches(cfg, data, ranks)())
     evaluate = torch.func.vmap(functools.partial(_loss, model), in_dims=(0, None, None))
     results = []
     for i, name in enumerate(cfg.optimizers):
@@ -419,12 +394,12 @@ def run_simulated(
 
 def _worker(rank: int, world_size: int, send: Callable[[Any], None], cfg: DemoConfig):
     """One gloo process: trains with every optimizer, returns its :class:`_Trace` per optimizer."""
-    corpus = _data.load_corpus()
     ranks = range(rank, rank + 1)
-    data = _prepare_data(cfg, corpus, ranks)
+    data = _prepare_data(cfg, ranks)
     model, params0 = _build_model(cfg, _data.VOCAB_SIZE)
     x, y = _batches(cfg, data, ranks)()
-    _untimed_warmup(torch.func.grad(functools.partial(_loss, model)), params0, x[0], y[0])
+    # untimed, as in run_simulated
+    torch.func.grad(functools.partial(_loss, model))(params0, x[0], y[0])
     traces = []
     for i, name in enumerate(cfg.optimizers):
         comm = collectives.ProcessGroup()
@@ -492,7 +467,6 @@ def _summarize(name: str, traces: list[_Trace]) -> OptimizerResult:
     ]
     last = heldout[-min(LAST_STEPS, len(heldout)) :]
     flat = torch.cat([tr.flat_params for tr in traces])
-    diff = (flat - flat[0]).abs().max().item()
     return OptimizerResult(
         name=name,
         train_loss=train,
@@ -501,6 +475,6 @@ def _summarize(name: str, traces: list[_Trace]) -> OptimizerResult:
         bytes_sent=max(tr.bytes_sent for tr in traces),
         wall_s=max(tr.wall_s for tr in traces),
         identical=all(torch.equal(flat[0], row) for row in flat[1:]),
-        max_param_diff=diff,
+        max_param_diff=(flat - flat[0]).abs().max().item(),
         heldout_bytes=tuple(map(max, zip(*(tr.heldout_bytes for tr in traces), strict=True))),
     )

@@ -38,10 +38,9 @@ def _onebit_family_hook(
     grads = [g for g, d in zip(bucket.gradients(), dense, strict=True) if d]
 
     def scatter(future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-        averaged, offset = future.value(), 0
-        for g in grads:
-            g.copy_(averaged[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        pieces = future.value().split([g.numel() for g in grads])
+        for g, piece in zip(grads, pieces, strict=True):
+            g.copy_(piece.view_as(g))
         return buffer
 
     return dense_mean(torch.cat([g.reshape(-1) for g in grads]), schedule.group).then(scatter)

@@ -85,7 +85,7 @@ class QuantizedAllGather(FreshBuffers, AllGather):
         del async_op
         if not input_tensor.is_floating_point():
             all_gather_flat(output_tensor, input_tensor, group=group)
-            return None
+            return
         quantized_all_gather_into(
             output_tensor,
             input_tensor,
@@ -93,7 +93,6 @@ class QuantizedAllGather(FreshBuffers, AllGather):
             bits=self.bits,
             group_size=self.group_size,
         )
-        return None
 
 
 def quantized_all_gather(

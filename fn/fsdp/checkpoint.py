@@ -166,16 +166,17 @@ class TrainingCheckpoint:
             x.load_state_dict(state_dict[name])
         self._load_own(state_dict)
 
-    def _own_state_dict(self) -> dict[str, Any]:
+    def _own_state_dict(self, optim: bool = True) -> dict[str, Any]:
+        """The model's, the optimizer's (``optim=False``: left out, for a 1-bit optimizer only),
+        the step's and the handle's state."""
         if isinstance(self.optimizer, ShardedOnebitOptimizer):
-            model_state, optim_state = get_model_state_dict(self.model), self.optimizer.state_dict()
+            state = {"model": get_model_state_dict(self.model)}
+            if optim:
+                state["optim"] = self.optimizer.state_dict()
         else:
             model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state = {
-            "model": model_state,
-            "optim": optim_state,
-            "step": torch.tensor(self.step, dtype=torch.int64),
-        }
+            state = {"model": model_state, "optim": optim_state}
+        state["step"] = torch.tensor(self.step, dtype=torch.int64)
         if self.handle is not None:
             state["loco"] = self.handle.state_dict()
         return state
@@ -305,16 +306,8 @@ class TrainingCheckpoint:
         if (self.extra or not onebit) and "://" not in path:  # a URL: DCP's storage reads it
             keys = _read_metadata(path, _device(self.model), group).state_dict_metadata
         extra = self._read_extra(path, keys)
-        if onebit:
-            state = {
-                "model": get_model_state_dict(self.model),
-                "step": torch.zeros((), dtype=torch.int64),
-            }
-            if self.handle is not None:
-                state["loco"] = self.handle.state_dict()
-        else:
-            state = self._own_state_dict()
-        state = _copies(state)  # the state dicts share the live tensors: a failed read changes none
+        # the state dicts share the live tensors: a failed read changes none
+        state = _copies(self._own_state_dict(optim=not onebit))
         _read(path, {self.key: state}, group)
         for name, x in self.extra.items():
             x.load_state_dict(extra[name])
@@ -497,9 +490,7 @@ def _every_rank_text(text: str, device: torch.device, group: dist.ProcessGroup |
     comm = ProcessGroup(group)
     size = torch.tensor([len(text.encode())], dtype=torch.int64, device=device)
     sizes = comm.all_gather(size).view(-1).tolist()
-    if not any(sizes):
-        return [""] * len(sizes)
-    return gather_texts(comm, text, sizes, device)
+    return gather_texts(comm, text, sizes, device) if any(sizes) else [""] * len(sizes)
 
 
 def _ranks(group: dist.ProcessGroup | None) -> list[int] | None:
@@ -581,9 +572,7 @@ def _normalised(path: str | os.PathLike) -> str:
     ``~`` expanded and no trailing separator (``"ckpt/"`` is ``"<cwd>/ckpt"``), so that
     ``<path>.partial`` and ``<path>.old`` are its siblings."""
     path = os.fspath(path)
-    if "://" in path:
-        return path
-    return os.path.abspath(os.path.expanduser(path))
+    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
 
 
 def _clear(directory: str) -> None:

@@ -157,9 +157,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             device = layout.slots[0].param.device
             size = (layout.padded_row // 8,)
             return {"record": torch.full(size, 255, dtype=torch.uint8, device=device)}
-        if masks is None:
-            return {}
-        return {"mask": module_mask(layout, masks, self.comm.world_size)}
+        return {} if masks is None else {"mask": module_mask(layout, masks, self.comm.world_size)}
 
     def _install(self, model: nn.Module, settings: dict[str, Any]) -> None:
         """The state and the reduce-scatters, once every rank agreed on the model and the
@@ -173,11 +171,10 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         self._problems: list[Exception] = []  # what the reduce-scatters found, for step()
         self._failed = FailedCollectives()  # the collectives of this backward that failed
         self._grad_change_warned = False
-        self._fsdp_modules: list[nn.Module] = []
         members = {name: member for name, member, _ in fsdp_groups(model)}
-        for module in self._modules:
-            member = members[module.layout.name]  # its group's settings and reduce-scatter
-            self._fsdp_modules.append(member)
+        # each module's FSDP2 group: its settings and reduce-scatter
+        self._fsdp_modules = [members[module.layout.name] for module in self._modules]
+        for module, member in zip(self._modules, self._fsdp_modules, strict=True):
             reduce_scatter = OnebitReduceScatter(
                 module, self._comms, self._compresses, self._problems, self._failed
             )
@@ -508,7 +505,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         changed = False
         for module, (mask, record) in zip(self._modules, masks, strict=True):
             changed = changed or mask is not module.mask
-            module.set_mask(mask, record)
+            module.mask, module.record = mask, record
         if changed and not self._mesh.communicates:
             self._rule = self._rule_for(self._momentum_masks())
 

@@ -210,8 +210,7 @@ def model_problem(
             "all-reduce across the replicate dimension, the traffic 1-bit replaces); for HSDP "
             f"shard inside the node and pass the replicate dimension: {hsdp_form(name)}"
         )
-    groups = {ps[0][1].device_mesh for _, ps in found}
-    if len(groups) > 1:
+    if len({ps[0][1].device_mesh for _, ps in found}) > 1:
         return NotImplementedError, "FSDP2 modules on different meshes are not supported"
     taken = [
         fqn or ROOT
@@ -362,9 +361,7 @@ def _nodes(keys: list[list[int]]) -> tuple[list[int], str] | None:
     hosts, env = [k[0] for k in keys], [k[1] for k in keys]
     if len(set(hosts)) > 1:
         return hosts, "their hostnames"
-    if min(env) >= 0:
-        return env, "torchrun's GROUP_RANK or LOCAL_WORLD_SIZE"
-    return None
+    return (env, "torchrun's GROUP_RANK or LOCAL_WORLD_SIZE") if min(env) >= 0 else None
 
 
 def _check_nodes(
@@ -430,19 +427,16 @@ def check_partitions(
     mine[2 * size :] = torch.tensor(node_keys(dist.get_rank())).view(torch.uint8)
     gathered = ProcessGroup(world).all_gather(mine.to(device)).cpu()  # [size, 2 size + 16]
     rows = gathered[:, : 2 * size].bool().view(size, 2, size)
+    groups = []  # the shard groups, then the replicate groups: each once, sorted
     for kind, sets in (("shard", rows[:, 0]), ("replicate", rows[:, 1])):
+        held = [[ranks[i] for i in sets[r].nonzero().view(-1).tolist()] for r in range(size)]
         for r in range(size):
-            same = bool((sets[sets[r]] == sets[r]).all())
-            if not bool(sets[r, r]) or not same:
-                held = [ranks[i] for i in sets[r].nonzero().view(-1).tolist()]
+            if not bool(sets[r, r]) or not bool((sets[sets[r]] == sets[r]).all()):
                 raise ValueError(
                     f"{name}: the ranks' {kind} meshes do not partition {where} (rank "
-                    f"{ranks[r]}'s holds {held}): every rank must pass the dimensions of one 2-D "
-                    f"mesh: {hsdp_form(name)}"
+                    f"{ranks[r]}'s holds {held[r]}): every rank must pass the dimensions of one "
+                    f"2-D mesh: {hsdp_form(name)}"
                 )
-    groups = [
-        sorted({tuple(ranks[i] for i in sets[r].nonzero().view(-1).tolist()) for r in range(size)})
-        for sets in (rows[:, 0], rows[:, 1])
-    ]
+        groups.append([list(g) for g in sorted({tuple(h) for h in held})])
     keys = gathered[:, 2 * size :].contiguous().view(torch.int64).tolist()
-    _check_nodes(name, [list(g) for g in groups[0]], [list(g) for g in groups[1]], keys, ranks)
+    _check_nodes(name, *groups, keys, ranks)

@@ -188,9 +188,8 @@ class HsdpMesh(ShardMesh):
         return self.shard.all_gather(mine).view(-1, mine.numel()).sum(0)
 
     def _average(self, module: Any) -> None:
-        layout = module.layout
         mean = self.exchange.all_reduce(module.node_row(module.grad_shards()), "mean")
-        for slot in layout.slots:
+        for slot in module.layout.slots:
             local = local_shard(slot.param)
             values = mean[slot.offset : slot.offset + local.numel()].view(local.shape)
             if slot.param.grad is None:

@@ -104,10 +104,9 @@ def onebit_state_dict(fmt: StateFormat, state: Any, lr: float) -> dict[str, Any]
     """The state dict of :meth:`~fn.fsdp.ShardedOnebitOptimizer.state_dict` (its docstring
     lays it out), of the rule's ``state`` and the learning rate ``lr``."""
     slots = [slot for module in fmt.modules for slot in module.layout.slots]
-    count = int(state.count)
     out: dict[str, Any] = {
         "header": torch.tensor(
-            [_FORMAT, fmt.mesh.shape[0], count, *fmt.fingerprints, *fmt.mesh.header],
+            [_FORMAT, fmt.mesh.shape[0], int(state.count), *fmt.fingerprints, *fmt.mesh.header],
             dtype=torch.int64,
         ),  # fmt: skip
         "lr": torch.tensor(float(lr), dtype=torch.float64),
@@ -287,15 +286,13 @@ def restored(fmt: StateFormat, state_dict: Mapping[str, Any], state: Any, rule: 
             f"{_mesh(*fmt.mesh.shape)}: the error feedback restarts from zero (the momentum is "
             "kept)"
         )
-    extra = _loaded_fields(fmt, state_dict)
-    if auto is not None:
-        extra["auto"] = auto
     new = state._replace(
         count=torch.tensor(count, dtype=torch.int64),
         lr=torch.tensor(float(state_dict["lr"]), dtype=torch.float32),
         exp_avg=exp_avg,
         exp_avg_sq=exp_avg_sq,
-        **extra,
+        auto=auto,
+        **_loaded_fields(fmt, state_dict),
     )
     return Restored(new, momenta, masks, warning)
 

@@ -265,9 +265,7 @@ class QuantizedReduceScatter(SynchronousReduceScatter):
         ``self.errors`` and written back in place (never into buffers :meth:`state_dict`
         handed out), the count advanced; a non-finite reduction gives NaN and keeps both."""
         reset = self.err_beta is not None and int(self.count) % self.reset_T == 0
-        outs = list(self.errors)
-        if self._handed_out:
-            outs = [torch.empty_like(e) for e in outs]
+        outs = [torch.empty_like(e) for e in self.errors] if self._handed_out else list(self.errors)
         try:
             quantized_reduce_scatter_into(
                 output_tensor,
@@ -283,12 +281,11 @@ class QuantizedReduceScatter(SynchronousReduceScatter):
             )
         except NonFiniteError:  # every rank raises, before anything was written
             output_tensor.fill_(torch.nan)
-            return None
+            return
         if self.err_beta is not None:
             self.errors = tuple(outs)
             self._handed_out = False
         self.count += 1
-        return None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """``count``, the layout's ``numel`` and ``world_size``, and ``error.<hop>`` buffers."""

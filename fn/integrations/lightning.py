@@ -139,13 +139,12 @@ def _fn_optimizers(
     """
     found = []
     for index, optimizer in enumerate(trainer.optimizers):
-        if isinstance(optimizer, ShardedOnebitOptimizer):
-            found.append((index, optimizer))
-            continue
-        try:
-            found.append((index, unwrap_optimizer(optimizer)))
-        except TypeError:
-            continue
+        if not isinstance(optimizer, ShardedOnebitOptimizer):
+            try:
+                optimizer = unwrap_optimizer(optimizer)
+            except TypeError:
+                continue
+        found.append((index, optimizer))
     if not found:
         names = [type(o).__name__ for o in trainer.optimizers] or "no optimizer"
         raise TypeError(

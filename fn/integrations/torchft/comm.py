@@ -15,6 +15,7 @@ from torch.distributed.distributed_c10d import (
 )
 from torchft import Manager
 
+from fn import kernels
 from fn.collectives.comm import ByteCounter, check_chunked, check_op
 
 __all__ = ["ManagerComm"]
@@ -117,10 +118,8 @@ class ManagerComm(ByteCounter):
                 self.manager.wrap_future(work.get_future(), None).wait()
             except Exception as err:  # a failure to start: reported as the Manager does
                 self.manager.report_error(err)
-        if self.manager.errored() is not None:
-            # a fresh tensor: an abandoned collective may still write into ``out``
-            return torch.zeros_like(out)
-        return out
+        # after an error a fresh tensor: an abandoned collective may still write into ``out``
+        return out if self.manager.errored() is None else torch.zeros_like(out)
 
     def all_reduce(self, x: torch.Tensor, op: str = "mean") -> torch.Tensor:
         check_op(op)
@@ -158,7 +157,5 @@ class ManagerComm(ByteCounter):
     def reduce_scatter(self, x: torch.Tensor, op: str = "mean") -> torch.Tensor:
         check_op(op)
         pieces = self.all_to_all(x)  # row i: rank i's chunk for this rank (the same bytes)
-        total = torch.zeros_like(pieces[0])
-        for piece in pieces.unbind(0):  # in rank order, as fn.kernels.sum_ranks
-            total = total + piece
+        total = kernels.sum_ranks(pieces)
         return total / self.world_size if op == "mean" else total

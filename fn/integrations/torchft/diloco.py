@@ -232,8 +232,7 @@ class ElasticDiLoCo:
             compression=(compression, options),
             params=self._params,
         )
-        shards = self._shards()
-        self._anchor = [x.to(anchor_device or x.device, copy=True) for x in shards]
+        self._anchor = [x.to(anchor_device or x.device, copy=True) for x in self._shards()]
         self._position: tuple[int, int] | None = None  # (W, rank) of the quorum the state fits
         self._state = self._fresh_state(self._local_rule)
         self._recovered = False
@@ -386,16 +385,12 @@ class ElasticDiLoCo:
             return
         fresh = self._fresh_state(self._rule)
         old_leaves, old_spec = tree_flatten(self._state)
-        fresh_leaves, spec = tree_flatten(fresh)
-        if self._positional or old_spec != spec:
-            keep = [False] * len(fresh_leaves)
-        else:
-            keep = [not p for p in positional_leaves(fresh)]
+        restarts = self._positional or old_spec != tree_flatten(fresh)[1]  # nothing carries over
+        keep = [not (restarts or positional) for positional in positional_leaves(fresh)]
         carried = [old_leaves[i] if k else None for i, k in enumerate(keep)]
         self._state = _merged(self._shared_leaves(self._state), fresh, carried)
-        feedback = error_feedback_leaves(fresh)
         if self._position is not None and not all(
-            k for k, f in zip(keep, feedback, strict=True) if f
+            k for k, f in zip(keep, error_feedback_leaves(fresh), strict=True) if f
         ):
             logger.info(
                 "fn.integrations.torchft: the quorum changed (%d workers, rank %d -> %d "
@@ -476,10 +471,13 @@ class ElasticDiLoCo:
                 f"ElasticDiLoCo: the state from {where} has tensors of other shapes (another "
                 "model?); nothing was loaded"
             )
+        self._restore(anchor, _merged(shared, fresh), state["counts"])
+
+    def _restore(self, anchor: list[Any], outer_state: OptState, counts: Mapping[str, Any]) -> None:
+        """Sets the anchor, the outer state and the counters, once checked."""
         for a, saved in zip(self._anchor, anchor, strict=True):
             a.copy_(saved)
-        self._state = _merged(shared, fresh)
-        counts = state["counts"]
+        self._state = outer_state
         self.inner_steps = counts["inner_steps"]
         self.outer_steps = counts["outer_steps"]
         self.skipped_steps = counts["skipped_steps"]
@@ -547,9 +545,4 @@ class ElasticDiLoCo:
             settings=repr(self._settings),
             world_size=state["world_size"],
         )
-        for a, saved in zip(self._anchor, loaded.anchor, strict=True):
-            a.copy_(saved)
-        self._state = loaded.outer_state
-        self.inner_steps = loaded.counts["inner_steps"]
-        self.outer_steps = loaded.counts["outer_steps"]
-        self.skipped_steps = loaded.counts["skipped_steps"]
+        self._restore(loaded.anchor, loaded.outer_state, loaded.counts)

@@ -193,10 +193,6 @@ def _hand_masks(
 ) -> dict[nn.Parameter, torch.Tensor]:
     """``exp_avg_mask`` by param from ``mask_fn(name, param)`` over the trainable params (by
     their names in torchtitan's checkpoints, without activation checkpointing's wrapper)."""
-    masks = {}
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            mask = mask_fn(canonical_fqn(name), param)
-            if mask is not None:
-                masks[param] = mask
-    return masks
+    trainable = [(canonical_fqn(n), p) for n, p in model.named_parameters() if p.requires_grad]
+    masks = {param: mask_fn(name, param) for name, param in trainable}
+    return {param: mask for param, mask in masks.items() if mask is not None}
