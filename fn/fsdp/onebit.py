@@ -505,7 +505,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         changed = False
         for module, (mask, record) in zip(self._modules, masks, strict=True):
             changed = changed or mask is not module.mask
-            module.mask, module.record = mask, record
+            module.set_mask(mask, record)
         if changed and not self._mesh.communicates:
             self._rule = self._rule_for(self._momentum_masks())
 

@@ -63,9 +63,6 @@ class OnebitModule:
             micro-batches; with ``set_requires_gradient_sync(False)`` only the synchronized ones).
         local_gradient: the 1-D compressed phase's accumulated local gradient, ``[W, S']``, or
             ``None``.
-        mask: its ``exp_avg_mask`` as bits in the layout of ``X`` (1: kept), or ``None``.
-        record: ``exp_avg_mask="auto"``'s record of this rank's row until the freeze, or
-            ``None``.
 
     Example:
         >>> import torch.distributed as dist
@@ -100,7 +97,7 @@ class OnebitModule:
         self.accumulate_dtype = accumulate_dtype
         self._signs: PackedSigns | None = None  # the momentum, as its 1-bit exchange left it
         self._errors: tuple[torch.Tensor, torch.Tensor] | None = None  # worker, server
-        self.mask, self.record = mask, record
+        self._mask, self._record = mask, record
         self.backwards = 0
         self.local_gradient: torch.Tensor | None = None
         self._written: torch.Tensor | None = None  # bf16 accumulation: what .grad got, fp32
@@ -247,8 +244,8 @@ class OnebitModule:
             base = j * layout.padded_row
             for start, stop in layout.row_padding(first + j):
                 momentum[base + start : base + stop] = 0.0
-        if self.mask is not None:  # the rule's momentum: the allreduce's result times the mask
-            momentum.mul_(mask_values(self.mask, first * layout.padded_row, momentum.numel()))
+        if self._mask is not None:  # the rule's momentum: the allreduce's result times the mask
+            momentum.mul_(mask_values(self._mask, first * layout.padded_row, momentum.numel()))
         return momentum
 
     def exchange(
@@ -307,19 +304,33 @@ class OnebitModule:
 
     # ------------------------------------------------------------------------ the mask
 
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """Its ``exp_avg_mask`` as bits in the layout of ``X`` (1: kept), or ``None``."""
+        return self._mask
+
+    @property
+    def record(self) -> torch.Tensor | None:
+        """``exp_avg_mask="auto"``'s record of this rank's row until the freeze, or ``None``."""
+        return self._record
+
+    def set_mask(self, mask: torch.Tensor | None, record: torch.Tensor | None) -> None:
+        """Sets its mask and ``exp_avg_mask="auto"``'s record."""
+        self._mask, self._record = mask, record
+
     def shard_masks(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
         """This rank's values (0. or 1.) of its mask, shaped like its params' ``shards`` (by
         FQN); ``None`` for each without a mask."""
-        return shard_masks(self.layout, self.rank, shards, self.mask)
+        return shard_masks(self.layout, self.rank, shards, self._mask)
 
     def masked_row(self, row: torch.Tensor) -> torch.Tensor:
         """This rank's row of its momentum in the layout of ``X`` times its mask (``row`` itself
         without one): a 0/1 mask's product is exact, so the rule gets the values it would
         compute itself."""
-        if self.mask is None:
+        if self._mask is None:
             return row
         padded = self.layout.padded_row
-        return row * mask_values(self.mask, self.rank * padded, padded)
+        return row * mask_values(self._mask, self.rank * padded, padded)
 
     def observe_zeros(self, grads: dict[str, torch.Tensor | None]) -> torch.Tensor:
         """``exp_avg_mask="auto"``'s record after a warmup update whose mean gradient shards are
@@ -327,15 +338,15 @@ class OnebitModule:
         exactly 0 (``-|g| >= 0``, ``-0.0`` included, as ``fn.onebit_adam``'s record). Padding
         positions hold 0, so they stay 1; a param without a gradient keeps its bits (as a leaf
         without one keeps its record)."""
-        row = row_of(self.layout, grads, self.record.device)
-        return self.record & kernels.packbits(row.abs_().neg_())
+        row = row_of(self.layout, grads, self._record.device)
+        return self._record & kernels.packbits(row.abs_().neg_())
 
     def frozen_mask(self) -> torch.Tensor:
         """``exp_avg_mask="auto"``'s mask at the freeze, as bits in the layout of ``X`` (1:
         kept): the ranks' records all-gathered over the shard group (``n / (8 W)`` bytes per
         rank, once) and inverted, 1 where the mean gradient was non-zero at some warmup update,
         0 where it was exactly 0 at every one and at the padding positions."""
-        return self.mesh.shard.all_gather(self.record).view(-1).bitwise_not_()
+        return self.mesh.shard.all_gather(self._record).view(-1).bitwise_not_()
 
     def _device(self) -> torch.device:
         return self.layout.slots[0].param.device
