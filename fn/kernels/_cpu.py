@@ -136,7 +136,7 @@ def library() -> ctypes.CDLL | None:
                 _compile(compiler, Path(tmp) / path.name)
                 # Atomic: a concurrent process never loads a partly written library.
                 os.replace(Path(tmp) / path.name, path)
-        lib = _load(path)
+        return _load(path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         warnings.warn(
             f"fn.kernels: building the CPU kernels failed ({exc}); falling back to the "
@@ -145,7 +145,6 @@ def library() -> ctypes.CDLL | None:
             stacklevel=2,
         )
         return None
-    return lib
 
 
 @functools.lru_cache(maxsize=1)
@@ -171,11 +170,9 @@ def _run(
     ``torch.get_num_threads()`` threads."""
     chunk = max(align, _CHUNK // align * align)
     count = -(-n // chunk)
-    job = _JobStruct(_KERNELS.index(kernel), n, chunk, count, 0, count)
+    job = _JobStruct(_KERNELS.index(kernel), n, chunk, count, 0, count, scale=scale, scale2=scale2)
     job.p[: len(pointers)] = pointers
     job.i[: len(ints)] = ints
-    job.scale = scale
-    job.scale2 = scale2
     ref = ctypes.byref(job)  # keeps the job alive for helpers that start late
     for _ in range(min(torch.get_num_threads(), count) - 1):
         _pool().submit(lib.fn_work, ref)
@@ -359,28 +356,19 @@ def _feedback(
     (the momentum with ``grad``), the sign sum of ``signs`` and ``weights``, or with
     :data:`_FEEDBACK_SIGNED_MOMENTUM` the momentum of ``grad`` and the previous momentum
     given as ``signs`` rows scaled by ``weights``."""
-    keep: tuple[torch.Tensor, ...] = (error,)
     f = _FeedbackStruct(mode=mode, e=error.data_ptr(), e_bf16=error.dtype == torch.bfloat16)
     if mode in (_FEEDBACK_SIGN_SUM, _FEEDBACK_SIGNED_MOMENTUM):
-        f.signs, f.weights, f.ranks, f.row_bytes = (
-            signs.data_ptr(),
-            weights.data_ptr(),
-            signs.shape[0],
-            signs.shape[1],
-        )
-        keep += (signs, weights)
+        f.signs, f.weights = signs.data_ptr(), weights.data_ptr()
+        f.ranks, f.row_bytes = signs.shape
     if mode != _FEEDBACK_SIGN_SUM:
         f.n = grad.numel() if x is None else x.numel()
-        if x is not None:
-            f.x = x.data_ptr()
-            keep += (x,)
+        f.x = _address(x)
         if grad is not None:
             if mode == _FEEDBACK_X:
                 f.mode = _FEEDBACK_MOMENTUM
             f.g = grad.data_ptr()
             f.beta, f.one_minus_beta = beta, 1 - beta
-            keep += (grad,)
-    return f, keep
+    return f, tuple(t for t in (error, x, grad, signs, weights) if t is not None)
 
 
 def _feedback_signs(lib: ctypes.CDLL, f: _FeedbackStruct, alive: tuple, length: int):
@@ -445,21 +433,25 @@ def feedback_apply_error(lib, x, error, scale, out, grad=None, beta=0.0, signs=N
     return None if source is None else _feedback_error(lib, *source, error, scale, out)
 
 
+def _sign_sum_source(signs, weights, error, out=None):
+    """:func:`_feedback` of the sign sum of ``signs`` and ``weights``, or ``None`` for inputs
+    the C kernels do not take (with the error written into ``out``, when given)."""
+    buffers = _error_buffer(error) and (out is None or _error_buffer(out))
+    if not _plain_fp32(weights) or not buffers or not signs.is_contiguous():
+        return None
+    return _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
+
+
 @_with_library
 def sign_sum_compress(lib, signs, weights, error):
-    if not _plain_fp32(weights) or not _error_buffer(error) or not signs.is_contiguous():
-        return None
-    source = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
-    return _feedback_signs(lib, *source, error.numel())
+    source = _sign_sum_source(signs, weights, error)
+    return None if source is None else _feedback_signs(lib, *source, error.numel())
 
 
 @_with_library
 def sign_sum_apply_error(lib, signs, weights, error, scale, out):
-    buffers = _error_buffer(error) and _error_buffer(out)
-    if not _plain_fp32(weights) or not buffers or not signs.is_contiguous():
-        return None
-    source = _feedback(_FEEDBACK_SIGN_SUM, error, signs=signs, weights=weights)
-    return _feedback_error(lib, *source, error, scale, out)
+    source = _sign_sum_source(signs, weights, error, out)
+    return None if source is None else _feedback_error(lib, *source, error, scale, out)
 
 
 @_with_library
@@ -493,7 +485,6 @@ def _adam_kernel(lib, m, v, p, eta, out, eps, bound, weight_decay, *, add: bool,
     to it; with ``signs`` (``add`` only), ``m`` (unless ``None``) is written from them as it is
     used (:func:`adam_apply`)."""
     constants = torch.tensor([eps, 0.0 if bound is None else bound, weight_decay])
-    decayed = _address(p)
     flags = int(bound is not None) | (2 if add else 0)  # 2: add the direction to out
     momentum = _address(m)
     if signs is not None:
@@ -503,7 +494,7 @@ def _adam_kernel(lib, m, v, p, eta, out, eps, bound, weight_decay, *, add: bool,
             packed.data_ptr(), scales.data_ptr(), packed.shape[1] * 8, *written
         )
         momentum, flags = ctypes.addressof(signed), flags | 4  # 4: m from the signs
-    pointers = (momentum, v.data_ptr(), decayed, constants.data_ptr(), out.data_ptr())
+    pointers = (momentum, v.data_ptr(), _address(p), constants.data_ptr(), out.data_ptr())
     _run(lib, "adam_direction", out.numel(), 16, pointers, (flags,), -float(eta))
 
 

@@ -753,11 +753,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torc
         >>> K.dequantize(q, scales, bits=8, n=4).tolist()
         [1.0, -2.0, 3.96875, 0.5]
     """
-    _check_1d(q, "q")
-    _check_1d(scales, "scales")
-    _reference.check_bits(bits)
-    values = q.shape[0] * 8 // bits
-    groups = scales.shape[0]
+    values, groups = _code_counts(q, scales, bits)
     if n < 0 or n > values or (groups and values % groups) or (not groups and values):
         raise ValueError(f"{q.shape[0]} bytes / {groups} scales do not fit {bits}-bit n={n}")
 
@@ -876,11 +872,16 @@ def loco_quantize(
     return q, scales
 
 
-def _check_codes(q: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[int, int]:
+def _code_counts(q: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[int, int]:
+    """The values that ``bits``-bit codes ``q`` hold and the groups of ``scales`` (both 1-D)."""
     _check_1d(q, "q")
     _check_1d(scales, "scales")
     _reference.check_bits(bits)
-    values, groups = q.shape[0] * 8 // bits, scales.shape[0]
+    return q.shape[0] * 8 // bits, scales.shape[0]
+
+
+def _check_codes(q: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[int, int]:
+    values, groups = _code_counts(q, scales, bits)
     if not groups or values % groups or (values // groups) % 2:
         raise ValueError(f"{q.shape[0]} bytes / {groups} scales are not whole {bits}-bit groups")
     return values, values // groups

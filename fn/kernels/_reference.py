@@ -132,8 +132,7 @@ def feedback_sign_compress(
     signs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """With ``grad``, rounded as ``fn.transforms._leafwise.moving_average``."""
-    v = _feedback_input(x, error.numel(), grad, beta, signs) + error.float()
-    return packbits(v), rms_from_block_sums(block_sumsq(v), v.numel()).to(v.device)
+    return sign_compress(_feedback_input(x, error.numel(), grad, beta, signs) + error.float())[:2]
 
 
 def feedback_apply_error(
@@ -190,8 +189,7 @@ def sign_sum(signs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 def sign_sum_compress(
     signs: torch.Tensor, weights: torch.Tensor, error: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    v = sign_sum(signs, weights) + error.float()
-    return packbits(v), rms_from_block_sums(block_sumsq(v), v.numel()).to(v.device)
+    return sign_compress(sign_sum(signs, weights) + error.float())[:2]
 
 
 def sign_sum_apply_error(
@@ -252,10 +250,7 @@ def adam_apply(
     if signs is not None:
         values = torch.empty(params.numel(), dtype=torch.float32, device=params.device)
         unpack_scaled(*signs, values)
-        if m is None:
-            m = values.view(params.shape)
-        else:
-            m.copy_(values.view(m.shape))
+        m = values.view(params.shape) if m is None else m.copy_(values.view(m.shape))
     decayed = params if weight_decay else None
     update = torch.empty_like(params) if root is None else root
     adam_direction(m, v, decayed, eta, update, eps, bound, weight_decay)

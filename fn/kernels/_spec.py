@@ -147,7 +147,7 @@ class Op:
             f"fn::{self.name}", self._run, mutates_args=mutates, schema=signature
         )
         self.argument_names = [a.name for a in self.custom_op._opoverload._schema.arguments]
-        self.custom_op.register_fake(fake or _returns_nothing)
+        self.custom_op.register_fake(fake or (lambda *args: None))
         if vmap == ELEMENTWISE:
             self.custom_op.register_vmap(lambda info, in_dims, *args: (self(*args), in_dims[0]))
         elif mutates:
@@ -171,10 +171,6 @@ class Op:
                 "to produce compressed garbage"
             )
         return result
-
-
-def _returns_nothing(*args: Any) -> None:
-    return None
 
 
 def declare(
@@ -213,9 +209,7 @@ def declare(
             if len(args) > len(positional) or any(n in kwargs for n in positional[: len(args)]):
                 signature.bind(*args, **kwargs)  # raises the TypeError of the bad call
             values = {**defaults, **dict(zip(positional, args, strict=False)), **kwargs}
-            changes = check(**values)  # a missing or unknown argument raises here
-            if changes:
-                values.update(changes)
+            values.update(check(**values) or {})  # a missing or unknown argument raises here
             result = op(*(values[name] for name in op.argument_names))
             return result if returns is None else values[returns]
 
@@ -232,7 +226,7 @@ def _per_row(op: Op) -> Callable[..., Any]:
         def row(b: int | None) -> list[Any]:
             if b is None:  # a zero-filled row, for the output shapes of an empty batch
                 return [
-                    a if d is None else a.new_zeros(_row_shape(a, d))
+                    a if d is None else a.new_zeros(a.shape[:d] + a.shape[d + 1 :])
                     for a, d in zip(args, in_dims, strict=True)
                 ]
             return [a if d is None else a.select(d, b) for a, d in zip(args, in_dims, strict=True)]
@@ -260,7 +254,3 @@ def _per_row_into(op: Op, out_index: int) -> Callable[..., Any]:
         return None, None
 
     return rule
-
-
-def _row_shape(a: torch.Tensor, d: int) -> tuple[int, ...]:
-    return tuple(s for i, s in enumerate(a.shape) if i != d)

@@ -99,10 +99,6 @@ def register_kernels(
     return previous
 
 
-def _available() -> list[str]:
-    return [name for name, record in _TABLE.items() if record.is_available()]
-
-
 def _lookup(name: str, source: str) -> Accelerator:
     record = _TABLE.get(name)
     if record is None:
@@ -110,7 +106,7 @@ def _lookup(name: str, source: str) -> Accelerator:
     if not record.is_available():
         raise ValueError(
             f"{source}: accelerator {name!r} is not available here; valid values on this "
-            f"machine: {_available()}"
+            f"machine: {[n for n, r in _TABLE.items() if r.is_available()]}"
         )
     return record
 

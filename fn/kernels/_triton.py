@@ -76,11 +76,6 @@ def _import_kernels() -> ModuleType | None:
         return None
 
 
-def _kernels() -> ModuleType | None:
-    """The kernel module, or ``None`` (the reference runs) when Triton is missing or failed."""
-    return None if _FAILURES else _import_kernels()
-
-
 def _device_guard(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     if device.type == "cpu":  # the interpreter
         return contextlib.nullcontext()
@@ -124,15 +119,11 @@ def _has_fp64(device: torch.device) -> bool:
 
 # A Triton host function gets the kernel module; the reference runs without it (Triton missing
 # or failed) or when the function returns None (an input it does not take, or a failed launch).
-_with_triton = implementation(_kernels)
+_with_triton = implementation(lambda: None if _FAILURES else _import_kernels())
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 @_with_triton
@@ -221,9 +212,7 @@ def sign_compress(k: ModuleType, m, error=None):
     if signs is None:
         return None
     packed, scale = signs
-    new_error = None
-    if error is not None:
-        new_error = v - torch.where(v >= 0, scale, -scale)
+    new_error = None if error is None else v - torch.where(v >= 0, scale, -scale)
     return packed, scale, new_error
 
 
@@ -310,7 +299,7 @@ def quantize(k: ModuleType, x, bits, group_size):
     q = torch.empty(groups * group_size * bits // 8, dtype=torch.uint8, device=x.device)
     scales = torch.empty(groups, dtype=torch.float32, device=x.device)
     tile = _per_program(_TILE, x.device)
-    chunk = min(_next_power_of_2(group_size), tile)
+    chunk = min(1 << (group_size - 1).bit_length(), tile)  # a power of 2
     rows = tile // chunk
     if groups and not _launch(
         k.quantize_kernel,

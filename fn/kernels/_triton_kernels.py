@@ -25,9 +25,8 @@ _FRAC = tl.constexpr(0xFFFFFFFFFFFFF)  # the 52 fraction bits of an fp64
 _ONE = tl.constexpr(0x10000000000000)  # the implicit leading bit, 2^52
 _NAN = tl.constexpr(0x7FF8000000000000)
 _INF = tl.constexpr(0x7FF0000000000000)
-_ROUND_MAGIC = tl.constexpr(
-    12582912.0
-)  # 1.5 * 2^23: (y + M) - M rounds |y| < 2^22 half to even in fp32
+# 1.5 * 2^23: (y + M) - M rounds |y| < 2^22 half to even in fp32
+_ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit

@@ -117,7 +117,8 @@ def compressed_optimizer(
 
     def init_fn(params: Params) -> Any:
         count = torch.zeros((), dtype=torch.int64)
-        return state_type(count=count, lr=_initial_lr(lr), **init_fields(params))
+        eta = torch.as_tensor(lr(count) if callable(lr) else float(lr), dtype=torch.float32)
+        return state_type(count=count, lr=eta, **init_fields(params))
 
     def phase_step(compressed: bool):
         phase = "compressed" if compressed else warmup_phase
@@ -132,10 +133,8 @@ def compressed_optimizer(
             donated = donated_state(_same_forms(donate, state), state)
             if compressed and donated is not None:
                 check_warmed_up(name, state.count)  # before any donated buffer is written
-                given = {"donated": donated, "apply": True} if apply else {"donated": donated}
-                updates, new_state = update(grads, state, params, plan, eta, **given, **passed)
-            else:
-                updates, new_state = update(grads, state, params, plan, eta, **passed)
+                passed |= {"donated": donated, "apply": True} if apply else {"donated": donated}
+            updates, new_state = update(grads, state, params, plan, eta, **passed)
             if compressed:  # after the update's own checks (of the gradients); nothing is kept
                 check_warmed_up(name, state.count)
                 freezes = bool(getattr(plan, "freezes", False))
@@ -147,6 +146,19 @@ def compressed_optimizer(
         return step_fn
 
     warmup_step, compressed_step = phase_step(False), phase_step(True)
+
+    def fast_step(grads, state, params, *, donate, step=None, plan=None, **extra):
+        # with fused_apply: the phase's update with apply=True, then apply_updates of the leaves
+        # it did not apply
+        del extra
+        if check_step_or_plan(step, plan) is not None:
+            compressed = is_compressed(step, state)
+        else:  # a wrong plan: the compressed step's check raises
+            compressed = not isinstance(plan, plan_type) or plan.compressed
+        phase_fn = compressed_step if compressed else warmup_step
+        updates, new_state = phase_fn(grads, state, params, step, plan, donate, apply=True)
+        return apply_updates(params, updates, donate=True), new_state
+
     opt = CompressedOptimizer(
         init_fn,
         _update_fn(warmup_step, keywords),
@@ -156,11 +168,7 @@ def compressed_optimizer(
         first_compressed=first_compressed,
         reads_state=True,
     )
-    if not fused_apply:
-        return opt
-    return opt._replace(
-        fast_step=_fast_step(is_compressed, plan_type, warmup_step, compressed_step)
-    )
+    return opt._replace(fast_step=fast_step) if fused_apply else opt
 
 
 def _update_fn(step_fn: Callable[..., tuple[Updates, Any]], keywords: tuple[str, ...]) -> Any:
@@ -211,25 +219,6 @@ def _announce_compressed(
         return  # not a switch from the warmup (rare, so the scan below is too)
     if freezes or next(t for t in range(1, made + 2) if is_compressed(t)) == made + 1:
         logger.info("%s: compressed updates start at update %d", name, made + 1)
-
-
-def _fast_step(
-    is_compressed: Callable[[int], bool], plan_type: type, warmup_step: Any, compressed_step: Any
-) -> Any:
-    """The ``fast_step`` of :func:`compressed_optimizer` with ``fused_apply``: the update of
-    the phase with ``apply=True``, then ``apply_updates`` of the leaves it did not apply."""
-
-    def fast_step(grads, state, params, *, donate, step=None, plan=None, **extra):
-        del extra
-        if check_step_or_plan(step, plan) is not None:
-            compressed = is_compressed(step, state)
-        else:  # a wrong plan: the compressed step's check raises
-            compressed = not isinstance(plan, plan_type) or plan.compressed
-        phase_fn = compressed_step if compressed else warmup_step
-        updates, new_state = phase_fn(grads, state, params, step, plan, donate, apply=True)
-        return apply_updates(params, updates, donate=True), new_state
-
-    return fast_step
 
 
 class LeafInputs(NamedTuple):
@@ -507,13 +496,6 @@ def compressed_mean(
     return x, worker_error, server_error
 
 
-def _initial_lr(lr: LearningRate) -> torch.Tensor:
-    """The ``lr`` state field at init: a 0-dim fp32 tensor (a schedule is read at count 0)."""
-    if callable(lr):
-        return torch.as_tensor(lr(torch.zeros((), dtype=torch.int64)), dtype=torch.float32)
-    return torch.tensor(float(lr), dtype=torch.float32)
-
-
 def _resolve_plan(
     step: int | None,
     plan: Any,
@@ -573,7 +555,7 @@ def host_count(count: torch.Tensor) -> int | None:
     """The update count as a Python int where it can be read without tracing or a device sync:
     eager, on the CPU (where ``init`` puts it); under ``Simulated`` (vmap) the largest over the
     ranks. ``None`` under ``torch.compile``, other functorch transforms or on an accelerator."""
-    value = _host_tensor(count)
+    value = host_tensor(count)
     if value is None or value.device.type != "cpu" or value.numel() == 0:
         return None
     return int(value.max())
@@ -633,7 +615,7 @@ def report_frozen_variance(
         total += v.numel()
     if total == 0:
         return
-    zero, below = _host_tensor(zero), _host_tensor(below)
+    zero, below = host_tensor(zero), host_tensor(below)
     if zero is None or below is None:
         return
     zero, below = int(zero.max()), int(below.max())
@@ -656,7 +638,7 @@ def report_frozen_variance(
         logger.info(message)
 
 
-def _host_tensor(x: torch.Tensor) -> torch.Tensor | None:
+def host_tensor(x: torch.Tensor) -> torch.Tensor | None:
     """``x`` as a plain tensor, unwrapped from every vmap level (``Simulated``): one entry per
     rank; ``None`` under ``torch.compile`` or another functorch transform (e.g. ``grad``)."""
     if torch.compiler.is_compiling():

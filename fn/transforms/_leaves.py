@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from fn.base import EmptyState, GradientTransformation, donating
 from fn.errors import check_shapes
 from fn.tree import PyTree, live_leaves, tree_leaves
 
@@ -25,20 +26,31 @@ def matching(name: str, missing: str) -> Callable[..., None]:
     return check
 
 
-def map_with_params(
+def with_params(
     name: str,
     f: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    updates: PyTree,
-    params: PyTree | None,
-) -> PyTree:
-    """``f(u, p)`` leafwise for a stateless transform that reads the params; a ``None`` update
-    stays ``None``. Raises ``ValueError`` without ``params``, for a ``None`` param under an
-    update, or for an update whose shape differs from its param's."""
-    if params is None:
-        raise ValueError(f"{name}: update() needs params")
-    check = matching(name, "a param is None where its update is not")
-    walk = live_leaves(updates, params, check=check)
-    return walk.rebuild([f(u, p) for u, p in zip(walk.at_live(0), walk.at_live(1), strict=True)])
+    in_place: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> GradientTransformation:
+    """A stateless transform whose update is ``f(u, p)`` leafwise (``in_place(u, p)`` when the
+    updates are donated); a ``None`` update stays ``None``. The update raises ``ValueError``
+    without ``params``, for a ``None`` param under an update, or for an update whose shape
+    differs from its param's."""
+
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, *, donate=None, **extra):
+        del extra
+        leaf = in_place if donating(donate) else f
+        if params is None:
+            raise ValueError(f"{name}: update() needs params")
+        check = matching(name, "a param is None where its update is not")
+        walk = live_leaves(updates, params, check=check)
+        pairs = zip(walk.at_live(0), walk.at_live(1), strict=True)
+        return walk.rebuild([leaf(u, p) for u, p in pairs]), state
+
+    return GradientTransformation(init_fn, update_fn)
 
 
 def device_of(params: PyTree) -> torch.device:

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fn.errors import check_int
+from fn.transforms._leafwise import host_tensor
 
 
 class OnebitAdamPlan(NamedTuple):
@@ -205,8 +206,7 @@ class AutoFreezeSchedule(NamedTuple):
 
     def is_compressed(self, t: int, state: Any = None) -> bool:
         """True if update ``t`` uses the compressed rule, by the decision in ``state``."""
-        freeze_at = self.freeze_at(state)
-        return 0 < freeze_at <= t
+        return 0 < self.freeze_at(state) <= t
 
     def first_compressed_step(self, state: Any = None) -> int:
         """The first compressed update: decided in ``state``, or, while undecided or without a
@@ -234,11 +234,8 @@ def read_freeze_at(freeze_at: torch.Tensor) -> int:
             transform).
         RuntimeError: the ranks' values differ (they are computed alike on every rank).
     """
-    x = freeze_at
-    if not torch.compiler.is_compiling():
-        while torch._C._functorch.is_batchedtensor(x):
-            x = torch._C._functorch.get_unwrapped(x)
-    if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(x):
+    x = host_tensor(freeze_at)
+    if x is None:
         raise TypeError(
             'freeze_step="auto": the decided first compressed update cannot be read on the '
             "host here (torch.compile or a functorch transform); pass plan=opt.plan(t, state) "

@@ -16,6 +16,7 @@ from then on the momentum is kept as the 1-bit allreduce returned it, a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -113,13 +114,10 @@ def momentum_of(state: Any, exp_avg_mask: PyTree | None = None) -> PyTree:
     exp_avg_mask = masks_of(exp_avg_mask, state)
     if isinstance(state.exp_avg, PackedSigns) and hasattr(state, "scaling_coeff"):  # fused
         walk = live_leaves(state.exp_avg_sq, state.scaling_coeff, exp_avg_mask)
-        total = sum(v.numel() for v in walk.at_live(0))
-        flat, offset, momenta = state.exp_avg.values(total), 0, []
-        for v, scaling, mask in zip(*(walk.at_live(k) for k in range(3)), strict=True):
-            piece = flat[offset : offset + v.numel()].view_as(v)
-            momenta.append(fused_momentum(piece, scaling, mask))
-            offset += v.numel()
-        return walk.rebuild(momenta)
+        sizes = [v.numel() for v in walk.at_live(0)]
+        pieces = state.exp_avg.values(sum(sizes)).split(sizes)
+        columns = zip(pieces, *(walk.at_live(k) for k in range(3)), strict=True)
+        return walk.rebuild([fused_momentum(x.view_as(v), s, mask) for x, v, s, mask in columns])
     walk = live_leaves(state.exp_avg_sq, state.exp_avg, exp_avg_mask)
     columns = zip(*(walk.at_live(k) for k in range(3)), strict=True)
     momenta = [momentum(m, v, mask) for v, m, mask in columns]
@@ -162,15 +160,8 @@ def checked_state(name: str, h: OnebitSettings, state: Any) -> Any:
     if fused:
         errors = _checked_errors(name, h, state.worker_error, state.server_error, total)
         return state._replace(worker_error=errors[0], server_error=errors[1])
-    errors = live_leaves(state.exp_avg_sq, state.worker_error, state.server_error)
-    pairs = [
-        _checked_errors(name, h, ew, es, v.numel())
-        for v, ew, es in zip(*(errors.at_live(k) for k in range(3)), strict=True)
-    ]
-    return state._replace(
-        worker_error=errors.rebuild([p[0] for p in pairs], fill=1),
-        server_error=errors.rebuild([p[1] for p in pairs], fill=2),
-    )
+    errors = _per_leaf_errors(state, lambda v, ew, es: _checked_errors(name, h, ew, es, v.numel()))
+    return state._replace(**errors)
 
 
 def full_state(
@@ -201,16 +192,24 @@ def full_state(
         errors = h.zero_errors(total, variances[0].device if variances else None)
         fields.update(worker_error=errors[0], server_error=errors[1])
     elif state.worker_error is not None and not isinstance(state.worker_error, torch.Tensor):
-        pairs = live_leaves(state.exp_avg_sq, state.worker_error, state.server_error)
-        allocated = [
-            h.zero_errors(v.numel(), v.device) if ew is None and not skip else (ew, es)
-            for v, ew, es, skip in zip(*(pairs.at_live(k) for k in range(3)), skipped, strict=True)
-        ]
-        fields.update(
-            worker_error=pairs.rebuild([p[0] for p in allocated], fill=1),
-            server_error=pairs.rebuild([p[1] for p in allocated], fill=2),
-        )
+
+        def allocated(v, ew, es, skip):
+            return h.zero_errors(v.numel(), v.device) if ew is None and not skip else (ew, es)
+
+        fields.update(_per_leaf_errors(state, allocated, skipped))
     return state._replace(**fields)
+
+
+def _per_leaf_errors(state: Any, pair_of: Callable[..., tuple], *columns: list) -> dict[str, Any]:
+    """The error fields of ``state``, kept per leaf: ``pair_of(v, worker, server, *column_j)``
+    at each leaf ``j`` with a variance ``v`` (``columns``: one entry per such leaf)."""
+    walk = live_leaves(state.exp_avg_sq, state.worker_error, state.server_error)
+    leaves = zip(*(walk.at_live(k) for k in range(3)), *columns, strict=True)
+    pairs = [pair_of(*leaf) for leaf in leaves]
+    return {
+        "worker_error": walk.rebuild([pair[0] for pair in pairs], fill=1),
+        "server_error": walk.rebuild([pair[1] for pair in pairs], fill=2),
+    }
 
 
 def _check_like(name: str, field: str, x: Any, like: torch.Tensor) -> None:
@@ -242,9 +241,7 @@ def _checked_errors(
     """A leaf's error pair in ``h.error_dtype``, checked to be ``None`` or of its shapes."""
     if worker is None and server is None:
         return None, None
-    want = collectives.init_error_feedback(
-        numel, comm=h.comm, local_world_size=h.local_world_size, device="meta"
-    )
+    want = h.zero_errors(numel, "meta")  # their shapes
     for field, x, like in (("worker_error", worker, want[0]), ("server_error", server, want[1])):
         if not isinstance(x, torch.Tensor) or x.shape != like.shape or not x.is_floating_point():
             got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else "None"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Literal, NamedTuple, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 
@@ -284,10 +284,7 @@ def _fused_step(name, lr, cannot_run, moments_step, updates, state, params, dona
     :func:`_fused_apply`) run on the live leaves at the state's learning rate, or ``None`` where
     it cannot run (``cannot_run(reason)`` is raised instead where given)."""
     moments_state, lr_state = state
-    reason = foreach_blocker(lr_state.count, lr_state.lr)
-    if reason is not None:
-        if cannot_run is not None:
-            raise cannot_run(reason)
+    if _blocked(foreach_blocker(lr_state.count, lr_state.lr), cannot_run):
         return None
     current = learning_rate_now(lr, lr_state.count, lr_state.lr)
     donated = split_donated(name, donated_state(donate, state), 2)[0]
@@ -327,15 +324,20 @@ def _fused_blocker(operands, count, lr):
     return None
 
 
+def _blocked(reason: str | None, cannot_run: Any) -> bool:
+    """Whether the fused step stops for ``reason`` (``None``: it runs); where it is required
+    (``cannot_run`` given), ``cannot_run(reason)`` is raised instead."""
+    if reason is not None and cannot_run is not None:
+        raise cannot_run(reason)
+    return reason is not None
+
+
 def _fused_kernel(hyper, lr, cannot_run, operands, count):
     """``run(ps, gs, ms, vs)``: one ``torch._fused_adam_`` call (``torch._fused_adamw_`` with
     decay) at step ``count`` updating ``ps``, ``ms`` and ``vs`` in place, or ``None`` where
     the kernel cannot run on ``operands`` (:func:`_fused_blocker`; ``cannot_run(reason)`` is
     raised instead where given)."""
-    reason = _fused_blocker(operands, count, lr)
-    if reason is not None:
-        if cannot_run is not None:
-            raise cannot_run(reason)
+    if _blocked(_fused_blocker(operands, count, lr), cannot_run):
         return None
     b1, b2, eps, weight_decay = hyper
     kernel = torch._fused_adam_ if weight_decay == 0.0 else torch._fused_adamw_

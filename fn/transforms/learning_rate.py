@@ -96,14 +96,13 @@ def scale_by_learning_rate(
         >>> updates, state.lr
         ({'w': tensor([-0.0250])}, tensor(0.0250))
     """
-    schedule = lr if callable(lr) else None
     check_lr("scale_by_learning_rate", lr)
     check_nonnegative("scale_by_learning_rate", decoupled_weight_decay=decoupled_weight_decay)
 
     def init_fn(params):
         device = device_of(params)
         count = torch.zeros((), dtype=torch.int64, device=device)
-        first = schedule(count) if schedule is not None else lr
+        first = lr(count) if callable(lr) else lr
         return ScaleByLearningRateState(
             count, torch.as_tensor(first, dtype=torch.float32, device=device).clone()
         )

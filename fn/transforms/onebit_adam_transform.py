@@ -311,7 +311,7 @@ def _onebit_adam(
         name,
         lr,
         OnebitAdamState,
-        partial(_init_fields, settings, auto),
+        partial(_init_fields, auto),
         update,
         schedule.is_compressed,
         schedule.onebit_adam_plan,
@@ -396,10 +396,9 @@ def _rule(h: leafwise.OnebitSettings, g, leaf, p, mask, dense, *, compressed, et
     return u.mul_(-eta), _Leaf(kept, v, ew, es)
 
 
-def _init_fields(h: leafwise.OnebitSettings, auto: Any, params: PyTree) -> dict[str, Any]:
+def _init_fields(auto: Any, params: PyTree) -> dict[str, Any]:
     """The fields of the initial state after ``count`` and ``lr``: Adam's (the errors come
     with the first compressed update) and what the warmup decides from (``auto``)."""
-    del h
     return dict(
         exp_avg=tree_zeros_like(params, torch.float32),
         exp_avg_sq=tree_zeros_like(params, torch.float32),

@@ -59,13 +59,10 @@ def onebit_adam_step(
             )  # fmt: skip
         exchanges.append(exchange)
         pure.append(rule(x.g, x.leaf, *x.inputs) if exchange is None else None)
-    results = []
-    for x, exchange, result in zip(leaves.with_grad, exchanges, pure, strict=True):
-        if exchange is None:
-            results.append(result)
-        else:
-            results.append(_write_onebit_adam_leaf(h, exchange, x, eta, apply))
-    return results
+    return [
+        result if exchange is None else _write_onebit_adam_leaf(h, exchange, x, eta, apply)
+        for x, exchange, result in zip(leaves.with_grad, exchanges, pure, strict=True)
+    ]
 
 
 def _write_onebit_adam_leaf(
@@ -78,11 +75,7 @@ def _write_onebit_adam_leaf(
     as a tensor (into the gradient's buffer)."""
     _, v, _, _ = x.leaf
     p, mask, _ = x.inputs
-    spare = x.spare
-    ew, es = exchange.worker_error, exchange.server_error
-    ew_new, es_new = write_errors(
-        exchange, fitting(spare.worker_error, ew), fitting(spare.server_error, es)
-    )
+    ew_new, es_new = _new_errors(exchange, x.spare)
     kept = PackedSigns(exchange.packed, exchange.scales)
     new_leaf = type(x.leaf)(kept, v, ew_new, es_new)
     # update_and_apply has checked that autograd records no param
@@ -125,12 +118,12 @@ def zero_one_adam_step(
         fast.append(exchange is not None or local)
         exchanges.append(exchange)
         pure.append(None if fast[-1] else rule(x.g, x.leaf, *x.inputs))
-    results = []
-    for x, is_fast, exchange, result in zip(leaves.with_grad, fast, exchanges, pure, strict=True):
-        if is_fast:
-            result = _write_zero_one_adam_leaf(h, exchange, x, frozen, eta)
-        results.append(result)
-    return results
+    return [
+        _write_zero_one_adam_leaf(h, exchange, x, frozen, eta) if is_fast else result
+        for x, is_fast, exchange, result in zip(
+            leaves.with_grad, fast, exchanges, pure, strict=True
+        )
+    ]
 
 
 def _write_zero_one_adam_leaf(
@@ -147,15 +140,13 @@ def _write_zero_one_adam_leaf(
     p, mask = x.inputs
     mean = x.g
     if exchange is not None:
-        spare = x.spare
-        ew, es = exchange.worker_error, exchange.server_error
-        ew, es = write_errors(
-            exchange, fitting(spare.worker_error, ew), fitting(spare.server_error, es)
-        )
+        ew, es = _new_errors(exchange, x.spare)
         mean = write_result(exchange, x.g)
         if mask is not None:
             mean = masked(mean, mask)
-    m_new = moving_average_into(x.spare.exp_avg, m, h.b1, mean)
+    # moving_average's rounding, into the donated buffer; the mean's buffer is scratch
+    mean.mul_(1 - h.b1)
+    m_new = torch.mul(m, h.b1, out=x.spare.exp_avg).add_(mean)
     update = adam_update_into(
         x.g, m_new, v, p, eta, eps=h.eps, bound=h.clip, weight_decay=h.weight_decay
     )
@@ -166,14 +157,13 @@ def _write_zero_one_adam_leaf(
     return update, type(x.leaf)(m_new, v, a_new, ew, es)
 
 
-def moving_average_into(
-    out: torch.Tensor, x: torch.Tensor, beta: float, y: torch.Tensor
-) -> torch.Tensor:
-    """:func:`moving_average` (``beta * x + (1 - beta) * y``, the same rounding) written into
-    ``out`` (which may be ``x``), with ``y``'s buffer as scratch: ``y`` is overwritten by
-    ``(1 - beta) * y``. No temporary."""
-    y.mul_(1 - beta)
-    return torch.mul(x, beta, out=out).add_(y)
+def _new_errors(
+    exchange: CompressedExchange, spare: Any
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The new errors of ``exchange``, written into the error buffers of the donated leaf
+    ``spare`` where they fit."""
+    ew, es = exchange.worker_error, exchange.server_error
+    return write_errors(exchange, fitting(spare.worker_error, ew), fitting(spare.server_error, es))
 
 
 def adam_update_into(

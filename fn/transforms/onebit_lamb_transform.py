@@ -244,18 +244,7 @@ def onebit_lamb(
             return _warmup_update(settings, trust, auto, grads, state, params, plan, eta)
         return _compressed_update(settings, trust, mask, grads, state, params, plan, eta, donated)
 
-    opt = leafwise.compressed_optimizer(
-        "onebit_lamb",
-        lr,
-        OnebitLambState,
-        partial(_init_fields, settings, auto),
-        update,
-        schedule.is_compressed,
-        schedule.onebit_lamb_plan,
-        OnebitLambPlan,
-        params_needed_for="1-bit LAMB (trust ratios)",
-        first_compressed=schedule.first_compressed_step,
-    )
+    opt = _lamb_optimizer("onebit_lamb", lr, schedule, auto, update)
     return opt._replace(**onebit_auto.checks("onebit_lamb", settings, auto, exp_avg_mask))
 
 
@@ -375,18 +364,26 @@ def onebit_lamb_sharded(
         inputs = (grads, state, params, plan, eta)
         return _sharded_update(settings, trust, comm, auto, *inputs, **given)
 
+    keywords = ("gradient_energy", "momentum_mask")
+    return _lamb_optimizer(name, lr, schedule, auto, update, keywords=keywords)
+
+
+def _lamb_optimizer(name, lr, schedule, auto, update, **options) -> CompressedOptimizer:
+    """The ``CompressedOptimizer`` of :func:`onebit_lamb` and :func:`onebit_lamb_sharded`:
+    ``update`` on the plans of ``schedule``, the state made by :func:`_init_fields`; ``options``
+    go to ``fn.transforms._leafwise.compressed_optimizer``."""
     return leafwise.compressed_optimizer(
         name,
         lr,
         OnebitLambState,
-        partial(_init_fields, settings, auto),
+        partial(_init_fields, auto),
         update,
         schedule.is_compressed,
         schedule.onebit_lamb_plan,
         OnebitLambPlan,
         params_needed_for="1-bit LAMB (trust ratios)",
         first_compressed=schedule.first_compressed_step,
-        keywords=("gradient_energy", "momentum_mask"),
+        **options,
     )
 
 
@@ -501,9 +498,8 @@ def _over_ranks(
     return rows[:, : len(sums)].sum(0), rows[:, len(sums) :].amax(0)
 
 
-def _init_fields(h: leafwise.OnebitSettings, auto: Any, params: PyTree) -> dict[str, Any]:
+def _init_fields(auto: Any, params: PyTree) -> dict[str, Any]:
     """The fields of the initial state after ``count`` and ``lr``."""
-    del h
     return dict(
         exp_avg=tree_zeros_like(params, torch.float32),
         exp_avg_sq=tree_zeros_like(params, torch.float32),
@@ -528,25 +524,18 @@ class _TrustSettings(NamedTuple):
     factor_threshold: float
 
 
-def _trust_settings(
-    name: str,
-    min_coeff: float,
-    max_coeff: float,
-    coeff_beta: float,
-    factor_min: float,
-    factor_max: float,
-    factor_threshold: float,
-) -> _TrustSettings:
-    """The checked trust-ratio hyperparameters (``ValueError`` naming a bad one)."""
+def _trust_settings(name: str, *values: float) -> _TrustSettings:
+    """The checked trust-ratio hyperparameters, given in the order of :class:`_TrustSettings`
+    (``ValueError`` naming a bad one)."""
+    trust = _TrustSettings(*values)
+    min_coeff, max_coeff, coeff_beta, factor_min, factor_max, factor_threshold = trust
     check_nonnegative(
         name, min_coeff=min_coeff, factor_min=factor_min, factor_threshold=factor_threshold
     )
     check_ordered(name, min_coeff=min_coeff, max_coeff=max_coeff)
     check_ordered(name, factor_min=factor_min, factor_max=factor_max)
     check_fraction(name, coeff_beta=coeff_beta)
-    return _TrustSettings(
-        min_coeff, max_coeff, coeff_beta, factor_min, factor_max, factor_threshold
-    )
+    return trust
 
 
 _FREEZE_NEEDS = (
@@ -707,9 +696,7 @@ def _fuse(walk: LiveLeaves) -> torch.Tensor:
     """The pieces of ``walk`` (of the momenta, then the pieces), flattened and concatenated in
     leaf order; zeros of the size of the momentum where a piece is ``None``."""
     flat = [
-        torch.zeros(m.numel(), dtype=m.dtype, device=m.device)
-        if piece is None
-        else piece.reshape(-1)
+        m.new_zeros(m.numel()) if piece is None else piece.reshape(-1)
         for m, piece in zip(walk.at_live(0), walk.at_live(1), strict=True)
     ]
     return torch.cat(flat) if flat else torch.zeros(0)
@@ -718,8 +705,7 @@ def _fuse(walk: LiveLeaves) -> torch.Tensor:
 def _split(flat: torch.Tensor, walk: LiveLeaves) -> PyTree:
     """Inverse of :func:`_fuse`: views of ``flat`` shaped like the momenta (``None`` where a
     piece is ``None``)."""
-    out, offset = [], 0
-    for m, piece in zip(walk.at_live(0), walk.at_live(1), strict=True):
-        out.append(None if piece is None else flat[offset : offset + m.numel()].view_as(m))
-        offset += m.numel()
-    return walk.rebuild(out)
+    momenta = walk.at_live(0)
+    values = flat.split([m.numel() for m in momenta])
+    columns = zip(values, momenta, walk.at_live(1), strict=True)
+    return walk.rebuild([None if piece is None else x.view_as(m) for x, m, piece in columns])

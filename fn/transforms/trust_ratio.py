@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from fn.base import EmptyState, GradientTransformation, donating
+from fn.base import GradientTransformation
 from fn.errors import check_nonnegative, check_ordered
-from fn.transforms._leaves import map_with_params
+from fn.transforms._leaves import with_params
 from fn.tree import can_donate
 
 __all__ = ["scale_by_trust_ratio"]
@@ -72,16 +72,7 @@ def scale_by_trust_ratio(
     def scale_in_place(u, p):
         return u.mul_(ratio(u, p)) if can_donate(u) else scale(u, p)
 
-    def init_fn(params):
-        del params
-        return EmptyState()
-
-    def update_fn(updates, state, params=None, *, donate=None, **extra):
-        del extra
-        f = scale_in_place if donating(donate) else scale
-        return map_with_params("scale_by_trust_ratio", f, updates, params), state
-
-    return GradientTransformation(init_fn, update_fn)
+    return with_params("scale_by_trust_ratio", scale, scale_in_place)
 
 
 def trust_ratio_of_norms(

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from fn.base import EmptyState, GradientTransformation, donating
+from fn.base import GradientTransformation, identity
 from fn.errors import check_nonnegative
-from fn.transforms._leaves import map_with_params
+from fn.transforms._leaves import with_params
 from fn.tree import can_donate
 
 __all__ = ["add_decayed_weights"]
@@ -38,10 +38,8 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         {'w': tensor([ 2., -1.])}
     """
     check_nonnegative("add_decayed_weights", weight_decay=weight_decay)
-
-    def init_fn(params):
-        del params
-        return EmptyState()
+    if weight_decay == 0.0:
+        return identity()
 
     def decay(u, p):
         return torch.add(u, p, alpha=weight_decay)
@@ -49,11 +47,4 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
     def decay_in_place(u, p):
         return u.add_(p, alpha=weight_decay) if can_donate(u, p) else decay(u, p)
 
-    def update_fn(updates, state, params=None, *, donate=None, **extra):
-        del extra
-        if weight_decay == 0.0:
-            return updates, state
-        f = decay_in_place if donating(donate) else decay
-        return map_with_params("add_decayed_weights", f, updates, params), state
-
-    return GradientTransformation(init_fn, update_fn)
+    return with_params("add_decayed_weights", decay, decay_in_place)

@@ -285,9 +285,8 @@ def _rule(h: leafwise.OnebitSettings, g, leaf, p, mask, *, plan, eta, lrs):
     else:
         m = leafwise.moving_average(m, h.b1, check_finite(g, "the local gradient"))
     denom = leafwise.adam_denominator(v, h.eps)
-    update = leafwise.adam_direction(m, denom, p, bound=h.clip, weight_decay=h.weight_decay).mul_(
-        -eta
-    )
+    direction = leafwise.adam_direction(m, denom, p, bound=h.clip, weight_decay=h.weight_decay)
+    update = direction.mul_(-eta)
     if plan.frozen:
         a = a + update
     if plan.sync:
@@ -305,17 +304,6 @@ def _rule(h: leafwise.OnebitSettings, g, leaf, p, mask, *, plan, eta, lrs):
 def _one_bit_mean(h, x, ew, es, mask, local_check=None):
     x, ew, es = leafwise.compressed_mean(x, ew, es, h, local_check)
     return (x if mask is None else x * mask), ew, es
-
-
-def _counter_fields(counters) -> dict[str, torch.Tensor]:
-    """The schedule counters of the state, as tensors."""
-    return dict(
-        var_interval=torch.tensor(counters.var_interval),
-        var_counter=torch.tensor(counters.var_counter),
-        local_interval=torch.tensor(counters.local_interval),
-        local_counter=torch.tensor(counters.local_counter),
-        frozen=torch.tensor(counters.frozen),
-    )
 
 
 def _advanced(state, plan, lrs, schedule):
@@ -357,6 +345,6 @@ def _init_fields(
         momentum_accumulator=tree_zeros_like(params, torch.float32),
         worker_error=worker_error,
         server_error=server_error,
-        **_counter_fields(schedule.counters(1)),
+        **{f: torch.tensor(x) for f, x in schedule.counters(1)._asdict().items()},
         lrs=torch.tensor(0.0, dtype=torch.float32),
     )
