@@ -327,8 +327,8 @@ def compressed_allreduce(
     if world_size == 1:
         return x, worker_error, server_error
     if n == 0:
-        _, worker, server = out or (None, None, None)
-        return x, _zeroed(worker, worker_error), _zeroed(server, server_error)
+        buffers = zip(out[1:] if out else (None, None), (worker_error, server_error), strict=True)
+        return x, *(torch.zeros_like(e) if b is None else b.zero_() for b, e in buffers)
     if not x.is_floating_point():
         raise TypeError(f"compressed_allreduce needs a floating-point x, got {x.dtype}")
     if out is not None and participation is None and eager(x, worker_error, server_error, *out):
@@ -351,7 +351,9 @@ def compressed_allreduce(
     if isinstance(y, PackedSigns) and not packed:
         y = y.unpacked(x)
     pure = (y, worker.to(dtype), server.to(dtype))
-    return pure if out is None else _copied_into(out, pure)
+    if out is None:
+        return pure
+    return tuple(r if b is None else b.copy_(r) for b, r in zip(out, pure, strict=True))
 
 
 def _check_errors(
@@ -688,16 +690,6 @@ def _check_out(
             raise ValueError(
                 f"compressed_allreduce: out {name} must be contiguous, on {like.device}"
             )
-
-
-def _zeroed(buffer: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like) if buffer is None else buffer.zero_()
-
-
-def _copied_into(
-    out: AllreduceOut, results: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return tuple(r if b is None else b.copy_(r) for b, r in zip(out, results, strict=True))
 
 
 def _exchange(
