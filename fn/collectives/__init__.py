@@ -37,14 +37,9 @@ from fn.collectives.cast import CAST_DTYPES, cast_allreduce, cast_exchange_form
 from fn.collectives.comm import Comm, Local
 from fn.collectives.dense import dense_allreduce
 from fn.collectives.dtensor import as_sharded_like, local_shard
-from fn.collectives.error_feedback import (
-    ErrorFeedback,
-    ErrorFeedbackField,
-    LaidOutAsParams,
-    ParamShapedErrorFeedbackField,
-    error_feedback_leaves,
-    positional_leaves,
-)
+from fn.collectives.error_feedback import *  # noqa: F403
+from fn.collectives.error_feedback import ErrorFeedback
+from fn.collectives.error_feedback import __all__ as _error_feedback_all
 from fn.collectives.header import HEADER_BYTES, Compressor, Exchanged
 from fn.collectives.onebit import (
     ERROR_DTYPES,
@@ -96,12 +91,7 @@ __all__ = [
     "CAST_DTYPES",
     "cast_allreduce",
     "cast_exchange_form",
-    "ErrorFeedback",
-    "ErrorFeedbackField",
-    "ParamShapedErrorFeedbackField",
-    "LaidOutAsParams",
-    "error_feedback_leaves",
-    "positional_leaves",
+    *_error_feedback_all,
     "padded_numel",
     "init_error_feedback",
     "compressed_allreduce",
