@@ -629,8 +629,7 @@ def compressed_allreduce_exchange(
     except ValueError:
         return None
     flat_grad = None if grad is None else grad.view(-1)
-    errors = (worker_error, server_error)
-    return _exchange(source, flat_grad, beta, *errors, comm, local_world_size)
+    return _exchange(source, flat_grad, beta, worker_error, server_error, comm, local_world_size)
 
 
 def write_errors(

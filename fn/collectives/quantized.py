@@ -222,9 +222,7 @@ def _codes(
 
 def _into(buffer: object, value: torch.Tensor) -> torch.Tensor:
     """``value`` copied into the donated ``buffer`` when it fits, else ``value`` itself."""
-    if fitting(buffer, value) is not None:
-        return buffer.copy_(value)
-    return value
+    return value if fitting(buffer, value) is None else buffer.copy_(value)
 
 
 class _Pending(NamedTuple):
@@ -737,7 +735,6 @@ def _reduce_scatter_rows_padded(
     output_tensor.copy_(shard if scale == 1.0 else shard * scale)
     for out, new in zip(error_outs, new_errors if error_outs else (), strict=True):
         out.copy_(new)
-    return None
 
 
 def quantized_all_gather_into(
@@ -788,7 +785,6 @@ def quantized_all_gather_into(
     shard = torch.nn.functional.pad(input_tensor.reshape(-1).float(), (0, padded - n))
     gathered, _ = _all_gather(shard, None, plan, 0.0)
     output_tensor.view(world_size, n).copy_(gathered.view(world_size, padded)[:, :n])
-    return None
 
 
 def _exchanged(
@@ -1120,10 +1116,9 @@ def _loco_update(
             loco,
         ),
     )
-    out, new_stored = list(leaves), list(stored)
     for i, (y, new) in zip(live, results, strict=True):
-        out[i], new_stored[i] = y, new
-    return tree_unflatten(out, spec), LocoAllreduceState(count, tree_unflatten(new_stored, spec))
+        leaves[i], stored[i] = y, new
+    return tree_unflatten(leaves, spec), LocoAllreduceState(count, tree_unflatten(stored, spec))
 
 
 def loco_allreduce(
