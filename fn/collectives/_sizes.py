@@ -26,6 +26,7 @@ from collections.abc import Iterable
 import torch
 
 from fn.collectives._sim_ops import stack_ranks
+from fn.tree import eager
 
 _DIGIT = 2**24  # every integer below 2^24 is exact in fp32
 
@@ -76,8 +77,7 @@ def released(
         ValueError: on a mismatch, naming every rank's count (the same message on every rank
             that received the same records).
     """
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    if torch.compiler.is_compiling() or wrapped(x) or wrapped(records):
+    if not eager(x, records):
         return _released_op(x, records, n, what, -1 if checksum is None else checksum)
     check(records, n, what, checksum)
     return x
