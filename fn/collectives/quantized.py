@@ -161,8 +161,7 @@ def _reduce_scatter(
     With ``participation``, a rank that sits out sends zero codes and scales at the first hop
     (its first hop's new error is then meaningless: the caller keeps the old one) and the sum
     is divided by the participants."""
-    if checksum is None:
-        checksum = _sizes.layout_checksum([(0, n)])
+    checksum = _sizes.layout_checksum([(0, n)]) if checksum is None else checksum
     new_errors = []
     v = sent(v, participation)
     for index, (hop, error) in enumerate(zip(plan.hops, errors, strict=True)):
@@ -266,8 +265,7 @@ def _reduce_scatter_into(
     returns the hops' quantizations for :func:`_write_errors` (in workspaces named after
     ``tag``: another tag keeps them while this function runs again)."""
     n = x.numel()
-    if checksum is None:
-        checksum = _sizes.layout_checksum([(0, n)])
+    checksum = _sizes.layout_checksum([(0, n)]) if checksum is None else checksum
     if rows is None and _point_to_point(plan, x.device):
         return [_reduce_scatter_streamed(x, errors[0], plan, out, tag, checksum)]
     numel = quantized_padded_numel(n, plan.world.world_size, plan.group_size)
