@@ -104,12 +104,14 @@ def init_error_feedback(
         (torch.Size([64]), torch.Size([32]))
     """
     check_error_dtype("init_error_feedback", dtype)
-    world_size = comm.world_size
-    n_padded = padded_numel(numel, world_size, local_world_size)
-    return ErrorFeedback(
-        torch.zeros(n_padded // (local_world_size or 1), dtype=dtype, device=device),
-        torch.zeros(n_padded // world_size, dtype=dtype, device=device),
-    )
+    sizes = _error_numels(numel, comm.world_size, local_world_size)
+    return ErrorFeedback(*(torch.zeros(k, dtype=dtype, device=device) for k in sizes))
+
+
+def _error_numels(n: int, world_size: int, local_world_size: int | None) -> tuple[int, int]:
+    """The sizes of the worker and the server error of a call of ``n`` elements."""
+    n_padded = padded_numel(n, world_size, local_world_size)
+    return n_padded // (local_world_size or 1), n_padded // world_size
 
 
 # The storage dtypes of the 1-bit allreduce's error feedback: it always computes in fp32.
@@ -368,8 +370,7 @@ def _check_errors(
             "compressed_allreduce: the error buffers must share one of the dtypes "
             f"{ERROR_DTYPES}, got {worker_error.dtype} and {server_error.dtype}"
         )
-    n_padded = padded_numel(n, world_size, local_world_size)
-    shapes = (n_padded // (local_world_size or 1),), (n_padded // world_size,)
+    shapes = tuple((k,) for k in _error_numels(n, world_size, local_world_size))
     if (tuple(worker_error.shape), tuple(server_error.shape)) != shapes:
         level = "" if local_world_size is None else f" ({local_world_size} per node)"
         raise ValueError(
