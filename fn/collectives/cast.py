@@ -154,11 +154,10 @@ def cast_allreduce(dtype: torch.dtype = torch.float32, *, comm: Comm) -> Compres
             values = torch.tensor([list(extra)], dtype=torch.int64)
             return Exchanged(updates, state, flag.reshape(1), values)
         n, size = flat.numel(), flat.element_size()
-        form = cast_exchange_form(n, size, world_size)
-        layout = [(i, leaves[i].numel()) for i in live] + [(-1, size), (-3, form == "owner")]
+        owner = cast_exchange_form(n, size, world_size) == "owner"
+        layout = [(i, leaves[i].numel()) for i in live] + [(-1, size), (-3, owner)]
         checksum = _sizes.layout_checksum(layout)
         flat = torch.where(flag, flat, 0).to(dtype)
-        owner = form == "owner"
         sent = torch.nn.functional.pad(flat, (0, -n % world_size)) if owner else flat
         payload = sent.view(world_size if owner else 1, -1).view(torch.uint8)
         got, part = exchange_rows(

@@ -402,11 +402,10 @@ def _all_gather_streamed(
 
 def _write_errors(
     pending: Sequence[_Pending], outs: Sequence[torch.Tensor], plan: _Plan, err_beta: float
-) -> Sequence[torch.Tensor]:
+) -> None:
     for quantized, out in zip(pending, outs, strict=True):
         source, error, q, scales, rows = quantized
         kernels.loco_error(source, error, q, scales, plan.bits, err_beta, out, rows)
-    return outs
 
 
 @functools.lru_cache(maxsize=1)
