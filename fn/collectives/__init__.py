@@ -33,18 +33,14 @@ header on its messages (``header.py``), as ``fn.diloco``'s outer step does.
 
 import torch
 
-from fn.collectives.cast import CAST_DTYPES, cast_allreduce, cast_exchange_form
+from fn.collectives.cast import *  # noqa: F403
+from fn.collectives.cast import __all__ as _cast_all
 from fn.collectives.comm import Comm, Local
 from fn.collectives.dense import dense_allreduce
 from fn.collectives.dtensor import as_sharded_like, local_shard
-from fn.collectives.error_feedback import (
-    ErrorFeedback,
-    ErrorFeedbackField,
-    LaidOutAsParams,
-    ParamShapedErrorFeedbackField,
-    error_feedback_leaves,
-    positional_leaves,
-)
+from fn.collectives.error_feedback import *  # noqa: F403
+from fn.collectives.error_feedback import ErrorFeedback
+from fn.collectives.error_feedback import __all__ as _error_feedback_all
 from fn.collectives.header import HEADER_BYTES, Compressor, Exchanged
 from fn.collectives.onebit import (
     ERROR_DTYPES,
@@ -62,7 +58,8 @@ from fn.collectives.process_group import CollectiveTimeoutError, ProcessGroup
 from fn.collectives.quantized import *  # noqa: F403
 from fn.collectives.quantized import LocoAllreduceState, QuantizedError
 from fn.collectives.quantized import __all__ as _quantized_all
-from fn.collectives.simulated import Simulated, SimulatedGroup, replicate, simulate
+from fn.collectives.simulated import *  # noqa: F403
+from fn.collectives.simulated import __all__ as _simulated_all
 from fn.collectives.topk import *  # noqa: F403
 from fn.collectives.topk import TopkAllreduceState, TopkOwnerState
 from fn.collectives.topk import __all__ as _topk_all
@@ -83,25 +80,15 @@ torch.serialization.add_safe_globals(
 __all__ = [
     "Comm",
     "Local",
-    "Simulated",
-    "SimulatedGroup",
+    *_simulated_all,
     "ProcessGroup",
     "CollectiveTimeoutError",
     "exit_distributed",
-    "simulate",
-    "replicate",
     "dense_allreduce",
     "as_sharded_like",
     "local_shard",
-    "CAST_DTYPES",
-    "cast_allreduce",
-    "cast_exchange_form",
-    "ErrorFeedback",
-    "ErrorFeedbackField",
-    "ParamShapedErrorFeedbackField",
-    "LaidOutAsParams",
-    "error_feedback_leaves",
-    "positional_leaves",
+    *_cast_all,
+    *_error_feedback_all,
     "padded_numel",
     "init_error_feedback",
     "compressed_allreduce",

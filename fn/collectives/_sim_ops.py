@@ -35,7 +35,8 @@ def outside_error(name: str) -> RuntimeError:
     )
 
 
-def _stack_ranks(x: torch.Tensor, x_dim: int | None, world_size: int) -> torch.Tensor:
+def stack_ranks(x: torch.Tensor, x_dim: int | None, world_size: int) -> torch.Tensor:
+    """``x`` batched at ``x_dim`` (``None``: unbatched) with its batch dim first, ``[W, ...]``."""
     if x_dim is None:  # every rank holds the same value
         return x.unsqueeze(0).expand(world_size, *x.shape)
     return x.movedim(x_dim, 0)
@@ -79,7 +80,7 @@ def _vmap_rule(
             if rank_dim is None:
                 return op(x.movedim(x_dim, moved_to), rank, *args), out_dim
             *options, local_size, hop, _group_size = args
-            grouped = _to_groups(_stack_ranks(x, x_dim, info.batch_size), local_size, hop)
+            grouped = _to_groups(stack_ranks(x, x_dim, info.batch_size), local_size, hop)
             return across(grouped, hop, *options)
 
     return register

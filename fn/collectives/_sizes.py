@@ -25,6 +25,9 @@ from collections.abc import Iterable
 
 import torch
 
+from fn.collectives._sim_ops import stack_ranks
+from fn.tree import eager
+
 _DIGIT = 2**24  # every integer below 2^24 is exact in fp32
 
 
@@ -74,8 +77,7 @@ def released(
         ValueError: on a mismatch, naming every rank's count (the same message on every rank
             that received the same records).
     """
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    if torch.compiler.is_compiling() or wrapped(x) or wrapped(records):
+    if not eager(x, records):
         return _released_op(x, records, n, what, -1 if checksum is None else checksum)
     check(records, n, what, checksum)
     return x
@@ -123,10 +125,6 @@ def _(x, records, n, what, checksum):
 
 @_released_op.register_vmap
 def _(info, in_dims, x, records, n, what, checksum):
-    def batched(t, dim):
-        if dim is None:
-            return t.unsqueeze(0).expand(info.batch_size, *t.shape)
-        return t.movedim(dim, 0)
-
-    x, records = batched(x, in_dims[0]), batched(records, in_dims[1])
+    size = info.batch_size
+    x, records = stack_ranks(x, in_dims[0], size), stack_ranks(records, in_dims[1], size)
     return _released_op(x, records, n, what, checksum), 0

@@ -12,8 +12,13 @@ from fn.collectives import _sizes
 from fn.collectives.comm import Comm
 from fn.collectives.participation import Participation, participants_mean, sent
 from fn.errors import check_nonnegative
+from fn.tree import tree_flatten
 
 WHAT = "topk_allreduce"
+NON_FINITE = (
+    f"{WHAT}: non-finite values in some rank's input (or its error feedback); the state is "
+    "unchanged"
+)
 _MAX_CHUNK = 2**16  # a position and the magnitude's 31 bits share one int64 key
 
 
@@ -23,13 +28,6 @@ class Sparse(NamedTuple):
     positions: torch.Tensor  # int64 [c, k], the kept values' positions in their chunk, ascending
     codes: torch.Tensor  # int64 [c, k], 2 bits: sign (MSB), level
     scales: torch.Tensor  # fp32 [c], the chunk's absmax M
-
-
-def message_bytes(chunks: int, k: int, chunk_size: int) -> int:
-    """One message of ``c`` chunks, with ``L = floor(log2(C / k))``:
-    ``ceil(c k L / 8) + ceil(c (k + floor(C / 2^L)) / 8) + ceil(c k / 4) + 4 c``."""
-    layout = Layout(chunks, k, chunk_size)
-    return layout.position_bytes + layout.code_bytes + 4 * chunks
 
 
 def check(k: int, chunk_size: int, decay: float) -> None:
@@ -185,6 +183,14 @@ def padded(sparse: Sparse, chunks: int) -> Sparse:
     return Sparse(*(pad(x, (0, 0) * (x.dim() - 1) + (0, extra)) for x in sparse))
 
 
+def flattened(updates, state) -> tuple[list, object, list, list[int]]:
+    """The update's leaves, their spec, the state's errors flattened as them and the positions
+    of the leaves that communicate (not ``None``, not empty)."""
+    leaves, spec = tree_flatten(updates)
+    live = [i for i, u in enumerate(leaves) if u is not None and u.numel() > 0]
+    return leaves, spec, spec.flatten_up_to(state.error), live
+
+
 class Compressed(NamedTuple):
     """The worker side on one rank: ``v = decay e + u`` per live leaf and its chunks' code."""
 
@@ -230,15 +236,10 @@ def cut(rows: torch.Tensor, leaves: list, live: list[int], chunk_size: int) -> l
 def valid_positions(leaves: list, live: list[int], chunk_size: int, chunks: int) -> torch.Tensor:
     """Bool ``[chunks, C]``: ``True`` where a position of the padded chunks holds a value of a
     live leaf (``False`` in each leaf's last chunk's padding and in appended chunks)."""
-    sizes = [leaves[i].numel() for i in live]
     device = leaves[live[0]].device
-    mask = [torch.ones(-(-n // chunk_size) * chunk_size, dtype=torch.bool, device=device)
-            for n in sizes]  # fmt: skip
-    for m, n in zip(mask, sizes, strict=True):
-        m[n:] = False
-    flat = torch.cat(mask)
-    flat = torch.nn.functional.pad(flat, (0, chunks * chunk_size - flat.numel()))
-    return flat.view(chunks, chunk_size)
+    ones = [torch.ones(leaves[i].numel(), dtype=torch.bool, device=device) for i in live]
+    mask = torch.cat([chunked(x, chunk_size) for x in ones])
+    return torch.nn.functional.pad(mask, (0, 0, 0, chunks - mask.shape[0]))
 
 
 def exchange_checksum(

@@ -47,17 +47,8 @@ def recv_bytes(nbytes: int, world_size: int) -> int:
     return 0
 
 
-def received_bytes(kind: str, nbytes: int, world_size: int) -> int:
+def received_bytes(kind: str, nbytes: int, sent: int) -> int:
     """What one rank receives in a ``kind`` collective (or ``send`` / ``recv``) of ``nbytes``
-    per rank: a collective's sent bytes, a ``recv``'s ``nbytes``, a ``send``'s nothing."""
-    if kind in ("send", "recv"):
-        return nbytes if kind == "recv" else 0
-    return _SENT[kind](nbytes, world_size)
-
-
-_SENT = {
-    "all_reduce": all_reduce_bytes,
-    "all_gather": all_gather_bytes,
-    "all_to_all": all_to_all_bytes,
-    "reduce_scatter": reduce_scatter_bytes,
-}
+    per rank that sends ``sent`` bytes: a collective's sent bytes, a ``recv``'s ``nbytes``, a
+    ``send``'s nothing."""
+    return {"send": 0, "recv": nbytes}.get(kind, sent)

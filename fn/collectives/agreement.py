@@ -96,9 +96,7 @@ def gather_texts(
         mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
         sizes = comm.all_gather(mine).view(-1).tolist()
     width = max(max(sizes), 1)
-    padded = torch.zeros(width, dtype=torch.uint8)
-    if data:
-        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    padded = torch.tensor(list(data.ljust(width, b"\0")), dtype=torch.uint8)
     rows = comm.all_gather(padded.to(device)).cpu().view(len(sizes), width)
     return [bytes(rows[r, :n].tolist()).decode() for r, n in enumerate(sizes)]
 

@@ -127,10 +127,6 @@ def cast_allreduce(dtype: torch.dtype = torch.float32, *, comm: Comm) -> Compres
         allowed = ", ".join(str(d) for d in CAST_DTYPES)
         raise ValueError(f"{_WHAT}: dtype must be one of {allowed}, got {dtype!r}")
 
-    def init_fn(params):
-        del params
-        return EmptyState()
-
     def update_fn(updates, state, params=None, *, participation=None, **extra):
         del params, extra
         world_size = comm.world_size
@@ -158,23 +154,24 @@ def cast_allreduce(dtype: torch.dtype = torch.float32, *, comm: Comm) -> Compres
             values = torch.tensor([list(extra)], dtype=torch.int64)
             return Exchanged(updates, state, flag.reshape(1), values)
         n, size = flat.numel(), flat.element_size()
-        form = cast_exchange_form(n, size, world_size)
-        layout = [(i, leaves[i].numel()) for i in live] + [(-1, size), (-3, form == "owner")]
+        owner = cast_exchange_form(n, size, world_size) == "owner"
+        layout = [(i, leaves[i].numel()) for i in live] + [(-1, size), (-3, owner)]
         checksum = _sizes.layout_checksum(layout)
         flat = torch.where(flag, flat, 0).to(dtype)
-        owner = form == "owner"
         sent = torch.nn.functional.pad(flat, (0, -n % world_size)) if owner else flat
-        payload = _bytes(sent, world_size if owner else 1)
+        payload = sent.view(world_size if owner else 1, -1).view(torch.uint8)
         got, part = exchange_rows(
             comm, payload, flag, n, _WHAT, checksum, to_each=owner, extra=extra
         )
-        total = kernels.sum_ranks(_values(got.payload, dtype))
+        # the received rows as fp32 [W, values], each value rounded to dtype
+        values = got.payload.clone(memory_format=torch.contiguous_format).view(dtype).float()
+        total = kernels.sum_ranks(values)
         mean = participants_mean(total, world_size, part).to(dtype)
         if owner:
             mean = gathered(comm, mean).reshape(-1)[:n]
         return Exchanged(_unflattened(mean, leaves, spec, live), state, got.flags, got.extra)
 
-    return Compressor(init_fn, update_fn, exchange_fn)
+    return Compressor(lambda params: EmptyState(), update_fn, exchange_fn)
 
 
 def _live(updates) -> tuple[list, object, list[int]]:
@@ -186,16 +183,6 @@ def _live(updates) -> tuple[list, object, list[int]]:
         if not leaves[i].is_floating_point():
             raise TypeError(f"{_WHAT} needs floating-point leaves, got {leaves[i].dtype}")
     return leaves, spec, live
-
-
-def _bytes(values: torch.Tensor, rows: int) -> torch.Tensor:
-    """``values`` as ``rows`` rows of bytes."""
-    return values.view(rows, -1).view(torch.uint8)
-
-
-def _values(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The received rows of bytes as fp32 ``[W, values]`` (each value rounded to ``dtype``)."""
-    return payload.clone(memory_format=torch.contiguous_format).view(dtype).float()
 
 
 def _unflattened(mean: torch.Tensor, leaves: list, spec, live: list[int]):

@@ -125,8 +125,9 @@ class ByteCounter:
         ``recv``) of its ``x`` over this comm."""
         nbytes, size = x.numel() * x.element_size(), self.world_size
         counts = self._counter._bytes_by_hop
-        counts[0, self._hop].add_(getattr(_traffic, f"{kind}_bytes")(nbytes, size))
-        counts[1, self._hop].add_(_traffic.received_bytes(kind, nbytes, size))
+        sent = getattr(_traffic, f"{kind}_bytes")(nbytes, size)
+        counts[0, self._hop].add_(sent)
+        counts[1, self._hop].add_(_traffic.received_bytes(kind, nbytes, sent))
 
 
 def check_split(world_size: int, local_world_size: int) -> None:

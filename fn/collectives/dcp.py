@@ -17,6 +17,7 @@ such entries, and each rank reads back only its own."""
 from __future__ import annotations
 
 import sys
+import traceback
 from collections.abc import Mapping
 from typing import Any
 
@@ -109,12 +110,8 @@ def initializing_optimizer_state() -> bool:
         >>> initializing_optimizer_state()
         False
     """
-    frame = sys._getframe(1)
-    while frame is not None:
-        if (
-            frame.f_code.co_name == "_init_optim_state"
-            and frame.f_globals.get("__name__") == _STATE_DICT_API
-        ):
-            return True
-        frame = frame.f_back
-    return False
+    return any(
+        frame.f_code.co_name == "_init_optim_state"
+        and frame.f_globals.get("__name__") == _STATE_DICT_API
+        for frame, _ in traceback.walk_stack(sys._getframe(1))
+    )

@@ -110,8 +110,7 @@ Example:
 def _mark(node: Any, inside: bool, mark: type) -> Any:
     """``node`` with every leaf replaced by whether it lies in a part marked ``mark``: a field
     annotated with it, or (for :class:`ErrorFeedback`) a value of that type."""
-    if isinstance(node, mark):
-        inside = True
+    inside = inside or isinstance(node, mark)
     if isinstance(node, tuple) and hasattr(node, "_fields"):
         marked = marked_fields(type(node), mark)
         return type(node)(

@@ -179,9 +179,7 @@ def flag_of(flag: torch.Tensor | bool | None) -> torch.Tensor:
         >>> fn.collectives.header.flag_of(None), fn.collectives.header.flag_of(torch.tensor([0]))
         (tensor(True), tensor(False))
     """
-    if flag is None:
-        return torch.ones((), dtype=torch.bool)
-    return torch.as_tensor(flag).reshape(()).bool()
+    return torch.as_tensor(True if flag is None else flag).reshape(()).bool()
 
 
 def sealed(

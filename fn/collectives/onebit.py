@@ -104,12 +104,14 @@ def init_error_feedback(
         (torch.Size([64]), torch.Size([32]))
     """
     check_error_dtype("init_error_feedback", dtype)
-    world_size = comm.world_size
-    n_padded = padded_numel(numel, world_size, local_world_size)
-    return ErrorFeedback(
-        torch.zeros(n_padded // (local_world_size or 1), dtype=dtype, device=device),
-        torch.zeros(n_padded // world_size, dtype=dtype, device=device),
-    )
+    sizes = _error_numels(numel, comm.world_size, local_world_size)
+    return ErrorFeedback(*(torch.zeros(k, dtype=dtype, device=device) for k in sizes))
+
+
+def _error_numels(n: int, world_size: int, local_world_size: int | None) -> tuple[int, int]:
+    """The sizes of the worker and the server error of a call of ``n`` elements."""
+    n_padded = padded_numel(n, world_size, local_world_size)
+    return n_padded // (local_world_size or 1), n_padded // world_size
 
 
 # The storage dtypes of the 1-bit allreduce's error feedback: it always computes in fp32.
@@ -327,8 +329,8 @@ def compressed_allreduce(
     if world_size == 1:
         return x, worker_error, server_error
     if n == 0:
-        _, worker, server = out or (None, None, None)
-        return x, _zeroed(worker, worker_error), _zeroed(server, server_error)
+        buffers = zip(out[1:] if out else (None, None), (worker_error, server_error), strict=True)
+        return x, *(torch.zeros_like(e) if b is None else b.zero_() for b, e in buffers)
     if not x.is_floating_point():
         raise TypeError(f"compressed_allreduce needs a floating-point x, got {x.dtype}")
     if out is not None and participation is None and eager(x, worker_error, server_error, *out):
@@ -351,7 +353,9 @@ def compressed_allreduce(
     if isinstance(y, PackedSigns) and not packed:
         y = y.unpacked(x)
     pure = (y, worker.to(dtype), server.to(dtype))
-    return pure if out is None else _copied_into(out, pure)
+    if out is None:
+        return pure
+    return tuple(r if b is None else b.copy_(r) for b, r in zip(out, pure, strict=True))
 
 
 def _check_errors(
@@ -366,8 +370,7 @@ def _check_errors(
             "compressed_allreduce: the error buffers must share one of the dtypes "
             f"{ERROR_DTYPES}, got {worker_error.dtype} and {server_error.dtype}"
         )
-    n_padded = padded_numel(n, world_size, local_world_size)
-    shapes = (n_padded // (local_world_size or 1),), (n_padded // world_size,)
+    shapes = tuple((k,) for k in _error_numels(n, world_size, local_world_size))
     if (tuple(worker_error.shape), tuple(server_error.shape)) != shapes:
         level = "" if local_world_size is None else f" ({local_world_size} per node)"
         raise ValueError(
@@ -627,8 +630,7 @@ def compressed_allreduce_exchange(
     except ValueError:
         return None
     flat_grad = None if grad is None else grad.view(-1)
-    errors = (worker_error, server_error)
-    return _exchange(source, flat_grad, beta, *errors, comm, local_world_size)
+    return _exchange(source, flat_grad, beta, worker_error, server_error, comm, local_world_size)
 
 
 def write_errors(
@@ -688,16 +690,6 @@ def _check_out(
             raise ValueError(
                 f"compressed_allreduce: out {name} must be contiguous, on {like.device}"
             )
-
-
-def _zeroed(buffer: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like) if buffer is None else buffer.zero_()
-
-
-def _copied_into(
-    out: AllreduceOut, results: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return tuple(r if b is None else b.copy_(r) for b, r in zip(out, results, strict=True))
 
 
 def _exchange(

@@ -31,6 +31,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -235,11 +236,7 @@ class ProcessGroup(ByteCounter):
             # uncounted, as the group creation itself: bytes_sent counts the collectives
             mine = torch.tensor([local_world_size], device=self._control_device())
             levels = mine.new_empty(self._world_size)
-            self._run(
-                "all_gather",
-                mine,
-                lambda wait: all_gather_flat(levels, mine, group=self.group, async_op=wait),
-            )
+            self._run("all_gather", mine, partial(all_gather_flat, levels, mine, group=self.group))
             levels = levels.tolist()
             if len(set(levels)) > 1:
                 shown = ", ".join(f"rank {i}: {level}" for i, level in enumerate(levels))
@@ -272,8 +269,7 @@ class ProcessGroup(ByteCounter):
         backend = dist.get_backend(self.group)
         if "gloo" in backend or "mpi" in backend:
             return torch.device("cpu")
-        device_type = {"nccl": "cuda", "xccl": "xpu", "hccl": "npu"}.get(backend, "cpu")
-        return torch.device(device_type)
+        return torch.device({"nccl": "cuda", "xccl": "xpu", "hccl": "npu"}.get(backend, "cpu"))
 
     def _members(self) -> list[int]:
         """The global ranks of the group, in group rank order."""
@@ -287,16 +283,16 @@ class ProcessGroup(ByteCounter):
             f"timeout={self.timeout.total_seconds():g} s)"
         )
 
-    def _run(self, kind: str, x: torch.Tensor, start: Callable[[bool], Any]) -> None:
-        """Runs ``start(async_op)`` (one collective on ``x``) and waits for it, at most
+    def _run(self, kind: str, x: torch.Tensor, start: Callable[..., Any]) -> None:
+        """Runs ``start(async_op=...)`` (one collective on ``x``) and waits for it, at most
         ``timeout`` on host tensors; a failure becomes a :class:`CollectiveTimeoutError`."""
         seq = next(_issued.setdefault(self._name, itertools.count()))
         if torch.compiler.is_compiling():
-            start(False)
+            start(async_op=False)
             return
         started = time.monotonic()
         try:
-            work = start(True)
+            work = start(async_op=True)
         except RuntimeError as err:
             raise self._diagnose(kind, seq, x, err, started) from err
         self._wait(work, kind, seq, x, started)
@@ -389,8 +385,12 @@ class ProcessGroup(ByteCounter):
         except (RuntimeError, ValueError) as store_err:  # the store's host (rank 0) is gone
             if not arrived:  # never reached it: nothing is known of the others
                 outcome = self._outcome(me, running or expired, failed_s, started, x)
-                where = f"{call} (collective #{seq} on ranks {members}) {outcome}: {err}"
-                return self._store_unreachable(where, store_err)
+                return CollectiveTimeoutError(
+                    f"fn.collectives: {call} (collective #{seq} on ranks {members}) {outcome}: "
+                    f"{err}; the store is unreachable ({store_err}), so rank 0 likely died",
+                    [0],
+                    self.group,
+                )
             # Rank 0 ended while this rank was looking (its own failure raised there too):
             # the ranks seen so far stand.
             store_lost = f" (the store went away while the ranks were looked for: {store_err})"
@@ -412,16 +412,6 @@ class ProcessGroup(ByteCounter):
             + (store_lost if missing else "")
             + detail,
             missing,
-            self.group,
-        )
-
-    def _store_unreachable(self, where: str, store_err: Exception) -> CollectiveTimeoutError:
-        """For :meth:`_diagnose`: the error of a collective (``where``: the call and what
-        happened to it) whose ranks could not meet, the store's host (rank 0) being gone."""
-        return CollectiveTimeoutError(
-            f"fn.collectives: {where}; the store is unreachable ({store_err}), so rank 0 "
-            "likely died",
-            [0],
             self.group,
         )
 
@@ -461,22 +451,15 @@ class ProcessGroup(ByteCounter):
         check_op(op)
         self._count("all_reduce", x)
         out = x.clone(memory_format=torch.contiguous_format)
-        self._run(
-            "all_reduce",
-            x,
-            lambda wait: dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group, async_op=wait),
-        )
+        start = partial(dist.all_reduce, out, dist.ReduceOp.SUM, group=self.group)
+        self._run("all_reduce", x, start)
         return out / self._world_size if op == "mean" else out
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         self._count("all_gather", x)
         out = x.new_empty(self._world_size * x.numel())
         flat = x.contiguous().view(-1)
-        self._run(
-            "all_gather",
-            x,
-            lambda wait: all_gather_flat(out, flat, group=self.group, async_op=wait),
-        )
+        self._run("all_gather", x, partial(all_gather_flat, out, flat, group=self.group))
         return out.view(self._world_size, *x.shape)
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
@@ -484,11 +467,7 @@ class ProcessGroup(ByteCounter):
         self._count("all_to_all", x)
         x = x.contiguous()
         out = torch.empty_like(x)
-        self._run(
-            "all_to_all",
-            x,
-            lambda wait: dist.all_to_all_single(out, x, group=self.group, async_op=wait),
-        )
+        self._run("all_to_all", x, partial(dist.all_to_all_single, out, x, group=self.group))
         return out
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
@@ -497,13 +476,8 @@ class ProcessGroup(ByteCounter):
         self._count("reduce_scatter", x)
         out = x.new_empty(x[0].numel())
         flat = x.contiguous().view(-1)
-        self._run(
-            "reduce_scatter",
-            x,
-            lambda wait: _reduce_scatter_flat(
-                out, flat, dist.ReduceOp.SUM, group=self.group, async_op=wait
-            ),
-        )
+        start = partial(_reduce_scatter_flat, out, flat, dist.ReduceOp.SUM, group=self.group)
+        self._run("reduce_scatter", x, start)
         out = out.view(x.shape[1:])
         return out / self._world_size if op == "mean" else out
 
@@ -569,18 +543,16 @@ class Transfers:
         """Starts sending the contiguous ``x`` to group rank ``peer`` (``x`` must stay
         unchanged until the transfers are waited for)."""
         self._comm._count("send", x)
-        group = self._comm.group
         self._sends.append(
-            self._start(x, lambda: dist.isend(x, group=group, tag=tag, group_dst=peer))
+            self._start(x, lambda: dist.isend(x, group=self._comm.group, tag=tag, group_dst=peer))
         )
 
     def recv(self, x: torch.Tensor, peer: int, tag: int = 0) -> None:
         """Starts receiving the next message with ``tag`` from group rank ``peer`` into the
         contiguous ``x``; :meth:`wait_from` waits for it."""
         self._comm._count("recv", x)
-        group = self._comm.group
         self._recvs.setdefault(peer, []).append(
-            self._start(x, lambda: dist.irecv(x, group=group, tag=tag, group_src=peer))
+            self._start(x, lambda: dist.irecv(x, group=self._comm.group, tag=tag, group_src=peer))
         )
 
     def wait_from(self, peer: int) -> None:

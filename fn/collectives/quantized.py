@@ -140,13 +140,11 @@ def _exchange_hop(
         mine = _sizes.with_count(scales.new_empty(plan.world.world_size, 0), n, checksum)
         scales = _sizes.released(scales, plan.world.all_to_all(mine), n, _WHAT, checksum)
     size = plan.hops[index].world_size
-    q = q.view(size, -1)
-    message = torch.cat([q, scales.view(size, -1).view(torch.uint8)], dim=1)
-    received = plan.hops[index].all_to_all(message)
-    scales = received[:, q.shape[1] :].contiguous().view(torch.float32).view(-1)
+    received = plan.hops[index].all_to_all(_rows([(q, scales)], size))
+    [(q, scales)] = _split(received, [(q, scales)], size)
     if index == len(plan.hops) - 1:
         scales = finite_or_raise(scales, _NON_FINITE)
-    return received[:, : q.shape[1]].reshape(-1), scales
+    return q, scales
 
 
 def _reduce_scatter(
@@ -163,8 +161,7 @@ def _reduce_scatter(
     With ``participation``, a rank that sits out sends zero codes and scales at the first hop
     (its first hop's new error is then meaningless: the caller keeps the old one) and the sum
     is divided by the participants."""
-    if checksum is None:
-        checksum = _sizes.layout_checksum([(0, n)])
+    checksum = _sizes.layout_checksum([(0, n)]) if checksum is None else checksum
     new_errors = []
     v = sent(v, participation)
     for index, (hop, error) in enumerate(zip(plan.hops, errors, strict=True)):
@@ -224,9 +221,7 @@ def _codes(
 
 def _into(buffer: object, value: torch.Tensor) -> torch.Tensor:
     """``value`` copied into the donated ``buffer`` when it fits, else ``value`` itself."""
-    if fitting(buffer, value) is not None:
-        return buffer.copy_(value)
-    return value
+    return value if fitting(buffer, value) is None else buffer.copy_(value)
 
 
 class _Pending(NamedTuple):
@@ -270,8 +265,7 @@ def _reduce_scatter_into(
     returns the hops' quantizations for :func:`_write_errors` (in workspaces named after
     ``tag``: another tag keeps them while this function runs again)."""
     n = x.numel()
-    if checksum is None:
-        checksum = _sizes.layout_checksum([(0, n)])
+    checksum = _sizes.layout_checksum([(0, n)]) if checksum is None else checksum
     if rows is None and _point_to_point(plan, x.device):
         return [_reduce_scatter_streamed(x, errors[0], plan, out, tag, checksum)]
     numel = quantized_padded_numel(n, plan.world.world_size, plan.group_size)
@@ -408,11 +402,10 @@ def _all_gather_streamed(
 
 def _write_errors(
     pending: Sequence[_Pending], outs: Sequence[torch.Tensor], plan: _Plan, err_beta: float
-) -> Sequence[torch.Tensor]:
+) -> None:
     for quantized, out in zip(pending, outs, strict=True):
         source, error, q, scales, rows = quantized
         kernels.loco_error(source, error, q, scales, plan.bits, err_beta, out, rows)
-    return outs
 
 
 @functools.lru_cache(maxsize=1)
@@ -533,14 +526,9 @@ def _over_live(
     tag)`` returns for every one, run once every leaf's phase 1 (its checks) passed."""
     if not donated:
         return [pure(i) for i in live]
-    writes = [phase1(i, _leaf_tag(k, len(live))) for k, i in enumerate(live)]
+    # each leaf's workspaces are held between the two phases: a single leaf uses the plain names
+    writes = [phase1(i, "" if len(live) == 1 else f"leaf{k}.") for k, i in enumerate(live)]
     return [write() for write in writes]
-
-
-def _leaf_tag(index: int, leaves: int) -> str:
-    """Workspace names for leaf ``index`` of ``leaves`` held between the two phases (a single
-    leaf uses the plain names)."""
-    return "" if leaves == 1 else f"leaf{index}."
 
 
 def _live(leaves: Sequence[torch.Tensor | None]) -> tuple[list[int], int]:
@@ -744,7 +732,6 @@ def _reduce_scatter_rows_padded(
     output_tensor.copy_(shard if scale == 1.0 else shard * scale)
     for out, new in zip(error_outs, new_errors if error_outs else (), strict=True):
         out.copy_(new)
-    return None
 
 
 def quantized_all_gather_into(
@@ -795,7 +782,6 @@ def quantized_all_gather_into(
     shard = torch.nn.functional.pad(input_tensor.reshape(-1).float(), (0, padded - n))
     gathered, _ = _all_gather(shard, None, plan, 0.0)
     output_tensor.view(world_size, n).copy_(gathered.view(world_size, padded)[:, :n])
-    return None
 
 
 def _exchanged(
@@ -811,9 +797,14 @@ def _exchanged(
     size record and ``extra`` in a header: one all_to_all of every leaf's chunks (each leaf
     padded and quantized as on its own, so the same bits) and one all-gather of every leaf's
     shard. A rank whose flag is unset (``offered`` ``False``, or a value or an error not
-    finite) sends zeros; the sums are divided by the ranks whose flags are set. Returns every
-    live leaf's result, its new errors ``(e_rs, e_ag)``, this rank's participation and what
-    :func:`~fn.collectives.header.opened` read."""
+    finite) sends zeros; the sums are divided by the ranks whose flags are set. Returns the
+    leaves with every live one's result, their new errors ``(e_rs, e_ag)``, this rank's
+    participation and what :func:`~fn.collectives.header.opened` read."""
+    if plan.local_world_size is not None:
+        raise NotImplementedError(
+            "quantized allreduce: the exchange with a header runs on one hop; the two-hop mode "
+            "(local_world_size) has only update (fn.diloco's compressors use one hop)"
+        )
     world = plan.world
     world_size = world.world_size
     n = sum(leaves[i].numel() for i in live)
@@ -827,11 +818,11 @@ def _exchanged(
     # refuse one for the whole batch of simulated ranks) and sends zeros
     padded = [torch.where(flag, v, 0.0) for v in padded]
     first = [_feedback(v, e[0], plan, err_beta) for v, e in zip(padded, errors, strict=True)]
-    rows = _rows([q for q, _, _ in first], [s for _, s, _ in first], world_size)
+    rows = _rows(first, world_size)
     rows = torch.where(flag, rows, 0)
     got, part = exchange_rows(world, rows, flag, n, _WHAT, checksum, to_each=True, extra=extra)
     if not live:
-        return [], [], part, got
+        return list(leaves), [], part, got
     pieces = _split(got.payload, first, world_size)
     shards = [
         participants_mean(
@@ -842,20 +833,23 @@ def _exchanged(
         for (q, s), v in zip(pieces, padded, strict=True)
     ]
     second = [_feedback(x, e[1], plan, err_beta) for x, e in zip(shards, errors, strict=True)]
-    received = gathered(world, _rows([q for q, _, _ in second], [s for _, s, _ in second], 1)[0])
+    received = gathered(world, _rows(second, 1)[0])
     ys = [
         fusion_barrier(kernels.dequantize(q, s, plan.bits, world_size * x.numel()))
         for (q, s), x in zip(_split(received, second, 1), shards, strict=True)
     ]
-    out = [y[: leaves[i].numel()].view(leaves[i].shape).to(leaves[i].dtype)
-           for y, i in zip(ys, live, strict=True)]  # fmt: skip
+    out = list(leaves)
+    for y, i in zip(ys, live, strict=True):
+        out[i] = y[: leaves[i].numel()].view(leaves[i].shape).to(leaves[i].dtype)
     return out, [(a[2], b[2]) for a, b in zip(first, second, strict=True)], part, got
 
 
-def _rows(qs: list[torch.Tensor], scales: list[torch.Tensor], rows: int) -> torch.Tensor:
-    """Every leaf's codes, then every leaf's scales as bytes, cut into ``rows`` rows (row ``r``:
-    each leaf's chunk ``r``): uint8 ``[rows, bytes]``."""
-    parts = [q.view(rows, -1) for q in qs] + [s.view(rows, -1).view(torch.uint8) for s in scales]
+def _rows(quantized: list[tuple], rows: int) -> torch.Tensor:
+    """Every leaf's codes, then every leaf's scales as bytes (``quantized``: ``(q, scales, ...)``
+    per leaf), cut into ``rows`` rows (row ``r``: each leaf's chunk ``r``): uint8 ``[rows,
+    bytes]``."""
+    parts = [q.view(rows, -1) for q, *_ in quantized]
+    parts += [s.view(rows, -1).view(torch.uint8) for _, s, *_ in quantized]
     return torch.cat(parts, dim=1) if parts else torch.zeros(rows, 0, dtype=torch.uint8)
 
 
@@ -863,10 +857,10 @@ def _split(
     received: torch.Tensor, quantized: list[tuple], rows: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The received rows (one per rank, ``[W, bytes]``) of the :func:`_rows` of ``quantized``
-    (``(q, scales, _)`` per leaf, cut into ``rows`` rows) back into each leaf's codes and
+    (``(q, scales, ...)`` per leaf, cut into ``rows`` rows) back into each leaf's codes and
     scales, flat and in rank order."""
-    widths = [q.numel() // rows for q, _, _ in quantized]
-    widths += [4 * s.numel() // rows for _, s, _ in quantized]
+    widths = [q.numel() // rows for q, *_ in quantized]
+    widths += [4 * s.numel() // rows for _, s, *_ in quantized]
     parts = received.split(widths, dim=1)
     count = len(quantized)
     return [
@@ -929,10 +923,6 @@ def quantized_allreduce(
         y, _ = _allreduce_pure(u, no_errors, plan, 0.0, checksum)
         return lambda: _into(u, y)
 
-    def init_fn(params):
-        del params
-        return EmptyState()
-
     def update_fn(updates, state, params=None, *, donate=None, participation=None, **extra):
         del params, extra
         leaves, spec = tree_flatten(updates)
@@ -955,36 +945,20 @@ def quantized_allreduce(
         live, _ = _live(leaves)
         if comm.world_size == 1:
             return _alone(updates, state, flag, leaves, live, extra)
-        _one_hop(plan)
         no = [no_errors] * len(live)
         out, _, _, got = _exchanged(leaves, live, no, plan, 0.0, flag_of(flag), extra)
-        for i, result in zip(live, out, strict=True):
-            leaves[i] = result
-        return Exchanged(tree_unflatten(leaves, spec), state, got.flags, got.extra)
+        return Exchanged(tree_unflatten(out, spec), state, got.flags, got.extra)
 
-    return Compressor(init_fn, update_fn, exchange_fn)
+    return Compressor(lambda params: EmptyState(), update_fn, exchange_fn)
 
 
 def _alone(updates, state, flag, leaves: list, live: list[int], extra) -> Exchanged:
     """The exchange of one rank: the updates as they are, its flag (and the leaves finite)."""
-    flags = _finite_flag(flag, leaves, live).reshape(1)
-    return Exchanged(updates, state, flags, torch.tensor([list(extra)], dtype=torch.int64))
-
-
-def _finite_flag(flag: torch.Tensor | None, leaves: list, live: list[int]) -> torch.Tensor:
-    """``flag`` and whether every live leaf is finite (where nothing is sent)."""
     flag = flag_of(flag)
     for i in live:
         flag = flag & torch.isfinite(leaves[i]).all()
-    return flag
-
-
-def _one_hop(plan: _Plan) -> None:
-    if plan.local_world_size is not None:
-        raise NotImplementedError(
-            "quantized allreduce: the exchange with a header runs on one hop; the two-hop mode "
-            "(local_world_size) has only update (fn.diloco's compressors use one hop)"
-        )
+    values = torch.tensor([list(extra)], dtype=torch.int64)
+    return Exchanged(updates, state, flag.reshape(1), values)
 
 
 class QuantizedError(NamedTuple):
@@ -1063,15 +1037,6 @@ def _sitters_first_hop(
     return (kept(stored[0], first, participation), *stored[1:])
 
 
-def _check_loco(err_beta: float, reset_T: int, error_dtype: torch.dtype) -> None:  # noqa: N803
-    if not 0.0 <= err_beta <= 1.0:
-        raise ValueError(f"err_beta must be in [0, 1], got {err_beta}")
-    if not isinstance(reset_T, int) or reset_T < 1:
-        raise ValueError(f"reset_T must be a positive int, got {reset_T!r}")
-    if not (error_dtype.is_floating_point or error_dtype == torch.int8):
-        raise ValueError(f"error_dtype must be a float dtype or torch.int8, got {error_dtype}")
-
-
 class _Loco(NamedTuple):
     """``loco_allreduce``'s settings that its leaves' steps take."""
 
@@ -1084,19 +1049,6 @@ def _loaded(stored: tuple, numel: int, plan: _Plan, reset: torch.Tensor) -> tupl
     """A leaf's stored errors as fp32 (zeros at a reset)."""
     sizes = _error_sizes(numel, plan)
     return tuple(_load(b, m, reset) for b, m in zip(stored, sizes, strict=True))
-
-
-def _loco_state(params: Any, loco: _Loco) -> LocoAllreduceState:
-    """The initial state: zero errors for every quantization of every leaf."""
-
-    def zeros(p):
-        return tuple(
-            _store(torch.zeros(k, dtype=torch.float32, device=p.device), loco.error_dtype,
-                   loco.plan.group_size)
-            for k in _error_sizes(p.numel(), loco.plan)
-        )  # fmt: skip
-
-    return LocoAllreduceState(torch.zeros((), dtype=torch.int64), tree_map(zeros, params))
 
 
 def _loco_leaf(
@@ -1161,10 +1113,9 @@ def _loco_update(
             loco,
         ),
     )
-    out, new_stored = list(leaves), list(stored)
     for i, (y, new) in zip(live, results, strict=True):
-        out[i], new_stored[i] = y, new
-    return tree_unflatten(out, spec), LocoAllreduceState(count, tree_unflatten(new_stored, spec))
+        leaves[i], stored[i] = y, new
+    return tree_unflatten(leaves, spec), LocoAllreduceState(count, tree_unflatten(stored, spec))
 
 
 def loco_allreduce(
@@ -1239,12 +1190,23 @@ def loco_allreduce(
         tensor([-0.4667, -0.3333, -0.2000, -0.0667,  0.0667,  0.2000,  0.3333,  0.4667])
     """
     plan = _plan(comm, bits, group_size, local_world_size)
-    _check_loco(err_beta, reset_T, error_dtype)
-
+    if not 0.0 <= err_beta <= 1.0:
+        raise ValueError(f"err_beta must be in [0, 1], got {err_beta}")
+    if not isinstance(reset_T, int) or reset_T < 1:
+        raise ValueError(f"reset_T must be a positive int, got {reset_T!r}")
+    if not (error_dtype.is_floating_point or error_dtype == torch.int8):
+        raise ValueError(f"error_dtype must be a float dtype or torch.int8, got {error_dtype}")
     loco = _Loco(plan, err_beta, error_dtype)
 
     def init_fn(params):
-        return _loco_state(params, loco)
+        def zeros(p):  # zero errors for every quantization of the leaf
+            return tuple(
+                _store(torch.zeros(k, dtype=torch.float32, device=p.device), error_dtype,
+                       group_size)
+                for k in _error_sizes(p.numel(), plan)
+            )  # fmt: skip
+
+        return LocoAllreduceState(torch.zeros((), dtype=torch.int64), tree_map(zeros, params))
 
     def update_fn(updates, state, params=None, *, donate=None, participation=None, **extra):
         del params, extra
@@ -1262,17 +1224,14 @@ def loco_allreduce(
         count = state.count + 1
         if comm.world_size == 1:
             return _alone(updates, state._replace(count=count), flag, leaves, live, extra)
-        _one_hop(plan)
         stored = list(spec.flatten_up_to(state.errors))
         reset = state.count % reset_T == 0
         loaded = [_loaded(stored[i], leaves[i].numel(), plan, reset) for i in live]
         out, new, part, got = _exchanged(leaves, live, loaded, plan, err_beta, flag_of(flag), extra)
-        leaves = list(leaves)
-        for i, y, errors in zip(live, out, new, strict=True):
+        for i, errors in zip(live, new, strict=True):
             kept_errors = tuple(_store(e, error_dtype, group_size) for e in errors)
             stored[i] = _sitters_first_hop(kept_errors, stored[i], reset, part)
-            leaves[i] = y
         new_state = LocoAllreduceState(count, tree_unflatten(stored, spec))
-        return Exchanged(tree_unflatten(leaves, spec), new_state, got.flags, got.extra)
+        return Exchanged(tree_unflatten(out, spec), new_state, got.flags, got.extra)
 
     return Compressor(init_fn, update_fn, exchange_fn)

@@ -132,10 +132,8 @@ class Simulated(_SimulatedCollectives):
             2
         """
         check_split(self._size, local_world_size)
-        return (
-            SimulatedGroup(self, local_world_size, _sim_ops.INTRA),
-            SimulatedGroup(self, local_world_size, _sim_ops.INTER),
-        )
+        hops = (_sim_ops.INTRA, _sim_ops.INTER)
+        return tuple(SimulatedGroup(self, local_world_size, hop) for hop in hops)
 
     @contextlib.contextmanager
     def _activate(self, rank: torch.Tensor) -> Iterator[None]:

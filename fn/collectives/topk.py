@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from fn.collectives._topk_code import (
+    NON_FINITE,
     WHAT,
     Layout,
     check,
@@ -26,8 +27,8 @@ from fn.collectives._topk_code import (
     compress,
     exchange_checksum,
     finished,
+    flattened,
     mean_of,
-    message_bytes,
     size_checked,
 )
 from fn.collectives.comm import Comm
@@ -35,7 +36,7 @@ from fn.collectives.error_feedback import ParamShapedErrorFeedbackField
 from fn.collectives.header import HEADER_BYTES, Compressor, Exchanged, exchange_rows, flag_of
 from fn.collectives.topk_owner import TopkOwnerState, owner_form
 from fn.errors import check_int, finite_or_raise
-from fn.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from fn.tree import tree_leaves, tree_map, tree_unflatten
 
 __all__ = [
     "TopkAllreduceState",
@@ -94,7 +95,8 @@ def topk_message_bytes(chunks: int, k: int, chunk_size: int) -> int:
         >>> fn.collectives.topk_message_bytes(chunks=1, k=32, chunk_size=4096)  # 28 + 8 + 8 + 4
         48
     """
-    return message_bytes(chunks, k, chunk_size)
+    layout = Layout(chunks, k, chunk_size)
+    return layout.position_bytes + layout.code_bytes + 4 * chunks
 
 
 def topk_exchange_form(
@@ -144,9 +146,9 @@ def topk_exchange_form(
         ['gather', 'owner']
     """
     share = -(-chunks // world_size)
-    gather = HEADER_BYTES + message_bytes(chunks, k, chunk_size)
-    owner = 2 * HEADER_BYTES + message_bytes(share, k, chunk_size)
-    owner += message_bytes(share, k if server_k is None else server_k, chunk_size)
+    gather = HEADER_BYTES + topk_message_bytes(chunks, k, chunk_size)
+    owner = 2 * HEADER_BYTES + topk_message_bytes(share, k, chunk_size)
+    owner += topk_message_bytes(share, k if server_k is None else server_k, chunk_size)
     return "owner" if (world_size - 1) * (gather - owner) > round_trip_bytes else "gather"
 
 
@@ -275,14 +277,9 @@ def _gather_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compresso
             tree_map(lambda p: torch.zeros(p.shape, dtype=torch.float32, device=p.device), params)
         )
 
-    def parts(updates, state):
-        leaves, spec = tree_flatten(updates)
-        live = [i for i, u in enumerate(leaves) if u is not None and u.numel() > 0]
-        return leaves, spec, spec.flatten_up_to(state.error), live
-
     def update_fn(updates, state, params=None, *, participation=None, **extra):
         del params, extra
-        leaves, spec, errors, live = parts(updates, state)
+        leaves, spec, errors, live = flattened(updates, state)
         if not live:
             return updates, state
         takes_part = None if participation is None else participation.takes_part
@@ -290,11 +287,7 @@ def _gather_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compresso
         layout = Layout(worked.mine.scales.numel(), k, chunk_size)
         message = layout.encode(worked.mine).view(-1)
         received = comm.all_gather(size_checked(comm, message, leaves, live, k, chunk_size))
-        finite_or_raise(
-            layout.scales(received),
-            f"{WHAT}: non-finite values in some rank's input (or its error feedback); the "
-            "state is unchanged",
-        )
+        finite_or_raise(layout.scales(received), NON_FINITE)
         mean = mean_of(received, layout, chunk_size, comm.world_size, participation)
         taking = torch.ones((), dtype=torch.bool) if takes_part is None else takes_part
         out, new_errors = finished(worked, taking, mean, leaves, errors, live, chunk_size)
@@ -302,7 +295,7 @@ def _gather_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compresso
 
     def exchange_fn(updates, state, flag=None, params=None, *, extra=()):
         del params
-        leaves, spec, errors, live = parts(updates, state)
+        leaves, spec, errors, live = flattened(updates, state)
         offered = flag_of(flag)
         worked = compress(leaves, errors, live, k, chunk_size, decay, offered)
         flag = offered & torch.isfinite(worked.mine.scales).all()

@@ -16,11 +16,12 @@ bytes.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from fn.collectives._topk_code import (
+    NON_FINITE,
     WHAT,
     Layout,
     Sparse,
@@ -28,6 +29,7 @@ from fn.collectives._topk_code import (
     dense,
     exchange_checksum,
     finished,
+    flattened,
     mean_of,
     padded,
     select,
@@ -39,7 +41,7 @@ from fn.collectives.error_feedback import ErrorFeedbackField, ParamShapedErrorFe
 from fn.collectives.header import Compressor, Exchanged, Opened, exchange_rows, flag_of
 from fn.collectives.participation import Participation
 from fn.errors import finite_or_raise
-from fn.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from fn.tree import tree_leaves, tree_map, tree_unflatten
 
 __all__ = ["TopkOwnerState", "owner_form"]
 
@@ -64,10 +66,6 @@ class TopkOwnerState(NamedTuple):
 
     error: ParamShapedErrorFeedbackField
     server_error: ErrorFeedbackField
-
-
-def _live(leaves: list) -> list[int]:
-    return [i for i, u in enumerate(leaves) if u is not None and u.numel() > 0]
 
 
 def _share(chunks: int, world_size: int, server_error: torch.Tensor, chunk_size: int) -> int:
@@ -104,32 +102,25 @@ def _server_step(
     return server, torch.where(valid, s - dense(server, chunk_size), 0.0).view(-1)
 
 
-def _owner_state(params: Any, chunk_size: int, world_size: int) -> TopkOwnerState:
-    """The initial state: zero error feedback, a worker's per leaf and an owner's of
-    ``ceil(c / W)`` chunks."""
-    live = [x for x in tree_leaves(params) if x is not None and x.numel() > 0]
-    chunks = sum(-(-x.numel() // chunk_size) for x in live)
-    share = -(-chunks // world_size)
-    device = live[0].device if live else None
-    return TopkOwnerState(
-        tree_map(lambda p: torch.zeros(p.shape, dtype=torch.float32, device=p.device), params),
-        torch.zeros(share * chunk_size, dtype=torch.float32, device=device),
-    )
-
-
 def owner_form(k: int, chunk_size: int, comm: Comm, decay: float, server_k: int) -> Compressor:
     """``topk_allreduce``'s owner-partitioned exchange (module docstring); the settings are
     checked by the caller."""
 
     def init_fn(params):
-        return _owner_state(params, chunk_size, comm.world_size)
+        # zero error feedback, a worker's per leaf and an owner's of ceil(c / W) chunks
+        live = [x for x in tree_leaves(params) if x is not None and x.numel() > 0]
+        chunks = sum(-(-x.numel() // chunk_size) for x in live)
+        share = -(-chunks // comm.world_size)
+        device = live[0].device if live else None
+        return TopkOwnerState(
+            tree_map(lambda p: torch.zeros(p.shape, dtype=torch.float32, device=p.device), params),
+            torch.zeros(share * chunk_size, dtype=torch.float32, device=device),
+        )
 
     def exchange_fn(updates, state, flag=None, params=None, *, extra=()):
         del params
         world_size = comm.world_size
-        leaves, spec = tree_flatten(updates)
-        errors = spec.flatten_up_to(state.error)
-        live = _live(leaves)
+        leaves, spec, errors, live = flattened(updates, state)
         offered = flag_of(flag)
         worked = compress(leaves, errors, live, k, chunk_size, decay, offered)
         share = _share(worked.mine.scales.numel(), world_size, state.server_error, chunk_size)
@@ -160,8 +151,7 @@ def owner_form(k: int, chunk_size: int, comm: Comm, decay: float, server_k: int)
 
     def update_fn(updates, state, params=None, *, participation=None, **extra):
         del params, extra
-        leaves, _ = tree_flatten(updates)
-        live = _live(leaves)
+        leaves, _, _, live = flattened(updates, state)
         if not live:
             return updates, state
         # the size record first, in a collective of its own: the messages' sizes depend on it
@@ -173,11 +163,7 @@ def owner_form(k: int, chunk_size: int, comm: Comm, decay: float, server_k: int)
         # a rank that takes part but whose flag came back unset is not finite: every rank
         # sees the count fall short
         expected = comm.world_size if participation is None else participation.count
-        finite_or_raise(
-            torch.where(participants.sum() == expected, 0.0, torch.nan),
-            f"{WHAT}: non-finite values in some rank's input (or its error feedback); the "
-            "state is unchanged",
-        )
+        finite_or_raise(torch.where(participants.sum() == expected, 0.0, torch.nan), NON_FINITE)
         return out, new_state
 
     return Compressor(init_fn, update_fn, exchange_fn)
