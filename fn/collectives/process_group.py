@@ -385,12 +385,8 @@ class ProcessGroup(ByteCounter):
         except (RuntimeError, ValueError) as store_err:  # the store's host (rank 0) is gone
             if not arrived:  # never reached it: nothing is known of the others
                 outcome = self._outcome(me, running or expired, failed_s, started, x)
-                return CollectiveTimeoutError(
-                    f"fn.collectives: {call} (collective #{seq} on ranks {members}) {outcome}: "
-                    f"{err}; the store is unreachable ({store_err}), so rank 0 likely died",
-                    [0],
-                    self.group,
-                )
+                where = f"{call} (collective #{seq} on ranks {members}) {outcome}: {err}"
+                return self._store_unreachable(where, store_err)
             # Rank 0 ended while this rank was looking (its own failure raised there too):
             # the ranks seen so far stand.
             store_lost = f" (the store went away while the ranks were looked for: {store_err})"
@@ -412,6 +408,16 @@ class ProcessGroup(ByteCounter):
             + (store_lost if missing else "")
             + detail,
             missing,
+            self.group,
+        )
+
+    def _store_unreachable(self, where: str, store_err: Exception) -> CollectiveTimeoutError:
+        """For :meth:`_diagnose`: the error of a collective (``where``: the call and what
+        happened to it) whose ranks could not meet, the store's host (rank 0) being gone."""
+        return CollectiveTimeoutError(
+            f"fn.collectives: {where}; the store is unreachable ({store_err}), so rank 0 "
+            "likely died",
+            [0],
             self.group,
         )
 
