@@ -147,18 +147,6 @@ def compressed_optimizer(
 
     warmup_step, compressed_step = phase_step(False), phase_step(True)
 
-    def fast_step(grads, state, params, *, donate, step=None, plan=None, **extra):
-        # with fused_apply: the phase's update with apply=True, then apply_updates of the leaves
-        # it did not apply
-        del extra
-        if check_step_or_plan(step, plan) is not None:
-            compressed = is_compressed(step, state)
-        else:  # a wrong plan: the compressed step's check raises
-            compressed = not isinstance(plan, plan_type) or plan.compressed
-        phase_fn = compressed_step if compressed else warmup_step
-        updates, new_state = phase_fn(grads, state, params, step, plan, donate, apply=True)
-        return apply_updates(params, updates, donate=True), new_state
-
     opt = CompressedOptimizer(
         init_fn,
         _update_fn(warmup_step, keywords),
@@ -168,7 +156,30 @@ def compressed_optimizer(
         first_compressed=first_compressed,
         reads_state=True,
     )
-    return opt._replace(fast_step=fast_step) if fused_apply else opt
+    if not fused_apply:
+        return opt
+    return opt._replace(
+        fast_step=_fast_step(is_compressed, plan_type, warmup_step, compressed_step)
+    )
+
+
+def _fast_step(
+    is_compressed: Callable[[int], bool], plan_type: type, warmup_step: Any, compressed_step: Any
+) -> Any:
+    """The ``fast_step`` of :func:`compressed_optimizer` with ``fused_apply``: the update of
+    the phase with ``apply=True``, then ``apply_updates`` of the leaves it did not apply."""
+
+    def fast_step(grads, state, params, *, donate, step=None, plan=None, **extra):
+        del extra
+        if check_step_or_plan(step, plan) is not None:
+            compressed = is_compressed(step, state)
+        else:  # a wrong plan: the compressed step's check raises
+            compressed = not isinstance(plan, plan_type) or plan.compressed
+        phase_fn = compressed_step if compressed else warmup_step
+        updates, new_state = phase_fn(grads, state, params, step, plan, donate, apply=True)
+        return apply_updates(params, updates, donate=True), new_state
+
+    return fast_step
 
 
 def _update_fn(step_fn: Callable[..., tuple[Updates, Any]], keywords: tuple[str, ...]) -> Any:
