@@ -15,7 +15,6 @@ from torch.distributed.distributed_c10d import (
 )
 from torchft import Manager
 
-from fn import kernels
 from fn.collectives.comm import ByteCounter, check_chunked, check_op
 
 __all__ = ["ManagerComm"]
@@ -157,5 +156,7 @@ class ManagerComm(ByteCounter):
     def reduce_scatter(self, x: torch.Tensor, op: str = "mean") -> torch.Tensor:
         check_op(op)
         pieces = self.all_to_all(x)  # row i: rank i's chunk for this rank (the same bytes)
-        total = kernels.sum_ranks(pieces)
+        total = torch.zeros_like(pieces[0])
+        for piece in pieces.unbind(0):  # in rank order, as fn.kernels.sum_ranks
+            total = total + piece
         return total / self.world_size if op == "mean" else total
