@@ -50,6 +50,7 @@ __all__ = [
     "Opened",
     "opened",
     "exchange_rows",
+    "alone",
 ]
 
 _DIGIT = 2**24  # every integer below 2^24 is exact in fp32
@@ -328,3 +329,20 @@ def exchange_rows(
     received = comm.all_to_all(rows) if to_each else gathered(comm, rows.view(-1))
     got = opened(received, n, what, checksum, len(extra))
     return got, participation_of(flag, got)
+
+
+def alone(updates: Any, state: Any, flag: Any, leaves: list, live: list[int], extra) -> Exchanged:
+    """The exchange of a group of one rank: ``updates`` and ``state`` as they are, with its
+    ``flag`` (and its ``leaves`` at the positions ``live`` finite) and ``extra`` as its headers
+    would have carried them.
+
+    Example:
+        >>> from fn.collectives.header import alone
+        >>> alone({"w": torch.ones(1)}, (), None, [torch.ones(1)], [0], [7]).participants
+        tensor([True])
+    """
+    flag = flag_of(flag)
+    for i in live:
+        flag = flag & torch.isfinite(leaves[i]).all()
+    values = torch.tensor([list(extra)], dtype=torch.int64)
+    return Exchanged(updates, state, flag.reshape(1), values)

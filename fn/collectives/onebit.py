@@ -8,19 +8,29 @@ References:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
 from fn import kernels
-from fn.base import GradientTransformation, donated_state
+from fn.base import donated_state
 from fn.collectives import _sizes
 from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm, check_split
 from fn.collectives.error_feedback import ErrorFeedback, ErrorFeedbackField
+from fn.collectives.header import (
+    Compressor,
+    Exchanged,
+    Opened,
+    alone,
+    exchange_rows,
+    flag_of,
+    gathered,
+)
 from fn.collectives.participation import Participation, kept, participants_mean, sent
 from fn.errors import NonFiniteError, finite_or_raise
-from fn.tree import donated_leaves, eager, fitting, live_leaves, tree_map
+from fn.tree import donated_leaves, eager, fitting, live_leaves, tree_map, tree_unflatten
 
 __all__ = [
     "padded_numel",
@@ -436,6 +446,7 @@ def _pure_exchange(
     return all_packed, all_scales, new_worker_error, new_server_error
 
 
+_NON_FINITE_SERVER = "compressed_allreduce: non-finite values in a server error"
 _NON_FINITE_ON_SOME_RANK = (
     "compressed_allreduce: non-finite values in x or in an error-feedback buffer (on some rank)"
 )
@@ -730,8 +741,7 @@ def _exchange(
     message = torch.cat((server_packed, server_scale.reshape(1).view(torch.uint8)))
     gathered = comm.all_gather(message)  # [W, chunk / 8 + 4]
     all_scales = finite_or_raise(
-        gathered[:, -4:].contiguous().view(torch.float32).view(world_size),
-        "compressed_allreduce: non-finite values in a server error",
+        gathered[:, -4:].contiguous().view(torch.float32).view(world_size), _NON_FINITE_SERVER
     )
     return CompressedExchange(
         flat, grad, beta, worker_error, server_error, scale, received, weights, server_scale,
@@ -759,7 +769,7 @@ class OnebitAllreduceState(NamedTuple):
     server_error: ErrorFeedbackField
 
 
-def onebit_allreduce(*, comm: Comm, local_world_size: int | None = None) -> GradientTransformation:
+def onebit_allreduce(*, comm: Comm, local_world_size: int | None = None) -> Compressor:
     """The error-compensated 1-bit allreduce of every update leaf, as a transform.
 
     ``update`` replaces each leaf ``u`` of every rank by :func:`compressed_allreduce` of it
@@ -782,8 +792,15 @@ def onebit_allreduce(*, comm: Comm, local_world_size: int | None = None) -> Grad
             node, 1-bit across nodes; the worker errors are ``L`` times smaller), or ``None``
             for flat. See :func:`compressed_allreduce`.
 
+    ``exchange(updates, state, flag)`` (:class:`~fn.collectives.Compressor`, flat): the bits of
+    ``update`` with ``participation`` read from the ranks' flags, in two collectives whatever
+    the number of leaves, this rank's flag and the size record in a header (``fn.diloco``'s
+    outer step): one all_to_all of every leaf's signs and worker scale to their owners, one
+    all-gather of every owner's server signs and scale. A rank whose flag is ``False`` (or whose
+    input or worker error is not finite) sends zeros and keeps its worker error.
+
     Returns:
-        A GradientTransformation with state :class:`OnebitAllreduceState`.
+        A :class:`~fn.collectives.Compressor` with state :class:`OnebitAllreduceState`.
 
     With a ``ProcessGroup`` and ``local_world_size``, building the transform is a collective
     call (it builds the node groups: ``ProcessGroup.split``): every rank builds it, in the same
@@ -838,7 +855,140 @@ def onebit_allreduce(*, comm: Comm, local_world_size: int | None = None) -> Grad
             walk.rebuild(worker, fill=1), walk.rebuild(server, fill=2)
         )
 
-    return GradientTransformation(init_fn, update_fn)
+    def exchange_fn(updates, state, flag=None, params=None, *, extra=()):
+        del params
+        if local_world_size not in (None, 1):
+            raise NotImplementedError(
+                "onebit_allreduce: the exchange with a header runs flat; the hierarchical "
+                "collective (local_world_size) has only update (fn.diloco's compressors are flat)"
+            )
+        walk = live_leaves(updates, state.worker_error, state.server_error, check=_has_errors)
+        leaves = walk.leaves[0]
+        live = [i for i in walk.live if leaves[i].numel() > 0]
+        if comm.world_size == 1:
+            return alone(updates, state, flag, leaves, live, extra)
+        errors = [(walk.leaves[1][i], walk.leaves[2][i]) for i in live]
+        for i, (worker_error, server_error) in zip(live, errors, strict=True):
+            _check_errors(leaves[i].numel(), worker_error, server_error, comm.world_size, None)
+        got, results = _headed_exchange(leaves, live, errors, comm, flag_of(flag), extra)
+        out, worker, server = list(leaves), list(walk.leaves[1]), list(walk.leaves[2])
+        for i, (y, new_worker, new_server) in zip(live, results, strict=True):
+            out[i], worker[i], server[i] = y, new_worker, new_server
+        new_state = OnebitAllreduceState(
+            tree_unflatten(worker, walk.spec), tree_unflatten(server, walk.spec)
+        )
+        return Exchanged(tree_unflatten(out, walk.spec), new_state, got.flags, got.extra)
+
+    return Compressor(init_fn, update_fn, exchange_fn)
+
+
+_WHAT = "onebit_allreduce"
+
+
+def _headed_exchange(
+    leaves: list,
+    live: list[int],
+    errors: list[tuple[torch.Tensor, torch.Tensor]],
+    comm: Comm,
+    offered: torch.Tensor,
+    extra: Sequence[int],
+) -> tuple[Opened, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """:func:`compressed_allreduce` of every live leaf (flat), with ``participation`` read from
+    the ranks' flags, in two collectives: an all_to_all whose row ``j`` holds chunk ``j`` of
+    every leaf's signs and this rank's worker scale of every leaf, the header in front; then an
+    all-gather of every leaf's server signs and server scale. Each leaf is padded and compressed
+    as on its own: the bits of one call per leaf. Returns what the headers held and ``(y,
+    worker_error', server_error')`` per live leaf."""
+    world_size = comm.world_size
+    flats = [_padded_flat(leaves[i], e.numel()) for i, (e, _) in zip(live, errors, strict=True)]
+    stored = [(worker.float(), server.float()) for worker, server in errors]
+    flag = offered
+    for flat, (worker, _) in zip(flats, stored, strict=True):
+        flag = flag & torch.isfinite(flat).all() & torch.isfinite(worker).all()
+    flag, sent_signs = _worker_compressed(flats, [e for e, _ in stored], flag)
+    n = sum(leaves[i].numel() for i in live)
+    checksum = _sizes.layout_checksum((i, leaves[i].numel()) for i in live)
+    rows = _rows(sent_signs, world_size)
+    got, part = exchange_rows(comm, rows, flag, n, _WHAT, checksum, to_each=True, extra=extra)
+    servers = [
+        _server_compressed(signs, scales, server, part)
+        for (signs, scales), (_, server) in zip(
+            _columns(got.payload, sent_signs, world_size), stored, strict=True
+        )
+    ]
+    owners = _columns(gathered(comm, _rows(servers, 1)[0]), servers, 1)
+    results = []
+    for k, i in enumerate(live):
+        packed, scales = owners[k]
+        y = PackedSigns(packed, finite_or_raise(scales, _NON_FINITE_SERVER)).unpacked(leaves[i])
+        worker = torch.where(flag, sent_signs[k].error, stored[k][0]).to(errors[k][0].dtype)
+        results.append((y, worker, servers[k].error.to(errors[k][1].dtype)))
+    return got, results
+
+
+class _Signs(NamedTuple):
+    """One leaf's side of the headed exchange: its packed signs, its scale and its new error."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    error: torch.Tensor
+
+
+def _worker_compressed(
+    flats: list[torch.Tensor], errors: list[torch.Tensor], flag: torch.Tensor
+) -> tuple[torch.Tensor, list[_Signs]]:
+    """Every leaf's worker compression; where ``flag`` is unset (or a scale is not finite) the
+    flag cleared and zeros sent (a sitter's input and error are not read)."""
+    try:
+        signs = [
+            _Signs(*kernels.sign_compress(torch.where(flag, x, 0.0), torch.where(flag, e, 0.0)))
+            for x, e in zip(flats, errors, strict=True)
+        ]
+    except NonFiniteError:  # x + e overflowed: this rank sits out
+        flag = torch.zeros_like(flag)
+        zeros = [torch.zeros_like(x) for x in flats]
+        signs = [_Signs(*kernels.sign_compress(z, z)) for z in zeros]
+    return flag, [
+        _Signs(torch.where(flag, s.packed, 0), torch.where(flag, s.scale, 0.0), s.error)
+        for s in signs
+    ]
+
+
+def _server_compressed(
+    signs: torch.Tensor, scales: torch.Tensor, server_error: torch.Tensor, part: Participation
+) -> _Signs:
+    """An owner's compression of the weighted sum of the ``[W, chunk / 8]`` signs it received;
+    a non-finite server error sends a NaN scale, which every rank refuses after the
+    all-gather."""
+    world_size, chunk = signs.shape[0], server_error.numel()
+    weights = participants_mean(scales, world_size, part)
+    unpacked = kernels.unpackbits(signs.reshape(-1), world_size * chunk).view(world_size, chunk)
+    server_m = kernels.sum_ranks(unpacked.mul_(weights[:, None]))
+    try:
+        return _Signs(*kernels.sign_compress(server_m, server_error))
+    except NonFiniteError:
+        packed = torch.zeros(chunk // 8, dtype=torch.uint8, device=signs.device)
+        return _Signs(packed, server_m.new_full((), torch.nan), server_error)
+
+
+def _rows(signs: list[_Signs], rows: int) -> torch.Tensor:
+    """Every leaf's packed signs cut into ``rows`` rows, then every leaf's scale in each row:
+    uint8 ``[rows, bytes]``."""
+    parts = [s.packed.view(rows, -1) for s in signs]
+    parts += [s.scale.reshape(1).view(torch.uint8).expand(rows, 4) for s in signs]
+    return torch.cat(parts, dim=1)
+
+
+def _columns(
+    received: torch.Tensor, signs: list[_Signs], rows: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The received ``[W, bytes]`` of :func:`_rows` back into every leaf's packed signs ``[W,
+    bytes]`` and its ``W`` fp32 scales, one per sender."""
+    widths = [s.packed.numel() // rows for s in signs]
+    parts = received.split(widths + [4] * len(signs), dim=1)
+    packed, scales = parts[: len(signs)], parts[len(signs) :]
+    scales = [s.clone(memory_format=torch.contiguous_format).view(torch.float32) for s in scales]
+    return [(p.contiguous(), s.view(-1)) for p, s in zip(packed, scales, strict=True)]
 
 
 def _has_errors(index: int, update: torch.Tensor, worker_error: torch.Tensor | None) -> None:

@@ -39,7 +39,14 @@ from fn.collectives import _sizes
 from fn.collectives._fusion_barrier import fusion_barrier
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField
-from fn.collectives.header import Compressor, Exchanged, exchange_rows, flag_of, gathered
+from fn.collectives.header import (
+    Compressor,
+    Exchanged,
+    alone,
+    exchange_rows,
+    flag_of,
+    gathered,
+)
 from fn.collectives.participation import Participation, kept, participants_mean, sent
 from fn.collectives.process_group import ProcessGroup
 from fn.errors import NonFiniteError, finite_or_raise
@@ -944,21 +951,12 @@ def quantized_allreduce(
         leaves, spec = tree_flatten(updates)
         live, _ = _live(leaves)
         if comm.world_size == 1:
-            return _alone(updates, state, flag, leaves, live, extra)
+            return alone(updates, state, flag, leaves, live, extra)
         no = [no_errors] * len(live)
         out, _, _, got = _exchanged(leaves, live, no, plan, 0.0, flag_of(flag), extra)
         return Exchanged(tree_unflatten(out, spec), state, got.flags, got.extra)
 
     return Compressor(lambda params: EmptyState(), update_fn, exchange_fn)
-
-
-def _alone(updates, state, flag, leaves: list, live: list[int], extra) -> Exchanged:
-    """The exchange of one rank: the updates as they are, its flag (and the leaves finite)."""
-    flag = flag_of(flag)
-    for i in live:
-        flag = flag & torch.isfinite(leaves[i]).all()
-    values = torch.tensor([list(extra)], dtype=torch.int64)
-    return Exchanged(updates, state, flag.reshape(1), values)
 
 
 class QuantizedError(NamedTuple):
@@ -1223,7 +1221,7 @@ def loco_allreduce(
         live, _ = _live(leaves)
         count = state.count + 1
         if comm.world_size == 1:
-            return _alone(updates, state._replace(count=count), flag, leaves, live, extra)
+            return alone(updates, state._replace(count=count), flag, leaves, live, extra)
         stored = list(spec.flatten_up_to(state.errors))
         reset = state.count % reset_T == 0
         loaded = [_loaded(stored[i], leaves[i].numel(), plan, reset) for i in live]

@@ -23,7 +23,7 @@ def nesterov(
     defaults are DiLoCo's (Douillard et al. 2023, arXiv:2311.08105). ``momentum=0`` is plain
     outer SGD; with ``lr=1`` and an exact compressor the new anchor is the mean of the ranks'
     parameters. The momentum is the same on every rank. Where the compressor is a
-    ``fn.collectives.Compressor`` (every kind but ``"onebit"``), so is the rule: its
+    ``fn.collectives.Compressor`` (every kind of ``fn.diloco.compression``), so is the rule: its
     ``exchange`` sends the compressor's messages with the outer step's flag in their header
     (:func:`fn.diloco.outer_update`).
 

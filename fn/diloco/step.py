@@ -86,7 +86,7 @@ def outer_step(
     2. Participation: this rank takes part where ``takes_part`` and every value of ``delta``
        is finite; a worker takes part where all its ranks do (summed over ``within``). Where
        ``outer`` is a ``fn.collectives.Compressor`` (every compressor of
-       ``fn.diloco.compression`` but ``"onebit"``), the worker's flag and ``header``'s values
+       ``fn.diloco.compression``), the worker's flag and ``header``'s values
        ride in the header of the compressor's first message, and every rank reads the mask
        ``m`` there (fn/collectives/header.py: no collective of its own); else the workers agree
        on it first, in one all-gather over ``comm`` (``agree_on_participation`` of

@@ -19,6 +19,8 @@ from fn.collectives import (
     cast_allreduce,
     cast_exchange_form,
     loco_allreduce,
+    onebit_allreduce,
+    padded_numel,
     quantized_allreduce,
     quantized_padded_numel,
     simulate,
@@ -127,6 +129,17 @@ def test_the_quantized_exchange_has_the_bits_of_its_update_in_one_message(world_
     assert sent == (world_size - 1) * (HEAD + per_rank) + (world_size - 1) * per_rank
 
 
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_the_onebit_exchange_has_the_bits_of_its_update_per_leaf_in_two_collectives(world_size):
+    """Every leaf's signs and worker scale in one all_to_all, every owner's in one all-gather,
+    where ``update`` makes four collectives per leaf (DeepSpeed's): the same bits, the worker
+    and server errors included."""
+    comm = Simulated(world_size)
+    sent = _check_exchange(onebit_allreduce(comm=comm), comm, world_size)
+    per_rank = sum(padded_numel(numel, world_size) // world_size // 8 + 4 for numel in (35, 3))
+    assert sent == (world_size - 1) * (HEAD + per_rank) + (world_size - 1) * per_rank
+
+
 def test_the_two_hop_mode_has_no_exchange():
     comm = Simulated(4)
     two_hops = loco_allreduce(4, 8, comm=comm, local_world_size=2)
@@ -134,3 +147,6 @@ def test_the_two_hop_mode_has_no_exchange():
     with pytest.raises(NotImplementedError, match="runs on one hop"):
         simulate(two_hops.exchange, comm)(y, simulate(two_hops.init, comm)(y))
     assert isinstance(two_hops, fn.collectives.Compressor)
+    hierarchical = onebit_allreduce(comm=comm, local_world_size=2)
+    with pytest.raises(NotImplementedError, match="runs flat"):
+        simulate(hierarchical.exchange, comm)(y, simulate(hierarchical.init, comm)(y))

@@ -5,7 +5,6 @@ exchange header and with one of DiLoCo's six values."""
 from __future__ import annotations
 
 import functools
-import math
 
 import pytest
 import torch
@@ -54,14 +53,9 @@ def _documented(kind: str, w: int, h: int) -> int:
         b = 8 if kind == "int8" else 4
         r = sum(quantized_padded_numel(m, w, GROUP) // w * (b / 8 + 4 / GROUP) for m in SIZES)
         return (w - 1) * (hh + int(r)) + (w - 1) * int(r)
-    if kind == "onebit":  # no header: the agreement is an all-gather of 1 + h int64 each
-        agreement = 8 * (1 + h) * (w - 1)
-        per_leaf = 0
-        for m in SIZES:
-            big_n = padded_numel(m, w)  # scale + record, signs to owners, their signs and scale
-            per_leaf += 12 * (w - 1) + math.ceil((w - 1) * big_n // 8 / w)
-            per_leaf += (w - 1) * big_n // 8 // w + 4 * (w - 1)
-        return agreement + per_leaf
+    if kind == "onebit":  # each leaf's signs and worker scale, then its owner's
+        r = sum(padded_numel(m, w) // w // 8 + 4 for m in SIZES)
+        return (w - 1) * (hh + r) + (w - 1) * r
     chunks = sum(-(-m // C) for m in SIZES)
     if kind == "gather":
         return (w - 1) * (hh + topk_message_bytes(chunks, K, C))

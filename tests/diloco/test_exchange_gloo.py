@@ -1,6 +1,6 @@
 """The outer step's exchanges on 4 gloo ranks, in one launch: every compressor with a header
-(the owner forms among them: fp32 and bf16 from W = 3, int8, loco4, top-k reduced on owners)
-gives the bits of ``Simulated(4)``, sends and receives its bytes and makes its collectives,
+(the owner forms among them: fp32 and bf16 from W = 3, int8, loco4, 1-bit, top-k reduced on
+owners) gives the bits of ``Simulated(4)``, sends and receives its bytes and makes its collectives,
 also where a worker's non-finite pseudo-gradient makes it sit out; a rank whose sizes differ
 from the others' (its message of the same size) raises the same error on every rank;
 ``DiLoCo`` with SparseLoCo reduced on owners (its owners keeping twice its k) matches the loop
@@ -22,7 +22,7 @@ from tests._distributed import run_distributed
 from tests.diloco import _reference
 
 W = 4
-KINDS = ("fp32", "bf16", "int8", "loco4", "topk", "owner")
+KINDS = ("fp32", "bf16", "int8", "loco4", "onebit", "topk", "owner")
 ANCHOR = {"w": torch.linspace(-1.0, 1.0, 60).view(6, 10), "b": torch.linspace(0.0, 1.0, 9)}
 
 

@@ -192,18 +192,18 @@ class _Counting(Simulated):
 
 
 # the sequential collectives of one outer step over two leaves; before the headers: fp32 and bf16
-# 4 (the agreement, a size record, an all_to_all, an all_gather), int8 and loco4 1 + 4 per leaf,
-# topk and sparseloco 3 (the agreement, a size record, the all-gather)
+# 4 (the agreement, a size record, an all_to_all, an all_gather), int8, loco4 and onebit 1 + 4
+# per leaf, topk and sparseloco 3 (the agreement, a size record, the all-gather)
 ROUND_TRIPS = {
-    2: {"fp32": 1, "bf16": 1, "int8": 2, "loco4": 2, "onebit": 9, "topk": 1, "owner": 2},
-    4: {"fp32": 2, "bf16": 2, "int8": 2, "loco4": 2, "onebit": 9, "topk": 1, "owner": 2},
+    2: {"fp32": 1, "bf16": 1, "int8": 2, "loco4": 2, "onebit": 2, "topk": 1, "owner": 2},
+    4: {"fp32": 2, "bf16": 2, "int8": 2, "loco4": 2, "onebit": 2, "topk": 1, "owner": 2},
 }
 
 
 @pytest.mark.parametrize("world_size", sorted(ROUND_TRIPS))
 def test_one_outer_step_makes_the_collectives_it_documents(world_size):
     """The agreement and the sizes ride in the messages' headers: one collective for the
-    all-gather forms, two where owners reduce; 1-bit keeps its own (1 + 4 per leaf)."""
+    all-gather forms, two where owners reduce (1-bit among them)."""
     for kind, expected in ROUND_TRIPS[world_size].items():
         comm = _Counting(world_size)
         if kind == "owner":
