@@ -30,6 +30,8 @@ inside every worker, until rank 0's held-out loss is at most ``--target`` or ``-
   allreduce of the gradients at every step; evaluated every ``--eval-every`` steps;
 - ``diloco-fp32``: ``fn.diloco.DiLoCo`` around the AdamW, an outer step every ``H``
   (``--sync-every``, 30) steps, Nesterov (lr 0.7, momentum 0.9) on the dense fp32 mean;
+  ``diloco-int8`` and ``diloco-onebit``: the same on ``fn.diloco.compression("int8")`` (no
+  error feedback) and ``("onebit")`` (the error-compensated 1-bit allreduce);
 - ``diloco-sparseloco-1/32``: SparseLoCo's rule (lr 1, beta 0.95), chunk-wise top-k of 4096 at
   density 1/32 in 2 bits with error feedback: the lowest held-out loss of the error-compensated
   compressors at H = 30 in benchmarks/README.md's quality table (``--density`` sets it);
@@ -128,6 +130,8 @@ def methods(args: argparse.Namespace) -> list[Method]:
         Method("probe"),
         Method("ddp"),
         Method("diloco-fp32", "nesterov", "fp32"),
+        Method("diloco-int8", "nesterov", "int8"),
+        Method("diloco-onebit", "nesterov", "onebit"),
         Method(
             f"diloco-sparseloco-1/{args.density}",
             "sparseloco",
@@ -543,10 +547,11 @@ def train(config: dict) -> dict:
 def outer_collectives(method: Method, model, dist) -> list[str]:
     """The collectives of one outer step, in order, as ``fn.collectives`` chooses the
     exchange's form for this model and group: one all-gather, or an all_to_all to the owners
-    and an all-gather of their results; fn sends each all-gather of an exchange as an
-    all_to_all of the same message to every rank (``fn.collectives.header.gathered``), so each
-    is an all_to_all on the link. SparseLoCo's form is the one its rule picks at ``init`` with
-    the run's options (on simulated workers of the group's size)."""
+    and an all-gather of their results (int8 and 1-bit always); fn sends each all-gather of an
+    exchange as an all_to_all of the same message to every rank
+    (``fn.collectives.header.gathered``), so each is an all_to_all on the link. SparseLoCo's
+    form is the one its rule picks at ``init`` with the run's options (on simulated workers of
+    the group's size)."""
     import fn.diloco
     from fn.collectives import Simulated, TopkOwnerState, cast_exchange_form
 
@@ -555,6 +560,8 @@ def outer_collectives(method: Method, model, dist) -> list[str]:
     if method.outer == "sparseloco":
         state = fn.diloco.sparseloco(comm=Simulated(world), **options).init(params)
         form = "owner" if isinstance(state[0], TopkOwnerState) else "gather"
+    elif method.compression in ("int8", "onebit"):  # always to the owners, then from them
+        form = "owner"
     else:
         form = cast_exchange_form(sum(p.numel() for p in params) // method.fragments, 4, world)
     return ["all_to_all"] if form == "gather" else ["all_to_all", "all_to_all"]

@@ -1127,6 +1127,21 @@ def test_diloco_wall_counts_the_collectives_of_the_form_auto_picks_with_server_k
     assert wall.outer_collectives(owners4, model, group) == ["all_to_all"] * 2
 
 
+def test_diloco_wall_counts_two_collectives_for_int8_and_onebit_at_any_w():
+    """int8 and 1-bit go to the owners and back at every W (fp32 at 2 workers: one all-gather),
+    whatever the number of tensors."""
+    wall = _load("diloco_wall.py")
+    model = _load("diloco.py").make_model(0)
+    for workers in (2, 4):
+        group = types.SimpleNamespace(get_world_size=lambda w=workers: w)
+        for name in ("diloco-int8", "diloco-onebit"):
+            (method,) = wall.methods(wall.parse_args(["--methods", name]))
+            assert wall.outer_collectives(method, model, group) == ["all_to_all"] * 2, name
+    (fp32,) = wall.methods(wall.parse_args(["--methods", "diloco-fp32"]))
+    two = types.SimpleNamespace(get_world_size=lambda: 2)
+    assert wall.outer_collectives(fp32, model, two) == ["all_to_all"]
+
+
 def test_diloco_wall_summary_times_the_target_and_the_blocked_exchange():
     wall = _load("diloco_wall.py")
     # DDP: 1 s a step, evaluated every 2 steps, the target 2.0 first met at step 4
