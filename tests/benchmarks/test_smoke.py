@@ -1080,7 +1080,8 @@ def test_diloco_wall_plan_shapes_every_worker_and_stays_inside_its_namespaces():
     workers = [json.loads(line.split("--worker ", 1)[1].strip("'")) for line in lines
                if line.startswith("ip netns exec")]  # fmt: skip
     names = [w["method"]["name"] for w in workers if w["rank"] == 0]
-    assert names[:4] == ["probe", "ddp", "diloco-fp32", "diloco-sparseloco-1/32"]
+    dense = ["diloco-fp32", "diloco-int8", "diloco-onebit"]
+    assert names[:6] == ["probe", "ddp", *dense, "diloco-sparseloco-1/32"]
     assert names == names[: len(names) // 2] * 2  # every method in both runs, in order
     for name in ("stream-fp32-P3", "stream-fp32-P3-d9"):  # built, or reported as not built
         assert name in names or f"#   {name}: not built (" in proc.stdout
