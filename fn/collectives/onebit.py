@@ -420,8 +420,7 @@ def _pure_exchange(
     elements: every rank's packed server signs ``[W, chunk / 8]`` and scales ``[W]``, and this
     rank's new errors. A rank that sits out (``participation``) sends scale 0 and keeps its
     worker error; the server weighs the scales by ``1 / n``."""
-    world_size, n_padded = comm.world_size, flat.numel()
-    chunk = n_padded // world_size
+    world_size = comm.world_size
     # Non-finite values make the scale non-finite (or the kernel raise); the rank then sends a
     # NaN scale, every rank sees it after the scale all_gather and raises there, before any
     # sign is exchanged: no rank is left waiting and no error state is touched.
@@ -435,15 +434,25 @@ def _pure_exchange(
     scales = _worker_scales(comm, scale, n)
 
     received = comm.all_to_all(packed.view(world_size, -1))  # [W, chunk / 8]: chunk r of rank i
-    # unpackbits returns fresh tensors: scaling them in place saves a full-size copy each.
-    signs = kernels.unpackbits(received.reshape(-1), n_padded).view(world_size, chunk)
-    weights = participants_mean(scales, world_size, participation)  # [W]
-    server_m = kernels.sum_ranks(signs.mul_(weights[:, None]))  # [chunk]
+    server_m = _server_sum(received, scales, participation)  # [chunk]
     server_packed, server_scale, new_server_error = kernels.sign_compress(server_m, server_error)
 
     all_packed = comm.all_gather(server_packed)  # [W, chunk / 8]
     all_scales = comm.all_gather(server_scale)  # [W]
     return all_packed, all_scales, new_worker_error, new_server_error
+
+
+def _server_sum(
+    received: torch.Tensor, scales: torch.Tensor, participation: Participation | None
+) -> torch.Tensor:
+    """An owner's mean before its error feedback: the ``[W, chunk / 8]`` packed signs it
+    received, each rank's times that rank's worker scale over the participants
+    (``participants_mean``), summed in rank order; fp32 ``[chunk]``."""
+    world_size, chunk = received.shape[0], received.shape[1] * 8
+    # unpackbits returns fresh tensors: scaling them in place saves a full-size copy each.
+    signs = kernels.unpackbits(received.reshape(-1), world_size * chunk).view(world_size, chunk)
+    weights = participants_mean(scales, world_size, participation)  # [W]
+    return kernels.sum_ranks(signs.mul_(weights[:, None]))
 
 
 _NON_FINITE_SERVER = "compressed_allreduce: non-finite values in a server error"
@@ -960,14 +969,11 @@ def _server_compressed(
     """An owner's compression of the weighted sum of the ``[W, chunk / 8]`` signs it received;
     a non-finite server error sends a NaN scale, which every rank refuses after the
     all-gather."""
-    world_size, chunk = signs.shape[0], server_error.numel()
-    weights = participants_mean(scales, world_size, part)
-    unpacked = kernels.unpackbits(signs.reshape(-1), world_size * chunk).view(world_size, chunk)
-    server_m = kernels.sum_ranks(unpacked.mul_(weights[:, None]))
+    server_m = _server_sum(signs, scales, part)
     try:
         return _Signs(*kernels.sign_compress(server_m, server_error))
     except NonFiniteError:
-        packed = torch.zeros(chunk // 8, dtype=torch.uint8, device=signs.device)
+        packed = torch.zeros(server_m.numel() // 8, dtype=torch.uint8, device=signs.device)
         return _Signs(packed, server_m.new_full((), torch.nan), server_error)
 
 
