@@ -2,11 +2,13 @@
 
 ``spawn_gloo(worker_fn, world_size, args, timeout=..., on_message=...)`` starts ``world_size``
 processes with :func:`torch.multiprocessing.start_processes` (the ``spawn`` start method, or
-``forkserver`` for many short launches: see ``spawn_gloo``); each joins a gloo group on a free
-local port and runs ``worker_fn(rank, world_size, send, *args)``.
+``forkserver`` for many short launches: see ``spawn_gloo``); each joins a gloo group and runs
+``worker_fn(rank, world_size, send, *args)``. The group meets at a ``TCPStore`` that the parent
+serves on a port the kernel picks and holds for the whole run: no port is chosen, released and
+bound again, so two launches at once cannot take the same one.
 ``send(payload)`` passes a picklable message to the parent's ``on_message`` while the workers run
 (the demo's progress). torch collects the traceback of a child that raises and ends the other
-children when one fails; this module adds the free port, the gloo group, the results, one
+children when one fails; this module adds the rendezvous, the gloo group, the results, one
 deadline for the whole run and the handling of Ctrl-C and of the parent's death. The children
 ignore SIGINT: the parent alone handles Ctrl-C and kills them. On Linux the kernel also kills
 them when the parent dies without cleaning up (``kill -9``), so none keeps training.
@@ -34,7 +36,6 @@ import pickle
 import queue
 import select
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fn.collectives import exit_distributed
@@ -52,6 +54,7 @@ __all__ = ["WorkerError", "spawn_gloo"]
 
 ERROR_GRACE_S = 2.0  # after a first failure, the other ranks have this long to report theirs
 POLL_S = 0.2
+_HOST = "127.0.0.1"
 STACK_WAIT_S = 1.0  # how long the ranks have to dump their stacks on a timeout
 _PR_SET_PDEATHSIG = 1  # prctl(2) option, <linux/prctl.h>
 _STACK_SIGNAL = getattr(signal, "SIGUSR1", None)  # None on Windows
@@ -84,10 +87,16 @@ class WorkerError(RuntimeError):
         self.tracebacks = dict(tracebacks or {})
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _serve_store(timeout: float) -> dist.TCPStore:
+    """The rendezvous the workers meet at: a ``TCPStore`` on ``127.0.0.1``, bound to a port the
+    kernel picks (``.port``) and held until it is garbage collected."""
+    return dist.TCPStore(
+        _HOST,
+        0,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -165,16 +174,10 @@ def _child(
     _die_with_parent(launcher_pid)
     if environ is not None:
         _die_with_launcher(launcher_pid)
-    import torch.distributed as dist
-
     torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout),
-    )
+    deadline = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore(_HOST, port, is_master=False, timeout=deadline)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=deadline)
     dist.barrier()  # gloo connects lazily: connect before the timed work starts
     try:
         out = worker_fn(rank, world_size, lambda m: messages.put(("message", rank, m)), *args)
@@ -298,10 +301,11 @@ def spawn_gloo(
     stacks = tempfile.TemporaryDirectory(prefix="fn-stacks-")
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
+    store = _serve_store(timeout)
     child_args = (
         worker_fn,
         world_size,
-        _free_port(),
+        store.port,
         timeout,
         threads,
         messages,

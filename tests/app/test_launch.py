@@ -3,9 +3,11 @@ worker."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +19,7 @@ import pytest
 import torch
 import torch.distributed
 
+from fn.app import _launch
 from fn.app._launch import WorkerError, spawn_gloo
 from tests._distributed import alive, still_running
 from tests.app import ROOT, cli
@@ -107,6 +110,31 @@ def test_a_finished_worker_is_not_failed_by_its_teardown():
             _leaves_a_thread_in_a_collective, 2, (), timeout=60, on_message=lambda *a: None
         )
         assert results == [0, 1]
+
+
+def _returns_rank(rank, world_size, send):
+    return rank
+
+
+@pytest.mark.timeout(90)
+def test_the_rendezvous_port_is_held_before_any_worker_starts(monkeypatch):
+    # a port picked free, released and bound later by rank 0 can be taken in between
+    # (EADDRINUSE under parallel tests): the launcher must hold it from the start
+    start_processes = _launch.mp.start_processes
+    bind_errors = []
+
+    def check_port_then_start(fn, args, **kwargs):
+        port = args[2]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError as err:
+                bind_errors.append(err.errno)
+        return start_processes(fn, args, **kwargs)
+
+    monkeypatch.setattr(_launch.mp, "start_processes", check_port_then_start)
+    assert spawn_gloo(_returns_rank, 2, (), timeout=60, on_message=lambda *a: None) == [0, 1]
+    assert bind_errors == [errno.EADDRINUSE]
 
 
 def _children(pid: int) -> list[int]:
