@@ -9,7 +9,6 @@ import ipaddress
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import types
@@ -488,13 +487,14 @@ def test_cluster_ranks_run_every_row_on_loopback(tmp_path, capsys):
     argv = ["--ranks", "2", "--rates", "1gbit", "--log2-sizes", "10,11", "--repeats", "1"]
     argv += ["--train-repeats", "1", "--warmup", "3", "--width", "8", "--hidden", "16"]
     args = cluster.parse_args([*argv, "--batch", "4"])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # the test serves the ranks' store on a port the kernel picks, as torchrun's agent does (a
+    # port picked free and bound later by rank 0 can be taken in between)
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     out = tmp_path / "result.json"
     config = {**cluster.worker_config(args, "1gbit"), "master_addr": "127.0.0.1"}
     config = {**config, "timeout": 240, "out": str(out)}
-    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), GLOO_SOCKET_IFNAME="lo")
+    env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     procs = [
         subprocess.Popen(
             [sys.executable, os.path.join(BENCH, "cluster.py"), "--worker"]
