@@ -14,7 +14,8 @@ ignore SIGINT: the parent alone handles Ctrl-C and kills them. On Linux the kern
 them when the parent dies without cleaning up (``kill -9``), so none keeps training.
 
 A failure names the rank that caused it: a rank that died without an error of its own (killed,
-out of memory) comes first, as the errors of its peers (a closed connection) are consequences.
+out of memory) comes first, as the errors of its peers (a closed connection) are consequences;
+where a fatal signal ended it (a crash, an abort), its Python stacks at that moment follow.
 On a timeout each rank dumps its Python stack (``faulthandler`` on ``SIGUSR1``, where the
 platform has it): a rank that is not inside a ``torch.distributed`` call is named as the one
 the others wait for.
@@ -165,8 +166,10 @@ def _child(
     if environ is not None:  # forked from a server started earlier: the launcher's variables
         os.environ.clear()
         os.environ.update(environ)
+    # kept open for the process's life: faulthandler writes to their file descriptors
+    fatal_file = open(Path(stacks) / f"rank{rank}-fatal.txt", "w")  # noqa: SIM115
+    faulthandler.enable(file=fatal_file, all_threads=True)  # SIGSEGV, SIGABRT, ...: the stacks
     if _STACK_SIGNAL is not None:
-        # kept open for the process's life: faulthandler writes to its file descriptor
         stack_file = open(Path(stacks) / f"rank{rank}.txt", "w")  # noqa: SIM115
         faulthandler.register(_STACK_SIGNAL, file=stack_file, all_threads=False)
     # torch's parent-death signal is SIGINT, which is ignored here and which a rank blocked in a
@@ -199,13 +202,15 @@ def _describe_exit(exitcode: int) -> str:
     return f"exited with code {exitcode}"
 
 
-def _failure(context: mp.ProcessContext, exits: dict[int, int]) -> WorkerError:
+def _failure(context: mp.ProcessContext, exits: dict[int, int], stacks: Path) -> WorkerError:
     """The error for a failed run: every rank's traceback, led by the ranks that died without
-    one (their peers' errors, a closed connection, are then consequences).
+    one (their peers' errors, a closed connection, are then consequences), with the Python
+    stacks a fatal signal (a crash, an abort) left of them.
 
     Args:
         context: the workers.
         exits: ``{rank: exit code}`` of the ranks seen exiting before torch ended the others.
+        stacks: the folder of the ranks' stack files.
     """
     tracebacks = {}
     for rank, path in enumerate(context.error_files):
@@ -215,10 +220,12 @@ def _failure(context: mp.ProcessContext, exits: dict[int, int]) -> WorkerError:
         except (OSError, EOFError, pickle.UnpicklingError):
             continue  # no traceback: the rank did not raise, or was killed while writing it
     died = {r: code for r, code in sorted(exits.items()) if code != 0 and r not in tracebacks}
-    lines = [
-        f"worker rank {r} died: {_describe_exit(code)}, without an error of its own"
-        for r, code in died.items()
-    ]
+    lines = []
+    for r, code in died.items():
+        lines.append(f"worker rank {r} died: {_describe_exit(code)}, without an error of its own")
+        with contextlib.suppress(OSError):
+            if fatal := (stacks / f"rank{r}-fatal.txt").read_text().strip():
+                lines.append(f"its Python stacks at the signal:\n{fatal}")
     if died and tracebacks:
         lines.append("the other ranks failed after it (probably as a consequence):")
     lines += [f"worker rank {r} failed:\n{tb}" for r, tb in sorted(tracebacks.items())]
@@ -331,9 +338,9 @@ def spawn_gloo(
     except mp.ProcessExitedException as err:
         # torch saw this rank's exit first, maybe between our look at the exit codes and its own
         exits.setdefault(err.error_index, err.exit_code)
-        raise _failure(context, exits) from None
+        raise _failure(context, exits, Path(stacks.name)) from None
     except mp.ProcessRaisedException:
-        raise _failure(context, exits) from None
+        raise _failure(context, exits, Path(stacks.name)) from None
     finally:
         if context is not None:
             _stop(context)

@@ -51,6 +51,22 @@ def test_a_killed_worker_raises_and_the_others_are_killed():
     assert not [p for p in _children(os.getpid()) if _is_worker(p)]
 
 
+def _aborts_on_rank_1(rank, world_size, send):
+    if rank == 1:
+        os.abort()  # as a heap corruption found by the C library ends a process
+    time.sleep(600)
+
+
+@pytest.mark.timeout(60)
+def test_a_crashed_worker_is_named_with_its_python_stack():
+    with pytest.raises(WorkerError) as info:
+        spawn_gloo(_aborts_on_rank_1, 2, (), timeout=40, on_message=lambda *a: None)
+    assert info.value.ranks == [1] and info.value.died
+    message = str(info.value)
+    assert re.search(r"worker rank 1 died: .*SIGABRT", message), message
+    assert "its Python stacks at the signal" in message and "_aborts_on_rank_1" in message
+
+
 def _killed_while_rank_0_waits(rank, world_size, send):
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
