@@ -23,7 +23,6 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
-import socket
 import statistics
 import sys
 import time
@@ -101,12 +100,13 @@ def _worker(rank, world, backend, port, n, repeats, results):
     if backend == "nccl":
         device, sync = torch.device("cuda", rank), torch.cuda.synchronize
         torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=300)
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        store=dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout),
         rank=rank,
         world_size=world,
-        timeout=datetime.timedelta(seconds=300),
+        timeout=timeout,
         **({"device_id": device} if backend == "nccl" else {}),
     )
     comm = ProcessGroup()
@@ -140,9 +140,12 @@ def _worker(rank, world, backend, port, n, repeats, results):
 
 
 def wall_times(n: int, repeats: int, world: int = WORLD, backend: str = "gloo") -> dict[str, float]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # the ranks meet at a store served here, on a port the kernel picks and this process holds
+    # (one picked free and bound later by rank 0 could be taken in between)
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [
