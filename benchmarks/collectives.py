@@ -28,6 +28,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -68,8 +69,6 @@ def counted_bytes(n: int, world: int = WORLD) -> dict[str, int]:
 def _timed(call, repeats, sync):
     """The median seconds of ``repeats`` calls after the warm-up (one call, then more while a
     CPU kernel on some rank is still tuning its first large calls, at most 30); the calls made."""
-    import torch.distributed as dist
-
     calls = 0
     for _ in range(MAX_WARMUP):
         call()
@@ -91,8 +90,6 @@ def _timed(call, repeats, sync):
 
 
 def _worker(rank, world, backend, port, n, repeats, results):
-    import torch.distributed as dist
-
     from fn.collectives import exit_distributed
 
     torch.set_num_threads(1)
@@ -142,8 +139,6 @@ def _worker(rank, world, backend, port, n, repeats, results):
 def wall_times(n: int, repeats: int, world: int = WORLD, backend: str = "gloo") -> dict[str, float]:
     # the ranks meet at a store served here, on a port the kernel picks and this process holds
     # (one picked free and bound later by rank 0 could be taken in between)
-    import torch.distributed as dist
-
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     port = store.port
     ctx = mp.get_context("spawn")
