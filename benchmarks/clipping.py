@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import freeze  # noqa: E402  (puts the repository on the path)
 
 import fn.fsdp  # noqa: E402
-from fn.app._launch import spawn_gloo  # noqa: E402
+from fn.app.launch import spawn_gloo  # noqa: E402
 
 MODES = ("adamw", "adamw+clip", "onebit", "onebit+clip")
 WORLD_SIZE = 2

@@ -84,7 +84,7 @@ import cluster  # noqa: E402
 import fn  # noqa: E402
 import fn.ddp  # noqa: E402
 import fn.optim  # noqa: E402
-from fn.app._launch import spawn_gloo  # noqa: E402
+from fn.app.launch import spawn_gloo  # noqa: E402
 
 BARE = "fn OnebitAdam (no DDP)"
 TRAINER = "Trainer + attach(OnebitAdam)"

@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fn.diloco  # noqa: E402
-from fn.app._launch import spawn_gloo  # noqa: E402
+from fn.app.launch import spawn_gloo  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -56,7 +56,7 @@ import precision  # noqa: E402  (puts the repository on the path)
 import fn  # noqa: E402
 import fn.optim  # noqa: E402
 from fn.app import demo  # noqa: E402
-from fn.app._launch import spawn_gloo  # noqa: E402
+from fn.app.launch import spawn_gloo  # noqa: E402
 
 PERCENTS = (5, 10, 15, 25, 40)
 LR = {"demo": 3e-3, "gpt2": 1e-2, "mlp": 1e-2}

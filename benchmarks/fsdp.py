@@ -90,7 +90,7 @@ import fn.ddp  # noqa: E402
 import fn.fsdp  # noqa: E402
 import fn.optim  # noqa: E402
 from fn.app import examples  # noqa: E402  (examples/fsdp_loco.py's model, data and loss)
-from fn.app._launch import spawn_gloo  # noqa: E402
+from fn.app.launch import spawn_gloo  # noqa: E402
 
 MODES = ("dense", "loco", "qgz", "loco+qwz")
 ONEBIT_MODES = ("onebit", "onebit+qwz", "ddp+onebit")

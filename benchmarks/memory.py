@@ -92,7 +92,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the other benc
 import cluster  # noqa: E402
 
 import fn.optim  # noqa: E402
-from fn.app._launch import spawn_gloo  # noqa: E402
+from fn.app.launch import spawn_gloo  # noqa: E402
 from fn.collectives import Local  # noqa: E402
 
 MIB = 2**20

@@ -59,8 +59,8 @@ sys.path.insert(0, REPO)
 
 import fn.optim  # noqa: E402
 from fn.app import _data, demo  # noqa: E402
-from fn.app._launch import spawn_gloo  # noqa: E402
 from fn.app.examples import SyntheticTokens, tiny_gpt2  # noqa: E402  (transformers: when called)
+from fn.app.launch import spawn_gloo  # noqa: E402
 
 WORLD_SIZE = 2
 TASKS = ("demo", "gpt2")

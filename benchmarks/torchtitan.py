@@ -251,7 +251,7 @@ def _loopback_rank(rank: int, world_size: int, send: Any, config: dict) -> dict:
 
 def _loopback(config: dict) -> dict:
     """Rank 0's result of a run on loopback gloo (no namespaces)."""
-    from fn.app._launch import spawn_gloo
+    from fn.app.launch import spawn_gloo
 
     results = spawn_gloo(
         _loopback_rank,

@@ -4,7 +4,7 @@ machine, each run bounded by a timeout after which every process of it is killed
 ``run_distributed(worker_fn, world_size, *args, timeout=120)`` runs ``worker_fn(rank,
 world_size, *args)`` on ``world_size`` processes joined in a gloo group on a free local port and
 returns every rank's result. ``worker_fn`` must be importable at module level and return
-something picklable. It is :func:`fn.app._launch.spawn_gloo` (the demo's launcher) with one
+something picklable. It is :func:`fn.app.launch.spawn_gloo` (the demo's launcher) with one
 intra-op thread per rank, its ranks forked from a server that imported torch and fn once (a
 launch takes a fraction of a second instead of a few seconds of imports per rank): any exception
 in a child, a child that dies, or the timeout raises in the parent (a ``RuntimeError``), and
@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fn.app._launch import spawn_gloo
+from fn.app.launch import spawn_gloo
 
 ROOT = Path(__file__).resolve().parents[1]
 

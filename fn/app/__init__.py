@@ -6,9 +6,10 @@ what the repository's example scripts share.
   on gloo worker processes or simulated ranks);
 - :mod:`fn.app.examples`: the example scripts' arguments, models, data and training loop, so
   that each script runs alone, downloaded into an empty folder (docs/examples.md);
-- ``fn.app._data``, ``fn.app._report``, ``fn.app._progress``, ``fn.app._launch``: its data, its
-  outputs (table, CSV, JSON, plot), its progress display (tqdm, the ``app`` extra) and its
-  process launcher.
+- :mod:`fn.app.launch`: the process launcher (gloo workers on this machine) of the demo and of
+  the repository's benchmark scripts;
+- ``fn.app._data``, ``fn.app._report``, ``fn.app._progress``: the demo's data, its outputs
+  (table, CSV, JSON, plot) and its progress display (tqdm, the ``app`` extra).
 
 The library (``fn`` and its other subpackages) never imports this package.
 """

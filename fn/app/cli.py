@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from fn.app import _report, demo
-from fn.app._launch import WorkerError
 from fn.app._progress import make_progress
+from fn.app.launch import WorkerError
 from fn.errors import RecordingFile
 
 DEFAULT_STEPS = 400

@@ -39,7 +39,7 @@ import torch
 
 import fn
 from fn import collectives
-from fn.app import _data, _launch
+from fn.app import _data, launch
 from fn.collectives import dense_allreduce
 from fn.tree import PyTree, tree_leaves
 
@@ -440,9 +440,9 @@ def run_workers(cfg: DemoConfig, on_step: Callable[[int, str, int], None]) -> li
         One :class:`OptimizerResult` per optimizer.
 
     Raises:
-        fn.app._launch.WorkerError: a worker failed, died or ran past ``cfg.timeout``.
+        fn.app.launch.WorkerError: a worker failed, died or ran past ``cfg.timeout``.
     """
-    per_rank = _launch.spawn_gloo(
+    per_rank = launch.spawn_gloo(
         _worker,
         cfg.world_size,
         (cfg,),

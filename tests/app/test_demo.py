@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from fn.app import _data, _report, demo
-from fn.app._launch import WorkerError
 from fn.app.cli import main
+from fn.app.launch import WorkerError
 from tests.app import ROOT, cli
 
 STEPS = 20

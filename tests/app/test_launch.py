@@ -1,4 +1,4 @@
-"""The demo's process launcher (fn.app._launch): failures, Ctrl-C and a killed parent end every
+"""The demo's process launcher (fn.app.launch): failures, Ctrl-C and a killed parent end every
 worker."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed
 
-from fn.app import _launch
-from fn.app._launch import WorkerError, spawn_gloo
+from fn.app import launch
+from fn.app.launch import WorkerError, spawn_gloo
 from tests._distributed import alive, still_running
 from tests.app import ROOT, cli
 
@@ -136,7 +136,7 @@ def _returns_rank(rank, world_size, send):
 def test_the_rendezvous_port_is_held_before_any_worker_starts(monkeypatch):
     # a port picked free, released and bound later by rank 0 can be taken in between
     # (EADDRINUSE under parallel tests): the launcher must hold it from the start
-    start_processes = _launch.mp.start_processes
+    start_processes = launch.mp.start_processes
     bind_errors = []
 
     def check_port_then_start(fn, args, **kwargs):
@@ -148,7 +148,7 @@ def test_the_rendezvous_port_is_held_before_any_worker_starts(monkeypatch):
                 bind_errors.append(err.errno)
         return start_processes(fn, args, **kwargs)
 
-    monkeypatch.setattr(_launch.mp, "start_processes", check_port_then_start)
+    monkeypatch.setattr(launch.mp, "start_processes", check_port_then_start)
     assert spawn_gloo(_returns_rank, 2, (), timeout=60, on_message=lambda *a: None) == [0, 1]
     assert bind_errors == [errno.EADDRINUSE]
 

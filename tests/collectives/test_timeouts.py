@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from fn.app._launch import WorkerError
+from fn.app.launch import WorkerError
 from fn.collectives import CollectiveTimeoutError, ProcessGroup
 from fn.collectives.process_group import DEFAULT_TIMEOUT, TIMEOUT_ENV, resolve_timeout
 from tests._distributed import run_distributed

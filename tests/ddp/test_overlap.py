@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fn
 import fn.ddp
-from fn.app._launch import WorkerError
+from fn.app.launch import WorkerError
 from fn.collectives import CollectiveTimeoutError
 from fn.ddp._worker import SerialWorker
 from tests._distributed import run_distributed

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import fn.fsdp
-from fn.app._launch import WorkerError
+from fn.app.launch import WorkerError
 from fn.collectives import CollectiveTimeoutError
 from fn.collectives.process_group import TIMEOUT_ENV
 from tests._distributed import run_distributed

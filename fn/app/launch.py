@@ -149,6 +149,11 @@ def _die_with_launcher(launcher_pid: int) -> None:
     threading.Thread(target=watch, name="fn-watch-launcher", daemon=True).start()
 
 
+def _stack_file(stacks: Path, rank: int, *, fatal: bool) -> Path:
+    """Where ``rank`` writes its Python stacks: at a fatal signal, or on the timeout's signal."""
+    return stacks / (f"rank{rank}-fatal.txt" if fatal else f"rank{rank}.txt")
+
+
 def _child(
     rank: int,
     worker_fn: Callable[..., Any],
@@ -167,10 +172,10 @@ def _child(
         os.environ.clear()
         os.environ.update(environ)
     # kept open for the process's life: faulthandler writes to their file descriptors
-    fatal_file = open(Path(stacks) / f"rank{rank}-fatal.txt", "w")  # noqa: SIM115
+    fatal_file = open(_stack_file(Path(stacks), rank, fatal=True), "w")  # noqa: SIM115
     faulthandler.enable(file=fatal_file, all_threads=True)  # SIGSEGV, SIGABRT, ...: the stacks
     if _STACK_SIGNAL is not None:
-        stack_file = open(Path(stacks) / f"rank{rank}.txt", "w")  # noqa: SIM115
+        stack_file = open(_stack_file(Path(stacks), rank, fatal=False), "w")  # noqa: SIM115
         faulthandler.register(_STACK_SIGNAL, file=stack_file, all_threads=False)
     # torch's parent-death signal is SIGINT, which is ignored here and which a rank blocked in a
     # gloo call would not act on: SIGKILL instead.
@@ -224,7 +229,7 @@ def _failure(context: mp.ProcessContext, exits: dict[int, int], stacks: Path) ->
     for r, code in died.items():
         lines.append(f"worker rank {r} died: {_describe_exit(code)}, without an error of its own")
         with contextlib.suppress(OSError):
-            if fatal := (stacks / f"rank{r}-fatal.txt").read_text().strip():
+            if fatal := _stack_file(stacks, r, fatal=True).read_text().strip():
                 lines.append(f"its Python stacks at the signal:\n{fatal}")
     if died and tracebacks:
         lines.append("the other ranks failed after it (probably as a consequence):")
@@ -249,7 +254,7 @@ def _timed_out(
     frames = {}
     for r in running:
         with contextlib.suppress(OSError):
-            frames[r] = (stacks / f"rank{r}.txt").read_text()
+            frames[r] = _stack_file(stacks, r, fatal=False).read_text()
     waiting = [r for r in running if _COLLECTIVE_FRAME in frames.get(r, "")]
     stalled = [r for r in running if r in frames and frames[r] and r not in waiting]
     message = (
