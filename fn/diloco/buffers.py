@@ -68,12 +68,25 @@ class Buffers:
         """Every buffer's name, shape and dtype (what the workers must agree on)."""
         return [(name, tuple(b.shape), str(b.dtype)) for name, b in self.model.named_buffers()]
 
+    def targets(self) -> list[torch.Tensor]:
+        """The buffers an outer step exchanges: the model's non-empty ones under ``"mean"``,
+        none under ``"local"``."""
+        if self.policy == "local":
+            return []
+        return [b for b in self.model.buffers() if b.numel() > 0]
+
     def capture(self) -> CapturedBuffers | None:
-        """The buffers now (``None`` with ``"local"`` or none)."""
-        targets = [b for b in self.model.buffers() if b.numel() > 0]
-        if self.policy == "local" or not targets:
+        """The buffers now (``None`` where there are no :meth:`targets`)."""
+        targets = self.targets()
+        if not targets:
             return None
         return CapturedBuffers(targets, [b.detach().clone() for b in targets])
+
+    def captured(self, values: list[torch.Tensor]) -> CapturedBuffers | None:
+        """``values`` (one per :meth:`targets`, an in-flight exchange's from a checkpoint) as
+        :meth:`capture` returned them when that exchange started."""
+        targets = self.targets()
+        return CapturedBuffers(targets, values) if targets else None
 
     def checked(self) -> bool:
         """Whether a worker's buffers can make it sit out (:meth:`finite`): ``"mean"`` and

@@ -7,8 +7,9 @@ that DCP keeps one copy per shard and can reshard), the counts, the settings and
 workers. What differs per rank (the error feedback) sits under ``state["per_rank"]["rank<r>"]``,
 ``r`` the rank in the world, a key of this rank's own (fn's convention, in
 fn/collectives/dcp.py). An exchange in flight is the shared ``state["in_flight"]`` (its
-fragment and the inner step it started after, ``None`` values outside one) and this rank's
-pseudo-gradient, ``in_flight_delta`` among its own entries: the same keys and shapes in and
+fragment and the inner step it started after, ``None`` values outside one) and, among this
+rank's own entries, its pseudo-gradient (``in_flight_delta``), whether it takes part and the
+buffer values it sends, as they were when the exchange started: the same keys and shapes in and
 outside an exchange, as DCP needs."""
 
 from __future__ import annotations
@@ -109,11 +110,17 @@ class InFlight(NamedTuple):
         fragment: the fragment.
         started_at: the inner step its exchange started after.
         delta: this rank's pseudo-gradient of the fragment, fp32 local tensors.
+        takes_part: ``[]`` bool, whether this rank takes part, as decided when the exchange
+            started (``None``: not saved, in a checkpoint from before fn kept it).
+        buffers: the model's buffer values the exchange sends, as taken when it started
+            (``[]``: none).
     """
 
     fragment: int
     started_at: int
     delta: list[torch.Tensor]
+    takes_part: torch.Tensor | None = None
+    buffers: Sequence[torch.Tensor] = ()
 
 
 def diloco_state_dict(
@@ -127,6 +134,7 @@ def diloco_state_dict(
     world_size: int,
     in_flight: InFlight | None = None,
     delta_size: int = 0,
+    buffers: Sequence[torch.Tensor] = (),
 ) -> dict[str, Any]:
     """The state dict of :class:`fn.diloco.DiLoCo` (fresh copies).
 
@@ -140,15 +148,20 @@ def diloco_state_dict(
         world_size: the number of workers.
         in_flight: the exchange in flight, or ``None``.
         delta_size: the largest fragment's local size: ``in_flight_delta``'s.
+        buffers: the model's buffers that an exchange sends (the shapes of
+            ``in_flight_buffers``).
 
     Returns:
         ``{"anchor", "outer_state", "counts", "settings", "world_size", "in_flight",
         "per_rank"}``: ``outer_state`` the rules' leaves other than the error feedback, in
         leaf order (the fragments' in turn), ``in_flight`` ``{"fragment", "started_at"}``
         (``None`` values outside an exchange), and ``per_rank`` ``{"rank<r>":
-        {"error_feedback": [...], "in_flight_delta": ...}}``: this rank's error feedback
-        leaves in the same order, and one fp32 vector of ``delta_size`` values, the in-flight
-        pseudo-gradient's tensors flattened in turn (zero outside an exchange).
+        {"error_feedback": [...], "in_flight_delta": ..., "in_flight_takes_part": ...,
+        "in_flight_buffers": [...]}}``: this rank's error feedback leaves in the same order;
+        one fp32 vector of ``delta_size`` values, the in-flight pseudo-gradient's tensors
+        flattened in turn; whether this rank takes part in that exchange (a ``[]`` bool); the
+        buffer values it sends, one per tensor of ``buffers`` (outside an exchange: zeros and
+        ``True``, the same keys and shapes).
 
     Example:
         >>> from fn.diloco.checkpoint import diloco_state_dict
@@ -183,6 +196,7 @@ def diloco_state_dict(
             rank_key(): {
                 "error_feedback": own,
                 "in_flight_delta": _delta_vector(in_flight, delta_size, params),
+                **_flight_record(in_flight, buffers, params),
             }
         },
     }
@@ -199,6 +213,23 @@ def _delta_vector(
         flat = torch.cat([d.reshape(-1) for d in in_flight.delta])
         vector[: flat.numel()] = flat
     return vector
+
+
+def _flight_record(
+    in_flight: InFlight | None, buffers: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+) -> dict[str, Any]:
+    """This rank's part in the exchange in flight and the buffer values it sends (placeholders
+    of the same shapes outside one)."""
+    if in_flight is None or in_flight.takes_part is None:
+        device = local_shard(params[0]).device if params else None
+        return {
+            "in_flight_takes_part": torch.ones((), dtype=torch.bool, device=device),
+            "in_flight_buffers": [torch.zeros_like(b) for b in buffers],
+        }
+    return {
+        "in_flight_takes_part": in_flight.takes_part.clone(),
+        "in_flight_buffers": [b.clone() for b in in_flight.buffers],
+    }
 
 
 class Restored(NamedTuple):
@@ -225,6 +256,7 @@ def restored(
     settings: str,
     world_size: int,
     fragment_shards: Sequence[Sequence[torch.Tensor]] = (),
+    buffers: Sequence[torch.Tensor] = (),
 ) -> Restored:
     """Reads a :func:`diloco_state_dict` and checks it against this run, changing nothing.
 
@@ -241,6 +273,8 @@ def restored(
         world_size: this run's number of workers.
         fragment_shards: each fragment's local parameters (the shapes and devices of an
             in-flight pseudo-gradient).
+        buffers: the model's buffers that an exchange sends (the shapes, dtypes and devices of
+            an in-flight exchange's buffer values).
 
     Returns:
         A :class:`Restored`.
@@ -262,7 +296,7 @@ def restored(
             f"{where}: the checkpoint's settings {state['settings']} differ from this run's "
             f"{settings}; nothing was loaded"
         )
-    in_flight = _in_flight(state, world_size, fragment_shards)  # refused before any warning
+    in_flight = _in_flight(state, world_size, fragment_shards, buffers)  # refused before warning
     fresh, spec = tree_flatten(fresh_state)
     feedback = error_feedback_leaves(fresh_state)
     shared_fresh = [x for x, f in zip(fresh, feedback, strict=True) if not f]
@@ -303,10 +337,14 @@ def restored(
 
 
 def _in_flight(
-    state: Mapping[str, Any], world_size: int, fragment_shards: Sequence[Sequence[torch.Tensor]]
+    state: Mapping[str, Any],
+    world_size: int,
+    fragment_shards: Sequence[Sequence[torch.Tensor]],
+    buffers: Sequence[torch.Tensor],
 ) -> InFlight | None:
-    """The checkpoint's exchange in flight, checked, its pseudo-gradient on the parameters'
-    devices; ``None`` outside one."""
+    """The checkpoint's exchange in flight, checked, its pseudo-gradient and this rank's
+    participation on the parameters' devices, its buffer values on the buffers'; ``None``
+    outside one."""
     entry = state.get("in_flight") or {"fragment": None}
     if entry["fragment"] is None:
         return None
@@ -332,7 +370,22 @@ def _in_flight(
         x.reshape(q.shape).to(q.device, torch.float32, copy=True)
         for x, q in zip(pieces, params, strict=True)
     ]
-    return InFlight(entry["fragment"], entry["started_at"], delta)
+    if "in_flight_takes_part" not in own:  # saved before fn kept them: decided again on load
+        return InFlight(entry["fragment"], entry["started_at"], delta)
+    values = [local_shard(x) for x in own["in_flight_buffers"]]
+    if not _same_shapes(values, buffers):
+        raise ValueError(
+            "DiLoCo.load_state_dict: the in-flight exchange's buffers have other shapes than "
+            "this model's; nothing was loaded"
+        )
+    takes_part = local_shard(own["in_flight_takes_part"]).to(params[0].device, torch.bool)
+    return InFlight(
+        entry["fragment"],
+        entry["started_at"],
+        delta,
+        takes_part.clone(),
+        [x.to(b.device, b.dtype, copy=True) for x, b in zip(values, buffers, strict=True)],
+    )
 
 
 def _same_shapes(saved: Sequence[Any], fresh: Sequence[Any]) -> bool:

@@ -25,11 +25,15 @@ class Flight(NamedTuple):
         delta: this rank's pseudo-gradient of the fragment (fp32 local tensors).
         exchange: the exchange, whose result is an :class:`~fn.diloco.OuterStep` and what the
             exchange's ``then`` returned.
+        takes_part: ``[]`` bool, whether this rank takes part, as decided when it started.
+        buffers: the model's buffer values the exchange sends (``[]``: none).
     """
 
     started_at: int
     delta: list[torch.Tensor]
     exchange: BackgroundExchange[tuple[OuterStep, Any]]
+    takes_part: torch.Tensor
+    buffers: list[torch.Tensor]
 
 
 def anchor_on(anchor: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -122,10 +126,13 @@ class Fragment:
         delta: list[torch.Tensor] | None = None,
         background: bool | None = None,
         then: Callable[[OuterStep, Comm, Sequence[Comm]], Any] | None = None,
+        buffers: Sequence[torch.Tensor] = (),
     ) -> None:
         """Takes the pseudo-gradient (or resumes with ``delta``) and starts the exchange
         (:func:`fn.diloco.outer_update`) through ``exchanger``; ``then(result, comm, within)``
-        runs after it, on its thread (further collectives of the same step)."""
+        runs after it, on its thread (further collectives of the same step). ``takes_part``
+        and ``buffers`` (the buffer values ``then`` sends) are kept with the flight for a
+        checkpoint."""
         shards = self.shards()
         anchor = anchor_on(self.anchor, shards)
         delta = pseudo_gradient(anchor, shards) if delta is None else delta
@@ -142,7 +149,7 @@ class Fragment:
         exchange = exchanger.start(
             run, background=background, device=shards[0].device, what=f"{what}{started_at})"
         )
-        self.flight = Flight(started_at, delta, exchange)
+        self.flight = Flight(started_at, delta, exchange, takes_part, list(buffers))
 
     def finish(self) -> tuple[OuterStep, Any, int]:
         """Waits for the exchange in flight; returns its result, what its ``then`` returned

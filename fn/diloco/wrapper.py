@@ -434,8 +434,8 @@ class DiLoCo:
     def _start(
         self, fragment: Fragment, *, in_flight: InFlight | None = None, inline: bool = False
     ) -> None:
-        """Starts ``fragment``'s exchange: its pseudo-gradient now, or ``in_flight``'s (a
-        checkpoint's); on this thread where ``inline`` (``sync()``)."""
+        """Starts ``fragment``'s exchange: its pseudo-gradient, buffers and participation now,
+        or ``in_flight``'s (a checkpoint's); on this thread where ``inline`` (``sync()``)."""
         started_at = self.inner_steps if in_flight is None else in_flight.started_at
         trainable = [(i, q) for i, q in enumerate(self._model.parameters()) if q.requires_grad]
         self._joining[fragment.index] = [q for _, q in trainable if id(q) not in self._synced]
@@ -448,7 +448,15 @@ class DiLoCo:
             "trainable tensors": len(trainable),
             "their checksum": digest(shapes),
         }
-        captured, worker = self._buffers.capture(), self._worker
+        worker = self._worker
+        if in_flight is None or in_flight.takes_part is None:  # the latter: saved before both
+            captured = self._buffers.capture()
+            takes_part = self._inner.finite(fragment.params) & Buffers.finite(
+                captured, local_shard(fragment.params[0]).device
+            )
+        else:
+            captured = self._buffers.captured(in_flight.buffers)
+            takes_part = in_flight.takes_part
 
         def buffers(result, comm, within):
             if captured is None:
@@ -459,12 +467,12 @@ class DiLoCo:
             self._exchanger,
             self._rule,
             started_at=started_at,
-            takes_part=self._inner.finite(fragment.params)
-            & Buffers.finite(captured, local_shard(fragment.params[0]).device),
+            takes_part=takes_part,
             header=header,
             delta=None if in_flight is None else in_flight.delta,
             background=False if inline else None,
             then=buffers,
+            buffers=[] if captured is None else captured.values,
         )
 
     def _apply(self, fragment: Fragment, mix: float) -> bool:
@@ -579,10 +587,12 @@ class DiLoCo:
         parameters). With the model's and the inner optimizer's state, it resumes bit for bit.
         Taken while a fragment's exchange is in flight (``delay > 0``), it holds that fragment
         and the inner step its exchange started after (``"in_flight"``), its anchor and outer
-        state from before the exchange, and this rank's pseudo-gradient (``"in_flight_delta"``
-        of this rank's entries: one fp32 vector of the largest fragment's size, the fragment's
-        tensors flattened in turn, zero outside an exchange): a run resumed from it sends the
-        same exchange again and applies it at the same step.
+        state from before the exchange, and among this rank's entries its pseudo-gradient
+        (``"in_flight_delta"``: one fp32 vector of the largest fragment's size, the fragment's
+        tensors flattened in turn, zero outside an exchange), whether it takes part
+        (``"in_flight_takes_part"``) and the buffer values it sends (``"in_flight_buffers"``),
+        as decided and taken when the exchange started: a run resumed from it sends the same
+        exchange again and applies it at the same step.
 
         Returns:
             A dict of tensors, lists of tensors and Python values (fresh copies).
@@ -603,7 +613,10 @@ class DiLoCo:
         flying = next((f for f in self._fragments if f.flight is not None), None)
         in_flight = None
         if flying is not None:
-            in_flight = InFlight(flying.index, flying.flight.started_at, flying.flight.delta)
+            flight = flying.flight
+            in_flight = InFlight(
+                flying.index, flight.started_at, flight.delta, flight.takes_part, flight.buffers
+            )
         return diloco_state_dict(
             self._anchor,
             [f.state for f in self._fragments],
@@ -614,6 +627,7 @@ class DiLoCo:
             world_size=self.comm.world_size,
             in_flight=in_flight,
             delta_size=max(f.size() for f in self._fragments),
+            buffers=self._buffers.targets(),
         )
 
     @torch.no_grad()
@@ -652,6 +666,7 @@ class DiLoCo:
             settings=repr(self._settings),
             world_size=self.comm.world_size,
             fragment_shards=[f.shards() for f in self._fragments],
+            buffers=self._buffers.targets(),
         )
         for fragment in self._fragments:  # this object's own exchange: ended before replacing it
             if fragment.flight is not None:

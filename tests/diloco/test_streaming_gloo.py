@@ -1,7 +1,8 @@
 """Streaming DiLoCo on 2 gloo ranks, in one launch: every case of ``_streaming_cases`` against
 the loop over the workers (bit for bit, after every inner step), a checkpoint taken while an
-exchange is in flight (resumed bit for bit from ``torch.save`` and through DCP; refused under
-another world size), a fragment's
+exchange is in flight (resumed bit for bit from ``torch.save`` and through DCP, the buffers and
+the participation as taken when the exchange started; refused under another world size), a
+fragment's
 non-finite pseudo-gradient (its worker sits out that fragment's step), and an exchange that
 fails on one rank's thread (both ranks raise from ``step()`` within the timeout)."""
 
@@ -83,6 +84,47 @@ def _through_dcp(rank, kwargs, steps, path):
     return cases.params(m)
 
 
+def _in_the_window(rank, path):
+    """A model with buffers (BatchNorm), H = 6 and a delay of 2: the exchange starts after
+    inner step 4 (rank 1 finite: it takes part) and is applied after step 6; rank 1's gradient
+    of step 5 holds a NaN. The model's state after step 6 and the sit-outs: uninterrupted,
+    resumed from a ``torch.save`` round trip of the state after step 5 (in flight), and
+    resumed from DCP."""
+
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(
+            torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Tanh(), torch.nn.Linear(6, 2)
+        )
+        inner = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        return m, inner, fn.diloco.DiLoCo(m, inner, sync_every=6, delay=2)
+
+    def train(m, inner, d, start, stop):
+        for step in range(start, stop):
+            g = torch.Generator().manual_seed(1000 * rank + step)
+            x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            if rank == 1 and step == 4:
+                m[0].weight.grad[0, 0] = float("nan")
+            inner.step()
+            inner.zero_grad()
+        return {k: v.clone() for k, v in m.state_dict().items()}, list(d.sat_out)
+
+    m, inner, d = build()
+    train(m, inner, d, 0, 5)
+    saved = copy.deepcopy((m.state_dict(), inner.state_dict(), d.state_dict()))
+    fn.fsdp.TrainingCheckpoint(m, inner, extra={"diloco": d}, key=f"w{rank}").save(path)
+    full = train(m, inner, d, 5, 6)
+    m, inner, d = build()
+    m.load_state_dict(saved[0])
+    inner.load_state_dict(saved[1])
+    d.load_state_dict(saved[2])
+    resumed = train(m, inner, d, 5, 6)
+    m, inner, d = build()
+    fn.fsdp.TrainingCheckpoint(m, inner, extra={"diloco": d}, key=f"w{rank}").load(path)
+    return full, resumed, train(m, inner, d, 5, 6), saved[2]
+
+
 def _streaming(rank, world_size, path):
     results = {
         name: cases.run(rank, kwargs, steps) for name, (kwargs, steps) in cases.CASES.items()
@@ -92,6 +134,7 @@ def _streaming(rank, world_size, path):
     saved = copy.deepcopy(tuple(x.state_dict() for x in cases.train(rank, kwargs, 0, 5)))
     resumed = cases.params(cases.train(rank, kwargs, 5, steps, state=saved)[0])
     results["resume"] = (full, resumed, saved[2], _through_dcp(rank, kwargs, steps, path))
+    results["window"] = _in_the_window(rank, f"{path}-window")
     results["skip"] = _skip(rank)
     # one worker per rank (a subgroup each): every rank creates every exchange group
     groups = [torch.distributed.new_group([r]) for r in range(world_size)]
@@ -135,6 +178,22 @@ def test_checkpoint_with_an_exchange_in_flight(gloo_ranks):
     d = fn.diloco.DiLoCo(m, cases.inner_optimizer(m), **kwargs)
     with pytest.raises(ValueError, match="taken on 2 workers while fragment 0's exchange was in"):
         d.load_state_dict(gloo_ranks[0]["resume"][2])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_resumed_exchange_sends_what_it_took_when_it_started(gloo_ranks):
+    """The buffers and the decision to take part are the ones of the inner step the exchange
+    started after, not those of the step the checkpoint was taken after."""
+    for rank, result in enumerate(gloo_ranks):
+        full, resumed, through_dcp, saved = result["window"]
+        assert full[1] == [0, 0]  # rank 1's NaN came after the exchange started
+        own = saved["per_rank"][f"rank{rank}"]
+        assert bool(own["in_flight_takes_part"]) and len(own["in_flight_buffers"]) == 3
+        for got in (resumed, through_dcp):
+            assert got[1] == full[1]
+            assert full[0].keys() == got[0].keys()
+            assert all(torch.equal(full[0][k], got[0][k]) for k in full[0]), rank
 
 
 @pytest.mark.distributed

@@ -504,6 +504,7 @@ class ElasticDiLoCo:
             settings=repr(self._settings),
             world_size=self._position[0] if self._position else 1,
             delta_size=sum(x.numel() for x in self._shards()),
+            buffers=self._buffers.targets(),
         )
 
     @torch.no_grad()
