@@ -24,6 +24,7 @@ from fn.collectives.header import (
     exchange_rows,
     flag_of,
     gathered,
+    headers_only,
 )
 from fn.collectives.participation import participants_mean, sent
 from fn.tree import tree_flatten, tree_unflatten
@@ -148,7 +149,9 @@ def cast_allreduce(dtype: torch.dtype = torch.float32, *, comm: Comm) -> Compres
         del params
         world_size = comm.world_size
         leaves, spec, live = _live(updates)
-        flat = torch.cat([leaves[i].reshape(-1).to(dtype) for i in live] or [torch.zeros(0)])
+        if not live:
+            return headers_only(comm, updates, state, flag, _WHAT, extra)
+        flat = torch.cat([leaves[i].reshape(-1).to(dtype) for i in live])
         flag = flag_of(flag) & torch.isfinite(flat).all()
         if world_size == 1:
             values = torch.tensor([list(extra)], dtype=torch.int64)

@@ -37,6 +37,7 @@ import torch
 from fn.base import GradientTransformation, chain
 from fn.collectives import _sizes
 from fn.collectives.participation import Participation
+from fn.tree import tree_leaves
 
 __all__ = [
     "HEADER_BYTES",
@@ -51,6 +52,7 @@ __all__ = [
     "opened",
     "exchange_rows",
     "alone",
+    "headers_only",
 ]
 
 _DIGIT = 2**24  # every integer below 2^24 is exact in fp32
@@ -346,3 +348,28 @@ def alone(updates: Any, state: Any, flag: Any, leaves: list, live: list[int], ex
         flag = flag & torch.isfinite(leaves[i]).all()
     values = torch.tensor([list(extra)], dtype=torch.int64)
     return Exchanged(updates, state, flag.reshape(1), values)
+
+
+def headers_only(comm: Any, updates: Any, state: Any, flag: Any, what: str, extra) -> Exchanged:
+    """The exchange of a tree with nothing to send (every leaf ``None`` or empty): ``updates``
+    and ``state`` as they are, the ranks' flags and ``extra`` agreed in one collective of headers
+    alone (as every rank's tree has the same shapes, every rank takes this path).
+
+    Example:
+        >>> from fn.collectives import Simulated, simulate
+        >>> from fn.collectives.header import headers_only
+        >>> comm = Simulated(2)
+        >>> def exchange(flag):
+        ...     return headers_only(comm, {"w": torch.zeros(0)}, (), flag, "example", [3])
+        >>> done = simulate(exchange, comm)(torch.tensor([True, False]))
+        >>> done.participants[0], done.extra[0]
+        (tensor([ True, False]), tensor([[3],
+                [3]]))
+    """
+    if comm.world_size == 1:
+        return alone(updates, state, flag, [], [], extra)
+    devices = [x.device for x in tree_leaves(updates) if x is not None]
+    empty = torch.zeros(1, 0, dtype=torch.uint8, device=devices[0] if devices else None)
+    checksum = _sizes.layout_checksum(())
+    got, _ = exchange_rows(comm, empty, flag_of(flag), 0, what, checksum, extra=extra)
+    return Exchanged(updates, state, got.flags, got.extra)

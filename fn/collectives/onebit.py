@@ -27,6 +27,7 @@ from fn.collectives.header import (
     exchange_rows,
     flag_of,
     gathered,
+    headers_only,
 )
 from fn.collectives.participation import Participation, kept, participants_mean, sent
 from fn.errors import NonFiniteError, finite_or_raise
@@ -876,6 +877,8 @@ def onebit_allreduce(*, comm: Comm, local_world_size: int | None = None) -> Comp
         live = [i for i in walk.live if leaves[i].numel() > 0]
         if comm.world_size == 1:
             return alone(updates, state, flag, leaves, live, extra)
+        if not live:
+            return headers_only(comm, updates, state, flag, _WHAT, extra)
         errors = [(walk.leaves[1][i], walk.leaves[2][i]) for i in live]
         for i, (worker_error, server_error) in zip(live, errors, strict=True):
             _check_errors(leaves[i].numel(), worker_error, server_error, comm.world_size, None)

@@ -33,7 +33,14 @@ from fn.collectives._topk_code import (
 )
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ParamShapedErrorFeedbackField
-from fn.collectives.header import HEADER_BYTES, Compressor, Exchanged, exchange_rows, flag_of
+from fn.collectives.header import (
+    HEADER_BYTES,
+    Compressor,
+    Exchanged,
+    exchange_rows,
+    flag_of,
+    headers_only,
+)
 from fn.collectives.topk_owner import TopkOwnerState, owner_form
 from fn.errors import check_int, finite_or_raise
 from fn.tree import tree_leaves, tree_map, tree_unflatten
@@ -296,6 +303,8 @@ def _gather_form(k: int, chunk_size: int, comm: Comm, decay: float) -> Compresso
     def exchange_fn(updates, state, flag=None, params=None, *, extra=()):
         del params
         leaves, spec, errors, live = flattened(updates, state)
+        if not live:
+            return headers_only(comm, updates, state, flag, WHAT, extra)
         offered = flag_of(flag)
         worked = compress(leaves, errors, live, k, chunk_size, decay, offered)
         flag = offered & torch.isfinite(worked.mine.scales).all()

@@ -38,7 +38,14 @@ from fn.collectives._topk_code import (
 )
 from fn.collectives.comm import Comm
 from fn.collectives.error_feedback import ErrorFeedbackField, ParamShapedErrorFeedbackField
-from fn.collectives.header import Compressor, Exchanged, Opened, exchange_rows, flag_of
+from fn.collectives.header import (
+    Compressor,
+    Exchanged,
+    Opened,
+    exchange_rows,
+    flag_of,
+    headers_only,
+)
 from fn.collectives.participation import Participation
 from fn.errors import finite_or_raise
 from fn.tree import tree_leaves, tree_map, tree_unflatten
@@ -121,6 +128,8 @@ def owner_form(k: int, chunk_size: int, comm: Comm, decay: float, server_k: int)
         del params
         world_size = comm.world_size
         leaves, spec, errors, live = flattened(updates, state)
+        if not live:
+            return headers_only(comm, updates, state, flag, WHAT, extra)
         offered = flag_of(flag)
         worked = compress(leaves, errors, live, k, chunk_size, decay, offered)
         share = _share(worked.mine.scales.numel(), world_size, state.server_error, chunk_size)

@@ -150,3 +150,37 @@ def test_the_two_hop_mode_has_no_exchange():
     hierarchical = onebit_allreduce(comm=comm, local_world_size=2)
     with pytest.raises(NotImplementedError, match="runs flat"):
         simulate(hierarchical.exchange, comm)(y, simulate(hierarchical.init, comm)(y))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda comm: cast_allreduce(comm=comm),
+        lambda comm: cast_allreduce(torch.bfloat16, comm=comm),
+        lambda comm: quantized_allreduce(8, 8, comm=comm),
+        lambda comm: loco_allreduce(4, 8, comm=comm),
+        lambda comm: onebit_allreduce(comm=comm),
+        lambda comm: fn.collectives.topk_allreduce(2, 8, comm=comm, exchange="gather"),
+        lambda comm: fn.collectives.topk_allreduce(2, 8, comm=comm, exchange="owner"),
+    ],
+    ids=["fp32", "bf16", "int8", "loco4", "onebit", "topk-gather", "topk-owner"],
+)
+def test_an_exchange_with_no_value_to_send_agrees_the_flags_and_values_in_its_headers(
+    make, world_size
+):
+    """A tree whose leaves are all empty or ``None`` (``fn.diloco.DiLoCo`` gives one for a
+    fragment of empty parameters) sends headers alone: the leaves come back as they are, and
+    every rank holds every rank's flag and values."""
+    comm = Simulated(world_size)
+    tx = make(comm)
+    tree = {"empty": torch.zeros(world_size, 0, 3), "none": None}
+    state = simulate(tx.init, comm)(tree)
+    flags = torch.arange(world_size) != 1
+    before = comm.bytes_sent
+    exchange = functools.partial(tx.exchange, extra=(7, 3))
+    out, _, participants, extra = simulate(exchange, comm)(tree, state, flags)
+    assert out["none"] is None and out["empty"].shape == (world_size, 0, 3)
+    assert participants.tolist() == [flags.tolist()] * world_size
+    assert extra.tolist() == [[[7, 3]] * world_size] * world_size
+    assert comm.bytes_sent - before == (world_size - 1) * (HEADER_BYTES + 16)
