@@ -413,7 +413,7 @@ API_GROUPS: dict[str, list[tuple[str, str]]] = {
     "fn.diloco": [
         ("Training with DiLoCo", "DiLoCo OUTER_RULES"),
         ("Outer rules", "nesterov sparseloco compression COMPRESSIONS"),
-        ("Building blocks", "outer_step outer_update OuterStep pseudo_gradient"),
+        ("Building blocks", "outer_step outer_update OuterStep pseudo_gradient trainable_params"),
     ],
     "fn.integrations.transformers": [("Hugging Face Trainer", "attach FnTrainerCallback")],
     "fn.integrations.accelerate": [("Accelerate", "attach")],

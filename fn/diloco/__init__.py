@@ -28,7 +28,7 @@ from fn.diloco.compressors import COMPRESSIONS, compression
 from fn.diloco.nesterov_rule import nesterov
 from fn.diloco.rules import OUTER_RULES
 from fn.diloco.sparseloco_rule import sparseloco
-from fn.diloco.step import OuterStep, outer_step, outer_update, pseudo_gradient
+from fn.diloco.step import OuterStep, outer_step, outer_update, pseudo_gradient, trainable_params
 from fn.diloco.wrapper import DiLoCo
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "outer_step",
     "outer_update",
     "pseudo_gradient",
+    "trainable_params",
     "OUTER_RULES",
     "DiLoCo",
 ]

@@ -96,8 +96,9 @@ class SitOuts:
 def _message(sitters: list[int], workers: int, step: str, reset: str, checked: str) -> str:
     if len(sitters) == workers:
         return (
-            f"DiLoCo: every worker sat out {step} (on each one, {checked} held NaN or Inf): the "
-            "step was skipped, the anchor and the outer state unchanged; every worker lost its "
+            f"DiLoCo: every worker sat out {step} (on each one, {checked} held NaN or Inf, or "
+            "the mean of their pseudo-gradients or its outer update overflowed): the step was "
+            "skipped, the anchor and the outer state unchanged; every worker lost its "
             "inner steps since its last outer step (its parameters were reset to the anchors), "
             f"and {reset}"
         )

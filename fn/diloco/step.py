@@ -17,7 +17,7 @@ from fn.collectives.participation import sent
 from fn.diloco.participation import agree_on_participation, check_headers
 from fn.tree import eager, tree_leaves, tree_map
 
-__all__ = ["OuterStep", "pseudo_gradient", "outer_step", "outer_update"]
+__all__ = ["OuterStep", "pseudo_gradient", "outer_step", "outer_update", "trainable_params"]
 
 
 class OuterStep(NamedTuple):
@@ -31,8 +31,9 @@ class OuterStep(NamedTuple):
             skipped (the anchor and the state then come back unchanged); the same on every
             rank.
         participants: ``[W]`` bool tensor, the workers that took part (a worker sits out where
-            its pseudo-gradient was not finite or it said it does not take part); the same on
-            every rank.
+            its pseudo-gradient was not finite or it said it does not take part; none did where
+            the participants' mean or the rule's update overflowed, so that the new anchor was
+            not finite); the same on every rank.
 
     Example:
         >>> from fn.collectives import Local
@@ -61,11 +62,51 @@ def pseudo_gradient(anchor: Params, params: Params) -> Params:
     Returns:
         The pseudo-gradient, fp32 leaves.
 
+    Raises:
+        TypeError: a leaf is not a real floating-point tensor (fp32 would drop a complex
+            one's imaginary part).
+
     Example:
         >>> fn.diloco.pseudo_gradient({"w": torch.ones(2)}, {"w": torch.tensor([0.5, 2.0])})
         {'w': tensor([ 0.5000, -1.0000])}
     """
+    for leaf in tree_leaves(params):
+        if leaf is not None:
+            _check_real(leaf.dtype, "pseudo_gradient: a leaf")
     return tree_map(lambda p, a: a.float() - p.float(), params, anchor)
+
+
+def trainable_params(model: torch.nn.Module, who: str) -> list[torch.Tensor]:
+    """The parameters of ``model`` that require grad, in ``model.parameters()`` order: those
+    an outer step syncs.
+
+    Args:
+        model: the worker's model.
+        who: the caller's name, which starts the error's message.
+
+    Returns:
+        The trainable parameters.
+
+    Raises:
+        TypeError: one is not real floating-point (a complex parameter: register it as
+            ``torch.view_as_real`` of itself).
+
+    Example:
+        >>> len(fn.diloco.trainable_params(torch.nn.Linear(2, 2), "example"))
+        2
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    for i, p in enumerate(params):
+        _check_real(p.dtype, f"{who}: trainable parameter {i}")
+    return params
+
+
+def _check_real(dtype: torch.dtype, what: str) -> None:
+    if not dtype.is_floating_point:
+        raise TypeError(
+            f"{what} is {dtype}: the outer step averages real floating-point values (a complex "
+            "parameter can be registered as torch.view_as_real of itself)"
+        )
 
 
 def outer_step(
@@ -97,7 +138,9 @@ def outer_step(
        this worker takes part, zeros where it sits out: a sitter's message is zero, its error
        feedback kept; ``fn.collectives.Participation``); ``updates`` are the same on every
        rank.
-    4. ``anchor + updates`` (``fn.apply_updates``), each leaf rounded to its dtype.
+    4. ``anchor + updates`` (``fn.apply_updates``), each leaf rounded to its dtype. Where a
+       value of it is not finite (finite pseudo-gradients whose mean or update overflows; a
+       sharded worker's ranks agree over ``within``), no worker took part: ``m = 0``.
 
     Where ``n = 0`` every rank skips the step: the rule runs on zeros (every rank sends the
     same messages) and its results are dropped, so the anchor and the state come back
@@ -174,7 +217,8 @@ def outer_update(
             + U\\big(\\tfrac{1}{n} \\textstyle\\sum_{r: m_r} \\delta_r\\big)
         \\text{ if } n > 0 \\text{ else } \\bar\\theta
 
-    (``t_r``: rank ``r``'s ``takes_part``; ``U`` the rule after its compressor),
+    (``t_r``: rank ``r``'s ``takes_part``; ``U`` the rule after its compressor; where that
+    :math:`\\bar\\theta'` is not finite, an overflow, no worker took part: ``m = 0``),
     the mean taken by the rule's compressor (each sitter's message zero, its error
     feedback kept; docs/algorithms.md, "DiLoCo: local steps and a compressed outer step").
     Streaming DiLoCo takes a fragment's ``delta`` after one inner step and runs this exchange
@@ -208,9 +252,7 @@ def outer_update(
     """
     leaves = tree_leaves(delta)
     device = leaves[0].device if leaves else None
-    finite = torch.stack([torch.isfinite(d).all() for d in leaves]).all() if leaves else None
-    offered = torch.as_tensor(takes_part, dtype=torch.bool, device=device)
-    offered = offered if finite is None else offered & finite
+    offered = torch.as_tensor(takes_part, dtype=torch.bool, device=device) & _finite(delta)
     if isinstance(outer, Compressor):  # the agreement rides in the messages' headers
         updates, new_state, participants = _exchanged(
             outer, anchor, delta, state, offered, within, header
@@ -220,8 +262,12 @@ def outer_update(
         participation = Participation(mine, participants.sum())
         safe = sent(delta, participation)
         updates, new_state = outer.update(safe, state, anchor, participation=participation)
-    applied = participants.sum() > 0
     new_anchor = apply_updates(anchor, updates)
+    # finite pseudo-gradients whose mean or update overflows: no worker's step can be taken
+    participants = participants & _finite(new_anchor)
+    for group in within:  # each rank of a sharded worker checked its own shard
+        participants = group.all_reduce((~participants).to(torch.float32), op="sum") == 0
+    applied = participants.any()
     return OuterStep(
         _kept(applied, new_anchor, anchor), _kept(applied, new_state, state), applied, participants
     )
@@ -239,7 +285,7 @@ def _exchanged(
     """The rule's exchange with this worker's flag and ``header``'s values in its messages'
     headers (summed over a sharded worker's ranks first, so that every shard position sends the
     same flag); returns the updates, the new state and the participants, the same at every
-    shard position (an owner's non-finite result, seen at one position, counts at all)."""
+    shard position once :func:`outer_update` agrees them over ``within``)."""
     sitting = (~offered).to(torch.float32).reshape(1)
     for group in within:
         sitting = group.all_reduce(sitting, op="sum")
@@ -251,9 +297,15 @@ def _exchanged(
     )
     if values and eager(extra):
         check_headers(list(header), extra.tolist())
-    for group in within:
-        participants = group.all_reduce((~participants).to(torch.float32), op="sum") == 0
     return updates, new_state, participants
+
+
+def _finite(tree: Params) -> torch.Tensor:
+    """``[]`` bool: whether every leaf of ``tree`` is finite."""
+    leaves = tree_leaves(tree)
+    if not leaves:
+        return torch.ones((), dtype=torch.bool)
+    return torch.stack([torch.isfinite(x).all() for x in leaves]).all()
 
 
 def _kept(applied: torch.Tensor, new: object, old: object) -> object:

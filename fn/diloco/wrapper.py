@@ -38,6 +38,7 @@ from fn.diloco.isolation import isolation_problem
 from fn.diloco.rules import outer_rule
 from fn.diloco.sharding import worker_mesh_comms
 from fn.diloco.sit_outs import SitOuts
+from fn.diloco.step import trainable_params
 from fn.diloco.streaming import StreamSchedule, fragment_indices
 from fn.errors import check_fraction, check_int
 
@@ -261,7 +262,7 @@ class DiLoCo:
         self._model = model
         self._buffers = Buffers(model, buffers)
         self._inner = InnerOptimizer(inner_optimizer)
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._params = trainable_params(model, "DiLoCo")
         within = worker_mesh_comms(self._params, timeout)  # sharded: the worker's ranks
         indices = fragment_indices(self._params, fragments)
         self._schedule = StreamSchedule(sync_every, len(indices), delay).checked()

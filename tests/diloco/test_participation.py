@@ -160,6 +160,35 @@ def test_the_outer_rules_step_over_the_participants(kind):
             assert torch.equal(a, b), (kind, s)
 
 
+@pytest.mark.parametrize(
+    "kind, exchange",
+    [(kind, "gather") for kind in KINDS] + [("topk", "owner"), ("sparseloco", "owner")],
+)
+def test_an_overflowing_mean_or_update_is_no_workers_step(kind, exchange):
+    """Finite pseudo-gradients near fp32's largest value, whose mean or outer update (an outer
+    learning rate of 10) overflows: no worker took part, and the anchor and the state come back
+    unchanged (every compressor, the top-k ones in both forms, as an owner's non-finite result
+    already did)."""
+    comm = Simulated(W)
+    options = {**OPTIONS.get(kind, {})}
+    if kind in ("topk", "sparseloco"):
+        options["exchange"] = exchange
+    if kind == "sparseloco":
+        outer = fn.diloco.sparseloco(10.0, comm=comm, **options)
+    else:
+        outer = fn.diloco.nesterov(fn.diloco.compression(kind, comm=comm, **options), 10.0)
+    anchors = replicate({"w": torch.zeros(SHAPE)}, comm)
+    state = simulate(outer.init, comm)(anchors)
+    params = {"w": torch.full((W, *SHAPE), -3.0e38)}
+    step = simulate(lambda a, p, s: fn.diloco.outer_step(outer, a, p, s, comm=comm), comm)
+    result = step(anchors, params, state)
+    assert result.participants.tolist() == [[False] * W] * W
+    assert result.applied.tolist() == [False] * W
+    assert torch.equal(result.anchor["w"], anchors["w"])
+    for a, b in zip(tree_leaves(result.state), tree_leaves(state), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_the_agreement_sends_its_formula_bytes():
     """One all-gather of ``1 + h`` int64 per worker (docs/algorithms.md's table)."""
     comm = Simulated(W)

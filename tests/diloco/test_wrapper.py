@@ -76,6 +76,12 @@ def test_refusals():
         fn.diloco.DiLoCo(model, inner, sync_every=0)
     with pytest.raises(TypeError, match="not Simulated"):
         fn.diloco.DiLoCo(model, inner, sync_every=4, group=Simulated(2))
+    complex_model = torch.nn.Linear(2, 2, dtype=torch.complex64)
+    complex_inner = torch.optim.SGD(complex_model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="parameter 0 is torch.complex64: .*view_as_real"):
+        fn.diloco.DiLoCo(complex_model, complex_inner, sync_every=4)
+    with pytest.raises(TypeError, match="pseudo_gradient: a leaf is torch.complex64"):
+        fn.diloco.pseudo_gradient({"w": torch.zeros(1)}, {"w": torch.zeros(1, dtype=torch.cfloat)})
     saved = fn.diloco.DiLoCo(model, inner, sync_every=4, group=Local()).state_dict()
     other = fn.diloco.DiLoCo(model, inner, sync_every=5)
     with pytest.raises(ValueError, match="settings"):

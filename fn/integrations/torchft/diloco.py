@@ -17,7 +17,7 @@ from torchft import Manager
 from fn.base import GradientTransformation, OptState
 from fn.collectives import Local, error_feedback_leaves, local_shard, positional_leaves
 from fn.collectives.dcp import initializing_optimizer_state
-from fn.diloco import OuterStep, outer_update, pseudo_gradient
+from fn.diloco import OuterStep, outer_update, pseudo_gradient, trainable_params
 from fn.diloco.buffers import Buffers, CapturedBuffers
 from fn.diloco.checkpoint import (
     diloco_state_dict,
@@ -214,7 +214,7 @@ class ElasticDiLoCo:
         _check_options(sync_every, max_sit_outs, fragments, delay)
         self.manager = manager
         self.comm = ManagerComm(manager, process_group)
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._params = trainable_params(model, "ElasticDiLoCo")
         self._within = worker_mesh_comms(self._params, timeout)
         outer_options, options = dict(outer_options or {}), dict(compression_options or {})
         self._rule = outer_rule(outer, outer_options, compression, options, self.comm)
