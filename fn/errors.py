@@ -33,6 +33,7 @@ __all__ = [
     "RecordingFile",
     "all_finite",
     "check_betas",
+    "check_closed_fraction",
     "check_finite",
     "check_finite_nonnegative",
     "check_fraction",
@@ -210,6 +211,15 @@ def check_fraction(name: str, **values: Any) -> None:
         number = _real_or_raise(name, key, v, "in [0, 1)")
         if not 0.0 <= number < 1.0:  # also rejects NaN
             raise ValueError(f"{name}: {key} must be in [0, 1), got {v}")
+
+
+def check_closed_fraction(name: str, **values: Any) -> None:
+    """Raises ``ValueError`` unless every value is a real number in [0, 1] (a decay that may
+    keep everything)."""
+    for key, v in values.items():
+        number = _real_or_raise(name, key, v, "in [0, 1]")
+        if not 0.0 <= number <= 1.0:  # also rejects NaN
+            raise ValueError(f"{name}: {key} must be in [0, 1], got {v}")
 
 
 def check_ordered(name: str, **bounds: Any) -> None:

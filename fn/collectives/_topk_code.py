@@ -11,7 +11,7 @@ import torch
 from fn.collectives import _sizes
 from fn.collectives.comm import Comm
 from fn.collectives.participation import Participation, participants_mean, sent
-from fn.errors import check_nonnegative
+from fn.errors import check_closed_fraction
 from fn.tree import tree_flatten
 
 WHAT = "topk_allreduce"
@@ -31,19 +31,21 @@ class Sparse(NamedTuple):
 
 
 def check(k: int, chunk_size: int, decay: float) -> None:
-    if not isinstance(chunk_size, int) or not 2 <= chunk_size <= _MAX_CHUNK:
+    if (
+        isinstance(chunk_size, bool)
+        or not isinstance(chunk_size, int)
+        or not 2 <= chunk_size <= _MAX_CHUNK
+    ):
         raise ValueError(f"{WHAT}: chunk_size must be an int from 2 to 2^16, got {chunk_size!r}")
     if chunk_size & (chunk_size - 1):
         raise ValueError(f"{WHAT}: chunk_size must be a power of two, got {chunk_size}")
     check_kept("k", k, chunk_size)
-    check_nonnegative(WHAT, decay=decay)
-    if decay > 1.0:
-        raise ValueError(f"{WHAT}: decay must be in [0, 1], got {decay}")
+    check_closed_fraction(WHAT, decay=decay)
 
 
 def check_kept(name: str, value: int, chunk_size: int) -> None:
     """``value`` (``k``, or the owners' ``server_k``) is a count of values kept per chunk."""
-    if not isinstance(value, int) or not 1 <= value <= chunk_size:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= chunk_size:
         raise ValueError(
             f"{WHAT}: {name} must be an int from 1 to chunk_size={chunk_size}, got {value!r}"
         )

@@ -131,7 +131,11 @@ class ByteCounter:
 
 
 def check_split(world_size: int, local_world_size: int) -> None:
-    if not isinstance(local_world_size, int) or local_world_size < 1:
+    if (
+        isinstance(local_world_size, bool)
+        or not isinstance(local_world_size, int)
+        or local_world_size < 1
+    ):
         raise ValueError(f"local_world_size must be a positive int, got {local_world_size!r}")
     if world_size % local_world_size:
         raise ValueError(

@@ -49,7 +49,7 @@ from fn.collectives.header import (
 )
 from fn.collectives.participation import Participation, kept, participants_mean, sent
 from fn.collectives.process_group import ProcessGroup
-from fn.errors import NonFiniteError, finite_or_raise
+from fn.errors import NonFiniteError, check_closed_fraction, check_int, finite_or_raise
 from fn.tree import eager, fitting, tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
@@ -1188,12 +1188,14 @@ def loco_allreduce(
         tensor([-0.4667, -0.3333, -0.2000, -0.0667,  0.0667,  0.2000,  0.3333,  0.4667])
     """
     plan = _plan(comm, bits, group_size, local_world_size)
-    if not 0.0 <= err_beta <= 1.0:
-        raise ValueError(f"err_beta must be in [0, 1], got {err_beta}")
-    if not isinstance(reset_T, int) or reset_T < 1:
-        raise ValueError(f"reset_T must be a positive int, got {reset_T!r}")
-    if not (error_dtype.is_floating_point or error_dtype == torch.int8):
-        raise ValueError(f"error_dtype must be a float dtype or torch.int8, got {error_dtype}")
+    check_closed_fraction("loco_allreduce", err_beta=err_beta)
+    check_int("loco_allreduce: reset_T", reset_T, minimum=1)
+    if not isinstance(error_dtype, torch.dtype) or not (
+        error_dtype.is_floating_point or error_dtype == torch.int8
+    ):
+        raise ValueError(
+            f"loco_allreduce: error_dtype must be a float dtype or torch.int8, got {error_dtype!r}"
+        )
     loco = _Loco(plan, err_beta, error_dtype)
 
     def init_fn(params):

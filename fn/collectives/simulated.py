@@ -98,7 +98,7 @@ class Simulated(_SimulatedCollectives):
     """
 
     def __init__(self, world_size: int) -> None:
-        if not isinstance(world_size, int) or world_size < 1:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         super().__init__(None, world_size, world_size, 0)
         self._rank: torch.Tensor | None = None

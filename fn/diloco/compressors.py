@@ -77,6 +77,7 @@ def compression(kind: str, *, comm: Comm, **options: Any) -> GradientTransformat
     Raises:
         ValueError: an unknown ``kind``, an option the kind does not take, or a value its
             collective refuses.
+        TypeError: ``comm`` is not a ``fn.collectives.Comm``.
 
     Example:
         >>> from fn.collectives import Simulated, simulate
@@ -87,9 +88,14 @@ def compression(kind: str, *, comm: Comm, **options: Any) -> GradientTransformat
         tensor([[2., 4.],
                 [2., 4.]])
     """
-    if kind not in _FACTORIES:
+    if not isinstance(kind, str) or kind not in _FACTORIES:
         raise ValueError(
             f"compression: kind must be one of {', '.join(COMPRESSIONS)}, got {kind!r}"
+        )
+    if not isinstance(comm, Comm):
+        raise TypeError(
+            "compression: comm must be a fn.collectives.Comm (Local, Simulated, ProcessGroup), "
+            f"got {type(comm).__name__}"
         )
     factory, allowed = _FACTORIES[kind]
     unknown = sorted(set(options) - set(allowed))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fn.base import GradientTransformation
 from fn.collectives import Comm, topk_allreduce
 from fn.collectives.header import compressor_chain
-from fn.errors import check_lr
+from fn.errors import check_closed_fraction, check_lr
 from fn.transforms import scale_by_learning_rate
 
 __all__ = ["sparseloco"]
@@ -82,6 +82,7 @@ def sparseloco(
         (tensor([-6.7500, -0.0000]), tensor([1.1250, 1.5000]))
     """
     check_lr("sparseloco", lr)
+    check_closed_fraction("sparseloco", beta=beta)
     compressor = topk_allreduce(
         k,
         chunk_size,

@@ -41,7 +41,6 @@ from fn.errors import (
     check_finite,
     check_finite_nonnegative,
     check_lr,
-    check_nonnegative,
     check_shapes,
     check_step_or_plan,
     require_params,
@@ -385,7 +384,7 @@ def onebit_settings(
     """
     b1, b2 = check_betas(name, betas)
     check_finite_nonnegative(name, eps=eps)
-    check_nonnegative(name, weight_decay=weight_decay)
+    check_finite_nonnegative(name, weight_decay=weight_decay)
     check_lr(name, lr)
     collectives.check_error_dtype(name, error_dtype)
     clip = adam_ratio_bound(b1, b2) if safeguard else None

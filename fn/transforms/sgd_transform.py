@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from fn.base import GradientTransformation, chain, donated_state
-from fn.errors import check_lr, check_nonnegative
+from fn.errors import check_finite_nonnegative, check_lr
 from fn.transforms._leaves import device_of, matching
 from fn.transforms.learning_rate import Schedule, scale_by_learning_rate
 from fn.transforms.weight_decay import add_decayed_weights
@@ -75,7 +75,7 @@ def trace(
         >>> updates, state.count
         ({'w': tensor([0.9500, 0.9500])}, tensor(2))
     """
-    check_nonnegative("trace", decay=decay, dampening=dampening)
+    check_finite_nonnegative("trace", decay=decay, dampening=dampening)
     if nesterov and (decay <= 0.0 or dampening != 0.0):
         raise ValueError("trace: Nesterov momentum requires a momentum and zero dampening")
 
@@ -178,7 +178,7 @@ def sgd(
         {'w': tensor([-0.0950, -0.0950])}
     """
     check_lr("sgd", lr)
-    check_nonnegative("sgd", momentum=momentum, dampening=dampening)
+    check_finite_nonnegative("sgd", momentum=momentum, dampening=dampening)
     if nesterov and (momentum <= 0.0 or dampening != 0.0):
         raise ValueError("sgd: Nesterov momentum requires a momentum and zero dampening")
     momentum_tx = [trace(momentum, nesterov, dampening=dampening)] if momentum != 0.0 else []

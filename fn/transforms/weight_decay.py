@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from fn.base import GradientTransformation, identity
-from fn.errors import check_nonnegative
+from fn.errors import check_finite_nonnegative
 from fn.transforms._leaves import with_params
 from fn.tree import can_donate
 
@@ -37,7 +37,7 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         >>> tx.update({"w": torch.tensor([1.0, 1.0])}, tx.init(params), params)[0]
         {'w': tensor([ 2., -1.])}
     """
-    check_nonnegative("add_decayed_weights", weight_decay=weight_decay)
+    check_finite_nonnegative("add_decayed_weights", weight_decay=weight_decay)
     if weight_decay == 0.0:
         return identity()
 

@@ -215,6 +215,7 @@ def test_a_round_trip_worth_it_cannot_use_is_refused(options, message):
         ({"exchange": "owner", "server_k": 0}, "server_k must be an int from 1 to chunk_size=8"),
         ({"exchange": "auto", "server_k": 9}, "server_k must be an int from 1 to chunk_size=8"),
         ({"exchange": "owner", "server_k": 2.0}, "server_k must be an int"),
+        ({"exchange": "owner", "server_k": True}, "server_k must be an int"),
     ],
 )
 def test_a_server_k_it_cannot_use_is_refused(options, message):

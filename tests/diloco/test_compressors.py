@@ -172,13 +172,42 @@ def test_every_compression_gives_every_rank_the_same_mean(kind):
 
 
 def test_compression_refuses_unknown_kinds_and_options():
-    with pytest.raises(ValueError, match="kind must be one of"):
-        fn.diloco.compression("fp8", comm=Local())
+    for kind in ("fp8", ["fp32"]):
+        with pytest.raises(ValueError, match="kind must be one of"):
+            fn.diloco.compression(kind, comm=Local())
+    with pytest.raises(TypeError, match="comm must be a fn.collectives.Comm .* got NoneType"):
+        fn.diloco.compression("fp32", comm=None)
     with pytest.raises(ValueError, match="'onebit' takes no options; got k"):
         fn.diloco.compression("onebit", comm=Local(), k=3)
     takes = "takes k, chunk_size, exchange, server_k, round_trip_bytes; got group_size"
     with pytest.raises(ValueError, match=takes):
         fn.diloco.compression("topk", comm=Local(), group_size=8)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: fn.diloco.sparseloco(k=True, chunk_size=8, comm=Local()), "k must be an int"),
+        (lambda: fn.diloco.sparseloco(beta=1.5, comm=Local()), "sparseloco: beta must be in"),
+        (lambda: fn.diloco.compression("topk", comm=Local(), chunk_size=True), "chunk_size"),
+        (lambda: fn.diloco.compression("loco4", comm=Local(), err_beta=None), "err_beta must"),
+        (lambda: fn.diloco.compression("loco4", comm=Local(), reset_T=True), "reset_T must"),
+        (
+            lambda: fn.diloco.compression("loco4", comm=Local(), error_dtype="bf16"),
+            "error_dtype must be a float dtype or torch.int8, got 'bf16'",
+        ),
+        (
+            lambda: fn.diloco.nesterov(fn.diloco.compression("fp32", comm=Local()), 0.7, math.inf),
+            "momentum must be finite",
+        ),
+    ],
+)
+def test_the_outer_rules_refuse_settings_out_of_range_when_built(make, message):
+    """A bool where a count belongs, a decay out of [0, 1], an infinite momentum, a dtype's
+    name in place of the dtype: a ``ValueError`` naming the setting at construction, not a
+    ``TypeError`` or a non-finite anchor at the first outer step."""
+    with pytest.raises(ValueError, match=message):
+        make()
 
 
 def test_topk_and_sparseloco_pass_the_round_trips_worth_to_auto():
