@@ -92,7 +92,9 @@ def compression(kind: str, *, comm: Comm, **options: Any) -> GradientTransformat
         raise ValueError(
             f"compression: kind must be one of {', '.join(COMPRESSIONS)}, got {kind!r}"
         )
-    if not isinstance(comm, Comm):
+    # the collectives an outer exchange calls, looked up on the type (a comm's world size may
+    # need a quorum first)
+    if not all(callable(getattr(type(comm), name, None)) for name in ("all_gather", "all_to_all")):
         raise TypeError(
             "compression: comm must be a fn.collectives.Comm (Local, Simulated, ProcessGroup), "
             f"got {type(comm).__name__}"
