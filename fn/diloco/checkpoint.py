@@ -7,7 +7,8 @@ that DCP keeps one copy per shard and can reshard), the counts, the settings and
 workers. What differs per rank (the error feedback) sits under ``state["per_rank"]["rank<r>"]``,
 ``r`` the rank in the world, a key of this rank's own (fn's convention, in
 fn/collectives/dcp.py). An exchange in flight is the shared ``state["in_flight"]`` (its
-fragment and the inner step it started after, ``None`` values outside one) and, among this
+fragment, the inner step it started after and the positions of the parameters that required
+grad then, ``None`` values outside one) and, among this
 rank's own entries, its pseudo-gradient (``in_flight_delta``), whether it takes part and the
 buffer values it sends, as they were when the exchange started: the same keys and shapes in and
 outside an exchange, as DCP needs."""
@@ -114,6 +115,9 @@ class InFlight(NamedTuple):
             started (``None``: not saved, in a checkpoint from before fn kept it).
         buffers: the model's buffer values the exchange sends, as taken when it started
             (``[]``: none).
+        trainable: the positions in ``model.parameters()`` of the parameters that required
+            grad when it started (``None``: not saved, in a checkpoint from before fn kept
+            them).
     """
 
     fragment: int
@@ -121,6 +125,7 @@ class InFlight(NamedTuple):
     delta: list[torch.Tensor]
     takes_part: torch.Tensor | None = None
     buffers: Sequence[torch.Tensor] = ()
+    trainable: Sequence[int] | None = None
 
 
 def diloco_state_dict(
@@ -154,8 +159,8 @@ def diloco_state_dict(
     Returns:
         ``{"anchor", "outer_state", "counts", "settings", "world_size", "in_flight",
         "per_rank"}``: ``outer_state`` the rules' leaves other than the error feedback, in
-        leaf order (the fragments' in turn), ``in_flight`` ``{"fragment", "started_at"}``
-        (``None`` values outside an exchange), and ``per_rank`` ``{"rank<r>":
+        leaf order (the fragments' in turn), ``in_flight`` ``{"fragment", "started_at",
+        "trainable"}`` (``None`` values outside an exchange), and ``per_rank`` ``{"rank<r>":
         {"error_feedback": [...], "in_flight_delta": ..., "in_flight_takes_part": ...,
         "in_flight_buffers": [...]}}``: this rank's error feedback leaves in the same order;
         one fp32 vector of ``delta_size`` values, the in-flight pseudo-gradient's tensors
@@ -191,6 +196,7 @@ def diloco_state_dict(
         "in_flight": {
             "fragment": None if in_flight is None else in_flight.fragment,
             "started_at": None if in_flight is None else in_flight.started_at,
+            "trainable": None if in_flight is None else _listed(in_flight.trainable),
         },
         PER_RANK: {
             rank_key(): {
@@ -200,6 +206,10 @@ def diloco_state_dict(
             }
         },
     }
+
+
+def _listed(positions: Sequence[int] | None) -> list[int] | None:
+    return None if positions is None else [int(i) for i in positions]
 
 
 def _delta_vector(
@@ -370,8 +380,9 @@ def _in_flight(
         x.reshape(q.shape).to(q.device, torch.float32, copy=True)
         for x, q in zip(pieces, params, strict=True)
     ]
+    trainable = _listed(entry.get("trainable"))
     if "in_flight_takes_part" not in own:  # saved before fn kept them: decided again on load
-        return InFlight(entry["fragment"], entry["started_at"], delta)
+        return InFlight(entry["fragment"], entry["started_at"], delta, trainable=trainable)
     values = [local_shard(x) for x in own["in_flight_buffers"]]
     if not _same_shapes(values, buffers):
         raise ValueError(
@@ -385,6 +396,7 @@ def _in_flight(
         delta,
         takes_part.clone(),
         [x.to(b.device, b.dtype, copy=True) for x, b in zip(values, buffers, strict=True)],
+        trainable,
     )
 
 

@@ -27,6 +27,8 @@ class Flight(NamedTuple):
             exchange's ``then`` returned.
         takes_part: ``[]`` bool, whether this rank takes part, as decided when it started.
         buffers: the model's buffer values the exchange sends (``[]``: none).
+        trainable: the positions in ``model.parameters()`` of the parameters that required
+            grad when it started.
     """
 
     started_at: int
@@ -34,6 +36,7 @@ class Flight(NamedTuple):
     exchange: BackgroundExchange[tuple[OuterStep, Any]]
     takes_part: torch.Tensor
     buffers: list[torch.Tensor]
+    trainable: tuple[int, ...] = ()
 
 
 def anchor_on(anchor: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -127,12 +130,13 @@ class Fragment:
         background: bool | None = None,
         then: Callable[[OuterStep, Comm, Sequence[Comm]], Any] | None = None,
         buffers: Sequence[torch.Tensor] = (),
+        trainable: Sequence[int] = (),
     ) -> None:
         """Takes the pseudo-gradient (or resumes with ``delta``) and starts the exchange
         (:func:`fn.diloco.outer_update`) through ``exchanger``; ``then(result, comm, within)``
-        runs after it, on its thread (further collectives of the same step). ``takes_part``
-        and ``buffers`` (the buffer values ``then`` sends) are kept with the flight for a
-        checkpoint."""
+        runs after it, on its thread (further collectives of the same step). ``takes_part``,
+        ``buffers`` (the buffer values ``then`` sends) and ``trainable`` (the positions of the
+        parameters that required grad) are kept with the flight for a checkpoint."""
         shards = self.shards()
         anchor = anchor_on(self.anchor, shards)
         delta = pseudo_gradient(anchor, shards) if delta is None else delta
@@ -149,7 +153,9 @@ class Fragment:
         exchange = exchanger.start(
             run, background=background, device=shards[0].device, what=f"{what}{started_at})"
         )
-        self.flight = Flight(started_at, delta, exchange, takes_part, list(buffers))
+        self.flight = Flight(
+            started_at, delta, exchange, takes_part, list(buffers), tuple(trainable)
+        )
 
     def finish(self) -> tuple[OuterStep, Any, int]:
         """Waits for the exchange in flight; returns its result, what its ``then`` returned

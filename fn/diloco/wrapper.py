@@ -438,7 +438,11 @@ class DiLoCo:
         """Starts ``fragment``'s exchange: its pseudo-gradient, buffers and participation now,
         or ``in_flight``'s (a checkpoint's); on this thread where ``inline`` (``sync()``)."""
         started_at = self.inner_steps if in_flight is None else in_flight.started_at
-        trainable = [(i, q) for i, q in enumerate(self._model.parameters()) if q.requires_grad]
+        params = list(self._model.parameters())
+        if in_flight is None or in_flight.trainable is None:  # the latter: saved before fn kept it
+            trainable = [(i, q) for i, q in enumerate(params) if q.requires_grad]
+        else:  # as when it started, though a layer may have been unfrozen since
+            trainable = [(i, params[i]) for i in in_flight.trainable]
         self._joining[fragment.index] = [q for _, q in trainable if id(q) not in self._synced]
         shapes = repr([(i, tuple(q.shape)) for i, q in trainable]).encode()
         header = {
@@ -474,6 +478,7 @@ class DiLoCo:
             background=False if inline else None,
             then=buffers,
             buffers=[] if captured is None else captured.values,
+            trainable=[i for i, _ in trainable],
         )
 
     def _apply(self, fragment: Fragment, mix: float) -> bool:
@@ -616,7 +621,12 @@ class DiLoCo:
         if flying is not None:
             flight = flying.flight
             in_flight = InFlight(
-                flying.index, flight.started_at, flight.delta, flight.takes_part, flight.buffers
+                flying.index,
+                flight.started_at,
+                flight.delta,
+                flight.takes_part,
+                flight.buffers,
+                flight.trainable,
             )
         return diloco_state_dict(
             self._anchor,
@@ -646,8 +656,8 @@ class DiLoCo:
 
         Raises:
             ValueError: settings other than this object's, tensors of other shapes, or an
-                exchange in flight under another number of workers or without this rank's
-                entries; nothing was changed.
+                exchange in flight under another number of workers, without this rank's
+                entries or naming parameters the model does not have; nothing was changed.
 
         Example:
             >>> model = torch.nn.Linear(2, 1)
@@ -669,6 +679,14 @@ class DiLoCo:
             fragment_shards=[f.shards() for f in self._fragments],
             buffers=self._buffers.targets(),
         )
+        flying = loaded.in_flight
+        count = len(list(self._model.parameters()))
+        if flying is not None and not all(0 <= i < count for i in flying.trainable or ()):
+            raise ValueError(
+                "DiLoCo.load_state_dict: the in-flight exchange names parameters this model "
+                f"does not have (positions {list(flying.trainable)}, the model has {count}); "
+                "nothing was loaded"
+            )
         for fragment in self._fragments:  # this object's own exchange: ended before replacing it
             if fragment.flight is not None:
                 fragment.finish()

@@ -458,7 +458,7 @@ def test_sharded_streaming_with_a_delay_is_the_loop_over_workers(ranks):
             got = result["delayed onebit"][1][t]
             assert _equal(got, expected_onebit[t][rank // SHARDS]), (rank, t)
         resumed, in_flight = result["delayed checkpoint"]
-        assert in_flight == {"fragment": 0, "started_at": 5}, in_flight
+        assert in_flight == {"fragment": 0, "started_at": 5, "trainable": [0, 1, 2, 3]}, in_flight
         assert _equal(resumed, result["delayed"][1][-1]), rank
     # mix keeps a share of each worker's own params: the workers differ after an outer step
     assert not _equal(ranks[0]["delayed"][1][1], ranks[SHARDS]["delayed"][1][1])

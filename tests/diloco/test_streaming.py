@@ -116,7 +116,7 @@ def test_checkpoint_in_flight_resumes_bit_for_bit():
     full = cases.params(cases.train(0, kwargs, 0, steps)[0])
     part = cases.train(0, kwargs, 0, 5)
     saved = copy.deepcopy(tuple(x.state_dict() for x in part))
-    assert saved[2]["in_flight"] == {"fragment": 0, "started_at": 5}
+    assert saved[2]["in_flight"] == {"fragment": 0, "started_at": 5, "trainable": [0, 1, 2, 3]}
     assert saved[2]["per_rank"]["rank0"]["in_flight_delta"].shape == (12,)  # fragment 0: 3 x 4
     resumed = cases.params(cases.train(0, kwargs, 5, steps, state=saved)[0])
     assert all(torch.equal(a, b) for a, b in zip(resumed, full, strict=True))

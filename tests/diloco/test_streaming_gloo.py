@@ -87,20 +87,25 @@ def _through_dcp(rank, kwargs, steps, path):
 def _in_the_window(rank, path):
     """A model with buffers (BatchNorm), H = 6 and a delay of 2: the exchange starts after
     inner step 4 (rank 1 finite: it takes part) and is applied after step 6; rank 1's gradient
-    of step 5 holds a NaN. The model's state after step 6 and the sit-outs: uninterrupted,
-    resumed from a ``torch.save`` round trip of the state after step 5 (in flight), and
-    resumed from DCP."""
+    of step 5 holds a NaN, and the last layer, frozen until then, trains from step 5 on (it
+    joins at the next exchange, not this one). The model's state after step 6 and the
+    sit-outs: uninterrupted, resumed from a ``torch.save`` round trip of the state after step 5
+    (in flight), and resumed from DCP (the layer unfrozen before either load)."""
 
-    def build():
+    def build(unfrozen=False):
         torch.manual_seed(0)
         m = torch.nn.Sequential(
             torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Tanh(), torch.nn.Linear(6, 2)
         )
+        m[3].requires_grad_(False)
         inner = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        return m, inner, fn.diloco.DiLoCo(m, inner, sync_every=6, delay=2)
+        d = fn.diloco.DiLoCo(m, inner, sync_every=6, delay=2)
+        m[3].requires_grad_(unfrozen)
+        return m, inner, d
 
     def train(m, inner, d, start, stop):
         for step in range(start, stop):
+            m[3].requires_grad_(step >= 4)
             g = torch.Generator().manual_seed(1000 * rank + step)
             x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
             torch.nn.functional.mse_loss(m(x), y).backward()
@@ -115,12 +120,12 @@ def _in_the_window(rank, path):
     saved = copy.deepcopy((m.state_dict(), inner.state_dict(), d.state_dict()))
     fn.fsdp.TrainingCheckpoint(m, inner, extra={"diloco": d}, key=f"w{rank}").save(path)
     full = train(m, inner, d, 5, 6)
-    m, inner, d = build()
+    m, inner, d = build(unfrozen=True)
     m.load_state_dict(saved[0])
     inner.load_state_dict(saved[1])
     d.load_state_dict(saved[2])
     resumed = train(m, inner, d, 5, 6)
-    m, inner, d = build()
+    m, inner, d = build(unfrozen=True)
     fn.fsdp.TrainingCheckpoint(m, inner, extra={"diloco": d}, key=f"w{rank}").load(path)
     return full, resumed, train(m, inner, d, 5, 6), saved[2]
 
@@ -165,7 +170,7 @@ def test_streaming_matches_the_loop_over_workers_bit_for_bit(gloo_ranks):
 def test_checkpoint_with_an_exchange_in_flight(gloo_ranks):
     for result in gloo_ranks:
         full, resumed, saved, through_dcp = result["resume"]
-        assert saved["in_flight"] == {"fragment": 0, "started_at": 5}
+        assert saved["in_flight"] == {"fragment": 0, "started_at": 5, "trainable": [0, 1, 2, 3]}
         assert all(torch.equal(a, b) for a, b in zip(resumed, full, strict=True))
         assert all(torch.equal(a, b) for a, b in zip(through_dcp, full, strict=True))
     deltas = [
@@ -183,17 +188,20 @@ def test_checkpoint_with_an_exchange_in_flight(gloo_ranks):
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_a_resumed_exchange_sends_what_it_took_when_it_started(gloo_ranks):
-    """The buffers and the decision to take part are the ones of the inner step the exchange
-    started after, not those of the step the checkpoint was taken after."""
+    """The buffers, the decision to take part and the parameters that join are the ones of the
+    inner step the exchange started after, not those of the step the checkpoint was taken
+    after."""
     for rank, result in enumerate(gloo_ranks):
         full, resumed, through_dcp, saved = result["window"]
         assert full[1] == [0, 0]  # rank 1's NaN came after the exchange started
         own = saved["per_rank"][f"rank{rank}"]
         assert bool(own["in_flight_takes_part"]) and len(own["in_flight_buffers"]) == 3
+        assert saved["in_flight"]["trainable"] == [0, 1, 2, 3]  # not the last layer's 4, 5
         for got in (resumed, through_dcp):
             assert got[1] == full[1]
             assert full[0].keys() == got[0].keys()
-            assert all(torch.equal(full[0][k], got[0][k]) for k in full[0]), rank
+            for k in full[0]:  # rank 1's last layer, local, trained on its NaN: NaN alike
+                torch.testing.assert_close(got[0][k], full[0][k], rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.distributed

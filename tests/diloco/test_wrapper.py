@@ -175,10 +175,11 @@ def test_close_waits_for_the_exchange_in_flight_and_applies_nothing():
 
 
 def test_an_in_flight_checkpoint_without_its_participation_loads_as_before():
-    """A checkpoint from before fn kept an in-flight exchange's participation and buffers
-    decides both again on load; buffers of other shapes are refused, nothing changed."""
+    """A checkpoint from before fn kept an in-flight exchange's participation, buffers and
+    trainable parameters decides them again on load; buffers of other shapes, or parameters
+    the model does not have, are refused, nothing changed."""
 
-    def run(edit=None):
+    def run(edit=None, refused=""):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -187,11 +188,11 @@ def test_an_in_flight_checkpoint_without_its_participation_loads_as_before():
             _step(model, inner, step)
         state = diloco.state_dict()
         if edit is not None:
-            edit(state["per_rank"]["rank0"])
+            edit(state)
             diloco.close()
             fresh = fn.diloco.DiLoCo(model, inner, sync_every=4, delay=1)
             before = [a.clone() for a in fresh.state_dict()["anchor"]]
-            with pytest.raises(ValueError, match="buffers have other shapes"):
+            with pytest.raises(ValueError, match=refused):
                 fresh.load_state_dict(state)
             assert all(
                 torch.equal(a, b) for a, b in zip(fresh.state_dict()["anchor"], before, strict=True)
@@ -201,11 +202,12 @@ def test_an_in_flight_checkpoint_without_its_participation_loads_as_before():
         resumed = fn.diloco.DiLoCo(model, inner, sync_every=4, delay=1)
         own = state["per_rank"]["rank0"]
         assert own["in_flight_takes_part"].dtype == torch.bool
-        del own["in_flight_takes_part"], own["in_flight_buffers"]
+        del own["in_flight_takes_part"], own["in_flight_buffers"], state["in_flight"]["trainable"]
         resumed.load_state_dict(state)
         _step(model, inner, 3)
         return resumed.outer_steps, [b.clone() for b in model.buffers()]
 
     outer_steps, buffers = run()
     assert outer_steps == 1 and all(bool(b.isfinite().all()) for b in buffers)
-    run(lambda own: own["in_flight_buffers"].pop())
+    run(lambda state: state["per_rank"]["rank0"]["in_flight_buffers"].pop(), "other shapes")
+    run(lambda state: state["in_flight"]["trainable"].append(9), r"positions \[0, 1, 2, 3, 9\]")
