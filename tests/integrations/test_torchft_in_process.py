@@ -96,6 +96,24 @@ def test_a_worker_whose_batchnorm_statistics_hold_nan_sits_out():
     assert diloco.sat_out_steps == 1 and diloco.participants == [False, False]
 
 
+def test_an_overflowing_outer_step_is_skipped_and_says_so():
+    """Finite pseudo-gradients near fp32's largest value whose outer update overflows: no
+    worker took part, the parameters are back at the anchor, and the warning names the
+    overflow, not a NaN of this worker's."""
+    manager = Manager()
+    model = torch.nn.Linear(2, 3)
+    torch.nn.init.zeros_(model.weight), torch.nn.init.zeros_(model.bias)
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    group = ProcessGroup(manager, size=2)
+    diloco = ElasticDiLoCo(model, inner, manager=manager, process_group=group, sync_every=1)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3.0e38)
+    with pytest.warns(RuntimeWarning, match="finite, but their mean or its outer update overflow"):
+        inner.step()
+    assert diloco.participants == [False, False] and diloco.skipped_steps == 1
+    assert all(bool((p == 0).all()) for p in model.parameters())
+
+
 def test_a_recovering_worker_lays_top_k_out_as_its_peers_do():
     """At 3 workers top-k's ``"auto"`` exchange is the owner-partitioned one here: the first
     quorum lays a worker's state out for it (as ``fn.diloco.DiLoCo`` on 3 workers does), and a

@@ -277,14 +277,20 @@ class ElasticDiLoCo:
     def _outer_step(self) -> bool:
         self._recovered = False
         self.manager.start_quorum()  # a worker behind the others recovers in here
-        result = None
+        result, offered = None, False
         if self.manager.errored() is None:  # else the quorum failed: the vote fails too
             self._fit_state_to_quorum()
             params = self._shards()
             anchor = anchor_on(self._anchor, params)
             delta = pseudo_gradient(anchor, params)
-            takes_part = self._inner.finite(self._params) & (not self._recovered)
-            result, buffers = self._exchange(anchor, delta, takes_part=takes_part)
+            captured = self._buffers.capture()
+            takes_part = (
+                self._inner.finite(self._params)
+                & (not self._recovered)
+                & Buffers.finite(captured, delta[0].device if delta else None)
+            )
+            offered = bool(takes_part) and all(bool(d.isfinite().all()) for d in delta)
+            result, buffers = self._exchange(anchor, delta, captured, takes_part=takes_part)
         committed = self.manager.should_commit()
         if not committed or result is None:
             self.failed_commits += 1
@@ -310,24 +316,33 @@ class ElasticDiLoCo:
         self.sat_out_steps += not mine
         self._faulty_in_a_row = 0 if mine or self._recovered else self._faulty_in_a_row + 1
         if self._faulty_in_a_row:
-            self._sat_out_for_a_fault()
+            # offered a finite step, yet no worker took part: the result was not finite
+            self._sat_out_for_a_fault(overflowed=offered and not any(self.participants))
         return True
 
-    def _sat_out_for_a_fault(self) -> None:
-        """This worker sat out for NaN or Inf: its inner optimizer starts afresh; it warns, and
-        raises after ``max_sit_outs`` such steps in a row."""
+    def _sat_out_for_a_fault(self, *, overflowed: bool) -> None:
+        """This worker sat out for NaN or Inf (``overflowed``: its step was finite, but the
+        participants' mean or its outer update was not, so no worker took part): its inner
+        optimizer starts afresh; it warns, and raises after ``max_sit_outs`` such steps in a
+        row."""
         self._inner.reset()
         checked = (
             "pseudo-gradient, its inner optimizer's state or its buffers"
             if self._buffers.checked()
             else "pseudo-gradient or its inner optimizer's state"
         )
+        what = (
+            f"the outer step after inner step {self.inner_steps} was skipped: the participants' "
+            "pseudo-gradients were finite, but their mean or its outer update overflowed; this "
+            "worker"
+            if overflowed
+            else f"this worker's {checked} held NaN or Inf at inner step {self.inner_steps}: it "
+            "sat the outer step out (the others' mean was applied) and"
+        )
         warnings.warn(
-            f"ElasticDiLoCo: this worker's {checked} held NaN or Inf at inner step "
-            f"{self.inner_steps}: it sat the outer step out (the others' "
-            f"mean was applied), lost its inner steps since the last outer step (its parameters "
-            f"were reset to the anchor), {self._inner.what_reset()}, and its error feedback was "
-            "kept (check its data, inner learning rate and loss scale)",
+            f"ElasticDiLoCo: {what} lost its inner steps since the last outer step (its "
+            f"parameters were reset to the anchor), {self._inner.what_reset()}, and its error "
+            "feedback was kept (check its data, inner and outer learning rates and loss scale)",
             RuntimeWarning,
             stacklevel=user_stacklevel(),
         )
@@ -341,13 +356,16 @@ class ElasticDiLoCo:
             )
 
     def _exchange(
-        self, anchor: list[torch.Tensor], delta: list[torch.Tensor], *, takes_part: Any
+        self,
+        anchor: list[torch.Tensor],
+        delta: list[torch.Tensor],
+        captured: CapturedBuffers | None,
+        *,
+        takes_part: Any,
     ) -> tuple[OuterStep | None, tuple[CapturedBuffers, Any] | None]:
-        """The outer update over the quorum and the buffers the workers continue with, or
-        ``(None, None)`` where a collective failed (reported to the Manager, whose commit vote
-        then fails)."""
-        captured = self._buffers.capture()
-        takes_part = takes_part & Buffers.finite(captured, delta[0].device if delta else None)
+        """The outer update over the quorum and the ``captured`` buffers the workers continue
+        with, or ``(None, None)`` where a collective failed (reported to the Manager, whose
+        commit vote then fails)."""
         try:
             result = outer_update(
                 self._rule,
