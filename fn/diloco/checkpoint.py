@@ -140,6 +140,7 @@ def diloco_state_dict(
     in_flight: InFlight | None = None,
     delta_size: int = 0,
     buffers: Sequence[torch.Tensor] = (),
+    worker: int = 0,
 ) -> dict[str, Any]:
     """The state dict of :class:`fn.diloco.DiLoCo` (fresh copies).
 
@@ -155,14 +156,17 @@ def diloco_state_dict(
         delta_size: the largest fragment's local size: ``in_flight_delta``'s.
         buffers: the model's buffers that an exchange sends (the shapes of
             ``in_flight_buffers``).
+        worker: this worker's index among the workers, whose position the error feedback
+            laid out by position (an owner's share) belongs to.
 
     Returns:
         ``{"anchor", "outer_state", "counts", "settings", "world_size", "in_flight",
         "per_rank"}``: ``outer_state`` the rules' leaves other than the error feedback, in
         leaf order (the fragments' in turn), ``in_flight`` ``{"fragment", "started_at",
         "trainable"}`` (``None`` values outside an exchange), and ``per_rank`` ``{"rank<r>":
-        {"error_feedback": [...], "in_flight_delta": ..., "in_flight_takes_part": ...,
-        "in_flight_buffers": [...]}}``: this rank's error feedback leaves in the same order;
+        {"error_feedback": [...], "worker": ..., "in_flight_delta": ...,
+        "in_flight_takes_part": ..., "in_flight_buffers": [...]}}``: this rank's error
+        feedback leaves in the same order; ``worker`` (a ``[]`` int64);
         one fp32 vector of ``delta_size`` values, the in-flight pseudo-gradient's tensors
         flattened in turn; whether this rank takes part in that exchange (a ``[]`` bool); the
         buffer values it sends, one per tensor of ``buffers`` (outside an exchange: zeros and
@@ -201,6 +205,7 @@ def diloco_state_dict(
         PER_RANK: {
             rank_key(): {
                 "error_feedback": own,
+                "worker": torch.tensor(worker),
                 "in_flight_delta": _delta_vector(in_flight, delta_size, params),
                 **_flight_record(in_flight, buffers, params),
             }
@@ -250,12 +255,15 @@ class Restored(NamedTuple):
         outer_state: the outer rule's state.
         counts: the step counts.
         in_flight: the exchange in flight, to start again, or ``None``.
+        worker: the saving worker's index among the workers (``None``: not saved, or the
+            error feedback restarts).
     """
 
     anchor: list[torch.Tensor]
     outer_state: OptState
     counts: dict[str, Any]
     in_flight: InFlight | None = None
+    worker: int | None = None
 
 
 def restored(
@@ -298,7 +306,8 @@ def restored(
         >>> saved = diloco_state_dict([torch.ones(2)], [()], [torch.ones(2)], [[0]],
         ...                           counts={"outer": 1}, settings="s", world_size=1)
         >>> restored(saved, anchor=[torch.zeros(2)], fresh_state=(), settings="s", world_size=1)
-        Restored(anchor=[tensor([1., 1.])], outer_state=(), counts={'outer': 1}, in_flight=None)
+        Restored(anchor=[tensor([1., 1.])], outer_state=(), counts={'outer': 1}, in_flight=None,
+                 worker=0)
     """
     where = "DiLoCo.load_state_dict"
     if state["settings"] != settings:
@@ -343,6 +352,7 @@ def restored(
         tree_unflatten(leaves, spec),
         dict(state["counts"]),
         in_flight,
+        None if restart or "worker" not in own else int(own["worker"]),
     )
 
 

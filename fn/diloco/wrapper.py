@@ -639,6 +639,7 @@ class DiLoCo:
             in_flight=in_flight,
             delta_size=max(f.size() for f in self._fragments),
             buffers=self._buffers.targets(),
+            worker=self._worker,
         )
 
     @torch.no_grad()

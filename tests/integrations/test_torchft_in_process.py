@@ -6,6 +6,9 @@ recovering worker lays its state out as its peers do."""
 
 from __future__ import annotations
 
+import copy
+import warnings
+
 import pytest
 import torch
 
@@ -78,6 +81,61 @@ def test_a_change_of_the_quorum_restarts_only_the_positional_error_feedback(capl
         assert (message in caplog.text) == restarts, kind
         kept = any(bool(e.ne(0).any()) for e in _feedback(diloco))
         assert kept != restarts, kind
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"compression": "topk", "compression_options": {"k": 16, "chunk_size": 128}},
+        {
+            "compression": "topk",
+            "compression_options": {"k": 16, "chunk_size": 128, "exchange": "gather"},
+        },
+        {"outer": "sparseloco", "compression_options": {"k": 16, "chunk_size": 128}},
+    ],
+    ids=["topk-auto", "topk-gather", "sparseloco"],
+)
+def test_a_full_restart_keeps_the_error_feedback_and_continues_bit_for_bit(options):
+    """A checkpoint of a worker at rank 1 of 3, loaded into fresh objects (a full restart),
+    then the same quorum: the error feedback (an owner's share too: ``"auto"`` picks the owners
+    here) loads as saved, with no warning, and the run goes on as without the restart."""
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 128), torch.nn.Tanh(), torch.nn.Linear(128, 1)
+        )
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        manager = Manager(rank=1)
+        group = ProcessGroup(manager, size=3)
+        elastic = ElasticDiLoCo(
+            model, inner, manager=manager, process_group=group, sync_every=2, **options
+        )
+        return model, inner, elastic
+
+    def train(model, inner, steps):
+        for t in steps:
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(t))
+            (model(x) - x.sum(1, keepdim=True)).square().mean().backward()
+            inner.step()
+            inner.zero_grad()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    model, inner, diloco = build()
+    train(model, inner, range(4))
+    saved = copy.deepcopy((model.state_dict(), inner.state_dict(), diloco.state_dict()))
+    assert all(bool(e.ne(0).any()) for e in _feedback(diloco))
+    want = train(model, inner, range(4, 8))
+    model, inner, diloco = build()
+    model.load_state_dict(saved[0])
+    inner.load_state_dict(saved[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        diloco.load_state_dict(saved[2])
+    saved_feedback = saved[2]["per_rank"]["rank0"]["error_feedback"]
+    loaded = _feedback(diloco)
+    assert all(torch.equal(a, b) for a, b in zip(loaded, saved_feedback, strict=True))
+    assert torch.equal(train(model, inner, range(4, 8)), want)
 
 
 def test_a_worker_whose_batchnorm_statistics_hold_nan_sits_out():

@@ -5,6 +5,7 @@ live peer through torchft's recovery."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from collections.abc import Mapping
@@ -15,7 +16,13 @@ from torch import nn
 from torchft import Manager
 
 from fn.base import GradientTransformation, OptState
-from fn.collectives import Local, error_feedback_leaves, local_shard, positional_leaves
+from fn.collectives import (
+    Local,
+    Simulated,
+    error_feedback_leaves,
+    local_shard,
+    positional_leaves,
+)
 from fn.collectives.dcp import initializing_optimizer_state
 from fn.diloco import OuterStep, outer_update, pseudo_gradient, trainable_params
 from fn.diloco.buffers import Buffers, CapturedBuffers
@@ -217,10 +224,11 @@ class ElasticDiLoCo:
         self._params = trainable_params(model, "ElasticDiLoCo")
         self._within = worker_mesh_comms(self._params, timeout)
         outer_options, options = dict(outer_options or {}), dict(compression_options or {})
-        self._rule = outer_rule(outer, outer_options, compression, options, self.comm)
+        self._rule_over = functools.partial(outer_rule, outer, outer_options, compression, options)
+        self._rule = self._rule_over(self.comm)
         self._positional = compression in POSITIONAL_COMPRESSIONS
         # sized for one worker until the first quorum gives the number of workers
-        self._local_rule = outer_rule(outer, outer_options, compression, options, Local())
+        self._local_rule = self._rule_over(Local())
         self._buffers = Buffers(model, buffers)
         self.sync_every = sync_every
         self._settings = settings_record(
@@ -523,6 +531,7 @@ class ElasticDiLoCo:
             world_size=self._position[0] if self._position else 1,
             delta_size=sum(x.numel() for x in self._shards()),
             buffers=self._buffers.targets(),
+            worker=self._position[1] if self._position else 0,
         )
 
     @torch.no_grad()
@@ -557,11 +566,15 @@ class ElasticDiLoCo:
                 "compression restarts from zero"
             )
             return
+        # the state as the rule lays it out for the checkpoint's quorum: its error feedback
+        # loads, and the first quorum keeps what its number of workers and this rank allow
+        workers = state["world_size"]
         loaded = restored(
             state,
             anchor=self._anchor,
-            fresh_state=self._state,
+            fresh_state=self._fresh_state(self._rule_over(Simulated(workers))),
             settings=repr(self._settings),
-            world_size=state["world_size"],
+            world_size=workers,
         )
         self._restore(loaded.anchor, loaded.outer_state, loaded.counts)
+        self._position = None if loaded.worker is None else (workers, loaded.worker)
