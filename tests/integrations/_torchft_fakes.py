@@ -69,6 +69,7 @@ class Manager:
         return self.rank
 
     def register_state_dict_fn(self, key, load_state_dict, state_dict) -> None:
+        assert key not in self.state_fns  # as torchft's Manager checks
         self.registered.append(key)
         self.state_fns[key] = (load_state_dict, state_dict)
 

@@ -52,6 +52,21 @@ def test_what_is_not_built_is_refused_with_its_reason():
             )
 
 
+def test_a_manager_a_group_or_a_name_it_cannot_use_is_refused():
+    manager = Manager()
+    group = ProcessGroup(manager)
+    model = torch.nn.Linear(2, 1)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="manager must be a torchft Manager, got None"):
+        ElasticDiLoCo(model, inner, manager=None, process_group=group, sync_every=2)
+    with pytest.raises(TypeError, match="process_group must be the process group the Manager"):
+        ElasticDiLoCo(model, inner, manager=manager, process_group=None, sync_every=2)
+    ElasticDiLoCo(model, inner, manager=manager, process_group=group, sync_every=2).remove()
+    with pytest.raises(ValueError, match="already holds a state named 'fn.diloco'"):
+        ElasticDiLoCo(model, inner, manager=manager, process_group=group, sync_every=2)
+    ElasticDiLoCo(model, inner, manager=manager, process_group=group, sync_every=2, name="b")
+
+
 def _feedback(diloco: ElasticDiLoCo) -> list[torch.Tensor]:
     return diloco.state_dict()["per_rank"]["rank0"]["error_feedback"]
 

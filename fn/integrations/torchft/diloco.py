@@ -219,6 +219,13 @@ class ElasticDiLoCo:
         name: str = "fn.diloco",
     ) -> None:
         _check_options(sync_every, max_sit_outs, fragments, delay)
+        if not callable(getattr(manager, "start_quorum", None)):
+            raise TypeError(f"ElasticDiLoCo: manager must be a torchft Manager, got {manager!r}")
+        if process_group is None:
+            raise TypeError(
+                "ElasticDiLoCo: process_group must be the process group the Manager was built "
+                "with (its pg=), got None"
+            )
         self.manager = manager
         self.comm = ManagerComm(manager, process_group)
         self._params = trainable_params(model, "ElasticDiLoCo")
@@ -253,7 +260,13 @@ class ElasticDiLoCo:
         self.sat_out_steps = 0
         self.failed_commits = 0
         self.participants: list[bool] = []
-        manager.register_state_dict_fn(name, self._load_recovered, self._recovery_state)
+        try:
+            manager.register_state_dict_fn(name, self._load_recovered, self._recovery_state)
+        except AssertionError as err:  # torchft's check of a key registered before
+            raise ValueError(
+                f"ElasticDiLoCo: this Manager already holds a state named {name!r} (another "
+                "ElasticDiLoCo on it, or one built on it before): give each its own name="
+            ) from err
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
 
     def remove(self) -> None:
