@@ -95,7 +95,8 @@ def check_headers(names: list[str], rows: list[list[int]]) -> None:
     )
     raise ValueError(
         f"DiLoCo: the workers are not at the same outer exchange ({workers}). Every worker must "
-        "start each exchange after the same inner steps, with the same trainable parameters: "
+        "start each exchange after the same inner steps, with the same trainable parameters and "
+        "settings (the outer rule, the compression and their options): "
         "count an inner step the optimizer skipped with DiLoCo.count_inner_step(), or pass "
         "grad_scaler= to count a GradScaler's iterations (docs/troubleshooting.md, DiLoCo); "
         "nothing was changed"

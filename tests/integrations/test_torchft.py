@@ -173,7 +173,7 @@ def test_without_faults_the_run_is_fn_diloco_bit_for_bit(without_faults):
         sent = [[line["bytes"] for line in lines if line["case"] == c][-1] for c in cases]
         # fn.diloco's bytes but for its participation record's header (where each worker is in
         # its schedule: int64 values to each of the other 2 workers at every step); the quorum
-        # aligns the elastic workers' exchanges, which send no header
+        # aligns the elastic workers' exchanges, whose header holds the settings' checksum alone
         headers = {plain[r][case][1] - sent[case] for case in range(len(CASES))}
         (header,) = headers  # the same for every compressor
         assert header > 0 and header % (8 * 2 * OUTER_STEPS) == 0, header

@@ -67,6 +67,35 @@ def test_a_manager_a_group_or_a_name_it_cannot_use_is_refused():
     ElasticDiLoCo(model, inner, manager=manager, process_group=group, sync_every=2, name="b")
 
 
+class _OtherSettings(ProcessGroup):
+    """The peers' first messages carry another value of the header's one integer (the
+    settings' checksum, two fp32 digits after the header's 20 bytes): a peer started with other
+    settings."""
+
+    def alltoall_base(self, output, input, output_split, input_split, options):
+        work = super().alltoall_base(output, input, output_split, input_split, options)
+        rows = output.view(self.ranks, -1)
+        for r in range(self.ranks):
+            if r != self.manager.rank and rows.shape[1] >= 28:
+                low = rows[r, 24:28].clone().view(torch.float32)
+                rows[r, 24:28] = (low + 1 if low < 2**23 else low - 1).view(torch.uint8)
+        return work
+
+
+def test_a_peer_with_other_settings_makes_every_worker_raise():
+    """Settings are not compared when a quorum's workers are built (``init_sync=False``), but
+    every exchange's header carries their checksum: a peer started with another outer
+    learning rate is refused at the first outer step, not averaged with."""
+    manager = Manager(rank=0)
+    model = torch.nn.Linear(2, 3)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    group = _OtherSettings(manager, size=2)
+    ElasticDiLoCo(model, inner, manager=manager, process_group=group, sync_every=1)
+    model(torch.ones(2, 2)).sum().backward()
+    with pytest.raises(ValueError, match="not at the same outer exchange .*worker 0: settings"):
+        inner.step()
+
+
 def _feedback(diloco: ElasticDiLoCo) -> list[torch.Tensor]:
     return diloco.state_dict()["per_rank"]["rank0"]["error_feedback"]
 

@@ -23,6 +23,7 @@ from fn.collectives import (
     local_shard,
     positional_leaves,
 )
+from fn.collectives.agreement import digest
 from fn.collectives.dcp import initializing_optimizer_state
 from fn.diloco import OuterStep, outer_update, pseudo_gradient, trainable_params
 from fn.diloco.buffers import Buffers, CapturedBuffers
@@ -117,7 +118,9 @@ class ElasticDiLoCo:
        ``fn.diloco.DiLoCo``, where its pseudo-gradient or its inner optimizer's state holds NaN
        or Inf: then it continues from the new anchor with its inner optimizer's state reset, and
        warns (``RuntimeWarning``, on that worker); one that sits out ``max_sit_outs`` steps in a
-       row for that reason raises ``RuntimeError`` (it leaves the job, the others go on). A
+       row for that reason raises ``RuntimeError`` (it leaves the job, the others go on). The
+       exchange's header carries a checksum of the settings: where a worker was started with
+       others, every worker raises the same ``ValueError`` before anything changes. A
        collective that fails or outlasts the Manager's timeout is reported to the Manager, not
        raised.
     3. ``manager.should_commit()``: where the vote passes, the anchor, the outer state and the
@@ -396,6 +399,7 @@ class ElasticDiLoCo:
                 comm=self.comm,
                 within=self._within,
                 takes_part=takes_part,
+                header={"settings": digest(repr(self._settings))},
             )
             if captured is None:
                 return result, None
