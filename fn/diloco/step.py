@@ -15,7 +15,7 @@ from fn.base import GradientTransformation, OptState, Params, apply_updates
 from fn.collectives import Comm, Compressor, Participation
 from fn.collectives.participation import sent
 from fn.diloco.participation import agree_on_participation, check_headers
-from fn.tree import eager, tree_leaves, tree_map
+from fn.tree import eager, tree_all_finite, tree_leaves, tree_map
 
 __all__ = ["OuterStep", "pseudo_gradient", "outer_step", "outer_update", "trainable_params"]
 
@@ -252,7 +252,7 @@ def outer_update(
     """
     leaves = tree_leaves(delta)
     device = leaves[0].device if leaves else None
-    offered = torch.as_tensor(takes_part, dtype=torch.bool, device=device) & _finite(delta)
+    offered = torch.as_tensor(takes_part, dtype=torch.bool, device=device) & tree_all_finite(delta)
     if isinstance(outer, Compressor):  # the agreement rides in the messages' headers
         updates, new_state, participants = _exchanged(
             outer, anchor, delta, state, offered, within, header
@@ -264,7 +264,7 @@ def outer_update(
         updates, new_state = outer.update(safe, state, anchor, participation=participation)
     new_anchor = apply_updates(anchor, updates)
     # finite pseudo-gradients whose mean or update overflows: no worker's step can be taken
-    participants = participants & _finite(new_anchor)
+    participants = participants & tree_all_finite(new_anchor)
     for group in within:  # each rank of a sharded worker checked its own shard
         participants = group.all_reduce((~participants).to(torch.float32), op="sum") == 0
     applied = participants.any()
@@ -298,14 +298,6 @@ def _exchanged(
     if values and eager(extra):
         check_headers(list(header), extra.tolist())
     return updates, new_state, participants
-
-
-def _finite(tree: Params) -> torch.Tensor:
-    """``[]`` bool: whether every leaf of ``tree`` is finite."""
-    leaves = tree_leaves(tree)
-    if not leaves:
-        return torch.ones((), dtype=torch.bool)
-    return torch.stack([torch.isfinite(x).all() for x in leaves]).all()
 
 
 def _kept(applied: torch.Tensor, new: object, old: object) -> object:

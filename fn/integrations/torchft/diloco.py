@@ -38,7 +38,7 @@ from fn.diloco.rules import outer_rule
 from fn.diloco.sharding import worker_mesh_comms
 from fn.errors import check_int, user_stacklevel
 from fn.integrations.torchft.comm import ManagerComm
-from fn.tree import tree_flatten, tree_unflatten
+from fn.tree import tree_all_finite, tree_flatten, tree_unflatten
 
 __all__ = ["POSITIONAL_COMPRESSIONS", "ElasticDiLoCo"]
 
@@ -250,6 +250,7 @@ class ElasticDiLoCo:
             compression=(compression, options),
             params=self._params,
         )
+        self._settings_digest = digest(repr(self._settings))  # in every exchange's header
         self._anchor = [x.to(anchor_device or x.device, copy=True) for x in self._shards()]
         self._position: tuple[int, int] | None = None  # (W, rank) of the quorum the state fits
         self._state = self._fresh_state(self._local_rule)
@@ -313,7 +314,7 @@ class ElasticDiLoCo:
                 & (not self._recovered)
                 & Buffers.finite(captured, delta[0].device if delta else None)
             )
-            offered = bool(takes_part) and all(bool(d.isfinite().all()) for d in delta)
+            offered = bool(takes_part) and bool(tree_all_finite(delta))
             result, buffers = self._exchange(anchor, delta, captured, takes_part=takes_part)
         committed = self.manager.should_commit()
         if not committed or result is None:
@@ -399,7 +400,7 @@ class ElasticDiLoCo:
                 comm=self.comm,
                 within=self._within,
                 takes_part=takes_part,
-                header={"settings": digest(repr(self._settings))},
+                header={"settings": self._settings_digest},
             )
             if captured is None:
                 return result, None
