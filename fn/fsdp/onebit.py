@@ -301,7 +301,9 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
                 backward (not fn's: fn raises none there); or, on every rank, the ranks ran
                 different numbers of micro-batches (the accumulated gradients are dropped);
                 nothing changed.
-            ValueError: on every rank, the ranks' ``max_grad_norm`` differ; nothing changed.
+            ValueError: on every rank, the ranks' ``max_grad_norm`` differ, or some rank's
+                ``param_groups[0]`` sets another value of a setting fixed when built (all but
+                ``lr``); nothing changed.
             fn.collectives.CollectiveTimeoutError: some rank never called ``step()`` (on a 1-D
                 mesh, one that runs more micro-batches waits in FSDP2's next all-gather).
             Exception: what else a reduce-scatter of the last backward raised (a collective's
@@ -322,6 +324,9 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         batches = max(module.backwards for module in self._modules)
         problems, failed = list(self._problems), self._failed.take()
         self._problems.clear()
+        changed = self._changed_settings()
+        if changed is not None:  # raised by the first exchange, on every rank
+            problems.insert(0, changed)
         try:
             if failed.groups:  # this rank's collective failed: its group is unusable
                 raise failed.dated(problems[0])
@@ -330,6 +335,37 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             for module in self._modules:
                 module.discard()
         return loss
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer``'s, for the one group the constructor adds.
+
+        Raises:
+            NotImplementedError: a second group; nothing changed.
+        """
+        if self.param_groups:
+            raise NotImplementedError(
+                f"{self.name}: another param group is not built: the optimizer trains one, "
+                "every trainable param of the FSDP2 modules of the model it was built on (their "
+                "layout is fixed then); fully_shard the new params into the model and build the "
+                "optimizer again"
+            )
+        super().add_param_group(param_group)
+
+    def _changed_settings(self) -> ValueError | None:
+        """The error for the settings in ``param_groups[0]`` that differ from those the
+        optimizer was built with (fixed then: the rule is built once), if any."""
+        group = self.param_groups[0]
+        changed = [k for k in self._setting_names if group.get(k) != self._settings[k]]
+        if not changed:
+            return None
+        shown = ", ".join(
+            f"{k}={group.get(k)!r} (built with {self._settings[k]!r})" for k in changed
+        )
+        return ValueError(
+            f"{self.name}: param_groups[0] sets {shown}: the settings but lr are fixed when the "
+            "optimizer is built (lr is read at every step); build it with the settings, and "
+            "set them back to go on; nothing was updated"
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad``, which also drops the gradient accumulated
@@ -349,7 +385,9 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         t = self.count + 1
         warmup = not self._rule.is_compressed(t, self._state)
         exchanged = self._mesh.communicates and not warmup  # the 1-bit exchange
-        if exchanged:
+        if exchanged and problems:  # a failed reduce-scatter delivered no local gradient
+            gradients, stats = {}, gradient_stats({})
+        elif exchanged:
             gradients, stats = self._compressed_gradients()
         else:
             stats = self._mesh.warmup_stats(self._warmup_stats)

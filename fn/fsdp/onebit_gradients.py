@@ -92,17 +92,18 @@ def first_exchange(
     Raises:
         RuntimeError: on every rank, the ranks ran different numbers of micro-batches.
         ValueError: on every rank, the ranks' ``max_grad_norm`` differ.
-        Exception: the first problem of this rank's reduce-scatters, or on every other rank one
-            of the same kind (``fn.NonFiniteError``, ``CollectiveTimeoutError``) naming the
-            first rank that found one.
+        Exception: the first of this rank's ``problems`` (what its reduce-scatters found, or
+            a setting it changed), or on every other rank one of the same kind
+            (``RuntimeError``, ``fn.NonFiniteError``, ``ValueError``, ``CollectiveTimeoutError``)
+            naming the first rank that found one.
         CollectiveTimeoutError: some rank never called ``step()`` (see the message).
     """
     first = problems[0] if problems else None
     lost = -1.0
     if isinstance(first, CollectiveTimeoutError) and first.missing_ranks:
         lost = float(min(first.missing_ranks))
-    nonfinite = float(isinstance(first, NonFiniteError))
-    head = [float(batches), max_grad_norm or 0.0, float(first is not None), nonfinite, lost]
+    kind = 0.0 if first is None else _KINDS.index(_kind(first))
+    head = [float(batches), max_grad_norm or 0.0, float(first is not None), kind, lost]
     mine = torch.tensor(head + stats, dtype=torch.float64)
     rows = mine.view(1, -1)
     if comm.world_size > 1:
@@ -116,7 +117,9 @@ def first_exchange(
     if problems:
         raise problems[0]
     if failed:
-        raise _shared_problem(name, failed[0], bool(rows[failed[0], 3]), int(rows[failed[0], 4]))
+        first_rank = failed[0]
+        kind, lost = _KINDS[int(rows[first_rank, 3])], int(rows[first_rank, 4])
+        raise _shared_problem(name, first_rank, kind, lost)
     return rows[:, 5:].sum(0)
 
 
@@ -133,20 +136,30 @@ def _check_same(name: str, counts: list[float], clips: list[float]) -> None:
             raise error(message.format(name=name, shown=shown))
 
 
-def _shared_problem(name: str, rank: int, nonfinite: bool, lost: int) -> Exception:
-    """What every other rank raises when the reduce-scatters of ``rank`` found a problem: of
-    the same kind when it is ``fn.NonFiniteError`` or ``CollectiveTimeoutError`` (naming
-    ``lost``, the first rank that the failed collective missed; ``-1``: none)."""
-    cause = f": rank {lost} never reached one of its collectives" if lost >= 0 else ""
-    message = (
-        f"{name}: the reduce-scatter of rank {rank} failed{cause} (see its error); nothing was "
-        "updated"
-    )
-    if nonfinite:
-        return NonFiniteError(message)
+_KINDS = (RuntimeError, NonFiniteError, ValueError)  # a problem's kind, as the header sends it
+
+
+def _kind(problem: Exception) -> type[Exception]:
+    """The first of :data:`_KINDS` that ``problem`` is (``RuntimeError`` for the rest)."""
+    return next((k for k in _KINDS[1:] if isinstance(problem, k)), RuntimeError)
+
+
+def _shared_problem(name: str, rank: int, kind: type[Exception], lost: int) -> Exception:
+    """What every other rank raises when ``rank`` found a problem before its update (in its
+    reduce-scatters, or its settings changed): of the same ``kind``, or
+    ``CollectiveTimeoutError`` naming ``lost``, the first rank that a failed collective of
+    ``rank`` missed (``-1``: none)."""
     if lost >= 0:
+        message = (
+            f"{name}: the reduce-scatter of rank {rank} failed: rank {lost} never reached one "
+            "of its collectives (see its error); nothing was updated"
+        )
         return CollectiveTimeoutError(message, [lost])
-    return RuntimeError(message)
+    what = "a gradient that is not finite" if kind is NonFiniteError else "a problem"
+    return kind(
+        f"{name}: rank {rank} found {what} before this update (in its reduce-scatter, or a "
+        "setting it changed: see its error); nothing was updated"
+    )
 
 
 def checked_totals(name: str, totals: torch.Tensor, compressed: bool) -> torch.Tensor:

@@ -133,7 +133,10 @@ class OnebitModule:
             raise RuntimeError(
                 f"module {layout.name} reduce-scatters {input_tensor.numel()} values, not the "
                 f"{world_size * layout.row} of all its trainable params, though every one is "
-                "asked for (set_reduce_scatter_unused_params); nothing was updated"
+                "asked for (set_reduce_scatter_unused_params): did a param's requires_grad "
+                "change after the optimizer was built? FSDP2 reduce-scatters only the params "
+                "that require grad: build the optimizer after freezing or unfreezing; nothing "
+                "was updated"
             )
         rows = input_tensor.view(world_size, layout.row)
         if compressed and self.mesh.accumulates_locally:

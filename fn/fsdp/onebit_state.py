@@ -259,7 +259,7 @@ def restored(fmt: StateFormat, state_dict: Mapping[str, Any], state: Any, rule: 
     if fmt.auto_mask:
         frozen = rule.is_compressed(count, state._replace(auto=auto))
         masks = _loaded_auto_masks(fmt, state_dict, saved_layouts, frozen)
-    own = (own_entries(state_dict, fmt.rank) or {}) if same else {}
+    own = _own_errors(fmt, state_dict) if same else {}
     exp_avg, exp_avg_sq, momenta = {}, {}, []
     for module, old, packed, (mask, _) in zip(fmt.modules, saved_layouts, signed, masks,
                                                strict=True):  # fmt: skip
@@ -295,6 +295,26 @@ def restored(fmt: StateFormat, state_dict: Mapping[str, Any], state: Any, rule: 
         **_loaded_fields(fmt, state_dict),
     )
     return Restored(new, momenta, masks, warning)
+
+
+def _own_errors(fmt: StateFormat, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+    """This rank's entries of a state dict saved on this mesh shape (its errors, by module).
+
+    Raises:
+        ValueError: the state dict holds another rank's entries, not this rank's: a
+            ``state_dict()`` saved on one rank and loaded on all (its shards and errors are that
+            rank's).
+    """
+    own = own_entries(state_dict, fmt.rank)
+    if own is None:
+        held = sorted(state_dict.get(PER_RANK, {}))
+        raise ValueError(
+            f"{fmt.name}: the state dict holds the entries of {held or 'no rank'}, not of this "
+            f"rank ({rank_key(fmt.rank)}): a state_dict() is its rank's shards and error "
+            "feedback, so every rank loads the one it saved itself (or save and load with DCP: "
+            "fn.fsdp.TrainingCheckpoint); nothing was loaded"
+        )
+    return own
 
 
 def adam_started(

@@ -3,7 +3,7 @@ gloo ranks: saved in the warmup, just before the freeze, just after it and in th
 phase, and resumed in fresh processes, a run continues bit for bit (also with the optimizer as a
 plain DCP Stateful); at another world size the momentum is kept and the error feedback restarts
 with a warning; checkpoints that do not match (or are in the format before fn's per-rank keys)
-are refused with nothing loaded."""
+are refused with nothing loaded, and so is another rank's ``state_dict()``."""
 
 from __future__ import annotations
 
@@ -82,6 +82,8 @@ def _worker_save(rank: int, world_size: int, root: str, kind: str) -> dict:
         history[t] = full_params(model)
         if t in SAVES:
             fn.fsdp.TrainingCheckpoint(model, opt, step=t).save(os.path.join(root, str(t)))
+        if t in (SAVES[0], SAVES[-1]) and rank == 0:  # as DDP users save: rank 0's alone
+            torch.save(opt.state_dict(), os.path.join(root, f"rank0-{t}.pt"))
         if t == FREEZE:  # the optimizer alone as a DCP Stateful, as torch users save one
             state = {"model": get_model_state_dict(model), "optim": opt}
             dcp.save(state, checkpoint_id=os.path.join(root, "stateful"))
@@ -140,6 +142,16 @@ def _worker_resume(rank: int, world_size: int, root: str, history: dict, kind: s
         train_step(model, opt, rank, t)
         got = full_params(model)
         mismatches += [("stateful", t, k) for k in got if not torch.equal(got[k], history[t][k])]
+    foreign = {}  # rank 0's state_dict(), loaded on every rank
+    for t in (SAVES[0], SAVES[-1]):
+        model = build(kind, seed=1)
+        opt = optimizer(kind, model)
+        state = torch.load(os.path.join(root, f"rank0-{t}.pt"), weights_only=False)
+        try:
+            opt.load_state_dict(state)
+            foreign[t] = ("loaded", opt.count)
+        except ValueError as error:
+            foreign[t] = (str(error), opt.count)
     refusals = {}
     compressed = os.path.join(root, str(SAVES[-1]))
 
@@ -163,7 +175,7 @@ def _worker_resume(rank: int, world_size: int, root: str, history: dict, kind: s
     refusals["corrupt"] = _refused(model, optimizer(kind, model), os.path.join(root, "corrupt"))
     model = build(kind, seed=1)
     refusals["format 1"] = _refused(model, optimizer(kind, model), os.path.join(root, "format1"))
-    return dict(mismatches=mismatches, counts=counts, refusals=refusals)
+    return dict(mismatches=mismatches, counts=counts, refusals=refusals, foreign=foreign)
 
 
 def _worker_other_world_size(rank: int, world_size: int, root: str, kind: str) -> dict:
@@ -222,6 +234,12 @@ def test_resumes_bit_for_bit_at_every_phase_and_refuses_mismatches(tmp_path, kin
             "format 1, this fn reads 2" in refusals["format 1"][0]
         ), refusals["format 1"]
         assert all(unchanged for _, unchanged in refusals.values()), refusals
+        for t, (outcome, count) in result["foreign"].items():
+            if rank == 0:  # its own
+                assert (outcome, count) == ("loaded", t)
+            else:
+                assert "holds the entries of ['rank0'], not of this rank (rank1)" in outcome
+                assert count == 0, outcome
 
     (one,) = run_distributed(_worker_other_world_size, 1, root, kind, timeout=240)
     assert len(one["warned"]) == 1 and one["count"] == SAVES[-1]

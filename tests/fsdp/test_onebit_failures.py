@@ -1,6 +1,7 @@
 """fn.fsdp.OnebitAdam and OnebitLamb after a failure, on 2 gloo ranks: a non-finite gradient, a
 param without a gradient (on every rank or one), a second reduce-scatter before ``step()``, a
-``step()`` without backward, torch's state-dict API and bad arguments. Each is raised by
+``step()`` without backward, a ``requires_grad`` or a setting changed after the optimizer was
+built, a second param group, torch's state-dict API and bad arguments. Each is raised by
 ``step()`` (never inside FSDP2's backward) or refused, the same on every rank, with nothing
 changed; the updates after it train, and the ranks agree."""
 
@@ -164,6 +165,50 @@ def _worker_second_reduce_scatter(rank: int, world_size: int, kind: str) -> list
         log.append((outcome, not torch.equal(full(model), before), optimizer.count - count))
     log.append(attempt(optimizer.state_dict).split(":")[0])
     return log + [full(model)]
+
+
+def _worker_requires_grad_changed(rank: int, world_size: int, kind: str) -> list:
+    """``head.weight`` frozen after the optimizer was built, in the compressed phase (a 1-D
+    mesh: each rank accumulates its local gradient), on rank 1 alone (update ``FREEZE + 1``)
+    and then on every rank: FSDP2 leaves it out of the reduce-scatter, which records the
+    problem; ``step()`` raises it on every rank with nothing changed. Unfrozen again, training
+    goes on."""
+    del world_size
+    model, optimizer = build(kind)
+    log = []
+    for t in range(1, STEPS + 1):
+        frozen = (t == FREEZE + 1 and rank == 1) or t == FREEZE + 2
+        model.head.weight.requires_grad_(not frozen)
+        optimizer.zero_grad()
+        loss(model, rank, t).backward()
+        before, count = full(model), optimizer.count
+        outcome = attempt(optimizer.step)
+        log.append((outcome, torch.equal(full(model), before), optimizer.count - count))
+    return log + [full(model)]
+
+
+def _worker_settings_changed(rank: int, world_size: int, kind: str) -> dict:
+    """A second param group is refused; ``weight_decay`` set in ``param_groups[0]`` on rank 1
+    (update 2) and on every rank (update ``FREEZE + 1``) makes ``step()`` raise on every rank
+    with nothing changed; set back, training goes on."""
+    del world_size
+    model, optimizer = build(kind)
+    added = attempt(lambda: optimizer.add_param_group({"params": [nn.Parameter(torch.ones(2))]}))
+    log = []
+    for t in range(1, STEPS + 1):
+        changed = (t == 2 and rank == 1) or t == FREEZE + 1
+        optimizer.param_groups[0]["weight_decay"] = 10.0 if changed else 0.0
+        optimizer.zero_grad()
+        loss(model, rank, t).backward()
+        before, count = full(model), optimizer.count
+        outcome = attempt(optimizer.step)
+        log.append((outcome, torch.equal(full(model), before), optimizer.count - count))
+    return {
+        "added": added,
+        "groups": len(optimizer.param_groups),
+        "log": log,
+        "params": full(model),
+    }
 
 
 def _worker_exception_inside_backward(rank: int, world_size: int, kind: str) -> list:
@@ -351,6 +396,8 @@ _WORKERS = {
     "torch_state_dict_api": _worker_torch_state_dict_api,
     "bad_arguments": _worker_bad_arguments,
     "resume_after_a_failure": _worker_resume_after_a_failure,
+    "requires_grad_changed": _worker_requires_grad_changed,
+    "settings_changed": _worker_settings_changed,
     "exception_inside_backward": _worker_exception_inside_backward,
 }
 
@@ -405,6 +452,47 @@ def test_backwards_accumulate_and_a_state_dict_between_them_is_refused(kind, out
         log = [entry for entry in result[:-1] if isinstance(entry, tuple)]
         assert log == [("ok", True, 1)] * (STEPS + 1), log
     assert torch.equal(results[0][-1], results[1][-1])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_requires_grad_changed_in_the_compressed_phase_is_raised_on_every_rank(kind, outcomes):
+    results = outcomes["requires_grad_changed", kind]
+    failed = {FREEZE: 1, FREEZE + 1: None}  # the failing updates (0-based), and the rank
+    for rank, result in enumerate(results):
+        log = result[:-1]
+        for i, (outcome, unchanged, counted) in enumerate(log):
+            if i not in failed:
+                assert (outcome, unchanged, counted) == ("ok", False, 1), (i, outcome)
+                continue
+            assert outcome.startswith("RuntimeError: "), (i, outcome)
+            assert unchanged and counted == 0, i
+            if failed[i] in (None, rank):  # the rank whose reduce-scatter found it
+                assert "did a param's requires_grad change" in outcome, outcome
+            else:
+                assert "rank 1 found a problem before this update" in outcome, outcome
+    assert torch.equal(results[0][-1], results[1][-1])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_a_setting_changed_in_the_param_group_is_raised_on_every_rank(kind, outcomes):
+    results = outcomes["settings_changed", kind]
+    failed = {1: 1, FREEZE: None}  # the failing updates (0-based), and the rank that changed it
+    for rank, out in enumerate(results):
+        assert out["added"].startswith("NotImplementedError: fn.fsdp."), out["added"]
+        assert out["groups"] == 1
+        for i, (outcome, unchanged, counted) in enumerate(out["log"]):
+            if i not in failed:
+                assert (outcome, unchanged, counted) == ("ok", False, 1), (i, outcome)
+                continue
+            assert outcome.startswith("ValueError: fn.fsdp."), (i, outcome)
+            assert unchanged and counted == 0, i
+            if failed[i] in (None, rank):
+                assert "weight_decay=10.0 (built with 0.0)" in outcome, outcome
+            else:
+                assert "rank 1 found a problem before this update" in outcome, outcome
+    assert torch.equal(results[0]["params"], results[1]["params"])
 
 
 @pytest.mark.distributed
