@@ -69,7 +69,10 @@ def register(ddp_model: DistributedDataParallel, optimizer: OnebitFamily) -> Non
 
     Non-finite gradients: the hook decides nothing (a warmup update's dense mean is non-finite
     on every rank where some rank's gradient is; compressed updates send nothing), so the
-    optimizer's ``nonfinite`` policy applies in both phases, the same on every rank.
+    optimizer's ``nonfinite`` policy applies in both phases, the same on every rank; so it does
+    to a value written into one rank's ``.grad`` after DDP averaged it (the step's vote counts
+    them). The hook never raises: where ``param_groups`` holds an invalid hyperparameter, it
+    follows the schedule of the last update, and ``step()`` raises.
 
     Gradient accumulation: run the micro-batches but the last under ``ddp_model.no_sync()`` and
     call ``optimizer.step()`` once per accumulated batch: the hook runs (averaging or not) on the

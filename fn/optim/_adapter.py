@@ -352,18 +352,22 @@ class FunctionalOptimizer(torch.optim.Optimizer):
         function of the count (with ``freeze_step="auto"``, of the switch decided in the
         group's state: the same on every rank); ``False`` for a
         ``GradientTransformation``. ``fn.ddp.register`` asks this before every backward pass.
-        Changed group hyperparameters count, as in ``step()`` (nothing is committed).
+        Changed group hyperparameters count, as in ``step()`` (nothing is committed). An invalid
+        one is ``step()``'s to raise (``fn.ddp``'s hook asks this inside DDP's backward, where
+        nothing may raise): the schedule is then that of the transforms of the last update, the
+        same on every rank.
 
         Returns:
             One bool per param group.
-
-        Raises:
-            ValueError: an invalid hyperparameter in ``param_groups`` (naming the group).
         """
+        try:
+            transforms = [transform for transform, _, _ in self._plans()]
+        except ValueError:
+            transforms = [runtime.transform for runtime in self._groups]
         return [
             isinstance(transform, CompressedOptimizer)
             and transform.compressed_at(runtime.step + 1, runtime.state)
-            for (transform, _, _), runtime in zip(self._plans(), self._groups, strict=True)
+            for transform, runtime in zip(transforms, self._groups, strict=True)
         ]
 
     def warn_if_never_compressed(self, updates: int, source: str = "this run") -> bool:

@@ -197,7 +197,7 @@ def state_from_dict(
     if forms and set(keys) != set(saved):
         return _in_saved_forms(group, saved, template, reset, device)
     if set(keys) != set(saved):
-        raise _structure_error(group, set(keys), set(saved))
+        raise _structure_error(group, set(keys), set(saved), flat=False)
     out = []
     for (_, leaf), key, error in zip(leaves, keys, marks, strict=True):
         value = saved[key]
@@ -238,12 +238,14 @@ def _in_saved_forms(
     """:func:`state_from_dict` of a state whose fields may be saved in another form than the
     template's. Each field is read in the first layout that holds every entry the checkpoint
     has under it: the template field's own (a ``PackedSigns`` counting as one leaf), the field
-    as one leaf (a momentum of all leaves fused), or the layout of another field of the state
+    as one leaf (a momentum of all leaves fused; a second moment is one leaf only where the
+    whole state is, a flat buffer's: ``flatten=True``), or the layout of another field of the state
     (per leaf, like the params); at each leaf, a tensor, ``None`` or a ``PackedSigns``. A field
     that the template leaves ``None`` and the checkpoint lacks (one saved before fn added the
     field) stays ``None``."""
     used, fields = set(), {}
     errors = marked_fields(type(template), ErrorFeedback)
+    second_moments = marked_fields(type(template), SecondMoment)
     for field, mine in zip(template._fields, template, strict=True):
         prefix = f".{field}"
         theirs = {k for k in saved if _under(k, prefix)}
@@ -251,7 +253,10 @@ def _in_saved_forms(
         if reset and field in errors or not theirs and mine is None:
             fields[field] = mine
             continue
-        for layout in [mine, None, *(other for other in template if other is not mine)]:
+        layouts = [mine, None, *(other for other in template if other is not mine)]
+        if field in second_moments:  # one leaf only where all is (a flat buffer's state)
+            layouts = [x for x in layouts if x is mine or not _is_one_leaf(x)]
+        for layout in layouts:
             leaves, spec = pytree.tree_flatten_with_path(layout, is_leaf=_is_form)
             read = [_read_form(saved, prefix + pytree.keystr(path)) for path, _ in leaves]
             taken = {k for _, keys in read for k in keys}
@@ -259,7 +264,9 @@ def _in_saved_forms(
                 break
         else:
             leaves = pytree.tree_flatten_with_path(mine, is_leaf=_is_form)[0]
-            raise _structure_error(group, {prefix + pytree.keystr(p) for p, _ in leaves}, theirs)
+            flat = field in second_moments and prefix in theirs  # saved by flatten=True
+            mine_keys = {prefix + pytree.keystr(p) for p, _ in leaves}
+            raise _structure_error(group, mine_keys, theirs, flat=flat)
         values = []
         for (value, keys), (_, like) in zip(read, leaves, strict=True):
             same_form = isinstance(like, torch.Tensor) and isinstance(value, torch.Tensor)
@@ -274,15 +281,23 @@ def _in_saved_forms(
     return type(template)(**fields)
 
 
-def _structure_error(group: int, mine: set[str], saved: set[str]) -> ValueError:
+def _structure_error(group: int, mine: set[str], saved: set[str], *, flat: bool) -> ValueError:
+    """The error for a checkpoint whose entries ``saved`` of a field are not ``mine``
+    (``flat``: one tensor, as the state of a flat buffer, ``flatten=True``, has it)."""
     missing, extra = sorted(mine - saved), sorted(saved - mine)
+    hint = ", or one built with flatten=True (a flat buffer's state)" if flat else ""
     return ValueError(
         f"param group {group}: the checkpoint's optimizer state has another structure "
-        f"(missing {missing[:4]}, unexpected {extra[:4]}); was it saved by another optimizer?"
+        f"(missing {missing[:4]}, unexpected {extra[:4]}); was it saved by another optimizer"
+        f"{hint}?"
     )
 
 
 _MISSING = object()
+
+
+def _is_one_leaf(tree: Any) -> bool:
+    return isinstance(tree, torch.Tensor) or _is_form(tree)
 
 
 def _is_form(x: Any) -> bool:

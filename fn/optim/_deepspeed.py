@@ -246,11 +246,20 @@ def _read_block(block: Any, values: Mapping[str, Any]) -> tuple[str, dict[str, A
     for key, why in _REJECTED_PARAMS.items():
         if key in given:
             raise ValueError(f"{spelling} params: {key!r} is not supported: {why}")
-    if given.get("amsgrad"):
+    amsgrad = given.get("amsgrad", False)
+    if amsgrad not in (True, False):
+        raise ValueError(f"{spelling} params: amsgrad must be true or false, got {amsgrad!r}")
+    if amsgrad:
         raise ValueError(f"{spelling} params: amsgrad=True is not supported (nor by DeepSpeed)")
     notes = [f"optimizer.params.{k}: {IGNORED_PARAMS[k]}" for k in given if k in IGNORED_PARAMS]
     hyper = {k: given.get(k, default) for k, default in defaults.items()}
-    hyper["betas"] = tuple(hyper["betas"])
+    betas = hyper["betas"]
+    if not isinstance(betas, (list, tuple)):
+        raise ValueError(
+            f"{spelling} params: betas must be a list of two numbers, e.g. [0.9, 0.999], got "
+            f"{betas!r}"
+        )
+    hyper["betas"] = tuple(betas)
     return kind, hyper, notes
 
 

@@ -415,10 +415,16 @@ class OnebitAdam(OnebitFamily):
     def _factory(*, non_freeze: bool, **kwargs: Any) -> CompressedOptimizer:
         return onebit_adam(**kwargs, non_freeze=bool(non_freeze) or None)
 
-    # Every update of fn.onebit_adam rejects a non-finite gradient of any rank on every rank
-    # before it writes (the warmup checks the averaged gradient, the compressed update the
-    # scales its 1-bit allreduce gathers, or the momentum with one worker).
-    _checks_gradients = True
+    @property
+    def _checks_gradients(self) -> bool:
+        """Every update of fn.onebit_adam rejects a non-finite gradient of any rank on every
+        rank before it writes (the warmup checks the averaged gradient, the compressed update
+        the scales its 1-bit allreduce gathers, or the momentum with one worker), except a
+        warmup's after DDP averaged it (:meth:`take_averaged_grads`): the check then sees this
+        rank's ``.grad`` alone, which a rank may have changed since, so the step's vote counts
+        them."""
+        return not self.takes_averaged_grads
+
     __signature__ = signature_with(
         onebit_adam,
         "params",

@@ -1,8 +1,11 @@
 """fn.ddp.register on real gloo processes: a DDP run equals the same run without DDP, per step
 kind of each 1-bit optimizer; DDP sends nothing in compressed steps; a NaN on one rank meets the
-optimizer's own ``nonfinite`` policy in both phases; misuse is an error."""
+optimizer's own ``nonfinite`` policy in both phases, also written into one rank's ``.grad`` after
+DDP averaged it; an invalid lr never raises inside the backward; misuse is an error."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -127,6 +130,7 @@ def two_ranks() -> dict[str, list]:
     parts = {
         "parity": (_parity_worker, (list(OPTIMIZERS),)),
         "nan": (_nan_worker, ()),
+        "bad_lr": (_bad_lr_worker, ()),
         "misuse": (_misuse_worker, ()),
     }
     return run_together(parts, 2, timeout=620)
@@ -188,48 +192,95 @@ def test_register_with_three_ranks_agrees_to_rounding():
 
 def _nan_worker(rank, world_size):
     """Rank 0's gradient of the first layer's weight turns NaN at a warmup and at a compressed
-    update of 1-bit Adam (freeze_step 3): the hook passes it on, the optimizer decides."""
+    update of 1-bit Adam (freeze_step 3), in the backward (the hook passes it on, the optimizer
+    decides) or in its ``.grad`` after DDP averaged it (the ranks' vote finds it)."""
     del world_size
     out = {}
-    for policy in ("raise", "skip"):
-        for bad in (1, 4):
-            model = make_model()
-            opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3, nonfinite=policy)
-            net = DDP(model)
-            fn.ddp.register(net, opt)
-            for t in range(bad + 2):
-                opt.zero_grad()
-                handle = None
-                if t == bad and rank == 0:
-                    handle = model[0].weight.register_hook(lambda g: torch.full_like(g, torch.nan))
-                backward(net, rank, t)  # never raises: the hook decides nothing
-                if handle is not None:
-                    handle.remove()
-                if t != bad:
-                    opt.step()
-                    continue
-                compressed = opt.next_update_compressed()[0]
-                before, params = opt.state_dict(), flat_params(model)
-                error = _error(opt.step)
-                kept = states_equal(before, opt.state_dict()) and torch.equal(
-                    params, flat_params(model)
-                )
-            out[policy, bad] = {
-                "compressed": compressed,
-                "error": error,
-                "kept": kept,
-                "skipped": opt.skipped_steps,
-                "params": flat_params(model),
-            }
+    for policy, bad, where in itertools.product(("raise", "skip"), (1, 4), ("backward", "after")):
+        model = make_model()
+        opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3, nonfinite=policy)
+        net = DDP(model)
+        fn.ddp.register(net, opt)
+        for t in range(bad + 2):
+            opt.zero_grad()
+            handle = None
+            if t == bad and rank == 0 and where == "backward":
+                handle = model[0].weight.register_hook(lambda g: torch.full_like(g, torch.nan))
+            backward(net, rank, t)  # never raises: the hook decides nothing
+            if handle is not None:
+                handle.remove()
+            if t == bad and rank == 0 and where == "after":
+                model[0].weight.grad[0, 0] = torch.nan
+            if t != bad:
+                opt.step()
+                continue
+            compressed = opt.next_update_compressed()[0]
+            before, params = opt.state_dict(), flat_params(model)
+            error = _error(opt.step)
+            kept = states_equal(before, opt.state_dict()) and torch.equal(
+                params, flat_params(model)
+            )
+        out[policy, bad, where] = {
+            "compressed": compressed,
+            "error": error,
+            "kept": kept,
+            "skipped": opt.skipped_steps,
+            "params": flat_params(model),
+        }
     return out
+
+
+def _bad_lr_worker(rank, world_size):
+    """An invalid lr in ``param_groups`` at a warmup and at a compressed update of 1-bit Adam,
+    on rank 0 (set back before ``step()``) and on every rank: the backward never raises (the
+    hook follows the last update's schedule, the same on every rank), ``step()`` raises on
+    every rank that holds it, and set back, training goes on."""
+    del world_size
+    out = {}
+    for bad, where in itertools.product((1, 4), ("rank 0", "every rank")):
+        model = make_model()
+        opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+        net = DDP(model)
+        fn.ddp.register(net, opt)
+        log = []
+        for t in range(bad + 2):
+            opt.zero_grad()
+            if t == bad and (rank == 0 or where == "every rank"):
+                opt.param_groups[0]["lr"] = -1.0
+            log.append(_error(lambda t=t, net=net: backward(net, rank, t)))
+            if where == "rank 0":
+                opt.param_groups[0]["lr"] = 1e-2
+            params = flat_params(model)
+            log.append(_error(opt.step))
+            log.append(torch.equal(params, flat_params(model)))
+            opt.param_groups[0]["lr"] = 1e-2
+        out[bad, where] = {"log": log, "params": flat_params(model)}
+    return out
+
+
+@pytest.mark.timeout(700)
+def test_an_invalid_lr_never_raises_inside_the_backward(two_ranks):
+    results = two_ranks["bad_lr"]
+    for result in results:
+        for (bad, where), out in result.items():
+            log = out["log"]
+            assert log[0::3] == [None] * (bad + 2), (bad, where, log)  # the backwards
+            for t, (error, unchanged) in enumerate(zip(log[1::3], log[2::3], strict=True)):
+                if t == bad and where == "every rank":
+                    assert error[0] == "ValueError" and "lr" in error[1], error
+                    assert unchanged
+                else:
+                    assert error is None and not unchanged, (bad, where, t, error)
+    for key in results[0]:
+        assert torch.equal(results[0][key]["params"], results[1][key]["params"]), key
 
 
 @pytest.mark.timeout(700)
 def test_a_nan_on_one_rank_meets_the_optimizers_policy_in_both_phases(two_ranks):
     results = two_ranks["nan"]
     for result in results:
-        for bad in (1, 4):
-            raised, skipped = result["raise", bad], result["skip", bad]
+        for bad, where in itertools.product((1, 4), ("backward", "after")):
+            raised, skipped = result["raise", bad, where], result["skip", bad, where]
             assert raised["compressed"] == skipped["compressed"] == (bad == 4)
             assert raised["error"] is not None and raised["error"][0] == "NonFiniteError", raised
             assert skipped["error"] is None and skipped["skipped"] == 1, skipped

@@ -256,7 +256,16 @@ def test_ignored_keys_are_explained_in_one_warning():
         ({"optimizer": {"type": "OneBitAdam", "params": {"frezee_step": 3}}}, "unknown keys"),
         ({"optimizer": {"type": "OneBitAdam", "param": {}}}, "unknown keys"),
         ({"optimizer": {"type": "OneBitAdam", "params": {"max_grad_norm": 1.0}}}, "clip_grad"),
-        ({"optimizer": {"type": "OneBitAdam", "params": {"amsgrad": True}}}, "amsgrad"),
+        ({"optimizer": {"type": "OneBitAdam", "params": {"amsgrad": True}}}, "amsgrad=True"),
+        (
+            {"optimizer": {"type": "OneBitAdam", "params": {"amsgrad": "false"}}},
+            "amsgrad must be true or false, got 'false'",
+        ),
+        ({"optimizer": {"type": "OneBitAdam", "params": {"betas": 0.9}}}, "betas must be a list"),
+        (
+            {"optimizer": {"type": "OneBitLamb", "params": {"betas": "0.9,0.999"}}},
+            "betas must be a list",
+        ),
         ({"train_batch_size": 8}, "no optimizer block"),
         ({**CONFIG, "zero_optimization": {"stage": 2}}, "without ZeRO"),
     ],

@@ -1,6 +1,7 @@
 """Checkpoints of the 1-bit family across its phases: a state with packed momentum and error
 feedback (after the freeze) loads exactly into an optimizer still in warmup, and a warmup state
-into one past the freeze; a state in a form no update takes is refused, with nothing loaded."""
+into one past the freeze; a state in a form no update takes (a flat buffer's in a per-param
+optimizer too) is refused, with nothing loaded."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 import torch
 
 import fn
+from fn.collectives import Local
 from tests._distributed import run_distributed
-from tests.optim._problem import flat_params, make_model, save_and_load, train
+from tests.optim._problem import flat_params, make_model, save_and_load, states_equal, train
 
 ADAPTERS = {
     "onebit_adam": lambda ps: fn.optim.OnebitAdam(ps, lr=1e-2, freeze_step=3),
@@ -109,3 +111,20 @@ def test_a_state_in_no_form_of_the_optimizer_is_refused_and_nothing_loads(result
         assert out[name]["bad"] is not None and "param group 0" in out[name]["bad"]
         assert "exp_avg" in out[name]["bad"]
         assert out[name]["intact"]
+
+
+@pytest.mark.parametrize("saved_at", [2, 5])  # warmup, compressed
+def test_a_flat_buffers_state_is_refused_by_a_per_param_optimizer(saved_at):
+    model = make_model()
+    flat = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3, comm=Local())
+    train(model, flat, 0, range(saved_at))
+    other = make_model(seed=1)
+    per_param = fn.optim.OnebitAdam(
+        other.parameters(), lr=1e-2, freeze_step=3, comm=Local(), flatten=False
+    )
+    before = per_param.state_dict()
+    with pytest.raises(ValueError, match=r"another structure .*built with flatten=True"):
+        per_param.load_state_dict(save_and_load(flat.state_dict()))
+    assert states_equal(before, per_param.state_dict())
+    train(other, per_param, 0, range(2))  # it trains on
+    assert per_param.state_dict()["state"][0]["step"] == 2
