@@ -27,9 +27,11 @@ class FnTrainerCallback(TrainerCallback):
       wrapped the model in DDP (DDP then averages in warmup and is silent once compressed), and
       a warning when no update within the run's ``max_steps`` would be compressed
       (``FunctionalOptimizer.warn_if_never_compressed``).
-    - At the end of a step that the Trainer will checkpoint (``control.should_save``): every
-      rank's error feedback is gathered on rank 0 (``gather_error_feedback``), so the optimizer
-      state that rank 0 saves alone resumes every rank bit for bit.
+    - Before every checkpoint the Trainer saves: every rank's error feedback is gathered on
+      rank 0 (``gather_error_feedback``), so the optimizer state that rank 0 saves alone resumes
+      every rank bit for bit. The Trainer decides to save at the end of a step
+      (``save_strategy="steps"``), of an epoch (``"epoch"``), or after an evaluation that found
+      a new best metric (``"best"``: the gather then follows every evaluation).
 
     The Trainer's ``max_grad_norm`` (``clip_grad_norm_`` on ``.grad`` before every step) is left
     as it is: it acts on the averaged gradient in the warmup and on each rank's local gradient,
@@ -66,7 +68,21 @@ class FnTrainerCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Gathers the error feedback into rank 0's optimizer state before a checkpoint."""
         if control.should_save:
-            unwrap_optimizer(self.trainer.optimizer).gather_error_feedback()
+            self._gather()
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """As :meth:`on_step_end`: ``save_strategy="epoch"`` decides at the end of an epoch."""
+        if control.should_save:
+            self._gather()
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Gathers the error feedback where the Trainer saves a new best metric's checkpoint
+        (``save_strategy="best"``), decided after this callback."""
+        if args.save_strategy == "best":
+            self._gather()
+
+    def _gather(self) -> None:
+        unwrap_optimizer(self.trainer.optimizer).gather_error_feedback()
 
 
 def attach(trainer: Trainer) -> FnTrainerCallback:
@@ -79,7 +95,8 @@ def attach(trainer: Trainer) -> FnTrainerCallback:
         The callback.
 
     Raises:
-        TypeError: the trainer's optimizer is not an ``fn.optim`` optimizer.
+        TypeError: the trainer's optimizer is not an ``fn.optim`` optimizer, or the Trainer has
+            none yet (``optimizer_cls_and_kwargs``: it builds that one inside ``train()``).
 
     Example:
         One process, no DDP (under ``torchrun`` the same lines register the DDP model):
@@ -103,6 +120,13 @@ def attach(trainer: Trainer) -> FnTrainerCallback:
         >>> trainer.state.global_step, opt.next_update_compressed()
         (4, [True])
     """
+    if trainer.optimizer is None:
+        raise TypeError(
+            "fn.integrations.transformers.attach: the Trainer has no optimizer yet (with "
+            "optimizer_cls_and_kwargs it builds one inside train(), after attach): build the "
+            "fn.optim optimizer yourself and pass Trainer(..., optimizers=(optimizer, "
+            "scheduler))"
+        )
     unwrap_optimizer(trainer.optimizer)
     callback = FnTrainerCallback(trainer)
     trainer.add_callback(callback)

@@ -74,3 +74,60 @@ def test_trainer_attach_rejects_a_torch_optimizer(tmp_path):
     trainer = transformers.Trainer(model=model, args=args, optimizers=(optimizer, None))
     with pytest.raises(TypeError, match="needs an fn.optim optimizer"):
         attach(trainer)
+
+
+@pytest.mark.parametrize("strategy", ["steps", "epoch", "best"])
+def test_trainer_attach_gathers_before_every_checkpoint(tmp_path, strategy):
+    transformers = pytest.importorskip("transformers", reason="in the 'integrations' extra")
+    from fn.integrations.transformers import attach
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def forward(self, x, labels):
+            return {"loss": (self.net(x) - labels).pow(2).mean()}
+
+    events = []
+
+    class Saves(transformers.TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            events.append(("saved", state.global_step))
+
+    torch.manual_seed(0)
+    model = Model()
+    data = [{"x": torch.randn(4), "labels": torch.zeros(1)} for _ in range(8)]
+    args = transformers.TrainingArguments(
+        tmp_path, per_device_train_batch_size=2, num_train_epochs=2, save_strategy=strategy,
+        save_steps=3, eval_strategy="no" if strategy != "best" else "steps", eval_steps=2,
+        metric_for_best_model="loss" if strategy == "best" else None, use_cpu=True,
+        report_to=[], disable_tqdm=True,
+    )  # fmt: skip
+    opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2, comm=Local())
+    opt.gather_error_feedback = lambda: events.append(("gathered", None))
+    trainer = transformers.Trainer(
+        model, args, train_dataset=data, eval_dataset=data[:2], optimizers=(opt, None)
+    )
+    attach(trainer)
+    trainer.add_callback(Saves())
+    trainer.train()
+    saves = [i for i, event in enumerate(events) if event[0] == "saved"]
+    assert saves, events
+    for i in saves:  # the event just before every save is a gather
+        assert events[i - 1][0] == "gathered", events
+
+
+def test_trainer_attach_without_an_optimizer_says_to_pass_one(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="in the 'integrations' extra")
+    from fn.integrations.transformers import attach
+
+    model = torch.nn.Linear(2, 2)
+    args = transformers.TrainingArguments(tmp_path, use_cpu=True, report_to=[])
+    trainer = transformers.Trainer(
+        model=model,
+        args=args,
+        optimizer_cls_and_kwargs=(fn.optim.OnebitAdam, {"lr": 1e-3, "comm": Local()}),
+    )
+    with pytest.raises(TypeError, match=r"optimizers=\(optimizer, scheduler\)"):
+        attach(trainer)
