@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fn.integrations._common import register_ddp, unwrap_optimizer
 
@@ -50,6 +51,10 @@ def attach(
 
     Raises:
         TypeError: ``optimizer`` does not hold an ``fn.optim`` optimizer.
+        NotImplementedError: (from ``accelerator.save_state()``, on every rank, nothing saved)
+            ``ProjectConfiguration(save_on_each_node=True)`` on several nodes: each node's
+            first rank would write an optimizer state, and only rank 0's holds every rank's
+            error feedback.
 
     Example:
         One process (under ``accelerate launch`` the same lines register the DDP model):
@@ -73,6 +78,28 @@ def attach(
 
     def gather_before_save(models: list, weights: list, output_dir: str) -> None:
         del models, weights, output_dir
+        _check_one_writer(accelerator)
         fn_optimizer.gather_error_feedback()
 
     return accelerator.register_save_state_pre_hook(gather_before_save)
+
+
+def _check_one_writer(accelerator: Any) -> None:
+    """Refuses a save in which more than one process writes the optimizer state (with
+    ``save_on_each_node``, every node's first process; a collective call where it is set).
+
+    Raises:
+        NotImplementedError: on every rank, several processes would write it.
+    """
+    if not accelerator.project_configuration.save_on_each_node or not dist.is_initialized():
+        return
+    writers = torch.tensor([int(accelerator.is_local_main_process)])
+    dist.all_reduce(writers)
+    if int(writers) > 1:
+        raise NotImplementedError(
+            "fn.integrations.accelerate: save_state() with save_on_each_node=True on "
+            f"{int(writers)} nodes is not built: fn gathers every rank's error feedback onto "
+            "rank 0, whose optimizer state every rank loads, so the other nodes' copies would "
+            "resume their ranks with the error feedback reset; save to storage that every node "
+            "reads, with save_on_each_node=False; nothing was saved"
+        )

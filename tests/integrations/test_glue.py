@@ -131,3 +131,48 @@ def test_trainer_attach_without_an_optimizer_says_to_pass_one(tmp_path):
     )
     with pytest.raises(TypeError, match=r"optimizers=\(optimizer, scheduler\)"):
         attach(trainer)
+
+
+def _save_on_each_node_worker(rank: int, world_size: int, root: str) -> dict:
+    """Two ranks, each its node's first (two nodes of one rank): ``save_state`` with
+    ``save_on_each_node`` and without."""
+    del world_size
+    import os
+
+    import accelerate
+
+    from fn.integrations.accelerate import attach
+
+    os.environ["LOCAL_RANK"] = "0"
+    out = {}
+    for each in (True, False):
+        config = accelerate.utils.ProjectConfiguration(save_on_each_node=each)
+        accelerator = accelerate.Accelerator(cpu=True, project_config=config)
+        model = torch.nn.Linear(3, 2)
+        opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+        model, opt = accelerator.prepare(model, opt)
+        attach(accelerator, model, opt)
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        path = os.path.join(root, f"{each}-{rank}")
+        try:
+            accelerator.save_state(path)
+            out[each] = "saved"
+        except NotImplementedError as error:
+            out[each] = str(error)
+        out[each, "files"] = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_accelerate_refuses_save_on_each_node_across_nodes(tmp_path):
+    pytest.importorskip("accelerate", reason="accelerate is in the 'integrations' extra")
+    from tests._distributed import run_distributed
+
+    outs = run_distributed(_save_on_each_node_worker, 2, str(tmp_path), timeout=180)
+    for rank, out in enumerate(outs):
+        assert "save_on_each_node=True on 2 nodes is not built" in out[True], out
+        assert not any(name.startswith("optimizer") for name in out[True, "files"]), out
+        assert out[False] == "saved", out
+        assert ("optimizer.bin" in out[False, "files"]) == (rank == 0), out  # rank 0's alone
