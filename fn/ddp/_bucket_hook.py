@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from fn.base import GradientTransformation
 from fn.collectives import ProcessGroup
-from fn.ddp._futures import completed, dense_mean
+from fn.ddp._futures import completed_call, dense_mean
 from fn.ddp._worker import SerialWorker
 from fn.errors import NonFiniteError, all_finite, check_int, finite_or_raise
 from fn.tree import tree_flatten, tree_unflatten
@@ -131,7 +131,7 @@ class BucketHookState:
         self._note_layout(index, layout, buffer.numel())
         compress = functools.partial(self._compress, index, layout, buffer, last)
         if not self.overlap:
-            return completed(compress())
+            return completed_call(compress)
         return self._worker.submit(functools.partial(self._in_order, index, compress, last))
 
     def _note_layout(self, index: int, layout: Layout, numel: int) -> None:

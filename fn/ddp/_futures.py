@@ -1,6 +1,9 @@
-"""The two answers a DDP comm hook gives: a completed future, or an in-flight dense mean."""
+"""The answers a DDP comm hook gives: a completed future (holding a result or the error that
+computing it raised), or an in-flight dense mean."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -11,6 +14,14 @@ def completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(tensor)
     return future
+
+
+def completed_call(compute: Callable[[], torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
+    """A future holding ``compute()``, run now (the callback of a completed future runs inline),
+    or the exception it raised: DDP raises that from the backward and recovers at the next
+    one, as from a failed collective, where an exception raised by the hook itself leaves its
+    reducer unusable."""
+    return completed(torch.empty(0)).then(lambda _: compute())  # runs now, here
 
 
 def dense_mean(
