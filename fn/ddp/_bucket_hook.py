@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
+import operator
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -85,7 +86,8 @@ class BucketHookState:
         # the dense iteration in flight under "raise": each bucket's checked mean
         self._dense_checks: dict[int, torch.futures.Future[torch.Tensor]] = {}
         # each bucket's layout at its last compressed hook call (the hook's thread logs rebuilds)
-        self._layouts: dict[int, Layout] = {}
+        # each bucket's layout and its params' identities (None: loaded, not seen yet)
+        self._layouts: dict[int, tuple[Layout, tuple[int, ...] | None]] = {}
         self._worker = SerialWorker(f"fn.ddp.{type(self).__name__}")
         # the error of a bucket that failed in the iteration in flight (overlap): the later
         # buckets of that iteration fail with it, without communicating, as they would not have
@@ -127,27 +129,36 @@ class BucketHookState:
         index = bucket.index()
         if self._iter < self.start_iter:
             return self._dense(index, buffer, last)
-        layout = tuple(tuple(p.shape) for p in bucket.parameters())
-        self._note_layout(index, layout, buffer.numel())
+        params = bucket.parameters()
+        layout = tuple(tuple(p.shape) for p in params)
+        if self._note_layout(index, layout, tuple(map(id, params)), buffer.numel()):
+            # its error feedback was the old params' (the last iteration is done: DDP waited)
+            self._buckets.pop(index, None)
         compress = functools.partial(self._compress, index, layout, buffer, last)
         if not self.overlap:
             return completed_call(compress)
         return self._worker.submit(functools.partial(self._in_order, index, compress, last))
 
-    def _note_layout(self, index: int, layout: Layout, numel: int) -> None:
-        """Records bucket ``index``'s layout; logs when DDP rebuilt the bucket."""
+    def _note_layout(self, index: int, layout: Layout, params: tuple[int, ...], numel: int) -> bool:
+        """Records bucket ``index``'s layout and its ``params`` (their ids); logs when DDP
+        rebuilt the bucket with other params (other shapes, or params of the same shapes in
+        another order), and returns whether it did."""
         known = self._layouts.get(index)
-        if known is not None and known != layout:
+        self._layouts[index] = (layout, params)
+        if known is None:
+            return False
+        moved = known[0] != layout or known[1] not in (None, params)
+        if moved:
             logger.warning(
                 "fn.ddp: bucket %d now holds %d elements in %d params (was %d in %d; DDP rebuilt "
                 "its buckets): its error feedback is reset",
                 index,
                 numel,
                 len(layout),
-                _numel(known),
-                len(known),
+                _numel(known[0]),
+                len(known[0]),
             )
-        self._layouts[index] = layout
+        return moved
 
     def _dense(
         self, index: int, buffer: torch.Tensor, last: bool
@@ -269,13 +280,17 @@ class BucketHookState:
         flat) keeps only the iteration count: its error feedback is dropped, with a warning.
         The resumed run continues bit for bit when DDP gives it the buckets it saved; DDP
         rebuilds its buckets once, after its first iteration (not with
-        ``find_unused_parameters=True``), and a bucket that then holds other params restarts
-        from zero error (logged).
+        ``find_unused_parameters=True``), and a bucket that then holds other params (or the
+        same in another order, seen within a process: a loaded bucket's params are known from
+        its next iteration on) restarts from zero error (logged).
 
         Raises:
-            ValueError: a bucket's saved state does not fit the transform (nothing is changed).
+            ValueError: an ``iter`` that is no int >= 0, or a bucket's saved state that does not
+                fit the transform (other shapes or dtypes) or holds a NaN or an Inf (no
+                iteration would be finite again); nothing is changed.
         """
         self._worker.drain()
+        iteration = _iteration(state_dict["iter"])
         buckets = {}
         saved = (state_dict["rank"], state_dict["world_size"], state_dict.get("local_world_size"))
         here = (self.comm.rank, self.comm.world_size, self.local_world_size)
@@ -293,17 +308,34 @@ class BucketHookState:
             fresh, spec = tree_flatten(
                 self.transform.init(torch.zeros(_numel(layout), device=device))
             )
-            shapes = [tuple(x.shape) for x in fresh]
-            if shapes != [tuple(x.shape) for x in leaves]:
+            forms = [(tuple(x.shape), x.dtype) for x in fresh]
+            if forms != [(tuple(x.shape), x.dtype) for x in leaves]:
                 raise ValueError(
-                    f"fn.ddp: bucket {index}'s saved state has shapes "
-                    f"{[tuple(x.shape) for x in leaves]}, this hook's transform needs {shapes}"
+                    f"fn.ddp: bucket {index}'s saved state has shapes and dtypes "
+                    f"{[(tuple(x.shape), x.dtype) for x in leaves]}, this hook's transform needs "
+                    f"{forms}"
+                )
+            if not all(bool(x.isfinite().all()) for x in leaves if x.is_floating_point()):
+                raise ValueError(
+                    f"fn.ddp: bucket {index}'s saved error feedback holds a NaN or an Inf (every "
+                    "iteration after it would be non-finite): load an earlier checkpoint"
                 )
             buckets[int(index)] = (layout, tree_unflatten(leaves, spec))
-        self._iter = int(state_dict["iter"])
+        self._iter = iteration
         self._buckets = buckets
         self._pending, self._dense_checks = {}, {}
-        self._layouts = {index: layout for index, (layout, _) in buckets.items()}
+        self._layouts = {index: (layout, None) for index, (layout, _) in buckets.items()}
+
+
+def _iteration(value: Any) -> int:
+    """A saved ``iter``: an int >= 0 (a 0-dim integer tensor too), or ``ValueError``."""
+    try:
+        iteration = operator.index(value)
+    except TypeError:
+        iteration = -1
+    if isinstance(value, bool) or iteration < 0:
+        raise ValueError(f"fn.ddp: the hook state's iter must be an int >= 0, got {value!r}")
+    return iteration
 
 
 def _rank_text(rank: int, world_size: int, local_world_size: int | None) -> str:

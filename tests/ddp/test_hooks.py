@@ -152,12 +152,17 @@ def test_hooks_with_adamw_on_three_ranks():
         assert max(result["loco8"]["rel_error"]) < max(result["loco4"]["rel_error"])
 
 
-class _Bucket:
-    """The part of ``dist.GradBucket`` the hooks use."""
+_PARAMS: dict[tuple, list[torch.Tensor]] = {}  # a bucket's params, the same objects each time
 
-    def __init__(self, index, shapes):
+
+class _Bucket:
+    """The part of ``dist.GradBucket`` the hooks use: the params of a bucket with the same
+    index and shapes are the same tensors each time (DDP's), unless ``params`` are given."""
+
+    def __init__(self, index, shapes, params=None):
         self._index = index
-        self._params = [torch.zeros(s) for s in shapes]
+        key = (index, tuple(map(tuple, shapes)))
+        self._params = params or _PARAMS.setdefault(key, [torch.zeros(s) for s in shapes])
         self._buffer = torch.randn(sum(p.numel() for p in self._params))
 
     def index(self):
@@ -237,6 +242,31 @@ def test_bucket_rebuild_resets_error_feedback_with_a_log_line(name, one_rank_gro
 
 
 @pytest.mark.parametrize("name", list(HOOKS))
+def test_a_bucket_rebuilt_with_its_params_in_another_order_resets_error_feedback(
+    name, one_rank_group, caplog
+):
+    state_cls, hook, kwargs = HOOKS[name]
+    first, second = torch.zeros(8), torch.zeros(8)
+    state = state_cls(start_iter=0, **kwargs)
+    hook(state, _Bucket(0, [(8,), (8,)], params=[first, second]))
+    with caplog.at_level(logging.WARNING, logger="fn.ddp"):
+        hook(state, _Bucket(0, [(8,), (8,)], params=[first, second]))  # kept, no log
+        assert not caplog.records
+        fresh = state_cls(start_iter=0, **kwargs)  # the same, from zero error
+        fresh.load_state_dict({**_roundtrip(state.state_dict()), "buckets": {}})
+        bucket = _Bucket(0, [(8,), (8,)], params=[second, first])  # the same shapes
+        torch.manual_seed(1)  # (LoCo rounds stochastically)
+        hook(state, bucket)
+    assert "bucket 0 now holds 16 elements in 2 params (was 16 in 2" in caplog.text
+    same = _Bucket(0, [(8,), (8,)], params=[second, first])
+    same.buffer().copy_(bucket.buffer())
+    torch.manual_seed(1)
+    hook(fresh, same)
+    kept, expected = (fn.tree.tree_leaves(x.buckets[0][1]) for x in (state, fresh))
+    assert all(torch.equal(a, b) for a, b in zip(kept, expected, strict=True))
+
+
+@pytest.mark.parametrize("name", list(HOOKS))
 def test_state_dict_checks(name, one_rank_group):
     state_cls, hook, kwargs = HOOKS[name]
     state = state_cls(start_iter=1, **kwargs)
@@ -262,6 +292,25 @@ def test_state_dict_checks(name, one_rank_group):
     with pytest.raises(ValueError, match="bucket 0's saved state has shapes"):
         fresh.load_state_dict(bad)
     assert fresh.iter == 3 and fresh.buckets[0][0] == ((6,),)  # unchanged
+    leaves = saved["buckets"][0]["state"]
+    floating = next(i for i, x in enumerate(leaves) if x.is_floating_point() and x.numel())
+    for change, match in (
+        (lambda x: x.fill_(torch.nan), "holds a NaN or an Inf"),
+        (lambda x: x.double(), "shapes and dtypes"),
+    ):
+        changed = [change(x.clone()) if i == floating else x for i, x in enumerate(leaves)]
+        bad = {**saved, "iter": 5, "buckets": {0: {**saved["buckets"][0], "state": changed}}}
+        with pytest.raises(ValueError, match=match):
+            fresh.load_state_dict(bad)
+    for iteration in (-5, "7", 2.7, True):
+        with pytest.raises(ValueError, match="iter must be an int >= 0"):
+            fresh.load_state_dict({**saved, "iter": iteration})
+    assert fresh.iter == 3 and all(  # unchanged
+        torch.equal(a, b)
+        for a, b in zip(fn.tree.tree_leaves(fresh.buckets[0][1]), kept, strict=True)
+    )
+    fresh.load_state_dict({**saved, "iter": torch.tensor(4)})
+    assert fresh.iter == 4
     with pytest.raises(ValueError, match="start_iter must be an int >= 0"):
         state_cls(start_iter=-1, **kwargs)
 
