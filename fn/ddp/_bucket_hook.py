@@ -85,8 +85,8 @@ class BucketHookState:
         self._pending: dict[int, tuple[Layout, Any] | None] = {}
         # the dense iteration in flight under "raise": each bucket's checked mean
         self._dense_checks: dict[int, torch.futures.Future[torch.Tensor]] = {}
-        # each bucket's layout at its last compressed hook call (the hook's thread logs rebuilds)
-        # each bucket's layout and its params' identities (None: loaded, not seen yet)
+        # each bucket's layout and its params' identities at its last compressed hook call (the
+        # hook's thread logs rebuilds; identities None: loaded, not seen since)
         self._layouts: dict[int, tuple[Layout, tuple[int, ...] | None]] = {}
         self._worker = SerialWorker(f"fn.ddp.{type(self).__name__}")
         # the error of a bucket that failed in the iteration in flight (overlap): the later
@@ -315,7 +315,7 @@ class BucketHookState:
                     f"{[(tuple(x.shape), x.dtype) for x in leaves]}, this hook's transform needs "
                     f"{forms}"
                 )
-            if not all(bool(x.isfinite().all()) for x in leaves if x.is_floating_point()):
+            if not all(all_finite(x) for x in leaves if x.is_floating_point()):
                 raise ValueError(
                     f"fn.ddp: bucket {index}'s saved error feedback holds a NaN or an Inf (every "
                     "iteration after it would be non-finite): load an earlier checkpoint"
