@@ -96,10 +96,7 @@ class _Plan(NamedTuple):
 
 
 def _plan(comm: Comm, bits: int, group_size: int, local_world_size: int | None) -> _Plan:
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 4 or 8, got {bits}")
-    if group_size < 2 or group_size % 2:
-        raise ValueError(f"group_size must be an even number >= 2, got {group_size}")
+    kernels.check_quant_args(bits, group_size)
     hops = (comm,) if local_world_size is None else comm.split(local_world_size)
     return _Plan(comm, tuple(hops), local_world_size, bits, group_size)
 

@@ -64,6 +64,12 @@ class BucketHookState:
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            kind = type(process_group).__name__
+            raise TypeError(
+                f"process_group must be a torch.distributed.ProcessGroup or None, got "
+                f"{process_group!r} ({kind})"
+            )
         self.process_group = process_group
         fn_group = process_group
         if overlap:
@@ -279,8 +285,8 @@ class BucketHookState:
         A state saved by another rank, world size or ``local_world_size`` (none recorded:
         flat) keeps only the iteration count: its error feedback is dropped, with a warning.
         The resumed run continues bit for bit when DDP gives it the buckets it saved; DDP
-        rebuilds its buckets once, after its first iteration (not with
-        ``find_unused_parameters=True``), and a bucket that then holds other params (or the
+        rebuilds its buckets once, after its first iteration (its second with
+        ``static_graph=True``; not with ``find_unused_parameters=True``), and a bucket that then holds other params (or the
         same in another order, seen within a process: a loaded bucket's params are known from
         its next iteration on) restarts from zero error (logged).
 

@@ -33,8 +33,11 @@ class LocoHookState(BucketHookState):
             Recorded in :meth:`state_dict`.
 
     Raises:
+        TypeError: ``process_group`` is neither a ``torch.distributed.ProcessGroup`` nor
+            ``None``.
         ValueError: ``nonfinite`` is neither ``"propagate"`` nor ``"raise"``;
-            ``local_world_size`` does not divide the world size.
+            ``local_world_size`` does not divide the world size; ``bits`` is not
+            the int 4 or 8, ``group_size`` not an even int >= 2.
 
     Example:
         One rank here (under ``torchrun`` every rank runs this; :func:`loco_hook` shows it in a

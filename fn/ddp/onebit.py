@@ -18,7 +18,8 @@ class OnebitHookState(BucketHookState):
     Args:
         process_group: the group DDP communicates over (``None``: the world).
         start_iter: iterations averaged densely before compression starts (the first ones
-            move the most; DDP also rebuilds its buckets after the first).
+            move the most; DDP also rebuilds its buckets after the first, or the
+            second with ``static_graph=True``).
         overlap: compress on the state's background thread, overlapped with the backward pass,
             over a process group of the same ranks that the state makes for it (a collective
             call: build the state on every rank in the same order, as DDP); ``False``: inside
@@ -38,6 +39,8 @@ class OnebitHookState(BucketHookState):
             nodes (torchrun's ``LOCAL_WORLD_SIZE``). Recorded in :meth:`state_dict`.
 
     Raises:
+        TypeError: ``process_group`` is neither a ``torch.distributed.ProcessGroup`` nor
+            ``None``.
         ValueError: ``nonfinite`` is neither ``"propagate"`` nor ``"raise"``;
             ``local_world_size`` does not divide the world size.
 

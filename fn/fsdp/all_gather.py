@@ -27,6 +27,7 @@ from fn.fsdp._fsdp2 import AllGather, FreshBuffers
 from fn.fsdp.agreement import agree_on_settings, integer
 from fn.fsdp.loco import ROOT
 from fn.fsdp.reduce_scatter import CommCache
+from fn.kernels import check_quant_args
 
 __all__ = ["QuantizedAllGather", "quantized_all_gather"]
 
@@ -65,10 +66,7 @@ class QuantizedAllGather(FreshBuffers, AllGather):
         comm_for: CommCache | None = None,
     ) -> None:
         bits, group_size = integer("bits", bits), integer("group_size", group_size)
-        if bits not in (4, 8):
-            raise ValueError(f"bits must be 4 or 8, got {bits}")
-        if group_size < 2 or group_size % 2:
-            raise ValueError(f"group_size must be an even number >= 2, got {group_size}")
+        check_quant_args(bits, group_size)
         self.bits = bits
         self.group_size = group_size
         self._comm_for = comm_for or CommCache(None)

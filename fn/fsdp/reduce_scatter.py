@@ -53,6 +53,7 @@ from fn.collectives import ProcessGroup, quantized_reduce_scatter_into
 from fn.errors import NonFiniteError
 from fn.fsdp._fsdp2 import SynchronousReduceScatter
 from fn.fsdp.agreement import integer
+from fn.kernels import check_quant_args
 
 __all__ = ["CommCache", "QuantizedReduceScatter", "reduce_scale"]
 
@@ -185,10 +186,7 @@ class QuantizedReduceScatter(SynchronousReduceScatter):
                 kind = type(err_beta).__name__
                 raise TypeError(f"err_beta must be a float or None, got {err_beta!r} ({kind})")
             err_beta = float(err_beta)
-        if bits not in (4, 8):
-            raise ValueError(f"bits must be 4 or 8, got {bits}")
-        if group_size < 2 or group_size % 2:
-            raise ValueError(f"group_size must be an even number >= 2, got {group_size}")
+        check_quant_args(bits, group_size)
         if err_beta is not None and not 0.0 <= err_beta < 1.0:
             raise ValueError(f"err_beta must be in [0, 1) or None, got {err_beta}")
         if reset_T < 1:

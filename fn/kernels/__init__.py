@@ -50,7 +50,7 @@ from fn.kernels._ops import (
     unpack_scaled,
     unpackbits,
 )
-from fn.kernels._reference import sum_ranks
+from fn.kernels._reference import check_quant_args, sum_ranks
 from fn.kernels._table import (
     get_accelerator,
     kernel_set,
@@ -80,6 +80,7 @@ __all__ = [
     "dequantize_sum",
     "dequantize_into",
     "sum_ranks",
+    "check_quant_args",
     "tuning_pending",
     "KERNEL_NAMES",
     "Accelerator",

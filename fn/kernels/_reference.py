@@ -23,7 +23,9 @@ The conventions (docs/algorithms.md, "Conventions") in the detail every implemen
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -258,16 +260,36 @@ def adam_apply(
 
 
 def check_bits(bits: int) -> None:
-    """Raises ``ValueError`` unless ``bits`` is a code width of :func:`quantize`: 4 or 8."""
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    """Raises ``ValueError`` unless ``bits`` is a code width of :func:`quantize`: the int 4 or
+    8 (``4.0`` and ``True`` are not: a setting of another type is a mistake upstream)."""
+    if not _is_int(bits) or bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
 
 
 def check_quant_args(bits: int, group_size: int) -> None:
-    """Raises ``ValueError`` unless ``bits`` and ``group_size`` (even, >= 2) can quantize."""
+    """Checks the settings of blockwise quantization (:func:`fn.kernels.quantize`), once for
+    every layer that takes them.
+
+    Args:
+        bits: the code width: the int 4 or 8 (``4.0`` and ``True`` are not).
+        group_size: values per group, each with its own scale: an even int >= 2.
+
+    Raises:
+        ValueError: naming the setting that is neither.
+
+    Example:
+        >>> fn.kernels.check_quant_args(4.0, 128)
+        Traceback (most recent call last):
+        ...
+        ValueError: bits must be 4 or 8, got 4.0
+    """
     check_bits(bits)
-    if group_size < 2 or group_size % 2:
-        raise ValueError(f"group_size must be an even number >= 2, got {group_size}")
+    if not _is_int(group_size) or group_size < 2 or group_size % 2:
+        raise ValueError(f"group_size must be an even number >= 2, got {group_size!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -179,6 +179,20 @@ def test_nonfinite_must_be_a_policy(name, one_rank_group):
 
 
 @pytest.mark.parametrize("name", ["onebit", "loco4"])
+@pytest.mark.parametrize("group", ["gloo", 0])
+def test_a_process_group_that_is_no_group_is_a_type_error(name, group, one_rank_group):
+    state_cls, _, kwargs = HOOKS[name]
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup"):
+        state_cls(process_group=group, **kwargs)
+
+
+@pytest.mark.parametrize("setting", [dict(bits=4.0), dict(bits=True), dict(group_size=64.0)])
+def test_loco_quantization_settings_are_ints(setting, one_rank_group):
+    with pytest.raises(ValueError, match="must be"):
+        fn.ddp.LocoHookState(**setting)
+
+
+@pytest.mark.parametrize("name", ["onebit", "loco4"])
 def test_one_rank_applies_the_policy_in_both_phases(name, one_rank_group):
     """With one rank the compressing transforms pass the values on unchecked: the hook checks
     them itself, so both phases follow the policy there too."""
