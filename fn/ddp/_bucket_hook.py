@@ -286,9 +286,10 @@ class BucketHookState:
         flat) keeps only the iteration count: its error feedback is dropped, with a warning.
         The resumed run continues bit for bit when DDP gives it the buckets it saved; DDP
         rebuilds its buckets once, after its first iteration (its second with
-        ``static_graph=True``; not with ``find_unused_parameters=True``), and a bucket that then holds other params (or the
-        same in another order, seen within a process: a loaded bucket's params are known from
-        its next iteration on) restarts from zero error (logged).
+        ``static_graph=True``; not with ``find_unused_parameters=True``), and a bucket that
+        then holds other params (or the same in another order, seen within a process: a loaded
+        bucket's params are known from its next iteration on) restarts from zero error
+        (logged).
 
         Raises:
             ValueError: an ``iter`` that is no int >= 0, or a bucket's saved state that does not

@@ -422,8 +422,8 @@ class OnebitAdam(OnebitFamily):
         the scales its 1-bit allreduce gathers, or the momentum with one worker), except a
         warmup's after DDP averaged it (:meth:`take_averaged_grads`): the check then sees this
         rank's ``.grad`` alone, which a rank may have changed since, so the step's vote counts
-        them."""
-        return not self.takes_averaged_grads
+        them (a pass over the gradients that the compressed updates do without)."""
+        return not self.takes_averaged_grads or all(self.next_update_compressed())
 
     __signature__ = signature_with(
         onebit_adam,
