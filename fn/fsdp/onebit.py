@@ -391,8 +391,9 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             gradients, stats = self._compressed_gradients()
         else:
             stats = self._mesh.warmup_stats(self._warmup_stats)
+        lr = self.param_groups[0]["lr"]
         totals = first_exchange(
-            self._checks, self.name, batches, self._max_grad_norm, problems, stats
+            self._checks, self.name, batches, self._max_grad_norm, lr, problems, stats
         )
         if not batches:  # no backward since the last step() on any rank: a no-op
             return
@@ -407,7 +408,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
             inputs, extra = self._dense_inputs(totals)
             if warmup and self._auto_mask:
                 records = [m.observe_zeros(inputs) for m in self._modules]
-        state = set_hyperparams(self._state, lr=self.param_groups[0]["lr"])
+        state = set_hyperparams(self._state, lr=lr)
         params = self._shards()
         if exchanged and (self._freeze_due or self._rule.first_compressed_update(t, state) == t):
             extra["momentum_mask"] = self._momentum_masks()  # the frozen variance's report

@@ -36,6 +36,10 @@ _CLIPS = (
     "{name}: the ranks' max_grad_norm differ ({shown}): set it on every rank alike; nothing was "
     "updated"
 )
+_LRS = (
+    "{name}: the ranks' lr in param_groups[0] differ ({shown}): set it (or step the scheduler) "
+    "on every rank alike, or the replicas' params drift apart; nothing was updated"
+)
 
 # What step() adds to a timeout of its first exchange: the likely cause
 _STEP_MISSED = (
@@ -79,19 +83,20 @@ def first_exchange(
     name: str,
     batches: int,
     max_grad_norm: float | None,
+    lr: float,
     problems: list[Exception],
     stats: list[float],
 ) -> torch.Tensor:
     """``step()``'s first collective, before any other: one all-gather over ``comm`` (the ranks
     of ``world``, on a group of the optimizer's own) of this rank's micro-batch count
-    (``batches``), its ``max_grad_norm``, whether its reduce-scatters found a problem (of which
-    kind, and the first rank a failed collective missed) and its gradient statistics
-    (``stats``: :func:`gradient_stats`), which it returns summed over the ranks in rank order
-    (the same bits on every rank).
+    (``batches``), its ``max_grad_norm`` and ``lr``, whether its reduce-scatters found a
+    problem (of which kind, and the first rank a failed collective missed) and its gradient
+    statistics (``stats``: :func:`gradient_stats`), which it returns summed over the ranks in
+    rank order (the same bits on every rank).
 
     Raises:
         RuntimeError: on every rank, the ranks ran different numbers of micro-batches.
-        ValueError: on every rank, the ranks' ``max_grad_norm`` differ.
+        ValueError: on every rank, the ranks' ``max_grad_norm`` or ``lr`` differ.
         Exception: the first of this rank's ``problems`` (what its reduce-scatters found, or
             a setting it changed), or on every other rank one of the same kind
             (``RuntimeError``, ``fn.NonFiniteError``, ``ValueError``, ``CollectiveTimeoutError``)
@@ -103,7 +108,7 @@ def first_exchange(
     if isinstance(first, CollectiveTimeoutError) and first.missing_ranks:
         lost = float(min(first.missing_ranks))
     kind = 0.0 if first is None else _KINDS.index(_kind(first))
-    head = [float(batches), max_grad_norm or 0.0, float(first is not None), kind, lost]
+    head = [float(batches), max_grad_norm or 0.0, float(lr), float(first is not None), kind, lost]
     mine = torch.tensor(head + stats, dtype=torch.float64)
     rows = mine.view(1, -1)
     if comm.world_size > 1:
@@ -112,26 +117,28 @@ def first_exchange(
         except CollectiveTimeoutError as error:
             error.args = (f"{error.args[0]}; {_STEP_MISSED.format(name=name)}",)
             raise
-    _check_same(name, rows[:, 0].tolist(), rows[:, 1].tolist())
-    failed = rows[:, 2].nonzero().view(-1).tolist()
+    _check_same(name, *rows[:, :3].T.tolist())
+    failed = rows[:, 3].nonzero().view(-1).tolist()
     if problems:
         raise problems[0]
     if failed:
         first_rank = failed[0]
-        kind, lost = _KINDS[int(rows[first_rank, 3])], int(rows[first_rank, 4])
+        kind, lost = _KINDS[int(rows[first_rank, 4])], int(rows[first_rank, 5])
         raise _shared_problem(name, first_rank, kind, lost)
-    return rows[:, 5:].sum(0)
+    return rows[:, 6:].sum(0)
 
 
-def _check_same(name: str, counts: list[float], clips: list[float]) -> None:
+def _check_same(name: str, counts: list[float], clips: list[float], lrs: list[float]) -> None:
     """Raises on every rank (every input is the same there) unless the ranks ran as many
-    micro-batches and clip alike."""
+    micro-batches, clip alike and step with the same learning rate (as a float64: a float
+    lr exactly)."""
     checks = (
         (RuntimeError, [int(c) for c in counts], _UNEVEN),
         (ValueError, [c or None for c in clips], _CLIPS),
+        (ValueError, lrs, _LRS),
     )
     for error, values, message in checks:
-        if len(set(values)) > 1:
+        if len({repr(v) for v in values}) > 1:  # by repr: a NaN lr on every rank is alike
             shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
             raise error(message.format(name=name, shown=shown))
 

@@ -189,8 +189,9 @@ def _worker_requires_grad_changed(rank: int, world_size: int, kind: str) -> list
 
 def _worker_settings_changed(rank: int, world_size: int, kind: str) -> dict:
     """A second param group is refused; ``weight_decay`` set in ``param_groups[0]`` on rank 1
-    (update 2) and on every rank (update ``FREEZE + 1``) makes ``step()`` raise on every rank
-    with nothing changed; set back, training goes on."""
+    (update 2) and on every rank (update ``FREEZE + 1``), and an ``lr`` that differs on rank 0
+    (update ``FREEZE + 3``), make ``step()`` raise on every rank with nothing changed; set back,
+    training goes on."""
     del world_size
     model, optimizer = build(kind)
     added = attempt(lambda: optimizer.add_param_group({"params": [nn.Parameter(torch.ones(2))]}))
@@ -198,6 +199,7 @@ def _worker_settings_changed(rank: int, world_size: int, kind: str) -> dict:
     for t in range(1, STEPS + 1):
         changed = (t == 2 and rank == 1) or t == FREEZE + 1
         optimizer.param_groups[0]["weight_decay"] = 10.0 if changed else 0.0
+        optimizer.param_groups[0]["lr"] = 2e-2 if (t == FREEZE + 3 and rank == 0) else 1e-2
         optimizer.zero_grad()
         loss(model, rank, t).backward()
         before, count = full(model), optimizer.count
@@ -478,7 +480,8 @@ def test_requires_grad_changed_in_the_compressed_phase_is_raised_on_every_rank(k
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 def test_a_setting_changed_in_the_param_group_is_raised_on_every_rank(kind, outcomes):
     results = outcomes["settings_changed", kind]
-    failed = {1: 1, FREEZE: None}  # the failing updates (0-based), and the rank that changed it
+    # the failing updates (0-based), and the rank that changed a setting (None: every rank, or lr)
+    failed = {1: 1, FREEZE: None, FREEZE + 2: None}
     for rank, out in enumerate(results):
         assert out["added"].startswith("NotImplementedError: fn.fsdp."), out["added"]
         assert out["groups"] == 1
@@ -488,7 +491,11 @@ def test_a_setting_changed_in_the_param_group_is_raised_on_every_rank(kind, outc
                 continue
             assert outcome.startswith("ValueError: fn.fsdp."), (i, outcome)
             assert unchanged and counted == 0, i
-            if failed[i] in (None, rank):
+            if i == FREEZE + 2:
+                assert "the ranks' lr in param_groups[0] differ (rank 0: 0.02, rank 1: 0.01)" in (
+                    outcome
+                ), outcome
+            elif failed[i] in (None, rank):
                 assert "weight_decay=10.0 (built with 0.0)" in outcome, outcome
             else:
                 assert "rank 1 found a problem before this update" in outcome, outcome
