@@ -425,7 +425,7 @@ _Result = TypeVar("_Result")
 _PER_LEAF = contextvars.ContextVar("fn_per_leaf", default=False)
 
 
-def foreach_blocker(*leaves: torch.Tensor) -> str | None:
+def foreach_blocker(*leaves: torch.Tensor, scalars: tuple[torch.Tensor, ...] = ()) -> str | None:
     """Why the tensors cannot go through ``torch._foreach_*`` ops, or ``None`` when they can:
     eager, plain tensors outside autograd (see :func:`foreach_ok`)."""
     if not leaves:
@@ -434,26 +434,28 @@ def foreach_blocker(*leaves: torch.Tensor) -> str | None:
         return "it runs under torch.compile"
     if _PER_LEAF.get():
         return "per-leaf ops were asked for"
+    operands = (*leaves, *scalars)
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    if any(wrapped(t) for t in leaves):
+    if any(wrapped(t) for t in operands):
         return "it runs under a torch.func transform (vmap, grad, ...)"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
         return "a tensor requires grad and autograd is recording"
     return None
 
 
-def foreach_ok(*leaves: torch.Tensor) -> bool:
+def foreach_ok(*leaves: torch.Tensor, scalars: tuple[torch.Tensor, ...] = ()) -> bool:
     """True for eager, plain tensors outside autograd: then one ``torch._foreach_*`` call per op
     over all leaves replaces a Python loop of per-leaf ops, as ``torch.optim``'s foreach Adam.
-    Pass every tensor operand, scalars from the state included: under ``simulate`` a replicated
-    state (e.g. the learning rate) can be batched while the updates are not.
+    Pass every tensor operand: the lists' ``leaves`` (none: False, the foreach ops take no empty
+    list) and the ``scalars`` from the state, since under ``simulate`` a replicated state (e.g.
+    the learning rate) can be batched while the updates are not.
 
     Otherwise callers go leaf by leaf: the foreach ops have no ``torch.func.vmap`` batching
     rules, in-place steps on fresh outputs that autograd saved (``sqrt``) would break the
     backward, and under ``torch.compile`` the per-leaf ops fuse anyway. Inside :func:`per_leaf`
     the answer is always False.
     """
-    return foreach_blocker(*leaves) is None
+    return foreach_blocker(*leaves, scalars=scalars) is None
 
 
 def per_leaf(f: Callable[..., _Result], *args: object, **kwargs: object) -> _Result:

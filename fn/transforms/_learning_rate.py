@@ -32,7 +32,7 @@ def scale_leaves(updates: PyTree, factor: torch.Tensor, in_place: bool = False) 
     walk = live_leaves(updates)
     live = walk.at_live(0)
     in_place = in_place and can_donate(*live, factor)
-    if foreach_ok(*live, factor):
+    if foreach_ok(*live, scalars=(factor,)):
         if in_place:
             torch._foreach_mul_(live, factor)
         scaled = live if in_place else torch._foreach_mul(live, factor)
@@ -53,7 +53,7 @@ def decoupled_decay(
     walk = live_leaves(steps, params, check=check)
     ss, ps = walk.at_live(0), walk.at_live(1)
     keep = 1.0 - lr * weight_decay
-    if foreach_ok(*ps, *ss, keep):
+    if foreach_ok(*ps, *ss, scalars=(keep,)):
         out = torch._foreach_mul(ps, keep)
         torch._foreach_add_(out, ss)
         torch._foreach_sub_(out, ps)

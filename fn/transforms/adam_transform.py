@@ -159,7 +159,7 @@ def scale_by_adam(
         bc1 = bc2_sqrt = None
         if bias_correction:
             bc1, bc2_sqrt = _bias_correction(b1, count), _bias_correction(b2, count).sqrt()
-        foreach = foreach_ok(*ms, *vs, *gs, count)
+        foreach = foreach_ok(*ms, *vs, *gs, scalars=(count,))
         if donated is not None and can_donate(*ms, *vs, *gs):
             step = steps.adam_foreach_donated if foreach else steps.adam_leafwise_donated
             return step(ms, vs, gs, *donated, b1, b2, eps, bc1, bc2_sqrt)
@@ -306,7 +306,7 @@ def _fused_blocker(operands, count, lr):
     """Why ``torch._fused_adam_`` cannot run on ``operands`` (non-empty) with this counter and
     learning rate, or ``None``: it needs eager, plain, contiguous tensors of one supported device
     and dtype, the kernel assuming one memory layout for all its operands."""
-    reason = foreach_blocker(*operands, count, lr)
+    reason = foreach_blocker(*operands, scalars=(count, lr))
     if reason is not None:
         return reason
     device, dtype = operands[0].device, operands[0].dtype

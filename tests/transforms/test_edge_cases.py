@@ -43,6 +43,27 @@ def test_none_grads_pass_through(name):
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("params", [{"used": torch.ones(3, 2), "unused": torch.ones(4)}, {}])
+def test_a_step_without_any_gradient_keeps_the_moments(name, params):
+    """Every gradient ``None`` (all params frozen for a step), or no leaf at all: the foreach
+    ops take no empty list, so the eager path must not reach them; it answers as the per-leaf
+    path does."""
+    if name == "masked" and not params:
+        pytest.skip("its mask names two leaves")
+    tx = OPTIMIZERS[name]()
+    state = tx.init(params)
+    grads = dict.fromkeys(params)
+    updates, new = tx.update(grads, state, params)
+    assert updates == grads
+    reference_updates, reference = fn.tree.per_leaf(tx.update, grads, state, params)
+    assert reference_updates == grads
+    for before, now, ref in zip(*map(fn.tree.tree_leaves, (state, new, reference)), strict=True):
+        assert torch.equal(now, ref)
+        if now.dim():  # the moments; the counters advance as the per-leaf path's do
+            assert torch.equal(now, before)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_empty_leaves(name):
     tx = OPTIMIZERS[name]()
     params = {"used": torch.randn(3, 2), "unused": torch.zeros(0)}
