@@ -26,7 +26,7 @@ from typing import Annotated, Any, NamedTuple, Protocol
 
 import torch
 
-from fn.errors import check_step_or_plan
+from fn.errors import check_finite_nonnegative, check_step_or_plan
 from fn.tree import PyTree, foreach_ok, storages_of, tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
@@ -894,6 +894,8 @@ def set_hyperparams(state: OptState, **values: float | torch.Tensor) -> OptState
 
     Raises:
         KeyError: if no state field has one of the names.
+        ValueError: an ``lr`` given as a Python number that is negative, NaN or infinite (as
+            the optimizers' constructors refuse it; a tensor is not read on the host).
 
     Example:
         >>> import torch, fn
@@ -902,6 +904,8 @@ def set_hyperparams(state: OptState, **values: float | torch.Tensor) -> OptState
         >>> fn.get_hyperparam(state, "lr")
         tensor(0.2500)
     """
+    if "lr" in values and not isinstance(values["lr"], torch.Tensor):
+        check_finite_nonnegative("set_hyperparams", lr=values["lr"])
     found = set()
 
     def visit(nt):

@@ -149,6 +149,9 @@ def test_set_and_get_hyperparams():
     lrs = [s.lr for s in (new[0][2], new[1])]
     assert all(float(x) == 0.25 and x.dtype == torch.float32 and x.shape == () for x in lrs)
     assert float(state[0][2].lr) == pytest.approx(1e-3)
+    for bad in (-0.1, float("nan"), float("inf"), "0.1"):  # refused as the constructors do
+        with pytest.raises(ValueError, match="set_hyperparams: lr must be"):
+            fn.set_hyperparams(state, lr=bad)
     with pytest.raises(KeyError, match="momentum"):
         fn.set_hyperparams(state, momentum=0.5)
     with pytest.raises(KeyError, match="betas"):

@@ -92,6 +92,7 @@ class OnebitFamily(FunctionalOptimizer):
         comm: Any,
         exp_avg_mask: Mapping[torch.Tensor, torch.Tensor] | str | None,
         nonfinite: str,
+        check_every: int,
         max_grad_norm: float | None = None,
         flatten: bool = False,
         local_world_size: int | None = None,
@@ -111,6 +112,7 @@ class OnebitFamily(FunctionalOptimizer):
             flatten=flatten,
             sync_grads=False,
             nonfinite=nonfinite,
+            check_every=check_every,
             local_world_size=local_world_size,
         )
         self._check_max_grad_norm(max_grad_norm)
@@ -326,6 +328,7 @@ _OPTIONS = (
     option("comm", None, "Comm | None"),
     option("exp_avg_mask", None, "Mapping[torch.Tensor, torch.Tensor] | str | None"),
     option("nonfinite", "raise", "str"),
+    option("check_every", 0, "int"),
     option("max_grad_norm", None, "float | None"),
 )
 _FLATTEN = option("flatten", True, "bool")  # the elementwise rules' per-param mode
@@ -374,6 +377,8 @@ class OnebitAdam(OnebitFamily):
             themselves; another form is a ``TypeError``), or ``"auto"``: 0 where the averaged
             gradient was exactly zero at every warmup update (``fn.onebit_adam``).
         nonfinite: ``"raise"`` or ``"skip"`` (see :class:`FunctionalOptimizer`).
+        check_every: run ``check_consistency()`` after every ``check_every``-th update (0:
+            never; see :class:`FunctionalOptimizer`).
         max_grad_norm: clip the gradient that enters the momentum to this norm, by one
             factor ``min(1, max_grad_norm / (norm + 1e-6))`` on every rank, as
             ``torch.nn.utils.clip_grad_norm_``: in the warmup ``norm`` is the norm of the
@@ -447,6 +452,8 @@ class ZeroOneAdam(OnebitFamily):
         comm: ``None`` gives :func:`default_comm`.
         exp_avg_mask: ``{param: mask}`` (see :class:`OnebitAdam`).
         nonfinite: ``"raise"`` or ``"skip"``.
+        check_every: run ``check_consistency()`` after every ``check_every``-th update (0:
+            never; see :class:`FunctionalOptimizer`).
         max_grad_norm: ``None`` only: another value raises ``NotImplementedError`` (0/1
             Adam's local steps apply each rank's own gradient without any exchange, and a
             synchronization folds several local steps into one momentum, so a factor shared
@@ -512,6 +519,8 @@ class OnebitLamb(OnebitFamily):
         comm: ``None`` gives :func:`default_comm`.
         exp_avg_mask: ``{param: mask}`` (see :class:`OnebitAdam`).
         nonfinite: ``"raise"`` or ``"skip"``.
+        check_every: run ``check_consistency()`` after every ``check_every``-th update (0:
+            never; see :class:`FunctionalOptimizer`).
         max_grad_norm: clip the gradient that enters the momentum (see :class:`OnebitAdam`);
             1-bit LAMB's compressed updates read their fresh variance from the momentum, so
             the clipped gradient is all they see.

@@ -227,7 +227,8 @@ def _announce_compressed(
         return
     if not freezes and made > 0 and is_compressed(made):
         return  # not a switch from the warmup (rare, so the scan below is too)
-    if freezes or next(t for t in range(1, made + 2) if is_compressed(t)) == made + 1:
+    first = next((t for t in range(1, made + 2) if is_compressed(t)), None)
+    if freezes or first == made + 1:
         logger.info("%s: compressed updates start at update %d", name, made + 1)
 
 

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 
 from fn.base import GradientTransformation, donating
-from fn.errors import check_lr, check_nonnegative
+from fn.errors import check_finite_nonnegative, check_lr
 from fn.transforms._learning_rate import decoupled_decay, learning_rate_now, scale_leaves
 from fn.transforms._leaves import device_of
 
@@ -97,7 +97,9 @@ def scale_by_learning_rate(
         ({'w': tensor([-0.0250])}, tensor(0.0250))
     """
     check_lr("scale_by_learning_rate", lr)
-    check_nonnegative("scale_by_learning_rate", decoupled_weight_decay=decoupled_weight_decay)
+    check_finite_nonnegative(
+        "scale_by_learning_rate", decoupled_weight_decay=decoupled_weight_decay
+    )
 
     def init_fn(params):
         device = device_of(params)

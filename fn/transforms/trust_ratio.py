@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fn.base import GradientTransformation
-from fn.errors import check_nonnegative, check_ordered
+from fn.errors import check_finite_nonnegative, check_nonnegative, check_ordered
 from fn.transforms._leaves import with_params
 from fn.tree import can_donate
 
@@ -55,9 +55,13 @@ def scale_by_trust_ratio(
         >>> scaled["w"]
         tensor([0., 5.])
     """
-    check_nonnegative(
+    check_finite_nonnegative(
         "scale_by_trust_ratio", min_norm=min_norm, trust_coefficient=trust_coefficient, eps=eps
     )
+    if min_coeff is not None:
+        check_finite_nonnegative("scale_by_trust_ratio", min_coeff=min_coeff)
+    if max_coeff is not None:  # may be infinite: no upper bound
+        check_nonnegative("scale_by_trust_ratio", max_coeff=max_coeff)
     if min_coeff is not None and max_coeff is not None:
         check_ordered("scale_by_trust_ratio", min_coeff=min_coeff, max_coeff=max_coeff)
 

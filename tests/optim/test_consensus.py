@@ -74,8 +74,7 @@ def _worker(rank, world_size):
     out["param drift"] = error_message(opt.check_consistency)
     # Every 2 steps, from step(): rank 1 drifts at update 3 (0-based), found at update 4.
     model = make_model()
-    opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3)
-    opt.check_every = 2
+    opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3, check_every=2)
     out["periodic"] = error_message(lambda: _train(opt, model, rank, 8, drift_at=3))
     # 0/1 Adam with local steps and syncs, checked after every step: no false alarm.
     model = make_model()
@@ -86,8 +85,8 @@ def _worker(rank, world_size):
         var_update_scaler=1,
         local_step_scaler=1,
         local_step_clipper=4,
+        check_every=1,
     )
-    opt.check_every = 1
     out["zero_one"] = error_message(lambda: _train(opt, model, rank, 16))
     out["zero_one step"] = opt.state_dict()["state"][0]["step"]
     return out
@@ -131,3 +130,7 @@ def test_one_rank_checks_nothing():
     opt.check_consistency()
     with pytest.raises(ValueError, match="check_every must be an int >= 0"):
         fn.optim.FunctionalOptimizer(model.parameters(), fn.sgd(0.1), Local(), check_every=-1)
+    for cls in (fn.optim.OnebitAdam, fn.optim.ZeroOneAdam, fn.optim.OnebitLamb):
+        assert cls(model.parameters(), comm=Local(), check_every=3).check_every == 3
+        with pytest.raises(ValueError, match="check_every must be an int >= 0"):
+            cls(model.parameters(), comm=Local(), check_every=-1)

@@ -44,6 +44,43 @@ CASES = (
 )
 ALL = {**FACTORIES, **LR_ONLY, **EPS_ONLY}
 
+# the other settings of the dense factories: weight decay and LAMB's trust-ratio bounds (a
+# max_coeff may be infinite: no upper bound)
+OTHER_SETTINGS = {
+    "adam": {"weight_decay": BAD_NUMBERS},
+    "adamw": {"weight_decay": BAD_NUMBERS},
+    "sgd": {"weight_decay": BAD_NUMBERS},
+    "lamb": {
+        "weight_decay": BAD_NUMBERS,
+        "min_coeff": [NAN, -1.0, "0.1", INF],
+        "max_coeff": [NAN, -1.0, "10"],
+    },
+    "scale_by_trust_ratio": {
+        key: [NAN, INF, -1.0] for key in ("min_norm", "trust_coefficient", "eps")
+    },
+}
+OTHER_FACTORIES = {
+    "adam": fn.adam,
+    "adamw": fn.adamw,
+    "sgd": lambda **kw: fn.sgd(0.1, **kw),
+    "lamb": fn.lamb,
+    "scale_by_trust_ratio": fn.scale_by_trust_ratio,
+}
+
+
+@pytest.mark.parametrize(
+    "name, key, value",
+    [(n, k, v) for n, keys in OTHER_SETTINGS.items() for k, vs in keys.items() for v in vs],
+    ids=repr,
+)
+def test_malformed_other_setting_is_a_value_error(name, key, value):
+    """An infinite weight decay or trust coefficient, a NaN or negative bound, made every param
+    NaN or infinite at the first update."""
+    with pytest.raises(ValueError) as caught:
+        OTHER_FACTORIES[name](**{key: value})
+    message = str(caught.value)
+    assert "must be" in message and (key in message or "decay" in message), message
+
 
 @pytest.mark.parametrize("name, key, value", CASES, ids=repr)
 def test_malformed_setting_is_a_value_error_naming_it(name, key, value):

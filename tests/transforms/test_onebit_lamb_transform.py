@@ -190,3 +190,17 @@ def test_params_required():
     params = {"a": torch.randn(3)}
     with pytest.raises(ValueError, match="needs the params"):
         opt.update({"a": torch.randn(3)}, opt.init(params), step=1)
+
+
+@pytest.mark.parametrize("factory", [fn.onebit_lamb, fn.onebit_adam])
+def test_a_step_ahead_of_the_count_is_taken_as_given(factory):
+    """A loop that counts a step it did not make (``step=1``, then ``step=3``): the update runs
+    at the ``step`` given, as 1-bit Adam's does (1-bit LAMB raised a bare StopIteration
+    from the log line of its first compressed update)."""
+    params = {"w": torch.linspace(-1.0, 1.0, 4)}
+    tx = factory(lr=0.1, freeze_step=3, comm=Local())
+    state = tx.init(params)
+    grads = {"w": torch.tensor([0.5, -1.0, 2.0, -0.25])}
+    _, state = tx.update(grads, state, params, step=1)
+    updates, state = tx.update(grads, state, params, step=3)
+    assert int(state.count) == 2 and bool(torch.isfinite(updates["w"]).all())
