@@ -93,6 +93,14 @@ def check_headers(names: list[str], rows: list[list[int]]) -> None:
         + ", ".join(f"{name} {value}" for name, value in zip(names, row, strict=True))
         for w, row in enumerate(rows)
     )
+    differ = {n for i, n in enumerate(names) if len({row[i] for row in rows}) > 1}
+    if differ == {"settings"}:  # ElasticDiLoCo's checksum of its settings
+        raise ValueError(
+            f"DiLoCo: the workers are not at the same outer exchange ({workers}): they were "
+            "built with other settings (sync_every, the outer rule, the compression and their "
+            "options, buffers=, the parameters' shapes and dtypes); build every worker alike; "
+            "nothing was changed"
+        )
     raise ValueError(
         f"DiLoCo: the workers are not at the same outer exchange ({workers}). Every worker must "
         "start each exchange after the same inner steps, with the same trainable parameters and "

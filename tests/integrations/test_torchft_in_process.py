@@ -92,8 +92,11 @@ def test_a_peer_with_other_settings_makes_every_worker_raise():
     group = _OtherSettings(manager, size=2)
     ElasticDiLoCo(model, inner, manager=manager, process_group=group, sync_every=1)
     model(torch.ones(2, 2)).sum().backward()
-    with pytest.raises(ValueError, match="not at the same outer exchange .*worker 0: settings"):
+    with pytest.raises(
+        ValueError, match="not at the same outer exchange .*worker 0: settings"
+    ) as e:
         inner.step()
+    assert "built with other settings" in str(e.value) and "count_inner_step" not in str(e.value)
 
 
 def _feedback(diloco: ElasticDiLoCo) -> list[torch.Tensor]:
@@ -268,3 +271,28 @@ def test_the_positional_compressions_are_those_whose_error_feedback_is_all_by_po
             feedback, positional = error_feedback_leaves(state), positional_leaves(state)
             all_by_position = any(feedback) and positional == feedback
             assert all_by_position == (kind in POSITIONAL_COMPRESSIONS), (kind, exchange)
+
+
+def test_a_peer_with_another_buffers_policy_is_refused():
+    """``buffers=`` decides whether an outer step exchanges the buffers: a worker started with
+    another policy (or other buffers) is another setting, in the exchange's header (its peers'
+    exchanges went out of step) and in a recovery from a peer, nothing loaded."""
+    workers = {}
+    for policy in ("mean", "local"):
+        manager = Manager(rank=0)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        group = ProcessGroup(manager, size=2)
+        diloco = ElasticDiLoCo(
+            model, inner, manager=manager, process_group=group, sync_every=1, buffers=policy
+        )
+        workers[policy] = (manager, diloco)
+    load, _ = workers["local"][0].state_fns["fn.diloco"]
+    _, save = workers["mean"][0].state_fns["fn.diloco"]
+    before = workers["local"][1].state_dict()
+    with pytest.raises(ValueError, match=r"every worker must pass the same settings"):
+        load(save())
+    after = workers["local"][1].state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(before["anchor"], after["anchor"], strict=True))
+    assert after["counts"] == before["counts"]

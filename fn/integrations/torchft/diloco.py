@@ -250,7 +250,10 @@ class ElasticDiLoCo:
             compression=(compression, options),
             params=self._params,
         )
-        self._settings_digest = digest(repr(self._settings))  # in every exchange's header
+        # in every exchange's header and in a recovery: the settings and the buffers' policy
+        # and layout (which DiLoCo compares when it is built; a checkpoint holds the settings)
+        self._agreed = repr({**self._settings, "buffers": (buffers, self._buffers.layout())})
+        self._settings_digest = digest(self._agreed)
         self._anchor = [x.to(anchor_device or x.device, copy=True) for x in self._shards()]
         self._position: tuple[int, int] | None = None  # (W, rank) of the quorum the state fits
         self._state = self._fresh_state(self._local_rule)
@@ -469,14 +472,15 @@ class ElasticDiLoCo:
                 for x in self._shared_leaves(self._state)
             ],
             "counts": self._counts(),
-            "settings": repr(self._settings),
+            "settings": self._agreed,
         }
 
     @torch.no_grad()
     def _load_recovered(self, state: Mapping[str, Any]) -> None:
         """Takes a live peer's :meth:`_recovery_state`: the parameters and the anchor its
         anchor, its outer state with this worker's error feedback at zero, its counters."""
-        self._load_shared(state, self._fresh_state(self._rule), "torchft's recovery")
+        fresh = self._fresh_state(self._rule)
+        self._load_shared(state, fresh, "torchft's recovery", self._agreed)
         self._position = (self.comm.world_size, self.comm.rank)
         for q, a in zip(self._shards(), self._anchor, strict=True):
             q.copy_(a)
@@ -489,13 +493,16 @@ class ElasticDiLoCo:
             self.outer_steps,
         )
 
-    def _load_shared(self, state: Mapping[str, Any], fresh: OptState, where: str) -> None:
+    def _load_shared(
+        self, state: Mapping[str, Any], fresh: OptState, where: str, settings: str
+    ) -> None:
         """Loads the anchor, the outer state's leaves other than the error feedback (that of
-        ``fresh`` instead) and the counters of ``state``, checked first."""
-        if state["settings"] != repr(self._settings):
+        ``fresh`` instead) and the counters of ``state``, checked first (its ``settings`` must
+        be ``settings``)."""
+        if state["settings"] != settings:
             raise ValueError(
                 f"ElasticDiLoCo: the state from {where} has the settings {state['settings']}, "
-                f"this worker {self._settings!r}: every worker must pass the same settings; "
+                f"this worker {settings}: every worker must pass the same settings; "
                 "nothing was loaded"
             )
         anchor = [local_shard(x) for x in state["anchor"]]
@@ -577,7 +584,8 @@ class ElasticDiLoCo:
                 "nothing was loaded"
             )
         if self._positional:
-            self._load_shared(state, self._fresh_state(self._local_rule), "the checkpoint")
+            fresh = self._fresh_state(self._local_rule)
+            self._load_shared(state, fresh, "the checkpoint", repr(self._settings))
             self._position = None
             logger.info(
                 "fn.integrations.torchft: loaded a checkpoint; the error feedback of this "
