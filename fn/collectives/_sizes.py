@@ -103,10 +103,12 @@ def check(records: torch.Tensor, n: int, what: str, checksum: int | None = None)
     sums = records[..., 2].reshape(-1, records.shape[-2])[0].tolist()
     layouts = ", ".join(f"rank {i}: {int(c):06x}" for i, c in enumerate(sums))
     raise ValueError(
-        f"{what}: the ranks passed different sets of tensors ({shown} in this exchange, but "
-        f"the call's tensors differ in number, position or size: layout checksums {layouts}); "
-        "every rank must pass the same tensors (the same leaves, none missing or empty on only "
-        "some ranks). Nothing was changed."
+        f"{what}: the ranks passed different sets of tensors or settings ({shown} in this "
+        f"exchange, but the call's tensors differ in number, position or size, or its settings "
+        f"that size the messages (bits, group_size, a dtype, k, chunk_size) differ: layout "
+        f"checksums {layouts}); every rank must pass the same tensors (the same leaves, none "
+        "missing or empty on only some ranks) and build the collective alike. Nothing was "
+        "changed."
     )
 
 

@@ -136,7 +136,8 @@ def cast_allreduce(dtype: torch.dtype = torch.float32, *, comm: Comm) -> Compres
             return updates, state
         flat = torch.cat([sent(leaves[i], participation).reshape(-1).to(dtype) for i in live])
         n = flat.numel()
-        checksum = _sizes.layout_checksum((i, leaves[i].numel()) for i in live)
+        layout = [(i, leaves[i].numel()) for i in live] + [(-1, flat.element_size())]
+        checksum = _sizes.layout_checksum(layout)
         records = _sizes.with_count(flat.new_empty(world_size, 0, dtype=torch.float32), n, checksum)
         flat = _sizes.released(flat, comm.all_to_all(records), n, _WHAT, checksum)
         padded = torch.nn.functional.pad(flat, (0, -n % world_size))

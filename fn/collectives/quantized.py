@@ -141,6 +141,8 @@ def _exchange_hop(
     size does not depend on ``n`` (an all_to_all, as the chunks). The last hop's scales are
     checked finite on every rank."""
     if index == 0:
+        # the settings that size the chunks too: ranks that differ raise before any chunk moves
+        checksum = _sizes.layout_checksum([(-1, checksum), (-2, plan.bits), (-3, plan.group_size)])
         mine = _sizes.with_count(scales.new_empty(plan.world.world_size, 0), n, checksum)
         scales = _sizes.released(scales, plan.world.all_to_all(mine), n, _WHAT, checksum)
     size = plan.hops[index].world_size

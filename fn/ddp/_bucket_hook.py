@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from fn.base import GradientTransformation
 from fn.collectives import ProcessGroup
+from fn.collectives.agreement import agree
 from fn.ddp._futures import completed_call, dense_mean
 from fn.ddp._worker import SerialWorker
 from fn.errors import NonFiniteError, all_finite, check_int, finite_or_raise
@@ -71,6 +72,19 @@ class BucketHookState:
                 f"{process_group!r} ({kind})"
             )
         self.process_group = process_group
+        self.local_world_size = local_world_size
+        # before any other collective (overlap's group): ranks built with other settings would
+        # send buckets of other sizes or phases, which gloo aborts or waits on until the timeout
+        settings = {
+            "start_iter": start_iter,
+            "overlap": overlap,
+            "nonfinite": nonfinite,
+            "local_world_size": local_world_size,
+            **self._compression_settings(),
+        }
+        agree(
+            ProcessGroup(process_group, timeout=timeout), f"fn.ddp.{type(self).__name__}", settings
+        )
         fn_group = process_group
         if overlap:
             # fn's collectives then run on their own thread while DDP may send on its group
@@ -79,7 +93,6 @@ class BucketHookState:
             ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
             fn_group = dist.new_group(ranks, backend=dist.get_backend(process_group))
         self.comm = ProcessGroup(fn_group, timeout=timeout)
-        self.local_world_size = local_world_size
         self.start_iter = check_int("start_iter", start_iter)
         self.overlap = overlap
         self.nonfinite = nonfinite
@@ -103,6 +116,10 @@ class BucketHookState:
     def _make_transform(self, comm: ProcessGroup) -> GradientTransformation:
         """The compressing transform over ``comm`` (each hook's state says which)."""
         raise NotImplementedError
+
+    def _compression_settings(self) -> dict[str, Any]:
+        """The settings of the compression that every rank must share (none by default)."""
+        return {}
 
     @property
     def iter(self) -> int:

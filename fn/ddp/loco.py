@@ -35,7 +35,9 @@ class LocoHookState(BucketHookState):
     Raises:
         TypeError: ``process_group`` is neither a ``torch.distributed.ProcessGroup`` nor
             ``None``.
-        ValueError: ``nonfinite`` is neither ``"propagate"`` nor ``"raise"``;
+        ValueError: on every rank of the group, the ranks were built with other settings
+            (one all-gather when the state is built); ``nonfinite`` is neither
+            ``"propagate"`` nor ``"raise"``;
             ``local_world_size`` does not divide the world size; ``bits`` is not
             the int 4 or 8, ``group_size`` not an even int >= 2.
 
@@ -66,6 +68,10 @@ class LocoHookState(BucketHookState):
     ) -> None:
         self._quantization = (bits, group_size, err_beta, reset_T)
         super().__init__(process_group, start_iter, overlap, timeout, nonfinite, local_world_size)
+
+    def _compression_settings(self) -> dict[str, object]:
+        names = ("bits", "group_size", "err_beta", "reset_T")
+        return dict(zip(names, self._quantization, strict=True))
 
     def _make_transform(self, comm: ProcessGroup) -> GradientTransformation:
         return loco_allreduce(

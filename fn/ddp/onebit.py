@@ -41,7 +41,9 @@ class OnebitHookState(BucketHookState):
     Raises:
         TypeError: ``process_group`` is neither a ``torch.distributed.ProcessGroup`` nor
             ``None``.
-        ValueError: ``nonfinite`` is neither ``"propagate"`` nor ``"raise"``;
+        ValueError: on every rank of the group, the ranks were built with other settings
+            (one all-gather when the state is built); ``nonfinite`` is neither
+            ``"propagate"`` nor ``"raise"``;
             ``local_world_size`` does not divide the world size.
 
     Example:

@@ -13,6 +13,7 @@ from fn.collectives import (
     LocoAllreduceState,
     ProcessGroup,
     Simulated,
+    cast_allreduce,
     compressed_allreduce,
     init_error_feedback,
     loco_allreduce,
@@ -107,6 +108,15 @@ def _worker(rank, world_size):
         for donate in (False, True):
             out["missing", donate] = _loco(comm, missing, donate)
             out["moved", donate] = _quantized(comm, moved, donate)
+        # the same tensors, other settings that size the messages (gloo aborted the process)
+        x = {"x": torch.randn(256)}
+        built = {
+            "bits": quantized_allreduce((4, 8)[rank], GROUP, comm=comm),
+            "group_size": loco_allreduce(4, (GROUP, 2 * GROUP)[rank], comm=comm),
+            "dtype": cast_allreduce((torch.float32, torch.bfloat16)[rank], comm=comm),
+        }
+        for name, tx in built.items():
+            out["settings", name] = _attempt(lambda tx=tx: tx.update(x, tx.init(x)), x)
         # the same count in another shape: the values are reduced flat
         tx = loco_allreduce(4, GROUP, comm=comm)
         y = torch.linspace(-1, 1, 64) * (rank + 1)
@@ -165,6 +175,9 @@ def test_different_sets_of_tensors_raise_before_any_leaf_moves(results):
             message = _same_error_everywhere(results, ((key, donate),), (0, 1))
             assert "the ranks passed different sets of tensors" in message, message
     assert "rank 0: 300 elements, rank 1: 300 elements" in results[0]["missing", True][0]
+    for setting in ("bits", "group_size", "dtype"):
+        message = _same_error_everywhere(results, (("settings", setting),), (0, 1))
+        assert "the ranks passed different sets of tensors or settings" in message, message
 
 
 @pytest.mark.timeout(240)

@@ -199,11 +199,22 @@ def _sizes_worker(rank, world_size):
         kept = kept and all(torch.equal(a, b) for a, b in pairs)
         fn.ddp.loco_hook(state, _Bucket(0, [(8, 8)])).wait()  # the hook goes on
         out[overlap] = message, kept, torch.equal(bucket.buffer(), buffer), state.iter
+    # built with other settings: refused on every rank (bits: gloo aborted the process at the
+    # first compressed bucket; start_iter: one rank averaged densely while the other compressed)
+    for cls, setting in (
+        (fn.ddp.LocoHookState, {"bits": 4 if rank == 0 else 8}),
+        (fn.ddp.OnebitHookState, {"start_iter": 10 * rank}),
+    ):
+        try:
+            cls(**setting)
+            out[cls.__name__] = None
+        except ValueError as err:
+            out[cls.__name__] = str(err)
     return out
 
 
 @pytest.mark.timeout(200)
-def test_loco_hook_buckets_of_different_sizes_raise_on_every_rank():
+def test_loco_hook_buckets_of_different_sizes_or_settings_raise_on_every_rank():
     results = run_distributed(_sizes_worker, 2, timeout=180)
     expected = (
         "quantized allreduce: the ranks passed tensors of different sizes (rank 0: 64 elements, "
@@ -211,9 +222,15 @@ def test_loco_hook_buckets_of_different_sizes_raise_on_every_rank():
         "changed."
     )
     for result in results:
-        for overlap, (message, kept, untouched, iterations) in result.items():
+        for overlap in (False, True):
+            message, kept, untouched, iterations = result[overlap]
             assert message is not None and expected in message, (overlap, message)
             assert kept and untouched and iterations == 2, overlap
+        for name, setting in (("LocoHookState", "bits"), ("OnebitHookState", "start_iter")):
+            expected_refusal = (
+                f"fn.ddp.{name}: the ranks passed different settings: {setting} (ranks 0 | 1)"
+            )
+            assert expected_refusal in (result[name] or ""), result[name]
 
 
 @pytest.fixture
