@@ -401,11 +401,15 @@ def _padded_flat(x: torch.Tensor, n_padded: int) -> torch.Tensor:
 
 def _worker_scales(comm: Comm, scale: torch.Tensor, n: int) -> torch.Tensor:
     """Every rank's worker scale, ``[W]``. The element count ``n`` travels with the scale:
-    ranks with different sizes raise here, together, as they do for a non-finite scale."""
+    ranks with different sizes raise here, together, as they do for a non-finite scale. A
+    negative "scale" is a hierarchical rank's first record (:func:`_agree`): the ranks differ in
+    ``local_world_size``, and raise together (the hierarchical ones in :func:`_agree`)."""
     gathered = comm.all_gather(_sizes.with_count(scale.view(1), n))  # [W, 3]
+    scales = _sizes.checked_scales(gathered, n, "compressed_allreduce").view(comm.world_size)
+    if eager(scales) and bool((scales < 0).any()):
+        raise _levels_differ(scales.tolist())
     return finite_or_raise(
-        _sizes.checked_scales(gathered, n, "compressed_allreduce").view(comm.world_size),
-        "compressed_allreduce: non-finite values in x (or in the worker error)",
+        scales, "compressed_allreduce: non-finite values in x (or in the worker error)"
     )
 
 
@@ -464,17 +468,24 @@ _NON_FINITE_ON_SOME_RANK = (
 
 def _agree(comm: Comm, x: torch.Tensor, local_world_size: int) -> None:
     """The first exchange of a hierarchical call, over the whole group: every rank's element
-    count and ``local_world_size`` (12 bytes), so that ranks that disagree raise together
+    count and ``-local_world_size`` (12 bytes, the size of a flat call's first record, whose
+    scale is never negative), so that ranks that disagree, flat ones included, raise together
     before any exchange whose size or group depends on them."""
-    level = torch.full((1,), float(local_world_size), device=x.device)
+    level = torch.full((1,), -float(local_world_size), device=x.device)
     gathered = comm.all_gather(_sizes.with_count(level, x.numel()))  # [W, 3]
     levels = _sizes.checked_scales(gathered, x.numel(), "compressed_allreduce").view(-1)
-    if eager(levels) and bool((levels != local_world_size).any()):
-        shown = ", ".join(f"rank {i}: {int(v)}" for i, v in enumerate(levels.tolist()))
-        raise ValueError(
-            f"compressed_allreduce: the ranks passed different local_world_size ({shown}); "
-            "every rank must pass the same. Nothing was changed."
-        )
+    if eager(levels) and bool((levels != -local_world_size).any()):
+        raise _levels_differ(levels.tolist())
+
+
+def _levels_differ(firsts: list[float]) -> ValueError:
+    """The error of ranks whose first records (``-local_world_size``, or a flat call's scale,
+    >= 0 or NaN) differ in ``local_world_size``."""
+    shown = ", ".join(f"rank {i}: {int(-v) if v < 0 else None}" for i, v in enumerate(firsts))
+    return ValueError(
+        f"compressed_allreduce: the ranks passed different local_world_size ({shown}; None: "
+        "flat); every rank must pass the same. Nothing was changed."
+    )
 
 
 def _node_mean(flat: torch.Tensor, intra: Comm) -> torch.Tensor:
