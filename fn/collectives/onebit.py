@@ -30,7 +30,7 @@ from fn.collectives.header import (
     headers_only,
 )
 from fn.collectives.participation import Participation, kept, participants_mean, sent
-from fn.errors import NonFiniteError, finite_or_raise
+from fn.errors import NonFiniteError, check_int, finite_or_raise
 from fn.tree import donated_leaves, eager, fitting, live_leaves, tree_map, tree_unflatten
 
 __all__ = [
@@ -67,6 +67,10 @@ def padded_numel(numel: int, world_size: int, local_world_size: int | None = Non
     Returns:
         The padded element count ``N``.
 
+    Raises:
+        ValueError: ``numel`` is no int >= 0, ``world_size`` no int >= 1, or
+            ``local_world_size`` does not divide it.
+
     Example:
         >>> from fn.collectives import padded_numel
         >>> padded_numel(10, 2), padded_numel(10, 3), padded_numel(32, 4)
@@ -74,6 +78,8 @@ def padded_numel(numel: int, world_size: int, local_world_size: int | None = Non
         >>> padded_numel(100, 4, local_world_size=2)  # 2 shards of padded_numel(50, 2) = 64
         128
     """
+    check_int("numel", numel)
+    check_int("world_size", world_size, minimum=1)
     if local_world_size is not None:
         check_split(world_size, local_world_size)
         nodes = world_size // local_world_size

@@ -72,6 +72,11 @@ class Accelerator:
                     f"kernel set {set_name!r}: unknown kernel names {sorted(unknown)}; "
                     f"valid: {KERNEL_NAMES}"
                 )
+            uncallable = sorted(k for k, f in kernels.items() if not callable(f))
+            if uncallable:
+                raise TypeError(
+                    f"kernel set {set_name!r}: the implementations of {uncallable} are not callable"
+                )
         frozen = {k: types.MappingProxyType(dict(v)) for k, v in self.kernel_sets.items()}
         object.__setattr__(self, "kernel_sets", types.MappingProxyType(frozen))
 

@@ -14,6 +14,7 @@ from fn.collectives import (
     compressed_allreduce,
     init_error_feedback,
     onebit_allreduce,
+    padded_numel,
     replicate,
     simulate,
 )
@@ -71,6 +72,16 @@ def test_padding_and_init():
             )
             assert we.dtype == se.dtype == torch.float32
             assert not we.any() and not se.any()
+
+
+@pytest.mark.parametrize(
+    ("numel", "world_size", "message"),
+    [(5, -1, "world_size"), (5, 0, "world_size"), (-5, 2, "numel"), (5.0, 2, "numel")],
+)
+def test_padded_numel_refuses_impossible_sizes(numel, world_size, message):
+    """A negative count or world gave 0, below ``numel``; a world of 0 ZeroDivisionError."""
+    with pytest.raises(ValueError, match=f"{message} must be an int"):
+        padded_numel(numel, world_size)
 
 
 @pytest.mark.parametrize("w", WORLD_SIZES)

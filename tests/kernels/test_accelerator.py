@@ -284,6 +284,8 @@ def test_kernel_set_errors(clean_table):
         K.register_kernels("tpu9", "counting", {})
     with pytest.raises(ValueError, match="unknown kernel names"):
         K.register_kernels("cpu", "counting", {"fft": _reference.packbits})
+    with pytest.raises(TypeError, match=r"the implementations of \['packbits'\] are not callable"):
+        K.register_kernels("cpu", "counting", {"packbits": 42})
     with pytest.raises(ValueError, match="implicit"):
         K.register_kernels("cpu", "reference", {})
     K.register_kernels("cpu", "counting", {})
