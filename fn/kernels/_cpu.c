@@ -806,7 +806,7 @@ static void quantize_group(const float *x, const float *e, int64_t nx, int64_t l
     int finite = top < 0x7F800000u;
     float absmax;
     memcpy(&absmax, &top, 4);
-    float scale = finite ? absmax / qmax : NAN;
+    float scale = absmax / qmax; /* inf for a group with an Inf, NaN with a NaN: the reference's */
     *scale_out = scale;
     float div = scale > 0.0f ? scale : 1.0f;
     int64_t i0 = 0;

@@ -826,7 +826,8 @@ def loco_quantize(
     ``x`` is read as if zero-padded to ``numel`` values (no padded copy is made) and the error
     ``e`` is added in fp32; with ``error=None`` it is plain quantization of the padded ``x``
     (ZeRO++ qgZ). Bit-identical to ``quantize(pad(x, numel) + error, bits, group_size)``. No
-    finiteness check: a group with NaN/Inf gets a NaN scale (the caller checks the scales).
+    finiteness check: a group with a NaN gets a NaN scale, one with an Inf (and no NaN) an
+    infinite one (the caller checks the scales).
 
     Args:
         x: 1-D tensor of at most ``numel`` elements (computed in fp32).

@@ -82,6 +82,21 @@ def test_loco_quantize_and_error_match_the_unfused_ops(impls, case, beta, with_e
 
 
 @pytest.mark.parametrize("impls", IMPLS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_non_finite_group_has_the_reference_s_scale(impls, bits):
+    """A group with an Inf and no NaN: an infinite scale, one with a NaN a NaN scale, in every
+    kernel set (the C kernel gave NaN for both); the finite group after them is unaffected."""
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([inf, 1.0, -2.0, 0.5, nan, 1.0, -inf, 0.0, 1.0, 2.0, 3.0, 4.0])
+    q, scales = impls("loco_quantize")(x, None, bits, 4, 12)
+    want_q, want_scales = _reference.loco_quantize(x, None, bits, 4, 12)
+    assert _same_bits(scales, want_scales), (scales, want_scales)
+    assert scales[0] == inf and scales[1].isnan() and torch.isfinite(scales[2])
+    codes = 4 * bits // 8  # the finite group's codes
+    assert _same_bits(q[-codes:], want_q[-codes:])
+
+
+@pytest.mark.parametrize("impls", IMPLS)
 @settings(max_examples=60, deadline=None)
 @given(
     case=_CASES,
