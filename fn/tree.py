@@ -259,15 +259,21 @@ def tree_vdot(a: PyTree, b: PyTree) -> torch.Tensor:
         b: a pytree of the same structure.
 
     Returns:
-        The inner product, computed in fp32 (``0.0`` without leaves).
+        The inner product, computed in fp32 (``0.0`` without leaves; of complex leaves, the
+        real part of ``<conj(a), b>``).
 
     Example:
         >>> a = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([1.0])}
         >>> fn.tree.tree_vdot(a, {"w": torch.tensor([3.0, 4.0]), "b": torch.tensor([-1.0])})
         tensor(10.)
     """
-    parts = tree_leaves(tree_map(lambda x, y: (x.float() * y.float()).sum(), a, b))
+    parts = tree_leaves(tree_map(lambda x, y: (_real(x) * _real(y)).sum(), a, b))
     return torch.stack(parts).sum() if parts else torch.zeros(())
+
+
+def _real(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32, a complex tensor as its real and imaginary parts (``Re <x, y>``)."""
+    return (torch.view_as_real(x) if x.is_complex() else x).float()
 
 
 def tree_sum_of_squares(tree: PyTree) -> torch.Tensor:

@@ -70,6 +70,10 @@ def test_norms_and_counts():
     norm = tree.tree_l2_norm(half)
     assert norm.dtype == torch.float32 and float(norm) == 5.0
     assert float(tree.tree_l2_norm({"x": None})) == 0.0
+    # complex leaves count their imaginary parts (x.float() dropped them: 0.0 here)
+    assert float(tree.tree_l2_norm({"z": torch.tensor([3j, 4.0 + 0j])})) == 5.0
+    a, b = {"z": torch.tensor([1 + 2j])}, {"z": torch.tensor([3 + 4j])}
+    assert float(tree.tree_vdot(a, b)) == 11.0  # Re(conj(1 + 2j) (3 + 4j))
 
 
 def test_all_finite():

@@ -47,6 +47,7 @@ from fn.errors import (
 )
 from fn.transforms import _onebit_state as onebit_state
 from fn.transforms._learning_rate import learning_rate_now
+from fn.transforms._leaves import refuse_complex
 from fn.transforms._onebit_state import OnebitSettings
 from fn.tree import LiveLeaves, PyTree, live_leaves, tree_flatten, tree_map
 
@@ -115,6 +116,7 @@ def compressed_optimizer(
     """
 
     def init_fn(params: Params) -> Any:
+        refuse_complex(name, params)
         count = torch.zeros((), dtype=torch.int64)
         eta = torch.as_tensor(lr(count) if callable(lr) else float(lr), dtype=torch.float32)
         return state_type(count=count, lr=eta, **init_fields(params))

@@ -53,6 +53,18 @@ def with_params(
     return GradientTransformation(init_fn, update_fn)
 
 
+def refuse_complex(name: str, params: PyTree) -> None:
+    """Raises ``TypeError`` naming ``name`` if a leaf of ``params`` is complex: Adam's second
+    moment needs ``|g|^2`` where ``g * g`` is complex, the trust ratio and the 1-bit
+    compression read real values (``torch.optim`` treats a complex param as
+    ``torch.view_as_real``'s pairs; train those)."""
+    if any(x.is_complex() for x in tree_leaves(params) if isinstance(x, torch.Tensor)):
+        raise TypeError(
+            f"{name}: complex params are not supported; train torch.view_as_real(p) (the real "
+            "and imaginary parts as real values, as torch.optim does)"
+        )
+
+
 def device_of(params: PyTree) -> torch.device:
     """The device of the first tensor leaf of ``params`` (CPU for a tree without tensors)."""
     leaves = tree_leaves(params)

@@ -25,7 +25,7 @@ from fn.base import (
 from fn.errors import check_betas, check_finite_nonnegative, check_lr
 from fn.transforms import _adam_steps as steps
 from fn.transforms._learning_rate import learning_rate_now
-from fn.transforms._leaves import device_of, matching
+from fn.transforms._leaves import device_of, matching, refuse_complex
 from fn.transforms.learning_rate import (
     ScaleByLearningRateState,
     Schedule,
@@ -151,6 +151,7 @@ def scale_by_adam(
     check_finite_nonnegative("scale_by_adam", eps=eps)
 
     def init_fn(params):
+        refuse_complex("scale_by_adam", params)
         count = torch.zeros((), dtype=torch.int64, device=device_of(params))
         return ScaleByAdamState(count, tree_zeros_like(params), tree_zeros_like(params))
 

@@ -195,7 +195,6 @@ ANYWHERE = [
 FUSED_ONLY = [
     ("non-contiguous", _eager({"w": torch.ones(4, 3).t()}), "not contiguous"),
     ("mixed-dtypes", _eager({"a": torch.ones(3), "b": torch.ones(3).double()}), "mix"),
-    ("complex", _eager({"w": torch.ones(3, dtype=torch.complex64)}), "complex64"),
     ("meta-device", _eager({"w": torch.ones(3, device="meta")}), "meta"),
 ]
 

@@ -98,3 +98,21 @@ def test_non_finite_gradients_propagate_and_leave_the_old_state_intact():
     assert torch.isnan(updates["w"][0]) and torch.isnan(new_state[1].mu["w"][0])
     for old, kept in zip(fn.tree.tree_leaves(state), fn.tree.tree_leaves(state_copy), strict=True):
         assert torch.equal(old, kept)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fn.adam(0.1),
+        lambda: fn.adamw(0.1),
+        lambda: fn.lamb(0.1),
+        lambda: fn.onebit_adam(0.1, freeze_step=2, comm=fn.collectives.Local()),
+        lambda: fn.zero_one_adam(0.1, comm=fn.collectives.Local()),
+        lambda: fn.onebit_lamb(0.1, freeze_step=2, comm=fn.collectives.Local()),
+    ],
+)
+def test_complex_params_are_refused_where_the_rule_reads_real_values(make):
+    """Adam's ``g * g`` of a complex ``g`` is no ``|g|^2``: the trajectory differed from
+    ``torch.optim.Adam``'s (which takes the real and imaginary parts as reals) with no error."""
+    with pytest.raises(TypeError, match="complex params are not supported"):
+        make().init({"w": torch.ones(2, dtype=torch.complex64), "b": torch.ones(1)})
