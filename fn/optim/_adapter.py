@@ -31,6 +31,7 @@ from fn.optim._step import (
     AveragedOverflow,
     GroupRuntime,
     Transform,
+    check_fixed_group,
     check_group,
     check_params,
     gather_step_grads,
@@ -338,6 +339,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             ValueError: a hyperparameter set through ``param_groups`` is invalid (naming the
                 group).
         """
+        if self._fixed:
+            for index, group in enumerate(self.param_groups):
+                check_fixed_group(index, group)
         return [
             runtime.plan(index, group, self._hyper(group), partial(self._make_transform, index))
             for index, (group, runtime) in enumerate(

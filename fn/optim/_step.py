@@ -40,6 +40,11 @@ NONFINITE_GRADIENTS = (
 )
 # Group keys that are not hyperparameters of the transform.
 _GROUP_META = frozenset({"params", "param_names", "initial_lr"})
+# The hyperparameters users and schedulers set in torch.optim's groups (OneCycleLR's "max_lr"
+# and the like are a scheduler's own records, not settings of the optimizer)
+_TORCH_HYPERPARAMETERS = frozenset(
+    {"betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "amsgrad", "maximize"}
+)
 
 
 class AveragedOverflow(NonFiniteError):
@@ -323,6 +328,22 @@ def check_group(index: int, group: Mapping[str, Any], fixed: bool) -> None:
             )
     if "lr" in group:
         lr_value(index, group["lr"])
+
+
+def check_fixed_group(index: int, group: Mapping[str, Any]) -> None:
+    """Checks, before an update, that a group of a fixed transform sets no hyperparameter
+    besides lr since it was built (a weight-decay schedule, say): the transform would ignore it.
+
+    Raises:
+        ValueError: naming the group and the settings.
+    """
+    ignored = sorted(set(group) & _TORCH_HYPERPARAMETERS)
+    if ignored:
+        raise ValueError(
+            f"param group {index} sets {ignored}, but a fixed transform only reads a per-group "
+            "lr: the setting would be ignored; pass a factory and defaults for per-group "
+            "hyperparameters, or remove the keys; nothing was updated"
+        )
 
 
 def split_frozen(index: int, group: dict[str, Any]) -> list[torch.Tensor]:

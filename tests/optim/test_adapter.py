@@ -345,6 +345,23 @@ def test_default_comm_is_local_without_torch_distributed():
     assert isinstance(fn.optim.OnebitAdam(model.parameters()).comm, Local)
 
 
+def test_a_fixed_transform_refuses_a_hyperparameter_set_in_its_group_later():
+    """Set after the build (a weight-decay schedule), the transform ignored it silently; now
+    step() raises with nothing changed, and a scheduler's own keys (OneCycleLR's max_lr) pass."""
+    model = make_model()
+    opt = fn.optim.FunctionalOptimizer(model.parameters(), fn.adam(1e-2))
+    backward(model, 0, 0)
+    before = flat_params(model)
+    opt.param_groups[0]["weight_decay"] = 0.5
+    with pytest.raises(ValueError, match=r"sets \['weight_decay'\], but a fixed transform"):
+        opt.step()
+    assert torch.equal(flat_params(model), before) and opt.group_runtimes[0].step == 0
+    del opt.param_groups[0]["weight_decay"]
+    torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=4, cycle_momentum=False)
+    opt.step()
+    assert not torch.equal(flat_params(model), before)
+
+
 def test_add_param_group_builds_its_buffer_and_a_bad_group_is_not_added():
     model = make_model()
     w1, b1, w2, b2 = model.parameters()
