@@ -365,8 +365,9 @@ def checkpoint_parts(
 
 
 def check_state_values(group: int, state: Any) -> None:
-    """Raises ``ValueError`` unless every floating-point value of ``state`` is finite and every
-    second moment (a state field annotated ``fn.base.SecondMomentField``) is >= 0.
+    """Raises ``ValueError`` unless every floating-point value of ``state`` is finite, every
+    second moment (a state field annotated ``fn.base.SecondMomentField``) is >= 0 and every
+    update count (a field ``count``) an integer >= 0.
 
     A loaded NaN or negative variance would otherwise turn the params into NaN at the next
     step, with no error.
@@ -379,6 +380,11 @@ def check_state_values(group: int, state: Any) -> None:
     second_moments = _marked_leaves(state, SecondMoment)
     for (path, leaf), second_moment in zip(leaves, second_moments, strict=True):
         key = pytree.keystr(path)
+        if key.endswith("count") and not _is_count(leaf):
+            raise ValueError(
+                f"param group {group}: state entry {key!r} in the checkpoint is {leaf!r:.60}, not "
+                "an update count (an integer >= 0); nothing was loaded"
+            )
         if isinstance(leaf, float) or (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
             values = torch.as_tensor(leaf)
             bad = int((~torch.isfinite(values)).sum())
@@ -393,6 +399,14 @@ def check_state_values(group: int, state: Any) -> None:
                     f"values (min {values.min().item():.3g}), but a second moment is >= 0; "
                     "nothing was loaded"
                 )
+
+
+def _is_count(leaf: Any) -> bool:
+    """Whether ``leaf`` holds update counts: integers (a tensor or an int, not a bool) >= 0."""
+    if isinstance(leaf, torch.Tensor):
+        integral = not leaf.is_floating_point() and not leaf.is_complex()
+        return integral and leaf.dtype != torch.bool and not bool((leaf < 0).any())
+    return isinstance(leaf, int) and not isinstance(leaf, bool) and leaf >= 0
 
 
 def _marked_leaves(state: Any, mark: Any) -> list[bool]:

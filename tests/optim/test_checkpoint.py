@@ -157,3 +157,19 @@ def test_a_negative_value_is_rejected_only_in_a_declared_second_moment(field):
         assert torch.equal(
             opt._groups[0].state.offsets, saved["state"][0]["functional"][".offsets"]
         )
+
+
+@pytest.mark.parametrize("count", [torch.tensor(-5), torch.tensor(-1)])
+def test_a_count_that_is_no_update_count_is_refused(count):
+    """A negative count made Adam's bias correction negative (NaN params at the next step), and
+    the 1-bit family's schedule raise a bare StopIteration."""
+    model = make_model()
+    opt = fn.optim.FunctionalOptimizer(model.parameters(), _squares_transform())
+    train(model, opt, 0, range(2))
+    saved = opt.state_dict()
+    saved["state"][0]["functional"][".count"] = count
+    before = opt.state_dict()
+    with pytest.raises(ValueError, match=r"state entry '\.count' .* not an update count"):
+        opt.load_state_dict(saved)
+    assert opt.state_dict()["state"][0]["functional"][".count"] == 2
+    assert before["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
