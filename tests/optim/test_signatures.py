@@ -19,7 +19,15 @@ PAIRS = {
 # masks keyed by param, its non-finite policy and max_grad_norm
 LEVEL = {"local_world_size", "error_dtype"}
 FACTORY_KEYWORDS = {"comm", "exp_avg_mask", "non_freeze", "safeguard", *LEVEL}
-ADAPTER_KEYWORDS = {"comm", "exp_avg_mask", "nonfinite", "check_every", "max_grad_norm", "safeguard", *LEVEL}
+ADAPTER_KEYWORDS = {
+    "comm",
+    "exp_avg_mask",
+    "nonfinite",
+    "check_every",
+    "max_grad_norm",
+    "safeguard",
+    *LEVEL,
+}
 
 
 def _positional(signature: inspect.Signature) -> list[tuple[str, object]]:
