@@ -184,6 +184,9 @@ def _step_live_leaves(name, updates, state, moments_step, params=None, donated=N
     check = matching(name, "an update where the state has no moments")
     walk = live_leaves(updates, state.mu, state.nu, params, structure=state.mu, check=check)
     gs, ms, vs = walk.at_live(0), walk.at_live(1), walk.at_live(2)
+    # a gradient of another dtype than its moments (bf16 on fp32 params) in theirs, as fn.sgd
+    # and the 1-bit family take it (torch.lerp refused the mix with an obscure message)
+    gs = [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(gs, ms, strict=True)]
     ps = None if params is None else walk.at_live(3)
     count = state.count + 1
     if donated is not None:

@@ -92,6 +92,8 @@ def trace(
             return _trace_donated(walk, state, donated.trace, decay, nesterov, dampening)
         first = state.count == 0 if dampening != 0.0 else None
         gs, bs = walk.at_live(0), walk.at_live(1)
+        # the momentum stays in its dtype (the params'), whatever the gradients' dtype
+        gs = [g if g.dtype == b.dtype else g.to(b.dtype) for g, b in zip(gs, bs, strict=True)]
         new_bs = [trace_leaf(b, g, decay, dampening, first) for g, b in zip(gs, bs, strict=True)]
         out = new_bs
         if nesterov:

@@ -116,3 +116,24 @@ def test_complex_params_are_refused_where_the_rule_reads_real_values(make):
     ``torch.optim.Adam``'s (which takes the real and imaginary parts as reals) with no error."""
     with pytest.raises(TypeError, match="complex params are not supported"):
         make().init({"w": torch.ones(2, dtype=torch.complex64), "b": torch.ones(1)})
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_gradients_of_another_dtype_are_taken_in_the_params_dtype(name, dtype):
+    """A bf16 gradient on fp32 params: Adam and LAMB read it in their moments' dtype, as if cast
+    first (they raised torch.lerp's "expected dtype float for 'end'"); every optimizer keeps its
+    state in the params' dtype. (SGD's update, and an L2 decay added to the gradient, follow
+    torch's type promotion.)"""
+    params = {"used": torch.randn(3, 2), "unused": torch.randn(4)}
+    grads = {"used": torch.randn(3, 2).to(dtype), "unused": None}
+    cast = {"used": grads["used"].float(), "unused": None}
+    tx = OPTIMIZERS[name]()
+    updates, state = tx.update(grads, tx.init(params), params)
+    want_updates, want_state = tx.update(cast, tx.init(params), params)
+    for a, b in zip(*map(fn.tree.tree_leaves, (state, want_state)), strict=True):
+        assert a.dtype == b.dtype
+    if name in ("adamw", "lamb", "masked"):
+        for got, want in ((updates, want_updates), (state, want_state)):
+            for a, b in zip(*map(fn.tree.tree_leaves, (got, want)), strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b)
