@@ -381,7 +381,8 @@ API_GROUPS: dict[str, list[tuple[str, str]]] = {
         ("Building blocks: Adam steps", "adam_direction adam_apply adamw_step sqrt_rn"),
         (
             "Building blocks: quantization",
-            "quantize dequantize loco_quantize loco_error dequantize_sum dequantize_into sum_ranks",
+            "quantize dequantize loco_quantize loco_error dequantize_sum dequantize_into sum_ranks"
+            " check_quant_args",
         ),
     ],
     "fn.optim": [
