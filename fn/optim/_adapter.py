@@ -464,9 +464,21 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             the master is a copy, taken after writes to the params are synced into it as before a
             step.
         """
+        # the hooks of torch.optim.Optimizer.register_state_dict_pre_hook / _post_hook, as
+        # torch.optim runs them
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         if self._gathered is not None and not self._gathered.current(self._groups):
             self._gathered = None  # stale: free it (it holds every rank's error feedback)
-        return save_state(self, self._gathered)
+        state = save_state(self, self._gathered)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            returned = post_hook(self, state)
+            state = state if returned is None else returned
+        return state
+
+    def _refuse_unloadable(self, state_dict: Mapping[str, Any]) -> None:
+        """Raises ``ValueError`` for a checkpoint that a subclass cannot load, before anything
+        is checked or loaded (none here)."""
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restores a :meth:`state_dict`: the functional state (error feedback included), the step
@@ -484,5 +496,11 @@ class FunctionalOptimizer(torch.optim.Optimizer):
                 optimizer's), an invalid hyperparameter, a non-finite value or a negative second
                 moment; the message names the group and the field. Nothing was changed.
         """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            returned = pre_hook(self, state_dict)
+            state_dict = state_dict if returned is None else returned
+        self._refuse_unloadable(state_dict)
         load(plan_load(state_dict, self, self._hyper, self._make_transform), self)
         self._sync_checks.start_due = True
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)

@@ -130,6 +130,9 @@ class OnebitFamily(FunctionalOptimizer):
         nothing loaded: their states differ, and the checkpoint's would switch the group's
         schedule; so does one saved by an fn whose automatic switch kept another statistic
         (``auto.drift``), which this one cannot continue from."""
+        super().load_state_dict(state_dict)
+
+    def _refuse_unloadable(self, state_dict: Mapping[str, Any]) -> None:
         saved_groups, records = checkpoint_parts(state_dict, len(self.param_groups))
         for index, record in records.items():
             functional = record.get("functional") if isinstance(record, Mapping) else None
@@ -151,7 +154,6 @@ class OnebitFamily(FunctionalOptimizer):
                         "keep different states; build the optimizer with the checkpoint's "
                         f"{key}. Nothing was loaded"
                     )
-        super().load_state_dict(state_dict)
 
     def _make_transform(self, index: int, hyper: dict[str, Any]) -> Transform:
         mask = self._group_mask(self.param_groups[index]["params"])

@@ -404,3 +404,25 @@ def test_a_tensor_lr_that_is_no_learning_rate_is_refused(lr):
     model = make_model()
     with pytest.raises(ValueError, match="one-element floating-point tensor"):
         fn.optim.OnebitAdam(model.parameters(), lr=lr, comm=fn.collectives.Local())
+
+
+@pytest.mark.parametrize("cls", ["FunctionalOptimizer", "OnebitAdam"])
+def test_the_state_dict_hooks_of_torch_optim_run(cls):
+    """torch.optim.Optimizer's register_(load_)state_dict_pre/post_hook, in torch's order; a
+    pre-hook's returned dict is the one loaded, a post-hook's the one returned."""
+    model = make_model()
+    if cls == "OnebitAdam":
+        opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    else:
+        opt = fn.optim.FunctionalOptimizer(model.parameters(), fn.adam(1e-2))
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("save pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "tag": calls.append("save post")})
+    opt.register_load_state_dict_pre_hook(
+        lambda o, sd: calls.append("load pre") or {k: v for k, v in sd.items() if k != "tag"}
+    )
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
+    saved = opt.state_dict()
+    assert "tag" in saved
+    opt.load_state_dict(saved)  # the pre-hook takes the tag out again
+    assert calls == ["save pre", "save post", "load pre", "load post"]
