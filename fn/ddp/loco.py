@@ -33,13 +33,10 @@ class LocoHookState(BucketHookState):
             Recorded in :meth:`state_dict`.
 
     Raises:
-        TypeError: ``process_group`` is neither a ``torch.distributed.ProcessGroup`` nor
-            ``None``.
-        ValueError: on every rank of the group, the ranks were built with other settings
-            (one all-gather when the state is built); ``nonfinite`` is neither
-            ``"propagate"`` nor ``"raise"``;
-            ``local_world_size`` does not divide the world size; ``bits`` is not
-            the int 4 or 8, ``group_size`` not an even int >= 2.
+        TypeError: as :class:`OnebitHookState`'s.
+        ValueError: as :class:`OnebitHookState`'s (the ranks' settings compared when it is
+            built, ``bits`` among them), and where ``bits`` is not the int 4 or 8 or
+            ``group_size`` not an even int >= 2.
 
     Example:
         One rank here (under ``torchrun`` every rank runs this; :func:`loco_hook` shows it in a
