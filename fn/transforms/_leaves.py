@@ -65,6 +65,12 @@ def refuse_complex(name: str, params: PyTree) -> None:
         )
 
 
+def in_dtypes_of(grads: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient in the dtype of its state leaf in ``like`` (cast only where it differs):
+    a bf16 gradient on fp32 params is read in fp32, and the state never changes dtype."""
+    return [g if g.dtype == x.dtype else g.to(x.dtype) for g, x in zip(grads, like, strict=True)]
+
+
 def device_of(params: PyTree) -> torch.device:
     """The device of the first tensor leaf of ``params`` (CPU for a tree without tensors)."""
     leaves = tree_leaves(params)

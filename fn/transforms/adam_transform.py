@@ -25,7 +25,7 @@ from fn.base import (
 from fn.errors import check_betas, check_finite_nonnegative, check_lr
 from fn.transforms import _adam_steps as steps
 from fn.transforms._learning_rate import learning_rate_now
-from fn.transforms._leaves import device_of, matching, refuse_complex
+from fn.transforms._leaves import device_of, in_dtypes_of, matching, refuse_complex
 from fn.transforms.learning_rate import (
     ScaleByLearningRateState,
     Schedule,
@@ -184,9 +184,7 @@ def _step_live_leaves(name, updates, state, moments_step, params=None, donated=N
     check = matching(name, "an update where the state has no moments")
     walk = live_leaves(updates, state.mu, state.nu, params, structure=state.mu, check=check)
     gs, ms, vs = walk.at_live(0), walk.at_live(1), walk.at_live(2)
-    # a gradient of another dtype than its moments (bf16 on fp32 params) in theirs, as fn.sgd
-    # and the 1-bit family take it (torch.lerp refused the mix with an obscure message)
-    gs = [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(gs, ms, strict=True)]
+    gs = in_dtypes_of(gs, ms)  # torch.lerp refuses a mix, with an obscure message
     ps = None if params is None else walk.at_live(3)
     count = state.count + 1
     if donated is not None:

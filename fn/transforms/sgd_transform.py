@@ -8,7 +8,7 @@ import torch
 
 from fn.base import GradientTransformation, chain, donated_state
 from fn.errors import check_finite_nonnegative, check_lr
-from fn.transforms._leaves import device_of, matching
+from fn.transforms._leaves import device_of, in_dtypes_of, matching
 from fn.transforms.learning_rate import Schedule, scale_by_learning_rate
 from fn.transforms.weight_decay import add_decayed_weights
 from fn.tree import (
@@ -92,8 +92,7 @@ def trace(
             return _trace_donated(walk, state, donated.trace, decay, nesterov, dampening)
         first = state.count == 0 if dampening != 0.0 else None
         gs, bs = walk.at_live(0), walk.at_live(1)
-        # the momentum stays in its dtype (the params'), whatever the gradients' dtype
-        gs = [g if g.dtype == b.dtype else g.to(b.dtype) for g, b in zip(gs, bs, strict=True)]
+        gs = in_dtypes_of(gs, bs)  # the momentum keeps its dtype, the params'
         new_bs = [trace_leaf(b, g, decay, dampening, first) for g, b in zip(gs, bs, strict=True)]
         out = new_bs
         if nesterov:
