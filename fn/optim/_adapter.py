@@ -84,7 +84,9 @@ class FunctionalOptimizer(torch.optim.Optimizer):
 
     The learning rate of each group (``group["lr"]``, so ``torch.optim.lr_scheduler`` works) is
     written into the functional state with ``fn.set_hyperparams`` before every step; it defaults
-    to the transform's ``lr`` state field. A ``CompressedOptimizer`` gets ``step=t``, the
+    to the transform's ``lr`` state field. A transform that schedules its own lr ignores it: a
+    group lr set to another value than it showed raises ``ValueError`` at the update given it or
+    the next (nothing changed). A ``CompressedOptimizer`` gets ``step=t``, the
     1-based count of the group's updates (skipped steps do not count).
 
     Buffers: each step donates the group's state from two steps back and its gradient buffer
@@ -423,9 +425,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             >>> opt.state_dict()["state"][0]["step"]
             0
         """
-        for runtime in self._groups:
-            runtime.state = runtime.initial_state(runtime.transform)
-            runtime.spare, runtime.step = None, 0
+        for group, runtime in zip(self.param_groups, self._groups, strict=True):
+            runtime.restore(runtime.initial_state(runtime.transform), 0, group)
         self._gathered = None
         self._sync_checks.start_due = True
 

@@ -623,7 +623,7 @@ def load(plans: Sequence[LoadPlan], optimizer: Any) -> None:
     ):
         group.update({k: v for k, v in plan.saved.items() if k != "params"})
         runtime.transform, runtime.hyper = plan.transform, plan.hyper
-        runtime.state, runtime.spare, runtime.step = plan.state, None, plan.record.step
+        runtime.restore(plan.state, plan.record.step, group)
         runtime.flat.load_master(plan.record.master)
 
 

@@ -93,13 +93,21 @@ class GroupRuntime:
         self.spare: Any = None
         self.exported: list[weakref.ref] = []
         self.step = 0
+        # The lr written into the state at the last update (None: no update since the build,
+        # a load or a reset), and the group's lr as the runtime itself showed it (None: the
+        # group set one): what tells a group lr that a scheduling transform ignores.
+        self.lr_given: float | None = None
+        self.lr_own: float | None = None
         try:
-            group.setdefault("lr", _shortest_float(get_hyperparam(self.state, "lr")))
+            own = _shortest_float(get_hyperparam(self.state, "lr"))
         except KeyError:
             if "lr" in group:
                 raise ValueError(
                     f"param group {index} sets lr, but the transform has no lr state field"
                 ) from None
+        else:
+            if "lr" not in group:
+                group["lr"] = self.lr_own = own
 
     def initial_state(self, transform: Transform) -> Any:
         """``transform``'s initial state for the group's params (its master)."""
@@ -121,6 +129,8 @@ class GroupRuntime:
                 state's structure (naming the group).
         """
         lr = lr_value(index, group["lr"]) if "lr" in group else None
+        if lr is not None:
+            self.refuse_ignored_lr(index, lr)
         changed = {k for k in hyper if k != "lr" and hyper[k] != self.hyper.get(k)}
         if not changed:
             return self.transform, self.hyper, lr
@@ -139,6 +149,34 @@ class GroupRuntime:
                 "such a change needs a new optimizer; no update was made"
             )
         return transform, hyper, lr
+
+    def refuse_ignored_lr(self, index: int, lr: float) -> None:
+        """Refuses a group lr that the transform does not use: one that schedules its own
+        (``fn.adam(lr=schedule)``) replaces at every update the lr written into its state.
+
+        That shows as a state lr other than the one the last update was given. Only a group lr
+        set by someone (a user, a ``torch.optim.lr_scheduler``, a Trainer), now (``lr``) or at
+        the last update, is refused; the lr the runtime itself showed is not. The state is read
+        on the host only then.
+
+        Raises:
+            ValueError: naming the group and the lr that is or was ignored.
+        """
+        given = self.lr_given
+        if given is None or (lr == self.lr_own and given == self.lr_own):
+            return
+        used = get_hyperparam(self.state, "lr")
+        if torch.equal(used, torch.full_like(used, given)):
+            return
+        ignored = lr if given == self.lr_own else given
+        raise ValueError(
+            f"fn.optim: param group {index} sets lr={ignored!r}, but its transform schedules its "
+            f"own learning rate (its last update used {_shortest_float(used.flatten()[0])} "
+            "instead of the lr it was given), so the group's lr is ignored: give the transform "
+            "a constant lr to drive it from param_groups (a torch.optim.lr_scheduler, a "
+            "Trainer's scheduler), or leave the group's lr as the optimizer set it; no update "
+            "was made"
+        )
 
     def param_agreement(self) -> float | None:
         """How closely the ranks' params agree after the group's last update (``check_in_sync``'s
@@ -173,6 +211,16 @@ class GroupRuntime:
 
         return pytree.tree_map(leaf, self.spare)
 
+    def restore(self, state: Any, step: int, group: Mapping[str, Any]) -> None:
+        """Makes ``state`` the live state at update count ``step`` (a load or a reset), with no
+        spare; ``group``'s lr counts as the runtime's own from here."""
+        self.state, self.spare, self.step = state, None, step
+        lr = group.get("lr")
+        if isinstance(lr, torch.Tensor) and lr.numel() == 1:
+            lr = lr.item()
+        self.lr_given = None
+        self.lr_own = float(lr) if isinstance(lr, (int, float)) else None
+
     def export(self, record: Any) -> None:
         """Notes the tensors of ``record`` (handed out by ``state_dict()``): never donated."""
         self.exported += [
@@ -185,7 +233,7 @@ class GroupRuntime:
         counting the update; releases the gradient buffer if the new state kept it."""
         updates, state = result
         self.flat.add(updates)  # None (applied already): only cast into the params
-        self.transform, self.hyper, _ = plan
+        self.transform, self.hyper, self.lr_given = plan
         self.spare, self.state = self.state, state
         self.step += 1
         if not storages_of(state).isdisjoint(storages_of(self.flat.grads)):

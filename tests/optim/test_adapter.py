@@ -362,6 +362,63 @@ def test_a_fixed_transform_refuses_a_hyperparameter_set_in_its_group_later():
     assert not torch.equal(flat_params(model), before)
 
 
+def _warmup(count):
+    return 1e-3 * (count + 1)
+
+
+def _step_or_refuse(model, opt, t):
+    """One step; the error it raises (then with nothing changed), else ``None``."""
+    opt.zero_grad()
+    backward(model, 0, t)
+    before, count = flat_params(model), opt.group_runtimes[0].step
+    try:
+        opt.step()
+    except ValueError as err:
+        assert torch.equal(flat_params(model), before) and opt.group_runtimes[0].step == count
+        return err
+    return None
+
+
+@pytest.mark.parametrize("when", ["before the first step", "after two steps", "at the build"])
+def test_a_group_lr_that_a_scheduling_transform_ignores_is_refused(when):
+    """fn.adam(lr=schedule) replaces the lr written into its state at every update: a group lr
+    set by a user or a torch scheduler was ignored silently; now step() raises within one
+    update of it, with nothing changed, while a run that leaves the lr alone trains."""
+    model = make_model()
+    group = {"params": list(model.parameters())}
+    if when == "at the build":
+        group["lr"] = 0.5
+    opt = fn.optim.FunctionalOptimizer([group], fn.adam(_warmup))
+    errors = []
+    for t in range(5):
+        if t == {"before the first step": 0, "after two steps": 2}.get(when):
+            opt.param_groups[0]["lr"] = 0.25
+        errors.append(_step_or_refuse(model, opt, t))
+    first = next(t for t, err in enumerate(errors) if err is not None)
+    assert first <= 2  # the update given the lr, or the next one
+    assert "schedules its own learning rate" in str(errors[first])
+    assert all(err is not None for err in errors[first:])  # the same until the lr is put back
+
+
+def test_a_scheduling_transform_left_alone_and_a_driven_constant_lr_train():
+    """Neither a schedule whose group lr nobody sets nor a constant lr that a torch scheduler
+    drives (every step) is refused, also across a reset and a checkpoint load."""
+    models = make_model(), make_model()
+    scheduled = fn.optim.FunctionalOptimizer(models[0].parameters(), fn.adam(_warmup))
+    driven = fn.optim.FunctionalOptimizer(models[1].parameters(), fn.adam(1e-2))
+    sched = torch.optim.lr_scheduler.StepLR(driven, step_size=1, gamma=0.5)
+    for t in range(4):
+        for model, opt in zip(models, (scheduled, driven), strict=True):
+            assert _step_or_refuse(model, opt, t) is None
+        sched.step()
+        if t == 1:
+            scheduled.load_state_dict(scheduled.state_dict())
+            driven.reset_state()
+    assert fn.get_hyperparam(scheduled.group_runtimes[0].state, "lr") == _warmup(3)
+    assert fn.get_hyperparam(driven.group_runtimes[0].state, "lr") == 1e-2 * 0.5**3
+    assert driven.group_runtimes[0].step == 2  # reset after its second update
+
+
 def test_add_param_group_builds_its_buffer_and_a_bad_group_is_not_added():
     model = make_model()
     w1, b1, w2, b2 = model.parameters()
