@@ -172,6 +172,16 @@ def refusal(args: list[str], folder: Path) -> str | None:
     return None
 
 
+def load_refusal(args: list[str], folder: Path) -> str | None:
+    """The ``ValueError`` with which a run from ``args`` stops (loading its checkpoint), or
+    ``None``."""
+    try:
+        train(args, folder)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def resume(runs: Path, args: list[str], step: int) -> dict[str, Any]:
     """The run resumed, in a folder of its own, from the full run's checkpoint at ``step``."""
     folder = runs / f"resumed-{step}"
@@ -232,6 +242,11 @@ def main(scenario: str, work: Path) -> None:
         )
         results["warm"] = train([*warm, "--training.steps", str(WARM_STEPS)], runs / "warm")
         prune(runs / "adamw", keep=None)
+        # a job whose last save is model-only cannot go on: refused, naming what resumes
+        short = [*fn_args(scenario, work, world), "--checkpoint.last_save_model_only"]
+        train([*short, "--training.steps", "1"], runs / "model-only")
+        results["model only"] = load_refusal([*short, "--training.steps", "2"], runs / "model-only")
+        prune(runs / "model-only", keep=None)
         prune(runs / "warm-loaded", keep=None)
         prune(runs / "warm", keep=None)
     if scenario == "hsdp":  # torchtitan's own HSDP, one step: its summed gradient

@@ -222,6 +222,17 @@ def test_adamw_checkpoint_starts_onebit_adam(fsdp):
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_a_model_only_checkpoint_is_refused_naming_what_resumes(fsdp):
+    """It was refused with advice (leave the optimizer out) that then failed in DCP."""
+    for rank in fsdp.ranks:
+        refused = rank["model only"]
+        assert refused is not None and "holds the model only" in refused, refused
+        assert "--checkpoint.load_step" in refused and "initial_load_path" in refused, refused
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_hsdp_trains_replicas_agree_and_resumes_bit_for_bit(hsdp):
     ranks = hsdp.ranks
     _check_trains(ranks)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torchtitan.components.checkpoint import OPTIMIZER, CheckpointManager
+from torchtitan.components.checkpoint import OPTIMIZER, TRAIN_STATE, CheckpointManager
 from torchtitan.components.checkpointer.utils import canonical_fqn
 
 from fn.fsdp import ShardedOnebitOptimizer, read_onebit_state
@@ -90,6 +90,14 @@ class OnebitCheckpointManager(CheckpointManager):
             count, exp_avg, exp_avg_sq = _adam_state(container, checkpoint_id)
             super().dcp_load(rest, checkpoint_id, from_hf, from_quantized)
             optimizer.load_adam_state(count, exp_avg, exp_avg_sq)
+        elif not any(key.startswith(TRAIN_STATE) for key in saved):
+            raise ValueError(
+                f"{_NAME}: {checkpoint_id} holds the model only (torchtitan's last save under "
+                "--checkpoint.last_save_model_only, its default), which a job cannot go on "
+                "from: resume from an earlier full checkpoint (--checkpoint.load_step), or "
+                "start a new job from this model (--checkpoint.initial_load_path with another "
+                "--dump_folder: the optimizer starts afresh); nothing was loaded"
+            )
         else:
             raise ValueError(
                 f"{_NAME}: {checkpoint_id} holds no optimizer state that {optimizer.name} "
