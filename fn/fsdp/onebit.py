@@ -33,7 +33,7 @@ from fn.errors import NonFiniteError, user_stacklevel
 from fn.fsdp._fsdp2 import reduce_scatters_stopped
 from fn.fsdp.onebit_checks import Options, agreed_setup
 from fn.fsdp.onebit_gradients import GRAD_CHANGED, checked_totals, first_exchange, gradient_stats
-from fn.fsdp.onebit_layout import ModuleLayout, fsdp_groups, module_layout
+from fn.fsdp.onebit_layout import ModuleLayout, canonical_name, fsdp_groups, module_layout
 from fn.fsdp.onebit_masks import module_mask
 from fn.fsdp.onebit_mesh import HsdpMesh, ShardMesh
 from fn.fsdp.onebit_module import OnebitModule
@@ -171,7 +171,7 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         self._problems: list[Exception] = []  # what the reduce-scatters found, for step()
         self._failed = FailedCollectives()  # the collectives of this backward that failed
         self._grad_change_warned = False
-        members = {name: member for name, member, _ in fsdp_groups(model)}
+        members = {canonical_name(name): member for name, member, _ in fsdp_groups(model)}
         # each module's FSDP2 group: its settings and reduce-scatter
         self._fsdp_modules = [members[module.layout.name] for module in self._modules]
         for module, member in zip(self._modules, self._fsdp_modules, strict=True):

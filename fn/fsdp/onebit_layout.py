@@ -25,6 +25,7 @@ from fn.fsdp.loco import ROOT
 __all__ = [
     "ModuleLayout",
     "ParamSlot",
+    "canonical_name",
     "fsdp_groups",
     "fsdp_modules",
     "fsdp_order",
@@ -39,10 +40,28 @@ __all__ = [
 ]
 
 
+# The segments that module wrappers add to FQNs: activation checkpointing's (torch's
+# checkpoint_wrapper, which torchtitan's selective and full modes apply) and torch.compile's.
+# The 1-bit optimizers' state names params and modules without them, so that a job resumed with
+# activation checkpointing or compilation turned on or off reads its checkpoint.
+_WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+def canonical_name(fqn: str) -> str:
+    """``fqn`` without the segments that module wrappers add (activation checkpointing's
+    ``_checkpoint_wrapped_module``, ``torch.compile``'s ``_orig_mod``).
+
+    Example:
+        >>> canonical_name("layers.0._checkpoint_wrapped_module.attention.wq.weight")
+        'layers.0.attention.wq.weight'
+    """
+    return ".".join(part for part in fqn.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
 class ParamSlot(NamedTuple):
     """Where one param sits in its module's compressed vector ``X`` (``[W, S']``)."""
 
-    name: str  # the param's FQN in the model
+    name: str  # the param's FQN in the model, without wrappers' segments (canonical_name)
     param: DTensor
     offset: int  # its first value in every row
     width: int  # its values per row, padding included (numel / W after dim-0 padding)
@@ -53,11 +72,14 @@ class ModuleLayout(NamedTuple):
     """One FSDP2 module's compressed vector: ``W`` rows of ``padded_row`` values, of which the
     first ``row`` are FSDP2's reduce-scatter row and the rest zeros."""
 
-    name: str  # the module's FQN ("<root>" for the model itself)
+    name: str  # the module's FQN ("<root>" for the model itself), as ParamSlot.name
     slots: tuple[ParamSlot, ...]  # its params in FSDP2's order
     row: int  # S: FSDP2's row
     padded_row: int  # S': S rounded up to a multiple of lcm(W, 8) (on HSDP: of N lcm(N, 8))
     world_size: int  # W: the ranks of the shard group, one row each
+    # (name, FQN in the model) of the module and params whose FQN has wrappers' segments: how
+    # checkpoints before canonical names named them
+    wrapped: tuple[tuple[str, str], ...] = ()
 
     def row_padding(self, j: int) -> list[tuple[int, int]]:
         """The ``[start, stop)`` ranges of row ``j`` that hold no element of a param."""
@@ -78,6 +100,7 @@ def module_layout(
     allreduce over the ``W`` ranks of the shard group; on HSDP ``N lcm(N, 8)``, that over the
     ``N`` replicas of a row: :func:`row_multiple`)."""
     slots, offset = [], 0
+    wrapped = [(canonical_name(n), n) for n in (name, *(fqn for fqn, _ in params))]
     for fqn, p in params:
         dim = next(pl.dim for pl in p.placements if isinstance(pl, Shard))
         if dim == 0 and p.dim() > 0:
@@ -90,10 +113,12 @@ def module_layout(
         else:  # Shard(d > 0): even chunks, FSDP2 checks it
             width = p.numel() // world_size
             real = (width,) * world_size
-        slots.append(ParamSlot(fqn, p, offset, width, real))
+        slots.append(ParamSlot(canonical_name(fqn), p, offset, width, real))
         offset += width
     unit = math.lcm(world_size, 8) if multiple is None else multiple
-    return ModuleLayout(name, tuple(slots), offset, -(-offset // unit) * unit, world_size)
+    padded = -(-offset // unit) * unit
+    wrapped = tuple((short, full) for short, full in wrapped if short != full)
+    return ModuleLayout(canonical_name(name), tuple(slots), offset, padded, world_size, wrapped)
 
 
 def layout_at(layout: ModuleLayout, world_size: int, replicas: int = 1) -> ModuleLayout:
@@ -101,7 +126,7 @@ def layout_at(layout: ModuleLayout, world_size: int, replicas: int = 1) -> Modul
     nodes (``1``: a 1-D mesh), as a checkpoint saved on that mesh holds it."""
     params = [(slot.name, slot.param) for slot in layout.slots]
     multiple = row_multiple(replicas) if replicas > 1 else None
-    return module_layout(layout.name, params, world_size, multiple)
+    return module_layout(layout.name, params, world_size, multiple)._replace(wrapped=layout.wrapped)
 
 
 def row_multiple(replicas: int) -> int:

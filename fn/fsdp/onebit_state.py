@@ -9,7 +9,7 @@ reads it into, :func:`restored` reads it back and :func:`adam_started` starts fr
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -19,7 +19,13 @@ from fn.collectives import PackedSigns, local_shard
 from fn.collectives.agreement import digest
 from fn.collectives.dcp import PER_RANK, own_entries, rank_key
 from fn.collectives.dtensor import rows_of_ranks
-from fn.fsdp.onebit_layout import ModuleLayout, layout_at, momentum_from_signs, shard_of
+from fn.fsdp.onebit_layout import (
+    ModuleLayout,
+    canonical_name,
+    layout_at,
+    momentum_from_signs,
+    shard_of,
+)
 from fn.fsdp.onebit_masks import masked_shards, relaid_mask
 from fn.fsdp.onebit_mesh import ShardMesh
 from fn.fsdp.onebit_module import OnebitModule
@@ -95,9 +101,31 @@ def fingerprints(
     """The digests of the model's layout (its modules, params and shapes) and of the settings
     (``settings``: the rule's, not ``lr``; ``mask_setting``: ``"auto"``, the masks' checksum,
     or ``0``), which a checkpoint's header holds."""
-    layout = repr([(x.name, [(s.name, tuple(s.param.shape)) for s in x.slots]) for x in layouts])
     masks = (mask_setting,) if mask_setting else ()  # (older ones had none)
-    return digest(layout), digest(repr((dict(settings), str(error_dtype), *masks)))
+    return layout_digest(layouts), digest(repr((dict(settings), str(error_dtype), *masks)))
+
+
+def layout_digest(layouts: Sequence[ModuleLayout], as_wrapped: bool = False) -> int:
+    """The digest of the model's modules, params and shapes, by their names (``as_wrapped``:
+    by their FQNs in the model, wrappers' segments included, as checkpoints before canonical
+    names held it)."""
+
+    def named(layout: ModuleLayout, name: str) -> str:
+        return dict(layout.wrapped).get(name, name) if as_wrapped else name
+
+    return digest(
+        repr([
+            (named(x, x.name), [(named(x, s.name), tuple(s.param.shape)) for s in x.slots])
+            for x in layouts
+        ])
+    )  # fmt: skip
+
+
+def _renamed(tree: Any, rename: Callable[[str], str]) -> Any:
+    """A nest of dicts with every key renamed (the leaves kept)."""
+    if not isinstance(tree, Mapping):
+        return tree
+    return {rename(k) if isinstance(k, str) else k: _renamed(v, rename) for k, v in tree.items()}
 
 
 def onebit_state_dict(fmt: StateFormat, state: Any, lr: float) -> dict[str, Any]:
@@ -166,8 +194,10 @@ def checkpoint_template(
         ValueError: the header does not match this model or these settings, or a key is
             missing (nothing was loaded).
     """
+    saved = {canonical_name(key): size for key, size in saved.items()}
     auto_saved = any(key.startswith("always_zero.") for key in saved)
-    same = fmt.mesh.shape == _checked_header(fmt, header, auto_saved)[:2]
+    *mesh, _, as_wrapped = _checked_header(fmt, header, auto_saved)
+    same = fmt.mesh.shape == tuple(mesh)
 
     def new(key: str, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(saved.get(key, ()), dtype=dtype)
@@ -211,6 +241,9 @@ def checkpoint_template(
     missing = [key for key in _keys(template) if key not in saved]
     if missing:
         raise ValueError(f"{fmt.name}: the checkpoint has no {missing[:4]}; nothing was loaded")
+    if as_wrapped:
+        wrapped = dict(pair for module in fmt.modules for pair in module.layout.wrapped)
+        return _renamed(template, lambda key: wrapped.get(key, key))
     return template
 
 
@@ -245,8 +278,9 @@ def restored(fmt: StateFormat, state_dict: Mapping[str, Any], state: Any, rule: 
     """
     if "header" not in state_dict:
         raise NotImplementedError(not_torch_format(fmt.name))
+    state_dict = _renamed(state_dict, canonical_name)  # (older checkpoints: wrappers' names)
     auto_saved = "always_zero" in state_dict
-    world_size, replicas, count = _checked_header(fmt, state_dict["header"], auto_saved)
+    world_size, replicas, count, _ = _checked_header(fmt, state_dict["header"], auto_saved)
     same = fmt.mesh.shape == (world_size, replicas)
     signed = [bool(x) for x in state_dict["signed"].tolist()]
     if len(signed) != len(fmt.modules):
@@ -433,10 +467,11 @@ def _loaded_auto_masks(
 
 def _checked_header(
     fmt: StateFormat, header: torch.Tensor, auto_saved: bool
-) -> tuple[int, int, int]:
-    """The checkpoint's shard world size, replicas (``N``; ``1`` for a 1-D mesh) and update
-    count, or ``ValueError`` if it is not a checkpoint of this model and these settings
-    (``auto_saved``: whether it holds ``exp_avg_mask="auto"``'s records)."""
+) -> tuple[int, int, int, bool]:
+    """The checkpoint's shard world size, replicas (``N``; ``1`` for a 1-D mesh), update count
+    and whether it names the params as the model does, wrappers' segments included (saved
+    before canonical names), or ``ValueError`` if it is not a checkpoint of this model and these
+    settings (``auto_saved``: whether it holds ``exp_avg_mask="auto"``'s records)."""
     values = header.tolist()
     if len(values) not in (5, 6) or values[0] != _FORMAT:
         raise ValueError(
@@ -445,7 +480,13 @@ def _checked_header(
         )
     _, world_size, count, layout, settings, *hsdp = values
     replicas = hsdp[0] if hsdp else 1
-    if layout != fmt.fingerprints[0]:
+    layouts = [module.layout for module in fmt.modules]
+    as_wrapped = (
+        layout != fmt.fingerprints[0]
+        and any(x.wrapped for x in layouts)
+        and layout == layout_digest(layouts, as_wrapped=True)
+    )
+    if layout != fmt.fingerprints[0] and not as_wrapped:
         raise ValueError(
             f"{fmt.name}: the checkpoint is of another model (its FSDP2 modules, params or "
             "shapes differ); nothing was loaded"
@@ -464,7 +505,7 @@ def _checked_header(
         )
     if world_size < 1 or replicas < 1 or count < 0:
         raise ValueError(f"{fmt.name}: corrupt checkpoint header {values}")
-    return world_size, replicas, count
+    return world_size, replicas, count, as_wrapped
 
 
 def _mesh(world_size: int, replicas: int) -> str:
