@@ -37,6 +37,7 @@ from fn.app.examples import (
     held_out_loss,
     lm_loss,
     parse_fsdp_args,
+    positive_int,
     train_batch,
 )
 from fn.collectives import exit_distributed
@@ -45,11 +46,15 @@ from fn.diloco import COMPRESSIONS, OUTER_RULES, DiLoCo
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--max-steps", type=int, default=40)
-    p.add_argument("--sync-every", type=int, default=10, help="inner steps per outer step (H)")
+    p.add_argument("--max-steps", type=positive_int, default=40)
+    p.add_argument(
+        "--sync-every", type=positive_int, default=10, help="inner steps per outer step (H)"
+    )
     p.add_argument("--outer", choices=OUTER_RULES, default="nesterov")
     p.add_argument("--compression", choices=COMPRESSIONS, default="loco4")
-    p.add_argument("--topk", type=int, default=64, help="values kept per chunk of 4096 (topk)")
+    p.add_argument(
+        "--topk", type=positive_int, default=64, help="values kept per chunk of 4096 (topk)"
+    )
     return parse_fsdp_args(p, argv)
 
 

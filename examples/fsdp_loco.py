@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from fn.app.examples import parse_fsdp_args, sharded_transformer, train
+from fn.app.examples import parse_fsdp_args, positive_int, sharded_transformer, train
 from fn.collectives import exit_distributed
 from fn.fsdp import (
     LocoReduceScatterHandle,
@@ -59,7 +59,7 @@ def build(
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--max-steps", type=int, default=50)
+    p.add_argument("--max-steps", type=positive_int, default=50)
     p.add_argument(
         "--mode",
         choices=("dense", "loco", "qgz"),
@@ -67,10 +67,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="dense FSDP2, LoCo (quantized + error feedback), qgZ (quantized only)",
     )
     p.add_argument("--bits", type=int, default=4, choices=(4, 8))
-    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--group-size", type=positive_int, default=128)
     p.add_argument("--err-beta", type=float, default=0.8)
     p.add_argument(
-        "--local-world-size", type=int, default=None, help="ranks per node: two-hop reduce-scatter"
+        "--local-world-size",
+        type=positive_int,
+        default=None,
+        help="ranks per node: two-hop reduce-scatter",
     )
     p.add_argument(
         "--qwz", action="store_true", help="also all-gather the parameters in 8 bits (ZeRO++ qwZ)"

@@ -36,6 +36,7 @@ from fn.app.examples import (
     check_ranks_agree,
     onebit_parser,
     parse_fsdp_args,
+    positive_int,
     sharded_transformer,
     train,
 )
@@ -45,7 +46,7 @@ from fn.fsdp import OnebitAdam, OnebitLamb, TrainingCheckpoint
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = onebit_parser(__doc__)
-    p.add_argument("--ranks-per-node", type=int, default=2, help="L, the shard dimension")
+    p.add_argument("--ranks-per-node", type=positive_int, default=2, help="L, the shard dimension")
     args = parse_fsdp_args(p, argv)
     if int(os.environ.get("WORLD_SIZE", 1)) % args.ranks_per_node:
         p.error("WORLD_SIZE must be a multiple of --ranks-per-node (N nodes of L ranks)")

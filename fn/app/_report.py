@@ -145,13 +145,21 @@ def plot_losses(path: Path, results: list[OptimizerResult], warmup: int, title: 
     matplotlib is imported here, with its Agg canvas (no display needed, no global backend set).
 
     Returns:
-        ``None`` when written, else why not (matplotlib is not installed).
+        ``None`` when written, else why not (matplotlib is not installed); a plot already at
+        ``path`` (an earlier run's) is then removed, and the reason says so.
+
+    Raises:
+        OSError: the plot cannot be written, or the earlier one removed.
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        return "matplotlib is not installed (pip install matplotlib)"
+        why = "matplotlib is not installed (pip install matplotlib)"
+        if path.exists() or path.is_symlink():
+            path.unlink()
+            why += f"; removed {path}, an earlier run's plot"
+        return why
     fig = Figure(figsize=(8, 5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()

@@ -16,7 +16,11 @@ import contextlib
 import io
 import math
 import os
+import signal
+import stat
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,18 @@ from fn.errors import RecordingFile
 DEFAULT_STEPS = 400
 DEFAULT_WORKERS = 2
 MAX_WORLD_SIZE = 64
+DEFAULT_TIMEOUT = 600.0
+MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 7 * 24 * 3600.0  # seconds
+# The batches' generators are seeded with seed * 100_003 + rank: within int64 for |seed| <= 2**40.
+MAX_SEED = 2**40
+EXIT_SIGTERM = 128 + 15  # what a shell reports for a process ended by SIGTERM
+MODEL_STATES = "mp_rank_00_model_states.pt"  # what fn.optim.convert_checkpoint reads
+_FILE_KINDS = (
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def _int_at_least(low: int, high: int | None = None):
@@ -54,6 +70,15 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def _timeout(text: str) -> float:
+    value = _positive_float(text)
+    if not MIN_TIMEOUT <= value <= MAX_TIMEOUT:
+        raise argparse.ArgumentTypeError(
+            f"must be between {MIN_TIMEOUT:g} s and {MAX_TIMEOUT:g} s (7 days), got {text}"
+        )
     return value
 
 
@@ -130,7 +155,10 @@ def _parser() -> argparse.ArgumentParser:
         help="where results.csv, results.json and loss.png go (default: %(default)s)",
     )
     d.add_argument(
-        "--seed", type=int, default=0, help="model init and data order (default: %(default)s)"
+        "--seed",
+        type=_int_at_least(-MAX_SEED, MAX_SEED),
+        default=0,
+        help="model init and data order, from -2**40 to 2**40 (default: %(default)s)",
     )
     d.add_argument(
         "--lr",
@@ -140,12 +168,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--timeout",
-        type=_positive_float,
-        default=600.0,
+        type=_timeout,
         metavar="S",
-        help="seconds the worker processes may take in all before they are killed "
-        "(default: %(default)s)",
+        help="seconds the worker processes may take in all before they are killed, from "
+        f"{MIN_TIMEOUT:g} to {MAX_TIMEOUT:g} (7 days); not with --simulate "
+        f"(default: {DEFAULT_TIMEOUT:g})",
     )
+    d.set_defaults(demo_parser=d)
     c = sub.add_parser(
         "from-deepspeed",
         help="convert a DeepSpeed checkpoint of a 1-bit optimizer run for fn",
@@ -182,18 +211,23 @@ def _from_deepspeed(args: argparse.Namespace) -> int:
     from fn.optim import convert_checkpoint
 
     try:
+        target = _out_file(args.out, _inputs(args.checkpoint, args.config))
+    except ValueError as err:
+        return _failed(f"cannot write {args.out}: {err}; nothing was written")
+    try:
         converted, summary = convert_checkpoint(args.checkpoint, args.config, trust=args.trust)
     except (OSError, ValueError, NotImplementedError) as err:
         return _failed(str(err))
-    existed = args.out.exists()
+    existed = target.exists()
     try:
-        _save_whole(converted, args.out)
+        _save_whole(converted, target)
     except OSError as err:
         kept = f"{args.out} is as it was" if existed else "nothing was written"
         return _failed(f"cannot write {args.out}: {err}; {kept}")
     for line in summary:
         print(line)
-    print(f"wrote {args.out}; resume with:")
+    through = f" (the file its link points to: {target})" if target != args.out else ""
+    print(f"wrote {args.out}{through}; resume with:")
     print(f"    ckpt = torch.load({str(args.out)!r}, weights_only=True)")
     print('    model.load_state_dict(ckpt["model"])')
     print(
@@ -203,6 +237,47 @@ def _from_deepspeed(args: argparse.Namespace) -> int:
     if "scheduler" in converted["config"]:
         print('    sched = fn.optim.scheduler_from_deepspeed(opt, ckpt["config"])')
     return 0
+
+
+def _inputs(checkpoint: Path, config: Path | None) -> list[Path]:
+    """The files ``from-deepspeed`` reads, where they exist: the checkpoint's ``latest`` and
+    model-states file (in ``checkpoint`` or in the tag ``latest`` names) and the config."""
+    folder = checkpoint.expanduser()
+    names = ["latest", MODEL_STATES]
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        tag = (folder / "latest").read_text(encoding="utf-8").strip()
+        names.append(os.path.join(tag, MODEL_STATES))
+    found = [folder / name for name in names]
+    if config is not None:
+        found.append(config.expanduser())
+    return [path for path in found if path.is_file()]
+
+
+def _out_file(out: Path, inputs: list[Path]) -> Path:
+    """The file to write for OUT ``out``: ``out`` itself or, for a symbolic link, the file the
+    link points to (the link stays).
+
+    Raises:
+        ValueError: ``out`` is a directory, exists and is not a regular file (a device, a FIFO,
+            a socket), or is one of the files ``inputs`` the conversion reads (the message says
+            which).
+    """
+    target = Path(os.path.realpath(out)) if out.is_symlink() else out
+    if target.is_dir():  # also ".", "" and "/", whose Path has no name
+        raise ValueError(f"it is a directory; OUT is the file to write, e.g. {out / 'fn.pt'}")
+    try:
+        mode = target.stat().st_mode
+    except FileNotFoundError:
+        return target
+    except OSError as err:
+        raise ValueError(err.strerror or str(err)) from None
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _FILE_KINDS if test(mode)), "something else")
+        raise ValueError(f"it is {kind}, not a regular file; it is left as it is")
+    for path in inputs:
+        if os.path.samefile(path, target):
+            raise ValueError(f"it is a file the conversion reads ({path})")
+    return target
 
 
 def _save_whole(obj: Any, out: Path) -> None:
@@ -232,7 +307,7 @@ def _demo(args: argparse.Namespace) -> int:
         optimizers=args.optimizers,
         lr=args.lr,
         seed=args.seed,
-        timeout=args.timeout,
+        timeout=DEFAULT_TIMEOUT if args.timeout is None else args.timeout,
         ranks_per_node=args.ranks_per_node,
     )
     header = _demo_header(cfg, args.out)
@@ -247,11 +322,14 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"starting {cfg.world_size} gloo worker processes ...", file=sys.stderr, flush=True)
     run = demo.run_simulated if simulate else demo.run_workers
     try:
-        with contextlib.closing(progress):
+        with contextlib.closing(progress), _sigterm_as_exception():
             results = run(cfg, progress.update)
     except KeyboardInterrupt:
         print("interrupted: the workers were stopped", file=sys.stderr)
         return 130
+    except _Terminated:
+        print("terminated (SIGTERM): the workers were stopped", file=sys.stderr)
+        return EXIT_SIGTERM
     except (ValueError, WorkerError) as err:
         return _failed(f"training failed: {err}{_lr_hint(err)}")
 
@@ -266,6 +344,30 @@ def _demo(args: argparse.Namespace) -> int:
     if not all(math.isfinite(r.final_loss) for r in results):
         return _failed("a loss is not finite")
     return 0
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived (``timeout``, ``docker stop``, a job scheduler). A ``BaseException``, as
+    ``KeyboardInterrupt`` is: it unwinds through the same ``finally`` blocks, which stop the
+    workers and remove their files."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_exception() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`_Terminated` in the main thread (its default
+    action ends the process at once: the workers' temporary files and semaphores stay behind)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread can set a signal handler
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _demo_header(cfg: demo.DemoConfig, out: Path) -> list[str] | int:
@@ -337,4 +439,9 @@ def _lr_hint(err: ValueError | WorkerError) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     args = _parser().parse_args(argv)
-    return _from_deepspeed(args) if args.command == "from-deepspeed" else _demo(args)
+    if args.command == "from-deepspeed":
+        return _from_deepspeed(args)
+    if args.simulate is not None and args.timeout is not None:
+        # simulated ranks train in this process: there are no worker processes to time out
+        args.demo_parser.error("argument --timeout: not allowed with argument --simulate")
+    return _demo(args)

@@ -245,8 +245,8 @@ def notes(cfg: DemoConfig, results: list[OptimizerResult]) -> list[str]:
             continue
         if r.name == "zero_one_adam":
             lines.append(
-                f"  zero_one_adam: ranks take local steps between the 1-bit syncs, and a sync "
-                f"makes them agree only up to fp32 rounding (as in DeepSpeed): they end "
+                f"  zero_one_adam: ranks take local steps between the 1-bit syncs, so their "
+                f"params differ by design until the next sync (as in DeepSpeed); they ended "
                 f"{r.max_param_diff:.1e} apart at most"
             )
         else:

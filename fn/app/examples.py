@@ -47,6 +47,7 @@ __all__ = [
     "FEATURES",
     "CLASSES",
     "SAMPLES",
+    "positive_int",
     "freeze_step_arg",
     "parse_stack_args",
     "check_ranks_agree",
@@ -88,6 +89,36 @@ SAMPLES = 64
 # -- Arguments of the Trainer, Accelerate and Lightning scripts --------------------------------
 
 
+def positive_int(text: str) -> int:
+    """An argument that counts something (steps, sizes, an interval): an integer of at least 1.
+
+    Args:
+        text: the command line's word.
+
+    Returns:
+        The integer.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is not an integer, or is below 1 (argparse then
+            exits with status 2, naming the flag).
+
+    Example:
+        >>> positive_int("10")
+        10
+        >>> positive_int("0")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: must be a positive integer, got 0
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def freeze_step_arg(text: str) -> int | str:
     """``--freeze-step``'s value.
 
@@ -127,16 +158,18 @@ def parse_stack_args(
     """
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--max-steps", type=int, default=40)
+    parser.add_argument("--max-steps", type=positive_int, default=40)
     parser.add_argument(
         "--freeze-step",
         type=freeze_step_arg,
         default=10,
         help='1-bit Adam\'s warmup updates, or "auto" to let the warmup decide',
     )
-    parser.add_argument("--save-steps", type=int, default=20, help="checkpoint every N steps")
+    parser.add_argument(
+        "--save-steps", type=positive_int, default=20, help="checkpoint every N steps"
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--batch-size", type=int, default=4, help="per rank")
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="per rank")
     if resume_flag == "--resume":
         parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint")
     else:
@@ -641,7 +674,7 @@ def onebit_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawTextHelpFormatter
     )
-    p.add_argument("--max-steps", type=int, default=40)
+    p.add_argument("--max-steps", type=positive_int, default=40)
     p.add_argument(
         "--freeze-step", type=freeze_step_arg, default=10, help='first compressed update, or "auto"'
     )
@@ -671,15 +704,15 @@ def parse_fsdp_args(
         >>> args.layers, args.d_model, args.checkpoint
         (1, 64, None)
     """
-    p.add_argument("--vocab", type=int, default=64)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--context", type=int, default=32)
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--vocab", type=positive_int, default=64)
+    p.add_argument("--d-model", type=positive_int, default=64)
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--layers", type=positive_int, default=2)
+    p.add_argument("--context", type=positive_int, default=32)
+    p.add_argument("--batch", type=positive_int, default=8, help="sequences per rank per step")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=positive_int, default=10)
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (saved at the end)")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     args = p.parse_args(argv)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import zipfile
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -269,11 +270,7 @@ def _import_state(optimizer: Any, kind: str, state_dict: Mapping[str, Any]) -> N
     if not isinstance(state_dict, Mapping):
         raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     if "optimizer_state_dict" in state_dict:
-        raise NotImplementedError(
-            "this is the state of DeepSpeed's fp16 optimizer wrapper (FP16_Optimizer), whose "
-            "inner 1-bit optimizer ran on flat fp32 copies of each param group; fn imports the "
-            "state of a 1-bit optimizer run without the fp16 wrapper"
-        )
+        raise NotImplementedError(_FP16_WRAPPER)
     if set(state_dict) != {"state", "param_groups"}:
         raise ValueError(
             f"state_dict has keys {sorted(map(str, state_dict))}; a DeepSpeed optimizer state "
@@ -414,6 +411,12 @@ def _fields(
 
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
+_FP16_WRAPPER = (
+    "this is the state of DeepSpeed's fp16 optimizer wrapper (FP16_Optimizer), whose inner 1-bit "
+    "optimizer ran on flat fp32 copies of each param group; fn imports the state of a 1-bit "
+    "optimizer run without the fp16 wrapper"
+)
+_WEIGHTS_ONLY_REFUSAL = "Weights only load failed"  # how torch >= 1.13 words it
 
 
 def convert_checkpoint(
@@ -453,8 +456,14 @@ def convert_checkpoint(
 
     Raises:
         FileNotFoundError: no model states file.
-        ValueError: a ZeRO or model-parallel checkpoint, no usable config, or a checkpoint that
-            ``from_deepspeed`` cannot import (the message says why).
+        OSError: the model states file cannot be opened (permissions, an I/O error).
+        ValueError: a ZeRO or model-parallel checkpoint; a model states file that cannot be
+            read (corrupted or truncated), that holds objects a weights-only load refuses
+            (without ``trust``) or whose structure is not that of a 1-bit optimizer's model
+            states (no ``module``, an optimizer state without ``param_groups``, ...); no usable
+            config; or a checkpoint that ``from_deepspeed`` cannot import (the message says
+            why).
+        NotImplementedError: the optimizer state of DeepSpeed's fp16 wrapper.
 
     Example:
         A checkpoint of DeepSpeed's layout, saved before the first step:
@@ -516,19 +525,61 @@ def _load_model_states(path: str, trust: bool) -> dict[str, Any]:
     """The model states file at ``path``, which must hold the optimizer's state."""
     try:
         saved = torch.load(path, map_location="cpu", weights_only=not trust)
-    except Exception as err:  # torch raises UnpicklingError or RuntimeError, by version
-        if trust:
-            raise
+    except OSError:
+        raise
+    except Exception as err:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
+        # A weights-only load words its refusal the same way for a file it cannot parse at all;
+        # a refusal proper is of a whole archive, as torch.save writes it.
+        if not trust and _WEIGHTS_ONLY_REFUSAL in str(err) and zipfile.is_zipfile(path):
+            raise ValueError(
+                f"{path} holds objects that a weights-only load refuses ({err}); if the "
+                "checkpoint comes from a trusted source, convert it with --trust"
+            ) from err
+        if trust and isinstance(err, (ImportError, AttributeError)):
+            raise ValueError(f"{path} holds objects that cannot be unpickled here: {err}") from err
+        brief = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else "no data"
         raise ValueError(
-            f"{path} holds objects that a weights-only load refuses ({err}); if the checkpoint "
-            "comes from a trusted source, convert it with --trust"
+            f"{path} cannot be read: it is corrupted or truncated ({type(err).__name__}: {brief})"
         ) from err
-    if saved.get("optimizer") is None:
+    _check_model_states(path, saved)
+    return saved
+
+
+def _check_model_states(path: str, saved: Any) -> None:
+    """Raises ``ValueError`` unless ``saved`` has the structure of the model states of a 1-bit
+    optimizer run: a dict with the model's state dict (``module``) and the optimizer's."""
+
+    def refuse(what: str) -> ValueError:
+        return ValueError(
+            f"{path} is not a DeepSpeed model-states file of a 1-bit optimizer: {what}"
+        )
+
+    if not isinstance(saved, Mapping):
+        raise refuse(f"it holds a {type(saved).__name__}, not a dict")
+    if not isinstance(saved.get("module"), Mapping):
+        found = "no 'module'" if "module" not in saved else f"a {type(saved['module']).__name__}"
+        raise refuse(f"it has {found} where the model's state dict should be")
+    optimizer = saved.get("optimizer")
+    if optimizer is None:
         raise ValueError(
             f"{path} has no optimizer state: a ZeRO checkpoint (DeepSpeed's 1-bit optimizers ran "
             "without ZeRO) or one saved without its optimizer"
         )
-    return saved
+    if not isinstance(optimizer, Mapping):
+        raise refuse(f"its 'optimizer' is a {type(optimizer).__name__}, not a state dict")
+    if "optimizer_state_dict" in optimizer:
+        raise NotImplementedError(_FP16_WRAPPER)
+    missing = [key for key in ("state", "param_groups") if key not in optimizer]
+    if missing:
+        raise refuse(f"its optimizer state has no {' and no '.join(map(repr, missing))}")
+    if not isinstance(optimizer["state"], Mapping):
+        raise refuse(f"its optimizer's 'state' is a {type(optimizer['state']).__name__}")
+    groups = optimizer["param_groups"]
+    if not isinstance(groups, (list, tuple)) or not all(
+        isinstance(group, Mapping) and isinstance(group.get("params"), (list, tuple))
+        for group in groups
+    ):
+        raise refuse("its optimizer's 'param_groups' are not a list of dicts with 'params'")
 
 
 def _checkpoint_config(

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fn.app import _data, _report, demo
-from fn.app.cli import main
+from fn.app.cli import _parser, main
 from fn.app.launch import WorkerError
 from tests.app import ROOT, cli
 
@@ -48,6 +48,10 @@ def runs(tmp_path_factory):
                 proc.kill()
                 proc.wait()
     return done
+
+
+def _parse(argv: list[str]):
+    return _parser().parse_args(argv)
 
 
 def _rows(out: Path) -> dict[str, dict]:
@@ -168,12 +172,20 @@ def test_simulated_and_real_workers_agree(runs):
         (["--lr", "nan"], "--lr: must be a positive finite number"),
         (["--optimizers", "adam,sgd"], "unknown optimizer(s) sgd"),
         (["--workers", "1000"], "must be at most 64"),
+        (["--seed", str(2**63)], f"--seed: must be at most {2**40}, got {2**63}"),
+        (["--seed", "200000000000000"], f"--seed: must be at most {2**40}"),
+        (["--seed", str(-(2**40) - 1)], f"--seed: must be at least {-(2**40)}"),
+        (["--timeout", "0.001"], "--timeout: must be between 1 s and 604800 s (7 days), got 0.001"),
+        (["--timeout", "1e10"], "--timeout: must be between 1 s and 604800 s"),
+        (["--timeout", "1e14"], "--timeout: must be between 1 s and 604800 s"),
+        (["--simulate", "2", "--timeout", "60"], "--timeout: not allowed with argument --simulate"),
+        (["--timeout", "60", "--simulate", "2"], "--timeout: not allowed with argument --simulate"),
     ],
 )
 def test_bad_flags_exit_with_a_message(flags, message, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["demo", *flags])
-    assert exc.value.code != 0
+    assert exc.value.code == 2
     assert message in capsys.readouterr().err
 
 
@@ -186,6 +198,15 @@ def test_bad_flag_in_a_subprocess():
     assert "--workers: must be at least 1, got 0" in result.stderr
 
 
+@pytest.mark.parametrize("seed", [-(2**40), 2**40])
+def test_the_extreme_seeds_the_flag_accepts_draw_batches_on_every_rank(seed):
+    args = _parse(["demo", "--seed", str(seed), "--workers", "64"])
+    cfg = _config(seed=args.seed, world_size=64)
+    ranks = range(cfg.world_size)
+    x, y = demo._batches(cfg, demo._prepare_data(cfg, ranks), ranks)()
+    assert x.shape == (64, cfg.batch_size, cfg.context) and y.shape == (64, cfg.batch_size)
+
+
 def test_main_needs_a_command():
     with pytest.raises(SystemExit):
         main([])
@@ -196,6 +217,7 @@ def test_in_process_without_matplotlib_and_tqdm(tmp_path, capsys, monkeypatch):
     """The optional dependencies of the ``app`` extra: without them the demo still runs."""
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg", "tqdm"):
         monkeypatch.setitem(sys.modules, name, None)  # importing it now fails
+    (tmp_path / "loss.png").write_bytes(b"an earlier run's plot")
     threads = torch.get_num_threads()
     try:
         code = main(
@@ -216,6 +238,7 @@ def test_in_process_without_matplotlib_and_tqdm(tmp_path, capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert code == 0
     assert "no plot: matplotlib is not installed" in out
+    assert f"removed {tmp_path / 'loss.png'}, an earlier run's plot" in out
     assert not (tmp_path / "loss.png").exists()
     assert list(_rows(tmp_path)) == ["onebit_adam", "adam"]
     assert 'pip install "fn-optim[app]"' in err
@@ -269,6 +292,28 @@ def test_the_lr_hint_only_for_nonfinite_failures(error, hint, tmp_path, capsys, 
     err = capsys.readouterr().err
     assert f"error: training failed: {error}" in err
     assert ("a smaller --lr may help" in err) == hint
+
+
+def test_without_matplotlib_an_earlier_plot_is_removed_and_said(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    plot = tmp_path / "loss.png"
+    assert _report.plot_losses(plot, [], 10, "t") == (
+        "matplotlib is not installed (pip install matplotlib)"
+    )
+    plot.write_bytes(b"an earlier run's plot")
+    assert _report.plot_losses(plot, [], 10, "t") == (
+        f"matplotlib is not installed (pip install matplotlib); removed {plot}, an earlier run's "
+        "plot"
+    )
+    assert not plot.exists()
+
+
+def test_the_zero_one_adam_note_blames_its_local_steps_not_rounding():
+    apart = demo.OptimizerResult("zero_one_adam", [3.0], [(1, 3.0)], 2.5, 100, 1.0, False, 0.042)
+    (note,) = [line for line in demo.notes(_config(), [apart]) if "zero_one_adam" in line]
+    assert "rounding" not in note
+    assert "local steps between the 1-bit syncs" in note and "differ by design" in note
+    assert note.endswith("they ended 4.2e-02 apart at most")
 
 
 def test_table_ratios_and_text():

@@ -183,11 +183,14 @@ def _read_until(stream: TextIO, marker: str) -> None:
         seen += char
 
 
-def _start_training_demo(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+def _start_training_demo(
+    tmp_path: Path, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, list[int]]:
     """A long demo run, returned once its two gloo workers are training."""
     proc = subprocess.Popen(
         cli("demo", "--steps", "100000", "--optimizers", "adam", "--out", str(tmp_path)),
         cwd=ROOT,
+        env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -204,13 +207,26 @@ def _start_training_demo(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through /proc")
 @pytest.mark.timeout(300)  # the demo starts 3 interpreters first: slow on a busy machine
-def test_ctrl_c_stops_the_workers(tmp_path):
-    proc, workers = _start_training_demo(tmp_path)
+@pytest.mark.parametrize(
+    "sent, code, said",
+    [
+        (signal.SIGINT, 130, "interrupted: the workers were stopped"),  # Ctrl-C
+        # timeout(1), docker stop, a job scheduler: to the demo's process only
+        (signal.SIGTERM, 143, "terminated (SIGTERM): the workers were stopped"),
+    ],
+)
+def test_ctrl_c_and_sigterm_stop_the_workers_and_leave_no_files(sent, code, said, tmp_path):
+    temp = tmp_path / "tmp"  # where the launcher's stack files go
+    temp.mkdir()
+    proc, workers = _start_training_demo(tmp_path / "out", {**os.environ, "TMPDIR": str(temp)})
     try:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 130
-        assert "interrupted" in proc.stderr.read()
+        assert len(list(temp.glob("fn-stacks-*"))) == 1
+        proc.send_signal(sent)
+        assert proc.wait(timeout=30) == code
+        err = proc.stderr.read()  # to its end: the resource tracker's warnings too
+        assert said in err and "Traceback" not in err and "leaked" not in err
         assert not [p for p in workers if alive(p)]
+        assert not list(temp.glob("fn-stacks-*"))
     finally:
         if proc.poll() is None:
             proc.kill()

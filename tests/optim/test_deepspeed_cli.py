@@ -4,8 +4,11 @@ DeepSpeed 0.18.9's ``engine._save_checkpoint``), filled with a reference run's s
 
 from __future__ import annotations
 
+import argparse
 import functools
+import json
 import os
+import stat
 import warnings
 from pathlib import Path
 
@@ -165,3 +168,136 @@ def test_a_full_disk_names_the_error_and_leaves_nothing(tmp_path, capsys):
         out = small / "fn.pt"
         found = _failed_writes(tmp_path, out, functools.partial(filled, small), capsys)
     assert found == _expected(out, "[Errno 28] No space left on device", ["filler", "fn.pt"])
+
+
+def _model_states(save_dir: Path) -> Path:
+    return save_dir / "global_step10" / "mp_rank_00_model_states.pt"
+
+
+@pytest.mark.parametrize("trust", [False, True])
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage"])
+def test_an_unreadable_file_is_reported_as_corrupted_without_the_trust_hint(
+    damage, trust, tmp_path, capsys
+):
+    save_dir = _save_dir(tmp_path)
+    path = _model_states(save_dir)
+    whole = path.read_bytes()
+    path.write_bytes(
+        {"truncated": whole[: len(whole) // 2], "empty": b"", "garbage": b"xy" * 99}[damage]
+    )
+    out = tmp_path / "fn.pt"
+    flags = ["--trust"] if trust else []
+    assert main(["from-deepspeed", str(save_dir), str(out), *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path} cannot be read: it is corrupted or truncated (")
+    assert "--trust" not in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_a_weights_only_refusal_suggests_trust_which_converts(tmp_path, capsys):
+    save_dir = _save_dir(tmp_path)
+    path = _model_states(save_dir)
+    saved = torch.load(path, weights_only=True)
+    torch.save({**saved, "args": argparse.Namespace(seed=1)}, path)  # not a weights-only type
+    out = tmp_path / "fn.pt"
+    assert main(["from-deepspeed", str(save_dir), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "a weights-only load refuses" in err and "convert it with --trust" in err
+    assert main(["from-deepspeed", str(save_dir), str(out), "--trust"]) == 0
+    assert torch.load(out, weights_only=True)["step"] == 9
+
+
+@pytest.mark.parametrize(
+    "change, missing",
+    [
+        (lambda saved: torch.zeros(3), "it holds a Tensor, not a dict"),
+        (lambda saved: {k: v for k, v in saved.items() if k != "module"}, "it has no 'module'"),
+        (lambda saved: {**saved, "module": [1]}, "it has a list where the model's state dict"),
+        (lambda saved: {**saved, "optimizer": [1]}, "its 'optimizer' is a list, not a state dict"),
+        (
+            lambda saved: {**saved, "optimizer": {"state": {}}},
+            "its optimizer state has no 'param_groups'",
+        ),
+        (
+            lambda saved: {**saved, "optimizer": {"state": {}, "param_groups": [3]}},
+            "its optimizer's 'param_groups' are not a list of dicts with 'params'",
+        ),
+    ],
+)
+def test_an_unexpected_structure_says_what_is_missing(change, missing, tmp_path, capsys):
+    save_dir = _save_dir(tmp_path)
+    path = _model_states(save_dir)
+    torch.save(change(torch.load(path, weights_only=True)), path)
+    assert main(["from-deepspeed", str(save_dir), str(tmp_path / "fn.pt")]) == 1
+    err = capsys.readouterr().err
+    expected = f"error: {path} is not a DeepSpeed model-states file of a 1-bit optimizer: "
+    assert err.startswith(expected + missing), err
+    with pytest.raises(ValueError, match="is not a DeepSpeed model-states file"):
+        fn.optim.convert_checkpoint(save_dir)
+
+
+@pytest.mark.parametrize("out", [".", "", "folder", "folder/"])
+def test_an_out_that_is_a_directory_is_refused(out, tmp_path, monkeypatch, capsys):
+    save_dir = _save_dir(tmp_path)
+    (tmp_path / "folder").mkdir()
+    monkeypatch.chdir(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    assert main(["from-deepspeed", str(save_dir), out]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write {Path(out)}: it is a directory; OUT is the file")
+    assert err.endswith("; nothing was written\n")
+    assert sorted(os.listdir(tmp_path)) == before and not os.listdir(tmp_path / "folder")
+
+
+def test_an_out_symlink_writes_the_file_it_points_to(tmp_path, capsys):
+    save_dir = _save_dir(tmp_path)
+    (tmp_path / "real").mkdir()
+    target = tmp_path / "real" / "fn.pt"
+    target.write_text("an earlier file")
+    link = tmp_path / "link.pt"
+    link.symlink_to(Path("real") / "fn.pt")
+    assert main(["from-deepspeed", str(save_dir), str(link)]) == 0
+    assert f"wrote {link} (the file its link points to: {target})" in capsys.readouterr().out
+    assert link.is_symlink() and os.readlink(link) == str(Path("real") / "fn.pt")
+    assert torch.load(target, weights_only=True)["step"] == 9
+    assert sorted(os.listdir(tmp_path / "real")) == ["fn.pt"]  # no .partial left
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
+@pytest.mark.parametrize("through_link", [False, True])
+def test_an_out_that_is_not_a_regular_file_is_left_as_it_is(through_link, tmp_path, capsys):
+    save_dir = _save_dir(tmp_path)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    out = fifo
+    if through_link:
+        out = tmp_path / "link.pt"
+        out.symlink_to(fifo)
+    before = sorted(os.listdir(tmp_path))
+    assert main(["from-deepspeed", str(save_dir), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: cannot write {out}: it is a FIFO, not a regular file; it is left as it is; "
+        "nothing was written\n"
+    )
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and sorted(os.listdir(tmp_path)) == before
+    assert out.is_symlink() == through_link
+
+
+@pytest.mark.parametrize("which", ["model states", "hard link", "symlink", "latest", "config"])
+def test_an_out_that_the_conversion_reads_is_refused(which, tmp_path, capsys):
+    save_dir = _save_dir(tmp_path)
+    states = _model_states(save_dir)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({**RUN["config"], "train_batch_size": 8}))
+    out = {"model states": states, "latest": save_dir / "latest", "config": config}.get(which)
+    read = out
+    if which in ("hard link", "symlink"):
+        out, read = tmp_path / "other.pt", states
+        (out.hardlink_to if which == "hard link" else out.symlink_to)(states)
+    kept = read.read_bytes()
+    flags = ["--config", str(config)] if which == "config" else []
+    assert main(["from-deepspeed", str(save_dir), str(out), *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write {out}: it is a file the conversion reads (")
+    assert read.read_bytes() == kept
