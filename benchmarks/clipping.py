@@ -35,8 +35,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import freeze  # noqa: E402  (puts the repository on the path)
+from cluster import int_list  # noqa: E402
 
 import fn.fsdp  # noqa: E402
+from fn.app.examples import positive_int  # noqa: E402
 from fn.app.launch import spawn_gloo  # noqa: E402
 
 MODES = ("adamw", "adamw+clip", "onebit", "onebit+clip")
@@ -112,17 +114,17 @@ def table(results: dict, seeds: list[int]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", default="0,1")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--accumulate", type=int, default=2)
-    parser.add_argument("--spike-every", type=int, default=20)
+    parser.add_argument("--seeds", type=int_list(0), default="0,1", help="comma-separated")
+    parser.add_argument("--steps", type=positive_int, default=200)
+    parser.add_argument("--accumulate", type=positive_int, default=2)
+    parser.add_argument("--spike-every", type=positive_int, default=20)
     parser.add_argument("--spike", type=float, default=100.0)
     parser.add_argument("--max-norm", type=float, default=1.0)
     parser.add_argument("--freeze", type=float, default=0.15, help="freeze_step / steps")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--quick", action="store_true", help="a few steps: a smoke run")
     args = parser.parse_args(argv)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = args.seeds
     config = {
         "seeds": seeds,
         "steps": 12 if args.quick else args.steps,

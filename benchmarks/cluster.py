@@ -111,6 +111,27 @@ def parse_rate(rate: str) -> float | None:
     return bits
 
 
+def int_list(minimum: int = 1, empty: bool = False) -> Callable[[str], list[int]]:
+    """An argparse ``type`` shared by the benchmark scripts: a comma-separated list of integers,
+    each at least ``minimum``; ``""`` is the empty list when ``empty``, an error otherwise."""
+
+    def parse(text: str) -> list[int]:
+        words = text.split(",") if text else []
+        try:
+            values = [int(w) for w in words]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated integers, got {text!r}"
+            ) from None
+        if not values and not empty:
+            raise argparse.ArgumentTypeError("expected at least one integer, got ''")
+        if any(v < minimum for v in values):
+            raise argparse.ArgumentTypeError(f"each must be at least {minimum}, got {text!r}")
+        return values
+
+    return parse
+
+
 def parse_sizes(text: str) -> list[int]:
     """``"20-25"`` or ``"20,22,24"`` -> log2 buffer sizes."""
     if re.fullmatch(r"\d+-\d+", text):

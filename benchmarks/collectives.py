@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # this script's folder is on sys.path when it runs
 from cluster import tuning_anywhere  # noqa: E402
 
+from fn.app.examples import positive_int  # noqa: E402
 from fn.collectives import (  # noqa: E402
     ProcessGroup,
     Simulated,
@@ -172,15 +173,20 @@ def wall_times(n: int, repeats: int, world: int = WORLD, backend: str = "gloo") 
     return outs[0]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--log2n", type=int, default=22)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--log2n", type=int, default=22, help="2^LOG2N fp32 per rank, 0..34")
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     parser.add_argument(
-        "--world", type=int, default=None, help="ranks (default: 4 for gloo, the GPUs for nccl)"
+        "--world",
+        type=positive_int,
+        default=None,
+        help="ranks (default: 4 for gloo, the GPUs for nccl)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not 0 <= args.log2n <= 34:
+        parser.error(f"--log2n must be within 0..34, got {args.log2n}")
     world = args.world or (torch.cuda.device_count() if args.backend == "nccl" else WORLD)
     if args.backend == "nccl" and not 1 <= world <= torch.cuda.device_count():
         parser.error(f"--backend nccl needs one GPU per rank; {torch.cuda.device_count()} here")

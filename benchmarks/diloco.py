@@ -44,7 +44,11 @@ sys.path.insert(0, REPO)
 import fn  # noqa: E402
 import fn.diloco  # noqa: E402
 from fn.app import _data, demo  # noqa: E402
+from fn.app.examples import positive_int  # noqa: E402
 from fn.collectives import Simulated, replicate, simulate  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import int_list  # noqa: E402
 
 WORKERS = 4
 CHUNK = 4096
@@ -55,19 +59,27 @@ HELDOUT_WINDOWS = 1024
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--sync-every", default="15,30", help="H values, comma-separated")
-    p.add_argument("--seeds", default="0")
-    p.add_argument("--steps", type=int, default=900, help="inner steps (a multiple of every H)")
-    p.add_argument("--densities", default="32,64,128", help="top-k densities 1/D")
+    p.add_argument("--sync-every", type=int_list(), help="H values, comma-separated (15,30)")
+    p.add_argument("--seeds", type=int_list(0), help="comma-separated (0)")
+    p.add_argument("--steps", type=positive_int, help="inner steps, a multiple of every H (900)")
+    p.add_argument("--densities", type=int_list(), help="top-k densities 1/D (32,64,128)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW's lr (inner and DDP)")
-    p.add_argument("--batch", type=int, default=32, help="windows per worker per step")
-    p.add_argument("--quick", action="store_true", help="a smoke test: 30 steps, H 15, D 64")
+    p.add_argument("--batch", type=positive_int, default=32, help="windows per worker per step")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke test: 30 steps, H 15, D 64, seed 0 (not with those four flags)",
+    )
     args = p.parse_args(argv)
+    defaults = {"steps": 900, "sync_every": [15, 30], "seeds": [0], "densities": [32, 64, 128]}
     if args.quick:
-        args.steps, args.sync_every, args.densities, args.seeds = 30, "15", "64", "0"
-    args.sync_every = [int(h) for h in args.sync_every.split(",")]
-    args.seeds = [int(s) for s in args.seeds.split(",")]
-    args.densities = [int(d) for d in args.densities.split(",")]
+        given = [f"--{k.replace('_', '-')}" for k in defaults if getattr(args, k) is not None]
+        if given:
+            p.error(f"{', '.join(given)}: not with --quick (it sets its own)")
+        defaults = {"steps": 30, "sync_every": [15], "seeds": [0], "densities": [64]}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     bad = [h for h in args.sync_every if args.steps % h]
     if bad:
         p.error(f"--steps {args.steps} is not a multiple of --sync-every {bad}")

@@ -41,19 +41,34 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fn.diloco  # noqa: E402
+from fn.app.examples import positive_int  # noqa: E402
 from fn.app.launch import spawn_gloo  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import int_list  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--params", type=float, default=4e6, help="about this many parameters")
-    p.add_argument("--sync-every", type=int, default=16, help="H, inner steps per round")
-    p.add_argument("--fragments", type=int, default=4, help="P of the streaming rows")
-    p.add_argument("--delays", default="1,3", help="tau of the delayed rows, comma-separated")
-    p.add_argument("--rounds", type=int, default=3, help="measured rounds of H inner steps")
-    p.add_argument("--batch", type=int, default=32, help="rows per inner step")
+    p.add_argument("--sync-every", type=positive_int, default=16, help="H, inner steps per round")
+    p.add_argument("--fragments", type=positive_int, default=4, help="P of the streaming rows")
+    p.add_argument(
+        "--delays", type=int_list(), default="1,3", help="tau of the delayed rows, comma-separated"
+    )
+    p.add_argument(
+        "--rounds", type=positive_int, default=3, help="measured rounds of H inner steps"
+    )
+    p.add_argument("--batch", type=positive_int, default=32, help="rows per inner step")
     p.add_argument("--timeout", type=float, default=900, help="seconds for the whole run")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.params < 1:
+        p.error(f"--params must be at least 1, got {args.params:g}")
+    if max(args.delays) >= args.sync_every // args.fragments:
+        p.error("--delays must be below --sync-every / --fragments (DiLoCo's bound on tau)")
+    if args.timeout <= 0:
+        p.error(f"--timeout must be positive, got {args.timeout:g}")
+    return args
 
 
 def settings(args: argparse.Namespace) -> list[tuple[str, dict]]:
@@ -63,7 +78,7 @@ def settings(args: argparse.Namespace) -> list[tuple[str, dict]]:
         ("DiLoCo (P=1, tau=0)", {"sync_every": h}),
         (f"streaming (P={p}, tau=0)", {"sync_every": h, "fragments": p}),
     ]
-    for tau in (int(x) for x in args.delays.split(",")):
+    for tau in args.delays:
         rows.append(
             (f"streaming (P={p}, tau={tau})", {"sync_every": h, "fragments": p, "delay": tau})
         )
@@ -146,7 +161,7 @@ def hidden(first: dict, args: argparse.Namespace) -> str:
     p = args.fragments
     undelayed = first[f"streaming (P={p}, tau=0)"]["blocked"]
     lines = []
-    for tau in (int(x) for x in args.delays.split(",")):
+    for tau in args.delays:
         r = first[f"streaming (P={p}, tau={tau})"]
         share = 1 - r["blocked"] / undelayed
         cover = tau * r["step"] / (undelayed / p)

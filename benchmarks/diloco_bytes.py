@@ -37,8 +37,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fn.diloco  # noqa: E402
+from fn.app.examples import positive_int  # noqa: E402
 from fn.base import GradientTransformation  # noqa: E402
 from fn.collectives import Simulated, replicate, simulate  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import int_list  # noqa: E402
 
 
 class Counting(Simulated):
@@ -94,13 +98,24 @@ def rows(world_size: int, numel: int, chunk: int, density: int, server: tuple = 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--numel", type=int, default=2**20)
-    p.add_argument("--chunk", type=int, default=4096)
-    p.add_argument("--densities", default="32,128", help="1/d of the values kept, d per entry")
-    p.add_argument("--workers", default="4,16,64")
-    p.add_argument("--server", default="4", help="M of the owners keeping M k values (or '')")
+    p.add_argument("--numel", type=positive_int, default=2**20)
+    p.add_argument("--chunk", type=positive_int, default=4096, help="a power of two, 2..2^16")
+    p.add_argument(
+        "--densities", type=int_list(), default="32,128", help="1/d of the values kept, d per entry"
+    )
+    p.add_argument("--workers", type=int_list(), default="4,16,64")
+    p.add_argument(
+        "--server",
+        type=int_list(empty=True),
+        default="4",
+        help="M of the owners keeping M k values (or '')",
+    )
     args = p.parse_args(argv)
-    server = tuple(int(m) for m in args.server.split(",") if m)
+    if not 2 <= args.chunk <= 2**16 or args.chunk & (args.chunk - 1):
+        p.error(f"--chunk must be a power of two from 2 to 2^16, got {args.chunk}")
+    if max(args.densities) > args.chunk:
+        p.error(f"--densities must be at most --chunk ({args.chunk}), got {max(args.densities)}")
+    server = tuple(args.server)
     torch.set_num_threads(1)
     print(f"{args.numel} fp32 values, chunks of {args.chunk}; bytes per worker per outer step")
     print(
@@ -108,8 +123,8 @@ def main(argv=None) -> None:
     )
     print("|---|---|---|---|---|---|---|")
     owners = {}
-    for density in (int(d) for d in args.densities.split(",")):
-        for w in (int(x) for x in args.workers.split(",")):
+    for density in args.densities:
+        for w in args.workers:
             result = rows(w, args.numel, args.chunk, density, server)
             dense = sum(result["dense fp32 ring"][:2])
             for name, (sent, received, calls) in result.items():

@@ -46,6 +46,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fn.kernels as K  # noqa: E402
+from fn.app.examples import positive_int  # noqa: E402
 from fn.kernels import _reference  # noqa: E402
 
 _COPY = "y.copy_(x) (copy bandwidth)"
@@ -124,7 +125,7 @@ def _cases(x: torch.Tensor, e: torch.Tensor, group_size: int, reference: bool):
     return cases
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--sizes",
@@ -134,10 +135,13 @@ def main() -> None:
         help="log2 of the element counts (default 20..26)",
     )
     parser.add_argument("--device", default="cpu", help="cpu, cuda, xpu, ... (default cpu)")
-    parser.add_argument("--repeat", type=int, default=7, help="timed calls per case")
-    parser.add_argument("--group-size", type=int, default=2048, help="quantize group size")
+    parser.add_argument("--repeat", type=positive_int, default=7, help="timed calls per case")
+    parser.add_argument("--group-size", type=positive_int, default=2048, help="quantize group size")
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)"
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch.set_num_threads (default: torch's)",
     )
     parser.add_argument(
         "--reference", action="store_true", help="also time the pure-torch reference sign_compress"
@@ -145,7 +149,11 @@ def main() -> None:
     parser.add_argument(
         "--kernels", default=None, help="kernel set of the device (default: its default set)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if min(args.sizes) < 3 or max(args.sizes) > 40:
+        parser.error(f"--sizes must be log2 counts within 3..40, got {args.sizes}")
+    if (1 << min(args.sizes)) % args.group_size:
+        parser.error(f"--group-size {args.group_size} must divide every size's count")
 
     if args.threads:
         torch.set_num_threads(args.threads)

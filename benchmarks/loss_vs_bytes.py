@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--results", type=Path, help="a demo's results.json (default: run it)")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "_static" / "loss-vs-bytes.png")
     args = parser.parse_args(argv)
+    if args.results is not None and not args.results.is_file():
+        parser.error(f"--results: no such file: {args.results}")
     with tempfile.TemporaryDirectory() as tmp:
         source = args.results or run_demo(Path(tmp))
         results = json.loads(source.read_text())

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fn  # noqa: E402
 import fn.optim  # noqa: E402
+from fn.app.examples import positive_int  # noqa: E402
 from fn.collectives import Local  # noqa: E402
 from tests._mirror import Mirror  # noqa: E402
 
@@ -79,14 +80,14 @@ def functional_onebit_step(model: torch.nn.Module) -> Callable[[], None]:
     return step
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    args = parser.parse_args()
+    parser.add_argument("--layers", type=positive_int, default=32)
+    parser.add_argument("--width", type=positive_int, default=256)
+    parser.add_argument("--steps", type=positive_int, default=50)
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+    args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
