@@ -35,6 +35,7 @@ def main() -> None:
         per_device_train_batch_size=args.batch_size,
         logging_steps=max(1, args.max_steps // 4),
         report_to=[],
+        ddp_find_unused_parameters=False,  # every param gets a gradient (no DDP warning)
         seed=0,
         dataloader_num_workers=0,
         use_cpu=not torch.accelerator.is_available(),  # gloo ranks on a machine without GPUs

@@ -241,7 +241,11 @@ def tiny_gpt2(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     no_dropout = {f"{part}_pdrop": 0.0 for part in ("resid", "embd", "attn")}  # runs repeat
     shape = {"n_embd": 32, "n_layer": 2, "n_head": 2}
-    config = GPT2Config(vocab_size=GPT2_VOCAB, n_positions=GPT2_CONTEXT, **shape, **no_dropout)
+    # GPT-2's bos/eos ids (50256) lie outside this vocabulary; they only configure generation
+    tokens = {"bos_token_id": GPT2_VOCAB - 1, "eos_token_id": GPT2_VOCAB - 1}
+    config = GPT2Config(
+        vocab_size=GPT2_VOCAB, n_positions=GPT2_CONTEXT, **shape, **no_dropout, **tokens
+    )
     return GPT2LMHeadModel(config)
 
 

@@ -91,7 +91,8 @@ def register(ddp_model: DistributedDataParallel, optimizer: OnebitFamily) -> Non
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel``, or ``optimizer`` is not of
             the 1-bit family (for another optimizer use ``fn.ddp.onebit_hook`` or
             ``fn.ddp.loco_hook``).
-        RuntimeError: the optimizer was registered already, or the model has a comm hook.
+        RuntimeError: the optimizer was registered with another DDP model already, or the
+            model has a comm hook. Registering it again with the same model does nothing.
         ValueError: the params or the world sizes differ.
 
     Example:
@@ -125,7 +126,14 @@ def register(ddp_model: DistributedDataParallel, optimizer: OnebitFamily) -> Non
             "fn.ddp.loco_hook with ddp_model.register_comm_hook)"
         )
     if optimizer.takes_averaged_grads:
-        raise RuntimeError("fn.ddp.register: this optimizer is registered with a DDP model already")
+        if any(
+            isinstance(state, _Schedule) and state.optimizer is optimizer
+            for _, state in ddp_model._comm_hooks
+        ):
+            return  # this model already: e.g. a second Trainer.train() on the same DDP model
+        raise RuntimeError(
+            "fn.ddp.register: this optimizer is registered with another DDP model already"
+        )
     if ddp_model._comm_hooks:
         raise RuntimeError(
             "fn.ddp.register: ddp_model has a comm hook already (DDP takes one hook per model)"

@@ -50,7 +50,10 @@ def attach(
         The handle of the save-state hook (``handle.remove()`` detaches it).
 
     Raises:
-        TypeError: ``optimizer`` does not hold an ``fn.optim`` optimizer.
+        TypeError: ``optimizer`` does not hold an ``fn.optim`` optimizer, or ``model`` is not
+            DDP-wrapped while Accelerate runs several processes with DDP (``attach`` was called
+            before ``accelerator.prepare``, or with the model that ``prepare`` was given rather
+            than the one it returned): raised on every rank.
         NotImplementedError: (from ``accelerator.save_state()``, on every rank, nothing saved)
             ``ProjectConfiguration(save_on_each_node=True)`` on several nodes: each node's
             first rank would write an optimizer state, and only rank 0's holds every rank's
@@ -72,7 +75,15 @@ def attach(
         >>> handle.remove()
     """
     fn_optimizer = unwrap_optimizer(optimizer)
-    register_ddp(model, fn_optimizer)
+    if not register_ddp(model, fn_optimizer) and _wraps_in_ddp(accelerator):
+        raise TypeError(
+            "fn.integrations.accelerate.attach: the model is not the DistributedDataParallel "
+            f"module that accelerator.prepare returns (got {type(model).__name__}) while "
+            f"Accelerate runs {accelerator.num_processes} processes with DDP: call "
+            "accelerator.prepare(model, optimizer, ...) first, then attach(accelerator, model, "
+            "optimizer) with the model and optimizer it returned (else DDP averages every "
+            "gradient densely all run)"
+        )
     if max_steps is not None:
         fn_optimizer.warn_if_never_compressed(max_steps, "max_steps")
 
@@ -82,6 +93,13 @@ def attach(
         fn_optimizer.gather_error_feedback()
 
     return accelerator.register_save_state_pre_hook(gather_before_save)
+
+
+def _wraps_in_ddp(accelerator: Any) -> bool:
+    """Whether ``accelerator.prepare`` wraps a model in ``DistributedDataParallel`` (several
+    processes, a ``MULTI_*`` distributed type: not FSDP, DeepSpeed or Megatron)."""
+    kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
+    return accelerator.num_processes > 1 and kind.startswith("MULTI_")
 
 
 def _check_one_writer(accelerator: Any) -> None:

@@ -31,7 +31,10 @@ class FnTrainerCallback(TrainerCallback):
       rank 0 (``gather_error_feedback``), so the optimizer state that rank 0 saves alone resumes
       every rank bit for bit. The Trainer decides to save at the end of a step
       (``save_strategy="steps"``), of an epoch (``"epoch"``), or after an evaluation that found
-      a new best metric (``"best"``: the gather then follows every evaluation).
+      a new best metric (``"best"``: the gather then follows every evaluation); any callback
+      may also set ``control.should_save`` in ``on_step_end``, ``on_epoch_end``, ``on_log`` or
+      ``on_evaluate`` (the same on every rank: the gather is a collective). This callback
+      moves itself after every other at train begin, so it sees those requests.
 
     The Trainer's ``max_grad_norm`` (``clip_grad_norm_`` on ``.grad`` before every step) is left
     as it is: it acts on the averaged gradient in the warmup and on each rank's local gradient,
@@ -56,10 +59,23 @@ class FnTrainerCallback(TrainerCallback):
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
+        self._gathered_step: int | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Registers the DDP-wrapped model with the optimizer; warns if the compressed phase
-        would never start within ``state.max_steps``."""
+        """Moves this callback after every other one, registers the DDP-wrapped model with the
+        optimizer, and warns if the compressed phase would never start within
+        ``state.max_steps``."""
+        # Where the gather goes: the Trainer saves in _maybe_log_save_evaluate, which follows
+        # on_step_end (or on_epoch_end) and runs, in order, on_log (when it logs), on_evaluate
+        # (when it evaluates), the "best" decision, then _save_checkpoint (rank 0 alone writes
+        # the optimizer state; every rank gets there). Any callback may set should_save in any
+        # of these events, so the gather runs in each of them where should_save is set, and this
+        # callback runs last in each: here it moves to the end of the handler's list (callbacks
+        # added after attach() included). A new list, not an in-place move: call_event is
+        # iterating over the old one now.
+        handler = self.trainer.callback_handler
+        handler.callbacks = [c for c in handler.callbacks if c is not self] + [self]
+        self._gathered_step = None
         optimizer = unwrap_optimizer(self.trainer.optimizer)
         register_ddp(self.trainer.model_wrapped, optimizer)
         if state.max_steps > 0:
@@ -67,22 +83,26 @@ class FnTrainerCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Gathers the error feedback into rank 0's optimizer state before a checkpoint."""
-        if control.should_save:
-            self._gather()
+        self._gather_if_saving(state, control)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """As :meth:`on_step_end`: ``save_strategy="epoch"`` decides at the end of an epoch."""
-        if control.should_save:
-            self._gather()
+        self._gather_if_saving(state, control)
+
+    def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """As :meth:`on_step_end`, for a save that a callback requests when the Trainer logs."""
+        self._gather_if_saving(state, control)
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Gathers the error feedback where the Trainer saves a new best metric's checkpoint
-        (``save_strategy="best"``), decided after this callback."""
-        if args.save_strategy == "best":
-            self._gather()
+        """As :meth:`on_step_end`; with ``save_strategy="best"`` always, since the Trainer
+        decides to save a new best metric's checkpoint after this callback."""
+        self._gather_if_saving(state, control, always=args.save_strategy == "best")
 
-    def _gather(self) -> None:
-        unwrap_optimizer(self.trainer.optimizer).gather_error_feedback()
+    def _gather_if_saving(self, state: Any, control: Any, *, always: bool = False) -> None:
+        # once per update: the error feedback changes only in optimizer.step()
+        if (always or control.should_save) and self._gathered_step != state.global_step:
+            unwrap_optimizer(self.trainer.optimizer).gather_error_feedback()
+            self._gathered_step = state.global_step
 
 
 def attach(trainer: Trainer) -> FnTrainerCallback:

@@ -364,6 +364,14 @@ def _misuse_worker(rank, world_size):
         fn.ddp.register(DDP(model), opt)
         fn.ddp.register(DDP(model), opt)
 
+    def same_model_twice():
+        model = DDP(make_model())
+        opt = adam(model.module)
+        fn.ddp.register(model, opt)
+        fn.ddp.register(model, opt)  # a no-op (e.g. a second Trainer.train())
+        if len(model._comm_hooks) != 1:
+            raise AssertionError(f"{len(model._comm_hooks)} comm hooks")
+
     def hooked_model():
         model = DDP(make_model())
         model.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -392,6 +400,7 @@ def _misuse_worker(rank, world_size):
             )
         ),
         "twice": _error(twice),
+        "same model twice": _error(same_model_twice),
         "hooked model": _error(hooked_model),
         "other params": _error(other_params),
         "fewer params": _error(fewer_params),
@@ -411,7 +420,7 @@ def test_misuse_accumulation_and_mixed_phases(two_ranks):
         "plain model": ("TypeError", "must be a DistributedDataParallel"),
         "torch optimizer": ("TypeError", "got AdamW"),
         "functional optimizer": ("TypeError", "got FunctionalOptimizer"),
-        "twice": ("RuntimeError", "registered with a DDP model already"),
+        "twice": ("RuntimeError", "registered with another DDP model already"),
         "hooked model": ("RuntimeError", "has a comm hook already"),
         "other params": ("ValueError", "4 of the optimizer's 4 params are not in the model"),
         "fewer params": (
@@ -421,6 +430,7 @@ def test_misuse_accumulation_and_mixed_phases(two_ranks):
         "local comm": ("ValueError", "world_size 1, DDP's process group 2"),
     }
     for result in results:
+        assert result["errors"]["same model twice"] is None, result["errors"]
         for case, (kind, message) in expected.items():
             got = result["errors"][case]
             assert got is not None and got[0] == kind and message in got[1], (case, got)

@@ -76,7 +76,7 @@ def test_trainer_attach_rejects_a_torch_optimizer(tmp_path):
         attach(trainer)
 
 
-@pytest.mark.parametrize("strategy", ["steps", "epoch", "best"])
+@pytest.mark.parametrize("strategy", ["steps", "epoch", "best", "callback"])
 def test_trainer_attach_gathers_before_every_checkpoint(tmp_path, strategy):
     transformers = pytest.importorskip("transformers", reason="in the 'integrations' extra")
     from fn.integrations.transformers import attach
@@ -95,14 +95,25 @@ def test_trainer_attach_gathers_before_every_checkpoint(tmp_path, strategy):
         def on_save(self, args, state, control, **kwargs):
             events.append(("saved", state.global_step))
 
+    class RequestsSaves(transformers.TrainerCallback):  # added after attach(), e.g. preemption
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_save = control.should_save or state.global_step == 3
+
+        def on_log(self, args, state, control, **kwargs):
+            control.should_save = control.should_save or state.global_step == 5
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            control.should_save = control.should_save or state.global_step == 6
+
     torch.manual_seed(0)
     model = Model()
     data = [{"x": torch.randn(4), "labels": torch.zeros(1)} for _ in range(8)]
     args = transformers.TrainingArguments(
-        tmp_path, per_device_train_batch_size=2, num_train_epochs=2, save_strategy=strategy,
-        save_steps=3, eval_strategy="no" if strategy != "best" else "steps", eval_steps=2,
+        tmp_path, per_device_train_batch_size=2, num_train_epochs=2,
+        save_strategy="no" if strategy == "callback" else strategy, save_steps=3,
+        eval_strategy="steps" if strategy in ("best", "callback") else "no", eval_steps=2,
         metric_for_best_model="loss" if strategy == "best" else None, use_cpu=True,
-        report_to=[], disable_tqdm=True,
+        report_to=[], disable_tqdm=True, logging_steps=1,
     )  # fmt: skip
     opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2, comm=Local())
     opt.gather_error_feedback = lambda: events.append(("gathered", None))
@@ -111,9 +122,13 @@ def test_trainer_attach_gathers_before_every_checkpoint(tmp_path, strategy):
     )
     attach(trainer)
     trainer.add_callback(Saves())
+    if strategy == "callback":
+        trainer.add_callback(RequestsSaves())
     trainer.train()
     saves = [i for i, event in enumerate(events) if event[0] == "saved"]
     assert saves, events
+    if strategy == "callback":  # requested in on_step_end, on_log, on_evaluate
+        assert [events[i][1] for i in saves] == [3, 5, 6], events
     for i in saves:  # the event just before every save is a gather
         assert events[i - 1][0] == "gathered", events
 
@@ -135,7 +150,7 @@ def test_trainer_attach_without_an_optimizer_says_to_pass_one(tmp_path):
 
 def _save_on_each_node_worker(rank: int, world_size: int, root: str) -> dict:
     """Two ranks, each its node's first (two nodes of one rank): ``save_state`` with
-    ``save_on_each_node`` and without."""
+    ``save_on_each_node`` and without; ``attach`` before ``prepare`` refused."""
     del world_size
     import os
 
@@ -150,6 +165,11 @@ def _save_on_each_node_worker(rank: int, world_size: int, root: str) -> dict:
         accelerator = accelerate.Accelerator(cpu=True, project_config=config)
         model = torch.nn.Linear(3, 2)
         opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+        try:  # before prepare: refused (DDP would average densely all run)
+            attach(accelerator, model, opt)
+            out[each, "unprepared"] = None
+        except TypeError as error:
+            out[each, "unprepared"] = str(error)
         model, opt = accelerator.prepare(model, opt)
         attach(accelerator, model, opt)
         model(torch.ones(1, 3)).sum().backward()
@@ -166,12 +186,16 @@ def _save_on_each_node_worker(rank: int, world_size: int, root: str) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(200)
-def test_accelerate_refuses_save_on_each_node_across_nodes(tmp_path):
+def test_accelerate_refuses_save_on_each_node_across_nodes_and_attach_before_prepare(tmp_path):
     pytest.importorskip("accelerate", reason="accelerate is in the 'integrations' extra")
     from tests._distributed import run_distributed
 
     outs = run_distributed(_save_on_each_node_worker, 2, str(tmp_path), timeout=180)
     for rank, out in enumerate(outs):
+        for each in (True, False):
+            assert "call accelerator.prepare(model, optimizer, ...) first" in (
+                out[each, "unprepared"] or ""
+            ), out
         assert "save_on_each_node=True on 2 nodes is not built" in out[True], out
         assert not any(name.startswith("optimizer") for name in out[True, "files"]), out
         assert out[False] == "saved", out
