@@ -256,7 +256,8 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             fn.NonFiniteError: ``nonfinite="raise"`` and a gradient is non-finite on some
                 rank, or a group's averaged gradient overflows (on every rank). Nothing was
                 changed.
-            ValueError: an invalid hyperparameter in ``param_groups``, a gradient the optimizer
+            ValueError: an invalid hyperparameter in ``param_groups`` (also a group lr that a
+                transform scheduling its own ignores), a gradient the optimizer
                 cannot take (sparse) on some rank (on every rank), or (at the first step after
                 building or ``load_state_dict``) ranks whose step counts, hyperparameters or
                 params differ. Nothing was changed.
