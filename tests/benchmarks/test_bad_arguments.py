@@ -3,6 +3,7 @@ each parser runs in this process, before any work starts."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -11,10 +12,21 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "benchmarks")
-if BENCH not in sys.path:  # as when a script runs: its folder first on the path (cluster.py)
-    sys.path.insert(0, BENCH)
 
 _MODULES: dict[str, object] = {}
+
+
+@contextlib.contextmanager
+def _as_a_script():
+    """The scripts' folder first on the path, as when a script runs (it imports cluster.py),
+    and the path as it was afterwards: left there, ``benchmarks/torchtitan.py`` would pass for
+    torchtitan in every later test of this process."""
+    saved = list(sys.path)
+    sys.path.insert(0, BENCH)
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
 
 
 def _load(name):
@@ -22,7 +34,8 @@ def _load(name):
         path = os.path.join(BENCH, f"{name}.py")
         spec = importlib.util.spec_from_file_location(f"_bench_args_{name}", path)
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        with _as_a_script():
+            spec.loader.exec_module(module)
         _MODULES[name] = module
     return _MODULES[name]
 
@@ -58,7 +71,7 @@ CASES = [
     "script, entry, argv, message", CASES, ids=[f"{c[0]} {' '.join(c[2])}" for c in CASES]
 )
 def test_bad_argument_is_a_parser_error(script, entry, argv, message, capsys):
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(SystemExit) as stop, _as_a_script():
         getattr(_load(script), entry)(argv)
     assert stop.value.code == 2
     err = capsys.readouterr().err
@@ -77,6 +90,13 @@ def test_diloco_quick_and_defaults_still_parse():
         [32, 64, 128],
         [0, 1],
     )
+
+
+def test_the_path_is_left_as_it_was():
+    _load("diloco")
+    assert BENCH not in sys.path
+    found = importlib.util.find_spec("torchtitan")
+    assert found is None or not found.origin.startswith(BENCH)
 
 
 def test_int_list_reads_empty_only_where_allowed():
