@@ -20,6 +20,8 @@ launch choose their own.
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,16 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
         if _missing_optional(collection_path):
             return True
     return None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _import_path_restored() -> Iterator[None]:
+    """``sys.path`` as it was before each test file, after it: a benchmark script loaded in a
+    test puts ``benchmarks/`` first on the path, as when it runs, and left there its
+    ``torchtitan.py`` would pass for the torchtitan package in every later file of the worker."""
+    saved = list(sys.path)
+    yield
+    sys.path[:] = saved
 
 
 def pytest_configure(config: pytest.Config) -> None:

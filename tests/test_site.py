@@ -386,7 +386,7 @@ def test_front_page_shows_an_example_the_figure_the_install_and_when_to_use_fn(s
     # When fn helps, when it does not, and where the figures come from.
     for phrase in ("fn helps", "slow links", "does not help", "NVLink", "CPU VMs with gloo"):
         assert phrase in text, phrase
-    assert "not yet measured on hardware" in text
+    assert "On GPUs only the kernels are measured" in text
     assert 'href="troubleshooting.html"' in page
 
 
