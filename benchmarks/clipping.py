@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import freeze  # noqa: E402  (puts the repository on the path)
-from cluster import int_list  # noqa: E402
+from cluster import int_list, parse_with_quick  # noqa: E402
 
 import fn.fsdp  # noqa: E402
 from fn.app.examples import positive_int  # noqa: E402
@@ -122,14 +122,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-norm", type=float, default=1.0)
     parser.add_argument("--freeze", type=float, default=0.15, help="freeze_step / steps")
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--quick", action="store_true", help="a few steps: a smoke run")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: --steps 12 --spike-every 5 unless given"
+    )
+    args = parse_with_quick(parser, argv, {"steps": 12, "spike_every": 5})
     seeds = args.seeds
     config = {
         "seeds": seeds,
-        "steps": 12 if args.quick else args.steps,
+        "steps": args.steps,
         "accumulate": args.accumulate,
-        "spike_every": 5 if args.quick else args.spike_every,
+        "spike_every": args.spike_every,
         "spike": args.spike,
         "max_norm": args.max_norm,
         "freeze": args.freeze,

@@ -132,6 +132,24 @@ def int_list(minimum: int = 1, empty: bool = False) -> Callable[[str], list[int]
     return parse
 
 
+def parse_with_quick(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None, quick: dict[str, object]
+) -> argparse.Namespace:
+    """``parser.parse_args(argv)``; with ``--quick``, each of ``quick``'s settings stands in for
+    its option's default, while an option the command line gives keeps its value (even one
+    equal to the default). The scripts' one rule for ``--quick`` (the values in ``quick`` are
+    what the option's ``type`` would return)."""
+    args = parser.parse_args(argv)
+    if args.quick:
+        absent = object()  # a default no command line can give
+        parser.set_defaults(**dict.fromkeys(quick, absent))
+        given = parser.parse_args(argv)
+        for name, value in quick.items():
+            if getattr(given, name) is absent:
+                setattr(args, name, value)
+    return args
+
+
 def parse_sizes(text: str) -> list[int]:
     """``"20-25"`` or ``"20,22,24"`` -> log2 buffer sizes."""
     if re.fullmatch(r"\d+-\d+", text):

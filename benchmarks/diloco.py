@@ -48,7 +48,7 @@ from fn.app.examples import positive_int  # noqa: E402
 from fn.collectives import Simulated, replicate, simulate  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster import int_list  # noqa: E402
+from cluster import int_list, parse_with_quick  # noqa: E402
 
 WORKERS = 4
 CHUNK = 4096
@@ -59,27 +59,23 @@ HELDOUT_WINDOWS = 1024
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--sync-every", type=int_list(), help="H values, comma-separated (15,30)")
-    p.add_argument("--seeds", type=int_list(0), help="comma-separated (0)")
-    p.add_argument("--steps", type=positive_int, help="inner steps, a multiple of every H (900)")
-    p.add_argument("--densities", type=int_list(), help="top-k densities 1/D (32,64,128)")
+    p.add_argument("--sync-every", type=int_list(), default="15,30", help="H values (15,30)")
+    p.add_argument("--seeds", type=int_list(0), default="0", help="comma-separated (0)")
+    p.add_argument(
+        "--steps", type=positive_int, default=900, help="inner steps, a multiple of every H (900)"
+    )
+    p.add_argument(
+        "--densities", type=int_list(), default="32,64,128", help="top-k densities 1/D (32,64,128)"
+    )
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW's lr (inner and DDP)")
     p.add_argument("--batch", type=positive_int, default=32, help="windows per worker per step")
     p.add_argument(
         "--quick",
         action="store_true",
-        help="a smoke test: 30 steps, H 15, D 64, seed 0 (not with those four flags)",
+        help="a smoke test: 30 steps, H 15, D 64, seed 0 (where those four flags are not given)",
     )
-    args = p.parse_args(argv)
-    defaults = {"steps": 900, "sync_every": [15, 30], "seeds": [0], "densities": [32, 64, 128]}
-    if args.quick:
-        given = [f"--{k.replace('_', '-')}" for k in defaults if getattr(args, k) is not None]
-        if given:
-            p.error(f"{', '.join(given)}: not with --quick (it sets its own)")
-        defaults = {"steps": 30, "sync_every": [15], "seeds": [0], "densities": [64]}
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    quick = {"steps": 30, "sync_every": [15], "seeds": [0], "densities": [64]}
+    args = parse_with_quick(p, argv, quick)
     bad = [h for h in args.sync_every if args.steps % h]
     if bad:
         p.error(f"--steps {args.steps} is not a multiple of --sync-every {bad}")

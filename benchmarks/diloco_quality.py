@@ -84,6 +84,9 @@ import fn.tree  # noqa: E402
 from fn.app import _data, demo  # noqa: E402
 from fn.collectives import Simulated, replicate, simulate  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import parse_with_quick  # noqa: E402
+
 CHUNK = 4096
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -405,10 +408,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (processes)")
     p.add_argument("--json", help="write every run's numbers to this file")
     p.add_argument("--reuse", help="a --json file: its runs of these settings are not run again")
-    p.add_argument("--quick", action="store_true", help="a smoke test: W 4, H 5, 2 outer steps")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.workers, args.seeds, args.evals, args.sync_every = "4", "0", "1,2", 5
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke test: small tasks; W 4, seed 0, H 5, 2 outer steps where not given",
+    )
+    quick = {"workers": "4", "seeds": "0", "evals": "1,2", "sync_every": 5}
+    args = parse_with_quick(p, argv, quick)
     try:
         args.methods = [parse_method(m) for m in args.methods.split(",") if m]
         args.tasks = [t for t in args.tasks.split(",") if t]

@@ -788,13 +788,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ddp-steps", type=int, default=300, help="DDP's step cap")
     p.add_argument("--diloco-steps", type=int, default=900, help="DiLoCo's step cap")
     p.add_argument("--eval-every", type=int, default=10, help="DDP's steps between evaluations")
-    p.add_argument("--quick", action="store_true", help="smoke run: target 3.0, 60 / 20 steps")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: target 3.0, 60 / 20 steps (where not given)",
+    )
     p.add_argument("--switch", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.quick:  # its settings, where the command line left the defaults
-        for name, value in QUICK.items():
-            if getattr(args, name) == p.get_default(name):
-                setattr(args, name, value)
+    args = cluster.parse_with_quick(p, argv, QUICK)
     if args.delay_steps is None:
         args.delay_steps = max(0, args.sync_every // args.fragments - 1)
     if args.methods is not None:

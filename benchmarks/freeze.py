@@ -52,10 +52,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import precision  # noqa: E402  (puts the repository on the path)
+from cluster import int_list, parse_with_quick  # noqa: E402
 
 import fn  # noqa: E402
 import fn.optim  # noqa: E402
 from fn.app import demo  # noqa: E402
+from fn.app.examples import positive_int  # noqa: E402
 from fn.app.launch import spawn_gloo  # noqa: E402
 
 PERCENTS = (5, 10, 15, 25, 40)
@@ -211,10 +213,10 @@ def _stdev(values: list[float]) -> float:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", default="demo,gpt2,mlp")
-    parser.add_argument("--seeds", default="0,1,2,3")
-    parser.add_argument("--demo-steps", type=int, default=300)
-    parser.add_argument("--gpt2-steps", type=int, default=200)
-    parser.add_argument("--mlp-steps", type=int, default=300)
+    parser.add_argument("--seeds", type=int_list(0), default="0,1,2,3", help="comma-separated")
+    parser.add_argument("--demo-steps", type=positive_int, default=300)
+    parser.add_argument("--gpt2-steps", type=positive_int, default=200)
+    parser.add_argument("--mlp-steps", type=positive_int, default=300)
     parser.add_argument(
         "--lr",
         action="append",
@@ -231,8 +233,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument(
         "--tolerance", type=float, default=fn.AutoFreeze().tolerance, help='"auto"\'s tolerance'
     )
-    parser.add_argument("--quick", action="store_true", help="a tiny run (smoke test)")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny run: 24 updates, seed 0 (where not given)"
+    )
+    quick = {"demo_steps": 24, "gpt2_steps": 24, "mlp_steps": 24, "seeds": [0]}
+    args = parse_with_quick(parser, argv, quick)
     lr = dict(LR)
     for item in args.lr:
         task, _, value = item.partition("=")
@@ -247,9 +252,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print("gpt2: skipped (transformers is not installed)")
         tasks.remove("gpt2")
     steps = {"demo": args.demo_steps, "gpt2": args.gpt2_steps, "mlp": args.mlp_steps}
-    seeds = [int(s) for s in args.seeds.split(",")]
-    if args.quick:
-        steps, seeds = dict.fromkeys(steps, 24), seeds[:1]
+    seeds = args.seeds
     if not 0 < args.tolerance < 1:
         parser.error(f"--tolerance takes a number in (0, 1), got {args.tolerance!r}")
     config = {

@@ -62,6 +62,9 @@ from fn.app import _data, demo  # noqa: E402
 from fn.app.examples import SyntheticTokens, tiny_gpt2  # noqa: E402  (transformers: when called)
 from fn.app.launch import spawn_gloo  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import parse_with_quick  # noqa: E402
+
 WORLD_SIZE = 2
 TASKS = ("demo", "gpt2")
 PRECISIONS = {
@@ -366,12 +369,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a short check: 60 demo / 40 gpt2 updates, 256 held-out windows (overrides "
-        "--demo-steps, --gpt2-steps, --heldout)",
+        help="a short check: 60 demo / 40 gpt2 updates, 256 held-out windows (where "
+        "--demo-steps, --gpt2-steps, --heldout are not given)",
     )
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.demo_steps, args.gpt2_steps, args.heldout = 60, 40, 256
+    args = parse_with_quick(parser, argv, {"demo_steps": 60, "gpt2_steps": 40, "heldout": 256})
     if min(args.demo_steps, args.gpt2_steps) < 10:
         parser.error("--demo-steps and --gpt2-steps must be at least 10")
     if min(args.demo_lr, args.gpt2_lr, args.heldout, args.timeout) <= 0 or args.weight_decay < 0:

@@ -49,8 +49,14 @@ CASES = [
     ("diloco_bytes", "main", ["--densities", "8192"], "--densities must be at most --chunk"),
     ("diloco", "parse_args", ["--sync-every", "0"], "--sync-every: each must be at least 1"),
     ("diloco", "parse_args", ["--seeds", "x"], "--seeds: expected comma-separated"),
-    ("diloco", "parse_args", ["--steps", "31", "--quick"], "--steps: not with --quick"),
-    ("diloco", "parse_args", ["--quick", "--densities", "32", "--seeds", "1"], "--seeds, --dens"),
+    (
+        "diloco",
+        "parse_args",
+        ["--steps", "31", "--quick"],
+        "--steps 31 is not a multiple of --sync-every [15]",
+    ),
+    ("freeze", "main", ["--seeds", "x", "--quick"], "--seeds: expected comma-separated"),
+    ("freeze", "main", ["--mlp-steps", "0"], "--mlp-steps: must be a positive integer"),
     ("diloco", "parse_args", ["--steps", "31"], "--steps 31 is not a multiple"),
     ("kernels", "main", ["--repeat", "0"], "--repeat: must be a positive integer"),
     ("kernels", "main", ["--sizes", "-3"], "--sizes must be log2 counts within 3..40"),
@@ -90,6 +96,25 @@ def test_diloco_quick_and_defaults_still_parse():
         [32, 64, 128],
         [0, 1],
     )
+
+
+def test_quick_stands_in_for_the_defaults_and_the_command_line_wins():
+    """``--quick``'s settings replace the defaults of the options the command line does not
+    give; one it gives keeps its value, even the default's (which a comparison with the
+    default could not tell apart)."""
+    diloco = _load("diloco")
+    given = diloco.parse_args(["--quick", "--steps", "900", "--seeds", "1,2"])
+    assert (given.steps, given.sync_every, given.densities, given.seeds) == (
+        900,
+        [15],
+        [64],
+        [1, 2],
+    )
+    quality = _load("diloco_quality")
+    given = quality.parse_args(["--quick", "--workers", "4,16"])
+    assert (given.workers, given.seeds, given.evals, given.sync_every) == ([4, 16], [0], [1, 2], 5)
+    assert quality.parse_args(["--quick", "--sync-every", "30"]).sync_every == 30
+    assert quality.parse_args(["--sync-every", "30"]).evals == [20, 100]
 
 
 def test_loading_and_parsing_leave_the_path_as_it_was():

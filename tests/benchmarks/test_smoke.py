@@ -1212,6 +1212,8 @@ def test_diloco_wall_quick_keeps_what_the_command_line_sets():
     quick = wall.parse_args(["--quick", "--target", "0"])
     assert quick.target == 0 and quick.ddp_steps == 20 and quick.diloco_steps == 60
     assert wall.parse_args([]).target == 2.3
+    # a value equal to the default, given: kept
+    assert wall.parse_args(["--quick", "--ddp-steps", "300"]).ddp_steps == 300
 
 
 def test_diloco_wall_rejects_unknown_methods_and_bad_delays(capsys):
