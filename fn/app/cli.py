@@ -39,7 +39,6 @@ MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 7 * 24 * 3600.0  # seconds
 # The batches' generators are seeded with seed * 100_003 + rank: within int64 for |seed| <= 2**40.
 MAX_SEED = 2**40
 EXIT_SIGTERM = 128 + 15  # what a shell reports for a process ended by SIGTERM
-MODEL_STATES = "mp_rank_00_model_states.pt"  # what fn.optim.convert_checkpoint reads
 _FILE_KINDS = (
     (stat.S_ISCHR, "a character device"),
     (stat.S_ISBLK, "a block device"),
@@ -208,10 +207,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _from_deepspeed(args: argparse.Namespace) -> int:
-    from fn.optim import convert_checkpoint
+    from fn.optim import checkpoint_files, convert_checkpoint
 
     try:
-        target = _out_file(args.out, _inputs(args.checkpoint, args.config))
+        target = _out_file(args.out, checkpoint_files(args.checkpoint, args.config))
     except ValueError as err:
         return _failed(f"cannot write {args.out}: {err}; nothing was written")
     try:
@@ -239,21 +238,7 @@ def _from_deepspeed(args: argparse.Namespace) -> int:
     return 0
 
 
-def _inputs(checkpoint: Path, config: Path | None) -> list[Path]:
-    """The files ``from-deepspeed`` reads, where they exist: the checkpoint's ``latest`` and
-    model-states file (in ``checkpoint`` or in the tag ``latest`` names) and the config."""
-    folder = checkpoint.expanduser()
-    names = ["latest", MODEL_STATES]
-    with contextlib.suppress(OSError, UnicodeDecodeError):
-        tag = (folder / "latest").read_text(encoding="utf-8").strip()
-        names.append(os.path.join(tag, MODEL_STATES))
-    found = [folder / name for name in names]
-    if config is not None:
-        found.append(config.expanduser())
-    return [path for path in found if path.is_file()]
-
-
-def _out_file(out: Path, inputs: list[Path]) -> Path:
+def _out_file(out: Path, inputs: list[str]) -> Path:
     """The file to write for OUT ``out``: ``out`` itself or, for a symbolic link, the file the
     link points to (the link stays).
 

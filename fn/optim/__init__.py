@@ -30,7 +30,7 @@ Example:
 from fn.optim._adapter import FunctionalOptimizer
 from fn.optim._checkpoint import PerRankState
 from fn.optim._consensus import default_comm
-from fn.optim._deepspeed import convert_checkpoint, from_deepspeed
+from fn.optim._deepspeed import checkpoint_files, convert_checkpoint, from_deepspeed
 from fn.optim._onebit import OnebitAdam, OnebitFamily, OnebitLamb, ZeroOneAdam
 from fn.optim._schedulers import DeepSpeedLR, scheduler_from_deepspeed
 
@@ -44,6 +44,7 @@ __all__ = [
     "default_comm",
     "from_deepspeed",
     "convert_checkpoint",
+    "checkpoint_files",
     "scheduler_from_deepspeed",
     "DeepSpeedLR",
 ]

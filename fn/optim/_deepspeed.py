@@ -8,6 +8,7 @@ every deliberate difference are in ``docs/migrating-from-deepspeed.md``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 import zipfile
@@ -615,11 +616,51 @@ def _param_groups(
     return groups
 
 
-def _model_states(folder: str) -> str:
+def checkpoint_files(
+    folder: str | os.PathLike, config: str | os.PathLike | None = None
+) -> list[str]:
+    """The files :func:`convert_checkpoint` reads from ``folder`` (and ``config``), of those
+    that exist: DeepSpeed's ``latest`` file, the model-states file of the tag it names (or of
+    ``folder`` itself) and ``config`` when it is a path. A config that the checkpoint names by
+    path (its ``ds_config``) is known only once the model states are read, and is not listed.
+
+    Args:
+        folder: DeepSpeed's ``save_dir`` or one tag's folder, as for ``convert_checkpoint``.
+        config: the config given to ``convert_checkpoint``: a path, a dict or ``None``.
+
+    Returns:
+        The paths, as strings, in the order above.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> save_dir = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = (save_dir / "latest").write_text("global_step10")
+        >>> (save_dir / "global_step10").mkdir()
+        >>> _ = (save_dir / "global_step10" / "mp_rank_00_model_states.pt").write_bytes(b"")
+        >>> [pathlib.Path(p).relative_to(save_dir).as_posix() for p in checkpoint_files(save_dir)]
+        ['latest', 'global_step10/mp_rank_00_model_states.pt']
+    """
+    folder = os.fspath(folder)
     latest = os.path.join(folder, "latest")
-    if os.path.isfile(latest):
-        with open(latest, encoding="utf-8") as f:
-            folder = os.path.join(folder, f.read().strip())
+    found = [latest] if os.path.isfile(latest) else []
+    with contextlib.suppress(OSError, ValueError):  # convert_checkpoint reports these
+        found.append(os.path.join(_tag_folder(folder), MODEL_STATES))
+    if isinstance(config, (str, os.PathLike)):
+        found.append(os.fspath(config))
+    return [path for path in found if os.path.isfile(path)]
+
+
+def _tag_folder(folder: str) -> str:
+    """The folder of the tag that ``folder``'s ``latest`` names, or ``folder`` without one."""
+    latest = os.path.join(folder, "latest")
+    if not os.path.isfile(latest):
+        return folder
+    with open(latest, encoding="utf-8") as f:
+        return os.path.join(folder, f.read().strip())
+
+
+def _model_states(folder: str) -> str:
+    folder = _tag_folder(folder)
     path = os.path.join(folder, MODEL_STATES)
     if os.path.isfile(path):
         if os.path.isfile(os.path.join(folder, MODEL_STATES.replace("00", "01"))):

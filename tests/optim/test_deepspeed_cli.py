@@ -301,3 +301,19 @@ def test_an_out_that_the_conversion_reads_is_refused(which, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot write {out}: it is a file the conversion reads (")
     assert read.read_bytes() == kept
+
+
+def test_checkpoint_files_are_the_files_the_conversion_reads(tmp_path):
+    save_dir = _save_dir(tmp_path)
+    tag = save_dir / "global_step10"
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({**RUN["config"], "train_batch_size": 8}))
+    latest, states = str(save_dir / "latest"), str(tag / "mp_rank_00_model_states.pt")
+    assert fn.optim.checkpoint_files(save_dir) == [latest, states]
+    assert fn.optim.checkpoint_files(tag, config) == [states, str(config)]
+    assert fn.optim.checkpoint_files(save_dir, RUN["config"]) == [latest, states]  # a dict
+    (save_dir / "latest").write_text("global_step99")  # a tag that is not there
+    assert fn.optim.checkpoint_files(save_dir) == [latest]
+    with pytest.raises(FileNotFoundError):
+        fn.optim.convert_checkpoint(save_dir)
+    assert fn.optim.checkpoint_files(tmp_path / "nowhere") == []
