@@ -26,7 +26,7 @@ from fn.collectives import Local, ProcessGroup, check_error_dtype
 from fn.collectives.agreement import agree, digest
 from fn.fsdp._fsdp2 import installed_reduce_scatter
 from fn.fsdp.loco import ROOT
-from fn.fsdp.onebit_layout import fsdp_modules, one_dim
+from fn.fsdp.onebit_layout import fsdp_modules, names_problem, one_dim
 from fn.fsdp.onebit_masks import mask_checksum, mask_problem
 from fn.fsdp.onebit_reduce_scatter import OnebitReduceScatter
 from fn.transforms.clipping import check_max_norm
@@ -237,7 +237,7 @@ def model_problem(
             return NotImplementedError, f"{option} is not supported yet on FSDP2: {why}"
     if nonfinite != "raise":
         return ValueError, f"nonfinite must be 'raise', got {nonfinite!r}"
-    return mask_problem(found, exp_avg_mask)
+    return names_problem(found) or mask_problem(found, exp_avg_mask)
 
 
 def spanned_ranks(name: str, world: Any) -> list[int]:

@@ -26,6 +26,7 @@ __all__ = [
     "ModuleLayout",
     "ParamSlot",
     "canonical_name",
+    "names_problem",
     "fsdp_groups",
     "fsdp_modules",
     "fsdp_order",
@@ -56,6 +57,34 @@ def canonical_name(fqn: str) -> str:
         'layers.0.attention.wq.weight'
     """
     return ".".join(part for part in fqn.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+def names_problem(found: list[tuple[str, list[tuple[str, DTensor]]]]) -> tuple[type, str] | None:
+    """Two FSDP2 modules, or two params, whose names differ only by wrappers' segments (they
+    would share one key of the optimizer's state), as ``(ValueError, message)``; or ``None``.
+
+    Args:
+        found: the FSDP2 modules and their params (:func:`fsdp_modules`).
+
+    Returns:
+        The problem, or ``None``.
+
+    Example:
+        >>> names_problem([("a", []), ("_orig_mod.a", [])])
+        (<class 'ValueError'>, "the names 'a' and '_orig_mod.a' are one name ...")
+    """
+    modules, params = [m for m, _ in found], [fqn for _, ps in found for fqn, _ in ps]
+    for names in (modules, params):
+        first: dict[str, str] = {}
+        for name in names:
+            other = first.setdefault(canonical_name(name), name)
+            if other != name:
+                return ValueError, (
+                    f"the names {other!r} and {name!r} are one name once wrappers' segments "
+                    f"({', '.join(sorted(_WRAPPER_SEGMENTS))}) are left out, the key the "
+                    "optimizer's state is saved under: rename one of the modules"
+                )
+    return None
 
 
 class ParamSlot(NamedTuple):

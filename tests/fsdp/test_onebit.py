@@ -342,6 +342,15 @@ def _worker_bad_input(rank: int, world_size: int) -> dict:
 
     out["2-d"] = _refusal(two_dim)
 
+    def one_name_unwrapped():  # "_orig_mod.head.weight" is "head.weight" without the wrapper
+        model = Net()
+        model.add_module("_orig_mod", nn.Module())
+        model.get_submodule("_orig_mod").add_module("head", nn.Linear(3, 2))
+        fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+        return fn.fsdp.OnebitAdam(model)
+
+    out["one name unwrapped"] = _refusal(one_name_unwrapped)
+
     def old_torch():  # a torch whose FSDP2 lacks a method fn drives
         saved = FSDPModule.set_reduce_scatter_unused_params
         del FSDPModule.set_reduce_scatter_unused_params
@@ -447,6 +456,8 @@ def test_bad_input_is_refused_on_every_rank(launched):
         assert out["no fsdp"][0] == "ValueError" and "no FSDP2 module" in out["no fsdp"][1]
         assert out["outside"][0] == "ValueError" and "head.weight" in out["outside"][1]
         assert out["2-d"][0] == "NotImplementedError" and "2-D" in out["2-d"][1]
+        kind, message = out["one name unwrapped"]
+        assert kind == "ValueError" and "'head.weight' and '_orig_mod.head.weight'" in message
         kind, message = out["old torch"]
         assert kind == "NotImplementedError" and "set_reduce_scatter_unused_params" in message
         assert out["lr differs"][0] == "ValueError" and "different" in out["lr differs"][1]
