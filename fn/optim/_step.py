@@ -30,7 +30,7 @@ from fn.base import (
 from fn.errors import NonFiniteError, all_finite
 from fn.optim._consensus import GroupSnapshot
 from fn.optim._flat import FlatGroup
-from fn.tree import storages_of
+from fn.tree import storages_of, tree_map
 
 Transform = GradientTransformation | CompressedOptimizer
 # What a step with a non-finite gradient on some rank raises under nonfinite="raise".
@@ -113,6 +113,16 @@ class GroupRuntime:
         """``transform``'s initial state for the group's params (its master)."""
         return transform.init(self.flat.tree(self.flat.master, self.flatten))
 
+    def state_structure(self, transform: Transform) -> pytree.TreeSpec:
+        """The structure of ``transform``'s initial state, built from meta tensors (no memory:
+        a scheduler may change a hyperparameter at every step) where its ``init`` runs on them.
+        """
+        tree = self.flat.tree(self.flat.master, self.flatten)
+        try:
+            return pytree.tree_structure(transform.init(tree_map(_on_meta, tree)))
+        except Exception:  # an init that reads values (a user's transform): on the real ones
+            return pytree.tree_structure(transform.init(tree))
+
     def plan(
         self,
         index: int,
@@ -137,12 +147,14 @@ class GroupRuntime:
         values = ", ".join(f"{k}={hyper[k]!r}" for k in sorted(changed))
         try:
             transform = make_transform(hyper)
-            fresh = self.initial_state(transform)
+            structure = self.state_structure(transform)
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(
                 f"fn.optim: param group {index} sets {values}: {err}; no update was made"
             ) from err
-        if pytree.tree_structure(fresh) != pytree.tree_structure(self.state):
+        # against a fresh state of the live transform: the live state's own structure can
+        # differ by phase (1-bit Adam's momentum is packed signs once compressed)
+        if structure != self.state_structure(self.transform):
             raise ValueError(
                 f"fn.optim: param group {index} sets {values}, which gives the transform a state "
                 "of another structure than the group's (e.g. momentum from 0 to non-zero): "
@@ -475,3 +487,7 @@ def read_lr(hyper: dict[str, Any]) -> dict[str, Any]:
 def _shortest_float(x: torch.Tensor) -> float:
     """The shortest decimal that rounds to the fp32 ``x`` (``1e-2``, not ``0.009999999776``)."""
     return float(str(numpy.float32(x.item())))
+
+
+def _on_meta(x: Any) -> Any:
+    return torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x

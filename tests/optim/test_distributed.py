@@ -21,6 +21,7 @@ from tests.optim._problem import (
     run_functional,
     states_equal,
     train,
+    unflatten_like,
 )
 
 WORLD, STEPS, FREEZE = 2, 10, 4
@@ -56,6 +57,46 @@ def _onebit_adam_with_scheduler(rank, comm):
     tx = fn.onebit_adam(1e-2, FREEZE, weight_decay=0.01, comm=comm)
     functional = run_functional(tx, start, grads, lrs)
     return {"start": start, "lrs": lrs, "grads": grads, "history": history, "ref": functional}
+
+
+CYCLED = {  # the adapter, and the functional optimizer given the same betas at each update
+    "onebit_adam": (
+        lambda ps: fn.optim.OnebitAdam(ps, lr=1e-2, freeze_step=FREEZE),
+        lambda betas, comm: fn.onebit_adam(1e-2, FREEZE, betas=betas, comm=comm),
+    ),
+    "onebit_lamb": (
+        lambda ps: fn.optim.OnebitLamb(ps, lr=1e-2, freeze_step=FREEZE, weight_decay=0.01),
+        lambda betas, comm: fn.onebit_lamb(1e-2, FREEZE, betas=betas, weight_decay=0.01, comm=comm),
+    ),
+}
+
+
+def _cycled_betas(rank, comm, name):
+    """OneCycleLR cycling betas (its default) past the freeze: each update rebuilds the
+    transform with the scheduler's betas on the state as it is, packed momentum and all."""
+    make_opt, make_tx = CYCLED[name]
+    model = make_model()
+    start = flat_params(model)
+    opt = make_opt(model.parameters())
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=STEPS)
+    schedule, grads, history = [], [], []
+    for t in range(STEPS):
+        schedule.append((opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]))
+        opt.zero_grad()
+        backward(model, rank, t)
+        grads.append(flat_grads(model))
+        opt.step()
+        sched.step()
+        history.append(flat_params(model))
+    to_tree = unflatten_like(model) if name == "onebit_lamb" else lambda x: x  # per param
+    p = to_tree(start)
+    state, ref = make_tx(schedule[0][1], comm).init(p), []
+    for t, ((lr, betas), g) in enumerate(zip(schedule, grads, strict=True), start=1):
+        state = fn.set_hyperparams(state, lr=lr)
+        updates, state = make_tx(betas, comm).update(to_tree(g), state, p, step=t)
+        p = fn.apply_updates(p, updates)
+        ref.append(torch.cat([x.reshape(-1) for x in fn.tree.tree_leaves(p)]))
+    return {"history": history, "ref": ref, "betas": [b for _, b in schedule]}
 
 
 def _adam_with_averaged_grads(rank):
@@ -122,6 +163,7 @@ def _worker(rank, world_size):
     comm = ProcessGroup()
     out = {"onebit_adam": _onebit_adam_with_scheduler(rank, comm)}
     out["adam"] = _adam_with_averaged_grads(rank)
+    out["cycled"] = {name: _cycled_betas(rank, comm, name) for name in CYCLED}
     out["checkpoints"] = {}
     for name, make in CHECKPOINTED.items():
         for k in (2, 7):
@@ -163,6 +205,19 @@ def test_onebit_adam_adapter_equals_functional_and_ranks_agree(results):
         p = fn.apply_updates(p, updates)
         for r in range(WORLD):
             torch.testing.assert_close(p[r], runs[r]["history"][t], atol=1e-6, rtol=0)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", list(CYCLED))
+def test_betas_changed_past_the_freeze_rebuild_the_transform_and_keep_the_state(results, name):
+    runs = [r["cycled"][name] for r in results]
+    assert len(set(runs[0]["betas"][FREEZE:])) > 1  # the betas changed in the compressed phase
+    for run in runs:
+        for t, (got, want) in enumerate(zip(run["history"], run["ref"], strict=True)):
+            assert torch.equal(got, want), t
+    for t in range(STEPS):
+        assert torch.equal(runs[0]["history"][t], runs[1]["history"][t]), t
 
 
 @pytest.mark.distributed
