@@ -155,4 +155,4 @@ def register(ddp_model: DistributedDataParallel, optimizer: OnebitFamily) -> Non
         )
     schedule = _Schedule(optimizer, ddp_model.process_group)
     ddp_model.register_comm_hook(schedule, _onebit_family_hook)
-    optimizer.take_averaged_grads()
+    optimizer.take_averaged_grads(p for p in ddp_model.parameters() if p.requires_grad)

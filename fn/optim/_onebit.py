@@ -8,7 +8,7 @@ factories' own by :mod:`fn.transforms.hyperparameters`, plus the adapter's optio
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -76,8 +76,9 @@ class OnebitFamily(FunctionalOptimizer):
     """
 
     _factory: Callable[..., CompressedOptimizer]
-    # Whether the gradients of warmup updates arrive averaged over the ranks (fn.ddp.register).
-    _takes_averaged = False
+    # The ids of the params whose warmup gradients arrive averaged over the ranks (the DDP
+    # model's, fn.ddp.register), or None: the optimizer averages them.
+    _averaged: frozenset[int] | None = None
     _max_grad_norm: float | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -175,7 +176,7 @@ class OnebitFamily(FunctionalOptimizer):
         mean is the identity (``PreaveragedComm``) when the warmup gradients reach the
         transforms averaged (after :meth:`take_averaged_grads`, or with ``max_grad_norm``,
         where the adapter averages them before it clips)."""
-        if self._takes_averaged or self._max_grad_norm is not None:
+        if self._averaged is not None or self._max_grad_norm is not None:
             return PreaveragedComm(self.comm)
         return self.comm
 
@@ -183,14 +184,48 @@ class OnebitFamily(FunctionalOptimizer):
     def takes_averaged_grads(self) -> bool:
         """Whether the gradients of warmup updates arrive averaged, as after
         :meth:`take_averaged_grads` (``fn.ddp.register`` calls it)."""
-        return self._takes_averaged
+        return self._averaged is not None
 
-    def take_averaged_grads(self) -> None:
+    def take_averaged_grads(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """From now on the gradients of warmup updates arrive averaged over the ranks
         (``fn.ddp.register``: DDP averaged them): every group's transform is rebuilt with a
-        comm whose dense mean is the identity (the state is kept)."""
-        self._takes_averaged = True
+        comm whose dense mean is the identity (the state is kept).
+
+        Args:
+            params: the params whose gradients arrive averaged (the DDP model's trainable
+                params); a group added later with a trainable param outside them raises
+                ``ValueError``. ``None``: the optimizer's params.
+        """
+        if params is None:
+            params = (p for group in self.param_groups for p in group["params"])
+        self._averaged = frozenset(id(p) for p in params)
         self._rebuild_transforms()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a group, as :meth:`FunctionalOptimizer.add_param_group`.
+
+        Raises:
+            ValueError: the gradients arrive averaged (``fn.ddp.register``) and the group has a
+                trainable param whose gradients do not (a param frozen when DDP was built,
+                which DDP never averages), with nothing added.
+        """
+        given = param_group["params"]
+        if self._averaged is not None and not isinstance(given, (torch.Tensor, set)):
+            param_group["params"] = given = list(given)  # as torch.optim does: read once
+        params = [given] if isinstance(given, torch.Tensor) else given
+        outside = self._averaged is not None and [
+            tuple(p.shape) for p in params if p.requires_grad and id(p) not in self._averaged
+        ]
+        if outside:
+            raise ValueError(
+                f"fn.optim.{type(self).__name__}: the new group's params of shapes {outside} "
+                "are not among the params the DDP model averages (its trainable params when "
+                "fn.ddp.register ran): DDP leaves out the params frozen when it was built, so "
+                "their gradients would stay local while this optimizer takes them as averaged. "
+                "Unfreeze them before wrapping the model in DDP (or wrap it again, and build "
+                "and register a new optimizer); nothing was added"
+            )
+        super().add_param_group(param_group)
 
     @property
     def max_grad_norm(self) -> float | None:
@@ -232,7 +267,7 @@ class OnebitFamily(FunctionalOptimizer):
         compressing = False  # the warmup groups' averaged ones (the same on every rank)
         for runtime, (transform, _, _), g in zip(self._groups, plans, grads, strict=True):
             compressed = transform.compressed_at(runtime.step + 1, runtime.state)
-            if not compressed and not self._takes_averaged and comm.world_size > 1 and g.numel():
+            if not compressed and self._averaged is None and comm.world_size > 1 and g.numel():
                 g = comm.all_reduce(g, op="mean")
             square = squared_norm([g])
             if compressed:

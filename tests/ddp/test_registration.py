@@ -388,6 +388,20 @@ def _misuse_worker(rank, world_size):
         model = make_model()
         fn.ddp.register(DDP(model), adam(model, comm=fn.collectives.Local()))
 
+    def staged_unfreeze():  # DDP built with model[0] frozen never averages its gradients
+        model = make_model()
+        model[0].requires_grad_(False)
+        ddp = DDP(model)
+        opt = fn.optim.OnebitAdam(model[2].parameters(), lr=1e-2, freeze_step=3)
+        fn.ddp.register(ddp, opt)
+        opt.add_param_group({"params": model[0].parameters()})  # frozen still: left out
+        model[0].requires_grad_(True)
+        try:
+            opt.add_param_group({"params": model[0].parameters()})
+        finally:
+            if len(opt.param_groups) != 2:
+                raise AssertionError(f"{len(opt.param_groups)} groups")
+
     errors = {
         "plain model": _error(lambda: fn.ddp.register(make_model(), adam(make_model()))),
         "torch optimizer": _error(
@@ -405,6 +419,7 @@ def _misuse_worker(rank, world_size):
         "other params": _error(other_params),
         "fewer params": _error(fewer_params),
         "local comm": _error(local_comm),
+        "staged unfreeze": _error(staged_unfreeze),
     }
     return {
         "errors": errors,
@@ -428,6 +443,7 @@ def test_misuse_accumulation_and_mixed_phases(two_ranks):
             "0 of the optimizer's 2 params are not in the model, 2 of the model's 4",
         ),
         "local comm": ("ValueError", "world_size 1, DDP's process group 2"),
+        "staged unfreeze": ("ValueError", "shapes [(7, 5), (7,)] are not among the params the DDP"),
     }
     for result in results:
         assert result["errors"]["same model twice"] is None, result["errors"]
