@@ -46,7 +46,16 @@ def main() -> None:
     # cpu=True on a machine without GPUs: gloo ranks (accelerate then still wraps the model in DDP)
     accelerator = Accelerator(cpu=not torch.accelerator.is_available())
     model = tiny_gpt2()
-    optimizer = fn.optim.OnebitAdam(model.parameters(), lr=args.lr, freeze_step=args.freeze_step)
+    # GPT-2's tensors differ in gradient scale (a compression scale each: flatten=False), and
+    # its last position's embedding gets no gradient ("auto" keeps it still): without these the
+    # variance freezes out of range (docs/troubleshooting.md, "The variance froze")
+    optimizer = fn.optim.OnebitAdam(
+        model.parameters(),
+        lr=args.lr,
+        freeze_step=args.freeze_step,
+        flatten=False,
+        exp_avg_mask="auto",
+    )
     loader = torch.utils.data.DataLoader(SyntheticTokens(), batch_size=args.batch_size)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     attach(accelerator, model, optimizer, max_steps=args.max_steps)

@@ -42,7 +42,16 @@ def main() -> None:
     )
     training_args.device  # noqa: B018 (sets up torch.distributed before the optimizer exists)
     model = tiny_gpt2()
-    optimizer = fn.optim.OnebitAdam(model.parameters(), lr=args.lr, freeze_step=args.freeze_step)
+    # GPT-2's tensors differ in gradient scale (a compression scale each: flatten=False), and
+    # its last position's embedding gets no gradient ("auto" keeps it still): without these the
+    # variance freezes out of range (docs/troubleshooting.md, "The variance froze")
+    optimizer = fn.optim.OnebitAdam(
+        model.parameters(),
+        lr=args.lr,
+        freeze_step=args.freeze_step,
+        flatten=False,
+        exp_avg_mask="auto",
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     trainer = Trainer(
         model=model,

@@ -646,7 +646,14 @@ def report_frozen_variance(
     )
     at_risk = zero > 0 or below > _RISKY_FRACTION * total or (unbounded and below > 0)
     if at_risk:
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        fixes = ['exp_avg_mask="auto" keeps elements without gradient still'] if zero else []
+        if below > _RISKY_FRACTION * total:
+            fixes.append(
+                "a scale per tensor (fn.optim's flatten=False) or a longer warmup brings more "
+                "into the range"
+            )
+        fixes.append('see docs/troubleshooting.md, "The variance froze"')
+        warnings.warn(f"{message}. {'; '.join(fixes)}", RuntimeWarning, stacklevel=2)
     else:
         logger.info(message)
 
