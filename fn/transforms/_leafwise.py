@@ -649,8 +649,8 @@ def report_frozen_variance(
         fixes = ['exp_avg_mask="auto" keeps elements without gradient still'] if zero else []
         if below > _RISKY_FRACTION * total:
             fixes.append(
-                "a scale per tensor (fn.optim's flatten=False) or a longer warmup brings more "
-                "into the range"
+                "a compression scale per tensor (the torch.optim adapter's flatten=False) or a "
+                "longer warmup brings more into the range"
             )
         fixes.append('see docs/troubleshooting.md, "The variance froze"')
         warnings.warn(f"{message}. {'; '.join(fixes)}", RuntimeWarning, stacklevel=2)
