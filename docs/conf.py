@@ -390,7 +390,8 @@ API_GROUPS: dict[str, list[tuple[str, str]]] = {
         ("Checkpoints", "PerRankState"),
         (
             "From DeepSpeed",
-            "from_deepspeed convert_checkpoint scheduler_from_deepspeed DeepSpeedLR",
+            "from_deepspeed convert_checkpoint checkpoint_files scheduler_from_deepspeed"
+            " DeepSpeedLR",
         ),
         ("Building blocks", "OnebitFamily default_comm"),
     ],

@@ -85,8 +85,8 @@ def register(ddp_model: DistributedDataParallel, optimizer: OnebitFamily) -> Non
             are exactly the trainable params of ``ddp_model`` and whose comm spans the same
             ranks as DDP's process group, or a wrapper of one that holds it as ``.optimizer``
             (e.g. Accelerate's ``AcceleratedOptimizer``). Build it before or after wrapping the
-            model (before, for a ``channels_last`` model: docs/torch-optim.md, "Flat buffers");
-            register before the first backward pass.
+            model (before, for a ``channels_last`` model, whose memory format the optimizer's
+            flat buffers drop: docs/torch-optim.md); register before the first backward pass.
 
     Raises:
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel``, or ``optimizer`` is not of
