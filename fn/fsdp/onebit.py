@@ -363,8 +363,9 @@ class ShardedOnebitOptimizer(torch.optim.Optimizer):
         )
         return ValueError(
             f"{self.name}: param_groups[0] sets {shown}: the settings but lr are fixed when the "
-            "optimizer is built (lr is read at every step); build it with the settings, and "
-            "set them back to go on; nothing was updated"
+            "optimizer is built (lr is read at every step; a scheduler that cycles betas, as "
+            "OneCycleLR does by default, needs cycle_momentum=False); build it with the "
+            "settings, and set them back to go on; nothing was updated"
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
