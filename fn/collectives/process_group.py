@@ -468,6 +468,27 @@ class ProcessGroup(ByteCounter):
         self._run("all_gather", x, partial(all_gather_flat, out, flat, group=self.group))
         return out.view(self._world_size, *x.shape)
 
+    def gather_to_first(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's ``x`` (one shape and dtype on all) on group rank 0, in rank order;
+        ``None`` on the other ranks. One collective, with this group's timeout; its bytes are
+        not counted in ``bytes_sent`` (fn's checkpoints move state with it, not training).
+
+        Args:
+            x: this rank's tensor.
+
+        Returns:
+            On rank 0 the ``W`` tensors (rank 0's a copy of ``x``), elsewhere ``None``.
+
+        Raises:
+            CollectiveTimeoutError: a rank did not join within the timeout, as for the other
+                collectives.
+        """
+        x = x.contiguous()
+        pieces = [torch.empty_like(x) for _ in range(self._world_size)] if self.rank == 0 else None
+        gather = partial(dist.gather, x, pieces, group=self.group, group_dst=0)
+        self._run("gather", x, gather)
+        return pieces
+
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         check_chunked(x, self._world_size, "all_to_all")
         self._count("all_to_all", x)

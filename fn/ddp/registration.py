@@ -146,7 +146,8 @@ def register(ddp_model: DistributedDataParallel, optimizer: OnebitFamily) -> Non
             f"fn.ddp.register: the optimizer's params are not the DDP model's trainable params "
             f"({len(opt_ids - ddp_ids)} of the optimizer's {len(opt_ids)} params are not in the "
             f"model, {len(ddp_ids - opt_ids)} of the model's {len(ddp_ids)} are not in the "
-            "optimizer)"
+            "optimizer): one fn.optim optimizer holds every trainable param of the DDP model "
+            "(not two, nor one beside a torch.optim optimizer)"
         )
     world_size = dist.get_world_size(ddp_model.process_group)
     if optimizer.comm.world_size != world_size:

@@ -652,25 +652,22 @@ def error_feedback_keys(state: Any) -> list[str]:
 
 def gather_error_feedback(comm: Any, state: Any) -> tuple[dict[str, torch.Tensor], ...] | None:
     """Every rank's error-feedback entries of ``state`` (:func:`error_feedback_keys`): on rank 0
-    one ``{key: tensor}`` per rank, indexed by rank; ``None`` elsewhere (a collective call). A
-    buffer not allocated yet (``None``: the 1-bit family before its freeze) is ``None`` on every
-    rank alike (when it is allocated depends on the update count alone): it is recorded as
-    ``None`` for every rank, with nothing sent."""
-    import torch.distributed as dist
-
-    group, rank, functional = comm.group, comm.rank, state_to_dict(state)
-    world_size = dist.get_world_size(group)
-    gathered: list[dict[str, torch.Tensor | None]] = [{} for _ in range(world_size)]
+    one ``{key: tensor}`` per rank, indexed by rank; ``None`` elsewhere (a collective call on
+    ``comm``, a ``fn.collectives.ProcessGroup``: a rank that does not join raises its
+    ``CollectiveTimeoutError`` within its timeout). A buffer not allocated yet (``None``: the
+    1-bit family before its freeze) is ``None`` on every rank alike (when it is allocated
+    depends on the update count alone): it is recorded as ``None`` for every rank, with nothing
+    sent."""
+    functional = state_to_dict(state)
+    gathered: list[dict[str, torch.Tensor | None]] = [{} for _ in range(comm.world_size)]
     for key in error_feedback_keys(state):
-        pieces = [None] * world_size
+        pieces = [None] * comm.world_size
         if functional[key] is not None:
-            local = functional[key].contiguous()
-            pieces = [torch.empty_like(local) for _ in range(world_size)] if rank == 0 else None
-            dist.gather(local, pieces, group=group, group_dst=0)
+            pieces = comm.gather_to_first(functional[key])
         if pieces is not None:  # rank 0's, or a buffer not allocated yet (on no rank)
             for entries, piece in zip(gathered, pieces, strict=True):
                 entries[key] = piece
-    return tuple(gathered) if rank == 0 else None
+    return tuple(gathered) if comm.rank == 0 else None
 
 
 class GatheredErrorFeedback(NamedTuple):

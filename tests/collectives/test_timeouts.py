@@ -54,6 +54,16 @@ def _faults(rank, world_size, folder):
         time.sleep(STALL_S)
     out["stalled"] = _outcome(lambda: comm.all_reduce(torch.ones(4)))
     dist.barrier()
+    # 1b. gather_to_first: every rank's tensor on rank 0, in rank order; then rank 0 gathers
+    # while the others stall (a checkpoint saved on rank 0 only): rank 0 gives up at the limit.
+    got = comm.gather_to_first(torch.full((2,), float(rank)))
+    out["gathered"] = None if got is None else [t.tolist() for t in got]
+    if rank != 0:
+        time.sleep(STALL_S)
+    gather = _outcome(lambda: comm.gather_to_first(torch.ones(2)))
+    if rank == 0:
+        out["gathered alone"] = gather
+    dist.barrier()
     # 2. Rank 0 calls an all_gather while the others call an all_reduce: nobody is missing.
     if rank == 0:
         out["mismatch"] = _outcome(lambda: comm.all_gather(torch.ones(2, dtype=torch.int64)))
@@ -79,6 +89,11 @@ def test_faults_are_named_on_every_rank_within_the_limit(tmp_path):
     for rank, out in enumerate(results):
         assert out["ok"] == [3.0, 3.0, 3.0]
         assert out["late"]["missing"] is None and out["late"]["s"] < LIMIT_S
+        assert out["gathered"] == ([[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]] if rank == 0 else None)
+        if rank == 0:
+            alone = out["gathered alone"]
+            assert alone["missing"] == [1, 2] and "gather of (2,)" in alone["message"], alone
+            assert LIMIT_S <= alone["s"] < LIMIT_S + 1.5
         stalled, mismatch = out["stalled"], out["mismatch"]
         if rank == 2:
             assert stalled["missing"] is None
