@@ -139,7 +139,8 @@ def register(ddp_model: DistributedDataParallel, optimizer: OnebitFamily) -> Non
         raise RuntimeError(
             "fn.ddp.register: ddp_model has a comm hook already (DDP takes one hook per model)"
         )
-    ddp_ids = {id(p) for p in ddp_model._module_parameters if p.requires_grad}
+    trainable = [p for p in ddp_model._module_parameters if p.requires_grad]  # what DDP averages
+    ddp_ids = {id(p) for p in trainable}
     opt_ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
     if ddp_ids != opt_ids:
         raise ValueError(
@@ -157,4 +158,4 @@ def register(ddp_model: DistributedDataParallel, optimizer: OnebitFamily) -> Non
         )
     schedule = _Schedule(optimizer, ddp_model.process_group)
     ddp_model.register_comm_hook(schedule, _onebit_family_hook)
-    optimizer.take_averaged_grads(p for p in ddp_model.parameters() if p.requires_grad)
+    optimizer.take_averaged_grads(trainable)

@@ -186,7 +186,7 @@ class OnebitFamily(FunctionalOptimizer):
         :meth:`take_averaged_grads` (``fn.ddp.register`` calls it)."""
         return self._averaged is not None
 
-    def take_averaged_grads(self, params: Iterable[torch.Tensor] | None = None) -> None:
+    def take_averaged_grads(self, params: Iterable[torch.Tensor]) -> None:
         """From now on the gradients of warmup updates arrive averaged over the ranks
         (``fn.ddp.register``: DDP averaged them): every group's transform is rebuilt with a
         comm whose dense mean is the identity (the state is kept).
@@ -194,10 +194,8 @@ class OnebitFamily(FunctionalOptimizer):
         Args:
             params: the params whose gradients arrive averaged (the DDP model's trainable
                 params); a group added later with a trainable param outside them raises
-                ``ValueError``. ``None``: the optimizer's params.
+                ``ValueError``.
         """
-        if params is None:
-            params = (p for group in self.param_groups for p in group["params"])
         self._averaged = frozenset(id(p) for p in params)
         self._rebuild_transforms()
 
