@@ -39,21 +39,29 @@ CHECKPOINTED = {
 }
 
 
-def _onebit_adam_with_scheduler(rank, comm):
-    model = make_model()
-    start = flat_params(model)
-    opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE, weight_decay=0.01)
-    assert isinstance(opt.comm, ProcessGroup)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-    lrs, grads, history = [], [], []
+def _scheduled_run(model, opt, sched, rank):
+    """``STEPS`` updates, ``sched`` stepped after each: param group 0 as each update saw it
+    (a copy), the flat gradients and the flat params after each update."""
+    groups, grads, history = [], [], []
     for t in range(STEPS):
-        lrs.append(opt.param_groups[0]["lr"])
+        groups.append(dict(opt.param_groups[0]))
         opt.zero_grad()
         backward(model, rank, t)
         grads.append(flat_grads(model))
         opt.step()
         sched.step()
         history.append(flat_params(model))
+    return groups, grads, history
+
+
+def _onebit_adam_with_scheduler(rank, comm):
+    model = make_model()
+    start = flat_params(model)
+    opt = fn.optim.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE, weight_decay=0.01)
+    assert isinstance(opt.comm, ProcessGroup)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    groups, grads, history = _scheduled_run(model, opt, sched, rank)
+    lrs = [group["lr"] for group in groups]
     tx = fn.onebit_adam(1e-2, FREEZE, weight_decay=0.01, comm=comm)
     functional = run_functional(tx, start, grads, lrs)
     return {"start": start, "lrs": lrs, "grads": grads, "history": history, "ref": functional}
@@ -79,15 +87,8 @@ def _cycled_betas(rank, comm, name):
     start = flat_params(model)
     opt = make_opt(model.parameters())
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=STEPS)
-    schedule, grads, history = [], [], []
-    for t in range(STEPS):
-        schedule.append((opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]))
-        opt.zero_grad()
-        backward(model, rank, t)
-        grads.append(flat_grads(model))
-        opt.step()
-        sched.step()
-        history.append(flat_params(model))
+    groups, grads, history = _scheduled_run(model, opt, sched, rank)
+    schedule = [(group["lr"], group["betas"]) for group in groups]
     to_tree = unflatten_like(model) if name == "onebit_lamb" else lambda x: x  # per param
     p = to_tree(start)
     state, ref = make_tx(schedule[0][1], comm).init(p), []
